@@ -1,0 +1,1 @@
+"""specd.draft_worker"""

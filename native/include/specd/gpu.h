@@ -1,0 +1,25 @@
+// Host-side interface of the GPU backend (CUDA, or HIP through src/gpu/portability.h).
+//
+// These functions exist in every build. Without a GPU backend (SPECD_GPU unset at build time)
+// `available()` is false and every other call throws std::runtime_error saying so; with one, they
+// talk to the current device and throw std::runtime_error naming the failing runtime call.
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <string>
+
+namespace specd::gpu {
+
+bool compiled();        // built with a GPU backend
+bool available();       // compiled and a device is present
+std::string backend();  // "cuda", "hip" or "none"
+std::string device_name();
+
+std::shared_ptr<void> alloc(size_t bytes);  // device memory, freed when the last owner drops it
+void memset_zero(void* dst, size_t bytes);
+void copy_to_device(void* dst, const void* src, size_t bytes);
+void copy_to_host(void* dst, const void* src, size_t bytes);
+void copy_device(void* dst, const void* src, size_t bytes);
+void synchronize();  // waits for the library's stream
+
+}  // namespace specd::gpu

@@ -1,0 +1,36 @@
+// Shared helpers for the pybind11 layer. Each op group lives in its own file and exposes a
+// register_<group>(module) function called from module.cpp.
+#pragma once
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "specd/error.h"
+#include "specd/gpu.h"
+#include "specd/tensor.h"
+
+namespace specd::py_bind {
+
+namespace py = pybind11;
+
+// Zero-copy view of a numpy array (or any buffer). `dtype` overrides the element type: a uint8
+// array whose last dimension holds whole ggml blocks becomes a block-format tensor, and a uint16
+// array becomes BF16. Without an override float32/float16/int32 map to F32/F16/I32.
+Tensor from_numpy(const py::array& a, std::optional<DType> dtype);
+// A numpy array over the tensor's memory (CPU: zero-copy, GPU: a host copy). Block formats and
+// BF16 come back as their raw bytes / uint16 bits.
+py::array to_numpy(const Tensor& t);
+
+// Runs `cpu` or `gpu` by the device of `t`; `gpu` is reached only in builds with a GPU backend.
+void require_same_device(const Tensor& a, const Tensor& b, const char* op);
+
+void register_core(py::module_& m);
+void register_quants(py::module_& m);      // dequantize, matmul, embedding
+void register_norm(py::module_& m);        // rms_norm, l2_norm
+void register_rope(py::module_& m);        // rope_neox (+ YaRN)
+void register_attention(py::module_& m);   // kv_write, attention
+void register_ssm(py::module_& m);         // conv1d_causal, gated_delta_net
+void register_activations(py::module_& m); // silu, swiglu, sigmoid, softplus
+void register_sampling(py::module_& m);    // argmax, topk
+
+}  // namespace specd::py_bind

@@ -1,0 +1,179 @@
+// Tensor, DType, Device and backend information.
+#include <cstring>
+#include <optional>
+
+#include "bindings.h"
+#include "specd/parallel.h"
+
+namespace specd::py_bind {
+
+namespace {
+
+std::optional<DType> numpy_dtype(const py::dtype& dt) {
+  if (dt.is(py::dtype::of<float>())) return DType::F32;
+  if (dt.kind() == 'f' && dt.itemsize() == 2) return DType::F16;
+  if (dt.is(py::dtype::of<int32_t>())) return DType::I32;
+  return std::nullopt;
+}
+
+}  // namespace
+
+Tensor from_numpy(const py::array& a, std::optional<DType> dtype) {
+  std::optional<DType> natural = numpy_dtype(a.dtype());
+  DType t = dtype ? *dtype : (natural ? *natural : DType::F32);
+  SPECD_CHECK(dtype || natural, "tensor from numpy: unsupported numpy dtype '",
+              std::string(py::str(a.dtype())), "' (use float32, float16, int32, or uint8/uint16 with an explicit dtype)");
+  Tensor out;
+  out.dtype = t;
+  out.device = Device::CPU;
+  out.data = const_cast<void*>(a.data());
+  out.holder = std::shared_ptr<void>(new py::object(a), [](void* p) {
+    py::gil_scoped_acquire gil;
+    delete static_cast<py::object*>(p);
+  });
+  bool raw = natural != t;  // bytes (or uint16 bits) reinterpreted as dtype
+  int64_t nd = a.ndim();
+  SPECD_CHECK(nd >= 1 || !raw, "tensor from numpy: a ", dtype_info(t).name, " view needs at least 1 dimension");
+  for (int64_t i = 0; i < nd; ++i) {
+    out.shape.push_back(a.shape(i));
+    out.strides.push_back(a.strides(i));
+  }
+  if (raw) {
+    const DTypeInfo& info = dtype_info(t);
+    int64_t item = a.itemsize();
+    SPECD_CHECK(a.dtype().kind() == 'u' || a.dtype().kind() == 'i',
+                "tensor from numpy: ", info.name, " data must be given as raw unsigned integers (uint8)");
+    SPECD_CHECK(a.strides(nd - 1) == item, "tensor from numpy: the last dimension of ", info.name,
+                " data must be contiguous");
+    int64_t bytes = a.shape(nd - 1) * item;
+    SPECD_CHECK(bytes % info.type_size == 0, "tensor from numpy: the last dimension holds ", bytes,
+                " bytes, not a whole number of ", info.name, " blocks of ", info.type_size, " bytes");
+    out.shape.back() = bytes / info.type_size * info.block_size;
+    out.strides.back() = info.type_size;  // per block (or element) along the row
+  }
+  return out;
+}
+
+py::array to_numpy(const Tensor& t) {
+  py::dtype dt = t.dtype == DType::F32   ? py::dtype::of<float>()
+                 : t.dtype == DType::F16 ? py::dtype("float16")
+                 : t.dtype == DType::I32 ? py::dtype::of<int32_t>()
+                 : t.dtype == DType::BF16 ? py::dtype::of<uint16_t>()
+                                          : py::dtype::of<uint8_t>();
+  std::vector<int64_t> shape = t.shape, strides = t.strides;
+  if (is_block_type(t.dtype)) {
+    shape.back() = t.row_bytes();
+    strides.back() = 1;
+  }
+  if (t.device == Device::CPU) {
+    auto* keep = new Tensor(t);
+    py::capsule base(keep, [](void* p) { delete static_cast<Tensor*>(p); });
+    return py::array(dt, shape, strides, t.data, base);
+  }
+  SPECD_CHECK(t.is_contiguous(), "to numpy: GPU tensor must be contiguous");
+  py::array host(dt, shape);
+  gpu::copy_to_host(host.mutable_data(), t.data, static_cast<size_t>(t.nbytes()));
+  return host;
+}
+
+void require_same_device(const Tensor& a, const Tensor& b, const char* op) {
+  SPECD_CHECK(a.device == b.device, op, ": inputs are on different devices");
+}
+
+namespace {
+
+Tensor to_device(const Tensor& t, Device device) {
+  if (t.device == device) return t;
+  SPECD_CHECK(t.is_contiguous(), "to: tensor must be contiguous to move between devices");
+  Tensor out = Tensor::empty(t.shape, t.dtype, device);
+  size_t bytes = static_cast<size_t>(t.nbytes());
+  if (device == Device::GPU)
+    gpu::copy_to_device(out.data, t.data, bytes);
+  else
+    gpu::copy_to_host(out.data, t.data, bytes);
+  return out;
+}
+
+Tensor contiguous_copy(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  check_cpu(t, "contiguous", "tensor");
+  Tensor out = Tensor::empty(t.shape, t.dtype, Device::CPU);
+  int64_t rb = out.row_bytes(), rows = out.rows(), nd = t.ndim();
+  int64_t elem = dtype_info(t.dtype).type_size;
+  int64_t per_row = is_block_type(t.dtype) ? t.cols() / dtype_info(t.dtype).block_size : t.cols();
+  for (int64_t r = 0; r < rows; ++r) {
+    // Offset of row r in the strided source.
+    int64_t rem = r, off = 0;
+    for (int64_t d = nd - 2; d >= 0; --d) {
+      off += (rem % t.shape[d]) * t.strides[d];
+      rem /= t.shape[d];
+    }
+    const uint8_t* src = static_cast<const uint8_t*>(t.data) + off;
+    uint8_t* dst = out.row_ptr(r);
+    if (t.strides.back() == elem) {
+      std::memcpy(dst, src, static_cast<size_t>(rb));
+    } else {
+      for (int64_t c = 0; c < per_row; ++c) std::memcpy(dst + c * elem, src + c * t.strides.back(), elem);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+void register_core(py::module_& m) {
+  py::enum_<DType>(m, "DType", "Tensor element/block formats; values are ggml type ids (GGMLQuantizationType).")
+      .value("F32", DType::F32)
+      .value("F16", DType::F16)
+      .value("Q8_0", DType::Q8_0)
+      .value("Q4_K", DType::Q4_K)
+      .value("Q5_K", DType::Q5_K)
+      .value("Q6_K", DType::Q6_K)
+      .value("IQ4_XS", DType::IQ4_XS)
+      .value("I32", DType::I32)
+      .value("BF16", DType::BF16);
+  m.def("dtype_from_id", &dtype_from_id, py::arg("ggml_type"),
+        "DType for a ggml type id; raises ValueError for formats specd does not read.");
+  m.def("block_size", [](DType t) { return dtype_info(t).block_size; }, "Elements per block (1 for plain types).");
+  m.def("type_size", [](DType t) { return dtype_info(t).type_size; }, "Bytes per block (or element).");
+
+  py::enum_<Device>(m, "Device").value("CPU", Device::CPU).value("GPU", Device::GPU);
+
+  py::class_<Tensor>(m, "Tensor", R"doc(
+A typed view of CPU or GPU memory. Shape is numpy order (outermost first); for a GGUF weight with
+ne = [in, out] the shape is (out, in). CPU tensors made from numpy arrays share their memory.)doc")
+      .def(py::init([](const py::array& a, std::optional<DType> dtype) { return from_numpy(a, dtype); }),
+           py::arg("array"), py::arg("dtype") = py::none(),
+           "Zero-copy view of a numpy array. For block formats pass the raw uint8 rows and the dtype; "
+           "for BF16 pass uint16 bits and DType.BF16.")
+      .def_static("empty", [](std::vector<int64_t> shape, DType dtype, Device device) {
+            return Tensor::empty(shape, dtype, device);
+          }, py::arg("shape"), py::arg("dtype") = DType::F32, py::arg("device") = Device::CPU)
+      .def_static("zeros", [](std::vector<int64_t> shape, DType dtype, Device device) {
+            return Tensor::zeros(shape, dtype, device);
+          }, py::arg("shape"), py::arg("dtype") = DType::F32, py::arg("device") = Device::CPU)
+      .def_property_readonly("shape", [](const Tensor& t) { return py::tuple(py::cast(t.shape)); })
+      .def_property_readonly("dtype", [](const Tensor& t) { return t.dtype; })
+      .def_property_readonly("device", [](const Tensor& t) { return t.device; })
+      .def_property_readonly("nbytes", &Tensor::nbytes)
+      .def("numpy", &to_numpy, "numpy array: zero-copy on the CPU, a host copy for GPU tensors.")
+      .def("to", &to_device, py::arg("device"), "Copy to `device` (returns self if already there).")
+      .def("contiguous", &contiguous_copy, "A contiguous copy (self if already contiguous).")
+      .def("reshape", &Tensor::reshape, py::arg("shape"))
+      .def("__repr__", [](const Tensor& t) {
+        std::string s = "Tensor(shape=(";
+        for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+        return s + "), dtype=" + dtype_info(t.dtype).name + (t.device == Device::GPU ? ", device=GPU)" : ")");
+      });
+  py::implicitly_convertible<py::array, Tensor>();
+
+  m.def("num_threads", &num_threads, "Threads used by the CPU backend (OpenMP; default: all cores).");
+  m.def("set_num_threads", &set_num_threads, py::arg("n"), "Set CPU backend threads (0 = default).");
+  m.def("gpu_compiled", &gpu::compiled, "True when built with a GPU backend (SPECD_GPU=cuda|hip).");
+  m.def("gpu_available", &gpu::available, "True when built with a GPU backend and a device is present.");
+  m.def("gpu_backend", &gpu::backend, "\"cuda\", \"hip\" or \"none\".");
+  m.def("gpu_device_name", &gpu::device_name);
+  m.def("gpu_synchronize", &gpu::synchronize, "Wait for all queued GPU work.");
+}
+
+}  // namespace specd::py_bind

@@ -1,0 +1,77 @@
+#include "norm.h"
+
+#include <cmath>
+
+#include "specd/error.h"
+#include "specd/parallel.h"
+
+namespace specd::cpu {
+
+namespace {
+
+// Sum of squares of one row in a fixed order (double accumulator), independent of the batch.
+double sum_squares(const float* x, int64_t d) {
+  double s = 0.0;
+  for (int64_t i = 0; i < d; ++i) s += double(x[i]) * double(x[i]);
+  return s;
+}
+
+}  // namespace
+
+std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>& weight, float eps,
+                                   const std::optional<Tensor>& residual) {
+  const char* op = "rms_norm";
+  check_dtype(x, DType::F32, op, "x");
+  check_contiguous(x, op, "x");
+  SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
+  int64_t d = x.cols(), rows = x.rows();
+  if (weight) {
+    check_dtype(*weight, DType::F32, op, "weight");
+    check_contiguous(*weight, op, "weight");
+    SPECD_CHECK(weight->numel() == d, op, ": weight has ", weight->numel(), " elements, x rows have ", d);
+  }
+  if (residual) {
+    check_dtype(*residual, DType::F32, op, "residual");
+    check_contiguous(*residual, op, "residual");
+    SPECD_CHECK(residual->shape == x.shape, op, ": residual shape differs from x");
+  }
+  SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");
+  Tensor y = Tensor::empty(x.shape, DType::F32);
+  Tensor h = residual ? Tensor::empty(x.shape, DType::F32) : x;
+  const float* w = weight ? weight->ptr<float>() : nullptr;
+  parallel_for(rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* xr = x.ptr<float>() + r * d;
+      float* hr = h.ptr<float>() + r * d;
+      if (residual) {
+        const float* rr = residual->ptr<float>() + r * d;
+        for (int64_t i = 0; i < d; ++i) hr[i] = xr[i] + rr[i];
+      }
+      const float* src = residual ? hr : xr;
+      float scale = float(1.0 / std::sqrt(sum_squares(src, d) / double(d) + double(eps)));
+      float* yr = y.ptr<float>() + r * d;
+      for (int64_t i = 0; i < d; ++i) yr[i] = src[i] * scale * (w ? w[i] : 1.0f);
+    }
+  });
+  return {y, h};
+}
+
+Tensor l2_norm(const Tensor& x, float eps) {
+  const char* op = "l2_norm";
+  check_dtype(x, DType::F32, op, "x");
+  check_contiguous(x, op, "x");
+  SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");
+  int64_t d = x.cols(), rows = x.rows();
+  Tensor y = Tensor::empty(x.shape, DType::F32);
+  parallel_for(rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* xr = x.ptr<float>() + r * d;
+      float scale = float(1.0 / std::sqrt(sum_squares(xr, d) + double(eps)));
+      float* yr = y.ptr<float>() + r * d;
+      for (int64_t i = 0; i < d; ++i) yr[i] = xr[i] * scale;
+    }
+  });
+  return y;
+}
+
+}  // namespace specd::cpu

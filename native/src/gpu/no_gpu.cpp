@@ -1,0 +1,27 @@
+// The GPU interface in a build without a GPU backend: nothing is available, and any attempt to
+// place data on a GPU says how to get a GPU build.
+#include <stdexcept>
+
+#include "specd/gpu.h"
+
+namespace specd::gpu {
+
+namespace {
+[[noreturn]] void unavailable() {
+  throw std::runtime_error(
+      "specd was built without a GPU backend; reinstall with SPECD_GPU=cuda (or hip) in the environment");
+}
+}  // namespace
+
+bool compiled() { return false; }
+bool available() { return false; }
+std::string backend() { return "none"; }
+std::string device_name() { return ""; }
+std::shared_ptr<void> alloc(size_t) { unavailable(); }
+void memset_zero(void*, size_t) { unavailable(); }
+void copy_to_device(void*, const void*, size_t) { unavailable(); }
+void copy_to_host(void*, const void*, size_t) { unavailable(); }
+void copy_device(void*, const void*, size_t) { unavailable(); }
+void synchronize() {}
+
+}  // namespace specd::gpu

@@ -1,0 +1,1 @@
+"""specd.target_worker"""

@@ -1,0 +1,63 @@
+"""RMSNorm and L2 norm against float64 numpy references (qwen35-target.md §6.2)."""
+import numpy as np
+import pytest
+
+import specd.native as sn
+
+SHAPES = [(1, 1), (3, 7), (5, 128), (2, 3, 257), (17, 5120)]
+RTOL = 2e-6  # fp32 result of a float64-accumulated reduction
+
+
+def rms_ref(x, w, eps):
+    x = x.astype(np.float64)
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return y * w if w is not None else y
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm(rng, shape, with_weight):
+    x = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.01, 100)
+    w = rng.standard_normal(shape[-1]).astype(np.float32) if with_weight else None
+    y = sn.rms_norm(x, w, eps=1e-6).numpy()
+    ref = rms_ref(x, w, 1e-6)
+    np.testing.assert_allclose(y, ref, rtol=RTOL, atol=RTOL * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_fused_residual(rng, shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    r = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    y, h = sn.rms_norm(x, w, eps=1e-5, residual=r)
+    h_ref = x + r  # exact in fp32 (one rounding), same as numpy
+    np.testing.assert_array_equal(h.numpy(), h_ref)
+    ref = rms_ref(h_ref, w, 1e-5)
+    np.testing.assert_allclose(y.numpy(), ref, rtol=RTOL, atol=RTOL * np.abs(ref).max())
+
+
+def test_rms_norm_batch_invariant(rng):
+    x = rng.standard_normal((9, 300)).astype(np.float32)
+    w = rng.standard_normal(300).astype(np.float32)
+    full = sn.rms_norm(x, w).numpy()
+    for i in range(9):
+        np.testing.assert_array_equal(sn.rms_norm(x[i : i + 1], w).numpy(), full[i : i + 1])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_l2_norm(rng, shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    y = sn.l2_norm(x, eps=1e-6).numpy()
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 * x64).sum(-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(y, ref, rtol=RTOL, atol=1e-7)
+
+
+def test_rms_norm_bad_input():
+    x = np.ones((2, 8), np.float32)
+    with pytest.raises(ValueError, match="weight has 7 elements"):
+        sn.rms_norm(x, np.ones(7, np.float32))
+    with pytest.raises(ValueError, match="x must be F32"):
+        sn.rms_norm(np.ones((2, 8), np.float16))
+    with pytest.raises(ValueError, match="residual shape"):
+        sn.rms_norm(x, None, residual=np.ones((2, 9), np.float32))
