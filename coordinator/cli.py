@@ -1,0 +1,44 @@
+"""The `specd` command line.
+
+Each subcommand lives with the component that owns it; this table only names them. A command
+module provides ``add_arguments(parser)`` and ``run(args) -> int`` and is imported lazily, so
+`specd --help` stays fast and a command's dependencies load only when it runs.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "convert-target": ("specd.target_worker.convert", "convert a transformers Qwen3.5 checkpoint to a qwen35 GGUF"),
+    "perplexity": ("specd.target_worker.perplexity", "llama.cpp-style perplexity of a target GGUF over a text file"),
+    "convert-drafter": ("specd.draft_worker.convert", "convert a DFlash / DSpark / DFlash 2 checkpoint to a drafter GGUF"),
+    "quantize-drafter": ("specd.draft_worker.quantize", "quantize a drafter GGUF (2-D weights to Q8_0)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specd", description="Lossless speculative decoding for qwen35 models.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as exc:  # a component not installed in this build
+            p.set_defaults(_missing=str(exc))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "_missing", None):
+        print(f"specd {args.command}: unavailable ({args._missing})", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
