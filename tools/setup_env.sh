@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the virtualenv at $SPECD_VENV (default: .venv in the repo) with specd
+# built from this checkout. Usage: tools/setup_env.sh [extra]   e.g. "test" for the test oracles.
+#
+# torch is installed first at the pinned CPU build (2.13.0): left to the resolver, `torch` would pull
+# a multi-GB CUDA build that the CPU test oracles do not need. When `nvcc` is on the PATH the GPU
+# backend is compiled too (SPECD_GPU=cuda), so the CUDA sources are built on every machine that can.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SPECD_VENV:-$root/.venv}"
+extra="${1:-}"
+
+python3 -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+if [[ "$extra" == "test" ]]; then
+  "${pip[@]}" "torch==2.13.0"
+fi
+if [[ -z "${SPECD_GPU+x}" ]] && command -v nvcc >/dev/null 2>&1; then
+  export SPECD_GPU=cuda
+fi
+echo "specd: building (SPECD_GPU=${SPECD_GPU:-none}) into $venv" >&2
+target="$root"
+[[ -n "$extra" ]] && target="$root[$extra]"
+"${pip[@]}" "$target"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The README's test command: sets up a virtualenv with specd and the test oracles, then runs pytest.
+# Extra arguments go to pytest (e.g. tools/test.sh -k norm).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SPECD_VENV:-$root/.venv}"
+"$root/tools/setup_env.sh" test
+cd "$root"
+set +e
+"$venv/bin/python" -m pytest -q -rs tests "$@"
+rc=$?
+set -e
+if [[ $rc -eq 5 ]]; then
+  # pytest's "no tests collected": a broken collection, never a pass.
+  echo "specd tests: pytest collected no tests" >&2
+  exit 1
+fi
+exit $rc
