@@ -1,0 +1,56 @@
+"""The feature ring: drafter features of the target, keyed by absolute position.
+
+For every committed position p the target writes one row: the residual stream after each of the
+drafter's ``target_layer_ids``, concatenated in tap order (``n_taps * n_embd`` float32 values,
+qwen35-target.md §7; spec-loop.md §6). Position p lives in slot ``p % capacity``. The ring remembers
+which position each slot holds, so a read of a position that was never written or has been
+overwritten is an error instead of silently returning another position's row.
+
+This host implementation keeps the rows in a numpy buffer; the service places that buffer in POSIX
+shared memory so the drafter worker reads it without a copy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class FeatureRing:
+    """Ring of ``capacity`` feature rows of ``width`` float32 values.
+
+    Args:
+        capacity: number of slots (positions kept); must be > 0.
+        width: values per row (n_taps * n_embd); must be > 0.
+        buffer: optional float32 array of shape (capacity, width) to use as storage (e.g. a view of
+            shared memory); a new zeroed array otherwise.
+    """
+
+    def __init__(self, capacity: int, width: int, buffer: np.ndarray | None = None):
+        if capacity <= 0 or width <= 0:
+            raise ValueError(f"FeatureRing: capacity and width must be > 0, got {capacity} and {width}")
+        if buffer is None:
+            buffer = np.zeros((capacity, width), np.float32)
+        if buffer.shape != (capacity, width) or buffer.dtype != np.float32:
+            raise ValueError(f"FeatureRing: buffer must be float32 {(capacity, width)}, got {buffer.dtype} {buffer.shape}")
+        self.capacity, self.width, self.rows = capacity, width, buffer
+        self.slot_pos = np.full(capacity, -1, np.int64)  # absolute position held by each slot
+
+    def write(self, start: int, rows: np.ndarray) -> None:
+        """Stores ``rows`` (float32 [n, width]) at positions start .. start+n-1 (n <= capacity)."""
+        rows = np.asarray(rows, np.float32)
+        n = rows.shape[0]
+        if rows.ndim != 2 or rows.shape[1] != self.width:
+            raise ValueError(f"FeatureRing.write: rows must be [n, {self.width}], got {rows.shape}")
+        if start < 0 or n > self.capacity:
+            raise ValueError(f"FeatureRing.write: start {start} / {n} rows do not fit a ring of {self.capacity}")
+        slots = (start + np.arange(n)) % self.capacity
+        self.rows[slots] = rows
+        self.slot_pos[slots] = start + np.arange(n)
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Rows of positions start .. start+n-1 (a copy); ValueError if any is not held."""
+        pos = start + np.arange(n)
+        slots = pos % self.capacity
+        missing = pos[self.slot_pos[slots] != pos]
+        if start < 0 or missing.size:
+            raise ValueError(f"FeatureRing.read: positions {missing[:8].tolist()} are not in the ring")
+        return self.rows[slots].copy()

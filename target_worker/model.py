@@ -1,0 +1,345 @@
+"""The qwen35 target forward on specd.native: prefill, chain and tree verify, commit, features.
+
+Math: qwen35-target.md §6 (gated full attention, Gated DeltaNet, SwiGLU MLP, partial NeoX RoPE),
+checked against transformers' ``Qwen3_5ForCausalLM`` in tests/target. Weights come from
+:mod:`specd.target_worker.gguf_loader` in GGUF layout (norms already +1, ``ssm_a = -exp(A_log)``,
+tiled value heads: value head j reads key head ``j % Hk``).
+
+State and commit (spec-loop.md §4-5). Per sequence the model keeps, for ``committed`` positions:
+the K/V rows of every full-attention layer (cache row = absolute position), and per Gated DeltaNet
+layer the recurrent state S (float32 [Hv, dv, dk], ggml layout) and the conv state (the last K-1
+conv inputs, float32 [K-1, C]). A verify runs w tokens on *copies* of S and the conv state and keeps
+each token's recurrence inputs (q, k, v after conv and L2 norm, g, beta) and conv inputs; nothing
+committed changes. Committing n of them is the deferred-commit strategy ("C" in spec-loop.md §5.4):
+
+* KV: rows past ``committed`` are invisible (masked by position) and overwritten later; a tree path
+  is compacted by copying its K/V rows to consecutive positions;
+* conv state: the K-1 conv inputs ending at the last committed token (gathered along the path);
+* S: the recurrence re-run over the n committed tokens' saved inputs from the committed S, with the
+  same kernel, so the result is bitwise what a plain run computes (every op is batch invariant).
+
+Cost model per committed step, per GDN layer: one state copy for the verify (Hv*dv*dk*4 bytes, 3 MiB
+for the 27B), n recurrence steps without any weight traffic (~n*4*Hv*dv*dk flops), and w*(2*Hk*dk +
+Hv*dv + 2*Hv) saved floats; no second forward (strategy A would re-stream every weight) and no
+per-token state checkpoints (strategy B writes w states). When all w tokens are accepted the
+verify's final copies are taken as is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+import specd.native as sn
+
+from .features import FeatureRing
+
+
+@dataclasses.dataclass
+class GDNPending:
+    """What a verify keeps per Gated DeltaNet layer to commit any prefix or tree path later."""
+
+    conv_in: np.ndarray  # float32 [w, C]: the layer's conv inputs (the qkv projection) per row
+    q: np.ndarray  # float32 [w, Hk, dk] (L2-normalised)
+    k: np.ndarray  # float32 [w, Hk, dk] (L2-normalised)
+    v: np.ndarray  # float32 [w, Hv, dv]
+    g: np.ndarray  # float32 [w, Hv] log-decay
+    beta: np.ndarray  # float32 [w, Hv]
+    final_state: np.ndarray | None  # chain verify: S after all w rows
+    final_conv: np.ndarray | None  # chain verify: conv state after all w rows
+
+
+@dataclasses.dataclass
+class VerifyResult:
+    """Output of :meth:`Qwen35Model.verify` for w rows (row i predicts the token after row i)."""
+
+    tokens: np.ndarray  # int32 [w]
+    parents: np.ndarray | None  # int32 [w] tree parents (-1: the committed prefix), None for a chain
+    logits: np.ndarray  # float32 [w, n_vocab], or [1, n_vocab] (last row only) when asked for
+    argmax: np.ndarray  # int32, one per row of logits
+    features: np.ndarray  # float32 [w, n_taps * n_embd]
+    start: int  # committed length when the verify ran
+    pending: list  # per layer: GDNPending for GDN layers, None for attention layers
+
+
+class SequenceState:
+    """Per-sequence target state (see the module docstring). ``committed`` counts final positions."""
+
+    def __init__(self, model: "Qwen35Model", capacity: int):
+        hp = model.hp
+        self.capacity = capacity
+        self.committed = 0
+        self.kv: dict[int, tuple[sn.Tensor, sn.Tensor]] = {}
+        self.ssm: dict[int, np.ndarray] = {}
+        self.conv: dict[int, np.ndarray] = {}
+        for i in range(hp.n_layer):
+            if hp.is_recurrent[i]:
+                self.ssm[i] = np.zeros((hp.ssm_n_v_heads, hp.ssm_head_v_dim, hp.ssm_head_k_dim), np.float32)
+                self.conv[i] = np.zeros((hp.ssm_conv_kernel - 1, model.conv_channels), np.float32)
+            else:
+                shape = [capacity, hp.n_head_kv, hp.head_dim]
+                self.kv[i] = (sn.Tensor.zeros(shape, model.kv_dtype), sn.Tensor.zeros(shape, model.kv_dtype))
+        self.features = FeatureRing(capacity, max(1, len(model.capture_layers)) * hp.n_embd)
+
+
+class Qwen35Model:
+    """A qwen35 target over GGUF weights.
+
+    Args:
+        weights: ``Qwen35Weights`` from the GGUF loader.
+        capture_layers: the drafter's ``target_layer_ids`` (0-based output indices; each must be a
+            trunk layer below the last); features are the residual stream after those layers.
+        kv_dtype: KV cache type, ``DType.F16`` (default) or ``DType.Q8_0`` (or F32).
+        prefill_chunk: tokens per prefill forward.
+    """
+
+    def __init__(self, weights, capture_layers: Sequence[int] = (), kv_dtype=sn.DType.F16, prefill_chunk: int = 512):
+        self.w, self.hp = weights, weights.hparams
+        hp = self.hp
+        for lid in capture_layers:
+            if not 0 <= lid < hp.n_layer - 1:
+                raise ValueError(f"capture layer {lid} is outside the target's trunk layers 0..{hp.n_layer - 2}")
+        if kv_dtype not in (sn.DType.F16, sn.DType.Q8_0, sn.DType.F32):
+            raise ValueError(f"kv_dtype must be F16, Q8_0 or F32, got {kv_dtype}")
+        if prefill_chunk <= 0:
+            raise ValueError(f"prefill_chunk must be > 0, got {prefill_chunk}")
+        self.capture_layers = list(capture_layers)
+        self.kv_dtype, self.prefill_chunk = kv_dtype, prefill_chunk
+        self.conv_channels = 2 * hp.ssm_n_k_heads * hp.ssm_head_k_dim + hp.ssm_n_v_heads * hp.ssm_head_v_dim
+        self.output = weights.output if weights.output is not None else weights.token_embd
+        # ssm_conv1d is GGUF ne [K, C] = numpy (C, K); the conv op wants taps outermost.
+        self.conv_w = {i: np.ascontiguousarray(l.ssm_conv1d.numpy().T) for i, l in enumerate(weights.layers)
+                       if hp.is_recurrent[i]}
+
+    # ------------------------------------------------------------------ public API
+
+    def new_sequence(self, capacity: int) -> SequenceState:
+        """Fresh state for a sequence of at most ``capacity`` positions (KV rows and feature slots)."""
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0, got {capacity}")
+        return SequenceState(self, capacity)
+
+    def prefill(self, st: SequenceState, tokens: Sequence[int]) -> np.ndarray:
+        """Runs and commits ``tokens`` after the committed prefix in chunks; returns the last row's
+        logits (float32 [n_vocab])."""
+        tokens = self._check_tokens(tokens, st, len(tokens))
+        for s in range(0, len(tokens), self.prefill_chunk):
+            res = self.verify(st, tokens[s : s + self.prefill_chunk], last_only=True)
+            self.commit(st, res, len(res.tokens))
+        return res.logits[0]
+
+    def decode(self, st: SequenceState, token: int) -> np.ndarray:
+        """Runs and commits one token; returns its logits (float32 [n_vocab])."""
+        res = self.verify(st, [token])
+        self.commit(st, res, 1)
+        return res.logits[0]
+
+    def verify(self, st: SequenceState, tokens: Sequence[int], parents: Sequence[int] | None = None,
+               last_only: bool = False) -> VerifyResult:
+        """Runs w tokens after the committed prefix without committing anything.
+
+        Chain (``parents`` None): row i sits at position committed + i. Tree: ``parents[i]`` is the
+        row index of node i's parent (< i) or -1 for a child of the committed prefix; node i sits at
+        position committed + depth(i) and attends to the prefix and its own ancestors only. Returns
+        logits and argmax of every row (only the last row with ``last_only``) and every row's features.
+        """
+        tokens = self._check_tokens(tokens, st, len(tokens))
+        w, c = len(tokens), st.committed
+        tree = None if parents is None else self._tree(parents, w)
+        positions = (c + np.arange(w) if tree is None else c + tree.depth).astype(np.int32)
+        x = sn.embedding(self.w.token_embd, tokens).numpy()
+        taps, pending = {}, []
+        for i, layer in enumerate(self.w.layers):
+            if self.hp.is_recurrent[i]:
+                mix, p = self._gdn(i, layer, x, st, tree)
+            else:
+                mix, p = self._attention(i, layer, x, st, positions, tree), None
+            pending.append(p)
+            u, h = sn.rms_norm(mix, layer.post_attention_norm, self.hp.rms_eps, residual=x)
+            ffn = sn.swiglu(sn.matmul(u, layer.ffn_gate), sn.matmul(u, layer.ffn_up))
+            x = sn.add(h, sn.matmul(ffn, layer.ffn_down)).numpy()
+            if i in self.capture_layers:
+                taps[i] = x
+        feats = (np.concatenate([taps[i] for i in self.capture_layers], axis=1) if self.capture_layers
+                 else np.zeros((w, self.hp.n_embd), np.float32))
+        logits = self._logits(x[-1:] if last_only else x)
+        return VerifyResult(tokens, None if tree is None else tree.parents, logits, sn.argmax(logits).numpy(),
+                            feats, c, pending)
+
+    def commit(self, st: SequenceState, res: VerifyResult, n_or_path) -> None:
+        """Makes a prefix (chain: an int n in 0..w) or a tree path (a list of row indices, each the
+        parent of the next, the first a child of the prefix) of a verify final. Afterwards every
+        state equals a plain run over the committed tokens."""
+        if st.committed != res.start:
+            raise ValueError(f"commit: the sequence moved from {res.start} to {st.committed} since this verify")
+        rows = self._commit_rows(res, n_or_path)
+        n = len(rows)
+        if n == 0:
+            return
+        full_chain = res.parents is None and n == len(res.tokens)
+        for i, p in enumerate(res.pending):
+            if p is None:
+                self._compact_kv(st, i, res.start, rows)
+            elif full_chain:
+                st.ssm[i], st.conv[i] = p.final_state, p.final_conv
+            else:
+                st.conv[i] = self._conv_state_after(st.conv[i], p.conv_in, rows, res.parents)
+                sn.gated_delta_net(p.q[rows], p.k[rows], p.v[rows], p.g[rows], p.beta[rows], st.ssm[i],
+                                   self._gdn_scale)
+        st.features.write(res.start, res.features[rows])
+        st.committed += n
+
+    def logits_of(self, hidden: np.ndarray) -> np.ndarray:
+        """Final norm + lm_head: float32 [n, n_embd] -> [n, n_vocab]."""
+        return self._logits(hidden)
+
+    # ------------------------------------------------------------------ layers
+
+    @property
+    def _gdn_scale(self) -> float:
+        return 1.0 / math.sqrt(self.hp.ssm_head_k_dim)
+
+    def _attention(self, i, layer, x, st, positions, tree):
+        hp, w = self.hp, x.shape[0]
+        hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
+        u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
+        qg = sn.matmul(u, layer.attn_q).numpy().reshape(w, nh, 2, hd)  # per head [q | gate]
+        q = sn.rms_norm(np.ascontiguousarray(qg[:, :, 0]), layer.attn_q_norm, hp.rms_eps)
+        gate = np.ascontiguousarray(qg[:, :, 1])
+        k = sn.rms_norm(sn.matmul(u, layer.attn_k).numpy().reshape(w, nkv, hd), layer.attn_k_norm, hp.rms_eps)
+        v = sn.matmul(u, layer.attn_v).numpy().reshape(w, nkv, hd)
+        q = sn.rope_neox(q, positions, hp.n_rot, hp.rope_theta)
+        k = sn.rope_neox(k, positions, hp.n_rot, hp.rope_theta)
+        c = st.committed
+        rows = (c + np.arange(w)).astype(np.int32)  # tree nodes live at row c + index until compaction
+        kc, vc = st.kv[i]
+        sn.kv_write(kc, k, rows)
+        sn.kv_write(vc, v, rows)
+        if tree is None:
+            a = sn.attention(q, kc, vc, c + w, positions, causal=True)
+        else:
+            a = sn.attention(q, kc, vc, c + w, positions, causal=False, mask=tree.mask(c))
+        a = sn.mul(a, sn.sigmoid(gate)).numpy().reshape(w, nh * hd)
+        return sn.matmul(a, layer.attn_output).numpy()
+
+    def _gdn(self, i, layer, x, st, tree):
+        hp, w = self.hp, x.shape[0]
+        hk, hv, dk, dv = hp.ssm_n_k_heads, hp.ssm_n_v_heads, hp.ssm_head_k_dim, hp.ssm_head_v_dim
+        u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
+        m = sn.matmul(u, layer.attn_qkv).numpy()
+        z = sn.matmul(u, layer.attn_gate).numpy().reshape(w, hv, dv)
+        b = sn.matmul(u, layer.ssm_beta).numpy()
+        a = sn.matmul(u, layer.ssm_alpha).numpy()
+        if tree is None:
+            conv_state = st.conv[i].copy()
+            cv = sn.conv1d_causal(m, self.conv_w[i], conv_state, apply_silu=True).numpy()
+        else:
+            cv = np.concatenate([sn.conv1d_causal(m[j : j + 1], self.conv_w[i],
+                                                  self._conv_state_after(st.conv[i], m, tree.path(j)[:-1], tree.parents),
+                                                  apply_silu=True).numpy() for j in range(w)])
+            conv_state = None
+        q = sn.l2_norm(np.ascontiguousarray(cv[:, : hk * dk].reshape(w, hk, dk)), hp.rms_eps).numpy()
+        k = sn.l2_norm(np.ascontiguousarray(cv[:, hk * dk : 2 * hk * dk].reshape(w, hk, dk)), hp.rms_eps).numpy()
+        v = np.ascontiguousarray(cv[:, 2 * hk * dk :].reshape(w, hv, dv))
+        beta = sn.sigmoid(b).numpy()
+        g = (sn.softplus(a + layer.ssm_dt.numpy()).numpy() * layer.ssm_a.numpy()).astype(np.float32)
+        if tree is None:
+            state = st.ssm[i].copy()
+            o = sn.gated_delta_net(q, k, v, g, beta, state, self._gdn_scale).numpy()
+        else:
+            state, o = None, self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
+        o = sn.mul(sn.rms_norm(o, layer.ssm_norm, hp.rms_eps), sn.silu(z)).numpy().reshape(w, hv * dv)
+        out = sn.matmul(o, layer.ssm_out).numpy()
+        return out, GDNPending(m, q, k, v, g, beta, state, conv_state)
+
+    def _gdn_tree(self, s0, q, k, v, g, beta, tree):
+        """Each node's recurrence starts from its parent's state (the committed S for roots)."""
+        states, outs = [], []
+        for j in range(len(tree.parents)):
+            p = tree.parents[j]
+            s = (s0 if p < 0 else states[p]).copy()
+            outs.append(sn.gated_delta_net(q[j : j + 1], k[j : j + 1], v[j : j + 1], g[j : j + 1],
+                                           beta[j : j + 1], s, self._gdn_scale).numpy())
+            states.append(s)
+        return np.concatenate(outs)
+
+    def _logits(self, hidden: np.ndarray) -> np.ndarray:
+        return sn.matmul(sn.rms_norm(hidden, self.w.output_norm, self.hp.rms_eps), self.output).numpy()
+
+    # ------------------------------------------------------------------ commit helpers
+
+    @staticmethod
+    def _conv_state_after(conv_state: np.ndarray, conv_in: np.ndarray, rows, parents) -> np.ndarray:
+        """The K-1 conv inputs ending at the last of ``rows`` (a chain prefix or a tree path)."""
+        hist = np.concatenate([conv_state, conv_in[np.asarray(rows, np.int64)]])
+        return hist[-conv_state.shape[0] :].copy()
+
+    def _compact_kv(self, st, i, c, rows):
+        """Moves K/V of committed tree rows to consecutive cache rows c, c+1, ... (chains: no-op)."""
+        moved = [(c + r, c + d) for d, r in enumerate(rows) if r != d]
+        for cache in st.kv[i]:
+            raw = cache.numpy()
+            for src, dst in moved:
+                raw[dst] = raw[src]
+
+    def _commit_rows(self, res: VerifyResult, n_or_path) -> list[int]:
+        w = len(res.tokens)
+        if res.parents is None:
+            n = int(n_or_path)
+            if not 0 <= n <= w:
+                raise ValueError(f"commit: n must be in 0..{w}, got {n}")
+            return list(range(n))
+        path = [int(r) for r in n_or_path]
+        for d, r in enumerate(path):
+            want = -1 if d == 0 else path[d - 1]
+            if not 0 <= r < w or res.parents[r] != want:
+                raise ValueError(f"commit: {path} is not a root-to-node path of the verified tree")
+        return path
+
+    def _check_tokens(self, tokens, st: SequenceState, n: int) -> np.ndarray:
+        arr = np.asarray(tokens, dtype=np.int64)
+        if arr.ndim != 1 or n == 0:
+            raise ValueError("tokens must be a non-empty 1-D sequence of token ids")
+        bad = arr[(arr < 0) | (arr >= self.hp.n_vocab)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.hp.n_vocab})")
+        if st.committed + n > st.capacity:
+            raise ValueError(f"{n} tokens after {st.committed} committed exceed the sequence capacity {st.capacity}")
+        return arr.astype(np.int32)
+
+    @staticmethod
+    def _tree(parents, w):
+        return _Tree(parents, w)
+
+
+class _Tree:
+    """Parent indices of a verify tree with depths, paths and the attention mask."""
+
+    def __init__(self, parents, w):
+        self.parents = np.asarray(parents, np.int32)
+        if self.parents.shape != (w,):
+            raise ValueError(f"parents must have one entry per token ({w}), got {self.parents.shape}")
+        self.depth = np.zeros(w, np.int32)
+        for j, p in enumerate(self.parents):
+            if not -1 <= p < j:
+                raise ValueError(f"parents[{j}] = {p}: a parent must be -1 or an earlier row")
+            self.depth[j] = 0 if p < 0 else self.depth[p] + 1
+
+    def path(self, j: int) -> list[int]:
+        """Rows from the prefix's child down to row j."""
+        out = []
+        while j >= 0:
+            out.append(j)
+            j = int(self.parents[j])
+        return out[::-1]
+
+    def mask(self, committed: int) -> np.ndarray:
+        """int32 [w, committed + w]: the whole prefix plus each node's ancestors and itself."""
+        w = len(self.parents)
+        m = np.zeros((w, committed + w), np.int32)
+        m[:, :committed] = 1
+        for j in range(w):
+            m[j, committed + np.asarray(self.path(j))] = 1
+        return m
