@@ -47,17 +47,16 @@ def perplexity(model, tokens: np.ndarray, ctx: int, max_chunks: int = 0, out=Non
         n_chunks = min(n_chunks, max_chunks)
     if n_chunks == 0:
         raise ValueError(f"the text has {len(tokens)} tokens, fewer than one chunk of {ctx}")
-    nll = np.concatenate([chunk_nll(model, tokens[i * ctx : (i + 1) * ctx]) for i in range(n_chunks)
-                          if out is None or _progress(out, i)])
+    parts = []
+    for i in range(n_chunks):
+        parts.append(chunk_nll(model, tokens[i * ctx : (i + 1) * ctx]))
+        if out is not None:  # running estimate, as llama.cpp prints it
+            print(f"[{i + 1}]{math.exp(np.concatenate(parts).mean()):.4f}", end=" ", file=out, flush=True)
+    nll = np.concatenate(parts)
     mean = float(nll.mean())
     ppl = math.exp(mean)
     stderr = ppl * float(nll.std(ddof=1)) / math.sqrt(len(nll)) if len(nll) > 1 else float("nan")
     return ppl, stderr, len(nll)
-
-
-def _progress(out, i) -> bool:
-    print(f"[{i + 1}]", end=" ", file=out, flush=True)
-    return True
 
 
 def run(args) -> int:
