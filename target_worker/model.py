@@ -75,9 +75,9 @@ class SequenceState:
         self.ssm: dict[int, np.ndarray] = {}
         self.conv: dict[int, np.ndarray] = {}
         for i in range(hp.n_layer):
-            if hp.is_recurrent[i]:
-                self.ssm[i] = np.zeros((hp.ssm_n_v_heads, hp.ssm_head_v_dim, hp.ssm_head_k_dim), np.float32)
-                self.conv[i] = np.zeros((hp.ssm_conv_kernel - 1, model.conv_channels), np.float32)
+            if hp.recurrent[i]:
+                self.ssm[i] = np.zeros((hp.n_v_heads, hp.head_v_dim, hp.head_k_dim), np.float32)
+                self.conv[i] = np.zeros((hp.ssm_conv_kernel - 1, hp.conv_channels), np.float32)
             else:
                 shape = [capacity, hp.n_head_kv, hp.head_dim]
                 self.kv[i] = (sn.Tensor.zeros(shape, model.kv_dtype), sn.Tensor.zeros(shape, model.kv_dtype))
@@ -107,11 +107,10 @@ class Qwen35Model:
             raise ValueError(f"prefill_chunk must be > 0, got {prefill_chunk}")
         self.capture_layers = list(capture_layers)
         self.kv_dtype, self.prefill_chunk = kv_dtype, prefill_chunk
-        self.conv_channels = 2 * hp.ssm_n_k_heads * hp.ssm_head_k_dim + hp.ssm_n_v_heads * hp.ssm_head_v_dim
         self.output = weights.output if weights.output is not None else weights.token_embd
         # ssm_conv1d is GGUF ne [K, C] = numpy (C, K); the conv op wants taps outermost.
         self.conv_w = {i: np.ascontiguousarray(l.ssm_conv1d.numpy().T) for i, l in enumerate(weights.layers)
-                       if hp.is_recurrent[i]}
+                       if hp.recurrent[i]}
 
     # ------------------------------------------------------------------ public API
 
@@ -152,7 +151,7 @@ class Qwen35Model:
         x = sn.embedding(self.w.token_embd, tokens).numpy()
         taps, pending = {}, []
         for i, layer in enumerate(self.w.layers):
-            if self.hp.is_recurrent[i]:
+            if self.hp.recurrent[i]:
                 mix, p = self._gdn(i, layer, x, st, tree)
             else:
                 mix, p = self._attention(i, layer, x, st, positions, tree), None
@@ -199,7 +198,7 @@ class Qwen35Model:
 
     @property
     def _gdn_scale(self) -> float:
-        return 1.0 / math.sqrt(self.hp.ssm_head_k_dim)
+        return 1.0 / math.sqrt(self.hp.head_k_dim)
 
     def _attention(self, i, layer, x, st, positions, tree):
         hp, w = self.hp, x.shape[0]
@@ -210,8 +209,8 @@ class Qwen35Model:
         gate = np.ascontiguousarray(qg[:, :, 1])
         k = sn.rms_norm(sn.matmul(u, layer.attn_k).numpy().reshape(w, nkv, hd), layer.attn_k_norm, hp.rms_eps)
         v = sn.matmul(u, layer.attn_v).numpy().reshape(w, nkv, hd)
-        q = sn.rope_neox(q, positions, hp.n_rot, hp.rope_theta)
-        k = sn.rope_neox(k, positions, hp.n_rot, hp.rope_theta)
+        q = sn.rope_neox(q, positions, hp.n_rot, hp.rope_freq_base)
+        k = sn.rope_neox(k, positions, hp.n_rot, hp.rope_freq_base)
         c = st.committed
         rows = (c + np.arange(w)).astype(np.int32)  # tree nodes live at row c + index until compaction
         kc, vc = st.kv[i]
@@ -226,7 +225,7 @@ class Qwen35Model:
 
     def _gdn(self, i, layer, x, st, tree):
         hp, w = self.hp, x.shape[0]
-        hk, hv, dk, dv = hp.ssm_n_k_heads, hp.ssm_n_v_heads, hp.ssm_head_k_dim, hp.ssm_head_v_dim
+        hk, hv, dk, dv = hp.n_k_heads, hp.n_v_heads, hp.head_k_dim, hp.head_v_dim
         u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
         m = sn.matmul(u, layer.attn_qkv).numpy()
         z = sn.matmul(u, layer.attn_gate).numpy().reshape(w, hv, dv)

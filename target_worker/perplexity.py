@@ -64,11 +64,11 @@ def run(args) -> int:
 
     import specd.native as sn
 
-    from .gguf_loader import load_target
+    from .gguf_loader import load_qwen35
     from .model import Qwen35Model
     from .tokenizer import tokenizer_from_gguf
 
-    weights = load_target(args.target)
+    weights = load_qwen35(args.target)
     tok = tokenizer_from_gguf(gguf.GGUFReader(args.target), args.target).tokenizer
     with open(args.file, encoding="utf-8") as f:
         tokens = np.asarray(tok.encode(f.read()).ids, np.int32)
