@@ -18,7 +18,8 @@ namespace {
 // registers, or four SSE registers; same element-wise arithmetic on all of them).
 typedef float v16 __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
-constexpr int kWTile = 4;  // weight rows decoded together
+constexpr int kWTile = 4;       // weight rows per register tile
+constexpr int kPanelTiles = 8;   // at most 8 tiles (32 rows) decoded together
 #ifdef __AVX512F__
 constexpr int kXTile = 4;  // x rows per register tile: 16 accumulators of 32 zmm registers
 #else
@@ -79,6 +80,45 @@ constexpr std::array<std::array<DotBlock, kWTile>, sizeof...(XR)> dot_table(std:
 // kDot[xr - 1][r - 1] handles xr rows of x against r weight rows.
 constexpr auto kDot = dot_table(std::make_integer_sequence<int, kXTile>());
 
+// Weight rows decoded together: as many 4-row tiles as fit in about 256 KiB of floats (1 to 8), so
+// the decoded panel stays in cache while every x tile runs against it.
+int64_t panel_rows(int64_t in) {
+  int64_t tiles = (256 << 10) / (kWTile * int64_t(sizeof(float)) * std::max<int64_t>(in, 1));
+  return std::clamp<int64_t>(tiles, 1, kPanelTiles) * kWTile;
+}
+
+// Points wrows[j] at row p0 + j of w for j < rows: F32 rows in place, others decoded into buf.
+void decode_rows(const Tensor& w, int64_t p0, int64_t rows, float* buf, const float** wrows) {
+  int64_t in = w.dim(1);
+  for (int64_t j = 0; j < rows; ++j) {
+    const uint8_t* src = w.row_ptr(p0 + j);
+    if (w.dtype == DType::F32) {
+      wrows[j] = reinterpret_cast<const float*>(src);
+    } else {
+      dequantize_row(w.dtype, src, buf + j * in, in);
+      wrows[j] = buf + j * in;
+    }
+  }
+}
+
+// y[i, p0 + j] = dot(x[i], wrows[j]) for every row i of x and j < rows, tile by tile.
+void multiply_panel(const Tensor& x, const float* const* wrows, int64_t rows, Tensor& y, int64_t p0) {
+  int64_t n = x.dim(0), in = x.dim(1), out = y.dim(1);
+  const float* xrows[kXTile];
+  float* yrows[kXTile];
+  for (int64_t i0 = 0; i0 < n; i0 += kXTile) {
+    int xr = int(std::min<int64_t>(kXTile, n - i0));
+    for (int64_t t = 0; t < rows; t += kWTile) {
+      int r = int(std::min<int64_t>(kWTile, rows - t));
+      for (int i = 0; i < xr; ++i) {
+        xrows[i] = x.ptr<float>() + (i0 + i) * in;
+        yrows[i] = y.ptr<float>() + (i0 + i) * out + p0 + t;
+      }
+      kDot[xr - 1][r - 1](xrows, wrows + t, in, yrows);
+    }
+  }
+}
+
 void check_weight(const Tensor& w, const char* op) {
   check_cpu(w, op, "w");
   check_weight_dtype(w, op, "w");
@@ -99,34 +139,14 @@ Tensor matmul(const Tensor& x, const Tensor& w) {
   SPECD_CHECK(w.dim(1) == in, op, ": x has ", in, " columns but w (shape [out, in]) has ", w.dim(1));
   Tensor y = Tensor::empty({n, out}, DType::F32);
   if (n == 0 || out == 0) return y;
-  const bool direct = w.dtype == DType::F32;  // F32 rows are used in place
-  const float* xs = x.ptr<float>();
-  float* ys = y.ptr<float>();
-  int64_t tiles = (out + kWTile - 1) / kWTile;
-  parallel_for(tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(direct ? 0 : size_t(kWTile * in));
-    const float* wrows[kWTile];
-    const float* xrows[kXTile];
-    float* yrows[kXTile];
-    for (int64_t t = begin; t < end; ++t) {
-      int64_t o0 = t * kWTile;
-      int r = int(std::min<int64_t>(kWTile, out - o0));
-      for (int j = 0; j < r; ++j) {
-        if (direct) {
-          wrows[j] = reinterpret_cast<const float*>(w.row_ptr(o0 + j));
-        } else {
-          dequantize_row(w.dtype, w.row_ptr(o0 + j), buf.data() + j * in, in);
-          wrows[j] = buf.data() + j * in;
-        }
-      }
-      for (int64_t i0 = 0; i0 < n; i0 += kXTile) {
-        int xr = int(std::min<int64_t>(kXTile, n - i0));
-        for (int i = 0; i < xr; ++i) {
-          xrows[i] = xs + (i0 + i) * in;
-          yrows[i] = ys + (i0 + i) * out + o0;
-        }
-        kDot[xr - 1][r - 1](xrows, wrows, in, yrows);
-      }
+  const int64_t panel = panel_rows(in), panels = (out + panel - 1) / panel;
+  parallel_for(panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(w.dtype == DType::F32 ? 0 : static_cast<size_t>(panel * in));
+    std::vector<const float*> wrows(static_cast<size_t>(panel));
+    for (int64_t p = begin; p < end; ++p) {
+      int64_t p0 = p * panel, rows = std::min<int64_t>(panel, out - p0);
+      decode_rows(w, p0, rows, buf.data(), wrows.data());
+      multiply_panel(x, wrows.data(), rows, y, p0);
     }
   });
   return y;

@@ -1,8 +1,11 @@
 // Row codecs (see quants.h for the block layouts).
 //
-// Bit-exactness: gguf.quants (numpy, float32) rounds after every multiply and subtract. Compilers
-// may fuse a*b - c into one fused multiply-add (GCC does so by default at -O3 -march=native), which
-// rounds once and changes the last bit, so contraction is switched off for this file.
+// Bit-exactness: gguf.quants (numpy, float32) rounds after every multiply and subtract, and the
+// decoders below perform the same operations in the same order. For the formats here every
+// product that feeds a subtraction is exact in float32 (Q4_K/Q5_K: an 11-bit fp16 significand
+// times a 6-bit scale times a 5-bit code), so a fused multiply-add would give the same bits; the
+// contraction switch below keeps that true by construction rather than by that argument (GCC fuses
+// a*b - c by default at -O3 -march=native).
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
 #elif defined(__GNUC__)
