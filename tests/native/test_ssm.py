@@ -8,8 +8,8 @@ import pytest
 
 import specd.native as sn
 
-CONV_TOL = 1e-6  # K-term F32 sums (+ silu) vs float64
-GDN_TOL = 2e-5  # F32 recurrence over up to 17 tokens vs float64, relative to the state/output scale
+CONV_TOL = 1e-6  # K-term F32 sums (+ silu) vs float64; measured <= 1.9e-7 of the output scale
+GDN_TOL = 3e-6  # F32 recurrence over up to 17 tokens vs float64; measured <= 4.2e-7 of the scale
 
 
 def silu64(x):
