@@ -1,7 +1,41 @@
+#include "../cpu/attention.h"
 #include "bindings.h"
 
 namespace specd::py_bind {
 
-void register_attention(py::module_& m) { (void)m; }
+void register_attention(py::module_& m) {
+  m.def("kv_write", &cpu::kv_write, py::arg("cache"), py::arg("x"), py::arg("rows"),
+        R"doc(Write K or V rows into a KV cache in place.
+
+cache: Tensor [capacity, n_kv_heads, head_dim] of dtype F32, F16 or Q8_0 (Q8_0: head_dim % 32 == 0),
+contiguous, on the CPU (a numpy float32/float16 array, or Tensor(uint8 raw rows, DType.Q8_0), is
+written through zero-copy). x: F32 [n, n_kv_heads, head_dim]; rows: I32 [n].
+cache[rows[i]] = quantize(x[i]) with the ggml row codecs (bit-identical to gguf.quants.quantize).
+Returns None. Raises ValueError on dtype/shape mismatch, a row outside [0, capacity) or repeated rows.)doc");
+  m.def(
+      "attention",
+      [](const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t kv_len, const Tensor& q_pos,
+         bool causal, int64_t window, std::optional<Tensor> mask, std::optional<float> scale) {
+        cpu::AttentionArgs a{kv_len, causal, window, std::move(mask), scale};
+        return cpu::attention(q, k_cache, v_cache, q_pos, a);
+      },
+      py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_len"), py::arg("q_pos"),
+      py::arg("causal") = true, py::arg("window") = 0, py::arg("mask") = py::none(), py::arg("scale") = py::none(),
+      R"doc(Softmax attention of n queries over the first kv_len rows of a KV cache (GQA).
+
+q: F32 [n, Hq, d] (last dim contiguous); k_cache, v_cache: [capacity, Hkv, d] F32/F16/Q8_0 caches
+(see kv_write; dtypes may differ); kv_len: 0 <= kv_len <= capacity; q_pos: I32 [n], each >= 0;
+mask: None or I32 [n, kv_len] (numpy int32; nonzero = visible); scale: None = 1/sqrt(d).
+Key j is visible to query i iff (mask is None or mask[i, j] != 0) and (not causal or j <= q_pos[i])
+and (window == 0 or j > q_pos[i] - window); cache row j is taken to hold position j.
+out[i, h] = sum_j softmax_j(scale * q[i, h] . k[j, g]) v[j, g] over visible j, g = h // (Hq // Hkv)
+(qwen35-target.md §6.3 step 5; drafters.md §3.3 masks). Scores/softmax/accumulation in F32 with
+online max subtraction per 64-key chunk; a query with no visible key returns zeros. Batch
+invariant: each (query, head) result is bitwise independent of n and the thread count.
+Used causal for target prefill/verify, causal=False with an ancestor mask for tree verify, and
+causal=False (optionally windowed) for drafter blocks. Returns F32 [n, Hq, d].
+Raises ValueError on dtype/shape mismatch, Hq % Hkv != 0, kv_len out of range, window < 0,
+q_pos < 0, a mask that is not [n, kv_len] I32, or a non-finite scale.)doc");
+}
 
 }  // namespace specd::py_bind

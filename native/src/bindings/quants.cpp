@@ -1,7 +1,106 @@
+// dequantize, quantize, matmul, embedding.
+#include <string>
+
+#include "../cpu/matmul.h"
+#include "../cpu/quants.h"
+#if SPECD_WITH_GPU
+#include "../gpu/ops.h"
+#endif
 #include "bindings.h"
 
 namespace specd::py_bind {
 
-void register_quants(py::module_& m) { (void)m; }
+namespace {
+
+// A Tensor argument given as a Tensor or a numpy array. Numpy arrays are taken by their own dtype
+// (float32 -> F32, float16 -> F16, int32 -> I32); anything else is refused naming op and argument
+// (block formats and BF16 come as Tensor(raw, DType.X)).
+Tensor as_tensor(const py::handle& obj, const char* op, const char* arg) {
+  if (py::isinstance<Tensor>(obj)) return obj.cast<Tensor>();
+  SPECD_CHECK(py::isinstance<py::array>(obj), op, ": ", arg, " must be a specd Tensor or a numpy array, got ",
+              std::string(py::str(obj.get_type())));
+  auto a = py::reinterpret_borrow<py::array>(obj);
+  std::string dt = py::str(a.dtype());
+  SPECD_CHECK(dt == "float32" || dt == "float16" || dt == "int32", op, ": ", arg, " has numpy dtype ", dt,
+              "; pass float32, float16 or int32 arrays, or Tensor(raw_bytes, DType.X) for block formats and BF16");
+  return from_numpy(a, std::nullopt);
+}
+
+template <class F>
+Tensor without_gil(F&& f) {
+  Tensor y;
+  {
+    py::gil_scoped_release nogil;
+    y = f();
+  }
+  return y;
+}
+
+}  // namespace
+
+void register_quants(py::module_& m) {
+  m.def(
+      "dequantize",
+      [](const py::object& w) {
+        Tensor wt = as_tensor(w, "dequantize", "w");
+        return without_gil([&] { return cpu::dequantize(wt); });
+      },
+      py::arg("w"),
+      R"doc(Decode a weight tensor to float32.
+
+w: Tensor [..., n] of F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS (CPU, contiguous rows; block
+formats as Tensor(raw_uint8_rows, DType.X)). Returns an F32 Tensor of the same logical shape.
+Bit-identical to gguf.quants.dequantize: the same float32 operations in the same order as gguf's
+numpy code and ggml's dequantize_row_* (block layouts: qwen35-target.md §10.1, ggml-common.h).
+Raises ValueError for I32 or a non-contiguous tensor.)doc");
+
+  m.def(
+      "quantize",
+      [](const py::object& x, DType dtype) {
+        Tensor xt = as_tensor(x, "quantize", "x");
+        return without_gil([&] { return cpu::quantize(xt, dtype); });
+      },
+      py::arg("x"), py::arg("dtype"),
+      R"doc(Encode float32 rows as F32, F16, BF16 or Q8_0.
+
+x: F32 [..., n] (CPU, contiguous), n a multiple of the block size (32 for Q8_0). Returns a Tensor
+of dtype with x's logical shape (.numpy() gives float16 / uint16 bits / raw uint8 blocks).
+Bit-identical to gguf.quants.quantize (F16: numpy's round-to-nearest-even cast, NaN payloads
+kept; BF16: ggml_compute_fp32_to_bf16; Q8_0: ggml quantize_row_q8_0_ref, d = amax/127,
+q = round-half-away(x/d); for finite x). Raises ValueError for other dtypes or ragged blocks.)doc");
+
+  m.def(
+      "matmul",
+      [](const py::object& x, const py::object& w) {
+        Tensor xt = as_tensor(x, "matmul", "x"), wt = as_tensor(w, "matmul", "w");
+        require_same_device(xt, wt, "matmul");
+#if SPECD_WITH_GPU
+        if (wt.device == Device::GPU) return without_gil([&] { return gpu::matmul(xt, wt); });
+#endif
+        return without_gil([&] { return cpu::matmul(xt, wt); });
+      },
+      py::arg("x"), py::arg("w"),
+      R"doc(y = x @ w.T: a linear layer without bias against a stored weight.
+
+x: F32 [n, in] (2-D, contiguous). w: [out, in] of F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS
+(a GGUF weight with ne = [in, out]; in a multiple of the block size). Returns F32 [n, out].
+CPU: each weight row is decoded once per call (exactly as dequantize) and dotted with every row
+of x in float32 with 16 interleaved partial sums combined in a fixed order, so row i of y is
+bitwise identical whatever n (batch invariance) and the weight bytes are read once per call.
+GPU tensors run gpu::matmul. Raises ValueError on dtype, dimension or device mismatch.)doc");
+
+  m.def(
+      "embedding",
+      [](const py::object& w, const py::object& ids) {
+        Tensor wt = as_tensor(w, "embedding", "w"), it = as_tensor(ids, "embedding", "ids");
+        return without_gil([&] { return cpu::embedding(wt, it); });
+      },
+      py::arg("w"), py::arg("ids"),
+      R"doc(Rows of a (possibly quantized) embedding table: y[i] = dequantize(w[ids[i]]).
+
+w: [V, H] of any weight dtype (CPU, contiguous); ids: I32 [n] (an int32 numpy array or I32 Tensor),
+every id in [0, V). Returns F32 [n, H], bit-identical to dequantize(w)[ids]. Raises ValueError
+naming the first out-of-range id, or for ids of another dtype.)doc");
+}
 
 }  // namespace specd::py_bind

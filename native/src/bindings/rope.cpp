@@ -1,7 +1,37 @@
+#include "../cpu/rope.h"
 #include "bindings.h"
 
 namespace specd::py_bind {
 
-void register_rope(py::module_& m) { (void)m; }
+void register_rope(py::module_& m) {
+  m.def(
+      "rope_neox",
+      [](const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, double yarn_factor,
+         int64_t yarn_original_context, double yarn_beta_fast, double yarn_beta_slow,
+         std::optional<double> yarn_attention_factor) {
+        cpu::Yarn yarn{yarn_factor, yarn_original_context, yarn_beta_fast, yarn_beta_slow, yarn_attention_factor};
+        return cpu::rope_neox(x, positions, n_rot, theta, yarn);
+      },
+      py::arg("x"), py::arg("positions"), py::arg("n_rot"), py::arg("theta"), py::arg("yarn_factor") = 1.0,
+      py::arg("yarn_original_context") = 0, py::arg("yarn_beta_fast") = 32.0, py::arg("yarn_beta_slow") = 1.0,
+      py::arg("yarn_attention_factor") = py::none(),
+      R"doc(Partial NeoX ("rotate half") RoPE, optionally YaRN-scaled.
+
+x: F32 [n, heads, head_dim] (last dim contiguous); positions: I32 [n], each >= 0.
+For i < n_rot/2 the pair (x[i], x[i + n_rot/2]) of every head is rotated by a = pos * inv_freq[i]:
+  y[i] = m*(x[i] cos a - x[i+h] sin a),  y[i+h] = m*(x[i+h] cos a + x[i] sin a),  h = n_rot/2;
+dims >= n_rot are copied (qwen35-target.md §6.4: n_rot 64 of 256, theta 1e7; drafters rotate the
+whole head, drafters.md §3.4). Plain RoPE: inv_freq[i] = theta**(-2i/n_rot), m = 1.
+YaRN (yarn_factor > 1; transformers modeling_rope_utils._compute_yarn_parameters, truncate=True):
+correction dims d(r) = n_rot*ln(orig/(2*pi*r))/(2 ln theta), low = max(floor(d(beta_fast)), 0),
+high = min(ceil(d(beta_slow)), n_rot-1), ramp[i] = clip((i-low)/(high-low), 0, 1),
+inv_freq[i] = inv[i]/factor*ramp[i] + inv[i]*(1-ramp[i]), orig = yarn_original_context
+(original_max_position_embeddings). m = yarn_attention_factor, default 0.1*ln(factor) + 1 (1 when
+factor == 1; an explicit attention factor applies even then, as in transformers), folded into cos/sin
+exactly once. Angles, cos/sin and the rotation are computed in double and rounded to F32 once.
+Returns a new F32 tensor of x's shape. Raises ValueError unless theta is finite > 0, n_rot is even
+with 0 <= n_rot <= head_dim, positions >= 0 with one per row, yarn_factor >= 1, and
+yarn_original_context > 0 when yarn_factor > 1.)doc");
+}
 
 }  // namespace specd::py_bind

@@ -1,0 +1,64 @@
+#include "activations.h"
+
+#include <algorithm>
+
+#include "float_view.h"
+#include "specd/error.h"
+#include "specd/parallel.h"
+
+namespace specd::cpu {
+
+namespace {
+
+// y = f(x) elementwise over the rows of a row-strided x.
+template <class F>
+Tensor unary(const Tensor& x, const char* op, F f) {
+  check_rows(x, DType::F32, -1, op, "x");
+  Tensor y = Tensor::empty(x.shape, DType::F32);
+  int64_t d = x.cols(), rows = x.rows();
+  parallel_for(rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* xr = row_at<float>(x, r);
+      float* yr = y.ptr<float>() + r * d;
+      for (int64_t i = 0; i < d; ++i) yr[i] = f(xr[i]);
+    }
+  });
+  return y;
+}
+
+template <class F>
+Tensor binary(const Tensor& a, const Tensor& b, const char* op, const char* an, const char* bn, F f) {
+  check_rows(a, DType::F32, -1, op, an);
+  check_rows(b, DType::F32, -1, op, bn);
+  SPECD_CHECK(a.shape == b.shape, op, ": ", an, " and ", bn, " must have the same shape");
+  Tensor y = Tensor::empty(a.shape, DType::F32);
+  int64_t d = a.cols(), rows = a.rows();
+  parallel_for(rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      const float* ar = row_at<float>(a, r);
+      const float* br = row_at<float>(b, r);
+      float* yr = y.ptr<float>() + r * d;
+      for (int64_t i = 0; i < d; ++i) yr[i] = f(ar[i], br[i]);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+Tensor silu(const Tensor& x) { return unary(x, "silu", [](float v) { return silu(v); }); }
+Tensor sigmoid(const Tensor& x) { return unary(x, "sigmoid", [](float v) { return sigmoid(v); }); }
+Tensor softplus(const Tensor& x) { return unary(x, "softplus", [](float v) { return softplus(v); }); }
+
+Tensor swiglu(const Tensor& gate, const Tensor& up) {
+  return binary(gate, up, "swiglu", "gate", "up",
+                [](float g, float u) { return float(double(g) * sigmoid_f64(g) * double(u)); });
+}
+Tensor mul(const Tensor& a, const Tensor& b) {
+  return binary(a, b, "mul", "a", "b", [](float x, float y) { return x * y; });
+}
+Tensor add(const Tensor& a, const Tensor& b) {
+  return binary(a, b, "add", "a", "b", [](float x, float y) { return x + y; });
+}
+
+}  // namespace specd::cpu

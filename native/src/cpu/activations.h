@@ -1,0 +1,37 @@
+#pragma once
+#include <cmath>
+
+#include "specd/tensor.h"
+
+namespace specd::cpu {
+
+// Scalar forms, evaluated in double and rounded to F32 once (so results are correctly rounded
+// in practice, down to the denormal range: silu(-100) = -3.7e-42 keeps its digits).
+// sigmoid(x) = 1 / (1 + e^-x) for x >= 0 and e^x / (1 + e^x) for x < 0: no overflow on either
+// side. silu(x) = x * sigmoid(x) (Elfwing et al. 2017; the SwiGLU and GDN conv activation,
+// qwen35-target.md §6). softplus(x) = log(1 + e^x): x itself for x > kSoftplusThreshold (= 20:
+// there log1p(e^-x) < 2.1e-9 is below half an F32 ulp of x, so x is the correctly rounded result;
+// same threshold as torch.nn.Softplus), log1p(e^x) otherwise (no overflow, no cancellation for
+// very negative x: softplus(-100) = 3.7e-44).
+constexpr float kSoftplusThreshold = 20.0f;
+
+inline double sigmoid_f64(double x) {
+  if (x >= 0.0) return 1.0 / (1.0 + std::exp(-x));
+  double e = std::exp(x);
+  return e / (1.0 + e);
+}
+inline float sigmoid(float x) { return float(sigmoid_f64(x)); }
+inline float silu(float x) { return float(double(x) * sigmoid_f64(x)); }
+inline float softplus(float x) { return x > kSoftplusThreshold ? x : float(std::log1p(std::exp(double(x)))); }
+
+// Elementwise ops over F32 tensors of any shape whose last dimension is contiguous (outer strides
+// free, so numpy slices such as gate_up[:, :I] work without a copy). Binary ops need equal shapes
+// (no broadcasting). Each returns a new contiguous F32 tensor of the input shape.
+Tensor silu(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor softplus(const Tensor& x);
+Tensor swiglu(const Tensor& gate, const Tensor& up);  // silu(gate) * up, in double, rounded once
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor add(const Tensor& a, const Tensor& b);
+
+}  // namespace specd::cpu

@@ -1,0 +1,214 @@
+#include "attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "float_view.h"
+#include "quants.h"
+#include "specd/error.h"
+#include "specd/parallel.h"
+
+namespace specd::cpu {
+
+namespace {
+
+constexpr int64_t kChunk = 64;  // keys per online-softmax step; boundaries at absolute multiples
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+void check_cache(const Tensor& c, const char* op, const char* arg) {
+  check_cpu(c, op, arg);
+  check_ndim(c, 3, op, arg);
+  check_contiguous(c, op, arg);
+  SPECD_CHECK(c.dtype == DType::F32 || c.dtype == DType::F16 || c.dtype == DType::Q8_0, op, ": ", arg,
+              " must be F32, F16 or Q8_0, got ", dtype_info(c.dtype).name);
+  SPECD_CHECK(c.dim(2) % dtype_info(c.dtype).block_size == 0, op, ": ", arg, " head_dim (", c.dim(2),
+              ") must be a multiple of ", dtype_info(c.dtype).block_size, " for ", dtype_info(c.dtype).name);
+}
+
+// Read access to one cache: F32 rows are used in place, others are decoded into a buffer.
+struct CacheReader {
+  const Tensor& t;
+  const float* row(int64_t j, int64_t g, float* buf) const {
+    const uint8_t* p = static_cast<const uint8_t*>(t.data) + j * t.strides[0] + g * t.strides[1];
+    if (t.dtype == DType::F32) return reinterpret_cast<const float*>(p);
+    dequantize_row(t.dtype, p, buf, t.dim(2));
+    return buf;
+  }
+};
+
+// Per-thread working memory for one tile of queries against one KV head.
+struct Scratch {
+  std::vector<float> acc, m, l, kbuf, vbuf, s;
+  std::vector<const float*> kp, vp;
+  std::vector<uint8_t> vis;
+  Scratch(int64_t pairs, int64_t d)
+      : acc(size_t(pairs * d)), m(size_t(pairs)), l(size_t(pairs)), kbuf(size_t(kChunk * d)),
+        vbuf(size_t(kChunk * d)), s(size_t(kChunk)), kp(size_t(kChunk)), vp(size_t(kChunk)), vis(size_t(kChunk)) {}
+};
+
+struct Problem {
+  const Tensor& q;
+  CacheReader k, v;
+  const AttentionArgs& a;
+  std::vector<int64_t> lo, hi;  // visible key range per query before the mask
+  int64_t hq, hkv, r, d;
+  float scale;
+  Tensor out;
+};
+
+// One online-softmax step of pair state (m, l, acc) over the visible keys of [jlo, jhi).
+void softmax_step(const Problem& P, Scratch& w, const float* qv, int64_t jlo, int64_t jhi, int64_t c0, float& m,
+                  float& l, float* acc) {
+  float cmax = kNegInf;
+  bool any = false;
+  for (int64_t j = jlo; j < jhi; ++j) {
+    if (!w.vis[j - c0]) continue;
+    float sc = dot_f32(qv, w.kp[j - c0], P.d) * P.scale;
+    w.s[j - c0] = sc;
+    cmax = any ? std::max(cmax, sc) : sc;
+    any = true;
+  }
+  if (!any) return;
+  float mnew = std::max(m, cmax);
+  float alpha = std::exp(m - mnew);  // 0 on the first visible chunk (m = -inf)
+  l *= alpha;
+  for (int64_t c = 0; c < P.d; ++c) acc[c] *= alpha;
+  for (int64_t j = jlo; j < jhi; ++j) {
+    if (!w.vis[j - c0]) continue;
+    float p = std::exp(w.s[j - c0] - mnew);
+    l += p;
+    const float* vr = w.vp[j - c0];
+    for (int64_t c = 0; c < P.d; ++c) acc[c] += p * vr[c];
+  }
+  m = mnew;
+}
+
+// Keys [c0, c1) for queries [i0, i1) of KV head g.
+void attend_chunk(const Problem& P, Scratch& w, int64_t g, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
+  int64_t need_lo = c1, need_hi = c0;
+  for (int64_t i = i0; i < i1; ++i) {
+    need_lo = std::min(need_lo, std::max(c0, P.lo[i]));
+    need_hi = std::max(need_hi, std::min(c1, P.hi[i]));
+  }
+  for (int64_t j = need_lo; j < need_hi; ++j) {
+    w.kp[j - c0] = P.k.row(j, g, w.kbuf.data() + (j - c0) * P.d);
+    w.vp[j - c0] = P.v.row(j, g, w.vbuf.data() + (j - c0) * P.d);
+  }
+  for (int64_t i = i0; i < i1; ++i) {
+    int64_t jlo = std::max(c0, P.lo[i]), jhi = std::min(c1, P.hi[i]);
+    if (jlo >= jhi) continue;
+    const int32_t* mrow = P.a.mask ? row_at<int32_t>(*P.a.mask, i) : nullptr;
+    for (int64_t j = jlo; j < jhi; ++j) w.vis[j - c0] = mrow == nullptr || mrow[j] != 0;
+    for (int64_t hh = 0; hh < P.r; ++hh) {
+      int64_t pair = (i - i0) * P.r + hh;
+      const float* qv = row_at<float>(P.q, i * P.hq + g * P.r + hh);
+      softmax_step(P, w, qv, jlo, jhi, c0, w.m[pair], w.l[pair], w.acc.data() + pair * P.d);
+    }
+  }
+}
+
+void attend_tile(const Problem& P, Scratch& w, int64_t g, int64_t i0, int64_t i1) {
+  int64_t pairs = (i1 - i0) * P.r;
+  std::fill(w.m.begin(), w.m.begin() + pairs, kNegInf);
+  std::fill(w.l.begin(), w.l.begin() + pairs, 0.0f);
+  std::fill(w.acc.begin(), w.acc.begin() + pairs * P.d, 0.0f);
+  int64_t lo = P.a.kv_len, hi = 0;
+  for (int64_t i = i0; i < i1; ++i) {
+    if (P.lo[i] >= P.hi[i]) continue;
+    lo = std::min(lo, P.lo[i]);
+    hi = std::max(hi, P.hi[i]);
+  }
+  for (int64_t c0 = lo / kChunk * kChunk; c0 < hi; c0 += kChunk)
+    attend_chunk(P, w, g, i0, i1, c0, std::min(c0 + kChunk, P.a.kv_len));
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t hh = 0; hh < P.r; ++hh) {
+      int64_t pair = (i - i0) * P.r + hh;
+      float* o = P.out.ptr<float>() + (i * P.hq + g * P.r + hh) * P.d;
+      const float* acc = w.acc.data() + pair * P.d;
+      float l = w.l[pair];
+      for (int64_t c = 0; c < P.d; ++c) o[c] = l > 0.0f ? acc[c] / l : 0.0f;
+    }
+}
+
+void check_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& q_pos,
+                     const AttentionArgs& a) {
+  const char* op = "attention";
+  check_rows(q, DType::F32, 3, op, "q");
+  check_cache(kc, op, "k_cache");
+  check_cache(vc, op, "v_cache");
+  SPECD_CHECK(kc.shape == vc.shape, op, ": k_cache and v_cache shapes differ");
+  int64_t n = q.dim(0), hq = q.dim(1), d = q.dim(2), hkv = kc.dim(1);
+  SPECD_CHECK(kc.dim(2) == d, op, ": cache head_dim ", kc.dim(2), " differs from q head_dim ", d);
+  SPECD_CHECK(hkv > 0 && hq % hkv == 0, op, ": q heads (", hq, ") must be a multiple of cache KV heads (", hkv,
+              ")");
+  SPECD_CHECK(a.kv_len >= 0 && a.kv_len <= kc.dim(0), op, ": kv_len must be in [0, capacity=", kc.dim(0),
+              "], got ", a.kv_len);
+  SPECD_CHECK(a.window >= 0, op, ": window must be >= 0, got ", a.window);
+  check_rows(q_pos, DType::I32, 1, op, "q_pos");
+  SPECD_CHECK(q_pos.dim(0) == n, op, ": q_pos has ", q_pos.dim(0), " entries, q has ", n, " rows");
+  if (a.mask) {
+    check_rows(*a.mask, DType::I32, 2, op, "mask");
+    SPECD_CHECK(a.mask->dim(0) == n && a.mask->dim(1) == a.kv_len, op, ": mask must have shape [", n, ", ",
+                a.kv_len, "] (n, kv_len), got [", a.mask->dim(0), ", ", a.mask->dim(1), "]");
+  }
+  if (a.scale) SPECD_CHECK(std::isfinite(*a.scale), op, ": scale must be finite, got ", *a.scale);
+}
+
+}  // namespace
+
+void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows) {
+  const char* op = "kv_write";
+  check_cache(cache, op, "cache");
+  check_rows(x, DType::F32, 3, op, "x");
+  check_rows(rows, DType::I32, 1, op, "rows");
+  int64_t n = x.dim(0), cap = cache.dim(0), hkv = cache.dim(1), d = cache.dim(2);
+  SPECD_CHECK(x.dim(1) == hkv && x.dim(2) == d, op, ": x must be [n, ", hkv, ", ", d, "] to match the cache, got [",
+              n, ", ", x.dim(1), ", ", x.dim(2), "]");
+  SPECD_CHECK(rows.dim(0) == n, op, ": rows has ", rows.dim(0), " entries, x has ", n);
+  std::vector<int32_t> sorted(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    int32_t r = elem_at<int32_t>(rows, i);
+    SPECD_CHECK(r >= 0 && r < cap, op, ": rows[", i, "] = ", r, " is outside the cache [0, ", cap, ")");
+    sorted[size_t(i)] = r;
+  }
+  std::sort(sorted.begin(), sorted.end());
+  SPECD_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), op, ": rows must be distinct");
+  parallel_for(n, std::max<int64_t>(1, 8192 / std::max<int64_t>(hkv * d, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      uint8_t* dst = static_cast<uint8_t*>(cache.data) + elem_at<int32_t>(rows, i) * cache.strides[0];
+      for (int64_t h = 0; h < hkv; ++h)
+        quantize_row(cache.dtype, row_at<float>(x, i * hkv + h), dst + h * cache.strides[1], d);
+    }
+  });
+}
+
+Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_pos,
+                 const AttentionArgs& a) {
+  check_attention(q, k_cache, v_cache, q_pos, a);
+  int64_t n = q.dim(0), hq = q.dim(1), d = q.dim(2), hkv = k_cache.dim(1);
+  Problem P{q, {k_cache}, {v_cache}, a, std::vector<int64_t>(size_t(n)), std::vector<int64_t>(size_t(n)),
+            hq, hkv, hq / hkv, d, a.scale ? *a.scale : float(1.0 / std::sqrt(double(d))),
+            Tensor::zeros(q.shape, DType::F32)};
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t p = elem_at<int32_t>(q_pos, i);
+    SPECD_CHECK(p >= 0, "attention: q_pos must be >= 0, got ", p, " at index ", i);
+    P.lo[size_t(i)] = a.window > 0 ? std::max<int64_t>(0, p - a.window + 1) : 0;
+    P.hi[size_t(i)] = a.causal ? std::min(a.kv_len, p + 1) : a.kv_len;
+  }
+  if (n == 0 || hq == 0 || d == 0) return P.out;
+  // Tile size only changes which keys are decoded together, never a result.
+  int64_t tile = std::clamp<int64_t>(n * hkv / (2 * int64_t(num_threads())), 1, 16);
+  int64_t tiles = (n + tile - 1) / tile;
+  parallel_for(hkv * tiles, 1, [&](int64_t b, int64_t e) {
+    Scratch w(tile * P.r, d);
+    for (int64_t u = b; u < e; ++u) {
+      int64_t g = u % hkv, i0 = (u / hkv) * tile;
+      attend_tile(P, w, g, i0, std::min(n, i0 + tile));
+    }
+  });
+  return P.out;
+}
+
+}  // namespace specd::cpu

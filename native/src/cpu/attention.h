@@ -1,0 +1,39 @@
+#pragma once
+#include <optional>
+
+#include "specd/tensor.h"
+
+namespace specd::cpu {
+
+// KV cache layout: a contiguous CPU Tensor [capacity, n_kv_heads, head_dim] of dtype F32, F16 or
+// Q8_0 (Q8_0 needs head_dim % 32 == 0: every head row is whole ggml blocks). Row p holds the key
+// (or value) of cache slot p for all KV heads.
+
+// Writes x[i] (F32 [n, n_kv_heads, head_dim], last dim contiguous) into cache row rows[i]
+// (I32 [n]), converting with quantize_row to the cache dtype (bit-identical to
+// gguf.quants.quantize). Requires 0 <= rows[i] < capacity and distinct rows. In place.
+void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows);
+
+struct AttentionArgs {
+  int64_t kv_len = 0;
+  bool causal = true;
+  int64_t window = 0;
+  std::optional<Tensor> mask;  // I32 [n, kv_len], nonzero = visible
+  std::optional<float> scale;  // None: 1 / sqrt(head_dim)
+};
+
+// Scaled dot-product attention of n queries against the first kv_len rows of a KV cache
+// (softmax(q k^T * scale + M) v; Vaswani et al. 2017; GQA grouping as qwen35-target.md §6.3 step 5).
+// q: F32 [n, Hq, d] (last dim contiguous); k_cache, v_cache: [capacity, Hkv, d] caches as above
+// (their dtypes may differ); q_pos: I32 [n], each >= 0. Query head h reads KV head h / (Hq / Hkv)
+// (Hq % Hkv == 0). Key j in [0, kv_len) is visible to query i iff
+//   (no mask or mask[i, j] != 0) and (!causal or j <= q_pos[i]) and (window == 0 or j > q_pos[i] - window).
+// Scores and the softmax are F32 (dot products with fixed-order partial sums, max subtracted per
+// key chunk of 64 — an online softmax — F32 accumulation). A query with no visible key gets zeros.
+// Work is split over (KV head, query tile); each (query, head) result is computed by the same
+// sequence of operations whatever n, tiling or thread count (batch invariant). Cost is linear in
+// kv_len per query. Returns F32 [n, Hq, d].
+Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_pos,
+                 const AttentionArgs& args);
+
+}  // namespace specd::cpu

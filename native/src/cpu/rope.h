@@ -1,0 +1,44 @@
+#pragma once
+#include <optional>
+#include <vector>
+
+#include "specd/tensor.h"
+
+namespace specd::cpu {
+
+// YaRN settings in transformers' `rope_parameters` terms (rope_type "yarn"). factor == 1 means
+// plain RoPE; original_context is `original_max_position_embeddings`.
+struct Yarn {
+  double factor = 1.0;
+  int64_t original_context = 0;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  std::optional<double> attention_factor;  // None: 0.1 * ln(factor) + 1 (1 when factor == 1)
+};
+
+// Per-frequency inverse frequencies (n_rot / 2 values) and the cos/sin multiplier, in double.
+// Plain RoPE: inv_freq[i] = theta^(-2i / n_rot), multiplier 1. YaRN (factor > 1): transformers
+// `modeling_rope_utils._compute_yarn_parameters` with truncate=True: correction dims
+//   d(r) = n_rot * ln(orig / (2*pi*r)) / (2 ln theta), low = max(floor(d(beta_fast)), 0),
+//   high = min(ceil(d(beta_slow)), n_rot - 1) (high += 0.001 if equal),
+//   ramp[i] = clamp((i - low) / (high - low), 0, 1),
+//   inv_freq[i] = inv[i] / factor * ramp[i] + inv[i] * (1 - ramp[i]),
+// multiplier = attention_factor or 0.1 * ln(factor) + 1. Validates its arguments (op "rope_neox").
+struct RopeFreqs {
+  std::vector<double> inv_freq;
+  double mscale = 1.0;
+};
+RopeFreqs rope_freqs(int64_t n_rot, double theta, const Yarn& yarn);
+
+// Partial NeoX ("rotate half") RoPE on the first n_rot dims of every head (qwen35-target.md §6.4,
+// drafters.md §3.4). x: F32 [n, heads, head_dim] (last dim contiguous, outer strides free);
+// positions: I32 [n], each >= 0. For i < n_rot / 2 the pair (x[i], x[i + n_rot/2]) is rotated by
+// angle a = pos * inv_freq[i]:
+//   y[i] = m * (x[i] cos a - x[i + h] sin a),  y[i + h] = m * (x[i + h] cos a + x[i] sin a),
+// with m the YaRN multiplier (1 for plain RoPE); dims >= n_rot are copied. Angles, cos/sin and the
+// rotation are computed in double and rounded to F32 once. Requires theta finite > 0, n_rot even
+// with 0 <= n_rot <= head_dim, factor >= 1 and original_context > 0 when factor > 1.
+// Returns a new contiguous F32 tensor of x's shape.
+Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, const Yarn& yarn);
+
+}  // namespace specd::cpu

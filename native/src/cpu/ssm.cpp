@@ -1,0 +1,145 @@
+#include "ssm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "activations.h"
+#include "float_view.h"
+#include "specd/error.h"
+#include "specd/parallel.h"
+
+namespace specd::cpu {
+
+namespace {
+
+constexpr int64_t kChanBlock = 64;  // channels per work item; fixed so per-channel code never varies
+
+void check_state(const Tensor& s, const std::vector<int64_t>& shape, const char* op, const char* arg) {
+  check_cpu(s, op, arg);
+  check_dtype(s, DType::F32, op, arg);
+  check_contiguous(s, op, arg);
+  SPECD_CHECK(s.shape == shape, op, ": ", arg, " has the wrong shape (see the docstring for the expected one)");
+}
+
+// Rows [t, t + K) of X = [state ; x] for the channels [c0, c1): X row r is state row r (r < K-1)
+// or x row r - (K-1).
+const float* conv_src_row(const Tensor& x, const float* state, int64_t r, int64_t km1, int64_t C) {
+  return r < km1 ? state + r * C : row_at<float>(x, r - km1);
+}
+
+void conv_block(const Tensor& x, const float* w, float* state, float* y, int64_t K, int64_t C, int64_t c0,
+                int64_t c1, bool silu_out) {
+  int64_t T = x.dim(0), km1 = K - 1, nc = c1 - c0;
+  float acc[kChanBlock];
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(acc, acc + nc, 0.0f);
+    for (int64_t j = 0; j < K; ++j) {
+      const float* src = conv_src_row(x, state, t + j, km1, C) + c0;
+      const float* wj = w + j * C + c0;
+      for (int64_t c = 0; c < nc; ++c) acc[c] += wj[c] * src[c];
+    }
+    float* yr = y + t * C + c0;
+    for (int64_t c = 0; c < nc; ++c) yr[c] = silu_out ? silu(acc[c]) : acc[c];
+  }
+  // New state: X rows T .. T+K-2, gathered before any state row is overwritten.
+  std::vector<float> next(size_t(km1 * nc));
+  for (int64_t r = 0; r < km1; ++r)
+    std::memcpy(next.data() + r * nc, conv_src_row(x, state, T + r, km1, C) + c0, size_t(nc) * sizeof(float));
+  for (int64_t r = 0; r < km1; ++r)
+    std::memcpy(state + r * C + c0, next.data() + r * nc, size_t(nc) * sizeof(float));
+}
+
+struct GdnArgs {
+  const Tensor &q, &k, &v, &g, &beta;
+  float* state;
+  float* ckpt;  // nullptr when not requested
+  float scale;
+  int64_t T, hk, hv, dk, dv;
+  float* out;
+};
+
+// One token for value head j: decay, delta-rule write against the decayed state, read with q.
+void gdn_token(const GdnArgs& a, int64_t t, int64_t j, float* S, float* qs) {
+  int64_t kh = j % a.hk;
+  const float* qt = row_at<float>(a.q, t * a.hk + kh);
+  const float* kt = row_at<float>(a.k, t * a.hk + kh);
+  const float* vt = row_at<float>(a.v, t * a.hv + j);
+  float decay = std::exp(row_at<float>(a.g, t)[j]);
+  float bt = row_at<float>(a.beta, t)[j];
+  for (int64_t i = 0; i < a.dk; ++i) qs[i] = qt[i] * a.scale;
+  float* o = a.out + (t * a.hv + j) * a.dv;
+  for (int64_t jv = 0; jv < a.dv; ++jv) {
+    float* s = S + jv * a.dk;
+    for (int64_t i = 0; i < a.dk; ++i) s[i] *= decay;
+    float d = bt * (vt[jv] - dot_f32(s, kt, a.dk));
+    for (int64_t i = 0; i < a.dk; ++i) s[i] += kt[i] * d;
+    o[jv] = dot_f32(s, qs, a.dk);
+  }
+}
+
+void check_gdn(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+               const Tensor& state, float scale) {
+  const char* op = "gated_delta_net";
+  check_rows(q, DType::F32, 3, op, "q");
+  check_rows(k, DType::F32, 3, op, "k");
+  check_rows(v, DType::F32, 3, op, "v");
+  check_rows(g, DType::F32, 2, op, "g");
+  check_rows(beta, DType::F32, 2, op, "beta");
+  int64_t T = q.dim(0), hk = q.dim(1), dk = q.dim(2), hv = v.dim(1), dv = v.dim(2);
+  SPECD_CHECK(k.shape == q.shape, op, ": k must have q's shape [T, Hk, dk]");
+  SPECD_CHECK(v.dim(0) == T, op, ": v has ", v.dim(0), " tokens, q has ", T);
+  SPECD_CHECK(hk > 0 && hv % hk == 0, op, ": value heads (", hv, ") must be a multiple of key heads (", hk, ")");
+  SPECD_CHECK(g.dim(0) == T && g.dim(1) == hv, op, ": g must be [T, Hv] = [", T, ", ", hv, "]");
+  SPECD_CHECK(beta.dim(0) == T && beta.dim(1) == hv, op, ": beta must be [T, Hv] = [", T, ", ", hv, "]");
+  check_state(state, {hv, dv, dk}, op, "state");
+  SPECD_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+}
+
+}  // namespace
+
+Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu) {
+  const char* op = "conv1d_causal";
+  check_rows(x, DType::F32, 2, op, "x");
+  check_cpu(weight, op, "weight");
+  check_dtype(weight, DType::F32, op, "weight");
+  check_ndim(weight, 2, op, "weight");
+  check_contiguous(weight, op, "weight");
+  int64_t T = x.dim(0), C = x.dim(1), K = weight.dim(0);
+  SPECD_CHECK(K >= 1 && weight.dim(1) == C, op, ": weight must be [K >= 1, C=", C, "], got [", K, ", ",
+              weight.dim(1), "]");
+  check_state(state, {K - 1, C}, op, "state");
+  Tensor y = Tensor::empty({T, C}, DType::F32);
+  int64_t blocks = (C + kChanBlock - 1) / kChanBlock;
+  parallel_for(blocks, std::max<int64_t>(1, 64 / std::max<int64_t>(T, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t blk = b; blk < e; ++blk)
+      conv_block(x, weight.ptr<float>(), state.ptr<float>(), y.ptr<float>(), K, C, blk * kChanBlock,
+                 std::min(C, (blk + 1) * kChanBlock), apply_silu);
+  });
+  return y;
+}
+
+Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints) {
+  check_gdn(q, k, v, g, beta, state, scale);
+  int64_t T = q.dim(0), hk = q.dim(1), dk = q.dim(2), hv = v.dim(1), dv = v.dim(2);
+  if (checkpoints) check_state(*checkpoints, {T, hv, dv, dk}, "gated_delta_net", "checkpoints");
+  Tensor out = Tensor::empty({T, hv, dv}, DType::F32);
+  GdnArgs a{q, k, v, g, beta, state.ptr<float>(), checkpoints ? checkpoints->ptr<float>() : nullptr,
+            scale, T, hk, hv, dk, dv, out.ptr<float>()};
+  int64_t head = dv * dk;
+  parallel_for(hv, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> qs(static_cast<size_t>(dk));
+    for (int64_t j = b; j < e; ++j) {
+      float* S = a.state + j * head;
+      for (int64_t t = 0; t < T; ++t) {
+        gdn_token(a, t, j, S, qs.data());
+        if (a.ckpt) std::memcpy(a.ckpt + (t * hv + j) * head, S, size_t(head) * sizeof(float));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace specd::cpu

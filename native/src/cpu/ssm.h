@@ -1,0 +1,31 @@
+#pragma once
+#include <optional>
+
+#include "specd/tensor.h"
+
+namespace specd::cpu {
+
+// Depthwise causal 1-D convolution of the Gated DeltaNet (qwen35-target.md §6.5 step 2).
+// x: F32 [T, C] (last dim contiguous); weight: F32 [K, C] (ggml ssm_conv1d layout, tap K-1 =
+// current token); state: F32 [K-1, C], contiguous and writable (the previous K-1 inputs, zeros at
+// sequence start). With X = [state ; x] ((K-1+T) rows):
+//   y[t, c] = sum_{j=0..K-1} weight[j, c] * X[t + j, c]   (F32, j ascending),
+// then y = silu(y) if apply_silu. `state` is overwritten with the last K-1 rows of X. Each output
+// element is computed by the same operations whatever T or the thread count, so running T tokens
+// at once equals running them in several calls (bitwise). Returns F32 [T, C].
+Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu);
+
+// Gated DeltaNet recurrence (qwen35-target.md §6.5 step 7; ggml gated_delta_net).
+// q, k: F32 [T, Hk, dk] (already L2-normalised); v: F32 [T, Hv, dv]; g, beta: F32 [T, Hv]
+// (log-decay and write strength); inputs need a contiguous last dim only. state: F32 [Hv, dv, dk],
+// contiguous and writable, ggml layout (head j, element S[i_k][j_v] at j_v * dk + i_k).
+// Hv % Hk == 0; value head j uses key head j % Hk (GGUF tiled order). For each token t in order and
+// each head j:  S <- exp(g) S;  m = S^T k;  d = beta (v - m);  S <- S + k (x) d;  o = S^T (scale q),
+// all in F32 with fixed-order partial sums. `state` holds the final state afterwards. If
+// `checkpoints` (F32 [T, Hv, dv, dk], contiguous, writable) is given, the state after token t is
+// stored in checkpoints[t] (fast rollback, spec-loop.md §5.3). Parallel over heads; results do not
+// depend on T splits or threads. Returns o: F32 [T, Hv, dv].
+Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints);
+
+}  // namespace specd::cpu

@@ -1,0 +1,129 @@
+"""matmul (y = x @ w.T) and embedding against float64 numpy with gguf.quants' dequantization.
+
+Tolerance (matmul): the weights decode bit-exactly (test_quants.py), so the only error is the
+float32 dot product. specd sums each output as 16 interleaved lane sums of in//16 terms, a 4-level
+pairwise tree, an in-order tail of in%16 terms and one final add, so every product passes through at
+most m = in//16 + in%16 + 6 roundings (one more if the compiler does not fuse multiply-adds), and
+the standard bound (Higham, Accuracy and Stability of Numerical Algorithms, §3.1) gives
+    |y - y_exact| <= gamma_m * sum_k |x_k| |w_k|,   gamma_m = m u / (1 - m u),  u = 2^-24.
+The float64 reference is exact to ~2^-53 relative, far inside this bound. Embedding is exact.
+"""
+import numpy as np
+import pytest
+
+import specd.native as sn
+from quant_blocks import ALL_TYPES, BLOCK_TYPES, block_size, in_sizes, make_weight
+
+SHAPES = [(1, 1), (3, 7), (17, 13), (4, 33)]  # (n, out)
+U = 2.0**-24
+
+
+def error_bound(x, w_ref):
+    k = x.shape[1]
+    m = k // 16 + k % 16 + 6
+    gamma = m * U / (1 - m * U)
+    return gamma * (np.abs(x.astype(np.float64)) @ np.abs(w_ref.astype(np.float64)).T)
+
+
+def check_matmul(x, w, w_ref):
+    y = sn.matmul(x, w).numpy()
+    ref = x.astype(np.float64) @ w_ref.astype(np.float64).T
+    assert y.shape == ref.shape and y.dtype == np.float32
+    err = np.abs(y - ref)
+    bound = error_bound(x, w_ref)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert np.all(err <= bound), f"error {err[worst]:.3g} > bound {bound[worst]:.3g} at {worst}"
+    return y
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+@pytest.mark.parametrize("n,out", SHAPES)
+def test_matmul(rng, name, n, out):
+    for k in in_sizes(name):
+        w, w_ref = make_weight(rng, name, out, k)
+        x = (rng.standard_normal((n, k)) * rng.uniform(0.1, 10)).astype(np.float32)
+        check_matmul(x, w, w_ref)
+
+
+@pytest.mark.parametrize("name", ["F32", "Q8_0", "Q4_K", "Q6_K"])
+def test_matmul_wide(rng, name):
+    """A model-sized width (in = 4097 for F32, 4096 otherwise) over several weight tiles."""
+    k = 4097 if name == "F32" else 4096
+    w, w_ref = make_weight(rng, name, 21, k)
+    x = rng.standard_normal((6, k)).astype(np.float32)
+    check_matmul(x, w, w_ref)
+
+
+def test_matmul_empty(rng):
+    w, _ = make_weight(rng, "Q4_K", 5, 256)
+    assert sn.matmul(np.zeros((0, 256), np.float32), w).numpy().shape == (0, 5)
+    y = sn.matmul(np.ones((2, 0), np.float32), np.ones((3, 0), np.float32)).numpy()
+    assert y.shape == (2, 3) and np.all(y == 0)
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_matmul_batch_invariant(rng, name):
+    """Row i of y is bitwise the same whatever rows share the call, and whatever the thread count."""
+    k = 3 * block_size(name) if name in BLOCK_TYPES else 257
+    w, _ = make_weight(rng, name, 9, k)
+    x = rng.standard_normal((11, k)).astype(np.float32)
+    full = sn.matmul(x, w).numpy()
+    for i in range(11):
+        np.testing.assert_array_equal(sn.matmul(x[i : i + 1], w).numpy()[0], full[i])
+    for start, count in [(0, 2), (1, 3), (2, 5), (3, 8)]:
+        np.testing.assert_array_equal(sn.matmul(x[start : start + count], w).numpy(), full[start : start + count])
+    try:
+        sn.set_num_threads(1)
+        np.testing.assert_array_equal(sn.matmul(x, w).numpy(), full)
+    finally:
+        sn.set_num_threads(0)
+
+
+def test_matmul_bad_input(rng):
+    w, _ = make_weight(rng, "Q4_K", 4, 256)
+    x = np.zeros((2, 256), np.float32)
+    with pytest.raises(ValueError, match="matmul: x must have 2 dimensions, got 1"):
+        sn.matmul(np.zeros(256, np.float32), w)
+    with pytest.raises(ValueError, match="matmul: x has 512 columns but w \\(shape \\[out, in\\]\\) has 256"):
+        sn.matmul(np.zeros((2, 512), np.float32), w)
+    with pytest.raises(ValueError, match="matmul: x must be F32, got F16"):
+        sn.matmul(x.astype(np.float16), w)
+    with pytest.raises(ValueError, match="matmul: x has numpy dtype float64"):
+        sn.matmul(x.astype(np.float64), w)
+    with pytest.raises(ValueError, match="matmul: w must be a weight format .* got I32"):
+        sn.matmul(x, np.zeros((3, 256), np.int32))
+    with pytest.raises(ValueError, match="matmul: w must have 2 dimensions, got 3"):
+        sn.matmul(x, np.zeros((1, 3, 256), np.float32))
+    with pytest.raises(ValueError, match="matmul: x must be contiguous"):
+        sn.matmul(np.zeros((2, 512), np.float32)[:, ::2], w)
+    with pytest.raises(ValueError, match="matmul: w must be a specd Tensor or a numpy array"):
+        sn.matmul(x, None)
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_embedding(rng, name):
+    h = 2 * block_size(name) if name in BLOCK_TYPES else 19
+    vocab = 37
+    w, w_ref = make_weight(rng, name, vocab, h)
+    ids = np.concatenate([[0, vocab - 1], rng.integers(0, vocab, 20), [5, 5]]).astype(np.int32)
+    y = sn.embedding(w, ids).numpy()
+    np.testing.assert_array_equal(y.view(np.uint32), w_ref[ids].view(np.uint32))
+    y_tensor_ids = sn.embedding(w, sn.Tensor(ids)).numpy()
+    np.testing.assert_array_equal(y_tensor_ids, y)
+    assert sn.embedding(w, np.zeros(0, np.int32)).numpy().shape == (0, h)
+
+
+def test_embedding_bad_input(rng):
+    w, _ = make_weight(rng, "Q6_K", 10, 256)
+    with pytest.raises(ValueError, match="embedding: ids\\[2\\] = 10 is out of range for 10 rows of w"):
+        sn.embedding(w, np.array([0, 9, 10], np.int32))
+    with pytest.raises(ValueError, match="embedding: ids\\[1\\] = -1 is out of range"):
+        sn.embedding(w, np.array([3, -1], np.int32))
+    with pytest.raises(ValueError, match="embedding: ids has numpy dtype int64"):
+        sn.embedding(w, np.array([1, 2], np.int64))
+    with pytest.raises(ValueError, match="embedding: ids must be I32, got F32"):
+        sn.embedding(w, np.array([1, 2], np.float32))
+    with pytest.raises(ValueError, match="embedding: ids must have 1 dimensions, got 2"):
+        sn.embedding(w, np.zeros((2, 2), np.int32))
+    with pytest.raises(ValueError, match="embedding: w must have 2 dimensions, got 1"):
+        sn.embedding(np.zeros(8, np.float32), np.zeros(1, np.int32))
