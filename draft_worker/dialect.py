@@ -48,7 +48,7 @@ from gguf import GGMLQuantizationType as QT
 
 from .contract import ARCH, MAINLINE_ARCH, MATRIX, DrafterFormatError, expected_tensors, tensor_sort_key
 from .gguf_meta import GGUFMeta, write_gguf_atomic
-from .hparams import DFlash2Params, DrafterHParams, DSparkParams, YarnParams, f32
+from .hparams import DFlash2Params, DrafterHParams, DSparkParams, YarnParams
 
 P = "dflash."
 

@@ -121,7 +121,8 @@ READER_INTERNAL_KEYS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "g
 
 def copy_fields(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, skip: Callable[[str], bool] = lambda k: False) -> None:
     """Copy every metadata field of ``reader`` to ``writer`` except the reader's bookkeeping
-    fields, ``general.architecture`` (the writer sets it) and keys for which ``skip`` is true."""
+    fields, ``general.architecture`` (the writer sets it), ``general.alignment`` (the writer
+    lays data out with its own alignment) and keys for which ``skip`` is true."""
     for k, f in reader.fields.items():
         if k in READER_INTERNAL_KEYS or skip(k):
             continue

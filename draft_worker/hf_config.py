@@ -475,6 +475,9 @@ def _read_rope(c: _Config, context_length: int | None, head_dim: int) -> tuple[f
     orig = src.get("original_max_position_embeddings", c.raw("original_max_position_embeddings"))
     if orig is _ABSENT or orig is None:
         raise c.err(f"{src_name}.original_max_position_embeddings is missing (needed for YaRN)")
+    if (isinstance(orig, bool) or not isinstance(orig, (int, float)) or not math.isfinite(orig)
+            or orig != int(orig) or orig <= 0):
+        raise c.err(f"{src_name}.original_max_position_embeddings = {orig!r}: expected a positive integer")
     factor = num("factor", required=False)
     if factor is None:  # transformers: factor = max_position_embeddings / original
         if not context_length:

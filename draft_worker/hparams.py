@@ -377,7 +377,7 @@ class DrafterHParams:
             if family != "dspark":
                 raise meta.error(a(K.DSPARK_ENABLED), f"is present but {a(K.FAMILY)} = {family!r}: contradictory")
             if meta.get_int(a(K.DSPARK_ENABLED)) != 1:
-                raise meta.error(a(K.DSPARK_ENABLED), f"must be 1 for family 'dspark'")
+                raise meta.error(a(K.DSPARK_ENABLED), "must be 1 for family 'dspark'")
             conf = meta.get_bool(a(K.DSPARK_CONFIDENCE))
             dspark = DSparkParams(
                 markov_rank=meta.get_int(a(K.DSPARK_MARKOV_RANK)),

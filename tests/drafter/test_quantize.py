@@ -88,10 +88,19 @@ def test_cli_convert_then_quantize(make, tmp_path, capsys):
     assert specd_main(["convert-drafter", str(folder), str(f16)]) == 0
     assert specd_main(["quantize-drafter", str(f16), str(q8), "--scheme", "q8_0"]) == 0
     out = capsys.readouterr().out
-    assert "block_size = 8 (from dflash_config.block_size)" in out
+    assert "block_size = 8 (from block_size)" in out
     assert "size:" in out and "rel err" in out
     assert load_drafter(q8).hparams.family == "dspark"
     # refuses to overwrite without --force; errors go to stderr with exit status 1
     assert specd_main(["quantize-drafter", str(f16), str(q8)]) == 1
     assert specd_main(["convert-drafter", str(tmp_path / "missing"), str(tmp_path / "x.gguf")]) == 1
     assert "specd convert-drafter: error:" in capsys.readouterr().err
+
+
+def test_quantize_bf16_source(converted, tmp_path):
+    src, _, _, hp = converted("dflash", outtype="bf16")
+    rep = quantize_drafter(src, tmp_path / "q.gguf", log=lambda s: None)
+    errs = [r.rel_error for r in rep.tensors if r.src_type == "BF16"]
+    assert errs and all(r.dst_type == "Q8_0" for r in rep.tensors if r.src_type == "BF16")
+    assert max(errs) < 1e-2
+    assert load_drafter(tmp_path / "q.gguf").hparams == hp

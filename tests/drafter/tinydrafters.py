@@ -30,13 +30,14 @@ DF2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "DSparkDraftModel"}
 
 
-def make_config(family: str, *, rope: str = "nested", block_at: str = "dflash_config", yarn: bool = False,
+def make_config(family: str, *, rope: str = "nested", block_at: str | None = None, yarn: bool = False,
                 sliding: str = "none", packaging: str = "specforge", confidence: bool = True,
                 with_markov: bool = True) -> dict:
     """A raw ``config.json`` dict for a tiny drafter.
 
     rope: ``nested`` (transformers ≥ 5 ``rope_parameters``) or ``toplevel`` (``rope_theta``).
-    block_at: where ``block_size`` lives (``dflash_config`` or ``top``); C19.
+    block_at: where ``block_size`` lives (``dflash_config`` or ``top``); C19. Default as published:
+    top level for z-lab DFlash 1 and SpecForge / DeepSpec DSpark, inside dflash_config for DFlash 2.
     yarn: declare YaRN (factor 32, original 8192, β 32/1), as RadixArk DSpark does.
     sliding: ``none`` (Qwen3.5 DFlash), ``qwen36`` (sliding + last full, window 32) or ``all``
     (DFlash 2: every layer sliding, ``is_causal: false``).
@@ -63,6 +64,8 @@ def make_config(family: str, *, rope: str = "nested", block_at: str = "dflash_co
         cfg["rope_theta"] = t["theta"]
         if yarn:
             cfg["rope_scaling"] = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    if block_at is None:
+        block_at = "dflash_config" if family == "dflash2" else "top"
     if block_at == "dflash_config":
         cfg["dflash_config"]["block_size"] = t["block"]
     else:
