@@ -114,6 +114,7 @@ def convert_hf(src: str | os.PathLike, out: str | os.PathLike, outtype: str = "f
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``specd convert-drafter`` (coordinator/cli.py COMMANDS table)."""
     parser.add_argument("src", help="HF drafter folder, a model.safetensors with config.json beside it, "
                         "or a mainline-llama.cpp 'dflash' GGUF to translate")
     parser.add_argument("out", help="output draft GGUF (arch qwen35-dflash-draft)")
@@ -133,6 +134,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``specd convert-drafter``: 0 on success, 1 on a contract error (message on stderr)."""
     src, out = Path(args.src), Path(args.out)
     if out.exists() and not args.force:
         print(f"specd convert-drafter: {out} exists (pass --force to replace it)", file=sys.stderr)

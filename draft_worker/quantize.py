@@ -132,6 +132,7 @@ def quantize_drafter(src: str | os.PathLike, out: str | os.PathLike, scheme: str
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``specd quantize-drafter`` (coordinator/cli.py COMMANDS table)."""
     parser.add_argument("src", help="input draft GGUF (qwen35-dflash-draft)")
     parser.add_argument("out", help="output draft GGUF")
     parser.add_argument("--scheme", choices=SCHEMES, default="q8_0", help="quantization scheme")
@@ -141,6 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``specd quantize-drafter``: 0 on success, 1 on a contract error (message on stderr)."""
     out = Path(args.out)
     if out.exists() and not args.force:
         print(f"specd quantize-drafter: {out} exists (pass --force to replace it)", file=sys.stderr)
