@@ -152,3 +152,13 @@ def test_c15_unknown_tensor_and_dropped_target_copies(converted, tmp_path):
     translate_mainline(ml2, tmp_path / "b.gguf", tap_offset=1, log=logs.append)
     assert any("dropped token_embd.weight" in s for s in logs)
     assert "token_embd.weight" not in {t.name for t in gguf.GGUFReader(tmp_path / "b.gguf").tensors}
+
+
+def test_c15_dspark_needs_row_alignment(converted, tmp_path):
+    path, _, _, hp = converted("dspark")
+    ml = write_mainline(path, tmp_path / "ds.gguf", causal=False)
+    with pytest.raises(DrafterFormatError, match=r"does not record its slot convention; pass --row-alignment"):
+        translate_mainline(ml, tmp_path / "a.gguf", tap_offset=1, log=lambda s: None)
+    got = translate_mainline(ml, tmp_path / "b.gguf", tap_offset=1, row_alignment="proposals_only", log=lambda s: None)
+    assert got == dataclasses.replace(hp, n_target_layers=None)
+    assert load_drafter(tmp_path / "b.gguf").weights.dspark.confidence_weight.shape == (1, 64 + 32)
