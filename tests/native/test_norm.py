@@ -61,3 +61,14 @@ def test_rms_norm_bad_input():
         sn.rms_norm(np.ones((2, 8), np.float16))
     with pytest.raises(ValueError, match="residual shape"):
         sn.rms_norm(x, None, residual=np.ones((2, 9), np.float32))
+
+
+def test_explicit_little_endian_arrays_are_accepted():
+    # GGUFReader returns float32 arrays with an explicit '<' byte order; they must view zero-copy.
+    x = np.arange(8, dtype="<f4").reshape(2, 4)
+    t = sn.Tensor(x)
+    assert t.dtype == sn.DType.F32
+    x[0, 0] = 5.0
+    assert t.numpy()[0, 0] == 5.0
+    with pytest.raises(ValueError, match="unsupported numpy dtype"):
+        sn.Tensor(np.zeros(4, ">f4"))

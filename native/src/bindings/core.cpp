@@ -9,10 +9,13 @@ namespace specd::py_bind {
 
 namespace {
 
+// Matches by kind and size, not object identity: GGUFReader's arrays carry an explicit
+// little-endian byte order ('<'), which is the same layout as native on the hosts specd supports.
 std::optional<DType> numpy_dtype(const py::dtype& dt) {
-  if (dt.is(py::dtype::of<float>())) return DType::F32;
+  if (dt.byteorder() == '>') return std::nullopt;
+  if (dt.kind() == 'f' && dt.itemsize() == 4) return DType::F32;
   if (dt.kind() == 'f' && dt.itemsize() == 2) return DType::F16;
-  if (dt.is(py::dtype::of<int32_t>())) return DType::I32;
+  if (dt.kind() == 'i' && dt.itemsize() == 4) return DType::I32;
   return std::nullopt;
 }
 
