@@ -30,7 +30,7 @@ struct AttentionArgs {
 //   (no mask or mask[i, j] != 0) and (!causal or j <= q_pos[i]) and (window == 0 or j > q_pos[i] - window).
 // Scores and the softmax are F32 (dot products with fixed-order partial sums, max subtracted per
 // key chunk of 64 — an online softmax — F32 accumulation). A query with no visible key gets zeros.
-// Work is split over (KV head, query tile); each (query, head) result is computed by the same
+// Work is split over (KV head, query tile, head subgroup); each (query, head) result is computed by the same
 // sequence of operations whatever n, tiling or thread count (batch invariant). Cost is linear in
 // kv_len per query. Returns F32 [n, Hq, d].
 Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_pos,
