@@ -51,8 +51,8 @@ from .gguf_loader import (
     interval_schedule,
     layer_fields,
     layer_ne,
+    load_qwen35,
     open_gguf,
-    read_hparams,
 )
 
 OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
@@ -67,7 +67,7 @@ _FULL = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj
 _GDN = ["linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
         "linear_attn.in_proj_a.weight", "linear_attn.A_log", "linear_attn.dt_bias",
         "linear_attn.conv1d.weight", "linear_attn.norm.weight", "linear_attn.out_proj.weight"]
-# mtp.<part>.weight → (nextn tensor, GGUF ne as a function of H)
+# mtp.<part>.weight → the nextn tensor it becomes at block L (llama.cpp _Qwen35MtpMixin renames)
 _MTP_GLOBAL = {"fc": gguf.MODEL_TENSOR.NEXTN_EH_PROJ, "pre_fc_norm_embedding": gguf.MODEL_TENSOR.NEXTN_ENORM,
                "pre_fc_norm_hidden": gguf.MODEL_TENSOR.NEXTN_HNORM, "norm": gguf.MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM}
 # Transform per GDN tensor (after "linear_attn."): value-head reorder and value transforms.
@@ -111,7 +111,7 @@ def open_checkpoint(hf_dir: str | os.PathLike) -> Checkpoint:
     tied = bool(raw.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
     tensors: dict[str, LocalTensor] = {}
     for shard in _shards(path):
-        for name, local in SafetensorsLocal(shard).tensors.items():
+        for name, local in _safetensors_index(shard).items():
             norm = _normalise_name(name)
             if norm is None:
                 continue
@@ -121,11 +121,21 @@ def open_checkpoint(hf_dir: str | os.PathLike) -> Checkpoint:
     return Checkpoint(path=path, config=config, tensors=tensors, tied=tied)
 
 
+def _safetensors_index(shard: Path) -> dict[str, LocalTensor]:
+    try:
+        return SafetensorsLocal(shard).tensors
+    except (ValueError, KeyError, OSError) as exc:
+        raise ConversionError(f"{shard}: not a readable safetensors file: {exc}") from exc
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise ConversionError(f"{path}: file not found")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ConversionError(f"{path}: invalid JSON: {exc}") from exc
 
 
 def _shards(path: Path) -> list[Path]:
@@ -158,8 +168,12 @@ def _normalise_name(name: str) -> str | None:
     return name
 
 
+_SOURCE_DTYPES = ("F32", "F16", "BF16")
+
+
 def read_tensor(local: LocalTensor) -> np.ndarray:
-    """A safetensors tensor as a float32 array (F32/F16/BF16 sources); raises ConversionError otherwise."""
+    """A safetensors tensor (F32/F16/BF16, memory-mapped) as a float32 array of its shape; BF16
+    widens exactly by shifting the bits into the high half of a float32."""
     raw = local.mmap_bytes()
     if local.dtype == "F32":
         data = raw.view(np.float32)
@@ -421,6 +435,9 @@ def plan_conversion(ckpt: Checkpoint, outtype: QT, mtp: bool = True) -> tuple[Qw
         name = gguf_tensor_name(hf_name, hp, tmap)
         kind = transform_kind(hf_name)
         shape = _gguf_shape(names[hf_name].shape, kind)
+        if names[hf_name].dtype not in _SOURCE_DTYPES:
+            raise ConversionError(f"{names[hf_name].data_range.filename}: tensor '{hf_name}' is "
+                                  f"{names[hf_name].dtype}; expected one of {', '.join(_SOURCE_DTYPES)}")
         if tuple(reversed(shape)) != ne[name]:
             raise ConversionError(f"{ckpt.path}: tensor '{hf_name}' has shape {list(names[hf_name].shape)}; "
                                   f"the config implies GGUF ne {list(ne[name])} for '{name}'")
@@ -653,9 +670,8 @@ def to_hf_state_dict(reader: gguf.GGUFReader | str | os.PathLike, include_mtp: b
     if not isinstance(reader, gguf.GGUFReader):
         reader = open_gguf(reader)
     path = str(reader.data.filename)
-    hp = read_hparams(reader, path)
-    present = {t.name for t in reader.tensors}
-    tied = "output.weight" not in present
+    weights = load_qwen35(path, reader=reader)  # full validation of the trunk
+    hp, tied = weights.hparams, weights.output_tied
     tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, hp.block_count)
     names = hf_tensor_names(hp, not tied, hp.n_nextn if include_mtp else 0)
     by_gguf = {gguf_tensor_name(n, hp, tmap): n for n in names}

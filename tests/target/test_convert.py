@@ -18,7 +18,14 @@ from safetensors.torch import load_file, save_file
 
 import specd.native as sn
 from specd.coordinator.cli import main as cli_main
-from specd.target_worker.convert import ConversionError, convert, to_hf_state_dict
+from specd.target_worker.convert import (
+    ConversionError,
+    convert,
+    tiled_head_order,
+    to_gguf_layout,
+    to_hf_layout,
+    to_hf_state_dict,
+)
 from specd.target_worker.gguf_loader import load_qwen35, read_tokenizer_metadata
 
 from .tinymodels import CHAT_TEMPLATE, SPECS, load_reference, logits64
@@ -398,3 +405,47 @@ def test_bad_checkpoint(case, checkpoint, tmp_path):
     if case != "bad_outtype":
         assert str(src) in msg
     assert not out.exists() and not (tmp_path / "out.gguf.tmp").exists()
+
+
+# ---- unit checks of the mapping helpers ---------------------------------------------------------------
+
+
+def test_tiled_order_27b_example():
+    """qwen35-target.md §5.1 step 3 with the 27B numbers (Hk = 16, Hv = 48, r = 3): HF order
+    [k0v0, k0v1, k0v2, k1v0, ...] becomes [k0v0, k1v0, ..., k15v0, k0v1, ...]."""
+    order = tiled_head_order(16, 3)  # tiled position → HF head
+    assert list(order[:17]) == [3 * g for g in range(16)] + [1]
+    assert sorted(order) == list(range(48))
+    assert all(order[p] // 3 == p % 16 for p in range(48))  # tiled head p uses key head p mod Hk
+
+
+def test_a_log_roundtrip_unsnapped():
+    """Without the fixture's snapping, A_log survives the F32 GGUF to float32 precision of the decay
+    rate exp(A_log): |ΔA_log| (= relative error of exp(A_log)) ≤ 2^-23."""
+    hp = load_qwen35_hparams_like(n_k_heads=2, v_per_k=3)
+    x = np.log(np.random.default_rng(0).uniform(0.05, 1.0, size=6)).astype(np.float32)
+    back = to_hf_layout("a_log", to_gguf_layout("a_log", x, hp), hp)
+    assert np.abs(back.astype(np.float64) - x).max() <= 2.0 ** -23
+
+
+def load_qwen35_hparams_like(n_k_heads: int, v_per_k: int):
+    from specd.target_worker.gguf_loader import Qwen35HParams
+
+    return Qwen35HParams(n_layer=1, n_nextn=0, n_vocab=8, n_embd=8, n_ff=8, n_head=1, n_head_kv=1, head_dim=8,
+                         rms_eps=1e-6, rope_freq_base=1e7, n_rot=4, rope_sections=(1, 1, 0, 0),
+                         context_length=None, ssm_conv_kernel=4, ssm_state_size=4, ssm_group_count=n_k_heads,
+                         ssm_time_step_rank=n_k_heads * v_per_k, ssm_inner_size=4 * n_k_heads * v_per_k,
+                         full_attention_interval=2, recurrent=(True,))
+
+
+def test_conversion_streams_one_tensor_at_a_time(checkpoint, tmp_path, monkeypatch):
+    """Each tensor is read, transformed and written before the next one is read."""
+    import specd.target_worker.convert as conv
+
+    events = []
+    read, write = conv.read_tensor, gguf.GGUFWriter.write_tensor_data
+    monkeypatch.setattr(conv, "read_tensor", lambda local: events.append("r") or read(local))
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data",
+                        lambda self, t, *a, **k: events.append("w") or write(self, t, *a, **k))
+    result = convert(checkpoint("smoke").path, tmp_path / "s.gguf", "q8_0")
+    assert "".join(events) == "rw" * len(result.tensors)
