@@ -23,6 +23,9 @@ from specd.target_worker.gguf_loader import (
 from .gguftools import random_blocks, rewrite_gguf, tensor_payload
 from .tinymodels import load_reference, logits64
 
+# Fixtures are built with torch + transformers (the oracle environment).
+pytestmark = pytest.mark.oracle
+
 NATIVE = {QT.F32: sn.DType.F32, QT.F16: sn.DType.F16, QT.BF16: sn.DType.BF16, QT.Q8_0: sn.DType.Q8_0,
           QT.Q4_K: sn.DType.Q4_K, QT.Q5_K: sn.DType.Q5_K, QT.Q6_K: sn.DType.Q6_K, QT.IQ4_XS: sn.DType.IQ4_XS}
 
