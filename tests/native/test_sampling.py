@@ -75,6 +75,19 @@ def test_topk_ties_lower_index_first(rng, k):
     assert list(idx.numpy()[0]) == list(range(k))
 
 
+def test_leading_dimensions(rng):
+    x = rng.standard_normal((2, 3, 257)).astype(np.float32)
+    got = sn.argmax(x).numpy()
+    assert got.shape == (2, 3)
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+    assert int(sn.argmax(x[0, 0]).numpy()) == np.argmax(x[0, 0])  # 1-D -> 0-d
+    vals, idx = sn.topk(x, 4)
+    assert vals.shape == (2, 3, 4)
+    rv, ri = topk_ref(x.reshape(6, 257), 4)
+    np.testing.assert_array_equal(idx.numpy().reshape(6, 4), ri)
+    np.testing.assert_array_equal(vals.numpy().reshape(6, 4), rv)
+
+
 def test_topk_nan_and_k_equals_v():
     x = np.array([[0.5, np.nan, -np.inf, 2.0, np.nan, 2.0]], np.float32)
     vals, idx = sn.topk(x, 6)
@@ -97,8 +110,8 @@ def test_bad_input():
         sn.topk(x, 6)
     with pytest.raises(ValueError, match=r"k must be in \[1, V=5\], got 0"):
         sn.topk(x, 0)
-    with pytest.raises(ValueError, match="x must have 2 dimensions"):
-        sn.argmax(np.zeros(5, np.float32))
+    with pytest.raises(ValueError, match="x must have at least 1 dimension"):
+        sn.argmax(np.zeros((), np.float32))
     with pytest.raises(ValueError, match="at least one column"):
         sn.argmax(np.zeros((2, 0), np.float32))
     with pytest.raises(ValueError, match="x must be F32"):

@@ -19,6 +19,7 @@ void register_sampling(py::module_& m) {
       R"doc(Index of the maximum of each row (greedy decoding).
 
 x: F32 [n, V], V >= 1 (CPU: last dim contiguous; GPU tensors run on the GPU). Returns I32 [n].
+Leading dimensions may be any: [..., V] -> I32 [...].
 Ties: the first (lowest) index wins. NaN ranks above every number, as in numpy/torch argmax: a row
 containing NaN returns the index of its first NaN. Exact, so independent of threads and batch.
 Raises ValueError on dtype/shape mismatch.)doc");
@@ -31,8 +32,8 @@ Raises ValueError on dtype/shape mismatch.)doc");
       py::arg("x"), py::arg("k"),
       R"doc(The k largest entries of each row, largest first.
 
-x: F32 [n, V] (last dim contiguous); 1 <= k <= V. Returns (values F32 [n, k] descending,
-indices I32 [n, k]). Equal values are ordered by lower index first; NaN ranks above every number
+x: F32 [n, V] (last dim contiguous; [..., V] gives [..., k]); 1 <= k <= V. Returns
+(values F32 [n, k] descending, indices I32 [n, k]). Equal values are ordered by lower index first; NaN ranks above every number
 (as in argmax). Bounded heap, O(V log k) per row; rows in parallel.
 Raises ValueError on dtype/shape mismatch or k outside [1, V].)doc");
 }

@@ -38,7 +38,7 @@ struct CacheReader {
   }
 };
 
-// Per-thread working memory for one tile of queries against one KV head.
+// Per-thread working memory for one work unit (a tile of queries x a run of heads).
 struct Scratch {
   std::vector<float> acc, m, l, kbuf, vbuf, s;
   std::vector<const float*> kp, vp;
@@ -85,51 +85,74 @@ void softmax_step(const Problem& P, Scratch& w, const float* qv, int64_t jlo, in
   m = mnew;
 }
 
-// Keys [c0, c1) for queries [i0, i1) of KV head g.
-void attend_chunk(const Problem& P, Scratch& w, int64_t g, int64_t i0, int64_t i1, int64_t c0, int64_t c1) {
+// A work item: queries [i0, i1) x query heads [h0, h0 + hs), all reading KV head g.
+struct Unit {
+  int64_t g, h0, hs, i0, i1;
+};
+
+// Keys [c0, c1) for one unit: decode the needed K/V rows once, then one softmax step per pair.
+void attend_chunk(const Problem& P, Scratch& w, const Unit& u, int64_t c0, int64_t c1) {
   int64_t need_lo = c1, need_hi = c0;
-  for (int64_t i = i0; i < i1; ++i) {
+  for (int64_t i = u.i0; i < u.i1; ++i) {
     need_lo = std::min(need_lo, std::max(c0, P.lo[i]));
     need_hi = std::max(need_hi, std::min(c1, P.hi[i]));
   }
   for (int64_t j = need_lo; j < need_hi; ++j) {
-    w.kp[j - c0] = P.k.row(j, g, w.kbuf.data() + (j - c0) * P.d);
-    w.vp[j - c0] = P.v.row(j, g, w.vbuf.data() + (j - c0) * P.d);
+    w.kp[j - c0] = P.k.row(j, u.g, w.kbuf.data() + (j - c0) * P.d);
+    w.vp[j - c0] = P.v.row(j, u.g, w.vbuf.data() + (j - c0) * P.d);
   }
-  for (int64_t i = i0; i < i1; ++i) {
+  for (int64_t i = u.i0; i < u.i1; ++i) {
     int64_t jlo = std::max(c0, P.lo[i]), jhi = std::min(c1, P.hi[i]);
     if (jlo >= jhi) continue;
     const int32_t* mrow = P.a.mask ? row_at<int32_t>(*P.a.mask, i) : nullptr;
     for (int64_t j = jlo; j < jhi; ++j) w.vis[j - c0] = mrow == nullptr || mrow[j] != 0;
-    for (int64_t hh = 0; hh < P.r; ++hh) {
-      int64_t pair = (i - i0) * P.r + hh;
-      const float* qv = row_at<float>(P.q, i * P.hq + g * P.r + hh);
+    for (int64_t hh = 0; hh < u.hs; ++hh) {
+      int64_t pair = (i - u.i0) * u.hs + hh;
+      const float* qv = row_at<float>(P.q, i * P.hq + u.h0 + hh);
       softmax_step(P, w, qv, jlo, jhi, c0, w.m[pair], w.l[pair], w.acc.data() + pair * P.d);
     }
   }
 }
 
-void attend_tile(const Problem& P, Scratch& w, int64_t g, int64_t i0, int64_t i1) {
-  int64_t pairs = (i1 - i0) * P.r;
+void attend_unit(const Problem& P, Scratch& w, const Unit& u) {
+  int64_t pairs = (u.i1 - u.i0) * u.hs;
   std::fill(w.m.begin(), w.m.begin() + pairs, kNegInf);
   std::fill(w.l.begin(), w.l.begin() + pairs, 0.0f);
   std::fill(w.acc.begin(), w.acc.begin() + pairs * P.d, 0.0f);
   int64_t lo = P.a.kv_len, hi = 0;
-  for (int64_t i = i0; i < i1; ++i) {
+  for (int64_t i = u.i0; i < u.i1; ++i) {
     if (P.lo[i] >= P.hi[i]) continue;
     lo = std::min(lo, P.lo[i]);
     hi = std::max(hi, P.hi[i]);
   }
   for (int64_t c0 = lo / kChunk * kChunk; c0 < hi; c0 += kChunk)
-    attend_chunk(P, w, g, i0, i1, c0, std::min(c0 + kChunk, P.a.kv_len));
-  for (int64_t i = i0; i < i1; ++i)
-    for (int64_t hh = 0; hh < P.r; ++hh) {
-      int64_t pair = (i - i0) * P.r + hh;
-      float* o = P.out.ptr<float>() + (i * P.hq + g * P.r + hh) * P.d;
+    attend_chunk(P, w, u, c0, std::min(c0 + kChunk, P.a.kv_len));
+  for (int64_t i = u.i0; i < u.i1; ++i)
+    for (int64_t hh = 0; hh < u.hs; ++hh) {
+      int64_t pair = (i - u.i0) * u.hs + hh;
+      float* o = P.out.ptr<float>() + (i * P.hq + u.h0 + hh) * P.d;
       const float* acc = w.acc.data() + pair * P.d;
       float l = w.l[pair];
       for (int64_t c = 0; c < P.d; ++c) o[c] = l > 0.0f ? acc[c] / l : 0.0f;
     }
+}
+
+// Work split: query tiles share decoded K/V rows; when there are few (query tile, KV head) items
+// the query heads of a group are split too. Neither choice changes any result.
+struct Split {
+  int64_t tile, hs, tiles, subs;
+};
+Split choose_split(int64_t n, int64_t hkv, int64_t r) {
+  int64_t want = 2 * int64_t(num_threads());
+  Split s{std::clamp<int64_t>(n * hkv / want, 1, 16), r, 0, 1};
+  s.tiles = (n + s.tile - 1) / s.tile;
+  for (int64_t hs = r; hs >= 1; --hs) {  // largest divisor of r giving enough items
+    if (r % hs != 0) continue;
+    s.hs = hs;
+    if (hkv * s.tiles * (r / hs) >= want) break;
+  }
+  s.subs = r / s.hs;
+  return s;
 }
 
 void check_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& q_pos,
@@ -198,14 +221,13 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     P.hi[size_t(i)] = a.causal ? std::min(a.kv_len, p + 1) : a.kv_len;
   }
   if (n == 0 || hq == 0 || d == 0) return P.out;
-  // Tile size only changes which keys are decoded together, never a result.
-  int64_t tile = std::clamp<int64_t>(n * hkv / (2 * int64_t(num_threads())), 1, 16);
-  int64_t tiles = (n + tile - 1) / tile;
-  parallel_for(hkv * tiles, 1, [&](int64_t b, int64_t e) {
-    Scratch w(tile * P.r, d);
-    for (int64_t u = b; u < e; ++u) {
-      int64_t g = u % hkv, i0 = (u / hkv) * tile;
-      attend_tile(P, w, g, i0, std::min(n, i0 + tile));
+  Split sp = choose_split(n, hkv, P.r);
+  parallel_for(hkv * sp.subs * sp.tiles, 1, [&](int64_t b, int64_t e) {
+    Scratch w(sp.tile * sp.hs, d);
+    for (int64_t x = b; x < e; ++x) {
+      int64_t head_item = x % (hkv * sp.subs), i0 = (x / (hkv * sp.subs)) * sp.tile;
+      int64_t g = head_item / sp.subs, h0 = g * P.r + (head_item % sp.subs) * sp.hs;
+      attend_unit(P, w, Unit{g, h0, sp.hs, i0, std::min(n, i0 + sp.tile)});
     }
   });
   return P.out;

@@ -39,16 +39,24 @@ Entry best_in(const float* x, int64_t b, int64_t e) {
 }
 
 void check_logits(const Tensor& x, const char* op) {
-  check_rows(x, DType::F32, 2, op, "x");
-  SPECD_CHECK(x.dim(1) >= 1, op, ": x must have at least one column");
-  SPECD_CHECK(x.dim(1) <= INT32_MAX, op, ": x has too many columns for I32 indices");
+  check_rows(x, DType::F32, -1, op, "x");
+  SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
+  SPECD_CHECK(x.cols() >= 1, op, ": x must have at least one column");
+  SPECD_CHECK(x.cols() <= INT32_MAX, op, ": x has too many columns for I32 indices");
+}
+
+// x's shape without the last dimension, with `last` appended when last >= 0.
+std::vector<int64_t> lead_shape(const Tensor& x, int64_t last) {
+  std::vector<int64_t> s(x.shape.begin(), x.shape.end() - 1);
+  if (last >= 0) s.push_back(last);
+  return s;
 }
 
 }  // namespace
 
 Tensor argmax(const Tensor& x) {
   check_logits(x, "argmax");
-  int64_t n = x.dim(0), V = x.dim(1);
+  int64_t n = x.rows(), V = x.cols();
   // Rows are split into column spans only when there are too few rows to fill the threads; the
   // spans are combined in index order, which gives exactly the unsplit answer.
   int64_t spans = n >= num_threads() ? 1 : (V + kSpan - 1) / kSpan;
@@ -60,7 +68,7 @@ Tensor argmax(const Tensor& x) {
       part[size_t(u)] = best_in(row_at<float>(x, r), c0, std::min(V, c0 + span));
     }
   });
-  Tensor out = Tensor::empty({n}, DType::I32);
+  Tensor out = Tensor::empty(lead_shape(x, -1), DType::I32);
   for (int64_t r = 0; r < n; ++r) {
     Entry best = part[size_t(r * spans)];
     for (int64_t s = 1; s < spans; ++s)
@@ -72,9 +80,9 @@ Tensor argmax(const Tensor& x) {
 
 std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k) {
   check_logits(x, "topk");
-  int64_t n = x.dim(0), V = x.dim(1);
+  int64_t n = x.rows(), V = x.cols();
   SPECD_CHECK(k >= 1 && k <= V, "topk: k must be in [1, V=", V, "], got ", k);
-  Tensor vals = Tensor::empty({n, k}, DType::F32), idx = Tensor::empty({n, k}, DType::I32);
+  Tensor vals = Tensor::empty(lead_shape(x, k), DType::F32), idx = Tensor::empty(lead_shape(x, k), DType::I32);
   parallel_for(n, 1, [&](int64_t b, int64_t e) {
     std::vector<Entry> heap;
     heap.reserve(size_t(k));

@@ -23,8 +23,7 @@ void check_state(const Tensor& s, const std::vector<int64_t>& shape, const char*
   SPECD_CHECK(s.shape == shape, op, ": ", arg, " has the wrong shape (see the docstring for the expected one)");
 }
 
-// Rows [t, t + K) of X = [state ; x] for the channels [c0, c1): X row r is state row r (r < K-1)
-// or x row r - (K-1).
+// Row r of X = [state ; x]: state row r for r < K-1, else x row r - (K-1).
 const float* conv_src_row(const Tensor& x, const float* state, int64_t r, int64_t km1, int64_t C) {
   return r < km1 ? state + r * C : row_at<float>(x, r - km1);
 }
