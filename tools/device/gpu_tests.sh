@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Builds specd with the CUDA backend on a GPU machine (the lent H200), runs tests/native and
+# tests/gpu, then tools/device/gpu_report.py (per-op errors, Q8_0 GEMV bandwidth vs copy bandwidth).
+#
+# Usage, from the repository root on the GPU machine:
+#     OUT=/some/dir bash tools/device/gpu_tests.sh
+# Outputs under $OUT (default ./device-out), at most 6 files (the device tool returns 8):
+#     build.log     environment (nvidia-smi, nvcc, python, packages) and the pip/CMake build
+#     pytest.log    pytest -v output of tests/native and tests/gpu
+#     junit.xml     the same as JUnit XML
+#     summary.json  gpu_report.py results (errors per op, copy and GEMV bandwidth)
+#     summary.md    the same as a markdown section (pasted into BENCHMARKS.md)
+#     status.txt    one line per stage: name, exit status, seconds
+# Wheels the machine lacks (it has no network; e.g. gguf, pure Python) are installed from $WHEELS
+# (default: ./.whl or ../.whl, whichever exists) into /tmp/site, put on PYTHONPATH.
+# Exit status: 0 when the build, the tests and the report all succeeded.
+set -u -o pipefail
+
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+STATUS="$OUT/status.txt"
+: >"$STATUS"
+rc_all=0
+
+stage() {  # stage NAME LOG CMD...: runs CMD, appends its output to LOG, records status and time
+  local name=$1 log=$2
+  shift 2
+  local t0=$SECONDS rc
+  echo "=== $name: $*" | tee -a "$log"
+  "$@" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  echo "$name rc=$rc seconds=$((SECONDS - t0))" | tee -a "$STATUS"
+  [ "$rc" -eq 0 ] || rc_all=1
+  return "$rc"
+}
+
+# --- environment ------------------------------------------------------------------------------
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv || true
+  nvcc --version | tail -2 || true
+  $PY --version
+  $PY -c 'import torch, numpy, pybind11; print("torch", torch.__version__, torch.cuda.is_available(), "numpy", numpy.__version__, "pybind11", pybind11.__version__)' || true
+  nproc
+} >"$OUT/build.log" 2>&1
+
+# --- carried wheels -----------------------------------------------------------------------------
+WHEELS=${WHEELS:-}
+if [ -z "$WHEELS" ]; then
+  for d in .whl ../.whl; do
+    if ls "$d"/*.whl >/dev/null 2>&1; then WHEELS=$d; break; fi
+  done
+fi
+if [ -n "$WHEELS" ]; then
+  stage wheels "$OUT/build.log" $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$WHEELS"/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+# --- build ----------------------------------------------------------------------------------------
+export SPECD_GPU=cuda
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+if ! stage build "$OUT/build.log" $PY -m pip install --no-build-isolation --no-deps -v \
+  -C build-dir=/tmp/specd-build .; then
+  echo "build failed; see $OUT/build.log" >&2
+  exit 1
+fi
+# Runs from /tmp so that `import specd` is the installed package, not a source folder.
+(cd /tmp && $PY -c 'import specd.native as sn; print("gpu_compiled", sn.gpu_compiled(), "available", sn.gpu_available(), sn.gpu_device_name())') 2>&1 | tee -a "$OUT/build.log"
+
+# --- tests ----------------------------------------------------------------------------------------
+# l2_norm's GPU test needs the dispatch line in bindings/norm.cpp (see tests/gpu/test_gpu_ops.py).
+if grep -q "gpu::l2_norm" native/src/bindings/norm.cpp; then export SPECD_TEST_GPU_L2=1; fi
+stage pytest "$OUT/pytest.log" timeout 300 $PY -m pytest -v -rs -p no:cacheprovider tests/native tests/gpu \
+  --junitxml="$OUT/junit.xml"
+
+# --- report ----------------------------------------------------------------------------------------
+stage report "$OUT/pytest.log" timeout 240 $PY tools/device/gpu_report.py --out "$OUT"
+
+echo "=== stages"
+cat "$STATUS"
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -15
+exit $rc_all
