@@ -4,13 +4,14 @@
 #
 # Usage, from the repository root on the GPU machine:
 #     OUT=/some/dir bash tools/device/gpu_tests.sh
-# Outputs under $OUT (default ./device-out), at most 6 files (the device tool returns 8):
+# Outputs under $OUT (default ./device-out), at most 7 files (the device tool returns 8):
 #     build.log     environment (nvidia-smi, nvcc, python, packages) and the pip/CMake build
 #     pytest.log    pytest -v output of tests/native and tests/gpu
 #     junit.xml     the same as JUnit XML
 #     summary.json  gpu_report.py results (errors per op, copy and GEMV bandwidth)
 #     summary.md    the same as a markdown section (pasted into BENCHMARKS.md)
 #     status.txt    one line per stage: name, exit status, seconds
+#     sanitizer.log compute-sanitizer memcheck of a small smoke script (only with SANITIZE=1)
 # Wheels the machine lacks (it has no network; e.g. gguf, pure Python) are installed from $WHEELS
 # (default: ./.whl or ../.whl, whichever exists) into /tmp/site, put on PYTHONPATH.
 # Exit status: 0 when the build, the tests and the report all succeeded.
@@ -78,6 +79,31 @@ stage pytest "$OUT/pytest.log" timeout 300 $PY -m pytest -v -rs -p no:cacheprovi
 
 # --- report ----------------------------------------------------------------------------------------
 stage report "$OUT/pytest.log" timeout 240 $PY tools/device/gpu_report.py --out "$OUT"
+
+# --- memcheck (optional: SANITIZE=1; needs compute-sanitizer and a runtime that supports it) -------
+if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  cat >/tmp/specd_sanitize_smoke.py <<'PYEOF'
+import numpy as np, specd.native as sn
+G = sn.Device.GPU
+rng = np.random.default_rng(0)
+g = lambda a, dt=None: (sn.Tensor(np.ascontiguousarray(a)) if dt is None else sn.Tensor(np.ascontiguousarray(a), dt)).to(G)
+for shape in [(1, 1), (3, 7), (2, 4100), (5, 128)]:
+    x = rng.standard_normal(shape).astype(np.float32); w = rng.standard_normal(shape[-1]).astype(np.float32)
+    sn.rms_norm(g(x), g(w), 1e-6, g(x)); sn.rms_norm(g(x), None).numpy()
+if hasattr(sn, "matmul"):
+    for n, k, out in [(1, 32, 1), (3, 96, 33), (17, 64, 5), (16, 2048, 257)]:
+        raw = rng.integers(0, 256, (out, k // 32 * 34), dtype=np.uint8); raw.reshape(out, -1, 34)[:, :, 1] &= 0x3b
+        sn.matmul(g(rng.standard_normal((n, k)).astype(np.float32)), g(raw, sn.DType.Q8_0)).numpy()
+        sn.matmul(g(rng.standard_normal((n, k + 3)).astype(np.float32)), g(rng.standard_normal((out, k + 3)).astype(np.float32))).numpy()
+if hasattr(sn, "argmax"):
+    for shape in [(1, 248320), (3, 1001), (2, 1)]:
+        sn.argmax(g(rng.standard_normal(shape).astype(np.float32))).numpy()
+sn.gpu_synchronize()
+print("sanitize smoke done")
+PYEOF
+  stage memcheck "$OUT/sanitizer.log" timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    $PY /tmp/specd_sanitize_smoke.py
+fi
 
 echo "=== stages"
 cat "$STATUS"
