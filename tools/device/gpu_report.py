@@ -175,9 +175,12 @@ def gemv_bandwidth(rng, copy_gbps):
 
 
 def markdown(rep):
-    L = [f"## GPU backend report ({rep['date']})", "",
-         f"- device: {rep['device']} ({rep['backend']}); host: {rep['host']}; seed {rep['seed']}", ""]
+    label = f" [{rep['label']}]" if rep.get("label") else ""
+    L = [f"## GPU backend report{label} ({rep['date']})", "",
+         f"- device: {rep['device']} ({rep['backend']}); host: {rep['host']}; seed {rep['seed']}; env {rep.get('env', {})}", ""]
     e = rep["errors"]
+    if e is None:
+        return "\n".join(L + markdown_bandwidth(rep)) + "\n"
     L += ["| op | metric | value | tolerance |", "| --- | --- | --- | --- |"]
     r = e["rms_norm"]
     L.append(f"| rms_norm | max rel err vs CPU | {r['max_rel_vs_cpu']:.3g} | 1e-6 |")
@@ -192,6 +195,11 @@ def markdown(rep):
         L.append(f"| argmax 16 x 248320 | mismatches vs numpy | {e['argmax']['mismatches_vs_numpy']} | 0 |")
     else:
         L.append(f"| argmax | - | {e['argmax']} | |")
+    return "\n".join(L + markdown_bandwidth(rep)) + "\n"
+
+
+def markdown_bandwidth(rep):
+    L = []
     c = rep["copy"]
     L += ["", f"Device-to-device copy (torch, 2 GiB, read+write): **{c['GBps']:.0f} GB/s**" if c else "copy: torch missing", ""]
     g = rep["gemv"]
@@ -201,12 +209,14 @@ def markdown(rep):
         for r in g["rows"]:
             ratio = f"{r['ratio_to_copy']:.2f}" if r["ratio_to_copy"] else "-"
             L.append(f"| {r['out']} x {r['in']} | {r['n']} | {r['us_per_call']:.1f} | {r['weight_GBps']:.0f} | {ratio} | {r['gflops']:.0f} |")
-    return "\n".join(L) + "\n"
+    return L
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--label", default="", help="variant name shown in the report (e.g. an env setting)")
+    ap.add_argument("--bandwidth-only", action="store_true", help="skip the error checks")
     args = ap.parse_args()
     if not sn.gpu_available():
         print("no GPU available: nothing to report", file=sys.stderr)
@@ -214,8 +224,9 @@ def main():
     seed = int(os.environ.get("SPECD_TEST_SEED", secrets.randbits(32)))
     rng = np.random.default_rng(seed)
     rep = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": sn.gpu_device_name(), "backend": sn.gpu_backend(),
-           "host": platform.node(), "seed": seed}
-    rep["errors"] = errors(rng)
+           "host": platform.node(), "seed": seed, "label": args.label,
+           "env": {k: v for k, v in os.environ.items() if k.startswith("SPECD_")}}
+    rep["errors"] = None if args.bandwidth_only else errors(rng)
     print(json.dumps(rep["errors"], indent=1), flush=True)
     rep["copy"] = copy_bandwidth()
     rep["gemv"] = gemv_bandwidth(rng, rep["copy"]["GBps"] if rep["copy"] else None)

@@ -4,12 +4,12 @@
 #
 # Usage, from the repository root on the GPU machine:
 #     OUT=/some/dir bash tools/device/gpu_tests.sh
-# Outputs under $OUT (default ./device-out), at most 7 files (the device tool returns 8):
+# Outputs under $OUT (default ./device-out), at most 8 files (the device tool returns 8):
 #     build.log     environment (nvidia-smi, nvcc, python, packages) and the pip/CMake build
 #     pytest.log    pytest -v output of tests/native and tests/gpu
-#     junit.xml     the same as JUnit XML
 #     summary.json  gpu_report.py results (errors per op, copy and GEMV bandwidth)
 #     summary.md    the same as a markdown section (pasted into BENCHMARKS.md)
+#     quarter/summary.{json,md}  GEMV bandwidth with the Q8_0 fallback kernel (SPECD_GPU_Q8_KERNEL=quarter)
 #     status.txt    one line per stage: name, exit status, seconds
 #     sanitizer.log compute-sanitizer memcheck of a small smoke script (only with SANITIZE=1)
 # Wheels the machine lacks (it has no network; e.g. gguf, pure Python) are installed from $WHEELS
@@ -74,11 +74,20 @@ fi
 # --- tests ----------------------------------------------------------------------------------------
 # l2_norm's GPU test needs the dispatch line in bindings/norm.cpp (see tests/gpu/test_gpu_ops.py).
 if grep -q "gpu::l2_norm" native/src/bindings/norm.cpp; then export SPECD_TEST_GPU_L2=1; fi
-stage pytest "$OUT/pytest.log" timeout 300 $PY -m pytest -v -rs -p no:cacheprovider tests/native tests/gpu \
-  --junitxml="$OUT/junit.xml"
+# With pytest-xdist, tests run in worker processes, so a crashing test (segfault) is reported as a
+# failure and the rest still run.
+XDIST=()
+if $PY -c 'import xdist' 2>/dev/null; then XDIST=(-n 4 --max-worker-restart 100); fi
+stage pytest "$OUT/pytest.log" timeout 300 $PY -m pytest -v -rs -p no:cacheprovider "${XDIST[@]}" \
+  tests/native tests/gpu
+# The Q8_0 fallback kernel (selected everywhere by SPECD_GPU_Q8_KERNEL=quarter) against the same tests.
+SPECD_GPU_Q8_KERNEL=quarter stage pytest-q8-quarter "$OUT/pytest.log" timeout 200 $PY -m pytest -v -rs \
+  -p no:cacheprovider "${XDIST[@]}" tests/gpu -k matmul
 
 # --- report ----------------------------------------------------------------------------------------
 stage report "$OUT/pytest.log" timeout 240 $PY tools/device/gpu_report.py --out "$OUT"
+SPECD_GPU_Q8_KERNEL=quarter stage report-q8-quarter "$OUT/pytest.log" timeout 200 $PY tools/device/gpu_report.py \
+  --bandwidth-only --label "SPECD_GPU_Q8_KERNEL=quarter" --out "$OUT/quarter"
 
 # --- memcheck (optional: SANITIZE=1; needs compute-sanitizer and a runtime that supports it) -------
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then

@@ -3,16 +3,24 @@
 //
 // Kernel shape (GEMV-style, weight-streaming). A block of kWarps warps owns R consecutive output
 // rows and ALL (up to kNMax = 16) rows of x, so each weight byte is read from memory once per
-// launch; the warps split the reduction dimension. A row is cut into chunks (Q8_0: a quarter of a
-// 32-weight block, 8 int8 + the block's fp16 scale; F32: 4 floats, or 1 when unaligned); lane
-// `l` of warp `w` handles chunks c = w*32 + l + k*kWarps*32, so a warp reads contiguous bytes of
-// each weight row and contiguous 16-byte vectors of each x row. Each lane first issues the loads
-// of kLoadsInFlight chunks-times-rows, then decodes and accumulates them.
-//
-// Q8_0 decode: ggml block_q8_0 = { fp16 d; int8 q[32] } (34 bytes, so blocks are only 2-byte
-// aligned: quants are read as 16-bit words). int8 -> float uses the exact magic-number trick
-// (bits 0x4B0000uu = 2^23 + uu with uu = q + 128) to keep the integer-to-float converter off the
-// critical path; per chunk s = sum_k q_k * x_k in float, then acc += d * s.
+// launch; the warps split the reduction dimension. A weight row is cut into chunks and thread t
+// of the block handles chunks c = t + k*kThreads, so each warp-wide load covers contiguous bytes;
+// each thread first issues the loads of kLoadsInFlight chunk-rows, then decodes and accumulates.
+// Chunk formats ("policies"):
+//   Q8_0Word (default for Q8_0 with in % 64 == 0): one aligned 32-bit word of the raw ggml byte
+//     stream per chunk, so a warp reads 128 contiguous bytes per row with one load (one L1
+//     wavefront). A word never holds quants of two blocks (a 2-byte scale always sits between
+//     blocks), so the chunk's block is b = 4c / 34, whose fp16 scale is read separately (an L1 hit).
+//     Activations are pre-expanded once per call to the byte-stream layout (xe[i, p] = x[i, 32 *
+//     (p / 34) + p % 34 - 2], 0 at scale bytes), so each chunk multiplies its 4 bytes by one aligned
+//     float4 of xe; scale bytes meet zeros and drop out. Extra traffic: 4.25 * n * in bytes.
+//   Q8_0Quarter (Q8_0 fallback; also selected by SPECD_GPU_Q8_KERNEL=quarter): a quarter of a
+//     32-weight block per chunk, 8 int8 read as 16-bit words (blocks are 34 bytes, so only 2-byte
+//     aligned) + the block scale; x read directly as two float4.
+//   F32W<4> / F32W<1>: 4 floats (16-byte aligned rows) or 1 float per chunk.
+// int8 -> float uses the exact magic-number trick (bits 0x4B0000uu = 2^23 + uu with uu = q + 128),
+// keeping the integer-to-float converter off the critical path; per chunk s = sum_k q_k * x_k in
+// float, then acc += d * s.
 //
 // Reduction and batch invariance. Per (output row, x row) each lane sums its chunks in a fixed
 // order; the 32 x kWarps lane partials are then summed in shared memory, lane by lane within a
@@ -20,7 +28,13 @@
 // instance, so row i of y is bit-identical whether x has 1 or 16 rows (required for lossless
 // speculative decoding). n > 16 is processed 16 rows at a time (the weights are re-read per 16
 // rows: prefill should use a tiled GEMM / vendor BLAS instead).
+//
+// Performance notes (H200, see BENCHMARKS.md): at n = 1 the kernel is bound by L1 wavefronts and
+// HBM; at n = 16 by the FP32 FMAs and L1 traffic of x (16 fp32 FMAs per weight): a tensor-core
+// path (3xTF32 or bf16x3 splitting) is the next step for verify widths 8-16.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "common.cuh"
@@ -34,11 +48,42 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * SPECD_WARP;
 constexpr int kNMax = 16;
-constexpr int kLoadsInFlight = 4;  // chunk loads per lane issued before the first use (U * R)
+constexpr int kLoadsInFlight = 8;  // chunk loads per lane issued before the first use (U * R)
 
 // --- weight formats -------------------------------------------------------------------------
 
-struct Q8_0W {
+// int8 x 4 (one 32-bit word) -> 4 exact floats.
+__device__ __forceinline__ void int8x4_to_float(uint32_t word, float* w) {
+  constexpr uint32_t kExp = 0x4B000000u;      // float bits of 2^23
+  constexpr float kBias = 8388608.0f + 128.0f;  // 2^23 + 128
+  uint32_t u = word ^ 0x80808080u;              // q + 128 as unsigned bytes
+  w[0] = __int_as_float(__byte_perm(u, kExp, 0x7540)) - kBias;
+  w[1] = __int_as_float(__byte_perm(u, kExp, 0x7541)) - kBias;
+  w[2] = __int_as_float(__byte_perm(u, kExp, 0x7542)) - kBias;
+  w[3] = __int_as_float(__byte_perm(u, kExp, 0x7543)) - kBias;
+}
+
+struct Q8_0Word {
+  static constexpr int kElems = 4;  // bytes of the raw row per chunk
+  static constexpr bool kScaled = true;
+  struct Raw {
+    uint32_t q;  // 4 bytes of the stream: 4 quants, or 2 quants and a scale (meets zeros in xe)
+    uint16_t d;  // fp16 scale of the block owning the quants
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t c) {
+    Raw r;
+    r.q = reinterpret_cast<const uint32_t*>(row)[c];
+    uint32_t b = uint32_t(c) * 2u / 17u;  // (4c) / 34, c < 2^30
+    r.d = *reinterpret_cast<const uint16_t*>(row + size_t(b) * 34);
+    return r;
+  }
+  __device__ __forceinline__ static float decode(const Raw& r, float (&w)[kElems]) {
+    int8x4_to_float(r.q, w);
+    return specd_fp16_bits_to_float(r.d);
+  }
+};
+
+struct Q8_0Quarter {
   static constexpr int kElems = 8;  // elements per chunk (a quarter block)
   static constexpr bool kScaled = true;
   struct Raw {
@@ -55,17 +100,8 @@ struct Q8_0W {
     return r;
   }
   __device__ __forceinline__ static float decode(const Raw& r, float (&w)[kElems]) {
-    constexpr uint32_t kExp = 0x4B000000u;      // float bits of 2^23
-    constexpr float kBias = 8388608.0f + 128.0f;  // 2^23 + 128
-    uint32_t lo = r.lo ^ 0x80808080u, hi = r.hi ^ 0x80808080u;  // q + 128 as unsigned bytes
-    w[0] = __int_as_float(__byte_perm(lo, kExp, 0x7540)) - kBias;
-    w[1] = __int_as_float(__byte_perm(lo, kExp, 0x7541)) - kBias;
-    w[2] = __int_as_float(__byte_perm(lo, kExp, 0x7542)) - kBias;
-    w[3] = __int_as_float(__byte_perm(lo, kExp, 0x7543)) - kBias;
-    w[4] = __int_as_float(__byte_perm(hi, kExp, 0x7540)) - kBias;
-    w[5] = __int_as_float(__byte_perm(hi, kExp, 0x7541)) - kBias;
-    w[6] = __int_as_float(__byte_perm(hi, kExp, 0x7542)) - kBias;
-    w[7] = __int_as_float(__byte_perm(hi, kExp, 0x7543)) - kBias;
+    int8x4_to_float(r.lo, w);
+    int8x4_to_float(r.hi, w + 4);
     return specd_fp16_bits_to_float(r.d);
   }
 };
@@ -112,11 +148,12 @@ __device__ __forceinline__ void load_x(const float* __restrict__ xr, int64_t c, 
 
 // --- kernel ---------------------------------------------------------------------------------
 
-// w: [out, row_bytes] bytes; x: [n, in] F32 (n <= NMAX); y: [n, out] F32 (row stride ldy).
+// w: [out, row_bytes] bytes, nchunks chunks per row; x: [n, ldx] F32 (n <= NMAX; the activations in
+// the layout the policy reads); y: [n, out] F32.
 template <class W, int NMAX, int R>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
-                                                        const float* __restrict__ x, float* __restrict__ y,
-                                                        int n, int64_t in, int64_t out) {
+                                                        int64_t nchunks, const float* __restrict__ x,
+                                                        int64_t ldx, float* __restrict__ y, int n, int64_t out) {
   constexpr int E = W::kElems;
   constexpr int U = kLoadsInFlight / R > 0 ? kLoadsInFlight / R : 1;  // chunk steps in flight
   constexpr int kStride = kThreads;                                    // chunks per block step
@@ -125,7 +162,6 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const uint8_t* __restric
 
   const int tid = threadIdx.x;
   const int64_t o0 = int64_t(blockIdx.x) * R;
-  const int64_t nchunks = in / E;
 
   const uint8_t* rows[R];
 #pragma unroll
@@ -158,7 +194,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const uint8_t* __restric
         for (int i = 0; i < NMAX; ++i) {
           if (i < n) {
             float xv[E];
-            load_x<E>(x + int64_t(i) * in, c, xv);
+            load_x<E>(x + int64_t(i) * ldx, c, xv);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
               float s = 0.0f;
@@ -199,41 +235,71 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const uint8_t* __restric
   }
 }
 
+// Activations in the Q8_0 byte-stream layout (see Q8_0Word): xe[i, p] for p < row_bytes.
+__global__ void expand_x_q8_0(const float* __restrict__ x, int64_t in, float* __restrict__ xe, int64_t row_bytes,
+                              int64_t total) {
+  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x) {
+    int64_t i = t / row_bytes, p = t - i * row_bytes;
+    int64_t b = p / 34, pos = p - b * 34;
+    xe[t] = pos >= 2 ? x[i * in + b * 32 + pos - 2] : 0.0f;
+  }
+}
+
+// Geometry of one launch: weights, activations in the policy's layout, output.
+struct Problem {
+  const uint8_t* w;
+  int64_t row_bytes, nchunks;
+  const float* x;
+  int64_t ldx;
+  float* y;
+  int n;
+  int64_t out;
+};
+
 template <class W, int NMAX, int R>
-void launch_r(const uint8_t* w, int64_t row_bytes, const float* x, float* y, int n, int64_t in, int64_t out,
-              cudaStream_t s) {
-  int64_t blocks = (out + R - 1) / R;
-  gemv_kernel<W, NMAX, R><<<unsigned(blocks), kThreads, 0, s>>>(w, row_bytes, x, y, n, in, out);
+void launch_r(const Problem& p, cudaStream_t s) {
+  int64_t blocks = (p.out + R - 1) / R;
+  gemv_kernel<W, NMAX, R><<<unsigned(blocks), kThreads, 0, s>>>(p.w, p.row_bytes, p.nchunks, p.x, p.ldx, p.y, p.n,
+                                                                 p.out);
   SPECD_GPU_CHECK_LAUNCH("gemv_kernel");
 }
 
-// Rows per block: more rows reuse each x load for more weights (matters when n is large and the
-// kernel is arithmetic/L1 bound), fewer keep enough blocks to fill the device for small `out`.
-// (The scalar F32 fallback always uses one row per block.)
+// Rows per block: more rows reuse each activation load for more weights (L1 traffic), fewer keep
+// enough blocks (16 per multiprocessor) to fill the device for small `out`. The scalar F32
+// fallback always uses one row per block.
 template <class W, int NMAX>
-void launch_n(const uint8_t* w, int64_t row_bytes, const float* x, float* y, int n, int64_t in, int64_t out,
-              cudaStream_t s) {
+void launch_n(const Problem& p, cudaStream_t s) {
   if constexpr (W::kElems > 1) {
-    const int64_t target = int64_t(detail::sm_count()) * 16;  // blocks: 16 per multiprocessor
-    if (NMAX >= 4 && out / 4 >= target) return launch_r<W, NMAX, 4>(w, row_bytes, x, y, n, in, out, s);
-    if (out / 2 >= target) return launch_r<W, NMAX, 2>(w, row_bytes, x, y, n, in, out, s);
+    const int64_t target = int64_t(detail::sm_count()) * 16;
+    if (p.out / 4 >= target) return launch_r<W, NMAX, 4>(p, s);
+    if (p.out / 2 >= target) return launch_r<W, NMAX, 2>(p, s);
   }
-  launch_r<W, NMAX, 1>(w, row_bytes, x, y, n, in, out, s);
+  launch_r<W, NMAX, 1>(p, s);
 }
 
 template <class W>
-void launch(const uint8_t* w, int64_t row_bytes, const float* x, float* y, int n, int64_t in, int64_t out) {
+void launch(const Problem& p) {
   cudaStream_t s = detail::stream();
-  if (n <= 1)
-    launch_n<W, 1>(w, row_bytes, x, y, n, in, out, s);
-  else if (n <= 2)
-    launch_n<W, 2>(w, row_bytes, x, y, n, in, out, s);
-  else if (n <= 4)
-    launch_n<W, 4>(w, row_bytes, x, y, n, in, out, s);
-  else if (n <= 8)
-    launch_n<W, 8>(w, row_bytes, x, y, n, in, out, s);
+  if (p.n <= 1)
+    launch_n<W, 1>(p, s);
+  else if (p.n <= 2)
+    launch_n<W, 2>(p, s);
+  else if (p.n <= 4)
+    launch_n<W, 4>(p, s);
+  else if (p.n <= 8)
+    launch_n<W, 8>(p, s);
   else
-    launch_n<W, 16>(w, row_bytes, x, y, n, in, out, s);
+    launch_n<W, 16>(p, s);
+}
+
+// SPECD_GPU_Q8_KERNEL=quarter selects the Q8_0Quarter kernel everywhere (A/B testing, debugging);
+// read once. Default (unset or "word"): Q8_0Word where the row layout allows it.
+bool q8_word_kernel_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("SPECD_GPU_Q8_KERNEL");
+    return !(v && std::string(v) == "quarter");
+  }();
+  return enabled;
 }
 
 }  // namespace
@@ -251,7 +317,7 @@ Tensor matmul(const Tensor& x, const Tensor& w) {
   check_contiguous(w, op, "w");
   const int64_t out = w.dim(0), in = w.dim(1), n = x.rows();
   SPECD_CHECK(x.cols() == in, op, ": x has ", x.cols(), " columns, w has ", in, " (w is [out, in])");
-  SPECD_CHECK((out + 1) / 2 <= 0x7fffffff, op, ": w has too many rows for one launch");
+  SPECD_CHECK(out <= 0x7fffffff, op, ": w has too many rows for one launch");
   SPECD_CHECK(detail::aligned16(x.data), op, ": x data must be 16-byte aligned");
   std::vector<int64_t> shape = x.shape;
   shape.back() = out;
@@ -263,16 +329,39 @@ Tensor matmul(const Tensor& x, const Tensor& w) {
   }
   const auto* wb = static_cast<const uint8_t*>(w.data);
   const int64_t rb = w.row_bytes();
+  // Q8_0Word needs 4-byte aligned rows (in % 64 == 0) and a word index below 2^30.
+  const bool word = w.dtype == DType::Q8_0 && q8_word_kernel_enabled() && in % 64 == 0 &&
+                    (reinterpret_cast<uintptr_t>(wb) & 3u) == 0 && rb / 4 < (int64_t(1) << 30);
+  std::shared_ptr<void> xe_buf;  // expanded activations (word kernel); freed stream-ordered
+  const float* xa = x.ptr<float>();
+  int64_t ldx = in;
+  if (word) {
+    const int64_t total = n * rb;
+    xe_buf = alloc(size_t(total) * sizeof(float));
+    float* xe = static_cast<float*>(xe_buf.get());
+    int64_t blocks = std::min<int64_t>((total + 255) / 256, int64_t(detail::sm_count()) * 8);
+    expand_x_q8_0<<<unsigned(blocks), 256, 0, detail::stream()>>>(xa, in, xe, rb, total);
+    SPECD_GPU_CHECK_LAUNCH("expand_x_q8_0");
+    xa = xe;
+    ldx = rb;
+  }
   for (int64_t i0 = 0; i0 < n; i0 += kNMax) {
-    int nn = int(std::min<int64_t>(kNMax, n - i0));
-    const float* xi = x.ptr<float>() + i0 * in;
-    float* yi = y.ptr<float>() + i0 * out;
-    if (w.dtype == DType::Q8_0)
-      launch<Q8_0W>(wb, rb, xi, yi, nn, in, out);
-    else if (in % 4 == 0 && detail::aligned16(wb))
-      launch<F32W<4>>(wb, rb, xi, yi, nn, in, out);
-    else
-      launch<F32W<1>>(wb, rb, xi, yi, nn, in, out);
+    Problem p{wb, rb, 0, xa + i0 * ldx, ldx, y.ptr<float>() + i0 * out, int(std::min<int64_t>(kNMax, n - i0)), out};
+    if (w.dtype == DType::Q8_0) {
+      if (word) {
+        p.nchunks = rb / 4;
+        launch<Q8_0Word>(p);
+      } else {
+        p.nchunks = in / 8;
+        launch<Q8_0Quarter>(p);
+      }
+    } else if (in % 4 == 0 && detail::aligned16(wb)) {
+      p.nchunks = in / 4;
+      launch<F32W<4>>(p);
+    } else {
+      p.nchunks = in;
+      launch<F32W<1>>(p);
+    }
   }
   return y;
 }
