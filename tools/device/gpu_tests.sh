@@ -9,7 +9,7 @@
 #     pytest.log    pytest -v output of tests/native and tests/gpu
 #     summary.json  gpu_report.py results (errors per op, copy and GEMV bandwidth)
 #     summary.md    the same as a markdown section (pasted into BENCHMARKS.md)
-#     quarter/summary.{json,md}  GEMV bandwidth with the Q8_0 fallback kernel (SPECD_GPU_Q8_KERNEL=quarter)
+#     word/summary.{json,md}  GEMV bandwidth with the opt-in Q8_0 kernel (SPECD_GPU_Q8_KERNEL=word)
 #     status.txt    one line per stage: name, exit status, seconds
 #     sanitizer.log compute-sanitizer memcheck of a small smoke script (only with SANITIZE=1)
 # Wheels the machine lacks (it has no network; e.g. gguf, pure Python) are installed from $WHEELS
@@ -61,6 +61,16 @@ if [ -n "$WHEELS" ]; then
 fi
 
 # --- build ----------------------------------------------------------------------------------------
+# Compiler. On the lent H200 image CMake picks /opt/gcc/bin/g++ (GCC 13.3), which has no shared
+# libstdc++ and so links libstdc++.a into the module; in that build every C++ exception thrown to
+# Python crashed (segfault formatting the message inside the static libstdc++'s ostream, seen in
+# CPU-only builds too; device run 2026-11-30). Build with the system compiler, whose libstdc++.so.6
+# is the one numpy and Python already load. Override with CXX / CUDAHOSTCXX.
+if [ -z "${CXX:-}" ] || [ "${CXX:-}" = /opt/gcc/bin/g++ ]; then
+  if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++; fi
+fi
+if [ -n "${CXX:-}" ] && [ -z "${CUDAHOSTCXX:-}" ]; then export CUDAHOSTCXX=$CXX; fi
+echo "CXX=${CXX:-} CUDAHOSTCXX=${CUDAHOSTCXX:-}" >>"$OUT/build.log"
 export SPECD_GPU=cuda
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 if ! stage build "$OUT/build.log" $PY -m pip install --no-build-isolation --no-deps -v \
@@ -68,6 +78,8 @@ if ! stage build "$OUT/build.log" $PY -m pip install --no-build-isolation --no-d
   echo "build failed; see $OUT/build.log" >&2
   exit 1
 fi
+# A statically linked libstdc++ (no libstdc++.so.6 line here) is the crash pattern described above.
+(cd /tmp && ldd "$($PY -c 'import specd.native._native as m; print(m.__file__)')") 2>&1 | tee -a "$OUT/build.log"
 # Runs from /tmp so that `import specd` is the installed package, not a source folder.
 (cd /tmp && $PY -c 'import specd.native as sn; print("gpu_compiled", sn.gpu_compiled(), "available", sn.gpu_available(), sn.gpu_device_name())') 2>&1 | tee -a "$OUT/build.log"
 
@@ -80,14 +92,14 @@ XDIST=()
 if $PY -c 'import xdist' 2>/dev/null; then XDIST=(-n 4 --max-worker-restart 100); fi
 stage pytest "$OUT/pytest.log" timeout 300 $PY -m pytest -v -rs -p no:cacheprovider "${XDIST[@]}" \
   tests/native tests/gpu
-# The Q8_0 fallback kernel (selected everywhere by SPECD_GPU_Q8_KERNEL=quarter) against the same tests.
-SPECD_GPU_Q8_KERNEL=quarter stage pytest-q8-quarter "$OUT/pytest.log" timeout 200 $PY -m pytest -v -rs \
+# The opt-in Q8_0 kernel (SPECD_GPU_Q8_KERNEL=word) against the same tests.
+SPECD_GPU_Q8_KERNEL=word stage pytest-q8-word "$OUT/pytest.log" timeout 200 $PY -m pytest -v -rs \
   -p no:cacheprovider "${XDIST[@]}" tests/gpu -k matmul
 
 # --- report ----------------------------------------------------------------------------------------
 stage report "$OUT/pytest.log" timeout 240 $PY tools/device/gpu_report.py --out "$OUT"
-SPECD_GPU_Q8_KERNEL=quarter stage report-q8-quarter "$OUT/pytest.log" timeout 200 $PY tools/device/gpu_report.py \
-  --bandwidth-only --label "SPECD_GPU_Q8_KERNEL=quarter" --out "$OUT/quarter"
+SPECD_GPU_Q8_KERNEL=word stage report-q8-word "$OUT/pytest.log" timeout 200 $PY tools/device/gpu_report.py \
+  --bandwidth-only --label "SPECD_GPU_Q8_KERNEL=word" --out "$OUT/word"
 
 # --- memcheck (optional: SANITIZE=1; needs compute-sanitizer and a runtime that supports it) -------
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then

@@ -5,18 +5,19 @@
 // rows and ALL (up to kNMax = 16) rows of x, so each weight byte is read from memory once per
 // launch; the warps split the reduction dimension. A weight row is cut into chunks and thread t
 // of the block handles chunks c = t + k*kThreads, so each warp-wide load covers contiguous bytes;
-// each thread first issues the loads of kLoadsInFlight chunk-rows, then decodes and accumulates.
+// each thread first issues the loads of U chunk steps for its R rows, then decodes and accumulates.
 // Chunk formats ("policies"):
-//   Q8_0Word (default for Q8_0 with in % 64 == 0): one aligned 32-bit word of the raw ggml byte
-//     stream per chunk, so a warp reads 128 contiguous bytes per row with one load (one L1
-//     wavefront). A word never holds quants of two blocks (a 2-byte scale always sits between
-//     blocks), so the chunk's block is b = 4c / 34, whose fp16 scale is read separately (an L1 hit).
-//     Activations are pre-expanded once per call to the byte-stream layout (xe[i, p] = x[i, 32 *
-//     (p / 34) + p % 34 - 2], 0 at scale bytes), so each chunk multiplies its 4 bytes by one aligned
-//     float4 of xe; scale bytes meet zeros and drop out. Extra traffic: 4.25 * n * in bytes.
-//   Q8_0Quarter (Q8_0 fallback; also selected by SPECD_GPU_Q8_KERNEL=quarter): a quarter of a
-//     32-weight block per chunk, 8 int8 read as 16-bit words (blocks are 34 bytes, so only 2-byte
-//     aligned) + the block scale; x read directly as two float4.
+//   Q8_0Quarter (default for Q8_0): a quarter of a 32-weight block per chunk, 8 int8 read as
+//     16-bit words (blocks are 34 bytes, so only 2-byte aligned) + the block's fp16 scale; x read
+//     directly as two float4.
+//   Q8_0Word (opt-in: SPECD_GPU_Q8_KERNEL=word, for in % 64 == 0): one aligned 32-bit word of the
+//     raw ggml byte stream per chunk, so a warp reads 128 contiguous bytes per row with one load. A
+//     word never holds quants of two blocks (a 2-byte scale always sits between blocks), so the
+//     chunk's block is b = 4c / 34, whose scale is read separately (an L1 hit). Activations are
+//     pre-expanded once per call to the byte-stream layout (xe[i, p] = x[i, 32 * (p / 34) + p % 34
+//     - 2], 0 at scale bytes), so each chunk multiplies its 4 bytes by one aligned float4 of xe and
+//     scale bytes meet zeros. Measured on the H200 (BENCHMARKS.md) it was slower than Q8_0Quarter
+//     except for out = 4096, in = 14336 at n = 1 (33 vs 36 us), so it is kept for experiments only.
 //   F32W<4> / F32W<1>: 4 floats (16-byte aligned rows) or 1 float per chunk.
 // int8 -> float uses the exact magic-number trick (bits 0x4B0000uu = 2^23 + uu with uu = q + 128),
 // keeping the integer-to-float converter off the critical path; per chunk s = sum_k q_k * x_k in
@@ -29,9 +30,10 @@
 // speculative decoding). n > 16 is processed 16 rows at a time (the weights are re-read per 16
 // rows: prefill should use a tiled GEMM / vendor BLAS instead).
 //
-// Performance notes (H200, see BENCHMARKS.md): at n = 1 the kernel is bound by L1 wavefronts and
-// HBM; at n = 16 by the FP32 FMAs and L1 traffic of x (16 fp32 FMAs per weight): a tensor-core
-// path (3xTF32 or bf16x3 splitting) is the next step for verify widths 8-16.
+// Performance (H200, BENCHMARKS.md): at n = 1 weights stream at 0.56 (62 MB) to 0.73 (1.35 GB LM
+// head) of the device-to-device copy bandwidth; at n = 8-16 the kernel is bound by FP32 FMA issue
+// and L1 traffic of x (16 fp32 FMAs per weight, ~12 TFLOP/s): a tensor-core path (3xTF32 or bf16x3
+// splitting) is the next step for verify widths 8-16.
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -48,7 +50,15 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * SPECD_WARP;
 constexpr int kNMax = 16;
-constexpr int kLoadsInFlight = 8;  // chunk loads per lane issued before the first use (U * R)
+
+// Chunk steps whose loads a thread issues before the first use, for R rows per block and up to
+// NMAX rows of x. Chosen from H200 measurements (BENCHMARKS.md): 4 chunk-rows in flight, except 8
+// for R = 4 at n <= 2; more (8 at R = 1, 2 at R = 4 with n >= 4) cost occupancy and ran slower.
+template <int R, int NMAX>
+__host__ __device__ constexpr int steps_in_flight() {
+  if (R == 4 && NMAX <= 2) return 2;
+  return 4 / R > 0 ? 4 / R : 1;
+}
 
 // --- weight formats -------------------------------------------------------------------------
 
@@ -155,7 +165,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const uint8_t* __restric
                                                         int64_t nchunks, const float* __restrict__ x,
                                                         int64_t ldx, float* __restrict__ y, int n, int64_t out) {
   constexpr int E = W::kElems;
-  constexpr int U = kLoadsInFlight / R > 0 ? kLoadsInFlight / R : 1;  // chunk steps in flight
+  constexpr int U = steps_in_flight<R, NMAX>();
   constexpr int kStride = kThreads;                                    // chunks per block step
   __shared__ float lane_part[R * NMAX][kThreads + 1];  // +1: conflict-free column reads
   __shared__ float warp_part[R * NMAX][kWarps];
@@ -292,12 +302,12 @@ void launch(const Problem& p) {
     launch_n<W, 16>(p, s);
 }
 
-// SPECD_GPU_Q8_KERNEL=quarter selects the Q8_0Quarter kernel everywhere (A/B testing, debugging);
-// read once. Default (unset or "word"): Q8_0Word where the row layout allows it.
+// SPECD_GPU_Q8_KERNEL=word selects the Q8_0Word kernel where the row layout allows it (A/B
+// experiments); read once. Default (unset or "quarter"): Q8_0Quarter.
 bool q8_word_kernel_enabled() {
   static const bool enabled = [] {
     const char* v = std::getenv("SPECD_GPU_Q8_KERNEL");
-    return !(v && std::string(v) == "quarter");
+    return v && std::string(v) == "word";
   }();
   return enabled;
 }
