@@ -14,14 +14,9 @@ Tolerances (stated per op):
 Every GPU result is also checked for bit-identical rows whatever the number of rows in the call
 (batch invariance, needed for lossless speculative decoding).
 
-matmul and argmax are reached through the final Python API (``sn.matmul``, ``sn.argmax``), whose
-bindings live in bindings/quants.cpp and bindings/sampling.cpp; until they exist the tests skip.
-``sn.l2_norm`` on GPU tensors needs the GPU dispatch line in bindings/norm.cpp; its test runs only
-when SPECD_TEST_GPU_L2=1 (tools/device/gpu_tests.sh sets it when that line is present), since the
-CPU op must never see a device pointer.
+Every op is reached through the public Python API (``sn.rms_norm``, ``sn.l2_norm``, ``sn.matmul``,
+``sn.argmax``), which dispatches GPU tensors to the CUDA kernels.
 """
-import os
-
 import numpy as np
 import pytest
 
@@ -54,11 +49,6 @@ def poison(nbytes):
     t = on_gpu(np.full(n, np.nan, np.float32))
     sn.gpu_synchronize()
     del t
-
-
-def need(name):
-    if not hasattr(sn, name):
-        pytest.skip(f"sn.{name} binding not in this build yet")
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,7 +172,6 @@ def test_rms_norm_gpu_bad_input():
 
 @pytest.mark.parametrize("shape", NORM_SHAPES)
 @gpu_only
-@pytest.mark.skipif(os.environ.get("SPECD_TEST_GPU_L2") != "1", reason="l2_norm GPU dispatch not enabled")
 def test_l2_norm_gpu_vs_cpu(rng, shape):
     x = rng.standard_normal(shape).astype(np.float32)
     y = sn.l2_norm(on_gpu(x), eps=1e-6)
@@ -246,7 +235,6 @@ MATMUL_SHAPES = [  # (n, in, out)
 @pytest.mark.parametrize("n,k,out", MATMUL_SHAPES)
 @gpu_only
 def test_matmul_q8_0_gpu(rng, n, k, out):
-    need("matmul")
     raw, wf = random_q8_0(rng, out, k)
     x = rng.standard_normal((n, k)).astype(np.float32)
     wg = on_gpu(raw, sn.DType.Q8_0)
@@ -266,7 +254,6 @@ def test_matmul_q8_0_gpu(rng, n, k, out):
 @pytest.mark.parametrize("n,k,out", [(1, 1, 1), (2, 7, 5), (3, 33, 17), (4, 256, 300), (16, 4096, 1024), (20, 130, 9)])
 @gpu_only
 def test_matmul_f32_gpu(rng, n, k, out):
-    need("matmul")
     w = rng.standard_normal((out, k)).astype(np.float32)
     x = rng.standard_normal((n, k)).astype(np.float32)
     poison(n * out * 4)
@@ -280,7 +267,6 @@ def test_matmul_f32_gpu(rng, n, k, out):
 
 @gpu_only
 def test_matmul_gpu_batch_invariant(rng):
-    need("matmul")
     raw, _ = random_q8_0(rng, 777, 2048)
     wg = on_gpu(raw, sn.DType.Q8_0)
     wf = on_gpu(rng.standard_normal((333, 2048)).astype(np.float32))
@@ -293,7 +279,6 @@ def test_matmul_gpu_batch_invariant(rng):
 
 @gpu_only
 def test_matmul_gpu_bad_input(rng):
-    need("matmul")
     raw, _ = random_q8_0(rng, 8, 64)
     wg = on_gpu(raw, sn.DType.Q8_0)
     with pytest.raises(ValueError, match="columns"):
@@ -317,7 +302,6 @@ def cpu_argmax_or_none(x):
 @pytest.mark.parametrize("shape", [(1, VOCAB), (4, VOCAB), (16, VOCAB), (3, 7), (2, 1), (5, 1001), (1, 1024), (2, 3, 257), (1, VOCAB + 1)])
 @gpu_only
 def test_argmax_gpu(rng, shape):
-    need("argmax")
     x = (rng.standard_normal(shape) * 4).astype(np.float32)
     poison(int(np.prod(shape[:-1])) * 4)
     got = sn.argmax(on_gpu(x))
@@ -331,7 +315,6 @@ def test_argmax_gpu(rng, shape):
 
 @gpu_only
 def test_argmax_gpu_ties_and_specials(rng):
-    need("argmax")
     V = VOCAB
     rows = []
     # Planted ties: the maximum appears at several random positions; the first must win.

@@ -9,7 +9,6 @@
 #     pytest.log    pytest -v output of tests/native and tests/gpu
 #     summary.json  gpu_report.py results (errors per op, copy and GEMV bandwidth)
 #     summary.md    the same as a markdown section (pasted into BENCHMARKS.md)
-#     word/summary.{json,md}  GEMV bandwidth with the opt-in Q8_0 kernel (SPECD_GPU_Q8_KERNEL=word)
 #     status.txt    one line per stage: name, exit status, seconds
 #     sanitizer.log compute-sanitizer memcheck of a small smoke script (only with SANITIZE=1)
 # Wheels the machine lacks (it has no network; e.g. gguf, pure Python) are installed from $WHEELS
@@ -85,21 +84,15 @@ fi
 
 # --- tests ----------------------------------------------------------------------------------------
 # l2_norm's GPU test needs the dispatch line in bindings/norm.cpp (see tests/gpu/test_gpu_ops.py).
-if grep -q "gpu::l2_norm" native/src/bindings/norm.cpp; then export SPECD_TEST_GPU_L2=1; fi
 # With pytest-xdist, tests run in worker processes, so a crashing test (segfault) is reported as a
 # failure and the rest still run.
 XDIST=()
 if $PY -c 'import xdist' 2>/dev/null; then XDIST=(-n 4 --max-worker-restart 100); fi
 stage pytest "$OUT/pytest.log" timeout 300 $PY -m pytest -v -rs -p no:cacheprovider "${XDIST[@]}" \
   tests/native tests/gpu
-# The opt-in Q8_0 kernel (SPECD_GPU_Q8_KERNEL=word) against the same tests.
-SPECD_GPU_Q8_KERNEL=word stage pytest-q8-word "$OUT/pytest.log" timeout 200 $PY -m pytest -v -rs \
-  -p no:cacheprovider "${XDIST[@]}" tests/gpu -k matmul
 
 # --- report ----------------------------------------------------------------------------------------
 stage report "$OUT/pytest.log" timeout 240 $PY tools/device/gpu_report.py --out "$OUT"
-SPECD_GPU_Q8_KERNEL=word stage report-q8-word "$OUT/pytest.log" timeout 200 $PY tools/device/gpu_report.py \
-  --bandwidth-only --label "SPECD_GPU_Q8_KERNEL=word" --out "$OUT/word"
 
 # --- memcheck (optional: SANITIZE=1; needs compute-sanitizer and a runtime that supports it) -------
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then

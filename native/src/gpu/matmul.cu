@@ -7,17 +7,9 @@
 // of the block handles chunks c = t + k*kThreads, so each warp-wide load covers contiguous bytes;
 // each thread first issues the loads of U chunk steps for its R rows, then decodes and accumulates.
 // Chunk formats ("policies"):
-//   Q8_0Quarter (default for Q8_0): a quarter of a 32-weight block per chunk, 8 int8 read as
+//   Q8_0Quarter: a quarter of a 32-weight block per chunk, 8 int8 read as
 //     16-bit words (blocks are 34 bytes, so only 2-byte aligned) + the block's fp16 scale; x read
 //     directly as two float4.
-//   Q8_0Word (opt-in: SPECD_GPU_Q8_KERNEL=word, for in % 64 == 0): one aligned 32-bit word of the
-//     raw ggml byte stream per chunk, so a warp reads 128 contiguous bytes per row with one load. A
-//     word never holds quants of two blocks (a 2-byte scale always sits between blocks), so the
-//     chunk's block is b = 4c / 34, whose scale is read separately (an L1 hit). Activations are
-//     pre-expanded once per call to the byte-stream layout (xe[i, p] = x[i, 32 * (p / 34) + p % 34
-//     - 2], 0 at scale bytes), so each chunk multiplies its 4 bytes by one aligned float4 of xe and
-//     scale bytes meet zeros. Measured on the H200 (BENCHMARKS.md) it was slower than Q8_0Quarter
-//     except for out = 4096, in = 14336 at n = 1 (33 vs 36 us), so it is kept for experiments only.
 //   F32W<4> / F32W<1>: 4 floats (16-byte aligned rows) or 1 float per chunk.
 // int8 -> float uses the exact magic-number trick (bits 0x4B0000uu = 2^23 + uu with uu = q + 128),
 // keeping the integer-to-float converter off the critical path; per chunk s = sum_k q_k * x_k in
@@ -35,8 +27,6 @@
 // and L1 traffic of x (16 fp32 FMAs per weight, ~12 TFLOP/s): a tensor-core path (3xTF32 or bf16x3
 // splitting) is the next step for verify widths 8-16.
 #include <algorithm>
-#include <cstdlib>
-#include <string>
 #include <vector>
 
 #include "common.cuh"
@@ -72,26 +62,6 @@ __device__ __forceinline__ void int8x4_to_float(uint32_t word, float* w) {
   w[2] = __int_as_float(__byte_perm(u, kExp, 0x7542)) - kBias;
   w[3] = __int_as_float(__byte_perm(u, kExp, 0x7543)) - kBias;
 }
-
-struct Q8_0Word {
-  static constexpr int kElems = 4;  // bytes of the raw row per chunk
-  static constexpr bool kScaled = true;
-  struct Raw {
-    uint32_t q;  // 4 bytes of the stream: 4 quants, or 2 quants and a scale (meets zeros in xe)
-    uint16_t d;  // fp16 scale of the block owning the quants
-  };
-  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t c) {
-    Raw r;
-    r.q = reinterpret_cast<const uint32_t*>(row)[c];
-    uint32_t b = uint32_t(c) * 2u / 17u;  // (4c) / 34, c < 2^30
-    r.d = *reinterpret_cast<const uint16_t*>(row + size_t(b) * 34);
-    return r;
-  }
-  __device__ __forceinline__ static float decode(const Raw& r, float (&w)[kElems]) {
-    int8x4_to_float(r.q, w);
-    return specd_fp16_bits_to_float(r.d);
-  }
-};
 
 struct Q8_0Quarter {
   static constexpr int kElems = 8;  // elements per chunk (a quarter block)
@@ -245,16 +215,6 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const uint8_t* __restric
   }
 }
 
-// Activations in the Q8_0 byte-stream layout (see Q8_0Word): xe[i, p] for p < row_bytes.
-__global__ void expand_x_q8_0(const float* __restrict__ x, int64_t in, float* __restrict__ xe, int64_t row_bytes,
-                              int64_t total) {
-  for (int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; t < total; t += int64_t(gridDim.x) * blockDim.x) {
-    int64_t i = t / row_bytes, p = t - i * row_bytes;
-    int64_t b = p / 34, pos = p - b * 34;
-    xe[t] = pos >= 2 ? x[i * in + b * 32 + pos - 2] : 0.0f;
-  }
-}
-
 // Geometry of one launch: weights, activations in the policy's layout, output.
 struct Problem {
   const uint8_t* w;
@@ -302,16 +262,6 @@ void launch(const Problem& p) {
     launch_n<W, 16>(p, s);
 }
 
-// SPECD_GPU_Q8_KERNEL=word selects the Q8_0Word kernel where the row layout allows it (A/B
-// experiments); read once. Default (unset or "quarter"): Q8_0Quarter.
-bool q8_word_kernel_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("SPECD_GPU_Q8_KERNEL");
-    return v && std::string(v) == "word";
-  }();
-  return enabled;
-}
-
 }  // namespace
 
 Tensor matmul(const Tensor& x, const Tensor& w) {
@@ -339,32 +289,11 @@ Tensor matmul(const Tensor& x, const Tensor& w) {
   }
   const auto* wb = static_cast<const uint8_t*>(w.data);
   const int64_t rb = w.row_bytes();
-  // Q8_0Word needs 4-byte aligned rows (in % 64 == 0) and a word index below 2^30.
-  const bool word = w.dtype == DType::Q8_0 && q8_word_kernel_enabled() && in % 64 == 0 &&
-                    (reinterpret_cast<uintptr_t>(wb) & 3u) == 0 && rb / 4 < (int64_t(1) << 30);
-  std::shared_ptr<void> xe_buf;  // expanded activations (word kernel); freed stream-ordered
-  const float* xa = x.ptr<float>();
-  int64_t ldx = in;
-  if (word) {
-    const int64_t total = n * rb;
-    xe_buf = alloc(size_t(total) * sizeof(float));
-    float* xe = static_cast<float*>(xe_buf.get());
-    int64_t blocks = std::min<int64_t>((total + 255) / 256, int64_t(detail::sm_count()) * 8);
-    expand_x_q8_0<<<unsigned(blocks), 256, 0, detail::stream()>>>(xa, in, xe, rb, total);
-    SPECD_GPU_CHECK_LAUNCH("expand_x_q8_0");
-    xa = xe;
-    ldx = rb;
-  }
   for (int64_t i0 = 0; i0 < n; i0 += kNMax) {
-    Problem p{wb, rb, 0, xa + i0 * ldx, ldx, y.ptr<float>() + i0 * out, int(std::min<int64_t>(kNMax, n - i0)), out};
+    Problem p{wb, rb, 0, x.ptr<float>() + i0 * in, in, y.ptr<float>() + i0 * out, int(std::min<int64_t>(kNMax, n - i0)), out};
     if (w.dtype == DType::Q8_0) {
-      if (word) {
-        p.nchunks = rb / 4;
-        launch<Q8_0Word>(p);
-      } else {
-        p.nchunks = in / 8;
-        launch<Q8_0Quarter>(p);
-      }
+      p.nchunks = in / 8;
+      launch<Q8_0Quarter>(p);
     } else if (in % 4 == 0 && detail::aligned16(wb)) {
       p.nchunks = in / 4;
       launch<F32W<4>>(p);
