@@ -77,6 +77,9 @@ if ! stage build "$OUT/build.log" $PY -m pip install --no-build-isolation --no-d
   echo "build failed; see $OUT/build.log" >&2
   exit 1
 fi
+# The module's link line and any flags the image sets (a static libstdc++ shows up here).
+env | grep -iE '^(LDFLAGS|CXXFLAGS|CFLAGS|CMAKE_[A-Z_]*)=' >>"$OUT/build.log" || true
+(command -v ninja >/dev/null && ninja -C /tmp/specd-build -t commands 2>/dev/null | grep -- '-o _native' | tail -1) >>"$OUT/build.log" 2>&1 || true
 # A statically linked libstdc++ (no libstdc++.so.6 line here) is the crash pattern described above.
 (cd /tmp && ldd "$($PY -c 'import specd.native._native as m; print(m.__file__)')") 2>&1 | tee -a "$OUT/build.log"
 # Runs from /tmp so that `import specd` is the installed package, not a source folder.

@@ -22,7 +22,6 @@
 #include <cstdio>
 #include <mutex>
 #include <new>
-#include <sstream>
 
 #include "common.cuh"
 #include "specd/gpu.h"
@@ -32,10 +31,9 @@ namespace specd::gpu {
 namespace detail {
 
 void throw_runtime_error(cudaError_t err, const char* call, const char* file, int line) {
-  std::ostringstream os;
-  os << SPECD_BACKEND_NAME << " call `" << call << "` failed at " << file << ":" << line << ": "
-     << cudaGetErrorString(err) << " (" << cudaGetErrorName(err) << ")";
-  throw std::runtime_error(os.str());
+  std::string msg = std::string(SPECD_BACKEND_NAME) + " call `" + call + "` failed at " + file + ":" + std::to_string(line) + ": " +
+         cudaGetErrorString(err) + " (" + cudaGetErrorName(err) + ")";
+  throw std::runtime_error(msg);
 }
 
 namespace {
@@ -148,9 +146,8 @@ void* allocate(size_t bytes) {
   }
   if (err != cudaSuccess) {
     cudaGetLastError();
-    std::ostringstream os;
-    os << (p.pools ? "cudaMallocAsync" : "cudaMalloc") << " of " << bytes << " bytes";
-    throw_runtime_error(err, os.str().c_str(), __FILE__, __LINE__);
+    std::string what = std::string(p.pools ? "cudaMallocAsync" : "cudaMalloc") + " of " + std::to_string(bytes) + " bytes";
+    throw_runtime_error(err, what.c_str(), __FILE__, __LINE__);
   }
   return ptr;
 }
