@@ -276,3 +276,7 @@ def test_perplexity_cli(converted, tmp_path, capsys):
                        "--max-chunks", "2", "--kv-type", "f32"]) == 0
     out = capsys.readouterr().out
     assert "Final estimate: PPL = " in out and "16 tokens scored" in out  # 2 chunks x (16 - 8) scored
+    # user errors are one line on stderr, not a traceback
+    assert specd_main(["perplexity", "--target", str(tmp_path / "none.gguf"), "--file", str(text)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specd perplexity: error: ") and "none.gguf" in err and "Traceback" not in err
