@@ -151,33 +151,36 @@ def random_tree(rng, w):
     return parents
 
 
-@pytest.mark.parametrize("name", ["main", "r3"])
-def test_tree_verify_and_commit_equal_chain(checkpoint, converted, rng, name):
+@pytest.mark.parametrize("name,prefix", [("main", 12), ("r3", 12), ("main", 60)])
+def test_tree_verify_and_commit_equal_chain(checkpoint, converted, rng, name, prefix):
     """Every tree node's logits equal a chain verify of its root path, and committing any path
-    leaves the state a chain commit of that path leaves (spec-loop.md §7.4-7.5)."""
+    leaves the state a chain commit of that path leaves (spec-loop.md §7.4-7.5). prefix 60 puts the
+    tree's cache rows across row 64, where tree rows (c + index) and chain rows (c + depth) differ."""
     ck = checkpoint(name)
     model = model_for(converted, name, kv=sn.DType.F16, capture=[0, 2])
+    vocab = ck.config.vocab_size
+    prompt = list(ck.prompt) + [int(t) for t in rng.integers(0, vocab, size=prefix - len(ck.prompt))]
     w = 7
     parents = random_tree(rng, w)
-    tokens = [int(t) for t in rng.integers(0, ck.config.vocab_size, size=w)]
-    base = model.new_sequence(64)
-    model.prefill(base, ck.prompt)
-    tree_st = model.new_sequence(64)
-    model.prefill(tree_st, ck.prompt)
-    res = model.verify(tree_st, tokens, parents)
+    tokens = [int(t) for t in rng.integers(0, vocab, size=w)]
+
+    def prefilled():
+        st = model.new_sequence(96)
+        model.prefill(st, prompt)
+        return st
+
+    res = model.verify(prefilled(), tokens, parents)
     for j in range(w):
         path = tree_path(parents, j)
-        chain_st = model.new_sequence(64)
-        model.prefill(chain_st, ck.prompt)
+        chain_st = prefilled()
         chain = model.verify(chain_st, [tokens[r] for r in path])
         np.testing.assert_array_equal(res.logits[j], chain.logits[-1], err_msg=f"node {j} path {path}")
         np.testing.assert_array_equal(res.features[j], chain.features[-1])
         model.commit(chain_st, chain, len(path))
-        st = model.new_sequence(64)
-        model.prefill(st, ck.prompt)
+        st = prefilled()
         model.commit(st, model.verify(st, tokens, parents), path)
         assert_same_state(model, st, chain_st)
-        nxt = int(rng.integers(0, ck.config.vocab_size))
+        nxt = int(rng.integers(0, vocab))
         np.testing.assert_array_equal(model.decode(st, nxt), model.decode(chain_st, nxt))
 
 

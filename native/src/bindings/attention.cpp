@@ -29,9 +29,10 @@ mask: None or I32 [n, kv_len] (numpy int32; nonzero = visible); scale: None = 1/
 Key j is visible to query i iff (mask is None or mask[i, j] != 0) and (not causal or j <= q_pos[i])
 and (window == 0 or j > q_pos[i] - window); cache row j is taken to hold position j.
 out[i, h] = sum_j softmax_j(scale * q[i, h] . k[j, g]) v[j, g] over visible j, g = h // (Hq // Hkv)
-(qwen35-target.md §6.3 step 5; drafters.md §3.3 masks). Scores/softmax/accumulation in F32 with
-online max subtraction per 64-key chunk; a query with no visible key returns zeros. Batch
-invariant: each (query, head) result is bitwise independent of n and the thread count.
+(qwen35-target.md §6.3 step 5; drafters.md §3.3 masks). Scores/softmax/accumulation in F32, two
+passes (max, then weights and values in key order); a query with no visible key returns zeros.
+Each (query, head) result depends only on its ordered visible keys: bitwise independent of n, the
+thread count and where the keys sit in the cache (tree verify equals chain verify).
 Used causal for target prefill/verify, causal=False with an ancestor mask for tree verify, and
 causal=False (optionally windowed) for drafter blocks. Returns F32 [n, Hq, d].
 Raises ValueError on dtype/shape mismatch, Hq % Hkv != 0, kv_len out of range, window < 0,

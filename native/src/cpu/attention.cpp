@@ -14,7 +14,7 @@ namespace specd::cpu {
 
 namespace {
 
-constexpr int64_t kChunk = 64;  // keys per online-softmax step; boundaries at absolute multiples
+constexpr int64_t kChunk = 64;  // cache rows decoded together (shared by a unit's queries)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 void check_cache(const Tensor& c, const char* op, const char* arg) {
@@ -38,14 +38,13 @@ struct CacheReader {
   }
 };
 
-// Per-thread working memory for one work unit (a tile of queries x a run of heads).
+// Per-thread working memory for one work unit (a tile of queries x a run of heads): each pair's
+// scores over the unit's key range, its max, sum and output accumulator, and decoded cache rows.
 struct Scratch {
-  std::vector<float> acc, m, l, kbuf, vbuf, s;
-  std::vector<const float*> kp, vp;
-  std::vector<uint8_t> vis;
-  Scratch(int64_t pairs, int64_t d)
-      : acc(size_t(pairs * d)), m(size_t(pairs)), l(size_t(pairs)), kbuf(size_t(kChunk * d)),
-        vbuf(size_t(kChunk * d)), s(size_t(kChunk)), kp(size_t(kChunk)), vp(size_t(kChunk)), vis(size_t(kChunk)) {}
+  std::vector<float> acc, m, l, rows, s;
+  std::vector<const float*> rp;
+  Scratch(int64_t pairs, int64_t d) : acc(size_t(pairs * d)), m(size_t(pairs)), l(size_t(pairs)),
+                                      rows(size_t(kChunk * d)), rp(size_t(kChunk)) {}
 };
 
 struct Problem {
@@ -58,75 +57,69 @@ struct Problem {
   Tensor out;
 };
 
-// One online-softmax step of pair state (m, l, acc) over the visible keys of [jlo, jhi).
-void softmax_step(const Problem& P, Scratch& w, const float* qv, int64_t jlo, int64_t jhi, int64_t c0, float& m,
-                  float& l, float* acc) {
-  float cmax = kNegInf;
-  bool any = false;
-  for (int64_t j = jlo; j < jhi; ++j) {
-    if (!w.vis[j - c0]) continue;
-    float sc = dot_f32(qv, w.kp[j - c0], P.d) * P.scale;
-    w.s[j - c0] = sc;
-    cmax = any ? std::max(cmax, sc) : sc;
-    any = true;
-  }
-  if (!any) return;
-  float mnew = std::max(m, cmax);
-  float alpha = std::exp(m - mnew);  // 0 on the first visible chunk (m = -inf)
-  l *= alpha;
-  for (int64_t c = 0; c < P.d; ++c) acc[c] *= alpha;
-  for (int64_t j = jlo; j < jhi; ++j) {
-    if (!w.vis[j - c0]) continue;
-    float p = std::exp(w.s[j - c0] - mnew);
-    l += p;
-    const float* vr = w.vp[j - c0];
-    for (int64_t c = 0; c < P.d; ++c) acc[c] += p * vr[c];
-  }
-  m = mnew;
-}
-
 // A work item: queries [i0, i1) x query heads [h0, h0 + hs), all reading KV head g.
 struct Unit {
   int64_t g, h0, hs, i0, i1;
 };
 
-// Keys [c0, c1) for one unit: decode the needed K/V rows once, then one softmax step per pair.
-void attend_chunk(const Problem& P, Scratch& w, const Unit& u, int64_t c0, int64_t c1) {
-  int64_t need_lo = c1, need_hi = c0;
-  for (int64_t i = u.i0; i < u.i1; ++i) {
-    need_lo = std::min(need_lo, std::max(c0, P.lo[i]));
-    need_hi = std::max(need_hi, std::min(c1, P.hi[i]));
-  }
-  for (int64_t j = need_lo; j < need_hi; ++j) {
-    w.kp[j - c0] = P.k.row(j, u.g, w.kbuf.data() + (j - c0) * P.d);
-    w.vp[j - c0] = P.v.row(j, u.g, w.vbuf.data() + (j - c0) * P.d);
-  }
-  for (int64_t i = u.i0; i < u.i1; ++i) {
-    int64_t jlo = std::max(c0, P.lo[i]), jhi = std::min(c1, P.hi[i]);
-    if (jlo >= jhi) continue;
-    const int32_t* mrow = P.a.mask ? row_at<int32_t>(*P.a.mask, i) : nullptr;
-    for (int64_t j = jlo; j < jhi; ++j) w.vis[j - c0] = mrow == nullptr || mrow[j] != 0;
-    for (int64_t hh = 0; hh < u.hs; ++hh) {
-      int64_t pair = (i - u.i0) * u.hs + hh;
-      const float* qv = row_at<float>(P.q, i * P.hq + u.h0 + hh);
-      softmax_step(P, w, qv, jlo, jhi, c0, w.m[pair], w.l[pair], w.acc.data() + pair * P.d);
-    }
-  }
+// Decodes cache rows [c0, c1) of KV head g that some query of the unit can see.
+void decode_rows(const Problem& P, const CacheReader& cache, Scratch& w, const Unit& u, int64_t c0, int64_t c1) {
+  for (int64_t j = c0; j < c1; ++j) w.rp[j - c0] = cache.row(j, u.g, w.rows.data() + (j - c0) * P.d);
 }
 
+bool visible(const Problem& P, int64_t i, int64_t j) {
+  if (j < P.lo[i] || j >= P.hi[i]) return false;
+  return !P.a.mask || row_at<int32_t>(*P.a.mask, i)[j] != 0;
+}
+
+// Softmax attention of every (query, head) pair of a unit, in two passes over its key range:
+// scores and their max, then p = exp(s - max) summed with p * v in increasing key order. The
+// arithmetic depends only on the ordered sequence of visible keys, never on where those keys sit
+// in the cache or how many rows share the call: a tree node (keys at rows c + ancestor index) gets
+// bit for bit the result of the chain verify of its path (keys at rows c + depth), and any row the
+// result of a one-row call. Masked keys are skipped, so a row with no visible key returns zeros.
 void attend_unit(const Problem& P, Scratch& w, const Unit& u) {
-  int64_t pairs = (u.i1 - u.i0) * u.hs;
-  std::fill(w.m.begin(), w.m.begin() + pairs, kNegInf);
-  std::fill(w.l.begin(), w.l.begin() + pairs, 0.0f);
-  std::fill(w.acc.begin(), w.acc.begin() + pairs * P.d, 0.0f);
-  int64_t lo = P.a.kv_len, hi = 0;
+  int64_t pairs = (u.i1 - u.i0) * u.hs, lo = P.a.kv_len, hi = 0;
   for (int64_t i = u.i0; i < u.i1; ++i) {
     if (P.lo[i] >= P.hi[i]) continue;
     lo = std::min(lo, P.lo[i]);
     hi = std::max(hi, P.hi[i]);
   }
-  for (int64_t c0 = lo / kChunk * kChunk; c0 < hi; c0 += kChunk)
-    attend_chunk(P, w, u, c0, std::min(c0 + kChunk, P.a.kv_len));
+  int64_t span = std::max<int64_t>(hi - lo, 0);
+  w.s.assign(size_t(pairs * span), kNegInf);
+  std::fill(w.m.begin(), w.m.begin() + pairs, kNegInf);
+  std::fill(w.l.begin(), w.l.begin() + pairs, 0.0f);
+  std::fill(w.acc.begin(), w.acc.begin() + pairs * P.d, 0.0f);
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // pass 1: scores and max
+    int64_t c1 = std::min(c0 + kChunk, hi);
+    decode_rows(P, P.k, w, u, c0, c1);
+    for (int64_t i = u.i0; i < u.i1; ++i)
+      for (int64_t j = c0; j < c1; ++j) {
+        if (!visible(P, i, j)) continue;
+        for (int64_t hh = 0; hh < u.hs; ++hh) {
+          int64_t pair = (i - u.i0) * u.hs + hh;
+          float sc = dot_f32(row_at<float>(P.q, i * P.hq + u.h0 + hh), w.rp[j - c0], P.d) * P.scale;
+          w.s[size_t(pair * span + j - lo)] = sc;
+          w.m[pair] = std::max(w.m[pair], sc);
+        }
+      }
+  }
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // pass 2: weights and weighted values
+    int64_t c1 = std::min(c0 + kChunk, hi);
+    decode_rows(P, P.v, w, u, c0, c1);
+    for (int64_t i = u.i0; i < u.i1; ++i)
+      for (int64_t j = c0; j < c1; ++j) {
+        if (!visible(P, i, j)) continue;
+        for (int64_t hh = 0; hh < u.hs; ++hh) {
+          int64_t pair = (i - u.i0) * u.hs + hh;
+          float p = std::exp(w.s[size_t(pair * span + j - lo)] - w.m[pair]);
+          w.l[pair] += p;
+          float* acc = w.acc.data() + pair * P.d;
+          const float* vr = w.rp[j - c0];
+          for (int64_t c = 0; c < P.d; ++c) acc[c] += p * vr[c];
+        }
+      }
+  }
   for (int64_t i = u.i0; i < u.i1; ++i)
     for (int64_t hh = 0; hh < u.hs; ++hh) {
       int64_t pair = (i - u.i0) * u.hs + hh;

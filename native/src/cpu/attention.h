@@ -28,11 +28,12 @@ struct AttentionArgs {
 // (their dtypes may differ); q_pos: I32 [n], each >= 0. Query head h reads KV head h / (Hq / Hkv)
 // (Hq % Hkv == 0). Key j in [0, kv_len) is visible to query i iff
 //   (no mask or mask[i, j] != 0) and (!causal or j <= q_pos[i]) and (window == 0 or j > q_pos[i] - window).
-// Scores and the softmax are F32: dot products with fixed-order partial sums, an online softmax
-// whose running max is updated once per 64-key chunk (chunk bounds at absolute multiples of 64),
-// F32 accumulation. A query with no visible key gets zeros. Work is split over (KV head, query
-// tile, head subgroup); each (query, head) result is computed by the same sequence of operations
-// whatever n, the split or the thread count (batch invariant). Linear in kv_len per query.
+// Scores and the softmax are F32: dot products with fixed-order partial sums, a two-pass softmax
+// (max over the visible scores, then exp-weights summed with the values in increasing key order),
+// F32 accumulation. A query with no visible key gets zeros. The arithmetic of each (query, head)
+// result depends only on the ordered sequence of its visible keys: not on n, the work split, the
+// thread count, nor the cache rows the keys sit in (a tree node equals the chain verify of its
+// path bitwise). Linear in kv_len per query.
 // Returns F32 [n, Hq, d].
 Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_pos,
                  const AttentionArgs& args);
