@@ -62,6 +62,8 @@ class VerifyResult:
     features: np.ndarray  # float32 [w, n_taps * n_embd]
     start: int  # committed length when the verify ran
     pending: list  # per layer: GDNPending for GDN layers, None for attention layers
+    sequence: "SequenceState"  # the sequence it ran on
+    generation: int  # that sequence's verify count when it ran: only the newest verify can commit
 
 
 class SequenceState:
@@ -71,6 +73,7 @@ class SequenceState:
         hp = model.hp
         self.capacity = capacity
         self.committed = 0
+        self.verifies = 0  # a verify overwrites K/V rows past `committed`: only the newest may commit
         self.kv: dict[int, tuple[sn.Tensor, sn.Tensor]] = {}
         self.ssm: dict[int, np.ndarray] = {}
         self.conv: dict[int, np.ndarray] = {}
@@ -123,7 +126,7 @@ class Qwen35Model:
     def prefill(self, st: SequenceState, tokens: Sequence[int]) -> np.ndarray:
         """Runs and commits ``tokens`` after the committed prefix in chunks; returns the last row's
         logits (float32 [n_vocab])."""
-        tokens = self._check_tokens(tokens, st, len(tokens))
+        tokens = self._check_tokens(tokens, st)
         for s in range(0, len(tokens), self.prefill_chunk):
             res = self.verify(st, tokens[s : s + self.prefill_chunk], last_only=True)
             self.commit(st, res, len(res.tokens))
@@ -144,9 +147,10 @@ class Qwen35Model:
         position committed + depth(i) and attends to the prefix and its own ancestors only. Returns
         logits and argmax of every row (only the last row with ``last_only``) and every row's features.
         """
-        tokens = self._check_tokens(tokens, st, len(tokens))
+        tokens = self._check_tokens(tokens, st)
         w, c = len(tokens), st.committed
-        tree = None if parents is None else self._tree(parents, w)
+        tree = None if parents is None else _Tree(parents, w, c)
+        st.verifies += 1
         positions = (c + np.arange(w) if tree is None else c + tree.depth).astype(np.int32)
         x = sn.embedding(self.w.token_embd, tokens).numpy()
         taps, pending = {}, []
@@ -165,14 +169,18 @@ class Qwen35Model:
                  else np.zeros((w, self.hp.n_embd), np.float32))
         logits = self._logits(x[-1:] if last_only else x)
         return VerifyResult(tokens, None if tree is None else tree.parents, logits, sn.argmax(logits).numpy(),
-                            feats, c, pending)
+                            feats, c, pending, st, st.verifies)
 
     def commit(self, st: SequenceState, res: VerifyResult, n_or_path) -> None:
         """Makes a prefix (chain: an int n in 0..w) or a tree path (a list of row indices, each the
         parent of the next, the first a child of the prefix) of a verify final. Afterwards every
         state equals a plain run over the committed tokens."""
+        if res.sequence is not st:
+            raise ValueError("commit: this verify ran on another sequence")
         if st.committed != res.start:
             raise ValueError(f"commit: the sequence moved from {res.start} to {st.committed} since this verify")
+        if res.generation != st.verifies:
+            raise ValueError("commit: a newer verify ran on this sequence and overwrote this one's K/V rows")
         rows = self._commit_rows(res, n_or_path)
         n = len(rows)
         if n == 0:
@@ -184,15 +192,11 @@ class Qwen35Model:
             elif full_chain:
                 st.ssm[i], st.conv[i] = p.final_state, p.final_conv
             else:
-                st.conv[i] = self._conv_state_after(st.conv[i], p.conv_in, rows, res.parents)
+                st.conv[i] = self._conv_state_after(st.conv[i], p.conv_in, rows)
                 sn.gated_delta_net(p.q[rows], p.k[rows], p.v[rows], p.g[rows], p.beta[rows], st.ssm[i],
                                    self._gdn_scale)
         st.features.write(res.start, res.features[rows])
         st.committed += n
-
-    def logits_of(self, hidden: np.ndarray) -> np.ndarray:
-        """Final norm + lm_head: float32 [n, n_embd] -> [n, n_vocab]."""
-        return self._logits(hidden)
 
     # ------------------------------------------------------------------ layers
 
@@ -219,7 +223,7 @@ class Qwen35Model:
         if tree is None:
             a = sn.attention(q, kc, vc, c + w, positions, causal=True)
         else:
-            a = sn.attention(q, kc, vc, c + w, positions, causal=False, mask=tree.mask(c))
+            a = sn.attention(q, kc, vc, c + w, positions, causal=False, mask=tree.mask)
         a = sn.mul(a, sn.sigmoid(gate)).numpy().reshape(w, nh * hd)
         return sn.matmul(a, layer.attn_output).numpy()
 
@@ -236,7 +240,7 @@ class Qwen35Model:
             cv = sn.conv1d_causal(m, self.conv_w[i], conv_state, apply_silu=True).numpy()
         else:
             cv = np.concatenate([sn.conv1d_causal(m[j : j + 1], self.conv_w[i],
-                                                  self._conv_state_after(st.conv[i], m, tree.path(j)[:-1], tree.parents),
+                                                  self._conv_state_after(st.conv[i], m, tree.path(j)[:-1]),
                                                   apply_silu=True).numpy() for j in range(w)])
             conv_state = None
         q = sn.l2_norm(np.ascontiguousarray(cv[:, : hk * dk].reshape(w, hk, dk)), hp.rms_eps).numpy()
@@ -270,7 +274,7 @@ class Qwen35Model:
     # ------------------------------------------------------------------ commit helpers
 
     @staticmethod
-    def _conv_state_after(conv_state: np.ndarray, conv_in: np.ndarray, rows, parents) -> np.ndarray:
+    def _conv_state_after(conv_state: np.ndarray, conv_in: np.ndarray, rows) -> np.ndarray:
         """The K-1 conv inputs ending at the last of ``rows`` (a chain prefix or a tree path)."""
         hist = np.concatenate([conv_state, conv_in[np.asarray(rows, np.int64)]])
         return hist[-conv_state.shape[0] :].copy()
@@ -297,9 +301,10 @@ class Qwen35Model:
                 raise ValueError(f"commit: {path} is not a root-to-node path of the verified tree")
         return path
 
-    def _check_tokens(self, tokens, st: SequenceState, n: int) -> np.ndarray:
+    def _check_tokens(self, tokens, st: SequenceState) -> np.ndarray:
         arr = np.asarray(tokens, dtype=np.int64)
-        if arr.ndim != 1 or n == 0:
+        n = arr.shape[0] if arr.ndim == 1 else 0
+        if n == 0:
             raise ValueError("tokens must be a non-empty 1-D sequence of token ids")
         bad = arr[(arr < 0) | (arr >= self.hp.n_vocab)]
         if bad.size:
@@ -308,15 +313,12 @@ class Qwen35Model:
             raise ValueError(f"{n} tokens after {st.committed} committed exceed the sequence capacity {st.capacity}")
         return arr.astype(np.int32)
 
-    @staticmethod
-    def _tree(parents, w):
-        return _Tree(parents, w)
-
 
 class _Tree:
-    """Parent indices of a verify tree with depths, paths and the attention mask."""
+    """Parent indices of a verify tree after ``committed`` positions: depths, paths, and the
+    attention mask (built once per verify)."""
 
-    def __init__(self, parents, w):
+    def __init__(self, parents, w: int, committed: int):
         self.parents = np.asarray(parents, np.int32)
         if self.parents.shape != (w,):
             raise ValueError(f"parents must have one entry per token ({w}), got {self.parents.shape}")
@@ -325,6 +327,11 @@ class _Tree:
             if not -1 <= p < j:
                 raise ValueError(f"parents[{j}] = {p}: a parent must be -1 or an earlier row")
             self.depth[j] = 0 if p < 0 else self.depth[p] + 1
+        # int32 [w, committed + w]: the whole prefix plus each node's ancestors and itself
+        self.mask = np.zeros((w, committed + w), np.int32)
+        self.mask[:, :committed] = 1
+        for j in range(w):
+            self.mask[j, committed + np.asarray(self.path(j))] = 1
 
     def path(self, j: int) -> list[int]:
         """Rows from the prefix's child down to row j."""
@@ -333,12 +340,3 @@ class _Tree:
             out.append(j)
             j = int(self.parents[j])
         return out[::-1]
-
-    def mask(self, committed: int) -> np.ndarray:
-        """int32 [w, committed + w]: the whole prefix plus each node's ancestors and itself."""
-        w = len(self.parents)
-        m = np.zeros((w, committed + w), np.int32)
-        m[:, :committed] = 1
-        for j in range(w):
-            m[j, committed + np.asarray(self.path(j))] = 1
-        return m

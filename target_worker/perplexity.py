@@ -1,8 +1,9 @@
 """`specd perplexity`: llama.cpp-style perplexity of a target GGUF over a text file.
 
 Method (llama.cpp ``tools/perplexity``): the tokenised text is cut into consecutive chunks of
-``ctx`` tokens; each chunk is evaluated from an empty state and only the second half of each chunk
-is scored, so every scored token sees at least ctx/2 tokens of context. PPL = exp(mean NLL) over
+``ctx`` tokens; each chunk is evaluated from an empty state and only the tokens after position
+ctx/2 are scored (``n_ctx - 1 - n_ctx/2`` per chunk), so every scored token sees at least ctx/2
+tokens of context. PPL = exp(mean NLL) over
 all scored tokens, printed per chunk as a running estimate and at the end with its standard error.
 """
 from __future__ import annotations
@@ -23,25 +24,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def chunk_nll(model, tokens: np.ndarray) -> np.ndarray:
-    """NLL (float64, nats) of tokens[i+1] given tokens[:i+1], for i in [ctx/2 - 1, ctx - 2]."""
+    """NLL (float64, nats) of tokens[i+1] given tokens[:i+1] for i in [ctx/2, ctx - 2], as llama.cpp
+    scores a chunk (``first = n_ctx/2``, ``n_ctx - 1 - first`` tokens). Logits are reduced per
+    forward chunk, so memory stays at one chunk of [prefill_chunk, n_vocab]."""
     ctx = len(tokens)
+    first = ctx // 2
     st = model.new_sequence(ctx)
-    logits = []
+    out = []
     for s in range(0, ctx - 1, model.prefill_chunk):
-        res = model.verify(st, tokens[s : min(s + model.prefill_chunk, ctx - 1)])
+        e = min(s + model.prefill_chunk, ctx - 1)
+        res = model.verify(st, tokens[s:e])
         model.commit(st, res, len(res.tokens))
-        logits.append(res.logits)
-    lg = np.concatenate(logits).astype(np.float64)  # row i predicts token i+1
-    first = ctx // 2 - 1
-    rows = lg[first:]
-    lse = np.log(np.exp(rows - rows.max(1, keepdims=True)).sum(1)) + rows.max(1)
-    return lse - rows[np.arange(len(rows)), tokens[first + 1 :]]
+        rows = res.logits[max(first - s, 0) :].astype(np.float64)  # row r predicts token s + r + 1
+        if len(rows):
+            targets = tokens[max(first, s) + 1 : e + 1]
+            top = rows.max(1, keepdims=True)
+            lse = np.log(np.exp(rows - top).sum(1)) + top[:, 0]
+            out.append(lse - rows[np.arange(len(rows)), targets])
+    return np.concatenate(out)
 
 
 def perplexity(model, tokens: np.ndarray, ctx: int, max_chunks: int = 0, out=None):
-    """Returns (ppl, stderr_of_ppl, n_scored) over all whole chunks of ``ctx`` tokens."""
+    """Returns (ppl, stderr_of_ppl, n_scored) over the whole chunks of ``ctx`` tokens (at most
+    ``max_chunks`` when > 0). Raises ValueError for ctx < 4, max_chunks < 0 or a text shorter than
+    one chunk."""
     if ctx < 4:
         raise ValueError(f"ctx must be >= 4, got {ctx}")
+    if max_chunks < 0:
+        raise ValueError(f"max_chunks must be >= 0, got {max_chunks}")
     n_chunks = len(tokens) // ctx
     if max_chunks:
         n_chunks = min(n_chunks, max_chunks)
@@ -50,11 +60,10 @@ def perplexity(model, tokens: np.ndarray, ctx: int, max_chunks: int = 0, out=Non
     parts = []
     for i in range(n_chunks):
         parts.append(chunk_nll(model, tokens[i * ctx : (i + 1) * ctx]))
-        if out is not None:  # running estimate, as llama.cpp prints it
-            print(f"[{i + 1}]{math.exp(np.concatenate(parts).mean()):.4f}", end=" ", file=out, flush=True)
+        if out is not None:  # running estimate, printed as llama.cpp does
+            print(f"[{i + 1}]{math.exp(np.concatenate(parts).mean()):.4f},", end="", file=out, flush=True)
     nll = np.concatenate(parts)
-    mean = float(nll.mean())
-    ppl = math.exp(mean)
+    ppl = math.exp(float(nll.mean()))
     stderr = ppl * float(nll.std(ddof=1)) / math.sqrt(len(nll)) if len(nll) > 1 else float("nan")
     return ppl, stderr, len(nll)
 

@@ -212,17 +212,19 @@ def test_perplexity_matches_transformers(checkpoint, converted, rng):
     model = model_for(converted, "main")
     ctx = 16
     tokens = rng.integers(0, ck.config.vocab_size, size=3 * ctx + 5).astype(np.int32)
+    model.prefill_chunk = 5  # logits reduced per forward chunk: exercise chunks straddling ctx/2
     ppl, stderr, n = perplexity(model, tokens, ctx)
     nll = []
-    for c in range(3):  # llama.cpp's scheme: score the second half of each whole chunk
+    for c in range(3):  # llama.cpp: first = n_ctx/2, score logits rows first .. n_ctx-2
         chunk = tokens[c * ctx : (c + 1) * ctx]
         with torch.no_grad():
             lg = ck.model64(torch.tensor([chunk.tolist()])).logits[0].double()
         lp = torch.log_softmax(lg, -1).numpy()
-        nll += [-lp[i, chunk[i + 1]] for i in range(ctx // 2 - 1, ctx - 1)]
-    assert n == len(nll)
+        nll += [-lp[i, chunk[i + 1]] for i in range(ctx // 2, ctx - 1)]
+    assert n == len(nll) == 3 * (ctx - 1 - ctx // 2)
     assert math.isclose(ppl, math.exp(np.mean(nll)), rel_tol=1e-5)
-    assert stderr > 0
+    # llama.cpp's uncertainty: ppl * std(nll) / sqrt(n) (first-order error propagation)
+    assert math.isclose(stderr, math.exp(np.mean(nll)) * np.std(nll, ddof=1) / math.sqrt(len(nll)), rel_tol=1e-4)
 
 
 def test_bad_input_is_a_clear_error(checkpoint, converted):
@@ -241,9 +243,21 @@ def test_bad_input_is_a_clear_error(checkpoint, converted):
     chain = model.verify(st, [1, 2])
     with pytest.raises(ValueError, match="n must be in 0..2"):
         model.commit(st, chain, 3)
+    with pytest.raises(ValueError, match="a newer verify ran on this sequence"):
+        model.commit(st, res, [0])  # the chain verify overwrote the tree's K/V rows
+    with pytest.raises(ValueError, match="ran on another sequence"):
+        model.commit(model.new_sequence(16), chain, 1)
     model.commit(st, chain, 2)
     with pytest.raises(ValueError, match="moved from 0 to 2"):
-        model.commit(st, res, [0])
+        model.commit(st, chain, 1)
+    with pytest.raises(ValueError, match="parents must have one entry per token"):
+        model.verify(st, [1, 2], parents=[-1])
+    with pytest.raises(ValueError, match="non-empty"):
+        model.verify(st, [])
+    with pytest.raises(ValueError, match="kv_dtype must be"):
+        Qwen35Model(load_qwen35(converted("smoke")), kv_dtype=sn.DType.Q4_K)
+    with pytest.raises(ValueError, match="capacity must be > 0"):
+        model.new_sequence(0)
     with pytest.raises(ValueError, match="capture layer 3 is outside"):
         Qwen35Model(load_qwen35(converted("smoke")), capture_layers=[3])
     with pytest.raises(ValueError, match="not in the ring"):
@@ -278,7 +292,7 @@ def test_perplexity_cli(converted, tmp_path, capsys):
     assert specd_main(["perplexity", "--target", str(converted("condgen")), "--file", str(text), "--ctx", "16",
                        "--max-chunks", "2", "--kv-type", "f32"]) == 0
     out = capsys.readouterr().out
-    assert "Final estimate: PPL = " in out and "16 tokens scored" in out  # 2 chunks x (16 - 8) scored
+    assert "Final estimate: PPL = " in out and "14 tokens scored" in out  # 2 chunks x (16 - 1 - 8)
     # user errors are one line on stderr, not a traceback
     assert specd_main(["perplexity", "--target", str(tmp_path / "none.gguf"), "--file", str(text)]) == 2
     err = capsys.readouterr().err
