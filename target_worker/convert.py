@@ -530,7 +530,7 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str
             mtp: bool = True) -> ConversionResult:
     """Convert a transformers Qwen3.5 checkpoint directory to a qwen35 GGUF at ``out_path``.
 
-    ``outtype``: f32, f16, bf16, q8_0, or auto (bf16 for a bf16 checkpoint, else f16, as
+    ``outtype``: f32, f16, bf16, q8_0, or auto (f16 for an f16 checkpoint, else bf16, as
     llama.cpp). ``mtp=False`` drops ``mtp.*`` tensors. The file is written to ``out_path + .tmp``
     and renamed when complete. Raises ConversionError (nothing is left behind).
     """
@@ -566,7 +566,9 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str
 def _resolve_outtype(outtype: str, ckpt: Checkpoint) -> QT:
     if outtype == "auto":
         first_2d = next((t for t in ckpt.tensors.values() if len(t.shape) >= 2), None)
-        return QT.BF16 if first_2d is not None and first_2d.dtype == "BF16" else QT.F16
+        # llama.cpp's convert_hf_to_gguf "auto": f16 when the checkpoint is f16, else bf16 (keeps the
+        # range of bf16 and f32 checkpoints)
+        return QT.F16 if first_2d is not None and first_2d.dtype == "F16" else QT.BF16
     if outtype not in OUTTYPES:
         raise ConversionError(f"unknown outtype '{outtype}'; choose from {', '.join(OUTTYPES)} or auto")
     return OUTTYPES[outtype]
@@ -727,7 +729,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output GGUF path")
     parser.add_argument("--outtype", choices=[*OUTTYPES, "auto"], default="auto",
                         help="type of 2-D weights (1-D tensors, norms and ssm_conv1d stay f32); "
-                             "auto = bf16 for a bf16 checkpoint, else f16")
+                             "auto = f16 for an f16 checkpoint, else bf16 (as llama.cpp)")
     parser.add_argument("--no-mtp", action="store_true", help="drop the MTP (mtp.*) tensors")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
 

@@ -10,7 +10,7 @@ namespace specd {
 
 int64_t Tensor::numel() const {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) SPECD_CHECK(!__builtin_mul_overflow(n, d, &n), "tensor shape overflows int64 elements");
   return n;
 }
 
@@ -22,7 +22,7 @@ std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& shape, DType
   s = row_size(dtype, shape.back());
   for (int64_t i = int64_t(shape.size()) - 2; i >= 0; --i) {
     strides[i] = s;
-    s *= shape[i];
+    SPECD_CHECK(!__builtin_mul_overflow(s, shape[i], &s), "tensor size overflows int64 bytes");
   }
   return strides;
 }
@@ -42,7 +42,9 @@ Tensor Tensor::empty(const std::vector<int64_t>& shape, DType dtype, Device devi
   t.shape = shape;
   for (int64_t d : shape) SPECD_CHECK(d >= 0, "negative dimension in tensor shape");
   t.strides = contiguous_strides(shape, dtype);
-  size_t bytes = static_cast<size_t>(t.nbytes());
+  int64_t nbytes = 0;
+  SPECD_CHECK(!__builtin_mul_overflow(t.rows(), t.row_bytes(), &nbytes), "tensor size overflows int64 bytes");
+  size_t bytes = static_cast<size_t>(nbytes);
   if (device == Device::GPU) {
     t.holder = gpu::alloc(bytes);
     t.data = t.holder.get();
@@ -86,6 +88,10 @@ void check_ndim(const Tensor& t, int64_t want, const char* op, const char* arg) 
 
 void check_contiguous(const Tensor& t, const char* op, const char* arg) {
   SPECD_CHECK(t.is_contiguous(), op, ": ", arg, " must be contiguous");
+}
+
+void check_writable(const Tensor& t, const char* op, const char* arg) {
+  SPECD_CHECK(t.writable, op, ": ", arg, " is read-only (the op writes into it)");
 }
 
 void check_cpu(const Tensor& t, const char* op, const char* arg) {

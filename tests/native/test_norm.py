@@ -72,3 +72,25 @@ def test_explicit_little_endian_arrays_are_accepted():
     assert t.numpy()[0, 0] == 5.0
     with pytest.raises(ValueError, match="unsupported numpy dtype"):
         sn.Tensor(np.zeros(4, ">f4"))
+
+
+def test_tensor_size_overflow_is_an_error():
+    with pytest.raises(ValueError, match="overflows"):
+        sn.Tensor.zeros([2**62, 1, 4], sn.DType.F32)
+    with pytest.raises(ValueError, match="overflows"):
+        sn.Tensor.empty([2**40, 2**40], sn.DType.F16)
+
+
+def test_read_only_memory_stays_read_only():
+    # GGUF weights are read-only memory maps: their views must not be writable, and ops that write
+    # into an argument refuse read-only ones instead of writing (or crashing).
+    a = np.zeros((4, 2, 32), np.float32)
+    a.flags.writeable = False
+    t = sn.Tensor(a)
+    assert not t.numpy().flags.writeable
+    with pytest.raises(ValueError, match="kv_write: cache is read-only"):
+        sn.kv_write(a, np.ones((1, 2, 32), np.float32), np.zeros(1, np.int32))
+    state = np.zeros((3, 8), np.float32)
+    state.flags.writeable = False
+    with pytest.raises(ValueError, match="conv1d_causal: state is read-only"):
+        sn.conv1d_causal(np.ones((2, 8), np.float32), np.ones((4, 8), np.float32), state)

@@ -353,8 +353,8 @@ def test_cli_end_to_end(checkpoint, tmp_path, capsys):
 
 def test_outtype_auto(checkpoint, tmp_path):
     bf16 = convert(checkpoint("condgen").path, tmp_path / "a.gguf")  # bf16 checkpoint → bf16
-    f32 = convert(checkpoint("smoke").path, tmp_path / "b.gguf")  # f32 checkpoint → f16 (llama.cpp)
-    assert bf16.type_counts.keys() == {"BF16", "F32"} and f32.type_counts.keys() == {"F16", "F32"}
+    f32 = convert(checkpoint("smoke").path, tmp_path / "b.gguf")  # f32 checkpoint → bf16 (llama.cpp)
+    assert bf16.type_counts.keys() == {"BF16", "F32"} and f32.type_counts.keys() == {"BF16", "F32"}
 
 
 # ---- bad checkpoints -------------------------------------------------------------------------------

@@ -23,10 +23,11 @@ struct Tensor {
   std::vector<int64_t> strides;  // bytes
   void* data = nullptr;
   std::shared_ptr<void> holder;
+  bool writable = true;  // false for views of read-only memory (a GGUF memory map, a read-only array)
 
   int64_t ndim() const { return static_cast<int64_t>(shape.size()); }
   int64_t dim(int64_t i) const { return shape.at(i < 0 ? i + ndim() : i); }
-  int64_t numel() const;
+  int64_t numel() const;  // throws std::invalid_argument if the product overflows int64
   // Innermost dimension (elements) and the number of rows (product of the outer dimensions).
   int64_t cols() const { return shape.empty() ? 1 : shape.back(); }
   int64_t rows() const { return cols() == 0 ? 0 : numel() / cols(); }
@@ -39,7 +40,7 @@ struct Tensor {
   // Pointer to row r of a tensor whose outer dimensions are contiguous over rows.
   uint8_t* row_ptr(int64_t r) const { return static_cast<uint8_t*>(data) + r * row_bytes(); }
 
-  // A new contiguous tensor, zero-initialised on the CPU, uninitialised on the GPU.
+  // A new contiguous tensor with uninitialised contents (zeros() clears it).
   static Tensor empty(const std::vector<int64_t>& shape, DType dtype, Device device = Device::CPU);
   static Tensor zeros(const std::vector<int64_t>& shape, DType dtype, Device device = Device::CPU);
   // Same buffer, new shape (contiguous tensors only; element counts must match).
@@ -53,5 +54,7 @@ void check_dtype(const Tensor& t, DType want, const char* op, const char* arg);
 void check_ndim(const Tensor& t, int64_t want, const char* op, const char* arg);
 void check_contiguous(const Tensor& t, const char* op, const char* arg);
 void check_cpu(const Tensor& t, const char* op, const char* arg);
+// For ops that write into an argument (KV cache, recurrent and conv states).
+void check_writable(const Tensor& t, const char* op, const char* arg);
 
 }  // namespace specd

@@ -30,6 +30,7 @@ Tensor from_numpy(const py::array& a, std::optional<DType> dtype) {
   out.dtype = t;
   out.device = Device::CPU;
   out.data = const_cast<void*>(a.data());
+  out.writable = a.writeable();
   out.holder = std::shared_ptr<void>(new py::object(a), [](void* p) {
     py::gil_scoped_acquire gil;
     delete static_cast<py::object*>(p);
@@ -71,7 +72,9 @@ py::array to_numpy(const Tensor& t) {
   if (t.device == Device::CPU) {
     auto* keep = new Tensor(t);
     py::capsule base(keep, [](void* p) { delete static_cast<Tensor*>(p); });
-    return py::array(dt, shape, strides, t.data, base);
+    py::array view(dt, shape, strides, t.data, base);
+    if (!t.writable) view.attr("flags").attr("writeable") = false;  // e.g. a GGUF memory map
+    return view;
   }
   SPECD_CHECK(t.is_contiguous(), "to numpy: GPU tensor must be contiguous");
   py::array host(dt, shape);

@@ -177,6 +177,7 @@ void check_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const 
 void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows) {
   const char* op = "kv_write";
   check_cache(cache, op, "cache");
+  check_writable(cache, op, "cache");
   check_rows(x, DType::F32, 3, op, "x");
   check_rows(rows, DType::I32, 1, op, "rows");
   int64_t n = x.dim(0), cap = cache.dim(0), hkv = cache.dim(1), d = cache.dim(2);

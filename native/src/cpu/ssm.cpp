@@ -20,6 +20,7 @@ void check_state(const Tensor& s, const std::vector<int64_t>& shape, const char*
   check_cpu(s, op, arg);
   check_dtype(s, DType::F32, op, arg);
   check_contiguous(s, op, arg);
+  check_writable(s, op, arg);
   SPECD_CHECK(s.shape == shape, op, ": ", arg, " has the wrong shape (see the docstring for the expected one)");
 }
 
