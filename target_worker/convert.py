@@ -54,6 +54,7 @@ from .gguf_loader import (
     load_qwen35,
     open_gguf,
 )
+from .tokenizer import SPLIT_REGEX
 
 OUTTYPES = {"f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16, "q8_0": QT.Q8_0}
 FILE_TYPES = {QT.F32: gguf.LlamaFileType.ALL_F32, QT.F16: gguf.LlamaFileType.MOSTLY_F16,
@@ -595,7 +596,7 @@ def add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, n_vocab: int, cfg: dict) -> 
     tj = _read_json(path)
     tokens, types = vocab_tokens(tj, n_vocab, path)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
+    w.add_tokenizer_pre(pre_tokenizer_type(tj, path))
     w.add_token_list(tokens)
     w.add_token_types(types)
     special = gguf.SpecialVocab(hf_dir, load_merges=True, special_token_types=("bos", "eos", "eot", "unk", "pad"),
@@ -605,6 +606,19 @@ def add_tokenizer(w: gguf.GGUFWriter, hf_dir: Path, n_vocab: int, cfg: dict) -> 
         special.chat_template = (hf_dir / "chat_template.jinja").read_text(encoding="utf-8")
     special.add_to_gguf(w, quiet=True)
     return True
+
+
+def pre_tokenizer_type(tj: dict, path: Path) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` name for the split regex of a tokenizer.json ("qwen35" or
+    "qwen2"); ConversionError for any other pre-tokenizer (never a guess)."""
+    pre = tj.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    regexes = [st.get("pattern", {}).get("Regex") for st in steps if st.get("type") == "Split"]
+    for name, regex in SPLIT_REGEX.items():
+        if regexes == [regex]:
+            return name
+    raise ConversionError(f"{path}: pre_tokenizer split {regexes!r} is neither Qwen3.5's nor Qwen2's; "
+                          "specd cannot name its llama.cpp pre-tokenizer")
 
 
 def vocab_tokens(tj: dict, n_vocab: int, path: Path) -> tuple[list[str], list[int]]:

@@ -264,22 +264,29 @@ def test_bad_input_is_a_clear_error(checkpoint, converted):
         st.features.read(0, 3)
 
 
-def test_c24_tokenizer_from_gguf_matches_tokenizer_json(checkpoint, converted):
-    """The tokenizer rebuilt from GGUF metadata encodes like the checkpoint's own tokenizer.json (the
-    `tokenizers` library reading the original file is the oracle), and the chat specials and
+def test_c24_tokenizer_from_gguf_matches_transformers(checkpoint, converted):
+    """The tokenizer rebuilt from GGUF metadata encodes like transformers' Qwen3_5Tokenizer built from
+    the same vocabulary and merges (the oracle: its own normaliser, split regex and byte-level BPE),
+    including scripts with combining marks and decomposed accents; the chat specials and
     <think>/</think> are single ids inside a rendered chat template (shared/cases C24)."""
-    from tokenizers import Tokenizer
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
-    ck = checkpoint("condgen")
     path = converted("condgen")
-    ours = build_tokenizer(read_tokenizer_metadata(path), str(path))
-    ref = Tokenizer.from_file(str(ck.path / "tokenizer.json"))
+    meta = read_tokenizer_metadata(path)
+    assert meta.pre == "qwen35"
+    ours = build_tokenizer(meta, str(path))
+    real = [t for t, ty in zip(meta.tokens, meta.token_types) if ty in (1, 3, 4)]  # not padding
+    ref = Qwen3_5Tokenizer(vocab={t: meta.tokens.index(t) for t in real},
+                           merges=[tuple(m.split(" ")) for m in meta.merges])
+    ref.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    ref.add_tokens(ADDED_TOKENS)
     texts = ["hello world", "def f(x):\n    return x + 12345", "  spaces\tand\nnewlines\n\n", "naïve café 日本",
+             "नमस्ते दुनिया", "สวัสดี", "cafe\u0301 vs café", "it's I'LL we'd",
              "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nhmm</think>\nok<|im_end|>"]
     for text in texts:
-        assert ours.encode(text).ids == ref.encode(text).ids, text
-        assert ours.decode(ours.encode(text).ids, skip_special_tokens=False) == text
+        assert ours.encode(text).ids == ref.encode(text, add_special_tokens=False), text
     rendered = texts[-1]
+    assert ours.decode(ours.encode(rendered).ids, skip_special_tokens=False) == rendered
     ids = ours.encode(rendered).ids
     for special in SPECIAL_TOKENS[1:] + ADDED_TOKENS:
         assert ours.token_to_id(special) in ids, special
