@@ -6,8 +6,8 @@ qwen35-target.md §7; spec-loop.md §6). Position p lives in slot ``p % capacity
 which position each slot holds, so a read of a position that was never written or has been
 overwritten is an error instead of silently returning another position's row.
 
-This host implementation keeps the rows in a numpy buffer; the service places that buffer in POSIX
-shared memory so the drafter worker reads it without a copy.
+The rows live in a numpy buffer, by default a private one; ``buffer=`` accepts any float32 array of
+the right shape, e.g. a view of shared memory that another process reads.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
-from typing import ClassVar, Iterable, Union
+from typing import Iterable, Union
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -358,7 +358,6 @@ class FullAttnLayer:
     attn_norm/post_attention_norm (H,) F32 (+1 folded in); ffn_gate/ffn_up (I, H); ffn_down (H, I).
     """
 
-    is_recurrent: ClassVar[bool] = False
     index: int
     attn_norm: Tensor
     attn_q: Tensor
@@ -385,7 +384,6 @@ class GDNLayer:
     ssm_out (H, Hv*dv); attn_norm/post_attention_norm (H,) F32 (+1 folded in); FFN as FullAttnLayer.
     """
 
-    is_recurrent: ClassVar[bool] = True
     index: int
     attn_norm: Tensor
     attn_qkv: Tensor

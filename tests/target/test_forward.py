@@ -23,6 +23,8 @@ from specd.target_worker.tokenizer import build_tokenizer
 
 from .tinymodels import ADDED_TOKENS, SPECIAL_TOKENS, load_reference, logits64
 
+pytestmark = pytest.mark.oracle
+
 SPECS = ["smoke", "main", "r3", "condgen"]
 # F32 weights and F32 KV: fp32 kernels vs a float64 reference. "r3" stores rms_norm_eps 1e-5, which
 # llama.cpp (and specd) also use for the GDN q/k L2 norm while transformers hard-wires 1e-6
@@ -86,12 +88,13 @@ def test_quantized_file_matches_float64_forward_of_its_weights(mixed_gguf, rng):
     assert rel_err(got, logits64(reference, prompt)) < 1e-4
 
 
-@pytest.mark.parametrize("kv,tol", [(sn.DType.F16, 5e-3), (sn.DType.Q8_0, 3e-2)])
+@pytest.mark.parametrize("kv,tol", [(sn.DType.F16, 5e-4), (sn.DType.Q8_0, 1e-2)])
 def test_quantized_kv_cache(checkpoint, converted, kv, tol):
     ck = checkpoint("main")
     model = model_for(converted, "main", kv=kv)
     res = model.verify(model.new_sequence(32), ck.prompt)
-    # the cache rounds K/V to fp16 (rel 2^-11) or Q8_0 (~1/254 of each 32-block's max)
+    # the cache rounds K/V to fp16 (rel 2^-11) or Q8_0 (~1/254 of each 32-block's max); measured
+    # 1.4e-4 and 3.0e-3 on this model
     assert rel_err(res.logits, ck.logits64) < tol
 
 

@@ -35,7 +35,13 @@ CORPUS = [
     "Gated DeltaNet layers keep a recurrent state; full attention layers keep a KV cache.",
     "def add(a, b):\n    return a + b\n",
     "Numbers 0123456789 and symbols !@#$%^&*() appear too.",
-] * 4
+] * 4 + [
+    # scripts whose letters carry combining marks, frequent enough that BPE merges across the marks
+    # (Qwen3.5's split keeps them with their letters; Qwen2's split cut them off)
+    "नमस्ते दुनिया नमस्ते",
+    "สวัสดี สวัสดี",
+    "cafe\u0301 re\u0301sume\u0301",
+] * 12
 
 
 def _rope(theta: float, partial: float, mrope: list[int] | None) -> dict:

@@ -19,7 +19,6 @@ std::shared_ptr<void> alloc(size_t bytes);  // device memory, freed when the las
 void memset_zero(void* dst, size_t bytes);
 void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
-void copy_device(void* dst, const void* src, size_t bytes);
 void synchronize();  // waits for the library's stream
 
 }  // namespace specd::gpu

@@ -21,7 +21,6 @@ std::shared_ptr<void> alloc(size_t) { unavailable(); }
 void memset_zero(void*, size_t) { unavailable(); }
 void copy_to_device(void*, const void*, size_t) { unavailable(); }
 void copy_to_host(void*, const void*, size_t) { unavailable(); }
-void copy_device(void*, const void*, size_t) { unavailable(); }
 void synchronize() {}
 
 }  // namespace specd::gpu

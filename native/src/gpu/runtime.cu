@@ -207,13 +207,6 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
   SPECD_GPU_CHECK(cudaStreamSynchronize(stream()));
 }
 
-// Device -> device, stream-ordered; does not wait.
-void copy_device(void* dst, const void* src, size_t bytes) {
-  detail::require();
-  if (bytes == 0) return;
-  SPECD_GPU_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream()));
-}
-
 // Waits for everything queued on the library stream and reports any error a kernel raised.
 // A no-op when no device is available (nothing can have been queued).
 void synchronize() {
