@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import specd.native as sn  # noqa: E402
 from specd.coordinator.config import CoordinatorConfig  # noqa: E402
 from specd.coordinator.policy import PolicyConfig  # noqa: E402
 from specd.coordinator.server import Coordinator, start_server  # noqa: E402
@@ -45,7 +46,7 @@ def target_gguf(tmp_path_factory):
 @pytest.fixture(scope="session")
 def plain_model(target_gguf):
     """A separate Qwen35Model over the same GGUF for plain greedy reference runs."""
-    return Qwen35Model(load_qwen35(target_gguf), capture_layers=CAPTURE)
+    return Qwen35Model(load_qwen35(target_gguf), capture_layers=CAPTURE, kv_dtype=sn.DType.F32)
 
 
 @pytest.fixture(scope="session")
