@@ -102,6 +102,9 @@ class Stack:
         self.coords.append((coord, server, channel))
         return gpbg.SpecDecodeStub(channel)
 
+    def default_tokenizer(self):
+        return self.coords[0][0].tok.tokenizer
+
     @property
     def stub(self):
         return self.default

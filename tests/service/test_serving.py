@@ -1,0 +1,230 @@
+"""Serving behaviour: concurrent isolation, cancellation (C25), adaptive policy switches, admission
+errors and status codes, deadlines, health, reflection, keepalive during a long prefill (C28)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from specd.coordinator.policy import PolicyConfig
+from specd.protos.v1 import generate_pb2 as gpb
+from specd.protos.v1 import worker_pb2 as wpb
+from specd.protos.v1 import worker_pb2_grpc as wpbg
+
+from .conftest import BLOCK, generate, streamed_ids, token_request
+
+
+def worker_live(stack):
+    with grpc.insecure_channel(f"unix://{stack.dir}/t.sock") as ch:
+        t = wpbg.TargetWorkerStub(ch).Info(wpb.InfoRequest(), timeout=5)
+    with grpc.insecure_channel(f"unix://{stack.dir}/d.sock") as ch:
+        d = wpbg.DraftWorkerStub(ch).Info(wpb.InfoRequest(), timeout=5)
+    return list(t.live_sequences), int(t.live_shm_segments), list(d.live_sequences)
+
+
+def wait_released(stack, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        live = worker_live(stack)
+        if live == ([], 0, []):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"sequences still live: {live}")
+
+
+def test_eight_concurrent_streams_are_isolated(stack, reference, rng):
+    vocab = stack.tservicer.model.hp.n_vocab
+    prompts = [[int(t) for t in rng.integers(0, vocab, size=int(rng.integers(2, 15)))] for _ in range(8)]
+    refs = [reference(p, 40 + BLOCK)[0] for p in prompts]
+    for p, r in zip(prompts, refs):
+        stack.drafter.continuations[tuple(p)] = r
+    plans = {tuple(p): i % (BLOCK + 2) - 1 for i, p in enumerate(prompts)}  # -1 .. BLOCK
+    stack.drafter.plan = lambda p, step: plans.get(p, 0)
+    results = [None] * 8
+
+    def run(i):
+        results[i] = generate(stack.stub, token_request(prompts[i], 40, ignore_eos=True), timeout=120)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i in range(8):
+        assert results[i] is not None
+        assert streamed_ids(results[i][0]) == refs[i][:40], f"stream {i}"
+    wait_released(stack)
+
+
+def test_c25_cancel_releases_both_workers_and_next_request_is_clean(stack, reference):
+    prompt = [8, 6, 7, 5, 3, 0, 9]
+    ref, _ = reference(prompt, 200 + BLOCK)
+    stack.drafter.continuations[tuple(prompt)] = ref
+    stack.drafter.plan = 1
+    call = stack.stub.Generate(token_request(prompt, 200, ignore_eos=True), timeout=60)
+    got = []
+    for r in call:
+        got.extend(r.chunk.token_ids)
+        if len(got) >= 5:
+            break
+    live = worker_live(stack)
+    assert len(live[0]) == 1 and live[1] == 1 and len(live[2]) == 1  # mid-stream: held on both workers
+    call.cancel()
+    other = [1, 2, 3]
+    oref, _ = reference(other, 20)
+    stack.drafter.continuations[tuple(other)] = oref
+    chunks, done = generate(stack.stub, token_request(other, 12, ignore_eos=True))
+    assert streamed_ids(chunks) == oref[:12]
+    wait_released(stack)
+
+
+def test_policy_switches_to_plain_when_drafts_wrong_and_back_when_right(stack, reference):
+    stub = stack.coordinator(policy=PolicyConfig(step_ratio=1.9, burst_len=4, max_burst_len=8, measure_times=False))
+    prompt = [21, 22, 23]
+    ref, _ = reference(prompt, 120)
+    stack.drafter.continuations[tuple(prompt)] = ref
+    switch_at = 4  # drafter calls 0..3 all wrong (the first, then 3 failed probes), then all right
+    stack.drafter.plan = lambda p, step: 0 if step < switch_at else None
+    chunks, done = generate(stub, token_request(prompt, 100, ignore_eos=True))
+    assert streamed_ids(chunks) == ref[:100]
+    sw = [(s.to_speculative, s.reason) for s in done.speculation.policy_switches]
+    assert sw[0] == (False, "gate")  # first all-wrong spec step trips the gate (0 < 0.8 * 0.9)
+    assert (True, "probe") in sw
+    assert sw[-1] == (True, "probe")  # ends speculating once the drafts are right
+    assert done.speculation.num_plain_steps >= 4 + 8
+    tail = [c.accepted_in_step for c in chunks[-3:]]
+    assert max(tail) > 0
+    # bursts grow while probes fail: 4, 8, 8 (capped)
+    assert sum(1 for s in sw if s == (False, "gate")) >= 3
+
+
+def test_policy_stays_speculative_when_drafts_right(stack, reference):
+    stub = stack.coordinator(policy=PolicyConfig(step_ratio=1.9, measure_times=False))
+    prompt = [31, 32]
+    ref, _ = reference(prompt, 60)
+    stack.drafter.continuations[tuple(prompt)] = ref
+    stack.drafter.plan = None
+    chunks, done = generate(stub, token_request(prompt, 50, ignore_eos=True))
+    assert streamed_ids(chunks) == ref[:50]
+    assert not done.speculation.policy_switches and done.speculation.num_plain_steps <= 1
+
+
+def _code(stub, req, timeout=30):
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, req, timeout=timeout)
+    return e.value.code(), e.value.details()
+
+
+@pytest.mark.parametrize("mutate,code", [
+    (lambda r: r.sampling.__setattr__("temperature", 0.7), grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda r: r.sampling.__setattr__("top_p", 0.9), grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda r: r.stopping.__setattr__("max_tokens", 0), grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda r: r.stopping.__setattr__("max_tokens", 10_000), grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda r: r.tokenized.input_ids.append(10_000), grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda r: r.tokenized.ClearField("input_ids"), grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda r: r.ClearField("tokenized"), grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda r: r.stopping.stop_token_ids.append(-1), grpc.StatusCode.INVALID_ARGUMENT),
+    (lambda r: (r.speculation.__setattr__("mode", gpb.SPECULATION_MODE_FORCE),
+                r.speculation.__setattr__("max_draft_tokens", 0)), grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_invalid_requests_are_rejected_and_service_keeps_serving(stack, mutate, code):
+    req = token_request([1, 2, 3], 4)
+    mutate(req)
+    got, details = _code(stack.stub, req)
+    assert got == code, details
+    chunks, done = generate(stack.stub, token_request([1, 2, 3], 3))
+    assert done.usage.completion_tokens == len(streamed_ids(chunks))
+
+
+def test_temperature_zero_set_explicitly_is_greedy(stack, reference):
+    ref, _ = reference([4, 5], 10)
+    req = token_request([4, 5], 5, ignore_eos=True)
+    req.sampling.temperature = 0.0
+    chunks, _ = generate(stack.stub, req)
+    assert streamed_ids(chunks) == ref[:5]
+
+
+def test_duplicate_live_request_id_and_deadline(stack, reference):
+    prompt = [40, 41]
+    stack.drafter.plan = 0
+    req = token_request(prompt, 200, ignore_eos=True)
+    req.request_id = "dup"
+    call = stack.stub.Generate(req, timeout=60)
+    next(iter(call))
+    got, _ = _code(stack.stub, req)
+    assert got == grpc.StatusCode.ALREADY_EXISTS
+    call.cancel()
+    wait_released(stack)
+    # a deadline that expires mid-generation ends the stream with DEADLINE_EXCEEDED and frees everything
+    slow = stack.tservicer.model.verify
+
+    def verify(*a, **k):
+        time.sleep(0.05)
+        return slow(*a, **k)
+
+    stack.tservicer.model.verify = verify
+    try:
+        got, _ = _code(stack.stub, token_request(prompt, 200, ignore_eos=True), timeout=0.5)
+    finally:
+        stack.tservicer.model.verify = slow
+    assert got == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_released(stack)
+
+
+def test_model_info_health_and_reflection(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    info = stack.stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=5)
+    assert info.vocab_size == stack.tservicer.model.hp.n_vocab and info.max_draft_tokens == BLOCK
+    assert info.has_tokenizer and info.drafter_name == "scripted"
+    ch = stack.coords[0][2]
+    h = health_pb2_grpc.HealthStub(ch)
+    for name in ("", "specd.v1.SpecDecode"):
+        assert h.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    r = reflection_pb2_grpc.ServerReflectionStub(ch)
+    resp = next(r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+    names = {s.name for s in resp.list_services_response.service}
+    assert "specd.v1.SpecDecode" in names and "grpc.health.v1.Health" in names
+
+
+def test_c28_client_keepalive_pings_during_long_prefill(stack, reference):
+    """Client pings every second (and without calls) while a prefill takes 3 s: the server must not
+    answer with GOAWAY (too_many_pings); the request completes."""
+    slow = stack.tservicer.model.prefill
+
+    def prefill(*a, **k):
+        time.sleep(3.0)
+        return slow(*a, **k)
+
+    opts = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 5000),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+    stack.tservicer.model.prefill = prefill
+    try:
+        with grpc.insecure_channel(stack.coords[0][0].cfg.listen, options=opts) as ch:
+            from specd.protos.v1 import generate_pb2_grpc as gpbg
+
+            stub = gpbg.SpecDecodeStub(ch)
+            ref, _ = reference([50, 51], 10)
+            chunks, done = generate(stub, token_request([50, 51], 4, ignore_eos=True), timeout=30)
+            assert streamed_ids(chunks) == ref[:4]
+            time.sleep(1.5)  # idle pings after the call
+            chunks, done = generate(stub, token_request([50, 51], 4, ignore_eos=True), timeout=30)
+            assert streamed_ids(chunks) == ref[:4]
+    finally:
+        stack.tservicer.model.prefill = slow
+
+
+def test_proto_sources_ship_with_the_stubs():
+    """The stubs are generated at build time from protos/; the installed .proto copies must equal the
+    repository's (a stale install would fail here)."""
+    import pathlib
+
+    import specd.protos.v1 as pv
+
+    repo = pathlib.Path(__file__).resolve().parents[2] / "protos" / "specd" / "v1"
+    installed = pathlib.Path(pv.__file__).parent
+    for src in repo.glob("*.proto"):
+        assert (installed / src.name).read_text() == src.read_text(), f"{src.name} is stale: rebuild specd"
