@@ -1,0 +1,89 @@
+"""Real processes: `specd serve` (three processes on Unix sockets) answering `specd generate`, and
+shared-memory segments unlinked when a worker is stopped by SIGTERM while holding sequences."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+
+from specd.protos.v1 import worker_pb2 as wpb
+from specd.protos.v1 import worker_pb2_grpc as wpbg
+
+from .conftest import CAPTURE
+
+CLI = [sys.executable, "-m", "specd.coordinator.cli"]
+
+
+def _start(argv, timeout=120):
+    p = subprocess.Popen(CLI + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = p.stdout.readline()
+        if line.startswith("READY"):
+            return p
+        if not line and p.poll() is not None:
+            raise AssertionError(f"{argv[0]} exited {p.returncode}: {p.stderr.read()[-3000:]}")
+    p.kill()
+    raise AssertionError(f"{argv[0]} not ready")
+
+
+def _stop(p, timeout=30):
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            return p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            raise AssertionError("did not stop on SIGTERM")
+    return p.returncode
+
+
+def test_serve_and_generate_cli(target_gguf, reference, tmp_path):
+    sock = f"unix://{tmp_path}/c.sock"
+    before = set(glob.glob("/dev/shm/specd-ft-*"))
+    serve = _start(["serve", "--target", target_gguf, "--scripted-block", "4", "--listen", sock,
+                    "--capture-layers", ",".join(map(str, CAPTURE)), "--max-seq-len", "128", "--kv-dtype", "f32",
+                    "--runtime-dir", str(tmp_path / "rt")])
+    try:
+        prompt = [9, 8, 7, 6]
+        out = subprocess.run(CLI + ["generate", "--server", sock, "--token-ids", ",".join(map(str, prompt)),
+                                    "--max-tokens", "10", "--ignore-eos", "--json"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        done = json.loads(out.stdout)
+        ref, _ = reference(prompt, 10)
+        assert [int(t) for t in done["output_ids"]] == ref  # scripted drafts are all wrong: still lossless
+        assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 10
+        out = subprocess.run(CLI + ["generate", "--server", sock, "--prompt", "The quick", "--max-tokens", "5"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "finish=" in out.stderr, out.stderr
+    finally:
+        assert _stop(serve, 90) == 0
+    assert set(glob.glob("/dev/shm/specd-ft-*")) <= before
+
+
+def test_sigterm_unlinks_shared_memory_of_live_sequences(target_gguf, tmp_path):
+    sock = f"unix://{tmp_path}/t.sock"
+    worker = _start(["target-worker", "--target", target_gguf, "--listen", sock,
+                     "--capture-layers", ",".join(map(str, CAPTURE)), "--max-seq-len", "64"])
+    try:
+        with grpc.insecure_channel(sock) as ch:
+            stub = wpbg.TargetWorkerStub(ch)
+            names = []
+            for i in range(3):
+                r = stub.Prefill(wpb.PrefillRequest(seq_id=f"s{i}", tokens=[1, 2, 3], capacity=32), timeout=60)
+                names.append(r.features.name)
+            assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+            assert stub.Info(wpb.InfoRequest(), timeout=10).live_shm_segments == 3
+            stub.Release(wpb.ReleaseRequest(seq_id="s0"), timeout=10)
+            assert not os.path.exists(f"/dev/shm/{names[0]}")
+    finally:
+        assert _stop(worker) == 0
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
