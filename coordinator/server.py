@@ -15,8 +15,9 @@ Per request (spec-loop.md §2-§3, §9):
 5. a final ``complete`` with finish reason, usage (= what was sent) and speculation stats.
 
 Both workers' sequences are released on every exit path (finish, error, client cancel, deadline).
-Deadlines: each worker call gets the request's remaining time; when it runs out the stream ends with
-DEADLINE_EXCEEDED. Worker failures end the stream with UNAVAILABLE (worker unreachable) or INTERNAL.
+Deadlines: each worker call gets the request's remaining time; a speculative step is skipped for a
+plain one when the remaining time is below the measured speculative step time; when the time runs out
+the stream ends with DEADLINE_EXCEEDED. Worker failures end the stream with UNAVAILABLE (worker unreachable) or INTERNAL.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import asyncio
 import itertools
 import logging
 import time
+import uuid
 
 import grpc
 
@@ -66,6 +68,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         self.tinfo = self.dinfo = None
         self.live: dict[str, asyncio.Task | None] = {}
         self._ids = itertools.count(1)
+        self._instance = uuid.uuid4().hex[:12]
         self.eos_ids: list[int] = []
 
     async def connect(self) -> None:
@@ -218,7 +221,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
         if rid in self.live:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is live")
         self.live[rid] = None
-        seq_id = f"{rid}#{next(self._ids)}"
+        # unique across coordinators sharing the workers and across restarts (workers keep tombstones)
+        seq_id = f"{rid}#{self._instance}-{next(self._ids)}"
         started = {"target": False, "drafter": False}
         deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
         try:
@@ -290,6 +294,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
             remaining = fin.max_tokens - len(fin.ids)
             k = min(cap, remaining - 1)
             speculate = k > 0 and (mode == gpb.SPECULATION_MODE_FORCE or policy.speculate_next())
+            if speculate and deadline is not None and policy.t_spec is not None \
+                    and deadline - time.monotonic() < policy.t_spec:
+                speculate = False  # a speculative step would not fit the deadline: plain steps to the end
             t0 = time.perf_counter()
             drafts: list[int] = []
             if speculate:

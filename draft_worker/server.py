@@ -20,6 +20,7 @@ CLI: ``specd draft-worker --scripted-block 8 --vocab 1024 --listen unix:///tmp/s
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import logging
 import threading
@@ -78,6 +79,8 @@ class DraftServicer(pbg.DraftWorkerServicer):
         self.seqs: dict[str, _Seq] = {}
         self.lock = threading.Lock()
         self.namespace = shm_namespace_id()
+        # released ids: a Propose overtaken by its sequence's Release must not re-create it
+        self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def Info(self, request, context):
         with self.lock:
@@ -102,7 +105,12 @@ class DraftServicer(pbg.DraftWorkerServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach feature ring {h.name}: {exc}")
             s = _Seq(reader)
             with self.lock:
-                self.seqs[seq_id] = s
+                dead = seq_id in self.tombstones
+                if not dead:
+                    self.seqs[seq_id] = s
+            if dead:
+                reader.close()
+                context.abort(grpc.StatusCode.CANCELLED, f"sequence {seq_id!r} was released")
         t0 = time.perf_counter()
         with s.lock:
             new = list(request.new_tokens)
@@ -122,6 +130,9 @@ class DraftServicer(pbg.DraftWorkerServicer):
     def Release(self, request, context):
         with self.lock:
             s = self.seqs.pop(request.seq_id, None)
+            self.tombstones[request.seq_id] = None
+            while len(self.tombstones) > 4096:
+                self.tombstones.popitem(last=False)
         if s is not None:
             with s.lock:
                 s.reader.close()

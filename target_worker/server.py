@@ -19,6 +19,7 @@ CLI: ``specd target-worker --target T.gguf --listen unix:///tmp/specd-target.soc
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import logging
 import signal
@@ -107,8 +108,16 @@ class TargetServicer(pbg.TargetWorkerServicer):
         self.seqs_lock = threading.Lock()
         self.model_lock = threading.Lock()
         self.namespace = shm_namespace_id()
+        # ids released before (or while) their Prefill ran: a cancelled request's Release can overtake
+        # its Prefill; the Prefill then frees what it built instead of leaking it (bounded memory)
+        self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ helpers
+
+    def _tombstone(self, seq_id: str) -> None:
+        self.tombstones[seq_id] = None
+        while len(self.tombstones) > 4096:
+            self.tombstones.popitem(last=False)
 
     def _get(self, seq_id, context) -> _Seq:
         with self.seqs_lock:
@@ -146,6 +155,8 @@ class TargetServicer(pbg.TargetWorkerServicer):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                    f"prompt of {len(tokens)} tokens with capacity {cap} does not fit max_seq_len {self.max_seq_len}")
         with self.seqs_lock:
+            if seq_id in self.tombstones:
+                _abort(context, grpc.StatusCode.CANCELLED, f"sequence {seq_id!r} was released")
             if seq_id in self.seqs:
                 _abort(context, grpc.StatusCode.ALREADY_EXISTS, f"sequence {seq_id!r} exists")
             if len(self.seqs) >= self.cfg.max_sequences:
@@ -171,7 +182,12 @@ class TargetServicer(pbg.TargetWorkerServicer):
             self.features.release(seq_id)
             raise
         with self.seqs_lock:
-            self.seqs[seq_id] = _Seq(st, handle)
+            released = seq_id not in self.seqs  # Release ran while we computed
+            if not released:
+                self.seqs[seq_id] = _Seq(st, handle)
+        if released:
+            self.features.release(seq_id)
+            _abort(context, grpc.StatusCode.CANCELLED, f"sequence {seq_id!r} was released during prefill")
         first = int(np.argmax(logits))  # greedy; ties -> lowest id, like sn.argmax
         return pb.PrefillResponse(first_token=first, committed=st.committed, compute_s=dt,
                                   features=pb.FeatureHandle(kind=handle.kind, name=handle.name,
@@ -226,6 +242,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
     def Release(self, request, context):
         with self.seqs_lock:
             s = self.seqs.pop(request.seq_id, None)
+            self._tombstone(request.seq_id)
         freed = self.features.release(request.seq_id)
         return pb.ReleaseResponse(existed=s is not None or freed)
 

@@ -156,3 +156,24 @@ def test_c24_special_tokens_single_ids_and_stop_string(stack):
     assert fin.push(added["<|im_end|>"])
     assert fin.reason == "stop" and fin.matched == "<|im_end|>" and fin.ids == a
     assert fin.take_text() == "ab"
+
+
+def test_c02_model_eos_inside_an_accepted_block(stack, reference):
+    """C02 with the model's own EOS path (not a request stop id): the coordinator's EOS set is pointed
+    at a token the greedy run reaches at draft position 3, the drafter continues past it correctly.
+    Generation ends at that token, excluded; with ignore_eos it is generated through."""
+    ref, _ = reference(PROMPT, 3 * BLOCK + 4)
+    stack.drafter.continuations[tuple(PROMPT)] = ref
+    stack.drafter.plan = None
+    j = next(j for j in first_unique_positions(ref, len(ref)) if j >= 4)  # inside the first verify block
+    coord = stack.coords[0][0]
+    saved = list(coord.eos_ids)
+    coord.eos_ids = [ref[j]]
+    try:
+        chunks, done = generate(stack.stub, token_request(PROMPT, 3 * BLOCK))
+        assert streamed_ids(chunks) == ref[:j] and done.finish_reason == "stop"
+        assert done.matched_token_id == ref[j] and done.usage.completion_tokens == j
+        chunks, done = generate(stack.stub, token_request(PROMPT, 3 * BLOCK, ignore_eos=True))
+        assert streamed_ids(chunks) == ref[: 3 * BLOCK] and done.finish_reason == "length"
+    finally:
+        coord.eos_ids = saved

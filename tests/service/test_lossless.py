@@ -16,7 +16,7 @@ def prompts_for(rng, n, vocab):
 
 
 @pytest.mark.parametrize("plan", [None, -1] + list(range(BLOCK + 1)))
-def test_every_acceptance_length_equals_plain_greedy(stack, reference, rng, plan):
+def test_c10_every_acceptance_length_equals_plain_greedy(stack, reference, rng, plan):
     """C10 too: a verify that rejects at position k, for every k, leaves GDN + conv state exactly at
     the committed position (otherwise the following tokens would differ from the plain run)."""
     vocab = stack.tservicer.model.hp.n_vocab

@@ -80,6 +80,28 @@ def test_c25_cancel_releases_both_workers_and_next_request_is_clean(stack, refer
     wait_released(stack)
 
 
+def test_c25_cancel_during_prefill_releases_everything(stack):
+    """The client goes away while the target is still in Prefill: the coordinator's Release overtakes
+    the Prefill; the worker must free the sequence (and its shared memory) when the Prefill ends."""
+    slow = stack.tservicer.model.prefill
+    entered = threading.Event()
+
+    def prefill(*a, **k):
+        entered.set()
+        time.sleep(0.5)
+        return slow(*a, **k)
+
+    stack.tservicer.model.prefill = prefill
+    try:
+        call = stack.stub.Generate(token_request([60, 61, 62], 50, ignore_eos=True), timeout=30)
+        assert entered.wait(10)
+        call.cancel()
+        time.sleep(0.8)
+    finally:
+        stack.tservicer.model.prefill = slow
+    wait_released(stack)
+
+
 def test_policy_switches_to_plain_when_drafts_wrong_and_back_when_right(stack, reference):
     stub = stack.coordinator(policy=PolicyConfig(step_ratio=1.9, burst_len=4, max_burst_len=8, measure_times=False))
     prompt = [21, 22, 23]
@@ -210,6 +232,7 @@ def test_c28_client_keepalive_pings_during_long_prefill(stack, reference):
             ref, _ = reference([50, 51], 10)
             chunks, done = generate(stub, token_request([50, 51], 4, ignore_eos=True), timeout=30)
             assert streamed_ids(chunks) == ref[:4]
+            stack.tservicer.model.prefill = slow
             time.sleep(1.5)  # idle pings after the call
             chunks, done = generate(stub, token_request([50, 51], 4, ignore_eos=True), timeout=30)
             assert streamed_ids(chunks) == ref[:4]
