@@ -22,10 +22,14 @@ class CoordinatorConfig:
     worker_timeout_s: per worker call when the request has no deadline, default 600 s.
     public_max_message_bytes: public send/receive limit, default 64 MiB.
     internal_max_message_bytes: coordinator -> worker limit, default 256 MiB.
-    keepalive_min_ping_interval_ms: accept client pings this often without data, default 10000.
+    keepalive_min_ping_interval_ms: accept client pings this often while no data flows (server arg
+        ``grpc.http2.min_ping_interval_without_data_ms``, C-core GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_
+        WITHOUT_DATA_MS; gRPC default 300000). Default 5000, so clients pinging every 10 s (vLLM, SGLang
+        practice) keep a channel through a long prefill with margin for timer jitter (C28).
     keepalive_time_ms: server pings idle connections this often, default 7200000 (2 h, gRPC default).
     keepalive_timeout_ms: wait for the ping ack, default 20000.
-    max_ping_strikes: bad pings before GOAWAY (0: unlimited), default 0.
+    max_ping_strikes: pings faster than that tolerated before GOAWAY too_many_pings (0: unlimited),
+        default 2 (the gRPC default).
     reflection: serve gRPC reflection, default on.
     policy: the adaptive policy (spec-loop.md §9.1a), see PolicyConfig.
     """
@@ -40,10 +44,10 @@ class CoordinatorConfig:
     worker_timeout_s: float = 600.0
     public_max_message_bytes: int = 64 << 20
     internal_max_message_bytes: int = 256 << 20
-    keepalive_min_ping_interval_ms: int = 10_000
+    keepalive_min_ping_interval_ms: int = 5_000
     keepalive_time_ms: int = 7_200_000
     keepalive_timeout_ms: int = 20_000
-    max_ping_strikes: int = 0
+    max_ping_strikes: int = 2
     reflection: bool = True
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -63,7 +67,7 @@ class CoordinatorConfig:
     def server_options(self) -> list[tuple[str, int]]:
         return [("grpc.max_send_message_length", self.public_max_message_bytes),
                 ("grpc.max_receive_message_length", self.public_max_message_bytes),
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", self.keepalive_min_ping_interval_ms),
+                ("grpc.http2.min_ping_interval_without_data_ms", self.keepalive_min_ping_interval_ms),
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.keepalive_time_ms", self.keepalive_time_ms),
                 ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),

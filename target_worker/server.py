@@ -271,10 +271,10 @@ def load_servicer(cfg: TargetWorkerConfig) -> TargetServicer:
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Internal-link gRPC options: large messages, client pings every 10 s tolerated."""
+    """Internal-link gRPC options: large messages; peers may ping every 5 s while no data flows."""
     return [("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_ping_strikes", 0)]
 

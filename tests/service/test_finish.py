@@ -80,14 +80,15 @@ def test_stop_string_split_across_tokens(stack, reference):
     cands = [(i, pieces[i][-1] + pieces[i + 1][0]) for i in range(1, 29)
              if pieces[i] and pieces[i + 1] and "\ufffd" not in pieces[i] + pieces[i + 1]]
     assert cands, "no printable token pair in the continuation"
-    for plan in (None, 1):
+    for plan, include in ((None, False), (1, False), (None, True)):
         stack.drafter.plan = plan
         for _, stop in cands[:4]:
             n = next(n for n in range(1, 31) if stop in tok.decode(ref[:n]))  # tokens until the match
             full = tok.decode(ref[:n])
-            cut = full.index(stop)
+            cut = full.index(stop) + (len(stop) if include else 0)
             req = gpb.GenerateRequest(tokenized=gpb.TokenizedInput(input_ids=prompt),
-                                      stopping=gpb.StoppingParams(max_tokens=40, stop=[stop], ignore_eos=True))
+                                      stopping=gpb.StoppingParams(max_tokens=40, stop=[stop], ignore_eos=True,
+                                                                  include_stop=include))
             chunks, done = generate(stack.stub, req)
             assert streamed_ids(chunks) == ref[:n], repr(stop)
             assert done.text == full[:cut] == "".join(c.text for c in chunks)

@@ -213,31 +213,47 @@ def test_model_info_health_and_reflection(stack):
 
 
 def test_c28_client_keepalive_pings_during_long_prefill(stack, reference):
-    """Client pings every second (and without calls) while a prefill takes 3 s: the server must not
-    answer with GOAWAY (too_many_pings); the request completes."""
-    slow = stack.tservicer.model.prefill
+    """C28 scaled down in time: a client pings every second (keepalive_time 1 s, also without calls)
+    while a prefill takes 5 s. A coordinator configured to accept pings every 0.5 s (the shipped
+    default is 5 s for 10 s clients) completes the request; the control with gRPC's default 300 s
+    interval answers GOAWAY too_many_pings, which shows the test exercises the ping policy."""
+    from specd.protos.v1 import generate_pb2_grpc as gpbg
+
+    slow = stack.tservicer.model.new_sequence  # runs outside the model lock: both prefills wait at once
 
     def prefill(*a, **k):
-        time.sleep(3.0)
+        time.sleep(5.0)
         return slow(*a, **k)
 
+    ok = stack.coordinator(keepalive_min_ping_interval_ms=500)
+    bad = stack.coordinator(keepalive_min_ping_interval_ms=300_000)
     opts = [("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_timeout_ms", 5000),
             ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
-    stack.tservicer.model.prefill = prefill
-    try:
-        with grpc.insecure_channel(stack.coords[0][0].cfg.listen, options=opts) as ch:
-            from specd.protos.v1 import generate_pb2_grpc as gpbg
+    ref, _ = reference([50, 51], 10)
+    stack.tservicer.model.new_sequence = prefill
+    results = {}
 
-            stub = gpbg.SpecDecodeStub(ch)
-            ref, _ = reference([50, 51], 10)
-            chunks, done = generate(stub, token_request([50, 51], 4, ignore_eos=True), timeout=30)
-            assert streamed_ids(chunks) == ref[:4]
-            stack.tservicer.model.prefill = slow
-            time.sleep(1.5)  # idle pings after the call
-            chunks, done = generate(stub, token_request([50, 51], 4, ignore_eos=True), timeout=30)
-            assert streamed_ids(chunks) == ref[:4]
+    def run(name, listen):
+        with grpc.insecure_channel(listen, options=opts) as ch:
+            try:
+                chunks, _ = generate(gpbg.SpecDecodeStub(ch), token_request([50, 51], 4, ignore_eos=True), timeout=30)
+                results[name] = streamed_ids(chunks)
+            except grpc.RpcError as exc:
+                results[name] = (exc.code(), exc.details())
+
+    try:
+        threads = [threading.Thread(target=run, args=(n, stack.coords[-2 + i][0].cfg.listen))
+                   for i, n in enumerate(("ok", "bad"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
     finally:
-        stack.tservicer.model.prefill = slow
+        stack.tservicer.model.new_sequence = slow
+    del ok, bad
+    assert results["ok"] == ref[:4]
+    assert results["bad"][0] == grpc.StatusCode.UNAVAILABLE and "ping" in results["bad"][1].lower(), results["bad"]
+    wait_released(stack)
 
 
 def test_proto_sources_ship_with_the_stubs():
