@@ -10,8 +10,9 @@ exits with the first non-zero child status.
 Drafter: the DFlash / DSpark / DFlash 2 forward is not wired into the drafter worker yet. With
 ``--drafter D.gguf`` the target captures the drafter's ``target_layer_ids`` (read from D.gguf) but the
 drafter worker refuses to start with a message saying so; ``--scripted-block N`` runs the scripted
-drafter instead (no continuations: every draft is wrong, a worst-case drafter for load tests);
-neither runs plain decoding only.
+drafter instead: with ``--scripted-continuations FILE`` (the target's greedy continuations) it is the
+oracle drafter of performance.md §6.6 (``--scripted-accept k`` forces acceptance k), without it every
+draft is wrong (a worst-case drafter); neither runs plain decoding only.
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ def add_arguments(p) -> None:
                    help="drafter GGUF (forward not wired yet; its taps set the target's capture layers)")
     p.add_argument("--scripted-block", type=int, default=0,
                    help="run the scripted drafter with this many drafts per step (default 0: off)")
+    p.add_argument("--scripted-continuations", default="",
+                   help="scripted drafter: JSONL of prompt/continuation pairs (oracle drafter, default none)")
+    p.add_argument("--scripted-accept", type=int, default=-1,
+                   help="scripted drafter: right drafts per step (-1 all, default)")
     p.add_argument("--capture-layers", default="", help="target capture layers when no drafter GGUF is given")
     p.add_argument("--runtime-dir", default="", help="directory for the worker sockets (default: a new temp dir)")
     p.add_argument("--max-seq-len", type=int, default=0, help="target positions per sequence (default 0: GGUF)")
@@ -93,7 +98,9 @@ def run(args) -> int:
 
             vocab = int(next(x for x in GGUFReader(args.target).tensors if x.name == "token_embd.weight").shape[1])
             dargv = ["draft-worker", "--listen", dsock, "--vocab", str(vocab)]
-            dargv += ["--drafter", args.drafter_gguf] if args.drafter_gguf else ["--scripted-block", str(args.scripted_block)]
+            dargv += ["--drafter", args.drafter_gguf] if args.drafter_gguf else [
+                "--scripted-block", str(args.scripted_block), "--scripted-accept", str(args.scripted_accept),
+                "--scripted-continuations", args.scripted_continuations]
             d = _child(dargv)
             procs.append(("draft-worker", d))
             _wait_ready(d, "draft-worker", args.start_timeout_s)

@@ -44,6 +44,10 @@ class DraftWorkerConfig:
     listen: gRPC address, ``unix:///path.sock`` (default) or ``host:port``.
     scripted_block: block of the scripted drafter (drafts per step), default 8.
     vocab: vocabulary size for the scripted drafter (0: required when no drafter GGUF).
+    scripted_continuations: JSON-lines file, one ``{"prompt": [ids], "continuation": [ids]}`` per line
+        (the target's greedy continuation of that prompt): the oracle drafter of performance.md §6.6.
+        Default "": no continuations (every draft wrong).
+    scripted_accept: right drafts per step: -1 all (oracle, default), 0 none, k: right up to k.
     threads: RPC threads, default 8. max_message_bytes: default 256 MiB.
     """
 
@@ -51,6 +55,8 @@ class DraftWorkerConfig:
     listen: str = "unix:///tmp/specd-draft.sock"
     scripted_block: int = 8
     vocab: int = 0
+    scripted_continuations: str = ""
+    scripted_accept: int = -1
     threads: int = 8
     max_message_bytes: int = 256 << 20
 
@@ -61,6 +67,8 @@ class DraftWorkerConfig:
         if self.scripted_block < 1 or self.vocab < 2:
             raise ValueError(f"draft-worker: --scripted-block >= 1 and --vocab >= 2 required, "
                              f"got {self.scripted_block}, {self.vocab}")
+        if self.scripted_accept < -1:
+            raise ValueError(f"draft-worker: --scripted-accept must be >= -1, got {self.scripted_accept}")
         if self.threads <= 0 or self.max_message_bytes <= 0:
             raise ValueError("draft-worker: threads and max_message_bytes must be > 0")
 
@@ -174,8 +182,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scripted-block", type=int, default=d.scripted_block,
                    help=f"scripted drafter: drafts per step (default {d.scripted_block})")
     p.add_argument("--vocab", type=int, default=d.vocab, help="scripted drafter: vocabulary size (required)")
+    p.add_argument("--scripted-continuations", default=d.scripted_continuations,
+                   help='scripted drafter: JSONL of {"prompt": [...], "continuation": [...]} (oracle drafter)')
+    p.add_argument("--scripted-accept", type=int, default=d.scripted_accept,
+                   help="scripted drafter: right drafts per step (-1 all, default; 0 none; k up to k)")
     p.add_argument("--threads", type=int, default=d.threads, help=f"RPC threads (default {d.threads})")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="default 256 MiB")
+
+
+def load_continuations(path: str) -> dict:
+    """prompt tuple -> continuation from a JSON-lines file (see DraftWorkerConfig); {} for ""."""
+    import json
+
+    out = {}
+    if not path:
+        return out
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                out[tuple(int(t) for t in rec["prompt"])] = [int(t) for t in rec["continuation"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{n}: expected {{\"prompt\": [ids], \"continuation\": [ids]}}: {exc}") from exc
+    return out
 
 
 def run(args) -> int:
@@ -185,9 +216,13 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = DraftWorkerConfig(drafter=args.drafter, listen=args.listen, scripted_block=args.scripted_block,
-                            vocab=args.vocab, threads=args.threads, max_message_bytes=args.max_message_bytes)
+                            vocab=args.vocab, scripted_continuations=args.scripted_continuations,
+                            scripted_accept=args.scripted_accept, threads=args.threads,
+                            max_message_bytes=args.max_message_bytes)
     cfg.validate()
-    servicer = DraftServicer(ScriptedDrafter(cfg.scripted_block, cfg.vocab, record_features=False))
+    servicer = DraftServicer(ScriptedDrafter(cfg.scripted_block, cfg.vocab, load_continuations(cfg.scripted_continuations),
+                                             plan=None if cfg.scripted_accept < 0 else cfg.scripted_accept,
+                                             record_features=False))
     server, _ = start_server(servicer, cfg.listen, cfg.threads, cfg.max_message_bytes)
     log.info("draft-worker: scripted drafter (block %d) on %s", cfg.scripted_block, cfg.listen)
     print(f"READY {cfg.listen}", flush=True)

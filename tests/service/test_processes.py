@@ -46,9 +46,15 @@ def _stop(p, timeout=30):
 
 
 def test_serve_and_generate_cli(target_gguf, reference, tmp_path):
+    """`specd serve` with the oracle scripted drafter (continuations from a JSONL file): the first
+    request is all-accepted (AL = 5 with block 4), the second (unknown prompt) all-rejected; both lossless."""
     sock = f"unix://{tmp_path}/c.sock"
     before = set(glob.glob("/dev/shm/specd-ft-*"))
+    ref, _ = reference([9, 8, 7, 6], 30)
+    cont = tmp_path / "oracle.jsonl"
+    cont.write_text(json.dumps({"prompt": [9, 8, 7, 6], "continuation": ref}) + "\n")
     serve = _start(["serve", "--target", target_gguf, "--scripted-block", "4", "--listen", sock,
+                    "--scripted-continuations", str(cont), "--policy-step-ratio", "0",
                     "--capture-layers", ",".join(map(str, CAPTURE)), "--max-seq-len", "128", "--kv-dtype", "f32",
                     "--runtime-dir", str(tmp_path / "rt")])
     try:
@@ -58,9 +64,17 @@ def test_serve_and_generate_cli(target_gguf, reference, tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         done = json.loads(out.stdout)
-        ref, _ = reference(prompt, 10)
-        assert [int(t) for t in done["output_ids"]] == ref  # scripted drafts are all wrong: still lossless
+        assert [int(t) for t in done["output_ids"]] == ref[:10]
         assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 10
+        sp = done["speculation"]
+        # prefill 1 token, then 4 drafts + bonus, then 3 drafts (budget) + bonus: 10 tokens, 7 accepted
+        assert int(sp["num_accepted_tokens"]) == int(sp["num_draft_tokens"]) == 7
+        other, _ = reference([9, 8, 7], 6)
+        out = subprocess.run(CLI + ["generate", "--server", sock, "--token-ids", "9,8,7", "--max-tokens", "6",
+                                    "--ignore-eos", "--json"], capture_output=True, text=True, timeout=120)
+        done = json.loads(out.stdout)
+        assert [int(t) for t in done["output_ids"]] == other
+        assert "num_accepted_tokens" not in done["speculation"]  # 0: all drafts wrong
         out = subprocess.run(CLI + ["generate", "--server", sock, "--prompt", "The quick", "--max-tokens", "5"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "finish=" in out.stderr, out.stderr
