@@ -31,6 +31,7 @@ class CoordinatorConfig:
     max_ping_strikes: pings faster than that tolerated before GOAWAY too_many_pings (0: unlimited),
         default 2 (the gRPC default).
     reflection: serve gRPC reflection, default on.
+    health_poll_s: how often readiness re-checks both workers' gRPC health, default 5 s.
     policy: the adaptive policy (spec-loop.md §9.1a), see PolicyConfig.
     """
 
@@ -49,12 +50,13 @@ class CoordinatorConfig:
     keepalive_timeout_ms: int = 20_000
     max_ping_strikes: int = 2
     reflection: bool = True
+    health_poll_s: float = 5.0
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
     def validate(self) -> None:
         if not self.target:
             raise ValueError("coordinator: target address is required")
-        for name in ("default_max_tokens", "worker_timeout_s", "public_max_message_bytes",
+        for name in ("default_max_tokens", "worker_timeout_s", "health_poll_s", "public_max_message_bytes",
                      "internal_max_message_bytes", "keepalive_min_ping_interval_ms", "keepalive_time_ms",
                      "keepalive_timeout_ms"):
             if getattr(self, name) <= 0:
@@ -93,6 +95,7 @@ _FLAGS = [  # (field, type, help)
     ("keepalive_time_ms", int, "server keepalive ping interval"),
     ("keepalive_timeout_ms", int, "keepalive ack timeout"),
     ("max_ping_strikes", int, "bad pings before GOAWAY (0 = unlimited)"),
+    ("health_poll_s", float, "readiness re-check interval of the workers"),
 ]
 _POLICY_FLAGS = [
     ("step_ratio", float, "prior t_spec/t_plain (0 disables the policy)"),

@@ -95,7 +95,37 @@ class Coordinator(gpbg.SpecDecodeServicer):
             if self.dinfo.vocab_size != self.tinfo.vocab_size:
                 raise RuntimeError(f"drafter vocabulary {self.dinfo.vocab_size} != target {self.tinfo.vocab_size}")
 
+    async def workers_serving(self) -> bool:
+        """True when every configured worker answers grpc.health.v1 Check("") with SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        chans = [self.target_channel] + ([self.draft_channel] if self.drafter is not None else [])
+        for ch in chans:
+            try:
+                r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+            except grpc.aio.AioRpcError:
+                return False
+            if r.status != health_pb2.HealthCheckResponse.SERVING:
+                return False
+        return True
+
+    def watch_workers(self, health_servicer) -> None:
+        """Starts the readiness loop: SpecDecode is SERVING only while both workers are."""
+        from grpc_health.v1 import health_pb2
+
+        async def loop():
+            while True:
+                ok = await self.workers_serving()
+                await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ok
+                                          else health_pb2.HealthCheckResponse.NOT_SERVING)
+                await asyncio.sleep(self.cfg.health_poll_s)
+
+        self._watch = asyncio.get_running_loop().create_task(loop())
+
     async def close(self) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.cancel()
         for ch in ("target_channel", "draft_channel"):
             if hasattr(self, ch):
                 await getattr(self, ch).close()
@@ -388,6 +418,7 @@ async def start_server(coord: Coordinator, listen: str | None = None):
     await server.start()
     await coord.connect()
     await hs.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    coord.watch_workers(hs)
     server.health = hs
     return server, port
 

@@ -90,11 +90,13 @@ class Stack:
         self.coords = []
         self.default = self.coordinator(**coord_kw)
 
-    def coordinator(self, policy: PolicyConfig | None = None, **kw):
-        """Starts one more coordinator over the same workers; returns a SpecDecode stub for it."""
+    def coordinator(self, policy: PolicyConfig | None = None, drafter_override: str | None = None, **kw):
+        """Starts one more coordinator over the same workers (or another drafter address); returns a
+        SpecDecode stub for it."""
         n = len(self.coords)
         cfg = CoordinatorConfig(listen=f"unix://{self.dir}/c{n}.sock", target=f"unix://{self.dir}/t.sock",
-                                drafter=f"unix://{self.dir}/d.sock", policy=policy or PolicyConfig(), **kw)
+                                drafter=drafter_override or f"unix://{self.dir}/d.sock", policy=policy or PolicyConfig(),
+                                **kw)
         cfg.validate()
         coord = Coordinator(cfg)
         server, _ = asyncio.run_coroutine_threadsafe(start_server(coord), self.loop).result(30)

@@ -256,6 +256,37 @@ def test_c28_client_keepalive_pings_during_long_prefill(stack, reference):
     wait_released(stack)
 
 
+def test_readiness_follows_workers_and_dead_drafter_is_unavailable(stack):
+    """Readiness (health of "specd.v1.SpecDecode") is SERVING only while both workers are; a request
+    whose drafter is gone ends with UNAVAILABLE; the sequence is still released on the target."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from specd.draft_worker import server as dserver
+    from specd.draft_worker.scripted import ScriptedDrafter
+
+    ds = dserver.DraftServicer(ScriptedDrafter(BLOCK, stack.tservicer.model.hp.n_vocab))
+    dsrv, _ = dserver.start_server(ds, f"unix://{stack.dir}/d2.sock", 4)
+    try:
+        stub = stack.coordinator(drafter_override=f"unix://{stack.dir}/d2.sock", health_poll_s=0.1)
+        ch = stack.coords[-1][2]
+        h = health_pb2_grpc.HealthStub(ch)
+        ready = lambda: h.Check(health_pb2.HealthCheckRequest(service="specd.v1.SpecDecode"), timeout=5).status  # noqa: E731
+        assert ready() == health_pb2.HealthCheckResponse.SERVING
+        dsrv.stop(0).wait()
+        end = time.monotonic() + 10
+        while ready() != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < end:
+            time.sleep(0.05)
+        assert ready() == health_pb2.HealthCheckResponse.NOT_SERVING
+        got, details = _code(stub, token_request([1, 2, 3], 8, ignore_eos=True))
+        assert got == grpc.StatusCode.UNAVAILABLE, details
+        assert h.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        dsrv.stop(0).wait()
+        ds.close()
+    live = worker_live(stack)
+    assert live[0] == [] and live[1] == 0
+
+
 def test_proto_sources_ship_with_the_stubs():
     """The stubs are generated at build time from protos/; the installed .proto copies must equal the
     repository's (a stale install would fail here)."""
