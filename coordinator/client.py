@@ -88,4 +88,8 @@ def run(args) -> int:
           f"drafts={sp.num_drafts} draft_tokens={sp.num_draft_tokens} accepted={sp.num_accepted_tokens} "
           f"mean_acceptance_length={sp.mean_acceptance_length:.2f} plain_steps={sp.num_plain_steps} "
           f"switches={len(sp.policy_switches)} per_position={list(sp.accepted_per_position)}", file=sys.stderr)
+    t = done.timing
+    print(f"ttft={t.ttft_s * 1e3:.1f}ms decode={t.decode_s * 1e3:.1f}ms steps={t.steps} "
+          f"worker_compute={t.worker_compute_s * 1e3:.1f}ms loop_overhead={t.loop_overhead_s * 1e3:.1f}ms "
+          f"({t.loop_overhead_s * 1e3 / max(1, t.steps):.2f} ms/step)", file=sys.stderr)
     return 0

@@ -255,8 +255,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
         seq_id = f"{rid}#{self._instance}-{next(self._ids)}"
         started = {"target": False, "drafter": False}
         deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
+        t_start = time.perf_counter()
         try:
-            async for msg in self._loop(seq_id, prompt, fin, mode, cap, deadline, started):
+            async for msg in self._loop(seq_id, prompt, fin, mode, cap, deadline, started, t_start):
                 yield msg
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
@@ -295,7 +296,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 raise RequestError(code, f"{what}: worker unavailable: {exc.details()}") from exc
             raise RequestError(grpc.StatusCode.INTERNAL, f"{what} failed: {code.name}: {exc.details()}") from exc
 
-    async def _loop(self, seq_id, prompt, fin: Finisher, mode, cap, deadline, started):
+    async def _loop(self, seq_id, prompt, fin: Finisher, mode, cap, deadline, started, t_start):
         n_prompt = len(prompt)
         stats = gpb.SpeculationStats(mode_used=mode)
         per_pos: list[int] = []
@@ -307,10 +308,13 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 token_ids=new_ids, text=fin.take_text(), prompt_tokens=n_prompt, completion_tokens=len(fin.ids),
                 step_index=step, accepted_in_step=accepted))
 
+        timing = gpb.Timing()
         started["target"] = True
+        t0 = time.perf_counter()
         pre = await self._call(self.target.Prefill,
                                wpb.PrefillRequest(seq_id=seq_id, tokens=prompt, capacity=n_prompt + fin.max_tokens),
                                deadline, "prefill")
+        timing.prefill_s = time.perf_counter() - t0
         tokens = list(prompt)  # token at every position, committed ones then the anchor
         anchor = pre.first_token
         committed = pre.committed
@@ -318,6 +322,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
         before = len(fin.ids)
         fin.push(anchor)
         yield chunk(fin.ids[before:], 0)
+        t_first = time.perf_counter()
+        timing.ttft_s = t_first - t_start
         synced = 0  # positions the drafter has ingested
         while not fin.done:
             step += 1
@@ -342,6 +348,10 @@ class Coordinator(gpbg.SpecDecodeServicer):
                                   wpb.VerifyRequest(seq_id=seq_id, tokens=[anchor] + drafts, max_accept=len(drafts)),
                                   deadline, "verify")
             dt = time.perf_counter() - t0
+            compute = vr.compute_s + (prop.compute_s if speculate else 0.0)
+            timing.worker_compute_s += compute
+            timing.loop_overhead_s += max(0.0, dt - compute)
+            timing.steps += 1
             m = vr.accepted
             emitted = list(vr.emitted)
             if len(emitted) != m + 1 or vr.committed != committed + m + 1:
@@ -381,8 +391,10 @@ class Coordinator(gpbg.SpecDecodeServicer):
         stats.mean_acceptance_length = (1.0 + stats.num_accepted_tokens / stats.num_drafts) if stats.num_drafts else 0.0
         for s, to_spec, reason in policy.switches:
             stats.policy_switches.add(step_index=s, to_speculative=to_spec, reason=reason)
+        timing.decode_s = time.perf_counter() - t_first
+        timing.e2e_s = time.perf_counter() - t_start
         done = gpb.GenerateComplete(
-            output_ids=fin.ids, text=fin.final_text, finish_reason=fin.reason,
+            timing=timing, output_ids=fin.ids, text=fin.final_text, finish_reason=fin.reason,
             finish=gpb.FINISH_REASON_STOP if fin.reason == "stop" else gpb.FINISH_REASON_LENGTH,
             usage=gpb.Usage(prompt_tokens=n_prompt, completion_tokens=len(fin.ids)), speculation=stats)
         if isinstance(fin.matched, str):

@@ -69,6 +69,9 @@ def test_mode_off_is_plain(stack, reference):
     chunks, done = generate(stack.stub, token_request(prompt, 10, ignore_eos=True, speculation=spec))
     assert streamed_ids(chunks) == ref[:10]
     assert done.speculation.num_drafts == 0 and done.speculation.num_plain_steps == 9
+    t = done.timing
+    assert t.steps == 9 and 0 < t.prefill_s <= t.ttft_s <= t.e2e_s and t.worker_compute_s > 0
+    assert t.loop_overhead_s >= 0 and t.decode_s <= t.e2e_s
     assert all(len(c.token_ids) == 1 for c in chunks)
 
 
