@@ -169,8 +169,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
                 agp = req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
                 try:
-                    text = jinja2.Environment().from_string(self.tok.chat_template).render(
-                        messages=msgs, add_generation_prompt=agp)
+                    text = self._chat_template().render(messages=msgs, add_generation_prompt=agp)
                 except jinja2.TemplateError as exc:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {exc}") from exc
             ids = self.tok.tokenizer.encode(text, add_special_tokens=False).ids
@@ -181,6 +180,22 @@ class Coordinator(gpbg.SpecDecodeServicer):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"prompt of {len(ids)} tokens exceeds the limit {min(limit, self.tinfo.max_seq_len - 1)}")
         return ids
+
+    def _chat_template(self):
+        """The GGUF chat template compiled like transformers' ``apply_chat_template``: a sandboxed
+        jinja2 environment, trim_blocks + lstrip_blocks, loop controls, ``raise_exception``."""
+        if getattr(self, "_template", None) is None:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message):
+                raise jinja2.TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.tok.chat_template)
+        return self._template
 
     def _finisher(self, req, n_prompt: int) -> Finisher:
         s = req.sampling
