@@ -35,12 +35,16 @@ CAPTURE = (0, 2)
 BLOCK = 6  # scripted drafter: drafts per step
 
 
-@pytest.fixture(scope="session")
-def target_gguf(tmp_path_factory):
-    ck = build_checkpoint(SPECS[MODEL], tmp_path_factory.mktemp("hf"))
-    out = tmp_path_factory.mktemp("gguf") / f"{MODEL}.gguf"
+def build_gguf(tmp_path_factory, name: str) -> str:
+    ck = build_checkpoint(SPECS[name], tmp_path_factory.mktemp(f"hf-{name}"))
+    out = tmp_path_factory.mktemp("gguf") / f"{name}.gguf"
     convert(ck.path, out, "f32")
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def target_gguf(tmp_path_factory):
+    return build_gguf(tmp_path_factory, MODEL)
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +57,10 @@ def plain_model(target_gguf):
 def reference(plain_model):
     """reference(prompt, n) -> (greedy tokens [n], features of positions 0..len(prompt)+n-2): plain
     prefill + token-by-token decode, no EOS handling (cached)."""
+    return make_reference(plain_model)
+
+
+def make_reference(plain_model):
     cache = {}
 
     def get(prompt, n):

@@ -116,3 +116,38 @@ def test_c09_drafter_features_equal_target_after_spec_and_plain_mix(stack, refer
         for pos, (tok, row) in seen.items():
             assert tok == full[pos]
             np.testing.assert_array_equal(row, feats[pos], err_msg=f"feature row {pos}")
+
+
+@pytest.mark.parametrize("name", ["smoke", "r3"])
+def test_other_tiny_targets_lossless(tmp_path_factory, rng, name):
+    """Other layouts: "smoke" (GDN x3 + full, vocab 1024, no tokenizer) and "r3" (interval 2, three
+    value heads per key head, tied embeddings): random per-step acceptance equals plain greedy."""
+    import specd.native as sn
+    from specd.target_worker.gguf_loader import load_qwen35
+    from specd.target_worker.model import Qwen35Model
+
+    from .conftest import CAPTURE, Stack, build_gguf, make_reference
+
+    path = build_gguf(tmp_path_factory, name)
+    reference = make_reference(Qwen35Model(load_qwen35(path), capture_layers=CAPTURE, kv_dtype=sn.DType.F32))
+    from specd.coordinator.policy import PolicyConfig
+
+    stack = Stack(path, policy=PolicyConfig(step_ratio=0))
+    try:
+        assert stack.coords[0][0].tok is None  # token-id input only
+        vocab = stack.tservicer.model.hp.n_vocab
+        for prompt in prompts_for(rng, 4, vocab):
+            choices = [None, -1] + list(range(BLOCK + 1))
+            seq = [choices[i] for i in rng.integers(0, len(choices), size=100)]
+            stack.drafter.plan = lambda p, step, seq=seq: seq[step]
+            ref, feats = reference(prompt, 30 + BLOCK)
+            stack.drafter.continuations[tuple(prompt)] = ref
+            req = token_request(prompt, 30)
+            req.request_id = f"{name}-{len(prompt)}-{rng.integers(1 << 30)}"
+            chunks, done = generate(stack.stub, req)
+            assert streamed_ids(chunks) == ref[:30]
+            seen = next(v for k, v in stack.drafter.seen.items() if k.startswith(req.request_id + "#"))
+            for pos, (_, row) in seen.items():
+                np.testing.assert_array_equal(row, feats[pos])
+    finally:
+        stack.stop()
