@@ -243,7 +243,11 @@ class TargetServicer(pbg.TargetWorkerServicer):
         with self.seqs_lock:
             s = self.seqs.pop(request.seq_id, None)
             self._tombstone(request.seq_id)
-        freed = self.features.release(request.seq_id)
+        if s is not None:
+            with s.lock:  # an in-flight Verify/Commit finishes writing its rows first
+                freed = self.features.release(request.seq_id)
+        else:
+            freed = self.features.release(request.seq_id)
         return pb.ReleaseResponse(existed=s is not None or freed)
 
 
