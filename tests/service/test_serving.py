@@ -6,6 +6,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 from specd.coordinator.policy import PolicyConfig
@@ -109,8 +110,17 @@ def test_policy_switches_to_plain_when_drafts_wrong_and_back_when_right(stack, r
     stack.drafter.continuations[tuple(prompt)] = ref
     switch_at = 4  # drafter calls 0..3 all wrong (the first, then 3 failed probes), then all right
     stack.drafter.plan = lambda p, step: 0 if step < switch_at else None
-    chunks, done = generate(stub, token_request(prompt, 100, ignore_eos=True))
+    req = token_request(prompt, 100, ignore_eos=True)
+    req.request_id = "policy-switch"
+    chunks, done = generate(stub, req)
     assert streamed_ids(chunks) == ref[:100]
+    # C09 across bursts: the drafter was not called during plain bursts and caught up from the ring
+    _, feats = reference(prompt, 120)
+    seen = next(v for k, v in stack.drafter.seen.items() if k.startswith("policy-switch#"))
+    assert sorted(seen) == list(range(len(seen))) and len(seen) > len(prompt) + 30
+    for pos, (tok, row) in seen.items():
+        assert tok == (prompt + ref)[pos]
+        np.testing.assert_array_equal(row, feats[pos])
     sw = [(s.to_speculative, s.reason) for s in done.speculation.policy_switches]
     assert sw[0] == (False, "gate")  # first all-wrong spec step trips the gate (0 < 0.8 * 0.9)
     assert (True, "probe") in sw
