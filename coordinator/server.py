@@ -272,7 +272,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
         deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
         t_start = time.perf_counter()
         try:
-            async for msg in self._loop(seq_id, prompt, fin, mode, cap, deadline, started, t_start):
+            async for msg in self._loop(seq_id, prompt, fin, mode, cap, deadline, started, t_start,
+                                        request.stream_options.token_by_token):
                 yield msg
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
@@ -311,7 +312,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 raise RequestError(code, f"{what}: worker unavailable: {exc.details()}") from exc
             raise RequestError(grpc.StatusCode.INTERNAL, f"{what} failed: {code.name}: {exc.details()}") from exc
 
-    async def _loop(self, seq_id, prompt, fin: Finisher, mode, cap, deadline, started, t_start):
+    async def _loop(self, seq_id, prompt, fin: Finisher, mode, cap, deadline, started, t_start, token_by_token):
         n_prompt = len(prompt)
         stats = gpb.SpeculationStats(mode_used=mode)
         per_pos: list[int] = []
@@ -390,6 +391,16 @@ class Coordinator(gpbg.SpecDecodeServicer):
             else:
                 stats.num_plain_steps += 1
                 policy.record_plain(step, dt)
+            if token_by_token:
+                for t in emitted:
+                    before = len(fin.ids)
+                    fin.push(t)
+                    c = chunk(fin.ids[before:], m)
+                    if c.chunk.token_ids or c.chunk.text:
+                        yield c
+                    if fin.done:
+                        break
+                continue
             before = len(fin.ids)
             for t in emitted:
                 if fin.push(t):

@@ -178,3 +178,25 @@ def test_c02_model_eos_inside_an_accepted_block(stack, reference):
         assert streamed_ids(chunks) == ref[: 3 * BLOCK] and done.finish_reason == "length"
     finally:
         coord.eos_ids = saved
+
+
+@pytest.mark.parametrize("stop_at", [None, 9])
+def test_token_by_token_streaming(stack, reference, stop_at):
+    """stream_options.token_by_token: one token per chunk, same ids, text and finish as per-step chunks."""
+    tok, prompt, ref = _text_case(stack, reference)
+    stack.drafter.plan = None
+    out = []
+    for tbt in (False, True):
+        req = gpb.GenerateRequest(tokenized=gpb.TokenizedInput(input_ids=prompt),
+                                  stopping=gpb.StoppingParams(max_tokens=20, ignore_eos=True))
+        if stop_at is not None and ref[stop_at] not in ref[:stop_at]:
+            req.stopping.stop_token_ids.append(ref[stop_at])
+        req.stream_options.token_by_token = tbt
+        chunks, done = generate(stack.stub, req)
+        if tbt:
+            assert all(len(c.token_ids) <= 1 for c in chunks)
+            assert [c.completion_tokens for c in chunks if c.token_ids] == list(range(1, len(done.output_ids) + 1))
+        else:
+            assert max(len(c.token_ids) for c in chunks) > 1
+        out.append((streamed_ids(chunks), "".join(c.text for c in chunks), done.text, done.finish_reason))
+    assert out[0] == out[1]
