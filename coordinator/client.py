@@ -25,6 +25,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-draft-tokens", type=int, default=None, help="cap on drafts per step")
     p.add_argument("--request-id", default="", help="request id (default: server-assigned)")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline in seconds (default none)")
+    p.add_argument("--token-by-token", action="store_true", help="one chunk per token instead of per step")
     p.add_argument("--ids", action="store_true", help="print token ids instead of text")
     p.add_argument("--json", action="store_true", help="print the final message as JSON")
 
@@ -51,6 +52,7 @@ def build_request(args):
                             "force": gpb.SPECULATION_MODE_FORCE}[args.speculation]
     if args.max_draft_tokens is not None:
         req.speculation.max_draft_tokens = args.max_draft_tokens
+    req.stream_options.token_by_token = args.token_by_token
     return req
 
 

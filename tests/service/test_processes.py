@@ -78,6 +78,15 @@ def test_serve_and_generate_cli(target_gguf, reference, tmp_path):
         out = subprocess.run(CLI + ["generate", "--server", sock, "--prompt", "The quick", "--max-tokens", "5"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "finish=" in out.stderr, out.stderr
+        # drain: SIGTERM while a stream is in flight; it completes, then everything exits 0
+        gen = subprocess.Popen(CLI + ["generate", "--server", sock, "--token-ids", "5,5,5", "--max-tokens", "100",
+                                      "--ignore-eos", "--ids", "--token-by-token"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = os.read(gen.stdout.fileno(), 1).decode()  # the stream has started (unbuffered read)
+        serve.send_signal(signal.SIGTERM)
+        out, err = gen.communicate(timeout=120)
+        assert gen.returncode == 0, err
+        assert "completion=100" in err and len((first + out).split()) == 100, (err, first + out)
     finally:
         assert _stop(serve, 90) == 0
     assert set(glob.glob("/dev/shm/specd-ft-*")) <= before
