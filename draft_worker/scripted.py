@@ -7,7 +7,9 @@ each step are right:
 
 * ``None``: all right (the oracle drafter; acceptance = the block),
 * ``k >= 0``: right up to position k, then wrong tokens (k = 0: all wrong),
-* ``-1``: propose nothing.
+* ``-1``: propose nothing,
+* a set / list / tuple of positions: right everywhere except at those draft positions (0-based), i.e.
+  errors injected at chosen positions (chain acceptance stops at the first one).
 
 A plan is a callable ``plan(prompt, step) -> int | None`` (step = 0, 1, ... counts this sequence's
 Propose calls) or a constant. A wrong token is ``(right + 1) % n_vocab``, so it never matches.
@@ -25,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-Plan = Callable[[tuple, int], "int | None"]
+Plan = Callable[[tuple, int], "int | None | set[int]"]
 
 
 @dataclasses.dataclass
@@ -83,20 +85,20 @@ class ScriptedDrafter:
         step = v.steps
         v.steps += 1
         plan = self.plan(v.prompt, step) if callable(self.plan) else self.plan
-        if plan is not None and plan < 0:
+        if isinstance(plan, int) and plan < 0:
             out = []
         else:
             cont = self.continuations.get(v.prompt)
             gen = len(v.tokens) - len(v.prompt) + 1  # generated tokens so far, anchor included
             right = [] if cont is None else cont[gen : gen + k]
-            right = right + [0] * (k - len(right))
-            n_right = k if plan is None else min(plan, k)
-            if cont is None:
-                n_right = 0
-            out = [right[i] if i < n_right else (right[i] + 1) % self.n_vocab for i in range(k)]
-            # past the known continuation there is no "right" token: make those wrong too
-            known = 0 if cont is None else max(0, len(cont) - gen)
-            out = [t if i < known else (t + 1) % self.n_vocab for i, t in enumerate(out)] if known < k else out
+            known = len(right)  # past the known continuation nothing is "right"
+            right = right + [0] * (k - known)
+            if isinstance(plan, (set, frozenset, list, tuple)):
+                wrong = {int(i) for i in plan}
+            else:
+                wrong = set(range(k if plan is None else min(plan, k), k))
+            wrong |= set(range(known, k))
+            out = [(right[i] + 1) % self.n_vocab if i in wrong else right[i] for i in range(k)]
         if self.record_features:
             self.proposals.setdefault(seq_id, []).append(out)
         return out
