@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", None):
         print(f"specd {args.command}: unavailable ({args._missing})", file=sys.stderr)
         return 2
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (ValueError, OSError) as exc:  # bad input or files: one clear line, no traceback
+        print(f"specd {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -729,10 +729,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="type of 2-D weights (1-D tensors, norms and ssm_conv1d stay f32); "
                              "auto = bf16 for a bf16 checkpoint, else f16")
     parser.add_argument("--no-mtp", action="store_true", help="drop the MTP (mtp.*) tensors")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the conversion; prints a summary, returns 0, or 1 with the error on stderr."""
+    if Path(args.out).exists() and not args.force:
+        print(f"specd convert-target: {args.out} exists (pass --force to replace it)", file=sys.stderr)
+        return 1
     try:
         result = convert(args.hf_dir, args.out, args.outtype, mtp=not args.no_mtp)
     except (ConversionError, TargetFileError) as exc:

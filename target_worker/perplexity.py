@@ -60,16 +60,17 @@ def perplexity(model, tokens: np.ndarray, ctx: int, max_chunks: int = 0, out=Non
 
 
 def run(args) -> int:
-    import gguf
-
     import specd.native as sn
 
-    from .gguf_loader import load_qwen35
+    from .gguf_loader import TargetFileError, load_qwen35, read_tokenizer_metadata
     from .model import Qwen35Model
-    from .tokenizer import tokenizer_from_gguf
+    from .tokenizer import build_tokenizer
 
     weights = load_qwen35(args.target)
-    tok = tokenizer_from_gguf(gguf.GGUFReader(args.target), args.target).tokenizer
+    meta = read_tokenizer_metadata(args.target)
+    if meta is None:
+        raise TargetFileError(f"{args.target}: the file has no tokenizer (tokenizer.ggml.model); perplexity needs one")
+    tok = build_tokenizer(meta, args.target)
     with open(args.file, encoding="utf-8") as f:
         tokens = np.asarray(tok.encode(f.read()).ids, np.int32)
     kv = {"f16": sn.DType.F16, "q8_0": sn.DType.Q8_0, "f32": sn.DType.F32}[args.kv_type]

@@ -1,7 +1,9 @@
 """CPU matmul microbenchmark: y = x @ w.T for every weight dtype, w 4096 x 4096, n = 1, 4, 16, 64.
 
 Prints the best-of-repeats time per call, the weight bytes read per second (each call reads the
-weight once whatever n) and the arithmetic rate. No assertions: numbers for BENCHMARKS.md.
+weight once whatever n) and the arithmetic rate, next to two baselines measured in the same run: the
+memory copy bandwidth (numpy copy of 512 MiB, bytes read + written) and numpy's own F32 matmul
+(its BLAS) on the same shapes. No assertions: numbers for BENCHMARKS.md.
 Usage: python tools/bench_cpu_matmul.py [--out 4096] [--in 4096] [--threads N] [--repeats 5]
 """
 import argparse
@@ -57,14 +59,24 @@ def main():
     rng = np.random.default_rng(0)
     print(f"# specd CPU matmul, w [{args.out}, {args.inp}], threads={sn.num_threads()}, "
           f"{platform.processor() or platform.machine()}, best of {args.repeats}")
-    print(f"{'dtype':7} {'n':>3} {'ms':>9} {'weight GB/s':>12} {'GFLOP/s':>9}")
+    src = np.ones(128 << 20, np.float32)
+    dst = np.empty_like(src)
+    copy_bw = 2 * src.nbytes / time_call(lambda: np.copyto(dst, src), args.repeats) / 1e9
+    print(f"# copy bandwidth (numpy, read + write): {copy_bw:.1f} GB/s")
+    w32 = (rng.standard_normal((args.out, args.inp)) * 0.02).astype(np.float32)
+    for n in (1, 4, 16, 64):
+        x = rng.standard_normal((n, args.inp)).astype(np.float32)
+        t = time_call(lambda: x @ w32.T, args.repeats)
+        print(f"# numpy F32 baseline n={n}: {t * 1e3:.3f} ms, {2.0 * n * args.inp * args.out / t / 1e9:.1f} GFLOP/s")
+    print(f"{'dtype':7} {'n':>3} {'ms':>9} {'weight GB/s':>12} {'/ copy':>7} {'GFLOP/s':>9}")
     for dtype in ["F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q4_K", "IQ4_XS"]:
         w = make_weight(rng, dtype, args.out, args.inp)
         for n in (1, 4, 16, 64):
             x = rng.standard_normal((n, args.inp)).astype(np.float32)
             t = time_call(lambda: sn.matmul(x, w), args.repeats)
             flops = 2.0 * n * args.inp * args.out
-            print(f"{dtype:7} {n:3d} {t * 1e3:9.3f} {w.nbytes / t / 1e9:12.2f} {flops / t / 1e9:9.1f}")
+            gbs = w.nbytes / t / 1e9
+            print(f"{dtype:7} {n:3d} {t * 1e3:9.3f} {gbs:12.2f} {gbs / copy_bw:7.2f} {flops / t / 1e9:9.1f}")
 
 
 if __name__ == "__main__":

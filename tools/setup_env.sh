@@ -22,3 +22,8 @@ echo "specd: building (SPECD_GPU=${SPECD_GPU:-none}) into $venv" >&2
 target="$root"
 [[ -n "$extra" ]] && target="$root[$extra]"
 "${pip[@]}" "$target"
+if [[ "$extra" == "test" ]]; then
+  # The DFlash / DFlash 2 reference (oracles.md §2). Its wheel pins tqdm, datasets and requests for
+  # its training scripts, none of which the model classes the tests drive need: install it alone.
+  "${pip[@]}" --no-deps "dflash==0.1.0"
+fi

@@ -343,6 +343,12 @@ def test_cli_end_to_end(checkpoint, tmp_path, capsys):
     err = capsys.readouterr().err
     assert str(missing) in err and "config.json" in err
     assert not (tmp_path / "x.gguf").exists()
+    # an existing output is kept unless --force
+    assert cli_main(["convert-target", str(checkpoint("smoke").path), str(out)]) == 1
+    assert "pass --force" in capsys.readouterr().err
+    assert load_qwen35(out).layers[0].attn_qkv.dtype == sn.DType.Q8_0
+    assert cli_main(["convert-target", str(checkpoint("smoke").path), str(out), "--outtype", "f32", "--force"]) == 0
+    assert load_qwen35(out).layers[0].attn_qkv.dtype == sn.DType.F32
 
 
 def test_outtype_auto(checkpoint, tmp_path):

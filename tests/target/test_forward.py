@@ -14,9 +14,14 @@ import pytest
 import torch
 
 import specd.native as sn
-from specd.target_worker.gguf_loader import load_qwen35
+from specd.coordinator.cli import main as specd_main
+from specd.target_worker.convert import to_hf_config, to_hf_state_dict
+from specd.target_worker.gguf_loader import load_qwen35, read_tokenizer_metadata
 from specd.target_worker.model import Qwen35Model
 from specd.target_worker.perplexity import perplexity
+from specd.target_worker.tokenizer import build_tokenizer
+
+from .tinymodels import ADDED_TOKENS, SPECIAL_TOKENS, load_reference, logits64
 
 SPECS = ["smoke", "main", "r3", "condgen"]
 # F32 weights and F32 KV: fp32 kernels vs a float64 reference. "r3" stores rms_norm_eps 1e-5, which
@@ -67,6 +72,18 @@ def test_features_equal_hidden_states(checkpoint, converted, name):
     ref = np.concatenate([hs[i + 1][0].numpy() for i in taps], axis=1)  # tap order, [T, 3H]
     got = st.features.read(0, len(ck.prompt))
     assert rel_err(got, ref) < REL_TOL[name]
+
+
+def test_quantized_file_matches_float64_forward_of_its_weights(mixed_gguf, rng):
+    """Golden-from-GGUF (oracles.md §1.3): a Q4_K/Q5_K/Q6_K/IQ4_XS/Q8_0 file against transformers
+    in float64 over exactly the dequantized weights, so only kernel numerics remain."""
+    path, _ = mixed_gguf
+    weights = load_qwen35(path)
+    reference = load_reference(to_hf_config(weights.hparams, weights.output_tied), to_hf_state_dict(path))
+    prompt = [int(t) for t in rng.integers(0, weights.hparams.n_vocab, size=10)]
+    model = Qwen35Model(weights, kv_dtype=sn.DType.F32)
+    got = model.verify(model.new_sequence(16), prompt).logits
+    assert rel_err(got, logits64(reference, prompt)) < 1e-4
 
 
 @pytest.mark.parametrize("kv,tol", [(sn.DType.F16, 5e-3), (sn.DType.Q8_0, 3e-2)])
@@ -228,3 +245,38 @@ def test_bad_input_is_a_clear_error(checkpoint, converted):
         Qwen35Model(load_qwen35(converted("smoke")), capture_layers=[3])
     with pytest.raises(ValueError, match="not in the ring"):
         st.features.read(0, 3)
+
+
+def test_c24_tokenizer_from_gguf_matches_tokenizer_json(checkpoint, converted):
+    """The tokenizer rebuilt from GGUF metadata encodes like the checkpoint's own tokenizer.json (the
+    `tokenizers` library reading the original file is the oracle), and the chat specials and
+    <think>/</think> are single ids inside a rendered chat template (shared/cases C24)."""
+    from tokenizers import Tokenizer
+
+    ck = checkpoint("condgen")
+    path = converted("condgen")
+    ours = build_tokenizer(read_tokenizer_metadata(path), str(path))
+    ref = Tokenizer.from_file(str(ck.path / "tokenizer.json"))
+    texts = ["hello world", "def f(x):\n    return x + 12345", "  spaces\tand\nnewlines\n\n", "naïve café 日本",
+             "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nhmm</think>\nok<|im_end|>"]
+    for text in texts:
+        assert ours.encode(text).ids == ref.encode(text).ids, text
+        assert ours.decode(ours.encode(text).ids, skip_special_tokens=False) == text
+    rendered = texts[-1]
+    ids = ours.encode(rendered).ids
+    for special in SPECIAL_TOKENS[1:] + ADDED_TOKENS:
+        assert ours.token_to_id(special) in ids, special
+        assert ours.encode(special).ids == [ours.token_to_id(special)]
+
+
+def test_perplexity_cli(converted, tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12, encoding="utf-8")
+    assert specd_main(["perplexity", "--target", str(converted("condgen")), "--file", str(text), "--ctx", "16",
+                       "--max-chunks", "2", "--kv-type", "f32"]) == 0
+    out = capsys.readouterr().out
+    assert "Final estimate: PPL = " in out and "16 tokens scored" in out  # 2 chunks x (16 - 8) scored
+    # user errors are one line on stderr, not a traceback
+    assert specd_main(["perplexity", "--target", str(tmp_path / "none.gguf"), "--file", str(text)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specd perplexity: error: ") and "none.gguf" in err and "Traceback" not in err

@@ -82,33 +82,6 @@ def test_recurrent_layers_win_over_interval(converted, tmp_path):
 # ---- random valid K-quant / IQ4_XS blocks (oracles.md §4.3) -------------------------------------------
 
 
-def mixed_type(name: str) -> QT | None:
-    """The seed's mix: IQ4_XS body, Q5_K output, Q6_K attn_v/ssm_out; plus Q4_K ffn_up and a Q8_0
-    embedding so every block format appears."""
-    if name == "output.weight":
-        return QT.Q5_K
-    if name == "token_embd.weight":
-        return QT.Q8_0
-    if name.endswith(("attn_v.weight", "ssm_out.weight")):
-        return QT.Q6_K
-    if name.endswith("ffn_up.weight"):
-        return QT.Q4_K
-    return QT.IQ4_XS
-
-
-@pytest.fixture(scope="module")
-def mixed_gguf(converted, tmp_path_factory):
-    src = converted("main")
-    rng = np.random.default_rng(7)
-    replace = {}
-    for t in gguf.GGUFReader(src).tensors:
-        if len(t.shape) == 2 and "ssm_conv1d" not in t.name:
-            rows, cols = int(t.shape[1]), int(t.shape[0])
-            qtype = mixed_type(t.name)
-            replace[t.name] = (random_blocks(rows, cols, qtype, rng), qtype)
-    return rewrite_gguf(src, tmp_path_factory.mktemp("mixed") / "mixed.gguf", replace_tensors=replace), replace
-
-
 def test_random_block_mixed_gguf(mixed_gguf):
     path, replace = mixed_gguf
     w = load_qwen35(path)

@@ -25,6 +25,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+QWEN_PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # special (CONTROL)
 ADDED_TOKENS = ["<think>", "</think>"]  # added, not special (USER_DEFINED), as in Qwen's tokenizer
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -255,10 +257,13 @@ def write_tokenizer(path: Path, vocab_size: int) -> dict[str, int]:
     """A byte-level BPE tokenizer trained on a tiny corpus with the Qwen special/added tokens;
     writes tokenizer.json and tokenizer_config.json (eos <|im_end|>, pad <|endoftext|>, chat
     template). Returns the ids of the special and added tokens."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # The pre-tokenizer of Qwen2/3/3.5 tokenizer.json files: the Qwen2 split, then byte-level.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=min(300, vocab_size - len(ADDED_TOKENS)), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),

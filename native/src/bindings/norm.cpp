@@ -29,7 +29,14 @@ With residual (F32, same shape as x) computes h = x + residual first and returns
 otherwise returns y. Raises ValueError on a dtype/shape mismatch. Source: Zhang & Sennrich 2019;
 GGUF stores the multiplier (HF's 1 + w), qwen35-target.md §6.2.)doc");
   m.def(
-      "l2_norm", [](const Tensor& x, float eps) { return cpu::l2_norm(x, eps); }, py::arg("x"),
+      "l2_norm",
+      [](const Tensor& x, float eps) {
+#if SPECD_WITH_GPU
+        if (x.device == Device::GPU) return gpu::l2_norm(x, eps);
+#endif
+        return cpu::l2_norm(x, eps);
+      },
+      py::arg("x"),
       py::arg("eps") = 1e-6f,
       R"doc(L2 normalisation over the last dimension: y = x / sqrt(sum(x**2) + eps).
 

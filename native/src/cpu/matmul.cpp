@@ -14,55 +14,81 @@ namespace specd::cpu {
 
 namespace {
 
-// Dot products run on 16-float vectors (GCC/Clang vector extension: one AVX-512 register, two AVX2
-// registers, or four SSE registers; same element-wise arithmetic on all of them).
-typedef float v16 __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
-constexpr int kWTile = 4;       // weight rows per register tile
-constexpr int kPanelTiles = 8;   // at most 8 tiles (32 rows) decoded together
-#ifdef __AVX512F__
+// Dot products keep 16 partial sums per output (lane l sums k = l mod 16), held in native vector
+// registers: one AVX-512 register, two AVX ones or four SSE ones (GCC/Clang vector extension). The
+// arithmetic per lane is the same whatever the register width.
+#if defined(__AVX512F__)
+#define SPECD_VEC_BYTES 64
 constexpr int kXTile = 4;  // x rows per register tile: 16 accumulators of 32 zmm registers
+#elif defined(__AVX__)
+#define SPECD_VEC_BYTES 32
+constexpr int kXTile = 1;  // 16 ymm registers: 8 accumulators, 4 weight vectors, 1 x vector
 #else
-constexpr int kXTile = 1;  // AVX2 has 16 ymm registers: 4 accumulators of two each
+#define SPECD_VEC_BYTES 16
+constexpr int kXTile = 1;
 #endif
+typedef float vec __attribute__((vector_size(SPECD_VEC_BYTES)));
+constexpr int kLanes = 16;
+constexpr int kVecLanes = SPECD_VEC_BYTES / 4;
+constexpr int kVecs = kLanes / kVecLanes;  // vectors per 16 partial sums
+constexpr int kWTile = 4;                  // weight rows per register tile
+constexpr int kPanelTiles = 8;             // at most 8 tiles (32 rows) decoded together
 
-inline v16 load16(const float* p) {
-  v16 v;
+inline vec loadv(const float* p) {
+  vec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
 // Fixed pairwise combination of the 16 lane sums: (l, l+8), then (l, l+4), (l, l+2), (l, l+1).
-inline float reduce_lanes(v16 v) {
+inline float reduce_lanes(const vec* v) {
   float a[kLanes];
-  std::memcpy(a, &v, sizeof a);
+  std::memcpy(a, v, sizeof a);
   for (int width = kLanes / 2; width >= 1; width /= 2)
     for (int l = 0; l < width; ++l) a[l] += a[l + width];
   return a[0];
 }
 
-// y[i][r] = dot(x[i], w[r]) for XR rows of x and R weight rows. Every output element runs the same
-// arithmetic whatever XR and R: its own 16 lane sums acc += x*w over k in increasing order, the
-// fixed lane reduction, then the in-order tail k >= 16*floor(in/16). So neither the number of x
-// rows in the call nor the tiling changes a result (batch invariance).
+// acc[i][r] += x[i][off + l] * w[r][off + l] for the 16 lanes l.
 template <int XR, int R>
-void dot_block(const float* const* x, const float* const* w, int64_t in, float* const* y) {
-  v16 acc[XR][R] = {};
-  int64_t body = in / kLanes * kLanes;
-  for (int64_t k = 0; k < body; k += kLanes) {
-    v16 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = load16(w[r] + k);
+inline void dot_step(vec (&acc)[XR][R][kVecs], const float* const* x, const float* const* w, int64_t off) {
+  for (int v = 0; v < kVecs; ++v) {
+    int64_t kv = off + v * kVecLanes;
+    vec wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = loadv(w[r] + kv);
     for (int i = 0; i < XR; ++i) {
-      v16 xv = load16(x[i] + k);
-      for (int r = 0; r < R; ++r) acc[i][r] += xv * wv[r];
+      vec xv = loadv(x[i] + kv);
+      for (int r = 0; r < R; ++r) acc[i][r][v] += xv * wv[r];
     }
   }
-  for (int i = 0; i < XR; ++i)
-    for (int r = 0; r < R; ++r) {
-      float tail = 0.0f;
-      for (int64_t k = body; k < in; ++k) tail += x[i][k] * w[r][k];
-      y[i][r] = reduce_lanes(acc[i][r]) + tail;
+}
+
+// y[i][r] = dot(x[i], w[r]) for XR rows of x and R weight rows. Each output element has its own 16
+// lane sums (lane l adds x[k] * w[k] for k = l mod 16, in increasing k; the last partial group is
+// zero-padded), combined by the fixed pairwise reduction. Every output runs this same arithmetic
+// whatever XR and R, so neither the number of x rows in the call nor the tiling changes a result
+// (batch invariance).
+template <int XR, int R>
+void dot_block(const float* const* x, const float* const* w, int64_t in, float* const* y) {
+  vec acc[XR][R][kVecs] = {};
+  int64_t body = in / kLanes * kLanes;
+  for (int64_t k = 0; k < body; k += kLanes) dot_step(acc, x, w, k);
+  if (body < in) {  // the last in % 16 elements, zero-padded to 16 lanes
+    float xt[XR][kLanes] = {}, wt[R][kLanes] = {};
+    const float* xp[XR];
+    const float* wp[R];
+    for (int i = 0; i < XR; ++i) {
+      std::memcpy(xt[i], x[i] + body, sizeof(float) * size_t(in - body));
+      xp[i] = xt[i];
     }
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(wt[r], w[r] + body, sizeof(float) * size_t(in - body));
+      wp[r] = wt[r];
+    }
+    dot_step(acc, xp, wp, 0);
+  }
+  for (int i = 0; i < XR; ++i)
+    for (int r = 0; r < R; ++r) y[i][r] = reduce_lanes(acc[i][r]);
 }
 
 using DotBlock = void (*)(const float* const*, const float* const*, int64_t, float* const*);

@@ -9,9 +9,9 @@ namespace specd::cpu {
 // contiguous (in a multiple of the block size). Returns F32 [n, out].
 // Each weight row is decoded once per call (dequantize_row, bit-exact with gguf.quants) and dotted
 // with every row of x, so the weight bytes are read once whatever n. Each output element is a
-// float32 dot product with 16 interleaved partial sums (lane l sums k = l mod 16 in increasing k),
-// combined by a fixed pairwise tree, plus the tail k >= 16*floor(in/16) in order: the result of
-// row i does not depend on n, on the other rows or on the thread count (batch invariance).
+// float32 dot product with 16 interleaved partial sums (lane l sums k = l mod 16 in increasing k,
+// the last partial group zero-padded), combined by a fixed pairwise tree: the result of row i does
+// not depend on n, on the other rows or on the thread count (batch invariance).
 // Throws std::invalid_argument on dtype/shape mismatch.
 Tensor matmul(const Tensor& x, const Tensor& w);
 

@@ -21,16 +21,19 @@ double sum_squares(const float* x, int64_t d) {
 std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>& weight, float eps,
                                    const std::optional<Tensor>& residual) {
   const char* op = "rms_norm";
+  check_cpu(x, op, "x");
   check_dtype(x, DType::F32, op, "x");
   check_contiguous(x, op, "x");
   SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
   int64_t d = x.cols(), rows = x.rows();
   if (weight) {
+    check_cpu(*weight, op, "weight");
     check_dtype(*weight, DType::F32, op, "weight");
     check_contiguous(*weight, op, "weight");
     SPECD_CHECK(weight->numel() == d, op, ": weight has ", weight->numel(), " elements, x rows have ", d);
   }
   if (residual) {
+    check_cpu(*residual, op, "residual");
     check_dtype(*residual, DType::F32, op, "residual");
     check_contiguous(*residual, op, "residual");
     SPECD_CHECK(residual->shape == x.shape, op, ": residual shape differs from x");
@@ -58,6 +61,7 @@ std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>&
 
 Tensor l2_norm(const Tensor& x, float eps) {
   const char* op = "l2_norm";
+  check_cpu(x, op, "x");
   check_dtype(x, DType::F32, op, "x");
   check_contiguous(x, op, "x");
   SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");

@@ -4,13 +4,7 @@
 // decoders below perform the same operations in the same order. For the formats here every
 // product that feeds a subtraction is exact in float32 (Q4_K/Q5_K: an 11-bit fp16 significand
 // times a 6-bit scale times a 5-bit code), so a fused multiply-add would give the same bits; the
-// contraction switch below keeps that true by construction rather than by that argument (GCC fuses
-// a*b - c by default at -O3 -march=native).
-#if defined(__clang__)
-#pragma STDC FP_CONTRACT OFF
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
+// library-wide -ffp-contract=off (native/CMakeLists.txt) keeps that true by construction.
 
 #include "quants.h"
 

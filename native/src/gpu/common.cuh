@@ -1,0 +1,64 @@
+// Internal helpers shared by the GPU backend's .cu files (not part of the library interface).
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "portability.h"
+#include "specd/error.h"
+#include "specd/tensor.h"
+
+namespace specd::gpu::detail {
+
+// Throws std::runtime_error "<backend> call `<call>` failed at <file>:<line>: <error string>".
+[[noreturn]] void throw_runtime_error(cudaError_t err, const char* call, const char* file, int line);
+
+// The library's stream: one non-blocking stream on the device current at first use. Every kernel
+// and copy of the backend is enqueued on it, so work is ordered without extra synchronisation.
+// Throws std::runtime_error when no device is available.
+cudaStream_t stream();
+
+// Multiprocessor count of the library's device (cached).
+int sm_count();
+
+}  // namespace specd::gpu::detail
+
+// Checks a runtime call; on failure throws std::runtime_error naming the call, file:line and the
+// runtime's error string.
+#define SPECD_GPU_CHECK(call)                                                             \
+  do {                                                                                    \
+    cudaError_t specd_err_ = (call);                                                      \
+    if (specd_err_ != cudaSuccess)                                                        \
+      ::specd::gpu::detail::throw_runtime_error(specd_err_, #call, __FILE__, __LINE__);   \
+  } while (0)
+
+// Checks that the kernel launch just issued was accepted (bad configuration, no kernel image for
+// the device, ...), naming the kernel. Errors raised while the kernel runs surface at the next
+// synchronising call (a device-to-host copy or synchronize()).
+#define SPECD_GPU_CHECK_LAUNCH(kernel_name)                                                     \
+  do {                                                                                          \
+    cudaError_t specd_err_ = cudaGetLastError();                                                \
+    if (specd_err_ != cudaSuccess)                                                              \
+      ::specd::gpu::detail::throw_runtime_error(specd_err_, "launch of " kernel_name, __FILE__, \
+                                                __LINE__);                                      \
+  } while (0)
+
+namespace specd::gpu::detail {
+
+// Input checks shared by the ops (std::invalid_argument, like the CPU ops).
+inline void check_gpu(const Tensor& t, const char* op, const char* arg) {
+  SPECD_CHECK(t.device == Device::GPU, op, ": ", arg, " must be on the GPU");
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Sum over the 32 lanes of a logical warp; every lane gets the total. The xor butterfly adds in
+// the same order on every lane, so all lanes hold bit-identical results.
+template <class T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int m = SPECD_WARP / 2; m > 0; m >>= 1) v += SPECD_SHFL_XOR(v, m);
+  return v;
+}
+
+}  // namespace specd::gpu::detail

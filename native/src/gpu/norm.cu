@@ -1,0 +1,180 @@
+// RMSNorm (optionally fused with the residual add) and L2 norm on the GPU.
+//
+// One thread block per row; the block size depends only on the row length d, so a row's result
+// does not depend on how many rows share the call (batch invariance). The sum of squares is
+// accumulated in double (per thread, then a fixed-order warp-shuffle and cross-warp reduction),
+// and the scale is computed exactly as the CPU op does (cpu/norm.cpp: float(1 / sqrt(ss / d + eps))
+// in double, then y = (v * scale) * w in float), so GPU and CPU agree to within the rare last-bit
+// flip of the scale caused by a different double summation order. Rows are read with 16-byte
+// vector loads when d % 4 == 0 and every pointer is 16-byte aligned, else element by element.
+#include <cmath>
+#include <type_traits>
+
+#include "common.cuh"
+#include "ops.h"
+
+namespace specd::gpu {
+
+namespace {
+
+constexpr int kMaxThreads = 1024;
+
+// Sum of `v` over the block (blockDim.x a multiple of SPECD_WARP, <= 1024); every thread gets the
+// total. Fixed reduction order.
+__device__ __forceinline__ double block_sum(double v) {
+  __shared__ double partial[kMaxThreads / SPECD_WARP];
+  __shared__ double total;
+  int lane = threadIdx.x % SPECD_WARP, warp = threadIdx.x / SPECD_WARP;
+  int nwarps = blockDim.x / SPECD_WARP;
+  v = detail::warp_sum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    double s = lane < nwarps ? partial[lane] : 0.0;
+    s = detail::warp_sum(s);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
+// Mode: RMS (mean of squares, optional weight, optional residual) or L2 (sum of squares).
+enum class Mode { RMS, L2 };
+
+// Element access either as float4 (VEC) or float; index i counts vectors (VEC) or floats.
+template <bool VEC>
+struct Row {
+  using T = typename std::conditional<VEC, float4, float>::type;
+  static constexpr int kWidth = VEC ? 4 : 1;
+};
+
+__device__ __forceinline__ float4 add(float4 a, float4 b) { return {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w}; }
+__device__ __forceinline__ float add(float a, float b) { return a + b; }
+__device__ __forceinline__ double sq(float4 a) {
+  return double(a.x) * double(a.x) + double(a.y) * double(a.y) + double(a.z) * double(a.z) +
+         double(a.w) * double(a.w);
+}
+__device__ __forceinline__ double sq(float a) { return double(a) * double(a); }
+__device__ __forceinline__ float4 scale_mul(float4 a, float s, float4 w) {
+  return {a.x * s * w.x, a.y * s * w.y, a.z * s * w.z, a.w * s * w.w};
+}
+__device__ __forceinline__ float scale_mul(float a, float s, float w) { return a * s * w; }
+__device__ __forceinline__ float4 scale_only(float4 a, float s) { return {a.x * s, a.y * s, a.z * s, a.w * s}; }
+__device__ __forceinline__ float scale_only(float a, float s) { return a * s; }
+
+// x, residual, h, y: [rows, d]; w: [d] or null. h is written only with a residual. The second
+// pass re-reads the row this thread wrote or read in the first pass (same thread, so the h
+// stores are visible; the row is usually still in L1/L2).
+template <Mode M, bool VEC, bool RESID>
+__global__ void norm_kernel(const float* __restrict__ x, const float* __restrict__ residual,
+                            const float* __restrict__ w, float* h, float* __restrict__ y, int64_t d,
+                            float eps) {
+  using T = typename Row<VEC>::T;
+  const int64_t n = d / Row<VEC>::kWidth;  // vectors (or floats) per row
+  const int64_t off = int64_t(blockIdx.x) * d;
+  const T* xr = reinterpret_cast<const T*>(x + off);
+  const T* rr = RESID ? reinterpret_cast<const T*>(residual + off) : nullptr;
+  T* hr = RESID ? reinterpret_cast<T*>(h + off) : nullptr;
+  T* yr = reinterpret_cast<T*>(y + off);
+
+  double ss = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    T v = xr[i];
+    if constexpr (RESID) {
+      v = add(v, rr[i]);
+      hr[i] = v;
+    }
+    ss += sq(v);
+  }
+  ss = block_sum(ss);
+  const float scale = M == Mode::RMS ? float(1.0 / sqrt(ss / double(d) + double(eps)))
+                                     : float(1.0 / sqrt(ss + double(eps)));
+  const T* src = RESID ? const_cast<const T*>(hr) : xr;
+  const T* wr = reinterpret_cast<const T*>(w);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    T v = src[i];
+    yr[i] = wr ? scale_mul(v, scale, wr[i]) : scale_only(v, scale);
+  }
+}
+
+// Threads per row: enough that each thread handles about ceil(items / 1024) items, rounded up to
+// a whole logical warp. A function of d only (batch invariance).
+int threads_for(int64_t items) {
+  int64_t per = (items + kMaxThreads - 1) / kMaxThreads;
+  if (per < 1) per = 1;
+  int64_t t = (items + per - 1) / per;
+  t = (t + SPECD_WARP - 1) / SPECD_WARP * SPECD_WARP;
+  return int(t < SPECD_WARP ? SPECD_WARP : t);
+}
+
+template <Mode M, bool RESID>
+void launch(const float* x, const float* r, const float* w, float* h, float* y, int64_t rows, int64_t d,
+            float eps) {
+  bool vec = d % 4 == 0 && detail::aligned16(x) && detail::aligned16(y) && (!w || detail::aligned16(w)) &&
+             (!RESID || (detail::aligned16(r) && detail::aligned16(h)));
+  int threads = threads_for(vec ? d / 4 : d);
+  cudaStream_t s = detail::stream();
+  // rows <= 2^31 - 1 (grid x limit) is checked by the caller.
+  if (vec)
+    norm_kernel<M, true, RESID><<<unsigned(rows), threads, 0, s>>>(x, r, w, h, y, d, eps);
+  else
+    norm_kernel<M, false, RESID><<<unsigned(rows), threads, 0, s>>>(x, r, w, h, y, d, eps);
+  SPECD_GPU_CHECK_LAUNCH("norm_kernel");
+}
+
+void check_rows(const char* op, int64_t rows) {
+  SPECD_CHECK(rows <= 0x7fffffff, op, ": at most 2^31 - 1 rows on the GPU, got ", rows);
+}
+
+}  // namespace
+
+std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>& weight, float eps,
+                                   const std::optional<Tensor>& residual) {
+  const char* op = "rms_norm";
+  detail::check_gpu(x, op, "x");
+  check_dtype(x, DType::F32, op, "x");
+  check_contiguous(x, op, "x");
+  SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
+  int64_t d = x.cols(), rows = x.rows();
+  if (weight) {
+    detail::check_gpu(*weight, op, "weight");
+    check_dtype(*weight, DType::F32, op, "weight");
+    check_contiguous(*weight, op, "weight");
+    SPECD_CHECK(weight->numel() == d, op, ": weight has ", weight->numel(), " elements, x rows have ", d);
+  }
+  if (residual) {
+    detail::check_gpu(*residual, op, "residual");
+    check_dtype(*residual, DType::F32, op, "residual");
+    check_contiguous(*residual, op, "residual");
+    SPECD_CHECK(residual->shape == x.shape, op, ": residual shape differs from x");
+  }
+  SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");
+  check_rows(op, rows);
+  Tensor y = Tensor::empty(x.shape, DType::F32, Device::GPU);
+  Tensor h = residual ? Tensor::empty(x.shape, DType::F32, Device::GPU) : x;
+  if (rows == 0) return {y, h};
+  const float* w = weight ? weight->ptr<float>() : nullptr;
+  if (residual)
+    launch<Mode::RMS, true>(x.ptr<float>(), residual->ptr<float>(), w, h.ptr<float>(), y.ptr<float>(), rows, d,
+                            eps);
+  else
+    launch<Mode::RMS, false>(x.ptr<float>(), nullptr, w, nullptr, y.ptr<float>(), rows, d, eps);
+  return {y, h};
+}
+
+Tensor l2_norm(const Tensor& x, float eps) {
+  const char* op = "l2_norm";
+  detail::check_gpu(x, op, "x");
+  check_dtype(x, DType::F32, op, "x");
+  check_contiguous(x, op, "x");
+  SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
+  SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");
+  int64_t d = x.cols(), rows = x.rows();
+  check_rows(op, rows);
+  Tensor y = Tensor::empty(x.shape, DType::F32, Device::GPU);
+  if (rows == 0) return y;
+  launch<Mode::L2, false>(x.ptr<float>(), nullptr, nullptr, nullptr, y.ptr<float>(), rows, d, eps);
+  return y;
+}
+
+}  // namespace specd::gpu

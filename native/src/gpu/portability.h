@@ -1,0 +1,107 @@
+// CUDA <-> HIP portability layer for the GPU backend.
+//
+// Every .cu file of the GPU backend includes this header instead of <cuda_runtime.h> and is
+// written once against the CUDA runtime names. Built by nvcc (SPECD_GPU=cuda) the names are
+// CUDA's own; built by hipcc for AMD (SPECD_GPU=hip, __HIP_PLATFORM_AMD__ defined) they are mapped
+// to the HIP runtime here. Only the subset the backend uses is mapped: add a line when a kernel
+// needs a new runtime call, rather than writing #ifdefs in the kernels.
+//
+// Warp size caveat. NVIDIA warps are 32 lanes; AMD wavefronts are 64 lanes on CDNA (MI200/MI300)
+// and 32 or 64 on RDNA (wave32 by default). The kernels never rely on the hardware warp size:
+// they reduce within *logical* warps of SPECD_WARP = 32 lanes, using SPECD_SHFL_XOR with an
+// explicit width of 32, which on a 64-lane wavefront shuffles within each half independently. So
+// block sizes must be multiples of 32, and per-"warp" shared-memory slots are indexed by
+// threadIdx.x / SPECD_WARP. Do not use the __activemask()/__ballot_sync masks (32-bit on CUDA,
+// 64-bit on HIP) or warp-synchronous code without a shuffle; use __syncthreads() between phases.
+//
+// Shuffle caveat. CUDA's __shfl_xor_sync needs a participation mask and every named lane must
+// execute it; HIP's __shfl_xor (pre-ROCm 6.2) takes no mask and newer HIP's *_sync variants take a
+// 64-bit mask. SPECD_SHFL_XOR hides that; call it only where all 32 lanes of the logical warp are
+// converged (the kernels call it outside any lane-dependent branch).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__)
+#define SPECD_HIP 1
+#include <hip/hip_fp16.h>
+#include <hip/hip_runtime.h>
+
+// Errors.
+#define cudaError_t hipError_t
+#define cudaSuccess hipSuccess
+#define cudaErrorNoDevice hipErrorNoDevice
+#define cudaErrorInsufficientDriver hipErrorInsufficientDriver
+#define cudaErrorInitializationError hipErrorNotInitialized
+#define cudaGetErrorString hipGetErrorString
+#define cudaGetErrorName hipGetErrorName
+#define cudaGetLastError hipGetLastError
+#define cudaPeekAtLastError hipPeekAtLastError
+
+// Devices.
+#define cudaDeviceProp hipDeviceProp_t
+#define cudaGetDeviceCount hipGetDeviceCount
+#define cudaGetDevice hipGetDevice
+#define cudaSetDevice hipSetDevice
+#define cudaGetDeviceProperties hipGetDeviceProperties
+#define cudaDeviceGetAttribute hipDeviceGetAttribute
+#define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define cudaDevAttrMemoryPoolsSupported hipDeviceAttributeMemoryPoolsSupported
+#define cudaDeviceSynchronize hipDeviceSynchronize
+#define cudaDriverGetVersion hipDriverGetVersion
+#define cudaRuntimeGetVersion hipRuntimeGetVersion
+
+// Memory.
+#define cudaMalloc hipMalloc
+#define cudaFree hipFree
+#define cudaMallocAsync hipMallocAsync
+#define cudaFreeAsync hipFreeAsync
+#define cudaMemPool_t hipMemPool_t
+#define cudaDeviceGetDefaultMemPool hipDeviceGetDefaultMemPool
+#define cudaMemPoolSetAttribute hipMemPoolSetAttribute
+#define cudaMemPoolAttrReleaseThreshold hipMemPoolAttrReleaseThreshold
+#define cudaMemPoolTrimTo hipMemPoolTrimTo
+#define cudaErrorMemoryAllocation hipErrorOutOfMemory
+#define cudaMemcpyAsync hipMemcpyAsync
+#define cudaMemsetAsync hipMemsetAsync
+#define cudaMemcpyHostToDevice hipMemcpyHostToDevice
+#define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define cudaMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define cudaMemGetInfo hipMemGetInfo
+
+// Streams and events.
+#define cudaStream_t hipStream_t
+#define cudaStreamCreateWithFlags hipStreamCreateWithFlags
+#define cudaStreamNonBlocking hipStreamNonBlocking
+#define cudaStreamSynchronize hipStreamSynchronize
+#define cudaStreamDestroy hipStreamDestroy
+#define cudaEvent_t hipEvent_t
+#define cudaEventCreate hipEventCreate
+#define cudaEventCreateWithFlags hipEventCreateWithFlags
+#define cudaEventDisableTiming hipEventDisableTiming
+#define cudaEventRecord hipEventRecord
+#define cudaEventSynchronize hipEventSynchronize
+#define cudaEventElapsedTime hipEventElapsedTime
+#define cudaEventDestroy hipEventDestroy
+#define cudaStreamWaitEvent hipStreamWaitEvent
+
+// Logical-warp shuffle (width 32 on any wavefront size; see the caveat above).
+#define SPECD_SHFL_XOR(v, lane_mask) __shfl_xor((v), (lane_mask), 32)
+#define SPECD_BACKEND_NAME "hip"
+
+#else  // CUDA
+#define SPECD_HIP 0
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#define SPECD_SHFL_XOR(v, lane_mask) __shfl_xor_sync(0xffffffffu, (v), (lane_mask), 32)
+#define SPECD_BACKEND_NAME "cuda"
+#endif
+
+// Lanes of a logical warp (see the warp size caveat above).
+#define SPECD_WARP 32
+
+// IEEE binary16 bits -> float, exact (subnormals included), on either backend.
+__device__ __forceinline__ float specd_fp16_bits_to_float(uint16_t bits) {
+  return __half2float(__ushort_as_half(bits));
+}

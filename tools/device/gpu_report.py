@@ -1,0 +1,244 @@
+"""GPU backend report: per-op errors against the CPU backend / float64 references, and the Q8_0 GEMV's
+weight-streaming bandwidth against the device-to-device copy bandwidth.
+
+Run on a machine with a GPU and a specd built with SPECD_GPU=cuda (tools/device/gpu_tests.sh does
+both). Writes <out>/summary.json and <out>/summary.md and prints the markdown.
+
+Errors (fresh random inputs each run; the seed is recorded):
+* rms_norm (+ fused residual): max |gpu - cpu| / |cpu| per element, max |gpu - f64| / max|f64|, and
+  whether h = x + residual is bit-exact.
+* matmul: max over elements of |y - ref| / (|x| @ |w|^T), ref in float64 from the exact weights
+  (the tests' bound is 1e-5).
+* argmax: number of rows differing from numpy.argmax (must be 0).
+
+Bandwidth:
+* copy: a 2 GiB device-to-device copy through PyTorch (bytes read + written, median of 20 event-timed
+  copies after warm-up): the practical ceiling.
+* GEMV: sn.matmul(x[n, in], w[out, in] Q8_0) called back-to-back from Python, rotating among enough
+  weight copies (>= 4 x the 60 MB L2) that every call streams its weight from HBM; time per call =
+  wall time of the loop / calls, synchronised at both ends (the host enqueues faster than the kernel
+  runs for these sizes; the host-side floor per call is measured and reported too). Effective
+  bandwidth = weight bytes (+ x and y, negligible) / time per call.
+"""
+import argparse
+import json
+import os
+import platform
+import secrets
+import statistics
+import sys
+import time
+
+import numpy as np
+
+import specd.native as sn
+
+GPU = sn.Device.GPU
+
+
+def on_gpu(a, dtype=None):
+    a = np.ascontiguousarray(a)
+    return (sn.Tensor(a) if dtype is None else sn.Tensor(a, dtype)).to(GPU)
+
+
+def random_q8_0(rng, out, k, values=True):
+    nb = k // 32
+    d = (rng.standard_normal((out, nb)) * np.exp(rng.uniform(-6, 0, (out, nb)))).astype(np.float16)
+    q = rng.integers(-128, 128, (out, nb, 32), dtype=np.int8)
+    raw = np.empty((out, nb, 34), np.uint8)
+    raw[:, :, :2] = d.view(np.uint8).reshape(out, nb, 2)
+    raw[:, :, 2:] = q.view(np.uint8)
+    vals = (d.astype(np.float64)[:, :, None] * q.astype(np.float64)).reshape(out, k) if values else None
+    return raw.reshape(out, nb * 34), vals
+
+
+def errors(rng):
+    res = {}
+    # rms_norm
+    worst_rel_cpu = worst_ref = 0.0
+    h_exact = True
+    for shape in [(1, 5120), (16, 5120), (384, 256), (7, 4100), (3, 1001)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        r = rng.standard_normal(shape).astype(np.float32)
+        w = rng.standard_normal(shape[-1]).astype(np.float32)
+        for resid in (False, True):
+            if resid:
+                yg, hg = sn.rms_norm(on_gpu(x), on_gpu(w), 1e-6, on_gpu(r))
+                yc, _ = sn.rms_norm(x, w, 1e-6, r)
+                h_exact &= bool(np.array_equal(hg.numpy(), x + r))
+                src = (x + r).astype(np.float64)
+            else:
+                yg = sn.rms_norm(on_gpu(x), on_gpu(w), 1e-6)
+                yc = sn.rms_norm(x, w, 1e-6)
+                src = x.astype(np.float64)
+            yg, yc = yg.numpy().astype(np.float64), yc.numpy().astype(np.float64)
+            nz = yc != 0
+            worst_rel_cpu = max(worst_rel_cpu, float(np.max(np.abs(yg - yc)[nz] / np.abs(yc)[nz])))
+            ref = src / np.sqrt((src * src).mean(-1, keepdims=True) + 1e-6) * w
+            worst_ref = max(worst_ref, float(np.max(np.abs(yg - ref)) / np.max(np.abs(ref))))
+    res["rms_norm"] = {"max_rel_vs_cpu": worst_rel_cpu, "max_err_vs_f64_over_rowmax": worst_ref,
+                       "residual_sum_bit_exact": h_exact, "tolerance": "1e-6 rel vs CPU"}
+    if hasattr(sn, "matmul"):
+        worst = {}
+        for n, k, out in [(1, 4096, 14336), (1, 14336, 4096), (4, 5120, 6144), (16, 4096, 2048), (17, 2048, 1000)]:
+            raw, wf = random_q8_0(rng, out, k)
+            x = rng.standard_normal((n, k)).astype(np.float32)
+            y = sn.matmul(on_gpu(x), on_gpu(raw, sn.DType.Q8_0)).numpy().astype(np.float64)
+            x64 = x.astype(np.float64)
+            ratio = np.abs(y - x64 @ wf.T) / (np.abs(x64) @ np.abs(wf).T + 1e-300)
+            worst[f"q8_0 n={n} in={k} out={out}"] = float(ratio.max())
+        for n, k, out in [(4, 4096, 1024), (3, 33, 17)]:
+            w = rng.standard_normal((out, k)).astype(np.float32)
+            x = rng.standard_normal((n, k)).astype(np.float32)
+            y = sn.matmul(on_gpu(x), on_gpu(w)).numpy().astype(np.float64)
+            x64, w64 = x.astype(np.float64), w.astype(np.float64)
+            ratio = np.abs(y - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T + 1e-300)
+            worst[f"f32 n={n} in={k} out={out}"] = float(ratio.max())
+        res["matmul"] = {"max_err_over_sum_abs_xw": worst, "tolerance": "1e-5"}
+    else:
+        res["matmul"] = "sn.matmul not in this build"
+    if hasattr(sn, "argmax"):
+        x = (rng.standard_normal((16, 248320)) * 4).astype(np.float32)
+        x[3, [7, 90000, 248000]] = x[3].max() + 1  # ties: first wins
+        got = sn.argmax(on_gpu(x)).numpy()
+        res["argmax"] = {"rows": 16, "vocab": 248320,
+                         "mismatches_vs_numpy": int(np.sum(got != np.argmax(x, -1))), "tolerance": "exact"}
+    else:
+        res["argmax"] = "sn.argmax not in this build"
+    return res
+
+
+def copy_bandwidth():
+    try:
+        import torch
+    except ImportError:
+        return None
+    nbytes = 2 << 30
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    a.random_(0, 255)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    t = statistics.median(times)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"bytes_moved": 2 * nbytes, "median_s": t, "GBps": 2 * nbytes / t / 1e9, "method": "torch copy_, events, median of 20"}
+
+
+def time_calls(fn, args_list, calls):
+    for i in range(10):
+        fn(*args_list[i % len(args_list)])
+    sn.gpu_synchronize()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        fn(*args_list[i % len(args_list)])
+    sn.gpu_synchronize()
+    return (time.perf_counter() - t0) / calls
+
+
+def gemv_bandwidth(rng, copy_gbps):
+    if not hasattr(sn, "matmul"):
+        return None
+    rows = []
+    # Host floor: the smallest call, which the GPU finishes at once.
+    tiny_w = on_gpu(random_q8_0(rng, 1, 32, values=False)[0], sn.DType.Q8_0)
+    tiny_x = on_gpu(rng.standard_normal((1, 32)).astype(np.float32))
+    floor = min(time_calls(sn.matmul, [(tiny_x, tiny_w)], 2000) for _ in range(3))
+    l2 = 60e6
+    for out, k, ns in [(14336, 4096, [1, 2, 4, 8, 16]), (4096, 14336, [1, 4, 16]), (17408, 5120, [1, 16]),
+                       (248320, 5120, [1, 16])]:
+        wbytes = out * (k // 32) * 34
+        copies = max(1, int(np.ceil(4 * l2 / wbytes)))
+        ws = [on_gpu(random_q8_0(rng, out, k, values=False)[0], sn.DType.Q8_0) for _ in range(copies)]
+        for n in ns:
+            x = on_gpu(rng.standard_normal((n, k)).astype(np.float32))
+            calls = max(20, min(400, int(0.25 / (wbytes / 3e12))))
+            reps = [time_calls(sn.matmul, [(x, w) for w in ws], calls) for _ in range(3)]
+            t = statistics.median(reps)
+            gbps = wbytes / t / 1e9
+            rows.append({"out": out, "in": k, "n": n, "weight_bytes": wbytes, "weight_copies": copies,
+                         "calls": calls, "us_per_call": t * 1e6, "us_spread": (max(reps) - min(reps)) * 1e6,
+                         "weight_GBps": gbps, "ratio_to_copy": gbps / copy_gbps if copy_gbps else None,
+                         "gflops": 2 * n * out * k / t / 1e9})
+        del ws
+        sn.gpu_synchronize()
+    return {"host_floor_us_per_call": floor * 1e6, "rows": rows}
+
+
+def markdown(rep):
+    label = f" [{rep['label']}]" if rep.get("label") else ""
+    L = [f"## GPU backend report{label} ({rep['date']})", "",
+         f"- device: {rep['device']} ({rep['backend']}); host: {rep['host']}; seed {rep['seed']}; env {rep.get('env', {})}", ""]
+    e = rep["errors"]
+    if e is None:
+        return "\n".join(L + markdown_bandwidth(rep)) + "\n"
+    L += ["| op | metric | value | tolerance |", "| --- | --- | --- | --- |"]
+    r = e["rms_norm"]
+    L.append(f"| rms_norm | max rel err vs CPU | {r['max_rel_vs_cpu']:.3g} | 1e-6 |")
+    L.append(f"| rms_norm | max err vs f64 / row max | {r['max_err_vs_f64_over_rowmax']:.3g} | 2e-6 |")
+    L.append(f"| rms_norm | residual sum h bit-exact | {r['residual_sum_bit_exact']} | exact |")
+    if isinstance(e["matmul"], dict):
+        for k, v in e["matmul"]["max_err_over_sum_abs_xw"].items():
+            L.append(f"| matmul {k} | max err / sum abs(x)abs(w) | {v:.3g} | 1e-5 |")
+    else:
+        L.append(f"| matmul | - | {e['matmul']} | |")
+    if isinstance(e["argmax"], dict):
+        L.append(f"| argmax 16 x 248320 | mismatches vs numpy | {e['argmax']['mismatches_vs_numpy']} | 0 |")
+    else:
+        L.append(f"| argmax | - | {e['argmax']} | |")
+    return "\n".join(L + markdown_bandwidth(rep)) + "\n"
+
+
+def markdown_bandwidth(rep):
+    L = []
+    c = rep["copy"]
+    L += ["", f"Device-to-device copy (torch, 2 GiB, read+write): **{c['GBps']:.0f} GB/s**" if c else "copy: torch missing", ""]
+    g = rep["gemv"]
+    if g:
+        L += [f"Q8_0 GEMV via sn.matmul (Python loop, host floor {g['host_floor_us_per_call']:.1f} us/call):", "",
+              "| out x in | n | us/call | weight GB/s | / copy BW | GFLOP/s |", "| --- | --- | --- | --- | --- | --- |"]
+        for r in g["rows"]:
+            ratio = f"{r['ratio_to_copy']:.2f}" if r["ratio_to_copy"] else "-"
+            L.append(f"| {r['out']} x {r['in']} | {r['n']} | {r['us_per_call']:.1f} | {r['weight_GBps']:.0f} | {ratio} | {r['gflops']:.0f} |")
+    return L
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--label", default="", help="variant name shown in the report (e.g. an env setting)")
+    ap.add_argument("--bandwidth-only", action="store_true", help="skip the error checks")
+    args = ap.parse_args()
+    if not sn.gpu_available():
+        print("no GPU available: nothing to report", file=sys.stderr)
+        return 1
+    seed = int(os.environ.get("SPECD_TEST_SEED", secrets.randbits(32)))
+    rng = np.random.default_rng(seed)
+    rep = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": sn.gpu_device_name(), "backend": sn.gpu_backend(),
+           "host": platform.node(), "seed": seed, "label": args.label,
+           "env": {k: v for k, v in os.environ.items() if k.startswith("SPECD_")}}
+    rep["errors"] = None if args.bandwidth_only else errors(rng)
+    print(json.dumps(rep["errors"], indent=1), flush=True)
+    rep["copy"] = copy_bandwidth()
+    rep["gemv"] = gemv_bandwidth(rng, rep["copy"]["GBps"] if rep["copy"] else None)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(rep, f, indent=1)
+    md = markdown(rep)
+    with open(os.path.join(args.out, "summary.md"), "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
