@@ -22,6 +22,7 @@ the stream ends with DEADLINE_EXCEEDED. Worker failures end the stream with UNAV
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -57,7 +58,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
 
     Args:
         cfg: CoordinatorConfig.
-        tokenizer_info: a ``TokenizerInfo`` (tokenizer, eos/eot ids, chat template), None (only
+        tokenizer_info: a :class:`TokenizerInfo` (tokenizer, end ids, chat template), None (only
             token-id input, no text), or "auto": read it at connect from ``cfg.tokenizer`` or else the
             target worker's GGUF (None when that file has no tokenizer).
     """
@@ -81,9 +82,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         if isinstance(self.tok, str):
             self.tok = await asyncio.to_thread(load_tokenizer, self.cfg.tokenizer or self.tinfo.model_path)
         if self.tok is not None:
-            for e in (self.tok.eos_token_id, self.tok.eot_token_id):
-                if e >= 0 and e not in self.eos_ids:
-                    self.eos_ids.append(e)
+            self.eos_ids += [e for e in self.tok.end_ids if e not in self.eos_ids]
         if self.cfg.drafter:
             self.draft_channel = grpc.aio.insecure_channel(self.cfg.drafter, options=opts)
             self.drafter = wpbg.DraftWorkerStub(self.draft_channel)
@@ -461,13 +460,22 @@ async def start_server(coord: Coordinator, listen: str | None = None):
     return server, port
 
 
-def load_tokenizer(path: str):
-    """TokenizerInfo from a GGUF, or None when the file carries no tokenizer."""
-    import gguf
+@dataclasses.dataclass(frozen=True)
+class TokenizerInfo:
+    """What the coordinator needs from the target GGUF's tokenizer metadata."""
 
-    from specd.target_worker.tokenizer import tokenizer_from_gguf
+    tokenizer: object  # tokenizers.Tokenizer
+    end_ids: tuple[int, ...]  # EOS then EOT (generation ends there unless ignore_eos)
+    chat_template: str | None
 
-    reader = gguf.GGUFReader(path)
-    if "tokenizer.ggml.model" not in reader.fields:
+
+def load_tokenizer(path: str) -> TokenizerInfo | None:
+    """TokenizerInfo from a GGUF (``tokenizer.*`` keys), or None when the file carries no tokenizer.
+    Raises TargetFileError naming the file and key when the tokenizer is unusable."""
+    from specd.target_worker.gguf_loader import read_tokenizer_metadata
+    from specd.target_worker.tokenizer import build_tokenizer
+
+    meta = read_tokenizer_metadata(path)
+    if meta is None:
         return None
-    return tokenizer_from_gguf(reader, path)
+    return TokenizerInfo(build_tokenizer(meta, path), tuple(meta.end_ids), meta.chat_template)

@@ -257,20 +257,15 @@ def load_servicer(cfg: TargetWorkerConfig) -> TargetServicer:
     """Loads the GGUF (weights memory-mapped) and its tokenizer's EOS ids."""
     import specd.native as sn
 
-    from gguf import GGUFReader
-
-    from .gguf_loader import load_qwen35
+    from .gguf_loader import load_qwen35, open_gguf, read_tokenizer_metadata
     from .model import Qwen35Model
 
-    reader = GGUFReader(cfg.target)
+    reader = open_gguf(cfg.target)
     weights = load_qwen35(cfg.target, reader)
     kv = {"f16": sn.DType.F16, "q8_0": sn.DType.Q8_0, "f32": sn.DType.F32}[cfg.kv_dtype]
     model = Qwen35Model(weights, capture_layers=cfg.capture_layers, kv_dtype=kv, prefill_chunk=cfg.prefill_chunk)
-    eos = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
-        f = reader.fields.get(key)
-        if f is not None and int(f.contents()) not in eos:
-            eos.append(int(f.contents()))
+    meta = read_tokenizer_metadata(reader)
+    eos = list(meta.end_ids) if meta is not None else []
     return TargetServicer(model, cfg, eos)
 
 
