@@ -16,6 +16,7 @@ draft is wrong (a worst-case drafter); neither runs plain decoding only.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -25,23 +26,74 @@ import tempfile
 import time
 
 from .config import add_arguments as _add_config_arguments
+from .config import config_from_args
+
+
+@dataclasses.dataclass
+class ServeConfig:
+    """Launcher settings (``specd serve`` flags; the coordinator's own flags pass through).
+
+    target: qwen35 target GGUF (required).
+    drafter_gguf: drafter GGUF; its target_layer_ids become the target's capture layers (the drafter
+        forward is not wired yet, so the drafter worker refuses to start). Default "".
+    scripted_block: run the scripted drafter with this many drafts per step (0: off). Default 0.
+    scripted_continuations: JSONL of {"prompt", "continuation"} for the oracle drafter. Default "".
+    scripted_accept: right drafts per step of the scripted drafter (-1: all). Default -1.
+    capture_layers: target capture layers when no drafter GGUF is given, "1,2,3". Default "".
+    runtime_dir: directory for the worker sockets ("" = a new temporary directory, removed at exit).
+    max_seq_len: target positions per sequence (0: the GGUF context_length, else 4096). Default 0.
+    kv_dtype: target KV cache type: f16 (default), q8_0 or f32.
+    start_timeout_s: wait for each child's READY line. Default 600.
+    """
+
+    target: str = ""
+    drafter_gguf: str = ""
+    scripted_block: int = 0
+    scripted_continuations: str = ""
+    scripted_accept: int = -1
+    capture_layers: str = ""
+    runtime_dir: str = ""
+    max_seq_len: int = 0
+    kv_dtype: str = "f16"
+    start_timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        if not self.target:
+            raise ValueError("serve: --target is required")
+        if self.drafter_gguf and self.scripted_block:
+            raise ValueError("serve: give --drafter or --scripted-block, not both")
+        if self.scripted_block < 0 or self.scripted_accept < -1 or self.max_seq_len < 0 or self.start_timeout_s <= 0:
+            raise ValueError("serve: --scripted-block >= 0, --scripted-accept >= -1, --max-seq-len >= 0 and "
+                             "--start-timeout-s > 0 required")
+        if self.scripted_continuations and not self.scripted_block:
+            raise ValueError("serve: --scripted-continuations needs --scripted-block")
+        if self.kv_dtype not in ("f16", "q8_0", "f32"):
+            raise ValueError(f"serve: --kv-dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
+        if self.capture_layers:
+            try:
+                [int(x) for x in self.capture_layers.split(",") if x.strip()]
+            except ValueError as exc:
+                raise ValueError(f"serve: --capture-layers must be comma-separated integers: {exc}") from exc
 
 
 def add_arguments(p) -> None:
+    d = ServeConfig()
     p.add_argument("--target", required=True, help="qwen35 target GGUF")
-    p.add_argument("--drafter-gguf", "--drafter", dest="drafter_gguf", default="",
+    p.add_argument("--drafter-gguf", "--drafter", dest="drafter_gguf", default=d.drafter_gguf,
                    help="drafter GGUF (forward not wired yet; its taps set the target's capture layers)")
-    p.add_argument("--scripted-block", type=int, default=0,
+    p.add_argument("--scripted-block", type=int, default=d.scripted_block,
                    help="run the scripted drafter with this many drafts per step (default 0: off)")
-    p.add_argument("--scripted-continuations", default="",
+    p.add_argument("--scripted-continuations", default=d.scripted_continuations,
                    help="scripted drafter: JSONL of prompt/continuation pairs (oracle drafter, default none)")
-    p.add_argument("--scripted-accept", type=int, default=-1,
+    p.add_argument("--scripted-accept", type=int, default=d.scripted_accept,
                    help="scripted drafter: right drafts per step (-1 all, default)")
-    p.add_argument("--capture-layers", default="", help="target capture layers when no drafter GGUF is given")
-    p.add_argument("--runtime-dir", default="", help="directory for the worker sockets (default: a new temp dir)")
-    p.add_argument("--max-seq-len", type=int, default=0, help="target positions per sequence (default 0: GGUF)")
-    p.add_argument("--kv-dtype", default="f16", choices=["f16", "q8_0", "f32"], help="KV cache type (default f16)")
-    p.add_argument("--start-timeout-s", type=float, default=600.0, help="wait for each child's READY (default 600)")
+    p.add_argument("--capture-layers", default=d.capture_layers,
+                   help="target capture layers when no drafter GGUF is given (default none)")
+    p.add_argument("--runtime-dir", default=d.runtime_dir, help="directory for the worker sockets (default: a new temp dir)")
+    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="target positions per sequence (default 0: GGUF)")
+    p.add_argument("--kv-dtype", default=d.kv_dtype, choices=["f16", "q8_0", "f32"], help="KV cache type (default f16)")
+    p.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s,
+                   help="wait for each child's READY (default 600)")
     before = len(p._actions)
     _add_config_arguments(p, skip=("target", "drafter", "tokenizer"))
     p.set_defaults(_coord_actions=list(p._actions[before:]))
@@ -77,6 +129,10 @@ def _passthrough(args) -> list[str]:
 
 
 def run(args) -> int:
+    cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)})
+    cfg.validate()
+    config_from_args(args, target="unix:///unused", drafter="")  # validates the coordinator flags up front
+    ns, args = args, cfg
     rt = args.runtime_dir or tempfile.mkdtemp(prefix="specd-")
     own_rt = not args.runtime_dir
     os.makedirs(rt, exist_ok=True)
@@ -106,10 +162,10 @@ def run(args) -> int:
             _wait_ready(d, "draft-worker", args.start_timeout_s)
             drafter = dsock
         c = _child(["coordinator", "--target", tsock, "--drafter", drafter, "--tokenizer", args.target,
-                    *_passthrough(args)])
+                    *_passthrough(ns)])
         procs.append(("coordinator", c))
         _wait_ready(c, "coordinator", args.start_timeout_s)
-        print(f"READY {args.listen}", flush=True)
+        print(f"READY {ns.listen}", flush=True)
         stop = {"sig": None}
 
         def on_signal(signum, frame):  # noqa: ARG001
