@@ -86,7 +86,7 @@ class Finisher:
         self.sent_text = 0      # characters of the final text already released
         self.final_text: str | None = None
         self.done = False
-        self.reason: str | None = None  # "stop" | "length"
+        self.reason: str | None = None  # "stop" | "length" | "abort"
         self.matched = None     # int token id or str stop string
         self._scan_from = 0
 
@@ -117,6 +117,12 @@ class Finisher:
             self.reason = "length"
             return self._finish()
         return False
+
+    def abort(self) -> None:
+        """Ends the request now with reason "abort" (text of the tokens already sent is flushed)."""
+        if not self.done:
+            self.reason = "abort"
+            self._finish()
 
     def _append(self, token: int) -> None:
         self.ids.append(token)

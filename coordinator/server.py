@@ -53,6 +53,15 @@ class RequestError(Exception):
         self.code, self.message = code, message
 
 
+class _Live:
+    """A live request's control flags (Abort sets ``aborted``; the loop checks it once per step)."""
+
+    __slots__ = ("aborted",)
+
+    def __init__(self):
+        self.aborted = False
+
+
 class Coordinator(gpbg.SpecDecodeServicer):
     """The public servicer. Call :meth:`connect` before serving (reads both workers' Info).
 
@@ -264,7 +273,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         rid = request.request_id or f"req-{next(self._ids)}"
         if rid in self.live:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is live")
-        self.live[rid] = None
+        self.live[rid] = live = _Live()
         # unique across coordinators sharing the workers and across restarts (workers keep tombstones)
         seq_id = f"{rid}#{self._instance}-{next(self._ids)}"
         started = {"target": False, "drafter": False}
@@ -272,7 +281,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         t_start = time.perf_counter()
         try:
             async for msg in self._loop(seq_id, prompt, fin, mode, cap, deadline, started, t_start,
-                                        request.stream_options.token_by_token):
+                                        request.stream_options.token_by_token, live):
                 yield msg
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
@@ -311,7 +320,17 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 raise RequestError(code, f"{what}: worker unavailable: {exc.details()}") from exc
             raise RequestError(grpc.StatusCode.INTERNAL, f"{what} failed: {code.name}: {exc.details()}") from exc
 
-    async def _loop(self, seq_id, prompt, fin: Finisher, mode, cap, deadline, started, t_start, token_by_token):
+    async def Abort(self, request, context):
+        aborted = []
+        for rid in request.request_ids:
+            live = self.live.get(rid)
+            if live is not None:
+                live.aborted = True
+                aborted.append(rid)
+        return gpb.AbortResponse(aborted=aborted)
+
+    async def _loop(self, seq_id, prompt, fin: Finisher, mode, cap, deadline, started, t_start, token_by_token,
+                    live):
         n_prompt = len(prompt)
         stats = gpb.SpeculationStats(mode_used=mode)
         per_pos: list[int] = []
@@ -341,6 +360,12 @@ class Coordinator(gpbg.SpecDecodeServicer):
         timing.ttft_s = t_first - t_start
         synced = 0  # positions the drafter has ingested
         while not fin.done:
+            if live.aborted:
+                fin.abort()
+                last = chunk([], 0)
+                if last.chunk.text:
+                    yield last
+                break
             step += 1
             remaining = fin.max_tokens - len(fin.ids)
             k = min(cap, remaining - 1)
@@ -420,7 +445,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
         timing.e2e_s = time.perf_counter() - t_start
         done = gpb.GenerateComplete(
             timing=timing, output_ids=fin.ids, text=fin.final_text, finish_reason=fin.reason,
-            finish=gpb.FINISH_REASON_STOP if fin.reason == "stop" else gpb.FINISH_REASON_LENGTH,
+            finish={"stop": gpb.FINISH_REASON_STOP, "length": gpb.FINISH_REASON_LENGTH,
+                    "abort": gpb.FINISH_REASON_ABORT}[fin.reason],
             usage=gpb.Usage(prompt_tokens=n_prompt, completion_tokens=len(fin.ids)), speculation=stats)
         if isinstance(fin.matched, str):
             done.matched_stop_str = fin.matched

@@ -178,6 +178,28 @@ def test_temperature_zero_set_explicitly_is_greedy(stack, reference):
     assert streamed_ids(chunks) == ref[:5]
 
 
+def test_abort_ends_stream_with_abort_and_releases(stack, reference):
+    prompt = [70, 71, 72]
+    ref, _ = reference(prompt, 300)
+    stack.drafter.continuations[tuple(prompt)] = ref
+    stack.drafter.plan = 1
+    req = token_request(prompt, 250, ignore_eos=True)
+    req.request_id = "to-abort"
+    chunks, done = [], None
+    for r in stack.stub.Generate(req, timeout=60):
+        if r.HasField("chunk"):
+            chunks.append(r.chunk)
+            if len(chunks) == 3:
+                resp = stack.stub.Abort(gpb.AbortRequest(request_ids=["to-abort", "unknown"]), timeout=10)
+                assert list(resp.aborted) == ["to-abort"]
+        else:
+            done = r.complete
+    assert done is not None and done.finish_reason == "abort" and done.finish == gpb.FINISH_REASON_ABORT
+    sent = streamed_ids(chunks)
+    assert sent == ref[: len(sent)] and len(sent) < 250 and done.usage.completion_tokens == len(sent)
+    wait_released(stack)
+
+
 def test_duplicate_live_request_id_and_deadline(stack, reference):
     prompt = [40, 41]
     stack.drafter.plan = 0
