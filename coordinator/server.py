@@ -264,6 +264,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
     # ------------------------------------------------------------------ Generate
 
     async def Generate(self, request, context):
+        """Streams chunks then one ``complete`` (module docstring); admission errors are
+        INVALID_ARGUMENT / FAILED_PRECONDITION / ALREADY_EXISTS before anything runs."""
         try:
             prompt = self._prompt(request)
             fin = self._finisher(request, len(prompt))
@@ -321,6 +323,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
             raise RequestError(grpc.StatusCode.INTERNAL, f"{what} failed: {code.name}: {exc.details()}") from exc
 
     async def Abort(self, request, context):
+        """Flags the named live requests; each ends after its current step with "abort"."""
         aborted = []
         for rid in request.request_ids:
             live = self.live.get(rid)
@@ -355,7 +358,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
         tokens.append(anchor)
         before = len(fin.ids)
         fin.push(anchor)
-        yield chunk(fin.ids[before:], 0)
+        first = chunk(fin.ids[before:], 0)
+        if first.chunk.token_ids or first.chunk.text:  # the first token may itself be an excluded stop
+            yield first
         t_first = time.perf_counter()
         timing.ttft_s = t_first - t_start
         synced = 0  # positions the drafter has ingested

@@ -200,3 +200,12 @@ def test_token_by_token_streaming(stack, reference, stop_at):
             assert max(len(c.token_ids) for c in chunks) > 1
         out.append((streamed_ids(chunks), "".join(c.text for c in chunks), done.text, done.finish_reason))
     assert out[0] == out[1]
+
+
+def test_first_token_is_a_stop(stack, reference):
+    """The prefill's token is itself a stop id: no token is sent, finish "stop", usage 0."""
+    ref, _ = reference(PROMPT, 4)
+    chunks, done = generate(stack.stub, token_request(PROMPT, 8, stop_token_ids=[ref[0]], ignore_eos=True))
+    assert streamed_ids(chunks) == [] and done.finish_reason == "stop" and done.usage.completion_tokens == 0
+    chunks, done = generate(stack.stub, token_request(PROMPT, 1, ignore_eos=True))
+    assert streamed_ids(chunks) == ref[:1] and done.finish_reason == "length"
