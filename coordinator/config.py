@@ -32,6 +32,8 @@ class CoordinatorConfig:
         default 2 (the gRPC default).
     reflection: serve gRPC reflection, default on.
     health_poll_s: how often readiness re-checks both workers' gRPC health, default 5 s.
+    metrics_port: Prometheus /metrics HTTP port (0: not served), default 9464.
+    metrics_addr: address the metrics server binds, default "0.0.0.0".
     policy: the adaptive policy (spec-loop.md §9.1a), see PolicyConfig.
     """
 
@@ -51,6 +53,8 @@ class CoordinatorConfig:
     max_ping_strikes: int = 2
     reflection: bool = True
     health_poll_s: float = 5.0
+    metrics_port: int = 9464
+    metrics_addr: str = "0.0.0.0"
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
     def validate(self) -> None:
@@ -61,6 +65,8 @@ class CoordinatorConfig:
                      "keepalive_timeout_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"coordinator: {name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"coordinator: metrics_port must be in 0..65535, got {self.metrics_port}")
         for name in ("max_draft_tokens", "max_prompt_tokens", "max_ping_strikes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"coordinator: {name} must be >= 0, got {getattr(self, name)}")
@@ -96,6 +102,8 @@ _FLAGS = [  # (field, type, help)
     ("keepalive_timeout_ms", int, "keepalive ack timeout"),
     ("max_ping_strikes", int, "bad pings before GOAWAY (0 = unlimited)"),
     ("health_poll_s", float, "readiness re-check interval of the workers"),
+    ("metrics_port", int, "Prometheus metrics HTTP port (0 = off)"),
+    ("metrics_addr", str, "Prometheus metrics bind address"),
 ]
 _POLICY_FLAGS = [
     ("step_ratio", float, "prior t_spec/t_plain (0 disables the policy)"),

@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import time
 import uuid
 
@@ -37,6 +38,7 @@ from specd.protos.v1 import worker_pb2_grpc as wpbg
 
 from .config import CoordinatorConfig
 from .finish import Finisher
+from .metrics import CoordinatorMetrics
 from .policy import AdaptivePolicy
 
 log = logging.getLogger("specd.coordinator")
@@ -102,6 +104,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
                                    "do not share /dev/shm; the feature ring needs one tmpfs")
             if self.dinfo.vocab_size != self.tinfo.vocab_size:
                 raise RuntimeError(f"drafter vocabulary {self.dinfo.vocab_size} != target {self.tinfo.vocab_size}")
+        self.metrics = CoordinatorMetrics(os.path.basename(self.tinfo.model_path),
+                                          self.dinfo.name if self.dinfo is not None else "")
 
     async def workers_serving(self) -> bool:
         """True when every configured worker answers grpc.health.v1 Check("") with SERVING."""
@@ -134,6 +138,10 @@ class Coordinator(gpbg.SpecDecodeServicer):
         watch = getattr(self, "_watch", None)
         if watch is not None:
             watch.cancel()
+        http = getattr(self, "metrics_http", None)
+        if http is not None:
+            http.shutdown()
+            http.server_close()
         for ch in ("target_channel", "draft_channel"):
             if hasattr(self, ch):
                 await getattr(self, ch).close()
@@ -281,14 +289,26 @@ class Coordinator(gpbg.SpecDecodeServicer):
         started = {"target": False, "drafter": False}
         deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
         t_start = time.perf_counter()
+        mx = self.metrics
+        lv = mx.l()
+        mx.running.labels(*lv).inc()
+        mx.spec_requests.labels(*mx.l(MODE_NAMES[mode])).inc()
+        outcome = ("abort", "CANCELLED")  # until the loop says otherwise (client cancel lands here)
         try:
             async for msg in self._loop(seq_id, prompt, fin, mode, cap, deadline, started, t_start,
                                         request.stream_options.token_by_token, live):
+                if msg.HasField("complete"):
+                    outcome = (msg.complete.finish_reason, "OK")
                 yield msg
         except RequestError as exc:
+            outcome = ("error", exc.code.name)
             await context.abort(exc.code, exc.message)
         finally:
             self.live.pop(rid, None)
+            mx.running.labels(*lv).dec()
+            mx.requests.labels(*mx.l(*outcome)).inc()
+            mx.generation_tokens.labels(*lv).inc(len(fin.ids))
+            mx.e2e.labels(*lv).observe(time.perf_counter() - t_start)
             await asyncio.shield(self._release(seq_id, started))
 
     async def _release(self, seq_id: str, started: dict) -> None:
@@ -340,7 +360,16 @@ class Coordinator(gpbg.SpecDecodeServicer):
         policy = AdaptivePolicy(self.cfg.policy)
         step = 0
 
+        mx = self.metrics
+        lv = mx.l()
+        mx.prompt_tokens.labels(*lv).inc(n_prompt)
+        last_sent = [None]
+
         def chunk(new_ids, accepted):
+            now = time.perf_counter()
+            if last_sent[0] is not None:
+                mx.inter_chunk.labels(*lv).observe(now - last_sent[0])
+            last_sent[0] = now
             return gpb.GenerateResponse(chunk=gpb.GenerateChunk(
                 token_ids=new_ids, text=fin.take_text(), prompt_tokens=n_prompt, completion_tokens=len(fin.ids),
                 step_index=step, accepted_in_step=accepted))
@@ -363,6 +392,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
             yield first
         t_first = time.perf_counter()
         timing.ttft_s = t_first - t_start
+        mx.ttft.labels(*lv).observe(timing.ttft_s)
         synced = 0  # positions the drafter has ingested
         while not fin.done:
             if live.aborted:
@@ -389,15 +419,18 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 prop = await self._call(self.drafter.Propose, req, deadline, "propose")
                 synced = committed
                 drafts = list(prop.tokens)[:k]
+            t1 = time.perf_counter()
             vr = await self._call(self.target.Verify,
                                   wpb.VerifyRequest(seq_id=seq_id, tokens=[anchor] + drafts, max_accept=len(drafts)),
                                   deadline, "verify")
-            dt = time.perf_counter() - t0
+            t2 = time.perf_counter()
+            dt = t2 - t0
             compute = vr.compute_s + (prop.compute_s if speculate else 0.0)
             timing.worker_compute_s += compute
             timing.loop_overhead_s += max(0.0, dt - compute)
             timing.steps += 1
             m = vr.accepted
+            mx.record_step(len(drafts), m, t1 - t0, t2 - t1, max(0.0, dt - compute))
             emitted = list(vr.emitted)
             if len(emitted) != m + 1 or vr.committed != committed + m + 1:
                 raise RequestError(grpc.StatusCode.INTERNAL,
@@ -446,6 +479,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
         stats.mean_acceptance_length = (1.0 + stats.num_accepted_tokens / stats.num_drafts) if stats.num_drafts else 0.0
         for s, to_spec, reason in policy.switches:
             stats.policy_switches.add(step_index=s, to_speculative=to_spec, reason=reason)
+            mx.decisions.labels(*mx.l(("to_spec_" if to_spec else "to_plain_") + reason)).inc()
+        if stats.num_draft_tokens:
+            mx.acceptance_ratio.labels(*lv).observe(stats.num_accepted_tokens / stats.num_draft_tokens)
         timing.decode_s = time.perf_counter() - t_first
         timing.e2e_s = time.perf_counter() - t_start
         done = gpb.GenerateComplete(
@@ -485,6 +521,11 @@ async def start_server(coord: Coordinator, listen: str | None = None):
     await hs.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
     await coord.connect()
+    if cfg.metrics_port:
+        import prometheus_client
+
+        coord.metrics_http, _ = prometheus_client.start_http_server(cfg.metrics_port, cfg.metrics_addr,
+                                                                    registry=coord.metrics.registry)
     await hs.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     coord.watch_workers(hs)
     server.health = hs

@@ -102,6 +102,7 @@ class Stack:
         """Starts one more coordinator over the same workers (or another drafter address); returns a
         SpecDecode stub for it."""
         n = len(self.coords)
+        kw.setdefault("metrics_port", 0)
         cfg = CoordinatorConfig(listen=f"unix://{self.dir}/c{n}.sock", target=f"unix://{self.dir}/t.sock",
                                 drafter=drafter_override or f"unix://{self.dir}/d.sock", policy=policy or PolicyConfig(),
                                 **kw)

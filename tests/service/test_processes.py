@@ -6,9 +6,11 @@ import glob
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 
@@ -53,7 +55,11 @@ def test_serve_and_generate_cli(target_gguf, reference, tmp_path):
     ref, _ = reference([9, 8, 7, 6], 30)
     cont = tmp_path / "oracle.jsonl"
     cont.write_text(json.dumps({"prompt": [9, 8, 7, 6], "continuation": ref}) + "\n")
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        mport = so.getsockname()[1]
     serve = _start(["serve", "--target", target_gguf, "--scripted-block", "4", "--listen", sock,
+                    "--metrics-port", str(mport), "--metrics-addr", "127.0.0.1",
                     "--scripted-continuations", str(cont), "--policy-step-ratio", "0",
                     "--capture-layers", ",".join(map(str, CAPTURE)), "--max-seq-len", "128", "--kv-dtype", "f32",
                     "--runtime-dir", str(tmp_path / "rt")])
@@ -78,6 +84,10 @@ def test_serve_and_generate_cli(target_gguf, reference, tmp_path):
         out = subprocess.run(CLI + ["generate", "--server", sock, "--prompt", "The quick", "--max-tokens", "5"],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and "finish=" in out.stderr, out.stderr
+        with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as resp:
+            body = resp.read().decode()
+        assert 'specd_spec_accepted_tokens_total{drafter="scripted",model="condgen.gguf"} 7.0' in body
+        assert "specd_requests_total" in body and "specd_request_ttft_seconds_bucket" in body
         # drain: SIGTERM while a stream is in flight; it completes, then everything exits 0
         gen = subprocess.Popen(CLI + ["generate", "--server", sock, "--token-ids", "5,5,5", "--max-tokens", "100",
                                       "--ignore-eos", "--ids", "--token-by-token"],

@@ -320,6 +320,34 @@ def test_readiness_follows_workers_and_dead_drafter_is_unavailable(stack):
     assert live[0] == [] and live[1] == 0
 
 
+def test_metrics_agree_with_responses(stack, reference):
+    """Counters equal the sums of what the responses reported (usage, drafts, accepted, per position)."""
+    stub = stack.coordinator()
+    coord = stack.coords[-1][0]
+    prompts = [[81, 82], [83, 84, 85]]
+    plans = {tuple(prompts[0]): None, tuple(prompts[1]): 2}
+    stack.drafter.plan = lambda p, step: plans.get(p, 0)
+    dones = []
+    for p in prompts:
+        ref, _ = reference(p, 40)
+        stack.drafter.continuations[tuple(p)] = ref
+        dones.append(generate(stub, token_request(p, 25, ignore_eos=True))[1])
+    reg = coord.metrics.registry
+    lab = {"model": "condgen.gguf", "drafter": "scripted"}
+    val = lambda name, **kw: reg.get_sample_value(name, {**lab, **kw}) or 0.0  # noqa: E731
+    assert val("specd_requests_total", finish_reason="length", code="OK") == 2
+    assert val("specd_generation_tokens_total") == sum(d.usage.completion_tokens for d in dones) == 50
+    assert val("specd_prompt_tokens_total") == 5
+    assert val("specd_spec_drafts_total") == sum(d.speculation.num_drafts for d in dones)
+    assert val("specd_spec_draft_tokens_total") == sum(d.speculation.num_draft_tokens for d in dones)
+    assert val("specd_spec_accepted_tokens_total") == sum(d.speculation.num_accepted_tokens for d in dones)
+    for i in range(BLOCK):
+        per = sum(d.speculation.accepted_per_position[i] for d in dones if i < len(d.speculation.accepted_per_position))
+        assert val("specd_spec_accepted_tokens_per_position_total", position=str(i)) == per
+    assert val("specd_requests_running") == 0
+    assert val("specd_request_ttft_seconds_count") == 2
+
+
 def test_proto_sources_ship_with_the_stubs():
     """The stubs are generated at build time from protos/; the installed .proto copies must equal the
     repository's (a stale install would fail here)."""
