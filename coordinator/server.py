@@ -104,6 +104,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
                                    "do not share /dev/shm; the feature ring needs one tmpfs")
             if self.dinfo.vocab_size != self.tinfo.vocab_size:
                 raise RuntimeError(f"drafter vocabulary {self.dinfo.vocab_size} != target {self.tinfo.vocab_size}")
+            if self.dinfo.target_layer_ids and list(self.dinfo.target_layer_ids) != list(self.tinfo.capture_layers):
+                raise RuntimeError(f"drafter taps {list(self.dinfo.target_layer_ids)} != target capture layers "
+                                   f"{list(self.tinfo.capture_layers)} (start the target with the drafter's taps)")
         self.metrics = CoordinatorMetrics(os.path.basename(self.tinfo.model_path),
                                           self.dinfo.name if self.dinfo is not None else "")
 

@@ -1,11 +1,6 @@
 """The drafter worker: a gRPC ``specd.worker.v1.DraftWorker`` server around a pluggable drafter.
 
-A drafter object implements::
-
-    name: str; block_size: int; n_vocab: int
-    ingest(seq_id, start, tokens, features)   # committed positions start.., float32 features [n, W]
-    propose(seq_id, anchor, max_tokens) -> list[int]
-    release(seq_id) -> bool; live() -> list[str]
+A drafter object implements :class:`Drafter` (a structural protocol).
 
 For now the only one is :class:`specd.draft_worker.scripted.ScriptedDrafter`; the DFlash / DSpark /
 DFlash 2 forward plugs in here later. Per Propose the servicer attaches the sequence's feature ring
@@ -27,13 +22,47 @@ import threading
 import time
 from concurrent import futures
 
+from typing import Protocol, Sequence, runtime_checkable
+
 import grpc
+import numpy as np
 
 from specd.protos.v1 import worker_pb2 as pb
 from specd.protos.v1 import worker_pb2_grpc as pbg
 from specd.target_worker.feature_shm import FeatureHandleInfo, attach_reader, shm_namespace_id
 
 log = logging.getLogger("specd.draft_worker")
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the drafter worker needs from a drafter (the scripted one today, DFlash / DSpark / DFlash 2
+    later). Calls for one sequence never overlap; calls for different sequences may come from different
+    threads.
+
+    Attributes: ``name`` (reported by Info), ``block_size`` (most draft tokens per propose),
+    ``n_vocab`` (must equal the target's), optionally ``target_layer_ids`` (the coordinator checks them
+    against the target's capture layers).
+    """
+
+    name: str
+    block_size: int
+    n_vocab: int
+
+    def ingest(self, seq_id: str, start: int, tokens: Sequence[int], features: np.ndarray) -> None:
+        """Committed positions ``start .. start+n-1``: their token ids and feature rows, float32
+        ``[n, n_taps * n_embd]`` (the target's residual stream after each tap, tap order). Positions arrive
+        in order without gaps, each exactly once, the prompt first. ValueError on a gap."""
+
+    def propose(self, seq_id: str, anchor: int, max_tokens: int) -> "list[int] | tuple[list[int], list[float]]":
+        """Up to ``max_tokens`` draft tokens following ``anchor`` (the token at position = ingested
+        length), optionally with one confidence in [0, 1] per token."""
+
+    def release(self, seq_id: str) -> bool:
+        """Forgets the sequence; True if it was known."""
+
+    def live(self) -> list[str]:
+        """Ids of the sequences held."""
 
 
 @dataclasses.dataclass
@@ -82,7 +111,9 @@ class _Seq:
 class DraftServicer(pbg.DraftWorkerServicer):
     """Implements worker.proto DraftWorker over one drafter object (see the module docstring)."""
 
-    def __init__(self, drafter):
+    def __init__(self, drafter: Drafter):
+        if not isinstance(drafter, Drafter):
+            raise TypeError(f"{type(drafter).__name__} does not implement the Drafter protocol")
         self.drafter = drafter
         self.seqs: dict[str, _Seq] = {}
         self.lock = threading.Lock()
@@ -130,10 +161,15 @@ class DraftServicer(pbg.DraftWorkerServicer):
                 if new:
                     self.drafter.ingest(seq_id, request.start, new, feats)
                 s.synced += len(new)
-                toks = self.drafter.propose(seq_id, request.anchor, int(request.max_tokens)) if request.max_tokens else []
+                out = self.drafter.propose(seq_id, request.anchor, int(request.max_tokens)) if request.max_tokens else []
             except ValueError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"propose: {exc}")
-        return pb.ProposeResponse(tokens=[int(t) for t in toks], compute_s=time.perf_counter() - t0)
+        toks, conf = out if isinstance(out, tuple) else (out, [])
+        if len(toks) > request.max_tokens or (conf and len(conf) != len(toks)):
+            context.abort(grpc.StatusCode.INTERNAL, f"drafter returned {len(toks)} tokens / {len(conf)} confidences "
+                                                    f"for max_tokens {request.max_tokens}")
+        return pb.ProposeResponse(tokens=[int(t) for t in toks], confidence=[float(c) for c in conf],
+                                  compute_s=time.perf_counter() - t0)
 
     def Release(self, request, context):
         with self.lock:
