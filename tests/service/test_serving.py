@@ -170,6 +170,25 @@ def test_invalid_requests_are_rejected_and_service_keeps_serving(stack, mutate, 
     assert done.usage.completion_tokens == len(streamed_ids(chunks))
 
 
+def test_target_full_is_resource_exhausted(stack):
+    """The target's max_sequences reached: Generate fails with RESOURCE_EXHAUSTED (retryable) and the
+    service keeps serving once a slot frees."""
+    with grpc.insecure_channel(f"unix://{stack.dir}/t.sock") as ch:
+        t = wpbg.TargetWorkerStub(ch)
+        saved = stack.tservicer.cfg.max_sequences
+        stack.tservicer.cfg.max_sequences = 1
+        try:
+            t.Prefill(wpb.PrefillRequest(seq_id="hog", tokens=[1, 2], capacity=8), timeout=30)
+            got, details = _code(stack.stub, token_request([1, 2, 3], 4))
+            assert got == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+            t.Release(wpb.ReleaseRequest(seq_id="hog"), timeout=30)
+            chunks, done = generate(stack.stub, token_request([1, 2, 3], 4))
+            assert done.usage.completion_tokens == len(streamed_ids(chunks))
+        finally:
+            stack.tservicer.cfg.max_sequences = saved
+    wait_released(stack)
+
+
 def test_temperature_zero_set_explicitly_is_greedy(stack, reference):
     ref, _ = reference([4, 5], 10)
     req = token_request([4, 5], 5, ignore_eos=True)
