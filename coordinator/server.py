@@ -422,6 +422,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 prop = await self._call(self.drafter.Propose, req, deadline, "propose")
                 synced = committed
                 drafts = list(prop.tokens)[:k]
+                if any(not 0 <= d < self.tinfo.vocab_size for d in drafts):
+                    raise RequestError(grpc.StatusCode.INTERNAL, f"drafter returned a token outside the vocabulary: {drafts}")
             t1 = time.perf_counter()
             vr = await self._call(self.target.Verify,
                                   wpb.VerifyRequest(seq_id=seq_id, tokens=[anchor] + drafts, max_accept=len(drafts)),
