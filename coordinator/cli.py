@@ -16,6 +16,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "perplexity": ("specd.target_worker.perplexity", "llama.cpp-style perplexity of a target GGUF over a text file"),
     "convert-drafter": ("specd.draft_worker.convert", "convert a DFlash / DSpark / DFlash 2 checkpoint to a drafter GGUF"),
     "quantize-drafter": ("specd.draft_worker.quantize", "quantize a drafter GGUF (2-D weights to Q8_0)"),
+    "serve": ("specd.coordinator.launcher", "start target worker, drafter worker and coordinator together"),
+    "coordinator": ("specd.coordinator.app", "run the public gRPC server (spec loop) alone"),
+    "target-worker": ("specd.target_worker.server", "run the target worker gRPC server alone"),
+    "draft-worker": ("specd.draft_worker.server", "run the drafter worker gRPC server alone"),
+    "generate": ("specd.coordinator.client", "stream a completion from a running server and print stats"),
 }
 
 

@@ -1,0 +1,97 @@
+"""``specd generate``: a command-line client that streams a completion and prints stats.
+
+Text goes to stdout as it arrives; with ``--ids`` the token ids are printed instead. At the end the
+finish reason, usage and speculation stats go to stderr (``--json`` prints the final message as JSON
+on stdout instead). Exit status: 0 on success, 1 with the gRPC status on stderr otherwise.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--server", default="localhost:50051", help="coordinator address (default localhost:50051)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--chat", help="user message, rendered with the model's chat template")
+    src.add_argument("--token-ids", help="comma-separated prompt token ids")
+    p.add_argument("--system", default="", help="system message for --chat")
+    p.add_argument("--max-tokens", type=int, default=None, help="completion budget (default: server default)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
+    p.add_argument("--include-stop", action="store_true", help="include the matched stop in the output")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    p.add_argument("--speculation", choices=["auto", "off", "force"], default="auto", help="mode (default auto)")
+    p.add_argument("--max-draft-tokens", type=int, default=None, help="cap on drafts per step")
+    p.add_argument("--request-id", default="", help="request id (default: server-assigned)")
+    p.add_argument("--timeout-s", type=float, default=None, help="deadline in seconds (default none)")
+    p.add_argument("--token-by-token", action="store_true", help="one chunk per token instead of per step")
+    p.add_argument("--ids", action="store_true", help="print token ids instead of text")
+    p.add_argument("--json", action="store_true", help="print the final message as JSON")
+
+
+def build_request(args):
+    from specd.protos.v1 import generate_pb2 as gpb
+
+    req = gpb.GenerateRequest(request_id=args.request_id)
+    if args.prompt is not None:
+        req.text = args.prompt
+    elif args.chat is not None:
+        if args.system:
+            req.chat.messages.add(role="system", content=args.system)
+        req.chat.messages.add(role="user", content=args.chat)
+    else:
+        req.tokenized.input_ids.extend(int(x) for x in args.token_ids.split(",") if x.strip())
+    if args.max_tokens is not None:
+        req.stopping.max_tokens = args.max_tokens
+    req.stopping.stop.extend(args.stop)
+    req.stopping.stop_token_ids.extend(args.stop_token_id)
+    req.stopping.include_stop = args.include_stop
+    req.stopping.ignore_eos = args.ignore_eos
+    req.speculation.mode = {"auto": gpb.SPECULATION_MODE_AUTO, "off": gpb.SPECULATION_MODE_OFF,
+                            "force": gpb.SPECULATION_MODE_FORCE}[args.speculation]
+    if args.max_draft_tokens is not None:
+        req.speculation.max_draft_tokens = args.max_draft_tokens
+    req.stream_options.token_by_token = args.token_by_token
+    return req
+
+
+def run(args) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from specd.protos.v1 import generate_pb2_grpc as gpbg
+
+    req = build_request(args)
+    with grpc.insecure_channel(args.server) as ch:
+        stub = gpbg.SpecDecodeStub(ch)
+        try:
+            for r in stub.Generate(req, timeout=args.timeout_s):
+                if r.HasField("chunk"):
+                    if args.json:
+                        continue
+                    if args.ids:
+                        if r.chunk.token_ids:
+                            print(" ".join(str(t) for t in r.chunk.token_ids), end=" ", flush=True)
+                    else:
+                        sys.stdout.write(r.chunk.text)
+                        sys.stdout.flush()
+                else:
+                    done = r.complete
+        except grpc.RpcError as exc:
+            print(f"\nspecd generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json_format.MessageToJson(done, preserving_proto_field_name=True))
+        return 0
+    sp = done.speculation
+    print(file=sys.stderr)
+    print(f"finish={done.finish_reason} prompt={done.usage.prompt_tokens} completion={done.usage.completion_tokens} "
+          f"drafts={sp.num_drafts} draft_tokens={sp.num_draft_tokens} accepted={sp.num_accepted_tokens} "
+          f"mean_acceptance_length={sp.mean_acceptance_length:.2f} plain_steps={sp.num_plain_steps} "
+          f"switches={len(sp.policy_switches)} per_position={list(sp.accepted_per_position)}", file=sys.stderr)
+    t = done.timing
+    print(f"ttft={t.ttft_s * 1e3:.1f}ms decode={t.decode_s * 1e3:.1f}ms steps={t.steps} "
+          f"worker_compute={t.worker_compute_s * 1e3:.1f}ms loop_overhead={t.loop_overhead_s * 1e3:.1f}ms "
+          f"({t.loop_overhead_s * 1e3 / max(1, t.steps):.2f} ms/step)", file=sys.stderr)
+    return 0

@@ -1,0 +1,141 @@
+"""Typed coordinator configuration: every option is a dataclass field with a CLI flag, a documented
+default and validation (``specd coordinator --help`` lists them)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from .policy import PolicyConfig
+
+
+@dataclasses.dataclass
+class CoordinatorConfig:
+    """Coordinator settings.
+
+    listen: public gRPC address, default "0.0.0.0:50051" (``unix:///path`` also works).
+    target: target worker address, default "unix:///tmp/specd-target.sock".
+    drafter: drafter worker address; "" runs without speculation (every step plain).
+    tokenizer: GGUF to read the tokenizer and chat template from; "" = the target worker's model path.
+    default_max_tokens: max_tokens when a request leaves it unset (clipped to the context), 1024.
+    max_draft_tokens: server cap on drafts per step (0: the drafter's block), default 0.
+    max_prompt_tokens: longest prompt accepted (0: the target's max_seq_len - 1), default 0.
+    worker_timeout_s: per worker call when the request has no deadline, default 600 s.
+    public_max_message_bytes: public send/receive limit, default 64 MiB.
+    internal_max_message_bytes: coordinator -> worker limit, default 256 MiB.
+    keepalive_min_ping_interval_ms: accept client pings this often while no data flows (server arg
+        ``grpc.http2.min_ping_interval_without_data_ms``, C-core GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_
+        WITHOUT_DATA_MS; gRPC default 300000). Default 5000, so clients pinging every 10 s (vLLM, SGLang
+        practice) keep a channel through a long prefill with margin for timer jitter (C28).
+    keepalive_time_ms: server pings idle connections this often, default 7200000 (2 h, gRPC default).
+    keepalive_timeout_ms: wait for the ping ack, default 20000.
+    max_ping_strikes: pings faster than that tolerated before GOAWAY too_many_pings (0: unlimited),
+        default 2 (the gRPC default).
+    reflection: serve gRPC reflection, default on.
+    health_poll_s: how often readiness re-checks both workers' gRPC health, default 5 s.
+    metrics_port: Prometheus /metrics HTTP port (0: not served), default 9464.
+    metrics_addr: address the metrics server binds, default "0.0.0.0".
+    policy: the adaptive policy (spec-loop.md §9.1a), see PolicyConfig.
+    """
+
+    listen: str = "0.0.0.0:50051"
+    target: str = "unix:///tmp/specd-target.sock"
+    drafter: str = "unix:///tmp/specd-draft.sock"
+    tokenizer: str = ""
+    default_max_tokens: int = 1024
+    max_draft_tokens: int = 0
+    max_prompt_tokens: int = 0
+    worker_timeout_s: float = 600.0
+    public_max_message_bytes: int = 64 << 20
+    internal_max_message_bytes: int = 256 << 20
+    keepalive_min_ping_interval_ms: int = 5_000
+    keepalive_time_ms: int = 7_200_000
+    keepalive_timeout_ms: int = 20_000
+    max_ping_strikes: int = 2
+    reflection: bool = True
+    health_poll_s: float = 5.0
+    metrics_port: int = 9464
+    metrics_addr: str = "0.0.0.0"
+    policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+
+    def validate(self) -> None:
+        if not self.target:
+            raise ValueError("coordinator: target address is required")
+        for name in ("default_max_tokens", "worker_timeout_s", "health_poll_s", "public_max_message_bytes",
+                     "internal_max_message_bytes", "keepalive_min_ping_interval_ms", "keepalive_time_ms",
+                     "keepalive_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"coordinator: {name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"coordinator: metrics_port must be in 0..65535, got {self.metrics_port}")
+        for name in ("max_draft_tokens", "max_prompt_tokens", "max_ping_strikes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"coordinator: {name} must be >= 0, got {getattr(self, name)}")
+        self.policy.validate()
+
+    def server_options(self) -> list[tuple[str, int]]:
+        return [("grpc.max_send_message_length", self.public_max_message_bytes),
+                ("grpc.max_receive_message_length", self.public_max_message_bytes),
+                ("grpc.http2.min_ping_interval_without_data_ms", self.keepalive_min_ping_interval_ms),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.keepalive_time_ms", self.keepalive_time_ms),
+                ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
+                ("grpc.http2.max_ping_strikes", self.max_ping_strikes)]
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        return [("grpc.max_send_message_length", self.internal_max_message_bytes),
+                ("grpc.max_receive_message_length", self.internal_max_message_bytes)]
+
+
+_FLAGS = [  # (field, type, help)
+    ("listen", str, "public gRPC address"),
+    ("target", str, "target worker address"),
+    ("drafter", str, "drafter worker address ('' = no speculation)"),
+    ("tokenizer", str, "GGUF with the tokenizer ('' = the target worker's model)"),
+    ("default_max_tokens", int, "max_tokens when unset"),
+    ("max_draft_tokens", int, "cap on drafts per step (0 = drafter block)"),
+    ("max_prompt_tokens", int, "longest prompt (0 = context - 1)"),
+    ("worker_timeout_s", float, "worker call timeout without a request deadline"),
+    ("public_max_message_bytes", int, "public message size limit"),
+    ("internal_max_message_bytes", int, "worker message size limit"),
+    ("keepalive_min_ping_interval_ms", int, "accepted client ping interval"),
+    ("keepalive_time_ms", int, "server keepalive ping interval"),
+    ("keepalive_timeout_ms", int, "keepalive ack timeout"),
+    ("max_ping_strikes", int, "bad pings before GOAWAY (0 = unlimited)"),
+    ("health_poll_s", float, "readiness re-check interval of the workers"),
+    ("metrics_port", int, "Prometheus metrics HTTP port (0 = off)"),
+    ("metrics_addr", str, "Prometheus metrics bind address"),
+]
+_POLICY_FLAGS = [
+    ("step_ratio", float, "prior t_spec/t_plain (0 disables the policy)"),
+    ("gate_factor", float, "speculate while EMA >= factor*(ratio-1)"),
+    ("burst_len", int, "plain steps per burst"),
+    ("max_burst_len", int, "burst cap"),
+    ("accept_alpha", float, "acceptance EMA weight"),
+    ("probe_alpha", float, "acceptance EMA weight after a burst"),
+    ("time_alpha", float, "step-time EMA weight"),
+]
+
+
+def add_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    d = CoordinatorConfig()
+    for name, typ, help_text in _FLAGS:
+        if name in skip:
+            continue
+        p.add_argument("--" + name.replace("_", "-"), type=typ, default=getattr(d, name),
+                       help=f"{help_text} (default {getattr(d, name)!r})")
+    p.add_argument("--no-reflection", action="store_true", help="disable gRPC server reflection")
+    for name, typ, help_text in _POLICY_FLAGS:
+        p.add_argument("--policy-" + name.replace("_", "-"), type=typ, default=getattr(d.policy, name),
+                       help=f"{help_text} (default {getattr(d.policy, name)!r})")
+    p.add_argument("--policy-fixed-ratio", action="store_true",
+                   help="do not measure step times; keep the ratio at --policy-step-ratio")
+
+
+def config_from_args(args, **override) -> CoordinatorConfig:
+    kw = {name: getattr(args, name) for name, _, _ in _FLAGS if hasattr(args, name)}
+    kw.update(override)
+    pol = PolicyConfig(**{name: getattr(args, "policy_" + name) for name, _, _ in _POLICY_FLAGS},
+                       measure_times=not args.policy_fixed_ratio)
+    cfg = CoordinatorConfig(**kw, reflection=not args.no_reflection, policy=pol)
+    cfg.validate()
+    return cfg

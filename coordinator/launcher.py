@@ -1,0 +1,188 @@
+"""``specd serve``: start the target worker, the drafter worker and the coordinator on one machine.
+
+The workers listen on Unix sockets in a private runtime directory (``--runtime-dir``, default a new
+temporary directory), the coordinator on ``--listen``. Each child is ``python -m specd.coordinator.cli
+<command> ...``, so each part can also be started alone with the same flags (that is how a Helm chart
+runs them). The launcher waits for each child's ``READY`` line, then forwards SIGTERM/SIGINT to the
+children (coordinator first, so it drains, then the workers, which unlink their shared memory) and
+exits with the first non-zero child status.
+
+Drafter: the DFlash / DSpark / DFlash 2 forward is not wired into the drafter worker yet. With
+``--drafter D.gguf`` the target captures the drafter's ``target_layer_ids`` (read from D.gguf) but the
+drafter worker refuses to start with a message saying so; ``--scripted-block N`` runs the scripted
+drafter instead: with ``--scripted-continuations FILE`` (the target's greedy continuations) it is the
+oracle drafter of performance.md §6.6 (``--scripted-accept k`` forces acceptance k), without it every
+draft is wrong (a worst-case drafter); neither runs plain decoding only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from .config import add_arguments as _add_config_arguments
+from .config import config_from_args
+
+
+@dataclasses.dataclass
+class ServeConfig:
+    """Launcher settings (``specd serve`` flags; the coordinator's own flags pass through).
+
+    target: qwen35 target GGUF (required).
+    drafter_gguf: drafter GGUF; its target_layer_ids become the target's capture layers (the drafter
+        forward is not wired yet, so the drafter worker refuses to start). Default "".
+    scripted_block: run the scripted drafter with this many drafts per step (0: off). Default 0.
+    scripted_continuations: JSONL of {"prompt", "continuation"} for the oracle drafter. Default "".
+    scripted_accept: right drafts per step of the scripted drafter (-1: all). Default -1.
+    capture_layers: target capture layers when no drafter GGUF is given, "1,2,3". Default "".
+    runtime_dir: directory for the worker sockets ("" = a new temporary directory, removed at exit).
+    max_seq_len: target positions per sequence (0: the GGUF context_length, else 4096). Default 0.
+    kv_dtype: target KV cache type: f16 (default), q8_0 or f32.
+    start_timeout_s: wait for each child's READY line. Default 600.
+    """
+
+    target: str = ""
+    drafter_gguf: str = ""
+    scripted_block: int = 0
+    scripted_continuations: str = ""
+    scripted_accept: int = -1
+    capture_layers: str = ""
+    runtime_dir: str = ""
+    max_seq_len: int = 0
+    kv_dtype: str = "f16"
+    start_timeout_s: float = 600.0
+
+    def validate(self) -> None:
+        if not self.target:
+            raise ValueError("serve: --target is required")
+        if self.drafter_gguf and self.scripted_block:
+            raise ValueError("serve: give --drafter or --scripted-block, not both")
+        if self.scripted_block < 0 or self.scripted_accept < -1 or self.max_seq_len < 0 or self.start_timeout_s <= 0:
+            raise ValueError("serve: --scripted-block >= 0, --scripted-accept >= -1, --max-seq-len >= 0 and "
+                             "--start-timeout-s > 0 required")
+        if self.scripted_continuations and not self.scripted_block:
+            raise ValueError("serve: --scripted-continuations needs --scripted-block")
+        if self.kv_dtype not in ("f16", "q8_0", "f32"):
+            raise ValueError(f"serve: --kv-dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
+        if self.capture_layers:
+            try:
+                [int(x) for x in self.capture_layers.split(",") if x.strip()]
+            except ValueError as exc:
+                raise ValueError(f"serve: --capture-layers must be comma-separated integers: {exc}") from exc
+
+
+def add_arguments(p) -> None:
+    d = ServeConfig()
+    p.add_argument("--target", required=True, help="qwen35 target GGUF")
+    p.add_argument("--drafter-gguf", "--drafter", dest="drafter_gguf", default=d.drafter_gguf,
+                   help="drafter GGUF (forward not wired yet; its taps set the target's capture layers)")
+    p.add_argument("--scripted-block", type=int, default=d.scripted_block,
+                   help="run the scripted drafter with this many drafts per step (default 0: off)")
+    p.add_argument("--scripted-continuations", default=d.scripted_continuations,
+                   help="scripted drafter: JSONL of prompt/continuation pairs (oracle drafter, default none)")
+    p.add_argument("--scripted-accept", type=int, default=d.scripted_accept,
+                   help="scripted drafter: right drafts per step (-1 all, default)")
+    p.add_argument("--capture-layers", default=d.capture_layers,
+                   help="target capture layers when no drafter GGUF is given (default none)")
+    p.add_argument("--runtime-dir", default=d.runtime_dir, help="directory for the worker sockets (default: a new temp dir)")
+    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="target positions per sequence (default 0: GGUF)")
+    p.add_argument("--kv-dtype", default=d.kv_dtype, choices=["f16", "q8_0", "f32"], help="KV cache type (default f16)")
+    p.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s,
+                   help="wait for each child's READY (default 600)")
+    before = len(p._actions)
+    _add_config_arguments(p, skip=("target", "drafter", "tokenizer"))
+    p.set_defaults(_coord_actions=list(p._actions[before:]))
+
+
+def _child(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "specd.coordinator.cli", *argv], stdout=subprocess.PIPE,
+                            text=True, start_new_session=False)
+
+
+def _wait_ready(proc: subprocess.Popen, name: str, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if line.startswith("READY"):
+            return
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"specd serve: {name} exited with {proc.returncode} before READY")
+    raise RuntimeError(f"specd serve: {name} not ready after {timeout} s")
+
+
+def _passthrough(args) -> list[str]:
+    """The coordinator flags given to `serve`, forwarded verbatim."""
+    out = []
+    for action in args._coord_actions:
+        v = getattr(args, action.dest)
+        if isinstance(v, bool):
+            if v:
+                out.append(action.option_strings[0])
+        else:
+            out += [action.option_strings[0], str(v)]
+    return out
+
+
+def run(args) -> int:
+    cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)})
+    cfg.validate()
+    config_from_args(args, target="unix:///unused", drafter="")  # validates the coordinator flags up front
+    ns, args = args, cfg
+    rt = args.runtime_dir or tempfile.mkdtemp(prefix="specd-")
+    own_rt = not args.runtime_dir
+    os.makedirs(rt, exist_ok=True)
+    tsock, dsock = f"unix://{rt}/target.sock", f"unix://{rt}/draft.sock"
+    capture = args.capture_layers
+    if args.drafter_gguf:
+        from specd.draft_worker.gguf_loader import load_drafter
+
+        capture = ",".join(str(i) for i in load_drafter(args.drafter_gguf).hparams.target_layer_ids)
+    procs: list[tuple[str, subprocess.Popen]] = []
+    try:
+        t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,
+                    "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype])
+        procs.append(("target-worker", t))
+        _wait_ready(t, "target-worker", args.start_timeout_s)
+        drafter = ""
+        if args.drafter_gguf or args.scripted_block:
+            from gguf import GGUFReader
+
+            vocab = int(next(x for x in GGUFReader(args.target).tensors if x.name == "token_embd.weight").shape[1])
+            dargv = ["draft-worker", "--listen", dsock, "--vocab", str(vocab)]
+            dargv += ["--drafter", args.drafter_gguf] if args.drafter_gguf else [
+                "--scripted-block", str(args.scripted_block), "--scripted-accept", str(args.scripted_accept),
+                "--scripted-continuations", args.scripted_continuations]
+            d = _child(dargv)
+            procs.append(("draft-worker", d))
+            _wait_ready(d, "draft-worker", args.start_timeout_s)
+            drafter = dsock
+        c = _child(["coordinator", "--target", tsock, "--drafter", drafter, "--tokenizer", args.target,
+                    *_passthrough(ns)])
+        procs.append(("coordinator", c))
+        _wait_ready(c, "coordinator", args.start_timeout_s)
+        print(f"READY {ns.listen}", flush=True)
+        stop = {"sig": None}
+
+        def on_signal(signum, frame):  # noqa: ARG001
+            stop["sig"] = signum
+
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, on_signal)
+        while stop["sig"] is None and all(p.poll() is None for _, p in procs):
+            time.sleep(0.2)
+        return next((p.returncode for _, p in procs if p.poll() not in (None, 0)), 0)
+    finally:
+        for _, p in reversed(procs):  # coordinator first (drain), then the workers
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        if own_rt:
+            shutil.rmtree(rt, ignore_errors=True)

@@ -1,0 +1,558 @@
+"""The coordinator: public ``specd.v1.SpecDecode`` server (grpc.aio) running the speculative loop.
+
+Per request (spec-loop.md §2-§3, §9):
+
+1. validate and tokenize (text, chat messages rendered with the GGUF chat template, or token ids);
+2. target ``Prefill`` -> the greedy first token (the anchor; it is emitted at once) and the sequence's
+   feature-ring handle;
+3. steps: the policy chooses speculative or plain. Speculative: drafter ``Propose`` (carrying the
+   committed tokens the drafter has not seen, so it ingests their feature rows from the ring) then
+   target ``Verify([anchor, drafts])`` which accepts the greedy-matching prefix and commits it in the
+   same call — two worker calls per step. Plain: ``Verify([anchor])`` only (features are still
+   captured, the drafter catches up on its next Propose);
+4. the emitted tokens d_1..d_m, bonus go through :class:`Finisher` one by one (EOS, stop ids, stop
+   strings, max_tokens cut exactly inside the block); a chunk carries what may be sent;
+5. a final ``complete`` with finish reason, usage (= what was sent) and speculation stats.
+
+Both workers' sequences are released on every exit path (finish, error, client cancel, deadline).
+Deadlines: each worker call gets the request's remaining time; a speculative step is skipped for a
+plain one when the remaining time is below the measured speculative step time; when the time runs out
+the stream ends with DEADLINE_EXCEEDED. Worker failures end the stream with UNAVAILABLE (worker unreachable) or INTERNAL.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import time
+import uuid
+
+import grpc
+
+from specd.protos.v1 import generate_pb2 as gpb
+from specd.protos.v1 import generate_pb2_grpc as gpbg
+from specd.protos.v1 import worker_pb2 as wpb
+from specd.protos.v1 import worker_pb2_grpc as wpbg
+
+from .config import CoordinatorConfig
+from .finish import Finisher
+from .metrics import CoordinatorMetrics
+from .policy import AdaptivePolicy
+
+log = logging.getLogger("specd.coordinator")
+
+SERVICE_NAME = "specd.v1.SpecDecode"
+MODE_NAMES = {gpb.SPECULATION_MODE_AUTO: "auto", gpb.SPECULATION_MODE_OFF: "off", gpb.SPECULATION_MODE_FORCE: "force"}
+
+
+class RequestError(Exception):
+    """A request-level failure with its gRPC status code."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _Live:
+    """A live request's control flags (Abort sets ``aborted``; the loop checks it once per step)."""
+
+    __slots__ = ("aborted",)
+
+    def __init__(self):
+        self.aborted = False
+
+
+class Coordinator(gpbg.SpecDecodeServicer):
+    """The public servicer. Call :meth:`connect` before serving (reads both workers' Info).
+
+    Args:
+        cfg: CoordinatorConfig.
+        tokenizer_info: a :class:`TokenizerInfo` (tokenizer, end ids, chat template), None (only
+            token-id input, no text), or "auto": read it at connect from ``cfg.tokenizer`` or else the
+            target worker's GGUF (None when that file has no tokenizer).
+    """
+
+    def __init__(self, cfg: CoordinatorConfig, tokenizer_info="auto"):
+        self.cfg, self.tok = cfg, tokenizer_info
+        self.target = self.drafter = None
+        self.tinfo = self.dinfo = None
+        self.live: dict[str, asyncio.Task | None] = {}
+        self._ids = itertools.count(1)
+        self._instance = uuid.uuid4().hex[:12]
+        self.eos_ids: list[int] = []
+
+    async def connect(self) -> None:
+        """Opens the worker channels and checks the pair (vocabulary, shared-memory namespace)."""
+        opts = self.cfg.channel_options()
+        self.target_channel = grpc.aio.insecure_channel(self.cfg.target, options=opts)
+        self.target = wpbg.TargetWorkerStub(self.target_channel)
+        self.tinfo = await self.target.Info(wpb.InfoRequest(), timeout=self.cfg.worker_timeout_s, wait_for_ready=True)
+        self.eos_ids = list(self.tinfo.eos_token_ids)
+        if isinstance(self.tok, str):
+            self.tok = await asyncio.to_thread(load_tokenizer, self.cfg.tokenizer or self.tinfo.model_path)
+        if self.tok is not None:
+            self.eos_ids += [e for e in self.tok.end_ids if e not in self.eos_ids]
+        if self.cfg.drafter:
+            self.draft_channel = grpc.aio.insecure_channel(self.cfg.drafter, options=opts)
+            self.drafter = wpbg.DraftWorkerStub(self.draft_channel)
+            self.dinfo = await self.drafter.Info(wpb.InfoRequest(), timeout=self.cfg.worker_timeout_s,
+                                                 wait_for_ready=True)
+            if self.dinfo.shm_namespace_id != self.tinfo.shm_namespace_id:
+                raise RuntimeError(f"target ({self.tinfo.shm_namespace_id}) and drafter ({self.dinfo.shm_namespace_id}) "
+                                   "do not share /dev/shm; the feature ring needs one tmpfs")
+            if self.dinfo.vocab_size != self.tinfo.vocab_size:
+                raise RuntimeError(f"drafter vocabulary {self.dinfo.vocab_size} != target {self.tinfo.vocab_size}")
+            if self.dinfo.target_layer_ids and list(self.dinfo.target_layer_ids) != list(self.tinfo.capture_layers):
+                raise RuntimeError(f"drafter taps {list(self.dinfo.target_layer_ids)} != target capture layers "
+                                   f"{list(self.tinfo.capture_layers)} (start the target with the drafter's taps)")
+        self.metrics = CoordinatorMetrics(os.path.basename(self.tinfo.model_path),
+                                          self.dinfo.name if self.dinfo is not None else "")
+
+    async def workers_serving(self) -> bool:
+        """True when every configured worker answers grpc.health.v1 Check("") with SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        chans = [self.target_channel] + ([self.draft_channel] if self.drafter is not None else [])
+        for ch in chans:
+            try:
+                r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+            except grpc.aio.AioRpcError:
+                return False
+            if r.status != health_pb2.HealthCheckResponse.SERVING:
+                return False
+        return True
+
+    def watch_workers(self, health_servicer) -> None:
+        """Starts the readiness loop: SpecDecode is SERVING only while both workers are."""
+        from grpc_health.v1 import health_pb2
+
+        async def loop():
+            while True:
+                ok = await self.workers_serving()
+                await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ok
+                                          else health_pb2.HealthCheckResponse.NOT_SERVING)
+                await asyncio.sleep(self.cfg.health_poll_s)
+
+        self._watch = asyncio.get_running_loop().create_task(loop())
+
+    async def close(self) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.cancel()
+        http = getattr(self, "metrics_http", None)
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+        for ch in ("target_channel", "draft_channel"):
+            if hasattr(self, ch):
+                await getattr(self, ch).close()
+
+    # ------------------------------------------------------------------ GetModelInfo
+
+    async def GetModelInfo(self, request, context):
+        return gpb.GetModelInfoResponse(
+            target_path=self.tinfo.model_path, vocab_size=self.tinfo.vocab_size, max_seq_len=self.tinfo.max_seq_len,
+            eos_token_ids=self.eos_ids, drafter_name=self.dinfo.name if self.dinfo else "",
+            max_draft_tokens=self._server_draft_cap(), has_tokenizer=self.tok is not None)
+
+    def _server_draft_cap(self) -> int:
+        if self.dinfo is None:
+            return 0
+        cap = min(self.dinfo.block_size, self.tinfo.max_verify - 1)
+        return min(cap, self.cfg.max_draft_tokens) if self.cfg.max_draft_tokens else cap
+
+    # ------------------------------------------------------------------ admission
+
+    def _prompt(self, req) -> list[int]:
+        kind = req.WhichOneof("input")
+        if kind is None:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request has no input (text, tokenized or chat)")
+        if kind == "tokenized":
+            ids = list(req.tokenized.input_ids)
+            bad = [t for t in ids if not 0 <= t < self.tinfo.vocab_size]
+            if bad:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"input_ids: token {bad[0]} outside the vocabulary [0, {self.tinfo.vocab_size})")
+        else:
+            if self.tok is None:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "the model has no tokenizer; send token ids")
+            if kind == "text":
+                text = req.text
+            else:
+                if not self.tok.chat_template:
+                    raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "the model has no chat template")
+                import jinja2
+
+                msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
+                agp = req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
+                try:
+                    text = self._chat_template().render(messages=msgs, add_generation_prompt=agp)
+                except jinja2.TemplateError as exc:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {exc}") from exc
+            ids = self.tok.tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
+        limit = self.cfg.max_prompt_tokens or (self.tinfo.max_seq_len - 1)
+        if len(ids) > min(limit, self.tinfo.max_seq_len - 1):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"prompt of {len(ids)} tokens exceeds the limit {min(limit, self.tinfo.max_seq_len - 1)}")
+        return ids
+
+    def _chat_template(self):
+        """The GGUF chat template compiled like transformers' ``apply_chat_template``: a sandboxed
+        jinja2 environment, trim_blocks + lstrip_blocks, loop controls, ``raise_exception``."""
+        if getattr(self, "_template", None) is None:
+            import jinja2
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(message):
+                raise jinja2.TemplateError(message)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = raise_exception
+            self._template = env.from_string(self.tok.chat_template)
+        return self._template
+
+    def _finisher(self, req, n_prompt: int) -> Finisher:
+        s = req.sampling
+        if s.HasField("temperature") and s.temperature != 0.0:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               "only greedy decoding (temperature 0) is implemented; sampled speculation is not")
+        for f in ("top_p", "top_k", "seed"):
+            if s.HasField(f):
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{f} is not supported (greedy only)")
+        st = req.stopping
+        room = self.tinfo.max_seq_len - n_prompt
+        if st.HasField("max_tokens"):
+            if st.max_tokens < 1:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be >= 1")
+            if st.max_tokens > room:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"prompt ({n_prompt}) + max_tokens ({st.max_tokens}) exceeds the context "
+                                   f"{self.tinfo.max_seq_len}")
+            max_tokens = st.max_tokens
+        else:
+            max_tokens = min(self.cfg.default_max_tokens, room)
+        stop_ids: dict[int, object] = {}
+        if not st.ignore_eos:
+            stop_ids.update({e: e for e in self.eos_ids})
+        for t in st.stop_token_ids:
+            if not 0 <= t < self.tinfo.vocab_size:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"stop_token_ids: {t} outside the vocabulary")
+            stop_ids[t] = t
+        strings = []
+        if st.stop:
+            if self.tok is None:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer")
+            added = {tok.content: i for i, tok in self.tok.tokenizer.get_added_tokens_decoder().items()}
+            for s_ in st.stop:
+                if not s_:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "empty stop string")
+                if s_ in added:  # a special/added token: match its id (it may be skipped in the text)
+                    stop_ids[added[s_]] = s_
+                strings.append(s_)
+        skip = req.skip_special_tokens if req.HasField("skip_special_tokens") else True
+        return Finisher(max_tokens, stop_ids, strings, st.include_stop,
+                        self.tok.tokenizer if self.tok is not None else None, skip)
+
+    def _draft_cap(self, req) -> tuple[int, int]:
+        mode = req.speculation.mode
+        if mode not in MODE_NAMES:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown speculation mode {mode}")
+        cap = self._server_draft_cap()
+        if req.speculation.HasField("max_draft_tokens"):
+            cap = min(cap, req.speculation.max_draft_tokens)
+        if mode == gpb.SPECULATION_MODE_FORCE and cap == 0:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               "speculation FORCE needs a drafter and max_draft_tokens >= 1")
+        if mode == gpb.SPECULATION_MODE_OFF:
+            cap = 0
+        return mode, cap
+
+    # ------------------------------------------------------------------ Generate
+
+    async def Generate(self, request, context):
+        """Streams chunks then one ``complete`` (module docstring); admission errors are
+        INVALID_ARGUMENT / FAILED_PRECONDITION / ALREADY_EXISTS before anything runs."""
+        try:
+            prompt = self._prompt(request)
+            fin = self._finisher(request, len(prompt))
+            mode, cap = self._draft_cap(request)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        rid = request.request_id or f"req-{next(self._ids)}"
+        if rid in self.live:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is live")
+        self.live[rid] = live = _Live()
+        # unique across coordinators sharing the workers and across restarts (workers keep tombstones)
+        seq_id = f"{rid}#{self._instance}-{next(self._ids)}"
+        started = {"target": False, "drafter": False}
+        deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
+        t_start = time.perf_counter()
+        mx = self.metrics
+        lv = mx.l()
+        mx.running.labels(*lv).inc()
+        mx.spec_requests.labels(*mx.l(MODE_NAMES[mode])).inc()
+        outcome = ("abort", "CANCELLED")  # until the loop says otherwise (client cancel lands here)
+        try:
+            async for msg in self._loop(seq_id, prompt, fin, mode, cap, deadline, started, t_start,
+                                        request.stream_options.token_by_token, live):
+                if msg.HasField("complete"):
+                    outcome = (msg.complete.finish_reason, "OK")
+                yield msg
+        except RequestError as exc:
+            outcome = ("error", exc.code.name)
+            await context.abort(exc.code, exc.message)
+        finally:
+            self.live.pop(rid, None)
+            mx.running.labels(*lv).dec()
+            mx.requests.labels(*mx.l(*outcome)).inc()
+            mx.generation_tokens.labels(*lv).inc(len(fin.ids))
+            mx.e2e.labels(*lv).observe(time.perf_counter() - t_start)
+            await asyncio.shield(self._release(seq_id, started))
+
+    async def _release(self, seq_id: str, started: dict) -> None:
+        calls = []
+        if started["target"]:
+            calls.append(self.target.Release(wpb.ReleaseRequest(seq_id=seq_id), timeout=10))
+        if started["drafter"]:
+            calls.append(self.drafter.Release(wpb.ReleaseRequest(seq_id=seq_id), timeout=10))
+        for r in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(r, Exception):
+                log.warning("release of %s failed: %s", seq_id, r)
+
+    def _timeout(self, deadline):
+        if deadline is None:
+            return self.cfg.worker_timeout_s
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+        return left
+
+    async def _call(self, fn, msg, deadline, what: str):
+        try:
+            return await fn(msg, timeout=self._timeout(deadline))
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise RequestError(code, f"deadline exceeded during {what}") from exc
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) and what == "prefill":
+                raise RequestError(code, f"{what}: {exc.details()}") from exc
+            if code == grpc.StatusCode.UNAVAILABLE:
+                raise RequestError(code, f"{what}: worker unavailable: {exc.details()}") from exc
+            raise RequestError(grpc.StatusCode.INTERNAL, f"{what} failed: {code.name}: {exc.details()}") from exc
+
+    async def Abort(self, request, context):
+        """Flags the named live requests; each ends after its current step with "abort"."""
+        aborted = []
+        for rid in request.request_ids:
+            live = self.live.get(rid)
+            if live is not None:
+                live.aborted = True
+                aborted.append(rid)
+        return gpb.AbortResponse(aborted=aborted)
+
+    async def _loop(self, seq_id, prompt, fin: Finisher, mode, cap, deadline, started, t_start, token_by_token,
+                    live):
+        n_prompt = len(prompt)
+        stats = gpb.SpeculationStats(mode_used=mode)
+        per_pos: list[int] = []
+        policy = AdaptivePolicy(self.cfg.policy)
+        step = 0
+
+        mx = self.metrics
+        lv = mx.l()
+        mx.prompt_tokens.labels(*lv).inc(n_prompt)
+        last_sent = [None]
+
+        def chunk(new_ids, accepted):
+            now = time.perf_counter()
+            if last_sent[0] is not None:
+                mx.inter_chunk.labels(*lv).observe(now - last_sent[0])
+            last_sent[0] = now
+            return gpb.GenerateResponse(chunk=gpb.GenerateChunk(
+                token_ids=new_ids, text=fin.take_text(), prompt_tokens=n_prompt, completion_tokens=len(fin.ids),
+                step_index=step, accepted_in_step=accepted))
+
+        timing = gpb.Timing()
+        started["target"] = True
+        t0 = time.perf_counter()
+        pre = await self._call(self.target.Prefill,
+                               wpb.PrefillRequest(seq_id=seq_id, tokens=prompt, capacity=n_prompt + fin.max_tokens),
+                               deadline, "prefill")
+        timing.prefill_s = time.perf_counter() - t0
+        tokens = list(prompt)  # token at every position, committed ones then the anchor
+        anchor = pre.first_token
+        committed = pre.committed
+        tokens.append(anchor)
+        before = len(fin.ids)
+        fin.push(anchor)
+        first = chunk(fin.ids[before:], 0)
+        if first.chunk.token_ids or first.chunk.text:  # the first token may itself be an excluded stop
+            yield first
+        t_first = time.perf_counter()
+        timing.ttft_s = t_first - t_start
+        mx.ttft.labels(*lv).observe(timing.ttft_s)
+        synced = 0  # positions the drafter has ingested
+        while not fin.done:
+            if live.aborted:
+                fin.abort()
+                last = chunk([], 0)
+                if last.chunk.text:
+                    yield last
+                break
+            step += 1
+            remaining = fin.max_tokens - len(fin.ids)
+            k = min(cap, remaining - 1)
+            speculate = k > 0 and (mode == gpb.SPECULATION_MODE_FORCE or policy.speculate_next())
+            if speculate and deadline is not None and policy.t_spec is not None \
+                    and deadline - time.monotonic() < policy.t_spec:
+                speculate = False  # a speculative step would not fit the deadline: plain steps to the end
+            t0 = time.perf_counter()
+            drafts: list[int] = []
+            if speculate:
+                req = wpb.ProposeRequest(seq_id=seq_id, start=synced, new_tokens=tokens[synced:committed],
+                                         anchor=anchor, max_tokens=k)
+                if not started["drafter"]:
+                    req.features.CopyFrom(pre.features)
+                    started["drafter"] = True
+                prop = await self._call(self.drafter.Propose, req, deadline, "propose")
+                synced = committed
+                drafts = list(prop.tokens)[:k]
+                if any(not 0 <= d < self.tinfo.vocab_size for d in drafts):
+                    raise RequestError(grpc.StatusCode.INTERNAL, f"drafter returned a token outside the vocabulary: {drafts}")
+            t1 = time.perf_counter()
+            vr = await self._call(self.target.Verify,
+                                  wpb.VerifyRequest(seq_id=seq_id, tokens=[anchor] + drafts, max_accept=len(drafts)),
+                                  deadline, "verify")
+            t2 = time.perf_counter()
+            dt = t2 - t0
+            compute = vr.compute_s + (prop.compute_s if speculate else 0.0)
+            timing.worker_compute_s += compute
+            timing.loop_overhead_s += max(0.0, dt - compute)
+            timing.steps += 1
+            m = vr.accepted
+            mx.record_step(len(drafts), m, t1 - t0, t2 - t1, max(0.0, dt - compute))
+            emitted = list(vr.emitted)
+            if len(emitted) != m + 1 or vr.committed != committed + m + 1:
+                raise RequestError(grpc.StatusCode.INTERNAL,
+                                   f"target verify returned {len(emitted)} tokens / committed {vr.committed} "
+                                   f"for {m} accepted at {committed}")
+            committed = vr.committed
+            tokens.extend(emitted)
+            anchor = emitted[-1]
+            if speculate:
+                if drafts:
+                    stats.num_drafts += 1
+                    stats.num_draft_tokens += len(drafts)
+                    stats.num_accepted_tokens += m
+                    per_pos.extend([0] * (len(drafts) - len(per_pos)))
+                    for i in range(m):
+                        per_pos[i] += 1
+                else:
+                    stats.num_plain_steps += 1
+                policy.record_spec(step, m, dt)
+            else:
+                stats.num_plain_steps += 1
+                policy.record_plain(step, dt)
+            if token_by_token:
+                for t in emitted:
+                    before = len(fin.ids)
+                    fin.push(t)
+                    c = chunk(fin.ids[before:], m)
+                    if c.chunk.token_ids or c.chunk.text:
+                        yield c
+                    if fin.done:
+                        break
+                continue
+            before = len(fin.ids)
+            for t in emitted:
+                if fin.push(t):
+                    break
+            if not fin.done:
+                yield chunk(fin.ids[before:], m)
+            else:
+                last = chunk(fin.ids[before:], m)
+                if last.chunk.token_ids or last.chunk.text:
+                    yield last
+        if fin.take_text():  # nothing may remain unsent
+            raise RequestError(grpc.StatusCode.INTERNAL, "text left unsent at finish")
+        stats.accepted_per_position.extend(per_pos)
+        stats.mean_acceptance_length = (1.0 + stats.num_accepted_tokens / stats.num_drafts) if stats.num_drafts else 0.0
+        for s, to_spec, reason in policy.switches:
+            stats.policy_switches.add(step_index=s, to_speculative=to_spec, reason=reason)
+            mx.decisions.labels(*mx.l(("to_spec_" if to_spec else "to_plain_") + reason)).inc()
+        if stats.num_draft_tokens:
+            mx.acceptance_ratio.labels(*lv).observe(stats.num_accepted_tokens / stats.num_draft_tokens)
+        timing.decode_s = time.perf_counter() - t_first
+        timing.e2e_s = time.perf_counter() - t_start
+        done = gpb.GenerateComplete(
+            timing=timing, output_ids=fin.ids, text=fin.final_text, finish_reason=fin.reason,
+            finish={"stop": gpb.FINISH_REASON_STOP, "length": gpb.FINISH_REASON_LENGTH,
+                    "abort": gpb.FINISH_REASON_ABORT}[fin.reason],
+            usage=gpb.Usage(prompt_tokens=n_prompt, completion_tokens=len(fin.ids)), speculation=stats)
+        if isinstance(fin.matched, str):
+            done.matched_stop_str = fin.matched
+        elif fin.matched is not None:
+            done.matched_token_id = fin.matched
+        yield gpb.GenerateResponse(complete=done)
+
+
+# ---------------------------------------------------------------------- server assembly
+
+async def start_server(coord: Coordinator, listen: str | None = None):
+    """Connects the coordinator and starts a grpc.aio server with SpecDecode, health (readiness =
+    both workers answered Info) and reflection. Returns (server, bound port)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    cfg = coord.cfg
+    server = grpc.aio.server(options=cfg.server_options())
+    gpbg.add_SpecDecodeServicer_to_server(coord, server)
+    hs = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    if cfg.reflection:
+        from grpc_reflection.v1alpha import reflection
+
+        reflection.enable_server_reflection(
+            [gpb.DESCRIPTOR.services_by_name["SpecDecode"].full_name, reflection.SERVICE_NAME, "grpc.health.v1.Health"],
+            server)
+    port = server.add_insecure_port(listen or cfg.listen)
+    if port == 0:
+        raise RuntimeError(f"coordinator: cannot listen on {listen or cfg.listen}")
+    await hs.set("", health_pb2.HealthCheckResponse.SERVING)
+    await hs.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    await coord.connect()
+    if cfg.metrics_port:
+        import prometheus_client
+
+        coord.metrics_http, _ = prometheus_client.start_http_server(cfg.metrics_port, cfg.metrics_addr,
+                                                                    registry=coord.metrics.registry)
+    await hs.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    coord.watch_workers(hs)
+    server.health = hs
+    return server, port
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerInfo:
+    """What the coordinator needs from the target GGUF's tokenizer metadata."""
+
+    tokenizer: object  # tokenizers.Tokenizer
+    end_ids: tuple[int, ...]  # EOS then EOT (generation ends there unless ignore_eos)
+    chat_template: str | None
+
+
+def load_tokenizer(path: str) -> TokenizerInfo | None:
+    """TokenizerInfo from a GGUF (``tokenizer.*`` keys), or None when the file carries no tokenizer.
+    Raises TargetFileError naming the file and key when the tokenizer is unusable."""
+    from specd.target_worker.gguf_loader import read_tokenizer_metadata
+    from specd.target_worker.tokenizer import build_tokenizer
+
+    meta = read_tokenizer_metadata(path)
+    if meta is None:
+        return None
+    return TokenizerInfo(build_tokenizer(meta, path), tuple(meta.end_ids), meta.chat_template)

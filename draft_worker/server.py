@@ -1,0 +1,265 @@
+"""The drafter worker: a gRPC ``specd.worker.v1.DraftWorker`` server around a pluggable drafter.
+
+A drafter object implements :class:`Drafter` (a structural protocol).
+
+For now the only one is :class:`specd.draft_worker.scripted.ScriptedDrafter`; the DFlash / DSpark /
+DFlash 2 forward plugs in here later. Per Propose the servicer attaches the sequence's feature ring
+(first call, from the handle the coordinator forwards), reads the rows of the newly committed
+positions [start, start + len(new_tokens)) from shared memory and hands them to the drafter with
+their tokens, then asks for proposals. Errors: unknown sequence on a non-first call or a row gap ->
+FAILED_PRECONDITION; a ring that cannot be attached -> FAILED_PRECONDITION (shared memory not shared).
+
+CLI: ``specd draft-worker --scripted-block 8 --vocab 1024 --listen unix:///tmp/specd-draft.sock``
+(the scripted drafter with no continuations proposes wrong tokens: a worst-case drafter for load tests).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from concurrent import futures
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import grpc
+import numpy as np
+
+from specd.protos.v1 import worker_pb2 as pb
+from specd.protos.v1 import worker_pb2_grpc as pbg
+from specd.target_worker.feature_shm import FeatureHandleInfo, attach_reader, shm_namespace_id
+
+log = logging.getLogger("specd.draft_worker")
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What the drafter worker needs from a drafter (the scripted one today, DFlash / DSpark / DFlash 2
+    later). Calls for one sequence never overlap; calls for different sequences may come from different
+    threads.
+
+    Attributes: ``name`` (reported by Info), ``block_size`` (most draft tokens per propose),
+    ``n_vocab`` (must equal the target's), optionally ``target_layer_ids`` (the coordinator checks them
+    against the target's capture layers).
+    """
+
+    name: str
+    block_size: int
+    n_vocab: int
+
+    def ingest(self, seq_id: str, start: int, tokens: Sequence[int], features: np.ndarray) -> None:
+        """Committed positions ``start .. start+n-1``: their token ids and feature rows, float32
+        ``[n, n_taps * n_embd]`` (the target's residual stream after each tap, tap order). Positions arrive
+        in order without gaps, each exactly once, the prompt first. ValueError on a gap."""
+
+    def propose(self, seq_id: str, anchor: int, max_tokens: int) -> "list[int] | tuple[list[int], list[float]]":
+        """Up to ``max_tokens`` draft tokens following ``anchor`` (the token at position = ingested
+        length), optionally with one confidence in [0, 1] per token."""
+
+    def release(self, seq_id: str) -> bool:
+        """Forgets the sequence; True if it was known."""
+
+    def live(self) -> list[str]:
+        """Ids of the sequences held."""
+
+
+@dataclasses.dataclass
+class DraftWorkerConfig:
+    """Drafter worker settings (each one a ``specd draft-worker`` flag).
+
+    drafter: drafter GGUF (the DFlash/DSpark forward is not wired yet: required empty for now).
+    listen: gRPC address, ``unix:///path.sock`` (default) or ``host:port``.
+    scripted_block: block of the scripted drafter (drafts per step), default 8.
+    vocab: vocabulary size for the scripted drafter (0: required when no drafter GGUF).
+    scripted_continuations: JSON-lines file, one ``{"prompt": [ids], "continuation": [ids]}`` per line
+        (the target's greedy continuation of that prompt): the oracle drafter of performance.md §6.6.
+        Default "": no continuations (every draft wrong).
+    scripted_accept: right drafts per step: -1 all (oracle, default), 0 none, k: right up to k.
+    threads: RPC threads, default 8. max_message_bytes: default 256 MiB.
+    """
+
+    drafter: str = ""
+    listen: str = "unix:///tmp/specd-draft.sock"
+    scripted_block: int = 8
+    vocab: int = 0
+    scripted_continuations: str = ""
+    scripted_accept: int = -1
+    threads: int = 8
+    max_message_bytes: int = 256 << 20
+
+    def validate(self) -> None:
+        if self.drafter:
+            raise ValueError("draft-worker: the DFlash/DSpark/DFlash 2 forward is not available yet; "
+                             "run the scripted drafter (--scripted-block, --vocab)")
+        if self.scripted_block < 1 or self.vocab < 2:
+            raise ValueError(f"draft-worker: --scripted-block >= 1 and --vocab >= 2 required, "
+                             f"got {self.scripted_block}, {self.vocab}")
+        if self.scripted_accept < -1:
+            raise ValueError(f"draft-worker: --scripted-accept must be >= -1, got {self.scripted_accept}")
+        if self.threads <= 0 or self.max_message_bytes <= 0:
+            raise ValueError("draft-worker: threads and max_message_bytes must be > 0")
+
+
+class _Seq:
+    def __init__(self, reader):
+        self.reader, self.synced = reader, 0
+        self.lock = threading.Lock()
+
+
+class DraftServicer(pbg.DraftWorkerServicer):
+    """Implements worker.proto DraftWorker over one drafter object (see the module docstring)."""
+
+    def __init__(self, drafter: Drafter):
+        if not isinstance(drafter, Drafter):
+            raise TypeError(f"{type(drafter).__name__} does not implement the Drafter protocol")
+        self.drafter = drafter
+        self.seqs: dict[str, _Seq] = {}
+        self.lock = threading.Lock()
+        self.namespace = shm_namespace_id()
+        # released ids: a Propose overtaken by its sequence's Release must not re-create it
+        self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def Info(self, request, context):
+        with self.lock:
+            live = sorted(self.seqs)
+        return pb.DrafterInfo(name=self.drafter.name, block_size=self.drafter.block_size,
+                              vocab_size=self.drafter.n_vocab, shm_namespace_id=self.namespace,
+                              live_sequences=live,
+                              target_layer_ids=list(getattr(self.drafter, "target_layer_ids", ())))
+
+    def Propose(self, request, context):
+        seq_id = request.seq_id
+        with self.lock:
+            s = self.seqs.get(seq_id)
+        if s is None:
+            if not request.HasField("features"):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"sequence {seq_id!r} is new to the drafter but carries no feature handle")
+            h = request.features
+            try:
+                reader = attach_reader(FeatureHandleInfo(h.kind, h.name, h.capacity, h.width, h.nbytes, h.owner_id))
+            except (OSError, ValueError) as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach feature ring {h.name}: {exc}")
+            s = _Seq(reader)
+            with self.lock:
+                dead = seq_id in self.tombstones
+                if not dead:
+                    self.seqs[seq_id] = s
+            if dead:
+                reader.close()
+                context.abort(grpc.StatusCode.CANCELLED, f"sequence {seq_id!r} was released")
+        t0 = time.perf_counter()
+        with s.lock:
+            new = list(request.new_tokens)
+            if request.start != s.synced:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"sequence {seq_id!r}: drafter is synced to {s.synced}, request starts at {request.start}")
+            try:
+                feats = s.reader.read(request.start, len(new))
+                if new:
+                    self.drafter.ingest(seq_id, request.start, new, feats)
+                s.synced += len(new)
+                out = self.drafter.propose(seq_id, request.anchor, int(request.max_tokens)) if request.max_tokens else []
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"propose: {exc}")
+        toks, conf = out if isinstance(out, tuple) else (out, [])
+        if len(toks) > request.max_tokens or (conf and len(conf) != len(toks)):
+            context.abort(grpc.StatusCode.INTERNAL, f"drafter returned {len(toks)} tokens / {len(conf)} confidences "
+                                                    f"for max_tokens {request.max_tokens}")
+        return pb.ProposeResponse(tokens=[int(t) for t in toks], confidence=[float(c) for c in conf],
+                                  compute_s=time.perf_counter() - t0)
+
+    def Release(self, request, context):
+        with self.lock:
+            s = self.seqs.pop(request.seq_id, None)
+            self.tombstones[request.seq_id] = None
+            while len(self.tombstones) > 4096:
+                self.tombstones.popitem(last=False)
+        if s is not None:
+            with s.lock:
+                s.reader.close()
+        existed = self.drafter.release(request.seq_id)
+        return pb.ReleaseResponse(existed=s is not None or existed)
+
+    def close(self) -> None:
+        with self.lock:
+            seqs, self.seqs = list(self.seqs.items()), {}
+        for seq_id, s in seqs:
+            s.reader.close()
+            self.drafter.release(seq_id)
+
+
+def start_server(servicer: DraftServicer, listen: str, threads: int = 8, max_message_bytes: int = 256 << 20):
+    """Starts a grpc.Server with the DraftWorker and health services; returns (server, bound port)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from specd.target_worker.server import server_options
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=server_options(max_message_bytes))
+    pbg.add_DraftWorkerServicer_to_server(servicer, server)
+    hs = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise RuntimeError(f"draft-worker: cannot listen on {listen}")
+    server.start()
+    for name in ("", "specd.worker.v1.DraftWorker"):
+        hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server.health = hs
+    return server, port
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = DraftWorkerConfig()
+    p.add_argument("--drafter", default="", help="drafter GGUF (not wired yet; use the scripted drafter)")
+    p.add_argument("--listen", default=d.listen, help=f"gRPC address (default {d.listen})")
+    p.add_argument("--scripted-block", type=int, default=d.scripted_block,
+                   help=f"scripted drafter: drafts per step (default {d.scripted_block})")
+    p.add_argument("--vocab", type=int, default=d.vocab, help="scripted drafter: vocabulary size (required)")
+    p.add_argument("--scripted-continuations", default=d.scripted_continuations,
+                   help='scripted drafter: JSONL of {"prompt": [...], "continuation": [...]} (oracle drafter)')
+    p.add_argument("--scripted-accept", type=int, default=d.scripted_accept,
+                   help="scripted drafter: right drafts per step (-1 all, default; 0 none; k up to k)")
+    p.add_argument("--threads", type=int, default=d.threads, help=f"RPC threads (default {d.threads})")
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="default 256 MiB")
+
+
+def load_continuations(path: str) -> dict:
+    """prompt tuple -> continuation from a JSON-lines file (see DraftWorkerConfig); {} for ""."""
+    import json
+
+    out = {}
+    if not path:
+        return out
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                out[tuple(int(t) for t in rec["prompt"])] = [int(t) for t in rec["continuation"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{n}: expected {{\"prompt\": [ids], \"continuation\": [ids]}}: {exc}") from exc
+    return out
+
+
+def run(args) -> int:
+    from specd.target_worker.server import serve_forever
+
+    from .scripted import ScriptedDrafter
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = DraftWorkerConfig(drafter=args.drafter, listen=args.listen, scripted_block=args.scripted_block,
+                            vocab=args.vocab, scripted_continuations=args.scripted_continuations,
+                            scripted_accept=args.scripted_accept, threads=args.threads,
+                            max_message_bytes=args.max_message_bytes)
+    cfg.validate()
+    servicer = DraftServicer(ScriptedDrafter(cfg.scripted_block, cfg.vocab, load_continuations(cfg.scripted_continuations),
+                                             plan=None if cfg.scripted_accept < 0 else cfg.scripted_accept,
+                                             record_features=False))
+    server, _ = start_server(servicer, cfg.listen, cfg.threads, cfg.max_message_bytes)
+    log.info("draft-worker: scripted drafter (block %d) on %s", cfg.scripted_block, cfg.listen)
+    print(f"READY {cfg.listen}", flush=True)
+    return serve_forever(server, servicer.close, "draft-worker")

@@ -1,0 +1,222 @@
+"""The feature ring in POSIX shared memory: the target worker writes, the drafter worker reads.
+
+spec-loop.md §6, serving.md §3.1. One segment per sequence, created by the target worker (the only
+writer) and attached read-only by the drafter worker. Layout of a segment (little-endian, native
+alignment), ``capacity`` slots of ``width`` float32 values:
+
+=========  ==========================  ==============================================
+offset     field                       meaning
+=========  ==========================  ==============================================
+0          int64 magic                 ``MAGIC`` (format check)
+8          int64 capacity              slots
+16         int64 width                 float32 values per row (n_taps * n_embd)
+24         int64 committed             rows < committed are final (published after commit)
+32         int64 generation            bumped on every publish
+40 .. 64   reserved
+64         int64 slot_pos[capacity]    absolute position held by each slot (-1: empty)
+64+8*cap   float32 rows[capacity, width]
+=========  ==========================  ==============================================
+
+Position p lives in slot ``p % capacity``. Readers check ``slot_pos`` and ``committed`` so a row that
+was never written, was overwritten by a later position, or is not yet committed is an error rather
+than silently another position's data. The coordinator orders writer and reader (the drafter is
+called only after the target's commit returned), so no lock is needed.
+
+Interface for other transports (a CUDA IPC ring later): :class:`FeatureWriter` (``create``,
+``release``, ``close_all``) and :func:`attach_reader` returning an object with ``read(start, n)``;
+both are keyed by :class:`FeatureHandleInfo`.
+
+Segments are named ``specd-ft-<pid>-<n>`` and unlinked on release, on ``close_all`` (server stop),
+at interpreter exit (atexit) and on SIGTERM (the servers install a handler that exits through
+``close_all``); the multiprocessing resource tracker unlinks any left by a crash (SIGKILL).
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import socket
+import threading
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+from .features import FeatureRing
+
+MAGIC = 0x53504543445F4654  # "SPECD_FT"
+HEADER_BYTES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureHandleInfo:
+    """Where a sequence's ring lives (mirrors worker.proto FeatureHandle)."""
+
+    kind: str
+    name: str
+    capacity: int
+    width: int
+    nbytes: int
+    owner_id: str
+
+
+def shm_namespace_id() -> str:
+    """``<boot_id>:<st_dev of /dev/shm>``: two processes that report the same id share one tmpfs."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = socket.gethostname()
+    try:
+        dev = os.stat("/dev/shm").st_dev
+    except OSError:
+        dev = 0
+    return f"{boot}:{dev}"
+
+
+def segment_bytes(capacity: int, width: int) -> int:
+    return HEADER_BYTES + 8 * capacity + 4 * capacity * width
+
+
+def _views(buf, capacity: int, width: int):
+    header = np.ndarray((8,), np.int64, buffer=buf, offset=0)
+    slot_pos = np.ndarray((capacity,), np.int64, buffer=buf, offset=HEADER_BYTES)
+    rows = np.ndarray((capacity, width), np.float32, buffer=buf, offset=HEADER_BYTES + 8 * capacity)
+    return header, slot_pos, rows
+
+
+class ShmFeatureRing(FeatureRing):
+    """A :class:`FeatureRing` whose rows and slot table live in a shared-memory segment (writer side).
+
+    ``write`` stores rows (the target model calls it from ``commit``); ``publish(c)`` then marks rows
+    < c final for readers.
+    """
+
+    def __init__(self, shm: shared_memory.SharedMemory, capacity: int, width: int):
+        header, slot_pos, rows = _views(shm.buf, capacity, width)
+        super().__init__(capacity, width, buffer=rows)
+        slot_pos[:] = -1
+        self.slot_pos = slot_pos  # the base class's table, moved into shared memory
+        header[:] = 0
+        header[0], header[1], header[2] = MAGIC, capacity, width
+        self.header, self.shm = header, shm
+
+    def write(self, start: int, rows: np.ndarray) -> None:
+        super().write(start, rows)
+        self.publish(start + np.asarray(rows).shape[0])
+
+    def publish(self, committed: int) -> None:
+        self.header[3] = committed
+        self.header[4] += 1
+
+
+class FeatureWriter:
+    """Creates and owns the target worker's ring segments (one per sequence)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._segments: dict[str, tuple[shared_memory.SharedMemory, ShmFeatureRing]] = {}
+        self._counter = 0
+        self.owner_id = f"{socket.gethostname()}:{os.getpid()}"
+        atexit.register(self.close_all)
+
+    def create(self, seq_id: str, capacity: int, width: int) -> tuple[ShmFeatureRing, FeatureHandleInfo]:
+        """A new zeroed ring for ``seq_id`` (ValueError if it already has one)."""
+        if capacity <= 0 or width <= 0:
+            raise ValueError(f"feature ring needs capacity and width > 0, got {capacity}, {width}")
+        with self._lock:
+            if seq_id in self._segments:
+                raise ValueError(f"sequence {seq_id!r} already has a feature ring")
+            self._counter += 1
+            name = f"specd-ft-{os.getpid()}-{self._counter}"
+            nbytes = segment_bytes(capacity, width)
+            shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+            ring = ShmFeatureRing(shm, capacity, width)
+            self._segments[seq_id] = (shm, ring)
+        return ring, FeatureHandleInfo("posix_shm", name, capacity, width, nbytes, self.owner_id)
+
+    def release(self, seq_id: str) -> bool:
+        """Unlinks the sequence's segment; False if it had none."""
+        with self._lock:
+            entry = self._segments.pop(seq_id, None)
+        if entry is None:
+            return False
+        _close_unlink(entry[0], entry[1])
+        return True
+
+    def close_all(self) -> None:
+        with self._lock:
+            entries, self._segments = list(self._segments.values()), {}
+        for shm, ring in entries:
+            _close_unlink(shm, ring)
+
+    def live(self) -> list[str]:
+        with self._lock:
+            return [shm.name for shm, _ in self._segments.values()]
+
+
+def _close_unlink(shm: shared_memory.SharedMemory, ring: ShmFeatureRing) -> None:
+    # drop our numpy views first, otherwise close() raises BufferError (exported pointers)
+    ring.rows = ring.slot_pos = ring.header = None
+    try:
+        shm.close()
+    except BufferError:
+        pass  # a view is still referenced elsewhere; unlinking still frees the name
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
+
+
+class FeatureReader:
+    """Read-only view of one sequence's ring in another process (the drafter worker)."""
+
+    def __init__(self, handle: FeatureHandleInfo):
+        if handle.kind != "posix_shm":
+            raise ValueError(f"feature handle kind {handle.kind!r} is not supported (posix_shm only)")
+        shm = shared_memory.SharedMemory(name=handle.name, create=False)
+        # The attaching process must not unlink the writer's segment at its exit (Python < 3.13 registers
+        # every attach with the resource tracker). In the writer's own process the registration is the
+        # writer's, so it stays.
+        if handle.owner_id != f"{socket.gethostname()}:{os.getpid()}":
+            try:
+                resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+            except Exception:  # noqa: BLE001 - tracker absent or already unregistered
+                pass
+        if shm.size < segment_bytes(handle.capacity, handle.width):
+            shm.close()
+            raise ValueError(f"feature segment {handle.name} is {shm.size} bytes, expected "
+                             f"{segment_bytes(handle.capacity, handle.width)}")
+        self.shm, self.handle = shm, handle
+        self.header, self.slot_pos, self.rows = _views(shm.buf, handle.capacity, handle.width)
+        if int(self.header[0]) != MAGIC or int(self.header[1]) != handle.capacity or int(self.header[2]) != handle.width:
+            self.close()
+            raise ValueError(f"feature segment {handle.name}: header does not match the handle")
+
+    @property
+    def committed(self) -> int:
+        return int(self.header[3])
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """float32 [n, width] rows of positions start .. start+n-1 (a copy). ValueError when a row is
+        not committed yet or no longer held by the ring."""
+        if n == 0:
+            return np.zeros((0, self.handle.width), np.float32)
+        if start < 0 or start + n > self.committed:
+            raise ValueError(f"feature rows {start}..{start + n - 1} are not committed (committed {self.committed})")
+        pos = start + np.arange(n)
+        slots = pos % self.handle.capacity
+        bad = pos[self.slot_pos[slots] != pos]
+        if bad.size:
+            raise ValueError(f"feature rows {bad[:8].tolist()} were overwritten or never written")
+        return self.rows[slots].copy()
+
+    def close(self) -> None:
+        self.header = self.slot_pos = self.rows = None
+        try:
+            self.shm.close()
+        except BufferError:
+            pass
+
+
+def attach_reader(handle: FeatureHandleInfo) -> FeatureReader:
+    return FeatureReader(handle)

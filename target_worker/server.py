@@ -1,0 +1,355 @@
+"""The target worker: a gRPC ``specd.worker.v1.TargetWorker`` server around :class:`Qwen35Model`.
+
+Holds many sequences keyed by the coordinator's sequence id (string). Per sequence: the model's
+:class:`SequenceState` (KV, GDN and conv state), a feature ring in POSIX shared memory
+(:mod:`.feature_shm`, read by the drafter worker) and the last deferred verify, if any. Model calls are
+serialised by one lock (one model, one device; batching across sequences is later work), RPC threads
+only parse and format messages.
+
+Greedy chain acceptance (spec-loop.md §3): verify ``[a, d_1..d_k]`` at positions c..c+k, t_i = argmax
+of row i, m = longest prefix with d_{j} = t_{j-1}, capped by ``max_accept``; emitted = d_1..d_m, t_m;
+commit rows 0..m (anchor + m drafts) so c <- c + m + 1 and the bonus t_m becomes the next anchor.
+
+Errors: unknown sequence -> NOT_FOUND; duplicate Prefill -> ALREADY_EXISTS; bad tokens, capacity
+overflow, bad commit -> INVALID_ARGUMENT / FAILED_PRECONDITION. The worker keeps serving after any of
+them (architecture.md invariant 5).
+
+CLI: ``specd target-worker --target T.gguf --listen unix:///tmp/specd-target.sock --capture-layers 1,3``.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from specd.protos.v1 import worker_pb2 as pb
+from specd.protos.v1 import worker_pb2_grpc as pbg
+
+from .feature_shm import FeatureWriter, shm_namespace_id
+
+log = logging.getLogger("specd.target_worker")
+
+
+@dataclasses.dataclass
+class TargetWorkerConfig:
+    """Target worker settings (each one a ``specd target-worker`` flag).
+
+    target: path of the qwen35 GGUF (required).
+    listen: gRPC address, ``unix:///path.sock`` (co-located, default) or ``host:port``.
+    capture_layers: the drafter's target_layer_ids (empty: no drafter features; rows are then n_embd
+        zeros so the ring protocol still works).
+    max_seq_len: positions per sequence (0: the GGUF context_length, else 4096).
+    max_verify: most rows per Verify (1 + drafts), default 33.
+    max_sequences: live sequences at once (RESOURCE_EXHAUSTED beyond), default 64.
+    kv_dtype: "f16" (default), "q8_0" or "f32".
+    prefill_chunk: tokens per prefill forward, default 512.
+    threads: RPC threads, default 8.
+    max_message_bytes: gRPC send/receive limit, default 256 MiB.
+    """
+
+    target: str = ""
+    listen: str = "unix:///tmp/specd-target.sock"
+    capture_layers: tuple[int, ...] = ()
+    max_seq_len: int = 0
+    max_verify: int = 33
+    max_sequences: int = 64
+    kv_dtype: str = "f16"
+    prefill_chunk: int = 512
+    threads: int = 8
+    max_message_bytes: int = 256 << 20
+
+    def validate(self) -> None:
+        if not self.target:
+            raise ValueError("target-worker: --target is required")
+        for name in ("max_verify", "max_sequences", "prefill_chunk", "threads", "max_message_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"target-worker: {name} must be > 0, got {getattr(self, name)}")
+        if self.max_seq_len < 0:
+            raise ValueError(f"target-worker: max_seq_len must be >= 0, got {self.max_seq_len}")
+        if self.kv_dtype not in ("f16", "q8_0", "f32"):
+            raise ValueError(f"target-worker: kv_dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
+
+
+def _abort(context, code, msg):
+    context.abort(code, msg)
+
+
+class _Seq:
+    def __init__(self, st, handle):
+        self.st, self.handle, self.pending = st, handle, None
+        self.lock = threading.Lock()
+
+
+class TargetServicer(pbg.TargetWorkerServicer):
+    """Implements worker.proto TargetWorker over one :class:`Qwen35Model`.
+
+    Args:
+        model: the loaded model (its ``capture_layers`` define the feature width).
+        config: limits (max_seq_len, max_verify, max_sequences) and the model path for Info.
+        eos_ids: EOS then EOT token ids reported by Info (from the GGUF tokenizer metadata).
+    """
+
+    def __init__(self, model, config: TargetWorkerConfig, eos_ids=()):
+        self.model, self.cfg = model, config
+        hp = model.hp
+        self.max_seq_len = config.max_seq_len or (hp.context_length or 4096)
+        self.width = max(1, len(model.capture_layers)) * hp.n_embd
+        self.eos_ids = [int(e) for e in eos_ids if e is not None and e >= 0]
+        self.features = FeatureWriter()
+        self.seqs: dict[str, _Seq] = {}
+        self.seqs_lock = threading.Lock()
+        self.model_lock = threading.Lock()
+        self.namespace = shm_namespace_id()
+        # ids released before (or while) their Prefill ran: a cancelled request's Release can overtake
+        # its Prefill; the Prefill then frees what it built instead of leaking it (bounded memory)
+        self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _tombstone(self, seq_id: str) -> None:
+        self.tombstones[seq_id] = None
+        while len(self.tombstones) > 4096:
+            self.tombstones.popitem(last=False)
+
+    def _get(self, seq_id, context) -> _Seq:
+        with self.seqs_lock:
+            s = self.seqs.get(seq_id)
+        if s is None:
+            _abort(context, grpc.StatusCode.NOT_FOUND, f"unknown sequence {seq_id!r}")
+        return s
+
+    def close(self) -> None:
+        """Frees every sequence and unlinks every shared-memory segment."""
+        with self.seqs_lock:
+            self.seqs.clear()
+        self.features.close_all()
+
+    # ------------------------------------------------------------------ RPCs
+
+    def Info(self, request, context):
+        hp = self.model.hp
+        with self.seqs_lock:
+            live = sorted(self.seqs)
+        return pb.TargetInfo(model_path=str(self.cfg.target), vocab_size=hp.n_vocab, n_embd=hp.n_embd,
+                             max_seq_len=self.max_seq_len, max_verify=self.cfg.max_verify,
+                             capture_layers=list(self.model.capture_layers), feature_width=self.width,
+                             eos_token_ids=self.eos_ids, shm_namespace_id=self.namespace,
+                             live_sequences=live, live_shm_segments=len(self.features.live()))
+
+    def Prefill(self, request, context):
+        seq_id, tokens = request.seq_id, list(request.tokens)
+        if not seq_id:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "seq_id is empty")
+        if not tokens:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+        cap = int(request.capacity) or self.max_seq_len
+        if cap > self.max_seq_len or len(tokens) >= cap:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"prompt of {len(tokens)} tokens with capacity {cap} does not fit max_seq_len {self.max_seq_len}")
+        with self.seqs_lock:
+            if seq_id in self.tombstones:
+                _abort(context, grpc.StatusCode.CANCELLED, f"sequence {seq_id!r} was released")
+            if seq_id in self.seqs:
+                _abort(context, grpc.StatusCode.ALREADY_EXISTS, f"sequence {seq_id!r} exists")
+            if len(self.seqs) >= self.cfg.max_sequences:
+                _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"{len(self.seqs)} live sequences (max_sequences {self.cfg.max_sequences})")
+            self.seqs[seq_id] = None  # reserve the id
+        try:
+            st = self.model.new_sequence(cap)
+            ring, handle = self.features.create(seq_id, cap, self.width)
+            st.features = ring
+            t0 = time.perf_counter()
+            with self.model_lock:
+                logits = self.model.prefill(st, tokens)
+            dt = time.perf_counter() - t0
+        except ValueError as exc:
+            with self.seqs_lock:
+                self.seqs.pop(seq_id, None)
+            self.features.release(seq_id)
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"prefill: {exc}")
+        except BaseException:
+            with self.seqs_lock:
+                self.seqs.pop(seq_id, None)
+            self.features.release(seq_id)
+            raise
+        with self.seqs_lock:
+            released = seq_id not in self.seqs  # Release ran while we computed
+            if not released:
+                self.seqs[seq_id] = _Seq(st, handle)
+        if released:
+            self.features.release(seq_id)
+            _abort(context, grpc.StatusCode.CANCELLED, f"sequence {seq_id!r} was released during prefill")
+        first = int(np.argmax(logits))  # greedy; ties -> lowest id, like sn.argmax
+        return pb.PrefillResponse(first_token=first, committed=st.committed, compute_s=dt,
+                                  features=pb.FeatureHandle(kind=handle.kind, name=handle.name,
+                                                            capacity=handle.capacity, width=handle.width,
+                                                            nbytes=handle.nbytes, owner_id=handle.owner_id))
+
+    def Verify(self, request, context):
+        s = self._get(request.seq_id, context)
+        tokens = list(request.tokens)
+        if not tokens:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "verify needs at least the anchor token")
+        if len(tokens) > self.cfg.max_verify:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"{len(tokens)} verify rows exceed max_verify {self.cfg.max_verify}")
+        k = len(tokens) - 1
+        limit = min(k, int(request.max_accept)) if request.HasField("max_accept") else k
+        with s.lock:
+            if s.pending is not None:
+                _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "a deferred verify is pending; Commit first")
+            t0 = time.perf_counter()
+            try:
+                with self.model_lock:
+                    res = self.model.verify(s.st, tokens)
+                    t = res.argmax
+                    m = 0
+                    while m < limit and tokens[m + 1] == int(t[m]):
+                        m += 1
+                    if not request.defer_commit:
+                        self.model.commit(s.st, res, m + 1)
+                    else:
+                        s.pending = res
+            except ValueError as exc:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"verify: {exc}")
+            dt = time.perf_counter() - t0
+            emitted = [int(x) for x in tokens[1 : m + 1]] + [int(t[m])]
+            return pb.VerifyResponse(accepted=m, emitted=emitted, committed=s.st.committed, compute_s=dt,
+                                     argmax=[int(x) for x in t] if request.return_argmax else [])
+
+    def Commit(self, request, context):
+        s = self._get(request.seq_id, context)
+        with s.lock:
+            if s.pending is None:
+                _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "no deferred verify to commit")
+            n = int(request.n)
+            if not 1 <= n <= len(s.pending.tokens):
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"commit n must be in 1..{len(s.pending.tokens)}")
+            with self.model_lock:
+                self.model.commit(s.st, s.pending, n)
+            s.pending = None
+            return pb.CommitResponse(committed=s.st.committed)
+
+    def Release(self, request, context):
+        with self.seqs_lock:
+            s = self.seqs.pop(request.seq_id, None)
+            self._tombstone(request.seq_id)
+        if s is not None:
+            with s.lock:  # an in-flight Verify/Commit finishes writing its rows first
+                freed = self.features.release(request.seq_id)
+        else:
+            freed = self.features.release(request.seq_id)
+        return pb.ReleaseResponse(existed=s is not None or freed)
+
+
+# ---------------------------------------------------------------------- process entry points
+
+def load_servicer(cfg: TargetWorkerConfig) -> TargetServicer:
+    """Loads the GGUF (weights memory-mapped) and its tokenizer's EOS ids."""
+    import specd.native as sn
+
+    from .gguf_loader import load_qwen35, open_gguf, read_tokenizer_metadata
+    from .model import Qwen35Model
+
+    reader = open_gguf(cfg.target)
+    weights = load_qwen35(cfg.target, reader)
+    kv = {"f16": sn.DType.F16, "q8_0": sn.DType.Q8_0, "f32": sn.DType.F32}[cfg.kv_dtype]
+    model = Qwen35Model(weights, capture_layers=cfg.capture_layers, kv_dtype=kv, prefill_chunk=cfg.prefill_chunk)
+    meta = read_tokenizer_metadata(reader)
+    eos = list(meta.end_ids) if meta is not None else []
+    return TargetServicer(model, cfg, eos)
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Internal-link gRPC options: large messages; peers may ping every 5 s while no data flows."""
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_ping_strikes", 0)]
+
+
+def start_server(servicer: TargetServicer, listen: str, threads: int = 8, max_message_bytes: int = 256 << 20):
+    """Starts a grpc.Server with the TargetWorker and health services; returns (server, bound port)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=server_options(max_message_bytes))
+    pbg.add_TargetWorkerServicer_to_server(servicer, server)
+    hs = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise RuntimeError(f"target-worker: cannot listen on {listen}")
+    server.start()
+    for name in ("", "specd.worker.v1.TargetWorker"):
+        hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    server.health = hs
+    return server, port
+
+
+def serve_forever(server, close, name: str) -> int:
+    """Blocks until SIGTERM/SIGINT, then stops the server and runs ``close`` (frees shared memory)."""
+    stop = threading.Event()
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(0.5):
+            pass
+        log.info("%s: stopping", name)
+        if hasattr(server, "health"):
+            server.health.enter_graceful_shutdown()
+        server.stop(grace=2.0).wait()
+    finally:
+        close()
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = TargetWorkerConfig()
+    p.add_argument("--target", required=True, help="qwen35 target GGUF")
+    p.add_argument("--listen", default=d.listen, help=f"gRPC address (default {d.listen})")
+    p.add_argument("--capture-layers", default="", help="comma-separated drafter target_layer_ids (default none)")
+    p.add_argument("--max-seq-len", type=int, default=d.max_seq_len,
+                   help="positions per sequence (default 0: GGUF context_length, else 4096)")
+    p.add_argument("--max-verify", type=int, default=d.max_verify, help=f"rows per Verify (default {d.max_verify})")
+    p.add_argument("--max-sequences", type=int, default=d.max_sequences,
+                   help=f"live sequences (default {d.max_sequences})")
+    p.add_argument("--kv-dtype", default=d.kv_dtype, choices=["f16", "q8_0", "f32"], help="KV cache type (default f16)")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help=f"default {d.prefill_chunk}")
+    p.add_argument("--threads", type=int, default=d.threads, help=f"RPC threads (default {d.threads})")
+    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="default 256 MiB")
+
+
+def config_from_args(args) -> TargetWorkerConfig:
+    layers = tuple(int(x) for x in args.capture_layers.split(",") if x.strip()) if args.capture_layers else ()
+    cfg = TargetWorkerConfig(target=args.target, listen=args.listen, capture_layers=layers,
+                             max_seq_len=args.max_seq_len, max_verify=args.max_verify,
+                             max_sequences=args.max_sequences, kv_dtype=args.kv_dtype,
+                             prefill_chunk=args.prefill_chunk, threads=args.threads,
+                             max_message_bytes=args.max_message_bytes)
+    cfg.validate()
+    return cfg
+
+
+def run(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = config_from_args(args)
+    servicer = load_servicer(cfg)
+    server, _ = start_server(servicer, cfg.listen, cfg.threads, cfg.max_message_bytes)
+    log.info("target-worker: %s on %s (capture %s)", cfg.target, cfg.listen, list(cfg.capture_layers))
+    print(f"READY {cfg.listen}", flush=True)
+    return serve_forever(server, servicer.close, "target-worker")

@@ -1,0 +1,122 @@
+"""Real processes: `specd serve` (three processes on Unix sockets) answering `specd generate`, and
+shared-memory segments unlinked when a worker is stopped by SIGTERM while holding sequences."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+
+from specd.protos.v1 import worker_pb2 as wpb
+from specd.protos.v1 import worker_pb2_grpc as wpbg
+
+from .conftest import CAPTURE
+
+CLI = [sys.executable, "-m", "specd.coordinator.cli"]
+
+
+def _start(argv, timeout=120):
+    p = subprocess.Popen(CLI + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = p.stdout.readline()
+        if line.startswith("READY"):
+            return p
+        if not line and p.poll() is not None:
+            raise AssertionError(f"{argv[0]} exited {p.returncode}: {p.stderr.read()[-3000:]}")
+    p.kill()
+    raise AssertionError(f"{argv[0]} not ready")
+
+
+def _stop(p, timeout=30):
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            return p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            raise AssertionError("did not stop on SIGTERM")
+    return p.returncode
+
+
+def test_serve_and_generate_cli(target_gguf, reference, tmp_path):
+    """`specd serve` with the oracle scripted drafter (continuations from a JSONL file): the first
+    request is all-accepted (AL = 5 with block 4), the second (unknown prompt) all-rejected; both lossless."""
+    sock = f"unix://{tmp_path}/c.sock"
+    before = set(glob.glob("/dev/shm/specd-ft-*"))
+    ref, _ = reference([9, 8, 7, 6], 30)
+    cont = tmp_path / "oracle.jsonl"
+    cont.write_text(json.dumps({"prompt": [9, 8, 7, 6], "continuation": ref}) + "\n")
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        mport = so.getsockname()[1]
+    serve = _start(["serve", "--target", target_gguf, "--scripted-block", "4", "--listen", sock,
+                    "--metrics-port", str(mport), "--metrics-addr", "127.0.0.1",
+                    "--scripted-continuations", str(cont), "--policy-step-ratio", "0",
+                    "--capture-layers", ",".join(map(str, CAPTURE)), "--max-seq-len", "128", "--kv-dtype", "f32",
+                    "--runtime-dir", str(tmp_path / "rt")])
+    try:
+        prompt = [9, 8, 7, 6]
+        out = subprocess.run(CLI + ["generate", "--server", sock, "--token-ids", ",".join(map(str, prompt)),
+                                    "--max-tokens", "10", "--ignore-eos", "--json"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        done = json.loads(out.stdout)
+        assert [int(t) for t in done["output_ids"]] == ref[:10]
+        assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 10
+        sp = done["speculation"]
+        # prefill 1 token, then 4 drafts + bonus, then 3 drafts (budget) + bonus: 10 tokens, 7 accepted
+        assert int(sp["num_accepted_tokens"]) == int(sp["num_draft_tokens"]) == 7
+        other, _ = reference([9, 8, 7], 6)
+        out = subprocess.run(CLI + ["generate", "--server", sock, "--token-ids", "9,8,7", "--max-tokens", "6",
+                                    "--ignore-eos", "--json"], capture_output=True, text=True, timeout=120)
+        done = json.loads(out.stdout)
+        assert [int(t) for t in done["output_ids"]] == other
+        assert "num_accepted_tokens" not in done["speculation"]  # 0: all drafts wrong
+        out = subprocess.run(CLI + ["generate", "--server", sock, "--prompt", "The quick", "--max-tokens", "5"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "finish=" in out.stderr, out.stderr
+        with urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10) as resp:
+            body = resp.read().decode()
+        assert 'specd_spec_accepted_tokens_total{drafter="scripted",model="condgen.gguf"} 7.0' in body
+        assert "specd_requests_total" in body and "specd_request_ttft_seconds_bucket" in body
+        # drain: SIGTERM while a stream is in flight; it completes, then everything exits 0
+        gen = subprocess.Popen(CLI + ["generate", "--server", sock, "--token-ids", "5,5,5", "--max-tokens", "100",
+                                      "--ignore-eos", "--ids", "--token-by-token"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = os.read(gen.stdout.fileno(), 1).decode()  # the stream has started (unbuffered read)
+        serve.send_signal(signal.SIGTERM)
+        out, err = gen.communicate(timeout=120)
+        assert gen.returncode == 0, err
+        assert "completion=100" in err and len((first + out).split()) == 100, (err, first + out)
+    finally:
+        assert _stop(serve, 90) == 0
+    assert set(glob.glob("/dev/shm/specd-ft-*")) <= before
+
+
+def test_sigterm_unlinks_shared_memory_of_live_sequences(target_gguf, tmp_path):
+    sock = f"unix://{tmp_path}/t.sock"
+    worker = _start(["target-worker", "--target", target_gguf, "--listen", sock,
+                     "--capture-layers", ",".join(map(str, CAPTURE)), "--max-seq-len", "64"])
+    try:
+        with grpc.insecure_channel(sock) as ch:
+            stub = wpbg.TargetWorkerStub(ch)
+            names = []
+            for i in range(3):
+                r = stub.Prefill(wpb.PrefillRequest(seq_id=f"s{i}", tokens=[1, 2, 3], capacity=32), timeout=60)
+                names.append(r.features.name)
+            assert all(os.path.exists(f"/dev/shm/{n}") for n in names)
+            assert stub.Info(wpb.InfoRequest(), timeout=10).live_shm_segments == 3
+            stub.Release(wpb.ReleaseRequest(seq_id="s0"), timeout=10)
+            assert not os.path.exists(f"/dev/shm/{names[0]}")
+    finally:
+        assert _stop(worker) == 0
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)

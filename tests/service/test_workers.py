@@ -1,0 +1,69 @@
+"""The internal worker protocol directly: chain verify acceptance and limits, deferred commit, error
+codes, and the drafter's ring reads."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from specd.protos.v1 import worker_pb2 as wpb
+from specd.protos.v1 import worker_pb2_grpc as wpbg
+
+
+@pytest.fixture
+def target(stack):
+    with grpc.insecure_channel(f"unix://{stack.dir}/t.sock") as ch:
+        yield wpbg.TargetWorkerStub(ch)
+
+
+def _err(fn, *a, **k):
+    with pytest.raises(grpc.RpcError) as e:
+        fn(*a, timeout=30, **k)
+    return e.value.code()
+
+
+def test_verify_accepts_prefix_respects_limit_and_deferred_commit_matches(target, reference):
+    prompt = [7, 7, 7, 1]
+    ref, _ = reference(prompt, 12)
+    for sid in ("w-a", "w-b"):
+        r = target.Prefill(wpb.PrefillRequest(seq_id=sid, tokens=prompt, capacity=40), timeout=30)
+        assert r.first_token == ref[0] and r.committed == len(prompt)
+    drafts = ref[1:5] + [(ref[5] + 1) % 320]  # 4 right, then wrong
+    v = target.Verify(wpb.VerifyRequest(seq_id="w-a", tokens=[ref[0]] + drafts, return_argmax=True), timeout=30)
+    assert v.accepted == 4 and list(v.emitted) == ref[1:6] and v.committed == len(prompt) + 5
+    assert list(v.argmax[:5]) == ref[1:6]
+    # limit: accept at most 2 even though 4 match; deferred, then committed by Commit
+    v = target.Verify(wpb.VerifyRequest(seq_id="w-b", tokens=[ref[0]] + drafts, max_accept=2, defer_commit=True),
+                      timeout=30)
+    assert v.accepted == 2 and list(v.emitted) == ref[1:4] and v.committed == len(prompt)
+    assert _err(target.Verify, wpb.VerifyRequest(seq_id="w-b", tokens=[ref[3]])) == grpc.StatusCode.FAILED_PRECONDITION
+    assert target.Commit(wpb.CommitRequest(seq_id="w-b", n=3), timeout=30).committed == len(prompt) + 3
+    v = target.Verify(wpb.VerifyRequest(seq_id="w-b", tokens=[ref[3], ref[4], ref[5]]), timeout=30)
+    assert list(v.emitted) == ref[4:7]
+    for sid in ("w-a", "w-b"):
+        assert target.Release(wpb.ReleaseRequest(seq_id=sid), timeout=30).existed
+
+
+def test_worker_error_codes(target, stack):
+    S = grpc.StatusCode
+    assert _err(target.Verify, wpb.VerifyRequest(seq_id="nope", tokens=[1])) == S.NOT_FOUND
+    target.Prefill(wpb.PrefillRequest(seq_id="e1", tokens=[1, 2], capacity=8), timeout=30)
+    try:
+        assert _err(target.Prefill, wpb.PrefillRequest(seq_id="e1", tokens=[1], capacity=8)) == S.ALREADY_EXISTS
+        assert _err(target.Verify, wpb.VerifyRequest(seq_id="e1", tokens=[1] * 40)) == S.INVALID_ARGUMENT
+        assert _err(target.Verify, wpb.VerifyRequest(seq_id="e1", tokens=[1] * 7)) == S.INVALID_ARGUMENT  # capacity
+        assert _err(target.Verify, wpb.VerifyRequest(seq_id="e1", tokens=[10_000])) == S.INVALID_ARGUMENT
+        assert _err(target.Commit, wpb.CommitRequest(seq_id="e1", n=1)) == S.FAILED_PRECONDITION
+        assert _err(target.Prefill, wpb.PrefillRequest(seq_id="e2", tokens=[1] * 300, capacity=400)) == S.INVALID_ARGUMENT
+    finally:
+        target.Release(wpb.ReleaseRequest(seq_id="e1"), timeout=30)
+    # released ids stay dead: a Prefill overtaken by its Release does not resurrect the sequence
+    assert _err(target.Prefill, wpb.PrefillRequest(seq_id="e1", tokens=[1], capacity=8)) == S.CANCELLED
+    assert not target.Info(wpb.InfoRequest(), timeout=30).live_sequences
+
+
+def test_drafter_rejects_gaps_and_unknown_sequences(stack):
+    with grpc.insecure_channel(f"unix://{stack.dir}/d.sock") as ch:
+        d = wpbg.DraftWorkerStub(ch)
+        assert _err(d.Propose, wpb.ProposeRequest(seq_id="x", anchor=1, max_tokens=2)) == grpc.StatusCode.FAILED_PRECONDITION
+        info = d.Info(wpb.InfoRequest(), timeout=10)
+        assert info.block_size == stack.drafter.block_size and info.shm_namespace_id
