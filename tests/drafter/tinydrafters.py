@@ -32,7 +32,7 @@ ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "
 
 def make_config(family: str, *, rope: str = "nested", block_at: str | None = None, yarn: bool = False,
                 sliding: str = "none", packaging: str = "specforge", confidence: bool = True,
-                with_markov: bool = True) -> dict:
+                with_markov: bool = True, dims: dict | None = None) -> dict:
     """A raw ``config.json`` dict for a tiny drafter.
 
     rope: ``nested`` (transformers ≥ 5 ``rope_parameters``) or ``toplevel`` (``rope_theta``).
@@ -42,8 +42,9 @@ def make_config(family: str, *, rope: str = "nested", block_at: str | None = Non
     sliding: ``none`` (Qwen3.5 DFlash), ``qwen36`` (sliding + last full, window 32) or ``all``
     (DFlash 2: every layer sliding, ``is_causal: false``).
     packaging (DSpark): ``specforge`` (keys nested in dflash_config) or ``deepspec`` (top level).
+    dims: overrides of :data:`TINY` entries (e.g. hidden / vocab / taps to match a tiny target).
     """
-    t = TINY
+    t = {**TINY, **(dims or {})}
     cfg: dict = {
         "architectures": [ARCHITECTURES[family] if not (family == "dspark" and packaging == "deepspec")
                           else "Qwen3DSparkModel"],
@@ -222,15 +223,131 @@ def write_checkpoint(folder: Path, cfg: dict, tensors: dict[str, np.ndarray], dt
 
 
 def make_drafter(folder: Path, family: str, rng: np.random.Generator, *, dtype: str = "BF16", shards: int = 1,
-                 cfg: dict | None = None, **config_kwargs) -> tuple[Path, dict, dict[str, np.ndarray]]:
+                 cfg: dict | None = None, scales: dict[str, float] | None = None,
+                 **config_kwargs) -> tuple[Path, dict, dict[str, np.ndarray]]:
     """Write a tiny random drafter of ``family`` under ``folder``; return (folder, config, float32
-    tensors as stored, i.e. after BF16 rounding when dtype is BF16)."""
+    tensors as stored, i.e. after BF16 rounding when dtype is BF16). ``scales`` multiplies every
+    tensor whose name contains a key by its value (forward tests use it to make the random
+    drafter's rows, Markov bias and selector term large enough to matter)."""
     cfg = cfg if cfg is not None else make_config(family, **config_kwargs)
     names = reference_names(cfg) or documented_names(cfg)
     tensors = random_weights(names, rng)
+    for part, f in (scales or {}).items():
+        tensors = {k: (v * np.float32(f) if part in k else v) for k, v in tensors.items()}
     if dtype == "BF16":
         tensors = {k: from_bf16_bits(to_bf16_bits(v)) for k, v in tensors.items()}
     elif dtype == "F16":
         tensors = {k: v.astype(np.float16).astype(np.float32) for k, v in tensors.items()}
     write_checkpoint(folder, cfg, tensors, dtype, shards)
     return folder, cfg, tensors
+
+
+# ------------------------------------------------------------------ forward-parity helpers
+
+
+def reference_model(cfg: dict, tensors: dict[str, np.ndarray], dtype: str = "float64"):
+    """dflash 0.1.0's ``DFlashDraftModel`` / ``DFlash2DraftModel`` for ``cfg`` with ``tensors``
+    (HF names as written by :func:`make_drafter`; published codebook names without ``.weight``)
+    loaded strictly, in eval mode, as torch ``dtype``. A DSpark config gets a DFlashDraftModel of
+    its backbone (the DSpark backbone is the DFlash graph, drafters.md §5; its heads are skipped).
+    Raises ImportError when dflash / torch are absent."""
+    import torch
+    from dflash import DFlash2DraftModel, DFlashDraftModel
+    from transformers import Qwen3Config
+
+    arch = cfg["architectures"][0]
+    kwargs = {k: v for k, v in cfg.items() if k not in ("architectures", "dflash_config", "model_type", "dtype")}
+    qc = Qwen3Config(**kwargs)
+    dc = copy.deepcopy(cfg.get("dflash_config", {}))
+    for k in ("mask_token_id", "target_layer_ids", "block_size"):  # DeepSpec packaging: top level
+        if k in cfg and k not in dc:
+            dc[k] = cfg[k]
+    qc.dflash_config = dc
+    if "is_causal" in cfg:
+        qc.is_causal = cfg["is_causal"]
+    cls = DFlash2DraftModel if arch == "DFlash2DraftModel" else DFlashDraftModel
+    model = cls(qc).eval()
+    state = {}
+    for name, v in tensors.items():
+        if name.startswith(("markov_head.", "confidence_head.", "embed_tokens.", "lm_head.")):
+            continue
+        if name.startswith("candidate_selector.") and name.endswith("_codebook"):
+            name += ".weight"
+        state[name] = torch.from_numpy(np.asarray(v, np.float32))
+    model.load_state_dict(state, strict=True)
+    return model.to(getattr(torch, dtype))
+
+
+def reference_forward(model, features: np.ndarray, block_embeddings: np.ndarray, start: int) -> np.ndarray:
+    """Post-final-norm draft hidden [B, H] (float64 numpy) of the reference ``model`` for a block
+    at positions start..start+B−1 over context features [start, N·H] (positions 0..start−1),
+    computed without a cache (keys = all context rows then the block; ZL-0.1.0 masks)."""
+    import torch
+
+    dt = next(model.parameters()).dtype
+    B = block_embeddings.shape[0]
+    with torch.no_grad():
+        h = model(position_ids=torch.arange(start + B)[None],
+                  noise_embedding=torch.from_numpy(np.asarray(block_embeddings, np.float64)).to(dt)[None],
+                  target_hidden=torch.from_numpy(np.asarray(features, np.float64)).to(dt)[None])
+    return h[0].double().numpy()
+
+
+FORWARD_SCALES = {"self_attn.": 3.0, "mlp.": 2.0, "fc.": 2.0, "markov_head.": 40.0, "candidate_selector.": 12.0}
+"""Weight multipliers for forward tests: with the plain N(0, 0.05) fill a tiny drafter's block rows
+are near copies of the mask embedding (every row proposes the same token) and the Markov /
+selector terms are negligible; these make rows differ and the family heads change choices."""
+
+
+def target_tables(cfg: dict, rng: np.random.Generator, mask_scale: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+    """A stand-in target embedding and lm_head, float32 [V, H] each: N(0, 1) and N(0, 0.3), the
+    mask token's embedding row scaled by ``mask_scale`` (so the block rows carry context)."""
+    V, H = cfg["vocab_size"], cfg["hidden_size"]
+    emb = rng.normal(0, 1, (V, H)).astype(np.float32)
+    mask = cfg.get("dflash_config", {}).get("mask_token_id", cfg.get("mask_token_id"))
+    emb[mask] *= np.float32(mask_scale)
+    return emb, rng.normal(0, 0.3, (V, H)).astype(np.float32)
+
+
+def convert_tiny(folder: Path, outtype: str = "f32") -> Path:
+    """Convert a tiny checkpoint folder with specd's converter; returns the GGUF path."""
+    from specd.draft_worker.convert import convert_hf
+
+    out = folder.parent / f"{folder.name}.{outtype}.gguf"
+    convert_hf(folder, out, outtype, log=lambda s: None)
+    return out
+
+
+def f64_markov_reference(U: np.ndarray, hidden: np.ndarray, seed: int, W1: np.ndarray, W2: np.ndarray,
+                         conf_w: np.ndarray | None = None, conf_b: float = 0.0, with_markov: bool = True):
+    """DSpark Markov chain + confidence in float64, written straight from drafters.md §5.2–5.3 /
+    DSpark paper eq. 5 and 7 (no specd code): x_0 = seed; ℓ_k = U_k + W2 W1[x_{k−1}];
+    x_k = argmax ℓ_k; c_k = σ(w·[h_k ; W1[x_{k−1}]] + b). U [n, V], hidden [n, H], W1/W2 [V, r].
+    Returns (tokens [n], ℓ [n, V], c [n] or None)."""
+    U, W1, W2 = (np.asarray(a, np.float64) for a in (U, W1, W2))
+    prev, toks, ells, confs = int(seed), [], [], []
+    for k in range(U.shape[0]):
+        ell = U[k] + W2 @ W1[prev]
+        if conf_w is not None:
+            x = np.concatenate([hidden[k], W1[prev]]) if with_markov else np.asarray(hidden[k], np.float64)
+            confs.append(1.0 / (1.0 + np.exp(-(np.dot(np.asarray(conf_w, np.float64).reshape(-1), x) + conf_b))))
+        prev = int(np.argmax(ell))
+        toks.append(prev)
+        ells.append(ell)
+    return np.array(toks), np.stack(ells), (np.array(confs) if conf_w is not None else None)
+
+
+def f64_selector_reference(unary: np.ndarray, hidden: np.ndarray, seed: int, hproj: np.ndarray,
+                           pred: np.ndarray, succ: np.ndarray, top_k: int):
+    """DFlash 2 candidate-selector greedy chain in float64 from drafters.md §6.3. Returns
+    (tokens [n], candidate ids [n, K] sorted by unary, scores [n, K])."""
+    unary, hidden, hproj, pred, succ = (np.asarray(a, np.float64) for a in (unary, hidden, hproj, pred, succ))
+    prev, toks, cands, scores = int(seed), [], [], []
+    for s in range(unary.shape[0]):
+        c = np.argsort(-unary[s], kind="stable")[:top_k]
+        sc = unary[s, c] + succ[c] @ (pred[prev] * (hproj @ hidden[s]))
+        prev = int(c[int(np.argmax(sc))])
+        toks.append(prev)
+        cands.append(c)
+        scores.append(sc)
+    return np.array(toks), np.stack(cands), np.stack(scores)

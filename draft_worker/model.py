@@ -1,0 +1,493 @@
+"""The block-diffusion drafter forward on specd.native: DFlash, DSpark and DFlash 2.
+
+Contract: docs/drafters.md §3 (forward graph, masks, RoPE/YaRN, context K/V caching), §4 (row
+alignment), §5.2–5.3 (DSpark Markov and confidence heads), §6.2–6.3 (DFlash 2 grouped dynamic conv
+and candidate selector); spec-loop.md §7.1 (per-position top-k for trees). Checked against PyPI
+``dflash==0.1.0`` (``DFlashDraftModel`` / ``DFlash2DraftModel``, z-lab) in tests/drafter/test_forward_*.
+
+Two objects:
+
+* :class:`DrafterModel` — a loaded draft GGUF (:func:`~specd.draft_worker.gguf_loader.load_drafter`)
+  bound to the **target's** token embedding and lm_head (``output``, or ``token_embd`` when tied);
+  stateless.
+* :class:`DraftSequence` — per-sequence state: the context K/V of every drafter layer.
+
+Per sequence (drafters.md §3.1–3.2, §3.7):
+
+``ingest(features, start_pos)``
+    For committed positions start_pos .. start_pos+n-1, the target's tapped hidden states
+    (float32 [n, N·H], taps concatenated in ``target_layer_ids`` order, exactly a FeatureRing row)
+    become context rows ``c = hidden_norm(fc(features))`` (one c per position, shared by all
+    layers); every layer's context K = RoPE(k_norm(W_k c)) at the absolute position and V = W_v c
+    are written into that layer's cache at row = position. Only F32 activations: the fc
+    accumulates in F32 whatever the weight dtype (C20: outliers ~1e5 in the taps do not overflow).
+``propose(seed, committed_len)``
+    The block ``[seed, M × (B−1)]`` (all three families; M = mask token id) at positions
+    start .. start+B−1 (start = committed_len = context rows ingested) is embedded with the target's
+    token_embd (× ``input_embedding_scale``), run through the layers — queries from block rows only,
+    keys/values = cached context rows followed by this block's rows, each layer's mask — then the
+    drafter's own final norm and the target lm_head (× ``output_multiplier``, tanh softcap). Block
+    K/V are written at rows start.. and are overwritten by the next ingest (never context).
+    Token choice per family: DFlash argmax of rows 1..B−1; DSpark the Markov chain over rows
+    0..B−1 (+ confidence, optional truncation); DFlash 2 the candidate-selector chain over the
+    top-K of rows 1..B−1.
+
+Masks (ZL-0.1.0 rule, drafters.md §3.3, resolved at conversion into ``causal_pattern`` /
+``sliding_pattern``): key at position p_k is visible to the query at p_q iff (causal ⇒ p_k ≤ p_q)
+and (sliding ⇒ p_q − p_k < W, and if not causal also p_k − p_q < W). Windows are applied per row.
+
+KV cache: one native cache pair per layer, [capacity, Hkv, hd] of ``kv_dtype`` (F32 default; F16
+and Q8_0 allowed — K is k-normed and V comes from the hidden-normed context, so both are O(1) in
+magnitude even when the taps carry outliers), cache row = absolute position. Sliding windows and the
+optional ``context_cap`` are enforced by visibility (exact semantics); rows that can never be seen
+again are not reclaimed (memory is ``capacity`` rows per layer).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+import specd.native as sn
+from specd.native import DType, Tensor
+
+from .gguf_loader import LoadedDrafter
+
+__all__ = ["DrafterModel", "DraftSequence", "Proposal", "markov_chain", "selector_chain", "grouped_dynamic_conv"]
+
+
+@dataclass
+class Proposal:
+    """Result of :meth:`DraftSequence.propose` for one block.
+
+    n = drafts per block (``hparams.n_drafts``: B − 1 for DFlash / DFlash 2, B for DSpark), before
+    any confidence truncation; ``tokens`` may be shorter when truncated.
+
+    tokens: int32 [m], m ≤ n — the proposals, in order; draft k targets position
+        ``start + k`` (1-based k: DFlash / DFlash 2 row k) or ``start + k`` for DSpark row k − 1
+        (drafters.md §4). ``start`` is the seed's position.
+    start: the seed's absolute position (= committed_len).
+    logits: float32 [n, V] or None (``return_logits``) — per draft, the drafter's transformed
+        lm_head logits (× output_multiplier, softcap; DFlash 2's "unary" logits). For DSpark the
+        Markov-corrected logits ℓ_k are in ``markov_logits``.
+    markov_logits: DSpark only, float32 [n, V] or None — ℓ_k = U_k + W2·W1[x_{k−1}] along the
+        chosen chain (x_0 = seed).
+    hidden: float32 [n, H] or None — post-final-norm draft hidden of the proposing rows.
+    confidence: DSpark with a confidence head only, float32 [n] — c_k = σ(w·[h_k ; W1[x_{k−1}]] + b),
+        the conditional survival estimate of draft k (paper eq. 7); None otherwise.
+    candidates, candidate_scores: DFlash 2 only, int32 [n, K] / float32 [n, K] — the top-K unary
+        candidates per slot (best unary first) and their selector scores u + Σ Pred[prev]·p·Succ[c]
+        given the chosen predecessor.
+    topk_ids, topk_logprobs: int32 [n, k] / float32 [n, k] when ``topk = k > 0`` (spec-loop.md §7.1):
+        per draft row, the k best tokens and their log-probabilities, best first. DFlash:
+        log_softmax(logits / T); DSpark: log_softmax(ℓ_k / T) along the chain (argmax spine);
+        DFlash 2: log_softmax(score / T) over the K selector candidates along the chain (k ≤ K).
+    """
+
+    tokens: np.ndarray
+    start: int
+    logits: np.ndarray | None = None
+    markov_logits: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    confidence: np.ndarray | None = None
+    candidates: np.ndarray | None = None
+    candidate_scores: np.ndarray | None = None
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64 (x float32/float64 [n, m]); returns float32."""
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return (x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))).astype(np.float32)
+
+
+def _rows(t: Tensor) -> int:
+    return int(t.shape[0])
+
+
+class DrafterModel:
+    """A drafter bound to its target's embedding and lm_head.
+
+    Args:
+        drafter: a :class:`LoadedDrafter` (weights stay zero-copy views of the GGUF).
+        token_embd: the target's token embedding, [V, H] of any weight dtype.
+        lm_head: the target's output head, [V, H] of any weight dtype (pass token_embd when the
+            target ties them). V must equal the drafter's ``n_vocab`` and H its ``n_embd``.
+        kv_dtype: context/block K/V cache type, DType.F32 (default), F16 or Q8_0 (Q8_0 needs
+            head_dim % 32 == 0).
+        context_cap: None (default: every committed context row is visible, ZL semantics), or a
+            positive int C: full-attention layers see only the last C context rows before the block
+            (drafters.md §3.7; sliding layers are bounded by their window anyway).
+
+    Raises ValueError on a shape/vocabulary mismatch or a bad option.
+    """
+
+    def __init__(self, drafter: LoadedDrafter, token_embd: Tensor, lm_head: Tensor, *,
+                 kv_dtype: DType = DType.F32, context_cap: int | None = None):
+        hp = drafter.hparams
+        self.drafter, self.hp, self.w = drafter, hp, drafter.weights
+        for name, t in (("token_embd", token_embd), ("lm_head", lm_head)):
+            shape = tuple(int(s) for s in t.shape)
+            if shape != (hp.n_vocab, hp.n_embd):
+                raise ValueError(f"{drafter.path}: target {name} is {list(shape)}; the drafter needs "
+                                 f"[n_vocab={hp.n_vocab}, n_embd={hp.n_embd}] (it reuses the target's embedding and head)")
+        if kv_dtype not in (DType.F32, DType.F16, DType.Q8_0):
+            raise ValueError(f"kv_dtype must be F32, F16 or Q8_0, got {kv_dtype}")
+        if kv_dtype == DType.Q8_0 and hp.head_dim % 32:
+            raise ValueError(f"a Q8_0 KV cache needs head_dim % 32 == 0 (head_dim = {hp.head_dim})")
+        if context_cap is not None and context_cap <= 0:
+            raise ValueError(f"context_cap must be None or > 0, got {context_cap}")
+        self.token_embd, self.lm_head = token_embd, lm_head
+        self.kv_dtype, self.context_cap = kv_dtype, context_cap
+        y = hp.yarn
+        self._rope_kw = dict(n_rot=hp.head_dim, theta=float(hp.rope_theta))
+        if y is not None:
+            self._rope_kw.update(yarn_factor=float(y.factor), yarn_original_context=int(y.original_context_length),
+                                 yarn_beta_fast=float(y.beta_fast), yarn_beta_slow=float(y.beta_slow),
+                                 yarn_attention_factor=float(y.attention_factor))
+        self.causal = tuple(bool(c) for c in hp.causal_pattern)
+        self.window = tuple(int(hp.sliding_window) if s else 0 for s in hp.sliding_pattern)
+        if self.w.dspark is not None:
+            self._markov_w2 = self.w.dspark.markov_w2
+            cw = self.w.dspark.confidence_weight
+            self._conf_w = None if cw is None else np.asarray(cw.numpy(), np.float32).reshape(-1)
+            cb = self.w.dspark.confidence_bias
+            self._conf_b = None if cb is None else float(np.asarray(cb.numpy()).reshape(-1)[0])
+        if hp.dflash2 is not None:
+            d = hp.dflash2
+            if hp.n_embd % d.conv_group_size:
+                raise ValueError(f"conv_group_size {d.conv_group_size} does not divide n_embd {hp.n_embd}")
+            self._conv_base = [(np.asarray(l.attn_conv_base.numpy(), np.float32),
+                                np.asarray(l.ffn_conv_base.numpy(), np.float32)) for l in self.w.layers]
+
+    @classmethod
+    def for_target(cls, drafter: LoadedDrafter, target_weights, **kw) -> "DrafterModel":
+        """Binds ``drafter`` to a qwen35 target's ``Qwen35Weights`` (token_embd, and ``output`` —
+        the loader already points it at token_embd when the file ties them)."""
+        out = target_weights.output if target_weights.output is not None else target_weights.token_embd
+        return cls(drafter, target_weights.token_embd, out, **kw)
+
+    def new_sequence(self, capacity: int) -> "DraftSequence":
+        """Fresh per-sequence state for at most ``capacity`` positions: every context row plus the
+        B block rows of a proposal must fit (propose needs committed_len + B <= capacity)."""
+        return DraftSequence(self, capacity)
+
+    # ------------------------------------------------------------------ pieces
+
+    def context_rows(self, features: np.ndarray) -> np.ndarray:
+        """c = hidden_norm(fc(features)): float32 [n, N·H] -> float32 [n, H] (drafters.md §3.1).
+        The fc matmul accumulates in F32 (C20). Raises ValueError on a wrong width."""
+        hp = self.hp
+        f = np.ascontiguousarray(features, dtype=np.float32)
+        if f.ndim != 2 or f.shape[1] != hp.n_taps * hp.n_embd:
+            raise ValueError(f"features must be float32 [n, n_taps*n_embd = {hp.n_taps * hp.n_embd}], got {f.shape}")
+        return sn.rms_norm(sn.matmul(f, self.w.fc), self.w.hidden_norm, hp.rms_eps).numpy()
+
+    def rope(self, x, positions: np.ndarray) -> Tensor:
+        """The drafter's RoPE (full-head NeoX, θ and YaRN from the file; YaRN's attention factor applied
+        once, folded into cos/sin as in HF): x float32 [n, heads, head_dim], positions int32 [n]."""
+        return sn.rope_neox(x, np.asarray(positions, np.int32), **self._rope_kw)
+
+    def _k(self, i: int, x: np.ndarray, positions: np.ndarray) -> Tensor:
+        hp, l = self.hp, self.w.layers[i]
+        k = sn.matmul(x, l.attn_k).numpy().reshape(x.shape[0], hp.n_head_kv, hp.head_dim)
+        return self.rope(sn.rms_norm(k, l.attn_k_norm, hp.rms_eps), positions)
+
+    def _v(self, i: int, x: np.ndarray) -> np.ndarray:
+        hp = self.hp
+        return sn.matmul(x, self.w.layers[i].attn_v).numpy().reshape(x.shape[0], hp.n_head_kv, hp.head_dim)
+
+    def _conv(self, y: np.ndarray, dyn: np.ndarray, base: np.ndarray) -> np.ndarray:
+        return grouped_dynamic_conv(y, dyn, base, self.hp.dflash2.conv_group_size)
+
+    def _dyn(self, u: np.ndarray, proj: Tensor) -> np.ndarray:
+        """Dynamic coefficients D = reshape(u · W_kpᵀ, [L, 2, taps, G])."""
+        d = self.hp.dflash2
+        return sn.matmul(u, proj).numpy().reshape(u.shape[0], 2, d.conv_kernel_size, self.hp.n_embd // d.conv_group_size)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """Target lm_head on the draft hidden, × output_multiplier, tanh softcap (ZL-0.1.0
+        ``compute_logits``): float32 [n, H] -> float32 [n, V]."""
+        hp = self.hp
+        z = sn.matmul(np.ascontiguousarray(hidden, np.float32), self.lm_head).numpy()
+        if hp.output_multiplier != 1.0:
+            z = z * np.float32(hp.output_multiplier)
+        if hp.final_logit_softcapping:
+            c = np.float32(hp.final_logit_softcapping)
+            z = (np.tanh(z / c) * c).astype(np.float32)
+        return z
+
+
+class DraftSequence:
+    """Per-sequence drafter state: context K/V of every layer, rows = absolute positions.
+
+    ``n_ctx``: number of context rows ingested (positions 0 .. n_ctx−1 hold target features).
+    """
+
+    def __init__(self, model: DrafterModel, capacity: int):
+        if capacity <= model.hp.block_size:
+            raise ValueError(f"capacity must exceed the block size {model.hp.block_size}, got {capacity}")
+        hp = model.hp
+        self.model, self.capacity, self.n_ctx = model, int(capacity), 0
+        shape = [self.capacity, hp.n_head_kv, hp.head_dim]
+        self.kv = [(Tensor.zeros(shape, model.kv_dtype), Tensor.zeros(shape, model.kv_dtype)) for _ in range(hp.n_layer)]
+
+    # ------------------------------------------------------------------ context
+
+    def ingest(self, features: np.ndarray, start_pos: int) -> None:
+        """Appends context rows for positions start_pos .. start_pos+n−1.
+
+        features: float32 [n, N·H] (target taps in ``target_layer_ids`` order, one row per committed
+        position; a FeatureRing row). start_pos must be <= n_ctx (append-only; a start below n_ctx
+        drops the later rows first, e.g. to re-ingest after a rollback) and start_pos + n must leave
+        room for a block (<= capacity − B). Afterwards n_ctx = start_pos + n.
+        Raises ValueError on a gap, a bad width, or overflow.
+        """
+        m, hp = self.model, self.model.hp
+        feats = np.asarray(features, np.float32)
+        if feats.ndim != 2:
+            raise ValueError(f"features must be 2-D [n, {hp.n_taps * hp.n_embd}], got shape {feats.shape}")
+        n = feats.shape[0]
+        if not 0 <= start_pos <= self.n_ctx:
+            raise ValueError(f"ingest: start_pos {start_pos} would leave a gap after the {self.n_ctx} context rows "
+                             "(context rows are appended in position order)")
+        if start_pos + n + hp.block_size > self.capacity:
+            raise ValueError(f"ingest: {start_pos + n} context rows plus a block of {hp.block_size} exceed the "
+                             f"sequence capacity {self.capacity}")
+        if n == 0:
+            self.n_ctx = start_pos
+            return
+        c = m.context_rows(feats)
+        pos = (start_pos + np.arange(n)).astype(np.int32)
+        for i in range(hp.n_layer):
+            kc, vc = self.kv[i]
+            sn.kv_write(kc, m._k(i, c, pos), pos)
+            sn.kv_write(vc, m._v(i, c), pos)
+        self.n_ctx = start_pos + n
+
+    # ------------------------------------------------------------------ block
+
+    def forward_block(self, tokens: Sequence[int], start: int) -> np.ndarray:
+        """Runs a block of B tokens at positions start .. start+B−1 over the context rows
+        0 .. start−1 and returns the post-final-norm draft hidden, float32 [B, H] (all rows,
+        anchor included). Writes the block's K/V at cache rows start .. (scratch)."""
+        m, hp, w = self.model, self.model.hp, self.model.w
+        B = len(tokens)
+        ids = np.asarray(tokens, np.int32)
+        pos = (start + np.arange(B)).astype(np.int32)
+        h = sn.embedding(m.token_embd, ids).numpy()
+        if hp.input_embedding_scale != 1.0:
+            h = (h * np.float32(hp.input_embedding_scale)).astype(np.float32)
+        df2 = hp.dflash2 is not None
+        for i, l in enumerate(w.layers):
+            u = sn.rms_norm(h, l.attn_norm, hp.rms_eps).numpy()
+            if df2:
+                base_a, base_f = m._conv_base[i]
+                D = m._dyn(u, l.attn_conv_proj)
+                u = m._conv(u, D[:, 0], base_a[0])
+            q = sn.matmul(u, l.attn_q).numpy().reshape(B, hp.n_head, hp.head_dim)
+            q = m.rope(sn.rms_norm(q, l.attn_q_norm, hp.rms_eps), pos)
+            kc, vc = self.kv[i]
+            sn.kv_write(kc, m._k(i, u, pos), pos)
+            sn.kv_write(vc, m._v(i, u), pos)
+            a = self._attend(i, q, kc, vc, start, B).reshape(B, hp.n_head * hp.head_dim)
+            a = sn.matmul(a, l.attn_output).numpy()
+            if df2:
+                a = m._conv(a, D[:, 1], base_a[1])
+            u, h = sn.rms_norm(a, l.ffn_norm, hp.rms_eps, residual=h)
+            u, h = u.numpy(), h.numpy()
+            if df2:
+                E = m._dyn(u, l.ffn_conv_proj)
+                u = m._conv(u, E[:, 0], base_f[0])
+            f = sn.matmul(sn.swiglu(sn.matmul(u, l.ffn_gate), sn.matmul(u, l.ffn_up)), l.ffn_down).numpy()
+            if df2:
+                f = m._conv(f, E[:, 1], base_f[1])
+            h = sn.add(h, f).numpy()
+        return sn.rms_norm(h, w.output_norm, hp.rms_eps).numpy()
+
+    def _attend(self, i: int, q: Tensor, kc: Tensor, vc: Tensor, start: int, B: int) -> np.ndarray:
+        """Attention of the block queries (positions start..start+B−1) over cache rows
+        [lo, start+B) with the layer's mask. lo > 0 only under context_cap (full layers)."""
+        m = self.model
+        causal, W = m.causal[i], m.window[i]
+        lo = 0
+        if W == 0 and m.context_cap is not None:
+            lo = max(0, start - m.context_cap)
+        if lo:
+            kc = Tensor(kc.numpy()[lo:], m.kv_dtype) if m.kv_dtype == DType.Q8_0 else Tensor(kc.numpy()[lo:])
+            vc = Tensor(vc.numpy()[lo:], m.kv_dtype) if m.kv_dtype == DType.Q8_0 else Tensor(vc.numpy()[lo:])
+        qpos = (start - lo + np.arange(B)).astype(np.int32)
+        kv_len = start - lo + B
+        mask = None
+        if W and not causal and B > W:  # p_k − p_q < W inside the block (only binds when B > W)
+            kp = np.arange(kv_len)[None, :]
+            mask = (kp - qpos[:, None] < W).astype(np.int32)
+        return sn.attention(q, kc, vc, kv_len, qpos, causal=causal, window=W, mask=mask).numpy()
+
+    # ------------------------------------------------------------------ proposals
+
+    def propose(self, seed_token: int, committed_len: int, *, return_logits: bool = False,
+                return_hidden: bool = False, topk: int = 0, temperature: float = 1.0,
+                confidence_threshold: float | None = None) -> Proposal:
+        """Greedy proposals for one block after ``committed_len`` committed positions.
+
+        seed_token: the anchor (newest decided token, not yet through the target), a target id.
+        committed_len: must equal ``n_ctx`` (every committed position's features ingested); the
+            seed sits at that position.
+        return_logits / return_hidden: fill ``Proposal.logits`` (+ ``markov_logits`` for DSpark) /
+            ``Proposal.hidden``.
+        topk: 0, or k >= 1 to fill ``topk_ids`` / ``topk_logprobs`` at ``temperature`` (> 0) for tree
+            drafting (spec-loop.md §7.1); DFlash 2 needs k <= selector_top_k.
+        confidence_threshold: DSpark only; None/0 = off (default). Otherwise keep drafts up to (not
+            including) the first k with c_k < threshold (DeepSpec ``_confident_prefix_length``,
+            drafters.md §5.3); may return 0 drafts. Needs a confidence head.
+        Returns a :class:`Proposal`. Raises ValueError on a bad argument.
+        """
+        m, hp = self.model, self.model.hp
+        if committed_len != self.n_ctx:
+            raise ValueError(f"propose: committed_len {committed_len} != {self.n_ctx} ingested context rows "
+                             "(ingest the features of every committed position first)")
+        if not 0 <= int(seed_token) < hp.n_vocab:
+            raise ValueError(f"propose: seed token {seed_token} is outside the vocabulary [0, {hp.n_vocab})")
+        if topk < 0 or (topk and not (temperature > 0 and math.isfinite(temperature))):
+            raise ValueError(f"propose: topk must be >= 0 and temperature finite > 0 (got {topk}, {temperature})")
+        if hp.dflash2 is not None and topk > hp.dflash2.selector_top_k:
+            raise ValueError(f"propose: topk {topk} exceeds the DFlash 2 selector's K = {hp.dflash2.selector_top_k}")
+        if topk > hp.n_vocab:
+            raise ValueError(f"propose: topk {topk} exceeds the vocabulary {hp.n_vocab}")
+        if confidence_threshold and (hp.dspark is None or m._conf_w is None):
+            raise ValueError("propose: confidence_threshold needs a DSpark drafter with a confidence head")
+        start = committed_len
+        B = hp.block_size
+        hidden_all = self.forward_block([int(seed_token)] + [hp.mask_token_id] * (B - 1), start)
+        hidden = np.ascontiguousarray(hidden_all[hp.first_proposal_row:])
+        logits = m.logits(hidden)
+        out = Proposal(tokens=np.zeros(0, np.int32), start=start)
+        if hp.dflash2 is not None:
+            self._select(out, hidden, logits, int(seed_token), topk, temperature)
+        elif hp.dspark is not None:
+            self._markov(out, hidden, logits, int(seed_token), topk, temperature, return_logits,
+                         confidence_threshold)
+        else:
+            out.tokens = sn.argmax(logits).numpy().astype(np.int32)
+            if topk:
+                ids = sn.topk(logits, topk)[1].numpy()
+                lse = _log_softmax(logits / np.float32(temperature))
+                out.topk_ids = ids.astype(np.int32)
+                out.topk_logprobs = np.take_along_axis(lse, ids.astype(np.int64), axis=1)
+        if return_logits:
+            out.logits = logits
+        if return_hidden:
+            out.hidden = hidden
+        return out
+
+    def _markov(self, out: Proposal, hidden, logits, seed, topk, temperature, keep, threshold) -> None:
+        m = self.model
+        dsp = m.w.dspark
+        toks, corrected, conf = markov_chain(logits, hidden, seed, dsp.markov_w1, dsp.markov_w2, m._conf_w, m._conf_b,
+                                             m.hp.dspark.confidence_with_markov)
+        out.confidence = conf
+        keep_n = len(toks)
+        if threshold:
+            low = np.nonzero(conf < threshold)[0]
+            keep_n = int(low[0]) if low.size else keep_n
+        out.tokens = toks[:keep_n]
+        if keep:
+            out.markov_logits = corrected
+        if topk:
+            lse = _log_softmax(corrected / np.float32(temperature))
+            ids = sn.topk(corrected, topk)[1].numpy().astype(np.int32)
+            out.topk_ids = ids
+            out.topk_logprobs = np.take_along_axis(lse, ids.astype(np.int64), axis=1)
+
+    def _select(self, out: Proposal, hidden, logits, seed, topk, temperature) -> None:
+        m = self.model
+        sel = m.w.selector
+        toks, cand, scores = selector_chain(logits, hidden, seed, sel.hproj, sel.pred_cb, sel.succ_cb,
+                                            m.hp.dflash2.selector_top_k)
+        out.tokens, out.candidates, out.candidate_scores = toks, cand, scores
+        if topk:
+            lse = _log_softmax(scores / np.float32(temperature))
+            order = np.argsort(-scores, axis=1, kind="stable")[:, :topk]
+            out.topk_ids = np.take_along_axis(cand, order, axis=1)
+            out.topk_logprobs = np.take_along_axis(lse, order, axis=1)
+
+
+# ---------------------------------------------------------------------- family heads (pure functions)
+
+
+def markov_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, w1: Tensor, w2: Tensor,
+                 conf_w: np.ndarray | None, conf_b: float | None, conf_with_markov: bool):
+    """DSpark Markov-corrected greedy chain + confidence head (drafters.md §5.2–5.3; DS
+    ``markov_head.py:VanillaMarkov`` / ``sample_block_tokens``, ``common.py:AcceptRatePredictor``).
+
+    logits: float32 [n, V], U_k = lm_head(h_k) of block row k−1 (k = 1..n); hidden: float32 [n, H],
+    the post-final-norm rows h_k; seed: x_0 (the anchor); w1, w2: [V, r] Tensors (any weight dtype;
+    W1 gathered by token, W2 used as a Linear r → V); conf_w: float32 [d_in] or None, conf_b: bias.
+    For k = 1..n:  ℓ_k = U_k + W2·W1[x_{k−1}],  x_k = argmax ℓ_k (first maximum),
+    c_k = σ(w·[h_k ; W1[x_{k−1}]] + b) (``[h_k]`` alone when not conf_with_markov; float64).
+    Returns (tokens int32 [n], ℓ float32 [n, V], confidence float32 [n] or None). The W2 GEMV and
+    the argmax are sequential per row (each needs the previous choice).
+    """
+    n = logits.shape[0]
+    toks = np.zeros(n, np.int32)
+    corrected = np.empty((n, logits.shape[1]), np.float32)
+    prev_rows = []
+    prev = int(seed)
+    for k in range(n):
+        e = sn.embedding(w1, np.array([prev], np.int32)).numpy()  # [1, r]
+        prev_rows.append(e[0])
+        corrected[k] = logits[k] + sn.matmul(e, w2).numpy()[0]
+        prev = int(sn.argmax(corrected[k : k + 1]).numpy()[0])
+        toks[k] = prev
+    conf = None
+    if conf_w is not None:
+        x = np.concatenate([hidden, np.stack(prev_rows)], axis=1) if conf_with_markov else hidden
+        if x.shape[1] != conf_w.shape[0]:
+            raise ValueError(f"confidence head expects {conf_w.shape[0]} inputs, got {x.shape[1]}")
+        z = x.astype(np.float64) @ conf_w.astype(np.float64) + float(conf_b or 0.0)
+        conf = (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+    return toks, corrected, conf
+
+
+def selector_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, hproj: Tensor, pred_cb: Tensor,
+                   succ_cb: Tensor, top_k: int):
+    """DFlash 2 candidate-selector greedy chain (drafters.md §6.3; ZL-0.1.0 ``CandidateSelector.select``).
+
+    logits: float32 [n, V] unary logits (already × output_multiplier and softcapped); hidden:
+    float32 [n, H] post-final-norm rows; seed: the anchor; hproj [R, H]; pred_cb, succ_cb [V, R].
+    Per slot s: (u_s, C_s) = top-K of logits[s] (best first, lower id first on ties);
+    p_s = W_h h_s; score_s(c) = u_s[c] + Σ_ρ Pred[prev]_ρ p_s,ρ Succ[c]_ρ; choose argmax (first
+    maximum in C_s order); prev = seed for s = 0, else the previous choice.
+    Returns (tokens int32 [n], candidates int32 [n, K], scores float32 [n, K] for the chosen prev).
+    """
+    n = logits.shape[0]
+    uv, cand = sn.topk(logits, top_k)
+    uv, cand = uv.numpy(), cand.numpy().astype(np.int32)
+    p = sn.matmul(np.ascontiguousarray(hidden, np.float32), hproj).numpy()  # [n, R]
+    succ = sn.embedding(succ_cb, np.ascontiguousarray(cand.reshape(-1))).numpy().reshape(n, top_k, -1)
+    scores = np.empty((n, top_k), np.float32)
+    toks = np.zeros(n, np.int32)
+    prev = int(seed)
+    for s in range(n):
+        pred = sn.embedding(pred_cb, np.array([prev], np.int32)).numpy()[0]
+        scores[s] = uv[s] + succ[s] @ (pred * p[s])
+        prev = int(cand[s, int(sn.argmax(scores[s : s + 1]).numpy()[0])])
+        toks[s] = prev
+    return toks, cand, scores
+
+
+def grouped_dynamic_conv(y: np.ndarray, dyn: np.ndarray, base: np.ndarray, group_size: int) -> np.ndarray:
+    """One side of DFlash 2's grouped dynamic causal conv (drafters.md §6.2; ZL-0.1.0
+    ``_grouped_dynamic_convolve``): out[t, c] = Σ_o (base[o, c] + dyn[t, o, c // group_size]) · y[t − o, c]
+    with y[t − o] = 0 before the block start. y float32 [L, H]; dyn float32 [L, taps, H / group_size];
+    base float32 [taps, H]. The coefficient is taken at the output row t. Returns float32 [L, H]."""
+    coef = base[None, :, :] + np.repeat(dyn, group_size, axis=2)  # [L, taps, H]
+    out = coef[:, 0] * y
+    for o in range(1, min(base.shape[0], y.shape[0])):
+        out[o:] += coef[o:, o] * y[:-o]
+    return out.astype(np.float32)
