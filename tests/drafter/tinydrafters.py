@@ -351,3 +351,78 @@ def f64_selector_reference(unary: np.ndarray, hidden: np.ndarray, seed: int, hpr
         cands.append(c)
         scores.append(sc)
     return np.array(toks), np.stack(cands), np.stack(scores)
+
+
+def f64_yarn_inv_freq(dim: int, theta: float, factor: float, orig: int, beta_fast: float = 32.0,
+                      beta_slow: float = 1.0) -> tuple[np.ndarray, float]:
+    """YaRN inverse frequencies and cos/sin multiplier in float64, from the YaRN paper (Peng et al.
+    2023) as transformers ``_compute_yarn_parameters`` states it (truncate=True): dims rotating
+    more than β_fast times over the original window keep their frequency, fewer than β_slow times
+    are divided by the factor, a linear ramp in between; multiplier 0.1·ln(factor) + 1."""
+    base = theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    extrap, interp = 1.0 / base, 1.0 / (factor * base)
+
+    def corr(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    return interp * ramp + extrap * (1 - ramp), 0.1 * math.log(factor) + 1.0
+
+
+def f64_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, mscale: float = 1.0) -> np.ndarray:
+    """NeoX ("rotate half") RoPE over the whole head in float64: x [n, heads, d], pos [n]."""
+    a = np.asarray(pos, np.float64)[:, None] * inv_freq[None, :]  # [n, d/2]
+    cos, sin = (np.concatenate([f(a), f(a)], 1)[:, None, :] * mscale for f in (np.cos, np.sin))
+    h = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., h:], x[..., :h]], -1)
+    return x * cos + rot * sin
+
+
+def f64_forward(cfg: dict, tensors: dict[str, np.ndarray], features: np.ndarray, block_emb: np.ndarray,
+                start: int, return_layer0_scores: bool = False):
+    """DFlash forward in float64 numpy, straight from drafters.md §3.1–3.2 (no specd code, no torch):
+    full-attention bidirectional layers only (every layer sees every context row and block row),
+    RoPE θ / YaRN from ``cfg``'s ``rope_parameters``. Returns the post-final-norm hidden [B, H]
+    (and, if asked, layer 0's pre-softmax scores [Hq, B, start + B])."""
+    t = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+    eps, hd = cfg["rms_norm_eps"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    rp = cfg["rope_parameters"]
+    if rp.get("rope_type") == "yarn":
+        inv, ms = f64_yarn_inv_freq(hd, rp["rope_theta"], rp["factor"], rp["original_max_position_embeddings"],
+                                    rp.get("beta_fast", 32.0), rp.get("beta_slow", 1.0))
+    else:
+        inv, ms = 1.0 / rp["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float64) / hd), 1.0
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    c = rms(np.asarray(features, np.float64) @ t["fc.weight"].T, t["hidden_norm.weight"])
+    h = np.asarray(block_emb, np.float64)
+    B = h.shape[0]
+    pos_all = np.arange(start + B)
+    scores0 = None
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        n = rms(h, t[p + "input_layernorm.weight"])
+        kv_in = np.concatenate([c, n])
+        q = rms((n @ t[p + "self_attn.q_proj.weight"].T).reshape(B, nh, hd), t[p + "self_attn.q_norm.weight"])
+        k = rms((kv_in @ t[p + "self_attn.k_proj.weight"].T).reshape(-1, nkv, hd), t[p + "self_attn.k_norm.weight"])
+        v = (kv_in @ t[p + "self_attn.v_proj.weight"].T).reshape(-1, nkv, hd)
+        q, k = f64_rope(q, pos_all[start:], inv, ms), f64_rope(k, pos_all, inv, ms)
+        g = nh // nkv
+        s = np.einsum("qhd,khd->hqk", q, np.repeat(k, g, axis=1)) / math.sqrt(hd)
+        if i == 0:
+            scores0 = s
+        a = np.exp(s - s.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        o = np.einsum("hqk,khd->qhd", a, np.repeat(v, g, axis=1)).reshape(B, nh * hd)
+        h = h + o @ t[p + "self_attn.o_proj.weight"].T
+        m = rms(h, t[p + "post_attention_layernorm.weight"])
+        gate, up = m @ t[p + "mlp.gate_proj.weight"].T, m @ t[p + "mlp.up_proj.weight"].T
+        h = h + (gate / (1 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
+    out = rms(h, t["norm.weight"])
+    return (out, scores0) if return_layer0_scores else out
