@@ -65,14 +65,15 @@ class Proposal:
     n = drafts per block (``hparams.n_drafts``: B − 1 for DFlash / DFlash 2, B for DSpark), before
     any confidence truncation; ``tokens`` may be shorter when truncated.
 
-    tokens: int32 [m], m ≤ n — the proposals, in order; draft k targets position
-        ``start + k`` (1-based k: DFlash / DFlash 2 row k) or ``start + k`` for DSpark row k − 1
-        (drafters.md §4). ``start`` is the seed's position.
+    tokens: int32 [m], m ≤ n — the proposals, in order. Draft k (1-based) is the token at position
+        ``start + k`` in both alignments (drafters.md §4): DFlash / DFlash 2 read it from block row
+        k (row 0, the seed, is discarded), DSpark from block row k − 1. The verify block is
+        ``[seed, tokens...]`` at positions start, start + 1, ...
     start: the seed's absolute position (= committed_len).
     logits: float32 [n, V] or None (``return_logits``) — per draft, the drafter's transformed
         lm_head logits (× output_multiplier, softcap; DFlash 2's "unary" logits). For DSpark the
         Markov-corrected logits ℓ_k are in ``markov_logits``.
-    markov_logits: DSpark only, float32 [n, V] or None — ℓ_k = U_k + W2·W1[x_{k−1}] along the
+    markov_logits: DSpark only, float32 [n, V] or None (``return_logits``) — ℓ_k = U_k + W2·W1[x_{k−1}] along the
         chosen chain (x_0 = seed).
     hidden: float32 [n, H] or None — post-final-norm draft hidden of the proposing rows.
     confidence: DSpark with a confidence head only, float32 [n] — c_k = σ(w·[h_k ; W1[x_{k−1}]] + b),
@@ -105,10 +106,6 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return (x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))).astype(np.float32)
 
 
-def _rows(t: Tensor) -> int:
-    return int(t.shape[0])
-
-
 class DrafterModel:
     """A drafter bound to its target's embedding and lm_head.
 
@@ -134,7 +131,8 @@ class DrafterModel:
             shape = tuple(int(s) for s in t.shape)
             if shape != (hp.n_vocab, hp.n_embd):
                 raise ValueError(f"{drafter.path}: target {name} is {list(shape)}; the drafter needs "
-                                 f"[n_vocab={hp.n_vocab}, n_embd={hp.n_embd}] (it reuses the target's embedding and head)")
+                                 f"[n_vocab={hp.n_vocab}, n_embd={hp.n_embd}] "
+                                 "(it reuses the target's embedding and head)")
         if kv_dtype not in (DType.F32, DType.F16, DType.Q8_0):
             raise ValueError(f"kv_dtype must be F32, F16 or Q8_0, got {kv_dtype}")
         if kv_dtype == DType.Q8_0 and hp.head_dim % 32:
@@ -207,7 +205,8 @@ class DrafterModel:
     def _dyn(self, u: np.ndarray, proj: Tensor) -> np.ndarray:
         """Dynamic coefficients D = reshape(u · W_kpᵀ, [L, 2, taps, G])."""
         d = self.hp.dflash2
-        return sn.matmul(u, proj).numpy().reshape(u.shape[0], 2, d.conv_kernel_size, self.hp.n_embd // d.conv_group_size)
+        groups = self.hp.n_embd // d.conv_group_size
+        return sn.matmul(u, proj).numpy().reshape(u.shape[0], 2, d.conv_kernel_size, groups)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Target lm_head on the draft hidden, × output_multiplier, tanh softcap (ZL-0.1.0
@@ -234,7 +233,8 @@ class DraftSequence:
         hp = model.hp
         self.model, self.capacity, self.n_ctx = model, int(capacity), 0
         shape = [self.capacity, hp.n_head_kv, hp.head_dim]
-        self.kv = [(Tensor.zeros(shape, model.kv_dtype), Tensor.zeros(shape, model.kv_dtype)) for _ in range(hp.n_layer)]
+        self.kv = [(Tensor.zeros(shape, model.kv_dtype), Tensor.zeros(shape, model.kv_dtype))
+                   for _ in range(hp.n_layer)]
 
     # ------------------------------------------------------------------ context
 

@@ -125,7 +125,8 @@ def test_c21_yarn_beyond_the_original_window(tmp_path, rng):
     # by propose at start..start+B-1 and still in the cache)
     l0 = ld.weights.layers[0]
     u = sn.rms_norm(emb[block], l0.attn_norm, hp.rms_eps).numpy()
-    q = sn.rms_norm(sn.matmul(u, l0.attn_q).numpy().reshape(len(block), hp.n_head, hp.head_dim), l0.attn_q_norm, hp.rms_eps)
+    q = sn.matmul(u, l0.attn_q).numpy().reshape(len(block), hp.n_head, hp.head_dim)
+    q = sn.rms_norm(q, l0.attn_q_norm, hp.rms_eps)
     qr = m.rope(q, start + np.arange(len(block))).numpy()
     g = hp.n_head // hp.n_head_kv
     keys = np.repeat(kc[: start + len(block)].astype(np.float64), g, axis=1)

@@ -48,7 +48,8 @@ HAND_W = np.array([0.5, -1, 2], np.float32)  # confidence weight over [h ; W1[pr
 HAND_B = -0.5
 HAND_SEED = 2
 # k=1: prev 2, W1 = 2, bias [0, 2, −2, 6], ℓ = [1, 2.5, −2, 6] → 3;  c = σ(0.5 + 2·2 − 0.5) = σ(4)
-# k=2: prev 3, W1 = −1, bias [0, −1, 1, −3], ℓ = [0, −1, 4, −3] → 2;  c = σ(−1 + 2·(−1) − 0.5) = σ(−3.5)
+# k=2: prev 3, W1 = −1, bias [0, −1, 1, −3], ℓ = [0, −1, 4, −3] → 2;
+#      c = σ(−1 + 2·(−1) − 0.5) = σ(−3.5)
 # k=3: prev 2, W1 = 2, bias [0, 2, −2, 6], ℓ = [0, 4, −2, 6] → 3;     c = σ(0.5 − 1 + 4 − 0.5) = σ(3)
 HAND_TOKENS = [3, 2, 3]
 HAND_ELL = np.array([[1, 2.5, -2, 6], [0, -1, 4, -3], [0, 4, -2, 6]], np.float64)
@@ -69,7 +70,8 @@ def test_markov_hand_case_reference_and_ours():
 
 
 def build(tmp_path, rng, **kw):
-    folder, cfg, tensors = td.make_drafter(tmp_path / "dspark", "dspark", rng, dtype="F32", scales=td.FORWARD_SCALES, **kw)
+    folder, cfg, tensors = td.make_drafter(tmp_path / "dspark", "dspark", rng, dtype="F32",
+                                           scales=td.FORWARD_SCALES, **kw)
     ld = load_drafter(td.convert_tiny(folder, "f32"))
     emb, head = td.target_tables(cfg, rng)
     return cfg, tensors, ld, emb, head
@@ -200,7 +202,8 @@ def test_dspark_parity_with_mlx_dspark(tmp_path, rng, variant):
     cfg = td.make_config("dspark", **variant)
     for k in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov"):
         cfg[k] = cfg["dflash_config"][k]  # mlx-dspark reads these at top level only
-    folder, cfg, tensors = td.make_drafter(tmp_path / "ds", "dspark", rng, dtype="F32", cfg=cfg, scales=td.FORWARD_SCALES)
+    folder, cfg, tensors = td.make_drafter(tmp_path / "ds", "dspark", rng, dtype="F32", cfg=cfg,
+                                           scales=td.FORWARD_SCALES)
     ld = load_drafter(td.convert_tiny(folder, "f32"))
     emb, head = td.target_tables(cfg, rng)
     p, feats, seed = ours(ld, emb, head, rng)
