@@ -45,7 +45,7 @@ again are not reclaimed (memory is ``capacity`` rows per layer).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -55,7 +55,61 @@ from specd.native import DType, Tensor
 
 from .gguf_loader import LoadedDrafter
 
-__all__ = ["DrafterModel", "DraftSequence", "Proposal", "markov_chain", "selector_chain", "grouped_dynamic_conv"]
+__all__ = ["DrafterModel", "DraftSequence", "Proposal", "Sampling", "sampling_probs", "markov_chain", "selector_chain",
+           "grouped_dynamic_conv"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampled drafting for lossless rejection sampling (spec-loop.md §8; ZL-0.1.0 ``sample`` /
+    ``_sampling_probs``): drafts are drawn from q = softmax(scores / temperature) after the same
+    top-k then top-p truncation the target uses. temperature finite > 0; top_p in (0, 1];
+    top_k >= 0 (0 = off); rng: the numpy Generator the draws come from (one uniform per draft,
+    inverse CDF over token ids in increasing order)."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    rng: np.random.Generator = field(default_factory=np.random.default_rng)
+
+    def __post_init__(self):
+        if not (self.temperature > 0 and math.isfinite(self.temperature)) or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"Sampling: temperature must be finite > 0, top_p in (0, 1], top_k >= 0 "
+                             f"(got {self.temperature}, {self.top_p}, {self.top_k})")
+
+
+def sampling_probs(scores: np.ndarray, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
+    """ZL-0.1.0 ``_sampling_probs`` in float64: z = scores / T; if 0 < top_k < m keep the top_k
+    largest (lower index first on ties); p = softmax over the kept entries; if top_p < 1, keep
+    the tokens in descending p order while the mass *before* them is < top_p and renormalise;
+    zeros elsewhere. scores float [n, m] -> float32 [n, m], each row summing to 1."""
+    z = np.asarray(scores, np.float64) / float(temperature)
+    n, m = z.shape
+    keep = np.ones_like(z, dtype=bool)
+    if 0 < top_k < m:
+        order = np.argsort(-z, axis=1, kind="stable")[:, top_k:]
+        np.put_along_axis(keep, order, False, axis=1)
+    z = np.where(keep, z, -np.inf)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-p, axis=1, kind="stable")
+        sp = np.take_along_axis(p, order, axis=1)
+        mask = (np.cumsum(sp, axis=1) - sp) < top_p
+        np.put_along_axis(p, order, sp * mask, axis=1)
+        p /= p.sum(axis=1, keepdims=True)
+    return p.astype(np.float32)
+
+
+def _draw(q: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw of one index from probability row q (float, sums to ~1; zero entries are
+    never drawn)."""
+    c = np.cumsum(np.asarray(q, np.float64))
+    i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
+    i = min(i, len(c) - 1)
+    while q[i] == 0:  # only reachable through rounding at the top of the CDF
+        i -= 1
+    return i
 
 
 @dataclass
@@ -81,6 +135,10 @@ class Proposal:
     candidates, candidate_scores: DFlash 2 only, int32 [n, K] / float32 [n, K] — the top-K unary
         candidates per slot (best unary first) and their selector scores u + Σ Pred[prev]·p·Succ[c]
         given the chosen predecessor.
+    q: float32 [n, V] or None — with ``sampling``, the proposal distribution each draft was drawn
+        from (spec-loop.md §8): DFlash softmax(logits / T) truncated; DSpark the same over ℓ_k
+        (conditioned on the previously *sampled* draft); DFlash 2 softmax(score / T) over the K
+        candidates scattered onto their ids (no truncation, as ZL-0.1.0), zeros elsewhere.
     topk_ids, topk_logprobs: int32 [n, k] / float32 [n, k] when ``topk = k > 0`` (spec-loop.md §7.1):
         per draft row, the k best tokens and their log-probabilities, best first. DFlash:
         log_softmax(logits / T); DSpark: log_softmax(ℓ_k / T) along the chain (argmax spine);
@@ -95,6 +153,7 @@ class Proposal:
     confidence: np.ndarray | None = None
     candidates: np.ndarray | None = None
     candidate_scores: np.ndarray | None = None
+    q: np.ndarray | None = None
     topk_ids: np.ndarray | None = None
     topk_logprobs: np.ndarray | None = None
 
@@ -332,8 +391,9 @@ class DraftSequence:
 
     def propose(self, seed_token: int, committed_len: int, *, return_logits: bool = False,
                 return_hidden: bool = False, topk: int = 0, temperature: float = 1.0,
-                confidence_threshold: float | None = None) -> Proposal:
-        """Greedy proposals for one block after ``committed_len`` committed positions.
+                confidence_threshold: float | None = None, sampling: Sampling | None = None) -> Proposal:
+        """Proposals for one block after ``committed_len`` committed positions (greedy unless
+        ``sampling`` is given).
 
         seed_token: the anchor (newest decided token, not yet through the target), a target id.
         committed_len: must equal ``n_ctx`` (every committed position's features ingested); the
@@ -345,6 +405,9 @@ class DraftSequence:
         confidence_threshold: DSpark only; None/0 = off (default). Otherwise keep drafts up to (not
             including) the first k with c_k < threshold (DeepSpec ``_confident_prefix_length``,
             drafters.md §5.3); may return 0 drafts. Needs a confidence head.
+        sampling: None (greedy: argmax / Markov argmax chain / selector argmax chain), or a
+            :class:`Sampling`: every draft is drawn from its proposal distribution, returned in
+            ``Proposal.q`` (DSpark / DFlash 2 chains condition on the sampled previous draft).
         Returns a :class:`Proposal`. Raises ValueError on a bad argument.
         """
         m, hp = self.model, self.model.hp
@@ -368,12 +431,16 @@ class DraftSequence:
         logits = m.logits(hidden)
         out = Proposal(tokens=np.zeros(0, np.int32), start=start)
         if hp.dflash2 is not None:
-            self._select(out, hidden, logits, int(seed_token), topk, temperature)
+            self._select(out, hidden, logits, int(seed_token), topk, temperature, sampling)
         elif hp.dspark is not None:
             self._markov(out, hidden, logits, int(seed_token), topk, temperature, return_logits,
-                         confidence_threshold)
+                         confidence_threshold, sampling)
         else:
-            out.tokens = sn.argmax(logits).numpy().astype(np.int32)
+            if sampling is None:
+                out.tokens = sn.argmax(logits).numpy().astype(np.int32)
+            else:
+                out.q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+                out.tokens = np.array([_draw(r, sampling.rng) for r in out.q], np.int32)
             if topk:
                 ids = sn.topk(logits, topk)[1].numpy()
                 lse = _log_softmax(logits / np.float32(temperature))
@@ -385,12 +452,12 @@ class DraftSequence:
             out.hidden = hidden
         return out
 
-    def _markov(self, out: Proposal, hidden, logits, seed, topk, temperature, keep, threshold) -> None:
+    def _markov(self, out: Proposal, hidden, logits, seed, topk, temperature, keep, threshold, sampling) -> None:
         m = self.model
         dsp = m.w.dspark
-        toks, corrected, conf = markov_chain(logits, hidden, seed, dsp.markov_w1, dsp.markov_w2, m._conf_w, m._conf_b,
-                                             m.hp.dspark.confidence_with_markov)
-        out.confidence = conf
+        toks, corrected, conf, q = markov_chain(logits, hidden, seed, dsp.markov_w1, dsp.markov_w2, m._conf_w,
+                                                m._conf_b, m.hp.dspark.confidence_with_markov, sampling)
+        out.confidence, out.q = conf, q
         keep_n = len(toks)
         if threshold:
             low = np.nonzero(conf < threshold)[0]
@@ -404,12 +471,15 @@ class DraftSequence:
             out.topk_ids = ids
             out.topk_logprobs = np.take_along_axis(lse, ids.astype(np.int64), axis=1)
 
-    def _select(self, out: Proposal, hidden, logits, seed, topk, temperature) -> None:
+    def _select(self, out: Proposal, hidden, logits, seed, topk, temperature, sampling) -> None:
         m = self.model
         sel = m.w.selector
-        toks, cand, scores = selector_chain(logits, hidden, seed, sel.hproj, sel.pred_cb, sel.succ_cb,
-                                            m.hp.dflash2.selector_top_k)
+        toks, cand, scores, qk = selector_chain(logits, hidden, seed, sel.hproj, sel.pred_cb, sel.succ_cb,
+                                                m.hp.dflash2.selector_top_k, sampling)
         out.tokens, out.candidates, out.candidate_scores = toks, cand, scores
+        if qk is not None:
+            out.q = np.zeros_like(logits)
+            np.put_along_axis(out.q, cand.astype(np.int64), qk, axis=1)
         if topk:
             lse = _log_softmax(scores / np.float32(temperature))
             order = np.argsort(-scores, axis=1, kind="stable")[:, :topk]
@@ -421,7 +491,8 @@ class DraftSequence:
 
 
 def markov_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, w1: Tensor, w2: Tensor,
-                 conf_w: np.ndarray | None, conf_b: float | None, conf_with_markov: bool):
+                 conf_w: np.ndarray | None, conf_b: float | None, conf_with_markov: bool,
+                 sampling: Sampling | None = None):
     """DSpark Markov-corrected greedy chain + confidence head (drafters.md §5.2–5.3; DS
     ``markov_head.py:VanillaMarkov`` / ``sample_block_tokens``, ``common.py:AcceptRatePredictor``).
 
@@ -430,19 +501,25 @@ def markov_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, w1: Tensor, 
     W1 gathered by token, W2 used as a Linear r → V); conf_w: float32 [d_in] or None, conf_b: bias.
     For k = 1..n:  ℓ_k = U_k + W2·W1[x_{k−1}],  x_k = argmax ℓ_k (first maximum),
     c_k = σ(w·[h_k ; W1[x_{k−1}]] + b) (``[h_k]`` alone when not conf_with_markov; float64).
-    Returns (tokens int32 [n], ℓ float32 [n, V], confidence float32 [n] or None). The W2 GEMV and
-    the argmax are sequential per row (each needs the previous choice).
+    With ``sampling``: x_k ~ q_k = sampling_probs(ℓ_k) instead of the argmax.
+    Returns (tokens int32 [n], ℓ float32 [n, V], confidence float32 [n] or None, q float32 [n, V]
+    or None). The W2 GEMV and the choice are sequential per row (each needs the previous one).
     """
     n = logits.shape[0]
     toks = np.zeros(n, np.int32)
     corrected = np.empty((n, logits.shape[1]), np.float32)
+    q = None if sampling is None else np.empty_like(corrected)
     prev_rows = []
     prev = int(seed)
     for k in range(n):
         e = sn.embedding(w1, np.array([prev], np.int32)).numpy()  # [1, r]
         prev_rows.append(e[0])
         corrected[k] = logits[k] + sn.matmul(e, w2).numpy()[0]
-        prev = int(sn.argmax(corrected[k : k + 1]).numpy()[0])
+        if sampling is None:
+            prev = int(sn.argmax(corrected[k : k + 1]).numpy()[0])
+        else:
+            q[k] = sampling_probs(corrected[k : k + 1], sampling.temperature, sampling.top_p, sampling.top_k)[0]
+            prev = _draw(q[k], sampling.rng)
         toks[k] = prev
     conf = None
     if conf_w is not None:
@@ -451,19 +528,21 @@ def markov_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, w1: Tensor, 
             raise ValueError(f"confidence head expects {conf_w.shape[0]} inputs, got {x.shape[1]}")
         z = x.astype(np.float64) @ conf_w.astype(np.float64) + float(conf_b or 0.0)
         conf = (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
-    return toks, corrected, conf
+    return toks, corrected, conf, q
 
 
 def selector_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, hproj: Tensor, pred_cb: Tensor,
-                   succ_cb: Tensor, top_k: int):
+                   succ_cb: Tensor, top_k: int, sampling: Sampling | None = None):
     """DFlash 2 candidate-selector greedy chain (drafters.md §6.3; ZL-0.1.0 ``CandidateSelector.select``).
 
     logits: float32 [n, V] unary logits (already × output_multiplier and softcapped); hidden:
     float32 [n, H] post-final-norm rows; seed: the anchor; hproj [R, H]; pred_cb, succ_cb [V, R].
     Per slot s: (u_s, C_s) = top-K of logits[s] (best first, lower id first on ties);
     p_s = W_h h_s; score_s(c) = u_s[c] + Σ_ρ Pred[prev]_ρ p_s,ρ Succ[c]_ρ; choose argmax (first
-    maximum in C_s order); prev = seed for s = 0, else the previous choice.
-    Returns (tokens int32 [n], candidates int32 [n, K], scores float32 [n, K] for the chosen prev).
+    maximum in C_s order); prev = seed for s = 0, else the previous choice. With ``sampling``:
+    draw from q_s = softmax(score_s / T) over the K candidates (ZL-0.1.0 applies no top-p/top-k here).
+    Returns (tokens int32 [n], candidates int32 [n, K], scores float32 [n, K] for the chosen prev,
+    q float32 [n, K] over the candidates or None).
     """
     n = logits.shape[0]
     uv, cand = sn.topk(logits, top_k)
@@ -472,13 +551,19 @@ def selector_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, hproj: Ten
     succ = sn.embedding(succ_cb, np.ascontiguousarray(cand.reshape(-1))).numpy().reshape(n, top_k, -1)
     scores = np.empty((n, top_k), np.float32)
     toks = np.zeros(n, np.int32)
+    q = None if sampling is None else np.empty((n, top_k), np.float32)
     prev = int(seed)
     for s in range(n):
         pred = sn.embedding(pred_cb, np.array([prev], np.int32)).numpy()[0]
         scores[s] = uv[s] + succ[s] @ (pred * p[s])
-        prev = int(cand[s, int(sn.argmax(scores[s : s + 1]).numpy()[0])])
+        if sampling is None:
+            j = int(sn.argmax(scores[s : s + 1]).numpy()[0])
+        else:
+            q[s] = sampling_probs(scores[s : s + 1], sampling.temperature)[0]
+            j = _draw(q[s], sampling.rng)
+        prev = int(cand[s, j])
         toks[s] = prev
-    return toks, cand, scores
+    return toks, cand, scores, q
 
 
 def grouped_dynamic_conv(y: np.ndarray, dyn: np.ndarray, base: np.ndarray, group_size: int) -> np.ndarray:

@@ -60,12 +60,12 @@ def test_markov_hand_case_reference_and_ours():
     t, ell, c = td.f64_markov_reference(HAND_U, HAND_H, HAND_SEED, HAND_W1, HAND_W2, HAND_W, HAND_B)
     assert t.tolist() == HAND_TOKENS and np.allclose(ell, HAND_ELL) and np.allclose(c, HAND_CONF)
     assert HAND_U.argmax(1).tolist() != HAND_TOKENS  # the bigram bias changes every choice here
-    t2, ell2, c2 = markov_chain(HAND_U, HAND_H, HAND_SEED, Tensor(HAND_W1), Tensor(HAND_W2), HAND_W, HAND_B, True)
-    assert t2.dtype == np.int32 and t2.tolist() == HAND_TOKENS
+    t2, ell2, c2, q2 = markov_chain(HAND_U, HAND_H, HAND_SEED, Tensor(HAND_W1), Tensor(HAND_W2), HAND_W, HAND_B, True)
+    assert t2.dtype == np.int32 and t2.tolist() == HAND_TOKENS and q2 is None
     np.testing.assert_allclose(ell2, HAND_ELL, rtol=0, atol=1e-6)
     np.testing.assert_allclose(c2, HAND_CONF, rtol=1e-6)
     # confidence without the Markov input: σ(w[:H]·h + b)
-    _, _, c3 = markov_chain(HAND_U, HAND_H, HAND_SEED, Tensor(HAND_W1), Tensor(HAND_W2), HAND_W[:2], HAND_B, False)
+    _, _, c3, _ = markov_chain(HAND_U, HAND_H, HAND_SEED, Tensor(HAND_W1), Tensor(HAND_W2), HAND_W[:2], HAND_B, False)
     np.testing.assert_allclose(c3, 1 / (1 + np.exp(-(HAND_H @ HAND_W[:2] + HAND_B))), rtol=1e-6)
 
 
