@@ -2,8 +2,10 @@
 
 Contract: docs/drafters.md §3 (forward graph, masks, RoPE/YaRN, context K/V caching), §4 (row
 alignment), §5.2–5.3 (DSpark Markov and confidence heads), §6.2–6.3 (DFlash 2 grouped dynamic conv
-and candidate selector); spec-loop.md §7.1 (per-position top-k for trees). Checked against PyPI
-``dflash==0.1.0`` (``DFlashDraftModel`` / ``DFlash2DraftModel``, z-lab) in tests/drafter/test_forward_*.
+and candidate selector); spec-loop.md §7.1 (per-position top-k for trees) and §8 (proposal
+distributions for sampled drafting). Checked in tests/drafter/test_forward_*.py against PyPI
+``dflash==0.1.0`` (``DFlashDraftModel`` / ``DFlash2DraftModel``, z-lab, torch float64),
+``mlx-dspark==0.20.3`` (DSpark end to end) and float64 numpy forms of the published math.
 
 Two objects:
 
@@ -30,7 +32,8 @@ Per sequence (drafters.md §3.1–3.2, §3.7):
     K/V are written at rows start.. and are overwritten by the next ingest (never context).
     Token choice per family: DFlash argmax of rows 1..B−1; DSpark the Markov chain over rows
     0..B−1 (+ confidence, optional truncation); DFlash 2 the candidate-selector chain over the
-    top-K of rows 1..B−1.
+    top-K of rows 1..B−1. Greedy by default; with a :class:`Sampling` every draft is drawn from its
+    proposal distribution q, which is returned for rejection sampling.
 
 Masks (ZL-0.1.0 rule, drafters.md §3.3, resolved at conversion into ``causal_pattern`` /
 ``sliding_pattern``): key at position p_k is visible to the query at p_q iff (causal ⇒ p_k ≤ p_q)
@@ -208,8 +211,9 @@ class DrafterModel:
                                  yarn_attention_factor=float(y.attention_factor))
         self.causal = tuple(bool(c) for c in hp.causal_pattern)
         self.window = tuple(int(hp.sliding_window) if s else 0 for s in hp.sliding_pattern)
+        self._conf_w: np.ndarray | None = None
+        self._conf_b: float | None = None
         if self.w.dspark is not None:
-            self._markov_w2 = self.w.dspark.markov_w2
             cw = self.w.dspark.confidence_weight
             self._conf_w = None if cw is None else np.asarray(cw.numpy(), np.float32).reshape(-1)
             cb = self.w.dspark.confidence_bias
