@@ -222,3 +222,32 @@ def test_dflash_q8_0_file_and_cache(tmp_path, rng):
         assert np.isfinite(p.logits).all() and rel(p.logits, lr) < tol, kv
         if kv == DType.F32:
             np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+
+
+def test_dflash_embedding_scale_and_logit_transforms(tmp_path, rng):
+    """ZL-0.1.0 transforms read from the file: the block embedding × input_embedding_scale
+    (``_raw_input_embeddings``), logits × output_multiplier then c·tanh(x / c) (``compute_logits``)."""
+    import torch
+
+    cfg = td.make_config("dflash")
+    cfg["dflash_config"].update(input_embedding_scale=1.7, output_multiplier=0.6, final_logit_softcapping=4.0)
+    folder, cfg, tensors = td.make_drafter(tmp_path / "t", "dflash", rng, dtype="F32", cfg=cfg,
+                                           scales=td.FORWARD_SCALES)
+    ld = load_drafter(td.convert_tiny(folder, "f32"))
+    hp = ld.hparams
+    assert (hp.input_embedding_scale, hp.output_multiplier, hp.final_logit_softcapping) == (
+        pytest.approx(1.7), pytest.approx(0.6), 4.0)
+    emb, head = td.target_tables(cfg, rng)
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head)).new_sequence(48)
+    feats = features(rng, cfg, 16)
+    seq.ingest(feats, 0)
+    p = seq.propose(6, 16, return_logits=True)
+    ref = td.reference_model(cfg, tensors)
+    block = np.array([6] + [hp.mask_token_id] * (hp.block_size - 1))
+    h = td.reference_forward(ref, feats, emb[block].astype(np.float64) * 1.7, 16)[1:]
+    head64 = torch.from_numpy(head.astype(np.float64))
+    with torch.no_grad():
+        lr = ref.compute_logits(torch.from_numpy(h), lambda x: x @ head64.T).numpy()
+    assert np.abs(p.logits).max() <= 4.0
+    np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+    assert rel(p.logits, lr) < TOL
