@@ -119,8 +119,8 @@ def _draw(q: np.ndarray, rng: np.random.Generator) -> int:
 class Proposal:
     """Result of :meth:`DraftSequence.propose` for one block.
 
-    n = drafts per block (``hparams.n_drafts``: B − 1 for DFlash / DFlash 2, B for DSpark), before
-    any confidence truncation; ``tokens`` may be shorter when truncated.
+    n = drafts per block (``hparams.n_drafts``: B − 1 for DFlash / DFlash 2, B for DSpark; B the
+    block actually run), before any confidence truncation; ``tokens`` may be shorter when truncated.
 
     tokens: int32 [m], m ≤ n — the proposals, in order. Draft k (1-based) is the token at position
         ``start + k`` in both alignments (drafters.md §4): DFlash / DFlash 2 read it from block row
@@ -395,7 +395,8 @@ class DraftSequence:
 
     def propose(self, seed_token: int, committed_len: int, *, return_logits: bool = False,
                 return_hidden: bool = False, topk: int = 0, temperature: float = 1.0,
-                confidence_threshold: float | None = None, sampling: Sampling | None = None) -> Proposal:
+                confidence_threshold: float | None = None, sampling: Sampling | None = None,
+                block_size: int | None = None) -> Proposal:
         """Proposals for one block after ``committed_len`` committed positions (greedy unless
         ``sampling`` is given).
 
@@ -412,6 +413,9 @@ class DraftSequence:
         sampling: None (greedy: argmax / Markov argmax chain / selector argmax chain), or a
             :class:`Sampling`: every draft is drawn from its proposal distribution, returned in
             ``Proposal.q`` (DSpark / DFlash 2 chains condition on the sampled previous draft).
+        block_size: None (the file's B), or a smaller block B' run instead (ZL-0.1.0 shrinks the
+            block near max_new_tokens; drafters.md §1): [seed, M × (B'−1)], B' − 1 (DFlash,
+            DFlash 2; B' >= 2) or B' (DSpark; B' >= 1) drafts.
         Returns a :class:`Proposal`. Raises ValueError on a bad argument.
         """
         m, hp = self.model, self.model.hp
@@ -429,7 +433,9 @@ class DraftSequence:
         if confidence_threshold and (hp.dspark is None or m._conf_w is None):
             raise ValueError("propose: confidence_threshold needs a DSpark drafter with a confidence head")
         start = committed_len
-        B = hp.block_size
+        B = hp.block_size if block_size is None else int(block_size)
+        if not hp.first_proposal_row + 1 <= B <= hp.block_size:
+            raise ValueError(f"propose: block_size {block_size} outside [{hp.first_proposal_row + 1}, {hp.block_size}]")
         hidden_all = self.forward_block([int(seed_token)] + [hp.mask_token_id] * (B - 1), start)
         hidden = np.ascontiguousarray(hidden_all[hp.first_proposal_row:])
         logits = m.logits(hidden)

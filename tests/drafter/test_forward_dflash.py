@@ -251,3 +251,22 @@ def test_dflash_embedding_scale_and_logit_transforms(tmp_path, rng):
     assert np.abs(p.logits).max() <= 4.0
     np.testing.assert_array_equal(p.tokens, lr.argmax(1))
     assert rel(p.logits, lr) < TOL
+
+
+def test_dflash_shorter_block(tmp_path, rng):
+    """propose(block_size=B') runs [seed, M × (B'−1)] as ZL-0.1.0 does near max_new_tokens."""
+    cfg, tensors, ld, emb, head = build(tmp_path, rng, sliding="qwen36")
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head)).new_sequence(64)
+    feats = features(rng, cfg, 21)
+    seq.ingest(feats, 0)
+    ref = td.reference_model(cfg, tensors)
+    for b in (2, 5):
+        p = seq.propose(13, 21, return_logits=True, block_size=b)
+        block = np.array([13] + [ld.hparams.mask_token_id] * (b - 1))
+        lr = td.reference_forward(ref, feats, emb[block], 21)[1:] @ head.T.astype(np.float64)
+        assert p.tokens.shape == (b - 1,)
+        np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+        assert rel(p.logits, lr) < TOL
+    for bad in (1, ld.hparams.block_size + 1):
+        with pytest.raises(ValueError, match="block_size"):
+            seq.propose(13, 21, block_size=bad)

@@ -109,3 +109,22 @@ def test_dflash2_topk_logprobs(tmp_path, rng):
     np.testing.assert_array_equal(p.topk_ids[:, 0], p.tokens)
     with pytest.raises(ValueError, match="selector"):
         DrafterModel(ld, Tensor(emb), Tensor(head)).new_sequence(32).propose(1, 0, topk=5)
+
+
+def test_dflash2_shorter_block(tmp_path, rng):
+    """A 4-row block (3 drafts): convs see only the block's rows, the selector chains over 3 slots."""
+    import torch
+
+    cfg, tensors, ld, emb, head = build(tmp_path, rng, sliding="all")
+    hp = ld.hparams
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head)).new_sequence(64)
+    feats = rng.normal(0, 1, (18, hp.n_taps * hp.n_embd)).astype(np.float32)
+    seq.ingest(feats, 0)
+    p = seq.propose(21, 18, return_logits=True, block_size=4)
+    ref = td.reference_model(cfg, tensors)
+    hr = td.reference_forward(ref, feats, emb[np.array([21] + [hp.mask_token_id] * 3)], 18)[1:]
+    head64 = torch.from_numpy(head.astype(np.float64))
+    with torch.no_grad():
+        toks, _, _ = ref.propose(torch.from_numpy(hr)[None], torch.tensor([21]), lambda x: x @ head64.T, 0.0)
+    assert p.tokens.shape == (3,) and rel(p.logits, hr @ head.T.astype(np.float64)) < TOL
+    np.testing.assert_array_equal(p.tokens, toks[0].numpy())

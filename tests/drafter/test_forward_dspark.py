@@ -130,6 +130,24 @@ def test_dspark_backbone_parity_with_dflash_reference(tmp_path, rng, packaging):
     assert np.abs(p.markov_logits - ell64).max() / np.abs(ell64).max() < TOL
 
 
+@pytest.mark.oracle
+def test_dspark_shorter_block(tmp_path, rng):
+    """block_size=B' gives B' drafts (proposals_only) from [seed, M × (B'−1)]."""
+    pytest.importorskip("torch")
+    pytest.importorskip("dflash")
+    cfg, tensors, ld, emb, head = build(tmp_path, rng)
+    hp = ld.hparams
+    p, feats, seed = ours(ld, emb, head, rng, block_size=3)
+    hr = td.reference_forward(td.reference_model(cfg, tensors), feats, emb[np.array([seed] + [hp.mask_token_id] * 2)],
+                              feats.shape[0])
+    lr = hr @ head.T.astype(np.float64)
+    t64, _, _ = td.f64_markov_reference(lr, hr, seed, tensors["markov_head.markov_w1.weight"],
+                                        tensors["markov_head.markov_w2.weight"])
+    assert p.tokens.shape == (3,) and p.confidence.shape == (3,)
+    assert np.abs(p.logits - lr).max() / np.abs(lr).max() < TOL
+    np.testing.assert_array_equal(p.tokens, t64)
+
+
 def test_dspark_confidence_truncation_and_topk(tmp_path, rng):
     cfg, tensors, ld, emb, head = build(tmp_path, rng)
     p, feats, seed = ours(ld, emb, head, rng, topk=3, temperature=0.9)
