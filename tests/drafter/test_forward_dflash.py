@@ -270,3 +270,23 @@ def test_dflash_shorter_block(tmp_path, rng):
     for bad in (1, ld.hparams.block_size + 1):
         with pytest.raises(ValueError, match="block_size"):
             seq.propose(13, 21, block_size=bad)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_window_smaller_than_the_block(tmp_path, rng, is_causal):
+    """W = 3 < B = 8 on every layer: the per-row window bites inside the block too; non-causal
+    layers also hide keys with p_k − p_q >= W (ZL-0.1.0 ``_attention_mask``)."""
+    cfg = td.make_config("dflash", sliding="all")
+    cfg.update(sliding_window=3, is_causal=is_causal)
+    folder, cfg, tensors = td.make_drafter(tmp_path / "w", "dflash", rng, dtype="F32", cfg=cfg,
+                                           scales=td.FORWARD_SCALES)
+    ld = load_drafter(td.convert_tiny(folder, "f32"))
+    assert ld.hparams.sliding_window == 3 and ld.hparams.causal_pattern == (is_causal,) * 2
+    emb, head = td.target_tables(cfg, rng)
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head)).new_sequence(48)
+    feats = features(rng, cfg, 12)
+    seq.ingest(feats, 0)
+    p = seq.propose(30, 12, return_logits=True)
+    _, lr = reference_block(td.reference_model(cfg, tensors), cfg, ld, emb, head, feats, 30, 12)
+    np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+    assert rel(p.logits, lr) < TOL
