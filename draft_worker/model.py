@@ -39,11 +39,13 @@ Masks (ZL-0.1.0 rule, drafters.md §3.3, resolved at conversion into ``causal_pa
 ``sliding_pattern``): key at position p_k is visible to the query at p_q iff (causal ⇒ p_k ≤ p_q)
 and (sliding ⇒ p_q − p_k < W, and if not causal also p_k − p_q < W). Windows are applied per row.
 
-KV cache: one native cache pair per layer, [capacity, Hkv, hd] of ``kv_dtype`` (F32 default; F16
-and Q8_0 allowed — K is k-normed and V comes from the hidden-normed context, so both are O(1) in
-magnitude even when the taps carry outliers), cache row = absolute position. Sliding windows and the
-optional ``context_cap`` are enforced by visibility (exact semantics); rows that can never be seen
-again are not reclaimed (memory is ``capacity`` rows per layer).
+KV cache: one native cache pair per layer of ``kv_dtype`` (F32 default; F16 and Q8_0 allowed — K
+is k-normed and V comes from the hidden-normed context, so both are O(1) in magnitude even when the
+taps carry outliers). Unbounded full-attention layers hold ``capacity`` rows (row = position);
+layers whose visibility is bounded — sliding windows (the last W − 1 context rows, drafters.md §3.3)
+and full layers under ``context_cap`` — hold 2·keep + 2·B rows at a moving base and compute K/V only
+for rows they can still see. Visibility (causality, per-row windows, the cap) is computed on
+positions, so the bounded layers give exactly the unbounded result.
 """
 from __future__ import annotations
 
@@ -284,20 +286,87 @@ class DrafterModel:
         return z
 
 
+class _LayerKV:
+    """K/V rows of one drafter layer: row r holds position ``base + r`` (native caches
+    [rows, Hkv, hd] of the model's kv_dtype). ``keep`` = context rows that can still be visible to
+    a future block (sliding: W − 1; full layer under context_cap: the cap; None: every row, then
+    rows = the sequence capacity and base stays 0). Bounded layers hold 2·keep + 2·B rows and
+    compact (move their live rows to the front) when a write would run past the end. Context rows
+    of positions [valid_lo, n_ctx) hold data (bounded layers skip rows they can no longer see)."""
+
+    def __init__(self, rows: int, keep: int | None, hp, dtype: DType):
+        shape = [rows, hp.n_head_kv, hp.head_dim]
+        self.k, self.v = Tensor.zeros(shape, dtype), Tensor.zeros(shape, dtype)
+        self.rows, self.keep, self.base, self.valid_lo = rows, keep, 0, 0
+
+    def make_room(self, lo: int, first_new: int, hi: int, n_valid: int) -> None:
+        """Make positions [lo, hi) addressable, preserving the rows of positions
+        [lo, min(first_new, n_valid)) (older live context); positions >= first_new are about to be
+        (re)written. Raises ValueError when a live row was already dropped (a rollback deeper than
+        the retained window)."""
+        if lo >= self.base and hi - self.base <= self.rows:
+            return
+        if hi - lo > self.rows:  # cannot happen for the sizes DraftSequence picks
+            raise ValueError(f"internal: {hi - lo} positions do not fit {self.rows} cache rows")
+        live_hi = min(first_new, n_valid)
+        if live_hi > lo:
+            if lo < self.valid_lo:
+                raise ValueError(f"ingest: positions {lo}..{self.valid_lo - 1} of a windowed layer were already "
+                                 "dropped; cannot roll back that far")
+            for t in (self.k, self.v):
+                a = t.numpy()
+                a[: live_hi - lo] = a[lo - self.base : live_hi - self.base].copy()
+        self.base = lo
+        self.valid_lo = max(self.valid_lo, lo)
+
+    def view(self, first: int, n: int, dtype: DType) -> tuple[Tensor, Tensor]:
+        """Native views of the rows of positions [first, first + n)."""
+        r = first - self.base
+        if dtype == DType.Q8_0:
+            return Tensor(self.k.numpy()[r : r + n], dtype), Tensor(self.v.numpy()[r : r + n], dtype)
+        return Tensor(self.k.numpy()[r : r + n]), Tensor(self.v.numpy()[r : r + n])
+
+
 class DraftSequence:
-    """Per-sequence drafter state: context K/V of every layer, rows = absolute positions.
+    """Per-sequence drafter state: the context K/V of every layer.
 
     ``n_ctx``: number of context rows ingested (positions 0 .. n_ctx−1 hold target features).
+    Layers whose visibility is bounded (sliding windows: the last W − 1 context rows; full layers
+    under ``context_cap``: the last cap rows) keep only those rows (plus room for a block), so
+    their memory and ingest work do not grow with the sequence; other layers keep ``capacity``
+    rows. A rollback (``ingest`` below n_ctx) must not reach behind a bounded layer's retained
+    rows.
     """
 
     def __init__(self, model: DrafterModel, capacity: int):
-        if capacity <= model.hp.block_size:
-            raise ValueError(f"capacity must exceed the block size {model.hp.block_size}, got {capacity}")
         hp = model.hp
+        if capacity <= hp.block_size:
+            raise ValueError(f"capacity must exceed the block size {hp.block_size}, got {capacity}")
         self.model, self.capacity, self.n_ctx = model, int(capacity), 0
-        shape = [self.capacity, hp.n_head_kv, hp.head_dim]
-        self.kv = [(Tensor.zeros(shape, model.kv_dtype), Tensor.zeros(shape, model.kv_dtype))
-                   for _ in range(hp.n_layer)]
+        self.layers: list[_LayerKV] = []
+        for i in range(hp.n_layer):
+            keep = model.window[i] - 1 if model.window[i] else model.context_cap
+            rows = self.capacity if keep is None else min(self.capacity, 2 * keep + 2 * hp.block_size)
+            self.layers.append(_LayerKV(rows, keep, hp, model.kv_dtype))
+
+    def cached_kv(self, layer: int, positions) -> tuple[np.ndarray, np.ndarray]:
+        """Dequantized K (RoPE'd, k-normed) and V rows of ``layer`` for absolute ``positions``:
+        float32 [n, Hkv, hd] each. Context positions must still be retained (< n_ctx, and within
+        the layer's window for bounded layers); positions n_ctx .. n_ctx+B−1 hold the last block
+        proposed there. Raises ValueError otherwise."""
+        lk = self.layers[layer]
+        pos = np.asarray(positions, np.int64).reshape(-1)
+        lo = lk.valid_lo if lk.keep is None else max(lk.valid_lo, self.n_ctx - lk.keep)
+        bad = pos[(pos < lo) | (pos >= min(lk.base + lk.rows, self.n_ctx + self.model.hp.block_size))]
+        if bad.size:
+            raise ValueError(f"cached_kv: position {int(bad[0])} is not held by layer {layer}")
+        r = pos - lk.base
+        out = []
+        for t in (lk.k, lk.v):
+            a = t.numpy()[r]
+            out.append(sn.dequantize(Tensor(np.ascontiguousarray(a), t.dtype)).numpy()
+                       if t.dtype == DType.Q8_0 else np.asarray(a, np.float32))
+        return out[0], out[1]
 
     # ------------------------------------------------------------------ context
 
@@ -307,8 +376,10 @@ class DraftSequence:
         features: float32 [n, N·H] (target taps in ``target_layer_ids`` order, one row per committed
         position; a FeatureRing row). start_pos must be <= n_ctx (append-only; a start below n_ctx
         drops the later rows first, e.g. to re-ingest after a rollback) and start_pos + n must leave
-        room for a block (<= capacity − B). Afterwards n_ctx = start_pos + n.
-        Raises ValueError on a gap, a bad width, or overflow.
+        room for a block (<= capacity − B). Afterwards n_ctx = start_pos + n. Bounded layers
+        compute and store K/V only for the rows they can still see.
+        Raises ValueError on a gap, a bad width, overflow, or a rollback behind a bounded layer's
+        retained rows.
         """
         m, hp = self.model, self.model.hp
         feats = np.asarray(features, np.float32)
@@ -321,25 +392,43 @@ class DraftSequence:
         if start_pos + n + hp.block_size > self.capacity:
             raise ValueError(f"ingest: {start_pos + n} context rows plus a block of {hp.block_size} exceed the "
                              f"sequence capacity {self.capacity}")
-        if n == 0:
-            self.n_ctx = start_pos
-            return
-        c = m.context_rows(feats)
-        pos = (start_pos + np.arange(n)).astype(np.int32)
-        for i in range(hp.n_layer):
-            kc, vc = self.kv[i]
-            sn.kv_write(kc, m._k(i, c, pos), pos)
-            sn.kv_write(vc, m._v(i, c), pos)
-        self.n_ctx = start_pos + n
+        end = start_pos + n
+        first = [start_pos if lk.keep is None else max(start_pos, end - lk.keep) for lk in self.layers]
+        for lk in self.layers:  # check every layer before changing any
+            if lk.keep is not None:
+                lo = max(0, end - lk.keep)
+                if start_pos > lo and lo < lk.valid_lo:
+                    raise ValueError(f"ingest: re-ingesting from {start_pos} needs context rows from {lo}, but a "
+                                     f"windowed layer keeps rows from {lk.valid_lo} only; cannot roll back that far")
+        for lk in self.layers:
+            lo = 0 if lk.keep is None else max(0, end - lk.keep)
+            lk.make_room(lo, start_pos, end + hp.block_size, self.n_ctx)
+        self.n_ctx = end
+        c_first = min(first) if n else end
+        c = m.context_rows(feats[c_first - start_pos :]) if c_first < end else None
+        for i, lk in enumerate(self.layers):
+            if first[i] > start_pos:  # rows [start_pos, first) are skipped (never visible again)
+                lk.valid_lo = first[i]
+            if first[i] >= end:
+                continue
+            ci = c[first[i] - c_first :]
+            pos = np.arange(first[i], end, dtype=np.int32)
+            rows = (pos - lk.base).astype(np.int32)
+            sn.kv_write(lk.k, m._k(i, ci, pos), rows)
+            sn.kv_write(lk.v, m._v(i, ci), rows)
 
     # ------------------------------------------------------------------ block
 
     def forward_block(self, tokens: Sequence[int], start: int) -> np.ndarray:
         """Runs a block of B tokens at positions start .. start+B−1 over the context rows
         0 .. start−1 and returns the post-final-norm draft hidden, float32 [B, H] (all rows,
-        anchor included). Writes the block's K/V at cache rows start .. (scratch)."""
+        anchor included). start must equal n_ctx. Writes the block's K/V into the cache rows of
+        positions start .. (scratch, overwritten by the next ingest)."""
         m, hp, w = self.model, self.model.hp, self.model.w
         B = len(tokens)
+        if start != self.n_ctx or start + B > self.capacity:
+            raise ValueError(f"forward_block: block at {start} (B = {B}) after {self.n_ctx} context rows, "
+                             f"capacity {self.capacity}")
         ids = np.asarray(tokens, np.int32)
         pos = (start + np.arange(B)).astype(np.int32)
         h = sn.embedding(m.token_embd, ids).numpy()
@@ -354,10 +443,12 @@ class DraftSequence:
                 u = m._conv(u, D[:, 0], base_a[0])
             q = sn.matmul(u, l.attn_q).numpy().reshape(B, hp.n_head, hp.head_dim)
             q = m.rope(sn.rms_norm(q, l.attn_q_norm, hp.rms_eps), pos)
-            kc, vc = self.kv[i]
-            sn.kv_write(kc, m._k(i, u, pos), pos)
-            sn.kv_write(vc, m._v(i, u), pos)
-            a = self._attend(i, q, kc, vc, start, B).reshape(B, hp.n_head * hp.head_dim)
+            lk = self.layers[i]
+            lk.make_room(0 if lk.keep is None else max(0, start - lk.keep), start, start + B, self.n_ctx)
+            rows = (pos - lk.base).astype(np.int32)
+            sn.kv_write(lk.k, m._k(i, u, pos), rows)
+            sn.kv_write(lk.v, m._v(i, u), rows)
+            a = self._attend(i, q, start, B).reshape(B, hp.n_head * hp.head_dim)
             a = sn.matmul(a, l.attn_output).numpy()
             if df2:
                 a = m._conv(a, D[:, 1], base_a[1])
@@ -372,17 +463,17 @@ class DraftSequence:
             h = sn.add(h, f).numpy()
         return sn.rms_norm(h, w.output_norm, hp.rms_eps).numpy()
 
-    def _attend(self, i: int, q: Tensor, kc: Tensor, vc: Tensor, start: int, B: int) -> np.ndarray:
-        """Attention of the block queries (positions start..start+B−1) over cache rows
-        [lo, start+B) with the layer's mask. lo > 0 only under context_cap (full layers)."""
-        m = self.model
+    def _attend(self, i: int, q: Tensor, start: int, B: int) -> np.ndarray:
+        """Attention of the block queries (positions start..start+B−1) over the keys of positions
+        [lo, start+B) with the layer's mask, lo = the first retained row (under context_cap: the
+        first of the last cap context rows). Positions are passed relative to lo: causality and
+        windows only depend on differences, so this is exact."""
+        m, lk = self.model, self.layers[i]
         causal, W = m.causal[i], m.window[i]
-        lo = 0
+        lo = lk.base
         if W == 0 and m.context_cap is not None:
-            lo = max(0, start - m.context_cap)
-        if lo:
-            kc = Tensor(kc.numpy()[lo:], m.kv_dtype) if m.kv_dtype == DType.Q8_0 else Tensor(kc.numpy()[lo:])
-            vc = Tensor(vc.numpy()[lo:], m.kv_dtype) if m.kv_dtype == DType.Q8_0 else Tensor(vc.numpy()[lo:])
+            lo = max(lo, start - m.context_cap)
+        kc, vc = lk.view(lo, start + B - lo, m.kv_dtype)
         qpos = (start - lo + np.arange(B)).astype(np.int32)
         kv_len = start - lo + B
         mask = None

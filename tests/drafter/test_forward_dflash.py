@@ -214,10 +214,10 @@ def test_dflash_q8_0_file_and_cache(tmp_path, rng):
         seq = seqs[kv] = DrafterModel(ld, Tensor(emb), Tensor(head), kv_dtype=kv).new_sequence(48)
         seq.ingest(feats, 0)
         if kv == DType.Q8_0:
-            for (kf, vf), (kq, vq) in zip(seqs[DType.F32].kv, seq.kv):
-                for f32c, q8c in ((kf, kq), (vf, vq)):
-                    want = sn.dequantize(sn.quantize(np.ascontiguousarray(f32c.numpy()[:24]), DType.Q8_0)).numpy()
-                    np.testing.assert_array_equal(sn.dequantize(q8c).numpy()[:24], want)
+            for i in range(ld.hparams.n_layer):
+                for f32c, q8c in zip(seqs[DType.F32].cached_kv(i, range(24)), seq.cached_kv(i, range(24))):
+                    want = sn.dequantize(sn.quantize(f32c, DType.Q8_0)).numpy()
+                    np.testing.assert_array_equal(q8c, want)
         p = seq.propose(8, 24, return_logits=True)
         assert np.isfinite(p.logits).all() and rel(p.logits, lr) < tol, kv
         if kv == DType.F32:
@@ -290,3 +290,48 @@ def test_window_smaller_than_the_block(tmp_path, rng, is_causal):
     _, lr = reference_block(td.reference_model(cfg, tensors), cfg, ld, emb, head, feats, 30, 12)
     np.testing.assert_array_equal(p.tokens, lr.argmax(1))
     assert rel(p.logits, lr) < TOL
+
+
+@pytest.mark.parametrize("family,sliding", [("dflash", "qwen36"), ("dflash2", "all")])
+def test_bounded_layers_long_context(tmp_path, rng, family, sliding):
+    """Sliding layers (W = 32) keep 2·31 + 2·B rows at a moving base however long the context:
+    uneven ingests (one of 300 rows: only the last 31 are computed), proposals along the way, a
+    rollback whose new window is still retained, all equal to the reference over the full context;
+    a rollback behind the retained rows is refused. Tolerance 1e-4 of max|ref| here: at positions
+    ~500 the reference's own float32 RoPE angles (HF ``Qwen3RotaryEmbedding`` computes pos·inv_freq
+    in float32, ≈ pos·6e-8 rad) put ~1.2e-5 on its logits; ours rotate in double (with the
+    reference patched to float64 angles the error drops to 1.4e-6)."""
+    folder, cfg, tensors = td.make_drafter(tmp_path / family, family, rng, dtype="F32", scales=td.FORWARD_SCALES,
+                                           sliding=sliding)
+    ld = load_drafter(td.convert_tiny(folder, "f32"))
+    emb, head = td.target_tables(cfg, rng)
+    hp = ld.hparams
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head)).new_sequence(5000)
+    for lk, sl in zip(seq.layers, hp.sliding_pattern):
+        assert (lk.rows == 2 * 31 + 2 * hp.block_size) if sl else (lk.rows == 5000 and lk.keep is None)
+    ref = td.reference_model(cfg, tensors)
+    feats = features(rng, cfg, 520)
+    n = 0
+    for step in (3, 300, 1, 40, 9, 77, 60):
+        seq.ingest(feats[n:n + step], n)
+        n += step
+        seed = int(rng.integers(0, 512))
+        p = seq.propose(seed, n, return_logits=True)
+        block = np.array([seed] + [hp.mask_token_id] * (hp.block_size - 1))
+        h = td.reference_forward(ref, feats[:n], emb[block], n)[hp.first_proposal_row:]
+        lr = h @ head.T.astype(np.float64)
+        if family == "dflash":
+            np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+        assert rel(p.logits, lr) < 1e-4, (step, n)
+    assert any(lk.base > 0 for lk in seq.layers)  # compaction happened
+    # roll back 10 rows and commit 12 others: the window of the new end (rows from n + 2 − 31) is
+    # retained (the last ingest computed rows from n − 31 on)
+    other = features(rng, cfg, 12)
+    seq.ingest(other, n - 10)
+    feats2 = np.concatenate([feats[: n - 10], other])
+    p = seq.propose(1, n + 2, return_logits=True)
+    block = np.array([1] + [hp.mask_token_id] * (hp.block_size - 1))
+    lr = td.reference_forward(ref, feats2, emb[block], n + 2)[1:] @ head.T.astype(np.float64)
+    assert rel(p.logits, lr) < 1e-4
+    with pytest.raises(ValueError, match="roll back"):
+        seq.ingest(features(rng, cfg, 1), n - 200)
