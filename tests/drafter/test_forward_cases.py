@@ -51,7 +51,7 @@ def test_grouped_dynamic_conv_hand_case():
 
 
 def test_forward_matches_float64_numpy_reference(tmp_path, rng):
-    """Full DFlash forward (bidirectional) against the float64 numpy forward: hidden within 1e-5
+    """Full DFlash forward (bidirectional) against the float64 numpy forward: hidden within 3e-5
     of max|ref|, proposals equal. Needs neither torch nor dflash."""
     cfg, tensors, ld, emb, head = build(tmp_path, rng)
     hp = ld.hparams
@@ -61,7 +61,7 @@ def test_forward_matches_float64_numpy_reference(tmp_path, rng):
     p = seq.propose(17, 25, return_logits=True, return_hidden=True)
     block = np.array([17] + [hp.mask_token_id] * (hp.block_size - 1))
     h64 = td.f64_forward(cfg, tensors, feats, emb[block], 25)[1:]
-    assert rel(p.hidden, h64) < 1e-5
+    assert rel(p.hidden, h64) < 3e-5
     np.testing.assert_array_equal(p.tokens, (h64 @ head.T.astype(np.float64)).argmax(1))
 
 

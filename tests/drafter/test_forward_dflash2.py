@@ -5,7 +5,8 @@ candidate-selector chain (``DFlash2DraftModel.propose``).
 
 Setup as in test_forward_dflash (tiny random drafter in the published layout, F32, converted and
 loaded by specd; codebooks written without ``.weight``; weights scaled by FORWARD_SCALES so the
-selector changes choices). Asserted: hidden and logits within 1e-5 of max|ref| (measured ≈ 2e-7),
+selector changes choices; reference cos/sin in float64 as there). Asserted: hidden and logits
+within 3e-5 of max|ref| (measured 1e-6 to 6e-6),
 proposals equal to the reference selector's, selector scores within 1e-4 (absolute, scores are
 O(10)), and a float64 numpy selector written from drafters.md §6.3 agrees too.
 """
@@ -19,7 +20,7 @@ from specd.draft_worker.gguf_loader import load_drafter
 from specd.draft_worker.model import DrafterModel
 from specd.native import Tensor
 
-TOL = 1e-5
+TOL = 3e-5
 
 
 def rel(a, b):

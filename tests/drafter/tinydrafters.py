@@ -245,11 +245,18 @@ def make_drafter(folder: Path, family: str, rng: np.random.Generator, *, dtype: 
 # ------------------------------------------------------------------ forward-parity helpers
 
 
-def reference_model(cfg: dict, tensors: dict[str, np.ndarray], dtype: str = "float64"):
+def reference_model(cfg: dict, tensors: dict[str, np.ndarray], dtype: str = "float64", rope64: bool = True):
     """dflash 0.1.0's ``DFlashDraftModel`` / ``DFlash2DraftModel`` for ``cfg`` with ``tensors``
     (HF names as written by :func:`make_drafter`; published codebook names without ``.weight``)
     loaded strictly, in eval mode, as torch ``dtype``. A DSpark config gets a DFlashDraftModel of
     its backbone (the DSpark backbone is the DFlash graph, drafters.md §5; its heads are skipped).
+
+    rope64: replace the model's cos/sin table by float64 angles from the published formulas
+    (:func:`f64_yarn_inv_freq` / θ^(−2i/d), ×(0.1·ln s + 1) under YaRN). transformers'
+    ``Qwen3RotaryEmbedding`` forms pos·inv_freq in float32 whatever the model dtype, which puts
+    ≈ pos·6e-8 rad on every angle (≈ 1e-6 relative on the logits at position 50, 1e-5 at 500)
+    — a limit of the oracle, not of the math under test. Everything else (masks, attention,
+    norms, convs, selector) is dflash's own code.
     Raises ImportError when dflash / torch are absent."""
     import torch
     from dflash import DFlash2DraftModel, DFlashDraftModel
@@ -275,7 +282,24 @@ def reference_model(cfg: dict, tensors: dict[str, np.ndarray], dtype: str = "flo
             name += ".weight"
         state[name] = torch.from_numpy(np.asarray(v, np.float32))
     model.load_state_dict(state, strict=True)
-    return model.to(getattr(torch, dtype))
+    model = model.to(getattr(torch, dtype))
+    if rope64:
+        rp = cfg.get("rope_parameters") or {"rope_theta": cfg["rope_theta"], **cfg.get("rope_scaling", {})}
+        hd = cfg["head_dim"]
+        if rp.get("rope_type") == "yarn":
+            inv, ms = f64_yarn_inv_freq(hd, rp["rope_theta"], rp["factor"], rp["original_max_position_embeddings"],
+                                        rp.get("beta_fast", 32.0), rp.get("beta_slow", 1.0))
+        else:
+            inv, ms = 1.0 / rp["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float64) / hd), 1.0
+        inv_t = torch.from_numpy(inv)
+
+        def rotary(x, position_ids):
+            f = position_ids.to(torch.float64)[..., None] * inv_t
+            e = torch.cat([f, f], dim=-1)
+            return (e.cos() * ms).to(x.dtype), (e.sin() * ms).to(x.dtype)
+
+        model.rotary_emb.forward = rotary
+    return model
 
 
 def reference_forward(model, features: np.ndarray, block_embeddings: np.ndarray, start: int) -> np.ndarray:
