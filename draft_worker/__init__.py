@@ -10,5 +10,7 @@ Modules (docs/drafters.md is the contract):
 * ``dialect``    — explicit translator for the mainline llama.cpp ``dflash`` dialect (C15);
 * ``quantize``   — ``specd quantize-drafter`` (Q8_0 with per-tensor error report);
 * ``gguf_loader``— load a draft GGUF as zero-copy ``specd.native.Tensor`` views; ``check_pair``;
-* ``gguf_meta``  — typed GGUF metadata access, atomic GGUF writing.
+* ``gguf_meta``  — typed GGUF metadata access, atomic GGUF writing;
+* ``model``      — the drafter forward on specd.native: :class:`DrafterModel` (bound to the target's
+  embedding / lm_head), :class:`DraftSequence` (``ingest`` context features, ``propose`` a block).
 """

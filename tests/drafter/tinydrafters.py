@@ -32,7 +32,7 @@ ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "
 
 def make_config(family: str, *, rope: str = "nested", block_at: str | None = None, yarn: bool = False,
                 sliding: str = "none", packaging: str = "specforge", confidence: bool = True,
-                with_markov: bool = True) -> dict:
+                with_markov: bool = True, dims: dict | None = None) -> dict:
     """A raw ``config.json`` dict for a tiny drafter.
 
     rope: ``nested`` (transformers ≥ 5 ``rope_parameters``) or ``toplevel`` (``rope_theta``).
@@ -42,8 +42,9 @@ def make_config(family: str, *, rope: str = "nested", block_at: str | None = Non
     sliding: ``none`` (Qwen3.5 DFlash), ``qwen36`` (sliding + last full, window 32) or ``all``
     (DFlash 2: every layer sliding, ``is_causal: false``).
     packaging (DSpark): ``specforge`` (keys nested in dflash_config) or ``deepspec`` (top level).
+    dims: overrides of :data:`TINY` entries (e.g. hidden / vocab / taps to match a tiny target).
     """
-    t = TINY
+    t = {**TINY, **(dims or {})}
     cfg: dict = {
         "architectures": [ARCHITECTURES[family] if not (family == "dspark" and packaging == "deepspec")
                           else "Qwen3DSparkModel"],
@@ -222,15 +223,230 @@ def write_checkpoint(folder: Path, cfg: dict, tensors: dict[str, np.ndarray], dt
 
 
 def make_drafter(folder: Path, family: str, rng: np.random.Generator, *, dtype: str = "BF16", shards: int = 1,
-                 cfg: dict | None = None, **config_kwargs) -> tuple[Path, dict, dict[str, np.ndarray]]:
+                 cfg: dict | None = None, scales: dict[str, float] | None = None,
+                 **config_kwargs) -> tuple[Path, dict, dict[str, np.ndarray]]:
     """Write a tiny random drafter of ``family`` under ``folder``; return (folder, config, float32
-    tensors as stored, i.e. after BF16 rounding when dtype is BF16)."""
+    tensors as stored, i.e. after BF16 rounding when dtype is BF16). ``scales`` multiplies every
+    tensor whose name contains a key by its value (forward tests use it to make the random
+    drafter's rows, Markov bias and selector term large enough to matter)."""
     cfg = cfg if cfg is not None else make_config(family, **config_kwargs)
     names = reference_names(cfg) or documented_names(cfg)
     tensors = random_weights(names, rng)
+    for part, f in (scales or {}).items():
+        tensors = {k: (v * np.float32(f) if part in k else v) for k, v in tensors.items()}
     if dtype == "BF16":
         tensors = {k: from_bf16_bits(to_bf16_bits(v)) for k, v in tensors.items()}
     elif dtype == "F16":
         tensors = {k: v.astype(np.float16).astype(np.float32) for k, v in tensors.items()}
     write_checkpoint(folder, cfg, tensors, dtype, shards)
     return folder, cfg, tensors
+
+
+# ------------------------------------------------------------------ forward-parity helpers
+
+
+def reference_model(cfg: dict, tensors: dict[str, np.ndarray], dtype: str = "float64", rope64: bool = True):
+    """dflash 0.1.0's ``DFlashDraftModel`` / ``DFlash2DraftModel`` for ``cfg`` with ``tensors``
+    (HF names as written by :func:`make_drafter`; published codebook names without ``.weight``)
+    loaded strictly, in eval mode, as torch ``dtype``. A DSpark config gets a DFlashDraftModel of
+    its backbone (the DSpark backbone is the DFlash graph, drafters.md §5; its heads are skipped).
+
+    rope64: replace the model's cos/sin table by float64 angles from the published formulas
+    (:func:`f64_yarn_inv_freq` / θ^(−2i/d), ×(0.1·ln s + 1) under YaRN). transformers'
+    ``Qwen3RotaryEmbedding`` forms pos·inv_freq in float32 whatever the model dtype, which puts
+    ≈ pos·6e-8 rad on every angle (≈ 1e-6 relative on the logits at position 50, 1e-5 at 500)
+    — a limit of the oracle, not of the math under test. Everything else (masks, attention,
+    norms, convs, selector) is dflash's own code.
+    Raises ImportError when dflash / torch are absent."""
+    import torch
+    from dflash import DFlash2DraftModel, DFlashDraftModel
+    from transformers import Qwen3Config
+
+    arch = cfg["architectures"][0]
+    kwargs = {k: v for k, v in cfg.items() if k not in ("architectures", "dflash_config", "model_type", "dtype")}
+    qc = Qwen3Config(**kwargs)
+    dc = copy.deepcopy(cfg.get("dflash_config", {}))
+    for k in ("mask_token_id", "target_layer_ids", "block_size"):  # DeepSpec packaging: top level
+        if k in cfg and k not in dc:
+            dc[k] = cfg[k]
+    qc.dflash_config = dc
+    if "is_causal" in cfg:
+        qc.is_causal = cfg["is_causal"]
+    cls = DFlash2DraftModel if arch == "DFlash2DraftModel" else DFlashDraftModel
+    model = cls(qc).eval()
+    state = {}
+    for name, v in tensors.items():
+        if name.startswith(("markov_head.", "confidence_head.", "embed_tokens.", "lm_head.")):
+            continue
+        if name.startswith("candidate_selector.") and name.endswith("_codebook"):
+            name += ".weight"
+        state[name] = torch.from_numpy(np.asarray(v, np.float32))
+    model.load_state_dict(state, strict=True)
+    model = model.to(getattr(torch, dtype))
+    if rope64:
+        rp = cfg.get("rope_parameters") or {"rope_theta": cfg["rope_theta"], **cfg.get("rope_scaling", {})}
+        hd = cfg["head_dim"]
+        if rp.get("rope_type") == "yarn":
+            inv, ms = f64_yarn_inv_freq(hd, rp["rope_theta"], rp["factor"], rp["original_max_position_embeddings"],
+                                        rp.get("beta_fast", 32.0), rp.get("beta_slow", 1.0))
+        else:
+            inv, ms = 1.0 / rp["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float64) / hd), 1.0
+        inv_t = torch.from_numpy(inv)
+
+        def rotary(x, position_ids):
+            f = position_ids.to(torch.float64)[..., None] * inv_t
+            e = torch.cat([f, f], dim=-1)
+            return (e.cos() * ms).to(x.dtype), (e.sin() * ms).to(x.dtype)
+
+        model.rotary_emb.forward = rotary
+    return model
+
+
+def reference_forward(model, features: np.ndarray, block_embeddings: np.ndarray, start: int) -> np.ndarray:
+    """Post-final-norm draft hidden [B, H] (float64 numpy) of the reference ``model`` for a block
+    at positions start..start+B−1 over context features [start, N·H] (positions 0..start−1),
+    computed without a cache (keys = all context rows then the block; ZL-0.1.0 masks)."""
+    import torch
+
+    dt = next(model.parameters()).dtype
+    B = block_embeddings.shape[0]
+    with torch.no_grad():
+        h = model(position_ids=torch.arange(start + B)[None],
+                  noise_embedding=torch.from_numpy(np.asarray(block_embeddings, np.float64)).to(dt)[None],
+                  target_hidden=torch.from_numpy(np.asarray(features, np.float64)).to(dt)[None])
+    return h[0].double().numpy()
+
+
+FORWARD_SCALES = {"self_attn.": 3.0, "mlp.": 2.0, "fc.": 2.0, "markov_head.": 40.0, "candidate_selector.": 12.0}
+"""Weight multipliers for forward tests: with the plain N(0, 0.05) fill a tiny drafter's block rows
+are near copies of the mask embedding (every row proposes the same token) and the Markov /
+selector terms are negligible; these make rows differ and the family heads change choices."""
+
+
+def target_tables(cfg: dict, rng: np.random.Generator, mask_scale: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
+    """A stand-in target embedding and lm_head, float32 [V, H] each: N(0, 1) and N(0, 0.3), the
+    mask token's embedding row scaled by ``mask_scale`` (so the block rows carry context)."""
+    V, H = cfg["vocab_size"], cfg["hidden_size"]
+    emb = rng.normal(0, 1, (V, H)).astype(np.float32)
+    mask = cfg.get("dflash_config", {}).get("mask_token_id", cfg.get("mask_token_id"))
+    emb[mask] *= np.float32(mask_scale)
+    return emb, rng.normal(0, 0.3, (V, H)).astype(np.float32)
+
+
+def convert_tiny(folder: Path, outtype: str = "f32") -> Path:
+    """Convert a tiny checkpoint folder with specd's converter; returns the GGUF path."""
+    from specd.draft_worker.convert import convert_hf
+
+    out = folder.parent / f"{folder.name}.{outtype}.gguf"
+    convert_hf(folder, out, outtype, log=lambda s: None)
+    return out
+
+
+def f64_markov_reference(U: np.ndarray, hidden: np.ndarray, seed: int, W1: np.ndarray, W2: np.ndarray,
+                         conf_w: np.ndarray | None = None, conf_b: float = 0.0, with_markov: bool = True):
+    """DSpark Markov chain + confidence in float64, written straight from drafters.md §5.2–5.3 /
+    DSpark paper eq. 5 and 7 (no specd code): x_0 = seed; ℓ_k = U_k + W2 W1[x_{k−1}];
+    x_k = argmax ℓ_k; c_k = σ(w·[h_k ; W1[x_{k−1}]] + b). U [n, V], hidden [n, H], W1/W2 [V, r].
+    Returns (tokens [n], ℓ [n, V], c [n] or None)."""
+    U, W1, W2 = (np.asarray(a, np.float64) for a in (U, W1, W2))
+    prev, toks, ells, confs = int(seed), [], [], []
+    for k in range(U.shape[0]):
+        ell = U[k] + W2 @ W1[prev]
+        if conf_w is not None:
+            x = np.concatenate([hidden[k], W1[prev]]) if with_markov else np.asarray(hidden[k], np.float64)
+            confs.append(1.0 / (1.0 + np.exp(-(np.dot(np.asarray(conf_w, np.float64).reshape(-1), x) + conf_b))))
+        prev = int(np.argmax(ell))
+        toks.append(prev)
+        ells.append(ell)
+    return np.array(toks), np.stack(ells), (np.array(confs) if conf_w is not None else None)
+
+
+def f64_selector_reference(unary: np.ndarray, hidden: np.ndarray, seed: int, hproj: np.ndarray,
+                           pred: np.ndarray, succ: np.ndarray, top_k: int):
+    """DFlash 2 candidate-selector greedy chain in float64 from drafters.md §6.3. Returns
+    (tokens [n], candidate ids [n, K] sorted by unary, scores [n, K])."""
+    unary, hidden, hproj, pred, succ = (np.asarray(a, np.float64) for a in (unary, hidden, hproj, pred, succ))
+    prev, toks, cands, scores = int(seed), [], [], []
+    for s in range(unary.shape[0]):
+        c = np.argsort(-unary[s], kind="stable")[:top_k]
+        sc = unary[s, c] + succ[c] @ (pred[prev] * (hproj @ hidden[s]))
+        prev = int(c[int(np.argmax(sc))])
+        toks.append(prev)
+        cands.append(c)
+        scores.append(sc)
+    return np.array(toks), np.stack(cands), np.stack(scores)
+
+
+def f64_yarn_inv_freq(dim: int, theta: float, factor: float, orig: int, beta_fast: float = 32.0,
+                      beta_slow: float = 1.0) -> tuple[np.ndarray, float]:
+    """YaRN inverse frequencies and cos/sin multiplier in float64, from the YaRN paper (Peng et al.
+    2023) as transformers ``_compute_yarn_parameters`` states it (truncate=True): dims rotating
+    more than β_fast times over the original window keep their frequency, fewer than β_slow times
+    are divided by the factor, a linear ramp in between; multiplier 0.1·ln(factor) + 1."""
+    base = theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    extrap, interp = 1.0 / base, 1.0 / (factor * base)
+
+    def corr(rot):
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    return interp * ramp + extrap * (1 - ramp), 0.1 * math.log(factor) + 1.0
+
+
+def f64_rope(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray, mscale: float = 1.0) -> np.ndarray:
+    """NeoX ("rotate half") RoPE over the whole head in float64: x [n, heads, d], pos [n]."""
+    a = np.asarray(pos, np.float64)[:, None] * inv_freq[None, :]  # [n, d/2]
+    cos, sin = (np.concatenate([f(a), f(a)], 1)[:, None, :] * mscale for f in (np.cos, np.sin))
+    h = x.shape[-1] // 2
+    rot = np.concatenate([-x[..., h:], x[..., :h]], -1)
+    return x * cos + rot * sin
+
+
+def f64_forward(cfg: dict, tensors: dict[str, np.ndarray], features: np.ndarray, block_emb: np.ndarray,
+                start: int, return_layer0_scores: bool = False):
+    """DFlash forward in float64 numpy, straight from drafters.md §3.1–3.2 (no specd code, no torch):
+    full-attention bidirectional layers only (every layer sees every context row and block row),
+    RoPE θ / YaRN from ``cfg``'s ``rope_parameters``. Returns the post-final-norm hidden [B, H]
+    (and, if asked, layer 0's pre-softmax scores [Hq, B, start + B])."""
+    t = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+    eps, hd = cfg["rms_norm_eps"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    rp = cfg["rope_parameters"]
+    if rp.get("rope_type") == "yarn":
+        inv, ms = f64_yarn_inv_freq(hd, rp["rope_theta"], rp["factor"], rp["original_max_position_embeddings"],
+                                    rp.get("beta_fast", 32.0), rp.get("beta_slow", 1.0))
+    else:
+        inv, ms = 1.0 / rp["rope_theta"] ** (np.arange(0, hd, 2, dtype=np.float64) / hd), 1.0
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+    c = rms(np.asarray(features, np.float64) @ t["fc.weight"].T, t["hidden_norm.weight"])
+    h = np.asarray(block_emb, np.float64)
+    B = h.shape[0]
+    pos_all = np.arange(start + B)
+    scores0 = None
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        n = rms(h, t[p + "input_layernorm.weight"])
+        kv_in = np.concatenate([c, n])
+        q = rms((n @ t[p + "self_attn.q_proj.weight"].T).reshape(B, nh, hd), t[p + "self_attn.q_norm.weight"])
+        k = rms((kv_in @ t[p + "self_attn.k_proj.weight"].T).reshape(-1, nkv, hd), t[p + "self_attn.k_norm.weight"])
+        v = (kv_in @ t[p + "self_attn.v_proj.weight"].T).reshape(-1, nkv, hd)
+        q, k = f64_rope(q, pos_all[start:], inv, ms), f64_rope(k, pos_all, inv, ms)
+        g = nh // nkv
+        s = np.einsum("qhd,khd->hqk", q, np.repeat(k, g, axis=1)) / math.sqrt(hd)
+        if i == 0:
+            scores0 = s
+        a = np.exp(s - s.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        o = np.einsum("hqk,khd->qhd", a, np.repeat(v, g, axis=1)).reshape(B, nh * hd)
+        h = h + o @ t[p + "self_attn.o_proj.weight"].T
+        m = rms(h, t[p + "post_attention_layernorm.weight"])
+        gate, up = m @ t[p + "mlp.gate_proj.weight"].T, m @ t[p + "mlp.up_proj.weight"].T
+        h = h + (gate / (1 + np.exp(-gate)) * up) @ t[p + "mlp.down_proj.weight"].T
+    out = rms(h, t["norm.weight"])
+    return (out, scores0) if return_layer0_scores else out

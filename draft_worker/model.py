@@ -1,0 +1,679 @@
+"""The block-diffusion drafter forward on specd.native: DFlash, DSpark and DFlash 2.
+
+Contract: docs/drafters.md §3 (forward graph, masks, RoPE/YaRN, context K/V caching), §4 (row
+alignment), §5.2–5.3 (DSpark Markov and confidence heads), §6.2–6.3 (DFlash 2 grouped dynamic conv
+and candidate selector); spec-loop.md §7.1 (per-position top-k for trees) and §8 (proposal
+distributions for sampled drafting). Checked in tests/drafter/test_forward_*.py against PyPI
+``dflash==0.1.0`` (``DFlashDraftModel`` / ``DFlash2DraftModel``, z-lab, torch float64),
+``mlx-dspark==0.20.3`` (DSpark end to end) and float64 numpy forms of the published math.
+
+Two objects:
+
+* :class:`DrafterModel` — a loaded draft GGUF (:func:`~specd.draft_worker.gguf_loader.load_drafter`)
+  bound to the **target's** token embedding and lm_head (``output``, or ``token_embd`` when tied);
+  stateless.
+* :class:`DraftSequence` — per-sequence state: the context K/V of every drafter layer.
+
+Per sequence (drafters.md §3.1–3.2, §3.7):
+
+``ingest(features, start_pos)``
+    For committed positions start_pos .. start_pos+n-1, the target's tapped hidden states
+    (float32 [n, N·H], taps concatenated in ``target_layer_ids`` order, exactly a FeatureRing row)
+    become context rows ``c = hidden_norm(fc(features))`` (one c per position, shared by all
+    layers); every layer's context K = RoPE(k_norm(W_k c)) at the absolute position and V = W_v c
+    are written into that layer's cache at row = position. Only F32 activations: the fc
+    accumulates in F32 whatever the weight dtype (C20: outliers ~1e5 in the taps do not overflow).
+``propose(seed, committed_len)``
+    The block ``[seed, M × (B−1)]`` (all three families; M = mask token id) at positions
+    start .. start+B−1 (start = committed_len = context rows ingested) is embedded with the target's
+    token_embd (× ``input_embedding_scale``), run through the layers — queries from block rows only,
+    keys/values = cached context rows followed by this block's rows, each layer's mask — then the
+    drafter's own final norm and the target lm_head (× ``output_multiplier``, tanh softcap). Block
+    K/V are written at rows start.. and are overwritten by the next ingest (never context).
+    Token choice per family: DFlash argmax of rows 1..B−1; DSpark the Markov chain over rows
+    0..B−1 (+ confidence, optional truncation); DFlash 2 the candidate-selector chain over the
+    top-K of rows 1..B−1. Greedy by default; with a :class:`Sampling` every draft is drawn from its
+    proposal distribution q, which is returned for rejection sampling.
+
+Masks (ZL-0.1.0 rule, drafters.md §3.3, resolved at conversion into ``causal_pattern`` /
+``sliding_pattern``): key at position p_k is visible to the query at p_q iff (causal ⇒ p_k ≤ p_q)
+and (sliding ⇒ p_q − p_k < W, and if not causal also p_k − p_q < W). Windows are applied per row.
+
+KV cache: one native cache pair per layer of ``kv_dtype`` (F32 default; F16 and Q8_0 allowed — K
+is k-normed and V comes from the hidden-normed context, so both are O(1) in magnitude even when the
+taps carry outliers). Unbounded full-attention layers hold ``capacity`` rows (row = position);
+layers whose visibility is bounded — sliding windows (the last W − 1 context rows, drafters.md §3.3)
+and full layers under ``context_cap`` — hold 2·keep + 2·B rows at a moving base and compute K/V only
+for rows they can still see. Visibility (causality, per-row windows, the cap) is computed on
+positions, so the bounded layers give exactly the unbounded result.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+import specd.native as sn
+from specd.native import DType, Tensor
+
+from .gguf_loader import LoadedDrafter
+
+__all__ = ["DrafterModel", "DraftSequence", "Proposal", "Sampling", "sampling_probs", "markov_chain", "selector_chain",
+           "grouped_dynamic_conv"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampled drafting for lossless rejection sampling (spec-loop.md §8; ZL-0.1.0 ``sample`` /
+    ``_sampling_probs``): drafts are drawn from q = softmax(scores / temperature) after the same
+    top-k then top-p truncation the target uses. temperature finite > 0; top_p in (0, 1];
+    top_k >= 0 (0 = off); rng: the numpy Generator the draws come from (one uniform per draft,
+    inverse CDF over token ids in increasing order)."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    rng: np.random.Generator = field(default_factory=np.random.default_rng)
+
+    def __post_init__(self):
+        if not (self.temperature > 0 and math.isfinite(self.temperature)) or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(f"Sampling: temperature must be finite > 0, top_p in (0, 1], top_k >= 0 "
+                             f"(got {self.temperature}, {self.top_p}, {self.top_k})")
+
+
+def sampling_probs(scores: np.ndarray, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
+    """ZL-0.1.0 ``_sampling_probs`` in float64: z = scores / T; if 0 < top_k < m keep the top_k
+    largest (lower index first on ties); p = softmax over the kept entries; if top_p < 1, keep
+    the tokens in descending p order while the mass *before* them is < top_p and renormalise;
+    zeros elsewhere. scores float [n, m] -> float32 [n, m], each row summing to 1."""
+    z = np.asarray(scores, np.float64) / float(temperature)
+    n, m = z.shape
+    keep = np.ones_like(z, dtype=bool)
+    if 0 < top_k < m:
+        order = np.argsort(-z, axis=1, kind="stable")[:, top_k:]
+        np.put_along_axis(keep, order, False, axis=1)
+    z = np.where(keep, z, -np.inf)
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-p, axis=1, kind="stable")
+        sp = np.take_along_axis(p, order, axis=1)
+        mask = (np.cumsum(sp, axis=1) - sp) < top_p
+        np.put_along_axis(p, order, sp * mask, axis=1)
+        p /= p.sum(axis=1, keepdims=True)
+    return p.astype(np.float32)
+
+
+def _draw(q: np.ndarray, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw of one index from probability row q (float, sums to ~1; zero entries are
+    never drawn)."""
+    c = np.cumsum(np.asarray(q, np.float64))
+    i = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
+    i = min(i, len(c) - 1)
+    while q[i] == 0:  # only reachable through rounding at the top of the CDF
+        i -= 1
+    return i
+
+
+@dataclass
+class Proposal:
+    """Result of :meth:`DraftSequence.propose` for one block.
+
+    n = drafts per block (``hparams.n_drafts``: B − 1 for DFlash / DFlash 2, B for DSpark; B the
+    block actually run), before any confidence truncation; ``tokens`` may be shorter when truncated.
+
+    tokens: int32 [m], m ≤ n — the proposals, in order. Draft k (1-based) is the token at position
+        ``start + k`` in both alignments (drafters.md §4): DFlash / DFlash 2 read it from block row
+        k (row 0, the seed, is discarded), DSpark from block row k − 1. The verify block is
+        ``[seed, tokens...]`` at positions start, start + 1, ...
+    start: the seed's absolute position (= committed_len).
+    logits: float32 [n, V] or None (``return_logits``) — per draft, the drafter's transformed
+        lm_head logits (× output_multiplier, softcap; DFlash 2's "unary" logits). For DSpark the
+        Markov-corrected logits ℓ_k are in ``markov_logits``.
+    markov_logits: DSpark only, float32 [n, V] or None (``return_logits``) — ℓ_k = U_k + W2·W1[x_{k−1}] along the
+        chosen chain (x_0 = seed).
+    hidden: float32 [n, H] or None — post-final-norm draft hidden of the proposing rows.
+    confidence: DSpark with a confidence head only, float32 [n] — c_k = σ(w·[h_k ; W1[x_{k−1}]] + b),
+        the conditional survival estimate of draft k (paper eq. 7); None otherwise.
+    candidates, candidate_scores: DFlash 2 only, int32 [n, K] / float32 [n, K] — the top-K unary
+        candidates per slot (best unary first) and their selector scores u + Σ Pred[prev]·p·Succ[c]
+        given the chosen predecessor.
+    q: float32 [n, V] or None — with ``sampling``, the proposal distribution each draft was drawn
+        from (spec-loop.md §8): DFlash softmax(logits / T) truncated; DSpark the same over ℓ_k
+        (conditioned on the previously *sampled* draft); DFlash 2 softmax(score / T) over the K
+        candidates scattered onto their ids (no truncation, as ZL-0.1.0), zeros elsewhere.
+    topk_ids, topk_logprobs: int32 [n, k] / float32 [n, k] when ``topk = k > 0`` (spec-loop.md §7.1):
+        per draft row, the k best tokens and their log-probabilities, best first. DFlash:
+        log_softmax(logits / T); DSpark: log_softmax(ℓ_k / T) along the chain (argmax spine);
+        DFlash 2: log_softmax(score / T) over the K selector candidates along the chain (k ≤ K).
+    """
+
+    tokens: np.ndarray
+    start: int
+    logits: np.ndarray | None = None
+    markov_logits: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    confidence: np.ndarray | None = None
+    candidates: np.ndarray | None = None
+    candidate_scores: np.ndarray | None = None
+    q: np.ndarray | None = None
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64 (x float32/float64 [n, m]); returns float32."""
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return (x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))).astype(np.float32)
+
+
+class DrafterModel:
+    """A drafter bound to its target's embedding and lm_head.
+
+    Args:
+        drafter: a :class:`LoadedDrafter` (weights stay zero-copy views of the GGUF).
+        token_embd: the target's token embedding, [V, H] of any weight dtype.
+        lm_head: the target's output head, [V, H] of any weight dtype (pass token_embd when the
+            target ties them). V must equal the drafter's ``n_vocab`` and H its ``n_embd``.
+        kv_dtype: context/block K/V cache type, DType.F32 (default), F16 or Q8_0 (Q8_0 needs
+            head_dim % 32 == 0).
+        context_cap: None (default: every committed context row is visible, ZL semantics), or a
+            positive int C: full-attention layers see only the last C context rows before the block
+            (drafters.md §3.7; sliding layers are bounded by their window anyway).
+
+    Raises ValueError on a shape/vocabulary mismatch or a bad option.
+    """
+
+    def __init__(self, drafter: LoadedDrafter, token_embd: Tensor, lm_head: Tensor, *,
+                 kv_dtype: DType = DType.F32, context_cap: int | None = None):
+        hp = drafter.hparams
+        self.drafter, self.hp, self.w = drafter, hp, drafter.weights
+        for name, t in (("token_embd", token_embd), ("lm_head", lm_head)):
+            shape = tuple(int(s) for s in t.shape)
+            if shape != (hp.n_vocab, hp.n_embd):
+                raise ValueError(f"{drafter.path}: target {name} is {list(shape)}; the drafter needs "
+                                 f"[n_vocab={hp.n_vocab}, n_embd={hp.n_embd}] "
+                                 "(it reuses the target's embedding and head)")
+        if kv_dtype not in (DType.F32, DType.F16, DType.Q8_0):
+            raise ValueError(f"kv_dtype must be F32, F16 or Q8_0, got {kv_dtype}")
+        if kv_dtype == DType.Q8_0 and hp.head_dim % 32:
+            raise ValueError(f"a Q8_0 KV cache needs head_dim % 32 == 0 (head_dim = {hp.head_dim})")
+        if context_cap is not None and context_cap <= 0:
+            raise ValueError(f"context_cap must be None or > 0, got {context_cap}")
+        self.token_embd, self.lm_head = token_embd, lm_head
+        self.kv_dtype, self.context_cap = kv_dtype, context_cap
+        y = hp.yarn
+        self._rope_kw = dict(n_rot=hp.head_dim, theta=float(hp.rope_theta))
+        if y is not None:
+            self._rope_kw.update(yarn_factor=float(y.factor), yarn_original_context=int(y.original_context_length),
+                                 yarn_beta_fast=float(y.beta_fast), yarn_beta_slow=float(y.beta_slow),
+                                 yarn_attention_factor=float(y.attention_factor))
+        self.causal = tuple(bool(c) for c in hp.causal_pattern)
+        self.window = tuple(int(hp.sliding_window) if s else 0 for s in hp.sliding_pattern)
+        self._conf_w: np.ndarray | None = None
+        self._conf_b: float | None = None
+        if self.w.dspark is not None:
+            cw = self.w.dspark.confidence_weight
+            self._conf_w = None if cw is None else np.asarray(cw.numpy(), np.float32).reshape(-1)
+            cb = self.w.dspark.confidence_bias
+            self._conf_b = None if cb is None else float(np.asarray(cb.numpy()).reshape(-1)[0])
+        if hp.dflash2 is not None:
+            d = hp.dflash2
+            if hp.n_embd % d.conv_group_size:
+                raise ValueError(f"conv_group_size {d.conv_group_size} does not divide n_embd {hp.n_embd}")
+            self._conv_base = [(np.asarray(l.attn_conv_base.numpy(), np.float32),
+                                np.asarray(l.ffn_conv_base.numpy(), np.float32)) for l in self.w.layers]
+
+    @classmethod
+    def for_target(cls, drafter: LoadedDrafter, target_weights, **kw) -> "DrafterModel":
+        """Binds ``drafter`` to a qwen35 target's ``Qwen35Weights`` (token_embd, and ``output`` —
+        the loader already points it at token_embd when the file ties them)."""
+        out = target_weights.output if target_weights.output is not None else target_weights.token_embd
+        return cls(drafter, target_weights.token_embd, out, **kw)
+
+    def new_sequence(self, capacity: int) -> "DraftSequence":
+        """Fresh per-sequence state for at most ``capacity`` positions: every context row plus the
+        B block rows of a proposal must fit (propose needs committed_len + B <= capacity)."""
+        return DraftSequence(self, capacity)
+
+    # ------------------------------------------------------------------ pieces
+
+    def context_rows(self, features: np.ndarray) -> np.ndarray:
+        """c = hidden_norm(fc(features)): float32 [n, N·H] -> float32 [n, H] (drafters.md §3.1).
+        The fc matmul accumulates in F32 (C20). Raises ValueError on a wrong width."""
+        hp = self.hp
+        f = np.ascontiguousarray(features, dtype=np.float32)
+        if f.ndim != 2 or f.shape[1] != hp.n_taps * hp.n_embd:
+            raise ValueError(f"features must be float32 [n, n_taps*n_embd = {hp.n_taps * hp.n_embd}], got {f.shape}")
+        return sn.rms_norm(sn.matmul(f, self.w.fc), self.w.hidden_norm, hp.rms_eps).numpy()
+
+    def rope(self, x, positions: np.ndarray) -> Tensor:
+        """The drafter's RoPE (full-head NeoX, θ and YaRN from the file; YaRN's attention factor applied
+        once, folded into cos/sin as in HF): x float32 [n, heads, head_dim], positions int32 [n]."""
+        return sn.rope_neox(x, np.asarray(positions, np.int32), **self._rope_kw)
+
+    def _k(self, i: int, x: np.ndarray, positions: np.ndarray) -> Tensor:
+        hp, l = self.hp, self.w.layers[i]
+        k = sn.matmul(x, l.attn_k).numpy().reshape(x.shape[0], hp.n_head_kv, hp.head_dim)
+        return self.rope(sn.rms_norm(k, l.attn_k_norm, hp.rms_eps), positions)
+
+    def _v(self, i: int, x: np.ndarray) -> np.ndarray:
+        hp = self.hp
+        return sn.matmul(x, self.w.layers[i].attn_v).numpy().reshape(x.shape[0], hp.n_head_kv, hp.head_dim)
+
+    def _conv(self, y: np.ndarray, dyn: np.ndarray, base: np.ndarray) -> np.ndarray:
+        return grouped_dynamic_conv(y, dyn, base, self.hp.dflash2.conv_group_size)
+
+    def _dyn(self, u: np.ndarray, proj: Tensor) -> np.ndarray:
+        """Dynamic coefficients D = reshape(u · W_kpᵀ, [L, 2, taps, G])."""
+        d = self.hp.dflash2
+        groups = self.hp.n_embd // d.conv_group_size
+        return sn.matmul(u, proj).numpy().reshape(u.shape[0], 2, d.conv_kernel_size, groups)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """Target lm_head on the draft hidden, × output_multiplier, tanh softcap (ZL-0.1.0
+        ``compute_logits``): float32 [n, H] -> float32 [n, V]."""
+        hp = self.hp
+        z = sn.matmul(np.ascontiguousarray(hidden, np.float32), self.lm_head).numpy()
+        if hp.output_multiplier != 1.0:
+            z = z * np.float32(hp.output_multiplier)
+        if hp.final_logit_softcapping:
+            c = np.float32(hp.final_logit_softcapping)
+            z = (np.tanh(z / c) * c).astype(np.float32)
+        return z
+
+
+class _LayerKV:
+    """K/V rows of one drafter layer: row r holds position ``base + r`` (native caches
+    [rows, Hkv, hd] of the model's kv_dtype). ``keep`` = context rows that can still be visible to
+    a future block (sliding: W − 1; full layer under context_cap: the cap; None: every row, then
+    rows = the sequence capacity and base stays 0). Bounded layers hold 2·keep + 2·B rows and
+    compact (move their live rows to the front) when a write would run past the end. Context rows
+    of positions [valid_lo, n_ctx) hold data (bounded layers skip rows they can no longer see)."""
+
+    def __init__(self, rows: int, keep: int | None, hp, dtype: DType):
+        shape = [rows, hp.n_head_kv, hp.head_dim]
+        self.k, self.v = Tensor.zeros(shape, dtype), Tensor.zeros(shape, dtype)
+        self.rows, self.keep, self.base, self.valid_lo = rows, keep, 0, 0
+
+    def make_room(self, lo: int, first_new: int, hi: int, n_valid: int) -> None:
+        """Make positions [lo, hi) addressable, preserving the rows of positions
+        [lo, min(first_new, n_valid)) (older live context); positions >= first_new are about to be
+        (re)written. Raises ValueError when a live row was already dropped (a rollback deeper than
+        the retained window)."""
+        if lo >= self.base and hi - self.base <= self.rows:
+            return
+        if hi - lo > self.rows:  # cannot happen for the sizes DraftSequence picks
+            raise ValueError(f"internal: {hi - lo} positions do not fit {self.rows} cache rows")
+        live_hi = min(first_new, n_valid)
+        if live_hi > lo:
+            if lo < self.valid_lo:
+                raise ValueError(f"ingest: positions {lo}..{self.valid_lo - 1} of a windowed layer were already "
+                                 "dropped; cannot roll back that far")
+            for t in (self.k, self.v):
+                a = t.numpy()
+                a[: live_hi - lo] = a[lo - self.base : live_hi - self.base].copy()
+        self.base = lo
+        self.valid_lo = max(self.valid_lo, lo)
+
+    def view(self, first: int, n: int, dtype: DType) -> tuple[Tensor, Tensor]:
+        """Native views of the rows of positions [first, first + n)."""
+        r = first - self.base
+        if dtype == DType.Q8_0:
+            return Tensor(self.k.numpy()[r : r + n], dtype), Tensor(self.v.numpy()[r : r + n], dtype)
+        return Tensor(self.k.numpy()[r : r + n]), Tensor(self.v.numpy()[r : r + n])
+
+
+class DraftSequence:
+    """Per-sequence drafter state: the context K/V of every layer.
+
+    ``n_ctx``: number of context rows ingested (positions 0 .. n_ctx−1 hold target features).
+    Layers whose visibility is bounded (sliding windows: the last W − 1 context rows; full layers
+    under ``context_cap``: the last cap rows) keep only those rows (plus room for a block), so
+    their memory and ingest work do not grow with the sequence; other layers keep ``capacity``
+    rows. A rollback (``ingest`` below n_ctx) must not reach behind a bounded layer's retained
+    rows.
+    """
+
+    def __init__(self, model: DrafterModel, capacity: int):
+        hp = model.hp
+        if capacity <= hp.block_size:
+            raise ValueError(f"capacity must exceed the block size {hp.block_size}, got {capacity}")
+        self.model, self.capacity, self.n_ctx = model, int(capacity), 0
+        self.layers: list[_LayerKV] = []
+        for i in range(hp.n_layer):
+            keep = model.window[i] - 1 if model.window[i] else model.context_cap
+            rows = self.capacity if keep is None else min(self.capacity, 2 * keep + 2 * hp.block_size)
+            self.layers.append(_LayerKV(rows, keep, hp, model.kv_dtype))
+
+    def cached_kv(self, layer: int, positions) -> tuple[np.ndarray, np.ndarray]:
+        """Dequantized K (RoPE'd, k-normed) and V rows of ``layer`` for absolute ``positions``:
+        float32 [n, Hkv, hd] each. Context positions must still be retained (< n_ctx, and within
+        the layer's window for bounded layers); positions n_ctx .. n_ctx+B−1 hold the last block
+        proposed there. Raises ValueError otherwise."""
+        lk = self.layers[layer]
+        pos = np.asarray(positions, np.int64).reshape(-1)
+        lo = lk.valid_lo if lk.keep is None else max(lk.valid_lo, self.n_ctx - lk.keep)
+        bad = pos[(pos < lo) | (pos >= min(lk.base + lk.rows, self.n_ctx + self.model.hp.block_size))]
+        if bad.size:
+            raise ValueError(f"cached_kv: position {int(bad[0])} is not held by layer {layer}")
+        r = pos - lk.base
+        out = []
+        for t in (lk.k, lk.v):
+            a = t.numpy()[r]
+            out.append(sn.dequantize(Tensor(np.ascontiguousarray(a), t.dtype)).numpy()
+                       if t.dtype == DType.Q8_0 else np.asarray(a, np.float32))
+        return out[0], out[1]
+
+    # ------------------------------------------------------------------ context
+
+    def ingest(self, features: np.ndarray, start_pos: int) -> None:
+        """Appends context rows for positions start_pos .. start_pos+n−1.
+
+        features: float32 [n, N·H] (target taps in ``target_layer_ids`` order, one row per committed
+        position; a FeatureRing row). start_pos must be <= n_ctx (append-only; a start below n_ctx
+        drops the later rows first, e.g. to re-ingest after a rollback) and start_pos + n must leave
+        room for a block (<= capacity − B). Afterwards n_ctx = start_pos + n. Bounded layers
+        compute and store K/V only for the rows they can still see.
+        Raises ValueError on a gap, a bad width, overflow, or a rollback behind a bounded layer's
+        retained rows.
+        """
+        m, hp = self.model, self.model.hp
+        feats = np.asarray(features, np.float32)
+        if feats.ndim != 2:
+            raise ValueError(f"features must be 2-D [n, {hp.n_taps * hp.n_embd}], got shape {feats.shape}")
+        n = feats.shape[0]
+        if not 0 <= start_pos <= self.n_ctx:
+            raise ValueError(f"ingest: start_pos {start_pos} would leave a gap after the {self.n_ctx} context rows "
+                             "(context rows are appended in position order)")
+        if start_pos + n + hp.block_size > self.capacity:
+            raise ValueError(f"ingest: {start_pos + n} context rows plus a block of {hp.block_size} exceed the "
+                             f"sequence capacity {self.capacity}")
+        end = start_pos + n
+        first = [start_pos if lk.keep is None else max(start_pos, end - lk.keep) for lk in self.layers]
+        for lk in self.layers:  # check every layer before changing any
+            if lk.keep is not None:
+                lo = max(0, end - lk.keep)
+                if start_pos > lo and lo < lk.valid_lo:
+                    raise ValueError(f"ingest: re-ingesting from {start_pos} needs context rows from {lo}, but a "
+                                     f"windowed layer keeps rows from {lk.valid_lo} only; cannot roll back that far")
+        for lk in self.layers:
+            lo = 0 if lk.keep is None else max(0, end - lk.keep)
+            lk.make_room(lo, start_pos, end + hp.block_size, self.n_ctx)
+        self.n_ctx = end
+        c_first = min(first) if n else end
+        c = m.context_rows(feats[c_first - start_pos :]) if c_first < end else None
+        for i, lk in enumerate(self.layers):
+            if first[i] > start_pos:  # rows [start_pos, first) are skipped (never visible again)
+                lk.valid_lo = first[i]
+            if first[i] >= end:
+                continue
+            ci = c[first[i] - c_first :]
+            pos = np.arange(first[i], end, dtype=np.int32)
+            rows = (pos - lk.base).astype(np.int32)
+            sn.kv_write(lk.k, m._k(i, ci, pos), rows)
+            sn.kv_write(lk.v, m._v(i, ci), rows)
+
+    # ------------------------------------------------------------------ block
+
+    def forward_block(self, tokens: Sequence[int], start: int) -> np.ndarray:
+        """Runs a block of B tokens at positions start .. start+B−1 over the context rows
+        0 .. start−1 and returns the post-final-norm draft hidden, float32 [B, H] (all rows,
+        anchor included). start must equal n_ctx. Writes the block's K/V into the cache rows of
+        positions start .. (scratch, overwritten by the next ingest)."""
+        m, hp, w = self.model, self.model.hp, self.model.w
+        B = len(tokens)
+        if start != self.n_ctx or start + B > self.capacity:
+            raise ValueError(f"forward_block: block at {start} (B = {B}) after {self.n_ctx} context rows, "
+                             f"capacity {self.capacity}")
+        ids = np.asarray(tokens, np.int32)
+        pos = (start + np.arange(B)).astype(np.int32)
+        h = sn.embedding(m.token_embd, ids).numpy()
+        if hp.input_embedding_scale != 1.0:
+            h = (h * np.float32(hp.input_embedding_scale)).astype(np.float32)
+        df2 = hp.dflash2 is not None
+        for i, l in enumerate(w.layers):
+            u = sn.rms_norm(h, l.attn_norm, hp.rms_eps).numpy()
+            if df2:
+                base_a, base_f = m._conv_base[i]
+                D = m._dyn(u, l.attn_conv_proj)
+                u = m._conv(u, D[:, 0], base_a[0])
+            q = sn.matmul(u, l.attn_q).numpy().reshape(B, hp.n_head, hp.head_dim)
+            q = m.rope(sn.rms_norm(q, l.attn_q_norm, hp.rms_eps), pos)
+            lk = self.layers[i]
+            lk.make_room(0 if lk.keep is None else max(0, start - lk.keep), start, start + B, self.n_ctx)
+            rows = (pos - lk.base).astype(np.int32)
+            sn.kv_write(lk.k, m._k(i, u, pos), rows)
+            sn.kv_write(lk.v, m._v(i, u), rows)
+            a = self._attend(i, q, start, B).reshape(B, hp.n_head * hp.head_dim)
+            a = sn.matmul(a, l.attn_output).numpy()
+            if df2:
+                a = m._conv(a, D[:, 1], base_a[1])
+            u, h = sn.rms_norm(a, l.ffn_norm, hp.rms_eps, residual=h)
+            u, h = u.numpy(), h.numpy()
+            if df2:
+                E = m._dyn(u, l.ffn_conv_proj)
+                u = m._conv(u, E[:, 0], base_f[0])
+            f = sn.matmul(sn.swiglu(sn.matmul(u, l.ffn_gate), sn.matmul(u, l.ffn_up)), l.ffn_down).numpy()
+            if df2:
+                f = m._conv(f, E[:, 1], base_f[1])
+            h = sn.add(h, f).numpy()
+        return sn.rms_norm(h, w.output_norm, hp.rms_eps).numpy()
+
+    def _attend(self, i: int, q: Tensor, start: int, B: int) -> np.ndarray:
+        """Attention of the block queries (positions start..start+B−1) over the keys of positions
+        [lo, start+B) with the layer's mask, lo = the first retained row (under context_cap: the
+        first of the last cap context rows). Positions are passed relative to lo: causality and
+        windows only depend on differences, so this is exact."""
+        m, lk = self.model, self.layers[i]
+        causal, W = m.causal[i], m.window[i]
+        lo = lk.base
+        if W == 0 and m.context_cap is not None:
+            lo = max(lo, start - m.context_cap)
+        kc, vc = lk.view(lo, start + B - lo, m.kv_dtype)
+        qpos = (start - lo + np.arange(B)).astype(np.int32)
+        kv_len = start - lo + B
+        mask = None
+        if W and not causal and B > W:  # p_k − p_q < W inside the block (only binds when B > W)
+            kp = np.arange(kv_len)[None, :]
+            mask = (kp - qpos[:, None] < W).astype(np.int32)
+        return sn.attention(q, kc, vc, kv_len, qpos, causal=causal, window=W, mask=mask).numpy()
+
+    # ------------------------------------------------------------------ proposals
+
+    def propose(self, seed_token: int, committed_len: int, *, return_logits: bool = False,
+                return_hidden: bool = False, topk: int = 0, temperature: float = 1.0,
+                confidence_threshold: float | None = None, sampling: Sampling | None = None,
+                block_size: int | None = None) -> Proposal:
+        """Proposals for one block after ``committed_len`` committed positions (greedy unless
+        ``sampling`` is given).
+
+        seed_token: the anchor (newest decided token, not yet through the target), a target id.
+        committed_len: must equal ``n_ctx`` (every committed position's features ingested); the
+            seed sits at that position.
+        return_logits / return_hidden: fill ``Proposal.logits`` (+ ``markov_logits`` for DSpark) /
+            ``Proposal.hidden``.
+        topk: 0, or k >= 1 to fill ``topk_ids`` / ``topk_logprobs`` at ``temperature`` (> 0) for tree
+            drafting (spec-loop.md §7.1); DFlash 2 needs k <= selector_top_k.
+        confidence_threshold: DSpark only; None/0 = off (default). Otherwise keep drafts up to (not
+            including) the first k with c_k < threshold (DeepSpec ``_confident_prefix_length``,
+            drafters.md §5.3); may return 0 drafts. Needs a confidence head.
+        sampling: None (greedy: argmax / Markov argmax chain / selector argmax chain), or a
+            :class:`Sampling`: every draft is drawn from its proposal distribution, returned in
+            ``Proposal.q`` (DSpark / DFlash 2 chains condition on the sampled previous draft).
+        block_size: None (the file's B), or a smaller block B' run instead (ZL-0.1.0 shrinks the
+            block near max_new_tokens; drafters.md §1): [seed, M × (B'−1)], B' − 1 (DFlash,
+            DFlash 2; B' >= 2) or B' (DSpark; B' >= 1) drafts.
+        Returns a :class:`Proposal`. Raises ValueError on a bad argument.
+        """
+        m, hp = self.model, self.model.hp
+        if committed_len != self.n_ctx:
+            raise ValueError(f"propose: committed_len {committed_len} != {self.n_ctx} ingested context rows "
+                             "(ingest the features of every committed position first)")
+        if not 0 <= int(seed_token) < hp.n_vocab:
+            raise ValueError(f"propose: seed token {seed_token} is outside the vocabulary [0, {hp.n_vocab})")
+        if topk < 0 or (topk and not (temperature > 0 and math.isfinite(temperature))):
+            raise ValueError(f"propose: topk must be >= 0 and temperature finite > 0 (got {topk}, {temperature})")
+        if hp.dflash2 is not None and topk > hp.dflash2.selector_top_k:
+            raise ValueError(f"propose: topk {topk} exceeds the DFlash 2 selector's K = {hp.dflash2.selector_top_k}")
+        if topk > hp.n_vocab:
+            raise ValueError(f"propose: topk {topk} exceeds the vocabulary {hp.n_vocab}")
+        if confidence_threshold and (hp.dspark is None or m._conf_w is None):
+            raise ValueError("propose: confidence_threshold needs a DSpark drafter with a confidence head")
+        start = committed_len
+        B = hp.block_size if block_size is None else int(block_size)
+        if not hp.first_proposal_row + 1 <= B <= hp.block_size:
+            raise ValueError(f"propose: block_size {block_size} outside [{hp.first_proposal_row + 1}, {hp.block_size}]")
+        hidden_all = self.forward_block([int(seed_token)] + [hp.mask_token_id] * (B - 1), start)
+        hidden = np.ascontiguousarray(hidden_all[hp.first_proposal_row:])
+        logits = m.logits(hidden)
+        out = Proposal(tokens=np.zeros(0, np.int32), start=start)
+        if hp.dflash2 is not None:
+            self._select(out, hidden, logits, int(seed_token), topk, temperature, sampling)
+        elif hp.dspark is not None:
+            self._markov(out, hidden, logits, int(seed_token), topk, temperature, return_logits,
+                         confidence_threshold, sampling)
+        else:
+            if sampling is None:
+                out.tokens = sn.argmax(logits).numpy().astype(np.int32)
+            else:
+                out.q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+                out.tokens = np.array([_draw(r, sampling.rng) for r in out.q], np.int32)
+            if topk:
+                ids = sn.topk(logits, topk)[1].numpy()
+                lse = _log_softmax(logits / np.float32(temperature))
+                out.topk_ids = ids.astype(np.int32)
+                out.topk_logprobs = np.take_along_axis(lse, ids.astype(np.int64), axis=1)
+        if return_logits:
+            out.logits = logits
+        if return_hidden:
+            out.hidden = hidden
+        return out
+
+    def _markov(self, out: Proposal, hidden, logits, seed, topk, temperature, keep, threshold, sampling) -> None:
+        m = self.model
+        dsp = m.w.dspark
+        toks, corrected, conf, q = markov_chain(logits, hidden, seed, dsp.markov_w1, dsp.markov_w2, m._conf_w,
+                                                m._conf_b, m.hp.dspark.confidence_with_markov, sampling)
+        out.confidence, out.q = conf, q
+        keep_n = len(toks)
+        if threshold:
+            low = np.nonzero(conf < threshold)[0]
+            keep_n = int(low[0]) if low.size else keep_n
+        out.tokens = toks[:keep_n]
+        if keep:
+            out.markov_logits = corrected
+        if topk:
+            lse = _log_softmax(corrected / np.float32(temperature))
+            ids = sn.topk(corrected, topk)[1].numpy().astype(np.int32)
+            out.topk_ids = ids
+            out.topk_logprobs = np.take_along_axis(lse, ids.astype(np.int64), axis=1)
+
+    def _select(self, out: Proposal, hidden, logits, seed, topk, temperature, sampling) -> None:
+        m = self.model
+        sel = m.w.selector
+        toks, cand, scores, qk = selector_chain(logits, hidden, seed, sel.hproj, sel.pred_cb, sel.succ_cb,
+                                                m.hp.dflash2.selector_top_k, sampling)
+        out.tokens, out.candidates, out.candidate_scores = toks, cand, scores
+        if qk is not None:
+            out.q = np.zeros_like(logits)
+            np.put_along_axis(out.q, cand.astype(np.int64), qk, axis=1)
+        if topk:
+            lse = _log_softmax(scores / np.float32(temperature))
+            order = np.argsort(-scores, axis=1, kind="stable")[:, :topk]
+            out.topk_ids = np.take_along_axis(cand, order, axis=1)
+            out.topk_logprobs = np.take_along_axis(lse, order, axis=1)
+
+
+# ---------------------------------------------------------------------- family heads (pure functions)
+
+
+def markov_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, w1: Tensor, w2: Tensor,
+                 conf_w: np.ndarray | None, conf_b: float | None, conf_with_markov: bool,
+                 sampling: Sampling | None = None):
+    """DSpark Markov-corrected greedy chain + confidence head (drafters.md §5.2–5.3; DS
+    ``markov_head.py:VanillaMarkov`` / ``sample_block_tokens``, ``common.py:AcceptRatePredictor``).
+
+    logits: float32 [n, V], U_k = lm_head(h_k) of block row k−1 (k = 1..n); hidden: float32 [n, H],
+    the post-final-norm rows h_k; seed: x_0 (the anchor); w1, w2: [V, r] Tensors (any weight dtype;
+    W1 gathered by token, W2 used as a Linear r → V); conf_w: float32 [d_in] or None, conf_b: bias.
+    For k = 1..n:  ℓ_k = U_k + W2·W1[x_{k−1}],  x_k = argmax ℓ_k (first maximum),
+    c_k = σ(w·[h_k ; W1[x_{k−1}]] + b) (``[h_k]`` alone when not conf_with_markov; float64).
+    With ``sampling``: x_k ~ q_k = sampling_probs(ℓ_k) instead of the argmax.
+    Returns (tokens int32 [n], ℓ float32 [n, V], confidence float32 [n] or None, q float32 [n, V]
+    or None). The W2 GEMV and the choice are sequential per row (each needs the previous one).
+    """
+    n = logits.shape[0]
+    toks = np.zeros(n, np.int32)
+    corrected = np.empty((n, logits.shape[1]), np.float32)
+    q = None if sampling is None else np.empty_like(corrected)
+    prev_rows = []
+    prev = int(seed)
+    for k in range(n):
+        e = sn.embedding(w1, np.array([prev], np.int32)).numpy()  # [1, r]
+        prev_rows.append(e[0])
+        corrected[k] = logits[k] + sn.matmul(e, w2).numpy()[0]
+        if sampling is None:
+            prev = int(sn.argmax(corrected[k : k + 1]).numpy()[0])
+        else:
+            q[k] = sampling_probs(corrected[k : k + 1], sampling.temperature, sampling.top_p, sampling.top_k)[0]
+            prev = _draw(q[k], sampling.rng)
+        toks[k] = prev
+    conf = None
+    if conf_w is not None:
+        x = np.concatenate([hidden, np.stack(prev_rows)], axis=1) if conf_with_markov else hidden
+        if x.shape[1] != conf_w.shape[0]:
+            raise ValueError(f"confidence head expects {conf_w.shape[0]} inputs, got {x.shape[1]}")
+        z = x.astype(np.float64) @ conf_w.astype(np.float64) + float(conf_b or 0.0)
+        conf = (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+    return toks, corrected, conf, q
+
+
+def selector_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, hproj: Tensor, pred_cb: Tensor,
+                   succ_cb: Tensor, top_k: int, sampling: Sampling | None = None):
+    """DFlash 2 candidate-selector greedy chain (drafters.md §6.3; ZL-0.1.0 ``CandidateSelector.select``).
+
+    logits: float32 [n, V] unary logits (already × output_multiplier and softcapped); hidden:
+    float32 [n, H] post-final-norm rows; seed: the anchor; hproj [R, H]; pred_cb, succ_cb [V, R].
+    Per slot s: (u_s, C_s) = top-K of logits[s] (best first, lower id first on ties);
+    p_s = W_h h_s; score_s(c) = u_s[c] + Σ_ρ Pred[prev]_ρ p_s,ρ Succ[c]_ρ; choose argmax (first
+    maximum in C_s order); prev = seed for s = 0, else the previous choice. With ``sampling``:
+    draw from q_s = softmax(score_s / T) over the K candidates (ZL-0.1.0 applies no top-p/top-k here).
+    Returns (tokens int32 [n], candidates int32 [n, K], scores float32 [n, K] for the chosen prev,
+    q float32 [n, K] over the candidates or None).
+    """
+    n = logits.shape[0]
+    uv, cand = sn.topk(logits, top_k)
+    uv, cand = uv.numpy(), cand.numpy().astype(np.int32)
+    p = sn.matmul(np.ascontiguousarray(hidden, np.float32), hproj).numpy()  # [n, R]
+    succ = sn.embedding(succ_cb, np.ascontiguousarray(cand.reshape(-1))).numpy().reshape(n, top_k, -1)
+    scores = np.empty((n, top_k), np.float32)
+    toks = np.zeros(n, np.int32)
+    q = None if sampling is None else np.empty((n, top_k), np.float32)
+    prev = int(seed)
+    for s in range(n):
+        pred = sn.embedding(pred_cb, np.array([prev], np.int32)).numpy()[0]
+        scores[s] = uv[s] + succ[s] @ (pred * p[s])
+        if sampling is None:
+            j = int(sn.argmax(scores[s : s + 1]).numpy()[0])
+        else:
+            q[s] = sampling_probs(scores[s : s + 1], sampling.temperature)[0]
+            j = _draw(q[s], sampling.rng)
+        prev = int(cand[s, j])
+        toks[s] = prev
+    return toks, cand, scores, q
+
+
+def grouped_dynamic_conv(y: np.ndarray, dyn: np.ndarray, base: np.ndarray, group_size: int) -> np.ndarray:
+    """One side of DFlash 2's grouped dynamic causal conv (drafters.md §6.2; ZL-0.1.0
+    ``_grouped_dynamic_convolve``): out[t, c] = Σ_o (base[o, c] + dyn[t, o, c // group_size]) · y[t − o, c]
+    with y[t − o] = 0 before the block start. y float32 [L, H]; dyn float32 [L, taps, H / group_size];
+    base float32 [taps, H]. The coefficient is taken at the output row t. Returns float32 [L, H]."""
+    coef = base[None, :, :] + np.repeat(dyn, group_size, axis=2)  # [L, taps, H]
+    out = coef[:, 0] * y
+    for o in range(1, min(base.shape[0], y.shape[0])):
+        out[o:] += coef[o:, o] * y[:-o]
+    return out.astype(np.float32)

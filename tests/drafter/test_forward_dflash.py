@@ -1,0 +1,338 @@
+"""DFlash drafter forward on specd.native vs the z-lab reference (PyPI ``dflash==0.1.0``,
+``DFlashDraftModel``, CPU torch in float64; docs/oracles.md §2).
+
+Each case: a tiny random drafter in the published HF layout (tinydrafters, F32 safetensors, weights
+scaled by ``FORWARD_SCALES`` so rows differ), converted with specd's converter and loaded with
+specd's loader; a random stand-in target embedding / lm_head of matching H and V; random target
+features. Ours: ``ingest`` (in two pieces) then ``propose``. Reference: the torch model run
+without a cache over all context rows + the block (ZL-0.1.0 masks), logits = hidden · lm_headᵀ,
+its cos/sin table in float64 (``reference_model(rope64=True)``: HF forms RoPE angles in float32;
+the YaRN test keeps HF's own table). Asserted: proposals equal, hidden and logits within 3e-5 of
+max|ref| (measured 9e-7 to 6e-6 for F32 files with the scaled fixture over 3 seeds × 4 configs,
+≈ 2e-7 with unscaled weights; under the ~1e-4 the contract asks), and the per-row top-k
+log-probs equal log_softmax(ref logits / T).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tinydrafters as td
+from specd.draft_worker.gguf_loader import load_drafter
+from specd.draft_worker.model import DrafterModel
+from specd.native import DType, Tensor
+
+pytestmark = pytest.mark.oracle
+pytest.importorskip("torch")
+pytest.importorskip("dflash")
+
+TOL = 3e-5
+
+
+def rel(a, b):
+    b = np.asarray(b, np.float64)
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
+
+
+def build(tmp_path, rng, family="dflash", outtype="f32", **kw):
+    folder, cfg, tensors = td.make_drafter(tmp_path / family, family, rng, dtype="F32", scales=td.FORWARD_SCALES, **kw)
+    ld = load_drafter(td.convert_tiny(folder, outtype))
+    emb, head = td.target_tables(cfg, rng)
+    return cfg, tensors, ld, emb, head
+
+
+def features(rng, cfg, n):
+    return rng.normal(0, 1, (n, len(cfg["dflash_config"]["target_layer_ids"]) * cfg["hidden_size"])).astype(np.float32)
+
+
+def reference_block(ref, cfg, ld, emb, head, feats, seed, start, first=None):
+    hp = ld.hparams
+    block = np.array([seed] + [hp.mask_token_id] * (hp.block_size - 1))
+    h = td.reference_forward(ref, feats[:start], emb[block], start)
+    first = hp.first_proposal_row if first is None else first
+    return h[first:], h[first:] @ head.T.astype(np.float64)
+
+
+@pytest.mark.parametrize("sliding", ["none", "qwen36", "all"])
+def test_dflash_parity(tmp_path, rng, sliding):
+    """Bidirectional (Qwen3.5 DFlash), causal sliding + full (Qwen3.6; window 32 < context 45, so
+    the per-row window bites), and is_causal=false sliding (DFlash 2 style mask on a DFlash 1)."""
+    cfg, tensors, ld, emb, head = build(tmp_path, rng, sliding=sliding)
+    m = DrafterModel(ld, Tensor(emb), Tensor(head))
+    ref = td.reference_model(cfg, tensors)
+    seq = m.new_sequence(96)
+    C, seed = 45, int(rng.integers(0, 512))
+    feats = features(rng, cfg, C)
+    seq.ingest(feats[:17], 0)
+    seq.ingest(feats[17:], 17)
+    p = seq.propose(seed, C, return_logits=True, return_hidden=True)
+    hr, lr = reference_block(ref, cfg, ld, emb, head, feats, seed, C)
+    assert p.tokens.dtype == np.int32 and p.tokens.shape == (ld.hparams.block_size - 1,)
+    np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+    assert rel(p.hidden, hr) < TOL and rel(p.logits, lr) < TOL
+    assert len(set(p.tokens.tolist())) > 1  # the rows really differ (the fixture is not degenerate)
+
+
+def test_dflash_rounds_and_rollback(tmp_path, rng):
+    """Several rounds: ingest the newly committed rows, propose; a re-ingest below n_ctx (rollback)
+    replaces the later rows. Every proposal matches the reference over the current context."""
+    cfg, tensors, ld, emb, head = build(tmp_path, rng, sliding="qwen36")
+    m = DrafterModel(ld, Tensor(emb), Tensor(head))
+    ref = td.reference_model(cfg, tensors)
+    seq = m.new_sequence(80)
+    feats = features(rng, cfg, 60)
+    n = 0
+    for step in (5, 1, 9, 3):
+        seq.ingest(feats[n:n + step], n)
+        n += step
+        seed = int(rng.integers(0, 512))
+        p = seq.propose(seed, n, return_logits=True)
+        _, lr = reference_block(ref, cfg, ld, emb, head, feats, seed, n)
+        np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+        assert rel(p.logits, lr) < TOL
+    other = features(rng, cfg, 4)  # roll back to 10 and commit different rows
+    seq.ingest(other, 10)
+    assert seq.n_ctx == 14
+    feats2 = np.concatenate([feats[:10], other])
+    p = seq.propose(3, 14, return_logits=True)
+    _, lr = reference_block(ref, cfg, ld, emb, head, feats2, 3, 14)
+    assert rel(p.logits, lr) < TOL
+
+
+def test_dflash_yarn_parity(tmp_path, rng):
+    """A YaRN drafter (factor 32 over 8192) at small positions against the HF YaRN rotary inside
+    the reference (large positions: test_forward_cases C21, float64 reference)."""
+    cfg, tensors, ld, emb, head = build(tmp_path, rng, yarn=True)
+    assert ld.hparams.yarn is not None
+    m = DrafterModel(ld, Tensor(emb), Tensor(head))
+    seq = m.new_sequence(64)
+    feats = features(rng, cfg, 20)
+    seq.ingest(feats, 0)
+    p = seq.propose(11, 20, return_logits=True)
+    ref = td.reference_model(cfg, tensors, rope64=False)  # HF's own YaRN cos/sin table
+    _, lr = reference_block(ref, cfg, ld, emb, head, feats, 11, 20)
+    np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+    assert rel(p.logits, lr) < TOL
+
+
+def test_dflash_f16_file_and_kv_dtypes(tmp_path, rng):
+    """An F16 GGUF equals the reference loaded with the same F16-rounded weights; an F16 KV cache
+    stays within 1e-2 of max|ref| (cache rounding only; measured 2e-3 to 6e-3 with the scaled fixture)."""
+    cfg, tensors, ld, emb, head = build(tmp_path, rng, outtype="f16")
+    r16 = {k: (v.astype(np.float16).astype(np.float32) if v.ndim == 2 else v) for k, v in tensors.items()}
+    ref = td.reference_model(cfg, r16)
+    feats = features(rng, cfg, 30)
+    _, lr = reference_block(ref, cfg, ld, emb, head, feats, 5, 30)
+    for kv, tol in ((DType.F32, TOL), (DType.F16, 1e-2)):
+        seq = DrafterModel(ld, Tensor(emb), Tensor(head), kv_dtype=kv).new_sequence(64)
+        seq.ingest(feats, 0)
+        p = seq.propose(5, 30, return_logits=True)
+        assert rel(p.logits, lr) < tol, kv
+        if kv == DType.F32:
+            np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+
+
+def test_dflash_topk_logprobs(tmp_path, rng):
+    """Tree candidates (spec-loop.md §7.1): per row the k best of log_softmax(logits / T)."""
+    cfg, tensors, ld, emb, head = build(tmp_path, rng)
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head)).new_sequence(64)
+    feats = features(rng, cfg, 12)
+    seq.ingest(feats, 0)
+    T = 0.7
+    p = seq.propose(9, 12, topk=4, temperature=T)
+    _, lr = reference_block(td.reference_model(cfg, tensors), cfg, ld, emb, head, feats, 9, 12)
+    z = lr / T
+    lse = z - z.max(1, keepdims=True) - np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True))
+    want = np.argsort(-lse, axis=1, kind="stable")[:, :4]
+    np.testing.assert_array_equal(p.topk_ids, want)
+    np.testing.assert_allclose(p.topk_logprobs, np.take_along_axis(lse, want, 1), atol=1e-4)
+    assert (np.diff(p.topk_logprobs, axis=1) <= 0).all()
+    np.testing.assert_array_equal(p.topk_ids[:, 0], p.tokens)
+
+
+def test_context_cap_equals_reference_on_the_last_rows(tmp_path, rng):
+    """context_cap = C on a full-attention drafter: the block sees the last C context rows at their
+    absolute positions — the reference fed only those rows with their position ids."""
+    import torch
+
+    cfg, tensors, ld, emb, head = build(tmp_path, rng)
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head), context_cap=8).new_sequence(64)
+    feats = features(rng, cfg, 30)
+    seq.ingest(feats, 0)
+    p = seq.propose(4, 30, return_logits=True)
+    ref = td.reference_model(cfg, tensors)
+    hp = ld.hparams
+    block = np.array([4] + [hp.mask_token_id] * (hp.block_size - 1))
+    with torch.no_grad():
+        h = ref(position_ids=torch.arange(22, 30 + hp.block_size)[None],
+                noise_embedding=torch.from_numpy(emb[block].astype(np.float64))[None],
+                target_hidden=torch.from_numpy(feats[22:].astype(np.float64))[None])[0].numpy()
+    lr = h[1:] @ head.T.astype(np.float64)
+    np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+    assert rel(p.logits, lr) < TOL
+
+
+def test_empty_context_and_argument_errors(tmp_path, rng):
+    cfg, tensors, ld, emb, head = build(tmp_path, rng)
+    m = DrafterModel(ld, Tensor(emb), Tensor(head))
+    seq = m.new_sequence(32)
+    p = seq.propose(3, 0, return_logits=True)  # no context yet: the block attends to itself only
+    _, lr = reference_block(td.reference_model(cfg, tensors), cfg, ld, emb, head, features(rng, cfg, 0), 3, 0)
+    assert rel(p.logits, lr) < TOL
+    with pytest.raises(ValueError, match="committed_len"):
+        seq.propose(3, 2)
+    with pytest.raises(ValueError, match="gap"):
+        seq.ingest(features(rng, cfg, 2), 1)
+    with pytest.raises(ValueError, match="capacity"):
+        seq.ingest(features(rng, cfg, 30), 0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        seq.propose(512, 0)
+    with pytest.raises(ValueError, match="n_taps"):
+        seq.ingest(np.zeros((2, 5), np.float32), 0)
+    with pytest.raises(ValueError, match="embedding and head"):
+        DrafterModel(ld, Tensor(emb[:, :32].copy()), Tensor(head))
+    with pytest.raises(ValueError, match="Q8_0"):
+        DrafterModel(ld, Tensor(emb), Tensor(head), kv_dtype=DType.Q8_0)  # head_dim 16
+
+
+def test_dflash_q8_0_file_and_cache(tmp_path, rng):
+    """A Q8_0 GGUF (head_dim 32 so a Q8_0 KV cache is allowed too): equals the reference loaded
+    with the file's own dequantized weights (gguf-exact dequantization) within 1e-5. A Q8_0 KV
+    cache holds exactly the Q8_0 encoding of the F32 cache's context rows; its logits stay finite
+    and within 0.35 of max|ref| (cache rounding, amplified by the scaled fixture: measured 1.4e-2
+    to 1.7e-1 over 20 seeds)."""
+    import specd.native as sn
+    from specd.draft_worker.contract import hf_to_gguf_name
+
+    dims = dict(hidden=128, inter=256, heads=4, kv_heads=2, head_dim=32)
+    cfg, tensors, ld, emb, head = build(tmp_path, rng, outtype="q8_0", dims=dims)
+    assert ld.weights.layers[0].attn_q.dtype == DType.Q8_0
+    deq = {name: sn.dequantize(ld.tensors[hf_to_gguf_name(name)]).numpy() if v.ndim == 2 else v
+           for name, v in tensors.items()}
+    ref = td.reference_model(cfg, deq)
+    feats = features(rng, cfg, 24)
+    _, lr = reference_block(ref, cfg, ld, emb, head, feats, 8, 24)
+    seqs = {}
+    for kv, tol in ((DType.F32, TOL), (DType.Q8_0, 0.35)):
+        seq = seqs[kv] = DrafterModel(ld, Tensor(emb), Tensor(head), kv_dtype=kv).new_sequence(48)
+        seq.ingest(feats, 0)
+        if kv == DType.Q8_0:
+            for i in range(ld.hparams.n_layer):
+                for f32c, q8c in zip(seqs[DType.F32].cached_kv(i, range(24)), seq.cached_kv(i, range(24))):
+                    want = sn.dequantize(sn.quantize(f32c, DType.Q8_0)).numpy()
+                    np.testing.assert_array_equal(q8c, want)
+        p = seq.propose(8, 24, return_logits=True)
+        assert np.isfinite(p.logits).all() and rel(p.logits, lr) < tol, kv
+        if kv == DType.F32:
+            np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+
+
+def test_dflash_embedding_scale_and_logit_transforms(tmp_path, rng):
+    """ZL-0.1.0 transforms read from the file: the block embedding × input_embedding_scale
+    (``_raw_input_embeddings``), logits × output_multiplier then c·tanh(x / c) (``compute_logits``)."""
+    import torch
+
+    cfg = td.make_config("dflash")
+    cfg["dflash_config"].update(input_embedding_scale=1.7, output_multiplier=0.6, final_logit_softcapping=4.0)
+    folder, cfg, tensors = td.make_drafter(tmp_path / "t", "dflash", rng, dtype="F32", cfg=cfg,
+                                           scales=td.FORWARD_SCALES)
+    ld = load_drafter(td.convert_tiny(folder, "f32"))
+    hp = ld.hparams
+    assert (hp.input_embedding_scale, hp.output_multiplier, hp.final_logit_softcapping) == (
+        pytest.approx(1.7), pytest.approx(0.6), 4.0)
+    emb, head = td.target_tables(cfg, rng)
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head)).new_sequence(48)
+    feats = features(rng, cfg, 16)
+    seq.ingest(feats, 0)
+    p = seq.propose(6, 16, return_logits=True)
+    ref = td.reference_model(cfg, tensors)
+    block = np.array([6] + [hp.mask_token_id] * (hp.block_size - 1))
+    h = td.reference_forward(ref, feats, emb[block].astype(np.float64) * 1.7, 16)[1:]
+    head64 = torch.from_numpy(head.astype(np.float64))
+    with torch.no_grad():
+        lr = ref.compute_logits(torch.from_numpy(h), lambda x: x @ head64.T).numpy()
+    assert np.abs(p.logits).max() <= 4.0
+    np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+    assert rel(p.logits, lr) < TOL
+
+
+def test_dflash_shorter_block(tmp_path, rng):
+    """propose(block_size=B') runs [seed, M × (B'−1)] as ZL-0.1.0 does near max_new_tokens."""
+    cfg, tensors, ld, emb, head = build(tmp_path, rng, sliding="qwen36")
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head)).new_sequence(64)
+    feats = features(rng, cfg, 21)
+    seq.ingest(feats, 0)
+    ref = td.reference_model(cfg, tensors)
+    for b in (2, 5):
+        p = seq.propose(13, 21, return_logits=True, block_size=b)
+        block = np.array([13] + [ld.hparams.mask_token_id] * (b - 1))
+        lr = td.reference_forward(ref, feats, emb[block], 21)[1:] @ head.T.astype(np.float64)
+        assert p.tokens.shape == (b - 1,)
+        np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+        assert rel(p.logits, lr) < TOL
+    for bad in (1, ld.hparams.block_size + 1):
+        with pytest.raises(ValueError, match="block_size"):
+            seq.propose(13, 21, block_size=bad)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_window_smaller_than_the_block(tmp_path, rng, is_causal):
+    """W = 3 < B = 8 on every layer: the per-row window bites inside the block too; non-causal
+    layers also hide keys with p_k − p_q >= W (ZL-0.1.0 ``_attention_mask``)."""
+    cfg = td.make_config("dflash", sliding="all")
+    cfg.update(sliding_window=3, is_causal=is_causal)
+    folder, cfg, tensors = td.make_drafter(tmp_path / "w", "dflash", rng, dtype="F32", cfg=cfg,
+                                           scales=td.FORWARD_SCALES)
+    ld = load_drafter(td.convert_tiny(folder, "f32"))
+    assert ld.hparams.sliding_window == 3 and ld.hparams.causal_pattern == (is_causal,) * 2
+    emb, head = td.target_tables(cfg, rng)
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head)).new_sequence(48)
+    feats = features(rng, cfg, 12)
+    seq.ingest(feats, 0)
+    p = seq.propose(30, 12, return_logits=True)
+    _, lr = reference_block(td.reference_model(cfg, tensors), cfg, ld, emb, head, feats, 30, 12)
+    np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+    assert rel(p.logits, lr) < TOL
+
+
+@pytest.mark.parametrize("family,sliding", [("dflash", "qwen36"), ("dflash2", "all")])
+def test_bounded_layers_long_context(tmp_path, rng, family, sliding):
+    """Sliding layers (W = 32) keep 2·31 + 2·B rows at a moving base however long the context:
+    uneven ingests (one of 300 rows: only the last 31 are computed), proposals along the way, a
+    rollback whose new window is still retained, all equal to the reference over the full context;
+    a rollback behind the retained rows is refused. (At positions ~500 HF's float32 RoPE angles
+    alone would put ~1.2e-5 on the reference logits; with its float64 table the error is ~1.4e-6.)"""
+    folder, cfg, tensors = td.make_drafter(tmp_path / family, family, rng, dtype="F32", scales=td.FORWARD_SCALES,
+                                           sliding=sliding)
+    ld = load_drafter(td.convert_tiny(folder, "f32"))
+    emb, head = td.target_tables(cfg, rng)
+    hp = ld.hparams
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head)).new_sequence(5000)
+    for lk, sl in zip(seq.layers, hp.sliding_pattern):
+        assert (lk.rows == 2 * 31 + 2 * hp.block_size) if sl else (lk.rows == 5000 and lk.keep is None)
+    ref = td.reference_model(cfg, tensors)
+    feats = features(rng, cfg, 520)
+    n = 0
+    for step in (3, 300, 1, 40, 9, 77, 60):
+        seq.ingest(feats[n:n + step], n)
+        n += step
+        seed = int(rng.integers(0, 512))
+        p = seq.propose(seed, n, return_logits=True)
+        block = np.array([seed] + [hp.mask_token_id] * (hp.block_size - 1))
+        h = td.reference_forward(ref, feats[:n], emb[block], n)[hp.first_proposal_row:]
+        lr = h @ head.T.astype(np.float64)
+        if family == "dflash":
+            np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+        assert rel(p.logits, lr) < TOL, (step, n)
+    assert any(lk.base > 0 for lk in seq.layers)  # compaction happened
+    # roll back 10 rows and commit 12 others: the window of the new end (rows from n + 2 − 31) is
+    # retained (the last ingest computed rows from n − 31 on)
+    other = features(rng, cfg, 12)
+    seq.ingest(other, n - 10)
+    feats2 = np.concatenate([feats[: n - 10], other])
+    p = seq.propose(1, n + 2, return_logits=True)
+    block = np.array([1] + [hp.mask_token_id] * (hp.block_size - 1))
+    lr = td.reference_forward(ref, feats2, emb[block], n + 2)[1:] @ head.T.astype(np.float64)
+    assert rel(p.logits, lr) < TOL
+    with pytest.raises(ValueError, match="roll back"):
+        seq.ingest(features(rng, cfg, 1), n - 200)
