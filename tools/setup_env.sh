@@ -26,4 +26,12 @@ if [[ "$extra" == "test" ]]; then
   # The DFlash / DFlash 2 reference (oracles.md §2). Its wheel pins tqdm, datasets and requests for
   # its training scripts, none of which the model classes the tests drive need: install it alone.
   "${pip[@]}" --no-deps "dflash==0.1.0"
+  # The DSpark reference (oracles.md §3): mlx-dspark on mlx's CPU build, in its own virtualenv (the
+  # tests run it as a subprocess through SPECD_MLX_PYTHON). mlx-lm / mlx-vlm are installed without
+  # their dependency lists, which pull audio, vision and dataset stacks the drafter code never imports.
+  mlx="$venv-mlx"
+  python3 -m venv "$mlx"
+  mpip=("$mlx/bin/python" -m pip install --quiet --disable-pip-version-check)
+  "${mpip[@]}" "mlx[cpu]==0.32.4" numpy "transformers==5.24.0" huggingface_hub requests pillow
+  "${mpip[@]}" --no-deps "mlx-lm==0.32.2" "mlx-vlm==0.7.10" "mlx-dspark==0.20.3"
 fi

@@ -6,6 +6,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SPECD_VENV:-$root/.venv}"
 "$root/tools/setup_env.sh" test
 cd "$root"
+export SPECD_MLX_PYTHON="$venv-mlx/bin/python"  # the DSpark oracle interpreter (tools/setup_env.sh)
 set +e
 "$venv/bin/python" -m pytest -q -rs tests "$@"
 rc=$?

@@ -204,8 +204,8 @@ MLX_RUNNER = textwrap.dedent("""
 
 @functools.lru_cache(maxsize=None)
 def mlx_python() -> str:
-    exe = os.environ.get("SPECD_MLX_PYTHON") or "/tmp/venv-mlx/bin/python"
-    if not Path(exe).exists():
+    exe = os.environ.get("SPECD_MLX_PYTHON", "")
+    if not exe or not Path(exe).exists():
         pytest.skip("no MLX interpreter (set SPECD_MLX_PYTHON to a python with mlx[cpu] and mlx-dspark)")
     r = subprocess.run([exe, "-c", "import mlx.core, mlx_dspark.load"], capture_output=True, text=True, timeout=60)
     if r.returncode:
