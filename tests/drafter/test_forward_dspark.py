@@ -13,7 +13,7 @@ Oracles (say which, per the brief):
   ``confidence_logits``, MLX CPU float32) end to end on the same checkpoint, features and seed,
   run as a subprocess in a separate interpreter (mlx and torch live in different venvs): set
   ``SPECD_MLX_PYTHON`` to a python with ``mlx[cpu]`` + ``mlx-dspark`` (docs/oracles.md §3.1;
-  default ``/tmp/venv-mlx/bin/python`` when present), skipped otherwise. The fixture duplicates
+  tools/test.sh builds one), skipped otherwise. The fixture duplicates
   the DSpark keys at top level because mlx-dspark ignores nested ``markov_rank`` (oracles.md §3.3).
 
 Asserted: hidden and base logits within 3e-5 of max|ref| against dflash's torch backbone
