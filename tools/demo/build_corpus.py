@@ -19,6 +19,8 @@ Parts (provenance and licence are recorded per file/package in the manifest):
 Determinism: every file list is sorted; text is normalised (UTF-8, ``\\r\\n`` -> ``\\n``, trailing
 space stripped); exact duplicates (sha256 of the normalised text) are dropped keeping the first in
 sorted order; the held-out split is by FILE: sha256("<part>:<source path>") mod 1000 < 50 (5 %).
+With ``--pin MANIFEST`` (default: the committed manifest) only
+the packages that manifest lists are read, so packages installed later leave the corpus unchanged.
 Size caps (per part, and 1.5 M characters per package except for the stdlib) are applied in sorted order (deterministic). Outputs under ``--out`` (not in git):
 ``train.jsonl`` / ``heldout.jsonl`` (one {"part","src","pkg","text"} per file), ``heldout_code.txt`` and
 ``heldout_prose.txt`` (held-out files joined by blank lines, for ``specd perplexity``), and
@@ -283,6 +285,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-mb", type=float, nargs=5, default=[16.0, 15.0, 6.0, 10.0, 28.0],
                     metavar=("STDLIB", "PYPICODE", "PYPIDOC", "DEBDOC", "MAN"),
                     help="per-part caps on kept characters (millions), applied in sorted order")
+    ap.add_argument("--pin", default=str(Path(__file__).with_name("corpus_manifest.json")),
+                    help="a previous manifest: keep only the packages (name==version for PyPI) it lists per part, "
+                         "so packages installed later do not change the corpus ('' = take everything installed)")
     ap.add_argument("--manifest-copy", default=str(Path(__file__).with_name("corpus_manifest.json")))
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -295,6 +300,10 @@ def main(argv=None) -> int:
         ("prose/debian-docs", "prose", collect_debian_docs(owner)),
         ("prose/man-pages", "prose", collect_man_pages(owner)),
     ]
+    pins = None
+    if args.pin and Path(args.pin).is_file():
+        old = json.loads(Path(args.pin).read_text(encoding="utf-8"))
+        pins = {part: set(v["licences"]) for part, v in old["parts"].items()}
     seen_hashes: set[str] = set()
     manifest = {"heldout_rule": f"sha256('<part>:<src>') mod 1000 < {HELDOUT_PER_MILLE}", "parts": {}}
     f_train = (out / "train.jsonl").open("w", encoding="utf-8")
@@ -306,6 +315,8 @@ def main(argv=None) -> int:
         licences: dict[str, str] = {}
         per_pkg: dict[str, int] = {}
         for src, pkg, lic, text in gen:
+            if pins is not None and pkg not in pins.get(part, ()):
+                continue
             text = norm(text)
             if len(text) < MIN_CHARS:
                 short += 1
