@@ -404,9 +404,10 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 raise RequestError(code, f"{what}: worker unavailable: {exc.details()}") from exc
             raise RequestError(grpc.StatusCode.INTERNAL, f"{what} failed: {code.name}: {exc.details()}") from exc
 
-    def _tree(self, anchor: int, prop, rows: int, top_k: int, opts: SpecOptions):
-        """The DDTree of one step from a ProposeResponse's row-major top-k ([rows, top_k]);
-        INTERNAL when the drafter's top-k is malformed."""
+    def _tree(self, anchor: int, prop, rows: int, top_k: int, budget: int, chain_seed: bool):
+        """The DDTree of one step from a ProposeResponse's row-major top-k ([rows, top_k]) under
+        ``budget`` nodes (>= k, as the sequence capacity leaves room for the chain); INTERNAL when
+        the drafter's top-k is malformed."""
         ids, lps = list(prop.top_k_ids), list(prop.top_k_logprobs)
         if len(ids) != rows * top_k or len(lps) != rows * top_k:
             raise RequestError(grpc.StatusCode.INTERNAL, f"drafter returned {len(ids)} top-k ids / {len(lps)} "
@@ -414,7 +415,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         if any(not 0 <= t < self.tinfo.vocab_size for t in ids):
             raise RequestError(grpc.StatusCode.INTERNAL, "drafter returned a top-k id outside the vocabulary")
         return build_tree(anchor, [ids[i * top_k:(i + 1) * top_k] for i in range(rows)],
-                          [lps[i * top_k:(i + 1) * top_k] for i in range(rows)], opts.budget, opts.chain_seed)
+                          [lps[i * top_k:(i + 1) * top_k] for i in range(rows)], budget, chain_seed)
 
     @staticmethod
     def _check_tree(tree, vr, k: int) -> None:
@@ -467,8 +468,13 @@ class Coordinator(gpbg.SpecDecodeServicer):
         timing = gpb.Timing()
         started["target"] = True
         t0 = time.perf_counter()
+        # a tree verify writes budget + 1 rows after the committed prefix (compacted at commit): room for
+        # them past the completion budget, clipped to the context (then the per-step budget shrinks)
+        capacity = n_prompt + fin.max_tokens
+        if opts.tree:
+            capacity = min(self.tinfo.max_seq_len, capacity + opts.budget)
         pre = await self._call(self.target.Prefill,
-                               wpb.PrefillRequest(seq_id=seq_id, tokens=prompt, capacity=n_prompt + fin.max_tokens),
+                               wpb.PrefillRequest(seq_id=seq_id, tokens=prompt, capacity=capacity),
                                deadline, "prefill")
         timing.prefill_s = time.perf_counter() - t0
         tokens = list(prompt)  # token at every position, committed ones then the anchor
@@ -517,7 +523,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 if any(not 0 <= d < self.tinfo.vocab_size for d in drafts):
                     raise RequestError(grpc.StatusCode.INTERNAL, f"drafter returned a token outside the vocabulary: {drafts}")
                 if top_k and drafts:
-                    tree = self._tree(anchor, prop, len(drafts), top_k, opts)
+                    tree = self._tree(anchor, prop, len(drafts), top_k,
+                                      min(opts.budget, capacity - committed - 1), opts.chain_seed)
                     drafts = tree.tokens[1:]
             t1 = time.perf_counter()
             if tree is None:
