@@ -639,7 +639,12 @@ async def start_server(coord: Coordinator, listen: str | None = None):
     await hs.set("", health_pb2.HealthCheckResponse.SERVING)
     await hs.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    await coord.connect()
+    try:
+        await coord.connect()
+    except BaseException:  # a bad worker pair: stop what was started before raising
+        await server.stop(0)
+        await coord.close()
+        raise
     if cfg.metrics_port:
         import prometheus_client
 
