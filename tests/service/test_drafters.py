@@ -191,3 +191,21 @@ def test_draft_worker_config_validation(target_gguf):
         dserver.DraftWorkerConfig(drafter="d.gguf", target=target_gguf, context_cap=-1).validate()
     with pytest.raises(ValueError, match="confidence_threshold"):
         dserver.ProposeOptions(confidence_threshold=1.5)
+
+
+def test_coordinator_refuses_mismatched_taps_and_unusable_defaults(stack, target_gguf, tmp_path):
+    """A drafter whose taps fit the target (< 4 layers) but differ from what the target captures,
+    and server defaults the drafter cannot serve, stop the coordinator's start-up (its server is
+    stopped again)."""
+    cases = [(make_gguf(tmp_path, "dflash", taps=[0, 1]), {}, "capture layers"),
+             (make_gguf(tmp_path, "dflash", seed=3), dict(confidence_threshold=0.5), "confidence head")]
+    for i, (path, kw, words) in enumerate(cases):
+        svc = dserver.DraftServicer(open_model_drafter(path, target_gguf))
+        addr = f"unix://{stack.dir}/d-bad{i}.sock"
+        srv, _ = dserver.start_server(svc, addr, 4)
+        try:
+            with pytest.raises(RuntimeError, match=words):
+                stack.coordinator(drafter_override=addr, **kw)
+        finally:
+            srv.stop(0).wait()
+            svc.close()
