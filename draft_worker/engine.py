@@ -62,6 +62,8 @@ class ModelDrafter:
         self.default_capacity = default_capacity
         self.seqs: dict[str, DraftSequence] = {}
         self.lock = threading.Lock()
+        # one model, one device: forwards of different sequences are serialised (as in the target worker)
+        self.compute_lock = threading.Lock()
 
     def open(self, seq_id: str, capacity: int) -> None:
         """Allocates the sequence's state for ``capacity`` committed positions (the feature ring's
@@ -79,7 +81,8 @@ class ModelDrafter:
                 seq = self.seqs[seq_id] = self.model.new_sequence(self.default_capacity + self.hp.block_size)
         if start != seq.n_ctx:
             raise ValueError(f"drafter: sequence {seq_id} has {seq.n_ctx} positions, ingest starts at {start}")
-        seq.ingest(np.asarray(features, np.float32), start)
+        with self.compute_lock:
+            seq.ingest(np.asarray(features, np.float32), start)
 
     def propose(self, seq_id: str, anchor: int, max_tokens: int, options=None):
         """Up to ``max_tokens`` greedy drafts after ``anchor`` as a ``Draft`` (see
@@ -97,9 +100,10 @@ class ModelDrafter:
             return Draft([])
         if opts.top_k > self.max_top_k:
             raise ValueError(f"top_k {opts.top_k} exceeds this drafter's max {self.max_top_k}")
-        p = seq.propose(int(anchor), seq.n_ctx, topk=opts.top_k, temperature=opts.top_k_temperature,
-                        confidence_threshold=opts.confidence_threshold or None,
-                        block_size=n + self.hp.first_proposal_row)
+        with self.compute_lock:
+            p = seq.propose(int(anchor), seq.n_ctx, topk=opts.top_k, temperature=opts.top_k_temperature,
+                            confidence_threshold=opts.confidence_threshold or None,
+                            block_size=n + self.hp.first_proposal_row)
         toks = [int(t) for t in p.tokens[:n]]
         conf = [] if p.confidence is None else [float(c) for c in p.confidence[: len(toks)]]
         ids = lps = None

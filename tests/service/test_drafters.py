@@ -209,3 +209,37 @@ def test_coordinator_refuses_mismatched_taps_and_unusable_defaults(stack, target
         finally:
             srv.stop(0).wait()
             svc.close()
+
+
+def test_concurrent_requests_with_a_real_drafter(drafter_stacks, reference):
+    """Requests in flight together (chain and tree) through one DSpark drafter worker stay exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    stub, d = drafter_stacks["dspark"]
+    jobs = [(p, mode) for p in PROMPTS for mode in (gpb.DRAFT_MODE_CHAIN, gpb.DRAFT_MODE_TREE)]
+    with ThreadPoolExecutor(len(jobs)) as ex:
+        outs = list(ex.map(lambda j: run(stub, j[0], draft_mode=j[1], tree_budget=6)[0], jobs))
+    for (p, _), got in zip(jobs, outs):
+        assert got == reference(p, MAX_TOKENS)[0]
+    assert d.live() == []
+
+
+def test_coordinator_config_tree_flags():
+    import argparse
+
+    from specd.coordinator.config import CoordinatorConfig, add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    cfg = config_from_args(p.parse_args(["--draft-mode", "tree", "--tree-budget", "7", "--tree-top-k", "3",
+                                         "--no-tree-chain-seed", "--confidence-threshold", "0.25",
+                                         "--tree-temperature", "0.5"]))
+    assert (cfg.draft_mode, cfg.tree_budget, cfg.tree_top_k, cfg.tree_chain_seed, cfg.confidence_threshold,
+            cfg.tree_temperature) == ("tree", 7, 3, False, 0.25, 0.5)
+    d = config_from_args(p.parse_args([]))
+    assert (d.draft_mode, d.tree_budget, d.tree_top_k, d.tree_chain_seed, d.confidence_threshold) == \
+        ("chain", 12, 0, True, 0.0)
+    for bad in (dict(draft_mode="bush"), dict(tree_budget=0), dict(tree_top_k=-1), dict(confidence_threshold=1.0),
+                dict(tree_temperature=0.0)):
+        with pytest.raises(ValueError):
+            CoordinatorConfig(**bad).validate()
