@@ -243,3 +243,23 @@ def test_coordinator_config_tree_flags():
                 dict(tree_temperature=0.0)):
         with pytest.raises(ValueError):
             CoordinatorConfig(**bad).validate()
+
+
+def test_dspark_tree_with_the_gate_and_a_context_cap(drafter_stacks, reference, stack, target_gguf, tmp_path):
+    """DDTree over a gated DSpark proposal (the tree depth is the kept prefix) is exact; so is a
+    drafter limited to the last 3 context rows (context_cap, drafters.md §3.7)."""
+    stub, _ = drafter_stacks["dspark"]
+    for prompt in PROMPTS:
+        got, done = run(stub, prompt, draft_mode=gpb.DRAFT_MODE_TREE, tree_budget=5, confidence_threshold=0.5)
+        assert got == reference(prompt, MAX_TOKENS)[0]
+    d = open_model_drafter(make_gguf(tmp_path, "dflash", seed=11), target_gguf, context_cap=3, kv_dtype="f16")
+    svc = dserver.DraftServicer(d)
+    addr = f"unix://{stack.dir}/d-cap.sock"
+    srv, _ = dserver.start_server(svc, addr, 4)
+    try:
+        cstub = stack.coordinator(drafter_override=addr)
+        for prompt in PROMPTS:
+            assert run(cstub, prompt)[0] == reference(prompt, MAX_TOKENS)[0]
+    finally:
+        srv.stop(0).wait()
+        svc.close()
