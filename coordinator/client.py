@@ -23,6 +23,13 @@ def add_arguments(p) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--speculation", choices=["auto", "off", "force"], default="auto", help="mode (default auto)")
     p.add_argument("--max-draft-tokens", type=int, default=None, help="cap on drafts per step")
+    p.add_argument("--draft-mode", choices=["default", "chain", "tree"], default="default",
+                   help="chain or tree (DDTree) drafting (default: the server's)")
+    p.add_argument("--tree-budget", type=int, default=None, help="DDTree node budget (default: the server's)")
+    p.add_argument("--tree-top-k", type=int, default=None, help="DDTree candidates per position (default: server)")
+    p.add_argument("--no-tree-chain-seed", action="store_true", help="DDTree without the top-1 chain seed")
+    p.add_argument("--confidence-threshold", type=float, default=None,
+                   help="DSpark confidence gate in [0, 1), 0 = off (default: the server's)")
     p.add_argument("--request-id", default="", help="request id (default: server-assigned)")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline in seconds (default none)")
     p.add_argument("--token-by-token", action="store_true", help="one chunk per token instead of per step")
@@ -52,6 +59,16 @@ def build_request(args):
                             "force": gpb.SPECULATION_MODE_FORCE}[args.speculation]
     if args.max_draft_tokens is not None:
         req.speculation.max_draft_tokens = args.max_draft_tokens
+    req.speculation.draft_mode = {"default": gpb.DRAFT_MODE_DEFAULT, "chain": gpb.DRAFT_MODE_CHAIN,
+                                  "tree": gpb.DRAFT_MODE_TREE}[args.draft_mode]
+    if args.tree_budget is not None:
+        req.speculation.tree_budget = args.tree_budget
+    if args.tree_top_k is not None:
+        req.speculation.tree_top_k = args.tree_top_k
+    if args.no_tree_chain_seed:
+        req.speculation.tree_chain_seed = False
+    if args.confidence_threshold is not None:
+        req.speculation.confidence_threshold = args.confidence_threshold
     req.stream_options.token_by_token = args.token_by_token
     return req
 

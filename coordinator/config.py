@@ -34,6 +34,17 @@ class CoordinatorConfig:
     health_poll_s: how often readiness re-checks both workers' gRPC health, default 5 s.
     metrics_port: Prometheus /metrics HTTP port (0: not served), default 9464.
     metrics_addr: address the metrics server binds, default "0.0.0.0".
+    draft_mode: "chain" (default) or "tree" (DDTree, spec-loop.md §7): how a request that does not
+        choose (DRAFT_MODE_DEFAULT) drafts and verifies.
+    tree_budget: DDTree node budget (non-root nodes per tree), default 12; >= 1 and clipped per step
+        to the target's max_verify - 1.
+    tree_chain_seed: DDTree inserts the top-1 chain first (spec-loop.md §7.2), default on
+        (``--no-tree-chain-seed`` turns it off).
+    tree_top_k: DDTree candidates per position; 0 (default) = auto: 8 if budget > depth else 1
+        (spec-loop.md §7.1), clipped to the drafter's max_top_k.
+    tree_temperature: T of the drafter's top-k log-probs log_softmax(logits / T), finite > 0, default 1.0.
+    confidence_threshold: DSpark confidence gate default in [0, 1); 0 = off (default). Needs a drafter
+        with a confidence head (checked at connect).
     policy: the adaptive policy (spec-loop.md §9.1a), see PolicyConfig.
     """
 
@@ -55,6 +66,12 @@ class CoordinatorConfig:
     health_poll_s: float = 5.0
     metrics_port: int = 9464
     metrics_addr: str = "0.0.0.0"
+    draft_mode: str = "chain"
+    tree_budget: int = 12
+    tree_chain_seed: bool = True
+    tree_top_k: int = 0
+    tree_temperature: float = 1.0
+    confidence_threshold: float = 0.0
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
     def validate(self) -> None:
@@ -70,6 +87,17 @@ class CoordinatorConfig:
         for name in ("max_draft_tokens", "max_prompt_tokens", "max_ping_strikes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"coordinator: {name} must be >= 0, got {getattr(self, name)}")
+        if self.draft_mode not in ("chain", "tree"):
+            raise ValueError(f"coordinator: draft_mode must be chain or tree, got {self.draft_mode!r}")
+        if self.tree_budget < 1 or self.tree_top_k < 0:
+            raise ValueError(f"coordinator: tree_budget must be >= 1 and tree_top_k >= 0, got "
+                             f"{self.tree_budget}, {self.tree_top_k}")
+        import math
+
+        if not (self.tree_temperature > 0 and math.isfinite(self.tree_temperature)):
+            raise ValueError(f"coordinator: tree_temperature must be finite > 0, got {self.tree_temperature}")
+        if not 0.0 <= self.confidence_threshold < 1.0:
+            raise ValueError(f"coordinator: confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
         self.policy.validate()
 
     def server_options(self) -> list[tuple[str, int]]:
@@ -104,6 +132,11 @@ _FLAGS = [  # (field, type, help)
     ("health_poll_s", float, "readiness re-check interval of the workers"),
     ("metrics_port", int, "Prometheus metrics HTTP port (0 = off)"),
     ("metrics_addr", str, "Prometheus metrics bind address"),
+    ("draft_mode", str, "default draft mode: chain or tree (DDTree)"),
+    ("tree_budget", int, "DDTree node budget"),
+    ("tree_top_k", int, "DDTree candidates per position (0 = auto)"),
+    ("tree_temperature", float, "temperature of the DDTree top-k log-probs"),
+    ("confidence_threshold", float, "default DSpark confidence gate (0 = off)"),
 ]
 _POLICY_FLAGS = [
     ("step_ratio", float, "prior t_spec/t_plain (0 disables the policy)"),
@@ -124,6 +157,8 @@ def add_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> Non
         p.add_argument("--" + name.replace("_", "-"), type=typ, default=getattr(d, name),
                        help=f"{help_text} (default {getattr(d, name)!r})")
     p.add_argument("--no-reflection", action="store_true", help="disable gRPC server reflection")
+    p.add_argument("--no-tree-chain-seed", action="store_true",
+                   help="DDTree: do not insert the top-1 chain first (default: chain seed on)")
     for name, typ, help_text in _POLICY_FLAGS:
         p.add_argument("--policy-" + name.replace("_", "-"), type=typ, default=getattr(d.policy, name),
                        help=f"{help_text} (default {getattr(d.policy, name)!r})")
@@ -136,6 +171,7 @@ def config_from_args(args, **override) -> CoordinatorConfig:
     kw.update(override)
     pol = PolicyConfig(**{name: getattr(args, "policy_" + name) for name, _, _ in _POLICY_FLAGS},
                        measure_times=not args.policy_fixed_ratio)
-    cfg = CoordinatorConfig(**kw, reflection=not args.no_reflection, policy=pol)
+    cfg = CoordinatorConfig(**kw, reflection=not args.no_reflection,
+                            tree_chain_seed=not getattr(args, "no_tree_chain_seed", False), policy=pol)
     cfg.validate()
     return cfg

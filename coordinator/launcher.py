@@ -7,10 +7,11 @@ runs them). The launcher waits for each child's ``READY`` line, then forwards SI
 children (coordinator first, so it drains, then the workers, which unlink their shared memory) and
 exits with the first non-zero child status.
 
-Drafter: the DFlash / DSpark / DFlash 2 forward is not wired into the drafter worker yet. With
-``--drafter D.gguf`` the target captures the drafter's ``target_layer_ids`` (read from D.gguf) but the
-drafter worker refuses to start with a message saying so; ``--scripted-block N`` runs the scripted
-drafter instead: with ``--scripted-continuations FILE`` (the target's greedy continuations) it is the
+Drafter: with ``--drafter D.gguf`` (DFlash, DSpark or DFlash 2) the target captures the drafter's
+``target_layer_ids`` (read from D.gguf) and the drafter worker runs D.gguf bound to the target's
+embedding and head (``draft-worker --drafter D.gguf --target T.gguf``); a drafter that does not fit the
+target (hidden size, vocabulary, tap ids, mask id) stops start-up with an error naming both files,
+before any child starts. ``--scripted-block N`` runs the scripted drafter instead: with ``--scripted-continuations FILE`` (the target's greedy continuations) it is the
 oracle drafter of performance.md §6.6 (``--scripted-accept k`` forces acceptance k), without it every
 draft is wrong (a worst-case drafter); neither runs plain decoding only.
 """
@@ -34,8 +35,9 @@ class ServeConfig:
     """Launcher settings (``specd serve`` flags; the coordinator's own flags pass through).
 
     target: qwen35 target GGUF (required).
-    drafter_gguf: drafter GGUF; its target_layer_ids become the target's capture layers (the drafter
-        forward is not wired yet, so the drafter worker refuses to start). Default "".
+    drafter_gguf: drafter GGUF (DFlash / DSpark / DFlash 2); its target_layer_ids become the target's
+        capture layers and the drafter worker runs it. Default "" (no drafter unless scripted).
+    drafter_kv_dtype: the drafter's context K/V cache type: f32 (default), f16 or q8_0.
     scripted_block: run the scripted drafter with this many drafts per step (0: off). Default 0.
     scripted_continuations: JSONL of {"prompt", "continuation"} for the oracle drafter. Default "".
     scripted_accept: right drafts per step of the scripted drafter (-1: all). Default -1.
@@ -48,6 +50,7 @@ class ServeConfig:
 
     target: str = ""
     drafter_gguf: str = ""
+    drafter_kv_dtype: str = "f32"
     scripted_block: int = 0
     scripted_continuations: str = ""
     scripted_accept: int = -1
@@ -69,6 +72,8 @@ class ServeConfig:
             raise ValueError("serve: --scripted-continuations needs --scripted-block")
         if self.kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"serve: --kv-dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
+        if self.drafter_kv_dtype not in ("f16", "q8_0", "f32"):
+            raise ValueError(f"serve: --drafter-kv-dtype must be f16, q8_0 or f32, got {self.drafter_kv_dtype!r}")
         if self.capture_layers:
             try:
                 [int(x) for x in self.capture_layers.split(",") if x.strip()]
@@ -80,7 +85,9 @@ def add_arguments(p) -> None:
     d = ServeConfig()
     p.add_argument("--target", required=True, help="qwen35 target GGUF")
     p.add_argument("--drafter-gguf", "--drafter", dest="drafter_gguf", default=d.drafter_gguf,
-                   help="drafter GGUF (forward not wired yet; its taps set the target's capture layers)")
+                   help="drafter GGUF: DFlash, DSpark or DFlash 2 (its taps set the target's capture layers)")
+    p.add_argument("--drafter-kv-dtype", default=d.drafter_kv_dtype, choices=["f32", "f16", "q8_0"],
+                   help=f"drafter context K/V cache type (default {d.drafter_kv_dtype})")
     p.add_argument("--scripted-block", type=int, default=d.scripted_block,
                    help="run the scripted drafter with this many drafts per step (default 0: off)")
     p.add_argument("--scripted-continuations", default=d.scripted_continuations,
@@ -139,9 +146,12 @@ def run(args) -> int:
     tsock, dsock = f"unix://{rt}/target.sock", f"unix://{rt}/draft.sock"
     capture = args.capture_layers
     if args.drafter_gguf:
-        from specd.draft_worker.gguf_loader import load_drafter
+        from specd.draft_worker.gguf_loader import check_pair, load_drafter
+        from specd.target_worker.gguf_loader import open_gguf, read_hparams
 
-        capture = ",".join(str(i) for i in load_drafter(args.drafter_gguf).hparams.target_layer_ids)
+        dhp = load_drafter(args.drafter_gguf).hparams
+        check_pair(dhp, args.drafter_gguf, read_hparams(open_gguf(args.target), args.target), args.target)
+        capture = ",".join(str(i) for i in dhp.target_layer_ids)
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,
@@ -154,7 +164,8 @@ def run(args) -> int:
 
             vocab = int(next(x for x in GGUFReader(args.target).tensors if x.name == "token_embd.weight").shape[1])
             dargv = ["draft-worker", "--listen", dsock, "--vocab", str(vocab)]
-            dargv += ["--drafter", args.drafter_gguf] if args.drafter_gguf else [
+            dargv += ["--drafter", args.drafter_gguf, "--target", args.target,
+                      "--drafter-kv-dtype", args.drafter_kv_dtype] if args.drafter_gguf else [
                 "--scripted-block", str(args.scripted_block), "--scripted-accept", str(args.scripted_accept),
                 "--scripted-continuations", args.scripted_continuations]
             d = _child(dargv)

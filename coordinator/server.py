@@ -12,6 +12,12 @@ Per request (spec-loop.md §2-§3, §9):
    captured, the drafter catches up on its next Propose);
 4. the emitted tokens d_1..d_m, bonus go through :class:`Finisher` one by one (EOS, stop ids, stop
    strings, max_tokens cut exactly inside the block); a chunk carries what may be sent;
+   DDTree steps (spec-loop.md §7; draft mode "tree"): ``Propose`` asks for per-position top-k
+   log-probs, the coordinator builds the best-first tree under the node budget
+   (:func:`~specd.coordinator.ddtree.build_tree`) and sends one tree ``Verify`` (tokens + parents);
+   the target walks it along its argmax, commits the accepted path and returns the per-node argmax
+   and the path, which the coordinator re-walks (:func:`~specd.coordinator.ddtree.walk_tree`) and
+   checks — still two worker calls per step;
 5. a final ``complete`` with finish reason, usage (= what was sent) and speculation stats.
 
 Both workers' sequences are released on every exit path (finish, error, client cancel, deadline).
@@ -37,6 +43,7 @@ from specd.protos.v1 import worker_pb2 as wpb
 from specd.protos.v1 import worker_pb2_grpc as wpbg
 
 from .config import CoordinatorConfig
+from .ddtree import auto_top_k, build_tree, walk_tree
 from .finish import Finisher
 from .metrics import CoordinatorMetrics
 from .policy import AdaptivePolicy
@@ -53,6 +60,23 @@ class RequestError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOptions:
+    """A request's resolved speculation options (request fields over the server defaults).
+
+    cap: most drafts per step (tree: the tree depth); tree: DDTree on; budget: node budget (already
+    clipped to max_verify - 1); chain_seed; top_k: 0 = auto per step; temperature: top-k log-prob
+    temperature; confidence_threshold: DSpark gate (0 = off)."""
+
+    cap: int
+    tree: bool = False
+    budget: int = 0
+    chain_seed: bool = True
+    top_k: int = 0
+    temperature: float = 1.0
+    confidence_threshold: float = 0.0
 
 
 class _Live:
@@ -107,6 +131,12 @@ class Coordinator(gpbg.SpecDecodeServicer):
             if self.dinfo.target_layer_ids and list(self.dinfo.target_layer_ids) != list(self.tinfo.capture_layers):
                 raise RuntimeError(f"drafter taps {list(self.dinfo.target_layer_ids)} != target capture layers "
                                    f"{list(self.tinfo.capture_layers)} (start the target with the drafter's taps)")
+            if self.cfg.confidence_threshold and not self.dinfo.has_confidence:
+                raise RuntimeError(f"--confidence-threshold {self.cfg.confidence_threshold} needs a DSpark drafter "
+                                   f"with a confidence head; the drafter is {self.dinfo.family or self.dinfo.name}")
+            if self.cfg.draft_mode == "tree" and not self.dinfo.max_top_k:
+                raise RuntimeError(f"--draft-mode tree needs a drafter that returns top-k candidates; "
+                                   f"{self.dinfo.name} does not")
         self.metrics = CoordinatorMetrics(os.path.basename(self.tinfo.model_path),
                                           self.dinfo.name if self.dinfo is not None else "")
 
@@ -258,19 +288,48 @@ class Coordinator(gpbg.SpecDecodeServicer):
         return Finisher(max_tokens, stop_ids, strings, st.include_stop,
                         self.tok.tokenizer if self.tok is not None else None, skip)
 
-    def _draft_cap(self, req) -> tuple[int, int]:
-        mode = req.speculation.mode
+    def _draft_cap(self, req) -> tuple[int, SpecOptions]:
+        """(speculation mode, resolved :class:`SpecOptions`); INVALID_ARGUMENT for an option the
+        drafter cannot serve (tree without top-k, top-k above its max, a confidence gate without a
+        confidence head, a threshold outside [0, 1), a zero budget)."""
+        sp = req.speculation
+        mode = sp.mode
         if mode not in MODE_NAMES:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown speculation mode {mode}")
         cap = self._server_draft_cap()
-        if req.speculation.HasField("max_draft_tokens"):
-            cap = min(cap, req.speculation.max_draft_tokens)
+        if sp.HasField("max_draft_tokens"):
+            cap = min(cap, sp.max_draft_tokens)
         if mode == gpb.SPECULATION_MODE_FORCE and cap == 0:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                "speculation FORCE needs a drafter and max_draft_tokens >= 1")
         if mode == gpb.SPECULATION_MODE_OFF:
             cap = 0
-        return mode, cap
+        cfg = self.cfg
+        if sp.draft_mode not in (gpb.DRAFT_MODE_DEFAULT, gpb.DRAFT_MODE_CHAIN, gpb.DRAFT_MODE_TREE):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown draft mode {sp.draft_mode}")
+        tree = sp.draft_mode == gpb.DRAFT_MODE_TREE or (sp.draft_mode == gpb.DRAFT_MODE_DEFAULT
+                                                         and cfg.draft_mode == "tree")
+        thr = sp.confidence_threshold if sp.HasField("confidence_threshold") else cfg.confidence_threshold
+        if not 0.0 <= thr < 1.0:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"confidence_threshold must be in [0, 1), got {thr}")
+        if thr and cap and not self.dinfo.has_confidence:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               "confidence_threshold needs a DSpark drafter with a confidence head")
+        budget = sp.tree_budget if sp.HasField("tree_budget") else cfg.tree_budget
+        top_k = sp.tree_top_k if sp.HasField("tree_top_k") else cfg.tree_top_k
+        chain_seed = sp.tree_chain_seed if sp.HasField("tree_chain_seed") else cfg.tree_chain_seed
+        if tree and cap:
+            if budget < 1:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "tree_budget must be >= 1")
+            if not self.dinfo.max_top_k:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"tree mode needs a drafter with top-k candidates; {self.dinfo.name} has none")
+            if top_k > self.dinfo.max_top_k:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"tree_top_k {top_k} exceeds the drafter's max_top_k {self.dinfo.max_top_k}")
+            budget = min(budget, self.tinfo.max_verify - 1)
+        return mode, SpecOptions(cap=cap, tree=tree and cap > 0, budget=budget, chain_seed=chain_seed, top_k=top_k,
+                                 temperature=cfg.tree_temperature, confidence_threshold=float(thr))
 
     # ------------------------------------------------------------------ Generate
 
@@ -280,7 +339,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         try:
             prompt = self._prompt(request)
             fin = self._finisher(request, len(prompt))
-            mode, cap = self._draft_cap(request)
+            mode, opts = self._draft_cap(request)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         rid = request.request_id or f"req-{next(self._ids)}"
@@ -298,7 +357,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         mx.spec_requests.labels(*mx.l(MODE_NAMES[mode])).inc()
         outcome = ("abort", "CANCELLED")  # until the loop says otherwise (client cancel lands here)
         try:
-            async for msg in self._loop(seq_id, prompt, fin, mode, cap, deadline, started, t_start,
+            async for msg in self._loop(seq_id, prompt, fin, mode, opts, deadline, started, t_start,
                                         request.stream_options.token_by_token, live):
                 if msg.HasField("complete"):
                     outcome = (msg.complete.finish_reason, "OK")
@@ -345,6 +404,33 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 raise RequestError(code, f"{what}: worker unavailable: {exc.details()}") from exc
             raise RequestError(grpc.StatusCode.INTERNAL, f"{what} failed: {code.name}: {exc.details()}") from exc
 
+    def _tree(self, anchor: int, prop, rows: int, top_k: int, budget: int, chain_seed: bool):
+        """The DDTree of one step from a ProposeResponse's row-major top-k ([rows, top_k]) under
+        ``budget`` nodes (>= k, as the sequence capacity leaves room for the chain); INTERNAL when
+        the drafter's top-k is malformed."""
+        ids, lps = list(prop.top_k_ids), list(prop.top_k_logprobs)
+        if len(ids) != rows * top_k or len(lps) != rows * top_k:
+            raise RequestError(grpc.StatusCode.INTERNAL, f"drafter returned {len(ids)} top-k ids / {len(lps)} "
+                                                         f"log-probs for {rows} rows x top_k {top_k}")
+        if any(not 0 <= t < self.tinfo.vocab_size for t in ids):
+            raise RequestError(grpc.StatusCode.INTERNAL, "drafter returned a top-k id outside the vocabulary")
+        return build_tree(anchor, [ids[i * top_k:(i + 1) * top_k] for i in range(rows)],
+                          [lps[i * top_k:(i + 1) * top_k] for i in range(rows)], budget, chain_seed)
+
+    @staticmethod
+    def _check_tree(tree, vr, k: int) -> None:
+        """Re-walks the verified tree from the worker's per-node argmax (spec-loop.md §7.5) and checks
+        the worker's path and emitted tokens against it; INTERNAL on a disagreement."""
+        argmax = list(vr.argmax)
+        if len(argmax) != len(tree.tokens):
+            raise RequestError(grpc.StatusCode.INTERNAL, f"tree verify returned {len(argmax)} argmax for "
+                                                         f"{len(tree.tokens)} nodes")
+        path = walk_tree(tree.tokens, tree.parents, argmax, k)
+        want = [tree.tokens[r] for r in path[1:]] + [argmax[path[-1]]]
+        if list(vr.path) != path or list(vr.emitted) != want:
+            raise RequestError(grpc.StatusCode.INTERNAL, f"tree verify path {list(vr.path)} / emitted "
+                                                         f"{list(vr.emitted)} != walk {path} / {want}")
+
     async def Abort(self, request, context):
         """Flags the named live requests; each ends after its current step with "abort"."""
         aborted = []
@@ -355,11 +441,13 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 aborted.append(rid)
         return gpb.AbortResponse(aborted=aborted)
 
-    async def _loop(self, seq_id, prompt, fin: Finisher, mode, cap, deadline, started, t_start, token_by_token,
-                    live):
+    async def _loop(self, seq_id, prompt, fin: Finisher, mode, opts: SpecOptions, deadline, started, t_start,
+                    token_by_token, live):
         n_prompt = len(prompt)
+        cap = opts.cap
         stats = gpb.SpeculationStats(mode_used=mode)
         per_pos: list[int] = []
+        per_rank: list[int] = []
         policy = AdaptivePolicy(self.cfg.policy)
         step = 0
 
@@ -380,8 +468,13 @@ class Coordinator(gpbg.SpecDecodeServicer):
         timing = gpb.Timing()
         started["target"] = True
         t0 = time.perf_counter()
+        # a tree verify writes budget + 1 rows after the committed prefix (compacted at commit): room for
+        # them past the completion budget, clipped to the context (then the per-step budget shrinks)
+        capacity = n_prompt + fin.max_tokens
+        if opts.tree:
+            capacity = min(self.tinfo.max_seq_len, capacity + opts.budget)
         pre = await self._call(self.target.Prefill,
-                               wpb.PrefillRequest(seq_id=seq_id, tokens=prompt, capacity=n_prompt + fin.max_tokens),
+                               wpb.PrefillRequest(seq_id=seq_id, tokens=prompt, capacity=capacity),
                                deadline, "prefill")
         timing.prefill_s = time.perf_counter() - t0
         tokens = list(prompt)  # token at every position, committed ones then the anchor
@@ -413,9 +506,14 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 speculate = False  # a speculative step would not fit the deadline: plain steps to the end
             t0 = time.perf_counter()
             drafts: list[int] = []
+            tree = None
             if speculate:
+                top_k = 0
+                if opts.tree:
+                    top_k = opts.top_k or auto_top_k(opts.budget, k, self.dinfo.max_top_k)
                 req = wpb.ProposeRequest(seq_id=seq_id, start=synced, new_tokens=tokens[synced:committed],
-                                         anchor=anchor, max_tokens=k)
+                                         anchor=anchor, max_tokens=k, confidence_threshold=opts.confidence_threshold,
+                                         top_k=top_k, top_k_temperature=opts.temperature if top_k else 0.0)
                 if not started["drafter"]:
                     req.features.CopyFrom(pre.features)
                     started["drafter"] = True
@@ -424,10 +522,16 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 drafts = list(prop.tokens)[:k]
                 if any(not 0 <= d < self.tinfo.vocab_size for d in drafts):
                     raise RequestError(grpc.StatusCode.INTERNAL, f"drafter returned a token outside the vocabulary: {drafts}")
+                if top_k and drafts:
+                    tree = self._tree(anchor, prop, len(drafts), top_k,
+                                      min(opts.budget, capacity - committed - 1), opts.chain_seed)
+                    drafts = tree.tokens[1:]
             t1 = time.perf_counter()
-            vr = await self._call(self.target.Verify,
-                                  wpb.VerifyRequest(seq_id=seq_id, tokens=[anchor] + drafts, max_accept=len(drafts)),
-                                  deadline, "verify")
+            if tree is None:
+                vreq = wpb.VerifyRequest(seq_id=seq_id, tokens=[anchor] + drafts, max_accept=len(drafts))
+            else:
+                vreq = wpb.VerifyRequest(seq_id=seq_id, tokens=tree.tokens, parents=tree.parents, max_accept=k)
+            vr = await self._call(self.target.Verify, vreq, deadline, "verify")
             t2 = time.perf_counter()
             dt = t2 - t0
             compute = vr.compute_s + (prop.compute_s if speculate else 0.0)
@@ -441,6 +545,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 raise RequestError(grpc.StatusCode.INTERNAL,
                                    f"target verify returned {len(emitted)} tokens / committed {vr.committed} "
                                    f"for {m} accepted at {committed}")
+            if tree is not None:
+                self._check_tree(tree, vr, k)
             committed = vr.committed
             tokens.extend(emitted)
             anchor = emitted[-1]
@@ -449,9 +555,16 @@ class Coordinator(gpbg.SpecDecodeServicer):
                     stats.num_drafts += 1
                     stats.num_draft_tokens += len(drafts)
                     stats.num_accepted_tokens += m
-                    per_pos.extend([0] * (len(drafts) - len(per_pos)))
+                    depth = len(drafts) if tree is None else max(tree.depth)
+                    per_pos.extend([0] * (depth - len(per_pos)))
                     for i in range(m):
                         per_pos[i] += 1
+                    if tree is not None:
+                        stats.num_tree_steps += 1
+                        for r in list(vr.path)[1:]:
+                            rk = tree.rank[r]
+                            per_rank.extend([0] * (rk + 1 - len(per_rank)))
+                            per_rank[rk] += 1
                 else:
                     stats.num_plain_steps += 1
                 policy.record_spec(step, m, dt)
@@ -481,6 +594,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         if fin.take_text():  # nothing may remain unsent
             raise RequestError(grpc.StatusCode.INTERNAL, "text left unsent at finish")
         stats.accepted_per_position.extend(per_pos)
+        stats.accepted_per_rank.extend(per_rank)
         stats.mean_acceptance_length = (1.0 + stats.num_accepted_tokens / stats.num_drafts) if stats.num_drafts else 0.0
         for s, to_spec, reason in policy.switches:
             stats.policy_switches.add(step_index=s, to_speculative=to_spec, reason=reason)
@@ -525,7 +639,12 @@ async def start_server(coord: Coordinator, listen: str | None = None):
     await hs.set("", health_pb2.HealthCheckResponse.SERVING)
     await hs.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
-    await coord.connect()
+    try:
+        await coord.connect()
+    except BaseException:  # a bad worker pair: stop what was started before raising
+        await server.stop(0)
+        await coord.close()
+        raise
     if cfg.metrics_port:
         import prometheus_client
 

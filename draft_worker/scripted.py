@@ -15,6 +15,14 @@ A plan is a callable ``plan(prompt, step) -> int | None`` (step = 0, 1, ... coun
 Propose calls) or a constant. A wrong token is ``(right + 1) % n_vocab``, so it never matches.
 Prompts without a known continuation get wrong tokens (all rejected).
 
+Trees (DDTree, spec-loop.md §7): with ``options.top_k = K`` the proposal carries per-position top-k
+candidates. ``topk_ranks`` (a constant sequence or ``topk_ranks(prompt, step)``) gives, per draft
+position i, the rank at which the right token is placed in row i (None or >= K: absent); the other
+slots hold distinct wrong tokens ``(right + 1 + j) % n_vocab`` and the chain (``tokens``) is rank 0 of
+every row, so a right token at rank r > 0 is reachable only through a non-chain branch. Positions
+past the sequence, and every position when ``topk_ranks`` is None, follow the chain plan (rank 0 if
+right, absent if wrong). Log-probs are fixed: rank 0 -> -0.1, rank r >= 1 -> -r.
+
 Like a real drafter it ingests the target's feature rows for every newly committed position from the
 ring, so tests can check that what the drafter saw equals the target's features (C09): ``seen[seq_id]``
 maps position -> (token, feature row) for every ingested position, ``proposals[seq_id]`` lists
@@ -47,17 +55,23 @@ class ScriptedDrafter:
             generated token on (long enough for the test; past its end proposals are wrong).
         plan: a constant or ``plan(prompt, step)``; default None (oracle).
         record_features: keep every ingested feature row in ``seen`` (tests; memory grows).
+        topk_ranks: None, a sequence of ranks (None entries = absent) or ``topk_ranks(prompt, step)``
+            returning one; see the module docstring. Default None.
+        max_top_k: most top-k per proposal (reported by Info), default 8.
     """
 
     name = "scripted"
+    family = "scripted"
 
     def __init__(self, block_size: int, n_vocab: int, continuations: dict | None = None,
-                 plan: "Plan | int | None" = None, record_features: bool = True):
+                 plan: "Plan | int | None" = None, record_features: bool = True, topk_ranks=None,
+                 max_top_k: int = 8):
         if block_size < 1 or n_vocab < 2:
             raise ValueError(f"ScriptedDrafter: block_size >= 1 and n_vocab >= 2 required, got {block_size}, {n_vocab}")
         self.block_size, self.n_vocab = block_size, n_vocab
         self.continuations = {tuple(k): list(v) for k, v in (continuations or {}).items()}
         self.plan = plan
+        self.topk_ranks, self.max_top_k = topk_ranks, int(max_top_k)
         self.record_features = record_features
         self.seqs: dict[str, _SeqView] = {}
         self.seen: dict[str, dict[int, tuple[int, np.ndarray]]] = {}
@@ -78,8 +92,9 @@ class ScriptedDrafter:
             for i, t in enumerate(tokens):
                 seen[start + i] = (int(t), features[i].copy())
 
-    def propose(self, seq_id: str, anchor: int, max_tokens: int) -> list[int]:
-        """Up to min(max_tokens, block_size) draft tokens after ``anchor``."""
+    def propose(self, seq_id: str, anchor: int, max_tokens: int, options=None):
+        """Up to min(max_tokens, block_size) draft tokens after ``anchor``: a token list, or with
+        ``options.top_k`` a :class:`~specd.draft_worker.server.Draft` carrying the scripted top-k."""
         v = self.seqs[seq_id]
         k = min(max_tokens, self.block_size)
         step = v.steps
@@ -99,6 +114,29 @@ class ScriptedDrafter:
                 wrong = set(range(k if plan is None else min(plan, k), k))
             wrong |= set(range(known, k))
             out = [(right[i] + 1) % self.n_vocab if i in wrong else right[i] for i in range(k)]
+            K = int(getattr(options, "top_k", 0) or 0)
+            if K and out:
+                ranks = self.topk_ranks(v.prompt, step) if callable(self.topk_ranks) else self.topk_ranks
+                ranks = list(ranks) if ranks is not None else []
+                ids = np.zeros((k, K), np.int32)
+                for i in range(k):
+                    r = ranks[i] if i < len(ranks) else (None if i in wrong else 0)
+                    if i >= known:
+                        r = None
+                    row, j = [], 1
+                    while len(row) < K:
+                        row.append((right[i] + j) % self.n_vocab)
+                        j += 1
+                    if r is not None and r < K:
+                        row[r] = right[i]
+                    ids[i] = row
+                out = [int(t) for t in ids[:, 0]]
+                lps = np.tile(np.array([-0.1] + [-float(r) for r in range(1, K)], np.float32), (k, 1))
+                if self.record_features:
+                    self.proposals.setdefault(seq_id, []).append(out)
+                from .server import Draft
+
+                return Draft(out, [], ids, lps)
         if self.record_features:
             self.proposals.setdefault(seq_id, []).append(out)
         return out

@@ -1,16 +1,22 @@
 """The drafter worker: a gRPC ``specd.worker.v1.DraftWorker`` server around a pluggable drafter.
 
-A drafter object implements :class:`Drafter` (a structural protocol).
-
-For now the only one is :class:`specd.draft_worker.scripted.ScriptedDrafter`; the DFlash / DSpark /
-DFlash 2 forward plugs in here later. Per Propose the servicer attaches the sequence's feature ring
+A drafter object implements :class:`Drafter` (a structural protocol). Two exist:
+:class:`specd.draft_worker.engine.ModelDrafter` (the DFlash / DSpark / DFlash 2 forward of a draft
+GGUF bound to the target GGUF's embedding and head; ``--drafter D.gguf --target T.gguf``) and
+:class:`specd.draft_worker.scripted.ScriptedDrafter` (test support and the oracle drafter). Per Propose the servicer attaches the sequence's feature ring
 (first call, from the handle the coordinator forwards), reads the rows of the newly committed
 positions [start, start + len(new_tokens)) from shared memory and hands them to the drafter with
 their tokens, then asks for proposals. Errors: unknown sequence on a non-first call or a row gap ->
 FAILED_PRECONDITION; a ring that cannot be attached -> FAILED_PRECONDITION (shared memory not shared).
 
-CLI: ``specd draft-worker --scripted-block 8 --vocab 1024 --listen unix:///tmp/specd-draft.sock``
-(the scripted drafter with no continuations proposes wrong tokens: a worst-case drafter for load tests).
+Per-request drafter options travel in ProposeRequest (:class:`ProposeOptions`): the DSpark
+confidence threshold (0 = off) and the per-position top-k (with its temperature) for DDTree. Option
+errors (threshold without a confidence head, top_k above the drafter's ``max_top_k``) ->
+INVALID_ARGUMENT.
+
+CLI: ``specd draft-worker --drafter D.gguf --target T.gguf --listen unix:///tmp/specd-draft.sock``;
+``specd draft-worker --scripted-block 8 --vocab 1024`` runs the scripted drafter (with no continuations
+it proposes wrong tokens: a worst-case drafter for load tests).
 """
 from __future__ import annotations
 
@@ -34,15 +40,52 @@ from specd.target_worker.feature_shm import FeatureHandleInfo, attach_reader, sh
 log = logging.getLogger("specd.draft_worker")
 
 
+@dataclasses.dataclass(frozen=True)
+class ProposeOptions:
+    """Per-request drafter options (from ProposeRequest).
+
+    confidence_threshold: DSpark confidence gate in [0, 1); 0 = off (default). Drafts are kept up to
+        (not including) the first with confidence < threshold (drafters.md §5.3).
+    top_k: per-position candidates for DDTree (spec-loop.md §7.1); 0 = none (default).
+    top_k_temperature: T of the top-k log-probs log_softmax(logits / T), finite > 0; default 1.0.
+    """
+
+    confidence_threshold: float = 0.0
+    top_k: int = 0
+    top_k_temperature: float = 1.0
+
+    def __post_init__(self):
+        import math
+
+        if not 0.0 <= self.confidence_threshold < 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
+        if self.top_k < 0 or not (self.top_k_temperature > 0 and math.isfinite(self.top_k_temperature)):
+            raise ValueError(f"top_k must be >= 0 and top_k_temperature finite > 0, got {self.top_k}, "
+                             f"{self.top_k_temperature}")
+
+
+@dataclasses.dataclass
+class Draft:
+    """One proposal: ``tokens`` [k] draft ids (d_1..d_k); ``confidence`` [k] in [0, 1] or [];
+    with top_k: ``top_k_ids`` int32 [k, K] and ``top_k_logprobs`` float32 [k, K] (best first; row i is
+    position i + 1), else None."""
+
+    tokens: list
+    confidence: list = dataclasses.field(default_factory=list)
+    top_k_ids: "np.ndarray | None" = None
+    top_k_logprobs: "np.ndarray | None" = None
+
+
 @runtime_checkable
 class Drafter(Protocol):
-    """What the drafter worker needs from a drafter (the scripted one today, DFlash / DSpark / DFlash 2
-    later). Calls for one sequence never overlap; calls for different sequences may come from different
+    """What the drafter worker needs from a drafter (ModelDrafter, ScriptedDrafter). Calls for one sequence never overlap; calls for different sequences may come from different
     threads.
 
     Attributes: ``name`` (reported by Info), ``block_size`` (most draft tokens per propose),
     ``n_vocab`` (must equal the target's), optionally ``target_layer_ids`` (the coordinator checks them
-    against the target's capture layers).
+    against the target's capture layers), ``family``, ``max_top_k`` (0 / absent: no top-k) and
+    ``has_confidence``. Optionally ``open(seq_id, capacity)``: called once when a sequence's feature
+    ring is attached, with the ring's capacity (positions).
     """
 
     name: str
@@ -54,9 +97,11 @@ class Drafter(Protocol):
         ``[n, n_taps * n_embd]`` (the target's residual stream after each tap, tap order). Positions arrive
         in order without gaps, each exactly once, the prompt first. ValueError on a gap."""
 
-    def propose(self, seq_id: str, anchor: int, max_tokens: int) -> "list[int] | tuple[list[int], list[float]]":
+    def propose(self, seq_id: str, anchor: int, max_tokens: int,
+                options: "ProposeOptions | None" = None) -> "Draft | list[int] | tuple[list[int], list[float]]":
         """Up to ``max_tokens`` draft tokens following ``anchor`` (the token at position = ingested
-        length), optionally with one confidence in [0, 1] per token."""
+        length): a :class:`Draft`, or a token list, or (tokens, confidences). ValueError on a bad
+        option."""
 
     def release(self, seq_id: str) -> bool:
         """Forgets the sequence; True if it was known."""
@@ -69,7 +114,11 @@ class Drafter(Protocol):
 class DraftWorkerConfig:
     """Drafter worker settings (each one a ``specd draft-worker`` flag).
 
-    drafter: drafter GGUF (the DFlash/DSpark forward is not wired yet: required empty for now).
+    drafter: drafter GGUF (DFlash, DSpark or DFlash 2); "" runs the scripted drafter. Default "".
+    target: the target GGUF whose token_embd / output the drafter reuses (required with drafter).
+    drafter_kv_dtype: the drafter's context K/V cache type: "f32" (default), "f16" or "q8_0".
+    context_cap: 0 (default: every committed context row visible) or C > 0: full-attention layers
+        see only the last C context rows (drafters.md §3.7).
     listen: gRPC address, ``unix:///path.sock`` (default) or ``host:port``.
     scripted_block: block of the scripted drafter (drafts per step), default 8.
     vocab: vocabulary size for the scripted drafter (0: required when no drafter GGUF).
@@ -81,6 +130,9 @@ class DraftWorkerConfig:
     """
 
     drafter: str = ""
+    target: str = ""
+    drafter_kv_dtype: str = "f32"
+    context_cap: int = 0
     listen: str = "unix:///tmp/specd-draft.sock"
     scripted_block: int = 8
     vocab: int = 0
@@ -90,16 +142,25 @@ class DraftWorkerConfig:
     max_message_bytes: int = 256 << 20
 
     def validate(self) -> None:
+        if self.threads <= 0 or self.max_message_bytes <= 0:
+            raise ValueError("draft-worker: threads and max_message_bytes must be > 0")
         if self.drafter:
-            raise ValueError("draft-worker: the DFlash/DSpark/DFlash 2 forward is not available yet; "
-                             "run the scripted drafter (--scripted-block, --vocab)")
+            if not self.target:
+                raise ValueError("draft-worker: --drafter needs --target (the target GGUF whose embedding and "
+                                 "head the drafter reuses)")
+            if self.drafter_kv_dtype not in ("f32", "f16", "q8_0"):
+                raise ValueError(f"draft-worker: --drafter-kv-dtype must be f32, f16 or q8_0, "
+                                 f"got {self.drafter_kv_dtype!r}")
+            if self.context_cap < 0:
+                raise ValueError(f"draft-worker: --context-cap must be >= 0, got {self.context_cap}")
+            if self.scripted_continuations:
+                raise ValueError("draft-worker: --scripted-continuations is for the scripted drafter, not --drafter")
+            return
         if self.scripted_block < 1 or self.vocab < 2:
             raise ValueError(f"draft-worker: --scripted-block >= 1 and --vocab >= 2 required, "
                              f"got {self.scripted_block}, {self.vocab}")
         if self.scripted_accept < -1:
             raise ValueError(f"draft-worker: --scripted-accept must be >= -1, got {self.scripted_accept}")
-        if self.threads <= 0 or self.max_message_bytes <= 0:
-            raise ValueError("draft-worker: threads and max_message_bytes must be > 0")
 
 
 class _Seq:
@@ -127,7 +188,10 @@ class DraftServicer(pbg.DraftWorkerServicer):
         return pb.DrafterInfo(name=self.drafter.name, block_size=self.drafter.block_size,
                               vocab_size=self.drafter.n_vocab, shm_namespace_id=self.namespace,
                               live_sequences=live,
-                              target_layer_ids=list(getattr(self.drafter, "target_layer_ids", ())))
+                              target_layer_ids=list(getattr(self.drafter, "target_layer_ids", ())),
+                              family=str(getattr(self.drafter, "family", self.drafter.name)),
+                              max_top_k=int(getattr(self.drafter, "max_top_k", 0)),
+                              has_confidence=bool(getattr(self.drafter, "has_confidence", False)))
 
     def Propose(self, request, context):
         seq_id = request.seq_id
@@ -150,6 +214,21 @@ class DraftServicer(pbg.DraftWorkerServicer):
             if dead:
                 reader.close()
                 context.abort(grpc.StatusCode.CANCELLED, f"sequence {seq_id!r} was released")
+            opener = getattr(self.drafter, "open", None)
+            if opener is not None:
+                opener(seq_id, int(h.capacity))
+        try:
+            opts = ProposeOptions(float(request.confidence_threshold), int(request.top_k),
+                                  float(request.top_k_temperature) or 1.0)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"propose: {exc}")
+        if opts.top_k > int(getattr(self.drafter, "max_top_k", 0)):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"propose: top_k {opts.top_k} exceeds the drafter's max_top_k "
+                          f"{int(getattr(self.drafter, 'max_top_k', 0))}")
+        if opts.confidence_threshold and not getattr(self.drafter, "has_confidence", False):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "propose: confidence_threshold needs a DSpark drafter with a confidence head")
         t0 = time.perf_counter()
         with s.lock:
             new = list(request.new_tokens)
@@ -161,15 +240,29 @@ class DraftServicer(pbg.DraftWorkerServicer):
                 if new:
                     self.drafter.ingest(seq_id, request.start, new, feats)
                 s.synced += len(new)
-                out = self.drafter.propose(seq_id, request.anchor, int(request.max_tokens)) if request.max_tokens else []
             except ValueError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"propose: {exc}")
-        toks, conf = out if isinstance(out, tuple) else (out, [])
+            try:
+                out = self.drafter.propose(seq_id, request.anchor, int(request.max_tokens), opts) \
+                    if request.max_tokens else []
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"propose: {exc}")
+        d = out if isinstance(out, Draft) else Draft(*out) if isinstance(out, tuple) else Draft(list(out))
+        toks, conf = list(d.tokens), list(d.confidence)
         if len(toks) > request.max_tokens or (conf and len(conf) != len(toks)):
             context.abort(grpc.StatusCode.INTERNAL, f"drafter returned {len(toks)} tokens / {len(conf)} confidences "
                                                     f"for max_tokens {request.max_tokens}")
-        return pb.ProposeResponse(tokens=[int(t) for t in toks], confidence=[float(c) for c in conf],
+        resp = pb.ProposeResponse(tokens=[int(t) for t in toks], confidence=[float(c) for c in conf],
                                   compute_s=time.perf_counter() - t0)
+        if opts.top_k and toks:
+            ids, lps = d.top_k_ids, d.top_k_logprobs
+            if ids is None or lps is None or np.shape(ids) != (len(toks), opts.top_k) \
+                    or np.shape(lps) != (len(toks), opts.top_k):
+                context.abort(grpc.StatusCode.INTERNAL, f"drafter returned top-k of shape {np.shape(ids)} / "
+                                                        f"{np.shape(lps)} for {len(toks)} drafts and top_k {opts.top_k}")
+            resp.top_k_ids.extend(int(x) for x in np.asarray(ids).reshape(-1))
+            resp.top_k_logprobs.extend(float(x) for x in np.asarray(lps).reshape(-1))
+        return resp
 
     def Release(self, request, context):
         with self.lock:
@@ -213,11 +306,19 @@ def start_server(servicer: DraftServicer, listen: str, threads: int = 8, max_mes
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DraftWorkerConfig()
-    p.add_argument("--drafter", default="", help="drafter GGUF (not wired yet; use the scripted drafter)")
+    p.add_argument("--drafter", default=d.drafter,
+                   help="drafter GGUF: DFlash, DSpark or DFlash 2 (default none: the scripted drafter)")
+    p.add_argument("--target", default=d.target, help="target GGUF whose embedding/head the drafter reuses "
+                                                      "(required with --drafter)")
+    p.add_argument("--drafter-kv-dtype", default=d.drafter_kv_dtype, choices=["f32", "f16", "q8_0"],
+                   help=f"drafter context K/V cache type (default {d.drafter_kv_dtype})")
+    p.add_argument("--context-cap", type=int, default=d.context_cap,
+                   help="full-attention drafter layers see only the last C context rows (default 0: all)")
     p.add_argument("--listen", default=d.listen, help=f"gRPC address (default {d.listen})")
     p.add_argument("--scripted-block", type=int, default=d.scripted_block,
                    help=f"scripted drafter: drafts per step (default {d.scripted_block})")
-    p.add_argument("--vocab", type=int, default=d.vocab, help="scripted drafter: vocabulary size (required)")
+    p.add_argument("--vocab", type=int, default=d.vocab,
+                   help="scripted drafter: vocabulary size (required without --drafter)")
     p.add_argument("--scripted-continuations", default=d.scripted_continuations,
                    help='scripted drafter: JSONL of {"prompt": [...], "continuation": [...]} (oracle drafter)')
     p.add_argument("--scripted-accept", type=int, default=d.scripted_accept,
@@ -245,21 +346,34 @@ def load_continuations(path: str) -> dict:
     return out
 
 
+def make_drafter(cfg: DraftWorkerConfig) -> Drafter:
+    """The drafter a validated config names: a ModelDrafter over ``cfg.drafter`` bound to
+    ``cfg.target`` (pair-checked; DrafterPairError names both files), else the scripted drafter."""
+    if cfg.drafter:
+        from .engine import open_model_drafter
+
+        d = open_model_drafter(cfg.drafter, cfg.target, kv_dtype=cfg.drafter_kv_dtype, context_cap=cfg.context_cap)
+        log.info("draft-worker: %s", d.hp.summary())
+        return d
+    from .scripted import ScriptedDrafter
+
+    return ScriptedDrafter(cfg.scripted_block, cfg.vocab, load_continuations(cfg.scripted_continuations),
+                           plan=None if cfg.scripted_accept < 0 else cfg.scripted_accept, record_features=False)
+
+
 def run(args) -> int:
     from specd.target_worker.server import serve_forever
 
-    from .scripted import ScriptedDrafter
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = DraftWorkerConfig(drafter=args.drafter, listen=args.listen, scripted_block=args.scripted_block,
+    cfg = DraftWorkerConfig(drafter=args.drafter, target=args.target, drafter_kv_dtype=args.drafter_kv_dtype,
+                            context_cap=args.context_cap, listen=args.listen, scripted_block=args.scripted_block,
                             vocab=args.vocab, scripted_continuations=args.scripted_continuations,
                             scripted_accept=args.scripted_accept, threads=args.threads,
                             max_message_bytes=args.max_message_bytes)
     cfg.validate()
-    servicer = DraftServicer(ScriptedDrafter(cfg.scripted_block, cfg.vocab, load_continuations(cfg.scripted_continuations),
-                                             plan=None if cfg.scripted_accept < 0 else cfg.scripted_accept,
-                                             record_features=False))
+    servicer = DraftServicer(make_drafter(cfg))
     server, _ = start_server(servicer, cfg.listen, cfg.threads, cfg.max_message_bytes)
-    log.info("draft-worker: scripted drafter (block %d) on %s", cfg.scripted_block, cfg.listen)
+    log.info("draft-worker: %s drafter (block %d) on %s", servicer.drafter.name, servicer.drafter.block_size,
+             cfg.listen)
     print(f"READY {cfg.listen}", flush=True)
     return serve_forever(server, servicer.close, "draft-worker")

@@ -10,6 +10,10 @@ Greedy chain acceptance (spec-loop.md §3): verify ``[a, d_1..d_k]`` at position
 of row i, m = longest prefix with d_{j} = t_{j-1}, capped by ``max_accept``; emitted = d_1..d_m, t_m;
 commit rows 0..m (anchor + m drafts) so c <- c + m + 1 and the bonus t_m becomes the next anchor.
 
+Tree verify (spec-loop.md §7): ``Verify`` with ``parents`` runs the tree with an ancestor-only mask,
+walks it from the root along the per-node argmax and commits the accepted path (KV / feature
+compaction, recurrent state re-run along the path: :meth:`Qwen35Model.commit` with a path).
+
 Errors: unknown sequence -> NOT_FOUND; duplicate Prefill -> ALREADY_EXISTS; bad tokens, capacity
 overflow, bad commit -> INVALID_ARGUMENT / FAILED_PRECONDITION. The worker keeps serving after any of
 them (architecture.md invariant 5).
@@ -32,6 +36,8 @@ import numpy as np
 
 from specd.protos.v1 import worker_pb2 as pb
 from specd.protos.v1 import worker_pb2_grpc as pbg
+
+from specd.coordinator.ddtree import walk_tree
 
 from .feature_shm import FeatureWriter, shm_namespace_id
 
@@ -195,47 +201,77 @@ class TargetServicer(pbg.TargetWorkerServicer):
                                                             nbytes=handle.nbytes, owner_id=handle.owner_id))
 
     def Verify(self, request, context):
+        """Chain verify (module docstring), or with ``parents`` a tree verify (spec-loop.md §7.3,
+        §7.5): every node's argmax, the walk from the root along the argmax (at most max_accept
+        moves, :func:`specd.coordinator.ddtree.walk_tree`) and the commit of that path's rows."""
         s = self._get(request.seq_id, context)
         tokens = list(request.tokens)
+        parents = list(request.parents)
         if not tokens:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "verify needs at least the anchor token")
         if len(tokens) > self.cfg.max_verify:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                    f"{len(tokens)} verify rows exceed max_verify {self.cfg.max_verify}")
+        if parents:
+            bad = len(parents) != len(tokens) or parents[0] != -1 or any(
+                not 0 <= p < i for i, p in enumerate(parents) if i)
+            if bad:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                       f"tree verify: parents must have one entry per token ({len(tokens)}), parents[0] = -1 and "
+                       f"0 <= parents[i] < i, got {parents[:16]}")
         k = len(tokens) - 1
         limit = min(k, int(request.max_accept)) if request.HasField("max_accept") else k
         with s.lock:
             if s.pending is not None:
                 _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "a deferred verify is pending; Commit first")
             t0 = time.perf_counter()
+            path: list[int] = []
             try:
                 with self.model_lock:
-                    res = self.model.verify(s.st, tokens)
+                    res = self.model.verify(s.st, tokens, parents or None)
                     t = res.argmax
-                    m = 0
-                    while m < limit and tokens[m + 1] == int(t[m]):
-                        m += 1
+                    if parents:
+                        path = walk_tree(tokens, parents, [int(x) for x in t], limit)
+                        m = len(path) - 1
+                    else:
+                        m = 0
+                        while m < limit and tokens[m + 1] == int(t[m]):
+                            m += 1
                     if not request.defer_commit:
-                        self.model.commit(s.st, res, m + 1)
+                        self.model.commit(s.st, res, path if parents else m + 1)
                     else:
                         s.pending = res
             except ValueError as exc:
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"verify: {exc}")
             dt = time.perf_counter() - t0
-            emitted = [int(x) for x in tokens[1 : m + 1]] + [int(t[m])]
+            if parents:
+                emitted = [int(tokens[r]) for r in path[1:]] + [int(t[path[-1]])]
+            else:
+                emitted = [int(x) for x in tokens[1 : m + 1]] + [int(t[m])]
             return pb.VerifyResponse(accepted=m, emitted=emitted, committed=s.st.committed, compute_s=dt,
-                                     argmax=[int(x) for x in t] if request.return_argmax else [])
+                                     argmax=[int(x) for x in t] if (request.return_argmax or parents) else [],
+                                     path=path)
 
     def Commit(self, request, context):
         s = self._get(request.seq_id, context)
         with s.lock:
             if s.pending is None:
                 _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "no deferred verify to commit")
-            n = int(request.n)
-            if not 1 <= n <= len(s.pending.tokens):
-                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"commit n must be in 1..{len(s.pending.tokens)}")
-            with self.model_lock:
-                self.model.commit(s.st, s.pending, n)
+            tree = s.pending.parents is not None
+            if tree:
+                what = [int(r) for r in request.path]
+                if not what:
+                    _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the pending verify is a tree: commit a path")
+            else:
+                what = int(request.n)
+                if not 1 <= what <= len(s.pending.tokens):
+                    _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                           f"commit n must be in 1..{len(s.pending.tokens)}")
+            try:
+                with self.model_lock:
+                    self.model.commit(s.st, s.pending, what)
+            except ValueError as exc:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"commit: {exc}")
             s.pending = None
             return pb.CommitResponse(committed=s.st.committed)
 

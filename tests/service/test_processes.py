@@ -120,3 +120,44 @@ def test_sigterm_unlinks_shared_memory_of_live_sequences(target_gguf, tmp_path):
     finally:
         assert _stop(worker) == 0
     assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+
+
+def test_serve_with_a_real_drafter_chain_and_tree(target_gguf, reference, tmp_path):
+    """`specd serve --target T --drafter D` (a tiny random DSpark drafter at the target's dims; the
+    target captures its taps): chain and DDTree requests from `specd generate` equal the plain run."""
+    from .test_drafters import make_gguf
+
+    drafter = make_gguf(tmp_path, "dspark")
+    sock = f"unix://{tmp_path}/c.sock"
+    serve = _start(["serve", "--target", target_gguf, "--drafter", drafter, "--listen", sock, "--metrics-port", "0",
+                    "--policy-step-ratio", "0", "--max-seq-len", "128", "--kv-dtype", "f32",
+                    "--draft-mode", "tree", "--tree-budget", "5", "--runtime-dir", str(tmp_path / "rt")])
+    try:
+        prompt = [9, 8, 7, 6]
+        ref, _ = reference(prompt, 12)
+        for extra in ([], ["--draft-mode", "chain", "--confidence-threshold", "0.3"],
+                      ["--tree-budget", "12", "--no-tree-chain-seed"]):
+            out = subprocess.run(CLI + ["generate", "--server", sock, "--token-ids", ",".join(map(str, prompt)),
+                                        "--max-tokens", "12", "--ignore-eos", "--speculation", "force", "--json",
+                                        *extra], capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+            done = json.loads(out.stdout)
+            assert [int(t) for t in done["output_ids"]] == ref, extra
+            sp = done["speculation"]
+            assert int(sp["num_drafts"]) > 0
+            assert ("num_tree_steps" in sp) == ("chain" not in extra), sp
+    finally:
+        assert _stop(serve, 90) == 0
+
+
+def test_bad_pair_stops_start_up_with_both_files_named(target_gguf, tmp_path):
+    from .test_drafters import make_gguf
+
+    bad = make_gguf(tmp_path, "dflash", vocab=512, mask=500)
+    for argv in (["draft-worker", "--drafter", bad, "--target", target_gguf, "--listen", f"unix://{tmp_path}/d.sock"],
+                 ["serve", "--target", target_gguf, "--drafter", bad, "--listen", f"unix://{tmp_path}/c.sock",
+                  "--metrics-port", "0"]):
+        out = subprocess.run(CLI + argv, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert "vocabulary" in out.stderr and bad in out.stderr and target_gguf in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
