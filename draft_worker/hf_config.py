@@ -259,6 +259,9 @@ def read_hf_drafter(config_path: str | Path, tensors: dict[str, StTensor]) -> HF
     theta, yarn, rope_names = _read_rope(c, context_length, head_dim)
 
     sliding, window, causal, layer_names = _read_layers(c, n_layer)
+    if window is None and any(t == "sliding_attention" for t in (raw.get("layer_types") or [])):
+        notes.append("sliding_attention layers get no window: use_sliding_window is not true, so "
+                     "transformers' Qwen3Config (and dflash) drop sliding_window; those layers stay causal")
 
     def scale(what: str, default: float | None) -> float | None:
         v, _ = c.first(what, required=False, kind=float)
@@ -527,18 +530,21 @@ def _read_layers(c: _Config, n_layer: int) -> tuple[tuple[bool, ...], int | None
         if bad:
             raise c.err(f"layer_types has unsupported entries {bad} (expected full_attention / sliding_attention)")
         sliding = tuple(t == "sliding_attention" for t in lt)
+    # transformers' Qwen3Config keeps ``sliding_window`` only when ``use_sliding_window`` is true
+    # (default false), and dflash 0.1.0 reads ``config.sliding_window``: a sliding_attention layer
+    # without the flag is causal (its layer type) but has no window. Follow that exactly.
+    slides = sliding
     window = None
-    if any(sliding):
-        if use_sw is False:
-            raise c.err("layer_types declares sliding_attention layers but use_sliding_window = false "
-                        "(transformers would drop sliding_window): contradictory")
+    if any(sliding) and use_sw is True:
         w, _ = c.first("sliding_window", ("sliding_window",))
         if w <= 0:
             raise c.err(f"sliding_window = {w}: expected > 0")
         window = int(w)
+    else:
+        sliding = (False,) * n_layer
     ic = c.raw("is_causal")
     if ic is not _ABSENT and not isinstance(ic, bool):
         raise c.err(f"is_causal = {ic!r}: expected a bool")
-    causal = tuple(bool(ic) if ic is not _ABSENT else s for s in sliding)
+    causal = tuple(bool(ic) if ic is not _ABSENT else s for s in slides)
     names = {"sliding_pattern": "layer_types", "sliding_window": "sliding_window", "causal_pattern": "is_causal"}
     return sliding, window, causal, names

@@ -308,10 +308,17 @@ def test_shape_keys_absent_taken_from_tensors(make, tmp_path):
     assert any("head_dim = 16 (absent from config" in s for s in logs)
 
 
-def test_sliding_layers_with_use_sliding_window_false(make, tmp_path):
+@pytest.mark.parametrize("flag", [False, None])
+def test_sliding_layers_without_use_sliding_window(make, tmp_path, flag):
+    """transformers' Qwen3Config drops sliding_window unless use_sliding_window is true (dflash
+    0.1.0 then runs those layers causal without a window): specd does the same and says so."""
     folder, _, _ = make("dflash", sliding="qwen36")
-    rewrite_config(folder, lambda c: c.update(use_sliding_window=False))
-    convert_err(folder, tmp_path, r"use_sliding_window = false .*contradictory")
+    rewrite_config(folder, lambda c: c.update(use_sliding_window=False) if flag is False else c.pop("use_sliding_window"))
+    logs = []
+    hp = convert_hf(folder, tmp_path / "s.gguf", log=logs.append)
+    assert hp.sliding_window is None and not any(hp.sliding_pattern)
+    assert hp.causal_pattern == (True,) * (hp.n_layer - 1) + (False,)
+    assert any("get no window" in s for s in logs)
 
 
 # -- tensors ----------------------------------------------------------------------------------------------------

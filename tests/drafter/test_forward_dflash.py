@@ -53,10 +53,12 @@ def reference_block(ref, cfg, ld, emb, head, feats, seed, start, first=None):
     return h[first:], h[first:] @ head.T.astype(np.float64)
 
 
-@pytest.mark.parametrize("sliding", ["none", "qwen36", "all"])
+@pytest.mark.parametrize("sliding", ["none", "qwen36", "qwen36_noflag", "all"])
 def test_dflash_parity(tmp_path, rng, sliding):
     """Bidirectional (Qwen3.5 DFlash), causal sliding + full (Qwen3.6; window 32 < context 45, so
-    the per-row window bites), and is_causal=false sliding (DFlash 2 style mask on a DFlash 1)."""
+    the per-row window bites), the same with ``use_sliding_window`` absent (transformers' Qwen3Config
+    and dflash then drop the window: causal layers, no window), and is_causal=false sliding (DFlash 2
+    style mask on a DFlash 1)."""
     cfg, tensors, ld, emb, head = build(tmp_path, rng, sliding=sliding)
     m = DrafterModel(ld, Tensor(emb), Tensor(head))
     ref = td.reference_model(cfg, tensors)
@@ -71,6 +73,10 @@ def test_dflash_parity(tmp_path, rng, sliding):
     np.testing.assert_array_equal(p.tokens, lr.argmax(1))
     assert rel(p.hidden, hr) < TOL and rel(p.logits, lr) < TOL
     assert len(set(p.tokens.tolist())) > 1  # the rows really differ (the fixture is not degenerate)
+    if sliding == "qwen36_noflag":
+        assert ld.hparams.sliding_window is None and not any(ld.hparams.sliding_pattern)
+        assert ld.hparams.causal_pattern == (True,) * (cfg["num_hidden_layers"] - 1) + (False,)
+        assert ref.layers[0].self_attn.sliding_window is None  # the reference really has no window
 
 
 def test_dflash_rounds_and_rollback(tmp_path, rng):
