@@ -116,10 +116,8 @@ def translate_mainline(src: str | os.PathLike, out: str | os.PathLike, *, tap_of
     hyper-parameters. Raises DrafterFormatError naming the file and the source key.
     """
     src = str(src)
-    try:
-        reader = gguf.GGUFReader(src)
-    except (OSError, ValueError) as exc:
-        raise DrafterFormatError(f"{src}: cannot read as GGUF: {exc}") from exc
+    from .gguf_loader import open_draft_gguf
+    reader = open_draft_gguf(src)
     meta = GGUFMeta(reader, src)
     arch = meta.get_str("general.architecture")
     if arch != MAINLINE_ARCH:

@@ -110,12 +110,19 @@ class LoadedDrafter:
     reader: gguf.GGUFReader
 
 
-def _open(path: str | os.PathLike) -> GGUFMeta:
+def open_draft_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """Memory-map a draft GGUF through the target loader's :func:`open_gguf` (which turns any reader
+    failure on truncated / corrupt bytes into an error naming the file and checks every tensor's
+    data range against the file size), re-raised as DrafterFormatError."""
+    from specd.target_worker.gguf_loader import TargetFileError, open_gguf
     try:
-        reader = gguf.GGUFReader(path)
-    except (OSError, ValueError) as exc:
-        raise DrafterFormatError(f"{path}: cannot read as GGUF: {exc}") from exc
-    return GGUFMeta(reader, path)
+        return open_gguf(path)
+    except TargetFileError as exc:
+        raise DrafterFormatError(str(exc)) from exc
+
+
+def _open(path: str | os.PathLike) -> GGUFMeta:
+    return GGUFMeta(open_draft_gguf(path), path)
 
 
 def _arch(meta: GGUFMeta) -> str:
