@@ -364,3 +364,46 @@ def test_f16_overflow_refused(make, tmp_path):
     td.write_checkpoint(folder, cfg, tensors | {"fc.weight": big}, dtype="F32")
     convert_err(folder, tmp_path, r"dflash\.fc\.weight has \|w\| = 100000 > 65504")
     assert convert_hf(folder, tmp_path / "ok.gguf", "bf16", log=lambda s: None).n_embd == 64
+
+
+# -- safetensors header validation ----------------------------------------------------------------------------
+
+
+def _raw_safetensors(path, header: dict, data: bytes):
+    import struct
+    h = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+    return path
+
+
+@pytest.mark.parametrize("entry,match", [
+    ([1, 2], r"tensor 'w': header entry is list, expected an object"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": None}, r"tensor 'w' has data_offsets None"),
+    ({"dtype": "F32", "shape": "2,2", "data_offsets": [0, 16]}, r"tensor 'w' has shape '2,2'"),
+    ({"dtype": "F32", "shape": [2, True], "data_offsets": [0, 8]}, r"tensor 'w' has shape"),
+    ({"dtype": "I64", "shape": [2], "data_offsets": [0, 16]}, r"tensor 'w' has dtype 'I64'"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": [-16, 0]}, r"tensor 'w' has byte range \[-16, 0\] outside"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 0]}, r"tensor 'w' has byte range \[16, 0\] outside"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 24]}, r"tensor 'w' starts at data byte 8, expected 0"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 24]}, r"tensor 'w' has 24 bytes for F32 \[2, 2\]"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 40]}, r"tensor 'w' has byte range \[0, 40\] outside"),
+])
+def test_safetensors_header_entries_validated(tmp_path, entry, match):
+    from specd.draft_worker.safetensors_io import read_header
+    p = _raw_safetensors(tmp_path / "m.safetensors", {"w": entry}, bytes(24))
+    with pytest.raises(DrafterFormatError, match=r"m\.safetensors: " + match):
+        read_header(p)
+
+
+def test_safetensors_shifted_ranges_refused(tmp_path):
+    """Two tensors whose ranges overlap (the second shifted by 4 bytes) would read the wrong bytes."""
+    from specd.draft_worker.safetensors_io import read_header
+    hdr = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+           "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    p = _raw_safetensors(tmp_path / "m.safetensors", hdr, bytes(12))
+    with pytest.raises(DrafterFormatError, match=r"tensor 'b' starts at data byte 4, expected 8"):
+        read_header(p)
+    ok = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+          "b": {"dtype": "F16", "shape": [2], "data_offsets": [8, 12]}, "__metadata__": {"format": "pt"}}
+    t = read_header(_raw_safetensors(tmp_path / "ok.safetensors", ok, bytes(12)))
+    assert t["b"].read_f32().tolist() == [0.0, 0.0]
