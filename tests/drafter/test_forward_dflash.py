@@ -217,6 +217,18 @@ class _SubstituteKV:
                 torch.from_numpy(np.ascontiguousarray(vv.transpose(1, 0, 2), np.float64))[None].to(v.dtype))
 
 
+class _CaptureKV:
+    """A pass-through ``past_key_values`` recording dflash's post-RoPE K/V per layer as float64
+    numpy [n, Hkv, hd]."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def update(self, k, v, layer_idx, cache_kwargs=None):
+        self.kv[layer_idx] = tuple(t[0].transpose(0, 1).double().numpy() for t in (k, v))
+        return k, v
+
+
 def test_dflash_q8_0_file_and_cache(tmp_path, rng):
     """A Q8_0 GGUF (head_dim 32 so a Q8_0 KV cache is allowed too): equals the reference loaded
     with the file's own dequantized weights (gguf-exact dequantization) within TOL. A Q8_0 KV
@@ -374,3 +386,74 @@ def test_bounded_layers_long_context(tmp_path, rng, family, sliding):
     assert rel(p.logits, lr) < TOL
     with pytest.raises(ValueError, match="roll back"):
         seq.ingest(features(rng, cfg, 1), n - 200)
+
+
+def test_compaction_many_small_ingests_f16_kv_context_cap(tmp_path, rng, monkeypatch):
+    """Bounded-layer cache compaction under the serving pattern: ~300 positions committed 1–8 rows
+    at a time (plus a short rollback), sliding layers (W = 32) and a context-capped full layer
+    (cap 40), F16 KV. Every proposal equals dflash fed the last 40 context rows at their absolute
+    positions (what the cap means) with its K/V replaced by the F16 rows specd's cache holds —
+    within 1e-4 — and those held rows are first checked against dflash's own K/V at the same
+    positions (F16 rounding only), so a compaction that moved, dropped or mislabelled a live row
+    fails either check."""
+    import torch
+    import specd.draft_worker.model as dm
+
+    copies = []
+    orig = dm._LayerKV.make_room
+
+    def spy(self, lo, first_new, hi, n_valid):
+        before = self.base
+        orig(self, lo, first_new, hi, n_valid)
+        if self.base != before and min(first_new, n_valid) > lo:
+            copies.append((self.keep, min(first_new, n_valid) - lo))
+
+    monkeypatch.setattr(dm._LayerKV, "make_room", spy)
+    cap = 40
+    cfg, tensors, ld, emb, head = build(tmp_path, rng, sliding="qwen36")
+    hp = ld.hparams
+    assert hp.sliding_window == 32 and hp.sliding_pattern[-1] is False
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head), kv_dtype=DType.F16, context_cap=cap).new_sequence(400)
+    ref = td.reference_model(cfg, tensors)
+    feats = features(rng, cfg, 320)
+    n, step_no, worst = 0, 0, 0.0
+    while n < 300:
+        k = int(rng.integers(1, 9))
+        if step_no == 30:  # roll back 3 rows (re-commit different ones) inside the retained window
+            feats[n - 3:n + k] = features(rng, cfg, k + 3)
+            seq.ingest(feats[n - 3:n + k], n - 3)
+        else:
+            seq.ingest(feats[n:n + k], n)
+        n += k
+        step_no += 1
+        seed = int(rng.integers(0, 512))
+        p = seq.propose(seed, n, return_logits=True)
+        lo = max(0, n - cap)
+        block = np.array([seed] + [hp.mask_token_id] * (hp.block_size - 1))
+
+        def run_ref(cache):
+            with torch.no_grad():
+                return ref(position_ids=torch.arange(lo, n + hp.block_size)[None],
+                           noise_embedding=torch.from_numpy(emb[block].astype(np.float64))[None],
+                           target_hidden=torch.from_numpy(feats[lo:n].astype(np.float64))[None],
+                           past_key_values=cache)[0].double().numpy()
+
+        truth = _CaptureKV()
+        run_ref(truth)
+        subst = []
+        for i in range(hp.n_layer):
+            held = max(lo, n - (hp.sliding_window - 1)) if hp.sliding_pattern[i] else lo
+            kk, vv = seq.cached_kv(i, range(held, n + hp.block_size))
+            for got, want in ((kk, truth.kv[i][0][held - lo:]), (vv, truth.kv[i][1][held - lo:])):
+                np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max(),
+                                           err_msg=f"layer {i} rows {held}..{n + hp.block_size - 1} at n = {n}")
+            pad = np.zeros((held - lo,) + kk.shape[1:], np.float32)  # outside the window: masked anyway
+            subst.append((np.concatenate([pad, kk]), np.concatenate([pad, vv])))
+        h = run_ref(_SubstituteKV(subst))
+        lr = h[hp.first_proposal_row:] @ head.T.astype(np.float64)
+        worst = max(worst, rel(p.logits, lr))
+        np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+    assert worst < 1e-4, worst
+    assert step_no > 50 and all(lk.base > 0 for lk in seq.layers)
+    kinds = {keep for keep, live in copies if live > 0}
+    assert {hp.sliding_window - 1, cap} <= kinds, copies[:10]  # live rows were moved in both kinds of layer
