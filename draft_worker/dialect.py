@@ -282,6 +282,8 @@ def translate_mainline(src: str | os.PathLike, out: str | os.PathLike, *, tap_of
         conf = meta.get_bool(P + "confidence_head", required=False, default=cw is not None)
         with_markov = meta.get_bool(P + "confidence_head_with_markov", required=False,
                                     default=bool(cw and cw[0] == n_embd + rank))
+        log("  DSpark Markov head type not recorded in the mainline dialect: vanilla (the variant of every "
+            "published Qwen DSpark head, drafters.md §5.2)")
         dspark = DSparkParams(markov_rank=rank, markov_type="vanilla", confidence=conf,
                               confidence_with_markov=with_markov and conf)
     softcap = meta.get_float(P + "final_logit_softcapping", required=False)

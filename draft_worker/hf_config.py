@@ -156,7 +156,11 @@ def read_hf_drafter(config_path: str | Path, tensors: dict[str, StTensor]) -> HF
                     "supported by convert-drafter; convert a DeepSpec or SpecForge packaging instead")
     if raw.get("attention_bias"):
         raise c.err("attention_bias = true is not supported (the draft GGUF contract has no attention biases)")
-    act = raw.get("hidden_act", "silu")
+    act = raw.get("hidden_act")
+    if act is None:
+        act = "silu"
+        notes.append("hidden_act absent: silu (Qwen3Config's default and the SwiGLU MLP every published "
+                     "drafter uses, drafters.md §2.3 / §3.2)")
     if act != "silu":
         raise c.err(f"hidden_act = {act!r}: only the SiLU (SwiGLU) MLP is supported")
 
@@ -256,7 +260,7 @@ def read_hf_drafter(config_path: str | Path, tensors: dict[str, StTensor]) -> HF
         raise c.err(f"{taps_where} lists {len(taps)} taps but fc.weight has {fc[1]} inputs "
                     f"(= {fc[1] / H:g} × hidden size {H})")
 
-    theta, yarn, rope_names = _read_rope(c, context_length, head_dim)
+    theta, yarn, rope_names = _read_rope(c, context_length, head_dim, notes)
 
     sliding, window, causal, layer_names = _read_layers(c, n_layer)
     if window is None and any(t == "sliding_attention" for t in (raw.get("layer_types") or [])):
@@ -290,6 +294,10 @@ def read_hf_drafter(config_path: str | Path, tensors: dict[str, StTensor]) -> HF
         if w1 is not None and rank_cfg is not None and w1[1] != rank_cfg:
             raise c.err(f"{rank_where} = {rank_cfg} contradicts markov_head.markov_w1.weight {list(w1)}")
         mtype, _ = c.first("markov_head_type", required=False, kind=str)
+        if mtype is None:
+            mtype = "vanilla"
+            notes.append("markov_head_type absent: vanilla (the variant of every published Qwen DSpark head; "
+                         "RadixArk's config omits the key, drafters.md §5.2 / §5.6)")
         conf_w = shape_of("dflash.dspark.confidence.weight")
         conf_cfg, conf_where = c.first("enable_confidence_head", required=False, kind=bool)
         conf = conf_w is not None if conf_cfg is None else conf_cfg
@@ -308,7 +316,7 @@ def read_hf_drafter(config_path: str | Path, tensors: dict[str, StTensor]) -> HF
             if with_markov_cfg is not None and with_markov_cfg != from_shape:
                 raise c.err(f"{wm_where} = {with_markov_cfg} contradicts confidence_head.proj.weight {list(conf_w)}")
             with_markov = from_shape
-        dspark = DSparkParams(markov_rank=int(rank), markov_type=str(mtype or "vanilla").lower(),
+        dspark = DSparkParams(markov_rank=int(rank), markov_type=str(mtype).lower(),
                               confidence=bool(conf), confidence_with_markov=with_markov)
         anchor, anchor_where = c.first("sample_from_anchor", required=False, kind=bool)
         row_alignment = "proposals_only" if anchor in (None, True) else "seed_then_proposals"
@@ -403,7 +411,7 @@ def _hf_name_hint(g: str) -> str:
     return g
 
 
-def _read_rope(c: _Config, context_length: int | None, head_dim: int) -> tuple[float, YarnParams | None, dict]:
+def _read_rope(c: _Config, context_length: int | None, head_dim: int, notes: list[str]) -> tuple[float, YarnParams | None, dict]:
     """θ and YaRN from ``rope_parameters`` (transformers ≥ 5) or top-level ``rope_theta`` /
     ``rope_scaling``. Returns (θ, YarnParams | None, field → key names for messages)."""
     rp = c.raw("rope_parameters")
@@ -486,6 +494,7 @@ def _read_rope(c: _Config, context_length: int | None, head_dim: int) -> tuple[f
         if not context_length:
             raise c.err(f"{src_name}.factor is missing and max_position_embeddings is absent")
         factor = context_length / orig
+        notes.append(f"{src_name}.factor absent: {factor:g} = max_position_embeddings / original (transformers' rule)")
     if src.get("truncate", True) is not True:
         raise c.err(f"{src_name}.truncate = false is not supported (ggml YaRN truncates the correction range)")
     attention = num("attention_factor", required=False)
@@ -496,11 +505,20 @@ def _read_rope(c: _Config, context_length: int | None, head_dim: int) -> tuple[f
             attention = f(factor, ms) / f(factor, msa)
         else:
             attention = yarn_mscale(factor)
+            notes.append(f"{src_name}.attention_factor absent: 0.1·ln(factor) + 1 = {attention:.6g} "
+                         "(transformers' YaRN default, drafters.md §3.4)")
+    betas = {}
+    for k, d in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+        betas[k] = num(k, False)
+        if betas[k] is None:
+            betas[k] = d
+            notes.append(f"{src_name}.{k} absent: {d:g} (transformers' YaRN default and the published RadixArk "
+                         "value, drafters.md §3.4)")
     yarn = YarnParams(
         factor=f32(factor),
         original_context_length=int(orig),
-        beta_fast=f32(num("beta_fast", False, 32.0)),
-        beta_slow=f32(num("beta_slow", False, 1.0)),
+        beta_fast=f32(betas["beta_fast"]),
+        beta_slow=f32(betas["beta_slow"]),
         attn_factor=f32(attention / yarn_mscale(factor)),
     )
     names.update({f"yarn.{k}": f"{src_name}.{v}" for k, v in (

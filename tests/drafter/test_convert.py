@@ -407,3 +407,23 @@ def test_safetensors_shifted_ranges_refused(tmp_path):
           "b": {"dtype": "F16", "shape": [2], "data_offsets": [8, 12]}, "__metadata__": {"format": "pt"}}
     t = read_header(_raw_safetensors(tmp_path / "ok.safetensors", ok, bytes(12)))
     assert t["b"].read_f32().tolist() == [0.0, 0.0]
+
+
+def test_documented_defaults_are_stated(make, tmp_path):
+    """Keys whose absence specd fills with the documented published value (hidden_act silu,
+    markov_head_type vanilla, YaRN β 32 / 1 and attention factor) are said in the conversion log."""
+    folder, _, _ = make("dspark", yarn=True)
+
+    def strip(c):
+        c.pop("hidden_act")
+        c["dflash_config"].pop("markov_head_type")
+        for k in ("beta_fast", "beta_slow"):
+            c["rope_parameters"].pop(k)
+    rewrite_config(folder, strip)
+    logs = []
+    hp = convert_hf(folder, tmp_path / "d.gguf", log=logs.append)
+    assert hp.dspark.markov_type == "vanilla" and (hp.yarn.beta_fast, hp.yarn.beta_slow) == (32.0, 1.0)
+    text = "\n".join(logs)
+    for needle in ("hidden_act absent: silu", "markov_head_type absent: vanilla", "beta_fast absent: 32",
+                   "beta_slow absent: 1", "attention_factor absent", "markov(vanilla, rank="):
+        assert needle in text, needle
