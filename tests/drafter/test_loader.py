@@ -178,8 +178,10 @@ def test_aliases_accepted(converted, tmp_path):
     assert ld.weights.fc.shape == (64, 192) and ld.weights.layers[0].ffn_norm.shape == (64,)
 
 
-def test_dflash_draft_arch_accepted_foreign_arch_refused(converted, tmp_path):
+def test_db_dflash_draft_and_foreign_arch_refused(converted, tmp_path):
     path, *_ = converted("dflash")
+    with pytest.raises(DrafterFormatError, match=r"general\.architecture = 'dflash-draft' .*convert-drafter"):
+        load_drafter(rewrite(path, tmp_path / "db.gguf", arch="dflash-draft"))
     with pytest.raises(DrafterFormatError, match=r"general\.architecture = 'qwen35' is not a drafter"):
         load_drafter(rewrite(path, tmp_path / "t.gguf", arch="qwen35"))
 
