@@ -1,8 +1,9 @@
 """Read an HF drafter checkpoint's raw ``config.json`` together with its tensor shapes and build the
 drafter's :class:`DrafterHParams` (drafters.md §2.1 lookups, §7.3 "DB DSpark converter" rules).
 
-Raw JSON is read on purpose (not through ``Qwen3Config``): transformers drops ``sliding_window``
-unless ``use_sliding_window`` is true, and hoists / renames keys differently across versions.
+Raw JSON is read on purpose (not through ``Qwen3Config``): transformers hoists / renames keys
+differently across versions. Its semantics are kept where the reference (dflash 0.1.0 on
+``Qwen3Config``) depends on them: ``sliding_window`` only counts when ``use_sliding_window`` is true.
 
 Lookup rules (first present wins; two present and different → error naming both):
 
@@ -16,6 +17,11 @@ Lookup rules (first present wins; two present and different → error naming bot
 * θ: ``rope_parameters.rope_theta``, then ``rope_theta`` — required (C18b), finite (C18c).
 * RoPE scaling: ``rope_parameters.rope_type`` / ``rope_scaling.{rope_type,type}``: default or yarn.
 * layers: ``layer_types``, ``sliding_window``, ``use_sliding_window``, top-level ``is_causal``.
+  ``sliding_attention`` layers are causal (unless ``is_causal`` says otherwise) and windowed only
+  when ``use_sliding_window`` is true (absent/false: no window, as transformers / dflash; noted).
+* documented published defaults, used when the key is absent and stated in the log:
+  ``hidden_act`` silu, ``markov_head_type`` vanilla, YaRN β_fast 32 / β_slow 1 / attention factor
+  0.1·ln(factor) + 1.
 * shapes: config keys cross-checked against the tensors; a key the packaging omits is taken from
   the tensors (drafters.md §2.4) and reported.
 * ignored on purpose (drafters.md §3.4): ``partial_rotary_factor`` and mrope fields (deep-copied
@@ -530,7 +536,8 @@ def _read_rope(c: _Config, context_length: int | None, head_dim: int, notes: lis
 def _read_layers(c: _Config, n_layer: int) -> tuple[tuple[bool, ...], int | None, tuple[bool, ...], dict]:
     """(sliding pattern, window, causal pattern, names) from ``layer_types``, ``sliding_window``,
     ``use_sliding_window`` and ``is_causal`` (drafters.md §3.3, ZL-0.1.0 rule: causal =
-    ``is_causal`` if present else the layer slides)."""
+    ``is_causal`` if present else the layer type is sliding_attention). The returned sliding
+    pattern means "uses the window": all false unless ``use_sliding_window`` is true."""
     lt = c.raw("layer_types")
     use_sw = c.raw("use_sliding_window")
     if use_sw is not _ABSENT and not isinstance(use_sw, bool):

@@ -40,7 +40,7 @@ def write_mainline(specd_path, out, *, tap_offset=1, mask_key="tokenizer.ggml.ma
     def fill(w):
         a = "dflash."
         for k, v in (extra_kv or {}).items():
-            (w.add_float32 if isinstance(v, float) else w.add_uint32)(k, v)
+            (w.add_string if isinstance(v, str) else w.add_float32 if isinstance(v, float) else w.add_uint32)(k, v)
         if skip_kv:  # drop keys by name: wrap the writer's adders
             for adder in ("add_uint32", "add_float32", "add_array", "add_bool"):
                 orig = getattr(w, adder)
@@ -218,3 +218,22 @@ def test_c15_key_length_required(converted, tmp_path):
     ml = write_mainline(path, tmp_path / "h.gguf", skip_kv=("dflash.attention.key_length",))
     with pytest.raises(DrafterFormatError, match=r"dflash\.attention\.key_length"):
         translate_mainline(ml, tmp_path / "a.gguf", tap_offset=1, log=lambda s: None)
+
+
+def test_c15_yarn_defaults_stated(converted, tmp_path):
+    """Absent YaRN β / attn_factor keys take ggml's defaults (the published values, drafters.md §3.4)
+    and the translator says so; two spellings of one β that disagree are refused."""
+    path, *_ = converted("dflash")
+    yarn = {"dflash.rope.scaling.type": "yarn", "dflash.rope.scaling.factor": 32.0,
+            "dflash.rope.scaling.original_context_length": 8192}
+    ml = write_mainline(path, tmp_path / "y.gguf", extra_kv=yarn)
+    logs = []
+    hp = translate_mainline(ml, tmp_path / "a.gguf", tap_offset=1, log=logs.append)
+    assert (hp.yarn.beta_fast, hp.yarn.beta_slow, hp.yarn.attn_factor) == (32.0, 1.0, 1.0)
+    for k in ("beta_fast absent: using ggml's default 32", "beta_slow absent: using ggml's default 1",
+              "attn_factor absent: using ggml's default 1"):
+        assert any(k in s for s in logs), k
+    bad = write_mainline(path, tmp_path / "b.gguf", extra_kv={**yarn, "dflash.rope.scaling.beta_fast": 32.0,
+                                                             "dflash.rope.scaling.yarn_beta_fast": 16.0})
+    with pytest.raises(DrafterFormatError, match=r"yarn_beta_fast = 16\.0 contradicts dflash\.rope\.scaling\.beta_fast = 32\.0: ambiguous"):
+        translate_mainline(bad, tmp_path / "c.gguf", tap_offset=1, log=lambda s: None)
