@@ -59,9 +59,9 @@ class DrafterPairError(DrafterFormatError):
 ARCH = "qwen35-dflash-draft"
 """``general.architecture`` specd writes (LH/LX name)."""
 
-ACCEPTED_ARCHS = (ARCH, "dflash-draft")
-"""Architectures the loader reads (the DB DSpark converter writes ``dflash-draft``); the file must
-still carry every specd key, so in practice only specd-written files load."""
+DB_ARCH = "dflash-draft"
+"""``general.architecture`` of the DB DSpark converter. Its files lack specd's required keys
+(family, row alignment, causal pattern), so the loader refuses them with a re-conversion hint."""
 
 MAINLINE_ARCH = "dflash"
 """The other published dialect (mainline llama.cpp); read only through :mod:`.dialect`."""

@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from .contract import ARCH, DrafterFormatError, TensorSpec, expected_tensors, q8_0_eligible, tensor_sort_key
+from .contract import ARCH, DrafterFormatError, K, key, TensorSpec, expected_tensors, q8_0_eligible, tensor_sort_key
 from .gguf_meta import write_gguf_atomic
 from .hf_config import read_hf_drafter
 from .hparams import DrafterHParams
@@ -97,7 +97,7 @@ def convert_hf(src: str | os.PathLike, out: str | os.PathLike, outtype: str = "f
         if outtype == "q8_0":
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         hp.write_gguf_kv(writer, ARCH)
-        writer.add_string(f"{ARCH}.source.config_json", json.dumps(d.config, sort_keys=True))
+        writer.add_string(key(ARCH, K.SOURCE_CONFIG_JSON), json.dumps(d.config, sort_keys=True))
         for g in sorted(expected, key=tensor_sort_key):
             values = tensors[d.gguf_to_hf[g]].read_f32()
             if g == "dflash.dspark.confidence.bias":

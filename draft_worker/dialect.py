@@ -21,8 +21,9 @@ attention.sliding_window(_pattern) (BOOL or 0/1 ints), attention.causal → dfla
 (every layer; absent → causal = sliding, the ZL-0.1.0 rule), rope.scaling.{type, factor,
 original_context_length, attn_factor, (yarn_)beta_fast, (yarn_)beta_slow} (ggml semantics; absent
 attn_factor / betas mean ggml's 1 / 32 / 1), conv_kernel_size / conv_group_size / selector_rank /
-selector_top_k → dflash.dflash2.*, embedding_scale / logit_scale / final_logit_softcapping →
-the logit transform keys, markov_rank / confidence_head / confidence_head_with_markov → dflash.dspark.*.
+selector_top_k → dflash.dflash2.* (DFlash 2 iff selector_top_k > 0), input_embedding_scale /
+output_multiplier / final_logit_softcapping → the logit transform keys (absent → 1, 1, off, drafters.md
+§2.1), markov_rank / confidence_head / confidence_head_with_markov → dflash.dspark.*.
 
 Tensor map: ``fc.weight`` → ``dflash.fc.weight``; ``enc.output_norm.weight`` (or
 ``hidden_norm.weight``) → ``dflash.hidden_norm.weight``; ``blk.i.*`` backbone names unchanged
@@ -31,7 +32,8 @@ Tensor map: ``fc.weight`` → ``dflash.fc.weight``; ``enc.output_norm.weight`` (
 ``selector_{hidden,predecessor,successor}.weight`` → ``dflash.selector.{hproj.weight,pred_cb,succ_cb}``;
 ``markov_w{1,2}.weight`` → ``dflash.dspark.markov.w{1,2}``; ``conf_proj.{weight,bias}`` →
 ``dflash.dspark.confidence.{weight,bias}``. ``token_embd.weight`` / ``output.weight`` (target
-copies) are dropped. Anything else is refused. Tensor bytes are copied unchanged (norms stored as
+copies) are dropped. Anything else is refused, and so is any ``dflash.*`` key outside
+:data:`KNOWN_KEYS` (named in the error). Tensor bytes are copied unchanged (norms stored as
 F16 are widened to F32, losslessly).
 """
 from __future__ import annotations
@@ -77,6 +79,21 @@ _LAYER = {
 }
 _DROPPED = ("token_embd.weight", "output.weight")
 
+# Every ``dflash.*`` key the translator understands (drafters.md §7.4). Anything else under ``dflash.``
+# is refused by name: its meaning would otherwise be guessed or silently dropped (C15).
+_DF2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+KNOWN_KEYS = frozenset(P + k for k in (
+    "embedding_length", "target_hidden_size", "block_count", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
+    "rope.freq_base", "rope.dimension_count", "context_length", "vocab_size", "mask_token_id", "block_size",
+    "target_layers", "attention.sliding_window", "attention.sliding_window_pattern", "attention.causal",
+    "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length", "rope.scaling.attn_factor",
+    "rope.scaling.beta_fast", "rope.scaling.beta_slow", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+    *_DF2_KEYS, "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+    "markov_rank", "confidence_head", "confidence_head_with_markov"))
+# Spellings no public source uses for the logit transforms: refused with the documented name.
+_UNDOCUMENTED = {P + "embedding_scale": P + "input_embedding_scale", P + "logit_scale": P + "output_multiplier"}
+
 
 def mainline_to_specd_name(name: str) -> str | None:
     """specd GGUF name for a mainline ``dflash`` tensor name, or None if it has no mapping."""
@@ -99,10 +116,8 @@ def translate_mainline(src: str | os.PathLike, out: str | os.PathLike, *, tap_of
     hyper-parameters. Raises DrafterFormatError naming the file and the source key.
     """
     src = str(src)
-    try:
-        reader = gguf.GGUFReader(src)
-    except (OSError, ValueError) as exc:
-        raise DrafterFormatError(f"{src}: cannot read as GGUF: {exc}") from exc
+    from .gguf_loader import open_draft_gguf
+    reader = open_draft_gguf(src)
     meta = GGUFMeta(reader, src)
     arch = meta.get_str("general.architecture")
     if arch != MAINLINE_ARCH:
@@ -114,6 +129,15 @@ def translate_mainline(src: str | os.PathLike, out: str | os.PathLike, *, tap_of
             f"{src}: dflash.target_layers = {ids}: the mainline dialect does not record whether tap ids are "
             "stored +1 (llama.cpp's convert_hf_to_gguf.py writes HF id + 1). Pass --tap-offset 1 for files made "
             "by llama.cpp's converter, or --tap-offset 0 if the ids are already 0-based layer outputs")
+
+    # -- keys: refuse anything under dflash.* we do not know ------------------------------------------------
+    for k in reader.fields:
+        if k in _UNDOCUMENTED:
+            raise meta.error(k, f"is not a documented key (the logit transform is {_UNDOCUMENTED[k]}, "
+                             "drafters.md §2.1 / §7.4); refusing to guess its meaning")
+        if k.startswith(P) and k not in KNOWN_KEYS:
+            raise meta.error(k, "is not a key the mainline-dialect translator knows; refusing to run with its "
+                             "meaning guessed or dropped (C15)")
 
     # -- tensors ----------------------------------------------------------------------------------------
     mapped: dict[str, object] = {}
@@ -143,8 +167,12 @@ def translate_mainline(src: str | os.PathLike, out: str | os.PathLike, *, tap_of
         raise meta.error(P + "target_hidden_size", f"= {th} differs from dflash.embedding_length = {n_embd}; "
                          "the specd contract requires the drafter width to equal the target's")
     n_layer = meta.get_int(P + "block_count")
-    qn = ne("blk.0.attn_q_norm.weight")
-    head_dim = meta.get_int(P + "attention.key_length", required=qn is None, default=qn[0] if qn else None)
+    head_dim = meta.get_int(P + "attention.key_length")
+    for k in ("attention.value_length", "rope.dimension_count"):
+        v = meta.get_int(P + k, required=False)
+        if v is not None and v != head_dim:
+            raise meta.error(P + k, f"= {v} differs from dflash.attention.key_length = {head_dim} "
+                             "(specd drafters use full-head RoPE and equal K/V head sizes)")
     theta = meta.get_float(P + "rope.freq_base", finite=False)
     if not math.isfinite(theta):
         raise meta.error(P + "rope.freq_base", f"= {theta} is not finite (NaN/inf RoPE base)")
@@ -194,6 +222,9 @@ def translate_mainline(src: str | os.PathLike, out: str | os.PathLike, *, tap_of
     if len(pattern) != n_layer:
         raise meta.error(P + "attention.sliding_window_pattern", f"has {len(pattern)} entries for {n_layer} layers")
     if not any(pattern):
+        if window:
+            raise meta.error(P + "attention.sliding_window", f"= {window} but dflash.attention.sliding_window_pattern "
+                             "is all false: contradictory (which layers slide?)")
         window = None
     causal_all = meta.get_bool(P + "attention.causal", required=False)
     causal = tuple(causal_all if causal_all is not None else s for s in pattern)
@@ -203,23 +234,40 @@ def translate_mainline(src: str | os.PathLike, out: str | os.PathLike, *, tap_of
     if rtype not in (None, "none", "yarn"):
         raise meta.error(P + "rope.scaling.type", f"= {rtype!r}: only yarn is supported")
     if rtype == "yarn":
-        def beta(name: str, default: float) -> float:
-            for k in (P + f"rope.scaling.yarn_{name}", P + f"rope.scaling.{name}"):
-                if meta.has(k):
-                    return meta.get_float(k)
+        # ggml's YaRN defaults (beta_fast 32, beta_slow 1, attn_factor 1.0; drafters.md §3.4) are also
+        # the published values (RadixArk DSpark), so an absent key keeps them, said in the log.
+        def scaling(names: tuple[str, ...], default: float) -> float:
+            present = [k for k in names if meta.has(k)]
+            if len(present) > 1 and len({meta.get_float(k) for k in present}) > 1:
+                raise meta.error(present[0], f"= {meta.get_float(present[0])} contradicts {present[1]} = "
+                                 f"{meta.get_float(present[1])}: ambiguous")
+            if present:
+                return meta.get_float(present[0])
+            log(f"  {names[-1]} absent: using ggml's default {default:g} (the published value, drafters.md §3.4)")
             return default
         yarn = YarnParams(
             factor=meta.get_float(P + "rope.scaling.factor"),
             original_context_length=meta.get_int(P + "rope.scaling.original_context_length"),
-            beta_fast=beta("beta_fast", 32.0), beta_slow=beta("beta_slow", 1.0),
-            attn_factor=meta.get_float(P + "rope.scaling.attn_factor", required=False, default=1.0),
+            beta_fast=scaling((P + "rope.scaling.yarn_beta_fast", P + "rope.scaling.beta_fast"), 32.0),
+            beta_slow=scaling((P + "rope.scaling.yarn_beta_slow", P + "rope.scaling.beta_slow"), 1.0),
+            attn_factor=scaling((P + "rope.scaling.attn_factor",), 1.0),
         )
 
     family, dflash2, dspark = "dflash", None, None
-    df2_keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-    if any(meta.has(P + k) for k in df2_keys) or "dflash.selector.pred_cb" in mapped:
+    df2_keys = _DF2_KEYS
+    # llama.cpp detects DFlash 2 by selector_top_k > 0 (drafters.md §7.4).
+    top_k = meta.get_int(P + "selector_top_k", required=False, default=0)
+    df2_tensors = [mapped[g].name for g in mapped if g.startswith("dflash.selector.") or "_conv." in g]
+    if top_k > 0:
         family = "dflash2"
         dflash2 = DFlash2Params(*(meta.get_int(P + k) for k in df2_keys))
+    else:
+        if df2_tensors:
+            raise meta.error(P + "selector_top_k", f"= {top_k if meta.has(P + 'selector_top_k') else 'absent'} "
+                             f"(DFlash 1) but the file has DFlash 2 tensors ({', '.join(df2_tensors[:4])}): contradictory")
+        stray = [P + k for k in df2_keys[:3] if meta.get_int(P + k, required=False, default=0)]
+        if stray:
+            raise meta.error(stray[0], "is set but dflash.selector_top_k is not > 0 (DFlash 1): contradictory")
     if "dflash.dspark.markov.w1" in mapped:
         if family != "dflash":
             raise DrafterFormatError(f"{src}: carries both DFlash 2 and DSpark heads")
@@ -234,6 +282,8 @@ def translate_mainline(src: str | os.PathLike, out: str | os.PathLike, *, tap_of
         conf = meta.get_bool(P + "confidence_head", required=False, default=cw is not None)
         with_markov = meta.get_bool(P + "confidence_head_with_markov", required=False,
                                     default=bool(cw and cw[0] == n_embd + rank))
+        log("  DSpark Markov head type not recorded in the mainline dialect: vanilla (the variant of every "
+            "published Qwen DSpark head, drafters.md §5.2)")
         dspark = DSparkParams(markov_rank=rank, markov_type="vanilla", confidence=conf,
                               confidence_with_markov=with_markov and conf)
     softcap = meta.get_float(P + "final_logit_softcapping", required=False)
@@ -246,8 +296,8 @@ def translate_mainline(src: str | os.PathLike, out: str | os.PathLike, *, tap_of
         sliding_window=window, sliding_pattern=tuple(pattern), causal_pattern=causal,
         block_size=meta.get_int(P + "block_size"), mask_token_id=mask, target_layer_ids=taps,
         n_target_layers=None, context_length=meta.get_int(P + "context_length", required=False),
-        input_embedding_scale=meta.get_float(P + "embedding_scale", required=False, default=1.0),
-        output_multiplier=meta.get_float(P + "logit_scale", required=False, default=1.0),
+        input_embedding_scale=meta.get_float(P + "input_embedding_scale", required=False, default=1.0),
+        output_multiplier=meta.get_float(P + "output_multiplier", required=False, default=1.0),
         final_logit_softcapping=softcap if softcap else None, dspark=dspark, dflash2=dflash2,
     )
     names = {"n_embd": P + "embedding_length", "n_layer": P + "block_count", "n_ff": P + "feed_forward_length",

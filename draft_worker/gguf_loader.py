@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as QT
 from specd.native import DType, Tensor
 
 from .contract import (
-    ACCEPTED_ARCHS, ARCH, F32_ONLY, MAINLINE_ARCH, NORM, DrafterFormatError, DrafterPairError, K,
+    ARCH, DB_ARCH, F32_ONLY, MAINLINE_ARCH, NORM, DrafterFormatError, DrafterPairError, K,
     canonical_gguf_name, expected_tensors, key,
 )
 from .gguf_meta import GGUFMeta
@@ -110,12 +110,19 @@ class LoadedDrafter:
     reader: gguf.GGUFReader
 
 
-def _open(path: str | os.PathLike) -> GGUFMeta:
+def open_draft_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """Memory-map a draft GGUF through the target loader's :func:`open_gguf` (which turns any reader
+    failure on truncated / corrupt bytes into an error naming the file and checks every tensor's
+    data range against the file size), re-raised as DrafterFormatError."""
+    from specd.target_worker.gguf_loader import TargetFileError, open_gguf
     try:
-        reader = gguf.GGUFReader(path)
-    except (OSError, ValueError) as exc:
-        raise DrafterFormatError(f"{path}: cannot read as GGUF: {exc}") from exc
-    return GGUFMeta(reader, path)
+        return open_gguf(path)
+    except TargetFileError as exc:
+        raise DrafterFormatError(str(exc)) from exc
+
+
+def _open(path: str | os.PathLike) -> GGUFMeta:
+    return GGUFMeta(open_draft_gguf(path), path)
 
 
 def _arch(meta: GGUFMeta) -> str:
@@ -132,7 +139,11 @@ def _arch(meta: GGUFMeta) -> str:
             "and its mask id lives elsewhere, so specd will not guess: translate it explicitly with "
             f"`specd convert-drafter {meta.path} OUT.gguf --tap-offset 1` (llama.cpp's converter stores "
             "dflash.target_layers +1; pass 0 if this file stores 0-based ids)")
-    if arch not in ACCEPTED_ARCHS:
+    if arch == DB_ARCH:
+        raise DrafterFormatError(f"{meta.path}: general.architecture = {DB_ARCH!r} (the DB DSpark converter's files) "
+                                 f"lacks the keys specd requires ({ARCH}.dflash.family, row alignment, causal "
+                                 "pattern); convert the HF checkpoint with `specd convert-drafter` instead")
+    if arch != ARCH:
         raise DrafterFormatError(f"{meta.path}: general.architecture = {arch!r} is not a drafter this loader reads "
                                  f"(expected {ARCH!r})")
     return arch
@@ -166,9 +177,7 @@ def _native_view(a: np.ndarray, dtype: type) -> np.ndarray:
     """Zero-copy view of ``a`` with the canonical numpy dtype object. GGUFReader hands out arrays
     whose dtype carries an explicit byte-order flag; specd.native matches dtypes by identity, so
     re-view them (same memory) with the canonical dtype."""
-    v = a.view(np.dtype(dtype))
-    assert np.shares_memory(v, a)
-    return v
+    return a.view(np.dtype(dtype))  # ndarray.view never copies
 
 
 def load_drafter(path: str | os.PathLike) -> LoadedDrafter:

@@ -44,10 +44,6 @@ class GGUFMeta:
             raise self.error(k, "is missing (required by the draft GGUF contract, drafters.md §7.1)")
         return f
 
-    def type_of(self, k: str) -> VT | None:
-        f = self.fields.get(k)
-        return f.types[0] if f is not None and f.types else None
-
     def get_int(self, k: str, required: bool = True, default: Any = None) -> int | None:
         f = self._field(k, required)
         if f is None:

@@ -1,8 +1,9 @@
 """Read an HF drafter checkpoint's raw ``config.json`` together with its tensor shapes and build the
 drafter's :class:`DrafterHParams` (drafters.md §2.1 lookups, §7.3 "DB DSpark converter" rules).
 
-Raw JSON is read on purpose (not through ``Qwen3Config``): transformers drops ``sliding_window``
-unless ``use_sliding_window`` is true, and hoists / renames keys differently across versions.
+Raw JSON is read on purpose (not through ``Qwen3Config``): transformers hoists / renames keys
+differently across versions. Its semantics are kept where the reference (dflash 0.1.0 on
+``Qwen3Config``) depends on them: ``sliding_window`` only counts when ``use_sliding_window`` is true.
 
 Lookup rules (first present wins; two present and different → error naming both):
 
@@ -16,6 +17,11 @@ Lookup rules (first present wins; two present and different → error naming bot
 * θ: ``rope_parameters.rope_theta``, then ``rope_theta`` — required (C18b), finite (C18c).
 * RoPE scaling: ``rope_parameters.rope_type`` / ``rope_scaling.{rope_type,type}``: default or yarn.
 * layers: ``layer_types``, ``sliding_window``, ``use_sliding_window``, top-level ``is_causal``.
+  ``sliding_attention`` layers are causal (unless ``is_causal`` says otherwise) and windowed only
+  when ``use_sliding_window`` is true (absent/false: no window, as transformers / dflash; noted).
+* documented published defaults, used when the key is absent and stated in the log:
+  ``hidden_act`` silu, ``markov_head_type`` vanilla, YaRN β_fast 32 / β_slow 1 / attention factor
+  0.1·ln(factor) + 1.
 * shapes: config keys cross-checked against the tensors; a key the packaging omits is taken from
   the tensors (drafters.md §2.4) and reported.
 * ignored on purpose (drafters.md §3.4): ``partial_rotary_factor`` and mrope fields (deep-copied
@@ -156,7 +162,11 @@ def read_hf_drafter(config_path: str | Path, tensors: dict[str, StTensor]) -> HF
                     "supported by convert-drafter; convert a DeepSpec or SpecForge packaging instead")
     if raw.get("attention_bias"):
         raise c.err("attention_bias = true is not supported (the draft GGUF contract has no attention biases)")
-    act = raw.get("hidden_act", "silu")
+    act = raw.get("hidden_act")
+    if act is None:
+        act = "silu"
+        notes.append("hidden_act absent: silu (Qwen3Config's default and the SwiGLU MLP every published "
+                     "drafter uses, drafters.md §2.3 / §3.2)")
     if act != "silu":
         raise c.err(f"hidden_act = {act!r}: only the SiLU (SwiGLU) MLP is supported")
 
@@ -256,9 +266,12 @@ def read_hf_drafter(config_path: str | Path, tensors: dict[str, StTensor]) -> HF
         raise c.err(f"{taps_where} lists {len(taps)} taps but fc.weight has {fc[1]} inputs "
                     f"(= {fc[1] / H:g} × hidden size {H})")
 
-    theta, yarn, rope_names = _read_rope(c, context_length, head_dim)
+    theta, yarn, rope_names = _read_rope(c, context_length, head_dim, notes)
 
     sliding, window, causal, layer_names = _read_layers(c, n_layer)
+    if window is None and any(t == "sliding_attention" for t in (raw.get("layer_types") or [])):
+        notes.append("sliding_attention layers get no window: use_sliding_window is not true, so "
+                     "transformers' Qwen3Config (and dflash) drop sliding_window; those layers stay causal")
 
     def scale(what: str, default: float | None) -> float | None:
         v, _ = c.first(what, required=False, kind=float)
@@ -287,6 +300,10 @@ def read_hf_drafter(config_path: str | Path, tensors: dict[str, StTensor]) -> HF
         if w1 is not None and rank_cfg is not None and w1[1] != rank_cfg:
             raise c.err(f"{rank_where} = {rank_cfg} contradicts markov_head.markov_w1.weight {list(w1)}")
         mtype, _ = c.first("markov_head_type", required=False, kind=str)
+        if mtype is None:
+            mtype = "vanilla"
+            notes.append("markov_head_type absent: vanilla (the variant of every published Qwen DSpark head; "
+                         "RadixArk's config omits the key, drafters.md §5.2 / §5.6)")
         conf_w = shape_of("dflash.dspark.confidence.weight")
         conf_cfg, conf_where = c.first("enable_confidence_head", required=False, kind=bool)
         conf = conf_w is not None if conf_cfg is None else conf_cfg
@@ -305,7 +322,7 @@ def read_hf_drafter(config_path: str | Path, tensors: dict[str, StTensor]) -> HF
             if with_markov_cfg is not None and with_markov_cfg != from_shape:
                 raise c.err(f"{wm_where} = {with_markov_cfg} contradicts confidence_head.proj.weight {list(conf_w)}")
             with_markov = from_shape
-        dspark = DSparkParams(markov_rank=int(rank), markov_type=str(mtype or "vanilla").lower(),
+        dspark = DSparkParams(markov_rank=int(rank), markov_type=str(mtype).lower(),
                               confidence=bool(conf), confidence_with_markov=with_markov)
         anchor, anchor_where = c.first("sample_from_anchor", required=False, kind=bool)
         row_alignment = "proposals_only" if anchor in (None, True) else "seed_then_proposals"
@@ -400,7 +417,7 @@ def _hf_name_hint(g: str) -> str:
     return g
 
 
-def _read_rope(c: _Config, context_length: int | None, head_dim: int) -> tuple[float, YarnParams | None, dict]:
+def _read_rope(c: _Config, context_length: int | None, head_dim: int, notes: list[str]) -> tuple[float, YarnParams | None, dict]:
     """θ and YaRN from ``rope_parameters`` (transformers ≥ 5) or top-level ``rope_theta`` /
     ``rope_scaling``. Returns (θ, YarnParams | None, field → key names for messages)."""
     rp = c.raw("rope_parameters")
@@ -483,6 +500,7 @@ def _read_rope(c: _Config, context_length: int | None, head_dim: int) -> tuple[f
         if not context_length:
             raise c.err(f"{src_name}.factor is missing and max_position_embeddings is absent")
         factor = context_length / orig
+        notes.append(f"{src_name}.factor absent: {factor:g} = max_position_embeddings / original (transformers' rule)")
     if src.get("truncate", True) is not True:
         raise c.err(f"{src_name}.truncate = false is not supported (ggml YaRN truncates the correction range)")
     attention = num("attention_factor", required=False)
@@ -493,11 +511,20 @@ def _read_rope(c: _Config, context_length: int | None, head_dim: int) -> tuple[f
             attention = f(factor, ms) / f(factor, msa)
         else:
             attention = yarn_mscale(factor)
+            notes.append(f"{src_name}.attention_factor absent: 0.1·ln(factor) + 1 = {attention:.6g} "
+                         "(transformers' YaRN default, drafters.md §3.4)")
+    betas = {}
+    for k, d in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+        betas[k] = num(k, False)
+        if betas[k] is None:
+            betas[k] = d
+            notes.append(f"{src_name}.{k} absent: {d:g} (transformers' YaRN default and the published RadixArk "
+                         "value, drafters.md §3.4)")
     yarn = YarnParams(
         factor=f32(factor),
         original_context_length=int(orig),
-        beta_fast=f32(num("beta_fast", False, 32.0)),
-        beta_slow=f32(num("beta_slow", False, 1.0)),
+        beta_fast=f32(betas["beta_fast"]),
+        beta_slow=f32(betas["beta_slow"]),
         attn_factor=f32(attention / yarn_mscale(factor)),
     )
     names.update({f"yarn.{k}": f"{src_name}.{v}" for k, v in (
@@ -509,7 +536,8 @@ def _read_rope(c: _Config, context_length: int | None, head_dim: int) -> tuple[f
 def _read_layers(c: _Config, n_layer: int) -> tuple[tuple[bool, ...], int | None, tuple[bool, ...], dict]:
     """(sliding pattern, window, causal pattern, names) from ``layer_types``, ``sliding_window``,
     ``use_sliding_window`` and ``is_causal`` (drafters.md §3.3, ZL-0.1.0 rule: causal =
-    ``is_causal`` if present else the layer slides)."""
+    ``is_causal`` if present else the layer type is sliding_attention). The returned sliding
+    pattern means "uses the window": all false unless ``use_sliding_window`` is true."""
     lt = c.raw("layer_types")
     use_sw = c.raw("use_sliding_window")
     if use_sw is not _ABSENT and not isinstance(use_sw, bool):
@@ -527,18 +555,21 @@ def _read_layers(c: _Config, n_layer: int) -> tuple[tuple[bool, ...], int | None
         if bad:
             raise c.err(f"layer_types has unsupported entries {bad} (expected full_attention / sliding_attention)")
         sliding = tuple(t == "sliding_attention" for t in lt)
+    # transformers' Qwen3Config keeps ``sliding_window`` only when ``use_sliding_window`` is true
+    # (default false), and dflash 0.1.0 reads ``config.sliding_window``: a sliding_attention layer
+    # without the flag is causal (its layer type) but has no window. Follow that exactly.
+    slides = sliding
     window = None
-    if any(sliding):
-        if use_sw is False:
-            raise c.err("layer_types declares sliding_attention layers but use_sliding_window = false "
-                        "(transformers would drop sliding_window): contradictory")
+    if any(sliding) and use_sw is True:
         w, _ = c.first("sliding_window", ("sliding_window",))
         if w <= 0:
             raise c.err(f"sliding_window = {w}: expected > 0")
         window = int(w)
+    else:
+        sliding = (False,) * n_layer
     ic = c.raw("is_causal")
     if ic is not _ABSENT and not isinstance(ic, bool):
         raise c.err(f"is_causal = {ic!r}: expected a bool")
-    causal = tuple(bool(ic) if ic is not _ABSENT else s for s in sliding)
+    causal = tuple(bool(ic) if ic is not _ABSENT else s for s in slides)
     names = {"sliding_pattern": "layer_types", "sliding_window": "sliding_window", "causal_pattern": "is_causal"}
     return sliding, window, causal, names

@@ -164,7 +164,8 @@ class DrafterHParams:
         caus = "".join("c" if c else "b" for c in self.causal_pattern)
         extra = ""
         if self.dspark:
-            extra = f" markov_rank={self.dspark.markov_rank} confidence={self.dspark.confidence}"
+            extra = (f" markov({self.dspark.markov_type}, rank={self.dspark.markov_rank})"
+                     f" confidence={self.dspark.confidence}")
         if self.dflash2:
             d = self.dflash2
             extra = (f" conv(k={d.conv_kernel_size}, group={d.conv_group_size})"

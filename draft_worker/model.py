@@ -220,10 +220,7 @@ class DrafterModel:
             self._conf_w = None if cw is None else np.asarray(cw.numpy(), np.float32).reshape(-1)
             cb = self.w.dspark.confidence_bias
             self._conf_b = None if cb is None else float(np.asarray(cb.numpy()).reshape(-1)[0])
-        if hp.dflash2 is not None:
-            d = hp.dflash2
-            if hp.n_embd % d.conv_group_size:
-                raise ValueError(f"conv_group_size {d.conv_group_size} does not divide n_embd {hp.n_embd}")
+        if hp.dflash2 is not None:  # conv_group_size | n_embd is checked by DrafterHParams.validate
             self._conv_base = [(np.asarray(l.attn_conv_base.numpy(), np.float32),
                                 np.asarray(l.ffn_conv_base.numpy(), np.float32)) for l in self.w.layers]
 
@@ -627,7 +624,7 @@ def markov_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, w1: Tensor, 
         x = np.concatenate([hidden, np.stack(prev_rows)], axis=1) if conf_with_markov else hidden
         if x.shape[1] != conf_w.shape[0]:
             raise ValueError(f"confidence head expects {conf_w.shape[0]} inputs, got {x.shape[1]}")
-        z = x.astype(np.float64) @ conf_w.astype(np.float64) + float(conf_b or 0.0)
+        z = x.astype(np.float64) @ conf_w.astype(np.float64) + float(conf_b)
         conf = (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
     return toks, corrected, conf, q
 

@@ -59,20 +59,48 @@ def read_header(path: Path) -> dict[str, StTensor]:
             header = json.loads(fh.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise DrafterFormatError(f"{path}: invalid safetensors header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise DrafterFormatError(f"{path}: invalid safetensors header: not a JSON object")
     base = 8 + n
+    data_size = size - base
     out: dict[str, StTensor] = {}
+    ranges: list[tuple[int, int, str]] = []
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(info, dict):
+            raise DrafterFormatError(f"{path}: tensor {name!r}: header entry is {type(info).__name__}, expected an object")
         dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dtype not in _DTYPES:
             raise DrafterFormatError(f"{path}: tensor {name!r} has dtype {dtype!r}; drafter weights must be "
                                      f"one of {sorted(_DTYPES)}")
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
+            raise DrafterFormatError(f"{path}: tensor {name!r} has shape {shape!r}; expected a list of non-negative ints")
+        if not isinstance(offs, list) or len(offs) != 2 or not all(is_int(o) for o in offs):
+            raise DrafterFormatError(f"{path}: tensor {name!r} has data_offsets {offs!r}; expected [start, end] ints")
         start, end = offs
-        shape = tuple(int(s) for s in shape)
-        if end - start != math.prod(shape) * _DTYPES[dtype][1] or base + end > size:
-            raise DrafterFormatError(f"{path}: tensor {name!r} has an invalid byte range {offs} for {dtype} {list(shape)}")
+        shape = tuple(shape)
+        if not 0 <= start <= end <= data_size:
+            raise DrafterFormatError(f"{path}: tensor {name!r} has byte range {offs} outside the data section "
+                                     f"(0 .. {data_size} bytes)")
+        if end - start != math.prod(shape) * _DTYPES[dtype][1]:
+            raise DrafterFormatError(f"{path}: tensor {name!r} has {end - start} bytes for {dtype} {list(shape)} "
+                                     f"(expected {math.prod(shape) * _DTYPES[dtype][1]})")
+        ranges.append((start, end, name))
         out[name] = StTensor(name, dtype, shape, path, base + start, end - start)
+    # safetensors' own rule: the ranges tile the data section exactly (no gaps, overlaps or shifts)
+    pos = 0
+    for start, end, name in sorted(ranges):
+        if start != pos:
+            raise DrafterFormatError(f"{path}: tensor {name!r} starts at data byte {start}, expected {pos} "
+                                     "(byte ranges overlap or leave a gap: shifted offsets)")
+        pos = end
+    if pos != data_size:
+        raise DrafterFormatError(f"{path}: tensors cover {pos} data bytes but the file holds {data_size} after the header")
     return out
 
 

@@ -308,10 +308,17 @@ def test_shape_keys_absent_taken_from_tensors(make, tmp_path):
     assert any("head_dim = 16 (absent from config" in s for s in logs)
 
 
-def test_sliding_layers_with_use_sliding_window_false(make, tmp_path):
+@pytest.mark.parametrize("flag", [False, None])
+def test_sliding_layers_without_use_sliding_window(make, tmp_path, flag):
+    """transformers' Qwen3Config drops sliding_window unless use_sliding_window is true (dflash
+    0.1.0 then runs those layers causal without a window): specd does the same and says so."""
     folder, _, _ = make("dflash", sliding="qwen36")
-    rewrite_config(folder, lambda c: c.update(use_sliding_window=False))
-    convert_err(folder, tmp_path, r"use_sliding_window = false .*contradictory")
+    rewrite_config(folder, lambda c: c.update(use_sliding_window=False) if flag is False else c.pop("use_sliding_window"))
+    logs = []
+    hp = convert_hf(folder, tmp_path / "s.gguf", log=logs.append)
+    assert hp.sliding_window is None and not any(hp.sliding_pattern)
+    assert hp.causal_pattern == (True,) * (hp.n_layer - 1) + (False,)
+    assert any("get no window" in s for s in logs)
 
 
 # -- tensors ----------------------------------------------------------------------------------------------------
@@ -357,3 +364,66 @@ def test_f16_overflow_refused(make, tmp_path):
     td.write_checkpoint(folder, cfg, tensors | {"fc.weight": big}, dtype="F32")
     convert_err(folder, tmp_path, r"dflash\.fc\.weight has \|w\| = 100000 > 65504")
     assert convert_hf(folder, tmp_path / "ok.gguf", "bf16", log=lambda s: None).n_embd == 64
+
+
+# -- safetensors header validation ----------------------------------------------------------------------------
+
+
+def _raw_safetensors(path, header: dict, data: bytes):
+    import struct
+    h = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h + data)
+    return path
+
+
+@pytest.mark.parametrize("entry,match", [
+    ([1, 2], r"tensor 'w': header entry is list, expected an object"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": None}, r"tensor 'w' has data_offsets None"),
+    ({"dtype": "F32", "shape": "2,2", "data_offsets": [0, 16]}, r"tensor 'w' has shape '2,2'"),
+    ({"dtype": "F32", "shape": [2, True], "data_offsets": [0, 8]}, r"tensor 'w' has shape"),
+    ({"dtype": "I64", "shape": [2], "data_offsets": [0, 16]}, r"tensor 'w' has dtype 'I64'"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": [-16, 0]}, r"tensor 'w' has byte range \[-16, 0\] outside"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 0]}, r"tensor 'w' has byte range \[16, 0\] outside"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": [8, 24]}, r"tensor 'w' starts at data byte 8, expected 0"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 24]}, r"tensor 'w' has 24 bytes for F32 \[2, 2\]"),
+    ({"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 40]}, r"tensor 'w' has byte range \[0, 40\] outside"),
+])
+def test_safetensors_header_entries_validated(tmp_path, entry, match):
+    from specd.draft_worker.safetensors_io import read_header
+    p = _raw_safetensors(tmp_path / "m.safetensors", {"w": entry}, bytes(24))
+    with pytest.raises(DrafterFormatError, match=r"m\.safetensors: " + match):
+        read_header(p)
+
+
+def test_safetensors_shifted_ranges_refused(tmp_path):
+    """Two tensors whose ranges overlap (the second shifted by 4 bytes) would read the wrong bytes."""
+    from specd.draft_worker.safetensors_io import read_header
+    hdr = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+           "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    p = _raw_safetensors(tmp_path / "m.safetensors", hdr, bytes(12))
+    with pytest.raises(DrafterFormatError, match=r"tensor 'b' starts at data byte 4, expected 8"):
+        read_header(p)
+    ok = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+          "b": {"dtype": "F16", "shape": [2], "data_offsets": [8, 12]}, "__metadata__": {"format": "pt"}}
+    t = read_header(_raw_safetensors(tmp_path / "ok.safetensors", ok, bytes(12)))
+    assert t["b"].read_f32().tolist() == [0.0, 0.0]
+
+
+def test_documented_defaults_are_stated(make, tmp_path):
+    """Keys whose absence specd fills with the documented published value (hidden_act silu,
+    markov_head_type vanilla, YaRN β 32 / 1 and attention factor) are said in the conversion log."""
+    folder, _, _ = make("dspark", yarn=True)
+
+    def strip(c):
+        c.pop("hidden_act")
+        c["dflash_config"].pop("markov_head_type")
+        for k in ("beta_fast", "beta_slow"):
+            c["rope_parameters"].pop(k)
+    rewrite_config(folder, strip)
+    logs = []
+    hp = convert_hf(folder, tmp_path / "d.gguf", log=logs.append)
+    assert hp.dspark.markov_type == "vanilla" and (hp.yarn.beta_fast, hp.yarn.beta_slow) == (32.0, 1.0)
+    text = "\n".join(logs)
+    for needle in ("hidden_act absent: silu", "markov_head_type absent: vanilla", "beta_fast absent: 32",
+                   "beta_slow absent: 1", "attention_factor absent", "markov(vanilla, rank="):
+        assert needle in text, needle

@@ -31,7 +31,7 @@ def mainline_name(n: str) -> str:
 
 
 def write_mainline(specd_path, out, *, tap_offset=1, mask_key="tokenizer.ggml.mask_token_id", causal=True,
-                   extra_tensors=None, with_vocab=True):
+                   extra_tensors=None, with_vocab=True, extra_kv=None, skip_kv=()):
     """A mainline-dialect rendering of a specd drafter GGUF (what llama.cpp's converter writes)."""
     ld = load_drafter(specd_path)
     hp = ld.hparams
@@ -39,6 +39,12 @@ def write_mainline(specd_path, out, *, tap_offset=1, mask_key="tokenizer.ggml.ma
 
     def fill(w):
         a = "dflash."
+        for k, v in (extra_kv or {}).items():
+            (w.add_string if isinstance(v, str) else w.add_float32 if isinstance(v, float) else w.add_uint32)(k, v)
+        if skip_kv:  # drop keys by name: wrap the writer's adders
+            for adder in ("add_uint32", "add_float32", "add_array", "add_bool"):
+                orig = getattr(w, adder)
+                setattr(w, adder, (lambda o: lambda k, v: None if k in skip_kv else o(k, v))(orig))
         w.add_uint32(a + "embedding_length", hp.n_embd)
         w.add_uint32(a + "block_count", hp.n_layer)
         w.add_uint32(a + "feed_forward_length", hp.n_ff)
@@ -162,3 +168,72 @@ def test_c15_dspark_needs_row_alignment(converted, tmp_path):
     got = translate_mainline(ml, tmp_path / "b.gguf", tap_offset=1, row_alignment="proposals_only", log=lambda s: None)
     assert got == dataclasses.replace(hp, n_target_layers=None)
     assert load_drafter(tmp_path / "b.gguf").weights.dspark.confidence_weight.shape == (1, 64 + 32)
+
+
+@pytest.mark.parametrize("key,match", [
+    ("dflash.logit_scale", r"dflash\.logit_scale.*not a documented key.*dflash\.output_multiplier"),
+    ("dflash.embedding_scale", r"dflash\.embedding_scale.*not a documented key.*dflash\.input_embedding_scale"),
+    ("dflash.attention.gate", r"dflash\.attention\.gate.*not a key the mainline-dialect translator knows"),
+])
+def test_c15_unknown_or_undocumented_keys_refused(converted, tmp_path, key, match):
+    path, *_ = converted("dflash")
+    ml = write_mainline(path, tmp_path / "k.gguf", extra_kv={key: 2.0})
+    with pytest.raises(DrafterFormatError, match=match):
+        translate_mainline(ml, tmp_path / "a.gguf", tap_offset=1, log=lambda s: None)
+
+
+def test_c15_documented_logit_transform_keys(converted, tmp_path):
+    path, *_ = converted("dflash")
+    ml = write_mainline(path, tmp_path / "k.gguf", extra_kv={"dflash.input_embedding_scale": 2.5,
+                                                            "dflash.output_multiplier": 0.5,
+                                                            "dflash.final_logit_softcapping": 30.0})
+    hp = translate_mainline(ml, tmp_path / "a.gguf", tap_offset=1, log=lambda s: None)
+    assert (hp.input_embedding_scale, hp.output_multiplier, hp.final_logit_softcapping) == (2.5, 0.5, 30.0)
+    assert load_drafter(tmp_path / "a.gguf").hparams == hp
+
+
+def test_c15_window_with_all_false_pattern_refused(converted, tmp_path):
+    path, *_ = converted("dflash")
+    ml = write_mainline(path, tmp_path / "w.gguf", extra_kv={"dflash.attention.sliding_window": 32})
+    with pytest.raises(DrafterFormatError, match=r"dflash\.attention\.sliding_window.*= 32 but .*all false: contradictory"):
+        translate_mainline(ml, tmp_path / "a.gguf", tap_offset=1, log=lambda s: None)
+
+
+def test_c15_dflash2_detected_by_selector_top_k(converted, tmp_path):
+    """llama.cpp's rule: DFlash 2 iff selector_top_k > 0. A zero top_k with DFlash 2 tensors, or
+    DFlash 2 keys on a top_k-less file, is a contradiction."""
+    path, *_ = converted("dflash2", sliding="all")
+    zero = write_mainline(path, tmp_path / "z.gguf", skip_kv=("dflash.selector_top_k",),
+                          extra_kv={"dflash.selector_top_k": 0})
+    with pytest.raises(DrafterFormatError, match=r"dflash\.selector_top_k.*= 0 \(DFlash 1\) but the file has DFlash 2 tensors"):
+        translate_mainline(zero, tmp_path / "a.gguf", tap_offset=1, log=lambda s: None)
+    p1, *_ = converted("dflash")
+    stray = write_mainline(p1, tmp_path / "s.gguf", extra_kv={"dflash.conv_kernel_size": 2})
+    with pytest.raises(DrafterFormatError, match=r"dflash\.conv_kernel_size.*selector_top_k is not > 0"):
+        translate_mainline(stray, tmp_path / "b.gguf", tap_offset=1, log=lambda s: None)
+
+
+def test_c15_key_length_required(converted, tmp_path):
+    path, *_ = converted("dflash")
+    ml = write_mainline(path, tmp_path / "h.gguf", skip_kv=("dflash.attention.key_length",))
+    with pytest.raises(DrafterFormatError, match=r"dflash\.attention\.key_length"):
+        translate_mainline(ml, tmp_path / "a.gguf", tap_offset=1, log=lambda s: None)
+
+
+def test_c15_yarn_defaults_stated(converted, tmp_path):
+    """Absent YaRN β / attn_factor keys take ggml's defaults (the published values, drafters.md §3.4)
+    and the translator says so; two spellings of one β that disagree are refused."""
+    path, *_ = converted("dflash")
+    yarn = {"dflash.rope.scaling.type": "yarn", "dflash.rope.scaling.factor": 32.0,
+            "dflash.rope.scaling.original_context_length": 8192}
+    ml = write_mainline(path, tmp_path / "y.gguf", extra_kv=yarn)
+    logs = []
+    hp = translate_mainline(ml, tmp_path / "a.gguf", tap_offset=1, log=logs.append)
+    assert (hp.yarn.beta_fast, hp.yarn.beta_slow, hp.yarn.attn_factor) == (32.0, 1.0, 1.0)
+    for k in ("beta_fast absent: using ggml's default 32", "beta_slow absent: using ggml's default 1",
+              "attn_factor absent: using ggml's default 1"):
+        assert any(k in s for s in logs), k
+    bad = write_mainline(path, tmp_path / "b.gguf", extra_kv={**yarn, "dflash.rope.scaling.beta_fast": 32.0,
+                                                             "dflash.rope.scaling.yarn_beta_fast": 16.0})
+    with pytest.raises(DrafterFormatError, match=r"yarn_beta_fast = 16\.0 contradicts dflash\.rope\.scaling\.beta_fast = 32\.0: ambiguous"):
+        translate_mainline(bad, tmp_path / "c.gguf", tap_offset=1, log=lambda s: None)

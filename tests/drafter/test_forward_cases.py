@@ -118,6 +118,31 @@ def test_c20_feature_outliers_do_not_overflow(tmp_path, rng):
         assert ((0 <= p.tokens) & (p.tokens < hp.n_vocab)).all()
 
 
+@pytest.mark.oracle
+@pytest.mark.parametrize("head_dim,theta,factor,orig,betas", [
+    (16, 1e7, 32.0, 8192, None),              # the tiny C21 drafter (β absent: transformers' 32 / 1)
+    (128, 1e7, 32.0, 8192, (32.0, 1.0)),      # RadixArk DSpark as published
+    (128, 1e6, 4.0, 32768, (16.0, 2.0)),
+    (64, 5e5, 8.0, 4096, (32.0, 1.0)),
+])
+def test_c21_f64_yarn_reference_equals_transformers(head_dim, theta, factor, orig, betas):
+    """The float64 YaRN reference the C21 test relies on equals transformers'
+    ``ROPE_INIT_FUNCTIONS["yarn"]`` (inv_freq and attention_scaling) — it is not its own oracle."""
+    pytest.importorskip("torch")
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rp = {"rope_type": "yarn", "rope_theta": theta, "factor": factor, "original_max_position_embeddings": orig}
+    if betas:
+        rp.update(beta_fast=betas[0], beta_slow=betas[1])
+    qc = Qwen3Config(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
+                     max_position_embeddings=int(orig * factor), rope_parameters=rp)
+    inv_t, scale_t = ROPE_INIT_FUNCTIONS["yarn"](qc, "cpu")
+    inv, ms = td.f64_yarn_inv_freq(head_dim, theta, factor, orig, *(betas or ()))
+    np.testing.assert_allclose(inv, inv_t.double().numpy(), rtol=1e-6, atol=0)  # transformers: float32
+    assert ms == pytest.approx(float(scale_t), rel=1e-12)
+
+
 def test_c21_yarn_beyond_the_original_window(tmp_path, rng):
     """C21 (jundot/omlx PR #3594): a YaRN drafter (factor 32, original 8192) drafting at positions
     8200..8207. (a) Cached context keys equal float64 YaRN-rotated keys; (b) layer-0 attention

@@ -53,10 +53,12 @@ def reference_block(ref, cfg, ld, emb, head, feats, seed, start, first=None):
     return h[first:], h[first:] @ head.T.astype(np.float64)
 
 
-@pytest.mark.parametrize("sliding", ["none", "qwen36", "all"])
+@pytest.mark.parametrize("sliding", ["none", "qwen36", "qwen36_noflag", "all"])
 def test_dflash_parity(tmp_path, rng, sliding):
     """Bidirectional (Qwen3.5 DFlash), causal sliding + full (Qwen3.6; window 32 < context 45, so
-    the per-row window bites), and is_causal=false sliding (DFlash 2 style mask on a DFlash 1)."""
+    the per-row window bites), the same with ``use_sliding_window`` absent (transformers' Qwen3Config
+    and dflash then drop the window: causal layers, no window), and is_causal=false sliding (DFlash 2
+    style mask on a DFlash 1)."""
     cfg, tensors, ld, emb, head = build(tmp_path, rng, sliding=sliding)
     m = DrafterModel(ld, Tensor(emb), Tensor(head))
     ref = td.reference_model(cfg, tensors)
@@ -71,6 +73,10 @@ def test_dflash_parity(tmp_path, rng, sliding):
     np.testing.assert_array_equal(p.tokens, lr.argmax(1))
     assert rel(p.hidden, hr) < TOL and rel(p.logits, lr) < TOL
     assert len(set(p.tokens.tolist())) > 1  # the rows really differ (the fixture is not degenerate)
+    if sliding == "qwen36_noflag":
+        assert ld.hparams.sliding_window is None and not any(ld.hparams.sliding_pattern)
+        assert ld.hparams.causal_pattern == (True,) * (cfg["num_hidden_layers"] - 1) + (False,)
+        assert ref.layers[0].self_attn.sliding_window is None  # the reference really has no window
 
 
 def test_dflash_rounds_and_rollback(tmp_path, rng):
@@ -195,36 +201,80 @@ def test_empty_context_and_argument_errors(tmp_path, rng):
         DrafterModel(ld, Tensor(emb), Tensor(head), kv_dtype=DType.Q8_0)  # head_dim 16
 
 
+class _SubstituteKV:
+    """A stand-in for dflash's ``past_key_values``: its ``update`` (called by every attention layer
+    right after RoPE) returns the given K/V instead, so the reference attends over exactly the
+    rows specd's cache held (here: Q8_0-rounded) while everything else is dflash's own code."""
+
+    def __init__(self, kv):
+        self.kv = kv
+
+    def update(self, k, v, layer_idx, cache_kwargs=None):
+        import torch
+        kk, vv = self.kv[layer_idx]
+        assert kk.shape[0] == k.shape[2] and vv.shape[0] == v.shape[2]
+        return (torch.from_numpy(np.ascontiguousarray(kk.transpose(1, 0, 2), np.float64))[None].to(k.dtype),
+                torch.from_numpy(np.ascontiguousarray(vv.transpose(1, 0, 2), np.float64))[None].to(v.dtype))
+
+
+class _CaptureKV:
+    """A pass-through ``past_key_values`` recording dflash's post-RoPE K/V per layer as float64
+    numpy [n, Hkv, hd]."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def update(self, k, v, layer_idx, cache_kwargs=None):
+        self.kv[layer_idx] = tuple(t[0].transpose(0, 1).double().numpy() for t in (k, v))
+        return k, v
+
+
 def test_dflash_q8_0_file_and_cache(tmp_path, rng):
     """A Q8_0 GGUF (head_dim 32 so a Q8_0 KV cache is allowed too): equals the reference loaded
-    with the file's own dequantized weights (gguf-exact dequantization) within 1e-5. A Q8_0 KV
-    cache holds exactly the Q8_0 encoding of the F32 cache's context rows; its logits stay finite
-    and within 0.35 of max|ref| (cache rounding, amplified by the scaled fixture: measured 1.4e-2
-    to 1.7e-1 over 20 seeds)."""
+    with the file's own dequantized weights (gguf-exact dequantization) within TOL. A Q8_0 KV
+    cache holds exactly the Q8_0 encoding of the F32 cache's context rows, and its logits equal
+    the reference fed the same rounded K/V (context and block rows, read back from specd's cache)
+    within 1e-4 of max|ref|."""
     import specd.native as sn
     from specd.draft_worker.contract import hf_to_gguf_name
 
     dims = dict(hidden=128, inter=256, heads=4, kv_heads=2, head_dim=32)
     cfg, tensors, ld, emb, head = build(tmp_path, rng, outtype="q8_0", dims=dims)
+    hp = ld.hparams
     assert ld.weights.layers[0].attn_q.dtype == DType.Q8_0
     deq = {name: sn.dequantize(ld.tensors[hf_to_gguf_name(name)]).numpy() if v.ndim == 2 else v
            for name, v in tensors.items()}
     ref = td.reference_model(cfg, deq)
-    feats = features(rng, cfg, 24)
-    _, lr = reference_block(ref, cfg, ld, emb, head, feats, 8, 24)
+    C, seed = 24, 8
+    feats = features(rng, cfg, C)
+    _, lr = reference_block(ref, cfg, ld, emb, head, feats, seed, C)
     seqs = {}
-    for kv, tol in ((DType.F32, TOL), (DType.Q8_0, 0.35)):
+    for kv in (DType.F32, DType.Q8_0):
         seq = seqs[kv] = DrafterModel(ld, Tensor(emb), Tensor(head), kv_dtype=kv).new_sequence(48)
         seq.ingest(feats, 0)
         if kv == DType.Q8_0:
-            for i in range(ld.hparams.n_layer):
-                for f32c, q8c in zip(seqs[DType.F32].cached_kv(i, range(24)), seq.cached_kv(i, range(24))):
+            for i in range(hp.n_layer):
+                for f32c, q8c in zip(seqs[DType.F32].cached_kv(i, range(C)), seq.cached_kv(i, range(C))):
                     want = sn.dequantize(sn.quantize(f32c, DType.Q8_0)).numpy()
                     np.testing.assert_array_equal(q8c, want)
-        p = seq.propose(8, 24, return_logits=True)
-        assert np.isfinite(p.logits).all() and rel(p.logits, lr) < tol, kv
+        p = seq.propose(seed, C, return_logits=True)
+        assert np.isfinite(p.logits).all()
         if kv == DType.F32:
+            assert rel(p.logits, lr) < TOL
             np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+        else:
+            assert rel(p.logits, lr) > 1e-4  # the rounding is visible against the unrounded reference
+            rounded = [seq.cached_kv(i, range(C + hp.block_size)) for i in range(hp.n_layer)]
+            import torch
+            block = np.array([seed] + [hp.mask_token_id] * (hp.block_size - 1))
+            with torch.no_grad():
+                h = ref(position_ids=torch.arange(C + hp.block_size)[None],
+                        noise_embedding=torch.from_numpy(emb[block].astype(np.float64))[None],
+                        target_hidden=torch.from_numpy(feats.astype(np.float64))[None],
+                        past_key_values=_SubstituteKV(rounded))[0].double().numpy()
+            lq = h[hp.first_proposal_row:] @ head.T.astype(np.float64)
+            assert rel(p.logits, lq) < 1e-4
+            np.testing.assert_array_equal(p.tokens, lq.argmax(1))
 
 
 def test_dflash_embedding_scale_and_logit_transforms(tmp_path, rng):
@@ -336,3 +386,76 @@ def test_bounded_layers_long_context(tmp_path, rng, family, sliding):
     assert rel(p.logits, lr) < TOL
     with pytest.raises(ValueError, match="roll back"):
         seq.ingest(features(rng, cfg, 1), n - 200)
+
+
+def test_compaction_many_small_ingests_f16_kv_context_cap(tmp_path, rng, monkeypatch):
+    """Bounded-layer cache compaction under the serving pattern: ~300 positions committed 1–8 rows
+    at a time (plus a short rollback), sliding layers (W = 32) and a context-capped full layer
+    (cap 40), F16 KV. Every proposal equals dflash fed the last 40 context rows at their absolute
+    positions (what the cap means) with its K/V replaced by the F16 rows specd's cache holds —
+    within 1e-4 — and those held rows are first checked against dflash's own K/V at the same
+    positions (F16 rounding only), so a compaction that moved, dropped or mislabelled a live row
+    fails either check."""
+    import torch
+    import specd.draft_worker.model as dm
+
+    copies = []
+    orig = dm._LayerKV.make_room
+
+    def spy(self, lo, first_new, hi, n_valid):
+        before = self.base
+        orig(self, lo, first_new, hi, n_valid)
+        if self.base != before and min(first_new, n_valid) > lo:
+            copies.append((self.keep, min(first_new, n_valid) - lo))
+
+    monkeypatch.setattr(dm._LayerKV, "make_room", spy)
+    cap = 40
+    cfg, tensors, ld, emb, head = build(tmp_path, rng, sliding="qwen36")
+    hp = ld.hparams
+    assert hp.sliding_window == 32 and hp.sliding_pattern[-1] is False
+    seq = DrafterModel(ld, Tensor(emb), Tensor(head), kv_dtype=DType.F16, context_cap=cap).new_sequence(400)
+    ref = td.reference_model(cfg, tensors)
+    feats = features(rng, cfg, 320)
+    n, step_no, worst = 0, 0, 0.0
+    while n < 300:
+        k = int(rng.integers(1, 9))
+        if step_no == 30:  # roll back 3 rows (re-commit different ones) inside the retained window
+            feats[n - 3:n + k] = features(rng, cfg, k + 3)
+            seq.ingest(feats[n - 3:n + k], n - 3)
+        else:
+            seq.ingest(feats[n:n + k], n)
+        n += k
+        step_no += 1
+        seed = int(rng.integers(0, 512))
+        p = seq.propose(seed, n, return_logits=True)
+        lo = max(0, n - cap)
+        block = np.array([seed] + [hp.mask_token_id] * (hp.block_size - 1))
+
+        def run_ref(cache):
+            with torch.no_grad():
+                return ref(position_ids=torch.arange(lo, n + hp.block_size)[None],
+                           noise_embedding=torch.from_numpy(emb[block].astype(np.float64))[None],
+                           target_hidden=torch.from_numpy(feats[lo:n].astype(np.float64))[None],
+                           past_key_values=cache)[0].double().numpy()
+
+        truth = _CaptureKV()
+        run_ref(truth)
+        subst = []
+        for i in range(hp.n_layer):
+            held = max(lo, n - (hp.sliding_window - 1)) if hp.sliding_pattern[i] else lo
+            kk, vv = seq.cached_kv(i, range(held, n + hp.block_size))
+            # context rows depend on the features only (block rows also carry earlier layers' F16 effects)
+            c = n - held
+            for got, want in ((kk[:c], truth.kv[i][0][held - lo:n - lo]), (vv[:c], truth.kv[i][1][held - lo:n - lo])):
+                np.testing.assert_allclose(got, want, rtol=0, atol=2e-3 * np.abs(want).max(),
+                                           err_msg=f"layer {i} context rows {held}..{n - 1}")
+            pad = np.zeros((held - lo,) + kk.shape[1:], np.float32)  # outside the window: masked anyway
+            subst.append((np.concatenate([pad, kk]), np.concatenate([pad, vv])))
+        h = run_ref(_SubstituteKV(subst))
+        lr = h[hp.first_proposal_row:] @ head.T.astype(np.float64)
+        worst = max(worst, rel(p.logits, lr))
+        np.testing.assert_array_equal(p.tokens, lr.argmax(1))
+    assert worst < 1e-4, worst
+    assert step_no > 50 and all(lk.base > 0 for lk in seq.layers)
+    kinds = {keep for keep, live in copies if live > 0}
+    assert {hp.sliding_window - 1, cap} <= kinds, copies[:10]  # live rows were moved in both kinds of layer

@@ -56,6 +56,7 @@ def build(tmp_path, rng, family, **kw):
     ld = load_drafter(td.convert_tiny(folder, "f32"))
     emb, head = td.target_tables(cfg, rng)
     m = DrafterModel(ld, Tensor(emb), Tensor(head))
+    m.test_tables = (emb, head)  # the oracle tests need the float32 tables
     feats = rng.normal(0, 1, (20, ld.hparams.n_taps * ld.hparams.n_embd)).astype(np.float32)
     return cfg, tensors, ld, m, feats
 
@@ -66,10 +67,25 @@ def run(m, feats, seed, **kw):
     return seq.propose(seed, feats.shape[0], return_logits=True, return_hidden=True, **kw)
 
 
+def zl_sampling_probs(logits, T, top_p=1.0, top_k=0):
+    """dflash 0.1.0's own ``_sampling_probs`` (float64 torch) — the oracle for q."""
+    torch = pytest.importorskip("torch")
+    dm = pytest.importorskip("dflash.model")
+    return dm._sampling_probs(torch.from_numpy(np.asarray(logits, np.float64)), T, top_p, top_k).numpy()
+
+
+@pytest.mark.oracle
 def test_dflash_sampled(tmp_path, rng):
+    """q equals dflash's ``_sampling_probs`` applied to dflash's own draft logits for the same block."""
     cfg, tensors, ld, m, feats = build(tmp_path, rng, "dflash")
+    ref = td.reference_model(cfg, tensors)
+    hp = ld.hparams
+    emb, head = m.test_tables
     p = run(m, feats, 4, sampling=Sampling(0.9, top_p=0.95, top_k=20, rng=np.random.default_rng(7)))
-    np.testing.assert_allclose(p.q, sampling_probs(p.logits, 0.9, 0.95, 20), rtol=0, atol=0)
+    block = np.array([4] + [hp.mask_token_id] * (hp.block_size - 1))
+    h = td.reference_forward(ref, feats, emb[block], feats.shape[0])
+    lr = h[hp.first_proposal_row:] @ head.T.astype(np.float64)
+    np.testing.assert_allclose(p.q, zl_sampling_probs(lr, 0.9, 0.95, 20), rtol=0, atol=1e-5)
     np.testing.assert_allclose(p.q.sum(1), 1, rtol=1e-5)
     assert (p.q[np.arange(len(p.tokens)), p.tokens] > 0).all() and ((p.q > 0).sum(1) <= 20).all()
     again = run(m, feats, 4, sampling=Sampling(0.9, top_p=0.95, top_k=20, rng=np.random.default_rng(7)))
@@ -85,7 +101,7 @@ def test_dspark_sampled_chain_conditions_on_the_sampled_draft(tmp_path, rng):
     prev = [9] + p.tokens[:-1].tolist()
     ell = p.logits.astype(np.float64) + np.stack([W2 @ W1[x] for x in prev])
     np.testing.assert_allclose(p.markov_logits, ell, atol=1e-5)
-    np.testing.assert_allclose(p.q, sampling_probs(ell, T, 1.0, 50), atol=1e-5)  # ℓ ~ 40 in float32
+    np.testing.assert_allclose(p.q, zl_sampling_probs(ell, T, 1.0, 50), atol=1e-5)  # ℓ ~ 40 in float32
     assert (p.q[np.arange(len(p.tokens)), p.tokens] > 0).all()
     # confidence uses the sampled previous draft too
     w = tensors["confidence_head.proj.weight"].astype(np.float64)[0]

@@ -178,8 +178,10 @@ def test_aliases_accepted(converted, tmp_path):
     assert ld.weights.fc.shape == (64, 192) and ld.weights.layers[0].ffn_norm.shape == (64,)
 
 
-def test_dflash_draft_arch_accepted_foreign_arch_refused(converted, tmp_path):
+def test_db_dflash_draft_and_foreign_arch_refused(converted, tmp_path):
     path, *_ = converted("dflash")
+    with pytest.raises(DrafterFormatError, match=r"general\.architecture = 'dflash-draft' .*convert-drafter"):
+        load_drafter(rewrite(path, tmp_path / "db.gguf", arch="dflash-draft"))
     with pytest.raises(DrafterFormatError, match=r"general\.architecture = 'qwen35' is not a drafter"):
         load_drafter(rewrite(path, tmp_path / "t.gguf", arch="qwen35"))
 
@@ -187,8 +189,27 @@ def test_dflash_draft_arch_accepted_foreign_arch_refused(converted, tmp_path):
 def test_not_a_gguf(tmp_path):
     p = tmp_path / "x.gguf"
     p.write_bytes(b"not a gguf at all")
-    with pytest.raises(DrafterFormatError, match="cannot read as GGUF"):
+    with pytest.raises(DrafterFormatError, match=r"x\.gguf: not a readable GGUF file"):
         load_drafter(p)
+
+
+@pytest.mark.parametrize("where", ["header", "data"])
+def test_truncated_gguf_names_the_file(converted, tmp_path, where):
+    """A GGUF cut inside its header (the reader fails with IndexError/ValueError) or inside the tensor
+    data (ranges past the end of the file) is refused naming the file, by the loader and the
+    mainline translator alike (both open through target_worker's open_gguf)."""
+    from specd.draft_worker.dialect import translate_mainline
+    path, *_ = converted("dflash")
+    raw = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(raw[:200] if where == "header" else raw[:-64])
+    # gguf's reader itself fails on most data cuts; open_gguf's range check catches the rest
+    match = (r"cut\.gguf: not a readable GGUF file \(truncated or corrupt\)" if where == "header"
+             else r"cut\.gguf: (not a readable GGUF file \(truncated|tensor '.*' data ends at byte \d+, past the end)")
+    with pytest.raises(DrafterFormatError, match=match):
+        load_drafter(cut)
+    with pytest.raises(DrafterFormatError, match=match):
+        translate_mainline(cut, tmp_path / "o.gguf", tap_offset=1, log=lambda s: None)
 
 
 # -- pair check ----------------------------------------------------------------------------------------------

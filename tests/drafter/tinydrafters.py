@@ -39,7 +39,8 @@ def make_config(family: str, *, rope: str = "nested", block_at: str | None = Non
     block_at: where ``block_size`` lives (``dflash_config`` or ``top``); C19. Default as published:
     top level for z-lab DFlash 1 and SpecForge / DeepSpec DSpark, inside dflash_config for DFlash 2.
     yarn: declare YaRN (factor 32, original 8192, β 32/1), as RadixArk DSpark does.
-    sliding: ``none`` (Qwen3.5 DFlash), ``qwen36`` (sliding + last full, window 32) or ``all``
+    sliding: ``none`` (Qwen3.5 DFlash), ``qwen36`` (sliding + last full, window 32),
+    ``qwen36_noflag`` (the same without ``use_sliding_window``: causal layers, no window) or ``all``
     (DFlash 2: every layer sliding, ``is_causal: false``).
     packaging (DSpark): ``specforge`` (keys nested in dflash_config) or ``deepspec`` (top level).
     dims: overrides of :data:`TINY` entries (e.g. hidden / vocab / taps to match a tiny target).
@@ -71,9 +72,11 @@ def make_config(family: str, *, rope: str = "nested", block_at: str | None = Non
         cfg["dflash_config"]["block_size"] = t["block"]
     else:
         cfg["block_size"] = t["block"]
-    if sliding == "qwen36":
+    if sliding in ("qwen36", "qwen36_noflag"):
         cfg.update(layer_types=["sliding_attention"] * (t["layers"] - 1) + ["full_attention"],
                    sliding_window=32, use_sliding_window=True)
+        if sliding == "qwen36_noflag":  # transformers / dflash drop the window without the flag
+            del cfg["use_sliding_window"]
     elif sliding == "all":
         cfg.update(layer_types=["sliding_attention"] * t["layers"], sliding_window=32,
                    use_sliding_window=True, is_causal=False)
