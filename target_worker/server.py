@@ -132,6 +132,16 @@ class TargetServicer(pbg.TargetWorkerServicer):
             _abort(context, grpc.StatusCode.NOT_FOUND, f"unknown sequence {seq_id!r}")
         return s
 
+    def _drop_reserved(self, seq_id: str) -> None:
+        """Undoes a Prefill's reservation and frees the ring it may have created."""
+        with self.seqs_lock:
+            if self.seqs.get(seq_id, 0) is None:
+                del self.seqs[seq_id]
+        self.features.release(seq_id)
+
+    def _create_ring(self, seq_id: str, cap: int, context):
+        return self.features.create(seq_id, cap, self.width)
+
     def close(self) -> None:
         """Frees every sequence and unlinks every shared-memory segment."""
         with self.seqs_lock:
@@ -169,27 +179,36 @@ class TargetServicer(pbg.TargetWorkerServicer):
                 _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"{len(self.seqs)} live sequences (max_sequences {self.cfg.max_sequences})")
             self.seqs[seq_id] = None  # reserve the id
+        from .model import PrefillCancelled
+
+        def cancelled() -> bool:  # checked between prefill chunks
+            with self.seqs_lock:
+                dead = seq_id in self.tombstones
+            return dead or not context.is_active()
+
         try:
             st = self.model.new_sequence(cap)
-            ring, handle = self.features.create(seq_id, cap, self.width)
+            ring, handle = self._create_ring(seq_id, cap, context)
             st.features = ring
             t0 = time.perf_counter()
             with self.model_lock:
-                logits = self.model.prefill(st, tokens)
+                logits = self.model.prefill(st, tokens, cancelled=cancelled)
             dt = time.perf_counter() - t0
+        except PrefillCancelled:
+            logits = None
         except ValueError as exc:
-            with self.seqs_lock:
-                self.seqs.pop(seq_id, None)
-            self.features.release(seq_id)
+            self._drop_reserved(seq_id)
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"prefill: {exc}")
         except BaseException:
-            with self.seqs_lock:
-                self.seqs.pop(seq_id, None)
-            self.features.release(seq_id)
+            self._drop_reserved(seq_id)
             raise
+        # Release of a reserved id only tombstones it (the ring is still being written): Prefill frees
         with self.seqs_lock:
-            released = seq_id not in self.seqs  # Release ran while we computed
-            if not released:
+            released = logits is None or seq_id in self.tombstones or self.seqs.get(seq_id, 0) is not None
+            if released:
+                if self.seqs.get(seq_id, 0) is None:
+                    del self.seqs[seq_id]
+            else:
                 self.seqs[seq_id] = _Seq(st, handle)
         if released:
             self.features.release(seq_id)
@@ -276,9 +295,14 @@ class TargetServicer(pbg.TargetWorkerServicer):
             return pb.CommitResponse(committed=s.st.committed)
 
     def Release(self, request, context):
+        """Frees the sequence; for an id whose Prefill is still running only tombstones it (the
+        Prefill sees the tombstone between chunks, stops and frees the ring itself)."""
         with self.seqs_lock:
-            s = self.seqs.pop(request.seq_id, None)
+            reserved = request.seq_id in self.seqs and self.seqs[request.seq_id] is None
+            s = None if reserved else self.seqs.pop(request.seq_id, None)
             self._tombstone(request.seq_id)
+        if reserved:
+            return pb.ReleaseResponse(existed=True)
         if s is not None:
             with s.lock:  # an in-flight Verify/Commit finishes writing its rows first
                 freed = self.features.release(request.seq_id)
