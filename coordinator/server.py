@@ -187,9 +187,13 @@ class Coordinator(gpbg.SpecDecodeServicer):
     async def wait_releases(self, timeout: float | None = None) -> None:
         """Waits (at most ``timeout``, default release_timeout_s) for the worker Releases still in
         flight, so closing the channels does not cut them off (the workers' idle TTL is the backstop)."""
+        timeout = self.cfg.release_timeout_s if timeout is None else timeout
+        end = time.monotonic() + timeout
+        while self.live and time.monotonic() < end:  # cancelled handlers still on their way to the finally
+            await asyncio.sleep(0.01)
         pending = [t for t in self._releases if not t.done()]
         if pending:
-            done, left = await asyncio.wait(pending, timeout=self.cfg.release_timeout_s if timeout is None else timeout)
+            done, left = await asyncio.wait(pending, timeout=max(0.0, end - time.monotonic()))
             if left:
                 log.warning("close: %d worker Release call(s) still pending; the workers' idle TTL frees them",
                             len(left))

@@ -196,6 +196,9 @@ class DraftServicer(pbg.DraftWorkerServicer):
         self.namespace = shm_namespace_id()
         # released ids: a Propose overtaken by its sequence's Release must not re-create it
         self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
+        from specd.target_worker.server import ComputeSlots
+
+        self.slots = ComputeSlots(0)  # set by start_server from its thread count
 
     def Info(self, request, context):
         with self.lock:
@@ -209,6 +212,9 @@ class DraftServicer(pbg.DraftWorkerServicer):
                               has_confidence=bool(getattr(self.drafter, "has_confidence", False)))
 
     def Propose(self, request, context):
+        return self.slots.run(context, self._propose, request, context)
+
+    def _propose(self, request, context):
         seq_id = request.seq_id
         with self.lock:
             s = self.seqs.get(seq_id)
@@ -335,10 +341,11 @@ def start_server(servicer: DraftServicer, listen: str, threads: int = 8, max_mes
     idle reaper when the servicer has a TTL); returns (server, bound port)."""
     from grpc_health.v1 import health_pb2
 
-    from specd.target_worker.server import IdleReaper, new_server
+    from specd.target_worker.server import ComputeSlots, IdleReaper, new_server
 
     server, hs = new_server(threads, max_message_bytes, max_concurrent_rpcs)
     pbg.add_DraftWorkerServicer_to_server(servicer, server)
+    servicer.slots = ComputeSlots.for_threads(threads)
     port = server.add_insecure_port(listen)
     if port == 0:
         raise RuntimeError(f"draft-worker: cannot listen on {listen}")

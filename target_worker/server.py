@@ -39,7 +39,7 @@ from specd.protos.v1 import worker_pb2_grpc as pbg
 
 from specd.coordinator.ddtree import walk_tree
 
-from .feature_shm import FeatureWriter, shm_namespace_id
+from .feature_shm import FeatureWriter, ShmExhausted, shm_namespace_id
 
 log = logging.getLogger("specd.target_worker")
 
@@ -114,6 +114,35 @@ class _Seq:
         self.last_used = time.monotonic()
 
 
+LIGHT_RESERVE = 2  # RPC threads kept free of compute calls (Health, Release, Info always find one)
+
+
+class ComputeSlots:
+    """Admission of compute calls (Prefill / Verify / Commit / Propose): at most ``n`` run at once and
+    one more is refused at once with RESOURCE_EXHAUSTED instead of queueing, so the
+    ``LIGHT_RESERVE`` remaining RPC threads stay free for Health, Release and Info. ``n`` 0: no limit."""
+
+    def __init__(self, n: int = 0):
+        self.n = n
+        self.sem = threading.BoundedSemaphore(n) if n else None
+
+    @classmethod
+    def for_threads(cls, threads: int) -> "ComputeSlots":
+        return cls(threads - LIGHT_RESERVE if threads > LIGHT_RESERVE else 0)
+
+    def run(self, context, fn, *args):
+        if self.sem is None:
+            return fn(*args)
+        if not self.sem.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"worker busy: all {self.n} compute slots are taken (threads - {LIGHT_RESERVE} reserved "
+                          "for health/release)")
+        try:
+            return fn(*args)
+        finally:
+            self.sem.release()
+
+
 class IdleReaper:
     """A daemon thread calling ``servicer.reap_idle()`` every min(ttl / 4, 30) s until ``stop()``."""
 
@@ -158,6 +187,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
         # ids released before (or while) their Prefill ran: a cancelled request's Release can overtake
         # its Prefill; the Prefill then frees what it built instead of leaking it (bounded memory)
         self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.slots = ComputeSlots(0)  # set by start_server from its thread count
 
     # ------------------------------------------------------------------ helpers
 
@@ -232,6 +262,9 @@ class TargetServicer(pbg.TargetWorkerServicer):
                              live_sequences=live, live_shm_segments=len(self.features.live()))
 
     def Prefill(self, request, context):
+        return self.slots.run(context, self._prefill, request, context)
+
+    def _prefill(self, request, context):
         seq_id, tokens = request.seq_id, list(request.tokens)
         if not seq_id:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "seq_id is empty")
@@ -267,6 +300,9 @@ class TargetServicer(pbg.TargetWorkerServicer):
             dt = time.perf_counter() - t0
         except PrefillCancelled:
             logits = None
+        except ShmExhausted as exc:
+            self._drop_reserved(seq_id)
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill: {exc}")
         except ValueError as exc:
             self._drop_reserved(seq_id)
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"prefill: {exc}")
@@ -291,6 +327,9 @@ class TargetServicer(pbg.TargetWorkerServicer):
                                                             nbytes=handle.nbytes, owner_id=handle.owner_id))
 
     def Verify(self, request, context):
+        return self.slots.run(context, self._verify, request, context)
+
+    def _verify(self, request, context):
         """Chain verify (module docstring), or with ``parents`` a tree verify (spec-loop.md §7.3,
         §7.5): every node's argmax, the walk from the root along the argmax (at most max_accept
         moves, :func:`specd.coordinator.ddtree.walk_tree`) and the commit of that path's rows."""
@@ -343,6 +382,9 @@ class TargetServicer(pbg.TargetWorkerServicer):
                                      path=path)
 
     def Commit(self, request, context):
+        return self.slots.run(context, self._commit, request, context)
+
+    def _commit(self, request, context):
         s = self._get(request.seq_id, context)
         with s.lock:
             if s.pending is None:
@@ -436,6 +478,7 @@ def start_server(servicer: TargetServicer, listen: str, threads: int | None = No
     server, hs = new_server(threads, max_message_bytes,
                             cfg.max_concurrent_rpcs if max_concurrent_rpcs is None else max_concurrent_rpcs)
     pbg.add_TargetWorkerServicer_to_server(servicer, server)
+    servicer.slots = ComputeSlots.for_threads(threads)
     port = server.add_insecure_port(listen)
     if port == 0:
         raise RuntimeError(f"target-worker: cannot listen on {listen}")
