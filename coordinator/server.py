@@ -282,6 +282,22 @@ class Coordinator(gpbg.SpecDecodeServicer):
             self._template = env.from_string(self.tok.chat_template)
         return self._template
 
+    def _check_sizes(self, req) -> None:
+        """INVALID_ARGUMENT for request-controlled sizes over their caps (request_id, stop strings),
+        checked before any tokenising."""
+        cfg = self.cfg
+        if len(req.request_id.encode("utf-8", "surrogatepass")) > cfg.max_request_id_bytes:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"request_id exceeds max_request_id_bytes {cfg.max_request_id_bytes}")
+        stop = req.stopping.stop
+        if len(stop) > cfg.max_stop_strings:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{len(stop)} stop strings exceed max_stop_strings {cfg.max_stop_strings}")
+        for s_ in stop:
+            if len(s_.encode("utf-8", "surrogatepass")) > cfg.max_stop_string_bytes:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"a stop string exceeds max_stop_string_bytes {cfg.max_stop_string_bytes}")
+
     def _finisher(self, req, n_prompt: int) -> Finisher:
         s = req.sampling
         if s.HasField("temperature") and s.temperature != 0.0:
@@ -310,13 +326,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"stop_token_ids: {t} outside the vocabulary")
             stop_ids[t] = t
         strings = []
-        if len(st.stop) > self.cfg.max_stop_strings:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"{len(st.stop)} stop strings exceed max_stop_strings {self.cfg.max_stop_strings}")
-        for s_ in st.stop:
-            if len(s_.encode("utf-8", "surrogatepass")) > self.cfg.max_stop_string_bytes:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"a stop string exceeds max_stop_string_bytes {self.cfg.max_stop_string_bytes}")
+        self._check_sizes(req)
         if st.stop:
             if self.tok is None:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer")
@@ -384,10 +394,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
         that stops reading ends with RESOURCE_EXHAUSTED."""
         await self._check_connected(context)
         rid = request.request_id
-        if len(rid.encode("utf-8", "surrogatepass")) > self.cfg.max_request_id_bytes:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request_id exceeds max_request_id_bytes {self.cfg.max_request_id_bytes}")
         try:
+            self._check_sizes(request)
             # tokenising / chat-template rendering can take a while: off the event loop
             prompt = await asyncio.to_thread(self._prompt, request)
             fin = self._finisher(request, len(prompt))

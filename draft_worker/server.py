@@ -126,8 +126,10 @@ class DraftWorkerConfig:
         (the target's greedy continuation of that prompt): the oracle drafter of performance.md §6.6.
         Default "": no continuations (every draft wrong).
     scripted_accept: right drafts per step: -1 all (oracle, default), 0 none, k: right up to k.
-    threads: RPC threads, default 8 (Health is served by its own thread pool, so it is never starved).
-    max_concurrent_rpcs: calls admitted at once (RESOURCE_EXHAUSTED beyond), default 0 = threads.
+    threads: RPC threads, default 0 = 72 (the target's default max_sequences 64 + 8); Propose calls take
+        at most threads - 2 of them (one more is refused with RESOURCE_EXHAUSTED), so Health and
+        Release always find a thread. Size it to the target's max_sequences + 8.
+    max_concurrent_rpcs: calls admitted at once (RESOURCE_EXHAUSTED beyond), default 0 = 4 x threads.
     max_message_bytes: default 256 MiB.
     idle_ttl_s: a sequence with no call for this long is freed (coordinator gone / Release lost),
         default 900 s; 0 = never.
@@ -144,7 +146,7 @@ class DraftWorkerConfig:
     vocab: int = 0
     scripted_continuations: str = ""
     scripted_accept: int = -1
-    threads: int = 8
+    threads: int = 0
     max_concurrent_rpcs: int = 0
     max_message_bytes: int = 256 << 20
     idle_ttl_s: float = 900.0
@@ -152,8 +154,8 @@ class DraftWorkerConfig:
     shutdown_grace_s: float = 2.0
 
     def validate(self) -> None:
-        if self.threads <= 0 or self.max_message_bytes <= 0 or self.tombstone_cap <= 0:
-            raise ValueError("draft-worker: threads, max_message_bytes and tombstone_cap must be > 0")
+        if self.threads < 0 or self.max_message_bytes <= 0 or self.tombstone_cap <= 0:
+            raise ValueError("draft-worker: threads >= 0, max_message_bytes and tombstone_cap > 0 required")
         for name in ("max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"draft-worker: {name} must be >= 0, got {getattr(self, name)}")
@@ -335,9 +337,9 @@ class DraftServicer(pbg.DraftWorkerServicer):
             self.drafter.release(seq_id)
 
 
-def start_server(servicer: DraftServicer, listen: str, threads: int = 8, max_message_bytes: int = 256 << 20,
+def start_server(servicer: DraftServicer, listen: str, threads: int = 72, max_message_bytes: int = 256 << 20,
                  max_concurrent_rpcs: int = 0):
-    """Starts a grpc.Server with the DraftWorker and health services (health on its own threads; the
+    """Starts a grpc.Server with the DraftWorker and health services (Propose admitted by compute slots; the
     idle reaper when the servicer has a TTL); returns (server, bound port)."""
     from grpc_health.v1 import health_pb2
 
@@ -377,9 +379,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='scripted drafter: JSONL of {"prompt": [...], "continuation": [...]} (oracle drafter)')
     p.add_argument("--scripted-accept", type=int, default=d.scripted_accept,
                    help="scripted drafter: right drafts per step (-1 all, default; 0 none; k up to k)")
-    p.add_argument("--threads", type=int, default=d.threads, help=f"RPC threads (default {d.threads})")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="RPC threads (default 0: 72 = the target's default max-sequences + 8)")
     p.add_argument("--max-concurrent-rpcs", type=int, default=d.max_concurrent_rpcs,
-                   help="calls admitted at once, RESOURCE_EXHAUSTED beyond (default 0: = threads)")
+                   help="calls admitted at once, RESOURCE_EXHAUSTED beyond (default 0: 4 x threads)")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="default 256 MiB")
     p.add_argument("--idle-ttl-s", type=float, default=d.idle_ttl_s,
                    help=f"free a sequence with no call for this long (default {d.idle_ttl_s}; 0 = never)")
@@ -436,7 +439,7 @@ def run(args) -> int:
                             shutdown_grace_s=args.shutdown_grace_s)
     cfg.validate()
     servicer = DraftServicer(make_drafter(cfg), cfg.idle_ttl_s, cfg.tombstone_cap)
-    server, _ = start_server(servicer, cfg.listen, cfg.threads, cfg.max_message_bytes, cfg.max_concurrent_rpcs)
+    server, _ = start_server(servicer, cfg.listen, cfg.threads or 72, cfg.max_message_bytes, cfg.max_concurrent_rpcs)
     log.info("draft-worker: %s drafter (block %d) on %s", servicer.drafter.name, servicer.drafter.block_size,
              cfg.listen)
     print(f"READY {cfg.listen}", flush=True)

@@ -57,10 +57,10 @@ class TargetWorkerConfig:
     max_sequences: live sequences at once (RESOURCE_EXHAUSTED beyond), default 64.
     kv_dtype: "f16" (default), "q8_0" or "f32".
     prefill_chunk: tokens per prefill forward, default 512.
-    threads: RPC threads for the worker service, default 0 = max_sequences + 8 (every live sequence
-        can have a call in flight and Release/Info still find a thread); Health is served by its own
-        thread pool so it cannot be starved.
-    max_concurrent_rpcs: calls admitted at once (RESOURCE_EXHAUSTED beyond), default 0 = threads.
+    threads: RPC threads, default 0 = max_sequences + 8. Compute calls (Prefill/Verify/Commit) take
+        at most threads - 2 (one more is refused at once with RESOURCE_EXHAUSTED), so Health, Release
+        and Info always find a thread; every live sequence can have its one compute call in flight.
+    max_concurrent_rpcs: calls admitted at once (RESOURCE_EXHAUSTED beyond), default 0 = 4 x threads.
     max_message_bytes: gRPC send/receive limit, default 256 MiB.
     idle_ttl_s: a sequence with no call for this long is freed (leases against a coordinator that
         crashed or whose Release failed), default 900 s; 0 = never.
@@ -453,13 +453,13 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 def new_server(threads: int, max_message_bytes: int, max_concurrent_rpcs: int = 0):
     """A grpc.Server whose worker service runs on ``threads`` threads (admitting at most
-    ``max_concurrent_rpcs`` calls, default = threads) and a HealthServicer answering on its own
-    thread pool (grpc.health.v1 stays responsive while every service thread computes). Returns
-    (server, health servicer)."""
+    ``max_concurrent_rpcs`` calls, 0 = 4 x threads) and a HealthServicer (its Watch streams on their
+    own thread pool). Compute calls are admitted by :class:`ComputeSlots` so Check finds a thread.
+    Returns (server, health servicer)."""
     from grpc_health.v1 import health, health_pb2_grpc
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=server_options(max_message_bytes),
-                         maximum_concurrent_rpcs=max_concurrent_rpcs or None)
+                         maximum_concurrent_rpcs=max_concurrent_rpcs or 4 * threads)
     hs = health.HealthServicer(experimental_non_blocking=True,
                                experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2))
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -530,7 +530,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=d.threads,
                    help="RPC threads (default 0: max-sequences + 8; health has its own threads)")
     p.add_argument("--max-concurrent-rpcs", type=int, default=d.max_concurrent_rpcs,
-                   help="calls admitted at once, RESOURCE_EXHAUSTED beyond (default 0: = threads)")
+                   help="calls admitted at once, RESOURCE_EXHAUSTED beyond (default 0: 4 x threads)")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="default 256 MiB")
     p.add_argument("--idle-ttl-s", type=float, default=d.idle_ttl_s,
                    help=f"free a sequence with no call for this long (default {d.idle_ttl_s}; 0 = never)")
