@@ -493,7 +493,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise RequestError(code, f"deadline exceeded during {what}") from exc
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) and what == "prefill":
+            if code == grpc.StatusCode.INVALID_ARGUMENT and what == "prefill":
+                raise RequestError(code, f"{what}: {exc.details()}") from exc
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # full worker / busy compute slots: retryable
                 raise RequestError(code, f"{what}: {exc.details()}") from exc
             if code == grpc.StatusCode.UNAVAILABLE:
                 raise RequestError(code, f"{what}: worker unavailable: {exc.details()}") from exc
