@@ -18,14 +18,14 @@ log = logging.getLogger("specd.coordinator")
 
 
 def add_arguments(p) -> None:
-    _add_config_arguments(p)
-    p.add_argument("--drain-timeout-s", type=float, default=30.0,
-                   help="on SIGTERM, let in-flight streams finish this long (default 30.0)")
+    _add_config_arguments(p)  # includes --drain-timeout-s (CoordinatorConfig.drain_timeout_s)
 
 
-async def serve(cfg, drain_timeout_s: float = 30.0, ready=None) -> None:
+async def serve(cfg, drain_timeout_s: float | None = None, ready=None) -> None:
     from .server import Coordinator, start_server
 
+    if drain_timeout_s is None:
+        drain_timeout_s = cfg.drain_timeout_s
     coord = Coordinator(cfg)
     server, port = await start_server(coord)
     log.info("coordinator: listening on %s (target %s, drafter %s)", cfg.listen, cfg.target, cfg.drafter or "-")
@@ -40,13 +40,11 @@ async def serve(cfg, drain_timeout_s: float = 30.0, ready=None) -> None:
     log.info("coordinator: draining (%.1f s)", drain_timeout_s)
     await server.health.enter_graceful_shutdown()
     await server.stop(grace=drain_timeout_s)
-    await coord.close()
+    await coord.close()  # waits (bounded by release_timeout_s) for the Releases of cancelled streams
 
 
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.drain_timeout_s < 0:
-        raise SystemExit("specd coordinator: --drain-timeout-s must be >= 0")
     cfg = config_from_args(args)
-    asyncio.run(serve(cfg, args.drain_timeout_s))
+    asyncio.run(serve(cfg))
     return 0

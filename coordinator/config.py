@@ -45,6 +45,17 @@ class CoordinatorConfig:
     tree_temperature: T of the drafter's top-k log-probs log_softmax(logits / T), finite > 0, default 1.0.
     confidence_threshold: DSpark confidence gate default in [0, 1); 0 = off (default). Needs a drafter
         with a confidence head (checked at connect).
+    drain_timeout_s: on SIGTERM, in-flight streams may finish this long, default 30 s (``specd serve``
+        forwards it).
+    release_timeout_s: per worker Release call, and how long close() waits for Releases still in
+        flight before closing the worker channels, default 10 s.
+    health_timeout_s: per worker health Check of the readiness loop, default 2 s.
+    max_request_id_bytes: longest request_id accepted (INVALID_ARGUMENT beyond), default 256.
+    max_stop_strings: most stop strings per request, default 16; max_stop_string_bytes: longest one
+        (UTF-8 bytes), default 256.
+    max_prompt_bytes: most UTF-8 bytes of text / chat input, checked before tokenising, default 4 MiB.
+    send_stall_timeout_s: a stream whose client does not take a message for this long ends with
+        RESOURCE_EXHAUSTED (slow reader), default 60 s.
     policy: the adaptive policy (spec-loop.md §9.1a), see PolicyConfig.
     """
 
@@ -72,6 +83,14 @@ class CoordinatorConfig:
     tree_top_k: int = 0
     tree_temperature: float = 1.0
     confidence_threshold: float = 0.0
+    drain_timeout_s: float = 30.0
+    release_timeout_s: float = 10.0
+    health_timeout_s: float = 2.0
+    max_request_id_bytes: int = 256
+    max_stop_strings: int = 16
+    max_stop_string_bytes: int = 256
+    max_prompt_bytes: int = 4 << 20
+    send_stall_timeout_s: float = 60.0
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
     def validate(self) -> None:
@@ -79,12 +98,13 @@ class CoordinatorConfig:
             raise ValueError("coordinator: target address is required")
         for name in ("default_max_tokens", "worker_timeout_s", "health_poll_s", "public_max_message_bytes",
                      "internal_max_message_bytes", "keepalive_min_ping_interval_ms", "keepalive_time_ms",
-                     "keepalive_timeout_ms"):
+                     "keepalive_timeout_ms", "release_timeout_s", "health_timeout_s", "max_request_id_bytes",
+                     "max_stop_strings", "max_stop_string_bytes", "max_prompt_bytes", "send_stall_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"coordinator: {name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"coordinator: metrics_port must be in 0..65535, got {self.metrics_port}")
-        for name in ("max_draft_tokens", "max_prompt_tokens", "max_ping_strikes"):
+        for name in ("max_draft_tokens", "max_prompt_tokens", "max_ping_strikes", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"coordinator: {name} must be >= 0, got {getattr(self, name)}")
         if self.draft_mode not in ("chain", "tree"):
@@ -137,6 +157,14 @@ _FLAGS = [  # (field, type, help)
     ("tree_top_k", int, "DDTree candidates per position (0 = auto)"),
     ("tree_temperature", float, "temperature of the DDTree top-k log-probs"),
     ("confidence_threshold", float, "default DSpark confidence gate (0 = off)"),
+    ("drain_timeout_s", float, "on SIGTERM, let in-flight streams finish this long"),
+    ("release_timeout_s", float, "worker Release timeout; close() waits this long for pending Releases"),
+    ("health_timeout_s", float, "worker health check timeout"),
+    ("max_request_id_bytes", int, "longest request_id"),
+    ("max_stop_strings", int, "most stop strings per request"),
+    ("max_stop_string_bytes", int, "longest stop string (bytes)"),
+    ("max_prompt_bytes", int, "most bytes of text/chat input (checked before tokenising)"),
+    ("send_stall_timeout_s", float, "end a stream whose client reads nothing this long (RESOURCE_EXHAUSTED)"),
 ]
 _POLICY_FLAGS = [
     ("step_ratio", float, "prior t_spec/t_plain (0 disables the policy)"),
@@ -146,6 +174,7 @@ _POLICY_FLAGS = [
     ("accept_alpha", float, "acceptance EMA weight"),
     ("probe_alpha", float, "acceptance EMA weight after a burst"),
     ("time_alpha", float, "step-time EMA weight"),
+    ("accept_prior", float, "starting acceptance EMA (-1 = step_ratio - 1)"),
 ]
 
 

@@ -192,7 +192,7 @@ def run(args) -> int:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 try:
-                    p.wait(60)
+                    p.wait(60 + ns.drain_timeout_s + ns.release_timeout_s)
                 except subprocess.TimeoutExpired:
                     p.kill()
         if own_rt:

@@ -32,6 +32,8 @@ class PolicyConfig:
     burst_len: plain steps per burst. Default 40. max_burst_len: cap when probes keep failing, 320.
     accept_alpha: EMA weight of a new acceptance observation, 0.25; probe_alpha: after a burst, 0.5.
     time_alpha: EMA weight of a new step-time measurement, 0.2.
+    accept_prior: the acceptance EMA's starting value (one observation does not decide alone);
+        -1 (default) = the break-even of the prior, step_ratio - 1; else >= 0.
     measure_times: use measured step times (True) or keep rho = step_ratio (False, deterministic).
     """
 
@@ -43,6 +45,7 @@ class PolicyConfig:
     probe_alpha: float = 0.5
     time_alpha: float = 0.2
     measure_times: bool = True
+    accept_prior: float = -1.0
 
     def validate(self) -> None:
         if self.step_ratio < 0 or (0 < self.step_ratio < 1):
@@ -51,6 +54,8 @@ class PolicyConfig:
             raise ValueError(f"policy gate_factor must be > 0, got {self.gate_factor}")
         if self.burst_len < 1 or self.max_burst_len < self.burst_len:
             raise ValueError(f"policy needs 1 <= burst_len <= max_burst_len, got {self.burst_len}, {self.max_burst_len}")
+        if self.accept_prior < 0 and self.accept_prior != -1:
+            raise ValueError(f"policy accept_prior must be -1 (auto) or >= 0, got {self.accept_prior}")
         for name in ("accept_alpha", "probe_alpha", "time_alpha"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"policy {name} must be in (0, 1], got {getattr(self, name)}")
@@ -61,7 +66,8 @@ class AdaptivePolicy:
 
     def __init__(self, cfg: PolicyConfig):
         self.cfg = cfg
-        self.ema: float | None = None
+        prior = cfg.accept_prior if cfg.accept_prior >= 0 else max(0.0, cfg.step_ratio - 1.0)
+        self.ema: float = float(prior)
         self.t_spec: float | None = None
         self.t_plain: float | None = None
         self.burst_left = 0
@@ -94,13 +100,16 @@ class AdaptivePolicy:
                 self.probing = True
                 self.switches.append((step + 1, True, "probe"))
 
-    def record_spec(self, step: int, accepted: int, dt: float) -> None:
-        """A speculative step ran and accepted ``accepted`` drafts."""
-        self.t_spec = self._ema_time(self.t_spec, dt)
-        if not self.enabled:
+    def record_spec(self, step: int, accepted: int, dt: float | None, gate: bool = True) -> None:
+        """A speculative step ran and accepted ``accepted`` drafts. ``dt`` None: the step's time is
+        not representative (the drafter also ingested a prompt or a catch-up after plain steps) and
+        stays out of t_spec. ``gate`` False (speculation FORCE): only the time is recorded."""
+        if dt is not None:
+            self.t_spec = self._ema_time(self.t_spec, dt)
+        if not self.enabled or not gate:
             return
         alpha = self.cfg.probe_alpha if self.probing else self.cfg.accept_alpha
-        self.ema = float(accepted) if self.ema is None else self.ema + alpha * (accepted - self.ema)
+        self.ema = self.ema + alpha * (accepted - self.ema)
         if self.ema < self.cfg.gate_factor * (self.ratio - 1.0):
             self.burst = min(2 * self.burst, self.cfg.max_burst_len) if self.probing else self.cfg.burst_len
             self.burst_left = self.burst

@@ -106,6 +106,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
         self._ids = itertools.count(1)
         self._instance = uuid.uuid4().hex[:12]
         self.eos_ids: list[int] = []
+        self.connected = False  # calls before connect() finished get UNAVAILABLE
+        self._releases: set[asyncio.Task] = set()  # Releases in flight (close() waits for them)
 
     async def connect(self) -> None:
         """Opens the worker channels and checks the pair (vocabulary, shared-memory namespace)."""
@@ -139,6 +141,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
                                    f"{self.dinfo.name} does not")
         self.metrics = CoordinatorMetrics(os.path.basename(self.tinfo.model_path),
                                           self.dinfo.name if self.dinfo is not None else "")
+        self.connected = True
 
     async def workers_serving(self) -> bool:
         """True when every configured worker answers grpc.health.v1 Check("") with SERVING."""
@@ -147,7 +150,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
         chans = [self.target_channel] + ([self.draft_channel] if self.drafter is not None else [])
         for ch in chans:
             try:
-                r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+                r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                               timeout=self.cfg.health_timeout_s)
             except grpc.aio.AioRpcError:
                 return False
             if r.status != health_pb2.HealthCheckResponse.SERVING:
@@ -175,13 +179,33 @@ class Coordinator(gpbg.SpecDecodeServicer):
         if http is not None:
             http.shutdown()
             http.server_close()
+        await self.wait_releases()
         for ch in ("target_channel", "draft_channel"):
             if hasattr(self, ch):
                 await getattr(self, ch).close()
 
+    async def wait_releases(self, timeout: float | None = None) -> None:
+        """Waits (at most ``timeout``, default release_timeout_s) for the worker Releases still in
+        flight, so closing the channels does not cut them off (the workers' idle TTL is the backstop)."""
+        timeout = self.cfg.release_timeout_s if timeout is None else timeout
+        end = time.monotonic() + timeout
+        while self.live and time.monotonic() < end:  # cancelled handlers still on their way to the finally
+            await asyncio.sleep(0.01)
+        pending = [t for t in self._releases if not t.done()]
+        if pending:
+            done, left = await asyncio.wait(pending, timeout=max(0.0, end - time.monotonic()))
+            if left:
+                log.warning("close: %d worker Release call(s) still pending; the workers' idle TTL frees them",
+                            len(left))
+
+    async def _check_connected(self, context) -> None:
+        if not self.connected:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the coordinator is still connecting to its workers")
+
     # ------------------------------------------------------------------ GetModelInfo
 
     async def GetModelInfo(self, request, context):
+        await self._check_connected(context)
         return gpb.GetModelInfoResponse(
             target_path=self.tinfo.model_path, vocab_size=self.tinfo.vocab_size, max_seq_len=self.tinfo.max_seq_len,
             eos_token_ids=self.eos_ids, drafter_name=self.dinfo.name if self.dinfo else "",
@@ -208,9 +232,18 @@ class Coordinator(gpbg.SpecDecodeServicer):
         else:
             if self.tok is None:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "the model has no tokenizer; send token ids")
+            limit_b = self.cfg.max_prompt_bytes
             if kind == "text":
                 text = req.text
+                if len(text) > limit_b or len(text.encode("utf-8", "surrogatepass")) > limit_b:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"text input exceeds max_prompt_bytes {limit_b}")
             else:
+                n_b = sum(len(m.content.encode("utf-8", "surrogatepass")) + len(m.role.encode("utf-8", "surrogatepass"))
+                          for m in req.chat.messages)
+                if n_b > limit_b:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"chat input of {n_b} bytes exceeds max_prompt_bytes {limit_b}")
                 if not self.tok.chat_template:
                     raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, "the model has no chat template")
                 import jinja2
@@ -221,6 +254,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
                     text = self._chat_template().render(messages=msgs, add_generation_prompt=agp)
                 except jinja2.TemplateError as exc:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {exc}") from exc
+                if len(text.encode("utf-8", "surrogatepass")) > 4 * limit_b:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"rendered chat prompt exceeds {4 * limit_b} bytes")
             ids = self.tok.tokenizer.encode(text, add_special_tokens=False).ids
         if not ids:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
@@ -245,6 +281,22 @@ class Coordinator(gpbg.SpecDecodeServicer):
             env.globals["raise_exception"] = raise_exception
             self._template = env.from_string(self.tok.chat_template)
         return self._template
+
+    def _check_sizes(self, req) -> None:
+        """INVALID_ARGUMENT for request-controlled sizes over their caps (request_id, stop strings),
+        checked before any tokenising."""
+        cfg = self.cfg
+        if len(req.request_id.encode("utf-8", "surrogatepass")) > cfg.max_request_id_bytes:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"request_id exceeds max_request_id_bytes {cfg.max_request_id_bytes}")
+        stop = req.stopping.stop
+        if len(stop) > cfg.max_stop_strings:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{len(stop)} stop strings exceed max_stop_strings {cfg.max_stop_strings}")
+        for s_ in stop:
+            if len(s_.encode("utf-8", "surrogatepass")) > cfg.max_stop_string_bytes:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"a stop string exceeds max_stop_string_bytes {cfg.max_stop_string_bytes}")
 
     def _finisher(self, req, n_prompt: int) -> Finisher:
         s = req.sampling
@@ -274,6 +326,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"stop_token_ids: {t} outside the vocabulary")
             stop_ids[t] = t
         strings = []
+        self._check_sizes(req)
         if st.stop:
             if self.tok is None:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "stop strings need a tokenizer")
@@ -335,14 +388,21 @@ class Coordinator(gpbg.SpecDecodeServicer):
 
     async def Generate(self, request, context):
         """Streams chunks then one ``complete`` (module docstring); admission errors are
-        INVALID_ARGUMENT / FAILED_PRECONDITION / ALREADY_EXISTS before anything runs."""
+        INVALID_ARGUMENT / FAILED_PRECONDITION / ALREADY_EXISTS before anything runs. The request's id
+        (the caller's or an assigned random one) goes back as initial metadata ``specd-request-id``
+        (the key for Abort). Each message is written with a bound (send_stall_timeout_s): a client
+        that stops reading ends with RESOURCE_EXHAUSTED."""
+        await self._check_connected(context)
+        rid = request.request_id
         try:
-            prompt = self._prompt(request)
+            self._check_sizes(request)
+            # tokenising / chat-template rendering can take a while: off the event loop
+            prompt = await asyncio.to_thread(self._prompt, request)
             fin = self._finisher(request, len(prompt))
             mode, opts = self._draft_cap(request)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
-        rid = request.request_id or f"req-{next(self._ids)}"
+        rid = rid or f"req-{uuid.uuid4().hex}"  # unguessable: another client cannot Abort it by counting
         if rid in self.live:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is live")
         self.live[rid] = live = _Live()
@@ -355,33 +415,68 @@ class Coordinator(gpbg.SpecDecodeServicer):
         lv = mx.l()
         mx.running.labels(*lv).inc()
         mx.spec_requests.labels(*mx.l(MODE_NAMES[mode])).inc()
-        outcome = ("abort", "CANCELLED")  # until the loop says otherwise (client cancel lands here)
+        outcome = ("abort", "CANCELLED")  # client cancel lands here
+        last_sent = None
         try:
+            await context.send_initial_metadata((("specd-request-id", rid),))
             async for msg in self._loop(seq_id, prompt, fin, mode, opts, deadline, started, t_start,
                                         request.stream_options.token_by_token, live):
+                try:
+                    await asyncio.wait_for(context.write(msg), self.cfg.send_stall_timeout_s)
+                except asyncio.TimeoutError:
+                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"client did not read for {self.cfg.send_stall_timeout_s} s "
+                                       "(send_stall_timeout_s)") from None
+                now = time.perf_counter()
                 if msg.HasField("complete"):
                     outcome = (msg.complete.finish_reason, "OK")
-                yield msg
+                elif last_sent is None:  # latency metrics from chunks actually sent
+                    mx.ttft.labels(*lv).observe(now - t_start)
+                else:
+                    mx.inter_chunk.labels(*lv).observe(now - last_sent)
+                if not msg.HasField("complete"):
+                    last_sent = now
         except RequestError as exc:
             outcome = ("error", exc.code.name)
             await context.abort(exc.code, exc.message)
+        except asyncio.CancelledError:
+            if deadline is not None and time.monotonic() >= deadline:
+                outcome = ("error", "DEADLINE_EXCEEDED")
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug: INTERNAL, counted as such
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            log.exception("request %s failed", rid)
+            outcome = ("error", "INTERNAL")
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
         finally:
             self.live.pop(rid, None)
             mx.running.labels(*lv).dec()
             mx.requests.labels(*mx.l(*outcome)).inc()
             mx.generation_tokens.labels(*lv).inc(len(fin.ids))
             mx.e2e.labels(*lv).observe(time.perf_counter() - t_start)
-            await asyncio.shield(self._release(seq_id, started))
+            task = asyncio.ensure_future(self._release(seq_id, started))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
+            await asyncio.shield(task)
 
     async def _release(self, seq_id: str, started: dict) -> None:
+        """Releases the sequence on the workers that hold it; a failed call is retried once (the
+        workers' idle TTL frees what still leaks)."""
+        async def one(stub, name):
+            for attempt in (1, 2):
+                try:
+                    await stub.Release(wpb.ReleaseRequest(seq_id=seq_id), timeout=self.cfg.release_timeout_s)
+                    return
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("release of %s on the %s failed (attempt %d): %s", seq_id, name, attempt, exc)
+
         calls = []
         if started["target"]:
-            calls.append(self.target.Release(wpb.ReleaseRequest(seq_id=seq_id), timeout=10))
+            calls.append(one(self.target, "target"))
         if started["drafter"]:
-            calls.append(self.drafter.Release(wpb.ReleaseRequest(seq_id=seq_id), timeout=10))
-        for r in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(r, Exception):
-                log.warning("release of %s failed: %s", seq_id, r)
+            calls.append(one(self.drafter, "drafter"))
+        await asyncio.gather(*calls, return_exceptions=True)
 
     def _timeout(self, deadline):
         if deadline is None:
@@ -398,7 +493,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise RequestError(code, f"deadline exceeded during {what}") from exc
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) and what == "prefill":
+            if code == grpc.StatusCode.INVALID_ARGUMENT and what == "prefill":
+                raise RequestError(code, f"{what}: {exc.details()}") from exc
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # full worker / busy compute slots: retryable
                 raise RequestError(code, f"{what}: {exc.details()}") from exc
             if code == grpc.StatusCode.UNAVAILABLE:
                 raise RequestError(code, f"{what}: worker unavailable: {exc.details()}") from exc
@@ -454,13 +551,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         mx = self.metrics
         lv = mx.l()
         mx.prompt_tokens.labels(*lv).inc(n_prompt)
-        last_sent = [None]
-
         def chunk(new_ids, accepted):
-            now = time.perf_counter()
-            if last_sent[0] is not None:
-                mx.inter_chunk.labels(*lv).observe(now - last_sent[0])
-            last_sent[0] = now
             return gpb.GenerateResponse(chunk=gpb.GenerateChunk(
                 token_ids=new_ids, text=fin.take_text(), prompt_tokens=n_prompt, completion_tokens=len(fin.ids),
                 step_index=step, accepted_in_step=accepted))
@@ -488,7 +579,6 @@ class Coordinator(gpbg.SpecDecodeServicer):
             yield first
         t_first = time.perf_counter()
         timing.ttft_s = t_first - t_start
-        mx.ttft.labels(*lv).observe(timing.ttft_s)
         synced = 0  # positions the drafter has ingested
         while not fin.done:
             if live.aborted:
@@ -500,7 +590,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
             step += 1
             remaining = fin.max_tokens - len(fin.ids)
             k = min(cap, remaining - 1)
-            speculate = k > 0 and (mode == gpb.SPECULATION_MODE_FORCE or policy.speculate_next())
+            force = mode == gpb.SPECULATION_MODE_FORCE
+            speculate = k > 0 and (force or policy.speculate_next())
+            catch_up = committed - synced
             if speculate and deadline is not None and policy.t_spec is not None \
                     and deadline - time.monotonic() < policy.t_spec:
                 speculate = False  # a speculative step would not fit the deadline: plain steps to the end
@@ -539,7 +631,6 @@ class Coordinator(gpbg.SpecDecodeServicer):
             timing.loop_overhead_s += max(0.0, dt - compute)
             timing.steps += 1
             m = vr.accepted
-            mx.record_step(len(drafts), m, t1 - t0, t2 - t1, max(0.0, dt - compute))
             emitted = list(vr.emitted)
             if len(emitted) != m + 1 or vr.committed != committed + m + 1:
                 raise RequestError(grpc.StatusCode.INTERNAL,
@@ -550,47 +641,57 @@ class Coordinator(gpbg.SpecDecodeServicer):
             committed = vr.committed
             tokens.extend(emitted)
             anchor = emitted[-1]
+            # the stop / max_tokens cut inside the block: only the drafts up to it count as accepted,
+            # so the stats and metrics agree with what was sent (C01, C04)
+            out, used = [], 0
+            if token_by_token:
+                for t in emitted:
+                    before = len(fin.ids)
+                    fin.push(t)
+                    used += 1
+                    c = chunk(fin.ids[before:], m)
+                    if c.chunk.token_ids or c.chunk.text:
+                        out.append(c)
+                    if fin.done:
+                        break
+            else:
+                before = len(fin.ids)
+                for t in emitted:
+                    used += 1
+                    if fin.push(t):
+                        break
+                c = chunk(fin.ids[before:], m)
+                if not fin.done or c.chunk.token_ids or c.chunk.text:
+                    out.append(c)
+            m_sent = min(m, used)
+            for c in out:
+                c.chunk.accepted_in_step = m_sent
+            mx.record_step(len(drafts), m_sent, t1 - t0, t2 - t1, max(0.0, dt - compute))
             if speculate:
                 if drafts:
                     stats.num_drafts += 1
                     stats.num_draft_tokens += len(drafts)
-                    stats.num_accepted_tokens += m
+                    stats.num_accepted_tokens += m_sent
                     depth = len(drafts) if tree is None else max(tree.depth)
                     per_pos.extend([0] * (depth - len(per_pos)))
-                    for i in range(m):
+                    for i in range(m_sent):
                         per_pos[i] += 1
                     if tree is not None:
                         stats.num_tree_steps += 1
-                        for r in list(vr.path)[1:]:
+                        for r in list(vr.path)[1:1 + m_sent]:
                             rk = tree.rank[r]
                             per_rank.extend([0] * (rk + 1 - len(per_rank)))
                             per_rank[rk] += 1
                 else:
                     stats.num_plain_steps += 1
-                policy.record_spec(step, m, dt)
+                # a Propose that also ingested the prompt or a catch-up after plain steps is slower
+                # than a steady-state step: its time stays out of t_spec
+                policy.record_spec(step, m, dt if catch_up <= cap + 1 else None, gate=not force)
             else:
                 stats.num_plain_steps += 1
                 policy.record_plain(step, dt)
-            if token_by_token:
-                for t in emitted:
-                    before = len(fin.ids)
-                    fin.push(t)
-                    c = chunk(fin.ids[before:], m)
-                    if c.chunk.token_ids or c.chunk.text:
-                        yield c
-                    if fin.done:
-                        break
-                continue
-            before = len(fin.ids)
-            for t in emitted:
-                if fin.push(t):
-                    break
-            if not fin.done:
-                yield chunk(fin.ids[before:], m)
-            else:
-                last = chunk(fin.ids[before:], m)
-                if last.chunk.token_ids or last.chunk.text:
-                    yield last
+            for c in out:
+                yield c
         if fin.take_text():  # nothing may remain unsent
             raise RequestError(grpc.StatusCode.INTERNAL, "text left unsent at finish")
         stats.accepted_per_position.extend(per_pos)

@@ -126,7 +126,15 @@ class DraftWorkerConfig:
         (the target's greedy continuation of that prompt): the oracle drafter of performance.md §6.6.
         Default "": no continuations (every draft wrong).
     scripted_accept: right drafts per step: -1 all (oracle, default), 0 none, k: right up to k.
-    threads: RPC threads, default 8. max_message_bytes: default 256 MiB.
+    threads: RPC threads, default 0 = 72 (the target's default max_sequences 64 + 8); Propose calls take
+        at most threads - 2 of them (one more is refused with RESOURCE_EXHAUSTED), so Health and
+        Release always find a thread. Size it to the target's max_sequences + 8.
+    max_concurrent_rpcs: calls admitted at once (RESOURCE_EXHAUSTED beyond), default 0 = 4 x threads.
+    max_message_bytes: default 256 MiB.
+    idle_ttl_s: a sequence with no call for this long is freed (coordinator gone / Release lost),
+        default 900 s; 0 = never.
+    tombstone_cap: released ids remembered, default 4096.
+    shutdown_grace_s: on SIGTERM, in-flight calls get this long, default 2 s.
     """
 
     drafter: str = ""
@@ -138,12 +146,19 @@ class DraftWorkerConfig:
     vocab: int = 0
     scripted_continuations: str = ""
     scripted_accept: int = -1
-    threads: int = 8
+    threads: int = 0
+    max_concurrent_rpcs: int = 0
     max_message_bytes: int = 256 << 20
+    idle_ttl_s: float = 900.0
+    tombstone_cap: int = 4096
+    shutdown_grace_s: float = 2.0
 
     def validate(self) -> None:
-        if self.threads <= 0 or self.max_message_bytes <= 0:
-            raise ValueError("draft-worker: threads and max_message_bytes must be > 0")
+        if self.threads < 0 or self.max_message_bytes <= 0 or self.tombstone_cap <= 0:
+            raise ValueError("draft-worker: threads >= 0, max_message_bytes and tombstone_cap > 0 required")
+        for name in ("max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"draft-worker: {name} must be >= 0, got {getattr(self, name)}")
         if self.drafter:
             if not self.target:
                 raise ValueError("draft-worker: --drafter needs --target (the target GGUF whose embedding and "
@@ -167,20 +182,25 @@ class _Seq:
     def __init__(self, reader):
         self.reader, self.synced = reader, 0
         self.lock = threading.Lock()
+        self.last_used = time.monotonic()
 
 
 class DraftServicer(pbg.DraftWorkerServicer):
     """Implements worker.proto DraftWorker over one drafter object (see the module docstring)."""
 
-    def __init__(self, drafter: Drafter):
+    def __init__(self, drafter: Drafter, idle_ttl_s: float = 0.0, tombstone_cap: int = 4096):
         if not isinstance(drafter, Drafter):
             raise TypeError(f"{type(drafter).__name__} does not implement the Drafter protocol")
         self.drafter = drafter
+        self.idle_ttl_s, self.tombstone_cap = float(idle_ttl_s), int(tombstone_cap)
         self.seqs: dict[str, _Seq] = {}
         self.lock = threading.Lock()
         self.namespace = shm_namespace_id()
         # released ids: a Propose overtaken by its sequence's Release must not re-create it
         self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
+        from specd.target_worker.server import ComputeSlots
+
+        self.slots = ComputeSlots(0)  # set by start_server from its thread count
 
     def Info(self, request, context):
         with self.lock:
@@ -194,6 +214,9 @@ class DraftServicer(pbg.DraftWorkerServicer):
                               has_confidence=bool(getattr(self.drafter, "has_confidence", False)))
 
     def Propose(self, request, context):
+        return self.slots.run(context, self._propose, request, context)
+
+    def _propose(self, request, context):
         seq_id = request.seq_id
         with self.lock:
             s = self.seqs.get(seq_id)
@@ -230,6 +253,7 @@ class DraftServicer(pbg.DraftWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "propose: confidence_threshold needs a DSpark drafter with a confidence head")
         t0 = time.perf_counter()
+        s.last_used = time.monotonic()
         with s.lock:
             new = list(request.new_tokens)
             if request.start != s.synced:
@@ -268,13 +292,42 @@ class DraftServicer(pbg.DraftWorkerServicer):
         with self.lock:
             s = self.seqs.pop(request.seq_id, None)
             self.tombstones[request.seq_id] = None
-            while len(self.tombstones) > 4096:
+            while len(self.tombstones) > self.tombstone_cap:
                 self.tombstones.popitem(last=False)
         if s is not None:
             with s.lock:
                 s.reader.close()
         existed = self.drafter.release(request.seq_id)
         return pb.ReleaseResponse(existed=s is not None or existed)
+
+    def reap_idle(self, now: float | None = None) -> list[str]:
+        """Frees sequences with no call for longer than ``idle_ttl_s``; returns their ids."""
+        if not self.idle_ttl_s:
+            return []
+        now = time.monotonic() if now is None else now
+        reaped = []
+        with self.lock:
+            idle = [k for k, s in self.seqs.items() if now - s.last_used > self.idle_ttl_s]
+        for seq_id in idle:
+            with self.lock:
+                s = self.seqs.get(seq_id)
+                if s is None or not s.lock.acquire(blocking=False):
+                    continue
+                try:
+                    if now - s.last_used <= self.idle_ttl_s:
+                        continue
+                    del self.seqs[seq_id]
+                    self.tombstones[seq_id] = None
+                    while len(self.tombstones) > self.tombstone_cap:
+                        self.tombstones.popitem(last=False)
+                    s.reader.close()
+                finally:
+                    s.lock.release()
+            self.drafter.release(seq_id)
+            reaped.append(seq_id)
+        if reaped:
+            log.warning("freed %d idle sequence(s) (no call for %.0f s): %s", len(reaped), self.idle_ttl_s, reaped[:8])
+        return reaped
 
     def close(self) -> None:
         with self.lock:
@@ -284,16 +337,17 @@ class DraftServicer(pbg.DraftWorkerServicer):
             self.drafter.release(seq_id)
 
 
-def start_server(servicer: DraftServicer, listen: str, threads: int = 8, max_message_bytes: int = 256 << 20):
-    """Starts a grpc.Server with the DraftWorker and health services; returns (server, bound port)."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+def start_server(servicer: DraftServicer, listen: str, threads: int = 72, max_message_bytes: int = 256 << 20,
+                 max_concurrent_rpcs: int = 0):
+    """Starts a grpc.Server with the DraftWorker and health services (Propose admitted by compute slots; the
+    idle reaper when the servicer has a TTL); returns (server, bound port)."""
+    from grpc_health.v1 import health_pb2
 
-    from specd.target_worker.server import server_options
+    from specd.target_worker.server import ComputeSlots, IdleReaper, new_server
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=server_options(max_message_bytes))
+    server, hs = new_server(threads, max_message_bytes, max_concurrent_rpcs)
     pbg.add_DraftWorkerServicer_to_server(servicer, server)
-    hs = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    servicer.slots = ComputeSlots.for_threads(threads)
     port = server.add_insecure_port(listen)
     if port == 0:
         raise RuntimeError(f"draft-worker: cannot listen on {listen}")
@@ -301,6 +355,8 @@ def start_server(servicer: DraftServicer, listen: str, threads: int = 8, max_mes
     for name in ("", "specd.worker.v1.DraftWorker"):
         hs.set(name, health_pb2.HealthCheckResponse.SERVING)
     server.health = hs
+    if servicer.idle_ttl_s:
+        server.reaper = IdleReaper(servicer, servicer.idle_ttl_s)
     return server, port
 
 
@@ -323,8 +379,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='scripted drafter: JSONL of {"prompt": [...], "continuation": [...]} (oracle drafter)')
     p.add_argument("--scripted-accept", type=int, default=d.scripted_accept,
                    help="scripted drafter: right drafts per step (-1 all, default; 0 none; k up to k)")
-    p.add_argument("--threads", type=int, default=d.threads, help=f"RPC threads (default {d.threads})")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="RPC threads (default 0: 72 = the target's default max-sequences + 8)")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=d.max_concurrent_rpcs,
+                   help="calls admitted at once, RESOURCE_EXHAUSTED beyond (default 0: 4 x threads)")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="default 256 MiB")
+    p.add_argument("--idle-ttl-s", type=float, default=d.idle_ttl_s,
+                   help=f"free a sequence with no call for this long (default {d.idle_ttl_s}; 0 = never)")
+    p.add_argument("--tombstone-cap", type=int, default=d.tombstone_cap,
+                   help=f"released ids remembered (default {d.tombstone_cap})")
+    p.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
+                   help=f"on SIGTERM, in-flight calls get this long (default {d.shutdown_grace_s})")
 
 
 def load_continuations(path: str) -> dict:
@@ -369,11 +434,13 @@ def run(args) -> int:
                             context_cap=args.context_cap, listen=args.listen, scripted_block=args.scripted_block,
                             vocab=args.vocab, scripted_continuations=args.scripted_continuations,
                             scripted_accept=args.scripted_accept, threads=args.threads,
-                            max_message_bytes=args.max_message_bytes)
+                            max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_bytes,
+                            idle_ttl_s=args.idle_ttl_s, tombstone_cap=args.tombstone_cap,
+                            shutdown_grace_s=args.shutdown_grace_s)
     cfg.validate()
-    servicer = DraftServicer(make_drafter(cfg))
-    server, _ = start_server(servicer, cfg.listen, cfg.threads, cfg.max_message_bytes)
+    servicer = DraftServicer(make_drafter(cfg), cfg.idle_ttl_s, cfg.tombstone_cap)
+    server, _ = start_server(servicer, cfg.listen, cfg.threads or 72, cfg.max_message_bytes, cfg.max_concurrent_rpcs)
     log.info("draft-worker: %s drafter (block %d) on %s", servicer.drafter.name, servicer.drafter.block_size,
              cfg.listen)
     print(f"READY {cfg.listen}", flush=True)
-    return serve_forever(server, servicer.close, "draft-worker")
+    return serve_forever(server, servicer.close, "draft-worker", cfg.shutdown_grace_s)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import errno
 import os
 import socket
 import threading
@@ -44,6 +45,14 @@ import numpy as np
 from .features import FeatureRing
 
 MAGIC = 0x53504543445F4654  # "SPECD_FT"
+
+# the segment's pages are allocated at create (a sparse tmpfs file would SIGBUS the writer on first touch
+# when /dev/shm is full); module-level so tests can simulate a full /dev/shm
+_fallocate = getattr(os, "posix_fallocate", None)
+
+
+class ShmExhausted(OSError):
+    """/dev/shm has no room for a sequence's feature segment (the message names the size)."""
 HEADER_BYTES = 64
 
 
@@ -130,6 +139,18 @@ class FeatureWriter:
             name = f"specd-ft-{os.getpid()}-{self._counter}"
             nbytes = segment_bytes(capacity, width)
             shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+            if _fallocate is not None:
+                try:
+                    _fallocate(shm._fd, 0, nbytes)  # noqa: SLF001
+                except OSError as exc:
+                    shm.close()
+                    shm.unlink()
+                    if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                        raise ShmExhausted(exc.errno, f"/dev/shm has no room for a {nbytes}-byte feature segment "
+                                                      f"({capacity} rows x {width} floats): {exc.strerror}") from exc
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
+                        raise
+                    shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)  # no fallocate here
             ring = ShmFeatureRing(shm, capacity, width)
             self._segments[seq_id] = (shm, ring)
         return ring, FeatureHandleInfo("posix_shm", name, capacity, width, nbytes, self.owner_id)

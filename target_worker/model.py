@@ -66,6 +66,11 @@ class VerifyResult:
     generation: int  # that sequence's verify count when it ran: only the newest verify can commit
 
 
+class PrefillCancelled(Exception):
+    """A chunked prefill stopped because its ``cancelled`` callback said so (sequence released or
+    caller gone)."""
+
+
 class SequenceState:
     """Per-sequence target state (see the module docstring). ``committed`` counts final positions."""
 
@@ -123,11 +128,14 @@ class Qwen35Model:
             raise ValueError(f"capacity must be > 0, got {capacity}")
         return SequenceState(self, capacity)
 
-    def prefill(self, st: SequenceState, tokens: Sequence[int]) -> np.ndarray:
+    def prefill(self, st: SequenceState, tokens: Sequence[int], cancelled=None) -> np.ndarray:
         """Runs and commits ``tokens`` after the committed prefix in chunks; returns the last row's
-        logits (float32 [n_vocab])."""
+        logits (float32 [n_vocab]). ``cancelled``: optional callable checked before every chunk after
+        the first; when it returns True the prefill stops with :class:`PrefillCancelled`."""
         tokens = self._check_tokens(tokens, st)
         for s in range(0, len(tokens), self.prefill_chunk):
+            if s and cancelled is not None and cancelled():
+                raise PrefillCancelled(f"prefill cancelled after {s} of {len(tokens)} tokens")
             res = self.verify(st, tokens[s : s + self.prefill_chunk], last_only=True)
             self.commit(st, res, len(res.tokens))
         return res.logits[0]

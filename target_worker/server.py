@@ -39,7 +39,7 @@ from specd.protos.v1 import worker_pb2_grpc as pbg
 
 from specd.coordinator.ddtree import walk_tree
 
-from .feature_shm import FeatureWriter, shm_namespace_id
+from .feature_shm import FeatureWriter, ShmExhausted, shm_namespace_id
 
 log = logging.getLogger("specd.target_worker")
 
@@ -57,8 +57,16 @@ class TargetWorkerConfig:
     max_sequences: live sequences at once (RESOURCE_EXHAUSTED beyond), default 64.
     kv_dtype: "f16" (default), "q8_0" or "f32".
     prefill_chunk: tokens per prefill forward, default 512.
-    threads: RPC threads, default 8.
+    threads: RPC threads, default 0 = max_sequences + 8. Compute calls (Prefill/Verify/Commit) take
+        at most threads - 2 (one more is refused at once with RESOURCE_EXHAUSTED), so Health, Release
+        and Info always find a thread; every live sequence can have its one compute call in flight.
+    max_concurrent_rpcs: calls admitted at once (RESOURCE_EXHAUSTED beyond), default 0 = 4 x threads.
     max_message_bytes: gRPC send/receive limit, default 256 MiB.
+    idle_ttl_s: a sequence with no call for this long is freed (leases against a coordinator that
+        crashed or whose Release failed), default 900 s; 0 = never.
+    tombstone_cap: released ids remembered (so a Prefill overtaken by its Release does not
+        resurrect the sequence), default 4096.
+    shutdown_grace_s: on SIGTERM, in-flight calls get this long before the server stops, default 2 s.
     """
 
     target: str = ""
@@ -69,15 +77,26 @@ class TargetWorkerConfig:
     max_sequences: int = 64
     kv_dtype: str = "f16"
     prefill_chunk: int = 512
-    threads: int = 8
+    threads: int = 0
+    max_concurrent_rpcs: int = 0
     max_message_bytes: int = 256 << 20
+    idle_ttl_s: float = 900.0
+    tombstone_cap: int = 4096
+    shutdown_grace_s: float = 2.0
 
     def validate(self) -> None:
         if not self.target:
             raise ValueError("target-worker: --target is required")
-        for name in ("max_verify", "max_sequences", "prefill_chunk", "threads", "max_message_bytes"):
+        for name in ("max_verify", "max_sequences", "prefill_chunk", "max_message_bytes", "tombstone_cap"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"target-worker: {name} must be > 0, got {getattr(self, name)}")
+        for name in ("threads", "max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"target-worker: {name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def rpc_threads(self) -> int:
+        return self.threads or self.max_sequences + 8
         if self.max_seq_len < 0:
             raise ValueError(f"target-worker: max_seq_len must be >= 0, got {self.max_seq_len}")
         if self.kv_dtype not in ("f16", "q8_0", "f32"):
@@ -92,6 +111,57 @@ class _Seq:
     def __init__(self, st, handle):
         self.st, self.handle, self.pending = st, handle, None
         self.lock = threading.Lock()
+        self.last_used = time.monotonic()
+
+
+LIGHT_RESERVE = 2  # RPC threads kept free of compute calls (Health, Release, Info always find one)
+
+
+class ComputeSlots:
+    """Admission of compute calls (Prefill / Verify / Commit / Propose): at most ``n`` run at once and
+    one more is refused at once with RESOURCE_EXHAUSTED instead of queueing, so the
+    ``LIGHT_RESERVE`` remaining RPC threads stay free for Health, Release and Info. ``n`` 0: no limit."""
+
+    def __init__(self, n: int = 0):
+        self.n = n
+        self.sem = threading.BoundedSemaphore(n) if n else None
+
+    @classmethod
+    def for_threads(cls, threads: int) -> "ComputeSlots":
+        return cls(threads - LIGHT_RESERVE if threads > LIGHT_RESERVE else 0)
+
+    def run(self, context, fn, *args):
+        if self.sem is None:
+            return fn(*args)
+        if not self.sem.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"worker busy: all {self.n} compute slots are taken (threads - {LIGHT_RESERVE} reserved "
+                          "for health/release)")
+        try:
+            return fn(*args)
+        finally:
+            self.sem.release()
+
+
+class IdleReaper:
+    """A daemon thread calling ``servicer.reap_idle()`` every min(ttl / 4, 30) s until ``stop()``."""
+
+    def __init__(self, servicer, ttl_s: float):
+        self._stop = threading.Event()
+        self.period = max(0.01, min(ttl_s / 4.0, 30.0))
+
+        def loop():
+            while not self._stop.wait(self.period):
+                try:
+                    servicer.reap_idle()
+                except Exception:  # noqa: BLE001 - the reaper must outlive one bad sweep
+                    log.exception("idle sweep failed")
+
+        self.thread = threading.Thread(target=loop, name="specd-idle-reaper", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class TargetServicer(pbg.TargetWorkerServicer):
@@ -117,12 +187,13 @@ class TargetServicer(pbg.TargetWorkerServicer):
         # ids released before (or while) their Prefill ran: a cancelled request's Release can overtake
         # its Prefill; the Prefill then frees what it built instead of leaking it (bounded memory)
         self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.slots = ComputeSlots(0)  # set by start_server from its thread count
 
     # ------------------------------------------------------------------ helpers
 
     def _tombstone(self, seq_id: str) -> None:
         self.tombstones[seq_id] = None
-        while len(self.tombstones) > 4096:
+        while len(self.tombstones) > self.cfg.tombstone_cap:
             self.tombstones.popitem(last=False)
 
     def _get(self, seq_id, context) -> _Seq:
@@ -130,7 +201,47 @@ class TargetServicer(pbg.TargetWorkerServicer):
             s = self.seqs.get(seq_id)
         if s is None:
             _abort(context, grpc.StatusCode.NOT_FOUND, f"unknown sequence {seq_id!r}")
+        s.last_used = time.monotonic()
         return s
+
+    def reap_idle(self, now: float | None = None) -> list[str]:
+        """Frees sequences idle for longer than ``idle_ttl_s`` (their coordinator is gone or its
+        Release was lost); returns their ids. A sequence with a call in flight is skipped."""
+        ttl = self.cfg.idle_ttl_s
+        if not ttl:
+            return []
+        now = time.monotonic() if now is None else now
+        with self.seqs_lock:
+            idle = [k for k, s in self.seqs.items() if s is not None and now - s.last_used > ttl]
+        reaped = []
+        for seq_id in idle:
+            with self.seqs_lock:
+                s = self.seqs.get(seq_id)
+                if s is None or not s.lock.acquire(blocking=False):
+                    continue
+                try:
+                    if now - s.last_used <= ttl:
+                        continue
+                    del self.seqs[seq_id]
+                    self._tombstone(seq_id)
+                finally:
+                    s.lock.release()
+            self.features.release(seq_id)
+            reaped.append(seq_id)
+        if reaped:
+            log.warning("freed %d idle sequence(s) (no call for %.0f s): %s", len(reaped), ttl, reaped[:8])
+        return reaped
+
+    def _drop_reserved(self, seq_id: str) -> None:
+        """Undoes a Prefill's reservation and frees the ring it may have created."""
+        with self.seqs_lock:
+            if self.seqs.get(seq_id, 0) is None:
+                del self.seqs[seq_id]
+        self.features.release(seq_id)
+
+    def _create_ring(self, seq_id: str, cap: int, context):
+        return self.features.create(seq_id, cap, self.width)
+
 
     def close(self) -> None:
         """Frees every sequence and unlinks every shared-memory segment."""
@@ -151,6 +262,9 @@ class TargetServicer(pbg.TargetWorkerServicer):
                              live_sequences=live, live_shm_segments=len(self.features.live()))
 
     def Prefill(self, request, context):
+        return self.slots.run(context, self._prefill, request, context)
+
+    def _prefill(self, request, context):
         seq_id, tokens = request.seq_id, list(request.tokens)
         if not seq_id:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "seq_id is empty")
@@ -169,27 +283,39 @@ class TargetServicer(pbg.TargetWorkerServicer):
                 _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"{len(self.seqs)} live sequences (max_sequences {self.cfg.max_sequences})")
             self.seqs[seq_id] = None  # reserve the id
+        from .model import PrefillCancelled
+
+        def cancelled() -> bool:  # checked between prefill chunks
+            with self.seqs_lock:
+                dead = seq_id in self.tombstones
+            return dead or not context.is_active()
+
         try:
             st = self.model.new_sequence(cap)
-            ring, handle = self.features.create(seq_id, cap, self.width)
+            ring, handle = self._create_ring(seq_id, cap, context)
             st.features = ring
             t0 = time.perf_counter()
             with self.model_lock:
-                logits = self.model.prefill(st, tokens)
+                logits = self.model.prefill(st, tokens, cancelled=cancelled)
             dt = time.perf_counter() - t0
+        except PrefillCancelled:
+            logits = None
+        except ShmExhausted as exc:
+            self._drop_reserved(seq_id)
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill: {exc}")
         except ValueError as exc:
-            with self.seqs_lock:
-                self.seqs.pop(seq_id, None)
-            self.features.release(seq_id)
+            self._drop_reserved(seq_id)
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"prefill: {exc}")
         except BaseException:
-            with self.seqs_lock:
-                self.seqs.pop(seq_id, None)
-            self.features.release(seq_id)
+            self._drop_reserved(seq_id)
             raise
+        # Release of a reserved id only tombstones it (the ring is still being written): Prefill frees
         with self.seqs_lock:
-            released = seq_id not in self.seqs  # Release ran while we computed
-            if not released:
+            released = logits is None or seq_id in self.tombstones or self.seqs.get(seq_id, 0) is not None
+            if released:
+                if self.seqs.get(seq_id, 0) is None:
+                    del self.seqs[seq_id]
+            else:
                 self.seqs[seq_id] = _Seq(st, handle)
         if released:
             self.features.release(seq_id)
@@ -201,6 +327,9 @@ class TargetServicer(pbg.TargetWorkerServicer):
                                                             nbytes=handle.nbytes, owner_id=handle.owner_id))
 
     def Verify(self, request, context):
+        return self.slots.run(context, self._verify, request, context)
+
+    def _verify(self, request, context):
         """Chain verify (module docstring), or with ``parents`` a tree verify (spec-loop.md §7.3,
         §7.5): every node's argmax, the walk from the root along the argmax (at most max_accept
         moves, :func:`specd.coordinator.ddtree.walk_tree`) and the commit of that path's rows."""
@@ -253,6 +382,9 @@ class TargetServicer(pbg.TargetWorkerServicer):
                                      path=path)
 
     def Commit(self, request, context):
+        return self.slots.run(context, self._commit, request, context)
+
+    def _commit(self, request, context):
         s = self._get(request.seq_id, context)
         with s.lock:
             if s.pending is None:
@@ -276,9 +408,14 @@ class TargetServicer(pbg.TargetWorkerServicer):
             return pb.CommitResponse(committed=s.st.committed)
 
     def Release(self, request, context):
+        """Frees the sequence; for an id whose Prefill is still running only tombstones it (the
+        Prefill sees the tombstone between chunks, stops and frees the ring itself)."""
         with self.seqs_lock:
-            s = self.seqs.pop(request.seq_id, None)
+            reserved = request.seq_id in self.seqs and self.seqs[request.seq_id] is None
+            s = None if reserved else self.seqs.pop(request.seq_id, None)
             self._tombstone(request.seq_id)
+        if reserved:
+            return pb.ReleaseResponse(existed=True)
         if s is not None:
             with s.lock:  # an in-flight Verify/Commit finishes writing its rows first
                 freed = self.features.release(request.seq_id)
@@ -314,14 +451,34 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.http2.max_ping_strikes", 0)]
 
 
-def start_server(servicer: TargetServicer, listen: str, threads: int = 8, max_message_bytes: int = 256 << 20):
-    """Starts a grpc.Server with the TargetWorker and health services; returns (server, bound port)."""
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+def new_server(threads: int, max_message_bytes: int, max_concurrent_rpcs: int = 0):
+    """A grpc.Server whose worker service runs on ``threads`` threads (admitting at most
+    ``max_concurrent_rpcs`` calls, 0 = 4 x threads) and a HealthServicer (its Watch streams on their
+    own thread pool). Compute calls are admitted by :class:`ComputeSlots` so Check finds a thread.
+    Returns (server, health servicer)."""
+    from grpc_health.v1 import health, health_pb2_grpc
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=server_options(max_message_bytes))
-    pbg.add_TargetWorkerServicer_to_server(servicer, server)
-    hs = health.HealthServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=server_options(max_message_bytes),
+                         maximum_concurrent_rpcs=max_concurrent_rpcs or 4 * threads)
+    hs = health.HealthServicer(experimental_non_blocking=True,
+                               experimental_thread_pool=futures.ThreadPoolExecutor(max_workers=2))
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    return server, hs
+
+
+def start_server(servicer: TargetServicer, listen: str, threads: int | None = None,
+                 max_message_bytes: int = 256 << 20, max_concurrent_rpcs: int | None = None):
+    """Starts a grpc.Server with the TargetWorker and health services (and the idle reaper when the
+    config has a TTL); returns (server, bound port). threads / max_concurrent_rpcs: default from the
+    servicer's config."""
+    from grpc_health.v1 import health_pb2
+
+    cfg = servicer.cfg
+    threads = threads or cfg.rpc_threads
+    server, hs = new_server(threads, max_message_bytes,
+                            cfg.max_concurrent_rpcs if max_concurrent_rpcs is None else max_concurrent_rpcs)
+    pbg.add_TargetWorkerServicer_to_server(servicer, server)
+    servicer.slots = ComputeSlots.for_threads(threads)
     port = server.add_insecure_port(listen)
     if port == 0:
         raise RuntimeError(f"target-worker: cannot listen on {listen}")
@@ -329,10 +486,12 @@ def start_server(servicer: TargetServicer, listen: str, threads: int = 8, max_me
     for name in ("", "specd.worker.v1.TargetWorker"):
         hs.set(name, health_pb2.HealthCheckResponse.SERVING)
     server.health = hs
+    if cfg.idle_ttl_s:
+        server.reaper = IdleReaper(servicer, cfg.idle_ttl_s)
     return server, port
 
 
-def serve_forever(server, close, name: str) -> int:
+def serve_forever(server, close, name: str, grace_s: float = 2.0) -> int:
     """Blocks until SIGTERM/SIGINT, then stops the server and runs ``close`` (frees shared memory)."""
     stop = threading.Event()
 
@@ -346,7 +505,9 @@ def serve_forever(server, close, name: str) -> int:
         log.info("%s: stopping", name)
         if hasattr(server, "health"):
             server.health.enter_graceful_shutdown()
-        server.stop(grace=2.0).wait()
+        if hasattr(server, "reaper"):
+            server.reaper.stop()
+        server.stop(grace=grace_s).wait()
     finally:
         close()
         for s, h in old.items():
@@ -366,8 +527,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"live sequences (default {d.max_sequences})")
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=["f16", "q8_0", "f32"], help="KV cache type (default f16)")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help=f"default {d.prefill_chunk}")
-    p.add_argument("--threads", type=int, default=d.threads, help=f"RPC threads (default {d.threads})")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="RPC threads (default 0: max-sequences + 8; health has its own threads)")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=d.max_concurrent_rpcs,
+                   help="calls admitted at once, RESOURCE_EXHAUSTED beyond (default 0: 4 x threads)")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="default 256 MiB")
+    p.add_argument("--idle-ttl-s", type=float, default=d.idle_ttl_s,
+                   help=f"free a sequence with no call for this long (default {d.idle_ttl_s}; 0 = never)")
+    p.add_argument("--tombstone-cap", type=int, default=d.tombstone_cap,
+                   help=f"released ids remembered (default {d.tombstone_cap})")
+    p.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
+                   help=f"on SIGTERM, in-flight calls get this long (default {d.shutdown_grace_s})")
 
 
 def config_from_args(args) -> TargetWorkerConfig:
@@ -376,7 +546,9 @@ def config_from_args(args) -> TargetWorkerConfig:
                              max_seq_len=args.max_seq_len, max_verify=args.max_verify,
                              max_sequences=args.max_sequences, kv_dtype=args.kv_dtype,
                              prefill_chunk=args.prefill_chunk, threads=args.threads,
-                             max_message_bytes=args.max_message_bytes)
+                             max_concurrent_rpcs=args.max_concurrent_rpcs,
+                             max_message_bytes=args.max_message_bytes, idle_ttl_s=args.idle_ttl_s,
+                             tombstone_cap=args.tombstone_cap, shutdown_grace_s=args.shutdown_grace_s)
     cfg.validate()
     return cfg
 
@@ -385,7 +557,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = config_from_args(args)
     servicer = load_servicer(cfg)
-    server, _ = start_server(servicer, cfg.listen, cfg.threads, cfg.max_message_bytes)
+    server, _ = start_server(servicer, cfg.listen, cfg.rpc_threads, cfg.max_message_bytes)
     log.info("target-worker: %s on %s (capture %s)", cfg.target, cfg.listen, list(cfg.capture_layers))
     print(f"READY {cfg.listen}", flush=True)
-    return serve_forever(server, servicer.close, "target-worker")
+    return serve_forever(server, servicer.close, "target-worker", cfg.shutdown_grace_s)

@@ -90,7 +90,7 @@ class Stack:
         self.tserver, _ = tserver.start_server(self.tservicer, tcfg.listen, tcfg.threads)
         hp = self.tservicer.model.hp
         self.drafter = ScriptedDrafter(block, hp.n_vocab)
-        self.dservicer = dserver.DraftServicer(self.drafter)
+        self.dservicer = dserver.DraftServicer(self.drafter, idle_ttl_s=900.0)
         self.dserver, _ = dserver.start_server(self.dservicer, f"unix://{self.dir}/d.sock", 16)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)

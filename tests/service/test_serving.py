@@ -2,6 +2,7 @@
 errors and status codes, deadlines, health, reflection, keepalive during a long prefill (C28)."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -81,9 +82,31 @@ def test_c25_cancel_releases_both_workers_and_next_request_is_clean(stack, refer
     wait_released(stack)
 
 
+class _Errors(logging.Handler):
+    """Collects ERROR records of the gRPC server ("Exception calling application": a worker raised)."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+    def __enter__(self):
+        logging.getLogger("grpc").addHandler(self)
+        logging.getLogger("grpc._server").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("grpc").removeHandler(self)
+        logging.getLogger("grpc._server").removeHandler(self)
+        assert not self.records, [r.getMessage() + str(r.exc_info) for r in self.records]
+
+
 def test_c25_cancel_during_prefill_releases_everything(stack):
     """The client goes away while the target is still in Prefill: the coordinator's Release overtakes
-    the Prefill; the worker must free the sequence (and its shared memory) when the Prefill ends."""
+    the Prefill; the ring must stay mapped until the Prefill ends (no worker exception), and the
+    worker must free the sequence (and its shared memory) when the Prefill ends."""
     slow = stack.tservicer.model.prefill
     entered = threading.Event()
 
@@ -94,12 +117,53 @@ def test_c25_cancel_during_prefill_releases_everything(stack):
 
     stack.tservicer.model.prefill = prefill
     try:
-        call = stack.stub.Generate(token_request([60, 61, 62], 50, ignore_eos=True), timeout=30)
-        assert entered.wait(10)
-        call.cancel()
-        time.sleep(0.8)
+        with _Errors():
+            call = stack.stub.Generate(token_request([60, 61, 62], 50, ignore_eos=True), timeout=30)
+            assert entered.wait(10)
+            call.cancel()
+            time.sleep(0.8)
+            wait_released(stack)
     finally:
         stack.tservicer.model.prefill = slow
+    wait_released(stack)
+
+
+def test_release_stops_a_chunked_prefill_between_chunks(stack):
+    """Release of a sequence whose (chunked) Prefill runs: the Prefill stops at the next chunk
+    boundary, answers CANCELLED, frees the ring, and nothing raises in the worker."""
+    model = stack.tservicer.model
+    slow, chunk0 = model.verify, model.prefill_chunk
+    calls = []
+    entered = threading.Event()
+
+    def verify(*a, **k):
+        calls.append(1)
+        entered.set()
+        time.sleep(0.03)
+        return slow(*a, **k)
+
+    model.verify, model.prefill_chunk = verify, 1
+    result = {}
+    try:
+        with _Errors(), grpc.insecure_channel(f"unix://{stack.dir}/t.sock") as ch:
+            t = wpbg.TargetWorkerStub(ch)
+
+            def run():
+                try:
+                    t.Prefill(wpb.PrefillRequest(seq_id="chunked-1", tokens=list(range(1, 60)), capacity=100), timeout=30)
+                    result["code"] = grpc.StatusCode.OK
+                except grpc.RpcError as exc:
+                    result["code"] = exc.code()
+
+            th = threading.Thread(target=run)
+            th.start()
+            assert entered.wait(10)
+            assert t.Release(wpb.ReleaseRequest(seq_id="chunked-1"), timeout=10).existed
+            th.join(30)
+    finally:
+        model.verify, model.prefill_chunk = slow, chunk0
+    assert result["code"] == grpc.StatusCode.CANCELLED
+    assert len(calls) < 50
     wait_released(stack)
 
 
