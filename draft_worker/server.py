@@ -339,25 +339,12 @@ class DraftServicer(pbg.DraftWorkerServicer):
 
 def start_server(servicer: DraftServicer, listen: str, threads: int = 72, max_message_bytes: int = 256 << 20,
                  max_concurrent_rpcs: int = 0):
-    """Starts a grpc.Server with the DraftWorker and health services (Propose admitted by compute slots; the
-    idle reaper when the servicer has a TTL); returns (server, bound port)."""
-    from grpc_health.v1 import health_pb2
+    """Starts the drafter worker's server (Propose admitted by compute slots; the idle reaper when the
+    servicer has a TTL; see target_worker.server.start_worker_server); returns (server, bound port)."""
+    from specd.target_worker.server import start_worker_server
 
-    from specd.target_worker.server import ComputeSlots, IdleReaper, new_server
-
-    server, hs = new_server(threads, max_message_bytes, max_concurrent_rpcs)
-    pbg.add_DraftWorkerServicer_to_server(servicer, server)
-    servicer.slots = ComputeSlots.for_threads(threads)
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise RuntimeError(f"draft-worker: cannot listen on {listen}")
-    server.start()
-    for name in ("", "specd.worker.v1.DraftWorker"):
-        hs.set(name, health_pb2.HealthCheckResponse.SERVING)
-    server.health = hs
-    if servicer.idle_ttl_s:
-        server.reaper = IdleReaper(servicer, servicer.idle_ttl_s)
-    return server, port
+    return start_worker_server(servicer, listen, pbg.add_DraftWorkerServicer_to_server, "specd.worker.v1.DraftWorker",
+                               "draft-worker", threads, max_message_bytes, max_concurrent_rpcs, servicer.idle_ttl_s)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

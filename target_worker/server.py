@@ -466,29 +466,38 @@ def new_server(threads: int, max_message_bytes: int, max_concurrent_rpcs: int = 
     return server, hs
 
 
-def start_server(servicer: TargetServicer, listen: str, threads: int | None = None,
-                 max_message_bytes: int = 256 << 20, max_concurrent_rpcs: int | None = None):
-    """Starts a grpc.Server with the TargetWorker and health services (and the idle reaper when the
-    config has a TTL); returns (server, bound port). threads / max_concurrent_rpcs: default from the
-    servicer's config."""
+def start_worker_server(servicer, listen: str, register, service: str, name: str, threads: int,
+                        max_message_bytes: int, max_concurrent_rpcs: int, idle_ttl_s: float):
+    """Starts a worker's grpc.Server: ``register(servicer, server)`` adds its service, a health
+    service reports ``service`` (and "") SERVING, compute calls are admitted by ComputeSlots, and an
+    IdleReaper runs when ``idle_ttl_s`` > 0. Shared by the target and drafter workers. Returns
+    (server, bound port); RuntimeError naming ``name`` when ``listen`` cannot be bound."""
     from grpc_health.v1 import health_pb2
 
-    cfg = servicer.cfg
-    threads = threads or cfg.rpc_threads
-    server, hs = new_server(threads, max_message_bytes,
-                            cfg.max_concurrent_rpcs if max_concurrent_rpcs is None else max_concurrent_rpcs)
-    pbg.add_TargetWorkerServicer_to_server(servicer, server)
+    server, hs = new_server(threads, max_message_bytes, max_concurrent_rpcs)
+    register(servicer, server)
     servicer.slots = ComputeSlots.for_threads(threads)
     port = server.add_insecure_port(listen)
     if port == 0:
-        raise RuntimeError(f"target-worker: cannot listen on {listen}")
+        raise RuntimeError(f"{name}: cannot listen on {listen}")
     server.start()
-    for name in ("", "specd.worker.v1.TargetWorker"):
-        hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for svc in ("", service):
+        hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
     server.health = hs
-    if cfg.idle_ttl_s:
-        server.reaper = IdleReaper(servicer, cfg.idle_ttl_s)
+    if idle_ttl_s:
+        server.reaper = IdleReaper(servicer, idle_ttl_s)
     return server, port
+
+
+def start_server(servicer: TargetServicer, listen: str, threads: int | None = None,
+                 max_message_bytes: int = 256 << 20, max_concurrent_rpcs: int | None = None):
+    """Starts the target worker's server (see start_worker_server); threads / max_concurrent_rpcs
+    default from the servicer's config. Returns (server, bound port)."""
+    cfg = servicer.cfg
+    return start_worker_server(servicer, listen, pbg.add_TargetWorkerServicer_to_server, "specd.worker.v1.TargetWorker",
+                               "target-worker", threads or cfg.rpc_threads, max_message_bytes,
+                               cfg.max_concurrent_rpcs if max_concurrent_rpcs is None else max_concurrent_rpcs,
+                               cfg.idle_ttl_s)
 
 
 def serve_forever(server, close, name: str, grace_s: float = 2.0) -> int:
