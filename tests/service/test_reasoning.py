@@ -141,8 +141,9 @@ CASES = [  # (budget, max_draft_tokens, plan, tree)
 ] + [(5, 6, None, True), (8, 6, 2, True)]
 
 
+@pytest.mark.parametrize("past", ["forced", "plain"])
 @pytest.mark.parametrize("budget,cap,plan,tree", CASES)
-def test_budget_forces_close_after_exactly_b_thinking_tokens(rstack, plain_model, budget, cap, plan, tree):
+def test_budget_forces_close_after_exactly_b_thinking_tokens(rstack, plain_model, budget, cap, plan, tree, past):
     coord = rstack.coords[0][0]
     tok = coord.tok.tokenizer
     open_id, close_id, close = think_ids(tok)
@@ -155,9 +156,14 @@ def test_budget_forces_close_after_exactly_b_thinking_tokens(rstack, plain_model
     assert ReasoningBudget.prompt_in_think(prompt, open_id, close_id)
     ref, count, forced = budget_reference(plain_model, prompt, budget, close, n, open_id, close_id)
     assert count == budget and forced == len(close), "the tiny model closed thinking by itself"
-    rstack.drafter.continuations[tuple(prompt)] = ref  # the oracle knows the forced continuation
+    plain = budget_reference(plain_model, prompt, 0, close, n, open_id, close_id)[0]
+    assert plain[:budget] == ref[:budget] and plain[budget] != ref[budget]
+    # drafts past the edge: "plain" = the model's own thinking continuation (the target would accept
+    # it, so the drafts must be clipped at the edge); "forced" = the oracle of the forced output
+    rstack.drafter.continuations[tuple(prompt)] = plain if past == "plain" else ref
     rstack.drafter.plan = plan
     rstack.drafter.topk_ranks = None
+    req.request_id += "-" + past
     chunks, done = generate(rstack.stub, req)
     assert streamed_ids(chunks) == ref == list(done.output_ids)
     sp = done.speculation
