@@ -46,6 +46,8 @@ def build_request(args):
     from specd.protos.v1 import generate_pb2 as gpb
 
     req = gpb.GenerateRequest(request_id=args.request_id)
+    if (args.no_thinking or args.thinking) and args.chat is None:
+        raise ValueError("--thinking / --no-thinking need --chat")
     if args.prompt is not None:
         req.text = args.prompt
     elif args.chat is not None:
@@ -56,8 +58,6 @@ def build_request(args):
             if args.no_thinking and args.thinking:
                 raise ValueError("--thinking and --no-thinking exclude each other")
             req.chat.enable_thinking = args.thinking
-    elif args.no_thinking or args.thinking:
-        raise ValueError("--thinking / --no-thinking need --chat")
     else:
         req.tokenized.input_ids.extend(int(x) for x in args.token_ids.split(",") if x.strip())
     if args.max_tokens is not None:

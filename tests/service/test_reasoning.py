@@ -346,3 +346,33 @@ def test_tracker_generated_think_open_and_close():
     rb = ReasoningBudget(2, 1, 2, [9, 2, 9], in_think=True)
     assert rb.apply([5, 6, 7]) == [5, 6, 9] and rb.closed and rb.room() == 0
     assert rb.apply([3]) == [2] and rb.apply([3]) == [9] and rb.room() is None and rb.forced == 3
+
+
+def test_cli_generate_no_thinking_and_budget(rstack, capsys):
+    """`specd generate --chat ... --no-thinking --reasoning-budget N` against the running stack, and
+    `specd coordinator` flags for the server defaults."""
+    import argparse
+    import json
+
+    from specd.coordinator import app, client
+
+    coord = rstack.coords[0][0]
+    p = argparse.ArgumentParser()
+    client.add_arguments(p)
+    args = p.parse_args(["--server", coord.cfg.listen, "--chat", "The quick brown fox", "--no-thinking",
+                         "--reasoning-budget", "3", "--max-tokens", "24", "--ignore-eos", "--json"])
+    req = client.build_request(args)
+    assert req.chat.HasField("enable_thinking") and not req.chat.enable_thinking and req.reasoning_budget == 3
+    assert client.run(args) == 0
+    done = json.loads(capsys.readouterr().out)
+    assert done["usage"]["completion_tokens"] == 24
+    sp = done["speculation"]
+    assert sp.get("reasoning_budget_armed") and not sp.get("reasoning_budget_closed")  # thinking off: nothing to close
+    args = p.parse_args(["--chat", "hi", "--thinking"])
+    assert client.build_request(args).chat.enable_thinking
+    with pytest.raises(ValueError):
+        client.build_request(p.parse_args(["--prompt", "hi", "--no-thinking"]))
+    q = argparse.ArgumentParser()
+    app.add_arguments(q)
+    cfg = app.config_from_args(q.parse_args(["--reasoning-budget", "256", "--reply-reserve", "32"]))
+    assert cfg.reasoning_budget == 256 and cfg.reply_reserve == 32 and cfg.reasoning_close == "\n</think>\n\n"
