@@ -18,6 +18,9 @@ Per request (spec-loop.md §2-§3, §9):
    the target walks it along its argmax, commits the accepted path and returns the per-node argmax
    and the path, which the coordinator re-walks (:func:`~specd.coordinator.ddtree.walk_tree`) and
    checks — still two worker calls per step;
+   thinking (:mod:`~specd.coordinator.reasoning`): with a reasoning budget, each step's drafts are
+   clipped to the thinking tokens left; when the budget is spent the step's bonus (not yet fed to the
+   target) is replaced by the first close-sequence token and the rest are forced by plain steps;
 5. a final ``complete`` with finish reason, usage (= what was sent) and speculation stats.
 
 Both workers' sequences are released on every exit path (finish, error, client cancel, deadline).
