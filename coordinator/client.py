@@ -30,6 +30,11 @@ def add_arguments(p) -> None:
     p.add_argument("--no-tree-chain-seed", action="store_true", help="DDTree without the top-1 chain seed")
     p.add_argument("--confidence-threshold", type=float, default=None,
                    help="DSpark confidence gate in [0, 1), 0 = off (default: the server's)")
+    p.add_argument("--no-thinking", action="store_true",
+                   help="--chat: render the template with enable_thinking=false (default: the template's)")
+    p.add_argument("--thinking", action="store_true", help="--chat: render with enable_thinking=true")
+    p.add_argument("--reasoning-budget", type=int, default=None,
+                   help="most thinking tokens before </think> is forced (0 = unmanaged; default: the server's)")
     p.add_argument("--request-id", default="", help="request id (default: server-assigned)")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline in seconds (default none)")
     p.add_argument("--token-by-token", action="store_true", help="one chunk per token instead of per step")
@@ -41,12 +46,18 @@ def build_request(args):
     from specd.protos.v1 import generate_pb2 as gpb
 
     req = gpb.GenerateRequest(request_id=args.request_id)
+    if (args.no_thinking or args.thinking) and args.chat is None:
+        raise ValueError("--thinking / --no-thinking need --chat")
     if args.prompt is not None:
         req.text = args.prompt
     elif args.chat is not None:
         if args.system:
             req.chat.messages.add(role="system", content=args.system)
         req.chat.messages.add(role="user", content=args.chat)
+        if args.no_thinking or args.thinking:
+            if args.no_thinking and args.thinking:
+                raise ValueError("--thinking and --no-thinking exclude each other")
+            req.chat.enable_thinking = args.thinking
     else:
         req.tokenized.input_ids.extend(int(x) for x in args.token_ids.split(",") if x.strip())
     if args.max_tokens is not None:
@@ -69,6 +80,10 @@ def build_request(args):
         req.speculation.tree_chain_seed = False
     if args.confidence_threshold is not None:
         req.speculation.confidence_threshold = args.confidence_threshold
+    if args.reasoning_budget is not None:
+        if args.reasoning_budget < 0:
+            raise ValueError("--reasoning-budget must be >= 0")
+        req.reasoning_budget = args.reasoning_budget
     req.stream_options.token_by_token = args.token_by_token
     return req
 
@@ -107,6 +122,9 @@ def run(args) -> int:
           f"drafts={sp.num_drafts} draft_tokens={sp.num_draft_tokens} accepted={sp.num_accepted_tokens} "
           f"mean_acceptance_length={sp.mean_acceptance_length:.2f} plain_steps={sp.num_plain_steps} "
           f"switches={len(sp.policy_switches)} per_position={list(sp.accepted_per_position)}", file=sys.stderr)
+    if sp.thinking_tokens or sp.reasoning_budget_armed or any(s.reason == "budget" for s in sp.policy_switches):
+        print(f"thinking_tokens={sp.thinking_tokens} budget_armed={sp.reasoning_budget_armed} "
+              f"budget_closed={sp.reasoning_budget_closed} forced_tokens={sp.forced_tokens}", file=sys.stderr)
     t = done.timing
     print(f"ttft={t.ttft_s * 1e3:.1f}ms decode={t.decode_s * 1e3:.1f}ms steps={t.steps} "
           f"worker_compute={t.worker_compute_s * 1e3:.1f}ms loop_overhead={t.loop_overhead_s * 1e3:.1f}ms "

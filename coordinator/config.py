@@ -56,6 +56,14 @@ class CoordinatorConfig:
     max_prompt_bytes: most UTF-8 bytes of text / chat input, checked before tokenising, default 4 MiB.
     send_stall_timeout_s: a stream whose client does not take a message for this long ends with
         RESOURCE_EXHAUSTED (slow reader), default 60 s.
+    reasoning_budget: default reasoning budget (thinking tokens) for requests that leave it unset,
+        default 0 = thinking unmanaged (spec-loop.md §10, reasoning.py).
+    reply_reserve: a budget B is armed only when max_tokens > B + reply_reserve (room for the answer
+        after a forced close), default 64; otherwise the request runs unmanaged and reports a
+        PolicySwitch "budget".
+    reasoning_close: text whose tokenization is forced when the budget is spent, default
+        "\n</think>\n\n" (what Qwen3.5 writes when it closes thinking itself); must contain </think>.
+        The first token replaces the step's bonus (no extra step); each further one costs a plain step.
     policy: the adaptive policy (spec-loop.md §9.1a), see PolicyConfig.
     """
 
@@ -91,6 +99,9 @@ class CoordinatorConfig:
     max_stop_string_bytes: int = 256
     max_prompt_bytes: int = 4 << 20
     send_stall_timeout_s: float = 60.0
+    reasoning_budget: int = 0
+    reply_reserve: int = 64
+    reasoning_close: str = "\n</think>\n\n"
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
     def validate(self) -> None:
@@ -107,6 +118,11 @@ class CoordinatorConfig:
         for name in ("max_draft_tokens", "max_prompt_tokens", "max_ping_strikes", "drain_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"coordinator: {name} must be >= 0, got {getattr(self, name)}")
+        if self.reasoning_budget < 0 or self.reply_reserve < 0:
+            raise ValueError(f"coordinator: reasoning_budget and reply_reserve must be >= 0, got "
+                             f"{self.reasoning_budget}, {self.reply_reserve}")
+        if "</think>" not in self.reasoning_close:
+            raise ValueError(f"coordinator: reasoning_close must contain </think>, got {self.reasoning_close!r}")
         if self.draft_mode not in ("chain", "tree"):
             raise ValueError(f"coordinator: draft_mode must be chain or tree, got {self.draft_mode!r}")
         if self.tree_budget < 1 or self.tree_top_k < 0:
@@ -165,6 +181,9 @@ _FLAGS = [  # (field, type, help)
     ("max_stop_string_bytes", int, "longest stop string (bytes)"),
     ("max_prompt_bytes", int, "most bytes of text/chat input (checked before tokenising)"),
     ("send_stall_timeout_s", float, "end a stream whose client reads nothing this long (RESOURCE_EXHAUSTED)"),
+    ("reasoning_budget", int, "default reasoning budget in thinking tokens (0 = unmanaged)"),
+    ("reply_reserve", int, "arm a reasoning budget B only when max_tokens > B + reply_reserve"),
+    ("reasoning_close", str, "text forced to close thinking when the budget is spent (must contain </think>)"),
 ]
 _POLICY_FLAGS = [
     ("step_ratio", float, "prior t_spec/t_plain (0 disables the policy)"),

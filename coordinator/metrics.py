@@ -17,7 +17,8 @@ Series:
   ``specd_spec_accepted_tokens_total``, ``specd_spec_accepted_tokens_per_position_total{position}``,
   ``specd_spec_reached_positions_total{position}`` (steps in which position i was offered and every
   earlier draft was accepted), ``specd_spec_requests_total{mode}``,
-  ``specd_spec_policy_decisions_total{decision}`` (to_plain_gate / to_spec_probe),
+  ``specd_spec_policy_decisions_total{decision}`` (to_plain_gate / to_spec_probe / to_spec_budget = a
+  reasoning budget not armed),
   ``specd_spec_draft_length`` (drafts offered per speculative step), ``specd_request_spec_acceptance_ratio``
   (accepted / draft tokens per finished request with drafts);
 * steps: ``specd_step_seconds{phase=draft|verify}`` (worker call wall time), ``specd_loop_overhead_seconds``

@@ -18,6 +18,9 @@ Per request (spec-loop.md §2-§3, §9):
    the target walks it along its argmax, commits the accepted path and returns the per-node argmax
    and the path, which the coordinator re-walks (:func:`~specd.coordinator.ddtree.walk_tree`) and
    checks — still two worker calls per step;
+   thinking (:mod:`~specd.coordinator.reasoning`): with a reasoning budget, each step's drafts are
+   clipped to the thinking tokens left; when the budget is spent the step's bonus (not yet fed to the
+   target) is replaced by the first close-sequence token and the rest are forced by plain steps;
 5. a final ``complete`` with finish reason, usage (= what was sent) and speculation stats.
 
 Both workers' sequences are released on every exit path (finish, error, client cancel, deadline).
@@ -47,6 +50,7 @@ from .ddtree import auto_top_k, build_tree, walk_tree
 from .finish import Finisher
 from .metrics import CoordinatorMetrics
 from .policy import AdaptivePolicy
+from .reasoning import BudgetError, ReasoningBudget
 
 log = logging.getLogger("specd.coordinator")
 
@@ -250,8 +254,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
 
                 msgs = [{"role": m.role, "content": m.content} for m in req.chat.messages]
                 agp = req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else True
+                extra = {"enable_thinking": req.chat.enable_thinking} if req.chat.HasField("enable_thinking") else {}
                 try:
-                    text = self._chat_template().render(messages=msgs, add_generation_prompt=agp)
+                    text = self._chat_template().render(messages=msgs, add_generation_prompt=agp, **extra)
                 except jinja2.TemplateError as exc:
                     raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"chat template: {exc}") from exc
                 if len(text.encode("utf-8", "surrogatepass")) > 4 * limit_b:
@@ -384,6 +389,43 @@ class Coordinator(gpbg.SpecDecodeServicer):
         return mode, SpecOptions(cap=cap, tree=tree and cap > 0, budget=budget, chain_seed=chain_seed, top_k=top_k,
                                  temperature=cfg.tree_temperature, confidence_threshold=float(thr))
 
+    def _think_ids(self) -> tuple[int, int, list[int]] | None:
+        """(``<think>`` id, ``</think>`` id, close sequence ids) of the tokenizer, or None when it has
+        no such tokens (or no tokenizer)."""
+        if self.tok is None:
+            return None
+        if getattr(self, "_think", False) is False:
+            added = {t.content: i for i, t in self.tok.tokenizer.get_added_tokens_decoder().items()}
+            if "<think>" not in added or "</think>" not in added:
+                self._think = None
+            else:
+                close = self.tok.tokenizer.encode(self.cfg.reasoning_close, add_special_tokens=False).ids
+                if added["</think>"] not in close:
+                    raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"reasoning_close {self.cfg.reasoning_close!r} does not contain </think>")
+                self._think = (added["<think>"], added["</think>"], list(close))
+        return self._think
+
+    def _reasoning(self, req, prompt, fin: Finisher) -> tuple[ReasoningBudget | None, bool]:
+        """(the request's thinking tracker, budget_not_armed). The tracker always counts thinking
+        tokens when the model has <think>/</think>; it forces a close only when the budget is armed:
+        budget > 0 and max_tokens > budget + reply_reserve (spec-loop.md §10)."""
+        asked = req.HasField("reasoning_budget")
+        budget = req.reasoning_budget if asked else self.cfg.reasoning_budget
+        ids = self._think_ids()
+        if ids is None:
+            if asked and budget > 0:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   "reasoning_budget needs a tokenizer with <think> and </think> tokens")
+            return None, False
+        open_id, close_id, close = ids
+        unarmed = budget > 0 and fin.max_tokens <= budget + self.cfg.reply_reserve
+        if unarmed:
+            budget = 0
+        rb = ReasoningBudget(budget, open_id, close_id, close,
+                             ReasoningBudget.prompt_in_think(prompt, open_id, close_id))
+        return rb, unarmed
+
     # ------------------------------------------------------------------ Generate
 
     async def Generate(self, request, context):
@@ -400,6 +442,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
             prompt = await asyncio.to_thread(self._prompt, request)
             fin = self._finisher(request, len(prompt))
             mode, opts = self._draft_cap(request)
+            reasoning = self._reasoning(request, prompt, fin)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)
         rid = rid or f"req-{uuid.uuid4().hex}"  # unguessable: another client cannot Abort it by counting
@@ -420,7 +463,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         try:
             await context.send_initial_metadata((("specd-request-id", rid),))
             async for msg in self._loop(seq_id, prompt, fin, mode, opts, deadline, started, t_start,
-                                        request.stream_options.token_by_token, live):
+                                        request.stream_options.token_by_token, live, reasoning):
                 try:
                     await asyncio.wait_for(context.write(msg), self.cfg.send_stall_timeout_s)
                 except asyncio.TimeoutError:
@@ -539,8 +582,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
         return gpb.AbortResponse(aborted=aborted)
 
     async def _loop(self, seq_id, prompt, fin: Finisher, mode, opts: SpecOptions, deadline, started, t_start,
-                    token_by_token, live):
+                    token_by_token, live, reasoning=(None, False)):
         n_prompt = len(prompt)
+        rb, budget_unarmed = reasoning
         cap = opts.cap
         stats = gpb.SpeculationStats(mode_used=mode)
         per_pos: list[int] = []
@@ -571,6 +615,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
         tokens = list(prompt)  # token at every position, committed ones then the anchor
         anchor = pre.first_token
         committed = pre.committed
+        if rb is not None:
+            anchor = rb.apply([anchor])[0]
         tokens.append(anchor)
         before = len(fin.ids)
         fin.push(anchor)
@@ -590,6 +636,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
             step += 1
             remaining = fin.max_tokens - len(fin.ids)
             k = min(cap, remaining - 1)
+            room = rb.room() if rb is not None else None
+            if room is not None:  # clip to the thinking tokens left; 0 = a forced close token is next
+                k = min(k, room)
             force = mode == gpb.SPECULATION_MODE_FORCE
             speculate = k > 0 and (force or policy.speculate_next())
             catch_up = committed - synced
@@ -639,6 +688,11 @@ class Coordinator(gpbg.SpecDecodeServicer):
             if tree is not None:
                 self._check_tree(tree, vr, k)
             committed = vr.committed
+            if rb is not None:  # an overflowing bonus (never fed to the target) becomes a close token
+                try:
+                    emitted = rb.apply(emitted)
+                except BudgetError as exc:
+                    raise RequestError(grpc.StatusCode.INTERNAL, str(exc)) from exc
             tokens.extend(emitted)
             anchor = emitted[-1]
             # the stop / max_tokens cut inside the block: only the drafts up to it count as accepted,
@@ -697,7 +751,15 @@ class Coordinator(gpbg.SpecDecodeServicer):
         stats.accepted_per_position.extend(per_pos)
         stats.accepted_per_rank.extend(per_rank)
         stats.mean_acceptance_length = (1.0 + stats.num_accepted_tokens / stats.num_drafts) if stats.num_drafts else 0.0
-        for s, to_spec, reason in policy.switches:
+        switches = list(policy.switches)
+        if budget_unarmed:
+            switches.insert(0, (0, True, "budget"))  # counted as decision to_spec_budget
+        if rb is not None:
+            stats.reasoning_budget_armed = rb.armed
+            stats.thinking_tokens = rb.count
+            stats.reasoning_budget_closed = rb.closed
+            stats.forced_tokens = rb.forced
+        for s, to_spec, reason in switches:
             stats.policy_switches.add(step_index=s, to_speculative=to_spec, reason=reason)
             mx.decisions.labels(*mx.l(("to_spec_" if to_spec else "to_plain_") + reason)).inc()
         if stats.num_draft_tokens:

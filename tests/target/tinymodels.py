@@ -28,7 +28,9 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # special (CONTROL)
 ADDED_TOKENS = ["<think>", "</think>"]  # added, not special (USER_DEFINED), as in Qwen's tokenizer
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                 "{% else %}<think>\n{% endif %}{% endif %}")
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Speculative decoding drafts several tokens and verifies them in one target pass.",

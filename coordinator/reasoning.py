@@ -1,0 +1,105 @@
+"""Reasoning budget (spec-loop.md §10): count thinking tokens and force the close of the thinking
+section when the budget is spent, without giving up speculation.
+
+A token is a *thinking token* when it is generated while a thinking section is open (``<think>`` seen
+in the prompt or the output and ``</think>`` not since); ``<think>`` / ``</think>`` themselves do not
+count. With budget B, once B thinking tokens have been emitted and the section is still open, the
+next tokens are the **close sequence** instead of the model's (default: the tokenization of
+``"\\n</think>\\n\\n"``, what a Qwen3.5 model writes when it closes by itself, so the answer starts
+in the usual context; configurable with ``--reasoning-close``, it must contain ``</think>``). The
+model's greedy output is thereby defined as: greedy until B thinking tokens, then the close
+sequence, then greedy again — also when the model's own next token would have been ``</think>``.
+
+How the loop uses it (server.py ``_loop``):
+
+* :meth:`room` caps the drafts of the next step to the thinking tokens left (``B - count``), so a
+  step emits at most ``B - count + 1`` tokens and only its last token — the bonus, which the target
+  has *not* been fed (it is the next anchor) — can overflow the budget. Speculation runs to the edge.
+* :meth:`apply` then replaces that overflowing bonus by the first close token: it becomes the anchor,
+  is emitted and is fed to the target by the next Verify like any anchor (and ingested by the
+  drafter with the committed tokens). So a one-token close costs no extra step at all.
+* Each further close token needs one plain step (``room() == 0``): ``Verify([anchor])`` commits the
+  anchor, its bonus is replaced by the next close token. Speculation resumes after the last one.
+"""
+from __future__ import annotations
+
+
+class BudgetError(RuntimeError):
+    """The verify emitted more tokens past the budget than the clipped step allows (a bug)."""
+
+
+class ReasoningBudget:
+    """Thinking-section tracker and forcer for one request.
+
+    Args:
+        budget: thinking tokens allowed (>= 1 when armed; 0 = only count, never force).
+        open_id / close_id: ids of ``<think>`` / ``</think>``.
+        close_seq: forced ids (contains ``close_id``).
+        in_think: the prompt leaves a thinking section open.
+    """
+
+    def __init__(self, budget: int, open_id: int, close_id: int, close_seq: list[int], in_think: bool):
+        self.budget, self.open_id, self.close_id = int(budget), int(open_id), int(close_id)
+        self.close_seq = [int(t) for t in close_seq]
+        self.in_think = bool(in_think)
+        self.count = 0            # thinking tokens emitted
+        self.queue: list[int] = []  # close tokens still to force
+        self.closed = False       # the budget forced a close
+        self.forced = 0
+
+    @staticmethod
+    def prompt_in_think(prompt, open_id: int, close_id: int) -> bool:
+        """True when the prompt's last ``<think>`` comes after its last ``</think>``."""
+        last_open = last_close = -1
+        for i, t in enumerate(prompt):
+            if t == open_id:
+                last_open = i
+            elif t == close_id:
+                last_close = i
+        return last_open > last_close
+
+    @property
+    def armed(self) -> bool:
+        return self.budget > 0
+
+    def room(self) -> int | None:
+        """Most drafts the next step may verify (None: no limit from the budget)."""
+        if not self.armed:
+            return None
+        if self.queue:
+            return 0
+        if self.in_think:
+            return max(0, self.budget - self.count)
+        return None
+
+    def _over(self) -> bool:
+        return self.armed and (bool(self.queue) or (self.in_think and self.count >= self.budget))
+
+    def apply(self, emitted: list[int]) -> list[int]:
+        """The step's emitted tokens with a forced close token in place of an overflowing bonus
+        (only the last token may be replaced); updates the counts."""
+        out = []
+        for i, t in enumerate(emitted):
+            if self._over():
+                if i != len(emitted) - 1:
+                    raise BudgetError(f"reasoning budget: token {i} of {len(emitted)} emitted past the budget")
+                if not self.queue:
+                    self.queue = list(self.close_seq)
+                    self.closed = True
+                t = self.queue.pop(0)
+                self.forced += 1
+                out.append(t)
+                if t == self.close_id:
+                    self.in_think = False
+                continue
+            out.append(int(t))
+            self.track(int(t))
+        return out
+
+    def track(self, t: int) -> None:
+        if t == self.close_id:
+            self.in_think = False
+        elif t == self.open_id:
+            self.in_think = True
+        elif self.in_think:
+            self.count += 1
