@@ -263,3 +263,24 @@ def test_dspark_tree_with_the_gate_and_a_context_cap(drafter_stacks, reference, 
     finally:
         srv.stop(0).wait()
         svc.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_token_equal_to_the_mask_id(stack, reference, tmp_path, target_gguf, family):
+    """A drafter whose mask_token_id is a token the target actually emits (here: the first generated
+    token, so it becomes the seed of the first drafted block, next to the mask rows): output still equals
+    plain greedy decoding (issue: "a token whose id equals the mask id in the output")."""
+    prompt = PROMPTS[0]
+    ref = reference(prompt, MAX_TOKENS)[0]
+    d = open_model_drafter(make_gguf(tmp_path, family, mask=int(ref[0])), target_gguf)
+    assert d.hp.mask_token_id == ref[0]
+    svc = dserver.DraftServicer(d)
+    addr = f"unix://{stack.dir}/mask-{family}.sock"
+    srv, _ = dserver.start_server(svc, addr, 8)
+    try:
+        got, done = run(stack.coordinator(drafter_override=addr), prompt)
+        assert got == ref
+        assert done.speculation.num_drafts > 0
+    finally:
+        srv.stop(0).wait()
+        svc.close()
