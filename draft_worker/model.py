@@ -61,7 +61,22 @@ from specd.native import DType, Tensor
 from .gguf_loader import LoadedDrafter
 
 __all__ = ["DrafterModel", "DraftSequence", "Proposal", "Sampling", "sampling_probs", "markov_chain", "selector_chain",
-           "grouped_dynamic_conv"]
+           "grouped_dynamic_conv", "MARKOV_MODES", "DEFAULT_MARKOV"]
+
+#: DSpark Markov-correction modes (drafters.md §5.2–5.5; lucebox's fused single-graph head with its
+#: non-fused fallback). ``"fused"`` (default): one lm_head matmul for all block rows, then the
+#: unrolled Markov chain. ``"unfused"``: the sequential fallback — per row k, lm_head of row k, then
+#: the bias W2·W1[x_{k−1}] and the choice. ``"off"``: no Markov correction — plain argmax of the base
+#: logits U_k (DDTree top-k from the base logits too; the confidence head still sees W1 of the
+#: chosen previous draft). Fused and unfused are *bitwise identical* (tokens, logits, corrected
+#: logits, confidences, top-k): every native op (matmul, embedding, argmax, topk) is batch
+#: invariant — row k of a [n, H] × [H, V] matmul is computed with the same reduction order as the
+#: [1, H] × [H, V] product of that row alone — and the element-wise transform (output_multiplier,
+#: softcap) and the bias add are per element. ``"unfused"`` is there as the reference / fallback path
+#: (and costs n lm_head launches instead of one); ``"off"`` changes the proposals (still lossless:
+#: the target verifies every draft).
+MARKOV_MODES = ("fused", "unfused", "off")
+DEFAULT_MARKOV = "fused"
 
 
 @dataclass(frozen=True)
@@ -484,7 +499,7 @@ class DraftSequence:
     def propose(self, seed_token: int, committed_len: int, *, return_logits: bool = False,
                 return_hidden: bool = False, topk: int = 0, temperature: float = 1.0,
                 confidence_threshold: float | None = None, sampling: Sampling | None = None,
-                block_size: int | None = None) -> Proposal:
+                block_size: int | None = None, markov: str = DEFAULT_MARKOV) -> Proposal:
         """Proposals for one block after ``committed_len`` committed positions (greedy unless
         ``sampling`` is given).
 
@@ -504,6 +519,9 @@ class DraftSequence:
         block_size: None (the file's B), or a smaller block B' run instead (ZL-0.1.0 shrinks the
             block near max_new_tokens; drafters.md §1): [seed, M × (B'−1)], B' − 1 (DFlash,
             DFlash 2; B' >= 2) or B' (DSpark; B' >= 1) drafts.
+        markov: DSpark Markov mode, one of :data:`MARKOV_MODES` (default ``"fused"``; see there:
+            fused and unfused are bitwise identical, ``"off"`` is plain argmax of the base logits).
+            Ignored by DFlash / DFlash 2 (no Markov head), but still validated.
         Returns a :class:`Proposal`. Raises ValueError on a bad argument.
         """
         m, hp = self.model, self.model.hp
@@ -518,6 +536,8 @@ class DraftSequence:
             raise ValueError(f"propose: topk {topk} exceeds the DFlash 2 selector's K = {hp.dflash2.selector_top_k}")
         if topk > hp.n_vocab:
             raise ValueError(f"propose: topk {topk} exceeds the vocabulary {hp.n_vocab}")
+        if markov not in MARKOV_MODES:
+            raise ValueError(f"propose: markov must be one of {MARKOV_MODES}, got {markov!r}")
         if confidence_threshold and (hp.dspark is None or m._conf_w is None):
             raise ValueError("propose: confidence_threshold needs a DSpark drafter with a confidence head")
         start = committed_len
@@ -526,13 +546,15 @@ class DraftSequence:
             raise ValueError(f"propose: block_size {block_size} outside [{hp.first_proposal_row + 1}, {hp.block_size}]")
         hidden_all = self.forward_block([int(seed_token)] + [hp.mask_token_id] * (B - 1), start)
         hidden = np.ascontiguousarray(hidden_all[hp.first_proposal_row:])
-        logits = m.logits(hidden)
+        unfused = hp.dspark is not None and markov == "unfused"
+        # unfused: the lm_head runs per row inside the chain (markov_chain fills ``logits``)
+        logits = np.empty((hidden.shape[0], hp.n_vocab), np.float32) if unfused else m.logits(hidden)
         out = Proposal(tokens=np.zeros(0, np.int32), start=start)
         if hp.dflash2 is not None:
             self._select(out, hidden, logits, int(seed_token), topk, temperature, sampling)
         elif hp.dspark is not None:
             self._markov(out, hidden, logits, int(seed_token), topk, temperature, return_logits,
-                         confidence_threshold, sampling)
+                         confidence_threshold, sampling, markov)
         else:
             if sampling is None:
                 out.tokens = sn.argmax(logits).numpy().astype(np.int32)
@@ -550,11 +572,14 @@ class DraftSequence:
             out.hidden = hidden
         return out
 
-    def _markov(self, out: Proposal, hidden, logits, seed, topk, temperature, keep, threshold, sampling) -> None:
+    def _markov(self, out: Proposal, hidden, logits, seed, topk, temperature, keep, threshold, sampling,
+                markov: str = DEFAULT_MARKOV) -> None:
         m = self.model
         dsp = m.w.dspark
         toks, corrected, conf, q = markov_chain(logits, hidden, seed, dsp.markov_w1, dsp.markov_w2, m._conf_w,
-                                                m._conf_b, m.hp.dspark.confidence_with_markov, sampling)
+                                                m._conf_b, m.hp.dspark.confidence_with_markov, sampling,
+                                                head=m.logits if markov == "unfused" else None,
+                                                correct=markov != "off")
         out.confidence, out.q = conf, q
         keep_n = len(toks)
         if threshold:
@@ -590,7 +615,7 @@ class DraftSequence:
 
 def markov_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, w1: Tensor, w2: Tensor,
                  conf_w: np.ndarray | None, conf_b: float | None, conf_with_markov: bool,
-                 sampling: Sampling | None = None):
+                 sampling: Sampling | None = None, *, head=None, correct: bool = True):
     """DSpark Markov-corrected greedy chain + confidence head (drafters.md §5.2–5.3; DS
     ``markov_head.py:VanillaMarkov`` / ``sample_block_tokens``, ``common.py:AcceptRatePredictor``).
 
@@ -602,6 +627,13 @@ def markov_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, w1: Tensor, 
     With ``sampling``: x_k ~ q_k = sampling_probs(ℓ_k) instead of the argmax.
     Returns (tokens int32 [n], ℓ float32 [n, V], confidence float32 [n] or None, q float32 [n, V]
     or None). The W2 GEMV and the choice are sequential per row (each needs the previous one).
+
+    Modes (:data:`MARKOV_MODES`): fused = ``logits`` precomputed for the whole block (one lm_head
+    matmul); unfused = ``head`` given (float32 [1, H] -> [1, V], the transformed lm_head): row k's
+    U_k = head(h_k) is computed inside the chain and written into ``logits[k]`` (the caller passes an
+    empty [n, V] array) — bitwise equal to fused because the native matmul is batch invariant;
+    ``correct=False`` (off): ℓ_k = U_k (no W2·W1 bias; x_k = argmax U_k), the confidence head still
+    takes W1[x_{k−1}] of the chosen chain.
     """
     n = logits.shape[0]
     toks = np.zeros(n, np.int32)
@@ -610,9 +642,11 @@ def markov_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, w1: Tensor, 
     prev_rows = []
     prev = int(seed)
     for k in range(n):
+        if head is not None:
+            logits[k] = head(hidden[k : k + 1])[0]
         e = sn.embedding(w1, np.array([prev], np.int32)).numpy()  # [1, r]
         prev_rows.append(e[0])
-        corrected[k] = logits[k] + sn.matmul(e, w2).numpy()[0]
+        corrected[k] = logits[k] + sn.matmul(e, w2).numpy()[0] if correct else logits[k]
         if sampling is None:
             prev = int(sn.argmax(corrected[k : k + 1]).numpy()[0])
         else:
