@@ -30,6 +30,10 @@ def add_arguments(p) -> None:
     p.add_argument("--no-tree-chain-seed", action="store_true", help="DDTree without the top-1 chain seed")
     p.add_argument("--confidence-threshold", type=float, default=None,
                    help="DSpark confidence gate in [0, 1), 0 = off (default: the server's)")
+    p.add_argument("--dspark-markov", choices=["default", "fused", "unfused", "off"], default="default",
+                   help="DSpark Markov mode: fused / unfused (bitwise identical) / off (argmax of the base "
+                        "logits); default: the drafter worker's (--dspark-markov, default fused); "
+                        "ignored by non-DSpark drafters")
     p.add_argument("--no-thinking", action="store_true",
                    help="--chat: render the template with enable_thinking=false (default: the template's)")
     p.add_argument("--thinking", action="store_true", help="--chat: render with enable_thinking=true")
@@ -80,6 +84,9 @@ def build_request(args):
         req.speculation.tree_chain_seed = False
     if args.confidence_threshold is not None:
         req.speculation.confidence_threshold = args.confidence_threshold
+    req.speculation.dspark_markov = {"default": gpb.DSPARK_MARKOV_DEFAULT, "fused": gpb.DSPARK_MARKOV_FUSED,
+                                     "unfused": gpb.DSPARK_MARKOV_UNFUSED,
+                                     "off": gpb.DSPARK_MARKOV_OFF}[getattr(args, "dspark_markov", "default")]
     if args.reasoning_budget is not None:
         if args.reasoning_budget < 0:
             raise ValueError("--reasoning-budget must be >= 0")

@@ -38,6 +38,9 @@ class ServeConfig:
     drafter_gguf: drafter GGUF (DFlash / DSpark / DFlash 2); its target_layer_ids become the target's
         capture layers and the drafter worker runs it. Default "" (no drafter unless scripted).
     drafter_kv_dtype: the drafter's context K/V cache type: f32 (default), f16 or q8_0.
+    dspark_markov: the drafter worker's default DSpark Markov mode: fused (default), unfused
+        (bitwise identical, per-row lm_head) or off (argmax of the base logits); ignored for
+        non-DSpark drafters. Requests override it (SpeculationParams.dspark_markov).
     scripted_block: run the scripted drafter with this many drafts per step (0: off). Default 0.
     scripted_continuations: JSONL of {"prompt", "continuation"} for the oracle drafter. Default "".
     scripted_accept: right drafts per step of the scripted drafter (-1: all). Default -1.
@@ -51,6 +54,7 @@ class ServeConfig:
     target: str = ""
     drafter_gguf: str = ""
     drafter_kv_dtype: str = "f32"
+    dspark_markov: str = "fused"
     scripted_block: int = 0
     scripted_continuations: str = ""
     scripted_accept: int = -1
@@ -74,6 +78,8 @@ class ServeConfig:
             raise ValueError(f"serve: --kv-dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
         if self.drafter_kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"serve: --drafter-kv-dtype must be f16, q8_0 or f32, got {self.drafter_kv_dtype!r}")
+        if self.dspark_markov not in ("fused", "unfused", "off"):
+            raise ValueError(f"serve: --dspark-markov must be fused, unfused or off, got {self.dspark_markov!r}")
         if self.capture_layers:
             try:
                 [int(x) for x in self.capture_layers.split(",") if x.strip()]
@@ -88,6 +94,9 @@ def add_arguments(p) -> None:
                    help="drafter GGUF: DFlash, DSpark or DFlash 2 (its taps set the target's capture layers)")
     p.add_argument("--drafter-kv-dtype", default=d.drafter_kv_dtype, choices=["f32", "f16", "q8_0"],
                    help=f"drafter context K/V cache type (default {d.drafter_kv_dtype})")
+    p.add_argument("--dspark-markov", default=d.dspark_markov, choices=["fused", "unfused", "off"],
+                   help=f"drafter worker's default DSpark Markov mode (default {d.dspark_markov}; unfused is "
+                        "bitwise identical; off = argmax of the base logits; ignored for non-DSpark drafters)")
     p.add_argument("--scripted-block", type=int, default=d.scripted_block,
                    help="run the scripted drafter with this many drafts per step (default 0: off)")
     p.add_argument("--scripted-continuations", default=d.scripted_continuations,
@@ -165,7 +174,8 @@ def run(args) -> int:
             vocab = int(next(x for x in GGUFReader(args.target).tensors if x.name == "token_embd.weight").shape[1])
             dargv = ["draft-worker", "--listen", dsock, "--vocab", str(vocab)]
             dargv += ["--drafter", args.drafter_gguf, "--target", args.target,
-                      "--drafter-kv-dtype", args.drafter_kv_dtype] if args.drafter_gguf else [
+                      "--drafter-kv-dtype", args.drafter_kv_dtype,
+                      "--dspark-markov", getattr(args, "dspark_markov", "fused")] if args.drafter_gguf else [
                 "--scripted-block", str(args.scripted_block), "--scripted-accept", str(args.scripted_accept),
                 "--scripted-continuations", args.scripted_continuations]
             d = _child(dargv)

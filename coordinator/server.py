@@ -72,7 +72,8 @@ class SpecOptions:
 
     cap: most drafts per step (tree: the tree depth); tree: DDTree on; budget: node budget (already
     clipped to max_verify - 1); chain_seed; top_k: 0 = auto per step; temperature: top-k log-prob
-    temperature; confidence_threshold: DSpark gate (0 = off)."""
+    temperature; confidence_threshold: DSpark gate (0 = off); dspark_markov: worker.proto DSparkMarkov
+    value forwarded to Propose (0 = the drafter worker's default)."""
 
     cap: int
     tree: bool = False
@@ -81,6 +82,7 @@ class SpecOptions:
     top_k: int = 0
     temperature: float = 1.0
     confidence_threshold: float = 0.0
+    dspark_markov: int = 0
 
 
 class _Live:
@@ -373,6 +375,14 @@ class Coordinator(gpbg.SpecDecodeServicer):
         if thr and cap and not self.dinfo.has_confidence:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                "confidence_threshold needs a DSpark drafter with a confidence head")
+        markov = int(sp.dspark_markov)
+        if markov not in (gpb.DSPARK_MARKOV_DEFAULT, gpb.DSPARK_MARKOV_FUSED, gpb.DSPARK_MARKOV_UNFUSED,
+                          gpb.DSPARK_MARKOV_OFF):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown dspark_markov {markov}")
+        if markov and cap and self.dinfo.family != "dspark":
+            # vLLM / SGLang style: an option of another drafter family is ignored, not refused; reported in the log
+            log.info("request: dspark_markov=%s ignored: the drafter is %s (no Markov head)",
+                     gpb.DSparkMarkov.Name(markov), self.dinfo.family or self.dinfo.name)
         budget = sp.tree_budget if sp.HasField("tree_budget") else cfg.tree_budget
         top_k = sp.tree_top_k if sp.HasField("tree_top_k") else cfg.tree_top_k
         chain_seed = sp.tree_chain_seed if sp.HasField("tree_chain_seed") else cfg.tree_chain_seed
@@ -387,7 +397,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
                                    f"tree_top_k {top_k} exceeds the drafter's max_top_k {self.dinfo.max_top_k}")
             budget = min(budget, self.tinfo.max_verify - 1)
         return mode, SpecOptions(cap=cap, tree=tree and cap > 0, budget=budget, chain_seed=chain_seed, top_k=top_k,
-                                 temperature=cfg.tree_temperature, confidence_threshold=float(thr))
+                                 temperature=cfg.tree_temperature, confidence_threshold=float(thr),
+                                 dspark_markov=markov)
 
     def _think_ids(self) -> tuple[int, int, list[int]] | None:
         """(``<think>`` id, ``</think>`` id, close sequence ids) of the tokenizer, or None when it has
@@ -654,7 +665,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
                     top_k = opts.top_k or auto_top_k(opts.budget, k, self.dinfo.max_top_k)
                 req = wpb.ProposeRequest(seq_id=seq_id, start=synced, new_tokens=tokens[synced:committed],
                                          anchor=anchor, max_tokens=k, confidence_threshold=opts.confidence_threshold,
-                                         top_k=top_k, top_k_temperature=opts.temperature if top_k else 0.0)
+                                         top_k=top_k, top_k_temperature=opts.temperature if top_k else 0.0,
+                                         dspark_markov=opts.dspark_markov)
                 if not started["drafter"]:
                     req.features.CopyFrom(pre.features)
                     started["drafter"] = True

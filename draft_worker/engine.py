@@ -28,7 +28,7 @@ import numpy as np
 import specd.native as sn
 
 from .gguf_loader import check_pair, load_drafter
-from .model import DrafterModel, DraftSequence
+from .model import DEFAULT_MARKOV, MARKOV_MODES, DrafterModel, DraftSequence
 
 __all__ = ["ModelDrafter", "open_model_drafter", "KV_DTYPES"]
 
@@ -46,10 +46,15 @@ class ModelDrafter:
 
     Attributes: ``family`` ("dflash", "dspark", "dflash2"), ``block_size`` (most drafts per propose =
     ``hparams.n_drafts``), ``n_vocab``, ``target_layer_ids``, ``max_top_k`` (n_vocab, or the DFlash 2
-    selector's K), ``has_confidence`` (a DSpark confidence head).
+    selector's K), ``has_confidence`` (a DSpark confidence head), ``dspark_markov`` (the default
+    Markov mode, ``dspark_markov`` argument, default "fused"; "" when the family has no Markov head:
+    a request's mode is then ignored).
     """
 
-    def __init__(self, model: DrafterModel, name: str = "", default_capacity: int = 4096):
+    def __init__(self, model: DrafterModel, name: str = "", default_capacity: int = 4096,
+                 dspark_markov: str = DEFAULT_MARKOV):
+        if dspark_markov not in MARKOV_MODES:
+            raise ValueError(f"drafter dspark_markov must be one of {MARKOV_MODES}, got {dspark_markov!r}")
         hp = model.hp
         self.model, self.hp = model, hp
         self.family = hp.family
@@ -59,6 +64,8 @@ class ModelDrafter:
         self.target_layer_ids = tuple(int(i) for i in hp.target_layer_ids)
         self.max_top_k = int(hp.dflash2.selector_top_k) if hp.dflash2 is not None else self.n_vocab
         self.has_confidence = hp.dspark is not None and model._conf_w is not None
+        # the default DSpark Markov mode; "" for families without a Markov head (requests' modes ignored)
+        self.dspark_markov = dspark_markov if hp.dspark is not None else ""
         self.default_capacity = default_capacity
         self.seqs: dict[str, DraftSequence] = {}
         self.lock = threading.Lock()
@@ -87,7 +94,8 @@ class ModelDrafter:
     def propose(self, seq_id: str, anchor: int, max_tokens: int, options=None):
         """Up to ``max_tokens`` greedy drafts after ``anchor`` as a ``Draft`` (see
         :class:`specd.draft_worker.server.Draft`). options: a ``ProposeOptions`` (confidence
-        threshold, top_k, top-k temperature) or None. ValueError on an unknown sequence or a bad
+        threshold, top_k, top-k temperature, DSpark Markov mode: "" = this drafter's default;
+        ignored without a Markov head) or None. ValueError on an unknown sequence or a bad
         option (threshold without a confidence head, top_k above max_top_k)."""
         from .server import Draft, ProposeOptions
 
@@ -103,7 +111,8 @@ class ModelDrafter:
         with self.compute_lock:
             p = seq.propose(int(anchor), seq.n_ctx, topk=opts.top_k, temperature=opts.top_k_temperature,
                             confidence_threshold=opts.confidence_threshold or None,
-                            block_size=n + self.hp.first_proposal_row)
+                            block_size=n + self.hp.first_proposal_row,
+                            markov=(opts.dspark_markov or self.dspark_markov) if self.dspark_markov else DEFAULT_MARKOV)
         toks = [int(t) for t in p.tokens[:n]]
         conf = [] if p.confidence is None else [float(c) for c in p.confidence[: len(toks)]]
         ids = lps = None
@@ -122,7 +131,8 @@ class ModelDrafter:
 
 
 def open_model_drafter(drafter_path: str, target_path: str, *, kv_dtype: str = "f32",
-                       context_cap: int = 0, default_capacity: int = 4096) -> ModelDrafter:
+                       context_cap: int = 0, default_capacity: int = 4096,
+                       dspark_markov: str = DEFAULT_MARKOV) -> ModelDrafter:
     """Loads the drafter GGUF and binds it to the target GGUF's embedding and head after the pair
     check. kv_dtype: "f32" (default), "f16" or "q8_0"; context_cap: 0 (all context visible) or C > 0
     (drafters.md §3.7). Raises DrafterFormatError / TargetFileError for a bad file, DrafterPairError
@@ -131,6 +141,8 @@ def open_model_drafter(drafter_path: str, target_path: str, *, kv_dtype: str = "
 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"drafter kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+    if dspark_markov not in MARKOV_MODES:
+        raise ValueError(f"drafter dspark_markov must be one of {MARKOV_MODES}, got {dspark_markov!r}")
     if context_cap < 0:
         raise ValueError(f"drafter context_cap must be >= 0, got {context_cap}")
     drafter = load_drafter(drafter_path)
@@ -138,4 +150,4 @@ def open_model_drafter(drafter_path: str, target_path: str, *, kv_dtype: str = "
     check_pair(drafter.hparams, drafter_path, target.hparams, target_path)
     model = DrafterModel.for_target(drafter, target, kv_dtype=KV_DTYPES[kv_dtype],
                                     context_cap=context_cap or None)
-    return ModelDrafter(model, default_capacity=default_capacity)
+    return ModelDrafter(model, default_capacity=default_capacity, dspark_markov=dspark_markov)

@@ -10,9 +10,13 @@ their tokens, then asks for proposals. Errors: unknown sequence on a non-first c
 FAILED_PRECONDITION; a ring that cannot be attached -> FAILED_PRECONDITION (shared memory not shared).
 
 Per-request drafter options travel in ProposeRequest (:class:`ProposeOptions`): the DSpark
-confidence threshold (0 = off) and the per-position top-k (with its temperature) for DDTree. Option
-errors (threshold without a confidence head, top_k above the drafter's ``max_top_k``) ->
-INVALID_ARGUMENT.
+confidence threshold (0 = off), the per-position top-k (with its temperature) for DDTree and the
+DSpark Markov mode (``dspark_markov``: fused / unfused / off; DEFAULT = this worker's
+``--dspark-markov``, default fused; drafters.md §5.2–5.5). Option errors (threshold without a
+confidence head, top_k above the drafter's ``max_top_k``, an unknown Markov mode) ->
+INVALID_ARGUMENT. A Markov mode sent to a drafter without a Markov head (DFlash, DFlash 2,
+scripted) is ignored, as vLLM / SGLang ignore options of other speculative methods; the response's
+``dspark_markov`` then says DEFAULT (not applied) and the worker logs it once.
 
 CLI: ``specd draft-worker --drafter D.gguf --target T.gguf --listen unix:///tmp/specd-draft.sock``;
 ``specd draft-worker --scripted-block 8 --vocab 1024`` runs the scripted drafter (with no continuations
@@ -37,7 +41,13 @@ from specd.protos.v1 import worker_pb2 as pb
 from specd.protos.v1 import worker_pb2_grpc as pbg
 from specd.target_worker.feature_shm import FeatureHandleInfo, attach_reader, shm_namespace_id
 
+from .model import DEFAULT_MARKOV, MARKOV_MODES
+
 log = logging.getLogger("specd.draft_worker")
+
+# ProposeRequest.dspark_markov / DrafterInfo.dspark_markov (worker.proto DSparkMarkov) <-> model.MARKOV_MODES
+_MARKOV_NAME = {0: "", 1: "fused", 2: "unfused", 3: "off"}
+_MARKOV_PB = {v: k for k, v in _MARKOV_NAME.items() if v}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +58,14 @@ class ProposeOptions:
         (not including) the first with confidence < threshold (drafters.md §5.3).
     top_k: per-position candidates for DDTree (spec-loop.md §7.1); 0 = none (default).
     top_k_temperature: T of the top-k log-probs log_softmax(logits / T), finite > 0; default 1.0.
+    dspark_markov: DSpark Markov mode, "" (default: the drafter's own default, ``--dspark-markov``)
+        or one of "fused", "unfused", "off" (model.MARKOV_MODES). Ignored by non-DSpark drafters.
     """
 
     confidence_threshold: float = 0.0
     top_k: int = 0
     top_k_temperature: float = 1.0
+    dspark_markov: str = ""
 
     def __post_init__(self):
         import math
@@ -62,6 +75,8 @@ class ProposeOptions:
         if self.top_k < 0 or not (self.top_k_temperature > 0 and math.isfinite(self.top_k_temperature)):
             raise ValueError(f"top_k must be >= 0 and top_k_temperature finite > 0, got {self.top_k}, "
                              f"{self.top_k_temperature}")
+        if self.dspark_markov not in ("",) + MARKOV_MODES:
+            raise ValueError(f"dspark_markov must be one of {MARKOV_MODES}, got {self.dspark_markov!r}")
 
 
 @dataclasses.dataclass
@@ -117,6 +132,10 @@ class DraftWorkerConfig:
     drafter: drafter GGUF (DFlash, DSpark or DFlash 2); "" runs the scripted drafter. Default "".
     target: the target GGUF whose token_embd / output the drafter reuses (required with drafter).
     drafter_kv_dtype: the drafter's context K/V cache type: "f32" (default), "f16" or "q8_0".
+    dspark_markov: default DSpark Markov mode for requests that leave it unset: "fused" (default; one
+        lm_head matmul for the block, then the Markov chain), "unfused" (per row: lm_head, bias,
+        choice; bitwise identical to fused) or "off" (plain argmax of the base logits). Accepted
+        (and ignored) for drafters without a Markov head.
     context_cap: 0 (default: every committed context row visible) or C > 0: full-attention layers
         see only the last C context rows (drafters.md §3.7).
     listen: gRPC address, ``unix:///path.sock`` (default) or ``host:port``.
@@ -140,6 +159,7 @@ class DraftWorkerConfig:
     drafter: str = ""
     target: str = ""
     drafter_kv_dtype: str = "f32"
+    dspark_markov: str = DEFAULT_MARKOV
     context_cap: int = 0
     listen: str = "unix:///tmp/specd-draft.sock"
     scripted_block: int = 8
@@ -159,6 +179,8 @@ class DraftWorkerConfig:
         for name in ("max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"draft-worker: {name} must be >= 0, got {getattr(self, name)}")
+        if self.dspark_markov not in MARKOV_MODES:
+            raise ValueError(f"draft-worker: dspark_markov must be one of {MARKOV_MODES}, got {self.dspark_markov!r}")
         if self.drafter:
             if not self.target:
                 raise ValueError("draft-worker: --drafter needs --target (the target GGUF whose embedding and "
@@ -196,6 +218,7 @@ class DraftServicer(pbg.DraftWorkerServicer):
         self.seqs: dict[str, _Seq] = {}
         self.lock = threading.Lock()
         self.namespace = shm_namespace_id()
+        self._markov_ignored_logged = False  # a Markov mode sent to a drafter without a Markov head: logged once
         # released ids: a Propose overtaken by its sequence's Release must not re-create it
         self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
         from specd.target_worker.server import ComputeSlots
@@ -211,7 +234,8 @@ class DraftServicer(pbg.DraftWorkerServicer):
                               target_layer_ids=list(getattr(self.drafter, "target_layer_ids", ())),
                               family=str(getattr(self.drafter, "family", self.drafter.name)),
                               max_top_k=int(getattr(self.drafter, "max_top_k", 0)),
-                              has_confidence=bool(getattr(self.drafter, "has_confidence", False)))
+                              has_confidence=bool(getattr(self.drafter, "has_confidence", False)),
+                              dspark_markov=_MARKOV_PB.get(getattr(self.drafter, "dspark_markov", ""), 0))
 
     def Propose(self, request, context):
         return self.slots.run(context, self._propose, request, context)
@@ -241,8 +265,11 @@ class DraftServicer(pbg.DraftWorkerServicer):
             if opener is not None:
                 opener(seq_id, int(h.capacity))
         try:
+            mk = int(request.dspark_markov)
+            if mk not in _MARKOV_NAME:
+                raise ValueError(f"unknown dspark_markov {mk}")
             opts = ProposeOptions(float(request.confidence_threshold), int(request.top_k),
-                                  float(request.top_k_temperature) or 1.0)
+                                  float(request.top_k_temperature) or 1.0, _MARKOV_NAME[mk])
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"propose: {exc}")
         if opts.top_k > int(getattr(self.drafter, "max_top_k", 0)):
@@ -276,8 +303,14 @@ class DraftServicer(pbg.DraftWorkerServicer):
         if len(toks) > request.max_tokens or (conf and len(conf) != len(toks)):
             context.abort(grpc.StatusCode.INTERNAL, f"drafter returned {len(toks)} tokens / {len(conf)} confidences "
                                                     f"for max_tokens {request.max_tokens}")
+        applied = getattr(self.drafter, "dspark_markov", "")  # "" = no Markov head
+        if opts.dspark_markov and not applied and not self._markov_ignored_logged:
+            self._markov_ignored_logged = True
+            log.warning("draft-worker: dspark_markov=%s ignored: the %s drafter has no Markov head", opts.dspark_markov,
+                        getattr(self.drafter, "family", self.drafter.name))
         resp = pb.ProposeResponse(tokens=[int(t) for t in toks], confidence=[float(c) for c in conf],
-                                  compute_s=time.perf_counter() - t0)
+                                  compute_s=time.perf_counter() - t0,
+                                  dspark_markov=_MARKOV_PB[(opts.dspark_markov or applied)] if applied else 0)
         if opts.top_k and toks:
             ids, lps = d.top_k_ids, d.top_k_logprobs
             if ids is None or lps is None or np.shape(ids) != (len(toks), opts.top_k) \
@@ -355,6 +388,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                       "(required with --drafter)")
     p.add_argument("--drafter-kv-dtype", default=d.drafter_kv_dtype, choices=["f32", "f16", "q8_0"],
                    help=f"drafter context K/V cache type (default {d.drafter_kv_dtype})")
+    p.add_argument("--dspark-markov", default=d.dspark_markov, choices=list(MARKOV_MODES),
+                   help=f"default DSpark Markov mode (default {d.dspark_markov}): fused = one lm_head matmul "
+                        "then the chain; unfused = per-row lm_head (bitwise identical); off = argmax of the "
+                        "base logits. Ignored for non-DSpark drafters")
     p.add_argument("--context-cap", type=int, default=d.context_cap,
                    help="full-attention drafter layers see only the last C context rows (default 0: all)")
     p.add_argument("--listen", default=d.listen, help=f"gRPC address (default {d.listen})")
@@ -404,7 +441,8 @@ def make_drafter(cfg: DraftWorkerConfig) -> Drafter:
     if cfg.drafter:
         from .engine import open_model_drafter
 
-        d = open_model_drafter(cfg.drafter, cfg.target, kv_dtype=cfg.drafter_kv_dtype, context_cap=cfg.context_cap)
+        d = open_model_drafter(cfg.drafter, cfg.target, kv_dtype=cfg.drafter_kv_dtype, context_cap=cfg.context_cap,
+                               dspark_markov=cfg.dspark_markov)
         log.info("draft-worker: %s", d.hp.summary())
         return d
     from .scripted import ScriptedDrafter
@@ -418,6 +456,7 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = DraftWorkerConfig(drafter=args.drafter, target=args.target, drafter_kv_dtype=args.drafter_kv_dtype,
+                            dspark_markov=getattr(args, "dspark_markov", DEFAULT_MARKOV),
                             context_cap=args.context_cap, listen=args.listen, scripted_block=args.scripted_block,
                             vocab=args.vocab, scripted_continuations=args.scripted_continuations,
                             scripted_accept=args.scripted_accept, threads=args.threads,
