@@ -284,3 +284,140 @@ def test_output_token_equal_to_the_mask_id(stack, reference, tmp_path, target_gg
     finally:
         srv.stop(0).wait()
         svc.close()
+
+
+# ---------------------------------------------------------------- DSpark Markov modes (fused / unfused / off)
+
+MARKOV = {"fused": gpb.DSPARK_MARKOV_FUSED, "unfused": gpb.DSPARK_MARKOV_UNFUSED, "off": gpb.DSPARK_MARKOV_OFF}
+
+
+def _recording(d, monkeypatch):
+    """Wraps ``d.propose`` so every call's resolved options and drafts are recorded."""
+    calls, real = [], d.propose
+
+    def propose(seq_id, anchor, max_tokens, options=None):
+        out = real(seq_id, anchor, max_tokens, options)
+        calls.append((options.dspark_markov if options is not None else "", list(out.tokens)))
+        return out
+
+    monkeypatch.setattr(d, "propose", propose)
+    return calls
+
+
+@pytest.mark.parametrize("draft_mode", [gpb.DRAFT_MODE_CHAIN, gpb.DRAFT_MODE_TREE])
+def test_dspark_markov_modes_equal_plain_greedy(drafter_stacks, reference, monkeypatch, draft_mode):
+    """Each Markov mode's streamed ids equal plain greedy (chain and DDTree); the mode reaches the
+    drafter through SpeculationParams -> ProposeRequest; fused and unfused propose the same drafts
+    (bitwise-identical paths), off proposes different ones on this random drafter."""
+    stub, d = drafter_stacks["dspark"]
+    calls = _recording(d, monkeypatch)
+    drafts = {}
+    for name, val in [("default", gpb.DSPARK_MARKOV_DEFAULT)] + list(MARKOV.items()):
+        calls.clear()
+        for prompt in PROMPTS:
+            got, done = run(stub, prompt, dspark_markov=val, draft_mode=draft_mode, tree_budget=5)
+            assert got == reference(prompt, MAX_TOKENS)[0], (name, prompt)
+            assert done.speculation.num_drafts > 0
+        assert calls and {c[0] for c in calls} == {"" if name == "default" else name}
+        drafts[name] = [c[1] for c in calls]
+    assert drafts["default"] == drafts["fused"] == drafts["unfused"]
+    assert drafts["off"] != drafts["fused"]
+
+
+def test_dspark_markov_worker_default_and_info(stack, reference, target_gguf, tmp_path):
+    """--dspark-markov off on the worker: Info reports it, unset requests draft the argmax of the
+    base logits (as DrafterModel with markov="off"), an explicit request mode overrides it; output
+    is plain greedy either way."""
+    import grpc
+
+    from specd.protos.v1 import worker_pb2 as wpb
+    from specd.protos.v1 import worker_pb2_grpc as wpbg
+
+    d = open_model_drafter(make_gguf(tmp_path, "dspark", seed=3), target_gguf, dspark_markov="off")
+    assert d.dspark_markov == "off"
+    svc = dserver.DraftServicer(d)
+    addr = f"unix://{stack.dir}/d-markov-off.sock"
+    srv, _ = dserver.start_server(svc, addr, 4)
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            info = wpbg.DraftWorkerStub(ch).Info(wpb.InfoRequest())
+        assert info.dspark_markov == wpb.DSPARK_MARKOV_OFF and info.family == "dspark"
+        cstub = stack.coordinator(drafter_override=addr)
+        for prompt in PROMPTS:
+            for val in (gpb.DSPARK_MARKOV_DEFAULT, gpb.DSPARK_MARKOV_FUSED):
+                assert run(cstub, prompt, dspark_markov=val)[0] == reference(prompt, MAX_TOKENS)[0]
+    finally:
+        srv.stop(0).wait()
+        svc.close()
+    # the ModelDrafter's default vs an explicit option, against DrafterModel directly
+    prompt = PROMPTS[2]
+    ref, feats = reference(prompt, 4)
+    n = len(prompt) + 2
+    for mode in ("off", "fused", "unfused"):
+        seq = d.model.new_sequence(64)
+        seq.ingest(feats[:n], 0)
+        want = seq.propose(ref[2], n, markov=mode, topk=3)
+        md = ModelDrafter(d.model, dspark_markov=mode)
+        md.ingest("x", 0, list(prompt) + ref[:2], feats[:n])
+        got_default = md.propose("x", ref[2], 99, dserver.ProposeOptions(top_k=3))
+        md2 = ModelDrafter(d.model)  # default fused, request overrides
+        md2.ingest("x", 0, list(prompt) + ref[:2], feats[:n])
+        got_req = md2.propose("x", ref[2], 99, dserver.ProposeOptions(top_k=3, dspark_markov=mode))
+        for got in (got_default, got_req):
+            assert got.tokens == [int(t) for t in want.tokens]
+            np.testing.assert_array_equal(got.top_k_ids, want.topk_ids)
+            np.testing.assert_array_equal(got.top_k_logprobs, want.topk_logprobs)
+            np.testing.assert_array_equal(got.confidence, want.confidence)
+
+
+def test_dspark_markov_ignored_for_other_families(drafter_stacks, reference, monkeypatch):
+    """vLLM/SGLang style: a Markov mode sent to a DFlash / DFlash 2 drafter is ignored (not refused);
+    the worker reports DEFAULT (not applied) and the output is plain greedy."""
+    for fam in ("dflash", "dflash2"):
+        stub, d = drafter_stacks[fam]
+        assert d.dspark_markov == ""
+        base = [run(stub, p)[0] for p in PROMPTS]
+        for val in MARKOV.values():
+            assert [run(stub, p, dspark_markov=val)[0] for p in PROMPTS] == base == \
+                [reference(p, MAX_TOKENS)[0] for p in PROMPTS]
+
+
+def test_dspark_markov_option_validation(drafter_stacks, target_gguf, tmp_path):
+    import argparse
+
+    import grpc
+
+    from specd.coordinator import client, launcher
+
+    with pytest.raises(ValueError, match="dspark_markov"):
+        dserver.DraftWorkerConfig(drafter="d.gguf", target=target_gguf, dspark_markov="sequential").validate()
+    assert dserver.DraftWorkerConfig().dspark_markov == "fused"
+    with pytest.raises(ValueError, match="dspark_markov"):
+        dserver.ProposeOptions(dspark_markov="bogus")
+    _, d = drafter_stacks["dspark"]
+    with pytest.raises(ValueError, match="dspark_markov"):
+        ModelDrafter(d.model, dspark_markov="lazy")
+    with pytest.raises(ValueError, match="dspark_markov"):
+        open_model_drafter("nonexistent.gguf", target_gguf, dspark_markov="x")
+    # an unknown enum value over gRPC is INVALID_ARGUMENT at the coordinator
+    stub, _ = drafter_stacks["dspark"]
+    with pytest.raises(grpc.RpcError) as e:
+        run(stub, [1, 2], dspark_markov=7)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "dspark_markov" in e.value.details()
+    # CLI flags: draft-worker (default fused, choices), serve (forwarded), generate (request field)
+    p = argparse.ArgumentParser()
+    dserver.add_arguments(p)
+    assert p.parse_args([]).dspark_markov == "fused" and p.parse_args(["--dspark-markov", "off"]).dspark_markov == "off"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--dspark-markov", "maybe"])
+    p = argparse.ArgumentParser()
+    launcher.add_arguments(p)
+    assert p.parse_args(["--target", "t.gguf", "--dspark-markov", "unfused"]).dspark_markov == "unfused"
+    assert p.parse_args(["--target", "t.gguf"]).dspark_markov == "fused"
+    with pytest.raises(ValueError, match="dspark-markov"):
+        launcher.ServeConfig(target=target_gguf, dspark_markov="x").validate()
+    p = argparse.ArgumentParser()
+    client.add_arguments(p)
+    for name, val in [("default", gpb.DSPARK_MARKOV_DEFAULT)] + list(MARKOV.items()):
+        args = p.parse_args(["--token-ids", "1,2", "--dspark-markov", name])
+        assert client.build_request(args).speculation.dspark_markov == val
