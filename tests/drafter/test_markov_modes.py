@@ -19,9 +19,20 @@ from specd.draft_worker.model import MARKOV_MODES, DEFAULT_MARKOV, DrafterModel,
 from specd.native import Tensor
 
 
-def build(tmp_path, rng, family="dspark", **kw):
-    folder, cfg, tensors = td.make_drafter(tmp_path / family, family, rng, dtype="F32", scales=td.FORWARD_SCALES, **kw)
+# larger than the default tiny dims (V, H, B), so the block matmul spans several kernel tiles
+BIG = dict(vocab=2048, hidden=256, inter=256, layers=1, heads=4, kv_heads=2, head_dim=64, taps=[0, 1], n_target=4,
+           block=16, mask=2000)
+
+
+def build(tmp_path, rng, family="dspark", softcap=False, **kw):
+    cfg = td.make_config(family, **kw)
+    if softcap:  # output_multiplier and the tanh softcap: element-wise, applied per row or per block alike
+        cfg.setdefault("dflash_config", {}).update(output_multiplier=0.7, final_logit_softcapping=3.0)
+    folder, cfg, tensors = td.make_drafter(tmp_path / family, family, rng, dtype="F32", scales=td.FORWARD_SCALES,
+                                           cfg=cfg)
     ld = load_drafter(td.convert_tiny(folder, "f32"))
+    if softcap:
+        assert ld.hparams.final_logit_softcapping == np.float32(3.0) and ld.hparams.output_multiplier != 1.0
     emb, head = td.target_tables(cfg, rng)
     return ld, emb, head
 
@@ -43,7 +54,8 @@ def test_default_is_fused():
 
 
 @pytest.mark.parametrize("variant", [dict(), dict(with_markov=False), dict(confidence=False),
-                                     dict(packaging="deepspec")])
+                                     dict(packaging="deepspec"), dict(softcap=True), dict(yarn=True),
+                                     dict(dims=BIG)])
 @pytest.mark.parametrize("draw", range(3))
 def test_fused_and_unfused_are_bitwise_equal(tmp_path, variant, draw):
     rng = np.random.default_rng(1000 + draw)
