@@ -16,7 +16,9 @@ a proposal sit after the committed positions); ``ingest`` appends committed posi
 first_proposal_row, so the verify never carries unused drafts) and returns the greedy drafts with
 the family's extras: DSpark confidences (and the optional confidence-gate truncation), per-position
 top-k log-probs for DDTree (spec-loop.md §7.1; DSpark Markov-corrected along the argmax spine,
-DFlash 2 selector scores re-normalised per position).
+DFlash 2 selector scores re-normalised per position). DSpark proposals follow the Markov mode
+(``dspark_markov``: the drafter's default, overridden per request; fused / unfused / off,
+model.MARKOV_MODES); other families ignore it.
 """
 from __future__ import annotations
 
