@@ -99,6 +99,7 @@ def run(args) -> int:
     import grpc
     from google.protobuf import json_format
 
+    from specd.protos.v1 import generate_pb2 as gpb
     from specd.protos.v1 import generate_pb2_grpc as gpbg
 
     req = build_request(args)
@@ -128,7 +129,8 @@ def run(args) -> int:
     print(f"finish={done.finish_reason} prompt={done.usage.prompt_tokens} completion={done.usage.completion_tokens} "
           f"drafts={sp.num_drafts} draft_tokens={sp.num_draft_tokens} accepted={sp.num_accepted_tokens} "
           f"mean_acceptance_length={sp.mean_acceptance_length:.2f} plain_steps={sp.num_plain_steps} "
-          f"switches={len(sp.policy_switches)} per_position={list(sp.accepted_per_position)}", file=sys.stderr)
+          f"switches={len(sp.policy_switches)} per_position={list(sp.accepted_per_position)}"
+          + (f" dspark_markov={gpb.DSparkMarkov.Name(sp.dspark_markov)}" if sp.dspark_markov else ""), file=sys.stderr)
     if sp.thinking_tokens or sp.reasoning_budget_armed or any(s.reason == "budget" for s in sp.policy_switches):
         print(f"thinking_tokens={sp.thinking_tokens} budget_armed={sp.reasoning_budget_armed} "
               f"budget_closed={sp.reasoning_budget_closed} forced_tokens={sp.forced_tokens}", file=sys.stderr)

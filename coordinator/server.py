@@ -671,6 +671,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
                     req.features.CopyFrom(pre.features)
                     started["drafter"] = True
                 prop = await self._call(self.drafter.Propose, req, deadline, "propose")
+                stats.dspark_markov = int(prop.dspark_markov)  # worker.proto and generate.proto share the values
                 synced = committed
                 drafts = list(prop.tokens)[:k]
                 if any(not 0 <= d < self.tinfo.vocab_size for d in drafts):

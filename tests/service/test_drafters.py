@@ -318,6 +318,7 @@ def test_dspark_markov_modes_equal_plain_greedy(drafter_stacks, reference, monke
             got, done = run(stub, prompt, dspark_markov=val, draft_mode=draft_mode, tree_budget=5)
             assert got == reference(prompt, MAX_TOKENS)[0], (name, prompt)
             assert done.speculation.num_drafts > 0
+            assert done.speculation.dspark_markov == (val or gpb.DSPARK_MARKOV_FUSED)  # reported as applied
         assert calls and {c[0] for c in calls} == {"" if name == "default" else name}
         drafts[name] = [c[1] for c in calls]
     assert drafts["default"] == drafts["fused"] == drafts["unfused"]
@@ -345,7 +346,9 @@ def test_dspark_markov_worker_default_and_info(stack, reference, target_gguf, tm
         cstub = stack.coordinator(drafter_override=addr)
         for prompt in PROMPTS:
             for val in (gpb.DSPARK_MARKOV_DEFAULT, gpb.DSPARK_MARKOV_FUSED):
-                assert run(cstub, prompt, dspark_markov=val)[0] == reference(prompt, MAX_TOKENS)[0]
+                got, done = run(cstub, prompt, dspark_markov=val)
+                assert got == reference(prompt, MAX_TOKENS)[0]
+                assert done.speculation.dspark_markov == (val or gpb.DSPARK_MARKOV_OFF)  # the worker default
     finally:
         srv.stop(0).wait()
         svc.close()
@@ -378,8 +381,9 @@ def test_dspark_markov_ignored_for_other_families(drafter_stacks, reference, mon
         assert d.dspark_markov == ""
         base = [run(stub, p)[0] for p in PROMPTS]
         for val in MARKOV.values():
-            assert [run(stub, p, dspark_markov=val)[0] for p in PROMPTS] == base == \
-                [reference(p, MAX_TOKENS)[0] for p in PROMPTS]
+            runs = [run(stub, p, dspark_markov=val) for p in PROMPTS]
+            assert [r[0] for r in runs] == base == [reference(p, MAX_TOKENS)[0] for p in PROMPTS]
+            assert all(r[1].speculation.dspark_markov == gpb.DSPARK_MARKOV_DEFAULT for r in runs)  # not applied
 
 
 def test_dspark_markov_option_validation(drafter_stacks, target_gguf, tmp_path):
