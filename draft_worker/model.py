@@ -148,7 +148,7 @@ class Proposal:
         lm_head logits (× output_multiplier, softcap; DFlash 2's "unary" logits). For DSpark the
         Markov-corrected logits ℓ_k are in ``markov_logits``.
     markov_logits: DSpark only, float32 [n, V] or None (``return_logits``) — ℓ_k = U_k + W2·W1[x_{k−1}] along the
-        chosen chain (x_0 = seed).
+        chosen chain (x_0 = seed); with ``markov="off"`` ℓ_k = U_k (no correction).
     hidden: float32 [n, H] or None — post-final-norm draft hidden of the proposing rows.
     confidence: DSpark with a confidence head only, float32 [n] — c_k = σ(w·[h_k ; W1[x_{k−1}]] + b),
         the conditional survival estimate of draft k (paper eq. 7); None otherwise.
