@@ -140,19 +140,23 @@ def test_sigterm_unlinks_shared_memory_of_live_sequences(target_gguf, tmp_path):
 
 def test_serve_with_a_real_drafter_chain_and_tree(target_gguf, reference, tmp_path):
     """`specd serve --target T --drafter D` (a tiny random DSpark drafter at the target's dims; the
-    target captures its taps): chain and DDTree requests from `specd generate` equal the plain run."""
+    target captures its taps): chain and DDTree requests from `specd generate` equal the plain run.
+    `--dspark-markov unfused` reaches the drafter worker (the applied mode is reported) and
+    `specd generate --dspark-markov` overrides it per request."""
     from .test_drafters import make_gguf
 
     drafter = make_gguf(tmp_path, "dspark")
     sock = f"unix://{tmp_path}/c.sock"
     serve = _start(["serve", "--target", target_gguf, "--drafter", drafter, "--listen", sock, "--metrics-port", "0",
                     "--policy-step-ratio", "0", "--max-seq-len", "128", "--kv-dtype", "f32",
-                    "--draft-mode", "tree", "--tree-budget", "5", "--runtime-dir", str(tmp_path / "rt")])
+                    "--draft-mode", "tree", "--tree-budget", "5", "--runtime-dir", str(tmp_path / "rt"),
+                    "--dspark-markov", "unfused"])
     try:
         prompt = [9, 8, 7, 6]
         ref, _ = reference(prompt, 12)
         for extra in ([], ["--draft-mode", "chain", "--confidence-threshold", "0.3"],
-                      ["--tree-budget", "12", "--no-tree-chain-seed"]):
+                      ["--tree-budget", "12", "--no-tree-chain-seed"], ["--dspark-markov", "off"],
+                      ["--draft-mode", "chain", "--dspark-markov", "fused"]):
             out = subprocess.run(CLI + ["generate", "--server", sock, "--token-ids", ",".join(map(str, prompt)),
                                         "--max-tokens", "12", "--ignore-eos", "--speculation", "force", "--json",
                                         *extra], capture_output=True, text=True, timeout=120)
@@ -162,6 +166,8 @@ def test_serve_with_a_real_drafter_chain_and_tree(target_gguf, reference, tmp_pa
             sp = done["speculation"]
             assert int(sp["num_drafts"]) > 0
             assert ("num_tree_steps" in sp) == ("chain" not in extra), sp
+            want = extra[extra.index("--dspark-markov") + 1] if "--dspark-markov" in extra else "unfused"
+            assert sp["dspark_markov"] == "DSPARK_MARKOV_" + want.upper(), sp
     finally:
         assert _stop(serve, 90) == 0
 
