@@ -21,6 +21,9 @@ Per request (spec-loop.md §2-§3, §9):
    thinking (:mod:`~specd.coordinator.reasoning`): with a reasoning budget, each step's drafts are
    clipped to the thinking tokens left; when the budget is spent the step's bonus (not yet fed to the
    target) is replaced by the first close-sequence token and the rest are forced by plain steps;
+   feature transport ``inline`` (workers on different hosts): the FeatureRows the target returns in
+   Prefill / Verify are kept unread and forwarded in the next Propose (no extra call); a step is made
+   speculative before the pending rows plus one verify could exceed ``TargetInfo.inline_max_rows``;
 5. a final ``complete`` with finish reason, usage (= what was sent) and speculation stats.
 
 Both workers' sequences are released on every exit path (finish, error, client cancel, deadline).
