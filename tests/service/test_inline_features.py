@@ -242,3 +242,57 @@ def test_bounded_messages(istack, reference):
     finally:
         svc.inline_max_rows = old
         del istack.drafter.ingest
+
+
+def test_serve_cli_inline_and_mismatch_processes(target_gguf, reference, tmp_path):
+    """Real processes: `specd serve --feature-transport inline` is lossless and creates no segment;
+    a coordinator process whose flag differs from its workers' exits at start-up naming the flag."""
+    import json
+    import subprocess
+
+    from .test_processes import CLI, _start, _stop
+
+    from .conftest import CAPTURE
+
+    before = set(glob.glob("/dev/shm/specd-ft-*"))
+    prompt = [9, 8, 7, 6]
+    ref, _ = reference(prompt, 30)
+    cont = tmp_path / "oracle.jsonl"
+    cont.write_text(json.dumps({"prompt": prompt, "continuation": ref}) + "\n")
+    sock = f"unix://{tmp_path}/c.sock"
+    serve = _start(["serve", "--target", target_gguf, "--scripted-block", "4", "--listen", sock, "--metrics-port", "0",
+                    "--scripted-continuations", str(cont), "--policy-step-ratio", "0", "--feature-transport", "inline",
+                    "--capture-layers", ",".join(map(str, CAPTURE)), "--max-seq-len", "128", "--kv-dtype", "f32",
+                    "--runtime-dir", str(tmp_path / "rt")])
+    try:
+        out = subprocess.run(CLI + ["generate", "--server", sock, "--token-ids", "9,8,7,6", "--max-tokens", "10",
+                                    "--ignore-eos", "--json"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        done = json.loads(out.stdout)
+        assert [int(t) for t in done["output_ids"]] == ref[:10]
+        assert int(done["speculation"]["num_accepted_tokens"]) == 7
+        assert set(glob.glob("/dev/shm/specd-ft-*")) - before == set()
+    finally:
+        assert _stop(serve) == 0
+    # mismatch across processes: inline target worker, shm (default) drafter and coordinator
+    tsock, dsock = f"unix://{tmp_path}/t2.sock", f"unix://{tmp_path}/d2.sock"
+    t = _start(["target-worker", "--target", target_gguf, "--listen", tsock, "--capture-layers", "0,2",
+                "--max-seq-len", "64", "--kv-dtype", "f32", "--feature-transport", "inline"])
+    d = _start(["draft-worker", "--listen", dsock, "--vocab", "320", "--scripted-block", "4"])
+    try:
+        c = subprocess.run(CLI + ["coordinator", "--target", tsock, "--drafter", dsock, "--listen",
+                                  f"unix://{tmp_path}/c2.sock", "--metrics-port", "0", "--worker-timeout-s", "20"],
+                           capture_output=True, text=True, timeout=120)
+        assert c.returncode != 0
+        assert "feature_transport" in c.stderr and "'inline'" in c.stderr and "--feature-transport" in c.stderr, \
+            c.stderr[-2000:]
+        c = subprocess.run(CLI + ["coordinator", "--target", tsock, "--drafter", dsock, "--listen",
+                                  f"unix://{tmp_path}/c3.sock", "--metrics-port", "0", "--feature-transport", "inline",
+                                  "--worker-timeout-s", "20"], capture_output=True, text=True, timeout=120)
+        assert c.returncode != 0 and "drafter worker" in c.stderr and "'shm'" in c.stderr, c.stderr[-2000:]
+    finally:
+        _stop(t)
+        _stop(d)
+    bad = subprocess.run(CLI + ["target-worker", "--target", target_gguf, "--feature-transport", "rdma"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "feature-transport" in bad.stderr
