@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -29,8 +27,6 @@ from specd.protos.v1 import worker_pb2_grpc as wpbg
 from specd.target_worker.feature_inline import decode_rows, encode_rows, inline_max_rows
 
 from .conftest import BLOCK, Stack, generate, streamed_ids, token_request
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def _segments():
@@ -250,9 +246,8 @@ def test_serve_cli_inline_and_mismatch_processes(target_gguf, reference, tmp_pat
     import json
     import subprocess
 
-    from .test_processes import CLI, _start, _stop
-
     from .conftest import CAPTURE
+    from .test_processes import CLI, _start, _stop
 
     before = set(glob.glob("/dev/shm/specd-ft-*"))
     prompt = [9, 8, 7, 6]
