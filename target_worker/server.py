@@ -100,14 +100,14 @@ class TargetWorkerConfig:
         for name in ("threads", "max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"target-worker: {name} must be >= 0, got {getattr(self, name)}")
-
-    @property
-    def rpc_threads(self) -> int:
-        return self.threads or self.max_sequences + 8
         if self.max_seq_len < 0:
             raise ValueError(f"target-worker: max_seq_len must be >= 0, got {self.max_seq_len}")
         if self.kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"target-worker: kv_dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
+
+    @property
+    def rpc_threads(self) -> int:
+        return self.threads or self.max_sequences + 8
 
 
 def _abort(context, code, msg):
