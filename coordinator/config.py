@@ -65,6 +65,10 @@ class CoordinatorConfig:
         "\n</think>\n\n" (what Qwen3.5 writes when it closes thinking itself); must contain </think>.
         The first token replaces the step's bonus (no extra step); each further one costs a plain step.
     policy: the adaptive policy (spec-loop.md §9.1a), see PolicyConfig.
+    feature_transport: how drafter feature rows travel: "shm" (default; the target's shared-memory
+        ring, both workers on one host) or "inline" (the target returns the rows it committed in its
+        responses and the coordinator forwards them, unread, in the next Propose; workers on different
+        hosts). Both workers must run the same transport (checked at connect).
     """
 
     listen: str = "0.0.0.0:50051"
@@ -102,11 +106,14 @@ class CoordinatorConfig:
     reasoning_budget: int = 0
     reply_reserve: int = 64
     reasoning_close: str = "\n</think>\n\n"
+    feature_transport: str = "shm"
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
     def validate(self) -> None:
         if not self.target:
             raise ValueError("coordinator: target address is required")
+        if self.feature_transport not in ("shm", "inline"):
+            raise ValueError(f"coordinator: feature_transport must be shm or inline, got {self.feature_transport!r}")
         for name in ("default_max_tokens", "worker_timeout_s", "health_poll_s", "public_max_message_bytes",
                      "internal_max_message_bytes", "keepalive_min_ping_interval_ms", "keepalive_time_ms",
                      "keepalive_timeout_ms", "release_timeout_s", "health_timeout_s", "max_request_id_bytes",
@@ -184,6 +191,7 @@ _FLAGS = [  # (field, type, help)
     ("reasoning_budget", int, "default reasoning budget in thinking tokens (0 = unmanaged)"),
     ("reply_reserve", int, "arm a reasoning budget B only when max_tokens > B + reply_reserve"),
     ("reasoning_close", str, "text forced to close thinking when the budget is spent (must contain </think>)"),
+    ("feature_transport", str, "drafter feature rows: shm (shared memory, one host) or inline (bytes via the coordinator)"),
 ]
 _POLICY_FLAGS = [
     ("step_ratio", float, "prior t_spec/t_plain (0 disables the policy)"),

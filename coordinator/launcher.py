@@ -164,7 +164,8 @@ def run(args) -> int:
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,
-                    "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype])
+                    "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype,
+                    "--feature-transport", ns.feature_transport])
         procs.append(("target-worker", t))
         _wait_ready(t, "target-worker", args.start_timeout_s)
         drafter = ""
@@ -172,7 +173,8 @@ def run(args) -> int:
             from gguf import GGUFReader
 
             vocab = int(next(x for x in GGUFReader(args.target).tensors if x.name == "token_embd.weight").shape[1])
-            dargv = ["draft-worker", "--listen", dsock, "--vocab", str(vocab)]
+            dargv = ["draft-worker", "--listen", dsock, "--vocab", str(vocab),
+                     "--feature-transport", ns.feature_transport]
             dargv += ["--drafter", args.drafter_gguf, "--target", args.target,
                       "--drafter-kv-dtype", args.drafter_kv_dtype,
                       "--dspark-markov", getattr(args, "dspark_markov", "fused")] if args.drafter_gguf else [

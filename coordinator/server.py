@@ -21,6 +21,9 @@ Per request (spec-loop.md §2-§3, §9):
    thinking (:mod:`~specd.coordinator.reasoning`): with a reasoning budget, each step's drafts are
    clipped to the thinking tokens left; when the budget is spent the step's bonus (not yet fed to the
    target) is replaced by the first close-sequence token and the rest are forced by plain steps;
+   feature transport ``inline`` (workers on different hosts): the FeatureRows the target returns in
+   Prefill / Verify are kept unread and forwarded in the next Propose (no extra call); a step is made
+   speculative before the pending rows plus one verify could exceed ``TargetInfo.inline_max_rows``;
 5. a final ``complete`` with finish reason, usage (= what was sent) and speculation stats.
 
 Both workers' sequences are released on every exit path (finish, error, client cancel, deadline).
@@ -122,6 +125,11 @@ class Coordinator(gpbg.SpecDecodeServicer):
         self.target = wpbg.TargetWorkerStub(self.target_channel)
         self.tinfo = await self.target.Info(wpb.InfoRequest(), timeout=self.cfg.worker_timeout_s, wait_for_ready=True)
         self.eos_ids = list(self.tinfo.eos_token_ids)
+        want = self.cfg.feature_transport
+        if (self.tinfo.feature_transport or "shm") != want:
+            raise RuntimeError(f"coordinator feature_transport is {want!r} but the target worker at {self.cfg.target} runs "
+                               f"{self.tinfo.feature_transport or 'shm'!r}; start all three with the same "
+                               "--feature-transport")
         if isinstance(self.tok, str):
             self.tok = await asyncio.to_thread(load_tokenizer, self.cfg.tokenizer or self.tinfo.model_path)
         if self.tok is not None:
@@ -131,9 +139,14 @@ class Coordinator(gpbg.SpecDecodeServicer):
             self.drafter = wpbg.DraftWorkerStub(self.draft_channel)
             self.dinfo = await self.drafter.Info(wpb.InfoRequest(), timeout=self.cfg.worker_timeout_s,
                                                  wait_for_ready=True)
-            if self.dinfo.shm_namespace_id != self.tinfo.shm_namespace_id:
+            if (self.dinfo.feature_transport or "shm") != want:
+                raise RuntimeError(f"coordinator feature_transport is {want!r} but the drafter worker at "
+                                   f"{self.cfg.drafter} runs {self.dinfo.feature_transport or 'shm'!r}; start all "
+                                   "three with the same --feature-transport")
+            if want == "shm" and self.dinfo.shm_namespace_id != self.tinfo.shm_namespace_id:
                 raise RuntimeError(f"target ({self.tinfo.shm_namespace_id}) and drafter ({self.dinfo.shm_namespace_id}) "
-                                   "do not share /dev/shm; the feature ring needs one tmpfs")
+                                   "do not share /dev/shm; the feature ring needs one tmpfs "
+                                   "(use --feature-transport inline across hosts)")
             if self.dinfo.vocab_size != self.tinfo.vocab_size:
                 raise RuntimeError(f"drafter vocabulary {self.dinfo.vocab_size} != target {self.tinfo.vocab_size}")
             if self.dinfo.target_layer_ids and list(self.dinfo.target_layer_ids) != list(self.tinfo.capture_layers):
@@ -624,6 +637,10 @@ class Coordinator(gpbg.SpecDecodeServicer):
                                deadline, "prefill")
         timing.prefill_s = time.perf_counter() - t0
         tokens = list(prompt)  # token at every position, committed ones then the anchor
+        # inline transport: the target's FeatureRows since the last Propose, forwarded unread
+        inline = self.cfg.feature_transport == "inline" and cap > 0  # cap 0: no Propose, keep no rows
+        rows_out = [pre.rows] if inline and pre.HasField("rows") else []
+        inline_cap = self.tinfo.inline_max_rows
         anchor = pre.first_token
         committed = pre.committed
         if rb is not None:
@@ -656,6 +673,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
             if speculate and deadline is not None and policy.t_spec is not None \
                     and deadline - time.monotonic() < policy.t_spec:
                 speculate = False  # a speculative step would not fit the deadline: plain steps to the end
+            if inline and k > 0 and catch_up + cap + 1 > inline_cap:
+                speculate = True  # drain the rows pending for the drafter before they outgrow one message
             t0 = time.perf_counter()
             drafts: list[int] = []
             tree = None
@@ -666,7 +685,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 req = wpb.ProposeRequest(seq_id=seq_id, start=synced, new_tokens=tokens[synced:committed],
                                          anchor=anchor, max_tokens=k, confidence_threshold=opts.confidence_threshold,
                                          top_k=top_k, top_k_temperature=opts.temperature if top_k else 0.0,
-                                         dspark_markov=opts.dspark_markov)
+                                         dspark_markov=opts.dspark_markov, rows=rows_out)
+                rows_out = []
                 if not started["drafter"]:
                     req.features.CopyFrom(pre.features)
                     started["drafter"] = True
@@ -701,6 +721,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
             if tree is not None:
                 self._check_tree(tree, vr, k)
             committed = vr.committed
+            if inline and vr.HasField("rows"):
+                rows_out.append(vr.rows)
             if rb is not None:  # an overflowing bonus (never fed to the target) becomes a close token
                 try:
                     emitted = rb.apply(emitted)

@@ -6,7 +6,10 @@ GGUF bound to the target GGUF's embedding and head; ``--drafter D.gguf --target 
 :class:`specd.draft_worker.scripted.ScriptedDrafter` (test support and the oracle drafter). Per Propose the servicer attaches the sequence's feature ring
 (first call, from the handle the coordinator forwards), reads the rows of the newly committed
 positions [start, start + len(new_tokens)) from shared memory and hands them to the drafter with
-their tokens, then asks for proposals. Errors: unknown sequence on a non-first call or a row gap ->
+their tokens, then asks for proposals. With ``feature_transport = "inline"`` the reader is a private
+ring fed from the Propose's ``rows`` (the bytes the target returned, forwarded by the coordinator;
+:mod:`specd.target_worker.feature_inline`); a handle of the other transport's kind ->
+FAILED_PRECONDITION. Errors: unknown sequence on a non-first call or a row gap ->
 FAILED_PRECONDITION; a ring that cannot be attached -> FAILED_PRECONDITION (shared memory not shared).
 
 Per-request drafter options travel in ProposeRequest (:class:`ProposeOptions`): the DSpark
@@ -154,6 +157,9 @@ class DraftWorkerConfig:
         default 900 s; 0 = never.
     tombstone_cap: released ids remembered, default 4096.
     shutdown_grace_s: on SIGTERM, in-flight calls get this long, default 2 s.
+    feature_transport: "shm" (default: attach the target's shared-memory ring) or "inline" (feature
+        rows arrive as bytes in each Propose; the target worker may be on another host). Must match
+        the target worker and the coordinator.
     """
 
     drafter: str = ""
@@ -172,8 +178,12 @@ class DraftWorkerConfig:
     idle_ttl_s: float = 900.0
     tombstone_cap: int = 4096
     shutdown_grace_s: float = 2.0
+    feature_transport: str = "shm"
 
     def validate(self) -> None:
+        from specd.target_worker.feature_inline import check_transport
+
+        check_transport(self.feature_transport, "draft-worker")
         if self.threads < 0 or self.max_message_bytes <= 0 or self.tombstone_cap <= 0:
             raise ValueError("draft-worker: threads >= 0, max_message_bytes and tombstone_cap > 0 required")
         for name in ("max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s"):
@@ -210,9 +220,13 @@ class _Seq:
 class DraftServicer(pbg.DraftWorkerServicer):
     """Implements worker.proto DraftWorker over one drafter object (see the module docstring)."""
 
-    def __init__(self, drafter: Drafter, idle_ttl_s: float = 0.0, tombstone_cap: int = 4096):
+    def __init__(self, drafter: Drafter, idle_ttl_s: float = 0.0, tombstone_cap: int = 4096,
+                 feature_transport: str = "shm"):
         if not isinstance(drafter, Drafter):
             raise TypeError(f"{type(drafter).__name__} does not implement the Drafter protocol")
+        from specd.target_worker.feature_inline import check_transport
+
+        self.transport = check_transport(feature_transport, "draft-worker")
         self.drafter = drafter
         self.idle_ttl_s, self.tombstone_cap = float(idle_ttl_s), int(tombstone_cap)
         self.seqs: dict[str, _Seq] = {}
@@ -235,6 +249,7 @@ class DraftServicer(pbg.DraftWorkerServicer):
                               family=str(getattr(self.drafter, "family", self.drafter.name)),
                               max_top_k=int(getattr(self.drafter, "max_top_k", 0)),
                               has_confidence=bool(getattr(self.drafter, "has_confidence", False)),
+                              feature_transport=self.transport,
                               dspark_markov=_MARKOV_PB.get(getattr(self.drafter, "dspark_markov", ""), 0))
 
     def Propose(self, request, context):
@@ -249,6 +264,11 @@ class DraftServicer(pbg.DraftWorkerServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"sequence {seq_id!r} is new to the drafter but carries no feature handle")
             h = request.features
+            want = "inline" if self.transport == "inline" else "posix_shm"
+            if h.kind != want:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"feature handle kind {h.kind!r} does not match this drafter's feature_transport "
+                              f"{self.transport!r} (expects {want!r})")
             try:
                 reader = attach_reader(FeatureHandleInfo(h.kind, h.name, h.capacity, h.width, h.nbytes, h.owner_id))
             except (OSError, ValueError) as exc:
@@ -287,6 +307,7 @@ class DraftServicer(pbg.DraftWorkerServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"sequence {seq_id!r}: drafter is synced to {s.synced}, request starts at {request.start}")
             try:
+                s.reader.feed(request.rows)  # inline rows (shm: must be none)
                 feats = s.reader.read(request.start, len(new))
                 if new:
                     self.drafter.ingest(seq_id, request.start, new, feats)
@@ -414,6 +435,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"released ids remembered (default {d.tombstone_cap})")
     p.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
                    help=f"on SIGTERM, in-flight calls get this long (default {d.shutdown_grace_s})")
+    from specd.target_worker.server import add_transport_argument
+
+    add_transport_argument(p, d.feature_transport)
 
 
 def load_continuations(path: str) -> dict:
@@ -462,9 +486,9 @@ def run(args) -> int:
                             scripted_accept=args.scripted_accept, threads=args.threads,
                             max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_bytes,
                             idle_ttl_s=args.idle_ttl_s, tombstone_cap=args.tombstone_cap,
-                            shutdown_grace_s=args.shutdown_grace_s)
+                            shutdown_grace_s=args.shutdown_grace_s, feature_transport=args.feature_transport)
     cfg.validate()
-    servicer = DraftServicer(make_drafter(cfg), cfg.idle_ttl_s, cfg.tombstone_cap)
+    servicer = DraftServicer(make_drafter(cfg), cfg.idle_ttl_s, cfg.tombstone_cap, cfg.feature_transport)
     server, _ = start_server(servicer, cfg.listen, cfg.threads or 72, cfg.max_message_bytes, cfg.max_concurrent_rpcs)
     log.info("draft-worker: %s drafter (block %d) on %s", servicer.drafter.name, servicer.drafter.block_size,
              cfg.listen)

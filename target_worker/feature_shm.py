@@ -217,6 +217,12 @@ class FeatureReader:
     def committed(self) -> int:
         return int(self.header[3])
 
+    def feed(self, rows) -> None:
+        """Reader interface (see feature_inline): the shared ring takes no inline rows."""
+        if len(rows):
+            raise ValueError("inline feature rows sent to a drafter reading shared memory "
+                             "(feature_transport mismatch)")
+
     def read(self, start: int, n: int) -> np.ndarray:
         """float32 [n, width] rows of positions start .. start+n-1 (a copy). ValueError when a row is
         not committed yet or no longer held by the ring."""
@@ -239,5 +245,11 @@ class FeatureReader:
             pass
 
 
-def attach_reader(handle: FeatureHandleInfo) -> FeatureReader:
+def attach_reader(handle: FeatureHandleInfo):
+    """The reader for a handle: :class:`FeatureReader` (posix_shm) or, for kind "inline",
+    :class:`.feature_inline.InlineFeatureReader`. Both have ``feed(rows)``, ``read(start, n)``, ``close()``."""
+    if handle.kind == "inline":
+        from .feature_inline import InlineFeatureReader
+
+        return InlineFeatureReader(handle)
     return FeatureReader(handle)

@@ -39,6 +39,7 @@ from specd.protos.v1 import worker_pb2_grpc as pbg
 
 from specd.coordinator.ddtree import walk_tree
 
+from .feature_inline import InlineFeatureWriter, check_transport, encode_rows, inline_max_rows
 from .feature_shm import FeatureWriter, ShmExhausted, shm_namespace_id
 
 log = logging.getLogger("specd.target_worker")
@@ -67,6 +68,10 @@ class TargetWorkerConfig:
     tombstone_cap: released ids remembered (so a Prefill overtaken by its Release does not
         resurrect the sequence), default 4096.
     shutdown_grace_s: on SIGTERM, in-flight calls get this long before the server stops, default 2 s.
+    feature_transport: how feature rows reach the drafter: "shm" (default; a POSIX shared-memory ring
+        per sequence, both workers on one host) or "inline" (the rows each call commits are returned
+        as bytes in its response and the coordinator forwards them in the next Propose; workers on
+        different hosts). See :mod:`.feature_inline`.
     """
 
     target: str = ""
@@ -83,24 +88,26 @@ class TargetWorkerConfig:
     idle_ttl_s: float = 900.0
     tombstone_cap: int = 4096
     shutdown_grace_s: float = 2.0
+    feature_transport: str = "shm"
 
     def validate(self) -> None:
         if not self.target:
             raise ValueError("target-worker: --target is required")
+        check_transport(self.feature_transport, "target-worker")
         for name in ("max_verify", "max_sequences", "prefill_chunk", "max_message_bytes", "tombstone_cap"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"target-worker: {name} must be > 0, got {getattr(self, name)}")
         for name in ("threads", "max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"target-worker: {name} must be >= 0, got {getattr(self, name)}")
-
-    @property
-    def rpc_threads(self) -> int:
-        return self.threads or self.max_sequences + 8
         if self.max_seq_len < 0:
             raise ValueError(f"target-worker: max_seq_len must be >= 0, got {self.max_seq_len}")
         if self.kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"target-worker: kv_dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
+
+    @property
+    def rpc_threads(self) -> int:
+        return self.threads or self.max_sequences + 8
 
 
 def _abort(context, code, msg):
@@ -179,7 +186,10 @@ class TargetServicer(pbg.TargetWorkerServicer):
         self.max_seq_len = config.max_seq_len or (hp.context_length or 4096)
         self.width = max(1, len(model.capture_layers)) * hp.n_embd
         self.eos_ids = [int(e) for e in eos_ids if e is not None and e >= 0]
-        self.features = FeatureWriter()
+        self.transport = check_transport(getattr(config, "feature_transport", "shm"), "target-worker")
+        self.inline = self.transport == "inline"
+        self.features = InlineFeatureWriter() if self.inline else FeatureWriter()
+        self.inline_max_rows = inline_max_rows(config.max_message_bytes, self.width)
         self.seqs: dict[str, _Seq] = {}
         self.seqs_lock = threading.Lock()
         self.model_lock = threading.Lock()
@@ -259,7 +269,22 @@ class TargetServicer(pbg.TargetWorkerServicer):
                              max_seq_len=self.max_seq_len, max_verify=self.cfg.max_verify,
                              capture_layers=list(self.model.capture_layers), feature_width=self.width,
                              eos_token_ids=self.eos_ids, shm_namespace_id=self.namespace,
-                             live_sequences=live, live_shm_segments=len(self.features.live()))
+                             live_sequences=live, live_shm_segments=len(self.features.live()),
+                             feature_transport=self.transport,
+                             inline_max_rows=self.inline_max_rows if self.inline else 0)
+
+    def _rows(self, seq_id: str):
+        """Inline transport: the FeatureRows of what the sequence committed since the last call
+        (one message; the writes of one call are contiguous). None with shm."""
+        if not self.inline:
+            return None
+        parts = self.features.take(seq_id)
+        if not parts:
+            return None
+        start = parts[0][0]
+        rows = parts[0][1] if len(parts) == 1 else np.concatenate([r for _, r in parts])
+        st, n, w, data = encode_rows(start, rows)
+        return pb.FeatureRows(start=st, n=n, width=w, data=data)
 
     def Prefill(self, request, context):
         return self.slots.run(context, self._prefill, request, context)
@@ -271,6 +296,10 @@ class TargetServicer(pbg.TargetWorkerServicer):
         if not tokens:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
         cap = int(request.capacity) or self.max_seq_len
+        if self.inline and len(tokens) > self.inline_max_rows:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"prompt of {len(tokens)} tokens: its feature rows exceed the {self.inline_max_rows} rows one "
+                   f"inline message carries (max_message_bytes {self.cfg.max_message_bytes})")
         if cap > self.max_seq_len or len(tokens) >= cap:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                    f"prompt of {len(tokens)} tokens with capacity {cap} does not fit max_seq_len {self.max_seq_len}")
@@ -324,7 +353,8 @@ class TargetServicer(pbg.TargetWorkerServicer):
         return pb.PrefillResponse(first_token=first, committed=st.committed, compute_s=dt,
                                   features=pb.FeatureHandle(kind=handle.kind, name=handle.name,
                                                             capacity=handle.capacity, width=handle.width,
-                                                            nbytes=handle.nbytes, owner_id=handle.owner_id))
+                                                            nbytes=handle.nbytes, owner_id=handle.owner_id),
+                                  rows=self._rows(seq_id))
 
     def Verify(self, request, context):
         return self.slots.run(context, self._verify, request, context)
@@ -379,7 +409,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
                 emitted = [int(x) for x in tokens[1 : m + 1]] + [int(t[m])]
             return pb.VerifyResponse(accepted=m, emitted=emitted, committed=s.st.committed, compute_s=dt,
                                      argmax=[int(x) for x in t] if (request.return_argmax or parents) else [],
-                                     path=path)
+                                     path=path, rows=self._rows(request.seq_id))
 
     def Commit(self, request, context):
         return self.slots.run(context, self._commit, request, context)
@@ -405,7 +435,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
             except ValueError as exc:
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"commit: {exc}")
             s.pending = None
-            return pb.CommitResponse(committed=s.st.committed)
+            return pb.CommitResponse(committed=s.st.committed, rows=self._rows(request.seq_id))
 
     def Release(self, request, context):
         """Frees the sequence; for an id whose Prefill is still running only tombstones it (the
@@ -547,6 +577,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"released ids remembered (default {d.tombstone_cap})")
     p.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
                    help=f"on SIGTERM, in-flight calls get this long (default {d.shutdown_grace_s})")
+    add_transport_argument(p, d.feature_transport)
+
+
+def add_transport_argument(p: argparse.ArgumentParser, default: str = "shm") -> None:
+    """``--feature-transport shm|inline`` (shared by the workers, the coordinator and serve)."""
+    p.add_argument("--feature-transport", default=default, choices=["shm", "inline"],
+                   help="how drafter feature rows travel: shm (shared-memory ring, one host; default) or "
+                        "inline (bytes in the gRPC messages via the coordinator; workers on different hosts)")
 
 
 def config_from_args(args) -> TargetWorkerConfig:
@@ -557,7 +595,8 @@ def config_from_args(args) -> TargetWorkerConfig:
                              prefill_chunk=args.prefill_chunk, threads=args.threads,
                              max_concurrent_rpcs=args.max_concurrent_rpcs,
                              max_message_bytes=args.max_message_bytes, idle_ttl_s=args.idle_ttl_s,
-                             tombstone_cap=args.tombstone_cap, shutdown_grace_s=args.shutdown_grace_s)
+                             tombstone_cap=args.tombstone_cap, shutdown_grace_s=args.shutdown_grace_s,
+                             feature_transport=args.feature_transport)
     cfg.validate()
     return cfg
 

@@ -82,15 +82,17 @@ def make_reference(plain_model):
 class Stack:
     """Target worker + drafter worker + coordinator, in process, on Unix sockets."""
 
-    def __init__(self, target_gguf, block=BLOCK, **coord_kw):
+    def __init__(self, target_gguf, block=BLOCK, feature_transport="shm", **coord_kw):
         self.dir = tempfile.mkdtemp(prefix="specd-test-")
+        self.transport = feature_transport
         tcfg = tserver.TargetWorkerConfig(target=target_gguf, listen=f"unix://{self.dir}/t.sock",
-                                          capture_layers=CAPTURE, max_seq_len=256, kv_dtype="f32", threads=16)
+                                          capture_layers=CAPTURE, max_seq_len=256, kv_dtype="f32", threads=16,
+                                          feature_transport=feature_transport)
         self.tservicer = tserver.load_servicer(tcfg)
         self.tserver, _ = tserver.start_server(self.tservicer, tcfg.listen, tcfg.threads)
         hp = self.tservicer.model.hp
         self.drafter = ScriptedDrafter(block, hp.n_vocab)
-        self.dservicer = dserver.DraftServicer(self.drafter, idle_ttl_s=900.0)
+        self.dservicer = dserver.DraftServicer(self.drafter, idle_ttl_s=900.0, feature_transport=feature_transport)
         self.dserver, _ = dserver.start_server(self.dservicer, f"unix://{self.dir}/d.sock", 16)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -103,6 +105,7 @@ class Stack:
         SpecDecode stub for it."""
         n = len(self.coords)
         kw.setdefault("metrics_port", 0)
+        kw.setdefault("feature_transport", self.transport)
         cfg = CoordinatorConfig(listen=f"unix://{self.dir}/c{n}.sock", target=f"unix://{self.dir}/t.sock",
                                 drafter=drafter_override or f"unix://{self.dir}/d.sock", policy=policy or PolicyConfig(),
                                 **kw)

@@ -405,3 +405,10 @@ def test_tombstone_cap_bounds_the_tombstones(stack):
         assert len(stack.tservicer.tombstones) <= 3
     finally:
         stack.tservicer.cfg.tombstone_cap = cap0
+
+
+def test_target_worker_config_validates_kv_dtype_and_max_seq_len():
+    with pytest.raises(ValueError, match="kv_dtype must be f16, q8_0 or f32"):
+        tserver.TargetWorkerConfig(target="x.gguf", kv_dtype="q4_0").validate()
+    with pytest.raises(ValueError, match="max_seq_len must be >= 0"):
+        tserver.TargetWorkerConfig(target="x.gguf", max_seq_len=-1).validate()
