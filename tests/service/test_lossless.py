@@ -151,3 +151,31 @@ def test_other_tiny_targets_lossless(tmp_path_factory, rng, name):
                 np.testing.assert_array_equal(row, feats[pos])
     finally:
         stack.stop()
+
+
+@pytest.mark.parametrize("plan", [None, 2, 0, -1])
+def test_at_most_two_worker_calls_per_step(stack, reference, monkeypatch, plan):
+    """architecture.md: per step the coordinator makes at most two worker calls on the hot path
+    (Propose, then Verify with the commit folded in); counted at the coordinator's single RPC gate."""
+    from specd.coordinator import server as cserver
+
+    prompt = [3, 1, 4, 1, 5]
+    ref, _ = reference(prompt, 40)
+    stack.drafter.continuations[tuple(prompt)] = ref
+    stack.drafter.plan = plan
+    calls = []
+    real = cserver.Coordinator._call
+
+    async def counting(self, fn, msg, deadline, what):
+        calls.append(what)
+        return await real(self, fn, msg, deadline, what)
+
+    monkeypatch.setattr(cserver.Coordinator, "_call", counting)
+    chunks, done = generate(stack.stub, token_request(prompt, 24, ignore_eos=True))
+    assert streamed_ids(chunks) == ref[:24]
+    steps = done.timing.steps
+    hot = [c for c in calls if c not in ("prefill",)]
+    assert steps > 0 and len(hot) <= 2 * steps, (calls, steps)
+    assert calls.count("verify") == steps  # one target forward per step
+    assert "commit" not in calls  # the commit rides on the verify
+    assert calls.count("prefill") == 1
