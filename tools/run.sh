@@ -18,7 +18,7 @@ else
 fi
 port="$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 log="$(mktemp)"
-"$specd" serve "${serve[@]}" --listen "127.0.0.1:$port" >"$log" 2>&1 &
+"$specd" serve "${serve[@]}" --listen "127.0.0.1:$port" --metrics-port 0 >"$log" 2>&1 &
 server=$!
 trap 'kill -TERM "$server" 2>/dev/null; wait "$server" 2>/dev/null; rm -f "$log"' EXIT
 for _ in $(seq 600); do  # wait for READY (at most 60 s)
