@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's main-job command: installs specd (tools/setup_env.sh), starts the service (target
-# worker, drafter worker, coordinator) on the embedded demo models on loopback, sends one Generate
-# request, prints the streamed text and the speculation stats, and stops the service.
+# worker and coordinator, plus a drafter worker once a demo drafter is shipped in models/) on the
+# embedded demo models on loopback, sends one Generate request, prints the streamed text and the
+# speculation stats, and stops the service.
 # Extra arguments go to `specd generate` (e.g. --chat "..." --max-tokens 200).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
