@@ -426,18 +426,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scripted drafter: right drafts per step (-1 all, default; 0 none; k up to k)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="RPC threads (default 0: 72 = the target's default max-sequences + 8)")
-    p.add_argument("--max-concurrent-rpcs", type=int, default=d.max_concurrent_rpcs,
-                   help="calls admitted at once, RESOURCE_EXHAUSTED beyond (default 0: 4 x threads)")
-    p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="default 256 MiB")
-    p.add_argument("--idle-ttl-s", type=float, default=d.idle_ttl_s,
-                   help=f"free a sequence with no call for this long (default {d.idle_ttl_s}; 0 = never)")
-    p.add_argument("--tombstone-cap", type=int, default=d.tombstone_cap,
-                   help=f"released ids remembered (default {d.tombstone_cap})")
-    p.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
-                   help=f"on SIGTERM, in-flight calls get this long (default {d.shutdown_grace_s})")
-    from specd.target_worker.server import add_transport_argument
+    from specd.target_worker.server import add_worker_server_arguments
 
-    add_transport_argument(p, d.feature_transport)
+    add_worker_server_arguments(p, d)
 
 
 def load_continuations(path: str) -> dict:

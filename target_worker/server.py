@@ -568,6 +568,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help=f"default {d.prefill_chunk}")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="RPC threads (default 0: max-sequences + 8; health has its own threads)")
+    add_worker_server_arguments(p, d)
+
+
+def add_worker_server_arguments(p: argparse.ArgumentParser, d) -> None:
+    """The server flags both workers share (admission, message size, idle reaper, tombstones, drain,
+    feature transport); ``d`` is the worker's default config, whose fields give the defaults."""
     p.add_argument("--max-concurrent-rpcs", type=int, default=d.max_concurrent_rpcs,
                    help="calls admitted at once, RESOURCE_EXHAUSTED beyond (default 0: 4 x threads)")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="default 256 MiB")
