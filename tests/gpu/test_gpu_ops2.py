@@ -175,6 +175,7 @@ def test_rope_gpu_vs_cpu(rng, case):
     y = y.numpy()
     ulp_close(y, cpu)
     np.testing.assert_array_equal(y[..., n_rot:], x[..., n_rot:])
+    np.testing.assert_array_equal(sn.rope_neox(on_gpu(x), pos, n_rot, theta, **yarn).numpy(), y)  # host positions
     # Batch invariance: each row alone.
     for i in (0, n - 1):
         yi = sn.rope_neox(on_gpu(x[i:i + 1]), on_gpu(pos[i:i + 1]), n_rot, theta, **yarn).numpy()

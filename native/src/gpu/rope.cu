@@ -6,7 +6,8 @@
 // operations (no FMA contraction, as the CPU build), rounded to F32 once. Tolerance vs the CPU op:
 // bit-identical except when the device and host double cos/sin (each within ~1 ulp of double)
 // straddle an F32 rounding boundary: <= 1 F32 ulp, practically never. Dims >= n_rot are copied.
-// Positions are checked (>= 0) on the host, which reads them back (one small synchronising copy).
+// positions (I32 [n], CPU or GPU) are checked (>= 0) on the host, which reads GPU ones back (one
+// small synchronising copy); CPU ones are uploaded.
 #include <cmath>
 
 #include "../cpu/rope.h"
@@ -52,7 +53,9 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const float* __restrict_
 Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, const cpu::Yarn& yarn) {
   const char* op = "rope_neox";
   detail::check_gpu_tensor(x, DType::F32, 3, op, "x");
-  detail::check_gpu_tensor(positions, DType::I32, 1, op, "positions");
+  check_dtype(positions, DType::I32, op, "positions");  // CPU or GPU
+  check_ndim(positions, 1, op, "positions");
+  check_contiguous(positions, op, "positions");
   int64_t n = x.dim(0), heads = x.dim(1), hd = x.dim(2);
   SPECD_CHECK(positions.dim(0) == n, op, ": positions has ", positions.dim(0), " entries, x has ", n, " rows");
   SPECD_CHECK(n_rot <= hd, op, ": n_rot must be <= head_dim (", hd, "), got ", n_rot);
@@ -67,7 +70,8 @@ Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double
   Freqs f{};
   for (size_t i = 0; i < rf.inv_freq.size(); ++i) f.inv[i] = rf.inv_freq[i];
   f.mscale = rf.mscale;
-  rope_kernel<<<unsigned(n), kThreads, 0, detail::stream()>>>(x.ptr<float>(), positions.ptr<int32_t>(), y.ptr<float>(),
+  Tensor dpos = detail::i32_on_gpu(positions);
+  rope_kernel<<<unsigned(n), kThreads, 0, detail::stream()>>>(x.ptr<float>(), dpos.ptr<int32_t>(), y.ptr<float>(),
                                                               heads, hd, n_rot / 2, f);
   SPECD_GPU_CHECK_LAUNCH("rope_kernel");
   return y;
