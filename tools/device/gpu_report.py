@@ -174,6 +174,38 @@ def gemv_bandwidth(rng, copy_gbps):
     return {"host_floor_us_per_call": floor * 1e6, "rows": rows}
 
 
+def attention_gdn_timing(rng):
+    """Attention (1 query row over 4k / 32k keys, F16 cache, 27B shapes: 24 q heads, 4 KV heads,
+    head_dim 256) and GDN decode (T = 1, 48 v heads, 16 k heads, dk = dv = 128) per call, from a
+    Python loop synchronised at both ends (includes the host floor of each call: q_pos is
+    value-checked on the host, which reads it back)."""
+    if not hasattr(sn, "attention"):
+        return None
+    rows = []
+    hq, hkv, d = 24, 4, 256
+    for kv_len in (4096, 32768):
+        raw = (rng.standard_normal((kv_len, hkv, d)) * 0.5).astype(np.float16)
+        k, v = on_gpu(raw), on_gpu(raw[::-1].copy())
+        q = on_gpu(rng.standard_normal((1, hq, d)).astype(np.float32))
+        pos = on_gpu(np.array([kv_len - 1], np.int32))
+        t = statistics.median(time_calls(lambda: sn.attention(q, k, v, kv_len, pos), [()], 50) for _ in range(3))
+        kv_bytes = 2 * kv_len * hkv * d * 2
+        rows.append({"op": f"attention 1 x {kv_len} keys F16 (24q/4kv/256)", "us_per_call": t * 1e6,
+                     "kv_GBps": kv_bytes / t / 1e9})
+    hk, hv, dk, dv = 16, 48, 128, 128
+    args = [on_gpu(a) for a in (rng.standard_normal((1, hk, dk)).astype(np.float32) * 0.1,
+                                rng.standard_normal((1, hk, dk)).astype(np.float32) * 0.1,
+                                rng.standard_normal((1, hv, dv)).astype(np.float32),
+                                -np.abs(rng.standard_normal((1, hv)).astype(np.float32)),
+                                np.full((1, hv), 0.5, np.float32))]
+    state = on_gpu(np.zeros((hv, dv, dk), np.float32))
+    t = statistics.median(time_calls(lambda: sn.gated_delta_net(*args, state, 1 / np.sqrt(dk)), [()], 200)
+                          for _ in range(3))
+    rows.append({"op": "gated_delta_net T=1 (48v/16k/128/128)", "us_per_call": t * 1e6,
+                 "kv_GBps": 2 * hv * dv * dk * 4 / t / 1e9})
+    return rows
+
+
 def markdown(rep):
     label = f" [{rep['label']}]" if rep.get("label") else ""
     L = [f"## GPU backend report{label} ({rep['date']})", "",
@@ -200,6 +232,10 @@ def markdown(rep):
 
 def markdown_bandwidth(rep):
     L = []
+    if rep.get("attn_gdn"):
+        L += ["", "Attention / GDN decode at 27B shapes (Python loop, per call; GB/s = state or KV bytes read):", "",
+              "| op | us/call | GB/s |", "| --- | --- | --- |"]
+        L += [f"| {r['op']} | {r['us_per_call']:.1f} | {r['kv_GBps']:.0f} |" for r in rep["attn_gdn"]]
     c = rep["copy"]
     L += ["", f"Device-to-device copy (torch, 2 GiB, read+write): **{c['GBps']:.0f} GB/s**" if c else "copy: torch missing", ""]
     g = rep["gemv"]
@@ -230,6 +266,7 @@ def main():
     print(json.dumps(rep["errors"], indent=1), flush=True)
     rep["copy"] = copy_bandwidth()
     rep["gemv"] = gemv_bandwidth(rng, rep["copy"]["GBps"] if rep["copy"] else None)
+    rep["attn_gdn"] = attention_gdn_timing(rng)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(rep, f, indent=1)

@@ -1,10 +1,22 @@
 #include "../cpu/attention.h"
+#if SPECD_WITH_GPU
+#include "../gpu/ops.h"
+#endif
 #include "bindings.h"
 
 namespace specd::py_bind {
 
 void register_attention(py::module_& m) {
-  m.def("kv_write", &cpu::kv_write, py::arg("cache"), py::arg("x"), py::arg("rows"),
+  m.def(
+      "kv_write",
+      [](const Tensor& cache, const Tensor& x, const Tensor& rows) {
+        require_same_device(cache, x, "kv_write");
+#if SPECD_WITH_GPU
+        if (cache.device == Device::GPU) return gpu::kv_write(cache, x, rows);
+#endif
+        cpu::kv_write(cache, x, rows);
+      },
+      py::arg("cache"), py::arg("x"), py::arg("rows"),
         R"doc(Write K or V rows into a KV cache in place.
 
 cache: Tensor [capacity, n_kv_heads, head_dim] of dtype F32, F16 or Q8_0 (Q8_0: head_dim % 32 == 0),
@@ -17,6 +29,11 @@ Returns None. Raises ValueError on dtype/shape mismatch, a row outside [0, capac
       [](const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t kv_len, const Tensor& q_pos,
          bool causal, int64_t window, std::optional<Tensor> mask, std::optional<float> scale) {
         cpu::AttentionArgs a{kv_len, causal, window, std::move(mask), scale};
+        require_same_device(q, k_cache, "attention");
+        require_same_device(q, v_cache, "attention");
+#if SPECD_WITH_GPU
+        if (q.device == Device::GPU) return gpu::attention(q, k_cache, v_cache, q_pos, a);
+#endif
         return cpu::attention(q, k_cache, v_cache, q_pos, a);
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_len"), py::arg("q_pos"),

@@ -93,6 +93,9 @@ GPU tensors run gpu::matmul. Raises ValueError on dtype, dimension or device mis
       "embedding",
       [](const py::object& w, const py::object& ids) {
         Tensor wt = as_tensor(w, "embedding", "w"), it = as_tensor(ids, "embedding", "ids");
+#if SPECD_WITH_GPU
+        if (wt.device == Device::GPU) return without_gil([&] { return gpu::embedding(wt, it); });
+#endif
         return without_gil([&] { return cpu::embedding(wt, it); });
       },
       py::arg("w"), py::arg("ids"),

@@ -26,6 +26,12 @@ Raises ValueError on dtype/shape mismatch.)doc");
   m.def(
       "topk",
       [](const Tensor& x, int64_t k) {
+#if SPECD_WITH_GPU
+        if (x.device == Device::GPU) {
+          auto [values, indices] = gpu::topk(x, k);
+          return py::make_tuple(values, indices);
+        }
+#endif
         auto [values, indices] = cpu::topk(x, k);
         return py::make_tuple(values, indices);
       },

@@ -1,10 +1,23 @@
 #include "../cpu/ssm.h"
+#if SPECD_WITH_GPU
+#include "../gpu/ops.h"
+#endif
 #include "bindings.h"
 
 namespace specd::py_bind {
 
 void register_ssm(py::module_& m) {
-  m.def("conv1d_causal", &cpu::conv1d_causal, py::arg("x"), py::arg("weight"), py::arg("state"),
+  m.def(
+      "conv1d_causal",
+      [](const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu) {
+        require_same_device(x, weight, "conv1d_causal");
+        require_same_device(x, state, "conv1d_causal");
+#if SPECD_WITH_GPU
+        if (x.device == Device::GPU) return gpu::conv1d_causal(x, weight, state, apply_silu);
+#endif
+        return cpu::conv1d_causal(x, weight, state, apply_silu);
+      },
+      py::arg("x"), py::arg("weight"), py::arg("state"),
         py::arg("apply_silu") = true,
         R"doc(Depthwise causal conv of the Gated DeltaNet, with its rolling state (qwen35-target.md §6.5 step 2).
 
@@ -14,7 +27,18 @@ start). With X = [state ; x]: y[t, c] = sum_{j<K} weight[j, c] * X[t + j, c] (F3
 then silu if apply_silu. state is overwritten with the last K-1 rows of X. Splitting the T tokens
 over several calls gives bitwise the same outputs and state. Returns F32 [T, C].
 Raises ValueError on dtype/shape mismatch (weight [K >= 1, C], state [K-1, C]).)doc");
-  m.def("gated_delta_net", &cpu::gated_delta_net, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"),
+  m.def(
+      "gated_delta_net",
+      [](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& state,
+         float scale, std::optional<Tensor> checkpoints) {
+        for (const Tensor* t : {&k, &v, &g, &beta, &state}) require_same_device(q, *t, "gated_delta_net");
+        if (checkpoints) require_same_device(q, *checkpoints, "gated_delta_net");
+#if SPECD_WITH_GPU
+        if (q.device == Device::GPU) return gpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints);
+#endif
+        return cpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"),
         py::arg("beta"), py::arg("state"), py::arg("scale"), py::arg("checkpoints") = py::none(),
         R"doc(Gated DeltaNet recurrence, token by token (qwen35-target.md §6.5 step 7; ggml gated_delta_net).
 

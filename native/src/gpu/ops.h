@@ -8,6 +8,8 @@
 #include <optional>
 #include <utility>
 
+#include "../cpu/attention.h"
+#include "../cpu/rope.h"
 #include "specd/tensor.h"
 
 namespace specd::gpu {
@@ -33,5 +35,38 @@ Tensor matmul(const Tensor& x, const Tensor& w);
 // I32 [...] (x's shape without the last dimension). NaN counts as larger than every number
 // (numpy.argmax semantics: the first NaN wins); -0.0 == +0.0 (the first wins).
 Tensor argmax(const Tensor& x);
+
+// ---- Ops of issue 7 part 2 (same contracts as the CPU ops of the same name; GPU inputs must be
+// contiguous; index tensors (ids, rows, positions, q_pos, mask) may be CPU or GPU I32 tensors and
+// are value-checked on the host, which reads GPU ones back). Tolerances in each .cu file's header.
+
+// Elementwise (elementwise.cu): as cpu/activations.h; mul/add exact, the others <= 1 F32 ulp.
+Tensor silu(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor softplus(const Tensor& x);
+Tensor swiglu(const Tensor& gate, const Tensor& up);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor add(const Tensor& a, const Tensor& b);
+
+// y[i] = dequantize(w[ids[i]]) for w F32/F16/BF16/Q8_0 [V, H] (embedding.cu); bit-identical to CPU.
+Tensor embedding(const Tensor& w, const Tensor& ids);
+
+// Partial NeoX RoPE + YaRN as cpu::rope_neox (rope.cu); <= 1 F32 ulp from the CPU op.
+Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, const cpu::Yarn& yarn);
+
+// KV cache write and GQA attention as cpu::kv_write / cpu::attention (attention.cu). kv_write is
+// bit-identical to the CPU op; attention is split-free (one block per (query, head)) and batch
+// invariant bit for bit (result depends only on the row's ordered visible keys).
+void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows);
+Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_pos,
+                 const cpu::AttentionArgs& args);
+
+// Gated DeltaNet conv and recurrence as cpu::conv1d_causal / cpu::gated_delta_net (ssm.cu).
+Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu);
+Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints);
+
+// Top-k per row as cpu::topk (topk.cu); exact.
+std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k);
 
 }  // namespace specd::gpu

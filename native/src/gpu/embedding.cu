@@ -1,0 +1,69 @@
+// Embedding row gather on the GPU: y[i] = dequantize(w[ids[i]]), same contract as cpu::embedding
+// for the table formats the GPU decodes (F32, F16, BF16, Q8_0). Bit-identical to the CPU op (every
+// element is decoded exactly: F16/BF16 widen exactly, Q8_0 is float(q) * d as in dequantize_row).
+// ids (I32 [n]) may be a CPU tensor / numpy array or a GPU tensor; they are range-checked on the
+// host (a GPU ids tensor is read back: one small synchronising copy) and uploaded when on the CPU.
+#include <cmath>
+
+#include "op_util.cuh"
+#include "ops.h"
+
+namespace specd::gpu {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+template <DType T>
+__global__ void __launch_bounds__(kThreads) embedding_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
+                                                             const int32_t* __restrict__ ids, float* __restrict__ y,
+                                                             int64_t h) {
+  const int64_t i = blockIdx.x;
+  const uint8_t* row = w + int64_t(ids[i]) * row_bytes;
+  float* yr = y + i * h;
+  for (int64_t c = threadIdx.x; c < h; c += kThreads) {
+    if constexpr (T == DType::F32) yr[c] = reinterpret_cast<const float*>(row)[c];
+    if constexpr (T == DType::F16) yr[c] = detail::f16_at(row, c);
+    if constexpr (T == DType::BF16) yr[c] = detail::bf16_at(row, c);
+    if constexpr (T == DType::Q8_0) yr[c] = detail::q8_0_at(row, c);
+  }
+}
+
+}  // namespace
+
+Tensor embedding(const Tensor& w, const Tensor& ids) {
+  const char* op = "embedding";
+  detail::check_gpu(w, op, "w");
+  check_ndim(w, 2, op, "w");
+  check_contiguous(w, op, "w");
+  SPECD_CHECK(w.dtype == DType::F32 || w.dtype == DType::F16 || w.dtype == DType::BF16 || w.dtype == DType::Q8_0, op,
+              ": the GPU op reads w of dtype F32, F16, BF16 or Q8_0, got ", dtype_info(w.dtype).name);
+  check_dtype(ids, DType::I32, op, "ids");
+  check_ndim(ids, 1, op, "ids");
+  check_contiguous(ids, op, "ids");
+  int64_t n = ids.dim(0), vocab = w.dim(0), h = w.dim(1);
+  detail::check_grid(n, op);
+  std::vector<int32_t> id = detail::host_i32(ids);
+  for (int64_t i = 0; i < n; ++i)
+    SPECD_CHECK(id[size_t(i)] >= 0 && id[size_t(i)] < vocab, op, ": ids[", i, "] = ", id[size_t(i)],
+                " is out of range for ", vocab, " rows of w");
+  Tensor y = Tensor::empty({n, h}, DType::F32, Device::GPU);
+  if (n == 0 || h == 0) return y;
+  Tensor dev_ids = ids;
+  if (ids.device != Device::GPU) {
+    dev_ids = Tensor::empty({n}, DType::I32, Device::GPU);
+    copy_to_device(dev_ids.data, id.data(), size_t(n) * sizeof(int32_t));
+  }
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data);
+  cudaStream_t s = detail::stream();
+  switch (w.dtype) {
+    case DType::F32: embedding_kernel<DType::F32><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h); break;
+    case DType::F16: embedding_kernel<DType::F16><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h); break;
+    case DType::BF16: embedding_kernel<DType::BF16><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h); break;
+    default: embedding_kernel<DType::Q8_0><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h); break;
+  }
+  SPECD_GPU_CHECK_LAUNCH("embedding_kernel");
+  return y;
+}
+
+}  // namespace specd::gpu

@@ -1,0 +1,68 @@
+// Helpers shared by the GPU ops of ops2 (elementwise, rope, embedding, attention, ssm, topk): input
+// checks that throw std::invalid_argument naming op and argument, host reads of small index
+// tensors for value checks, and exact device-side decoders of the cache / table formats.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.cuh"
+#include "specd/error.h"
+#include "specd/gpu.h"
+#include "specd/tensor.h"
+
+namespace specd::gpu::detail {
+
+// A GPU tensor of `dtype`, contiguous, with `ndim` dimensions (ndim < 0: any).
+inline void check_gpu_tensor(const Tensor& t, DType dtype, int64_t ndim, const char* op, const char* arg) {
+  check_gpu(t, op, arg);
+  check_dtype(t, dtype, op, arg);
+  if (ndim >= 0) check_ndim(t, ndim, op, arg);
+  check_contiguous(t, op, arg);
+}
+
+// The values of a small I32 tensor on the host (CPU tensors are read in place; GPU tensors are
+// copied, which synchronises the library stream). Used for the value checks the CPU ops make
+// (positions >= 0, cache rows in range and distinct, ids in range), so errors are raised as
+// ValueError before any kernel runs.
+inline std::vector<int32_t> host_i32(const Tensor& t) {
+  std::vector<int32_t> v(size_t(t.numel()));
+  if (v.empty()) return v;
+  if (t.device == Device::GPU) {
+    copy_to_host(v.data(), t.data, v.size() * sizeof(int32_t));
+  } else {
+    for (int64_t i = 0; i < t.numel(); ++i)
+      v[size_t(i)] = *reinterpret_cast<const int32_t*>(static_cast<const uint8_t*>(t.data) + i * t.strides.back());
+  }
+  return v;
+}
+
+// An I32 index tensor (CPU or GPU, contiguous) as a GPU tensor: itself when on the GPU, else an
+// upload (copy_to_device synchronises, so the host buffer may go away at once).
+inline Tensor i32_on_gpu(const Tensor& t) {
+  if (t.device == Device::GPU) return t;
+  Tensor d = Tensor::empty(t.shape, DType::I32, Device::GPU);
+  if (t.numel() > 0) copy_to_device(d.data, t.data, size_t(t.numel()) * sizeof(int32_t));
+  return d;
+}
+
+inline void check_grid(int64_t blocks, const char* op) {
+  SPECD_CHECK(blocks <= 0x7fffffff, op, ": too many rows for one launch (", blocks, " blocks)");
+}
+
+// Exact decoders (same values as cpu::dequantize_row): F16 and BF16 widen exactly, Q8_0 element is
+// float(q) * d with d the fp16 block scale.
+__device__ __forceinline__ float f16_at(const uint8_t* row, int64_t c) {
+  return specd_fp16_bits_to_float(reinterpret_cast<const uint16_t*>(row)[c]);
+}
+__device__ __forceinline__ float bf16_at(const uint8_t* row, int64_t c) {
+  return __uint_as_float(uint32_t(reinterpret_cast<const uint16_t*>(row)[c]) << 16);
+}
+__device__ __forceinline__ float q8_0_at(const uint8_t* row, int64_t c) {
+  const uint8_t* blk = row + (c / 32) * 34;
+  uint16_t dbits = uint16_t(blk[0]) | uint16_t(uint16_t(blk[1]) << 8);
+  float d = specd_fp16_bits_to_float(dbits);
+  return float(reinterpret_cast<const int8_t*>(blk + 2)[c % 32]) * d;
+}
+
+}  // namespace specd::gpu::detail

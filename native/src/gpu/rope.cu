@@ -1,0 +1,80 @@
+// Partial NeoX RoPE (+ YaRN) on the GPU, same contract as cpu::rope_neox.
+//
+// The inverse frequencies and the YaRN multiplier come from cpu::rope_freqs (host, double) and are
+// passed to the kernel by value; each (row, head, pair) thread computes a = pos * inv_freq[i],
+// cos/sin in double times the multiplier, and the rotation in double with explicit round-to-nearest
+// operations (no FMA contraction, as the CPU build), rounded to F32 once. Tolerance vs the CPU op:
+// bit-identical except when the device and host double cos/sin (each within ~1 ulp of double)
+// straddle an F32 rounding boundary: <= 1 F32 ulp, practically never. Dims >= n_rot are copied.
+// positions (I32 [n], CPU or GPU) are checked (>= 0) on the host, which reads GPU ones back (one
+// small synchronising copy); CPU ones are uploaded.
+#include <cmath>
+
+#include "../cpu/rope.h"
+#include "op_util.cuh"
+#include "ops.h"
+
+namespace specd::gpu {
+
+namespace {
+
+constexpr int kMaxHalf = 256;  // n_rot <= 512
+constexpr int kThreads = 128;
+
+struct Freqs {
+  double inv[kMaxHalf];
+  double mscale;
+};
+
+__global__ void __launch_bounds__(kThreads) rope_kernel(const float* __restrict__ x, const int32_t* __restrict__ pos,
+                                                        float* __restrict__ y, int64_t heads, int64_t hd, int64_t half,
+                                                        const Freqs f) {
+  const int64_t t = blockIdx.x;
+  const double p = double(pos[t]);
+  const float* xr = x + t * heads * hd;
+  float* yr = y + t * heads * hd;
+  const int64_t rot = heads * half, rest = hd - 2 * half;
+  for (int64_t e = threadIdx.x; e < rot; e += kThreads) {
+    int64_t h = e / half, i = e % half;
+    double a = __dmul_rn(p, f.inv[i]);
+    double c = __dmul_rn(cos(a), f.mscale), s = __dmul_rn(sin(a), f.mscale);
+    double x0 = xr[h * hd + i], x1 = xr[h * hd + i + half];
+    yr[h * hd + i] = float(__dsub_rn(__dmul_rn(x0, c), __dmul_rn(x1, s)));
+    yr[h * hd + i + half] = float(__dadd_rn(__dmul_rn(x1, c), __dmul_rn(x0, s)));
+  }
+  for (int64_t e = threadIdx.x; e < heads * rest; e += kThreads) {
+    int64_t h = e / rest, i = 2 * half + e % rest;
+    yr[h * hd + i] = xr[h * hd + i];
+  }
+}
+
+}  // namespace
+
+Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, const cpu::Yarn& yarn) {
+  const char* op = "rope_neox";
+  detail::check_gpu_tensor(x, DType::F32, 3, op, "x");
+  check_dtype(positions, DType::I32, op, "positions");  // CPU or GPU
+  check_ndim(positions, 1, op, "positions");
+  check_contiguous(positions, op, "positions");
+  int64_t n = x.dim(0), heads = x.dim(1), hd = x.dim(2);
+  SPECD_CHECK(positions.dim(0) == n, op, ": positions has ", positions.dim(0), " entries, x has ", n, " rows");
+  SPECD_CHECK(n_rot <= hd, op, ": n_rot must be <= head_dim (", hd, "), got ", n_rot);
+  cpu::RopeFreqs rf = cpu::rope_freqs(n_rot, theta, yarn);
+  SPECD_CHECK(n_rot / 2 <= kMaxHalf, op, ": the GPU op supports n_rot <= ", 2 * kMaxHalf, ", got ", n_rot);
+  detail::check_grid(n, op);
+  std::vector<int32_t> pv = detail::host_i32(positions);
+  for (int64_t i = 0; i < n; ++i)
+    SPECD_CHECK(pv[size_t(i)] >= 0, op, ": positions must be >= 0, got ", pv[size_t(i)], " at index ", i);
+  Tensor y = Tensor::empty(x.shape, DType::F32, Device::GPU);
+  if (n == 0 || heads == 0 || hd == 0) return y;
+  Freqs f{};
+  for (size_t i = 0; i < rf.inv_freq.size(); ++i) f.inv[i] = rf.inv_freq[i];
+  f.mscale = rf.mscale;
+  Tensor dpos = detail::i32_on_gpu(positions);
+  rope_kernel<<<unsigned(n), kThreads, 0, detail::stream()>>>(x.ptr<float>(), dpos.ptr<int32_t>(), y.ptr<float>(),
+                                                              heads, hd, n_rot / 2, f);
+  SPECD_GPU_CHECK_LAUNCH("rope_kernel");
+  return y;
+}
+
+}  // namespace specd::gpu

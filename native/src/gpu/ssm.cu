@@ -1,0 +1,228 @@
+// Gated DeltaNet pieces on the GPU, same contracts as cpu::conv1d_causal and cpu::gated_delta_net
+// (cpu/ssm.h). GPU inputs must be contiguous; states are updated in place.
+//
+// conv1d_causal: one thread per channel, tokens in order; y[t, c] = sum_j w[j, c] * X[t + j, c]
+// with j ascending and explicit round-to-nearest mul/add (no FMA), as the CPU op, then silu in
+// double. Tolerance vs CPU: bit-identical (silu: <= 1 F32 ulp when device and host double exp
+// straddle an F32 rounding boundary, practically never); state bit-identical.
+//
+// gated_delta_net: one thread block per value head, sequential over tokens; the head's dv x dk
+// state lives in registers (4 lanes per state row, dk / 4 elements each) for dk in {32, 64, 128}
+// and dv <= 128 (the 27B: dk = dv = 128), otherwise a fallback kernel keeps it in global memory
+// (one thread per state row). Per token: S <- exp(g) S; m = S^T k; d = beta (v - m); S <- S + k d;
+// o = S^T (scale q), F32, fixed-order partial sums (per lane, then a fixed 4-lane butterfly). The
+// arithmetic of a token never depends on T, so T tokens at once equal several calls with the
+// carried state (bitwise), and checkpoints[t] equal the state after token t (bitwise).
+// Tolerance vs CPU (different dot-product order, expf): outputs and state within ~1e-5 relative
+// to their scale per token; tests use 1e-4 * max|ref| + rtol 1e-4 over up to 16 tokens.
+#include <algorithm>
+#include <cmath>
+
+#include "op_util.cuh"
+#include "ops.h"
+
+namespace specd::gpu {
+
+namespace {
+
+// ------------------------------------------------------------------------------ conv1d_causal
+
+constexpr int kConvThreads = 128;
+
+__device__ __forceinline__ double sigmoid_f64(double x) {
+  if (x >= 0.0) return 1.0 / (1.0 + exp(-x));
+  double e = exp(x);
+  return e / (1.0 + e);
+}
+
+__global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __restrict__ x, const float* __restrict__ w,
+                                                              float* __restrict__ state, float* __restrict__ y,
+                                                              int64_t T, int64_t C, int64_t K, bool silu_out) {
+  const int64_t c = int64_t(blockIdx.x) * kConvThreads + threadIdx.x;
+  if (c >= C) return;
+  const int64_t km1 = K - 1;
+  for (int64_t t = 0; t < T; ++t) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < K; ++j) {
+      int64_t r = t + j;
+      float src = r < km1 ? state[r * C + c] : x[(r - km1) * C + c];
+      acc = __fadd_rn(acc, __fmul_rn(w[j * C + c], src));
+    }
+    y[t * C + c] = silu_out ? float(double(acc) * sigmoid_f64(acc)) : acc;
+  }
+  // New state = X rows T .. T+K-2; ascending r reads state row T + r before it is overwritten.
+  for (int64_t r = 0; r < km1; ++r) {
+    int64_t src = T + r;
+    state[r * C + c] = src < km1 ? state[src * C + c] : x[(src - km1) * C + c];
+  }
+}
+
+// ---------------------------------------------------------------------------- gated_delta_net
+
+struct GdnParams {
+  const float *q, *k, *v, *g, *beta;
+  float* state;
+  float* ckpt;
+  float scale;
+  int64_t T;
+  int hk, hv, dk, dv;
+  float* out;
+};
+
+constexpr int kLanes = 4;  // threads per state row
+constexpr int kMaxGdnThreads = 512;
+
+template <int E>  // state elements per thread; dk = E * kLanes
+__global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) {
+  constexpr int DK = E * kLanes;
+  __shared__ float ks[DK], qs[DK];
+  const int j = blockIdx.x, kh = j % P.hk;
+  const int jv = threadIdx.x / kLanes, p = threadIdx.x % kLanes;
+  const int64_t head = int64_t(P.dv) * DK;
+  float* S = P.state + j * head + int64_t(jv) * DK;
+  float s[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) s[e] = S[e * kLanes + p];
+  for (int64_t t = 0; t < P.T; ++t) {
+    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+      ks[i] = P.k[(t * P.hk + kh) * DK + i];
+      qs[i] = __fmul_rn(P.q[(t * P.hk + kh) * DK + i], P.scale);
+    }
+    __syncthreads();
+    const float decay = expf(P.g[t * P.hv + j]);
+    const float bt = P.beta[t * P.hv + j];
+    float m = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      s[e] = __fmul_rn(s[e], decay);
+      m = __fadd_rn(m, __fmul_rn(s[e], ks[e * kLanes + p]));
+    }
+    m = __fadd_rn(m, SPECD_SHFL_XOR(m, 1));
+    m = __fadd_rn(m, SPECD_SHFL_XOR(m, 2));
+    const float d = __fmul_rn(bt, __fsub_rn(P.v[(t * P.hv + j) * P.dv + jv], m));
+    float o = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      s[e] = __fadd_rn(s[e], __fmul_rn(ks[e * kLanes + p], d));
+      o = __fadd_rn(o, __fmul_rn(s[e], qs[e * kLanes + p]));
+    }
+    o = __fadd_rn(o, SPECD_SHFL_XOR(o, 1));
+    o = __fadd_rn(o, SPECD_SHFL_XOR(o, 2));
+    if (p == 0) P.out[(t * P.hv + j) * P.dv + jv] = o;
+    if (P.ckpt) {
+      float* C = P.ckpt + (t * P.hv + j) * head + int64_t(jv) * DK;
+#pragma unroll
+      for (int e = 0; e < E; ++e) C[e * kLanes + p] = s[e];
+    }
+    __syncthreads();  // ks / qs are rewritten for the next token
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) S[e * kLanes + p] = s[e];
+}
+
+// Any dk / dv: the state stays in global memory, one thread per state row.
+constexpr int kFallbackThreads = 128;
+__global__ void __launch_bounds__(kFallbackThreads) gdn_fallback_kernel(const GdnParams P) {
+  extern __shared__ float sh[];
+  float* ks = sh;
+  float* qs = sh + P.dk;
+  const int j = blockIdx.x, kh = j % P.hk;
+  const int64_t head = int64_t(P.dv) * P.dk;
+  for (int64_t t = 0; t < P.T; ++t) {
+    for (int i = threadIdx.x; i < P.dk; i += blockDim.x) {
+      ks[i] = P.k[(t * P.hk + kh) * P.dk + i];
+      qs[i] = __fmul_rn(P.q[(t * P.hk + kh) * P.dk + i], P.scale);
+    }
+    __syncthreads();
+    const float decay = expf(P.g[t * P.hv + j]);
+    const float bt = P.beta[t * P.hv + j];
+    for (int jv = threadIdx.x; jv < P.dv; jv += blockDim.x) {
+      float* s = P.state + j * head + int64_t(jv) * P.dk;
+      float m = 0.0f;
+      for (int i = 0; i < P.dk; ++i) {
+        s[i] = __fmul_rn(s[i], decay);
+        m = __fadd_rn(m, __fmul_rn(s[i], ks[i]));
+      }
+      const float d = __fmul_rn(bt, __fsub_rn(P.v[(t * P.hv + j) * P.dv + jv], m));
+      float o = 0.0f;
+      for (int i = 0; i < P.dk; ++i) {
+        s[i] = __fadd_rn(s[i], __fmul_rn(ks[i], d));
+        o = __fadd_rn(o, __fmul_rn(s[i], qs[i]));
+      }
+      P.out[(t * P.hv + j) * P.dv + jv] = o;
+      if (P.ckpt)
+        for (int i = 0; i < P.dk; ++i) P.ckpt[(t * P.hv + j) * head + int64_t(jv) * P.dk + i] = s[i];
+    }
+    __syncthreads();
+  }
+}
+
+void check_state(const Tensor& s, const std::vector<int64_t>& shape, const char* op, const char* arg) {
+  detail::check_gpu_tensor(s, DType::F32, -1, op, arg);
+  check_writable(s, op, arg);
+  SPECD_CHECK(s.shape == shape, op, ": ", arg, " has the wrong shape (see the docstring for the expected one)");
+}
+
+}  // namespace
+
+Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu) {
+  const char* op = "conv1d_causal";
+  detail::check_gpu_tensor(x, DType::F32, 2, op, "x");
+  detail::check_gpu_tensor(weight, DType::F32, 2, op, "weight");
+  int64_t T = x.dim(0), C = x.dim(1), K = weight.dim(0);
+  SPECD_CHECK(K >= 1 && weight.dim(1) == C, op, ": weight must be [K >= 1, C=", C, "], got [", K, ", ",
+              weight.dim(1), "]");
+  check_state(state, {K - 1, C}, op, "state");
+  Tensor y = Tensor::empty({T, C}, DType::F32, Device::GPU);
+  if (C == 0) return y;
+  int64_t blocks = (C + kConvThreads - 1) / kConvThreads;
+  detail::check_grid(blocks, op);
+  conv1d_kernel<<<unsigned(blocks), kConvThreads, 0, detail::stream()>>>(x.ptr<float>(), weight.ptr<float>(),
+                                                                        state.ptr<float>(), y.ptr<float>(), T, C, K,
+                                                                        apply_silu);
+  SPECD_GPU_CHECK_LAUNCH("conv1d_kernel");
+  return y;
+}
+
+Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints) {
+  const char* op = "gated_delta_net";
+  detail::check_gpu_tensor(q, DType::F32, 3, op, "q");
+  detail::check_gpu_tensor(k, DType::F32, 3, op, "k");
+  detail::check_gpu_tensor(v, DType::F32, 3, op, "v");
+  detail::check_gpu_tensor(g, DType::F32, 2, op, "g");
+  detail::check_gpu_tensor(beta, DType::F32, 2, op, "beta");
+  int64_t T = q.dim(0), hk = q.dim(1), dk = q.dim(2), hv = v.dim(1), dv = v.dim(2);
+  SPECD_CHECK(k.shape == q.shape, op, ": k must have q's shape [T, Hk, dk]");
+  SPECD_CHECK(v.dim(0) == T, op, ": v has ", v.dim(0), " tokens, q has ", T);
+  SPECD_CHECK(hk > 0 && hv % hk == 0, op, ": value heads (", hv, ") must be a multiple of key heads (", hk, ")");
+  SPECD_CHECK(g.dim(0) == T && g.dim(1) == hv, op, ": g must be [T, Hv] = [", T, ", ", hv, "]");
+  SPECD_CHECK(beta.dim(0) == T && beta.dim(1) == hv, op, ": beta must be [T, Hv] = [", T, ", ", hv, "]");
+  check_state(state, {hv, dv, dk}, op, "state");
+  SPECD_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  if (checkpoints) check_state(*checkpoints, {T, hv, dv, dk}, op, "checkpoints");
+  SPECD_CHECK(hv <= 0x7fffffff && dk <= 0x7fffffff / 2 && dv <= 0x7fffffff, op, ": dimensions too large");
+  Tensor out = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
+  if (T == 0 || hv == 0 || dv == 0) return out;
+  GdnParams P{q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), state.ptr<float>(),
+              checkpoints ? checkpoints->ptr<float>() : nullptr, scale, T, int(hk), int(hv), int(dk), int(dv),
+              out.ptr<float>()};
+  cudaStream_t s = detail::stream();
+  const int threads = int(dv) * kLanes;
+  const bool fast = dv * kLanes <= kMaxGdnThreads && (dv * kLanes) % SPECD_WARP == 0;
+  if (fast && dk == 32) {
+    gdn_kernel<8><<<unsigned(hv), threads, 0, s>>>(P);
+  } else if (fast && dk == 64) {
+    gdn_kernel<16><<<unsigned(hv), threads, 0, s>>>(P);
+  } else if (fast && dk == 128) {
+    gdn_kernel<32><<<unsigned(hv), threads, 0, s>>>(P);
+  } else {
+    size_t shmem = size_t(2 * dk) * sizeof(float);
+    SPECD_CHECK(shmem <= 48 * 1024, op, ": dk too large for the GPU op (", dk, ")");
+    gdn_fallback_kernel<<<unsigned(hv), kFallbackThreads, shmem, s>>>(P);
+  }
+  SPECD_GPU_CHECK_LAUNCH("gdn_kernel");
+  return out;
+}
+
+}  // namespace specd::gpu

@@ -1,0 +1,514 @@
+"""GPU ops of issue 7 part 2 against the CPU backend: embedding, rope_neox, kv_write, attention,
+conv1d_causal, gated_delta_net, silu/sigmoid/softplus/swiglu/mul/add, topk.
+
+Skipped without a GPU exactly like test_gpu_ops.py. SPECD_TEST_GPU_DRYRUN=1 runs every test with
+"GPU" tensors left on the CPU (CPU vs CPU), to check the test logic on machines without a GPU.
+
+Tolerances (stated per op, matching the comments in native/src/gpu/*.cu):
+* embedding, kv_write (finite inputs), topk, mul, add: bit-identical to the CPU op.
+* silu, sigmoid, softplus, swiglu, rope_neox, conv1d_causal: <= 1 F32 ulp from the CPU op (both
+  compute in double and round once; only the device/host double libm may differ in the last bit).
+* attention: |gpu - cpu| <= 2e-5 * max|v| + 1e-4 |cpu| (different dot order, expf vs exp).
+* gated_delta_net: output and state within 1e-4 * max|cpu| + 1e-4 |cpu| per element.
+Bitwise properties checked on the GPU itself: attention rows are identical whatever the number of
+query rows in the call (1..17) and a tree node equals the chain verify of its path; conv1d and
+GDN give the same outputs/state whether the tokens come in one call or several, and GDN
+checkpoints equal the carried state.
+"""
+import os
+
+import numpy as np
+import pytest
+
+import specd.native as sn
+
+DRYRUN = os.environ.get("SPECD_TEST_GPU_DRYRUN") == "1"
+GPU = sn.Device.GPU
+DEV = sn.Device.CPU if DRYRUN else GPU
+HAVE_GPU = sn.gpu_available() or DRYRUN
+
+
+def gpu_only(f):
+    f = pytest.mark.skipif(not HAVE_GPU, reason="no GPU backend/device in this build or machine")(f)
+    return pytest.mark.gpu(f)
+
+
+def on_gpu(a, dtype=None):
+    a = np.array(a, copy=True, order="C")  # a device copy: never aliases the host array
+    t = sn.Tensor(a) if dtype is None else sn.Tensor(a, dtype)
+    return t if DRYRUN else t.to(GPU)
+
+
+def poison(nbytes):
+    if DRYRUN:
+        return
+    t = on_gpu(np.full(max(1, (nbytes + 3) // 4), np.nan, np.float32))
+    sn.gpu_synchronize()
+    del t
+
+
+def f32(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def ulp_close(a, b, maxulp=1):
+    np.testing.assert_array_max_ulp(np.asarray(a, np.float32), np.asarray(b, np.float32), maxulp=maxulp)
+
+
+# -------------------------------------------------------------------------------- elementwise
+
+EW_SHAPES = [(1,), (7,), (3, 5), (17, 5120), (2, 3, 257), (4, 17408)]
+SPECIALS = np.array([0.0, -0.0, 1e-40, -1e-40, 20.0, 20.5, 19.99, -100.0, 100.0, -88.0, 88.0, 1e30, -1e30,
+                     np.inf, -np.inf], np.float32)
+
+
+@pytest.mark.parametrize("shape", EW_SHAPES)
+@pytest.mark.parametrize("op", ["silu", "sigmoid", "softplus"])
+@gpu_only
+def test_unary_gpu_vs_cpu(rng, shape, op):
+    x = f32(rng, shape, rng.uniform(0.1, 30))
+    flat = x.reshape(-1)
+    flat[: min(flat.size, SPECIALS.size)] = SPECIALS[: min(flat.size, SPECIALS.size)]
+    poison(x.nbytes)
+    y = getattr(sn, op)(on_gpu(x))
+    assert y.device == DEV and y.shape == x.shape
+    ulp_close(y.numpy(), getattr(sn, op)(x).numpy())
+
+
+@pytest.mark.parametrize("shape", EW_SHAPES)
+@pytest.mark.parametrize("op", ["swiglu", "mul", "add"])
+@gpu_only
+def test_binary_gpu_vs_cpu(rng, shape, op):
+    a, b = f32(rng, shape, 5), f32(rng, shape, 5)
+    poison(a.nbytes)
+    y = getattr(sn, op)(on_gpu(a), on_gpu(b)).numpy()
+    cpu = getattr(sn, op)(a, b).numpy()
+    if op == "swiglu":
+        ulp_close(y, cpu)
+    else:
+        np.testing.assert_array_equal(y, cpu)
+
+
+@gpu_only
+def test_elementwise_gpu_bad_input(rng):
+    a = on_gpu(f32(rng, (3, 4)))
+    with pytest.raises(ValueError, match="mul"):
+        sn.mul(a, on_gpu(f32(rng, (4, 3))))
+    with pytest.raises(ValueError, match="silu"):
+        sn.silu(on_gpu(np.zeros((3, 4), np.int32)))
+    if not DRYRUN:
+        with pytest.raises(ValueError, match="different devices"):
+            sn.add(a, f32(rng, (3, 4)))
+
+
+# ---------------------------------------------------------------------------------- embedding
+
+
+def q8_0_rows(rng, rows, k):
+    """Random Q8_0 rows (finite fp16 scales) as raw uint8 [rows, k/32*34]."""
+    nb = k // 32
+    raw = np.zeros((rows, nb, 34), np.uint8)
+    d = (rng.uniform(0.001, 0.1, (rows, nb)) * rng.choice([-1, 1], (rows, nb))).astype(np.float16)
+    raw[:, :, :2] = d.view(np.uint8).reshape(rows, nb, 2)
+    raw[:, :, 2:] = rng.integers(0, 256, (rows, nb, 32), dtype=np.uint8)
+    return raw.reshape(rows, nb * 34)
+
+
+def table(rng, dtype, V, H):
+    if dtype == "F32":
+        return f32(rng, (V, H)), None
+    if dtype == "F16":
+        return f32(rng, (V, H)).astype(np.float16), None
+    if dtype == "BF16":
+        return (f32(rng, (V, H)).view(np.uint32) >> 16).astype(np.uint16), sn.DType.BF16
+    return q8_0_rows(rng, V, H), sn.DType.Q8_0
+
+
+@pytest.mark.parametrize("dtype", ["F32", "F16", "BF16", "Q8_0"])
+@pytest.mark.parametrize("V,H,n", [(50, 64, 1), (300, 5120, 9), (17, 96, 33)])
+@gpu_only
+def test_embedding_gpu_bit_exact(rng, dtype, V, H, n):
+    w, dt = table(rng, dtype, V, H)
+    ids = rng.integers(0, V, n).astype(np.int32)
+    cpu = sn.embedding(sn.Tensor(w, dt) if dt else w, ids).numpy()
+    wg = on_gpu(w, dt)
+    for idt in (ids, on_gpu(ids)):  # ids from the host or already on the GPU
+        y = sn.embedding(wg, idt)
+        assert y.device == DEV and y.shape == (n, H)
+        np.testing.assert_array_equal(y.numpy(), cpu)
+
+
+@gpu_only
+def test_embedding_gpu_bad_ids(rng):
+    wg = on_gpu(f32(rng, (10, 32)))
+    with pytest.raises(ValueError, match="ids"):
+        sn.embedding(wg, np.array([1, 10], np.int32))
+    with pytest.raises(ValueError, match="ids"):
+        sn.embedding(wg, on_gpu(np.array([-1], np.int32)))
+
+
+# --------------------------------------------------------------------------------------- rope
+
+ROPE_CASES = [
+    # n, heads, head_dim, n_rot, theta, yarn kwargs
+    (5, 24, 256, 64, 1e7, {}),  # 27B q (partial rotary)
+    (3, 4, 256, 64, 1e7, {}),  # 27B k
+    (17, 8, 128, 128, 1e6, {}),  # drafter, whole head
+    (4, 2, 64, 32, 1e4, {"yarn_factor": 4.0, "yarn_original_context": 4096}),
+    (6, 3, 128, 128, 1e6, {"yarn_factor": 8.0, "yarn_original_context": 32768, "yarn_beta_fast": 16.0,
+                           "yarn_beta_slow": 2.0, "yarn_attention_factor": 1.3}),
+    (2, 1, 10, 0, 1e4, {}),
+]
+
+
+@pytest.mark.parametrize("case", ROPE_CASES)
+@gpu_only
+def test_rope_gpu_vs_cpu(rng, case):
+    n, heads, hd, n_rot, theta, yarn = case
+    x = f32(rng, (n, heads, hd))
+    pos = rng.integers(0, 300000, n).astype(np.int32)
+    pos[0] = 0
+    cpu = sn.rope_neox(x, pos, n_rot, theta, **yarn).numpy()
+    poison(x.nbytes)
+    y = sn.rope_neox(on_gpu(x), on_gpu(pos), n_rot, theta, **yarn)
+    assert y.device == DEV and y.shape == x.shape
+    y = y.numpy()
+    ulp_close(y, cpu)
+    np.testing.assert_array_equal(y[..., n_rot:], x[..., n_rot:])
+    np.testing.assert_array_equal(sn.rope_neox(on_gpu(x), pos, n_rot, theta, **yarn).numpy(), y)  # host positions
+    # Batch invariance: each row alone.
+    for i in (0, n - 1):
+        yi = sn.rope_neox(on_gpu(x[i:i + 1]), on_gpu(pos[i:i + 1]), n_rot, theta, **yarn).numpy()
+        np.testing.assert_array_equal(yi[0], y[i])
+
+
+@gpu_only
+def test_rope_gpu_bad_input(rng):
+    x = on_gpu(f32(rng, (2, 3, 64)))
+    with pytest.raises(ValueError, match="positions"):
+        sn.rope_neox(x, on_gpu(np.array([0, -1], np.int32)), 64, 1e4)
+    with pytest.raises(ValueError, match="n_rot"):
+        sn.rope_neox(x, on_gpu(np.array([0, 1], np.int32)), 66, 1e4)
+    with pytest.raises(ValueError, match="positions"):
+        sn.rope_neox(x, on_gpu(np.array([0], np.int32)), 64, 1e4)
+
+
+# ---------------------------------------------------------------------------- kv cache, attention
+
+DTYPES = ["F32", "F16", "Q8_0"]
+
+
+def empty_cache(capacity, hkv, d, dtype):
+    if dtype == "F32":
+        return np.zeros((capacity, hkv, d), np.float32), None
+    if dtype == "F16":
+        return np.zeros((capacity, hkv, d), np.float16), None
+    return np.zeros((capacity, hkv, d // 32 * 34), np.uint8), sn.DType.Q8_0
+
+
+class Caches:
+    """The same K/V contents on the CPU (numpy, written by the CPU kv_write) and on the GPU."""
+
+    def __init__(self, rng, capacity, hkv, d, dtype, kv_len):
+        self.cpu, self.gpu = [], []
+        for _ in range(2):
+            raw, dt = empty_cache(capacity, hkv, d, dtype)
+            t = sn.Tensor(raw, dt) if dt else raw
+            if kv_len:
+                sn.kv_write(t, f32(rng, (kv_len, hkv, d)), np.arange(kv_len, dtype=np.int32))
+            self.cpu.append(t)
+            self.gpu.append(on_gpu(raw, dt))
+        self.vmax = float(np.abs(sn.dequantize(self.cpu[1]).numpy()).max()) if kv_len else 1.0
+
+
+def attn_both(c, q, kv_len, pos, **kw):
+    cpu = sn.attention(q, c.cpu[0], c.cpu[1], kv_len, pos, **kw).numpy()
+    gkw = dict(kw)
+    if gkw.get("mask") is not None:
+        gkw["mask"] = on_gpu(gkw["mask"])
+    y = sn.attention(on_gpu(q), c.gpu[0], c.gpu[1], kv_len, on_gpu(pos), **gkw)
+    assert y.device == DEV and y.shape == q.shape
+    return y.numpy(), cpu
+
+
+def check_attn(y, cpu, vmax):
+    np.testing.assert_allclose(y, cpu, rtol=1e-4, atol=2e-5 * vmax)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@gpu_only
+def test_kv_write_gpu_bit_exact(rng, dtype, d):
+    hkv, cap = 4, 40
+    x = f32(rng, (7, hkv, d), 3)
+    x[0, 0, :32] = 0  # an all-zero Q8_0 block
+    rows = np.array([39, 0, 5, 17, 3, 30, 8], np.int32)
+    raw_c, dt = empty_cache(cap, hkv, d, dtype)
+    sn.kv_write(sn.Tensor(raw_c, dt) if dt else raw_c, x, rows)
+    raw_g, _ = empty_cache(cap, hkv, d, dtype)
+    g = on_gpu(raw_g, dt)
+    sn.kv_write(g, on_gpu(x[:4]), on_gpu(rows[:4]))
+    sn.kv_write(g, on_gpu(x[4:]), rows[4:])  # rows from the host
+    got = g.numpy()
+    np.testing.assert_array_equal(got.view(np.uint8), raw_c.view(np.uint8))
+
+
+@gpu_only
+def test_kv_write_gpu_bad_rows(rng):
+    raw, _ = empty_cache(8, 2, 64, "F16")
+    g = on_gpu(raw)
+    x = on_gpu(f32(rng, (2, 2, 64)))
+    with pytest.raises(ValueError, match="distinct"):
+        sn.kv_write(g, x, on_gpu(np.array([3, 3], np.int32)))
+    with pytest.raises(ValueError, match="outside"):
+        sn.kv_write(g, x, on_gpu(np.array([3, 8], np.int32)))
+    with pytest.raises(ValueError, match="x must be"):
+        sn.kv_write(g, on_gpu(f32(rng, (2, 3, 64))), np.array([0, 1], np.int32))
+
+
+# (hq, hkv, d): 27B full attention, drafter, small
+ATTN_SHAPES = [(24, 4, 256), (8, 2, 128), (4, 4, 64), (6, 2, 96)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ATTN_SHAPES)
+@gpu_only
+def test_attention_gpu_prefill_and_verify(rng, dtype, shape):
+    hq, hkv, d = shape
+    if dtype == "Q8_0" and d % 32:
+        pytest.skip("Q8_0 needs head_dim % 32 == 0")
+    kv_len = 70
+    c = Caches(rng, 80, hkv, d, dtype, kv_len)
+    # prefill: every row causal
+    q = f32(rng, (kv_len, hq, d))
+    pos = np.arange(kv_len, dtype=np.int32)
+    check_attn(*attn_both(c, q, kv_len, pos), c.vmax)
+    # verify / decode at the end of the cache, peaky softmax
+    for n in (1, 5):
+        q = f32(rng, (n, hq, d), 3)
+        pos = np.arange(kv_len - n, kv_len, dtype=np.int32)
+        check_attn(*attn_both(c, q, kv_len, pos), c.vmax)
+
+
+@pytest.mark.parametrize("dtypes", [("F16", "F32"), ("Q8_0", "F16"), ("F32", "Q8_0")])
+@gpu_only
+def test_attention_gpu_mixed_cache_dtypes(rng, dtypes):
+    hq, hkv, d, kv_len = 8, 2, 128, 50
+    a = Caches(rng, 64, hkv, d, dtypes[0], kv_len)
+    b = Caches(rng, 64, hkv, d, dtypes[1], kv_len)
+    a.cpu[1], a.gpu[1], a.vmax = b.cpu[1], b.gpu[1], b.vmax
+    q = f32(rng, (3, hq, d))
+    pos = np.array([10, 30, 49], np.int32)
+    check_attn(*attn_both(a, q, kv_len, pos), a.vmax)
+
+
+def tree(c):
+    parent = [-1, 0, 0, 1, 1, 2, 5]
+    depth = [0, 1, 1, 2, 2, 2, 3]
+    n = len(parent)
+    mask = np.zeros((n, c + n), np.int32)
+    mask[:, :c] = 1
+    for i in range(n):
+        a = i
+        while a >= 0:
+            mask[i, c + a] = 1
+            a = parent[a]
+    return parent, depth, mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(24, 4, 256), (8, 2, 128)])
+@gpu_only
+def test_attention_gpu_tree_window_and_bidirectional(rng, dtype, shape):
+    hq, hkv, d = shape
+    c0 = 41
+    parent, depth, mask = tree(c0)
+    n = len(parent)
+    c = Caches(rng, 64, hkv, d, dtype, c0 + n)
+    q = f32(rng, (n, hq, d))
+    pos = (c0 + np.array(depth)).astype(np.int32)
+    check_attn(*attn_both(c, q, c0 + n, pos, causal=False, mask=mask), c.vmax)
+    # windowed (causal and not), bidirectional drafter block, explicit scale, no visible key
+    pos = rng.integers(0, c0 + n, n).astype(np.int32)
+    check_attn(*attn_both(c, q, c0 + n, pos, window=8), c.vmax)
+    check_attn(*attn_both(c, q, c0 + n, pos, causal=False, window=5), c.vmax)
+    check_attn(*attn_both(c, q, c0 + n, pos, causal=False, scale=0.3), c.vmax)
+    m0 = mask.copy()
+    m0[2] = 0
+    y, cpu = attn_both(c, q, c0 + n, pos, causal=False, mask=m0)
+    check_attn(y, cpu, c.vmax)
+    assert not y[2].any()
+
+
+@pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
+@pytest.mark.parametrize("shape", [(24, 4, 256), (8, 2, 128)])
+@gpu_only
+def test_attention_gpu_batch_invariance_bitwise(rng, dtype, shape):
+    hq, hkv, d = shape
+    kv_len = 300
+    c = Caches(rng, 320, hkv, d, dtype, kv_len)
+    q = f32(rng, (17, hq, d), 2)
+    pos = np.arange(kv_len - 17, kv_len, dtype=np.int32)
+    kg, vg = c.gpu
+    full = sn.attention(on_gpu(q), kg, vg, kv_len, on_gpu(pos)).numpy()
+    for m in range(1, 18):  # the last m rows in one call
+        y = sn.attention(on_gpu(q[17 - m:]), kg, vg, kv_len, on_gpu(pos[17 - m:])).numpy()
+        np.testing.assert_array_equal(y, full[17 - m:], err_msg=f"{m} rows")
+    # Tree node == chain verify of its path (keys at other cache rows), bitwise.
+    c0 = 200
+    parent, depth, mask = tree(c0)
+    n = len(parent)
+    cap = c0 + n + 8
+    raw_k, dt = empty_cache(cap, hkv, d, dtype)
+    raw_v, _ = empty_cache(cap, hkv, d, dtype)
+    kx, vx = f32(rng, (c0 + n, hkv, d)), f32(rng, (c0 + n, hkv, d))
+    kt, vt = on_gpu(raw_k, dt), on_gpu(raw_v, dt)
+    sn.kv_write(kt, on_gpu(kx), np.arange(c0 + n, dtype=np.int32))
+    sn.kv_write(vt, on_gpu(vx), np.arange(c0 + n, dtype=np.int32))
+    qn = f32(rng, (n, hq, d))
+    pos_t = (c0 + np.array(depth)).astype(np.int32)
+    yt = sn.attention(on_gpu(qn), kt, vt, c0 + n, on_gpu(pos_t), causal=False, mask=on_gpu(mask)).numpy()
+    for node in (3, 6):
+        path = []
+        a = node
+        while a >= 0:
+            path.append(a)
+            a = parent[a]
+        path = path[::-1]
+        rk, dt2 = empty_cache(cap, hkv, d, dtype)
+        rv, _ = empty_cache(cap, hkv, d, dtype)
+        ck, cv = on_gpu(rk, dt2), on_gpu(rv, dt2)
+        rows = np.arange(c0 + len(path), dtype=np.int32)
+        sn.kv_write(ck, on_gpu(np.concatenate([kx[:c0], kx[c0 + np.array(path)]])), rows)
+        sn.kv_write(cv, on_gpu(np.concatenate([vx[:c0], vx[c0 + np.array(path)]])), rows)
+        pch = np.arange(c0, c0 + len(path), dtype=np.int32)
+        qch = np.stack([qn[p] for p in path])
+        ych = sn.attention(on_gpu(qch), ck, cv, c0 + len(path), on_gpu(pch)).numpy()
+        np.testing.assert_array_equal(ych[-1], yt[node], err_msg=f"tree node {node} vs chain")
+
+
+@gpu_only
+def test_attention_gpu_bad_input(rng):
+    raw, _ = empty_cache(16, 2, 64, "F16")
+    k, v = on_gpu(raw), on_gpu(raw.copy())
+    q = on_gpu(f32(rng, (2, 4, 64)))
+    pos = on_gpu(np.array([0, 1], np.int32))
+    with pytest.raises(ValueError, match="q_pos"):
+        sn.attention(q, k, v, 4, on_gpu(np.array([0, -1], np.int32)))
+    with pytest.raises(ValueError, match="kv_len"):
+        sn.attention(q, k, v, 17, pos)
+    with pytest.raises(ValueError, match="mask"):
+        sn.attention(q, k, v, 4, pos, mask=on_gpu(np.ones((2, 5), np.int32)))
+    with pytest.raises(ValueError, match="multiple"):
+        sn.attention(on_gpu(f32(rng, (2, 3, 64))), k, v, 4, pos)
+    with pytest.raises(ValueError, match="window"):
+        sn.attention(q, k, v, 4, pos, window=-1)
+
+
+# ----------------------------------------------------------------------------------------- ssm
+
+
+@pytest.mark.parametrize("T,C,K", [(1, 10240, 4), (7, 10240, 4), (2, 100, 1), (1, 33, 3), (9, 6144, 4)])
+@pytest.mark.parametrize("silu", [True, False])
+@gpu_only
+def test_conv1d_gpu_vs_cpu_and_split(rng, T, C, K, silu):
+    x, w, st = f32(rng, (T, C)), f32(rng, (K, C), 0.5), f32(rng, (K - 1, C))
+    st_cpu = st.copy()
+    cpu = sn.conv1d_causal(x, w, st_cpu, silu).numpy()
+    sg = on_gpu(st)
+    wg = on_gpu(w)
+    y = sn.conv1d_causal(on_gpu(x), wg, sg, silu)
+    assert y.device == DEV and y.shape == (T, C)
+    y = y.numpy()
+    ulp_close(y, cpu)
+    np.testing.assert_array_equal(sg.numpy(), st_cpu)
+    # token by token with the carried state: bitwise the same
+    s2 = on_gpu(st)
+    ys = np.concatenate([sn.conv1d_causal(on_gpu(x[t:t + 1]), wg, s2, silu).numpy() for t in range(T)])
+    np.testing.assert_array_equal(ys, y)
+    np.testing.assert_array_equal(s2.numpy(), sg.numpy())
+
+
+def gdn_inputs(rng, T, hk, hv, dk, dv):
+    def l2(a):
+        return (a / np.sqrt((a.astype(np.float64) ** 2).sum(-1, keepdims=True) + 1e-6)).astype(np.float32)
+    q, k = l2(f32(rng, (T, hk, dk))), l2(f32(rng, (T, hk, dk)))
+    v = f32(rng, (T, hv, dv))
+    g = -np.abs(f32(rng, (T, hv), 0.5))
+    beta = (1 / (1 + np.exp(-f32(rng, (T, hv))))).astype(np.float32)
+    state = f32(rng, (hv, dv, dk), 0.1)
+    return q, k, v, g, beta, state
+
+
+# (hk, hv, dk, dv): the 27B, a small one, a fallback shape (dk not in {32,64,128})
+GDN_SHAPES = [(16, 48, 128, 128), (2, 4, 64, 32), (1, 2, 48, 40), (2, 2, 32, 256)]
+
+
+@pytest.mark.parametrize("shape", GDN_SHAPES)
+@pytest.mark.parametrize("T", [1, 8])
+@gpu_only
+def test_gdn_gpu_vs_cpu(rng, shape, T):
+    hk, hv, dk, dv = shape
+    q, k, v, g, beta, state = gdn_inputs(rng, T, hk, hv, dk, dv)
+    scale = 1 / np.sqrt(dk)
+    st_cpu = state.copy()
+    ck_cpu = np.zeros((T, hv, dv, dk), np.float32)
+    cpu = sn.gated_delta_net(q, k, v, g, beta, st_cpu, scale, ck_cpu).numpy()
+    sg = on_gpu(state)
+    ckg = on_gpu(np.zeros((T, hv, dv, dk), np.float32))
+    args = [on_gpu(a) for a in (q, k, v, g, beta)]
+    y = sn.gated_delta_net(*args, sg, scale, ckg)
+    assert y.device == DEV and y.shape == (T, hv, dv)
+    y = y.numpy()
+    np.testing.assert_allclose(y, cpu, rtol=1e-4, atol=1e-4 * np.abs(cpu).max())
+    np.testing.assert_allclose(sg.numpy(), st_cpu, rtol=1e-4, atol=1e-4 * np.abs(st_cpu).max())
+    np.testing.assert_allclose(ckg.numpy(), ck_cpu, rtol=1e-4, atol=1e-4 * np.abs(ck_cpu).max())
+    np.testing.assert_array_equal(ckg.numpy()[-1], sg.numpy())
+    # Split into calls with the carried state (no checkpoints): bitwise equal outputs and state.
+    s2 = on_gpu(state)
+    ys = []
+    for t0, t1 in [(0, T // 2), (T // 2, T)]:
+        if t1 > t0:
+            ys.append(sn.gated_delta_net(*[on_gpu(a[t0:t1]) for a in (q, k, v, g, beta)], s2, scale).numpy())
+    np.testing.assert_array_equal(np.concatenate(ys), y)
+    np.testing.assert_array_equal(s2.numpy(), sg.numpy())
+
+
+@gpu_only
+def test_ssm_gpu_bad_input(rng):
+    q, k, v, g, beta, state = gdn_inputs(rng, 2, 2, 4, 64, 32)
+    args = [on_gpu(a) for a in (q, k, v, g, beta)]
+    with pytest.raises(ValueError, match="state"):
+        sn.gated_delta_net(*args, on_gpu(state[:3]), 0.1)
+    with pytest.raises(ValueError, match="checkpoints"):
+        sn.gated_delta_net(*args, on_gpu(state), 0.1, on_gpu(np.zeros((1, 4, 32, 64), np.float32)))
+    with pytest.raises(ValueError, match="weight"):
+        sn.conv1d_causal(on_gpu(f32(rng, (2, 8))), on_gpu(f32(rng, (4, 9))), on_gpu(f32(rng, (3, 8))))
+
+
+# ---------------------------------------------------------------------------------------- topk
+
+
+@pytest.mark.parametrize("shape,k", [((1, 248320), 8), ((5, 1000), 1), ((3, 37), 37), ((2, 4, 513), 20)])
+@gpu_only
+def test_topk_gpu_exact(rng, shape, k):
+    x = f32(rng, shape)
+    flat = x.reshape(-1, shape[-1])
+    flat[0, 3] = flat[0, 5] = flat[0].max() + 1  # tie: lower index first
+    if shape[-1] > 40:
+        flat[-1, 7] = np.nan
+        flat[-1, 9] = np.nan
+        flat[-1, 11] = np.inf
+        flat[-1, 12] = -0.0
+        flat[-1, 13] = 0.0
+    cv, ci = sn.topk(x, k)
+    gv, gi = sn.topk(on_gpu(x), k)
+    assert gv.device == DEV and gv.shape == shape[:-1] + (k,)
+    np.testing.assert_array_equal(gi.numpy(), ci.numpy())
+    np.testing.assert_array_equal(gv.numpy(), cv.numpy())
+
+
+@gpu_only
+def test_topk_gpu_bad_k(rng):
+    with pytest.raises(ValueError, match="k must be"):
+        sn.topk(on_gpu(f32(rng, (2, 5))), 6)
