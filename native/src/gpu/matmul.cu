@@ -1,31 +1,31 @@
-// Matrix product y[n, out] = x[n, in] @ w[out, in]^T for small n (decode / verify widths), with
-// Q8_0 or F32 weights and F32 activations, F32 accumulation.
+// Matrix product y[n, out] = x[n, in] @ w[out, in]^T, F32 activations, F32 accumulation. n <= 16
+// (decode / verify widths) runs the GEMV below for every weight format (F32, F16, BF16, Q8_0, Q4_K,
+// Q5_K, Q6_K, IQ4_XS); n > 16 goes to the dequantize + vendor GEMM path (matmul_blas.cu).
 //
 // Kernel shape (GEMV-style, weight-streaming). A block of kWarps warps owns R consecutive output
 // rows and ALL (up to kNMax = 16) rows of x, so each weight byte is read from memory once per
 // launch; the warps split the reduction dimension. A weight row is cut into chunks and thread t
 // of the block handles chunks c = t + k*kThreads, so each warp-wide load covers contiguous bytes;
 // each thread first issues the loads of U chunk steps for its R rows, then decodes and accumulates.
-// Chunk formats ("policies"):
-//   Q8_0Quarter: a quarter of a 32-weight block per chunk, 8 int8 read as
-//     16-bit words (blocks are 34 bytes, so only 2-byte aligned) + the block's fp16 scale; x read
-//     directly as two float4.
-//   F32W<4> / F32W<1>: 4 floats (16-byte aligned rows) or 1 float per chunk.
-// int8 -> float uses the exact magic-number trick (bits 0x4B0000uu = 2^23 + uu with uu = q + 128),
-// keeping the integer-to-float converter off the critical path; per chunk s = sum_k q_k * x_k in
-// float, then acc += d * s.
+// Chunk formats ("policies", weight_formats.cuh): Q8_0 quarter blocks (8 weights, 16-bit loads),
+// F32 (4 or 1 floats), F16/BF16 (8 values in one 16-byte load, or 1), Q4_K/Q5_K (32 weights: 16
+// bytes of nibbles + the block's 16-byte header, Q5_K also 16 bytes of fifth bits), Q6_K (32
+// weights from 16-bit loads: its 210-byte blocks are only 2-byte aligned), IQ4_XS (32 weights, two
+// 8-byte loads + 8-byte header). A chunk is decoded in parts of 8 weights so that only 8 decoded
+// floats per weight row are live; per part s = sum_k w_k * x_k (fmaf chain), then acc += s (Q8_0:
+// acc += d * s with the integer quants as w_k).
 //
 // Reduction and batch invariance. Per (output row, x row) each lane sums its chunks in a fixed
 // order; the 32 x kWarps lane partials are then summed in shared memory, lane by lane within a
 // warp and then warp by warp, also in a fixed order. None of this depends on n, R or the template
 // instance, so row i of y is bit-identical whether x has 1 or 16 rows (required for lossless
-// speculative decoding). n > 16 is processed 16 rows at a time (the weights are re-read per 16
-// rows: prefill should use a tiled GEMM / vendor BLAS instead).
+// speculative decoding).
 //
-// Performance (H200, BENCHMARKS.md): at n = 1 weights stream at 0.56 (62 MB) to 0.73 (1.35 GB LM
-// head) of the device-to-device copy bandwidth; at n = 8-16 the kernel is bound by FP32 FMA issue
-// and L1 traffic of x (16 fp32 FMAs per weight, ~12 TFLOP/s): a tensor-core path (3xTF32 or bf16x3
-// splitting) is the next step for verify widths 8-16.
+// Performance (H200, BENCHMARKS.md, Q8_0 before the other formats were added): at n = 1 weights
+// stream at 0.56 (62 MB) to 0.73 (1.35 GB LM head) of the device-to-device copy bandwidth; at
+// n = 8-16 the kernel is bound by FP32 FMA issue and L1 traffic of x (16 fp32 FMAs per weight,
+// ~12 TFLOP/s): a tensor-core path (3xTF32 or bf16x3 splitting) is the next step for verify
+// widths 8-16. The K-quant / IQ4_XS policies are untuned (see gpu_report.py for their numbers).
 #include <algorithm>
 #include <utility>
 #include <vector>
