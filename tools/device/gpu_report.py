@@ -19,6 +19,12 @@ Bandwidth:
   wall time of the loop / calls, synchronised at both ends (the host enqueues faster than the kernel
   runs for these sizes; the host-side floor per call is measured and reported too). Effective
   bandwidth = weight bytes (+ x and y, negligible) / time per call.
+* formats: the same measurement for every weight format (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K,
+  IQ4_XS) and every width n = 1..16 on the 27B's shapes (out x in): 5120 x 17408 (down), 17408 x 5120
+  (gate/up) and 248320 x 5120 (output head; not F32/F16, whose 5 / 2.5 GB copies do not pay for
+  themselves). Weight bytes are random (timing does not depend on the values). Then the n > 16 path
+  (dequantize to BF16 + cuBLAS) in TFLOP/s at n = 512 and 2048 on 17408 x 5120, dequantization included.
+  --formats-only runs just this part, --no-formats skips it.
 """
 import argparse
 import json
@@ -174,13 +180,91 @@ def gemv_bandwidth(rng, copy_gbps):
     return {"host_floor_us_per_call": floor * 1e6, "rows": rows}
 
 
+FORMAT_NAMES = ["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+FORMAT_SHAPES = [(5120, 17408), (17408, 5120), (248320, 5120)]  # (out, in)
+
+
+def random_weight(rng, name, out, k, pool):
+    """A GPU weight of format `name` [out, k] filled with random bytes (tiled from `pool`)."""
+    dt = getattr(sn.DType, name)
+    rb = sn.type_size(dt) * (k // sn.block_size(dt))
+    raw = np.resize(pool, out * rb).reshape(out, rb)
+    if name == "F32":
+        return on_gpu(raw.view(np.float32))
+    if name == "F16":
+        return on_gpu(raw.view(np.float16))
+    if name == "BF16":
+        return on_gpu(raw.view(np.uint16), dt)
+    return on_gpu(raw, dt)
+
+
+def format_bandwidth(rng, copy_gbps, budget_s=100.0):
+    """Per format, shape and width 1..16: us/call, weight GB/s and ratio to copy; then cuBLAS TFLOP/s."""
+    t_start = time.perf_counter()
+    pool = rng.integers(0, 256, 64 << 20, dtype=np.uint8)
+    rows, blas = [], []
+    for out, k in FORMAT_SHAPES:
+        for name in FORMAT_NAMES:
+            if out > 100000 and name in ("F32", "F16"):
+                continue
+            if time.perf_counter() - t_start > budget_s:
+                rows.append({"format": name, "out": out, "in": k, "skipped": "time budget"})
+                continue
+            dt = getattr(sn.DType, name)
+            wbytes = out * sn.type_size(dt) * (k // sn.block_size(dt))
+            ws = [random_weight(rng, name, out, k, pool) for _ in range(max(1, int(np.ceil(240e6 / wbytes))))]
+            calls = max(10, min(200, int(0.02 / (wbytes / 3e12))))
+            for n in range(1, 17):
+                x = on_gpu(rng.standard_normal((n, k)).astype(np.float32))
+                t = min(time_calls(sn.matmul, [(x, w) for w in ws], calls) for _ in range(2))
+                gbps = wbytes / t / 1e9
+                rows.append({"format": name, "out": out, "in": k, "n": n, "weight_bytes": wbytes,
+                             "us_per_call": t * 1e6, "weight_GBps": gbps,
+                             "ratio_to_copy": gbps / copy_gbps if copy_gbps else None})
+            del ws
+            sn.gpu_synchronize()
+    out, k = 17408, 5120
+    for name in FORMAT_NAMES:
+        w = random_weight(rng, name, out, k, pool)
+        for n in (512, 2048):
+            x = on_gpu(rng.standard_normal((n, k)).astype(np.float32))
+            t = min(time_calls(sn.matmul, [(x, w)], 10) for _ in range(2))
+            blas.append({"format": name, "out": out, "in": k, "n": n, "ms_per_call": t * 1e3,
+                         "TFLOPs": 2 * n * out * k / t / 1e12})
+        del w
+    return {"rows": rows, "blas": blas, "seconds": time.perf_counter() - t_start}
+
+
+def markdown_formats(rep):
+    f = rep.get("formats")
+    if not f:
+        return []
+    L = ["", "GEMV per format (n = 1..16; weight GB/s and / copy BW; time in us):", ""]
+    for out, k in FORMAT_SHAPES:
+        L += [f"**{out} x {k}** (out x in)", "", "| format | " + " | ".join(f"n={n}" for n in range(1, 17)) + " |",
+              "| --- |" + " --- |" * 16]
+        for name in FORMAT_NAMES:
+            rs = [r for r in f["rows"] if r["format"] == name and r["out"] == out and r["in"] == k and "n" in r]
+            if not rs:
+                continue
+            cells = [f"{r['us_per_call']:.0f}us {r['weight_GBps']:.0f} ({r['ratio_to_copy']:.2f})" if r["ratio_to_copy"]
+                     else f"{r['us_per_call']:.0f}us {r['weight_GBps']:.0f}" for r in rs]
+            L.append(f"| {name} | " + " | ".join(cells) + " |")
+        L.append("")
+    L += ["n > 16 path (dequantize to BF16 + cuBLAS, included in the time), 17408 x 5120:", "",
+          "| format | n | ms/call | TFLOP/s |", "| --- | --- | --- | --- |"]
+    for b in f["blas"]:
+        L.append(f"| {b['format']} | {b['n']} | {b['ms_per_call']:.3f} | {b['TFLOPs']:.1f} |")
+    return L
+
+
 def markdown(rep):
     label = f" [{rep['label']}]" if rep.get("label") else ""
     L = [f"## GPU backend report{label} ({rep['date']})", "",
          f"- device: {rep['device']} ({rep['backend']}); host: {rep['host']}; seed {rep['seed']}; env {rep.get('env', {})}", ""]
     e = rep["errors"]
     if e is None:
-        return "\n".join(L + markdown_bandwidth(rep)) + "\n"
+        return "\n".join(L + markdown_bandwidth(rep) + markdown_formats(rep)) + "\n"
     L += ["| op | metric | value | tolerance |", "| --- | --- | --- | --- |"]
     r = e["rms_norm"]
     L.append(f"| rms_norm | max rel err vs CPU | {r['max_rel_vs_cpu']:.3g} | 1e-6 |")
@@ -195,7 +279,7 @@ def markdown(rep):
         L.append(f"| argmax 16 x 248320 | mismatches vs numpy | {e['argmax']['mismatches_vs_numpy']} | 0 |")
     else:
         L.append(f"| argmax | - | {e['argmax']} | |")
-    return "\n".join(L + markdown_bandwidth(rep)) + "\n"
+    return "\n".join(L + markdown_bandwidth(rep) + markdown_formats(rep)) + "\n"
 
 
 def markdown_bandwidth(rep):
@@ -217,6 +301,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--label", default="", help="variant name shown in the report (e.g. an env setting)")
     ap.add_argument("--bandwidth-only", action="store_true", help="skip the error checks")
+    ap.add_argument("--formats-only", action="store_true", help="only copy bandwidth and the per-format matmul table")
+    ap.add_argument("--no-formats", action="store_true", help="skip the per-format matmul table")
     args = ap.parse_args()
     if not sn.gpu_available():
         print("no GPU available: nothing to report", file=sys.stderr)
@@ -226,10 +312,12 @@ def main():
     rep = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": sn.gpu_device_name(), "backend": sn.gpu_backend(),
            "host": platform.node(), "seed": seed, "label": args.label,
            "env": {k: v for k, v in os.environ.items() if k.startswith("SPECD_")}}
-    rep["errors"] = None if args.bandwidth_only else errors(rng)
+    rep["errors"] = None if (args.bandwidth_only or args.formats_only) else errors(rng)
     print(json.dumps(rep["errors"], indent=1), flush=True)
     rep["copy"] = copy_bandwidth()
-    rep["gemv"] = gemv_bandwidth(rng, rep["copy"]["GBps"] if rep["copy"] else None)
+    copy_gbps = rep["copy"]["GBps"] if rep["copy"] else None
+    rep["gemv"] = None if args.formats_only else gemv_bandwidth(rng, copy_gbps)
+    rep["formats"] = None if args.no_formats else format_bandwidth(rng, copy_gbps)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(rep, f, indent=1)

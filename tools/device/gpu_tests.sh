@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds specd with the CUDA backend on a GPU machine (the lent H200), runs tests/native and
-# tests/gpu, then tools/device/gpu_report.py (per-op errors, Q8_0 GEMV bandwidth vs copy bandwidth).
+# tests/gpu, then tools/device/gpu_report.py (per-op errors, GEMV bandwidth of every weight format vs copy
+# bandwidth, cuBLAS-path TFLOP/s).
 #
 # Usage, from the repository root on the GPU machine:
 #     OUT=/some/dir bash tools/device/gpu_tests.sh
@@ -95,7 +96,7 @@ stage pytest "$OUT/pytest.log" timeout 300 $PY -m pytest -v -rs -p no:cacheprovi
   tests/native tests/gpu
 
 # --- report ----------------------------------------------------------------------------------------
-stage report "$OUT/pytest.log" timeout 240 $PY tools/device/gpu_report.py --out "$OUT"
+stage report "$OUT/pytest.log" timeout 400 $PY tools/device/gpu_report.py --out "$OUT"
 
 # --- memcheck (optional: SANITIZE=1; needs compute-sanitizer and a runtime that supports it) -------
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
