@@ -16,6 +16,8 @@
 #include <climits>
 #include <mutex>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "common.cuh"
 #include "matmul_blas.h"
