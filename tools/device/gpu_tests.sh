@@ -96,7 +96,10 @@ stage pytest "$OUT/pytest.log" timeout 300 $PY -m pytest -v -rs -p no:cacheprovi
   tests/native tests/gpu
 
 # --- report ----------------------------------------------------------------------------------------
-stage report "$OUT/pytest.log" timeout 400 $PY tools/device/gpu_report.py --out "$OUT"
+# REPORT=0 skips it (e.g. to keep one device call under its time limit; run gpu_report.py next).
+if [ "${REPORT:-1}" != 0 ]; then
+  stage report "$OUT/pytest.log" timeout 400 $PY tools/device/gpu_report.py --out "$OUT" ${REPORT_ARGS:-}
+fi
 
 # --- memcheck (optional: SANITIZE=1; needs compute-sanitizer and a runtime that supports it) -------
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
