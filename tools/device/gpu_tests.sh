@@ -116,6 +116,13 @@ if hasattr(sn, "matmul"):
         raw = rng.integers(0, 256, (out, k // 32 * 34), dtype=np.uint8); raw.reshape(out, -1, 34)[:, :, 1] &= 0x3b
         sn.matmul(g(rng.standard_normal((n, k)).astype(np.float32)), g(raw, sn.DType.Q8_0)).numpy()
         sn.matmul(g(rng.standard_normal((n, k + 3)).astype(np.float32)), g(rng.standard_normal((out, k + 3)).astype(np.float32))).numpy()
+    for name in ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]:  # every block format, GEMV and dequantize + cuBLAS
+        dt = getattr(sn.DType, name); ts = sn.type_size(dt)
+        for n, nb, out in [(1, 1, 3), (5, 3, 7), (17, 2, 5)]:
+            raw = rng.integers(0, 256, (out, nb * ts), dtype=np.uint8)
+            sn.matmul(g(rng.standard_normal((n, nb * 256)).astype(np.float32)), g(raw, dt)).numpy()
+    for n, k in [(1, 8), (3, 100), (17, 24)]:  # 16-bit weights, 16-byte and scalar chunks
+        sn.matmul(g(rng.standard_normal((n, k)).astype(np.float32)), g(rng.standard_normal((9, k)).astype(np.float16))).numpy()
 if hasattr(sn, "argmax"):
     for shape in [(1, 248320), (3, 1001), (2, 1)]:
         sn.argmax(g(rng.standard_normal(shape).astype(np.float32))).numpy()
