@@ -18,7 +18,26 @@ fi
 if [[ -z "${SPECD_GPU+x}" ]] && command -v nvcc >/dev/null 2>&1; then
   export SPECD_GPU=cuda
 fi
-echo "specd: building (SPECD_GPU=${SPECD_GPU:-none}) into $venv" >&2
+# cuBLAS (the CUDA backend's wide matmul): when the CUDA toolkit has no cuBLAS (the CPU CI image has
+# nvcc and cudart only), install the nvidia-cublas wheel (pyproject extra `cuda`; the CUDA 13 wheel
+# is nvidia-cublas 13.x) into the venv and point CMake at it (SPECD_CUBLAS_ROOT, also the module's RPATH).
+if [[ "${SPECD_GPU:-}" == "cuda" && -z "${SPECD_CUBLAS_ROOT:-}" ]]; then
+  nvcc_dir="$(dirname "$(readlink -f "$(command -v nvcc)")")"
+  if ! ls "${CUDA_HOME:-/nonexistent}"/include/cublas_v2.h "$nvcc_dir"/../include/cublas_v2.h \
+      "$nvcc_dir"/../targets/*/include/cublas_v2.h /usr/local/cuda*/include/cublas_v2.h \
+      /usr/local/cuda*/targets/*/include/cublas_v2.h /usr/include/cublas_v2.h >/dev/null 2>&1; then
+    "${pip[@]}" "nvidia-cublas>=13.0"
+    SPECD_CUBLAS_ROOT="$("$venv/bin/python" -c 'import os, sysconfig
+for k in ("platlib", "purelib"):
+    d = os.path.join(sysconfig.get_paths()[k], "nvidia", "cu13")
+    if os.path.exists(os.path.join(d, "include", "cublas_v2.h")):
+        print(d)
+        break')"
+    [[ -n "$SPECD_CUBLAS_ROOT" ]] || { echo "specd: nvidia-cublas installed but cublas_v2.h not found" >&2; exit 1; }
+    export SPECD_CUBLAS_ROOT
+  fi
+fi
+echo "specd: building (SPECD_GPU=${SPECD_GPU:-none}${SPECD_CUBLAS_ROOT:+, cuBLAS from $SPECD_CUBLAS_ROOT}) into $venv" >&2
 target="$root"
 [[ -n "$extra" ]] && target="$root[$extra]"
 "${pip[@]}" "$target"

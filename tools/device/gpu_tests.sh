@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds specd with the CUDA backend on a GPU machine (the lent H200), runs tests/native and
-# tests/gpu, then tools/device/gpu_report.py (per-op errors, Q8_0 GEMV bandwidth vs copy bandwidth).
+# tests/gpu, then tools/device/gpu_report.py (per-op errors, GEMV bandwidth of every weight format vs copy
+# bandwidth, cuBLAS-path TFLOP/s).
 #
 # Usage, from the repository root on the GPU machine:
 #     OUT=/some/dir bash tools/device/gpu_tests.sh
@@ -95,7 +96,10 @@ stage pytest "$OUT/pytest.log" timeout 300 $PY -m pytest -v -rs -p no:cacheprovi
   tests/native tests/gpu
 
 # --- report ----------------------------------------------------------------------------------------
-stage report "$OUT/pytest.log" timeout 240 $PY tools/device/gpu_report.py --out "$OUT"
+# REPORT=0 skips it (e.g. to keep one device call under its time limit; run gpu_report.py next).
+if [ "${REPORT:-1}" != 0 ]; then
+  stage report "$OUT/pytest.log" timeout 400 $PY tools/device/gpu_report.py --out "$OUT" ${REPORT_ARGS:-}
+fi
 
 # --- memcheck (optional: SANITIZE=1; needs compute-sanitizer and a runtime that supports it) -------
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
@@ -112,6 +116,13 @@ if hasattr(sn, "matmul"):
         raw = rng.integers(0, 256, (out, k // 32 * 34), dtype=np.uint8); raw.reshape(out, -1, 34)[:, :, 1] &= 0x3b
         sn.matmul(g(rng.standard_normal((n, k)).astype(np.float32)), g(raw, sn.DType.Q8_0)).numpy()
         sn.matmul(g(rng.standard_normal((n, k + 3)).astype(np.float32)), g(rng.standard_normal((out, k + 3)).astype(np.float32))).numpy()
+    for name in ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]:  # every block format, GEMV and dequantize + cuBLAS
+        dt = getattr(sn.DType, name); ts = sn.type_size(dt)
+        for n, nb, out in [(1, 1, 3), (5, 3, 7), (17, 2, 5)]:
+            raw = rng.integers(0, 256, (out, nb * ts), dtype=np.uint8)
+            sn.matmul(g(rng.standard_normal((n, nb * 256)).astype(np.float32)), g(raw, dt)).numpy()
+    for n, k in [(1, 8), (3, 100), (17, 24)]:  # 16-bit weights, 16-byte and scalar chunks
+        sn.matmul(g(rng.standard_normal((n, k)).astype(np.float32)), g(rng.standard_normal((9, k)).astype(np.float16))).numpy()
 if hasattr(sn, "argmax"):
     for shape in [(1, 248320), (3, 1001), (2, 1)]:
         sn.argmax(g(rng.standard_normal(shape).astype(np.float32))).numpy()

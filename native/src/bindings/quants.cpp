@@ -87,7 +87,9 @@ x: F32 [n, in] (2-D, contiguous). w: [out, in] of F32, F16, BF16, Q8_0, Q4_K, Q5
 CPU: each weight row is decoded once per call (exactly as dequantize) and dotted with every row
 of x in float32 with 16 interleaved partial sums combined in a fixed order, so row i of y is
 bitwise identical whatever n (batch invariance) and the weight bytes are read once per call.
-GPU tensors run gpu::matmul. Raises ValueError on dtype, dimension or device mismatch.)doc");
+GPU tensors run gpu::matmul: every format above; n <= 16 a batch-invariant GEMV (weights decoded to
+the same float32 values as here), n > 16 BF16-dequantized weights and BF16 x through cuBLAS /
+hipBLAS with float32 accumulation. Raises ValueError on dtype, dimension or device mismatch.)doc");
 
   m.def(
       "embedding",

@@ -1,37 +1,40 @@
-// Matrix product y[n, out] = x[n, in] @ w[out, in]^T for small n (decode / verify widths), with
-// Q8_0 or F32 weights and F32 activations, F32 accumulation.
+// Matrix product y[n, out] = x[n, in] @ w[out, in]^T, F32 activations, F32 accumulation. n <= 16
+// (decode / verify widths) runs the GEMV below for every weight format (F32, F16, BF16, Q8_0, Q4_K,
+// Q5_K, Q6_K, IQ4_XS); n > 16 goes to the dequantize + vendor GEMM path (matmul_blas.cu).
 //
 // Kernel shape (GEMV-style, weight-streaming). A block of kWarps warps owns R consecutive output
 // rows and ALL (up to kNMax = 16) rows of x, so each weight byte is read from memory once per
 // launch; the warps split the reduction dimension. A weight row is cut into chunks and thread t
 // of the block handles chunks c = t + k*kThreads, so each warp-wide load covers contiguous bytes;
 // each thread first issues the loads of U chunk steps for its R rows, then decodes and accumulates.
-// Chunk formats ("policies"):
-//   Q8_0Quarter: a quarter of a 32-weight block per chunk, 8 int8 read as
-//     16-bit words (blocks are 34 bytes, so only 2-byte aligned) + the block's fp16 scale; x read
-//     directly as two float4.
-//   F32W<4> / F32W<1>: 4 floats (16-byte aligned rows) or 1 float per chunk.
-// int8 -> float uses the exact magic-number trick (bits 0x4B0000uu = 2^23 + uu with uu = q + 128),
-// keeping the integer-to-float converter off the critical path; per chunk s = sum_k q_k * x_k in
-// float, then acc += d * s.
+// Chunk formats ("policies", weight_formats.cuh): Q8_0 quarter blocks (8 weights, 16-bit loads),
+// F32 (4 or 1 floats), F16/BF16 (8 values in one 16-byte load, or 1), Q4_K/Q5_K (32 weights: 16
+// bytes of nibbles + the block's 16-byte header, Q5_K also 16 bytes of fifth bits), Q6_K (32
+// weights from 16-bit loads: its 210-byte blocks are only 2-byte aligned), IQ4_XS (32 weights, two
+// 8-byte loads + 8-byte header). A chunk is decoded in parts of 8 weights so that only 8 decoded
+// floats per weight row are live; per part s = sum_k w_k * x_k (fmaf chain), then acc += s (Q8_0:
+// acc += d * s with the integer quants as w_k).
 //
 // Reduction and batch invariance. Per (output row, x row) each lane sums its chunks in a fixed
 // order; the 32 x kWarps lane partials are then summed in shared memory, lane by lane within a
 // warp and then warp by warp, also in a fixed order. None of this depends on n, R or the template
 // instance, so row i of y is bit-identical whether x has 1 or 16 rows (required for lossless
-// speculative decoding). n > 16 is processed 16 rows at a time (the weights are re-read per 16
-// rows: prefill should use a tiled GEMM / vendor BLAS instead).
+// speculative decoding).
 //
-// Performance (H200, BENCHMARKS.md): at n = 1 weights stream at 0.56 (62 MB) to 0.73 (1.35 GB LM
-// head) of the device-to-device copy bandwidth; at n = 8-16 the kernel is bound by FP32 FMA issue
-// and L1 traffic of x (16 fp32 FMAs per weight, ~12 TFLOP/s): a tensor-core path (3xTF32 or bf16x3
-// splitting) is the next step for verify widths 8-16.
+// Performance (H200, BENCHMARKS.md, Q8_0 before the other formats were added): at n = 1 weights
+// stream at 0.56 (62 MB) to 0.73 (1.35 GB LM head) of the device-to-device copy bandwidth; at
+// n = 8-16 the kernel is bound by FP32 FMA issue and L1 traffic of x (16 fp32 FMAs per weight,
+// ~12 TFLOP/s): a tensor-core path (3xTF32 or bf16x3 splitting) is the next step for verify
+// widths 8-16. The K-quant / IQ4_XS policies are untuned (see gpu_report.py for their numbers).
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "common.cuh"
 #include "ops.h"
 #include "specd/gpu.h"
+#include "matmul_blas.h"
+#include "weight_formats.cuh"
 
 namespace specd::gpu {
 
@@ -50,83 +53,59 @@ __host__ __device__ constexpr int steps_in_flight() {
   return 4 / R > 0 ? 4 / R : 1;
 }
 
-// --- weight formats -------------------------------------------------------------------------
-
-// int8 x 4 (one 32-bit word) -> 4 exact floats.
-__device__ __forceinline__ void int8x4_to_float(uint32_t word, float* w) {
-  constexpr uint32_t kExp = 0x4B000000u;      // float bits of 2^23
-  constexpr float kBias = 8388608.0f + 128.0f;  // 2^23 + 128
-  uint32_t u = word ^ 0x80808080u;              // q + 128 as unsigned bytes
-  w[0] = __int_as_float(__byte_perm(u, kExp, 0x7540)) - kBias;
-  w[1] = __int_as_float(__byte_perm(u, kExp, 0x7541)) - kBias;
-  w[2] = __int_as_float(__byte_perm(u, kExp, 0x7542)) - kBias;
-  w[3] = __int_as_float(__byte_perm(u, kExp, 0x7543)) - kBias;
-}
-
-struct Q8_0Quarter {
-  static constexpr int kElems = 8;  // elements per chunk (a quarter block)
-  static constexpr bool kScaled = true;
-  struct Raw {
-    uint32_t lo, hi;  // 8 int8 quants
-    uint16_t d;       // fp16 block scale
-  };
-  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t c) {
-    const uint8_t* blk = row + (c >> 2) * 34;
-    const uint16_t* q = reinterpret_cast<const uint16_t*>(blk + 2 + 8 * (c & 3));
-    Raw r;
-    r.d = *reinterpret_cast<const uint16_t*>(blk);
-    r.lo = uint32_t(q[0]) | (uint32_t(q[1]) << 16);
-    r.hi = uint32_t(q[2]) | (uint32_t(q[3]) << 16);
-    return r;
-  }
-  __device__ __forceinline__ static float decode(const Raw& r, float (&w)[kElems]) {
-    int8x4_to_float(r.lo, w);
-    int8x4_to_float(r.hi, w + 4);
-    return specd_fp16_bits_to_float(r.d);
-  }
-};
-
-// F32 weights, 4 floats per chunk (16-byte aligned rows) or 1 float per chunk (any alignment).
+// x values of a part: kPE consecutive floats at element `off` of an x row (16-byte aligned rows
+// and offsets for kPE = 4 / 8).
 template <int E>
-struct F32W {
-  static_assert(E == 1 || E == 4, "F32 chunks are 1 or 4 floats");
-  static constexpr int kElems = E;
-  static constexpr bool kScaled = false;
-  struct Raw {
-    float v[E];
-  };
-  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t c) {
-    Raw r;
-    if constexpr (E == 4) {
-      float4 f = reinterpret_cast<const float4*>(row)[c];
-      r.v[0] = f.x, r.v[1] = f.y, r.v[2] = f.z, r.v[3] = f.w;
-    } else {
-      r.v[0] = reinterpret_cast<const float*>(row)[c];
-    }
-    return r;
-  }
-  __device__ __forceinline__ static float decode(const Raw& r, float (&w)[E]) {
-#pragma unroll
-    for (int k = 0; k < E; ++k) w[k] = r.v[k];
-    return 1.0f;
-  }
-};
-
-template <int E>
-__device__ __forceinline__ void load_x(const float* __restrict__ xr, int64_t c, float (&v)[E]) {
+__device__ __forceinline__ void load_x(const float* __restrict__ xr, int64_t off, float (&v)[E]) {
   if constexpr (E == 8) {
-    const float4* p = reinterpret_cast<const float4*>(xr + c * 8);
+    const float4* p = reinterpret_cast<const float4*>(xr + off);
     float4 a = p[0], b = p[1];
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
   } else if constexpr (E == 4) {
-    float4 a = reinterpret_cast<const float4*>(xr)[c];
+    float4 a = *reinterpret_cast<const float4*>(xr + off);
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
   } else {
-    v[0] = xr[c];
+    v[0] = xr[off];
   }
 }
 
 // --- kernel ---------------------------------------------------------------------------------
+
+// One part of a chunk against every x row: s = sum_k w_k * x_k (fixed order, fmaf chain), then
+// acc += scale * s (scaled formats) or acc += s. Same arithmetic for every NMAX and R.
+template <class W, int NMAX, int R, int P>
+__device__ __forceinline__ void gemv_part(const typename W::Raw (&raw)[R], int64_t c, const float* __restrict__ x,
+                                          int64_t ldx, int n, float (&acc)[R][NMAX]) {
+  constexpr int E = W::kPE;
+  float wv[R][E], sc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) sc[r] = W::template decode_part<P>(raw[r], wv[r]);
+  const int64_t off = W::offset(c, P);
+#pragma unroll
+  for (int i = 0; i < NMAX; ++i) {
+    if (i < n) {
+      float xv[E];
+      load_x<E>(x + int64_t(i) * ldx, off, xv);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < E; ++k) s = fmaf(wv[r][k], xv[k], s);
+        if constexpr (W::kScaled)
+          acc[r][i] = fmaf(sc[r], s, acc[r][i]);
+        else
+          acc[r][i] += s;
+      }
+    }
+  }
+}
+
+// All parts of chunk c, in part order.
+template <class W, int NMAX, int R, int... P>
+__device__ __forceinline__ void gemv_chunk(const typename W::Raw (&raw)[R], int64_t c, const float* __restrict__ x,
+                                           int64_t ldx, int n, float (&acc)[R][NMAX], std::integer_sequence<int, P...>) {
+  (gemv_part<W, NMAX, R, P>(raw, c, x, ldx, n, acc), ...);
+}
 
 // w: [out, row_bytes] bytes, nchunks chunks per row; x: [n, ldx] F32 (n <= NMAX; the activations in
 // the layout the policy reads); y: [n, out] F32.
@@ -134,7 +113,6 @@ template <class W, int NMAX, int R>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
                                                         int64_t nchunks, const float* __restrict__ x,
                                                         int64_t ldx, float* __restrict__ y, int n, int64_t out) {
-  constexpr int E = W::kElems;
   constexpr int U = steps_in_flight<R, NMAX>();
   constexpr int kStride = kThreads;                                    // chunks per block step
   __shared__ float lane_part[R * NMAX][kThreads + 1];  // +1: conflict-free column reads
@@ -166,28 +144,8 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const uint8_t* __restric
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       int64_t c = c0 + int64_t(u) * kStride;
-      if (c < nchunks) {
-        float wv[R][E], sc[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) sc[r] = W::decode(raw[u][r], wv[r]);
-#pragma unroll
-        for (int i = 0; i < NMAX; ++i) {
-          if (i < n) {
-            float xv[E];
-            load_x<E>(x + int64_t(i) * ldx, c, xv);
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-              float s = 0.0f;
-#pragma unroll
-              for (int k = 0; k < E; ++k) s = fmaf(wv[r][k], xv[k], s);
-              if constexpr (W::kScaled)
-                acc[r][i] = fmaf(sc[r], s, acc[r][i]);
-              else
-                acc[r][i] += s;
-            }
-          }
-        }
-      }
+      if (c < nchunks)
+        gemv_chunk<W, NMAX, R>(raw[u], c, x, ldx, n, acc, std::make_integer_sequence<int, W::kParts>());
     }
   }
 
@@ -262,6 +220,43 @@ void launch(const Problem& p) {
     launch_n<W, 16>(p, s);
 }
 
+// The GEMV for one weight format: chunk policy and chunks per row from the dtype, the row
+// length and the alignment (16-byte loads need 16-byte aligned rows).
+void gemv(Problem p, DType t, int64_t in, bool w16) {
+  switch (t) {
+    case DType::Q8_0: p.nchunks = in / 8; return launch<detail::Q8_0Quarter>(p);
+    case DType::Q4_K: p.nchunks = in / 32; return launch<detail::Q4KW>(p);
+    case DType::Q5_K: p.nchunks = in / 32; return launch<detail::Q5KW>(p);
+    case DType::Q6_K: p.nchunks = in / 32; return launch<detail::Q6KW>(p);
+    case DType::IQ4_XS: p.nchunks = in / 32; return launch<detail::IQ4XSW>(p);
+    case DType::F32:
+      if (in % 4 == 0 && w16) { p.nchunks = in / 4; return launch<detail::F32W<4>>(p); }
+      p.nchunks = in; return launch<detail::F32W<1>>(p);
+    case DType::F16:
+      if (in % 8 == 0 && w16) { p.nchunks = in / 8; return launch<detail::Half16W<8, false>>(p); }
+      p.nchunks = in; return launch<detail::Half16W<1, false>>(p);
+    case DType::BF16:
+      if (in % 8 == 0 && w16) { p.nchunks = in / 8; return launch<detail::Half16W<8, true>>(p); }
+      p.nchunks = in; return launch<detail::Half16W<1, true>>(p);
+    default: fail("matmul: no GPU kernel for ", dtype_info(t).name);
+  }
+}
+
+// Validates w for the GPU matmul (std::invalid_argument naming op and argument).
+void check_weight(const Tensor& w, int64_t in, const char* op) {
+  const DType t = w.dtype;
+  SPECD_CHECK(t == DType::Q8_0 || t == DType::F32 || t == DType::F16 || t == DType::BF16 || t == DType::Q4_K ||
+                  t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS,
+              op, ": w must be F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS on the GPU, got ", dtype_info(t).name);
+  const int64_t bs = dtype_info(t).block_size;
+  SPECD_CHECK(in % bs == 0, op, ": w has ", in, " columns, not a multiple of the ", dtype_info(t).name,
+              " block size ", bs);
+  // Block loads: Q4_K/Q5_K read 16-byte words, IQ4_XS 8-byte, Q6_K/Q8_0/16-bit 2-byte.
+  const auto addr = reinterpret_cast<uintptr_t>(w.data);
+  const uintptr_t need = (t == DType::Q4_K || t == DType::Q5_K) ? 16 : t == DType::IQ4_XS ? 8 : t == DType::F32 ? 4 : 2;
+  SPECD_CHECK(addr % need == 0, op, ": w data must be ", need, "-byte aligned for ", dtype_info(t).name);
+}
+
 }  // namespace
 
 Tensor matmul(const Tensor& x, const Tensor& w) {
@@ -271,12 +266,11 @@ Tensor matmul(const Tensor& x, const Tensor& w) {
   check_dtype(x, DType::F32, op, "x");
   check_contiguous(x, op, "x");
   SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
-  SPECD_CHECK(w.dtype == DType::Q8_0 || w.dtype == DType::F32, op, ": w must be Q8_0 or F32 on the GPU, got ",
-              dtype_info(w.dtype).name);
   check_ndim(w, 2, op, "w");
   check_contiguous(w, op, "w");
   const int64_t out = w.dim(0), in = w.dim(1), n = x.rows();
   SPECD_CHECK(x.cols() == in, op, ": x has ", x.cols(), " columns, w has ", in, " (w is [out, in])");
+  check_weight(w, in, op);
   SPECD_CHECK(out <= 0x7fffffff, op, ": w has too many rows for one launch");
   SPECD_CHECK(detail::aligned16(x.data), op, ": x data must be 16-byte aligned");
   std::vector<int64_t> shape = x.shape;
@@ -287,21 +281,14 @@ Tensor matmul(const Tensor& x, const Tensor& w) {
     memset_zero(y.data, size_t(y.nbytes()));
     return y;
   }
-  const auto* wb = static_cast<const uint8_t*>(w.data);
-  const int64_t rb = w.row_bytes();
-  for (int64_t i0 = 0; i0 < n; i0 += kNMax) {
-    Problem p{wb, rb, 0, x.ptr<float>() + i0 * in, in, y.ptr<float>() + i0 * out, int(std::min<int64_t>(kNMax, n - i0)), out};
-    if (w.dtype == DType::Q8_0) {
-      p.nchunks = in / 8;
-      launch<Q8_0Quarter>(p);
-    } else if (in % 4 == 0 && detail::aligned16(wb)) {
-      p.nchunks = in / 4;
-      launch<F32W<4>>(p);
-    } else {
-      p.nchunks = in;
-      launch<F32W<1>>(p);
-    }
+  // Wider calls (prefill, big trees) go to the vendor GEMM on dequantized weights: the GEMV
+  // would re-read the weights once per 16 rows and runs on FP32 FMAs only.
+  if (n > kNMax) {
+    detail::matmul_blas(x, w, y);
+    return y;
   }
+  Problem p{static_cast<const uint8_t*>(w.data), w.row_bytes(), 0, x.ptr<float>(), in, y.ptr<float>(), int(n), out};
+  gemv(p, w.dtype, in, detail::aligned16(w.data));
   return y;
 }
 

@@ -25,10 +25,13 @@ std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>&
 Tensor l2_norm(const Tensor& x, float eps);
 
 // y[n, out] = x[n, in] @ w[out, in]^T (matmul.cu). x: F32 [..., in] contiguous (output shape is
-// x's with the last dimension replaced by out); w: Q8_0 or F32 [out, in] contiguous (Q8_0: in a
-// multiple of 32). F32 accumulation. A GEMV-style kernel that reads each weight byte once per 16
-// rows of x (so once per call for n <= 16); batch invariant: row i of y is bit-identical whatever
-// the number of rows in the call.
+// x's with the last dimension replaced by out); w: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS
+// [out, in] contiguous, in a multiple of the format's block size (32 / 256).
+// n <= 16 rows: a GEMV-style kernel that reads each weight byte once per call, decodes the weights
+// in registers to exactly cpu::dequantize's values and accumulates in F32; batch invariant: row i
+// of y is bit-identical whatever n (1..16). n > 16: w dequantized to BF16 and x rounded to BF16 on
+// the device, then cuBLAS / hipBLAS with F32 accumulation (matmul_blas.cu); error within
+// (2^-8 + 1e-5) * (|x| @ |w|^T) elementwise, not batch invariant across n.
 Tensor matmul(const Tensor& x, const Tensor& w);
 
 // Index of the first maximum of each row (argmax.cu); x F32 [..., V] contiguous, V >= 1 ->

@@ -98,6 +98,36 @@
 #define SPECD_BACKEND_NAME "cuda"
 #endif
 
+// Vendor BLAS (cuBLAS / hipBLAS), for the files that define SPECD_GPU_BLAS before including this
+// header (only the dequantize + GEMM path of matmul: other files need not see the BLAS headers).
+// hipBLAS is used through its v2 API (HIPBLAS_V2: hipDataType and hipblasComputeType_t, ROCm >= 6),
+// whose GemmEx has cuBLAS's argument list.
+#if defined(SPECD_GPU_BLAS)
+#if SPECD_HIP
+#ifndef HIPBLAS_V2
+#define HIPBLAS_V2
+#endif
+#include <hipblas/hipblas.h>
+#define cublasHandle_t hipblasHandle_t
+#define cublasStatus_t hipblasStatus_t
+#define CUBLAS_STATUS_SUCCESS HIPBLAS_STATUS_SUCCESS
+#define cublasCreate hipblasCreate
+#define cublasSetStream hipblasSetStream
+#define cublasGemmEx hipblasGemmEx
+#define cublasGetStatusString hipblasStatusToString
+#define CUBLAS_OP_N HIPBLAS_OP_N
+#define CUBLAS_OP_T HIPBLAS_OP_T
+#define CUBLAS_COMPUTE_32F HIPBLAS_COMPUTE_32F
+#define CUBLAS_GEMM_DEFAULT HIPBLAS_GEMM_DEFAULT
+#define CUDA_R_16BF HIP_R_16BF
+#define CUDA_R_32F HIP_R_32F
+#define SPECD_BLAS_NAME "hipblas"
+#else
+#include <cublas_v2.h>
+#define SPECD_BLAS_NAME "cublas"
+#endif
+#endif  // SPECD_GPU_BLAS
+
 // Lanes of a logical warp (see the warp size caveat above).
 #define SPECD_WARP 32
 

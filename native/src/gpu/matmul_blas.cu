@@ -1,0 +1,163 @@
+// Wide matmul (n > 16 rows of x): dequantize the weight to BF16 on the device, round x to BF16, and
+// let the vendor GEMM (cuBLAS; hipBLAS through portability.h) multiply on tensor cores with F32
+// accumulation and F32 output.
+//
+// Why BF16: it is the fastest tensor-core input type that keeps F32's exponent range (activations
+// of large models exceed F16's 65504), and every GGUF format specd reads decodes to values whose
+// BF16 rounding is within 2^-9 relative. Each product then carries at most ~2^-8 relative error,
+// so |y - y_exact| <= ~2^-8 * (|x| @ |w|^T) elementwise (F32 accumulation adds far less).
+//
+// Memory: the dequantized weight is produced panel by panel (at most kPanelBytes of BF16 per panel)
+// into one scratch buffer from the device pool (stream-ordered, cached by the pool between calls),
+// so the output head (248320 x 5120) needs 256 MiB, not 2.5 GB. Panels are multiplied as they are
+// produced; all work is on the library stream.
+#define SPECD_GPU_BLAS 1
+#include <algorithm>
+#include <climits>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "common.cuh"
+#include "matmul_blas.h"
+#include "specd/gpu.h"
+#include "weight_formats.cuh"
+
+namespace specd::gpu::detail {
+
+namespace {
+
+constexpr int64_t kPanelBytes = int64_t(256) << 20;
+constexpr int kThreads = 256;
+
+// Checks a BLAS call; throws std::runtime_error naming the call and the library's status string.
+#define SPECD_BLAS_CHECK(call)                                                                        \
+  do {                                                                                                \
+    cublasStatus_t specd_st_ = (call);                                                                \
+    if (specd_st_ != CUBLAS_STATUS_SUCCESS)                                                           \
+      throw std::runtime_error(std::string(SPECD_BLAS_NAME " call `" #call "` failed at ") + __FILE__ + \
+                               ":" + std::to_string(__LINE__) + ": " + cublasGetStatusString(specd_st_)); \
+  } while (0)
+
+// One handle per library, bound to the library stream; created on first use and never destroyed
+// (like the stream: it must outlive buffers freed during interpreter shutdown).
+cublasHandle_t handle() {
+  static std::mutex mu;
+  static cublasHandle_t h = nullptr;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!h) {
+    cublasHandle_t made = nullptr;
+    SPECD_BLAS_CHECK(cublasCreate(&made));
+    SPECD_BLAS_CHECK(cublasSetStream(made, stream()));
+    h = made;
+  }
+  return h;
+}
+
+// float -> bfloat16 bits, round to nearest even, NaN kept quiet (as cpu::fp32_to_bf16).
+__device__ __forceinline__ uint16_t to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// dst[r, :] = bf16(dequantize(w row r)) for `rows` rows; one thread per chunk (grid-stride).
+template <class W, int... P>
+__device__ __forceinline__ void dequant_chunk(const uint8_t* row, int64_t c, uint16_t* dst,
+                                              std::integer_sequence<int, P...>) {
+  const typename W::Raw raw = W::load(row, c);
+  auto part = [&](auto pc) {
+    constexpr int kP = decltype(pc)::value;
+    float v[W::kPE];
+    const float s = W::template decode_part<kP>(raw, v);
+    uint16_t* o = dst + W::offset(c, kP);
+#pragma unroll
+    for (int k = 0; k < W::kPE; ++k) o[k] = to_bf16(W::kScaled ? v[k] * s : v[k]);  // Q8_0: q * d as the CPU
+  };
+  (part(std::integral_constant<int, P>()), ...);
+}
+
+template <class W>
+__global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
+                                                               int64_t nchunks, int64_t rows, int64_t in,
+                                                               uint16_t* __restrict__ dst) {
+  const int64_t total = rows * nchunks, step = int64_t(gridDim.x) * kThreads;
+  for (int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x; t < total; t += step) {
+    const int64_t r = t / nchunks, c = t % nchunks;
+    dequant_chunk<W>(w + r * row_bytes, c, dst + r * in, std::make_integer_sequence<int, W::kParts>());
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) x_bf16_kernel(const float* __restrict__ x, int64_t count,
+                                                         uint16_t* __restrict__ dst) {
+  const int64_t step = int64_t(gridDim.x) * kThreads;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < count; i += step) dst[i] = to_bf16(x[i]);
+}
+
+unsigned grid_for(int64_t items) {
+  const int64_t blocks = (items + kThreads - 1) / kThreads, cap = int64_t(sm_count()) * 32;
+  return unsigned(std::max<int64_t>(1, std::min(blocks, cap)));
+}
+
+template <class W>
+void dequant_launch(const uint8_t* w, int64_t row_bytes, int64_t nchunks, int64_t rows, int64_t in, uint16_t* dst) {
+  dequant_bf16_kernel<W><<<grid_for(rows * nchunks), kThreads, 0, stream()>>>(w, row_bytes, nchunks, rows, in, dst);
+  SPECD_GPU_CHECK_LAUNCH("dequant_bf16_kernel");
+}
+
+// Rows [r0, r0 + rows) of w as BF16 into dst [rows, in]; the same chunk decoders as the GEMV.
+void dequant_panel(const Tensor& w, int64_t r0, int64_t rows, uint16_t* dst) {
+  const int64_t in = w.dim(1), rb = w.row_bytes();
+  const uint8_t* src = static_cast<const uint8_t*>(w.data) + r0 * rb;
+  const bool w16 = aligned16(w.data);
+  switch (w.dtype) {
+    case DType::Q8_0: return dequant_launch<Q8_0Quarter>(src, rb, in / 8, rows, in, dst);
+    case DType::Q4_K: return dequant_launch<Q4KW>(src, rb, in / 32, rows, in, dst);
+    case DType::Q5_K: return dequant_launch<Q5KW>(src, rb, in / 32, rows, in, dst);
+    case DType::Q6_K: return dequant_launch<Q6KW>(src, rb, in / 32, rows, in, dst);
+    case DType::IQ4_XS: return dequant_launch<IQ4XSW>(src, rb, in / 32, rows, in, dst);
+    case DType::F32:
+      if (in % 4 == 0 && w16) return dequant_launch<F32W<4>>(src, rb, in / 4, rows, in, dst);
+      return dequant_launch<F32W<1>>(src, rb, in, rows, in, dst);
+    case DType::F16:
+      if (in % 8 == 0 && w16) return dequant_launch<Half16W<8, false>>(src, rb, in / 8, rows, in, dst);
+      return dequant_launch<Half16W<1, false>>(src, rb, in, rows, in, dst);
+    case DType::BF16:
+      if (in % 8 == 0 && w16) return dequant_launch<Half16W<8, true>>(src, rb, in / 8, rows, in, dst);
+      return dequant_launch<Half16W<1, true>>(src, rb, in, rows, in, dst);
+    default: fail("matmul: no GPU dequantizer for ", dtype_info(w.dtype).name);
+  }
+}
+
+// y[:, o0 : o0 + rows] = xb @ wb^T in column-major terms: C (rows x n, ldc = out) = op(A) B with
+// A = wb stored as in x rows (column-major in x rows, transposed) and B = xb (in x n).
+void gemm_panel(const uint16_t* wb, const uint16_t* xb, int64_t rows, int64_t n, int64_t in, float* y_o0,
+                int64_t out) {
+  const float alpha = 1.0f, beta = 0.0f;
+  SPECD_BLAS_CHECK(cublasGemmEx(handle(), CUBLAS_OP_T, CUBLAS_OP_N, int(rows), int(n), int(in), &alpha, wb,
+                                CUDA_R_16BF, int(in), xb, CUDA_R_16BF, int(in), &beta, y_o0, CUDA_R_32F, int(out),
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace
+
+void matmul_blas(const Tensor& x, const Tensor& w, Tensor& y) {
+  const int64_t n = x.rows(), in = w.dim(1), out = w.dim(0);
+  SPECD_CHECK(n <= INT_MAX && in <= INT_MAX && out <= INT_MAX, "matmul: dimensions exceed the BLAS int range");
+  const int64_t panel = std::clamp<int64_t>(kPanelBytes / (2 * in), 1, out);
+  std::shared_ptr<void> xbuf = alloc(size_t(n * in) * 2), wbuf = alloc(size_t(panel * in) * 2);
+  auto* xb = static_cast<uint16_t*>(xbuf.get());
+  auto* wb = static_cast<uint16_t*>(wbuf.get());
+  x_bf16_kernel<<<grid_for(n * in), kThreads, 0, stream()>>>(x.ptr<float>(), n * in, xb);
+  SPECD_GPU_CHECK_LAUNCH("x_bf16_kernel");
+  for (int64_t o0 = 0; o0 < out; o0 += panel) {
+    const int64_t rows = std::min(panel, out - o0);
+    dequant_panel(w, o0, rows, wb);
+    gemm_panel(wb, xb, rows, n, in, y.ptr<float>() + o0, out);
+  }
+  // xbuf / wbuf are freed stream-ordered, after the GEMMs queued above.
+}
+
+}  // namespace specd::gpu::detail

@@ -1,0 +1,299 @@
+// Weight-format "policies" of the GPU matmul: how a chunk of a ggml weight row is loaded and decoded
+// in registers. Shared by the GEMV (matmul.cu) and the dequantize-to-BF16 kernels (matmul_blas.cu),
+// so both paths see the same weight values.
+//
+// A row is cut into chunks of kElems weights (c = 0 .. nchunks-1); a chunk is loaded in one go
+// (`load`, the raw bytes in registers) and decoded in kParts parts of kPE = kElems / kParts weights,
+// each part a run of consecutive elements starting at element `offset(c, part)` of the row. Parts
+// keep the decoded floats per thread small (8 registers per weight row) while the load stays wide.
+// decode_part<part>(raw, w) writes the part's weights and returns a scale s: weight k is s * w[k]
+// (kScaled, Q8_0 only: the GEMV multiplies once per part) or w[k] itself (s = 1).
+//
+// Exactness. Every decoder performs the float32 operations of the CPU decoder (cpu/quants.cpp) on
+// the same operands, so the decoded values are bit-identical to cpu::dequantize: the K-quant
+// products d*sc, dmin*m and d1*q are exact in float32 (few significant bits), so
+// fmaf(d1, q, -m1) == d1*q - m1 rounded once, as the CPU computes it; Q6_K and IQ4_XS round one
+// product (d*sc)*q, done with __fmul_rn (never contracted). Small integers are turned into floats
+// with the exact magic-number trick (bits 0x4B0000uu = 2^23 + uu) to keep the slow int->float
+// converter off the critical path.
+#pragma once
+#include <cstdint>
+
+#include "portability.h"
+
+namespace specd::gpu::detail {
+
+// --- small integer helpers ------------------------------------------------------------------
+
+constexpr uint32_t kMagicExp = 0x4B000000u;  // float bits of 2^23
+
+// Four unsigned bytes of `word` (each < 256) -> floats minus `bias` (exact for |result| < 2^23).
+__device__ __forceinline__ void u8x4_to_float(uint32_t word, float bias, float* w) {
+  const float b = 8388608.0f + bias;
+  w[0] = __int_as_float(__byte_perm(word, kMagicExp, 0x7540)) - b;
+  w[1] = __int_as_float(__byte_perm(word, kMagicExp, 0x7541)) - b;
+  w[2] = __int_as_float(__byte_perm(word, kMagicExp, 0x7542)) - b;
+  w[3] = __int_as_float(__byte_perm(word, kMagicExp, 0x7543)) - b;
+}
+
+// Four signed bytes -> exact floats.
+__device__ __forceinline__ void i8x4_to_float(uint32_t word, float* w) { u8x4_to_float(word ^ 0x80808080u, 128.0f, w); }
+
+__device__ __forceinline__ uint32_t ld_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
+// Two 2-byte-aligned u16 loads as one little-endian word (for formats whose blocks are only
+// 2-byte aligned).
+__device__ __forceinline__ uint32_t ld_u16x2(const uint8_t* p) { return ld_u16(p) | (ld_u16(p + 2) << 16); }
+
+// --- plain float formats --------------------------------------------------------------------
+
+// F32: 4 floats per chunk (16-byte aligned rows, one float4 load) or 1 (any alignment).
+template <int E>
+struct F32W {
+  static_assert(E == 1 || E == 4, "F32 chunks are 1 or 4 floats");
+  static constexpr int kElems = E, kParts = 1, kPE = E;
+  static constexpr bool kScaled = false;
+  struct Raw {
+    float v[E];
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t c) {
+    Raw r;
+    if constexpr (E == 4) {
+      float4 f = reinterpret_cast<const float4*>(row)[c];
+      r.v[0] = f.x, r.v[1] = f.y, r.v[2] = f.z, r.v[3] = f.w;
+    } else {
+      r.v[0] = reinterpret_cast<const float*>(row)[c];
+    }
+    return r;
+  }
+  template <int P>
+  __device__ __forceinline__ static float decode_part(const Raw& r, float (&w)[kPE]) {
+#pragma unroll
+    for (int k = 0; k < E; ++k) w[k] = r.v[k];
+    return 1.0f;
+  }
+  __device__ __forceinline__ static int64_t offset(int64_t c, int) { return c * E; }
+};
+
+// F16 / BF16: 8 values per chunk (one 16-byte load; rows 16-byte aligned, in % 8 == 0) or 1.
+template <int E, bool kBF16>
+struct Half16W {
+  static_assert(E == 1 || E == 8, "16-bit chunks are 1 or 8 values");
+  static constexpr int kElems = E, kParts = 1, kPE = E;
+  static constexpr bool kScaled = false;
+  struct Raw {
+    uint32_t v[(E + 1) / 2];
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t c) {
+    Raw r;
+    if constexpr (E == 8) {
+      uint4 q = reinterpret_cast<const uint4*>(row)[c];
+      r.v[0] = q.x, r.v[1] = q.y, r.v[2] = q.z, r.v[3] = q.w;
+    } else {
+      r.v[0] = ld_u16(row + 2 * c);
+    }
+    return r;
+  }
+  __device__ __forceinline__ static float one(uint32_t bits16) {
+    if constexpr (kBF16) return __uint_as_float(bits16 << 16);  // bf16 is the top half of an f32
+    return specd_fp16_bits_to_float(uint16_t(bits16));
+  }
+  template <int P>
+  __device__ __forceinline__ static float decode_part(const Raw& r, float (&w)[kPE]) {
+#pragma unroll
+    for (int k = 0; k < E; ++k) w[k] = one((r.v[k / 2] >> (16 * (k & 1))) & 0xffffu);
+    return 1.0f;
+  }
+  __device__ __forceinline__ static int64_t offset(int64_t c, int) { return c * E; }
+};
+
+// --- Q8_0 (34-byte blocks of 32: fp16 d | int8 q[32]) ---------------------------------------
+
+// A quarter block (8 weights) per chunk, read as 16-bit words (blocks are only 2-byte aligned).
+struct Q8_0Quarter {
+  static constexpr int kElems = 8, kParts = 1, kPE = 8;
+  static constexpr bool kScaled = true;
+  struct Raw {
+    uint32_t lo, hi;  // 8 int8 quants
+    uint16_t d;       // fp16 block scale
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t c) {
+    const uint8_t* blk = row + (c >> 2) * 34;
+    const uint8_t* q = blk + 2 + 8 * (c & 3);
+    Raw r;
+    r.d = uint16_t(ld_u16(blk));
+    r.lo = ld_u16x2(q);
+    r.hi = ld_u16x2(q + 4);
+    return r;
+  }
+  template <int P>
+  __device__ __forceinline__ static float decode_part(const Raw& r, float (&w)[kPE]) {
+    i8x4_to_float(r.lo, w);
+    i8x4_to_float(r.hi, w + 4);
+    return specd_fp16_bits_to_float(r.d);
+  }
+  __device__ __forceinline__ static int64_t offset(int64_t c, int) { return c * 8; }
+};
+
+// --- K-quants (256 weights per block) --------------------------------------------------------
+
+// Scale and min of sub-block j (0..7) from the 12 packed bytes s0|s1|s2 (ggml get_scale_min_k4;
+// cpu::unpack_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(int j, uint32_t s0, uint32_t s1, uint32_t s2, float& sc, float& mn) {
+  const int k = 8 * (j & 3);
+  uint32_t a = (s0 >> k) & 0xff, b = (s1 >> k) & 0xff, c = (s2 >> k) & 0xff;
+  uint32_t isc = j < 4 ? (a & 63) : ((c & 0x0f) | ((a >> 2) & 0x30));
+  uint32_t imn = j < 4 ? (b & 63) : ((c >> 4) | ((b >> 2) & 0x30));
+  sc = float(isc), mn = float(imn);  // < 64: exact
+}
+
+// Q4_K (144-byte blocks, 16-byte aligned): a chunk is 16 bytes of nibbles, qs[32p + 16h ..] of
+// sub-block pair p (h = 0, 1): low nibbles are elements 64p + 16h + 0..15 (sub-block 2p), high
+// nibbles elements 64p + 32 + 16h + 0..15 (sub-block 2p+1). Parts: low/high x first/second 8 bytes.
+// The block's 16-byte header (d, dmin, scales) is loaded by each of its 8 chunks (L1 hits).
+template <bool kQ5>
+struct QK45 {
+  static constexpr int kElems = 32, kParts = 4, kPE = 8;
+  static constexpr bool kScaled = false;
+  static constexpr int kBlock = kQ5 ? 176 : 144, kQs = kQ5 ? 48 : 16;
+  struct Raw {
+    uint4 q, hdr;
+    uint4 qh;  // Q5_K: fifth bits qh[16h .. 16h+15] (unused for Q4_K, optimised away)
+    int sel;   // c & 7
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t c) {
+    const uint8_t* blk = row + (c >> 3) * kBlock;
+    Raw r;
+    r.sel = int(c & 7);
+    r.hdr = *reinterpret_cast<const uint4*>(blk);
+    r.q = *reinterpret_cast<const uint4*>(blk + kQs + 16 * r.sel);  // 32p + 16h = 16 * sel
+    if constexpr (kQ5) r.qh = *reinterpret_cast<const uint4*>(blk + 16 + 16 * (r.sel & 1));
+    return r;
+  }
+  template <int P>
+  __device__ __forceinline__ static float decode_part(const Raw& r, float (&w)[kPE]) {
+    constexpr int kHigh = P >> 1, kWord = 2 * (P & 1);  // nibble half; first word of the 8 bytes
+    const int j = 2 * (r.sel >> 1) + kHigh;              // sub-block
+    float sc, mn;
+    scale_min_k4(j, r.hdr.y, r.hdr.z, r.hdr.w, sc, mn);
+    const float d1 = __fmul_rn(specd_fp16_bits_to_float(uint16_t(r.hdr.x)), sc);
+    const float m1 = __fmul_rn(specd_fp16_bits_to_float(uint16_t(r.hdr.x >> 16)), mn);
+    const uint32_t qw[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
+    const uint32_t hw[4] = {r.qh.x, r.qh.y, r.qh.z, r.qh.w};
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      uint32_t v = (qw[kWord + t] >> (4 * kHigh)) & 0x0f0f0f0fu;
+      if constexpr (kQ5) v |= ((hw[kWord + t] >> j) & 0x01010101u) << 4;
+      float f[4];
+      u8x4_to_float(v, 0.0f, f);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w[4 * t + k] = fmaf(d1, f[k], -m1);  // == d1*q - m1 (d1*q exact)
+    }
+    return 1.0f;
+  }
+  __device__ __forceinline__ static int64_t offset(int64_t c, int part) {
+    const int sel = int(c & 7);
+    return (c >> 3) * 256 + 64 * (sel >> 1) + 32 * (part >> 1) + 16 * (sel & 1) + 8 * (part & 1);
+  }
+};
+using Q4KW = QK45<false>;
+using Q5KW = QK45<true>;
+
+// Q6_K (210-byte blocks, only 2-byte aligned): a chunk is 8 consecutive l (l0 = 8*(c%4)) of one
+// half (128 weights) of a block: ql[l0..+7], ql[32+l0..+7], qh[l0..+7]; part g (0..3) is elements
+// 32g + l0 + 0..7 of the half: nibble g/2 of ql[32*(g%2) + l], bits 2g..2g+1 of qh[l], scale
+// sc[8*half + 2g + l0/16]. Value (d * sc) * (q - 32), rounded as the CPU rounds it.
+struct Q6KW {
+  static constexpr int kElems = 32, kParts = 4, kPE = 8;
+  static constexpr bool kScaled = false;
+  struct Raw {
+    uint32_t ql[4], qh[2];
+    uint32_t sc01, sc23;  // the four int8 scales of parts 0..3 (byte t of their u16 words)
+    uint32_t d;
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t c) {
+    const uint8_t* blk = row + (c >> 3) * 210;
+    const int half = int(c >> 2) & 1, l0 = 8 * int(c & 3), t = l0 >> 4;
+    const uint8_t* ql = blk + 64 * half + l0;
+    const uint8_t* qh = blk + 128 + 32 * half + l0;
+    const uint8_t* sc = blk + 192 + 8 * half + t;  // byte of part g at sc + 2g
+    Raw r;
+    r.ql[0] = ld_u16x2(ql), r.ql[1] = ld_u16x2(ql + 4);
+    r.ql[2] = ld_u16x2(ql + 32), r.ql[3] = ld_u16x2(ql + 36);
+    r.qh[0] = ld_u16x2(qh), r.qh[1] = ld_u16x2(qh + 4);
+    r.sc01 = uint32_t(sc[0]) | (uint32_t(sc[2]) << 8);
+    r.sc23 = uint32_t(sc[4]) | (uint32_t(sc[6]) << 8);
+    r.d = ld_u16(blk + 208);
+    return r;
+  }
+  template <int G>
+  __device__ __forceinline__ static float decode_part(const Raw& r, float (&w)[kPE]) {
+    const uint32_t scw = G < 2 ? r.sc01 : r.sc23;
+    const int isc = int(int8_t(uint8_t(scw >> (8 * (G & 1)))));
+    const float s = __fmul_rn(specd_fp16_bits_to_float(uint16_t(r.d)), float(isc));  // exact
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      uint32_t v = (r.ql[2 * (G & 1) + t] >> (4 * (G >> 1))) & 0x0f0f0f0fu;
+      v |= ((r.qh[t] >> (2 * G)) & 0x03030303u) << 4;
+      float f[4];
+      u8x4_to_float(v, 32.0f, f);  // q - 32, exact
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w[4 * t + k] = __fmul_rn(s, f[k]);
+    }
+    return 1.0f;
+  }
+  __device__ __forceinline__ static int64_t offset(int64_t c, int part) {
+    return (c >> 3) * 256 + 128 * ((c >> 2) & 1) + 32 * part + 8 * (c & 3);
+  }
+};
+
+// IQ4_XS (136-byte blocks, 8-byte aligned): a chunk is sub-block j = c % 8: 16 bytes qs[16j ..]
+// (two 8-byte loads), low nibbles elements 32j + 0..15, high nibbles 32j + 16..31, plus the
+// block's 8-byte header (d | scales_h | scales_l). Value (d * (s - 32)) * kvalues[idx].
+struct IQ4XSW {
+  static constexpr int kElems = 32, kParts = 4, kPE = 8;
+  static constexpr bool kScaled = false;
+  struct Raw {
+    uint2 a, b, hdr;
+    int j;
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t c) {
+    const uint8_t* blk = row + (c >> 3) * 136;
+    Raw r;
+    r.j = int(c & 7);
+    r.hdr = *reinterpret_cast<const uint2*>(blk);
+    r.a = *reinterpret_cast<const uint2*>(blk + 8 + 16 * r.j);
+    r.b = *reinterpret_cast<const uint2*>(blk + 16 + 16 * r.j);
+    return r;
+  }
+  // Four 4-bit indices (one per byte) -> the four int8 table values, with byte permutes: the
+  // 16-entry table lives in four words, entries 0-7 and 8-15 each selected by a 3-bit selector.
+  __device__ __forceinline__ static uint32_t lookup4(uint32_t idx) {
+    constexpr uint32_t t0 = 0xBFAD9881u, t1 = 0xF6EADDCFu, t2 = 0x26190D01u, t3 = 0x71594535u;
+    uint32_t s = idx | (idx >> 4);                       // byte0 = i0 | i1 << 4, byte2 = i2 | i3 << 4
+    uint32_t sel = __byte_perm(s, 0, 0x4420) & 0x7777u;  // 3-bit selectors (bit 3 would sign-fill)
+    uint32_t lo = __byte_perm(t0, t1, sel), hi = __byte_perm(t2, t3, sel);
+    uint32_t m = ((idx >> 3) & 0x01010101u) * 0xffu;  // 0xff in the bytes whose index is >= 8
+    return (lo & ~m) | (hi & m);
+  }
+  template <int P>
+  __device__ __forceinline__ static float decode_part(const Raw& r, float (&w)[kPE]) {
+    const uint32_t sh = r.hdr.x >> 16, sl = r.hdr.y;
+    const int s = int(((sl >> (4 * r.j)) & 0x0f) | (((sh >> (2 * r.j)) & 3) << 4));
+    const float dl = __fmul_rn(specd_fp16_bits_to_float(uint16_t(r.hdr.x)), float(s - 32));  // exact
+    const uint32_t qw[4] = {r.a.x, r.a.y, r.b.x, r.b.y};
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      uint32_t idx = (qw[2 * (P & 1) + t] >> (4 * (P >> 1))) & 0x0f0f0f0fu;
+      float f[4];
+      i8x4_to_float(lookup4(idx), f);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) w[4 * t + k] = __fmul_rn(dl, f[k]);
+    }
+    return 1.0f;
+  }
+  __device__ __forceinline__ static int64_t offset(int64_t c, int part) {
+    return (c >> 3) * 256 + 32 * (c & 7) + 16 * (part >> 1) + 8 * (part & 1);
+  }
+};
+
+}  // namespace specd::gpu::detail

@@ -1,0 +1,69 @@
+"""The GPU matmul's weight decoders (native/src/gpu/weight_formats.cuh), checked on the CPU.
+
+The decoders are plain C++ apart from a few device intrinsics, so this test compiles them for the
+host with stand-ins for those intrinsics (host_emu/portability.h, CUDA semantics) and decodes random
+valid blocks of every format chunk by chunk, part by part, at the policies' element offsets, as the
+GEMV and the dequantize-to-BF16 kernel walk them. The result must be bit-identical to the CPU
+backend's sn.dequantize (itself bit-exact with gguf). It runs everywhere a C++17 compiler is found
+(no GPU needed), so layout mistakes show up in CPU CI; the device code itself is covered by
+test_gpu_matmul.py on a GPU.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import specd.native as sn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "native"))
+from quant_blocks import random_blocks  # noqa: E402
+
+SRC = os.path.join(HERE, "..", "..", "native", "src", "gpu", "weight_formats.cuh")
+CXX = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    if not CXX or not os.path.exists(SRC):
+        pytest.skip("no C++ compiler or no source tree")
+    d = tmp_path_factory.mktemp("host_emu")
+    shutil.copy(SRC, d / "weight_formats.cuh")  # next to the stand-in portability.h
+    shutil.copy(os.path.join(HERE, "host_emu", "portability.h"), d / "portability.h")
+    exe = d / "decode"
+    subprocess.run([CXX, "-std=c++17", "-O1", "-ffp-contract=off", "-I", str(d), "-o", str(exe),
+                    os.path.join(HERE, "host_emu", "decode_main.cpp")], check=True)
+    return d, exe
+
+
+def weight(rng, name, rows, k, extreme):
+    base = name[:-2] if name.endswith("_1") else name  # "_1": the one-value-per-chunk fallback
+    if base == "F16":
+        a = rng.standard_normal((rows, k)).astype(np.float16)
+        return a.view(np.uint8), sn.Tensor(a)
+    if base == "BF16":
+        a = (rng.standard_normal((rows, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return a.view(np.uint8), sn.Tensor(a, sn.DType.BF16)
+    if base == "F32":
+        a = rng.standard_normal((rows, k)).astype(np.float32)
+        return a.view(np.uint8), sn.Tensor(a)
+    raw = random_blocks(rng, name, rows, k, extreme=extreme)
+    return raw, sn.Tensor(raw, getattr(sn.DType, name))
+
+
+@pytest.mark.parametrize("extreme", [False, True])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "F16", "F16_1", "BF16", "BF16_1",
+                                  "F32", "F32_1"])
+def test_gpu_weight_decoders_bit_exact_on_host(decoder, rng, name, extreme):
+    d, exe = decoder
+    rows, k = 3, 1024
+    raw, t = weight(rng, name, rows, k, extreme)
+    np.ascontiguousarray(raw).tofile(d / "w.bin")
+    subprocess.run([str(exe), name, str(rows), str(k), str(d / "w.bin"), str(d / "y.bin")], check=True)
+    got = np.fromfile(d / "y.bin", np.float32).reshape(rows, k)
+    ref = sn.dequantize(t).numpy()
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (
+        f"{name}: {int(np.sum(got.view(np.uint32) != ref.view(np.uint32)))} of {got.size} values differ")

@@ -1,0 +1,157 @@
+"""GPU matmul (sn.matmul on GPU tensors) for every weight format, against the CPU backend.
+
+Skipped (marked ``gpu``) unless ``specd.native.gpu_available()``.
+
+Weights: random valid blocks (tests/native/quant_blocks.py: random bytes with realistic fp16 scale
+fields) for Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS; random normals for F32 / F16 / BF16. The reference is
+the CPU backend's sn.matmul on the same weights (its decoders are bit-exact with gguf; its own
+float32 error is far inside the bounds below), and bound = |x| @ |dequantize(w)|^T (float64).
+
+Tolerances, elementwise:
+* GEMV path (n <= 16 rows of x): |y_gpu - y_cpu| <= 1e-5 * bound. Both accumulate in float32 in
+  different orders; the GPU decodes the weights to exactly the CPU's float32 values.
+* cuBLAS path (n > 16): x and the dequantized weights are rounded to BF16 (8 significant bits),
+  products and sums in float32: each product is off by at most 2^-9 + 2^-9 + 2^-18 relative, so
+  |y_gpu - y_cpu| <= (2^-8 + 2e-5) * bound.
+* Batch invariance (n <= 16): row i of y is bit-identical whatever the number of rows in the call.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import specd.native as sn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "native"))
+from quant_blocks import random_blocks  # noqa: E402
+
+GPU = sn.Device.GPU
+HAVE_GPU = sn.gpu_available()
+FORMATS = ["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+GEMV_TOL = 1e-5
+BLAS_TOL = 2.0**-8 + 2e-5
+
+
+def gpu_only(f):
+    f = pytest.mark.skipif(not HAVE_GPU, reason="no GPU backend/device in this build or machine")(f)
+    return pytest.mark.gpu(f)
+
+
+def weight(rng, name, out, k):
+    """CPU Tensor [out, k] of format `name` (raw bytes / bits wrapped with the dtype)."""
+    if name == "F32":
+        return sn.Tensor(np.ascontiguousarray((rng.standard_normal((out, k)) * 0.05).astype(np.float32)))
+    if name == "F16":
+        return sn.Tensor(np.ascontiguousarray((rng.standard_normal((out, k)) * 0.05).astype(np.float16)))
+    if name == "BF16":
+        bits = ((rng.standard_normal((out, k)) * 0.05).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return sn.Tensor(np.ascontiguousarray(bits), sn.DType.BF16)
+    return sn.Tensor(np.ascontiguousarray(random_blocks(rng, name, out, k)), getattr(sn.DType, name))
+
+
+def abs_bound(x, w_cpu, rows_per_chunk=8192):
+    """|x| @ |dequantize(w)|^T in float64, dequantizing w in row chunks (bounded memory)."""
+    ax = np.abs(x.astype(np.float64))
+    out = w_cpu.shape[0]
+    res = np.empty((x.shape[0], out))
+    raw = w_cpu.numpy()
+    for r0 in range(0, out, rows_per_chunk):
+        part = raw[r0 : r0 + rows_per_chunk]
+        wt = sn.Tensor(np.ascontiguousarray(part), w_cpu.dtype) if w_cpu.dtype not in (sn.DType.F32, sn.DType.F16) \
+            else sn.Tensor(np.ascontiguousarray(part))
+        res[:, r0 : r0 + rows_per_chunk] = ax @ np.abs(sn.dequantize(wt).numpy().astype(np.float64)).T
+    return res
+
+
+def check_close(y, ref, bound, tol, what):
+    assert np.all(np.isfinite(y)), f"{what}: non-finite output"
+    err = np.abs(y.astype(np.float64) - ref.astype(np.float64))
+    bad = err > tol * bound + 1e-30
+    assert not bad.any(), (f"{what}: {int(bad.sum())} elements over {tol:.3g} * sum|x||w|; "
+                           f"max ratio {(err / (bound + 1e-30)).max():.3g}")
+
+
+# (in, out) per format; in a multiple of 256 for the K-quants. K = 5120 / 17408 are the 27B's.
+SHAPES = [(256, 7), (512, 130), (5120, 96), (17408, 40)]
+FLOAT_ODD_SHAPES = [(100, 33), (7, 5)]  # 16-bit / F32 rows that are not 16-byte multiples
+
+
+def run_widths(rng, name, k, out, widths):
+    w = weight(rng, name, out, k)
+    wg = w.to(GPU)
+    assert wg.shape == (out, k)
+    x = rng.standard_normal((max(widths), k)).astype(np.float32)
+    ref = sn.matmul(x, w).numpy()  # CPU: batch invariant, so ref[:n] is the reference for every n
+    bound = abs_bound(x, w)
+    for n in widths:
+        y = sn.matmul(sn.Tensor(np.ascontiguousarray(x[:n])).to(GPU), wg)
+        assert y.device == GPU and y.shape == (n, out)
+        tol = GEMV_TOL if n <= 16 else BLAS_TOL
+        check_close(y.numpy(), ref[:n], bound[:n], tol, f"{name} n={n} in={k} out={out}")
+
+
+@pytest.mark.parametrize("k,out", SHAPES)
+@pytest.mark.parametrize("name", FORMATS)
+@gpu_only
+def test_matmul_gpu_formats_widths(rng, name, k, out):
+    run_widths(rng, name, k, out, list(range(1, 18)))
+
+
+@pytest.mark.parametrize("k,out", FLOAT_ODD_SHAPES)
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
+@gpu_only
+def test_matmul_gpu_float_unaligned_rows(rng, name, k, out):
+    run_widths(rng, name, k, out, [1, 2, 5, 16, 17])
+
+
+@gpu_only
+def test_matmul_gpu_q8_0_output_head(rng):
+    """The vocabulary-sized output head (248320 rows), Q8_0, at decode and verify widths."""
+    run_widths(rng, "Q8_0", 2048, 248320, [1, 3, 16])
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@gpu_only
+def test_matmul_gpu_batch_invariant(rng, name):
+    k, out = (5120, 300)
+    wg = weight(rng, name, out, k).to(GPU)
+    x = rng.standard_normal((16, k)).astype(np.float32)
+    full = sn.matmul(sn.Tensor(x).to(GPU), wg).numpy()
+    for n in range(1, 17):
+        np.testing.assert_array_equal(sn.matmul(sn.Tensor(np.ascontiguousarray(x[:n])).to(GPU), wg).numpy(),
+                                      full[:n], err_msg=f"{name}: width {n} differs from width 16")
+    for lo, hi in [(3, 4), (5, 8), (2, 7), (9, 16), (15, 16)]:
+        np.testing.assert_array_equal(sn.matmul(sn.Tensor(np.ascontiguousarray(x[lo:hi])).to(GPU), wg).numpy(),
+                                      full[lo:hi], err_msg=f"{name}: rows {lo}:{hi}")
+
+
+@pytest.mark.parametrize("n", [17, 64, 300])
+@pytest.mark.parametrize("name", FORMATS)
+@gpu_only
+def test_matmul_gpu_blas_path(rng, name, n):
+    k, out = (1024, 520)
+    w = weight(rng, name, out, k)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    y = sn.matmul(sn.Tensor(x).to(GPU), w.to(GPU)).numpy()
+    check_close(y, sn.matmul(x, w).numpy(), abs_bound(x, w), BLAS_TOL, f"{name} cuBLAS n={n}")
+
+
+@gpu_only
+def test_matmul_gpu_blas_panels(rng):
+    """A weight larger than one 256 MiB BF16 panel (several dequantize + GEMM rounds)."""
+    k, out, n = 4096, 40000, 33
+    w = weight(rng, "Q4_K", out, k)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    y = sn.matmul(sn.Tensor(x).to(GPU), w.to(GPU)).numpy()
+    check_close(y, sn.matmul(x, w).numpy(), abs_bound(x, w), BLAS_TOL, "Q4_K cuBLAS, 2 panels")
+
+
+@gpu_only
+def test_matmul_gpu_bad_input(rng):
+    wg = weight(rng, "Q4_K", 8, 256).to(GPU)
+    with pytest.raises(ValueError, match="columns"):
+        sn.matmul(sn.Tensor(np.ones((2, 512), np.float32)).to(GPU), wg)
+    with pytest.raises(ValueError, match="w must be"):
+        sn.matmul(sn.Tensor(np.ones((2, 4), np.float32)).to(GPU),
+                  sn.Tensor(np.ones((3, 4), np.int32)).to(GPU))
