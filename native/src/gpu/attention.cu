@@ -93,9 +93,7 @@ __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(uint8_t* __rest
       float id = dd != 0.0f ? __fdiv_rn(1.0f, dd) : 0.0f;
       uint8_t* blk = dst + b * 34;
       if (lane == 0) {
-        uint16_t h = __half_as_ushort(__float2half_rn(dd));
-        blk[0] = uint8_t(h & 0xff);
-        blk[1] = uint8_t(h >> 8);
+        *reinterpret_cast<uint16_t*>(blk) = __half_as_ushort(__float2half_rn(dd));
       }
       reinterpret_cast<int8_t*>(blk + 2)[lane] = int8_t(roundf(__fmul_rn(v, id)));
     }
@@ -108,7 +106,8 @@ struct AttnParams {
   const float* q;
   const uint8_t* kc;
   const uint8_t* vc;
-  int64_t row_stride, head_stride;  // cache strides (bytes), same for K and V (same shape)
+  int64_t k_row_stride, k_head_stride;  // cache strides (bytes); K and V may have different dtypes
+  int64_t v_row_stride, v_head_stride;
   const int32_t* q_pos;
   const int32_t* mask;  // [n, kv_len] or null
   int64_t kv_len, window;
@@ -140,15 +139,15 @@ __global__ void __launch_bounds__(kMaxDim) attention_kernel(const AttnParams P) 
   const int64_t lo = P.window > 0 ? (pos - P.window + 1 > 0 ? pos - P.window + 1 : 0) : 0;
   const int64_t hi = P.causal ? (P.kv_len < pos + 1 ? P.kv_len : pos + 1) : P.kv_len;
   const int32_t* mrow = P.mask ? P.mask + i * P.kv_len : nullptr;
-  const uint8_t* kbase = P.kc + g * P.head_stride;
-  const uint8_t* vbase = P.vc + g * P.head_stride;
+  const uint8_t* kbase = P.kc + g * P.k_head_stride;
+  const uint8_t* vbase = P.vc + g * P.v_head_stride;
   __syncthreads();
 
   // Pass 1: the max over the visible scores (exact whatever the order).
   float m = -INFINITY;
   for (int64_t j = lo + warp; j < hi; j += nwarps) {
     if (mrow && mrow[j] == 0) continue;  // uniform per warp
-    float s = score<KT>(qs, kbase + j * P.row_stride, P.d, lane, P.scale);
+    float s = score<KT>(qs, kbase + j * P.k_row_stride, P.d, lane, P.scale);
     m = m < s ? s : m;
   }
   if (lane == 0) wmax[warp] = m;
@@ -169,7 +168,7 @@ __global__ void __launch_bounds__(kMaxDim) attention_kernel(const AttnParams P) 
     for (int jj = warp; jj < cnt; jj += nwarps) {
       const int64_t j = t0 + jj;
       float p = -1.0f;
-      if (!mrow || mrow[j] != 0) p = expf(score<KT>(qs, kbase + j * P.row_stride, P.d, lane, P.scale) - m);
+      if (!mrow || mrow[j] != 0) p = expf(score<KT>(qs, kbase + j * P.k_row_stride, P.d, lane, P.scale) - m);
       if (lane == 0) ps[jj] = p;
     }
     __syncthreads();
@@ -178,7 +177,7 @@ __global__ void __launch_bounds__(kMaxDim) attention_kernel(const AttnParams P) 
         const float p = ps[jj];
         if (!(p >= 0.0f)) continue;  // not visible (uniform over the block)
         l = __fadd_rn(l, p);
-        acc = __fadd_rn(acc, __fmul_rn(p, load<VT>(vbase + (t0 + jj) * P.row_stride, c)));
+        acc = __fadd_rn(acc, __fmul_rn(p, load<VT>(vbase + (t0 + jj) * P.v_row_stride, c)));
       }
     }
     __syncthreads();
@@ -261,7 +260,7 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   Tensor dpos = detail::i32_on_gpu(q_pos);
   Tensor dmask = a.mask ? detail::i32_on_gpu(*a.mask) : Tensor();
   AttnParams P{q.ptr<float>(), static_cast<const uint8_t*>(k_cache.data), static_cast<const uint8_t*>(v_cache.data),
-               k_cache.strides[0], k_cache.strides[1], dpos.ptr<int32_t>(),
+               k_cache.strides[0], k_cache.strides[1], v_cache.strides[0], v_cache.strides[1], dpos.ptr<int32_t>(),
                a.mask ? dmask.ptr<int32_t>() : nullptr, a.kv_len, a.window, a.causal ? 1 : 0, int(hq),
                int(hq / hkv), int(d), a.scale ? *a.scale : float(1.0 / std::sqrt(double(d))), out.ptr<float>()};
   const int threads = int((d + SPECD_WARP - 1) / SPECD_WARP * SPECD_WARP);
