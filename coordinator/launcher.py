@@ -34,9 +34,12 @@ from .config import config_from_args
 class ServeConfig:
     """Launcher settings (``specd serve`` flags; the coordinator's own flags pass through).
 
-    target: qwen35 target GGUF (required).
+    target: qwen35 target GGUF. Default "": the embedded demo target (``models/demo-target.gguf``,
+        installed with specd as ``specd/models/``).
     drafter_gguf: drafter GGUF (DFlash / DSpark / DFlash 2); its target_layer_ids become the target's
-        capture layers and the drafter worker runs it. Default "" (no drafter unless scripted).
+        capture layers and the drafter worker runs it. Default "auto": the embedded demo DFlash 2
+        drafter when the target is the embedded demo target (and no scripted drafter is asked for),
+        else none; "none" runs without a drafter.
     drafter_kv_dtype: the drafter's context K/V cache type: f32 (default), f16 or q8_0.
     dspark_markov: the drafter worker's default DSpark Markov mode: fused (default), unfused
         (bitwise identical, per-row lm_head) or off (argmax of the base logits); ignored for
@@ -52,7 +55,7 @@ class ServeConfig:
     """
 
     target: str = ""
-    drafter_gguf: str = ""
+    drafter_gguf: str = "auto"
     drafter_kv_dtype: str = "f32"
     dspark_markov: str = "fused"
     scripted_block: int = 0
@@ -64,9 +67,20 @@ class ServeConfig:
     kv_dtype: str = "f16"
     start_timeout_s: float = 600.0
 
-    def validate(self) -> None:
+    def resolve_models(self) -> None:
+        """Fill the embedded defaults: "" target -> the demo target, "auto" drafter -> the demo
+        DFlash 2 drafter for the demo target (none otherwise, or with a scripted drafter), "none" -> "".
+        Raises FileNotFoundError naming the path when an embedded model is not installed."""
         if not self.target:
-            raise ValueError("serve: --target is required")
+            self.target = embedded_model(DEMO_TARGET)
+        if self.drafter_gguf == "auto":
+            demo = os.path.basename(self.target) == DEMO_TARGET and not self.scripted_block
+            self.drafter_gguf = embedded_model(DEMO_DRAFTER) if demo else ""
+        elif self.drafter_gguf == "none":
+            self.drafter_gguf = ""
+
+    def validate(self) -> None:
+        self.resolve_models()
         if self.drafter_gguf and self.scripted_block:
             raise ValueError("serve: give --drafter or --scripted-block, not both")
         if self.scripted_block < 0 or self.scripted_accept < -1 or self.max_seq_len < 0 or self.start_timeout_s <= 0:
@@ -87,11 +101,29 @@ class ServeConfig:
                 raise ValueError(f"serve: --capture-layers must be comma-separated integers: {exc}") from exc
 
 
+DEMO_TARGET = "demo-target.gguf"
+DEMO_DRAFTER = "demo-dflash2.gguf"  # the demo drafter with the highest measured acceptance (BENCHMARKS.md)
+
+
+def embedded_model(name: str) -> str:
+    """Path of an embedded demo model: ``specd/models/<name>`` of the installed package, else the
+    source tree's ``models/<name>``. Raises FileNotFoundError naming both places."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # specd/ (installed) or the repo
+    for path in (os.path.join(here, "models", name), os.path.join(os.path.dirname(here), "models", name)):
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(f"serve: embedded model {name} not found under {here}/models or "
+                            f"{os.path.dirname(here)}/models; pass --target / --drafter")
+
+
 def add_arguments(p) -> None:
     d = ServeConfig()
-    p.add_argument("--target", required=True, help="qwen35 target GGUF")
+    p.add_argument("--target", default=d.target,
+                   help="qwen35 target GGUF (default: the embedded demo target)")
     p.add_argument("--drafter-gguf", "--drafter", dest="drafter_gguf", default=d.drafter_gguf,
-                   help="drafter GGUF: DFlash, DSpark or DFlash 2 (its taps set the target's capture layers)")
+                   help="drafter GGUF: DFlash, DSpark or DFlash 2 (its taps set the target's capture layers); "
+                        "'auto' (default): the embedded demo DFlash 2 drafter with the embedded demo target, "
+                        "else none; 'none': no drafter")
     p.add_argument("--drafter-kv-dtype", default=d.drafter_kv_dtype, choices=["f32", "f16", "q8_0"],
                    help=f"drafter context K/V cache type (default {d.drafter_kv_dtype})")
     p.add_argument("--dspark-markov", default=d.dspark_markov, choices=["fused", "unfused", "off"],
@@ -147,6 +179,7 @@ def _passthrough(args) -> list[str]:
 def run(args) -> int:
     cfg = ServeConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig)})
     cfg.validate()
+    print(f"specd serve: target {cfg.target}, drafter {cfg.drafter_gguf or 'none'}", file=sys.stderr, flush=True)
     config_from_args(args, target="unix:///unused", drafter="")  # validates the coordinator flags up front
     ns, args = args, cfg
     rt = args.runtime_dir or tempfile.mkdtemp(prefix="specd-")

@@ -1,25 +1,17 @@
 #!/usr/bin/env bash
 # The README's main-job command: installs specd (tools/setup_env.sh), starts the service (target
-# worker and coordinator, plus a drafter worker once a demo drafter is shipped in models/) on the
-# embedded demo models on loopback, sends one Generate request, prints the streamed text and the
-# speculation stats, and stops the service.
+# worker, drafter worker and coordinator) on its embedded defaults — the demo target and the demo
+# DFlash 2 drafter (models/, installed with specd) — on loopback, sends one Generate request, prints
+# the streamed text and the speculation stats, and stops the service.
 # Extra arguments go to `specd generate` (e.g. --chat "..." --max-tokens 200).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SPECD_VENV:-$root/.venv}"
 "$root/tools/setup_env.sh"
 specd="$venv/bin/specd"
-target="$root/models/demo-target.gguf"
-serve=(--target "$target")
-drafter="$root/models/demo-drafter.gguf"
-if [[ -f "$drafter" ]]; then
-  serve+=(--drafter "$drafter")
-else
-  echo "specd: no demo drafter is shipped yet: the service runs plain greedy decoding (no speculation)" >&2
-fi
 port="$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 log="$(mktemp)"
-"$specd" serve "${serve[@]}" --listen "127.0.0.1:$port" --metrics-port 0 >"$log" 2>&1 &
+"$specd" serve --listen "127.0.0.1:$port" --metrics-port 0 >"$log" 2>&1 &
 server=$!
 trap 'kill -TERM "$server" 2>/dev/null; wait "$server" 2>/dev/null; rm -f "$log"' EXIT
 for _ in $(seq 600); do  # wait for READY (at most 60 s)
