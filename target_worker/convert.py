@@ -497,10 +497,13 @@ def encode(x: np.ndarray, qtype: QT) -> np.ndarray:
     return x if qtype == QT.F32 else quantize(x, qtype)
 
 
-def write_metadata(w: gguf.GGUFWriter, hp: Qwen35HParams, name: str, outtype: QT) -> None:
-    """All qwen35 keys of qwen35-target.md §3 (general.architecture is written by GGUFWriter)."""
+def write_metadata(w: gguf.GGUFWriter, hp: Qwen35HParams, name: str,
+                   file_type: QT | gguf.LlamaFileType) -> None:
+    """All qwen35 keys of qwen35-target.md §3 (general.architecture is written by GGUFWriter).
+    ``file_type``: the converter's output type (mapped to general.file_type) or a LlamaFileType."""
     w.add_name(name)
-    w.add_file_type(int(FILE_TYPES[outtype]))
+    ft = file_type if isinstance(file_type, gguf.LlamaFileType) else FILE_TYPES[file_type]
+    w.add_file_type(int(ft))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_block_count(hp.block_count)
     if hp.n_nextn:
