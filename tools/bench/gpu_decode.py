@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""GPU target benchmark on a 27B-shaped random qwen35 GGUF (issue 7; run on the H200).
+
+Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
+* device-to-device copy bandwidth (torch, the physical reference of this run);
+* device memory taken by the weights, and per sequence (KV cache per token, GDN + conv state);
+* plain greedy decode tok/s, against the ceiling copy bandwidth / bytes streamed per token (every
+  weight byte except the embedding table, of which one row is read);
+* chain verify step time at widths 1..17 (``verify`` without committing);
+* prefill tok/s at 128 / 512 / 2048 / 8192 prompt tokens (longer ones skipped once one takes > 60 s);
+* an in-process speculative loop with a scripted drafter at acceptance lengths 3, 5 and 7: each step
+  verifies the anchor + 7 drafts whose first AL - 1 are the target's own greedy continuation and
+  the rest wrong, then commits AL tokens; tokens/s and the speedup over plain decode. (In-process:
+  no gRPC, so this is the model-side loop; tools/bench/loop_overhead.py measures the service.)
+
+Usage: python tools/bench/gpu_decode.py --gguf /tmp/r27.gguf [--mix iq4xs] [--out DIR]
+(the GGUF is written by tools/bench/random_qwen35.py first when it does not exist).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def copy_bandwidth() -> float | None:
+    """Device-to-device copy, GB/s counting read + write (torch, 2 GiB, median of 10)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * (1 << 31) / float(np.median(ts)) / 1e9
+
+
+def device_used_bytes() -> int | None:
+    try:
+        import torch
+        free, total = torch.cuda.mem_get_info()
+        return int(total - free)
+    except Exception:  # noqa: BLE001 - torch absent or no device: not reported
+        return None
+
+
+def streamed_bytes(reader) -> tuple[int, int]:
+    """(bytes read per decode token, total weight bytes) from the GGUF's tensor table."""
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return total - int(emb.n_bytes) + int(emb.n_bytes) // int(emb.shape[1]), total
+
+
+def timed(fn, sync) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--mix", default="iq4xs")
+    ap.add_argument("--config", default="27b")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prefill", type=int, nargs="*", default=[128, 512, 2048, 8192])
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+
+    import specd.native as sn
+    from specd.target_worker.gguf_loader import load_qwen35, open_gguf
+    from specd.target_worker.model import Qwen35Model
+
+    rep: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gguf": args.gguf, "mix": args.mix, "config": args.config,
+                 "device": sn.gpu_device_name() if args.device == "cuda" else "cpu"}
+    if not os.path.exists(args.gguf):
+        import random_qwen35
+        rep["generate"] = random_qwen35.write(args.gguf, args.config, args.mix)
+        print("generated", rep["generate"], flush=True)
+    sync = sn.gpu_synchronize if args.device == "cuda" else (lambda: None)
+    rep["copy_GBps"] = copy_bandwidth() if args.device == "cuda" else None
+    per_token, total = streamed_bytes(open_gguf(args.gguf))
+    rep["weight_bytes"], rep["streamed_bytes_per_token"] = total, per_token
+    used0 = device_used_bytes()
+    t0 = time.perf_counter()
+    model = Qwen35Model(load_qwen35(args.gguf), device=args.device)
+    sync()
+    rep["load_s"] = time.perf_counter() - t0
+    used1 = device_used_bytes()
+    rep["device_bytes_weights"] = None if used0 is None else used1 - used0
+    print(json.dumps(rep), flush=True)
+
+    rng = np.random.default_rng(0)
+    vocab = model.hp.n_vocab
+    prompt = rng.integers(0, vocab, 16).tolist()
+    st = model.new_sequence(4096)
+    used2 = device_used_bytes()
+    rep["device_bytes_sequence_4096"] = None if used1 is None else used2 - used1
+    logits = model.prefill(st, prompt)
+    tok = int(np.argmax(logits))
+    model.decode(st, tok)  # warm-up
+    greedy = []
+
+    def run_decode():
+        nonlocal tok
+        for _ in range(args.decode_tokens):
+            tok = int(np.argmax(model.decode(st, tok)))
+            greedy.append(tok)
+    t = timed(run_decode, sync)
+    rep["decode_tok_s"] = args.decode_tokens / t
+    if rep["copy_GBps"]:
+        rep["decode_ceiling_tok_s"] = rep["copy_GBps"] * 1e9 / per_token
+        rep["decode_ratio_to_ceiling"] = rep["decode_tok_s"] / rep["decode_ceiling_tok_s"]
+    print("decode", rep["decode_tok_s"], flush=True)
+
+    rep["verify_ms"] = {}
+    for w in range(1, 18):
+        toks = rng.integers(0, vocab, w).tolist()
+        model.verify(st, toks)  # warm-up / shape
+        ts = [timed(lambda: model.verify(st, toks), sync) for _ in range(5)]
+        rep["verify_ms"][w] = 1e3 * float(np.median(ts))
+    print("verify", rep["verify_ms"], flush=True)
+
+    # scripted loop: the target's own continuation (computed here) with AL - 1 right drafts per step
+    ref_st = model.new_sequence(4096)
+    lg = model.prefill(ref_st, prompt)
+    cont = [int(np.argmax(lg))]
+    for _ in range(160):
+        cont.append(int(np.argmax(model.decode(ref_st, cont[-1]))))
+    rep["loop"] = {}
+    for al in (3, 5, 7):
+        s = model.new_sequence(4096)
+        model.prefill(s, prompt)
+        pos, steps = 0, 0  # cont[pos] is the anchor (decided, not yet fed)
+
+        def loop():
+            nonlocal pos, steps
+            while pos + 8 < len(cont):
+                drafts = cont[pos + 1:pos + al] + [(cont[pos + j] + 1) % vocab for j in range(al, 8)]
+                res = model.verify(s, [cont[pos]] + drafts)
+                model.commit(s, res, al)
+                pos += al
+                steps += 1
+        t = timed(loop, sync)
+        rep["loop"][al] = {"tok_s": pos / t, "steps": steps, "speedup": pos / t / rep["decode_tok_s"]}
+    print("loop", rep["loop"], flush=True)
+
+    rep["prefill_tok_s"] = {}
+    for n in args.prefill:
+        s = model.new_sequence(n + 1)
+        toks = rng.integers(0, vocab, n).tolist()
+        t = timed(lambda: model.prefill(s, toks), sync)
+        rep["prefill_tok_s"][n] = n / t
+        print("prefill", n, n / t, flush=True)
+        del s
+        if t > 60:
+            break
+
+    os.makedirs(args.out, exist_ok=True)
+    Path(args.out, f"gpu_decode_{args.mix}.json").write_text(json.dumps(rep, indent=1))
+    Path(args.out, f"gpu_decode_{args.mix}.md").write_text(markdown(rep))
+    print(markdown(rep))
+    return 0
+
+
+def markdown(r: dict) -> str:
+    gb = lambda b: f"{b / 2**30:.2f} GiB" if b is not None else "n/a"  # noqa: E731
+    L = [f"### Random {r['config']}-shaped qwen35, mix `{r['mix']}` on {r['device']} ({r['date']})", "",
+         f"- weights {gb(r['weight_bytes'])} in the file; on the device {gb(r.get('device_bytes_weights'))}; "
+         f"one sequence of 4096 positions {gb(r.get('device_bytes_sequence_4096'))}; load {r['load_s']:.1f} s",
+         f"- copy bandwidth {r['copy_GBps']:.0f} GB/s; bytes streamed per decode token "
+         f"{r['streamed_bytes_per_token'] / 1e9:.2f} GB -> ceiling {r.get('decode_ceiling_tok_s', 0):.0f} tok/s"
+         if r.get("copy_GBps") else "- copy bandwidth: n/a",
+         f"- plain decode **{r['decode_tok_s']:.1f} tok/s**"
+         + (f" ({r['decode_ratio_to_ceiling']:.2f} of the ceiling)" if r.get("decode_ratio_to_ceiling") else ""), "",
+         "| verify width | " + " | ".join(str(w) for w in r["verify_ms"]) + " |",
+         "| --- |" + " --- |" * len(r["verify_ms"]),
+         "| ms | " + " | ".join(f"{v:.1f}" for v in r["verify_ms"].values()) + " |", "",
+         "| prompt tokens | " + " | ".join(str(n) for n in r["prefill_tok_s"]) + " |",
+         "| --- |" + " --- |" * len(r["prefill_tok_s"]),
+         "| prefill tok/s | " + " | ".join(f"{v:.0f}" for v in r["prefill_tok_s"].values()) + " |", "",
+         "| scripted AL | tok/s | speedup vs plain |", "| --- | --- | --- |"]
+    L += [f"| {al} | {v['tok_s']:.1f} | {v['speedup']:.2f}x |" for al, v in r["loop"].items()]
+    return "\n".join(L) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
