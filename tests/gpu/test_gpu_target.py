@@ -246,3 +246,15 @@ def test_device_parsing():
     elif not sn.gpu_available():
         with pytest.raises(RuntimeError, match="no GPU"):
             parse_device("cuda")
+    from specd.coordinator.launcher import ServeConfig
+    from specd.target_worker.server import TargetWorkerConfig
+
+    for cfg in (TargetWorkerConfig(target="x.gguf", device="tpu"), ServeConfig(target="x.gguf", device="tpu")):
+        with pytest.raises(ValueError, match="device"):
+            cfg.validate()
+    TargetWorkerConfig(target="x.gguf", device="cpu").validate()
+    assert TargetWorkerConfig(target="x.gguf").resolved_device == ("cuda" if sn.gpu_available() else "cpu")
+    if not sn.gpu_available():
+        for cfg in (TargetWorkerConfig(target="x.gguf", device="cuda"), ServeConfig(target="x.gguf", device="cuda")):
+            with pytest.raises(ValueError, match="--device cuda"):
+                cfg.validate()
