@@ -51,6 +51,8 @@ class ServeConfig:
     runtime_dir: directory for the worker sockets ("" = a new temporary directory, removed at exit).
     max_seq_len: target positions per sequence (0: the GGUF context_length, else 4096). Default 0.
     kv_dtype: target KV cache type: f16 (default), q8_0 or f32.
+    device: where the target worker runs the target: auto (default: cuda when this build has a GPU
+        backend and a GPU is present, else cpu), cpu or cuda (a clear error without a GPU).
     start_timeout_s: wait for each child's READY line. Default 600.
     """
 
@@ -65,6 +67,7 @@ class ServeConfig:
     runtime_dir: str = ""
     max_seq_len: int = 0
     kv_dtype: str = "f16"
+    device: str = "auto"
     start_timeout_s: float = 600.0
 
     def resolve_models(self) -> None:
@@ -90,6 +93,9 @@ class ServeConfig:
             raise ValueError("serve: --scripted-continuations needs --scripted-block")
         if self.kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"serve: --kv-dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
+        from specd.target_worker.server import check_device
+
+        check_device(self.device, "serve")
         if self.drafter_kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"serve: --drafter-kv-dtype must be f16, q8_0 or f32, got {self.drafter_kv_dtype!r}")
         if self.dspark_markov not in ("fused", "unfused", "off"):
@@ -140,6 +146,9 @@ def add_arguments(p) -> None:
     p.add_argument("--runtime-dir", default=d.runtime_dir, help="directory for the worker sockets (default: a new temp dir)")
     p.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="target positions per sequence (default 0: GGUF)")
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=["f16", "q8_0", "f32"], help="KV cache type (default f16)")
+    from specd.target_worker.server import add_device_argument
+
+    add_device_argument(p, d.device)
     p.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s,
                    help="wait for each child's READY (default 600)")
     before = len(p._actions)
@@ -197,7 +206,7 @@ def run(args) -> int:
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,
-                    "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype,
+                    "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype, "--device", args.device,
                     "--feature-transport", ns.feature_transport])
         procs.append(("target-worker", t))
         _wait_ready(t, "target-worker", args.start_timeout_s)

@@ -80,15 +80,16 @@ class SequenceState:
         self.committed = 0
         self.verifies = 0  # a verify overwrites K/V rows past `committed`: only the newest may commit
         self.kv: dict[int, tuple[sn.Tensor, sn.Tensor]] = {}
-        self.ssm: dict[int, np.ndarray] = {}
-        self.conv: dict[int, np.ndarray] = {}
+        self.ssm: dict = {}  # np.ndarray on the CPU, sn.Tensor on the GPU
+        self.conv: dict = {}
+        ops, dev = model._ops, model.device
         for i in range(hp.n_layer):
             if hp.recurrent[i]:
-                self.ssm[i] = np.zeros((hp.n_v_heads, hp.head_v_dim, hp.head_k_dim), np.float32)
-                self.conv[i] = np.zeros((hp.ssm_conv_kernel - 1, hp.conv_channels), np.float32)
+                self.ssm[i] = ops.zeros((hp.n_v_heads, hp.head_v_dim, hp.head_k_dim))
+                self.conv[i] = ops.zeros((hp.ssm_conv_kernel - 1, hp.conv_channels))
             else:
                 shape = [capacity, hp.n_head_kv, hp.head_dim]
-                self.kv[i] = (sn.Tensor.zeros(shape, model.kv_dtype), sn.Tensor.zeros(shape, model.kv_dtype))
+                self.kv[i] = (sn.Tensor.zeros(shape, model.kv_dtype, dev), sn.Tensor.zeros(shape, model.kv_dtype, dev))
         self.features = FeatureRing(capacity, max(1, len(model.capture_layers)) * hp.n_embd)
 
 
@@ -101,9 +102,19 @@ class Qwen35Model:
             trunk layer below the last); features are the residual stream after those layers.
         kv_dtype: KV cache type, ``DType.F16`` (default) or ``DType.Q8_0`` (or F32).
         prefill_chunk: tokens per prefill forward.
+        device: ``sn.Device.CPU`` (default) or ``sn.Device.GPU`` (or "cpu" / "cuda" / "gpu"). On the GPU
+            the weights are uploaded once here (matmul weights in a format the GPU matmul of this
+            build lacks are dequantized to F32 on upload, the embedding table likewise for formats
+            other than F32/F16/BF16/Q8_0), the KV caches, GDN and conv states and every activation
+            stay on the device, and only the outputs (logits, argmax, features) come back to the
+            host. Same API and semantics as on the CPU (prefill, decode, chain and tree verify,
+            commit). Raises RuntimeError when the GPU is asked for and none is usable.
+        tensor_ops: run the device code path (sn.Tensor glue ops instead of numpy) even on the CPU;
+            for tests on machines without a GPU (``SPECD_TEST_GPU_DRYRUN``). Implied by the GPU.
     """
 
-    def __init__(self, weights, capture_layers: Sequence[int] = (), kv_dtype=sn.DType.F16, prefill_chunk: int = 512):
+    def __init__(self, weights, capture_layers: Sequence[int] = (), kv_dtype=sn.DType.F16, prefill_chunk: int = 512,
+                 device=sn.Device.CPU, tensor_ops: bool = False):
         self.w, self.hp = weights, weights.hparams
         hp = self.hp
         for lid in capture_layers:
@@ -115,10 +126,32 @@ class Qwen35Model:
             raise ValueError(f"prefill_chunk must be > 0, got {prefill_chunk}")
         self.capture_layers = list(capture_layers)
         self.kv_dtype, self.prefill_chunk = kv_dtype, prefill_chunk
-        self.output = weights.output if weights.output is not None else weights.token_embd
+        self.device = parse_device(device)
+        output = weights.output if weights.output is not None else weights.token_embd
         # ssm_conv1d is GGUF ne [K, C] = numpy (C, K); the conv op wants taps outermost.
-        self.conv_w = {i: np.ascontiguousarray(l.ssm_conv1d.numpy().T) for i, l in enumerate(weights.layers)
-                       if hp.recurrent[i]}
+        conv_w = {i: np.ascontiguousarray(l.ssm_conv1d.numpy().T) for i, l in enumerate(weights.layers)
+                  if hp.recurrent[i]}
+        if self.device == sn.Device.CPU and not tensor_ops:
+            self._ops = _HostOps()
+            self.token_embd, self.output_norm, self.output = weights.token_embd, weights.output_norm, output
+            self.layers = list(weights.layers)
+            self.conv_w = conv_w
+            self.gdn_vecs = {i: (l.ssm_dt.numpy(), l.ssm_a.numpy()) for i, l in enumerate(weights.layers)
+                             if hp.recurrent[i]}
+        else:
+            self._ops = _TensorOps(self.device)
+            up = _Uploader(self.device)
+            self.token_embd = up.embedding(weights.token_embd)
+            self.output_norm = up.plain(weights.output_norm)
+            self.output = up.matmul(output)
+            self.layers = [up.layer(l) for l in weights.layers]
+            self.conv_w = {i: up.plain(sn.Tensor(c)) for i, c in conv_w.items()}
+            # [1, Hv] tables: broadcast over rows by an embedding lookup of row 0 (exact)
+            self.gdn_vecs = {i: (up.plain(l.ssm_dt).reshape([1, hp.n_v_heads]),
+                                 up.plain(l.ssm_a).reshape([1, hp.n_v_heads]))
+                             for i, l in enumerate(weights.layers) if hp.recurrent[i]}
+            if self.device == sn.Device.GPU:
+                sn.gpu_synchronize()
 
     # ------------------------------------------------------------------ public API
 
@@ -160,9 +193,10 @@ class Qwen35Model:
         tree = None if parents is None else _Tree(parents, w, c)
         st.verifies += 1
         positions = (c + np.arange(w) if tree is None else c + tree.depth).astype(np.int32)
-        x = sn.embedding(self.w.token_embd, tokens).numpy()
+        ops = self._ops
+        x = ops.a(sn.embedding(self.token_embd, tokens))
         taps, pending = {}, []
-        for i, layer in enumerate(self.w.layers):
+        for i, layer in enumerate(self.layers):
             if self.hp.recurrent[i]:
                 mix, p = self._gdn(i, layer, x, st, tree)
             else:
@@ -170,13 +204,14 @@ class Qwen35Model:
             pending.append(p)
             u, h = sn.rms_norm(mix, layer.post_attention_norm, self.hp.rms_eps, residual=x)
             ffn = sn.swiglu(sn.matmul(u, layer.ffn_gate), sn.matmul(u, layer.ffn_up))
-            x = sn.add(h, sn.matmul(ffn, layer.ffn_down)).numpy()
+            x = ops.a(sn.add(h, sn.matmul(ffn, layer.ffn_down)))
             if i in self.capture_layers:
                 taps[i] = x
-        feats = (np.concatenate([taps[i] for i in self.capture_layers], axis=1) if self.capture_layers
+        feats = (ops.host(ops.cat([taps[i] for i in self.capture_layers], axis=1)) if self.capture_layers
                  else np.zeros((w, self.hp.n_embd), np.float32))
-        logits = self._logits(x[-1:] if last_only else x)
-        return VerifyResult(tokens, None if tree is None else tree.parents, logits, sn.argmax(logits).numpy(),
+        logits = self._logits(ops.last_row(x) if last_only else x)
+        argmax = sn.argmax(logits).numpy()  # on the device; only the ids come back here
+        return VerifyResult(tokens, None if tree is None else tree.parents, ops.host(logits), argmax,
                             feats, c, pending, st, st.verifies)
 
     def commit(self, st: SequenceState, res: VerifyResult, n_or_path) -> None:
@@ -194,6 +229,7 @@ class Qwen35Model:
         if n == 0:
             return
         full_chain = res.parents is None and n == len(res.tokens)
+        ops = self._ops
         for i, p in enumerate(res.pending):
             if p is None:
                 self._compact_kv(st, i, res.start, rows)
@@ -201,8 +237,8 @@ class Qwen35Model:
                 st.ssm[i], st.conv[i] = p.final_state, p.final_conv
             else:
                 st.conv[i] = self._conv_state_after(st.conv[i], p.conv_in, rows)
-                sn.gated_delta_net(p.q[rows], p.k[rows], p.v[rows], p.g[rows], p.beta[rows], st.ssm[i],
-                                   self._gdn_scale)
+                sn.gated_delta_net(ops.take(p.q, rows), ops.take(p.k, rows), ops.take(p.v, rows),
+                                   ops.take(p.g, rows), ops.take(p.beta, rows), st.ssm[i], self._gdn_scale)
         st.features.write(res.start, res.features[rows])
         st.committed += n
 
@@ -216,11 +252,12 @@ class Qwen35Model:
         hp, w = self.hp, x.shape[0]
         hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
         u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
-        qg = sn.matmul(u, layer.attn_q).numpy().reshape(w, nh, 2, hd)  # per head [q | gate]
-        q = sn.rms_norm(np.ascontiguousarray(qg[:, :, 0]), layer.attn_q_norm, hp.rms_eps)
-        gate = np.ascontiguousarray(qg[:, :, 1])
-        k = sn.rms_norm(sn.matmul(u, layer.attn_k).numpy().reshape(w, nkv, hd), layer.attn_k_norm, hp.rms_eps)
-        v = sn.matmul(u, layer.attn_v).numpy().reshape(w, nkv, hd)
+        ops = self._ops
+        qg = ops.reshape(ops.a(sn.matmul(u, layer.attn_q)), w * nh, 2 * hd)  # per head [q | gate]
+        q = sn.rms_norm(ops.reshape(ops.cols(qg, 0, hd), w, nh, hd), layer.attn_q_norm, hp.rms_eps)
+        gate = ops.reshape(ops.cols(qg, hd, 2 * hd), w, nh, hd)
+        k = sn.rms_norm(ops.reshape(ops.a(sn.matmul(u, layer.attn_k)), w, nkv, hd), layer.attn_k_norm, hp.rms_eps)
+        v = ops.reshape(ops.a(sn.matmul(u, layer.attn_v)), w, nkv, hd)
         q = sn.rope_neox(q, positions, hp.n_rot, hp.rope_freq_base)
         k = sn.rope_neox(k, positions, hp.n_rot, hp.rope_freq_base)
         c = st.committed
@@ -232,68 +269,71 @@ class Qwen35Model:
             a = sn.attention(q, kc, vc, c + w, positions, causal=True)
         else:
             a = sn.attention(q, kc, vc, c + w, positions, causal=False, mask=tree.mask)
-        a = sn.mul(a, sn.sigmoid(gate)).numpy().reshape(w, nh * hd)
-        return sn.matmul(a, layer.attn_output).numpy()
+        a = ops.reshape(ops.a(sn.mul(a, sn.sigmoid(gate))), w, nh * hd)
+        return ops.a(sn.matmul(a, layer.attn_output))
 
     def _gdn(self, i, layer, x, st, tree):
         hp, w = self.hp, x.shape[0]
         hk, hv, dk, dv = hp.n_k_heads, hp.n_v_heads, hp.head_k_dim, hp.head_v_dim
+        ops = self._ops
         u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
-        m = sn.matmul(u, layer.attn_qkv).numpy()
-        z = sn.matmul(u, layer.attn_gate).numpy().reshape(w, hv, dv)
-        b = sn.matmul(u, layer.ssm_beta).numpy()
-        a = sn.matmul(u, layer.ssm_alpha).numpy()
+        m = ops.a(sn.matmul(u, layer.attn_qkv))
+        z = ops.reshape(ops.a(sn.matmul(u, layer.attn_gate)), w, hv, dv)
+        b = ops.a(sn.matmul(u, layer.ssm_beta))
+        a = ops.a(sn.matmul(u, layer.ssm_alpha))
         if tree is None:
-            conv_state = st.conv[i].copy()
-            cv = sn.conv1d_causal(m, self.conv_w[i], conv_state, apply_silu=True).numpy()
+            conv_state = ops.copy(st.conv[i])
+            cv = ops.a(sn.conv1d_causal(m, self.conv_w[i], conv_state, apply_silu=True))
         else:
-            cv = np.concatenate([sn.conv1d_causal(m[j : j + 1], self.conv_w[i],
-                                                  self._conv_state_after(st.conv[i], m, tree.path(j)[:-1]),
-                                                  apply_silu=True).numpy() for j in range(w)])
+            cv = ops.cat([ops.a(sn.conv1d_causal(ops.take(m, [j]), self.conv_w[i],
+                                                 self._conv_state_after(st.conv[i], m, tree.path(j)[:-1]),
+                                                 apply_silu=True)) for j in range(w)])
             conv_state = None
-        q = sn.l2_norm(np.ascontiguousarray(cv[:, : hk * dk].reshape(w, hk, dk)), hp.rms_eps).numpy()
-        k = sn.l2_norm(np.ascontiguousarray(cv[:, hk * dk : 2 * hk * dk].reshape(w, hk, dk)), hp.rms_eps).numpy()
-        v = np.ascontiguousarray(cv[:, 2 * hk * dk :].reshape(w, hv, dv))
-        beta = sn.sigmoid(b).numpy()
-        g = (sn.softplus(a + layer.ssm_dt.numpy()).numpy() * layer.ssm_a.numpy()).astype(np.float32)
+        q = ops.a(sn.l2_norm(ops.reshape(ops.cols(cv, 0, hk * dk), w, hk, dk), hp.rms_eps))
+        k = ops.a(sn.l2_norm(ops.reshape(ops.cols(cv, hk * dk, 2 * hk * dk), w, hk, dk), hp.rms_eps))
+        v = ops.reshape(ops.cols(cv, 2 * hk * dk, hp.conv_channels), w, hv, dv)
+        beta = ops.a(sn.sigmoid(b))
+        dt, ssm_a = self.gdn_vecs[i]
+        g = ops.mul_vec(ops.a(sn.softplus(ops.add_vec(a, dt))), ssm_a)
         if tree is None:
-            state = st.ssm[i].copy()
-            o = sn.gated_delta_net(q, k, v, g, beta, state, self._gdn_scale).numpy()
+            state = ops.copy(st.ssm[i])
+            o = ops.a(sn.gated_delta_net(q, k, v, g, beta, state, self._gdn_scale))
         else:
             state, o = None, self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
-        o = sn.mul(sn.rms_norm(o, layer.ssm_norm, hp.rms_eps), sn.silu(z)).numpy().reshape(w, hv * dv)
-        out = sn.matmul(o, layer.ssm_out).numpy()
+        o = ops.reshape(ops.a(sn.mul(sn.rms_norm(o, layer.ssm_norm, hp.rms_eps), sn.silu(z))), w, hv * dv)
+        out = ops.a(sn.matmul(o, layer.ssm_out))
         return out, GDNPending(m, q, k, v, g, beta, state, conv_state)
 
     def _gdn_tree(self, s0, q, k, v, g, beta, tree):
         """Each node's recurrence starts from its parent's state (the committed S for roots)."""
-        states, outs = [], []
+        ops, states, outs = self._ops, [], []
         for j in range(len(tree.parents)):
             p = tree.parents[j]
-            s = (s0 if p < 0 else states[p]).copy()
-            outs.append(sn.gated_delta_net(q[j : j + 1], k[j : j + 1], v[j : j + 1], g[j : j + 1],
-                                           beta[j : j + 1], s, self._gdn_scale).numpy())
+            s = ops.copy(s0 if p < 0 else states[p])
+            outs.append(ops.a(sn.gated_delta_net(ops.take(q, [j]), ops.take(k, [j]), ops.take(v, [j]),
+                                                 ops.take(g, [j]), ops.take(beta, [j]), s, self._gdn_scale)))
             states.append(s)
-        return np.concatenate(outs)
+        return ops.cat(outs)
 
-    def _logits(self, hidden: np.ndarray) -> np.ndarray:
-        return sn.matmul(sn.rms_norm(hidden, self.w.output_norm, self.hp.rms_eps), self.output).numpy()
+    def _logits(self, hidden):
+        """Logits of the rows of ``hidden``, on the model's device (numpy on the CPU)."""
+        return self._ops.a(sn.matmul(sn.rms_norm(hidden, self.output_norm, self.hp.rms_eps), self.output))
 
     # ------------------------------------------------------------------ commit helpers
 
-    @staticmethod
-    def _conv_state_after(conv_state: np.ndarray, conv_in: np.ndarray, rows) -> np.ndarray:
+    def _conv_state_after(self, conv_state, conv_in, rows):
         """The K-1 conv inputs ending at the last of ``rows`` (a chain prefix or a tree path)."""
-        hist = np.concatenate([conv_state, conv_in[np.asarray(rows, np.int64)]])
-        return hist[-conv_state.shape[0] :].copy()
+        ops = self._ops
+        if len(rows) == 0:
+            return ops.copy(conv_state)
+        hist = ops.cat([conv_state, ops.take(conv_in, rows)])
+        return ops.tail_rows(hist, conv_state.shape[0])
 
     def _compact_kv(self, st, i, c, rows):
         """Moves K/V of committed tree rows to consecutive cache rows c, c+1, ... (chains: no-op)."""
         moved = [(c + r, c + d) for d, r in enumerate(rows) if r != d]
         for cache in st.kv[i]:
-            raw = cache.numpy()
-            for src, dst in moved:
-                raw[dst] = raw[src]
+            self._ops.move_rows(cache, moved)
 
     def _commit_rows(self, res: VerifyResult, n_or_path) -> list[int]:
         w = len(res.tokens)
@@ -348,3 +388,228 @@ class _Tree:
             out.append(j)
             j = int(self.parents[j])
         return out[::-1]
+
+
+# ---------------------------------------------------------------------- device plumbing
+#
+# The graph above is written once against a small "array plumbing" interface (`ops`): results of
+# native ops are turned into the model's working arrays by ``ops.a``, and the few operations the
+# graph does outside the native ops (reshape, column slices, row gathers, concatenation, copies,
+# broadcast of a per-head vector) go through ``ops``. _HostOps is the CPU path: numpy, exactly the
+# operations the CPU forward has always done (bit for bit). _TensorOps keeps everything as
+# sn.Tensor on the model's device, using the native glue ops (sn.slice / concat / copy /
+# copy_rows, and sn.embedding as an exact row gather), so no activation leaves the GPU.
+
+
+def parse_device(device) -> "sn.Device":
+    """``sn.Device`` from a Device or "cpu" / "cuda" / "gpu" / "hip". Asking for the GPU raises
+    RuntimeError when this build has no GPU backend or no device is present."""
+    if isinstance(device, str):
+        name = device.strip().lower()
+        if name not in ("cpu", "cuda", "gpu", "hip"):
+            raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        device = sn.Device.CPU if name == "cpu" else sn.Device.GPU
+    if device == sn.Device.GPU:
+        if not sn.gpu_compiled():
+            raise RuntimeError("device cuda requested, but specd was built without a GPU backend "
+                               "(reinstall with SPECD_GPU=cuda, or SPECD_GPU=hip for AMD)")
+        if not sn.gpu_available():
+            raise RuntimeError(f"device cuda requested, but no GPU is usable ({sn.gpu_backend()} build)")
+    elif device != sn.Device.CPU:
+        raise ValueError(f"device must be sn.Device.CPU or sn.Device.GPU, got {device!r}")
+    return device
+
+
+def default_device() -> str:
+    """"cuda" when this build has a GPU backend and a device is present, else "cpu"."""
+    return "cuda" if sn.gpu_available() else "cpu"
+
+
+class _HostOps:
+    """numpy plumbing (the CPU forward)."""
+
+    @staticmethod
+    def a(t):
+        return t.numpy()
+
+    @staticmethod
+    def reshape(x, *shape):
+        return x.reshape(shape)
+
+    @staticmethod
+    def cols(x, start, stop):
+        return np.ascontiguousarray(x[..., start:stop])
+
+    @staticmethod
+    def take(x, rows):
+        return x[np.asarray(rows, np.int64)]
+
+    @staticmethod
+    def cat(xs, axis=0):
+        return np.concatenate(xs, axis=axis)
+
+    @staticmethod
+    def copy(x):
+        return x.copy()
+
+    @staticmethod
+    def tail_rows(x, n):
+        return x[-n:].copy()
+
+    @staticmethod
+    def last_row(x):
+        return x[-1:]
+
+    @staticmethod
+    def host(x):
+        return x
+
+    @staticmethod
+    def add_vec(x, v):
+        return x + v
+
+    @staticmethod
+    def mul_vec(x, v):
+        return (x * v).astype(np.float32)
+
+    @staticmethod
+    def zeros(shape):
+        return np.zeros(shape, np.float32)
+
+    @staticmethod
+    def move_rows(cache, moved):
+        raw = cache.numpy()
+        for src, dst in moved:
+            raw[dst] = raw[src]
+
+
+class _TensorOps:
+    """sn.Tensor plumbing on one device: every intermediate stays there. Values equal _HostOps'
+    exactly (byte copies, exact gathers, F32 add/mul rounded once like numpy's)."""
+
+    def __init__(self, device):
+        self.device = device
+        self._zero_ids: dict[int, sn.Tensor] = {}
+
+    @staticmethod
+    def a(t):
+        return t
+
+    @staticmethod
+    def reshape(x, *shape):
+        return x.reshape(list(shape))
+
+    @staticmethod
+    def cols(x, start, stop):
+        return sn.slice(x, -1, start, stop)
+
+    def take(self, x, rows):
+        rows = [int(r) for r in rows]
+        n = x.shape[0]
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):  # a run of rows: one copy
+            return sn.slice(x, 0, rows[0], rows[0] + len(rows))
+        inner = list(x.shape[1:])
+        flat = x.reshape([n, int(np.prod(inner, dtype=np.int64))])
+        y = sn.embedding(flat, np.asarray(rows, np.int32))  # exact row gather (F32)
+        return y.reshape([len(rows)] + inner)
+
+    @staticmethod
+    def cat(xs, axis=0):
+        return sn.concat(list(xs), axis)
+
+    @staticmethod
+    def copy(x):
+        return sn.copy(x)
+
+    @staticmethod
+    def tail_rows(x, n):
+        return sn.slice(x, 0, x.shape[0] - n, x.shape[0])
+
+    @staticmethod
+    def last_row(x):
+        return sn.slice(x, 0, x.shape[0] - 1, x.shape[0])
+
+    @staticmethod
+    def host(x):
+        return x.numpy()
+
+    def _tile(self, v, rows):
+        """[rows, H] copies of the [1, H] table v (an exact embedding lookup of row 0)."""
+        ids = self._zero_ids.get(rows)
+        if ids is None:
+            ids = sn.Tensor(np.zeros(rows, np.int32)).to(self.device)
+            self._zero_ids[rows] = ids
+        return sn.embedding(v, ids)
+
+    def add_vec(self, x, v):
+        return sn.add(x, self._tile(v, x.shape[0]))
+
+    def mul_vec(self, x, v):
+        return sn.mul(x, self._tile(v, x.shape[0]))
+
+    def zeros(self, shape):
+        return sn.Tensor.zeros(list(shape), sn.DType.F32, self.device)
+
+    @staticmethod
+    def move_rows(cache, moved):
+        for src, dst in moved:
+            sn.copy_rows(cache, dst, cache, src, 1)
+
+
+_EMBEDDING_DTYPES = (sn.DType.F32, sn.DType.F16, sn.DType.BF16, sn.DType.Q8_0)
+
+
+class _Uploader:
+    """Places the weights on the model's device once (the CPU with tensor_ops: as they are)."""
+
+    def __init__(self, device):
+        self.device = device
+        self._matmul_ok: dict = {}
+        self._placed: dict = {}  # (id(source), f32?) -> (source, placed): a tied output is uploaded once
+
+    def plain(self, t, f32: bool = False):
+        t = t if isinstance(t, sn.Tensor) else sn.Tensor(t)
+        key = (id(t), f32)
+        if key not in self._placed:
+            src = sn.dequantize(t) if f32 else t
+            placed = src if self.device == sn.Device.CPU else src.contiguous().to(self.device)
+            self._placed[key] = (t, placed)
+        return self._placed[key][1]
+
+    def _gpu_matmul_supports(self, dtype) -> bool:
+        """Whether this build's GPU matmul takes weights of ``dtype`` (probed once per format)."""
+        if dtype not in self._matmul_ok:
+            try:
+                x = sn.Tensor.zeros([1, 256], sn.DType.F32, self.device)
+                sn.matmul(x, sn.Tensor.zeros([1, 256], dtype, self.device))
+                self._matmul_ok[dtype] = True
+            except ValueError:
+                self._matmul_ok[dtype] = False
+        return self._matmul_ok[dtype]
+
+    def matmul(self, t):
+        if self.device == sn.Device.CPU or self._gpu_matmul_supports(t.dtype):
+            return self.plain(t)
+        return self.plain(t, f32=True)  # exact decode; the GPU then runs an F32 matmul
+
+    def embedding(self, t):
+        if self.device == sn.Device.CPU or t.dtype in _EMBEDDING_DTYPES:
+            return self.plain(t)
+        return self.plain(t, f32=True)
+
+    def layer(self, layer):
+        fields = {}
+        for f in dataclasses.fields(layer):
+            t = getattr(layer, f.name)
+            if not isinstance(t, sn.Tensor) or f.name in ("ssm_conv1d", "ssm_a", "ssm_dt"):
+                continue  # the conv kernel and the gate vectors are placed by the model
+            is_vector = len(t.shape) == 1
+            fields[f.name] = self.plain(t) if is_vector else self.matmul(t)
+        return _PlacedLayer(**fields)
+
+
+class _PlacedLayer:
+    """A layer's weights on the model's device (attribute access like the loader's layers)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)

@@ -58,6 +58,9 @@ class TargetWorkerConfig:
     max_sequences: live sequences at once (RESOURCE_EXHAUSTED beyond), default 64.
     kv_dtype: "f16" (default), "q8_0" or "f32".
     prefill_chunk: tokens per prefill forward, default 512.
+    device: where the target runs: "auto" (default: "cuda" when this build has a GPU backend and a
+        GPU is present, else "cpu"), "cpu" or "cuda" (Qwen35Model(device=GPU): weights, KV cache and
+        recurrent state on the GPU). "cuda" in a CPU-only build or without a GPU is a clear error.
     threads: RPC threads, default 0 = max_sequences + 8. Compute calls (Prefill/Verify/Commit) take
         at most threads - 2 (one more is refused at once with RESOURCE_EXHAUSTED), so Health, Release
         and Info always find a thread; every live sequence can have its one compute call in flight.
@@ -82,6 +85,7 @@ class TargetWorkerConfig:
     max_sequences: int = 64
     kv_dtype: str = "f16"
     prefill_chunk: int = 512
+    device: str = "auto"
     threads: int = 0
     max_concurrent_rpcs: int = 0
     max_message_bytes: int = 256 << 20
@@ -104,6 +108,14 @@ class TargetWorkerConfig:
             raise ValueError(f"target-worker: max_seq_len must be >= 0, got {self.max_seq_len}")
         if self.kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"target-worker: kv_dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
+        check_device(self.device, "target-worker")
+
+    @property
+    def resolved_device(self) -> str:
+        """"cpu" or "cuda" ("auto" resolved against this build and machine)."""
+        from .model import default_device
+
+        return default_device() if self.device == "auto" else self.device
 
     @property
     def rpc_threads(self) -> int:
@@ -466,7 +478,8 @@ def load_servicer(cfg: TargetWorkerConfig) -> TargetServicer:
     reader = open_gguf(cfg.target)
     weights = load_qwen35(cfg.target, reader)
     kv = {"f16": sn.DType.F16, "q8_0": sn.DType.Q8_0, "f32": sn.DType.F32}[cfg.kv_dtype]
-    model = Qwen35Model(weights, capture_layers=cfg.capture_layers, kv_dtype=kv, prefill_chunk=cfg.prefill_chunk)
+    model = Qwen35Model(weights, capture_layers=cfg.capture_layers, kv_dtype=kv, prefill_chunk=cfg.prefill_chunk,
+                        device=cfg.resolved_device)
     meta = read_tokenizer_metadata(reader)
     eos = list(meta.end_ids) if meta is not None else []
     return TargetServicer(model, cfg, eos)
@@ -566,6 +579,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"live sequences (default {d.max_sequences})")
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=["f16", "q8_0", "f32"], help="KV cache type (default f16)")
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help=f"default {d.prefill_chunk}")
+    add_device_argument(p, d.device)
     p.add_argument("--threads", type=int, default=d.threads,
                    help="RPC threads (default 0: max-sequences + 8; health has its own threads)")
     add_worker_server_arguments(p, d)
@@ -593,12 +607,34 @@ def add_transport_argument(p: argparse.ArgumentParser, default: str = "shm") -> 
                         "inline (bytes in the gRPC messages via the coordinator; workers on different hosts)")
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_device(device: str, who: str) -> None:
+    """ValueError unless ``device`` is auto/cpu/cuda and, for cuda, this build and machine have a GPU."""
+    if device not in DEVICES:
+        raise ValueError(f"{who}: device must be auto, cpu or cuda, got {device!r}")
+    if device == "cuda":
+        from .model import parse_device
+
+        try:
+            parse_device("cuda")
+        except RuntimeError as exc:
+            raise ValueError(f"{who}: --device cuda: {exc}") from exc
+
+
+def add_device_argument(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    p.add_argument("--device", default=default, choices=list(DEVICES),
+                   help="where the target runs: auto (default: cuda when built with a GPU backend and a GPU "
+                        "is present, else cpu), cpu or cuda")
+
+
 def config_from_args(args) -> TargetWorkerConfig:
     layers = tuple(int(x) for x in args.capture_layers.split(",") if x.strip()) if args.capture_layers else ()
     cfg = TargetWorkerConfig(target=args.target, listen=args.listen, capture_layers=layers,
                              max_seq_len=args.max_seq_len, max_verify=args.max_verify,
                              max_sequences=args.max_sequences, kv_dtype=args.kv_dtype,
-                             prefill_chunk=args.prefill_chunk, threads=args.threads,
+                             prefill_chunk=args.prefill_chunk, device=args.device, threads=args.threads,
                              max_concurrent_rpcs=args.max_concurrent_rpcs,
                              max_message_bytes=args.max_message_bytes, idle_ttl_s=args.idle_ttl_s,
                              tombstone_cap=args.tombstone_cap, shutdown_grace_s=args.shutdown_grace_s,
@@ -612,6 +648,7 @@ def run(args) -> int:
     cfg = config_from_args(args)
     servicer = load_servicer(cfg)
     server, _ = start_server(servicer, cfg.listen, cfg.rpc_threads, cfg.max_message_bytes)
-    log.info("target-worker: %s on %s (capture %s)", cfg.target, cfg.listen, list(cfg.capture_layers))
+    log.info("target-worker: %s on %s (capture %s, device %s)", cfg.target, cfg.listen, list(cfg.capture_layers),
+             servicer.model.device)
     print(f"READY {cfg.listen}", flush=True)
     return serve_forever(server, servicer.close, "target-worker", cfg.shutdown_grace_s)

@@ -19,6 +19,10 @@ std::shared_ptr<void> alloc(size_t bytes);  // device memory, freed when the las
 void memset_zero(void* dst, size_t bytes);
 void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
+// Device -> device copy of `height` rows of `width` bytes (source rows `spitch` bytes apart,
+// destination rows `dpitch` apart), enqueued on the library stream (asynchronous; ordered with the
+// ops). Source and destination must not overlap. Used by specd.native slice / concat / copy.
+void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height);
 void synchronize();  // waits for the library's stream
 
 }  // namespace specd::gpu

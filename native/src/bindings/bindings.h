@@ -32,5 +32,6 @@ void register_attention(py::module_& m);   // kv_write, attention
 void register_ssm(py::module_& m);         // conv1d_causal, gated_delta_net
 void register_activations(py::module_& m); // silu, swiglu, sigmoid, softplus
 void register_sampling(py::module_& m);    // argmax, topk
+void register_copy(py::module_& m);        // slice, concat, copy, copy_rows
 
 }  // namespace specd::py_bind

@@ -12,4 +12,5 @@ PYBIND11_MODULE(_native, m) {
   specd::py_bind::register_ssm(m);
   specd::py_bind::register_activations(m);
   specd::py_bind::register_sampling(m);
+  specd::py_bind::register_copy(m);
 }

@@ -21,6 +21,7 @@ std::shared_ptr<void> alloc(size_t) { unavailable(); }
 void memset_zero(void*, size_t) { unavailable(); }
 void copy_to_device(void*, const void*, size_t) { unavailable(); }
 void copy_to_host(void*, const void*, size_t) { unavailable(); }
+void copy_2d(void*, size_t, const void*, size_t, size_t, size_t) { unavailable(); }
 void synchronize() {}
 
 }  // namespace specd::gpu

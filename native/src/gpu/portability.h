@@ -63,6 +63,7 @@
 #define cudaMemPoolTrimTo hipMemPoolTrimTo
 #define cudaErrorMemoryAllocation hipErrorOutOfMemory
 #define cudaMemcpyAsync hipMemcpyAsync
+#define cudaMemcpy2DAsync hipMemcpy2DAsync
 #define cudaMemsetAsync hipMemsetAsync
 #define cudaMemcpyHostToDevice hipMemcpyHostToDevice
 #define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost

@@ -1,0 +1,260 @@
+"""The qwen35 target forward on the GPU (Qwen35Model(weights, device=GPU)) against the CPU model.
+
+Skipped without a GPU like the other GPU tests. SPECD_TEST_GPU_DRYRUN=1 runs the device code path
+(sn.Tensor glue ops: slice / concat / copy / copy_rows / embedding gathers, no numpy in the graph)
+on CPU tensors instead (Qwen35Model(..., tensor_ops=True)), to check the Python logic and the CPU
+twins of the glue ops on machines without a GPU.
+
+Properties:
+* GPU logits vs CPU logits of the same model: max|gpu - cpu| / max|cpu| <= 1e-4, for verify of
+  the prompt, chunked prefill and 32 greedy decode steps, whose tokens must be equal. Prefill
+  chunks here are <= 16 rows: the GPU matmul of wip/gpu-matmul switches to cuBLAS with BF16 inputs
+  above 16 rows (error ~2^-8), which is fine for a prefill but not for a 1e-4 comparison.
+* Batch invariance on the GPU, bitwise: chain verify rows of width 1..8 equal step-by-step decode
+  logits, committing any prefix leaves a state whose next decodes equal a plain run's, and a tree
+  node's logits equal the chain verify of its path (what makes speculative output equal plain
+  output on the GPU).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import specd.native as sn
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from target.tinymodels import SPECS, build_checkpoint  # noqa: E402
+
+from specd.target_worker.convert import convert  # noqa: E402
+from specd.target_worker.gguf_loader import load_qwen35  # noqa: E402
+from specd.target_worker.model import Qwen35Model, parse_device  # noqa: E402
+
+DRYRUN = os.environ.get("SPECD_TEST_GPU_DRYRUN") == "1"
+HAVE_GPU = sn.gpu_available() or DRYRUN
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo-target.gguf"
+REL = 1e-4
+CHUNK = 16  # see the module docstring
+
+
+def gpu_only(f):
+    f = pytest.mark.skipif(not HAVE_GPU, reason="no GPU backend/device in this build or machine")(f)
+    return pytest.mark.gpu(f)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """tiny(name, outtype) -> (weights, checkpoint) for a tinymodels.SPECS entry (cached)."""
+    cks, cache = {}, {}
+
+    def get(name, outtype="f32"):
+        if name not in cks:
+            cks[name] = build_checkpoint(SPECS[name], tmp_path_factory.mktemp(f"hf-{name}"))
+        key = (name, outtype)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("gguf") / f"{name}-{outtype}.gguf"
+            convert(cks[name].path, out, outtype, mtp=False)
+            cache[key] = load_qwen35(out)
+        return cache[key], cks[name]
+
+    return get
+
+
+def gpu_model(weights, **kw):
+    if DRYRUN:
+        return Qwen35Model(weights, device=sn.Device.CPU, tensor_ops=True, **kw)
+    return Qwen35Model(weights, device=sn.Device.GPU, **kw)
+
+
+def host(x):
+    return x.numpy() if isinstance(x, sn.Tensor) else np.asarray(x)
+
+
+def rel_err(a, ref):
+    return float(np.abs(np.asarray(a) - ref).max() / np.abs(ref).max())
+
+
+def greedy(model, prompt, n, capacity=128):
+    st = model.new_sequence(capacity)
+    logits = [model.prefill(st, prompt)]
+    toks = [int(np.argmax(logits[-1]))]
+    for _ in range(n - 1):
+        logits.append(model.decode(st, toks[-1]))
+        toks.append(int(np.argmax(logits[-1])))
+    return toks, np.stack(logits)
+
+
+def compare_with_cpu(weights, prompt, kv=sn.DType.F32, n=32, capture=()):
+    cpu = Qwen35Model(weights, kv_dtype=kv, prefill_chunk=CHUNK, capture_layers=capture)
+    gpu = gpu_model(weights, kv_dtype=kv, prefill_chunk=CHUNK, capture_layers=capture)
+    ref = cpu.verify(cpu.new_sequence(len(prompt)), prompt)
+    got = gpu.verify(gpu.new_sequence(len(prompt)), prompt)
+    assert rel_err(got.logits, ref.logits) <= REL
+    np.testing.assert_array_equal(got.argmax, np.argmax(got.logits, axis=-1))
+    if capture:
+        assert rel_err(got.features, ref.features) <= REL
+    toks_c, lg_c = greedy(cpu, prompt, n)
+    toks_g, lg_g = greedy(gpu, prompt, n)
+    assert rel_err(lg_g, lg_c) <= REL
+    assert toks_g == toks_c
+
+
+@pytest.mark.parametrize("name", ["smoke", "main", "r3", "condgen"])
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+@gpu_only
+def test_gpu_logits_match_cpu(tiny, name, outtype):
+    weights, ck = tiny(name, outtype)
+    compare_with_cpu(weights, list(ck.prompt), capture=[0, 1] if name == "main" else ())
+
+
+@pytest.mark.parametrize("kv", [sn.DType.F16, sn.DType.Q8_0])
+@gpu_only
+def test_gpu_quantized_kv_matches_cpu(tiny, kv):
+    weights, ck = tiny("main")
+    cpu = Qwen35Model(weights, kv_dtype=kv)
+    gpu = gpu_model(weights, kv_dtype=kv)
+    ref = cpu.verify(cpu.new_sequence(32), ck.prompt).logits
+    got = gpu.verify(gpu.new_sequence(32), ck.prompt).logits
+    assert rel_err(got, ref) <= (1e-4 if kv == sn.DType.F16 else 2e-3)  # Q8_0 rounding may flip
+
+
+@pytest.mark.skipif(not DEMO.exists(), reason="models/demo-target.gguf is not present")
+@gpu_only
+def test_gpu_demo_target_matches_cpu(rng):
+    weights = load_qwen35(DEMO)
+    prompt = [int(t) for t in rng.integers(0, weights.hparams.n_vocab, size=24)]
+    compare_with_cpu(weights, prompt, kv=sn.DType.F16)
+
+
+def plain_logits(model, tokens, capacity=128):
+    st = model.new_sequence(capacity)
+    return st, np.stack([model.decode(st, t) for t in tokens])
+
+
+def assert_same_state(a, b):
+    assert a.committed == b.committed
+    c = a.committed
+    for i in a.ssm:
+        np.testing.assert_array_equal(host(a.ssm[i]), host(b.ssm[i]))
+        np.testing.assert_array_equal(host(a.conv[i]), host(b.conv[i]))
+    for i in a.kv:
+        for ca, cb in zip(a.kv[i], b.kv[i]):
+            np.testing.assert_array_equal(ca.numpy()[:c], cb.numpy()[:c])
+
+
+@pytest.mark.parametrize("name,kv", [("main", sn.DType.F16), ("r3", sn.DType.Q8_0), ("smoke", sn.DType.F32)])
+@gpu_only
+def test_gpu_chain_verify_is_batch_invariant(tiny, rng, name, kv):
+    """Verify of width 1..8 gives bitwise the decode logits of the same tokens; committing every
+    prefix n then decoding equals a plain run (logits and state), all on the GPU."""
+    weights, ck = tiny(name)
+    model = gpu_model(weights, kv_dtype=kv, capture_layers=[1])
+    prompt = list(ck.prompt)
+    cont = [int(t) for t in rng.integers(0, weights.hparams.n_vocab, size=8)]
+    _, ref = plain_logits(model, prompt + cont)
+    for w in range(1, 9):
+        st = model.new_sequence(128)
+        for t in prompt:
+            model.decode(st, t)
+        res = model.verify(st, cont[:w])
+        np.testing.assert_array_equal(res.logits, ref[len(prompt) : len(prompt) + w], err_msg=f"w={w}")
+        n = int(rng.integers(0, w + 1))
+        model.commit(st, res, n)
+        after = [int(t) for t in rng.integers(0, weights.hparams.n_vocab, size=2)]
+        spec = np.stack([model.decode(st, t) for t in after])
+        ref_st, ref2 = plain_logits(model, prompt + cont[:n] + after)
+        np.testing.assert_array_equal(spec, ref2[-2:], err_msg=f"w={w} n={n}")
+        assert_same_state(st, ref_st)
+        np.testing.assert_array_equal(st.features.read(0, st.committed), ref_st.features.read(0, st.committed))
+
+
+@gpu_only
+def test_gpu_prefill_chunking_is_invariant(tiny):
+    weights, ck = tiny("main")
+    model = gpu_model(weights, prefill_chunk=5)
+    _, dec = plain_logits(model, list(ck.prompt))
+    np.testing.assert_array_equal(model.prefill(model.new_sequence(32), ck.prompt), dec[-1])
+
+
+@gpu_only
+def test_gpu_tree_verify_and_commit_equal_chain(tiny, rng):
+    weights, ck = tiny("main")
+    model = gpu_model(weights, kv_dtype=sn.DType.F16)
+    prompt = list(ck.prompt)
+    w = 7
+    parents = [-1] + [int(rng.integers(-1, j)) for j in range(1, w)]
+    tokens = [int(t) for t in rng.integers(0, weights.hparams.n_vocab, size=w)]
+    st = model.new_sequence(64)
+    model.prefill(st, prompt)
+    res = model.verify(st, tokens, parents=parents)
+    for j in range(w):
+        path = []
+        k = j
+        while k >= 0:
+            path.append(k)
+            k = parents[k]
+        path = path[::-1]
+        st2 = model.new_sequence(64)
+        model.prefill(st2, prompt)
+        chain = model.verify(st2, [tokens[r] for r in path])
+        np.testing.assert_array_equal(res.logits[j], chain.logits[-1], err_msg=f"node {j}")
+    # commit the deepest path, compare with a chain commit of it
+    j = int(np.argmax([len(_path(parents, k)) for k in range(w)]))
+    path = _path(parents, j)
+    model.commit(st, res, path)
+    ref = model.new_sequence(64)
+    model.prefill(ref, prompt)
+    model.commit(ref, model.verify(ref, [tokens[r] for r in path]), len(path))
+    assert_same_state(st, ref)
+    nxt = int(rng.integers(0, weights.hparams.n_vocab))
+    np.testing.assert_array_equal(model.decode(st, nxt), model.decode(ref, nxt))
+
+
+def _path(parents, j):
+    out = []
+    while j >= 0:
+        out.append(j)
+        j = parents[j]
+    return out[::-1]
+
+
+@pytest.mark.skipif(DRYRUN or not sn.gpu_available(), reason="needs a GPU")
+@pytest.mark.gpu
+def test_gpu_state_stays_on_device(tiny):
+    weights, ck = tiny("main")
+    model = gpu_model(weights)
+    st = model.new_sequence(32)
+    model.prefill(st, ck.prompt)
+    assert all(t.device == sn.Device.GPU for t in st.ssm.values())
+    assert all(t.device == sn.Device.GPU for t in st.conv.values())
+    assert all(c.device == sn.Device.GPU for kv in st.kv.values() for c in kv)
+
+
+def test_device_parsing():
+    assert parse_device("cpu") == sn.Device.CPU
+    with pytest.raises(ValueError, match="device"):
+        parse_device("tpu")
+    if not sn.gpu_compiled():
+        with pytest.raises(RuntimeError, match="without a GPU backend"):
+            parse_device("cuda")
+    elif not sn.gpu_available():
+        with pytest.raises(RuntimeError, match="no GPU"):
+            parse_device("cuda")
+    from specd.coordinator.launcher import ServeConfig
+    from specd.target_worker.server import TargetWorkerConfig
+
+    for cfg in (TargetWorkerConfig(target="x.gguf", device="tpu"), ServeConfig(target="x.gguf", device="tpu")):
+        with pytest.raises(ValueError, match="device"):
+            cfg.validate()
+    TargetWorkerConfig(target="x.gguf", device="cpu").validate()
+    assert TargetWorkerConfig(target="x.gguf").resolved_device == ("cuda" if sn.gpu_available() else "cpu")
+    if not sn.gpu_available():
+        for cfg in (TargetWorkerConfig(target="x.gguf", device="cuda"), ServeConfig(target="x.gguf", device="cuda")):
+            with pytest.raises(ValueError, match="--device cuda"):
+                cfg.validate()
