@@ -83,12 +83,12 @@ class Stack:
     """Target worker + drafter worker + coordinator, in process, on Unix sockets."""
 
     def __init__(self, target_gguf, block=BLOCK, feature_transport="shm", capture_layers=CAPTURE, max_seq_len=256,
-                 **coord_kw):
+                 device="auto", **coord_kw):
         self.dir = tempfile.mkdtemp(prefix="specd-test-")
         self.transport = feature_transport
         tcfg = tserver.TargetWorkerConfig(target=target_gguf, listen=f"unix://{self.dir}/t.sock",
                                           capture_layers=capture_layers, max_seq_len=max_seq_len, kv_dtype="f32",
-                                          threads=16,
+                                          threads=16, device=device,
                                           feature_transport=feature_transport)
         self.tservicer = tserver.load_servicer(tcfg)
         self.tserver, _ = tserver.start_server(self.tservicer, tcfg.listen, tcfg.threads)

@@ -1,0 +1,77 @@
+"""Lossless speculative decoding with the target on the GPU: for every shipped demo drafter family
+(DFlash, DFlash 2, DSpark; drafter worker on the CPU), chain and DDTree, the streamed ids of a
+speculative generation equal plain greedy decoding of the same target on the GPU, token for token.
+
+This holds only because the GPU verify is batch invariant (a row's logits do not depend on how many
+rows share the verify: tests/gpu/test_gpu_target.py checks that bitwise); the drafters really propose
+(held-out code prompts, acceptance > 1), so the verify widths vary from step to step. Skipped without
+a GPU (``specd.native.gpu_available()``)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specd.native as sn
+from specd.coordinator.policy import PolicyConfig
+from specd.draft_worker import server as dserver
+from specd.draft_worker.engine import open_model_drafter
+from specd.protos.v1 import generate_pb2 as gpb
+from specd.target_worker.gguf_loader import load_qwen35, read_tokenizer_metadata
+from specd.target_worker.model import Qwen35Model
+from specd.target_worker.tokenizer import build_tokenizer
+
+from demo.test_demo_drafters import FAMILIES, TAPS, TARGET, drafter_path, prompts
+from service.conftest import Stack, generate, streamed_ids, token_request
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not sn.gpu_available(), reason="no GPU backend/device")]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def gpu_stack():
+    stack = Stack(str(TARGET), capture_layers=TAPS, max_seq_len=1024, device="cuda",
+                  policy=PolicyConfig(step_ratio=0))
+    servers, stubs = [], {}
+    try:
+        for fam in FAMILIES:
+            svc = dserver.DraftServicer(open_model_drafter(str(drafter_path(fam)), str(TARGET)))
+            addr = f"unix://{stack.dir}/d-{fam}.sock"
+            srv, _ = dserver.start_server(svc, addr, 4)
+            servers.append((srv, svc))
+            stubs[fam] = stack.coordinator(drafter_override=addr)
+        yield stubs
+    finally:
+        for srv, svc in servers:
+            srv.stop(0).wait()
+            svc.close()
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def gpu_plain():
+    model = Qwen35Model(load_qwen35(str(TARGET)), kv_dtype=sn.DType.F32, device="cuda")
+    tok = build_tokenizer(read_tokenizer_metadata(str(TARGET)), str(TARGET))
+    texts = prompts("code", 2) + prompts("prose", 1)
+    out = []
+    for text in texts:
+        ids = tok.encode(text).ids
+        st = model.new_sequence(len(ids) + MAX_TOKENS + 1)
+        logits, ref = model.prefill(st, ids), []
+        for _ in range(MAX_TOKENS):
+            ref.append(int(np.argmax(logits)))
+            logits = model.decode(st, ref[-1])
+        out.append((ids, ref))
+    return out
+
+
+@pytest.mark.parametrize("mode", [gpb.DRAFT_MODE_CHAIN, gpb.DRAFT_MODE_TREE])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gpu_spec_equals_gpu_plain(gpu_stack, gpu_plain, family, mode):
+    accepted = 0
+    for ids, ref in gpu_plain:
+        sp = gpb.SpeculationParams(mode=gpb.SPECULATION_MODE_FORCE, draft_mode=mode)
+        chunks, done = generate(gpu_stack[family], token_request(ids, MAX_TOKENS, ignore_eos=True, speculation=sp),
+                                timeout=120)
+        assert streamed_ids(chunks) == ref, (family, mode, ids[:8])
+        accepted += done.speculation.num_accepted_tokens
+    assert accepted > 0  # the drafts were really used
