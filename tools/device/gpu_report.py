@@ -219,7 +219,7 @@ def gemv_bandwidth(rng, copy_gbps):
 
 
 def attention_gdn_timing(rng):
-    """Attention (1 query row over 4k / 32k keys, F16 cache, 27B shapes: 24 q heads, 4 KV heads,
+    """Attention (1 query row over 4k / 32k keys, and 8 masked verify rows over 4k keys, F16 cache, 27B shapes: 24 q heads, 4 KV heads,
     head_dim 256) and GDN decode (T = 1, 48 v heads, 16 k heads, dk = dv = 128) per call, from a
     Python loop synchronised at both ends (includes the host floor of each call: q_pos is
     value-checked on the host, which reads it back)."""
@@ -236,6 +236,17 @@ def attention_gdn_timing(rng):
         kv_bytes = 2 * kv_len * hkv * d * 2
         rows.append({"op": f"attention 1 x {kv_len} keys F16 (24q/4kv/256)", "us_per_call": t * 1e6,
                      "kv_GBps": kv_bytes / t / 1e9})
+        if kv_len == 4096:  # tree verify: 8 query rows (mask over the last 8 keys), same cache
+            n = 8
+            q8 = on_gpu(rng.standard_normal((n, hq, d)).astype(np.float32))
+            pos8 = on_gpu(np.arange(kv_len - n, kv_len, dtype=np.int32))
+            mask = np.ones((n, kv_len), np.int32)
+            mask[:, kv_len - n:] = np.tril(np.ones((n, n), np.int32))
+            mask8 = on_gpu(mask)
+            t = statistics.median(time_calls(lambda: sn.attention(q8, k, v, kv_len, pos8, causal=False, mask=mask8),
+                                             [()], 50) for _ in range(3))
+            rows.append({"op": f"attention {n} x {kv_len} keys F16 masked verify (24q/4kv/256)",
+                         "us_per_call": t * 1e6, "kv_GBps": kv_bytes / t / 1e9})
     hk, hv, dk, dv = 16, 48, 128, 128
     args = [on_gpu(a) for a in (rng.standard_normal((1, hk, dk)).astype(np.float32) * 0.1,
                                 rng.standard_normal((1, hk, dk)).astype(np.float32) * 0.1,

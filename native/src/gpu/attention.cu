@@ -7,21 +7,8 @@
 // one warp per 32-element block). Bit-identical to the CPU op for finite inputs (NaN payloads may
 // differ). Row indices are range/distinctness-checked on the host (a GPU rows tensor is read back).
 //
-// attention: split-free, one thread block per (query row, query head), blockDim = head_dim rounded
-// up to a warp. Two passes over the row's visible key range [lo, hi), in a fixed key order:
-//   pass 1: score s_j = (q . k_j) * scale for every visible key (one warp per key: lane l sums dims
-//           l, l+32, ... in order, then a fixed xor-butterfly), block max m (exact, order-free);
-//   pass 2: tiles of kTile keys: the scores are recomputed bit for bit (same code) and
-//           p_j = expf(s_j - m) stored in shared memory; then thread c (one per output dim) walks the
-//           tile's visible keys in increasing order: l += p_j, acc_c += p_j * v_j[c].
-// So every (query, head) result depends only on the ordered sequence of its visible keys: it is
-// bit-identical whatever the number of query rows in the call (batch invariance), whatever other
-// rows or heads do, and whatever cache rows hold the keys (a tree node equals the chain verify of
-// its path bitwise), as on the CPU. A query with no visible key gets zeros.
-// Tolerance vs the CPU op (different dot-product order, expf vs libm exp, FMA): |gpu - cpu| <=
-// ~1e-5 * max|v| per element for F32 caches at 32k keys; tests use atol = 2e-5 * max|v| + rtol 1e-4.
-// q_pos is checked (>= 0) on the host (one small synchronising read when it is a GPU tensor).
-// Cost: K is read twice and V once per (query, head); GQA groups re-read K/V through L2.
+// attention: split-K over fixed chunks of each row's visible-key sequence; see the comment above
+// attn_chunk_kernel for the design, the invariance guarantees and the tolerance vs the CPU op.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -34,7 +21,6 @@ namespace specd::gpu {
 
 namespace {
 
-constexpr int kTile = 64;
 constexpr int kMaxDim = 1024;
 
 void check_cache(const Tensor& c, const char* op, const char* arg) {
@@ -101,6 +87,46 @@ __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(uint8_t* __rest
 }
 
 // --------------------------------------------------------------------------------------- attention
+//
+// Split-K ("flash-decoding") attention with fixed chunks of the visible-key sequence.
+//
+// Each query row i sees an ordered sequence of visible keys (increasing position): [lo, hi) when
+// there is no mask, else the positions of [lo, hi) whose mask entry is nonzero (compacted on the
+// GPU by attn_mask_compact_kernel into idx[i, rank], with the count in cnt[i]). That sequence is
+// cut into FIXED chunks of kChunk keys by rank: chunk c holds ranks [kChunk*c, kChunk*c + kChunk).
+// The cut depends only on the row's own visible sequence (never on n, on other rows, on the work
+// split, nor on the cache rows the keys sit in), so
+//   * batch invariance: a row's result is bit-identical whatever the number of rows in the call;
+//   * a tree node (mask, keys at rows c + ancestor index) equals the chain verify of its path (keys
+//     at rows c + depth) bitwise: both see the same ordered key sequence, hence the same chunks;
+//   * a mask of all ones gives exactly the unmasked result.
+// Pass 1 (attn_chunk_kernel): one block per (row, KV head, head sub-group, chunk), for up to
+// kMaxHs q heads of the GQA group at once, so K and V of the chunk are read once per group:
+//   scores: one (sub)warp of W lanes per key (W = head_dim/8 rounded up to a power of two, <= 32);
+//           lane sums its dims 8 at a time (16-byte loads for F16, 2x16 for F32) in a fixed order
+//           with fmaf, then a fixed xor butterfly over the W lanes; s = dot * scale;
+//   softmax within the chunk (two-pass, exact max): m_c = max s, p = expf(s - m_c),
+//           l_c = fixed-order sum of p (lane strides + butterfly);
+//   values: thread (dim group, key slice) accumulates p * v over its slice's keys in increasing
+//           order; slices are then added in slice order (0, 1, 2, ...) through shared memory.
+//   Partials (m_c, l_c, acc_c[d], F32) go to a scratch buffer from the device pool.
+// Pass 2 (attn_combine_kernel): one block per (row, q head): M = max m_c; then for c = 0, 1, ...
+// in order: w = expf(m_c - M), L = fmaf(l_c, w, L), acc = fmaf(w, acc_c, acc); out = acc / L.
+// Chunks beyond the row's visible count are skipped by every launch (no work, no partial), so
+// nothing depends on n. No atomics: every reduction has a fixed order. A query with no visible
+// key gets zeros.
+// Tolerance vs the CPU op (which uses one global max and one running sum in key order, a different
+// dot-product order, libm exp): the chunked softmax rescales by expf(m_c - M) (a few ulp per
+// weight), so |gpu - cpu| <= ~1e-5 * max|v| (+ ~1e-5 relative); tests use atol = 2e-5 * max|v| +
+// rtol 1e-4, unchanged.
+// Scratch: rows are processed in slices so the partials stay under kScratchFloats floats (prefill).
+// q_pos is checked (>= 0) on the host (one small synchronising read when it is a GPU tensor).
+
+constexpr int kChunk = 64;        // keys per chunk (fixed: part of the arithmetic's definition)
+constexpr int kThreads = 256;     // threads of a chunk block
+constexpr int kMaxHs = 8;         // q heads per chunk block (a GQA group is split above this)
+constexpr int kU = 4;             // keys loaded ahead per (sub)warp / slice
+constexpr int64_t kScratchFloats = int64_t(32) << 20;  // 128 MiB of partials at most
 
 struct AttnParams {
   const float* q;
@@ -109,88 +135,304 @@ struct AttnParams {
   int64_t k_row_stride, k_head_stride;  // cache strides (bytes); K and V may have different dtypes
   int64_t v_row_stride, v_head_stride;
   const int32_t* q_pos;
-  const int32_t* mask;  // [n, kv_len] or null
+  const int32_t* mask;  // [n, kv_len] or null (compaction kernel only)
+  const int32_t* idx;   // [n, kv_len] visible positions in order, or null (no mask)
+  const int32_t* cnt;   // [n] visible counts, or null (no mask)
   int64_t kv_len, window;
-  int causal, hq, r, d;
+  int causal, hq, hkv, r, d, dg, dp;  // dg = ceil(d / 8) dim groups, dp = 8 * dg (padded d)
+  int hs, nsub, nch, w;               // heads per block, sub-groups per KV head, chunks, lanes per key
+  int vec;                            // 16-byte loads allowed (alignment and d % 8 checked on the host)
+  int64_t i0;                         // first row of the slice
   float scale;
+  float* part;  // [slice rows, hq, nch, dp] acc then [slice rows, hq, nch, 2] (m, l)
+  float* ml;
   float* out;
 };
 
-// (q . k_j) * scale for the key row `krow`, computed by one warp; every lane gets the same value.
-template <DType KT>
-__device__ __forceinline__ float score(const float* qs, const uint8_t* krow, int d, int lane, float scale) {
-  float acc = 0.0f;
-  for (int c = lane; c < d; c += SPECD_WARP) acc = __fadd_rn(acc, __fmul_rn(qs[c], load<KT>(krow, c)));
-  return __fmul_rn(detail::warp_sum(acc), scale);
+__device__ __forceinline__ void row_range(const AttnParams& P, int64_t i, int64_t& lo, int64_t& cnt) {
+  const int64_t pos = P.q_pos[i];
+  lo = P.window > 0 ? (pos - P.window + 1 > 0 ? pos - P.window + 1 : 0) : 0;
+  const int64_t hi = P.causal ? (P.kv_len < pos + 1 ? P.kv_len : pos + 1) : P.kv_len;
+  cnt = P.cnt ? int64_t(P.cnt[i]) : (hi > lo ? hi - lo : 0);
 }
 
-template <DType KT, DType VT>
-__global__ void __launch_bounds__(kMaxDim) attention_kernel(const AttnParams P) {
-  extern __shared__ float smem[];
-  float* qs = smem;        // [d]
-  float* ps = smem + P.d;  // [kTile]: p_j of the tile, -1 for keys not visible
-  __shared__ float wmax[kMaxDim / SPECD_WARP];
-  __shared__ float m_all;
-  const int64_t i = blockIdx.x / P.hq;
-  const int h = int(blockIdx.x % P.hq), g = h / P.r;
-  const int lane = threadIdx.x % SPECD_WARP, warp = threadIdx.x / SPECD_WARP, nwarps = blockDim.x / SPECD_WARP;
-  for (int c = threadIdx.x; c < P.d; c += blockDim.x) qs[c] = P.q[(i * P.hq + h) * P.d + c];
+// Elements 8g .. 8g+7 of a cache head row (zeros past d).
+template <DType T>
+__device__ __forceinline__ void load8(const uint8_t* row, int g, int d, int vec, float (&v)[8]) {
+  if constexpr (T == DType::F16) {
+    if (vec) {
+      const uint4 raw = reinterpret_cast<const uint4*>(row)[g];
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        v[2 * e] = specd_fp16_bits_to_float(uint16_t(w[e] & 0xffffu));
+        v[2 * e + 1] = specd_fp16_bits_to_float(uint16_t(w[e] >> 16));
+      }
+      return;
+    }
+  } else if constexpr (T == DType::F32) {
+    if (vec) {
+      const float4 a = reinterpret_cast<const float4*>(row)[2 * g];
+      const float4 b = reinterpret_cast<const float4*>(row)[2 * g + 1];
+      v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+      v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+      return;
+    }
+  } else {  // Q8_0: d % 32 == 0, so the 8 elements sit in one block
+    const uint8_t* blk = row + (g / 4) * 34;
+    const float sc = specd_fp16_bits_to_float(uint16_t(blk[0]) | uint16_t(uint16_t(blk[1]) << 8));
+    const int8_t* qv = reinterpret_cast<const int8_t*>(blk + 2) + (g % 4) * 8;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = float(qv[e]) * sc;
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = 8 * g + e < d ? load<T>(row, 8 * g + e) : 0.0f;
+}
+
+__device__ __forceinline__ float subwarp_sum(float v, int w) {
+  for (int m = w / 2; m > 0; m >>= 1) v += SPECD_SHFL_XOR(v, m);  // w uniform: all lanes shuffle
+  return v;
+}
+
+// Compacts the visible positions of each masked row: idx[i, 0..cnt) = visible positions in
+// increasing order, cnt[i] = their number. One block per row; integer scans only.
+constexpr int kScanThreads = 256, kScanPer = 8;
+
+__global__ void __launch_bounds__(kScanThreads) attn_mask_compact_kernel(const AttnParams P, int32_t* idx, int32_t* cnt) {
+  __shared__ int sc[kScanThreads];
+  const int64_t i = blockIdx.x;
+  const int t = threadIdx.x;
   const int64_t pos = P.q_pos[i];
   const int64_t lo = P.window > 0 ? (pos - P.window + 1 > 0 ? pos - P.window + 1 : 0) : 0;
   const int64_t hi = P.causal ? (P.kv_len < pos + 1 ? P.kv_len : pos + 1) : P.kv_len;
-  const int32_t* mrow = P.mask ? P.mask + i * P.kv_len : nullptr;
+  const int32_t* mrow = P.mask + i * P.kv_len;
+  int32_t* irow = idx + i * P.kv_len;
+  int64_t base = 0;
+  for (int64_t t0 = lo; t0 < hi; t0 += int64_t(kScanThreads) * kScanPer) {
+    const int64_t j0 = t0 + int64_t(t) * kScanPer;
+    int own = 0;
+    for (int e = 0; e < kScanPer; ++e) own += (j0 + e < hi && mrow[j0 + e] != 0) ? 1 : 0;
+    sc[t] = own;
+    __syncthreads();
+    for (int off = 1; off < kScanThreads; off <<= 1) {  // inclusive Hillis-Steele scan
+      const int add = t >= off ? sc[t - off] : 0;
+      __syncthreads();
+      sc[t] += add;
+      __syncthreads();
+    }
+    int64_t k = base + sc[t] - own;
+    for (int e = 0; e < kScanPer; ++e)
+      if (j0 + e < hi && mrow[j0 + e] != 0) irow[k++] = int32_t(j0 + e);
+    base += sc[kScanThreads - 1];
+    __syncthreads();
+  }
+  if (t == 0) cnt[i] = int32_t(base);
+}
+
+template <DType KT, DType VT>
+__global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const AttnParams P) {
+  extern __shared__ __align__(16) float smem[];
+  float* qs = smem;                // [hs, dp] (zero padded)
+  float* os = qs + P.hs * P.dp;    // [hs, dp]
+  float* ss = os + P.hs * P.dp;    // [hs, kChunk] scores, then weights
+  int32_t* kp = reinterpret_cast<int32_t*>(ss + P.hs * kChunk);  // [kChunk] key positions
+  __shared__ float m_s[kMaxHs], l_s[kMaxHs];
+
+  int64_t b = blockIdx.x;
+  const int c = int(b % P.nch);
+  b /= P.nch;
+  const int sub = int(b % P.nsub);
+  b /= P.nsub;
+  const int g = int(b % P.hkv);
+  const int64_t il = b / P.hkv, i = P.i0 + il;
+  int64_t lo, cnt;
+  row_range(P, i, lo, cnt);
+  const int64_t r0 = int64_t(c) * kChunk;
+  if (r0 >= cnt) return;  // uniform over the block, before any barrier
+  const int cc = int(cnt - r0 < kChunk ? cnt - r0 : kChunk);
+  const int h0 = g * P.r + sub * P.hs;
+  const int nh = P.r - sub * P.hs < P.hs ? P.r - sub * P.hs : P.hs;
+  const int tid = threadIdx.x, lane = tid % SPECD_WARP, warp = tid / SPECD_WARP;
+  constexpr int nwarps = kThreads / SPECD_WARP;
+
+  for (int x = tid; x < P.hs * P.dp; x += kThreads) {
+    const int h = x / P.dp, e = x % P.dp;
+    qs[x] = (h < nh && e < P.d) ? P.q[(i * P.hq + h0 + h) * P.d + e] : 0.0f;
+  }
+  for (int x = tid; x < cc; x += kThreads)
+    kp[x] = P.idx ? P.idx[i * P.kv_len + r0 + x] : int32_t(lo + r0 + x);
+  __syncthreads();
+
   const uint8_t* kbase = P.kc + g * P.k_head_stride;
   const uint8_t* vbase = P.vc + g * P.v_head_stride;
-  __syncthreads();
 
-  // Pass 1: the max over the visible scores (exact whatever the order).
-  float m = -INFINITY;
-  for (int64_t j = lo + warp; j < hi; j += nwarps) {
-    if (mrow && mrow[j] == 0) continue;  // uniform per warp
-    float s = score<KT>(qs, kbase + j * P.k_row_stride, P.d, lane, P.scale);
-    m = m < s ? s : m;
-  }
-  if (lane == 0) wmax[warp] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float mm = -INFINITY;
-    for (int w = 0; w < nwarps; ++w) mm = mm < wmax[w] ? wmax[w] : mm;
-    m_all = mm;
-  }
-  __syncthreads();
-  m = m_all;
-
-  // Pass 2: weights and weighted values, keys in increasing order.
-  float l = 0.0f, acc = 0.0f;
-  const int c = threadIdx.x;
-  for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
-    const int cnt = int(hi - t0 < kTile ? hi - t0 : kTile);
-    for (int jj = warp; jj < cnt; jj += nwarps) {
-      const int64_t j = t0 + jj;
-      float p = -1.0f;
-      if (!mrow || mrow[j] != 0) p = expf(score<KT>(qs, kbase + j * P.k_row_stride, P.d, lane, P.scale) - m);
-      if (lane == 0) ps[jj] = p;
-    }
-    __syncthreads();
-    if (c < P.d) {
-      for (int jj = 0; jj < cnt; ++jj) {
-        const float p = ps[jj];
-        if (!(p >= 0.0f)) continue;  // not visible (uniform over the block)
-        l = __fadd_rn(l, p);
-        acc = __fadd_rn(acc, __fmul_rn(p, load<VT>(vbase + (t0 + jj) * P.v_row_stride, c)));
+  // Scores: W lanes per key, kw keys per warp, kU keys per (sub)warp per step.
+  {
+    const int W = P.w, kw = SPECD_WARP / W, slot = lane / W, sl = lane % W;
+    for (int base = warp * kw * kU; base < cc; base += nwarps * kw * kU) {  // uniform per warp
+      float part[kU][kMaxHs];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+#pragma unroll
+        for (int h = 0; h < kMaxHs; ++h) part[u][h] = 0.0f;
+      for (int gg = sl; gg < P.dg; gg += W) {
+        float kv[kU][8];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int jj = base + u * kw + slot;
+          if (jj < cc) {
+            load8<KT>(kbase + int64_t(kp[jj]) * P.k_row_stride, gg, P.d, P.vec, kv[u]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) kv[u][e] = 0.0f;
+          }
+        }
+#pragma unroll
+        for (int h = 0; h < kMaxHs; ++h) {
+          if (h < nh) {
+            const float4 qa = reinterpret_cast<const float4*>(qs + h * P.dp)[2 * gg];
+            const float4 qb = reinterpret_cast<const float4*>(qs + h * P.dp)[2 * gg + 1];
+            const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+            for (int u = 0; u < kU; ++u)
+#pragma unroll
+              for (int e = 0; e < 8; ++e) part[u][h] = fmaf(qv[e], kv[u][e], part[u][h]);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int jj = base + u * kw + slot;
+#pragma unroll
+        for (int h = 0; h < kMaxHs; ++h) {
+          if (h < nh) {  // uniform
+            const float s = subwarp_sum(part[u][h], W);
+            if (sl == 0 && jj < cc) ss[h * kChunk + jj] = s * P.scale;
+          }
+        }
       }
     }
-    __syncthreads();
   }
-  if (c < P.d) P.out[(i * P.hq + h) * P.d + c] = l > 0.0f ? __fdiv_rn(acc, l) : 0.0f;
+  __syncthreads();
+
+  // Softmax within the chunk: one warp per head.
+  for (int h = warp; h < nh; h += nwarps) {
+    float m = -INFINITY;
+    for (int t = lane; t < cc; t += SPECD_WARP) m = fmaxf(m, ss[h * kChunk + t]);
+    m = warp_max(m);
+    float lp = 0.0f;
+    for (int t = lane; t < cc; t += SPECD_WARP) {
+      const float p = expf(ss[h * kChunk + t] - m);
+      ss[h * kChunk + t] = p;
+      lp += p;
+    }
+    const float l = detail::warp_sum(lp);
+    if (lane == 0) {
+      m_s[h] = m;
+      l_s[h] = l;
+    }
+  }
+  __syncthreads();
+
+  // Values: thread = (dim group gg, key slice k); slice k takes keys k, k + ns, ... in order.
+  {
+    const int ns = kThreads / P.dg;
+    const int gg = tid % P.dg, k = tid / P.dg;
+    float acc[kMaxHs][8];
+#pragma unroll
+    for (int h = 0; h < kMaxHs; ++h)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[h][e] = 0.0f;
+    if (k < ns) {
+      for (int j0 = k; j0 < cc; j0 += ns * kU) {
+        float vv[kU][8];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int jj = j0 + u * ns;
+          if (jj < cc) {
+            load8<VT>(vbase + int64_t(kp[jj]) * P.v_row_stride, gg, P.d, P.vec, vv[u]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) vv[u][e] = 0.0f;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int jj = j0 + u * ns;
+          if (jj < cc) {
+#pragma unroll
+            for (int h = 0; h < kMaxHs; ++h) {
+              if (h < nh) {
+                const float p = ss[h * kChunk + jj];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[h][e] = fmaf(p, vv[u][e], acc[h][e]);
+              }
+            }
+          }
+        }
+      }
+    }
+    for (int kk = 0; kk < ns; ++kk) {  // slices added in order 0, 1, 2, ...
+      if (k == kk) {
+#pragma unroll
+        for (int h = 0; h < kMaxHs; ++h) {
+          if (h < nh) {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              float* o = os + h * P.dp + gg * 8 + e;
+              *o = kk == 0 ? acc[h][e] : *o + acc[h][e];
+            }
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+
+  for (int x = tid; x < nh * P.d; x += kThreads) {
+    const int h = x / P.d, e = x % P.d;
+    P.part[((il * P.hq + h0 + h) * P.nch + c) * int64_t(P.dp) + e] = os[h * P.dp + e];
+  }
+  if (tid < nh) {
+    float* mlp = P.ml + ((il * P.hq + h0 + tid) * P.nch + c) * 2;
+    mlp[0] = m_s[tid];
+    mlp[1] = l_s[tid];
+  }
+}
+
+// One block per (row of the slice, q head); thread e = output element e.
+__global__ void __launch_bounds__(kMaxDim) attn_combine_kernel(const AttnParams P) {
+  const int64_t il = blockIdx.x / P.hq, i = P.i0 + il;
+  const int h = int(blockIdx.x % P.hq), e = threadIdx.x;
+  int64_t lo, cnt;
+  row_range(P, i, lo, cnt);
+  const int nc = int((cnt + kChunk - 1) / kChunk);
+  if (e >= P.d) return;
+  float* o = P.out + (i * P.hq + h) * P.d + e;
+  if (nc == 0) {
+    *o = 0.0f;
+    return;
+  }
+  const float* ml = P.ml + (il * P.hq + h) * P.nch * 2;
+  const float* acc_c = P.part + (il * P.hq + h) * P.nch * int64_t(P.dp) + e;
+  float M = -INFINITY;
+  for (int c = 0; c < nc; ++c) M = fmaxf(M, ml[2 * c]);
+  float L = 0.0f, acc = 0.0f;
+  for (int c = 0; c < nc; ++c) {
+    const float w = expf(ml[2 * c] - M);
+    L = fmaf(ml[2 * c + 1], w, L);
+    acc = fmaf(w, acc_c[int64_t(c) * P.dp], acc);
+  }
+  *o = __fdiv_rn(acc, L);
 }
 
 template <DType KT>
-void launch_attention(DType vt, const AttnParams& P, unsigned blocks, int threads, size_t shmem, cudaStream_t s) {
+void launch_chunks(DType vt, const AttnParams& P, unsigned blocks, size_t shmem, cudaStream_t s) {
   switch (vt) {
-    case DType::F32: attention_kernel<KT, DType::F32><<<blocks, threads, shmem, s>>>(P); break;
-    case DType::F16: attention_kernel<KT, DType::F16><<<blocks, threads, shmem, s>>>(P); break;
-    default: attention_kernel<KT, DType::Q8_0><<<blocks, threads, shmem, s>>>(P); break;
+    case DType::F32: attn_chunk_kernel<KT, DType::F32><<<blocks, kThreads, shmem, s>>>(P); break;
+    case DType::F16: attn_chunk_kernel<KT, DType::F16><<<blocks, kThreads, shmem, s>>>(P); break;
+    default: attn_chunk_kernel<KT, DType::Q8_0><<<blocks, kThreads, shmem, s>>>(P); break;
   }
 }
 
@@ -251,28 +493,90 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   }
   if (a.scale) SPECD_CHECK(std::isfinite(*a.scale), op, ": scale must be finite, got ", *a.scale);
   SPECD_CHECK(d <= kMaxDim, op, ": the GPU op supports head_dim <= ", kMaxDim, ", got ", d);
+  SPECD_CHECK(a.kv_len <= 0x7fffffff, op, ": kv_len too large");
   std::vector<int32_t> pv = detail::host_i32(q_pos);
   for (int64_t i = 0; i < n; ++i)
     SPECD_CHECK(pv[size_t(i)] >= 0, "attention: q_pos must be >= 0, got ", pv[size_t(i)], " at index ", i);
-  if (n == 0 || hq == 0 || d == 0) return Tensor::zeros(q.shape, DType::F32, Device::GPU);
+  if (n == 0 || hq == 0 || d == 0 || a.kv_len == 0) return Tensor::zeros(q.shape, DType::F32, Device::GPU);
   detail::check_grid(n * hq, op);
   Tensor out = Tensor::empty(q.shape, DType::F32, Device::GPU);
   Tensor dpos = detail::i32_on_gpu(q_pos);
   Tensor dmask = a.mask ? detail::i32_on_gpu(*a.mask) : Tensor();
-  AttnParams P{q.ptr<float>(), static_cast<const uint8_t*>(k_cache.data), static_cast<const uint8_t*>(v_cache.data),
-               k_cache.strides[0], k_cache.strides[1], v_cache.strides[0], v_cache.strides[1], dpos.ptr<int32_t>(),
-               a.mask ? dmask.ptr<int32_t>() : nullptr, a.kv_len, a.window, a.causal ? 1 : 0, int(hq),
-               int(hq / hkv), int(d), a.scale ? *a.scale : float(1.0 / std::sqrt(double(d))), out.ptr<float>()};
-  const int threads = int((d + SPECD_WARP - 1) / SPECD_WARP * SPECD_WARP);
-  const size_t shmem = size_t(d + kTile) * sizeof(float);
-  const unsigned blocks = unsigned(n * hq);
   cudaStream_t s = detail::stream();
-  switch (k_cache.dtype) {
-    case DType::F32: launch_attention<DType::F32>(v_cache.dtype, P, blocks, threads, shmem, s); break;
-    case DType::F16: launch_attention<DType::F16>(v_cache.dtype, P, blocks, threads, shmem, s); break;
-    default: launch_attention<DType::Q8_0>(v_cache.dtype, P, blocks, threads, shmem, s); break;
+
+  const int64_t r = hq / hkv, dg = (d + 7) / 8, dp = dg * 8;
+  const int64_t hs_max = std::max<int64_t>(1, std::min<int64_t>(kMaxHs, 2048 / dp));
+  const int64_t nsub = (r + hs_max - 1) / hs_max, hs = (r + nsub - 1) / nsub;
+  const int64_t nch = (a.kv_len + kChunk - 1) / kChunk;
+  int w = 1;
+  while (w < dg && w < SPECD_WARP) w *= 2;
+  // 16-byte loads: d % 8 == 0 and every head row 16-byte aligned (Q8_0 always decodes bytewise).
+  auto aligned = [&](const Tensor& c) {
+    if (c.dtype == DType::Q8_0) return true;
+    return detail::aligned16(c.data) && c.strides[0] % 16 == 0 && c.strides[1] % 16 == 0;
+  };
+  const bool vec = d % 8 == 0 && aligned(k_cache) && aligned(v_cache);
+
+  AttnParams P{};
+  P.q = q.ptr<float>();
+  P.kc = static_cast<const uint8_t*>(k_cache.data);
+  P.vc = static_cast<const uint8_t*>(v_cache.data);
+  P.k_row_stride = k_cache.strides[0];
+  P.k_head_stride = k_cache.strides[1];
+  P.v_row_stride = v_cache.strides[0];
+  P.v_head_stride = v_cache.strides[1];
+  P.q_pos = dpos.ptr<int32_t>();
+  P.mask = a.mask ? dmask.ptr<int32_t>() : nullptr;
+  P.kv_len = a.kv_len;
+  P.window = a.window;
+  P.causal = a.causal ? 1 : 0;
+  P.hq = int(hq);
+  P.hkv = int(hkv);
+  P.r = int(r);
+  P.d = int(d);
+  P.dg = int(dg);
+  P.dp = int(dp);
+  P.hs = int(hs);
+  P.nsub = int(nsub);
+  P.nch = int(nch);
+  P.w = w;
+  P.vec = vec ? 1 : 0;
+  P.scale = a.scale ? *a.scale : float(1.0 / std::sqrt(double(d)));
+  P.out = out.ptr<float>();
+
+  Tensor idx, cnt;
+  if (a.mask) {  // visible positions of each row, compacted (so chunks follow the visible sequence)
+    idx = Tensor::empty({n, a.kv_len}, DType::I32, Device::GPU);
+    cnt = Tensor::empty({n}, DType::I32, Device::GPU);
+    detail::check_grid(n, op);
+    attn_mask_compact_kernel<<<unsigned(n), kScanThreads, 0, s>>>(P, idx.ptr<int32_t>(), cnt.ptr<int32_t>());
+    SPECD_GPU_CHECK_LAUNCH("attn_mask_compact_kernel");
+    P.idx = idx.ptr<int32_t>();
+    P.cnt = cnt.ptr<int32_t>();
   }
-  SPECD_GPU_CHECK_LAUNCH("attention_kernel");
+
+  // Partials for a slice of rows; slicing never changes a row's arithmetic.
+  const int64_t per_row = hq * nch * (dp + 2);
+  const int64_t rows_per = std::max<int64_t>(1, std::min<int64_t>(n, kScratchFloats / per_row));
+  Tensor scratch = Tensor::empty({rows_per * per_row}, DType::F32, Device::GPU);
+  const size_t shmem = size_t(2 * hs * dp + hs * kChunk) * sizeof(float) + kChunk * sizeof(int32_t);
+  const int combine_threads = int((d + SPECD_WARP - 1) / SPECD_WARP * SPECD_WARP);
+  for (int64_t i0 = 0; i0 < n; i0 += rows_per) {
+    const int64_t rows = std::min(rows_per, n - i0);
+    P.i0 = i0;
+    P.part = scratch.ptr<float>();
+    P.ml = scratch.ptr<float>() + rows * hq * nch * dp;
+    const int64_t blocks = rows * hkv * nsub * nch;
+    detail::check_grid(blocks, op);
+    switch (k_cache.dtype) {
+      case DType::F32: launch_chunks<DType::F32>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
+      case DType::F16: launch_chunks<DType::F16>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
+      default: launch_chunks<DType::Q8_0>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
+    }
+    SPECD_GPU_CHECK_LAUNCH("attn_chunk_kernel");
+    attn_combine_kernel<<<unsigned(rows * hq), combine_threads, 0, s>>>(P);
+    SPECD_GPU_CHECK_LAUNCH("attn_combine_kernel");
+  }
   return out;
 }
 
