@@ -556,7 +556,8 @@ class _TensorOps:
             sn.copy_rows(cache, dst, cache, src, 1)
 
 
-_EMBEDDING_DTYPES = (sn.DType.F32, sn.DType.F16, sn.DType.BF16, sn.DType.Q8_0)
+_EMBEDDING_DTYPES = (sn.DType.F32, sn.DType.F16, sn.DType.BF16, sn.DType.Q8_0, sn.DType.Q4_K, sn.DType.Q5_K,
+                     sn.DType.Q6_K, sn.DType.IQ4_XS)  # the GPU embedding decodes these
 
 
 class _Uploader:

@@ -138,6 +138,32 @@ def test_embedding_gpu_bit_exact(rng, dtype, V, H, n):
         np.testing.assert_array_equal(y.numpy(), cpu)
 
 
+KQ_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_XS": (0,)}  # fp16 fields per block
+
+
+def kquant_rows(rng, dtype, rows, k):
+    """Random rows [rows, k] of a 256-weight block format as raw uint8: random bytes with the fp16
+    scale fields (ggml block layouts) set to finite values."""
+    dt = getattr(sn.DType, dtype)
+    nb, bs = k // 256, sn.type_size(dt)
+    raw = rng.integers(0, 256, (rows, nb, bs), dtype=np.uint8)
+    for off in KQ_SCALES[dtype]:
+        d = rng.uniform(0.001, 0.1, (rows, nb)).astype(np.float16)
+        raw[:, :, off:off + 2] = d.view(np.uint8).reshape(rows, nb, 2)
+    return raw.reshape(rows, nb * bs), dt
+
+
+@pytest.mark.parametrize("dtype", ["Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("V,H,n", [(40, 256, 1), (300, 5120, 9)])
+@gpu_only
+def test_embedding_gpu_block_formats_bit_exact(rng, dtype, V, H, n):
+    w, dt = kquant_rows(rng, dtype, V, H)
+    ids = rng.integers(0, V, n).astype(np.int32)
+    cpu = sn.embedding(sn.Tensor(w, dt), ids).numpy()
+    y = sn.embedding(on_gpu(w, dt), on_gpu(ids))
+    np.testing.assert_array_equal(y.numpy(), cpu)
+
+
 @gpu_only
 def test_embedding_gpu_bad_ids(rng):
     wg = on_gpu(f32(rng, (10, 32)))

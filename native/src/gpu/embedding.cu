@@ -1,12 +1,17 @@
 // Embedding row gather on the GPU: y[i] = dequantize(w[ids[i]]), same contract as cpu::embedding
-// for the table formats the GPU decodes (F32, F16, BF16, Q8_0). Bit-identical to the CPU op (every
-// element is decoded exactly: F16/BF16 widen exactly, Q8_0 is float(q) * d as in dequantize_row).
+// for every table format the GPU decodes (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS).
+// Bit-identical to the CPU op: F16/BF16 widen exactly, Q8_0 is float(q) * d as in dequantize_row,
+// and the K-quant / IQ4_XS rows use the matmul's chunk decoders (weight_formats.cuh), which perform
+// the CPU decoder's float operations on the same operands.
 // ids (I32 [n]) may be a CPU tensor / numpy array or a GPU tensor; they are range-checked on the
 // host (a GPU ids tensor is read back: one small synchronising copy) and uploaded when on the CPU.
 #include <cmath>
 
+#include <utility>
+
 #include "op_util.cuh"
 #include "ops.h"
+#include "weight_formats.cuh"
 
 namespace specd::gpu {
 
@@ -29,6 +34,37 @@ __global__ void __launch_bounds__(kThreads) embedding_kernel(const uint8_t* __re
   }
 }
 
+// One 256-weight-block format row: thread t decodes chunks t, t + kThreads, ... into y.
+template <class W, int... P>
+__device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t c, float* dst, std::integer_sequence<int, P...>) {
+  const typename W::Raw raw = W::load(row, c);
+  auto part = [&](auto pc) {
+    constexpr int kP = decltype(pc)::value;
+    float v[W::kPE];
+    const float s = W::template decode_part<kP>(raw, v);
+    float* o = dst + W::offset(c, kP);
+#pragma unroll
+    for (int k = 0; k < W::kPE; ++k) o[k] = W::kScaled ? v[k] * s : v[k];
+  };
+  (part(std::integral_constant<int, P>()), ...);
+}
+
+template <class W>
+__global__ void __launch_bounds__(kThreads) embedding_blocks_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
+                                                                    int64_t nchunks, const int32_t* __restrict__ ids,
+                                                                    float* __restrict__ y, int64_t h) {
+  const uint8_t* row = w + int64_t(ids[blockIdx.x]) * row_bytes;
+  for (int64_t c = threadIdx.x; c < nchunks; c += kThreads)
+    decode_chunk<W>(row, c, y + int64_t(blockIdx.x) * h, std::make_integer_sequence<int, W::kParts>());
+}
+
+template <class W>
+void launch_blocks(const Tensor& w, const int32_t* ids, Tensor& y, int64_t n, cudaStream_t s) {
+  const int64_t h = w.dim(1);
+  embedding_blocks_kernel<W><<<unsigned(n), kThreads, 0, s>>>(static_cast<const uint8_t*>(w.data), w.row_bytes(),
+                                                             h / 32, ids, y.ptr<float>(), h);
+}
+
 }  // namespace
 
 Tensor embedding(const Tensor& w, const Tensor& ids) {
@@ -36,8 +72,14 @@ Tensor embedding(const Tensor& w, const Tensor& ids) {
   detail::check_gpu(w, op, "w");
   check_ndim(w, 2, op, "w");
   check_contiguous(w, op, "w");
-  SPECD_CHECK(w.dtype == DType::F32 || w.dtype == DType::F16 || w.dtype == DType::BF16 || w.dtype == DType::Q8_0, op,
-              ": the GPU op reads w of dtype F32, F16, BF16 or Q8_0, got ", dtype_info(w.dtype).name);
+  const bool blocks = w.dtype == DType::Q4_K || w.dtype == DType::Q5_K || w.dtype == DType::Q6_K ||
+                      w.dtype == DType::IQ4_XS;
+  SPECD_CHECK(blocks || w.dtype == DType::F32 || w.dtype == DType::F16 || w.dtype == DType::BF16 ||
+                  w.dtype == DType::Q8_0,
+              op, ": the GPU op reads w of dtype F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS, got ",
+              dtype_info(w.dtype).name);
+  SPECD_CHECK(!blocks || w.dim(1) % 256 == 0, op, ": w rows of ", dtype_info(w.dtype).name,
+              " must hold a multiple of 256 values, got ", w.dim(1));
   check_dtype(ids, DType::I32, op, "ids");
   check_ndim(ids, 1, op, "ids");
   check_contiguous(ids, op, "ids");
@@ -59,6 +101,10 @@ Tensor embedding(const Tensor& w, const Tensor& ids) {
   switch (w.dtype) {
     case DType::F32: embedding_kernel<DType::F32><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h); break;
     case DType::F16: embedding_kernel<DType::F16><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h); break;
+    case DType::Q4_K: launch_blocks<detail::Q4KW>(w, dev_ids.ptr<int32_t>(), y, n, s); break;
+    case DType::Q5_K: launch_blocks<detail::Q5KW>(w, dev_ids.ptr<int32_t>(), y, n, s); break;
+    case DType::Q6_K: launch_blocks<detail::Q6KW>(w, dev_ids.ptr<int32_t>(), y, n, s); break;
+    case DType::IQ4_XS: launch_blocks<detail::IQ4XSW>(w, dev_ids.ptr<int32_t>(), y, n, s); break;
     case DType::BF16: embedding_kernel<DType::BF16><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h); break;
     default: embedding_kernel<DType::Q8_0><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h); break;
   }
