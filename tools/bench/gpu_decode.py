@@ -179,7 +179,6 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     Path(args.out, f"gpu_decode_{args.mix}.json").write_text(json.dumps(rep, indent=1))
-    Path(args.out, f"gpu_decode_{args.mix}.md").write_text(markdown(rep))
     print(markdown(rep))
     return 0
 

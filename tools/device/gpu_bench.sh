@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call for issue 7 on the lent H200: build + GPU tests (gpu_tests.sh with REPORT=0), the
+# GPU report without the per-format GEMV table (copy bandwidth, op errors, Q8_0 GEMV, attention /
+# GDN timing), then the target benchmark on a random 27B-shaped GGUF (tools/bench/gpu_decode.py)
+# for each mix in $MIXES (default "iq4xs"), all within $BUDGET_S seconds (default 560).
+#
+# Usage (repository root on the GPU machine; carry .whl, see gpu_tests.sh for the wheels):
+#     OUT=/some/dir MIXES="iq4xs q4km" bash tools/device/gpu_bench.sh
+# Outputs (8 files at most): gpu_tests.sh's build.log, pytest.log (+ the report's stdout),
+# status.txt, summary.json, summary.md; decode.log (benchmark output incl. its markdown table) and
+# gpu_decode_<mix>.json per mix.
+set -u -o pipefail
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+BUDGET_S=${BUDGET_S:-560}
+R=$PWD
+left() { echo $((BUDGET_S - SECONDS)); }
+OUT=$OUT REPORT=0 bash tools/device/gpu_tests.sh >/dev/null 2>&1
+echo "gpu_tests rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+cd /tmp || exit 1
+t=$(left); [ "$t" -gt 150 ] && t=150
+timeout "$t" python3 "$R/tools/device/gpu_report.py" --out "$OUT" --no-formats >>"$OUT/pytest.log" 2>&1
+echo "report rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+for mix in ${MIXES:-iq4xs}; do
+  [ "$(left)" -gt 60 ] || { echo "decode $mix skipped: no time left" >>"$OUT/status.txt"; break; }
+  timeout "$(left)" python3 "$R/tools/bench/gpu_decode.py" --gguf "/tmp/r27-$mix.gguf" --mix "$mix" \
+    --out "$OUT" >>"$OUT/decode.log" 2>&1
+  echo "decode $mix rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+  rm -f "/tmp/r27-$mix.gguf"
+done
+cat "$OUT/status.txt"
+grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -40
