@@ -96,8 +96,10 @@ env | grep -iE '^(LDFLAGS|CXXFLAGS|CFLAGS|CMAKE_[A-Z_]*)=' >>"$OUT/build.log" ||
 # failure and the rest still run.
 XDIST=()
 if $PY -c 'import xdist' 2>/dev/null; then XDIST=(-n 4 --max-worker-restart 100); fi
+# TESTS picks a subset (default: tests/native tests/gpu), e.g. TESTS="tests/gpu/test_gpu_target.py".
+read -r -a TEST_PATHS <<<"${TESTS:-tests/native tests/gpu}"
 stage pytest "$OUT/pytest.log" timeout 300 $PY -m pytest -v -rs -p no:cacheprovider "${XDIST[@]}" \
-  tests/native tests/gpu
+  "${TEST_PATHS[@]}"
 
 # --- report ----------------------------------------------------------------------------------------
 # REPORT=0 skips it (e.g. to keep one device call under its time limit; run gpu_report.py next).
