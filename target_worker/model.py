@@ -194,17 +194,21 @@ class Qwen35Model:
         st.verifies += 1
         positions = (c + np.arange(w) if tree is None else c + tree.depth).astype(np.int32)
         ops = self._ops
+        # Every row of a verify must equal decode bitwise (spec output == plain output), so verify
+        # matmuls stay exact on the GPU at any width; prefill (last_only) may take the faster,
+        # 2^-8-accurate GEMM path for chunks wider than 16 rows (the CPU is always exact).
+        mm = _inexact_matmul if last_only else sn.matmul
         x = ops.a(sn.embedding(self.token_embd, tokens))
         taps, pending = {}, []
         for i, layer in enumerate(self.layers):
             if self.hp.recurrent[i]:
-                mix, p = self._gdn(i, layer, x, st, tree)
+                mix, p = self._gdn(i, layer, x, st, tree, mm)
             else:
-                mix, p = self._attention(i, layer, x, st, positions, tree), None
+                mix, p = self._attention(i, layer, x, st, positions, tree, mm), None
             pending.append(p)
             u, h = sn.rms_norm(mix, layer.post_attention_norm, self.hp.rms_eps, residual=x)
-            ffn = sn.swiglu(sn.matmul(u, layer.ffn_gate), sn.matmul(u, layer.ffn_up))
-            x = ops.a(sn.add(h, sn.matmul(ffn, layer.ffn_down)))
+            ffn = sn.swiglu(mm(u, layer.ffn_gate), mm(u, layer.ffn_up))
+            x = ops.a(sn.add(h, mm(ffn, layer.ffn_down)))
             if i in self.capture_layers:
                 taps[i] = x
         feats = (ops.host(ops.cat([taps[i] for i in self.capture_layers], axis=1)) if self.capture_layers
@@ -248,16 +252,16 @@ class Qwen35Model:
     def _gdn_scale(self) -> float:
         return 1.0 / math.sqrt(self.hp.head_k_dim)
 
-    def _attention(self, i, layer, x, st, positions, tree):
+    def _attention(self, i, layer, x, st, positions, tree, mm):
         hp, w = self.hp, x.shape[0]
         hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
         u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
         ops = self._ops
-        qg = ops.reshape(ops.a(sn.matmul(u, layer.attn_q)), w * nh, 2 * hd)  # per head [q | gate]
+        qg = ops.reshape(ops.a(mm(u, layer.attn_q)), w * nh, 2 * hd)  # per head [q | gate]
         q = sn.rms_norm(ops.reshape(ops.cols(qg, 0, hd), w, nh, hd), layer.attn_q_norm, hp.rms_eps)
         gate = ops.reshape(ops.cols(qg, hd, 2 * hd), w, nh, hd)
-        k = sn.rms_norm(ops.reshape(ops.a(sn.matmul(u, layer.attn_k)), w, nkv, hd), layer.attn_k_norm, hp.rms_eps)
-        v = ops.reshape(ops.a(sn.matmul(u, layer.attn_v)), w, nkv, hd)
+        k = sn.rms_norm(ops.reshape(ops.a(mm(u, layer.attn_k)), w, nkv, hd), layer.attn_k_norm, hp.rms_eps)
+        v = ops.reshape(ops.a(mm(u, layer.attn_v)), w, nkv, hd)
         q = sn.rope_neox(q, positions, hp.n_rot, hp.rope_freq_base)
         k = sn.rope_neox(k, positions, hp.n_rot, hp.rope_freq_base)
         c = st.committed
@@ -270,17 +274,17 @@ class Qwen35Model:
         else:
             a = sn.attention(q, kc, vc, c + w, positions, causal=False, mask=tree.mask)
         a = ops.reshape(ops.a(sn.mul(a, sn.sigmoid(gate))), w, nh * hd)
-        return ops.a(sn.matmul(a, layer.attn_output))
+        return ops.a(mm(a, layer.attn_output))
 
-    def _gdn(self, i, layer, x, st, tree):
+    def _gdn(self, i, layer, x, st, tree, mm):
         hp, w = self.hp, x.shape[0]
         hk, hv, dk, dv = hp.n_k_heads, hp.n_v_heads, hp.head_k_dim, hp.head_v_dim
         ops = self._ops
         u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
-        m = ops.a(sn.matmul(u, layer.attn_qkv))
-        z = ops.reshape(ops.a(sn.matmul(u, layer.attn_gate)), w, hv, dv)
-        b = ops.a(sn.matmul(u, layer.ssm_beta))
-        a = ops.a(sn.matmul(u, layer.ssm_alpha))
+        m = ops.a(mm(u, layer.attn_qkv))
+        z = ops.reshape(ops.a(mm(u, layer.attn_gate)), w, hv, dv)
+        b = ops.a(mm(u, layer.ssm_beta))
+        a = ops.a(mm(u, layer.ssm_alpha))
         if tree is None:
             conv_state = ops.copy(st.conv[i])
             cv = ops.a(sn.conv1d_causal(m, self.conv_w[i], conv_state, apply_silu=True))
@@ -301,7 +305,7 @@ class Qwen35Model:
         else:
             state, o = None, self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
         o = ops.reshape(ops.a(sn.mul(sn.rms_norm(o, layer.ssm_norm, hp.rms_eps), sn.silu(z))), w, hv * dv)
-        out = ops.a(sn.matmul(o, layer.ssm_out))
+        out = ops.a(mm(o, layer.ssm_out))
         return out, GDNPending(m, q, k, v, g, beta, state, conv_state)
 
     def _gdn_tree(self, s0, q, k, v, g, beta, tree):
@@ -558,6 +562,11 @@ class _TensorOps:
 
 _EMBEDDING_DTYPES = (sn.DType.F32, sn.DType.F16, sn.DType.BF16, sn.DType.Q8_0, sn.DType.Q4_K, sn.DType.Q5_K,
                      sn.DType.Q6_K, sn.DType.IQ4_XS)  # the GPU embedding decodes these
+
+
+def _inexact_matmul(x, w):
+    """sn.matmul allowed to use the GPU's wide GEMM path (prefill chunks; see Qwen35Model.verify)."""
+    return sn.matmul(x, w, exact=False)
 
 
 class _Uploader:

@@ -11,6 +11,7 @@ from gguf import GGUFReader
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "bench"))
 import random_qwen35 as rq  # noqa: E402
 
+import specd.native as sn  # noqa: E402
 from specd.target_worker.gguf_loader import load_qwen35  # noqa: E402
 from specd.target_worker.model import Qwen35Model  # noqa: E402
 
@@ -33,3 +34,30 @@ def test_random_gguf_loads_and_runs(tmp_path, mix):
     logits = m.prefill(st, [1, 2, 3])
     assert logits.shape == (1024,) and np.isfinite(logits).all()
     assert np.isfinite(m.decode(st, int(np.argmax(logits)))).all()
+
+
+@pytest.mark.parametrize("mix", ["iq4xs", "q8_0"])
+def test_tiled_tensors_keep_finite_scales(tmp_path, monkeypatch, mix):
+    """Tensors larger than the byte pool are tiled from a block boundary: every decoded weight is
+    finite (a misaligned start would read scale fields from quant bytes)."""
+    monkeypatch.setattr(rq, "POOL_BYTES", 1 << 14)  # smaller than most tiny-config matrices
+    out = tmp_path / f"{mix}.gguf"
+    rq.write(out, "tiny", mix, seed=3)
+    w = load_qwen35(out)
+    for layer in w.layers:
+        for t in (layer.ffn_up, layer.ffn_down):
+            assert np.isfinite(sn.dequantize(t).numpy()).all()
+
+
+def test_gpu_decode_benchmark_smoke_on_cpu(tmp_path):
+    """tools/bench/gpu_decode.py end to end on the CPU (tiny config): every section is reported and
+    the scripted loop's verify rows predict the greedy continuation (verify == decode)."""
+    import json
+
+    import gpu_decode
+    gguf_path = tmp_path / "tiny.gguf"
+    assert gpu_decode.main(["--gguf", str(gguf_path), "--config", "tiny", "--mix", "q8_0", "--device", "cpu",
+                            "--decode-tokens", "4", "--prefill", "16", "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "gpu_decode_q8_0.json").read_text())
+    assert rep["decode_tok_s"] > 0 and len(rep["verify_ms"]) == 17 and rep["prefill_tok_s"]
+    assert all(v["steps_not_matching_greedy"] == 0 and v["steps"] > 0 for v in rep["loop"].values())

@@ -80,22 +80,24 @@ def timed(fn, sync) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", required=True)
-    ap.add_argument("--mix", default="iq4xs")
-    ap.add_argument("--config", default="27b")
+    ap.add_argument("--mix", default="iq4xs", help="random_qwen35 mix (when the GGUF is generated)")
+    ap.add_argument("--config", default="27b", help="random_qwen35 config (when the GGUF is generated)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, nargs="*", default=[128, 512, 2048, 8192])
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
 
+    import random_qwen35
     import specd.native as sn
     from specd.target_worker.gguf_loader import load_qwen35, open_gguf
     from specd.target_worker.model import Qwen35Model
 
     rep: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gguf": args.gguf, "mix": args.mix, "config": args.config,
                  "device": sn.gpu_device_name() if args.device == "cuda" else "cpu"}
+    if args.mix not in random_qwen35.MIXES or args.config not in random_qwen35.CONFIGS:
+        ap.error(f"--mix must be one of {random_qwen35.MIXES}, --config one of {sorted(random_qwen35.CONFIGS)}")
     if not os.path.exists(args.gguf):
-        import random_qwen35
         rep["generate"] = random_qwen35.write(args.gguf, args.config, args.mix)
         print("generated", rep["generate"], flush=True)
     sync = sn.gpu_synchronize if args.device == "cuda" else (lambda: None)
@@ -120,13 +122,11 @@ def main(argv=None) -> int:
     logits = model.prefill(st, prompt)
     tok = int(np.argmax(logits))
     model.decode(st, tok)  # warm-up
-    greedy = []
 
     def run_decode():
         nonlocal tok
         for _ in range(args.decode_tokens):
             tok = int(np.argmax(model.decode(st, tok)))
-            greedy.append(tok)
     t = timed(run_decode, sync)
     rep["decode_tok_s"] = args.decode_tokens / t
     if rep["copy_GBps"]:
@@ -152,18 +152,21 @@ def main(argv=None) -> int:
     for al in (3, 5, 7):
         s = model.new_sequence(4096)
         model.prefill(s, prompt)
-        pos, steps = 0, 0  # cont[pos] is the anchor (decided, not yet fed)
+        pos, steps, mismatches = 0, 0, 0  # cont[pos] is the anchor (decided, not yet fed)
 
         def loop():
-            nonlocal pos, steps
+            nonlocal pos, steps, mismatches
             while pos + 8 < len(cont):
                 drafts = cont[pos + 1:pos + al] + [(cont[pos + j] + 1) % vocab for j in range(al, 8)]
                 res = model.verify(s, [cont[pos]] + drafts)
+                # rows 0..al-1 must predict the greedy continuation (batch invariance: verify == decode)
+                mismatches += int(list(res.argmax[:al]) != cont[pos + 1:pos + al + 1])
                 model.commit(s, res, al)
                 pos += al
                 steps += 1
         t = timed(loop, sync)
-        rep["loop"][al] = {"tok_s": pos / t, "steps": steps, "speedup": pos / t / rep["decode_tok_s"]}
+        rep["loop"][al] = {"tok_s": pos / t, "steps": steps, "speedup": pos / t / rep["decode_tok_s"],
+                           "steps_not_matching_greedy": mismatches}
     print("loop", rep["loop"], flush=True)
 
     rep["prefill_tok_s"] = {}

@@ -87,11 +87,14 @@ def block_pool(qtype: QT, rng: np.random.Generator) -> np.ndarray:
     return pool.reshape(-1)
 
 
-def tensor_bytes(pool: np.ndarray, nbytes: int, rng: np.random.Generator) -> np.ndarray:
-    """``nbytes`` tiled from ``pool`` at a random block-aligned start (so tensors differ)."""
+def tensor_bytes(pool: np.ndarray, nbytes: int, block_bytes: int, rng: np.random.Generator) -> np.ndarray:
+    """``nbytes`` tiled from ``pool`` (a whole number of ``block_bytes`` blocks) from a random block
+    boundary (so tensors differ and every block keeps its finite scales)."""
+    if nbytes <= len(pool) // 2:
+        return pool[:nbytes].copy()
     reps = -(-nbytes // len(pool)) + 1
-    start = int(rng.integers(0, 64)) * 256 % len(pool)
-    return np.tile(pool, reps)[start:start + nbytes] if nbytes > len(pool) // 2 else pool[:nbytes].copy()
+    start = int(rng.integers(0, len(pool) // block_bytes)) * block_bytes
+    return np.tile(pool, reps)[start:start + nbytes]
 
 
 def f32_values(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -134,7 +137,8 @@ def write(out: str | os.PathLike, config: str = "27b", mix: str = "iq4xs", seed:
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for name, shape, qt, nb in plan:
-            data = f32_values(name, nb // 4, rng) if qt == QT.F32 else tensor_bytes(pools[qt], nb, rng)
+            data = (f32_values(name, nb // 4, rng) if qt == QT.F32
+                    else tensor_bytes(pools[qt], nb, gguf.GGML_QUANT_SIZES[qt][1], rng))
             w.write_tensor_data(data)
         w.close()
         os.replace(tmp, out)

@@ -71,15 +71,15 @@ q = round-half-away(x/d); for finite x). Raises ValueError for other dtypes or r
 
   m.def(
       "matmul",
-      [](const py::object& x, const py::object& w) {
+      [](const py::object& x, const py::object& w, bool exact) {
         Tensor xt = as_tensor(x, "matmul", "x"), wt = as_tensor(w, "matmul", "w");
         require_same_device(xt, wt, "matmul");
 #if SPECD_WITH_GPU
-        if (wt.device == Device::GPU) return without_gil([&] { return gpu::matmul(xt, wt); });
+        if (wt.device == Device::GPU) return without_gil([&] { return gpu::matmul(xt, wt, exact); });
 #endif
         return without_gil([&] { return cpu::matmul(xt, wt); });
       },
-      py::arg("x"), py::arg("w"),
+      py::arg("x"), py::arg("w"), py::arg("exact") = true,
       R"doc(y = x @ w.T: a linear layer without bias against a stored weight.
 
 x: F32 [n, in] (2-D, contiguous). w: [out, in] of F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS
@@ -87,9 +87,11 @@ x: F32 [n, in] (2-D, contiguous). w: [out, in] of F32, F16, BF16, Q8_0, Q4_K, Q5
 CPU: each weight row is decoded once per call (exactly as dequantize) and dotted with every row
 of x in float32 with 16 interleaved partial sums combined in a fixed order, so row i of y is
 bitwise identical whatever n (batch invariance) and the weight bytes are read once per call.
-GPU tensors run gpu::matmul: every format above; n <= 16 a batch-invariant GEMV (weights decoded to
-the same float32 values as here), n > 16 BF16-dequantized weights and BF16 x through cuBLAS /
-hipBLAS with float32 accumulation. Raises ValueError on dtype, dimension or device mismatch.)doc");
+GPU tensors run gpu::matmul: every format above; a batch-invariant GEMV (weights decoded to the
+same float32 values as here) over slices of 16 rows, or, with exact=False and n > 16 (prefill),
+BF16-dequantized weights and BF16 x through cuBLAS / hipBLAS with float32 accumulation (error
+within (2^-8 + 1e-5) * (|x| @ |w|^T), not batch invariant). The CPU is always exact and ignores
+`exact`. Raises ValueError on dtype, dimension or device mismatch.)doc");
 
   m.def(
       "embedding",

@@ -259,7 +259,7 @@ void check_weight(const Tensor& w, int64_t in, const char* op) {
 
 }  // namespace
 
-Tensor matmul(const Tensor& x, const Tensor& w) {
+Tensor matmul(const Tensor& x, const Tensor& w, bool exact) {
   const char* op = "matmul";
   detail::check_gpu(x, op, "x");
   detail::check_gpu(w, op, "w");
@@ -281,14 +281,22 @@ Tensor matmul(const Tensor& x, const Tensor& w) {
     memset_zero(y.data, size_t(y.nbytes()));
     return y;
   }
-  // Wider calls (prefill, big trees) go to the vendor GEMM on dequantized weights: the GEMV
-  // would re-read the weights once per 16 rows and runs on FP32 FMAs only.
-  if (n > kNMax) {
+  // Wide inexact calls (prefill) go to the vendor GEMM on dequantized weights: the GEMV would
+  // re-read the weights once per 16 rows and runs on FP32 FMAs only.
+  if (n > kNMax && !exact) {
     detail::matmul_blas(x, w, y);
     return y;
   }
-  Problem p{static_cast<const uint8_t*>(w.data), w.row_bytes(), 0, x.ptr<float>(), in, y.ptr<float>(), int(n), out};
-  gemv(p, w.dtype, in, detail::aligned16(w.data));
+  // Exact: slices of at most kNMax rows through the GEMV, each row's arithmetic independent of
+  // the slice it lands in (x rows are 16-byte aligned: in % 32 == 0 for every block format, and
+  // F32 / F16 / BF16 weights with other `in` are checked by the aligned16 test per slice).
+  for (int64_t r0 = 0; r0 < n; r0 += kNMax) {
+    const int rows = int(std::min<int64_t>(kNMax, n - r0));
+    const float* xs = x.ptr<float>() + r0 * in;
+    SPECD_CHECK(detail::aligned16(xs), op, ": x row ", r0, " is not 16-byte aligned (in = ", in, ")");
+    Problem p{static_cast<const uint8_t*>(w.data), w.row_bytes(), 0, xs, in, y.ptr<float>() + r0 * out, rows, out};
+    gemv(p, w.dtype, in, detail::aligned16(w.data));
+  }
   return y;
 }
 

@@ -29,10 +29,12 @@ Tensor l2_norm(const Tensor& x, float eps);
 // [out, in] contiguous, in a multiple of the format's block size (32 / 256).
 // n <= 16 rows: a GEMV-style kernel that reads each weight byte once per call, decodes the weights
 // in registers to exactly cpu::dequantize's values and accumulates in F32; batch invariant: row i
-// of y is bit-identical whatever n (1..16). n > 16: w dequantized to BF16 and x rounded to BF16 on
-// the device, then cuBLAS / hipBLAS with F32 accumulation (matmul_blas.cu); error within
+// of y is bit-identical whatever n (1..16). n > 16 with `exact` (the default): the same GEMV over
+// slices of 16 rows, so every row stays bit-identical to a 1-row call (verify of any width equals
+// decode). n > 16 without `exact` (prefill): w dequantized to BF16 and x rounded to BF16 on the
+// device, then cuBLAS / hipBLAS with F32 accumulation (matmul_blas.cu); error within
 // (2^-8 + 1e-5) * (|x| @ |w|^T) elementwise, not batch invariant across n.
-Tensor matmul(const Tensor& x, const Tensor& w);
+Tensor matmul(const Tensor& x, const Tensor& w, bool exact = true);
 
 // Index of the first maximum of each row (argmax.cu); x F32 [..., V] contiguous, V >= 1 ->
 // I32 [...] (x's shape without the last dimension). NaN counts as larger than every number
