@@ -78,7 +78,8 @@ def test_dflash2_parity(tmp_path, rng, sliding):
         tensors["candidate_selector.predecessor_codebook"], tensors["candidate_selector.successor_codebook"], K)
     np.testing.assert_array_equal(p.tokens, t64)
     np.testing.assert_array_equal(p.candidates, c64)
-    np.testing.assert_allclose(p.candidate_scores, s64, atol=1e-4)
+    # float32 scores (|s| ~ 10) vs float64: the logits already differ by up to TOL of their max
+    np.testing.assert_allclose(p.candidate_scores, s64, atol=1e-4 * max(1.0, float(np.abs(s64).max())))
     # the selector matters in this fixture: it overrides the unary argmax somewhere
     assert (p.tokens != p.logits.argmax(1)).any()
 
