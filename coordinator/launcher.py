@@ -77,7 +77,7 @@ class ServeConfig:
         if not self.target:
             self.target = embedded_model(DEMO_TARGET)
         if self.drafter_gguf == "auto":
-            demo = os.path.basename(self.target) == DEMO_TARGET and not self.scripted_block
+            demo = _is_embedded(self.target, DEMO_TARGET) and not self.scripted_block
             self.drafter_gguf = embedded_model(DEMO_DRAFTER) if demo else ""
         elif self.drafter_gguf == "none":
             self.drafter_gguf = ""
@@ -112,14 +112,22 @@ DEMO_DRAFTER = "demo-dflash2.gguf"  # the demo drafter with the highest measured
 
 
 def embedded_model(name: str) -> str:
-    """Path of an embedded demo model: ``specd/models/<name>`` of the installed package, else the
-    source tree's ``models/<name>``. Raises FileNotFoundError naming both places."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # specd/ (installed) or the repo
-    for path in (os.path.join(here, "models", name), os.path.join(os.path.dirname(here), "models", name)):
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(f"serve: embedded model {name} not found under {here}/models or "
-                            f"{os.path.dirname(here)}/models; pass --target / --drafter")
+    """Path of an embedded demo model: ``models/<name>`` beside the package's Python folders (the
+    installed ``specd/models/``, or ``models/`` of a source checkout). Raises FileNotFoundError."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # specd/ installed, the repo in a checkout
+    path = os.path.join(root, "models", name)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"serve: embedded model {path} not found (is specd installed with its models?); "
+                                "pass --target / --drafter")
+    return path
+
+
+def _is_embedded(path: str, name: str) -> bool:
+    """Whether ``path`` is the embedded model ``name`` itself (not merely a file of that name)."""
+    try:
+        return os.path.samefile(path, embedded_model(name))
+    except OSError:
+        return False
 
 
 def add_arguments(p) -> None:

@@ -9,6 +9,7 @@ drafter's, not the policy's. The prompts are the first code and prose records of
 tools/bench/demo_prompts.jsonl (held-out documents, never trained on)."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -43,14 +44,17 @@ def prompts(kind: str, n: int) -> list[str]:
     return [r["prompt"] for r in recs if r["kind"] == kind][:n]
 
 
-@pytest.fixture(scope="module")
-def demo_stack(tmp_path_factory):
+@contextlib.contextmanager
+def demo_drafter_stack(device: str = "auto"):
+    """The demo target's stack with one real drafter worker per family (adaptive policy off);
+    yields family -> (SpecDecode stub, ModelDrafter); every server is stopped at the end."""
     missing = [p for p in [TARGET, *map(drafter_path, FAMILIES)] if not p.is_file()]
     if missing:
         pytest.skip(f"not present: {missing}")
-    stack = Stack(str(TARGET), capture_layers=TAPS, max_seq_len=1024, policy=PolicyConfig(step_ratio=0))
-    servers, stubs = [], {}
+    stack, servers, stubs = None, [], {}
     try:
+        stack = Stack(str(TARGET), capture_layers=TAPS, max_seq_len=1024, device=device,
+                      policy=PolicyConfig(step_ratio=0))
         for fam in FAMILIES:
             d = open_model_drafter(str(drafter_path(fam)), str(TARGET))
             svc = dserver.DraftServicer(d)
@@ -63,7 +67,14 @@ def demo_stack(tmp_path_factory):
         for srv, svc in servers:
             srv.stop(0).wait()
             svc.close()
-        stack.stop()
+        if stack is not None:
+            stack.stop()
+
+
+@pytest.fixture(scope="module")
+def demo_stack():
+    with demo_drafter_stack(device="cpu") as stubs:
+        yield stubs
 
 
 @pytest.fixture(scope="module")
