@@ -250,7 +250,24 @@ class DraftServicer(pbg.DraftWorkerServicer):
                               max_top_k=int(getattr(self.drafter, "max_top_k", 0)),
                               has_confidence=bool(getattr(self.drafter, "has_confidence", False)),
                               feature_transport=self.transport,
-                              dspark_markov=_MARKOV_PB.get(getattr(self.drafter, "dspark_markov", ""), 0))
+                              dspark_markov=_MARKOV_PB.get(getattr(self.drafter, "dspark_markov", ""), 0),
+                              memory=self.memory_proto())
+
+    def memory(self):
+        """The drafter's :class:`specd.target_worker.memory.DrafterMemory`, or None (no model)."""
+        from specd.draft_worker.model import DrafterModel
+        from specd.target_worker.memory import drafter_memory
+
+        model = getattr(self.drafter, "model", None)
+        return drafter_memory(model) if isinstance(model, DrafterModel) else None
+
+    def memory_proto(self):
+        try:
+            mem = self.memory()
+        except Exception:  # noqa: BLE001 - Info must answer even if the accounting fails
+            log.exception("drafter memory report failed")
+            return None
+        return None if mem is None else mem.to_proto(pb)
 
     def Propose(self, request, context):
         return self.slots.run(context, self._propose, request, context)
@@ -483,5 +500,11 @@ def run(args) -> int:
     server, _ = start_server(servicer, cfg.listen, cfg.threads or 72, cfg.max_message_bytes, cfg.max_concurrent_rpcs)
     log.info("draft-worker: %s drafter (block %d) on %s", servicer.drafter.name, servicer.drafter.block_size,
              cfg.listen)
+    try:
+        mem = servicer.memory()
+        if mem is not None:
+            log.info("draft-worker %s", "\n".join(mem.lines()))
+    except Exception:  # noqa: BLE001 - reporting must not stop the worker
+        log.exception("drafter memory report failed")
     print(f"READY {cfg.listen}", flush=True)
     return serve_forever(server, servicer.close, "draft-worker", cfg.shutdown_grace_s)

@@ -210,6 +210,19 @@ class TargetServicer(pbg.TargetWorkerServicer):
         # its Prefill; the Prefill then frees what it built instead of leaking it (bounded memory)
         self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.slots = ComputeSlots(0)  # set by start_server from its thread count
+        self._memory = None  # MemoryReport without device measurements (static after load)
+
+    def memory_report(self, measure: bool = True):
+        """The worker's :class:`.memory.MemoryReport` at max_seq_len / max_sequences / max_verify
+        (with ``measure``, the GPU's current memory figures too)."""
+        from .memory import report
+
+        if measure or self._memory is None:
+            rep = report(self.model, self.max_seq_len, self.cfg.max_sequences, self.cfg.max_verify, measure=measure)
+            if not measure:
+                self._memory = rep
+            return rep
+        return self._memory
 
     # ------------------------------------------------------------------ helpers
 
@@ -283,7 +296,8 @@ class TargetServicer(pbg.TargetWorkerServicer):
                              eos_token_ids=self.eos_ids, shm_namespace_id=self.namespace,
                              live_sequences=live, live_shm_segments=len(self.features.live()),
                              feature_transport=self.transport,
-                             inline_max_rows=self.inline_max_rows if self.inline else 0)
+                             inline_max_rows=self.inline_max_rows if self.inline else 0,
+                             memory=self.memory_report().to_proto(pb))
 
     def _rows(self, seq_id: str):
         """Inline transport: the FeatureRows of what the sequence committed since the last call
@@ -485,6 +499,20 @@ def load_servicer(cfg: TargetWorkerConfig) -> TargetServicer:
     return TargetServicer(model, cfg, eos)
 
 
+def log_memory(servicer: TargetServicer) -> None:
+    """Logs the worker's memory report as one block; warns when fewer than max_sequences sequences
+    at max_seq_len fit the GPU (never fails start-up)."""
+    try:
+        rep = servicer.memory_report()
+    except Exception:  # noqa: BLE001 - reporting must not stop the worker
+        log.exception("memory report failed")
+        return
+    log.info("target-worker %s", "\n".join(rep.lines()))
+    if 0 <= rep.fits_sequences < rep.max_sequences:
+        log.warning("target-worker: only %d sequences of %d positions fit the device (max_sequences %d)",
+                    rep.fits_sequences, rep.max_seq_len, rep.max_sequences)
+
+
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Internal-link gRPC options: large messages; peers may ping every 5 s while no data flows."""
     return [("grpc.max_send_message_length", max_message_bytes),
@@ -650,5 +678,6 @@ def run(args) -> int:
     server, _ = start_server(servicer, cfg.listen, cfg.rpc_threads, cfg.max_message_bytes)
     log.info("target-worker: %s on %s (capture %s, device %s)", cfg.target, cfg.listen, list(cfg.capture_layers),
              servicer.model.device)
+    log_memory(servicer)
     print(f"READY {cfg.listen}", flush=True)
     return serve_forever(server, servicer.close, "target-worker", cfg.shutdown_grace_s)

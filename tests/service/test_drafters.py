@@ -425,3 +425,30 @@ def test_dspark_markov_option_validation(drafter_stacks, target_gguf, tmp_path):
     for name, val in [("default", gpb.DSPARK_MARKOV_DEFAULT)] + list(MARKOV.items()):
         args = p.parse_args(["--token-ids", "1,2", "--dspark-markov", name])
         assert client.build_request(args).speculation.dspark_markov == val
+
+
+def test_drafter_info_reports_memory(drafter_stacks, stack, target_gguf, tmp_path):
+    """DrafterInfo.memory: the drafter's own weights and its context K/V per token equal what a
+    DraftSequence allocates; a context_cap drafter's full layers become fixed-size (bounded)."""
+    from specd.protos.v1 import worker_pb2 as wpb
+
+    for fam, (_, d) in drafter_stacks.items():
+        info = dserver.DraftServicer(d).Info(wpb.InfoRequest(), None)
+        m, hp = info.memory, d.model.hp
+        assert info.HasField("memory") and m.device == "cpu" and m.kv_dtype == "F32"
+        assert m.weight_bytes == sum(t.nbytes for t in d.model.drafter.tensors.values()) > 0
+        assert sum(m.weight_bytes_by_type.values()) == m.weight_bytes
+        seq = d.model.new_sequence(100)
+        unbounded = [l for l in seq.layers if l.keep is None]
+        assert m.kv_bytes_per_token * 100 == sum(l.k.nbytes + l.v.nbytes for l in unbounded)
+        assert m.kv_bytes_per_token == len(unbounded) * 2 * hp.n_head_kv * hp.head_dim * 4
+    capped = open_model_drafter(make_gguf(tmp_path, "dflash", seed=11), target_gguf, context_cap=3, kv_dtype="f16")
+    m = dserver.DraftServicer(capped).Info(wpb.InfoRequest(), None).memory
+    hp = capped.model.hp
+    assert m.kv_dtype == "F16"
+    assert m.kv_bytes_per_token == 0  # every layer is bounded by its window or the cap
+    assert m.bounded_kv_bytes_per_sequence == sum(
+        (2 * ((w - 1) if w else 3) + 2 * hp.block_size) * 2 * hp.n_head_kv * hp.head_dim * 2
+        for w in capped.model.window)
+    # the scripted drafter has no model: no memory field
+    assert not dserver.DraftServicer(stack.drafter).Info(wpb.InfoRequest(), None).HasField("memory")

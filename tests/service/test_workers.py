@@ -67,3 +67,29 @@ def test_drafter_rejects_gaps_and_unknown_sequences(stack):
         assert _err(d.Propose, wpb.ProposeRequest(seq_id="x", anchor=1, max_tokens=2)) == grpc.StatusCode.FAILED_PRECONDITION
         info = d.Info(wpb.InfoRequest(), timeout=10)
         assert info.block_size == stack.drafter.block_size and info.shm_namespace_id
+
+
+def test_info_reports_memory(target, stack):
+    """TargetInfo.memory carries the worker's MemoryReport (weights, per-token and per-sequence
+    state at max_seq_len, fit); the numbers equal what the model allocates for one sequence."""
+    m = target.Info(wpb.InfoRequest(), timeout=30).memory
+    svc = stack.tservicer
+    rep = svc.memory_report(measure=False)
+    model, hp = svc.model, svc.model.hp
+    assert m.max_seq_len == svc.max_seq_len == 256 and m.max_sequences == svc.cfg.max_sequences
+    assert m.verify_width == svc.cfg.max_verify and m.kv_dtype == "F32"
+    for f in ("weight_bytes", "kv_bytes_per_token", "kv_bytes_per_sequence", "recurrent_bytes_per_sequence",
+              "conv_bytes_per_sequence", "verify_bytes_per_sequence", "sequence_bytes",
+              "feature_ring_bytes_per_sequence", "workspace_bytes", "total_bytes", "host_feature_bytes"):
+        assert getattr(m, f) == getattr(rep, f) > 0, f
+    assert dict(m.weight_bytes_by_type) == rep.weight_bytes_by_type
+    assert m.weight_bytes == sum(m.weight_bytes_by_type.values())
+    st = model.new_sequence(256)
+    assert m.kv_bytes_per_sequence == sum(k.nbytes + v.nbytes for k, v in st.kv.values())
+    assert m.recurrent_bytes_per_sequence == sum(a.nbytes for a in st.ssm.values())
+    assert m.conv_bytes_per_sequence == sum(a.nbytes for a in st.conv.values())
+    assert m.feature_ring_bytes_per_sequence == 64 + 256 * (8 + 4 * len(model.capture_layers) * hp.n_embd)
+    if m.device == "cpu":
+        assert m.fits_sequences == -1 and m.device_total_bytes == 0
+    else:  # a GPU worker reports the measured device memory and the fit on it
+        assert m.device_total_bytes >= m.device_free_bytes > 0 and m.fits_sequences >= 0

@@ -25,4 +25,18 @@ void copy_to_host(void* dst, const void* src, size_t bytes);
 void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height);
 void synchronize();  // waits for the library's stream
 
+// Device memory, in bytes: the device's free and total memory (cudaMemGetInfo, every process) and
+// this library's stream-ordered pool (the device's default pool): bytes it holds from the device
+// (reserved), bytes in live buffers (used) and the peak of used since start. `pool` is false (and
+// the pool fields 0) on devices without memory-pool support. Throws when no GPU is usable.
+struct MemoryInfo {
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  bool pool = false;
+  size_t pool_reserved_bytes = 0;
+  size_t pool_used_bytes = 0;
+  size_t pool_used_high_bytes = 0;
+};
+MemoryInfo memory_info();
+
 }  // namespace specd::gpu

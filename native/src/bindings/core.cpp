@@ -180,6 +180,22 @@ ne = [in, out] the shape is (out, in). CPU tensors made from numpy arrays share 
   m.def("gpu_backend", &gpu::backend, "\"cuda\", \"hip\" or \"none\".");
   m.def("gpu_device_name", &gpu::device_name);
   m.def("gpu_synchronize", &gpu::synchronize, "Wait for all queued GPU work.");
+  m.def(
+      "gpu_memory_info",
+      [] {
+        const gpu::MemoryInfo mi = gpu::memory_info();
+        py::dict d;
+        d["free_bytes"] = mi.free_bytes;
+        d["total_bytes"] = mi.total_bytes;
+        d["pool"] = mi.pool;
+        d["pool_reserved_bytes"] = mi.pool_reserved_bytes;
+        d["pool_used_bytes"] = mi.pool_used_bytes;
+        d["pool_used_high_bytes"] = mi.pool_used_high_bytes;
+        return d;
+      },
+      "Device memory in bytes: {free_bytes, total_bytes} of the device (cudaMemGetInfo) and the "
+      "library pool's {pool, pool_reserved_bytes, pool_used_bytes, pool_used_high_bytes}. "
+      "RuntimeError when no GPU is usable.");
 }
 
 }  // namespace specd::py_bind

@@ -23,5 +23,6 @@ void copy_to_device(void*, const void*, size_t) { unavailable(); }
 void copy_to_host(void*, const void*, size_t) { unavailable(); }
 void copy_2d(void*, size_t, const void*, size_t, size_t, size_t) { unavailable(); }
 void synchronize() {}
+MemoryInfo memory_info() { unavailable(); }
 
 }  // namespace specd::gpu

@@ -61,6 +61,10 @@
 #define cudaMemPoolSetAttribute hipMemPoolSetAttribute
 #define cudaMemPoolAttrReleaseThreshold hipMemPoolAttrReleaseThreshold
 #define cudaMemPoolTrimTo hipMemPoolTrimTo
+#define cudaMemPoolGetAttribute hipMemPoolGetAttribute
+#define cudaMemPoolAttrReservedMemCurrent hipMemPoolAttrReservedMemCurrent
+#define cudaMemPoolAttrUsedMemCurrent hipMemPoolAttrUsedMemCurrent
+#define cudaMemPoolAttrUsedMemHigh hipMemPoolAttrUsedMemHigh
 #define cudaErrorMemoryAllocation hipErrorOutOfMemory
 #define cudaMemcpyAsync hipMemcpyAsync
 #define cudaMemcpy2DAsync hipMemcpy2DAsync

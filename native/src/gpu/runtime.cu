@@ -214,4 +214,24 @@ void synchronize() {
   SPECD_GPU_CHECK(cudaStreamSynchronize(stream()));
 }
 
+MemoryInfo memory_info() {
+  const auto& p = detail::require();
+  (void)stream();  // sets the device and the pool up (a context exists before cudaMemGetInfo)
+  MemoryInfo m;
+  SPECD_GPU_CHECK(cudaMemGetInfo(&m.free_bytes, &m.total_bytes));
+  if (p.pools) {
+    cudaMemPool_t pool;
+    SPECD_GPU_CHECK(cudaDeviceGetDefaultMemPool(&pool, p.device));
+    uint64_t v = 0;
+    SPECD_GPU_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &v));
+    m.pool_reserved_bytes = static_cast<size_t>(v);
+    SPECD_GPU_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &v));
+    m.pool_used_bytes = static_cast<size_t>(v);
+    SPECD_GPU_CHECK(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &v));
+    m.pool_used_high_bytes = static_cast<size_t>(v);
+    m.pool = true;
+  }
+  return m;
+}
+
 }  // namespace specd::gpu

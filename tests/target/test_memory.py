@@ -1,0 +1,150 @@
+"""target_worker.memory: the memory report against hand-computed sizes and the tensors the model
+actually allocates (tiny random GGUFs of tools/bench/random_qwen35.py, the demo target), and the
+27B IQ4_XS fit on one H200 (from the hparams and the mix's storage types; no 15 GB file)."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+import specd.native as sn
+from specd.target_worker import memory as mem
+from specd.target_worker.convert import hparams_from_config
+from specd.target_worker.feature_shm import segment_bytes
+from specd.target_worker.gguf_loader import expected_tensors, load_qwen35
+from specd.target_worker.model import Qwen35Model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools" / "bench"))
+import random_qwen35 as rq  # noqa: E402
+
+DEMO = Path(__file__).resolve().parents[2] / "models" / "demo-target.gguf"
+
+
+def _pending_nbytes(res) -> int:
+    total = 0
+    for p in res.pending:
+        if p is None:
+            continue
+        for a in (p.conv_in, p.q, p.k, p.v, p.g, p.beta, p.final_state, p.final_conv):
+            total += int(a.nbytes)
+    return total
+
+
+def _file_bytes(path) -> dict:
+    out = {}
+    for t in GGUFReader(str(path)).tensors:
+        out[t.tensor_type.name] = out.get(t.tensor_type.name, 0) + int(t.n_bytes)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_iq4xs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mem") / "tiny-iq4xs.gguf"
+    rq.write(out, "tiny", "iq4xs", seed=3)
+    return out
+
+
+def test_tensor_bytes_by_hand():
+    assert mem.tensor_bytes([4, 256], "F32") == 4 * 256 * 4
+    assert mem.tensor_bytes([4, 256], sn.DType.F16) == 4 * 256 * 2
+    assert mem.tensor_bytes([4, 256], "Q8_0") == 4 * 8 * 34  # 32-value blocks of 34 bytes
+    assert mem.tensor_bytes([3, 512], "IQ4_XS") == 3 * 2 * 136  # 256-value blocks of 136 bytes
+    assert mem.tensor_bytes([5120], "Q6_K") == 20 * 210
+    with pytest.raises(ValueError):
+        mem.tensor_bytes([100], "Q8_0")
+
+
+@pytest.mark.parametrize("kv", ["F16", "Q8_0", "F32"])
+def test_tiny_report_matches_hand_and_allocations(tiny_iq4xs, kv):
+    w = load_qwen35(tiny_iq4xs)
+    hp = w.hparams
+    m = Qwen35Model(w, capture_layers=(1, 3), kv_dtype=getattr(sn.DType, kv))
+    rep = mem.report(m, max_seq_len=64, max_sequences=3, verify_width=5)
+    # tiny: 8 layers, every 4th full attention -> 2 attention + 6 GDN; KV 2 heads x 64; GDN Hk 2, Hv 4, dk=dv 64
+    n_attn, n_gdn = 2, 6
+    assert (hp.n_head_kv, hp.head_dim, hp.n_k_heads, hp.n_v_heads, hp.head_k_dim, hp.head_v_dim) == (2, 64, 2, 4, 64, 64)
+    C = 2 * 2 * 64 + 4 * 64  # conv channels: q, k (Hk*dk each) and v (Hv*dv) = 512
+    assert hp.conv_channels == C
+    row = {"F16": 64 * 2, "Q8_0": 2 * 34, "F32": 64 * 4}[kv]  # one head's 64 values
+    assert rep.kv_bytes_per_token == n_attn * 2 * 2 * row
+    assert rep.kv_bytes_per_sequence == 64 * rep.kv_bytes_per_token
+    assert rep.recurrent_bytes_per_sequence == n_gdn * 4 * 64 * 64 * 4
+    assert rep.conv_bytes_per_sequence == n_gdn * 3 * C * 4
+    per_layer_pending = 4 * 5 * (C + 2 * 2 * 64 + 4 * 64 + 2 * 4) + 4 * 64 * 64 * 4 + 3 * C * 4
+    assert rep.verify_bytes_per_sequence == n_gdn * per_layer_pending
+    assert rep.sequence_bytes == (rep.kv_bytes_per_sequence + rep.recurrent_bytes_per_sequence
+                                  + rep.conv_bytes_per_sequence + rep.verify_bytes_per_sequence)
+    assert rep.feature_ring_bytes_per_sequence == segment_bytes(64, 2 * 256) == 64 + 8 * 64 + 64 * 512 * 4
+    assert rep.total_bytes == rep.weight_bytes + rep.workspace_bytes + 3 * rep.sequence_bytes
+    assert rep.device == "cpu" and rep.fits_sequences == -1 and rep.device_total_bytes == 0
+    # ... and equal to what the model allocates
+    st = m.new_sequence(64)
+    assert sum(k.nbytes + v.nbytes for k, v in st.kv.values()) == rep.kv_bytes_per_sequence
+    assert sum(a.nbytes for a in st.ssm.values()) == rep.recurrent_bytes_per_sequence
+    assert sum(a.nbytes for a in st.conv.values()) == rep.conv_bytes_per_sequence
+    m.prefill(st, [1, 2, 3])
+    assert _pending_nbytes(m.verify(st, [4, 5, 6, 7, 8])) == rep.verify_bytes_per_sequence
+    # weights: the file's tensors minus the loader-unused ones, the conv kernels' transposed copies
+    # replacing the originals (same size), i.e. exactly the file's bytes per type
+    assert rep.weight_bytes_by_type == _file_bytes(tiny_iq4xs)
+    assert set(rep.weight_bytes_by_type) == {"F32", "IQ4_XS", "Q5_K", "Q6_K"}
+    text = "\n".join(rep.lines())
+    assert "KV cache" in text and "feature ring" in text
+
+
+def test_tiny_weights_from_types_match_the_model(tiny_iq4xs):
+    w = load_qwen35(tiny_iq4xs)
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(tiny_iq4xs)).tensors}
+    est = mem.weight_bytes_from_types(w.hparams, types)
+    assert est == mem.model_weight_bytes(Qwen35Model(w))
+    # the device code path (uploaded copies; on the CPU "upload" keeps the tensors) counts the same
+    assert mem.model_weight_bytes(Qwen35Model(w, tensor_ops=True)) == est
+
+
+def test_demo_target_report():
+    if not DEMO.is_file():
+        pytest.skip(f"{DEMO} not present")
+    w = load_qwen35(str(DEMO))
+    hp = w.hparams
+    m = Qwen35Model(w, capture_layers=(0,))
+    rep = mem.report(m, max_seq_len=1024, max_sequences=8, verify_width=17)
+    n_attn = sum(1 for r in hp.recurrent if not r)
+    assert rep.kv_bytes_per_token == n_attn * 2 * hp.n_head_kv * hp.head_dim * 2  # F16
+    assert rep.recurrent_bytes_per_sequence == (hp.n_layer - n_attn) * hp.n_v_heads * hp.head_v_dim * hp.head_k_dim * 4
+    file_types = _file_bytes(DEMO)
+    skipped = {t.name for t in GGUFReader(str(DEMO)).tensors} - set(expected_tensors(hp))
+    if not skipped:  # no MTP tensors: every tensor in the file is a loaded weight
+        assert rep.weight_bytes_by_type == file_types
+    assert rep.weight_bytes <= sum(file_types.values())
+    st = m.new_sequence(1024)
+    assert sum(k.nbytes + v.nbytes for k, v in st.kv.values()) == rep.kv_bytes_per_sequence
+
+
+def test_27b_iq4xs_fits_one_h200():
+    """The issue-7 budget: 27B IQ4_XS, 32k context, one 141 GB H200 (numbers in memory.py's docstring)."""
+    cfg = rq.CONFIGS["27b"]
+    hp = hparams_from_config(cfg, cfg["vocab_size"], 0, "27b")
+    types = {}
+    for name, spec in expected_tensors(hp).items():
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+        types[name] = rq.storage_type(name, spec.ne, "iq4xs", layer).name
+    by_type = mem.weight_bytes_from_types(hp, types)
+    weights = sum(by_type.values())
+    assert 14.5e9 < weights < 15.5e9  # 26.9 B parameters at ~4.45 bits (14.96 GB)
+    sb = mem.state_bytes(hp, sn.DType.F16, verify_width=33, n_taps=5)
+    assert sb.kv_per_token == 64 * 1024  # 16 layers x K,V x 4 heads x 256 x 2 B (qwen35-target.md §8)
+    assert sb.recurrent == 144 * mem.MiB  # 48 x 48 x 128 x 128 x 4 B
+    assert sb.conv == 48 * 3 * 10240 * 4
+    seq = 32768 * sb.kv_per_token + sb.recurrent + sb.conv + sb.verify
+    assert 2.3 * mem.GiB < seq < 2.5 * mem.GiB  # 2 GiB KV + 144 MiB S + 274 MiB verify buffers
+    ws = mem.workspace_bytes(hp, 33)
+    n = mem.fits(mem.H200_BYTES, weights, seq, ws)
+    assert n >= 40  # "room for many sequences": 48 at 141e9 bytes
+    assert mem.fits(mem.H200_BYTES, weights, seq, ws) == (mem.H200_BYTES - weights - ws) // seq
+    # Q8_0 KV nearly halves the per-token cost
+    sb8 = mem.state_bytes(hp, sn.DType.Q8_0, verify_width=33, n_taps=5)
+    assert sb8.kv_per_token == 16 * 2 * 4 * 8 * 34
+    assert mem.fits(mem.H200_BYTES, weights, 32768 * sb8.kv_per_token + sb8.recurrent + sb8.conv + sb8.verify, ws) > n
+    # the feature ring stays on the host: 5 taps x 5120 x 4 B (+ 8 B slot) per position
+    assert sb.feature_per_token == 5 * 5120 * 4 + 8
