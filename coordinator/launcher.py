@@ -51,8 +51,9 @@ class ServeConfig:
     runtime_dir: directory for the worker sockets ("" = a new temporary directory, removed at exit).
     max_seq_len: target positions per sequence (0: the GGUF context_length, else 4096). Default 0.
     kv_dtype: target KV cache type: f16 (default), q8_0 or f32.
-    device: where the target worker runs the target: auto (default: cuda when this build has a GPU
-        backend and a GPU is present, else cpu), cpu or cuda (a clear error without a GPU).
+    device: where the target worker runs the target and the draft worker the drafter: auto (default:
+        cuda when this build has a GPU backend and a GPU is present, else cpu), cpu or cuda (a clear
+        error without a GPU). Passed as ``--device`` to both workers.
     start_timeout_s: wait for each child's READY line. Default 600.
     """
 
@@ -156,7 +157,7 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=["f16", "q8_0", "f32"], help="KV cache type (default f16)")
     from specd.target_worker.server import add_device_argument
 
-    add_device_argument(p, d.device)
+    add_device_argument(p, d.device, "target and the drafter")
     p.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s,
                    help="wait for each child's READY (default 600)")
     before = len(p._actions)
@@ -224,7 +225,7 @@ def run(args) -> int:
 
             vocab = int(next(x for x in GGUFReader(args.target).tensors if x.name == "token_embd.weight").shape[1])
             dargv = ["draft-worker", "--listen", dsock, "--vocab", str(vocab),
-                     "--feature-transport", ns.feature_transport]
+                     "--feature-transport", ns.feature_transport, "--device", args.device]
             dargv += ["--drafter", args.drafter_gguf, "--target", args.target,
                       "--drafter-kv-dtype", args.drafter_kv_dtype,
                       "--dspark-markov", getattr(args, "dspark_markov", "fused")] if args.drafter_gguf else [

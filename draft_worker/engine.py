@@ -134,10 +134,11 @@ class ModelDrafter:
 
 def open_model_drafter(drafter_path: str, target_path: str, *, kv_dtype: str = "f32",
                        context_cap: int = 0, default_capacity: int = 4096,
-                       dspark_markov: str = DEFAULT_MARKOV) -> ModelDrafter:
+                       dspark_markov: str = DEFAULT_MARKOV, device: str = "cpu") -> ModelDrafter:
     """Loads the drafter GGUF and binds it to the target GGUF's embedding and head after the pair
     check. kv_dtype: "f32" (default), "f16" or "q8_0"; context_cap: 0 (all context visible) or C > 0
-    (drafters.md §3.7). Raises DrafterFormatError / TargetFileError for a bad file, DrafterPairError
+    (drafters.md §3.7); device: "cpu" (default) or "cuda" (DrafterModel on the GPU: the weights, the
+    target embedding / head and every sequence's K/V uploaded there). Raises DrafterFormatError / TargetFileError for a bad file, DrafterPairError
     (both paths in the message) for a mismatched pair, ValueError for a bad option."""
     from specd.target_worker.gguf_loader import load_qwen35
 
@@ -151,5 +152,5 @@ def open_model_drafter(drafter_path: str, target_path: str, *, kv_dtype: str = "
     target = load_qwen35(target_path)
     check_pair(drafter.hparams, drafter_path, target.hparams, target_path)
     model = DrafterModel.for_target(drafter, target, kv_dtype=KV_DTYPES[kv_dtype],
-                                    context_cap=context_cap or None)
+                                    context_cap=context_cap or None, device=device)
     return ModelDrafter(model, default_capacity=default_capacity, dspark_markov=dspark_markov)

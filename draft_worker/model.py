@@ -58,6 +58,8 @@ import numpy as np
 import specd.native as sn
 from specd.native import DType, Tensor
 
+from specd.target_worker.device import _HostOps, _TensorOps, _Uploader, parse_device
+
 from .gguf_loader import LoadedDrafter
 
 __all__ = ["DrafterModel", "DraftSequence", "Proposal", "Sampling", "sampling_probs", "markov_chain", "selector_chain",
@@ -198,12 +200,28 @@ class DrafterModel:
         context_cap: None (default: every committed context row is visible, ZL semantics), or a
             positive int C: full-attention layers see only the last C context rows before the block
             (drafters.md §3.7; sliding layers are bounded by their window anyway).
+        device: ``sn.Device.CPU`` (default) or ``sn.Device.GPU`` (or "cpu" / "cuda"). On the GPU the
+            drafter weights and the target embedding / lm_head are uploaded once here (tensors
+            already on the device — a same-process GPU target's, e.g. ``for_target(drafter,
+            gpu_qwen35_model)`` — are used as they are, no second copy; sharing a target worker's
+            tensors across processes via CUDA IPC is not done), every layer's context K/V cache
+            lives on the device, and ingest, the block forward, the lm_head, top-k, the DSpark Markov
+            chain (fused and unfused) and the DFlash 2 selector run there; only the outputs (tokens,
+            chosen ids, requested logits / hidden / top-k log-probs, confidences) come back. Host
+            steps that remain: the confidence head's dot product and the selector's per-slot K×R score
+            (small, float64/numpy exactly as on the CPU), sampling's q and the top-k log-softmax (the
+            logits rows are copied back when sampling / top-k is asked for), and the tanh softcap
+            (no native tanh op yet; only drafters with final_logit_softcapping). Same API and
+            semantics as on the CPU; tokens equal the CPU's up to argmax ties under F32 rounding.
+        tensor_ops: run the device code path (sn.Tensor glue ops) even on the CPU; for tests on
+            machines without a GPU (``SPECD_TEST_GPU_DRYRUN``). Implied by the GPU.
 
     Raises ValueError on a shape/vocabulary mismatch or a bad option.
     """
 
     def __init__(self, drafter: LoadedDrafter, token_embd: Tensor, lm_head: Tensor, *,
-                 kv_dtype: DType = DType.F32, context_cap: int | None = None):
+                 kv_dtype: DType = DType.F32, context_cap: int | None = None, device=sn.Device.CPU,
+                 tensor_ops: bool = False):
         hp = drafter.hparams
         self.drafter, self.hp, self.w = drafter, hp, drafter.weights
         for name, t in (("token_embd", token_embd), ("lm_head", lm_head)):
@@ -218,8 +236,9 @@ class DrafterModel:
             raise ValueError(f"a Q8_0 KV cache needs head_dim % 32 == 0 (head_dim = {hp.head_dim})")
         if context_cap is not None and context_cap <= 0:
             raise ValueError(f"context_cap must be None or > 0, got {context_cap}")
-        self.token_embd, self.lm_head = token_embd, lm_head
         self.kv_dtype, self.context_cap = kv_dtype, context_cap
+        self.device = parse_device(device)
+        self.on_host = self.device == sn.Device.CPU and not tensor_ops
         y = hp.yarn
         self._rope_kw = dict(n_rot=hp.head_dim, theta=float(hp.rope_theta))
         if y is not None:
@@ -238,11 +257,39 @@ class DrafterModel:
         if hp.dflash2 is not None:  # conv_group_size | n_embd is checked by DrafterHParams.validate
             self._conv_base = [(np.asarray(l.attn_conv_base.numpy(), np.float32),
                                 np.asarray(l.ffn_conv_base.numpy(), np.float32)) for l in self.w.layers]
+        if self.on_host:
+            self._ops = _HostOps()
+            self.token_embd, self.lm_head = token_embd, lm_head
+            self.fc, self.hidden_norm, self.output_norm = self.w.fc, self.w.hidden_norm, self.w.output_norm
+            self.layers = list(self.w.layers)
+            self.markov = None if self.w.dspark is None else (self.w.dspark.markov_w1, self.w.dspark.markov_w2)
+            self.selector = None if self.w.selector is None else (self.w.selector.hproj, self.w.selector.pred_cb,
+                                                                  self.w.selector.succ_cb)
+        else:
+            self._ops = _TensorOps(self.device)
+            up = _Uploader(self.device)
+            self.token_embd, self.lm_head = up.embedding(token_embd), up.matmul(lm_head)
+            self.fc, self.hidden_norm, self.output_norm = (up.matmul(self.w.fc), up.plain(self.w.hidden_norm),
+                                                           up.plain(self.w.output_norm))
+            self.layers = [up.layer(l) for l in self.w.layers]
+            self.markov = None if self.w.dspark is None else (up.embedding(self.w.dspark.markov_w1),
+                                                              up.matmul(self.w.dspark.markov_w2))
+            sel = self.w.selector
+            self.selector = None if sel is None else (up.matmul(sel.hproj), up.embedding(sel.pred_cb),
+                                                      up.embedding(sel.succ_cb))
+            if hp.dflash2 is not None:  # [1, taps * H] tables, broadcast over rows by an exact gather
+                self._conv_base = [tuple(tuple(up.plain(sn.Tensor(np.ascontiguousarray(b[j].reshape(1, -1))))
+                                               for j in range(b.shape[0])) for b in pair)
+                                   for pair in self._conv_base]
+                self._rep_ids: dict[int, Tensor] = {}
+            if self.device == sn.Device.GPU:
+                sn.gpu_synchronize()
 
     @classmethod
     def for_target(cls, drafter: LoadedDrafter, target_weights, **kw) -> "DrafterModel":
         """Binds ``drafter`` to a qwen35 target's ``Qwen35Weights`` (token_embd, and ``output`` —
-        the loader already points it at token_embd when the file ties them)."""
+        the loader already points it at token_embd when the file ties them), or to a
+        ``Qwen35Model`` (its placed token_embd / output: on the same device they are shared)."""
         out = target_weights.output if target_weights.output is not None else target_weights.token_embd
         return cls(drafter, target_weights.token_embd, out, **kw)
 
@@ -256,11 +303,11 @@ class DrafterModel:
     def context_rows(self, features: np.ndarray) -> np.ndarray:
         """c = hidden_norm(fc(features)): float32 [n, N·H] -> float32 [n, H] (drafters.md §3.1).
         The fc matmul accumulates in F32 (C20). Raises ValueError on a wrong width."""
-        hp = self.hp
+        hp, ops = self.hp, self._ops
         f = np.ascontiguousarray(features, dtype=np.float32)
         if f.ndim != 2 or f.shape[1] != hp.n_taps * hp.n_embd:
             raise ValueError(f"features must be float32 [n, n_taps*n_embd = {hp.n_taps * hp.n_embd}], got {f.shape}")
-        return sn.rms_norm(sn.matmul(f, self.w.fc), self.w.hidden_norm, hp.rms_eps).numpy()
+        return ops.a(sn.rms_norm(sn.matmul(ops.put(f), self.fc), self.hidden_norm, hp.rms_eps))
 
     def rope(self, x, positions: np.ndarray) -> Tensor:
         """The drafter's RoPE (full-head NeoX, θ and YaRN from the file; YaRN's attention factor applied
@@ -268,33 +315,56 @@ class DrafterModel:
         return sn.rope_neox(x, np.asarray(positions, np.int32), **self._rope_kw)
 
     def _k(self, i: int, x: np.ndarray, positions: np.ndarray) -> Tensor:
-        hp, l = self.hp, self.w.layers[i]
-        k = sn.matmul(x, l.attn_k).numpy().reshape(x.shape[0], hp.n_head_kv, hp.head_dim)
+        hp, l, ops = self.hp, self.layers[i], self._ops
+        k = ops.reshape(ops.a(sn.matmul(x, l.attn_k)), x.shape[0], hp.n_head_kv, hp.head_dim)
         return self.rope(sn.rms_norm(k, l.attn_k_norm, hp.rms_eps), positions)
 
-    def _v(self, i: int, x: np.ndarray) -> np.ndarray:
-        hp = self.hp
-        return sn.matmul(x, self.w.layers[i].attn_v).numpy().reshape(x.shape[0], hp.n_head_kv, hp.head_dim)
+    def _v(self, i: int, x):
+        hp, ops = self.hp, self._ops
+        return ops.reshape(ops.a(sn.matmul(x, self.layers[i].attn_v)), x.shape[0], hp.n_head_kv, hp.head_dim)
 
-    def _conv(self, y: np.ndarray, dyn: np.ndarray, base: np.ndarray) -> np.ndarray:
-        return grouped_dynamic_conv(y, dyn, base, self.hp.dflash2.conv_group_size)
+    def _conv(self, y, D, j: int, base):
+        """Side j of the grouped dynamic conv with the coefficients D [L, 2, taps, G]."""
+        if self.on_host:
+            return grouped_dynamic_conv(y, D[:, j], base, self.hp.dflash2.conv_group_size)
+        return self._conv_tensor(y, self._ops.index(D, 1, j), base)
 
-    def _dyn(self, u: np.ndarray, proj: Tensor) -> np.ndarray:
+    def _conv_tensor(self, y: Tensor, dyn: Tensor, base: Tensor) -> Tensor:
+        """:func:`grouped_dynamic_conv` on sn.Tensors (the model's device), the same F32 operations
+        in the same order (so bitwise the numpy result for equal inputs): coef = base + repeat(dyn)
+        (the repeat an exact gather), out = coef[:, 0]·y, then out[o:] += coef[o:, o]·y[:−o].
+        y [L, H]; dyn [L, taps, G]; base the [1, taps·H] table."""
+        ops, gs = self._ops, self.hp.dflash2.conv_group_size
+        L, taps, G = (int(d) for d in dyn.shape)
+        H = G * gs
+        ids = self._rep_ids.get(L)
+        if ids is None:  # element (t, o, c) of the repeat reads dyn[t, o, c // gs]
+            idx = (np.arange(L * taps, dtype=np.int64)[:, None] * G + np.arange(H) // gs).reshape(-1)
+            ids = self._rep_ids[L] = sn.Tensor(idx.astype(np.int32)).to(self.device)
+        rep = sn.embedding(dyn.reshape([L * taps * G, 1]), ids).reshape([L, taps * H])
+        coef = sn.add(ops._tile(base, L), rep).reshape([L, taps, H])
+        out = sn.mul(ops.index(coef, 1, 0), y)
+        for o in range(1, min(taps, L)):
+            prod = sn.mul(ops.rows(ops.index(coef, 1, o), o, L), ops.rows(y, 0, L - o))
+            out = ops.cat([ops.rows(out, 0, o), sn.add(ops.rows(out, o, L), prod)])
+        return out
+
+    def _dyn(self, u, proj: Tensor):
         """Dynamic coefficients D = reshape(u · W_kpᵀ, [L, 2, taps, G])."""
-        d = self.hp.dflash2
+        d, ops = self.hp.dflash2, self._ops
         groups = self.hp.n_embd // d.conv_group_size
-        return sn.matmul(u, proj).numpy().reshape(u.shape[0], 2, d.conv_kernel_size, groups)
+        return ops.reshape(ops.a(sn.matmul(u, proj)), u.shape[0], 2, d.conv_kernel_size, groups)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """Target lm_head on the draft hidden, × output_multiplier, tanh softcap (ZL-0.1.0
-        ``compute_logits``): float32 [n, H] -> float32 [n, V]."""
-        hp = self.hp
-        z = sn.matmul(np.ascontiguousarray(hidden, np.float32), self.lm_head).numpy()
+        ``compute_logits``): float32 [n, H] -> float32 [n, V] (numpy on the host path, an sn.Tensor
+        on the model's device otherwise)."""
+        hp, ops = self.hp, self._ops
+        z = ops.a(sn.matmul(ops.put(hidden), self.lm_head))
         if hp.output_multiplier != 1.0:
-            z = z * np.float32(hp.output_multiplier)
+            z = ops.scale(z, hp.output_multiplier)
         if hp.final_logit_softcapping:
-            c = np.float32(hp.final_logit_softcapping)
-            z = (np.tanh(z / c) * c).astype(np.float32)
+            z = ops.softcap(z, hp.final_logit_softcapping)
         return z
 
 
@@ -306,9 +376,10 @@ class _LayerKV:
     compact (move their live rows to the front) when a write would run past the end. Context rows
     of positions [valid_lo, n_ctx) hold data (bounded layers skip rows they can no longer see)."""
 
-    def __init__(self, rows: int, keep: int | None, hp, dtype: DType):
+    def __init__(self, rows: int, keep: int | None, hp, dtype: DType, ops=None, device=sn.Device.CPU):
         shape = [rows, hp.n_head_kv, hp.head_dim]
-        self.k, self.v = Tensor.zeros(shape, dtype), Tensor.zeros(shape, dtype)
+        self.k, self.v = Tensor.zeros(shape, dtype, device), Tensor.zeros(shape, dtype, device)
+        self.ops = _HostOps() if ops is None else ops
         self.rows, self.keep, self.base, self.valid_lo = rows, keep, 0, 0
 
     def make_room(self, lo: int, first_new: int, hi: int, n_valid: int) -> None:
@@ -326,17 +397,14 @@ class _LayerKV:
                 raise ValueError(f"ingest: positions {lo}..{self.valid_lo - 1} of a windowed layer were already "
                                  "dropped; cannot roll back that far")
             for t in (self.k, self.v):
-                a = t.numpy()
-                a[: live_hi - lo] = a[lo - self.base : live_hi - self.base].copy()
+                self.ops.shift_rows(t, 0, lo - self.base, live_hi - lo)
         self.base = lo
         self.valid_lo = max(self.valid_lo, lo)
 
     def view(self, first: int, n: int, dtype: DType) -> tuple[Tensor, Tensor]:
         """Native views of the rows of positions [first, first + n)."""
         r = first - self.base
-        if dtype == DType.Q8_0:
-            return Tensor(self.k.numpy()[r : r + n], dtype), Tensor(self.v.numpy()[r : r + n], dtype)
-        return Tensor(self.k.numpy()[r : r + n]), Tensor(self.v.numpy()[r : r + n])
+        return self.ops.kv_view(self.k, r, r + n, dtype), self.ops.kv_view(self.v, r, r + n, dtype)
 
 
 class DraftSequence:
@@ -359,7 +427,7 @@ class DraftSequence:
         for i in range(hp.n_layer):
             keep = model.window[i] - 1 if model.window[i] else model.context_cap
             rows = self.capacity if keep is None else min(self.capacity, 2 * keep + 2 * hp.block_size)
-            self.layers.append(_LayerKV(rows, keep, hp, model.kv_dtype))
+            self.layers.append(_LayerKV(rows, keep, hp, model.kv_dtype, model._ops, model.device))
 
     def cached_kv(self, layer: int, positions) -> tuple[np.ndarray, np.ndarray]:
         """Dequantized K (RoPE'd, k-normed) and V rows of ``layer`` for absolute ``positions``:
@@ -375,7 +443,7 @@ class DraftSequence:
         r = pos - lk.base
         out = []
         for t in (lk.k, lk.v):
-            a = t.numpy()[r]
+            a = t.numpy()[r]  # a host copy of a device cache
             out.append(sn.dequantize(Tensor(np.ascontiguousarray(a), t.dtype)).numpy()
                        if t.dtype == DType.Q8_0 else np.asarray(a, np.float32))
         return out[0], out[1]
@@ -423,7 +491,7 @@ class DraftSequence:
                 lk.valid_lo = first[i]
             if first[i] >= end:
                 continue
-            ci = c[first[i] - c_first :]
+            ci = m._ops.rows(c, first[i] - c_first, c.shape[0])
             pos = np.arange(first[i], end, dtype=np.int32)
             rows = (pos - lk.base).astype(np.int32)
             sn.kv_write(lk.k, m._k(i, ci, pos), rows)
@@ -436,44 +504,44 @@ class DraftSequence:
         0 .. start−1 and returns the post-final-norm draft hidden, float32 [B, H] (all rows,
         anchor included). start must equal n_ctx. Writes the block's K/V into the cache rows of
         positions start .. (scratch, overwritten by the next ingest)."""
-        m, hp, w = self.model, self.model.hp, self.model.w
+        m, hp, ops = self.model, self.model.hp, self.model._ops
         B = len(tokens)
         if start != self.n_ctx or start + B > self.capacity:
             raise ValueError(f"forward_block: block at {start} (B = {B}) after {self.n_ctx} context rows, "
                              f"capacity {self.capacity}")
         ids = np.asarray(tokens, np.int32)
         pos = (start + np.arange(B)).astype(np.int32)
-        h = sn.embedding(m.token_embd, ids).numpy()
+        h = ops.a(sn.embedding(m.token_embd, ids))
         if hp.input_embedding_scale != 1.0:
-            h = (h * np.float32(hp.input_embedding_scale)).astype(np.float32)
+            h = ops.scale(h, hp.input_embedding_scale)
         df2 = hp.dflash2 is not None
-        for i, l in enumerate(w.layers):
-            u = sn.rms_norm(h, l.attn_norm, hp.rms_eps).numpy()
+        for i, l in enumerate(m.layers):
+            u = ops.a(sn.rms_norm(h, l.attn_norm, hp.rms_eps))
             if df2:
                 base_a, base_f = m._conv_base[i]
                 D = m._dyn(u, l.attn_conv_proj)
-                u = m._conv(u, D[:, 0], base_a[0])
-            q = sn.matmul(u, l.attn_q).numpy().reshape(B, hp.n_head, hp.head_dim)
+                u = m._conv(u, D, 0, base_a[0])
+            q = ops.reshape(ops.a(sn.matmul(u, l.attn_q)), B, hp.n_head, hp.head_dim)
             q = m.rope(sn.rms_norm(q, l.attn_q_norm, hp.rms_eps), pos)
             lk = self.layers[i]
             lk.make_room(0 if lk.keep is None else max(0, start - lk.keep), start, start + B, self.n_ctx)
             rows = (pos - lk.base).astype(np.int32)
             sn.kv_write(lk.k, m._k(i, u, pos), rows)
             sn.kv_write(lk.v, m._v(i, u), rows)
-            a = self._attend(i, q, start, B).reshape(B, hp.n_head * hp.head_dim)
-            a = sn.matmul(a, l.attn_output).numpy()
+            a = ops.reshape(self._attend(i, q, start, B), B, hp.n_head * hp.head_dim)
+            a = ops.a(sn.matmul(a, l.attn_output))
             if df2:
-                a = m._conv(a, D[:, 1], base_a[1])
+                a = m._conv(a, D, 1, base_a[1])
             u, h = sn.rms_norm(a, l.ffn_norm, hp.rms_eps, residual=h)
-            u, h = u.numpy(), h.numpy()
+            u, h = ops.a(u), ops.a(h)
             if df2:
                 E = m._dyn(u, l.ffn_conv_proj)
-                u = m._conv(u, E[:, 0], base_f[0])
-            f = sn.matmul(sn.swiglu(sn.matmul(u, l.ffn_gate), sn.matmul(u, l.ffn_up)), l.ffn_down).numpy()
+                u = m._conv(u, E, 0, base_f[0])
+            f = ops.a(sn.matmul(sn.swiglu(sn.matmul(u, l.ffn_gate), sn.matmul(u, l.ffn_up)), l.ffn_down))
             if df2:
-                f = m._conv(f, E[:, 1], base_f[1])
-            h = sn.add(h, f).numpy()
-        return sn.rms_norm(h, w.output_norm, hp.rms_eps).numpy()
+                f = m._conv(f, E, 1, base_f[1])
+            h = ops.a(sn.add(h, f))
+        return ops.a(sn.rms_norm(h, m.output_norm, hp.rms_eps))
 
     def _attend(self, i: int, q: Tensor, start: int, B: int) -> np.ndarray:
         """Attention of the block queries (positions start..start+B−1) over the keys of positions
@@ -492,7 +560,7 @@ class DraftSequence:
         if W and not causal and B > W:  # p_k − p_q < W inside the block (only binds when B > W)
             kp = np.arange(kv_len)[None, :]
             mask = (kp - qpos[:, None] < W).astype(np.int32)
-        return sn.attention(q, kc, vc, kv_len, qpos, causal=causal, window=W, mask=mask).numpy()
+        return m._ops.a(sn.attention(q, kc, vc, kv_len, qpos, causal=causal, window=W, mask=mask))
 
     # ------------------------------------------------------------------ proposals
 
@@ -545,41 +613,57 @@ class DraftSequence:
         if not hp.first_proposal_row + 1 <= B <= hp.block_size:
             raise ValueError(f"propose: block_size {block_size} outside [{hp.first_proposal_row + 1}, {hp.block_size}]")
         hidden_all = self.forward_block([int(seed_token)] + [hp.mask_token_id] * (B - 1), start)
-        hidden = np.ascontiguousarray(hidden_all[hp.first_proposal_row:])
+        ops = m._ops
+        if m.on_host:
+            hidden = np.ascontiguousarray(hidden_all[hp.first_proposal_row:])
+        else:  # device rows; only the outputs asked for are copied to the host below
+            hidden = ops.rows(hidden_all, hp.first_proposal_row, B)
         unfused = hp.dspark is not None and markov == "unfused"
         # unfused: the lm_head runs per row inside the chain (markov_chain fills ``logits``)
-        logits = np.empty((hidden.shape[0], hp.n_vocab), np.float32) if unfused else m.logits(hidden)
+        if unfused:
+            logits = np.empty((hidden.shape[0], hp.n_vocab), np.float32) if m.on_host else None
+        else:
+            logits = m.logits(hidden)
         out = Proposal(tokens=np.zeros(0, np.int32), start=start)
         if hp.dflash2 is not None:
             self._select(out, hidden, logits, int(seed_token), topk, temperature, sampling)
         elif hp.dspark is not None:
-            self._markov(out, hidden, logits, int(seed_token), topk, temperature, return_logits,
-                         confidence_threshold, sampling, markov)
+            logits = self._markov(out, hidden, logits, int(seed_token), topk, temperature, return_logits,
+                                  confidence_threshold, sampling, markov)
         else:
+            host_logits = logits if m.on_host else (ops.host(logits) if sampling is not None or topk else None)
             if sampling is None:
                 out.tokens = sn.argmax(logits).numpy().astype(np.int32)
             else:
-                out.q = sampling_probs(logits, sampling.temperature, sampling.top_p, sampling.top_k)
+                out.q = sampling_probs(host_logits, sampling.temperature, sampling.top_p, sampling.top_k)
                 out.tokens = np.array([_draw(r, sampling.rng) for r in out.q], np.int32)
             if topk:
                 ids = sn.topk(logits, topk)[1].numpy()
-                lse = _log_softmax(logits / np.float32(temperature))
+                lse = _log_softmax(host_logits / np.float32(temperature))
                 out.topk_ids = ids.astype(np.int32)
                 out.topk_logprobs = np.take_along_axis(lse, ids.astype(np.int64), axis=1)
         if return_logits:
-            out.logits = logits
+            out.logits = logits if m.on_host else ops.host(logits)
         if return_hidden:
-            out.hidden = hidden
+            out.hidden = hidden if m.on_host else ops.host(hidden)
         return out
 
     def _markov(self, out: Proposal, hidden, logits, seed, topk, temperature, keep, threshold, sampling,
                 markov: str = DEFAULT_MARKOV) -> None:
+        """Fills ``out`` for DSpark; returns the base logits (the unfused chain computes them)."""
         m = self.model
-        dsp = m.w.dspark
-        toks, corrected, conf, q = markov_chain(logits, hidden, seed, dsp.markov_w1, dsp.markov_w2, m._conf_w,
-                                                m._conf_b, m.hp.dspark.confidence_with_markov, sampling,
-                                                head=m.logits if markov == "unfused" else None,
-                                                correct=markov != "off")
+        w1, w2 = m.markov
+        head = m.logits if markov == "unfused" else None
+        if m.on_host:
+            toks, corrected, conf, q = markov_chain(logits, hidden, seed, w1, w2, m._conf_w, m._conf_b,
+                                                    m.hp.dspark.confidence_with_markov, sampling, head=head,
+                                                    correct=markov != "off")
+        else:
+            toks, logits, corrected, conf, q = _markov_chain_tensor(
+                m._ops, logits, hidden, seed, w1, w2, m._conf_w, m._conf_b, m.hp.dspark.confidence_with_markov,
+                sampling, head=head, correct=markov != "off")
+            if keep or topk:
+                corrected_dev, corrected = corrected, m._ops.host(corrected)
         out.confidence, out.q = conf, q
         keep_n = len(toks)
         if threshold:
@@ -590,18 +674,19 @@ class DraftSequence:
             out.markov_logits = corrected
         if topk:
             lse = _log_softmax(corrected / np.float32(temperature))
-            ids = sn.topk(corrected, topk)[1].numpy().astype(np.int32)
+            ids = sn.topk(corrected if m.on_host else corrected_dev, topk)[1].numpy().astype(np.int32)
             out.topk_ids = ids
             out.topk_logprobs = np.take_along_axis(lse, ids.astype(np.int64), axis=1)
+        return logits
 
     def _select(self, out: Proposal, hidden, logits, seed, topk, temperature, sampling) -> None:
         m = self.model
-        sel = m.w.selector
-        toks, cand, scores, qk = selector_chain(logits, hidden, seed, sel.hproj, sel.pred_cb, sel.succ_cb,
+        hproj, pred_cb, succ_cb = m.selector
+        toks, cand, scores, qk = selector_chain(logits, hidden, seed, hproj, pred_cb, succ_cb,
                                                 m.hp.dflash2.selector_top_k, sampling)
         out.tokens, out.candidates, out.candidate_scores = toks, cand, scores
         if qk is not None:
-            out.q = np.zeros_like(logits)
+            out.q = np.zeros((cand.shape[0], m.hp.n_vocab), np.float32)
             np.put_along_axis(out.q, cand.astype(np.int64), qk, axis=1)
         if topk:
             lse = _log_softmax(scores / np.float32(temperature))
@@ -663,6 +748,48 @@ def markov_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, w1: Tensor, 
     return toks, corrected, conf, q
 
 
+def _markov_chain_tensor(ops, logits, hidden, seed: int, w1: Tensor, w2: Tensor, conf_w, conf_b,
+                         conf_with_markov: bool, sampling: Sampling | None = None, *, head=None, correct: bool = True):
+    """:func:`markov_chain` on sn.Tensors of the model's device (``ops``: its _TensorOps): the
+    W1 gather, the W2 GEMV, the bias add and the argmax run there per row and only the chosen id comes
+    back (one small sync per draft, inherent to a sequential chain); the fused base logits are one
+    [n, V] device tensor, the unfused ones are computed row by row by ``head`` (logits None).
+    With ``sampling`` each corrected row is copied to the host for q and the draw. The confidence
+    head (float64, [n, H + r] · w) runs on the host as in markov_chain.
+    Returns (tokens int32 [n], base logits Tensor [n, V], corrected logits Tensor [n, V],
+    confidence float32 [n] or None, q float32 [n, V] or None)."""
+    n = int(hidden.shape[0])
+    toks = np.zeros(n, np.int32)
+    rows, corrected, prev_rows = [], [], []
+    q = None
+    prev = int(seed)
+    for k in range(n):
+        u = head(ops.rows(hidden, k, k + 1)) if head is not None else ops.rows(logits, k, k + 1)
+        rows.append(u)
+        e = sn.embedding(w1, np.array([prev], np.int32))  # [1, r]
+        prev_rows.append(e)
+        c = sn.add(u, sn.matmul(e, w2)) if correct else u
+        corrected.append(c)
+        if sampling is None:
+            prev = int(sn.argmax(c).numpy()[0])
+        else:
+            qk = sampling_probs(ops.host(c), sampling.temperature, sampling.top_p, sampling.top_k)
+            q = np.empty((n, qk.shape[1]), np.float32) if q is None else q
+            q[k] = qk[0]
+            prev = _draw(q[k], sampling.rng)
+        toks[k] = prev
+    base = logits if head is None else ops.cat(rows)
+    conf = None
+    if conf_w is not None:
+        h = ops.host(hidden)
+        x = np.concatenate([h, ops.host(ops.cat(prev_rows))], axis=1) if conf_with_markov else h
+        if x.shape[1] != conf_w.shape[0]:
+            raise ValueError(f"confidence head expects {conf_w.shape[0]} inputs, got {x.shape[1]}")
+        z = x.astype(np.float64) @ conf_w.astype(np.float64) + float(conf_b)
+        conf = (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
+    return toks, base, ops.cat(corrected), conf, q
+
+
 def selector_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, hproj: Tensor, pred_cb: Tensor,
                    succ_cb: Tensor, top_k: int, sampling: Sampling | None = None):
     """DFlash 2 candidate-selector greedy chain (drafters.md §6.3; ZL-0.1.0 ``CandidateSelector.select``).
@@ -679,7 +806,8 @@ def selector_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, hproj: Ten
     n = logits.shape[0]
     uv, cand = sn.topk(logits, top_k)
     uv, cand = uv.numpy(), cand.numpy().astype(np.int32)
-    p = sn.matmul(np.ascontiguousarray(hidden, np.float32), hproj).numpy()  # [n, R]
+    h = hidden if isinstance(hidden, Tensor) else np.ascontiguousarray(hidden, np.float32)
+    p = sn.matmul(h, hproj).numpy()  # [n, R]
     succ = sn.embedding(succ_cb, np.ascontiguousarray(cand.reshape(-1))).numpy().reshape(n, top_k, -1)
     scores = np.empty((n, top_k), np.float32)
     toks = np.zeros(n, np.int32)

@@ -141,6 +141,12 @@ class DraftWorkerConfig:
         (and ignored) for drafters without a Markov head.
     context_cap: 0 (default: every committed context row visible) or C > 0: full-attention layers
         see only the last C context rows (drafters.md §3.7).
+    device: where the drafter runs: "auto" (default: "cuda" when this build has a GPU backend and a
+        GPU is present, else "cpu"), "cpu" or "cuda" (DrafterModel(device=GPU): drafter weights, the
+        target embedding / lm_head it reuses (uploaded from the target GGUF: a second copy next to
+        the target worker's; sharing it across processes via CUDA IPC is not done) and the context
+        K/V on the GPU). "cuda" in a CPU-only build or without a GPU is a clear error. The scripted
+        drafter ignores it.
     listen: gRPC address, ``unix:///path.sock`` (default) or ``host:port``.
     scripted_block: block of the scripted drafter (drafts per step), default 8.
     vocab: vocabulary size for the scripted drafter (0: required when no drafter GGUF).
@@ -167,6 +173,7 @@ class DraftWorkerConfig:
     drafter_kv_dtype: str = "f32"
     dspark_markov: str = DEFAULT_MARKOV
     context_cap: int = 0
+    device: str = "auto"
     listen: str = "unix:///tmp/specd-draft.sock"
     scripted_block: int = 8
     vocab: int = 0
@@ -191,6 +198,9 @@ class DraftWorkerConfig:
                 raise ValueError(f"draft-worker: {name} must be >= 0, got {getattr(self, name)}")
         if self.dspark_markov not in MARKOV_MODES:
             raise ValueError(f"draft-worker: dspark_markov must be one of {MARKOV_MODES}, got {self.dspark_markov!r}")
+        from specd.target_worker.server import check_device
+
+        check_device(self.device, "draft-worker")
         if self.drafter:
             if not self.target:
                 raise ValueError("draft-worker: --drafter needs --target (the target GGUF whose embedding and "
@@ -208,6 +218,13 @@ class DraftWorkerConfig:
                              f"got {self.scripted_block}, {self.vocab}")
         if self.scripted_accept < -1:
             raise ValueError(f"draft-worker: --scripted-accept must be >= -1, got {self.scripted_accept}")
+
+    @property
+    def resolved_device(self) -> str:
+        """"cpu" or "cuda" ("auto" resolved against this build and machine)."""
+        from specd.target_worker.device import default_device
+
+        return default_device() if self.device == "auto" else self.device
 
 
 class _Seq:
@@ -432,6 +449,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "base logits. Ignored for non-DSpark drafters")
     p.add_argument("--context-cap", type=int, default=d.context_cap,
                    help="full-attention drafter layers see only the last C context rows (default 0: all)")
+    from specd.target_worker.server import add_device_argument
+
+    add_device_argument(p, d.device, "drafter")
     p.add_argument("--listen", default=d.listen, help=f"gRPC address (default {d.listen})")
     p.add_argument("--scripted-block", type=int, default=d.scripted_block,
                    help=f"scripted drafter: drafts per step (default {d.scripted_block})")
@@ -474,8 +494,8 @@ def make_drafter(cfg: DraftWorkerConfig) -> Drafter:
         from .engine import open_model_drafter
 
         d = open_model_drafter(cfg.drafter, cfg.target, kv_dtype=cfg.drafter_kv_dtype, context_cap=cfg.context_cap,
-                               dspark_markov=cfg.dspark_markov)
-        log.info("draft-worker: %s", d.hp.summary())
+                               dspark_markov=cfg.dspark_markov, device=cfg.resolved_device)
+        log.info("draft-worker: %s (device %s)", d.hp.summary(), cfg.resolved_device)
         return d
     from .scripted import ScriptedDrafter
 
@@ -489,7 +509,7 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = DraftWorkerConfig(drafter=args.drafter, target=args.target, drafter_kv_dtype=args.drafter_kv_dtype,
                             dspark_markov=getattr(args, "dspark_markov", DEFAULT_MARKOV),
-                            context_cap=args.context_cap, listen=args.listen, scripted_block=args.scripted_block,
+                            context_cap=args.context_cap, device=getattr(args, "device", "auto"), listen=args.listen, scripted_block=args.scripted_block,
                             vocab=args.vocab, scripted_continuations=args.scripted_continuations,
                             scripted_accept=args.scripted_accept, threads=args.threads,
                             max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_bytes,

@@ -113,7 +113,7 @@ class TargetWorkerConfig:
     @property
     def resolved_device(self) -> str:
         """"cpu" or "cuda" ("auto" resolved against this build and machine)."""
-        from .model import default_device
+        from .device import default_device
 
         return default_device() if self.device == "auto" else self.device
 
@@ -643,7 +643,7 @@ def check_device(device: str, who: str) -> None:
     if device not in DEVICES:
         raise ValueError(f"{who}: device must be auto, cpu or cuda, got {device!r}")
     if device == "cuda":
-        from .model import parse_device
+        from .device import parse_device
 
         try:
             parse_device("cuda")
@@ -651,9 +651,10 @@ def check_device(device: str, who: str) -> None:
             raise ValueError(f"{who}: --device cuda: {exc}") from exc
 
 
-def add_device_argument(p: argparse.ArgumentParser, default: str = "auto") -> None:
+def add_device_argument(p: argparse.ArgumentParser, default: str = "auto", what: str = "target") -> None:
+    """``--device auto|cpu|cuda`` (target worker, draft worker, serve: ``what`` names the model(s))."""
     p.add_argument("--device", default=default, choices=list(DEVICES),
-                   help="where the target runs: auto (default: cuda when built with a GPU backend and a GPU "
+                   help=f"where the {what} runs: auto (default: cuda when built with a GPU backend and a GPU "
                         "is present, else cpu), cpu or cuda")
 
 

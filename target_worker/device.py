@@ -1,0 +1,326 @@
+"""Device plumbing shared by the target (target_worker/model.py) and the drafter
+(draft_worker/model.py).
+
+A forward graph is written once against a small "array plumbing" interface (``ops``): results of
+native ops are turned into the model's working arrays by ``ops.a``, and the few operations the
+graph does outside the native ops (reshape, column slices, row gathers, concatenation, copies,
+broadcast of a per-head vector, a scalar scale, host <-> device moves) go through ``ops``.
+:class:`_HostOps` is the CPU path: numpy, exactly the operations the CPU forwards have always done
+(bit for bit). :class:`_TensorOps` keeps everything as sn.Tensor on the model's device, using the
+native glue ops (sn.slice / concat / copy / copy_rows, and sn.embedding as an exact row gather), so
+no activation leaves the GPU. :class:`_Uploader` places weights on the device once (tensors already
+there are taken as they are, e.g. a same-process target's embedding / lm_head shared with the
+drafter).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+import specd.native as sn
+
+def parse_device(device) -> "sn.Device":
+    """``sn.Device`` from a Device or "cpu" / "cuda" / "gpu" / "hip". Asking for the GPU raises
+    RuntimeError when this build has no GPU backend or no device is present."""
+    if isinstance(device, str):
+        name = device.strip().lower()
+        if name not in ("cpu", "cuda", "gpu", "hip"):
+            raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        device = sn.Device.CPU if name == "cpu" else sn.Device.GPU
+    if device == sn.Device.GPU:
+        if not sn.gpu_compiled():
+            raise RuntimeError("device cuda requested, but specd was built without a GPU backend "
+                               "(reinstall with SPECD_GPU=cuda, or SPECD_GPU=hip for AMD)")
+        if not sn.gpu_available():
+            raise RuntimeError(f"device cuda requested, but no GPU is usable ({sn.gpu_backend()} build)")
+    elif device != sn.Device.CPU:
+        raise ValueError(f"device must be sn.Device.CPU or sn.Device.GPU, got {device!r}")
+    return device
+
+
+def default_device() -> str:
+    """"cuda" when this build has a GPU backend and a device is present, else "cpu"."""
+    return "cuda" if sn.gpu_available() else "cpu"
+
+
+class _HostOps:
+    """numpy plumbing (the CPU forward)."""
+
+    @staticmethod
+    def a(t):
+        return t.numpy()
+
+    @staticmethod
+    def reshape(x, *shape):
+        return x.reshape(shape)
+
+    @staticmethod
+    def cols(x, start, stop):
+        return np.ascontiguousarray(x[..., start:stop])
+
+    @staticmethod
+    def take(x, rows):
+        return x[np.asarray(rows, np.int64)]
+
+    @staticmethod
+    def cat(xs, axis=0):
+        return np.concatenate(xs, axis=axis)
+
+    @staticmethod
+    def copy(x):
+        return x.copy()
+
+    @staticmethod
+    def tail_rows(x, n):
+        return x[-n:].copy()
+
+    @staticmethod
+    def last_row(x):
+        return x[-1:]
+
+    @staticmethod
+    def host(x):
+        return x
+
+    @staticmethod
+    def add_vec(x, v):
+        return x + v
+
+    @staticmethod
+    def mul_vec(x, v):
+        return (x * v).astype(np.float32)
+
+    @staticmethod
+    def zeros(shape):
+        return np.zeros(shape, np.float32)
+
+    @staticmethod
+    def move_rows(cache, moved):
+        raw = cache.numpy()
+        for src, dst in moved:
+            raw[dst] = raw[src]
+
+    # --- used by the drafter (draft_worker/model.py)
+
+    @staticmethod
+    def put(x):
+        """A host float32 array as the model's working array (numpy: as it is, contiguous)."""
+        return np.ascontiguousarray(x, np.float32)
+
+    @staticmethod
+    def rows(x, start, stop):
+        return x[start:stop]
+
+    @staticmethod
+    def index(x, axis, i):
+        """x[..., i, ...] along ``axis`` (the axis dropped)."""
+        return np.take(x, i, axis=axis)
+
+    @staticmethod
+    def scale(x, s):
+        return (x * np.float32(s)).astype(np.float32)
+
+    @staticmethod
+    def softcap(x, c):
+        c = np.float32(c)
+        return (np.tanh(x / c) * c).astype(np.float32)
+
+    @staticmethod
+    def kv_view(cache, start, stop, dtype):
+        """Rows [start, stop) of a KV cache as a native view (zero-copy)."""
+        if dtype == sn.DType.Q8_0:
+            return sn.Tensor(cache.numpy()[start:stop], dtype)
+        return sn.Tensor(cache.numpy()[start:stop])
+
+    @staticmethod
+    def shift_rows(cache, dst, src, n):
+        """Rows [src, src + n) of a cache moved to [dst, dst + n) (ranges may overlap)."""
+        a = cache.numpy()
+        a[dst : dst + n] = a[src : src + n].copy()
+
+
+class _TensorOps:
+    """sn.Tensor plumbing on one device: every intermediate stays there. Values equal _HostOps'
+    exactly (byte copies, exact gathers, F32 add/mul rounded once like numpy's)."""
+
+    def __init__(self, device):
+        self.device = device
+        self._zero_ids: dict[int, sn.Tensor] = {}
+        self._consts: dict[tuple[float, int], sn.Tensor] = {}
+
+    @staticmethod
+    def a(t):
+        return t
+
+    @staticmethod
+    def reshape(x, *shape):
+        return x.reshape(list(shape))
+
+    @staticmethod
+    def cols(x, start, stop):
+        return sn.slice(x, -1, start, stop)
+
+    def take(self, x, rows):
+        rows = [int(r) for r in rows]
+        n = x.shape[0]
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):  # a run of rows: one copy
+            return sn.slice(x, 0, rows[0], rows[0] + len(rows))
+        inner = list(x.shape[1:])
+        flat = x.reshape([n, int(np.prod(inner, dtype=np.int64))])
+        y = sn.embedding(flat, np.asarray(rows, np.int32))  # exact row gather (F32)
+        return y.reshape([len(rows)] + inner)
+
+    @staticmethod
+    def cat(xs, axis=0):
+        return sn.concat(list(xs), axis)
+
+    @staticmethod
+    def copy(x):
+        return sn.copy(x)
+
+    @staticmethod
+    def tail_rows(x, n):
+        return sn.slice(x, 0, x.shape[0] - n, x.shape[0])
+
+    @staticmethod
+    def last_row(x):
+        return sn.slice(x, 0, x.shape[0] - 1, x.shape[0])
+
+    @staticmethod
+    def host(x):
+        return x.numpy()
+
+    def _tile(self, v, rows):
+        """[rows, H] copies of the [1, H] table v (an exact embedding lookup of row 0)."""
+        ids = self._zero_ids.get(rows)
+        if ids is None:
+            ids = sn.Tensor(np.zeros(rows, np.int32)).to(self.device)
+            self._zero_ids[rows] = ids
+        return sn.embedding(v, ids)
+
+    def add_vec(self, x, v):
+        return sn.add(x, self._tile(v, x.shape[0]))
+
+    def mul_vec(self, x, v):
+        return sn.mul(x, self._tile(v, x.shape[0]))
+
+    def zeros(self, shape):
+        return sn.Tensor.zeros(list(shape), sn.DType.F32, self.device)
+
+    @staticmethod
+    def move_rows(cache, moved):
+        for src, dst in moved:
+            sn.copy_rows(cache, dst, cache, src, 1)
+
+    # --- used by the drafter (draft_worker/model.py)
+
+    def put(self, x):
+        if isinstance(x, sn.Tensor):
+            return x
+        t = sn.Tensor(np.ascontiguousarray(x, np.float32))
+        return t if self.device == sn.Device.CPU else t.to(self.device)
+
+    @staticmethod
+    def rows(x, start, stop):
+        return sn.slice(x, 0, start, stop)
+
+    @staticmethod
+    def index(x, axis, i):
+        y = sn.slice(x, axis, i, i + 1)
+        return y.reshape([d for k, d in enumerate(y.shape) if k != (axis % len(y.shape))])
+
+    def _const(self, value, width):
+        """A [1, width] F32 table filled with ``value`` (cached)."""
+        key = (float(value), int(width))
+        t = self._consts.get(key)
+        if t is None:
+            t = self.put(np.full((1, width), value, np.float32))
+            self._consts[key] = t
+        return t
+
+    def scale(self, x, s):
+        """x * float32(s), elementwise (one F32 rounding, as numpy's)."""
+        shape = list(x.shape)
+        flat = x.reshape([shape[0], int(np.prod(shape[1:], dtype=np.int64))])
+        return sn.mul(flat, self._tile(self._const(np.float32(s), flat.shape[1]), shape[0])).reshape(shape)
+
+    def softcap(self, x, c):
+        """tanh(x / c) * c. No native tanh yet: computed on the host (numpy, as the CPU path) and
+        put back; only drafters with final_logit_softcapping take this round trip."""
+        return self.put(_HostOps.softcap(x.numpy(), c))
+
+    def kv_view(self, cache, start, stop, dtype):  # noqa: ARG002
+        """Rows [start, stop): a device copy (sn.slice) unless start == 0 — attention reads only the
+        first kv_len rows of a cache, so the whole cache is passed then (no copy)."""
+        return cache if start == 0 else sn.slice(cache, 0, start, stop)
+
+    @staticmethod
+    def shift_rows(cache, dst, src, n):
+        if n <= 0 or dst == src:
+            return
+        tmp = sn.slice(cache, 0, src, src + n)  # a copy: the ranges may overlap
+        sn.copy_rows(cache, dst, tmp, 0, n)
+
+
+_EMBEDDING_DTYPES = (sn.DType.F32, sn.DType.F16, sn.DType.BF16, sn.DType.Q8_0, sn.DType.Q4_K, sn.DType.Q5_K,
+                     sn.DType.Q6_K, sn.DType.IQ4_XS)  # the GPU embedding decodes these
+
+
+class _Uploader:
+    """Places the weights on the model's device once (the CPU with tensor_ops: as they are)."""
+
+    def __init__(self, device):
+        self.device = device
+        self._matmul_ok: dict = {}
+        self._placed: dict = {}  # (id(source), f32?) -> (source, placed): a tied output is uploaded once
+
+    def plain(self, t, f32: bool = False):
+        t = t if isinstance(t, sn.Tensor) else sn.Tensor(t)
+        key = (id(t), f32)
+        if key not in self._placed:
+            if t.device == self.device:  # already there (a same-process target's tensors): shared
+                self._placed[key] = (t, t)
+                return t
+            src = sn.dequantize(t) if f32 else t
+            placed = src if self.device == sn.Device.CPU else src.contiguous().to(self.device)
+            self._placed[key] = (t, placed)
+        return self._placed[key][1]
+
+    def _gpu_matmul_supports(self, dtype) -> bool:
+        """Whether this build's GPU matmul takes weights of ``dtype`` (probed once per format)."""
+        if dtype not in self._matmul_ok:
+            try:
+                x = sn.Tensor.zeros([1, 256], sn.DType.F32, self.device)
+                sn.matmul(x, sn.Tensor.zeros([1, 256], dtype, self.device))
+                self._matmul_ok[dtype] = True
+            except ValueError:
+                self._matmul_ok[dtype] = False
+        return self._matmul_ok[dtype]
+
+    def matmul(self, t):
+        if self.device == sn.Device.CPU or t.device == self.device or self._gpu_matmul_supports(t.dtype):
+            return self.plain(t)
+        return self.plain(t, f32=True)  # exact decode; the GPU then runs an F32 matmul
+
+    def embedding(self, t):
+        if self.device == sn.Device.CPU or t.dtype in _EMBEDDING_DTYPES:
+            return self.plain(t)
+        return self.plain(t, f32=True)
+
+    def layer(self, layer):
+        fields = {}
+        for f in dataclasses.fields(layer):
+            t = getattr(layer, f.name)
+            if not isinstance(t, sn.Tensor) or f.name in ("ssm_conv1d", "ssm_a", "ssm_dt"):
+                continue  # the conv kernel and the gate vectors are placed by the model
+            is_vector = len(t.shape) == 1
+            fields[f.name] = self.plain(t) if is_vector else self.matmul(t)
+        return _PlacedLayer(**fields)
+
+
+class _PlacedLayer:
+    """A layer's weights on the model's device (attribute access like the loader's layers)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
