@@ -32,25 +32,12 @@ sys.path.insert(0, str(HERE))
 
 
 def copy_bandwidth() -> float | None:
-    """Device-to-device copy, GB/s counting read + write (torch, 2 GiB, median of 10)."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * (1 << 31) / float(np.median(ts)) / 1e9
+    """Device-to-device copy GB/s (read + write) of tools/device/gpu_report.py (the same number its
+    reports use as the ceiling), None without torch."""
+    sys.path.insert(0, str(HERE.parent / "device"))
+    import gpu_report
+    c = gpu_report.copy_bandwidth()
+    return c["GBps"] if c else None
 
 
 def device_used_bytes() -> int | None:

@@ -20,13 +20,18 @@ import json
 import re
 from pathlib import Path
 
-PERMISSIVE = re.compile(r"^(MIT|Expat|BSD|Apache|PSF|ISC|Zlib|public-domain|permissive|X11|Unlicense|"
-                        r"MIT-like|FSFAP|FSFUL|0BSD|Python|CC0)", re.I)
+# Licence names (SPDX ids and the spellings PyPI / Debian DEP-5 files use) accepted as permissive.
+PERMISSIVE = re.compile(r"(mit(-0|/x11|-like)?( license)?|expat|x11|isc( license)?|zlib|unlicense|0bsd|cc0(-1\.0)?|"
+                        r"public[- ]domain|permissive|fsfap|fsful|python( software foundation license)?|psf(-2\.0)?|"
+                        r"bsd( license)?|bsd-[234]-clause( license)?|apache( software license| license)?( 2\.0|-2\.0)?)",
+                        re.I)
 
 
 def permissive(licence: str) -> bool:
-    parts = [p.strip() for p in re.split(r"[;,]| and | or ", licence or "") if p.strip()]
-    return bool(parts) and all(PERMISSIVE.match(p) for p in parts)
+    """True when every licence named in ``licence`` (split on ; , | and the words and / or / with)
+    is a permissive one in full (no copyleft term anywhere; an empty string is not permissive)."""
+    parts = [p.strip() for p in re.split(r"[;,|]|\b(?:and|or|with)\b", licence or "", flags=re.I) if p and p.strip()]
+    return bool(parts) and all(PERMISSIVE.fullmatch(p) for p in parts)
 
 
 def head(text: str, max_chars: int) -> str:
@@ -58,7 +63,7 @@ def main(argv=None) -> int:
     def licence(r):
         if r["part"] == "code/cpython-stdlib":
             return "PSF-2.0"
-        return licences.get(r["pkg"]) or licences.get(r["pkg"].split("-")[0], "")
+        return licences.get(r["pkg"], "")
 
     ok = [r for r in held if permissive(licence(r)) and len(r["text"]) >= args.max_chars // 2]
     code = pick([r for r in ok if r["kind"] == "code"], 2 * args.per_kind)

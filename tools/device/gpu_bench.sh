@@ -12,10 +12,12 @@
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: the benchmark runs from /tmp
 BUDGET_S=${BUDGET_S:-560}
 R=$PWD
-left() { echo $((BUDGET_S - SECONDS)); }
-OUT=$OUT REPORT=0 bash tools/device/gpu_tests.sh >/dev/null 2>&1
+left() { local t=$((BUDGET_S - SECONDS)); echo $((t > 1 ? t : 1)); }
+trap 'rm -f /tmp/r27-*.gguf /tmp/r27-*.gguf.tmp' EXIT  # 15 GB each: never left behind
+OUT=$OUT REPORT=0 timeout "$(left)" bash tools/device/gpu_tests.sh >/dev/null 2>&1
 echo "gpu_tests rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 cd /tmp || exit 1

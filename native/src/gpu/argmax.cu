@@ -16,6 +16,7 @@
 
 #include "common.cuh"
 #include "ops.h"
+#include "ranking.cuh"
 #include "specd/gpu.h"
 
 namespace specd::gpu {
@@ -24,17 +25,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-struct Cand {
-  float v;
-  int32_t i;
-};
-
-// True when (va, ia) comes before (vb, ib) in the argmax order.
-__device__ __forceinline__ bool better(float va, int32_t ia, float vb, int32_t ib) {
-  bool na = isnan(va), nb = isnan(vb);
-  if (na || nb) return na && (!nb || ia < ib);
-  return va > vb || (va == vb && ia < ib);
-}
+using detail::better;
+using detail::Cand;
 
 __device__ __forceinline__ void take(Cand& best, float v, int32_t i) {
   if (better(v, i, best.v, best.i)) best = {v, i};

@@ -35,19 +35,10 @@ __global__ void __launch_bounds__(kThreads) embedding_kernel(const uint8_t* __re
 }
 
 // One 256-weight-block format row: thread t decodes chunks t, t + kThreads, ... into y.
-template <class W, int... P>
-__device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t c, float* dst, std::integer_sequence<int, P...>) {
-  const typename W::Raw raw = W::load(row, c);
-  auto part = [&](auto pc) {
-    constexpr int kP = decltype(pc)::value;
-    float v[W::kPE];
-    const float s = W::template decode_part<kP>(raw, v);
-    float* o = dst + W::offset(c, kP);
-#pragma unroll
-    for (int k = 0; k < W::kPE; ++k) o[k] = W::kScaled ? v[k] * s : v[k];
-  };
-  (part(std::integral_constant<int, P>()), ...);
-}
+struct StoreF32 {
+  float* dst;
+  __device__ __forceinline__ void operator()(int64_t i, float v) const { dst[i] = v; }
+};
 
 template <class W>
 __global__ void __launch_bounds__(kThreads) embedding_blocks_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
@@ -55,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) embedding_blocks_kernel(const uint8_
                                                                     float* __restrict__ y, int64_t h) {
   const uint8_t* row = w + int64_t(ids[blockIdx.x]) * row_bytes;
   for (int64_t c = threadIdx.x; c < nchunks; c += kThreads)
-    decode_chunk<W>(row, c, y + int64_t(blockIdx.x) * h, std::make_integer_sequence<int, W::kParts>());
+    detail::decode_chunk<W>(row, c, StoreF32{y + int64_t(blockIdx.x) * h});
 }
 
 template <class W>

@@ -64,20 +64,10 @@ __device__ __forceinline__ uint16_t to_bf16(float f) {
 }
 
 // dst[r, :] = bf16(dequantize(w row r)) for `rows` rows; one thread per chunk (grid-stride).
-template <class W, int... P>
-__device__ __forceinline__ void dequant_chunk(const uint8_t* row, int64_t c, uint16_t* dst,
-                                              std::integer_sequence<int, P...>) {
-  const typename W::Raw raw = W::load(row, c);
-  auto part = [&](auto pc) {
-    constexpr int kP = decltype(pc)::value;
-    float v[W::kPE];
-    const float s = W::template decode_part<kP>(raw, v);
-    uint16_t* o = dst + W::offset(c, kP);
-#pragma unroll
-    for (int k = 0; k < W::kPE; ++k) o[k] = to_bf16(W::kScaled ? v[k] * s : v[k]);  // Q8_0: q * d as the CPU
-  };
-  (part(std::integral_constant<int, P>()), ...);
-}
+struct StoreBF16 {
+  uint16_t* dst;
+  __device__ __forceinline__ void operator()(int64_t i, float v) const { dst[i] = to_bf16(v); }
+};
 
 template <class W>
 __global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
@@ -86,7 +76,7 @@ __global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* _
   const int64_t total = rows * nchunks, step = int64_t(gridDim.x) * kThreads;
   for (int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x; t < total; t += step) {
     const int64_t r = t / nchunks, c = t % nchunks;
-    dequant_chunk<W>(w + r * row_bytes, c, dst + r * in, std::make_integer_sequence<int, W::kParts>());
+    decode_chunk<W>(w + r * row_bytes, c, StoreBF16{dst + r * in});
   }
 }
 

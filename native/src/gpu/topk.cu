@@ -11,6 +11,7 @@
 
 #include "op_util.cuh"
 #include "ops.h"
+#include "ranking.cuh"
 
 namespace specd::gpu {
 
@@ -18,17 +19,8 @@ namespace {
 
 constexpr int kThreads = 512;
 
-struct Cand {
-  float v;
-  int32_t i;
-};
-
-// True when (va, ia) ranks before (vb, ib).
-__device__ __forceinline__ bool better(float va, int32_t ia, float vb, int32_t ib) {
-  bool na = isnan(va), nb = isnan(vb);
-  if (na || nb) return na && (!nb || ia < ib);
-  return va > vb || (va == vb && ia < ib);
-}
+using detail::better;
+using detail::Cand;
 
 __device__ __forceinline__ void take(Cand& best, float v, int32_t i) {
   if (i != INT32_MAX && (best.i == INT32_MAX || better(v, i, best.v, best.i))) best = {v, i};

@@ -18,6 +18,8 @@
 // converter off the critical path.
 #pragma once
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "portability.h"
 
@@ -295,5 +297,30 @@ struct IQ4XSW {
     return (c >> 3) * 256 + 32 * (c & 7) + 16 * (part >> 1) + 8 * (part & 1);
   }
 };
+
+// --- whole-chunk decode ---------------------------------------------------------------------
+
+// Decodes chunk c of a weight row: store(i, value) for each of its kElems weights, i the element
+// index in the row, value the exact float32 weight (Q8_0: q * d, as cpu::dequantize). Shared by the
+// BF16 dequantization of the GEMM path and the embedding gather.
+template <class W, class Store, int... P>
+__device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t c, const Store& store,
+                                             std::integer_sequence<int, P...>) {
+  const typename W::Raw raw = W::load(row, c);
+  auto part = [&](auto pc) {
+    constexpr int kP = decltype(pc)::value;
+    float v[W::kPE];
+    const float s = W::template decode_part<kP>(raw, v);
+    const int64_t o = W::offset(c, kP);
+#pragma unroll
+    for (int k = 0; k < W::kPE; ++k) store(o + k, W::kScaled ? v[k] * s : v[k]);
+  };
+  (part(std::integral_constant<int, P>()), ...);
+}
+
+template <class W, class Store>
+__device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t c, const Store& store) {
+  decode_chunk<W>(row, c, store, std::make_integer_sequence<int, W::kParts>());
+}
 
 }  // namespace specd::gpu::detail
