@@ -77,24 +77,29 @@ def demo_stack():
         yield stubs
 
 
-@pytest.fixture(scope="module")
-def plain():
-    """Token ids of the demo target's plain greedy continuation (F32 KV, as the stack), cached."""
-    model = Qwen35Model(load_qwen35(str(TARGET)), kv_dtype=sn.DType.F32)
+def plain_greedy(device: str = "cpu", n: int = MAX_TOKENS):
+    """run(text) -> (prompt ids, the demo target's n plain greedy tokens) on ``device`` (F32 KV, as
+    the stacks), cached per text."""
+    model = Qwen35Model(load_qwen35(str(TARGET)), kv_dtype=sn.DType.F32, device=device)
     tok = build_tokenizer(read_tokenizer_metadata(str(TARGET)), str(TARGET))
     cache = {}
 
     def run(text: str) -> tuple[list[int], list[int]]:
         if text not in cache:
             ids = tok.encode(text).ids
-            st = model.new_sequence(len(ids) + MAX_TOKENS + 1)
+            st = model.new_sequence(len(ids) + n + 1)
             logits, out = model.prefill(st, ids), []
-            for _ in range(MAX_TOKENS):
+            for _ in range(n):
                 out.append(int(np.argmax(logits)))
                 logits = model.decode(st, out[-1])
             cache[text] = (ids, out)
         return cache[text]
     return run
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return plain_greedy("cpu")
 
 
 def speculate(stub, ids, mode=gpb.DRAFT_MODE_CHAIN):

@@ -8,16 +8,12 @@ rows share the verify: tests/gpu/test_gpu_target.py checks that bitwise); the dr
 a GPU (``specd.native.gpu_available()``)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import specd.native as sn
 from specd.protos.v1 import generate_pb2 as gpb
-from specd.target_worker.gguf_loader import load_qwen35, read_tokenizer_metadata
-from specd.target_worker.model import Qwen35Model
-from specd.target_worker.tokenizer import build_tokenizer
 
-from demo.test_demo_drafters import TARGET, demo_drafter_stack, prompts
+from demo.test_demo_drafters import TARGET, demo_drafter_stack, plain_greedy, prompts
 from service.conftest import generate, streamed_ids, token_request
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not sn.gpu_available(), reason="no GPU backend/device")]
@@ -34,19 +30,8 @@ def gpu_stack():
 def gpu_plain():
     if not TARGET.is_file():
         pytest.skip(f"{TARGET} not present")
-    model = Qwen35Model(load_qwen35(str(TARGET)), kv_dtype=sn.DType.F32, device="cuda")
-    tok = build_tokenizer(read_tokenizer_metadata(str(TARGET)), str(TARGET))
-    texts = prompts("code", 2) + prompts("prose", 1)
-    out = []
-    for text in texts:
-        ids = tok.encode(text).ids
-        st = model.new_sequence(len(ids) + MAX_TOKENS + 1)
-        logits, ref = model.prefill(st, ids), []
-        for _ in range(MAX_TOKENS):
-            ref.append(int(np.argmax(logits)))
-            logits = model.decode(st, ref[-1])
-        out.append((ids, ref))
-    return out
+    run = plain_greedy("cuda", MAX_TOKENS)
+    return [run(text) for text in prompts("code", 2) + prompts("prose", 1)]
 
 
 @pytest.mark.parametrize("mode", [gpb.DRAFT_MODE_CHAIN, gpb.DRAFT_MODE_TREE])
