@@ -263,50 +263,26 @@ class _TensorOps:
         sn.copy_rows(cache, dst, tmp, 0, n)
 
 
-_EMBEDDING_DTYPES = (sn.DType.F32, sn.DType.F16, sn.DType.BF16, sn.DType.Q8_0, sn.DType.Q4_K, sn.DType.Q5_K,
-                     sn.DType.Q6_K, sn.DType.IQ4_XS)  # the GPU embedding decodes these
-
-
 class _Uploader:
-    """Places the weights on the model's device once (the CPU with tensor_ops: as they are)."""
+    """Places the weights on the model's device once, in their stored type (the GPU matmul and
+    embedding decode every type the loaders accept; the CPU with tensor_ops: as they are)."""
 
     def __init__(self, device):
         self.device = device
-        self._matmul_ok: dict = {}
-        self._placed: dict = {}  # (id(source), f32?) -> (source, placed): a tied output is uploaded once
+        self._placed: dict = {}  # id(source) -> (source, placed): a tied output is uploaded once
 
-    def plain(self, t, f32: bool = False):
+    def plain(self, t):
         t = t if isinstance(t, sn.Tensor) else sn.Tensor(t)
-        key = (id(t), f32)
-        if key not in self._placed:
+        if id(t) not in self._placed:
             if t.device == self.device:  # already there (a same-process target's tensors): shared
-                self._placed[key] = (t, t)
+                self._placed[id(t)] = (t, t)
                 return t
-            src = sn.dequantize(t) if f32 else t
-            placed = src if self.device == sn.Device.CPU else src.contiguous().to(self.device)
-            self._placed[key] = (t, placed)
-        return self._placed[key][1]
+            placed = t if self.device == sn.Device.CPU else t.contiguous().to(self.device)
+            self._placed[id(t)] = (t, placed)
+        return self._placed[id(t)][1]
 
-    def _gpu_matmul_supports(self, dtype) -> bool:
-        """Whether this build's GPU matmul takes weights of ``dtype`` (probed once per format)."""
-        if dtype not in self._matmul_ok:
-            try:
-                x = sn.Tensor.zeros([1, 256], sn.DType.F32, self.device)
-                sn.matmul(x, sn.Tensor.zeros([1, 256], dtype, self.device))
-                self._matmul_ok[dtype] = True
-            except ValueError:
-                self._matmul_ok[dtype] = False
-        return self._matmul_ok[dtype]
-
-    def matmul(self, t):
-        if self.device == sn.Device.CPU or t.device == self.device or self._gpu_matmul_supports(t.dtype):
-            return self.plain(t)
-        return self.plain(t, f32=True)  # exact decode; the GPU then runs an F32 matmul
-
-    def embedding(self, t):
-        if self.device == sn.Device.CPU or t.dtype in _EMBEDDING_DTYPES:
-            return self.plain(t)
-        return self.plain(t, f32=True)
+    matmul = plain      # a matmul weight (any storage type)
+    embedding = plain   # a row-gather table (any storage type)
 
     def layer(self, layer):
         fields = {}

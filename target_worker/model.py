@@ -215,7 +215,7 @@ class Qwen35Model:
         feats = (ops.host(ops.cat([taps[i] for i in self.capture_layers], axis=1)) if self.capture_layers
                  else np.zeros((w, self.hp.n_embd), np.float32))
         logits = self._logits(ops.last_row(x) if last_only else x)
-        argmax = sn.argmax(logits).numpy()  # on the device; only the ids come back here
+        argmax = sn.argmax(logits).numpy()  # computed on the device (the logits come back below as well)
         return VerifyResult(tokens, None if tree is None else tree.parents, ops.host(logits), argmax,
                             feats, c, pending, st, st.verifies)
 

@@ -71,6 +71,11 @@ Tensor embedding(const Tensor& w, const Tensor& ids) {
               dtype_info(w.dtype).name);
   SPECD_CHECK(!blocks || w.dim(1) % 256 == 0, op, ": w rows of ", dtype_info(w.dtype).name,
               " must hold a multiple of 256 values, got ", w.dim(1));
+  if (blocks) {  // the chunk decoders' widest loads: 16 B (Q4_K / Q5_K), 8 B (IQ4_XS), 2 B (Q6_K)
+    const int64_t need = w.dtype == DType::IQ4_XS ? 8 : w.dtype == DType::Q6_K ? 2 : 16;
+    SPECD_CHECK(reinterpret_cast<uintptr_t>(w.data) % need == 0 && w.row_bytes() % need == 0, op, ": w of ",
+                dtype_info(w.dtype).name, " must be ", need, "-byte aligned (data and rows)");
+  }
   check_dtype(ids, DType::I32, op, "ids");
   check_ndim(ids, 1, op, "ids");
   check_contiguous(ids, op, "ids");
