@@ -12,7 +12,8 @@ random weights in the storage types of a quantization mix:
   every other layer;
 * ``q8_0``, ``f16``: everything in one type.
 
-1-D tensors, ``ssm_conv1d``, ``ssm_a`` and ``ssm_dt`` are F32 (what the loader requires); norms are
+A placeholder byte-level BPE vocabulary makes the file loadable by llama.cpp too (the baseline,
+tools/device/llamacpp_baseline.sh). 1-D tensors, ``ssm_conv1d``, ``ssm_a`` and ``ssm_dt`` are F32 (what the loader requires); norms are
 1, ``ssm_a`` in [-1, -0.1] (= -exp(A_log)), ``ssm_dt`` 0. Block-format tensors are random bytes
 whose F16 scale fields are set to small finite values (so every decoded weight is finite); the bytes
 are tiled from a 16 MiB pool, which makes a 15 GB file as fast to write as the disk allows.
@@ -107,6 +108,37 @@ def f32_values(name: str, n: int, rng: np.random.Generator) -> np.ndarray:
     return (rng.standard_normal(n) * 0.1).astype(np.float32)
 
 
+def byte_alphabet() -> list[str]:
+    """GPT-2's byte-to-unicode map (the byte-level BPE alphabet), 256 distinct characters."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def add_placeholder_tokenizer(w: gguf.GGUFWriter, n_vocab: int) -> None:
+    """A valid byte-level BPE vocabulary of ``n_vocab`` tokens (llama.cpp refuses a GGUF without
+    one): the 256 byte tokens, two-byte merges after them, the rest control tokens; eos = the last.
+    The benchmark feeds token ids, so the vocabulary only has to load."""
+    alpha = byte_alphabet()
+    n_merge = max(0, min(n_vocab - 257, 256 * 256))
+    pairs = [(alpha[i // 256], alpha[i % 256]) for i in range(n_merge)]
+    tokens = alpha + [a + b for a, b in pairs]
+    types = [gguf.TokenType.NORMAL] * len(tokens)
+    tokens += [f"<|ctl_{i}|>" for i in range(n_vocab - len(tokens))]
+    types += [gguf.TokenType.CONTROL] * (n_vocab - len(types))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([f"{a} {b}" for a, b in pairs])
+    w.add_eos_token_id(n_vocab - 1)
+
+
 def nbytes_of(ne: tuple[int, ...], qtype: QT) -> int:
     blk, size = gguf.GGML_QUANT_SIZES[qtype]
     rows = int(np.prod(ne[1:])) if len(ne) > 1 else 1
@@ -131,6 +163,7 @@ def write(out: str | os.PathLike, config: str = "27b", mix: str = "iq4xs", seed:
     w = gguf.GGUFWriter(tmp, ARCH)
     try:
         write_metadata(w, hp, f"random-{config}-{mix}", GENERAL_FILE_TYPE[mix])
+        add_placeholder_tokenizer(w, hp.n_vocab)
         for name, shape, qt, nb in plan:
             w.add_tensor_info(name, tuple(reversed(shape)), np.dtype(np.float32), nb, raw_dtype=qt)
         w.write_header_to_file()
