@@ -225,12 +225,13 @@ class Coordinator(gpbg.SpecDecodeServicer):
 
     async def GetModelInfo(self, request, context):
         await self._check_connected(context)
+        fits = self.tinfo.memory.fits_sequences if self.tinfo.HasField("memory") else -1
         return gpb.GetModelInfoResponse(
             target_path=self.tinfo.model_path, vocab_size=self.tinfo.vocab_size, max_seq_len=self.tinfo.max_seq_len,
             eos_token_ids=self.eos_ids, drafter_name=self.dinfo.name if self.dinfo else "",
             max_draft_tokens=self._server_draft_cap(), has_tokenizer=self.tok is not None,
             target_weight_bytes=self.tinfo.memory.weight_bytes, target_sequence_bytes=self.tinfo.memory.sequence_bytes,
-            target_fits_sequences=self.tinfo.memory.fits_sequences if self.tinfo.HasField("memory") else -1,
+            target_fits_sequences=fits if fits >= 0 else None,
             drafter_weight_bytes=self.dinfo.memory.weight_bytes if self.dinfo else 0)
 
     def _server_draft_cap(self) -> int:

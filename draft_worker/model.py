@@ -543,7 +543,7 @@ class DraftSequence:
             h = ops.a(sn.add(h, f))
         return ops.a(sn.rms_norm(h, m.output_norm, hp.rms_eps))
 
-    def _attend(self, i: int, q: Tensor, start: int, B: int) -> np.ndarray:
+    def _attend(self, i: int, q: Tensor, start: int, B: int):
         """Attention of the block queries (positions start..start+B−1) over the keys of positions
         [lo, start+B) with the layer's mask, lo = the first retained row (under context_cap: the
         first of the last cap context rows). Positions are passed relative to lo: causality and
@@ -649,7 +649,7 @@ class DraftSequence:
         return out
 
     def _markov(self, out: Proposal, hidden, logits, seed, topk, temperature, keep, threshold, sampling,
-                markov: str = DEFAULT_MARKOV) -> None:
+                markov: str = DEFAULT_MARKOV):
         """Fills ``out`` for DSpark; returns the base logits (the unfused chain computes them)."""
         m = self.model
         w1, w2 = m.markov
@@ -662,8 +662,9 @@ class DraftSequence:
             toks, logits, corrected, conf, q = _markov_chain_tensor(
                 m._ops, logits, hidden, seed, w1, w2, m._conf_w, m._conf_b, m.hp.dspark.confidence_with_markov,
                 sampling, head=head, correct=markov != "off")
+            corrected_dev = corrected
             if keep or topk:
-                corrected_dev, corrected = corrected, m._ops.host(corrected)
+                corrected = m._ops.host(corrected)
         out.confidence, out.q = conf, q
         keep_n = len(toks)
         if threshold:

@@ -263,6 +263,11 @@ class _TensorOps:
         sn.copy_rows(cache, dst, tmp, 0, n)
 
 
+# Placed by the models themselves in another layout: the target's GDN conv kernel and gate vectors,
+# the DFlash 2 convolutions' base kernels.
+_PLACED_BY_MODEL = ("ssm_conv1d", "ssm_a", "ssm_dt", "attn_conv_base", "ffn_conv_base")
+
+
 class _Uploader:
     """Places the weights on the model's device once, in their stored type (the GPU matmul and
     embedding decode every type the loaders accept; the CPU with tensor_ops: as they are)."""
@@ -288,8 +293,8 @@ class _Uploader:
         fields = {}
         for f in dataclasses.fields(layer):
             t = getattr(layer, f.name)
-            if not isinstance(t, sn.Tensor) or f.name in ("ssm_conv1d", "ssm_a", "ssm_dt"):
-                continue  # the conv kernel and the gate vectors are placed by the model
+            if not isinstance(t, sn.Tensor) or f.name in _PLACED_BY_MODEL:
+                continue
             is_vector = len(t.shape) == 1
             fields[f.name] = self.plain(t) if is_vector else self.matmul(t)
         return _PlacedLayer(**fields)

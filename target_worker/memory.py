@@ -15,8 +15,9 @@ All sizes are bytes. The state a sequence holds (qwen35-target.md §8, model.py'
   the GPU, so it does not count against device memory, but it does against /dev/shm.
 
 ``fits`` = how many sequences at ``max_seq_len`` fit a device of ``device_bytes`` after the weights
-and a workspace reserve (:func:`workspace_bytes`: verify activations, logits, tree-verify state
-copies, plus a fixed allowance for the CUDA context and pool fragmentation).
+and a workspace reserve (:func:`workspace_bytes`: the widest forward in flight — a verify's
+activations, logits and tree-verify state copies, or a prefill chunk's activations and transient
+deferred-commit buffers — plus a fixed allowance for the CUDA context and pool fragmentation).
 
 Worked example (tests/target/test_memory.py::test_27b_iq4xs_fits_one_h200): the 27B shapes of
 tools/bench/random_qwen35.py CONFIGS["27b"] in the ``iq4xs`` mix (IQ4_XS body, Q5_K output, Q6_K
@@ -24,10 +25,10 @@ attn_v / ssm_out) are 14.96 GB of weights (13.93 GiB: IQ4_XS 12.77 GB, Q6_K 1.31
 0.01). At max_seq_len 32768 with an F16 KV cache one sequence takes 2.0 GiB of KV (64 KiB per
 token), 144 MiB of recurrent state, 5.6 MiB of conv state and 274 MiB of verify buffers at
 max_verify 33 (of which 144 MiB is the chain verify's final-S copy), 2.41 GiB in all. The workspace
-reserve is 1.17 GiB. On a "141 GB" H200 counted as 141e9 bytes (131.3 GiB; the device itself
-reports ~139.8 GiB, so this is conservative) **48** such sequences fit next to the weights (Q8_0 KV:
-78; 8k context: 127 F16 / 171 Q8_0). The feature ring (5 taps: 100 KiB per position, 3.1 GiB per
-32k sequence) is host shared memory, not device memory, but 48 x 3.1 GiB = 150 GiB of /dev/shm is
+reserve is 4.73 GiB with 512-token prefill chunks (1.17 GiB for verifies alone). On a "141 GB" H200
+counted as 141e9 bytes (131.3 GiB; the device itself reports ~139.8 GiB, so this is conservative)
+**46** such sequences fit next to the weights (Q8_0 KV: 76). The feature ring (5 taps: 100 KiB per
+position, 3.1 GiB per 32k sequence) is host shared memory, not device memory, but 46 x 3.1 GiB = 143 GiB of /dev/shm is
 more than the host has: at 32k, long-context serving needs a bounded ring (future work).
 """
 from __future__ import annotations
@@ -103,15 +104,24 @@ def state_bytes(hp, kv_dtype, verify_width: int, n_taps: int) -> StateBytes:
                       verify_width=w, feature_per_token=4 * max(1, n_taps) * hp.n_embd + 8)
 
 
-def workspace_bytes(hp, verify_width: int) -> int:
-    """Device workspace estimate for one verify of ``verify_width`` rows (bytes): logits and the
-    normed hidden rows (float32 [w, n_vocab] twice), the widest layer activations (float32, a few
-    [w, max(n_ff, C, q+gate)] buffers), the tree verify's per-node state copies of one GDN layer
-    (w * Hv*dv*dk*4), plus :data:`CONTEXT_RESERVE_BYTES`. Verifies run one at a time (one model lock)."""
-    w = int(verify_width)
+def workspace_bytes(hp, verify_width: int, prefill_chunk: int = 0) -> int:
+    """Device workspace estimate (bytes) for the widest forward in flight, a verify of
+    ``verify_width`` rows or a prefill chunk of ``prefill_chunk`` rows: the normed hidden rows and
+    logits (float32 [w, n_vocab] twice; a prefill chunk keeps one row of logits), the widest layer
+    activations (float32, a few [w, max(n_ff, C, q+gate)] buffers), the chunk's transient
+    deferred-commit buffers (a prefill commits at once, so they are not per sequence), the tree
+    verify's per-node state copies of one GDN layer (w * Hv*dv*dk*4), plus
+    :data:`CONTEXT_RESERVE_BYTES`. Forwards run one at a time (one model lock)."""
     widest = max(hp.n_ff, hp.conv_channels, 2 * hp.n_head * hp.head_dim, hp.n_embd)
-    return (2 * 4 * w * hp.n_vocab + 6 * 4 * w * widest + w * hp.n_v_heads * hp.head_v_dim * hp.head_k_dim * 4
-            + CONTEXT_RESERVE_BYTES)
+
+    def one(w: int, logit_rows: int, pending: int) -> int:
+        return (2 * 4 * logit_rows * hp.n_vocab + 6 * 4 * w * widest
+                + w * hp.n_v_heads * hp.head_v_dim * hp.head_k_dim * 4 + pending)
+
+    w = int(verify_width)
+    p = int(prefill_chunk)
+    prefill = one(p, 1, state_bytes(hp, "F32", p, 1).verify) if p > 0 else 0
+    return max(one(w, w, 0), prefill) + CONTEXT_RESERVE_BYTES
 
 
 def weight_bytes_from_types(hp, types: Mapping[str, object] | None = None, default="F32") -> dict[str, int]:
@@ -143,7 +153,7 @@ class MemoryReport:
     """Memory of a target worker (bytes; "device" = where the model runs: host RAM on the CPU).
 
     Fields: device ("cpu" / "cuda"); weight_bytes and weight_bytes_by_type (as stored on the model's
-    device: on the GPU formats its matmul lacks are F32 there); kv_dtype; kv_bytes_per_token;
+    device: stored types on either device); kv_dtype; kv_bytes_per_token;
     max_seq_len; kv_bytes_per_sequence (at max_seq_len); recurrent_bytes_per_sequence;
     conv_bytes_per_sequence; verify_width and verify_bytes_per_sequence (deferred-commit buffers of
     one verify of that width); sequence_bytes (device bytes per sequence: KV + recurrent + conv +
@@ -272,7 +282,8 @@ def model_weight_bytes(model) -> dict[str, int]:
 
 def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measure: bool = True) -> MemoryReport:
     """The :class:`MemoryReport` of a loaded :class:`~.model.Qwen35Model` for sequences of
-    ``max_seq_len`` positions, ``max_sequences`` of them and verifies of ``verify_width`` rows. With
+    ``max_seq_len`` positions, ``max_sequences`` of them and verifies of ``verify_width`` rows (the
+    workspace also covers one of the model's prefill chunks). With
     ``measure`` and a GPU model, the device's measured memory (``sn.gpu_memory_info``) and the fit
     on it are filled in."""
     import specd.native as sn
@@ -286,7 +297,7 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
     weights = sum(by_type.values())
     kv_seq = sb.kv_per_token * max_seq_len
     seq = kv_seq + sb.recurrent + sb.conv + sb.verify
-    ws = workspace_bytes(hp, verify_width)
+    ws = workspace_bytes(hp, verify_width, getattr(model, "prefill_chunk", 0))
     ring = segment_bytes(max_seq_len, max(1, n_taps) * hp.n_embd)
     gpu = model.device == sn.Device.GPU
     mem = gpu_memory() if (measure and gpu) else None
@@ -351,7 +362,9 @@ def drafter_memory(model) -> DrafterMemory:
             per_token += row
         else:
             bounded += (2 * keep + 2 * int(hp.block_size)) * row
-    device = str(getattr(model, "device", "cpu")).lower().replace("device.", "")
-    return DrafterMemory(device="cuda" if device in ("gpu", "cuda") else "cpu", weight_bytes=sum(by_type.values()),
+    import specd.native as sn
+
+    on_gpu = getattr(model, "device", sn.Device.CPU) == sn.Device.GPU
+    return DrafterMemory(device="cuda" if on_gpu else "cpu", weight_bytes=sum(by_type.values()),
                          weight_bytes_by_type=by_type, kv_dtype=type_name(model.kv_dtype),
                          kv_bytes_per_token=per_token, bounded_kv_bytes_per_sequence=bounded)

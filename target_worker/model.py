@@ -104,11 +104,11 @@ class Qwen35Model:
         kv_dtype: KV cache type, ``DType.F16`` (default) or ``DType.Q8_0`` (or F32).
         prefill_chunk: tokens per prefill forward.
         device: ``sn.Device.CPU`` (default) or ``sn.Device.GPU`` (or "cpu" / "cuda" / "gpu"). On the GPU
-            the weights are uploaded once here (matmul weights in a format the GPU matmul of this
-            build lacks are dequantized to F32 on upload, the embedding table likewise for formats
-            other than F32/F16/BF16/Q8_0), the KV caches, GDN and conv states and every activation
-            stay on the device, and only the outputs (logits, argmax, features) come back to the
-            host. Same API and semantics as on the CPU (prefill, decode, chain and tree verify,
+            the weights are uploaded once here in their stored types, the KV caches, GDN and conv
+            states and every activation stay on the device, and only the outputs (logits, argmax,
+            features) come back to the host. Verify rows are computed exactly at any width (each
+            equals decode bitwise); prefill chunks over 16 rows use the 2^-8-accurate BF16 GEMM
+            (so GPU greedy output depends on ``prefill_chunk``, as in llama.cpp on the batch size). Same API and semantics as on the CPU (prefill, decode, chain and tree verify,
             commit). Raises RuntimeError when the GPU is asked for and none is usable.
         tensor_ops: run the device code path (sn.Tensor glue ops instead of numpy) even on the CPU;
             for tests on machines without a GPU (``SPECD_TEST_GPU_DRYRUN``). Implied by the GPU.
@@ -167,12 +167,15 @@ class Qwen35Model:
         logits (float32 [n_vocab]). ``cancelled``: optional callable checked before every chunk after
         the first; when it returns True the prefill stops with :class:`PrefillCancelled`."""
         tokens = self._check_tokens(tokens, st)
+        logits = None
         for s in range(0, len(tokens), self.prefill_chunk):
             if s and cancelled is not None and cancelled():
                 raise PrefillCancelled(f"prefill cancelled after {s} of {len(tokens)} tokens")
-            res = self.verify(st, tokens[s : s + self.prefill_chunk], last_only=True)
+            res = self.verify(st, tokens[s : s + self.prefill_chunk], last_only=True, exact=False)
             self.commit(st, res, len(res.tokens))
-        return res.logits[0]
+            logits = res.logits[0]
+            del res  # its pending buffers go before the next chunk's (one chunk's worth at a time)
+        return logits
 
     def decode(self, st: SequenceState, token: int) -> np.ndarray:
         """Runs and commits one token; returns its logits (float32 [n_vocab])."""
@@ -181,13 +184,16 @@ class Qwen35Model:
         return res.logits[0]
 
     def verify(self, st: SequenceState, tokens: Sequence[int], parents: Sequence[int] | None = None,
-               last_only: bool = False) -> VerifyResult:
+               last_only: bool = False, exact: bool = True) -> VerifyResult:
         """Runs w tokens after the committed prefix without committing anything.
 
         Chain (``parents`` None): row i sits at position committed + i. Tree: ``parents[i]`` is the
         row index of node i's parent (< i) or -1 for a child of the committed prefix; node i sits at
         position committed + depth(i) and attends to the prefix and its own ancestors only. Returns
         logits and argmax of every row (only the last row with ``last_only``) and every row's features.
+        ``exact`` (default): every row is bit-identical to computing it alone (decode), on every device
+        — what makes speculative output equal plain output. ``exact=False`` lets the GPU run matmuls of
+        more than 16 rows as a BF16 GEMM (2^-8-accurate, not batch invariant): prefill only.
         """
         tokens = self._check_tokens(tokens, st)
         w, c = len(tokens), st.committed
@@ -195,10 +201,8 @@ class Qwen35Model:
         st.verifies += 1
         positions = (c + np.arange(w) if tree is None else c + tree.depth).astype(np.int32)
         ops = self._ops
-        # Every row of a verify must equal decode bitwise (spec output == plain output), so verify
-        # matmuls stay exact on the GPU at any width; prefill (last_only) may take the faster,
-        # 2^-8-accurate GEMM path for chunks wider than 16 rows (the CPU is always exact).
-        mm = _inexact_matmul if last_only else sn.matmul
+        mm = sn.matmul if exact else _inexact_matmul  # the CPU is always exact
+
         x = ops.a(sn.embedding(self.token_embd, tokens))
         taps, pending = {}, []
         for i, layer in enumerate(self.layers):

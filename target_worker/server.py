@@ -297,7 +297,15 @@ class TargetServicer(pbg.TargetWorkerServicer):
                              live_sequences=live, live_shm_segments=len(self.features.live()),
                              feature_transport=self.transport,
                              inline_max_rows=self.inline_max_rows if self.inline else 0,
-                             memory=self.memory_report().to_proto(pb))
+                             memory=self._memory_proto())
+
+    def _memory_proto(self):
+        """The memory report for Info, or None (logged) when it cannot be computed: Info must answer."""
+        try:
+            return self.memory_report().to_proto(pb)
+        except Exception:  # noqa: BLE001 - accounting must never take Info down
+            log.exception("target-worker: memory report failed")
+            return None
 
     def _rows(self, seq_id: str):
         """Inline transport: the FeatureRows of what the sequence committed since the last call

@@ -152,14 +152,15 @@ def assert_same_state(a, b):
 @pytest.mark.parametrize("name,kv", [("main", sn.DType.F16), ("r3", sn.DType.Q8_0), ("smoke", sn.DType.F32)])
 @gpu_only
 def test_gpu_chain_verify_is_batch_invariant(tiny, rng, name, kv):
-    """Verify of width 1..8 gives bitwise the decode logits of the same tokens; committing every
-    prefix n then decoding equals a plain run (logits and state), all on the GPU."""
+    """Verify of width 1..8, 17 and 33 (past the 16-row GEMV slice: exact at any width) gives bitwise
+    the decode logits of the same tokens; committing every prefix n then decoding equals a plain run
+    (logits and state), all on the GPU."""
     weights, ck = tiny(name)
     model = gpu_model(weights, kv_dtype=kv, capture_layers=[1])
     prompt = list(ck.prompt)
-    cont = [int(t) for t in rng.integers(0, weights.hparams.n_vocab, size=8)]
+    cont = [int(t) for t in rng.integers(0, weights.hparams.n_vocab, size=33)]
     _, ref = plain_logits(model, prompt + cont)
-    for w in range(1, 9):
+    for w in [*range(1, 9), 17, 33]:
         st = model.new_sequence(128)
         for t in prompt:
             model.decode(st, t)
