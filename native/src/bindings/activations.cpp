@@ -18,13 +18,11 @@ using BinaryFn = Tensor (*)(const Tensor&, const Tensor&);
 
 // Runs the GPU op for GPU tensors (builds with a GPU backend), else the CPU op.
 Tensor unary(const Tensor& x, UnaryFn cpu_fn, UnaryFn gpu_fn) {
-  if (x.device == Device::GPU && gpu_fn) return gpu_fn(x);
-  return cpu_fn(x);
+  return without_gil([&] { return x.device == Device::GPU && gpu_fn ? gpu_fn(x) : cpu_fn(x); });
 }
 Tensor binary(const Tensor& a, const Tensor& b, const char* op, BinaryFn cpu_fn, BinaryFn gpu_fn) {
   require_same_device(a, b, op);
-  if (a.device == Device::GPU && gpu_fn) return gpu_fn(a, b);
-  return cpu_fn(a, b);
+  return without_gil([&] { return a.device == Device::GPU && gpu_fn ? gpu_fn(a, b) : cpu_fn(a, b); });
 }
 
 }  // namespace

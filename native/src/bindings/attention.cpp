@@ -11,10 +11,12 @@ void register_attention(py::module_& m) {
       "kv_write",
       [](const Tensor& cache, const Tensor& x, const Tensor& rows) {
         require_same_device(cache, x, "kv_write");
+        without_gil([&] {
 #if SPECD_WITH_GPU
-        if (cache.device == Device::GPU) return gpu::kv_write(cache, x, rows);
+          if (cache.device == Device::GPU) return gpu::kv_write(cache, x, rows);
 #endif
-        cpu::kv_write(cache, x, rows);
+          cpu::kv_write(cache, x, rows);
+        });
       },
       py::arg("cache"), py::arg("x"), py::arg("rows"),
         R"doc(Write K or V rows into a KV cache in place.
@@ -31,10 +33,12 @@ Returns None. Raises ValueError on dtype/shape mismatch, a row outside [0, capac
         cpu::AttentionArgs a{kv_len, causal, window, std::move(mask), scale};
         require_same_device(q, k_cache, "attention");
         require_same_device(q, v_cache, "attention");
+        return without_gil([&] {
 #if SPECD_WITH_GPU
-        if (q.device == Device::GPU) return gpu::attention(q, k_cache, v_cache, q_pos, a);
+          if (q.device == Device::GPU) return gpu::attention(q, k_cache, v_cache, q_pos, a);
 #endif
-        return cpu::attention(q, k_cache, v_cache, q_pos, a);
+          return cpu::attention(q, k_cache, v_cache, q_pos, a);
+        });
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_len"), py::arg("q_pos"),
       py::arg("causal") = true, py::arg("window") = 0, py::arg("mask") = py::none(), py::arg("scale") = py::none(),

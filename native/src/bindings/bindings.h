@@ -21,6 +21,15 @@ Tensor from_numpy(const py::array& a, std::optional<DType> dtype);
 // BF16 come back as their raw bytes / uint16 bits.
 py::array to_numpy(const Tensor& t);
 
+// Runs f() with the GIL released, for native work that touches no Python object: other Python
+// threads (RPC handlers, the other worker in a test process) run meanwhile. Tensors may be copied or
+// destroyed inside: the holder of a numpy-backed tensor takes the GIL itself when it lets go.
+template <class F>
+decltype(auto) without_gil(F&& f) {
+  py::gil_scoped_release nogil;
+  return f();
+}
+
 // Runs `cpu` or `gpu` by the device of `t`; `gpu` is reached only in builds with a GPU backend.
 void require_same_device(const Tensor& a, const Tensor& b, const char* op);
 

@@ -12,12 +12,12 @@ void register_norm(py::module_& m) {
       [](const Tensor& x, std::optional<Tensor> weight, float eps, std::optional<Tensor> residual) -> py::object {
         if (weight) require_same_device(x, *weight, "rms_norm");
         if (residual) require_same_device(x, *residual, "rms_norm");
+        auto [y, h] = without_gil([&] {
 #if SPECD_WITH_GPU
-        auto [y, h] = x.device == Device::GPU ? gpu::rms_norm(x, weight, eps, residual)
-                                              : cpu::rms_norm(x, weight, eps, residual);
-#else
-        auto [y, h] = cpu::rms_norm(x, weight, eps, residual);
+          if (x.device == Device::GPU) return gpu::rms_norm(x, weight, eps, residual);
 #endif
+          return cpu::rms_norm(x, weight, eps, residual);
+        });
         if (residual) return py::make_tuple(y, h);
         return py::cast(y);
       },
@@ -31,10 +31,12 @@ GGUF stores the multiplier (HF's 1 + w), qwen35-target.md §6.2.)doc");
   m.def(
       "l2_norm",
       [](const Tensor& x, float eps) {
+        return without_gil([&] {
 #if SPECD_WITH_GPU
-        if (x.device == Device::GPU) return gpu::l2_norm(x, eps);
+          if (x.device == Device::GPU) return gpu::l2_norm(x, eps);
 #endif
-        return cpu::l2_norm(x, eps);
+          return cpu::l2_norm(x, eps);
+        });
       },
       py::arg("x"),
       py::arg("eps") = 1e-6f,

@@ -26,15 +26,6 @@ Tensor as_tensor(const py::handle& obj, const char* op, const char* arg) {
   return from_numpy(a, std::nullopt);
 }
 
-template <class F>
-Tensor without_gil(F&& f) {
-  Tensor y;
-  {
-    py::gil_scoped_release nogil;
-    y = f();
-  }
-  return y;
-}
 
 }  // namespace
 

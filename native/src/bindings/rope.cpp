@@ -13,10 +13,12 @@ void register_rope(py::module_& m) {
          int64_t yarn_original_context, double yarn_beta_fast, double yarn_beta_slow,
          std::optional<double> yarn_attention_factor) {
         cpu::Yarn yarn{yarn_factor, yarn_original_context, yarn_beta_fast, yarn_beta_slow, yarn_attention_factor};
+        return without_gil([&] {
 #if SPECD_WITH_GPU
-        if (x.device == Device::GPU) return gpu::rope_neox(x, positions, n_rot, theta, yarn);
+          if (x.device == Device::GPU) return gpu::rope_neox(x, positions, n_rot, theta, yarn);
 #endif
-        return cpu::rope_neox(x, positions, n_rot, theta, yarn);
+          return cpu::rope_neox(x, positions, n_rot, theta, yarn);
+        });
       },
       py::arg("x"), py::arg("positions"), py::arg("n_rot"), py::arg("theta"), py::arg("yarn_factor") = 1.0,
       py::arg("yarn_original_context") = 0, py::arg("yarn_beta_fast") = 32.0, py::arg("yarn_beta_slow") = 1.0,

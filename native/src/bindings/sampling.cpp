@@ -10,10 +10,12 @@ void register_sampling(py::module_& m) {
   m.def(
       "argmax",
       [](const Tensor& x) {
+        return without_gil([&] {
 #if SPECD_WITH_GPU
-        if (x.device == Device::GPU) return gpu::argmax(x);
+          if (x.device == Device::GPU) return gpu::argmax(x);
 #endif
-        return cpu::argmax(x);
+          return cpu::argmax(x);
+        });
       },
       py::arg("x"),
       R"doc(Index of the maximum of each row (greedy decoding).
@@ -26,13 +28,12 @@ Raises ValueError on dtype/shape mismatch.)doc");
   m.def(
       "topk",
       [](const Tensor& x, int64_t k) {
+        auto [values, indices] = without_gil([&] {
 #if SPECD_WITH_GPU
-        if (x.device == Device::GPU) {
-          auto [values, indices] = gpu::topk(x, k);
-          return py::make_tuple(values, indices);
-        }
+          if (x.device == Device::GPU) return gpu::topk(x, k);
 #endif
-        auto [values, indices] = cpu::topk(x, k);
+          return cpu::topk(x, k);
+        });
         return py::make_tuple(values, indices);
       },
       py::arg("x"), py::arg("k"),

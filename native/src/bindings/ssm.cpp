@@ -12,10 +12,12 @@ void register_ssm(py::module_& m) {
       [](const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu) {
         require_same_device(x, weight, "conv1d_causal");
         require_same_device(x, state, "conv1d_causal");
+        return without_gil([&] {
 #if SPECD_WITH_GPU
-        if (x.device == Device::GPU) return gpu::conv1d_causal(x, weight, state, apply_silu);
+          if (x.device == Device::GPU) return gpu::conv1d_causal(x, weight, state, apply_silu);
 #endif
-        return cpu::conv1d_causal(x, weight, state, apply_silu);
+          return cpu::conv1d_causal(x, weight, state, apply_silu);
+        });
       },
       py::arg("x"), py::arg("weight"), py::arg("state"),
         py::arg("apply_silu") = true,
@@ -33,10 +35,12 @@ Raises ValueError on dtype/shape mismatch (weight [K >= 1, C], state [K-1, C]).)
          float scale, std::optional<Tensor> checkpoints) {
         for (const Tensor* t : {&k, &v, &g, &beta, &state}) require_same_device(q, *t, "gated_delta_net");
         if (checkpoints) require_same_device(q, *checkpoints, "gated_delta_net");
+        return without_gil([&] {
 #if SPECD_WITH_GPU
-        if (q.device == Device::GPU) return gpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints);
+          if (q.device == Device::GPU) return gpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints);
 #endif
-        return cpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints);
+          return cpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints);
+        });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"),
         py::arg("beta"), py::arg("state"), py::arg("scale"), py::arg("checkpoints") = py::none(),
