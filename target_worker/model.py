@@ -58,13 +58,21 @@ class VerifyResult:
 
     tokens: np.ndarray  # int32 [w]
     parents: np.ndarray | None  # int32 [w] tree parents (-1: the committed prefix), None for a chain
-    logits: np.ndarray  # float32 [w, n_vocab], or [1, n_vocab] (last row only) when asked for
+    raw_logits: object  # logits where they were computed: numpy (CPU) or an sn.Tensor on the device
     argmax: np.ndarray  # int32, one per row of logits
     features: np.ndarray  # float32 [w, n_taps * n_embd]
     start: int  # committed length when the verify ran
     pending: list  # per layer: GDNPending for GDN layers, None for attention layers
     sequence: "SequenceState"  # the sequence it ran on
     generation: int  # that sequence's verify count when it ran: only the newest verify can commit
+
+    @property
+    def logits(self) -> np.ndarray:
+        """float32 [w, n_vocab], or [1, n_vocab] (last row only) when asked for; on the GPU copied to
+        the host on first use only (greedy verification needs just ``argmax``)."""
+        if not isinstance(self.raw_logits, np.ndarray):
+            self.raw_logits = self.raw_logits.numpy()
+        return self.raw_logits
 
 
 class PrefillCancelled(Exception):
@@ -219,8 +227,8 @@ class Qwen35Model:
         feats = (ops.host(ops.cat([taps[i] for i in self.capture_layers], axis=1)) if self.capture_layers
                  else np.zeros((w, self.hp.n_embd), np.float32))
         logits = self._logits(ops.last_row(x) if last_only else x)
-        argmax = sn.argmax(logits).numpy()  # computed on the device (the logits come back below as well)
-        return VerifyResult(tokens, None if tree is None else tree.parents, ops.host(logits), argmax,
+        argmax = sn.argmax(logits).numpy()  # computed on the device; the logits stay there until asked for
+        return VerifyResult(tokens, None if tree is None else tree.parents, logits, argmax,
                             feats, c, pending, st, st.verifies)
 
     def commit(self, st: SequenceState, res: VerifyResult, n_or_path) -> None:
