@@ -530,6 +530,30 @@ def write_metadata(w: gguf.GGUFWriter, hp: Qwen35HParams, name: str,
     w.add_array(f"{ARCH}.attention.recurrent_layers", list(hp.recurrent) + [False] * hp.n_nextn)
 
 
+def write_gguf(out: Path, metadata, infos, data) -> None:
+    """Write a qwen35 GGUF at ``out`` atomically (``out + .tmp``, renamed when complete; removed on
+    any error). ``metadata(writer)`` adds the KV pairs; ``infos`` lists (name, numpy-order shape,
+    storage type, bytes) per tensor; ``data(i)`` returns tensor i's stored array (called in order)."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    writer = gguf.GGUFWriter(tmp, ARCH)
+    try:
+        metadata(writer)
+        for name, shape, qtype, nbytes in infos:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for i in range(len(infos)):
+            writer.write_tensor_data(data(i))
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str = "auto",
             mtp: bool = True) -> ConversionResult:
     """Convert a transformers Qwen3.5 checkpoint directory to a qwen35 GGUF at ``out_path``.
@@ -542,25 +566,17 @@ def convert(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str
     qtype = _resolve_outtype(outtype, ckpt)
     hp, plans = plan_conversion(ckpt, qtype, mtp)
     out = Path(out_path)
-    tmp = out.with_name(out.name + ".tmp")
-    writer = gguf.GGUFWriter(tmp, ARCH)
-    try:
+    has_tokenizer = False
+
+    def metadata(writer):
+        nonlocal has_tokenizer
         write_metadata(writer, hp, ckpt.path.name, qtype)
         has_tokenizer = add_tokenizer(writer, ckpt.path, hp.n_vocab, ckpt.config)
-        for p in plans:
-            writer.add_tensor_info(p.gguf_name, p.shape, np.dtype(np.float32), p.nbytes, raw_dtype=p.qtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for p in plans:
-            data = to_gguf_layout(p.kind, read_tensor(ckpt.tensors[p.hf_name]), hp)
-            writer.write_tensor_data(encode(data, p.qtype))
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
+
+    infos = [(p.gguf_name, p.shape, p.qtype, p.nbytes) for p in plans]
+    write_gguf(out, metadata, infos,
+               lambda i: encode(to_gguf_layout(plans[i].kind, read_tensor(ckpt.tensors[plans[i].hf_name]), hp),
+                                plans[i].qtype))
     counts: dict[str, int] = {}
     for p in plans:
         counts[p.qtype.name] = counts.get(p.qtype.name, 0) + 1

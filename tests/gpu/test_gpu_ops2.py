@@ -224,6 +224,15 @@ def test_rope_gpu_bad_input(rng):
 DTYPES = ["F32", "F16", "Q8_0"]
 
 
+def tree_path(parents, j):
+    """Rows from the root's child down to tree row j (parents[i] < i, -1 for the root's children)."""
+    out = []
+    while j >= 0:
+        out.append(j)
+        j = parents[j]
+    return out[::-1]
+
+
 def empty_cache(capacity, hkv, d, dtype):
     if dtype == "F32":
         return np.zeros((capacity, hkv, d), np.float32), None
@@ -395,12 +404,7 @@ def test_attention_gpu_batch_invariance_bitwise(rng, dtype, shape):
     pos_t = (c0 + np.array(depth)).astype(np.int32)
     yt = sn.attention(on_gpu(qn), kt, vt, c0 + n, on_gpu(pos_t), causal=False, mask=on_gpu(mask)).numpy()
     for node in (3, 6):
-        path = []
-        a = node
-        while a >= 0:
-            path.append(a)
-            a = parent[a]
-        path = path[::-1]
+        path = tree_path(parent, node)
         rk, dt2 = empty_cache(cap, hkv, d, dtype)
         rv, _ = empty_cache(cap, hkv, d, dtype)
         ck, cv = on_gpu(rk, dt2), on_gpu(rv, dt2)
@@ -454,12 +458,7 @@ def test_attention_gpu_chunk_boundaries(rng, dtype):
     pos_t = (c0 + np.array(depth)).astype(np.int32)
     yt = sn.attention(on_gpu(qn), kt, vt, c0 + n, on_gpu(pos_t), causal=False, mask=on_gpu(tmask)).numpy()
     for node in range(n):
-        path = []
-        a = node
-        while a >= 0:
-            path.append(a)
-            a = parent[a]
-        path = path[::-1]
+        path = tree_path(parent, node)
         idx = np.concatenate([np.arange(c0), c0 + np.array(path)])
         ck, cv = caches(kx[idx], vx[idx])
         pch = np.arange(c0, c0 + len(path), dtype=np.int32)

@@ -32,7 +32,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from specd.target_worker.convert import ARCH, _expected_ne, hparams_from_config, write_metadata
+from specd.target_worker.convert import _expected_ne, hparams_from_config, write_gguf, write_metadata
 
 CONFIGS = {
     "27b": dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
@@ -159,26 +159,18 @@ def write(out: str | os.PathLike, config: str = "27b", mix: str = "iq4xs", seed:
         qt = storage_type(name, shape, mix, layer)
         plan.append((name, shape, qt, nbytes_of(shape, qt)))
     pools = {qt: block_pool(qt, rng) for qt in {p[2] for p in plan} if qt != QT.F32}
-    tmp = Path(str(out) + ".tmp")
-    w = gguf.GGUFWriter(tmp, ARCH)
-    try:
+
+    def metadata(w):
         write_metadata(w, hp, f"random-{config}-{mix}", GENERAL_FILE_TYPE[mix])
         add_placeholder_tokenizer(w, hp.n_vocab)
-        for name, shape, qt, nb in plan:
-            w.add_tensor_info(name, tuple(reversed(shape)), np.dtype(np.float32), nb, raw_dtype=qt)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for name, shape, qt, nb in plan:
-            data = (f32_values(name, nb // 4, rng) if qt == QT.F32
-                    else tensor_bytes(pools[qt], nb, gguf.GGML_QUANT_SIZES[qt][1], rng))
-            w.write_tensor_data(data)
-        w.close()
-        os.replace(tmp, out)
-    except BaseException:
-        w.close()
-        tmp.unlink(missing_ok=True)
-        raise
+
+    def data(i):
+        name, _, qt, nb = plan[i]
+        if qt == QT.F32:
+            return f32_values(name, nb // 4, rng)
+        return tensor_bytes(pools[qt], nb, gguf.GGML_QUANT_SIZES[qt][1], rng)
+
+    write_gguf(Path(out), metadata, [(n, tuple(reversed(sh)), qt, nb) for n, sh, qt, nb in plan], data)
     types: dict[str, int] = {}
     for _, _, qt, _ in plan:
         types[qt.name] = types.get(qt.name, 0) + 1
