@@ -7,8 +7,8 @@ the tensor form of DFlash 2's grouped dynamic conv) on CPU tensors instead
 CPU kernels see the same inputs), which checks that the device graph is exactly the CPU graph.
 
 Properties (GPU: tokens, candidates and top-k ids exact; logits, hidden, corrected logits, top-k
-log-probs, candidate scores and confidences within REL = 1e-4 of max|cpu|, confidences within
-ATOL = 1e-5; dry run: all bitwise):
+log-probs, candidate scores and confidences within REL = 1e-4 of max|cpu| (REL_F16_KV = 1e-3 with an
+F16 context cache: see its comment), confidences within ATOL = 1e-5; dry run: all bitwise):
 * tiny drafters of every family (DFlash with sliding + full layers, DSpark with YaRN, a
   softcapped DSpark, DFlash 2 with sliding non-causal layers; F32 and Q8_0 context K/V; a
   context_cap run exercising the bounded layers' compaction and windowed views): context ingested in
@@ -42,6 +42,9 @@ DRYRUN = os.environ.get("SPECD_TEST_GPU_DRYRUN") == "1"
 HAVE_GPU = sn.gpu_available() or DRYRUN
 MODELS = Path(__file__).resolve().parents[2] / "models"
 REL, ATOL = 1e-4, 1e-5
+# F16 context K/V: a 1-ulp F32 difference between the backends can flip an F16 rounding of a cached
+# element (2^-11 relative) that later blocks attend to: measured 1.7e-4 (dflash2, 7 blocks).
+REL_F16_KV = 1e-3
 PIECES = (5, 1, 9, 3, 7, 2)  # context rows per ingest; a proposal after each
 
 
@@ -70,7 +73,7 @@ def close(got, ref, what, rel=REL):
         assert err <= rel, f"{what}: max rel err {err:.3g} > {rel}"
 
 
-def compare_proposals(cpu, gpu, hp, rng, pieces=PIECES, capacity=96, topk=3, markov="fused", **kw):
+def compare_proposals(cpu, gpu, hp, rng, pieces=PIECES, capacity=96, topk=3, markov="fused", rel=REL, **kw):
     """Ingest the same random features in pieces into both models, propose after every piece, compare."""
     width = hp.n_taps * hp.n_embd
     sc, sg = cpu.new_sequence(capacity), gpu.new_sequence(capacity)
@@ -87,7 +90,7 @@ def compare_proposals(cpu, gpu, hp, rng, pieces=PIECES, capacity=96, topk=3, mar
         what = f"block {i} at {pos}"
         np.testing.assert_array_equal(b.tokens, a.tokens, err_msg=f"{what}: tokens")
         for name in ("logits", "markov_logits", "hidden", "topk_logprobs", "candidate_scores"):
-            close(getattr(b, name), getattr(a, name), f"{what}: {name}")
+            close(getattr(b, name), getattr(a, name), f"{what}: {name}", rel)
         for name in ("topk_ids", "candidates"):
             close(getattr(b, name), getattr(a, name), f"{what}: {name}")
         if a.confidence is not None:
@@ -101,7 +104,7 @@ def compare_proposals(cpu, gpu, hp, rng, pieces=PIECES, capacity=96, topk=3, mar
         for layer in range(hp.n_layer):
             lo = max(0, pos - 4)
             for x, y in zip(sg.cached_kv(layer, range(lo, pos)), sc.cached_kv(layer, range(lo, pos))):
-                close(x, y, f"{what}: layer {layer} K/V")
+                close(x, y, f"{what}: layer {layer} K/V", rel)
     return sc, sg
 
 
@@ -132,7 +135,8 @@ def build_tiny(tmp_path, rng, family, softcap=False, **cfg_kw):
 def test_gpu_tiny_drafter_matches_cpu(tmp_path, rng, case):
     c = dict(TINY_CASES[case])
     family, kv, cap = c.pop("family"), c.pop("kv", sn.DType.F32), c.pop("cap", None)
-    run = dict(pieces=c.pop("pieces", PIECES), capacity=c.pop("capacity", 96))
+    run = dict(pieces=c.pop("pieces", PIECES), capacity=c.pop("capacity", 96),
+               rel=REL_F16_KV if kv == sn.DType.F16 else REL)
     ld, emb, head = build_tiny(tmp_path, rng, family, **c)
     kw = dict(kv_dtype=kv, context_cap=cap)
     compare_proposals(DrafterModel(ld, emb, head, **kw), gpu_drafter(ld, emb, head, **kw), ld.hparams, rng, **run)

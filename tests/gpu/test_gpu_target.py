@@ -40,6 +40,9 @@ DRYRUN = os.environ.get("SPECD_TEST_GPU_DRYRUN") == "1"
 HAVE_GPU = sn.gpu_available() or DRYRUN
 DEMO = Path(__file__).resolve().parents[2] / "models" / "demo-target.gguf"
 REL = 1e-4
+# F16 K/V: a 1-ulp F32 difference between the backends can flip an F16 rounding of a cached K/V
+# element (2^-11 relative), and later rows attend to it: measured 3.3e-4 over 24 demo-target rows.
+REL_F16_KV = 1e-3
 CHUNK = 16  # see the module docstring
 
 
@@ -93,15 +96,16 @@ def greedy(model, prompt, n, capacity=128):
 def compare_with_cpu(weights, prompt, kv=sn.DType.F32, n=32, capture=()):
     cpu = Qwen35Model(weights, kv_dtype=kv, prefill_chunk=CHUNK, capture_layers=capture)
     gpu = gpu_model(weights, kv_dtype=kv, prefill_chunk=CHUNK, capture_layers=capture)
+    rel = REL_F16_KV if kv == sn.DType.F16 else REL
     ref = cpu.verify(cpu.new_sequence(len(prompt)), prompt)
     got = gpu.verify(gpu.new_sequence(len(prompt)), prompt)
-    assert rel_err(got.logits, ref.logits) <= REL
+    assert rel_err(got.logits, ref.logits) <= rel
     np.testing.assert_array_equal(got.argmax, np.argmax(got.logits, axis=-1))
     if capture:
-        assert rel_err(got.features, ref.features) <= REL
+        assert rel_err(got.features, ref.features) <= rel
     toks_c, lg_c = greedy(cpu, prompt, n)
     toks_g, lg_g = greedy(gpu, prompt, n)
-    assert rel_err(lg_g, lg_c) <= REL
+    assert rel_err(lg_g, lg_c) <= rel
     assert toks_g == toks_c
 
 
@@ -121,7 +125,7 @@ def test_gpu_quantized_kv_matches_cpu(tiny, kv):
     gpu = gpu_model(weights, kv_dtype=kv)
     ref = cpu.verify(cpu.new_sequence(32), ck.prompt).logits
     got = gpu.verify(gpu.new_sequence(32), ck.prompt).logits
-    assert rel_err(got, ref) <= (1e-4 if kv == sn.DType.F16 else 2e-3)  # Q8_0 rounding may flip
+    assert rel_err(got, ref) <= (REL_F16_KV if kv == sn.DType.F16 else 2e-3)  # roundings may flip
 
 
 @pytest.mark.skipif(not DEMO.exists(), reason="models/demo-target.gguf is not present")
