@@ -1,4 +1,4 @@
-"""Spec-loop benchmark on the CPU: plain decode vs speculation at fixed acceptance lengths.
+"""Spec-loop benchmark through the service: plain decode vs speculation at fixed acceptance lengths.
 
 Starts ``specd serve`` (coordinator + target worker + scripted drafter worker, real processes over
 gRPC) on a target GGUF, with the scripted *oracle* drafter of performance.md §6.6: it proposes the
@@ -10,8 +10,10 @@ reports, from the final Generate message: decode tokens/s, steps, the workers' c
 loop overhead (decode wall time minus worker compute: gRPC, Python, policy, detokenisation), per
 step and as a share of the step. Also checks that every run's tokens equal the plain greedy ones.
 
-Usage: python tools/bench/loop_overhead.py [--target models/demo-target.gguf] [--tokens 128]
-       [--al 3 5 7] [--block 8] [--write BENCHMARKS.md]
+Usage: python tools/bench/loop_overhead.py [--target models/demo-target.gguf] [--device cpu|cuda]
+       [--tokens 128] [--al 3 5 7] [--block 8] [--write BENCHMARKS.md]
+``--device cuda`` runs both the reference and the workers on the GPU (e.g. a random 27B-shaped GGUF of
+tools/bench/random_qwen35.py, whose placeholder tokenizer encodes the prompts byte by byte).
 """
 from __future__ import annotations
 
@@ -52,13 +54,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(target, continuations, block, accept):
+def serve(target, continuations, block, accept, device):
     port = free_port()
-    cmd = [sys.executable, "-m", "specd.coordinator.cli", "serve", "--target", target, "--listen",
+    cmd = [sys.executable, "-m", "specd.coordinator.cli", "serve", "--target", target, "--device", device, "--listen",
            f"127.0.0.1:{port}", "--scripted-block", str(block), "--scripted-continuations", continuations,
            "--scripted-accept", str(accept)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # a 27B GGUF loads in ~15 s per worker
     for line in proc.stdout:
         if line.startswith("READY"):
             return proc, f"127.0.0.1:{port}"
@@ -75,8 +77,8 @@ def generate(server, ids, n, mode):
     return json.loads(out)
 
 
-def run_config(target, cont_file, prompts, n, block, accept, mode):
-    proc, server = serve(target, cont_file, block, accept)
+def run_config(target, cont_file, prompts, n, block, accept, mode, device):
+    proc, server = serve(target, cont_file, block, accept, device)
     try:
         generate(server, prompts[0], 8, mode)  # warm-up
         return [generate(server, ids, n, mode) for ids in prompts]
@@ -105,6 +107,7 @@ def summarise(label, results, reference):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="models/demo-target.gguf")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--al", type=int, nargs="+", default=[3, 5, 7])
     ap.add_argument("--block", type=int, default=8, help="drafts per step of the 'block' rows (default 8)")
@@ -117,31 +120,38 @@ def main():
 
     weights = load_qwen35(args.target)
     tok = build_tokenizer(read_tokenizer_metadata(args.target), args.target)
-    model = Qwen35Model(weights)
+    model = Qwen35Model(weights, device=args.device)
     prompts = [tok.encode(p).ids for p in PROMPTS]
     reference = [greedy(model, ids, args.tokens) for ids in prompts]
+    del model, weights  # the servers load their own copy
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         for ids, cont in zip(prompts, reference):
             f.write(json.dumps({"prompt": ids, "continuation": cont}) + "\n")
     rows = [summarise("plain (speculation off)", run_config(args.target, f.name, prompts, args.tokens,
-                                                            args.block, 0, "off"), reference)]
+                                                            args.block, 0, "off", args.device), reference)]
     for al in args.al:
-        res = run_config(args.target, f.name, prompts, args.tokens, al - 1, -1, "force")
+        res = run_config(args.target, f.name, prompts, args.tokens, al - 1, -1, "force", args.device)
         rows.append(summarise(f"oracle drafter, AL {al}, exact (width {al})", res, reference))
-        res = run_config(args.target, f.name, prompts, args.tokens, args.block, al - 1, "force")
+        res = run_config(args.target, f.name, prompts, args.tokens, args.block, al - 1, "force", args.device)
         rows.append(summarise(f"oracle drafter, AL {al}, block {args.block} (width {args.block + 1})", res, reference))
     os.unlink(f.name)
     base = rows[0]["tok_s"]
-    lines = [f"## Spec loop on the CPU: loop overhead at fixed acceptance ({datetime.date.today()})", "",
-             f"**Hardware.** {platform.machine()} development VM, {os.cpu_count()} cores (shared). **Target.** "
-             f"`{args.target}`. **Command.** `python tools/bench/loop_overhead.py --tokens {args.tokens} --al "
-             f"{' '.join(map(str, args.al))}`. {len(prompts)} prompts x {args.tokens} tokens, greedy, every "
-             "run's tokens checked equal to plain greedy decoding. Real processes over gRPC (unix sockets "
-             "between coordinator and workers); the oracle drafter's own compute is ~0, so the numbers "
-             "isolate the target and the loop. The 7.4 M-parameter demo target is dominated by per-op dispatch on "
-             "this CPU, so a verify of 9 tokens costs only ~1.5-2x a decode; on a 27B target the verify is "
-             f"weight-bound instead (performance.md). Load average during the run: {os.getloadavg()[0]:.1f} "
-             "(other work shares the 2 cores: treat single rows as +-30 %).", "",
+    if args.device == "cuda":
+        import specd.native as sn
+        where, hw = "the GPU", f"{sn.gpu_device_name()} ({sn.gpu_backend()}), {os.cpu_count()} host cores"
+        cost = ("Both workers run on the GPU; worker compute is the target's verify, so the overhead column is what "
+                "the loop adds around the GPU work (gRPC, Python, policy, detokenisation).")
+    else:
+        where, hw = "the CPU", f"{platform.machine()} development VM, {os.cpu_count()} cores (shared)"
+        cost = ("The 7.4 M-parameter demo target is dominated by per-op dispatch on this CPU, so a verify of 9 tokens "
+                "costs only ~1.5-2x a decode; on a 27B target the verify is weight-bound instead (performance.md). "
+                f"Load average during the run: {os.getloadavg()[0]:.1f} (treat single rows as +-30 %).")
+    lines = [f"## Spec loop on {where}: loop overhead at fixed acceptance ({datetime.date.today()})", "",
+             f"**Hardware.** {hw}. **Target.** `{args.target}`. **Command.** `python tools/bench/loop_overhead.py "
+             f"--target {args.target} --device {args.device} --tokens {args.tokens} --al {' '.join(map(str, args.al))}`. "
+             f"{len(prompts)} prompts x {args.tokens} tokens, greedy, every run's tokens checked equal to plain greedy "
+             "decoding. Real processes over gRPC (unix sockets between coordinator and workers); the oracle drafter's "
+             f"own compute is ~0, so the numbers isolate the target and the loop. {cost}", "",
              "| mode | tokens/step (AL) | decode tok/s | vs plain | worker compute / step | loop overhead / step | overhead share |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:

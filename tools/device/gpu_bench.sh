@@ -2,12 +2,14 @@
 # One device call for issue 7 on the lent H200: build + GPU tests (gpu_tests.sh with REPORT=0), the
 # GPU report without the per-format GEMV table (copy bandwidth, op errors, Q8_0 GEMV, attention /
 # GDN timing), then the target benchmark on a random 27B-shaped GGUF (tools/bench/gpu_decode.py)
-# for each mix in $MIXES (default "iq4xs"), all within $BUDGET_S seconds (default 560).
+# for each mix in $MIXES (default "iq4xs"), and with LOOP_AL (e.g. "5") the service loop benchmark
+# (tools/bench/loop_overhead.py --device cuda: coordinator + workers over gRPC, scripted oracle
+# drafter at those acceptance lengths) on the first mix's GGUF; all within $BUDGET_S seconds (default 560).
 #
 # Usage (repository root on the GPU machine; carry .whl, see gpu_tests.sh for the wheels):
 #     OUT=/some/dir MIXES="iq4xs q4km" bash tools/device/gpu_bench.sh
 # Outputs (8 files at most): gpu_tests.sh's build.log, pytest.log (+ the report's stdout),
-# status.txt, summary.json, summary.md; decode.log (benchmark output incl. its markdown table) and
+# status.txt, summary.json, summary.md; decode.log (benchmark output incl. its markdown tables) and
 # gpu_decode_<mix>.json per mix.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
@@ -29,6 +31,12 @@ for mix in ${MIXES:-iq4xs}; do
   timeout "$(left)" python3 "$R/tools/bench/gpu_decode.py" --gguf "/tmp/r27-$mix.gguf" --mix "$mix" \
     --out "$OUT" >>"$OUT/decode.log" 2>&1
   echo "decode $mix rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+  if [ -n "${LOOP_AL:-}" ] && [ "$(left)" -gt 90 ]; then
+    timeout "$(left)" python3 "$R/tools/bench/loop_overhead.py" --target "/tmp/r27-$mix.gguf" --device cuda \
+      --tokens 64 --al $LOOP_AL >>"$OUT/decode.log" 2>&1
+    echo "loop $mix rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+    LOOP_AL=""
+  fi
   rm -f "/tmp/r27-$mix.gguf"
 done
 cat "$OUT/status.txt"
