@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call for issue 7 on the lent H200: build + GPU tests (gpu_tests.sh with REPORT=0), the
-# GPU report without the per-format GEMV table (copy bandwidth, op errors, Q8_0 GEMV, attention /
-# GDN timing), then the target benchmark on a random 27B-shaped GGUF (tools/bench/gpu_decode.py)
+# One device call for issue 7 on the lent H200: build + GPU tests (gpu_tests.sh with REPORT=0; TESTS
+# selects pytest paths), the GPU report (copy bandwidth, op errors, Q8_0 GEMV, attention / GDN
+# timing; the per-format GEMV table only with FORMATS=1), then the target benchmark on a random 27B-shaped GGUF (tools/bench/gpu_decode.py)
 # for each mix in $MIXES (default "iq4xs"), and with LOOP_AL (e.g. "5") the service loop benchmark
 # (tools/bench/loop_overhead.py --device cuda: coordinator + workers over gRPC, scripted oracle
 # drafter at those acceptance lengths) on the first mix's GGUF; all within $BUDGET_S seconds (default 560).
@@ -24,7 +24,8 @@ echo "gpu_tests rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 cd /tmp || exit 1
 t=$(left); [ "$t" -gt 150 ] && t=150
-timeout "$t" python3 "$R/tools/device/gpu_report.py" --out "$OUT" --no-formats >>"$OUT/pytest.log" 2>&1
+fmt=--no-formats; [ "${FORMATS:-0}" = 1 ] && fmt=""  # FORMATS=1: the per-format GEMV table too (~1 min)
+timeout "$t" python3 "$R/tools/device/gpu_report.py" --out "$OUT" $fmt >>"$OUT/pytest.log" 2>&1
 echo "report rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 for mix in ${MIXES:-iq4xs}; do
   [ "$(left)" -gt 60 ] || { echo "decode $mix skipped: no time left" >>"$OUT/status.txt"; break; }
