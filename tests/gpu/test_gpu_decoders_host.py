@@ -67,3 +67,51 @@ def test_gpu_weight_decoders_bit_exact_on_host(decoder, rng, name, extreme):
     ref = sn.dequantize(t).numpy()
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (
         f"{name}: {int(np.sum(got.view(np.uint32) != ref.view(np.uint32)))} of {got.size} values differ")
+
+
+# --------------------------------------------------------------------------------------------
+# The tensor-core GEMV (native/src/gpu/matmul_mma.cuh), emulated on the host
+# --------------------------------------------------------------------------------------------
+# host_emu/mma_main.cpp runs the header's split_x_kernel and mma_gemv_kernel on the CPU (one thread
+# per lane, mma.sync m16n8k16 bf16 emulated from the PTX ISA fragment layouts, sums in double), so
+# the per-format load offsets, the k permutation, the scales / min terms and the split-K walk are
+# checked without a GPU. Tolerance: 1e-5 * (|x| @ |w|^T), the GEMV's contract (the emulation is
+# ~1e-7: the bf16 x split keeps ~24 bits). The hardware MMA numerics: test_gpu_matmul.py on a GPU.
+
+MMA_SRC = os.path.join(HERE, "..", "..", "native", "src", "gpu", "matmul_mma.cuh")
+
+
+@pytest.fixture(scope="module")
+def mma_emu(tmp_path_factory):
+    if not CXX or not os.path.exists(MMA_SRC):
+        pytest.skip("no C++ compiler or no source tree")
+    d = tmp_path_factory.mktemp("mma_emu")
+    for src in (SRC, MMA_SRC, os.path.join(HERE, "host_emu", "portability.h"),
+                os.path.join(HERE, "host_emu", "mma_main.cpp")):
+        shutil.copy(src, d / os.path.basename(src))
+    exe = d / "mma_emu"
+    r = subprocess.run([CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-I", str(d), "-o", str(exe),
+                        str(d / "mma_main.cpp")], capture_output=True, text=True)
+    if r.returncode != 0 and "barrier" in r.stderr:
+        pytest.skip("C++ compiler without std::barrier (C++20)")
+    assert r.returncode == 0, r.stderr
+    return d, exe
+
+
+@pytest.mark.parametrize("k,out", [(256, 7), (512, 77), (1024, 40)])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+def test_gpu_mma_gemv_emulated_on_host(mma_emu, rng, name, k, out):
+    d, exe = mma_emu
+    raw, t = weight(rng, name, out, k, False)
+    x = rng.standard_normal((16, k)).astype(np.float32)
+    ref = sn.matmul(x, t).numpy()
+    bound = np.abs(x.astype(np.float64)) @ np.abs(sn.dequantize(t).numpy().astype(np.float64)).T
+    np.ascontiguousarray(raw).tofile(d / "w.bin")
+    for n in (1, 8, 9, 16):  # one and two n8 tiles
+        np.ascontiguousarray(x[:n]).tofile(d / "x.bin")
+        subprocess.run([str(exe), name, str(n), str(k), str(out), str(d / "w.bin"), str(d / "x.bin"),
+                        str(d / "y.bin")], check=True)
+        y = np.fromfile(d / "y.bin", np.float32).reshape(n, out)
+        err = np.abs(y.astype(np.float64) - ref[:n])
+        assert np.all(err <= 1e-5 * bound[:n] + 1e-30), (
+            f"{name} n={n}: max err / bound {(err / (bound[:n] + 1e-30)).max():.3g}")

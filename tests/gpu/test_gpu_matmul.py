@@ -8,8 +8,12 @@ the CPU backend's sn.matmul on the same weights (its decoders are bit-exact with
 float32 error is far inside the bounds below), and bound = |x| @ |dequantize(w)|^T (float64).
 
 Tolerances, elementwise:
-* GEMV path (n <= 16 rows of x): |y_gpu - y_cpu| <= 1e-5 * bound. Both accumulate in float32 in
-  different orders; the GPU decodes the weights to exactly the CPU's float32 values.
+* GEMV path (n <= 16 rows of x, and n > 16 with exact=True in 16-row slices): |y_gpu - y_cpu| <=
+  1e-5 * bound. F32 / F16 / BF16: both accumulate in float32 in different orders; the GPU decodes
+  the weights to exactly the CPU's float32 values. Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS (CUDA: the
+  tensor-core GEMV, matmul_mma.cuh): integer quants (exact in BF16) times x split into three BF16
+  terms (x - (hi + mid + lo) <= 2^-24 |x|), F32 tensor-core accumulation per sub-block, scales in
+  F32 afterwards: a few 2^-24 of the bound (host emulation ~1e-7), also inside 1e-5.
 * cuBLAS path (n > 16): x and the dequantized weights are rounded to BF16 (8 significant bits),
   products and sums in float32: each product is off by at most 2^-9 + 2^-9 + 2^-18 relative, so
   |y_gpu - y_cpu| <= (2^-8 + 2e-5) * bound.
@@ -159,6 +163,49 @@ def test_matmul_gpu_blas_panels(rng):
     x = rng.standard_normal((n, k)).astype(np.float32)
     y = sn.matmul(sn.Tensor(x).to(GPU), w.to(GPU), exact=False).numpy()
     check_close(y, sn.matmul(x, w).numpy(), abs_bound(x, w), BLAS_TOL, "Q4_K cuBLAS, 2 panels")
+
+
+MMA_FORMATS = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]  # the tensor-core GEMV (matmul_mma.cuh)
+
+
+def check_mma_widths(rng, name, k, out, widths):
+    """Every width against the CPU backend (GEMV_TOL) and bitwise: width n <= 16 gives rows equal
+    to the first n rows of the widest call <= 16; a width > 16 gives rows equal to 1-row calls."""
+    w = weight(rng, name, out, k)
+    wg = w.to(GPU)
+    x = rng.standard_normal((max(widths), k)).astype(np.float32)
+    ref = sn.matmul(x, w).numpy()
+    bound = abs_bound(x, w)
+    res = {}
+    for n in widths:
+        y = sn.matmul(sn.Tensor(np.ascontiguousarray(x[:n])).to(GPU), wg).numpy()
+        check_close(y, ref[:n], bound[:n], GEMV_TOL, f"{name} n={n} in={k} out={out}")
+        res[n] = y
+    top = max(n for n in widths if n <= 16)
+    for n in widths:
+        if n <= 16:
+            np.testing.assert_array_equal(res[n], res[top][:n], err_msg=f"{name} in={k} out={out}: width {n} vs {top}")
+    if any(n > 16 for n in widths):
+        single = np.concatenate([sn.matmul(sn.Tensor(np.ascontiguousarray(x[i:i + 1])).to(GPU), wg).numpy()
+                                 for i in range(max(widths))])
+        for n in widths:
+            np.testing.assert_array_equal(res[n], single[:n], err_msg=f"{name} in={k} out={out}: {n} rows vs 1-row calls")
+
+
+@pytest.mark.parametrize("k,out", [(512, 77), (1024, 77), (2048, 300)])
+@pytest.mark.parametrize("name", MMA_FORMATS)
+@gpu_only
+def test_matmul_gpu_mma_formats_widths(rng, name, k, out):
+    """The tensor-core GEMV at every width 1..16 (one and two n8 tiles) plus 17 and 33 (16-row
+    slices), ragged out (not a multiple of the 128-row block), several sub-blocks per row."""
+    check_mma_widths(rng, name, k, out, list(range(1, 18)) + [33])
+
+
+@pytest.mark.parametrize("name", ["IQ4_XS", "Q6_K", "Q4_K"])
+@gpu_only
+def test_matmul_gpu_mma_27b_shape(rng, name):
+    """A 27B FFN down projection shape (out 5120, in 17408): split-K over many blocks."""
+    check_mma_widths(rng, name, 17408, 5120, [1, 2, 8, 9, 16])
 
 
 @gpu_only

@@ -20,7 +20,8 @@ Bandwidth:
   runs for these sizes; the host-side floor per call is measured and reported too). Effective
   bandwidth = weight bytes (+ x and y, negligible) / time per call.
 * formats: the same measurement for every weight format (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K,
-  IQ4_XS) and every width n = 1..16 on the 27B's shapes (out x in): 5120 x 17408 (down), 17408 x 5120
+  IQ4_XS; the quantized ones through the tensor-core GEMV on CUDA, field "gemv") and every width
+  n = 1..16 on the 27B's shapes (out x in): 5120 x 17408 (down), 17408 x 5120
   (gate/up) and 248320 x 5120 (output head; not F32/F16, whose 5 / 2.5 GB copies do not pay for
   themselves). Weight bytes are random (timing does not depend on the values). Then the n > 16 path
   (dequantize to BF16 + cuBLAS) in TFLOP/s at n = 512 and 2048 on 17408 x 5120, dequantization included.
@@ -263,6 +264,7 @@ def attention_gdn_timing(rng):
 
 FORMAT_NAMES = ["F32", "F16", "BF16", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
 FORMAT_SHAPES = [(5120, 17408), (17408, 5120), (248320, 5120)]  # (out, in)
+MMA_GEMV_FORMATS = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # tensor-core GEMV on CUDA (matmul_mma.cuh)
 
 
 def random_weight(rng, name, out, k, pool):
@@ -300,6 +302,7 @@ def format_bandwidth(rng, copy_gbps, budget_s=100.0):
                 t = min(time_calls(sn.matmul, [(x, w) for w in ws], calls) for _ in range(2))
                 gbps = wbytes / t / 1e9
                 rows.append({"format": name, "out": out, "in": k, "n": n, "weight_bytes": wbytes,
+                             "gemv": "tensor-core" if name in MMA_GEMV_FORMATS and sn.gpu_backend() == "cuda" else "fma",
                              "us_per_call": t * 1e6, "weight_GBps": gbps,
                              "ratio_to_copy": gbps / copy_gbps if copy_gbps else None})
             del ws
@@ -325,7 +328,11 @@ def markdown_formats(rep):
         names = [nm for nm in FORMAT_NAMES if any(r["format"] == nm and r["out"] == out and "n" in r for r in f["rows"])]
         if not names:
             continue
-        L += [f"**{out} x {k}** (out x in)", "", "| n | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+        def head(nm):
+            r = next((r for r in f["rows"] if r["format"] == nm and r["out"] == out and "gemv" in r), None)
+            return f"{nm} ({r['gemv']})" if r else nm
+        L += [f"**{out} x {k}** (out x in)", "", "| n | " + " | ".join(head(nm) for nm in names) + " |",
+              "| --- |" + " --- |" * len(names)]
         for n in range(1, 17):
             cells = []
             for nm in names:

@@ -1,11 +1,47 @@
 // Matrix product y[n, out] = x[n, in] @ w[out, in]^T, F32 activations, F32 accumulation. n <= 16
-// (decode / verify widths) runs the GEMV below for every weight format (F32, F16, BF16, Q8_0, Q4_K,
-// Q5_K, Q6_K, IQ4_XS); n > 16 goes to the dequantize + vendor GEMM path (matmul_blas.cu).
+// (decode / verify widths) runs a GEMV for every weight format (F32, F16, BF16, Q8_0, Q4_K, Q5_K,
+// Q6_K, IQ4_XS); n > 16 exact = 16-row slices through the same GEMV; n > 16 inexact goes to the
+// dequantize + vendor GEMM path (matmul_blas.cu).
 //
-// Kernel shape (GEMV-style, weight-streaming). A block of kWarps warps owns R consecutive output
-// rows and ALL (up to kNMax = 16) rows of x, so each weight byte is read from memory once per
-// launch; the warps split the reduction dimension. A weight row is cut into chunks and thread t
-// of the block handles chunks c = t + k*kThreads, so each warp-wide load covers contiguous bytes;
+// Two GEMVs. On CUDA the quantized formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS) run the tensor-core
+// GEMV of matmul_mma.cuh; F32 / F16 / BF16, and every format on HIP, run the FP32-FMA GEMV below.
+// A format always takes the same kernel at every width 1..16 (batch invariance, below).
+//
+// Tensor-core GEMV (matmul_mma.cuh; mma.sync m16n8k16 bf16 -> f32, sm_80+):
+// * Weights are decoded to their INTEGER quants (Q8_0 int8; Q4_K 0..15; Q5_K 0..31; Q6_K q - 32 in
+//   -32..31; IQ4_XS the kvalues table, -127..113): all exact in BF16 (|v| <= 256). The per-sub-block
+//   F32 scales are applied after the MMA: Q8_0 d (per 32), Q4_K/Q5_K d*sc_j (per 32) plus the min
+//   term -dmin*m_j * sum(x over the sub-block), Q6_K d*sc (per 16), IQ4_XS d*(ls-32) (per 32);
+//   these products are exact in F32 (few significant bits), as in the CPU decoders.
+// * x is split once per call (split_x_kernel, into a scratch buffer laid out as the MMA's B
+//   fragments) into three BF16 terms x = hi + mid + lo: hi = bf16(x), mid = bf16(x - hi), lo =
+//   bf16(x - hi - mid), both differences exact in F32, so |x - (hi + mid + lo)| <= 2^-24 |x| (24+
+//   bits). Each q * term product is exact (<= 8 x 8 significant bits), so one sub-block's MMAs
+//   (fresh zero accumulator; per k16 step: hi, mid, lo per n8 tile) give sum_k q_k x_k up to the
+//   tensor core's F32 accumulation (~2^-23 relative per MMA of the magnitudes involved). Then
+//   acc = fma(scale_row, partial, acc) in F32 per sub-block, in sub-block order. For Q4_K/Q5_K
+//   the sub-block sums of x are exact double sums rounded once to F32. Against the CPU backend
+//   (exact F32 weights, F32 dot) the difference is far inside the tests' 1e-5 * (|x| @ |w|^T)
+//   (host emulation: ~1e-7).
+// * k permutation: in each k16 step lane t feeds the MMA's k = 2t, 2t+1, 2t+8, 2t+9 with the
+//   physical inputs 4t .. 4t+3 of the step, for A and B alike (a sum is order-free within one MMA's
+//   input set), so each lane reads whole 32-bit words of quants per weight row.
+// * Work: a block of 4 warps owns 128 output rows (each warp two m16 tiles, 32 rows) and one
+//   split of the reduction dimension (units of 32 / 64 inputs, consecutive); each weight byte is
+//   read once per call. The number of splits depends only on (out, in, format): enough blocks for
+//   ~4 per multiprocessor; split partials go to a scratch buffer and are summed split 0 first by a
+//   second kernel (never atomics). Padding columns of x (n not a multiple of 8) are zero.
+// * Batch invariance: n 1..8 use one n8 tile, 9..16 two; column j's arithmetic (its B fragments,
+//   the MMA sequence and the k order, the scales, the split walk, the split sum) is the same in
+//   both instances and depends on no other column (each MMA output element is a dot product of
+//   its own row and column only). So row i of y is bit-identical whatever n (1..16), and, with the
+//   16-row slices, whatever n at all.
+// * HIP: SPECD_MMA_GEMV is 0 there (no mma.sync); the FMA GEMV below serves every format.
+//
+// FMA GEMV (F32 / F16 / BF16; all formats on HIP). A block of kWarps warps owns R consecutive
+// output rows and ALL (up to kNMax = 16) rows of x, so each weight byte is read from memory once
+// per launch; the warps split the reduction dimension. A weight row is cut into chunks and thread
+// t of the block handles chunks c = t + k*kThreads, so each warp-wide load covers contiguous bytes;
 // each thread first issues the loads of U chunk steps for its R rows, then decodes and accumulates.
 // Chunk formats ("policies", weight_formats.cuh): Q8_0 quarter blocks (8 weights, 16-bit loads),
 // F32 (4 or 1 floats), F16/BF16 (8 values in one 16-byte load, or 1), Q4_K/Q5_K (32 weights: 16
@@ -14,18 +50,14 @@
 // 8-byte loads + 8-byte header). A chunk is decoded in parts of 8 weights so that only 8 decoded
 // floats per weight row are live; per part s = sum_k w_k * x_k (fmaf chain), then acc += s (Q8_0:
 // acc += d * s with the integer quants as w_k).
-//
 // Reduction and batch invariance. Per (output row, x row) each lane sums its chunks in a fixed
 // order; the 32 x kWarps lane partials are then summed in shared memory, lane by lane within a
 // warp and then warp by warp, also in a fixed order. None of this depends on n, R or the template
-// instance, so row i of y is bit-identical whether x has 1 or 16 rows (required for lossless
-// speculative decoding).
+// instance, so row i of y is bit-identical whether x has 1 or 16 rows.
 //
-// Performance (H200, BENCHMARKS.md, Q8_0 before the other formats were added): at n = 1 weights
-// stream at 0.56 (62 MB) to 0.73 (1.35 GB LM head) of the device-to-device copy bandwidth; at
-// n = 8-16 the kernel is bound by FP32 FMA issue and L1 traffic of x (16 fp32 FMAs per weight,
-// ~12 TFLOP/s): a tensor-core path (3xTF32 or bf16x3 splitting) is the next step for verify
-// widths 8-16. The K-quant / IQ4_XS policies are untuned (see gpu_report.py for their numbers).
+// Performance (H200, BENCHMARKS.md): the FMA GEMV streams Q8_0 weights at 0.56-0.73 of copy
+// bandwidth at n = 1 but is bound by FP32 FMA issue and L1 traffic of x at n = 8-16 (time linear
+// in n): the tensor-core GEMV is the replacement for the quantized formats (numbers: gpu_report.py).
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -35,6 +67,7 @@
 #include "specd/gpu.h"
 #include "matmul_blas.h"
 #include "weight_formats.cuh"
+#include "matmul_mma.cuh"
 
 namespace specd::gpu {
 
@@ -293,6 +326,13 @@ Tensor matmul(const Tensor& x, const Tensor& w, bool exact) {
   for (int64_t r0 = 0; r0 < n; r0 += kNMax) {
     const int rows = int(std::min<int64_t>(kNMax, n - r0));
     const float* xs = x.ptr<float>() + r0 * in;
+#if SPECD_MMA_GEMV
+    if (detail::mma::handles(w.dtype)) {
+      detail::mma::gemv(static_cast<const uint8_t*>(w.data), w.dtype, w.row_bytes(), in, xs, y.ptr<float>() + r0 * out,
+                        rows, out);
+      continue;
+    }
+#endif
     Problem p{static_cast<const uint8_t*>(w.data), w.row_bytes(), 0, xs, in, y.ptr<float>() + r0 * out, rows, out};
     gemv(p, w.dtype, in, detail::aligned16(w.data));
   }

@@ -27,9 +27,12 @@ Tensor l2_norm(const Tensor& x, float eps);
 // y[n, out] = x[n, in] @ w[out, in]^T (matmul.cu). x: F32 [..., in] contiguous (output shape is
 // x's with the last dimension replaced by out); w: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS
 // [out, in] contiguous, in a multiple of the format's block size (32 / 256).
-// n <= 16 rows: a GEMV-style kernel that reads each weight byte once per call, decodes the weights
-// in registers to exactly cpu::dequantize's values and accumulates in F32; batch invariant: row i
-// of y is bit-identical whatever n (1..16). n > 16 with `exact` (the default): the same GEMV over
+// n <= 16 rows: a GEMV-style kernel that reads each weight byte once per call; F32 / F16 / BF16
+// (and every format on HIP): weights decoded in registers to exactly cpu::dequantize's values, F32
+// FMAs; Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS on CUDA: tensor cores on the integer quants (exact in
+// BF16) against x split into three BF16 terms (~24 bits), scales applied in F32 after each
+// sub-block (matmul.cu). Error within 1e-5 * (|x| @ |w|^T) elementwise of the exact product;
+// batch invariant: row i of y is bit-identical whatever n (1..16). n > 16 with `exact` (the default): the same GEMV over
 // slices of 16 rows, so every row stays bit-identical to a 1-row call (verify of any width equals
 // decode). n > 16 without `exact` (prefill): w dequantized to BF16 and x rounded to BF16 on the
 // device, then cuBLAS / hipBLAS with F32 accumulation (matmul_blas.cu); error within

@@ -1,0 +1,549 @@
+// Tensor-core GEMV of the quantized weight formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS) for n <= 16
+// rows of x: y[n, out] = x[n, in] @ w[out, in]^T. Included by matmul.cu (see its header for the
+// design, exactness and batch-invariance arguments). NVIDIA only (mma.sync inline PTX, sm_80+):
+// SPECD_MMA_GEMV is 0 on HIP, where matmul.cu keeps the FP32-FMA GEMV for every format.
+//
+// Layout conventions (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, PTX ISA "Matrix
+// fragments for mma.m16n8k16 with floating point type"; lane = 4 * g + t, g = groupID, t =
+// threadID_in_group):
+//   A (16 x 16, weights: M = output rows, K = inputs): reg0 = (row g, k 2t, 2t+1), reg1 = (row
+//     g+8, k 2t, 2t+1), reg2 = (row g, k 2t+8, 2t+9), reg3 = (row g+8, k 2t+8, 2t+9); the lower
+//     16 bits hold the lower k.
+//   B (16 x 8, x^T: K = inputs, N = rows of x): reg0 = (k 2t, 2t+1, col g), reg1 = (k 2t+8,
+//     2t+9, col g).
+//   C/D (16 x 8): c0, c1 = (row g, col 2t, 2t+1), c2, c3 = (row g+8, col 2t, 2t+1).
+// k permutation: in every k16 step (16 consecutive inputs e0 .. e0+15 of a row) lane t holds the
+// physical inputs e0 + 4t + {0, 1} in the MMA's k = 2t, 2t+1 and e0 + 4t + {2, 3} in k = 2t+8,
+// 2t+9, for A and B alike, so the MMA still sums all 16 products of the step while each lane
+// reads 4 consecutive weights (one 32-bit word of 8-bit quants, or of nibbles) per row.
+#pragma once
+
+#if !SPECD_HIP
+#define SPECD_MMA_GEMV 1
+#ifndef SPECD_HOST_EMU  // tests/gpu/host_emu: the device code on the host, mma emulated per warp
+#include <cuda_bf16.h>
+#endif
+#else
+#define SPECD_MMA_GEMV 0
+#endif
+
+#if SPECD_MMA_GEMV
+#include <algorithm>
+#include <cstdint>
+
+#ifndef SPECD_HOST_EMU
+#include "common.cuh"
+#endif
+#include "weight_formats.cuh"
+
+namespace specd::gpu::detail::mma {
+
+constexpr int kWarps = 4;   // warps per block; each owns its own 16 * kMT output rows
+constexpr int kMT = 2;      // m16 tiles (16 output rows each) per warp
+constexpr int kRowsPerBlock = kWarps * kMT * 16;
+constexpr int kXCols = 16;  // columns of the x-sum scratch (rows of x, padded)
+
+// --- small helpers ----------------------------------------------------------------------------
+
+// D += A * B (m16n8k16, bf16 inputs, f32 accumulation).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+#if defined(SPECD_HOST_EMU)
+  specd_emu_mma(d, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+#else
+  __trap();  // never launched below sm_80 (the build targets sm_90)
+#endif
+}
+
+// Two floats -> one bf16x2 word (lo in the lower 16 bits), round to nearest even.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Four unsigned bytes (each < 128) -> two bf16x2 words of (byte - bias): bf16 bits 0x4300 | b are
+// exactly 128 + b, and (128 + b) - (128 + bias') is an exact small integer.
+template <int kBias>
+__device__ __forceinline__ void u7x4_to_bf16(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  const uint32_t x0 = __byte_perm(v, 0x43u, 0x4140), x1 = __byte_perm(v, 0x43u, 0x4342);
+  const __nv_bfloat162 b = __floats2bfloat162_rn(128.0f + kBias, 128.0f + kBias);
+  __nv_bfloat162 r0 = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&x0), b);
+  __nv_bfloat162 r1 = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&x1), b);
+  lo = *reinterpret_cast<uint32_t*>(&r0);
+  hi = *reinterpret_cast<uint32_t*>(&r1);
+}
+
+// Four signed bytes -> two bf16x2 words (exact: |q| <= 128).
+__device__ __forceinline__ void i8x4_to_bf16(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  float f[4];
+  i8x4_to_float(v, f);
+  lo = pack_bf16(f[0], f[1]);
+  hi = pack_bf16(f[2], f[3]);
+}
+
+// A fragment of one m16 tile from the 4-weight words of its two rows (row g: w0, row g+8: w1),
+// already converted: (w*lo = inputs 4t, 4t+1; w*hi = 4t+2, 4t+3).
+__device__ __forceinline__ void make_a(uint32_t (&a)[4], uint32_t r0lo, uint32_t r0hi, uint32_t r1lo, uint32_t r1hi) {
+  a[0] = r0lo, a[1] = r1lo, a[2] = r0hi, a[3] = r1hi;
+}
+
+// One k16 step (inputs 16 * kstep ..) of all m16 tiles against the three bf16 terms of every n8
+// tile of x, accumulated into p in the order hi, mid, lo per n8 tile.
+// xf: [kstep][NT][3][32] uint2 (the B fragments, lane-major).
+template <int NT>
+__device__ __forceinline__ void mma_step(const uint32_t (&a)[kMT][4], const uint2* __restrict__ xf, int64_t kstep,
+                                         int lane, float (&p)[kMT][NT][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const uint2* b = xf + ((kstep * NT + nt) * 3) * 32 + lane;
+    const uint2 bh = __ldg(b), bm = __ldg(b + 32), bl = __ldg(b + 64);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      mma_bf16(p[mt][nt], a[mt], bh);
+      mma_bf16(p[mt][nt], a[mt], bm);
+      mma_bf16(p[mt][nt], a[mt], bl);
+    }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&p)[kMT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) p[mt][nt][c] = 0.0f;
+}
+
+// acc = fma(scale_row, p, acc); sc[mt][h] is the scale of row 16 mt + g + 8 h.
+template <int NT>
+__device__ __forceinline__ void apply_scale(float (&acc)[kMT][NT][4], const float (&p)[kMT][NT][4],
+                                            const float (&sc)[kMT][2]) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[mt][nt][c] = __fmaf_rn(sc[mt][c >> 1], p[mt][nt][c], acc[mt][nt][c]);
+}
+
+// --- formats: a "unit" is 32 (Q8_0) or 64 (others) consecutive inputs of a row --------------
+
+// Q8_0: unit = one block (fp16 d | int8 q[32]), 2-byte aligned. Lane t reads q[4t..] and
+// q[16 + 4t..] of its rows.
+struct Q8U {
+  static constexpr int kUnitElems = 32, kU = 4;  // kU: units whose loads a warp issues before using the first
+  static constexpr bool kMins = false;
+  struct Raw {
+    uint32_t q0, q1, d;
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
+    const uint8_t* blk = row + u * 34;
+    return Raw{ld_u16x2(blk + 2 + 4 * t), ld_u16x2(blk + 18 + 4 * t), ld_u16(blk)};
+  }
+  template <int NT>
+  __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
+                                                 const float* __restrict__, int lane, float (&acc)[kMT][NT][4]) {
+    float p[kMT][NT][4], sc[kMT][2];
+    zero(p);
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        uint32_t l0, h0, l1, h1;
+        i8x4_to_bf16(s ? r[mt][0].q1 : r[mt][0].q0, l0, h0);
+        i8x4_to_bf16(s ? r[mt][1].q1 : r[mt][1].q0, l1, h1);
+        make_a(a[mt], l0, h0, l1, h1);
+      }
+      mma_step<NT>(a, xf, 2 * u + s, lane, p);
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sc[mt][h] = specd_fp16_bits_to_float(uint16_t(r[mt][h].d));
+    apply_scale(acc, p, sc);
+  }
+};
+
+// Q4_K / Q5_K: unit = sub-block pair p of a 256-block (inputs 64p .. 64p + 63 of the block):
+// sub-block 2p = low nibbles of qs[32p + l], 2p + 1 = high nibbles, l = 0 .. 31 (Q5_K: fifth bit
+// = bit j of qh[l] for sub-block j). Step s of a sub-block = l in 16s .. 16s + 15: lane t reads
+// the words qs[32p + 16s + 4t ..] (and qh[16s + 4t ..]). Value d1 * q - m1 with d1 = d * sc_j,
+// m1 = dmin * m_j (exact products): sum = d1 * (q . x) - m1 * sum(x over the sub-block).
+template <bool kQ5>
+struct QK45U {
+  static constexpr int kUnitElems = 64, kU = 2;  // 2: register pressure (16-byte header per row and unit)
+  static constexpr bool kMins = true;
+  static constexpr int kBlock = kQ5 ? 176 : 144, kQs = kQ5 ? 48 : 16;
+  struct Raw {
+    uint4 hdr;
+    uint32_t q0, q1, h0, h1;
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
+    const uint8_t* blk = row + (u >> 2) * kBlock;
+    const int p = int(u & 3);
+    Raw r;
+    r.hdr = *reinterpret_cast<const uint4*>(blk);
+    r.q0 = *reinterpret_cast<const uint32_t*>(blk + kQs + 32 * p + 4 * t);
+    r.q1 = *reinterpret_cast<const uint32_t*>(blk + kQs + 32 * p + 16 + 4 * t);
+    if constexpr (kQ5) {
+      r.h0 = *reinterpret_cast<const uint32_t*>(blk + 16 + 4 * t);
+      r.h1 = *reinterpret_cast<const uint32_t*>(blk + 32 + 4 * t);
+    } else {
+      r.h0 = r.h1 = 0;
+    }
+    return r;
+  }
+  template <int NT>
+  __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
+                                                 const float* __restrict__ xsum, int lane, float (&acc)[kMT][NT][4]) {
+    const int p = int(u & 3), t = lane & 3;
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      const int j = 2 * p + hi;  // sub-block in the 256-block
+      float part[kMT][NT][4];
+      zero(part);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          uint32_t lo[2], hw[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint32_t v = ((s ? r[mt][h].q1 : r[mt][h].q0) >> (4 * hi)) & 0x0f0f0f0fu;
+            if constexpr (kQ5) v |= (((s ? r[mt][h].h1 : r[mt][h].h0) >> j) & 0x01010101u) << 4;
+            u7x4_to_bf16<0>(v, lo[h], hw[h]);
+          }
+          make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
+        }
+        mma_step<NT>(a, xf, 4 * u + 2 * hi + s, lane, part);
+      }
+      float d1[kMT][2], m1[kMT][2];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float sc, mn;
+          scale_min_k4(j, r[mt][h].hdr.y, r[mt][h].hdr.z, r[mt][h].hdr.w, sc, mn);
+          d1[mt][h] = __fmul_rn(specd_fp16_bits_to_float(uint16_t(r[mt][h].hdr.x)), sc);
+          m1[mt][h] = -__fmul_rn(specd_fp16_bits_to_float(uint16_t(r[mt][h].hdr.x >> 16)), mn);
+        }
+      apply_scale(acc, part, d1);
+      // Min term: acc += (-m1_row) * sum(x over sub-block 2u + hi) for each column.
+      const float* xs = xsum + (2 * u + hi) * kXCols;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float2 sx = __ldg(reinterpret_cast<const float2*>(xs + 8 * nt + 2 * t));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            acc[mt][nt][c] = __fmaf_rn(m1[mt][c >> 1], (c & 1) ? sx.y : sx.x, acc[mt][nt][c]);
+      }
+    }
+  }
+};
+
+// Q6_K (210-byte blocks, 2-byte aligned): unit = (half n, h) of a block, u = 4 b + 2 n + h: the
+// four 16-input sub-blocks g = 0..3 at inputs 128 n + 32 g + 16 h + i (i = 0..15, l = 16 h + i):
+// low 4 bits from ql[64 n + 32 (g & 1) + l] (nibble g >> 1), high 2 bits = bits 2g, 2g+1 of
+// qh[32 n + l], scale sc[8 n + 2 g + h]; value (d * sc) * (q - 32). Lane t holds l = 16h + 4t ..
+// +3 of each sub-block (one k16 step each).
+struct Q6U {
+  static constexpr int kUnitElems = 64, kU = 4;
+  static constexpr bool kMins = false;
+  struct Raw {
+    uint32_t qa, qb, qh, sc, d;
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
+    const uint8_t* blk = row + (u >> 2) * 210;
+    const int n = int(u >> 1) & 1, h = int(u & 1);
+    const uint8_t* ql = blk + 64 * n + 16 * h + 4 * t;
+    const uint8_t* sc = blk + 192 + 8 * n + h;  // sub-block g at sc + 2g
+    Raw r;
+    r.qa = ld_u16x2(ql);
+    r.qb = ld_u16x2(ql + 32);
+    r.qh = ld_u16x2(blk + 128 + 32 * n + 16 * h + 4 * t);
+    r.sc = uint32_t(sc[0]) | (uint32_t(sc[2]) << 8) | (uint32_t(sc[4]) << 16) | (uint32_t(sc[6]) << 24);
+    r.d = ld_u16(blk + 208);
+    return r;
+  }
+  template <int NT>
+  __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
+                                                 const float* __restrict__, int lane, float (&acc)[kMT][NT][4]) {
+    const int64_t b = u >> 2;
+    const int n = int(u >> 1) & 1, h16 = int(u & 1);
+#pragma unroll
+    for (int g = 0; g < 4; ++g) {
+      float part[kMT][NT][4], sc[kMT][2];
+      zero(part);
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        uint32_t lo[2], hw[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint32_t v = (((g & 1) ? r[mt][h].qb : r[mt][h].qa) >> (4 * (g >> 1))) & 0x0f0f0f0fu;
+          v |= ((r[mt][h].qh >> (2 * g)) & 0x03030303u) << 4;
+          u7x4_to_bf16<32>(v, lo[h], hw[h]);  // q - 32
+          const int isc = int(int8_t(uint8_t(r[mt][h].sc >> (8 * g))));
+          sc[mt][h] = __fmul_rn(specd_fp16_bits_to_float(uint16_t(r[mt][h].d)), float(isc));  // exact
+        }
+        make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
+      }
+      mma_step<NT>(a, xf, 16 * b + 8 * n + 2 * g + h16, lane, part);
+      apply_scale(acc, part, sc);
+    }
+  }
+};
+
+// IQ4_XS (136-byte blocks, 8-byte aligned: fp16 d | u16 scales_h | u8 scales_l[4] | qs[128]):
+// unit = sub-blocks 2p, 2p + 1 (u = 4 b + p); sub-block j = qs[16j .. 16j + 15], low nibbles
+// inputs 32j + 0..15 (step 0), high nibbles 32j + 16..31 (step 1): lane t reads qs[16j + 4t ..].
+// Value (d * (ls_j - 32)) * kvalues[idx] (kvalues in [-127, 113], exact in bf16).
+struct IQ4U {
+  static constexpr int kUnitElems = 64, kU = 4;
+  static constexpr bool kMins = false;
+  struct Raw {
+    uint2 hdr;
+    uint32_t q0, q1;
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
+    const uint8_t* blk = row + (u >> 2) * 136;
+    const int p = int(u & 3);
+    Raw r;
+    r.hdr = *reinterpret_cast<const uint2*>(blk);
+    r.q0 = *reinterpret_cast<const uint32_t*>(blk + 8 + 32 * p + 4 * t);
+    r.q1 = *reinterpret_cast<const uint32_t*>(blk + 8 + 32 * p + 16 + 4 * t);
+    return r;
+  }
+  template <int NT>
+  __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
+                                                 const float* __restrict__, int lane, float (&acc)[kMT][NT][4]) {
+    const int p = int(u & 3);
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      const int j = 2 * p + jj;
+      float part[kMT][NT][4], sc[kMT][2];
+      zero(part);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        uint32_t a[kMT][4];
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          uint32_t lo[2], hw[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t idx = ((jj ? r[mt][h].q1 : r[mt][h].q0) >> (4 * s)) & 0x0f0f0f0fu;
+            i8x4_to_bf16(IQ4XSW::lookup4(idx), lo[h], hw[h]);
+          }
+          make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
+        }
+        mma_step<NT>(a, xf, 4 * u + 2 * jj + s, lane, part);
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t sh = r[mt][h].hdr.x >> 16, sl = r[mt][h].hdr.y;
+          const int ls = int(((sl >> (4 * j)) & 0x0f) | (((sh >> (2 * j)) & 3) << 4));
+          sc[mt][h] = __fmul_rn(specd_fp16_bits_to_float(uint16_t(r[mt][h].hdr.x)), float(ls - 32));  // exact
+        }
+      apply_scale(acc, part, sc);
+    }
+  }
+};
+
+// --- kernels ---------------------------------------------------------------------------------
+
+// x [n, in] F32 -> B fragments xf [in / 16][NT][3][32] uint2: lane 4g + t of (kstep, nt) holds
+// x[8 nt + g][16 kstep + 4t + 0..3] as terms hi, mid, lo (x = hi + mid + lo to ~2^-27 relative:
+// hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid); both differences are exact in F32);
+// columns >= n are zero. With `sums`, also xsum [in / 32][kXCols]: the F32 rounding of the exact
+// (double) sum of each 32-input sub-block of each row of x (zero for columns >= n).
+__global__ void split_x_kernel(const float* __restrict__ x, int64_t ldx, int n, int64_t ksteps, int NT,
+                               uint2* __restrict__ xf, float* __restrict__ xsum) {
+  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t total = ksteps * NT * 32;
+  if (id < total) {
+    const int lane = int(id & 31), g = lane >> 2, t = lane & 3;
+    const int64_t ks = id / (32 * NT);
+    const int nt = int((id / 32) % NT);
+    const int col = 8 * nt + g;
+    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (col < n) {
+      const float4 f = *reinterpret_cast<const float4*>(x + int64_t(col) * ldx + 16 * ks + 4 * t);
+      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+    }
+    float term[3][4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float hi = __bfloat162float(__float2bfloat16_rn(v[k]));
+      const bool fin = isfinite(hi);
+      const float r1 = fin ? __fsub_rn(v[k], hi) : 0.0f;
+      const float mid = __bfloat162float(__float2bfloat16_rn(r1));
+      const float r2 = __fsub_rn(r1, mid);
+      term[0][k] = hi, term[1][k] = mid, term[2][k] = __bfloat162float(__float2bfloat16_rn(r2));
+    }
+    uint2* o = xf + ((ks * NT + nt) * 3) * 32 + lane;
+#pragma unroll
+    for (int m = 0; m < 3; ++m) o[32 * m] = make_uint2(pack_bf16(term[m][0], term[m][1]), pack_bf16(term[m][2], term[m][3]));
+  }
+  if (xsum != nullptr && id < (ksteps / 2) * kXCols) {
+    const int64_t sub = id / kXCols;
+    const int col = int(id % kXCols);
+    double s = 0.0;
+    if (col < n)
+      for (int k = 0; k < 32; ++k) s += double(x[int64_t(col) * ldx + 32 * sub + k]);
+    xsum[id] = float(s);
+  }
+}
+
+// One block: kWarps warps, warp w owns rows row0 + 16 kMT w .. + 16 kMT - 1 and all rows of x, over
+// units [u_begin, u_end) of split blockIdx.y (in order, kU loads in flight). Writes its partial
+// sums to part[split][col][row] (or straight to y when there is one split).
+template <class F, int NT>
+__global__ void __launch_bounds__(kWarps * 32) mma_gemv_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
+                                                                int64_t nunits, int64_t per_split,
+                                                                const uint2* __restrict__ xf,
+                                                                const float* __restrict__ xsum, float* __restrict__ dst,
+                                                                int n, int64_t out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int64_t row0 = int64_t(blockIdx.x) * kRowsPerBlock + int64_t(warp) * kMT * 16;
+  const int64_t u_begin = int64_t(blockIdx.y) * per_split;
+  const int64_t u_end = u_begin + per_split < nunits ? u_begin + per_split : nunits;
+
+  const uint8_t* rows[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t r = row0 + 16 * mt + 8 * h + g;
+      rows[mt][h] = w + (r < out ? r : out - 1) * row_bytes;  // clamp: ragged last tile
+    }
+
+  float acc[kMT][NT][4];
+  zero(acc);
+  constexpr int kU = F::kU;
+  for (int64_t u0 = u_begin; u0 < u_end; u0 += kU) {
+    typename F::Raw raw[kU][kMT][2];
+#pragma unroll
+    for (int i = 0; i < kU; ++i)
+      if (u0 + i < u_end) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) raw[i][mt][h] = F::load(rows[mt][h], u0 + i, t);
+      }
+#pragma unroll
+    for (int i = 0; i < kU; ++i)
+      if (u0 + i < u_end) F::template compute<NT>(raw[i], u0 + i, xf, xsum, lane, acc);
+  }
+
+  float* o = dst + int64_t(blockIdx.y) * n * out;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int64_t r = row0 + 16 * mt + g + 8 * (c >> 1);
+        const int col = 8 * nt + 2 * t + (c & 1);
+        if (r < out && col < n) o[int64_t(col) * out + r] = acc[mt][nt][c];
+      }
+}
+
+#ifndef SPECD_HOST_EMU
+// y = sum of the split partials, split 0 first (fixed order).
+__global__ void sum_splits_kernel(const float* __restrict__ part, int splits, int64_t count, float* __restrict__ y) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count) return;
+  float s = part[i];
+  for (int k = 1; k < splits; ++k) s = __fadd_rn(s, part[int64_t(k) * count + i]);
+  y[i] = s;
+}
+
+// Splits of the reduction dimension for a weight of `out` rows and `nunits` units: enough blocks
+// for ~4 per multiprocessor, at least 4 units per split. Depends on the weight shape only (never
+// on n), so every row of x sees the same arithmetic whatever the width of the call.
+inline int64_t units_per_split(int64_t out, int64_t nunits) {
+  const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t want = 4 * int64_t(sm_count());
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>((want + row_blocks - 1) / row_blocks, nunits / 4));
+  splits = std::min<int64_t>(splits, 65535);
+  int64_t per = (nunits + splits - 1) / splits;
+  return std::max<int64_t>(per, 1);
+}
+
+template <class F, int NT>
+void launch(const uint8_t* w, int64_t row_bytes, int64_t in, const uint2* xf, const float* xsum, float* y, int n,
+            int64_t out, cudaStream_t s) {
+  const int64_t nunits = in / F::kUnitElems;
+  const int64_t per = units_per_split(out, nunits);
+  const int64_t splits = (nunits + per - 1) / per;
+  const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
+  std::shared_ptr<void> scratch;
+  float* dst = y;
+  if (splits > 1) {
+    scratch = alloc(size_t(splits * n * out) * sizeof(float));  // freed stream-ordered
+    dst = static_cast<float*>(scratch.get());
+  }
+  mma_gemv_kernel<F, NT><<<dim3(unsigned(row_blocks), unsigned(splits)), kWarps * 32, 0, s>>>(
+      w, row_bytes, nunits, per, xf, xsum, dst, n, out);
+  SPECD_GPU_CHECK_LAUNCH("mma_gemv_kernel");
+  if (splits > 1) {
+    const int64_t count = int64_t(n) * out;
+    sum_splits_kernel<<<unsigned((count + 255) / 256), 256, 0, s>>>(dst, int(splits), count, y);
+    SPECD_GPU_CHECK_LAUNCH("sum_splits_kernel");
+  }
+}
+
+// Whether the tensor-core GEMV handles weight format t.
+inline bool handles(DType t) {
+  return t == DType::Q8_0 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS;
+}
+
+// y[n, out] = x[n, in] @ w^T for 1 <= n <= 16 (x rows 16-byte aligned, in % 32 == 0).
+inline void gemv(const uint8_t* w, DType t, int64_t row_bytes, int64_t in, const float* x, float* y, int n,
+                 int64_t out) {
+  cudaStream_t s = stream();
+  const int NT = n <= 8 ? 1 : 2;
+  const int64_t ksteps = in / 16;
+  const bool mins = t == DType::Q4_K || t == DType::Q5_K;
+  const size_t xf_bytes = size_t(ksteps * NT * 3 * 32) * sizeof(uint2);
+  const size_t xs_bytes = mins ? size_t((in / 32) * kXCols) * sizeof(float) : 0;
+  std::shared_ptr<void> scratch = alloc(xf_bytes + xs_bytes);  // freed stream-ordered
+  uint2* xf = static_cast<uint2*>(scratch.get());
+  float* xsum = mins ? reinterpret_cast<float*>(static_cast<uint8_t*>(scratch.get()) + xf_bytes) : nullptr;
+  const int64_t threads = std::max<int64_t>(ksteps * NT * 32, mins ? (in / 32) * kXCols : 0);
+  split_x_kernel<<<unsigned((threads + 255) / 256), 256, 0, s>>>(x, in, n, ksteps, NT, xf, xsum);
+  SPECD_GPU_CHECK_LAUNCH("split_x_kernel");
+  auto go = [&](auto nt) {
+    constexpr int kNT = decltype(nt)::value;
+    switch (t) {
+      case DType::Q8_0: return launch<Q8U, kNT>(w, row_bytes, in, xf, xsum, y, n, out, s);
+      case DType::Q4_K: return launch<QK45U<false>, kNT>(w, row_bytes, in, xf, xsum, y, n, out, s);
+      case DType::Q5_K: return launch<QK45U<true>, kNT>(w, row_bytes, in, xf, xsum, y, n, out, s);
+      case DType::Q6_K: return launch<Q6U, kNT>(w, row_bytes, in, xf, xsum, y, n, out, s);
+      case DType::IQ4_XS: return launch<IQ4U, kNT>(w, row_bytes, in, xf, xsum, y, n, out, s);
+      default: fail("matmul: no tensor-core GEMV for ", dtype_info(t).name);
+    }
+  };
+  if (NT == 1)
+    go(std::integral_constant<int, 1>());
+  else
+    go(std::integral_constant<int, 2>());
+}
+
+#endif  // SPECD_HOST_EMU
+
+}  // namespace specd::gpu::detail::mma
+#endif  // SPECD_MMA_GEMV

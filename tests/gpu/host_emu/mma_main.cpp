@@ -1,0 +1,168 @@
+// Host emulation of the tensor-core GEMV (native/src/gpu/matmul_mma.cuh): its split_x_kernel and
+// mma_gemv_kernel run on the CPU, one std::thread per lane, with mma.sync m16n8k16 bf16 emulated
+// warp-wide from the PTX ISA fragment layouts (a barrier per MMA). Checks the per-format load
+// offsets, k permutation, scales and split-K against the CPU backend (test_gpu_decoders_host.py)
+// without a GPU; the real MMA numerics are covered on a GPU by test_gpu_matmul.py.
+//
+// usage: mma_emu FORMAT n in out w.bin x.bin y.bin   (x: F32 [n, in]; y: F32 [n, out])
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "portability.h"
+
+#define SPECD_HIP 0
+#define SPECD_HOST_EMU 1
+#define __global__
+#define __launch_bounds__(x)
+inline void __trap() { std::abort(); }
+
+struct Dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+thread_local Dim3 threadIdx, blockIdx;
+thread_local Dim3 blockDim;
+
+struct __nv_bfloat16 {
+  uint16_t v;
+};
+struct __nv_bfloat162 {
+  uint16_t x, y;
+};
+inline uint16_t bf16_rn(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+inline float bf16_f(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16{bf16_rn(f)}; }
+inline float __bfloat162float(__nv_bfloat16 b) { return bf16_f(b.v); }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return __nv_bfloat162{bf16_rn(a), bf16_rn(b)}; }
+inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
+  return __nv_bfloat162{bf16_rn(bf16_f(a.x) - bf16_f(b.x)), bf16_rn(bf16_f(a.y) - bf16_f(b.y))};
+}
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+template <class T>
+inline T __ldg(const T* p) { return *p; }
+inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
+struct float2 {
+  float x, y;
+};
+using std::isfinite;
+
+// Per-warp exchange for the emulated MMA (4 warps per block at most).
+struct WarpShared {
+  uint32_t a[32][4];
+  uint32_t b[32][2];
+  std::unique_ptr<std::barrier<>> bar;
+};
+thread_local WarpShared* tl_warp = nullptr;
+
+inline float half_of(uint32_t reg, int h) { return bf16_f(uint16_t(h ? reg >> 16 : reg & 0xffffu)); }
+
+inline void specd_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+  WarpShared& w = *tl_warp;
+  const int lane = int(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
+  for (int r = 0; r < 4; ++r) w.a[lane][r] = a[r];
+  w.b[lane][0] = b.x, w.b[lane][1] = b.y;
+  w.bar->arrive_and_wait();
+  for (int c = 0; c < 4; ++c) {
+    const int row = g + 8 * (c >> 1), col = 2 * t + (c & 1);
+    double s = d[c];
+    for (int k = 0; k < 16; ++k) {
+      // A (row, k): lane 4 (row % 8) + (k % 8) / 2, register (row >= 8) + 2 (k >= 8), half k & 1.
+      const float av = half_of(w.a[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
+      // B (k, col): lane 4 col + (k % 8) / 2, register k >= 8, half k & 1.
+      const float bv = half_of(w.b[4 * col + (k % 8) / 2][k >= 8], k & 1);
+      s += double(av) * double(bv);
+    }
+    d[c] = float(s);
+  }
+  w.bar->arrive_and_wait();
+}
+
+#include "matmul_mma.cuh"
+
+using namespace specd::gpu::detail;
+
+template <class F>
+void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std::vector<float>& x, int n,
+         int64_t out, std::vector<float>& y) {
+  using namespace specd::gpu::detail::mma;
+  const int NT = n <= 8 ? 1 : 2;
+  const int64_t ksteps = in / 16;
+  std::vector<uint2> xf(size_t(ksteps * NT * 3 * 32));
+  std::vector<float> xsum(size_t((in / 32) * kXCols));
+  const int64_t threads = std::max<int64_t>(ksteps * NT * 32, (in / 32) * kXCols);
+  for (int64_t i = 0; i < threads; ++i) {
+    blockDim.x = 256, blockIdx.x = unsigned(i / 256), threadIdx.x = unsigned(i % 256);
+    split_x_kernel(x.data(), in, n, ksteps, NT, xf.data(), F::kMins ? xsum.data() : nullptr);
+  }
+  // Split-K as the host code picks it, with a 132-multiprocessor device.
+  const int64_t nunits = in / F::kUnitElems;
+  const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>((4 * 132 + row_blocks - 1) / row_blocks, nunits / 4));
+  const int64_t per = std::max<int64_t>(1, (nunits + splits - 1) / splits);
+  splits = (nunits + per - 1) / per;
+  std::vector<float> part(size_t(splits * n * out), NAN);
+  for (int64_t by = 0; by < splits; ++by)
+    for (int64_t bx = 0; bx < row_blocks; ++bx) {
+      WarpShared ws[kWarps];
+      for (auto& s : ws) s.bar = std::make_unique<std::barrier<>>(32);
+      std::vector<std::thread> th;
+      for (int i = 0; i < kWarps * 32; ++i)
+        th.emplace_back([&, i] {
+          threadIdx.x = unsigned(i), blockIdx.x = unsigned(bx), blockIdx.y = unsigned(by);
+          tl_warp = &ws[i / 32];
+          auto kernel = NT == 1 ? mma_gemv_kernel<F, 1> : mma_gemv_kernel<F, 2>;
+          kernel(w.data(), row_bytes, nunits, per, xf.data(), xsum.data(), part.data(), n, out);
+        });
+      for (auto& t : th) t.join();
+    }
+  const int64_t count = int64_t(n) * out;
+  for (int64_t i = 0; i < count; ++i) {
+    float s = part[size_t(i)];
+    for (int64_t k = 1; k < splits; ++k) s = __fadd_rn(s, part[size_t(k * count + i)]);
+    y[size_t(i)] = s;
+  }
+}
+
+int main(int argc, char** argv) {
+  if (argc != 8) {
+    std::fprintf(stderr, "usage: %s FORMAT n in out w.bin x.bin y.bin\n", argv[0]);
+    return 2;
+  }
+  const std::string fmt = argv[1];
+  const int n = std::atoi(argv[2]);
+  const int64_t in = std::atoll(argv[3]), out = std::atoll(argv[4]);
+  int64_t row_bytes = 0;
+  if (fmt == "Q8_0") row_bytes = in / 32 * 34;
+  else if (fmt == "Q4_K") row_bytes = in / 256 * 144;
+  else if (fmt == "Q5_K") row_bytes = in / 256 * 176;
+  else if (fmt == "Q6_K") row_bytes = in / 256 * 210;
+  else if (fmt == "IQ4_XS") row_bytes = in / 256 * 136;
+  else return 2;
+  // 16-byte aligned copies (the device allocations are 256-byte aligned).
+  std::vector<uint8_t> w(size_t(row_bytes * out));
+  std::vector<float> x(size_t(n * in)), y(size_t(n * out));
+  std::ifstream(argv[5], std::ios::binary).read(reinterpret_cast<char*>(w.data()), std::streamsize(w.size()));
+  std::ifstream(argv[6], std::ios::binary).read(reinterpret_cast<char*>(x.data()), std::streamsize(x.size() * 4));
+  if (fmt == "Q8_0") run<mma::Q8U>(w, row_bytes, in, x, n, out, y);
+  else if (fmt == "Q4_K") run<mma::QK45U<false>>(w, row_bytes, in, x, n, out, y);
+  else if (fmt == "Q5_K") run<mma::QK45U<true>>(w, row_bytes, in, x, n, out, y);
+  else if (fmt == "Q6_K") run<mma::Q6U>(w, row_bytes, in, x, n, out, y);
+  else run<mma::IQ4U>(w, row_bytes, in, x, n, out, y);
+  std::ofstream(argv[7], std::ios::binary).write(reinterpret_cast<const char*>(y.data()), std::streamsize(y.size() * 4));
+  return 0;
+}
