@@ -73,10 +73,11 @@ def test_gpu_weight_decoders_bit_exact_on_host(decoder, rng, name, extreme):
 # The tensor-core GEMV (native/src/gpu/matmul_mma.cuh), emulated on the host
 # --------------------------------------------------------------------------------------------
 # host_emu/mma_main.cpp runs the header's split_x_kernel and mma_gemv_kernel on the CPU (one thread
-# per lane, mma.sync m16n8k16 bf16 emulated from the PTX ISA fragment layouts, sums in double), so
-# the per-format load offsets, the k permutation, the scales / min terms and the split-K walk are
-# checked without a GPU. Tolerance: 1e-5 * (|x| @ |w|^T), the GEMV's contract (the emulation is
-# ~1e-7: the bf16 x split keeps ~24 bits). The hardware MMA numerics: test_gpu_matmul.py on a GPU.
+# per lane, mma.sync m16n8k16 f16 -> f32 emulated from the PTX ISA fragment layouts, sums in double),
+# so the per-format load offsets, the k permutation, the x split (two f16 terms per power-of-two
+# scaled 32-input block), the scales / min terms and the split-K walk are checked without a GPU.
+# Tolerance: 1e-5 * (|x| @ |w|^T), the GEMV's contract (the emulation is ~1e-7: the x split keeps
+# ~22 bits). The hardware MMA numerics: test_gpu_matmul.py on a GPU.
 
 MMA_SRC = os.path.join(HERE, "..", "..", "native", "src", "gpu", "matmul_mma.cuh")
 
@@ -98,20 +99,61 @@ def mma_emu(tmp_path_factory):
     return d, exe
 
 
+def run_mma_emu(d, exe, name, x, out, sms=None):
+    n, k = x.shape
+    np.ascontiguousarray(x).astype(np.float32).tofile(d / "x.bin")
+    env = dict(os.environ)
+    if sms is not None:
+        env["SPECD_EMU_SMS"] = str(sms)
+    subprocess.run([str(exe), name, str(n), str(k), str(out), str(d / "w.bin"), str(d / "x.bin"),
+                    str(d / "y.bin")], check=True, env=env)
+    return np.fromfile(d / "y.bin", np.float32).reshape(n, out)
+
+
+def wide_range_x(rng, n, k):
+    """x with a wide dynamic range: rows scaled by 2^-60 .. 2^60, elements by 2^-12 .. 2^12 (and a
+    few exact zeros), so the per-block power-of-two scaling of the x split is exercised across the
+    F32 range and within blocks."""
+    x = rng.standard_normal((n, k)) * np.exp2(rng.uniform(-12, 12, (n, k)))
+    x *= np.exp2(np.linspace(-60, 60, n))[:, None]
+    x[rng.random((n, k)) < 0.02] = 0.0
+    return x.astype(np.float32)
+
+
 @pytest.mark.parametrize("k,out", [(256, 7), (512, 77), (1024, 40)])
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
-def test_gpu_mma_gemv_emulated_on_host(mma_emu, rng, name, k, out):
+@pytest.mark.parametrize("xkind", ["normal", "wide"])
+def test_gpu_mma_gemv_emulated_on_host(mma_emu, rng, name, k, out, xkind):
     d, exe = mma_emu
     raw, t = weight(rng, name, out, k, False)
-    x = rng.standard_normal((16, k)).astype(np.float32)
+    x = rng.standard_normal((16, k)).astype(np.float32) if xkind == "normal" else wide_range_x(rng, 16, k)
     ref = sn.matmul(x, t).numpy()
     bound = np.abs(x.astype(np.float64)) @ np.abs(sn.dequantize(t).numpy().astype(np.float64)).T
     np.ascontiguousarray(raw).tofile(d / "w.bin")
+    ys = {}
     for n in (1, 8, 9, 16):  # one and two n8 tiles
-        np.ascontiguousarray(x[:n]).tofile(d / "x.bin")
-        subprocess.run([str(exe), name, str(n), str(k), str(out), str(d / "w.bin"), str(d / "x.bin"),
-                        str(d / "y.bin")], check=True)
-        y = np.fromfile(d / "y.bin", np.float32).reshape(n, out)
+        y = ys[n] = run_mma_emu(d, exe, name, x[:n], out, sms=1 if k == 1024 else None)  # 1 SM: fewer splits
         err = np.abs(y.astype(np.float64) - ref[:n])
         assert np.all(err <= 1e-5 * bound[:n] + 1e-30), (
             f"{name} n={n}: max err / bound {(err / (bound[:n] + 1e-30)).max():.3g}")
+    for n in (1, 8, 9):  # batch invariance: a row's result does not depend on n
+        assert np.array_equal(ys[n].view(np.uint32), ys[16][:n].view(np.uint32)), f"{name}: n={n} differs from n=16"
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
+def test_gpu_mma_gemv_emulated_nonfinite_x(mma_emu, rng, name):
+    """inf / NaN in a row of x give non-finite results in that row only (the CPU's: inf * w and
+    NaN propagate), other rows unaffected."""
+    d, exe = mma_emu
+    k, out = 512, 40
+    raw, t = weight(rng, name, out, k, False)
+    np.ascontiguousarray(raw).tofile(d / "w.bin")
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[0, 100] = np.inf
+    x[1, 300] = np.nan
+    y = run_mma_emu(d, exe, name, x, out)
+    assert not np.isfinite(y[0]).any() and not np.isfinite(y[1]).any()
+    assert np.isfinite(y[2]).all()
+    with np.errstate(all="ignore"):
+        ref = sn.matmul(x, t).numpy()
+    assert not np.isfinite(ref[0]).any() and not np.isfinite(ref[1]).any()

@@ -11,9 +11,11 @@ Tolerances, elementwise:
 * GEMV path (n <= 16 rows of x, and n > 16 with exact=True in 16-row slices): |y_gpu - y_cpu| <=
   1e-5 * bound. F32 / F16 / BF16: both accumulate in float32 in different orders; the GPU decodes
   the weights to exactly the CPU's float32 values. Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS (CUDA: the
-  tensor-core GEMV, matmul_mma.cuh): integer quants (exact in BF16) times x split into three BF16
-  terms (x - (hi + mid + lo) <= 2^-24 |x|), F32 tensor-core accumulation per sub-block, scales in
-  F32 afterwards: a few 2^-24 of the bound (host emulation ~1e-7), also inside 1e-5.
+  tensor-core GEMV, matmul_mma.cuh): integer quants (exact in F16) times x split, per 32-input
+  block, into a power of two times two F16 terms (|x - s (hi + lo)| <= 2^-22 |x| + 2^-39 max|x
+  over the block|), F32 tensor-core accumulation per sub-block, scales in F32 afterwards: a few
+  2^-22 of the bound for inputs whose block-wise dynamic range is not extreme (host emulation
+  ~1e-7, also with x spanning 2^-72 .. 2^72), inside 1e-5.
 * cuBLAS path (n > 16): x and the dequantized weights are rounded to BF16 (8 significant bits),
   products and sums in float32: each product is off by at most 2^-9 + 2^-9 + 2^-18 relative, so
   |y_gpu - y_cpu| <= (2^-8 + 2e-5) * bound.
@@ -206,6 +208,32 @@ def test_matmul_gpu_mma_formats_widths(rng, name, k, out):
 def test_matmul_gpu_mma_27b_shape(rng, name):
     """A 27B FFN down projection shape (out 5120, in 17408): split-K over many blocks."""
     check_mma_widths(rng, name, 17408, 5120, [1, 2, 8, 9, 16])
+
+
+@pytest.mark.parametrize("name", MMA_FORMATS)
+@gpu_only
+def test_matmul_gpu_mma_wide_range_and_nonfinite_x(rng, name):
+    """x spanning ~2^-72 .. 2^72 (rows scaled by 2^-60 .. 2^60, elements by 2^-12 .. 2^12): the x
+    split scales each 32-input block by a power of two into the F16 range, so GEMV_TOL holds at every
+    magnitude. inf / NaN in a row of x make that row's results non-finite, as on the CPU, and leave
+    the other rows alone."""
+    k, out = 1024, 77
+    w = weight(rng, name, out, k)
+    wg = w.to(GPU)
+    x = rng.standard_normal((16, k)) * np.exp2(rng.uniform(-12, 12, (16, k)))
+    x = (x * np.exp2(np.linspace(-60, 60, 16))[:, None]).astype(np.float32)
+    x[rng.random((16, k)) < 0.02] = 0.0
+    ref = sn.matmul(x, w).numpy()
+    bound = abs_bound(x, w)
+    for n in (1, 9, 16):
+        y = sn.matmul(sn.Tensor(np.ascontiguousarray(x[:n])).to(GPU), wg).numpy()
+        check_close(y, ref[:n], bound[:n], GEMV_TOL, f"{name} wide-range x n={n}")
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[0, 100] = np.inf
+    x[1, 700] = np.nan
+    y = sn.matmul(sn.Tensor(x).to(GPU), wg).numpy()
+    assert not np.isfinite(y[0]).any() and not np.isfinite(y[1]).any(), f"{name}: inf / NaN in x lost"
+    assert np.all(np.isfinite(y[2])), f"{name}: a finite row of x gave non-finite results"
 
 
 @gpu_only

@@ -7,32 +7,42 @@
 // GEMV of matmul_mma.cuh; F32 / F16 / BF16, and every format on HIP, run the FP32-FMA GEMV below.
 // A format always takes the same kernel at every width 1..16 (batch invariance, below).
 //
-// Tensor-core GEMV (matmul_mma.cuh; mma.sync m16n8k16 bf16 -> f32, sm_80+):
+// Tensor-core GEMV (matmul_mma.cuh; mma.sync m16n8k16 f16 -> f32, sm_80+):
 // * Weights are decoded to their INTEGER quants (Q8_0 int8; Q4_K 0..15; Q5_K 0..31; Q6_K q - 32 in
-//   -32..31; IQ4_XS the kvalues table, -127..113): all exact in BF16 (|v| <= 256). The per-sub-block
-//   F32 scales are applied after the MMA: Q8_0 d (per 32), Q4_K/Q5_K d*sc_j (per 32) plus the min
-//   term -dmin*m_j * sum(x over the sub-block), Q6_K d*sc (per 16), IQ4_XS d*(ls-32) (per 32);
-//   these products are exact in F32 (few significant bits), as in the CPU decoders.
+//   -32..31; IQ4_XS the kvalues table, -127..113): all exact in F16 (|v| <= 2048), built with the
+//   0x6400 | byte trick (f16 1024 + byte) and one HSUB2 per pair. The per-sub-block F32 scales are
+//   applied after the MMA: Q8_0 d (per 32), Q4_K/Q5_K d*sc_j (per 32) plus the min term
+//   -dmin*m_j * sum(x over the sub-block), Q6_K d*sc (per 16), IQ4_XS d*(ls-32) (per 32); these
+//   products are exact in F32 (few significant bits), as in the CPU decoders.
 // * x is split once per call (split_x_kernel, into a scratch buffer laid out as the MMA's B
-//   fragments) into three BF16 terms x = hi + mid + lo: hi = bf16(x), mid = bf16(x - hi), lo =
-//   bf16(x - hi - mid), both differences exact in F32, so |x - (hi + mid + lo)| <= 2^-24 |x| (24+
-//   bits). Each q * term product is exact (<= 8 x 8 significant bits), so one sub-block's MMAs
-//   (fresh zero accumulator; per k16 step: hi, mid, lo per n8 tile) give sum_k q_k x_k up to the
-//   tensor core's F32 accumulation (~2^-23 relative per MMA of the magnitudes involved). Then
-//   acc = fma(scale_row, partial, acc) in F32 per sub-block, in sub-block order. For Q4_K/Q5_K
-//   the sub-block sums of x are exact double sums rounded once to F32. Against the CPU backend
-//   (exact F32 weights, F32 dot) the difference is far inside the tests' 1e-5 * (|x| @ |w|^T)
-//   (host emulation: ~1e-7).
+//   fragments), per 32-input block of each row of x: with m = max |x| over the block, a power of
+//   two s ~ m * 2^-14 (exact; clamped to >= 2^-100) and x' = x / s (max |x'| < 2^15, in F16 range),
+//   x' = hi + lo + e with hi = f16(x'), lo = f16(x' - hi) (difference exact in F32), so
+//   |x - s (hi + lo)| <= 2^-22 |x| + 2^-39 m (11 bits per term; the floor is lo's F16 subnormal
+//   spacing; 2^-125 instead when the clamp applies, m < 2^-86). Each q * term product is exact, so
+//   one sub-block's MMAs (fresh zero accumulator; per k16 step: hi, lo per n8 tile) give
+//   sum_k q_k x'_k up to the tensor core's F32 accumulation (~2^-23 relative per MMA of the
+//   magnitudes involved); that partial is multiplied by s (exact) and then acc = fma(scale_row,
+//   partial, acc) in F32 per sub-block, in sub-block order. For Q4_K/Q5_K the sub-block sums of x
+//   are exact double sums rounded once to F32. Error against the exact product: <= ~2^-22 (|x| @
+//   |w|^T) + 2^-39 sum_blocks m_blk * sum|w_blk| + the F32 accumulation, far inside the tests'
+//   1e-5 * (|x| @ |w|^T) (host emulation ~1e-7, also with x spanning 2^-72 .. 2^72); only an
+//   adversarial block (one element >= 2^17 times the others, the large one meeting zero weights)
+//   could approach it. Non-finite x: a block holding inf / NaN is not scaled (s = 1), its inf / NaN
+//   reach the MMA and the column's results are non-finite, as on the CPU (finite elements beyond
+//   the F16 range in such a block become inf; the result is non-finite either way).
 // * k permutation: in each k16 step lane t feeds the MMA's k = 2t, 2t+1, 2t+8, 2t+9 with the
 //   physical inputs 4t .. 4t+3 of the step, for A and B alike (a sum is order-free within one MMA's
 //   input set), so each lane reads whole 32-bit words of quants per weight row.
 // * Work: a block of 4 warps owns 128 output rows (each warp two m16 tiles, 32 rows) and one
 //   split of the reduction dimension (units of 32 / 64 inputs, consecutive); each weight byte is
-//   read once per call. The number of splits depends only on (out, in, format): enough blocks for
-//   ~4 per multiprocessor; split partials go to a scratch buffer and are summed split 0 first by a
-//   second kernel (never atomics). Padding columns of x (n not a multiple of 8) are zero.
-// * Batch invariance: n 1..8 use one n8 tile, 9..16 two; column j's arithmetic (its B fragments,
-//   the MMA sequence and the k order, the scales, the split walk, the split sum) is the same in
+//   read once per call. The number of splits depends only on (out, in, format and the device's
+//   multiprocessor count): as many as fit ONE wave of 4 blocks per multiprocessor (the n <= 8
+//   instances are compiled for 4 resident blocks, <= 128 registers; the 9..16 ones for 3); split
+//   partials go to a scratch buffer and are summed split 0 first by a second kernel (never
+//   atomics). Padding columns of x (n not a multiple of 8) are zero (and scale 0).
+// * Batch invariance: n 1..8 use one n8 tile, 9..16 two; column j's arithmetic (its B fragments
+//   and block scales, the MMA sequence and the k order, the scales, the split walk, the split sum) is the same in
 //   both instances and depends on no other column (each MMA output element is a dot product of
 //   its own row and column only). So row i of y is bit-identical whatever n (1..16), and, with the
 //   16-row slices, whatever n at all.

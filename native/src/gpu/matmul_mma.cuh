@@ -3,7 +3,7 @@
 // design, exactness and batch-invariance arguments). NVIDIA only (mma.sync inline PTX, sm_80+):
 // SPECD_MMA_GEMV is 0 on HIP, where matmul.cu keeps the FP32-FMA GEMV for every format.
 //
-// Layout conventions (mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, PTX ISA "Matrix
+// Layout conventions (mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, PTX ISA "Matrix
 // fragments for mma.m16n8k16 with floating point type"; lane = 4 * g + t, g = groupID, t =
 // threadID_in_group):
 //   A (16 x 16, weights: M = output rows, K = inputs): reg0 = (row g, k 2t, 2t+1), reg1 = (row
@@ -20,9 +20,6 @@
 
 #if !SPECD_HIP
 #define SPECD_MMA_GEMV 1
-#ifndef SPECD_HOST_EMU  // tests/gpu/host_emu: the device code on the host, mma emulated per warp
-#include <cuda_bf16.h>
-#endif
 #else
 #define SPECD_MMA_GEMV 0
 #endif
@@ -41,17 +38,22 @@ namespace specd::gpu::detail::mma {
 constexpr int kWarps = 4;   // warps per block; each owns its own 16 * kMT output rows
 constexpr int kMT = 2;      // m16 tiles (16 output rows each) per warp
 constexpr int kRowsPerBlock = kWarps * kMT * 16;
-constexpr int kXCols = 16;  // columns of the x-sum scratch (rows of x, padded)
+constexpr int kXCols = 16;  // columns of the x-scale/sum scratch (rows of x, padded)
+// Resident blocks per multiprocessor the kernel is compiled for (<= 128 registers per thread) and
+// the split-K count is sized for: the grid then runs in whole waves (see units_per_split).
+constexpr int kBlocksPerSM = 4;
 
 // --- small helpers ----------------------------------------------------------------------------
 
-// D += A * B (m16n8k16, bf16 inputs, f32 accumulation).
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+// D += A * B (m16n8k16, f16 inputs, f32 accumulation). FP16 rather than BF16: 11 significant bits
+// per x term, so two terms carry x to ~22 bits (BF16 needed three), i.e. 2 MMAs per k16 step and
+// tile instead of 3, and one B fragment load less; the quants are small integers, exact in both.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
 #if defined(SPECD_HOST_EMU)
   specd_emu_mma(d, a, b);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
@@ -60,30 +62,30 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 #endif
 }
 
-// Two floats -> one bf16x2 word (lo in the lower 16 bits), round to nearest even.
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+// Two floats -> one f16x2 word (lo in the lower 16 bits), round to nearest even.
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Four unsigned bytes (each < 128) -> two bf16x2 words of (byte - bias): bf16 bits 0x4300 | b are
-// exactly 128 + b, and (128 + b) - (128 + bias') is an exact small integer.
+// Four unsigned bytes -> two f16x2 words of (byte - kBias): f16 bits 0x6400 | b are exactly 1024 + b
+// (b < 256; the f16 spacing at 1024 is 1), and (1024 + b) - (1024 + kBias) is an exact small
+// integer. 2 PRMT + 2 HSUB2 per 4 weights.
 template <int kBias>
-__device__ __forceinline__ void u7x4_to_bf16(uint32_t v, uint32_t& lo, uint32_t& hi) {
-  const uint32_t x0 = __byte_perm(v, 0x43u, 0x4140), x1 = __byte_perm(v, 0x43u, 0x4342);
-  const __nv_bfloat162 b = __floats2bfloat162_rn(128.0f + kBias, 128.0f + kBias);
-  __nv_bfloat162 r0 = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&x0), b);
-  __nv_bfloat162 r1 = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&x1), b);
+__device__ __forceinline__ void u8x4_to_f16(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  static_assert(kBias >= 0 && kBias <= 1023, "bias within the f16 integer range at 1024");
+  constexpr uint32_t kB = 0x6400u + uint32_t(kBias);
+  const uint32_t x0 = __byte_perm(v, 0x64u, 0x4140), x1 = __byte_perm(v, 0x64u, 0x4342);
+  const uint32_t b2 = kB | (kB << 16);
+  __half2 r0 = __hsub2(*reinterpret_cast<const __half2*>(&x0), *reinterpret_cast<const __half2*>(&b2));
+  __half2 r1 = __hsub2(*reinterpret_cast<const __half2*>(&x1), *reinterpret_cast<const __half2*>(&b2));
   lo = *reinterpret_cast<uint32_t*>(&r0);
   hi = *reinterpret_cast<uint32_t*>(&r1);
 }
 
-// Four signed bytes -> two bf16x2 words (exact: |q| <= 128).
-__device__ __forceinline__ void i8x4_to_bf16(uint32_t v, uint32_t& lo, uint32_t& hi) {
-  float f[4];
-  i8x4_to_float(v, f);
-  lo = pack_bf16(f[0], f[1]);
-  hi = pack_bf16(f[2], f[3]);
+// Four signed bytes -> two f16x2 words (exact): q + 128 = (q ^ 0x80) as an unsigned byte.
+__device__ __forceinline__ void i8x4_to_f16(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  u8x4_to_f16<128>(v ^ 0x80808080u, lo, hi);
 }
 
 // A fragment of one m16 tile from the 4-weight words of its two rows (row g: w0, row g+8: w1),
@@ -92,21 +94,20 @@ __device__ __forceinline__ void make_a(uint32_t (&a)[4], uint32_t r0lo, uint32_t
   a[0] = r0lo, a[1] = r1lo, a[2] = r0hi, a[3] = r1hi;
 }
 
-// One k16 step (inputs 16 * kstep ..) of all m16 tiles against the three bf16 terms of every n8
-// tile of x, accumulated into p in the order hi, mid, lo per n8 tile.
-// xf: [kstep][NT][3][32] uint2 (the B fragments, lane-major).
+// One k16 step (inputs 16 * kstep ..) of all m16 tiles against the two f16 terms of every n8 tile
+// of x, accumulated into p in the order hi, lo per n8 tile.
+// xf: [kstep][NT][2][32] uint2 (the B fragments, lane-major).
 template <int NT>
 __device__ __forceinline__ void mma_step(const uint32_t (&a)[kMT][4], const uint2* __restrict__ xf, int64_t kstep,
                                          int lane, float (&p)[kMT][NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const uint2* b = xf + ((kstep * NT + nt) * 3) * 32 + lane;
-    const uint2 bh = __ldg(b), bm = __ldg(b + 32), bl = __ldg(b + 64);
+    const uint2* b = xf + ((kstep * NT + nt) * 2) * 32 + lane;
+    const uint2 bh = __ldg(b), bl = __ldg(b + 32);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-      mma_bf16(p[mt][nt], a[mt], bh);
-      mma_bf16(p[mt][nt], a[mt], bm);
-      mma_bf16(p[mt][nt], a[mt], bl);
+      mma_f16(p[mt][nt], a[mt], bh);
+      mma_f16(p[mt][nt], a[mt], bl);
     }
   }
 }
@@ -133,6 +134,23 @@ __device__ __forceinline__ void apply_scale(float (&acc)[kMT][NT][4], const floa
       for (int c = 0; c < 4; ++c) acc[mt][nt][c] = __fmaf_rn(sc[mt][c >> 1], p[mt][nt][c], acc[mt][nt][c]);
 }
 
+// p *= the x split's power-of-two scale of its column for the 32-input block `blk` (exact: see
+// split_x_kernel), so p becomes the partial dot product of the unscaled x. xs: [in / 32][kXCols]
+// pairs {scale, sum of x over the block}; sum[nt] = the sums of the lane's columns 8 nt + 2t, +1.
+template <int NT>
+__device__ __forceinline__ void scale_cols(float (&p)[kMT][NT][4], const float* __restrict__ xs, int64_t blk, int t,
+                                           float2 (&sum)[NT]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const float4 v = __ldg(reinterpret_cast<const float4*>(xs + 2 * (blk * kXCols + 8 * nt + 2 * t)));
+    sum[nt].x = v.y, sum[nt].y = v.w;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) p[mt][nt][c] = __fmul_rn(p[mt][nt][c], (c & 1) ? v.z : v.x);
+  }
+}
+
 // --- formats: a "unit" is 32 (Q8_0) or 64 (others) consecutive inputs of a row --------------
 
 // Q8_0: unit = one block (fp16 d | int8 q[32]), 2-byte aligned. Lane t reads q[4t..] and
@@ -149,8 +167,9 @@ struct Q8U {
   }
   template <int NT>
   __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
-                                                 const float* __restrict__, int lane, float (&acc)[kMT][NT][4]) {
+                                                 const float* __restrict__ xs, int lane, float (&acc)[kMT][NT][4]) {
     float p[kMT][NT][4], sc[kMT][2];
+    float2 unused[NT];
     zero(p);
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
@@ -158,12 +177,13 @@ struct Q8U {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
         uint32_t l0, h0, l1, h1;
-        i8x4_to_bf16(s ? r[mt][0].q1 : r[mt][0].q0, l0, h0);
-        i8x4_to_bf16(s ? r[mt][1].q1 : r[mt][1].q0, l1, h1);
+        i8x4_to_f16(s ? r[mt][0].q1 : r[mt][0].q0, l0, h0);
+        i8x4_to_f16(s ? r[mt][1].q1 : r[mt][1].q0, l1, h1);
         make_a(a[mt], l0, h0, l1, h1);
       }
       mma_step<NT>(a, xf, 2 * u + s, lane, p);
     }
+    scale_cols(p, xs, u, lane & 3, unused);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -203,7 +223,7 @@ struct QK45U {
   }
   template <int NT>
   __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
-                                                 const float* __restrict__ xsum, int lane, float (&acc)[kMT][NT][4]) {
+                                                 const float* __restrict__ xs, int lane, float (&acc)[kMT][NT][4]) {
     const int p = int(u & 3), t = lane & 3;
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
@@ -220,7 +240,7 @@ struct QK45U {
           for (int h = 0; h < 2; ++h) {
             uint32_t v = ((s ? r[mt][h].q1 : r[mt][h].q0) >> (4 * hi)) & 0x0f0f0f0fu;
             if constexpr (kQ5) v |= (((s ? r[mt][h].h1 : r[mt][h].h0) >> j) & 0x01010101u) << 4;
-            u7x4_to_bf16<0>(v, lo[h], hw[h]);
+            u8x4_to_f16<0>(v, lo[h], hw[h]);
           }
           make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
         }
@@ -236,17 +256,17 @@ struct QK45U {
           d1[mt][h] = __fmul_rn(specd_fp16_bits_to_float(uint16_t(r[mt][h].hdr.x)), sc);
           m1[mt][h] = -__fmul_rn(specd_fp16_bits_to_float(uint16_t(r[mt][h].hdr.x >> 16)), mn);
         }
+      float2 sx[NT];
+      scale_cols(part, xs, 2 * u + hi, t, sx);
       apply_scale(acc, part, d1);
       // Min term: acc += (-m1_row) * sum(x over sub-block 2u + hi) for each column.
-      const float* xs = xsum + (2 * u + hi) * kXCols;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        const float2 sx = __ldg(reinterpret_cast<const float2*>(xs + 8 * nt + 2 * t));
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
           for (int c = 0; c < 4; ++c)
-            acc[mt][nt][c] = __fmaf_rn(m1[mt][c >> 1], (c & 1) ? sx.y : sx.x, acc[mt][nt][c]);
+            acc[mt][nt][c] = __fmaf_rn(m1[mt][c >> 1], (c & 1) ? sx[nt].y : sx[nt].x, acc[mt][nt][c]);
       }
     }
   }
@@ -258,7 +278,7 @@ struct QK45U {
 // qh[32 n + l], scale sc[8 n + 2 g + h]; value (d * sc) * (q - 32). Lane t holds l = 16h + 4t ..
 // +3 of each sub-block (one k16 step each).
 struct Q6U {
-  static constexpr int kUnitElems = 64, kU = 4;
+  static constexpr int kUnitElems = 64, kU = 3;  // 3: 5 words per row and unit, <= 128 registers
   static constexpr bool kMins = false;
   struct Raw {
     uint32_t qa, qb, qh, sc, d;
@@ -278,7 +298,7 @@ struct Q6U {
   }
   template <int NT>
   __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
-                                                 const float* __restrict__, int lane, float (&acc)[kMT][NT][4]) {
+                                                 const float* __restrict__ xs, int lane, float (&acc)[kMT][NT][4]) {
     const int64_t b = u >> 2;
     const int n = int(u >> 1) & 1, h16 = int(u & 1);
 #pragma unroll
@@ -293,13 +313,15 @@ struct Q6U {
         for (int h = 0; h < 2; ++h) {
           uint32_t v = (((g & 1) ? r[mt][h].qb : r[mt][h].qa) >> (4 * (g >> 1))) & 0x0f0f0f0fu;
           v |= ((r[mt][h].qh >> (2 * g)) & 0x03030303u) << 4;
-          u7x4_to_bf16<32>(v, lo[h], hw[h]);  // q - 32
+          u8x4_to_f16<32>(v, lo[h], hw[h]);  // q - 32
           const int isc = int(int8_t(uint8_t(r[mt][h].sc >> (8 * g))));
           sc[mt][h] = __fmul_rn(specd_fp16_bits_to_float(uint16_t(r[mt][h].d)), float(isc));  // exact
         }
         make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
       }
       mma_step<NT>(a, xf, 16 * b + 8 * n + 2 * g + h16, lane, part);
+      float2 unused[NT];
+      scale_cols(part, xs, 8 * b + 4 * n + g, lane & 3, unused);  // the 32-input block of k16 step 16b+8n+2g+h
       apply_scale(acc, part, sc);
     }
   }
@@ -308,7 +330,7 @@ struct Q6U {
 // IQ4_XS (136-byte blocks, 8-byte aligned: fp16 d | u16 scales_h | u8 scales_l[4] | qs[128]):
 // unit = sub-blocks 2p, 2p + 1 (u = 4 b + p); sub-block j = qs[16j .. 16j + 15], low nibbles
 // inputs 32j + 0..15 (step 0), high nibbles 32j + 16..31 (step 1): lane t reads qs[16j + 4t ..].
-// Value (d * (ls_j - 32)) * kvalues[idx] (kvalues in [-127, 113], exact in bf16).
+// Value (d * (ls_j - 32)) * kvalues[idx] (kvalues in [-127, 113], exact in f16).
 struct IQ4U {
   static constexpr int kUnitElems = 64, kU = 4;
   static constexpr bool kMins = false;
@@ -327,7 +349,7 @@ struct IQ4U {
   }
   template <int NT>
   __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
-                                                 const float* __restrict__, int lane, float (&acc)[kMT][NT][4]) {
+                                                 const float* __restrict__ xs, int lane, float (&acc)[kMT][NT][4]) {
     const int p = int(u & 3);
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
@@ -343,12 +365,14 @@ struct IQ4U {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const uint32_t idx = ((jj ? r[mt][h].q1 : r[mt][h].q0) >> (4 * s)) & 0x0f0f0f0fu;
-            i8x4_to_bf16(IQ4XSW::lookup4(idx), lo[h], hw[h]);
+            i8x4_to_f16(IQ4XSW::lookup4(idx), lo[h], hw[h]);
           }
           make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
         }
         mma_step<NT>(a, xf, 4 * u + 2 * jj + s, lane, part);
       }
+      float2 unused[NT];
+      scale_cols(part, xs, 2 * u + jj, lane & 3, unused);
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -364,57 +388,81 @@ struct IQ4U {
 
 // --- kernels ---------------------------------------------------------------------------------
 
-// x [n, in] F32 -> B fragments xf [in / 16][NT][3][32] uint2: lane 4g + t of (kstep, nt) holds
-// x[8 nt + g][16 kstep + 4t + 0..3] as terms hi, mid, lo (x = hi + mid + lo to ~2^-27 relative:
-// hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid); both differences are exact in F32);
-// columns >= n are zero. With `sums`, also xsum [in / 32][kXCols]: the F32 rounding of the exact
-// (double) sum of each 32-input sub-block of each row of x (zero for columns >= n).
-__global__ void split_x_kernel(const float* __restrict__ x, int64_t ldx, int n, int64_t ksteps, int NT,
-                               uint2* __restrict__ xf, float* __restrict__ xsum) {
+// x [n, in] F32 -> B fragments xf [in / 16][NT][2][32] uint2 and per-block scales xs [in / 32]
+// [kXCols] {scale, sum}. One thread per (32-input block, column of the padded x); columns >= n are
+// zero (scale 0, sum 0). For a block with all elements finite and max |x| = m in [2^E, 2^(E+1)):
+//   x' = x * 2^k, k = 14 - E (clamped to <= 100), exact in F32, so max |x'| < 2^15 (f16 finite);
+//   hi = f16(x'), lo = f16(x' - hi) (the difference is exact in F32);
+//   scale = 2^-k (exact power of two in [2^-100, 2^113]); the kernel multiplies the block's partial
+//   dot product by it. |x - scale * (hi + lo)| <= 2^-22 |x| + 2^-39 m (f16 keeps 11 bits per term;
+//   the floor is lo's f16 subnormal spacing 2^-24 * scale), with 2^-125 as the floor instead when
+//   the clamp applies (m < 2^-86).
+// A block with a non-finite element keeps k = 0 (scale 1): hi = f16(x) is then inf / NaN where x is
+// (or finite x beyond the f16 range overflows to inf) and lo = 0 there, so the column's result is
+// non-finite, as the CPU's. The sum is the F32 rounding of the exact (double) sum of the block
+// (for the Q4_K / Q5_K min terms).
+__global__ void split_x_kernel(const float* __restrict__ x, int64_t ldx, int n, int64_t nblk, int NT,
+                               uint2* __restrict__ xf, float* __restrict__ xs) {
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t total = ksteps * NT * 32;
-  if (id < total) {
-    const int lane = int(id & 31), g = lane >> 2, t = lane & 3;
-    const int64_t ks = id / (32 * NT);
-    const int nt = int((id / 32) % NT);
-    const int col = 8 * nt + g;
-    float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (col < n) {
-      const float4 f = *reinterpret_cast<const float4*>(x + int64_t(col) * ldx + 16 * ks + 4 * t);
-      v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
-    }
-    float term[3][4];
+  if (id >= nblk * NT * 8) return;
+  const int64_t blk = id / (NT * 8);
+  const int col = int(id % (NT * 8)), nt = col >> 3, g = col & 7;
+  float v[32];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float hi = __bfloat162float(__float2bfloat16_rn(v[k]));
-      const bool fin = isfinite(hi);
-      const float r1 = fin ? __fsub_rn(v[k], hi) : 0.0f;
-      const float mid = __bfloat162float(__float2bfloat16_rn(r1));
-      const float r2 = __fsub_rn(r1, mid);
-      term[0][k] = hi, term[1][k] = mid, term[2][k] = __bfloat162float(__float2bfloat16_rn(r2));
-    }
-    uint2* o = xf + ((ks * NT + nt) * 3) * 32 + lane;
+  for (int k = 0; k < 32; ++k) v[k] = 0.0f;
+  if (col < n) {
+    const float4* src = reinterpret_cast<const float4*>(x + int64_t(col) * ldx + 32 * blk);
 #pragma unroll
-    for (int m = 0; m < 3; ++m) o[32 * m] = make_uint2(pack_bf16(term[m][0], term[m][1]), pack_bf16(term[m][2], term[m][3]));
+    for (int k = 0; k < 8; ++k) {
+      const float4 f = src[k];
+      v[4 * k] = f.x, v[4 * k + 1] = f.y, v[4 * k + 2] = f.z, v[4 * k + 3] = f.w;
+    }
   }
-  if (xsum != nullptr && id < (ksteps / 2) * kXCols) {
-    const int64_t sub = id / kXCols;
-    const int col = int(id % kXCols);
-    double s = 0.0;
-    if (col < n)
-      for (int k = 0; k < 32; ++k) s += double(x[int64_t(col) * ldx + 32 * sub + k]);
-    xsum[id] = float(s);
+  float m = 0.0f;
+  bool fin = true;
+  double sum = 0.0;
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    fin = fin && isfinite(v[k]);
+    m = fmaxf(m, fabsf(v[k]));
+    sum += double(v[k]);
   }
+  int k2 = 0;  // x' = x * 2^k2
+  if (fin && m > 0.0f) {
+    int e;
+    frexpf(m, &e);  // m = f * 2^e, f in [0.5, 1): E = e - 1
+    k2 = 15 - e < 100 ? 15 - e : 100;
+  }
+  const float scale = col < n ? ldexpf(1.0f, -k2) : 0.0f;
+  xs[2 * (blk * kXCols + col)] = scale;
+  xs[2 * (blk * kXCols + col) + 1] = float(sum);
+  float hi[32], lo[32];
+#pragma unroll
+  for (int k = 0; k < 32; ++k) {
+    const float xv = ldexpf(v[k], k2);
+    hi[k] = __half2float(__float2half_rn(xv));
+    lo[k] = isfinite(hi[k]) ? __half2float(__float2half_rn(__fsub_rn(xv, hi[k]))) : 0.0f;
+  }
+  // k16 step 2 blk + s, lane 4g + t: inputs 16 s + 4t + 0..3 of the block (the k permutation above).
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const int e0 = 16 * s + 4 * t;
+      uint2* o = xf + (((2 * blk + s) * NT + nt) * 2) * 32 + 4 * g + t;
+      o[0] = make_uint2(pack_f16(hi[e0], hi[e0 + 1]), pack_f16(hi[e0 + 2], hi[e0 + 3]));
+      o[32] = make_uint2(pack_f16(lo[e0], lo[e0 + 1]), pack_f16(lo[e0 + 2], lo[e0 + 3]));
+    }
 }
 
 // One block: kWarps warps, warp w owns rows row0 + 16 kMT w .. + 16 kMT - 1 and all rows of x, over
 // units [u_begin, u_end) of split blockIdx.y (in order, kU loads in flight). Writes its partial
 // sums to part[split][col][row] (or straight to y when there is one split).
 template <class F, int NT>
-__global__ void __launch_bounds__(kWarps * 32) mma_gemv_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
+__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kBlocksPerSM : 3) mma_gemv_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
                                                                 int64_t nunits, int64_t per_split,
                                                                 const uint2* __restrict__ xf,
-                                                                const float* __restrict__ xsum, float* __restrict__ dst,
+                                                                const float* __restrict__ xs, float* __restrict__ dst,
                                                                 int n, int64_t out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int64_t row0 = int64_t(blockIdx.x) * kRowsPerBlock + int64_t(warp) * kMT * 16;
@@ -445,7 +493,7 @@ __global__ void __launch_bounds__(kWarps * 32) mma_gemv_kernel(const uint8_t* __
       }
 #pragma unroll
     for (int i = 0; i < kU; ++i)
-      if (u0 + i < u_end) F::template compute<NT>(raw[i], u0 + i, xf, xsum, lane, acc);
+      if (u0 + i < u_end) F::template compute<NT>(raw[i], u0 + i, xf, xs, lane, acc);
   }
 
   float* o = dst + int64_t(blockIdx.y) * n * out;
@@ -471,20 +519,22 @@ __global__ void sum_splits_kernel(const float* __restrict__ part, int splits, in
   y[i] = s;
 }
 
-// Splits of the reduction dimension for a weight of `out` rows and `nunits` units: enough blocks
-// for ~4 per multiprocessor, at least 4 units per split. Depends on the weight shape only (never
+// Splits of the reduction dimension for a weight of `out` rows and `nunits` units: as many as fit
+// one wave of kBlocksPerSM blocks per multiprocessor (rounded DOWN: one block over a wave would
+// cost a whole second pass of a latency-bound block, e.g. 136 row blocks x 4 splits = 544 blocks on
+// 528 slots ran as two waves), at least 4 units per split. Depends on the weight shape only (never
 // on n), so every row of x sees the same arithmetic whatever the width of the call.
 inline int64_t units_per_split(int64_t out, int64_t nunits) {
   const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int64_t want = 4 * int64_t(sm_count());
-  int64_t splits = std::max<int64_t>(1, std::min<int64_t>((want + row_blocks - 1) / row_blocks, nunits / 4));
+  const int64_t want = kBlocksPerSM * int64_t(sm_count());
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want / row_blocks, nunits / 4));
   splits = std::min<int64_t>(splits, 65535);
   int64_t per = (nunits + splits - 1) / splits;
   return std::max<int64_t>(per, 1);
 }
 
 template <class F, int NT>
-void launch(const uint8_t* w, int64_t row_bytes, int64_t in, const uint2* xf, const float* xsum, float* y, int n,
+void launch(const uint8_t* w, int64_t row_bytes, int64_t in, const uint2* xf, const float* xs, float* y, int n,
             int64_t out, cudaStream_t s) {
   const int64_t nunits = in / F::kUnitElems;
   const int64_t per = units_per_split(out, nunits);
@@ -497,7 +547,7 @@ void launch(const uint8_t* w, int64_t row_bytes, int64_t in, const uint2* xf, co
     dst = static_cast<float*>(scratch.get());
   }
   mma_gemv_kernel<F, NT><<<dim3(unsigned(row_blocks), unsigned(splits)), kWarps * 32, 0, s>>>(
-      w, row_bytes, nunits, per, xf, xsum, dst, n, out);
+      w, row_bytes, nunits, per, xf, xs, dst, n, out);
   SPECD_GPU_CHECK_LAUNCH("mma_gemv_kernel");
   if (splits > 1) {
     const int64_t count = int64_t(n) * out;
@@ -516,24 +566,23 @@ inline void gemv(const uint8_t* w, DType t, int64_t row_bytes, int64_t in, const
                  int64_t out) {
   cudaStream_t s = stream();
   const int NT = n <= 8 ? 1 : 2;
-  const int64_t ksteps = in / 16;
-  const bool mins = t == DType::Q4_K || t == DType::Q5_K;
-  const size_t xf_bytes = size_t(ksteps * NT * 3 * 32) * sizeof(uint2);
-  const size_t xs_bytes = mins ? size_t((in / 32) * kXCols) * sizeof(float) : 0;
+  const int64_t nblk = in / 32;
+  const size_t xf_bytes = size_t(nblk * 2 * NT * 2 * 32) * sizeof(uint2);
+  const size_t xs_bytes = size_t(nblk * kXCols * 2) * sizeof(float);
   std::shared_ptr<void> scratch = alloc(xf_bytes + xs_bytes);  // freed stream-ordered
   uint2* xf = static_cast<uint2*>(scratch.get());
-  float* xsum = mins ? reinterpret_cast<float*>(static_cast<uint8_t*>(scratch.get()) + xf_bytes) : nullptr;
-  const int64_t threads = std::max<int64_t>(ksteps * NT * 32, mins ? (in / 32) * kXCols : 0);
-  split_x_kernel<<<unsigned((threads + 255) / 256), 256, 0, s>>>(x, in, n, ksteps, NT, xf, xsum);
+  float* xs = reinterpret_cast<float*>(static_cast<uint8_t*>(scratch.get()) + xf_bytes);  // 16-byte aligned
+  const int64_t threads = nblk * NT * 8;
+  split_x_kernel<<<unsigned((threads + 127) / 128), 128, 0, s>>>(x, in, n, nblk, NT, xf, xs);
   SPECD_GPU_CHECK_LAUNCH("split_x_kernel");
   auto go = [&](auto nt) {
     constexpr int kNT = decltype(nt)::value;
     switch (t) {
-      case DType::Q8_0: return launch<Q8U, kNT>(w, row_bytes, in, xf, xsum, y, n, out, s);
-      case DType::Q4_K: return launch<QK45U<false>, kNT>(w, row_bytes, in, xf, xsum, y, n, out, s);
-      case DType::Q5_K: return launch<QK45U<true>, kNT>(w, row_bytes, in, xf, xsum, y, n, out, s);
-      case DType::Q6_K: return launch<Q6U, kNT>(w, row_bytes, in, xf, xsum, y, n, out, s);
-      case DType::IQ4_XS: return launch<IQ4U, kNT>(w, row_bytes, in, xf, xsum, y, n, out, s);
+      case DType::Q8_0: return launch<Q8U, kNT>(w, row_bytes, in, xf, xs, y, n, out, s);
+      case DType::Q4_K: return launch<QK45U<false>, kNT>(w, row_bytes, in, xf, xs, y, n, out, s);
+      case DType::Q5_K: return launch<QK45U<true>, kNT>(w, row_bytes, in, xf, xs, y, n, out, s);
+      case DType::Q6_K: return launch<Q6U, kNT>(w, row_bytes, in, xf, xs, y, n, out, s);
+      case DType::IQ4_XS: return launch<IQ4U, kNT>(w, row_bytes, in, xf, xs, y, n, out, s);
       default: fail("matmul: no tensor-core GEMV for ", dtype_info(t).name);
     }
   };

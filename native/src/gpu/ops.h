@@ -30,8 +30,11 @@ Tensor l2_norm(const Tensor& x, float eps);
 // n <= 16 rows: a GEMV-style kernel that reads each weight byte once per call; F32 / F16 / BF16
 // (and every format on HIP): weights decoded in registers to exactly cpu::dequantize's values, F32
 // FMAs; Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS on CUDA: tensor cores on the integer quants (exact in
-// BF16) against x split into three BF16 terms (~24 bits), scales applied in F32 after each
-// sub-block (matmul.cu). Error within 1e-5 * (|x| @ |w|^T) elementwise of the exact product;
+// F16) against x split per 32-input block into a power of two times two F16 terms (~22 bits:
+// |x - s (hi + lo)| <= 2^-22 |x| + 2^-39 max|x over the block|), scales applied in F32 after each
+// sub-block (matmul.cu). Error within 1e-5 * (|x| @ |w|^T) elementwise of the exact product
+// (barring adversarial blocks whose elements span more than ~2^17 with the large ones on zero
+// weights); inf / NaN in a row of x give non-finite results in that row;
 // batch invariant: row i of y is bit-identical whatever n (1..16). n > 16 with `exact` (the default): the same GEMV over
 // slices of 16 rows, so every row stays bit-identical to a 1-row call (verify of any width equals
 // decode). n > 16 without `exact` (prefill): w dequantized to BF16 and x rounded to BF16 on the

@@ -1,6 +1,8 @@
 // Host emulation of the tensor-core GEMV (native/src/gpu/matmul_mma.cuh): its split_x_kernel and
-// mma_gemv_kernel run on the CPU, one std::thread per lane, with mma.sync m16n8k16 bf16 emulated
-// warp-wide from the PTX ISA fragment layouts (a barrier per MMA). Checks the per-format load
+// mma_gemv_kernel run on the CPU, one std::thread per lane, with mma.sync m16n8k16 f16 -> f32
+// emulated warp-wide from the PTX ISA fragment layouts (a barrier per MMA): the f16 inputs are
+// taken exactly, products are exact and summed in double, rounded once to F32 per MMA (the
+// hardware's F32 accumulation may differ in the last bits; test_gpu_matmul.py covers it). Checks the per-format load
 // offsets, k permutation, scales and split-K against the CPU backend (test_gpu_decoders_host.py)
 // without a GPU; the real MMA numerics are covered on a GPU by test_gpu_matmul.py.
 //
@@ -21,7 +23,7 @@
 #define SPECD_HIP 0
 #define SPECD_HOST_EMU 1
 #define __global__
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 inline void __trap() { std::abort(); }
 
 struct Dim3 {
@@ -30,25 +32,35 @@ struct Dim3 {
 thread_local Dim3 threadIdx, blockIdx;
 thread_local Dim3 blockDim;
 
-struct __nv_bfloat16 {
-  uint16_t v;
-};
-struct __nv_bfloat162 {
-  uint16_t x, y;
-};
-inline uint16_t bf16_rn(float f) {
+// IEEE binary16, round to nearest even (subnormals, overflow to inf, NaN kept), as __float2half_rn.
+inline uint16_t f16_rn(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);                 // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);                // >= 65520: inf
+  if (a >= 0x38800000u) {                                               // >= 2^-14: normal
+    const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);                   // round the 13 dropped bits
+    return uint16_t(sign | ((r - 0x38000000u) >> 13));
+  }
+  float af;
+  std::memcpy(&af, &a, 4);
+  return uint16_t(sign | uint16_t(std::nearbyint(af * 16777216.0f)));  // subnormal: units of 2^-24
 }
-inline float bf16_f(uint16_t b) { return __uint_as_float(uint32_t(b) << 16); }
-inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16{bf16_rn(f)}; }
-inline float __bfloat162float(__nv_bfloat16 b) { return bf16_f(b.v); }
-inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return __nv_bfloat162{bf16_rn(a), bf16_rn(b)}; }
-inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
-  return __nv_bfloat162{bf16_rn(bf16_f(a.x) - bf16_f(b.x)), bf16_rn(bf16_f(a.y) - bf16_f(b.y))};
+inline float f16_f(uint16_t h) { return specd_fp16_bits_to_float(h); }
+
+struct __half {
+  uint16_t v;
+};
+struct __half2 {
+  uint16_t x, y;
+};
+inline __half __float2half_rn(float f) { return __half{f16_rn(f)}; }
+inline float __half2float(__half h) { return f16_f(h.v); }
+inline __half2 __floats2half2_rn(float a, float b) { return __half2{f16_rn(a), f16_rn(b)}; }
+inline __half2 __hsub2(__half2 a, __half2 b) {
+  return __half2{f16_rn(f16_f(a.x) - f16_f(b.x)), f16_rn(f16_f(a.y) - f16_f(b.y))};
 }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
@@ -69,7 +81,7 @@ struct WarpShared {
 };
 thread_local WarpShared* tl_warp = nullptr;
 
-inline float half_of(uint32_t reg, int h) { return bf16_f(uint16_t(h ? reg >> 16 : reg & 0xffffu)); }
+inline float half_of(uint32_t reg, int h) { return f16_f(uint16_t(h ? reg >> 16 : reg & 0xffffu)); }
 
 inline void specd_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
   WarpShared& w = *tl_warp;
@@ -101,18 +113,21 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
          int64_t out, std::vector<float>& y) {
   using namespace specd::gpu::detail::mma;
   const int NT = n <= 8 ? 1 : 2;
-  const int64_t ksteps = in / 16;
-  std::vector<uint2> xf(size_t(ksteps * NT * 3 * 32));
-  std::vector<float> xsum(size_t((in / 32) * kXCols));
-  const int64_t threads = std::max<int64_t>(ksteps * NT * 32, (in / 32) * kXCols);
+  const int64_t nblk = in / 32;
+  std::vector<uint2> xf(size_t(nblk * 2 * NT * 2 * 32));
+  std::vector<float> xs(size_t(nblk * kXCols * 2), NAN);
+  const int64_t threads = nblk * NT * 8;
   for (int64_t i = 0; i < threads; ++i) {
-    blockDim.x = 256, blockIdx.x = unsigned(i / 256), threadIdx.x = unsigned(i % 256);
-    split_x_kernel(x.data(), in, n, ksteps, NT, xf.data(), F::kMins ? xsum.data() : nullptr);
+    blockDim.x = 128, blockIdx.x = unsigned(i / 128), threadIdx.x = unsigned(i % 128);
+    split_x_kernel(x.data(), in, n, nblk, NT, xf.data(), xs.data());
   }
-  // Split-K as the host code picks it, with a 132-multiprocessor device.
+  // Split-K as the host code picks it (units_per_split), with SPECD_EMU_SMS multiprocessors (default
+  // 132, an H200; small values give many splits on the tests' small weights).
+  const char* sms_env = std::getenv("SPECD_EMU_SMS");
+  const int64_t sms = sms_env ? std::atoll(sms_env) : 132;
   const int64_t nunits = in / F::kUnitElems;
   const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
-  int64_t splits = std::max<int64_t>(1, std::min<int64_t>((4 * 132 + row_blocks - 1) / row_blocks, nunits / 4));
+  int64_t splits = std::max<int64_t>(1, std::min<int64_t>(kBlocksPerSM * sms / row_blocks, nunits / 4));
   const int64_t per = std::max<int64_t>(1, (nunits + splits - 1) / splits);
   splits = (nunits + per - 1) / per;
   std::vector<float> part(size_t(splits * n * out), NAN);
@@ -126,7 +141,7 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
           threadIdx.x = unsigned(i), blockIdx.x = unsigned(bx), blockIdx.y = unsigned(by);
           tl_warp = &ws[i / 32];
           auto kernel = NT == 1 ? mma_gemv_kernel<F, 1> : mma_gemv_kernel<F, 2>;
-          kernel(w.data(), row_bytes, nunits, per, xf.data(), xsum.data(), part.data(), n, out);
+          kernel(w.data(), row_bytes, nunits, per, xf.data(), xs.data(), part.data(), n, out);
         });
       for (auto& t : th) t.join();
     }
