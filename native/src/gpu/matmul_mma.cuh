@@ -197,20 +197,24 @@ struct Q8U {
 // = bit j of qh[l] for sub-block j). Step s of a sub-block = l in 16s .. 16s + 15: lane t reads
 // the words qs[32p + 16s + 4t ..] (and qh[16s + 4t ..]). Value d1 * q - m1 with d1 = d * sc_j,
 // m1 = dmin * m_j (exact products): sum = d1 * (q . x) - m1 * sum(x over the sub-block).
+// The 16-byte block header (d, dmin | scales) is loaded one word per lane (lane t: word t) and
+// gathered with shuffles when the unit is computed: held whole by every lane it took 4 registers
+// per row and unit in flight (of 6), which capped the loads in flight at 2 units (2 KB per warp);
+// now 4 (Q4_K) / 3 (Q5_K) units.
 template <bool kQ5>
 struct QK45U {
-  static constexpr int kUnitElems = 64, kU = 2;  // 2: register pressure (16-byte header per row and unit)
+  static constexpr int kUnitElems = 64, kU = kQ5 ? 2 : 3;
   static constexpr bool kMins = true;
   static constexpr int kBlock = kQ5 ? 176 : 144, kQs = kQ5 ? 48 : 16;
   struct Raw {
-    uint4 hdr;
+    uint32_t hw;  // header word t of the lane's group (all 4 lanes of a group share the row)
     uint32_t q0, q1, h0, h1;
   };
   __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
     const uint8_t* blk = row + (u >> 2) * kBlock;
     const int p = int(u & 3);
     Raw r;
-    r.hdr = *reinterpret_cast<const uint4*>(blk);
+    r.hw = *reinterpret_cast<const uint32_t*>(blk + 4 * t);
     r.q0 = *reinterpret_cast<const uint32_t*>(blk + kQs + 32 * p + 4 * t);
     r.q1 = *reinterpret_cast<const uint32_t*>(blk + kQs + 32 * p + 16 + 4 * t);
     if constexpr (kQ5) {
@@ -225,6 +229,17 @@ struct QK45U {
   __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
                                                  const float* __restrict__ xs, int lane, float (&acc)[kMT][NT][4]) {
     const int p = int(u & 3), t = lane & 3;
+    uint4 hdr[kMT][2];  // the rows' headers, words from lanes 4g + 0..3 (same rows: same g)
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int base = lane & ~3;
+        hdr[mt][h].x = __shfl_sync(0xffffffffu, r[mt][h].hw, base);
+        hdr[mt][h].y = __shfl_sync(0xffffffffu, r[mt][h].hw, base + 1);
+        hdr[mt][h].z = __shfl_sync(0xffffffffu, r[mt][h].hw, base + 2);
+        hdr[mt][h].w = __shfl_sync(0xffffffffu, r[mt][h].hw, base + 3);
+      }
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       const int j = 2 * p + hi;  // sub-block in the 256-block
@@ -252,9 +267,9 @@ struct QK45U {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float sc, mn;
-          scale_min_k4(j, r[mt][h].hdr.y, r[mt][h].hdr.z, r[mt][h].hdr.w, sc, mn);
-          d1[mt][h] = __fmul_rn(specd_fp16_bits_to_float(uint16_t(r[mt][h].hdr.x)), sc);
-          m1[mt][h] = -__fmul_rn(specd_fp16_bits_to_float(uint16_t(r[mt][h].hdr.x >> 16)), mn);
+          scale_min_k4(j, hdr[mt][h].y, hdr[mt][h].z, hdr[mt][h].w, sc, mn);
+          d1[mt][h] = __fmul_rn(specd_fp16_bits_to_float(uint16_t(hdr[mt][h].x)), sc);
+          m1[mt][h] = -__fmul_rn(specd_fp16_bits_to_float(uint16_t(hdr[mt][h].x >> 16)), mn);
         }
       float2 sx[NT];
       scale_cols(part, xs, 2 * u + hi, t, sx);

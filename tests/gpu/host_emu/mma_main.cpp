@@ -77,6 +77,7 @@ using std::isfinite;
 struct WarpShared {
   uint32_t a[32][4];
   uint32_t b[32][2];
+  uint32_t sh[32];
   std::unique_ptr<std::barrier<>> bar;
 };
 thread_local WarpShared* tl_warp = nullptr;
@@ -102,6 +103,17 @@ inline void specd_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
     d[c] = float(s);
   }
   w.bar->arrive_and_wait();
+}
+
+// __shfl_sync over the whole warp (every lane takes part, as in the kernel).
+inline uint32_t __shfl_sync(unsigned mask, uint32_t v, int src) {
+  if (mask != 0xffffffffu) std::abort();
+  WarpShared& w = *tl_warp;
+  w.sh[threadIdx.x & 31] = v;
+  w.bar->arrive_and_wait();
+  const uint32_t r = w.sh[src & 31];
+  w.bar->arrive_and_wait();
+  return r;
 }
 
 #include "matmul_mma.cuh"
