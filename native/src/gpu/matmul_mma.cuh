@@ -442,19 +442,21 @@ __global__ void split_x_kernel(const float* __restrict__ x, int64_t ldx, int n, 
     m = fmaxf(m, fabsf(v[k]));
     sum += double(v[k]);
   }
-  int k2 = 0;  // x' = x * 2^k2
+  int k2 = 0;  // x' = x * 2^k2; k2 in [-113, 100], so 2^k2 and 2^-k2 are normal F32 numbers
   if (fin && m > 0.0f) {
-    int e;
-    frexpf(m, &e);  // m = f * 2^e, f in [0.5, 1): E = e - 1
-    k2 = 15 - e < 100 ? 15 - e : 100;
+    const int eb = int(__float_as_uint(m) >> 23);  // biased exponent: m in [2^(eb-127), 2^(eb-126))
+    k2 = eb == 0 ? 100 : (141 - eb < 100 ? 141 - eb : 100);  // 14 - E; F32 subnormal m: clamp
   }
-  const float scale = col < n ? ldexpf(1.0f, -k2) : 0.0f;
+  // Multiplying by an exact power of two is exact (or correctly rounded into the F32 subnormal
+  // range, far below what the F16 terms keep): the same as ldexpf, without its slow path.
+  const float up = __uint_as_float(uint32_t(127 + k2) << 23);
+  const float scale = col < n ? __uint_as_float(uint32_t(127 - k2) << 23) : 0.0f;
   xs[2 * (blk * kXCols + col)] = scale;
   xs[2 * (blk * kXCols + col) + 1] = float(sum);
   float hi[32], lo[32];
 #pragma unroll
   for (int k = 0; k < 32; ++k) {
-    const float xv = ldexpf(v[k], k2);
+    const float xv = __fmul_rn(v[k], up);
     hi[k] = __half2float(__float2half_rn(xv));
     lo[k] = isfinite(hi[k]) ? __half2float(__float2half_rn(__fsub_rn(xv, hi[k]))) : 0.0f;
   }
