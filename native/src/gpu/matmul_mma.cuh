@@ -200,7 +200,7 @@ struct Q8U {
 // The 16-byte block header (d, dmin | scales) is loaded one word per lane (lane t: word t) and
 // gathered with shuffles when the unit is computed: held whole by every lane it took 4 registers
 // per row and unit in flight (of 6), which capped the loads in flight at 2 units (2 KB per warp);
-// now 4 (Q4_K) / 3 (Q5_K) units.
+// now Q4_K keeps 3 units in flight within the 128 registers (Q5_K, with its qh words, still 2).
 template <bool kQ5>
 struct QK45U {
   static constexpr int kUnitElems = 64, kU = kQ5 ? 2 : 3;
