@@ -156,7 +156,7 @@ __device__ __forceinline__ void scale_cols(float (&p)[kMT][NT][4], const float* 
 // Q8_0: unit = one block (fp16 d | int8 q[32]), 2-byte aligned. Lane t reads q[4t..] and
 // q[16 + 4t..] of its rows.
 struct Q8U {
-  static constexpr int kUnitElems = 32, kU = 4;  // kU: units whose loads a warp issues before using the first
+  static constexpr int kUnitElems = 32, kU = 5;  // kU: units whose loads a warp issues before using the first
   static constexpr bool kMins = false;
   struct Raw {
     uint32_t q0, q1, d;
