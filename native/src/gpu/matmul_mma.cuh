@@ -96,14 +96,17 @@ __device__ __forceinline__ void make_a(uint32_t (&a)[4], uint32_t r0lo, uint32_t
 
 // One k16 step (inputs 16 * kstep ..) of all m16 tiles against the two f16 terms of every n8 tile
 // of x, accumulated into p in the order hi, lo per n8 tile.
-// xf: [kstep][NT][2][32] uint2 (the B fragments, lane-major).
+// xf: [kstep][NT][2][32] uint2 (the B fragments, lane-major). Lanes of padding columns (>= ncols)
+// skip the load and feed the zeros that xf holds there anyway (identical MMA inputs), so at n = 1
+// a warp reads 32 bytes of x per term and step instead of 256.
 template <int NT>
 __device__ __forceinline__ void mma_step(const uint32_t (&a)[kMT][4], const uint2* __restrict__ xf, int64_t kstep,
-                                         int lane, float (&p)[kMT][NT][4]) {
+                                         int lane, int ncols, float (&p)[kMT][NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const uint2* b = xf + ((kstep * NT + nt) * 2) * 32 + lane;
-    const uint2 bh = __ldg(b), bl = __ldg(b + 32);
+    const bool live = 8 * nt + (lane >> 2) < ncols;
+    const uint2 bh = live ? __ldg(b) : make_uint2(0u, 0u), bl = live ? __ldg(b + 32) : make_uint2(0u, 0u);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
       mma_f16(p[mt][nt], a[mt], bh);
@@ -167,7 +170,8 @@ struct Q8U {
   }
   template <int NT>
   __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
-                                                 const float* __restrict__ xs, int lane, float (&acc)[kMT][NT][4]) {
+                                                 const float* __restrict__ xs, int lane, int ncols,
+                                                 float (&acc)[kMT][NT][4]) {
     float p[kMT][NT][4], sc[kMT][2];
     float2 unused[NT];
     zero(p);
@@ -181,7 +185,7 @@ struct Q8U {
         i8x4_to_f16(s ? r[mt][1].q1 : r[mt][1].q0, l1, h1);
         make_a(a[mt], l0, h0, l1, h1);
       }
-      mma_step<NT>(a, xf, 2 * u + s, lane, p);
+      mma_step<NT>(a, xf, 2 * u + s, lane, ncols, p);
     }
     scale_cols(p, xs, u, lane & 3, unused);
 #pragma unroll
@@ -227,7 +231,8 @@ struct QK45U {
   }
   template <int NT>
   __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
-                                                 const float* __restrict__ xs, int lane, float (&acc)[kMT][NT][4]) {
+                                                 const float* __restrict__ xs, int lane, int ncols,
+                                                 float (&acc)[kMT][NT][4]) {
     const int p = int(u & 3), t = lane & 3;
     uint4 hdr[kMT][2];  // the rows' headers, words from lanes 4g + 0..3 (same rows: same g)
 #pragma unroll
@@ -259,7 +264,7 @@ struct QK45U {
           }
           make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
         }
-        mma_step<NT>(a, xf, 4 * u + 2 * hi + s, lane, part);
+        mma_step<NT>(a, xf, 4 * u + 2 * hi + s, lane, ncols, part);
       }
       float d1[kMT][2], m1[kMT][2];
 #pragma unroll
@@ -313,7 +318,8 @@ struct Q6U {
   }
   template <int NT>
   __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
-                                                 const float* __restrict__ xs, int lane, float (&acc)[kMT][NT][4]) {
+                                                 const float* __restrict__ xs, int lane, int ncols,
+                                                 float (&acc)[kMT][NT][4]) {
     const int64_t b = u >> 2;
     const int n = int(u >> 1) & 1, h16 = int(u & 1);
 #pragma unroll
@@ -334,7 +340,7 @@ struct Q6U {
         }
         make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
       }
-      mma_step<NT>(a, xf, 16 * b + 8 * n + 2 * g + h16, lane, part);
+      mma_step<NT>(a, xf, 16 * b + 8 * n + 2 * g + h16, lane, ncols, part);
       float2 unused[NT];
       scale_cols(part, xs, 8 * b + 4 * n + g, lane & 3, unused);  // the 32-input block of k16 step 16b+8n+2g+h
       apply_scale(acc, part, sc);
@@ -364,7 +370,8 @@ struct IQ4U {
   }
   template <int NT>
   __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
-                                                 const float* __restrict__ xs, int lane, float (&acc)[kMT][NT][4]) {
+                                                 const float* __restrict__ xs, int lane, int ncols,
+                                                 float (&acc)[kMT][NT][4]) {
     const int p = int(u & 3);
 #pragma unroll
     for (int jj = 0; jj < 2; ++jj) {
@@ -384,7 +391,7 @@ struct IQ4U {
           }
           make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
         }
-        mma_step<NT>(a, xf, 4 * u + 2 * jj + s, lane, part);
+        mma_step<NT>(a, xf, 4 * u + 2 * jj + s, lane, ncols, part);
       }
       float2 unused[NT];
       scale_cols(part, xs, 2 * u + jj, lane & 3, unused);
@@ -510,7 +517,7 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kBlocksPerSM : 3) mma_g
       }
 #pragma unroll
     for (int i = 0; i < kU; ++i)
-      if (u0 + i < u_end) F::template compute<NT>(raw[i], u0 + i, xf, xs, lane, acc);
+      if (u0 + i < u_end) F::template compute<NT>(raw[i], u0 + i, xf, xs, lane, n, acc);
   }
 
   float* o = dst + int64_t(blockIdx.y) * n * out;
