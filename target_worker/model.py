@@ -208,28 +208,14 @@ class Qwen35Model:
         tree = None if parents is None else _Tree(parents, w, c)
         st.verifies += 1
         positions = (c + np.arange(w) if tree is None else c + tree.depth).astype(np.int32)
-        ops = self._ops
+        rows = (c + np.arange(w)).astype(np.int32)  # tree nodes live at row c + index until compaction
         mm = sn.matmul if exact else _inexact_matmul  # the CPU is always exact
-
-        x = ops.a(sn.embedding(self.token_embd, tokens))
-        taps, pending = {}, []
-        for i, layer in enumerate(self.layers):
-            if self.hp.recurrent[i]:
-                mix, p = self._gdn(i, layer, x, st, tree, mm)
-            else:
-                mix, p = self._attention(i, layer, x, st, positions, tree, mm), None
-            pending.append(p)
-            u, h = sn.rms_norm(mix, layer.post_attention_norm, self.hp.rms_eps, residual=x)
-            ffn = sn.swiglu(mm(u, layer.ffn_gate), mm(u, layer.ffn_up))
-            x = ops.a(sn.add(h, mm(ffn, layer.ffn_down)))
-            if i in self.capture_layers:
-                taps[i] = x
-        feats = (ops.host(ops.cat([taps[i] for i in self.capture_layers], axis=1)) if self.capture_layers
-                 else np.zeros((w, self.hp.n_embd), np.float32))
-        logits = self._logits(ops.last_row(x) if last_only else x)
-        argmax = sn.argmax(logits).numpy()  # computed on the device; the logits stay there until asked for
-        return VerifyResult(tokens, None if tree is None else tree.parents, logits, argmax,
-                            feats, c, pending, st, st.verifies)
+        # Every index value is known and checked here (tokens by _check_tokens, positions and rows
+        # from st.committed within capacity): one packed upload, passed to the ops as trusted.
+        idx = self._ops.indices(tokens, positions, rows)
+        logits, argmax, feats, pending = self._forward(st, *idx, c + w, tree, last_only, mm)
+        return VerifyResult(tokens, None if tree is None else tree.parents, logits, argmax.numpy(),
+                            self._features(feats, w), c, pending, st, st.verifies)
 
     def commit(self, st: SequenceState, res: VerifyResult, n_or_path) -> None:
         """Makes a prefix (chain: an int n in 0..w) or a tree path (a list of row indices, each the
@@ -250,10 +236,10 @@ class Qwen35Model:
         for i, p in enumerate(res.pending):
             if p is None:
                 self._compact_kv(st, i, res.start, rows)
-            elif full_chain:
-                st.ssm[i], st.conv[i] = p.final_state, p.final_conv
+            elif full_chain:  # in place on the device: states keep their addresses (captured graphs)
+                st.ssm[i], st.conv[i] = ops.assign(st.ssm[i], p.final_state), ops.assign(st.conv[i], p.final_conv)
             else:
-                st.conv[i] = self._conv_state_after(st.conv[i], p.conv_in, rows)
+                st.conv[i] = ops.assign(st.conv[i], self._conv_state_after(st.conv[i], p.conv_in, rows))
                 sn.gated_delta_net(ops.take(p.q, rows), ops.take(p.k, rows), ops.take(p.v, rows),
                                    ops.take(p.g, rows), ops.take(p.beta, rows), st.ssm[i], self._gdn_scale)
         st.features.write(res.start, res.features[rows])
@@ -261,11 +247,37 @@ class Qwen35Model:
 
     # ------------------------------------------------------------------ layers
 
+    def _forward(self, st, tokens, positions, rows, kv_len, tree, last_only, mm):
+        """The verify forward on index tensors of the ops' kind (numpy, or device tensors whose values
+        the caller checked): (logits, argmax tensor, features on the device or None, pending).
+        Nothing in it reads the device back, so on the GPU it can be captured in a graph."""
+        ops = self._ops
+        x = ops.a(sn.embedding(self.token_embd, tokens, trusted=True))
+        taps, pending = {}, []
+        for i, layer in enumerate(self.layers):
+            if self.hp.recurrent[i]:
+                mix, p = self._gdn(i, layer, x, st, tree, mm)
+            else:
+                mix, p = self._attention(i, layer, x, st, positions, rows, kv_len, tree, mm), None
+            pending.append(p)
+            u, h = sn.rms_norm(mix, layer.post_attention_norm, self.hp.rms_eps, residual=x)
+            ffn = sn.swiglu(mm(u, layer.ffn_gate), mm(u, layer.ffn_up))
+            x = ops.a(sn.add(h, mm(ffn, layer.ffn_down)))
+            if i in self.capture_layers:
+                taps[i] = x
+        feats = ops.cat([taps[i] for i in self.capture_layers], axis=1) if self.capture_layers else None
+        logits = self._logits(ops.last_row(x) if last_only else x)
+        return logits, sn.argmax(logits), feats, pending  # the logits stay on the device until asked for
+
+    def _features(self, feats, w):
+        """Host features of a forward (zeros without capture layers)."""
+        return self._ops.host(feats) if feats is not None else np.zeros((w, self.hp.n_embd), np.float32)
+
     @property
     def _gdn_scale(self) -> float:
         return 1.0 / math.sqrt(self.hp.head_k_dim)
 
-    def _attention(self, i, layer, x, st, positions, tree, mm):
+    def _attention(self, i, layer, x, st, positions, rows, kv_len, tree, mm):
         hp, w = self.hp, x.shape[0]
         hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
         u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
@@ -275,17 +287,15 @@ class Qwen35Model:
         gate = ops.reshape(ops.cols(qg, hd, 2 * hd), w, nh, hd)
         k = sn.rms_norm(ops.reshape(ops.a(mm(u, layer.attn_k)), w, nkv, hd), layer.attn_k_norm, hp.rms_eps)
         v = ops.reshape(ops.a(mm(u, layer.attn_v)), w, nkv, hd)
-        q = sn.rope_neox(q, positions, hp.n_rot, hp.rope_freq_base)
-        k = sn.rope_neox(k, positions, hp.n_rot, hp.rope_freq_base)
-        c = st.committed
-        rows = (c + np.arange(w)).astype(np.int32)  # tree nodes live at row c + index until compaction
+        q = sn.rope_neox(q, positions, hp.n_rot, hp.rope_freq_base, trusted=True)
+        k = sn.rope_neox(k, positions, hp.n_rot, hp.rope_freq_base, trusted=True)
         kc, vc = st.kv[i]
-        sn.kv_write(kc, k, rows)
-        sn.kv_write(vc, v, rows)
+        sn.kv_write(kc, k, rows, trusted=True)
+        sn.kv_write(vc, v, rows, trusted=True)
         if tree is None:
-            a = sn.attention(q, kc, vc, c + w, positions, causal=True)
+            a = sn.attention(q, kc, vc, kv_len, positions, causal=True, trusted=True)
         else:
-            a = sn.attention(q, kc, vc, c + w, positions, causal=False, mask=tree.mask)
+            a = sn.attention(q, kc, vc, kv_len, positions, causal=False, mask=tree.mask, trusted=True)
         a = ops.reshape(ops.a(sn.mul(a, sn.sigmoid(gate))), w, nh * hd)
         return ops.a(mm(a, layer.attn_output))
 
