@@ -22,11 +22,27 @@ Cost model per committed step, per GDN layer: one state copy for the verify (Hv*
 for the 27B), n recurrence steps without any weight traffic (~n*4*Hv*dv*dk flops), and w*(2*Hk*dk +
 Hv*dv + 2*Hv) saved floats; no second forward (strategy A would re-stream every weight) and no
 per-token state checkpoints (strategy B writes w states). When all w tokens are accepted the
-verify's final copies are taken as is.
+verify's final copies are copied into the sequence's state (which keeps its device addresses).
+
+CUDA graphs (GPU, ``cuda_graphs``, default on). An exact chain verify of width w <= 16 is recorded
+once per (sequence, w, key bound) as a GPU graph (sn.gpu_graph_begin / end) and replayed afterwards:
+its token ids and positions are read from one fixed device buffer of the model, refreshed by a single
+asynchronous host -> device copy before each replay, and it reads the sequence's KV caches and GDN /
+conv states at their fixed addresses (commit updates them in place). Attention inside the graph runs
+over the first ``bound`` cache rows, bound = committed + w rounded up to a multiple of 1024 (at most
+the capacity), with the causal limit (row i sees keys up to its own position): exactly the keys of
+the eager call, so graph and eager results are bitwise equal, while the split-K grid stays within
+16 chunks of the eager one (a sequence re-captures each width once per 1024 positions). Outputs
+(logits, argmax, features, GDN pending tensors) live in the graph's arena and are overwritten by its
+next replay: a VerifyResult of a graph refuses ``logits`` once a newer replay of that graph ran,
+and commit already refuses all but a sequence's newest verify. At most ``max_graphs`` graphs are
+kept (least recently used evicted). Tree verify and prefill (exact=False) run eagerly.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import math
 from typing import Sequence
 
@@ -65,14 +81,32 @@ class VerifyResult:
     pending: list  # per layer: GDNPending for GDN layers, None for attention layers
     sequence: "SequenceState"  # the sequence it ran on
     generation: int  # that sequence's verify count when it ran: only the newest verify can commit
+    graph: "_CapturedVerify | None" = None  # the graph whose arena holds raw_logits and pending
+    replay: int = 0  # that graph's replay count when it ran
 
     @property
     def logits(self) -> np.ndarray:
         """float32 [w, n_vocab], or [1, n_vocab] (last row only) when asked for; on the GPU copied to
-        the host on first use only (greedy verification needs just ``argmax``)."""
+        the host on first use only (greedy verification needs just ``argmax``). RuntimeError when the
+        verify ran as a CUDA graph that has been replayed since (its logits were overwritten)."""
         if not isinstance(self.raw_logits, np.ndarray):
+            if self.graph is not None and self.graph.replays != self.replay:
+                raise RuntimeError("VerifyResult.logits: a newer verify of this sequence and width replayed the "
+                                   "CUDA graph holding these logits; read them before the next verify")
             self.raw_logits = self.raw_logits.numpy()
         return self.raw_logits
+
+
+@dataclasses.dataclass
+class _CapturedVerify:
+    """A recorded chain verify of one sequence and width, and the arena tensors it writes."""
+
+    graph: object  # sn.GpuGraph
+    logits: object
+    argmax: object
+    features: object  # sn.Tensor or None
+    pending: list
+    replays: int = 0
 
 
 class PrefillCancelled(Exception):
@@ -83,8 +117,11 @@ class PrefillCancelled(Exception):
 class SequenceState:
     """Per-sequence target state (see the module docstring). ``committed`` counts final positions."""
 
+    _uids = itertools.count()
+
     def __init__(self, model: "Qwen35Model", capacity: int):
         hp = model.hp
+        self.uid = next(SequenceState._uids)  # never reused: keys the model's captured graphs
         self.capacity = capacity
         self.committed = 0
         self.verifies = 0  # a verify overwrites K/V rows past `committed`: only the newest may commit
@@ -120,10 +157,13 @@ class Qwen35Model:
             commit). Raises RuntimeError when the GPU is asked for and none is usable.
         tensor_ops: run the device code path (sn.Tensor glue ops instead of numpy) even on the CPU;
             for tests on machines without a GPU (``SPECD_TEST_GPU_DRYRUN``). Implied by the GPU.
+        cuda_graphs: on the GPU, replay exact chain verifies of width <= 16 as captured CUDA graphs
+            (module docstring; bitwise the eager results). Ignored on the CPU.
+        max_graphs: most captured graphs kept (least recently used evicted), >= 1.
     """
 
     def __init__(self, weights, capture_layers: Sequence[int] = (), kv_dtype=sn.DType.F16, prefill_chunk: int = 512,
-                 device=sn.Device.CPU, tensor_ops: bool = False):
+                 device=sn.Device.CPU, tensor_ops: bool = False, cuda_graphs: bool = True, max_graphs: int = 16):
         self.w, self.hp = weights, weights.hparams
         hp = self.hp
         for lid in capture_layers:
@@ -133,6 +173,8 @@ class Qwen35Model:
             raise ValueError(f"kv_dtype must be F16, Q8_0 or F32, got {kv_dtype}")
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be > 0, got {prefill_chunk}")
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         self.capture_layers = list(capture_layers)
         self.kv_dtype, self.prefill_chunk = kv_dtype, prefill_chunk
         self.device = parse_device(device)
@@ -161,6 +203,12 @@ class Qwen35Model:
                              for i, l in enumerate(weights.layers) if hp.recurrent[i]}
             if self.device == sn.Device.GPU:
                 sn.gpu_synchronize()
+        self.cuda_graphs = bool(cuda_graphs) and self.device == sn.Device.GPU
+        self.max_graphs = max_graphs
+        self._graphs: collections.OrderedDict[tuple[int, int, int], _CapturedVerify] = collections.OrderedDict()
+        # Inputs of every captured verify: token ids at [0, 16), positions (= KV rows) at [16, 32).
+        self._graph_in = (sn.Tensor.zeros([2 * _GRAPH_MAX_W], sn.DType.I32, self.device) if self.cuda_graphs
+                          else None)
 
     # ------------------------------------------------------------------ public API
 
@@ -207,6 +255,8 @@ class Qwen35Model:
         w, c = len(tokens), st.committed
         tree = None if parents is None else _Tree(parents, w, c)
         st.verifies += 1
+        if self.cuda_graphs and tree is None and exact and not last_only and w <= _GRAPH_MAX_W:
+            return self._verify_graph(st, tokens)
         positions = (c + np.arange(w) if tree is None else c + tree.depth).astype(np.int32)
         rows = (c + np.arange(w)).astype(np.int32)  # tree nodes live at row c + index until compaction
         mm = sn.matmul if exact else _inexact_matmul  # the CPU is always exact
@@ -244,6 +294,45 @@ class Qwen35Model:
                                    ops.take(p.g, rows), ops.take(p.beta, rows), st.ssm[i], self._gdn_scale)
         st.features.write(res.start, res.features[rows])
         st.committed += n
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _verify_graph(self, st, tokens) -> VerifyResult:
+        """Chain verify by replaying the (st, w) graph, capturing it first if needed."""
+        w, c = len(tokens), st.committed
+        inputs = np.zeros(2 * _GRAPH_MAX_W, np.int32)
+        inputs[:w] = tokens
+        inputs[_GRAPH_MAX_W : _GRAPH_MAX_W + w] = c + np.arange(w)
+        sn.gpu_write_async(self._graph_in, inputs)  # ordered after every replay already queued
+        bound = min(st.capacity, -(-(c + w) // _GRAPH_KV_STEP) * _GRAPH_KV_STEP)
+        key = (st.uid, w, bound)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._capture_verify(st, w, bound)
+            self._graphs[key] = g
+            while len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)  # its arena lives on while results still hold tensors
+        else:
+            self._graphs.move_to_end(key)
+        g.graph.replay()
+        g.replays += 1
+        return VerifyResult(tokens, None, g.logits, g.argmax.numpy(), self._features(g.features, w), c,
+                            g.pending, st, st.verifies, g, g.replays)
+
+    def _capture_verify(self, st, w, bound) -> _CapturedVerify:
+        tokens = self._graph_in.view_rows(0, w)
+        positions = self._graph_in.view_rows(_GRAPH_MAX_W, _GRAPH_MAX_W + w)
+        sn.gpu_graph_begin()
+        try:
+            # kv_len = bound >= c + w at every replay of this key: with the causal limit each row
+            # sees exactly the keys of the eager call (positions up to its own, c + i < c + w).
+            logits, argmax, feats, pending = self._forward(st, tokens, positions, positions, bound, None, False,
+                                                           sn.matmul)
+            graph = sn.gpu_graph_end()
+        except BaseException:
+            sn.gpu_graph_abort()
+            raise
+        return _CapturedVerify(graph, logits, argmax, feats, pending)
 
     # ------------------------------------------------------------------ layers
 
@@ -387,6 +476,10 @@ class Qwen35Model:
         if st.committed + n > st.capacity:
             raise ValueError(f"{n} tokens after {st.committed} committed exceed the sequence capacity {st.capacity}")
         return arr.astype(np.int32)
+
+
+_GRAPH_MAX_W = 16  # widest captured chain verify (the exact GEMV's row slice)
+_GRAPH_KV_STEP = 1024  # a captured verify's attention bound: committed + w rounded up to this
 
 
 class _Tree:

@@ -450,6 +450,10 @@ class CapturedGraph final : public Graph {
 void graph_begin(size_t arena_bytes) {
   detail::require();
   cudaStream_t s = stream();
+  {
+    std::lock_guard<std::mutex> lock(detail::capture_mu());
+    if (detail::active_capture()) throw std::runtime_error("gpu_graph_begin: a GPU graph capture is already running");
+  }
   auto arena = std::make_shared<detail::Arena>();
   if (arena_bytes > 0) {  // reserved before the capture
     void* base = nullptr;
