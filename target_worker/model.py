@@ -36,7 +36,10 @@ the eager call, so graph and eager results are bitwise equal, while the split-K 
 (logits, argmax, features, GDN pending tensors) live in the graph's arena and are overwritten by its
 next replay: a VerifyResult of a graph refuses ``logits`` once a newer replay of that graph ran,
 and commit already refuses all but a sequence's newest verify. At most ``max_graphs`` graphs are
-kept (least recently used evicted). Tree verify and prefill (exact=False) run eagerly.
+kept (least recently used evicted). Committing n rows of a graph's verify is itself recorded once
+per (graph, n) (it reads the arena's pending tensors and updates the states in place) and replayed:
+one launch instead of a few native calls per GDN layer. Tree verify and prefill (exact=False) run
+eagerly, and so do their commits.
 """
 from __future__ import annotations
 
@@ -107,6 +110,7 @@ class _CapturedVerify:
     features: object  # sn.Tensor or None
     pending: list
     replays: int = 0
+    commits: dict = dataclasses.field(default_factory=dict)  # n -> sn.GpuGraph committing rows 0..n-1
 
 
 class PrefillCancelled(Exception):
@@ -281,7 +285,19 @@ class Qwen35Model:
         n = len(rows)
         if n == 0:
             return
-        full_chain = res.parents is None and n == len(res.tokens)
+        if res.graph is not None:  # the state updates read fixed addresses: one graph per n
+            g = res.graph.commits.get(n)
+            if g is None:
+                g = res.graph.commits[n] = self._capture(lambda: self._commit_states(st, res, rows), 0)[0]
+            g.replay()
+        else:
+            self._commit_states(st, res, rows)
+        st.features.write(res.start, res.features[rows])
+        st.committed += n
+
+    def _commit_states(self, st, res, rows) -> None:
+        """The device (or numpy) part of commit: KV compaction and GDN / conv state updates."""
+        full_chain = res.parents is None and len(rows) == len(res.tokens)
         ops = self._ops
         for i, p in enumerate(res.pending):
             if p is None:
@@ -292,8 +308,6 @@ class Qwen35Model:
                 st.conv[i] = ops.assign(st.conv[i], self._conv_state_after(st.conv[i], p.conv_in, rows))
                 sn.gated_delta_net(ops.take(p.q, rows), ops.take(p.k, rows), ops.take(p.v, rows),
                                    ops.take(p.g, rows), ops.take(p.beta, rows), st.ssm[i], self._gdn_scale)
-        st.features.write(res.start, res.features[rows])
-        st.committed += n
 
     # ------------------------------------------------------------------ CUDA graphs
 
@@ -322,17 +336,23 @@ class Qwen35Model:
     def _capture_verify(self, st, w, bound) -> _CapturedVerify:
         tokens = self._graph_in.view_rows(0, w)
         positions = self._graph_in.view_rows(_GRAPH_MAX_W, _GRAPH_MAX_W + w)
-        sn.gpu_graph_begin()
+        # kv_len = bound >= c + w at every replay of this key: with the causal limit each row sees
+        # exactly the keys of the eager call (positions up to its own, c + i < c + w).
+        graph, (logits, argmax, feats, pending) = self._capture(
+            lambda: self._forward(st, tokens, positions, positions, bound, None, False, sn.matmul), 64 << 20)
+        return _CapturedVerify(graph, logits, argmax, feats, pending)
+
+    @staticmethod
+    def _capture(fn, arena_bytes):
+        """(sn.GpuGraph of the device work fn enqueues, fn's result); nothing runs until a replay.
+        arena_bytes: device memory reserved up front (the arena grows past it when needed)."""
+        sn.gpu_graph_begin(arena_bytes)
         try:
-            # kv_len = bound >= c + w at every replay of this key: with the causal limit each row
-            # sees exactly the keys of the eager call (positions up to its own, c + i < c + w).
-            logits, argmax, feats, pending = self._forward(st, tokens, positions, positions, bound, None, False,
-                                                           sn.matmul)
-            graph = sn.gpu_graph_end()
+            out = fn()
+            return sn.gpu_graph_end(), out
         except BaseException:
             sn.gpu_graph_abort()
             raise
-        return _CapturedVerify(graph, logits, argmax, feats, pending)
 
     # ------------------------------------------------------------------ layers
 

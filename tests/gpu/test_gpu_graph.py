@@ -11,7 +11,8 @@ device; the host contracts are in tests/native/test_index_guards.py). Properties
   the library works normally after sn.gpu_graph_abort();
 * Qwen35Model with cuda_graphs equals the eager model bitwise (tokens, argmax, logits, features,
   states) over many steps of widths 1..16, two sequences interleaved, a small graph cache (eviction)
-  and positions crossing the 1024-row attention bound; a stale graph result refuses its logits.
+  and positions crossing the 1024-row attention bound, with commits (any prefix) replayed as graphs
+  too; a stale graph result refuses its logits.
 """
 from __future__ import annotations
 
@@ -194,6 +195,7 @@ def test_graph_verify_equals_eager(tiny, rng, name, kv):
         graphs.commit(sg, rg, n)
         eager.commit(se, re, n)
         assert len(graphs._graphs) <= 3  # evicted beyond max_graphs
+        assert n == 0 or n in rg.graph.commits  # the commit ran as a graph too
     for sg, se in seqs:
         assert_same_state(sg, se)
         np.testing.assert_array_equal(sg.features.read(0, sg.committed), se.features.read(0, se.committed))

@@ -34,8 +34,8 @@ void copy_to_device_async(void* dst, const void* src, size_t bytes);
 
 // CUDA / HIP graph capture of the library stream (relaxed capture mode).
 //
-// graph_begin() reserves an arena of `arena_bytes` device bytes (more chunks are added with
-// cudaMalloc when it runs out) and starts capturing: until graph_end() / graph_abort(), every
+// graph_begin() reserves an arena of `arena_bytes` device bytes (more chunks, 2 to 64 MiB, are
+// added with cudaMalloc when it runs out) and starts capturing: until graph_end() / graph_abort(), every
 // kernel and copy the library enqueues is recorded instead of run, every device allocation comes
 // from the arena (addresses fixed for every replay; a buffer freed during the capture is reused by
 // later allocations of the same capture only, which the single-stream graph orders after its last

@@ -212,7 +212,9 @@ Arena::~Arena() {
 }
 
 constexpr size_t kArenaAlign = 256;
-constexpr size_t kArenaChunk = size_t(64) << 20;  // growth step once the reserved arena is full
+// Growth once the reserved arena is full: chunks as large as the arena so far (geometric growth,
+// few cudaMalloc calls), at least 2 MiB and at most 64 MiB unless one allocation needs more.
+constexpr size_t kArenaMinChunk = size_t(2) << 20, kArenaMaxChunk = size_t(64) << 20;
 
 // Called with capture_mu() held, during a capture.
 std::shared_ptr<void> arena_alloc(const std::shared_ptr<Arena>& arena, size_t bytes) {
@@ -228,7 +230,9 @@ std::shared_ptr<void> arena_alloc(const std::shared_ptr<Arena>& arena, size_t by
     Arena::Chunk* c = arena->chunks.empty() ? nullptr : &arena->chunks.back();
     if (!c || c->size - c->used < size) {
       // Relaxed capture mode allows cudaMalloc (not a stream operation, so not recorded).
-      const size_t chunk = std::max(size, kArenaChunk);
+      size_t total = 0;
+      for (const auto& k : arena->chunks) total += k.size;
+      const size_t chunk = std::max(size, std::clamp(total, kArenaMinChunk, kArenaMaxChunk));
       void* base = nullptr;
       cudaError_t err = cudaMalloc(&base, chunk);
       if (err != cudaSuccess) {
