@@ -357,7 +357,8 @@ class TargetServicer(pbg.TargetWorkerServicer):
             return dead or not context.is_active()
 
         try:
-            st = self.model.new_sequence(cap)
+            with self.model_lock:  # allocates and zeroes device state: never during another call's graph capture
+                st = self.model.new_sequence(cap)
             ring, handle = self._create_ring(seq_id, cap, context)
             st.features = ring
             t0 = time.perf_counter()

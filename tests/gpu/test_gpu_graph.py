@@ -8,13 +8,15 @@ device; the host contracts are in tests/native/test_index_guards.py). Properties
   nothing (zeros); untrusted GPU indices are still checked (ValueError);
 * a captured graph replays with new inputs written by sn.gpu_write_async; tensors freed during the
   capture stay valid for replays; a host synchronisation during a capture raises RuntimeError and
-  the library works normally after sn.gpu_graph_abort();
+  the library works normally after sn.gpu_graph_abort(); another thread's op waits for the capture;
 * Qwen35Model with cuda_graphs equals the eager model bitwise (tokens, argmax, logits, features,
   states) over many steps of widths 1..16, two sequences interleaved, a small graph cache (eviction)
   and positions crossing the 1024-row attention bound, with commits (any prefix) replayed as graphs
   too; a stale graph result refuses its logits.
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
@@ -156,6 +158,33 @@ def test_host_sync_during_capture_raises():
     np.testing.assert_array_equal(sn.add(x, x).numpy(), 2.0)  # the library works after the abort
     with pytest.raises(RuntimeError, match="no GPU graph capture is running"):
         sn.gpu_graph_end()
+
+
+def test_other_thread_waits_for_the_capture():
+    """Another thread's op is held back at its output allocation until the capture ends (it is not
+    recorded into the graph) and then runs normally."""
+    x = on_gpu(np.ones((2, 8), np.float32))
+    done, out = threading.Event(), {}
+
+    def other():
+        out["y"] = sn.add(x, x).numpy()
+        done.set()
+
+    sn.gpu_graph_begin()
+    try:
+        z = sn.mul(x, x)
+        worker = threading.Thread(target=other)
+        worker.start()
+        assert not done.wait(0.5)  # waiting while this thread captures
+        g = sn.gpu_graph_end()
+    except BaseException:
+        sn.gpu_graph_abort()
+        raise
+    worker.join(30)
+    assert done.is_set()
+    np.testing.assert_array_equal(out["y"], 2.0)
+    g.replay()
+    np.testing.assert_array_equal(z.numpy(), 1.0)
 
 
 # ------------------------------------------------------------------------------------------ model

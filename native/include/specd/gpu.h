@@ -42,8 +42,10 @@ void copy_to_device_async(void* dst, const void* src, size_t bytes);
 // use), and frees of buffers from outside the arena are deferred to the graph's destruction (the
 // graph may read them). Host synchronisations (copy_to_host, copy_to_device, synchronize,
 // copy_to_device_async) throw std::runtime_error while capturing instead of breaking the capture.
-// One capture at a time, and no other thread may use the library meanwhile (its work would be
-// recorded into the graph).
+// One capture at a time. Other threads must not enqueue work meanwhile (it would be recorded into
+// the graph): their device allocations and synchronising calls wait until the capture ends (so
+// ops that allocate an output, i.e. all but the in-place ones, are held back), and their frees are
+// deferred like the capturing thread's. Callers should still serialise GPU work around a capture.
 class Graph {
  public:
   virtual ~Graph() = default;

@@ -31,6 +31,7 @@
 // file:line and the runtime's error string. `available()` never throws: it is false when the
 // build has a GPU backend but the machine has no device or no (new enough) driver.
 #include <algorithm>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -38,6 +39,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <thread>
 #include <vector>
 
 #include "common.cuh"
@@ -169,6 +171,7 @@ struct Arena {
 };
 
 struct Capture {
+  std::thread::id owner = std::this_thread::get_id();  // the capturing thread
   std::shared_ptr<Arena> arena;
   // Frees and teardowns that must wait until no graph can read the memory any more: run when the
   // graph is destroyed (or at once when the capture is aborted: that graph never runs).
@@ -178,6 +181,21 @@ struct Capture {
 Capture*& active_capture() {  // guarded by capture_mu()
   static Capture* c = nullptr;
   return c;
+}
+
+std::condition_variable& capture_done() {  // notified when a capture ends
+  static std::condition_variable* const cv = new std::condition_variable;
+  return *cv;
+}
+
+// With `lock` held on capture_mu(): waits while another thread captures (its work would be recorded
+// into that graph: it runs after the capture instead). Returns the capture of this thread, or null.
+Capture* own_capture(std::unique_lock<std::mutex>& lock) {
+  capture_done().wait(lock, [] {
+    const Capture* c = active_capture();
+    return !c || c->owner == std::this_thread::get_id();
+  });
+  return active_capture();
 }
 
 // Runs `f` now, or, during a capture, when that capture's graph is destroyed. Never throws.
@@ -295,10 +313,11 @@ void release(void* ptr) noexcept {
   });
 }
 
-// Throws when a capture is running: `what` would wait for the GPU, which a capture cannot do.
+// Throws when this thread is capturing: `what` would wait for the GPU, which a capture cannot do.
+// Other threads wait for the capture to end first.
 void require_not_capturing(const char* what) {
-  std::lock_guard<std::mutex> lock(capture_mu());
-  if (active_capture())
+  std::unique_lock<std::mutex> lock(capture_mu());
+  if (own_capture(lock))
     throw std::runtime_error(std::string(what) +
                              " during GPU graph capture: it would synchronise the host with the GPU; read results "
                              "after gpu_graph_end() and a replay");
@@ -346,8 +365,10 @@ std::shared_ptr<void> alloc(size_t bytes) {
   detail::require();
   if (bytes == 0) return std::shared_ptr<void>(nullptr, [](void*) {});
   {
-    std::lock_guard<std::mutex> lock(detail::capture_mu());
-    if (detail::Capture* c = detail::active_capture()) return detail::arena_alloc(c->arena, bytes);
+    std::unique_lock<std::mutex> lock(detail::capture_mu());
+    // Another thread waits here until the capture ends (every op allocates its output before it
+    // enqueues anything, so its work is not recorded into the graph).
+    if (detail::Capture* c = detail::own_capture(lock)) return detail::arena_alloc(c->arena, bytes);
   }
   return std::shared_ptr<void>(detail::allocate(bytes), detail::release);
 }
@@ -455,8 +476,8 @@ void graph_begin(size_t arena_bytes) {
   detail::require();
   cudaStream_t s = stream();
   {
-    std::lock_guard<std::mutex> lock(detail::capture_mu());
-    if (detail::active_capture()) throw std::runtime_error("gpu_graph_begin: a GPU graph capture is already running");
+    std::unique_lock<std::mutex> lock(detail::capture_mu());
+    if (detail::own_capture(lock)) throw std::runtime_error("gpu_graph_begin: a GPU graph capture is already running");
   }
   auto arena = std::make_shared<detail::Arena>();
   if (arena_bytes > 0) {  // reserved before the capture
@@ -466,8 +487,8 @@ void graph_begin(size_t arena_bytes) {
   }
   auto cap = std::make_unique<detail::Capture>();
   cap->arena = std::move(arena);
-  std::lock_guard<std::mutex> lock(detail::capture_mu());
-  if (detail::active_capture()) throw std::runtime_error("gpu_graph_begin: a GPU graph capture is already running");
+  std::unique_lock<std::mutex> lock(detail::capture_mu());
+  if (detail::own_capture(lock)) throw std::runtime_error("gpu_graph_begin: a GPU graph capture is already running");
   SPECD_GPU_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
   detail::active_capture() = cap.release();
 }
@@ -483,6 +504,7 @@ std::pair<std::unique_ptr<detail::Capture>, cudaGraph_t> end_capture(cudaError_t
     detail::active_capture() = nullptr;
     if (cap) cap->arena->open = false;
   }
+  detail::capture_done().notify_all();
   cudaGraph_t g = nullptr;
   err = cudaSuccess;
   if (cap) err = cudaStreamEndCapture(stream(), &g);
