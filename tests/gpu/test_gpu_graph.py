@@ -168,6 +168,7 @@ def test_other_thread_waits_for_the_capture():
 
     def other():
         out["y"] = sn.add(x, x).numpy()
+        out["z"] = sn.slice(sn.Tensor.zeros([4, 2], sn.DType.F32, GPU), 0, 1, 3).numpy()
         done.set()
 
     sn.gpu_graph_begin()
@@ -183,6 +184,7 @@ def test_other_thread_waits_for_the_capture():
     worker.join(30)
     assert done.is_set()
     np.testing.assert_array_equal(out["y"], 2.0)
+    np.testing.assert_array_equal(out["z"], np.zeros((2, 2), np.float32))
     g.replay()
     np.testing.assert_array_equal(z.numpy(), 1.0)
 

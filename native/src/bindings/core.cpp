@@ -78,7 +78,9 @@ py::array to_numpy(const Tensor& t) {
   }
   SPECD_CHECK(t.is_contiguous(), "to numpy: GPU tensor must be contiguous");
   py::array host(dt, shape);
-  gpu::copy_to_host(host.mutable_data(), t.data, static_cast<size_t>(t.nbytes()));
+  void* dst = host.mutable_data();
+  // Without the GIL: the copy waits for the GPU (and, from another thread, for a graph capture).
+  without_gil([&] { gpu::copy_to_host(dst, t.data, static_cast<size_t>(t.nbytes())); });
   return host;
 }
 
@@ -125,7 +127,7 @@ void write_async(const Tensor& dst, const py::array& src) {
   SPECD_CHECK(s.dtype == dst.dtype, "gpu_write_async: src is ", dtype_info(s.dtype).name, ", dst is ",
               dtype_info(dst.dtype).name);
   SPECD_CHECK(s.nbytes() == dst.nbytes(), "gpu_write_async: src holds ", s.nbytes(), " bytes, dst ", dst.nbytes());
-  gpu::copy_to_device_async(dst.data, s.data, size_t(dst.nbytes()));
+  without_gil([&] { gpu::copy_to_device_async(dst.data, s.data, size_t(dst.nbytes())); });
 }
 
 Tensor contiguous_copy(const Tensor& t) {
@@ -181,17 +183,18 @@ ne = [in, out] the shape is (out, in). CPU tensors made from numpy arrays share 
            "Zero-copy view of a numpy array. For block formats pass the raw uint8 rows and the dtype; "
            "for BF16 pass uint16 bits and DType.BF16.")
       .def_static("empty", [](std::vector<int64_t> shape, DType dtype, Device device) {
-            return Tensor::empty(shape, dtype, device);
+            return without_gil([&] { return Tensor::empty(shape, dtype, device); });
           }, py::arg("shape"), py::arg("dtype") = DType::F32, py::arg("device") = Device::CPU)
       .def_static("zeros", [](std::vector<int64_t> shape, DType dtype, Device device) {
-            return Tensor::zeros(shape, dtype, device);
+            return without_gil([&] { return Tensor::zeros(shape, dtype, device); });
           }, py::arg("shape"), py::arg("dtype") = DType::F32, py::arg("device") = Device::CPU)
       .def_property_readonly("shape", [](const Tensor& t) { return py::tuple(py::cast(t.shape)); })
       .def_property_readonly("dtype", [](const Tensor& t) { return t.dtype; })
       .def_property_readonly("device", [](const Tensor& t) { return t.device; })
       .def_property_readonly("nbytes", &Tensor::nbytes)
       .def("numpy", &to_numpy, "numpy array: zero-copy on the CPU, a host copy for GPU tensors.")
-      .def("to", &to_device, py::arg("device"), "Copy to `device` (returns self if already there).")
+      .def("to", [](const Tensor& t, Device d) { return without_gil([&] { return to_device(t, d); }); },
+           py::arg("device"), "Copy to `device` (returns self if already there).")
       .def("contiguous", &contiguous_copy, "A contiguous copy (self if already contiguous).")
       .def("reshape", &Tensor::reshape, py::arg("shape"))
       .def("view_rows", &view_rows, py::arg("start"), py::arg("stop"),
@@ -210,7 +213,7 @@ ne = [in, out] the shape is (out, in). CPU tensors made from numpy arrays share 
   m.def("gpu_available", &gpu::available, "True when built with a GPU backend and a device is present.");
   m.def("gpu_backend", &gpu::backend, "\"cuda\", \"hip\" or \"none\".");
   m.def("gpu_device_name", &gpu::device_name);
-  m.def("gpu_synchronize", &gpu::synchronize,
+  m.def("gpu_synchronize", [] { without_gil(gpu::synchronize); },
         "Wait for all queued GPU work. RuntimeError during a graph capture (it cannot wait).");
   m.def("gpu_write_async", &write_async, py::arg("dst"), py::arg("src"),
         R"doc(dst = src: a host numpy array copied into a GPU tensor without waiting for the GPU.
@@ -232,7 +235,7 @@ every replay). Destroying it waits for its last replay.)doc")
       .def_property_readonly("arena_bytes", &gpu::Graph::arena_bytes, "Device bytes held by the graph's arena.");
   m.def("gpu_graph_begin", [](int64_t arena_bytes) {
           SPECD_CHECK(arena_bytes >= 0, "gpu_graph_begin: arena_bytes must be >= 0, got ", arena_bytes);
-          gpu::graph_begin(size_t(arena_bytes));
+          without_gil([&] { gpu::graph_begin(size_t(arena_bytes)); });
         }, py::arg("arena_bytes") = int64_t(64) << 20,
         R"doc(Start recording the library stream's GPU work into a graph (relaxed stream capture).
 
