@@ -201,7 +201,7 @@ class Qwen35Model:
             self.output = up.matmul(output)
             self.layers = [up.layer(l) for l in weights.layers]
             self.conv_w = {i: up.plain(sn.Tensor(c)) for i, c in conv_w.items()}
-            # [1, Hv] tables: broadcast over rows by an embedding lookup of row 0 (exact)
+            # [1, Hv] tables: broadcast over rows by sn.add / sn.mul (exact)
             self.gdn_vecs = {i: (up.plain(l.ssm_dt).reshape([1, hp.n_v_heads]),
                                  up.plain(l.ssm_a).reshape([1, hp.n_v_heads]))
                              for i, l in enumerate(weights.layers) if hp.recurrent[i]}

@@ -87,7 +87,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match="a and b must have the same shape"):
         sn.mul(np.ones(4, np.float32), np.ones(5, np.float32))
     with pytest.raises(ValueError, match="a and b must have the same shape"):
-        sn.add(np.ones((2, 1), np.float32), np.ones((2, 4), np.float32))  # no broadcasting
+        sn.add(np.ones((2, 1), np.float32), np.ones((2, 4), np.float32))  # b is not one row of a's width
     with pytest.raises(ValueError, match="x must be F32"):
         sn.silu(np.ones(3, np.float16))
     with pytest.raises(ValueError, match="x must have a contiguous last dimension"):
