@@ -209,7 +209,7 @@ def test_graph_verify_equals_eager(tiny, rng, name, kv):
     V = weights.hparams.n_vocab
     seqs = []
     for _ in range(2):
-        sg, se = graphs.new_sequence(200), eager.new_sequence(200)
+        sg, se = graphs.new_sequence(400), eager.new_sequence(400)
         graphs.prefill(sg, ck.prompt)
         eager.prefill(se, ck.prompt)
         seqs.append((sg, se))
