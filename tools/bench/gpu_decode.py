@@ -73,6 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, nargs="*", default=[128, 512, 2048, 8192])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="replay chain verifies of <= 16 rows as CUDA graphs (default on)")
     args = ap.parse_args(argv)
 
     import random_qwen35
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
     rep["weight_bytes"], rep["streamed_bytes_per_token"] = total, per_token
     used0 = device_used_bytes()
     t0 = time.perf_counter()
-    model = Qwen35Model(load_qwen35(args.gguf), device=args.device)
+    model = Qwen35Model(load_qwen35(args.gguf), device=args.device, cuda_graphs=args.cuda_graphs)
     sync()
     rep["load_s"] = time.perf_counter() - t0
     used1 = device_used_bytes()
