@@ -4,8 +4,9 @@
 Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
 * device-to-device copy bandwidth (torch, the physical reference of this run);
 * device memory taken by the weights, and per sequence (KV cache per token, GDN + conv state);
-* plain greedy decode tok/s, against the ceiling copy bandwidth / bytes streamed per token (every
-  weight byte except the embedding table, of which one row is read);
+* plain greedy decode tok/s (verify one row, commit, read its argmax: the service's greedy step), against
+  the ceiling copy bandwidth / bytes streamed per token (every weight byte except the embedding table,
+  of which one row is read); with CUDA graphs on (the default) also the same decode op by op;
 * chain verify step time at widths 1..17 (``verify`` without committing);
 * prefill tok/s at 128 / 512 / 2048 / 8192 prompt tokens (longer ones skipped once one takes > 60 s);
 * an in-process speculative loop with a scripted drafter at acceptance lengths 3, 5 and 7: each step
@@ -112,16 +113,22 @@ def main(argv=None) -> int:
     tok = int(np.argmax(logits))
     model.decode(st, tok)  # warm-up
 
-    def run_decode():
+    def run_decode():  # as the service decodes greedily: verify 1 row, commit it, read its argmax
         nonlocal tok
         for _ in range(args.decode_tokens):
-            tok = int(np.argmax(model.decode(st, tok)))
+            res = model.verify(st, [tok])
+            model.commit(st, res, 1)
+            tok = int(res.argmax[0])
     t = timed(run_decode, sync)
     rep["decode_tok_s"] = args.decode_tokens / t
     if rep["copy_GBps"]:
         rep["decode_ceiling_tok_s"] = rep["copy_GBps"] * 1e9 / per_token
         rep["decode_ratio_to_ceiling"] = rep["decode_tok_s"] / rep["decode_ceiling_tok_s"]
-    print("decode", rep["decode_tok_s"], flush=True)
+    if model.cuda_graphs:  # the same decode op by op from Python, for the ratio
+        model.cuda_graphs = False
+        rep["decode_eager_tok_s"] = args.decode_tokens / timed(run_decode, sync)
+        model.cuda_graphs = True
+    print("decode", rep["decode_tok_s"], "eager", rep.get("decode_eager_tok_s"), flush=True)
 
     rep["verify_ms"] = {}
     for w in range(1, 18):
@@ -184,7 +191,9 @@ def markdown(r: dict) -> str:
          f"{r['streamed_bytes_per_token'] / 1e9:.2f} GB -> ceiling {r.get('decode_ceiling_tok_s', 0):.0f} tok/s"
          if r.get("copy_GBps") else "- copy bandwidth: n/a",
          f"- plain decode **{r['decode_tok_s']:.1f} tok/s**"
-         + (f" ({r['decode_ratio_to_ceiling']:.2f} of the ceiling)" if r.get("decode_ratio_to_ceiling") else ""), "",
+         + (f" ({r['decode_ratio_to_ceiling']:.2f} of the ceiling)" if r.get("decode_ratio_to_ceiling") else "")
+         + (f"; CUDA graphs on; op by op from Python {r['decode_eager_tok_s']:.1f} tok/s" if r.get("decode_eager_tok_s")
+            else ""), "",
          "| verify width | " + " | ".join(str(w) for w in r["verify_ms"]) + " |",
          "| --- |" + " --- |" * len(r["verify_ms"]),
          "| ms | " + " | ".join(f"{v:.1f}" for v in r["verify_ms"].values()) + " |", "",
