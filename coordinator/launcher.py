@@ -17,6 +17,7 @@ draft is wrong (a worst-case drafter); neither runs plain decoding only.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import shutil
@@ -54,6 +55,8 @@ class ServeConfig:
     device: where the target worker runs the target and the draft worker the drafter: auto (default:
         cuda when this build has a GPU backend and a GPU is present, else cpu), cpu or cuda (a clear
         error without a GPU). Passed as ``--device`` to both workers.
+    cuda_graphs: the target worker replays chain verifies of up to 16 rows as captured CUDA graphs on
+        the GPU (default True; ``--no-cuda-graphs`` runs every op from Python). Ignored on the CPU.
     start_timeout_s: wait for each child's READY line. Default 600.
     """
 
@@ -69,6 +72,7 @@ class ServeConfig:
     max_seq_len: int = 0
     kv_dtype: str = "f16"
     device: str = "auto"
+    cuda_graphs: bool = True
     start_timeout_s: float = 600.0
 
     def resolve_models(self) -> None:
@@ -158,6 +162,8 @@ def add_arguments(p) -> None:
     from specd.target_worker.server import add_device_argument
 
     add_device_argument(p, d.device, "target and the drafter")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
+                   help="replay the target's chain verifies (<= 16 rows) as CUDA graphs on the GPU (default on)")
     p.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s,
                    help="wait for each child's READY (default 600)")
     before = len(p._actions)
@@ -216,7 +222,8 @@ def run(args) -> int:
     try:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,
                     "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype, "--device", args.device,
-                    "--feature-transport", ns.feature_transport])
+                    "--feature-transport", ns.feature_transport,
+                    "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs"])
         procs.append(("target-worker", t))
         _wait_ready(t, "target-worker", args.start_timeout_s)
         drafter = ""

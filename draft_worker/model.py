@@ -342,7 +342,7 @@ class DrafterModel:
             idx = (np.arange(L * taps, dtype=np.int64)[:, None] * G + np.arange(H) // gs).reshape(-1)
             ids = self._rep_ids[L] = sn.Tensor(idx.astype(np.int32)).to(self.device)
         rep = sn.embedding(dyn.reshape([L * taps * G, 1]), ids).reshape([L, taps * H])
-        coef = sn.add(ops._tile(base, L), rep).reshape([L, taps, H])
+        coef = sn.add(rep, base).reshape([L, taps, H])  # base broadcast over rows (F32 add commutes)
         out = sn.mul(ops.index(coef, 1, 0), y)
         for o in range(1, min(taps, L)):
             prod = sn.mul(ops.rows(ops.index(coef, 1, o), o, L), ops.rows(y, 0, L - o))

@@ -7,8 +7,8 @@ graph does outside the native ops (reshape, column slices, row gathers, concaten
 broadcast of a per-head vector, a scalar scale, host <-> device moves) go through ``ops``.
 :class:`_HostOps` is the CPU path: numpy, exactly the operations the CPU forwards have always done
 (bit for bit). :class:`_TensorOps` keeps everything as sn.Tensor on the model's device, using the
-native glue ops (sn.slice / concat / copy / copy_rows, and sn.embedding as an exact row gather), so
-no activation leaves the GPU. :class:`_Uploader` places weights on the device once (tensors already
+native glue ops (sn.slice / concat / copy / copy_rows, sn.embedding as an exact row gather, and
+sn.add / sn.mul broadcasting a [1, H] table over rows), so no activation leaves the GPU. :class:`_Uploader` places weights on the device once (tensors already
 there are taken as they are, e.g. a same-process target's embedding / lm_head shared with the
 drafter).
 """
@@ -101,6 +101,16 @@ class _HostOps:
         for src, dst in moved:
             raw[dst] = raw[src]
 
+    @staticmethod
+    def assign(dst, src):  # noqa: ARG004
+        """The new value of a state slot: numpy arrays are simply replaced (src itself)."""
+        return src
+
+    @staticmethod
+    def indices(*arrays):
+        """Host int32 index arrays as the ops take them (numpy: as they are)."""
+        return list(arrays)
+
     # --- used by the drafter (draft_worker/model.py)
 
     @staticmethod
@@ -146,7 +156,6 @@ class _TensorOps:
 
     def __init__(self, device):
         self.device = device
-        self._zero_ids: dict[int, sn.Tensor] = {}
         self._consts: dict[tuple[float, int], sn.Tensor] = {}
 
     @staticmethod
@@ -191,19 +200,13 @@ class _TensorOps:
     def host(x):
         return x.numpy()
 
-    def _tile(self, v, rows):
-        """[rows, H] copies of the [1, H] table v (an exact embedding lookup of row 0)."""
-        ids = self._zero_ids.get(rows)
-        if ids is None:
-            ids = sn.Tensor(np.zeros(rows, np.int32)).to(self.device)
-            self._zero_ids[rows] = ids
-        return sn.embedding(v, ids)
+    @staticmethod
+    def add_vec(x, v):
+        return sn.add(x, v)  # v [1, H] broadcast over x's rows
 
-    def add_vec(self, x, v):
-        return sn.add(x, self._tile(v, x.shape[0]))
-
-    def mul_vec(self, x, v):
-        return sn.mul(x, self._tile(v, x.shape[0]))
+    @staticmethod
+    def mul_vec(x, v):
+        return sn.mul(x, v)
 
     def zeros(self, shape):
         return sn.Tensor.zeros(list(shape), sn.DType.F32, self.device)
@@ -212,6 +215,28 @@ class _TensorOps:
     def move_rows(cache, moved):
         for src, dst in moved:
             sn.copy_rows(cache, dst, cache, src, 1)
+
+    @staticmethod
+    def assign(dst, src):
+        """Copies src into dst in place and returns dst: state tensors keep their device address
+        (a captured GPU graph reads them there)."""
+        sn.copy_rows(dst, 0, src, 0, dst.shape[0])
+        return dst
+
+    def indices(self, *arrays):
+        """Host int32 index arrays as device tensors: one packed upload (asynchronous, through the
+        library's pinned staging memory on the GPU), returned as zero-copy views."""
+        packed = np.concatenate([np.asarray(a, np.int32).reshape(-1) for a in arrays])
+        if self.device == sn.Device.CPU:
+            buf = sn.Tensor(packed)
+        else:
+            buf = sn.Tensor.empty([packed.size], sn.DType.I32, self.device)
+            sn.gpu_write_async(buf, packed)
+        out, start = [], 0
+        for a in arrays:
+            out.append(buf.view_rows(start, start + len(a)))
+            start += len(a)
+        return out
 
     # --- used by the drafter (draft_worker/model.py)
 
@@ -243,7 +268,7 @@ class _TensorOps:
         """x * float32(s), elementwise (one F32 rounding, as numpy's)."""
         shape = list(x.shape)
         flat = x.reshape([shape[0], int(np.prod(shape[1:], dtype=np.int64))])
-        return sn.mul(flat, self._tile(self._const(np.float32(s), flat.shape[1]), shape[0])).reshape(shape)
+        return sn.mul(flat, self._const(np.float32(s), flat.shape[1])).reshape(shape)
 
     def softcap(self, x, c):
         """tanh(x / c) * c. No native tanh yet: computed on the host (numpy, as the CPU path) and

@@ -13,6 +13,9 @@ All sizes are bytes. The state a sequence holds (qwen35-target.md §8, model.py'
 * **Feature ring** (host, POSIX shared memory with the shm transport): ``capacity`` float32 rows of
   ``n_taps * n_embd`` plus the slot table (:func:`.feature_shm.segment_bytes`). It never lives on
   the GPU, so it does not count against device memory, but it does against /dev/shm.
+* **CUDA graph arenas** (GPU with ``cuda_graphs``): each captured chain verify keeps its own outputs
+  (activations, logits, deferred-commit buffers of its width) in an arena; at most ``max_graphs``
+  are kept, each counted at the widest captured width (16 rows). Part of the workspace.
 
 ``fits`` = how many sequences at ``max_seq_len`` fit a device of ``device_bytes`` after the weights
 and a workspace reserve (:func:`workspace_bytes`: the widest forward in flight — a verify's
@@ -124,6 +127,15 @@ def workspace_bytes(hp, verify_width: int, prefill_chunk: int = 0) -> int:
     return max(one(w, w, 0), prefill) + CONTEXT_RESERVE_BYTES
 
 
+def cuda_graph_bytes(hp, max_graphs: int, n_taps: int, graph_width: int = 16) -> int:
+    """Device bytes the arenas of ``max_graphs`` captured chain verifies may hold, each counted at
+    ``graph_width`` rows: one verify's activations and logits (:func:`workspace_bytes` without the
+    context reserve) plus its deferred-commit buffers (:func:`state_bytes` ``.verify``)."""
+    one = (workspace_bytes(hp, graph_width) - CONTEXT_RESERVE_BYTES
+           + state_bytes(hp, "F32", graph_width, n_taps).verify)
+    return int(max_graphs) * one
+
+
 def weight_bytes_from_types(hp, types: Mapping[str, object] | None = None, default="F32") -> dict[str, int]:
     """Bytes per storage type of the trunk weights that the loader loads (``expected_tensors``,
     output.weight included; pass ``types["output.weight"] = None`` for a tied head) when tensor
@@ -186,6 +198,7 @@ class MemoryReport:
     pool_used_bytes: int = 0
     pool_reserved_bytes: int = 0
     fits_sequences: int = -1
+    cuda_graph_bytes: int = 0
 
     def fits_on(self, device_bytes: int) -> int:
         """Sequences at max_seq_len that fit ``device_bytes`` next to the weights and workspace."""
@@ -203,7 +216,8 @@ class MemoryReport:
                f"  verify buffers     {_fmt(self.verify_bytes_per_sequence)} per sequence (width {self.verify_width})",
                f"  per sequence       {_fmt(self.sequence_bytes)} on the device",
                f"  feature ring       {_fmt(self.feature_ring_bytes_per_sequence)} per sequence (host shm)",
-               f"  workspace          {_fmt(self.workspace_bytes)}",
+               f"  workspace          {_fmt(self.workspace_bytes)}"
+               + (f" (of which CUDA graph arenas {_fmt(self.cuda_graph_bytes)})" if self.cuda_graph_bytes else ""),
                f"  total              {_fmt(self.total_bytes)} for {self.max_sequences} sequences "
                f"(+ {_fmt(self.host_feature_bytes)} host feature rings)"]
         if self.device_total_bytes:
@@ -297,7 +311,8 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
     weights = sum(by_type.values())
     kv_seq = sb.kv_per_token * max_seq_len
     seq = kv_seq + sb.recurrent + sb.conv + sb.verify
-    ws = workspace_bytes(hp, verify_width, getattr(model, "prefill_chunk", 0))
+    graphs = (cuda_graph_bytes(hp, model.max_graphs, n_taps) if getattr(model, "cuda_graphs", False) else 0)
+    ws = workspace_bytes(hp, verify_width, getattr(model, "prefill_chunk", 0)) + graphs
     ring = segment_bytes(max_seq_len, max(1, n_taps) * hp.n_embd)
     gpu = model.device == sn.Device.GPU
     mem = gpu_memory() if (measure and gpu) else None
@@ -315,7 +330,7 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
                         verify_width=sb.verify_width, verify_bytes_per_sequence=sb.verify, sequence_bytes=seq,
                         feature_ring_bytes_per_sequence=ring, workspace_bytes=ws, max_sequences=int(max_sequences),
                         total_bytes=weights + ws + max_sequences * seq, host_feature_bytes=max_sequences * ring,
-                        **extra)
+                        cuda_graph_bytes=graphs, **extra)
 
 
 @dataclasses.dataclass(frozen=True)

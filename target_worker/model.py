@@ -22,11 +22,30 @@ Cost model per committed step, per GDN layer: one state copy for the verify (Hv*
 for the 27B), n recurrence steps without any weight traffic (~n*4*Hv*dv*dk flops), and w*(2*Hk*dk +
 Hv*dv + 2*Hv) saved floats; no second forward (strategy A would re-stream every weight) and no
 per-token state checkpoints (strategy B writes w states). When all w tokens are accepted the
-verify's final copies are taken as is.
+verify's final copies are copied into the sequence's state (which keeps its device addresses).
+
+CUDA graphs (GPU, ``cuda_graphs``, default on). An exact chain verify of width w <= 16 is recorded
+once per (sequence, w, key bound) as a GPU graph (sn.gpu_graph_begin / end) and replayed afterwards:
+its token ids and positions are read from one fixed device buffer of the model, refreshed by a single
+asynchronous host -> device copy before each replay, and it reads the sequence's KV caches and GDN /
+conv states at their fixed addresses (commit updates them in place). Attention inside the graph runs
+over the first ``bound`` cache rows, bound = committed + w rounded up to a multiple of 1024 (at most
+the capacity), with the causal limit (row i sees keys up to its own position): exactly the keys of
+the eager call, so graph and eager results are bitwise equal, while the split-K grid stays within
+16 chunks of the eager one (a sequence re-captures each width once per 1024 positions). Outputs
+(logits, argmax, features, GDN pending tensors) live in the graph's arena and are overwritten by its
+next replay: a VerifyResult of a graph refuses ``logits`` once a newer replay of that graph ran,
+and commit already refuses all but a sequence's newest verify. At most ``max_graphs`` graphs are
+kept (least recently used evicted). Committing n rows of a graph's verify is itself recorded once
+per (graph, n) (it reads the arena's pending tensors and updates the states in place) and replayed:
+one launch instead of a few native calls per GDN layer. Tree verify and prefill (exact=False) run
+eagerly, and so do their commits.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import math
 from typing import Sequence
 
@@ -65,14 +84,33 @@ class VerifyResult:
     pending: list  # per layer: GDNPending for GDN layers, None for attention layers
     sequence: "SequenceState"  # the sequence it ran on
     generation: int  # that sequence's verify count when it ran: only the newest verify can commit
+    graph: "_CapturedVerify | None" = None  # the graph whose arena holds raw_logits and pending
+    replay: int = 0  # that graph's replay count when it ran
 
     @property
     def logits(self) -> np.ndarray:
         """float32 [w, n_vocab], or [1, n_vocab] (last row only) when asked for; on the GPU copied to
-        the host on first use only (greedy verification needs just ``argmax``)."""
+        the host on first use only (greedy verification needs just ``argmax``). RuntimeError when the
+        verify ran as a CUDA graph that has been replayed since (its logits were overwritten)."""
         if not isinstance(self.raw_logits, np.ndarray):
+            if self.graph is not None and self.graph.replays != self.replay:
+                raise RuntimeError("VerifyResult.logits: a newer verify of this sequence and width replayed the "
+                                   "CUDA graph holding these logits; read them before the next verify")
             self.raw_logits = self.raw_logits.numpy()
         return self.raw_logits
+
+
+@dataclasses.dataclass
+class _CapturedVerify:
+    """A recorded chain verify of one sequence and width, and the arena tensors it writes."""
+
+    graph: object  # sn.GpuGraph
+    logits: object
+    argmax: object
+    features: object  # sn.Tensor or None
+    pending: list
+    replays: int = 0
+    commits: dict = dataclasses.field(default_factory=dict)  # n -> sn.GpuGraph committing rows 0..n-1
 
 
 class PrefillCancelled(Exception):
@@ -83,8 +121,11 @@ class PrefillCancelled(Exception):
 class SequenceState:
     """Per-sequence target state (see the module docstring). ``committed`` counts final positions."""
 
+    _uids = itertools.count()
+
     def __init__(self, model: "Qwen35Model", capacity: int):
         hp = model.hp
+        self.uid = next(SequenceState._uids)  # never reused: keys the model's captured graphs
         self.capacity = capacity
         self.committed = 0
         self.verifies = 0  # a verify overwrites K/V rows past `committed`: only the newest may commit
@@ -120,10 +161,13 @@ class Qwen35Model:
             commit). Raises RuntimeError when the GPU is asked for and none is usable.
         tensor_ops: run the device code path (sn.Tensor glue ops instead of numpy) even on the CPU;
             for tests on machines without a GPU (``SPECD_TEST_GPU_DRYRUN``). Implied by the GPU.
+        cuda_graphs: on the GPU, replay exact chain verifies of width <= 16 as captured CUDA graphs
+            (module docstring; bitwise the eager results). Ignored on the CPU.
+        max_graphs: most captured graphs kept (least recently used evicted), >= 1.
     """
 
     def __init__(self, weights, capture_layers: Sequence[int] = (), kv_dtype=sn.DType.F16, prefill_chunk: int = 512,
-                 device=sn.Device.CPU, tensor_ops: bool = False):
+                 device=sn.Device.CPU, tensor_ops: bool = False, cuda_graphs: bool = True, max_graphs: int = 16):
         self.w, self.hp = weights, weights.hparams
         hp = self.hp
         for lid in capture_layers:
@@ -133,6 +177,8 @@ class Qwen35Model:
             raise ValueError(f"kv_dtype must be F16, Q8_0 or F32, got {kv_dtype}")
         if prefill_chunk <= 0:
             raise ValueError(f"prefill_chunk must be > 0, got {prefill_chunk}")
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         self.capture_layers = list(capture_layers)
         self.kv_dtype, self.prefill_chunk = kv_dtype, prefill_chunk
         self.device = parse_device(device)
@@ -155,12 +201,18 @@ class Qwen35Model:
             self.output = up.matmul(output)
             self.layers = [up.layer(l) for l in weights.layers]
             self.conv_w = {i: up.plain(sn.Tensor(c)) for i, c in conv_w.items()}
-            # [1, Hv] tables: broadcast over rows by an embedding lookup of row 0 (exact)
+            # [1, Hv] tables: broadcast over rows by sn.add / sn.mul (exact)
             self.gdn_vecs = {i: (up.plain(l.ssm_dt).reshape([1, hp.n_v_heads]),
                                  up.plain(l.ssm_a).reshape([1, hp.n_v_heads]))
                              for i, l in enumerate(weights.layers) if hp.recurrent[i]}
             if self.device == sn.Device.GPU:
                 sn.gpu_synchronize()
+        self.cuda_graphs = bool(cuda_graphs) and self.device == sn.Device.GPU
+        self.max_graphs = max_graphs
+        self._graphs: collections.OrderedDict[tuple[int, int, int], _CapturedVerify] = collections.OrderedDict()
+        # Inputs of every captured verify: token ids at [0, 16), positions (= KV rows) at [16, 32).
+        self._graph_in = (sn.Tensor.zeros([2 * _GRAPH_MAX_W], sn.DType.I32, self.device) if self.cuda_graphs
+                          else None)
 
     # ------------------------------------------------------------------ public API
 
@@ -207,29 +259,17 @@ class Qwen35Model:
         w, c = len(tokens), st.committed
         tree = None if parents is None else _Tree(parents, w, c)
         st.verifies += 1
+        if self.cuda_graphs and tree is None and exact and not last_only and w <= _GRAPH_MAX_W:
+            return self._verify_graph(st, tokens)
         positions = (c + np.arange(w) if tree is None else c + tree.depth).astype(np.int32)
-        ops = self._ops
+        rows = (c + np.arange(w)).astype(np.int32)  # tree nodes live at row c + index until compaction
         mm = sn.matmul if exact else _inexact_matmul  # the CPU is always exact
-
-        x = ops.a(sn.embedding(self.token_embd, tokens))
-        taps, pending = {}, []
-        for i, layer in enumerate(self.layers):
-            if self.hp.recurrent[i]:
-                mix, p = self._gdn(i, layer, x, st, tree, mm)
-            else:
-                mix, p = self._attention(i, layer, x, st, positions, tree, mm), None
-            pending.append(p)
-            u, h = sn.rms_norm(mix, layer.post_attention_norm, self.hp.rms_eps, residual=x)
-            ffn = sn.swiglu(mm(u, layer.ffn_gate), mm(u, layer.ffn_up))
-            x = ops.a(sn.add(h, mm(ffn, layer.ffn_down)))
-            if i in self.capture_layers:
-                taps[i] = x
-        feats = (ops.host(ops.cat([taps[i] for i in self.capture_layers], axis=1)) if self.capture_layers
-                 else np.zeros((w, self.hp.n_embd), np.float32))
-        logits = self._logits(ops.last_row(x) if last_only else x)
-        argmax = sn.argmax(logits).numpy()  # computed on the device; the logits stay there until asked for
-        return VerifyResult(tokens, None if tree is None else tree.parents, logits, argmax,
-                            feats, c, pending, st, st.verifies)
+        # Every index value is known and checked here (tokens by _check_tokens, positions and rows
+        # from st.committed within capacity): one packed upload, passed to the ops as trusted.
+        idx = self._ops.indices(tokens, positions, rows)
+        logits, argmax, feats, pending = self._forward(st, *idx, c + w, tree, last_only, mm)
+        return VerifyResult(tokens, None if tree is None else tree.parents, logits, argmax.numpy(),
+                            self._features(feats, w), c, pending, st, st.verifies)
 
     def commit(self, st: SequenceState, res: VerifyResult, n_or_path) -> None:
         """Makes a prefix (chain: an int n in 0..w) or a tree path (a list of row indices, each the
@@ -245,27 +285,108 @@ class Qwen35Model:
         n = len(rows)
         if n == 0:
             return
-        full_chain = res.parents is None and n == len(res.tokens)
+        if res.graph is not None:  # the state updates read fixed addresses: one graph per n
+            g = res.graph.commits.get(n)
+            if g is None:
+                g = res.graph.commits[n] = self._capture(lambda: self._commit_states(st, res, rows), 0)[0]
+            g.replay()
+        else:
+            self._commit_states(st, res, rows)
+        st.features.write(res.start, res.features[rows])
+        st.committed += n
+
+    def _commit_states(self, st, res, rows) -> None:
+        """The device (or numpy) part of commit: KV compaction and GDN / conv state updates."""
+        full_chain = res.parents is None and len(rows) == len(res.tokens)
         ops = self._ops
         for i, p in enumerate(res.pending):
             if p is None:
                 self._compact_kv(st, i, res.start, rows)
-            elif full_chain:
-                st.ssm[i], st.conv[i] = p.final_state, p.final_conv
+            elif full_chain:  # in place on the device: states keep their addresses (captured graphs)
+                st.ssm[i], st.conv[i] = ops.assign(st.ssm[i], p.final_state), ops.assign(st.conv[i], p.final_conv)
             else:
-                st.conv[i] = self._conv_state_after(st.conv[i], p.conv_in, rows)
+                st.conv[i] = ops.assign(st.conv[i], self._conv_state_after(st.conv[i], p.conv_in, rows))
                 sn.gated_delta_net(ops.take(p.q, rows), ops.take(p.k, rows), ops.take(p.v, rows),
                                    ops.take(p.g, rows), ops.take(p.beta, rows), st.ssm[i], self._gdn_scale)
-        st.features.write(res.start, res.features[rows])
-        st.committed += n
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _verify_graph(self, st, tokens) -> VerifyResult:
+        """Chain verify by replaying the (st, w) graph, capturing it first if needed."""
+        w, c = len(tokens), st.committed
+        inputs = np.zeros(2 * _GRAPH_MAX_W, np.int32)
+        inputs[:w] = tokens
+        inputs[_GRAPH_MAX_W : _GRAPH_MAX_W + w] = c + np.arange(w)
+        sn.gpu_write_async(self._graph_in, inputs)  # ordered after every replay already queued
+        bound = min(st.capacity, -(-(c + w) // _GRAPH_KV_STEP) * _GRAPH_KV_STEP)
+        key = (st.uid, w, bound)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._capture_verify(st, w, bound)
+            self._graphs[key] = g
+            while len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)  # its arena lives on while results still hold tensors
+        else:
+            self._graphs.move_to_end(key)
+        g.graph.replay()
+        g.replays += 1
+        return VerifyResult(tokens, None, g.logits, g.argmax.numpy(), self._features(g.features, w), c,
+                            g.pending, st, st.verifies, g, g.replays)
+
+    def _capture_verify(self, st, w, bound) -> _CapturedVerify:
+        tokens = self._graph_in.view_rows(0, w)
+        positions = self._graph_in.view_rows(_GRAPH_MAX_W, _GRAPH_MAX_W + w)
+        # kv_len = bound >= c + w at every replay of this key: with the causal limit each row sees
+        # exactly the keys of the eager call (positions up to its own, c + i < c + w).
+        graph, (logits, argmax, feats, pending) = self._capture(
+            lambda: self._forward(st, tokens, positions, positions, bound, None, False, sn.matmul), 64 << 20)
+        return _CapturedVerify(graph, logits, argmax, feats, pending)
+
+    @staticmethod
+    def _capture(fn, arena_bytes):
+        """(sn.GpuGraph of the device work fn enqueues, fn's result); nothing runs until a replay.
+        arena_bytes: device memory reserved up front (the arena grows past it when needed)."""
+        sn.gpu_graph_begin(arena_bytes)
+        try:
+            out = fn()
+            return sn.gpu_graph_end(), out
+        except BaseException:
+            sn.gpu_graph_abort()
+            raise
 
     # ------------------------------------------------------------------ layers
+
+    def _forward(self, st, tokens, positions, rows, kv_len, tree, last_only, mm):
+        """The verify forward on index tensors of the ops' kind (numpy, or device tensors whose values
+        the caller checked): (logits, argmax tensor, features on the device or None, pending).
+        Nothing in it reads the device back, so on the GPU it can be captured in a graph."""
+        ops = self._ops
+        x = ops.a(sn.embedding(self.token_embd, tokens, trusted=True))
+        taps, pending = {}, []
+        for i, layer in enumerate(self.layers):
+            if self.hp.recurrent[i]:
+                mix, p = self._gdn(i, layer, x, st, tree, mm)
+            else:
+                mix, p = self._attention(i, layer, x, st, positions, rows, kv_len, tree, mm), None
+            pending.append(p)
+            u, h = sn.rms_norm(mix, layer.post_attention_norm, self.hp.rms_eps, residual=x)
+            ffn = sn.swiglu(mm(u, layer.ffn_gate), mm(u, layer.ffn_up))
+            x = ops.a(sn.add(h, mm(ffn, layer.ffn_down)))
+            if i in self.capture_layers:
+                taps[i] = x
+        feats = ops.cat([taps[i] for i in self.capture_layers], axis=1) if self.capture_layers else None
+        logits = self._logits(ops.last_row(x) if last_only else x)
+        return logits, sn.argmax(logits), feats, pending  # the logits stay on the device until asked for
+
+    def _features(self, feats, w):
+        """Host features of a forward (zeros without capture layers)."""
+        return self._ops.host(feats) if feats is not None else np.zeros((w, self.hp.n_embd), np.float32)
 
     @property
     def _gdn_scale(self) -> float:
         return 1.0 / math.sqrt(self.hp.head_k_dim)
 
-    def _attention(self, i, layer, x, st, positions, tree, mm):
+    def _attention(self, i, layer, x, st, positions, rows, kv_len, tree, mm):
         hp, w = self.hp, x.shape[0]
         hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
         u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
@@ -275,17 +396,15 @@ class Qwen35Model:
         gate = ops.reshape(ops.cols(qg, hd, 2 * hd), w, nh, hd)
         k = sn.rms_norm(ops.reshape(ops.a(mm(u, layer.attn_k)), w, nkv, hd), layer.attn_k_norm, hp.rms_eps)
         v = ops.reshape(ops.a(mm(u, layer.attn_v)), w, nkv, hd)
-        q = sn.rope_neox(q, positions, hp.n_rot, hp.rope_freq_base)
-        k = sn.rope_neox(k, positions, hp.n_rot, hp.rope_freq_base)
-        c = st.committed
-        rows = (c + np.arange(w)).astype(np.int32)  # tree nodes live at row c + index until compaction
+        q = sn.rope_neox(q, positions, hp.n_rot, hp.rope_freq_base, trusted=True)
+        k = sn.rope_neox(k, positions, hp.n_rot, hp.rope_freq_base, trusted=True)
         kc, vc = st.kv[i]
-        sn.kv_write(kc, k, rows)
-        sn.kv_write(vc, v, rows)
+        sn.kv_write(kc, k, rows, trusted=True)
+        sn.kv_write(vc, v, rows, trusted=True)
         if tree is None:
-            a = sn.attention(q, kc, vc, c + w, positions, causal=True)
+            a = sn.attention(q, kc, vc, kv_len, positions, causal=True, trusted=True)
         else:
-            a = sn.attention(q, kc, vc, c + w, positions, causal=False, mask=tree.mask)
+            a = sn.attention(q, kc, vc, kv_len, positions, causal=False, mask=tree.mask, trusted=True)
         a = ops.reshape(ops.a(sn.mul(a, sn.sigmoid(gate))), w, nh * hd)
         return ops.a(mm(a, layer.attn_output))
 
@@ -377,6 +496,10 @@ class Qwen35Model:
         if st.committed + n > st.capacity:
             raise ValueError(f"{n} tokens after {st.committed} committed exceed the sequence capacity {st.capacity}")
         return arr.astype(np.int32)
+
+
+_GRAPH_MAX_W = 16  # widest captured chain verify (the exact GEMV's row slice)
+_GRAPH_KV_STEP = 1024  # a captured verify's attention bound: committed + w rounded up to this
 
 
 class _Tree:

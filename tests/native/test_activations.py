@@ -87,8 +87,38 @@ def test_bad_input():
     with pytest.raises(ValueError, match="a and b must have the same shape"):
         sn.mul(np.ones(4, np.float32), np.ones(5, np.float32))
     with pytest.raises(ValueError, match="a and b must have the same shape"):
-        sn.add(np.ones((2, 1), np.float32), np.ones((2, 4), np.float32))  # no broadcasting
+        sn.add(np.ones((2, 1), np.float32), np.ones((2, 4), np.float32))  # b is not one row of a's width
     with pytest.raises(ValueError, match="x must be F32"):
         sn.silu(np.ones(3, np.float16))
     with pytest.raises(ValueError, match="x must have a contiguous last dimension"):
         sn.sigmoid(np.ones((2, 8), np.float32)[:, ::2])
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [((5, 7), (7,)), ((5, 7), (1, 7)), ((3, 4, 6), (6,)), ((1, 9), (9,)),
+                                             ((8,), (1, 8))])
+def test_broadcast_add_mul(rng, a_shape, b_shape):
+    """b of shape [H] / [1, H] is broadcast over a's rows: exactly numpy's a + b / a * b (F32)."""
+    a = (rng.standard_normal(a_shape) * 10).astype(np.float32)
+    b = rng.standard_normal(b_shape).astype(np.float32)
+    want_add, want_mul = (a + b).reshape(a_shape), (a * b).reshape(a_shape)
+    got_add, got_mul = sn.add(a, b).numpy(), sn.mul(a, b).numpy()
+    assert got_add.shape == a_shape and got_mul.shape == a_shape  # a's shape, whatever b's rank
+    np.testing.assert_array_equal(got_add, want_add)
+    np.testing.assert_array_equal(got_mul, want_mul)
+
+
+def test_broadcast_on_strided_rows(rng):
+    a = rng.standard_normal((4, 20)).astype(np.float32)[:, 5:15]  # row-strided view
+    b = rng.standard_normal((1, 10)).astype(np.float32)
+    np.testing.assert_array_equal(sn.add(a, b).numpy(), a + b)
+
+
+def test_broadcast_bad_shapes():
+    with pytest.raises(ValueError, match=r"a and b must have the same shape \(or b of shape \[H\]"):
+        sn.add(np.ones((3, 4), np.float32), np.ones((2, 4), np.float32))  # two rows do not broadcast
+    with pytest.raises(ValueError, match="a and b must have the same shape"):
+        sn.mul(np.ones((3, 4), np.float32), np.ones((4, 1), np.float32))  # a column is not a row
+    with pytest.raises(ValueError, match="a and b must have the same shape"):
+        sn.mul(np.ones((3, 4), np.float32), np.ones((1, 1, 4), np.float32))
+    with pytest.raises(ValueError, match="gate and up must have the same shape"):
+        sn.swiglu(np.ones((3, 4), np.float32), np.ones(4, np.float32))  # swiglu never broadcasts

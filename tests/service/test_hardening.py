@@ -383,6 +383,10 @@ def test_typed_options_have_flags_defaults_and_validation():
                       "--shutdown-grace-s", "1", "--max-concurrent-rpcs", "100"])
     tc = tserver.config_from_args(t)
     assert (tc.idle_ttl_s, tc.tombstone_cap, tc.shutdown_grace_s, tc.max_concurrent_rpcs) == (60, 10, 1, 100)
+    assert tc.cuda_graphs  # on by default (used on the GPU only)
+    assert not tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf",
+                                                      "--no-cuda-graphs"])).cuda_graphs
+    assert p.parse_args(["serve"]).cuda_graphs and not p.parse_args(["serve", "--no-cuda-graphs"]).cuda_graphs
     for bad in (["--idle-ttl-s", "-1"], ["--tombstone-cap", "0"], ["--shutdown-grace-s", "-1"]):
         with pytest.raises(ValueError):
             tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf", *bad]))

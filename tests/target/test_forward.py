@@ -263,6 +263,9 @@ def test_bad_input_is_a_clear_error(checkpoint, converted):
         model.new_sequence(0)
     with pytest.raises(ValueError, match="capture layer 3 is outside"):
         Qwen35Model(load_qwen35(converted("smoke")), capture_layers=[3])
+    with pytest.raises(ValueError, match="max_graphs must be >= 1"):
+        Qwen35Model(load_qwen35(converted("smoke")), max_graphs=0)
+    assert not Qwen35Model(load_qwen35(converted("smoke")), cuda_graphs=True).cuda_graphs  # GPU only
     with pytest.raises(ValueError, match="not in the ring"):
         st.features.read(0, 3)
 

@@ -148,3 +148,10 @@ def test_27b_iq4xs_fits_one_h200():
     assert mem.fits(mem.H200_BYTES, weights, 32768 * sb8.kv_per_token + sb8.recurrent + sb8.conv + sb8.verify, ws) > n
     # the feature ring stays on the host: 5 taps x 5120 x 4 B (+ 8 B slot) per position
     assert sb.feature_per_token == 5 * 5120 * 4 + 8
+    # 16 captured CUDA graphs of 16-row verifies (the model's default max_graphs): each holds one
+    # verify's activations, logits and deferred-commit buffers; with them many sequences still fit
+    one = mem.cuda_graph_bytes(hp, 1, 5)
+    assert one == mem.workspace_bytes(hp, 16) - mem.CONTEXT_RESERVE_BYTES + mem.state_bytes(hp, "F32", 16, 5).verify
+    assert 150 * mem.MiB < one < 300 * mem.MiB
+    assert mem.cuda_graph_bytes(hp, 16, 5) == 16 * one
+    assert mem.fits(mem.H200_BYTES, weights, seq, ws + mem.cuda_graph_bytes(hp, 16, 5)) >= 40

@@ -4,8 +4,9 @@
 Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
 * device-to-device copy bandwidth (torch, the physical reference of this run);
 * device memory taken by the weights, and per sequence (KV cache per token, GDN + conv state);
-* plain greedy decode tok/s, against the ceiling copy bandwidth / bytes streamed per token (every
-  weight byte except the embedding table, of which one row is read);
+* plain greedy decode tok/s (verify one row, commit, read its argmax: the service's greedy step), against
+  the ceiling copy bandwidth / bytes streamed per token (every weight byte except the embedding table,
+  of which one row is read); with CUDA graphs on (the default) also the same decode op by op;
 * chain verify step time at widths 1..17 (``verify`` without committing);
 * prefill tok/s at 128 / 512 / 2048 / 8192 prompt tokens (longer ones skipped once one takes > 60 s);
 * an in-process speculative loop with a scripted drafter at acceptance lengths 3, 5 and 7: each step
@@ -73,6 +74,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, nargs="*", default=[128, 512, 2048, 8192])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="replay chain verifies of <= 16 rows as CUDA graphs (default on)")
     args = ap.parse_args(argv)
 
     import random_qwen35
@@ -93,7 +96,7 @@ def main(argv=None) -> int:
     rep["weight_bytes"], rep["streamed_bytes_per_token"] = total, per_token
     used0 = device_used_bytes()
     t0 = time.perf_counter()
-    model = Qwen35Model(load_qwen35(args.gguf), device=args.device)
+    model = Qwen35Model(load_qwen35(args.gguf), device=args.device, cuda_graphs=args.cuda_graphs)
     sync()
     rep["load_s"] = time.perf_counter() - t0
     used1 = device_used_bytes()
@@ -110,16 +113,22 @@ def main(argv=None) -> int:
     tok = int(np.argmax(logits))
     model.decode(st, tok)  # warm-up
 
-    def run_decode():
+    def run_decode():  # as the service decodes greedily: verify 1 row, commit it, read its argmax
         nonlocal tok
         for _ in range(args.decode_tokens):
-            tok = int(np.argmax(model.decode(st, tok)))
+            res = model.verify(st, [tok])
+            model.commit(st, res, 1)
+            tok = int(res.argmax[0])
     t = timed(run_decode, sync)
     rep["decode_tok_s"] = args.decode_tokens / t
     if rep["copy_GBps"]:
         rep["decode_ceiling_tok_s"] = rep["copy_GBps"] * 1e9 / per_token
         rep["decode_ratio_to_ceiling"] = rep["decode_tok_s"] / rep["decode_ceiling_tok_s"]
-    print("decode", rep["decode_tok_s"], flush=True)
+    if model.cuda_graphs:  # the same decode op by op from Python, for the ratio
+        model.cuda_graphs = False
+        rep["decode_eager_tok_s"] = args.decode_tokens / timed(run_decode, sync)
+        model.cuda_graphs = True
+    print("decode", rep["decode_tok_s"], "eager", rep.get("decode_eager_tok_s"), flush=True)
 
     rep["verify_ms"] = {}
     for w in range(1, 18):
@@ -141,19 +150,25 @@ def main(argv=None) -> int:
         model.prefill(s, prompt)
         pos, steps, mismatches = 0, 0, 0  # cont[pos] is the anchor (decided, not yet fed)
 
-        def loop():
+        def step():
             nonlocal pos, steps, mismatches
+            drafts = cont[pos + 1:pos + al] + [(cont[pos + j] + 1) % vocab for j in range(al, 8)]
+            res = model.verify(s, [cont[pos]] + drafts)
+            # rows 0..al-1 must predict the greedy continuation (batch invariance: verify == decode)
+            mismatches += int(list(res.argmax[:al]) != cont[pos + 1:pos + al + 1])
+            model.commit(s, res, al)
+            pos += al
+            steps += 1
+
+        step()  # untimed: captures this sequence's width-8 verify graph and its commit graph
+        t0_pos, t0_steps = pos, steps
+
+        def loop():
             while pos + 8 < len(cont):
-                drafts = cont[pos + 1:pos + al] + [(cont[pos + j] + 1) % vocab for j in range(al, 8)]
-                res = model.verify(s, [cont[pos]] + drafts)
-                # rows 0..al-1 must predict the greedy continuation (batch invariance: verify == decode)
-                mismatches += int(list(res.argmax[:al]) != cont[pos + 1:pos + al + 1])
-                model.commit(s, res, al)
-                pos += al
-                steps += 1
+                step()
         t = timed(loop, sync)
-        rep["loop"][al] = {"tok_s": pos / t, "steps": steps, "speedup": pos / t / rep["decode_tok_s"],
-                           "steps_not_matching_greedy": mismatches}
+        rep["loop"][al] = {"tok_s": (pos - t0_pos) / t, "steps": steps - t0_steps,
+                           "speedup": (pos - t0_pos) / t / rep["decode_tok_s"], "steps_not_matching_greedy": mismatches}
     print("loop", rep["loop"], flush=True)
 
     rep["prefill_tok_s"] = {}
@@ -182,7 +197,9 @@ def markdown(r: dict) -> str:
          f"{r['streamed_bytes_per_token'] / 1e9:.2f} GB -> ceiling {r.get('decode_ceiling_tok_s', 0):.0f} tok/s"
          if r.get("copy_GBps") else "- copy bandwidth: n/a",
          f"- plain decode **{r['decode_tok_s']:.1f} tok/s**"
-         + (f" ({r['decode_ratio_to_ceiling']:.2f} of the ceiling)" if r.get("decode_ratio_to_ceiling") else ""), "",
+         + (f" ({r['decode_ratio_to_ceiling']:.2f} of the ceiling)" if r.get("decode_ratio_to_ceiling") else "")
+         + (f"; CUDA graphs on; op by op from Python {r['decode_eager_tok_s']:.1f} tok/s" if r.get("decode_eager_tok_s")
+            else ""), "",
          "| verify width | " + " | ".join(str(w) for w in r["verify_ms"]) + " |",
          "| --- |" + " --- |" * len(r["verify_ms"]),
          "| ms | " + " | ".join(f"{v:.1f}" for v in r["verify_ms"].values()) + " |", "",

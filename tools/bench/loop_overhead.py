@@ -120,10 +120,12 @@ def main():
 
     weights = load_qwen35(args.target)
     tok = build_tokenizer(read_tokenizer_metadata(args.target), args.target)
-    model = Qwen35Model(weights, device=args.device)
+    # the reference runs op by op (no CUDA graphs), so the servers' graph-replayed output is checked
+    # against an independent path
+    model = Qwen35Model(weights, device=args.device, cuda_graphs=False)
     prompts = [tok.encode(p).ids for p in PROMPTS]
     reference = [greedy(model, ids, args.tokens) for ids in prompts]
-    del model, weights  # the servers load their own copy
+    del model, weights  # the servers load their own copy (on the GPU this process's pool keeps its blocks)
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         for ids, cont in zip(prompts, reference):
             f.write(json.dumps({"prompt": ids, "continuation": cont}) + "\n")

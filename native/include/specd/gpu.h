@@ -25,6 +25,38 @@ void copy_to_host(void* dst, const void* src, size_t bytes);
 void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height);
 void synchronize();  // waits for the library's stream
 
+// Host -> device copy enqueued on the library stream without waiting: `src` is first copied into a
+// pinned staging slot (so the caller may reuse it at once) and the device copy reads that slot.
+// Copies over kStagingSlotBytes fall back to copy_to_device (synchronous). Refused (runtime_error)
+// during graph capture: a replay would re-read the staging slot, not the caller's new values.
+constexpr size_t kStagingSlotBytes = size_t(64) << 10;
+void copy_to_device_async(void* dst, const void* src, size_t bytes);
+
+// CUDA / HIP graph capture of the library stream (relaxed capture mode).
+//
+// graph_begin() reserves an arena of `arena_bytes` device bytes (more chunks, 2 to 64 MiB, are
+// added with cudaMalloc when it runs out) and starts capturing: until graph_end() / graph_abort(), every
+// kernel and copy the library enqueues is recorded instead of run, every device allocation comes
+// from the arena (addresses fixed for every replay; a buffer freed during the capture is reused by
+// later allocations of the same capture only, which the single-stream graph orders after its last
+// use), and frees of buffers from outside the arena are deferred to the graph's destruction (the
+// graph may read them). Host synchronisations (copy_to_host, copy_to_device, synchronize,
+// copy_to_device_async) throw std::runtime_error while capturing instead of breaking the capture.
+// One capture at a time. Other threads must not enqueue work meanwhile (it would be recorded into
+// the graph): their device allocations and synchronising calls wait until the capture ends (so
+// ops that allocate an output, i.e. all but the in-place ones, are held back), and their frees are
+// deferred like the capturing thread's. Callers should still serialise GPU work around a capture.
+class Graph {
+ public:
+  virtual ~Graph() = default;
+  virtual void replay() = 0;               // enqueues the recorded work on the library stream
+  virtual size_t arena_bytes() const = 0;  // device bytes the graph's arena holds
+};
+void graph_begin(size_t arena_bytes);
+std::shared_ptr<Graph> graph_end();  // stops capturing and instantiates the graph
+void graph_abort();                  // stops capturing and discards it (no-op when not capturing)
+bool capturing();
+
 // Device memory, in bytes: the device's free and total memory (cudaMemGetInfo, every process) and
 // this library's stream-ordered pool (the device's default pool): bytes it holds from the device
 // (reserved), bytes in live buffers (used) and the peak of used since start. `pool` is false (and

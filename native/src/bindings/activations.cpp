@@ -45,10 +45,12 @@ void register_activations(py::module_& m) {
                      "qwen35-target.md §6.1). gate and up must have the same shape.") + shapes).c_str());
   m.def("mul", [](const Tensor& a, const Tensor& b) { return binary(a, b, "mul", cpu::mul, GPU_FN(mul)); },
         py::arg("a"), py::arg("b"),
-        (std::string("a * b elementwise; same shapes, no broadcasting.") + shapes).c_str());
+        (std::string("a * b elementwise (one F32 rounding, as numpy). b has a's shape, or [H] / [1, H] for a of "
+                     "shape [..., H]: then b is broadcast over a's rows. Raises ValueError on other shapes.") + shapes).c_str());
   m.def("add", [](const Tensor& a, const Tensor& b) { return binary(a, b, "add", cpu::add, GPU_FN(add)); },
         py::arg("a"), py::arg("b"),
-        (std::string("a + b elementwise; same shapes, no broadcasting.") + shapes).c_str());
+        (std::string("a + b elementwise (one F32 rounding, as numpy). b has a's shape, or [H] / [1, H] for a of "
+                     "shape [..., H]: then b is broadcast over a's rows. Raises ValueError on other shapes.") + shapes).c_str());
 }
 
 }  // namespace specd::py_bind

@@ -9,39 +9,47 @@ namespace specd::py_bind {
 void register_attention(py::module_& m) {
   m.def(
       "kv_write",
-      [](const Tensor& cache, const Tensor& x, const Tensor& rows) {
+      [](const Tensor& cache, const Tensor& x, const Tensor& rows, bool trusted) {
         require_same_device(cache, x, "kv_write");
         without_gil([&] {
 #if SPECD_WITH_GPU
-          if (cache.device == Device::GPU) return gpu::kv_write(cache, x, rows);
+          if (cache.device == Device::GPU) return gpu::kv_write(cache, x, rows, trusted);
+#else
+          (void)trusted;
 #endif
           cpu::kv_write(cache, x, rows);
         });
       },
-      py::arg("cache"), py::arg("x"), py::arg("rows"),
+      py::arg("cache"), py::arg("x"), py::arg("rows"), py::arg("trusted") = false,
         R"doc(Write K or V rows into a KV cache in place.
 
 cache: Tensor [capacity, n_kv_heads, head_dim] of dtype F32, F16 or Q8_0 (Q8_0: head_dim % 32 == 0),
 contiguous, on the CPU (a numpy float32/float16 array, or Tensor(uint8 raw rows, DType.Q8_0), is
 written through zero-copy). x: F32 [n, n_kv_heads, head_dim]; rows: I32 [n].
 cache[rows[i]] = quantize(x[i]) with the ggml row codecs (bit-identical to gguf.quants.quantize).
-Returns None. Raises ValueError on dtype/shape mismatch, a row outside [0, capacity) or repeated rows.)doc");
+Returns None. Raises ValueError on dtype/shape mismatch, a row outside [0, capacity) or repeated rows.
+trusted (GPU only; the CPU op always checks, at no cost): the caller guarantees GPU rows are in range
+and distinct, so they are not read back (no host synchronisation; needed inside a GPU graph
+capture). A row outside [0, capacity) is then skipped; of repeated rows one write wins.)doc");
   m.def(
       "attention",
       [](const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t kv_len, const Tensor& q_pos,
-         bool causal, int64_t window, std::optional<Tensor> mask, std::optional<float> scale) {
+         bool causal, int64_t window, std::optional<Tensor> mask, std::optional<float> scale, bool trusted) {
         cpu::AttentionArgs a{kv_len, causal, window, std::move(mask), scale};
         require_same_device(q, k_cache, "attention");
         require_same_device(q, v_cache, "attention");
         return without_gil([&] {
 #if SPECD_WITH_GPU
-          if (q.device == Device::GPU) return gpu::attention(q, k_cache, v_cache, q_pos, a);
+          if (q.device == Device::GPU) return gpu::attention(q, k_cache, v_cache, q_pos, a, trusted);
+#else
+          (void)trusted;
 #endif
           return cpu::attention(q, k_cache, v_cache, q_pos, a);
         });
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_len"), py::arg("q_pos"),
       py::arg("causal") = true, py::arg("window") = 0, py::arg("mask") = py::none(), py::arg("scale") = py::none(),
+      py::arg("trusted") = false,
       R"doc(Softmax attention of n queries over the first kv_len rows of a KV cache (GQA).
 
 q: F32 [n, Hq, d] (last dim contiguous); k_cache, v_cache: [capacity, Hkv, d] F32/F16/Q8_0 caches
@@ -57,7 +65,11 @@ thread count and where the keys sit in the cache (tree verify equals chain verif
 Used causal for target prefill/verify, causal=False with an ancestor mask for tree verify, and
 causal=False (optionally windowed) for drafter blocks. Returns F32 [n, Hq, d].
 Raises ValueError on dtype/shape mismatch, Hq % Hkv != 0, kv_len out of range, window < 0,
-q_pos < 0, a mask that is not [n, kv_len] I32, or a non-finite scale.)doc");
+q_pos < 0, a mask that is not [n, kv_len] I32, or a non-finite scale.
+trusted (GPU only; the CPU op always checks, at no cost): the caller guarantees GPU q_pos are >= 0,
+so they are not read back (no host synchronisation; needed inside a GPU graph capture). No memory
+access depends on q_pos (keys come from rows < kv_len only, the grid is sized from kv_len): a
+negative q_pos sees no key when causal (zeros), keys from row 0 otherwise.)doc");
 }
 
 }  // namespace specd::py_bind

@@ -119,20 +119,26 @@ void copy_rows(const Tensor& dst, int64_t dst_start, const Tensor& src, int64_t 
 }  // namespace
 
 void register_copy(py::module_& m) {
-  m.def("slice", &slice, py::arg("x"), py::arg("axis"), py::arg("start"), py::arg("stop"),
+  // Without the GIL, like every op: device copies may wait for another thread's graph capture.
+  m.def("slice", [](const Tensor& x, int64_t axis, int64_t start, int64_t stop) {
+          return without_gil([&] { return slice(x, axis, start, stop); });
+        }, py::arg("x"), py::arg("axis"), py::arg("start"), py::arg("stop"),
         R"doc(A contiguous copy of x[..., start:stop, ...] along `axis` (numpy basic slicing + copy).
 
 x: contiguous tensor of any dtype on the CPU or the GPU (block formats: not along the last axis);
 0 <= start <= stop <= x.shape[axis]; negative axis counts from the end. Returns a new tensor on
 x's device. Exact (a byte copy). Raises ValueError on a bad axis or range.)doc");
-  m.def("concat", &concat, py::arg("xs"), py::arg("axis") = 0,
+  m.def("concat", [](const std::vector<Tensor>& xs, int64_t axis) { return without_gil([&] { return concat(xs, axis); }); },
+        py::arg("xs"), py::arg("axis") = 0,
         R"doc(np.concatenate(xs, axis) for contiguous tensors of one dtype on one device.
 
 Shapes must agree except along `axis`. Returns a new tensor on that device; exact.
 Raises ValueError on an empty list or mismatched dtype, device, rank or shape.)doc");
-  m.def("copy", &copy, py::arg("x"),
+  m.def("copy", [](const Tensor& x) { return without_gil([&] { return copy(x); }); }, py::arg("x"),
         "A new contiguous copy of a contiguous tensor on its device (ndarray.copy()); exact.");
-  m.def("copy_rows", &copy_rows, py::arg("dst"), py::arg("dst_start"), py::arg("src"), py::arg("src_start"),
+  m.def("copy_rows", [](const Tensor& dst, int64_t dst_start, const Tensor& src, int64_t src_start, int64_t n) {
+          without_gil([&] { copy_rows(dst, dst_start, src, src_start, n); });
+        }, py::arg("dst"), py::arg("dst_start"), py::arg("src"), py::arg("src_start"),
         py::arg("n") = 1,
         R"doc(dst[dst_start:dst_start+n] = src[src_start:src_start+n] in place (rows along the first axis).
 

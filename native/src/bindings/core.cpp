@@ -78,7 +78,9 @@ py::array to_numpy(const Tensor& t) {
   }
   SPECD_CHECK(t.is_contiguous(), "to numpy: GPU tensor must be contiguous");
   py::array host(dt, shape);
-  gpu::copy_to_host(host.mutable_data(), t.data, static_cast<size_t>(t.nbytes()));
+  void* dst = host.mutable_data();
+  // Without the GIL: the copy waits for the GPU (and, from another thread, for a graph capture).
+  without_gil([&] { gpu::copy_to_host(dst, t.data, static_cast<size_t>(t.nbytes())); });
   return host;
 }
 
@@ -98,6 +100,34 @@ Tensor to_device(const Tensor& t, Device device) {
   else
     gpu::copy_to_host(out.data, t.data, bytes);
   return out;
+}
+
+// Rows [start, stop) along the first axis of a contiguous tensor, sharing its memory (and owner).
+Tensor view_rows(const Tensor& t, int64_t start, int64_t stop) {
+  SPECD_CHECK(t.ndim() >= 1, "view_rows: the tensor must have at least 1 dimension");
+  SPECD_CHECK(t.is_contiguous(), "view_rows: the tensor must be contiguous");
+  SPECD_CHECK(0 <= start && start <= stop && stop <= t.shape[0], "view_rows: [", start, ", ", stop,
+              ") is not a range within 0..", t.shape[0]);
+  int64_t rb = t.ndim() == 1 ? dtype_info(t.dtype).type_size : t.strides[0];
+  Tensor v = t;
+  v.shape[0] = stop - start;
+  v.data = static_cast<uint8_t*>(t.data) + start * rb;
+  return v;
+}
+
+// dst (a contiguous GPU tensor) = the bytes of `src` (a host array of dst's dtype and size),
+// enqueued on the library stream without waiting (gpu::copy_to_device_async).
+void write_async(const Tensor& dst, const py::array& src) {
+  SPECD_CHECK(dst.device == Device::GPU, "gpu_write_async: dst must be a GPU tensor");
+  SPECD_CHECK(dst.is_contiguous(), "gpu_write_async: dst must be contiguous");
+  check_writable(dst, "gpu_write_async", "dst");
+  py::array arr = py::array::ensure(src, py::array::c_style);
+  const bool natural = numpy_dtype(arr.dtype()).has_value();  // else raw bytes of a block format
+  Tensor s = from_numpy(arr, natural ? std::nullopt : std::optional<DType>(dst.dtype));
+  SPECD_CHECK(s.dtype == dst.dtype, "gpu_write_async: src is ", dtype_info(s.dtype).name, ", dst is ",
+              dtype_info(dst.dtype).name);
+  SPECD_CHECK(s.nbytes() == dst.nbytes(), "gpu_write_async: src holds ", s.nbytes(), " bytes, dst ", dst.nbytes());
+  without_gil([&] { gpu::copy_to_device_async(dst.data, s.data, size_t(dst.nbytes())); });
 }
 
 Tensor contiguous_copy(const Tensor& t) {
@@ -153,19 +183,23 @@ ne = [in, out] the shape is (out, in). CPU tensors made from numpy arrays share 
            "Zero-copy view of a numpy array. For block formats pass the raw uint8 rows and the dtype; "
            "for BF16 pass uint16 bits and DType.BF16.")
       .def_static("empty", [](std::vector<int64_t> shape, DType dtype, Device device) {
-            return Tensor::empty(shape, dtype, device);
+            return without_gil([&] { return Tensor::empty(shape, dtype, device); });
           }, py::arg("shape"), py::arg("dtype") = DType::F32, py::arg("device") = Device::CPU)
       .def_static("zeros", [](std::vector<int64_t> shape, DType dtype, Device device) {
-            return Tensor::zeros(shape, dtype, device);
+            return without_gil([&] { return Tensor::zeros(shape, dtype, device); });
           }, py::arg("shape"), py::arg("dtype") = DType::F32, py::arg("device") = Device::CPU)
       .def_property_readonly("shape", [](const Tensor& t) { return py::tuple(py::cast(t.shape)); })
       .def_property_readonly("dtype", [](const Tensor& t) { return t.dtype; })
       .def_property_readonly("device", [](const Tensor& t) { return t.device; })
       .def_property_readonly("nbytes", &Tensor::nbytes)
       .def("numpy", &to_numpy, "numpy array: zero-copy on the CPU, a host copy for GPU tensors.")
-      .def("to", &to_device, py::arg("device"), "Copy to `device` (returns self if already there).")
+      .def("to", [](const Tensor& t, Device d) { return without_gil([&] { return to_device(t, d); }); },
+           py::arg("device"), "Copy to `device` (returns self if already there).")
       .def("contiguous", &contiguous_copy, "A contiguous copy (self if already contiguous).")
       .def("reshape", &Tensor::reshape, py::arg("shape"))
+      .def("view_rows", &view_rows, py::arg("start"), py::arg("stop"),
+           "Rows [start, stop) along the first axis of a contiguous tensor, sharing its memory (zero-copy, "
+           "any device). Raises ValueError on a bad range or a non-contiguous tensor.")
       .def("__repr__", [](const Tensor& t) {
         std::string s = "Tensor(shape=(";
         for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
@@ -179,7 +213,45 @@ ne = [in, out] the shape is (out, in). CPU tensors made from numpy arrays share 
   m.def("gpu_available", &gpu::available, "True when built with a GPU backend and a device is present.");
   m.def("gpu_backend", &gpu::backend, "\"cuda\", \"hip\" or \"none\".");
   m.def("gpu_device_name", &gpu::device_name);
-  m.def("gpu_synchronize", &gpu::synchronize, "Wait for all queued GPU work.");
+  m.def("gpu_synchronize", [] { without_gil(gpu::synchronize); },
+        "Wait for all queued GPU work. RuntimeError during a graph capture (it cannot wait).");
+  m.def("gpu_write_async", &write_async, py::arg("dst"), py::arg("src"),
+        R"doc(dst = src: a host numpy array copied into a GPU tensor without waiting for the GPU.
+
+dst: contiguous GPU tensor; src: C-contiguous numpy array of dst's dtype (int32 for I32, float32 for
+F32, raw uint8 for block formats) holding dst.nbytes bytes. The values are copied into pinned staging
+memory before the call returns (src may be reused at once), and the device copy is ordered on the
+library stream after all work queued before (kernels still reading dst see the old values).
+Copies over 64 KiB wait for the GPU. Raises ValueError on a dtype or size mismatch, RuntimeError
+during a graph capture (a replay would not see new values: write inputs before replay instead).)doc");
+
+  py::class_<gpu::Graph, std::shared_ptr<gpu::Graph>>(m, "GpuGraph", R"doc(
+GPU work recorded by gpu_graph_begin() / gpu_graph_end(). replay() enqueues it again on the library
+stream, reading and writing the same device addresses (its inputs are whatever those buffers hold
+when it runs; tensors allocated during the capture live in the graph's arena and are overwritten by
+every replay). Destroying it waits for its last replay.)doc")
+      .def("replay", [](gpu::Graph& g) { without_gil([&] { g.replay(); }); },
+           "Enqueue the recorded work (asynchronous). RuntimeError during a capture.")
+      .def_property_readonly("arena_bytes", &gpu::Graph::arena_bytes, "Device bytes held by the graph's arena.");
+  m.def("gpu_graph_begin", [](int64_t arena_bytes) {
+          SPECD_CHECK(arena_bytes >= 0, "gpu_graph_begin: arena_bytes must be >= 0, got ", arena_bytes);
+          without_gil([&] { gpu::graph_begin(size_t(arena_bytes)); });
+        }, py::arg("arena_bytes") = int64_t(64) << 20,
+        R"doc(Start recording the library stream's GPU work into a graph (relaxed stream capture).
+
+Until gpu_graph_end() or gpu_graph_abort(), native GPU ops are recorded, not run; their outputs are
+allocated from an arena of `arena_bytes` reserved now (grown by more chunks when needed) whose
+addresses stay fixed for every replay. Anything that waits for the GPU (Tensor.numpy() of a GPU
+tensor, gpu_synchronize, GPU index tensors not passed as trusted, Tensor.to, gpu_write_async)
+raises RuntimeError instead; call gpu_graph_abort() after such an error. No other thread may use
+the library during a capture. Raises RuntimeError when a capture is already running or no GPU is
+usable, ValueError on a negative arena_bytes.)doc");
+  m.def("gpu_graph_end", [] { return without_gil([] { return gpu::graph_end(); }); },
+        "Stop recording and return the GpuGraph (nothing has run yet: call replay()). RuntimeError when no "
+        "capture is running or the capture failed.");
+  m.def("gpu_graph_abort", [] { without_gil([] { gpu::graph_abort(); }); },
+        "Stop recording and discard the capture (no-op when none is running).");
+  m.def("gpu_capturing", &gpu::capturing, "True while a GPU graph capture is running.");
   m.def(
       "gpu_memory_info",
       [] {

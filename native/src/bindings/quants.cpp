@@ -86,19 +86,24 @@ within (2^-8 + 1e-5) * (|x| @ |w|^T), not batch invariant). The CPU is always ex
 
   m.def(
       "embedding",
-      [](const py::object& w, const py::object& ids) {
+      [](const py::object& w, const py::object& ids, bool trusted) {
         Tensor wt = as_tensor(w, "embedding", "w"), it = as_tensor(ids, "embedding", "ids");
 #if SPECD_WITH_GPU
-        if (wt.device == Device::GPU) return without_gil([&] { return gpu::embedding(wt, it); });
+        if (wt.device == Device::GPU) return without_gil([&] { return gpu::embedding(wt, it, trusted); });
+#else
+        (void)trusted;
 #endif
         return without_gil([&] { return cpu::embedding(wt, it); });
       },
-      py::arg("w"), py::arg("ids"),
+      py::arg("w"), py::arg("ids"), py::arg("trusted") = false,
       R"doc(Rows of a (possibly quantized) embedding table: y[i] = dequantize(w[ids[i]]).
 
 w: [V, H] of any weight dtype (CPU, contiguous); ids: I32 [n] (an int32 numpy array or I32 Tensor),
 every id in [0, V). Returns F32 [n, H], bit-identical to dequantize(w)[ids]. Raises ValueError
-naming the first out-of-range id, or for ids of another dtype.)doc");
+naming the first out-of-range id, or for ids of another dtype.
+trusted (GPU only; the CPU op always checks, at no cost): the caller guarantees the values of GPU
+ids, which are then not read back (no host synchronisation; needed inside a GPU graph capture). An
+id outside [0, V) then yields a row of zeros (never an out-of-bounds read).)doc");
 }
 
 }  // namespace specd::py_bind

@@ -11,18 +11,20 @@ void register_rope(py::module_& m) {
       "rope_neox",
       [](const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, double yarn_factor,
          int64_t yarn_original_context, double yarn_beta_fast, double yarn_beta_slow,
-         std::optional<double> yarn_attention_factor) {
+         std::optional<double> yarn_attention_factor, bool trusted) {
         cpu::Yarn yarn{yarn_factor, yarn_original_context, yarn_beta_fast, yarn_beta_slow, yarn_attention_factor};
         return without_gil([&] {
 #if SPECD_WITH_GPU
-          if (x.device == Device::GPU) return gpu::rope_neox(x, positions, n_rot, theta, yarn);
+          if (x.device == Device::GPU) return gpu::rope_neox(x, positions, n_rot, theta, yarn, trusted);
+#else
+          (void)trusted;
 #endif
           return cpu::rope_neox(x, positions, n_rot, theta, yarn);
         });
       },
       py::arg("x"), py::arg("positions"), py::arg("n_rot"), py::arg("theta"), py::arg("yarn_factor") = 1.0,
       py::arg("yarn_original_context") = 0, py::arg("yarn_beta_fast") = 32.0, py::arg("yarn_beta_slow") = 1.0,
-      py::arg("yarn_attention_factor") = py::none(),
+      py::arg("yarn_attention_factor") = py::none(), py::arg("trusted") = false,
       R"doc(Partial NeoX ("rotate half") RoPE, optionally YaRN-scaled.
 
 x: F32 [n, heads, head_dim] (last dim contiguous); positions: I32 [n], each >= 0.
@@ -39,7 +41,10 @@ factor == 1; an explicit attention factor applies even then, as in transformers)
 exactly once. Angles, cos/sin and the rotation are computed in double and rounded to F32 once.
 Returns a new F32 tensor of x's shape. Raises ValueError unless theta is finite > 0, n_rot is even
 with 0 <= n_rot <= head_dim, positions >= 0 with one per row, yarn_factor >= 1, and
-yarn_original_context > 0 when yarn_factor > 1.)doc");
+yarn_original_context > 0 when yarn_factor > 1.
+trusted (GPU only; the CPU op always checks, at no cost): the caller guarantees GPU positions are
+>= 0, so they are not read back (no host synchronisation; needed inside a GPU graph capture); a
+negative one is then rotated as given.)doc");
 }
 
 }  // namespace specd::py_bind

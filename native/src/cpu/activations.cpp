@@ -26,17 +26,25 @@ Tensor unary(const Tensor& x, const char* op, F f) {
   return y;
 }
 
+// b of shape [H] or [1, H] with a of shape [..., H] (mul / add broadcast it over a's rows).
+bool broadcasts(const Tensor& a, const Tensor& b) {
+  const int64_t h = a.ndim() >= 1 ? a.shape.back() : 1;
+  return b.ndim() >= 1 && b.ndim() <= 2 && b.shape.back() == h && b.numel() == h;
+}
+
 template <class F>
-Tensor binary(const Tensor& a, const Tensor& b, const char* op, const char* an, const char* bn, F f) {
+Tensor binary(const Tensor& a, const Tensor& b, const char* op, const char* an, const char* bn, bool broadcast, F f) {
   check_rows(a, DType::F32, -1, op, an);
   check_rows(b, DType::F32, -1, op, bn);
-  SPECD_CHECK(a.shape == b.shape, op, ": ", an, " and ", bn, " must have the same shape");
+  SPECD_CHECK(a.shape == b.shape || (broadcast && broadcasts(a, b)), op, ": ", an, " and ", bn,
+              " must have the same shape", broadcast ? " (or b of shape [H] / [1, H] for a of shape [..., H])" : "");
+  const bool one_row = a.shape != b.shape;
   Tensor y = Tensor::empty(a.shape, DType::F32);
   int64_t d = a.cols(), rows = a.rows();
   parallel_for(rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
       const float* ar = row_at<float>(a, r);
-      const float* br = row_at<float>(b, r);
+      const float* br = row_at<float>(b, one_row ? 0 : r);
       float* yr = y.ptr<float>() + r * d;
       for (int64_t i = 0; i < d; ++i) yr[i] = f(ar[i], br[i]);
     }
@@ -51,14 +59,14 @@ Tensor sigmoid(const Tensor& x) { return unary(x, "sigmoid", [](float v) { retur
 Tensor softplus(const Tensor& x) { return unary(x, "softplus", [](float v) { return softplus(v); }); }
 
 Tensor swiglu(const Tensor& gate, const Tensor& up) {
-  return binary(gate, up, "swiglu", "gate", "up",
+  return binary(gate, up, "swiglu", "gate", "up", false,
                 [](float g, float u) { return float(double(g) * sigmoid_f64(g) * double(u)); });
 }
 Tensor mul(const Tensor& a, const Tensor& b) {
-  return binary(a, b, "mul", "a", "b", [](float x, float y) { return x * y; });
+  return binary(a, b, "mul", "a", "b", true, [](float x, float y) { return x * y; });
 }
 Tensor add(const Tensor& a, const Tensor& b) {
-  return binary(a, b, "add", "a", "b", [](float x, float y) { return x + y; });
+  return binary(a, b, "add", "a", "b", true, [](float x, float y) { return x + y; });
 }
 
 }  // namespace specd::cpu

@@ -25,8 +25,10 @@ inline float silu(float x) { return float(double(x) * sigmoid_f64(x)); }
 inline float softplus(float x) { return x > kSoftplusThreshold ? x : float(std::log1p(std::exp(double(x)))); }
 
 // Elementwise ops over F32 tensors of any shape whose last dimension is contiguous (outer strides
-// free, so numpy slices such as gate_up[:, :I] work without a copy). Binary ops need equal shapes
-// (no broadcasting). Each returns a new contiguous F32 tensor of the input shape.
+// free, so numpy slices such as gate_up[:, :I] work without a copy). Binary ops need equal shapes,
+// except that mul and add also take b of shape [H] or [1, H] for a of shape [..., H] and broadcast
+// it over a's rows (exact F32, as numpy's a * b / a + b). Each returns a new contiguous F32 tensor of
+// a's shape.
 Tensor silu(const Tensor& x);
 Tensor sigmoid(const Tensor& x);
 Tensor softplus(const Tensor& x);

@@ -5,7 +5,8 @@
 // kv_write: one block per (row, KV head). F32 copies, F16 rounds to nearest even, Q8_0 is ggml's
 // quantize_row_q8_0_ref (d = amax / 127, q = round-half-away(x / d) with the unrounded reciprocal,
 // one warp per 32-element block). Bit-identical to the CPU op for finite inputs (NaN payloads may
-// differ). Row indices are range/distinctness-checked on the host (a GPU rows tensor is read back).
+// differ). Row indices are range/distinctness-checked on the host (a GPU rows tensor is read back)
+// unless `trusted`; the kernel skips a row outside [0, capacity) whatever the caller promised.
 //
 // attention: split-K over fixed chunks of each row's visible-key sequence; see the comment above
 // attn_chunk_kernel for the design, the invariance guarantees and the tolerance vs the CPU op.
@@ -60,9 +61,10 @@ __device__ __forceinline__ float warp_max(float v) {
 template <DType T>
 __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(uint8_t* __restrict__ cache, const float* __restrict__ x,
                                                                  const int32_t* __restrict__ rows, int hkv, int d,
-                                                                 int64_t row_stride, int64_t head_stride) {
+                                                                 int64_t row_stride, int64_t head_stride, int64_t cap) {
   const int64_t i = blockIdx.x / hkv;
   const int g = int(blockIdx.x % hkv);
+  if (rows[i] < 0 || rows[i] >= cap) return;  // only reachable with trusted rows; uniform per block
   const float* xr = x + (i * hkv + g) * d;
   uint8_t* dst = cache + int64_t(rows[i]) * row_stride + g * head_stride;
   if constexpr (T == DType::F32) {
@@ -120,7 +122,9 @@ __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(uint8_t* __rest
 // weight), so |gpu - cpu| <= ~1e-5 * max|v| (+ ~1e-5 relative); tests use atol = 2e-5 * max|v| +
 // rtol 1e-4, unchanged.
 // Scratch: rows are processed in slices so the partials stay under kScratchFloats floats (prefill).
-// q_pos is checked (>= 0) on the host (one small synchronising read when it is a GPU tensor).
+// q_pos is checked (>= 0) on the host (one small synchronising read when it is a GPU tensor) unless
+// `trusted`. No memory access depends on q_pos: keys are read from [lo, hi) within [0, kv_len) or
+// from the compacted mask, and the grid is sized from the host kv_len alone.
 
 constexpr int kChunk = 64;        // keys per chunk (fixed: part of the arithmetic's definition)
 constexpr int kThreads = 256;     // threads of a chunk block
@@ -438,7 +442,7 @@ void launch_chunks(DType vt, const AttnParams& P, unsigned blocks, size_t shmem,
 
 }  // namespace
 
-void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows) {
+void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows, bool trusted) {
   const char* op = "kv_write";
   check_cache(cache, op, "cache");
   check_writable(cache, op, "cache");
@@ -449,13 +453,14 @@ void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows) {
               n, ", ", x.dim(1), ", ", x.dim(2), "]");
   SPECD_CHECK(rows.dim(0) == n, op, ": rows has ", rows.dim(0), " entries, x has ", n);
   SPECD_CHECK(d <= 0x7fffffff && hkv <= 0x7fffffff, op, ": cache dimensions too large");
-  std::vector<int32_t> rv = detail::host_i32(rows);
-  for (int64_t i = 0; i < n; ++i)
-    SPECD_CHECK(rv[size_t(i)] >= 0 && rv[size_t(i)] < cap, op, ": rows[", i, "] = ", rv[size_t(i)],
-                " is outside the cache [0, ", cap, ")");
-  std::vector<int32_t> sorted = rv;
-  std::sort(sorted.begin(), sorted.end());
-  SPECD_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), op, ": rows must be distinct");
+  if (detail::check_on_host(rows, trusted)) {
+    std::vector<int32_t> rv = detail::host_i32(rows);
+    for (int64_t i = 0; i < n; ++i)
+      SPECD_CHECK(rv[size_t(i)] >= 0 && rv[size_t(i)] < cap, op, ": rows[", i, "] = ", rv[size_t(i)],
+                  " is outside the cache [0, ", cap, ")");
+    std::sort(rv.begin(), rv.end());
+    SPECD_CHECK(std::adjacent_find(rv.begin(), rv.end()) == rv.end(), op, ": rows must be distinct");
+  }
   if (n == 0 || hkv == 0 || d == 0) return;
   detail::check_grid(n * hkv, op);
   Tensor drows = detail::i32_on_gpu(rows);
@@ -464,15 +469,15 @@ void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows) {
   cudaStream_t s = detail::stream();
   const int64_t rs = cache.strides[0], hs = cache.strides[1];
   switch (cache.dtype) {
-    case DType::F32: kv_write_kernel<DType::F32><<<blocks, kWriteThreads, 0, s>>>(dst, x.ptr<float>(), drows.ptr<int32_t>(), int(hkv), int(d), rs, hs); break;
-    case DType::F16: kv_write_kernel<DType::F16><<<blocks, kWriteThreads, 0, s>>>(dst, x.ptr<float>(), drows.ptr<int32_t>(), int(hkv), int(d), rs, hs); break;
-    default: kv_write_kernel<DType::Q8_0><<<blocks, kWriteThreads, 0, s>>>(dst, x.ptr<float>(), drows.ptr<int32_t>(), int(hkv), int(d), rs, hs); break;
+    case DType::F32: kv_write_kernel<DType::F32><<<blocks, kWriteThreads, 0, s>>>(dst, x.ptr<float>(), drows.ptr<int32_t>(), int(hkv), int(d), rs, hs, cap); break;
+    case DType::F16: kv_write_kernel<DType::F16><<<blocks, kWriteThreads, 0, s>>>(dst, x.ptr<float>(), drows.ptr<int32_t>(), int(hkv), int(d), rs, hs, cap); break;
+    default: kv_write_kernel<DType::Q8_0><<<blocks, kWriteThreads, 0, s>>>(dst, x.ptr<float>(), drows.ptr<int32_t>(), int(hkv), int(d), rs, hs, cap); break;
   }
   SPECD_GPU_CHECK_LAUNCH("kv_write_kernel");
 }
 
 Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_pos,
-                 const cpu::AttentionArgs& a) {
+                 const cpu::AttentionArgs& a, bool trusted) {
   const char* op = "attention";
   detail::check_gpu_tensor(q, DType::F32, 3, op, "q");
   check_cache(k_cache, op, "k_cache");
@@ -494,9 +499,11 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   if (a.scale) SPECD_CHECK(std::isfinite(*a.scale), op, ": scale must be finite, got ", *a.scale);
   SPECD_CHECK(d <= kMaxDim, op, ": the GPU op supports head_dim <= ", kMaxDim, ", got ", d);
   SPECD_CHECK(a.kv_len <= 0x7fffffff, op, ": kv_len too large");
-  std::vector<int32_t> pv = detail::host_i32(q_pos);
-  for (int64_t i = 0; i < n; ++i)
-    SPECD_CHECK(pv[size_t(i)] >= 0, "attention: q_pos must be >= 0, got ", pv[size_t(i)], " at index ", i);
+  if (detail::check_on_host(q_pos, trusted)) {
+    std::vector<int32_t> pv = detail::host_i32(q_pos);
+    for (int64_t i = 0; i < n; ++i)
+      SPECD_CHECK(pv[size_t(i)] >= 0, "attention: q_pos must be >= 0, got ", pv[size_t(i)], " at index ", i);
+  }
   if (n == 0 || hq == 0 || d == 0 || a.kv_len == 0) return Tensor::zeros(q.shape, DType::F32, Device::GPU);
   detail::check_grid(n * hq, op);
   Tensor out = Tensor::empty(q.shape, DType::F32, Device::GPU);

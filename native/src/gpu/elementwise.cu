@@ -5,7 +5,8 @@
 // mul and add are exact (one F32 rounding, no contraction possible); silu, sigmoid, softplus and
 // swiglu agree bit for bit except when the double exp/log1p of the device library (<= 1 ulp of
 // double) and of the host libm straddle an F32 rounding boundary, i.e. <= 1 F32 ulp, practically
-// never. Every element is computed independently, so results are batch invariant.
+// never. Every element is computed independently, so results are batch invariant. mul / add
+// broadcast a b of shape [H] or [1, H] over the rows of a [..., H] (same single rounding).
 // GPU inputs must be contiguous (GPU tensors always are unless reshaped views of other layouts).
 #include <algorithm>
 #include <cmath>
@@ -40,24 +41,37 @@ __device__ __forceinline__ float apply(float a, float b) {
 
 template <Op OP>
 __global__ void __launch_bounds__(kThreads) elementwise_kernel(const float* __restrict__ a, const float* __restrict__ b,
-                                                               float* __restrict__ y, int64_t n) {
+                                                               float* __restrict__ y, int64_t n, int64_t b_period) {
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
-    y[i] = apply<OP>(a[i], b ? b[i] : 0.0f);
+    y[i] = apply<OP>(a[i], b ? b[b_period ? i % b_period : i] : 0.0f);
+}
+
+// b of shape [H] or [1, H] with a of shape [..., H]: b is broadcast over a's rows (mul / add only).
+bool broadcasts(const Tensor& a, const Tensor& b) {
+  const int64_t h = a.ndim() >= 1 ? a.shape.back() : 1;
+  return a.shape != b.shape && b.ndim() >= 1 && b.ndim() <= 2 && b.shape.back() == h && b.numel() == h;
 }
 
 template <Op OP>
 Tensor run(const Tensor& a, const Tensor* b, const char* op, const char* an, const char* bn) {
   detail::check_gpu_tensor(a, DType::F32, -1, op, an);
+  int64_t b_period = 0;  // 0: same shape; else b repeats every b_period elements of a
   if (b) {
     detail::check_gpu_tensor(*b, DType::F32, -1, op, bn);
-    SPECD_CHECK(a.shape == b->shape, op, ": ", an, " and ", bn, " must have the same shape");
+    constexpr bool can_broadcast = OP == Op::Mul || OP == Op::Add;
+    if (can_broadcast && broadcasts(a, *b)) {
+      b_period = b->numel();
+    } else {
+      SPECD_CHECK(a.shape == b->shape, op, ": ", an, " and ", bn, " must have the same shape",
+                  can_broadcast ? " (or b of shape [H] / [1, H] for a of shape [..., H])" : "");
+    }
   }
   Tensor y = Tensor::empty(a.shape, DType::F32, Device::GPU);
   int64_t n = a.numel();
   if (n == 0) return y;
   int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(detail::sm_count()) * 16);
   elementwise_kernel<OP><<<unsigned(blocks), kThreads, 0, detail::stream()>>>(
-      a.ptr<float>(), b ? b->ptr<float>() : nullptr, y.ptr<float>(), n);
+      a.ptr<float>(), b ? b->ptr<float>() : nullptr, y.ptr<float>(), n, b_period);
   SPECD_GPU_CHECK_LAUNCH("elementwise_kernel");
   return y;
 }

@@ -4,7 +4,8 @@
 // and the K-quant / IQ4_XS rows use the matmul's chunk decoders (weight_formats.cuh), which perform
 // the CPU decoder's float operations on the same operands.
 // ids (I32 [n]) may be a CPU tensor / numpy array or a GPU tensor; they are range-checked on the
-// host (a GPU ids tensor is read back: one small synchronising copy) and uploaded when on the CPU.
+// host (a GPU ids tensor is read back: one small synchronising copy, skipped when `trusted`) and
+// uploaded asynchronously when on the CPU. The kernels zero the row of an id outside [0, V).
 #include <cmath>
 
 #include <utility>
@@ -22,10 +23,15 @@ constexpr int kThreads = 256;
 template <DType T>
 __global__ void __launch_bounds__(kThreads) embedding_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
                                                              const int32_t* __restrict__ ids, float* __restrict__ y,
-                                                             int64_t h) {
+                                                             int64_t h, int64_t vocab) {
   const int64_t i = blockIdx.x;
-  const uint8_t* row = w + int64_t(ids[i]) * row_bytes;
+  const int64_t id = ids[i];
   float* yr = y + i * h;
+  if (id < 0 || id >= vocab) {  // only reachable with trusted ids
+    for (int64_t c = threadIdx.x; c < h; c += kThreads) yr[c] = 0.0f;
+    return;
+  }
+  const uint8_t* row = w + id * row_bytes;
   for (int64_t c = threadIdx.x; c < h; c += kThreads) {
     if constexpr (T == DType::F32) yr[c] = reinterpret_cast<const float*>(row)[c];
     if constexpr (T == DType::F16) yr[c] = detail::f16_at(row, c);
@@ -43,8 +49,13 @@ struct StoreF32 {
 template <class W>
 __global__ void __launch_bounds__(kThreads) embedding_blocks_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
                                                                     int64_t nchunks, const int32_t* __restrict__ ids,
-                                                                    float* __restrict__ y, int64_t h) {
-  const uint8_t* row = w + int64_t(ids[blockIdx.x]) * row_bytes;
+                                                                    float* __restrict__ y, int64_t h, int64_t vocab) {
+  const int64_t id = ids[blockIdx.x];
+  if (id < 0 || id >= vocab) {  // only reachable with trusted ids
+    for (int64_t c = threadIdx.x; c < h; c += kThreads) y[int64_t(blockIdx.x) * h + c] = 0.0f;
+    return;
+  }
+  const uint8_t* row = w + id * row_bytes;
   for (int64_t c = threadIdx.x; c < nchunks; c += kThreads)
     detail::decode_chunk<W>(row, c, StoreF32{y + int64_t(blockIdx.x) * h});
 }
@@ -53,12 +64,12 @@ template <class W>
 void launch_blocks(const Tensor& w, const int32_t* ids, Tensor& y, int64_t n, cudaStream_t s) {
   const int64_t h = w.dim(1);
   embedding_blocks_kernel<W><<<unsigned(n), kThreads, 0, s>>>(static_cast<const uint8_t*>(w.data), w.row_bytes(),
-                                                             h / 32, ids, y.ptr<float>(), h);
+                                                             h / 32, ids, y.ptr<float>(), h, w.dim(0));
 }
 
 }  // namespace
 
-Tensor embedding(const Tensor& w, const Tensor& ids) {
+Tensor embedding(const Tensor& w, const Tensor& ids, bool trusted) {
   const char* op = "embedding";
   detail::check_gpu(w, op, "w");
   check_ndim(w, 2, op, "w");
@@ -81,28 +92,26 @@ Tensor embedding(const Tensor& w, const Tensor& ids) {
   check_contiguous(ids, op, "ids");
   int64_t n = ids.dim(0), vocab = w.dim(0), h = w.dim(1);
   detail::check_grid(n, op);
-  std::vector<int32_t> id = detail::host_i32(ids);
-  for (int64_t i = 0; i < n; ++i)
-    SPECD_CHECK(id[size_t(i)] >= 0 && id[size_t(i)] < vocab, op, ": ids[", i, "] = ", id[size_t(i)],
-                " is out of range for ", vocab, " rows of w");
+  if (detail::check_on_host(ids, trusted)) {
+    std::vector<int32_t> id = detail::host_i32(ids);
+    for (int64_t i = 0; i < n; ++i)
+      SPECD_CHECK(id[size_t(i)] >= 0 && id[size_t(i)] < vocab, op, ": ids[", i, "] = ", id[size_t(i)],
+                  " is out of range for ", vocab, " rows of w");
+  }
   Tensor y = Tensor::empty({n, h}, DType::F32, Device::GPU);
   if (n == 0 || h == 0) return y;
-  Tensor dev_ids = ids;
-  if (ids.device != Device::GPU) {
-    dev_ids = Tensor::empty({n}, DType::I32, Device::GPU);
-    copy_to_device(dev_ids.data, id.data(), size_t(n) * sizeof(int32_t));
-  }
+  Tensor dev_ids = detail::i32_on_gpu(ids);
   const uint8_t* wp = static_cast<const uint8_t*>(w.data);
   cudaStream_t s = detail::stream();
   switch (w.dtype) {
-    case DType::F32: embedding_kernel<DType::F32><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h); break;
-    case DType::F16: embedding_kernel<DType::F16><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h); break;
+    case DType::F32: embedding_kernel<DType::F32><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h, vocab); break;
+    case DType::F16: embedding_kernel<DType::F16><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h, vocab); break;
     case DType::Q4_K: launch_blocks<detail::Q4KW>(w, dev_ids.ptr<int32_t>(), y, n, s); break;
     case DType::Q5_K: launch_blocks<detail::Q5KW>(w, dev_ids.ptr<int32_t>(), y, n, s); break;
     case DType::Q6_K: launch_blocks<detail::Q6KW>(w, dev_ids.ptr<int32_t>(), y, n, s); break;
     case DType::IQ4_XS: launch_blocks<detail::IQ4XSW>(w, dev_ids.ptr<int32_t>(), y, n, s); break;
-    case DType::BF16: embedding_kernel<DType::BF16><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h); break;
-    default: embedding_kernel<DType::Q8_0><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h); break;
+    case DType::BF16: embedding_kernel<DType::BF16><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h, vocab); break;
+    default: embedding_kernel<DType::Q8_0><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h, vocab); break;
   }
   SPECD_GPU_CHECK_LAUNCH("embedding_kernel");
   return y;

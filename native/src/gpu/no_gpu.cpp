@@ -23,6 +23,11 @@ void copy_to_device(void*, const void*, size_t) { unavailable(); }
 void copy_to_host(void*, const void*, size_t) { unavailable(); }
 void copy_2d(void*, size_t, const void*, size_t, size_t, size_t) { unavailable(); }
 void synchronize() {}
+void copy_to_device_async(void*, const void*, size_t) { unavailable(); }
+void graph_begin(size_t) { unavailable(); }
+std::shared_ptr<Graph> graph_end() { unavailable(); }
+void graph_abort() {}
+bool capturing() { return false; }
 MemoryInfo memory_info() { unavailable(); }
 
 }  // namespace specd::gpu

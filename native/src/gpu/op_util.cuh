@@ -38,13 +38,19 @@ inline std::vector<int32_t> host_i32(const Tensor& t) {
 }
 
 // An I32 index tensor (CPU or GPU, contiguous) as a GPU tensor: itself when on the GPU, else an
-// upload (copy_to_device synchronises, so the host buffer may go away at once).
+// asynchronous upload through the pinned staging slots (copy_to_device_async copies the host values
+// before returning, so the host buffer may go away at once; large ones upload synchronously).
 inline Tensor i32_on_gpu(const Tensor& t) {
   if (t.device == Device::GPU) return t;
   Tensor d = Tensor::empty(t.shape, DType::I32, Device::GPU);
-  if (t.numel() > 0) copy_to_device(d.data, t.data, size_t(t.numel()) * sizeof(int32_t));
+  if (t.numel() > 0) copy_to_device_async(d.data, t.data, size_t(t.numel()) * sizeof(int32_t));
   return d;
 }
+
+// Whether an op must value-check index tensor `t` on the host: always for CPU tensors (free), for
+// GPU tensors unless the caller vouches for the values (`trusted`: no read-back, no sync). The
+// kernels guard every index either way, so a broken promise never reads or writes out of bounds.
+inline bool check_on_host(const Tensor& t, bool trusted) { return t.device != Device::GPU || !trusted; }
 
 inline void check_grid(int64_t blocks, const char* op) {
   SPECD_CHECK(blocks <= 0x7fffffff, op, ": too many rows for one launch (", blocks, " blocks)");

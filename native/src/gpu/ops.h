@@ -48,10 +48,14 @@ Tensor matmul(const Tensor& x, const Tensor& w, bool exact = true);
 Tensor argmax(const Tensor& x);
 
 // ---- Ops of issue 7 part 2 (same contracts as the CPU ops of the same name; GPU inputs must be
-// contiguous; index tensors (ids, rows, positions, q_pos, mask) may be CPU or GPU I32 tensors and
-// are value-checked on the host, which reads GPU ones back). Tolerances in each .cu file's header.
+// contiguous; index tensors (ids, rows, positions, q_pos, mask) may be CPU or GPU I32 tensors. CPU
+// ones are value-checked on the host and uploaded asynchronously (pinned staging). GPU ones are
+// read back and checked (one synchronising copy) unless `trusted`: then the caller guarantees the
+// values and nothing synchronises, while the kernels still guard every index (what a bad value does
+// is documented per op: never an out-of-bounds access). Tolerances in each .cu file's header.
 
 // Elementwise (elementwise.cu): as cpu/activations.h; mul/add exact, the others <= 1 F32 ulp.
+// mul / add also broadcast a b of shape [H] or [1, H] over the rows of a [..., H] (as the CPU ops).
 Tensor silu(const Tensor& x);
 Tensor sigmoid(const Tensor& x);
 Tensor softplus(const Tensor& x);
@@ -60,17 +64,22 @@ Tensor mul(const Tensor& a, const Tensor& b);
 Tensor add(const Tensor& a, const Tensor& b);
 
 // y[i] = dequantize(w[ids[i]]) for w F32/F16/BF16/Q8_0 [V, H] (embedding.cu); bit-identical to CPU.
-Tensor embedding(const Tensor& w, const Tensor& ids);
+// Trusted ids outside [0, V) give a row of zeros.
+Tensor embedding(const Tensor& w, const Tensor& ids, bool trusted = false);
 
-// Partial NeoX RoPE + YaRN as cpu::rope_neox (rope.cu); <= 1 F32 ulp from the CPU op.
-Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, const cpu::Yarn& yarn);
+// Partial NeoX RoPE + YaRN as cpu::rope_neox (rope.cu); <= 1 F32 ulp from the CPU op. A trusted
+// negative position is rotated as given (no memory access depends on a position).
+Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, const cpu::Yarn& yarn,
+                 bool trusted = false);
 
 // KV cache write and GQA attention as cpu::kv_write / cpu::attention (attention.cu). kv_write is
 // bit-identical to the CPU op; attention is split-free (one block per (query, head)) and batch
-// invariant bit for bit (result depends only on the row's ordered visible keys).
-void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows);
+// invariant bit for bit (result depends only on the row's ordered visible keys). Trusted kv_write
+// rows outside [0, capacity) are skipped (repeated rows: one of the writes wins); a trusted negative
+// q_pos sees no key when causal (zeros) and keys from 0 otherwise; keys past kv_len are never read.
+void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows, bool trusted = false);
 Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_pos,
-                 const cpu::AttentionArgs& args);
+                 const cpu::AttentionArgs& args, bool trusted = false);
 
 // Gated DeltaNet conv and recurrence as cpu::conv1d_causal / cpu::gated_delta_net (ssm.cu).
 Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu);

@@ -7,7 +7,8 @@
 // bit-identical except when the device and host double cos/sin (each within ~1 ulp of double)
 // straddle an F32 rounding boundary: <= 1 F32 ulp, practically never. Dims >= n_rot are copied.
 // positions (I32 [n], CPU or GPU) are checked (>= 0) on the host, which reads GPU ones back (one
-// small synchronising copy); CPU ones are uploaded.
+// small synchronising copy) unless `trusted`; CPU ones are uploaded asynchronously. Any position
+// value is safe for the kernel (a negative one is rotated as given).
 #include <cmath>
 
 #include "../cpu/rope.h"
@@ -50,7 +51,8 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const float* __restrict_
 
 }  // namespace
 
-Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, const cpu::Yarn& yarn) {
+Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, const cpu::Yarn& yarn,
+                 bool trusted) {
   const char* op = "rope_neox";
   detail::check_gpu_tensor(x, DType::F32, 3, op, "x");
   check_dtype(positions, DType::I32, op, "positions");  // CPU or GPU
@@ -62,9 +64,11 @@ Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double
   cpu::RopeFreqs rf = cpu::rope_freqs(n_rot, theta, yarn);
   SPECD_CHECK(n_rot / 2 <= kMaxHalf, op, ": the GPU op supports n_rot <= ", 2 * kMaxHalf, ", got ", n_rot);
   detail::check_grid(n, op);
-  std::vector<int32_t> pv = detail::host_i32(positions);
-  for (int64_t i = 0; i < n; ++i)
-    SPECD_CHECK(pv[size_t(i)] >= 0, op, ": positions must be >= 0, got ", pv[size_t(i)], " at index ", i);
+  if (detail::check_on_host(positions, trusted)) {
+    std::vector<int32_t> pv = detail::host_i32(positions);
+    for (int64_t i = 0; i < n; ++i)
+      SPECD_CHECK(pv[size_t(i)] >= 0, op, ": positions must be >= 0, got ", pv[size_t(i)], " at index ", i);
+  }
   Tensor y = Tensor::empty(x.shape, DType::F32, Device::GPU);
   if (n == 0 || heads == 0 || hd == 0) return y;
   Freqs f{};

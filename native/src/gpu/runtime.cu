@@ -16,12 +16,31 @@
 // to cudaMalloc / cudaFree. On an out-of-memory error the pool's cached blocks are returned to the
 // device and the allocation is retried once before the error is raised.
 //
+// Uploads. copy_to_device_async copies small host buffers into one of 32 pinned staging slots and
+// enqueues the device copy from there (no host wait; a slot is reused after the event of its last
+// copy, 32 copies later); index uploads of the ops go through it.
+//
+// Graphs (graph_begin / graph_end, specd/gpu.h). While the library stream is being captured,
+// allocations come from the capture's arena (cudaMalloc chunks owned by the graph and by the
+// tensors allocated in it), pool frees are deferred to the graph's destruction, and every call that
+// would wait for the GPU throws instead. Blocks freed during the capture are reused by later
+// allocations of the same capture: a single-stream capture is a chain, so the reuse is ordered after
+// the last use, as for stream-ordered allocation.
+//
 // Errors. Every runtime call is checked; a failure throws std::runtime_error naming the call,
 // file:line and the runtime's error string. `available()` never throws: it is false when the
 // build has a GPU backend but the machine has no device or no (new enough) driver.
+#include <algorithm>
+#include <condition_variable>
 #include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <new>
+#include <thread>
+#include <vector>
 
 #include "common.cuh"
 #include "specd/gpu.h"
@@ -130,6 +149,133 @@ int sm_count() { return require().sms; }
 
 namespace {
 
+// ---- Graph capture state (see specd/gpu.h). One global capture at a time, guarded by capture_mu();
+// allocation and free paths consult it, so they also work from buffer deleters on any thread.
+
+std::mutex& capture_mu() {
+  static std::mutex* const m = new std::mutex;  // never destroyed (deleters run at shutdown)
+  return *m;
+}
+
+// Device memory of one graph: chunks from cudaMalloc (never from the stream-ordered pool, whose
+// allocations inside a capture would become graph nodes), handed out by bump allocation.
+struct Arena {
+  struct Chunk {
+    uint8_t* base;
+    size_t size, used;
+  };
+  std::vector<Chunk> chunks;
+  std::multimap<size_t, void*> free_blocks;  // freed during the capture, reusable by it (by size)
+  bool open = true;                          // still capturing into it (guarded by capture_mu)
+  ~Arena();
+};
+
+struct Capture {
+  std::thread::id owner = std::this_thread::get_id();  // the capturing thread
+  std::shared_ptr<Arena> arena;
+  // Frees and teardowns that must wait until no graph can read the memory any more: run when the
+  // graph is destroyed (or at once when the capture is aborted: that graph never runs).
+  std::vector<std::function<void()>> deferred;
+};
+
+Capture*& active_capture() {  // guarded by capture_mu()
+  static Capture* c = nullptr;
+  return c;
+}
+
+std::condition_variable& capture_done() {  // notified when a capture ends
+  static std::condition_variable* const cv = new std::condition_variable;
+  return *cv;
+}
+
+// With `lock` held on capture_mu(): waits while another thread captures (its work would be recorded
+// into that graph: it runs after the capture instead). Returns the capture of this thread, or null.
+Capture* own_capture(std::unique_lock<std::mutex>& lock) {
+  capture_done().wait(lock, [] {
+    const Capture* c = active_capture();
+    return !c || c->owner == std::this_thread::get_id();
+  });
+  return active_capture();
+}
+
+// Runs `f` now, or, during a capture, when that capture's graph is destroyed. Never throws.
+void run_or_defer(std::function<void()> f) noexcept {
+  {
+    std::lock_guard<std::mutex> lock(capture_mu());
+    if (Capture* c = active_capture()) {
+      try {
+        c->deferred.push_back(std::move(f));
+        return;
+      } catch (...) {
+        return;  // out of host memory: leak the buffer rather than free what a graph may read
+      }
+    }
+  }
+  f();
+}
+
+void run_all(std::vector<std::function<void()>>& fs) noexcept {
+  for (auto& f : fs) f();
+  fs.clear();
+}
+
+Arena::~Arena() {
+  for (const Chunk& c : chunks) {
+    void* p = c.base;
+    run_or_defer([p] {
+      (void)cudaFree(p);  // synchronises the device: the chunk is idle afterwards
+      cudaGetLastError();
+    });
+  }
+}
+
+constexpr size_t kArenaAlign = 256;
+// Growth once the reserved arena is full: chunks as large as the arena so far (geometric growth,
+// few cudaMalloc calls), at least 2 MiB and at most 64 MiB unless one allocation needs more.
+constexpr size_t kArenaMinChunk = size_t(2) << 20, kArenaMaxChunk = size_t(64) << 20;
+
+// Called with capture_mu() held, during a capture.
+std::shared_ptr<void> arena_alloc(const std::shared_ptr<Arena>& arena, size_t bytes) {
+  const size_t size = (bytes + kArenaAlign - 1) / kArenaAlign * kArenaAlign;
+  void* ptr = nullptr;
+  size_t got = size;
+  auto it = arena->free_blocks.lower_bound(size);
+  if (it != arena->free_blocks.end() && it->first <= 2 * size) {  // best fit, at most 2x wasted
+    ptr = it->second;
+    got = it->first;
+    arena->free_blocks.erase(it);
+  } else {
+    Arena::Chunk* c = arena->chunks.empty() ? nullptr : &arena->chunks.back();
+    if (!c || c->size - c->used < size) {
+      // Relaxed capture mode allows cudaMalloc (not a stream operation, so not recorded).
+      size_t total = 0;
+      for (const auto& k : arena->chunks) total += k.size;
+      const size_t chunk = std::max(size, std::clamp(total, kArenaMinChunk, kArenaMaxChunk));
+      void* base = nullptr;
+      cudaError_t err = cudaMalloc(&base, chunk);
+      if (err != cudaSuccess) {
+        cudaGetLastError();
+        std::string what = "cudaMalloc of a " + std::to_string(chunk) + "-byte graph arena chunk";
+        throw_runtime_error(err, what.c_str(), __FILE__, __LINE__);
+      }
+      arena->chunks.push_back({static_cast<uint8_t*>(base), chunk, 0});
+      c = &arena->chunks.back();
+    }
+    ptr = c->base + c->used;
+    c->used += size;
+  }
+  std::shared_ptr<Arena> owner = arena;  // the memory lives as long as any tensor or the graph
+  return std::shared_ptr<void>(ptr, [owner, got](void* p) noexcept {
+    std::lock_guard<std::mutex> lock(capture_mu());
+    if (!owner->open) return;  // after the capture the graph owns the block (fixed addresses)
+    try {
+      owner->free_blocks.emplace(got, p);
+    } catch (...) {
+      // not reused: harmless
+    }
+  });
+}
+
 void* allocate(size_t bytes) {
   const Probe& p = require();
   cudaStream_t s = stream();
@@ -152,16 +298,53 @@ void* allocate(size_t bytes) {
   return ptr;
 }
 
-// Deleter of device buffers. Must not throw: it runs in destructors, possibly during interpreter
+// Deleter of pool buffers. Must not throw: it runs in destructors, possibly during interpreter
 // shutdown after the runtime has been unloaded, when the error is ignored on purpose. Buffers only
-// exist once stream() has been created, so stream() cannot throw here.
+// exist once stream() has been created, so stream() cannot throw here. During a capture the free
+// is deferred to the graph's destruction: the graph may read the buffer on every replay.
 void release(void* ptr) noexcept {
   if (!ptr) return;
-  if (probe().pools)
-    (void)cudaFreeAsync(ptr, stream());
-  else
-    (void)cudaFree(ptr);
-  cudaGetLastError();
+  run_or_defer([ptr] {
+    if (probe().pools)
+      (void)cudaFreeAsync(ptr, stream());
+    else
+      (void)cudaFree(ptr);
+    cudaGetLastError();
+  });
+}
+
+// Throws when this thread is capturing: `what` would wait for the GPU, which a capture cannot do.
+// Other threads wait for the capture to end first.
+void require_not_capturing(const char* what) {
+  std::unique_lock<std::mutex> lock(capture_mu());
+  if (own_capture(lock))
+    throw std::runtime_error(std::string(what) +
+                             " during GPU graph capture: it would synchronise the host with the GPU; read results "
+                             "after gpu_graph_end() and a replay");
+}
+
+// Pinned staging slots of copy_to_device_async, reused round robin; each slot's event marks the
+// end of the device copy that last read it.
+constexpr int kStagingSlots = 32;
+
+struct Staging {
+  std::mutex mu;
+  uint8_t* host = nullptr;
+  cudaEvent_t done[kStagingSlots] = {};
+  bool used[kStagingSlots] = {};
+  int next = 0;
+};
+
+Staging& staging() {
+  static Staging* const st = [] {
+    auto* s = new Staging;  // never destroyed (pinned memory lives until the process exits)
+    void* host = nullptr;
+    SPECD_GPU_CHECK(cudaMallocHost(&host, kStagingSlotBytes * kStagingSlots));
+    s->host = static_cast<uint8_t*>(host);
+    for (auto& e : s->done) SPECD_GPU_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return s;
+  }();
+  return *st;
 }
 
 }  // namespace
@@ -181,6 +364,12 @@ std::string device_name() { return probe().ok ? probe().name : std::string(); }
 std::shared_ptr<void> alloc(size_t bytes) {
   detail::require();
   if (bytes == 0) return std::shared_ptr<void>(nullptr, [](void*) {});
+  {
+    std::unique_lock<std::mutex> lock(detail::capture_mu());
+    // Another thread waits here until the capture ends (every op allocates its output before it
+    // enqueues anything, so its work is not recorded into the graph).
+    if (detail::Capture* c = detail::own_capture(lock)) return detail::arena_alloc(c->arena, bytes);
+  }
   return std::shared_ptr<void>(detail::allocate(bytes), detail::release);
 }
 
@@ -195,6 +384,7 @@ void memset_zero(void* dst, size_t bytes) {
 void copy_to_device(void* dst, const void* src, size_t bytes) {
   detail::require();
   if (bytes == 0) return;
+  detail::require_not_capturing("a synchronous host to device copy");
   SPECD_GPU_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream()));
   SPECD_GPU_CHECK(cudaStreamSynchronize(stream()));
 }
@@ -203,6 +393,7 @@ void copy_to_device(void* dst, const void* src, size_t bytes) {
 void copy_to_host(void* dst, const void* src, size_t bytes) {
   detail::require();
   if (bytes == 0) return;
+  detail::require_not_capturing("a device to host copy (e.g. Tensor.numpy() or an index read-back)");
   SPECD_GPU_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream()));
   SPECD_GPU_CHECK(cudaStreamSynchronize(stream()));
 }
@@ -211,7 +402,150 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
 // A no-op when no device is available (nothing can have been queued).
 void synchronize() {
   if (!probe().ok) return;
+  detail::require_not_capturing("gpu_synchronize");
   SPECD_GPU_CHECK(cudaStreamSynchronize(stream()));
+}
+
+void copy_to_device_async(void* dst, const void* src, size_t bytes) {
+  detail::require();
+  if (bytes == 0) return;
+  detail::require_not_capturing("an asynchronous host to device copy");
+  if (bytes > kStagingSlotBytes) {
+    copy_to_device(dst, src, bytes);
+    return;
+  }
+  cudaStream_t s = stream();
+  detail::Staging& st = detail::staging();
+  std::lock_guard<std::mutex> lock(st.mu);
+  const int k = st.next;
+  st.next = (k + 1) % detail::kStagingSlots;
+  if (st.used[k]) SPECD_GPU_CHECK(cudaEventSynchronize(st.done[k]));  // issued 32 copies ago: done
+  uint8_t* slot = st.host + size_t(k) * kStagingSlotBytes;
+  std::memcpy(slot, src, bytes);
+  SPECD_GPU_CHECK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, s));
+  SPECD_GPU_CHECK(cudaEventRecord(st.done[k], s));
+  st.used[k] = true;
+}
+
+// ---- Graphs
+
+namespace {
+
+class CapturedGraph final : public Graph {
+ public:
+  CapturedGraph(cudaGraph_t g, cudaGraphExec_t exec, std::shared_ptr<detail::Arena> arena,
+                std::vector<std::function<void()>> deferred)
+      : g_(g), exec_(exec), arena_(std::move(arena)), deferred_(std::move(deferred)) {}
+
+  ~CapturedGraph() override {
+    cudaGraph_t g = g_;
+    cudaGraphExec_t exec = exec_;
+    auto deferred = std::make_shared<std::vector<std::function<void()>>>(std::move(deferred_));
+    // After the last replay queued: wait for it, then free what only the graph could still read.
+    detail::run_or_defer([g, exec, deferred] {
+      (void)cudaStreamSynchronize(stream());
+      (void)cudaGraphExecDestroy(exec);
+      (void)cudaGraphDestroy(g);
+      cudaGetLastError();
+      detail::run_all(*deferred);
+    });
+    // arena_ goes with this object; its chunks are freed (or deferred) once no tensor holds them
+  }
+
+  void replay() override {
+    detail::require_not_capturing("GpuGraph.replay");
+    SPECD_GPU_CHECK(cudaGraphLaunch(exec_, stream()));
+  }
+
+  size_t arena_bytes() const override {
+    size_t n = 0;
+    for (const auto& c : arena_->chunks) n += c.size;
+    return n;
+  }
+
+ private:
+  cudaGraph_t g_;
+  cudaGraphExec_t exec_;
+  std::shared_ptr<detail::Arena> arena_;
+  std::vector<std::function<void()>> deferred_;
+};
+
+}  // namespace
+
+void graph_begin(size_t arena_bytes) {
+  detail::require();
+  cudaStream_t s = stream();
+  {
+    std::unique_lock<std::mutex> lock(detail::capture_mu());
+    if (detail::own_capture(lock)) throw std::runtime_error("gpu_graph_begin: a GPU graph capture is already running");
+  }
+  auto arena = std::make_shared<detail::Arena>();
+  if (arena_bytes > 0) {  // reserved before the capture
+    void* base = nullptr;
+    SPECD_GPU_CHECK(cudaMalloc(&base, arena_bytes));
+    arena->chunks.push_back({static_cast<uint8_t*>(base), arena_bytes, 0});
+  }
+  auto cap = std::make_unique<detail::Capture>();
+  cap->arena = std::move(arena);
+  std::unique_lock<std::mutex> lock(detail::capture_mu());
+  if (detail::own_capture(lock)) throw std::runtime_error("gpu_graph_begin: a GPU graph capture is already running");
+  SPECD_GPU_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
+  detail::active_capture() = cap.release();
+}
+
+namespace {
+
+// Ends the running capture (capture_mu() not held): the Capture and the captured graph (or null).
+std::pair<std::unique_ptr<detail::Capture>, cudaGraph_t> end_capture(cudaError_t& err) {
+  std::unique_ptr<detail::Capture> cap;
+  {
+    std::lock_guard<std::mutex> lock(detail::capture_mu());
+    cap.reset(detail::active_capture());
+    detail::active_capture() = nullptr;
+    if (cap) cap->arena->open = false;
+  }
+  detail::capture_done().notify_all();
+  cudaGraph_t g = nullptr;
+  err = cudaSuccess;
+  if (cap) err = cudaStreamEndCapture(stream(), &g);
+  return {std::move(cap), g};
+}
+
+}  // namespace
+
+std::shared_ptr<Graph> graph_end() {
+  cudaError_t err;
+  auto [cap, g] = end_capture(err);
+  if (!cap) throw std::runtime_error("gpu_graph_end: no GPU graph capture is running");
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    if (g) (void)cudaGraphDestroy(g);
+    detail::run_all(cap->deferred);  // nothing was recorded that could run
+    detail::throw_runtime_error(err, "cudaStreamEndCapture", __FILE__, __LINE__);
+  }
+  cudaGraphExec_t exec = nullptr;
+  err = cudaGraphInstantiateWithFlags(&exec, g, 0);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    (void)cudaGraphDestroy(g);
+    detail::run_all(cap->deferred);
+    detail::throw_runtime_error(err, "cudaGraphInstantiateWithFlags", __FILE__, __LINE__);
+  }
+  return std::make_shared<CapturedGraph>(g, exec, cap->arena, std::move(cap->deferred));
+}
+
+void graph_abort() {
+  cudaError_t err;
+  auto [cap, g] = end_capture(err);
+  if (!cap) return;
+  if (g) (void)cudaGraphDestroy(g);
+  cudaGetLastError();              // an invalidated capture reports its error here: dropped on purpose
+  detail::run_all(cap->deferred);  // the discarded graph never runs: deferred frees are safe now
+}
+
+bool capturing() {
+  std::lock_guard<std::mutex> lock(detail::capture_mu());
+  return detail::active_capture() != nullptr;
 }
 
 MemoryInfo memory_info() {

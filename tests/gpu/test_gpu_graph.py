@@ -1,0 +1,275 @@
+"""GPU graph capture, trusted index tensors, broadcast add/mul and async uploads on the device.
+
+Needs a real GPU (skipped otherwise, and under SPECD_TEST_GPU_DRYRUN: graphs exist only on the
+device; the host contracts are in tests/native/test_index_guards.py). Properties:
+* broadcast sn.add / sn.mul of a [1, H] / [H] operand: bitwise numpy;
+* trusted index tensors are not read back, and the kernels guard them: an out-of-range embedding
+  id gives a zero row, an out-of-range kv_write row is skipped, a negative causal q_pos attends to
+  nothing (zeros); untrusted GPU indices are still checked (ValueError);
+* a captured graph replays with new inputs written by sn.gpu_write_async; tensors freed during the
+  capture stay valid for replays; a host synchronisation during a capture raises RuntimeError and
+  the library works normally after sn.gpu_graph_abort(); another thread's op waits for the capture;
+* Qwen35Model with cuda_graphs equals the eager model bitwise (tokens, argmax, logits, features,
+  states) over many steps of widths 1..16, two sequences interleaved, a small graph cache (eviction)
+  and positions crossing the 1024-row attention bound, with commits (any prefix) replayed as graphs
+  too; a stale graph result refuses its logits.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import specd.native as sn
+
+from test_gpu_target import DRYRUN, Qwen35Model, assert_same_state, tiny  # noqa: F401  (tiny: fixture)
+
+GPU = sn.Device.GPU
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DRYRUN or not sn.gpu_available(), reason="needs a GPU (graphs exist only there)")]
+
+
+def on_gpu(a):
+    return sn.Tensor(np.ascontiguousarray(a)).to(GPU)
+
+
+@pytest.fixture(autouse=True)
+def no_capture_left():
+    yield
+    if sn.gpu_capturing():  # a failed test must not leave the stream capturing for the next one
+        sn.gpu_graph_abort()
+        pytest.fail("a GPU graph capture was left running")
+
+
+# ------------------------------------------------------------------------------------------ ops
+
+@pytest.mark.parametrize("a_shape,b_shape", [((7, 300), (1, 300)), ((7, 300), (300,)), ((2, 3, 64), (64,)),
+                                             ((1, 5), (5,))])
+def test_broadcast_add_mul(rng, a_shape, b_shape):
+    a = (rng.standard_normal(a_shape) * 10).astype(np.float32)
+    b = rng.standard_normal(b_shape).astype(np.float32)
+    np.testing.assert_array_equal(sn.add(on_gpu(a), on_gpu(b)).numpy(), (a + b).reshape(a_shape))
+    np.testing.assert_array_equal(sn.mul(on_gpu(a), on_gpu(b)).numpy(), (a * b).reshape(a_shape))
+    with pytest.raises(ValueError, match="a and b must have the same shape"):
+        sn.add(on_gpu(a), on_gpu(np.ones((2, a_shape[-1]), np.float32)))
+
+
+def test_trusted_embedding_guards(rng):
+    w = rng.standard_normal((10, 64)).astype(np.float32)
+    ids = on_gpu(np.array([3, -1, 10, 9], np.int32))
+    y = sn.embedding(on_gpu(w), ids, trusted=True).numpy()
+    np.testing.assert_array_equal(y[[0, 3]], w[[3, 9]])
+    np.testing.assert_array_equal(y[[1, 2]], 0.0)  # out of range: a zero row, never a read past w
+    with pytest.raises(ValueError, match="out of range"):
+        sn.embedding(on_gpu(w), ids)  # untrusted GPU ids are read back and checked
+
+
+@pytest.mark.parametrize("dtype", [sn.DType.F32, sn.DType.F16, sn.DType.Q8_0])
+def test_trusted_kv_write_skips_bad_rows(rng, dtype):
+    cache = sn.Tensor.zeros([6, 2, 32], dtype, GPU)
+    before = cache.numpy().copy()
+    x = rng.standard_normal((3, 2, 32)).astype(np.float32)
+    sn.kv_write(cache, on_gpu(x), on_gpu(np.array([6, 2, -3], np.int32)), trusted=True)
+    after = cache.numpy()
+    keep = [r for r in range(6) if r != 2]
+    np.testing.assert_array_equal(after[keep], before[keep])  # rows 6 and -3 skipped
+    ref = sn.Tensor.zeros([6, 2, 32], dtype, GPU)
+    sn.kv_write(ref, on_gpu(x[1:2]), np.array([2], np.int32))
+    np.testing.assert_array_equal(after[2], ref.numpy()[2])
+    with pytest.raises(ValueError, match="outside the cache"):
+        sn.kv_write(cache, on_gpu(x), on_gpu(np.array([6, 2, 1], np.int32)))
+
+
+def test_trusted_attention_negative_position(rng):
+    kc = on_gpu(rng.standard_normal((8, 1, 64)).astype(np.float32))
+    q = on_gpu(rng.standard_normal((2, 2, 64)).astype(np.float32))
+    pos = on_gpu(np.array([-5, 3], np.int32))
+    out = sn.attention(q, kc, kc, 8, pos, causal=True, trusted=True).numpy()
+    np.testing.assert_array_equal(out[0], 0.0)  # no visible key
+    ref = sn.attention(q, kc, kc, 8, np.array([0, 3], np.int32), causal=True).numpy()
+    np.testing.assert_array_equal(out[1], ref[1])
+    with pytest.raises(ValueError, match="q_pos must be >= 0"):
+        sn.attention(q, kc, kc, 8, pos, causal=True)
+
+
+def test_write_async_and_views():
+    t = sn.Tensor.zeros([8], sn.DType.I32, GPU)
+    sn.gpu_write_async(t, np.arange(8, dtype=np.int32))
+    np.testing.assert_array_equal(t.view_rows(2, 5).numpy(), [2, 3, 4])
+    src = np.full(8, 7, np.int32)
+    sn.gpu_write_async(t, src)
+    src[:] = -1  # already staged: the device copy must not see this
+    np.testing.assert_array_equal(t.numpy(), 7)
+    big = sn.Tensor.zeros([40000], sn.DType.I32, GPU)  # over one staging slot: synchronous fallback
+    sn.gpu_write_async(big, np.arange(40000, dtype=np.int32))
+    np.testing.assert_array_equal(big.numpy(), np.arange(40000))
+    with pytest.raises(ValueError, match="bytes"):
+        sn.gpu_write_async(t, np.zeros(7, np.int32))
+    with pytest.raises(ValueError, match="src is F32, dst is I32"):
+        sn.gpu_write_async(t, np.zeros(8, np.float32))
+
+
+# ----------------------------------------------------------------------------------------- graphs
+
+def test_graph_replays_with_new_inputs(rng):
+    x = sn.Tensor.zeros([4, 256], sn.DType.F32, GPU)
+    v = on_gpu(rng.standard_normal((1, 256)).astype(np.float32))
+    tmp_host = rng.standard_normal((4, 256)).astype(np.float32)
+    tmp = on_gpu(tmp_host)
+    sn.gpu_graph_begin(0)  # no reserve: every allocation grows the arena
+    assert sn.gpu_capturing()
+    y = sn.mul(sn.add(x, v), tmp)  # the add's output is freed during the capture
+    del tmp  # freed during the capture: deferred, the graph keeps reading it
+    g = sn.gpu_graph_end()
+    assert not sn.gpu_capturing() and g.arena_bytes > 0
+    vh = v.numpy()
+    for _ in range(3):
+        xh = rng.standard_normal((4, 256)).astype(np.float32)
+        sn.gpu_write_async(x, xh)
+        g.replay()
+        np.testing.assert_array_equal(y.numpy(), (xh + vh) * tmp_host)
+    del g
+    np.testing.assert_array_equal(y.numpy(), (xh + vh) * tmp_host)  # the arena outlives the graph
+
+
+def test_host_sync_during_capture_raises():
+    x = on_gpu(np.ones((2, 8), np.float32))
+    ids = on_gpu(np.array([0, 1], np.int32))
+    sn.gpu_graph_begin()
+    try:
+        y = sn.add(x, x)
+        with pytest.raises(RuntimeError, match="graph capture"):
+            y.numpy()
+        with pytest.raises(RuntimeError, match="graph capture"):
+            sn.gpu_synchronize()
+        with pytest.raises(RuntimeError, match="graph capture"):
+            sn.embedding(x, ids)  # untrusted GPU ids would be read back
+        with pytest.raises(RuntimeError, match="graph capture"):
+            sn.gpu_write_async(ids, np.zeros(2, np.int32))
+        with pytest.raises(RuntimeError, match="graph capture"):
+            sn.Tensor(np.ones(3, np.float32)).to(GPU)
+        with pytest.raises(RuntimeError, match="already running"):
+            sn.gpu_graph_begin()
+    finally:
+        sn.gpu_graph_abort()
+    assert not sn.gpu_capturing()
+    np.testing.assert_array_equal(sn.add(x, x).numpy(), 2.0)  # the library works after the abort
+    with pytest.raises(RuntimeError, match="no GPU graph capture is running"):
+        sn.gpu_graph_end()
+
+
+def test_other_thread_waits_for_the_capture():
+    """Another thread's op is held back at its output allocation until the capture ends (it is not
+    recorded into the graph) and then runs normally."""
+    x = on_gpu(np.ones((2, 8), np.float32))
+    done, out = threading.Event(), {}
+
+    def other():
+        out["y"] = sn.add(x, x).numpy()
+        out["z"] = sn.slice(sn.Tensor.zeros([4, 2], sn.DType.F32, GPU), 0, 1, 3).numpy()
+        done.set()
+
+    sn.gpu_graph_begin()
+    try:
+        z = sn.mul(x, x)
+        worker = threading.Thread(target=other)
+        worker.start()
+        assert not done.wait(0.5)  # waiting while this thread captures
+        g = sn.gpu_graph_end()
+    except BaseException:
+        sn.gpu_graph_abort()
+        raise
+    worker.join(30)
+    assert done.is_set()
+    np.testing.assert_array_equal(out["y"], 2.0)
+    np.testing.assert_array_equal(out["z"], np.zeros((2, 2), np.float32))
+    g.replay()
+    np.testing.assert_array_equal(z.numpy(), 1.0)
+
+
+# ------------------------------------------------------------------------------------------ model
+
+def _pair(weights, **kw):
+    return (Qwen35Model(weights, device=GPU, cuda_graphs=True, **kw),
+            Qwen35Model(weights, device=GPU, cuda_graphs=False, **kw))
+
+
+def _same_result(a, b, what):
+    np.testing.assert_array_equal(a.argmax, b.argmax, err_msg=what)
+    np.testing.assert_array_equal(a.logits, b.logits, err_msg=what)
+    np.testing.assert_array_equal(a.features, b.features, err_msg=what)
+
+
+@pytest.mark.parametrize("name,kv", [("main", sn.DType.F16), ("r3", sn.DType.Q8_0), ("smoke", sn.DType.F32)])
+def test_graph_verify_equals_eager(tiny, rng, name, kv):
+    weights, ck = tiny(name)
+    graphs, eager = _pair(weights, kv_dtype=kv, capture_layers=[1], max_graphs=3)
+    V = weights.hparams.n_vocab
+    seqs = []
+    for _ in range(2):
+        sg, se = graphs.new_sequence(400), eager.new_sequence(400)
+        graphs.prefill(sg, ck.prompt)
+        eager.prefill(se, ck.prompt)
+        seqs.append((sg, se))
+    for step in range(40):
+        sg, se = seqs[step % 2]  # two sequences interleaved
+        if sg.committed + 16 > sg.capacity:
+            break
+        w = int(rng.integers(1, 17))
+        toks = [int(t) for t in rng.integers(0, V, size=w)]
+        rg, re = graphs.verify(sg, toks), eager.verify(se, toks)
+        assert rg.graph is not None and re.graph is None
+        _same_result(rg, re, f"step {step} w={w}")
+        n = int(rng.integers(0, w + 1))
+        graphs.commit(sg, rg, n)
+        eager.commit(se, re, n)
+        assert len(graphs._graphs) <= 3  # evicted beyond max_graphs
+        assert n == 0 or n in rg.graph.commits  # the commit ran as a graph too
+    for sg, se in seqs:
+        assert_same_state(sg, se)
+        np.testing.assert_array_equal(sg.features.read(0, sg.committed), se.features.read(0, se.committed))
+        t = int(rng.integers(0, V))
+        np.testing.assert_array_equal(graphs.decode(sg, t), eager.decode(se, t))
+
+
+def test_graph_decode_crosses_attention_bound(tiny, rng):
+    """Positions past 1024 switch to graphs with a larger attention bound; still bitwise eager."""
+    weights, _ = tiny("smoke")
+    graphs, eager = _pair(weights, prefill_chunk=256)
+    prompt = [int(t) for t in rng.integers(0, weights.hparams.n_vocab, size=1018)]
+    sg, se = graphs.new_sequence(1100), eager.new_sequence(1100)
+    graphs.prefill(sg, prompt)
+    eager.prefill(se, prompt)
+    for step in range(6):
+        w = 1 + step % 3
+        toks = [int(t) for t in rng.integers(0, weights.hparams.n_vocab, size=w)]
+        rg, re = graphs.verify(sg, toks), eager.verify(se, toks)
+        _same_result(rg, re, f"step {step} at {sg.committed}")
+        graphs.commit(sg, rg, w)
+        eager.commit(se, re, w)
+    assert {k[2] for k in graphs._graphs} == {1024, 1100}
+    assert_same_state(sg, se)
+
+
+def test_stale_graph_result_refuses_logits(tiny):
+    weights, ck = tiny("smoke")
+    model = Qwen35Model(weights, device=GPU)
+    assert model.cuda_graphs
+    st = model.new_sequence(64)
+    model.prefill(st, ck.prompt)
+    first = model.verify(st, [1, 2])
+    second = model.verify(st, [3, 4])  # same graph replayed: first's arena outputs are overwritten
+    with pytest.raises(RuntimeError, match="replayed the CUDA graph"):
+        first.logits  # noqa: B018
+    with pytest.raises(ValueError, match="newer verify"):
+        model.commit(st, first, 1)
+    model.commit(st, second, 2)
+    assert st.committed == len(ck.prompt) + 2
+
+
+def test_model_rejects_bad_max_graphs(tiny):
+    weights, _ = tiny("smoke")
+    with pytest.raises(ValueError, match="max_graphs must be >= 1"):
+        Qwen35Model(weights, device=GPU, max_graphs=0)
