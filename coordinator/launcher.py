@@ -57,6 +57,8 @@ class ServeConfig:
         error without a GPU). Passed as ``--device`` to both workers.
     cuda_graphs: the target worker replays chain verifies of up to 16 rows as captured CUDA graphs on
         the GPU (default True; ``--no-cuda-graphs`` runs every op from Python). Ignored on the CPU.
+    max_graphs: most captured CUDA graphs the target worker keeps (LRU; ``--max-graphs``), >= 1.
+        Default 16.
     start_timeout_s: wait for each child's READY line. Default 600.
     """
 
@@ -73,6 +75,7 @@ class ServeConfig:
     kv_dtype: str = "f16"
     device: str = "auto"
     cuda_graphs: bool = True
+    max_graphs: int = 16
     start_timeout_s: float = 600.0
 
     def resolve_models(self) -> None:
@@ -96,6 +99,8 @@ class ServeConfig:
                              "--start-timeout-s > 0 required")
         if self.scripted_continuations and not self.scripted_block:
             raise ValueError("serve: --scripted-continuations needs --scripted-block")
+        if self.max_graphs < 1:
+            raise ValueError(f"serve: --max-graphs must be >= 1, got {self.max_graphs}")
         if self.kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"serve: --kv-dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
         from specd.target_worker.server import check_device
@@ -164,6 +169,8 @@ def add_arguments(p) -> None:
     add_device_argument(p, d.device, "target and the drafter")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
                    help="replay the target's chain verifies (<= 16 rows) as CUDA graphs on the GPU (default on)")
+    p.add_argument("--max-graphs", type=int, default=d.max_graphs,
+                   help=f"most captured CUDA graphs the target worker keeps, >= 1 (default {d.max_graphs})")
     p.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s,
                    help="wait for each child's READY (default 600)")
     before = len(p._actions)
@@ -223,7 +230,7 @@ def run(args) -> int:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,
                     "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype, "--device", args.device,
                     "--feature-transport", ns.feature_transport,
-                    "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs"])
+                    "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs", "--max-graphs", str(args.max_graphs)])
         procs.append(("target-worker", t))
         _wait_ready(t, "target-worker", args.start_timeout_s)
         drafter = ""

@@ -15,7 +15,9 @@ All sizes are bytes. The state a sequence holds (qwen35-target.md §8, model.py'
   the GPU, so it does not count against device memory, but it does against /dev/shm.
 * **CUDA graph arenas** (GPU with ``cuda_graphs``): each captured chain verify keeps its own outputs
   (activations, logits, deferred-commit buffers of its width) in an arena; at most ``max_graphs``
-  are kept, each counted at the widest captured width (16 rows). Part of the workspace.
+  are kept, each counted at the widest captured width (16 rows). Part of the workspace. An estimate
+  (:func:`cuda_graph_bytes` says what it leaves out); with ``measure`` the report also carries the
+  measured arenas of the live graphs, commit graphs included (``cuda_graph_measured_bytes``).
 
 ``fits`` = how many sequences at ``max_seq_len`` fit a device of ``device_bytes`` after the weights
 and a workspace reserve (:func:`workspace_bytes`: the widest forward in flight — a verify's
@@ -130,7 +132,13 @@ def workspace_bytes(hp, verify_width: int, prefill_chunk: int = 0) -> int:
 def cuda_graph_bytes(hp, max_graphs: int, n_taps: int, graph_width: int = 16) -> int:
     """Device bytes the arenas of ``max_graphs`` captured chain verifies may hold, each counted at
     ``graph_width`` rows: one verify's activations and logits (:func:`workspace_bytes` without the
-    context reserve) plus its deferred-commit buffers (:func:`state_bytes` ``.verify``)."""
+    context reserve) plus its deferred-commit buffers (:func:`state_bytes` ``.verify``).
+
+    An estimate, not a bound: it leaves out the arenas of the commit graphs (one per committed
+    length n of each verify graph, each at least the 2 MiB minimum chunk when it allocates), the
+    slack of the arena's chunks (the 64 MiB reservation and chunks of 2 to 64 MiB are rarely full),
+    blocks the arena could not reuse, and graphs that results still hold after eviction. The
+    measured figure is ``MemoryReport.cuda_graph_measured_bytes`` (live graphs only)."""
     one = (workspace_bytes(hp, graph_width) - CONTEXT_RESERVE_BYTES
            + state_bytes(hp, "F32", graph_width, n_taps).verify)
     return int(max_graphs) * one
@@ -173,7 +181,10 @@ class MemoryReport:
     (:func:`workspace_bytes`); max_sequences and total_bytes (weights + workspace + max_sequences *
     sequence_bytes); host_feature_bytes (max_sequences rings); device_total_bytes /
     device_free_bytes / pool_used_bytes / pool_reserved_bytes (measured, GPU only; 0 unknown);
-    fits_sequences (sequences at max_seq_len that fit device_total_bytes; -1 unknown, e.g. CPU).
+    fits_sequences (sequences at max_seq_len that fit device_total_bytes; -1 unknown, e.g. CPU);
+    cuda_graph_bytes (the estimate of :func:`cuda_graph_bytes` at max_graphs, part of workspace_bytes);
+    cuda_graph_measured_bytes (measured, with ``measure`` on a model with CUDA graphs: the arenas of
+    its live verify and commit graphs, GpuGraph.arena_bytes; 0 otherwise).
     """
 
     device: str
@@ -199,6 +210,7 @@ class MemoryReport:
     pool_reserved_bytes: int = 0
     fits_sequences: int = -1
     cuda_graph_bytes: int = 0
+    cuda_graph_measured_bytes: int = 0
 
     def fits_on(self, device_bytes: int) -> int:
         """Sequences at max_seq_len that fit ``device_bytes`` next to the weights and workspace."""
@@ -217,7 +229,9 @@ class MemoryReport:
                f"  per sequence       {_fmt(self.sequence_bytes)} on the device",
                f"  feature ring       {_fmt(self.feature_ring_bytes_per_sequence)} per sequence (host shm)",
                f"  workspace          {_fmt(self.workspace_bytes)}"
-               + (f" (of which CUDA graph arenas {_fmt(self.cuda_graph_bytes)})" if self.cuda_graph_bytes else ""),
+               + (f" (of which CUDA graph arenas {_fmt(self.cuda_graph_bytes)})" if self.cuda_graph_bytes else "")
+               + (f", graph arenas now {_fmt(self.cuda_graph_measured_bytes)}"
+                  if self.cuda_graph_measured_bytes else ""),
                f"  total              {_fmt(self.total_bytes)} for {self.max_sequences} sequences "
                f"(+ {_fmt(self.host_feature_bytes)} host feature rings)"]
         if self.device_total_bytes:
@@ -317,6 +331,8 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
     gpu = model.device == sn.Device.GPU
     mem = gpu_memory() if (measure and gpu) else None
     extra = {}
+    if measure and getattr(model, "cuda_graphs", False) and hasattr(model, "graph_arena_bytes"):
+        extra["cuda_graph_measured_bytes"] = int(model.graph_arena_bytes())
     if mem:
         total = int(mem["total_bytes"])
         extra = dict(device_total_bytes=total, device_free_bytes=int(mem["free_bytes"]),

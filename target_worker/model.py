@@ -36,7 +36,10 @@ the eager call, so graph and eager results are bitwise equal, while the split-K 
 (logits, argmax, features, GDN pending tensors) live in the graph's arena and are overwritten by its
 next replay: a VerifyResult of a graph refuses ``logits`` once a newer replay of that graph ran,
 and commit already refuses all but a sequence's newest verify. At most ``max_graphs`` graphs are
-kept (least recently used evicted). Committing n rows of a graph's verify is itself recorded once
+kept (least recently used evicted); capturing a (sequence, w) graph for a larger bound drops that
+pair's graphs of smaller bounds (never used again: committed only grows), and
+:meth:`Qwen35Model.release` drops a finished sequence's graphs.
+Committing n rows of a graph's verify is itself recorded once
 per (graph, n) (it reads the arena's pending tensors and updates the states in place) and replayed:
 one launch instead of a few native calls per GDN layer. Tree verify and prefill (exact=False) run
 eagerly, and so do their commits.
@@ -126,6 +129,7 @@ class SequenceState:
     def __init__(self, model: "Qwen35Model", capacity: int):
         hp = model.hp
         self.uid = next(SequenceState._uids)  # never reused: keys the model's captured graphs
+        self.released = False  # set by Qwen35Model.release: device state freed, verify refused
         self.capacity = capacity
         self.committed = 0
         self.verifies = 0  # a verify overwrites K/V rows past `committed`: only the newest may commit
@@ -163,7 +167,9 @@ class Qwen35Model:
             for tests on machines without a GPU (``SPECD_TEST_GPU_DRYRUN``). Implied by the GPU.
         cuda_graphs: on the GPU, replay exact chain verifies of width <= 16 as captured CUDA graphs
             (module docstring; bitwise the eager results). Ignored on the CPU.
-        max_graphs: most captured graphs kept (least recently used evicted), >= 1.
+        max_graphs: most captured chain-verify graphs kept (least recently used evicted), >= 1;
+            default 16 (``specd target-worker --max-graphs``). Each keeps its own arena (activations,
+            logits, commit graphs): see :func:`.memory.cuda_graph_bytes`.
     """
 
     def __init__(self, weights, capture_layers: Sequence[int] = (), kv_dtype=sn.DType.F16, prefill_chunk: int = 512,
@@ -215,6 +221,28 @@ class Qwen35Model:
                           else None)
 
     # ------------------------------------------------------------------ public API
+
+    def release(self, st: SequenceState) -> int:
+        """Frees a finished sequence: drops its captured verify graphs (and their commit graphs) and
+        its device state (KV caches, GDN and conv states); later verifies of ``st`` raise ValueError.
+        Returns the number of graphs dropped. Call it under the lock that serialises forwards and
+        captures: a dropped graph's destructor waits for its last replay, and its arena or the
+        states are freed now (a VerifyResult still held keeps only its own graph's arena). Idempotent."""
+        keys = [k for k in self._graphs if k[0] == st.uid]
+        for k in keys:
+            del self._graphs[k]
+        st.released = True
+        st.kv, st.ssm, st.conv = {}, {}, {}
+        return len(keys)
+
+    def graph_arena_bytes(self) -> int:
+        """Measured device bytes held by the arenas of the live captured graphs (verify graphs and
+        their commit graphs; GpuGraph.arena_bytes); 0 without CUDA graphs."""
+        total = 0
+        for cv in list(self._graphs.values()):  # a snapshot: may run beside a verify (Info)
+            total += int(cv.graph.arena_bytes)
+            total += sum(int(g.arena_bytes) for g in list(cv.commits.values()))
+        return total
 
     def new_sequence(self, capacity: int) -> SequenceState:
         """Fresh state for a sequence of at most ``capacity`` positions (KV rows and feature slots)."""
@@ -277,6 +305,8 @@ class Qwen35Model:
         state equals a plain run over the committed tokens."""
         if res.sequence is not st:
             raise ValueError("commit: this verify ran on another sequence")
+        if st.released:
+            raise ValueError("commit: this sequence was released")
         if st.committed != res.start:
             raise ValueError(f"commit: the sequence moved from {res.start} to {st.committed} since this verify")
         if res.generation != st.verifies:
@@ -323,6 +353,8 @@ class Qwen35Model:
         g = self._graphs.get(key)
         if g is None:
             g = self._capture_verify(st, w, bound)
+            for old in [k for k in self._graphs if k[0] == st.uid and k[1] == w and k[2] < bound]:
+                del self._graphs[old]  # superseded: this pair's bound only grows
             self._graphs[key] = g
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)  # its arena lives on while results still hold tensors
@@ -493,6 +525,8 @@ class Qwen35Model:
         bad = arr[(arr < 0) | (arr >= self.hp.n_vocab)]
         if bad.size:
             raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.hp.n_vocab})")
+        if st.released:
+            raise ValueError("this sequence was released")
         if st.committed + n > st.capacity:
             raise ValueError(f"{n} tokens after {st.committed} committed exceed the sequence capacity {st.capacity}")
         return arr.astype(np.int32)

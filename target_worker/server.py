@@ -63,6 +63,8 @@ class TargetWorkerConfig:
         recurrent state on the GPU). "cuda" in a CPU-only build or without a GPU is a clear error.
     cuda_graphs: on the GPU, replay chain verifies of up to 16 rows as captured CUDA graphs (default
         True; bitwise the eager results, far less host work per step). Ignored on the CPU.
+    max_graphs: most captured verify graphs kept (least recently used evicted; each holds its own
+        device arena), >= 1, default 16. Ignored without cuda_graphs.
     threads: RPC threads, default 0 = max_sequences + 8. Compute calls (Prefill/Verify/Commit) take
         at most threads - 2 (one more is refused at once with RESOURCE_EXHAUSTED), so Health, Release
         and Info always find a thread; every live sequence can have its one compute call in flight.
@@ -89,6 +91,7 @@ class TargetWorkerConfig:
     prefill_chunk: int = 512
     device: str = "auto"
     cuda_graphs: bool = True
+    max_graphs: int = 16
     threads: int = 0
     max_concurrent_rpcs: int = 0
     max_message_bytes: int = 256 << 20
@@ -101,7 +104,8 @@ class TargetWorkerConfig:
         if not self.target:
             raise ValueError("target-worker: --target is required")
         check_transport(self.feature_transport, "target-worker")
-        for name in ("max_verify", "max_sequences", "prefill_chunk", "max_message_bytes", "tombstone_cap"):
+        for name in ("max_verify", "max_sequences", "prefill_chunk", "max_message_bytes", "tombstone_cap",
+                     "max_graphs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"target-worker: {name} must be > 0, got {getattr(self, name)}")
         for name in ("threads", "max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s"):
@@ -132,6 +136,7 @@ def _abort(context, code, msg):
 class _Seq:
     def __init__(self, st, handle):
         self.st, self.handle, self.pending = st, handle, None
+        self.released = False  # set (under lock) when Release / the reaper / close freed it
         self.lock = threading.Lock()
         self.last_used = time.monotonic()
 
@@ -264,17 +269,38 @@ class TargetServicer(pbg.TargetWorkerServicer):
                     self._tombstone(seq_id)
                 finally:
                     s.lock.release()
+            with s.lock:  # a call that found it just before the removal finishes first
+                self._free_seq(s)
             self.features.release(seq_id)
             reaped.append(seq_id)
         if reaped:
             log.warning("freed %d idle sequence(s) (no call for %.0f s): %s", len(reaped), ttl, reaped[:8])
         return reaped
 
-    def _drop_reserved(self, seq_id: str) -> None:
-        """Undoes a Prefill's reservation and frees the ring it may have created."""
+    def _free_state(self, st, seq: "_Seq | None" = None) -> None:
+        """Frees a sequence's device state and captured graphs (model.release) and ``seq``'s pending
+        verify under model_lock, the lock of every forward and capture: a graph's destructor waits
+        for its last replay, and no buffer is freed beside another call's capture."""
+        with self.model_lock:
+            if seq is not None:
+                seq.pending = None
+            release = getattr(self.model, "release", None)
+            if st is not None and release is not None:
+                release(st)
+
+    def _free_seq(self, s: "_Seq") -> None:
+        """Marks a removed sequence released (calls that still hold it are refused) and frees its
+        pending verify, graphs and device state under model_lock. Call with ``s.lock`` held."""
+        s.released = True
+        self._free_state(s.st, s)
+
+    def _drop_reserved(self, seq_id: str, st=None) -> None:
+        """Undoes a Prefill's reservation and frees the ring it may have created (and ``st``, the
+        state it built, under model_lock)."""
         with self.seqs_lock:
             if self.seqs.get(seq_id, 0) is None:
                 del self.seqs[seq_id]
+        self._free_state(st)
         self.features.release(seq_id)
 
     def _create_ring(self, seq_id: str, cap: int, context):
@@ -284,7 +310,11 @@ class TargetServicer(pbg.TargetWorkerServicer):
     def close(self) -> None:
         """Frees every sequence and unlinks every shared-memory segment."""
         with self.seqs_lock:
+            live = [s for s in self.seqs.values() if s is not None]
             self.seqs.clear()
+        for s in live:  # without s.lock: the server has stopped; model_lock still orders the frees
+            s.released = True
+            self._free_state(s.st, s)
         self.features.close_all()
 
     # ------------------------------------------------------------------ RPCs
@@ -356,6 +386,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
                 dead = seq_id in self.tombstones
             return dead or not context.is_active()
 
+        st = None
         try:
             with self.model_lock:  # allocates and zeroes device state: never during another call's graph capture
                 st = self.model.new_sequence(cap)
@@ -368,13 +399,13 @@ class TargetServicer(pbg.TargetWorkerServicer):
         except PrefillCancelled:
             logits = None
         except ShmExhausted as exc:
-            self._drop_reserved(seq_id)
+            self._drop_reserved(seq_id, st)
             _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"prefill: {exc}")
         except ValueError as exc:
-            self._drop_reserved(seq_id)
+            self._drop_reserved(seq_id, st)
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"prefill: {exc}")
         except BaseException:
-            self._drop_reserved(seq_id)
+            self._drop_reserved(seq_id, st)
             raise
         # Release of a reserved id only tombstones it (the ring is still being written): Prefill frees
         with self.seqs_lock:
@@ -385,6 +416,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
             else:
                 self.seqs[seq_id] = _Seq(st, handle)
         if released:
+            self._free_state(st)
             self.features.release(seq_id)
             _abort(context, grpc.StatusCode.CANCELLED, f"sequence {seq_id!r} was released during prefill")
         first = int(np.argmax(logits))  # greedy; ties -> lowest id, like sn.argmax
@@ -419,6 +451,8 @@ class TargetServicer(pbg.TargetWorkerServicer):
         k = len(tokens) - 1
         limit = min(k, int(request.max_accept)) if request.HasField("max_accept") else k
         with s.lock:
+            if s.released:
+                _abort(context, grpc.StatusCode.NOT_FOUND, f"sequence {request.seq_id!r} was released")
             if s.pending is not None:
                 _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "a deferred verify is pending; Commit first")
             t0 = time.perf_counter()
@@ -455,6 +489,8 @@ class TargetServicer(pbg.TargetWorkerServicer):
     def _commit(self, request, context):
         s = self._get(request.seq_id, context)
         with s.lock:
+            if s.released:
+                _abort(context, grpc.StatusCode.NOT_FOUND, f"sequence {request.seq_id!r} was released")
             if s.pending is None:
                 _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "no deferred verify to commit")
             tree = s.pending.parents is not None
@@ -486,6 +522,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
             return pb.ReleaseResponse(existed=True)
         if s is not None:
             with s.lock:  # an in-flight Verify/Commit finishes writing its rows first
+                self._free_seq(s)  # under model_lock: graphs and device buffers
                 freed = self.features.release(request.seq_id)
         else:
             freed = self.features.release(request.seq_id)
@@ -505,7 +542,7 @@ def load_servicer(cfg: TargetWorkerConfig) -> TargetServicer:
     weights = load_qwen35(cfg.target, reader)
     kv = {"f16": sn.DType.F16, "q8_0": sn.DType.Q8_0, "f32": sn.DType.F32}[cfg.kv_dtype]
     model = Qwen35Model(weights, capture_layers=cfg.capture_layers, kv_dtype=kv, prefill_chunk=cfg.prefill_chunk,
-                        device=cfg.resolved_device, cuda_graphs=cfg.cuda_graphs)
+                        device=cfg.resolved_device, cuda_graphs=cfg.cuda_graphs, max_graphs=cfg.max_graphs)
     meta = read_tokenizer_metadata(reader)
     eos = list(meta.end_ids) if meta is not None else []
     return TargetServicer(model, cfg, eos)
@@ -621,6 +658,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help=f"default {d.prefill_chunk}")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
                    help="on the GPU, replay chain verifies of up to 16 rows as CUDA graphs (default on)")
+    p.add_argument("--max-graphs", type=int, default=d.max_graphs,
+                   help=f"most captured CUDA graphs kept, LRU-evicted, >= 1 (default {d.max_graphs})")
     add_device_argument(p, d.device)
     p.add_argument("--threads", type=int, default=d.threads,
                    help="RPC threads (default 0: max-sequences + 8; health has its own threads)")
@@ -678,7 +717,7 @@ def config_from_args(args) -> TargetWorkerConfig:
                              max_seq_len=args.max_seq_len, max_verify=args.max_verify,
                              max_sequences=args.max_sequences, kv_dtype=args.kv_dtype,
                              prefill_chunk=args.prefill_chunk, device=args.device,
-                             cuda_graphs=args.cuda_graphs, threads=args.threads,
+                             cuda_graphs=args.cuda_graphs, max_graphs=args.max_graphs, threads=args.threads,
                              max_concurrent_rpcs=args.max_concurrent_rpcs,
                              max_message_bytes=args.max_message_bytes, idle_ttl_s=args.idle_ttl_s,
                              tombstone_cap=args.tombstone_cap, shutdown_grace_s=args.shutdown_grace_s,

@@ -9,10 +9,14 @@ device; the host contracts are in tests/native/test_index_guards.py). Properties
 * a captured graph replays with new inputs written by sn.gpu_write_async; tensors freed during the
   capture stay valid for replays; a host synchronisation during a capture raises RuntimeError and
   the library works normally after sn.gpu_graph_abort(); another thread's op waits for the capture;
+  only the capturing thread may end or abort it; a buffer another thread frees during a capture is
+  freed when the capture ends (not when its graph goes); gated calls of another thread (allocation,
+  upload, copy_rows, read-back, replay) never leak into a capture running beside them;
 * Qwen35Model with cuda_graphs equals the eager model bitwise (tokens, argmax, logits, features,
   states) over many steps of widths 1..16, two sequences interleaved, a small graph cache (eviction)
   and positions crossing the 1024-row attention bound, with commits (any prefix) replayed as graphs
-  too; a stale graph result refuses its logits.
+  too; a stale graph result refuses its logits; a larger attention bound supersedes a (sequence, w)
+  pair's graphs of smaller bounds, and Qwen35Model.release drops a sequence's graphs.
 """
 from __future__ import annotations
 
@@ -189,6 +193,114 @@ def test_other_thread_waits_for_the_capture():
     np.testing.assert_array_equal(z.numpy(), 1.0)
 
 
+def test_only_the_capturing_thread_ends_the_capture():
+    x = on_gpu(np.ones((2, 8), np.float32))
+    errors = []
+
+    def other():
+        for fn in (sn.gpu_graph_end, sn.gpu_graph_abort):
+            try:
+                fn()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+
+    sn.gpu_graph_begin()
+    try:
+        z = sn.mul(x, x)
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(30)
+        assert sn.gpu_capturing()  # still this thread's
+        g = sn.gpu_graph_end()
+    except BaseException:
+        sn.gpu_graph_abort()
+        raise
+    assert len(errors) == 2 and all("another thread" in e for e in errors), errors
+    g.replay()
+    np.testing.assert_array_equal(z.numpy(), 1.0)
+
+
+def test_other_threads_free_runs_when_the_capture_ends():
+    """A free by another thread during a capture is not recorded (nor deferred to the graph's
+    destruction): it runs right after gpu_graph_end."""
+    x = on_gpu(np.ones((2, 8), np.float32))
+    big = [sn.Tensor.zeros([16 << 20], sn.DType.F32, GPU)]  # 64 MiB from the pool
+    sn.gpu_synchronize()
+    used0 = sn.gpu_memory_info()["pool_used_bytes"]
+    sn.gpu_graph_begin()
+    try:
+        z = sn.add(x, x)
+        t = threading.Thread(target=big.clear)  # the last reference goes on another thread
+        t.start()
+        t.join(30)
+        assert sn.gpu_memory_info()["pool_used_bytes"] >= used0  # not freed during the capture
+        g = sn.gpu_graph_end()
+    except BaseException:
+        sn.gpu_graph_abort()
+        raise
+    sn.gpu_synchronize()
+    assert sn.gpu_memory_info()["pool_used_bytes"] <= used0 - (64 << 20)  # freed, while g still lives
+    g.replay()
+    np.testing.assert_array_equal(z.numpy(), 2.0)
+    del g
+
+
+def test_gated_calls_of_another_thread_stay_out_of_captures():
+    """One thread captures and replays small graphs in a loop while another allocates, uploads,
+    copies rows, reads back and replays its own graph: every result is right (no work of one thread
+    is recorded into the other's graph, no capture is invalidated)."""
+    x = on_gpu(np.full((4, 64), 3.0, np.float32))
+    stop, errors = threading.Event(), []
+    own_in = sn.Tensor.zeros([4, 64], sn.DType.F32, GPU)  # the other thread's graph input (fixed address)
+    sn.gpu_graph_begin()
+    try:
+        own_out = sn.mul(own_in, own_in)
+        own = sn.gpu_graph_end()
+    except BaseException:
+        sn.gpu_graph_abort()
+        raise
+
+    def other():
+        try:
+            rng = np.random.default_rng(1)
+            i = 0
+            while not stop.is_set() and i < 2000:
+                i += 1
+                vals = rng.integers(-1000, 1000, size=64).astype(np.int32)
+                t = sn.Tensor.zeros([64], sn.DType.I32, GPU)
+                sn.gpu_write_async(t, vals)
+                u = sn.Tensor.zeros([64], sn.DType.I32, GPU)
+                sn.copy_rows(u, 0, t, 0, 64)
+                np.testing.assert_array_equal(u.numpy(), vals)
+                h = rng.standard_normal((4, 64)).astype(np.float32)
+                sn.gpu_write_async(own_in, h)
+                own.replay()
+                np.testing.assert_array_equal(own_out.numpy(), h * h)
+                del t, u
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    try:
+        for k in range(200):
+            sn.gpu_graph_begin(1 << 20)
+            try:
+                z = sn.mul(x, x)
+                g = sn.gpu_graph_end()
+            except BaseException:
+                sn.gpu_graph_abort()
+                raise
+            g.replay()
+            np.testing.assert_array_equal(z.numpy(), 9.0, err_msg=f"capture {k}")
+            del g, z
+    finally:
+        stop.set()
+        worker.join(120)
+    assert not worker.is_alive()
+    assert not errors, errors
+
+
 # ------------------------------------------------------------------------------------------ model
 
 def _pair(weights, **kw):
@@ -249,8 +361,11 @@ def test_graph_decode_crosses_attention_bound(tiny, rng):
         _same_result(rg, re, f"step {step} at {sg.committed}")
         graphs.commit(sg, rg, w)
         eager.commit(se, re, w)
-    assert {k[2] for k in graphs._graphs} == {1024, 1100}
+    assert {k[2] for k in graphs._graphs} == {1100}  # the 1024-bound graphs were superseded
+    assert sorted(k[1] for k in graphs._graphs) == [1, 2, 3]
     assert_same_state(sg, se)
+    assert graphs.graph_arena_bytes() >= 3 * (64 << 20)  # measured, commit graphs included
+    assert graphs.release(sg) == 3 and not graphs._graphs and graphs.graph_arena_bytes() == 0
 
 
 def test_stale_graph_result_refuses_logits(tiny):

@@ -46,6 +46,30 @@ def test_view_rows_shares_memory():
         sn.Tensor(np.zeros((4, 4), np.float32)[:, ::2]).view_rows(0, 1)
 
 
+def test_view_rows_of_block_formats_steps_by_block():
+    """A 1-D Q8_0 tensor's rows are elements stored in 34-byte blocks of 32: a view must cover whole
+    blocks and start at the block's byte offset (stepping by type_size per element read past the
+    end)."""
+    raw = np.arange(68, dtype=np.uint8)  # two Q8_0 blocks = 64 elements
+    t = sn.Tensor(raw, sn.DType.Q8_0)
+    assert t.shape == (64,)
+    v = t.view_rows(32, 64)
+    assert v.shape == (32,)
+    np.testing.assert_array_equal(v.numpy(), raw[34:68])
+    np.testing.assert_array_equal(t.view_rows(0, 32).numpy(), raw[:34])
+    np.testing.assert_array_equal(t.view_rows(0, 64).numpy(), raw)
+    assert t.view_rows(64, 64).shape == (0,)
+    for start, stop in ((16, 48), (0, 40), (1, 32)):
+        with pytest.raises(ValueError, match="block boundary"):
+            t.view_rows(start, stop)
+    with pytest.raises(ValueError, match="is not a range"):
+        t.view_rows(32, 96)
+    rows = np.arange(3 * 34, dtype=np.uint8).reshape(3, 34)  # 2-D: one block per row
+    np.testing.assert_array_equal(sn.Tensor(rows, sn.DType.Q8_0).view_rows(1, 3).numpy(), rows[1:3])
+    bf = np.arange(6, dtype=np.uint16)  # 1-D plain 2-byte type: element steps
+    np.testing.assert_array_equal(sn.Tensor(bf, sn.DType.BF16).view_rows(2, 5).numpy(), bf[2:5])
+
+
 @pytest.mark.skipif(sn.gpu_available(), reason="checks the API without a usable GPU")
 def test_gpu_api_without_gpu():
     assert not sn.gpu_capturing()

@@ -397,6 +397,79 @@ def test_typed_options_have_flags_defaults_and_validation():
     assert (dd.idle_ttl_s, dd.tombstone_cap, dd.shutdown_grace_s) == (5, 7, 2.0)
 
 
+def test_max_graphs_flag_default_validation_and_serve_forwarding(monkeypatch):
+    from specd.coordinator import launcher
+    from specd.coordinator.cli import build_parser
+
+    p = build_parser()
+    assert tserver.TargetWorkerConfig().max_graphs == 16
+    tc = tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf"]))
+    assert tc.max_graphs == 16
+    tc = tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf", "--max-graphs", "3"]))
+    assert tc.max_graphs == 3
+    for bad in ("0", "-2"):
+        with pytest.raises(ValueError, match="max_graphs must be > 0"):
+            tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf", "--max-graphs", bad]))
+    assert p.parse_args(["serve"]).max_graphs == 16
+    with pytest.raises(ValueError, match="--max-graphs must be >= 1"):
+        launcher.ServeConfig(target="t.gguf", drafter_gguf="", max_graphs=0).validate()
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def child(argv, *a, **k):
+        seen.append(list(argv))
+        raise Stop
+
+    monkeypatch.setattr(launcher, "_child", child)
+    with pytest.raises(Stop):
+        launcher.run(p.parse_args(["serve", "--target", "t.gguf", "--drafter", "none", "--max-graphs", "5"]))
+    argv = seen[0]
+    assert argv[0] == "target-worker" and argv[argv.index("--max-graphs") + 1] == "5"
+
+
+def test_release_and_reap_free_the_model_state_under_the_model_lock(stack):
+    """Release, the idle reaper and a failed Prefill hand the sequence to model.release (graphs,
+    device state) while holding model_lock; a call that still holds a released sequence is refused."""
+    ts = stack.tservicer
+    calls = []
+    real = ts.model.release
+
+    def release(st):
+        calls.append((st.uid, ts.model_lock.locked()))
+        return real(st)
+
+    ts.model.release = release
+    try:
+        with grpc.insecure_channel(f"unix://{stack.dir}/t.sock") as ch:
+            t = wpbg.TargetWorkerStub(ch)
+            t.Prefill(wpb.PrefillRequest(seq_id="rel-1", tokens=[5, 6, 7], capacity=20), timeout=10)
+            t.Prefill(wpb.PrefillRequest(seq_id="rel-2", tokens=[5, 6, 7], capacity=20), timeout=10)
+            s1 = ts.seqs["rel-1"]
+            assert t.Release(wpb.ReleaseRequest(seq_id="rel-1"), timeout=5).existed
+            assert s1.released and s1.st.released and calls == [(s1.st.uid, True)]
+            s2 = ts.seqs["rel-2"]
+            assert ts.reap_idle(time.monotonic() + 10_000) == ["rel-2"]
+            assert s2.st.released and calls[-1] == (s2.st.uid, True)
+            with pytest.raises(grpc.RpcError) as err:  # invalid tokens: the state it built is freed
+                t.Prefill(wpb.PrefillRequest(seq_id="rel-3", tokens=[10**6], capacity=20), timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert len(calls) == 3 and calls[-1][1] and "rel-3" not in ts.seqs
+        ts.seqs["held"] = s1  # a call that found the sequence before its Release
+        try:
+            class Ctx:
+                def abort(self, code, msg):
+                    raise RuntimeError(code)
+
+            with pytest.raises(RuntimeError, match="NOT_FOUND"):
+                ts._verify(wpb.VerifyRequest(seq_id="held", tokens=[1]), Ctx())
+        finally:
+            ts.seqs.pop("held", None)
+    finally:
+        del ts.model.release
+
+
 def test_tombstone_cap_bounds_the_tombstones(stack):
     cap0 = stack.tservicer.cfg.tombstone_cap
     stack.tservicer.cfg.tombstone_cap = 3

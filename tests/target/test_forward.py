@@ -270,6 +270,45 @@ def test_bad_input_is_a_clear_error(checkpoint, converted):
         st.features.read(0, 3)
 
 
+class _FakeGraph:
+    def __init__(self, n):
+        self.arena_bytes = n
+
+
+def test_release_drops_the_sequences_graphs_and_state(converted):
+    """Qwen35Model.release frees a finished sequence: its captured graphs (bookkeeping checked with
+    stand-ins on the CPU; the GPU test checks real graphs), its device state, and later calls."""
+    from specd.target_worker.model import _CapturedVerify
+
+    model = Qwen35Model(load_qwen35(converted("smoke")))
+    a, b = model.new_sequence(32), model.new_sequence(32)
+    model.prefill(a, [1, 2, 3])
+    model.prefill(b, [1, 2, 3])
+    res = model.verify(a, [4, 5])
+    for key, n in (((a.uid, 1, 1024), 10), ((a.uid, 2, 1024), 20), ((b.uid, 1, 1024), 40)):
+        model._graphs[key] = _CapturedVerify(_FakeGraph(n), None, None, None, [])
+    model._graphs[(a.uid, 1, 1024)].commits[1] = _FakeGraph(5)
+    assert model.graph_arena_bytes() == 75  # verify graphs and their commit graphs
+    from specd.protos.v1 import worker_pb2
+    from specd.target_worker.memory import report
+
+    model.cuda_graphs = True  # the report's measured arenas (a GPU model's, stood in for here)
+    rep = report(model, 64, 2, 4, measure=True)
+    assert rep.cuda_graph_measured_bytes == 75 and rep.to_proto(worker_pb2).cuda_graph_measured_bytes == 75
+    assert report(model, 64, 2, 4, measure=False).cuda_graph_measured_bytes == 0
+    model.cuda_graphs = False
+    assert model.release(a) == 2
+    assert list(model._graphs) == [(b.uid, 1, 1024)] and model.graph_arena_bytes() == 40
+    assert a.released and not a.kv and not a.ssm and not a.conv
+    with pytest.raises(ValueError, match="released"):
+        model.verify(a, [1])
+    with pytest.raises(ValueError, match="released"):
+        model.commit(a, res, 1)
+    assert model.release(a) == 0  # idempotent
+    model.commit(b, model.verify(b, [4]), 1)  # the other sequence is untouched
+    assert b.committed == 4
+
+
 def test_c24_tokenizer_from_gguf_matches_transformers(checkpoint, converted):
     """The tokenizer rebuilt from GGUF metadata encodes like transformers' Qwen3_5Tokenizer built from
     the same vocabulary and merges (the oracle: its own normaliser, split regex and byte-level BPE),

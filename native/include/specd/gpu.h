@@ -34,18 +34,28 @@ void copy_to_device_async(void* dst, const void* src, size_t bytes);
 
 // CUDA / HIP graph capture of the library stream (relaxed capture mode).
 //
-// graph_begin() reserves an arena of `arena_bytes` device bytes (more chunks, 2 to 64 MiB, are
-// added with cudaMalloc when it runs out) and starts capturing: until graph_end() / graph_abort(), every
-// kernel and copy the library enqueues is recorded instead of run, every device allocation comes
-// from the arena (addresses fixed for every replay; a buffer freed during the capture is reused by
-// later allocations of the same capture only, which the single-stream graph orders after its last
-// use), and frees of buffers from outside the arena are deferred to the graph's destruction (the
+// graph_begin() reserves an arena of `arena_bytes` device bytes (when the cudaMalloc fails, the
+// stream-ordered pool's cached blocks are returned to the device and it is retried once) and starts
+// capturing. When the arena runs out, more cudaMalloc chunks are added: each as large as the arena
+// so far clamped to 2..64 MiB, or exactly the size of one allocation that needs more than that.
+// Until graph_end() / graph_abort(), every kernel and copy the library enqueues is recorded instead
+// of run, every device allocation of the capturing thread comes from the arena (addresses fixed for
+// every replay; a buffer freed during the capture is reused by later allocations of the same
+// capture only, which the single-stream graph orders after its last use), and the capturing
+// thread's frees of buffers from outside the arena are deferred to the graph's destruction (the
 // graph may read them). Host synchronisations (copy_to_host, copy_to_device, synchronize,
-// copy_to_device_async) throw std::runtime_error while capturing instead of breaking the capture.
-// One capture at a time. Other threads must not enqueue work meanwhile (it would be recorded into
-// the graph): their device allocations and synchronising calls wait until the capture ends (so
-// ops that allocate an output, i.e. all but the in-place ones, are held back), and their frees are
-// deferred like the capturing thread's. Callers should still serialise GPU work around a capture.
+// copy_to_device_async, Graph::replay) throw std::runtime_error on the capturing thread instead of
+// breaking the capture. One capture at a time; only the thread that called graph_begin() may call
+// graph_end() / graph_abort() (another thread gets std::runtime_error).
+//
+// Other threads during a capture: alloc, the synchronising calls above, copy_to_device_async,
+// Graph::replay, copy_2d, memset_zero (and ops built on them, e.g. kv_write) wait until the capture
+// ends, then enqueue their work holding the capture lock, so it is neither recorded into the graph
+// nor raced by a graph_begin. Their frees are enqueued right after the capture ends: a buffer whose
+// last owner another thread drops during a capture must not be used by the captured work (keep a
+// reference for the graph's lifetime). Not gated: an op's kernel launch after its output allocation
+// (a capture begun by another thread in between records it), so callers must still serialise GPU
+// work around a capture (the target worker holds one model lock for forwards and captures).
 class Graph {
  public:
   virtual ~Graph() = default;
@@ -53,8 +63,8 @@ class Graph {
   virtual size_t arena_bytes() const = 0;  // device bytes the graph's arena holds
 };
 void graph_begin(size_t arena_bytes);
-std::shared_ptr<Graph> graph_end();  // stops capturing and instantiates the graph
-void graph_abort();                  // stops capturing and discards it (no-op when not capturing)
+std::shared_ptr<Graph> graph_end();  // stops this thread's capture and instantiates the graph
+void graph_abort();  // stops this thread's capture and discards it (no-op when none is running)
 bool capturing();
 
 // Device memory, in bytes: the device's free and total memory (cudaMemGetInfo, every process) and

@@ -108,9 +108,19 @@ Tensor view_rows(const Tensor& t, int64_t start, int64_t stop) {
   SPECD_CHECK(t.is_contiguous(), "view_rows: the tensor must be contiguous");
   SPECD_CHECK(0 <= start && start <= stop && stop <= t.shape[0], "view_rows: [", start, ", ", stop,
               ") is not a range within 0..", t.shape[0]);
-  int64_t rb = t.ndim() == 1 ? dtype_info(t.dtype).type_size : t.strides[0];
+  int64_t rb = t.strides[0];  // bytes per row (2+ dimensions: contiguous row stride)
+  if (t.ndim() == 1) {
+    // One element (or block) per step: for block formats the range must cover whole blocks.
+    const DTypeInfo& info = dtype_info(t.dtype);
+    SPECD_CHECK(start % info.block_size == 0 && stop % info.block_size == 0, "view_rows: [", start, ", ", stop,
+                ") of a 1-D ", info.name, " tensor must start and stop on a block boundary (", info.block_size,
+                " elements)");
+    start /= info.block_size;
+    stop /= info.block_size;
+    rb = info.type_size;  // bytes per block (per element for plain types)
+  }
   Tensor v = t;
-  v.shape[0] = stop - start;
+  v.shape[0] = t.ndim() == 1 ? (stop - start) * dtype_info(t.dtype).block_size : stop - start;
   v.data = static_cast<uint8_t*>(t.data) + start * rb;
   return v;
 }
@@ -243,14 +253,20 @@ Until gpu_graph_end() or gpu_graph_abort(), native GPU ops are recorded, not run
 allocated from an arena of `arena_bytes` reserved now (grown by more chunks when needed) whose
 addresses stay fixed for every replay. Anything that waits for the GPU (Tensor.numpy() of a GPU
 tensor, gpu_synchronize, GPU index tensors not passed as trusted, Tensor.to, gpu_write_async)
-raises RuntimeError instead; call gpu_graph_abort() after such an error. No other thread may use
-the library during a capture. Raises RuntimeError when a capture is already running or no GPU is
-usable, ValueError on a negative arena_bytes.)doc");
+raises RuntimeError instead; call gpu_graph_abort() after such an error. Only the calling thread
+may end or abort the capture. Other threads' GPU calls that allocate, upload, copy in place
+(copy_rows, slice, concat, copy), zero memory, write a KV cache, read back, synchronise or replay
+a graph wait until the capture ends; their frees happen right after it ends, so the captured work
+must not use a buffer another thread may drop meanwhile. An op of another thread that already
+allocated its output when the capture began can still be recorded: serialise GPU work around a
+capture (one lock). Raises RuntimeError when a capture is already running or no GPU is usable,
+ValueError on a negative arena_bytes.)doc");
   m.def("gpu_graph_end", [] { return without_gil([] { return gpu::graph_end(); }); },
         "Stop recording and return the GpuGraph (nothing has run yet: call replay()). RuntimeError when no "
-        "capture is running or the capture failed.");
+        "capture is running, another thread's is, or the capture failed.");
   m.def("gpu_graph_abort", [] { without_gil([] { gpu::graph_abort(); }); },
-        "Stop recording and discard the capture (no-op when none is running).");
+        "Stop recording and discard the capture (no-op when none is running; RuntimeError when the running "
+        "capture belongs to another thread).");
   m.def("gpu_capturing", &gpu::capturing, "True while a GPU graph capture is running.");
   m.def(
       "gpu_memory_info",

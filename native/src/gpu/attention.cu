@@ -463,6 +463,7 @@ void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows, bool tru
   }
   if (n == 0 || hkv == 0 || d == 0) return;
   detail::check_grid(n * hkv, op);
+  detail::EnqueueGuard guard;  // in place (no output allocation): waits while another thread captures
   Tensor drows = detail::i32_on_gpu(rows);
   auto* dst = static_cast<uint8_t*>(cache.data);
   const unsigned blocks = unsigned(n * hkv);

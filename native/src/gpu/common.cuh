@@ -1,6 +1,7 @@
 // Internal helpers shared by the GPU backend's .cu files (not part of the library interface).
 #pragma once
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -20,6 +21,24 @@ cudaStream_t stream();
 
 // Multiprocessor count of the library's device (cached).
 int sm_count();
+
+// The graph-capture lock (runtime.cu; recursive, never destroyed).
+std::recursive_mutex& capture_mu();
+
+// Held while a non-allocating op enqueues in-place work on the library stream (copy_2d,
+// memset_zero, kv_write): waits while another thread captures a graph (its work would be recorded
+// into that graph) and keeps capture_mu() held until the destructor, so no capture can begin before
+// the work is enqueued. The capturing thread passes at once (its work is recorded, as intended).
+class EnqueueGuard {
+ public:
+  EnqueueGuard();
+  ~EnqueueGuard();
+  EnqueueGuard(const EnqueueGuard&) = delete;
+  EnqueueGuard& operator=(const EnqueueGuard&) = delete;
+
+ private:
+  std::unique_lock<std::recursive_mutex> lock_;
+};
 
 }  // namespace specd::gpu::detail
 

@@ -21,11 +21,18 @@
 // copy, 32 copies later); index uploads of the ops go through it.
 //
 // Graphs (graph_begin / graph_end, specd/gpu.h). While the library stream is being captured,
-// allocations come from the capture's arena (cudaMalloc chunks owned by the graph and by the
-// tensors allocated in it), pool frees are deferred to the graph's destruction, and every call that
+// allocations of the capturing thread come from the capture's arena (cudaMalloc chunks owned by the
+// graph and by the tensors allocated in it), its pool frees are deferred to the graph's destruction
+// (frees by other threads to the end of the capture), and every call of the capturing thread that
 // would wait for the GPU throws instead. Blocks freed during the capture are reused by later
 // allocations of the same capture: a single-stream capture is a chain, so the reuse is ordered after
 // the last use, as for stream-ordered allocation.
+//
+// Capture lock. capture_mu() (recursive: deleters may run on a thread that already holds it) guards
+// the capture state. Other threads' stream work (allocations, frees, uploads, replays, in-place
+// copies and memsets) waits while a capture runs and is enqueued with capture_mu() held, so a
+// graph_begin (which takes capture_mu() around cudaStreamBeginCapture) cannot slip in between the
+// check and the enqueue; graph_end calls cudaStreamEndCapture before it marks the capture ended.
 //
 // Errors. Every runtime call is checked; a failure throws std::runtime_error naming the call,
 // file:line and the runtime's error string. `available()` never throws: it is false when the
@@ -147,15 +154,17 @@ cudaStream_t stream() {
 
 int sm_count() { return require().sms; }
 
-namespace {
-
 // ---- Graph capture state (see specd/gpu.h). One global capture at a time, guarded by capture_mu();
 // allocation and free paths consult it, so they also work from buffer deleters on any thread.
 
-std::mutex& capture_mu() {
-  static std::mutex* const m = new std::mutex;  // never destroyed (deleters run at shutdown)
+std::recursive_mutex& capture_mu() {
+  static std::recursive_mutex* const m = new std::recursive_mutex;  // never destroyed (deleters run at shutdown)
   return *m;
 }
+
+namespace {
+
+using CaptureLock = std::unique_lock<std::recursive_mutex>;
 
 // Device memory of one graph: chunks from cudaMalloc (never from the stream-ordered pool, whose
 // allocations inside a capture would become graph nodes), handed out by bump allocation.
@@ -173,9 +182,14 @@ struct Arena {
 struct Capture {
   std::thread::id owner = std::this_thread::get_id();  // the capturing thread
   std::shared_ptr<Arena> arena;
-  // Frees and teardowns that must wait until no graph can read the memory any more: run when the
-  // graph is destroyed (or at once when the capture is aborted: that graph never runs).
+  // Frees and teardowns of the capturing thread that must wait until no graph can read the memory
+  // any more: run when the graph is destroyed (or at once when the capture is aborted: that graph
+  // never runs).
   std::vector<std::function<void()>> deferred;
+  // Frees and teardowns by other threads during the capture: not memory the captured work uses
+  // (see gpu.h), but they cannot be enqueued while the stream is being captured; run as soon as the
+  // capture ends (graph_end / graph_abort).
+  std::vector<std::function<void()>> after_end;
 };
 
 Capture*& active_capture() {  // guarded by capture_mu()
@@ -183,14 +197,17 @@ Capture*& active_capture() {  // guarded by capture_mu()
   return c;
 }
 
-std::condition_variable& capture_done() {  // notified when a capture ends
-  static std::condition_variable* const cv = new std::condition_variable;
+std::condition_variable_any& capture_done() {  // notified when a capture ends
+  static std::condition_variable_any* const cv = new std::condition_variable_any;
   return *cv;
 }
 
 // With `lock` held on capture_mu(): waits while another thread captures (its work would be recorded
 // into that graph: it runs after the capture instead). Returns the capture of this thread, or null.
-Capture* own_capture(std::unique_lock<std::mutex>& lock) {
+// While the lock stays held no capture can begin, so work enqueued before it is released is never
+// recorded into another thread's graph. (A nested call, with capture_mu() already held further up
+// this thread, finds the predicate true at once and never waits with the lock held twice.)
+Capture* own_capture(CaptureLock& lock) {
   capture_done().wait(lock, [] {
     const Capture* c = active_capture();
     return !c || c->owner == std::this_thread::get_id();
@@ -198,24 +215,33 @@ Capture* own_capture(std::unique_lock<std::mutex>& lock) {
   return active_capture();
 }
 
-// Runs `f` now, or, during a capture, when that capture's graph is destroyed. Never throws.
+// Runs `f` now (with capture_mu() held, so no capture can begin and record it), or, during a
+// capture: when that capture's graph is destroyed if this thread is the capturing one, else right
+// after the capture ends. Never throws; `f` must not throw nor wait on capture_done().
 void run_or_defer(std::function<void()> f) noexcept {
-  {
-    std::lock_guard<std::mutex> lock(capture_mu());
-    if (Capture* c = active_capture()) {
-      try {
+  std::lock_guard<std::recursive_mutex> lock(capture_mu());
+  if (Capture* c = active_capture()) {
+    try {
+      if (c->owner == std::this_thread::get_id())
         c->deferred.push_back(std::move(f));
-        return;
-      } catch (...) {
-        return;  // out of host memory: leak the buffer rather than free what a graph may read
-      }
+      else
+        c->after_end.push_back(std::move(f));
+    } catch (...) {
+      // out of host memory: leak the buffer rather than free what a graph may read
     }
+    return;
   }
   f();
 }
 
 void run_all(std::vector<std::function<void()>>& fs) noexcept {
   for (auto& f : fs) f();
+  fs.clear();
+}
+
+// Each of `fs` through run_or_defer (after a failed capture: another may have begun since).
+void run_all_or_defer(std::vector<std::function<void()>>& fs) noexcept {
+  for (auto& f : fs) run_or_defer(std::move(f));
   fs.clear();
 }
 
@@ -231,7 +257,8 @@ Arena::~Arena() {
 
 constexpr size_t kArenaAlign = 256;
 // Growth once the reserved arena is full: chunks as large as the arena so far (geometric growth,
-// few cudaMalloc calls), at least 2 MiB and at most 64 MiB unless one allocation needs more.
+// few cudaMalloc calls) of 2 to 64 MiB, or exactly the allocation's size when one allocation needs
+// more than that.
 constexpr size_t kArenaMinChunk = size_t(2) << 20, kArenaMaxChunk = size_t(64) << 20;
 
 // Called with capture_mu() held, during a capture.
@@ -266,7 +293,7 @@ std::shared_ptr<void> arena_alloc(const std::shared_ptr<Arena>& arena, size_t by
   }
   std::shared_ptr<Arena> owner = arena;  // the memory lives as long as any tensor or the graph
   return std::shared_ptr<void>(ptr, [owner, got](void* p) noexcept {
-    std::lock_guard<std::mutex> lock(capture_mu());
+    std::lock_guard<std::recursive_mutex> lock(capture_mu());
     if (!owner->open) return;  // after the capture the graph owns the block (fixed addresses)
     try {
       owner->free_blocks.emplace(got, p);
@@ -300,8 +327,9 @@ void* allocate(size_t bytes) {
 
 // Deleter of pool buffers. Must not throw: it runs in destructors, possibly during interpreter
 // shutdown after the runtime has been unloaded, when the error is ignored on purpose. Buffers only
-// exist once stream() has been created, so stream() cannot throw here. During a capture the free
-// is deferred to the graph's destruction: the graph may read the buffer on every replay.
+// exist once stream() has been created, so stream() cannot throw here. During a capture a free by
+// the capturing thread is deferred to the graph's destruction (the graph may read the buffer on
+// every replay), a free by another thread to the end of the capture.
 void release(void* ptr) noexcept {
   if (!ptr) return;
   run_or_defer([ptr] {
@@ -314,9 +342,9 @@ void release(void* ptr) noexcept {
 }
 
 // Throws when this thread is capturing: `what` would wait for the GPU, which a capture cannot do.
-// Other threads wait for the capture to end first.
-void require_not_capturing(const char* what) {
-  std::unique_lock<std::mutex> lock(capture_mu());
+// Other threads wait for the capture to end first. `lock` (on capture_mu()) stays held: the caller
+// enqueues its work before any capture can begin.
+void require_not_capturing(CaptureLock& lock, const char* what) {
   if (own_capture(lock))
     throw std::runtime_error(std::string(what) +
                              " during GPU graph capture: it would synchronise the host with the GPU; read results "
@@ -348,6 +376,10 @@ Staging& staging() {
 }
 
 }  // namespace
+
+EnqueueGuard::EnqueueGuard() : lock_(capture_mu()) { (void)own_capture(lock_); }
+EnqueueGuard::~EnqueueGuard() = default;
+
 }  // namespace detail
 
 using detail::probe;
@@ -364,18 +396,20 @@ std::string device_name() { return probe().ok ? probe().name : std::string(); }
 std::shared_ptr<void> alloc(size_t bytes) {
   detail::require();
   if (bytes == 0) return std::shared_ptr<void>(nullptr, [](void*) {});
-  {
-    std::unique_lock<std::mutex> lock(detail::capture_mu());
-    // Another thread waits here until the capture ends (every op allocates its output before it
-    // enqueues anything, so its work is not recorded into the graph).
-    if (detail::Capture* c = detail::own_capture(lock)) return detail::arena_alloc(c->arena, bytes);
-  }
-  return std::shared_ptr<void>(detail::allocate(bytes), detail::release);
+  detail::CaptureLock lock(detail::capture_mu());
+  // Another thread waits here until the capture ends (every op allocates its output before it
+  // enqueues anything, so its work is not recorded into the graph), then allocates with the lock
+  // held: a concurrent graph_begin cannot record the stream-ordered allocation.
+  if (detail::Capture* c = detail::own_capture(lock)) return detail::arena_alloc(c->arena, bytes);
+  void* ptr = detail::allocate(bytes);
+  lock.unlock();
+  return std::shared_ptr<void>(ptr, detail::release);
 }
 
 void memset_zero(void* dst, size_t bytes) {
   detail::require();
   if (bytes == 0) return;
+  detail::EnqueueGuard guard;  // in place: waits while another thread captures
   SPECD_GPU_CHECK(cudaMemsetAsync(dst, 0, bytes, stream()));
 }
 
@@ -384,7 +418,8 @@ void memset_zero(void* dst, size_t bytes) {
 void copy_to_device(void* dst, const void* src, size_t bytes) {
   detail::require();
   if (bytes == 0) return;
-  detail::require_not_capturing("a synchronous host to device copy");
+  detail::CaptureLock lock(detail::capture_mu());
+  detail::require_not_capturing(lock, "a synchronous host to device copy");
   SPECD_GPU_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream()));
   SPECD_GPU_CHECK(cudaStreamSynchronize(stream()));
 }
@@ -393,7 +428,8 @@ void copy_to_device(void* dst, const void* src, size_t bytes) {
 void copy_to_host(void* dst, const void* src, size_t bytes) {
   detail::require();
   if (bytes == 0) return;
-  detail::require_not_capturing("a device to host copy (e.g. Tensor.numpy() or an index read-back)");
+  detail::CaptureLock lock(detail::capture_mu());
+  detail::require_not_capturing(lock, "a device to host copy (e.g. Tensor.numpy() or an index read-back)");
   SPECD_GPU_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream()));
   SPECD_GPU_CHECK(cudaStreamSynchronize(stream()));
 }
@@ -402,21 +438,24 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
 // A no-op when no device is available (nothing can have been queued).
 void synchronize() {
   if (!probe().ok) return;
-  detail::require_not_capturing("gpu_synchronize");
+  detail::CaptureLock lock(detail::capture_mu());
+  detail::require_not_capturing(lock, "gpu_synchronize");
   SPECD_GPU_CHECK(cudaStreamSynchronize(stream()));
 }
 
 void copy_to_device_async(void* dst, const void* src, size_t bytes) {
   detail::require();
   if (bytes == 0) return;
-  detail::require_not_capturing("an asynchronous host to device copy");
+  // Held until the copy is enqueued (lock order: capture_mu(), then the staging lock).
+  detail::CaptureLock lock(detail::capture_mu());
+  detail::require_not_capturing(lock, "an asynchronous host to device copy");
   if (bytes > kStagingSlotBytes) {
-    copy_to_device(dst, src, bytes);
+    copy_to_device(dst, src, bytes);  // takes capture_mu() again (recursive)
     return;
   }
   cudaStream_t s = stream();
   detail::Staging& st = detail::staging();
-  std::lock_guard<std::mutex> lock(st.mu);
+  std::lock_guard<std::mutex> staging_lock(st.mu);
   const int k = st.next;
   st.next = (k + 1) % detail::kStagingSlots;
   if (st.used[k]) SPECD_GPU_CHECK(cudaEventSynchronize(st.done[k]));  // issued 32 copies ago: done
@@ -453,7 +492,8 @@ class CapturedGraph final : public Graph {
   }
 
   void replay() override {
-    detail::require_not_capturing("GpuGraph.replay");
+    detail::CaptureLock lock(detail::capture_mu());  // held until the launch is enqueued
+    detail::require_not_capturing(lock, "GpuGraph.replay");
     SPECD_GPU_CHECK(cudaGraphLaunch(exec_, stream()));
   }
 
@@ -473,21 +513,41 @@ class CapturedGraph final : public Graph {
 }  // namespace
 
 void graph_begin(size_t arena_bytes) {
-  detail::require();
+  const auto& p = detail::require();
   cudaStream_t s = stream();
   {
-    std::unique_lock<std::mutex> lock(detail::capture_mu());
+    detail::CaptureLock lock(detail::capture_mu());
     if (detail::own_capture(lock)) throw std::runtime_error("gpu_graph_begin: a GPU graph capture is already running");
   }
   auto arena = std::make_shared<detail::Arena>();
   if (arena_bytes > 0) {  // reserved before the capture
     void* base = nullptr;
-    SPECD_GPU_CHECK(cudaMalloc(&base, arena_bytes));
+    cudaError_t err = cudaMalloc(&base, arena_bytes);
+    if (err == cudaErrorMemoryAllocation && p.pools) {
+      // Hand the pool's cached blocks back to the device, then retry once. Legal here: no capture
+      // runs (another thread's is waited for, and none can begin while the lock is held).
+      cudaGetLastError();
+      {
+        detail::CaptureLock lock(detail::capture_mu());
+        if (detail::own_capture(lock))
+          throw std::runtime_error("gpu_graph_begin: a GPU graph capture is already running");
+        SPECD_GPU_CHECK(cudaStreamSynchronize(s));
+        cudaMemPool_t pool;
+        SPECD_GPU_CHECK(cudaDeviceGetDefaultMemPool(&pool, p.device));
+        SPECD_GPU_CHECK(cudaMemPoolTrimTo(pool, 0));
+      }
+      err = cudaMalloc(&base, arena_bytes);
+    }
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      std::string what = "cudaMalloc of a " + std::to_string(arena_bytes) + "-byte graph arena";
+      detail::throw_runtime_error(err, what.c_str(), __FILE__, __LINE__);
+    }
     arena->chunks.push_back({static_cast<uint8_t*>(base), arena_bytes, 0});
   }
   auto cap = std::make_unique<detail::Capture>();
   cap->arena = std::move(arena);
-  std::unique_lock<std::mutex> lock(detail::capture_mu());
+  detail::CaptureLock lock(detail::capture_mu());
   if (detail::own_capture(lock)) throw std::runtime_error("gpu_graph_begin: a GPU graph capture is already running");
   SPECD_GPU_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed));
   detail::active_capture() = cap.release();
@@ -495,32 +555,44 @@ void graph_begin(size_t arena_bytes) {
 
 namespace {
 
-// Ends the running capture (capture_mu() not held): the Capture and the captured graph (or null).
-std::pair<std::unique_ptr<detail::Capture>, cudaGraph_t> end_capture(cudaError_t& err) {
+// Ends this thread's capture: the Capture (null when no capture is running) and, in `g` / `err`,
+// what cudaStreamEndCapture returned. Throws std::runtime_error when another thread's capture is
+// running. The capture stays marked active (capture_mu() held) until cudaStreamEndCapture has
+// returned, so no other thread can enqueue into the capturing stream; then the frees other threads
+// made meanwhile are enqueued (still under the lock: no capture can begin first) and waiters wake.
+std::unique_ptr<detail::Capture> end_capture(const char* who, cudaGraph_t& g, cudaError_t& err) {
+  g = nullptr;
+  err = cudaSuccess;
   std::unique_ptr<detail::Capture> cap;
   {
-    std::lock_guard<std::mutex> lock(detail::capture_mu());
-    cap.reset(detail::active_capture());
+    std::lock_guard<std::recursive_mutex> lock(detail::capture_mu());
+    detail::Capture* c = detail::active_capture();
+    if (!c) return nullptr;
+    if (c->owner != std::this_thread::get_id())
+      throw std::runtime_error(std::string(who) +
+                               ": the running GPU graph capture belongs to another thread (only the thread that "
+                               "called gpu_graph_begin may end or abort it)");
+    err = cudaStreamEndCapture(stream(), &g);
+    cap.reset(c);
     detail::active_capture() = nullptr;
-    if (cap) cap->arena->open = false;
+    cap->arena->open = false;
+    detail::run_all(cap->after_end);
   }
   detail::capture_done().notify_all();
-  cudaGraph_t g = nullptr;
-  err = cudaSuccess;
-  if (cap) err = cudaStreamEndCapture(stream(), &g);
-  return {std::move(cap), g};
+  return cap;
 }
 
 }  // namespace
 
 std::shared_ptr<Graph> graph_end() {
-  cudaError_t err;
-  auto [cap, g] = end_capture(err);
+  cudaGraph_t g = nullptr;
+  cudaError_t err = cudaSuccess;
+  auto cap = end_capture("gpu_graph_end", g, err);
   if (!cap) throw std::runtime_error("gpu_graph_end: no GPU graph capture is running");
   if (err != cudaSuccess) {
     cudaGetLastError();
     if (g) (void)cudaGraphDestroy(g);
-    detail::run_all(cap->deferred);  // nothing was recorded that could run
+    detail::run_all_or_defer(cap->deferred);  // nothing was recorded that could run
     detail::throw_runtime_error(err, "cudaStreamEndCapture", __FILE__, __LINE__);
   }
   cudaGraphExec_t exec = nullptr;
@@ -528,23 +600,24 @@ std::shared_ptr<Graph> graph_end() {
   if (err != cudaSuccess) {
     cudaGetLastError();
     (void)cudaGraphDestroy(g);
-    detail::run_all(cap->deferred);
+    detail::run_all_or_defer(cap->deferred);
     detail::throw_runtime_error(err, "cudaGraphInstantiateWithFlags", __FILE__, __LINE__);
   }
   return std::make_shared<CapturedGraph>(g, exec, cap->arena, std::move(cap->deferred));
 }
 
 void graph_abort() {
-  cudaError_t err;
-  auto [cap, g] = end_capture(err);
+  cudaGraph_t g = nullptr;
+  cudaError_t err = cudaSuccess;
+  auto cap = end_capture("gpu_graph_abort", g, err);
   if (!cap) return;
   if (g) (void)cudaGraphDestroy(g);
-  cudaGetLastError();              // an invalidated capture reports its error here: dropped on purpose
-  detail::run_all(cap->deferred);  // the discarded graph never runs: deferred frees are safe now
+  cudaGetLastError();                       // an invalidated capture reports its error here: dropped on purpose
+  detail::run_all_or_defer(cap->deferred);  // the discarded graph never runs: deferred frees are safe now
 }
 
 bool capturing() {
-  std::lock_guard<std::mutex> lock(detail::capture_mu());
+  std::lock_guard<std::recursive_mutex> lock(detail::capture_mu());
   return detail::active_capture() != nullptr;
 }
 
