@@ -115,6 +115,26 @@ __device__ __forceinline__ void mma_step(const uint32_t (&a)[kMT][4], const uint
   }
 }
 
+// The two k16 steps of one 32-input sub-block (k steps kstep0, kstep0 + 1): decode(mt, h, s, lo, hi)
+// turns the 4 weights lane t holds of row 16 mt + g + 8 h at step s into two f16x2 words (inputs
+// 4t, 4t+1 and 4t+2, 4t+3); the MMAs accumulate into p.
+template <int NT, class Decode>
+__device__ __forceinline__ void mma_subblock(const Decode& decode, const uint2* __restrict__ xf, int64_t kstep0,
+                                             int lane, int ncols, float (&p)[kMT][NT][4]) {
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    uint32_t a[kMT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+      uint32_t lo[2], hw[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) decode(mt, h, s, lo[h], hw[h]);
+      make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
+    }
+    mma_step<NT>(a, xf, kstep0 + s, lane, ncols, p);
+  }
+}
+
 template <int NT>
 __device__ __forceinline__ void zero(float (&p)[kMT][NT][4]) {
 #pragma unroll
@@ -175,18 +195,9 @@ struct Q8U {
     float p[kMT][NT][4], sc[kMT][2];
     float2 unused[NT];
     zero(p);
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      uint32_t a[kMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        uint32_t l0, h0, l1, h1;
-        i8x4_to_f16(s ? r[mt][0].q1 : r[mt][0].q0, l0, h0);
-        i8x4_to_f16(s ? r[mt][1].q1 : r[mt][1].q0, l1, h1);
-        make_a(a[mt], l0, h0, l1, h1);
-      }
-      mma_step<NT>(a, xf, 2 * u + s, lane, ncols, p);
-    }
+    mma_subblock<NT>([&](int mt, int h, int s, uint32_t& lo, uint32_t& hi) {
+      i8x4_to_f16(s ? r[mt][h].q1 : r[mt][h].q0, lo, hi);
+    }, xf, 2 * u, lane, ncols, p);
     scale_cols(p, xs, u, lane & 3, unused);
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
@@ -250,22 +261,11 @@ struct QK45U {
       const int j = 2 * p + hi;  // sub-block in the 256-block
       float part[kMT][NT][4];
       zero(part);
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        uint32_t a[kMT][4];
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          uint32_t lo[2], hw[2];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            uint32_t v = ((s ? r[mt][h].q1 : r[mt][h].q0) >> (4 * hi)) & 0x0f0f0f0fu;
-            if constexpr (kQ5) v |= (((s ? r[mt][h].h1 : r[mt][h].h0) >> j) & 0x01010101u) << 4;
-            u8x4_to_f16<0>(v, lo[h], hw[h]);
-          }
-          make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
-        }
-        mma_step<NT>(a, xf, 4 * u + 2 * hi + s, lane, ncols, part);
-      }
+      mma_subblock<NT>([&](int mt, int h, int s, uint32_t& lo, uint32_t& hw) {
+        uint32_t v = ((s ? r[mt][h].q1 : r[mt][h].q0) >> (4 * hi)) & 0x0f0f0f0fu;
+        if constexpr (kQ5) v |= (((s ? r[mt][h].h1 : r[mt][h].h0) >> j) & 0x01010101u) << 4;
+        u8x4_to_f16<0>(v, lo, hw);
+      }, xf, 4 * u + 2 * hi, lane, ncols, part);
       float d1[kMT][2], m1[kMT][2];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
@@ -390,21 +390,10 @@ struct IQ4U {
       const int j = 2 * p + jj;
       float part[kMT][NT][4], sc[kMT][2];
       zero(part);
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        uint32_t a[kMT][4];
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          uint32_t lo[2], hw[2];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t idx = ((jj ? r[mt][h].q1 : r[mt][h].q0) >> (4 * s)) & 0x0f0f0f0fu;
-            i8x4_to_f16(IQ4XSW::lookup4(idx), lo[h], hw[h]);
-          }
-          make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
-        }
-        mma_step<NT>(a, xf, 4 * u + 2 * jj + s, lane, ncols, part);
-      }
+      mma_subblock<NT>([&](int mt, int h, int s, uint32_t& lo, uint32_t& hw) {
+        const uint32_t idx = ((jj ? r[mt][h].q1 : r[mt][h].q0) >> (4 * s)) & 0x0f0f0f0fu;
+        i8x4_to_f16(IQ4XSW::lookup4(idx), lo, hw);
+      }, xf, 4 * u + 2 * jj, lane, ncols, part);
       float2 unused[NT];
       scale_cols(part, xs, 2 * u + jj, lane & 3, unused);
 #pragma unroll
