@@ -72,6 +72,20 @@ def add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: QT) 
         writer.add_tensor(name, data, raw_dtype=qtype)
 
 
+def write_drafter_metadata(writer: gguf.GGUFWriter, hp: DrafterHParams, name: str, outtype: str,
+                           config: dict) -> None:
+    """Every metadata key of a draft GGUF (arch ``qwen35-dflash-draft``): ``general.name`` = ``name``,
+    the file type of ``outtype`` (one of OUTTYPES; KeyError otherwise), the contract keys of ``hp``
+    and the source ``config`` (a JSON-serialisable dict) as provenance."""
+    writer.add_name(name)
+    writer.add_type("model")
+    writer.add_file_type(FILE_TYPES[outtype])
+    if outtype == "q8_0":
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    hp.write_gguf_kv(writer, ARCH)
+    writer.add_string(key(ARCH, K.SOURCE_CONFIG_JSON), json.dumps(config, sort_keys=True))
+
+
 def convert_hf(src: str | os.PathLike, out: str | os.PathLike, outtype: str = "f16",
                log: Callable[[str], None] = print) -> DrafterHParams:
     """Convert the HF drafter at ``src`` to the draft GGUF ``out``; return its hyper-parameters.
@@ -91,13 +105,8 @@ def convert_hf(src: str | os.PathLike, out: str | os.PathLike, outtype: str = "f
     counts: dict[str, int] = {}
 
     def fill(writer: gguf.GGUFWriter) -> None:
-        writer.add_name(Path(src).name if Path(src).is_dir() else Path(src).parent.name)
-        writer.add_type("model")
-        writer.add_file_type(FILE_TYPES[outtype])
-        if outtype == "q8_0":
-            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        hp.write_gguf_kv(writer, ARCH)
-        writer.add_string(key(ARCH, K.SOURCE_CONFIG_JSON), json.dumps(d.config, sort_keys=True))
+        write_drafter_metadata(writer, hp, Path(src).name if Path(src).is_dir() else Path(src).parent.name,
+                               outtype, d.config)
         for g in sorted(expected, key=tensor_sort_key):
             values = tensors[d.gguf_to_hf[g]].read_f32()
             if g == "dflash.dspark.confidence.bias":

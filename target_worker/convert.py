@@ -530,13 +530,14 @@ def write_metadata(w: gguf.GGUFWriter, hp: Qwen35HParams, name: str,
     w.add_array(f"{ARCH}.attention.recurrent_layers", list(hp.recurrent) + [False] * hp.n_nextn)
 
 
-def write_gguf(out: Path, metadata, infos, data) -> None:
-    """Write a qwen35 GGUF at ``out`` atomically (``out + .tmp``, renamed when complete; removed on
-    any error). ``metadata(writer)`` adds the KV pairs; ``infos`` lists (name, numpy-order shape,
+def write_gguf(out: Path, metadata, infos, data, arch: str = ARCH) -> None:
+    """Write a GGUF of architecture ``arch`` (default qwen35) at ``out`` atomically (``out + .tmp``,
+    renamed when complete; removed on any error), streaming tensor data (only one tensor is in memory
+    at a time). ``metadata(writer)`` adds the KV pairs; ``infos`` lists (name, numpy-order shape,
     storage type, bytes) per tensor; ``data(i)`` returns tensor i's stored array (called in order)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
-    writer = gguf.GGUFWriter(tmp, ARCH)
+    writer = gguf.GGUFWriter(tmp, arch)
     try:
         metadata(writer)
         for name, shape, qtype, nbytes in infos:

@@ -4,13 +4,19 @@
 # timing; the per-format GEMV table only with FORMATS=1), then the target benchmark on a random 27B-shaped GGUF (tools/bench/gpu_decode.py)
 # for each mix in $MIXES (default "iq4xs"), and with LOOP_AL (e.g. "5") the service loop benchmark
 # (tools/bench/loop_overhead.py --device cuda: coordinator + workers over gRPC, scripted oracle
-# drafter at those acceptance lengths) on the first mix's GGUF; all within $BUDGET_S seconds (default 560).
+# drafter at those acceptance lengths) on the first mix's GGUF, and with DRAFTERS (e.g. "dflash dspark
+# dflash2") the drafter benchmark (tools/bench/gpu_drafter.py: random drafters of those families in the
+# published 27B shapes, DRAFTER_TYPE bf16 (default) or q8_0, written next to the first mix's GGUF by
+# tools/bench/random_drafter.py and deleted after; ingest of 512 context rows, propose step time, floor,
+# and the ratio to that mix's verify time at each drafter's verify width); all within $BUDGET_S seconds
+# (default 560).
 #
 # Usage (repository root on the GPU machine; carry .whl, see gpu_tests.sh for the wheels):
 #     OUT=/some/dir MIXES="iq4xs q4km" bash tools/device/gpu_bench.sh
-# Outputs (8 files at most): gpu_tests.sh's build.log, pytest.log (+ the report's stdout),
-# status.txt, summary.json, summary.md; decode.log (benchmark output incl. its markdown tables) and
-# gpu_decode_<mix>.json per mix.
+#     OUT=/some/dir TESTS=tests/gpu/test_gpu_drafter.py DRAFTERS="dflash dspark dflash2" bash tools/device/gpu_bench.sh
+# Outputs (9 files at most): gpu_tests.sh's build.log, pytest.log (+ the report's stdout),
+# status.txt, summary.json, summary.md; decode.log (benchmark output incl. its markdown tables),
+# gpu_decode_<mix>.json per mix, and with DRAFTERS gpu_drafter_<type>.json.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -18,7 +24,7 @@ OUT=$(cd "$OUT" && pwd)  # absolute: the benchmark runs from /tmp
 BUDGET_S=${BUDGET_S:-560}
 R=$PWD
 left() { local t=$((BUDGET_S - SECONDS)); echo $((t > 1 ? t : 1)); }
-trap 'rm -f /tmp/r27-*.gguf /tmp/r27-*.gguf.tmp' EXIT  # 15 GB each: never left behind
+trap 'rm -f /tmp/r27-*.gguf /tmp/r27-*.gguf.tmp' EXIT  # 15 GB each (drafters 2-4 GB): never left behind
 OUT=$OUT REPORT=0 timeout "$(left)" bash tools/device/gpu_tests.sh >/dev/null 2>&1
 echo "gpu_tests rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -38,7 +44,14 @@ for mix in ${MIXES:-iq4xs}; do
     echo "loop $mix rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
     LOOP_AL=""
   fi
-  rm -f "/tmp/r27-$mix.gguf"
+  if [ -n "${DRAFTERS:-}" ] && [ -f "/tmp/r27-$mix.gguf" ] && [ "$(left)" -gt 60 ]; then
+    dj=""; [ -f "$OUT/gpu_decode_$mix.json" ] && dj="--decode-json $OUT/gpu_decode_$mix.json"
+    timeout "$(left)" python3 "$R/tools/bench/gpu_drafter.py" --target "/tmp/r27-$mix.gguf" --families $DRAFTERS \
+      --type "${DRAFTER_TYPE:-bf16}" $dj --out "$OUT" >>"$OUT/decode.log" 2>&1
+    echo "drafters $mix rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+    DRAFTERS=""
+  fi
+  rm -f "/tmp/r27-$mix.gguf" /tmp/r27-"$mix"-draft-*.gguf
 done
 cat "$OUT/status.txt"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -40
