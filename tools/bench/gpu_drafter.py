@@ -25,7 +25,8 @@ uploaded with the drafter weights), then measured:
 * with ``--verify-ms`` (one value) or ``--decode-json`` (gpu_decode.py's JSON: its ``verify_ms`` at
   the drafter's verify width), the ratio propose / verify.
 
-Prints a markdown table; writes ``gpu_drafter_<type>.json`` to ``--out``.
+Prints a markdown table; writes ``gpu_drafter_<type>.json`` to ``--out`` (after each family, so a run
+cut short by a timeout keeps the families it finished).
 
 Usage (H200): python tools/bench/gpu_drafter.py --target /tmp/r27-iq4xs.gguf [--families dflash dspark dflash2]
                   [--type bf16] [--decode-json OUT/gpu_decode_iq4xs.json] [--out DIR]
@@ -232,9 +233,11 @@ def main(argv: list[str] | None = None) -> int:
         verify = {int(w): float(v) for w, v in json.loads(Path(args.decode_json).read_text())["verify_ms"].items()}
     if args.verify_ms:
         verify = {w: args.verify_ms for w in range(1, 65)}
-    rep["families"] = {f: bench_family(f, args, args.target, sync, rep["lm_head_bytes"], verify) for f in args.families}
     os.makedirs(args.out, exist_ok=True)
-    Path(args.out, f"gpu_drafter_{args.type}.json").write_text(json.dumps(rep, indent=1))
+    rep["families"] = {}
+    for f in args.families:  # the JSON is rewritten after each family: a run cut short keeps what it measured
+        rep["families"][f] = bench_family(f, args, args.target, sync, rep["lm_head_bytes"], verify)
+        Path(args.out, f"gpu_drafter_{args.type}.json").write_text(json.dumps(rep, indent=1))
     print(markdown(rep))
     return 0
 

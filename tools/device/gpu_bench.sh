@@ -9,14 +9,15 @@
 # published 27B shapes, DRAFTER_TYPE bf16 (default) or q8_0, written next to the first mix's GGUF by
 # tools/bench/random_drafter.py and deleted after; ingest of 512 context rows, propose step time, floor,
 # and the ratio to that mix's verify time at each drafter's verify width); all within $BUDGET_S seconds
-# (default 560).
+# (default 560). DECODE_ARGS adds gpu_decode.py options (e.g. "--prefill 128 512" to leave time for DRAFTERS).
 #
 # Usage (repository root on the GPU machine; carry .whl, see gpu_tests.sh for the wheels):
 #     OUT=/some/dir MIXES="iq4xs q4km" bash tools/device/gpu_bench.sh
-#     OUT=/some/dir TESTS=tests/gpu/test_gpu_drafter.py DRAFTERS="dflash dspark dflash2" bash tools/device/gpu_bench.sh
-# Outputs (9 files at most): gpu_tests.sh's build.log, pytest.log (+ the report's stdout),
-# status.txt, summary.json, summary.md; decode.log (benchmark output incl. its markdown tables),
-# gpu_decode_<mix>.json per mix, and with DRAFTERS gpu_drafter_<type>.json.
+#     OUT=/some/dir TESTS=tests/gpu/test_gpu_drafter.py DECODE_ARGS="--prefill 128 512" \
+#       DRAFTERS="dflash dspark dflash2" bash tools/device/gpu_bench.sh
+# Outputs (8 files with one mix and DRAFTERS, the device tool's limit): gpu_tests.sh's build.log, pytest.log
+# (+ the report's stdout), status.txt, summary.json, summary.md; decode.log (benchmark output incl. its
+# markdown tables), gpu_decode_<mix>.json per mix, and with DRAFTERS gpu_drafter_<type>.json.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -36,7 +37,7 @@ echo "report rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 for mix in ${MIXES:-iq4xs}; do
   [ "$(left)" -gt 60 ] || { echo "decode $mix skipped: no time left" >>"$OUT/status.txt"; break; }
   timeout "$(left)" python3 "$R/tools/bench/gpu_decode.py" --gguf "/tmp/r27-$mix.gguf" --mix "$mix" \
-    --out "$OUT" >>"$OUT/decode.log" 2>&1
+    --out "$OUT" ${DECODE_ARGS:-} >>"$OUT/decode.log" 2>&1
   echo "decode $mix rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
   if [ -n "${LOOP_AL:-}" ] && [ "$(left)" -gt 90 ]; then
     timeout "$(left)" python3 "$R/tools/bench/loop_overhead.py" --target "/tmp/r27-$mix.gguf" --device cuda \
