@@ -51,14 +51,15 @@ the handle checks run in CPU tests with a fake one.
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import socket
 import threading
 
 import numpy as np
 
-from .feature_shm import (HEADER_BYTES, FeatureHandleInfo, _close_unlink, attach_segment,  # noqa: F401
-                          create_segment)
+from .feature_shm import (HEADER_BYTES, FeatureHandleInfo, ShmExhausted, _close_unlink,  # noqa: F401
+                          attach_segment, create_segment)
 from .features import held_slots, write_slots
 
 KIND = "cuda_ipc"
@@ -68,6 +69,11 @@ HANDLE_BYTES = 64
 MAX_DEVICE_BYTES = 1 << 40  # a peer's declared ring size above this is refused before mapping
 MAX_CAPACITY = 1 << 24  # positions
 MAX_WIDTH = 1 << 20  # float32 values per row
+
+
+class DeviceRingExhausted(ShmExhausted):
+    """The device has no memory for a sequence's feature ring (the target worker answers
+    RESOURCE_EXHAUSTED, as for a full /dev/shm)."""
 
 
 def table_bytes(capacity: int) -> int:
@@ -265,9 +271,12 @@ class CudaIpcFeatureWriter:
             shm = create_segment(name, nbytes, f"slot table of {capacity} positions")
             try:
                 ring = CudaIpcFeatureRing(shm, capacity, width, self.backend)
-            except BaseException:
+            except BaseException as exc:
                 shm.close()
                 shm.unlink()
+                if isinstance(exc, RuntimeError) and "cudaMalloc" in str(exc):
+                    raise DeviceRingExhausted(errno.ENOMEM, f"no device memory for a {device_bytes(capacity, width)}"
+                                              f"-byte feature ring ({capacity} rows x {width} floats): {exc}") from exc
                 raise
             self._rings[seq_id] = ring
         return ring, FeatureHandleInfo(KIND, name, capacity, width, nbytes, self.owner_id, bytes(ring.mem_handle),

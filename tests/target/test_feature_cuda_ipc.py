@@ -154,6 +154,18 @@ def test_release_and_close_all_free_everything(writer):
     assert writer.live() == [] and ring2.rows is None and not os.path.exists(f"/dev/shm/{h2.name}")
 
 
+def test_device_oom_is_resource_exhausted():
+    class NoMemory(FakeIpcBackend):
+        def export(self, capacity, width):
+            raise RuntimeError("cuda call `cudaMalloc of 123 bytes (IPC buffer)` failed: out of memory")
+
+    w = fci.CudaIpcFeatureWriter(backend=NoMemory())
+    with pytest.raises(fci.ShmExhausted, match="no device memory for a 192-byte feature ring"):
+        w.create("s", 8, W)
+    assert w.live() == []
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"specd-fi-{os.getpid()}-")]
+
+
 def test_handle_proto_round_trip(writer):
     from specd.protos.v1 import worker_pb2 as pb
 

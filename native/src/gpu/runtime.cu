@@ -648,12 +648,23 @@ MemoryInfo memory_info() {
 
 namespace {
 
+// SPECD_GPU_CHECK that also clears the runtime's last error before throwing: an IPC call refused for
+// a peer's bad handle (a non-sticky error) must not be reported again by the next kernel launch check.
+#define SPECD_IPC_CHECK(call)                                                             \
+  do {                                                                                    \
+    cudaError_t specd_err_ = (call);                                                      \
+    if (specd_err_ != cudaSuccess) {                                                      \
+      cudaGetLastError();                                                                 \
+      ::specd::gpu::detail::throw_runtime_error(specd_err_, #call, __FILE__, __LINE__);   \
+    }                                                                                     \
+  } while (0)
+
 // Size in bytes of the device allocation containing `p`, or 0 when this runtime cannot tell.
 size_t mapped_allocation_bytes(void* p) {
 #if SPECD_HIP
   hipDeviceptr_t base = nullptr;
   size_t size = 0;
-  if (hipMemGetAddressRange(&base, &size, reinterpret_cast<hipDeviceptr_t>(p)) != hipSuccess) {
+  if (hipMemGetAddressRange(&base, &size, p) != hipSuccess) {
     hipGetLastError();
     return 0;
   }
@@ -702,17 +713,17 @@ class IpcEventImpl final : public IpcEvent {
   void record() override {
     detail::CaptureLock lock(detail::capture_mu());
     detail::require_not_capturing(lock, "recording an IPC event");
-    SPECD_GPU_CHECK(cudaEventRecord(e_, stream()));
+    SPECD_IPC_CHECK(cudaEventRecord(e_, stream()));
   }
   void wait() override {
     detail::CaptureLock lock(detail::capture_mu());
     detail::require_not_capturing(lock, "waiting for an IPC event");
-    SPECD_GPU_CHECK(cudaStreamWaitEvent(stream(), e_, 0));
+    SPECD_IPC_CHECK(cudaStreamWaitEvent(stream(), e_, 0));
   }
   void synchronize() override {
     detail::CaptureLock lock(detail::capture_mu());
     detail::require_not_capturing(lock, "synchronising an IPC event");
-    SPECD_GPU_CHECK(cudaEventSynchronize(e_));
+    SPECD_IPC_CHECK(cudaEventSynchronize(e_));
   }
 
  private:
@@ -742,10 +753,10 @@ IpcBuffer ipc_export(size_t bytes) {
       cudaGetLastError();
     });
   });
-  SPECD_GPU_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream()));
+  SPECD_IPC_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream()));
   cudaIpcMemHandle_t h;
-  SPECD_GPU_CHECK(cudaIpcGetMemHandle(&h, ptr));
-  SPECD_GPU_CHECK(cudaStreamSynchronize(stream()));  // zeroed before another process can read it
+  SPECD_IPC_CHECK(cudaIpcGetMemHandle(&h, ptr));
+  SPECD_IPC_CHECK(cudaStreamSynchronize(stream()));  // zeroed before another process can read it
   IpcBuffer out;
   out.ptr = std::move(owned);
   out.handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
@@ -764,7 +775,7 @@ std::shared_ptr<void> ipc_open(const std::string& handle, size_t bytes) {
   cudaIpcMemHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));
   void* ptr = nullptr;
-  SPECD_GPU_CHECK(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess));
+  SPECD_IPC_CHECK(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess));
   std::shared_ptr<void> owned(ptr, [](void* p) {
     detail::run_or_defer([p] {
       (void)cudaStreamSynchronize(stream());
@@ -784,7 +795,7 @@ std::shared_ptr<IpcEvent> ipc_event_create() {
   (void)stream();
   static_assert(sizeof(cudaIpcEventHandle_t) == kIpcHandleBytes, "IPC event handle size");
   cudaEvent_t e = nullptr;
-  SPECD_GPU_CHECK(cudaEventCreateWithFlags(&e, cudaEventInterprocess | cudaEventDisableTiming));
+  SPECD_IPC_CHECK(cudaEventCreateWithFlags(&e, cudaEventInterprocess | cudaEventDisableTiming));
   cudaIpcEventHandle_t h;
   cudaError_t err = cudaIpcGetEventHandle(&h, e);
   if (err != cudaSuccess) {
@@ -802,7 +813,7 @@ std::shared_ptr<IpcEvent> ipc_event_open(const std::string& handle) {
   cudaIpcEventHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));
   cudaEvent_t e = nullptr;
-  SPECD_GPU_CHECK(cudaIpcOpenEventHandle(&e, h));
+  SPECD_IPC_CHECK(cudaIpcOpenEventHandle(&e, h));
   return std::make_shared<IpcEventImpl>(e, handle);
 }
 
