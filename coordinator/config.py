@@ -68,7 +68,9 @@ class CoordinatorConfig:
     feature_transport: how drafter feature rows travel: "shm" (default; the target's shared-memory
         ring, both workers on one host) or "inline" (the target returns the rows it committed in its
         responses and the coordinator forwards them, unread, in the next Propose; workers on different
-        hosts). Both workers must run the same transport (checked at connect).
+        hosts) or "cuda-ipc" (a device-memory ring the target exports to the drafter through CUDA/HIP
+        IPC; both workers --device cuda on one GPU). Both workers must run the same transport (checked
+        at connect).
     """
 
     listen: str = "0.0.0.0:50051"
@@ -112,8 +114,9 @@ class CoordinatorConfig:
     def validate(self) -> None:
         if not self.target:
             raise ValueError("coordinator: target address is required")
-        if self.feature_transport not in ("shm", "inline"):
-            raise ValueError(f"coordinator: feature_transport must be shm or inline, got {self.feature_transport!r}")
+        from specd.target_worker.feature_inline import check_transport
+
+        check_transport(self.feature_transport, "coordinator")
         for name in ("default_max_tokens", "worker_timeout_s", "health_poll_s", "public_max_message_bytes",
                      "internal_max_message_bytes", "keepalive_min_ping_interval_ms", "keepalive_time_ms",
                      "keepalive_timeout_ms", "release_timeout_s", "health_timeout_s", "max_request_id_bytes",
@@ -191,7 +194,7 @@ _FLAGS = [  # (field, type, help)
     ("reasoning_budget", int, "default reasoning budget in thinking tokens (0 = unmanaged)"),
     ("reply_reserve", int, "arm a reasoning budget B only when max_tokens > B + reply_reserve"),
     ("reasoning_close", str, "text forced to close thinking when the budget is spent (must contain </think>)"),
-    ("feature_transport", str, "drafter feature rows: shm (shared memory, one host) or inline (bytes via the coordinator)"),
+    ("feature_transport", str, "drafter feature rows: shm (shared memory, one host), inline (bytes via the coordinator) or cuda-ipc (GPU ring shared through CUDA IPC; --device cuda)"),
 ]
 _POLICY_FLAGS = [
     ("step_ratio", float, "prior t_spec/t_plain (0 disables the policy)"),

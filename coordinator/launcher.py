@@ -212,6 +212,10 @@ def run(args) -> int:
     cfg.validate()
     print(f"specd serve: target {cfg.target}, drafter {cfg.drafter_gguf or 'none'}", file=sys.stderr, flush=True)
     config_from_args(args, target="unix:///unused", drafter="")  # validates the coordinator flags up front
+    from specd.target_worker.device import default_device
+    from specd.target_worker.feature_cuda_ipc import check_device_transport
+
+    check_device_transport(args.feature_transport, default_device() if cfg.device == "auto" else cfg.device, "serve")
     ns, args = args, cfg
     rt = args.runtime_dir or tempfile.mkdtemp(prefix="specd-")
     own_rt = not args.runtime_dir

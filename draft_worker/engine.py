@@ -82,8 +82,9 @@ class ModelDrafter:
                 self.seqs[seq_id] = self.model.new_sequence(int(capacity) + self.hp.block_size)
 
     def ingest(self, seq_id: str, start: int, tokens: Sequence[int], features: np.ndarray) -> None:
-        """Committed positions start .. start+n-1 (float32 features [n, n_taps * n_embd]); ValueError
-        on a gap or a wrong width."""
+        """Committed positions start .. start+n-1 (float32 features [n, n_taps * n_embd]: a host array
+        or, with the cuda-ipc transport, a GPU ``sn.Tensor`` taken as it is); ValueError on a gap or a
+        wrong width."""
         with self.lock:
             seq = self.seqs.get(seq_id)
             if seq is None:
@@ -91,7 +92,7 @@ class ModelDrafter:
         if start != seq.n_ctx:
             raise ValueError(f"drafter: sequence {seq_id} has {seq.n_ctx} positions, ingest starts at {start}")
         with self.compute_lock:
-            seq.ingest(np.asarray(features, np.float32), start)
+            seq.ingest(features if isinstance(features, sn.Tensor) else np.asarray(features, np.float32), start)
 
     def propose(self, seq_id: str, anchor: int, max_tokens: int, options=None):
         """Up to ``max_tokens`` greedy drafts after ``anchor`` as a ``Draft`` (see

@@ -304,9 +304,14 @@ class DrafterModel:
         """c = hidden_norm(fc(features)): float32 [n, N·H] -> float32 [n, H] (drafters.md §3.1).
         The fc matmul accumulates in F32 (C20). Raises ValueError on a wrong width."""
         hp, ops = self.hp, self._ops
-        f = np.ascontiguousarray(features, dtype=np.float32)
-        if f.ndim != 2 or f.shape[1] != hp.n_taps * hp.n_embd:
-            raise ValueError(f"features must be float32 [n, n_taps*n_embd = {hp.n_taps * hp.n_embd}], got {f.shape}")
+        if isinstance(features, sn.Tensor) and features.device == self.device and not self.on_host:
+            f = features  # contiguous: a gathered ring read or a view_rows of one
+        else:
+            f = np.ascontiguousarray(features.numpy() if isinstance(features, sn.Tensor) else features,
+                                     dtype=np.float32)
+        if len(f.shape) != 2 or f.shape[1] != hp.n_taps * hp.n_embd:
+            raise ValueError(f"features must be float32 [n, n_taps*n_embd = {hp.n_taps * hp.n_embd}], "
+                             f"got {tuple(f.shape)}")
         return ops.a(sn.rms_norm(sn.matmul(ops.put(f), self.fc), self.hidden_norm, hp.rms_eps))
 
     def rope(self, x, positions: np.ndarray) -> Tensor:
@@ -454,7 +459,8 @@ class DraftSequence:
         """Appends context rows for positions start_pos .. start_pos+n−1.
 
         features: float32 [n, N·H] (target taps in ``target_layer_ids`` order, one row per committed
-        position; a FeatureRing row). start_pos must be <= n_ctx (append-only; a start below n_ctx
+        position; a FeatureRing row): a host array, or an F32 ``sn.Tensor`` (the cuda-ipc transport's
+        device rows, used on the device as they are; copied to the host for a CPU drafter). start_pos must be <= n_ctx (append-only; a start below n_ctx
         drops the later rows first, e.g. to re-ingest after a rollback) and start_pos + n must leave
         room for a block (<= capacity − B). Afterwards n_ctx = start_pos + n. Bounded layers
         compute and store K/V only for the rows they can still see.
@@ -462,8 +468,14 @@ class DraftSequence:
         retained rows.
         """
         m, hp = self.model, self.model.hp
-        feats = np.asarray(features, np.float32)
-        if feats.ndim != 2:
+        if isinstance(features, sn.Tensor):
+            if features.dtype != sn.DType.F32:
+                raise ValueError(f"features must be float32, got {features.dtype}")
+            feats = (features if features.device == m.device and not m.on_host
+                     else np.asarray(features.numpy(), np.float32))
+        else:
+            feats = np.asarray(features, np.float32)
+        if len(feats.shape) != 2:
             raise ValueError(f"features must be 2-D [n, {hp.n_taps * hp.n_embd}], got shape {feats.shape}")
         n = feats.shape[0]
         if not 0 <= start_pos <= self.n_ctx:
@@ -485,7 +497,12 @@ class DraftSequence:
             lk.make_room(lo, start_pos, end + hp.block_size, self.n_ctx)
         self.n_ctx = end
         c_first = min(first) if n else end
-        c = m.context_rows(feats[c_first - start_pos :]) if c_first < end else None
+        if c_first >= end:
+            c = None
+        elif isinstance(feats, sn.Tensor):
+            c = m.context_rows(feats.view_rows(c_first - start_pos, n) if c_first > start_pos else feats)
+        else:
+            c = m.context_rows(feats[c_first - start_pos :])
         for i, lk in enumerate(self.layers):
             if first[i] > start_pos:  # rows [start_pos, first) are skipped (never visible again)
                 lk.valid_lo = first[i]

@@ -89,6 +89,8 @@ class ScriptedDrafter:
         v.tokens.extend(int(t) for t in tokens)
         if self.record_features:
             seen = self.seen.setdefault(seq_id, {})
+            if not isinstance(features, np.ndarray):  # a device tensor (cuda-ipc transport)
+                features = np.asarray(features.numpy(), np.float32)
             for i, t in enumerate(tokens):
                 seen[start + i] = (int(t), features[i].copy())
 

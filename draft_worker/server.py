@@ -163,9 +163,10 @@ class DraftWorkerConfig:
         default 900 s; 0 = never.
     tombstone_cap: released ids remembered, default 4096.
     shutdown_grace_s: on SIGTERM, in-flight calls get this long, default 2 s.
-    feature_transport: "shm" (default: attach the target's shared-memory ring) or "inline" (feature
-        rows arrive as bytes in each Propose; the target worker may be on another host). Must match
-        the target worker and the coordinator.
+    feature_transport: "shm" (default: attach the target's shared-memory ring), "inline" (feature
+        rows arrive as bytes in each Propose; the target worker may be on another host) or "cuda-ipc"
+        (map the target's device ring through CUDA/HIP IPC: device "cuda", the target's GPU; rows reach
+        the drafter as device tensors). Must match the target worker and the coordinator.
     """
 
     drafter: str = ""
@@ -201,6 +202,11 @@ class DraftWorkerConfig:
         from specd.target_worker.server import check_device
 
         check_device(self.device, "draft-worker")
+        from specd.target_worker.device import default_device
+        from specd.target_worker.feature_cuda_ipc import check_device_transport
+
+        check_device_transport(self.feature_transport, default_device() if self.device == "auto" else self.device,
+                               "draft-worker")
         if self.drafter:
             if not self.target:
                 raise ValueError("draft-worker: --drafter needs --target (the target GGUF whose embedding and "
@@ -298,14 +304,14 @@ class DraftServicer(pbg.DraftWorkerServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"sequence {seq_id!r} is new to the drafter but carries no feature handle")
             h = request.features
-            want = "inline" if self.transport == "inline" else "posix_shm"
+            want = {"inline": "inline", "cuda-ipc": "cuda_ipc"}.get(self.transport, "posix_shm")
             if h.kind != want:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"feature handle kind {h.kind!r} does not match this drafter's feature_transport "
                               f"{self.transport!r} (expects {want!r})")
             try:
-                reader = attach_reader(FeatureHandleInfo(h.kind, h.name, h.capacity, h.width, h.nbytes, h.owner_id))
-            except (OSError, ValueError) as exc:
+                reader = attach_reader(FeatureHandleInfo.from_proto(h))
+            except (OSError, ValueError, RuntimeError) as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot attach feature ring {h.name}: {exc}")
             s = _Seq(reader)
             with self.lock:

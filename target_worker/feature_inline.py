@@ -33,12 +33,13 @@ import numpy as np
 from .feature_shm import FeatureHandleInfo
 from .features import FeatureRing
 
-TRANSPORTS = ("shm", "inline")
+TRANSPORTS = ("shm", "inline", "cuda-ipc")  # cuda-ipc: .feature_cuda_ipc
 INLINE_KIND = "inline"
 MESSAGE_HEADROOM = 1 << 20  # bytes of a message kept for everything but the rows
 
 
 def check_transport(value: str, who: str) -> str:
+    """``value`` if it is a known feature transport, else ValueError naming ``who``."""
     if value not in TRANSPORTS:
         raise ValueError(f"{who}: feature_transport must be one of {', '.join(TRANSPORTS)}, got {value!r}")
     return value

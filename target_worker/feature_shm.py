@@ -22,7 +22,7 @@ was never written, was overwritten by a later position, or is not yet committed 
 than silently another position's data. The coordinator orders writer and reader (the drafter is
 called only after the target's commit returned), so no lock is needed.
 
-Interface for other transports (a CUDA IPC ring later): :class:`FeatureWriter` (``create``,
+Interface for other transports (:mod:`.feature_inline`, :mod:`.feature_cuda_ipc`): :class:`FeatureWriter` (``create``,
 ``release``, ``close_all``) and :func:`attach_reader` returning an object with ``read(start, n)``;
 both are keyed by :class:`FeatureHandleInfo`.
 
@@ -58,7 +58,9 @@ HEADER_BYTES = 64
 
 @dataclasses.dataclass(frozen=True)
 class FeatureHandleInfo:
-    """Where a sequence's ring lives (mirrors worker.proto FeatureHandle)."""
+    """Where a sequence's ring lives (mirrors worker.proto FeatureHandle). The last three fields are
+    used by kind "cuda_ipc" only (:mod:`.feature_cuda_ipc`): 64-byte CUDA/HIP IPC handles of the device
+    rows and of the commit event, and the device rows' byte size."""
 
     kind: str
     name: str
@@ -66,6 +68,21 @@ class FeatureHandleInfo:
     width: int
     nbytes: int
     owner_id: str
+    ipc_mem_handle: bytes = b""
+    ipc_event_handle: bytes = b""
+    device_nbytes: int = 0
+
+    @classmethod
+    def from_proto(cls, h) -> "FeatureHandleInfo":
+        """From a worker.proto FeatureHandle message."""
+        return cls(h.kind, h.name, int(h.capacity), int(h.width), int(h.nbytes), h.owner_id,
+                   bytes(h.ipc_mem_handle), bytes(h.ipc_event_handle), int(h.device_nbytes))
+
+    def to_proto(self, pb):
+        """As a worker.proto FeatureHandle (``pb``: the generated worker_pb2 module)."""
+        return pb.FeatureHandle(kind=self.kind, name=self.name, capacity=self.capacity, width=self.width,
+                                nbytes=self.nbytes, owner_id=self.owner_id, ipc_mem_handle=self.ipc_mem_handle,
+                                ipc_event_handle=self.ipc_event_handle, device_nbytes=self.device_nbytes)
 
 
 def shm_namespace_id() -> str:
@@ -118,6 +135,39 @@ class ShmFeatureRing(FeatureRing):
         self.header[4] += 1
 
 
+def create_segment(name: str, nbytes: int, what: str) -> shared_memory.SharedMemory:
+    """A new POSIX segment of ``nbytes`` with its pages allocated (ShmExhausted when /dev/shm has no
+    room; ``what`` describes the contents in that message)."""
+    shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+    if _fallocate is not None:
+        try:
+            _fallocate(shm._fd, 0, nbytes)  # noqa: SLF001
+        except OSError as exc:
+            shm.close()
+            shm.unlink()
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise ShmExhausted(exc.errno, f"/dev/shm has no room for a {nbytes}-byte feature segment "
+                                              f"({what}): {exc.strerror}") from exc
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
+                raise
+            shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)  # no fallocate here
+    return shm
+
+
+def attach_segment(name: str, owner_id: str) -> shared_memory.SharedMemory:
+    """Attaches an existing segment without taking over its cleanup (FileNotFoundError when gone)."""
+    shm = shared_memory.SharedMemory(name=name, create=False)
+    # The attaching process must not unlink the writer's segment at its exit (Python < 3.13 registers
+    # every attach with the resource tracker). In the writer's own process the registration is the
+    # writer's, so it stays.
+    if owner_id != f"{socket.gethostname()}:{os.getpid()}":
+        try:
+            resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+        except Exception:  # noqa: BLE001 - tracker absent or already unregistered
+            pass
+    return shm
+
+
 class FeatureWriter:
     """Creates and owns the target worker's ring segments (one per sequence)."""
 
@@ -138,19 +188,7 @@ class FeatureWriter:
             self._counter += 1
             name = f"specd-ft-{os.getpid()}-{self._counter}"
             nbytes = segment_bytes(capacity, width)
-            shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-            if _fallocate is not None:
-                try:
-                    _fallocate(shm._fd, 0, nbytes)  # noqa: SLF001
-                except OSError as exc:
-                    shm.close()
-                    shm.unlink()
-                    if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                        raise ShmExhausted(exc.errno, f"/dev/shm has no room for a {nbytes}-byte feature segment "
-                                                      f"({capacity} rows x {width} floats): {exc.strerror}") from exc
-                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
-                        raise
-                    shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)  # no fallocate here
+            shm = create_segment(name, nbytes, f"{capacity} rows x {width} floats")
             ring = ShmFeatureRing(shm, capacity, width)
             self._segments[seq_id] = (shm, ring)
         return ring, FeatureHandleInfo("posix_shm", name, capacity, width, nbytes, self.owner_id)
@@ -194,15 +232,7 @@ class FeatureReader:
     def __init__(self, handle: FeatureHandleInfo):
         if handle.kind != "posix_shm":
             raise ValueError(f"feature handle kind {handle.kind!r} is not supported (posix_shm only)")
-        shm = shared_memory.SharedMemory(name=handle.name, create=False)
-        # The attaching process must not unlink the writer's segment at its exit (Python < 3.13 registers
-        # every attach with the resource tracker). In the writer's own process the registration is the
-        # writer's, so it stays.
-        if handle.owner_id != f"{socket.gethostname()}:{os.getpid()}":
-            try:
-                resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-            except Exception:  # noqa: BLE001 - tracker absent or already unregistered
-                pass
+        shm = attach_segment(handle.name, handle.owner_id)
         if shm.size < segment_bytes(handle.capacity, handle.width):
             shm.close()
             raise ValueError(f"feature segment {handle.name} is {shm.size} bytes, expected "
@@ -246,10 +276,16 @@ class FeatureReader:
 
 
 def attach_reader(handle: FeatureHandleInfo):
-    """The reader for a handle: :class:`FeatureReader` (posix_shm) or, for kind "inline",
-    :class:`.feature_inline.InlineFeatureReader`. Both have ``feed(rows)``, ``read(start, n)``, ``close()``."""
+    """The reader for a handle: :class:`FeatureReader` (posix_shm), for kind "inline"
+    :class:`.feature_inline.InlineFeatureReader`, for kind "cuda_ipc"
+    :class:`.feature_cuda_ipc.CudaIpcFeatureReader` (whose ``read`` returns a GPU tensor). All have
+    ``feed(rows)``, ``read(start, n)``, ``close()``."""
     if handle.kind == "inline":
         from .feature_inline import InlineFeatureReader
 
         return InlineFeatureReader(handle)
+    if handle.kind == "cuda_ipc":
+        from .feature_cuda_ipc import CudaIpcFeatureReader
+
+        return CudaIpcFeatureReader(handle)
     return FeatureReader(handle)

@@ -7,11 +7,35 @@ which position each slot holds, so a read of a position that was never written o
 overwritten is an error instead of silently returning another position's row.
 
 The rows live in a numpy buffer, by default a private one; ``buffer=`` accepts any float32 array of
-the right shape, e.g. a view of shared memory that another process reads.
+the right shape, e.g. a view of shared memory that another process reads. The slot bookkeeping
+(:func:`write_slots`, :func:`held_slots`) is shared with the rings whose rows live elsewhere (the
+device ring of :mod:`.feature_cuda_ipc`).
 """
 from __future__ import annotations
 
 import numpy as np
+
+
+def write_slots(capacity: int, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(slots, positions), int64 [n] each, for writing n rows at positions start .. start+n-1 of a ring
+    of ``capacity`` slots. ValueError when start < 0 or n > capacity (a write would overwrite itself)."""
+    if start < 0 or n < 0 or n > capacity:
+        raise ValueError(f"FeatureRing.write: start {start} / {n} rows do not fit a ring of {capacity}")
+    pos = start + np.arange(n, dtype=np.int64)
+    return pos % capacity, pos
+
+
+def held_slots(slot_pos: np.ndarray, start: int, n: int) -> np.ndarray:
+    """Slots (int64 [n]) holding positions start .. start+n-1 according to the slot table ``slot_pos``
+    (int64 [capacity], -1 = empty). ValueError naming the first positions that were never written or
+    have been overwritten by a later position."""
+    capacity = slot_pos.shape[0]
+    pos = start + np.arange(n, dtype=np.int64)
+    slots = pos % capacity
+    missing = pos[slot_pos[slots] != pos]
+    if start < 0 or missing.size:
+        raise ValueError(f"FeatureRing.read: positions {missing[:8].tolist()} are not in the ring")
+    return slots
 
 
 class FeatureRing:
@@ -40,17 +64,10 @@ class FeatureRing:
         n = rows.shape[0]
         if rows.ndim != 2 or rows.shape[1] != self.width:
             raise ValueError(f"FeatureRing.write: rows must be [n, {self.width}], got {rows.shape}")
-        if start < 0 or n > self.capacity:
-            raise ValueError(f"FeatureRing.write: start {start} / {n} rows do not fit a ring of {self.capacity}")
-        slots = (start + np.arange(n)) % self.capacity
+        slots, pos = write_slots(self.capacity, start, n)
         self.rows[slots] = rows
-        self.slot_pos[slots] = start + np.arange(n)
+        self.slot_pos[slots] = pos
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Rows of positions start .. start+n-1 (a copy); ValueError if any is not held."""
-        pos = start + np.arange(n)
-        slots = pos % self.capacity
-        missing = pos[self.slot_pos[slots] != pos]
-        if start < 0 or missing.size:
-            raise ValueError(f"FeatureRing.read: positions {missing[:8].tolist()} are not in the ring")
-        return self.rows[slots].copy()
+        return self.rows[held_slots(self.slot_pos, start, n)].copy()

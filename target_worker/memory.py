@@ -11,8 +11,11 @@ All sizes are bytes. The state a sequence holds (qwen35-target.md §8, model.py'
   g and beta ``[w, Hv]`` (float32) and, for a chain, the final S and conv state. With defer_commit
   every sequence may hold one, so it is counted per sequence at w = max_verify.
 * **Feature ring** (host, POSIX shared memory with the shm transport): ``capacity`` float32 rows of
-  ``n_taps * n_embd`` plus the slot table (:func:`.feature_shm.segment_bytes`). It never lives on
-  the GPU, so it does not count against device memory, but it does against /dev/shm.
+  ``n_taps * n_embd`` plus the slot table (:func:`.feature_shm.segment_bytes`). It does not count
+  against device memory, but it does against /dev/shm. With the cuda-ipc transport
+  (:mod:`.feature_cuda_ipc`) the rows (``4 * capacity * n_taps * n_embd``) are device memory, counted
+  in ``sequence_bytes`` (``feature_ring_on_device``), and only the slot table (8 bytes per position
+  plus a 64-byte header) stays in /dev/shm.
 * **CUDA graph arenas** (GPU with ``cuda_graphs``): each captured chain verify keeps its own outputs
   (activations, logits, deferred-commit buffers of its width) in an arena; at most ``max_graphs``
   are kept, each counted at the widest captured width (16 rows). Part of the workspace. An estimate
@@ -34,7 +37,9 @@ reserve is 4.73 GiB with 512-token prefill chunks (1.17 GiB for verifies alone).
 counted as 141e9 bytes (131.3 GiB; the device itself reports ~139.8 GiB, so this is conservative)
 **46** such sequences fit next to the weights (Q8_0 KV: 76). The feature ring (5 taps: 100 KiB per
 position, 3.1 GiB per 32k sequence) is host shared memory, not device memory, but 46 x 3.1 GiB = 143 GiB of /dev/shm is
-more than the host has: at 32k, long-context serving needs a bounded ring (future work).
+more than the host has: at 32k, long-context serving needs a bounded ring (future work). With the
+cuda-ipc transport the ring holds the whole sequence on the device instead (the capacity contract in
+feature_cuda_ipc): 2.41 + 3.13 = 5.54 GiB per 32k sequence, so about 20 sequences fit instead of 46.
 """
 from __future__ import annotations
 
@@ -184,7 +189,9 @@ class MemoryReport:
     fits_sequences (sequences at max_seq_len that fit device_total_bytes; -1 unknown, e.g. CPU);
     cuda_graph_bytes (the estimate of :func:`cuda_graph_bytes` at max_graphs, part of workspace_bytes);
     cuda_graph_measured_bytes (measured, with ``measure`` on a model with CUDA graphs: the arenas of
-    its live verify and commit graphs, GpuGraph.arena_bytes; 0 otherwise).
+    its live verify and commit graphs, GpuGraph.arena_bytes; 0 otherwise); feature_ring_on_device
+    (cuda-ipc transport: the ring's rows are device memory, included in sequence_bytes, and
+    host_feature_bytes counts only the slot tables).
     """
 
     device: str
@@ -211,6 +218,7 @@ class MemoryReport:
     fits_sequences: int = -1
     cuda_graph_bytes: int = 0
     cuda_graph_measured_bytes: int = 0
+    feature_ring_on_device: bool = False
 
     def fits_on(self, device_bytes: int) -> int:
         """Sequences at max_seq_len that fit ``device_bytes`` next to the weights and workspace."""
@@ -227,7 +235,8 @@ class MemoryReport:
                f"  conv state         {_fmt(self.conv_bytes_per_sequence)} per sequence",
                f"  verify buffers     {_fmt(self.verify_bytes_per_sequence)} per sequence (width {self.verify_width})",
                f"  per sequence       {_fmt(self.sequence_bytes)} on the device",
-               f"  feature ring       {_fmt(self.feature_ring_bytes_per_sequence)} per sequence (host shm)",
+               f"  feature ring       {_fmt(self.feature_ring_bytes_per_sequence)} per sequence "
+               + ("(device, cuda-ipc; in per sequence)" if self.feature_ring_on_device else "(host shm)"),
                f"  workspace          {_fmt(self.workspace_bytes)}"
                + (f" (of which CUDA graph arenas {_fmt(self.cuda_graph_bytes)})" if self.cuda_graph_bytes else "")
                + (f", graph arenas now {_fmt(self.cuda_graph_measured_bytes)}"
@@ -308,10 +317,12 @@ def model_weight_bytes(model) -> dict[str, int]:
     return out
 
 
-def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measure: bool = True) -> MemoryReport:
+def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measure: bool = True,
+           feature_transport: str = "shm") -> MemoryReport:
     """The :class:`MemoryReport` of a loaded :class:`~.model.Qwen35Model` for sequences of
     ``max_seq_len`` positions, ``max_sequences`` of them and verifies of ``verify_width`` rows (the
-    workspace also covers one of the model's prefill chunks). With
+    workspace also covers one of the model's prefill chunks). ``feature_transport`` "cuda-ipc" puts
+    the feature ring's rows on the device (counted per sequence). With
     ``measure`` and a GPU model, the device's measured memory (``sn.gpu_memory_info``) and the fit
     on it are filled in."""
     import specd.native as sn
@@ -328,6 +339,14 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
     graphs = (cuda_graph_bytes(hp, model.max_graphs, n_taps) if getattr(model, "cuda_graphs", False) else 0)
     ws = workspace_bytes(hp, verify_width, getattr(model, "prefill_chunk", 0)) + graphs
     ring = segment_bytes(max_seq_len, max(1, n_taps) * hp.n_embd)
+    host_ring = ring
+    on_device = feature_transport == "cuda-ipc"
+    if on_device:
+        from .feature_cuda_ipc import device_bytes, table_bytes
+
+        ring = device_bytes(max_seq_len, max(1, n_taps) * hp.n_embd)
+        host_ring = table_bytes(max_seq_len)
+        seq += ring
     gpu = model.device == sn.Device.GPU
     mem = gpu_memory() if (measure and gpu) else None
     extra = {}
@@ -345,8 +364,8 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
                         recurrent_bytes_per_sequence=sb.recurrent, conv_bytes_per_sequence=sb.conv,
                         verify_width=sb.verify_width, verify_bytes_per_sequence=sb.verify, sequence_bytes=seq,
                         feature_ring_bytes_per_sequence=ring, workspace_bytes=ws, max_sequences=int(max_sequences),
-                        total_bytes=weights + ws + max_sequences * seq, host_feature_bytes=max_sequences * ring,
-                        cuda_graph_bytes=graphs, **extra)
+                        total_bytes=weights + ws + max_sequences * seq, host_feature_bytes=max_sequences * host_ring,
+                        cuda_graph_bytes=graphs, feature_ring_on_device=on_device, **extra)
 
 
 @dataclasses.dataclass(frozen=True)

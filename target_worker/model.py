@@ -82,7 +82,7 @@ class VerifyResult:
     parents: np.ndarray | None  # int32 [w] tree parents (-1: the committed prefix), None for a chain
     raw_logits: object  # logits where they were computed: numpy (CPU) or an sn.Tensor on the device
     argmax: np.ndarray  # int32, one per row of logits
-    features: np.ndarray  # float32 [w, n_taps * n_embd]
+    raw_features: object  # float32 [w, n_taps * n_embd]: numpy, or an sn.Tensor where computed (GPU)
     start: int  # committed length when the verify ran
     pending: list  # per layer: GDNPending for GDN layers, None for attention layers
     sequence: "SequenceState"  # the sequence it ran on
@@ -101,6 +101,18 @@ class VerifyResult:
                                    "CUDA graph holding these logits; read them before the next verify")
             self.raw_logits = self.raw_logits.numpy()
         return self.raw_logits
+
+    @property
+    def features(self) -> np.ndarray:
+        """float32 [w, n_taps * n_embd] on the host, copied from the device on first use only (the
+        cuda-ipc feature ring commits from the device tensor, ``raw_features``, and never asks).
+        RuntimeError when the verify's CUDA graph has been replayed since (as for ``logits``)."""
+        if not isinstance(self.raw_features, np.ndarray):
+            if self.graph is not None and self.graph.replays != self.replay:
+                raise RuntimeError("VerifyResult.features: a newer verify of this sequence and width replayed the "
+                                   "CUDA graph holding these features; read them before the next verify")
+            self.raw_features = self.raw_features.numpy()
+        return self.raw_features
 
 
 @dataclasses.dataclass
@@ -322,7 +334,10 @@ class Qwen35Model:
             g.replay()
         else:
             self._commit_states(st, res, rows)
-        st.features.write(res.start, res.features[rows])
+        if getattr(st.features, "device", False) and not isinstance(res.raw_features, np.ndarray):
+            st.features.write_rows(res.start, res.raw_features, rows)  # device to device (cuda-ipc ring)
+        else:
+            st.features.write(res.start, res.features[rows])
         st.committed += n
 
     def _commit_states(self, st, res, rows) -> None:
@@ -411,8 +426,11 @@ class Qwen35Model:
         return logits, sn.argmax(logits), feats, pending  # the logits stay on the device until asked for
 
     def _features(self, feats, w):
-        """Host features of a forward (zeros without capture layers)."""
-        return self._ops.host(feats) if feats is not None else np.zeros((w, self.hp.n_embd), np.float32)
+        """Features of a forward where they were computed (numpy on the CPU, an sn.Tensor on the GPU;
+        :attr:`VerifyResult.features` copies to the host on first use), zeros without capture layers."""
+        if feats is None:
+            return np.zeros((w, self.hp.n_embd), np.float32)
+        return feats if isinstance(feats, (np.ndarray, sn.Tensor)) else self._ops.host(feats)
 
     @property
     def _gdn_scale(self) -> float:

@@ -78,7 +78,9 @@ class TargetWorkerConfig:
     feature_transport: how feature rows reach the drafter: "shm" (default; a POSIX shared-memory ring
         per sequence, both workers on one host) or "inline" (the rows each call commits are returned
         as bytes in its response and the coordinator forwards them in the next Propose; workers on
-        different hosts). See :mod:`.feature_inline`.
+        different hosts). See :mod:`.feature_inline`. "cuda-ipc": the ring in device memory shared with
+        the drafter worker on the same GPU through CUDA/HIP IPC (:mod:`.feature_cuda_ipc`); needs
+        device "cuda" here and on the drafter worker (ValueError otherwise).
     """
 
     target: str = ""
@@ -116,6 +118,10 @@ class TargetWorkerConfig:
         if self.kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"target-worker: kv_dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
         check_device(self.device, "target-worker")
+        from .feature_cuda_ipc import check_device_transport
+
+        check_device_transport(self.feature_transport, self.device if self.device != "auto" else self.resolved_device,
+                               "target-worker")
 
     @property
     def resolved_device(self) -> str:
@@ -208,7 +214,12 @@ class TargetServicer(pbg.TargetWorkerServicer):
         self.eos_ids = [int(e) for e in eos_ids if e is not None and e >= 0]
         self.transport = check_transport(getattr(config, "feature_transport", "shm"), "target-worker")
         self.inline = self.transport == "inline"
-        self.features = InlineFeatureWriter() if self.inline else FeatureWriter()
+        if self.transport == "cuda-ipc":
+            from .feature_cuda_ipc import CudaIpcFeatureWriter
+
+            self.features = CudaIpcFeatureWriter()
+        else:
+            self.features = InlineFeatureWriter() if self.inline else FeatureWriter()
         self.inline_max_rows = inline_max_rows(config.max_message_bytes, self.width)
         self.seqs: dict[str, _Seq] = {}
         self.seqs_lock = threading.Lock()
@@ -226,7 +237,8 @@ class TargetServicer(pbg.TargetWorkerServicer):
         from .memory import report
 
         if measure or self._memory is None:
-            rep = report(self.model, self.max_seq_len, self.cfg.max_sequences, self.cfg.max_verify, measure=measure)
+            rep = report(self.model, self.max_seq_len, self.cfg.max_sequences, self.cfg.max_verify, measure=measure,
+                         feature_transport=self.transport)
             if not measure:
                 self._memory = rep
             return rep
@@ -421,9 +433,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
             _abort(context, grpc.StatusCode.CANCELLED, f"sequence {seq_id!r} was released during prefill")
         first = int(np.argmax(logits))  # greedy; ties -> lowest id, like sn.argmax
         return pb.PrefillResponse(first_token=first, committed=st.committed, compute_s=dt,
-                                  features=pb.FeatureHandle(kind=handle.kind, name=handle.name,
-                                                            capacity=handle.capacity, width=handle.width,
-                                                            nbytes=handle.nbytes, owner_id=handle.owner_id),
+                                  features=handle.to_proto(pb),
                                   rows=self._rows(seq_id))
 
     def Verify(self, request, context):
@@ -682,10 +692,12 @@ def add_worker_server_arguments(p: argparse.ArgumentParser, d) -> None:
 
 
 def add_transport_argument(p: argparse.ArgumentParser, default: str = "shm") -> None:
-    """``--feature-transport shm|inline`` (shared by the workers, the coordinator and serve)."""
-    p.add_argument("--feature-transport", default=default, choices=["shm", "inline"],
-                   help="how drafter feature rows travel: shm (shared-memory ring, one host; default) or "
-                        "inline (bytes in the gRPC messages via the coordinator; workers on different hosts)")
+    """``--feature-transport shm|inline|cuda-ipc`` (shared by the workers, the coordinator and serve)."""
+    p.add_argument("--feature-transport", default=default, choices=["shm", "inline", "cuda-ipc"],
+                   help="how drafter feature rows travel: shm (shared-memory ring, one host; default), "
+                        "inline (bytes in the gRPC messages via the coordinator; workers on different hosts) or "
+                        "cuda-ipc (a device-memory ring shared through CUDA/HIP IPC; both workers --device cuda "
+                        "on one GPU)")
 
 
 DEVICES = ("auto", "cpu", "cuda")

@@ -264,3 +264,39 @@ def test_gpu_sampled_proposals_match_cpu(tmp_path, rng, family):
     b = sg.propose(seed, 9, sampling=Sampling(0.9, 0.95, 50, np.random.default_rng(draw)))
     np.testing.assert_array_equal(b.tokens, a.tokens)
     close(b.q, a.q, "q")
+
+
+@pytest.mark.parametrize("family", ["dflash", "dflash2"])
+@gpu_only
+def test_device_tensor_ingest_equals_host_ingest(tmp_path, rng, family):
+    """The cuda-ipc transport hands DrafterModel.ingest device tensors (gathered ring rows): bitwise the
+    same context and proposals as host rows, including a piece whose leading rows a bounded layer
+    skips (view_rows of the tensor) and a CPU drafter given device rows (copied to the host)."""
+    c = dict(TINY_CASES["dflash-cap" if family == "dflash" else "dflash2"])
+    c.pop("family"), c.pop("pieces", None), c.pop("capacity", None)
+    cap = c.pop("cap", None)
+    ld, emb, head = build_tiny(tmp_path, rng, family, **c)
+    m = gpu_drafter(ld, emb, head, context_cap=cap)
+    dev = sn.Device.CPU if DRYRUN else sn.Device.GPU
+    hp = ld.hparams
+    width = hp.n_taps * hp.n_embd
+    sh, sd = m.new_sequence(96), m.new_sequence(96)
+    pos = 0
+    for n in (5, 1, 12, 3):
+        feats = rng.normal(0, 1, (n, width)).astype(np.float32)
+        sh.ingest(feats, pos)
+        sd.ingest(sn.Tensor(feats).to(dev), pos)
+        pos += n
+        seed = int(rng.integers(0, hp.n_vocab))
+        a, b = sh.propose(seed, pos, return_logits=True), sd.propose(seed, pos, return_logits=True)
+        np.testing.assert_array_equal(b.tokens, a.tokens)
+        np.testing.assert_array_equal(np.asarray(b.logits), np.asarray(a.logits))
+    with pytest.raises(ValueError, match="float32"):
+        sd.ingest(sn.Tensor(np.zeros((1, width), np.float16)), pos)
+    cpu = DrafterModel(ld, emb, head, context_cap=cap)
+    sc = cpu.new_sequence(96)
+    feats = rng.normal(0, 1, (4, width)).astype(np.float32)
+    sc.ingest(sn.Tensor(feats).to(dev), 0)
+    ref = cpu.new_sequence(96)
+    ref.ingest(feats, 0)
+    np.testing.assert_array_equal(sc.propose(3, 4).tokens, ref.propose(3, 4).tokens)

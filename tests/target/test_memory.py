@@ -155,3 +155,24 @@ def test_27b_iq4xs_fits_one_h200():
     assert 150 * mem.MiB < one < 300 * mem.MiB
     assert mem.cuda_graph_bytes(hp, 16, 5) == 16 * one
     assert mem.fits(mem.H200_BYTES, weights, seq, ws + mem.cuda_graph_bytes(hp, 16, 5)) >= 40
+
+
+def test_27b_cuda_ipc_ring_on_the_device():
+    """With --feature-transport cuda-ipc the 32k ring (100 KiB per position, 3.1 GiB) is device memory
+    per sequence: about 20 sequences fit one H200 instead of 46 (memory.py's docstring)."""
+    from specd.target_worker.feature_cuda_ipc import device_bytes
+
+    cfg = rq.CONFIGS["27b"]
+    hp = hparams_from_config(cfg, cfg["vocab_size"], 0, "27b")
+    types = {}
+    for name, spec in expected_tensors(hp).items():
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+        types[name] = rq.storage_type(name, spec.ne, "iq4xs", layer).name
+    weights = sum(mem.weight_bytes_from_types(hp, types).values())
+    sb = mem.state_bytes(hp, sn.DType.F16, verify_width=33, n_taps=5)
+    seq = 32768 * sb.kv_per_token + sb.recurrent + sb.conv + sb.verify
+    ring = device_bytes(32768, 5 * hp.n_embd)
+    assert ring == 32768 * 100 * 1024
+    ws = mem.workspace_bytes(hp, 33, 512)
+    n = mem.fits(mem.H200_BYTES, weights, seq + ring, ws)
+    assert 18 <= n <= 22, n

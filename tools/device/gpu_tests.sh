@@ -97,8 +97,12 @@ env | grep -iE '^(LDFLAGS|CXXFLAGS|CFLAGS|CMAKE_[A-Z_]*)=' >>"$OUT/build.log" ||
 XDIST=()
 if $PY -c 'import xdist' 2>/dev/null; then XDIST=(-n 4 --max-worker-restart 100); fi
 # TESTS picks a subset (default: tests/native tests/gpu), e.g. TESTS="tests/gpu/test_gpu_target.py".
+# The cuda-ipc feature transport (two processes on one GPU, then `specd serve --feature-transport
+# cuda-ipc` on the demo models) on its own, in one device call:
+#   TESTS=tests/gpu/test_gpu_feature_ipc.py REPORT=0 PYTEST_TIMEOUT=500 bash tools/device/gpu_tests.sh
+# PYTEST_TIMEOUT: seconds for the whole pytest stage (default 300).
 read -r -a TEST_PATHS <<<"${TESTS:-tests/native tests/gpu}"
-stage pytest "$OUT/pytest.log" timeout 300 $PY -m pytest -v -rs -p no:cacheprovider "${XDIST[@]}" \
+stage pytest "$OUT/pytest.log" timeout "${PYTEST_TIMEOUT:-300}" $PY -m pytest -v -rs -p no:cacheprovider "${XDIST[@]}" \
   "${TEST_PATHS[@]}"
 
 # --- report ----------------------------------------------------------------------------------------

@@ -81,4 +81,43 @@ struct MemoryInfo {
 };
 MemoryInfo memory_info();
 
+// ---- Inter-process sharing on one GPU (CUDA IPC / HIP IPC): a device buffer and an event that a
+// second process on the same device opens. Used by the "cuda-ipc" feature transport (the target
+// worker exports a feature ring, the drafter worker opens it). Handles are kIpcHandleBytes opaque
+// bytes (cudaIpcMemHandle_t / cudaIpcEventHandle_t) that travel through the caller's own channel.
+constexpr size_t kIpcHandleBytes = 64;
+
+// A zeroed device buffer of `bytes` (> 0) allocated with plain cudaMalloc (IPC handles need it; the
+// stream-ordered pool's blocks cannot be exported) and its handle (cudaIpcGetMemHandle). The memory
+// is freed (cudaFree, after the library stream drains) when the last owner drops it; importers must
+// have closed their mappings by then (the transport orders it: release after the reader's close, or
+// the importer's reads fail). Refused on a thread that is capturing a graph.
+struct IpcBuffer {
+  std::shared_ptr<void> ptr;
+  std::string handle;  // kIpcHandleBytes
+  size_t bytes = 0;
+};
+IpcBuffer ipc_export(size_t bytes);
+// Maps another process's exported buffer (cudaIpcOpenMemHandle with cudaIpcMemLazyEnablePeerAccess).
+// `handle` must be kIpcHandleBytes long; `bytes` is the size the exporter declared: when the runtime
+// reports the mapped allocation's size (cuMemGetAddressRange / hipMemGetAddressRange) it must be at
+// least `bytes`, else std::invalid_argument. The mapping is closed (cudaIpcCloseMemHandle, after the
+// library stream drains) when the last owner drops the returned pointer.
+std::shared_ptr<void> ipc_open(const std::string& handle, size_t bytes);
+
+// An interprocess event (cudaEventInterprocess | cudaEventDisableTiming). The writer records it on
+// the library stream after enqueueing its writes; a reader in another process opens the handle and
+// makes the library stream wait for the last record (cudaStreamWaitEvent) before its reads. Neither
+// blocks the host (synchronize() does). record/wait are refused on a thread capturing a graph.
+class IpcEvent {
+ public:
+  virtual ~IpcEvent() = default;
+  virtual std::string handle() const = 0;  // kIpcHandleBytes (cudaIpcGetEventHandle)
+  virtual void record() = 0;               // cudaEventRecord on the library stream
+  virtual void wait() = 0;                 // cudaStreamWaitEvent(library stream, event)
+  virtual void synchronize() = 0;          // cudaEventSynchronize (host waits for the last record)
+};
+std::shared_ptr<IpcEvent> ipc_event_create();
+std::shared_ptr<IpcEvent> ipc_event_open(const std::string& handle);  // cudaIpcOpenEventHandle
+
 }  // namespace specd::gpu

@@ -284,6 +284,83 @@ ValueError on a negative arena_bytes.)doc");
       "Device memory in bytes: {free_bytes, total_bytes} of the device (cudaMemGetInfo) and the "
       "library pool's {pool, pool_reserved_bytes, pool_used_bytes, pool_used_high_bytes}. "
       "RuntimeError when no GPU is usable.");
+  // ---- IPC (the "cuda-ipc" feature transport)
+  m.attr("GPU_IPC_HANDLE_BYTES") = gpu::kIpcHandleBytes;
+  m.def(
+      "gpu_ipc_export",
+      [](const std::vector<int64_t>& shape, DType dtype) {
+        for (int64_t d : shape) SPECD_CHECK(d > 0, "gpu_ipc_export: every dimension must be > 0");
+        Tensor t;
+        t.dtype = dtype;
+        t.device = Device::GPU;
+        t.shape = shape;
+        t.strides = contiguous_strides(shape, dtype);
+        SPECD_CHECK(t.nbytes() > 0, "gpu_ipc_export: empty tensor");
+        gpu::IpcBuffer b = without_gil([&] { return gpu::ipc_export(size_t(t.nbytes())); });
+        t.data = b.ptr.get();
+        t.holder = b.ptr;
+        return py::make_tuple(t, py::bytes(b.handle));
+      },
+      py::arg("shape"), py::arg("dtype"),
+      R"doc(A zeroed GPU tensor of ``shape`` / ``dtype`` in memory another process can map, and its handle.
+
+Returns (Tensor, bytes): the tensor (contiguous, writable; plain cudaMalloc memory, not the pool)
+and the GPU_IPC_HANDLE_BYTES (64) byte cudaIpcMemHandle to pass to gpu_ipc_open in the other
+process (same GPU). The memory is freed (after the library stream drains) when the last reference to
+the tensor (or a view of it) drops; the importer must have closed its mapping by then. Raises
+ValueError on a non-positive dimension, RuntimeError without a GPU or on a runtime failure, and
+during a graph capture on this thread.)doc");
+  m.def(
+      "gpu_ipc_open",
+      [](const py::bytes& handle, const std::vector<int64_t>& shape, DType dtype, int64_t nbytes) {
+        std::string h = handle;
+        SPECD_CHECK(h.size() == gpu::kIpcHandleBytes, "gpu_ipc_open: the handle must be ", gpu::kIpcHandleBytes,
+                    " bytes, got ", h.size());
+        for (int64_t d : shape) SPECD_CHECK(d > 0, "gpu_ipc_open: every dimension must be > 0");
+        Tensor t;
+        t.dtype = dtype;
+        t.device = Device::GPU;
+        t.shape = shape;
+        t.strides = contiguous_strides(shape, dtype);
+        SPECD_CHECK(nbytes > 0 && t.nbytes() == nbytes, "gpu_ipc_open: shape ", shape.size(), "-D of ",
+                    dtype_info(dtype).name, " is ", t.nbytes(), " bytes but the exported buffer is ", nbytes);
+        std::shared_ptr<void> p = without_gil([&] { return gpu::ipc_open(h, size_t(nbytes)); });
+        t.data = p.get();
+        t.holder = std::move(p);
+        return t;
+      },
+      py::arg("handle"), py::arg("shape"), py::arg("dtype"), py::arg("nbytes"),
+      R"doc(Maps a buffer another process exported with gpu_ipc_export (same GPU) as a GPU tensor.
+
+handle: the 64 exported bytes; shape / dtype: the view to build; nbytes: the exporter's byte size,
+which the view must match exactly (and which the mapped allocation must reach where the runtime can
+tell). The mapping is closed (cudaIpcCloseMemHandle, after the library stream drains) when the last
+reference drops. Raises ValueError on a wrong handle length, a shape that does not match nbytes or
+a smaller mapped allocation, RuntimeError without a GPU or when the runtime refuses the handle
+(e.g. opened in the exporting process itself, or another device).)doc");
+  py::class_<gpu::IpcEvent, std::shared_ptr<gpu::IpcEvent>>(m, "GpuIpcEvent", R"doc(
+An interprocess GPU event (cudaEventInterprocess | cudaEventDisableTiming). gpu_ipc_event_create()
+makes one (the writer); gpu_ipc_event_open(handle) opens it in another process (the reader).
+record() enqueues the event on the library stream after the work queued so far; wait() makes the
+library stream wait for the last record before later work; synchronize() blocks the host until the
+last record completes. record / wait / synchronize raise RuntimeError on a thread capturing a GPU
+graph. Destroyed when the last reference drops.)doc")
+      .def_property_readonly("handle", [](const gpu::IpcEvent& e) { return py::bytes(e.handle()); },
+                             "The 64-byte cudaIpcEventHandle.")
+      .def("record", [](gpu::IpcEvent& e) { without_gil([&] { e.record(); }); })
+      .def("wait", [](gpu::IpcEvent& e) { without_gil([&] { e.wait(); }); })
+      .def("synchronize", [](gpu::IpcEvent& e) { without_gil([&] { e.synchronize(); }); });
+  m.def("gpu_ipc_event_create", [] { return without_gil([] { return gpu::ipc_event_create(); }); },
+        "A new GpuIpcEvent (RuntimeError without a GPU).");
+  m.def(
+      "gpu_ipc_event_open",
+      [](const py::bytes& handle) {
+        std::string h = handle;
+        SPECD_CHECK(h.size() == gpu::kIpcHandleBytes, "gpu_ipc_event_open: the handle must be ",
+                    gpu::kIpcHandleBytes, " bytes, got ", h.size());
+        return without_gil([&] { return gpu::ipc_event_open(h); });
+      },
+      py::arg("handle"), "Opens another process's GpuIpcEvent from its 64-byte handle (ValueError on a wrong length).");
 }
 
 }  // namespace specd::py_bind

@@ -29,5 +29,9 @@ std::shared_ptr<Graph> graph_end() { unavailable(); }
 void graph_abort() {}
 bool capturing() { return false; }
 MemoryInfo memory_info() { unavailable(); }
+IpcBuffer ipc_export(size_t) { unavailable(); }
+std::shared_ptr<void> ipc_open(const std::string&, size_t) { unavailable(); }
+std::shared_ptr<IpcEvent> ipc_event_create() { unavailable(); }
+std::shared_ptr<IpcEvent> ipc_event_open(const std::string&) { unavailable(); }
 
 }  // namespace specd::gpu

@@ -99,6 +99,15 @@
 #define cudaGraphLaunch hipGraphLaunch
 #define cudaGraphExecDestroy hipGraphExecDestroy
 #define cudaGraphDestroy hipGraphDestroy
+#define cudaIpcMemHandle_t hipIpcMemHandle_t
+#define cudaIpcEventHandle_t hipIpcEventHandle_t
+#define cudaIpcGetMemHandle hipIpcGetMemHandle
+#define cudaIpcOpenMemHandle hipIpcOpenMemHandle
+#define cudaIpcCloseMemHandle hipIpcCloseMemHandle
+#define cudaIpcMemLazyEnablePeerAccess hipIpcMemLazyEnablePeerAccess
+#define cudaIpcGetEventHandle hipIpcGetEventHandle
+#define cudaIpcOpenEventHandle hipIpcOpenEventHandle
+#define cudaEventInterprocess hipEventInterprocess
 
 // Logical-warp shuffle (width 32 on any wavefront size; see the caveat above).
 #define SPECD_SHFL_XOR(v, lane_mask) __shfl_xor((v), (lane_mask), 32)

@@ -641,4 +641,180 @@ MemoryInfo memory_info() {
   return m;
 }
 
+// ---- IPC (specd/gpu.h). Exported buffers are plain cudaMalloc allocations (pool blocks cannot be
+// exported); frees and closes go through run_or_defer like pool frees (a capture running on another
+// thread defers them to its end) and first drain the library stream (queued copies may still use
+// the memory; cudaFree / cudaIpcCloseMemHandle do not order themselves after the stream).
+
+namespace {
+
+// SPECD_GPU_CHECK that also clears the runtime's last error before throwing: an IPC call refused for
+// a peer's bad handle (a non-sticky error) must not be reported again by the next kernel launch check.
+#define SPECD_IPC_CHECK(call)                                                             \
+  do {                                                                                    \
+    cudaError_t specd_err_ = (call);                                                      \
+    if (specd_err_ != cudaSuccess) {                                                      \
+      cudaGetLastError();                                                                 \
+      ::specd::gpu::detail::throw_runtime_error(specd_err_, #call, __FILE__, __LINE__);   \
+    }                                                                                     \
+  } while (0)
+
+// Size in bytes of the device allocation containing `p`, or 0 when this runtime cannot tell.
+size_t mapped_allocation_bytes(void* p) {
+#if SPECD_HIP
+  hipDeviceptr_t base = nullptr;
+  size_t size = 0;
+  if (hipMemGetAddressRange(&base, &size, p) != hipSuccess) {
+    hipGetLastError();
+    return 0;
+  }
+  return size;
+#elif defined(CUDART_VERSION) && CUDART_VERSION >= 12050
+  using GetRange = int (*)(unsigned long long*, size_t*, unsigned long long);  // cuMemGetAddressRange_v2
+  static GetRange fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<GetRange>(f);
+  }();
+  if (!fn) return 0;
+  unsigned long long base = 0;
+  size_t size = 0;
+  if (fn(&base, &size, reinterpret_cast<unsigned long long>(p)) != 0) return 0;
+  return size;
+#else
+  (void)p;
+  return 0;
+#endif
+}
+
+std::string check_handle(const std::string& handle, const char* what) {
+  if (handle.size() != kIpcHandleBytes)
+    throw std::invalid_argument(std::string(what) + ": an IPC handle is " + std::to_string(kIpcHandleBytes) +
+                                " bytes, got " + std::to_string(handle.size()));
+  return handle;
+}
+
+class IpcEventImpl final : public IpcEvent {
+ public:
+  IpcEventImpl(cudaEvent_t e, std::string h) : e_(e), h_(std::move(h)) {}
+  ~IpcEventImpl() override {
+    cudaEvent_t e = e_;
+    detail::run_or_defer([e] {
+      (void)cudaEventDestroy(e);
+      cudaGetLastError();
+    });
+  }
+  std::string handle() const override { return h_; }
+  void record() override {
+    detail::CaptureLock lock(detail::capture_mu());
+    detail::require_not_capturing(lock, "recording an IPC event");
+    SPECD_IPC_CHECK(cudaEventRecord(e_, stream()));
+  }
+  void wait() override {
+    detail::CaptureLock lock(detail::capture_mu());
+    detail::require_not_capturing(lock, "waiting for an IPC event");
+    SPECD_IPC_CHECK(cudaStreamWaitEvent(stream(), e_, 0));
+  }
+  void synchronize() override {
+    detail::CaptureLock lock(detail::capture_mu());
+    detail::require_not_capturing(lock, "synchronising an IPC event");
+    SPECD_IPC_CHECK(cudaEventSynchronize(e_));
+  }
+
+ private:
+  cudaEvent_t e_;
+  std::string h_;
+};
+
+}  // namespace
+
+IpcBuffer ipc_export(size_t bytes) {
+  detail::require();
+  if (bytes == 0) throw std::invalid_argument("gpu ipc_export: the buffer must have at least 1 byte");
+  detail::CaptureLock lock(detail::capture_mu());
+  detail::require_not_capturing(lock, "allocating an IPC buffer");
+  (void)stream();  // created (and the device selected) before the allocation
+  void* ptr = nullptr;
+  cudaError_t err = cudaMalloc(&ptr, bytes);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    std::string what = "cudaMalloc of " + std::to_string(bytes) + " bytes (IPC buffer)";
+    detail::throw_runtime_error(err, what.c_str(), __FILE__, __LINE__);
+  }
+  std::shared_ptr<void> owned(ptr, [](void* p) {
+    detail::run_or_defer([p] {
+      (void)cudaStreamSynchronize(stream());
+      (void)cudaFree(p);
+      cudaGetLastError();
+    });
+  });
+  SPECD_IPC_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream()));
+  cudaIpcMemHandle_t h;
+  SPECD_IPC_CHECK(cudaIpcGetMemHandle(&h, ptr));
+  SPECD_IPC_CHECK(cudaStreamSynchronize(stream()));  // zeroed before another process can read it
+  IpcBuffer out;
+  out.ptr = std::move(owned);
+  out.handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  out.bytes = bytes;
+  return out;
+}
+
+std::shared_ptr<void> ipc_open(const std::string& handle, size_t bytes) {
+  check_handle(handle, "gpu ipc_open");
+  static_assert(sizeof(cudaIpcMemHandle_t) == kIpcHandleBytes, "IPC memory handle size");
+  detail::require();
+  if (bytes == 0) throw std::invalid_argument("gpu ipc_open: the declared size must be > 0");
+  detail::CaptureLock lock(detail::capture_mu());
+  detail::require_not_capturing(lock, "opening an IPC buffer");
+  (void)stream();
+  cudaIpcMemHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  void* ptr = nullptr;
+  SPECD_IPC_CHECK(cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess));
+  std::shared_ptr<void> owned(ptr, [](void* p) {
+    detail::run_or_defer([p] {
+      (void)cudaStreamSynchronize(stream());
+      (void)cudaIpcCloseMemHandle(p);
+      cudaGetLastError();
+    });
+  });
+  size_t have = mapped_allocation_bytes(ptr);
+  if (have != 0 && have < bytes)
+    throw std::invalid_argument("gpu ipc_open: the exported allocation has " + std::to_string(have) +
+                                " bytes, the handle declares " + std::to_string(bytes));
+  return owned;
+}
+
+std::shared_ptr<IpcEvent> ipc_event_create() {
+  detail::require();
+  (void)stream();
+  static_assert(sizeof(cudaIpcEventHandle_t) == kIpcHandleBytes, "IPC event handle size");
+  cudaEvent_t e = nullptr;
+  SPECD_IPC_CHECK(cudaEventCreateWithFlags(&e, cudaEventInterprocess | cudaEventDisableTiming));
+  cudaIpcEventHandle_t h;
+  cudaError_t err = cudaIpcGetEventHandle(&h, e);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    (void)cudaEventDestroy(e);
+    detail::throw_runtime_error(err, "cudaIpcGetEventHandle", __FILE__, __LINE__);
+  }
+  return std::make_shared<IpcEventImpl>(e, std::string(reinterpret_cast<const char*>(&h), sizeof(h)));
+}
+
+std::shared_ptr<IpcEvent> ipc_event_open(const std::string& handle) {
+  check_handle(handle, "gpu ipc_event_open");
+  detail::require();
+  (void)stream();
+  cudaIpcEventHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  cudaEvent_t e = nullptr;
+  SPECD_IPC_CHECK(cudaIpcOpenEventHandle(&e, h));
+  return std::make_shared<IpcEventImpl>(e, handle);
+}
+
 }  // namespace specd::gpu

@@ -1,0 +1,393 @@
+"""The feature ring in device memory, shared with the drafter worker on the same GPU (CUDA / HIP IPC).
+
+Selected by ``feature_transport = "cuda-ipc"`` on the target worker, the drafter worker and the
+coordinator (all three must agree; ``specd serve --feature-transport cuda-ipc`` passes it on). Valid
+only with ``--device cuda`` on both workers, which must use the same GPU: each worker refuses to start
+otherwise (:func:`check_device_transport`), and the drafter's attach fails with the runtime's error
+on another device. Host shared memory (:mod:`.feature_shm`) stays the transport of the CPU backend.
+
+Per sequence the target worker (the only writer) creates:
+
+* the rows: a device tensor float32 ``[capacity, width]`` allocated with plain cudaMalloc and exported
+  with ``cudaIpcGetMemHandle`` (``sn.gpu_ipc_export``); position p lives in row ``p % capacity``;
+* an interprocess event (``sn.gpu_ipc_event_create``), recorded on the library stream after every
+  commit's row copies;
+* the slot table on the host, in a small POSIX segment ``specd-fi-<pid>-<n>`` (created and cleaned
+  up like the shm transport's segments): ``int64 header[8]`` (magic ``MAGIC``, capacity, width,
+  committed, generation, reserved) then ``int64 slot_pos[capacity]`` (-1 = empty) — the
+  :class:`.features.FeatureRing` bookkeeping (``write_slots`` / ``held_slots``), so a read of a
+  position that was never written or was overwritten is a ValueError, never another row's data.
+
+The handle (worker.proto FeatureHandle, kind ``"cuda_ipc"``) carries the segment name and size, the
+two 64-byte IPC handles and the device byte size (``device_nbytes = 4 * capacity * width``); the
+reader checks all of them against each other and against ``MAX_DEVICE_BYTES`` before mapping.
+
+Commit (``Qwen35Model.commit``): the committed rows go device-to-device from the verify's feature
+tensor into the ring (``sn.copy_rows``, one copy per contiguous run; no host copy of the features is
+made), then the event is recorded, then the slot table and ``committed`` are published on the host.
+The drafter's ``read(start, n)`` checks the slot table, makes its library stream wait for the event
+(``cudaStreamWaitEvent``: the last record, which precedes the publish it just saw) and gathers the
+rows into a new device tensor float32 ``[n, width]`` (a copy: the drafter keeps no reference into the
+target's memory), which ``DrafterModel.ingest`` takes as it is.
+
+Capacity contract (the simplest correct option): the ring holds the whole sequence — ``capacity`` is
+the sequence's capacity (``PrefillRequest.capacity`` or ``--max-seq-len``), exactly as for the shm
+ring. Prefill writes the whole prompt before the drafter's first ingest, and no slot is ever written
+twice, so the writer never overwrites rows a reader may still be copying (no write-after-read hazard
+across the processes, no back-pressure protocol). Cost: ``4 * n_taps * n_embd`` bytes of device
+memory per position; a 27B target with 5 taps (n_embd 5120) needs 100 KiB per row, 3.1 GiB per
+sequence of 32k positions. The memory report (:mod:`.memory`) counts it as device memory per sequence
+with this transport.
+
+Cleanup: ``release`` (sequence end), ``close_all`` (server stop, atexit, SIGTERM through the servers'
+handler) drop the device rows (cudaFree after the library stream drains), the event and the host
+segment; the drafter's ``close`` closes its mapping (cudaIpcCloseMemHandle) and event. A crashed
+target's device memory is reclaimed by the driver with its process, its segment by the resource
+tracker.
+
+The GPU calls go through a small backend object (:class:`NativeIpcBackend`) so the bookkeeping and
+the handle checks run in CPU tests with a fake one.
+"""
+from __future__ import annotations
+
+import atexit
+import errno
+import os
+import socket
+import threading
+
+import numpy as np
+
+from .feature_shm import (HEADER_BYTES, FeatureHandleInfo, ShmExhausted, _close_unlink,  # noqa: F401
+                          attach_segment, create_segment)
+from .features import held_slots, write_slots
+
+KIND = "cuda_ipc"
+TRANSPORT = "cuda-ipc"
+MAGIC = 0x53504543445F4649  # "SPECD_FI"
+HANDLE_BYTES = 64
+MAX_DEVICE_BYTES = 1 << 40  # a peer's declared ring size above this is refused before mapping
+MAX_CAPACITY = 1 << 24  # positions
+MAX_WIDTH = 1 << 20  # float32 values per row
+
+
+class DeviceRingExhausted(ShmExhausted):
+    """The device has no memory for a sequence's feature ring (the target worker answers
+    RESOURCE_EXHAUSTED, as for a full /dev/shm)."""
+
+
+def table_bytes(capacity: int) -> int:
+    """Bytes of the host slot-table segment of a ring of ``capacity`` slots."""
+    return HEADER_BYTES + 8 * capacity
+
+
+def device_bytes(capacity: int, width: int) -> int:
+    """Bytes of the device rows, float32 [capacity, width]."""
+    return 4 * capacity * width
+
+
+def check_device_transport(transport: str, device: str, who: str) -> None:
+    """ValueError unless ``transport`` "cuda-ipc" runs with ``device`` "cuda" (``device`` already
+    resolved: "auto" counts as what it resolved to)."""
+    if transport == TRANSPORT and device != "cuda":
+        raise ValueError(f"{who}: --feature-transport cuda-ipc shares the feature ring in GPU memory and needs "
+                         f"--device cuda (got device {device!r}); use --feature-transport shm for the CPU backend")
+
+
+def _runs(slots: np.ndarray, src_rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """(dst_start, src_start, length) runs in which both ``slots`` and ``src_rows`` advance by 1."""
+    out: list[tuple[int, int, int]] = []
+    for d, s in zip(slots.tolist(), src_rows.tolist()):
+        if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == s:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((d, s, 1))
+    return out
+
+
+# Rings exported by this process, by handle: CUDA refuses to open an IPC handle in the process that
+# exported it, so a reader in the writer's own process (the in-process test stacks) uses the writer's
+# tensor and event directly. Entries are removed when the ring is freed.
+_LOCAL_LOCK = threading.Lock()
+_LOCAL: dict[bytes, object] = {}
+
+
+class NativeIpcBackend:
+    """The GPU calls of the transport, on ``specd.native`` (CUDA or HIP build, a GPU present)."""
+
+    def __init__(self):
+        import specd.native as sn
+
+        self.sn = sn
+        self.device = sn.Device.GPU
+
+    def export(self, capacity: int, width: int):
+        """(GPU tensor float32 [capacity, width], zeroed; 64-byte handle)."""
+        t, h = self.sn.gpu_ipc_export([capacity, width], self.sn.DType.F32)
+        with _LOCAL_LOCK:
+            _LOCAL[bytes(h)] = t
+        return t, bytes(h)
+
+    def open(self, handle: bytes, capacity: int, width: int, nbytes: int):
+        with _LOCAL_LOCK:
+            local = _LOCAL.get(bytes(handle))
+        if local is not None:  # exported by this very process
+            if tuple(local.shape) != (capacity, width):
+                raise ValueError(f"feature handle: ring of shape {tuple(local.shape)}, the handle says "
+                                 f"{(capacity, width)}")
+            return local
+        return self.sn.gpu_ipc_open(handle, [capacity, width], self.sn.DType.F32, nbytes)
+
+    def event_create(self):
+        e = self.sn.gpu_ipc_event_create()
+        with _LOCAL_LOCK:
+            _LOCAL[bytes(e.handle)] = e
+        return e
+
+    def event_open(self, handle: bytes):
+        with _LOCAL_LOCK:
+            local = _LOCAL.get(bytes(handle))
+        return local if local is not None else self.sn.gpu_ipc_event_open(handle)
+
+    def forget(self, *handles: bytes) -> None:
+        """Drops this process's references to freed rings' tensors and events."""
+        with _LOCAL_LOCK:
+            for h in handles:
+                _LOCAL.pop(bytes(h), None)
+
+    def empty(self, n: int, width: int):
+        return self.sn.Tensor.empty([n, width], self.sn.DType.F32, self.device)
+
+    def upload(self, rows: np.ndarray):
+        return self.sn.Tensor(np.ascontiguousarray(rows, np.float32)).to(self.device)
+
+    def copy_rows(self, dst, dst_start: int, src, src_start: int, n: int) -> None:
+        self.sn.copy_rows(dst, dst_start, src, src_start, n)
+
+
+def _gather(backend, rows, slots: np.ndarray, width: int):
+    """rows[slots] as a new tensor [len(slots), width] on the backend's device."""
+    out = backend.empty(len(slots), width)
+    for d, s, n in _runs(np.arange(len(slots)), slots):
+        backend.copy_rows(out, d, rows, s, n)
+    return out
+
+
+class CudaIpcFeatureRing:
+    """The target side of one sequence's device ring (see the module docstring). Interface of
+    :class:`.features.FeatureRing`: ``capacity``, ``width``, ``slot_pos`` (host int64 [capacity]),
+    ``write(start, rows)``, ``read(start, n)``; plus ``write_rows`` (device-to-device commit).
+
+    ``device`` is True: :meth:`Qwen35Model.commit` then passes the verify's device feature tensor to
+    :meth:`write_rows` instead of host rows.
+    """
+
+    device = True
+
+    def __init__(self, shm, capacity: int, width: int, backend):
+        if capacity <= 0 or width <= 0:
+            raise ValueError(f"feature ring needs capacity and width > 0, got {capacity}, {width}")
+        self.capacity, self.width, self.backend, self.shm = capacity, width, backend, shm
+        self.header = np.ndarray((8,), np.int64, buffer=shm.buf, offset=0)
+        self.slot_pos = np.ndarray((capacity,), np.int64, buffer=shm.buf, offset=HEADER_BYTES)
+        self.slot_pos[:] = -1
+        self.header[:] = 0
+        self.header[0], self.header[1], self.header[2] = MAGIC, capacity, width
+        self.rows, self.mem_handle = backend.export(capacity, width)
+        self.event = backend.event_create()
+
+    def write_rows(self, start: int, src, src_rows) -> None:
+        """Positions start .. start+n-1 get rows ``src_rows`` (n indices) of ``src`` (a tensor float32
+        [w, width] on the ring's device), device to device; then the event is recorded and the rows
+        are published. ValueError on a wrong width or when n > capacity."""
+        src_rows = np.asarray(src_rows, np.int64).reshape(-1)
+        if len(src.shape) != 2 or int(src.shape[1]) != self.width:
+            raise ValueError(f"FeatureRing.write: rows must be [n, {self.width}], got {tuple(src.shape)}")
+        if src_rows.size and (src_rows.min() < 0 or src_rows.max() >= int(src.shape[0])):
+            raise ValueError(f"FeatureRing.write: row indices outside 0..{int(src.shape[0]) - 1}")
+        slots, pos = write_slots(self.capacity, start, int(src_rows.size))
+        if not src_rows.size:
+            return
+        for d, s, n in _runs(slots, src_rows):
+            self.backend.copy_rows(self.rows, d, src, s, n)
+        self.event.record()  # after the copies; before the host publish a reader checks
+        self.slot_pos[slots] = pos
+        self.header[3] = max(int(self.header[3]), start + int(src_rows.size))
+        self.header[4] += 1
+
+    def write(self, start: int, rows) -> None:
+        """Host rows float32 [n, width] (uploaded) or a device tensor [n, width]: positions start ..
+        start+n-1."""
+        if isinstance(rows, np.ndarray):
+            rows = np.asarray(rows, np.float32)
+            if rows.ndim != 2 or rows.shape[1] != self.width:
+                raise ValueError(f"FeatureRing.write: rows must be [n, {self.width}], got {rows.shape}")
+            rows = self.backend.upload(rows)
+        self.write_rows(start, rows, np.arange(int(rows.shape[0])))
+
+    def read_device(self, start: int, n: int):
+        """Rows of positions start .. start+n-1 as a new device tensor [n, width]; ValueError if any is
+        not held."""
+        return _gather(self.backend, self.rows, held_slots(self.slot_pos, start, n), self.width)
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """As :meth:`.features.FeatureRing.read`: a host copy float32 [n, width]."""
+        return np.asarray(self.read_device(start, n).numpy(), np.float32).reshape(n, self.width)
+
+    def close(self) -> None:
+        """Drops the device rows (freed once the library stream drains) and the event."""
+        if self.rows is not None:
+            forget = getattr(self.backend, "forget", None)
+            if forget is not None:
+                forget(self.mem_handle, self.event.handle)
+        self.rows = self.event = None
+
+
+class CudaIpcFeatureWriter:
+    """Creates and owns the target worker's device rings (same interface as
+    :class:`.feature_shm.FeatureWriter`). ``backend``: :class:`NativeIpcBackend` by default."""
+
+    def __init__(self, backend=None):
+        self.backend = backend if backend is not None else NativeIpcBackend()
+        self._lock = threading.Lock()
+        self._rings: dict[str, CudaIpcFeatureRing] = {}
+        self._counter = 0
+        self.owner_id = f"{socket.gethostname()}:{os.getpid()}"
+        atexit.register(self.close_all)
+
+    def create(self, seq_id: str, capacity: int, width: int) -> tuple[CudaIpcFeatureRing, FeatureHandleInfo]:
+        """A new zeroed ring for ``seq_id`` (ValueError if it already has one or a size is out of
+        bounds; ShmExhausted when /dev/shm has no room for the slot table; RuntimeError when the
+        device allocation fails)."""
+        if not 0 < capacity <= MAX_CAPACITY or not 0 < width <= MAX_WIDTH:
+            raise ValueError(f"feature ring needs 0 < capacity <= {MAX_CAPACITY} and 0 < width <= {MAX_WIDTH}, "
+                             f"got {capacity}, {width}")
+        with self._lock:
+            if seq_id in self._rings:
+                raise ValueError(f"sequence {seq_id!r} already has a feature ring")
+            self._counter += 1
+            name = f"specd-fi-{os.getpid()}-{self._counter}"
+            nbytes = table_bytes(capacity)
+            shm = create_segment(name, nbytes, f"slot table of {capacity} positions")
+            try:
+                ring = CudaIpcFeatureRing(shm, capacity, width, self.backend)
+            except BaseException as exc:
+                shm.close()
+                shm.unlink()
+                if isinstance(exc, RuntimeError) and "cudaMalloc" in str(exc):
+                    raise DeviceRingExhausted(errno.ENOMEM, f"no device memory for a {device_bytes(capacity, width)}"
+                                              f"-byte feature ring ({capacity} rows x {width} floats): {exc}") from exc
+                raise
+            self._rings[seq_id] = ring
+        return ring, FeatureHandleInfo(KIND, name, capacity, width, nbytes, self.owner_id, bytes(ring.mem_handle),
+                                       bytes(ring.event.handle), device_bytes(capacity, width))
+
+    def release(self, seq_id: str) -> bool:
+        """Frees the sequence's ring (device rows, event, slot table); False if it had none."""
+        with self._lock:
+            ring = self._rings.pop(seq_id, None)
+        if ring is None:
+            return False
+        _free(ring)
+        return True
+
+    def close_all(self) -> None:
+        with self._lock:
+            rings, self._rings = list(self._rings.values()), {}
+        for ring in rings:
+            _free(ring)
+
+    def live(self) -> list[str]:
+        """Names of the live slot-table segments (one per ring)."""
+        with self._lock:
+            return [r.shm.name for r in self._rings.values()]
+
+    def device_bytes(self) -> int:
+        """Device bytes held by the live rings."""
+        with self._lock:
+            return sum(device_bytes(r.capacity, r.width) for r in self._rings.values())
+
+
+def _free(ring: CudaIpcFeatureRing) -> None:
+    ring.close()
+    _close_unlink(ring.shm, ring)
+
+
+def check_handle(handle: FeatureHandleInfo) -> None:
+    """ValueError unless a peer's cuda_ipc handle is self-consistent and within bounds."""
+    if handle.kind != KIND:
+        raise ValueError(f"feature handle kind {handle.kind!r} is not {KIND!r}")
+    if not 0 < handle.capacity <= MAX_CAPACITY or not 0 < handle.width <= MAX_WIDTH:
+        raise ValueError(f"feature handle: capacity {handle.capacity} / width {handle.width} out of bounds "
+                         f"(1..{MAX_CAPACITY} / 1..{MAX_WIDTH})")
+    want = device_bytes(handle.capacity, handle.width)
+    if handle.device_nbytes != want or want > MAX_DEVICE_BYTES:
+        raise ValueError(f"feature handle: device_nbytes {handle.device_nbytes} does not match capacity "
+                         f"{handle.capacity} x width {handle.width} float32 ({want} bytes, at most {MAX_DEVICE_BYTES})")
+    if handle.nbytes != table_bytes(handle.capacity):
+        raise ValueError(f"feature handle: slot table of {handle.nbytes} bytes, expected {table_bytes(handle.capacity)}")
+    for field in ("ipc_mem_handle", "ipc_event_handle"):
+        if len(getattr(handle, field)) != HANDLE_BYTES:
+            raise ValueError(f"feature handle: {field} is {len(getattr(handle, field))} bytes, expected {HANDLE_BYTES}")
+
+
+class CudaIpcFeatureReader:
+    """The drafter side: maps the target's device rows, opens its event and attaches the slot table
+    (reader interface of :mod:`.feature_shm`: ``feed``, ``read``, ``close``; ``read`` returns a device
+    tensor). ValueError on an inconsistent handle or header, FileNotFoundError when the slot table is
+    gone, RuntimeError when the runtime refuses a handle (e.g. another GPU)."""
+
+    def __init__(self, handle: FeatureHandleInfo, backend=None):
+        check_handle(handle)
+        self.handle, self.backend = handle, backend if backend is not None else NativeIpcBackend()
+        self.rows = self.event = None
+        self.shm = attach_segment(handle.name, handle.owner_id)
+        try:
+            if self.shm.size < handle.nbytes:
+                raise ValueError(f"feature slot table {handle.name} is {self.shm.size} bytes, expected {handle.nbytes}")
+            self.header = np.ndarray((8,), np.int64, buffer=self.shm.buf, offset=0)
+            self.slot_pos = np.ndarray((handle.capacity,), np.int64, buffer=self.shm.buf, offset=HEADER_BYTES)
+            if (int(self.header[0]) != MAGIC or int(self.header[1]) != handle.capacity
+                    or int(self.header[2]) != handle.width):
+                raise ValueError(f"feature slot table {handle.name}: header does not match the handle")
+            self.rows = self.backend.open(handle.ipc_mem_handle, handle.capacity, handle.width, handle.device_nbytes)
+            self.event = self.backend.event_open(handle.ipc_event_handle)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def committed(self) -> int:
+        return int(self.header[3])
+
+    def feed(self, rows) -> None:
+        """Reader interface: the device ring takes no inline rows."""
+        if len(rows):
+            raise ValueError("inline feature rows sent to a drafter reading a CUDA IPC ring "
+                             "(feature_transport mismatch)")
+
+    def read(self, start: int, n: int):
+        """Rows of positions start .. start+n-1: a new device tensor float32 [n, width] (a host
+        float32 [0, width] array for n = 0), ordered after the writer's last commit on the library
+        stream. ValueError when a row is not committed yet or no longer held."""
+        if n == 0:
+            return np.zeros((0, self.handle.width), np.float32)
+        if start < 0 or start + n > self.committed:
+            raise ValueError(f"feature rows {start}..{start + n - 1} are not committed (committed {self.committed})")
+        try:
+            slots = held_slots(self.slot_pos, start, n)
+        except ValueError:
+            raise ValueError(f"feature rows {start}..{start + n - 1} were overwritten or never written") from None
+        self.event.wait()
+        return _gather(self.backend, self.rows, slots, self.handle.width)
+
+    def close(self) -> None:
+        """Closes the mapping (once the library stream drains), the event and the slot table."""
+        self.rows = self.event = None
+        self.header = self.slot_pos = None
+        shm, self.shm = getattr(self, "shm", None), None
+        if shm is not None:
+            try:
+                shm.close()
+            except BufferError:
+                pass

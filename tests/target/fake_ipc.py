@@ -1,0 +1,65 @@
+"""A CPU stand-in for feature_cuda_ipc.NativeIpcBackend: "device" tensors are CPU sn.Tensors, handles
+are 64 random bytes registered in this process, events log their record / wait calls. Lets the
+cuda-ipc transport's bookkeeping, handle checks, cleanup and the whole service path run without a GPU
+(one process: the writer and the reader share the registry)."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import specd.native as sn
+
+
+class FakeEvent:
+    def __init__(self, log: list, handle: bytes):
+        self.log, self.handle = log, handle
+
+    def record(self):
+        self.log.append(("record", self.handle))
+
+    def wait(self):
+        self.log.append(("wait", self.handle))
+
+
+class FakeIpcBackend:
+    device = sn.Device.CPU
+    registry: dict = {}  # handle -> tensor / event, shared by every instance (one process)
+    log: list = []
+
+    def export(self, capacity, width):
+        t = sn.Tensor.zeros([capacity, width], sn.DType.F32)
+        h = os.urandom(64)
+        self.registry[h] = t
+        return t, h
+
+    def open(self, handle, capacity, width, nbytes):
+        t = self.registry.get(bytes(handle))
+        if t is None:
+            raise RuntimeError("fake IPC: unknown memory handle")
+        assert tuple(t.shape) == (capacity, width) and t.nbytes == nbytes
+        return t
+
+    def event_create(self):
+        h = os.urandom(64)
+        e = self.registry[h] = FakeEvent(self.log, h)
+        return e
+
+    def event_open(self, handle):
+        e = self.registry.get(bytes(handle))
+        if e is None:
+            raise RuntimeError("fake IPC: unknown event handle")
+        return e
+
+    def forget(self, *handles):
+        for h in handles:
+            self.registry.pop(bytes(h), None)
+
+    def empty(self, n, width):
+        return sn.Tensor.zeros([n, width], sn.DType.F32)
+
+    def upload(self, rows):
+        return sn.Tensor(np.ascontiguousarray(rows, np.float32).copy())
+
+    def copy_rows(self, dst, dst_start, src, src_start, n):
+        sn.copy_rows(dst, dst_start, src, src_start, n)
