@@ -719,7 +719,7 @@ def check_device(device: str, who: str) -> None:
 def add_device_argument(p: argparse.ArgumentParser, default: str = "auto", what: str = "target") -> None:
     """``--device auto|cpu|cuda`` (target worker, draft worker, serve: ``what`` names the model(s))."""
     p.add_argument("--device", default=default, choices=list(DEVICES),
-                   help=f"where the {what} runs: auto (default: cuda when built with a GPU backend and a GPU "
+                   help=f"where to run the {what}: auto (default: cuda when built with a GPU backend and a GPU "
                         "is present, else cpu), cpu or cuda")
 
 

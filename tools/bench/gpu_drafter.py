@@ -158,7 +158,7 @@ def bench_family(family: str, args, target: str, sync, lm_head_bytes: int, verif
         block = [anchor] + [hp.mask_token_id] * (hp.block_size - 1)
         ts = [timed(lambda: seq.forward_block(block, seq.n_ctx), sync) for _ in range(args.steps)]
         r["forward_ms"] = 1e3 * float(np.median(ts))
-        r["head_ms"] = r["propose_ms"] - r["forward_ms"]
+        r["head_ms"] = max(0.0, r["propose_ms"] - r["forward_ms"])  # two medians: noise could make it < 0
         if args.copy_GBps:
             r["floor_ms"] = 1e3 * r["stream_bytes_per_propose"] / (args.copy_GBps * 1e9)
             r["propose_ratio_to_floor"] = r["propose_ms"] / r["floor_ms"]

@@ -3,7 +3,7 @@
 
 Real 27B checkpoints cannot be downloaded here; decode speed depends on shapes and storage types,
 not on the values, so the benchmark runs on a file with the 27B hyperparameters
-(docs/qwen35-target.md §2: hidden 5120, 64 layers of which 16 gated full attention (24 q / 4 KV heads
+(qwen35-target.md §2 of the shared specs: hidden 5120, 64 layers of which 16 gated full attention (24 q / 4 KV heads
 of 256), 48 Gated DeltaNet (16 k / 48 v heads of 128), FFN 17408, vocab 248320, untied head) and
 random weights in the storage types of a quantization mix:
 

@@ -14,10 +14,12 @@
 #     sanitizer.log compute-sanitizer memcheck of a small smoke script (only with SANITIZE=1)
 # Wheels the machine lacks (it has no network) are installed from $WHEELS
 # (default: ./.whl or ../.whl, whichever exists) into /tmp/site, put on PYTHONPATH. The build needs
-# grpcio-tools (protos are compiled at build time) and the tests gguf and dflash; fetch them here with
+# grpcio-tools (protos are compiled at build time), the tests gguf, dflash and the gRPC health /
+# reflection services; fetch them here with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 -d .whl gguf dflash==0.1.0 grpcio==<ours> grpcio-tools==<ours> protobuf==<ours>
-# (the versions installed here, so the generated stubs and the runtime agree).
+#     --platform manylinux2014_x86_64 -d .whl gguf dflash==0.1.0 grpcio==1.85.3 grpcio-tools==1.85.1 \
+#     protobuf==7.36.2 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
+# (the versions of this project's environment, so the generated stubs and the runtime agree).
 # Exit status: 0 when the build, the tests and the report all succeeded.
 set -u -o pipefail
 

@@ -4,7 +4,7 @@
 # tools/bench/random_qwen35.py (MIX, default iq4xs) and runs llama-bench on it: prompt processing
 # at 512 / 2048 tokens and generation of 128 tokens, all layers on the GPU, JSON into $OUT. The same
 # GGUF as tools/bench/gpu_decode.py, so the two are comparable line by line.
-# Usage (repository root on the GPU machine, carry [".llamacpp", ".whl"]):
+# Usage (repository root on the GPU machine, carry [".llamacpp", ".whl"]; only ./.whl is read):
 #     OUT=<dir> [MIX=iq4xs] [BUDGET_S=570] bash tools/device/llamacpp_baseline.sh
 # Outputs: llamacpp_build.log, llamacpp_bench.json, llamacpp_bench.log.
 set -u -o pipefail
