@@ -7,8 +7,8 @@ Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
 * plain greedy decode tok/s (verify one row, commit, read its argmax: the service's greedy step), against
   the ceiling copy bandwidth / bytes streamed per token (every weight byte except the embedding table,
   of which one row is read); with CUDA graphs on (the default) also the same decode op by op;
-* chain verify step time at widths 1..17 (``verify`` without committing; since run 8 the features are
-  copied to the host at commit, not in verify, so later verify times exclude that copy);
+* chain verify step time at widths 1..17 (``verify`` without committing; the model has no capture
+  layers, so no feature rows are computed or copied);
 * prefill tok/s at 128 / 512 / 2048 / 8192 prompt tokens (longer ones skipped once one takes > 60 s);
 * an in-process speculative loop with a scripted drafter at acceptance lengths 3, 5 and 7: each step
   verifies the anchor + 7 drafts whose first AL - 1 are the target's own greedy continuation and
