@@ -107,7 +107,6 @@ def test_dspark_forward(tmp_path, rng, heads):
     else:
         np.testing.assert_allclose(p.confidence, c64, atol=1e-6)
     assert (p.tokens != p.logits.argmax(1)).any()  # the Markov term matters in this fixture
-    assert len(set(p.tokens.tolist())) > 1
 
 
 @pytest.mark.oracle
