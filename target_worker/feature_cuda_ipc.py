@@ -41,7 +41,10 @@ with this transport.
 
 Cleanup: ``release`` (sequence end), ``close_all`` (server stop, atexit, SIGTERM through the servers'
 handler) drop the device rows (cudaFree after the library stream drains), the event and the host
-segment; the drafter's ``close`` closes its mapping (cudaIpcCloseMemHandle) and event. A crashed
+segment; the drafter's ``close`` waits for its stream (its queued gathers) and closes its mapping
+(cudaIpcCloseMemHandle) and event. With this transport the coordinator releases a sequence on the
+drafter first and on the target only after the drafter's Release returned, so the rows are never
+freed while the drafter still maps them. A crashed
 target's device memory is reclaimed by the driver with its process, its segment by the resource
 tracker.
 
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import logging
 import os
 import socket
 import threading
@@ -61,6 +65,8 @@ import numpy as np
 from .feature_shm import (HEADER_BYTES, FeatureHandleInfo, ShmExhausted, _close_unlink,  # noqa: F401
                           attach_segment, create_segment)
 from .features import held_slots, write_slots
+
+log = logging.getLogger(__name__)
 
 KIND = "cuda_ipc"
 TRANSPORT = "cuda-ipc"
@@ -149,6 +155,10 @@ class NativeIpcBackend:
             local = _LOCAL.get(bytes(handle))
         return local if local is not None else self.sn.gpu_ipc_event_open(handle)
 
+    def synchronize(self) -> None:
+        """Waits until the library stream has drained (a reader's queued gathers are done)."""
+        self.sn.gpu_synchronize()
+
     def forget(self, *handles: bytes) -> None:
         """Drops this process's references to freed rings' tensors and events."""
         with _LOCAL_LOCK:
@@ -194,7 +204,12 @@ class CudaIpcFeatureRing:
         self.header[:] = 0
         self.header[0], self.header[1], self.header[2] = MAGIC, capacity, width
         self.rows, self.mem_handle = backend.export(capacity, width)
-        self.event = backend.event_create()
+        self.event = None
+        try:
+            self.event = backend.event_create()
+        except BaseException:
+            self.close()  # the exported rows must not stay registered (``_LOCAL``) past a failed creation
+            raise
 
     def write_rows(self, start: int, src, src_rows) -> None:
         """Positions start .. start+n-1 get rows ``src_rows`` (n indices) of ``src`` (a tensor float32
@@ -239,7 +254,7 @@ class CudaIpcFeatureRing:
         if self.rows is not None:
             forget = getattr(self.backend, "forget", None)
             if forget is not None:
-                forget(self.mem_handle, self.event.handle)
+                forget(self.mem_handle, *(() if self.event is None else (self.event.handle,)))
         self.rows = self.event = None
 
 
@@ -257,8 +272,9 @@ class CudaIpcFeatureWriter:
 
     def create(self, seq_id: str, capacity: int, width: int) -> tuple[CudaIpcFeatureRing, FeatureHandleInfo]:
         """A new zeroed ring for ``seq_id`` (ValueError if it already has one or a size is out of
-        bounds; ShmExhausted when /dev/shm has no room for the slot table; RuntimeError when the
-        device allocation fails)."""
+        bounds; ShmExhausted when /dev/shm has no room for the slot table; DeviceRingExhausted (a
+        ShmExhausted) when the device allocation fails; the runtime's RuntimeError on another device
+        failure, with nothing left allocated or registered)."""
         if not 0 < capacity <= MAX_CAPACITY or not 0 < width <= MAX_WIDTH:
             raise ValueError(f"feature ring needs 0 < capacity <= {MAX_CAPACITY} and 0 < width <= {MAX_WIDTH}, "
                              f"got {capacity}, {width}")
@@ -382,7 +398,17 @@ class CudaIpcFeatureReader:
         return _gather(self.backend, self.rows, slots, self.handle.width)
 
     def close(self) -> None:
-        """Closes the mapping (once the library stream drains), the event and the slot table."""
+        """Waits for the gathers queued on the library stream, then closes the mapping
+        (cudaIpcCloseMemHandle), the event and the slot table. The coordinator releases the target's
+        ring (cudaFree) only after the drafter's Release, which calls this, has returned."""
+        if getattr(self, "rows", None) is not None:
+            sync = getattr(self.backend, "synchronize", None)
+            if sync is not None:
+                try:
+                    sync()
+                except Exception as exc:  # noqa: BLE001 - a broken device: the close goes on
+                    log.warning("feature ring %s: synchronising before closing the mapping failed: %s",
+                                self.handle.name, exc)
         self.rows = self.event = None
         self.header = self.slot_pos = None
         shm, self.shm = getattr(self, "shm", None), None

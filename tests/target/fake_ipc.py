@@ -51,6 +51,9 @@ class FakeIpcBackend:
             raise RuntimeError("fake IPC: unknown event handle")
         return e
 
+    def synchronize(self):
+        self.log.append(("sync", None))
+
     def forget(self, *handles):
         for h in handles:
             self.registry.pop(bytes(h), None)
