@@ -2,9 +2,12 @@
 
 Selected by ``feature_transport = "cuda-ipc"`` on the target worker, the drafter worker and the
 coordinator (all three must agree; ``specd serve --feature-transport cuda-ipc`` passes it on). Valid
-only with ``--device cuda`` on both workers, which must use the same GPU: each worker refuses to start
-otherwise (:func:`check_device_transport`), and the drafter's attach fails with the runtime's error
-on another device. Host shared memory (:mod:`.feature_shm`) stays the transport of the CPU backend.
+only with ``--device cuda`` on both workers (each refuses to start otherwise:
+:func:`check_device_transport`), which must use the same GPU: the runtime would map another GPU's
+rows too (``cudaIpcOpenMemHandle`` with ``cudaIpcMemLazyEnablePeerAccess``: every gather a read over
+the peer link), so the handle names the exporting GPU by PCI bus id (``device_id``) and the drafter's
+attach refuses a ring of another GPU with an error naming both. Host shared memory
+(:mod:`.feature_shm`) stays the transport of the CPU backend.
 
 Per sequence the target worker (the only writer) creates:
 
@@ -19,8 +22,10 @@ Per sequence the target worker (the only writer) creates:
   position that was never written or was overwritten is a ValueError, never another row's data.
 
 The handle (worker.proto FeatureHandle, kind ``"cuda_ipc"``) carries the segment name and size, the
-two 64-byte IPC handles and the device byte size (``device_nbytes = 4 * capacity * width``); the
-reader checks all of them against each other and against ``MAX_DEVICE_BYTES`` before mapping.
+two 64-byte IPC handles, the device byte size (``device_nbytes = 4 * capacity * width``) and the
+exporting GPU's PCI bus id (``device_id``); the reader checks all of them against each other, against
+``MAX_DEVICE_BYTES`` and against its own GPU before mapping, and the runtime refuses to map an
+allocation smaller than ``device_nbytes`` or whose size it cannot determine.
 
 Commit (``Qwen35Model.commit``): the committed rows go device-to-device from the verify's feature
 tensor into the ring (``sn.copy_rows``, one copy per contiguous run; no host copy of the features is
@@ -126,6 +131,13 @@ class NativeIpcBackend:
 
         self.sn = sn
         self.device = sn.Device.GPU
+        self._device_id = None
+
+    def device_id(self) -> str:
+        """PCI bus id of this process's GPU (the same string in every process on that GPU)."""
+        if self._device_id is None:
+            self._device_id = self.sn.gpu_pci_bus_id()
+        return self._device_id
 
     def export(self, capacity: int, width: int):
         """(GPU tensor float32 [capacity, width], zeroed; 64-byte handle)."""
@@ -268,6 +280,7 @@ class CudaIpcFeatureWriter:
         self._rings: dict[str, CudaIpcFeatureRing] = {}
         self._counter = 0
         self.owner_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.device_id = ""  # the GPU's PCI bus id, read at the first ring
         atexit.register(self.close_all)
 
     def create(self, seq_id: str, capacity: int, width: int) -> tuple[CudaIpcFeatureRing, FeatureHandleInfo]:
@@ -281,6 +294,8 @@ class CudaIpcFeatureWriter:
         with self._lock:
             if seq_id in self._rings:
                 raise ValueError(f"sequence {seq_id!r} already has a feature ring")
+            if not self.device_id:
+                self.device_id = self.backend.device_id()
             self._counter += 1
             name = f"specd-fi-{os.getpid()}-{self._counter}"
             nbytes = table_bytes(capacity)
@@ -296,7 +311,7 @@ class CudaIpcFeatureWriter:
                 raise
             self._rings[seq_id] = ring
         return ring, FeatureHandleInfo(KIND, name, capacity, width, nbytes, self.owner_id, bytes(ring.mem_handle),
-                                       bytes(ring.event.handle), device_bytes(capacity, width))
+                                       bytes(ring.event.handle), device_bytes(capacity, width), self.device_id)
 
     def release(self, seq_id: str) -> bool:
         """Frees the sequence's ring (device rows, event, slot table); False if it had none."""
@@ -345,17 +360,29 @@ def check_handle(handle: FeatureHandleInfo) -> None:
     for field in ("ipc_mem_handle", "ipc_event_handle"):
         if len(getattr(handle, field)) != HANDLE_BYTES:
             raise ValueError(f"feature handle: {field} is {len(getattr(handle, field))} bytes, expected {HANDLE_BYTES}")
+    if not handle.device_id:
+        raise ValueError("feature handle: no device_id (the exporting GPU's PCI bus id)")
+
+
+def check_same_device(handle: FeatureHandleInfo, here: str) -> None:
+    """ValueError unless the ring was exported on this process's GPU (``here``: its PCI bus id)."""
+    if handle.device_id != here:
+        raise ValueError(f"feature ring {handle.name} lives on GPU {handle.device_id} (the target worker's) but this "
+                         f"drafter worker runs on GPU {here}: cuda-ipc needs both workers on the same GPU (the "
+                         f"runtime would read it over the peer link); use the same device for both, or "
+                         f"--feature-transport shm")
 
 
 class CudaIpcFeatureReader:
     """The drafter side: maps the target's device rows, opens its event and attaches the slot table
     (reader interface of :mod:`.feature_shm`: ``feed``, ``read``, ``close``; ``read`` returns a device
-    tensor). ValueError on an inconsistent handle or header, FileNotFoundError when the slot table is
-    gone, RuntimeError when the runtime refuses a handle (e.g. another GPU)."""
+    tensor). ValueError on an inconsistent handle or header or a ring of another GPU (``device_id``),
+    FileNotFoundError when the slot table is gone, RuntimeError when the runtime refuses a handle."""
 
     def __init__(self, handle: FeatureHandleInfo, backend=None):
         check_handle(handle)
         self.handle, self.backend = handle, backend if backend is not None else NativeIpcBackend()
+        check_same_device(handle, self.backend.device_id())
         self.rows = self.event = None
         self.shm = attach_segment(handle.name, handle.owner_id)
         try:

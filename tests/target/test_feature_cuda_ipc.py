@@ -65,6 +65,7 @@ def test_write_read_and_event_order(writer):
     assert h.kind == "cuda_ipc" and h.capacity == 16 and h.width == W
     assert h.device_nbytes == 4 * 16 * W and h.nbytes == fci.table_bytes(16)
     assert len(h.ipc_mem_handle) == len(h.ipc_event_handle) == 64
+    assert h.device_id == FakeIpcBackend.pci_bus_id
     assert os.path.exists(f"/dev/shm/{h.name}")
     if not sn.gpu_available():  # attach_reader dispatches on the kind to the native backend: a clear error here
         with pytest.raises(RuntimeError, match="GPU backend|GPU"):
@@ -119,6 +120,7 @@ def test_handle_validation(writer):
         "capacity": dataclasses.replace(h, capacity=0),
         "width": dataclasses.replace(h, width=fci.MAX_WIDTH + 1),
         "table": dataclasses.replace(h, nbytes=h.nbytes - 8),
+        "device_id": dataclasses.replace(h, device_id=""),
     }
     for what, handle in bad.items():
         with pytest.raises(ValueError):
@@ -335,3 +337,16 @@ def test_reader_close_drains_the_stream_before_unmapping(writer):
     r2 = fci.CudaIpcFeatureReader(h, backend=BrokenDevice())
     r2.close()  # logged; the mapping and the slot table are dropped all the same
     assert r2.rows is None and r2.shm is None
+
+
+def test_reader_refuses_a_ring_of_another_gpu(writer):
+    _, h = writer.create("g", 8, W)
+    other = FakeIpcBackend()
+    other.pci_bus_id = "0000:2a:00.0"
+    opened = []
+    other.open = lambda *a: opened.append(a)  # must not be reached
+    with pytest.raises(ValueError, match=r"lives on GPU 0000:19:00\.0 \(the target worker's\) but this drafter "
+                                         r"worker runs on GPU 0000:2a:00\.0"):
+        fci.CudaIpcFeatureReader(h, backend=other)
+    assert opened == []
+    fci.CudaIpcFeatureReader(h, backend=FakeIpcBackend()).close()  # the same GPU attaches
