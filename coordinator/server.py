@@ -533,7 +533,10 @@ class Coordinator(gpbg.SpecDecodeServicer):
 
     async def _release(self, seq_id: str, started: dict) -> None:
         """Releases the sequence on the workers that hold it; a failed call is retried once (the
-        workers' idle TTL frees what still leaks)."""
+        workers' idle TTL frees what still leaks). Concurrently (shm, inline: the drafter only ever
+        holds its own copy); with cuda-ipc the drafter first, and the target only once the drafter's
+        Release has returned (closed its mapping of the ring after its stream drained) or failed
+        twice: the target's Release frees the ring's device memory (cudaFree)."""
         async def one(stub, name):
             for attempt in (1, 2):
                 try:
@@ -542,6 +545,12 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 except Exception as exc:  # noqa: BLE001
                     log.warning("release of %s on the %s failed (attempt %d): %s", seq_id, name, attempt, exc)
 
+        if self.cfg.feature_transport == "cuda-ipc":
+            if started["drafter"]:
+                await one(self.drafter, "drafter")  # never raises: failures are logged
+            if started["target"]:
+                await one(self.target, "target")
+            return
         calls = []
         if started["target"]:
             calls.append(one(self.target, "target"))

@@ -2,9 +2,12 @@
 
 Selected by ``feature_transport = "cuda-ipc"`` on the target worker, the drafter worker and the
 coordinator (all three must agree; ``specd serve --feature-transport cuda-ipc`` passes it on). Valid
-only with ``--device cuda`` on both workers, which must use the same GPU: each worker refuses to start
-otherwise (:func:`check_device_transport`), and the drafter's attach fails with the runtime's error
-on another device. Host shared memory (:mod:`.feature_shm`) stays the transport of the CPU backend.
+only with ``--device cuda`` on both workers (each refuses to start otherwise:
+:func:`check_device_transport`), which must use the same GPU: the runtime would map another GPU's
+rows too (``cudaIpcOpenMemHandle`` with ``cudaIpcMemLazyEnablePeerAccess``: every gather a read over
+the peer link), so the handle names the exporting GPU by PCI bus id (``device_id``) and the drafter's
+attach refuses a ring of another GPU with an error naming both. Host shared memory
+(:mod:`.feature_shm`) stays the transport of the CPU backend.
 
 Per sequence the target worker (the only writer) creates:
 
@@ -19,8 +22,10 @@ Per sequence the target worker (the only writer) creates:
   position that was never written or was overwritten is a ValueError, never another row's data.
 
 The handle (worker.proto FeatureHandle, kind ``"cuda_ipc"``) carries the segment name and size, the
-two 64-byte IPC handles and the device byte size (``device_nbytes = 4 * capacity * width``); the
-reader checks all of them against each other and against ``MAX_DEVICE_BYTES`` before mapping.
+two 64-byte IPC handles, the device byte size (``device_nbytes = 4 * capacity * width``) and the
+exporting GPU's PCI bus id (``device_id``); the reader checks all of them against each other, against
+``MAX_DEVICE_BYTES`` and against its own GPU before mapping, and the runtime refuses to map an
+allocation smaller than ``device_nbytes`` or whose size it cannot determine.
 
 Commit (``Qwen35Model.commit``): the committed rows go device-to-device from the verify's feature
 tensor into the ring (``sn.copy_rows``, one copy per contiguous run; no host copy of the features is
@@ -41,7 +46,10 @@ with this transport.
 
 Cleanup: ``release`` (sequence end), ``close_all`` (server stop, atexit, SIGTERM through the servers'
 handler) drop the device rows (cudaFree after the library stream drains), the event and the host
-segment; the drafter's ``close`` closes its mapping (cudaIpcCloseMemHandle) and event. A crashed
+segment; the drafter's ``close`` waits for its stream (its queued gathers) and closes its mapping
+(cudaIpcCloseMemHandle) and event. With this transport the coordinator releases a sequence on the
+drafter first and on the target only after the drafter's Release returned, so the rows are never
+freed while the drafter still maps them. A crashed
 target's device memory is reclaimed by the driver with its process, its segment by the resource
 tracker.
 
@@ -52,6 +60,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import logging
 import os
 import socket
 import threading
@@ -61,6 +70,8 @@ import numpy as np
 from .feature_shm import (HEADER_BYTES, FeatureHandleInfo, ShmExhausted, _close_unlink,  # noqa: F401
                           attach_segment, create_segment)
 from .features import held_slots, write_slots
+
+log = logging.getLogger(__name__)
 
 KIND = "cuda_ipc"
 TRANSPORT = "cuda-ipc"
@@ -120,6 +131,13 @@ class NativeIpcBackend:
 
         self.sn = sn
         self.device = sn.Device.GPU
+        self._device_id = None
+
+    def device_id(self) -> str:
+        """PCI bus id of this process's GPU (the same string in every process on that GPU)."""
+        if self._device_id is None:
+            self._device_id = self.sn.gpu_pci_bus_id()
+        return self._device_id
 
     def export(self, capacity: int, width: int):
         """(GPU tensor float32 [capacity, width], zeroed; 64-byte handle)."""
@@ -148,6 +166,10 @@ class NativeIpcBackend:
         with _LOCAL_LOCK:
             local = _LOCAL.get(bytes(handle))
         return local if local is not None else self.sn.gpu_ipc_event_open(handle)
+
+    def synchronize(self) -> None:
+        """Waits until the library stream has drained (a reader's queued gathers are done)."""
+        self.sn.gpu_synchronize()
 
     def forget(self, *handles: bytes) -> None:
         """Drops this process's references to freed rings' tensors and events."""
@@ -194,7 +216,12 @@ class CudaIpcFeatureRing:
         self.header[:] = 0
         self.header[0], self.header[1], self.header[2] = MAGIC, capacity, width
         self.rows, self.mem_handle = backend.export(capacity, width)
-        self.event = backend.event_create()
+        self.event = None
+        try:
+            self.event = backend.event_create()
+        except BaseException:
+            self.close()  # the exported rows must not stay registered (``_LOCAL``) past a failed creation
+            raise
 
     def write_rows(self, start: int, src, src_rows) -> None:
         """Positions start .. start+n-1 get rows ``src_rows`` (n indices) of ``src`` (a tensor float32
@@ -239,7 +266,7 @@ class CudaIpcFeatureRing:
         if self.rows is not None:
             forget = getattr(self.backend, "forget", None)
             if forget is not None:
-                forget(self.mem_handle, self.event.handle)
+                forget(self.mem_handle, *(() if self.event is None else (self.event.handle,)))
         self.rows = self.event = None
 
 
@@ -253,18 +280,22 @@ class CudaIpcFeatureWriter:
         self._rings: dict[str, CudaIpcFeatureRing] = {}
         self._counter = 0
         self.owner_id = f"{socket.gethostname()}:{os.getpid()}"
+        self.device_id = ""  # the GPU's PCI bus id, read at the first ring
         atexit.register(self.close_all)
 
     def create(self, seq_id: str, capacity: int, width: int) -> tuple[CudaIpcFeatureRing, FeatureHandleInfo]:
         """A new zeroed ring for ``seq_id`` (ValueError if it already has one or a size is out of
-        bounds; ShmExhausted when /dev/shm has no room for the slot table; RuntimeError when the
-        device allocation fails)."""
+        bounds; ShmExhausted when /dev/shm has no room for the slot table; DeviceRingExhausted (a
+        ShmExhausted) when the device allocation fails; the runtime's RuntimeError on another device
+        failure, with nothing left allocated or registered)."""
         if not 0 < capacity <= MAX_CAPACITY or not 0 < width <= MAX_WIDTH:
             raise ValueError(f"feature ring needs 0 < capacity <= {MAX_CAPACITY} and 0 < width <= {MAX_WIDTH}, "
                              f"got {capacity}, {width}")
         with self._lock:
             if seq_id in self._rings:
                 raise ValueError(f"sequence {seq_id!r} already has a feature ring")
+            if not self.device_id:
+                self.device_id = self.backend.device_id()
             self._counter += 1
             name = f"specd-fi-{os.getpid()}-{self._counter}"
             nbytes = table_bytes(capacity)
@@ -280,7 +311,7 @@ class CudaIpcFeatureWriter:
                 raise
             self._rings[seq_id] = ring
         return ring, FeatureHandleInfo(KIND, name, capacity, width, nbytes, self.owner_id, bytes(ring.mem_handle),
-                                       bytes(ring.event.handle), device_bytes(capacity, width))
+                                       bytes(ring.event.handle), device_bytes(capacity, width), self.device_id)
 
     def release(self, seq_id: str) -> bool:
         """Frees the sequence's ring (device rows, event, slot table); False if it had none."""
@@ -329,17 +360,29 @@ def check_handle(handle: FeatureHandleInfo) -> None:
     for field in ("ipc_mem_handle", "ipc_event_handle"):
         if len(getattr(handle, field)) != HANDLE_BYTES:
             raise ValueError(f"feature handle: {field} is {len(getattr(handle, field))} bytes, expected {HANDLE_BYTES}")
+    if not handle.device_id:
+        raise ValueError("feature handle: no device_id (the exporting GPU's PCI bus id)")
+
+
+def check_same_device(handle: FeatureHandleInfo, here: str) -> None:
+    """ValueError unless the ring was exported on this process's GPU (``here``: its PCI bus id)."""
+    if handle.device_id != here:
+        raise ValueError(f"feature ring {handle.name} lives on GPU {handle.device_id} (the target worker's) but this "
+                         f"drafter worker runs on GPU {here}: cuda-ipc needs both workers on the same GPU (the "
+                         f"runtime would read it over the peer link); use the same device for both, or "
+                         f"--feature-transport shm")
 
 
 class CudaIpcFeatureReader:
     """The drafter side: maps the target's device rows, opens its event and attaches the slot table
     (reader interface of :mod:`.feature_shm`: ``feed``, ``read``, ``close``; ``read`` returns a device
-    tensor). ValueError on an inconsistent handle or header, FileNotFoundError when the slot table is
-    gone, RuntimeError when the runtime refuses a handle (e.g. another GPU)."""
+    tensor). ValueError on an inconsistent handle or header or a ring of another GPU (``device_id``),
+    FileNotFoundError when the slot table is gone, RuntimeError when the runtime refuses a handle."""
 
     def __init__(self, handle: FeatureHandleInfo, backend=None):
         check_handle(handle)
         self.handle, self.backend = handle, backend if backend is not None else NativeIpcBackend()
+        check_same_device(handle, self.backend.device_id())
         self.rows = self.event = None
         self.shm = attach_segment(handle.name, handle.owner_id)
         try:
@@ -382,7 +425,17 @@ class CudaIpcFeatureReader:
         return _gather(self.backend, self.rows, slots, self.handle.width)
 
     def close(self) -> None:
-        """Closes the mapping (once the library stream drains), the event and the slot table."""
+        """Waits for the gathers queued on the library stream, then closes the mapping
+        (cudaIpcCloseMemHandle), the event and the slot table. The coordinator releases the target's
+        ring (cudaFree) only after the drafter's Release, which calls this, has returned."""
+        if getattr(self, "rows", None) is not None:
+            sync = getattr(self.backend, "synchronize", None)
+            if sync is not None:
+                try:
+                    sync()
+                except Exception as exc:  # noqa: BLE001 - a broken device: the close goes on
+                    log.warning("feature ring %s: synchronising before closing the mapping failed: %s",
+                                self.handle.name, exc)
         self.rows = self.event = None
         self.header = self.slot_pos = None
         shm, self.shm = getattr(self, "shm", None), None

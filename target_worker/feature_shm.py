@@ -58,9 +58,9 @@ HEADER_BYTES = 64
 
 @dataclasses.dataclass(frozen=True)
 class FeatureHandleInfo:
-    """Where a sequence's ring lives (mirrors worker.proto FeatureHandle). The last three fields are
+    """Where a sequence's ring lives (mirrors worker.proto FeatureHandle). The last four fields are
     used by kind "cuda_ipc" only (:mod:`.feature_cuda_ipc`): 64-byte CUDA/HIP IPC handles of the device
-    rows and of the commit event, and the device rows' byte size."""
+    rows and of the commit event, the device rows' byte size and the exporting GPU's PCI bus id."""
 
     kind: str
     name: str
@@ -71,18 +71,20 @@ class FeatureHandleInfo:
     ipc_mem_handle: bytes = b""
     ipc_event_handle: bytes = b""
     device_nbytes: int = 0
+    device_id: str = ""
 
     @classmethod
     def from_proto(cls, h) -> "FeatureHandleInfo":
         """From a worker.proto FeatureHandle message."""
         return cls(h.kind, h.name, int(h.capacity), int(h.width), int(h.nbytes), h.owner_id,
-                   bytes(h.ipc_mem_handle), bytes(h.ipc_event_handle), int(h.device_nbytes))
+                   bytes(h.ipc_mem_handle), bytes(h.ipc_event_handle), int(h.device_nbytes), h.device_id)
 
     def to_proto(self, pb):
         """As a worker.proto FeatureHandle (``pb``: the generated worker_pb2 module)."""
         return pb.FeatureHandle(kind=self.kind, name=self.name, capacity=self.capacity, width=self.width,
                                 nbytes=self.nbytes, owner_id=self.owner_id, ipc_mem_handle=self.ipc_mem_handle,
-                                ipc_event_handle=self.ipc_event_handle, device_nbytes=self.device_nbytes)
+                                ipc_event_handle=self.ipc_event_handle, device_nbytes=self.device_nbytes,
+                                device_id=self.device_id)
 
 
 def shm_namespace_id() -> str:

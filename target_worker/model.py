@@ -96,9 +96,7 @@ class VerifyResult:
         the host on first use only (greedy verification needs just ``argmax``). RuntimeError when the
         verify ran as a CUDA graph that has been replayed since (its logits were overwritten)."""
         if not isinstance(self.raw_logits, np.ndarray):
-            if self.graph is not None and self.graph.replays != self.replay:
-                raise RuntimeError("VerifyResult.logits: a newer verify of this sequence and width replayed the "
-                                   "CUDA graph holding these logits; read them before the next verify")
+            self._check_graph("logits")
             self.raw_logits = self.raw_logits.numpy()
         return self.raw_logits
 
@@ -108,11 +106,16 @@ class VerifyResult:
         cuda-ipc feature ring commits from the device tensor, ``raw_features``, and never asks).
         RuntimeError when the verify's CUDA graph has been replayed since (as for ``logits``)."""
         if not isinstance(self.raw_features, np.ndarray):
-            if self.graph is not None and self.graph.replays != self.replay:
-                raise RuntimeError("VerifyResult.features: a newer verify of this sequence and width replayed the "
-                                   "CUDA graph holding these features; read them before the next verify")
+            self._check_graph("features")
             self.raw_features = self.raw_features.numpy()
         return self.raw_features
+
+    def _check_graph(self, what: str) -> None:
+        """RuntimeError when the verify ran as a CUDA graph that has been replayed since (its arena
+        tensors ``raw_logits`` / ``raw_features`` / ``pending`` were overwritten)."""
+        if self.graph is not None and self.graph.replays != self.replay:
+            raise RuntimeError(f"VerifyResult.{what}: a newer verify of this sequence and width replayed the "
+                               f"CUDA graph holding these {what}; read them before the next verify")
 
 
 @dataclasses.dataclass
@@ -327,6 +330,14 @@ class Qwen35Model:
         n = len(rows)
         if n == 0:
             return
+        # The features are read (or checked) before any state moves: a stale graph or a failed
+        # device-to-host copy raises here and leaves the sequence exactly as it was.
+        device_ring = getattr(st.features, "device", False) and not isinstance(res.raw_features, np.ndarray)
+        if device_ring:
+            res._check_graph("features")
+            feats = None
+        else:
+            feats = res.features[rows]
         if res.graph is not None:  # the state updates read fixed addresses: one graph per n
             g = res.graph.commits.get(n)
             if g is None:
@@ -334,10 +345,10 @@ class Qwen35Model:
             g.replay()
         else:
             self._commit_states(st, res, rows)
-        if getattr(st.features, "device", False) and not isinstance(res.raw_features, np.ndarray):
+        if device_ring:
             st.features.write_rows(res.start, res.raw_features, rows)  # device to device (cuda-ipc ring)
         else:
-            st.features.write(res.start, res.features[rows])
+            st.features.write(res.start, feats)
         st.committed += n
 
     def _commit_states(self, st, res, rows) -> None:
@@ -430,7 +441,7 @@ class Qwen35Model:
         :attr:`VerifyResult.features` copies to the host on first use), zeros without capture layers."""
         if feats is None:
             return np.zeros((w, self.hp.n_embd), np.float32)
-        return feats if isinstance(feats, (np.ndarray, sn.Tensor)) else self._ops.host(feats)
+        return feats
 
     @property
     def _gdn_scale(self) -> float:

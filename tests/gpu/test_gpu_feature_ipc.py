@@ -57,6 +57,9 @@ def _child_raw(mem_handle, event_handle, shape, nbytes, q):
             out["mapped_smaller"] = "not detected"
         except ValueError as exc:
             out["mapped_smaller"] = str(exc)
+        out["pci_bus_id"] = sn.gpu_pci_bus_id()
+        # The exact size maps: the runtime reports the allocation's size (else every open is refused,
+        # "cannot be determined": a peer's declared size is never trusted).
         t = sn.gpu_ipc_open(mem_handle, list(shape), sn.DType.F32, nbytes)
         ev = sn.gpu_ipc_event_open(event_handle)
         ev.wait()
@@ -126,7 +129,10 @@ def test_native_export_open_event_across_processes():
     out = _run_child(_child_raw, h, ev.handle, rows.shape, rows.nbytes)
     assert np.frombuffer(out["rows"], np.float32).reshape(rows.shape).tobytes() == rows.tobytes()  # bitwise
     assert "bytes" in out["wrong_shape"] and "bytes" in out["wrong_nbytes"] and "64 bytes" in out["short_handle"]
+    # the size is always determined (a runtime that cannot tell refuses every open, this one too)
     assert "exported allocation has" in out["mapped_smaller"], out["mapped_smaller"]
+    assert "cannot be determined" not in out["mapped_smaller"]
+    assert out["pci_bus_id"] == sn.gpu_pci_bus_id() != ""  # the same GPU names itself alike in both
     ev.synchronize()
     del t  # cudaFree after the stream drains
     sn.gpu_synchronize()
@@ -146,13 +152,16 @@ def test_native_errors_in_process():
 # ---------------------------------------------------------------- the transport across processes
 
 def test_ring_across_processes_bitwise():
-    from specd.target_worker.feature_cuda_ipc import CudaIpcFeatureWriter
+    from specd.target_worker.feature_cuda_ipc import CudaIpcFeatureReader, CudaIpcFeatureWriter
 
     rng = np.random.default_rng(1)
     cap, width = 64, 3 * 256
     w = CudaIpcFeatureWriter()
     try:
         ring, h = w.create("s", cap, width)
+        assert h.device_id == sn.gpu_pci_bus_id()
+        with pytest.raises(ValueError, match="lives on GPU .* but this drafter worker runs on GPU"):
+            CudaIpcFeatureReader(dataclasses.replace(h, device_id="0000:ff:1f.7"))  # refused before mapping
         prompt = rng.standard_normal((40, width)).astype(np.float32)
         ring.write(0, prompt)  # host rows (uploaded), as a prefill would commit
         verify = rng.standard_normal((9, width)).astype(np.float32)

@@ -91,3 +91,36 @@ def test_wrong_kind_handle_is_refused(cstack):
                 seq_id="x", features=wpb.FeatureHandle(kind="posix_shm", name="nope", capacity=4, width=4)))
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "cuda-ipc" in ei.value.details() and "cuda_ipc" in ei.value.details()
+
+
+
+@pytest.mark.parametrize("transport", ["cuda-ipc", "shm"])
+def test_release_order(cstack, transport, monkeypatch):
+    """cuda-ipc: the drafter's Release (which closes its mapping of the ring) returns before the
+    target's Release (which frees the ring) is sent. shm keeps the concurrent release."""
+    import asyncio
+
+    coord = cstack.coords[0][0]
+    events = []
+
+    def wrap(stub, name):
+        inner = stub.Release
+
+        async def release(request, **kw):
+            events.append(("start", name))
+            await asyncio.sleep(0.2)  # a slow Release: an overlap would show
+            try:
+                return await inner(request, **kw)
+            finally:
+                events.append(("end", name))
+        monkeypatch.setattr(stub, "Release", release)
+
+    wrap(coord.target, "target")
+    wrap(coord.drafter, "drafter")
+    monkeypatch.setattr(coord.cfg, "feature_transport", transport)
+    asyncio.run_coroutine_threadsafe(coord._release("order-1", {"target": True, "drafter": True}),
+                                     cstack.loop).result(timeout=30)
+    if transport == "cuda-ipc":
+        assert events == [("start", "drafter"), ("end", "drafter"), ("start", "target"), ("end", "target")]
+    else:
+        assert [e for e, _ in events[:2]] == ["start", "start"]  # both in flight at once

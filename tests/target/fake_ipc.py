@@ -26,6 +26,10 @@ class FakeIpcBackend:
     device = sn.Device.CPU
     registry: dict = {}  # handle -> tensor / event, shared by every instance (one process)
     log: list = []
+    pci_bus_id = "0000:19:00.0"  # the "GPU" (a subclass or an instance may claim another)
+
+    def device_id(self):
+        return self.pci_bus_id
 
     def export(self, capacity, width):
         t = sn.Tensor.zeros([capacity, width], sn.DType.F32)
@@ -50,6 +54,9 @@ class FakeIpcBackend:
         if e is None:
             raise RuntimeError("fake IPC: unknown event handle")
         return e
+
+    def synchronize(self):
+        self.log.append(("sync", None))
 
     def forget(self, *handles):
         for h in handles:

@@ -65,6 +65,7 @@ def test_write_read_and_event_order(writer):
     assert h.kind == "cuda_ipc" and h.capacity == 16 and h.width == W
     assert h.device_nbytes == 4 * 16 * W and h.nbytes == fci.table_bytes(16)
     assert len(h.ipc_mem_handle) == len(h.ipc_event_handle) == 64
+    assert h.device_id == FakeIpcBackend.pci_bus_id
     assert os.path.exists(f"/dev/shm/{h.name}")
     if not sn.gpu_available():  # attach_reader dispatches on the kind to the native backend: a clear error here
         with pytest.raises(RuntimeError, match="GPU backend|GPU"):
@@ -119,6 +120,7 @@ def test_handle_validation(writer):
         "capacity": dataclasses.replace(h, capacity=0),
         "width": dataclasses.replace(h, width=fci.MAX_WIDTH + 1),
         "table": dataclasses.replace(h, nbytes=h.nbytes - 8),
+        "device_id": dataclasses.replace(h, device_id=""),
     }
     for what, handle in bad.items():
         with pytest.raises(ValueError):
@@ -234,3 +236,117 @@ def test_27b_ring_memory_matches_the_docstring():
     # 27B, 5 taps of n_embd 5120: 100 KiB per row, 3.1 GiB per 32k sequence (feature_cuda_ipc docstring)
     assert fci.device_bytes(1, 5 * 5120) == 100 * 1024
     assert round(fci.device_bytes(32768, 5 * 5120) / 2**30, 1) == 3.1
+
+
+def test_failed_event_create_forgets_the_exported_rows():
+    exported = []
+
+    class NoEvent(FakeIpcBackend):
+        def export(self, capacity, width):
+            t, h = super().export(capacity, width)
+            exported.append(h)
+            return t, h
+
+        def event_create(self):
+            raise RuntimeError("cuda call `cudaEventCreateWithFlags` failed: out of resources")
+
+    w = fci.CudaIpcFeatureWriter(backend=NoEvent())
+    with pytest.raises(RuntimeError, match="cudaEventCreateWithFlags"):
+        w.create("s", 8, W)
+    assert len(exported) == 1 and exported[0] not in FakeIpcBackend.registry  # forgotten, not left registered
+    assert w.live() == [] and w.device_bytes() == 0
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"specd-fi-{os.getpid()}-")]
+    w.close_all()
+
+
+def _snapshot(st):
+    return (st.committed, {i: np.array(v).copy() for i, v in st.ssm.items()},
+            {i: np.array(v).copy() for i, v in st.conv.items()},
+            {i: (k.numpy().copy(), v.numpy().copy()) for i, (k, v) in st.kv.items()},
+            st.features.slot_pos.copy())
+
+
+def _assert_unchanged(st, before):
+    after = _snapshot(st)
+    assert after[0] == before[0]
+    for a, b in zip(after[1:4], before[1:4]):
+        assert a.keys() == b.keys()
+        for i in a:
+            np.testing.assert_array_equal(a[i], b[i])
+    np.testing.assert_array_equal(after[4], before[4])
+
+
+def test_failed_feature_read_leaves_the_sequence_unchanged(tiny_iq4xs, writer):
+    from specd.target_worker.gguf_loader import load_qwen35
+    from specd.target_worker.model import Qwen35Model
+
+    m = Qwen35Model(load_qwen35(tiny_iq4xs), capture_layers=(1, 3))
+    st = m.new_sequence(32)
+    m.prefill(st, [1, 2, 3, 4])
+
+    class BrokenD2H:  # a device feature tensor whose copy to the host fails
+        shape = (3, 2 * m.hp.n_embd)
+
+        def numpy(self):
+            raise RuntimeError("cuda call `cudaMemcpy` failed: an illegal memory access was encountered")
+
+    res = m.verify(st, [5, 6, 7])
+    res.raw_features = BrokenD2H()
+    before = _snapshot(st)
+    with pytest.raises(RuntimeError, match="cudaMemcpy"):
+        m.commit(st, res, 2)  # host ring: the features are read before any state moves
+    _assert_unchanged(st, before)
+
+    # device ring: a verify graph replayed since (its arena rewritten) is refused before the state updates
+    ring, _ = writer.create("dev", 32, 2 * m.hp.n_embd)
+    ring.write(0, np.asarray(st.features.read(0, 4)))
+    st.features = ring
+    res = m.verify(st, [5, 6, 7])
+    res.raw_features = sn.Tensor(np.asarray(res.raw_features))
+    res.graph, res.replay = type("StaleGraph", (), {"replays": 2, "commits": {}})(), 1
+    before = _snapshot(st)
+    with pytest.raises(RuntimeError, match="replayed the CUDA graph holding these features"):
+        m.commit(st, res, 2)
+    _assert_unchanged(st, before)
+    res.graph = None  # the same result, fresh: commits and moves everything
+    m.commit(st, res, 2)
+    assert st.committed == 6 and ring.header[3] == 6
+
+
+def test_reader_close_drains_the_stream_before_unmapping(writer):
+    ring, h = writer.create("c", 8, W)
+    ring.write(0, rows(0, 2))
+    seen = []
+
+    class Backend(FakeIpcBackend):
+        def synchronize(self):
+            seen.append(reader.rows is not None)  # still mapped while the stream drains
+            super().synchronize()
+
+    reader = fci.CudaIpcFeatureReader(h, backend=Backend())
+    reader.read(0, 2)
+    reader.close()
+    assert seen == [True] and reader.rows is None and reader.event is None
+    reader.close()  # idempotent: nothing mapped, no second sync
+    assert seen == [True]
+
+    class BrokenDevice(FakeIpcBackend):
+        def synchronize(self):
+            raise RuntimeError("cuda call `cudaStreamSynchronize` failed: an illegal memory access")
+
+    r2 = fci.CudaIpcFeatureReader(h, backend=BrokenDevice())
+    r2.close()  # logged; the mapping and the slot table are dropped all the same
+    assert r2.rows is None and r2.shm is None
+
+
+def test_reader_refuses_a_ring_of_another_gpu(writer):
+    _, h = writer.create("g", 8, W)
+    other = FakeIpcBackend()
+    other.pci_bus_id = "0000:2a:00.0"
+    opened = []
+    other.open = lambda *a: opened.append(a)  # must not be reached
+    with pytest.raises(ValueError, match=r"lives on GPU 0000:19:00\.0 \(the target worker's\) but this drafter "
+                                         r"worker runs on GPU 0000:2a:00\.0"):
+        fci.CudaIpcFeatureReader(h, backend=other)
+    assert opened == []
+    fci.CudaIpcFeatureReader(h, backend=FakeIpcBackend()).close()  # the same GPU attaches

@@ -14,6 +14,9 @@ bool compiled();        // built with a GPU backend
 bool available();       // compiled and a device is present
 std::string backend();  // "cuda", "hip" or "none"
 std::string device_name();
+// PCI bus id of the library's device (cudaDeviceGetPCIBusId, "dddd:bb:dd.f"): the same device has the
+// same id in every process, whatever its device numbering. Throws without a GPU.
+std::string pci_bus_id();
 
 std::shared_ptr<void> alloc(size_t bytes);  // device memory, freed when the last owner drops it
 void memset_zero(void* dst, size_t bytes);
@@ -99,9 +102,11 @@ struct IpcBuffer {
 };
 IpcBuffer ipc_export(size_t bytes);
 // Maps another process's exported buffer (cudaIpcOpenMemHandle with cudaIpcMemLazyEnablePeerAccess).
-// `handle` must be kIpcHandleBytes long; `bytes` is the size the exporter declared: when the runtime
-// reports the mapped allocation's size (cuMemGetAddressRange / hipMemGetAddressRange) it must be at
-// least `bytes`, else std::invalid_argument. The mapping is closed (cudaIpcCloseMemHandle, after the
+// `handle` must be kIpcHandleBytes long; `bytes` is the size the exporter declared: the mapped
+// allocation's size (cuMemGetAddressRange / hipMemGetAddressRange) must be at least `bytes`, and a
+// runtime that cannot report it is refused too (std::invalid_argument either way: a peer's declared
+// size is never trusted). The runtime maps another GPU's buffer as well (peer access): the caller
+// checks the exporter's pci_bus_id(). The mapping is closed (cudaIpcCloseMemHandle, after the
 // library stream drains) when the last owner drops the returned pointer.
 std::shared_ptr<void> ipc_open(const std::string& handle, size_t bytes);
 

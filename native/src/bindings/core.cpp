@@ -19,6 +19,18 @@ std::optional<DType> numpy_dtype(const py::dtype& dt) {
   return std::nullopt;
 }
 
+// The metadata of a contiguous GPU tensor of `shape` / `dtype` (no data yet): the gpu_ipc_export /
+// gpu_ipc_open views. ValueError ("<what>: every dimension must be > 0") on a non-positive dimension.
+Tensor gpu_tensor_meta(const std::vector<int64_t>& shape, DType dtype, const char* what) {
+  for (int64_t d : shape) SPECD_CHECK(d > 0, what, ": every dimension must be > 0");
+  Tensor t;
+  t.dtype = dtype;
+  t.device = Device::GPU;
+  t.shape = shape;
+  t.strides = contiguous_strides(shape, dtype);
+  return t;
+}
+
 }  // namespace
 
 Tensor from_numpy(const py::array& a, std::optional<DType> dtype) {
@@ -289,12 +301,7 @@ ValueError on a negative arena_bytes.)doc");
   m.def(
       "gpu_ipc_export",
       [](const std::vector<int64_t>& shape, DType dtype) {
-        for (int64_t d : shape) SPECD_CHECK(d > 0, "gpu_ipc_export: every dimension must be > 0");
-        Tensor t;
-        t.dtype = dtype;
-        t.device = Device::GPU;
-        t.shape = shape;
-        t.strides = contiguous_strides(shape, dtype);
+        Tensor t = gpu_tensor_meta(shape, dtype, "gpu_ipc_export");
         SPECD_CHECK(t.nbytes() > 0, "gpu_ipc_export: empty tensor");
         gpu::IpcBuffer b = without_gil([&] { return gpu::ipc_export(size_t(t.nbytes())); });
         t.data = b.ptr.get();
@@ -316,12 +323,7 @@ during a graph capture on this thread.)doc");
         std::string h = handle;
         SPECD_CHECK(h.size() == gpu::kIpcHandleBytes, "gpu_ipc_open: the handle must be ", gpu::kIpcHandleBytes,
                     " bytes, got ", h.size());
-        for (int64_t d : shape) SPECD_CHECK(d > 0, "gpu_ipc_open: every dimension must be > 0");
-        Tensor t;
-        t.dtype = dtype;
-        t.device = Device::GPU;
-        t.shape = shape;
-        t.strides = contiguous_strides(shape, dtype);
+        Tensor t = gpu_tensor_meta(shape, dtype, "gpu_ipc_open");
         SPECD_CHECK(nbytes > 0 && t.nbytes() == nbytes, "gpu_ipc_open: shape ", shape.size(), "-D of ",
                     dtype_info(dtype).name, " is ", t.nbytes(), " bytes but the exported buffer is ", nbytes);
         std::shared_ptr<void> p = without_gil([&] { return gpu::ipc_open(h, size_t(nbytes)); });
@@ -333,11 +335,16 @@ during a graph capture on this thread.)doc");
       R"doc(Maps a buffer another process exported with gpu_ipc_export (same GPU) as a GPU tensor.
 
 handle: the 64 exported bytes; shape / dtype: the view to build; nbytes: the exporter's byte size,
-which the view must match exactly (and which the mapped allocation must reach where the runtime can
-tell). The mapping is closed (cudaIpcCloseMemHandle, after the library stream drains) when the last
-reference drops. Raises ValueError on a wrong handle length, a shape that does not match nbytes or
-a smaller mapped allocation, RuntimeError without a GPU or when the runtime refuses the handle
-(e.g. opened in the exporting process itself, or another device).)doc");
+which the view must match exactly and which the mapped allocation must reach (the size is read with
+cuMemGetAddressRange / hipMemGetAddressRange; a runtime that cannot tell it is refused). Note that the
+runtime maps a buffer of another GPU too (peer access): callers check the exporter's device
+(gpu_pci_bus_id) themselves. The mapping is closed (cudaIpcCloseMemHandle, after the library stream
+drains) when the last reference drops. Raises ValueError on a wrong handle length, a shape that does
+not match nbytes, a smaller mapped allocation or one whose size cannot be determined, RuntimeError
+without a GPU or when the runtime refuses the handle (e.g. opened in the exporting process itself).)doc");
+  m.def("gpu_pci_bus_id", [] { return without_gil([] { return gpu::pci_bus_id(); }); },
+        "PCI bus id of the library's GPU (cudaDeviceGetPCIBusId, e.g. \"0000:19:00.0\"); RuntimeError "
+        "without a GPU. Names the device across processes whatever their CUDA_VISIBLE_DEVICES.");
   py::class_<gpu::IpcEvent, std::shared_ptr<gpu::IpcEvent>>(m, "GpuIpcEvent", R"doc(
 An interprocess GPU event (cudaEventInterprocess | cudaEventDisableTiming). gpu_ipc_event_create()
 makes one (the writer); gpu_ipc_event_open(handle) opens it in another process (the reader).

@@ -17,6 +17,7 @@ bool compiled() { return false; }
 bool available() { return false; }
 std::string backend() { return "none"; }
 std::string device_name() { return ""; }
+std::string pci_bus_id() { unavailable(); }
 std::shared_ptr<void> alloc(size_t) { unavailable(); }
 void memset_zero(void*, size_t) { unavailable(); }
 void copy_to_device(void*, const void*, size_t) { unavailable(); }

@@ -107,6 +107,7 @@
 #define cudaIpcMemLazyEnablePeerAccess hipIpcMemLazyEnablePeerAccess
 #define cudaIpcGetEventHandle hipIpcGetEventHandle
 #define cudaIpcOpenEventHandle hipIpcOpenEventHandle
+#define cudaDeviceGetPCIBusId hipDeviceGetPCIBusId
 #define cudaEventInterprocess hipEventInterprocess
 
 // Logical-warp shuffle (width 32 on any wavefront size; see the caveat above).

@@ -393,6 +393,17 @@ std::string backend() { return SPECD_BACKEND_NAME; }
 
 std::string device_name() { return probe().ok ? probe().name : std::string(); }
 
+std::string pci_bus_id() {
+  const detail::Probe& p = detail::require();
+  char id[64] = {0};
+  cudaError_t err = cudaDeviceGetPCIBusId(id, int(sizeof(id)), p.device);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    detail::throw_runtime_error(err, "cudaDeviceGetPCIBusId", __FILE__, __LINE__);
+  }
+  return std::string(id);
+}
+
 std::shared_ptr<void> alloc(size_t bytes) {
   detail::require();
   if (bytes == 0) return std::shared_ptr<void>(nullptr, [](void*) {});
@@ -784,7 +795,12 @@ std::shared_ptr<void> ipc_open(const std::string& handle, size_t bytes) {
     });
   });
   size_t have = mapped_allocation_bytes(ptr);
-  if (have != 0 && have < bytes)
+  if (have == 0)
+    throw std::invalid_argument("gpu ipc_open: the size of the mapped allocation cannot be determined (" SPECD_BACKEND_NAME
+                                " runtime without cuMemGetAddressRange / hipMemGetAddressRange; CUDA builds need "
+                                "runtime 12.5 or newer): refusing to trust the declared " + std::to_string(bytes) +
+                                " bytes");
+  if (have < bytes)
     throw std::invalid_argument("gpu ipc_open: the exported allocation has " + std::to_string(have) +
                                 " bytes, the handle declares " + std::to_string(bytes));
   return owned;
@@ -792,6 +808,8 @@ std::shared_ptr<void> ipc_open(const std::string& handle, size_t bytes) {
 
 std::shared_ptr<IpcEvent> ipc_event_create() {
   detail::require();
+  detail::CaptureLock lock(detail::capture_mu());
+  detail::require_not_capturing(lock, "creating an IPC event");
   (void)stream();
   static_assert(sizeof(cudaIpcEventHandle_t) == kIpcHandleBytes, "IPC event handle size");
   cudaEvent_t e = nullptr;
@@ -809,6 +827,8 @@ std::shared_ptr<IpcEvent> ipc_event_create() {
 std::shared_ptr<IpcEvent> ipc_event_open(const std::string& handle) {
   check_handle(handle, "gpu ipc_event_open");
   detail::require();
+  detail::CaptureLock lock(detail::capture_mu());
+  detail::require_not_capturing(lock, "opening an IPC event");
   (void)stream();
   cudaIpcEventHandle_t h;
   std::memcpy(&h, handle.data(), sizeof(h));
