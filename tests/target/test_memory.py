@@ -121,14 +121,20 @@ def test_demo_target_report():
     assert sum(k.nbytes + v.nbytes for k, v in st.kv.values()) == rep.kv_bytes_per_sequence
 
 
-def test_27b_iq4xs_fits_one_h200():
-    """The issue-7 budget: 27B IQ4_XS, 32k context, one 141 GB H200 (numbers in memory.py's docstring)."""
+def _27b_iq4xs():
+    """Hyperparameters and per-tensor storage types of the random 27B ``iq4xs`` mix."""
     cfg = rq.CONFIGS["27b"]
     hp = hparams_from_config(cfg, cfg["vocab_size"], 0, "27b")
     types = {}
     for name, spec in expected_tensors(hp).items():
         layer = int(name.split(".")[1]) if name.startswith("blk.") else None
         types[name] = rq.storage_type(name, spec.ne, "iq4xs", layer).name
+    return hp, types
+
+
+def test_27b_iq4xs_fits_one_h200():
+    """The issue-7 budget: 27B IQ4_XS, 32k context, one 141 GB H200 (numbers in memory.py's docstring)."""
+    hp, types = _27b_iq4xs()
     by_type = mem.weight_bytes_from_types(hp, types)
     weights = sum(by_type.values())
     assert 14.5e9 < weights < 15.5e9  # 26.9 B parameters at ~4.45 bits (14.96 GB)
@@ -162,12 +168,7 @@ def test_27b_cuda_ipc_ring_on_the_device():
     per sequence: about 20 sequences fit one H200 instead of 46 (memory.py's docstring)."""
     from specd.target_worker.feature_cuda_ipc import device_bytes
 
-    cfg = rq.CONFIGS["27b"]
-    hp = hparams_from_config(cfg, cfg["vocab_size"], 0, "27b")
-    types = {}
-    for name, spec in expected_tensors(hp).items():
-        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
-        types[name] = rq.storage_type(name, spec.ne, "iq4xs", layer).name
+    hp, types = _27b_iq4xs()
     weights = sum(mem.weight_bytes_from_types(hp, types).values())
     sb = mem.state_bytes(hp, sn.DType.F16, verify_width=33, n_taps=5)
     seq = 32768 * sb.kv_per_token + sb.recurrent + sb.conv + sb.verify

@@ -12,6 +12,15 @@
 
 namespace specd::cpu {
 
+void check_kv_cache_format(const Tensor& c, const char* op, const char* arg) {
+  check_ndim(c, 3, op, arg);
+  check_contiguous(c, op, arg);
+  SPECD_CHECK(c.dtype == DType::F32 || c.dtype == DType::F16 || c.dtype == DType::Q8_0, op, ": ", arg,
+              " must be F32, F16 or Q8_0, got ", dtype_info(c.dtype).name);
+  SPECD_CHECK(c.dim(2) % dtype_info(c.dtype).block_size == 0, op, ": ", arg, " head_dim (", c.dim(2),
+              ") must be a multiple of ", dtype_info(c.dtype).block_size, " for ", dtype_info(c.dtype).name);
+}
+
 namespace {
 
 constexpr int64_t kChunk = 64;  // cache rows decoded together (shared by a unit's queries)
@@ -19,12 +28,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 void check_cache(const Tensor& c, const char* op, const char* arg) {
   check_cpu(c, op, arg);
-  check_ndim(c, 3, op, arg);
-  check_contiguous(c, op, arg);
-  SPECD_CHECK(c.dtype == DType::F32 || c.dtype == DType::F16 || c.dtype == DType::Q8_0, op, ": ", arg,
-              " must be F32, F16 or Q8_0, got ", dtype_info(c.dtype).name);
-  SPECD_CHECK(c.dim(2) % dtype_info(c.dtype).block_size == 0, op, ": ", arg, " head_dim (", c.dim(2),
-              ") must be a multiple of ", dtype_info(c.dtype).block_size, " for ", dtype_info(c.dtype).name);
+  check_kv_cache_format(c, op, arg);
 }
 
 // Read access to one cache: F32 rows are used in place, others are decoded into a buffer.

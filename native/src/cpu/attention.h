@@ -14,6 +14,11 @@ namespace specd::cpu {
 // gguf.quants.quantize). Requires 0 <= rows[i] < capacity and distinct rows. In place.
 void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows);
 
+// The format contract of a KV cache, shared by the CPU and GPU backends (each checks the device
+// first): 3-D [capacity, n_kv_heads, head_dim], contiguous, F32 / F16 / Q8_0, head_dim a multiple of
+// the dtype's block size. Throws std::invalid_argument naming `op` and `arg`.
+void check_kv_cache_format(const Tensor& cache, const char* op, const char* arg);
+
 struct AttentionArgs {
   int64_t kv_len = 0;
   bool causal = true;

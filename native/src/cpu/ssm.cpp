@@ -87,17 +87,24 @@ void check_gdn(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
   check_rows(v, DType::F32, 3, op, "v");
   check_rows(g, DType::F32, 2, op, "g");
   check_rows(beta, DType::F32, 2, op, "beta");
-  int64_t T = q.dim(0), hk = q.dim(1), dk = q.dim(2), hv = v.dim(1), dv = v.dim(2);
-  SPECD_CHECK(k.shape == q.shape, op, ": k must have q's shape [T, Hk, dk]");
-  SPECD_CHECK(v.dim(0) == T, op, ": v has ", v.dim(0), " tokens, q has ", T);
-  SPECD_CHECK(hk > 0 && hv % hk == 0, op, ": value heads (", hv, ") must be a multiple of key heads (", hk, ")");
-  SPECD_CHECK(g.dim(0) == T && g.dim(1) == hv, op, ": g must be [T, Hv] = [", T, ", ", hv, "]");
-  SPECD_CHECK(beta.dim(0) == T && beta.dim(1) == hv, op, ": beta must be [T, Hv] = [", T, ", ", hv, "]");
-  check_state(state, {hv, dv, dk}, op, "state");
-  SPECD_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  const GdnDims d = check_gated_delta_net_shapes(q, k, v, g, beta, scale, op);
+  check_state(state, {d.hv, d.dv, d.dk}, op, "state");
 }
 
 }  // namespace
+
+GdnDims check_gated_delta_net_shapes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                     const Tensor& beta, float scale, const char* op) {
+  const GdnDims d{q.dim(0), q.dim(1), q.dim(2), v.dim(1), v.dim(2)};
+  SPECD_CHECK(k.shape == q.shape, op, ": k must have q's shape [T, Hk, dk]");
+  SPECD_CHECK(v.dim(0) == d.T, op, ": v has ", v.dim(0), " tokens, q has ", d.T);
+  SPECD_CHECK(d.hk > 0 && d.hv % d.hk == 0, op, ": value heads (", d.hv, ") must be a multiple of key heads (", d.hk,
+              ")");
+  SPECD_CHECK(g.dim(0) == d.T && g.dim(1) == d.hv, op, ": g must be [T, Hv] = [", d.T, ", ", d.hv, "]");
+  SPECD_CHECK(beta.dim(0) == d.T && beta.dim(1) == d.hv, op, ": beta must be [T, Hv] = [", d.T, ", ", d.hv, "]");
+  SPECD_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+  return d;
+}
 
 Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu) {
   const char* op = "conv1d_causal";

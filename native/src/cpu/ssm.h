@@ -28,4 +28,15 @@ Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state,
 Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                        const Tensor& state, float scale, const std::optional<Tensor>& checkpoints);
 
+// The dimensions of a gated_delta_net call: T tokens, Hk key heads of dk, Hv value heads of dv.
+struct GdnDims {
+  int64_t T, hk, dk, hv, dv;
+};
+
+// The shape contract of gated_delta_net above, shared by the CPU and GPU backends (each checks its
+// own devices, dtypes and layouts first): q and k [T, Hk, dk], v [T, Hv, dv] with Hv % Hk == 0,
+// g and beta [T, Hv], scale finite. Throws std::invalid_argument naming `op` and the argument.
+GdnDims check_gated_delta_net_shapes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
+                                     const Tensor& beta, float scale, const char* op);
+
 }  // namespace specd::cpu

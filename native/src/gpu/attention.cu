@@ -26,12 +26,7 @@ constexpr int kMaxDim = 1024;
 
 void check_cache(const Tensor& c, const char* op, const char* arg) {
   detail::check_gpu(c, op, arg);
-  check_ndim(c, 3, op, arg);
-  check_contiguous(c, op, arg);
-  SPECD_CHECK(c.dtype == DType::F32 || c.dtype == DType::F16 || c.dtype == DType::Q8_0, op, ": ", arg,
-              " must be F32, F16 or Q8_0, got ", dtype_info(c.dtype).name);
-  SPECD_CHECK(c.dim(2) % dtype_info(c.dtype).block_size == 0, op, ": ", arg, " head_dim (", c.dim(2),
-              ") must be a multiple of ", dtype_info(c.dtype).block_size, " for ", dtype_info(c.dtype).name);
+  cpu::check_kv_cache_format(c, op, arg);
 }
 
 void check_index(const Tensor& t, const char* op, const char* arg, int64_t ndim) {

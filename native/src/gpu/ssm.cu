@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "../cpu/ssm.h"
 #include "op_util.cuh"
 #include "ops.h"
 
@@ -192,14 +193,9 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
   detail::check_gpu_tensor(v, DType::F32, 3, op, "v");
   detail::check_gpu_tensor(g, DType::F32, 2, op, "g");
   detail::check_gpu_tensor(beta, DType::F32, 2, op, "beta");
-  int64_t T = q.dim(0), hk = q.dim(1), dk = q.dim(2), hv = v.dim(1), dv = v.dim(2);
-  SPECD_CHECK(k.shape == q.shape, op, ": k must have q's shape [T, Hk, dk]");
-  SPECD_CHECK(v.dim(0) == T, op, ": v has ", v.dim(0), " tokens, q has ", T);
-  SPECD_CHECK(hk > 0 && hv % hk == 0, op, ": value heads (", hv, ") must be a multiple of key heads (", hk, ")");
-  SPECD_CHECK(g.dim(0) == T && g.dim(1) == hv, op, ": g must be [T, Hv] = [", T, ", ", hv, "]");
-  SPECD_CHECK(beta.dim(0) == T && beta.dim(1) == hv, op, ": beta must be [T, Hv] = [", T, ", ", hv, "]");
+  const cpu::GdnDims d = cpu::check_gated_delta_net_shapes(q, k, v, g, beta, scale, op);
+  const int64_t T = d.T, hk = d.hk, dk = d.dk, hv = d.hv, dv = d.dv;
   check_state(state, {hv, dv, dk}, op, "state");
-  SPECD_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
   if (checkpoints) check_state(*checkpoints, {T, hv, dv, dk}, op, "checkpoints");
   SPECD_CHECK(hv <= 0x7fffffff && dk <= 0x7fffffff / 2 && dv <= 0x7fffffff, op, ": dimensions too large");
   Tensor out = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
