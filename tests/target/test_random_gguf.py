@@ -61,3 +61,21 @@ def test_gpu_decode_benchmark_smoke_on_cpu(tmp_path):
     rep = json.loads((tmp_path / "gpu_decode_q8_0.json").read_text())
     assert rep["decode_tok_s"] > 0 and len(rep["verify_ms"]) == 17 and rep["prefill_tok_s"]
     assert all(v["steps_not_matching_greedy"] == 0 and v["steps"] > 0 for v in rep["loop"].values())
+
+
+def test_gpu_decode_kernel_summary():
+    """The per-kernel profile summary of gpu_decode.py --profile: names shortened (namespaces,
+    argument lists), calls and time summed per kernel, per step, sorted, shares summing to 1."""
+    import gpu_decode
+    ev = [("void specd::gpu::(anonymous namespace)::rms_norm_kernel<4>(float const*, float*)", 2.0),
+          ("void specd::gpu::detail::mma::mma_gemv_kernel<specd::gpu::detail::mma::IQ4U, 1>(unsigned char const*)", 30.0),
+          ("void specd::gpu::(anonymous namespace)::rms_norm_kernel<4>(float const*, float*)", 4.0),
+          ("Memcpy DtoH (Device -> Pinned)", 1.0)]
+    rows = gpu_decode.summarise_kernels(ev, steps=2)
+    assert [r["kernel"] for r in rows] == ["mma::mma_gemv_kernel<mma::IQ4U, 1>", "rms_norm_kernel<4>", "Memcpy DtoH"]
+    assert rows[1]["calls"] == 2 and rows[1]["us_per_step"] == 3.0
+    assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-12
+    md = gpu_decode.markdown({"config": "27b", "mix": "iq4xs", "device": "x", "date": "d", "weight_bytes": 1,
+                              "load_s": 1.0, "decode_tok_s": 1.0, "verify_ms": {1: 1.0}, "prefill_tok_s": {},
+                              "loop": {}, "streamed_bytes_per_token": 1, "profile": rows, "profile_steps": 2})
+    assert "| `mma::mma_gemv_kernel<mma::IQ4U, 1>` | 0 | 15 | 81.1 % |" in md

@@ -9,6 +9,8 @@ Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
   of which one row is read); with CUDA graphs on (the default) also the same decode op by op;
 * chain verify step time at widths 1..17 (``verify`` without committing; the model has no capture
   layers, so no feature rows are computed or copied);
+* with ``--profile N``: where the time of N plain decode steps goes, per GPU kernel (torch.profiler's
+  CUPTI trace, which sees the library's kernels, graph-launched ones included);
 * prefill tok/s at 128 / 512 / 2048 / 8192 prompt tokens (longer ones skipped once one takes > 60 s);
 * an in-process speculative loop with a scripted drafter at acceptance lengths 3, 5 and 7: each step
   verifies the anchor + 7 drafts whose first AL - 1 are the target's own greedy continuation and
@@ -75,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, nargs="*", default=[128, 512, 2048, 8192])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile N plain decode steps per GPU kernel (0: off)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="replay chain verifies of <= 16 rows as CUDA graphs (default on)")
     args = ap.parse_args(argv)
@@ -130,6 +134,13 @@ def main(argv=None) -> int:
         rep["decode_eager_tok_s"] = args.decode_tokens / timed(run_decode, sync)
         model.cuda_graphs = True
     print("decode", rep["decode_tok_s"], "eager", rep.get("decode_eager_tok_s"), flush=True)
+
+    if args.profile > 0:
+        decode_tokens = args.decode_tokens
+        args.decode_tokens = args.profile
+        rep["profile"], rep["profile_steps"] = kernel_profile(run_decode, sync, args.profile), args.profile
+        args.decode_tokens = decode_tokens
+        print("profile", json.dumps(rep["profile"][:25]), flush=True)
 
     rep["verify_ms"] = {}
     for w in range(1, 18):
@@ -189,6 +200,41 @@ def main(argv=None) -> int:
     return 0
 
 
+def kernel_profile(run, sync, steps: int) -> list[dict]:
+    """GPU time per kernel over one call of ``run`` (``steps`` decode steps), from torch.profiler's
+    CUPTI activity trace (it sees every kernel of the process, the native library's and graph-launched
+    ones included); summarised by :func:`summarise_kernels`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        sync()
+    return summarise_kernels([(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                              if e.device_type == torch.autograd.DeviceType.CUDA], steps)
+
+
+def short_kernel_name(name: str) -> str:
+    """A demangled kernel name without ``void``, the argument list and the library's namespaces:
+    ``void specd::gpu::(anonymous namespace)::rms_norm_kernel<4>(float const*, ...)`` ->
+    ``rms_norm_kernel<4>``."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "").split("(")[0]
+    return name.replace("specd::gpu::detail::", "").replace("specd::gpu::", "").strip()
+
+
+def summarise_kernels(events: list[tuple[str, float]], steps: int) -> list[dict]:
+    """[(kernel name, microseconds)] of ``steps`` steps -> [{kernel, calls, us_per_step, share}] per
+    short name, by time (share of the summed kernel time)."""
+    per: dict[str, list] = {}
+    for name, us in events:
+        slot = per.setdefault(short_kernel_name(name), [0, 0.0])
+        slot[0] += 1
+        slot[1] += us
+    total = sum(v[1] for v in per.values()) or 1.0
+    rows = [{"kernel": k, "calls": v[0], "us_per_step": v[1] / steps, "share": v[1] / total} for k, v in per.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
 def markdown(r: dict) -> str:
     gb = lambda b: f"{b / 2**30:.2f} GiB" if b is not None else "n/a"  # noqa: E731
     L = [f"### Random {r['config']}-shaped qwen35, mix `{r['mix']}` on {r['device']} ({r['date']})", "",
@@ -209,6 +255,12 @@ def markdown(r: dict) -> str:
          "| prefill tok/s | " + " | ".join(f"{v:.0f}" for v in r["prefill_tok_s"].values()) + " |", "",
          "| scripted AL | tok/s | speedup vs plain |", "| --- | --- | --- |"]
     L += [f"| {al} | {v['tok_s']:.1f} | {v['speedup']:.2f}x |" for al, v in r["loop"].items()]
+    if r.get("profile"):
+        L += ["", "GPU time per plain decode step by kernel (top 15; torch.profiler CUPTI trace):", "",
+              "| kernel | calls / step | us / step | share |", "| --- | --- | --- | --- |"]
+        steps = max(1, r.get("profile_steps", 1))
+        L += [f"| `{k['kernel']}` | {k['calls'] / steps:.0f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
+              for k in r["profile"][:15]]
     return "\n".join(L) + "\n"
 
 
