@@ -163,17 +163,34 @@ class ComputeSlots:
     def for_threads(cls, threads: int) -> "ComputeSlots":
         return cls(threads - LIGHT_RESERVE if threads > LIGHT_RESERVE else 0)
 
-    def run(self, context, fn, *args):
-        if self.sem is None:
-            return fn(*args)
+    def _acquire(self, context) -> None:
         if not self.sem.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"worker busy: all {self.n} compute slots are taken (threads - {LIGHT_RESERVE} reserved "
                           "for health/release)")
+
+    def run(self, context, fn, *args):
+        if self.sem is None:
+            return fn(*args)
+        self._acquire(context)
         try:
             return fn(*args)
         finally:
             self.sem.release()
+
+    def stream(self, context, fn, request_iterator):
+        """A per-sequence request stream (VerifyStream / ProposeStream): yields ``fn(request,
+        context)`` for each request, in order. The stream holds one slot from its start to its end
+        (its thread is taken while it waits for the next request), so it is admitted like one compute
+        call; the first error (``context.abort``) ends the stream with that status."""
+        if self.sem is not None:
+            self._acquire(context)
+        try:
+            for request in request_iterator:
+                yield fn(request, context)
+        finally:
+            if self.sem is not None:
+                self.sem.release()
 
 
 class IdleReaper:
@@ -438,6 +455,11 @@ class TargetServicer(pbg.TargetWorkerServicer):
 
     def Verify(self, request, context):
         return self.slots.run(context, self._verify, request, context)
+
+    def VerifyStream(self, request_iterator, context):
+        """Verify over one stream per sequence: one VerifyResponse per VerifyRequest, in order
+        (worker.proto; :meth:`ComputeSlots.stream`)."""
+        return self.slots.stream(context, self._verify, request_iterator)
 
     def _verify(self, request, context):
         """Chain verify (module docstring), or with ``parents`` a tree verify (spec-loop.md §7.3,

@@ -1,0 +1,233 @@
+"""The hot path over per-sequence worker streams (worker.proto VerifyStream / ProposeStream,
+CoordinatorConfig.worker_streams) and the pipelined client write: lossless against plain greedy and
+against the unary path, one stream per sequence and worker, the per-call bound without a deadline,
+compute-slot admission of streams, and the cached metric children."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from specd.coordinator.policy import PolicyConfig
+from specd.protos.v1 import generate_pb2 as gpb
+from specd.protos.v1 import worker_pb2 as wpb
+from specd.protos.v1 import worker_pb2_grpc as wpbg
+from specd.target_worker import server as tserver
+
+from .conftest import generate, streamed_ids, token_request
+from .test_serving import wait_released
+
+
+def _spec(mode=gpb.SPECULATION_MODE_FORCE, **kw):
+    return gpb.SpeculationParams(mode=mode, **kw)
+
+
+@pytest.mark.parametrize("plan", [None, 2, 0])
+@pytest.mark.parametrize("draft_mode", [gpb.DRAFT_MODE_CHAIN, gpb.DRAFT_MODE_TREE])
+def test_streams_and_unary_calls_give_the_plain_greedy_output(stack, reference, plan, draft_mode):
+    """Chain and tree steps at full, partial and no acceptance: the stream path (default) and the
+    unary path (--no-worker-streams) both stream exactly the plain greedy tokens, with the same
+    steps and acceptance."""
+    prompt = [7, 1, 8, 2, 8]
+    ref, _ = reference(prompt, 40)
+    stack.drafter.continuations[tuple(prompt)] = ref
+    stack.drafter.plan = plan
+    unary = stack.coordinator(policy=PolicyConfig(step_ratio=0), worker_streams=False)
+    try:
+        out = []
+        for stub in (stack.stub, unary):
+            chunks, done = generate(stub, token_request(prompt, 30, ignore_eos=True,
+                                                        speculation=_spec(draft_mode=draft_mode)))
+            assert streamed_ids(chunks) == ref[:30] == list(done.output_ids)
+            sp = done.speculation
+            out.append((done.timing.steps, sp.num_drafts, sp.num_accepted_tokens, list(sp.accepted_per_position)))
+        assert out[0] == out[1]
+    finally:
+        stack.drafter.plan = None
+    wait_released(stack)
+
+
+def test_one_stream_per_sequence_and_worker_carries_every_step(stack, reference, monkeypatch):
+    """With worker_streams (default) a request opens one VerifyStream and one ProposeStream and sends
+    every step over them: no unary Verify / Propose, one stream message per step and worker call."""
+    prompt = [2, 7, 1, 8]
+    ref, _ = reference(prompt, 30)
+    stack.drafter.continuations[tuple(prompt)] = ref
+    stack.drafter.plan = 1
+    seen = {"Verify": 0, "Propose": 0, "VerifyStream": 0, "ProposeStream": 0, "verify_msgs": 0, "propose_msgs": 0}
+    lock = threading.Lock()
+    # the servicers' RPC methods are bound at registration; both workers admit calls through
+    # ComputeSlots.run (unary) and ComputeSlots.stream (streams), looked up per call
+    real_run, real_stream = tserver.ComputeSlots.run, tserver.ComputeSlots.stream
+    names = {"_verify": ("Verify", "VerifyStream", "verify_msgs"), "_propose": ("Propose", "ProposeStream", "propose_msgs")}
+
+    def run(self, context, fn, *args):
+        if fn.__name__ in names:
+            with lock:
+                seen[names[fn.__name__][0]] += 1
+        return real_run(self, context, fn, *args)
+
+    def stream(self, context, fn, requests):
+        key = names.get(fn.__name__)
+        if key:
+            with lock:
+                seen[key[1]] += 1
+
+        def counted():
+            for r in requests:
+                if key:
+                    with lock:
+                        seen[key[2]] += 1
+                yield r
+        return real_stream(self, context, fn, counted())
+
+    monkeypatch.setattr(tserver.ComputeSlots, "run", run)
+    monkeypatch.setattr(tserver.ComputeSlots, "stream", stream)
+    try:
+        chunks, done = generate(stack.stub, token_request(prompt, 20, ignore_eos=True, speculation=_spec()))
+    finally:
+        stack.drafter.plan = None
+    assert streamed_ids(chunks) == ref[:20]
+    steps = done.timing.steps
+    assert seen["Verify"] == seen["Propose"] == 0
+    assert seen["VerifyStream"] == seen["ProposeStream"] == 1
+    assert seen["verify_msgs"] == steps
+    assert 1 <= seen["propose_msgs"] <= steps
+    wait_released(stack)
+
+
+def test_plain_requests_open_no_drafter_stream(stack, reference, monkeypatch):
+    """Speculation off: the verify stream only (the drafter is never called)."""
+    opened = []
+    real = tserver.ComputeSlots.stream
+    monkeypatch.setattr(tserver.ComputeSlots, "stream",
+                        lambda self, c, fn, it: opened.append(fn.__name__) or real(self, c, fn, it))
+    prompt = [5, 5, 6]
+    ref, _ = reference(prompt, 12)
+    chunks, done = generate(stack.stub, token_request(prompt, 12, ignore_eos=True,
+                                                      speculation=_spec(gpb.SPECULATION_MODE_OFF)))
+    assert streamed_ids(chunks) == ref[:12] and opened == ["_verify"]
+    wait_released(stack)
+
+
+def test_stream_call_without_deadline_is_bounded_by_worker_timeout(stack, reference):
+    """No request deadline: each stream message is bounded by worker_timeout_s like a unary call; a
+    drafter that does not answer in time ends the request with DEADLINE_EXCEEDED and frees both
+    workers' sequences."""
+    stub = stack.coordinator(policy=PolicyConfig(step_ratio=0), worker_timeout_s=0.5)
+    prompt = [9, 9, 1]
+    real = stack.drafter.propose
+
+    def slow(*a, **kw):
+        time.sleep(1.5)
+        return real(*a, **kw)
+
+    stack.drafter.propose = slow
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as ei:
+            generate(stub, token_request(prompt, 10, ignore_eos=True, speculation=_spec()), timeout=None)
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value.details()
+        assert "worker_timeout_s" in ei.value.details()
+        assert time.monotonic() - t0 < 1.4
+    finally:
+        time.sleep(1.2)  # the drafter thread finishes its slow call
+        del stack.drafter.propose
+    wait_released(stack)
+
+
+def test_stream_with_deadline_ends_with_deadline_exceeded(stack):
+    """A request deadline is the stream's gRPC deadline: a step that outlives it ends the request
+    with DEADLINE_EXCEEDED."""
+    real = stack.drafter.propose
+
+    def slow(*a, **kw):
+        time.sleep(1.0)
+        return real(*a, **kw)
+
+    stack.drafter.propose = slow
+    try:
+        with pytest.raises(grpc.RpcError) as ei:
+            generate(stack.stub, token_request([4, 4, 2], 10, ignore_eos=True, speculation=_spec()), timeout=0.6)
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        time.sleep(1.0)
+        del stack.drafter.propose
+    wait_released(stack)
+
+
+def test_stream_worker_error_maps_like_the_unary_call(stack):
+    """A worker error on a stream message ends the request with the unary call's mapping
+    (a Verify of a sequence the target does not know: NOT_FOUND -> INTERNAL naming the call)."""
+    t = wpbg.TargetWorkerStub(grpc.insecure_channel(f"unix://{stack.dir}/t.sock"))
+    call = t.VerifyStream(iter([wpb.VerifyRequest(seq_id="no-such-seq", tokens=[1])]), timeout=10)
+    with pytest.raises(grpc.RpcError) as ei:
+        list(call)
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+class _AbortContext:
+    def __init__(self):
+        self.code = None
+
+    def abort(self, code, details):
+        self.code = code
+        raise RuntimeError(details)
+
+
+def test_compute_slots_admit_a_stream_for_its_whole_life():
+    """ComputeSlots.stream holds one slot from the stream's first message to its end; another call
+    meanwhile is refused with RESOURCE_EXHAUSTED, and the slot is free again after the stream."""
+    slots = tserver.ComputeSlots(1)
+    ctx = _AbortContext()
+    msgs = iter([1, 2, 3])
+    gen = slots.stream(ctx, lambda r, c: r * 10, msgs)
+    assert next(gen) == 10
+    with pytest.raises(RuntimeError):
+        slots.run(ctx, lambda: None)
+    assert ctx.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert list(gen) == [20, 30]
+    assert slots.run(ctx, lambda: "ok") == "ok"
+    gen2 = slots.stream(ctx, lambda r, c: r, iter([1, 2]))
+    assert next(gen2) == 1
+    gen2.close()  # a cancelled stream (the server closes the generator) frees its slot too
+    assert slots.run(ctx, lambda: "ok") == "ok"
+
+
+def test_step_metrics_use_cached_children_and_list_only_reached_positions():
+    """record_step keeps its per-step series children and creates per-position series only for
+    positions that occurred (values as before the caching)."""
+    from specd.coordinator.metrics import CoordinatorMetrics
+
+    mx = CoordinatorMetrics("m", "d")
+    mx.record_step(4, 2, 0.001, 0.002, 0.0005)
+    mx.record_step(4, 0, 0.001, 0.002, 0.0005)
+    mx.record_step(0, 0, 0.0, 0.002, 0.0005)
+    r = mx.registry
+    lab = {"model": "m", "drafter": "d"}
+    assert r.get_sample_value("specd_spec_drafts_total", lab) == 2
+    assert r.get_sample_value("specd_spec_draft_tokens_total", lab) == 8
+    assert r.get_sample_value("specd_spec_accepted_tokens_total", lab) == 2
+    assert r.get_sample_value("specd_spec_reached_positions_total", {**lab, "position": "0"}) == 2
+    assert r.get_sample_value("specd_spec_reached_positions_total", {**lab, "position": "2"}) == 1
+    assert r.get_sample_value("specd_spec_reached_positions_total", {**lab, "position": "3"}) is None
+    assert r.get_sample_value("specd_spec_accepted_tokens_per_position_total", {**lab, "position": "1"}) == 1
+    assert r.get_sample_value("specd_spec_accepted_tokens_per_position_total", {**lab, "position": "2"}) is None
+    assert r.get_sample_value("specd_step_seconds_count", {**lab, "phase": "verify"}) == 3
+    assert r.get_sample_value("specd_step_seconds_count", {**lab, "phase": "draft"}) == 2
+
+
+def test_worker_streams_flag_default_and_serve_forwarding():
+    """--no-worker-streams (coordinator, forwarded by serve) turns the streams off; default on."""
+    from specd.coordinator.cli import build_parser
+    from specd.coordinator.config import config_from_args
+    from specd.coordinator.launcher import _passthrough
+
+    p = build_parser()
+    assert config_from_args(p.parse_args(["coordinator"])).worker_streams is True
+    assert config_from_args(p.parse_args(["coordinator", "--no-worker-streams"])).worker_streams is False
+    args = p.parse_args(["serve", "--no-worker-streams"])
+    assert "--no-worker-streams" in _passthrough(args)
+    assert "--no-worker-streams" not in _passthrough(p.parse_args(["serve"]))
