@@ -26,6 +26,12 @@ Per request (spec-loop.md §2-§3, §9):
    speculative before the pending rows plus one verify could exceed ``TargetInfo.inline_max_rows``;
 5. a final ``complete`` with finish reason, usage (= what was sent) and speculation stats.
 
+Hot path (``worker_streams``, default on): a sequence's Verify and Propose calls travel over one
+``VerifyStream`` and one ``ProposeStream`` (worker.proto; :class:`WorkerStream`), opened at its first
+step and closed before its Release: a message on an open stream costs about half a unary call's round
+trip. Each chunk's client write runs while the loop makes the next step's worker calls (at most one
+write in flight, each bounded by ``send_stall_timeout_s``).
+
 Both workers' sequences are released on every exit path (finish, error, client cancel, deadline).
 Deadlines: each worker call gets the request's remaining time; a speculative step is skipped for a
 plain one when the remaining time is below the measured speculative step time; when the time runs out
@@ -630,15 +636,12 @@ class Coordinator(gpbg.SpecDecodeServicer):
         finally:
             if writing is not None and not writing.done():
                 writing.cancel()
-            if streams is not None:
-                for st in streams.values():
-                    await st.close(ended)
             self.live.pop(rid, None)
             mx.running.labels(*lv).dec()
             mx.requests.labels(*mx.l(*outcome)).inc()
             mx.generation_tokens.labels(*lv).inc(len(fin.ids))
             mx.e2e.labels(*lv).observe(time.perf_counter() - t_start)
-            task = asyncio.ensure_future(self._release(seq_id, started))
+            task = asyncio.ensure_future(self._release(seq_id, started, streams, ended))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
             await asyncio.shield(task)
@@ -656,12 +659,16 @@ class Coordinator(gpbg.SpecDecodeServicer):
         else:
             writing.result()
 
-    async def _release(self, seq_id: str, started: dict) -> None:
-        """Releases the sequence on the workers that hold it; a failed call is retried once (the
+    async def _release(self, seq_id: str, started: dict, streams: dict | None = None, ended: bool = False) -> None:
+        """Closes the sequence's worker streams (half-close after a normal end, else cancel), then
+        releases the sequence on the workers that hold it; a failed call is retried once (the
         workers' idle TTL frees what still leaks). Concurrently (shm, inline: the drafter only ever
         holds its own copy); with cuda-ipc the drafter first, and the target only once the drafter's
         Release has returned (closed its mapping of the ring after its stream drained) or failed
-        twice: the target's Release frees the ring's device memory (cudaFree)."""
+        twice: the target's Release frees the ring's device memory (cudaFree). Runs as a shielded
+        task of Generate, so a client cancel cannot cut it short."""
+        for st in (streams or {}).values():
+            await st.close(ended)
         async def one(stub, name):
             for attempt in (1, 2):
                 try:
