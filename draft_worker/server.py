@@ -156,7 +156,9 @@ class DraftWorkerConfig:
     scripted_accept: right drafts per step: -1 all (oracle, default), 0 none, k: right up to k.
     threads: RPC threads, default 0 = 72 (the target's default max_sequences 64 + 8); Propose calls take
         at most threads - 2 of them (one more is refused with RESOURCE_EXHAUSTED), so Health and
-        Release always find a thread. Size it to the target's max_sequences + 8.
+        Release always find a thread. An open ProposeStream counts as one Propose for its sequence's
+        whole generation, so at most threads - 2 sequences speculate at once: size it to the
+        target's max_sequences + 8.
     max_concurrent_rpcs: calls admitted at once (RESOURCE_EXHAUSTED beyond), default 0 = 4 x threads.
     max_message_bytes: default 256 MiB.
     idle_ttl_s: a sequence with no call for this long is freed (coordinator gone / Release lost),

@@ -68,6 +68,8 @@ class TargetWorkerConfig:
     threads: RPC threads, default 0 = max_sequences + 8. Compute calls (Prefill/Verify/Commit) take
         at most threads - 2 (one more is refused at once with RESOURCE_EXHAUSTED), so Health, Release
         and Info always find a thread; every live sequence can have its one compute call in flight.
+        An open VerifyStream counts as one compute call for its sequence's whole generation (its
+        thread waits for the next step), so max_sequences generating sequences fit.
     max_concurrent_rpcs: calls admitted at once (RESOURCE_EXHAUSTED beyond), default 0 = 4 x threads.
     max_message_bytes: gRPC send/receive limit, default 256 MiB.
     idle_ttl_s: a sequence with no call for this long is freed (leases against a coordinator that
