@@ -96,18 +96,23 @@ class SpecOptions:
 
 def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> RequestError:
     """The request-level error for a failed worker call ``what`` ("prefill", "propose", "verify"):
+    :func:`status_error` of its status."""
+    return status_error(exc.code(), exc.details(), what)
+
+
+def status_error(code: grpc.StatusCode, details: str, what: str) -> RequestError:
+    """The request-level error for worker call ``what`` ending with ``code`` / ``details``:
     DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED (retryable) and UNAVAILABLE keep their code, as does
     INVALID_ARGUMENT of a prefill (a prompt the worker refuses); anything else is INTERNAL."""
-    code = exc.code()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return RequestError(code, f"deadline exceeded during {what}")
     if code == grpc.StatusCode.INVALID_ARGUMENT and what == "prefill":
-        return RequestError(code, f"{what}: {exc.details()}")
+        return RequestError(code, f"{what}: {details}")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # full worker / busy compute slots: retryable
-        return RequestError(code, f"{what}: {exc.details()}")
+        return RequestError(code, f"{what}: {details}")
     if code == grpc.StatusCode.UNAVAILABLE:
-        return RequestError(code, f"{what}: worker unavailable: {exc.details()}")
-    return RequestError(grpc.StatusCode.INTERNAL, f"{what} failed: {code.name}: {exc.details()}")
+        return RequestError(code, f"{what}: worker unavailable: {details}")
+    return RequestError(grpc.StatusCode.INTERNAL, f"{what} failed: {code.name}: {details}")
 
 
 class WorkerStream:
@@ -158,10 +163,12 @@ class WorkerStream:
             resp = await self.rpc.read()
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, self.what) from exc
-        except (asyncio.CancelledError, asyncio.InvalidStateError):
+        except (asyncio.CancelledError, asyncio.InvalidStateError) as exc:
             if self.expired:
                 raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"{self.what}: no answer within worker_timeout_s {self.worker_timeout_s}") from None
+            if isinstance(exc, asyncio.InvalidStateError):  # the stream ended between two steps (worker gone)
+                raise status_error(await self.rpc.code(), await self.rpc.details(), self.what) from None
             raise
         finally:
             if timer is not None:

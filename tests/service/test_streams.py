@@ -231,3 +231,46 @@ def test_worker_streams_flag_default_and_serve_forwarding():
     args = p.parse_args(["serve", "--no-worker-streams"])
     assert "--no-worker-streams" in _passthrough(args)
     assert "--no-worker-streams" not in _passthrough(p.parse_args(["serve"]))
+
+
+class _EndedRpc:
+    """A stream-stream call that the worker ended (UNAVAILABLE) while the coordinator was between steps."""
+
+    def done(self):
+        return True
+
+    async def write(self, msg):
+        import asyncio
+
+        raise asyncio.InvalidStateError("RPC already finished")
+
+    async def read(self):
+        raise AssertionError("not reached")
+
+    async def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    async def details(self):
+        return "connection reset"
+
+    def cancel(self):
+        return False
+
+
+def test_worker_stream_that_ended_between_steps_maps_its_status():
+    """A stream the worker ended between two steps (worker restarted) fails the next call with the
+    stream's status mapped like a unary call (UNAVAILABLE stays UNAVAILABLE), not as an internal error."""
+    import asyncio
+
+    from specd.coordinator.server import RequestError, WorkerStream
+
+    ws = WorkerStream(lambda timeout=None: _EndedRpc(), "verify", 5.0)
+
+    async def run():
+        with pytest.raises(RequestError) as ei:
+            await ws.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), None)
+        return ei.value
+
+    err = asyncio.run(run())
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "worker unavailable" in err.message
+    asyncio.run(ws.close(True))  # done: nothing to close, no error
