@@ -152,6 +152,8 @@ def main():
     if min(args.al) < 2 or args.block < max(args.al) - 1:
         ap.error("--al values must be >= 2 and --block >= max(--al) - 1")
     t_begin = time.perf_counter()
+    # SIGTERM (e.g. `timeout` in gpu_bench.sh) exits through the finally below, which stops the servers
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     import grpc
 
