@@ -121,7 +121,7 @@ def test_stream_call_without_deadline_is_bounded_by_worker_timeout(stack, refere
     real = stack.drafter.propose
 
     def slow(*a, **kw):
-        time.sleep(1.5)
+        time.sleep(3.0)
         return real(*a, **kw)
 
     stack.drafter.propose = slow
@@ -131,10 +131,9 @@ def test_stream_call_without_deadline_is_bounded_by_worker_timeout(stack, refere
             generate(stub, token_request(prompt, 10, ignore_eos=True, speculation=_spec()), timeout=None)
         assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value.details()
         assert "worker_timeout_s" in ei.value.details()
-        assert time.monotonic() - t0 < 1.4
+        assert time.monotonic() - t0 < 2.5  # before the drafter's answer
     finally:
-        time.sleep(1.2)  # the drafter thread finishes its slow call
-        del stack.drafter.propose
+        del stack.drafter.propose  # the slow call in flight keeps running; its Release waits for it
     wait_released(stack)
 
 
@@ -153,7 +152,6 @@ def test_stream_with_deadline_ends_with_deadline_exceeded(stack):
             generate(stack.stub, token_request([4, 4, 2], 10, ignore_eos=True, speculation=_spec()), timeout=0.6)
         assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
-        time.sleep(1.0)
         del stack.drafter.propose
     wait_released(stack)
 
