@@ -4,6 +4,7 @@ against the unary path, one stream per sequence and worker, the per-call bound w
 compute-slot admission of streams, and the cached metric children."""
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -11,6 +12,8 @@ import grpc
 import pytest
 
 from specd.coordinator.policy import PolicyConfig
+from specd.draft_worker import server as dserver
+from specd.draft_worker.scripted import ScriptedDrafter
 from specd.protos.v1 import generate_pb2 as gpb
 from specd.protos.v1 import worker_pb2 as wpb
 from specd.protos.v1 import worker_pb2_grpc as wpbg
@@ -272,3 +275,87 @@ def test_worker_stream_that_ended_between_steps_maps_its_status():
     err = asyncio.run(run())
     assert err.code == grpc.StatusCode.UNAVAILABLE and "worker unavailable" in err.message
     asyncio.run(ws.close(True))  # done: nothing to close, no error
+
+
+class BlackHoleProxy:
+    """TCP relay 127.0.0.1:port -> target; ``freeze()`` stops relaying but keeps every socket open."""
+
+    def __init__(self, target_port):
+        self.target_port, self.frozen, self.closed, self.socks = target_port, threading.Event(), threading.Event(), []
+        self.lsock = socket.socket()
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen()
+        self.port = self.lsock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            u = socket.create_connection(("127.0.0.1", self.target_port))
+            self.socks += [c, u]
+            for a, b in ((c, u), (u, c)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, a, b):
+        a.settimeout(0.05)
+        while not self.closed.is_set():
+            if self.frozen.is_set():
+                time.sleep(0.05)  # read nothing more: the peer's bytes pile up unanswered
+                continue
+            try:
+                data = a.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            try:
+                b.sendall(data)
+            except OSError:
+                return
+
+    def freeze(self):
+        self.frozen.set()
+
+    def close(self):
+        self.closed.set()
+        self.lsock.close()
+        for s in self.socks:
+            s.close()
+
+
+def test_stream_of_a_vanished_coordinator_frees_its_slot(monkeypatch):
+    """A ProposeStream whose coordinator vanished without closing its connection (host down, network
+    partition; here a relay that stops forwarding) holds a compute slot and an RPC thread while it
+    waits for its next step: the worker's keepalive ping finds the dead peer and frees them (before,
+    gRPC's default server keepalive of 2 h kept them that long)."""
+    monkeypatch.setattr(tserver, "KEEPALIVE_TIME_MS", 300)
+    monkeypatch.setattr(tserver, "KEEPALIVE_TIMEOUT_MS", 500)
+    servicer = dserver.DraftServicer(ScriptedDrafter(4, 100), idle_ttl_s=0)
+    server, port = dserver.start_server(servicer, "127.0.0.1:0", threads=4)
+    proxy = BlackHoleProxy(port)
+    ch = grpc.insecure_channel(f"127.0.0.1:{proxy.port}")
+    stop = threading.Event()
+    try:
+        slots = servicer.slots
+        call = wpbg.DraftWorkerStub(ch).ProposeStream(iter(stop.wait, True))  # sends nothing
+        end = time.monotonic() + 10
+        while slots.sem._value == slots.n and time.monotonic() < end:
+            time.sleep(0.02)
+        assert slots.sem._value == slots.n - 1, "the stream holds a slot"
+        proxy.freeze()
+        end = time.monotonic() + 10
+        while slots.sem._value != slots.n and time.monotonic() < end:
+            time.sleep(0.05)
+        assert slots.sem._value == slots.n, "the vanished coordinator's stream still holds its slot"
+        call.cancel()
+    finally:
+        stop.set()
+        proxy.close()
+        ch.close()
+        server.stop(0).wait()
+        servicer.close()
