@@ -27,6 +27,18 @@ def _spec(mode=gpb.SPECULATION_MODE_FORCE, **kw):
     return gpb.SpeculationParams(mode=mode, **kw)
 
 
+def _wait_slots_free(stack, timeout=10.0):
+    """Waits until every compute slot of both workers is free again (no stream left holding one)."""
+    end = time.monotonic() + timeout
+    while True:
+        taken = [(s.n - s.sem._value) for s in (stack.tservicer.slots, stack.dservicer.slots)]
+        if taken == [0, 0]:
+            return
+        if time.monotonic() > end:
+            raise AssertionError(f"compute slots still taken (target, drafter): {taken}")
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("plan", [None, 2, 0])
 @pytest.mark.parametrize("draft_mode", [gpb.DRAFT_MODE_CHAIN, gpb.DRAFT_MODE_TREE])
 def test_streams_and_unary_calls_give_the_plain_greedy_output(stack, reference, plan, draft_mode):
@@ -167,6 +179,50 @@ def test_stream_worker_error_maps_like_the_unary_call(stack):
     with pytest.raises(grpc.RpcError) as ei:
         list(call)
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_worker_error_mid_stream_ends_that_request_only(stack, reference, monkeypatch):
+    """The target refuses the 3rd Verify of one request (INVALID_ARGUMENT on its stream): that request
+    ends with the unary mapping (INTERNAL naming the call) after the chunks of its first steps, which
+    are the plain greedy tokens; a request running alongside and the next one are served in full, and
+    both workers' sequences and compute slots are freed."""
+    bad, good = [3, 1, 4, 1, 5], [2, 7, 1, 8, 2]
+    for p in (bad, good):
+        ref, _ = reference(p, 40)
+        stack.drafter.continuations[tuple(p)] = ref
+    stack.drafter.plan = 1
+    real, n = stack.tservicer._verify, {}
+
+    def verify(request, context):
+        if request.seq_id.startswith("bad-"):
+            n[request.seq_id] = n.get(request.seq_id, 0) + 1
+            if n[request.seq_id] == 3:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "refused for the test")
+        return real(request, context)
+
+    monkeypatch.setattr(stack.tservicer, "_verify", verify)
+    req = token_request(bad, 30, ignore_eos=True, speculation=_spec())
+    req.request_id = "bad-1"
+    got, other = [], {}
+    t = threading.Thread(target=lambda: other.update(
+        r=generate(stack.stub, token_request(good, 30, ignore_eos=True, speculation=_spec()))))
+    t.start()
+    try:
+        with pytest.raises(grpc.RpcError) as ei:
+            for r in stack.stub.Generate(req, timeout=60):
+                got.extend(r.chunk.token_ids)
+    finally:
+        t.join(60)
+        stack.drafter.plan = None
+    assert ei.value.code() == grpc.StatusCode.INTERNAL
+    assert "verify failed: INVALID_ARGUMENT: refused for the test" in ei.value.details()
+    assert 0 < len(got) < 30 and got == reference(bad, 40)[0][:len(got)]
+    chunks, _ = other["r"]
+    assert streamed_ids(chunks) == reference(good, 40)[0][:30]
+    chunks, _ = generate(stack.stub, token_request(good, 12, ignore_eos=True, speculation=_spec()))
+    assert streamed_ids(chunks) == reference(good, 40)[0][:12]
+    wait_released(stack)
+    _wait_slots_free(stack)
 
 
 class _AbortContext:
@@ -359,3 +415,41 @@ def test_stream_of_a_vanished_coordinator_frees_its_slot(monkeypatch):
         ch.close()
         server.stop(0).wait()
         servicer.close()
+
+
+@pytest.mark.parametrize("where", ["between_steps", "mid_propose"])
+def test_client_cancel_frees_both_workers_stream_slots(stack, reference, where):
+    """A client cancel between two steps or while a Propose is on the drafter: the coordinator cancels
+    both streams, and the workers' stream handlers give their compute slots back (not only the
+    sequences)."""
+    _wait_slots_free(stack)  # the slow calls of the tests above have ended
+    prompt = [8, 6, 7, 5, 3, 0, 4]
+    ref, _ = reference(prompt, 200)
+    stack.drafter.continuations[tuple(prompt)] = ref
+    stack.drafter.plan = 1
+    real, calls, inside = stack.drafter.propose, [0], threading.Event()
+
+    def slow(*a, **kw):
+        calls[0] += 1
+        if where == "mid_propose" and calls[0] == 3:
+            inside.set()
+            time.sleep(1.0)
+        return real(*a, **kw)
+
+    stack.drafter.propose = slow
+    try:
+        call = stack.stub.Generate(token_request(prompt, 200, ignore_eos=True), timeout=60)
+        it = iter(call)
+        next(it)
+        if where == "mid_propose":
+            assert inside.wait(10)
+        else:
+            next(it)
+        taken = [(s.n - s.sem._value) for s in (stack.tservicer.slots, stack.dservicer.slots)]
+        assert taken == [1, 1], taken  # one open stream per worker
+        call.cancel()
+        _wait_slots_free(stack)
+    finally:
+        del stack.drafter.propose
+        stack.drafter.plan = None
+    wait_released(stack)
