@@ -162,6 +162,10 @@ class WorkerStream:
             await self.rpc.write(msg)
             resp = await self.rpc.read()
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a worker from before the stream methods
+                raise RequestError(grpc.StatusCode.INTERNAL,
+                                   f"{self.what} failed: the worker does not implement the per-sequence stream "
+                                   f"({exc.details()}); start the coordinator with --no-worker-streams") from exc
             raise rpc_error(exc, self.what) from exc
         except (asyncio.CancelledError, asyncio.InvalidStateError) as exc:
             if self.expired:
@@ -177,9 +181,10 @@ class WorkerStream:
             raise RequestError(grpc.StatusCode.INTERNAL, f"{self.what}: the worker ended the stream without an answer")
         return resp
 
-    async def close(self, ok: bool) -> None:
+    async def close(self, ok: bool, timeout: float | None = None) -> None:
         """Half-closes the stream (``ok``: the request ended normally; the worker's handler then
-        returns) or cancels it; never raises."""
+        returns) or cancels it; never raises. ``timeout``: bound on the half-close (seconds; then
+        it cancels), so a stuck connection cannot hold up the Releases that follow."""
         rpc, self.rpc = self.rpc, None
         if rpc is None or rpc.done():
             return
@@ -187,8 +192,8 @@ class WorkerStream:
             rpc.cancel()
             return
         try:
-            await rpc.done_writing()
-        except Exception:  # noqa: BLE001 - the stream already failed: nothing to close
+            await asyncio.wait_for(rpc.done_writing(), timeout)
+        except Exception:  # noqa: BLE001 - the stream already failed (or timed out): nothing to close
             rpc.cancel()
 
 
@@ -675,7 +680,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         twice: the target's Release frees the ring's device memory (cudaFree). Runs as a shielded
         task of Generate, so a client cancel cannot cut it short."""
         for st in (streams or {}).values():
-            await st.close(ended)
+            await st.close(ended, self.cfg.release_timeout_s)
         async def one(stub, name):
             for attempt in (1, 2):
                 try:

@@ -453,3 +453,64 @@ def test_client_cancel_frees_both_workers_stream_slots(stack, reference, where):
         del stack.drafter.propose
         stack.drafter.plan = None
     wait_released(stack)
+
+
+class _FakeRpc:
+    """A stream-stream call whose write / read / done_writing behave as given."""
+
+    def __init__(self, read_exc=None, hang_close=False):
+        self.read_exc, self.hang_close, self.cancelled = read_exc, hang_close, False
+
+    def done(self):
+        return self.cancelled
+
+    async def write(self, msg):
+        pass
+
+    async def read(self):
+        raise self.read_exc
+
+    async def done_writing(self):
+        import asyncio
+
+        if self.hang_close:
+            await asyncio.sleep(3600)
+
+    def cancel(self):
+        self.cancelled = True
+        return True
+
+
+def test_worker_without_stream_methods_names_the_flag():
+    """An older worker (no VerifyStream: UNIMPLEMENTED) fails the request with an error that names
+    --no-worker-streams."""
+    import asyncio
+
+    from specd.coordinator.server import RequestError, WorkerStream
+
+    exc = grpc.aio.AioRpcError(grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                               details="Method not found!")
+    ws = WorkerStream(lambda timeout=None: _FakeRpc(read_exc=exc), "verify", 5.0)
+
+    async def run():
+        with pytest.raises(RequestError) as ei:
+            await ws.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), None)
+        return ei.value
+
+    err = asyncio.run(run())
+    assert err.code == grpc.StatusCode.INTERNAL and "--no-worker-streams" in err.message
+
+
+def test_worker_stream_close_is_bounded():
+    """A half-close that does not complete within its timeout cancels the stream instead of holding
+    up the Releases after it."""
+    import asyncio
+
+    from specd.coordinator.server import WorkerStream
+
+    rpc = _FakeRpc(hang_close=True)
+    ws = WorkerStream(lambda timeout=None: rpc, "verify", 5.0)
+    ws.rpc = rpc
+    t0 = time.monotonic()
+    asyncio.run(ws.close(True, 0.2))
+    assert rpc.cancelled and time.monotonic() - t0 < 2.0
