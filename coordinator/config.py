@@ -64,6 +64,10 @@ class CoordinatorConfig:
     reasoning_close: text whose tokenization is forced when the budget is spent, default
         "\n</think>\n\n" (what Qwen3.5 writes when it closes thinking itself); must contain </think>.
         The first token replaces the step's bonus (no extra step); each further one costs a plain step.
+    worker_streams: send a sequence's Verify / Propose calls over one VerifyStream / ProposeStream per
+        worker (worker.proto), default on: a message on an open stream costs about half a unary
+        call's round trip. ``--no-worker-streams`` makes one unary call per step (workers without
+        the stream methods).
     policy: the adaptive policy (spec-loop.md §9.1a), see PolicyConfig.
     feature_transport: how drafter feature rows travel: "shm" (default; the target's shared-memory
         ring, both workers on one host) or "inline" (the target returns the rows it committed in its
@@ -109,6 +113,7 @@ class CoordinatorConfig:
     reply_reserve: int = 64
     reasoning_close: str = "\n</think>\n\n"
     feature_transport: str = "shm"
+    worker_streams: bool = True
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
     def validate(self) -> None:
@@ -216,6 +221,8 @@ def add_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> Non
         p.add_argument("--" + name.replace("_", "-"), type=typ, default=getattr(d, name),
                        help=f"{help_text} (default {getattr(d, name)!r})")
     p.add_argument("--no-reflection", action="store_true", help="disable gRPC server reflection")
+    p.add_argument("--no-worker-streams", action="store_true",
+                   help="one unary Verify / Propose call per step instead of one stream per sequence and worker")
     p.add_argument("--no-tree-chain-seed", action="store_true",
                    help="DDTree: do not insert the top-1 chain first (default: chain seed on)")
     for name, typ, help_text in _POLICY_FLAGS:
@@ -231,6 +238,7 @@ def config_from_args(args, **override) -> CoordinatorConfig:
     pol = PolicyConfig(**{name: getattr(args, "policy_" + name) for name, _, _ in _POLICY_FLAGS},
                        measure_times=not args.policy_fixed_ratio)
     cfg = CoordinatorConfig(**kw, reflection=not args.no_reflection,
-                            tree_chain_seed=not getattr(args, "no_tree_chain_seed", False), policy=pol)
+                            tree_chain_seed=not getattr(args, "no_tree_chain_seed", False),
+                            worker_streams=not getattr(args, "no_worker_streams", False), policy=pol)
     cfg.validate()
     return cfg

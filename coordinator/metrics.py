@@ -74,21 +74,38 @@ class CoordinatorMetrics:
                               buckets=STEP_BUCKETS, registry=r)
         self.overhead = Histogram("specd_loop_overhead_seconds", "Step wall time outside worker compute", lab,
                                   buckets=STEP_BUCKETS, registry=r)
+        lv = self._lv
+
+        # the per-step series' children, looked up once (labels() takes a lock and hashes per call)
+        self._drafts, self._draft_tokens = self.drafts.labels(*lv), self.draft_tokens.labels(*lv)
+        self._accepted, self._draft_length = self.accepted.labels(*lv), self.draft_length.labels(*lv)
+        self._step_draft, self._step_verify = self.step.labels(*lv, "draft"), self.step.labels(*lv, "verify")
+        self._overhead = self.overhead.labels(*lv)
+        self._reached: list = []       # position i -> child of reached{position=i}
+        self._per_position: list = []  # position i -> child of per_position{position=i}
 
     def l(self, *extra):  # noqa: E743 - label tuple helper
         return (*self._lv, *extra)
 
+    def _children(self, cache: list, family, n: int) -> list:
+        """``cache`` grown to the children of positions 0..n-1 of ``family`` (created when first used,
+        so /metrics lists only positions that occurred)."""
+        while len(cache) < n:
+            cache.append(family.labels(*self._lv, str(len(cache))))
+        return cache
+
     def record_step(self, drafts: int, accepted: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
         """One decode step: ``drafts`` offered (0: plain), ``accepted`` of them, times in seconds."""
         if drafts:
-            self.drafts.labels(*self.l()).inc()
-            self.draft_tokens.labels(*self.l()).inc(drafts)
-            self.accepted.labels(*self.l()).inc(accepted)
-            self.draft_length.labels(*self.l()).observe(drafts)
-            for i in range(min(accepted + 1, drafts)):
-                self.reached.labels(*self.l(str(i))).inc()
-            for i in range(accepted):
-                self.per_position.labels(*self.l(str(i))).inc()
-            self.step.labels(*self.l("draft")).observe(draft_s)
-        self.step.labels(*self.l("verify")).observe(verify_s)
-        self.overhead.labels(*self.l()).observe(overhead_s)
+            self._drafts.inc()
+            self._draft_tokens.inc(drafts)
+            self._accepted.inc(accepted)
+            self._draft_length.observe(drafts)
+            reached = min(accepted + 1, drafts)
+            for c in self._children(self._reached, self.reached, reached)[:reached]:
+                c.inc()
+            for c in self._children(self._per_position, self.per_position, accepted)[:accepted]:
+                c.inc()
+            self._step_draft.observe(draft_s)
+        self._step_verify.observe(verify_s)
+        self._overhead.observe(overhead_s)

@@ -26,6 +26,12 @@ Per request (spec-loop.md §2-§3, §9):
    speculative before the pending rows plus one verify could exceed ``TargetInfo.inline_max_rows``;
 5. a final ``complete`` with finish reason, usage (= what was sent) and speculation stats.
 
+Hot path (``worker_streams``, default on): a sequence's Verify and Propose calls travel over one
+``VerifyStream`` and one ``ProposeStream`` (worker.proto; :class:`WorkerStream`), opened at its first
+step and closed before its Release: a message on an open stream costs about half a unary call's round
+trip. Each chunk's client write runs while the loop makes the next step's worker calls (at most one
+write in flight, each bounded by ``send_stall_timeout_s``).
+
 Both workers' sequences are released on every exit path (finish, error, client cancel, deadline).
 Deadlines: each worker call gets the request's remaining time; a speculative step is skipped for a
 plain one when the remaining time is below the measured speculative step time; when the time runs out
@@ -86,6 +92,109 @@ class SpecOptions:
     temperature: float = 1.0
     confidence_threshold: float = 0.0
     dspark_markov: int = 0
+
+
+def rpc_error(exc: grpc.aio.AioRpcError, what: str) -> RequestError:
+    """The request-level error for a failed worker call ``what`` ("prefill", "propose", "verify"):
+    :func:`status_error` of its status."""
+    return status_error(exc.code(), exc.details(), what)
+
+
+def status_error(code: grpc.StatusCode, details: str, what: str) -> RequestError:
+    """The request-level error for worker call ``what`` ending with ``code`` / ``details``:
+    DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED (retryable) and UNAVAILABLE keep their code, as does
+    INVALID_ARGUMENT of a prefill (a prompt the worker refuses); anything else is INTERNAL."""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return RequestError(code, f"deadline exceeded during {what}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT and what == "prefill":
+        return RequestError(code, f"{what}: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # full worker / busy compute slots: retryable
+        return RequestError(code, f"{what}: {details}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return RequestError(code, f"{what}: worker unavailable: {details}")
+    return RequestError(grpc.StatusCode.INTERNAL, f"{what} failed: {code.name}: {details}")
+
+
+class WorkerStream:
+    """One sequence's request stream to a worker (``VerifyStream`` / ``ProposeStream``, worker.proto):
+    ``await call(msg, deadline)`` writes one request and returns its response (one response per
+    request, in order). A message on the open stream costs about half a unary call's round trip.
+
+    The stream opens at the first call, with the request's deadline as its gRPC deadline (none
+    without one). Without a request deadline each call is bounded by ``worker_timeout_s`` like a
+    unary call: a timer cancels the stream and the call raises DEADLINE_EXCEEDED. Worker errors map
+    like unary calls (:func:`rpc_error`); the first error ends the stream (and the request).
+    :meth:`close` half-closes it after a normal end, or cancels it.
+
+    Args:
+        method: the stub's stream-stream method (e.g. ``TargetWorkerStub.VerifyStream``).
+        what: the call's name in errors ("verify", "propose").
+        worker_timeout_s: per-call bound without a request deadline (seconds, > 0).
+    """
+
+    __slots__ = ("method", "what", "worker_timeout_s", "rpc", "expired")
+
+    def __init__(self, method, what: str, worker_timeout_s: float):
+        self.method, self.what, self.worker_timeout_s = method, what, worker_timeout_s
+        self.rpc = None  # the grpc.aio StreamStreamCall once opened
+        self.expired = False
+
+    def _expire(self) -> None:
+        self.expired = True
+        self.rpc.cancel()
+
+    async def call(self, msg, deadline: float | None):
+        """Sends ``msg`` and returns the worker's response. ``deadline``: time.monotonic() seconds
+        or None. Raises RequestError (DEADLINE_EXCEEDED when the deadline or ``worker_timeout_s``
+        passes, else as :func:`rpc_error`; INTERNAL when the worker ends the stream early)."""
+        timer = None
+        if deadline is None:
+            left = self.worker_timeout_s
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded before {self.what}")
+        if self.rpc is None:
+            self.rpc = self.method(timeout=None if deadline is None else left)
+        if deadline is None:
+            timer = asyncio.get_running_loop().call_later(left, self._expire)
+        try:
+            await self.rpc.write(msg)
+            resp = await self.rpc.read()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a worker from before the stream methods
+                raise RequestError(grpc.StatusCode.INTERNAL,
+                                   f"{self.what} failed: the worker does not implement the per-sequence stream "
+                                   f"({exc.details()}); start the coordinator with --no-worker-streams") from exc
+            raise rpc_error(exc, self.what) from exc
+        except (asyncio.CancelledError, asyncio.InvalidStateError) as exc:
+            if self.expired:
+                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"{self.what}: no answer within worker_timeout_s {self.worker_timeout_s}") from None
+            if isinstance(exc, asyncio.InvalidStateError):  # the stream ended between two steps (worker gone)
+                raise status_error(await self.rpc.code(), await self.rpc.details(), self.what) from None
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+        if resp is grpc.aio.EOF:
+            raise RequestError(grpc.StatusCode.INTERNAL, f"{self.what}: the worker ended the stream without an answer")
+        return resp
+
+    async def close(self, ok: bool, timeout: float | None = None) -> None:
+        """Half-closes the stream (``ok``: the request ended normally; the worker's handler then
+        returns) or cancels it; never raises. ``timeout``: bound on the half-close (seconds; then
+        it cancels), so a stuck connection cannot hold up the Releases that follow."""
+        rpc, self.rpc = self.rpc, None
+        if rpc is None or rpc.done():
+            return
+        if not ok:
+            rpc.cancel()
+            return
+        try:
+            await asyncio.wait_for(rpc.done_writing(), timeout)
+        except Exception:  # noqa: BLE001 - the stream already failed (or timed out): nothing to close
+            rpc.cancel()
 
 
 class _Live:
@@ -480,6 +589,12 @@ class Coordinator(gpbg.SpecDecodeServicer):
         # unique across coordinators sharing the workers and across restarts (workers keep tombstones)
         seq_id = f"{rid}#{self._instance}-{next(self._ids)}"
         started = {"target": False, "drafter": False}
+        # the sequence's VerifyStream / ProposeStream (opened at its first step; None: unary calls)
+        streams = None
+        if self.cfg.worker_streams:
+            streams = {"verify": WorkerStream(self.target.VerifyStream, "verify", self.cfg.worker_timeout_s)}
+            if self.drafter is not None:
+                streams["propose"] = WorkerStream(self.drafter.ProposeStream, "propose", self.cfg.worker_timeout_s)
         deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
         t_start = time.perf_counter()
         mx = self.metrics
@@ -488,27 +603,37 @@ class Coordinator(gpbg.SpecDecodeServicer):
         mx.spec_requests.labels(*mx.l(MODE_NAMES[mode])).inc()
         outcome = ("abort", "CANCELLED")  # client cancel lands here
         last_sent = None
+        # the client write in flight (at most one): it completes while the loop runs the next step's
+        # worker calls instead of adding its gRPC round trip to every step; awaited before the next
+        # write and at the end, each bounded by send_stall_timeout_s
+        writing = None
+        ended = False
         try:
             await context.send_initial_metadata((("specd-request-id", rid),))
             async for msg in self._loop(seq_id, prompt, fin, mode, opts, deadline, started, t_start,
-                                        request.stream_options.token_by_token, live, reasoning):
-                try:
-                    await asyncio.wait_for(context.write(msg), self.cfg.send_stall_timeout_s)
-                except asyncio.TimeoutError:
-                    raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"client did not read for {self.cfg.send_stall_timeout_s} s "
-                                       "(send_stall_timeout_s)") from None
+                                        request.stream_options.token_by_token, live, reasoning, streams):
+                if writing is not None:
+                    await self._written(writing)
+                writing = asyncio.ensure_future(context.write(msg))
                 now = time.perf_counter()
                 if msg.HasField("complete"):
                     outcome = (msg.complete.finish_reason, "OK")
-                elif last_sent is None:  # latency metrics from chunks actually sent
+                elif last_sent is None:  # latency metrics from chunks handed to gRPC
                     mx.ttft.labels(*lv).observe(now - t_start)
                 else:
                     mx.inter_chunk.labels(*lv).observe(now - last_sent)
                 if not msg.HasField("complete"):
                     last_sent = now
+            if writing is not None:
+                await self._written(writing)
+            ended = True
         except RequestError as exc:
             outcome = ("error", exc.code.name)
+            if writing is not None and not writing.done():  # the chunks before the error still reach the client
+                try:
+                    await self._written(writing)
+                except Exception:  # noqa: BLE001 - the error below is the one reported
+                    pass
             await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
             if deadline is not None and time.monotonic() >= deadline:
@@ -521,22 +646,41 @@ class Coordinator(gpbg.SpecDecodeServicer):
             outcome = ("error", "INTERNAL")
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
         finally:
+            if writing is not None and not writing.done():
+                writing.cancel()
             self.live.pop(rid, None)
             mx.running.labels(*lv).dec()
             mx.requests.labels(*mx.l(*outcome)).inc()
             mx.generation_tokens.labels(*lv).inc(len(fin.ids))
             mx.e2e.labels(*lv).observe(time.perf_counter() - t_start)
-            task = asyncio.ensure_future(self._release(seq_id, started))
+            task = asyncio.ensure_future(self._release(seq_id, started, streams, ended))
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
             await asyncio.shield(task)
 
-    async def _release(self, seq_id: str, started: dict) -> None:
-        """Releases the sequence on the workers that hold it; a failed call is retried once (the
+    async def _written(self, writing: asyncio.Future) -> None:
+        """Waits for a client write started by Generate (at most send_stall_timeout_s: a client that
+        stops reading ends with RESOURCE_EXHAUSTED) and re-raises its error."""
+        if not writing.done():
+            try:
+                await asyncio.wait_for(writing, self.cfg.send_stall_timeout_s)
+            except asyncio.TimeoutError:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"client did not read for {self.cfg.send_stall_timeout_s} s "
+                                   "(send_stall_timeout_s)") from None
+        else:
+            writing.result()
+
+    async def _release(self, seq_id: str, started: dict, streams: dict | None = None, ended: bool = False) -> None:
+        """Closes the sequence's worker streams (half-close after a normal end, else cancel), then
+        releases the sequence on the workers that hold it; a failed call is retried once (the
         workers' idle TTL frees what still leaks). Concurrently (shm, inline: the drafter only ever
         holds its own copy); with cuda-ipc the drafter first, and the target only once the drafter's
         Release has returned (closed its mapping of the ring after its stream drained) or failed
-        twice: the target's Release frees the ring's device memory (cudaFree)."""
+        twice: the target's Release frees the ring's device memory (cudaFree). Runs as a shielded
+        task of Generate, so a client cancel cannot cut it short."""
+        for st in (streams or {}).values():
+            await st.close(ended, self.cfg.release_timeout_s)
         async def one(stub, name):
             for attempt in (1, 2):
                 try:
@@ -567,19 +711,14 @@ class Coordinator(gpbg.SpecDecodeServicer):
         return left
 
     async def _call(self, fn, msg, deadline, what: str):
+        """The coordinator's single gate for worker calls: ``fn`` is a unary stub method or the
+        sequence's :class:`WorkerStream`; returns the response, raises RequestError (:func:`rpc_error`)."""
+        if isinstance(fn, WorkerStream):
+            return await fn.call(msg, deadline)
         try:
             return await fn(msg, timeout=self._timeout(deadline))
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise RequestError(code, f"deadline exceeded during {what}") from exc
-            if code == grpc.StatusCode.INVALID_ARGUMENT and what == "prefill":
-                raise RequestError(code, f"{what}: {exc.details()}") from exc
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # full worker / busy compute slots: retryable
-                raise RequestError(code, f"{what}: {exc.details()}") from exc
-            if code == grpc.StatusCode.UNAVAILABLE:
-                raise RequestError(code, f"{what}: worker unavailable: {exc.details()}") from exc
-            raise RequestError(grpc.StatusCode.INTERNAL, f"{what} failed: {code.name}: {exc.details()}") from exc
+            raise rpc_error(exc, what) from exc
 
     def _tree(self, anchor: int, prop, rows: int, top_k: int, budget: int, chain_seed: bool):
         """The DDTree of one step from a ProposeResponse's row-major top-k ([rows, top_k]) under
@@ -619,7 +758,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         return gpb.AbortResponse(aborted=aborted)
 
     async def _loop(self, seq_id, prompt, fin: Finisher, mode, opts: SpecOptions, deadline, started, t_start,
-                    token_by_token, live, reasoning=(None, False)):
+                    token_by_token, live, reasoning=(None, False), streams=None):
         n_prompt = len(prompt)
         rb, budget_unarmed = reasoning
         cap = opts.cap
@@ -703,7 +842,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 if not started["drafter"]:
                     req.features.CopyFrom(pre.features)
                     started["drafter"] = True
-                prop = await self._call(self.drafter.Propose, req, deadline, "propose")
+                prop = await self._call(streams["propose"] if streams else self.drafter.Propose, req, deadline,
+                                        "propose")
                 stats.dspark_markov = int(prop.dspark_markov)  # worker.proto and generate.proto share the values
                 synced = committed
                 drafts = list(prop.tokens)[:k]
@@ -718,7 +858,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 vreq = wpb.VerifyRequest(seq_id=seq_id, tokens=[anchor] + drafts, max_accept=len(drafts))
             else:
                 vreq = wpb.VerifyRequest(seq_id=seq_id, tokens=tree.tokens, parents=tree.parents, max_accept=k)
-            vr = await self._call(self.target.Verify, vreq, deadline, "verify")
+            vr = await self._call(streams["verify"] if streams else self.target.Verify, vreq, deadline, "verify")
             t2 = time.perf_counter()
             dt = t2 - t0
             compute = vr.compute_s + (prop.compute_s if speculate else 0.0)

@@ -156,7 +156,9 @@ class DraftWorkerConfig:
     scripted_accept: right drafts per step: -1 all (oracle, default), 0 none, k: right up to k.
     threads: RPC threads, default 0 = 72 (the target's default max_sequences 64 + 8); Propose calls take
         at most threads - 2 of them (one more is refused with RESOURCE_EXHAUSTED), so Health and
-        Release always find a thread. Size it to the target's max_sequences + 8.
+        Release always find a thread. An open ProposeStream counts as one Propose for its sequence's
+        whole generation, so at most threads - 2 sequences speculate at once: size it to the
+        target's max_sequences + 8.
     max_concurrent_rpcs: calls admitted at once (RESOURCE_EXHAUSTED beyond), default 0 = 4 x threads.
     max_message_bytes: default 256 MiB.
     idle_ttl_s: a sequence with no call for this long is freed (coordinator gone / Release lost),
@@ -295,6 +297,11 @@ class DraftServicer(pbg.DraftWorkerServicer):
     def Propose(self, request, context):
         return self.slots.run(context, self._propose, request, context)
 
+    def ProposeStream(self, request_iterator, context):
+        """Propose over one stream per sequence: one ProposeResponse per ProposeRequest, in order
+        (worker.proto; :meth:`specd.target_worker.server.ComputeSlots.stream`)."""
+        return self.slots.stream(context, self._propose, request_iterator)
+
     def _propose(self, request, context):
         seq_id = request.seq_id
         with self.lock:
@@ -378,8 +385,9 @@ class DraftServicer(pbg.DraftWorkerServicer):
                     or np.shape(lps) != (len(toks), opts.top_k):
                 context.abort(grpc.StatusCode.INTERNAL, f"drafter returned top-k of shape {np.shape(ids)} / "
                                                         f"{np.shape(lps)} for {len(toks)} drafts and top_k {opts.top_k}")
-            resp.top_k_ids.extend(int(x) for x in np.asarray(ids).reshape(-1))
-            resp.top_k_logprobs.extend(float(x) for x in np.asarray(lps).reshape(-1))
+            # one C-level conversion each (tolist), not a Python loop per element
+            resp.top_k_ids.extend(np.asarray(ids, np.int64).reshape(-1).tolist())
+            resp.top_k_logprobs.extend(np.asarray(lps, np.float64).reshape(-1).tolist())
         return resp
 
     def Release(self, request, context):

@@ -68,6 +68,10 @@ class TargetWorkerConfig:
     threads: RPC threads, default 0 = max_sequences + 8. Compute calls (Prefill/Verify/Commit) take
         at most threads - 2 (one more is refused at once with RESOURCE_EXHAUSTED), so Health, Release
         and Info always find a thread; every live sequence can have its one compute call in flight.
+        An open VerifyStream counts as one compute call for its sequence's whole generation (its
+        thread waits for the next step), so max_sequences generating sequences fit. The worker's
+        keepalive (KEEPALIVE_TIME_MS 60 s, ack within KEEPALIVE_TIMEOUT_MS 20 s) ends the streams of a
+        coordinator that vanished without closing its connection, which frees their slots.
     max_concurrent_rpcs: calls admitted at once (RESOURCE_EXHAUSTED beyond), default 0 = 4 x threads.
     max_message_bytes: gRPC send/receive limit, default 256 MiB.
     idle_ttl_s: a sequence with no call for this long is freed (leases against a coordinator that
@@ -163,17 +167,34 @@ class ComputeSlots:
     def for_threads(cls, threads: int) -> "ComputeSlots":
         return cls(threads - LIGHT_RESERVE if threads > LIGHT_RESERVE else 0)
 
-    def run(self, context, fn, *args):
-        if self.sem is None:
-            return fn(*args)
+    def _acquire(self, context) -> None:
         if not self.sem.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"worker busy: all {self.n} compute slots are taken (threads - {LIGHT_RESERVE} reserved "
                           "for health/release)")
+
+    def run(self, context, fn, *args):
+        if self.sem is None:
+            return fn(*args)
+        self._acquire(context)
         try:
             return fn(*args)
         finally:
             self.sem.release()
+
+    def stream(self, context, fn, request_iterator):
+        """A per-sequence request stream (VerifyStream / ProposeStream): yields ``fn(request,
+        context)`` for each request, in order. The stream holds one slot from its start to its end
+        (its thread is taken while it waits for the next request), so it is admitted like one compute
+        call; the first error (``context.abort``) ends the stream with that status."""
+        if self.sem is not None:
+            self._acquire(context)
+        try:
+            for request in request_iterator:
+                yield fn(request, context)
+        finally:
+            if self.sem is not None:
+                self.sem.release()
 
 
 class IdleReaper:
@@ -439,6 +460,11 @@ class TargetServicer(pbg.TargetWorkerServicer):
     def Verify(self, request, context):
         return self.slots.run(context, self._verify, request, context)
 
+    def VerifyStream(self, request_iterator, context):
+        """Verify over one stream per sequence: one VerifyResponse per VerifyRequest, in order
+        (worker.proto; :meth:`ComputeSlots.stream`)."""
+        return self.slots.stream(context, self._verify, request_iterator)
+
     def _verify(self, request, context):
         """Chain verify (module docstring), or with ``parents`` a tree verify (spec-loop.md §7.3,
         §7.5): every node's argmax, the walk from the root along the argmax (at most max_accept
@@ -572,12 +598,26 @@ def log_memory(servicer: TargetServicer) -> None:
                     rep.fits_sequences, rep.max_seq_len, rep.max_sequences)
 
 
+# The worker pings each coordinator connection after this long without traffic and drops it when the
+# ack does not come within KEEPALIVE_TIMEOUT_MS: an open VerifyStream / ProposeStream holds a compute
+# slot and an RPC thread while it waits for its next step, so a coordinator that vanished without
+# closing its connection (host down, network partition) must not keep them for gRPC's default 2 h.
+KEEPALIVE_TIME_MS = 60_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+
+
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Internal-link gRPC options: large messages; peers may ping every 5 s while no data flows."""
+    """Internal-link gRPC options: large messages; peers may ping every 5 s while no data flows; the
+    worker's own keepalive pings (KEEPALIVE_TIME_MS / KEEPALIVE_TIMEOUT_MS) end the streams of a dead
+    peer, which frees their compute slots."""
     return [("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # what gRPC >= 1.6x waits for the ack
+            ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that waits for its next step
             ("grpc.http2.max_ping_strikes", 0)]
 
 

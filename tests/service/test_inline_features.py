@@ -142,6 +142,25 @@ def test_b_c09_drafter_features_equal_target_after_spec_and_plain_mix(istack, re
             assert done.speculation.num_plain_steps > 0, "the burst policy ran no plain step"
 
 
+def test_b_unary_worker_calls_forward_the_same_rows(istack, reference, rng):
+    """--no-worker-streams (one unary call per step) with inline rows: the same tokens as plain greedy
+    and the same feature rows at the drafter as the stream path (C09)."""
+    vocab = istack.tservicer.model.hp.n_vocab
+    coord = istack.coordinator(policy=PolicyConfig(step_ratio=0), worker_streams=False)
+    for i, prompt in enumerate(prompts_for(rng, 2, vocab)):
+        seq = [[-1, 2, None, 0][j] for j in rng.integers(0, 4, size=200)]
+        istack.drafter.plan = lambda p, step, seq=seq: seq[step]
+        ref, feats = reference(prompt, 24 + BLOCK + 2)
+        istack.drafter.continuations[tuple(prompt)] = ref
+        req = token_request(prompt, 24, ignore_eos=True)
+        req.request_id = f"iunary-{i}-{rng.integers(1 << 30)}"
+        chunks, _ = generate(coord, req)
+        assert streamed_ids(chunks) == ref[:24]
+        seen = istack.drafter.seen[next(s for s in istack.drafter.seen if s.startswith(req.request_id + "#"))]
+        for pos, (tok, row) in seen.items():
+            np.testing.assert_array_equal(row, feats[pos], err_msg=f"feature row {pos}")
+
+
 def test_a_real_tiny_drafters_chain_and_tree(istack, target_gguf, reference, tmp_path_factory):
     from specd.draft_worker.engine import open_model_drafter
 

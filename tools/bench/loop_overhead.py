@@ -1,19 +1,31 @@
 """Spec-loop benchmark through the service: plain decode vs speculation at fixed acceptance lengths.
 
-Starts ``specd serve`` (coordinator + target worker + scripted drafter worker, real processes over
-gRPC) on a target GGUF, with the scripted *oracle* drafter of performance.md §6.6: it proposes the
-target's own greedy continuation (computed here beforehand by a plain in-process run). Two shapes per
-acceptance length AL: "exact" proposes AL - 1 drafts, all right (verify width = AL, nothing wasted);
-"block B" proposes B drafts of which the first AL - 1 are right (verify width B + 1, as a real
-block drafter with rejections). For plain decode (speculation off) and each AL it sends the same prompts and
-reports, from the final Generate message: decode tokens/s, steps, the workers' compute time and the
-loop overhead (decode wall time minus worker compute: gRPC, Python, policy, detokenisation), per
-step and as a share of the step. Also checks that every run's tokens equal the plain greedy ones.
+Runs the service's three parts as real processes over gRPC on a target GGUF: one target worker,
+scripted drafter workers with the *oracle* drafter of performance.md §6.6 (it proposes the target's
+own greedy continuation, computed here beforehand by a plain in-process run) and one coordinator per
+drafter worker. Two shapes per acceptance length AL: "exact" proposes AL - 1 drafts, all right
+(verify width = AL, nothing wasted); "block B" proposes B drafts of which the first AL - 1 are right
+(verify width B + 1, as a real block drafter with rejections). For plain decode (speculation off) and
+each AL it sends the same prompts and reports, from the final Generate message: decode tokens/s,
+steps, worker calls per step, the workers' compute time and the loop overhead per step — both the
+in-step overhead the coordinator accumulates (``Timing.loop_overhead_s``: step wall time around the
+worker calls minus their compute) and the total (decode wall time minus worker compute: also the
+coordinator's bookkeeping between steps and the client stream) — and the overhead share of the
+step. Every run's tokens are checked equal to the plain greedy ones.
+
+Cost: the target is loaded once by the service (its worker starts while the reference runs) and
+once here for the reference; every mode is a request option on the running service ("exact":
+``max_draft_tokens`` on one oracle drafter with block max(AL) - 1; "block B": one scripted drafter
+worker per AL, each behind its own coordinator, all sharing the one target worker; plain:
+speculation off), and requests go through an in-process gRPC client (no CLI process per request).
+Each coordinator and mode gets one short warm-up request first (CUDA graph capture of its widths).
 
 Usage: python tools/bench/loop_overhead.py [--target models/demo-target.gguf] [--device cpu|cuda]
-       [--tokens 128] [--al 3 5 7] [--block 8] [--write BENCHMARKS.md]
+       [--tokens 128] [--al 3 5 7] [--block 8] [--no-worker-streams] [--write BENCHMARKS.md]
 ``--device cuda`` runs both the reference and the workers on the GPU (e.g. a random 27B-shaped GGUF of
 tools/bench/random_qwen35.py, whose placeholder tokenizer encodes the prompts byte by byte).
+``--no-worker-streams`` gives the coordinators ``--no-worker-streams`` (one unary Verify / Propose call
+per step instead of one stream per sequence: the previous hot path, for comparison).
 """
 from __future__ import annotations
 
@@ -22,6 +34,8 @@ import datetime
 import json
 import os
 import platform
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +50,7 @@ PROMPTS = [
     "The gzip command compresses files. By default",
     "class Cache:\n    def __init__(self, capacity):\n",
 ]
+START_TIMEOUT_S = 600  # a 27B GGUF loads in ~15 s per worker; the reference runs meanwhile
 
 
 def greedy(model, ids, n):
@@ -54,54 +69,73 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(target, continuations, block, accept, device):
-    port = free_port()
-    cmd = [sys.executable, "-m", "specd.coordinator.cli", "serve", "--target", target, "--device", device, "--listen",
-           f"127.0.0.1:{port}", "--scripted-block", str(block), "--scripted-continuations", continuations,
-           "--scripted-accept", str(accept)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300  # a 27B GGUF loads in ~15 s per worker
+def launch(argv: list[str]) -> subprocess.Popen:
+    """Starts ``specd <argv>`` (stdout piped for its READY line, stderr passed through)."""
+    return subprocess.Popen([sys.executable, "-m", "specd.coordinator.cli", *argv], stdout=subprocess.PIPE, text=True)
+
+
+def wait_ready(proc: subprocess.Popen, what: str) -> None:
+    """Reads ``proc``'s stdout until its READY line; RuntimeError when it exits or times out first."""
+    deadline = time.time() + START_TIMEOUT_S
     for line in proc.stdout:
         if line.startswith("READY"):
-            return proc, f"127.0.0.1:{port}"
+            return
         if time.time() > deadline:
             break
-    proc.kill()
-    raise RuntimeError(f"specd serve did not start: {' '.join(cmd)}")
+    raise RuntimeError(f"{what} did not start (exit status {proc.poll()})")
 
 
-def generate(server, ids, n, mode):
-    cmd = [sys.executable, "-m", "specd.coordinator.cli", "generate", "--server", server, "--token-ids",
-           ",".join(map(str, ids)), "--max-tokens", str(n), "--ignore-eos", "--speculation", mode, "--json"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out)
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to every process (in order), then waits for each (kill after 30 s)."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
-def run_config(target, cont_file, prompts, n, block, accept, mode, device):
-    proc, server = serve(target, cont_file, block, accept, device)
-    try:
-        generate(server, prompts[0], 8, mode)  # warm-up
-        return [generate(server, ids, n, mode) for ids in prompts]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+def generate(stub, ids, n, mode, max_draft=0):
+    """One Generate of ``n`` tokens (EOS ignored); returns the final GenerateComplete message."""
+    from specd.protos.v1 import generate_pb2 as gpb
+
+    req = gpb.GenerateRequest(tokenized=gpb.TokenizedInput(input_ids=ids),
+                              stopping=gpb.StoppingParams(max_tokens=n, ignore_eos=True))
+    req.speculation.mode = {"off": gpb.SPECULATION_MODE_OFF, "force": gpb.SPECULATION_MODE_FORCE}[mode]
+    if max_draft:
+        req.speculation.max_draft_tokens = max_draft
+    done = None
+    for r in stub.Generate(req):  # no deadline, like `specd generate` without --timeout-s
+        if r.HasField("complete"):
+            done = r.complete
+    return done
+
+
+def run_mode(stub, prompts, n, mode, max_draft=0):
+    generate(stub, prompts[0], 8, mode, max_draft)  # warm-up (graph capture of this mode's widths)
+    return [generate(stub, ids, n, mode, max_draft) for ids in prompts]
 
 
 def summarise(label, results, reference):
-    tok = steps = 0
+    tok = steps = drafts = 0
     decode = compute = overhead = 0.0
     for r, ref in zip(results, reference):
-        ids = [int(t) for t in r.get("output_ids", [])]
+        ids = [int(t) for t in r.output_ids]
         assert ids == ref, f"{label}: output differs from plain greedy decoding"
-        t = r.get("timing", {})
-        tok += int(r["usage"]["completion_tokens"])
-        steps += int(t.get("steps", 0))
-        decode += float(t.get("decode_s", 0.0))
-        compute += float(t.get("worker_compute_s", 0.0))
-        overhead += float(t.get("loop_overhead_s", 0.0))
+        t = r.timing
+        tok += int(r.usage.completion_tokens)
+        steps += int(t.steps)
+        drafts += int(r.speculation.num_drafts)
+        decode += float(t.decode_s)
+        compute += float(t.worker_compute_s)
+        overhead += float(t.loop_overhead_s)
+    n = max(steps, 1)
     return dict(label=label, tokens=tok, steps=steps, tok_s=tok / decode if decode else 0.0,
-                al=tok / steps if steps else 0.0, overhead_ms=1e3 * overhead / max(steps, 1),
-                overhead_share=overhead / decode if decode else 0.0, compute_ms=1e3 * compute / max(steps, 1))
+                al=tok / n, calls=(steps + drafts) / n, overhead_ms=1e3 * overhead / n,
+                total_ms=1e3 * (decode - compute) / n, overhead_share=(decode - compute) / decode if decode else 0.0,
+                compute_ms=1e3 * compute / n)
 
 
 def main():
@@ -111,54 +145,112 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--al", type=int, nargs="+", default=[3, 5, 7])
     ap.add_argument("--block", type=int, default=8, help="drafts per step of the 'block' rows (default 8)")
+    ap.add_argument("--no-worker-streams", action="store_true",
+                    help="coordinators make one unary worker call per step (the previous hot path)")
     ap.add_argument("--write", default="", help="append the markdown section to this file")
     args = ap.parse_args()
+    if min(args.al) < 2 or args.block < max(args.al) - 1:
+        ap.error("--al values must be >= 2 and --block >= max(--al) - 1")
+    t_begin = time.perf_counter()
+    # SIGTERM (e.g. `timeout` in gpu_bench.sh) exits through the finally below, which stops the servers
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
+    import grpc
+
+    from specd.protos.v1 import generate_pb2_grpc as gpbg
     from specd.target_worker.gguf_loader import load_qwen35, read_tokenizer_metadata
     from specd.target_worker.model import Qwen35Model
     from specd.target_worker.tokenizer import build_tokenizer
 
-    weights = load_qwen35(args.target)
-    tok = build_tokenizer(read_tokenizer_metadata(args.target), args.target)
-    # the reference runs op by op (no CUDA graphs), so the servers' graph-replayed output is checked
-    # against an independent path
-    model = Qwen35Model(weights, device=args.device, cuda_graphs=False)
-    prompts = [tok.encode(p).ids for p in PROMPTS]
-    reference = [greedy(model, ids, args.tokens) for ids in prompts]
-    del model, weights  # the servers load their own copy (on the GPU this process's pool keeps its blocks)
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
-        for ids, cont in zip(prompts, reference):
-            f.write(json.dumps({"prompt": ids, "continuation": cont}) + "\n")
-    rows = [summarise("plain (speculation off)", run_config(args.target, f.name, prompts, args.tokens,
-                                                            args.block, 0, "off", args.device), reference)]
-    for al in args.al:
-        res = run_config(args.target, f.name, prompts, args.tokens, al - 1, -1, "force", args.device)
-        rows.append(summarise(f"oracle drafter, AL {al}, exact (width {al})", res, reference))
-        res = run_config(args.target, f.name, prompts, args.tokens, args.block, al - 1, "force", args.device)
-        rows.append(summarise(f"oracle drafter, AL {al}, block {args.block} (width {args.block + 1})", res, reference))
-    os.unlink(f.name)
+    rt = tempfile.mkdtemp(prefix="specd-loop-")
+    tsock = f"unix://{rt}/target.sock"
+    procs: list[subprocess.Popen] = []  # stopped in reverse start order: coordinators, drafters, target
+    channels = []
+    try:
+        # the service's target worker loads while the reference runs here
+        target = launch(["target-worker", "--target", args.target, "--listen", tsock, "--device", args.device])
+        procs.append(target)
+        weights = load_qwen35(args.target)
+        tok = build_tokenizer(read_tokenizer_metadata(args.target), args.target)
+        # the reference runs op by op (no CUDA graphs), so the service's graph-replayed output is checked
+        # against an independent path
+        model = Qwen35Model(weights, device=args.device, cuda_graphs=False)
+        vocab = model.hp.n_vocab
+        prompts = [tok.encode(p).ids for p in PROMPTS]
+        reference = [greedy(model, ids, args.tokens) for ids in prompts]
+        del model, weights  # on the GPU this process's pool keeps its blocks
+        cont = os.path.join(rt, "continuations.jsonl")
+        with open(cont, "w") as f:
+            for ids, c in zip(prompts, reference):
+                f.write(json.dumps({"prompt": ids, "continuation": c}) + "\n")
+        wait_ready(target, "target-worker")
+
+        # drafter workers: "exact" (block max(AL) - 1, every draft right; requests cap the drafts at
+        # AL - 1) and one "block B" per AL (B drafts, the first AL - 1 right)
+        shapes = [("exact", max(args.al) - 1, -1)] + [(f"block-{al}", args.block, al - 1) for al in args.al]
+        drafters = {}
+        for name, block, accept in shapes:
+            dsock = f"unix://{rt}/draft-{name}.sock"
+            drafters[name] = (dsock, launch(["draft-worker", "--listen", dsock, "--vocab", str(vocab),
+                                             "--scripted-block", str(block), "--scripted-accept", str(accept),
+                                             "--scripted-continuations", cont, "--device", args.device]))
+            procs.append(drafters[name][1])
+        for name, (_, p) in drafters.items():
+            wait_ready(p, f"draft-worker {name}")
+        coords = {}
+        for name, (dsock, _) in drafters.items():
+            addr = f"127.0.0.1:{free_port()}"
+            argv = ["coordinator", "--target", tsock, "--drafter", dsock, "--tokenizer", args.target,
+                    "--listen", addr, "--metrics-port", "0"]
+            coords[name] = (addr, launch(argv + (["--no-worker-streams"] if args.no_worker_streams else [])))
+            procs.append(coords[name][1])
+        stubs = {}
+        for name, (addr, p) in coords.items():
+            wait_ready(p, f"coordinator {name}")
+            channels.append(grpc.insecure_channel(addr))
+            stubs[name] = gpbg.SpecDecodeStub(channels[-1])
+
+        rows = [summarise("plain (speculation off)", run_mode(stubs["exact"], prompts, args.tokens, "off"), reference)]
+        for al in args.al:
+            res = run_mode(stubs["exact"], prompts, args.tokens, "force", max_draft=al - 1)
+            rows.append(summarise(f"oracle drafter, AL {al}, exact (width {al})", res, reference))
+            res = run_mode(stubs[f"block-{al}"], prompts, args.tokens, "force")
+            rows.append(summarise(f"oracle drafter, AL {al}, block {args.block} (width {args.block + 1})", res,
+                                  reference))
+    finally:
+        for ch in channels:
+            ch.close()
+        stop(list(reversed(procs)))
+        shutil.rmtree(rt, ignore_errors=True)
+    wall = time.perf_counter() - t_begin
     base = rows[0]["tok_s"]
     if args.device == "cuda":
         import specd.native as sn
         where, hw = "the GPU", f"{sn.gpu_device_name()} ({sn.gpu_backend()}), {os.cpu_count()} host cores"
-        cost = ("Both workers run on the GPU; worker compute is the target's verify, so the overhead column is what "
+        cost = ("Both workers run on the GPU; worker compute is the target's verify, so the overhead columns are what "
                 "the loop adds around the GPU work (gRPC, Python, policy, detokenisation).")
     else:
         where, hw = "the CPU", f"{platform.machine()} development VM, {os.cpu_count()} cores (shared)"
         cost = ("The 7.4 M-parameter demo target is dominated by per-op dispatch on this CPU, so a verify of 9 tokens "
                 "costs only ~1.5-2x a decode; on a 27B target the verify is weight-bound instead (performance.md). "
                 f"Load average during the run: {os.getloadavg()[0]:.1f} (treat single rows as +-30 %).")
+    calls = "one unary call per worker call" if args.no_worker_streams else "one stream per sequence and worker"
     lines = [f"## Spec loop on {where}: loop overhead at fixed acceptance ({datetime.date.today()})", "",
              f"**Hardware.** {hw}. **Target.** `{args.target}`. **Command.** `python tools/bench/loop_overhead.py "
-             f"--target {args.target} --device {args.device} --tokens {args.tokens} --al {' '.join(map(str, args.al))}`. "
+             f"--target {args.target} --device {args.device} --tokens {args.tokens} --al {' '.join(map(str, args.al))}"
+             f"{' --no-worker-streams' if args.no_worker_streams else ''}` ({wall:.0f} s wall). "
              f"{len(prompts)} prompts x {args.tokens} tokens, greedy, every run's tokens checked equal to plain greedy "
-             "decoding. Real processes over gRPC (unix sockets between coordinator and workers); the oracle drafter's "
-             f"own compute is ~0, so the numbers isolate the target and the loop. {cost}", "",
-             "| mode | tokens/step (AL) | decode tok/s | vs plain | worker compute / step | loop overhead / step | overhead share |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "decoding. Real processes over gRPC (unix sockets between coordinator and workers, "
+             f"{calls}); the oracle drafter's own compute is ~0, so the numbers isolate the target and the loop. "
+             "In-step overhead: step wall time around the worker calls minus their compute (Timing.loop_overhead_s); "
+             f"total: decode wall time minus worker compute, per step (the share is of the latter). {cost}", "",
+             "| mode | tokens/step (AL) | decode tok/s | vs plain | worker calls / step | worker compute / step "
+             "| in-step overhead / step | total overhead / step | overhead share |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['al']:.2f} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | "
-                     f"{r['compute_ms']:.2f} ms | {r['overhead_ms']:.2f} ms | {100 * r['overhead_share']:.1f} % |")
+        lines.append(f"| {r['label']} | {r['al']:.2f} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['calls']:.2f} | "
+                     f"{r['compute_ms']:.2f} ms | {r['overhead_ms']:.2f} ms | {r['total_ms']:.2f} ms | "
+                     f"{100 * r['overhead_share']:.1f} % |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:

@@ -1,0 +1,44 @@
+"""Smoke test of the spec-loop benchmark (tools/bench/loop_overhead.py) on the demo target: 8 tokens,
+AL 3 and 5, with and without worker streams. One target worker serves every mode; the script
+checks every run's tokens against plain greedy decoding itself (it fails otherwise), so a zero exit
+and the table's rows are the check."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "bench" / "loop_overhead.py"
+TARGET = ROOT / "models" / "demo-target.gguf"
+
+
+@pytest.mark.parametrize("streams", [True, False])
+def test_loop_overhead_bench_smoke(tmp_path, streams):
+    if not TARGET.is_file():
+        pytest.skip(f"missing {TARGET}")
+    md = tmp_path / "B.md"
+    cmd = [sys.executable, str(SCRIPT), "--target", str(TARGET), "--device", "cpu", "--tokens", "8",
+           "--al", "3", "5", "--block", "6", "--write", str(md)] + ([] if streams else ["--no-worker-streams"])
+    # its own process group: on a timeout the script and the servers it started are all killed
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        pytest.fail("benchmark smoke run took over 180 s:\n" + stdout[-2000:] + stderr[-2000:])
+    assert p.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    text = md.read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.startswith("| plain") or line.startswith("| oracle")]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        "plain (speculation off)", "oracle drafter, AL 3, exact (width 3)", "oracle drafter, AL 3, block 6 (width 7)",
+        "oracle drafter, AL 5, exact (width 5)", "oracle drafter, AL 5, block 6 (width 7)"]
+    calls = [float(r.split("|")[5]) for r in rows]
+    assert calls[0] == 1.0 and all(1.0 < c <= 2.0 for c in calls[1:])
+    assert ("one unary call per worker call" in text) != streams
