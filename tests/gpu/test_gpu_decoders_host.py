@@ -67,6 +67,19 @@ def test_gpu_weight_decoders_bit_exact_on_host(decoder, rng, name, extreme):
     ref = sn.dequantize(t).numpy()
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (
         f"{name}: {int(np.sum(got.view(np.uint32) != ref.view(np.uint32)))} of {got.size} values differ")
+    # the BF16 bits the dequantize-to-BF16 kernel stores (its vector stores): round to nearest even
+    subprocess.run([str(exe), name, str(rows), str(k), str(d / "w.bin"), str(d / "b.bin"), "bf16"], check=True)
+    got16 = np.fromfile(d / "b.bin", np.uint16).reshape(rows, k)
+    assert np.array_equal(got16, bf16_bits(ref)), f"{name}: BF16 stores differ from round-to-nearest-even"
+
+
+def bf16_bits(f32):
+    """float32 -> bfloat16 bits, round to nearest even, NaN kept quiet (numpy, independent of the kernel)."""
+    u = f32.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return r
 
 
 # --------------------------------------------------------------------------------------------

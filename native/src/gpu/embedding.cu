@@ -41,10 +41,6 @@ __global__ void __launch_bounds__(kThreads) embedding_kernel(const uint8_t* __re
 }
 
 // One 256-weight-block format row: thread t decodes chunks t, t + kThreads, ... into y.
-struct StoreF32 {
-  float* dst;
-  __device__ __forceinline__ void operator()(int64_t i, float v) const { dst[i] = v; }
-};
 
 template <class W>
 __global__ void __launch_bounds__(kThreads) embedding_blocks_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
@@ -57,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) embedding_blocks_kernel(const uint8_
   }
   const uint8_t* row = w + id * row_bytes;
   for (int64_t c = threadIdx.x; c < nchunks; c += kThreads)
-    detail::decode_chunk<W>(row, c, StoreF32{y + int64_t(blockIdx.x) * h});
+    detail::decode_chunk<W>(row, c, detail::StoreF32{y + int64_t(blockIdx.x) * h});
 }
 
 template <class W>

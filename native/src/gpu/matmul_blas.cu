@@ -14,6 +14,7 @@
 #define SPECD_GPU_BLAS 1
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -55,28 +56,16 @@ cublasHandle_t handle() {
   return h;
 }
 
-// float -> bfloat16 bits, round to nearest even, NaN kept quiet (as cpu::fp32_to_bf16).
-__device__ __forceinline__ uint16_t to_bf16(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-
-// dst[r, :] = bf16(dequantize(w row r)) for `rows` rows; one thread per chunk (grid-stride).
-struct StoreBF16 {
-  uint16_t* dst;
-  __device__ __forceinline__ void operator()(int64_t i, float v) const { dst[i] = to_bf16(v); }
-};
-
-template <class W>
+// dst[r, :] = bf16(dequantize(w row r)) for `rows` rows; one thread per chunk (grid-stride). I is the
+// index type: 32-bit when rows * nchunks fits (a 64-bit division per chunk costs ~70 instructions).
+template <class W, class I>
 __global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
-                                                               int64_t nchunks, int64_t rows, int64_t in,
+                                                               I nchunks, I rows, int64_t in,
                                                                uint16_t* __restrict__ dst) {
-  const int64_t total = rows * nchunks, step = int64_t(gridDim.x) * kThreads;
-  for (int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x; t < total; t += step) {
-    const int64_t r = t / nchunks, c = t % nchunks;
-    decode_chunk<W>(w + r * row_bytes, c, StoreBF16{dst + r * in});
+  const I total = rows * nchunks, step = I(gridDim.x) * kThreads;
+  for (I t = I(blockIdx.x) * kThreads + threadIdx.x; t < total; t += step) {
+    const I r = t / nchunks, c = t % nchunks;
+    decode_chunk<W>(w + int64_t(r) * row_bytes, c, StoreBF16{dst + int64_t(r) * in});
   }
 }
 
@@ -93,7 +82,12 @@ unsigned grid_for(int64_t items) {
 
 template <class W>
 void dequant_launch(const uint8_t* w, int64_t row_bytes, int64_t nchunks, int64_t rows, int64_t in, uint16_t* dst) {
-  dequant_bf16_kernel<W><<<grid_for(rows * nchunks), kThreads, 0, stream()>>>(w, row_bytes, nchunks, rows, in, dst);
+  const unsigned grid = grid_for(rows * nchunks);
+  if (rows * nchunks + int64_t(grid) * kThreads <= int64_t(UINT32_MAX))  // t + step never wraps
+    dequant_bf16_kernel<W, uint32_t><<<grid, kThreads, 0, stream()>>>(w, row_bytes, uint32_t(nchunks), uint32_t(rows),
+                                                                       in, dst);
+  else
+    dequant_bf16_kernel<W, int64_t><<<grid, kThreads, 0, stream()>>>(w, row_bytes, nchunks, rows, in, dst);
   SPECD_GPU_CHECK_LAUNCH("dequant_bf16_kernel");
 }
 

@@ -298,11 +298,66 @@ struct IQ4XSW {
   }
 };
 
+// --- stores of decoded parts ------------------------------------------------------------------
+//
+// store.part(o, v): the N = kPE values of one part at element o of the row (o a multiple of N). The
+// 4- and 8-wide policies are only chosen for rows whose element count is a multiple of 4 / 8 and
+// whose base is 16-byte aligned, so those parts are written with 16-byte (8-byte) stores: a thread
+// owns a whole chunk, threads' chunks are 64+ bytes apart, and scalar 2- or 4-byte stores made every
+// warp store instruction touch 32 sectors for 64-128 useful bytes.
+
+// float -> bfloat16 bits, round to nearest even, NaN kept quiet (as cpu::fp32_to_bf16).
+__device__ __forceinline__ uint16_t to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// Row of float32 (the embedding gather).
+struct StoreF32 {
+  float* dst;
+  template <int N>
+  __device__ __forceinline__ void part(int64_t o, const float (&v)[N]) const {
+    if constexpr (N % 4 == 0) {
+#pragma unroll
+      for (int k = 0; k < N; k += 4) *reinterpret_cast<float4*>(dst + o + k) = float4{v[k], v[k + 1], v[k + 2], v[k + 3]};
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) dst[o + k] = v[k];
+    }
+  }
+};
+
+// Row of bfloat16 bits (the dequantize-to-BF16 path of the wide matmul).
+struct StoreBF16 {
+  uint16_t* dst;
+  __device__ __forceinline__ static uint32_t pair(float lo, float hi) {
+    return uint32_t(to_bf16(lo)) | (uint32_t(to_bf16(hi)) << 16);
+  }
+  template <int N>
+  __device__ __forceinline__ void part(int64_t o, const float (&v)[N]) const {
+    if constexpr (N % 8 == 0) {
+#pragma unroll
+      for (int k = 0; k < N; k += 8)
+        *reinterpret_cast<uint4*>(dst + o + k) =
+            uint4{pair(v[k], v[k + 1]), pair(v[k + 2], v[k + 3]), pair(v[k + 4], v[k + 5]), pair(v[k + 6], v[k + 7])};
+    } else if constexpr (N % 4 == 0) {
+#pragma unroll
+      for (int k = 0; k < N; k += 4)
+        *reinterpret_cast<uint2*>(dst + o + k) = uint2{pair(v[k], v[k + 1]), pair(v[k + 2], v[k + 3])};
+    } else {
+#pragma unroll
+      for (int k = 0; k < N; ++k) dst[o + k] = to_bf16(v[k]);
+    }
+  }
+};
+
 // --- whole-chunk decode ---------------------------------------------------------------------
 
-// Decodes chunk c of a weight row: store(i, value) for each of its kElems weights, i the element
-// index in the row, value the exact float32 weight (Q8_0: q * d, as cpu::dequantize). Shared by the
-// BF16 dequantization of the GEMM path and the embedding gather.
+// Decodes chunk c of a weight row: store.part(o, v) for each of its kParts parts, v the part's
+// exact float32 weights (Q8_0: q * d, as cpu::dequantize) at row elements o .. o + kPE - 1. Shared
+// by the BF16 dequantization of the GEMM path and the embedding gather.
 template <class W, class Store, int... P>
 __device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t c, const Store& store,
                                              std::integer_sequence<int, P...>) {
@@ -311,9 +366,11 @@ __device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t c, cons
     constexpr int kP = decltype(pc)::value;
     float v[W::kPE];
     const float s = W::template decode_part<kP>(raw, v);
-    const int64_t o = W::offset(c, kP);
+    if constexpr (W::kScaled) {
 #pragma unroll
-    for (int k = 0; k < W::kPE; ++k) store(o + k, W::kScaled ? v[k] * s : v[k]);
+      for (int k = 0; k < W::kPE; ++k) v[k] = v[k] * s;
+    }
+    store.part(W::offset(c, kP), v);
   };
   (part(std::integral_constant<int, P>()), ...);
 }

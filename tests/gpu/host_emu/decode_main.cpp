@@ -1,7 +1,8 @@
 // Host harness for test_gpu_decoders_host.py: decodes whole rows through the GPU weight-format
-// policies (chunk by chunk, part by part, at the policies' offsets, exactly as the dequantize-to-BF16
-// kernel walks them, before its BF16 rounding) and writes float32.
-// Usage: decode FORMAT ROWS IN IN.bin OUT.bin
+// policies with decode_chunk (chunk by chunk, part by part, at the policies' offsets, as the
+// embedding gather and the dequantize-to-BF16 kernel walk them) and writes float32, or with "bf16"
+// the BF16 bits that kernel stores.
+// Usage: decode FORMAT ROWS IN IN.bin OUT.bin [bf16]
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -13,27 +14,23 @@
 
 using namespace specd::gpu::detail;
 
-template <class W, int... P>
-void chunk(const uint8_t* row, int64_t c, float* dst, std::integer_sequence<int, P...>) {
-  typename W::Raw raw = W::load(row, c);
-  auto part = [&](auto pc) {
-    constexpr int kP = decltype(pc)::value;
-    float v[W::kPE];
-    float s = W::template decode_part<kP>(raw, v);
-    for (int k = 0; k < W::kPE; ++k) dst[W::offset(c, kP) + k] = W::kScaled ? v[k] * s : v[k];
-  };
-  (part(std::integral_constant<int, P>()), ...);
+// Rows of w decoded through decode_chunk (the kernels' walk: chunk by chunk, part by part) into
+// `out` with Store (StoreF32 or StoreBF16, their vector stores included).
+template <class W, class Store, class T>
+void rows(const uint8_t* w, int64_t n, int64_t rb, int64_t in, int64_t nchunks, T* out) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < nchunks; ++c) decode_chunk<W>(w + r * rb, c, Store{out + r * in});
 }
 
 template <class W>
-void rows(const uint8_t* w, int64_t n, int64_t rb, int64_t in, int64_t nchunks, float* out) {
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t c = 0; c < nchunks; ++c)
-      chunk<W>(w + r * rb, c, out + r * in, std::make_integer_sequence<int, W::kParts>());
+void rows(const uint8_t* w, int64_t n, int64_t rb, int64_t in, int64_t nchunks, float* f32, uint16_t* bf16) {
+  if (bf16) rows<W, StoreBF16>(w, n, rb, in, nchunks, bf16);
+  else rows<W, StoreF32>(w, n, rb, in, nchunks, f32);
 }
 
 int main(int argc, char** argv) {
-  if (argc != 6) return 2;
+  if (argc != 6 && argc != 7) return 2;
+  const bool as_bf16 = argc == 7 && std::string(argv[6]) == "bf16";
   const std::string fmt = argv[1];
   const int64_t n = atoll(argv[2]), in = atoll(argv[3]);
   FILE* f = fopen(argv[4], "rb");
@@ -44,22 +41,25 @@ int main(int argc, char** argv) {
   buf.resize(buf.size() + 64);  // slack: never read, keeps the 16-byte loads of the last row in bounds
   const int64_t rb = int64_t(buf.size() - 64) / n;
   std::vector<float> out(size_t(n * in), NAN);
+  std::vector<uint16_t> outb(as_bf16 ? size_t(n * in) : 0, 0xffff);
+  uint16_t* b = as_bf16 ? outb.data() : nullptr;
   const uint8_t* w = buf.data();
-  if (fmt == "Q8_0") rows<Q8_0Quarter>(w, n, rb, in, in / 8, out.data());
-  else if (fmt == "Q4_K") rows<Q4KW>(w, n, rb, in, in / 32, out.data());
-  else if (fmt == "Q5_K") rows<Q5KW>(w, n, rb, in, in / 32, out.data());
-  else if (fmt == "Q6_K") rows<Q6KW>(w, n, rb, in, in / 32, out.data());
-  else if (fmt == "IQ4_XS") rows<IQ4XSW>(w, n, rb, in, in / 32, out.data());
-  else if (fmt == "F16") rows<Half16W<8, false>>(w, n, rb, in, in / 8, out.data());
-  else if (fmt == "F16_1") rows<Half16W<1, false>>(w, n, rb, in, in, out.data());
-  else if (fmt == "BF16") rows<Half16W<8, true>>(w, n, rb, in, in / 8, out.data());
-  else if (fmt == "BF16_1") rows<Half16W<1, true>>(w, n, rb, in, in, out.data());
-  else if (fmt == "F32") rows<F32W<4>>(w, n, rb, in, in / 4, out.data());
-  else if (fmt == "F32_1") rows<F32W<1>>(w, n, rb, in, in, out.data());
+  if (fmt == "Q8_0") rows<Q8_0Quarter>(w, n, rb, in, in / 8, out.data(), b);
+  else if (fmt == "Q4_K") rows<Q4KW>(w, n, rb, in, in / 32, out.data(), b);
+  else if (fmt == "Q5_K") rows<Q5KW>(w, n, rb, in, in / 32, out.data(), b);
+  else if (fmt == "Q6_K") rows<Q6KW>(w, n, rb, in, in / 32, out.data(), b);
+  else if (fmt == "IQ4_XS") rows<IQ4XSW>(w, n, rb, in, in / 32, out.data(), b);
+  else if (fmt == "F16") rows<Half16W<8, false>>(w, n, rb, in, in / 8, out.data(), b);
+  else if (fmt == "F16_1") rows<Half16W<1, false>>(w, n, rb, in, in, out.data(), b);
+  else if (fmt == "BF16") rows<Half16W<8, true>>(w, n, rb, in, in / 8, out.data(), b);
+  else if (fmt == "BF16_1") rows<Half16W<1, true>>(w, n, rb, in, in, out.data(), b);
+  else if (fmt == "F32") rows<F32W<4>>(w, n, rb, in, in / 4, out.data(), b);
+  else if (fmt == "F32_1") rows<F32W<1>>(w, n, rb, in, in, out.data(), b);
   else return 4;
   f = fopen(argv[5], "wb");
   if (!f) return 3;
-  fwrite(out.data(), 4, out.size(), f);
+  if (as_bf16) fwrite(outb.data(), 2, outb.size(), f);
+  else fwrite(out.data(), 4, out.size(), f);
   fclose(f);
   return 0;
 }

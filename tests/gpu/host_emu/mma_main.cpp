@@ -62,11 +62,6 @@ inline __half2 __floats2half2_rn(float a, float b) { return __half2{f16_rn(a), f
 inline __half2 __hsub2(__half2 a, __half2 b) {
   return __half2{f16_rn(f16_f(a.x) - f16_f(b.x)), f16_rn(f16_f(a.y) - f16_f(b.y))};
 }
-inline uint32_t __float_as_uint(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }

@@ -13,6 +13,7 @@ struct uint2 { uint32_t x, y; };
 struct float4 { float x, y, z, w; };
 inline float __int_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __uint_as_float(uint32_t u) { return __int_as_float(u); }
+inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
   uint64_t v = uint64_t(x) | (uint64_t(y) << 32);
