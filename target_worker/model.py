@@ -306,7 +306,7 @@ class Qwen35Model:
             return self._verify_graph(st, tokens)
         positions = (c + np.arange(w) if tree is None else c + tree.depth).astype(np.int32)
         rows = (c + np.arange(w)).astype(np.int32)  # tree nodes live at row c + index until compaction
-        mm = sn.matmul if exact else _inexact_matmul  # the CPU is always exact
+        mm = _EXACT if exact else _INEXACT  # the CPU is always exact
         # Every index value is known and checked here (tokens by _check_tokens, positions and rows
         # from st.committed within capacity): one packed upload, passed to the ops as trusted.
         idx = self._ops.indices(tokens, positions, rows)
@@ -397,7 +397,7 @@ class Qwen35Model:
         # kv_len = bound >= c + w at every replay of this key: with the causal limit each row sees
         # exactly the keys of the eager call (positions up to its own, c + i < c + w).
         graph, (logits, argmax, feats, pending) = self._capture(
-            lambda: self._forward(st, tokens, positions, positions, bound, None, False, sn.matmul), 64 << 20)
+            lambda: self._forward(st, tokens, positions, positions, bound, None, False, _EXACT), 64 << 20)
         return _CapturedVerify(graph, logits, argmax, feats, pending)
 
     @staticmethod
@@ -428,7 +428,7 @@ class Qwen35Model:
                 mix, p = self._attention(i, layer, x, st, positions, rows, kv_len, tree, mm), None
             pending.append(p)
             u, h = sn.rms_norm(mix, layer.post_attention_norm, self.hp.rms_eps, residual=x)
-            ffn = sn.swiglu(mm(u, layer.ffn_gate), mm(u, layer.ffn_up))
+            ffn = sn.swiglu(*mm.group(u, [layer.ffn_gate, layer.ffn_up]))
             x = ops.a(sn.add(h, mm(ffn, layer.ffn_down)))
             if i in self.capture_layers:
                 taps[i] = x
@@ -452,11 +452,12 @@ class Qwen35Model:
         hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
         u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
         ops = self._ops
-        qg = ops.reshape(ops.a(mm(u, layer.attn_q)), w * nh, 2 * hd)  # per head [q | gate]
+        qg, k, v = (ops.a(y) for y in mm.group(u, [layer.attn_q, layer.attn_k, layer.attn_v]))
+        qg = ops.reshape(qg, w * nh, 2 * hd)  # per head [q | gate]
         q = sn.rms_norm(ops.reshape(ops.cols(qg, 0, hd), w, nh, hd), layer.attn_q_norm, hp.rms_eps)
         gate = ops.reshape(ops.cols(qg, hd, 2 * hd), w, nh, hd)
-        k = sn.rms_norm(ops.reshape(ops.a(mm(u, layer.attn_k)), w, nkv, hd), layer.attn_k_norm, hp.rms_eps)
-        v = ops.reshape(ops.a(mm(u, layer.attn_v)), w, nkv, hd)
+        k = sn.rms_norm(ops.reshape(k, w, nkv, hd), layer.attn_k_norm, hp.rms_eps)
+        v = ops.reshape(v, w, nkv, hd)
         q = sn.rope_neox(q, positions, hp.n_rot, hp.rope_freq_base, trusted=True)
         k = sn.rope_neox(k, positions, hp.n_rot, hp.rope_freq_base, trusted=True)
         kc, vc = st.kv[i]
@@ -474,10 +475,9 @@ class Qwen35Model:
         hk, hv, dk, dv = hp.n_k_heads, hp.n_v_heads, hp.head_k_dim, hp.head_v_dim
         ops = self._ops
         u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
-        m = ops.a(mm(u, layer.attn_qkv))
-        z = ops.reshape(ops.a(mm(u, layer.attn_gate)), w, hv, dv)
-        b = ops.a(mm(u, layer.ssm_beta))
-        a = ops.a(mm(u, layer.ssm_alpha))
+        m, z, b, a = (ops.a(y) for y in mm.group(u, [layer.attn_qkv, layer.attn_gate, layer.ssm_beta,
+                                                     layer.ssm_alpha]))
+        z = ops.reshape(z, w, hv, dv)
         if tree is None:
             conv_state = ops.copy(st.conv[i])
             cv = ops.a(sn.conv1d_causal(m, self.conv_w[i], conv_state, apply_silu=True))
@@ -593,6 +593,20 @@ class _Tree:
         return out[::-1]
 
 
-def _inexact_matmul(x, w):
-    """sn.matmul allowed to use the GPU's wide GEMM path (prefill chunks; see Qwen35Model.verify)."""
-    return sn.matmul(x, w, exact=False)
+class _Linear:
+    """The matmuls of one forward: ``exact`` (batch invariant: verify / decode) or not (the GPU may
+    run more than 16 rows as a BF16 GEMM: prefill chunks; see Qwen35Model.verify). ``group`` runs
+    the projections of one input together (sn.matmul_group: bit-identical to separate calls, fewer
+    GPU launches)."""
+
+    def __init__(self, exact: bool):
+        self.exact = exact
+
+    def __call__(self, x, w):
+        return sn.matmul(x, w, exact=self.exact)
+
+    def group(self, x, ws):
+        return sn.matmul_group(x, ws, exact=self.exact)
+
+
+_EXACT, _INEXACT = _Linear(True), _Linear(False)

@@ -113,14 +113,22 @@ def mma_emu(tmp_path_factory):
 
 
 def run_mma_emu(d, exe, name, x, out, sms=None):
+    """The emulated GEMV of w.bin (one weight of `out` rows, or a group: a list of row counts, the
+    weights' rows one after the other in w.bin) against x: y [n, out], or a list of [n, out_i]."""
     n, k = x.shape
+    outs = out if isinstance(out, list) else [out]
     np.ascontiguousarray(x).astype(np.float32).tofile(d / "x.bin")
     env = dict(os.environ)
     if sms is not None:
         env["SPECD_EMU_SMS"] = str(sms)
-    subprocess.run([str(exe), name, str(n), str(k), str(out), str(d / "w.bin"), str(d / "x.bin"),
+    subprocess.run([str(exe), name, str(n), str(k), ",".join(map(str, outs)), str(d / "w.bin"), str(d / "x.bin"),
                     str(d / "y.bin")], check=True, env=env)
-    return np.fromfile(d / "y.bin", np.float32).reshape(n, out)
+    flat = np.fromfile(d / "y.bin", np.float32)
+    ys, o = [], 0
+    for rows in outs:
+        ys.append(flat[o:o + n * rows].reshape(n, rows))
+        o += n * rows
+    return ys if isinstance(out, list) else ys[0]
 
 
 def wide_range_x(rng, n, k):
@@ -170,3 +178,20 @@ def test_gpu_mma_gemv_emulated_nonfinite_x(mma_emu, rng, name):
     with np.errstate(all="ignore"):
         ref = sn.matmul(x, t).numpy()
     assert not np.isfinite(ref[0]).any() and not np.isfinite(ref[1]).any()
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "IQ4_XS", "Q6_K"])
+def test_gpu_mma_gemv_group_emulated_equals_single(mma_emu, rng, name):
+    """A grouped launch (one x, several weights of one format: flat grid, each weight its own split)
+    gives every weight bit for bit what a launch of its own gives, at 1 and 2 n8 tiles."""
+    d, exe = mma_emu
+    k, outs = 512, [7, 130, 40]
+    raws = [weight(rng, name, o, k, False)[0] for o in outs]
+    x = rng.standard_normal((12, k)).astype(np.float32)
+    for n in (1, 12):
+        np.concatenate([np.ascontiguousarray(r).reshape(-1) for r in raws]).tofile(d / "w.bin")
+        group = run_mma_emu(d, exe, name, x[:n], outs, sms=2)  # 2 SMs: several splits per weight
+        for raw, o, yg in zip(raws, outs, group):
+            np.ascontiguousarray(raw).tofile(d / "w.bin")
+            single = run_mma_emu(d, exe, name, x[:n], o, sms=2)
+            assert np.array_equal(yg.view(np.uint32), single.view(np.uint32)), f"{name} out={o} n={n}"

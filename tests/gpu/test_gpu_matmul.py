@@ -244,3 +244,36 @@ def test_matmul_gpu_bad_input(rng):
     with pytest.raises(ValueError, match="w must be"):
         sn.matmul(sn.Tensor(np.ones((2, 4), np.float32)).to(GPU),
                   sn.Tensor(np.ones((3, 4), np.int32)).to(GPU))
+
+
+@gpu_only
+def test_matmul_group_equals_separate_calls(rng):
+    """sn.matmul_group (x split once, one grouped tensor-core launch per format, the FMA GEMV for the
+    float formats) gives every weight bit for bit what its own sn.matmul gives, at one and two n8
+    tiles, over 16-row slices (exact) and on the wide GEMM path (exact=False); more than 8 weights of
+    one format take several launches."""
+    k = 512
+    names = ["IQ4_XS", "Q8_0", "IQ4_XS", "F32", "BF16", "Q6_K", "IQ4_XS", "Q4_K", "Q5_K", "F16"]
+    names += ["IQ4_XS"] * 7  # 10 IQ4_XS weights: two grouped launches
+    outs = [int(o) for o in rng.integers(1, 300, len(names))]
+    ws = [weight(rng, name, o, k).to(GPU) for name, o in zip(names, outs)]
+    x = rng.standard_normal((40, k)).astype(np.float32)
+    for n, exact in ((1, True), (5, True), (9, True), (16, True), (17, True), (40, True), (40, False)):
+        xg = sn.Tensor(np.ascontiguousarray(x[:n])).to(GPU)
+        ys = sn.matmul_group(xg, ws, exact=exact)
+        assert len(ys) == len(ws)
+        for name, w, y in zip(names, ws, ys):
+            ref = sn.matmul(xg, w, exact=exact).numpy()
+            assert y.shape == ref.shape and np.array_equal(y.numpy().view(np.uint32), ref.view(np.uint32)), (
+                f"{name} [{w.shape[0]}, {k}] n={n} exact={exact}")
+
+
+@gpu_only
+def test_matmul_group_bad_input(rng):
+    xg = sn.Tensor(rng.standard_normal((2, 256)).astype(np.float32)).to(GPU)
+    with pytest.raises(ValueError, match="no weights"):
+        sn.matmul_group(xg, [])
+    with pytest.raises(ValueError, match="columns"):
+        sn.matmul_group(xg, [weight(rng, "Q8_0", 4, 256).to(GPU), weight(rng, "Q8_0", 4, 512).to(GPU)])
+    with pytest.raises(ValueError):
+        sn.matmul_group(xg, [weight(rng, "Q8_0", 4, 256)])  # a CPU weight with a GPU x

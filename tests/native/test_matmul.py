@@ -127,3 +127,18 @@ def test_embedding_bad_input(rng):
         sn.embedding(w, np.zeros((2, 2), np.int32))
     with pytest.raises(ValueError, match="embedding: w must have 2 dimensions, got 1"):
         sn.embedding(np.zeros(8, np.float32), np.zeros(1, np.int32))
+
+
+def test_matmul_group(rng):
+    """sn.matmul_group on the CPU: one result per weight, each equal to its own sn.matmul; bad input
+    raises ValueError (the GPU path: tests/gpu/test_gpu_matmul.py)."""
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    ws = [make_weight(rng, name, out, 256)[0] for name, out in (("Q8_0", 7), ("IQ4_XS", 3), ("F32", 11))]
+    ys = sn.matmul_group(x, ws)
+    assert [y.shape for y in ys] == [(5, 7), (5, 3), (5, 11)]
+    for w, y in zip(ws, ys):
+        np.testing.assert_array_equal(y.numpy(), sn.matmul(x, w).numpy())
+    with pytest.raises(ValueError, match="no weights"):
+        sn.matmul_group(x, [])
+    with pytest.raises(ValueError):
+        sn.matmul_group(x, [make_weight(rng, "Q8_0", 4, 512)[0]])

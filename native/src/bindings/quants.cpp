@@ -85,6 +85,34 @@ within (2^-8 + 1e-5) * (|x| @ |w|^T), not batch invariant). The CPU is always ex
 `exact`. Raises ValueError on dtype, dimension or device mismatch.)doc");
 
   m.def(
+      "matmul_group",
+      [](const py::object& x, const py::list& ws, bool exact) {
+        Tensor xt = as_tensor(x, "matmul_group", "x");
+        std::vector<Tensor> wt;
+        for (const py::handle& w : ws) {
+          wt.push_back(as_tensor(py::reinterpret_borrow<py::object>(w), "matmul_group", "w"));
+          require_same_device(xt, wt.back(), "matmul_group");
+        }
+        if (wt.empty()) throw py::value_error("matmul_group: no weights");
+#if SPECD_WITH_GPU
+        if (xt.device == Device::GPU) return without_gil([&] { return gpu::matmul_group(xt, wt, exact); });
+#endif
+        return without_gil([&] {
+          std::vector<Tensor> ys;
+          for (const Tensor& w : wt) ys.push_back(cpu::matmul(xt, w));
+          return ys;
+        });
+      },
+      py::arg("x"), py::arg("ws"), py::arg("exact") = true,
+      R"doc([x @ w.T for w in ws]: several linear layers reading the same x (the projections of one
+hidden state), bit-identical to separate matmul calls (each weight keeps its own arithmetic).
+
+x: F32 [n, in]; ws: a non-empty list of weights [out_i, in] as for matmul, all on x's device.
+Returns a list of F32 [n, out_i]. On the GPU x is converted for the tensor-core GEMV once and each
+weight format's weights run in one launch (up to 8 per launch); the CPU runs the calls in turn.
+Raises ValueError on an empty list, dtype, dimension or device mismatch.)doc");
+
+  m.def(
       "embedding",
       [](const py::object& w, const py::object& ids, bool trusted) {
         Tensor wt = as_tensor(w, "embedding", "w"), it = as_tensor(ids, "embedding", "ids");

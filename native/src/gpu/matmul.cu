@@ -302,51 +302,70 @@ void check_weight(const Tensor& w, int64_t in, const char* op) {
 
 }  // namespace
 
-Tensor matmul(const Tensor& x, const Tensor& w, bool exact) {
+std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws, bool exact) {
   const char* op = "matmul";
   detail::check_gpu(x, op, "x");
-  detail::check_gpu(w, op, "w");
   check_dtype(x, DType::F32, op, "x");
   check_contiguous(x, op, "x");
   SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
-  check_ndim(w, 2, op, "w");
-  check_contiguous(w, op, "w");
-  const int64_t out = w.dim(0), in = w.dim(1), n = x.rows();
-  SPECD_CHECK(x.cols() == in, op, ": x has ", x.cols(), " columns, w has ", in, " (w is [out, in])");
-  check_weight(w, in, op);
-  SPECD_CHECK(out <= 0x7fffffff, op, ": w has too many rows for one launch");
+  SPECD_CHECK(!ws.empty(), op, ": no weights");
   SPECD_CHECK(detail::aligned16(x.data), op, ": x data must be 16-byte aligned");
-  std::vector<int64_t> shape = x.shape;
-  shape.back() = out;
-  Tensor y = Tensor::empty(shape, DType::F32, Device::GPU);
-  if (n == 0 || out == 0) return y;
+  const int64_t n = x.rows(), in = x.cols();
+  std::vector<Tensor> ys;
+  for (const Tensor& w : ws) {
+    detail::check_gpu(w, op, "w");
+    check_ndim(w, 2, op, "w");
+    check_contiguous(w, op, "w");
+    SPECD_CHECK(w.dim(1) == in, op, ": x has ", in, " columns, w has ", w.dim(1), " (w is [out, in])");
+    check_weight(w, in, op);
+    SPECD_CHECK(w.dim(0) <= 0x7fffffff, op, ": w has too many rows for one launch");
+    std::vector<int64_t> shape = x.shape;
+    shape.back() = w.dim(0);
+    ys.push_back(Tensor::empty(shape, DType::F32, Device::GPU));
+  }
+  if (n == 0) return ys;
   if (in == 0) {
-    memset_zero(y.data, size_t(y.nbytes()));
-    return y;
+    for (Tensor& y : ys)
+      if (y.nbytes() > 0) memset_zero(y.data, size_t(y.nbytes()));
+    return ys;
   }
   // Wide inexact calls (prefill) go to the vendor GEMM on dequantized weights: the GEMV would
   // re-read the weights once per 16 rows and runs on FP32 FMAs only.
   if (n > kNMax && !exact) {
-    detail::matmul_blas(x, w, y);
-    return y;
+    for (size_t i = 0; i < ws.size(); ++i)
+      if (ws[i].dim(0) > 0) detail::matmul_blas(x, ws[i], ys[i]);
+    return ys;
   }
   // Exact: slices of at most kNMax rows through the GEMV, each row's arithmetic independent of
-  // the slice it lands in. Every slice starts 16 * in floats (64 * in bytes) after x.data, which
-  // is 16-byte aligned (checked above), so every slice is too.
+  // the slice it lands in (and of the other weights of the call). Every slice starts 16 * in floats
+  // (64 * in bytes) after x.data, which is 16-byte aligned (checked above), so every slice is too.
   for (int64_t r0 = 0; r0 < n; r0 += kNMax) {
     const int rows = int(std::min<int64_t>(kNMax, n - r0));
     const float* xs = x.ptr<float>() + r0 * in;
 #if SPECD_MMA_GEMV
-    if (detail::mma::handles(w.dtype)) {
-      detail::mma::gemv(static_cast<const uint8_t*>(w.data), w.dtype, w.row_bytes(), in, xs, y.ptr<float>() + r0 * out,
-                        rows, out);
-      continue;
-    }
+    std::vector<detail::mma::Weight> mma;  // the tensor-core formats, split x shared, grouped launches
 #endif
-    Problem p{static_cast<const uint8_t*>(w.data), w.row_bytes(), 0, xs, in, y.ptr<float>() + r0 * out, rows, out};
-    gemv(p, w.dtype, in, detail::aligned16(w.data));
+    for (size_t i = 0; i < ws.size(); ++i) {
+      const Tensor& w = ws[i];
+      const int64_t out = w.dim(0);
+      if (out == 0) continue;
+      float* y = ys[i].ptr<float>() + r0 * out;
+#if SPECD_MMA_GEMV
+      if (detail::mma::handles(w.dtype)) {
+        mma.push_back({static_cast<const uint8_t*>(w.data), w.dtype, w.row_bytes(), out, y});
+        continue;
+      }
+#endif
+      Problem p{static_cast<const uint8_t*>(w.data), w.row_bytes(), 0, xs, in, y, rows, out};
+      gemv(p, w.dtype, in, detail::aligned16(w.data));
+    }
+#if SPECD_MMA_GEMV
+    if (!mma.empty()) detail::mma::gemv(mma.data(), int(mma.size()), in, xs, rows);
+#endif
   }
-  return y;
+  return ys;
 }
+
+Tensor matmul(const Tensor& x, const Tensor& w, bool exact) { return std::move(matmul_group(x, {w}, exact)[0]); }
 
 }  // namespace specd::gpu

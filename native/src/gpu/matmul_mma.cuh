@@ -27,6 +27,7 @@
 #if SPECD_MMA_GEMV
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #ifndef SPECD_HOST_EMU
 #include "common.cuh"
@@ -480,18 +481,48 @@ __global__ void split_x_kernel(const float* __restrict__ x, int64_t ldx, int n, 
     }
 }
 
-// One block: kWarps warps, warp w owns rows row0 + 16 kMT w .. + 16 kMT - 1 and all rows of x, over
-// units [u_begin, u_end) of split blockIdx.y (in order, kU loads in flight). Writes its partial
-// sums to part[split][col][row] (or straight to y when there is one split).
+// Several weights against the same x in one launch (the projections that read one normed hidden
+// state: q / k / v, GDN qkv / gate / beta / alpha, FFN gate / up): weight i has out[i] rows, in
+// inputs (the same for all) and its own split of the reduction dimension (units_per_split of its
+// shape); the grid is flat, weight i owning blocks [block0[i], block0[i + 1]) = its row blocks x
+// splits, row blocks fastest. Every weight's arithmetic is that of a launch of its own, so a group
+// and separate calls give bit-identical results.
+constexpr int kMaxGroup = 8;
+struct Group {
+  int count = 0;
+  const uint8_t* w[kMaxGroup] = {};
+  int64_t row_bytes[kMaxGroup] = {}, out[kMaxGroup] = {}, per_split[kMaxGroup] = {};
+  float* dst[kMaxGroup] = {};                 // split partials [splits][n][out] (or y when one split)
+  int64_t block0[kMaxGroup + 1] = {};         // first flat block of each weight; block0[count] = grid
+};
+
+// This block's weight wi (the last whose first block is <= blockIdx.x), row block and split.
+struct GroupBlock {
+  int wi;
+  int64_t rb, split;
+};
+__device__ __forceinline__ GroupBlock locate(const Group& g_) {
+  int wi = 0;
+#pragma unroll
+  for (int i = 1; i < kMaxGroup; ++i)
+    if (i < g_.count && int64_t(blockIdx.x) >= g_.block0[i]) wi = i;
+  const int64_t row_blocks = (g_.out[wi] + kRowsPerBlock - 1) / kRowsPerBlock, local = int64_t(blockIdx.x) - g_.block0[wi];
+  return GroupBlock{wi, local % row_blocks, local / row_blocks};
+}
+
+// One block: kWarps warps, warp w owns rows row0 + 16 kMT w .. + 16 kMT - 1 of its weight and all
+// rows of x, over units [u_begin, u_end) of its split (in order, kU loads in flight). Writes its
+// partial sums to dst[split][col][row] of its weight.
 template <class F, int NT>
-__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kBlocksPerSM : 3) mma_gemv_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
-                                                                int64_t nunits, int64_t per_split,
-                                                                const uint2* __restrict__ xf,
-                                                                const float* __restrict__ xs, float* __restrict__ dst,
-                                                                int n, int64_t out) {
+__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kBlocksPerSM : 3) mma_gemv_kernel(const Group g_,
+                                                                int64_t nunits, const uint2* __restrict__ xf,
+                                                                const float* __restrict__ xs, int n) {
+  const GroupBlock gb = locate(g_);
+  const uint8_t* __restrict__ w = g_.w[gb.wi];
+  const int64_t row_bytes = g_.row_bytes[gb.wi], out = g_.out[gb.wi], per_split = g_.per_split[gb.wi];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int64_t row0 = int64_t(blockIdx.x) * kRowsPerBlock + int64_t(warp) * kMT * 16;
-  const int64_t u_begin = int64_t(blockIdx.y) * per_split;
+  const int64_t row0 = gb.rb * kRowsPerBlock + int64_t(warp) * kMT * 16;
+  const int64_t u_begin = gb.split * per_split;
   const int64_t u_end = u_begin + per_split < nunits ? u_begin + per_split : nunits;
 
   const uint8_t* rows[kMT][2];
@@ -521,62 +552,92 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kBlocksPerSM : 3) mma_g
       if (u0 + i < u_end) F::template compute<NT>(raw[i], u0 + i, xf, xs, lane, n, acc);
   }
 
-  float* o = dst + int64_t(blockIdx.y) * n * out;
+  // Where this block's partials go, located again: nothing of it stays live across the loop.
+  const GroupBlock ge = locate(g_);
+  const int64_t out_e = g_.out[ge.wi], row0_e = ge.rb * kRowsPerBlock + int64_t(warp) * kMT * 16;
+  float* o = g_.dst[ge.wi] + ge.split * n * out_e;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const int64_t r = row0 + 16 * mt + g + 8 * (c >> 1);
+        const int64_t r = row0_e + 16 * mt + g + 8 * (c >> 1);
         const int col = 8 * nt + 2 * t + (c & 1);
-        if (r < out && col < n) o[int64_t(col) * out + r] = acc[mt][nt][c];
+        if (r < out_e && col < n) o[int64_t(col) * out_e + r] = acc[mt][nt][c];
       }
 }
 
-#ifndef SPECD_HOST_EMU
-// y = sum of the split partials, split 0 first (fixed order).
-__global__ void sum_splits_kernel(const float* __restrict__ part, int splits, int64_t count, float* __restrict__ y) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= count) return;
-  float s = part[i];
-  for (int k = 1; k < splits; ++k) s = __fadd_rn(s, part[int64_t(k) * count + i]);
-  y[i] = s;
-}
-
-// Splits of the reduction dimension for a weight of `out` rows and `nunits` units: as many as fit
-// one wave of kBlocksPerSM blocks per multiprocessor (rounded DOWN: one block over a wave would
-// cost a whole second pass of a latency-bound block, e.g. 136 row blocks x 4 splits = 544 blocks on
-// 528 slots ran as two waves), at least 4 units per split. Depends on the weight shape only (never
-// on n), so every row of x sees the same arithmetic whatever the width of the call.
-inline int64_t units_per_split(int64_t out, int64_t nunits) {
+// Splits of the reduction dimension for a weight of `out` rows and `nunits` units, on `sms`
+// multiprocessors: as many as fit ONE wave of kBlocksPerSM blocks per multiprocessor (rounded DOWN:
+// one block over a wave would cost a whole second pass of a latency-bound block, e.g. 136 row
+// blocks x 4 splits = 544 blocks on 528 slots ran as two waves), at least 4 units per split.
+// Depends on the weight shape and the device only (never on n or on the weights it is grouped
+// with), so every row of x sees the same arithmetic whatever the width or grouping of the call.
+inline int64_t units_per_split(int64_t out, int64_t nunits, int64_t sms) {
   const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int64_t want = kBlocksPerSM * int64_t(sm_count());
+  const int64_t want = kBlocksPerSM * sms;
   int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want / row_blocks, nunits / 4));
   splits = std::min<int64_t>(splits, 65535);
   int64_t per = (nunits + splits - 1) / splits;
   return std::max<int64_t>(per, 1);
 }
 
+// Sums of the split partials of a group (the weights with more than one split): element e of the
+// flat range is element e - elem0[i] of weight i; y = split 0 + split 1 + ... (fixed order).
+struct SplitSums {
+  int count = 0;
+  const float* part[kMaxGroup] = {};
+  float* y[kMaxGroup] = {};
+  int splits[kMaxGroup] = {};
+  int64_t elem0[kMaxGroup + 1] = {};
+};
+
+#ifndef SPECD_HOST_EMU
+__global__ void sum_splits_kernel(const SplitSums s_) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= s_.elem0[s_.count]) return;
+  int i = 0;
+#pragma unroll
+  for (int k = 1; k < kMaxGroup; ++k)
+    if (k < s_.count && e >= s_.elem0[k]) i = k;
+  const int64_t j = e - s_.elem0[i], count = s_.elem0[i + 1] - s_.elem0[i];
+  const float* part = s_.part[i];
+  float v = part[j];
+  for (int k = 1; k < s_.splits[i]; ++k) v = __fadd_rn(v, part[int64_t(k) * count + j]);
+  s_.y[i][j] = v;
+}
+
+// One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x,
+// then one launch summing the split partials of those with several splits.
 template <class F, int NT>
-void launch(const uint8_t* w, int64_t row_bytes, int64_t in, const uint2* xf, const float* xs, float* y, int n,
-            int64_t out, cudaStream_t s) {
+void launch(const uint8_t* const* ws, const int64_t* row_bytes, const int64_t* outs, float* const* ys, int count,
+            int64_t in, const uint2* xf, const float* xs, int n, cudaStream_t s) {
   const int64_t nunits = in / F::kUnitElems;
-  const int64_t per = units_per_split(out, nunits);
-  const int64_t splits = (nunits + per - 1) / per;
-  const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
-  std::shared_ptr<void> scratch;
-  float* dst = y;
-  if (splits > 1) {
-    scratch = alloc(size_t(splits * n * out) * sizeof(float));  // freed stream-ordered
-    dst = static_cast<float*>(scratch.get());
+  Group grp;
+  SplitSums sums;
+  std::shared_ptr<void> scratch[kMaxGroup];
+  grp.count = count;
+  for (int i = 0; i < count; ++i) {
+    const int64_t per = units_per_split(outs[i], nunits, sm_count());
+    const int64_t splits = (nunits + per - 1) / per, row_blocks = (outs[i] + kRowsPerBlock - 1) / kRowsPerBlock;
+    grp.w[i] = ws[i], grp.row_bytes[i] = row_bytes[i], grp.out[i] = outs[i], grp.per_split[i] = per;
+    grp.dst[i] = ys[i];
+    if (splits > 1) {
+      scratch[i] = alloc(size_t(splits * n * outs[i]) * sizeof(float));  // freed stream-ordered
+      grp.dst[i] = static_cast<float*>(scratch[i].get());
+      sums.part[sums.count] = grp.dst[i], sums.y[sums.count] = ys[i], sums.splits[sums.count] = int(splits);
+      sums.elem0[sums.count + 1] = sums.elem0[sums.count] + int64_t(n) * outs[i];
+      ++sums.count;
+    }
+    grp.block0[i + 1] = grp.block0[i] + row_blocks * splits;
   }
-  mma_gemv_kernel<F, NT><<<dim3(unsigned(row_blocks), unsigned(splits)), kWarps * 32, 0, s>>>(
-      w, row_bytes, nunits, per, xf, xs, dst, n, out);
+  SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
+  mma_gemv_kernel<F, NT><<<unsigned(grp.block0[count]), kWarps * 32, 0, s>>>(grp, nunits, xf, xs, n);
   SPECD_GPU_CHECK_LAUNCH("mma_gemv_kernel");
-  if (splits > 1) {
-    const int64_t count = int64_t(n) * out;
-    sum_splits_kernel<<<unsigned((count + 255) / 256), 256, 0, s>>>(dst, int(splits), count, y);
+  if (sums.count > 0) {
+    const int64_t total = sums.elem0[sums.count];
+    sum_splits_kernel<<<unsigned((total + 255) / 256), 256, 0, s>>>(sums);
     SPECD_GPU_CHECK_LAUNCH("sum_splits_kernel");
   }
 }
@@ -586,9 +647,19 @@ inline bool handles(DType t) {
   return t == DType::Q8_0 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS;
 }
 
-// y[n, out] = x[n, in] @ w^T for 1 <= n <= 16 (x rows 16-byte aligned, in % 32 == 0).
-inline void gemv(const uint8_t* w, DType t, int64_t row_bytes, int64_t in, const float* x, float* y, int n,
-                 int64_t out) {
+// One weight of a tensor-core GEMV call: its bytes, format, row bytes and rows, and its output
+// y [n, out] (F32).
+struct Weight {
+  const uint8_t* w;
+  DType t;
+  int64_t row_bytes, out;
+  float* y;
+};
+
+// y_i[n, out_i] = x[n, in] @ w_i^T for every weight (1 <= n <= 16, x rows 16-byte aligned,
+// in % 32 == 0, every format handled): x is split once, then each format's weights (up to
+// kMaxGroup per launch) run as one grouped launch.
+inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n) {
   cudaStream_t s = stream();
   const int NT = n <= 8 ? 1 : 2;
   const int64_t nblk = in / 32;
@@ -600,21 +671,34 @@ inline void gemv(const uint8_t* w, DType t, int64_t row_bytes, int64_t in, const
   const int64_t threads = nblk * NT * 8;
   split_x_kernel<<<unsigned((threads + 127) / 128), 128, 0, s>>>(x, in, n, nblk, NT, xf, xs);
   SPECD_GPU_CHECK_LAUNCH("split_x_kernel");
-  auto go = [&](auto nt) {
-    constexpr int kNT = decltype(nt)::value;
-    switch (t) {
-      case DType::Q8_0: return launch<Q8U, kNT>(w, row_bytes, in, xf, xs, y, n, out, s);
-      case DType::Q4_K: return launch<QK45U<false>, kNT>(w, row_bytes, in, xf, xs, y, n, out, s);
-      case DType::Q5_K: return launch<QK45U<true>, kNT>(w, row_bytes, in, xf, xs, y, n, out, s);
-      case DType::Q6_K: return launch<Q6U, kNT>(w, row_bytes, in, xf, xs, y, n, out, s);
-      case DType::IQ4_XS: return launch<IQ4U, kNT>(w, row_bytes, in, xf, xs, y, n, out, s);
-      default: fail("matmul: no tensor-core GEMV for ", dtype_info(t).name);
-    }
-  };
-  if (NT == 1)
-    go(std::integral_constant<int, 1>());
-  else
-    go(std::integral_constant<int, 2>());
+  std::vector<bool> done(size_t(count), false);
+  for (int i = 0; i < count; ++i) {
+    if (done[size_t(i)]) continue;
+    const uint8_t* w[kMaxGroup];
+    int64_t rb[kMaxGroup], out[kMaxGroup];
+    float* y[kMaxGroup];
+    int m = 0;
+    for (int j = i; j < count && m < kMaxGroup; ++j)  // this format's weights not yet launched
+      if (!done[size_t(j)] && ws[j].t == ws[i].t) {
+        w[m] = ws[j].w, rb[m] = ws[j].row_bytes, out[m] = ws[j].out, y[m] = ws[j].y, ++m;
+        done[size_t(j)] = true;
+      }
+    auto go = [&](auto nt) {
+      constexpr int kNT = decltype(nt)::value;
+      switch (ws[i].t) {
+        case DType::Q8_0: return launch<Q8U, kNT>(w, rb, out, y, m, in, xf, xs, n, s);
+        case DType::Q4_K: return launch<QK45U<false>, kNT>(w, rb, out, y, m, in, xf, xs, n, s);
+        case DType::Q5_K: return launch<QK45U<true>, kNT>(w, rb, out, y, m, in, xf, xs, n, s);
+        case DType::Q6_K: return launch<Q6U, kNT>(w, rb, out, y, m, in, xf, xs, n, s);
+        case DType::IQ4_XS: return launch<IQ4U, kNT>(w, rb, out, y, m, in, xf, xs, n, s);
+        default: fail("matmul: no tensor-core GEMV for ", dtype_info(ws[i].t).name);
+      }
+    };
+    if (NT == 1)
+      go(std::integral_constant<int, 1>());
+    else
+      go(std::integral_constant<int, 2>());
+  }
 }
 
 #endif  // SPECD_HOST_EMU

@@ -5,6 +5,7 @@
 // throws std::invalid_argument (Python ValueError) naming the op and argument, like the CPU ops;
 // runtime failures throw std::runtime_error naming the failing call.
 #pragma once
+#include <vector>
 #include <optional>
 #include <utility>
 
@@ -41,6 +42,12 @@ Tensor l2_norm(const Tensor& x, float eps);
 // device, then cuBLAS / hipBLAS with F32 accumulation (matmul_blas.cu); error within
 // (2^-8 + 1e-5) * (|x| @ |w|^T) elementwise, not batch invariant across n.
 Tensor matmul(const Tensor& x, const Tensor& w, bool exact = true);
+
+// matmul of one x against several weights [out_i, in] (the projections that read one hidden state):
+// the same results as separate matmul calls, bit for bit (each weight keeps its own split of the
+// reduction dimension), with x split once and each tensor-core format's weights in one launch (up
+// to 8 per launch). Raises std::invalid_argument as matmul does, and for an empty list.
+std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws, bool exact = true);
 
 // Index of the first maximum of each row (argmax.cu); x F32 [..., V] contiguous, V >= 1 ->
 // I32 [...] (x's shape without the last dimension). NaN counts as larger than every number

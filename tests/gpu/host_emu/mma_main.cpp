@@ -120,9 +120,11 @@ inline uint32_t __shfl_sync(unsigned mask, uint32_t v, int src) {
 
 using namespace specd::gpu::detail;
 
+// The weights (each out[i] rows, stored one after the other in w) against x as one grouped launch,
+// as mma::launch builds it (flat grid, each weight's own split), then the split sums.
 template <class F>
 void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std::vector<float>& x, int n,
-         int64_t out, std::vector<float>& y) {
+         const std::vector<int64_t>& outs, std::vector<float>& y) {
   using namespace specd::gpu::detail::mma;
   const int NT = n <= 8 ? 1 : 2;
   const int64_t nblk = in / 32;
@@ -138,41 +140,62 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   const char* sms_env = std::getenv("SPECD_EMU_SMS");
   const int64_t sms = sms_env ? std::atoll(sms_env) : 132;
   const int64_t nunits = in / F::kUnitElems;
-  const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
-  int64_t splits = std::max<int64_t>(1, std::min<int64_t>(kBlocksPerSM * sms / row_blocks, nunits / 4));
-  const int64_t per = std::max<int64_t>(1, (nunits + splits - 1) / splits);
-  splits = (nunits + per - 1) / per;
-  std::vector<float> part(size_t(splits * n * out), NAN);
-  for (int64_t by = 0; by < splits; ++by)
-    for (int64_t bx = 0; bx < row_blocks; ++bx) {
-      WarpShared ws[kWarps];
-      for (auto& s : ws) s.bar = std::make_unique<std::barrier<>>(32);
-      std::vector<std::thread> th;
-      for (int i = 0; i < kWarps * 32; ++i)
-        th.emplace_back([&, i] {
-          threadIdx.x = unsigned(i), blockIdx.x = unsigned(bx), blockIdx.y = unsigned(by);
-          tl_warp = &ws[i / 32];
-          auto kernel = NT == 1 ? mma_gemv_kernel<F, 1> : mma_gemv_kernel<F, 2>;
-          kernel(w.data(), row_bytes, nunits, per, xf.data(), xs.data(), part.data(), n, out);
-        });
-      for (auto& t : th) t.join();
+  Group grp;
+  grp.count = int(outs.size());
+  std::vector<std::vector<float>> parts(outs.size());
+  std::vector<int64_t> splits(outs.size());
+  int64_t row0 = 0;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const int64_t per = units_per_split(outs[i], nunits, sms);
+    splits[i] = (nunits + per - 1) / per;
+    parts[i].assign(size_t(splits[i] * n * outs[i]), NAN);
+    grp.w[i] = w.data() + row0 * row_bytes, grp.row_bytes[i] = row_bytes, grp.out[i] = outs[i];
+    grp.per_split[i] = per, grp.dst[i] = parts[i].data();
+    grp.block0[i + 1] = grp.block0[i] + (outs[i] + kRowsPerBlock - 1) / kRowsPerBlock * splits[i];
+    row0 += outs[i];
+  }
+  for (int64_t b = 0; b < grp.block0[grp.count]; ++b) {
+    WarpShared ws[kWarps];
+    for (auto& s : ws) s.bar = std::make_unique<std::barrier<>>(32);
+    std::vector<std::thread> th;
+    for (int i = 0; i < kWarps * 32; ++i)
+      th.emplace_back([&, i] {
+        threadIdx.x = unsigned(i), blockIdx.x = unsigned(b);
+        tl_warp = &ws[i / 32];
+        auto kernel = NT == 1 ? mma_gemv_kernel<F, 1> : mma_gemv_kernel<F, 2>;
+        kernel(grp, nunits, xf.data(), xs.data(), n);
+      });
+    for (auto& t : th) t.join();
+  }
+  int64_t y0 = 0;
+  for (size_t w_i = 0; w_i < outs.size(); ++w_i) {
+    const int64_t count = int64_t(n) * outs[w_i];
+    for (int64_t i = 0; i < count; ++i) {
+      float s = parts[w_i][size_t(i)];
+      for (int64_t k = 1; k < splits[w_i]; ++k) s = __fadd_rn(s, parts[w_i][size_t(k * count + i)]);
+      y[size_t(y0 + i)] = s;
     }
-  const int64_t count = int64_t(n) * out;
-  for (int64_t i = 0; i < count; ++i) {
-    float s = part[size_t(i)];
-    for (int64_t k = 1; k < splits; ++k) s = __fadd_rn(s, part[size_t(k * count + i)]);
-    y[size_t(i)] = s;
+    y0 += count;
   }
 }
 
 int main(int argc, char** argv) {
   if (argc != 8) {
-    std::fprintf(stderr, "usage: %s FORMAT n in out w.bin x.bin y.bin\n", argv[0]);
+    std::fprintf(stderr, "usage: %s FORMAT n in out[,out...] w.bin x.bin y.bin\n", argv[0]);
     return 2;
   }
   const std::string fmt = argv[1];
   const int n = std::atoi(argv[2]);
-  const int64_t in = std::atoll(argv[3]), out = std::atoll(argv[4]);
+  const int64_t in = std::atoll(argv[3]);
+  std::vector<int64_t> outs;
+  for (const char* p = argv[4]; *p;) {  // comma-separated row counts, one per weight of the group
+    char* end = nullptr;
+    outs.push_back(std::strtoll(p, &end, 10));
+    p = *end == ',' ? end + 1 : end;
+  }
+  if (outs.empty() || outs.size() > size_t(specd::gpu::detail::mma::kMaxGroup)) return 2;
+  int64_t out = 0;
+  for (int64_t o : outs) out += o;
   int64_t row_bytes = 0;
   if (fmt == "Q8_0") row_bytes = in / 32 * 34;
   else if (fmt == "Q4_K") row_bytes = in / 256 * 144;
@@ -180,16 +203,16 @@ int main(int argc, char** argv) {
   else if (fmt == "Q6_K") row_bytes = in / 256 * 210;
   else if (fmt == "IQ4_XS") row_bytes = in / 256 * 136;
   else return 2;
-  // 16-byte aligned copies (the device allocations are 256-byte aligned).
+  // The weights' rows one after the other (y: each weight's [n, out_i] one after the other).
   std::vector<uint8_t> w(size_t(row_bytes * out));
   std::vector<float> x(size_t(n * in)), y(size_t(n * out));
   std::ifstream(argv[5], std::ios::binary).read(reinterpret_cast<char*>(w.data()), std::streamsize(w.size()));
   std::ifstream(argv[6], std::ios::binary).read(reinterpret_cast<char*>(x.data()), std::streamsize(x.size() * 4));
-  if (fmt == "Q8_0") run<mma::Q8U>(w, row_bytes, in, x, n, out, y);
-  else if (fmt == "Q4_K") run<mma::QK45U<false>>(w, row_bytes, in, x, n, out, y);
-  else if (fmt == "Q5_K") run<mma::QK45U<true>>(w, row_bytes, in, x, n, out, y);
-  else if (fmt == "Q6_K") run<mma::Q6U>(w, row_bytes, in, x, n, out, y);
-  else run<mma::IQ4U>(w, row_bytes, in, x, n, out, y);
+  if (fmt == "Q8_0") run<mma::Q8U>(w, row_bytes, in, x, n, outs, y);
+  else if (fmt == "Q4_K") run<mma::QK45U<false>>(w, row_bytes, in, x, n, outs, y);
+  else if (fmt == "Q5_K") run<mma::QK45U<true>>(w, row_bytes, in, x, n, outs, y);
+  else if (fmt == "Q6_K") run<mma::Q6U>(w, row_bytes, in, x, n, outs, y);
+  else run<mma::IQ4U>(w, row_bytes, in, x, n, outs, y);
   std::ofstream(argv[7], std::ios::binary).write(reinterpret_cast<const char*>(y.data()), std::streamsize(y.size() * 4));
   return 0;
 }
