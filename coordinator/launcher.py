@@ -59,6 +59,10 @@ class ServeConfig:
         the GPU (default True; ``--no-cuda-graphs`` runs every op from Python). Ignored on the CPU.
     max_graphs: most captured CUDA graphs the target worker keeps (LRU; ``--max-graphs``), >= 1.
         Default 16.
+    share_target_weights: "auto" (default): the drafter worker maps the target worker's token_embd /
+        output (CUDA IPC) when both run on the same GPU, else loads its own copy (logged); "off":
+        always its own copy. Passed as ``--share-target-weights`` with ``--target-worker`` (the target
+        worker's socket) to the drafter worker.
     start_timeout_s: wait for each child's READY line. Default 600.
     """
 
@@ -76,6 +80,7 @@ class ServeConfig:
     device: str = "auto"
     cuda_graphs: bool = True
     max_graphs: int = 16
+    share_target_weights: str = "auto"
     start_timeout_s: float = 600.0
 
     def resolve_models(self) -> None:
@@ -101,6 +106,9 @@ class ServeConfig:
             raise ValueError("serve: --scripted-continuations needs --scripted-block")
         if self.max_graphs < 1:
             raise ValueError(f"serve: --max-graphs must be >= 1, got {self.max_graphs}")
+        from specd.target_worker.shared_weights import check_share_mode
+
+        check_share_mode(self.share_target_weights, "serve")
         if self.kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"serve: --kv-dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
         from specd.target_worker.server import check_device
@@ -171,6 +179,9 @@ def add_arguments(p) -> None:
                    help="replay the target's chain verifies (<= 16 rows) as CUDA graphs on the GPU (default on)")
     p.add_argument("--max-graphs", type=int, default=d.max_graphs,
                    help=f"most captured CUDA graphs the target worker keeps, >= 1 (default {d.max_graphs})")
+    from specd.draft_worker.server import add_share_argument
+
+    add_share_argument(p, d.share_target_weights)
     p.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s,
                    help="wait for each child's READY (default 600)")
     before = len(p._actions)
@@ -246,7 +257,8 @@ def run(args) -> int:
                      "--feature-transport", ns.feature_transport, "--device", args.device]
             dargv += ["--drafter", args.drafter_gguf, "--target", args.target,
                       "--drafter-kv-dtype", args.drafter_kv_dtype,
-                      "--dspark-markov", getattr(args, "dspark_markov", "fused")] if args.drafter_gguf else [
+                      "--dspark-markov", getattr(args, "dspark_markov", "fused"),
+                      "--share-target-weights", args.share_target_weights, "--target-worker", tsock] if args.drafter_gguf else [
                 "--scripted-block", str(args.scripted_block), "--scripted-accept", str(args.scripted_accept),
                 "--scripted-continuations", args.scripted_continuations]
             d = _child(dargv)
