@@ -328,6 +328,11 @@ class TargetServicer(pbg.TargetWorkerServicer):
             s.released = True
             self._free_state(s.st, s)
         self.features.close_all()
+        # the exported token_embd / output: unpublished and unregistered (the model keeps its tensors;
+        # the memory is freed with the model, after the drafter worker, stopped first, closed its mapping)
+        exporter, self.model.head_exporter = getattr(self.model, "head_exporter", None), None
+        if exporter is not None:
+            exporter.close()
 
     # ------------------------------------------------------------------ RPCs
 

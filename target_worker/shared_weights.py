@@ -161,12 +161,16 @@ class HeadExporter:
                                            device_id=self.backend.device_id(), owner_id=self.owner_id))
         return placed
 
-    def abandon(self) -> None:
-        """Forgets every export (after a failure: nothing is published)."""
+    def close(self) -> None:
+        """Forgets every export: nothing is published any more, the backend's registration of the
+        handles is dropped, and this object's references to the tensors too (whoever placed them, the
+        model, keeps its own). Used after a failed export and at the worker's shutdown."""
         forget = getattr(self.backend, "forget", None)
         if forget is not None:
             forget(*(h for _, h in self._done.values()))
         self.infos, self.tensors, self._done = [], [], {}
+
+    abandon = close
 
 
 @dataclasses.dataclass

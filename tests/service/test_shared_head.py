@@ -282,6 +282,9 @@ def test_tied_head_is_exported_and_mapped_once():
     assert reason == "" and head.token_embd is head.output is a
     assert head.nbytes == embd.nbytes  # counted once
     assert [k for k, _ in FakeIpcBackend.log].count("open_tensor") == 1
+    handle = exp.infos[0].handle
+    exp.close()
+    assert exp.infos == [] and exp.tensors == [] and handle not in FakeIpcBackend.registry
 
 
 def test_export_failure_keeps_the_target_working(target_gguf, caplog):
@@ -359,3 +362,18 @@ def test_serve_forwards_the_option_and_the_target_socket(hstack, target_gguf, mo
         t, d = seen
         tsock = t[t.index("--listen") + 1]
         assert d[d.index("--share-target-weights") + 1] == mode and d[d.index("--target-worker") + 1] == tsock
+
+
+def test_target_close_unpublishes_and_unregisters(target_gguf, monkeypatch):
+    from specd.target_worker import server as tserver
+
+    monkeypatch.setattr(fci, "NativeIpcBackend", FakeIpcBackend)
+    cfg = tserver.TargetWorkerConfig(target=target_gguf, listen="unix:///unused", capture_layers=(0, 2),
+                                     max_seq_len=32, kv_dtype="f32", device="cpu")
+    svc = tserver.load_servicer(cfg)
+    handles = {i.handle for i in svc.model.head_exporter.infos}
+    assert len(handles) == 2 and handles <= set(FakeIpcBackend.registry)
+    assert len(svc._shared_tensors()) == 2
+    svc.close()
+    assert not handles & set(FakeIpcBackend.registry) and svc._shared_tensors() == []
+    assert svc.model.token_embd is not None  # the model keeps its tensors
