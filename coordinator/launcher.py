@@ -9,7 +9,9 @@ exits with the first non-zero child status.
 
 Drafter: with ``--drafter D.gguf`` (DFlash, DSpark or DFlash 2) the target captures the drafter's
 ``target_layer_ids`` (read from D.gguf) and the drafter worker runs D.gguf bound to the target's
-embedding and head (``draft-worker --drafter D.gguf --target T.gguf``); a drafter that does not fit the
+embedding and head (``draft-worker --drafter D.gguf --target T.gguf --share-target-weights auto
+--target-worker <target socket>``: on one GPU it maps the target worker's embedding / head through
+CUDA IPC instead of loading its own copy, see target_worker/shared_weights.py); a drafter that does not fit the
 target (hidden size, vocabulary, tap ids, mask id) stops start-up with an error naming both files,
 before any child starts. ``--scripted-block N`` runs the scripted drafter instead: with ``--scripted-continuations FILE`` (the target's greedy continuations) it is the
 oracle drafter of performance.md §6.6 (``--scripted-accept k`` forces acceptance k), without it every

@@ -8,6 +8,9 @@ hyperparameters, ``token_embd`` and ``output`` (:func:`~specd.target_worker.gguf
 zero-copy views; the drafter reuses the target's embedding and head, drafters.md §3), and the pair is
 checked (:func:`~specd.draft_worker.gguf_loader.check_pair`: hidden size, vocabulary, mask id, tap
 ids < target layers, trained target depth) — a mismatch raises ``DrafterPairError`` naming both files.
+On the GPU the embedding and head are then either mapped from the target worker (CUDA IPC,
+``share_target_weights="auto"`` with its address: :mod:`specd.target_worker.shared_weights`) or
+uploaded from the target GGUF (own copy; the reason is logged).
 
 Per sequence a :class:`~specd.draft_worker.model.DraftSequence` holds the drafter's context K/V.
 ``open(seq_id, capacity)`` sizes it to the feature ring's capacity plus one block (the block rows of

@@ -21,7 +21,9 @@ INVALID_ARGUMENT. A Markov mode sent to a drafter without a Markov head (DFlash,
 scripted) is ignored, as vLLM / SGLang ignore options of other speculative methods; the response's
 ``dspark_markov`` then says DEFAULT (not applied) and the worker logs it once.
 
-CLI: ``specd draft-worker --drafter D.gguf --target T.gguf --listen unix:///tmp/specd-draft.sock``;
+CLI: ``specd draft-worker --drafter D.gguf --target T.gguf --listen unix:///tmp/specd-draft.sock``
+(add ``--target-worker unix:///tmp/specd-target.sock`` to map the target worker's embedding / head on
+the same GPU instead of loading a copy; ``--share-target-weights off`` never does);
 ``specd draft-worker --scripted-block 8 --vocab 1024`` runs the scripted drafter (with no continuations
 it proposes wrong tokens: a worst-case drafter for load tests).
 """
