@@ -295,8 +295,8 @@ def resolve_shared_head(mode: str, device, target_address: str, target_weights, 
         try:
             infos = fetch_shared_infos(target_address)
         except Exception as exc:  # noqa: BLE001 - grpc.RpcError and friends: fall back
-            return refuse(f"the target worker at {target_address} did not answer Info: "
-                          f"{getattr(exc, 'details', lambda: exc)() if callable(getattr(exc, 'details', None)) else exc}")
+            detail = exc.details() if callable(getattr(exc, "details", None)) else exc
+            return refuse(f"the target worker at {target_address} did not answer Info: {detail}")
     head, reason = open_shared_head(infos, target_weights, target_path, backend)
     if head is None:
         return refuse(reason)

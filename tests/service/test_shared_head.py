@@ -377,3 +377,10 @@ def test_target_close_unpublishes_and_unregisters(target_gguf, monkeypatch):
     svc.close()
     assert not handles & set(FakeIpcBackend.registry) and svc._shared_tensors() == []
     assert svc.model.token_embd is not None  # the model keeps its tensors
+
+
+def test_tensor_nbytes_matches_the_native_sizes():
+    for dt in (sn.DType.F32, sn.DType.F16, sn.DType.BF16, sn.DType.Q8_0, sn.DType.Q4_K, sn.DType.Q5_K,
+               sn.DType.Q6_K, sn.DType.IQ4_XS):
+        assert sw.tensor_nbytes((3, 512), dt) == sn.Tensor.empty([3, 512], dt, sn.Device.CPU).nbytes, dt
+    assert sw.tensor_nbytes((3, 100), sn.DType.Q8_0) is None  # not whole blocks
