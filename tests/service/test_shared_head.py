@@ -153,6 +153,9 @@ def test_memory_report_counts_the_shared_tensors_once(hstack):
     assert shared.weight_bytes == own.weight_bytes  # the drafter's own tensors: the same either way
     # the target counts them in its weights (once, for both processes)
     assert _target_info(hstack).memory.weight_bytes >= head
+    for name, (own_b, shared_b) in (("shared", (0, head)), ("own", (head, 0))):  # the public GetModelInfo
+        mi = hstack.stubs[name][0].GetModelInfo(gpb.GetModelInfoRequest(), timeout=10)
+        assert (mi.drafter_target_head_bytes, mi.drafter_shared_head_bytes) == (own_b, shared_b), name
     from specd.target_worker.memory import drafter_memory
 
     lines = "\n".join(drafter_memory(hstack.shared.model, hstack.shared.head_sharing).lines())
