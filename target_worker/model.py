@@ -236,6 +236,9 @@ class Qwen35Model:
                              for i, l in enumerate(weights.layers) if hp.recurrent[i]}
             if self.device == sn.Device.GPU:
                 sn.gpu_synchronize()
+        # the exporter whose tensors this model computes with (published by the target worker's Info),
+        # or None (not exported, or the export failed)
+        self.head_exporter = head_exporter if head_exporter is not None and head_exporter.infos else None
         self.cuda_graphs = bool(cuda_graphs) and self.device == sn.Device.GPU
         self.max_graphs = max_graphs
         self._graphs: collections.OrderedDict[tuple[int, int, int], _CapturedVerify] = collections.OrderedDict()
@@ -252,7 +255,7 @@ class Qwen35Model:
         try:
             return exporter.place("token_embd.weight", token_embd), exporter.place("output.weight", output)
         except Exception as exc:  # noqa: BLE001 - e.g. a runtime without IPC: the target still runs
-            exporter.abandon()
+            exporter.close()
             logging.getLogger(__name__).warning("target-worker: cannot export token_embd / output for the drafter "
                                                 "worker (it will load its own copy): %s", exc)
             return None

@@ -571,7 +571,6 @@ def load_servicer(cfg: TargetWorkerConfig) -> TargetServicer:
     model = Qwen35Model(weights, capture_layers=cfg.capture_layers, kv_dtype=kv, prefill_chunk=cfg.prefill_chunk,
                         device=cfg.resolved_device, cuda_graphs=cfg.cuda_graphs, max_graphs=cfg.max_graphs,
                         head_exporter=exporter)
-    model.head_exporter = exporter if exporter is not None and exporter.infos else None
     meta = read_tokenizer_metadata(reader)
     eos = list(meta.end_ids) if meta is not None else []
     return TargetServicer(model, cfg, eos)

@@ -170,8 +170,6 @@ class HeadExporter:
             forget(*(h for _, h in self._done.values()))
         self.infos, self.tensors, self._done = [], [], {}
 
-    abandon = close
-
 
 @dataclasses.dataclass
 class HeadSharing:
