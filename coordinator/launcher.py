@@ -9,7 +9,9 @@ exits with the first non-zero child status.
 
 Drafter: with ``--drafter D.gguf`` (DFlash, DSpark or DFlash 2) the target captures the drafter's
 ``target_layer_ids`` (read from D.gguf) and the drafter worker runs D.gguf bound to the target's
-embedding and head (``draft-worker --drafter D.gguf --target T.gguf``); a drafter that does not fit the
+embedding and head (``draft-worker --drafter D.gguf --target T.gguf --share-target-weights auto
+--target-worker <target socket>``: on one GPU it maps the target worker's embedding / head through
+CUDA IPC instead of loading its own copy, see target_worker/shared_weights.py); a drafter that does not fit the
 target (hidden size, vocabulary, tap ids, mask id) stops start-up with an error naming both files,
 before any child starts. ``--scripted-block N`` runs the scripted drafter instead: with ``--scripted-continuations FILE`` (the target's greedy continuations) it is the
 oracle drafter of performance.md §6.6 (``--scripted-accept k`` forces acceptance k), without it every
@@ -59,6 +61,10 @@ class ServeConfig:
         the GPU (default True; ``--no-cuda-graphs`` runs every op from Python). Ignored on the CPU.
     max_graphs: most captured CUDA graphs the target worker keeps (LRU; ``--max-graphs``), >= 1.
         Default 16.
+    share_target_weights: "auto" (default): the drafter worker maps the target worker's token_embd /
+        output (CUDA IPC) when both run on the same GPU, else loads its own copy (logged); "off":
+        always its own copy. Passed as ``--share-target-weights`` with ``--target-worker`` (the target
+        worker's socket) to the drafter worker.
     start_timeout_s: wait for each child's READY line. Default 600.
     """
 
@@ -76,6 +82,7 @@ class ServeConfig:
     device: str = "auto"
     cuda_graphs: bool = True
     max_graphs: int = 16
+    share_target_weights: str = "auto"
     start_timeout_s: float = 600.0
 
     def resolve_models(self) -> None:
@@ -101,6 +108,9 @@ class ServeConfig:
             raise ValueError("serve: --scripted-continuations needs --scripted-block")
         if self.max_graphs < 1:
             raise ValueError(f"serve: --max-graphs must be >= 1, got {self.max_graphs}")
+        from specd.target_worker.shared_weights import check_share_mode
+
+        check_share_mode(self.share_target_weights, "serve")
         if self.kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"serve: --kv-dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
         from specd.target_worker.server import check_device
@@ -171,6 +181,9 @@ def add_arguments(p) -> None:
                    help="replay the target's chain verifies (<= 16 rows) as CUDA graphs on the GPU (default on)")
     p.add_argument("--max-graphs", type=int, default=d.max_graphs,
                    help=f"most captured CUDA graphs the target worker keeps, >= 1 (default {d.max_graphs})")
+    from specd.draft_worker.server import add_share_argument
+
+    add_share_argument(p, d.share_target_weights)
     p.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s,
                    help="wait for each child's READY (default 600)")
     before = len(p._actions)
@@ -246,7 +259,8 @@ def run(args) -> int:
                      "--feature-transport", ns.feature_transport, "--device", args.device]
             dargv += ["--drafter", args.drafter_gguf, "--target", args.target,
                       "--drafter-kv-dtype", args.drafter_kv_dtype,
-                      "--dspark-markov", getattr(args, "dspark_markov", "fused")] if args.drafter_gguf else [
+                      "--dspark-markov", getattr(args, "dspark_markov", "fused"),
+                      "--share-target-weights", args.share_target_weights, "--target-worker", tsock] if args.drafter_gguf else [
                 "--scripted-block", str(args.scripted_block), "--scripted-accept", str(args.scripted_accept),
                 "--scripted-continuations", args.scripted_continuations]
             d = _child(dargv)

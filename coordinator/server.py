@@ -341,7 +341,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
             max_draft_tokens=self._server_draft_cap(), has_tokenizer=self.tok is not None,
             target_weight_bytes=self.tinfo.memory.weight_bytes, target_sequence_bytes=self.tinfo.memory.sequence_bytes,
             target_fits_sequences=fits if fits >= 0 else None,
-            drafter_weight_bytes=self.dinfo.memory.weight_bytes if self.dinfo else 0)
+            drafter_weight_bytes=self.dinfo.memory.weight_bytes if self.dinfo else 0,
+            drafter_target_head_bytes=self.dinfo.memory.target_head_bytes if self.dinfo else 0,
+            drafter_shared_head_bytes=self.dinfo.memory.shared_head_bytes if self.dinfo else 0)
 
     def _server_draft_cap(self) -> int:
         if self.dinfo is None:

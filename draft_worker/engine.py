@@ -8,6 +8,9 @@ hyperparameters, ``token_embd`` and ``output`` (:func:`~specd.target_worker.gguf
 zero-copy views; the drafter reuses the target's embedding and head, drafters.md §3), and the pair is
 checked (:func:`~specd.draft_worker.gguf_loader.check_pair`: hidden size, vocabulary, mask id, tap
 ids < target layers, trained target depth) — a mismatch raises ``DrafterPairError`` naming both files.
+On the GPU the embedding and head are then either mapped from the target worker (CUDA IPC,
+``share_target_weights="auto"`` with its address: :mod:`specd.target_worker.shared_weights`) or
+uploaded from the target GGUF (own copy; the reason is logged).
 
 Per sequence a :class:`~specd.draft_worker.model.DraftSequence` holds the drafter's context K/V.
 ``open(seq_id, capacity)`` sizes it to the feature ring's capacity plus one block (the block rows of
@@ -69,6 +72,10 @@ class ModelDrafter:
         # the default DSpark Markov mode; "" for families without a Markov head (requests' modes ignored)
         self.dspark_markov = dspark_markov if hp.dspark is not None else ""
         self.default_capacity = default_capacity
+        # the target's embedding / head mapped from the target worker (shared_weights.SharedHead) or
+        # None (own copy), and how that was decided (shared_weights.HeadSharing); set by open_model_drafter
+        self.shared_head = None
+        self.head_sharing = None
         self.seqs: dict[str, DraftSequence] = {}
         self.lock = threading.Lock()
         # one model, one device: forwards of different sequences are serialised (as in the target worker)
@@ -128,6 +135,18 @@ class ModelDrafter:
         with self.lock:
             return self.seqs.pop(seq_id, None) is not None
 
+    def close(self) -> None:
+        """Shutdown: frees every sequence and, when the target's embedding / head are mapped from the
+        target worker (``shared_head``), closes the mapping (after the queued work drains). The drafter
+        cannot propose afterwards. Idempotent."""
+        with self.lock:
+            self.seqs.clear()
+        head, self.shared_head = self.shared_head, None
+        if head is not None:
+            with self.compute_lock:
+                head.close()
+                self.model.token_embd = self.model.lm_head = None  # the model's references: the last ones
+
     def live(self) -> list[str]:
         with self.lock:
             return sorted(self.seqs)
@@ -135,13 +154,27 @@ class ModelDrafter:
 
 def open_model_drafter(drafter_path: str, target_path: str, *, kv_dtype: str = "f32",
                        context_cap: int = 0, default_capacity: int = 4096,
-                       dspark_markov: str = DEFAULT_MARKOV, device: str = "cpu") -> ModelDrafter:
+                       dspark_markov: str = DEFAULT_MARKOV, device: str = "cpu",
+                       share_target_weights: str = "auto", target_worker: str = "",
+                       shared_infos=None, ipc_backend=None) -> ModelDrafter:
     """Loads the drafter GGUF and binds it to the target GGUF's embedding and head after the pair
     check. kv_dtype: "f32" (default), "f16" or "q8_0"; context_cap: 0 (all context visible) or C > 0
     (drafters.md §3.7); device: "cpu" (default) or "cuda" (DrafterModel on the GPU: the weights, the
-    target embedding / head and every sequence's K/V uploaded there). Raises DrafterFormatError / TargetFileError for a bad file, DrafterPairError
-    (both paths in the message) for a mismatched pair, ValueError for a bad option."""
+    target embedding / head and every sequence's K/V uploaded there).
+
+    share_target_weights: "auto" (default) maps the target worker's exported token_embd / output
+    ([n_vocab, n_embd] in the target's stored types; :mod:`specd.target_worker.shared_weights`) when
+    the drafter runs on the GPU and the target worker at ``target_worker`` (a gRPC address; or the
+    already fetched ``shared_infos``) published them from the same GPU; otherwise, and with "off",
+    the drafter uploads its own copy from the target GGUF (the reason is logged and kept in the
+    result's ``head_sharing``). ``ipc_backend``: the IPC backend (default the native one; tests pass a
+    fake).
+
+    Raises DrafterFormatError / TargetFileError for a bad file, DrafterPairError (both paths in the
+    message) for a mismatched pair, ValueError for a bad option or malformed shared-tensor data (the
+    message names the tensor)."""
     from specd.target_worker.gguf_loader import load_qwen35
+    from specd.target_worker.shared_weights import check_share_mode, resolve_shared_head
 
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"drafter kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
@@ -149,9 +182,20 @@ def open_model_drafter(drafter_path: str, target_path: str, *, kv_dtype: str = "
         raise ValueError(f"drafter dspark_markov must be one of {MARKOV_MODES}, got {dspark_markov!r}")
     if context_cap < 0:
         raise ValueError(f"drafter context_cap must be >= 0, got {context_cap}")
+    check_share_mode(share_target_weights, "draft-worker")
     drafter = load_drafter(drafter_path)
     target = load_qwen35(target_path)
     check_pair(drafter.hparams, drafter_path, target.hparams, target_path)
-    model = DrafterModel.for_target(drafter, target, kv_dtype=KV_DTYPES[kv_dtype],
-                                    context_cap=context_cap or None, device=device)
-    return ModelDrafter(model, default_capacity=default_capacity, dspark_markov=dspark_markov)
+    head, sharing = resolve_shared_head(share_target_weights, device, target_worker, target, target_path,
+                                        backend=ipc_backend, infos=shared_infos)
+    kw = dict(kv_dtype=KV_DTYPES[kv_dtype], context_cap=context_cap or None, device=device)
+    try:
+        model = (DrafterModel.for_target(drafter, target, **kw) if head is None
+                 else DrafterModel(drafter, head.token_embd, head.output, **kw))
+    except BaseException:
+        if head is not None:
+            head.close()
+        raise
+    md = ModelDrafter(model, default_capacity=default_capacity, dspark_markov=dspark_markov)
+    md.shared_head, md.head_sharing = head, sharing
+    return md

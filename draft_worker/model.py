@@ -203,8 +203,9 @@ class DrafterModel:
         device: ``sn.Device.CPU`` (default) or ``sn.Device.GPU`` (or "cpu" / "cuda"). On the GPU the
             drafter weights and the target embedding / lm_head are uploaded once here (tensors
             already on the device — a same-process GPU target's, e.g. ``for_target(drafter,
-            gpu_qwen35_model)`` — are used as they are, no second copy; sharing a target worker's
-            tensors across processes via CUDA IPC is not done), every layer's context K/V cache
+            gpu_qwen35_model)`` — or a target worker's mapped from another process through CUDA IPC
+            (:mod:`specd.target_worker.shared_weights`, ``open_model_drafter(share_target_weights=
+            "auto")``) — are used as they are, no second copy), every layer's context K/V cache
             lives on the device, and ingest, the block forward, the lm_head, top-k, the DSpark Markov
             chain (fused and unfused) and the DFlash 2 selector run there; only the outputs (tokens,
             chosen ids, requested logits / hidden / top-k log-probs, confidences) come back. Host

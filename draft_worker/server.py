@@ -21,7 +21,9 @@ INVALID_ARGUMENT. A Markov mode sent to a drafter without a Markov head (DFlash,
 scripted) is ignored, as vLLM / SGLang ignore options of other speculative methods; the response's
 ``dspark_markov`` then says DEFAULT (not applied) and the worker logs it once.
 
-CLI: ``specd draft-worker --drafter D.gguf --target T.gguf --listen unix:///tmp/specd-draft.sock``;
+CLI: ``specd draft-worker --drafter D.gguf --target T.gguf --listen unix:///tmp/specd-draft.sock``
+(add ``--target-worker unix:///tmp/specd-target.sock`` to map the target worker's embedding / head on
+the same GPU instead of loading a copy; ``--share-target-weights off`` never does);
 ``specd draft-worker --scripted-block 8 --vocab 1024`` runs the scripted drafter (with no continuations
 it proposes wrong tokens: a worst-case drafter for load tests).
 """
@@ -143,9 +145,8 @@ class DraftWorkerConfig:
         see only the last C context rows (drafters.md §3.7).
     device: where the drafter runs: "auto" (default: "cuda" when this build has a GPU backend and a
         GPU is present, else "cpu"), "cpu" or "cuda" (DrafterModel(device=GPU): drafter weights, the
-        target embedding / lm_head it reuses (uploaded from the target GGUF: a second copy next to
-        the target worker's; sharing it across processes via CUDA IPC is not done) and the context
-        K/V on the GPU). "cuda" in a CPU-only build or without a GPU is a clear error. The scripted
+        target embedding / lm_head it reuses (mapped from the target worker or uploaded from the
+        target GGUF: ``share_target_weights``) and the context K/V on the GPU). "cuda" in a CPU-only build or without a GPU is a clear error. The scripted
         drafter ignores it.
     listen: gRPC address, ``unix:///path.sock`` (default) or ``host:port``.
     scripted_block: block of the scripted drafter (drafts per step), default 8.
@@ -169,6 +170,14 @@ class DraftWorkerConfig:
         rows arrive as bytes in each Propose; the target worker may be on another host) or "cuda-ipc"
         (map the target's device ring through CUDA/HIP IPC: device "cuda", the target's GPU; rows reach
         the drafter as device tensors). Must match the target worker and the coordinator.
+    share_target_weights: where the drafter's copy of the target's token_embd / output comes from:
+        "auto" (default) maps the target worker's exported tensors (CUDA/HIP IPC; they are alive for
+        the target worker's life) when both workers run on the same GPU and ``target_worker`` is
+        set, else (CPU, another GPU, no address, a refused handle) loads its own copy from
+        ``target`` and logs why; "off" always loads its own copy. See
+        :mod:`specd.target_worker.shared_weights`. Ignored by the scripted drafter.
+    target_worker: gRPC address of the target worker whose Info publishes the shared tensors
+        (``specd serve`` passes its target worker's socket). Default "": none (own copy).
     """
 
     drafter: str = ""
@@ -189,11 +198,15 @@ class DraftWorkerConfig:
     tombstone_cap: int = 4096
     shutdown_grace_s: float = 2.0
     feature_transport: str = "shm"
+    share_target_weights: str = "auto"
+    target_worker: str = ""
 
     def validate(self) -> None:
         from specd.target_worker.feature_inline import check_transport
+        from specd.target_worker.shared_weights import check_share_mode
 
         check_transport(self.feature_transport, "draft-worker")
+        check_share_mode(self.share_target_weights, "draft-worker")
         if self.threads < 0 or self.max_message_bytes <= 0 or self.tombstone_cap <= 0:
             raise ValueError("draft-worker: threads >= 0, max_message_bytes and tombstone_cap > 0 required")
         for name in ("max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s"):
@@ -284,7 +297,8 @@ class DraftServicer(pbg.DraftWorkerServicer):
         from specd.target_worker.memory import drafter_memory
 
         model = getattr(self.drafter, "model", None)
-        return drafter_memory(model) if isinstance(model, DrafterModel) else None
+        return (drafter_memory(model, getattr(self.drafter, "head_sharing", None)) if isinstance(model, DrafterModel)
+                else None)
 
     def memory_proto(self):
         try:
@@ -432,11 +446,16 @@ class DraftServicer(pbg.DraftWorkerServicer):
         return reaped
 
     def close(self) -> None:
+        """Shutdown: closes every sequence's feature ring, then the drafter (``close``, when it has
+        one: a ModelDrafter closes its mapping of the target's shared embedding / head)."""
         with self.lock:
             seqs, self.seqs = list(self.seqs.items()), {}
         for seq_id, s in seqs:
             s.reader.close()
             self.drafter.release(seq_id)
+        closer = getattr(self.drafter, "close", None)
+        if closer is not None:
+            closer()
 
 
 def start_server(servicer: DraftServicer, listen: str, threads: int = 72, max_message_bytes: int = 256 << 20,
@@ -477,9 +496,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="scripted drafter: right drafts per step (-1 all, default; 0 none; k up to k)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="RPC threads (default 0: 72 = the target's default max-sequences + 8)")
+    add_share_argument(p, d.share_target_weights)
+    p.add_argument("--target-worker", default=d.target_worker,
+                   help="gRPC address of the target worker whose exported token_embd / output the drafter maps "
+                        "(--share-target-weights auto; default none: own copy)")
     from specd.target_worker.server import add_worker_server_arguments
 
     add_worker_server_arguments(p, d)
+
+
+def add_share_argument(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    from specd.target_worker.shared_weights import SHARE_MODES
+
+    p.add_argument("--share-target-weights", default=default, choices=list(SHARE_MODES),
+                   help=f"target token_embd / output for the drafter (default {default}): auto = map the target "
+                        "worker's copy (CUDA IPC) when both workers are on the same GPU, else load an own copy "
+                        "(the reason is logged); off = always an own copy")
 
 
 def load_continuations(path: str) -> dict:
@@ -508,8 +540,11 @@ def make_drafter(cfg: DraftWorkerConfig) -> Drafter:
         from .engine import open_model_drafter
 
         d = open_model_drafter(cfg.drafter, cfg.target, kv_dtype=cfg.drafter_kv_dtype, context_cap=cfg.context_cap,
-                               dspark_markov=cfg.dspark_markov, device=cfg.resolved_device)
-        log.info("draft-worker: %s (device %s)", d.hp.summary(), cfg.resolved_device)
+                               dspark_markov=cfg.dspark_markov, device=cfg.resolved_device,
+                               share_target_weights=cfg.share_target_weights, target_worker=cfg.target_worker)
+        hs = d.head_sharing
+        log.info("draft-worker: %s (device %s; target token_embd / output: %s)", d.hp.summary(), cfg.resolved_device,
+                 "mapped from the target worker" if hs is not None and hs.shared else "own copy")
         return d
     from .scripted import ScriptedDrafter
 
@@ -528,7 +563,9 @@ def run(args) -> int:
                             scripted_accept=args.scripted_accept, threads=args.threads,
                             max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_bytes,
                             idle_ttl_s=args.idle_ttl_s, tombstone_cap=args.tombstone_cap,
-                            shutdown_grace_s=args.shutdown_grace_s, feature_transport=args.feature_transport)
+                            shutdown_grace_s=args.shutdown_grace_s, feature_transport=args.feature_transport,
+                            share_target_weights=getattr(args, "share_target_weights", "auto"),
+                            target_worker=getattr(args, "target_worker", ""))
     cfg.validate()
     servicer = DraftServicer(make_drafter(cfg), cfg.idle_ttl_s, cfg.tombstone_cap, cfg.feature_transport)
     server, _ = start_server(servicer, cfg.listen, cfg.threads or 72, cfg.max_message_bytes, cfg.max_concurrent_rpcs)

@@ -156,6 +156,31 @@ class NativeIpcBackend:
             return local
         return self.sn.gpu_ipc_open(handle, [capacity, width], self.sn.DType.F32, nbytes)
 
+    def export_tensor(self, t):
+        """(GPU tensor, 64-byte handle): an exported copy of ``t`` (an sn.Tensor of any stored type and
+        shape, on the host, e.g. a GGUF view) in plain cudaMalloc memory (the shared target weights,
+        :mod:`.shared_weights`). The copy is complete when this returns."""
+        src = t.contiguous()
+        d, h = self.sn.gpu_ipc_export([int(s) for s in src.shape], src.dtype)
+        self.sn.gpu_write_async(d, np.ascontiguousarray(src.numpy()))
+        self.sn.gpu_synchronize()
+        with _LOCAL_LOCK:
+            _LOCAL[bytes(h)] = d
+        return d, bytes(h)
+
+    def open_tensor(self, handle: bytes, shape, dtype, nbytes: int):
+        """Another process's exported tensor mapped as a GPU tensor of ``shape`` / ``dtype`` (the
+        exporter's own tensor when it is this process). ValueError on a shape / size mismatch or a
+        mapped allocation smaller than ``nbytes``; RuntimeError when the runtime refuses the handle."""
+        with _LOCAL_LOCK:
+            local = _LOCAL.get(bytes(handle))
+        if local is not None:
+            if tuple(local.shape) != tuple(shape) or local.dtype != dtype:
+                raise ValueError(f"shared tensor: {local.dtype.name} {tuple(local.shape)} exported, the handle says "
+                                 f"{dtype.name} {tuple(shape)}")
+            return local
+        return self.sn.gpu_ipc_open(handle, [int(s) for s in shape], dtype, int(nbytes))
+
     def event_create(self):
         e = self.sn.gpu_ipc_event_create()
         with _LOCAL_LOCK:

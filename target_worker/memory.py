@@ -370,11 +370,15 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
 
 @dataclasses.dataclass(frozen=True)
 class DrafterMemory:
-    """Memory of a model drafter (bytes): weight_bytes / weight_bytes_by_type (its own tensors; the
-    target's embedding and head are shared with the target, not counted), kv_dtype,
-    kv_bytes_per_token (context K + V of the layers that keep every row: full attention without
-    context_cap) and bounded_kv_bytes_per_sequence (sliding-window and context_cap layers: a fixed
-    2 * keep + 2 * block_size rows each, whatever the sequence length)."""
+    """Memory of a model drafter (bytes): weight_bytes / weight_bytes_by_type (the drafter GGUF's own
+    tensors), kv_dtype, kv_bytes_per_token (context K + V of the layers that keep every row: full
+    attention without context_cap), bounded_kv_bytes_per_sequence (sliding-window and context_cap
+    layers: a fixed 2 * keep + 2 * block_size rows each, whatever the sequence length), and the
+    target's token_embd / output the drafter uses: ``target_head`` "own" (its own copy,
+    ``target_head_bytes``: this process's memory; on the CPU a view of the mapped GGUF) or "shared"
+    (mapped from the target worker through CUDA IPC, ``shared_head_bytes``: the target worker's
+    memory, counted there, not here); "" when unknown. Each distinct tensor counted once (a tied head
+    is the embedding)."""
 
     device: str
     weight_bytes: int
@@ -382,13 +386,22 @@ class DrafterMemory:
     kv_dtype: str
     kv_bytes_per_token: int
     bounded_kv_bytes_per_sequence: int
+    target_head: str = ""
+    target_head_bytes: int = 0
+    shared_head_bytes: int = 0
 
     def lines(self) -> list[str]:
         types = ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(self.weight_bytes_by_type.items(), key=lambda kv: -kv[1]))
-        return [f"drafter memory ({self.device}):",
-                f"  weights            {_fmt(self.weight_bytes)} ({types})",
-                f"  context K/V        {_fmt(self.kv_bytes_per_token)} per token ({self.kv_dtype}) "
-                f"+ {_fmt(self.bounded_kv_bytes_per_sequence)} per sequence (bounded layers)"]
+        out = [f"drafter memory ({self.device}):",
+               f"  weights            {_fmt(self.weight_bytes)} ({types})"]
+        if self.target_head == "shared":
+            out.append(f"  target embd/head   {_fmt(self.shared_head_bytes)} shared (mapped from the target worker; "
+                       "counted there, not here)")
+        elif self.target_head == "own":
+            out.append(f"  target embd/head   {_fmt(self.target_head_bytes)} own copy")
+        out.append(f"  context K/V        {_fmt(self.kv_bytes_per_token)} per token ({self.kv_dtype}) "
+                   f"+ {_fmt(self.bounded_kv_bytes_per_sequence)} per sequence (bounded layers)")
+        return out
 
     def to_proto(self, pb):
         """A ``specd.worker.v1.DrafterMemory`` of module ``pb`` (worker_pb2)."""
@@ -396,9 +409,11 @@ class DrafterMemory:
         return pb.DrafterMemory(weight_bytes_by_type=dict(self.weight_bytes_by_type), **fields)
 
 
-def drafter_memory(model) -> DrafterMemory:
+def drafter_memory(model, head_sharing=None) -> DrafterMemory:
     """:class:`DrafterMemory` of a :class:`specd.draft_worker.model.DrafterModel` (its
-    ``drafter.tensors``, kv_dtype, per-layer window and context_cap)."""
+    ``drafter.tensors``, kv_dtype, per-layer window and context_cap; its token_embd / lm_head as an
+    own copy, or as shared when ``head_sharing`` (a :class:`.shared_weights.HeadSharing`) says they are
+    mapped from the target worker)."""
     hp = model.hp
     by_type: dict[str, int] = {}
     for t in model.drafter.tensors.values():
@@ -415,6 +430,14 @@ def drafter_memory(model) -> DrafterMemory:
     import specd.native as sn
 
     on_gpu = getattr(model, "device", sn.Device.CPU) == sn.Device.GPU
+    head: dict[int, int] = {}
+    for t in (getattr(model, "token_embd", None), getattr(model, "lm_head", None)):
+        if isinstance(t, sn.Tensor):
+            head[id(t)] = int(t.nbytes)
+    shared = head_sharing is not None and head_sharing.shared
+    head_bytes = int(head_sharing.nbytes) if shared else sum(head.values())
     return DrafterMemory(device="cuda" if on_gpu else "cpu", weight_bytes=sum(by_type.values()),
                          weight_bytes_by_type=by_type, kv_dtype=type_name(model.kv_dtype),
-                         kv_bytes_per_token=per_token, bounded_kv_bytes_per_sequence=bounded)
+                         kv_bytes_per_token=per_token, bounded_kv_bytes_per_sequence=bounded,
+                         target_head="shared" if shared else "own",
+                         target_head_bytes=0 if shared else head_bytes, shared_head_bytes=head_bytes if shared else 0)

@@ -180,6 +180,9 @@ class Qwen35Model:
             commit). Raises RuntimeError when the GPU is asked for and none is usable.
         tensor_ops: run the device code path (sn.Tensor glue ops instead of numpy) even on the CPU;
             for tests on machines without a GPU (``SPECD_TEST_GPU_DRYRUN``). Implied by the GPU.
+        head_exporter: a :class:`.shared_weights.HeadExporter` or None (default): token_embd and output
+            are placed by ``head_exporter.place`` (exported device buffers a drafter worker on the same
+            GPU maps) instead of the usual upload; the target worker passes one on the GPU.
         cuda_graphs: on the GPU, replay exact chain verifies of width <= 16 as captured CUDA graphs
             (module docstring; bitwise the eager results). Ignored on the CPU.
         max_graphs: most captured chain-verify graphs kept (least recently used evicted), >= 1;
@@ -188,7 +191,8 @@ class Qwen35Model:
     """
 
     def __init__(self, weights, capture_layers: Sequence[int] = (), kv_dtype=sn.DType.F16, prefill_chunk: int = 512,
-                 device=sn.Device.CPU, tensor_ops: bool = False, cuda_graphs: bool = True, max_graphs: int = 16):
+                 device=sn.Device.CPU, tensor_ops: bool = False, cuda_graphs: bool = True, max_graphs: int = 16,
+                 head_exporter=None):
         self.w, self.hp = weights, weights.hparams
         hp = self.hp
         for lid in capture_layers:
@@ -210,6 +214,9 @@ class Qwen35Model:
         if self.device == sn.Device.CPU and not tensor_ops:
             self._ops = _HostOps()
             self.token_embd, self.output_norm, self.output = weights.token_embd, weights.output_norm, output
+            head = self._export_head(head_exporter, weights.token_embd, output) if head_exporter is not None else None
+            if head is not None:  # (only with a CPU stand-in of the IPC backend: tests)
+                self.token_embd, self.output = head
             self.layers = list(weights.layers)
             self.conv_w = conv_w
             self.gdn_vecs = {i: (l.ssm_dt.numpy(), l.ssm_a.numpy()) for i, l in enumerate(weights.layers)
@@ -217,9 +224,10 @@ class Qwen35Model:
         else:
             self._ops = _TensorOps(self.device)
             up = _Uploader(self.device)
-            self.token_embd = up.embedding(weights.token_embd)
+            head = self._export_head(head_exporter, weights.token_embd, output) if head_exporter is not None else None
+            self.token_embd = up.embedding(weights.token_embd) if head is None else head[0]
             self.output_norm = up.plain(weights.output_norm)
-            self.output = up.matmul(output)
+            self.output = up.matmul(output) if head is None else head[1]
             self.layers = [up.layer(l) for l in weights.layers]
             self.conv_w = {i: up.plain(sn.Tensor(c)) for i, c in conv_w.items()}
             # [1, Hv] tables: broadcast over rows by sn.add / sn.mul (exact)
@@ -228,12 +236,29 @@ class Qwen35Model:
                              for i, l in enumerate(weights.layers) if hp.recurrent[i]}
             if self.device == sn.Device.GPU:
                 sn.gpu_synchronize()
+        # the exporter whose tensors this model computes with (published by the target worker's Info),
+        # or None (not exported, or the export failed)
+        self.head_exporter = head_exporter if head_exporter is not None and head_exporter.infos else None
         self.cuda_graphs = bool(cuda_graphs) and self.device == sn.Device.GPU
         self.max_graphs = max_graphs
         self._graphs: collections.OrderedDict[tuple[int, int, int], _CapturedVerify] = collections.OrderedDict()
         # Inputs of every captured verify: token ids at [0, 16), positions (= KV rows) at [16, 32).
         self._graph_in = (sn.Tensor.zeros([2 * _GRAPH_MAX_W], sn.DType.I32, self.device) if self.cuda_graphs
                           else None)
+
+    @staticmethod
+    def _export_head(exporter, token_embd, output):
+        """(token_embd, output) placed by ``exporter`` (a tied output once), or None when the export
+        fails (logged; the caller places them as usual and nothing is published)."""
+        import logging
+
+        try:
+            return exporter.place("token_embd.weight", token_embd), exporter.place("output.weight", output)
+        except Exception as exc:  # noqa: BLE001 - e.g. a runtime without IPC: the target still runs
+            exporter.close()
+            logging.getLogger(__name__).warning("target-worker: cannot export token_embd / output for the drafter "
+                                                "worker (it will load its own copy): %s", exc)
+            return None
 
     # ------------------------------------------------------------------ public API
 

@@ -349,6 +349,11 @@ class TargetServicer(pbg.TargetWorkerServicer):
             s.released = True
             self._free_state(s.st, s)
         self.features.close_all()
+        # the exported token_embd / output: unpublished and unregistered (the model keeps its tensors;
+        # the memory is freed with the model, after the drafter worker, stopped first, closed its mapping)
+        exporter, self.model.head_exporter = getattr(self.model, "head_exporter", None), None
+        if exporter is not None:
+            exporter.close()
 
     # ------------------------------------------------------------------ RPCs
 
@@ -363,7 +368,12 @@ class TargetServicer(pbg.TargetWorkerServicer):
                              live_sequences=live, live_shm_segments=len(self.features.live()),
                              feature_transport=self.transport,
                              inline_max_rows=self.inline_max_rows if self.inline else 0,
-                             memory=self._memory_proto())
+                             memory=self._memory_proto(), shared_tensors=self._shared_tensors())
+
+    def _shared_tensors(self):
+        """TargetInfo.shared_tensors: the exported token_embd / output (shared_weights), or none."""
+        exporter = getattr(self.model, "head_exporter", None)
+        return [] if exporter is None else [i.to_proto(pb) for i in exporter.infos]
 
     def _memory_proto(self):
         """The memory report for Info, or None (logged) when it cannot be computed: Info must answer."""
@@ -577,8 +587,16 @@ def load_servicer(cfg: TargetWorkerConfig) -> TargetServicer:
     reader = open_gguf(cfg.target)
     weights = load_qwen35(cfg.target, reader)
     kv = {"f16": sn.DType.F16, "q8_0": sn.DType.Q8_0, "f32": sn.DType.F32}[cfg.kv_dtype]
+    from .device import parse_device
+    from .shared_weights import HeadExporter, make_backend
+
+    # On the GPU, token_embd / output go into exported (IPC) buffers a drafter worker on the same GPU
+    # maps (shared_weights; the backend decides: the native one exports only from a GPU model).
+    backend = make_backend()
+    exporter = HeadExporter(backend) if parse_device(cfg.resolved_device) == backend.device else None
     model = Qwen35Model(weights, capture_layers=cfg.capture_layers, kv_dtype=kv, prefill_chunk=cfg.prefill_chunk,
-                        device=cfg.resolved_device, cuda_graphs=cfg.cuda_graphs, max_graphs=cfg.max_graphs)
+                        device=cfg.resolved_device, cuda_graphs=cfg.cuda_graphs, max_graphs=cfg.max_graphs,
+                        head_exporter=exporter)
     meta = read_tokenizer_metadata(reader)
     eos = list(meta.end_ids) if meta is not None else []
     return TargetServicer(model, cfg, eos)

@@ -44,6 +44,25 @@ class FakeIpcBackend:
         assert tuple(t.shape) == (capacity, width) and t.nbytes == nbytes
         return t
 
+    def export_tensor(self, t):
+        """A CPU copy of ``t`` (any stored type) under a new handle (shared target weights)."""
+        src = t.contiguous()
+        d = sn.Tensor(np.array(src.numpy(), copy=True), src.dtype)
+        h = os.urandom(64)
+        self.registry[h] = d
+        self.log.append(("export_tensor", h))
+        return d, h
+
+    def open_tensor(self, handle, shape, dtype, nbytes):
+        t = self.registry.get(bytes(handle))
+        if t is None or not isinstance(t, sn.Tensor):
+            raise RuntimeError("fake IPC: unknown memory handle")
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.nbytes != nbytes:
+            raise ValueError(f"fake IPC: {t.dtype} {tuple(t.shape)} of {t.nbytes} bytes exported, "
+                             f"asked {dtype} {tuple(shape)} of {nbytes} bytes")
+        self.log.append(("open_tensor", bytes(handle)))
+        return t
+
     def event_create(self):
         h = os.urandom(64)
         e = self.registry[h] = FakeEvent(self.log, h)

@@ -1,0 +1,304 @@
+"""The target's token embedding and lm_head shared with the drafter worker on the same GPU (CUDA / HIP IPC).
+
+The drafter reuses the target's ``token_embd.weight`` and ``output.weight`` (drafters.md §3). Without
+sharing, the drafter worker loads its own copy from the target GGUF: for a 27B target that is a second
+~1.6 GB of device memory next to the target worker's. With sharing, the target worker places the two
+tensors in exportable device memory and publishes their IPC handles; a drafter worker on the same GPU
+maps them instead of loading them.
+
+Target side (no flag: exporting is free). A target worker whose model runs on the GPU places
+``token_embd`` and ``output`` (once when the GGUF ties them) with :class:`HeadExporter`: each is a
+``sn.gpu_ipc_export`` buffer (plain cudaMalloc, not the stream-ordered pool: IPC handles need it) of
+the tensor's stored type and shape, filled from the GGUF, exported with ``cudaIpcGetMemHandle`` and
+used by the target's own forward (no second copy in the target either). ``TargetInfo.shared_tensors``
+publishes per tensor (worker.proto SharedTensor, :class:`SharedTensorInfo`): the GGUF name, the
+ggml type id, the shape ``[n_vocab, n_embd]``, the byte size, the 64-byte handle and the exporting
+GPU's PCI bus id (``device_id``). The buffers are model weights: alive for the target worker's life,
+so they outlive every mapping (``specd serve`` stops the drafter worker before the target worker; a
+drafter whose target died must be restarted, as with the cuda-ipc feature ring). An export failure
+(e.g. a runtime without IPC) is logged and the tensors are placed as usual, with nothing published.
+
+Drafter side (``--share-target-weights {auto,off}``, default auto, with ``--target-worker ADDR``, which
+``specd serve`` passes): at start-up the drafter worker asks the target worker's Info for
+``shared_tensors`` and :func:`open_shared_head` maps them (``sn.gpu_ipc_open``) as device tensors of
+the published type and shape, which :class:`~specd.draft_worker.model.DrafterModel` takes as they
+are. It falls back to loading its own copy, logging why (:class:`HeadSharing` ``reason``), when: the
+mode is off; the drafter is not on the GPU; no target worker address is known or its Info fails; the
+target published nothing; the target's GPU is another one (``device_id``: the runtime would map it
+over the peer link, every embedding gather and lm_head matmul a remote read); a tensor's type, shape
+or size differs from the target GGUF the drafter was given (another file); or the runtime refuses a
+handle. Malformed handle data (a handle not 64 bytes, an unknown type id, a shape that is not
+``[rows, cols]`` > 0, a byte size that does not match the shape and type) is a ValueError naming the
+tensor: the target worker never sends it, so something is wrong that a fallback must not hide.
+
+Lifetime on the drafter side: :meth:`SharedHead.close` (``ModelDrafter.close``, run by the drafter
+worker's shutdown) drops the mapped tensors after the library stream drains; the last reference
+closes the mapping (``cudaIpcCloseMemHandle``). Memory accounting: the target worker counts the two
+tensors in its weights; the drafter reports them as ``shared_head_bytes`` (mapped), not in its own
+``target_head_bytes`` (:func:`specd.target_worker.memory.drafter_memory`).
+
+The GPU calls go through :class:`~.feature_cuda_ipc.NativeIpcBackend` (``export_tensor`` /
+``open_tensor``: the same IPC layer as the cuda-ipc feature ring), so the whole negotiation runs in CPU
+tests with a fake backend (tests/target/fake_ipc.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+
+import numpy as np
+
+import specd.native as sn
+
+from . import feature_cuda_ipc as fci
+
+log = logging.getLogger(__name__)
+
+SHARE_MODES = ("auto", "off")
+DEFAULT_SHARE = "auto"
+EMBD, OUTPUT = "token_embd.weight", "output.weight"
+NAMES = (EMBD, OUTPUT)
+
+
+def check_share_mode(mode: str, who: str) -> str:
+    """``mode`` if it is one of SHARE_MODES, else ValueError naming ``who``."""
+    if mode not in SHARE_MODES:
+        raise ValueError(f"{who}: --share-target-weights must be one of {', '.join(SHARE_MODES)}, got {mode!r}")
+    return mode
+
+
+def make_backend():
+    """The IPC backend: :class:`.feature_cuda_ipc.NativeIpcBackend` (looked up at call time, so tests
+    can replace it with their fake one)."""
+    return fci.NativeIpcBackend()
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedTensorInfo:
+    """One exported weight (worker.proto SharedTensor).
+
+    name: "token_embd.weight" or "output.weight"; ggml_type: the stored type's ggml id
+    (``int(sn.DType)``); shape: (n_vocab, n_embd) as the sn.Tensor shape; nbytes: the buffer's bytes;
+    handle: the 64-byte IPC memory handle; device_id: the exporting GPU's PCI bus id; owner_id:
+    "<hostname>:<pid>" of the exporter.
+    """
+
+    name: str
+    ggml_type: int
+    shape: tuple
+    nbytes: int
+    handle: bytes
+    device_id: str
+    owner_id: str = ""
+
+    def to_proto(self, pb):
+        return pb.SharedTensor(name=self.name, ggml_type=self.ggml_type, shape=list(self.shape), nbytes=self.nbytes,
+                               ipc_mem_handle=self.handle, device_id=self.device_id, owner_id=self.owner_id)
+
+    @classmethod
+    def from_proto(cls, m) -> "SharedTensorInfo":
+        return cls(name=m.name, ggml_type=int(m.ggml_type), shape=tuple(int(s) for s in m.shape),
+                   nbytes=int(m.nbytes), handle=bytes(m.ipc_mem_handle), device_id=m.device_id, owner_id=m.owner_id)
+
+    def check(self) -> "sn.DType":
+        """The tensor's DType after checking the handle data's own consistency; ValueError naming the
+        tensor on a handle that is not 64 bytes, an unknown type id, a shape that is not [rows, cols]
+        with both > 0, or a byte size that does not match shape and type."""
+        what = f"shared target tensor {self.name!r}"
+        if len(self.handle) != fci.HANDLE_BYTES:
+            raise ValueError(f"{what}: the IPC handle is {len(self.handle)} bytes, expected {fci.HANDLE_BYTES}")
+        try:
+            dtype = sn.dtype_from_id(int(self.ggml_type))
+        except ValueError as exc:
+            raise ValueError(f"{what}: unknown ggml type id {self.ggml_type}: {exc}") from None
+        if len(self.shape) != 2 or min(self.shape) <= 0:
+            raise ValueError(f"{what}: shape must be [rows, cols] > 0, got {list(self.shape)}")
+        want = tensor_nbytes(self.shape, dtype)
+        if want is None or want != self.nbytes or self.nbytes > fci.MAX_DEVICE_BYTES:
+            raise ValueError(f"{what}: {self.nbytes} bytes declared, but {list(self.shape)} of "
+                             f"{dtype.name} is {want if want is not None else 'not a whole number of blocks'}")
+        return dtype
+
+
+def tensor_nbytes(shape, dtype: "sn.DType"):
+    """Bytes of a contiguous tensor of ``shape`` / ``dtype`` (None when the last dimension is not a
+    whole number of blocks)."""
+    info = {sn.DType.F32: (1, 4), sn.DType.F16: (1, 2), sn.DType.BF16: (1, 2), sn.DType.I32: (1, 4),
+            sn.DType.Q8_0: (32, 34), sn.DType.Q4_K: (256, 144), sn.DType.Q5_K: (256, 176),
+            sn.DType.Q6_K: (256, 210), sn.DType.IQ4_XS: (256, 136)}.get(dtype)
+    if info is None or int(shape[-1]) % info[0]:
+        return None
+    return int(np.prod([int(s) for s in shape[:-1]], dtype=np.int64)) * int(shape[-1]) // info[0] * info[1]
+
+
+class HeadExporter:
+    """Target side: places token_embd / output in exported device buffers and records their
+    :class:`SharedTensorInfo` (``infos``). ``backend``: :func:`make_backend` by default."""
+
+    def __init__(self, backend=None):
+        self.backend = backend if backend is not None else make_backend()
+        self.infos: list[SharedTensorInfo] = []
+        self.tensors: list = []  # the exported tensors: alive as long as the exporter (the worker)
+        self._done: dict = {}   # id(source) -> exported tensor (a tied output is exported once)
+        self.owner_id = f"{socket.gethostname()}:{os.getpid()}"
+
+    def place(self, name: str, t):
+        """The exported device copy of ``t`` (an sn.Tensor [rows, cols] of any stored type, usually a
+        GGUF view) for GGUF tensor ``name``; the same tensor again for the same source (tied output:
+        its info carries token_embd's handle). Raises what the backend raises (RuntimeError on a device
+        failure)."""
+        key = id(t)
+        if key in self._done:
+            placed, handle = self._done[key]
+        else:
+            placed, handle = self.backend.export_tensor(t)
+            self._done[key] = (placed, handle)
+            self.tensors.append(placed)
+        self.infos.append(SharedTensorInfo(name=name, ggml_type=int(t.dtype), shape=tuple(int(s) for s in t.shape),
+                                           nbytes=int(t.nbytes), handle=bytes(handle),
+                                           device_id=self.backend.device_id(), owner_id=self.owner_id))
+        return placed
+
+    def close(self) -> None:
+        """Forgets every export: nothing is published any more, the backend's registration of the
+        handles is dropped, and this object's references to the tensors too (whoever placed them, the
+        model, keeps its own). Used after a failed export and at the worker's shutdown."""
+        forget = getattr(self.backend, "forget", None)
+        if forget is not None:
+            forget(*(h for _, h in self._done.values()))
+        self.infos, self.tensors, self._done = [], [], {}
+
+
+@dataclasses.dataclass
+class HeadSharing:
+    """How a drafter got the target's embedding / head: ``mode`` (SHARE_MODES), ``shared`` (mapped
+    from the target worker), ``reason`` (why it loaded its own copy; "" when shared), ``nbytes``
+    (bytes mapped: each distinct buffer once)."""
+
+    mode: str
+    shared: bool = False
+    reason: str = ""
+    nbytes: int = 0
+
+
+class SharedHead:
+    """Drafter side: the target's token_embd / output mapped from the target worker.
+
+    ``token_embd``, ``output``: device sn.Tensors of the published type and shape [n_vocab, n_embd]
+    (the same tensor when the target ties them); ``nbytes``: bytes mapped (each buffer once)."""
+
+    def __init__(self, token_embd, output, nbytes: int, backend):
+        self.token_embd, self.output, self.nbytes, self.backend = token_embd, output, nbytes, backend
+
+    def close(self) -> None:
+        """Waits for queued work, then drops this object's references to the mapped tensors (the
+        mapping is closed when the last reference, e.g. the model's, drops too). Idempotent."""
+        if self.token_embd is None:
+            return
+        sync = getattr(self.backend, "synchronize", None)
+        if sync is not None:
+            try:
+                sync()
+            except Exception as exc:  # noqa: BLE001 - closing goes on
+                log.warning("shared target weights: synchronising before closing the mapping failed: %s", exc)
+        self.token_embd = self.output = None
+
+
+def open_shared_head(infos, target_weights, target_path: str, backend=None):
+    """Maps the target worker's exported token_embd / output (``infos``: SharedTensorInfo or worker.proto
+    SharedTensor messages) after checking them against ``target_weights`` (the drafter's own view of
+    the target GGUF ``target_path``: its tensors are what would be loaded otherwise).
+
+    Returns (SharedHead, "") or (None, reason) when sharing is refused (not published, another GPU,
+    a type / shape / size that differs from the GGUF, the runtime refused a handle). Raises ValueError
+    naming the tensor on malformed handle data (:meth:`SharedTensorInfo.check`)."""
+    backend = backend if backend is not None else make_backend()
+    by_name = {}
+    for i in infos:
+        i = i if isinstance(i, SharedTensorInfo) else SharedTensorInfo.from_proto(i)
+        by_name[i.name] = (i, i.check())
+    if not by_name:
+        return None, "the target worker published no shared tensors (target on the CPU, or its export failed)"
+    own_out = target_weights.output if target_weights.output is not None else target_weights.token_embd
+    want = {EMBD: target_weights.token_embd, OUTPUT: own_out}
+    for name in NAMES:
+        if name not in by_name:
+            return None, f"the target worker did not publish {name}"
+    mine = backend.device_id()
+    for name in NAMES:
+        info, dtype = by_name[name]
+        if info.device_id != mine:
+            return None, (f"the target worker's {name} is on GPU {info.device_id or '?'}, this drafter on {mine}: "
+                          "mapping it would read it over the peer link")
+        t = want[name]
+        own = (t.dtype, tuple(int(s) for s in t.shape), int(t.nbytes))
+        if (dtype, info.shape, info.nbytes) != own:
+            return None, (f"{name} differs from {target_path}: the target worker exports {dtype.name} "
+                          f"{list(info.shape)} ({info.nbytes} bytes), the file holds {own[0].name} {list(own[1])} "
+                          f"({own[2]} bytes)")
+    opened: dict[bytes, object] = {}
+    try:
+        for name in NAMES:
+            info, dtype = by_name[name]
+            if info.handle not in opened:
+                opened[info.handle] = backend.open_tensor(info.handle, info.shape, dtype, info.nbytes)
+    except (RuntimeError, ValueError) as exc:
+        opened.clear()
+        return None, f"the runtime refused to map {name}: {exc}"
+    e, o = (opened[by_name[n][0].handle] for n in NAMES)
+    nbytes = sum(by_name[n][0].nbytes for n in NAMES if n == EMBD or by_name[n][0].handle != by_name[EMBD][0].handle)
+    return SharedHead(e, o, nbytes, backend), ""
+
+
+def fetch_shared_infos(address: str, timeout_s: float = 30.0) -> list:
+    """The target worker's ``TargetInfo.shared_tensors`` at ``address`` (a gRPC target). Raises
+    grpc.RpcError when the target worker cannot be reached."""
+    import grpc
+
+    from specd.protos.v1 import worker_pb2 as pb
+    from specd.protos.v1 import worker_pb2_grpc as pbg
+
+    with grpc.insecure_channel(address) as ch:
+        info = pbg.TargetWorkerStub(ch).Info(pb.InfoRequest(), timeout=timeout_s)
+    return [SharedTensorInfo.from_proto(m) for m in info.shared_tensors]
+
+
+def resolve_shared_head(mode: str, device, target_address: str, target_weights, target_path: str, backend=None,
+                        infos=None):
+    """The drafter worker's decision (module docstring): (SharedHead or None, HeadSharing). Every
+    refusal is logged with its reason (the drafter then loads its own copy); malformed handle data
+    raises ValueError naming the tensor. ``device``: the drafter's resolved device ("cpu" / "cuda" or
+    an sn.Device); ``infos``: the published tensors when already known (else fetched from
+    ``target_address``)."""
+    check_share_mode(mode, "draft-worker")
+    status = HeadSharing(mode=mode)
+
+    def refuse(reason):
+        status.reason = reason
+        log.info("draft-worker: loading its own copy of the target's token_embd / output: %s", reason)
+        return None, status
+
+    if mode == "off":
+        return refuse("--share-target-weights off")
+    backend = backend if backend is not None else make_backend()
+    dev = device if isinstance(device, sn.Device) else (sn.Device.CPU if str(device) == "cpu" else sn.Device.GPU)
+    if dev != backend.device:
+        return refuse(f"the drafter runs on {'the CPU' if dev == sn.Device.CPU else 'the GPU'}; sharing needs "
+                      "both workers on one GPU")
+    if infos is None:
+        if not target_address:
+            return refuse("no --target-worker address to ask for the target's shared tensors")
+        try:
+            infos = fetch_shared_infos(target_address)
+        except Exception as exc:  # noqa: BLE001 - grpc.RpcError and friends: fall back
+            detail = exc.details() if callable(getattr(exc, "details", None)) else exc
+            return refuse(f"the target worker at {target_address} did not answer Info: {detail}")
+    head, reason = open_shared_head(infos, target_weights, target_path, backend)
+    if head is None:
+        return refuse(reason)
+    status.shared, status.nbytes = True, head.nbytes
+    log.info("draft-worker: mapped the target worker's token_embd / output (%d bytes) instead of loading a copy",
+             head.nbytes)
+    return head, status

@@ -1,0 +1,389 @@
+"""The target's token_embd / output shared with the drafter worker (specd.target_worker.shared_weights)
+on the CPU, with the device calls replaced by tests/target/fake_ipc.FakeIpcBackend: the target worker
+publishes the exported tensors in Info, a drafter worker given ``--target-worker`` maps them instead of
+loading its own copy (the very tensors the target computes with), its proposals and the served output
+equal the own-copy drafter's and plain greedy decoding, the memory report counts the shared tensors
+once (the drafter as "shared"), and every refusal (sharing off, the CPU, another GPU, another file's
+sizes, a refused handle, no target worker) falls back to an own copy with its reason logged, while
+malformed handle data is an error naming the tensor. The same path on a real GPU across processes is
+tests/gpu/test_gpu_shared_head.py."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+
+import grpc
+import numpy as np
+import pytest
+
+import specd.native as sn
+from specd.coordinator.policy import PolicyConfig
+from specd.draft_worker import server as dserver
+from specd.draft_worker.engine import open_model_drafter
+from specd.protos.v1 import worker_pb2 as wpb
+from specd.protos.v1 import worker_pb2_grpc as wpbg
+from specd.target_worker import feature_cuda_ipc as fci
+from specd.target_worker import shared_weights as sw
+from specd.target_worker.gguf_loader import load_qwen35
+
+from target.fake_ipc import FakeIpcBackend
+
+from .conftest import Stack, generate, streamed_ids, token_request
+
+from .test_drafters import MAX_TOKENS, PROMPTS, make_gguf
+from specd.protos.v1 import generate_pb2 as gpb  # noqa: E402
+
+NativeIpcBackend = fci.NativeIpcBackend  # the real one (before the fixtures patch it)
+
+
+class OtherGpu(FakeIpcBackend):
+    pci_bus_id = "0000:9a:00.0"
+
+
+class Refusing(FakeIpcBackend):
+    def open_tensor(self, handle, shape, dtype, nbytes):
+        raise RuntimeError("fake IPC: invalid resource handle")
+
+
+@pytest.fixture(scope="module")
+def hstack(target_gguf, tmp_path_factory):
+    """An in-process stack whose target worker exports its head (fake IPC), with two DFlash drafter
+    workers over the same drafter GGUF: one mapping the target's tensors, one with its own copy."""
+    mp = pytest.MonkeyPatch()
+    mp.setattr(fci, "NativeIpcBackend", FakeIpcBackend)
+    s = Stack(target_gguf, device="cpu", policy=PolicyConfig(step_ratio=0))
+    servers = []
+    try:
+        path = make_gguf(tmp_path_factory.mktemp("shared-head"), "dflash")
+        tsock = f"unix://{s.dir}/t.sock"
+        s.shared = open_model_drafter(path, target_gguf, device="cpu", target_worker=tsock)
+        s.own = open_model_drafter(path, target_gguf, device="cpu", target_worker=tsock, share_target_weights="off")
+        s.drafter_path = path
+        s.stubs = {}
+        for name, d in (("shared", s.shared), ("own", s.own)):
+            svc = dserver.DraftServicer(d)
+            addr = f"unix://{s.dir}/d-{name}.sock"
+            srv, _ = dserver.start_server(svc, addr, 8)
+            servers.append((srv, svc))
+            s.stubs[name] = (s.coordinator(drafter_override=addr), addr)
+        yield s
+    finally:
+        for srv, svc in servers:
+            srv.stop(0).wait()
+            svc.close()
+        s.stop()
+        mp.undo()
+
+
+def _target_info(stack):
+    with grpc.insecure_channel(f"unix://{stack.dir}/t.sock") as ch:
+        return wpbg.TargetWorkerStub(ch).Info(wpb.InfoRequest())
+
+
+def _drafter_info(addr):
+    with grpc.insecure_channel(addr) as ch:
+        return wpbg.DraftWorkerStub(ch).Info(wpb.InfoRequest())
+
+
+def test_target_info_publishes_the_exported_head(hstack):
+    model = hstack.tservicer.model
+    hp = model.hp
+    ti = _target_info(hstack)
+    got = {m.name: m for m in ti.shared_tensors}
+    assert sorted(got) == sorted(sw.NAMES)
+    for name, t in ((sw.EMBD, model.token_embd), (sw.OUTPUT, model.output)):
+        m = got[name]
+        assert list(m.shape) == [hp.n_vocab, hp.n_embd]
+        assert m.ggml_type == int(t.dtype) and m.nbytes == t.nbytes == sw.tensor_nbytes(m.shape, t.dtype)
+        assert len(m.ipc_mem_handle) == 64 and m.device_id == FakeIpcBackend.pci_bus_id
+        # the target computes with the exported tensors themselves (no second copy on its side either)
+        assert FakeIpcBackend.registry[bytes(m.ipc_mem_handle)] is t
+    assert got[sw.EMBD].ipc_mem_handle != got[sw.OUTPUT].ipc_mem_handle  # condgen does not tie them
+
+
+def test_drafter_maps_the_targets_tensors(hstack):
+    d, own = hstack.shared, hstack.own
+    tm = hstack.tservicer.model
+    assert d.head_sharing.shared and d.head_sharing.reason == "" and d.head_sharing.mode == "auto"
+    assert d.model.token_embd is tm.token_embd and d.model.lm_head is tm.output  # mapped, not copied
+    assert not own.head_sharing.shared and "off" in own.head_sharing.reason
+    assert own.model.token_embd is not tm.token_embd
+    np.testing.assert_array_equal(d.model.token_embd.numpy(), own.model.token_embd.numpy())
+    np.testing.assert_array_equal(d.model.lm_head.numpy(), own.model.lm_head.numpy())
+
+
+def test_proposals_equal_the_own_copy_drafter(hstack, reference):
+    prompt = PROMPTS[2]
+    ref, feats = reference(prompt, 4)
+    n = len(prompt) + 2
+    outs = []
+    for d in (hstack.shared, hstack.own):
+        seq = d.model.new_sequence(64)
+        seq.ingest(feats[:n], 0)
+        outs.append(seq.propose(ref[2], n, topk=3, return_logits=True))
+    a, b = outs
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logits, b.logits)
+    np.testing.assert_array_equal(a.topk_ids, b.topk_ids)
+    np.testing.assert_array_equal(a.topk_logprobs, b.topk_logprobs)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_served_output_equals_own_copy_and_plain_greedy(hstack, reference, tree):
+    spec = dict(draft_mode=gpb.DRAFT_MODE_TREE, tree_budget=6) if tree else {}
+    for prompt in PROMPTS:
+        want, _ = reference(prompt, MAX_TOKENS)
+        got = {}
+        for name, (stub, _) in hstack.stubs.items():
+            sp = gpb.SpeculationParams(mode=gpb.SPECULATION_MODE_FORCE, **spec)
+            chunks, done = generate(stub, token_request(prompt, MAX_TOKENS, ignore_eos=True, speculation=sp))
+            got[name] = streamed_ids(chunks)
+            assert list(done.output_ids) == got[name]
+        assert got["shared"] == got["own"] == want
+
+
+def test_memory_report_counts_the_shared_tensors_once(hstack):
+    tm = hstack.tservicer.model
+    head = tm.token_embd.nbytes + tm.output.nbytes
+    shared = _drafter_info(hstack.stubs["shared"][1]).memory
+    own = _drafter_info(hstack.stubs["own"][1]).memory
+    assert shared.target_head == "shared" and shared.shared_head_bytes == head and shared.target_head_bytes == 0
+    assert own.target_head == "own" and own.target_head_bytes == head and own.shared_head_bytes == 0
+    assert shared.weight_bytes == own.weight_bytes  # the drafter's own tensors: the same either way
+    # the target counts them in its weights (once, for both processes)
+    assert _target_info(hstack).memory.weight_bytes >= head
+    for name, (own_b, shared_b) in (("shared", (0, head)), ("own", (head, 0))):  # the public GetModelInfo
+        mi = hstack.stubs[name][0].GetModelInfo(gpb.GetModelInfoRequest(), timeout=10)
+        assert (mi.drafter_target_head_bytes, mi.drafter_shared_head_bytes) == (own_b, shared_b), name
+    from specd.target_worker.memory import drafter_memory
+
+    lines = "\n".join(drafter_memory(hstack.shared.model, hstack.shared.head_sharing).lines())
+    assert "shared (mapped from the target worker" in lines
+    assert "own copy" in "\n".join(drafter_memory(hstack.own.model, hstack.own.head_sharing).lines())
+
+
+def test_config_path_shares_through_make_drafter(hstack, target_gguf, caplog):
+    cfg = dserver.DraftWorkerConfig(drafter=hstack.drafter_path, target=target_gguf, device="cpu",
+                                    target_worker=f"unix://{hstack.dir}/t.sock")
+    cfg.validate()
+    with caplog.at_level(logging.INFO):
+        d = dserver.make_drafter(cfg)
+    try:
+        assert d.head_sharing.shared
+        assert "mapped from the target worker" in caplog.text
+    finally:
+        d.close()
+
+
+# ---------------------------------------------------------------------- refusals: an own copy, logged
+
+def _infos(stack):
+    return [sw.SharedTensorInfo.from_proto(m) for m in _target_info(stack).shared_tensors]
+
+
+def _refused(stack, target_gguf, caplog, words, **kw):
+    kw.setdefault("target_worker", f"unix://{stack.dir}/t.sock")
+    kw.setdefault("device", "cpu")
+    with caplog.at_level(logging.INFO, logger="specd.target_worker.shared_weights"):
+        d = open_model_drafter(stack.drafter_path, target_gguf, **kw)
+    assert not d.head_sharing.shared and d.shared_head is None
+    assert d.model.token_embd is not stack.tservicer.model.token_embd
+    for w in words:
+        assert w in d.head_sharing.reason, d.head_sharing.reason
+        assert w in caplog.text
+    assert "loading its own copy" in caplog.text
+    mem = dserver.DraftServicer(d).memory()
+    assert mem.target_head == "own" and mem.target_head_bytes > 0 and mem.shared_head_bytes == 0
+    return d
+
+
+def test_refused_when_sharing_is_off(hstack, target_gguf, caplog):
+    _refused(hstack, target_gguf, caplog, ["--share-target-weights off"], share_target_weights="off")
+
+
+def test_refused_on_the_cpu_device(hstack, target_gguf, caplog):
+    # the native backend exports / maps GPU memory only: a CPU drafter keeps its own copy
+    _refused(hstack, target_gguf, caplog, ["CPU"], ipc_backend=NativeIpcBackend())
+
+
+def test_refused_for_another_gpu(hstack, target_gguf, caplog):
+    _refused(hstack, target_gguf, caplog, ["0000:9a:00.0", FakeIpcBackend.pci_bus_id, "peer link"],
+             ipc_backend=OtherGpu())
+
+
+def test_refused_on_a_size_mismatch(hstack, target_gguf, caplog):
+    """Consistent handle data that describes another file's tensor (other shape / size)."""
+    infos = _infos(hstack)
+    e = infos[0]
+    other = dataclasses.replace(e, shape=(e.shape[0], e.shape[1] // 2), nbytes=e.nbytes // 2)
+    _refused(hstack, target_gguf, caplog, [e.name, "differs from", target_gguf],
+             shared_infos=[other] + infos[1:])
+
+
+def test_refused_when_the_runtime_refuses_a_handle(hstack, target_gguf, caplog):
+    _refused(hstack, target_gguf, caplog, ["refused", "invalid resource handle"], ipc_backend=Refusing())
+
+
+def test_refused_without_a_target_worker(hstack, target_gguf, caplog):
+    _refused(hstack, target_gguf, caplog, ["--target-worker"], target_worker="")
+    _refused(hstack, target_gguf, caplog, ["did not answer Info"], target_worker=f"unix://{hstack.dir}/nobody.sock")
+
+
+def test_refused_when_the_target_published_nothing(hstack, target_gguf, caplog):
+    _refused(hstack, target_gguf, caplog, ["published no shared tensors"], shared_infos=[])
+    only = [i for i in _infos(hstack) if i.name == sw.EMBD]
+    _refused(hstack, target_gguf, caplog, ["did not publish output.weight"], shared_infos=only)
+
+
+# ---------------------------------------------------------------------- malformed handle data: an error
+
+@pytest.mark.parametrize("change, words", [
+    (dict(handle=b"\x01" * 10), ["10 bytes", "expected 64"]),
+    (dict(ggml_type=99), ["unknown ggml type id 99"]),
+    (dict(shape=(320,)), ["[rows, cols]"]),
+    (dict(nbytes=12345), ["12345 bytes declared"]),
+])
+def test_bad_handle_data_is_an_error_naming_the_tensor(hstack, target_gguf, change, words):
+    infos = _infos(hstack)
+    bad = [infos[0], dataclasses.replace(infos[1], **change)]
+    with pytest.raises(ValueError) as e:
+        open_model_drafter(hstack.drafter_path, target_gguf, device="cpu", shared_infos=bad)
+    msg = str(e.value)
+    assert "'output.weight'" in msg, msg
+    for w in words:
+        assert w in msg, msg
+
+
+# ---------------------------------------------------------------------- lifetime, tied heads, export failure
+
+def test_close_drops_the_mapping(hstack, target_gguf):
+    d = open_model_drafter(hstack.drafter_path, target_gguf, device="cpu", shared_infos=_infos(hstack))
+    assert d.head_sharing.shared
+    d.open("s", 16)
+    FakeIpcBackend.log.clear()
+    d.close()
+    assert ("sync", None) in FakeIpcBackend.log  # the queued work drained before the mapping closes
+    assert d.shared_head is None and d.model.token_embd is None and d.model.lm_head is None and d.live() == []
+    d.close()  # idempotent
+    # the target's tensors are untouched: the worker keeps serving
+    assert hstack.tservicer.model.token_embd is not None
+
+
+def test_tied_head_is_exported_and_mapped_once():
+    rng = np.random.default_rng(1)
+    embd = sn.Tensor(rng.standard_normal((64, 32)).astype(np.float32))
+    weights = types.SimpleNamespace(token_embd=embd, output=None)
+    backend = FakeIpcBackend()
+    exp = sw.HeadExporter(backend)
+    a = exp.place(sw.EMBD, embd)
+    b = exp.place(sw.OUTPUT, embd)
+    assert a is b and len(exp.tensors) == 1
+    assert [i.name for i in exp.infos] == [sw.EMBD, sw.OUTPUT] and exp.infos[0].handle == exp.infos[1].handle
+    FakeIpcBackend.log.clear()
+    head, reason = sw.open_shared_head(exp.infos, weights, "t.gguf", backend)
+    assert reason == "" and head.token_embd is head.output is a
+    assert head.nbytes == embd.nbytes  # counted once
+    assert [k for k, _ in FakeIpcBackend.log].count("open_tensor") == 1
+    handle = exp.infos[0].handle
+    exp.close()
+    assert exp.infos == [] and exp.tensors == [] and handle not in FakeIpcBackend.registry
+
+
+def test_export_failure_keeps_the_target_working(target_gguf, caplog):
+    class NoIpc(FakeIpcBackend):
+        def export_tensor(self, t):
+            raise RuntimeError("fake IPC: cudaMalloc of 163840 bytes (IPC buffer): out of memory")
+
+    from specd.target_worker.model import Qwen35Model
+
+    w = load_qwen35(target_gguf)
+    exp = sw.HeadExporter(NoIpc())
+    with caplog.at_level(logging.WARNING):
+        m = Qwen35Model(w, capture_layers=(0, 2), kv_dtype=sn.DType.F32, head_exporter=exp)
+    assert exp.infos == [] and m.token_embd is w.token_embd
+    assert "cannot export token_embd / output" in caplog.text and "out of memory" in caplog.text
+    st = m.new_sequence(8)
+    assert np.isfinite(m.prefill(st, [1, 2, 3])).all()
+
+
+def test_share_option_validation_and_flags(target_gguf):
+    with pytest.raises(ValueError, match="--share-target-weights must be one of auto, off"):
+        dserver.DraftWorkerConfig(drafter="d.gguf", target=target_gguf, share_target_weights="on").validate()
+    with pytest.raises(ValueError, match="--share-target-weights"):
+        open_model_drafter("d.gguf", target_gguf, share_target_weights="yes")
+    from specd.coordinator import launcher
+    from specd.coordinator.cli import build_parser
+
+    with pytest.raises(ValueError, match="--share-target-weights"):
+        launcher.ServeConfig(target=target_gguf, drafter_gguf="none", share_target_weights="x").validate()
+    assert dserver.DraftWorkerConfig().share_target_weights == "auto" == launcher.ServeConfig().share_target_weights
+    args = build_parser().parse_args(["draft-worker", "--drafter", "d.gguf", "--target", "t.gguf",
+                                      "--share-target-weights", "off", "--target-worker", "unix:///x.sock"])
+    assert args.share_target_weights == "off" and args.target_worker == "unix:///x.sock"
+    args = build_parser().parse_args(["serve", "--share-target-weights", "off"])
+    assert args.share_target_weights == "off"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--share-target-weights", "maybe"])
+
+
+def test_serve_forwards_the_option_and_the_target_socket(hstack, target_gguf, monkeypatch):
+    from specd.coordinator import launcher
+    from specd.coordinator.cli import build_parser
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    class Proc:
+        stdout = types.SimpleNamespace(readline=lambda: "READY\n")
+
+        def poll(self):
+            return None
+
+        def send_signal(self, sig):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    def child(argv, *a, **k):
+        seen.append(list(argv))
+        if argv[0] == "draft-worker":
+            raise Stop
+        return Proc()
+
+    monkeypatch.setattr(launcher, "_child", child)
+    for mode in ("auto", "off"):
+        seen.clear()
+        extra = [] if mode == "auto" else ["--share-target-weights", "off"]
+        with pytest.raises(Stop):
+            launcher.run(build_parser().parse_args(["serve", "--target", target_gguf, "--drafter",
+                                                    hstack.drafter_path, "--device", "cpu",
+                                                    "--runtime-dir", hstack.dir + "/rt", *extra]))
+        t, d = seen
+        tsock = t[t.index("--listen") + 1]
+        assert d[d.index("--share-target-weights") + 1] == mode and d[d.index("--target-worker") + 1] == tsock
+
+
+def test_target_close_unpublishes_and_unregisters(target_gguf, monkeypatch):
+    from specd.target_worker import server as tserver
+
+    monkeypatch.setattr(fci, "NativeIpcBackend", FakeIpcBackend)
+    cfg = tserver.TargetWorkerConfig(target=target_gguf, listen="unix:///unused", capture_layers=(0, 2),
+                                     max_seq_len=32, kv_dtype="f32", device="cpu")
+    svc = tserver.load_servicer(cfg)
+    handles = {i.handle for i in svc.model.head_exporter.infos}
+    assert len(handles) == 2 and handles <= set(FakeIpcBackend.registry)
+    assert len(svc._shared_tensors()) == 2
+    svc.close()
+    assert not handles & set(FakeIpcBackend.registry) and svc._shared_tensors() == []
+    assert svc.model.token_embd is not None  # the model keeps its tensors
+
+
+def test_tensor_nbytes_matches_the_native_sizes():
+    for dt in (sn.DType.F32, sn.DType.F16, sn.DType.BF16, sn.DType.Q8_0, sn.DType.Q4_K, sn.DType.Q5_K,
+               sn.DType.Q6_K, sn.DType.IQ4_XS):
+        assert sw.tensor_nbytes((3, 512), dt) == sn.Tensor.empty([3, 512], dt, sn.Device.CPU).nbytes, dt
+    assert sw.tensor_nbytes((3, 100), sn.DType.Q8_0) is None  # not whole blocks
