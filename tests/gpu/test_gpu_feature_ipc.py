@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -24,6 +23,9 @@ import numpy as np
 import pytest
 
 import specd.native as sn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spawn_child import run_child  # noqa: E402
 
 DRYRUN = os.environ.get("SPECD_TEST_GPU_DRYRUN") == "1"
 pytestmark = [pytest.mark.gpu,
@@ -96,21 +98,8 @@ def _child_reader(fields, reads, q):
         q.put(("err", repr(exc)))
 
 
-def _run_child(target, *args, timeout=120):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=target, args=(*args, q))
-    p.start()
-    try:
-        status, out = q.get(timeout=timeout)
-    finally:
-        p.join(timeout)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert status == "ok", out
-    assert p.exitcode == 0  # closed its handles and exited cleanly
-    return out
+def _run_child(target, *args):
+    return run_child(target, *args, timeout=120)
 
 
 # ---------------------------------------------------------------- native API

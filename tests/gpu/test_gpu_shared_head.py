@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -31,6 +30,9 @@ import numpy as np
 import pytest
 
 import specd.native as sn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from spawn_child import run_child  # noqa: E402
 
 DRYRUN = os.environ.get("SPECD_TEST_GPU_DRYRUN") == "1"
 pytestmark = [pytest.mark.gpu,
@@ -92,21 +94,8 @@ def _child_drafter(dpath, tpath, address, mode, q):
         q.put(("err", traceback.format_exc() + repr(exc)))
 
 
-def _run_child(target, *args, timeout=300):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=target, args=(*args, q))
-    p.start()
-    try:
-        status, out = q.get(timeout=timeout)
-    finally:
-        p.join(timeout)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert status == "ok", out
-    assert p.exitcode == 0
-    return out
+def _run_child(target, *args):
+    return run_child(target, *args, timeout=300)
 
 
 @pytest.fixture(scope="module")
