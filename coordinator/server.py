@@ -264,12 +264,24 @@ class Coordinator(gpbg.SpecDecodeServicer):
             if self.cfg.confidence_threshold and not self.dinfo.has_confidence:
                 raise RuntimeError(f"--confidence-threshold {self.cfg.confidence_threshold} needs a DSpark drafter "
                                    f"with a confidence head; the drafter is {self.dinfo.family or self.dinfo.name}")
+            self._check_drafter_slots()
             if self.cfg.draft_mode == "tree" and not self.dinfo.max_top_k:
                 raise RuntimeError(f"--draft-mode tree needs a drafter that returns top-k candidates; "
                                    f"{self.dinfo.name} does not")
         self.metrics = CoordinatorMetrics(os.path.basename(self.tinfo.model_path),
                                           self.dinfo.name if self.dinfo is not None else "")
         self.connected = True
+
+    def _check_drafter_slots(self) -> None:
+        """Warns when worker streams are on and the drafter has fewer compute slots than the target
+        admits sequences: each speculating sequence then holds a drafter slot for its whole generation,
+        so sequences beyond the drafter's slots would fail with RESOURCE_EXHAUSTED after their prefill."""
+        slots, seqs = self.dinfo.compute_slots, self.tinfo.max_sequences
+        if self.cfg.worker_streams and slots and seqs and slots < seqs:
+            log.warning("coordinator: the drafter worker at %s has %d compute slots but the target admits %d "
+                        "sequences; with worker streams each speculating sequence holds one drafter slot, so "
+                        "start the drafter with --threads >= %d (or use --no-worker-streams)",
+                        self.cfg.drafter, slots, seqs, seqs + 2)
 
     async def workers_serving(self) -> bool:
         """True when every configured worker answers grpc.health.v1 Check("") with SERVING."""

@@ -289,7 +289,7 @@ class DraftServicer(pbg.DraftWorkerServicer):
                               has_confidence=bool(getattr(self.drafter, "has_confidence", False)),
                               feature_transport=self.transport,
                               dspark_markov=_MARKOV_PB.get(getattr(self.drafter, "dspark_markov", ""), 0),
-                              memory=self.memory_proto())
+                              memory=self.memory_proto(), compute_slots=self.slots.n)
 
     def memory(self):
         """The drafter's :class:`specd.target_worker.memory.DrafterMemory`, or None (no model)."""

@@ -368,7 +368,8 @@ class TargetServicer(pbg.TargetWorkerServicer):
                              live_sequences=live, live_shm_segments=len(self.features.live()),
                              feature_transport=self.transport,
                              inline_max_rows=self.inline_max_rows if self.inline else 0,
-                             memory=self._memory_proto(), shared_tensors=self._shared_tensors())
+                             memory=self._memory_proto(), shared_tensors=self._shared_tensors(),
+                             max_sequences=self.cfg.max_sequences, compute_slots=self.slots.n)
 
     def _shared_tensors(self):
         """TargetInfo.shared_tensors: the exported token_embd / output (shared_weights), or none."""

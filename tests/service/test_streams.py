@@ -514,3 +514,18 @@ def test_worker_stream_close_is_bounded():
     t0 = time.monotonic()
     asyncio.run(ws.close(True, 0.2))
     assert rpc.cancelled and time.monotonic() - t0 < 2.0
+
+
+def test_warns_when_the_drafter_has_fewer_slots_than_the_target_admits_sequences(stack, caplog):
+    """Info carries both workers' compute slots and the target's max_sequences; with worker streams a
+    coordinator whose drafter has fewer slots than the target admits sequences warns at start-up,
+    naming the drafter's --threads (the test stack: 16 threads = 14 slots, max_sequences 64)."""
+    coord = stack.coords[0][0]
+    assert coord.tinfo.max_sequences == 64 and coord.tinfo.compute_slots == 14 and coord.dinfo.compute_slots == 14
+    caplog.set_level("WARNING", logger="specd.coordinator")
+    stack.coordinator()
+    assert any("14 compute slots but the target admits 64 sequences" in r.getMessage() and "--threads >= 66" in
+               r.getMessage() for r in caplog.records)
+    caplog.clear()
+    stack.coordinator(worker_streams=False)  # unary calls take turns: no warning
+    assert not any("compute slots" in r.getMessage() for r in caplog.records)
