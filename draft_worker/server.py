@@ -178,6 +178,11 @@ class DraftWorkerConfig:
         :mod:`specd.target_worker.shared_weights`. Ignored by the scripted drafter.
     target_worker: gRPC address of the target worker whose Info publishes the shared tensors
         (``specd serve`` passes its target worker's socket). Default "": none (own copy).
+    target_watch_s: while the drafter maps the target's tensors, seconds between checks that the
+        target worker is still the process that exported them (a restarted or vanished target frees
+        that memory: the drafter then refuses Propose with FAILED_PRECONDITION and reports
+        NOT_SERVING until restarted; :class:`specd.target_worker.shared_weights.TargetWatch`).
+        Default 2 s; > 0.
     """
 
     drafter: str = ""
@@ -200,6 +205,7 @@ class DraftWorkerConfig:
     feature_transport: str = "shm"
     share_target_weights: str = "auto"
     target_worker: str = ""
+    target_watch_s: float = 2.0
 
     def validate(self) -> None:
         from specd.target_worker.feature_inline import check_transport
@@ -207,6 +213,8 @@ class DraftWorkerConfig:
 
         check_transport(self.feature_transport, "draft-worker")
         check_share_mode(self.share_target_weights, "draft-worker")
+        if not self.target_watch_s > 0:
+            raise ValueError(f"draft-worker: --target-watch-s must be > 0, got {self.target_watch_s}")
         if self.threads < 0 or self.max_message_bytes <= 0 or self.tombstone_cap <= 0:
             raise ValueError("draft-worker: threads >= 0, max_message_bytes and tombstone_cap > 0 required")
         for name in ("max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s"):
@@ -271,6 +279,9 @@ class DraftServicer(pbg.DraftWorkerServicer):
         self.lock = threading.Lock()
         self.namespace = shm_namespace_id()
         self._markov_ignored_logged = False  # a Markov mode sent to a drafter without a Markov head: logged once
+        self.head_lost = ""  # why the mapped target tensors are gone (target_lost); "" while fine
+        self.health = None  # the server's health servicer (run() sets it): NOT_SERVING once head_lost
+        self.target_watch = None  # the TargetWatch while the target's tensors are mapped
         # released ids: a Propose overtaken by its sequence's Release must not re-create it
         self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
         from specd.target_worker.server import ComputeSlots
@@ -316,7 +327,21 @@ class DraftServicer(pbg.DraftWorkerServicer):
         (worker.proto; :meth:`specd.target_worker.server.ComputeSlots.stream`)."""
         return self.slots.stream(context, self._propose, request_iterator)
 
+    def target_lost(self, reason: str) -> None:
+        """The target worker whose tensors this drafter maps is gone (TargetWatch): every Propose from
+        now on is refused with FAILED_PRECONDITION naming ``reason``, and health reports NOT_SERVING."""
+        self.head_lost = reason
+        health = self.health
+        if health is not None:
+            from grpc_health.v1 import health_pb2
+
+            for svc in ("", "specd.worker.v1.DraftWorker"):
+                health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     def _propose(self, request, context):
+        if self.head_lost:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{self.head_lost}; this drafter worker maps freed memory and must be restarted")
         seq_id = request.seq_id
         with self.lock:
             s = self.seqs.get(seq_id)
@@ -448,6 +473,8 @@ class DraftServicer(pbg.DraftWorkerServicer):
     def close(self) -> None:
         """Shutdown: closes every sequence's feature ring, then the drafter (``close``, when it has
         one: a ModelDrafter closes its mapping of the target's shared embedding / head)."""
+        if self.target_watch is not None:
+            self.target_watch.close()
         with self.lock:
             seqs, self.seqs = list(self.seqs.items()), {}
         for seq_id, s in seqs:
@@ -500,6 +527,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-worker", default=d.target_worker,
                    help="gRPC address of the target worker whose exported token_embd / output the drafter maps "
                         "(--share-target-weights auto; default none: own copy)")
+    p.add_argument("--target-watch-s", type=float, default=d.target_watch_s,
+                   help=f"seconds between checks that the target worker whose tensors are mapped is still the "
+                        f"exporting process (default {d.target_watch_s:g}; a restarted target makes the drafter "
+                        "refuse Propose until restarted)")
     from specd.target_worker.server import add_worker_server_arguments
 
     add_worker_server_arguments(p, d)
@@ -565,10 +596,18 @@ def run(args) -> int:
                             idle_ttl_s=args.idle_ttl_s, tombstone_cap=args.tombstone_cap,
                             shutdown_grace_s=args.shutdown_grace_s, feature_transport=args.feature_transport,
                             share_target_weights=getattr(args, "share_target_weights", "auto"),
-                            target_worker=getattr(args, "target_worker", ""))
+                            target_worker=getattr(args, "target_worker", ""),
+                            target_watch_s=getattr(args, "target_watch_s", 2.0))
     cfg.validate()
     servicer = DraftServicer(make_drafter(cfg), cfg.idle_ttl_s, cfg.tombstone_cap, cfg.feature_transport)
     server, _ = start_server(servicer, cfg.listen, cfg.threads or 72, cfg.max_message_bytes, cfg.max_concurrent_rpcs)
+    servicer.health = server.health
+    head = getattr(servicer.drafter, "shared_head", None)
+    if head is not None:
+        from specd.target_worker.shared_weights import TargetWatch
+
+        servicer.target_watch = TargetWatch(cfg.target_worker, head.owner_id, cfg.target_watch_s,
+                                            servicer.target_lost).start()
     log.info("draft-worker: %s drafter (block %d) on %s", servicer.drafter.name, servicer.drafter.block_size,
              cfg.listen)
     try:

@@ -14,8 +14,9 @@ used by the target's own forward (no second copy in the target either). ``Target
 publishes per tensor (worker.proto SharedTensor, :class:`SharedTensorInfo`): the GGUF name, the
 ggml type id, the shape ``[n_vocab, n_embd]``, the byte size, the 64-byte handle and the exporting
 GPU's PCI bus id (``device_id``). The buffers are model weights: alive for the target worker's life,
-so they outlive every mapping (``specd serve`` stops the drafter worker before the target worker; a
-drafter whose target died must be restarted, as with the cuda-ipc feature ring). An export failure
+so they outlive every mapping (``specd serve`` stops the drafter worker before the target worker);
+a standalone drafter watches its target (:class:`TargetWatch`) and stops proposing when the exporting
+process is gone. An export failure
 (e.g. a runtime without IPC) is logged and the tensors are placed as usual, with nothing published.
 
 Drafter side (``--share-target-weights {auto,off}``, default auto, with ``--target-worker ADDR``, which
@@ -24,7 +25,8 @@ Drafter side (``--share-target-weights {auto,off}``, default auto, with ``--targ
 the published type and shape, which :class:`~specd.draft_worker.model.DrafterModel` takes as they
 are. It falls back to loading its own copy, logging why (:class:`HeadSharing` ``reason``), when: the
 mode is off; the drafter is not on the GPU; no target worker address is known or its Info fails; the
-target published nothing; the target's GPU is another one (``device_id``: the runtime would map it
+target published nothing; the exporter runs on another machine (:func:`host_id` in ``owner_id``); the
+target ties output to token_embd but the drafter's GGUF does not; the target's GPU is another one (``device_id``: the runtime would map it
 over the peer link, every embedding gather and lm_head matmul a remote read); a tensor's type, shape
 or size differs from the target GGUF the drafter was given (another file); or the runtime refuses a
 handle. Malformed handle data (a handle not 64 bytes, an unknown type id, a shape that is not
@@ -47,8 +49,7 @@ import dataclasses
 import logging
 import os
 import socket
-
-import numpy as np
+import threading
 
 import specd.native as sn
 
@@ -69,6 +70,17 @@ def check_share_mode(mode: str, who: str) -> str:
     return mode
 
 
+def host_id() -> str:
+    """"<hostname>:<boot id>" of this machine: two processes can share a GPU allocation only when this
+    is the same (PCI bus ids repeat across identical servers)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}:{boot}"
+
+
 def make_backend():
     """The IPC backend: :class:`.feature_cuda_ipc.NativeIpcBackend` (looked up at call time, so tests
     can replace it with their fake one)."""
@@ -82,7 +94,7 @@ class SharedTensorInfo:
     name: "token_embd.weight" or "output.weight"; ggml_type: the stored type's ggml id
     (``int(sn.DType)``); shape: (n_vocab, n_embd) as the sn.Tensor shape; nbytes: the buffer's bytes;
     handle: the 64-byte IPC memory handle; device_id: the exporting GPU's PCI bus id; owner_id:
-    "<hostname>:<pid>" of the exporter.
+    "<hostname>:<boot id>:<pid>" of the exporting process (:func:`host_id`).
     """
 
     name: str
@@ -109,28 +121,31 @@ class SharedTensorInfo:
         what = f"shared target tensor {self.name!r}"
         if len(self.handle) != fci.HANDLE_BYTES:
             raise ValueError(f"{what}: the IPC handle is {len(self.handle)} bytes, expected {fci.HANDLE_BYTES}")
+        if not 0 <= self.ggml_type < 2**31:
+            raise ValueError(f"{what}: ggml type id {self.ggml_type} out of range")
         try:
             dtype = sn.dtype_from_id(int(self.ggml_type))
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             raise ValueError(f"{what}: unknown ggml type id {self.ggml_type}: {exc}") from None
-        if len(self.shape) != 2 or min(self.shape) <= 0:
-            raise ValueError(f"{what}: shape must be [rows, cols] > 0, got {list(self.shape)}")
+        if len(self.shape) != 2 or not all(0 < d < 2**40 for d in self.shape):
+            raise ValueError(f"{what}: shape must be [rows, cols], each in 1 .. 2^40, got {list(self.shape)}")
         want = tensor_nbytes(self.shape, dtype)
-        if want is None or want != self.nbytes or self.nbytes > fci.MAX_DEVICE_BYTES:
+        if want is None or want != self.nbytes:
             raise ValueError(f"{what}: {self.nbytes} bytes declared, but {list(self.shape)} of "
                              f"{dtype.name} is {want if want is not None else 'not a whole number of blocks'}")
+        if self.nbytes > fci.MAX_DEVICE_BYTES:
+            raise ValueError(f"{what}: {self.nbytes} bytes exceed the {fci.MAX_DEVICE_BYTES}-byte limit of a mapping")
         return dtype
 
 
 def tensor_nbytes(shape, dtype: "sn.DType"):
-    """Bytes of a contiguous tensor of ``shape`` / ``dtype`` (None when the last dimension is not a
-    whole number of blocks)."""
-    info = {sn.DType.F32: (1, 4), sn.DType.F16: (1, 2), sn.DType.BF16: (1, 2), sn.DType.I32: (1, 4),
-            sn.DType.Q8_0: (32, 34), sn.DType.Q4_K: (256, 144), sn.DType.Q5_K: (256, 176),
-            sn.DType.Q6_K: (256, 210), sn.DType.IQ4_XS: (256, 136)}.get(dtype)
-    if info is None or int(shape[-1]) % info[0]:
+    """Bytes of a contiguous tensor of ``shape`` / ``dtype`` (Python ints, no overflow; None when the
+    last dimension is not a whole number of the type's blocks)."""
+    rows, cols = (int(d) for d in shape)
+    block = sn.block_size(dtype)
+    if cols % block:
         return None
-    return int(np.prod([int(s) for s in shape[:-1]], dtype=np.int64)) * int(shape[-1]) // info[0] * info[1]
+    return rows * (cols // block) * sn.type_size(dtype)
 
 
 class HeadExporter:
@@ -141,8 +156,8 @@ class HeadExporter:
         self.backend = backend if backend is not None else make_backend()
         self.infos: list[SharedTensorInfo] = []
         self.tensors: list = []  # the exported tensors: alive as long as the exporter (the worker)
-        self._done: dict = {}   # id(source) -> exported tensor (a tied output is exported once)
-        self.owner_id = f"{socket.gethostname()}:{os.getpid()}"
+        self._done: dict = {}   # id(source) -> (source, exported tensor, handle): a tied output once
+        self.owner_id = f"{host_id()}:{os.getpid()}"
 
     def place(self, name: str, t):
         """The exported device copy of ``t`` (an sn.Tensor [rows, cols] of any stored type, usually a
@@ -151,10 +166,10 @@ class HeadExporter:
         failure)."""
         key = id(t)
         if key in self._done:
-            placed, handle = self._done[key]
+            _, placed, handle = self._done[key]
         else:
             placed, handle = self.backend.export_tensor(t)
-            self._done[key] = (placed, handle)
+            self._done[key] = (t, placed, handle)  # the source kept alive: its id stays unique
             self.tensors.append(placed)
         self.infos.append(SharedTensorInfo(name=name, ggml_type=int(t.dtype), shape=tuple(int(s) for s in t.shape),
                                            nbytes=int(t.nbytes), handle=bytes(handle),
@@ -167,7 +182,7 @@ class HeadExporter:
         model, keeps its own). Used after a failed export and at the worker's shutdown."""
         forget = getattr(self.backend, "forget", None)
         if forget is not None:
-            forget(*(h for _, h in self._done.values()))
+            forget(*(h for _, _, h in self._done.values()))
         self.infos, self.tensors, self._done = [], [], {}
 
 
@@ -189,8 +204,9 @@ class SharedHead:
     ``token_embd``, ``output``: device sn.Tensors of the published type and shape [n_vocab, n_embd]
     (the same tensor when the target ties them); ``nbytes``: bytes mapped (each buffer once)."""
 
-    def __init__(self, token_embd, output, nbytes: int, backend):
+    def __init__(self, token_embd, output, nbytes: int, backend, owner_id: str = ""):
         self.token_embd, self.output, self.nbytes, self.backend = token_embd, output, nbytes, backend
+        self.owner_id = owner_id  # the exporting process (TargetWatch checks it is still the one serving)
 
     def close(self) -> None:
         """Waits for queued work, then drops this object's references to the mapped tensors (the
@@ -218,6 +234,10 @@ def open_shared_head(infos, target_weights, target_path: str, backend=None):
     by_name = {}
     for i in infos:
         i = i if isinstance(i, SharedTensorInfo) else SharedTensorInfo.from_proto(i)
+        if i.name not in NAMES:
+            continue  # a tensor a newer target publishes: not ours to check
+        if i.name in by_name:
+            raise ValueError(f"shared target tensor {i.name!r}: published twice")
         by_name[i.name] = (i, i.check())
     if not by_name:
         return None, "the target worker published no shared tensors (target on the CPU, or its export failed)"
@@ -226,9 +246,20 @@ def open_shared_head(infos, target_weights, target_path: str, backend=None):
     for name in NAMES:
         if name not in by_name:
             return None, f"the target worker did not publish {name}"
-    mine = backend.device_id()
+    e_info, o_info = by_name[EMBD][0], by_name[OUTPUT][0]
+    if e_info.handle == o_info.handle:  # one buffer for both: the target ties them, so must the file
+        if (e_info.ggml_type, e_info.shape, e_info.nbytes) != (o_info.ggml_type, o_info.shape, o_info.nbytes):
+            raise ValueError(f"shared target tensor {OUTPUT!r}: same IPC handle as {EMBD!r} but another type / "
+                             "shape / size")
+        if target_weights.output is not None and target_weights.output is not target_weights.token_embd:
+            return None, (f"the target worker ties {OUTPUT} to {EMBD} (one buffer), but {target_path} has its own "
+                          f"{OUTPUT}")
+    mine, host = backend.device_id(), host_id()
     for name in NAMES:
         info, dtype = by_name[name]
+        if info.owner_id.rsplit(":", 1)[0] != host:
+            return None, (f"the target worker's {name} was exported on {info.owner_id.rsplit(':', 1)[0] or 'an unnamed host'}, "
+                          f"this drafter runs on {host}: IPC handles only work on one machine")
         if info.device_id != mine:
             return None, (f"the target worker's {name} is on GPU {info.device_id or '?'}, this drafter on {mine}: "
                           "mapping it would read it over the peer link")
@@ -249,7 +280,7 @@ def open_shared_head(infos, target_weights, target_path: str, backend=None):
         return None, f"the runtime refused to map {name}: {exc}"
     e, o = (opened[by_name[n][0].handle] for n in NAMES)
     nbytes = sum(by_name[n][0].nbytes for n in NAMES if n == EMBD or by_name[n][0].handle != by_name[EMBD][0].handle)
-    return SharedHead(e, o, nbytes, backend), ""
+    return SharedHead(e, o, nbytes, backend, e_info.owner_id), ""
 
 
 def fetch_shared_infos(address: str, timeout_s: float = 30.0) -> list:
@@ -275,21 +306,23 @@ def resolve_shared_head(mode: str, device, target_address: str, target_weights, 
     check_share_mode(mode, "draft-worker")
     status = HeadSharing(mode=mode)
 
-    def refuse(reason):
+    def refuse(reason, expected=False):
+        # An expected fallback (off, CPU, no address) is news; an unexpected one costs ~1.6 GB at 27B.
         status.reason = reason
-        log.info("draft-worker: loading its own copy of the target's token_embd / output: %s", reason)
+        log.log(logging.INFO if expected else logging.WARNING,
+                "draft-worker: loading its own copy of the target's token_embd / output: %s", reason)
         return None, status
 
     if mode == "off":
-        return refuse("--share-target-weights off")
+        return refuse("--share-target-weights off", expected=True)
     backend = backend if backend is not None else make_backend()
     dev = device if isinstance(device, sn.Device) else (sn.Device.CPU if str(device) == "cpu" else sn.Device.GPU)
     if dev != backend.device:
         return refuse(f"the drafter runs on {'the CPU' if dev == sn.Device.CPU else 'the GPU'}; sharing needs "
-                      "both workers on one GPU")
+                      "both workers on one GPU", expected=True)
     if infos is None:
         if not target_address:
-            return refuse("no --target-worker address to ask for the target's shared tensors")
+            return refuse("no --target-worker address to ask for the target's shared tensors", expected=True)
         try:
             infos = fetch_shared_infos(target_address)
         except Exception as exc:  # noqa: BLE001 - grpc.RpcError and friends: fall back
@@ -302,3 +335,52 @@ def resolve_shared_head(mode: str, device, target_address: str, target_weights, 
     log.info("draft-worker: mapped the target worker's token_embd / output (%d bytes) instead of loading a copy",
              head.nbytes)
     return head, status
+
+
+class TargetWatch:
+    """Drafter side, while it maps the target's tensors: every ``interval_s`` asks the target worker at
+    ``address`` for its Info and checks that the exporter of the published token_embd is still
+    ``owner_id``. A target worker that restarted (another owner) or stopped answering (``misses``
+    failed calls in a row) has freed, or will free, the memory the drafter reads: ``on_lost(reason)``
+    is called once (the drafter worker then refuses Propose and reports NOT_SERVING; it must be
+    restarted) and the watch ends. ``fetch``: :func:`fetch_shared_infos` (tests pass their own)."""
+
+    def __init__(self, address: str, owner_id: str, interval_s: float, on_lost, fetch=None, misses: int = 3):
+        self.address, self.owner_id, self.interval_s, self.on_lost = address, owner_id, interval_s, on_lost
+        self.fetch = fetch if fetch is not None else fetch_shared_infos
+        self.misses = misses
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="target-watch", daemon=True)
+
+    def start(self) -> "TargetWatch":
+        self._thread.start()
+        return self
+
+    def check(self) -> str:
+        """"" while the exporter is the same, else why not (raises what ``fetch`` raises)."""
+        infos = self.fetch(self.address, timeout_s=max(1.0, 2 * self.interval_s))
+        owners = {i.owner_id for i in infos if i.name == EMBD}
+        if owners != {self.owner_id}:
+            return (f"the target worker at {self.address} no longer exports the mapped tensors (exporter "
+                    f"{sorted(owners) or 'none'}, mapped from {self.owner_id})")
+        return ""
+
+    def _run(self) -> None:
+        failed = 0
+        while not self._stop.wait(self.interval_s):
+            try:
+                reason = self.check()
+                failed = 0
+            except Exception as exc:  # noqa: BLE001 - an unreachable target counts as a miss
+                failed += 1
+                reason = "" if failed < self.misses else (
+                    f"the target worker at {self.address} did not answer Info {failed} times in a row: {exc}")
+            if reason:
+                log.error("draft-worker: %s; refusing Propose (restart the drafter worker)", reason)
+                self.on_lost(reason)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(1.0, 3 * self.interval_s))

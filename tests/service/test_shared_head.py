@@ -241,6 +241,8 @@ def test_refused_when_the_target_published_nothing(hstack, target_gguf, caplog):
 @pytest.mark.parametrize("change, words", [
     (dict(handle=b"\x01" * 10), ["10 bytes", "expected 64"]),
     (dict(ggml_type=99), ["unknown ggml type id 99"]),
+    (dict(ggml_type=2**40), ["out of range"]),
+    (dict(shape=(2**62, 2**62)), ["[rows, cols]"]),
     (dict(shape=(320,)), ["[rows, cols]"]),
     (dict(nbytes=12345), ["12345 bytes declared"]),
 ])
@@ -387,3 +389,102 @@ def test_tensor_nbytes_matches_the_native_sizes():
                sn.DType.Q6_K, sn.DType.IQ4_XS):
         assert sw.tensor_nbytes((3, 512), dt) == sn.Tensor.empty([3, 512], dt, sn.Device.CPU).nbytes, dt
     assert sw.tensor_nbytes((3, 100), sn.DType.Q8_0) is None  # not whole blocks
+
+
+
+def test_refused_for_another_host(hstack, target_gguf, caplog):
+    """PCI bus ids repeat across identical servers: a handle exported on another machine (owner_id's
+    host and boot id differ) is refused before the runtime sees it."""
+    infos = [dataclasses.replace(i, owner_id="elsewhere:0000-boot:42") for i in _infos(hstack)]
+    _refused(hstack, target_gguf, caplog, ["elsewhere:0000-boot", "one machine"], shared_infos=infos)
+
+
+def test_unknown_names_are_ignored_and_duplicates_are_an_error(hstack, target_gguf):
+    infos = _infos(hstack)
+    extra = dataclasses.replace(infos[0], name="rope_freqs.weight", ggml_type=2**20)  # a newer target's export
+    d = open_model_drafter(hstack.drafter_path, target_gguf, device="cpu", shared_infos=infos + [extra])
+    assert d.head_sharing.shared
+    d.close()
+    with pytest.raises(ValueError, match="'token_embd.weight': published twice"):
+        open_model_drafter(hstack.drafter_path, target_gguf, device="cpu", shared_infos=infos + [infos[0]])
+
+
+def test_a_handle_shared_by_both_tensors_must_describe_one_tied_tensor():
+    """The output published with token_embd's handle but another type is malformed; a target that ties
+    them while the drafter's file has its own output is refused (the drafter would use the embedding
+    as its lm_head)."""
+    rng = np.random.default_rng(2)
+    embd = sn.Tensor(rng.standard_normal((64, 32)).astype(np.float32))
+    backend = FakeIpcBackend()
+    exp = sw.HeadExporter(backend)
+    exp.place(sw.EMBD, embd)
+    exp.place(sw.OUTPUT, embd)
+    tied = types.SimpleNamespace(token_embd=embd, output=None)
+    bad = [exp.infos[0], dataclasses.replace(exp.infos[1], ggml_type=int(sn.DType.F16), nbytes=embd.nbytes // 2)]
+    with pytest.raises(ValueError, match="same IPC handle as 'token_embd.weight'"):
+        sw.open_shared_head(bad, tied, "t.gguf", backend)
+    untied = types.SimpleNamespace(token_embd=embd, output=sn.Tensor(rng.standard_normal((64, 32)).astype(np.float32)))
+    head, reason = sw.open_shared_head(exp.infos, untied, "t.gguf", backend)
+    assert head is None and "ties output.weight" in reason and "t.gguf has its own" in reason
+    exp.close()
+
+
+def test_exporter_keeps_sources_alive_so_ids_stay_unique():
+    """Two temporary source tensors must not share an id (the second would get the first's export)."""
+    rng = np.random.default_rng(3)
+    exp = sw.HeadExporter(FakeIpcBackend())
+    exp.place(sw.EMBD, sn.Tensor(rng.standard_normal((8, 32)).astype(np.float32)))
+    exp.place(sw.OUTPUT, sn.Tensor(rng.standard_normal((8, 32)).astype(np.float32)))
+    assert exp.infos[0].handle != exp.infos[1].handle and len(exp.tensors) == 2
+    exp.close()
+
+
+def test_target_watch_reports_a_restarted_or_vanished_target():
+    """TargetWatch: the same exporter -> nothing; another owner -> on_lost at once; Info failing
+    `misses` times in a row -> on_lost; then the watch ends."""
+    import threading
+
+    owner = f"{sw.host_id()}:111"
+    published = [sw.SharedTensorInfo(sw.EMBD, int(sn.DType.F32), (8, 32), 1024, b"\x00" * 64, "bus", owner)]
+    state = {"infos": published, "raise": False, "calls": 0}
+
+    def fetch(address, timeout_s):
+        state["calls"] += 1
+        if state["raise"]:
+            raise RuntimeError("connection refused")
+        return state["infos"]
+
+    lost, done = [], threading.Event()
+    watch = sw.TargetWatch("unix:///x", owner, 0.01, lambda r: (lost.append(r), done.set()), fetch=fetch)
+    assert watch.check() == ""
+    state["infos"] = [dataclasses.replace(published[0], owner_id=f"{sw.host_id()}:222")]
+    watch.start()
+    assert done.wait(5) and "no longer exports" in lost[0] and ":111" in lost[0]
+    watch.close()
+    lost.clear(), done.clear()
+    state.update(infos=published, **{"raise": True})
+    watch = sw.TargetWatch("unix:///x", owner, 0.01, lambda r: (lost.append(r), done.set()), fetch=fetch, misses=3)
+    watch.start()
+    assert done.wait(5) and "did not answer Info 3 times" in lost[0]
+    watch.close()
+
+
+def test_drafter_refuses_propose_once_the_target_is_lost(hstack):
+    """DraftServicer.target_lost: Propose is refused with FAILED_PRECONDITION naming the reason, and
+    the health service reports NOT_SERVING."""
+    from grpc_health.v1 import health, health_pb2
+
+    sv = dserver.DraftServicer(hstack.drafter)
+    sv.health = health.HealthServicer()
+    sv.target_lost("the target worker at unix:///t no longer exports the mapped tensors")
+
+    class Ctx:
+        def abort(self, code, details):
+            raise RuntimeError((code, details))
+
+    with pytest.raises(RuntimeError) as e:
+        sv._propose(wpb.ProposeRequest(seq_id="s"), Ctx())
+    code, details = e.value.args[0]
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "no longer exports" in details and "restarted" in details
+    r = sv.health.Check(health_pb2.HealthCheckRequest(service=""), None)
+    assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING

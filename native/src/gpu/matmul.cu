@@ -69,6 +69,7 @@
 // bandwidth at n = 1 but is bound by FP32 FMA issue and L1 traffic of x at n = 8-16 (time linear
 // in n): the tensor-core GEMV is the replacement for the quantized formats (numbers: gpu_report.py).
 #include <algorithm>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -302,8 +303,10 @@ void check_weight(const Tensor& w, int64_t in, const char* op) {
 
 }  // namespace
 
-std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws, bool exact) {
-  const char* op = "matmul";
+namespace {
+
+// matmul / matmul_group; `op` names the caller in errors, weights are "w" (one) or "ws[i]".
+std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool exact, const char* op) {
   detail::check_gpu(x, op, "x");
   check_dtype(x, DType::F32, op, "x");
   check_contiguous(x, op, "x");
@@ -312,13 +315,16 @@ std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws,
   SPECD_CHECK(detail::aligned16(x.data), op, ": x data must be 16-byte aligned");
   const int64_t n = x.rows(), in = x.cols();
   std::vector<Tensor> ys;
-  for (const Tensor& w : ws) {
-    detail::check_gpu(w, op, "w");
-    check_ndim(w, 2, op, "w");
-    check_contiguous(w, op, "w");
-    SPECD_CHECK(w.dim(1) == in, op, ": x has ", in, " columns, w has ", w.dim(1), " (w is [out, in])");
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const Tensor& w = ws[i];
+    const std::string name = ws.size() == 1 ? "w" : "ws[" + std::to_string(i) + "]";
+    detail::check_gpu(w, op, name.c_str());
+    check_ndim(w, 2, op, name.c_str());
+    check_contiguous(w, op, name.c_str());
+    SPECD_CHECK(w.dim(1) == in, op, ": x has ", in, " columns, ", name, " has ", w.dim(1), " (", name,
+                " is [out, in])");
     check_weight(w, in, op);
-    SPECD_CHECK(w.dim(0) <= 0x7fffffff, op, ": w has too many rows for one launch");
+    SPECD_CHECK(w.dim(0) <= 0x7fffffff, op, ": ", name, " has too many rows for one launch");
     std::vector<int64_t> shape = x.shape;
     shape.back() = w.dim(0);
     ys.push_back(Tensor::empty(shape, DType::F32, Device::GPU));
@@ -332,8 +338,7 @@ std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws,
   // Wide inexact calls (prefill) go to the vendor GEMM on dequantized weights: the GEMV would
   // re-read the weights once per 16 rows and runs on FP32 FMAs only.
   if (n > kNMax && !exact) {
-    for (size_t i = 0; i < ws.size(); ++i)
-      if (ws[i].dim(0) > 0) detail::matmul_blas(x, ws[i], ys[i]);
+    detail::matmul_blas(x, ws, ys);
     return ys;
   }
   // Exact: slices of at most kNMax rows through the GEMV, each row's arithmetic independent of
@@ -366,6 +371,12 @@ std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws,
   return ys;
 }
 
-Tensor matmul(const Tensor& x, const Tensor& w, bool exact) { return std::move(matmul_group(x, {w}, exact)[0]); }
+}  // namespace
+
+std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws, bool exact) {
+  return linear(x, ws, exact, "matmul_group");
+}
+
+Tensor matmul(const Tensor& x, const Tensor& w, bool exact) { return std::move(linear(x, {w}, exact, "matmul")[0]); }
 
 }  // namespace specd::gpu

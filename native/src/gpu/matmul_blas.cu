@@ -58,15 +58,15 @@ cublasHandle_t handle() {
   return h;
 }
 
-// dst[r, :] = bf16(dequantize(w row r)) for `rows` rows; one thread per chunk (grid-stride). I is the
-// index type: 32-bit when rows * nchunks fits (a 64-bit division per chunk costs ~70 instructions).
-template <class W, class I>
+// dst[r, :] = bf16(dequantize(w row r)) for `rows` rows; one thread per chunk (grid-stride), 32-bit
+// indices (a 64-bit division per chunk costs ~70 instructions; dequant_launch checks they fit).
+template <class W>
 __global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
-                                                               I nchunks, I rows, int64_t in,
+                                                               uint32_t nchunks, uint32_t rows, int64_t in,
                                                                uint16_t* __restrict__ dst) {
-  const I total = rows * nchunks, step = I(gridDim.x) * kThreads;
-  for (I t = I(blockIdx.x) * kThreads + threadIdx.x; t < total; t += step) {
-    const I r = t / nchunks, c = t % nchunks;
+  const uint32_t total = rows * nchunks, step = gridDim.x * kThreads;
+  for (uint32_t t = blockIdx.x * kThreads + threadIdx.x; t < total; t += step) {
+    const uint32_t r = t / nchunks, c = t % nchunks;
     decode_chunk<W>(w + int64_t(r) * row_bytes, c, StoreBF16{dst + int64_t(r) * in});
   }
 }
@@ -85,11 +85,9 @@ unsigned grid_for(int64_t items) {
 template <class W>
 void dequant_launch(const uint8_t* w, int64_t row_bytes, int64_t nchunks, int64_t rows, int64_t in, uint16_t* dst) {
   const unsigned grid = grid_for(rows * nchunks);
-  if (rows * nchunks + int64_t(grid) * kThreads <= int64_t(UINT32_MAX))  // t + step never wraps
-    dequant_bf16_kernel<W, uint32_t><<<grid, kThreads, 0, stream()>>>(w, row_bytes, uint32_t(nchunks), uint32_t(rows),
-                                                                       in, dst);
-  else
-    dequant_bf16_kernel<W, int64_t><<<grid, kThreads, 0, stream()>>>(w, row_bytes, nchunks, rows, in, dst);
+  // A panel holds at most kPanelBytes of BF16 (<= 2^27 chunks), so 32-bit indices never wrap.
+  SPECD_CHECK(rows * nchunks + int64_t(grid) * kThreads <= int64_t(UINT32_MAX), "matmul: dequantize panel too large");
+  dequant_bf16_kernel<W><<<grid, kThreads, 0, stream()>>>(w, row_bytes, uint32_t(nchunks), uint32_t(rows), in, dst);
   SPECD_GPU_CHECK_LAUNCH("dequant_bf16_kernel");
 }
 
@@ -129,13 +127,12 @@ void gemm_panel(const uint16_t* wb, const uint16_t* xb, int64_t rows, int64_t n,
 
 }  // namespace
 
-void matmul_blas(const Tensor& x, const Tensor& w, Tensor& y) {
-  const int64_t n = x.rows(), in = w.dim(1), out = w.dim(0);
-  SPECD_CHECK(n <= INT_MAX && in <= INT_MAX && out <= INT_MAX, "matmul: dimensions exceed the BLAS int range");
-  std::shared_ptr<void> xbuf = alloc(size_t(n * in) * 2);
-  auto* xb = static_cast<uint16_t*>(xbuf.get());
-  x_bf16_kernel<<<grid_for(n * in), kThreads, 0, stream()>>>(x.ptr<float>(), n * in, xb);
-  SPECD_GPU_CHECK_LAUNCH("x_bf16_kernel");
+namespace {
+
+// y = xb @ w^T for one weight (x already BF16 in xb).
+void gemm_weight(const uint16_t* xb, int64_t n, const Tensor& w, Tensor& y) {
+  const int64_t in = w.dim(1), out = w.dim(0);
+  if (out == 0) return;
   if (w.dtype == DType::BF16 && aligned16(w.data) && in % 8 == 0) {  // already BF16: the GEMM reads it as is
     gemm_panel(static_cast<const uint16_t*>(w.data), xb, out, n, in, y.ptr<float>(), out);
     return;
@@ -148,7 +145,21 @@ void matmul_blas(const Tensor& x, const Tensor& w, Tensor& y) {
     dequant_panel(w, o0, rows, wb);
     gemm_panel(wb, xb, rows, n, in, y.ptr<float>() + o0, out);
   }
-  // xbuf / wbuf are freed stream-ordered, after the GEMMs queued above.
+  // wbuf is freed stream-ordered, after the GEMMs queued above.
+}
+
+}  // namespace
+
+void matmul_blas(const Tensor& x, const std::vector<Tensor>& ws, std::vector<Tensor>& ys) {
+  const int64_t n = x.rows(), in = x.cols();
+  SPECD_CHECK(n <= INT_MAX && in <= INT_MAX, "matmul: dimensions exceed the BLAS int range");
+  for (const Tensor& w : ws) SPECD_CHECK(w.dim(0) <= INT_MAX, "matmul: dimensions exceed the BLAS int range");
+  std::shared_ptr<void> xbuf = alloc(size_t(n * in) * 2);  // x in BF16 once for every weight
+  auto* xb = static_cast<uint16_t*>(xbuf.get());
+  x_bf16_kernel<<<grid_for(n * in), kThreads, 0, stream()>>>(x.ptr<float>(), n * in, xb);
+  SPECD_GPU_CHECK_LAUNCH("x_bf16_kernel");
+  for (size_t i = 0; i < ws.size(); ++i) gemm_weight(xb, n, ws[i], ys[i]);
+  // xbuf is freed stream-ordered, after the GEMMs queued above.
 }
 
 }  // namespace specd::gpu::detail

@@ -577,8 +577,7 @@ __global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kBlocksPerSM : 3) mma_g
 inline int64_t units_per_split(int64_t out, int64_t nunits, int64_t sms) {
   const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t want = kBlocksPerSM * sms;
-  int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want / row_blocks, nunits / 4));
-  splits = std::min<int64_t>(splits, 65535);
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want / row_blocks, nunits / 4));
   int64_t per = (nunits + splits - 1) / splits;
   return std::max<int64_t>(per, 1);
 }
@@ -593,19 +592,50 @@ struct SplitSums {
   int64_t elem0[kMaxGroup + 1] = {};
 };
 
-#ifndef SPECD_HOST_EMU
-__global__ void sum_splits_kernel(const SplitSums s_) {
-  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= s_.elem0[s_.count]) return;
+// Element e (< elem0[count]) of the flat range of a SplitSums: split 0 + split 1 + ... in order.
+__host__ __device__ inline void sum_splits_at(const SplitSums& s_, int64_t e) {
   int i = 0;
-#pragma unroll
   for (int k = 1; k < kMaxGroup; ++k)
     if (k < s_.count && e >= s_.elem0[k]) i = k;
   const int64_t j = e - s_.elem0[i], count = s_.elem0[i + 1] - s_.elem0[i];
   const float* part = s_.part[i];
   float v = part[j];
-  for (int k = 1; k < s_.splits[i]; ++k) v = __fadd_rn(v, part[int64_t(k) * count + j]);
+  for (int k = 1; k < s_.splits[i]; ++k) v += part[int64_t(k) * count + j];  // plain adds: nothing to contract
   s_.y[i][j] = v;
+}
+
+// The launch plan of weights ws[0 .. count) (count <= kMaxGroup; format units of `unit_elems`
+// inputs) against n rows of x on `sms` multiprocessors: the kernel's Group (each weight's split,
+// its flat blocks) and the SplitSums of the weights with several splits, whose partials go to
+// scratch(bytes) buffers (the caller keeps them alive until the sums ran). Shared by the launch and
+// the host emulation.
+template <class Scratch>
+inline void plan_group(const uint8_t* const* ws, const int64_t* row_bytes, const int64_t* outs, float* const* ys,
+                       int count, int64_t in, int unit_elems, int n, int64_t sms, const Scratch& scratch, Group& grp,
+                       SplitSums& sums) {
+  const int64_t nunits = in / unit_elems;
+  grp = Group{};
+  sums = SplitSums{};
+  grp.count = count;
+  for (int i = 0; i < count; ++i) {
+    const int64_t per = units_per_split(outs[i], nunits, sms);
+    const int64_t splits = (nunits + per - 1) / per, row_blocks = (outs[i] + kRowsPerBlock - 1) / kRowsPerBlock;
+    grp.w[i] = ws[i], grp.row_bytes[i] = row_bytes[i], grp.out[i] = outs[i], grp.per_split[i] = per;
+    grp.dst[i] = ys[i];
+    if (splits > 1) {
+      grp.dst[i] = scratch(size_t(splits * n * outs[i]) * sizeof(float));
+      sums.part[sums.count] = grp.dst[i], sums.y[sums.count] = ys[i], sums.splits[sums.count] = int(splits);
+      sums.elem0[sums.count + 1] = sums.elem0[sums.count] + int64_t(n) * outs[i];
+      ++sums.count;
+    }
+    grp.block0[i + 1] = grp.block0[i] + row_blocks * splits;
+  }
+}
+
+#ifndef SPECD_HOST_EMU
+__global__ void sum_splits_kernel(const SplitSums s_) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e < s_.elem0[s_.count]) sum_splits_at(s_, e);
 }
 
 // One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x,
@@ -616,22 +646,11 @@ void launch(const uint8_t* const* ws, const int64_t* row_bytes, const int64_t* o
   const int64_t nunits = in / F::kUnitElems;
   Group grp;
   SplitSums sums;
-  std::shared_ptr<void> scratch[kMaxGroup];
-  grp.count = count;
-  for (int i = 0; i < count; ++i) {
-    const int64_t per = units_per_split(outs[i], nunits, sm_count());
-    const int64_t splits = (nunits + per - 1) / per, row_blocks = (outs[i] + kRowsPerBlock - 1) / kRowsPerBlock;
-    grp.w[i] = ws[i], grp.row_bytes[i] = row_bytes[i], grp.out[i] = outs[i], grp.per_split[i] = per;
-    grp.dst[i] = ys[i];
-    if (splits > 1) {
-      scratch[i] = alloc(size_t(splits * n * outs[i]) * sizeof(float));  // freed stream-ordered
-      grp.dst[i] = static_cast<float*>(scratch[i].get());
-      sums.part[sums.count] = grp.dst[i], sums.y[sums.count] = ys[i], sums.splits[sums.count] = int(splits);
-      sums.elem0[sums.count + 1] = sums.elem0[sums.count] + int64_t(n) * outs[i];
-      ++sums.count;
-    }
-    grp.block0[i + 1] = grp.block0[i] + row_blocks * splits;
-  }
+  std::vector<std::shared_ptr<void>> scratch;  // freed stream-ordered, after the kernels below
+  plan_group(ws, row_bytes, outs, ys, count, in, F::kUnitElems, n, sm_count(), [&](size_t bytes) {
+    scratch.push_back(alloc(bytes));
+    return static_cast<float*>(scratch.back().get());
+  }, grp, sums);
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
   mma_gemv_kernel<F, NT><<<unsigned(grp.block0[count]), kWarps * 32, 0, s>>>(grp, nunits, xf, xs, n);
   SPECD_GPU_CHECK_LAUNCH("mma_gemv_kernel");

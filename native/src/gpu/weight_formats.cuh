@@ -300,11 +300,23 @@ struct IQ4XSW {
 
 // --- stores of decoded parts ------------------------------------------------------------------
 //
-// store.part(o, v): the N = kPE values of one part at element o of the row (o a multiple of N). The
-// 4- and 8-wide policies are only chosen for rows whose element count is a multiple of 4 / 8 and
-// whose base is 16-byte aligned, so those parts are written with 16-byte (8-byte) stores: a thread
-// owns a whole chunk, threads' chunks are 64+ bytes apart, and scalar 2- or 4-byte stores made every
-// warp store instruction touch 32 sectors for 64-128 useful bytes.
+// store.part(o, v): the N = kPE values of one part at element o of the row (o a multiple of N),
+// written with 16-byte (N = 8 BF16, N = 4 or 8 F32) or 8-byte (N = 4 BF16) stores: a thread owns a
+// whole chunk, threads' chunks are 64+ bytes apart, and scalar 2- or 4-byte stores made every warp
+// store instruction touch 32 sectors for 64-128 useful bytes. The caller's contract: dst (the row
+// start) is aligned to the store width, i.e. the output buffer is and its row stride (elements x
+// element size) is a multiple of it. Met by both callers: device buffers are 256-byte aligned, the
+// embedding gathers 256-block formats only (rows of a multiple of 256 floats), and the dequantized
+// panel's rows hold `in` BF16 values with in % 8 == 0 for the 8-wide policies (Q8_0Quarter: in % 32;
+// Half16W<8>: chosen only for in % 8 == 0) and in % 4 == 0 for F32W<4> (8-byte BF16 stores).
+#if defined(SPECD_HOST_EMU)
+#define SPECD_STORE_ALIGNED(p, a) \
+  do {                              \
+    if (reinterpret_cast<uintptr_t>(p) % (a)) std::abort(); \
+  } while (0)
+#else
+#define SPECD_STORE_ALIGNED(p, a) ((void)0)
+#endif
 
 // float -> bfloat16 bits, round to nearest even, NaN kept quiet (as cpu::fp32_to_bf16).
 __device__ __forceinline__ uint16_t to_bf16(float f) {
@@ -321,7 +333,10 @@ struct StoreF32 {
   __device__ __forceinline__ void part(int64_t o, const float (&v)[N]) const {
     if constexpr (N % 4 == 0) {
 #pragma unroll
-      for (int k = 0; k < N; k += 4) *reinterpret_cast<float4*>(dst + o + k) = float4{v[k], v[k + 1], v[k + 2], v[k + 3]};
+      for (int k = 0; k < N; k += 4) {
+        SPECD_STORE_ALIGNED(dst + o + k, 16);
+        *reinterpret_cast<float4*>(dst + o + k) = float4{v[k], v[k + 1], v[k + 2], v[k + 3]};
+      }
     } else {
 #pragma unroll
       for (int k = 0; k < N; ++k) dst[o + k] = v[k];
@@ -339,13 +354,17 @@ struct StoreBF16 {
   __device__ __forceinline__ void part(int64_t o, const float (&v)[N]) const {
     if constexpr (N % 8 == 0) {
 #pragma unroll
-      for (int k = 0; k < N; k += 8)
+      for (int k = 0; k < N; k += 8) {
+        SPECD_STORE_ALIGNED(dst + o + k, 16);
         *reinterpret_cast<uint4*>(dst + o + k) =
             uint4{pair(v[k], v[k + 1]), pair(v[k + 2], v[k + 3]), pair(v[k + 4], v[k + 5]), pair(v[k + 6], v[k + 7])};
+      }
     } else if constexpr (N % 4 == 0) {
 #pragma unroll
-      for (int k = 0; k < N; k += 4)
+      for (int k = 0; k < N; k += 4) {
+        SPECD_STORE_ALIGNED(dst + o + k, 8);
         *reinterpret_cast<uint2*>(dst + o + k) = uint2{pair(v[k], v[k + 1]), pair(v[k + 2], v[k + 3])};
+      }
     } else {
 #pragma unroll
       for (int k = 0; k < N; ++k) dst[o + k] = to_bf16(v[k]);

@@ -120,8 +120,9 @@ inline uint32_t __shfl_sync(unsigned mask, uint32_t v, int src) {
 
 using namespace specd::gpu::detail;
 
-// The weights (each out[i] rows, stored one after the other in w) against x as one grouped launch,
-// as mma::launch builds it (flat grid, each weight's own split), then the split sums.
+// The weights (each out[i] rows, stored one after the other in w) against x as one grouped launch
+// planned by mma::plan_group (flat grid, each weight's own split; the launch's own planner), then
+// the split sums of mma::sum_splits_at (the sum kernel's element function).
 template <class F>
 void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std::vector<float>& x, int n,
          const std::vector<int64_t>& outs, std::vector<float>& y) {
@@ -140,43 +141,36 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   const char* sms_env = std::getenv("SPECD_EMU_SMS");
   const int64_t sms = sms_env ? std::atoll(sms_env) : 132;
   const int64_t nunits = in / F::kUnitElems;
-  Group grp;
-  grp.count = int(outs.size());
-  std::vector<std::vector<float>> parts(outs.size());
-  std::vector<int64_t> splits(outs.size());
-  int64_t row0 = 0;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    const int64_t per = units_per_split(outs[i], nunits, sms);
-    splits[i] = (nunits + per - 1) / per;
-    parts[i].assign(size_t(splits[i] * n * outs[i]), NAN);
-    grp.w[i] = w.data() + row0 * row_bytes, grp.row_bytes[i] = row_bytes, grp.out[i] = outs[i];
-    grp.per_split[i] = per, grp.dst[i] = parts[i].data();
-    grp.block0[i + 1] = grp.block0[i] + (outs[i] + kRowsPerBlock - 1) / kRowsPerBlock * splits[i];
-    row0 += outs[i];
+  std::vector<const uint8_t*> ws;
+  std::vector<int64_t> rbs(outs.size(), row_bytes);
+  std::vector<float*> ys;
+  int64_t row0 = 0, y0 = 0;
+  for (int64_t o : outs) {
+    ws.push_back(w.data() + row0 * row_bytes), ys.push_back(y.data() + y0);
+    row0 += o, y0 += int64_t(n) * o;
   }
+  std::vector<std::vector<float>> scratch;
+  Group grp;
+  SplitSums sums;
+  plan_group(ws.data(), rbs.data(), outs.data(), ys.data(), int(outs.size()), in, F::kUnitElems, n, sms,
+             [&](size_t bytes) {
+               scratch.emplace_back(bytes / sizeof(float), NAN);
+               return scratch.back().data();
+             }, grp, sums);
   for (int64_t b = 0; b < grp.block0[grp.count]; ++b) {
-    WarpShared ws[kWarps];
-    for (auto& s : ws) s.bar = std::make_unique<std::barrier<>>(32);
+    WarpShared warps[kWarps];
+    for (auto& s : warps) s.bar = std::make_unique<std::barrier<>>(32);
     std::vector<std::thread> th;
     for (int i = 0; i < kWarps * 32; ++i)
       th.emplace_back([&, i] {
         threadIdx.x = unsigned(i), blockIdx.x = unsigned(b);
-        tl_warp = &ws[i / 32];
+        tl_warp = &warps[i / 32];
         auto kernel = NT == 1 ? mma_gemv_kernel<F, 1> : mma_gemv_kernel<F, 2>;
         kernel(grp, nunits, xf.data(), xs.data(), n);
       });
     for (auto& t : th) t.join();
   }
-  int64_t y0 = 0;
-  for (size_t w_i = 0; w_i < outs.size(); ++w_i) {
-    const int64_t count = int64_t(n) * outs[w_i];
-    for (int64_t i = 0; i < count; ++i) {
-      float s = parts[w_i][size_t(i)];
-      for (int64_t k = 1; k < splits[w_i]; ++k) s = __fadd_rn(s, parts[w_i][size_t(k * count + i)]);
-      y[size_t(y0 + i)] = s;
-    }
-    y0 += count;
-  }
+  for (int64_t e = 0; e < sums.elem0[sums.count]; ++e) sum_splits_at(sums, e);
 }
 
 int main(int argc, char** argv) {

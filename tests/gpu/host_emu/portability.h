@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #define __device__
+#define __host__
 #define __forceinline__ inline
 #define __restrict__
 struct uint4 { uint32_t x, y, z, w; };
