@@ -1,4 +1,5 @@
 // dequantize, quantize, matmul, embedding.
+#include <stdexcept>
 #include <string>
 
 #include "../cpu/matmul.h"
@@ -86,11 +87,11 @@ within (2^-8 + 1e-5) * (|x| @ |w|^T), not batch invariant). The CPU is always ex
 
   m.def(
       "matmul_group",
-      [](const py::object& x, const py::list& ws, bool exact) {
+      [](const py::object& x, const py::sequence& ws, bool exact) {
         Tensor xt = as_tensor(x, "matmul_group", "x");
         std::vector<Tensor> wt;
         for (const py::handle& w : ws) {
-          wt.push_back(as_tensor(py::reinterpret_borrow<py::object>(w), "matmul_group", "w"));
+          wt.push_back(as_tensor(w, "matmul_group", "ws[i]"));
           require_same_device(xt, wt.back(), "matmul_group");
         }
         if (wt.empty()) throw py::value_error("matmul_group: no weights");
@@ -99,7 +100,13 @@ within (2^-8 + 1e-5) * (|x| @ |w|^T), not batch invariant). The CPU is always ex
 #endif
         return without_gil([&] {
           std::vector<Tensor> ys;
-          for (const Tensor& w : wt) ys.push_back(cpu::matmul(xt, w));
+          for (size_t i = 0; i < wt.size(); ++i) {
+            try {
+              ys.push_back(cpu::matmul(xt, wt[i]));
+            } catch (const std::invalid_argument& e) {
+              throw std::invalid_argument("matmul_group: ws[" + std::to_string(i) + "]: " + e.what());
+            }
+          }
           return ys;
         });
       },
@@ -107,10 +114,13 @@ within (2^-8 + 1e-5) * (|x| @ |w|^T), not batch invariant). The CPU is always ex
       R"doc([x @ w.T for w in ws]: several linear layers reading the same x (the projections of one
 hidden state), bit-identical to separate matmul calls (each weight keeps its own arithmetic).
 
-x: F32 [n, in]; ws: a non-empty list of weights [out_i, in] as for matmul, all on x's device.
-Returns a list of F32 [n, out_i]. On the GPU x is converted for the tensor-core GEMV once and each
-weight format's weights run in one launch (up to 8 per launch); the CPU runs the calls in turn.
-Raises ValueError on an empty list, dtype, dimension or device mismatch.)doc");
+x: F32 [n, in]; ws: a non-empty sequence of weights [out_i, in] as for matmul, all on x's device.
+Returns a list of F32 [n, out_i]. GPU, n <= 16 (and exact slices of 16): x is split for the
+tensor-core GEMV once per slice and each tensor-core format's weights (Q8_0, K-quants, IQ4_XS) run as
+one launch of up to 8 weights; F32 / F16 / BF16 weights (and every format on HIP) run one FMA-GEMV
+launch each. GPU, n > 16 with exact=False: x is rounded to BF16 once, then one GEMM per weight. The
+CPU runs the calls in turn. Raises ValueError on an empty sequence, dtype, dimension or device
+mismatch (naming ws[i]).)doc");
 
   m.def(
       "embedding",

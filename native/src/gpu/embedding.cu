@@ -41,7 +41,6 @@ __global__ void __launch_bounds__(kThreads) embedding_kernel(const uint8_t* __re
 }
 
 // One 256-weight-block format row: thread t decodes chunks t, t + kThreads, ... into y.
-
 template <class W>
 __global__ void __launch_bounds__(kThreads) embedding_blocks_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
                                                                     int64_t nchunks, const int32_t* __restrict__ ids,

@@ -46,6 +46,11 @@
 //   both instances and depends on no other column (each MMA output element is a dot product of
 //   its own row and column only). So row i of y is bit-identical whatever n (1..16), and, with the
 //   16-row slices, whatever n at all.
+// * Groups (matmul_group: several weights against one x, e.g. q / k / v): x is split once per
+//   16-row slice and each format's weights run as ONE launch whose flat grid concatenates every
+//   weight's (split, row block) blocks; each weight keeps the split of its own shape (the "one wave"
+//   sizing holds per weight, so a group may take more than one wave), so its arithmetic, and hence
+//   every bit of its result, is that of a call of its own: grouping is invisible to batch invariance.
 // * HIP: SPECD_MMA_GEMV is 0 there (no mma.sync); the FMA GEMV below serves every format.
 //
 // FMA GEMV (F32 / F16 / BF16; all formats on HIP). A block of kWarps warps owns R consecutive

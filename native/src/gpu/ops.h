@@ -5,9 +5,9 @@
 // throws std::invalid_argument (Python ValueError) naming the op and argument, like the CPU ops;
 // runtime failures throw std::runtime_error naming the failing call.
 #pragma once
-#include <vector>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "../cpu/attention.h"
 #include "../cpu/rope.h"
@@ -38,8 +38,8 @@ Tensor l2_norm(const Tensor& x, float eps);
 // weights); inf / NaN in a row of x give non-finite results in that row;
 // batch invariant: row i of y is bit-identical whatever n (1..16). n > 16 with `exact` (the default): the same GEMV over
 // slices of 16 rows, so every row stays bit-identical to a 1-row call (verify of any width equals
-// decode). n > 16 without `exact` (prefill): w dequantized to BF16 and x rounded to BF16 on the
-// device, then cuBLAS / hipBLAS with F32 accumulation (matmul_blas.cu); error within
+// decode). n > 16 without `exact` (prefill): w dequantized to BF16 (BF16 weights read as they are)
+// and x rounded to BF16 on the device, then cuBLAS / hipBLAS with F32 accumulation (matmul_blas.cu); error within
 // (2^-8 + 1e-5) * (|x| @ |w|^T) elementwise, not batch invariant across n.
 Tensor matmul(const Tensor& x, const Tensor& w, bool exact = true);
 
