@@ -65,6 +65,10 @@ class TargetWorkerConfig:
         True; bitwise the eager results, far less host work per step). Ignored on the CPU.
     max_graphs: most captured verify graphs kept (least recently used evicted; each holds its own
         device arena), >= 1, default 16. Ignored without cuda_graphs.
+    export_head: on the GPU, place token_embd / output in IPC-exported buffers and publish their
+        handles in Info, so a drafter worker on the same GPU maps them instead of a second copy
+        (default True; :mod:`.shared_weights`). The mapping is writable (CUDA's legacy IPC): False
+        keeps them private to this process.
     threads: RPC threads, default 0 = max_sequences + 8. Compute calls (Prefill/Verify/Commit) take
         at most threads - 2 (one more is refused at once with RESOURCE_EXHAUSTED), so Health, Release
         and Info always find a thread; every live sequence can have its one compute call in flight.
@@ -98,6 +102,7 @@ class TargetWorkerConfig:
     device: str = "auto"
     cuda_graphs: bool = True
     max_graphs: int = 16
+    export_head: bool = True
     threads: int = 0
     max_concurrent_rpcs: int = 0
     max_message_bytes: int = 256 << 20
@@ -594,7 +599,7 @@ def load_servicer(cfg: TargetWorkerConfig) -> TargetServicer:
     # On the GPU, token_embd / output go into exported (IPC) buffers a drafter worker on the same GPU
     # maps (shared_weights; the backend decides: the native one exports only from a GPU model).
     backend = make_backend()
-    exporter = HeadExporter(backend) if parse_device(cfg.resolved_device) == backend.device else None
+    exporter = HeadExporter(backend) if cfg.export_head and parse_device(cfg.resolved_device) == backend.device else None
     model = Qwen35Model(weights, capture_layers=cfg.capture_layers, kv_dtype=kv, prefill_chunk=cfg.prefill_chunk,
                         device=cfg.resolved_device, cuda_graphs=cfg.cuda_graphs, max_graphs=cfg.max_graphs,
                         head_exporter=exporter)
@@ -729,6 +734,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on the GPU, replay chain verifies of up to 16 rows as CUDA graphs (default on)")
     p.add_argument("--max-graphs", type=int, default=d.max_graphs,
                    help=f"most captured CUDA graphs kept, LRU-evicted, >= 1 (default {d.max_graphs})")
+    p.add_argument("--export-head", action=argparse.BooleanOptionalAction, default=d.export_head,
+                   help="on the GPU, export token_embd / output over CUDA IPC for a drafter worker on the same "
+                        "GPU (default on; the mapping is writable: --no-export-head keeps them private)")
     add_device_argument(p, d.device)
     p.add_argument("--threads", type=int, default=d.threads,
                    help="RPC threads (default 0: max-sequences + 8; health has its own threads)")
@@ -788,7 +796,8 @@ def config_from_args(args) -> TargetWorkerConfig:
                              max_seq_len=args.max_seq_len, max_verify=args.max_verify,
                              max_sequences=args.max_sequences, kv_dtype=args.kv_dtype,
                              prefill_chunk=args.prefill_chunk, device=args.device,
-                             cuda_graphs=args.cuda_graphs, max_graphs=args.max_graphs, threads=args.threads,
+                             cuda_graphs=args.cuda_graphs, max_graphs=args.max_graphs,
+                             export_head=getattr(args, "export_head", True), threads=args.threads,
                              max_concurrent_rpcs=args.max_concurrent_rpcs,
                              max_message_bytes=args.max_message_bytes, idle_ttl_s=args.idle_ttl_s,
                              tombstone_cap=args.tombstone_cap, shutdown_grace_s=args.shutdown_grace_s,

@@ -488,3 +488,23 @@ def test_drafter_refuses_propose_once_the_target_is_lost(hstack):
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "no longer exports" in details and "restarted" in details
     r = sv.health.Check(health_pb2.HealthCheckRequest(service=""), None)
     assert r.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_target_export_head_off_publishes_nothing(target_gguf, monkeypatch):
+    """--no-export-head: the target worker keeps token_embd / output private (nothing in Info)."""
+    from specd.target_worker import server as tserver
+
+    import argparse
+
+    p = argparse.ArgumentParser()
+    tserver.add_arguments(p)
+    assert p.parse_args(["--target", target_gguf]).export_head is True
+    assert p.parse_args(["--target", target_gguf, "--no-export-head"]).export_head is False
+    monkeypatch.setattr(sw, "make_backend", FakeIpcBackend)
+    for export, published in ((False, 0), (True, 2)):
+        cfg = tserver.TargetWorkerConfig(target=target_gguf, device="cpu", kv_dtype="f32", export_head=export)
+        svc = tserver.load_servicer(cfg)
+        try:
+            assert len(svc.Info(wpb.InfoRequest(), None).shared_tensors) == published
+        finally:
+            svc.close()
