@@ -4,13 +4,12 @@ tokens, the DFlash drafter only (one `specd serve`, ~10 s on 2 cores; the subpro
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .script_run import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "bench" / "demo_drafters.py"
@@ -27,16 +26,7 @@ def test_demo_bench_smoke(tmp_path):
     md.write_text("# B\n\n## Other section\n\nkeep me\n", encoding="utf-8")
     cmd = [sys.executable, str(SCRIPT), "--limit-prompts", "1", "--max-tokens", "16", "--drafters", "dflash",
            "--kinds", "code", "--json", str(out), "--write", str(md)]
-    # its own process group: on a timeout the script and the servers it started are all killed
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        stdout, stderr = p.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        stdout, stderr = p.communicate()
-        pytest.fail("benchmark smoke run took over 120 s:\n" + stdout[-2000:] + stderr[-2000:])
-    assert p.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    run_script(cmd, timeout=120)
     res = json.loads(out.read_text(encoding="utf-8"))
     assert res["lossless"] is True and res["mismatches"] == []
     assert res["n_prompts"] == 1 and res["kinds"] == ["code"] and res["max_tokens"] == 16

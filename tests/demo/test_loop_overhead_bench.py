@@ -4,13 +4,12 @@ checks every run's tokens against plain greedy decoding itself (it fails otherwi
 and the table's rows are the check."""
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .script_run import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "bench" / "loop_overhead.py"
@@ -24,16 +23,7 @@ def test_loop_overhead_bench_smoke(tmp_path, streams):
     md = tmp_path / "B.md"
     cmd = [sys.executable, str(SCRIPT), "--target", str(TARGET), "--device", "cpu", "--tokens", "8",
            "--al", "3", "5", "--block", "6", "--write", str(md)] + ([] if streams else ["--no-worker-streams"])
-    # its own process group: on a timeout the script and the servers it started are all killed
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    try:
-        stdout, stderr = p.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        stdout, stderr = p.communicate()
-        pytest.fail("benchmark smoke run took over 180 s:\n" + stdout[-2000:] + stderr[-2000:])
-    assert p.returncode == 0, stdout[-2000:] + stderr[-4000:]
+    run_script(cmd, timeout=180)
     text = md.read_text(encoding="utf-8")
     rows = [line for line in text.splitlines() if line.startswith("| plain") or line.startswith("| oracle")]
     assert [r.split("|")[1].strip() for r in rows] == [
