@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
 
 from .config import add_arguments as _add_config_arguments
 from .config import config_from_args
@@ -28,7 +29,9 @@ async def serve(cfg, drain_timeout_s: float | None = None, ready=None) -> None:
         drain_timeout_s = cfg.drain_timeout_s
     coord = Coordinator(cfg)
     server, port = await start_server(coord)
-    log.info("coordinator: listening on %s (target %s, drafter %s)", cfg.listen, cfg.target, cfg.drafter or "-")
+    log.info("coordinator: listening on %s (target %s, drafter %s; feature transport %s, worker %s)", cfg.listen,
+             cfg.target, cfg.drafter or "-", cfg.feature_transport,
+             "streams" if cfg.worker_streams else "unary calls")
     print(f"READY {cfg.listen} port={port}", flush=True)
     if ready is not None:
         ready(port)
@@ -46,5 +49,9 @@ async def serve(cfg, drain_timeout_s: float | None = None, ready=None) -> None:
 def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = config_from_args(args)
-    asyncio.run(serve(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except RuntimeError as exc:  # start-up errors (address taken, worker mismatch) name the cause
+        print(f"specd coordinator: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0

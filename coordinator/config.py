@@ -158,7 +158,8 @@ class CoordinatorConfig:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.keepalive_time_ms", self.keepalive_time_ms),
                 ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
-                ("grpc.http2.max_ping_strikes", self.max_ping_strikes)]
+                ("grpc.http2.max_ping_strikes", self.max_ping_strikes),
+                ("grpc.so_reuseport", 0)]  # a second coordinator on a taken port fails instead of sharing it
 
     def channel_options(self) -> list[tuple[str, int]]:
         return [("grpc.max_send_message_length", self.internal_max_message_bytes),

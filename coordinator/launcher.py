@@ -196,6 +196,10 @@ def _child(argv: list[str]) -> subprocess.Popen:
                             text=True, start_new_session=False)
 
 
+class StartFailed(RuntimeError):
+    """A child of ``specd serve`` exited or stalled before READY (its own error is in its output)."""
+
+
 def _wait_ready(proc: subprocess.Popen, name: str, timeout: float) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -203,8 +207,8 @@ def _wait_ready(proc: subprocess.Popen, name: str, timeout: float) -> None:
         if line.startswith("READY"):
             return
         if not line and proc.poll() is not None:
-            raise RuntimeError(f"specd serve: {name} exited with {proc.returncode} before READY")
-    raise RuntimeError(f"specd serve: {name} not ready after {timeout} s")
+            raise StartFailed(f"{name} exited with {proc.returncode} before READY (its error is above)")
+    raise StartFailed(f"{name} not ready after {timeout} s")
 
 
 def _passthrough(args) -> list[str]:
@@ -282,6 +286,9 @@ def run(args) -> int:
         while stop["sig"] is None and all(p.poll() is None for _, p in procs):
             time.sleep(0.2)
         return next((p.returncode for _, p in procs if p.poll() not in (None, 0)), 0)
+    except StartFailed as exc:
+        print(f"specd serve: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         for _, p in reversed(procs):  # coordinator first (drain), then the workers
             if p.poll() is None:

@@ -998,7 +998,10 @@ async def start_server(coord: Coordinator, listen: str | None = None):
         reflection.enable_server_reflection(
             [gpb.DESCRIPTOR.services_by_name["SpecDecode"].full_name, reflection.SERVICE_NAME, "grpc.health.v1.Health"],
             server)
-    port = server.add_insecure_port(listen or cfg.listen)
+    try:
+        port = server.add_insecure_port(listen or cfg.listen)
+    except RuntimeError as exc:  # grpcio raises on a bind failure (address in use, bad address)
+        raise RuntimeError(f"coordinator: cannot listen on {listen or cfg.listen}: {exc}") from None
     if port == 0:
         raise RuntimeError(f"coordinator: cannot listen on {listen or cfg.listen}")
     await hs.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -1013,8 +1016,14 @@ async def start_server(coord: Coordinator, listen: str | None = None):
     if cfg.metrics_port:
         import prometheus_client
 
-        coord.metrics_http, _ = prometheus_client.start_http_server(cfg.metrics_port, cfg.metrics_addr,
-                                                                    registry=coord.metrics.registry)
+        try:
+            coord.metrics_http, _ = prometheus_client.start_http_server(cfg.metrics_port, cfg.metrics_addr,
+                                                                        registry=coord.metrics.registry)
+        except OSError as exc:
+            await server.stop(0)
+            await coord.close()
+            raise RuntimeError(f"coordinator: cannot serve metrics on {cfg.metrics_addr}:{cfg.metrics_port}: "
+                               f"{exc.strerror or exc} (--metrics-port 0 turns them off)") from None
     await hs.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     coord.watch_workers(hs)
     server.health = hs

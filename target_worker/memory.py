@@ -219,6 +219,7 @@ class MemoryReport:
     cuda_graph_bytes: int = 0
     cuda_graph_measured_bytes: int = 0
     feature_ring_on_device: bool = False
+    feature_transport: str = "shm"  # "inline": no ring at all (rows travel in the messages)
 
     def fits_on(self, device_bytes: int) -> int:
         """Sequences at max_seq_len that fit ``device_bytes`` next to the weights and workspace."""
@@ -236,7 +237,8 @@ class MemoryReport:
                f"  verify buffers     {_fmt(self.verify_bytes_per_sequence)} per sequence (width {self.verify_width})",
                f"  per sequence       {_fmt(self.sequence_bytes)} on the device",
                f"  feature ring       {_fmt(self.feature_ring_bytes_per_sequence)} per sequence "
-               + ("(device, cuda-ipc; in per sequence)" if self.feature_ring_on_device else "(host shm)"),
+               + ("(device, cuda-ipc; in per sequence)" if self.feature_ring_on_device
+                  else "(none: inline transport)" if self.feature_transport == "inline" else "(host shm)"),
                f"  workspace          {_fmt(self.workspace_bytes)}"
                + (f" (of which CUDA graph arenas {_fmt(self.cuda_graph_bytes)})" if self.cuda_graph_bytes else "")
                + (f", graph arenas now {_fmt(self.cuda_graph_measured_bytes)}"
@@ -254,7 +256,8 @@ class MemoryReport:
 
     def to_proto(self, pb):
         """A ``specd.worker.v1.MemoryReport`` of module ``pb`` (worker_pb2)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "weight_bytes_by_type"}
+        skip = ("weight_bytes_by_type", "feature_transport")  # the latter is TargetInfo.feature_transport
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         return pb.MemoryReport(weight_bytes_by_type=dict(self.weight_bytes_by_type), **fields)
 
 
@@ -341,6 +344,8 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
     ring = segment_bytes(max_seq_len, max(1, n_taps) * hp.n_embd)
     host_ring = ring
     on_device = feature_transport == "cuda-ipc"
+    if feature_transport == "inline":  # rows travel in the Verify / Propose messages: no ring anywhere
+        ring = host_ring = 0
     if on_device:
         from .feature_cuda_ipc import device_bytes, table_bytes
 
@@ -365,7 +370,8 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
                         verify_width=sb.verify_width, verify_bytes_per_sequence=sb.verify, sequence_bytes=seq,
                         feature_ring_bytes_per_sequence=ring, workspace_bytes=ws, max_sequences=int(max_sequences),
                         total_bytes=weights + ws + max_sequences * seq, host_feature_bytes=max_sequences * host_ring,
-                        cuda_graph_bytes=graphs, feature_ring_on_device=on_device, **extra)
+                        cuda_graph_bytes=graphs, feature_ring_on_device=on_device,
+                        feature_transport=feature_transport, **extra)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -642,7 +642,8 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
             ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),  # what gRPC >= 1.6x waits for the ack
             ("grpc.http2.max_pings_without_data", 0),  # keep pinging a stream that waits for its next step
-            ("grpc.http2.max_ping_strikes", 0)]
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.so_reuseport", 0)]  # a second server on a taken address fails instead of sharing it
 
 
 def new_server(threads: int, max_message_bytes: int, max_concurrent_rpcs: int = 0):
@@ -671,7 +672,10 @@ def start_worker_server(servicer, listen: str, register, service: str, name: str
     server, hs = new_server(threads, max_message_bytes, max_concurrent_rpcs)
     register(servicer, server)
     servicer.slots = ComputeSlots.for_threads(threads)
-    port = server.add_insecure_port(listen)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:  # grpcio raises on a bind failure (address in use, bad address)
+        raise RuntimeError(f"{name}: cannot listen on {listen}: {exc}") from None
     if port == 0:
         raise RuntimeError(f"{name}: cannot listen on {listen}")
     server.start()

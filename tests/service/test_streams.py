@@ -529,3 +529,19 @@ def test_warns_when_the_drafter_has_fewer_slots_than_the_target_admits_sequences
     caplog.clear()
     stack.coordinator(worker_streams=False)  # unary calls take turns: no warning
     assert not any("compute slots" in r.getMessage() for r in caplog.records)
+
+
+def test_a_second_server_on_a_taken_address_fails():
+    """gRPC servers set SO_REUSEPORT by default, so a second worker on the same TCP port would start and
+    take half the calls: the workers (and the coordinator) turn it off, and the second bind fails
+    with an error naming the address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"127.0.0.1:{port}"
+    first, _ = dserver.start_server(dserver.DraftServicer(ScriptedDrafter(4, 64)), addr, 4)
+    try:
+        with pytest.raises(RuntimeError, match=f"draft-worker: cannot listen on {addr}"):
+            dserver.start_server(dserver.DraftServicer(ScriptedDrafter(4, 64)), addr, 4)
+    finally:
+        first.stop(0).wait()

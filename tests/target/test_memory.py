@@ -177,3 +177,14 @@ def test_27b_cuda_ipc_ring_on_the_device():
     ws = mem.workspace_bytes(hp, 33, 512)
     n = mem.fits(mem.H200_BYTES, weights, seq + ring, ws)
     assert 18 <= n <= 22, n
+
+
+def test_inline_transport_reports_no_feature_ring(tiny_iq4xs):
+    """With the inline transport the feature rows travel in the messages: no ring on the host or the
+    device, and the report's line says so (shm: a host ring per sequence)."""
+    m = Qwen35Model(load_qwen35(tiny_iq4xs), capture_layers=(1, 3))
+    shm = mem.report(m, 64, 4, 8, measure=False)
+    inline = mem.report(m, 64, 4, 8, measure=False, feature_transport="inline")
+    assert shm.feature_ring_bytes_per_sequence > 0 and shm.host_feature_bytes == 4 * shm.feature_ring_bytes_per_sequence
+    assert inline.feature_ring_bytes_per_sequence == 0 and inline.host_feature_bytes == 0
+    assert any("none: inline transport" in line for line in inline.lines())
