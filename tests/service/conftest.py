@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import tempfile
 import threading
 
@@ -136,6 +137,7 @@ class Stack:
         self.tserver.stop(0).wait()
         self.dservicer.close()
         self.tservicer.close()
+        shutil.rmtree(self.dir, ignore_errors=True)  # the sockets' directory
 
 
 @pytest.fixture(scope="session")
