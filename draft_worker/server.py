@@ -49,6 +49,7 @@ from specd.target_worker.feature_shm import FeatureHandleInfo, attach_reader, sh
 from .model import DEFAULT_MARKOV, MARKOV_MODES
 
 log = logging.getLogger("specd.draft_worker")
+SERVICE_NAME = "specd.worker.v1.DraftWorker"  # the health service name (and "")
 
 # ProposeRequest.dspark_markov / DrafterInfo.dspark_markov (worker.proto DSparkMarkov) <-> model.MARKOV_MODES
 _MARKOV_NAME = {0: "", 1: "fused", 2: "unfused", 3: "off"}
@@ -335,7 +336,7 @@ class DraftServicer(pbg.DraftWorkerServicer):
         if health is not None:
             from grpc_health.v1 import health_pb2
 
-            for svc in ("", "specd.worker.v1.DraftWorker"):
+            for svc in ("", SERVICE_NAME):
                 health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def _propose(self, request, context):
@@ -491,7 +492,7 @@ def start_server(servicer: DraftServicer, listen: str, threads: int = 72, max_me
     servicer has a TTL; see target_worker.server.start_worker_server); returns (server, bound port)."""
     from specd.target_worker.server import start_worker_server
 
-    return start_worker_server(servicer, listen, pbg.add_DraftWorkerServicer_to_server, "specd.worker.v1.DraftWorker",
+    return start_worker_server(servicer, listen, pbg.add_DraftWorkerServicer_to_server, SERVICE_NAME,
                                "draft-worker", threads, max_message_bytes, max_concurrent_rpcs, servicer.idle_ttl_s)
 
 

@@ -74,7 +74,6 @@
 // bandwidth at n = 1 but is bound by FP32 FMA issue and L1 traffic of x at n = 8-16 (time linear
 // in n): the tensor-core GEMV is the replacement for the quantized formats (numbers: gpu_report.py).
 #include <algorithm>
-#include <string>
 #include <utility>
 #include <vector>
 
@@ -310,7 +309,7 @@ void check_weight(const Tensor& w, int64_t in, const char* op) {
 
 namespace {
 
-// matmul / matmul_group; `op` names the caller in errors, weights are "w" (one) or "ws[i]".
+// matmul / matmul_group; `op` names the caller in errors, weights are "w" (one) or "ws[i]" with i.
 std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool exact, const char* op) {
   detail::check_gpu(x, op, "x");
   check_dtype(x, DType::F32, op, "x");
@@ -322,14 +321,14 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
   std::vector<Tensor> ys;
   for (size_t i = 0; i < ws.size(); ++i) {
     const Tensor& w = ws[i];
-    const std::string name = ws.size() == 1 ? "w" : "ws[" + std::to_string(i) + "]";
-    detail::check_gpu(w, op, name.c_str());
-    check_ndim(w, 2, op, name.c_str());
-    check_contiguous(w, op, name.c_str());
-    SPECD_CHECK(w.dim(1) == in, op, ": x has ", in, " columns, ", name, " has ", w.dim(1), " (", name,
-                " is [out, in])");
+    const char* name = ws.size() == 1 ? "w" : "ws[i]";  // no string built per call: i is in the messages
+    detail::check_gpu(w, op, name);
+    check_ndim(w, 2, op, name);
+    check_contiguous(w, op, name);
+    SPECD_CHECK(w.dim(1) == in, op, ": x has ", in, " columns, ", name, " (i = ", i, ") has ", w.dim(1),
+                " (it is [out, in])");
     check_weight(w, in, op);
-    SPECD_CHECK(w.dim(0) <= 0x7fffffff, op, ": ", name, " has too many rows for one launch");
+    SPECD_CHECK(w.dim(0) <= 0x7fffffff, op, ": ", name, " (i = ", i, ") has too many rows for one launch");
     std::vector<int64_t> shape = x.shape;
     shape.back() = w.dim(0);
     ys.push_back(Tensor::empty(shape, DType::F32, Device::GPU));
@@ -362,7 +361,7 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
       float* y = ys[i].ptr<float>() + r0 * out;
 #if SPECD_MMA_GEMV
       if (detail::mma::handles(w.dtype)) {
-        mma.push_back({static_cast<const uint8_t*>(w.data), w.dtype, w.row_bytes(), out, y});
+        mma.push_back({{static_cast<const uint8_t*>(w.data), w.row_bytes(), out, y}, w.dtype});
         continue;
       }
 #endif

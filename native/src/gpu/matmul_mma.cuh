@@ -604,28 +604,35 @@ __host__ __device__ inline void sum_splits_at(const SplitSums& s_, int64_t e) {
   s_.y[i][j] = v;
 }
 
+// One weight of a grouped launch: its bytes, row bytes and rows, and its output y [n, out] (F32).
+struct GroupWeight {
+  const uint8_t* w;
+  int64_t row_bytes, out;
+  float* y;
+};
+
 // The launch plan of weights ws[0 .. count) (count <= kMaxGroup; format units of `unit_elems`
 // inputs) against n rows of x on `sms` multiprocessors: the kernel's Group (each weight's split,
 // its flat blocks) and the SplitSums of the weights with several splits, whose partials go to
 // scratch(bytes) buffers (the caller keeps them alive until the sums ran). Shared by the launch and
 // the host emulation.
 template <class Scratch>
-inline void plan_group(const uint8_t* const* ws, const int64_t* row_bytes, const int64_t* outs, float* const* ys,
-                       int count, int64_t in, int unit_elems, int n, int64_t sms, const Scratch& scratch, Group& grp,
-                       SplitSums& sums) {
+inline void plan_group(const GroupWeight* ws, int count, int64_t in, int unit_elems, int n, int64_t sms,
+                       const Scratch& scratch, Group& grp, SplitSums& sums) {
   const int64_t nunits = in / unit_elems;
   grp = Group{};
   sums = SplitSums{};
   grp.count = count;
   for (int i = 0; i < count; ++i) {
-    const int64_t per = units_per_split(outs[i], nunits, sms);
-    const int64_t splits = (nunits + per - 1) / per, row_blocks = (outs[i] + kRowsPerBlock - 1) / kRowsPerBlock;
-    grp.w[i] = ws[i], grp.row_bytes[i] = row_bytes[i], grp.out[i] = outs[i], grp.per_split[i] = per;
-    grp.dst[i] = ys[i];
+    const GroupWeight& wt = ws[i];
+    const int64_t per = units_per_split(wt.out, nunits, sms);
+    const int64_t splits = (nunits + per - 1) / per, row_blocks = (wt.out + kRowsPerBlock - 1) / kRowsPerBlock;
+    grp.w[i] = wt.w, grp.row_bytes[i] = wt.row_bytes, grp.out[i] = wt.out, grp.per_split[i] = per;
+    grp.dst[i] = wt.y;
     if (splits > 1) {
-      grp.dst[i] = scratch(size_t(splits * n * outs[i]) * sizeof(float));
-      sums.part[sums.count] = grp.dst[i], sums.y[sums.count] = ys[i], sums.splits[sums.count] = int(splits);
-      sums.elem0[sums.count + 1] = sums.elem0[sums.count] + int64_t(n) * outs[i];
+      grp.dst[i] = scratch(size_t(splits * n * wt.out) * sizeof(float));
+      sums.part[sums.count] = grp.dst[i], sums.y[sums.count] = wt.y, sums.splits[sums.count] = int(splits);
+      sums.elem0[sums.count + 1] = sums.elem0[sums.count] + int64_t(n) * wt.out;
       ++sums.count;
     }
     grp.block0[i + 1] = grp.block0[i] + row_blocks * splits;
@@ -641,13 +648,12 @@ __global__ void sum_splits_kernel(const SplitSums s_) {
 // One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x,
 // then one launch summing the split partials of those with several splits.
 template <class F, int NT>
-void launch(const uint8_t* const* ws, const int64_t* row_bytes, const int64_t* outs, float* const* ys, int count,
-            int64_t in, const uint2* xf, const float* xs, int n, cudaStream_t s) {
+void launch(const GroupWeight* ws, int count, int64_t in, const uint2* xf, const float* xs, int n, cudaStream_t s) {
   const int64_t nunits = in / F::kUnitElems;
   Group grp;
   SplitSums sums;
   std::vector<std::shared_ptr<void>> scratch;  // freed stream-ordered, after the kernels below
-  plan_group(ws, row_bytes, outs, ys, count, in, F::kUnitElems, n, sm_count(), [&](size_t bytes) {
+  plan_group(ws, count, in, F::kUnitElems, n, sm_count(), [&](size_t bytes) {
     scratch.push_back(alloc(bytes));
     return static_cast<float*>(scratch.back().get());
   }, grp, sums);
@@ -666,13 +672,10 @@ inline bool handles(DType t) {
   return t == DType::Q8_0 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS;
 }
 
-// One weight of a tensor-core GEMV call: its bytes, format, row bytes and rows, and its output
-// y [n, out] (F32).
+// One weight of a tensor-core GEMV call: the grouped launch's view of it and its format.
 struct Weight {
-  const uint8_t* w;
+  GroupWeight g;
   DType t;
-  int64_t row_bytes, out;
-  float* y;
 };
 
 // y_i[n, out_i] = x[n, in] @ w_i^T for every weight (1 <= n <= 16, x rows 16-byte aligned,
@@ -693,23 +696,21 @@ inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n)
   std::vector<bool> done(size_t(count), false);
   for (int i = 0; i < count; ++i) {
     if (done[size_t(i)]) continue;
-    const uint8_t* w[kMaxGroup];
-    int64_t rb[kMaxGroup], out[kMaxGroup];
-    float* y[kMaxGroup];
+    GroupWeight batch[kMaxGroup];
     int m = 0;
     for (int j = i; j < count && m < kMaxGroup; ++j)  // this format's weights not yet launched
       if (!done[size_t(j)] && ws[j].t == ws[i].t) {
-        w[m] = ws[j].w, rb[m] = ws[j].row_bytes, out[m] = ws[j].out, y[m] = ws[j].y, ++m;
+        batch[m++] = ws[j].g;
         done[size_t(j)] = true;
       }
     auto go = [&](auto nt) {
       constexpr int kNT = decltype(nt)::value;
       switch (ws[i].t) {
-        case DType::Q8_0: return launch<Q8U, kNT>(w, rb, out, y, m, in, xf, xs, n, s);
-        case DType::Q4_K: return launch<QK45U<false>, kNT>(w, rb, out, y, m, in, xf, xs, n, s);
-        case DType::Q5_K: return launch<QK45U<true>, kNT>(w, rb, out, y, m, in, xf, xs, n, s);
-        case DType::Q6_K: return launch<Q6U, kNT>(w, rb, out, y, m, in, xf, xs, n, s);
-        case DType::IQ4_XS: return launch<IQ4U, kNT>(w, rb, out, y, m, in, xf, xs, n, s);
+        case DType::Q8_0: return launch<Q8U, kNT>(batch, m, in, xf, xs, n, s);
+        case DType::Q4_K: return launch<QK45U<false>, kNT>(batch, m, in, xf, xs, n, s);
+        case DType::Q5_K: return launch<QK45U<true>, kNT>(batch, m, in, xf, xs, n, s);
+        case DType::Q6_K: return launch<Q6U, kNT>(batch, m, in, xf, xs, n, s);
+        case DType::IQ4_XS: return launch<IQ4U, kNT>(batch, m, in, xf, xs, n, s);
         default: fail("matmul: no tensor-core GEMV for ", dtype_info(ws[i].t).name);
       }
     };

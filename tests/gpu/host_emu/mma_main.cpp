@@ -141,18 +141,16 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   const char* sms_env = std::getenv("SPECD_EMU_SMS");
   const int64_t sms = sms_env ? std::atoll(sms_env) : 132;
   const int64_t nunits = in / F::kUnitElems;
-  std::vector<const uint8_t*> ws;
-  std::vector<int64_t> rbs(outs.size(), row_bytes);
-  std::vector<float*> ys;
+  std::vector<GroupWeight> ws;
   int64_t row0 = 0, y0 = 0;
   for (int64_t o : outs) {
-    ws.push_back(w.data() + row0 * row_bytes), ys.push_back(y.data() + y0);
+    ws.push_back({w.data() + row0 * row_bytes, row_bytes, o, y.data() + y0});
     row0 += o, y0 += int64_t(n) * o;
   }
   std::vector<std::vector<float>> scratch;
   Group grp;
   SplitSums sums;
-  plan_group(ws.data(), rbs.data(), outs.data(), ys.data(), int(outs.size()), in, F::kUnitElems, n, sms,
+  plan_group(ws.data(), int(outs.size()), in, F::kUnitElems, n, sms,
              [&](size_t bytes) {
                scratch.emplace_back(bytes / sizeof(float), NAN);
                return scratch.back().data();
