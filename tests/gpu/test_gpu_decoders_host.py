@@ -152,12 +152,12 @@ def test_gpu_mma_gemv_emulated_on_host(mma_emu, rng, name, k, out, xkind):
     bound = np.abs(x.astype(np.float64)) @ np.abs(sn.dequantize(t).numpy().astype(np.float64)).T
     np.ascontiguousarray(raw).tofile(d / "w.bin")
     ys = {}
-    for n in (1, 8, 9, 16):  # one and two n8 tiles
+    for n in (1, 2, 3, 8, 9, 16):  # the 1-, 3- and 6-tile instances and their edges
         y = ys[n] = run_mma_emu(d, exe, name, x[:n], out, sms=1 if k == 1024 else None)  # 1 SM: fewer splits
         err = np.abs(y.astype(np.float64) - ref[:n])
         assert np.all(err <= 1e-5 * bound[:n] + 1e-30), (
             f"{name} n={n}: max err / bound {(err / (bound[:n] + 1e-30)).max():.3g}")
-    for n in (1, 8, 9):  # batch invariance: a row's result does not depend on n
+    for n in (1, 2, 3, 8, 9):  # batch invariance: a row's result does not depend on n
         assert np.array_equal(ys[n].view(np.uint32), ys[16][:n].view(np.uint32)), f"{name}: n={n} differs from n=16"
 
 

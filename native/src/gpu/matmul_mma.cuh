@@ -1,21 +1,34 @@
-// Tensor-core GEMV of the quantized weight formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS) for n <= 16
-// rows of x: y[n, out] = x[n, in] @ w[out, in]^T. Included by matmul.cu (see its header for the
-// design, exactness and batch-invariance arguments). NVIDIA only (mma.sync inline PTX, sm_80+):
+// Integer tensor-core GEMV of the quantized weight formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS) for
+// n <= 16 rows of x: y[n, out] = x[n, in] @ w[out, in]^T. Included by matmul.cu (see its header for
+// the exactness and batch-invariance arguments). NVIDIA only (mma.sync inline PTX, sm_80+):
 // SPECD_MMA_GEMV is 0 on HIP, where matmul.cu keeps the FP32-FMA GEMV for every format.
 //
-// Layout conventions (mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32, PTX ISA "Matrix
-// fragments for mma.m16n8k16 with floating point type"; lane = 4 * g + t, g = groupID, t =
-// threadID_in_group):
-//   A (16 x 16, weights: M = output rows, K = inputs): reg0 = (row g, k 2t, 2t+1), reg1 = (row
-//     g+8, k 2t, 2t+1), reg2 = (row g, k 2t+8, 2t+9), reg3 = (row g+8, k 2t+8, 2t+9); the lower
-//     16 bits hold the lower k.
-//   B (16 x 8, x^T: K = inputs, N = rows of x): reg0 = (k 2t, 2t+1, col g), reg1 = (k 2t+8,
-//     2t+9, col g).
-//   C/D (16 x 8): c0, c1 = (row g, col 2t, 2t+1), c2, c3 = (row g+8, col 2t, 2t+1).
-// k permutation: in every k16 step (16 consecutive inputs e0 .. e0+15 of a row) lane t holds the
-// physical inputs e0 + 4t + {0, 1} in the MMA's k = 2t, 2t+1 and e0 + 4t + {2, 3} in k = 2t+8,
-// 2t+9, for A and B alike, so the MMA still sums all 16 products of the step while each lane
-// reads 4 consecutive weights (one 32-bit word of 8-bit quants, or of nibbles) per row.
+// Why integers: a decode step streams every weight byte once, so the kernel must spend few
+// instructions per byte (the H200 issues ~1000 warp instructions per SM in the time its memory
+// delivers 4 KB to that SM). The weights' integer quants go to mma.sync m16n8k32 s8 x s8 -> s32 as
+// they come out of the bytes (IQ4_XS: its table lookup IS the A fragment, no float conversion), x is
+// split once per call into three int8 terms, sums are exact integers, and the per-sub-block integer
+// scales are applied with one IMAD per accumulator; floats appear once per 256-input super-block.
+//
+// Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k32", .s8; lane = 4 g + t):
+//   A (16 x 32, weights: rows = output rows, k = inputs), 4 registers of 4 bytes: reg0 = (row g,
+//     k 4t..4t+3), reg1 = (row g+8, k 4t..), reg2 = (row g, k 16+4t..), reg3 = (row g+8, k 16+4t..).
+//   B (32 x 8, x terms: k = inputs, columns = term columns), 2 registers: reg0 = (k 4t..4t+3, col g),
+//     reg1 = (k 16+4t.., col g).   C/D (16 x 8, s32): c0, c1 = (row g, col 2t, 2t+1), c2, c3 = row g+8.
+// k order (A and B alike; a dot product is order-free within one MMA): in the k32 step of a
+// 32-input sub-block, lane t's k = 4t..4t+3 hold the physical inputs 4t, 4t+16, 4t+1, 4t+17 and
+// k = 16+4t..16+4t+3 hold 4t+2, 4t+18, 4t+3, 4t+19: the order in which IQ4_XS's nibbles come out of
+// a word of its quants (byte i of qs[16 j + 4t ..]: low nibble = input 4t+i, high = 16+4t+i), so that
+// format needs no reordering; the byte-per-weight formats reorder with one byte permute per register.
+//
+// x (split_x_kernel): per row r of x and 256-input group (the last one ragged for Q8_0 with
+// in % 256 != 0), with m = max |x| over the group in [2^E, 2^(E+1)), x' = x * 2^k, k = 19 - E
+// (exact; clamped to <= 126), |x'| < 2^20, and three int8 terms in [-64, 64]:
+//   hi = rint(x' / 2^14), mid = rint((x' - 2^14 hi) / 2^7), lo = rint(x' - 2^14 hi - 2^7 mid)
+// (each difference exact in F32), |x - 2^-k (2^14 hi + 2^7 mid + lo)| <= 2^-20 m. Term tau of row r
+// is B column 3 r + tau (n8 tile (3r + tau) / 8), with the column scale 2^-k * {2^14, 2^7, 1}: 48
+// columns for n = 16. A group holding inf / NaN gets zero terms and NaN column scales, so the
+// row's results are non-finite, as on the CPU.
 #pragma once
 
 #if !SPECD_HIP
@@ -36,152 +49,390 @@
 
 namespace specd::gpu::detail::mma {
 
-constexpr int kWarps = 4;   // warps per block; each owns its own 16 * kMT output rows
-constexpr int kMT = 2;      // m16 tiles (16 output rows each) per warp
-constexpr int kRowsPerBlock = kWarps * kMT * 16;
-constexpr int kXCols = 16;  // columns of the x-scale/sum scratch (rows of x, padded)
-// Resident blocks per multiprocessor the kernel is compiled for (<= 128 registers per thread) and
-// the split-K count is sized for: the grid then runs in whole waves (see units_per_split).
-constexpr int kBlocksPerSM = 4;
+constexpr int kWarps = 4;                   // warps per block; warp w owns output rows 16 w .. 16 w + 15
+constexpr int kRowsPerBlock = kWarps * 16;
+constexpr int kBlocksPerSM = 4;             // resident blocks the kernels are compiled for (<= 128 registers)
+constexpr int kTerms = 3;                   // int8 terms per x value
+constexpr int kMaxTiles = 6;                // n8 tiles of term columns for n = 16 (48 columns)
+constexpr int kMaxCols = 8 * kMaxTiles;
+constexpr int kGroup = 256;                 // inputs sharing one power-of-two x scale
 
-// --- small helpers ----------------------------------------------------------------------------
+// n8 tiles of term columns a call of n rows of x runs (3 n columns): the kernel instances.
+__host__ __device__ constexpr int tiles_for(int n) { return n <= 2 ? 1 : n <= 8 ? 3 : 6; }
 
-// D += A * B (m16n8k16, f16 inputs, f32 accumulation). FP16 rather than BF16: 11 significant bits
-// per x term, so two terms carry x to ~22 bits (BF16 needed three), i.e. 2 MMAs per k16 step and
-// tile instead of 3, and one B fragment load less; the quants are small integers, exact in both.
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+// byte permutes of two words w0 (inputs 4t..4t+3 of a sub-block) and w1 (inputs 16+4t..) of
+// byte-per-weight quants into the k order above: register 0 / register 1 of the lane's row.
+constexpr uint32_t kPairLo = 0x5140u, kPairHi = 0x7362u;
+
+// --- tensor-core instructions -----------------------------------------------------------------
+
+// d = a * b, mma.sync m16n8k32 s8 x s8 -> s32 (C = 0): exact integer products and sums.
+__device__ __forceinline__ void imma(int (&d)[4], const uint32_t (&a)[4], uint2 b) {
 #if defined(SPECD_HOST_EMU)
-  specd_emu_mma(d, a, b);
+  specd_emu_imma(d, a, b);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y), "r"(0));
 #else
   __trap();  // never launched below sm_80 (the build targets sm_90)
 #endif
 }
 
-// Two floats -> one f16x2 word (lo in the lower 16 bits), round to nearest even.
-__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
+// d = a * b, mma.sync m16n8k16 f16 x f16 -> f32 (C = 0), with b's second register zero. Used for the
+// Q4_K / Q5_K min terms, whose operands are small integers (exact in f16, sums exact in F32).
+// Layout: A reg0 = (row g, k 2t, 2t+1), reg1 = (row g+8, k 2t, 2t+1), reg2/3 = k + 8; B reg0 =
+// (k 2t, 2t+1, col g); the lower 16 bits hold the lower k.
+__device__ __forceinline__ void hmma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0) {
+#if defined(SPECD_HOST_EMU)
+  d[0] = d[1] = d[2] = d[3] = 0.0f;
+  specd_emu_mma(d, a, make_uint2(b0, 0u));
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const float z = 0.0f;
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(0u), "f"(z));
+#else
+  __trap();
+#endif
 }
 
-// Four unsigned bytes -> two f16x2 words of (byte - kBias): f16 bits 0x6400 | b are exactly 1024 + b
-// (b < 256; the f16 spacing at 1024 is 1), and (1024 + b) - (1024 + kBias) is an exact small
-// integer. 2 PRMT + 2 HSUB2 per 4 weights.
-template <int kBias>
-__device__ __forceinline__ void u8x4_to_f16(uint32_t v, uint32_t& lo, uint32_t& hi) {
-  static_assert(kBias >= 0 && kBias <= 1023, "bias within the f16 integer range at 1024");
-  constexpr uint32_t kB = 0x6400u + uint32_t(kBias);
-  const uint32_t x0 = __byte_perm(v, 0x64u, 0x4140), x1 = __byte_perm(v, 0x64u, 0x4342);
-  const uint32_t b2 = kB | (kB << 16);
-  __half2 r0 = __hsub2(*reinterpret_cast<const __half2*>(&x0), *reinterpret_cast<const __half2*>(&b2));
-  __half2 r1 = __hsub2(*reinterpret_cast<const __half2*>(&x1), *reinterpret_cast<const __half2*>(&b2));
-  lo = *reinterpret_cast<uint32_t*>(&r0);
-  hi = *reinterpret_cast<uint32_t*>(&r1);
+// --- small helpers ----------------------------------------------------------------------------
+
+// Byte i (0..3) of v, unsigned.
+__device__ __forceinline__ int ubyte(uint32_t v, int i) { return int(__byte_perm(v, 0u, 0x4440u | uint32_t(i))); }
+// Byte i of v as a signed int8.
+__device__ __forceinline__ int sbyte(uint32_t v, int i) { return int(int8_t(uint8_t(v >> (8 * i)))); }
+
+// Exact float of an integer with |v| < 2^22 (magic-number trick: two full-rate instructions instead
+// of the quarter-rate converter).
+__device__ __forceinline__ float small_int_to_float(int v) {
+  return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f);
 }
 
-// Four signed bytes -> two f16x2 words (exact): q + 128 = (q ^ 0x80) as an unsigned byte.
-__device__ __forceinline__ void i8x4_to_f16(uint32_t v, uint32_t& lo, uint32_t& hi) {
-  u8x4_to_f16<128>(v ^ 0x80808080u, lo, hi);
+// PTX prmt.b32 in its default mode: byte i of the result = byte (sel nibble i & 7) of {b, a}, or
+// that byte's sign replicated when the nibble's bit 3 is set; only the low 16 bits of sel count.
+// __byte_perm documents 3-bit selectors, so nvcc masks every selector it cannot prove clean (an
+// extra instruction per permute); the callers here pass selectors with bit 3 clear.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#if defined(SPECD_HOST_EMU)
+  return __byte_perm(a, b, sel & 0xffffu);
+#else
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+#endif
 }
 
-// A fragment of one m16 tile from the 4-weight words of its two rows (row g: w0, row g+8: w1),
-// already converted: (w*lo = inputs 4t, 4t+1; w*hi = 4t+2, 4t+3).
-__device__ __forceinline__ void make_a(uint32_t (&a)[4], uint32_t r0lo, uint32_t r0hi, uint32_t r1lo, uint32_t r1hi) {
-  a[0] = r0lo, a[1] = r1lo, a[2] = r0hi, a[3] = r1hi;
-}
+// The IQ4_XS table (kvalues, int8) as byte-permute operands: entries 0-3, 4-7, 8-11, 12-15. The
+// permutes take the first of each pair from a register. Written as constants, ptxas keeps them in
+// uniform registers and copies one into a register before every permute (one instruction each, 14 %
+// of the kernel's); built with a lane-dependent selector that picks the same bytes on every lane
+// (bytes 0-3 or 4-7 of {c, c}), they are ordinary registers it keeps.
+struct IQ4Table {
+  uint32_t t0, t2;
+  static constexpr uint32_t t1 = 0xF6EADDCFu, t3 = 0x71594535u;
+  __device__ __forceinline__ explicit IQ4Table(int lane) {
+    const uint32_t sel = 0x3210u + 0x4444u * uint32_t(lane & 1);
+    t0 = prmt(0xBFAD9881u, 0xBFAD9881u, sel), t2 = prmt(0x26190D01u, 0x26190D01u, sel);
+  }
+  // The 8 nibbles of w -> their int8 table values in nibble order (byte i of .x = value of nibble
+  // i, of .y = nibble 4 + i). Each 3-bit index selects from entries 0-7 and 8-15, bit 3 then picks
+  // between the two: 11 instructions for 8 weights.
+  __device__ __forceinline__ uint2 lookup8(uint32_t w) const {
+    const uint32_t s = w & 0x77777777u;
+    const uint32_t pick = ((w >> 1) & 0x44444444u) | 0x32103210u;
+    const uint32_t lo0 = prmt(t0, t1, s), hi0 = prmt(t2, t3, s);
+    const uint32_t lo1 = prmt(t0, t1, s >> 16), hi1 = prmt(t2, t3, s >> 16);
+    return make_uint2(prmt(lo0, hi0, pick), prmt(lo1, hi1, pick >> 16));
+  }
+};
 
-// One k16 step (inputs 16 * kstep ..) of all m16 tiles against the two f16 terms of every n8 tile
-// of x, accumulated into p in the order hi, lo per n8 tile.
-// xf: [kstep][NT][2][32] uint2 (the B fragments, lane-major). Lanes of padding columns (>= ncols)
-// skip the load and feed the zeros that xf holds there anyway (identical MMA inputs), so at n = 1
-// a warp reads 32 bytes of x per term and step instead of 256.
-template <int NT>
-__device__ __forceinline__ void mma_step(const uint32_t (&a)[kMT][4], const uint2* __restrict__ xf, int64_t kstep,
-                                         int lane, int ncols, float (&p)[kMT][NT][4]) {
+// The views of the split x a kernel reads (see split_x_kernel for the layouts).
+struct XView {
+  const uint2* __restrict__ xb;     // [in / 32][kMaxTiles][32] B fragments of the terms
+  const float* __restrict__ xs;     // [groups][kMaxCols] column scales
+  const uint32_t* __restrict__ xm;  // [groups][kMaxTiles][32] f16x2 sub-block sums of the terms
+  int cols;                         // 3 n: live term columns
+  int lane;
+  __device__ __forceinline__ bool live(int nt) const { return 8 * nt + (lane >> 2) < cols; }
+  // B fragment of n8 tile nt for k32 step `kstep` (sub-block of 32 inputs); lanes of padding
+  // columns feed zeros (and skip the load).
+  __device__ __forceinline__ uint2 b(int64_t kstep, int nt) const {
+    return live(nt) ? __ldg(xb + (kstep * kMaxTiles + nt) * 32 + lane) : make_uint2(0u, 0u);
+  }
+  // The scales of the lane's columns 8 nt + 2t, + 1 in group grp.
+  __device__ __forceinline__ float2 scale(int64_t grp, int nt) const {
+    return *reinterpret_cast<const float2*>(xs + grp * kMaxCols + 8 * nt + 2 * (lane & 3));
+  }
+  __device__ __forceinline__ uint32_t mins(int64_t grp, int nt) const {
+    return live(nt) ? __ldg(xm + (grp * kMaxTiles + nt) * 32 + lane) : 0u;
+  }
+};
+
+// One k32 step: for each of P weight fragments a[p] (same inputs, e.g. the two 16-input scale
+// groups of Q6_K) and each n8 tile, acc += sc[p][row] * (a[p] . b) (integer; sc[p][h] is the scale
+// of row g + 8 h).
+template <int NT, int P>
+__device__ __forceinline__ void step(const uint32_t (&a)[P][4], const int (&sc)[P][2], int64_t kstep,
+                                     const XView& xv, int (&acc)[NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const uint2* b = xf + ((kstep * NT + nt) * 2) * 32 + lane;
-    const bool live = 8 * nt + (lane >> 2) < ncols;
-    const uint2 bh = live ? __ldg(b) : make_uint2(0u, 0u), bl = live ? __ldg(b + 32) : make_uint2(0u, 0u);
+    const uint2 b = xv.b(kstep, nt);
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      mma_f16(p[mt][nt], a[mt], bh);
-      mma_f16(p[mt][nt], a[mt], bl);
+    for (int p = 0; p < P; ++p) {
+      int d[4];
+      imma(d, a[p], b);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[nt][c] += sc[p][c >> 1] * d[c];
     }
   }
 }
 
-// The two k16 steps of one 32-input sub-block (k steps kstep0, kstep0 + 1): decode(mt, h, s, lo, hi)
-// turns the 4 weights lane t holds of row 16 mt + g + 8 h at step s into two f16x2 words (inputs
-// 4t, 4t+1 and 4t+2, 4t+3); the MMAs accumulate into p.
-template <int NT, class Decode>
-__device__ __forceinline__ void mma_subblock(const Decode& decode, const uint2* __restrict__ xf, int64_t kstep0,
-                                             int lane, int ncols, float (&p)[kMT][NT][4]) {
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    uint32_t a[kMT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-      uint32_t lo[2], hw[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) decode(mt, h, s, lo[h], hw[h]);
-      make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
-    }
-    mma_step<NT>(a, xf, kstep0 + s, lane, ncols, p);
-  }
-}
-
+// End of a super-block: accf += (d_row * scale_col) * float(acc) (the product exact: scales are
+// powers of two), in a fixed order.
 template <int NT>
-__device__ __forceinline__ void zero(float (&p)[kMT][NT][4]) {
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) p[mt][nt][c] = 0.0f;
-}
-
-// acc = fma(scale_row, p, acc); sc[mt][h] is the scale of row 16 mt + g + 8 h.
-template <int NT>
-__device__ __forceinline__ void apply_scale(float (&acc)[kMT][NT][4], const float (&p)[kMT][NT][4],
-                                            const float (&sc)[kMT][2]) {
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[mt][nt][c] = __fmaf_rn(sc[mt][c >> 1], p[mt][nt][c], acc[mt][nt][c]);
-}
-
-// p *= the x split's power-of-two scale of its column for the 32-input block `blk` (exact: see
-// split_x_kernel), so p becomes the partial dot product of the unscaled x. xs: [in / 32][kXCols]
-// pairs {scale, sum of x over the block}; sum[nt] = the sums of the lane's columns 8 nt + 2t, +1.
-template <int NT>
-__device__ __forceinline__ void scale_cols(float (&p)[kMT][NT][4], const float* __restrict__ xs, int64_t blk, int t,
-                                           float2 (&sum)[NT]) {
+__device__ __forceinline__ void finish(const int (&acc)[NT][4], int64_t grp, const float (&d)[2], const XView& xv,
+                                       float (&accf)[NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(xs + 2 * (blk * kXCols + 8 * nt + 2 * t)));
-    sum[nt].x = v.y, sum[nt].y = v.w;
+    const float2 s = xv.scale(grp, nt);
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) p[mt][nt][c] = __fmul_rn(p[mt][nt][c], (c & 1) ? v.z : v.x);
+    for (int c = 0; c < 4; ++c)
+      accf[nt][c] = __fmaf_rn(__fmul_rn(d[c >> 1], (c & 1) ? s.y : s.x), float(acc[nt][c]), accf[nt][c]);
   }
 }
 
-// --- formats: a "unit" is 32 (Q8_0) or 64 (others) consecutive inputs of a row --------------
+template <int NT>
+__device__ __forceinline__ void zero(int (&acc)[NT][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[nt][c] = 0;
+}
 
-// Q8_0: unit = one block (fp16 d | int8 q[32]), 2-byte aligned. Lane t reads q[4t..] and
-// q[16 + 4t..] of its rows.
+// A fragment from the lane's two rows' registers (row g: r0, row g + 8: r1; .x = k 4t.., .y = k 16+4t..).
+__device__ __forceinline__ void make_a(uint32_t (&a)[4], uint2 r0, uint2 r1) { a[0] = r0.x, a[1] = r1.x, a[2] = r0.y, a[3] = r1.y; }
+
+// Two words of byte-per-weight quants (inputs 4t.. and 16+4t.. of a sub-block) in the k order.
+__device__ __forceinline__ uint2 pair(uint32_t w0, uint32_t w1) {
+  return make_uint2(prmt(w0, w1, kPairLo), prmt(w0, w1, kPairHi));
+}
+__device__ __forceinline__ uint2 and2(uint2 v, uint32_t m) { return make_uint2(v.x & m, v.y & m); }
+__device__ __forceinline__ uint2 shr2(uint2 v, int s) { return make_uint2(v.x >> s, v.y >> s); }
+
+// --- formats: a "unit" is one 256-input super-block (Q8_0: one 32-input block) of a row ----------
+// load(row, u, t): the registers lane t needs of unit u of one row; unit<NT>(raw[2], u, xv, accf):
+// the unit's contribution for the lane's two rows (g, g + 8) added to accf.
+
+// IQ4_XS (136-byte blocks: fp16 d | u16 scales_h | u8 scales_l[4] | qs[128]): sub-block j = qs[16j ..
+// 16j + 15], value (d * (ls_j - 32)) * kvalues[idx]; ls_j = scales_l nibble j | scales_h bits 2j << 4.
+struct IQ4U {
+  static constexpr int kUnitElems = 256;
+  struct Raw {
+    uint32_t q[8];  // qs[16 j + 4t ..]
+    uint2 hdr;
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
+    const uint8_t* blk = row + u * 136;
+    Raw r;
+    r.hdr = *reinterpret_cast<const uint2*>(blk);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) r.q[j] = *reinterpret_cast<const uint32_t*>(blk + 8 + 16 * j + 4 * t);
+    return r;
+  }
+  // The 6-bit scales: byte k of .x = ls_{2k}, of .y = ls_{2k+1}.
+  __device__ __forceinline__ static uint2 scales(uint2 hdr) {
+    const uint32_t sl = hdr.y, sh = hdr.x >> 16;
+    uint32_t s = (sh | (sh << 8)) & 0x00ff00ffu;  // nibble k of sh -> low nibble of byte k
+    s = (s | (s << 4)) & 0x0f0f0f0fu;
+    return make_uint2((sl & 0x0f0f0f0fu) | ((s << 4) & 0x30303030u), ((sl >> 4) & 0x0f0f0f0fu) | ((s << 2) & 0x30303030u));
+  }
+  template <int NT>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+    const IQ4Table tab(xv.lane);
+    uint2 ls[2];
+    float d[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) ls[h] = scales(r[h].hdr), d[h] = specd_fp16_bits_to_float(uint16_t(r[h].hdr.x));
+    int acc[NT][4];
+    zero(acc);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t a[1][4];
+      make_a(a[0], tab.lookup8(r[0].q[j]), tab.lookup8(r[1].q[j]));
+      int sc[1][2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sc[0][h] = ubyte((j & 1) ? ls[h].y : ls[h].x, j >> 1) - 32;
+      step<NT, 1>(a, sc, 8 * u + j, xv, acc);
+    }
+    finish(acc, u, d, xv, accf);
+  }
+};
+
+// Q4_K / Q5_K (144 / 176-byte blocks: fp16 d | fp16 dmin | scales[12] | (Q5_K: qh[32]) | qs[128]):
+// sub-block pair p = qs[32p + l] (l = 0..31), low nibbles sub-block 2p, high 2p + 1; Q5_K's fifth bit
+// of sub-block j, input l = bit j of qh[l]. Value d * sc_j * q - dmin * m_j, so a super-block adds
+// d * sum_j sc_j (q . x)_j - dmin * sum_j m_j * sum(x over sub-block j): the first with integer MMAs
+// and IMADs, the second with one f16 MMA of the 8 m_j against the terms' sub-block sums (xm).
+template <bool kQ5>
+struct QK45U {
+  static constexpr int kUnitElems = 256;
+  static constexpr int kBlock = kQ5 ? 176 : 144, kQs = kQ5 ? 48 : 16;
+  struct Raw {
+    uint4 hdr;
+    uint32_t q[8];               // q[2p + s] = qs[32p + 16s + 4t ..]
+    uint32_t h[kQ5 ? 2 : 1];     // Q5_K: qh[4t ..], qh[16 + 4t ..]
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
+    const uint8_t* blk = row + u * kBlock;
+    Raw r;
+    r.hdr = *reinterpret_cast<const uint4*>(blk);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r.q[i] = *reinterpret_cast<const uint32_t*>(blk + kQs + 16 * i + 4 * t);
+    if constexpr (kQ5) {
+      r.h[0] = *reinterpret_cast<const uint32_t*>(blk + 16 + 4 * t);
+      r.h[1] = *reinterpret_cast<const uint32_t*>(blk + 32 + 4 * t);
+    } else {
+      r.h[0] = 0;
+    }
+    return r;
+  }
+  // Scales (.x: bytes j = 0..3, .y: j = 4..7) and mins of the 12 packed bytes s0 | s1 | s2 (ggml
+  // get_scale_min_k4, four at a time).
+  __device__ __forceinline__ static void scales_mins(uint4 hdr, uint2& sc, uint2& mn) {
+    const uint32_t s0 = hdr.y, s1 = hdr.z, s2 = hdr.w;
+    sc = make_uint2(s0 & 0x3f3f3f3fu, (s2 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u));
+    mn = make_uint2(s1 & 0x3f3f3f3fu, ((s2 >> 4) & 0x0f0f0f0fu) | ((s1 >> 2) & 0x30303030u));
+  }
+  template <int NT>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+    const int t = xv.lane & 3;
+    uint2 sc[2];
+    uint32_t am[4] = {0u, 0u, 0u, 0u};  // A of the min MMA: m_{2t}, m_{2t+1} of rows g, g + 8 (f16)
+    float d[2], dmin[2];
+    uint2 hb[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint2 mn;
+      scales_mins(r[h].hdr, sc[h], mn);
+      // f16 bits 0x6400 | m = 1024 + m, exact; minus 1024 (HSUB2) = m.
+      const uint32_t v = __byte_perm(t < 2 ? mn.x : mn.y, 0x64646464u, 0x4040u | uint32_t(2 * (t & 1)) |
+                                                                           (uint32_t(2 * (t & 1) + 1) << 8));
+      const uint32_t bias = 0x64006400u;
+      __half2 m2 = __hsub2(*reinterpret_cast<const __half2*>(&v), *reinterpret_cast<const __half2*>(&bias));
+      am[h] = *reinterpret_cast<uint32_t*>(&m2);
+      d[h] = specd_fp16_bits_to_float(uint16_t(r[h].hdr.x));
+      dmin[h] = specd_fp16_bits_to_float(uint16_t(r[h].hdr.x >> 16));
+      hb[h] = kQ5 ? pair(r[h].h[0], r[h].h[1]) : make_uint2(0u, 0u);
+    }
+    int acc[NT][4];
+    zero(acc);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const uint2 w0 = pair(r[0].q[2 * p], r[0].q[2 * p + 1]), w1 = pair(r[1].q[2 * p], r[1].q[2 * p + 1]);
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        const int j = 2 * p + hi;
+        uint2 q0 = and2(shr2(w0, 4 * hi), 0x0f0f0f0fu), q1 = and2(shr2(w1, 4 * hi), 0x0f0f0f0fu);
+        if constexpr (kQ5) {
+          const uint2 f0 = and2(shr2(hb[0], j), 0x01010101u), f1 = and2(shr2(hb[1], j), 0x01010101u);
+          q0 = make_uint2(q0.x | (f0.x << 4), q0.y | (f0.y << 4));
+          q1 = make_uint2(q1.x | (f1.x << 4), q1.y | (f1.y << 4));
+        }
+        uint32_t a[1][4];
+        make_a(a[0], q0, q1);
+        int s[1][2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) s[0][h] = ubyte(j < 4 ? sc[h].x : sc[h].y, j & 3);
+        step<NT, 1>(a, s, 8 * u + j, xv, acc);
+      }
+    }
+    // accf += d * scale * acc - dmin * scale * (m . sub-block sums), in that order.
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const float2 s = xv.scale(u, nt);
+      float mp[4];
+      hmma(mp, am, xv.mins(u, nt));
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float sc_col = (c & 1) ? s.y : s.x;
+        accf[nt][c] = __fmaf_rn(__fmul_rn(d[c >> 1], sc_col), float(acc[nt][c]), accf[nt][c]);
+        accf[nt][c] = __fmaf_rn(-__fmul_rn(dmin[c >> 1], sc_col), mp[c], accf[nt][c]);
+      }
+    }
+  }
+};
+
+// Q6_K (210-byte blocks, 2-byte aligned: ql[128] | qh[64] | int8 scales[16] | fp16 d): half n
+// (inputs 128n ..), sub-block g4 (inputs 128n + 32 g4 + l, l = 0..31): low 4 bits = nibble g4 >> 1 of
+// ql[64n + 32 (g4 & 1) + l], high 2 bits = bits 2 g4 of qh[32n + l], value d * sc[8n + 2 g4 + l / 16] *
+// (q - 32). The two 16-input scale groups of a sub-block are two MMAs of the same B (bytes 0, 2 of
+// each register hold inputs < 16 in the k order, bytes 1, 3 inputs >= 16).
+struct Q6U {
+  static constexpr int kUnitElems = 256;
+  struct Raw {
+    uint32_t ql[8];  // ql[64n + 32c + 16s + 4t ..] at 4n + 2c + s
+    uint32_t qh[4];  // qh[32n + 16s + 4t ..] at 2n + s
+    uint32_t sc[4];  // scales[4i .. 4i + 3]
+    uint32_t d;
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
+    const uint8_t* blk = row + u * 210;
+    Raw r;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r.ql[i] = ld_u16x2(blk + 16 * i + 4 * t);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.qh[i] = ld_u16x2(blk + 128 + 16 * i + 4 * t);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.sc[i] = ld_u16x2(blk + 192 + 4 * i);
+    r.d = ld_u16(blk + 208);
+    return r;
+  }
+  template <int NT>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+    float d[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) d[h] = specd_fp16_bits_to_float(uint16_t(r[h].d));
+    int acc[NT][4];
+    zero(acc);
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      uint2 hw[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) hw[h] = pair(r[h].qh[2 * n], r[h].qh[2 * n + 1]);
+#pragma unroll
+      for (int g4 = 0; g4 < 4; ++g4) {
+        uint32_t a[2][4];
+        uint2 v[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int c = g4 & 1;
+          const uint2 lw = pair(r[h].ql[4 * n + 2 * c], r[h].ql[4 * n + 2 * c + 1]);
+          const uint2 lo = and2(shr2(lw, 4 * (g4 >> 1)), 0x0f0f0f0fu), hi = and2(shr2(hw[h], 2 * g4), 0x03030303u);
+          // q - 32 per byte (q < 64): (q + 128 - 32) ^ 128 never borrows across bytes.
+          v[h] = make_uint2((((lo.x | (hi.x << 4)) | 0x80808080u) - 0x20202020u) ^ 0x80808080u,
+                            (((lo.y | (hi.y << 4)) | 0x80808080u) - 0x20202020u) ^ 0x80808080u);
+        }
+        make_a(a[0], and2(v[0], 0x00ff00ffu), and2(v[1], 0x00ff00ffu));  // inputs 0..15 of the sub-block
+        make_a(a[1], and2(v[0], 0xff00ff00u), and2(v[1], 0xff00ff00u));  // inputs 16..31
+        int sc[2][2];
+        const int i = 8 * n + 2 * g4;  // scale index of inputs 0..15
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sc[0][h] = sbyte(r[h].sc[i >> 2], i & 3), sc[1][h] = sbyte(r[h].sc[i >> 2], (i & 3) + 1);
+        step<NT, 2>(a, sc, 8 * u + 4 * n + g4, xv, acc);
+      }
+    }
+    finish(acc, u, d, xv, accf);
+  }
+};
+
+// Q8_0 (34-byte blocks, 2-byte aligned: fp16 d | int8 q[32]): unit = one block, accf += (d * scale)
+// * (q . x') per block (|q . x'| < 2^22: converted exactly).
 struct Q8U {
-  static constexpr int kUnitElems = 32, kU = 5;  // kU: units whose loads a warp issues before using the first
-  static constexpr bool kMins = false;
+  static constexpr int kUnitElems = 32;
   struct Raw {
     uint32_t q0, q1, d;
   };
@@ -190,295 +441,121 @@ struct Q8U {
     return Raw{ld_u16x2(blk + 2 + 4 * t), ld_u16x2(blk + 18 + 4 * t), ld_u16(blk)};
   }
   template <int NT>
-  __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
-                                                 const float* __restrict__ xs, int lane, int ncols,
-                                                 float (&acc)[kMT][NT][4]) {
-    float p[kMT][NT][4], sc[kMT][2];
-    float2 unused[NT];
-    zero(p);
-    mma_subblock<NT>([&](int mt, int h, int s, uint32_t& lo, uint32_t& hi) {
-      i8x4_to_f16(s ? r[mt][h].q1 : r[mt][h].q0, lo, hi);
-    }, xf, 2 * u, lane, ncols, p);
-    scale_cols(p, xs, u, lane & 3, unused);
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+    uint32_t a[4];
+    make_a(a, pair(r[0].q0, r[0].q1), pair(r[1].q0, r[1].q1));
+    const float d[2] = {specd_fp16_bits_to_float(uint16_t(r[0].d)), specd_fp16_bits_to_float(uint16_t(r[1].d))};
+    const int64_t grp = u / (kGroup / 32);
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+    for (int nt = 0; nt < NT; ++nt) {
+      int p[4];
+      imma(p, a, xv.b(u, nt));
+      const float2 s = xv.scale(grp, nt);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sc[mt][h] = specd_fp16_bits_to_float(uint16_t(r[mt][h].d));
-    apply_scale(acc, p, sc);
-  }
-};
-
-// Q4_K / Q5_K: unit = sub-block pair p of a 256-block (inputs 64p .. 64p + 63 of the block):
-// sub-block 2p = low nibbles of qs[32p + l], 2p + 1 = high nibbles, l = 0 .. 31 (Q5_K: fifth bit
-// = bit j of qh[l] for sub-block j). Step s of a sub-block = l in 16s .. 16s + 15: lane t reads
-// the words qs[32p + 16s + 4t ..] (and qh[16s + 4t ..]). Value d1 * q - m1 with d1 = d * sc_j,
-// m1 = dmin * m_j (exact products): sum = d1 * (q . x) - m1 * sum(x over the sub-block).
-// The 16-byte block header (d, dmin | scales) is loaded one word per lane (lane t: word t) and
-// gathered with shuffles when the unit is computed: held whole by every lane it took 4 registers
-// per row and unit in flight (of 6), which capped the loads in flight at 2 units (2 KB per warp);
-// now Q4_K keeps 3 units in flight within the 128 registers (Q5_K, with its qh words, still 2).
-template <bool kQ5>
-struct QK45U {
-  static constexpr int kUnitElems = 64, kU = kQ5 ? 2 : 3;
-  static constexpr bool kMins = true;
-  static constexpr int kBlock = kQ5 ? 176 : 144, kQs = kQ5 ? 48 : 16;
-  struct Raw {
-    uint32_t hw;  // header word t of the lane's group (all 4 lanes of a group share the row)
-    uint32_t q0, q1, h0, h1;
-  };
-  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
-    const uint8_t* blk = row + (u >> 2) * kBlock;
-    const int p = int(u & 3);
-    Raw r;
-    r.hw = *reinterpret_cast<const uint32_t*>(blk + 4 * t);
-    r.q0 = *reinterpret_cast<const uint32_t*>(blk + kQs + 32 * p + 4 * t);
-    r.q1 = *reinterpret_cast<const uint32_t*>(blk + kQs + 32 * p + 16 + 4 * t);
-    if constexpr (kQ5) {
-      r.h0 = *reinterpret_cast<const uint32_t*>(blk + 16 + 4 * t);
-      r.h1 = *reinterpret_cast<const uint32_t*>(blk + 32 + 4 * t);
-    } else {
-      r.h0 = r.h1 = 0;
-    }
-    return r;
-  }
-  template <int NT>
-  __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
-                                                 const float* __restrict__ xs, int lane, int ncols,
-                                                 float (&acc)[kMT][NT][4]) {
-    const int p = int(u & 3), t = lane & 3;
-    uint4 hdr[kMT][2];  // the rows' headers, words from lanes 4g + 0..3 (same rows: same g)
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int base = lane & ~3;
-        hdr[mt][h].x = __shfl_sync(0xffffffffu, r[mt][h].hw, base);
-        hdr[mt][h].y = __shfl_sync(0xffffffffu, r[mt][h].hw, base + 1);
-        hdr[mt][h].z = __shfl_sync(0xffffffffu, r[mt][h].hw, base + 2);
-        hdr[mt][h].w = __shfl_sync(0xffffffffu, r[mt][h].hw, base + 3);
-      }
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi) {
-      const int j = 2 * p + hi;  // sub-block in the 256-block
-      float part[kMT][NT][4];
-      zero(part);
-      mma_subblock<NT>([&](int mt, int h, int s, uint32_t& lo, uint32_t& hw) {
-        uint32_t v = ((s ? r[mt][h].q1 : r[mt][h].q0) >> (4 * hi)) & 0x0f0f0f0fu;
-        if constexpr (kQ5) v |= (((s ? r[mt][h].h1 : r[mt][h].h0) >> j) & 0x01010101u) << 4;
-        u8x4_to_f16<0>(v, lo, hw);
-      }, xf, 4 * u + 2 * hi, lane, ncols, part);
-      float d1[kMT][2], m1[kMT][2];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float sc, mn;
-          scale_min_k4(j, hdr[mt][h].y, hdr[mt][h].z, hdr[mt][h].w, sc, mn);
-          d1[mt][h] = __fmul_rn(specd_fp16_bits_to_float(uint16_t(hdr[mt][h].x)), sc);
-          m1[mt][h] = -__fmul_rn(specd_fp16_bits_to_float(uint16_t(hdr[mt][h].x >> 16)), mn);
-        }
-      float2 sx[NT];
-      scale_cols(part, xs, 2 * u + hi, t, sx);
-      apply_scale(acc, part, d1);
-      // Min term: acc += (-m1_row) * sum(x over sub-block 2u + hi) for each column.
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            acc[mt][nt][c] = __fmaf_rn(m1[mt][c >> 1], (c & 1) ? sx[nt].y : sx[nt].x, acc[mt][nt][c]);
-      }
+      for (int c = 0; c < 4; ++c)
+        accf[nt][c] = __fmaf_rn(__fmul_rn(d[c >> 1], (c & 1) ? s.y : s.x), small_int_to_float(p[c]), accf[nt][c]);
     }
   }
 };
 
-// Q6_K (210-byte blocks, 2-byte aligned): unit = (half n, h) of a block, u = 4 b + 2 n + h: the
-// four 16-input sub-blocks g = 0..3 at inputs 128 n + 32 g + 16 h + i (i = 0..15, l = 16 h + i):
-// low 4 bits from ql[64 n + 32 (g & 1) + l] (nibble g >> 1), high 2 bits = bits 2g, 2g+1 of
-// qh[32 n + l], scale sc[8 n + 2 g + h]; value (d * sc) * (q - 32). Lane t holds l = 16h + 4t ..
-// +3 of each sub-block (one k16 step each).
-struct Q6U {
-  static constexpr int kUnitElems = 64, kU = 3;  // 3: 5 words per row and unit, <= 128 registers
-  static constexpr bool kMins = false;
-  struct Raw {
-    uint32_t qa, qb, qh, sc, d;  // sc: the scale byte of sub-block g = t (lane t of the row's group)
-  };
-  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
-    const uint8_t* blk = row + (u >> 2) * 210;
-    const int n = int(u >> 1) & 1, h = int(u & 1);
-    const uint8_t* ql = blk + 64 * n + 16 * h + 4 * t;
-    const uint8_t* sc = blk + 192 + 8 * n + h;  // sub-block g at sc + 2g
-    Raw r;
-    // One scale byte per lane (gathered with shuffles in compute): 1 load instead of 4 per row.
-    r.qa = ld_u16x2(ql);
-    r.qb = ld_u16x2(ql + 32);
-    r.qh = ld_u16x2(blk + 128 + 32 * n + 16 * h + 4 * t);
-    r.sc = sc[2 * t];
-    r.d = ld_u16(blk + 208);
-    return r;
-  }
-  template <int NT>
-  __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
-                                                 const float* __restrict__ xs, int lane, int ncols,
-                                                 float (&acc)[kMT][NT][4]) {
-    const int64_t b = u >> 2;
-    const int n = int(u >> 1) & 1, h16 = int(u & 1);
-    uint32_t scw[kMT][2];  // byte g = scale of sub-block g, from lane 4 (lane / 4) + g
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int base = lane & ~3;
-        scw[mt][h] = __shfl_sync(0xffffffffu, r[mt][h].sc, base) |
-                     (__shfl_sync(0xffffffffu, r[mt][h].sc, base + 1) << 8) |
-                     (__shfl_sync(0xffffffffu, r[mt][h].sc, base + 2) << 16) |
-                     (__shfl_sync(0xffffffffu, r[mt][h].sc, base + 3) << 24);
-      }
-#pragma unroll
-    for (int g = 0; g < 4; ++g) {
-      float part[kMT][NT][4], sc[kMT][2];
-      zero(part);
-      uint32_t a[kMT][4];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        uint32_t lo[2], hw[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint32_t v = (((g & 1) ? r[mt][h].qb : r[mt][h].qa) >> (4 * (g >> 1))) & 0x0f0f0f0fu;
-          v |= ((r[mt][h].qh >> (2 * g)) & 0x03030303u) << 4;
-          u8x4_to_f16<32>(v, lo[h], hw[h]);  // q - 32
-          const int isc = int(int8_t(uint8_t(scw[mt][h] >> (8 * g))));
-          sc[mt][h] = __fmul_rn(specd_fp16_bits_to_float(uint16_t(r[mt][h].d)), float(isc));  // exact
-        }
-        make_a(a[mt], lo[0], hw[0], lo[1], hw[1]);
-      }
-      mma_step<NT>(a, xf, 16 * b + 8 * n + 2 * g + h16, lane, ncols, part);
-      float2 unused[NT];
-      scale_cols(part, xs, 8 * b + 4 * n + g, lane & 3, unused);  // the 32-input block of k16 step 16b+8n+2g+h
-      apply_scale(acc, part, sc);
-    }
-  }
-};
+// Units a warp keeps loading ahead of the one it computes (software pipelining: a unit's slot is
+// refilled with the unit kAhead later as soon as it is taken): as many as a register budget for the
+// raw words allows, with one unit's words being computed (the accumulators grow with NT), 0 .. 4.
+// 0: load one unit, then compute it.
+template <class F, int NT>
+__host__ __device__ constexpr int units_ahead() {
+  constexpr int regs = int(sizeof(typename F::Raw) / 4) * 2;
+  constexpr int budget = NT == 1 ? 64 : NT == 3 ? 48 : 40;
+  return budget / regs - 1 < 0 ? 0 : budget / regs - 1 > 4 ? 4 : budget / regs - 1;
+}
 
-// IQ4_XS (136-byte blocks, 8-byte aligned: fp16 d | u16 scales_h | u8 scales_l[4] | qs[128]):
-// unit = sub-blocks 2p, 2p + 1 (u = 4 b + p); sub-block j = qs[16j .. 16j + 15], low nibbles
-// inputs 32j + 0..15 (step 0), high nibbles 32j + 16..31 (step 1): lane t reads qs[16j + 4t ..].
-// Value (d * (ls_j - 32)) * kvalues[idx] (kvalues in [-127, 113], exact in f16).
-struct IQ4U {
-  static constexpr int kUnitElems = 64, kU = 4;
-  static constexpr bool kMins = false;
-  struct Raw {
-    uint2 hdr;
-    uint32_t q0, q1;
-  };
-  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
-    const uint8_t* blk = row + (u >> 2) * 136;
-    const int p = int(u & 3);
-    Raw r;
-    r.hdr = *reinterpret_cast<const uint2*>(blk);
-    r.q0 = *reinterpret_cast<const uint32_t*>(blk + 8 + 32 * p + 4 * t);
-    r.q1 = *reinterpret_cast<const uint32_t*>(blk + 8 + 32 * p + 16 + 4 * t);
-    return r;
-  }
-  template <int NT>
-  __device__ __forceinline__ static void compute(const Raw (&r)[kMT][2], int64_t u, const uint2* __restrict__ xf,
-                                                 const float* __restrict__ xs, int lane, int ncols,
-                                                 float (&acc)[kMT][NT][4]) {
-    const int p = int(u & 3);
-#pragma unroll
-    for (int jj = 0; jj < 2; ++jj) {
-      const int j = 2 * p + jj;
-      float part[kMT][NT][4], sc[kMT][2];
-      zero(part);
-      mma_subblock<NT>([&](int mt, int h, int s, uint32_t& lo, uint32_t& hw) {
-        const uint32_t idx = ((jj ? r[mt][h].q1 : r[mt][h].q0) >> (4 * s)) & 0x0f0f0f0fu;
-        i8x4_to_f16(IQ4XSW::lookup4(idx), lo, hw);
-      }, xf, 4 * u + 2 * jj, lane, ncols, part);
-      float2 unused[NT];
-      scale_cols(part, xs, 2 * u + jj, lane & 3, unused);
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t sh = r[mt][h].hdr.x >> 16, sl = r[mt][h].hdr.y;
-          const int ls = int(((sl >> (4 * j)) & 0x0f) | (((sh >> (2 * j)) & 3) << 4));
-          sc[mt][h] = __fmul_rn(specd_fp16_bits_to_float(uint16_t(r[mt][h].hdr.x)), float(ls - 32));  // exact
-        }
-      apply_scale(acc, part, sc);
-    }
-  }
-};
+// Resident blocks per multiprocessor an instance is compiled for: 4 (<= 128 registers per thread)
+// for one tile, 3 (<= 168) for 3 and 6 (their 24 and 48 accumulators). The split-K sizing always
+// assumes kBlocksPerSM.
+template <int NT>
+__host__ __device__ constexpr int min_blocks() { return NT == 1 ? kBlocksPerSM : 3; }
 
 // --- kernels ---------------------------------------------------------------------------------
 
-// x [n, in] F32 -> B fragments xf [in / 16][NT][2][32] uint2 and per-block scales xs [in / 32]
-// [kXCols] {scale, sum}. One thread per (32-input block, column of the padded x); columns >= n are
-// zero (scale 0, sum 0). For a block with all elements finite and max |x| = m in [2^E, 2^(E+1)):
-//   x' = x * 2^k, k = 14 - E (clamped to <= 100), exact in F32, so max |x'| < 2^15 (f16 finite);
-//   hi = f16(x'), lo = f16(x' - hi) (the difference is exact in F32);
-//   scale = 2^-k (exact power of two in [2^-100, 2^113]); the kernel multiplies the block's partial
-//   dot product by it. |x - scale * (hi + lo)| <= 2^-22 |x| + 2^-39 m (f16 keeps 11 bits per term;
-//   the floor is lo's f16 subnormal spacing 2^-24 * scale), with 2^-125 as the floor instead when
-//   the clamp applies (m < 2^-86).
-// A block with a non-finite element keeps k = 0 (scale 1): hi = f16(x) is then inf / NaN where x is
-// (or finite x beyond the f16 range overflows to inf) and lo = 0 there, so the column's result is
-// non-finite, as the CPU's. The sum is the F32 rounding of the exact (double) sum of the block
-// (for the Q4_K / Q5_K min terms).
-__global__ void split_x_kernel(const float* __restrict__ x, int64_t ldx, int n, int64_t nblk, int NT,
-                               uint2* __restrict__ xf, float* __restrict__ xs) {
+// x [n, in] F32 -> the split x of a call (XView): one thread per (row r of x, 32-input block blk);
+// the 8 threads of a 256-input group are consecutive lanes (thread id = (r * groups + grp) * 8 + sb),
+// reduce the group maximum with shuffles, then each writes its block's terms as B fragments
+// xb[blk][nt][lane'] (column 3r + tau, lane' = 4 (column % 8) + t), its sub-block sums of the terms
+// (f16, exact: |sum| <= 2048) to xm, and the block's first thread the group's column scales to xs
+// (the r = 0 threads also zero the padding columns 3n .. kMaxCols). Exactness: see the header.
+__global__ void split_x_kernel(const float* __restrict__ x, int64_t in, int n, int64_t groups, uint2* __restrict__ xb,
+                               float* __restrict__ xs, uint32_t* __restrict__ xm) {
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (id >= nblk * NT * 8) return;
-  const int64_t blk = id / (NT * 8);
-  const int col = int(id % (NT * 8)), nt = col >> 3, g = col & 7;
+  const int sb = int(id & 7);
+  const int64_t rg = id >> 3, grp = rg % groups;
+  const int r = int(rg / groups);
+  const int64_t blk = grp * (kGroup / 32) + sb;
+  const bool have = r < n && 32 * blk < in;
   float v[32];
 #pragma unroll
   for (int k = 0; k < 32; ++k) v[k] = 0.0f;
-  if (col < n) {
-    const float4* src = reinterpret_cast<const float4*>(x + int64_t(col) * ldx + 32 * blk);
+  if (have) {
+    const float4* src = reinterpret_cast<const float4*>(x + int64_t(r) * in + 32 * blk);
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
       const float4 f = src[k];
       v[4 * k] = f.x, v[4 * k + 1] = f.y, v[4 * k + 2] = f.z, v[4 * k + 3] = f.w;
     }
   }
-  float m = 0.0f;
-  bool fin = true;
-  double sum = 0.0;
+  float m = 0.0f;  // max |x| of the group, +inf if it holds inf / NaN
 #pragma unroll
-  for (int k = 0; k < 32; ++k) {
-    fin = fin && isfinite(v[k]);
-    m = fmaxf(m, fabsf(v[k]));
-    sum += double(v[k]);
-  }
-  int k2 = 0;  // x' = x * 2^k2; k2 in [-113, 100], so 2^k2 and 2^-k2 are normal F32 numbers
+  for (int k = 0; k < 32; ++k) m = isfinite(v[k]) ? fmaxf(m, fabsf(v[k])) : INFINITY;
+#pragma unroll
+  for (int s = 1; s < 8; s <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));  // all lanes take part
+  if (r >= n) return;
+  const bool fin = m < INFINITY;
+  int k2 = 0;  // x' = x * 2^k2, k2 in [-108, 126]: 2^k2 and 2^-k2 (times 2^14) are normal floats
   if (fin && m > 0.0f) {
-    const int eb = int(__float_as_uint(m) >> 23);  // biased exponent: m in [2^(eb-127), 2^(eb-126))
-    k2 = eb == 0 ? 100 : (141 - eb < 100 ? 141 - eb : 100);  // 14 - E; F32 subnormal m: clamp
+    const int e = int((__float_as_uint(m) >> 23) & 0xff) - 127;  // m in [2^e, 2^(e+1)) (e = -127: subnormal)
+    k2 = 19 - e < 126 ? 19 - e : 126;
   }
-  // Multiplying by an exact power of two is exact (or correctly rounded into the F32 subnormal
-  // range, far below what the F16 terms keep): the same as ldexpf, without its slow path.
   const float up = __uint_as_float(uint32_t(127 + k2) << 23);
-  const float scale = col < n ? __uint_as_float(uint32_t(127 - k2) << 23) : 0.0f;
-  xs[2 * (blk * kXCols + col)] = scale;
-  xs[2 * (blk * kXCols + col) + 1] = float(sum);
-  float hi[32], lo[32];
+  int8_t q[kTerms][32];
+  int sum[kTerms] = {0, 0, 0};
 #pragma unroll
   for (int k = 0; k < 32; ++k) {
-    const float xv = __fmul_rn(v[k], up);
-    hi[k] = __half2float(__float2half_rn(xv));
-    lo[k] = isfinite(hi[k]) ? __half2float(__float2half_rn(__fsub_rn(xv, hi[k]))) : 0.0f;
+    const float xv = fin ? __fmul_rn(v[k], up) : 0.0f;
+    const float hi = rintf(__fmul_rn(xv, 1.0f / 16384.0f));
+    const float r1 = __fsub_rn(xv, __fmul_rn(hi, 16384.0f));
+    const float mid = rintf(__fmul_rn(r1, 1.0f / 128.0f));
+    const float lo = rintf(__fsub_rn(r1, __fmul_rn(mid, 128.0f)));
+    q[0][k] = int8_t(hi), q[1][k] = int8_t(mid), q[2][k] = int8_t(lo);
+    sum[0] += int(hi), sum[1] += int(mid), sum[2] += int(lo);
   }
-  // k16 step 2 blk + s, lane 4g + t: inputs 16 s + 4t + 0..3 of the block (the k permutation above).
+  if (have) {
 #pragma unroll
-  for (int s = 0; s < 2; ++s)
+    for (int tau = 0; tau < kTerms; ++tau) {
+      const int c = 3 * r + tau, nt = c >> 3, col = c & 7;
+      uint2* o = xb + (blk * kMaxTiles + nt) * 32 + 4 * col;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const int e0 = 16 * s + 4 * t;
-      uint2* o = xf + (((2 * blk + s) * NT + nt) * 2) * 32 + 4 * g + t;
-      o[0] = make_uint2(pack_f16(hi[e0], hi[e0 + 1]), pack_f16(hi[e0 + 2], hi[e0 + 3]));
-      o[32] = make_uint2(pack_f16(lo[e0], lo[e0 + 1]), pack_f16(lo[e0 + 2], lo[e0 + 3]));
+      for (int t = 0; t < 4; ++t) {
+        uint32_t w[2];
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int i0 = 4 * t + 2 * rr;  // k order: inputs i0, i0 + 16, i0 + 1, i0 + 17
+          w[rr] = uint32_t(uint8_t(q[tau][i0])) | uint32_t(uint8_t(q[tau][i0 + 16])) << 8 |
+                  uint32_t(uint8_t(q[tau][i0 + 1])) << 16 | uint32_t(uint8_t(q[tau][i0 + 17])) << 24;
+        }
+        o[t] = make_uint2(w[0], w[1]);
+      }
+      // xm: lane 4 col + sb / 2 of tile nt holds (sum of sub-block 2t', 2t' + 1) as f16x2.
+      const __half hs = __float2half_rn(float(sum[tau]));
+      reinterpret_cast<__half*>(xm + (grp * kMaxTiles + nt) * 32 + 4 * col + (sb >> 1))[sb & 1] = hs;
     }
+  }
+  if (sb == 0) {
+    const float base = fin ? __uint_as_float(uint32_t(127 - k2) << 23) : NAN;  // 2^-k2
+    xs[grp * kMaxCols + 3 * r] = base * 16384.0f;
+    xs[grp * kMaxCols + 3 * r + 1] = base * 128.0f;
+    xs[grp * kMaxCols + 3 * r + 2] = base;
+  }
+  if (r == 0 && sb == 1)
+    for (int c = 3 * n; c < kMaxCols; ++c) xs[grp * kMaxCols + c] = 0.0f;
 }
 
 // Several weights against the same x in one launch (the projections that read one normed hidden
@@ -510,70 +587,92 @@ __device__ __forceinline__ GroupBlock locate(const Group& g_) {
   return GroupBlock{wi, local % row_blocks, local / row_blocks};
 }
 
-// One block: kWarps warps, warp w owns rows row0 + 16 kMT w .. + 16 kMT - 1 of its weight and all
-// rows of x, over units [u_begin, u_end) of its split (in order, kU loads in flight). Writes its
-// partial sums to dst[split][col][row] of its weight.
+// One block: kWarps warps, warp w owns rows row0 + 16 w .. + 15 of its weight (lane rows g, g + 8) and
+// all rows of x, over units [u_begin, u_end) of its split (in order, units_ahead units loading ahead).
+// The three term columns of each row of x are summed at the end (hi + mid + lo, through shared
+// memory) and the partial sums written to dst[split][r][row] of its weight.
 template <class F, int NT>
-__global__ void __launch_bounds__(kWarps * 32, NT == 1 ? kBlocksPerSM : 3) mma_gemv_kernel(const Group g_,
-                                                                int64_t nunits, const uint2* __restrict__ xf,
-                                                                const float* __restrict__ xs, int n) {
+__global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel(const Group g_, int64_t nunits,
+                                                                             const XView xv0, int n) {
+  __shared__ float part[kWarps][16][kMaxCols + 1];
   const GroupBlock gb = locate(g_);
   const uint8_t* __restrict__ w = g_.w[gb.wi];
   const int64_t row_bytes = g_.row_bytes[gb.wi], out = g_.out[gb.wi], per_split = g_.per_split[gb.wi];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int64_t row0 = gb.rb * kRowsPerBlock + int64_t(warp) * kMT * 16;
+  XView xv = xv0;
+  xv.lane = lane;
+  const int64_t row0 = gb.rb * kRowsPerBlock + int64_t(warp) * 16;
   const int64_t u_begin = gb.split * per_split;
   const int64_t u_end = u_begin + per_split < nunits ? u_begin + per_split : nunits;
-
-  const uint8_t* rows[kMT][2];
+  const uint8_t* rows[2];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t r = row0 + 16 * mt + 8 * h + g;
-      rows[mt][h] = w + (r < out ? r : out - 1) * row_bytes;  // clamp: ragged last tile
-    }
-
-  float acc[kMT][NT][4];
-  zero(acc);
-  constexpr int kU = F::kU;
-  for (int64_t u0 = u_begin; u0 < u_end; u0 += kU) {
-    typename F::Raw raw[kU][kMT][2];
-#pragma unroll
-    for (int i = 0; i < kU; ++i)
-      if (u0 + i < u_end) {
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) raw[i][mt][h] = F::load(rows[mt][h], u0 + i, t);
-      }
-#pragma unroll
-    for (int i = 0; i < kU; ++i)
-      if (u0 + i < u_end) F::template compute<NT>(raw[i], u0 + i, xf, xs, lane, n, acc);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t rr = row0 + g + 8 * h;
+    rows[h] = w + (rr < out ? rr : out - 1) * row_bytes;  // clamp: ragged last tile
   }
 
+  float accf[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) accf[nt][c] = 0.0f;
+  constexpr int kAhead = units_ahead<F, NT>();
+  if constexpr (kAhead == 0) {
+    for (int64_t u = u_begin; u < u_end; ++u) {
+      typename F::Raw raw[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) raw[h] = F::load(rows[h], u, t);
+      F::template unit<NT>(raw, u, xv, accf);
+    }
+  } else {
+    // kAhead + 1 slots, unit u in slot (u - u_begin) % kSlots; the loop is unrolled over the slots so
+    // that every slot index is static (no register copies): before computing a unit, the slot of the
+    // unit before it is refilled with the unit kAhead later.
+    constexpr int kSlots = kAhead + 1;
+    typename F::Raw ring[kSlots][2];
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i)
+      if (u_begin + i < u_end) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) ring[i][h] = F::load(rows[h], u_begin + i, t);
+      }
+    for (int64_t u0 = u_begin; u0 < u_end; u0 += kSlots) {
+#pragma unroll
+      for (int i = 0; i < kSlots; ++i) {
+        const int64_t u = u0 + i;
+        if (u < u_end) {
+          if (u + kAhead < u_end) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) ring[(i + kAhead) % kSlots][h] = F::load(rows[h], u + kAhead, t);
+          }
+          F::template unit<NT>(ring[i], u, xv, accf);
+        }
+      }
+    }
+  }
+
+  float(&p)[16][kMaxCols + 1] = part[warp];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) p[g + 8 * (c >> 1)][8 * nt + 2 * t + (c & 1)] = accf[nt][c];
+  __syncwarp();
   // Where this block's partials go, located again: nothing of it stays live across the loop.
   const GroupBlock ge = locate(g_);
-  const int64_t out_e = g_.out[ge.wi], row0_e = ge.rb * kRowsPerBlock + int64_t(warp) * kMT * 16;
+  const int64_t out_e = g_.out[ge.wi], row0_e = ge.rb * kRowsPerBlock + int64_t(warp) * 16;
   float* o = g_.dst[ge.wi] + ge.split * n * out_e;
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int64_t r = row0_e + 16 * mt + g + 8 * (c >> 1);
-        const int col = 8 * nt + 2 * t + (c & 1);
-        if (r < out_e && col < n) o[int64_t(col) * out_e + r] = acc[mt][nt][c];
-      }
+  for (int e = lane; e < 16 * n; e += 32) {
+    const int row = e & 15, r = e >> 4;
+    if (row0_e + row < out_e)
+      o[int64_t(r) * out_e + row0_e + row] = __fadd_rn(__fadd_rn(p[row][3 * r], p[row][3 * r + 1]), p[row][3 * r + 2]);
+  }
 }
 
 // Splits of the reduction dimension for a weight of `out` rows and `nunits` units, on `sms`
 // multiprocessors: as many as fit ONE wave of kBlocksPerSM blocks per multiprocessor (rounded DOWN:
-// one block over a wave would cost a whole second pass of a latency-bound block, e.g. 136 row
-// blocks x 4 splits = 544 blocks on 528 slots ran as two waves), at least 4 units per split.
-// Depends on the weight shape and the device only (never on n or on the weights it is grouped
-// with), so every row of x sees the same arithmetic whatever the width or grouping of the call.
+// one block over a wave would cost a whole second pass of a latency-bound block), at least 4 units
+// per split. Depends on the weight shape and the device only (never on n or on the weights it is
+// grouped with), so every row of x sees the same arithmetic whatever the width or grouping of the call.
 inline int64_t units_per_split(int64_t out, int64_t nunits, int64_t sms) {
   const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t want = kBlocksPerSM * sms;
@@ -639,6 +738,18 @@ inline void plan_group(const GroupWeight* ws, int count, int64_t in, int unit_el
   }
 }
 
+// Bytes of the split x of `in` inputs (any n <= 16): xb, xs, xm, each 16-byte aligned.
+struct XSizes {
+  size_t xb, xs, xm;
+  explicit XSizes(int64_t in) {
+    const int64_t groups = (in + kGroup - 1) / kGroup;
+    xb = size_t(in / 32 * kMaxTiles * 32) * sizeof(uint2);
+    xs = size_t(groups * kMaxCols) * sizeof(float);
+    xm = size_t(groups * kMaxTiles * 32) * sizeof(uint32_t);
+  }
+  size_t total() const { return xb + xs + xm; }
+};
+
 #ifndef SPECD_HOST_EMU
 __global__ void sum_splits_kernel(const SplitSums s_) {
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -648,7 +759,7 @@ __global__ void sum_splits_kernel(const SplitSums s_) {
 // One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x,
 // then one launch summing the split partials of those with several splits.
 template <class F, int NT>
-void launch(const GroupWeight* ws, int count, int64_t in, const uint2* xf, const float* xs, int n, cudaStream_t s) {
+void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n, cudaStream_t s) {
   const int64_t nunits = in / F::kUnitElems;
   Group grp;
   SplitSums sums;
@@ -658,7 +769,7 @@ void launch(const GroupWeight* ws, int count, int64_t in, const uint2* xf, const
     return static_cast<float*>(scratch.back().get());
   }, grp, sums);
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
-  mma_gemv_kernel<F, NT><<<unsigned(grp.block0[count]), kWarps * 32, 0, s>>>(grp, nunits, xf, xs, n);
+  mma_gemv_kernel<F, NT><<<unsigned(grp.block0[count]), kWarps * 32, 0, s>>>(grp, nunits, xv, n);
   SPECD_GPU_CHECK_LAUNCH("mma_gemv_kernel");
   if (sums.count > 0) {
     const int64_t total = sums.elem0[sums.count];
@@ -683,15 +794,15 @@ struct Weight {
 // kMaxGroup per launch) run as one grouped launch.
 inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n) {
   cudaStream_t s = stream();
-  const int NT = n <= 8 ? 1 : 2;
-  const int64_t nblk = in / 32;
-  const size_t xf_bytes = size_t(nblk * 2 * NT * 2 * 32) * sizeof(uint2);
-  const size_t xs_bytes = size_t(nblk * kXCols * 2) * sizeof(float);
-  std::shared_ptr<void> scratch = alloc(xf_bytes + xs_bytes);  // freed stream-ordered
-  uint2* xf = static_cast<uint2*>(scratch.get());
-  float* xs = reinterpret_cast<float*>(static_cast<uint8_t*>(scratch.get()) + xf_bytes);  // 16-byte aligned
-  const int64_t threads = nblk * NT * 8;
-  split_x_kernel<<<unsigned((threads + 127) / 128), 128, 0, s>>>(x, in, n, nblk, NT, xf, xs);
+  const XSizes sz(in);
+  std::shared_ptr<void> scratch = alloc(sz.total());  // freed stream-ordered
+  uint8_t* base = static_cast<uint8_t*>(scratch.get());
+  XView xv{reinterpret_cast<const uint2*>(base), reinterpret_cast<const float*>(base + sz.xb),
+           reinterpret_cast<const uint32_t*>(base + sz.xb + sz.xs), 3 * n, 0};
+  const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 8;
+  split_x_kernel<<<unsigned((threads + 127) / 128), 128, 0, s>>>(x, in, n, groups, reinterpret_cast<uint2*>(base),
+                                                                   reinterpret_cast<float*>(base + sz.xb),
+                                                                   reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
   SPECD_GPU_CHECK_LAUNCH("split_x_kernel");
   std::vector<bool> done(size_t(count), false);
   for (int i = 0; i < count; ++i) {
@@ -706,18 +817,19 @@ inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n)
     auto go = [&](auto nt) {
       constexpr int kNT = decltype(nt)::value;
       switch (ws[i].t) {
-        case DType::Q8_0: return launch<Q8U, kNT>(batch, m, in, xf, xs, n, s);
-        case DType::Q4_K: return launch<QK45U<false>, kNT>(batch, m, in, xf, xs, n, s);
-        case DType::Q5_K: return launch<QK45U<true>, kNT>(batch, m, in, xf, xs, n, s);
-        case DType::Q6_K: return launch<Q6U, kNT>(batch, m, in, xf, xs, n, s);
-        case DType::IQ4_XS: return launch<IQ4U, kNT>(batch, m, in, xf, xs, n, s);
+        case DType::Q8_0: return launch<Q8U, kNT>(batch, m, in, xv, n, s);
+        case DType::Q4_K: return launch<QK45U<false>, kNT>(batch, m, in, xv, n, s);
+        case DType::Q5_K: return launch<QK45U<true>, kNT>(batch, m, in, xv, n, s);
+        case DType::Q6_K: return launch<Q6U, kNT>(batch, m, in, xv, n, s);
+        case DType::IQ4_XS: return launch<IQ4U, kNT>(batch, m, in, xv, n, s);
         default: fail("matmul: no tensor-core GEMV for ", dtype_info(ws[i].t).name);
       }
     };
-    if (NT == 1)
-      go(std::integral_constant<int, 1>());
-    else
-      go(std::integral_constant<int, 2>());
+    switch (tiles_for(n)) {
+      case 1: go(std::integral_constant<int, 1>()); break;
+      case 3: go(std::integral_constant<int, 3>()); break;
+      default: go(std::integral_constant<int, 6>()); break;
+    }
   }
 }
 

@@ -1,12 +1,13 @@
-// Host emulation of the tensor-core GEMV (native/src/gpu/matmul_mma.cuh): its split_x_kernel and
-// mma_gemv_kernel run on the CPU, one std::thread per lane, with mma.sync m16n8k16 f16 -> f32
-// emulated warp-wide from the PTX ISA fragment layouts (a barrier per MMA): the f16 inputs are
-// taken exactly, products are exact and summed in double, rounded once to F32 per MMA (the
-// hardware's F32 accumulation may differ in the last bits; test_gpu_matmul.py covers it). Checks the per-format load
-// offsets, k permutation, scales and split-K against the CPU backend (test_gpu_decoders_host.py)
-// without a GPU; the real MMA numerics are covered on a GPU by test_gpu_matmul.py.
+// Host emulation of the integer tensor-core GEMV (native/src/gpu/matmul_mma.cuh): its split_x_kernel
+// and mma_gemv_kernel run on the CPU, one std::thread per lane, with the warp-wide instructions
+// emulated from the PTX ISA fragment layouts (a barrier per instruction): mma.sync m16n8k32 s8 -> s32
+// (exact integers, as the hardware), mma.sync m16n8k16 f16 -> f32 (products exact, summed in double,
+// rounded once: the min terms' operands are small integers, so the hardware's sums are exact too),
+// shuffles and __syncwarp. Checks the per-format load offsets, k order, x split, scales, min terms and
+// split-K against the CPU backend (test_gpu_decoders_host.py) without a GPU; the device itself is
+// covered by test_gpu_matmul.py.
 //
-// usage: mma_emu FORMAT n in out w.bin x.bin y.bin   (x: F32 [n, in]; y: F32 [n, out])
+// usage: mma_emu FORMAT n in out[,out...] w.bin x.bin y.bin   (x: F32 [n, in]; y: F32 [n, out])
 #include <barrier>
 #include <cmath>
 #include <cstdio>
@@ -24,6 +25,7 @@
 #define SPECD_HOST_EMU 1
 #define __global__
 #define __launch_bounds__(...)
+#define __shared__ static  // one block at a time: a static array is the block's shared memory
 inline void __trap() { std::abort(); }
 
 struct Dim3 {
@@ -105,9 +107,31 @@ inline void specd_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
   w.bar->arrive_and_wait();
 }
 
-// __shfl_sync over the whole warp (every lane takes part, as in the kernel).
-inline uint32_t __shfl_sync(unsigned mask, uint32_t v, int src) {
-  if (mask != 0xffffffffu) std::abort();
+inline int8_t byte_of(uint32_t reg, int i) { return int8_t(uint8_t(reg >> (8 * i))); }
+
+inline void specd_emu_imma(int (&d)[4], const uint32_t (&a)[4], uint2 b) {
+  WarpShared& w = *tl_warp;
+  const int lane = int(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
+  for (int r = 0; r < 4; ++r) w.a[lane][r] = a[r];
+  w.b[lane][0] = b.x, w.b[lane][1] = b.y;
+  w.bar->arrive_and_wait();
+  for (int c = 0; c < 4; ++c) {
+    const int row = g + 8 * (c >> 1), col = 2 * t + (c & 1);
+    int64_t s = 0;
+    for (int k = 0; k < 32; ++k) {
+      // A (row, k): lane 4 (row % 8) + (k % 16) / 4, register (row >= 8) + 2 (k >= 16), byte k % 4.
+      const int av = byte_of(w.a[4 * (row % 8) + (k % 16) / 4][(row >= 8) + 2 * (k >= 16)], k % 4);
+      // B (k, col): lane 4 col + (k % 16) / 4, register k >= 16, byte k % 4.
+      const int bv = byte_of(w.b[4 * col + (k % 16) / 4][k >= 16], k % 4);
+      s += int64_t(av) * bv;
+    }
+    d[c] = int(s);
+  }
+  w.bar->arrive_and_wait();
+}
+
+// Warp exchange: every lane publishes v, then reads lane src's (every lane takes part, as in the kernel).
+inline uint32_t exchange(uint32_t v, int src) {
   WarpShared& w = *tl_warp;
   w.sh[threadIdx.x & 31] = v;
   w.bar->arrive_and_wait();
@@ -115,10 +139,41 @@ inline uint32_t __shfl_sync(unsigned mask, uint32_t v, int src) {
   w.bar->arrive_and_wait();
   return r;
 }
+inline uint32_t __shfl_sync(unsigned mask, uint32_t v, int src) {
+  if (mask != 0xffffffffu) std::abort();
+  return exchange(v, src);
+}
+inline float __shfl_xor_sync(unsigned mask, float v, int m) {
+  if (mask != 0xffffffffu) std::abort();
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  u = exchange(u, int(threadIdx.x & 31) ^ m);
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+inline void __syncwarp() { tl_warp->bar->arrive_and_wait(); }
 
 #include "matmul_mma.cuh"
 
 using namespace specd::gpu::detail;
+
+// Runs fn() on `blocks` blocks of `threads` threads (warps of 32 with their exchange barrier), one
+// block at a time (the kernels' __shared__ arrays are statics).
+template <class Fn>
+void emulate(int64_t blocks, int threads, const Fn& fn) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    std::vector<WarpShared> warps(size_t(threads / 32));
+    for (auto& s : warps) s.bar = std::make_unique<std::barrier<>>(32);
+    std::vector<std::thread> th;
+    for (int i = 0; i < threads; ++i)
+      th.emplace_back([&, i] {
+        threadIdx.x = unsigned(i), blockIdx.x = unsigned(b), blockDim.x = unsigned(threads);
+        tl_warp = &warps[size_t(i / 32)];
+        fn();
+      });
+    for (auto& t : th) t.join();
+  }
+}
 
 // The weights (each out[i] rows, stored one after the other in w) against x as one grouped launch
 // planned by mma::plan_group (flat grid, each weight's own split; the launch's own planner), then
@@ -127,15 +182,16 @@ template <class F>
 void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std::vector<float>& x, int n,
          const std::vector<int64_t>& outs, std::vector<float>& y) {
   using namespace specd::gpu::detail::mma;
-  const int NT = n <= 8 ? 1 : 2;
-  const int64_t nblk = in / 32;
-  std::vector<uint2> xf(size_t(nblk * 2 * NT * 2 * 32));
-  std::vector<float> xs(size_t(nblk * kXCols * 2), NAN);
-  const int64_t threads = nblk * NT * 8;
-  for (int64_t i = 0; i < threads; ++i) {
-    blockDim.x = 128, blockIdx.x = unsigned(i / 128), threadIdx.x = unsigned(i % 128);
-    split_x_kernel(x.data(), in, n, nblk, NT, xf.data(), xs.data());
-  }
+  const XSizes sz(in);
+  std::vector<uint8_t> scratch_x(sz.total(), 0xA5);  // poisoned: whatever the kernels read was written
+  uint8_t* base = scratch_x.data();
+  const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 8;
+  emulate((threads + 127) / 128, 128, [&] {
+    split_x_kernel(x.data(), in, n, groups, reinterpret_cast<uint2*>(base), reinterpret_cast<float*>(base + sz.xb),
+                   reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
+  });
+  const XView xv{reinterpret_cast<const uint2*>(base), reinterpret_cast<const float*>(base + sz.xb),
+                 reinterpret_cast<const uint32_t*>(base + sz.xb + sz.xs), 3 * n, 0};
   // Split-K as the host code picks it (units_per_split), with SPECD_EMU_SMS multiprocessors (default
   // 132, an H200; small values give many splits on the tests' small weights).
   const char* sms_env = std::getenv("SPECD_EMU_SMS");
@@ -155,19 +211,9 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
                scratch.emplace_back(bytes / sizeof(float), NAN);
                return scratch.back().data();
              }, grp, sums);
-  for (int64_t b = 0; b < grp.block0[grp.count]; ++b) {
-    WarpShared warps[kWarps];
-    for (auto& s : warps) s.bar = std::make_unique<std::barrier<>>(32);
-    std::vector<std::thread> th;
-    for (int i = 0; i < kWarps * 32; ++i)
-      th.emplace_back([&, i] {
-        threadIdx.x = unsigned(i), blockIdx.x = unsigned(b);
-        tl_warp = &warps[i / 32];
-        auto kernel = NT == 1 ? mma_gemv_kernel<F, 1> : mma_gemv_kernel<F, 2>;
-        kernel(grp, nunits, xf.data(), xs.data(), n);
-      });
-    for (auto& t : th) t.join();
-  }
+  const int nt = tiles_for(n);
+  auto kernel = nt == 1 ? mma_gemv_kernel<F, 1> : nt == 3 ? mma_gemv_kernel<F, 3> : mma_gemv_kernel<F, 6>;
+  emulate(grp.block0[grp.count], kWarps * 32, [&] { kernel(grp, nunits, xv, n); });
   for (int64_t e = 0; e < sums.elem0[sums.count]; ++e) sum_splits_at(sums, e);
 }
 
