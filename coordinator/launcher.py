@@ -62,7 +62,8 @@ class ServeConfig:
     max_graphs: most captured CUDA graphs the target worker keeps (LRU; ``--max-graphs``), >= 1.
         Default 16.
     share_target_weights: "auto" (default): the drafter worker maps the target worker's token_embd /
-        output (CUDA IPC) when both run on the same GPU, else loads its own copy (logged); "off":
+        output (CUDA IPC) when both run on the same GPU and the tensors' content fingerprints match
+        the target GGUF's, else loads its own copy (logged); "off":
         always its own copy. Passed as ``--share-target-weights`` with ``--target-worker`` (the target
         worker's socket) to the drafter worker.
     start_timeout_s: wait for each child's READY line. Default 600.

@@ -165,7 +165,9 @@ def open_model_drafter(drafter_path: str, target_path: str, *, kv_dtype: str = "
     share_target_weights: "auto" (default) maps the target worker's exported token_embd / output
     ([n_vocab, n_embd] in the target's stored types; :mod:`specd.target_worker.shared_weights`) when
     the drafter runs on the GPU and the target worker at ``target_worker`` (a gRPC address; or the
-    already fetched ``shared_infos``) published them from the same GPU; otherwise, and with "off",
+    already fetched ``shared_infos``) published them from the same GPU with content fingerprints
+    equal to the target GGUF's (:func:`~specd.target_worker.shared_weights.tensor_fingerprint`;
+    a missing one refused); otherwise, and with "off",
     the drafter uploads its own copy from the target GGUF (the reason is logged and kept in the
     result's ``head_sharing``). ``ipc_backend``: the IPC backend (default the native one; tests pass a
     fake).

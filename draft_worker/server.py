@@ -174,7 +174,8 @@ class DraftWorkerConfig:
     share_target_weights: where the drafter's copy of the target's token_embd / output comes from:
         "auto" (default) maps the target worker's exported tensors (CUDA/HIP IPC; they are alive for
         the target worker's life) when both workers run on the same GPU and ``target_worker`` is
-        set, else (CPU, another GPU, no address, a refused handle) loads its own copy from
+        set and their content fingerprints match ``target``'s, else (CPU, another GPU, no address,
+        another file's content or no fingerprint, a refused handle) loads its own copy from
         ``target`` and logs why; "off" always loads its own copy. See
         :mod:`specd.target_worker.shared_weights`. Ignored by the scripted drafter.
     target_worker: gRPC address of the target worker whose Info publishes the shared tensors

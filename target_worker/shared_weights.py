@@ -12,8 +12,9 @@ Target side (no flag: exporting is free). A target worker whose model runs on th
 the tensor's stored type and shape, filled from the GGUF, exported with ``cudaIpcGetMemHandle`` and
 used by the target's own forward (no second copy in the target either). ``TargetInfo.shared_tensors``
 publishes per tensor (worker.proto SharedTensor, :class:`SharedTensorInfo`): the GGUF name, the
-ggml type id, the shape ``[n_vocab, n_embd]``, the byte size, the 64-byte handle and the exporting
-GPU's PCI bus id (``device_id``). The buffers are model weights: alive for the target worker's life,
+ggml type id, the shape ``[n_vocab, n_embd]``, the byte size, the 64-byte handle, the exporting
+GPU's PCI bus id (``device_id``) and a content fingerprint of the GGUF bytes it was filled from
+(:func:`tensor_fingerprint`, computed once at load). The buffers are model weights: alive for the target worker's life,
 so they outlive every mapping (``specd serve`` stops the drafter worker before the target worker);
 a standalone drafter watches its target (:class:`TargetWatch`) and stops proposing when the exporting
 process is gone. An export failure
@@ -28,10 +29,17 @@ mode is off; the drafter is not on the GPU; no target worker address is known or
 target published nothing; the exporter runs on another machine (:func:`host_id` in ``owner_id``); the
 target ties output to token_embd but the drafter's GGUF does not; the target's GPU is another one (``device_id``: the runtime would map it
 over the peer link, every embedding gather and lm_head matmul a remote read); a tensor's type, shape
-or size differs from the target GGUF the drafter was given (another file); or the runtime refuses a
-handle. Malformed handle data (a handle not 64 bytes, an unknown type id, a shape that is not
-``[rows, cols]`` > 0, a byte size that does not match the shape and type) is a ValueError naming the
-tensor: the target worker never sends it, so something is wrong that a fallback must not hide.
+or size differs from the target GGUF the drafter was given (another file); a tensor's content
+fingerprint (:func:`tensor_fingerprint`: blake2b over type, shape, length and 64 evenly spaced 4 KiB
+windows of the stored bytes, computed by the exporter from the GGUF it loaded and by the drafter from
+its own view of the target GGUF) differs (another file with the same shapes), is missing (a target
+worker older than the fingerprint: refused, since the content cannot be vouched for) or is of another
+scheme; or the runtime refuses a handle. Malformed handle data (a handle not 64 bytes, an unknown
+type id, a shape that is not ``[rows, cols]`` > 0, a byte size that does not match the shape and
+type) is a ValueError naming the tensor: the target worker never sends it, so something is wrong that
+a fallback must not hide. A missing or unreadable fingerprint is not malformed handle data but a
+refusal (the own copy is always correct; an older target worker is a version skew to report, not a
+fault to stop on).
 
 Lifetime on the drafter side: :meth:`SharedHead.close` (``ModelDrafter.close``, run by the drafter
 worker's shutdown) drops the mapped tensors after the library stream drains; the last reference
@@ -46,9 +54,11 @@ tests with a fake backend (tests/target/fake_ipc.py).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import socket
+import struct
 import threading
 
 import specd.native as sn
@@ -61,6 +71,11 @@ SHARE_MODES = ("auto", "off")
 DEFAULT_SHARE = "auto"
 EMBD, OUTPUT = "token_embd.weight", "output.weight"
 NAMES = (EMBD, OUTPUT)
+# tensor_fingerprint's scheme: blake2b, 64 windows of 4 KiB (the tag starts every fingerprint)
+FINGERPRINT_SCHEME = "b2s64w4k"
+FINGERPRINT_WINDOWS = 64
+FINGERPRINT_WINDOW_BYTES = 4096
+FINGERPRINT_DIGEST_BYTES = 16
 
 
 def check_share_mode(mode: str, who: str) -> str:
@@ -94,7 +109,9 @@ class SharedTensorInfo:
     name: "token_embd.weight" or "output.weight"; ggml_type: the stored type's ggml id
     (``int(sn.DType)``); shape: (n_vocab, n_embd) as the sn.Tensor shape; nbytes: the buffer's bytes;
     handle: the 64-byte IPC memory handle; device_id: the exporting GPU's PCI bus id; owner_id:
-    "<hostname>:<boot id>:<pid>" of the exporting process (:func:`host_id`).
+    "<hostname>:<boot id>:<pid>" of the exporting process (:func:`host_id`); fingerprint: the
+    :func:`tensor_fingerprint` of the source the exporter filled the buffer from ("" from a target
+    worker older than the fingerprint: the drafter refuses to map it).
     """
 
     name: str
@@ -104,15 +121,18 @@ class SharedTensorInfo:
     handle: bytes
     device_id: str
     owner_id: str = ""
+    fingerprint: str = ""
 
     def to_proto(self, pb):
         return pb.SharedTensor(name=self.name, ggml_type=self.ggml_type, shape=list(self.shape), nbytes=self.nbytes,
-                               ipc_mem_handle=self.handle, device_id=self.device_id, owner_id=self.owner_id)
+                               ipc_mem_handle=self.handle, device_id=self.device_id, owner_id=self.owner_id,
+                               fingerprint=self.fingerprint)
 
     @classmethod
     def from_proto(cls, m) -> "SharedTensorInfo":
         return cls(name=m.name, ggml_type=int(m.ggml_type), shape=tuple(int(s) for s in m.shape),
-                   nbytes=int(m.nbytes), handle=bytes(m.ipc_mem_handle), device_id=m.device_id, owner_id=m.owner_id)
+                   nbytes=int(m.nbytes), handle=bytes(m.ipc_mem_handle), device_id=m.device_id, owner_id=m.owner_id,
+                   fingerprint=m.fingerprint)
 
     def check(self) -> "sn.DType":
         """The tensor's DType after checking the handle data's own consistency; ValueError naming the
@@ -148,6 +168,53 @@ def tensor_nbytes(shape, dtype: "sn.DType"):
     return rows * (cols // block) * sn.type_size(dtype)
 
 
+def _host_bytes(t) -> memoryview:
+    """The stored bytes of ``t`` as one flat byte view: zero-copy for a contiguous CPU tensor (a GGUF
+    view over the file's mapping); a device tensor is copied to the host first."""
+    a = t.numpy()
+    if not a.flags.c_contiguous:
+        import numpy as np
+
+        a = np.ascontiguousarray(a)
+    return memoryview(a).cast("B")
+
+
+def tensor_fingerprint(t) -> str:
+    """The content fingerprint of ``t`` (an sn.Tensor, normally the target GGUF's mapped view of
+    token_embd / output), as the exporter publishes it (SharedTensor.fingerprint) and the drafter
+    recomputes it from its own view of the target GGUF before mapping.
+
+    Definition (scheme ``b2s64w4k``): ``"b2s64w4k:" + blake2b(digest_size=16).hexdigest()`` over
+    the header ``struct.pack("<IQQQ", ggml type id, rows, cols, n)`` (n = the tensor's stored
+    bytes) followed by the stored bytes of 64 windows of 4 KiB: window i (0 .. 63) starts at byte
+    ``i * (n - 4096) // 63`` (the first at 0, the last ending at n, evenly spaced between; windows
+    may overlap). A tensor of at most 64 * 4 KiB = 256 KiB is hashed whole instead (header, then all
+    n bytes).
+
+    Why a sample: hashing the whole tensor costs ~0.8 s per GB on one core (blake2b, ~1.2 GB/s),
+    on each side (a 27B target's token_embd + output are ~1.6 GB), and on the drafter side it would
+    page in the whole tensor from the target GGUF's mapping that sharing exists to leave alone. The
+    sample hashes 256 KiB and touches 64-128 pages: well under a millisecond, once per tensor at
+    start-up. What it guards against is another file with the same tensor shapes (another
+    fine-tune, a re-quantisation, a different checkpoint of the same architecture): such a file
+    differs in essentially every 4 KiB block. It is not a guarantee against a change confined to
+    bytes between the windows (a deliberate edit of a few rows): the sampled bytes cover 256 KiB
+    per tensor."""
+    rows, cols = (int(d) for d in t.shape)  # [n_vocab, n_embd]: the exported tensors are 2-D
+    data = _host_bytes(t)
+    n = len(data)
+    h = hashlib.blake2b(digest_size=FINGERPRINT_DIGEST_BYTES)
+    h.update(struct.pack("<IQQQ", int(t.dtype), rows, cols, n))
+    w, k = FINGERPRINT_WINDOW_BYTES, FINGERPRINT_WINDOWS
+    if n <= k * w:
+        h.update(data)
+    else:
+        for i in range(k):
+            start = i * (n - w) // (k - 1)
+            h.update(data[start:start + w])
+    return f"{FINGERPRINT_SCHEME}:{h.hexdigest()}"
+
+
 class HeadExporter:
     """Target side: places token_embd / output in exported device buffers and records their
     :class:`SharedTensorInfo` (``infos``). ``backend``: :func:`make_backend` by default."""
@@ -156,24 +223,27 @@ class HeadExporter:
         self.backend = backend if backend is not None else make_backend()
         self.infos: list[SharedTensorInfo] = []
         self.tensors: list = []  # the exported tensors: alive as long as the exporter (the worker)
-        self._done: dict = {}   # id(source) -> (source, exported tensor, handle): a tied output once
+        self._done: dict = {}   # id(source) -> (source, exported tensor, handle, fingerprint): a tied output once
         self.owner_id = f"{host_id()}:{os.getpid()}"
 
     def place(self, name: str, t):
         """The exported device copy of ``t`` (an sn.Tensor [rows, cols] of any stored type, usually a
         GGUF view) for GGUF tensor ``name``; the same tensor again for the same source (tied output:
-        its info carries token_embd's handle). Raises what the backend raises (RuntimeError on a device
-        failure)."""
+        its info carries token_embd's handle). The published fingerprint (:func:`tensor_fingerprint`)
+        is computed once per source, from ``t`` itself (the host copy / file mapping the buffer is
+        filled from). Raises what the backend raises (RuntimeError on a device failure)."""
         key = id(t)
         if key in self._done:
-            _, placed, handle = self._done[key]
+            _, placed, handle, fingerprint = self._done[key]
         else:
+            fingerprint = tensor_fingerprint(t)
             placed, handle = self.backend.export_tensor(t)
-            self._done[key] = (t, placed, handle)  # the source kept alive: its id stays unique
+            self._done[key] = (t, placed, handle, fingerprint)  # the source kept alive: its id stays unique
             self.tensors.append(placed)
         self.infos.append(SharedTensorInfo(name=name, ggml_type=int(t.dtype), shape=tuple(int(s) for s in t.shape),
                                            nbytes=int(t.nbytes), handle=bytes(handle),
-                                           device_id=self.backend.device_id(), owner_id=self.owner_id))
+                                           device_id=self.backend.device_id(), owner_id=self.owner_id,
+                                           fingerprint=fingerprint))
         return placed
 
     def close(self) -> None:
@@ -182,7 +252,7 @@ class HeadExporter:
         model, keeps its own). Used after a failed export and at the worker's shutdown."""
         forget = getattr(self.backend, "forget", None)
         if forget is not None:
-            forget(*(h for _, _, h in self._done.values()))
+            forget(*(h for _, _, h, _ in self._done.values()))
         self.infos, self.tensors, self._done = [], [], {}
 
 
@@ -228,8 +298,13 @@ def open_shared_head(infos, target_weights, target_path: str, backend=None):
     the target GGUF ``target_path``: its tensors are what would be loaded otherwise).
 
     Returns (SharedHead, "") or (None, reason) when sharing is refused (not published, another GPU,
-    a type / shape / size that differs from the GGUF, the runtime refused a handle). Raises ValueError
-    naming the tensor on malformed handle data (:meth:`SharedTensorInfo.check`)."""
+    a type / shape / size that differs from the GGUF, a content fingerprint that differs from the
+    GGUF's (:func:`tensor_fingerprint` of ``target_weights``' tensor) or is missing (an older target
+    worker) or of another scheme, the runtime refused a handle). The fingerprint is checked last,
+    after the cheap checks, each distinct source tensor hashed once. Raises ValueError naming the
+    tensor on malformed handle data (:meth:`SharedTensorInfo.check`); a missing or unreadable
+    fingerprint is a refusal, not an error: it says nothing about the handle, only that the content
+    cannot be vouched for, and the own copy is always correct."""
     backend = backend if backend is not None else make_backend()
     by_name = {}
     for i in infos:
@@ -269,6 +344,19 @@ def open_shared_head(infos, target_weights, target_path: str, backend=None):
             return None, (f"{name} differs from {target_path}: the target worker exports {dtype.name} "
                           f"{list(info.shape)} ({info.nbytes} bytes), the file holds {own[0].name} {list(own[1])} "
                           f"({own[2]} bytes)")
+    mine_fp: dict[int, str] = {}  # id(own tensor) -> its fingerprint (a tied file: hashed once)
+    for name in NAMES:
+        info, t = by_name[name][0], want[name]
+        if not info.fingerprint:
+            return None, (f"the target worker published no content fingerprint for {name} (a target worker older "
+                          f"than this drafter): cannot check that it holds {target_path}'s {name}; restart the "
+                          "target worker with this version to share")
+        if id(t) not in mine_fp:
+            mine_fp[id(t)] = tensor_fingerprint(t)
+        if info.fingerprint != mine_fp[id(t)]:
+            return None, (f"{name} content differs from {target_path}: the target worker's fingerprint is "
+                          f"{info.fingerprint!r}, the file's {mine_fp[id(t)]!r} (another file with the same "
+                          "shapes, or another fingerprint scheme)")
     opened: dict[bytes, object] = {}
     try:
         for name in NAMES:

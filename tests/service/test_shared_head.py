@@ -4,13 +4,17 @@ publishes the exported tensors in Info, a drafter worker given ``--target-worker
 loading its own copy (the very tensors the target computes with), its proposals and the served output
 equal the own-copy drafter's and plain greedy decoding, the memory report counts the shared tensors
 once (the drafter as "shared"), and every refusal (sharing off, the CPU, another GPU, another file's
-sizes, a refused handle, no target worker) falls back to an own copy with its reason logged, while
-malformed handle data is an error naming the tensor. The same path on a real GPU across processes is
+sizes, another file's content with the same sizes (the content fingerprint), a fingerprint missing
+(an older target worker) or of another scheme, a refused handle, no target worker) falls back to an
+own copy with its reason logged, while malformed handle data is an error naming the tensor. The same path on a real GPU across processes is
 tests/gpu/test_gpu_shared_head.py."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import shutil
+import struct
 import types
 
 import grpc
@@ -97,6 +101,8 @@ def test_target_info_publishes_the_exported_head(hstack):
         assert list(m.shape) == [hp.n_vocab, hp.n_embd]
         assert m.ggml_type == int(t.dtype) and m.nbytes == t.nbytes == sw.tensor_nbytes(m.shape, t.dtype)
         assert len(m.ipc_mem_handle) == 64 and m.device_id == FakeIpcBackend.pci_bus_id
+        # the content fingerprint of the GGUF bytes the buffer was filled from
+        assert m.fingerprint == sw.tensor_fingerprint(t) and m.fingerprint.startswith(sw.FINGERPRINT_SCHEME + ":")
         # the target computes with the exported tensors themselves (no second copy on its side either)
         assert FakeIpcBackend.registry[bytes(m.ipc_mem_handle)] is t
     assert got[sw.EMBD].ipc_mem_handle != got[sw.OUTPUT].ipc_mem_handle  # condgen does not tie them
@@ -221,6 +227,61 @@ def test_refused_on_a_size_mismatch(hstack, target_gguf, caplog):
              shared_infos=[other] + infos[1:])
 
 
+def _changed_copy(src, dst, name=sw.EMBD):
+    """A copy of the GGUF ``src`` at ``dst`` whose tensor ``name`` has one byte changed (the first: the
+    low mantissa byte of an F32 element, a block's scale otherwise): the same shapes, other content."""
+    from gguf import GGUFReader
+
+    shutil.copyfile(src, dst)
+    off = next(t.data_offset for t in GGUFReader(str(src)).tensors if t.name == name)
+    with open(dst, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x01]))
+    return str(dst)
+
+
+def test_refused_on_a_content_mismatch(hstack, target_gguf, tmp_path, caplog):
+    """A drafter given another target GGUF with the same shapes (one byte of token_embd changed): the
+    target worker's published fingerprint differs from the file's, so it keeps its own copy and the
+    warning names the tensor and both fingerprints."""
+    other = _changed_copy(target_gguf, tmp_path / "other-target.gguf")
+    theirs = {i.name: i.fingerprint for i in _infos(hstack)}
+    mine = sw.tensor_fingerprint(load_qwen35(other).token_embd)
+    assert mine != theirs[sw.EMBD]
+    d = _refused(hstack, other, caplog, [sw.EMBD, "content differs from", other, theirs[sw.EMBD], mine])
+    assert d.model.token_embd.numpy().tobytes() != hstack.tservicer.model.token_embd.numpy().tobytes()
+    assert any(r.levelno == logging.WARNING and "content differs" in r.getMessage() for r in caplog.records)
+
+
+def test_refused_without_a_fingerprint_or_with_another_scheme(hstack, target_gguf, caplog):
+    """A target worker older than the fingerprint publishes none (the proto field unset): refused, not
+    an error (the own copy is always correct); so is a fingerprint of a scheme this drafter does not
+    compute (it cannot equal the file's)."""
+    infos = _infos(hstack)
+    old = [wpb.SharedTensor(name=i.name, ggml_type=i.ggml_type, shape=list(i.shape), nbytes=i.nbytes,
+                            ipc_mem_handle=i.handle, device_id=i.device_id, owner_id=i.owner_id) for i in infos]
+    assert [sw.SharedTensorInfo.from_proto(m).fingerprint for m in old] == ["", ""]
+    _refused(hstack, target_gguf, caplog, ["no content fingerprint for token_embd.weight", "older", target_gguf],
+             shared_infos=old)
+    caplog.clear()
+    no_out = [infos[0], dataclasses.replace(infos[1], fingerprint="")]
+    _refused(hstack, target_gguf, caplog, ["no content fingerprint for output.weight"], shared_infos=no_out)
+    caplog.clear()
+    newer = [dataclasses.replace(i, fingerprint="sha3s128:" + "ab" * 16) for i in infos]
+    _refused(hstack, target_gguf, caplog, [sw.EMBD, "content differs", "'sha3s128:", "another fingerprint scheme"],
+             shared_infos=newer)
+    caplog.clear()
+    garbled = [dataclasses.replace(infos[0], fingerprint="\x00not-a-fingerprint"), infos[1]]
+    _refused(hstack, target_gguf, caplog, [sw.EMBD, "content differs"], shared_infos=garbled)
+
+
+def test_fingerprint_survives_the_proto_round_trip(hstack):
+    for i in _infos(hstack):
+        assert i.fingerprint and sw.SharedTensorInfo.from_proto(i.to_proto(wpb)) == i
+
+
 def test_refused_when_the_runtime_refuses_a_handle(hstack, target_gguf, caplog):
     _refused(hstack, target_gguf, caplog, ["refused", "invalid resource handle"], ipc_backend=Refusing())
 
@@ -282,6 +343,7 @@ def test_tied_head_is_exported_and_mapped_once():
     b = exp.place(sw.OUTPUT, embd)
     assert a is b and len(exp.tensors) == 1
     assert [i.name for i in exp.infos] == [sw.EMBD, sw.OUTPUT] and exp.infos[0].handle == exp.infos[1].handle
+    assert exp.infos[0].fingerprint == exp.infos[1].fingerprint == sw.tensor_fingerprint(embd)
     FakeIpcBackend.log.clear()
     head, reason = sw.open_shared_head(exp.infos, weights, "t.gguf", backend)
     assert reason == "" and head.token_embd is head.output is a
@@ -508,3 +570,73 @@ def test_target_export_head_off_publishes_nothing(target_gguf, monkeypatch):
             assert len(svc.Info(wpb.InfoRequest(), None).shared_tensors) == published
         finally:
             svc.close()
+
+
+# ---------------------------------------------------------------------- the content fingerprint
+
+
+def _reference_fingerprint(t, whole: bool) -> str:
+    """tensor_fingerprint's documented definition, written out independently."""
+    raw = np.ascontiguousarray(t.numpy()).tobytes()
+    n = len(raw)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(struct.pack("<IQQQ", int(t.dtype), *(int(d) for d in t.shape), n))
+    if whole:
+        h.update(raw)
+    else:
+        for i in range(64):
+            s = i * (n - 4096) // 63
+            h.update(raw[s:s + 4096])
+    return "b2s64w4k:" + h.hexdigest()
+
+
+def test_fingerprint_definition_small_and_sampled():
+    rng = np.random.default_rng(4)
+    small = rng.standard_normal((64, 32)).astype(np.float32)  # 8 KiB <= 256 KiB: hashed whole
+    assert sw.tensor_fingerprint(sn.Tensor(small)) == _reference_fingerprint(sn.Tensor(small), whole=True)
+    big = rng.standard_normal((1024, 512)).astype(np.float32)  # 2 MiB: 64 windows of 4 KiB
+    fp = sw.tensor_fingerprint(sn.Tensor(big))
+    assert fp == _reference_fingerprint(sn.Tensor(big), whole=False)
+    assert len(fp) == len("b2s64w4k:") + 32
+    n = big.nbytes
+    starts = [i * (n - 4096) // 63 for i in range(64)]
+    assert starts[0] == 0 and starts[-1] + 4096 == n
+    flat = big.reshape(-1)
+    for byte in (0, starts[17] + 100, n - 4):  # inside a window (first, middle, last): detected
+        changed = flat.copy()
+        changed[byte // 4] += 1.0
+        assert sw.tensor_fingerprint(sn.Tensor(changed.reshape(big.shape))) != fp, byte
+    gap = (starts[0] + 4096 + starts[1]) // 2  # between windows 0 and 1: the sample does not see it
+    assert not any(s <= gap < s + 4096 for s in starts)
+    changed = flat.copy()
+    changed[gap // 4] += 1.0
+    assert sw.tensor_fingerprint(sn.Tensor(changed.reshape(big.shape))) == fp  # the documented limit
+    # type and shape are part of it: the same bytes as another shape or type differ
+    assert sw.tensor_fingerprint(sn.Tensor(big.reshape(512, 1024))) != fp
+    as_f16 = sn.Tensor(big.view(np.float16).reshape(1024, 1024))
+    assert sw.tensor_fingerprint(as_f16) != fp
+    q = sn.Tensor.zeros([3, 512], sn.DType.Q8_0)  # a block type: its raw stored bytes
+    assert sw.tensor_fingerprint(q) == _reference_fingerprint(q, whole=True)
+
+
+def test_open_shared_head_refuses_other_content_with_the_same_shapes():
+    """The exporter's source and the drafter's file: same type and shape, one value different."""
+    rng = np.random.default_rng(5)
+    embd = rng.standard_normal((64, 32)).astype(np.float32)
+    out = rng.standard_normal((64, 32)).astype(np.float32)
+    backend = FakeIpcBackend()
+    exp = sw.HeadExporter(backend)
+    exp.place(sw.EMBD, sn.Tensor(embd))
+    exp.place(sw.OUTPUT, sn.Tensor(out))
+    same = types.SimpleNamespace(token_embd=sn.Tensor(embd.copy()), output=sn.Tensor(out.copy()))
+    head, reason = sw.open_shared_head(exp.infos, same, "t.gguf", backend)
+    assert reason == "" and head is not None
+    changed = out.copy()
+    changed[7, 3] = -changed[7, 3]
+    other = types.SimpleNamespace(token_embd=sn.Tensor(embd.copy()), output=sn.Tensor(changed))
+    FakeIpcBackend.log.clear()
+    head, reason = sw.open_shared_head(exp.infos, other, "t.gguf", backend)
+    assert head is None and "output.weight content differs from t.gguf" in reason
+    assert exp.infos[1].fingerprint in reason and sw.tensor_fingerprint(other.output) in reason
+    assert not [k for k, _ in FakeIpcBackend.log if k == "open_tensor"]  # refused before mapping anything
+    exp.close()
