@@ -9,7 +9,7 @@
 # Usage (repository root on the GPU machine; carry .whl as for gpu_tests.sh):
 #     OUT=/some/dir bash tools/device/gemv_ncu.sh
 # Outputs: build.log, pytest.log, status.txt (gpu_tests.sh), ncu.txt, sass.txt.
-# Written after the 2026-11-30 07:53 session had spent its device minutes: not yet run on the H200.
+# WIDTHS (default "1 8"): rows of x profiled.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -22,10 +22,12 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 cd /tmp || exit 1
 NCU=${NCU:-/usr/local/cuda/bin/ncu}
 read -r -a fmts <<<"${FORMATS:-IQ4_XS Q8_0}"
-timeout "${NCU_TIMEOUT:-300}" "$NCU" --target-processes all -k regex:mma_gemv_kernel --launch-count $((6 * ${#fmts[@]})) \
+read -r -a widths <<<"${WIDTHS:-1 8}"
+timeout "${NCU_TIMEOUT:-300}" "$NCU" --target-processes all -k regex:mma_gemv_kernel --launch-count $((3 * ${#widths[@]} * ${#fmts[@]})) \
   --section SpeedOfLight --section Occupancy --section LaunchStats --section SchedulerStats \
   --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis \
-  python3 "$R/tools/device/gemv_probe.py" --formats "${fmts[@]}" >"$OUT/ncu.txt" 2>&1
+  --section MemoryWorkloadAnalysis_Tables \
+  python3 "$R/tools/device/gemv_probe.py" --formats "${fmts[@]}" --widths ${WIDTHS:-1 8} >"$OUT/ncu.txt" 2>&1
 echo "ncu rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 so=$(python3 -c 'import specd.native._native as m; print(m.__file__)')
 "${CUOBJDUMP:-/usr/local/cuda/bin/cuobjdump}" -sass "$so" 2>&1 |
