@@ -86,11 +86,12 @@ def bf16_bits(f32):
 # The tensor-core GEMV (native/src/gpu/matmul_mma.cuh), emulated on the host
 # --------------------------------------------------------------------------------------------
 # host_emu/mma_main.cpp runs the header's split_x_kernel and mma_gemv_kernel on the CPU (one thread
-# per lane, mma.sync m16n8k16 f16 -> f32 emulated from the PTX ISA fragment layouts, sums in double),
-# so the per-format load offsets, the k permutation, the x split (two f16 terms per power-of-two
-# scaled 32-input block), the scales / min terms and the split-K walk are checked without a GPU.
+# per lane, mma.sync m16n8k32 s8 -> s32 and m16n8k16 f16 -> f32 emulated from the PTX ISA fragment
+# layouts, shuffles and __syncwarp across the lane threads), so the per-format load offsets, the k
+# order, the x split (three int8 terms per power-of-two scaled 256-input group), the integer scales,
+# the min terms, the load ring, the term sums and the split-K walk are checked without a GPU.
 # Tolerance: 1e-5 * (|x| @ |w|^T), the GEMV's contract (the emulation is ~1e-7: the x split keeps
-# ~22 bits). The hardware MMA numerics: test_gpu_matmul.py on a GPU.
+# ~21 bits of each group's maximum). The hardware: test_gpu_matmul.py on a GPU.
 
 MMA_SRC = os.path.join(HERE, "..", "..", "native", "src", "gpu", "matmul_mma.cuh")
 
@@ -141,8 +142,12 @@ def wide_range_x(rng, n, k):
     return x.astype(np.float32)
 
 
-@pytest.mark.parametrize("k,out", [(256, 7), (512, 77), (1024, 40)])
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+MMA_CASES = [(name, k, out) for name in ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+             for k, out in [(256, 7), (512, 77), (1024, 40)]]
+MMA_CASES += [("Q8_0", 96, 33), ("Q8_0", 288, 40)]  # Q8_0 rows that end in a ragged x group (in % 256 != 0)
+
+
+@pytest.mark.parametrize("name,k,out", MMA_CASES)
 @pytest.mark.parametrize("xkind", ["normal", "wide"])
 def test_gpu_mma_gemv_emulated_on_host(mma_emu, rng, name, k, out, xkind):
     d, exe = mma_emu

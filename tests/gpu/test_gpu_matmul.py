@@ -11,11 +11,11 @@ Tolerances, elementwise:
 * GEMV path (n <= 16 rows of x, and n > 16 with exact=True in 16-row slices): |y_gpu - y_cpu| <=
   1e-5 * bound. F32 / F16 / BF16: both accumulate in float32 in different orders; the GPU decodes
   the weights to exactly the CPU's float32 values. Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS (CUDA: the
-  tensor-core GEMV, matmul_mma.cuh): integer quants (exact in F16) times x split, per 32-input
-  block, into a power of two times two F16 terms (|x - s (hi + lo)| <= 2^-22 |x| + 2^-39 max|x
-  over the block|), F32 tensor-core accumulation per sub-block, scales in F32 afterwards: a few
-  2^-22 of the bound for inputs whose block-wise dynamic range is not extreme (host emulation
-  ~1e-7, also with x spanning 2^-72 .. 2^72), inside 1e-5.
+  integer tensor-core GEMV, matmul_mma.cuh): int8 quants times x split, per 256-input group, into a
+  power of two times three int8 terms (|x - s (2^14 hi + 2^7 mid + lo)| <= 2^-20 max|x over the
+  group|), exact integer sums with the integer sub-block scales, F32 once per super-block: ~1e-7 of
+  the bound for inputs whose group-wise dynamic range is not extreme (H200 and host emulation, also
+  with x spanning 2^-72 .. 2^72), inside 1e-5.
 * cuBLAS path (n > 16): x and the dequantized weights are rounded to BF16 (8 significant bits),
   products and sums in float32: each product is off by at most 2^-9 + 2^-9 + 2^-18 relative, so
   |y_gpu - y_cpu| <= (2^-8 + 2e-5) * bound.
@@ -108,6 +108,13 @@ def test_matmul_gpu_formats_widths(rng, name, k, out):
 @gpu_only
 def test_matmul_gpu_float_unaligned_rows(rng, name, k, out):
     run_widths(rng, name, k, out, [1, 2, 5, 16, 17])
+
+
+@pytest.mark.parametrize("k,out", [(96, 33), (288, 40), (5152, 70)])
+@gpu_only
+def test_matmul_gpu_q8_0_ragged_x_group(rng, k, out):
+    """Q8_0 rows whose length is not a multiple of 256: the tensor-core GEMV's last x group is ragged."""
+    run_widths(rng, "Q8_0", k, out, [1, 2, 3, 8, 9, 16, 17])
 
 
 @gpu_only

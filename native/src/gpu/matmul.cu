@@ -7,50 +7,42 @@
 // GEMV of matmul_mma.cuh; F32 / F16 / BF16, and every format on HIP, run the FP32-FMA GEMV below.
 // A format always takes the same kernel at every width 1..16 (batch invariance, below).
 //
-// Tensor-core GEMV (matmul_mma.cuh; mma.sync m16n8k16 f16 -> f32, sm_80+):
-// * Weights are decoded to their INTEGER quants (Q8_0 int8; Q4_K 0..15; Q5_K 0..31; Q6_K q - 32 in
-//   -32..31; IQ4_XS the kvalues table, -127..113): all exact in F16 (|v| <= 2048), built with the
-//   0x6400 | byte trick (f16 1024 + byte) and one HSUB2 per pair. The per-sub-block F32 scales are
-//   applied after the MMA: Q8_0 d (per 32), Q4_K/Q5_K d*sc_j (per 32) plus the min term
-//   -dmin*m_j * sum(x over the sub-block), Q6_K d*sc (per 16), IQ4_XS d*(ls-32) (per 32); these
-//   products are exact in F32 (few significant bits), as in the CPU decoders.
-// * x is split once per call (split_x_kernel, into a scratch buffer laid out as the MMA's B
-//   fragments), per 32-input block of each row of x: with m = max |x| over the block, a power of
-//   two s ~ m * 2^-14 (exact; clamped to >= 2^-100) and x' = x / s (max |x'| < 2^15, in F16 range),
-//   x' = hi + lo + e with hi = f16(x'), lo = f16(x' - hi) (difference exact in F32), so
-//   |x - s (hi + lo)| <= 2^-22 |x| + 2^-39 m (11 bits per term; the floor is lo's F16 subnormal
-//   spacing; 2^-125 instead when the clamp applies, m < 2^-86). Each q * term product is exact, so
-//   one sub-block's MMAs (fresh zero accumulator; per k16 step: hi, lo per n8 tile) give
-//   sum_k q_k x'_k up to the tensor core's F32 accumulation (~2^-23 relative per MMA of the
-//   magnitudes involved); that partial is multiplied by s (exact) and then acc = fma(scale_row,
-//   partial, acc) in F32 per sub-block, in sub-block order. For Q4_K/Q5_K the sub-block sums of x
-//   are exact double sums rounded once to F32. Error against the exact product: <= ~2^-22 (|x| @
-//   |w|^T) + 2^-39 sum_blocks m_blk * sum|w_blk| + the F32 accumulation, far inside the tests'
-//   1e-5 * (|x| @ |w|^T) (host emulation ~1e-7, also with x spanning 2^-72 .. 2^72); only an
-//   adversarial block (one element >= 2^17 times the others, the large one meeting zero weights)
-//   could approach it. Non-finite x: a block holding inf / NaN is not scaled (s = 1), its inf / NaN
-//   reach the MMA and the column's results are non-finite, as on the CPU (finite elements beyond
-//   the F16 range in such a block become inf; the result is non-finite either way).
-// * k permutation: in each k16 step lane t feeds the MMA's k = 2t, 2t+1, 2t+8, 2t+9 with the
-//   physical inputs 4t .. 4t+3 of the step, for A and B alike (a sum is order-free within one MMA's
-//   input set), so each lane reads whole 32-bit words of quants per weight row.
-// * Work: a block of 4 warps owns 128 output rows (each warp two m16 tiles, 32 rows) and one
-//   split of the reduction dimension (units of 32 / 64 inputs, consecutive); each weight byte is
-//   read once per call. The number of splits depends only on (out, in, format and the device's
-//   multiprocessor count): as many as fit ONE wave of 4 blocks per multiprocessor (the n <= 8
-//   instances are compiled for 4 resident blocks, <= 128 registers; the 9..16 ones for 3); split
-//   partials go to a scratch buffer and are summed split 0 first by a second kernel (never
-//   atomics). Padding columns of x (n not a multiple of 8) are zero (and scale 0).
-// * Batch invariance: n 1..8 use one n8 tile, 9..16 two; column j's arithmetic (its B fragments
-//   and block scales, the MMA sequence and the k order, the scales, the split walk, the split sum) is the same in
-//   both instances and depends on no other column (each MMA output element is a dot product of
-//   its own row and column only). So row i of y is bit-identical whatever n (1..16), and, with the
-//   16-row slices, whatever n at all.
+// Tensor-core GEMV (matmul_mma.cuh; mma.sync m16n8k32 s8 x s8 -> s32, sm_80+):
+// * Weights are decoded to their INTEGER quants as int8 (Q8_0 q; Q4_K 0..15; Q5_K 0..31; Q6_K q - 32
+//   in -32..31; IQ4_XS the kvalues table, -127..113, looked up with byte permutes straight into the
+//   MMA's A fragment). x is split once per call into three int8 terms per value (per row of x and
+//   256-input group: x' = x * 2^k exact, |x'| < 2^20, x' ~ 2^14 hi + 2^7 mid + lo, |terms| <= 64,
+//   |x - 2^-k (...)| <= 2^-20 max|x| over the group; a group holding inf / NaN gets NaN column scales,
+//   so that row's results are non-finite, as on the CPU). Each term is a B column of its own (3 n
+//   columns: 1, 3 or 6 n8 tiles for n <= 2, <= 8, <= 16).
+// * Sums are exact integers: per 32-input sub-block one MMA per n8 tile (Q6_K: two, one per 16-input
+//   scale group), then acc += scale_j * partial with the sub-block's INTEGER scale (IQ4_XS ls - 32,
+//   Q4_K / Q5_K sc, Q6_K sc; |acc| < 2^27 over a super-block). Floats appear once per 256-input super-block:
+//   accf = fma(d_row * colscale, float(acc), accf) (the product exact: the column scale is a power
+//   of two), plus for Q4_K / Q5_K accf -= dmin_row * colscale * (m . term sums of the sub-blocks),
+//   one f16 MMA of small integers (exact). Q8_0 (fp16 d per 32-block) adds per block. At the end the
+//   three term columns of each row of x are summed (hi + mid) + lo. Error against the exact product:
+//   <= 2^-20 sum_groups max|x_g| * sum|w_g| + the F32 accumulation over super-blocks, inside the tests'
+//   1e-5 * (|x| @ |w|^T) (H200 and host emulation ~1e-7, also for x spanning 2^-72 .. 2^72 with
+//   elements 2^24 apart within a row; a group whose maximum meets zero weights while the other
+//   elements carry the product could approach it: error relative to the GROUP maximum).
+// * k order: in each sub-block lane t feeds the MMA's k = 4t..4t+3 with the inputs 4t, 4t+16, 4t+1,
+//   4t+17 and k = 16+4t.. with 4t+2, 4t+18, 4t+3, 4t+19 (A and B alike): the order IQ4_XS's nibbles
+//   come out of a word, so its quants need no reordering; the byte formats reorder with one permute.
+// * Work: a block of 4 warps owns 64 output rows (each warp 16: lanes hold rows g, g + 8) and one
+//   split of the reduction dimension (units of 256 inputs, Q8_0 32); each weight byte is read once
+//   per call; the loads of the next units are in flight while a unit is computed (a ring of
+//   registers, 1-tile and 3-tile instances). Splits depend only on (out, in, format, the device's
+//   multiprocessor count): as many as fit ONE wave of 4 blocks per multiprocessor; split partials
+//   go to a scratch buffer and are summed split 0 first by a second kernel (never atomics).
+// * Batch invariance: a column's arithmetic (its terms and scale, the integer MMAs and IMADs, the
+//   super-block float steps, the split walk and sum, the term sum) is the same in every instance and
+//   depends on no other column; integer sums have no order. So row i of y is bit-identical whatever n
+//   (1..16), and, with the 16-row slices, whatever n at all.
 // * Groups (matmul_group: several weights against one x, e.g. q / k / v): x is split once per
 //   16-row slice and each format's weights run as ONE launch whose flat grid concatenates every
-//   weight's (split, row block) blocks; each weight keeps the split of its own shape (the "one wave"
-//   sizing holds per weight, so a group may take more than one wave), so its arithmetic, and hence
-//   every bit of its result, is that of a call of its own: grouping is invisible to batch invariance.
+//   weight's (split, row block) blocks; each weight keeps the split of its own shape, so its
+//   arithmetic, and hence every bit of its result, is that of a call of its own.
 // * HIP: SPECD_MMA_GEMV is 0 there (no mma.sync); the FMA GEMV below serves every format.
 //
 // FMA GEMV (F32 / F16 / BF16; all formats on HIP). A block of kWarps warps owns R consecutive
@@ -70,9 +62,10 @@
 // warp and then warp by warp, also in a fixed order. None of this depends on n, R or the template
 // instance, so row i of y is bit-identical whether x has 1 or 16 rows.
 //
-// Performance (H200, BENCHMARKS.md): the FMA GEMV streams Q8_0 weights at 0.56-0.73 of copy
-// bandwidth at n = 1 but is bound by FP32 FMA issue and L1 traffic of x at n = 8-16 (time linear
-// in n): the tensor-core GEMV is the replacement for the quantized formats (numbers: gpu_report.py).
+// Performance (H200, BENCHMARKS.md): the FMA GEMV streams F32 / F16 / BF16 weights at 0.9-1.0 of
+// copy bandwidth at n = 1 but is bound by FP32 FMA issue and L1 traffic of x at n = 8-16 (time
+// linear in n); the tensor-core GEMV streams the quantized formats at 0.30-0.39 of copy at n = 1..2
+// and 0.22-0.32 at 3..8 (numbers: gpu_report.py).
 #include <algorithm>
 #include <utility>
 #include <vector>

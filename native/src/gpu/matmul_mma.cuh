@@ -458,14 +458,16 @@ struct Q8U {
   }
 };
 
-// Units a warp keeps loading ahead of the one it computes (software pipelining: a unit's slot is
-// refilled with the unit kAhead later as soon as it is taken): as many as a register budget for the
-// raw words allows, with one unit's words being computed (the accumulators grow with NT), 0 .. 4.
-// 0: load one unit, then compute it.
+// Units a warp keeps loading ahead of the one it computes (software pipelining: before computing a
+// unit, the slot of the previous one is refilled with the unit kAhead later): as many as a register
+// budget for the raw words allows, with one unit's words being computed, 0 .. 4. 0 (load one unit,
+// then compute it) for the 6-tile instance: its unit body is ~800 instructions, and the ring,
+// unrolled over its slots, doubled it (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms
+// with one unit ahead through register copies, BENCHMARKS.md).
 template <class F, int NT>
 __host__ __device__ constexpr int units_ahead() {
   constexpr int regs = int(sizeof(typename F::Raw) / 4) * 2;
-  constexpr int budget = NT == 1 ? 64 : NT == 3 ? 48 : 40;
+  constexpr int budget = NT == 1 ? 64 : NT == 3 ? 48 : 0;
   return budget / regs - 1 < 0 ? 0 : budget / regs - 1 > 4 ? 4 : budget / regs - 1;
 }
 

@@ -30,12 +30,13 @@ Tensor l2_norm(const Tensor& x, float eps);
 // [out, in] contiguous, in a multiple of the format's block size (32 / 256).
 // n <= 16 rows: a GEMV-style kernel that reads each weight byte once per call; F32 / F16 / BF16
 // (and every format on HIP): weights decoded in registers to exactly cpu::dequantize's values, F32
-// FMAs; Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS on CUDA: tensor cores on the integer quants (exact in
-// F16) against x split per 32-input block into a power of two times two F16 terms (~22 bits:
-// |x - s (hi + lo)| <= 2^-22 |x| + 2^-39 max|x over the block|), scales applied in F32 after each
-// sub-block (matmul.cu). Error within 1e-5 * (|x| @ |w|^T) elementwise of the exact product
-// (barring adversarial blocks whose elements span more than ~2^17 with the large ones on zero
-// weights); inf / NaN in a row of x give non-finite results in that row;
+// FMAs; Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS on CUDA: integer tensor cores on the int8 quants against
+// x split per 256-input group into a power of two times three int8 terms (~21 bits of the group's
+// maximum: |x - s (2^14 hi + 2^7 mid + lo)| <= 2^-20 max|x over the group|), exact integer sums with
+// the integer sub-block scales, F32 once per super-block (matmul.cu). Error within 1e-5 *
+// (|x| @ |w|^T) elementwise of the exact product (barring adversarial groups whose maximum meets
+// zero weights while elements ~2^17 smaller carry the product); inf / NaN in a row of x give
+// non-finite results in that row;
 // batch invariant: row i of y is bit-identical whatever n (1..16). n > 16 with `exact` (the default): the same GEMV over
 // slices of 16 rows, so every row stays bit-identical to a 1-row call (verify of any width equals
 // decode). n > 16 without `exact` (prefill): w dequantized to BF16 (BF16 weights read as they are)
