@@ -12,7 +12,7 @@
 //   in -32..31; IQ4_XS the kvalues table, -127..113, looked up with byte permutes straight into the
 //   MMA's A fragment). x is split once per call into three int8 terms per value (per row of x and
 //   256-input group: x' = x * 2^k exact, |x'| < 2^20, x' ~ 2^14 hi + 2^7 mid + lo, |terms| <= 64,
-//   |x - 2^-k (...)| <= 2^-20 max|x| over the group; a group holding inf / NaN gets NaN column scales,
+//   |x - 2^-k (...)| <= 2^-20 max(max|x| over the group, 2^-100); a group holding inf / NaN gets NaN column scales,
 //   so that row's results are non-finite, as on the CPU). Each term is a B column of its own (3 n
 //   columns: 1, 3 or 6 n8 tiles for n <= 2, <= 8, <= 16).
 // * Sums are exact integers: per 32-input sub-block one MMA per n8 tile (Q6_K: two, one per 16-input
@@ -22,7 +22,7 @@
 //   of two), plus for Q4_K / Q5_K accf -= dmin_row * colscale * (m . term sums of the sub-blocks),
 //   one f16 MMA of small integers (exact). Q8_0 (fp16 d per 32-block) adds per block. At the end the
 //   three term columns of each row of x are summed (hi + mid) + lo. Error against the exact product:
-//   <= 2^-20 sum_groups max|x_g| * sum|w_g| + the F32 accumulation over super-blocks, inside the tests'
+//   <= 2^-20 sum_groups max(max|x_g|, 2^-100) * sum|w_g| + the F32 accumulation over super-blocks, inside the tests'
 //   1e-5 * (|x| @ |w|^T) (H200 and host emulation ~1e-7, also for x spanning 2^-72 .. 2^72 with
 //   elements 2^24 apart within a row; a group whose maximum meets zero weights while the other
 //   elements carry the product could approach it: error relative to the GROUP maximum).

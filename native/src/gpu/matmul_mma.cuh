@@ -25,7 +25,8 @@
 // in % 256 != 0), with m = max |x| over the group in [2^E, 2^(E+1)), x' = x * 2^k, k = 19 - E
 // (exact; clamped to <= 126), |x'| < 2^20, and three int8 terms in [-64, 64]:
 //   hi = rint(x' / 2^14), mid = rint((x' - 2^14 hi) / 2^7), lo = rint(x' - 2^14 hi - 2^7 mid)
-// (each difference exact in F32), |x - 2^-k (2^14 hi + 2^7 mid + lo)| <= 2^-20 m. Term tau of row r
+// (each difference exact in F32), |x - 2^-k (2^14 hi + 2^7 mid + lo)| <= 2^-20 max(m, 2^-100) (the clamp
+// and subnormal d * 2^-k products set the floor: groups whose maximum is below ~1e-30). Term tau of row r
 // is B column 3 r + tau (n8 tile (3r + tau) / 8), with the column scale 2^-k * {2^14, 2^7, 1}: 48
 // columns for n = 16. A group holding inf / NaN gets zero terms and NaN column scales, so the
 // row's results are non-finite, as on the CPU.
@@ -101,17 +102,6 @@ __device__ __forceinline__ void hmma(float (&d)[4], const uint32_t (&a)[4], uint
 
 // --- small helpers ----------------------------------------------------------------------------
 
-// Byte i (0..3) of v, unsigned.
-__device__ __forceinline__ int ubyte(uint32_t v, int i) { return int(__byte_perm(v, 0u, 0x4440u | uint32_t(i))); }
-// Byte i of v as a signed int8.
-__device__ __forceinline__ int sbyte(uint32_t v, int i) { return int(int8_t(uint8_t(v >> (8 * i)))); }
-
-// Exact float of an integer with |v| < 2^22 (magic-number trick: two full-rate instructions instead
-// of the quarter-rate converter).
-__device__ __forceinline__ float small_int_to_float(int v) {
-  return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f);
-}
-
 // PTX prmt.b32 in its default mode: byte i of the result = byte (sel nibble i & 7) of {b, a}, or
 // that byte's sign replicated when the nibble's bit 3 is set; only the low 16 bits of sel count.
 // __byte_perm documents 3-bit selectors, so nvcc masks every selector it cannot prove clean (an
@@ -124,6 +114,17 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
 #endif
+}
+
+// Byte i (0..3) of v, unsigned.
+__device__ __forceinline__ int ubyte(uint32_t v, int i) { return int(prmt(v, 0u, 0x4440u | uint32_t(i))); }
+// Byte i of v as a signed int8.
+__device__ __forceinline__ int sbyte(uint32_t v, int i) { return int(int8_t(uint8_t(v >> (8 * i)))); }
+
+// Exact float of an integer with |v| < 2^22 (magic-number trick: two full-rate instructions instead
+// of the quarter-rate converter).
+__device__ __forceinline__ float small_int_to_float(int v) {
+  return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f);
 }
 
 // The IQ4_XS table (kvalues, int8) as byte-permute operands: entries 0-3, 4-7, 8-11, 12-15. The
@@ -158,6 +159,9 @@ struct XView {
   int cols;                         // 3 n: live term columns
   int lane;
   __device__ __forceinline__ bool live(int nt) const { return 8 * nt + (lane >> 2) < cols; }
+  // Whether tile nt holds any live column (warp-uniform): tiles past 3 n are skipped (n = 3..5 run
+  // the 3-tile instance, 9..13 the 6-tile one).
+  __device__ __forceinline__ bool any_live(int nt) const { return nt == 0 || 8 * nt < cols; }  // n >= 1: tile 0 is
   // B fragment of n8 tile nt for k32 step `kstep` (sub-block of 32 inputs); lanes of padding
   // columns feed zeros (and skip the load).
   __device__ __forceinline__ uint2 b(int64_t kstep, int nt) const {
@@ -180,6 +184,7 @@ __device__ __forceinline__ void step(const uint32_t (&a)[P][4], const int (&sc)[
                                      const XView& xv, int (&acc)[NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
+    if (!xv.any_live(nt)) continue;
     const uint2 b = xv.b(kstep, nt);
 #pragma unroll
     for (int p = 0; p < P; ++p) {
@@ -198,6 +203,7 @@ __device__ __forceinline__ void finish(const int (&acc)[NT][4], int64_t grp, con
                                        float (&accf)[NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
+    if (!xv.any_live(nt)) continue;
     const float2 s = xv.scale(grp, nt);
 #pragma unroll
     for (int c = 0; c < 4; ++c)
@@ -319,8 +325,8 @@ struct QK45U {
       uint2 mn;
       scales_mins(r[h].hdr, sc[h], mn);
       // f16 bits 0x6400 | m = 1024 + m, exact; minus 1024 (HSUB2) = m.
-      const uint32_t v = __byte_perm(t < 2 ? mn.x : mn.y, 0x64646464u, 0x4040u | uint32_t(2 * (t & 1)) |
-                                                                           (uint32_t(2 * (t & 1) + 1) << 8));
+      const uint32_t v = prmt(t < 2 ? mn.x : mn.y, 0x64646464u, 0x4040u | uint32_t(2 * (t & 1)) |
+                                                                     (uint32_t(2 * (t & 1) + 1) << 8));
       const uint32_t bias = 0x64006400u;
       __half2 m2 = __hsub2(*reinterpret_cast<const __half2*>(&v), *reinterpret_cast<const __half2*>(&bias));
       am[h] = *reinterpret_cast<uint32_t*>(&m2);
@@ -350,17 +356,22 @@ struct QK45U {
         step<NT, 1>(a, s, 8 * u + j, xv, acc);
       }
     }
-    // accf += d * scale * acc - dmin * scale * (m . sub-block sums), in that order.
+    // accf += (d * scale) * acc - (dmin * scale) * (m . sub-block sums). The two parts can nearly
+    // cancel (the weights d sc q - dmin m much smaller than either), so their difference is formed
+    // with one rounding: p + e = (dmin * scale) * mins exactly, then fma(d * scale, acc, -p) - e.
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
+      if (!xv.any_live(nt)) continue;
       const float2 s = xv.scale(u, nt);
       float mp[4];
       hmma(mp, am, xv.mins(u, nt));
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const float sc_col = (c & 1) ? s.y : s.x;
-        accf[nt][c] = __fmaf_rn(__fmul_rn(d[c >> 1], sc_col), float(acc[nt][c]), accf[nt][c]);
-        accf[nt][c] = __fmaf_rn(-__fmul_rn(dmin[c >> 1], sc_col), mp[c], accf[nt][c]);
+        const float dm = __fmul_rn(dmin[c >> 1], sc_col), p = __fmul_rn(dm, mp[c]);
+        const float e = __fmaf_rn(dm, mp[c], -p);
+        const float v = __fsub_rn(__fmaf_rn(__fmul_rn(d[c >> 1], sc_col), float(acc[nt][c]), -p), e);
+        accf[nt][c] = __fadd_rn(accf[nt][c], v);
       }
     }
   }
@@ -448,6 +459,7 @@ struct Q8U {
     const int64_t grp = u / (kGroup / 32);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
+      if (!xv.any_live(nt)) continue;
       int p[4];
       imma(p, a, xv.b(u, nt));
       const float2 s = xv.scale(grp, nt);

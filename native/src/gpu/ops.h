@@ -32,7 +32,7 @@ Tensor l2_norm(const Tensor& x, float eps);
 // (and every format on HIP): weights decoded in registers to exactly cpu::dequantize's values, F32
 // FMAs; Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS on CUDA: integer tensor cores on the int8 quants against
 // x split per 256-input group into a power of two times three int8 terms (~21 bits of the group's
-// maximum: |x - s (2^14 hi + 2^7 mid + lo)| <= 2^-20 max|x over the group|), exact integer sums with
+// maximum: |x - s (2^14 hi + 2^7 mid + lo)| <= 2^-20 max|x over the group| (at least 2^-120)), exact integer sums with
 // the integer sub-block scales, F32 once per super-block (matmul.cu). Error within 1e-5 *
 // (|x| @ |w|^T) elementwise of the exact product (barring adversarial groups whose maximum meets
 // zero weights while elements ~2^17 smaller carry the product); inf / NaN in a row of x give

@@ -86,15 +86,24 @@ thread_local WarpShared* tl_warp = nullptr;
 
 inline float half_of(uint32_t reg, int h) { return f16_f(uint16_t(h ? reg >> 16 : reg & 0xffffu)); }
 
-inline void specd_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+// One warp-wide MMA: every lane publishes its A and B registers, then computes its four D elements
+// (c0, c1 = row g, columns 2t, 2t+1; c2, c3 = row g + 8) as elem(row, col, d[c]) from the published
+// fragments, and the warp waits before the registers are reused.
+template <class T, class Elem>
+inline void warp_mma(T (&d)[4], const uint32_t (&a)[4], uint2 b, const Elem& elem) {
   WarpShared& w = *tl_warp;
   const int lane = int(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
   for (int r = 0; r < 4; ++r) w.a[lane][r] = a[r];
   w.b[lane][0] = b.x, w.b[lane][1] = b.y;
   w.bar->arrive_and_wait();
-  for (int c = 0; c < 4; ++c) {
-    const int row = g + 8 * (c >> 1), col = 2 * t + (c & 1);
-    double s = d[c];
+  for (int c = 0; c < 4; ++c) d[c] = elem(w, g + 8 * (c >> 1), 2 * t + (c & 1), d[c]);
+  w.bar->arrive_and_wait();
+}
+
+// m16n8k16 f16 -> f32, d += a * b: products exact, summed in double, rounded once.
+inline void specd_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+  warp_mma(d, a, b, [](const WarpShared& w, int row, int col, float acc) {
+    double s = acc;
     for (int k = 0; k < 16; ++k) {
       // A (row, k): lane 4 (row % 8) + (k % 8) / 2, register (row >= 8) + 2 (k >= 8), half k & 1.
       const float av = half_of(w.a[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
@@ -102,21 +111,15 @@ inline void specd_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
       const float bv = half_of(w.b[4 * col + (k % 8) / 2][k >= 8], k & 1);
       s += double(av) * double(bv);
     }
-    d[c] = float(s);
-  }
-  w.bar->arrive_and_wait();
+    return float(s);
+  });
 }
 
 inline int8_t byte_of(uint32_t reg, int i) { return int8_t(uint8_t(reg >> (8 * i))); }
 
+// m16n8k32 s8 -> s32, d = a * b (C = 0): exact.
 inline void specd_emu_imma(int (&d)[4], const uint32_t (&a)[4], uint2 b) {
-  WarpShared& w = *tl_warp;
-  const int lane = int(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
-  for (int r = 0; r < 4; ++r) w.a[lane][r] = a[r];
-  w.b[lane][0] = b.x, w.b[lane][1] = b.y;
-  w.bar->arrive_and_wait();
-  for (int c = 0; c < 4; ++c) {
-    const int row = g + 8 * (c >> 1), col = 2 * t + (c & 1);
+  warp_mma(d, a, b, [](const WarpShared& w, int row, int col, int) {
     int64_t s = 0;
     for (int k = 0; k < 32; ++k) {
       // A (row, k): lane 4 (row % 8) + (k % 16) / 4, register (row >= 8) + 2 (k >= 16), byte k % 4.
@@ -125,9 +128,8 @@ inline void specd_emu_imma(int (&d)[4], const uint32_t (&a)[4], uint2 b) {
       const int bv = byte_of(w.b[4 * col + (k % 16) / 4][k >= 16], k % 4);
       s += int64_t(av) * bv;
     }
-    d[c] = int(s);
-  }
-  w.bar->arrive_and_wait();
+    return int(s);
+  });
 }
 
 // Warp exchange: every lane publishes v, then reads lane src's (every lane takes part, as in the kernel).
