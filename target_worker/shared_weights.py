@@ -72,10 +72,7 @@ DEFAULT_SHARE = "auto"
 EMBD, OUTPUT = "token_embd.weight", "output.weight"
 NAMES = (EMBD, OUTPUT)
 # tensor_fingerprint's scheme: blake2b, 64 windows of 4 KiB (the tag starts every fingerprint)
-FINGERPRINT_SCHEME = "b2s64w4k"
-FINGERPRINT_WINDOWS = 64
-FINGERPRINT_WINDOW_BYTES = 4096
-FINGERPRINT_DIGEST_BYTES = 16
+FINGERPRINT_SCHEME = "sha256"
 
 
 def check_share_mode(mode: str, who: str) -> str:
@@ -184,34 +181,17 @@ def tensor_fingerprint(t) -> str:
     token_embd / output), as the exporter publishes it (SharedTensor.fingerprint) and the drafter
     recomputes it from its own view of the target GGUF before mapping.
 
-    Definition (scheme ``b2s64w4k``): ``"b2s64w4k:" + blake2b(digest_size=16).hexdigest()`` over
-    the header ``struct.pack("<IQQQ", ggml type id, rows, cols, n)`` (n = the tensor's stored
-    bytes) followed by the stored bytes of 64 windows of 4 KiB: window i (0 .. 63) starts at byte
-    ``i * (n - 4096) // 63`` (the first at 0, the last ending at n, evenly spaced between; windows
-    may overlap). A tensor of at most 64 * 4 KiB = 256 KiB is hashed whole instead (header, then all
-    n bytes).
-
-    Why a sample: hashing the whole tensor costs ~0.8 s per GB on one core (blake2b, ~1.2 GB/s),
-    on each side (a 27B target's token_embd + output are ~1.6 GB), and on the drafter side it would
-    page in the whole tensor from the target GGUF's mapping that sharing exists to leave alone. The
-    sample hashes 256 KiB and touches 64-128 pages: well under a millisecond, once per tensor at
-    start-up. What it guards against is another file with the same tensor shapes (another
-    fine-tune, a re-quantisation, a different checkpoint of the same architecture): such a file
-    differs in essentially every 4 KiB block. It is not a guarantee against a change confined to
-    bytes between the windows (a deliberate edit of a few rows): the sampled bytes cover 256 KiB
-    per tensor."""
+    Definition (scheme ``sha256``): ``"sha256:" + sha256(header + bytes).hexdigest()`` with the
+    header ``struct.pack("<IQQQ", ggml type id, rows, cols, n)`` and all n stored bytes of the
+    tensor. Exact: any changed byte (an edited row, added tokens trained, another file with the same
+    shapes) changes it. Cost: ~0.5 s per GB on one core (hashlib releases the GIL), once per tensor
+    at start-up on each side (a 27B target's token_embd + output are ~1.6 GB); the drafter reads the
+    pages of the same GGUF file the target worker has just read, so they come from the page cache."""
     rows, cols = (int(d) for d in t.shape)  # [n_vocab, n_embd]: the exported tensors are 2-D
     data = _host_bytes(t)
-    n = len(data)
-    h = hashlib.blake2b(digest_size=FINGERPRINT_DIGEST_BYTES)
-    h.update(struct.pack("<IQQQ", int(t.dtype), rows, cols, n))
-    w, k = FINGERPRINT_WINDOW_BYTES, FINGERPRINT_WINDOWS
-    if n <= k * w:
-        h.update(data)
-    else:
-        for i in range(k):
-            start = i * (n - w) // (k - 1)
-            h.update(data[start:start + w])
+    h = hashlib.sha256()
+    h.update(struct.pack("<IQQQ", int(t.dtype), rows, cols, len(data)))
+    h.update(data)
     return f"{FINGERPRINT_SCHEME}:{h.hexdigest()}"
 
 
@@ -351,12 +331,19 @@ def open_shared_head(infos, target_weights, target_path: str, backend=None):
             return None, (f"the target worker published no content fingerprint for {name} (a target worker older "
                           f"than this drafter): cannot check that it holds {target_path}'s {name}; restart the "
                           "target worker with this version to share")
+        scheme = info.fingerprint.split(":", 1)[0]
+        if scheme != FINGERPRINT_SCHEME:
+            return None, (f"the target worker fingerprints {name} with scheme {scheme!r}, this drafter with "
+                          f"{FINGERPRINT_SCHEME!r} (workers of different versions): cannot check its content")
         if id(t) not in mine_fp:
-            mine_fp[id(t)] = tensor_fingerprint(t)
+            try:
+                mine_fp[id(t)] = tensor_fingerprint(t)
+            except Exception as exc:  # noqa: BLE001 - the own copy is always correct: never fail start-up here
+                return None, f"cannot fingerprint {name} of {target_path}: {type(exc).__name__}: {exc}"
         if info.fingerprint != mine_fp[id(t)]:
             return None, (f"{name} content differs from {target_path}: the target worker's fingerprint is "
-                          f"{info.fingerprint!r}, the file's {mine_fp[id(t)]!r} (another file with the same "
-                          "shapes, or another fingerprint scheme)")
+                          f"{info.fingerprint!r}, the file's {mine_fp[id(t)]!r}: the drafter's --target is "
+                          "not the GGUF the target worker serves (acceptance suffers either way)")
     opened: dict[bytes, object] = {}
     try:
         for name in NAMES:
