@@ -52,7 +52,7 @@ namespace specd::gpu::detail::mma {
 
 constexpr int kWarps = 4;                   // warps per block; warp w owns output rows 16 w .. 16 w + 15
 constexpr int kRowsPerBlock = kWarps * 16;
-constexpr int kBlocksPerSM = 4;             // resident blocks the kernels are compiled for (<= 128 registers)
+constexpr int kBlocksPerSM = 4;             // resident blocks per SM the split-K sizing assumes (min_blocks)
 constexpr int kTerms = 3;                   // int8 terms per x value
 constexpr int kMaxTiles = 6;                // n8 tiles of term columns for n = 16 (48 columns)
 constexpr int kMaxCols = 8 * kMaxTiles;
