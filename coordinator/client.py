@@ -16,17 +16,20 @@ def add_arguments(p) -> None:
     src.add_argument("--chat", help="user message, rendered with the model's chat template")
     src.add_argument("--token-ids", help="comma-separated prompt token ids")
     p.add_argument("--system", default="", help="system message for --chat")
-    p.add_argument("--max-tokens", type=int, default=None, help="completion budget (default: server default)")
+    p.add_argument("--max-tokens", type=non_negative_int, default=None,
+                   help="completion budget (default: server default)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)")
     p.add_argument("--include-stop", action="store_true", help="include the matched stop in the output")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--speculation", choices=["auto", "off", "force"], default="auto", help="mode (default auto)")
-    p.add_argument("--max-draft-tokens", type=int, default=None, help="cap on drafts per step")
+    p.add_argument("--max-draft-tokens", type=non_negative_int, default=None, help="cap on drafts per step")
     p.add_argument("--draft-mode", choices=["default", "chain", "tree"], default="default",
                    help="chain or tree (DDTree) drafting (default: the server's)")
-    p.add_argument("--tree-budget", type=int, default=None, help="DDTree node budget (default: the server's)")
-    p.add_argument("--tree-top-k", type=int, default=None, help="DDTree candidates per position (default: server)")
+    p.add_argument("--tree-budget", type=non_negative_int, default=None,
+                   help="DDTree node budget (default: the server's)")
+    p.add_argument("--tree-top-k", type=non_negative_int, default=None,
+                   help="DDTree candidates per position (default: server)")
     p.add_argument("--no-tree-chain-seed", action="store_true", help="DDTree without the top-1 chain seed")
     p.add_argument("--confidence-threshold", type=float, default=None,
                    help="DSpark confidence gate in [0, 1), 0 = off (default: the server's)")
@@ -37,13 +40,22 @@ def add_arguments(p) -> None:
     p.add_argument("--no-thinking", action="store_true",
                    help="--chat: render the template with enable_thinking=false (default: the template's)")
     p.add_argument("--thinking", action="store_true", help="--chat: render with enable_thinking=true")
-    p.add_argument("--reasoning-budget", type=int, default=None,
+    p.add_argument("--reasoning-budget", type=non_negative_int, default=None,
                    help="most thinking tokens before </think> is forced (0 = unmanaged; default: the server's)")
     p.add_argument("--request-id", default="", help="request id (default: server-assigned)")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline in seconds (default none)")
     p.add_argument("--token-by-token", action="store_true", help="one chunk per token instead of per step")
     p.add_argument("--ids", action="store_true", help="print token ids instead of text")
     p.add_argument("--json", action="store_true", help="print the final message as JSON")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type of the options that land in uint32 request fields: an int in 0 .. 2^32 - 1
+    (argparse names the option in its error)."""
+    v = int(text)
+    if not 0 <= v < 2**32:
+        raise ValueError(text)
+    return v
 
 
 def build_request(args):

@@ -65,7 +65,9 @@ class ServeConfig:
         output (CUDA IPC) when both run on the same GPU and the tensors' content fingerprints match
         the target GGUF's, else loads its own copy (logged); "off":
         always its own copy. Passed as ``--share-target-weights`` with ``--target-worker`` (the target
-        worker's socket) to the drafter worker.
+        worker's socket) to the drafter worker; the target worker exports the two tensors only with
+        "auto" and a drafter GGUF (``--export-head``, else ``--no-export-head``: the legacy CUDA IPC
+        mapping of an exported buffer is writable by the importer).
     start_timeout_s: wait for each child's READY line. Default 600.
     """
 
@@ -252,7 +254,9 @@ def run(args) -> int:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,
                     "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype, "--device", args.device,
                     "--feature-transport", ns.feature_transport,
-                    "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs", "--max-graphs", str(args.max_graphs)])
+                    "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs", "--max-graphs", str(args.max_graphs),
+                    # export the head only for a drafter that may map it (legacy CUDA IPC mappings are writable)
+                    "--export-head" if args.drafter_gguf and args.share_target_weights == "auto" else "--no-export-head"])
         procs.append(("target-worker", t))
         _wait_ready(t, "target-worker", args.start_timeout_s)
         drafter = ""

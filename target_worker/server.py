@@ -709,7 +709,7 @@ def serve_forever(server, close, name: str, grace_s: float = 2.0) -> int:
     try:
         while not stop.wait(0.5):
             pass
-        log.info("%s: stopping", name)
+        logging.getLogger(f"specd.{name.replace('-', '_')}").info("%s: stopping", name)  # the worker's own logger
         if hasattr(server, "health"):
             server.health.enter_graceful_shutdown()
         if hasattr(server, "reaper"):

@@ -428,6 +428,8 @@ def test_serve_forwards_the_option_and_the_target_socket(hstack, target_gguf, mo
         t, d = seen
         tsock = t[t.index("--listen") + 1]
         assert d[d.index("--share-target-weights") + 1] == mode and d[d.index("--target-worker") + 1] == tsock
+        # the target exports its head only for a drafter that may map it (the mapping is writable)
+        assert ("--export-head" if mode == "auto" else "--no-export-head") in t
 
 
 def test_target_close_unpublishes_and_unregisters(target_gguf, monkeypatch):
