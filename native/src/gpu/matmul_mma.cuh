@@ -319,7 +319,7 @@ struct QK45U {
     uint2 sc[2];
     uint32_t am[4] = {0u, 0u, 0u, 0u};  // A of the min MMA: m_{2t}, m_{2t+1} of rows g, g + 8 (f16)
     float d[2], dmin[2];
-    uint2 hb[2];
+    uint2 hb[2] = {};  // Q5_K: the fifth bits in the k order
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       uint2 mn;
@@ -332,7 +332,7 @@ struct QK45U {
       am[h] = *reinterpret_cast<uint32_t*>(&m2);
       d[h] = specd_fp16_bits_to_float(uint16_t(r[h].hdr.x));
       dmin[h] = specd_fp16_bits_to_float(uint16_t(r[h].hdr.x >> 16));
-      hb[h] = kQ5 ? pair(r[h].h[0], r[h].h[1]) : make_uint2(0u, 0u);
+      if constexpr (kQ5) hb[h] = pair(r[h].h[0], r[h].h[1]);
     }
     int acc[NT][4];
     zero(acc);
@@ -478,9 +478,10 @@ struct Q8U {
 // with one unit ahead through register copies, BENCHMARKS.md).
 template <class F, int NT>
 __host__ __device__ constexpr int units_ahead() {
-  constexpr int regs = int(sizeof(typename F::Raw) / 4) * 2;
-  constexpr int budget = NT == 1 ? 64 : NT == 3 ? 48 : 0;
-  return budget / regs - 1 < 0 ? 0 : budget / regs - 1 > 4 ? 4 : budget / regs - 1;
+  if constexpr (NT == 6) return 0;
+  constexpr int regs = int(sizeof(typename F::Raw) / 4) * 2;  // the raw words of one unit, both rows
+  constexpr int ahead = (NT == 1 ? 64 : 48) / regs - 1;
+  return ahead < 0 ? 0 : ahead > 4 ? 4 : ahead;
 }
 
 // Resident blocks per multiprocessor an instance is compiled for: 4 (<= 128 registers per thread)
