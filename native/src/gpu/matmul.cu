@@ -14,7 +14,7 @@
 //   256-input group: x' = x * 2^k exact, |x'| < 2^20, x' ~ 2^14 hi + 2^7 mid + lo, |terms| <= 64,
 //   |x - 2^-k (...)| <= 2^-20 max(max|x| over the group, 2^-100); a group holding inf / NaN gets NaN column scales,
 //   so that row's results are non-finite, as on the CPU). Each term is a B column of its own (3 n
-//   columns: 1, 3 or 6 n8 tiles for n <= 2, <= 8, <= 16).
+//   columns: ceil(3 n / 8) n8 tiles, one kernel instance per tile count).
 // * Sums are exact integers: per 32-input sub-block one MMA per n8 tile (Q6_K: two, one per 16-input
 //   scale group), then acc += scale_j * partial with the sub-block's INTEGER scale (IQ4_XS ls - 32,
 //   Q4_K / Q5_K sc, Q6_K sc; |acc| < 2^27 over a super-block). Floats appear once per 256-input super-block:
@@ -32,9 +32,10 @@
 // * Work: a block of 4 warps owns 64 output rows (each warp 16: lanes hold rows g, g + 8) and one
 //   split of the reduction dimension (units of 256 inputs, Q8_0 32); each weight byte is read once
 //   per call; the loads of the next units are in flight while a unit is computed (a ring of
-//   registers, 1-tile and 3-tile instances). Splits depend only on (out, in, format, the device's
-//   multiprocessor count): as many as fit ONE wave of 4 blocks per multiprocessor; split partials
-//   go to a scratch buffer and are summed split 0 first by a second kernel (never atomics).
+//   registers; up to 4 tiles). Splits depend only on (out, in, format, the device's multiprocessor
+//   count): about 16 blocks per multiprocessor (4 resident: several waves of latency-bound warps),
+//   at least 4 units each; split partials go to a scratch buffer and are summed split 0 first by a
+//   second kernel (never atomics).
 // * Batch invariance: a column's arithmetic (its terms and scale, the integer MMAs and IMADs, the
 //   super-block float steps, the split walk and sum, the term sum) is the same in every instance and
 //   depends on no other column; integer sums have no order. So row i of y is bit-identical whatever n

@@ -52,14 +52,24 @@ namespace specd::gpu::detail::mma {
 
 constexpr int kWarps = 4;                   // warps per block; warp w owns output rows 16 w .. 16 w + 15
 constexpr int kRowsPerBlock = kWarps * 16;
-constexpr int kBlocksPerSM = 4;             // resident blocks per SM the split-K sizing assumes (min_blocks)
+// Tuning constants: tools/device/gemv_sweep.sh compiles variants of this header with -D overrides
+// and times them on the GPU (BENCHMARKS.md); the defaults are the measured best.
+#ifndef SPECD_MMA_SPLIT_BLOCKS
+#define SPECD_MMA_SPLIT_BLOCKS 16  // blocks per SM the split-K sizing aims at (units_per_split)
+#endif
+#ifndef SPECD_MMA_LOADS_ONLY
+#define SPECD_MMA_LOADS_ONLY 0  // sweep diagnostic: load every unit, skip its arithmetic (wrong results)
+#endif
+constexpr int kBlocksPerSM = SPECD_MMA_SPLIT_BLOCKS;
 constexpr int kTerms = 3;                   // int8 terms per x value
 constexpr int kMaxTiles = 6;                // n8 tiles of term columns for n = 16 (48 columns)
 constexpr int kMaxCols = 8 * kMaxTiles;
 constexpr int kGroup = 256;                 // inputs sharing one power-of-two x scale
 
-// n8 tiles of term columns a call of n rows of x runs (3 n columns): the kernel instances.
-__host__ __device__ constexpr int tiles_for(int n) { return n <= 2 ? 1 : n <= 8 ? 3 : 6; }
+// n8 tiles of term columns a call of n rows of x runs (3 n columns): the kernel instance NT. One
+// instance per tile count, so no tile is all padding: a run-time skip of dead tiles put a branch and
+// a convergence barrier around every MMA and cost 3x at n = 8 (H200, tools/device/gemv_sweep.sh).
+__host__ __device__ constexpr int tiles_for(int n) { return (3 * n + 7) / 8; }
 
 // byte permutes of two words w0 (inputs 4t..4t+3 of a sub-block) and w1 (inputs 16+4t..) of
 // byte-per-weight quants into the k order above: register 0 / register 1 of the lane's row.
@@ -159,9 +169,6 @@ struct XView {
   int cols;                         // 3 n: live term columns
   int lane;
   __device__ __forceinline__ bool live(int nt) const { return 8 * nt + (lane >> 2) < cols; }
-  // Whether tile nt holds any live column (warp-uniform): tiles past 3 n are skipped (n = 3..5 run
-  // the 3-tile instance, 9..13 the 6-tile one).
-  __device__ __forceinline__ bool any_live(int nt) const { return nt == 0 || 8 * nt < cols; }  // n >= 1: tile 0 is
   // B fragment of n8 tile nt for k32 step `kstep` (sub-block of 32 inputs); lanes of padding
   // columns feed zeros (and skip the load).
   __device__ __forceinline__ uint2 b(int64_t kstep, int nt) const {
@@ -184,7 +191,6 @@ __device__ __forceinline__ void step(const uint32_t (&a)[P][4], const int (&sc)[
                                      const XView& xv, int (&acc)[NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    if (!xv.any_live(nt)) continue;
     const uint2 b = xv.b(kstep, nt);
 #pragma unroll
     for (int p = 0; p < P; ++p) {
@@ -203,7 +209,6 @@ __device__ __forceinline__ void finish(const int (&acc)[NT][4], int64_t grp, con
                                        float (&accf)[NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    if (!xv.any_live(nt)) continue;
     const float2 s = xv.scale(grp, nt);
 #pragma unroll
     for (int c = 0; c < 4; ++c)
@@ -361,8 +366,7 @@ struct QK45U {
     // with one rounding: p + e = (dmin * scale) * mins exactly, then fma(d * scale, acc, -p) - e.
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      if (!xv.any_live(nt)) continue;
-      const float2 s = xv.scale(u, nt);
+        const float2 s = xv.scale(u, nt);
       float mp[4];
       hmma(mp, am, xv.mins(u, nt));
 #pragma unroll
@@ -459,8 +463,7 @@ struct Q8U {
     const int64_t grp = u / (kGroup / 32);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      if (!xv.any_live(nt)) continue;
-      int p[4];
+        int p[4];
       imma(p, a, xv.b(u, nt));
       const float2 s = xv.scale(grp, nt);
 #pragma unroll
@@ -473,24 +476,39 @@ struct Q8U {
 // Units a warp keeps loading ahead of the one it computes (software pipelining: before computing a
 // unit, the slot of the previous one is refilled with the unit kAhead later): as many as a register
 // budget for the raw words allows, with one unit's words being computed, 0 .. 4. 0 (load one unit,
-// then compute it) for the 6-tile instance: its unit body is ~800 instructions, and the ring,
-// unrolled over its slots, doubled it (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms
-// with one unit ahead through register copies, BENCHMARKS.md).
+// then compute it) for 5 and 6 tiles: their unit body is ~800 instructions, and the ring, unrolled
+// over its slots, doubled it (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms with one
+// unit ahead through register copies, BENCHMARKS.md).
 template <class F, int NT>
 __host__ __device__ constexpr int units_ahead() {
-  if constexpr (NT == 6) return 0;
+  if constexpr (NT >= 5) return 0;
   constexpr int regs = int(sizeof(typename F::Raw) / 4) * 2;  // the raw words of one unit, both rows
-  constexpr int ahead = (NT == 1 ? 64 : 48) / regs - 1;
+  constexpr int ahead = (NT <= 2 ? 64 : 48) / regs - 1;
   return ahead < 0 ? 0 : ahead > 4 ? 4 : ahead;
 }
 
 // Resident blocks per multiprocessor an instance is compiled for: 4 (<= 128 registers per thread)
-// for one tile, 3 (<= 168) for 3 and 6 (their 24 and 48 accumulators). The split-K sizing always
-// assumes kBlocksPerSM.
+// for one and two tiles, 3 (<= 168) for more (their 12 .. 24 accumulators).
 template <int NT>
-__host__ __device__ constexpr int min_blocks() { return NT == 1 ? kBlocksPerSM : 3; }
+__host__ __device__ constexpr int min_blocks() { return NT <= 2 ? 4 : 3; }
 
 // --- kernels ---------------------------------------------------------------------------------
+
+// The unit's contribution (F::unit), or with SPECD_MMA_LOADS_ONLY a fold of its raw words into one
+// accumulator (keeps the loads, drops the arithmetic: the memory side's ceiling of a variant).
+template <class F, int NT>
+__device__ __forceinline__ void compute(const typename F::Raw (&raw)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+  if constexpr (SPECD_MMA_LOADS_ONLY) {
+    uint32_t v = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < int(sizeof(typename F::Raw) / 4); ++i) v ^= reinterpret_cast<const uint32_t*>(&raw[h])[i];
+    accf[0][0] = __int_as_float(__float_as_int(accf[0][0]) ^ int(v));
+  } else {
+    F::template unit<NT>(raw, u, xv, accf);
+  }
+}
 
 // x [n, in] F32 -> the split x of a call (XView): one thread per (row r of x, 32-input block blk);
 // the 8 threads of a 256-input group are consecutive lanes (thread id = (r * groups + grp) * 8 + sb),
@@ -602,14 +620,34 @@ __device__ __forceinline__ GroupBlock locate(const Group& g_) {
   return GroupBlock{wi, local % row_blocks, local / row_blocks};
 }
 
+// The end of a warp's work: its accumulators (lane rows g, g + 8, term columns of its tiles) through
+// shared memory `p` (16 x (kMaxCols + 1) floats of its own), the three term columns of each row of x
+// summed (hi + mid + lo, in that order) and written to dst[split][r][row] of its weight.
+template <int NT>
+__device__ __forceinline__ void store_partials(const float (&accf)[NT][4], float (&p)[16][kMaxCols + 1], const Group& g_,
+                                               int warp, int lane, int n) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) p[g + 8 * (c >> 1)][8 * nt + 2 * t + (c & 1)] = accf[nt][c];
+  __syncwarp();
+  // Where this block's partials go, located again: nothing of it stays live across the loop.
+  const GroupBlock ge = locate(g_);
+  const int64_t out_e = g_.out[ge.wi], row0_e = ge.rb * kRowsPerBlock + int64_t(warp) * 16;
+  float* o = g_.dst[ge.wi] + ge.split * n * out_e;
+  for (int e = lane; e < 16 * n; e += 32) {
+    const int row = e & 15, r = e >> 4;
+    if (row0_e + row < out_e)
+      o[int64_t(r) * out_e + row0_e + row] = __fadd_rn(__fadd_rn(p[row][3 * r], p[row][3 * r + 1]), p[row][3 * r + 2]);
+  }
+}
+
 // One block: kWarps warps, warp w owns rows row0 + 16 w .. + 15 of its weight (lane rows g, g + 8) and
-// all rows of x, over units [u_begin, u_end) of its split (in order, units_ahead units loading ahead).
-// The three term columns of each row of x are summed at the end (hi + mid + lo, through shared
-// memory) and the partial sums written to dst[split][r][row] of its weight.
+// all rows of x, over units [u_begin, u_end) of its split, in order (units_ahead units loading ahead).
 template <class F, int NT>
 __global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel(const Group g_, int64_t nunits,
                                                                              const XView xv0, int n) {
-  __shared__ float part[kWarps][16][kMaxCols + 1];
   const GroupBlock gb = locate(g_);
   const uint8_t* __restrict__ w = g_.w[gb.wi];
   const int64_t row_bytes = g_.row_bytes[gb.wi], out = g_.out[gb.wi], per_split = g_.per_split[gb.wi];
@@ -619,25 +657,26 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel
   const int64_t row0 = gb.rb * kRowsPerBlock + int64_t(warp) * 16;
   const int64_t u_begin = gb.split * per_split;
   const int64_t u_end = u_begin + per_split < nunits ? u_begin + per_split : nunits;
-  const uint8_t* rows[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t rr = row0 + g + 8 * h;
-    rows[h] = w + (rr < out ? rr : out - 1) * row_bytes;  // clamp: ragged last tile
-  }
 
   float accf[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int c = 0; c < 4; ++c) accf[nt][c] = 0.0f;
+  __shared__ float part[kWarps][16][kMaxCols + 1];
+  const uint8_t* rows[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t rr = row0 + g + 8 * h;
+    rows[h] = w + (rr < out ? rr : out - 1) * row_bytes;  // clamp: ragged last tile
+  }
   constexpr int kAhead = units_ahead<F, NT>();
   if constexpr (kAhead == 0) {
     for (int64_t u = u_begin; u < u_end; ++u) {
       typename F::Raw raw[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) raw[h] = F::load(rows[h], u, t);
-      F::template unit<NT>(raw, u, xv, accf);
+      compute<F, NT>(raw, u, xv, accf);
     }
   } else {
     // kAhead + 1 slots, unit u in slot (u - u_begin) % kSlots; the loop is unrolled over the slots so
@@ -660,33 +699,19 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel
 #pragma unroll
             for (int h = 0; h < 2; ++h) ring[(i + kAhead) % kSlots][h] = F::load(rows[h], u + kAhead, t);
           }
-          F::template unit<NT>(ring[i], u, xv, accf);
+          compute<F, NT>(ring[i], u, xv, accf);
         }
       }
     }
   }
-
-  float(&p)[16][kMaxCols + 1] = part[warp];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) p[g + 8 * (c >> 1)][8 * nt + 2 * t + (c & 1)] = accf[nt][c];
-  __syncwarp();
-  // Where this block's partials go, located again: nothing of it stays live across the loop.
-  const GroupBlock ge = locate(g_);
-  const int64_t out_e = g_.out[ge.wi], row0_e = ge.rb * kRowsPerBlock + int64_t(warp) * 16;
-  float* o = g_.dst[ge.wi] + ge.split * n * out_e;
-  for (int e = lane; e < 16 * n; e += 32) {
-    const int row = e & 15, r = e >> 4;
-    if (row0_e + row < out_e)
-      o[int64_t(r) * out_e + row0_e + row] = __fadd_rn(__fadd_rn(p[row][3 * r], p[row][3 * r + 1]), p[row][3 * r + 2]);
-  }
+  store_partials<NT>(accf, part[warp], g_, warp, lane, n);
 }
 
 // Splits of the reduction dimension for a weight of `out` rows and `nunits` units, on `sms`
-// multiprocessors: as many as fit ONE wave of kBlocksPerSM blocks per multiprocessor (rounded DOWN:
-// one block over a wave would cost a whole second pass of a latency-bound block), at least 4 units
-// per split. Depends on the weight shape and the device only (never on n or on the weights it is
+// multiprocessors: about kBlocksPerSM blocks per multiprocessor (4 resident, so several waves: the
+// warps are latency-bound, and more of them in flight beat the tail; H200, gemv_sweep.sh: 16 against
+// 4 took the 27B FFN gate + up launch from 67 to 55 us, Q8_0 17408 x 5120 from 102 to 68 us), at
+// least 4 units per split. Depends on the weight shape and the device only (never on n or on the weights it is
 // grouped with), so every row of x sees the same arithmetic whatever the width or grouping of the call.
 inline int64_t units_per_split(int64_t out, int64_t nunits, int64_t sms) {
   const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -842,7 +867,10 @@ inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n)
     };
     switch (tiles_for(n)) {
       case 1: go(std::integral_constant<int, 1>()); break;
+      case 2: go(std::integral_constant<int, 2>()); break;
       case 3: go(std::integral_constant<int, 3>()); break;
+      case 4: go(std::integral_constant<int, 4>()); break;
+      case 5: go(std::integral_constant<int, 5>()); break;
       default: go(std::integral_constant<int, 6>()); break;
     }
   }

@@ -214,7 +214,9 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
                return scratch.back().data();
              }, grp, sums);
   const int nt = tiles_for(n);
-  auto kernel = nt == 1 ? mma_gemv_kernel<F, 1> : nt == 3 ? mma_gemv_kernel<F, 3> : mma_gemv_kernel<F, 6>;
+  decltype(&mma_gemv_kernel<F, 1>) const kernels[] = {mma_gemv_kernel<F, 1>, mma_gemv_kernel<F, 2>, mma_gemv_kernel<F, 3>,
+                                                      mma_gemv_kernel<F, 4>, mma_gemv_kernel<F, 5>, mma_gemv_kernel<F, 6>};
+  const auto kernel = kernels[nt - 1];
   emulate(grp.block0[grp.count], kWarps * 32, [&] { kernel(grp, nunits, xv, n); });
   for (int64_t e = 0; e < sums.elem0[sums.count]; ++e) sum_splits_at(sums, e);
 }

@@ -1,0 +1,219 @@
+// Variant sweep of the tensor-core GEMV (issue 7). tools/device/gemv_sweep.sh compiles this file once
+// per variant, with -D overrides of the tuning constants at the top of native/src/gpu/matmul_mma.cuh,
+// and runs each binary on the GPU: it times one GEMV call (split_x_kernel + mma_gemv_kernel +
+// sum_splits_kernel, exactly the launches of detail::mma::gemv) per format, weight shape and width,
+// rotating over enough weight copies that every call streams its weights from HBM, and prints one
+// tab-separated line per case with the microseconds per call, the weight bytes per second and their
+// ratio to the device-to-device copy bandwidth measured at start-up, plus a checksum of the outputs
+// (variants with the same split sizing must agree bit for bit).
+//
+// Usage: gemv_sweep VARIANT_NAME [calls_ms]      (prints "variant format out in group n us GBps ratio checksum")
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common.cuh"
+#include "specd/gpu.h"
+#include "weight_formats.cuh"
+#include "matmul_mma.cuh"
+
+#define CK(call)                                                                                    \
+  do {                                                                                              \
+    cudaError_t e_ = (call);                                                                        \
+    if (e_ != cudaSuccess) {                                                                        \
+      std::fprintf(stderr, "%s failed at %s:%d: %s\n", #call, __FILE__, __LINE__, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                                 \
+    }                                                                                               \
+  } while (0)
+
+namespace specd::gpu::detail {
+[[noreturn]] void throw_runtime_error(cudaError_t err, const char* call, const char* file, int line) {
+  std::fprintf(stderr, "%s failed at %s:%d: %s\n", call, file, line, cudaGetErrorString(err));
+  std::exit(2);
+}
+}  // namespace specd::gpu::detail
+
+namespace mma = specd::gpu::detail::mma;
+
+namespace {
+
+struct Format {
+  const char* name;
+  int block_bytes, block_elems;
+  std::vector<int> d_offsets;  // fp16 scale fields of a block, set to a small value (no inf / NaN)
+};
+
+const Format kFormats[] = {
+    {"IQ4_XS", 136, 256, {0}}, {"Q4_K", 144, 256, {0, 2}}, {"Q5_K", 176, 256, {0, 2}},
+    {"Q6_K", 210, 256, {208}}, {"Q8_0", 34, 32, {0}},
+};
+
+// Device-to-device copy bandwidth (bytes read + written per second), median of 20 copies of 1 GiB.
+double copy_gbps() {
+  const size_t bytes = size_t(1) << 30;
+  void *a, *b;
+  CK(cudaMalloc(&a, bytes));
+  CK(cudaMalloc(&b, bytes));
+  CK(cudaMemset(a, 1, bytes));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int i = 0; i < 23; ++i) {
+    CK(cudaEventRecord(e0));
+    CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+    CK(cudaEventRecord(e1));
+    CK(cudaEventSynchronize(e1));
+    float t;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    if (i >= 3) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  CK(cudaFree(a));
+  CK(cudaFree(b));
+  return 2.0 * double(bytes) / (ms[ms.size() / 2] * 1e-3) / 1e9;
+}
+
+// One GEMV call's launches (as detail::mma::gemv / launch): split x, the grouped kernel, the split sums.
+template <class F, int NT>
+void call(const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, int n, uint8_t* xbuf,
+          uint8_t* scratch) {
+  const mma::XSizes sz(in);
+  mma::XView xv{reinterpret_cast<const uint2*>(xbuf), reinterpret_cast<const float*>(xbuf + sz.xb),
+                reinterpret_cast<const uint32_t*>(xbuf + sz.xb + sz.xs), 3 * n, 0};
+  const int64_t groups = (in + mma::kGroup - 1) / mma::kGroup, threads = int64_t(n) * groups * 8;
+  mma::split_x_kernel<<<unsigned((threads + 127) / 128), 128>>>(x, in, n, groups, reinterpret_cast<uint2*>(xbuf),
+                                                                reinterpret_cast<float*>(xbuf + sz.xb),
+                                                                reinterpret_cast<uint32_t*>(xbuf + sz.xb + sz.xs));
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  mma::Group grp;
+  mma::SplitSums sums;
+  size_t used = 0;
+  mma::plan_group(ws.data(), int(ws.size()), in, F::kUnitElems, n, sms, [&](size_t bytes) {
+    float* p = reinterpret_cast<float*>(scratch + used);
+    used += (bytes + 255) / 256 * 256;
+    return p;
+  }, grp, sums);
+  mma::mma_gemv_kernel<F, NT><<<unsigned(grp.block0[grp.count]), mma::kWarps * 32>>>(grp, in / F::kUnitElems, xv, n);
+  if (sums.count > 0) {
+    const int64_t total = sums.elem0[sums.count];
+    mma::sum_splits_kernel<<<unsigned((total + 255) / 256), 256>>>(sums);
+  }
+}
+
+template <class F>
+void dispatch(const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, int n, uint8_t* xbuf,
+              uint8_t* scratch) {
+  switch (mma::tiles_for(n)) {
+    case 1: return call<F, 1>(ws, in, x, n, xbuf, scratch);
+    case 2: return call<F, 2>(ws, in, x, n, xbuf, scratch);
+    case 3: return call<F, 3>(ws, in, x, n, xbuf, scratch);
+    case 4: return call<F, 4>(ws, in, x, n, xbuf, scratch);
+    case 5: return call<F, 5>(ws, in, x, n, xbuf, scratch);
+    default: return call<F, 6>(ws, in, x, n, xbuf, scratch);
+  }
+}
+
+void run(const Format& f, const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, int n, uint8_t* xbuf,
+         uint8_t* scratch) {
+  const std::string nm = f.name;
+  if (nm == "IQ4_XS") return dispatch<mma::IQ4U>(ws, in, x, n, xbuf, scratch);
+  if (nm == "Q4_K") return dispatch<mma::QK45U<false>>(ws, in, x, n, xbuf, scratch);
+  if (nm == "Q5_K") return dispatch<mma::QK45U<true>>(ws, in, x, n, xbuf, scratch);
+  if (nm == "Q6_K") return dispatch<mma::Q6U>(ws, in, x, n, xbuf, scratch);
+  return dispatch<mma::Q8U>(ws, in, x, n, xbuf, scratch);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string variant = argc > 1 ? argv[1] : "default";
+  const double target_ms = argc > 2 ? std::atof(argv[2]) : 20.0;  // per timed repetition
+  const char* only = std::getenv("SWEEP_FORMAT");                  // one format (for ncu), else all
+  const double copy = copy_gbps();
+  std::printf("# variant %s copy_GBps %.1f\n", variant.c_str(), copy);
+  std::mt19937_64 rng(1234);
+  // (out, in, weights in the group): the 27B's FFN gate (one), gate + up (one grouped launch), down.
+  struct Shape { int64_t out, in; int group; };
+  const Shape shapes[] = {{17408, 5120, 1}, {17408, 5120, 2}, {5120, 17408, 1}};
+  const int widths[] = {1, 2, 4, 8, 12, 16};
+  uint8_t *xbuf, *scratch;
+  float* x;
+  CK(cudaMalloc(&xbuf, 16 << 20));
+  CK(cudaMalloc(&scratch, 64 << 20));
+  CK(cudaMalloc(&x, 16 * 17408 * sizeof(float)));
+  {
+    std::vector<float> hx(16 * 17408);
+    std::normal_distribution<float> nd;
+    for (float& v : hx) v = nd(rng);
+    CK(cudaMemcpy(x, hx.data(), hx.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  for (const Format& f : kFormats) {
+    if (only && std::string(only) != f.name) continue;
+    for (const Shape& sh : shapes) {
+      const int64_t row_bytes = sh.in / f.block_elems * f.block_bytes, wbytes = sh.out * row_bytes;
+      const int64_t call_bytes = wbytes * sh.group;
+      const int copies = int(std::max<int64_t>(1, (240ll << 20) / call_bytes + 1));  // > 4x the 50 MB L2
+      std::vector<uint8_t> host(static_cast<size_t>(wbytes));
+      for (size_t i = 0; i < host.size(); i += 8) {
+        const uint64_t r = rng();
+        std::memcpy(host.data() + i, &r, std::min<size_t>(8, host.size() - i));
+      }
+      for (int64_t b = 0; b < wbytes / f.block_bytes; ++b)
+        for (int off : f.d_offsets) host[size_t(b * f.block_bytes + off)] = 0x00, host[size_t(b * f.block_bytes + off + 1)] = 0x20;
+      std::vector<uint8_t*> bufs(static_cast<size_t>(copies * sh.group));
+      for (auto& p : bufs) {
+        CK(cudaMalloc(&p, size_t(wbytes)));
+        CK(cudaMemcpy(p, host.data(), size_t(wbytes), cudaMemcpyHostToDevice));
+      }
+      float* y;
+      CK(cudaMalloc(&y, size_t(16 * sh.out * sh.group) * sizeof(float)));
+      for (int n : widths) {
+        std::vector<std::vector<mma::GroupWeight>> calls(static_cast<size_t>(copies));
+        for (int c = 0; c < copies; ++c)
+          for (int i = 0; i < sh.group; ++i)
+            calls[size_t(c)].push_back({bufs[size_t(c * sh.group + i)], row_bytes, sh.out, y + int64_t(i) * 16 * sh.out});
+        const int ncalls = std::max(10, int(target_ms * 1e-3 / (double(call_bytes) / 3e12)));
+        for (int i = 0; i < 10; ++i) run(f, calls[size_t(i % copies)], sh.in, x, n, xbuf, scratch);
+        CK(cudaDeviceSynchronize());
+        cudaEvent_t e0, e1;
+        CK(cudaEventCreate(&e0));
+        CK(cudaEventCreate(&e1));
+        std::vector<float> us;
+        for (int rep = 0; rep < 5; ++rep) {
+          CK(cudaEventRecord(e0));
+          for (int i = 0; i < ncalls; ++i) run(f, calls[size_t(i % copies)], sh.in, x, n, xbuf, scratch);
+          CK(cudaEventRecord(e1));
+          CK(cudaEventSynchronize(e1));
+          float ms;
+          CK(cudaEventElapsedTime(&ms, e0, e1));
+          us.push_back(ms * 1e3f / float(ncalls));
+        }
+        CK(cudaGetLastError());
+        std::sort(us.begin(), us.end());
+        run(f, calls[0], sh.in, x, n, xbuf, scratch);
+        std::vector<float> hy(static_cast<size_t>(n * sh.out));
+        CK(cudaMemcpy(hy.data(), y, hy.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        double sum = 0;
+        for (float v : hy) sum += v;
+        const double gbps = double(call_bytes) / (us[2] * 1e-6) / 1e9;
+        std::printf("%s\t%s\t%lld\t%lld\t%d\t%d\t%.2f\t%.1f\t%.3f\t%.9g\n", variant.c_str(), f.name, (long long)sh.out,
+                    (long long)sh.in, sh.group, n, us[2], gbps, gbps / copy, sum);
+        std::fflush(stdout);
+        CK(cudaEventDestroy(e0));
+        CK(cudaEventDestroy(e1));
+      }
+      CK(cudaFree(y));
+      for (auto p : bufs) CK(cudaFree(p));
+    }
+  }
+  return 0;
+}

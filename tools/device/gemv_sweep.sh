@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Variant sweep of the tensor-core GEMV on the GPU machine (issue 7; no Python build needed):
+# compiles tools/device/gemv_sweep.cu once per variant (-D overrides of the tuning constants at the
+# top of native/src/gpu/matmul_mma.cuh), in parallel, runs each (per format: the 27B's 17408 x 5120
+# FFN gate alone, gate + up as one grouped launch, 5120 x 17408 down; widths 1, 8, 16) and, for the
+# variants in NCU, Nsight Compute on one IQ4_XS width-1 launch (sections below, SM clock not locked).
+#
+# Usage (repository root on the GPU machine):
+#     OUT=/some/dir bash tools/device/gemv_sweep.sh
+#     OUT=/some/dir VARIANTS="base:-DSPECD_MMA_STAGE=0 stage:-DSPECD_MMA_STAGE=1" NCU="base" bash tools/device/gemv_sweep.sh
+# Outputs: sweep.tsv (variant format out in group n us GBps ratio_to_copy checksum), build.log, ncu.txt.
+set -u -o pipefail
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+B=/tmp/gemv_sweep
+mkdir -p "$B"
+NVCC=${NVCC:-nvcc}
+DEFAULT_VARIANTS="split4:-DSPECD_MMA_SPLIT_BLOCKS=4
+split8:-DSPECD_MMA_SPLIT_BLOCKS=8
+split12:-DSPECD_MMA_SPLIT_BLOCKS=12
+split16:-DSPECD_MMA_SPLIT_BLOCKS=16
+split8-loads:-DSPECD_MMA_SPLIT_BLOCKS=8,-DSPECD_MMA_LOADS_ONLY=1
+stage3-split8:-DSPECD_MMA_STAGE=1,-DSPECD_MMA_STAGE_SLOTS=3,-DSPECD_MMA_MIN_BLOCKS=4,-DSPECD_MMA_SPLIT_BLOCKS=8"
+VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
+{ date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv; "$NVCC" --version | tail -1; } >"$OUT/build.log" 2>&1
+names=()
+for v in $VARIANTS; do
+  name=${v%%:*}
+  flags=${v#*:}
+  names+=("$name")
+  # shellcheck disable=SC2086
+  ("$NVCC" -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xptxas -v ${flags//,/ } -I native/include \
+    -I native/src/gpu -I native/src -o "$B/$name" tools/device/gemv_sweep.cu >"$B/$name.log" 2>&1
+   echo "build $name rc=$?" >>"$B/$name.log") &
+done
+wait
+for name in "${names[@]}"; do
+  { echo "=== $name"; grep -E "rc=|error|Used|Compiling entry" "$B/$name.log" | grep -B1 -E "rc=|error|Used" |
+      grep -E "rc=|error|gemv|Used" | sed 's/ptxas info    : //'; } >>"$OUT/build.log"
+done
+: >"$OUT/sweep.tsv"
+for name in "${names[@]}"; do
+  [ -x "$B/$name" ] || { echo "# $name: not built" >>"$OUT/sweep.tsv"; continue; }
+  timeout "${RUN_TIMEOUT:-120}" "$B/$name" "$name" >>"$OUT/sweep.tsv" 2>&1
+  echo "# $name rc=$? at ${SECONDS}s" >>"$OUT/sweep.tsv"
+done
+NCU_BIN=${NCU_BIN:-/usr/local/cuda/bin/ncu}
+: >"$OUT/ncu.txt"
+for name in ${NCU-}; do
+  [ -x "$B/$name" ] || continue
+  echo "######## $name" >>"$OUT/ncu.txt"
+  SWEEP_FORMAT=IQ4_XS timeout "${NCU_TIMEOUT:-150}" "$NCU_BIN" --clock-control none -k regex:mma_gemv_kernel \
+    --launch-skip 5 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section SchedulerStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis_Tables "$B/$name" "$name" 1 >>"$OUT/ncu.txt" 2>&1
+  echo "ncu $name rc=$?" >>"$OUT/ncu.txt"
+done
+grep -v "^#" "$OUT/sweep.tsv" | awk -F'\t' '$6 == 1 || $6 == 16' | cut -f1-9
+grep "^#" "$OUT/sweep.tsv"
