@@ -23,15 +23,7 @@
 #include "specd/gpu.h"
 #include "weight_formats.cuh"
 #include "matmul_mma.cuh"
-
-#define CK(call)                                                                                    \
-  do {                                                                                              \
-    cudaError_t e_ = (call);                                                                        \
-    if (e_ != cudaSuccess) {                                                                        \
-      std::fprintf(stderr, "%s failed at %s:%d: %s\n", #call, __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                                 \
-    }                                                                                               \
-  } while (0)
+#include "bench_util.cuh"
 
 namespace specd::gpu::detail {
 [[noreturn]] void throw_runtime_error(cudaError_t err, const char* call, const char* file, int line) {
@@ -54,32 +46,6 @@ const Format kFormats[] = {
     {"IQ4_XS", 136, 256, {0}}, {"Q4_K", 144, 256, {0, 2}}, {"Q5_K", 176, 256, {0, 2}},
     {"Q6_K", 210, 256, {208}}, {"Q8_0", 34, 32, {0}},
 };
-
-// Device-to-device copy bandwidth (bytes read + written per second), median of 20 copies of 1 GiB.
-double copy_gbps() {
-  const size_t bytes = size_t(1) << 30;
-  void *a, *b;
-  CK(cudaMalloc(&a, bytes));
-  CK(cudaMalloc(&b, bytes));
-  CK(cudaMemset(a, 1, bytes));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<float> ms;
-  for (int i = 0; i < 23; ++i) {
-    CK(cudaEventRecord(e0));
-    CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float t;
-    CK(cudaEventElapsedTime(&t, e0, e1));
-    if (i >= 3) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  return 2.0 * double(bytes) / (ms[ms.size() / 2] * 1e-3) / 1e9;
-}
 
 // One GEMV call's launches (as detail::mma::gemv / launch): split x, the grouped kernel, the split sums.
 template <class F, int NT>
@@ -182,34 +148,16 @@ int main(int argc, char** argv) {
           for (int i = 0; i < sh.group; ++i)
             calls[size_t(c)].push_back({bufs[size_t(c * sh.group + i)], row_bytes, sh.out, y + int64_t(i) * 16 * sh.out});
         const int ncalls = std::max(10, int(target_ms * 1e-3 / (double(call_bytes) / 3e12)));
-        for (int i = 0; i < 10; ++i) run(f, calls[size_t(i % copies)], sh.in, x, n, xbuf, scratch);
-        CK(cudaDeviceSynchronize());
-        cudaEvent_t e0, e1;
-        CK(cudaEventCreate(&e0));
-        CK(cudaEventCreate(&e1));
-        std::vector<float> us;
-        for (int rep = 0; rep < 5; ++rep) {
-          CK(cudaEventRecord(e0));
-          for (int i = 0; i < ncalls; ++i) run(f, calls[size_t(i % copies)], sh.in, x, n, xbuf, scratch);
-          CK(cudaEventRecord(e1));
-          CK(cudaEventSynchronize(e1));
-          float ms;
-          CK(cudaEventElapsedTime(&ms, e0, e1));
-          us.push_back(ms * 1e3f / float(ncalls));
-        }
-        CK(cudaGetLastError());
-        std::sort(us.begin(), us.end());
+        const float us = median_us([&](int i) { run(f, calls[size_t(i % copies)], sh.in, x, n, xbuf, scratch); }, ncalls);
         run(f, calls[0], sh.in, x, n, xbuf, scratch);
         std::vector<float> hy(static_cast<size_t>(n * sh.out));
         CK(cudaMemcpy(hy.data(), y, hy.size() * sizeof(float), cudaMemcpyDeviceToHost));
         double sum = 0;
         for (float v : hy) sum += v;
-        const double gbps = double(call_bytes) / (us[2] * 1e-6) / 1e9;
+        const double gbps = double(call_bytes) / (double(us) * 1e-6) / 1e9;
         std::printf("%s\t%s\t%lld\t%lld\t%d\t%d\t%.2f\t%.1f\t%.3f\t%.9g\n", variant.c_str(), f.name, (long long)sh.out,
-                    (long long)sh.in, sh.group, n, us[2], gbps, gbps / copy, sum);
+                    (long long)sh.in, sh.group, n, us, gbps, gbps / copy, sum);
         std::fflush(stdout);
-        CK(cudaEventDestroy(e0));
-        CK(cudaEventDestroy(e1));
       }
       CK(cudaFree(y));
       for (auto p : bufs) CK(cudaFree(p));

@@ -18,14 +18,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(call)                                                                                             \
-  do {                                                                                                       \
-    cudaError_t e_ = (call);                                                                                 \
-    if (e_ != cudaSuccess) {                                                                                 \
-      std::fprintf(stderr, "%s failed at %s:%d: %s\n", #call, __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                                          \
-    }                                                                                                        \
-  } while (0)
+#include "bench_util.cuh"
 
 constexpr int kRows = 17408, kUnits = 20, kUnit = 136, kRowBytes = kUnits * kUnit, kWarps = 4;
 
@@ -189,28 +182,10 @@ __global__ void stream(const uint4* __restrict__ w, int64_t n16, uint32_t* sink)
   if (acc == 0x12345678u) sink[0] = acc;
 }
 
+// Microseconds per launch(copy index), rotating over `copies` weight copies.
 template <class Launch>
 float time_us(const Launch& launch, int copies) {
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 12; ++i) launch(i % copies);
-  const int calls = 300;
-  std::vector<float> v;
-  for (int rep = 0; rep < 5; ++rep) {
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < calls; ++i) launch(i % copies);
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    v.push_back(ms * 1e3f / calls);
-  }
-  CK(cudaGetLastError());
-  std::sort(v.begin(), v.end());
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  return v[2];
+  return median_us([&](int i) { launch(i % copies); }, 300);
 }
 
 int main() {
@@ -223,15 +198,7 @@ int main() {
   }
   uint32_t* sink;
   CK(cudaMalloc(&sink, 4));
-  // copy bandwidth: 1 GiB device to device, median of 20
-  const size_t cb = size_t(1) << 30;
-  void *a, *b;
-  CK(cudaMalloc(&a, cb));
-  CK(cudaMalloc(&b, cb));
-  const float copy_us = time_us([&](int) { CK(cudaMemcpyAsync(b, a, cb, cudaMemcpyDeviceToDevice)); }, 1);
-  const double copy = 2.0 * double(cb) / (copy_us * 1e-6) / 1e9;
-  CK(cudaFree(a));
-  CK(cudaFree(b));
+  const double copy = copy_gbps();
   std::printf("# copy_GBps %.1f weight_bytes %zu\n", copy, wbytes);
   auto report = [&](const char* name, int splits, float us) {
     const double gbps = double(wbytes) / (us * 1e-6) / 1e9;
