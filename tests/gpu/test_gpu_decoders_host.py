@@ -154,7 +154,7 @@ MMA_CASES += [("Q8_0", 96, 33, False), ("Q8_0", 288, 40, False)]
 MMA_CASES += [(name, 512, 40, True) for name in FORMATS_MMA]
 
 
-def check_mma_emulated(d, exe, name, t, x, out, sms, widths=(1, 2, 3, 8, 9, 16)):
+def check_mma_emulated(d, exe, name, t, x, out, sms, widths=(1, 2, 3, 8, 9, 12, 16)):
     """The emulated GEMV of weight t (its bytes in w.bin) at every width in `widths` against the CPU,
     within the GEMV's contract (mma_bounds.py), and batch invariant (each width's rows equal the
     widest call's)."""
@@ -233,7 +233,7 @@ def test_gpu_mma_gemv_emulated_nonfinite_x(mma_emu, rng, name):
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_gpu_mma_gemv_group_emulated_equals_single(mma_emu, rng, name):
     """A grouped launch (one x, several weights of one format: flat grid, each weight its own split)
-    gives every weight bit for bit what a launch of its own gives, at 1 and 2 n8 tiles."""
+    gives every weight bit for bit what a launch of its own gives, at 1 and 5 n8 tiles (n = 1, 12)."""
     d, exe = mma_emu
     k, outs = 512, [7, 130, 40]
     raws = [weight(rng, name, o, k, False)[0] for o in outs]

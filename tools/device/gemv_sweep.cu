@@ -36,6 +36,8 @@ namespace mma = specd::gpu::detail::mma;
 
 namespace {
 
+constexpr size_t kScratchBytes = size_t(64) << 20;  // split partials of one call
+
 struct Format {
   const char* name;
   int block_bytes, block_elems;
@@ -66,6 +68,10 @@ void call(const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, i
   mma::plan_group(ws.data(), int(ws.size()), in, F::kUnitElems, n, sms, [&](size_t bytes) {
     float* p = reinterpret_cast<float*>(scratch + used);
     used += (bytes + 255) / 256 * 256;
+    if (used > kScratchBytes) {
+      std::fprintf(stderr, "gemv_sweep: split partials need more than the %zu scratch bytes\n", kScratchBytes);
+      std::exit(2);
+    }
     return p;
   }, grp, sums);
   mma::mma_gemv_kernel<F, NT><<<unsigned(grp.block0[grp.count]), mma::kWarps * 32>>>(grp, in / F::kUnitElems, xv, n);
@@ -78,14 +84,7 @@ void call(const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, i
 template <class F>
 void dispatch(const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, int n, uint8_t* xbuf,
               uint8_t* scratch) {
-  switch (mma::tiles_for(n)) {
-    case 1: return call<F, 1>(ws, in, x, n, xbuf, scratch);
-    case 2: return call<F, 2>(ws, in, x, n, xbuf, scratch);
-    case 3: return call<F, 3>(ws, in, x, n, xbuf, scratch);
-    case 4: return call<F, 4>(ws, in, x, n, xbuf, scratch);
-    case 5: return call<F, 5>(ws, in, x, n, xbuf, scratch);
-    default: return call<F, 6>(ws, in, x, n, xbuf, scratch);
-  }
+  mma::with_tiles(n, [&](auto nt) { call<F, decltype(nt)::value>(ws, in, x, n, xbuf, scratch); });
 }
 
 void run(const Format& f, const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, int n, uint8_t* xbuf,
@@ -110,11 +109,11 @@ int main(int argc, char** argv) {
   // (out, in, weights in the group): the 27B's FFN gate (one), gate + up (one grouped launch), down.
   struct Shape { int64_t out, in; int group; };
   const Shape shapes[] = {{17408, 5120, 1}, {17408, 5120, 2}, {5120, 17408, 1}};
-  const int widths[] = {1, 2, 4, 8, 12, 16};
+  const int widths[] = {1, 2, 4, 8, 10, 12, 16};  // 1, 1, 2, 3, 4, 5, 6 tiles
   uint8_t *xbuf, *scratch;
   float* x;
   CK(cudaMalloc(&xbuf, 16 << 20));
-  CK(cudaMalloc(&scratch, 64 << 20));
+  CK(cudaMalloc(&scratch, kScratchBytes));
   CK(cudaMalloc(&x, 16 * 17408 * sizeof(float)));
   {
     std::vector<float> hx(16 * 17408);

@@ -2,12 +2,12 @@
 # Variant sweep of the tensor-core GEMV on the GPU machine (issue 7; no Python build needed):
 # compiles tools/device/gemv_sweep.cu once per variant (-D overrides of the tuning constants at the
 # top of native/src/gpu/matmul_mma.cuh), in parallel, runs each (per format: the 27B's 17408 x 5120
-# FFN gate alone, gate + up as one grouped launch, 5120 x 17408 down; widths 1, 8, 16) and, for the
+# FFN gate alone, gate + up as one grouped launch, 5120 x 17408 down; widths 1, 2, 4, 8, 10, 12, 16) and, for the
 # variants in NCU, Nsight Compute on one IQ4_XS width-1 launch (sections below, SM clock not locked).
 #
 # Usage (repository root on the GPU machine):
 #     OUT=/some/dir bash tools/device/gemv_sweep.sh
-#     OUT=/some/dir VARIANTS="base:-DSPECD_MMA_STAGE=0 stage:-DSPECD_MMA_STAGE=1" NCU="base" bash tools/device/gemv_sweep.sh
+#     OUT=/some/dir VARIANTS="s4:-DSPECD_MMA_SPLIT_BLOCKS=4 s16:-DSPECD_MMA_SPLIT_BLOCKS=16" NCU="s16" bash tools/device/gemv_sweep.sh
 # Outputs: sweep.tsv (variant format out in group n us GBps ratio_to_copy checksum), build.log, ncu.txt.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
@@ -20,8 +20,7 @@ DEFAULT_VARIANTS="split4:-DSPECD_MMA_SPLIT_BLOCKS=4
 split8:-DSPECD_MMA_SPLIT_BLOCKS=8
 split12:-DSPECD_MMA_SPLIT_BLOCKS=12
 split16:-DSPECD_MMA_SPLIT_BLOCKS=16
-split8-loads:-DSPECD_MMA_SPLIT_BLOCKS=8,-DSPECD_MMA_LOADS_ONLY=1
-stage3-split8:-DSPECD_MMA_STAGE=1,-DSPECD_MMA_STAGE_SLOTS=3,-DSPECD_MMA_MIN_BLOCKS=4,-DSPECD_MMA_SPLIT_BLOCKS=8"
+split8-loads:-DSPECD_MMA_SPLIT_BLOCKS=8,-DSPECD_MMA_LOADS_ONLY=1"
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
 { date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv; "$NVCC" --version | tail -1; } >"$OUT/build.log" 2>&1
 names=()

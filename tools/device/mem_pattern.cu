@@ -4,7 +4,7 @@
 // run. Every kernel folds what it loaded into one word per thread (so nothing is optimised away).
 //   ldg32<A>   the tensor-core GEMV's pattern: a warp owns 16 rows; per 136-byte unit each lane loads
 //              4-byte words of rows g and g + 8 (8 rows x 16 bytes per instruction); A units ahead.
-//   ldg128<A>  the same warp work, loaded as 16-byte words of contiguous row segments (two units of a
+//   ldg128<A>  the same warp work (A = 1: a deeper ring spills), loaded as 16-byte words of contiguous row segments (two units of a
 //              row = 272 bytes = 17 words; 16 rows = 272 words, 9 per lane); A unit pairs ahead.
 //   bulk<S,P>  the copy engine (cp.async.bulk, mbarrier completion) moves P units of each of the warp's
 //              16 rows into shared memory, S stages per warp; lanes read the stage in the MMA layout.
@@ -206,11 +206,10 @@ int main() {
     std::fflush(stdout);
   };
   const int rb = kRows / 64;
-  for (int splits : {1, 2, 4}) {
+  for (int splits : {1, 2, 5}) {  // 20, 10, 4 units per split: whole unit pairs for ldg128
     report("ldg32<2>", splits, time_us([&](int c) { ldg32<2><<<rb * splits, 128>>>(ws[c], splits, sink); }, copies));
     report("ldg32<4>", splits, time_us([&](int c) { ldg32<4><<<rb * splits, 128>>>(ws[c], splits, sink); }, copies));
     report("ldg128<1>", splits, time_us([&](int c) { ldg128<1><<<rb * splits, 128>>>(ws[c], splits, sink); }, copies));
-    report("ldg128<2>", splits, time_us([&](int c) { ldg128<2><<<rb * splits, 128>>>(ws[c], splits, sink); }, copies));
   }
   auto run_bulk = [&](auto kernel, const char* name, int S, int P, int splits) {
     const int smem = kWarps * S * 8 + kWarps * S * 16 * bulk_stride(P);

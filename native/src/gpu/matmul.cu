@@ -32,9 +32,9 @@
 // * Work: a block of 4 warps owns 64 output rows (each warp 16: lanes hold rows g, g + 8) and one
 //   split of the reduction dimension (units of 256 inputs, Q8_0 32); each weight byte is read once
 //   per call; the loads of the next units are in flight while a unit is computed (a ring of
-//   registers; up to 4 tiles). Splits depend only on (out, in, format, the device's multiprocessor
-//   count): about 16 blocks per multiprocessor (4 resident: several waves of latency-bound warps),
-//   at least 4 units each; split partials go to a scratch buffer and are summed split 0 first by a
+//   registers, as deep as a register budget allows: none for Q6_K, nor at 5-6 tiles). Splits depend
+//   only on (out, in, format, the device's multiprocessor count): about 16 blocks per multiprocessor
+//   (3-4 resident: several waves of latency-bound warps), at least 4 units each; split partials go to a scratch buffer and are summed split 0 first by a
 //   second kernel (never atomics).
 // * Batch invariance: a column's arithmetic (its terms and scale, the integer MMAs and IMADs, the
 //   super-block float steps, the split walk and sum, the term sum) is the same in every instance and
@@ -65,8 +65,8 @@
 //
 // Performance (H200, BENCHMARKS.md): the FMA GEMV streams F32 / F16 / BF16 weights at 0.9-1.0 of
 // copy bandwidth at n = 1 but is bound by FP32 FMA issue and L1 traffic of x at n = 8-16 (time
-// linear in n); the tensor-core GEMV streams the quantized formats at 0.30-0.39 of copy at n = 1..2
-// and 0.22-0.32 at 3..8 (numbers: gpu_report.py).
+// linear in n); the tensor-core GEMV streams the quantized formats at 0.30-0.41 of copy at n = 1..2
+// and 0.24-0.33 at 8 (tools/device/gemv_sweep.sh).
 #include <algorithm>
 #include <utility>
 #include <vector>

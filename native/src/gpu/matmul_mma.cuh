@@ -41,6 +41,7 @@
 #if SPECD_MMA_GEMV
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #ifndef SPECD_HOST_EMU
@@ -61,6 +62,7 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #define SPECD_MMA_LOADS_ONLY 0  // sweep diagnostic: load every unit, skip its arithmetic (wrong results)
 #endif
 constexpr int kBlocksPerSM = SPECD_MMA_SPLIT_BLOCKS;
+static_assert(kBlocksPerSM >= 1, "SPECD_MMA_SPLIT_BLOCKS: at least one block per multiprocessor");
 constexpr int kTerms = 3;                   // int8 terms per x value
 constexpr int kMaxTiles = 6;                // n8 tiles of term columns for n = 16 (48 columns)
 constexpr int kMaxCols = 8 * kMaxTiles;
@@ -70,6 +72,19 @@ constexpr int kGroup = 256;                 // inputs sharing one power-of-two x
 // instance per tile count, so no tile is all padding: a run-time skip of dead tiles put a branch and
 // a convergence barrier around every MMA and cost 3x at n = 8 (H200, tools/device/gemv_sweep.sh).
 __host__ __device__ constexpr int tiles_for(int n) { return (3 * n + 7) / 8; }
+
+// f(std::integral_constant<int, NT>()) for the instance of n rows of x (1 <= n <= 16).
+template <class Fn>
+decltype(auto) with_tiles(int n, const Fn& f) {
+  switch (tiles_for(n)) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    case 4: return f(std::integral_constant<int, 4>());
+    case 5: return f(std::integral_constant<int, 5>());
+    default: return f(std::integral_constant<int, 6>());
+  }
+}
 
 // byte permutes of two words w0 (inputs 4t..4t+3 of a sub-block) and w1 (inputs 16+4t..) of
 // byte-per-weight quants into the k order above: register 0 / register 1 of the lane's row.
@@ -366,7 +381,7 @@ struct QK45U {
     // with one rounding: p + e = (dmin * scale) * mins exactly, then fma(d * scale, acc, -p) - e.
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-        const float2 s = xv.scale(u, nt);
+      const float2 s = xv.scale(u, nt);
       float mp[4];
       hmma(mp, am, xv.mins(u, nt));
 #pragma unroll
@@ -463,7 +478,7 @@ struct Q8U {
     const int64_t grp = u / (kGroup / 32);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-        int p[4];
+      int p[4];
       imma(p, a, xv.b(u, nt));
       const float2 s = xv.scale(grp, nt);
 #pragma unroll
@@ -476,9 +491,10 @@ struct Q8U {
 // Units a warp keeps loading ahead of the one it computes (software pipelining: before computing a
 // unit, the slot of the previous one is refilled with the unit kAhead later): as many as a register
 // budget for the raw words allows, with one unit's words being computed, 0 .. 4. 0 (load one unit,
-// then compute it) for 5 and 6 tiles: their unit body is ~800 instructions, and the ring, unrolled
-// over its slots, doubled it (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms with one
-// unit ahead through register copies, BENCHMARKS.md).
+// then compute it) for 5 and 6 tiles: the old 6-tile instance's ~800-instruction unit body was
+// doubled by the ring, unrolled over its slots (H200: verify at 9..16 rows 24-25.7 ms against
+// 19.7-21.3 ms with one unit ahead through register copies, BENCHMARKS.md); 5 tiles follows it
+// unmeasured on its own.
 template <class F, int NT>
 __host__ __device__ constexpr int units_ahead() {
   if constexpr (NT >= 5) return 0;
@@ -488,7 +504,9 @@ __host__ __device__ constexpr int units_ahead() {
 }
 
 // Resident blocks per multiprocessor an instance is compiled for: 4 (<= 128 registers per thread)
-// for one and two tiles, 3 (<= 168) for more (their 12 .. 24 accumulators).
+// for one and two tiles, 3 (<= 168) for more (their 12 .. 24 accumulators). ptxas spills a few
+// words in some instances at these caps (IQ4_XS 2 / 4 / 6 tiles 4-8 bytes, Q4_K / Q5_K 5-6 tiles
+// 12-28 bytes); the H200 numbers in BENCHMARKS.md are of this build.
 template <int NT>
 __host__ __device__ constexpr int min_blocks() { return NT <= 2 ? 4 : 3; }
 
@@ -708,10 +726,10 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel
 }
 
 // Splits of the reduction dimension for a weight of `out` rows and `nunits` units, on `sms`
-// multiprocessors: about kBlocksPerSM blocks per multiprocessor (4 resident, so several waves: the
-// warps are latency-bound, and more of them in flight beat the tail; H200, gemv_sweep.sh: 16 against
-// 4 took the 27B FFN gate + up launch from 67 to 55 us, Q8_0 17408 x 5120 from 102 to 68 us), at
-// least 4 units per split. Depends on the weight shape and the device only (never on n or on the weights it is
+// multiprocessors: about kBlocksPerSM blocks per multiprocessor (3-4 resident, so several waves:
+// the warps are latency-bound, and more of them in flight beat the tail; H200, gemv_sweep.sh: 16
+// against 4 took the 27B FFN gate + up launch from 67 to 55 us, Q8_0 17408 x 5120 from 102 to 68
+// us), at least 4 units per split (which caps the 256-input formats of 5120 inputs at 5 splits). Depends on the weight shape and the device only (never on n or on the weights it is
 // grouped with), so every row of x sees the same arithmetic whatever the width or grouping of the call.
 inline int64_t units_per_split(int64_t out, int64_t nunits, int64_t sms) {
   const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -865,14 +883,7 @@ inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n)
         default: fail("matmul: no tensor-core GEMV for ", dtype_info(ws[i].t).name);
       }
     };
-    switch (tiles_for(n)) {
-      case 1: go(std::integral_constant<int, 1>()); break;
-      case 2: go(std::integral_constant<int, 2>()); break;
-      case 3: go(std::integral_constant<int, 3>()); break;
-      case 4: go(std::integral_constant<int, 4>()); break;
-      case 5: go(std::integral_constant<int, 5>()); break;
-      default: go(std::integral_constant<int, 6>()); break;
-    }
+    with_tiles(n, go);
   }
 }
 

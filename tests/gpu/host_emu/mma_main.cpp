@@ -213,10 +213,7 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
                scratch.emplace_back(bytes / sizeof(float), NAN);
                return scratch.back().data();
              }, grp, sums);
-  const int nt = tiles_for(n);
-  decltype(&mma_gemv_kernel<F, 1>) const kernels[] = {mma_gemv_kernel<F, 1>, mma_gemv_kernel<F, 2>, mma_gemv_kernel<F, 3>,
-                                                      mma_gemv_kernel<F, 4>, mma_gemv_kernel<F, 5>, mma_gemv_kernel<F, 6>};
-  const auto kernel = kernels[nt - 1];
+  const auto kernel = with_tiles(n, [](auto nt) { return mma_gemv_kernel<F, decltype(nt)::value>; });
   emulate(grp.block0[grp.count], kWarps * 32, [&] { kernel(grp, nunits, xv, n); });
   for (int64_t e = 0; e < sums.elem0[sums.count]; ++e) sum_splits_at(sums, e);
 }
@@ -228,6 +225,7 @@ int main(int argc, char** argv) {
   }
   const std::string fmt = argv[1];
   const int n = std::atoi(argv[2]);
+  if (n < 1 || n > 16) return 2;  // the GEMV's widths
   const int64_t in = std::atoll(argv[3]);
   std::vector<int64_t> outs;
   for (const char* p = argv[4]; *p;) {  // comma-separated row counts, one per weight of the group
