@@ -180,6 +180,19 @@ def test_gpu_mma_gemv_emulated_on_host(mma_emu, rng, name, k, out, extreme, xkin
     check_mma_emulated(d, exe, name, t, x, out, sms=1 if k >= 1024 else None)  # 1 SM: several splits
 
 
+@pytest.mark.parametrize("name", FORMATS_MMA)
+def test_gpu_mma_gemv_emulated_every_width(mma_emu, rng, name):
+    """Every width 1..16 (every kernel instance, 1..6 n8 tiles, with split-K): within the
+    contract and bit-identical rows whatever the width. 2048 inputs on 1 SM: 2 splits of the 256-input
+    formats, 16 of Q8_0."""
+    d, exe = mma_emu
+    k, out = 2048, 20
+    raw, t = weight(rng, name, out, k, False)
+    np.ascontiguousarray(raw).tofile(d / "w.bin")
+    x = rng.standard_normal((16, k)).astype(np.float32)
+    check_mma_emulated(d, exe, name, t, x, out, sms=1, widths=tuple(range(1, 17)))
+
+
 @pytest.mark.parametrize("scale_exp", [-110, -116, -125])
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "IQ4_XS"])
 def test_gpu_mma_gemv_emulated_tiny_x(mma_emu, rng, name, scale_exp):
