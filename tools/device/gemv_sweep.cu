@@ -49,23 +49,16 @@ const Format kFormats[] = {
     {"Q6_K", 210, 256, {208}}, {"Q8_0", 34, 32, {0}},
 };
 
-// One GEMV call's launches (as detail::mma::gemv / launch): split x, the grouped kernel, the split sums.
+// One GEMV call: the launches of detail::mma::gemv (split x, the grouped kernel, the split sums),
+// the split partials in `scratch`.
 template <class F, int NT>
 void call(const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, int n, uint8_t* xbuf,
           uint8_t* scratch) {
-  const mma::XSizes sz(in);
-  mma::XView xv{reinterpret_cast<const uint2*>(xbuf), reinterpret_cast<const float*>(xbuf + sz.xb),
-                reinterpret_cast<const uint32_t*>(xbuf + sz.xb + sz.xs), 3 * n, 0};
-  const int64_t groups = (in + mma::kGroup - 1) / mma::kGroup, threads = int64_t(n) * groups * 8;
-  mma::split_x_kernel<<<unsigned((threads + 127) / 128), 128>>>(x, in, n, groups, reinterpret_cast<uint2*>(xbuf),
-                                                                reinterpret_cast<float*>(xbuf + sz.xb),
-                                                                reinterpret_cast<uint32_t*>(xbuf + sz.xb + sz.xs));
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  mma::Group grp;
-  mma::SplitSums sums;
+  mma::launch_split_x(x, in, n, xbuf, nullptr);
   size_t used = 0;
-  mma::plan_group(ws.data(), int(ws.size()), in, F::kUnitElems, n, sms, [&](size_t bytes) {
+  mma::launch<F, NT>(ws.data(), int(ws.size()), in, mma::x_view(xbuf, in, n), n, sms, [&](size_t bytes) {
     float* p = reinterpret_cast<float*>(scratch + used);
     used += (bytes + 255) / 256 * 256;
     if (used > kScratchBytes) {
@@ -73,12 +66,7 @@ void call(const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, i
       std::exit(2);
     }
     return p;
-  }, grp, sums);
-  mma::mma_gemv_kernel<F, NT><<<unsigned(grp.block0[grp.count]), mma::kWarps * 32>>>(grp, in / F::kUnitElems, xv, n);
-  if (sums.count > 0) {
-    const int64_t total = sums.elem0[sums.count];
-    mma::sum_splits_kernel<<<unsigned((total + 255) / 256), 256>>>(sums);
-  }
+  }, nullptr);
 }
 
 template <class F>

@@ -814,18 +814,33 @@ __global__ void sum_splits_kernel(const SplitSums s_) {
   if (e < s_.elem0[s_.count]) sum_splits_at(s_, e);
 }
 
-// One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x,
-// then one launch summing the split partials of those with several splits.
-template <class F, int NT>
-void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n, cudaStream_t s) {
+// The views of the split x of n rows of `in` inputs laid out at base (XSizes(in).total() bytes).
+inline XView x_view(const uint8_t* base, int64_t in, int n) {
+  const XSizes sz(in);
+  return XView{reinterpret_cast<const uint2*>(base), reinterpret_cast<const float*>(base + sz.xb),
+               reinterpret_cast<const uint32_t*>(base + sz.xb + sz.xs), 3 * n, 0};
+}
+
+// x [n, in] -> its split at base (x_view), on stream s.
+inline void launch_split_x(const float* x, int64_t in, int n, uint8_t* base, cudaStream_t s) {
+  const XSizes sz(in);
+  const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 8;
+  split_x_kernel<<<unsigned((threads + 127) / 128), 128, 0, s>>>(x, in, n, groups, reinterpret_cast<uint2*>(base),
+                                                                   reinterpret_cast<float*>(base + sz.xb),
+                                                                   reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
+  SPECD_GPU_CHECK_LAUNCH("split_x_kernel");
+}
+
+// One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x on
+// `sms` multiprocessors, then one launch summing the split partials of those with several splits;
+// scratch(bytes) -> float* buffers for the partials, alive until those kernels ran.
+template <class F, int NT, class Scratch>
+void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n, int64_t sms, const Scratch& scratch,
+            cudaStream_t s) {
   const int64_t nunits = in / F::kUnitElems;
   Group grp;
   SplitSums sums;
-  std::vector<std::shared_ptr<void>> scratch;  // freed stream-ordered, after the kernels below
-  plan_group(ws, count, in, F::kUnitElems, n, sm_count(), [&](size_t bytes) {
-    scratch.push_back(alloc(bytes));
-    return static_cast<float*>(scratch.back().get());
-  }, grp, sums);
+  plan_group(ws, count, in, F::kUnitElems, n, sms, scratch, grp, sums);
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
   mma_gemv_kernel<F, NT><<<unsigned(grp.block0[count]), kWarps * 32, 0, s>>>(grp, nunits, xv, n);
   SPECD_GPU_CHECK_LAUNCH("mma_gemv_kernel");
@@ -852,16 +867,15 @@ struct Weight {
 // kMaxGroup per launch) run as one grouped launch.
 inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n) {
   cudaStream_t s = stream();
-  const XSizes sz(in);
-  std::shared_ptr<void> scratch = alloc(sz.total());  // freed stream-ordered
-  uint8_t* base = static_cast<uint8_t*>(scratch.get());
-  XView xv{reinterpret_cast<const uint2*>(base), reinterpret_cast<const float*>(base + sz.xb),
-           reinterpret_cast<const uint32_t*>(base + sz.xb + sz.xs), 3 * n, 0};
-  const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 8;
-  split_x_kernel<<<unsigned((threads + 127) / 128), 128, 0, s>>>(x, in, n, groups, reinterpret_cast<uint2*>(base),
-                                                                   reinterpret_cast<float*>(base + sz.xb),
-                                                                   reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
-  SPECD_GPU_CHECK_LAUNCH("split_x_kernel");
+  std::shared_ptr<void> xsplit = alloc(XSizes(in).total());  // freed stream-ordered
+  launch_split_x(x, in, n, static_cast<uint8_t*>(xsplit.get()), s);
+  const XView xv = x_view(static_cast<const uint8_t*>(xsplit.get()), in, n);
+  std::vector<std::shared_ptr<void>> scratch;  // split partials, freed stream-ordered after the kernels
+  auto partials = [&](size_t bytes) {
+    scratch.push_back(alloc(bytes));
+    return static_cast<float*>(scratch.back().get());
+  };
+  const int64_t sms = sm_count();
   std::vector<bool> done(size_t(count), false);
   for (int i = 0; i < count; ++i) {
     if (done[size_t(i)]) continue;
@@ -875,11 +889,11 @@ inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n)
     auto go = [&](auto nt) {
       constexpr int kNT = decltype(nt)::value;
       switch (ws[i].t) {
-        case DType::Q8_0: return launch<Q8U, kNT>(batch, m, in, xv, n, s);
-        case DType::Q4_K: return launch<QK45U<false>, kNT>(batch, m, in, xv, n, s);
-        case DType::Q5_K: return launch<QK45U<true>, kNT>(batch, m, in, xv, n, s);
-        case DType::Q6_K: return launch<Q6U, kNT>(batch, m, in, xv, n, s);
-        case DType::IQ4_XS: return launch<IQ4U, kNT>(batch, m, in, xv, n, s);
+        case DType::Q8_0: return launch<Q8U, kNT>(batch, m, in, xv, n, sms, partials, s);
+        case DType::Q4_K: return launch<QK45U<false>, kNT>(batch, m, in, xv, n, sms, partials, s);
+        case DType::Q5_K: return launch<QK45U<true>, kNT>(batch, m, in, xv, n, sms, partials, s);
+        case DType::Q6_K: return launch<Q6U, kNT>(batch, m, in, xv, n, sms, partials, s);
+        case DType::IQ4_XS: return launch<IQ4U, kNT>(batch, m, in, xv, n, sms, partials, s);
         default: fail("matmul: no tensor-core GEMV for ", dtype_info(ws[i].t).name);
       }
     };
