@@ -193,6 +193,22 @@ def test_gpu_mma_gemv_emulated_every_width(mma_emu, rng, name):
     check_mma_emulated(d, exe, name, t, x, out, sms=1, widths=tuple(range(1, 17)))
 
 
+@pytest.mark.parametrize("k,outs", [(2048, [20]), (512, [7, 130, 40])])
+def test_gpu_mma_gemv_emulated_tiled_iq4_xs(mma_emu, rng, k, outs):
+    """IQ4_XS in the GEMV's tiled layout (IQ4T: 16-row tiles, lane-ordered quants, 512-byte warp
+    loads; ragged last tiles) gives bit for bit the row-major kernel's results, at every width, with
+    split-K and in grouped launches."""
+    d, exe = mma_emu
+    raws = [weight(rng, "IQ4_XS", o, k, False)[0] for o in outs]
+    np.concatenate(raws).tofile(d / "w.bin")
+    x = rng.standard_normal((16, k)).astype(np.float32)
+    for n in (1, 3, 8, 12, 16):
+        rowmajor = run_mma_emu(d, exe, "IQ4_XS", x[:n], outs, sms=1)
+        tiled = run_mma_emu(d, exe, "IQ4_XS_T", x[:n], outs, sms=1)
+        for i, (a, b) in enumerate(zip(tiled, rowmajor)):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"n={n}, weight {i}"
+
+
 @pytest.mark.parametrize("scale_exp", [-110, -116, -125])
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_K", "IQ4_XS"])
 def test_gpu_mma_gemv_emulated_tiny_x(mma_emu, rng, name, scale_exp):

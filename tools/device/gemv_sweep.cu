@@ -42,11 +42,14 @@ struct Format {
   const char* name;
   int block_bytes, block_elems;
   std::vector<int> d_offsets;  // fp16 scale fields of a block, set to a small value (no inf / NaN)
+  bool tiled;                  // uploaded in the GEMV's tiled layout (IQ4_XS_T: mma::IQ4T)
 };
 
+// IQ4_XS_T gets the bytes IQ4_XS gets (the weights of a shape depend on the block size only), so
+// their checksums must agree bit for bit.
 const Format kFormats[] = {
-    {"IQ4_XS", 136, 256, {0}}, {"Q4_K", 144, 256, {0, 2}}, {"Q5_K", 176, 256, {0, 2}},
-    {"Q6_K", 210, 256, {208}}, {"Q8_0", 34, 32, {0}},
+    {"IQ4_XS", 136, 256, {0}, false}, {"IQ4_XS_T", 136, 256, {0}, true}, {"Q4_K", 144, 256, {0, 2}, false},
+    {"Q5_K", 176, 256, {0, 2}, false}, {"Q6_K", 210, 256, {208}, false}, {"Q8_0", 34, 32, {0}, false},
 };
 
 // One GEMV call: the launches of detail::mma::gemv (split x, the grouped kernel, the split sums),
@@ -82,6 +85,7 @@ void run(const Format& f, const std::vector<mma::GroupWeight>& ws, int64_t in, c
          uint8_t* scratch) {
   const std::string nm = f.name;
   if (nm == "IQ4_XS") return dispatch<mma::IQ4U>(ws, in, x, n, xbuf, scratch);
+  if (nm == "IQ4_XS_T") return dispatch<mma::IQ4T>(ws, in, x, n, xbuf, scratch);
   if (nm == "Q4_K") return dispatch<mma::QK45U<false>>(ws, in, x, n, xbuf, scratch);
   if (nm == "Q5_K") return dispatch<mma::QK45U<true>>(ws, in, x, n, xbuf, scratch);
   if (nm == "Q6_K") return dispatch<mma::Q6U>(ws, in, x, n, xbuf, scratch);
@@ -119,12 +123,18 @@ int main(int argc, char** argv) {
       const int64_t call_bytes = wbytes * sh.group;
       const int copies = int(std::max<int64_t>(1, (240ll << 20) / call_bytes + 1));  // > 4x the 50 MB L2
       std::vector<uint8_t> host(static_cast<size_t>(wbytes));
+      std::mt19937_64 wrng(uint64_t(sh.out) * 1000003u + uint64_t(sh.in) * 31u + uint64_t(f.block_bytes));
       for (size_t i = 0; i < host.size(); i += 8) {
-        const uint64_t r = rng();
+        const uint64_t r = wrng();
         std::memcpy(host.data() + i, &r, std::min<size_t>(8, host.size() - i));
       }
       for (int64_t b = 0; b < wbytes / f.block_bytes; ++b)
         for (int off : f.d_offsets) host[size_t(b * f.block_bytes + off)] = 0x00, host[size_t(b * f.block_bytes + off + 1)] = 0x20;
+      if (f.tiled) {  // same size: 17408 and 5120 rows are whole tiles
+        std::vector<uint8_t> packed(size_t(mma::iq4_xs_tiled_bytes(sh.out, sh.in / 256)));
+        mma::pack_iq4_xs_tiles(host.data(), sh.out, sh.in / 256, packed.data());
+        host.swap(packed);
+      }
       std::vector<uint8_t*> bufs(static_cast<size_t>(copies * sh.group));
       for (auto& p : bufs) {
         CK(cudaMalloc(&p, size_t(wbytes)));

@@ -257,6 +257,7 @@ __device__ __forceinline__ uint2 shr2(uint2 v, int s) { return make_uint2(v.x >>
 // 16j + 15], value (d * (ls_j - 32)) * kvalues[idx]; ls_j = scales_l nibble j | scales_h bits 2j << 4.
 struct IQ4U {
   static constexpr int kUnitElems = 256;
+  static constexpr bool kTiled = false;
   struct Raw {
     uint32_t q[8];  // qs[16 j + 4t ..]
     uint2 hdr;
@@ -298,6 +299,58 @@ struct IQ4U {
   }
 };
 
+// IQ4_XS in the GEMV's tiled layout (pack_iq4_xs_tiles): rows in tiles of 16; per tile and unit
+// (256 inputs) 2176 bytes: first the 16 rows' quants in lane order, 4 runs of 512 bytes, run i holding
+// at 16 l the words 4 i .. 4 i + 3 of lane l = 4 g + t, whose 16 words are qs[16 j + 4 t ..] (j = 0..7)
+// of row g, then of row g + 8; then the 16 rows' 8-byte headers (d, scales_h, scales_l) in row
+// order. Each warp load covers 512 contiguous bytes (the row-major loads: 8 rows x 16 bytes); a
+// warp's units are contiguous. Same values and arithmetic as IQ4U, so bit-identical results.
+struct IQ4T {
+  static constexpr int kUnitElems = 256, kTileUnitBytes = 16 * 136;
+  static constexpr bool kTiled = true;
+  using Raw = IQ4U::Raw;
+  // Lane `lane`'s registers of the tile unit at p: r[0] row g, r[1] row g + 8.
+  __device__ __forceinline__ static void load_tile(const uint8_t* __restrict__ p, int lane, Raw (&r)[2]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 v = *reinterpret_cast<const uint4*>(p + 512 * i + 16 * lane);
+      uint32_t* q = r[i >> 1].q + 4 * (i & 1);
+      q[0] = v.x, q[1] = v.y, q[2] = v.z, q[3] = v.w;
+    }
+    const int g = lane >> 2;
+    r[0].hdr = *reinterpret_cast<const uint2*>(p + 2048 + 8 * g);
+    r[1].hdr = *reinterpret_cast<const uint2*>(p + 2048 + 8 * (g + 8));
+  }
+  template <int NT>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+    IQ4U::unit<NT>(r, u, xv, accf);
+  }
+};
+
+// Bytes of an IQ4_XS weight of `out` rows and `nunits` 256-input units in IQ4T's tiled layout.
+inline int64_t iq4_xs_tiled_bytes(int64_t out, int64_t nunits) { return (out + 15) / 16 * nunits * IQ4T::kTileUnitBytes; }
+
+// Packs a row-major IQ4_XS weight src [out][nunits * 136 bytes] (GGUF) into IQ4T's tiled layout
+// (dst: iq4_xs_tiled_bytes(out, nunits)); a ragged last tile repeats the last row. Host code.
+inline void pack_iq4_xs_tiles(const uint8_t* src, int64_t out, int64_t nunits, uint8_t* dst) {
+  const int64_t row_bytes = nunits * 136;
+  for (int64_t tile = 0; tile < (out + 15) / 16; ++tile)
+    for (int64_t u = 0; u < nunits; ++u) {
+      uint8_t* o = dst + (tile * nunits + u) * IQ4T::kTileUnitBytes;
+      for (int r = 0; r < 16; ++r) {
+        const int64_t row = std::min<int64_t>(tile * 16 + r, out - 1);
+        const uint8_t* blk = src + row * row_bytes + u * 136;
+        for (int b = 0; b < 8; ++b) o[2048 + 8 * r + b] = blk[b];
+        const int g = r & 7, h = r >> 3;
+        for (int j = 0; j < 8; ++j)
+          for (int t = 0; t < 4; ++t) {
+            const int k = 8 * h + j, lane = 4 * g + t;  // word k of the lane: run k / 4, word k % 4
+            for (int b = 0; b < 4; ++b) o[512 * (k >> 2) + 16 * lane + 4 * (k & 3) + b] = blk[8 + 16 * j + 4 * t + b];
+          }
+      }
+    }
+}
+
 // Q4_K / Q5_K (144 / 176-byte blocks: fp16 d | fp16 dmin | scales[12] | (Q5_K: qh[32]) | qs[128]):
 // sub-block pair p = qs[32p + l] (l = 0..31), low nibbles sub-block 2p, high 2p + 1; Q5_K's fifth bit
 // of sub-block j, input l = bit j of qh[l]. Value d * sc_j * q - dmin * m_j, so a super-block adds
@@ -306,6 +359,7 @@ struct IQ4U {
 template <bool kQ5>
 struct QK45U {
   static constexpr int kUnitElems = 256;
+  static constexpr bool kTiled = false;
   static constexpr int kBlock = kQ5 ? 176 : 144, kQs = kQ5 ? 48 : 16;
   struct Raw {
     uint4 hdr;
@@ -403,6 +457,7 @@ struct QK45U {
 // each register hold inputs < 16 in the k order, bytes 1, 3 inputs >= 16).
 struct Q6U {
   static constexpr int kUnitElems = 256;
+  static constexpr bool kTiled = false;
   struct Raw {
     uint32_t ql[8];  // ql[64n + 32c + 16s + 4t ..] at 4n + 2c + s
     uint32_t qh[4];  // qh[32n + 16s + 4t ..] at 2n + s
@@ -463,6 +518,7 @@ struct Q6U {
 // * (q . x') per block (|q . x'| < 2^22: converted exactly).
 struct Q8U {
   static constexpr int kUnitElems = 32;
+  static constexpr bool kTiled = false;
   struct Raw {
     uint32_t q0, q1, d;
   };
@@ -661,6 +717,39 @@ __device__ __forceinline__ void store_partials(const float (&accf)[NT][4], float
   }
 }
 
+// Where a warp's two lane rows (g, g + 8 of the 16 from row0) come from: a row-major weight (rows
+// past `out` clamped to the last: ragged last tile), or, for a tiled format, its 16-row tile.
+template <class F, bool kTiled = F::kTiled>
+struct RowSource {
+  const uint8_t* rows[2];
+  int t;
+  __device__ __forceinline__ RowSource(const uint8_t* w, int64_t row0, int64_t out, int64_t row_bytes, int64_t, int lane)
+      : t(lane & 3) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t rr = row0 + (lane >> 2) + 8 * h;
+      rows[h] = w + (rr < out ? rr : out - 1) * row_bytes;
+    }
+  }
+  __device__ __forceinline__ void load(typename F::Raw (&r)[2], int64_t u) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) r[h] = F::load(rows[h], u, t);
+  }
+};
+template <class F>
+struct RowSource<F, true> {
+  const uint8_t* tile;
+  int lane;
+  __device__ __forceinline__ RowSource(const uint8_t* w, int64_t row0, int64_t out, int64_t, int64_t nunits, int lane_)
+      : lane(lane_) {
+    const int64_t last = (out - 1) / 16, ti = row0 / 16 < last ? row0 / 16 : last;
+    tile = w + ti * nunits * F::kTileUnitBytes;
+  }
+  __device__ __forceinline__ void load(typename F::Raw (&r)[2], int64_t u) const {
+    F::load_tile(tile + u * F::kTileUnitBytes, lane, r);
+  }
+};
+
 // One block: kWarps warps, warp w owns rows row0 + 16 w .. + 15 of its weight (lane rows g, g + 8) and
 // all rows of x, over units [u_begin, u_end) of its split, in order (units_ahead units loading ahead).
 template <class F, int NT>
@@ -669,7 +758,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel
   const GroupBlock gb = locate(g_);
   const uint8_t* __restrict__ w = g_.w[gb.wi];
   const int64_t row_bytes = g_.row_bytes[gb.wi], out = g_.out[gb.wi], per_split = g_.per_split[gb.wi];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   XView xv = xv0;
   xv.lane = lane;
   const int64_t row0 = gb.rb * kRowsPerBlock + int64_t(warp) * 16;
@@ -682,18 +771,12 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel
 #pragma unroll
     for (int c = 0; c < 4; ++c) accf[nt][c] = 0.0f;
   __shared__ float part[kWarps][16][kMaxCols + 1];
-  const uint8_t* rows[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t rr = row0 + g + 8 * h;
-    rows[h] = w + (rr < out ? rr : out - 1) * row_bytes;  // clamp: ragged last tile
-  }
+  const RowSource<F> src(w, row0, out, row_bytes, nunits, lane);
   constexpr int kAhead = units_ahead<F, NT>();
   if constexpr (kAhead == 0) {
     for (int64_t u = u_begin; u < u_end; ++u) {
       typename F::Raw raw[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) raw[h] = F::load(rows[h], u, t);
+      src.load(raw, u);
       compute<F, NT>(raw, u, xv, accf);
     }
   } else {
@@ -704,19 +787,13 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel
     typename F::Raw ring[kSlots][2];
 #pragma unroll
     for (int i = 0; i < kAhead; ++i)
-      if (u_begin + i < u_end) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) ring[i][h] = F::load(rows[h], u_begin + i, t);
-      }
+      if (u_begin + i < u_end) src.load(ring[i], u_begin + i);
     for (int64_t u0 = u_begin; u0 < u_end; u0 += kSlots) {
 #pragma unroll
       for (int i = 0; i < kSlots; ++i) {
         const int64_t u = u0 + i;
         if (u < u_end) {
-          if (u + kAhead < u_end) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) ring[(i + kAhead) % kSlots][h] = F::load(rows[h], u + kAhead, t);
-          }
+          if (u + kAhead < u_end) src.load(ring[(i + kAhead) % kSlots], u + kAhead);
           compute<F, NT>(ring[i], u, xv, accf);
         }
       }

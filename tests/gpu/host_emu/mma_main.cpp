@@ -7,7 +7,8 @@
 // split-K against the CPU backend (test_gpu_decoders_host.py) without a GPU; the device itself is
 // covered by test_gpu_matmul.py.
 //
-// usage: mma_emu FORMAT n in out[,out...] w.bin x.bin y.bin   (x: F32 [n, in]; y: F32 [n, out])
+// usage: mma_emu FORMAT n in out[,out...] w.bin x.bin y.bin   (x: F32 [n, in]; y: F32 [n, out]; w: the
+// weights row-major as in GGUF; FORMAT IQ4_XS_T packs them into the tiled layout, then runs IQ4T)
 #include <barrier>
 #include <cmath>
 #include <cstdio>
@@ -205,6 +206,15 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
     ws.push_back({w.data() + row0 * row_bytes, row_bytes, o, y.data() + y0});
     row0 += o, y0 += int64_t(n) * o;
   }
+  std::vector<std::vector<uint8_t>> packed;  // a tiled format: each weight in its own tiled bytes
+  if constexpr (F::kTiled) {
+    packed.reserve(ws.size());
+    for (GroupWeight& wt : ws) {
+      packed.emplace_back(size_t(iq4_xs_tiled_bytes(wt.out, in / 256)));
+      pack_iq4_xs_tiles(wt.w, wt.out, in / 256, packed.back().data());
+      wt.w = packed.back().data();
+    }
+  }
   std::vector<std::vector<float>> scratch;
   Group grp;
   SplitSums sums;
@@ -241,7 +251,7 @@ int main(int argc, char** argv) {
   else if (fmt == "Q4_K") row_bytes = in / 256 * 144;
   else if (fmt == "Q5_K") row_bytes = in / 256 * 176;
   else if (fmt == "Q6_K") row_bytes = in / 256 * 210;
-  else if (fmt == "IQ4_XS") row_bytes = in / 256 * 136;
+  else if (fmt == "IQ4_XS" || fmt == "IQ4_XS_T") row_bytes = in / 256 * 136;  // _T: run in the tiled layout
   else return 2;
   // The weights' rows one after the other (y: each weight's [n, out_i] one after the other).
   std::vector<uint8_t> w(size_t(row_bytes * out));
@@ -252,7 +262,8 @@ int main(int argc, char** argv) {
   else if (fmt == "Q4_K") run<mma::QK45U<false>>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q5_K") run<mma::QK45U<true>>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q6_K") run<mma::Q6U>(w, row_bytes, in, x, n, outs, y);
-  else run<mma::IQ4U>(w, row_bytes, in, x, n, outs, y);
+  else if (fmt == "IQ4_XS") run<mma::IQ4U>(w, row_bytes, in, x, n, outs, y);
+  else run<mma::IQ4T>(w, row_bytes, in, x, n, outs, y);
   std::ofstream(argv[7], std::ios::binary).write(reinterpret_cast<const char*>(y.data()), std::streamsize(y.size() * 4));
   return 0;
 }
