@@ -61,6 +61,8 @@ class ServeConfig:
         the GPU (default True; ``--no-cuda-graphs`` runs every op from Python). Ignored on the CPU.
     max_graphs: most captured CUDA graphs the target worker keeps (LRU; ``--max-graphs``), >= 1.
         Default 16.
+    gemv_tiles: the target worker places its layers' IQ4_XS matrices in the tensor-core GEMV's tiled
+        layout on a CUDA GPU (default True; bit-identical results; ``--no-gemv-tiles`` keeps GGUF order).
     share_target_weights: "auto" (default): the drafter worker maps the target worker's token_embd /
         output (CUDA IPC) when both run on the same GPU and the tensors' content fingerprints match
         the target GGUF's, else loads its own copy (logged); "off":
@@ -85,6 +87,7 @@ class ServeConfig:
     device: str = "auto"
     cuda_graphs: bool = True
     max_graphs: int = 16
+    gemv_tiles: bool = True
     share_target_weights: str = "auto"
     start_timeout_s: float = 600.0
 
@@ -184,6 +187,8 @@ def add_arguments(p) -> None:
                    help="replay the target's chain verifies (<= 16 rows) as CUDA graphs on the GPU (default on)")
     p.add_argument("--max-graphs", type=int, default=d.max_graphs,
                    help=f"most captured CUDA graphs the target worker keeps, >= 1 (default {d.max_graphs})")
+    p.add_argument("--gemv-tiles", action=argparse.BooleanOptionalAction, default=d.gemv_tiles,
+                   help="the target's IQ4_XS matrices in the GEMV's tiled layout on a CUDA GPU (default on)")
     from specd.draft_worker.server import add_share_argument
 
     add_share_argument(p, d.share_target_weights)
@@ -255,6 +260,7 @@ def run(args) -> int:
                     "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype, "--device", args.device,
                     "--feature-transport", ns.feature_transport,
                     "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs", "--max-graphs", str(args.max_graphs),
+                    "--gemv-tiles" if args.gemv_tiles else "--no-gemv-tiles",
                     # export the head only for a drafter that may map it (legacy CUDA IPC mappings are writable)
                     "--export-head" if args.drafter_gguf and args.share_target_weights == "auto" else "--no-export-head"])
         procs.append(("target-worker", t))

@@ -185,6 +185,8 @@ class Qwen35Model:
             GPU maps) instead of the usual upload; the target worker passes one on the GPU.
         cuda_graphs: on the GPU, replay exact chain verifies of width <= 16 as captured CUDA graphs
             (module docstring; bitwise the eager results). Ignored on the CPU.
+        gemv_tiles: on a CUDA GPU, the layers' IQ4_XS matrices are placed in the tensor-core GEMV's
+            tiled layout (``sn.tile_for_gemv``: bit-identical results, faster GEMV); default True.
         max_graphs: most captured chain-verify graphs kept (least recently used evicted), >= 1;
             default 16 (``specd target-worker --max-graphs``). Each keeps its own arena (activations,
             logits, commit graphs): see :func:`.memory.cuda_graph_bytes`.
@@ -192,7 +194,7 @@ class Qwen35Model:
 
     def __init__(self, weights, capture_layers: Sequence[int] = (), kv_dtype=sn.DType.F16, prefill_chunk: int = 512,
                  device=sn.Device.CPU, tensor_ops: bool = False, cuda_graphs: bool = True, max_graphs: int = 16,
-                 head_exporter=None):
+                 head_exporter=None, gemv_tiles: bool = True):
         self.w, self.hp = weights, weights.hparams
         hp = self.hp
         for lid in capture_layers:
@@ -223,7 +225,7 @@ class Qwen35Model:
                              if hp.recurrent[i]}
         else:
             self._ops = _TensorOps(self.device)
-            up = _Uploader(self.device)
+            up = _Uploader(self.device, gemv_tiles)
             head = self._export_head(head_exporter, weights.token_embd, output) if head_exporter is not None else None
             self.token_embd = up.embedding(weights.token_embd) if head is None else head[0]
             self.output_norm = up.plain(weights.output_norm)

@@ -65,6 +65,8 @@ class TargetWorkerConfig:
         True; bitwise the eager results, far less host work per step). Ignored on the CPU.
     max_graphs: most captured verify graphs kept (least recently used evicted; each holds its own
         device arena), >= 1, default 16. Ignored without cuda_graphs.
+    gemv_tiles: on a CUDA GPU, place the layers' IQ4_XS matrices in the tensor-core GEMV's tiled
+        layout (default True; same bytes, bit-identical results, faster decode). Ignored elsewhere.
     export_head: on the GPU, place token_embd / output in IPC-exported buffers and publish their
         handles in Info, so a drafter worker on the same GPU maps them instead of a second copy
         (default True; :mod:`.shared_weights`). The mapping is writable (CUDA's legacy IPC): False
@@ -102,6 +104,7 @@ class TargetWorkerConfig:
     device: str = "auto"
     cuda_graphs: bool = True
     max_graphs: int = 16
+    gemv_tiles: bool = True
     export_head: bool = True
     threads: int = 0
     max_concurrent_rpcs: int = 0
@@ -602,7 +605,7 @@ def load_servicer(cfg: TargetWorkerConfig) -> TargetServicer:
     exporter = HeadExporter(backend) if cfg.export_head and parse_device(cfg.resolved_device) == backend.device else None
     model = Qwen35Model(weights, capture_layers=cfg.capture_layers, kv_dtype=kv, prefill_chunk=cfg.prefill_chunk,
                         device=cfg.resolved_device, cuda_graphs=cfg.cuda_graphs, max_graphs=cfg.max_graphs,
-                        head_exporter=exporter)
+                        gemv_tiles=cfg.gemv_tiles, head_exporter=exporter)
     meta = read_tokenizer_metadata(reader)
     eos = list(meta.end_ids) if meta is not None else []
     return TargetServicer(model, cfg, eos)
@@ -738,6 +741,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on the GPU, replay chain verifies of up to 16 rows as CUDA graphs (default on)")
     p.add_argument("--max-graphs", type=int, default=d.max_graphs,
                    help=f"most captured CUDA graphs kept, LRU-evicted, >= 1 (default {d.max_graphs})")
+    p.add_argument("--gemv-tiles", action=argparse.BooleanOptionalAction, default=d.gemv_tiles,
+                   help="on a CUDA GPU, place the layers' IQ4_XS matrices in the GEMV's tiled layout (default on; "
+                        "bit-identical results)")
     p.add_argument("--export-head", action=argparse.BooleanOptionalAction, default=d.export_head,
                    help="on the GPU, export token_embd / output over CUDA IPC for a drafter worker on the same "
                         "GPU (default on; the mapping is writable: --no-export-head keeps them private)")
@@ -801,7 +807,7 @@ def config_from_args(args) -> TargetWorkerConfig:
                              max_sequences=args.max_sequences, kv_dtype=args.kv_dtype,
                              prefill_chunk=args.prefill_chunk, device=args.device,
                              cuda_graphs=args.cuda_graphs, max_graphs=args.max_graphs,
-                             export_head=getattr(args, "export_head", True), threads=args.threads,
+                             gemv_tiles=getattr(args, "gemv_tiles", True), export_head=getattr(args, "export_head", True), threads=args.threads,
                              max_concurrent_rpcs=args.max_concurrent_rpcs,
                              max_message_bytes=args.max_message_bytes, idle_ttl_s=args.idle_ttl_s,
                              tombstone_cap=args.tombstone_cap, shutdown_grace_s=args.shutdown_grace_s,

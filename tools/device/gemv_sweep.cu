@@ -52,6 +52,21 @@ const Format kFormats[] = {
     {"Q5_K", 176, 256, {0, 2}, false}, {"Q6_K", 210, 256, {208}, false}, {"Q8_0", 34, 32, {0}, false},
 };
 
+// Each buffer (IQ4_XS [out, in], out % 16 == 0) regrouped in place into the library's tiled layout
+// by its own kernel (tile_for_gemv's).
+void tile(const std::vector<uint8_t*>& bufs, int64_t out, int64_t in, int64_t wbytes) {
+  uint8_t* tmp;
+  CK(cudaMalloc(&tmp, size_t(wbytes)));
+  const int64_t pieces = out / 16 * (in / 256) * 136;
+  for (uint8_t* p : bufs) {
+    CK(cudaMemcpy(tmp, p, size_t(wbytes), cudaMemcpyDeviceToDevice));
+    mma::tile_iq4_xs_kernel<<<unsigned((pieces + 255) / 256), 256>>>(tmp, in / 256, pieces, reinterpret_cast<uint4*>(p));
+    CK(cudaGetLastError());
+  }
+  CK(cudaDeviceSynchronize());
+  CK(cudaFree(tmp));
+}
+
 // One GEMV call: the launches of detail::mma::gemv (split x, the grouped kernel, the split sums),
 // the split partials in `scratch`.
 template <class F, int NT>
@@ -130,16 +145,12 @@ int main(int argc, char** argv) {
       }
       for (int64_t b = 0; b < wbytes / f.block_bytes; ++b)
         for (int off : f.d_offsets) host[size_t(b * f.block_bytes + off)] = 0x00, host[size_t(b * f.block_bytes + off + 1)] = 0x20;
-      if (f.tiled) {  // same size: 17408 and 5120 rows are whole tiles
-        std::vector<uint8_t> packed(size_t(mma::iq4_xs_tiled_bytes(sh.out, sh.in / 256)));
-        mma::pack_iq4_xs_tiles(host.data(), sh.out, sh.in / 256, packed.data());
-        host.swap(packed);
-      }
       std::vector<uint8_t*> bufs(static_cast<size_t>(copies * sh.group));
       for (auto& p : bufs) {
         CK(cudaMalloc(&p, size_t(wbytes)));
         CK(cudaMemcpy(p, host.data(), size_t(wbytes), cudaMemcpyHostToDevice));
       }
+      if (f.tiled) tile(bufs, sh.out, sh.in, wbytes);  // same size: 17408 and 5120 rows are whole tiles
       float* y;
       CK(cudaMalloc(&y, size_t(16 * sh.out * sh.group) * sizeof(float)));
       for (int n : widths) {

@@ -19,6 +19,10 @@ enum class DType : int32_t {
   IQ4_XS = 23,
   I32 = 26,
   BF16 = 30,
+  // Not a ggml type: IQ4_XS rows regrouped for the CUDA tensor-core GEMV (16-row tiles, each warp
+  // load 512 contiguous bytes; matmul_mma.cuh, IQ4T). Same blocks and bytes as IQ4_XS, another
+  // order, so only the GPU matmul reads it (gpu::tile_for_gemv makes it); never in a GGUF file.
+  IQ4_XS_TILED = 0x10000 + 23,
 };
 
 struct DTypeInfo {
@@ -32,6 +36,11 @@ const DTypeInfo& dtype_info(DType t);
 DType dtype_from_id(int32_t id);
 
 inline bool is_block_type(DType t) { return dtype_info(t).block_size > 1; }
+// Whether rows of t are stored one after another (every type but IQ4_XS_TILED): what slicing,
+// concatenation, row views and the CPU ops assume.
+inline bool is_row_major(DType t) { return t != DType::IQ4_XS_TILED; }
+// Rows per tile of IQ4_XS_TILED (a tiled weight has a multiple of this many rows).
+constexpr int64_t kGemvTileRows = 16;
 inline bool is_float_type(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
 
 // Bytes taken by `n` consecutive elements of type t; n must be a multiple of the block size.

@@ -21,7 +21,13 @@ int64_t outer_count(const Tensor& t, int64_t axis) {
   return n;
 }
 
+void check_row_major(const Tensor& t, const char* op) {
+  SPECD_CHECK(is_row_major(t.dtype), op, ": ", dtype_info(t.dtype).name,
+              " is the GPU GEMV's tiled layout: only the GPU matmul reads it");
+}
+
 int64_t norm_axis(const Tensor& t, int64_t axis, const char* op) {
+  check_row_major(t, op);
   SPECD_CHECK(t.ndim() >= 1, op, ": x must have at least 1 dimension");
   int64_t a = axis < 0 ? axis + t.ndim() : axis;
   SPECD_CHECK(a >= 0 && a < t.ndim(), op, ": axis ", axis, " is out of range for ", t.ndim(), " dimensions");
@@ -94,6 +100,8 @@ Tensor copy(const Tensor& x) {
 }
 
 void copy_rows(const Tensor& dst, int64_t dst_start, const Tensor& src, int64_t src_start, int64_t n) {
+  check_row_major(dst, "copy_rows");
+  check_row_major(src, "copy_rows");
   check_contiguous(dst, "copy_rows", "dst");
   check_contiguous(src, "copy_rows", "src");
   check_writable(dst, "copy_rows", "dst");

@@ -118,6 +118,8 @@ Tensor to_device(const Tensor& t, Device device) {
 Tensor view_rows(const Tensor& t, int64_t start, int64_t stop) {
   SPECD_CHECK(t.ndim() >= 1, "view_rows: the tensor must have at least 1 dimension");
   SPECD_CHECK(t.is_contiguous(), "view_rows: the tensor must be contiguous");
+  SPECD_CHECK(is_row_major(t.dtype), "view_rows: ", dtype_info(t.dtype).name,
+              " is the GPU GEMV's tiled layout: only the GPU matmul reads it");
   SPECD_CHECK(0 <= start && start <= stop && stop <= t.shape[0], "view_rows: [", start, ", ", stop,
               ") is not a range within 0..", t.shape[0]);
   int64_t rb = t.strides[0];  // bytes per row (2+ dimensions: contiguous row stride)
@@ -180,7 +182,8 @@ Tensor contiguous_copy(const Tensor& t) {
 }  // namespace
 
 void register_core(py::module_& m) {
-  py::enum_<DType>(m, "DType", "Tensor element/block formats; values are ggml type ids (GGMLQuantizationType).")
+  py::enum_<DType>(m, "DType", "Tensor element/block formats; values are ggml type ids (GGMLQuantizationType), except "
+                       "IQ4_XS_TILED (0x10017): specd's GPU GEMV layout of IQ4_XS (see tile_for_gemv).")
       .value("F32", DType::F32)
       .value("F16", DType::F16)
       .value("Q8_0", DType::Q8_0)
@@ -188,6 +191,7 @@ void register_core(py::module_& m) {
       .value("Q5_K", DType::Q5_K)
       .value("Q6_K", DType::Q6_K)
       .value("IQ4_XS", DType::IQ4_XS)
+      .value("IQ4_XS_TILED", DType::IQ4_XS_TILED)
       .value("I32", DType::I32)
       .value("BF16", DType::BF16);
   m.def("dtype_from_id", &dtype_from_id, py::arg("ggml_type"),

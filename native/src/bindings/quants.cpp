@@ -123,6 +123,34 @@ CPU runs the calls in turn. Raises ValueError on an empty sequence, dtype, dimen
 mismatch (naming ws[i]).)doc");
 
   m.def(
+      "tile_for_gemv",
+      [](const py::object& w) {
+        Tensor wt = as_tensor(w, "tile_for_gemv", "w");
+#if SPECD_WITH_GPU
+        if (wt.device == Device::GPU) return without_gil([&] { return gpu::tile_for_gemv(wt); });
+#endif
+        throw std::invalid_argument("tile_for_gemv: w must be a GPU tensor (the tiled layout is for the GPU GEMV)");
+      },
+      py::arg("w"),
+      R"doc(w regrouped for the CUDA tensor-core GEMV: IQ4_XS [out, in] on the GPU (contiguous, out a
+multiple of 16) -> a new GPU tensor of dtype IQ4_XS_TILED, same shape and bytes, rows in tiles of 16
+whose quants sit in the MMA's lane order (every warp load covers 512 contiguous bytes instead of 8
+rows x 16 bytes). matmul / matmul_group give bit-identical results on either layout; every other op
+refuses IQ4_XS_TILED (it is not row-major). Raises ValueError for another dtype, device or shape,
+or when the build has no tensor-core GEMV (see gemv_tiles_supported).)doc");
+
+  m.def(
+      "gemv_tiles_supported",
+      [] {
+#if SPECD_WITH_GPU
+        return gpu::gemv_tiles_supported();
+#else
+        return false;
+#endif
+      },
+      "True when this build's GPU matmul reads IQ4_XS_TILED (CUDA builds; not HIP, not CPU-only).");
+
+  m.def(
       "embedding",
       [](const py::object& w, const py::object& ids, bool trusted) {
         Tensor wt = as_tensor(w, "embedding", "w"), it = as_tensor(ids, "embedding", "ids");

@@ -72,6 +72,7 @@
 #include <vector>
 
 #include "common.cuh"
+#include "op_util.cuh"
 #include "ops.h"
 #include "specd/gpu.h"
 #include "matmul_blas.h"
@@ -288,14 +289,20 @@ void gemv(Problem p, DType t, int64_t in, bool w16) {
 void check_weight(const Tensor& w, int64_t in, const char* op) {
   const DType t = w.dtype;
   SPECD_CHECK(t == DType::Q8_0 || t == DType::F32 || t == DType::F16 || t == DType::BF16 || t == DType::Q4_K ||
-                  t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS,
+                  t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS || (t == DType::IQ4_XS_TILED && SPECD_MMA_GEMV),
               op, ": w must be F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS on the GPU, got ", dtype_info(t).name);
+  if (t == DType::IQ4_XS_TILED)
+    SPECD_CHECK(w.dim(0) % kGemvTileRows == 0, op, ": an IQ4_XS_TILED weight has a multiple of ", kGemvTileRows,
+                " rows, got ", w.dim(0));
   const int64_t bs = dtype_info(t).block_size;
   SPECD_CHECK(in % bs == 0, op, ": w has ", in, " columns, not a multiple of the ", dtype_info(t).name,
               " block size ", bs);
   // Block loads: Q4_K/Q5_K read 16-byte words, IQ4_XS 8-byte, Q6_K/Q8_0/16-bit 2-byte.
   const auto addr = reinterpret_cast<uintptr_t>(w.data);
-  const uintptr_t need = (t == DType::Q4_K || t == DType::Q5_K) ? 16 : t == DType::IQ4_XS ? 8 : t == DType::F32 ? 4 : 2;
+  const uintptr_t need = (t == DType::Q4_K || t == DType::Q5_K || t == DType::IQ4_XS_TILED) ? 16
+                         : t == DType::IQ4_XS                                           ? 8
+                         : t == DType::F32                                              ? 4
+                                                                                        : 2;
   SPECD_CHECK(addr % need == 0, op, ": w data must be ", need, "-byte aligned for ", dtype_info(t).name);
 }
 
@@ -376,5 +383,30 @@ std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws,
 }
 
 Tensor matmul(const Tensor& x, const Tensor& w, bool exact) { return std::move(linear(x, {w}, exact, "matmul")[0]); }
+
+bool gemv_tiles_supported() { return SPECD_MMA_GEMV != 0; }
+
+Tensor tile_for_gemv(const Tensor& w) {
+  const char* op = "tile_for_gemv";
+  detail::check_gpu(w, op, "w");
+  check_dtype(w, DType::IQ4_XS, op, "w");
+  check_ndim(w, 2, op, "w");
+  check_contiguous(w, op, "w");
+  SPECD_CHECK(gemv_tiles_supported(), op, ": the tiled layout is read by the CUDA tensor-core GEMV only (this is a ",
+              backend(), " build)");
+  const int64_t out = w.dim(0), in = w.dim(1);
+  SPECD_CHECK(out % kGemvTileRows == 0, op, ": w has ", out, " rows, not a multiple of ", kGemvTileRows);
+  SPECD_CHECK(reinterpret_cast<uintptr_t>(w.data) % 4 == 0, op, ": w data must be 4-byte aligned (the kernel's loads)");
+  Tensor y = Tensor::empty(w.shape, DType::IQ4_XS_TILED, Device::GPU);
+#if SPECD_MMA_GEMV
+  const int64_t nunits = in / 256, pieces = out / 16 * nunits * 136;  // 16-byte pieces of y
+  if (pieces == 0) return y;
+  detail::check_grid((pieces + 255) / 256, op);
+  detail::mma::tile_iq4_xs_kernel<<<unsigned((pieces + 255) / 256), 256, 0, detail::stream()>>>(
+      static_cast<const uint8_t*>(w.data), nunits, pieces, static_cast<uint4*>(y.data));
+  SPECD_GPU_CHECK_LAUNCH("tile_iq4_xs_kernel");
+#endif
+  return y;
+}
 
 }  // namespace specd::gpu

@@ -71,6 +71,17 @@ __global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* _
   }
 }
 
+// The same for rows [r0, r0 + rows) of an IQ4_XS_TILED weight w (nunits 256-input units per row).
+__global__ void __launch_bounds__(kThreads) dequant_tiled_bf16_kernel(const uint8_t* __restrict__ w, uint32_t nunits,
+                                                                     int64_t r0, uint32_t rows, int64_t in,
+                                                                     uint16_t* __restrict__ dst) {
+  const uint32_t nchunks = 8 * nunits, total = rows * nchunks, step = gridDim.x * kThreads;
+  for (uint32_t t = blockIdx.x * kThreads + threadIdx.x; t < total; t += step) {
+    const uint32_t r = t / nchunks, c = t % nchunks;
+    decode_raw<IQ4XSW>(IQ4XSTiledW::load_tiled(w, nunits, r0 + r, c), c, StoreBF16{dst + int64_t(r) * in});
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) x_bf16_kernel(const float* __restrict__ x, int64_t count,
                                                          uint16_t* __restrict__ dst) {
   const int64_t step = int64_t(gridDim.x) * kThreads;
@@ -102,6 +113,14 @@ void dequant_panel(const Tensor& w, int64_t r0, int64_t rows, uint16_t* dst) {
     case DType::Q5_K: return dequant_launch<Q5KW>(src, rb, in / 32, rows, in, dst);
     case DType::Q6_K: return dequant_launch<Q6KW>(src, rb, in / 32, rows, in, dst);
     case DType::IQ4_XS: return dequant_launch<IQ4XSW>(src, rb, in / 32, rows, in, dst);
+    case DType::IQ4_XS_TILED: {
+      const unsigned grid = grid_for(rows * (in / 32));
+      SPECD_CHECK(rows * (in / 32) + int64_t(grid) * kThreads <= int64_t(UINT32_MAX), "matmul: dequantize panel too large");
+      dequant_tiled_bf16_kernel<<<grid, kThreads, 0, stream()>>>(static_cast<const uint8_t*>(w.data), uint32_t(in / 256),
+                                                                 r0, uint32_t(rows), in, dst);
+      SPECD_GPU_CHECK_LAUNCH("dequant_tiled_bf16_kernel");
+      return;
+    }
     case DType::F32:
       if (in % 4 == 0 && w16) return dequant_launch<F32W<4>>(src, rb, in / 4, rows, in, dst);
       return dequant_launch<F32W<1>>(src, rb, in, rows, in, dst);

@@ -299,14 +299,14 @@ struct IQ4U {
   }
 };
 
-// IQ4_XS in the GEMV's tiled layout (pack_iq4_xs_tiles): rows in tiles of 16; per tile and unit
+// IQ4_XS in the GEMV's tiled layout (DType::IQ4_XS_TILED, made by tile_iq4_xs_kernel): rows in tiles of 16; per tile and unit
 // (256 inputs) 2176 bytes: first the 16 rows' quants in lane order, 4 runs of 512 bytes, run i holding
 // at 16 l the words 4 i .. 4 i + 3 of lane l = 4 g + t, whose 16 words are qs[16 j + 4 t ..] (j = 0..7)
 // of row g, then of row g + 8; then the 16 rows' 8-byte headers (d, scales_h, scales_l) in row
 // order. Each warp load covers 512 contiguous bytes (the row-major loads: 8 rows x 16 bytes); a
 // warp's units are contiguous. Same values and arithmetic as IQ4U, so bit-identical results.
 struct IQ4T {
-  static constexpr int kUnitElems = 256, kTileUnitBytes = 16 * 136;
+  static constexpr int kUnitElems = 256, kTileUnitBytes = int(kIq4TileUnitBytes);
   static constexpr bool kTiled = true;
   using Raw = IQ4U::Raw;
   // Lane `lane`'s registers of the tile unit at p: r[0] row g, r[1] row g + 8.
@@ -326,30 +326,6 @@ struct IQ4T {
     IQ4U::unit<NT>(r, u, xv, accf);
   }
 };
-
-// Bytes of an IQ4_XS weight of `out` rows and `nunits` 256-input units in IQ4T's tiled layout.
-inline int64_t iq4_xs_tiled_bytes(int64_t out, int64_t nunits) { return (out + 15) / 16 * nunits * IQ4T::kTileUnitBytes; }
-
-// Packs a row-major IQ4_XS weight src [out][nunits * 136 bytes] (GGUF) into IQ4T's tiled layout
-// (dst: iq4_xs_tiled_bytes(out, nunits)); a ragged last tile repeats the last row. Host code.
-inline void pack_iq4_xs_tiles(const uint8_t* src, int64_t out, int64_t nunits, uint8_t* dst) {
-  const int64_t row_bytes = nunits * 136;
-  for (int64_t tile = 0; tile < (out + 15) / 16; ++tile)
-    for (int64_t u = 0; u < nunits; ++u) {
-      uint8_t* o = dst + (tile * nunits + u) * IQ4T::kTileUnitBytes;
-      for (int r = 0; r < 16; ++r) {
-        const int64_t row = std::min<int64_t>(tile * 16 + r, out - 1);
-        const uint8_t* blk = src + row * row_bytes + u * 136;
-        for (int b = 0; b < 8; ++b) o[2048 + 8 * r + b] = blk[b];
-        const int g = r & 7, h = r >> 3;
-        for (int j = 0; j < 8; ++j)
-          for (int t = 0; t < 4; ++t) {
-            const int k = 8 * h + j, lane = 4 * g + t;  // word k of the lane: run k / 4, word k % 4
-            for (int b = 0; b < 4; ++b) o[512 * (k >> 2) + 16 * lane + 4 * (k & 3) + b] = blk[8 + 16 * j + 4 * t + b];
-          }
-      }
-    }
-}
 
 // Q4_K / Q5_K (144 / 176-byte blocks: fp16 d | fp16 dmin | scales[12] | (Q5_K: qh[32]) | qs[128]):
 // sub-block pair p = qs[32p + l] (l = 0..31), low nibbles sub-block 2p, high 2p + 1; Q5_K's fifth bit
@@ -928,9 +904,35 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   }
 }
 
+// dst (IQ4_XS_TILED) = src (IQ4_XS [out, nunits * 256], row-major, out % 16 == 0) regrouped into
+// IQ4T's tiles: one thread per 16 bytes of dst; a tile unit's 136 pieces are
+// its 128 quant pieces (run i = q / 32, lane q % 32: words 4 i .. 4 i + 3, i.e. sub-blocks 4 (i & 1)
+// .. + 3 of row g + 8 (i / 2), 4 bytes each at offset 4 t) and its 8 header pieces (rows 2 m, 2 m + 1).
+__global__ void tile_iq4_xs_kernel(const uint8_t* __restrict__ src, int64_t nunits, int64_t pieces,
+                                   uint4* __restrict__ dst) {
+  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (id >= pieces) return;
+  const int q = int(id % 136);
+  const int64_t tu = id / 136, u = tu % nunits, tile = tu / nunits, row_bytes = nunits * 136;
+  const uint8_t* base = src + tile * 16 * row_bytes + u * 136;  // row 0 of the tile, unit u
+  const auto word = [](const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); };
+  uint4 v;
+  if (q < 128) {
+    const int i = q >> 5, lane = q & 31, g = lane >> 2, t = lane & 3;
+    const uint8_t* blk = base + (g + 8 * (i >> 1)) * row_bytes + 8 + 4 * t;
+    const int j0 = 4 * (i & 1);
+    v = make_uint4(word(blk + 16 * j0), word(blk + 16 * (j0 + 1)), word(blk + 16 * (j0 + 2)), word(blk + 16 * (j0 + 3)));
+  } else {
+    const uint8_t* h0 = base + 2 * (q - 128) * row_bytes;
+    v = make_uint4(word(h0), word(h0 + 4), word(h0 + row_bytes), word(h0 + row_bytes + 4));
+  }
+  dst[id] = v;
+}
+
 // Whether the tensor-core GEMV handles weight format t.
 inline bool handles(DType t) {
-  return t == DType::Q8_0 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS;
+  return t == DType::Q8_0 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS ||
+         t == DType::IQ4_XS_TILED;
 }
 
 // One weight of a tensor-core GEMV call: the grouped launch's view of it and its format.
@@ -971,6 +973,7 @@ inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n)
         case DType::Q5_K: return launch<QK45U<true>, kNT>(batch, m, in, xv, n, sms, partials, s);
         case DType::Q6_K: return launch<Q6U, kNT>(batch, m, in, xv, n, sms, partials, s);
         case DType::IQ4_XS: return launch<IQ4U, kNT>(batch, m, in, xv, n, sms, partials, s);
+        case DType::IQ4_XS_TILED: return launch<IQ4T, kNT>(batch, m, in, xv, n, sms, partials, s);
         default: fail("matmul: no tensor-core GEMV for ", dtype_info(ws[i].t).name);
       }
     };

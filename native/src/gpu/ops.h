@@ -50,6 +50,16 @@ Tensor matmul(const Tensor& x, const Tensor& w, bool exact = true);
 // to 8 per launch). Raises std::invalid_argument as matmul does, and for an empty list.
 std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws, bool exact = true);
 
+// Whether this build's GEMV reads IQ4_XS_TILED (CUDA: yes; HIP: no, its FMA GEMV reads row-major IQ4_XS).
+bool gemv_tiles_supported();
+
+// w (IQ4_XS [out, in] on the GPU, contiguous, out a multiple of 16) regrouped into IQ4_XS_TILED, the
+// tensor-core GEMV's layout (matmul_mma.cuh, IQ4T: every warp load covers 512 contiguous bytes, not
+// 8 rows x 16 bytes): a new GPU tensor of the same shape and bytes; matmul / matmul_group read it with
+// bit-identical results (the prefill path dequantizes it to the same BF16 values). Raises
+// std::invalid_argument for another dtype, device or shape, or on a build without the tensor-core GEMV.
+Tensor tile_for_gemv(const Tensor& w);
+
 // Index of the first maximum of each row (argmax.cu); x F32 [..., V] contiguous, V >= 1 ->
 // I32 [...] (x's shape without the last dimension). NaN counts as larger than every number
 // (numpy.argmax semantics: the first NaN wins); -0.0 == +0.0 (the first wins).

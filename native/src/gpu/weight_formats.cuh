@@ -372,15 +372,35 @@ struct StoreBF16 {
   }
 };
 
+// IQ4_XS_TILED (the tensor-core GEMV's layout, matmul_mma.cuh IQ4T): rows in tiles of 16; per tile
+// and 256-input unit kIq4TileUnitBytes bytes: the 16 rows' quants in the MMA's lane order (run i of
+// 512 bytes holds at 16 l the words 4 i .. 4 i + 3 of lane l = 4 g + t, word k = 8 h + j being
+// qs[16 j + 4 t ..] of row g + 8 h), then the 16 rows' 8-byte headers. load_tiled gathers IQ4XSW's
+// chunk (row r, sub-block c) from it: the same bytes, so the same values.
+constexpr int64_t kIq4TileUnitBytes = 16 * 136;
+struct IQ4XSTiledW : IQ4XSW {
+  __device__ __forceinline__ static Raw load_tiled(const uint8_t* __restrict__ w, int64_t nunits, int64_t r, int64_t c) {
+    const int rt = int(r & 15), j = int(c & 7), k = 8 * (rt >> 3) + j;
+    const uint8_t* unit = w + ((r >> 4) * nunits + (c >> 3)) * kIq4TileUnitBytes;
+    const uint8_t* q = unit + 512 * (k >> 2) + 64 * (rt & 7) + 4 * (k & 3);  // lane 4 g + t at q + 16 t
+    const auto word = [&](int t) { return *reinterpret_cast<const uint32_t*>(q + 16 * t); };
+    Raw raw;
+    raw.j = j;
+    raw.hdr = *reinterpret_cast<const uint2*>(unit + 2048 + 8 * rt);
+    raw.a = uint2{word(0), word(1)};
+    raw.b = uint2{word(2), word(3)};
+    return raw;
+  }
+};
+
 // --- whole-chunk decode ---------------------------------------------------------------------
 
 // Decodes chunk c of a weight row: store.part(o, v) for each of its kParts parts, v the part's
 // exact float32 weights (Q8_0: q * d, as cpu::dequantize) at row elements o .. o + kPE - 1. Shared
 // by the BF16 dequantization of the GEMM path and the embedding gather.
 template <class W, class Store, int... P>
-__device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t c, const Store& store,
-                                             std::integer_sequence<int, P...>) {
-  const typename W::Raw raw = W::load(row, c);
+__device__ __forceinline__ void decode_raw(const typename W::Raw& raw, int64_t c, const Store& store,
+                                           std::integer_sequence<int, P...>) {
   auto part = [&](auto pc) {
     constexpr int kP = decltype(pc)::value;
     float v[W::kPE];
@@ -394,9 +414,15 @@ __device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t c, cons
   (part(std::integral_constant<int, P>()), ...);
 }
 
+// The same from the chunk's raw bytes already loaded (e.g. IQ4XSTiledW::load_tiled).
+template <class W, class Store>
+__device__ __forceinline__ void decode_raw(const typename W::Raw& raw, int64_t c, const Store& store) {
+  decode_raw<W>(raw, c, store, std::make_integer_sequence<int, W::kParts>());
+}
+
 template <class W, class Store>
 __device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t c, const Store& store) {
-  decode_chunk<W>(row, c, store, std::make_integer_sequence<int, W::kParts>());
+  decode_raw<W>(W::load(row, c), c, store);
 }
 
 }  // namespace specd::gpu::detail

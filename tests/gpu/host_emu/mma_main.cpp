@@ -160,6 +160,29 @@ inline void __syncwarp() { tl_warp->bar->arrive_and_wait(); }
 
 using namespace specd::gpu::detail;
 
+// The test's own packer of IQ4T's tiled layout (the library tiles on the GPU: mma::tile_iq4_xs_kernel,
+// checked against a numpy packer on the device by test_gpu_matmul.py): a row-major IQ4_XS weight src
+// [out][nunits * 136 bytes] -> dst ((out + 15) / 16 * nunits * 2176 bytes); a ragged last tile repeats
+// the last row (the kernel's clamp makes any row count work; the library tiles multiples of 16).
+void pack_iq4_xs_tiles(const uint8_t* src, int64_t out, int64_t nunits, uint8_t* dst) {
+  const int64_t row_bytes = nunits * 136;
+  for (int64_t tile = 0; tile < (out + 15) / 16; ++tile)
+    for (int64_t u = 0; u < nunits; ++u) {
+      uint8_t* o = dst + (tile * nunits + u) * mma::IQ4T::kTileUnitBytes;
+      for (int r = 0; r < 16; ++r) {
+        const int64_t row = std::min<int64_t>(tile * 16 + r, out - 1);
+        const uint8_t* blk = src + row * row_bytes + u * 136;
+        for (int b = 0; b < 8; ++b) o[2048 + 8 * r + b] = blk[b];
+        const int g = r & 7, h = r >> 3;
+        for (int j = 0; j < 8; ++j)
+          for (int t = 0; t < 4; ++t) {
+            const int k = 8 * h + j, lane = 4 * g + t;  // word k of the lane: run k / 4, word k % 4
+            for (int b = 0; b < 4; ++b) o[512 * (k >> 2) + 16 * lane + 4 * (k & 3) + b] = blk[8 + 16 * j + 4 * t + b];
+          }
+      }
+    }
+}
+
 // Runs fn() on `blocks` blocks of `threads` threads (warps of 32 with their exchange barrier), one
 // block at a time (the kernels' __shared__ arrays are statics).
 template <class Fn>
@@ -210,7 +233,7 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   if constexpr (F::kTiled) {
     packed.reserve(ws.size());
     for (GroupWeight& wt : ws) {
-      packed.emplace_back(size_t(iq4_xs_tiled_bytes(wt.out, in / 256)));
+      packed.emplace_back(size_t((wt.out + 15) / 16 * (in / 256) * IQ4T::kTileUnitBytes));
       pack_iq4_xs_tiles(wt.w, wt.out, in / 256, packed.back().data());
       wt.w = packed.back().data();
     }

@@ -1,0 +1,175 @@
+"""IQ4_XS_TILED: IQ4_XS weights regrouped for the CUDA tensor-core GEMV (sn.tile_for_gemv).
+
+The layout (native/src/gpu/matmul_mma.cuh, IQ4T): rows in tiles of 16; per tile and 256-input unit
+2176 bytes: 4 runs of 512 bytes of quants in the MMA's lane order (run i holds at 16 l the words
+4 i .. 4 i + 3 of lane l = 4 g + t, word k = 8 h + j being qs[16 j + 4 t ..] of row g + 8 h), then the
+16 rows' 8-byte headers. `pack_reference` below writes it from that description (numpy), independently
+of the GPU kernel.
+
+What must hold: the GPU kernel writes exactly those bytes; matmul / matmul_group on the tiled weight
+equal the row-major weight's results BIT FOR BIT (GEMV widths 1..17, grouped with other formats, the
+27B's FFN shape, and the prefill path that dequantizes to BF16 for cuBLAS); a qwen35 model with tiled
+layers gives the same logits as one without; every other op refuses the layout with a clear error.
+GPU tests are skipped (marked ``gpu``) without a GPU; the error checks that need no GPU always run.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import specd.native as sn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "native"))
+from quant_blocks import random_blocks  # noqa: E402
+
+GPU, CPU = sn.Device.GPU, sn.Device.CPU
+HAVE_TILES = sn.gpu_available() and sn.gemv_tiles_supported()
+TILED_ID = 0x10000 + 23
+
+
+def tiles_only(f):
+    f = pytest.mark.skipif(not HAVE_TILES, reason="no CUDA GPU with the tensor-core GEMV")(f)
+    return pytest.mark.gpu(f)
+
+
+def pack_reference(raw: np.ndarray) -> np.ndarray:
+    """Row-major IQ4_XS bytes [out, units * 136] (out % 16 == 0) -> the tiled layout's bytes."""
+    out, row_bytes = raw.shape
+    units = row_bytes // 136
+    blk = raw.reshape(out // 16, 16, units, 136)             # tile, row in tile, unit, byte
+    hdr = blk[..., :8].transpose(0, 2, 1, 3)                  # tile, unit, row, 8
+    qs = blk[..., 8:].reshape(out // 16, 2, 8, units, 8, 4, 4)  # tile, h, g, unit, j, t, byte
+    # word k = 8 h + j of lane 4 g + t at 512 (k // 4) + 16 lane + 4 (k % 4): order (k // 4, g, t, k % 4, byte)
+    q = qs.transpose(0, 3, 1, 4, 2, 5, 6)                     # tile, unit, h, j, g, t, byte
+    q = q.reshape(out // 16, units, 2, 2, 4, 8, 4, 4)         # tile, unit, h, j // 4, j % 4, g, t, byte
+    q = q.transpose(0, 1, 2, 3, 5, 6, 4, 7)                   # tile, unit, h, j // 4, g, t, j % 4, byte
+    return np.concatenate([q.reshape(out // 16, units, 2048), hdr.reshape(out // 16, units, 128)],
+                          axis=2).reshape(out, row_bytes)
+
+
+def iq4(rng, out, k):
+    return sn.Tensor(np.ascontiguousarray(random_blocks(rng, "IQ4_XS", out, k)), sn.DType.IQ4_XS)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20261130)
+
+
+def test_pack_reference_moves_every_byte_once(rng):
+    raw = rng.integers(0, 256, (32, 2 * 136), dtype=np.uint8)
+    packed = pack_reference(raw)
+    assert packed.shape == raw.shape
+    assert sorted(packed.ravel().tolist()) == sorted(raw.ravel().tolist())
+    # spot checks against the description: row 9 (g 1, h 1), unit 1, sub-block j 5, t 2 -> word k 13 of lane 6
+    unit = packed.reshape(2, 2, 2176)[0, 1]
+    assert bytes(unit[512 * 3 + 16 * 6 + 4 * 1 : 512 * 3 + 16 * 6 + 4 * 2]) == bytes(raw[9, 136 + 8 + 16 * 5 + 8 : 136 + 8 + 16 * 5 + 12])
+    assert bytes(unit[2048 + 8 * 9 : 2048 + 8 * 10]) == bytes(raw[9, 136 : 136 + 8])
+
+
+def test_tiled_dtype_is_not_a_ggml_type():
+    with pytest.raises(ValueError, match="GEMV layout"):
+        sn.dtype_from_id(TILED_ID)
+    assert int(sn.DType.IQ4_XS_TILED) == TILED_ID
+
+
+def test_tile_for_gemv_needs_a_gpu_tensor(rng):
+    with pytest.raises(ValueError, match="tile_for_gemv: w must be a GPU tensor"):
+        sn.tile_for_gemv(iq4(rng, 16, 256))
+
+
+@tiles_only
+def test_tile_for_gemv_bytes(rng):
+    for out, k in ((16, 256), (48, 768), (64, 5120)):
+        w = iq4(rng, out, k)
+        t = sn.tile_for_gemv(w.to(GPU))
+        assert t.dtype == sn.DType.IQ4_XS_TILED and list(t.shape) == [out, k] and t.device == GPU
+        got = t.to(CPU).numpy()
+        assert np.array_equal(got.reshape(out, -1), pack_reference(w.numpy())), (out, k)
+
+
+@tiles_only
+@pytest.mark.parametrize("out,k", [(16, 256), (96, 512), (400, 1280), (17408, 5120)])
+def test_tiled_matmul_bit_identical(rng, out, k):
+    w = iq4(rng, out, k).to(GPU)
+    wt = sn.tile_for_gemv(w)
+    widths = range(1, 18) if out < 10000 else (1, 2, 8, 16)
+    for n in widths:
+        x = sn.Tensor((rng.standard_normal((n, k)) * 0.5).astype(np.float32)).to(GPU)
+        ref = sn.matmul(x, w).to(CPU).numpy()
+        got = sn.matmul(x, wt).to(CPU).numpy()
+        assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)), (out, k, n)
+
+
+@tiles_only
+def test_tiled_prefill_path_bit_identical(rng):
+    """n > 16 without exact: dequantize to BF16 (panels; the tiled rows gathered) + cuBLAS."""
+    w = iq4(rng, 272, 1024).to(GPU)
+    wt = sn.tile_for_gemv(w)
+    x = sn.Tensor((rng.standard_normal((40, 1024)) * 0.5).astype(np.float32)).to(GPU)
+    ref = sn.matmul(x, w, exact=False).to(CPU).numpy()
+    got = sn.matmul(x, wt, exact=False).to(CPU).numpy()
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+
+
+@tiles_only
+def test_tiled_group_with_other_formats(rng):
+    k = 512
+    ws = [iq4(rng, 64, k).to(GPU), sn.Tensor(np.ascontiguousarray(random_blocks(rng, "Q6_K", 32, k)),
+                                             sn.DType.Q6_K).to(GPU), iq4(rng, 48, k).to(GPU)]
+    tiled = [sn.tile_for_gemv(ws[0]), ws[1], sn.tile_for_gemv(ws[2])]
+    for n in (1, 5, 16, 20):
+        x = sn.Tensor((rng.standard_normal((n, k)) * 0.5).astype(np.float32)).to(GPU)
+        for a, b in zip(sn.matmul_group(x, ws), sn.matmul_group(x, tiled)):
+            assert np.array_equal(a.to(CPU).numpy().view(np.uint32), b.to(CPU).numpy().view(np.uint32)), n
+
+
+@tiles_only
+def test_tiled_bad_input(rng):
+    with pytest.raises(ValueError, match="multiple of 16"):
+        sn.tile_for_gemv(iq4(rng, 24, 256).to(GPU))
+    q6 = sn.Tensor(np.ascontiguousarray(random_blocks(rng, "Q6_K", 16, 256)), sn.DType.Q6_K).to(GPU)
+    with pytest.raises(ValueError, match="IQ4_XS"):
+        sn.tile_for_gemv(q6)
+    wt = sn.tile_for_gemv(iq4(rng, 32, 256).to(GPU))
+    with pytest.raises(ValueError, match="tiled layout"):
+        sn.slice(wt, 0, 0, 16)
+    with pytest.raises(ValueError, match="tiled layout"):
+        sn.concat([wt, wt])
+    with pytest.raises(ValueError, match="tiled layout"):
+        wt.view_rows(0, 16)
+    with pytest.raises(ValueError, match="tiled layout"):
+        sn.copy_rows(wt, 0, wt, 16, 16)
+    with pytest.raises(ValueError, match="IQ4_XS_TILED"):
+        sn.embedding(wt, sn.Tensor(np.array([0, 1], np.int32)))
+    with pytest.raises(ValueError, match="tiled layout"):
+        sn.matmul(sn.Tensor(np.zeros((1, 256), np.float32)), wt.to(CPU))
+
+
+@tiles_only
+def test_model_with_tiled_layers_equals_row_major(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "bench"))
+    import random_qwen35 as rq
+    from specd.target_worker.gguf_loader import load_qwen35
+    from specd.target_worker.model import Qwen35Model
+
+    path = tmp_path / "tiny-iq4xs.gguf"
+    rq.write(path, "tiny", "iq4xs")
+    tiled = Qwen35Model(load_qwen35(str(path)), device=GPU, gemv_tiles=True)
+    plain = Qwen35Model(load_qwen35(str(path)), device=GPU, gemv_tiles=False)
+    assert tiled.layers[0].ffn_gate.dtype == sn.DType.IQ4_XS_TILED
+    assert plain.layers[0].ffn_gate.dtype == sn.DType.IQ4_XS
+    assert tiled.output.dtype != sn.DType.IQ4_XS_TILED and tiled.token_embd.dtype != sn.DType.IQ4_XS_TILED
+    prompt = list(range(3, 40))
+    sa, sb = tiled.new_sequence(128), plain.new_sequence(128)
+    la, lb = tiled.prefill(sa, prompt), plain.prefill(sb, prompt)
+    assert np.array_equal(la.view(np.uint32), lb.view(np.uint32))
+    tok = int(np.argmax(la))
+    for w in (1, 3, 8, 16):
+        toks = [tok] + [(tok + j) % 1000 for j in range(1, w)]
+        ra, rb = tiled.verify(sa, toks), plain.verify(sb, toks)
+        assert np.array_equal(ra.logits.view(np.uint32), rb.logits.view(np.uint32)), w
+        tiled.commit(sa, ra, 1)
+        plain.commit(sb, rb, 1)
+        tok = int(ra.argmax[0])
