@@ -274,3 +274,40 @@ def test_gpu_mma_gemv_group_emulated_equals_single(mma_emu, rng, name):
             np.ascontiguousarray(raw).tofile(d / "w.bin")
             single = run_mma_emu(d, exe, name, x[:n], o, sms=2)
             assert np.array_equal(yg.view(np.uint32), single.view(np.uint32)), f"{name} out={o} n={n}"
+
+
+@pytest.mark.parametrize("k", [288, 800])
+def test_gpu_mma_gemv_emulated_special_x_groups(mma_emu, rng, k):
+    """The x split's special groups at every width 1..16, with a ragged last group (Q8_0, in % 256 =
+    32): an all-zero group (full or ragged) or row, inf / NaN in a full or the ragged group. Finite
+    rows are within the contract, bit-identical whatever the width (an all-zero row gives exact
+    zeros); a row holding inf / NaN is non-finite in every output, as on the CPU."""
+    d, exe = mma_emu
+    out, last = 24, 256 * (k // 256)
+    raw, t = weight(rng, "Q8_0", out, k, False)
+    np.ascontiguousarray(raw).tofile(d / "w.bin")
+    x = wide_range_x(rng, 16, k)
+    x[1, :256] = 0.0
+    x[2] = 0.0
+    x[4, last:] = 0.0
+    x[5, last + 3] = np.inf
+    x[7, 40] = np.nan
+    x[10, k - 1] = -np.inf
+    x[13, last + 17] = np.nan
+    bad = np.zeros(16, bool)
+    bad[[5, 7, 10, 13]] = True
+    with np.errstate(all="ignore"):
+        ref = sn.matmul(x, t).numpy()
+        allow = mma_tolerance(x, np.abs(sn.dequantize(t).numpy().astype(np.float64)))
+    assert not np.isfinite(ref[bad]).any()
+    ys = {}
+    for n in range(1, 17):
+        y = ys[n] = run_mma_emu(d, exe, "Q8_0", x[:n], out, sms=1)
+        good = ~bad[:n]
+        err = np.abs(y[good].astype(np.float64) - ref[:n][good])
+        assert np.all(err <= allow[:n][good]), f"n={n}: max err / allowance {(err / allow[:n][good]).max():.3g}"
+        assert not np.isfinite(y[bad[:n]]).any(), f"n={n}"
+        if n > 2:
+            assert np.all(y[2] == 0.0)
+    for n in range(1, 16):
+        assert np.array_equal(ys[n][~bad[:n]].view(np.uint32), ys[16][:n][~bad[:n]].view(np.uint32)), f"n={n}"

@@ -560,37 +560,34 @@ __device__ __forceinline__ void compute(const typename F::Raw (&raw)[2], int64_t
   }
 }
 
-// x [n, in] F32 -> the split x of a call (XView): one thread per (row r of x, 32-input block blk);
-// the 8 threads of a 256-input group are consecutive lanes (thread id = (r * groups + grp) * 8 + sb),
-// reduce the group maximum with shuffles, then each writes its block's terms as B fragments
-// xb[blk][nt][lane'] (column 3r + tau, lane' = 4 (column % 8) + t), its sub-block sums of the terms
-// (f16, exact: |sum| <= 2048) to xm, and the block's first thread the group's column scales to xs
-// (the r = 0 threads also zero the padding columns 3n .. kMaxCols). Exactness: see the header.
+// x [n, in] F32 -> the split x of a call (XView). One warp per (row r of x, 256-input group grp),
+// 4 lanes per 32-input sub-block sb: thread id = ((r * groups + grp) * 8 + sb) * 4 + t. Lane t of a
+// sub-block loads exactly the inputs of its own B-fragment word (4t .. 4t+3 and 16+4t .. 16+4t+3,
+// see the k order above), so it writes xb[blk][nt][4 (column % 8) + t] (column 3r + tau) for each
+// term without an exchange. The group maximum is a warp reduction, the sub-block sums of the terms
+// (exact integers, |sum| <= 2048, so exact in f16) a reduction over the 4 lanes, written to xm by
+// lane t = 0; warp lane 0 writes the group's column scales to xs, lane 1 of the r = 0 warp zeroes
+// the padding columns 3n .. kMaxCols. Exactness: see the header.
 __global__ void split_x_kernel(const float* __restrict__ x, int64_t in, int n, int64_t groups, uint2* __restrict__ xb,
                                float* __restrict__ xs, uint32_t* __restrict__ xm) {
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int sb = int(id & 7);
-  const int64_t rg = id >> 3, grp = rg % groups;
-  const int r = int(rg / groups);
+  const int t = int(id & 3), sb = int(id >> 2) & 7, lane = int(id & 31);
+  const int64_t rg = id >> 5, grp = rg % groups;
+  const int r = int(rg / groups);  // the same for the whole warp
   const int64_t blk = grp * (kGroup / 32) + sb;
-  const bool have = r < n && 32 * blk < in;
-  float v[32];
-#pragma unroll
-  for (int k = 0; k < 32; ++k) v[k] = 0.0f;
+  const bool have = r < n && 32 * blk < in;  // the same for the sub-block's 4 lanes
+  float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // inputs 4t + {0..3}, 16 + 4t + {0..3}
   if (have) {
     const float4* src = reinterpret_cast<const float4*>(x + int64_t(r) * in + 32 * blk);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const float4 f = src[k];
-      v[4 * k] = f.x, v[4 * k + 1] = f.y, v[4 * k + 2] = f.z, v[4 * k + 3] = f.w;
-    }
+    const float4 a = src[t], b = src[4 + t];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
   }
   float m = 0.0f;  // max |x| of the group, +inf if it holds inf / NaN
 #pragma unroll
-  for (int k = 0; k < 32; ++k) m = isfinite(v[k]) ? fmaxf(m, fabsf(v[k])) : INFINITY;
+  for (int k = 0; k < 8; ++k) m = isfinite(v[k]) ? fmaxf(m, fabsf(v[k])) : INFINITY;
 #pragma unroll
-  for (int s = 1; s < 8; s <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));  // all lanes take part
-  if (r >= n) return;
+  for (int s = 1; s < 32; s <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, s));  // all lanes take part
+  if (r >= n) return;  // whole warps: the sum shuffles below still see all 32 lanes
   const bool fin = m < INFINITY;
   int k2 = 0;  // x' = x * 2^k2, k2 in [-108, 126]: 2^k2 and 2^-k2 (times 2^14) are normal floats
   if (fin && m > 0.0f) {
@@ -598,46 +595,43 @@ __global__ void split_x_kernel(const float* __restrict__ x, int64_t in, int n, i
     k2 = 19 - e < 126 ? 19 - e : 126;
   }
   const float up = __uint_as_float(uint32_t(127 + k2) << 23);
-  int8_t q[kTerms][32];
+  uint32_t q[kTerms][8];  // the terms as bytes
   int sum[kTerms] = {0, 0, 0};
 #pragma unroll
-  for (int k = 0; k < 32; ++k) {
+  for (int k = 0; k < 8; ++k) {
     const float xv = fin ? __fmul_rn(v[k], up) : 0.0f;
     const float hi = rintf(__fmul_rn(xv, 1.0f / 16384.0f));
     const float r1 = __fsub_rn(xv, __fmul_rn(hi, 16384.0f));
     const float mid = rintf(__fmul_rn(r1, 1.0f / 128.0f));
     const float lo = rintf(__fsub_rn(r1, __fmul_rn(mid, 128.0f)));
-    q[0][k] = int8_t(hi), q[1][k] = int8_t(mid), q[2][k] = int8_t(lo);
+    q[0][k] = uint8_t(int8_t(hi)), q[1][k] = uint8_t(int8_t(mid)), q[2][k] = uint8_t(int8_t(lo));
     sum[0] += int(hi), sum[1] += int(mid), sum[2] += int(lo);
   }
+#pragma unroll
+  for (int tau = 0; tau < kTerms; ++tau)
+#pragma unroll
+    for (int s = 1; s < 4; s <<= 1) sum[tau] += __shfl_xor_sync(0xffffffffu, sum[tau], s);
   if (have) {
 #pragma unroll
     for (int tau = 0; tau < kTerms; ++tau) {
       const int c = 3 * r + tau, nt = c >> 3, col = c & 7;
-      uint2* o = xb + (blk * kMaxTiles + nt) * 32 + 4 * col;
-#pragma unroll
-      for (int t = 0; t < 4; ++t) {
-        uint32_t w[2];
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int i0 = 4 * t + 2 * rr;  // k order: inputs i0, i0 + 16, i0 + 1, i0 + 17
-          w[rr] = uint32_t(uint8_t(q[tau][i0])) | uint32_t(uint8_t(q[tau][i0 + 16])) << 8 |
-                  uint32_t(uint8_t(q[tau][i0 + 1])) << 16 | uint32_t(uint8_t(q[tau][i0 + 17])) << 24;
-        }
-        o[t] = make_uint2(w[0], w[1]);
-      }
+      // k order: reg0 = inputs 4t, 4t+16, 4t+1, 4t+17; reg1 = 4t+2, 4t+18, 4t+3, 4t+19.
+      const uint32_t(&w)[8] = q[tau];
+      xb[(blk * kMaxTiles + nt) * 32 + 4 * col + t] =
+          make_uint2(w[0] | w[4] << 8 | w[1] << 16 | w[5] << 24, w[2] | w[6] << 8 | w[3] << 16 | w[7] << 24);
       // xm: lane 4 col + sb / 2 of tile nt holds (sum of sub-block 2t', 2t' + 1) as f16x2.
-      const __half hs = __float2half_rn(float(sum[tau]));
-      reinterpret_cast<__half*>(xm + (grp * kMaxTiles + nt) * 32 + 4 * col + (sb >> 1))[sb & 1] = hs;
+      if (t == 0)
+        reinterpret_cast<__half*>(xm + (grp * kMaxTiles + nt) * 32 + 4 * col + (sb >> 1))[sb & 1] =
+            __float2half_rn(float(sum[tau]));
     }
   }
-  if (sb == 0) {
+  if (lane == 0) {
     const float base = fin ? __uint_as_float(uint32_t(127 - k2) << 23) : NAN;  // 2^-k2
     xs[grp * kMaxCols + 3 * r] = base * 16384.0f;
     xs[grp * kMaxCols + 3 * r + 1] = base * 128.0f;
     xs[grp * kMaxCols + 3 * r + 2] = base;
   }
-  if (r == 0 && sb == 1)
+  if (r == 0 && lane == 1)
     for (int c = 3 * n; c < kMaxCols; ++c) xs[grp * kMaxCols + c] = 0.0f;
 }
 
@@ -877,7 +871,7 @@ inline XView x_view(const uint8_t* base, int64_t in, int n) {
 // x [n, in] -> its split at base (x_view), on stream s.
 inline void launch_split_x(const float* x, int64_t in, int n, uint8_t* base, cudaStream_t s) {
   const XSizes sz(in);
-  const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 8;
+  const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 32;
   split_x_kernel<<<unsigned((threads + 127) / 128), 128, 0, s>>>(x, in, n, groups, reinterpret_cast<uint2*>(base),
                                                                    reinterpret_cast<float*>(base + sz.xb),
                                                                    reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));

@@ -154,6 +154,10 @@ inline float __shfl_xor_sync(unsigned mask, float v, int m) {
   std::memcpy(&v, &u, 4);
   return v;
 }
+inline int __shfl_xor_sync(unsigned mask, int v, int m) {
+  if (mask != 0xffffffffu) std::abort();
+  return int(exchange(uint32_t(v), int(threadIdx.x & 31) ^ m));
+}
 inline void __syncwarp() { tl_warp->bar->arrive_and_wait(); }
 
 #include "matmul_mma.cuh"
@@ -211,7 +215,7 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   const XSizes sz(in);
   std::vector<uint8_t> scratch_x(sz.total(), 0xA5);  // poisoned: whatever the kernels read was written
   uint8_t* base = scratch_x.data();
-  const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 8;
+  const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 32;  // as launch_split_x
   emulate((threads + 127) / 128, 128, [&] {
     split_x_kernel(x.data(), in, n, groups, reinterpret_cast<uint2*>(base), reinterpret_cast<float*>(base + sz.xb),
                    reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
