@@ -6,10 +6,14 @@
 // double. Tolerance vs CPU: bit-identical (silu: <= 1 F32 ulp when device and host double exp
 // straddle an F32 rounding boundary, practically never); state bit-identical.
 //
-// gated_delta_net: one thread block per value head, sequential over tokens; the head's dv x dk
-// state lives in registers (4 lanes per state row, dk / 4 elements each) for dk in {32, 64, 128}
-// and dv <= 128 (the 27B: dk = dv = 128), otherwise a fallback kernel keeps it in global memory
-// (one thread per state row). Per token: S <- exp(g) S; m = S^T k; d = beta (v - m); S <- S + k d;
+// gated_delta_net: sequential over tokens; the dv x dk state of a value head lives in registers
+// (4 lanes per state row, dk / 4 elements each) for dk in {32, 64, 128} and dv <= 128 (the 27B:
+// dk = dv = 128), split over blocks of kGdnRows state rows when dv % kGdnRows == 0 (else one block
+// per head): the state rows are independent, so the split only adds blocks (the 27B: 4 per head).
+// Otherwise a fallback kernel keeps the state in global memory (one block per head, one thread per
+// state row). Lane p of a row holds elements p, p + 4, ...: each state load/store instruction of a
+// warp covers 16 contiguous bytes of 8 rows (the other half of each sector comes with the next
+// element, from L1/L2); the layout is kept because it fixes the order of the partial sums. Per token: S <- exp(g) S; m = S^T k; d = beta (v - m); S <- S + k d;
 // o = S^T (scale q), F32, fixed-order partial sums (per lane, then a fixed 4-lane butterfly). The
 // arithmetic of a token never depends on T, so T tokens at once equal several calls with the
 // carried state (bitwise), and checkpoints[t] equal the state after token t (bitwise).
@@ -72,13 +76,16 @@ struct GdnParams {
 
 constexpr int kLanes = 4;  // threads per state row
 constexpr int kMaxGdnThreads = 512;
+constexpr int kGdnRows = 32;  // state rows per block when dv % kGdnRows == 0 (kGdnRows * kLanes threads)
 
+// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / kLanes.
 template <int E>  // state elements per thread; dk = E * kLanes
 __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) {
   constexpr int DK = E * kLanes;
   __shared__ float ks[DK], qs[DK];
-  const int j = blockIdx.x, kh = j % P.hk;
-  const int jv = threadIdx.x / kLanes, p = threadIdx.x % kLanes;
+  const int rows = blockDim.x / kLanes, nb = P.dv / rows;
+  const int j = blockIdx.x / nb, kh = j % P.hk;
+  const int jv = (blockIdx.x % nb) * rows + threadIdx.x / kLanes, p = threadIdx.x % kLanes;
   const int64_t head = int64_t(P.dv) * DK;
   float* S = P.state + j * head + int64_t(jv) * DK;
   float s[E];
@@ -204,18 +211,21 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
               checkpoints ? checkpoints->ptr<float>() : nullptr, scale, T, int(hk), int(hv), int(dk), int(dv),
               out.ptr<float>()};
   cudaStream_t s = detail::stream();
-  const int threads = int(dv) * kLanes;
   const bool fast = dv * kLanes <= kMaxGdnThreads && (dv * kLanes) % SPECD_WARP == 0;
+  const int64_t rows = dv % kGdnRows == 0 ? kGdnRows : dv;  // state rows per block
+  const int threads = int(rows) * kLanes;
+  const int64_t blocks = fast ? hv * (dv / rows) : hv;
+  detail::check_grid(blocks, op);
   if (fast && dk == 32) {
-    gdn_kernel<8><<<unsigned(hv), threads, 0, s>>>(P);
+    gdn_kernel<8><<<unsigned(blocks), threads, 0, s>>>(P);
   } else if (fast && dk == 64) {
-    gdn_kernel<16><<<unsigned(hv), threads, 0, s>>>(P);
+    gdn_kernel<16><<<unsigned(blocks), threads, 0, s>>>(P);
   } else if (fast && dk == 128) {
-    gdn_kernel<32><<<unsigned(hv), threads, 0, s>>>(P);
+    gdn_kernel<32><<<unsigned(blocks), threads, 0, s>>>(P);
   } else {
     size_t shmem = size_t(2 * dk) * sizeof(float);
     SPECD_CHECK(shmem <= 48 * 1024, op, ": dk too large for the GPU op (", dk, ")");
-    gdn_fallback_kernel<<<unsigned(hv), kFallbackThreads, shmem, s>>>(P);
+    gdn_fallback_kernel<<<unsigned(blocks), kFallbackThreads, shmem, s>>>(P);
   }
   SPECD_GPU_CHECK_LAUNCH("gdn_kernel");
   return out;
