@@ -1,5 +1,6 @@
 // Gated DeltaNet pieces on the GPU, same contracts as cpu::conv1d_causal and cpu::gated_delta_net
-// (cpu/ssm.h). GPU inputs must be contiguous; states are updated in place.
+// (cpu/ssm.h). GPU inputs must be contiguous; states are updated in place, or read from `state` and
+// written to `state_out` (same arithmetic, bitwise equal).
 //
 // conv1d_causal: one thread per channel, tokens in order; y[t, c] = sum_j w[j, c] * X[t + j, c]
 // with j ascending and explicit round-to-nearest mul/add (no FMA), as the CPU op, then silu in
@@ -21,6 +22,7 @@
 // to their scale per token; tests use 1e-4 * max|ref| + rtol 1e-4 over up to 16 tokens.
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 
 #include "../cpu/ssm.h"
 #include "op_util.cuh"
@@ -40,9 +42,11 @@ __device__ __forceinline__ double sigmoid_f64(double x) {
   return e / (1.0 + e);
 }
 
+// state_out may be state (in place): no __restrict__ on either.
 __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __restrict__ x, const float* __restrict__ w,
-                                                              float* __restrict__ state, float* __restrict__ y,
-                                                              int64_t T, int64_t C, int64_t K, bool silu_out) {
+                                                              const float* state, float* state_out,
+                                                              float* __restrict__ y, int64_t T, int64_t C, int64_t K,
+                                                              bool silu_out) {
   const int64_t c = int64_t(blockIdx.x) * kConvThreads + threadIdx.x;
   if (c >= C) return;
   const int64_t km1 = K - 1;
@@ -55,10 +59,11 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __res
     }
     y[t * C + c] = silu_out ? float(double(acc) * sigmoid_f64(acc)) : acc;
   }
-  // New state = X rows T .. T+K-2; ascending r reads state row T + r before it is overwritten.
+  // New state = X rows T .. T+K-2; ascending r reads state row T + r before it is overwritten
+  // (in place).
   for (int64_t r = 0; r < km1; ++r) {
     int64_t src = T + r;
-    state[r * C + c] = src < km1 ? state[src * C + c] : x[(src - km1) * C + c];
+    state_out[r * C + c] = src < km1 ? state[src * C + c] : x[(src - km1) * C + c];
   }
 }
 
@@ -66,7 +71,8 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __res
 
 struct GdnParams {
   const float *q, *k, *v, *g, *beta;
-  float* state;
+  const float* state;
+  float* state_out;  // == state when in place
   float* ckpt;
   float scale;
   int64_t T;
@@ -87,7 +93,7 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) 
   const int j = blockIdx.x / nb, kh = j % P.hk;
   const int jv = (blockIdx.x % nb) * rows + threadIdx.x / kLanes, p = threadIdx.x % kLanes;
   const int64_t head = int64_t(P.dv) * DK;
-  float* S = P.state + j * head + int64_t(jv) * DK;
+  const float* S = P.state + j * head + int64_t(jv) * DK;
   float s[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) s[e] = S[e * kLanes + p];
@@ -124,8 +130,9 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) 
     }
     __syncthreads();  // ks / qs are rewritten for the next token
   }
+  float* SO = P.state_out + j * head + int64_t(jv) * DK;
 #pragma unroll
-  for (int e = 0; e < E; ++e) S[e * kLanes + p] = s[e];
+  for (int e = 0; e < E; ++e) SO[e * kLanes + p] = s[e];
 }
 
 // Any dk / dv: the state stays in global memory, one thread per state row.
@@ -136,6 +143,12 @@ __global__ void __launch_bounds__(kFallbackThreads) gdn_fallback_kernel(const Gd
   float* qs = sh + P.dk;
   const int j = blockIdx.x, kh = j % P.hk;
   const int64_t head = int64_t(P.dv) * P.dk;
+  if (P.state_out != P.state) {  // out of place: the recurrence runs on state_out (same rows per thread)
+    for (int jv = threadIdx.x; jv < P.dv; jv += blockDim.x) {
+      const int64_t row = j * head + int64_t(jv) * P.dk;
+      for (int i = 0; i < P.dk; ++i) P.state_out[row + i] = P.state[row + i];
+    }
+  }
   for (int64_t t = 0; t < P.T; ++t) {
     for (int i = threadIdx.x; i < P.dk; i += blockDim.x) {
       ks[i] = P.k[(t * P.hk + kh) * P.dk + i];
@@ -145,7 +158,7 @@ __global__ void __launch_bounds__(kFallbackThreads) gdn_fallback_kernel(const Gd
     const float decay = expf(P.g[t * P.hv + j]);
     const float bt = P.beta[t * P.hv + j];
     for (int jv = threadIdx.x; jv < P.dv; jv += blockDim.x) {
-      float* s = P.state + j * head + int64_t(jv) * P.dk;
+      float* s = P.state_out + j * head + int64_t(jv) * P.dk;
       float m = 0.0f;
       for (int i = 0; i < P.dk; ++i) {
         s[i] = __fmul_rn(s[i], decay);
@@ -165,35 +178,50 @@ __global__ void __launch_bounds__(kFallbackThreads) gdn_fallback_kernel(const Gd
   }
 }
 
-void check_state(const Tensor& s, const std::vector<int64_t>& shape, const char* op, const char* arg) {
+void check_state(const Tensor& s, const std::vector<int64_t>& shape, const char* op, const char* arg,
+                 bool written = true) {
   detail::check_gpu_tensor(s, DType::F32, -1, op, arg);
-  check_writable(s, op, arg);
+  if (written) check_writable(s, op, arg);
   SPECD_CHECK(s.shape == shape, op, ": ", arg, " has the wrong shape (see the docstring for the expected one)");
+}
+
+// The state a call writes: `state_out` (checked like `state`, plus its aliasing contract) or `state`.
+// `state` must be writable only when it is the one written.
+const Tensor& written_state(const Tensor& state, const std::optional<Tensor>& state_out,
+                            const std::vector<int64_t>& shape, std::initializer_list<const Tensor*> inputs,
+                            const char* op) {
+  check_state(state, shape, op, "state", !state_out);
+  if (!state_out) return state;
+  check_state(*state_out, shape, op, "state_out");
+  if (cpu::check_state_out_aliasing(*state_out, state, inputs, op)) check_writable(state, op, "state");
+  return *state_out;
 }
 
 }  // namespace
 
-Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu) {
+Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu,
+                     const std::optional<Tensor>& state_out) {
   const char* op = "conv1d_causal";
   detail::check_gpu_tensor(x, DType::F32, 2, op, "x");
   detail::check_gpu_tensor(weight, DType::F32, 2, op, "weight");
   int64_t T = x.dim(0), C = x.dim(1), K = weight.dim(0);
   SPECD_CHECK(K >= 1 && weight.dim(1) == C, op, ": weight must be [K >= 1, C=", C, "], got [", K, ", ",
               weight.dim(1), "]");
-  check_state(state, {K - 1, C}, op, "state");
+  const Tensor& out_state = written_state(state, state_out, {K - 1, C}, {&x}, op);
   Tensor y = Tensor::empty({T, C}, DType::F32, Device::GPU);
   if (C == 0) return y;
   int64_t blocks = (C + kConvThreads - 1) / kConvThreads;
   detail::check_grid(blocks, op);
   conv1d_kernel<<<unsigned(blocks), kConvThreads, 0, detail::stream()>>>(x.ptr<float>(), weight.ptr<float>(),
-                                                                        state.ptr<float>(), y.ptr<float>(), T, C, K,
-                                                                        apply_silu);
+                                                                        state.ptr<float>(), out_state.ptr<float>(),
+                                                                        y.ptr<float>(), T, C, K, apply_silu);
   SPECD_GPU_CHECK_LAUNCH("conv1d_kernel");
   return y;
 }
 
 Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints) {
+                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
+                       const std::optional<Tensor>& state_out) {
   const char* op = "gated_delta_net";
   detail::check_gpu_tensor(q, DType::F32, 3, op, "q");
   detail::check_gpu_tensor(k, DType::F32, 3, op, "k");
@@ -202,14 +230,16 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
   detail::check_gpu_tensor(beta, DType::F32, 2, op, "beta");
   const cpu::GdnDims d = cpu::check_gated_delta_net_shapes(q, k, v, g, beta, scale, op);
   const int64_t T = d.T, hk = d.hk, dk = d.dk, hv = d.hv, dv = d.dv;
-  check_state(state, {hv, dv, dk}, op, "state");
   if (checkpoints) check_state(*checkpoints, {T, hv, dv, dk}, op, "checkpoints");
+  const Tensor& out_state = written_state(state, state_out, {hv, dv, dk},
+                                          {&q, &k, &v, &g, &beta, checkpoints ? &*checkpoints : nullptr}, op);
   SPECD_CHECK(hv <= 0x7fffffff && dk <= 0x7fffffff / 2 && dv <= 0x7fffffff, op, ": dimensions too large");
   Tensor out = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
-  if (T == 0 || hv == 0 || dv == 0) return out;
-  GdnParams P{q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), state.ptr<float>(),
-              checkpoints ? checkpoints->ptr<float>() : nullptr, scale, T, int(hk), int(hv), int(dk), int(dv),
-              out.ptr<float>()};
+  const bool in_place = out_state.data == state.data;
+  if ((T == 0 && in_place) || hv == 0 || dv == 0) return out;  // out of place, T = 0: the kernel copies
+  GdnParams P{q.ptr<float>(),  k.ptr<float>(), v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(),
+              state.ptr<float>(), out_state.ptr<float>(), checkpoints ? checkpoints->ptr<float>() : nullptr, scale,
+              T, int(hk), int(hv), int(dk), int(dv), out.ptr<float>()};
   cudaStream_t s = detail::stream();
   const bool fast = dv * kLanes <= kMaxGdnThreads && (dv * kLanes) % SPECD_WARP == 0;
   const int64_t rows = dv % kGdnRows == 0 ? kGdnRows : dv;  // state rows per block
