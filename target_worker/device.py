@@ -96,6 +96,11 @@ class _HostOps:
         return np.zeros(shape, np.float32)
 
     @staticmethod
+    def empty(shape):
+        """An uninitialised F32 array (an op's output argument)."""
+        return np.empty(shape, np.float32)
+
+    @staticmethod
     def move_rows(cache, moved):
         raw = cache.numpy()
         for src, dst in moved:
@@ -210,6 +215,10 @@ class _TensorOps:
 
     def zeros(self, shape):
         return sn.Tensor.zeros(list(shape), sn.DType.F32, self.device)
+
+    def empty(self, shape):
+        """An uninitialised F32 tensor on the device (an op's output argument)."""
+        return sn.Tensor.empty(list(shape), sn.DType.F32, self.device)
 
     @staticmethod
     def move_rows(cache, moved):

@@ -505,9 +505,9 @@ class Qwen35Model:
         m, z, b, a = (ops.a(y) for y in mm.group(u, [layer.attn_qkv, layer.attn_gate, layer.ssm_beta,
                                                      layer.ssm_alpha]))
         z = ops.reshape(z, w, hv, dv)
-        if tree is None:
-            conv_state = ops.copy(st.conv[i])
-            cv = ops.a(sn.conv1d_causal(m, self.conv_w[i], conv_state, apply_silu=True))
+        if tree is None:  # pending states out of place: the committed ones stay untouched
+            conv_state = ops.empty(st.conv[i].shape)
+            cv = ops.a(sn.conv1d_causal(m, self.conv_w[i], st.conv[i], apply_silu=True, state_out=conv_state))
         else:
             cv = ops.cat([ops.a(sn.conv1d_causal(ops.take(m, [j]), self.conv_w[i],
                                                  self._conv_state_after(st.conv[i], m, tree.path(j)[:-1]),
@@ -520,8 +520,8 @@ class Qwen35Model:
         dt, ssm_a = self.gdn_vecs[i]
         g = ops.mul_vec(ops.a(sn.softplus(ops.add_vec(a, dt))), ssm_a)
         if tree is None:
-            state = ops.copy(st.ssm[i])
-            o = ops.a(sn.gated_delta_net(q, k, v, g, beta, state, self._gdn_scale))
+            state = ops.empty(st.ssm[i].shape)
+            o = ops.a(sn.gated_delta_net(q, k, v, g, beta, st.ssm[i], self._gdn_scale, state_out=state))
         else:
             state, o = None, self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
         o = ops.reshape(ops.a(sn.mul(sn.rms_norm(o, layer.ssm_norm, hp.rms_eps), sn.silu(z))), w, hv * dv)

@@ -553,6 +553,41 @@ def test_gdn_gpu_vs_cpu(rng, shape, T):
     np.testing.assert_array_equal(s2.numpy(), sg.numpy())
 
 
+@pytest.mark.parametrize("shape", GDN_SHAPES)
+@pytest.mark.parametrize("T", [0, 1, 8])
+@gpu_only
+def test_gdn_gpu_state_out(rng, shape, T):
+    """Out of place (state_out) equals in place bitwise (outputs, state, checkpoints) and leaves
+    state untouched, for the register kernels (split and whole heads) and the fallback."""
+    hk, hv, dk, dv = shape
+    q, k, v, g, beta, state = gdn_inputs(rng, T, hk, hv, dk, dv)
+    args = [on_gpu(a) for a in (q, k, v, g, beta)]
+    s_in, ck_in = on_gpu(state), on_gpu(np.zeros((T, hv, dv, dk), np.float32))
+    y_in = sn.gated_delta_net(*args, s_in, 0.2, ck_in).numpy()
+    src, s_out = on_gpu(state), on_gpu(np.full_like(state, np.nan))
+    ck_out = on_gpu(np.zeros((T, hv, dv, dk), np.float32))
+    y_out = sn.gated_delta_net(*args, src, 0.2, ck_out, state_out=s_out).numpy()
+    np.testing.assert_array_equal(y_out, y_in)
+    np.testing.assert_array_equal(s_out.numpy(), s_in.numpy())
+    np.testing.assert_array_equal(ck_out.numpy(), ck_in.numpy())
+    np.testing.assert_array_equal(src.numpy(), state)
+
+
+@pytest.mark.parametrize("T", [0, 1, 5])
+@gpu_only
+def test_conv1d_gpu_state_out(rng, T):
+    C, K = 300, 4
+    x, w, st = f32(rng, (T, C)), f32(rng, (K, C)), f32(rng, (K - 1, C))
+    xg, wg = on_gpu(x), on_gpu(w)
+    s_in = on_gpu(st)
+    y_in = sn.conv1d_causal(xg, wg, s_in).numpy()
+    src, s_out = on_gpu(st), on_gpu(np.full_like(st, np.nan))
+    y_out = sn.conv1d_causal(xg, wg, src, state_out=s_out).numpy()
+    np.testing.assert_array_equal(y_out, y_in)
+    np.testing.assert_array_equal(s_out.numpy(), s_in.numpy())
+    np.testing.assert_array_equal(src.numpy(), st)
+
+
 @gpu_only
 def test_ssm_gpu_bad_input(rng):
     q, k, v, g, beta, state = gdn_inputs(rng, 2, 2, 4, 64, 32)
@@ -561,6 +596,8 @@ def test_ssm_gpu_bad_input(rng):
         sn.gated_delta_net(*args, on_gpu(state[:3]), 0.1)
     with pytest.raises(ValueError, match="checkpoints"):
         sn.gated_delta_net(*args, on_gpu(state), 0.1, on_gpu(np.zeros((1, 4, 32, 64), np.float32)))
+    with pytest.raises(ValueError, match="state_out has the wrong shape"):
+        sn.gated_delta_net(*args, on_gpu(state), 0.1, state_out=on_gpu(state[:3]))
     with pytest.raises(ValueError, match="weight"):
         sn.conv1d_causal(on_gpu(f32(rng, (2, 8))), on_gpu(f32(rng, (4, 9))), on_gpu(f32(rng, (3, 8))))
 

@@ -216,3 +216,82 @@ def test_gdn_bad_input():
         sn.gated_delta_net(q, q, v, gb, gb, s, float("inf"))
     with pytest.raises(ValueError, match="q must be F32"):
         sn.gated_delta_net(q.astype(np.float16), q, v, gb, gb, s, 1.0)
+
+
+# ---- out-of-place states (state_out) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [0, 1, 6])
+def test_conv1d_state_out_bitwise(rng, T):
+    C, K = 70, 4
+    x = rng.standard_normal((T, C)).astype(np.float32)
+    w = rng.standard_normal((K, C)).astype(np.float32)
+    s0 = rng.standard_normal((K - 1, C)).astype(np.float32)
+    s_in = s0.copy()
+    y_in = sn.conv1d_causal(x, w, s_in).numpy()
+    src = s0.copy()
+    src.flags.writeable = False  # only read when out of place
+    s_out = np.full_like(s0, np.nan)
+    y_out = sn.conv1d_causal(x, w, src, state_out=s_out).numpy()
+    np.testing.assert_array_equal(y_out, y_in)
+    np.testing.assert_array_equal(s_out, s_in)
+    np.testing.assert_array_equal(src, s0)
+    s_same = s0.copy()  # state_out = state itself: in place
+    np.testing.assert_array_equal(sn.conv1d_causal(x, w, s_same, state_out=s_same).numpy(), y_in)
+    np.testing.assert_array_equal(s_same, s_in)
+
+
+def test_conv1d_state_out_bad_input():
+    x, w, s = np.zeros((3, 8), np.float32), np.zeros((4, 8), np.float32), np.zeros((3, 8), np.float32)
+    with pytest.raises(ValueError, match="state_out has the wrong shape"):
+        sn.conv1d_causal(x, w, s, state_out=np.zeros((2, 8), np.float32))
+    with pytest.raises(ValueError, match="state_out must be F32"):
+        sn.conv1d_causal(x, w, s, state_out=np.zeros((3, 8), np.float16))
+    with pytest.raises(ValueError, match="state_out must be contiguous"):
+        sn.conv1d_causal(x, w, s, state_out=np.zeros((3, 16), np.float32)[:, ::2])
+    big = np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError, match="state_out must be state itself or not overlap it"):
+        sn.conv1d_causal(x, w, big[:3], state_out=big[1:])
+    xs = np.zeros((3, 8), np.float32)
+    with pytest.raises(ValueError, match="state_out must not overlap the inputs"):
+        sn.conv1d_causal(xs, w, s, state_out=xs)
+    ro = s.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="state"):
+        sn.conv1d_causal(x, w, ro, state_out=ro)  # in place needs a writable state
+
+
+@pytest.mark.parametrize("T,hk,hv,dk,dv", [(0, 1, 2, 8, 8), (1, 2, 6, 16, 8), (5, 2, 4, 128, 128)])
+def test_gdn_state_out_bitwise(rng, T, hk, hv, dk, dv):
+    q, k, v, g, beta, s0 = gdn_inputs(rng, T, hk, hv, dk, dv)
+    s_in, ck_in = s0.copy(), np.zeros((T, hv, dv, dk), np.float32)
+    o_in = sn.gated_delta_net(q, k, v, g, beta, s_in, 0.3, checkpoints=ck_in).numpy()
+    src = s0.copy()
+    src.flags.writeable = False  # only read when out of place
+    s_out, ck_out = np.full_like(s0, np.nan), np.zeros_like(ck_in)
+    o_out = sn.gated_delta_net(q, k, v, g, beta, src, 0.3, checkpoints=ck_out, state_out=s_out).numpy()
+    np.testing.assert_array_equal(o_out, o_in)
+    np.testing.assert_array_equal(s_out, s_in)
+    np.testing.assert_array_equal(ck_out, ck_in)
+    np.testing.assert_array_equal(src, s0)
+    s_same = s0.copy()  # state_out = state itself: in place
+    np.testing.assert_array_equal(sn.gated_delta_net(q, k, v, g, beta, s_same, 0.3, state_out=s_same).numpy(), o_in)
+    np.testing.assert_array_equal(s_same, s_in)
+
+
+def test_gdn_state_out_bad_input(rng):
+    T, hk, hv, d = 2, 2, 4, 8
+    q, k, v, g, beta, s = gdn_inputs(rng, T, hk, hv, d, d)
+    with pytest.raises(ValueError, match="state_out has the wrong shape"):
+        sn.gated_delta_net(q, k, v, g, beta, s, 1.0, state_out=np.zeros((hv, d, 4), np.float32))
+    with pytest.raises(ValueError, match="state_out must be F32"):
+        sn.gated_delta_net(q, k, v, g, beta, s, 1.0, state_out=np.zeros((hv, d, d), np.int32))
+    big = np.zeros((hv + 1, d, d), np.float32)
+    with pytest.raises(ValueError, match="state_out must be state itself or not overlap it"):
+        sn.gated_delta_net(q, k, v, g, beta, big[:hv], 1.0, state_out=big[1:])
+    ck = np.zeros((T, hv, d, d), np.float32)
+    with pytest.raises(ValueError, match="state_out must not overlap the inputs"):
+        sn.gated_delta_net(q, k, v, g, beta, s, 1.0, checkpoints=ck, state_out=ck[0])
+    buf = np.zeros(hv * d * d, np.float32)
+    with pytest.raises(ValueError, match="state_out must not overlap the inputs"):
+        sn.gated_delta_net(buf[: q.size].reshape(q.shape), k, v, g, beta, s, 1.0, state_out=buf.reshape(s.shape))

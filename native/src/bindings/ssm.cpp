@@ -9,41 +9,49 @@ namespace specd::py_bind {
 void register_ssm(py::module_& m) {
   m.def(
       "conv1d_causal",
-      [](const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu) {
+      [](const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu,
+         std::optional<Tensor> state_out) {
         require_same_device(x, weight, "conv1d_causal");
         require_same_device(x, state, "conv1d_causal");
+        if (state_out) require_same_device(x, *state_out, "conv1d_causal");
         return without_gil([&] {
 #if SPECD_WITH_GPU
-          if (x.device == Device::GPU) return gpu::conv1d_causal(x, weight, state, apply_silu);
+          if (x.device == Device::GPU) return gpu::conv1d_causal(x, weight, state, apply_silu, state_out);
 #endif
-          return cpu::conv1d_causal(x, weight, state, apply_silu);
+          return cpu::conv1d_causal(x, weight, state, apply_silu, state_out);
         });
       },
       py::arg("x"), py::arg("weight"), py::arg("state"),
-        py::arg("apply_silu") = true,
+        py::arg("apply_silu") = true, py::arg("state_out") = py::none(),
         R"doc(Depthwise causal conv of the Gated DeltaNet, with its rolling state (qwen35-target.md §6.5 step 2).
 
 x: F32 [T, C] (last dim contiguous); weight: F32 [K, C] (GGUF ssm_conv1d, tap K-1 = current token);
 state: F32 [K-1, C], contiguous and writable (a numpy array is updated in place; zeros at sequence
 start). With X = [state ; x]: y[t, c] = sum_{j<K} weight[j, c] * X[t + j, c] (F32, j ascending),
-then silu if apply_silu. state is overwritten with the last K-1 rows of X. Splitting the T tokens
-over several calls gives bitwise the same outputs and state. Returns F32 [T, C].
-Raises ValueError on dtype/shape mismatch (weight [K >= 1, C], state [K-1, C]).)doc");
+then silu if apply_silu. The last K-1 rows of X (the new state) overwrite state, or go to
+state_out when given: F32 [K-1, C], contiguous, writable, on x's device, either state itself or
+memory overlapping neither state nor x; state is then only read (it need not be writable), and
+the result equals the in-place one bitwise. Splitting the T tokens over several calls gives
+bitwise the same outputs and state. Returns F32 [T, C]. Raises ValueError on dtype/shape mismatch
+(weight [K >= 1, C], state and state_out [K-1, C]) or an overlapping state_out.)doc");
   m.def(
       "gated_delta_net",
       [](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& state,
-         float scale, std::optional<Tensor> checkpoints) {
+         float scale, std::optional<Tensor> checkpoints, std::optional<Tensor> state_out) {
         for (const Tensor* t : {&k, &v, &g, &beta, &state}) require_same_device(q, *t, "gated_delta_net");
         if (checkpoints) require_same_device(q, *checkpoints, "gated_delta_net");
+        if (state_out) require_same_device(q, *state_out, "gated_delta_net");
         return without_gil([&] {
 #if SPECD_WITH_GPU
-          if (q.device == Device::GPU) return gpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints);
+          if (q.device == Device::GPU)
+            return gpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints, state_out);
 #endif
-          return cpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints);
+          return cpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints, state_out);
         });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"),
         py::arg("beta"), py::arg("state"), py::arg("scale"), py::arg("checkpoints") = py::none(),
+        py::arg("state_out") = py::none(),
         R"doc(Gated DeltaNet recurrence, token by token (qwen35-target.md §6.5 step 7; ggml gated_delta_net).
 
 q, k: F32 [T, Hk, dk], already L2-normalised; v: F32 [T, Hv, dv]; g: F32 [T, Hv] log-decay
@@ -52,10 +60,14 @@ state: F32 [Hv, dv, dk], contiguous, writable, ggml layout: head j element S[i_k
 state[j, j_v, i_k]. scale: multiplies q (1/sqrt(dk) for qwen35). Hv % Hk == 0; value head j uses key
 head j % Hk (GGUF tiled order). Per token, per head, in F32:
   S <- exp(g) S;  m = S^T k;  d = beta (v - m);  S <- S + k outer d;  o = S^T (scale q)
-(output from the updated state). state holds the final state afterwards. checkpoints: None or F32
-[T, Hv, dv, dk] contiguous writable; checkpoints[t] receives the state after token t (fast rollback,
-spec-loop.md §5.3). Running T tokens at once equals running them in several calls with the carried
-state, bitwise. Returns o: F32 [T, Hv, dv]. Raises ValueError on dtype/shape mismatch.)doc");
+(output from the updated state). state holds the final state afterwards, unless state_out is
+given: F32 [Hv, dv, dk], contiguous, writable, on q's device, either state itself or memory
+overlapping none of q, k, v, g, beta, state, checkpoints; it then receives the final state and
+state is only read (it need not be writable); out of place equals in place bitwise. checkpoints:
+None or F32 [T, Hv, dv, dk] contiguous writable; checkpoints[t] receives the state after token t
+(fast rollback, spec-loop.md §5.3). Running T tokens at once equals running them in several calls
+with the carried state, bitwise. Returns o: F32 [T, Hv, dv]. Raises ValueError on dtype/shape
+mismatch or an overlapping state_out.)doc");
 }
 
 }  // namespace specd::py_bind

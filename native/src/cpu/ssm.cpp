@@ -16,12 +16,38 @@ namespace {
 
 constexpr int64_t kChanBlock = 64;  // channels per work item; fixed so per-channel code never varies
 
-void check_state(const Tensor& s, const std::vector<int64_t>& shape, const char* op, const char* arg) {
+void check_state(const Tensor& s, const std::vector<int64_t>& shape, const char* op, const char* arg,
+                 bool written = true) {
   check_cpu(s, op, arg);
   check_dtype(s, DType::F32, op, arg);
   check_contiguous(s, op, arg);
-  check_writable(s, op, arg);
+  if (written) check_writable(s, op, arg);
   SPECD_CHECK(s.shape == shape, op, ": ", arg, " has the wrong shape (see the docstring for the expected one)");
+}
+
+// The state a call writes: `state_out` (checked like `state`, plus its aliasing contract) or `state`.
+// `state` must be writable only when it is the one written.
+const Tensor& written_state(const Tensor& state, const std::optional<Tensor>& state_out,
+                            const std::vector<int64_t>& shape, std::initializer_list<const Tensor*> inputs,
+                            const char* op) {
+  check_state(state, shape, op, "state", !state_out);
+  if (!state_out) return state;
+  check_state(*state_out, shape, op, "state_out");
+  if (check_state_out_aliasing(*state_out, state, inputs, op)) check_writable(state, op, "state");
+  return *state_out;
+}
+
+// Bytes [lo, hi) a tensor's elements can touch (any stride signs); empty for no elements.
+std::pair<uintptr_t, uintptr_t> byte_span(const Tensor& t) {
+  const uintptr_t base = reinterpret_cast<uintptr_t>(t.data);
+  for (int64_t n : t.shape)
+    if (n == 0) return {base, base};
+  intptr_t lo = 0, hi = 0;
+  for (size_t i = 0; i < t.shape.size(); ++i) {
+    const intptr_t ext = intptr_t(t.shape[i] - 1) * intptr_t(t.strides[i]);
+    (ext < 0 ? lo : hi) += ext;
+  }
+  return {base + lo, base + hi + uintptr_t(row_size(t.dtype, 1))};
 }
 
 // Row r of X = [state ; x]: state row r for r < K-1, else x row r - (K-1).
@@ -29,8 +55,8 @@ const float* conv_src_row(const Tensor& x, const float* state, int64_t r, int64_
   return r < km1 ? state + r * C : row_at<float>(x, r - km1);
 }
 
-void conv_block(const Tensor& x, const float* w, float* state, float* y, int64_t K, int64_t C, int64_t c0,
-                int64_t c1, bool silu_out) {
+void conv_block(const Tensor& x, const float* w, const float* state, float* state_out, float* y, int64_t K,
+                int64_t C, int64_t c0, int64_t c1, bool silu_out) {
   int64_t T = x.dim(0), km1 = K - 1, nc = c1 - c0;
   float acc[kChanBlock];
   for (int64_t t = 0; t < T; ++t) {
@@ -43,17 +69,18 @@ void conv_block(const Tensor& x, const float* w, float* state, float* y, int64_t
     float* yr = y + t * C + c0;
     for (int64_t c = 0; c < nc; ++c) yr[c] = silu_out ? silu(acc[c]) : acc[c];
   }
-  // New state: X rows T .. T+K-2, gathered before any state row is overwritten.
+  // New state: X rows T .. T+K-2, gathered before any state row is overwritten (in place).
   std::vector<float> next(size_t(km1 * nc));
   for (int64_t r = 0; r < km1; ++r)
     std::memcpy(next.data() + r * nc, conv_src_row(x, state, T + r, km1, C) + c0, size_t(nc) * sizeof(float));
   for (int64_t r = 0; r < km1; ++r)
-    std::memcpy(state + r * C + c0, next.data() + r * nc, size_t(nc) * sizeof(float));
+    std::memcpy(state_out + r * C + c0, next.data() + r * nc, size_t(nc) * sizeof(float));
 }
 
 struct GdnArgs {
   const Tensor &q, &k, &v, &g, &beta;
-  float* state;
+  const float* state;
+  float* state_out;  // == state when in place
   float* ckpt;  // nullptr when not requested
   float scale;
   int64_t T, hk, hv, dk, dv;
@@ -79,8 +106,10 @@ void gdn_token(const GdnArgs& a, int64_t t, int64_t j, float* S, float* qs) {
   }
 }
 
-void check_gdn(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-               const Tensor& state, float scale) {
+// Returns the state the call writes (see written_state).
+const Tensor& check_gdn(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                        const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
+                        const std::optional<Tensor>& state_out) {
   const char* op = "gated_delta_net";
   check_rows(q, DType::F32, 3, op, "q");
   check_rows(k, DType::F32, 3, op, "k");
@@ -88,10 +117,26 @@ void check_gdn(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& 
   check_rows(g, DType::F32, 2, op, "g");
   check_rows(beta, DType::F32, 2, op, "beta");
   const GdnDims d = check_gated_delta_net_shapes(q, k, v, g, beta, scale, op);
-  check_state(state, {d.hv, d.dv, d.dk}, op, "state");
+  if (checkpoints) check_state(*checkpoints, {d.T, d.hv, d.dv, d.dk}, op, "checkpoints");
+  return written_state(state, state_out, {d.hv, d.dv, d.dk},
+                       {&q, &k, &v, &g, &beta, checkpoints ? &*checkpoints : nullptr}, op);
 }
 
 }  // namespace
+
+bool check_state_out_aliasing(const Tensor& state_out, const Tensor& state,
+                              std::initializer_list<const Tensor*> inputs, const char* op) {
+  if (state_out.data == state.data) return true;
+  const auto [lo, hi] = byte_span(state_out);
+  auto disjoint = [&](const Tensor& t) {
+    const auto [a, b] = byte_span(t);
+    return hi <= a || b <= lo || a == b || lo == hi;
+  };
+  SPECD_CHECK(disjoint(state), op, ": state_out must be state itself or not overlap it");
+  for (const Tensor* t : inputs)
+    SPECD_CHECK(!t || disjoint(*t), op, ": state_out must not overlap the inputs");
+  return false;
+}
 
 GdnDims check_gated_delta_net_shapes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                      const Tensor& beta, float scale, const char* op) {
@@ -106,7 +151,8 @@ GdnDims check_gated_delta_net_shapes(const Tensor& q, const Tensor& k, const Ten
   return d;
 }
 
-Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu) {
+Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu,
+                     const std::optional<Tensor>& state_out) {
   const char* op = "conv1d_causal";
   check_rows(x, DType::F32, 2, op, "x");
   check_cpu(weight, op, "weight");
@@ -116,30 +162,31 @@ Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state,
   int64_t T = x.dim(0), C = x.dim(1), K = weight.dim(0);
   SPECD_CHECK(K >= 1 && weight.dim(1) == C, op, ": weight must be [K >= 1, C=", C, "], got [", K, ", ",
               weight.dim(1), "]");
-  check_state(state, {K - 1, C}, op, "state");
+  const Tensor& out_state = written_state(state, state_out, {K - 1, C}, {&x}, op);
   Tensor y = Tensor::empty({T, C}, DType::F32);
   int64_t blocks = (C + kChanBlock - 1) / kChanBlock;
   parallel_for(blocks, std::max<int64_t>(1, 64 / std::max<int64_t>(T, 1)), [&](int64_t b, int64_t e) {
     for (int64_t blk = b; blk < e; ++blk)
-      conv_block(x, weight.ptr<float>(), state.ptr<float>(), y.ptr<float>(), K, C, blk * kChanBlock,
-                 std::min(C, (blk + 1) * kChanBlock), apply_silu);
+      conv_block(x, weight.ptr<float>(), state.ptr<float>(), out_state.ptr<float>(), y.ptr<float>(), K, C,
+                 blk * kChanBlock, std::min(C, (blk + 1) * kChanBlock), apply_silu);
   });
   return y;
 }
 
 Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints) {
-  check_gdn(q, k, v, g, beta, state, scale);
+                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
+                       const std::optional<Tensor>& state_out) {
+  const Tensor& out_state = check_gdn(q, k, v, g, beta, state, scale, checkpoints, state_out);
   int64_t T = q.dim(0), hk = q.dim(1), dk = q.dim(2), hv = v.dim(1), dv = v.dim(2);
-  if (checkpoints) check_state(*checkpoints, {T, hv, dv, dk}, "gated_delta_net", "checkpoints");
   Tensor out = Tensor::empty({T, hv, dv}, DType::F32);
-  GdnArgs a{q, k, v, g, beta, state.ptr<float>(), checkpoints ? checkpoints->ptr<float>() : nullptr,
-            scale, T, hk, hv, dk, dv, out.ptr<float>()};
+  GdnArgs a{q, k, v, g, beta, state.ptr<float>(), out_state.ptr<float>(),
+            checkpoints ? checkpoints->ptr<float>() : nullptr, scale, T, hk, hv, dk, dv, out.ptr<float>()};
   int64_t head = dv * dk;
   parallel_for(hv, 1, [&](int64_t b, int64_t e) {
     std::vector<float> qs(static_cast<size_t>(dk));
     for (int64_t j = b; j < e; ++j) {
-      float* S = a.state + j * head;
+      float* S = a.state_out + j * head;  // the recurrence runs in place on the written state
+      if (a.state_out != a.state) std::memcpy(S, a.state + j * head, size_t(head) * sizeof(float));
       for (int64_t t = 0; t < T; ++t) {
         gdn_token(a, t, j, S, qs.data());
         if (a.ckpt) std::memcpy(a.ckpt + (t * hv + j) * head, S, size_t(head) * sizeof(float));

@@ -1,4 +1,5 @@
 #pragma once
+#include <initializer_list>
 #include <optional>
 
 #include "specd/tensor.h"
@@ -10,10 +11,15 @@ namespace specd::cpu {
 // current token); state: F32 [K-1, C], contiguous and writable (the previous K-1 inputs, zeros at
 // sequence start). With X = [state ; x] ((K-1+T) rows):
 //   y[t, c] = sum_{j=0..K-1} weight[j, c] * X[t + j, c]   (F32, j ascending),
-// then y = silu(y) if apply_silu. `state` is overwritten with the last K-1 rows of X. Each output
-// element is computed by the same operations whatever T or the thread count, so running T tokens
-// at once equals running them in several calls (bitwise). Returns F32 [T, C].
-Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu);
+// then y = silu(y) if apply_silu. The last K-1 rows of X (the new state) are written to
+// `state_out` if given (F32 [K-1, C], contiguous, writable; either `state` itself or memory
+// overlapping neither `state` nor x; `state` is then only read, and need not be writable), else
+// over `state`. Each output element is computed by the same operations whatever T or the thread
+// count, so running T tokens at once equals running them in several calls (bitwise), and in place
+// equals out of place (bitwise). Returns F32 [T, C]. Throws std::invalid_argument on a bad dtype,
+// shape, layout or an overlapping state_out.
+Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu,
+                     const std::optional<Tensor>& state_out = std::nullopt);
 
 // Gated DeltaNet recurrence (qwen35-target.md §6.5 step 7; ggml gated_delta_net).
 // q, k: F32 [T, Hk, dk] (already L2-normalised); v: F32 [T, Hv, dv]; g, beta: F32 [T, Hv]
@@ -21,12 +27,17 @@ Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state,
 // contiguous and writable, ggml layout (head j, element S[i_k][j_v] at j_v * dk + i_k).
 // Hv % Hk == 0; value head j uses key head j % Hk (GGUF tiled order). For each token t in order and
 // each head j:  S <- exp(g) S;  m = S^T k;  d = beta (v - m);  S <- S + k (x) d;  o = S^T (scale q),
-// all in F32 with fixed-order partial sums. `state` holds the final state afterwards. If
-// `checkpoints` (F32 [T, Hv, dv, dk], contiguous, writable) is given, the state after token t is
-// stored in checkpoints[t] (fast rollback, spec-loop.md §5.3). Parallel over heads; results do not
-// depend on T splits or threads. Returns o: F32 [T, Hv, dv].
+// all in F32 with fixed-order partial sums. The final state goes to `state_out` if given (F32
+// [Hv, dv, dk], contiguous, writable; either `state` itself or memory overlapping none of q, k, v,
+// g, beta, state, checkpoints; `state` is then only read, and need not be writable), else over
+// `state`; out of place equals in place bitwise. If `checkpoints` (F32 [T, Hv, dv, dk],
+// contiguous, writable) is given, the state after token t is stored in checkpoints[t] (fast
+// rollback, spec-loop.md §5.3). Parallel over heads; results do not depend on T splits or threads.
+// Returns o: F32 [T, Hv, dv]. Throws std::invalid_argument on a bad dtype, shape, layout or an
+// overlapping state_out.
 Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints);
+                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
+                       const std::optional<Tensor>& state_out = std::nullopt);
 
 // The dimensions of a gated_delta_net call: T tokens, Hk key heads of dk, Hv value heads of dv.
 struct GdnDims {
@@ -36,6 +47,13 @@ struct GdnDims {
 // The shape contract of gated_delta_net above, shared by the CPU and GPU backends (each checks its
 // own devices, dtypes and layouts first): q and k [T, Hk, dk], v [T, Hv, dv] with Hv % Hk == 0,
 // g and beta [T, Hv], scale finite. Throws std::invalid_argument naming `op` and the argument.
+// The aliasing contract of a `state_out` argument, shared by the CPU and GPU backends (each checks
+// its device, dtype, layout and shape first): true when state_out is `state` itself (in place);
+// otherwise it must overlap neither `state` nor any of `inputs` (null entries are skipped).
+// Throws std::invalid_argument naming `op`.
+bool check_state_out_aliasing(const Tensor& state_out, const Tensor& state,
+                              std::initializer_list<const Tensor*> inputs, const char* op);
+
 GdnDims check_gated_delta_net_shapes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                      const Tensor& beta, float scale, const char* op);
 

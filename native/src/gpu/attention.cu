@@ -426,6 +426,17 @@ __global__ void __launch_bounds__(kMaxDim) attn_combine_kernel(const AttnParams 
   *o = __fdiv_rn(acc, L);
 }
 
+// Whether the chunk pass has so few (row, KV head, chunk) blocks that the GPU would idle: then one
+// q head per block (hs = 1), so a GQA group's heads run in parallel blocks rather than one after
+// another in one block (K/V of a chunk are then read once per head, from L2). hs never changes a
+// head's arithmetic (each head has its own q row, scores, softmax and accumulators, and how keys
+// and dims are split over threads depends on head_dim only), so any choice keeps every result and
+// batch invariance. nch = ceil(kv_len / kChunk) bounds the active chunks per row from above (inside
+// a CUDA graph kv_len is only a bound): a loose bound can only keep the wider default.
+bool few_chunk_blocks(int64_t n, int64_t hkv, int64_t nch) {
+  return n * hkv * nch < 2 * int64_t(detail::sm_count());
+}
+
 template <DType KT>
 void launch_chunks(DType vt, const AttnParams& P, unsigned blocks, size_t shmem, cudaStream_t s) {
   switch (vt) {
@@ -508,9 +519,10 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   cudaStream_t s = detail::stream();
 
   const int64_t r = hq / hkv, dg = (d + 7) / 8, dp = dg * 8;
-  const int64_t hs_max = std::max<int64_t>(1, std::min<int64_t>(kMaxHs, 2048 / dp));
-  const int64_t nsub = (r + hs_max - 1) / hs_max, hs = (r + nsub - 1) / nsub;
   const int64_t nch = (a.kv_len + kChunk - 1) / kChunk;
+  const int64_t hs_max =
+      few_chunk_blocks(n, hkv, nch) ? 1 : std::max<int64_t>(1, std::min<int64_t>(kMaxHs, 2048 / dp));
+  const int64_t nsub = (r + hs_max - 1) / hs_max, hs = (r + nsub - 1) / nsub;
   int w = 1;
   while (w < dg && w < SPECD_WARP) w *= 2;
   // 16-byte loads: d % 8 == 0 and every head row 16-byte aligned (Q8_0 always decodes bytewise).

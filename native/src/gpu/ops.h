@@ -99,10 +99,13 @@ void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows, bool tru
 Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_pos,
                  const cpu::AttentionArgs& args, bool trusted = false);
 
-// Gated DeltaNet conv and recurrence as cpu::conv1d_causal / cpu::gated_delta_net (ssm.cu).
-Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu);
+// Gated DeltaNet conv and recurrence as cpu::conv1d_causal / cpu::gated_delta_net (ssm.cu),
+// including the optional out-of-place state_out.
+Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu,
+                     const std::optional<Tensor>& state_out = std::nullopt);
 Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints);
+                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
+                       const std::optional<Tensor>& state_out = std::nullopt);
 
 // Top-k per row as cpu::topk (topk.cu); exact.
 std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k);

@@ -1,15 +1,20 @@
 // Gated DeltaNet pieces on the GPU, same contracts as cpu::conv1d_causal and cpu::gated_delta_net
-// (cpu/ssm.h). GPU inputs must be contiguous; states are updated in place.
+// (cpu/ssm.h). GPU inputs must be contiguous; states are updated in place, or read from `state` and
+// written to `state_out` (same arithmetic, bitwise equal).
 //
 // conv1d_causal: one thread per channel, tokens in order; y[t, c] = sum_j w[j, c] * X[t + j, c]
 // with j ascending and explicit round-to-nearest mul/add (no FMA), as the CPU op, then silu in
 // double. Tolerance vs CPU: bit-identical (silu: <= 1 F32 ulp when device and host double exp
 // straddle an F32 rounding boundary, practically never); state bit-identical.
 //
-// gated_delta_net: one thread block per value head, sequential over tokens; the head's dv x dk
-// state lives in registers (4 lanes per state row, dk / 4 elements each) for dk in {32, 64, 128}
-// and dv <= 128 (the 27B: dk = dv = 128), otherwise a fallback kernel keeps it in global memory
-// (one thread per state row). Per token: S <- exp(g) S; m = S^T k; d = beta (v - m); S <- S + k d;
+// gated_delta_net: sequential over tokens; the dv x dk state of a value head lives in registers
+// (4 lanes per state row, dk / 4 elements each) for dk in {32, 64, 128} and dv <= 128 (the 27B:
+// dk = dv = 128), split over blocks of kGdnRows state rows when dv % kGdnRows == 0 (else one block
+// per head): the state rows are independent, so the split only adds blocks (the 27B: 4 per head).
+// Otherwise a fallback kernel keeps the state in global memory (one block per head, one thread per
+// state row). Lane p of a row holds elements p, p + 4, ...: each state load/store instruction of a
+// warp covers 16 contiguous bytes of 8 rows (the other half of each sector comes with the next
+// element, from L1/L2); the layout is kept because it fixes the order of the partial sums. Per token: S <- exp(g) S; m = S^T k; d = beta (v - m); S <- S + k d;
 // o = S^T (scale q), F32, fixed-order partial sums (per lane, then a fixed 4-lane butterfly). The
 // arithmetic of a token never depends on T, so T tokens at once equal several calls with the
 // carried state (bitwise), and checkpoints[t] equal the state after token t (bitwise).
@@ -17,6 +22,7 @@
 // to their scale per token; tests use 1e-4 * max|ref| + rtol 1e-4 over up to 16 tokens.
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 
 #include "../cpu/ssm.h"
 #include "op_util.cuh"
@@ -36,9 +42,11 @@ __device__ __forceinline__ double sigmoid_f64(double x) {
   return e / (1.0 + e);
 }
 
+// state_out may be state (in place): no __restrict__ on either.
 __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __restrict__ x, const float* __restrict__ w,
-                                                              float* __restrict__ state, float* __restrict__ y,
-                                                              int64_t T, int64_t C, int64_t K, bool silu_out) {
+                                                              const float* state, float* state_out,
+                                                              float* __restrict__ y, int64_t T, int64_t C, int64_t K,
+                                                              bool silu_out) {
   const int64_t c = int64_t(blockIdx.x) * kConvThreads + threadIdx.x;
   if (c >= C) return;
   const int64_t km1 = K - 1;
@@ -51,10 +59,11 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __res
     }
     y[t * C + c] = silu_out ? float(double(acc) * sigmoid_f64(acc)) : acc;
   }
-  // New state = X rows T .. T+K-2; ascending r reads state row T + r before it is overwritten.
+  // New state = X rows T .. T+K-2; ascending r reads state row T + r before it is overwritten
+  // (in place).
   for (int64_t r = 0; r < km1; ++r) {
     int64_t src = T + r;
-    state[r * C + c] = src < km1 ? state[src * C + c] : x[(src - km1) * C + c];
+    state_out[r * C + c] = src < km1 ? state[src * C + c] : x[(src - km1) * C + c];
   }
 }
 
@@ -62,7 +71,8 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __res
 
 struct GdnParams {
   const float *q, *k, *v, *g, *beta;
-  float* state;
+  const float* state;
+  float* state_out;  // == state when in place
   float* ckpt;
   float scale;
   int64_t T;
@@ -72,15 +82,18 @@ struct GdnParams {
 
 constexpr int kLanes = 4;  // threads per state row
 constexpr int kMaxGdnThreads = 512;
+constexpr int kGdnRows = 32;  // state rows per block when dv % kGdnRows == 0 (kGdnRows * kLanes threads)
 
+// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / kLanes.
 template <int E>  // state elements per thread; dk = E * kLanes
 __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) {
   constexpr int DK = E * kLanes;
   __shared__ float ks[DK], qs[DK];
-  const int j = blockIdx.x, kh = j % P.hk;
-  const int jv = threadIdx.x / kLanes, p = threadIdx.x % kLanes;
+  const int rows = blockDim.x / kLanes, nb = P.dv / rows;
+  const int j = blockIdx.x / nb, kh = j % P.hk;
+  const int jv = (blockIdx.x % nb) * rows + threadIdx.x / kLanes, p = threadIdx.x % kLanes;
   const int64_t head = int64_t(P.dv) * DK;
-  float* S = P.state + j * head + int64_t(jv) * DK;
+  const float* S = P.state + j * head + int64_t(jv) * DK;
   float s[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) s[e] = S[e * kLanes + p];
@@ -117,8 +130,9 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) 
     }
     __syncthreads();  // ks / qs are rewritten for the next token
   }
+  float* SO = P.state_out + j * head + int64_t(jv) * DK;
 #pragma unroll
-  for (int e = 0; e < E; ++e) S[e * kLanes + p] = s[e];
+  for (int e = 0; e < E; ++e) SO[e * kLanes + p] = s[e];
 }
 
 // Any dk / dv: the state stays in global memory, one thread per state row.
@@ -129,6 +143,12 @@ __global__ void __launch_bounds__(kFallbackThreads) gdn_fallback_kernel(const Gd
   float* qs = sh + P.dk;
   const int j = blockIdx.x, kh = j % P.hk;
   const int64_t head = int64_t(P.dv) * P.dk;
+  if (P.state_out != P.state) {  // out of place: the recurrence runs on state_out (same rows per thread)
+    for (int jv = threadIdx.x; jv < P.dv; jv += blockDim.x) {
+      const int64_t row = j * head + int64_t(jv) * P.dk;
+      for (int i = 0; i < P.dk; ++i) P.state_out[row + i] = P.state[row + i];
+    }
+  }
   for (int64_t t = 0; t < P.T; ++t) {
     for (int i = threadIdx.x; i < P.dk; i += blockDim.x) {
       ks[i] = P.k[(t * P.hk + kh) * P.dk + i];
@@ -138,7 +158,7 @@ __global__ void __launch_bounds__(kFallbackThreads) gdn_fallback_kernel(const Gd
     const float decay = expf(P.g[t * P.hv + j]);
     const float bt = P.beta[t * P.hv + j];
     for (int jv = threadIdx.x; jv < P.dv; jv += blockDim.x) {
-      float* s = P.state + j * head + int64_t(jv) * P.dk;
+      float* s = P.state_out + j * head + int64_t(jv) * P.dk;
       float m = 0.0f;
       for (int i = 0; i < P.dk; ++i) {
         s[i] = __fmul_rn(s[i], decay);
@@ -158,35 +178,50 @@ __global__ void __launch_bounds__(kFallbackThreads) gdn_fallback_kernel(const Gd
   }
 }
 
-void check_state(const Tensor& s, const std::vector<int64_t>& shape, const char* op, const char* arg) {
+void check_state(const Tensor& s, const std::vector<int64_t>& shape, const char* op, const char* arg,
+                 bool written = true) {
   detail::check_gpu_tensor(s, DType::F32, -1, op, arg);
-  check_writable(s, op, arg);
+  if (written) check_writable(s, op, arg);
   SPECD_CHECK(s.shape == shape, op, ": ", arg, " has the wrong shape (see the docstring for the expected one)");
+}
+
+// The state a call writes: `state_out` (checked like `state`, plus its aliasing contract) or `state`.
+// `state` must be writable only when it is the one written.
+const Tensor& written_state(const Tensor& state, const std::optional<Tensor>& state_out,
+                            const std::vector<int64_t>& shape, std::initializer_list<const Tensor*> inputs,
+                            const char* op) {
+  check_state(state, shape, op, "state", !state_out);
+  if (!state_out) return state;
+  check_state(*state_out, shape, op, "state_out");
+  if (cpu::check_state_out_aliasing(*state_out, state, inputs, op)) check_writable(state, op, "state");
+  return *state_out;
 }
 
 }  // namespace
 
-Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu) {
+Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu,
+                     const std::optional<Tensor>& state_out) {
   const char* op = "conv1d_causal";
   detail::check_gpu_tensor(x, DType::F32, 2, op, "x");
   detail::check_gpu_tensor(weight, DType::F32, 2, op, "weight");
   int64_t T = x.dim(0), C = x.dim(1), K = weight.dim(0);
   SPECD_CHECK(K >= 1 && weight.dim(1) == C, op, ": weight must be [K >= 1, C=", C, "], got [", K, ", ",
               weight.dim(1), "]");
-  check_state(state, {K - 1, C}, op, "state");
+  const Tensor& out_state = written_state(state, state_out, {K - 1, C}, {&x}, op);
   Tensor y = Tensor::empty({T, C}, DType::F32, Device::GPU);
   if (C == 0) return y;
   int64_t blocks = (C + kConvThreads - 1) / kConvThreads;
   detail::check_grid(blocks, op);
   conv1d_kernel<<<unsigned(blocks), kConvThreads, 0, detail::stream()>>>(x.ptr<float>(), weight.ptr<float>(),
-                                                                        state.ptr<float>(), y.ptr<float>(), T, C, K,
-                                                                        apply_silu);
+                                                                        state.ptr<float>(), out_state.ptr<float>(),
+                                                                        y.ptr<float>(), T, C, K, apply_silu);
   SPECD_GPU_CHECK_LAUNCH("conv1d_kernel");
   return y;
 }
 
 Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints) {
+                       const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
+                       const std::optional<Tensor>& state_out) {
   const char* op = "gated_delta_net";
   detail::check_gpu_tensor(q, DType::F32, 3, op, "q");
   detail::check_gpu_tensor(k, DType::F32, 3, op, "k");
@@ -195,27 +230,32 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
   detail::check_gpu_tensor(beta, DType::F32, 2, op, "beta");
   const cpu::GdnDims d = cpu::check_gated_delta_net_shapes(q, k, v, g, beta, scale, op);
   const int64_t T = d.T, hk = d.hk, dk = d.dk, hv = d.hv, dv = d.dv;
-  check_state(state, {hv, dv, dk}, op, "state");
   if (checkpoints) check_state(*checkpoints, {T, hv, dv, dk}, op, "checkpoints");
+  const Tensor& out_state = written_state(state, state_out, {hv, dv, dk},
+                                          {&q, &k, &v, &g, &beta, checkpoints ? &*checkpoints : nullptr}, op);
   SPECD_CHECK(hv <= 0x7fffffff && dk <= 0x7fffffff / 2 && dv <= 0x7fffffff, op, ": dimensions too large");
   Tensor out = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
-  if (T == 0 || hv == 0 || dv == 0) return out;
-  GdnParams P{q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), state.ptr<float>(),
-              checkpoints ? checkpoints->ptr<float>() : nullptr, scale, T, int(hk), int(hv), int(dk), int(dv),
-              out.ptr<float>()};
+  const bool in_place = out_state.data == state.data;
+  if ((T == 0 && in_place) || hv == 0 || dv == 0) return out;  // out of place, T = 0: the kernel copies
+  GdnParams P{q.ptr<float>(),  k.ptr<float>(), v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(),
+              state.ptr<float>(), out_state.ptr<float>(), checkpoints ? checkpoints->ptr<float>() : nullptr, scale,
+              T, int(hk), int(hv), int(dk), int(dv), out.ptr<float>()};
   cudaStream_t s = detail::stream();
-  const int threads = int(dv) * kLanes;
   const bool fast = dv * kLanes <= kMaxGdnThreads && (dv * kLanes) % SPECD_WARP == 0;
+  const int64_t rows = dv % kGdnRows == 0 ? kGdnRows : dv;  // state rows per block
+  const int threads = int(rows) * kLanes;
+  const int64_t blocks = fast ? hv * (dv / rows) : hv;
+  detail::check_grid(blocks, op);
   if (fast && dk == 32) {
-    gdn_kernel<8><<<unsigned(hv), threads, 0, s>>>(P);
+    gdn_kernel<8><<<unsigned(blocks), threads, 0, s>>>(P);
   } else if (fast && dk == 64) {
-    gdn_kernel<16><<<unsigned(hv), threads, 0, s>>>(P);
+    gdn_kernel<16><<<unsigned(blocks), threads, 0, s>>>(P);
   } else if (fast && dk == 128) {
-    gdn_kernel<32><<<unsigned(hv), threads, 0, s>>>(P);
+    gdn_kernel<32><<<unsigned(blocks), threads, 0, s>>>(P);
   } else {
     size_t shmem = size_t(2 * dk) * sizeof(float);
     SPECD_CHECK(shmem <= 48 * 1024, op, ": dk too large for the GPU op (", dk, ")");
-    gdn_fallback_kernel<<<unsigned(hv), kFallbackThreads, shmem, s>>>(P);
+    gdn_fallback_kernel<<<unsigned(blocks), kFallbackThreads, shmem, s>>>(P);
   }
   SPECD_GPU_CHECK_LAUNCH("gdn_kernel");
   return out;
