@@ -127,6 +127,22 @@ __device__ __forceinline__ void hmma(float (&d)[4], const uint32_t (&a)[4], uint
 
 // --- small helpers ----------------------------------------------------------------------------
 
+// Programmatic dependent launch (PTX griddepcontrol, sm_90): split_x lets the GEMV launch as soon as
+// every split_x block has started, and each GEMV block loads its first weight units (which depend
+// on nothing) before waiting for split_x's completion and memory, so the GEMV's launch and first
+// loads overlap split_x. The wait returns at once when the kernel was launched without the
+// attribute (e.g. after another kernel), and both are no-ops in the host emulation.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if !defined(SPECD_HOST_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if !defined(SPECD_HOST_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // PTX prmt.b32 in its default mode: byte i of the result = byte (sel nibble i & 7) of {b, a}, or
 // that byte's sign replicated when the nibble's bit 3 is set; only the low 16 bits of sel count.
 // __byte_perm documents 3-bit selectors, so nvcc masks every selector it cannot prove clean (an
@@ -570,6 +586,7 @@ __device__ __forceinline__ void compute(const typename F::Raw (&raw)[2], int64_t
 // the padding columns 3n .. kMaxCols. Exactness: see the header.
 __global__ void split_x_kernel(const float* __restrict__ x, int64_t in, int n, int64_t groups, uint2* __restrict__ xb,
                                float* __restrict__ xs, uint32_t* __restrict__ xm) {
+  pdl_launch_dependents();  // the GEMV may start loading weights now (it waits for our writes)
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int t = int(id & 3), sb = int(id >> 2) & 7, lane = int(id & 31);
   const int64_t rg = id >> 5, grp = rg % groups;
@@ -744,6 +761,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel
   const RowSource<F> src(w, row0, out, row_bytes, nunits, lane);
   constexpr int kAhead = units_ahead<F, NT>();
   if constexpr (kAhead == 0) {
+    pdl_wait();  // split_x complete: xv readable
     for (int64_t u = u_begin; u < u_end; ++u) {
       typename F::Raw raw[2];
       src.load(raw, u);
@@ -758,6 +776,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel
 #pragma unroll
     for (int i = 0; i < kAhead; ++i)
       if (u_begin + i < u_end) src.load(ring[i], u_begin + i);
+    pdl_wait();  // the first units' weights are in flight; from here on x is read
     for (int64_t u0 = u_begin; u0 < u_end; u0 += kSlots) {
 #pragma unroll
       for (int i = 0; i < kSlots; ++i) {
@@ -889,8 +908,17 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   SplitSums sums;
   plan_group(ws, count, in, F::kUnitElems, n, sms, scratch, grp, sums);
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
-  mma_gemv_kernel<F, NT><<<unsigned(grp.block0[count]), kWarps * 32, 0, s>>>(grp, nunits, xv, n);
-  SPECD_GPU_CHECK_LAUNCH("mma_gemv_kernel");
+  // Programmatic dependent launch (pdl_wait above): may overlap the kernel before it in the stream.
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(grp.block0[count]));
+  cfg.blockDim = dim3(kWarps * 32);
+  cfg.stream = s;
+  cfg.attrs = &pdl;
+  cfg.numAttrs = 1;
+  SPECD_GPU_CHECK(cudaLaunchKernelEx(&cfg, mma_gemv_kernel<F, NT>, grp, nunits, xv, n));
   if (sums.count > 0) {
     const int64_t total = sums.elem0[sums.count];
     sum_splits_kernel<<<unsigned((total + 255) / 256), 256, 0, s>>>(sums);
