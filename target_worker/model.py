@@ -445,22 +445,28 @@ class Qwen35Model:
         """The verify forward on index tensors of the ops' kind (numpy, or device tensors whose values
         the caller checked): (logits, argmax tensor, features on the device or None, pending).
         Nothing in it reads the device back, so on the GPU it can be captured in a graph."""
-        ops = self._ops
-        x = ops.a(sn.embedding(self.token_embd, tokens, trusted=True))
+        ops, eps = self._ops, self.hp.rms_eps
+        # The residual stream after layer i is h + ffn_out; that sum is formed by the norm that reads
+        # it next (rms_norm's residual input: the same single F32 add, one launch fewer per layer).
+        h, d = None, ops.a(sn.embedding(self.token_embd, tokens, trusted=True))
         taps, pending = {}, []
         for i, layer in enumerate(self.layers):
+            u, x = sn.rms_norm(d, layer.attn_norm, eps, residual=h) if h is not None else \
+                (sn.rms_norm(d, layer.attn_norm, eps), d)
+            if i - 1 in self.capture_layers:
+                taps[i - 1] = ops.a(x)
             if self.hp.recurrent[i]:
-                mix, p = self._gdn(i, layer, x, st, tree, mm)
+                mix, p = self._gdn(i, layer, u, st, tree, mm)
             else:
-                mix, p = self._attention(i, layer, x, st, positions, rows, kv_len, tree, mm), None
+                mix, p = self._attention(i, layer, u, st, positions, rows, kv_len, tree, mm), None
             pending.append(p)
-            u, h = sn.rms_norm(mix, layer.post_attention_norm, self.hp.rms_eps, residual=x)
+            u, h = sn.rms_norm(mix, layer.post_attention_norm, eps, residual=x)
             ffn = sn.swiglu(*mm.group(u, [layer.ffn_gate, layer.ffn_up]))
-            x = ops.a(sn.add(h, mm(ffn, layer.ffn_down)))
-            if i in self.capture_layers:
-                taps[i] = x
+            d = ops.a(mm(ffn, layer.ffn_down))
         feats = ops.cat([taps[i] for i in self.capture_layers], axis=1) if self.capture_layers else None
-        logits = self._logits(ops.last_row(x) if last_only else x)
+        if last_only:
+            h, d = ops.last_row(ops.a(h)), ops.last_row(d)
+        logits = self._logits(d, h)
         return logits, sn.argmax(logits), feats, pending  # the logits stay on the device until asked for
 
     def _features(self, feats, w):
@@ -474,10 +480,10 @@ class Qwen35Model:
     def _gdn_scale(self) -> float:
         return 1.0 / math.sqrt(self.hp.head_k_dim)
 
-    def _attention(self, i, layer, x, st, positions, rows, kv_len, tree, mm):
-        hp, w = self.hp, x.shape[0]
+    def _attention(self, i, layer, u, st, positions, rows, kv_len, tree, mm):
+        """Gated full attention of layer i on u (the attn_norm-ed residual stream)."""
+        hp, w = self.hp, u.shape[0]
         hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
-        u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
         ops = self._ops
         qg, k, v = (ops.a(y) for y in mm.group(u, [layer.attn_q, layer.attn_k, layer.attn_v]))
         qg = ops.reshape(qg, w * nh, 2 * hd)  # per head [q | gate]
@@ -497,11 +503,11 @@ class Qwen35Model:
         a = ops.reshape(ops.a(sn.mul(a, sn.sigmoid(gate))), w, nh * hd)
         return ops.a(mm(a, layer.attn_output))
 
-    def _gdn(self, i, layer, x, st, tree, mm):
-        hp, w = self.hp, x.shape[0]
+    def _gdn(self, i, layer, u, st, tree, mm):
+        """Gated DeltaNet of layer i on u (the attn_norm-ed residual stream): (output, pending states)."""
+        hp, w = self.hp, u.shape[0]
         hk, hv, dk, dv = hp.n_k_heads, hp.n_v_heads, hp.head_k_dim, hp.head_v_dim
         ops = self._ops
-        u = sn.rms_norm(x, layer.attn_norm, hp.rms_eps)
         m, z, b, a = (ops.a(y) for y in mm.group(u, [layer.attn_qkv, layer.attn_gate, layer.ssm_beta,
                                                      layer.ssm_alpha]))
         z = ops.reshape(z, w, hv, dv)
@@ -539,9 +545,11 @@ class Qwen35Model:
             states.append(s)
         return ops.cat(outs)
 
-    def _logits(self, hidden):
-        """Logits of the rows of ``hidden``, on the model's device (numpy on the CPU)."""
-        return self._ops.a(sn.matmul(sn.rms_norm(hidden, self.output_norm, self.hp.rms_eps), self.output))
+    def _logits(self, d, h):
+        """Logits of the rows of the final hidden state h + d (summed by the output norm), on the
+        model's device (numpy on the CPU)."""
+        u, _ = sn.rms_norm(d, self.output_norm, self.hp.rms_eps, residual=h)
+        return self._ops.a(sn.matmul(u, self.output))
 
     # ------------------------------------------------------------------ commit helpers
 
