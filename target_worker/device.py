@@ -310,9 +310,11 @@ class _Uploader:
     layers' IQ4_XS matrices with a multiple of 16 rows are placed in the tensor-core GEMV's tiled
     layout (``sn.tile_for_gemv``: same bytes, bit-identical matmul results, ~10 % faster GEMV on
     the H200, BENCHMARKS.md); embeddings and the output head stay row-major (row gathers, IPC export).
+    Default False (the drafter's uploads); the target model passes its ``gemv_tiles`` option. A
+    source already on the device is tiled into a copy (the row-major original stays with its owner).
     """
 
-    def __init__(self, device, gemv_tiles: bool = True):
+    def __init__(self, device, gemv_tiles: bool = False):
         self.device = device
         self.gemv_tiles = bool(gemv_tiles) and device == sn.Device.GPU and sn.gemv_tiles_supported()
         self._placed: dict = {}  # id(source) -> (source, placed): a tied output is uploaded once
@@ -335,10 +337,11 @@ class _Uploader:
         on the device is only a temporary), else as :meth:`plain`."""
         if not (self.gemv_tiles and t.dtype == sn.DType.IQ4_XS and len(t.shape) == 2 and t.shape[0] % 16 == 0):
             return self.plain(t)
-        if id(t) not in self._placed:
+        key = ("tiled", id(t))  # its own entry: plain() / embedding() of the same source stay row-major
+        if key not in self._placed:
             src = t if t.device == self.device else t.contiguous().to(self.device)
-            self._placed[id(t)] = (t, sn.tile_for_gemv(src.contiguous()))
-        return self._placed[id(t)][1]
+            self._placed[key] = (t, sn.tile_for_gemv(src.contiguous()))
+        return self._placed[key][1]
 
     def layer(self, layer):
         fields = {}

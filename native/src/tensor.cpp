@@ -70,6 +70,8 @@ Tensor Tensor::zeros(const std::vector<int64_t>& shape, DType dtype, Device devi
 
 Tensor Tensor::reshape(const std::vector<int64_t>& new_shape) const {
   SPECD_CHECK(is_contiguous(), "reshape needs a contiguous tensor");
+  SPECD_CHECK(is_row_major(dtype) || new_shape == shape, "reshape: ", dtype_info(dtype).name,
+              " is the GPU GEMV's tiled layout (its tiles depend on the shape): only the same shape");
   Tensor t = *this;
   t.shape = new_shape;
   SPECD_CHECK(t.numel() == numel(), "reshape changes the element count");

@@ -74,6 +74,21 @@ def test_tiled_dtype_is_not_a_ggml_type():
     assert int(sn.DType.IQ4_XS_TILED) == TILED_ID
 
 
+def test_other_ops_refuse_the_tiled_layout(rng):
+    """A tiled tensor (here raw bytes wrapped on the CPU) is read by the GPU matmul only."""
+    wt = sn.Tensor(np.ascontiguousarray(pack_reference(random_blocks(rng, "IQ4_XS", 32, 256))), sn.DType.IQ4_XS_TILED)
+    assert list(wt.shape) == [32, 256]
+    for call in (lambda: sn.slice(wt, 0, 0, 16), lambda: sn.concat([wt, wt]), lambda: wt.view_rows(0, 16),
+                 lambda: sn.copy_rows(wt, 0, wt, 16, 16), lambda: wt.reshape([16, 512])):
+        with pytest.raises(ValueError, match="tiled layout"):
+            call()
+    assert list(wt.reshape([32, 256]).shape) == [32, 256]  # the same shape is fine
+    with pytest.raises(ValueError, match="tiled layout"):
+        sn.matmul(sn.Tensor(np.zeros((1, 256), np.float32)), wt)
+    with pytest.raises(ValueError, match="IQ4_XS_TILED"):
+        sn.dequantize(wt)
+
+
 def test_tile_for_gemv_needs_a_gpu_tensor(rng):
     with pytest.raises(ValueError, match="tile_for_gemv: w must be a GPU tensor"):
         sn.tile_for_gemv(iq4(rng, 16, 256))
@@ -135,16 +150,11 @@ def test_tiled_bad_input(rng):
     wt = sn.tile_for_gemv(iq4(rng, 32, 256).to(GPU))
     with pytest.raises(ValueError, match="tiled layout"):
         sn.slice(wt, 0, 0, 16)
-    with pytest.raises(ValueError, match="tiled layout"):
-        sn.concat([wt, wt])
-    with pytest.raises(ValueError, match="tiled layout"):
-        wt.view_rows(0, 16)
-    with pytest.raises(ValueError, match="tiled layout"):
-        sn.copy_rows(wt, 0, wt, 16, 16)
     with pytest.raises(ValueError, match="IQ4_XS_TILED"):
         sn.embedding(wt, sn.Tensor(np.array([0, 1], np.int32)))
-    with pytest.raises(ValueError, match="tiled layout"):
-        sn.matmul(sn.Tensor(np.zeros((1, 256), np.float32)), wt.to(CPU))
+    ragged = sn.Tensor(np.zeros((24, 136), np.uint8), sn.DType.IQ4_XS_TILED).to(GPU)  # not made by tile_for_gemv
+    with pytest.raises(ValueError, match="multiple of 16"):
+        sn.matmul(sn.Tensor(np.zeros((1, 256), np.float32)).to(GPU), ragged)
 
 
 @tiles_only

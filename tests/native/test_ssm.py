@@ -259,6 +259,9 @@ def test_conv1d_state_out_bad_input():
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="state"):
         sn.conv1d_causal(x, w, ro, state_out=ro)  # in place needs a writable state
+    wbuf = np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError, match="state_out must not overlap the inputs"):
+        sn.conv1d_causal(x, wbuf, s, state_out=wbuf[:3])  # the weight is an input too
 
 
 @pytest.mark.parametrize("T,hk,hv,dk,dv", [(0, 1, 2, 8, 8), (1, 2, 6, 16, 8), (5, 2, 4, 128, 128)])
@@ -292,6 +295,9 @@ def test_gdn_state_out_bad_input(rng):
     ck = np.zeros((T, hv, d, d), np.float32)
     with pytest.raises(ValueError, match="state_out must not overlap the inputs"):
         sn.gated_delta_net(q, k, v, g, beta, s, 1.0, checkpoints=ck, state_out=ck[0])
+    ck_on_s = np.zeros((T + 1, hv, d, d), np.float32)
+    with pytest.raises(ValueError, match="checkpoints must not overlap state"):
+        sn.gated_delta_net(q, k, v, g, beta, ck_on_s[T], 1.0, checkpoints=ck_on_s[1:])
     buf = np.zeros(hv * d * d, np.float32)
     with pytest.raises(ValueError, match="state_out must not overlap the inputs"):
         sn.gated_delta_net(buf[: q.size].reshape(q.shape), k, v, g, beta, s, 1.0, state_out=buf.reshape(s.shape))

@@ -57,11 +57,9 @@ const Format kFormats[] = {
 void tile(const std::vector<uint8_t*>& bufs, int64_t out, int64_t in, int64_t wbytes) {
   uint8_t* tmp;
   CK(cudaMalloc(&tmp, size_t(wbytes)));
-  const int64_t pieces = out / 16 * (in / 256) * 136;
   for (uint8_t* p : bufs) {
     CK(cudaMemcpy(tmp, p, size_t(wbytes), cudaMemcpyDeviceToDevice));
-    mma::tile_iq4_xs_kernel<<<unsigned((pieces + 255) / 256), 256>>>(tmp, in / 256, pieces, reinterpret_cast<uint4*>(p));
-    CK(cudaGetLastError());
+    mma::launch_tile_iq4_xs(tmp, out, in, p, nullptr);
   }
   CK(cudaDeviceSynchronize());
   CK(cudaFree(tmp));

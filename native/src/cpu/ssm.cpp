@@ -117,24 +117,28 @@ const Tensor& check_gdn(const Tensor& q, const Tensor& k, const Tensor& v, const
   check_rows(g, DType::F32, 2, op, "g");
   check_rows(beta, DType::F32, 2, op, "beta");
   const GdnDims d = check_gated_delta_net_shapes(q, k, v, g, beta, scale, op);
-  if (checkpoints) check_state(*checkpoints, {d.T, d.hv, d.dv, d.dk}, op, "checkpoints");
+  if (checkpoints) {
+    check_state(*checkpoints, {d.T, d.hv, d.dv, d.dk}, op, "checkpoints");
+    SPECD_CHECK(!overlap(*checkpoints, state), op, ": checkpoints must not overlap state");
+  }
   return written_state(state, state_out, {d.hv, d.dv, d.dk},
                        {&q, &k, &v, &g, &beta, checkpoints ? &*checkpoints : nullptr}, op);
 }
 
 }  // namespace
 
+bool overlap(const Tensor& a, const Tensor& b) {
+  const auto [lo, hi] = byte_span(a);
+  const auto [c, d] = byte_span(b);
+  return lo < hi && c < d && c < hi && lo < d;
+}
+
 bool check_state_out_aliasing(const Tensor& state_out, const Tensor& state,
                               std::initializer_list<const Tensor*> inputs, const char* op) {
   if (state_out.data == state.data) return true;
-  const auto [lo, hi] = byte_span(state_out);
-  auto disjoint = [&](const Tensor& t) {
-    const auto [a, b] = byte_span(t);
-    return hi <= a || b <= lo || a == b || lo == hi;
-  };
-  SPECD_CHECK(disjoint(state), op, ": state_out must be state itself or not overlap it");
+  SPECD_CHECK(!overlap(state_out, state), op, ": state_out must be state itself or not overlap it");
   for (const Tensor* t : inputs)
-    SPECD_CHECK(!t || disjoint(*t), op, ": state_out must not overlap the inputs");
+    SPECD_CHECK(!t || !overlap(state_out, *t), op, ": state_out must not overlap the inputs");
   return false;
 }
 
@@ -162,7 +166,7 @@ Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state,
   int64_t T = x.dim(0), C = x.dim(1), K = weight.dim(0);
   SPECD_CHECK(K >= 1 && weight.dim(1) == C, op, ": weight must be [K >= 1, C=", C, "], got [", K, ", ",
               weight.dim(1), "]");
-  const Tensor& out_state = written_state(state, state_out, {K - 1, C}, {&x}, op);
+  const Tensor& out_state = written_state(state, state_out, {K - 1, C}, {&x, &weight}, op);
   Tensor y = Tensor::empty({T, C}, DType::F32);
   int64_t blocks = (C + kChanBlock - 1) / kChanBlock;
   parallel_for(blocks, std::max<int64_t>(1, 64 / std::max<int64_t>(T, 1)), [&](int64_t b, int64_t e) {

@@ -54,6 +54,9 @@ struct GdnDims {
 bool check_state_out_aliasing(const Tensor& state_out, const Tensor& state,
                               std::initializer_list<const Tensor*> inputs, const char* op);
 
+// Whether the bytes two tensors can touch overlap (same device assumed; empty tensors never do).
+bool overlap(const Tensor& a, const Tensor& b);
+
 GdnDims check_gated_delta_net_shapes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                      const Tensor& beta, float scale, const char* op);
 

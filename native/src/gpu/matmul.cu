@@ -3,7 +3,7 @@
 // Q6_K, IQ4_XS); n > 16 exact = 16-row slices through the same GEMV; n > 16 inexact goes to the
 // dequantize + vendor GEMM path (matmul_blas.cu).
 //
-// Two GEMVs. On CUDA the quantized formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS) run the tensor-core
+// Two GEMVs. On CUDA the quantized formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_XS_TILED) run the tensor-core
 // GEMV of matmul_mma.cuh; F32 / F16 / BF16, and every format on HIP, run the FP32-FMA GEMV below.
 // A format always takes the same kernel at every width 1..16 (batch invariance, below).
 //
@@ -290,14 +290,15 @@ void check_weight(const Tensor& w, int64_t in, const char* op) {
   const DType t = w.dtype;
   SPECD_CHECK(t == DType::Q8_0 || t == DType::F32 || t == DType::F16 || t == DType::BF16 || t == DType::Q4_K ||
                   t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS || (t == DType::IQ4_XS_TILED && SPECD_MMA_GEMV),
-              op, ": w must be F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS on the GPU, got ", dtype_info(t).name);
+              op, ": w must be F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS or (CUDA) IQ4_XS_TILED on the GPU, got ",
+              dtype_info(t).name);
   if (t == DType::IQ4_XS_TILED)
     SPECD_CHECK(w.dim(0) % kGemvTileRows == 0, op, ": an IQ4_XS_TILED weight has a multiple of ", kGemvTileRows,
                 " rows, got ", w.dim(0));
   const int64_t bs = dtype_info(t).block_size;
   SPECD_CHECK(in % bs == 0, op, ": w has ", in, " columns, not a multiple of the ", dtype_info(t).name,
               " block size ", bs);
-  // Block loads: Q4_K/Q5_K read 16-byte words, IQ4_XS 8-byte, Q6_K/Q8_0/16-bit 2-byte.
+  // Block loads: Q4_K/Q5_K and IQ4_XS_TILED read 16-byte words, IQ4_XS 8-byte, Q6_K/Q8_0/16-bit 2-byte.
   const auto addr = reinterpret_cast<uintptr_t>(w.data);
   const uintptr_t need = (t == DType::Q4_K || t == DType::Q5_K || t == DType::IQ4_XS_TILED) ? 16
                          : t == DType::IQ4_XS                                           ? 8
@@ -399,12 +400,10 @@ Tensor tile_for_gemv(const Tensor& w) {
   SPECD_CHECK(reinterpret_cast<uintptr_t>(w.data) % 4 == 0, op, ": w data must be 4-byte aligned (the kernel's loads)");
   Tensor y = Tensor::empty(w.shape, DType::IQ4_XS_TILED, Device::GPU);
 #if SPECD_MMA_GEMV
-  const int64_t nunits = in / 256, pieces = out / 16 * nunits * 136;  // 16-byte pieces of y
-  if (pieces == 0) return y;
-  detail::check_grid((pieces + 255) / 256, op);
-  detail::mma::tile_iq4_xs_kernel<<<unsigned((pieces + 255) / 256), 256, 0, detail::stream()>>>(
-      static_cast<const uint8_t*>(w.data), nunits, pieces, static_cast<uint4*>(y.data));
-  SPECD_GPU_CHECK_LAUNCH("tile_iq4_xs_kernel");
+  detail::mma::launch_tile_iq4_xs(static_cast<const uint8_t*>(w.data), out, in, static_cast<uint8_t*>(y.data),
+                                  detail::stream());
+#else
+  (void)in;
 #endif
   return y;
 }

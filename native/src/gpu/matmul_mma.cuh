@@ -1,5 +1,7 @@
-// Integer tensor-core GEMV of the quantized weight formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS) for
-// n <= 16 rows of x: y[n, out] = x[n, in] @ w[out, in]^T. Included by matmul.cu (see its header for
+// Integer tensor-core GEMV of the quantized weight formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, and
+// IQ4_XS_TILED: IQ4_XS in this GEMV's 16-row tiles, IQ4T below) for n <= 16 rows of x:
+// y[n, out] = x[n, in] @ w[out, in]^T; each call is split_x, the grouped GEMV (launched as a
+// programmatic dependent of split_x: pdl_wait) and the split-K sums. Included by matmul.cu (see its header for
 // the exactness and batch-invariance arguments). NVIDIA only (mma.sync inline PTX, sm_80+):
 // SPECD_MMA_GEMV is 0 on HIP, where matmul.cu keeps the FP32-FMA GEMV for every format.
 //
@@ -908,7 +910,13 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   SplitSums sums;
   plan_group(ws, count, in, F::kUnitElems, n, sms, scratch, grp, sums);
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
-  // Programmatic dependent launch (pdl_wait above): may overlap the kernel before it in the stream.
+  // Programmatic dependent launch (may overlap the kernel before it in the stream) only when the
+  // kernel running on this device was compiled with its pdl_wait, i.e. for sm_90 or later.
+  static const bool pdl_ok = [] {
+    cudaFuncAttributes a{};
+    SPECD_GPU_CHECK(cudaFuncGetAttributes(&a, mma_gemv_kernel<F, NT>));
+    return a.binaryVersion >= 90;
+  }();
   cudaLaunchAttribute pdl{};
   pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   pdl.val.programmaticStreamSerializationAllowed = 1;
@@ -917,8 +925,10 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   cfg.blockDim = dim3(kWarps * 32);
   cfg.stream = s;
   cfg.attrs = &pdl;
-  cfg.numAttrs = 1;
-  SPECD_GPU_CHECK(cudaLaunchKernelEx(&cfg, mma_gemv_kernel<F, NT>, grp, nunits, xv, n));
+  cfg.numAttrs = pdl_ok ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, mma_gemv_kernel<F, NT>, grp, nunits, xv, n);
+  if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not by the next launch's check
+  SPECD_GPU_CHECK(err);
   if (sums.count > 0) {
     const int64_t total = sums.elem0[sums.count];
     sum_splits_kernel<<<unsigned((total + 255) / 256), 256, 0, s>>>(sums);
@@ -949,6 +959,15 @@ __global__ void tile_iq4_xs_kernel(const uint8_t* __restrict__ src, int64_t nuni
     v = make_uint4(word(h0), word(h0 + 4), word(h0 + row_bytes), word(h0 + row_bytes + 4));
   }
   dst[id] = v;
+}
+
+// dst = src (IQ4_XS [out, in] on the device, out % 16 == 0, in % 256 == 0) in IQ4T's tiled layout.
+inline void launch_tile_iq4_xs(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
+  const int64_t nunits = in / 256, pieces = out / 16 * nunits * 136;  // 16-byte pieces of dst
+  if (pieces == 0) return;
+  SPECD_CHECK((pieces + 255) / 256 <= 0x7fffffff, "tile_for_gemv: too many blocks for one launch");
+  tile_iq4_xs_kernel<<<unsigned((pieces + 255) / 256), 256, 0, s>>>(src, nunits, pieces, reinterpret_cast<uint4*>(dst));
+  SPECD_GPU_CHECK_LAUNCH("tile_iq4_xs_kernel");
 }
 
 // Whether the tensor-core GEMV handles weight format t.

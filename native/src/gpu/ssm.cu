@@ -207,7 +207,7 @@ Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state,
   int64_t T = x.dim(0), C = x.dim(1), K = weight.dim(0);
   SPECD_CHECK(K >= 1 && weight.dim(1) == C, op, ": weight must be [K >= 1, C=", C, "], got [", K, ", ",
               weight.dim(1), "]");
-  const Tensor& out_state = written_state(state, state_out, {K - 1, C}, {&x}, op);
+  const Tensor& out_state = written_state(state, state_out, {K - 1, C}, {&x, &weight}, op);
   Tensor y = Tensor::empty({T, C}, DType::F32, Device::GPU);
   if (C == 0) return y;
   int64_t blocks = (C + kConvThreads - 1) / kConvThreads;
@@ -230,7 +230,10 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
   detail::check_gpu_tensor(beta, DType::F32, 2, op, "beta");
   const cpu::GdnDims d = cpu::check_gated_delta_net_shapes(q, k, v, g, beta, scale, op);
   const int64_t T = d.T, hk = d.hk, dk = d.dk, hv = d.hv, dv = d.dv;
-  if (checkpoints) check_state(*checkpoints, {T, hv, dv, dk}, op, "checkpoints");
+  if (checkpoints) {
+    check_state(*checkpoints, {T, hv, dv, dk}, op, "checkpoints");
+    SPECD_CHECK(!cpu::overlap(*checkpoints, state), op, ": checkpoints must not overlap state");  // blocks race
+  }
   const Tensor& out_state = written_state(state, state_out, {hv, dv, dk},
                                           {&q, &k, &v, &g, &beta, checkpoints ? &*checkpoints : nullptr}, op);
   SPECD_CHECK(hv <= 0x7fffffff && dk <= 0x7fffffff / 2 && dv <= 0x7fffffff, op, ": dimensions too large");
@@ -241,7 +244,10 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
               state.ptr<float>(), out_state.ptr<float>(), checkpoints ? checkpoints->ptr<float>() : nullptr, scale,
               T, int(hk), int(hv), int(dk), int(dv), out.ptr<float>()};
   cudaStream_t s = detail::stream();
-  const bool fast = dv * kLanes <= kMaxGdnThreads && (dv * kLanes) % SPECD_WARP == 0;
+  // The register kernel (dk 32 / 64 / 128, whole warps of state rows); anything else takes the
+  // fallback, one block per head.
+  const bool fast = (dk == 32 || dk == 64 || dk == 128) && dv * kLanes <= kMaxGdnThreads &&
+                    (dv * kLanes) % SPECD_WARP == 0;
   const int64_t rows = dv % kGdnRows == 0 ? kGdnRows : dv;  // state rows per block
   const int threads = int(rows) * kLanes;
   const int64_t blocks = fast ? hv * (dv / rows) : hv;
@@ -250,7 +256,7 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
     gdn_kernel<8><<<unsigned(blocks), threads, 0, s>>>(P);
   } else if (fast && dk == 64) {
     gdn_kernel<16><<<unsigned(blocks), threads, 0, s>>>(P);
-  } else if (fast && dk == 128) {
+  } else if (fast) {  // dk == 128
     gdn_kernel<32><<<unsigned(blocks), threads, 0, s>>>(P);
   } else {
     size_t shmem = size_t(2 * dk) * sizeof(float);

@@ -165,7 +165,7 @@ inline void __syncwarp() { tl_warp->bar->arrive_and_wait(); }
 using namespace specd::gpu::detail;
 
 // The test's own packer of IQ4T's tiled layout (the library tiles on the GPU: mma::tile_iq4_xs_kernel,
-// checked against a numpy packer on the device by test_gpu_matmul.py): a row-major IQ4_XS weight src
+// checked against a numpy packer on the device by test_gpu_gemv_tiles.py): a row-major IQ4_XS weight src
 // [out][nunits * 136 bytes] -> dst ((out + 15) / 16 * nunits * 2176 bytes); a ragged last tile repeats
 // the last row (the kernel's clamp makes any row count work; the library tiles multiples of 16).
 void pack_iq4_xs_tiles(const uint8_t* src, int64_t out, int64_t nunits, uint8_t* dst) {
