@@ -1,5 +1,5 @@
 """GPU ops of issue 7 part 2 against the CPU backend: embedding, rope_neox, kv_write, attention,
-conv1d_causal, gated_delta_net, silu/sigmoid/softplus/swiglu/mul/add, topk.
+conv1d_causal, gated_delta_net, silu/sigmoid/softplus/swiglu/mul/add, gdn_gates, topk.
 
 Skipped without a GPU exactly like test_gpu_ops.py. SPECD_TEST_GPU_DRYRUN=1 runs every test with
 "GPU" tensors left on the CPU (CPU vs CPU), to check the test logic on machines without a GPU.
@@ -8,6 +8,8 @@ Tolerances (stated per op, matching the comments in native/src/gpu/*.cu):
 * embedding, kv_write (finite inputs), topk, mul, add: bit-identical to the CPU op.
 * silu, sigmoid, softplus, swiglu, rope_neox, conv1d_causal: <= 1 F32 ulp from the CPU op (both
   compute in double and round once; only the device/host double libm may differ in the last bit).
+* gdn_gates: bit-identical to the composition it fuses on the GPU (add, softplus, mul, sigmoid);
+  <= 2 ulp from the CPU op (softplus / sigmoid 1 ulp, then the product).
 * attention: |gpu - cpu| <= 2e-5 * max|v| + 1e-4 |cpu| (different dot order, expf vs exp).
 * gated_delta_net: output and state within 1e-4 * max|cpu| + 1e-4 |cpu| per element.
 Bitwise properties checked on the GPU itself: attention rows are identical whatever the number of
@@ -99,6 +101,61 @@ def test_elementwise_gpu_bad_input(rng):
     if not DRYRUN:
         with pytest.raises(ValueError, match="different devices"):
             sn.add(a, f32(rng, (3, 4)))
+
+
+# ------------------------------------------------------------------------ fused GDN gates
+
+def bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def ulp_close_nan(a, b, maxulp=1):
+    """ulp_close, with NaN required at the same places (and skipped by the ulp count)."""
+    nan = np.isnan(a)
+    np.testing.assert_array_equal(nan, np.isnan(b))
+    ulp_close(np.where(nan, 0, a), np.where(nan, 0, b), maxulp)
+
+
+@pytest.mark.parametrize("t,h", [(0, 48), (1, 48), (7, 48), (16, 48), (5, 7)])
+@pytest.mark.parametrize("vec_shape", ["h", "1h"])
+@gpu_only
+def test_gdn_gates_gpu(rng, t, h, vec_shape):
+    """One launch, bit-identical to mul(softplus(add(a, dt)), ssm_a) / sigmoid(b) on the GPU, <= 1 ulp
+    from the CPU op (softplus / sigmoid only differ by the device libm)."""
+    a, b = f32(rng, (t, h), 30), f32(rng, (t, h), 20)
+    for x in (a, b):
+        x.reshape(-1)[: min(x.size, SPECIALS.size)] = SPECIALS[: min(x.size, SPECIALS.size)]
+    if a.size:
+        a.reshape(-1)[-1], b.reshape(-1)[-1] = np.nan, np.nan
+    dt, ssm_a = f32(rng, h, 5), -np.exp(f32(rng, h)).astype(np.float32)
+    if vec_shape == "1h":
+        dt, ssm_a = dt.reshape(1, h), ssm_a.reshape(1, h)
+    poison(a.nbytes)
+    ga, gb, gdt, gssm = on_gpu(a), on_gpu(b), on_gpu(dt), on_gpu(ssm_a)
+    g, beta = sn.gdn_gates(ga, gb, gdt, gssm)
+    assert g.device == DEV and beta.device == DEV and g.shape == beta.shape == (t, h)
+    g, beta = g.numpy(), beta.numpy()
+    np.testing.assert_array_equal(bits(g), bits(sn.mul(sn.softplus(sn.add(ga, gdt)), gssm).numpy()))
+    np.testing.assert_array_equal(bits(beta), bits(sn.sigmoid(gb).numpy()))
+    cpu_g, cpu_beta = (y.numpy() for y in sn.gdn_gates(a, b, dt, ssm_a))
+    ulp_close_nan(g, cpu_g, 2)  # softplus 1 ulp off moves the product by <= 2
+    ulp_close_nan(beta, cpu_beta)
+
+
+@gpu_only
+def test_gdn_gates_gpu_bad_input(rng):
+    a, v = on_gpu(f32(rng, (3, 4))), on_gpu(f32(rng, 4))
+    with pytest.raises(ValueError, match="gdn_gates: b must have a's shape"):
+        sn.gdn_gates(a, on_gpu(f32(rng, (4, 3))), v, v)
+    with pytest.raises(ValueError, match="gdn_gates: a must have 2 dimensions"):
+        sn.gdn_gates(on_gpu(f32(rng, (1, 3, 4))), on_gpu(f32(rng, (1, 3, 4))), v, v)
+    with pytest.raises(ValueError, match=r"gdn_gates: ssm_a must have shape \[H\] or \[1, H\]"):
+        sn.gdn_gates(a, a, v, on_gpu(f32(rng, (2, 4))))
+    with pytest.raises(ValueError, match="gdn_gates: dt must be F32"):
+        sn.gdn_gates(a, a, on_gpu(np.zeros(4, np.int32)), v)
+    if not DRYRUN:
+        with pytest.raises(ValueError, match="different devices"):
+            sn.gdn_gates(a, a, f32(rng, 4), v)
 
 
 # ---------------------------------------------------------------------------------- embedding

@@ -39,7 +39,7 @@ void register_norm(py::module_& m);        // rms_norm, l2_norm
 void register_rope(py::module_& m);        // rope_neox (+ YaRN)
 void register_attention(py::module_& m);   // kv_write, attention
 void register_ssm(py::module_& m);         // conv1d_causal, gated_delta_net
-void register_activations(py::module_& m); // silu, swiglu, sigmoid, softplus
+void register_activations(py::module_& m); // silu, swiglu, sigmoid, softplus, mul, add, gdn_gates
 void register_sampling(py::module_& m);    // argmax, topk
 void register_copy(py::module_& m);        // slice, concat, copy, copy_rows
 
