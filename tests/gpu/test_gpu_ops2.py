@@ -1,5 +1,5 @@
 """GPU ops of issue 7 part 2 against the CPU backend: embedding, rope_neox, kv_write, attention,
-conv1d_causal, gated_delta_net, silu/sigmoid/softplus/swiglu/mul/add, gdn_gates, topk.
+conv1d_causal, gated_delta_net, silu/sigmoid/softplus/swiglu/mul/add, gdn_gates, rms_norm_gated, topk.
 
 Skipped without a GPU exactly like test_gpu_ops.py. SPECD_TEST_GPU_DRYRUN=1 runs every test with
 "GPU" tensors left on the CPU (CPU vs CPU), to check the test logic on machines without a GPU.
@@ -10,6 +10,8 @@ Tolerances (stated per op, matching the comments in native/src/gpu/*.cu):
   compute in double and round once; only the device/host double libm may differ in the last bit).
 * gdn_gates: bit-identical to the composition it fuses on the GPU (add, softplus, mul, sigmoid);
   <= 2 ulp from the CPU op (softplus / sigmoid 1 ulp, then the product).
+* rms_norm_gated: bit-identical to mul(rms_norm, silu(z)) on the GPU; 1.2e-6 relative to the CPU
+  op (rms_norm's 1e-6 and silu's ulp).
 * attention: |gpu - cpu| <= 2e-5 * max|v| + 1e-4 |cpu| (different dot order, expf vs exp).
 * gated_delta_net: output and state within 1e-4 * max|cpu| + 1e-4 |cpu| per element.
 Bitwise properties checked on the GPU itself: attention rows are identical whatever the number of
@@ -103,7 +105,7 @@ def test_elementwise_gpu_bad_input(rng):
             sn.add(a, f32(rng, (3, 4)))
 
 
-# ------------------------------------------------------------------------ fused GDN gates
+# ------------------------------------------------------------- fused GDN gates and gated norm
 
 def bits(x):
     return np.asarray(x, np.float32).view(np.uint32)
@@ -156,6 +158,48 @@ def test_gdn_gates_gpu_bad_input(rng):
     if not DRYRUN:
         with pytest.raises(ValueError, match="different devices"):
             sn.gdn_gates(a, a, f32(rng, 4), v)
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (1, 128), (5, 4, 128), (3, 7), (2, 3, 130), (16, 32, 128)])
+@pytest.mark.parametrize("with_weight", [True, False])
+@gpu_only
+def test_rms_norm_gated_gpu(rng, shape, with_weight):
+    """One launch (vector and scalar paths), bit-identical to mul(rms_norm(x, w), silu(z)) on the GPU,
+    within rms_norm's 1e-6 relative (+ silu's 1 ulp) of the CPU op."""
+    x, z = f32(rng, shape, rng.uniform(0.01, 100)), f32(rng, shape, 20)
+    z.reshape(-1)[: min(z.size, SPECIALS.size)] = SPECIALS[: min(z.size, SPECIALS.size)]
+    w = f32(rng, shape[-1]) if with_weight else None
+    gx, gz, gw = on_gpu(x), on_gpu(z), on_gpu(w) if with_weight else None
+    poison(x.nbytes)
+    y = sn.rms_norm_gated(gx, gw, 1e-6, gz)
+    assert y.device == DEV and y.shape == shape
+    y = y.numpy()
+    np.testing.assert_array_equal(bits(y), bits(sn.mul(sn.rms_norm(gx, gw, 1e-6), sn.silu(gz)).numpy()))
+    # atol: silu of very negative z is denormal, where a last-bit scale flip is a large relative step
+    np.testing.assert_allclose(y, sn.rms_norm_gated(x, w, 1e-6, z).numpy(), rtol=1.2e-6, atol=1e-37)
+
+
+@gpu_only
+def test_rms_norm_gated_gpu_batch_invariant(rng):
+    x, z, w = f32(rng, (9, 4, 128)), f32(rng, (9, 4, 128), 5), on_gpu(f32(rng, 128))
+    full = sn.rms_norm_gated(on_gpu(x), w, 1e-6, on_gpu(z)).numpy()
+    for i in range(9):
+        one = sn.rms_norm_gated(on_gpu(x[i : i + 1]), w, 1e-6, on_gpu(z[i : i + 1])).numpy()
+        np.testing.assert_array_equal(bits(one), bits(full[i : i + 1]))
+
+
+@gpu_only
+def test_rms_norm_gated_gpu_bad_input(rng):
+    x = on_gpu(f32(rng, (3, 4)))
+    with pytest.raises(ValueError, match="rms_norm_gated: z shape differs from x"):
+        sn.rms_norm_gated(x, None, 1e-6, on_gpu(f32(rng, (4, 3))))
+    with pytest.raises(ValueError, match="rms_norm_gated: weight has 5 elements"):
+        sn.rms_norm_gated(x, on_gpu(f32(rng, 5)), 1e-6, x)
+    with pytest.raises(ValueError, match="rms_norm_gated: z must be F32"):
+        sn.rms_norm_gated(x, None, 1e-6, on_gpu(np.zeros((3, 4), np.int32)))
+    if not DRYRUN:
+        with pytest.raises(ValueError, match="different devices"):
+            sn.rms_norm_gated(x, None, 1e-6, f32(rng, (3, 4)))
 
 
 # ---------------------------------------------------------------------------------- embedding

@@ -22,6 +22,10 @@ namespace specd::gpu {
 std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>& weight, float eps,
                                    const std::optional<Tensor>& residual);
 
+// Gated RMSNorm as cpu::rms_norm_gated: rms_norm(x, weight, eps) * silu(z), z F32 of x's shape,
+// one launch (norm.cu); bit-identical to mul(rms_norm(x, weight, eps), silu(z)) on the GPU.
+Tensor rms_norm_gated(const Tensor& x, const std::optional<Tensor>& weight, float eps, const Tensor& z);
+
 // L2 normalisation over the last dimension: y = x / sqrt(sum(x^2) + eps). F32 [..., d] (norm.cu).
 Tensor l2_norm(const Tensor& x, float eps);
 
