@@ -84,14 +84,6 @@ class _HostOps:
         return x
 
     @staticmethod
-    def add_vec(x, v):
-        return x + v
-
-    @staticmethod
-    def mul_vec(x, v):
-        return (x * v).astype(np.float32)
-
-    @staticmethod
     def zeros(shape):
         return np.zeros(shape, np.float32)
 
@@ -204,14 +196,6 @@ class _TensorOps:
     @staticmethod
     def host(x):
         return x.numpy()
-
-    @staticmethod
-    def add_vec(x, v):
-        return sn.add(x, v)  # v [1, H] broadcast over x's rows
-
-    @staticmethod
-    def mul_vec(x, v):
-        return sn.mul(x, v)
 
     def zeros(self, shape):
         return sn.Tensor.zeros(list(shape), sn.DType.F32, self.device)

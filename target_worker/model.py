@@ -232,7 +232,7 @@ class Qwen35Model:
             self.output = up.matmul(output) if head is None else head[1]
             self.layers = [up.layer(l) for l in weights.layers]
             self.conv_w = {i: up.plain(sn.Tensor(c)) for i, c in conv_w.items()}
-            # [1, Hv] tables: broadcast over rows by sn.add / sn.mul (exact)
+            # [1, Hv] tables: sn.gdn_gates broadcasts them over the rows
             self.gdn_vecs = {i: (up.plain(l.ssm_dt).reshape([1, hp.n_v_heads]),
                                  up.plain(l.ssm_a).reshape([1, hp.n_v_heads]))
                              for i, l in enumerate(weights.layers) if hp.recurrent[i]}
@@ -522,15 +522,13 @@ class Qwen35Model:
         q = ops.a(sn.l2_norm(ops.reshape(ops.cols(cv, 0, hk * dk), w, hk, dk), hp.rms_eps))
         k = ops.a(sn.l2_norm(ops.reshape(ops.cols(cv, hk * dk, 2 * hk * dk), w, hk, dk), hp.rms_eps))
         v = ops.reshape(ops.cols(cv, 2 * hk * dk, hp.conv_channels), w, hv, dv)
-        beta = ops.a(sn.sigmoid(b))
-        dt, ssm_a = self.gdn_vecs[i]
-        g = ops.mul_vec(ops.a(sn.softplus(ops.add_vec(a, dt))), ssm_a)
+        g, beta = (ops.a(y) for y in sn.gdn_gates(a, b, *self.gdn_vecs[i]))  # ssm_a * softplus(a + dt), sigmoid(b)
         if tree is None:
             state = ops.empty(st.ssm[i].shape)
             o = ops.a(sn.gated_delta_net(q, k, v, g, beta, st.ssm[i], self._gdn_scale, state_out=state))
         else:
             state, o = None, self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
-        o = ops.reshape(ops.a(sn.mul(sn.rms_norm(o, layer.ssm_norm, hp.rms_eps), sn.silu(z))), w, hv * dv)
+        o = ops.reshape(ops.a(sn.rms_norm_gated(o, layer.ssm_norm, hp.rms_eps, z)), w, hv * dv)
         out = ops.a(mm(o, layer.ssm_out))
         return out, GDNPending(m, q, k, v, g, beta, state, conv_state)
 

@@ -1,5 +1,5 @@
 """GPU ops of issue 7 part 2 against the CPU backend: embedding, rope_neox, kv_write, attention,
-conv1d_causal, gated_delta_net, silu/sigmoid/softplus/swiglu/mul/add, topk.
+conv1d_causal, gated_delta_net, silu/sigmoid/softplus/swiglu/mul/add, gdn_gates, rms_norm_gated, topk.
 
 Skipped without a GPU exactly like test_gpu_ops.py. SPECD_TEST_GPU_DRYRUN=1 runs every test with
 "GPU" tensors left on the CPU (CPU vs CPU), to check the test logic on machines without a GPU.
@@ -8,6 +8,10 @@ Tolerances (stated per op, matching the comments in native/src/gpu/*.cu):
 * embedding, kv_write (finite inputs), topk, mul, add: bit-identical to the CPU op.
 * silu, sigmoid, softplus, swiglu, rope_neox, conv1d_causal: <= 1 F32 ulp from the CPU op (both
   compute in double and round once; only the device/host double libm may differ in the last bit).
+* gdn_gates: bit-identical to the composition it fuses on the GPU (add, softplus, mul, sigmoid);
+  <= 2 ulp from the CPU op (softplus / sigmoid 1 ulp, then the product).
+* rms_norm_gated: bit-identical to mul(rms_norm, silu(z)) on the GPU; 1.2e-6 relative to the CPU
+  op (rms_norm's 1e-6 and silu's ulp).
 * attention: |gpu - cpu| <= 2e-5 * max|v| + 1e-4 |cpu| (different dot order, expf vs exp).
 * gated_delta_net: output and state within 1e-4 * max|cpu| + 1e-4 |cpu| per element.
 Bitwise properties checked on the GPU itself: attention rows are identical whatever the number of
@@ -99,6 +103,103 @@ def test_elementwise_gpu_bad_input(rng):
     if not DRYRUN:
         with pytest.raises(ValueError, match="different devices"):
             sn.add(a, f32(rng, (3, 4)))
+
+
+# ------------------------------------------------------------- fused GDN gates and gated norm
+
+def bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def ulp_close_nan(a, b, maxulp=1):
+    """ulp_close, with NaN required at the same places (and skipped by the ulp count)."""
+    nan = np.isnan(a)
+    np.testing.assert_array_equal(nan, np.isnan(b))
+    ulp_close(np.where(nan, 0, a), np.where(nan, 0, b), maxulp)
+
+
+@pytest.mark.parametrize("t,h", [(0, 48), (1, 48), (7, 48), (16, 48), (5, 7)])
+@pytest.mark.parametrize("vec_shape", ["h", "1h"])
+@gpu_only
+def test_gdn_gates_gpu(rng, t, h, vec_shape):
+    """One launch, bit-identical to mul(softplus(add(a, dt)), ssm_a) / sigmoid(b) on the GPU, <= 1 ulp
+    from the CPU op (softplus / sigmoid only differ by the device libm)."""
+    a, b = f32(rng, (t, h), 30), f32(rng, (t, h), 20)
+    for x in (a, b):
+        x.reshape(-1)[: min(x.size, SPECIALS.size)] = SPECIALS[: min(x.size, SPECIALS.size)]
+    if a.size:
+        a.reshape(-1)[-1], b.reshape(-1)[-1] = np.nan, np.nan
+    dt, ssm_a = f32(rng, h, 5), -np.exp(f32(rng, h)).astype(np.float32)
+    if vec_shape == "1h":
+        dt, ssm_a = dt.reshape(1, h), ssm_a.reshape(1, h)
+    poison(a.nbytes)
+    ga, gb, gdt, gssm = on_gpu(a), on_gpu(b), on_gpu(dt), on_gpu(ssm_a)
+    g, beta = sn.gdn_gates(ga, gb, gdt, gssm)
+    assert g.device == DEV and beta.device == DEV and g.shape == beta.shape == (t, h)
+    g, beta = g.numpy(), beta.numpy()
+    np.testing.assert_array_equal(bits(g), bits(sn.mul(sn.softplus(sn.add(ga, gdt)), gssm).numpy()))
+    np.testing.assert_array_equal(bits(beta), bits(sn.sigmoid(gb).numpy()))
+    cpu_g, cpu_beta = (y.numpy() for y in sn.gdn_gates(a, b, dt, ssm_a))
+    ulp_close_nan(g, cpu_g, 2)  # softplus 1 ulp off moves the product by <= 2
+    ulp_close_nan(beta, cpu_beta)
+
+
+@gpu_only
+def test_gdn_gates_gpu_bad_input(rng):
+    a, v = on_gpu(f32(rng, (3, 4))), on_gpu(f32(rng, 4))
+    with pytest.raises(ValueError, match="gdn_gates: b must have a's shape"):
+        sn.gdn_gates(a, on_gpu(f32(rng, (4, 3))), v, v)
+    with pytest.raises(ValueError, match="gdn_gates: a must have 2 dimensions"):
+        sn.gdn_gates(on_gpu(f32(rng, (1, 3, 4))), on_gpu(f32(rng, (1, 3, 4))), v, v)
+    with pytest.raises(ValueError, match=r"gdn_gates: ssm_a must have shape \[H\] or \[1, H\]"):
+        sn.gdn_gates(a, a, v, on_gpu(f32(rng, (2, 4))))
+    with pytest.raises(ValueError, match="gdn_gates: dt must be F32"):
+        sn.gdn_gates(a, a, on_gpu(np.zeros(4, np.int32)), v)
+    if not DRYRUN:
+        with pytest.raises(ValueError, match="different devices"):
+            sn.gdn_gates(a, a, f32(rng, 4), v)
+
+
+@pytest.mark.parametrize("shape", [(0, 128), (1, 128), (5, 4, 128), (3, 7), (2, 3, 130), (16, 32, 128)])
+@pytest.mark.parametrize("with_weight", [True, False])
+@gpu_only
+def test_rms_norm_gated_gpu(rng, shape, with_weight):
+    """One launch (vector and scalar paths), bit-identical to mul(rms_norm(x, w), silu(z)) on the GPU,
+    within rms_norm's 1e-6 relative (+ silu's 1 ulp) of the CPU op."""
+    x, z = f32(rng, shape, rng.uniform(0.01, 100)), f32(rng, shape, 20)
+    z.reshape(-1)[: min(z.size, SPECIALS.size)] = SPECIALS[: min(z.size, SPECIALS.size)]
+    w = f32(rng, shape[-1]) if with_weight else None
+    gx, gz, gw = on_gpu(x), on_gpu(z), on_gpu(w) if with_weight else None
+    poison(x.nbytes)
+    y = sn.rms_norm_gated(gx, gw, 1e-6, gz)
+    assert y.device == DEV and y.shape == shape
+    y = y.numpy()
+    np.testing.assert_array_equal(bits(y), bits(sn.mul(sn.rms_norm(gx, gw, 1e-6), sn.silu(gz)).numpy()))
+    # atol: silu of very negative z is denormal, where a last-bit scale flip is a large relative step
+    np.testing.assert_allclose(y, sn.rms_norm_gated(x, w, 1e-6, z).numpy(), rtol=1.2e-6, atol=1e-37)
+
+
+@gpu_only
+def test_rms_norm_gated_gpu_batch_invariant(rng):
+    x, z, w = f32(rng, (9, 4, 128)), f32(rng, (9, 4, 128), 5), on_gpu(f32(rng, 128))
+    full = sn.rms_norm_gated(on_gpu(x), w, 1e-6, on_gpu(z)).numpy()
+    for i in range(9):
+        one = sn.rms_norm_gated(on_gpu(x[i : i + 1]), w, 1e-6, on_gpu(z[i : i + 1])).numpy()
+        np.testing.assert_array_equal(bits(one), bits(full[i : i + 1]))
+
+
+@gpu_only
+def test_rms_norm_gated_gpu_bad_input(rng):
+    x = on_gpu(f32(rng, (3, 4)))
+    with pytest.raises(ValueError, match="rms_norm_gated: z shape differs from x"):
+        sn.rms_norm_gated(x, None, 1e-6, on_gpu(f32(rng, (4, 3))))
+    with pytest.raises(ValueError, match="rms_norm_gated: weight has 5 elements"):
+        sn.rms_norm_gated(x, on_gpu(f32(rng, 5)), 1e-6, x)
+    with pytest.raises(ValueError, match="rms_norm_gated: z must be F32"):
+        sn.rms_norm_gated(x, None, 1e-6, on_gpu(np.zeros((3, 4), np.int32)))
+    if not DRYRUN:
+        with pytest.raises(ValueError, match="different devices"):
+            sn.rms_norm_gated(x, None, 1e-6, f32(rng, (3, 4)))
 
 
 # ---------------------------------------------------------------------------------- embedding

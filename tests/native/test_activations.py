@@ -1,4 +1,5 @@
-"""Elementwise activations against float64 numpy references, including extreme inputs."""
+"""Elementwise activations against float64 numpy references, including extreme inputs; gdn_gates bit for bit
+against the composition of ops it fuses."""
 import numpy as np
 import pytest
 
@@ -122,3 +123,82 @@ def test_broadcast_bad_shapes():
         sn.mul(np.ones((3, 4), np.float32), np.ones((1, 1, 4), np.float32))
     with pytest.raises(ValueError, match="gate and up must have the same shape"):
         sn.swiglu(np.ones((3, 4), np.float32), np.ones(4, np.float32))  # swiglu never broadcasts
+
+
+# ------------------------------------------- gdn_gates: bit for bit the composition it fuses
+
+SPECIAL = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e4, -1e4, 20.0, 19.99, 20.01, 88.7, -88.7, -100, 1e-30],
+                   np.float32)
+
+
+def assert_bits(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def gate_inputs(rng, t, h):
+    """a, b with large |a| (softplus's x > 20 branch), negatives, zeros and a sprinkling of inf / NaN."""
+    a = (rng.standard_normal((t, h)) * rng.choice([1, 30, 1e3], (t, h))).astype(np.float32)
+    b = (rng.standard_normal((t, h)) * 20).astype(np.float32)
+    for x in (a, b):
+        mask = rng.random((t, h)) < 0.25
+        x[mask] = rng.choice(SPECIAL, int(mask.sum()))
+    return a, b
+
+
+def composed_gates(a, b, dt, ssm_a):
+    return sn.mul(sn.softplus(sn.add(a, dt)), ssm_a).numpy(), sn.sigmoid(b).numpy()
+
+
+@pytest.mark.parametrize("t", [0, 1, 7])
+@pytest.mark.parametrize("vec_shape", ["h", "1h"])
+def test_gdn_gates_bitwise(rng, t, vec_shape):
+    h = 48
+    a, b = gate_inputs(rng, t, h)
+    dt = (rng.standard_normal(h) * 5).astype(np.float32)
+    ssm_a = -np.exp(rng.standard_normal(h)).astype(np.float32)
+    dt[:3], ssm_a[3:5] = [np.inf, -30, 0], [0, -np.inf]
+    if vec_shape == "1h":
+        dt, ssm_a = dt.reshape(1, h), ssm_a.reshape(1, h)
+    g, beta = sn.gdn_gates(a, b, dt, ssm_a)
+    want_g, want_beta = composed_gates(a, b, dt, ssm_a)
+    assert_bits(g.numpy(), want_g)
+    assert_bits(beta.numpy(), want_beta)
+    # the numpy arithmetic the CPU model used: float32 a + dt, then float32 x * ssm_a
+    sp = sn.softplus(a + dt).numpy()
+    with np.errstate(invalid="ignore"):  # inf * 0 is NaN on purpose
+        assert_bits(g.numpy(), (sp * ssm_a).astype(np.float32))
+
+
+def test_gdn_gates_strided_rows(rng):
+    """a and b may be column slices of a fused projection (row-strided), like the other elementwise ops."""
+    ab = (rng.standard_normal((5, 16)) * 30).astype(np.float32)
+    a, b = ab[:, :8], ab[:, 8:]
+    dt, ssm_a = rng.standard_normal(8).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    g, beta = sn.gdn_gates(a, b, dt, ssm_a)
+    want_g, want_beta = composed_gates(np.ascontiguousarray(a), np.ascontiguousarray(b), dt, ssm_a)
+    assert_bits(g.numpy(), want_g)
+    assert_bits(beta.numpy(), want_beta)
+
+
+def test_gdn_gates_bad_inputs():
+    f = np.ones((3, 4), np.float32)
+    v = np.ones(4, np.float32)
+    cases = [
+        ((f.astype(np.float16), f, v, v), "a must be F32"),
+        ((f, f.astype(np.float16), v, v), "b must be F32"),
+        ((f, f, v.astype(np.float16), v), "dt must be F32"),
+        ((f, f, v, v.astype(np.float16)), "ssm_a must be F32"),
+        ((np.ones(4, np.float32), np.ones(4, np.float32), v, v), "a must have 2 dimensions"),
+        ((np.ones((2, 3, 4), np.float32), f, v, v), "a must have 2 dimensions"),
+        ((f, np.ones(4, np.float32), v, v), "b must have 2 dimensions"),
+        ((f, np.ones((2, 4), np.float32), v, v), "b must have a's shape"),
+        ((f, f, np.ones(5, np.float32), v), r"dt must have shape \[H\] or \[1, H\]"),
+        ((f, f, np.ones((2, 4), np.float32), v), r"dt must have shape \[H\] or \[1, H\]"),
+        ((f, f, np.ones((1, 1, 4), np.float32), v), r"dt must have shape \[H\] or \[1, H\]"),
+        ((f, f, v, np.ones((4, 1), np.float32)), r"ssm_a must have shape \[H\] or \[1, H\]"),
+        ((f, f, v, np.ones(3, np.float32)), r"ssm_a must have shape \[H\] or \[1, H\]"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            sn.gdn_gates(*args)

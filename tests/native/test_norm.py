@@ -1,4 +1,5 @@
-"""RMSNorm and L2 norm against float64 numpy references (qwen35-target.md §6.2)."""
+"""RMSNorm and L2 norm against float64 numpy references (qwen35-target.md §6.2); rms_norm_gated bit for bit
+against mul(rms_norm, silu(z))."""
 import numpy as np
 import pytest
 
@@ -94,3 +95,55 @@ def test_read_only_memory_stays_read_only():
     state.flags.writeable = False
     with pytest.raises(ValueError, match="conv1d_causal: state is read-only"):
         sn.conv1d_causal(np.ones((2, 8), np.float32), np.ones((4, 8), np.float32), state)
+
+
+# ------------------------------------------------ rms_norm_gated: bit for bit mul(rms_norm, silu(z))
+
+SPECIAL = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e4, -1e4, 20.0, 19.99, 20.01, 88.7, -88.7, -100, 1e-30],
+                   np.float32)
+
+
+def assert_bits(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (1, 1), (3, 7), (2, 3, 128), (5, 4, 130)])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm_gated_bitwise(rng, shape, with_weight):
+    x = (rng.standard_normal(shape) * rng.uniform(0.01, 100)).astype(np.float32)
+    z = (rng.standard_normal(shape) * 20).astype(np.float32)
+    if z.size:
+        z.flat[rng.integers(0, z.size, 4)] = rng.choice(SPECIAL, 4)
+    w = rng.standard_normal(shape[-1]).astype(np.float32) if with_weight else None
+    got = sn.rms_norm_gated(x, w, 1e-6, z).numpy()
+    assert_bits(got, sn.mul(sn.rms_norm(x, w, 1e-6), sn.silu(z)).numpy())
+
+
+def test_rms_norm_gated_special_rows():
+    """Zero rows (scale 1/sqrt(eps)), an inf / NaN in x: still the composition's bits."""
+    x = np.array([[0, 0, 0, 0], [1, np.inf, 2, 3], [np.nan, 1, 2, 3], [1e-30, -1e30, 5, 0]], np.float32)
+    z = np.array([[1, -1, 50, -50]] * 4, np.float32)
+    w = np.array([1, 2, -3, 0], np.float32)
+    for eps in (0.0, 1e-6):
+        got = sn.rms_norm_gated(x, w, eps, z).numpy()
+        assert_bits(got, sn.mul(sn.rms_norm(x, w, eps), sn.silu(z)).numpy())
+
+
+def test_rms_norm_gated_bad_inputs():
+    x = np.ones((3, 4), np.float32)
+    w = np.ones(4, np.float32)
+    cases = [
+        ((x.astype(np.float16), w, 1e-6, x), "x must be F32"),
+        ((x, w, 1e-6, x.astype(np.float16)), "z must be F32"),
+        ((x, w.astype(np.float16), 1e-6, x), "weight must be F32"),
+        ((x, w, 1e-6, np.ones((4, 3), np.float32)), "z shape differs from x"),
+        ((x, w, 1e-6, np.ones(12, np.float32)), "z shape differs from x"),
+        ((x, np.ones(5, np.float32), 1e-6, x), "weight has 5 elements"),
+        ((x, w, -1.0, x), "eps must be finite"),
+        ((np.ones((4, 8), np.float32)[:, ::2], w, 1e-6, x), "x must be contiguous"),
+        ((x, w, 1e-6, np.ones((3, 8), np.float32)[:, ::2]), "z must be contiguous"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            sn.rms_norm_gated(*args)

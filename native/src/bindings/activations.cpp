@@ -25,6 +25,17 @@ Tensor binary(const Tensor& a, const Tensor& b, const char* op, BinaryFn cpu_fn,
   return without_gil([&] { return a.device == Device::GPU && gpu_fn ? gpu_fn(a, b) : cpu_fn(a, b); });
 }
 
+py::tuple gdn_gates(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a) {
+  for (const Tensor* t : {&b, &dt, &ssm_a}) require_same_device(a, *t, "gdn_gates");
+  auto [g, beta] = without_gil([&] {
+#if SPECD_WITH_GPU
+    if (a.device == Device::GPU) return gpu::gdn_gates(a, b, dt, ssm_a);
+#endif
+    return cpu::gdn_gates(a, b, dt, ssm_a);
+  });
+  return py::make_tuple(g, beta);
+}
+
 }  // namespace
 
 void register_activations(py::module_& m) {
@@ -51,6 +62,15 @@ void register_activations(py::module_& m) {
         py::arg("a"), py::arg("b"),
         (std::string("a + b elementwise (one F32 rounding, as numpy). b has a's shape, or [H] / [1, H] for a of "
                      "shape [..., H]: then b is broadcast over a's rows. Raises ValueError on other shapes.") + shapes).c_str());
+  m.def("gdn_gates", &gdn_gates, py::arg("a"), py::arg("b"), py::arg("dt"), py::arg("ssm_a"),
+        R"doc(Gated DeltaNet gates in one pass: returns (g, beta) with g = ssm_a * softplus(a + dt) and
+beta = sigmoid(b), elementwise (qwen35-target.md §6.5 step 4).
+
+a, b: F32 [T, H] with a contiguous last dimension (T may be 0); dt, ssm_a: F32 [H] or [1, H], broadcast
+over the rows; all on one device. Returns two new F32 [T, H] tensors. Bit-identical on each backend to
+mul(softplus(add(a, dt)), ssm_a) and sigmoid(b) (one F32 rounding per add / mul; on the CPU also to
+numpy's float32 (a + dt), (x * ssm_a)); on the GPU one kernel launch. Raises ValueError naming the
+argument on a wrong dtype, number of dimensions, shape or device.)doc");
 }
 
 }  // namespace specd::py_bind

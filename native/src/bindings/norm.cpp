@@ -29,6 +29,27 @@ With residual (F32, same shape as x) computes h = x + residual first and returns
 otherwise returns y. Raises ValueError on a dtype/shape mismatch. Source: Zhang & Sennrich 2019;
 GGUF stores the multiplier (HF's 1 + w), qwen35-target.md §6.2.)doc");
   m.def(
+      "rms_norm_gated",
+      [](const Tensor& x, std::optional<Tensor> weight, float eps, const Tensor& z) {
+        if (weight) require_same_device(x, *weight, "rms_norm_gated");
+        require_same_device(x, z, "rms_norm_gated");
+        return without_gil([&] {
+#if SPECD_WITH_GPU
+          if (x.device == Device::GPU) return gpu::rms_norm_gated(x, weight, eps, z);
+#endif
+          return cpu::rms_norm_gated(x, weight, eps, z);
+        });
+      },
+      py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("z"),
+      R"doc(Gated RMSNorm: y = rms_norm(x, weight, eps) * silu(z), elementwise (the Gated DeltaNet
+output norm, qwen35-target.md §6.5).
+
+x, z: F32 [..., d] of the same shape, contiguous; weight: F32 [d] or None; eps: float >= 0; all on one
+device. Returns a new F32 tensor of x's shape. Bit-identical on each backend to
+mul(rms_norm(x, weight, eps), silu(z)) (the norm's per-row arithmetic, then one F32 multiply by the
+silu value); on the GPU one kernel launch. Raises ValueError naming the argument on a dtype, shape or
+device mismatch.)doc");
+  m.def(
       "l2_norm",
       [](const Tensor& x, float eps) {
         return without_gil([&] {

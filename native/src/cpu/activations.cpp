@@ -52,6 +52,13 @@ Tensor binary(const Tensor& a, const Tensor& b, const char* op, const char* an, 
   return y;
 }
 
+// A per-head table of gdn_gates: F32 [H] or [1, H] with a contiguous last dimension.
+void check_head_vec(const Tensor& v, int64_t h, const char* arg) {
+  check_rows(v, DType::F32, -1, "gdn_gates", arg);
+  SPECD_CHECK((v.ndim() == 1 || (v.ndim() == 2 && v.shape[0] == 1)) && v.shape.back() == h, "gdn_gates: ", arg,
+              " must have shape [H] or [1, H] with H = ", h);
+}
+
 }  // namespace
 
 Tensor silu(const Tensor& x) { return unary(x, "silu", [](float v) { return silu(v); }); }
@@ -67,6 +74,32 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 }
 Tensor add(const Tensor& a, const Tensor& b) {
   return binary(a, b, "add", "a", "b", true, [](float x, float y) { return x + y; });
+}
+
+std::pair<Tensor, Tensor> gdn_gates(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a) {
+  check_rows(a, DType::F32, 2, "gdn_gates", "a");
+  check_rows(b, DType::F32, 2, "gdn_gates", "b");
+  SPECD_CHECK(b.shape == a.shape, "gdn_gates: b must have a's shape [T, H]");
+  const int64_t t = a.shape[0], h = a.shape[1];
+  check_head_vec(dt, h, "dt");
+  check_head_vec(ssm_a, h, "ssm_a");
+  Tensor g = Tensor::empty(a.shape, DType::F32), beta = Tensor::empty(a.shape, DType::F32);
+  const float* dv = row_at<float>(dt, 0);
+  const float* sv = row_at<float>(ssm_a, 0);
+  parallel_for(t, std::max<int64_t>(1, 16384 / std::max<int64_t>(h, 1)), [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      const float* ar = row_at<float>(a, r);
+      const float* br = row_at<float>(b, r);
+      float* gr = g.ptr<float>() + r * h;
+      float* betar = beta.ptr<float>() + r * h;
+      for (int64_t i = 0; i < h; ++i) {
+        const float x = ar[i] + dv[i];  // rounded to F32 here, as add()
+        gr[i] = softplus(x) * sv[i];
+        betar[i] = sigmoid(br[i]);
+      }
+    }
+  });
+  return {g, beta};
 }
 
 }  // namespace specd::cpu

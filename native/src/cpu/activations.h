@@ -1,5 +1,6 @@
 #pragma once
 #include <cmath>
+#include <utility>
 
 #include "specd/tensor.h"
 
@@ -35,5 +36,13 @@ Tensor softplus(const Tensor& x);
 Tensor swiglu(const Tensor& gate, const Tensor& up);  // silu(gate) * up, in double, rounded once
 Tensor mul(const Tensor& a, const Tensor& b);
 Tensor add(const Tensor& a, const Tensor& b);
+
+// The Gated DeltaNet gates in one pass (qwen35-target.md §6.5 step 4): returns (g, beta) with
+// g = ssm_a * softplus(a + dt) and beta = sigmoid(b), elementwise. a, b: F32 [T, H] (contiguous last
+// dimension); dt, ssm_a: F32 [H] or [1, H], broadcast over the rows. Each element is computed by
+// the scalar functions above with one F32 rounding per add / mul, so g and beta are bit-identical
+// to mul(softplus(add(a, dt)), ssm_a) and sigmoid(b) (and to numpy's float32 a + dt, x * ssm_a).
+// Throws std::invalid_argument naming the argument on a bad dtype, ndim or shape.
+std::pair<Tensor, Tensor> gdn_gates(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a);
 
 }  // namespace specd::cpu

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "activations.h"
 #include "specd/error.h"
 #include "specd/parallel.h"
 
@@ -16,29 +17,43 @@ double sum_squares(const float* x, int64_t d) {
   return s;
 }
 
+// A CPU F32 contiguous tensor of x's shape (residual, z).
+void check_like_x(const Tensor& t, const Tensor& x, const char* op, const char* arg) {
+  check_cpu(t, op, arg);
+  check_dtype(t, DType::F32, op, arg);
+  check_contiguous(t, op, arg);
+  SPECD_CHECK(t.shape == x.shape, op, ": ", arg, " shape differs from x");
+}
+
+// The checks rms_norm and rms_norm_gated share: x, weight and eps.
+void check_rms_args(const Tensor& x, const std::optional<Tensor>& weight, float eps, const char* op) {
+  check_cpu(x, op, "x");
+  check_dtype(x, DType::F32, op, "x");
+  check_contiguous(x, op, "x");
+  SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
+  if (weight) {
+    check_cpu(*weight, op, "weight");
+    check_dtype(*weight, DType::F32, op, "weight");
+    check_contiguous(*weight, op, "weight");
+    SPECD_CHECK(weight->numel() == x.cols(), op, ": weight has ", weight->numel(), " elements, x rows have ",
+                x.cols());
+  }
+  SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");
+}
+
+// The RMSNorm scale of one row, as float (the double mean of squares, rounded once).
+float rms_scale(const float* x, int64_t d, float eps) {
+  return float(1.0 / std::sqrt(sum_squares(x, d) / double(d) + double(eps)));
+}
+
 }  // namespace
 
 std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>& weight, float eps,
                                    const std::optional<Tensor>& residual) {
   const char* op = "rms_norm";
-  check_cpu(x, op, "x");
-  check_dtype(x, DType::F32, op, "x");
-  check_contiguous(x, op, "x");
-  SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
+  check_rms_args(x, weight, eps, op);
+  if (residual) check_like_x(*residual, x, op, "residual");
   int64_t d = x.cols(), rows = x.rows();
-  if (weight) {
-    check_cpu(*weight, op, "weight");
-    check_dtype(*weight, DType::F32, op, "weight");
-    check_contiguous(*weight, op, "weight");
-    SPECD_CHECK(weight->numel() == d, op, ": weight has ", weight->numel(), " elements, x rows have ", d);
-  }
-  if (residual) {
-    check_cpu(*residual, op, "residual");
-    check_dtype(*residual, DType::F32, op, "residual");
-    check_contiguous(*residual, op, "residual");
-    SPECD_CHECK(residual->shape == x.shape, op, ": residual shape differs from x");
-  }
-  SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");
   Tensor y = Tensor::empty(x.shape, DType::F32);
   Tensor h = residual ? Tensor::empty(x.shape, DType::F32) : x;
   const float* w = weight ? weight->ptr<float>() : nullptr;
@@ -51,12 +66,34 @@ std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>&
         for (int64_t i = 0; i < d; ++i) hr[i] = xr[i] + rr[i];
       }
       const float* src = residual ? hr : xr;
-      float scale = float(1.0 / std::sqrt(sum_squares(src, d) / double(d) + double(eps)));
+      float scale = rms_scale(src, d, eps);
       float* yr = y.ptr<float>() + r * d;
       for (int64_t i = 0; i < d; ++i) yr[i] = src[i] * scale * (w ? w[i] : 1.0f);
     }
   });
   return {y, h};
+}
+
+Tensor rms_norm_gated(const Tensor& x, const std::optional<Tensor>& weight, float eps, const Tensor& z) {
+  const char* op = "rms_norm_gated";
+  check_rms_args(x, weight, eps, op);
+  check_like_x(z, x, op, "z");
+  int64_t d = x.cols(), rows = x.rows();
+  Tensor y = Tensor::empty(x.shape, DType::F32);
+  const float* w = weight ? weight->ptr<float>() : nullptr;
+  parallel_for(rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* xr = x.ptr<float>() + r * d;
+      const float* zr = z.ptr<float>() + r * d;
+      float scale = rms_scale(xr, d, eps);
+      float* yr = y.ptr<float>() + r * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float normed = xr[i] * scale * (w ? w[i] : 1.0f);  // rms_norm's value, rounded as there
+        yr[i] = normed * silu(zr[i]);
+      }
+    }
+  });
+  return y;
 }
 
 Tensor l2_norm(const Tensor& x, float eps) {

@@ -14,6 +14,12 @@ namespace specd::cpu {
 std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>& weight, float eps,
                                    const std::optional<Tensor>& residual);
 
+// Gated RMSNorm (the GDN output norm, qwen35-target.md §6.5): y = rms_norm(x, weight, eps) * silu(z)
+// elementwise, z F32 of x's shape (contiguous). Each element is the F32 rms_norm value times the F32
+// silu(z) value (cpu/activations.h), one F32 rounding: bit-identical to mul(rms_norm(x, weight, eps),
+// silu(z)). Throws std::invalid_argument naming the argument as rms_norm does.
+Tensor rms_norm_gated(const Tensor& x, const std::optional<Tensor>& weight, float eps, const Tensor& z);
+
 // L2 normalisation over the last dimension: y = x / sqrt(sum(x^2) + eps). F32 [..., d].
 // This is the GDN q/k norm (eps inside the square root of the sum; qwen35-target.md §6.2).
 Tensor l2_norm(const Tensor& x, float eps);

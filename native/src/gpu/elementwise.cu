@@ -1,4 +1,5 @@
-// Elementwise activations and arithmetic on the GPU: silu, sigmoid, softplus, swiglu, mul, add.
+// Elementwise activations and arithmetic on the GPU: silu, sigmoid, softplus, swiglu, mul, add,
+// and the fused Gated DeltaNet gates (gdn_gates).
 //
 // Same formulas as cpu/activations.h, evaluated in double and rounded to F32 once (sigmoid split at
 // 0 so it never overflows, softplus = x above 20 else log1p(exp(x))). Tolerance vs the CPU op:
@@ -7,10 +8,13 @@
 // double) and of the host libm straddle an F32 rounding boundary, i.e. <= 1 F32 ulp, practically
 // never. Every element is computed independently, so results are batch invariant. mul / add
 // broadcast a b of shape [H] or [1, H] over the rows of a [..., H] (same single rounding).
+// gdn_gates runs the per-element functions of add, softplus, mul and sigmoid (activations.cuh) in
+// one launch, so it is bit-identical to their composition on the GPU.
 // GPU inputs must be contiguous (GPU tensors always are unless reshaped views of other layouts).
 #include <algorithm>
 #include <cmath>
 
+#include "activations.cuh"
 #include "op_util.cuh"
 #include "ops.h"
 
@@ -20,30 +24,19 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ double sigmoid_f64(double x) {
-  if (x >= 0.0) return 1.0 / (1.0 + exp(-x));
-  double e = exp(x);
-  return e / (1.0 + e);
-}
-
-enum class Op { Silu, Sigmoid, Softplus, Swiglu, Mul, Add };
-
-template <Op OP>
-__device__ __forceinline__ float apply(float a, float b) {
-  if constexpr (OP == Op::Silu) return float(double(a) * sigmoid_f64(a));
-  if constexpr (OP == Op::Sigmoid) return float(sigmoid_f64(a));
-  if constexpr (OP == Op::Softplus) return a > 20.0f ? a : float(log1p(exp(double(a))));
-  if constexpr (OP == Op::Swiglu) return float(double(a) * sigmoid_f64(a) * double(b));
-  if constexpr (OP == Op::Mul) return __fmul_rn(a, b);
-  if constexpr (OP == Op::Add) return __fadd_rn(a, b);
-  return 0.0f;
-}
+using detail::apply;
+using detail::Op;
 
 template <Op OP>
 __global__ void __launch_bounds__(kThreads) elementwise_kernel(const float* __restrict__ a, const float* __restrict__ b,
                                                                float* __restrict__ y, int64_t n, int64_t b_period) {
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
     y[i] = apply<OP>(a[i], b ? b[b_period ? i % b_period : i] : 0.0f);
+}
+
+// Grid-stride launches: at most 16 blocks of kThreads per SM.
+int64_t grid_for(int64_t n) {
+  return std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(detail::sm_count()) * 16);
 }
 
 // b of shape [H] or [1, H] with a of shape [..., H]: b is broadcast over a's rows (mul / add only).
@@ -69,11 +62,29 @@ Tensor run(const Tensor& a, const Tensor* b, const char* op, const char* an, con
   Tensor y = Tensor::empty(a.shape, DType::F32, Device::GPU);
   int64_t n = a.numel();
   if (n == 0) return y;
-  int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, int64_t(detail::sm_count()) * 16);
-  elementwise_kernel<OP><<<unsigned(blocks), kThreads, 0, detail::stream()>>>(
+  elementwise_kernel<OP><<<unsigned(grid_for(n)), kThreads, 0, detail::stream()>>>(
       a.ptr<float>(), b ? b->ptr<float>() : nullptr, y.ptr<float>(), n, b_period);
   SPECD_GPU_CHECK_LAUNCH("elementwise_kernel");
   return y;
+}
+
+// g = ssm_a * softplus(a + dt), beta = sigmoid(b) over a, b [T, H]; dt, ssm_a [H].
+__global__ void __launch_bounds__(kThreads) gdn_gates_kernel(const float* __restrict__ a, const float* __restrict__ b,
+                                                             const float* __restrict__ dt,
+                                                             const float* __restrict__ ssm_a, float* __restrict__ g,
+                                                             float* __restrict__ beta, int64_t n, int64_t h) {
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
+    const int64_t c = i % h;
+    g[i] = apply<Op::Mul>(apply<Op::Softplus>(apply<Op::Add>(a[i], dt[c]), 0.0f), ssm_a[c]);
+    beta[i] = apply<Op::Sigmoid>(b[i], 0.0f);
+  }
+}
+
+// A per-head table of gdn_gates: F32 [H] or [1, H] on the GPU, contiguous.
+void check_head_vec(const Tensor& v, int64_t h, const char* arg) {
+  detail::check_gpu_tensor(v, DType::F32, -1, "gdn_gates", arg);
+  SPECD_CHECK((v.ndim() == 1 || (v.ndim() == 2 && v.shape[0] == 1)) && v.shape.back() == h, "gdn_gates: ", arg,
+              " must have shape [H] or [1, H] with H = ", h);
 }
 
 }  // namespace
@@ -84,5 +95,20 @@ Tensor softplus(const Tensor& x) { return run<Op::Softplus>(x, nullptr, "softplu
 Tensor swiglu(const Tensor& gate, const Tensor& up) { return run<Op::Swiglu>(gate, &up, "swiglu", "gate", "up"); }
 Tensor mul(const Tensor& a, const Tensor& b) { return run<Op::Mul>(a, &b, "mul", "a", "b"); }
 Tensor add(const Tensor& a, const Tensor& b) { return run<Op::Add>(a, &b, "add", "a", "b"); }
+
+std::pair<Tensor, Tensor> gdn_gates(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a) {
+  detail::check_gpu_tensor(a, DType::F32, 2, "gdn_gates", "a");
+  detail::check_gpu_tensor(b, DType::F32, 2, "gdn_gates", "b");
+  SPECD_CHECK(b.shape == a.shape, "gdn_gates: b must have a's shape [T, H]");
+  const int64_t h = a.shape[1], n = a.numel();
+  check_head_vec(dt, h, "dt");
+  check_head_vec(ssm_a, h, "ssm_a");
+  Tensor g = Tensor::empty(a.shape, DType::F32, Device::GPU), beta = Tensor::empty(a.shape, DType::F32, Device::GPU);
+  if (n == 0) return {g, beta};
+  gdn_gates_kernel<<<unsigned(grid_for(n)), kThreads, 0, detail::stream()>>>(
+      a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), n, h);
+  SPECD_GPU_CHECK_LAUNCH("gdn_gates_kernel");
+  return {g, beta};
+}
 
 }  // namespace specd::gpu

@@ -1,4 +1,4 @@
-// RMSNorm (optionally fused with the residual add) and L2 norm on the GPU.
+// RMSNorm (optionally fused with the residual add, or gated by silu(z)) and L2 norm on the GPU.
 //
 // One thread block per row; the block size depends only on the row length d, so a row's result
 // does not depend on how many rows share the call (batch invariance). The sum of squares is
@@ -7,9 +7,12 @@
 // in double, then y = (v * scale) * w in float), so GPU and CPU agree to within the rare last-bit
 // flip of the scale caused by a different double summation order. Rows are read with 16-byte
 // vector loads when d % 4 == 0 and every pointer is 16-byte aligned, else element by element.
+// The gated variant multiplies each stored value by silu(z) with the device functions of the
+// standalone silu and mul ops (activations.cuh), so it is bit-identical to mul(rms_norm, silu(z)).
 #include <cmath>
 #include <type_traits>
 
+#include "activations.cuh"
 #include "common.cuh"
 #include "ops.h"
 
@@ -61,20 +64,31 @@ __device__ __forceinline__ float4 scale_mul(float4 a, float s, float4 w) {
 __device__ __forceinline__ float scale_mul(float a, float s, float w) { return a * s * w; }
 __device__ __forceinline__ float4 scale_only(float4 a, float s) { return {a.x * s, a.y * s, a.z * s, a.w * s}; }
 __device__ __forceinline__ float scale_only(float a, float s) { return a * s; }
+// y * silu(z), one F32 rounding per factor as the silu and mul ops.
+__device__ __forceinline__ float gate(float y, float z) {
+  using detail::apply;
+  using detail::Op;
+  return apply<Op::Mul>(y, apply<Op::Silu>(z, 0.0f));
+}
+__device__ __forceinline__ float4 gate(float4 y, float4 z) {
+  return {gate(y.x, z.x), gate(y.y, z.y), gate(y.z, z.z), gate(y.w, z.w)};
+}
 
-// x, residual, h, y: [rows, d]; w: [d] or null. h is written only with a residual. The second
+// x, residual, h, z, y: [rows, d]; w: [d] or null. h is written only with a residual, z read only
+// when GATE (then y = norm * silu(z)). The second
 // pass re-reads the row this thread wrote or read in the first pass (same thread, so the h
 // stores are visible; the row is usually still in L1/L2).
-template <Mode M, bool VEC, bool RESID>
+template <Mode M, bool VEC, bool RESID, bool GATE>
 __global__ void norm_kernel(const float* __restrict__ x, const float* __restrict__ residual,
-                            const float* __restrict__ w, float* h, float* __restrict__ y, int64_t d,
-                            float eps) {
+                            const float* __restrict__ w, float* h, const float* __restrict__ z,
+                            float* __restrict__ y, int64_t d, float eps) {
   using T = typename Row<VEC>::T;
   const int64_t n = d / Row<VEC>::kWidth;  // vectors (or floats) per row
   const int64_t off = int64_t(blockIdx.x) * d;
   const T* xr = reinterpret_cast<const T*>(x + off);
   const T* rr = RESID ? reinterpret_cast<const T*>(residual + off) : nullptr;
   T* hr = RESID ? reinterpret_cast<T*>(h + off) : nullptr;
+  const T* zr = GATE ? reinterpret_cast<const T*>(z + off) : nullptr;
   T* yr = reinterpret_cast<T*>(y + off);
 
   double ss = 0.0;
@@ -93,7 +107,9 @@ __global__ void norm_kernel(const float* __restrict__ x, const float* __restrict
   const T* wr = reinterpret_cast<const T*>(w);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     T v = src[i];
-    yr[i] = wr ? scale_mul(v, scale, wr[i]) : scale_only(v, scale);
+    T out = wr ? scale_mul(v, scale, wr[i]) : scale_only(v, scale);
+    if constexpr (GATE) out = gate(out, zr[i]);
+    yr[i] = out;
   }
 }
 
@@ -107,18 +123,18 @@ int threads_for(int64_t items) {
   return int(t < SPECD_WARP ? SPECD_WARP : t);
 }
 
-template <Mode M, bool RESID>
+template <Mode M, bool RESID, bool GATE = false>
 void launch(const float* x, const float* r, const float* w, float* h, float* y, int64_t rows, int64_t d,
-            float eps) {
+            float eps, const float* z = nullptr) {
   bool vec = d % 4 == 0 && detail::aligned16(x) && detail::aligned16(y) && (!w || detail::aligned16(w)) &&
-             (!RESID || (detail::aligned16(r) && detail::aligned16(h)));
+             (!RESID || (detail::aligned16(r) && detail::aligned16(h))) && (!GATE || detail::aligned16(z));
   int threads = threads_for(vec ? d / 4 : d);
   cudaStream_t s = detail::stream();
   // rows <= 2^31 - 1 (grid x limit) is checked by the caller.
   if (vec)
-    norm_kernel<M, true, RESID><<<unsigned(rows), threads, 0, s>>>(x, r, w, h, y, d, eps);
+    norm_kernel<M, true, RESID, GATE><<<unsigned(rows), threads, 0, s>>>(x, r, w, h, z, y, d, eps);
   else
-    norm_kernel<M, false, RESID><<<unsigned(rows), threads, 0, s>>>(x, r, w, h, y, d, eps);
+    norm_kernel<M, false, RESID, GATE><<<unsigned(rows), threads, 0, s>>>(x, r, w, h, z, y, d, eps);
   SPECD_GPU_CHECK_LAUNCH("norm_kernel");
 }
 
@@ -126,30 +142,39 @@ void check_rows(const char* op, int64_t rows) {
   SPECD_CHECK(rows <= 0x7fffffff, op, ": at most 2^31 - 1 rows on the GPU, got ", rows);
 }
 
+// A GPU F32 contiguous tensor of x's shape (residual, z).
+void check_like_x(const Tensor& t, const Tensor& x, const char* op, const char* arg) {
+  detail::check_gpu(t, op, arg);
+  check_dtype(t, DType::F32, op, arg);
+  check_contiguous(t, op, arg);
+  SPECD_CHECK(t.shape == x.shape, op, ": ", arg, " shape differs from x");
+}
+
+// The checks rms_norm and rms_norm_gated share: x, weight, eps and the row count.
+void check_rms_args(const Tensor& x, const std::optional<Tensor>& weight, float eps, const char* op) {
+  detail::check_gpu(x, op, "x");
+  check_dtype(x, DType::F32, op, "x");
+  check_contiguous(x, op, "x");
+  SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
+  if (weight) {
+    detail::check_gpu(*weight, op, "weight");
+    check_dtype(*weight, DType::F32, op, "weight");
+    check_contiguous(*weight, op, "weight");
+    SPECD_CHECK(weight->numel() == x.cols(), op, ": weight has ", weight->numel(), " elements, x rows have ",
+                x.cols());
+  }
+  SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");
+  check_rows(op, x.rows());
+}
+
 }  // namespace
 
 std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>& weight, float eps,
                                    const std::optional<Tensor>& residual) {
   const char* op = "rms_norm";
-  detail::check_gpu(x, op, "x");
-  check_dtype(x, DType::F32, op, "x");
-  check_contiguous(x, op, "x");
-  SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
+  check_rms_args(x, weight, eps, op);
+  if (residual) check_like_x(*residual, x, op, "residual");
   int64_t d = x.cols(), rows = x.rows();
-  if (weight) {
-    detail::check_gpu(*weight, op, "weight");
-    check_dtype(*weight, DType::F32, op, "weight");
-    check_contiguous(*weight, op, "weight");
-    SPECD_CHECK(weight->numel() == d, op, ": weight has ", weight->numel(), " elements, x rows have ", d);
-  }
-  if (residual) {
-    detail::check_gpu(*residual, op, "residual");
-    check_dtype(*residual, DType::F32, op, "residual");
-    check_contiguous(*residual, op, "residual");
-    SPECD_CHECK(residual->shape == x.shape, op, ": residual shape differs from x");
-  }
-  SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");
-  check_rows(op, rows);
   Tensor y = Tensor::empty(x.shape, DType::F32, Device::GPU);
   Tensor h = residual ? Tensor::empty(x.shape, DType::F32, Device::GPU) : x;
   if (rows == 0) return {y, h};
@@ -160,6 +185,17 @@ std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>&
   else
     launch<Mode::RMS, false>(x.ptr<float>(), nullptr, w, nullptr, y.ptr<float>(), rows, d, eps);
   return {y, h};
+}
+
+Tensor rms_norm_gated(const Tensor& x, const std::optional<Tensor>& weight, float eps, const Tensor& z) {
+  const char* op = "rms_norm_gated";
+  check_rms_args(x, weight, eps, op);
+  check_like_x(z, x, op, "z");
+  Tensor y = Tensor::empty(x.shape, DType::F32, Device::GPU);
+  if (x.rows() == 0) return y;
+  launch<Mode::RMS, false, true>(x.ptr<float>(), nullptr, weight ? weight->ptr<float>() : nullptr, nullptr,
+                                 y.ptr<float>(), x.rows(), x.cols(), eps, z.ptr<float>());
+  return y;
 }
 
 Tensor l2_norm(const Tensor& x, float eps) {

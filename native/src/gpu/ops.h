@@ -22,6 +22,10 @@ namespace specd::gpu {
 std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>& weight, float eps,
                                    const std::optional<Tensor>& residual);
 
+// Gated RMSNorm as cpu::rms_norm_gated: rms_norm(x, weight, eps) * silu(z), z F32 of x's shape,
+// one launch (norm.cu); bit-identical to mul(rms_norm(x, weight, eps), silu(z)) on the GPU.
+Tensor rms_norm_gated(const Tensor& x, const std::optional<Tensor>& weight, float eps, const Tensor& z);
+
 // L2 normalisation over the last dimension: y = x / sqrt(sum(x^2) + eps). F32 [..., d] (norm.cu).
 Tensor l2_norm(const Tensor& x, float eps);
 
@@ -80,6 +84,10 @@ Tensor softplus(const Tensor& x);
 Tensor swiglu(const Tensor& gate, const Tensor& up);
 Tensor mul(const Tensor& a, const Tensor& b);
 Tensor add(const Tensor& a, const Tensor& b);
+// (g, beta) = (ssm_a * softplus(a + dt), sigmoid(b)) as cpu::gdn_gates, in one launch: a, b F32
+// [T, H]; dt, ssm_a F32 [H] or [1, H]. Bit-identical to mul(softplus(add(a, dt)), ssm_a) and
+// sigmoid(b) on the GPU (the same device functions).
+std::pair<Tensor, Tensor> gdn_gates(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a);
 
 // y[i] = dequantize(w[ids[i]]) for w F32/F16/BF16/Q8_0 [V, H] (embedding.cu); bit-identical to CPU.
 // Trusted ids outside [0, V) give a row of zeros.

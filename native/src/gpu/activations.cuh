@@ -1,0 +1,32 @@
+// Device forms of the elementwise functions of cpu/activations.h, shared by elementwise.cu and the
+// fused ops (gdn_gates, the gated RMSNorm in norm.cu): a fused op that calls apply<OP> computes
+// each element with literally the code of the standalone op, so it is bit-identical to it.
+#pragma once
+#include <cmath>
+
+#include "common.cuh"
+
+namespace specd::gpu::detail {
+
+__device__ __forceinline__ double sigmoid_f64(double x) {
+  if (x >= 0.0) return 1.0 / (1.0 + exp(-x));
+  double e = exp(x);
+  return e / (1.0 + e);
+}
+
+enum class Op { Silu, Sigmoid, Softplus, Swiglu, Mul, Add };
+
+// Evaluated in double and rounded to F32 once; mul / add are single F32 roundings (the _rn
+// intrinsics also keep the compiler from contracting them into an FMA with a neighbouring op).
+template <Op OP>
+__device__ __forceinline__ float apply(float a, float b) {
+  if constexpr (OP == Op::Silu) return float(double(a) * sigmoid_f64(a));
+  if constexpr (OP == Op::Sigmoid) return float(sigmoid_f64(a));
+  if constexpr (OP == Op::Softplus) return a > 20.0f ? a : float(log1p(exp(double(a))));
+  if constexpr (OP == Op::Swiglu) return float(double(a) * sigmoid_f64(a) * double(b));
+  if constexpr (OP == Op::Mul) return __fmul_rn(a, b);
+  if constexpr (OP == Op::Add) return __fadd_rn(a, b);
+  return 0.0f;
+}
+
+}  // namespace specd::gpu::detail
