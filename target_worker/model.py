@@ -236,7 +236,9 @@ class Qwen35Model:
             self.gdn_vecs = {i: (up.plain(l.ssm_dt).reshape([1, hp.n_v_heads]),
                                  up.plain(l.ssm_a).reshape([1, hp.n_v_heads]))
                              for i, l in enumerate(weights.layers) if hp.recurrent[i]}
-            if self.device == sn.Device.GPU:
+            if up.gemv_tiles:  # the row-major upload temporaries stay cached in the pool otherwise
+                sn.gpu_trim_pool()  # (H200, 27B IQ4_XS: 1.85 GB of the process's device memory)
+            elif self.device == sn.Device.GPU:
                 sn.gpu_synchronize()
         # the exporter whose tensors this model computes with (published by the target worker's Info),
         # or None (not exported, or the export failed)

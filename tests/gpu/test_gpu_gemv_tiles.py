@@ -89,6 +89,12 @@ def test_other_ops_refuse_the_tiled_layout(rng):
         sn.dequantize(wt)
 
 
+@pytest.mark.skipif(sn.gpu_available(), reason="checks the error without a usable GPU")
+def test_trim_pool_without_a_gpu():
+    with pytest.raises(RuntimeError):
+        sn.gpu_trim_pool()
+
+
 def test_tile_for_gemv_needs_a_gpu_tensor(rng):
     with pytest.raises(ValueError, match="tile_for_gemv: w must be a GPU tensor"):
         sn.tile_for_gemv(iq4(rng, 16, 256))
@@ -167,6 +173,8 @@ def test_model_with_tiled_layers_equals_row_major(tmp_path):
     path = tmp_path / "tiny-iq4xs.gguf"
     rq.write(path, "tiny", "iq4xs")
     tiled = Qwen35Model(load_qwen35(str(path)), device=GPU, gemv_tiles=True)
+    mi = sn.gpu_memory_info()  # the upload temporaries went back to the device (sn.gpu_trim_pool)
+    assert not mi["pool"] or mi["pool_reserved_bytes"] - mi["pool_used_bytes"] <= 64 << 20, mi
     plain = Qwen35Model(load_qwen35(str(path)), device=GPU, gemv_tiles=False)
     assert tiled.layers[0].ffn_gate.dtype == sn.DType.IQ4_XS_TILED
     assert plain.layers[0].ffn_gate.dtype == sn.DType.IQ4_XS

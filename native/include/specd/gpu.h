@@ -84,6 +84,11 @@ struct MemoryInfo {
 };
 MemoryInfo memory_info();
 
+// Returns the pool's cached free blocks to the device (after the library stream drained), e.g. the
+// temporaries of a model upload; live buffers are untouched. A no-op without pool support. Throws
+// when no GPU is usable or when called by a thread that is capturing a graph.
+void trim_pool();
+
 // ---- Inter-process sharing on one GPU (CUDA IPC / HIP IPC): a device buffer and an event that a
 // second process on the same device opens. Used by the "cuda-ipc" feature transport (the target
 // worker exports a feature ring, the drafter worker opens it). Handles are kIpcHandleBytes opaque

@@ -300,6 +300,9 @@ ValueError on a negative arena_bytes.)doc");
       "Device memory in bytes: {free_bytes, total_bytes} of the device (cudaMemGetInfo) and the "
       "library pool's {pool, pool_reserved_bytes, pool_used_bytes, pool_used_high_bytes}. "
       "RuntimeError when no GPU is usable.");
+  m.def("gpu_trim_pool", [] { without_gil([] { gpu::trim_pool(); }); },
+        "Return the library pool's cached free blocks to the device (waits for the library stream); live "
+        "buffers stay. RuntimeError when no GPU is usable or during this thread's graph capture.");
   // ---- IPC (the "cuda-ipc" feature transport)
   m.attr("GPU_IPC_HANDLE_BYTES") = gpu::kIpcHandleBytes;
   m.def(

@@ -30,6 +30,7 @@ std::shared_ptr<Graph> graph_end() { unavailable(); }
 void graph_abort() {}
 bool capturing() { return false; }
 MemoryInfo memory_info() { unavailable(); }
+void trim_pool() { unavailable(); }
 IpcBuffer ipc_export(size_t) { unavailable(); }
 std::shared_ptr<void> ipc_open(const std::string&, size_t) { unavailable(); }
 std::shared_ptr<IpcEvent> ipc_event_create() { unavailable(); }

@@ -652,6 +652,17 @@ MemoryInfo memory_info() {
   return m;
 }
 
+void trim_pool() {
+  const auto& p = detail::require();
+  detail::CaptureLock lock(detail::capture_mu());
+  detail::require_not_capturing(lock, "trimming the memory pool");
+  SPECD_GPU_CHECK(cudaStreamSynchronize(stream()));  // frees queued on the stream have happened
+  if (!p.pools) return;
+  cudaMemPool_t pool;
+  SPECD_GPU_CHECK(cudaDeviceGetDefaultMemPool(&pool, p.device));
+  SPECD_GPU_CHECK(cudaMemPoolTrimTo(pool, 0));
+}
+
 // ---- IPC (specd/gpu.h). Exported buffers are plain cudaMalloc allocations (pool blocks cannot be
 // exported); frees and closes go through run_or_defer like pool frees (a capture running on another
 // thread defers them to its end) and first drain the library stream (queued copies may still use
