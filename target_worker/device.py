@@ -4,11 +4,11 @@
 A forward graph is written once against a small "array plumbing" interface (``ops``): results of
 native ops are turned into the model's working arrays by ``ops.a``, and the few operations the
 graph does outside the native ops (reshape, column slices, row gathers, concatenation, copies,
-broadcast of a per-head vector, a scalar scale, host <-> device moves) go through ``ops``.
+a scalar scale, host <-> device moves) go through ``ops``.
 :class:`_HostOps` is the CPU path: numpy, exactly the operations the CPU forwards have always done
 (bit for bit). :class:`_TensorOps` keeps everything as sn.Tensor on the model's device, using the
 native glue ops (sn.slice / concat / copy / copy_rows, sn.embedding as an exact row gather, and
-sn.add / sn.mul broadcasting a [1, H] table over rows), so no activation leaves the GPU. :class:`_Uploader` places weights on the device once (tensors already
+sn.mul broadcasting a [1, H] table over rows), so no activation leaves the GPU. :class:`_Uploader` places weights on the device once (tensors already
 there are taken as they are, e.g. a same-process target's embedding / lm_head shared with the
 drafter).
 """

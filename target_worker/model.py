@@ -232,7 +232,7 @@ class Qwen35Model:
             self.output = up.matmul(output) if head is None else head[1]
             self.layers = [up.layer(l) for l in weights.layers]
             self.conv_w = {i: up.plain(sn.Tensor(c)) for i, c in conv_w.items()}
-            # [1, Hv] tables: sn.gdn_gates broadcasts them over the rows
+            # [1, Hv] tables (sn.gdn_gates takes [Hv] or [1, Hv] and broadcasts them over the rows)
             self.gdn_vecs = {i: (up.plain(l.ssm_dt).reshape([1, hp.n_v_heads]),
                                  up.plain(l.ssm_a).reshape([1, hp.n_v_heads]))
                              for i, l in enumerate(weights.layers) if hp.recurrent[i]}
@@ -467,7 +467,7 @@ class Qwen35Model:
             d = ops.a(mm(ffn, layer.ffn_down))
         feats = ops.cat([taps[i] for i in self.capture_layers], axis=1) if self.capture_layers else None
         if last_only:
-            h, d = ops.last_row(ops.a(h)), ops.last_row(d)
+            h, d = ops.last_row(ops.a(h)) if h is not None else None, ops.last_row(d)
         logits = self._logits(d, h)
         return logits, sn.argmax(logits), feats, pending  # the logits stay on the device until asked for
 
@@ -546,10 +546,11 @@ class Qwen35Model:
         return ops.cat(outs)
 
     def _logits(self, d, h):
-        """Logits of the rows of the final hidden state h + d (summed by the output norm), on the
-        model's device (numpy on the CPU)."""
-        u, _ = sn.rms_norm(d, self.output_norm, self.hp.rms_eps, residual=h)
-        return self._ops.a(sn.matmul(u, self.output))
+        """Logits of the rows of the final hidden state h + d (summed by the output norm; d alone when
+        h is None: no layers), on the model's device (numpy on the CPU)."""
+        u = sn.rms_norm(d, self.output_norm, self.hp.rms_eps, residual=h) if h is not None else \
+            (sn.rms_norm(d, self.output_norm, self.hp.rms_eps),)
+        return self._ops.a(sn.matmul(u[0], self.output))
 
     # ------------------------------------------------------------------ commit helpers
 

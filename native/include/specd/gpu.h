@@ -85,7 +85,7 @@ struct MemoryInfo {
 MemoryInfo memory_info();
 
 // Returns the pool's cached free blocks to the device (after the library stream drained), e.g. the
-// temporaries of a model upload; live buffers are untouched. A no-op without pool support. Throws
+// temporaries of a model upload; live buffers are untouched. Only synchronises without pool support. Throws
 // when no GPU is usable or when called by a thread that is capturing a graph.
 void trim_pool();
 

@@ -66,7 +66,7 @@ void register_activations(py::module_& m) {
         R"doc(Gated DeltaNet gates in one pass: returns (g, beta) with g = ssm_a * softplus(a + dt) and
 beta = sigmoid(b), elementwise (qwen35-target.md §6.5 step 4).
 
-a, b: F32 [T, H] with a contiguous last dimension (T may be 0); dt, ssm_a: F32 [H] or [1, H], broadcast
+a, b: F32 [T, H] with a contiguous last dimension (fully contiguous on the GPU; T may be 0); dt, ssm_a: F32 [H] or [1, H], broadcast
 over the rows; all on one device. Returns two new F32 [T, H] tensors. Bit-identical on each backend to
 mul(softplus(add(a, dt)), ssm_a) and sigmoid(b) (one F32 rounding per add / mul; on the CPU also to
 numpy's float32 (a + dt), (x * ssm_a)); on the GPU one kernel launch. Raises ValueError naming the
