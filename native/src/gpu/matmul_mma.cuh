@@ -911,10 +911,12 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   plan_group(ws, count, in, F::kUnitElems, n, sms, scratch, grp, sums);
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
   // Programmatic dependent launch (may overlap the kernel before it in the stream) only when the
-  // kernel running on this device was compiled with its pdl_wait, i.e. for sm_90 or later.
+  // binary running on this device has the griddepcontrol instructions, i.e. was compiled for sm_90 or
+  // later. Asked of split_x_kernel (same translation unit, so the same binary version), which every
+  // call has already launched: a plain attribute query, also inside a graph capture.
   static const bool pdl_ok = [] {
     cudaFuncAttributes a{};
-    SPECD_GPU_CHECK(cudaFuncGetAttributes(&a, mma_gemv_kernel<F, NT>));
+    SPECD_GPU_CHECK(cudaFuncGetAttributes(&a, split_x_kernel));
     return a.binaryVersion >= 90;
   }();
   cudaLaunchAttribute pdl{};
