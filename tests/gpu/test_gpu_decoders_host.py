@@ -98,8 +98,8 @@ def bf16_bits(f32):
 MMA_SRC = os.path.join(HERE, "..", "..", "native", "src", "gpu", "matmul_mma.cuh")
 
 
-@pytest.fixture(scope="module")
-def mma_emu(tmp_path_factory):
+def build_mma_emu(tmp_path_factory, *defines):
+    """(folder, executable) of the emulation built with `defines` (-D tuning constants of the header)."""
     if not CXX or not os.path.exists(MMA_SRC):
         pytest.skip("no C++ compiler or no source tree")
     d = tmp_path_factory.mktemp("mma_emu")
@@ -107,12 +107,17 @@ def mma_emu(tmp_path_factory):
                 os.path.join(HERE, "host_emu", "mma_main.cpp")):
         shutil.copy(src, d / os.path.basename(src))
     exe = d / "mma_emu"
-    r = subprocess.run([CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-I", str(d), "-o", str(exe),
-                        str(d / "mma_main.cpp")], capture_output=True, text=True)
+    r = subprocess.run([CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", *defines, "-I", str(d), "-o",
+                        str(exe), str(d / "mma_main.cpp")], capture_output=True, text=True)
     if r.returncode != 0 and "barrier" in r.stderr:
         pytest.skip("C++ compiler without std::barrier (C++20)")
     assert r.returncode == 0, r.stderr
     return d, exe
+
+
+@pytest.fixture(scope="module")
+def mma_emu(tmp_path_factory):
+    return build_mma_emu(tmp_path_factory)
 
 
 def run_mma_emu(d, exe, name, x, out, sms=None):
@@ -207,6 +212,29 @@ def test_gpu_mma_gemv_emulated_tiled_iq4_xs(mma_emu, rng, k, outs):
         tiled = run_mma_emu(d, exe, "IQ4_XS_T", x[:n], outs, sms=1)
         for i, (a, b) in enumerate(zip(tiled, rowmajor)):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"n={n}, weight {i}"
+
+
+@pytest.fixture(scope="module")
+def mma_emu_deep_ring(tmp_path_factory):
+    """The emulation with the sweep's deepest ring (tools/device/gemv_sweep.sh variants): up to 8 units
+    loading ahead within 160 registers, one resident block fewer."""
+    return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_RING_REGS=160", "-DSPECD_MMA_MAX_AHEAD=8",
+                         "-DSPECD_MMA_MIN_BLOCKS=3")
+
+
+@pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T"])
+def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, rng, name):
+    """The ring depth and occupancy constants change when units are loaded, never the arithmetic: a
+    deep-ring build gives bit for bit the default build's rows (split-K on 1 SM, ragged last splits)."""
+    k, out = 2304, 40
+    raw, _ = weight(rng, "IQ4_XS" if name == "IQ4_XS_T" else name, out, k, False)
+    x = rng.standard_normal((4, k)).astype(np.float32)
+    for d, _exe in (mma_emu, mma_emu_deep_ring):
+        np.ascontiguousarray(raw).tofile(d / "w.bin")
+    for n in (1, 2, 4):
+        base = run_mma_emu(*mma_emu, name, x[:n], out, sms=1)
+        deep = run_mma_emu(*mma_emu_deep_ring, name, x[:n], out, sms=1)
+        assert np.array_equal(base.view(np.uint32), deep.view(np.uint32)), f"{name} n={n}"
 
 
 @pytest.mark.parametrize("scale_exp", [-110, -116, -125])

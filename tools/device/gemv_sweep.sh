@@ -8,6 +8,11 @@
 # Usage (repository root on the GPU machine):
 #     OUT=/some/dir bash tools/device/gemv_sweep.sh
 #     OUT=/some/dir VARIANTS="s4:-DSPECD_MMA_SPLIT_BLOCKS=4 s16:-DSPECD_MMA_SPLIT_BLOCKS=16" NCU="s16" bash tools/device/gemv_sweep.sh
+# Ring depth and occupancy (SPECD_MMA_RING_REGS, SPECD_MMA_MAX_AHEAD, SPECD_MMA_MIN_BLOCKS; results are
+# bit-identical whatever they are, test_gpu_mma_gemv_ring_depth_keeps_results in tests/gpu/test_gpu_decoders_host.py), e.g.
+#     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 ring96:-DSPECD_MMA_RING_REGS=96,-DSPECD_MMA_MIN_BLOCKS=3
+#       ring128:-DSPECD_MMA_RING_REGS=128,-DSPECD_MMA_MIN_BLOCKS=3 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5"
+# (check build.log for spills: a 160-register ring at 3 blocks per SM spills).
 # Outputs: sweep.tsv (variant format out in group n us GBps ratio_to_copy checksum), build.log, ncu.txt.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}

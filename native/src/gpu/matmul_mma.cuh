@@ -63,6 +63,15 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #ifndef SPECD_MMA_LOADS_ONLY
 #define SPECD_MMA_LOADS_ONLY 0  // sweep diagnostic: load every unit, skip its arithmetic (wrong results)
 #endif
+#ifndef SPECD_MMA_RING_REGS
+#define SPECD_MMA_RING_REGS 64  // registers for weight words in flight per thread at 1-2 tiles (3-4: 3/4)
+#endif
+#ifndef SPECD_MMA_MAX_AHEAD
+#define SPECD_MMA_MAX_AHEAD 4  // most units loading ahead (units_ahead)
+#endif
+#ifndef SPECD_MMA_MIN_BLOCKS
+#define SPECD_MMA_MIN_BLOCKS 4  // resident blocks per SM the 1-2 tile instances are compiled for (3+ tiles: one fewer)
+#endif
 constexpr int kBlocksPerSM = SPECD_MMA_SPLIT_BLOCKS;
 static_assert(kBlocksPerSM >= 1, "SPECD_MMA_SPLIT_BLOCKS: at least one block per multiprocessor");
 constexpr int kTerms = 3;                   // int8 terms per x value
@@ -549,8 +558,8 @@ template <class F, int NT>
 __host__ __device__ constexpr int units_ahead() {
   if constexpr (NT >= 5) return 0;
   constexpr int regs = int(sizeof(typename F::Raw) / 4) * 2;  // the raw words of one unit, both rows
-  constexpr int ahead = (NT <= 2 ? 64 : 48) / regs - 1;
-  return ahead < 0 ? 0 : ahead > 4 ? 4 : ahead;
+  constexpr int ahead = (NT <= 2 ? SPECD_MMA_RING_REGS : SPECD_MMA_RING_REGS * 3 / 4) / regs - 1;
+  return ahead < 0 ? 0 : ahead > SPECD_MMA_MAX_AHEAD ? SPECD_MMA_MAX_AHEAD : ahead;
 }
 
 // Resident blocks per multiprocessor an instance is compiled for: 4 (<= 128 registers per thread)
@@ -558,7 +567,8 @@ __host__ __device__ constexpr int units_ahead() {
 // words in some instances at these caps (IQ4_XS 2 / 4 / 6 tiles 4-8 bytes, Q4_K / Q5_K 5-6 tiles
 // 12-28 bytes); the H200 numbers in BENCHMARKS.md are of this build.
 template <int NT>
-__host__ __device__ constexpr int min_blocks() { return NT <= 2 ? 4 : 3; }
+__host__ __device__ constexpr int min_blocks() { return NT <= 2 ? SPECD_MMA_MIN_BLOCKS : SPECD_MMA_MIN_BLOCKS - 1; }
+static_assert(SPECD_MMA_MIN_BLOCKS >= 2, "SPECD_MMA_MIN_BLOCKS: the 3+ tile instances take one block fewer");
 
 // --- kernels ---------------------------------------------------------------------------------
 
