@@ -96,8 +96,10 @@ void check_writable(const Tensor& t, const char* op, const char* arg) {
   SPECD_CHECK(t.writable, op, ": ", arg, " is read-only (the op writes into it)");
 }
 
-void check_cpu(const Tensor& t, const char* op, const char* arg) {
-  SPECD_CHECK(t.device == Device::CPU, op, ": ", arg, " must be on the CPU");
+void check_device(const Tensor& t, Device want, const char* op, const char* arg) {
+  SPECD_CHECK(t.device == want, op, ": ", arg, " must be on the ", want == Device::GPU ? "GPU" : "CPU");
 }
+
+void check_cpu(const Tensor& t, const char* op, const char* arg) { check_device(t, Device::CPU, op, arg); }
 
 }  // namespace specd

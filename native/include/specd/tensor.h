@@ -54,6 +54,7 @@ void check_dtype(const Tensor& t, DType want, const char* op, const char* arg);
 void check_ndim(const Tensor& t, int64_t want, const char* op, const char* arg);
 void check_contiguous(const Tensor& t, const char* op, const char* arg);
 void check_cpu(const Tensor& t, const char* op, const char* arg);
+void check_device(const Tensor& t, Device want, const char* op, const char* arg);  // "must be on the CPU / GPU"
 // For ops that write into an argument (KV cache, recurrent and conv states).
 void check_writable(const Tensor& t, const char* op, const char* arg);
 

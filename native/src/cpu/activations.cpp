@@ -52,13 +52,6 @@ Tensor binary(const Tensor& a, const Tensor& b, const char* op, const char* an, 
   return y;
 }
 
-// A per-head table of gdn_gates: F32 [H] or [1, H] with a contiguous last dimension.
-void check_head_vec(const Tensor& v, int64_t h, const char* arg) {
-  check_rows(v, DType::F32, -1, "gdn_gates", arg);
-  SPECD_CHECK((v.ndim() == 1 || (v.ndim() == 2 && v.shape[0] == 1)) && v.shape.back() == h, "gdn_gates: ", arg,
-              " must have shape [H] or [1, H] with H = ", h);
-}
-
 }  // namespace
 
 Tensor silu(const Tensor& x) { return unary(x, "silu", [](float v) { return silu(v); }); }
@@ -76,13 +69,25 @@ Tensor add(const Tensor& a, const Tensor& b) {
   return binary(a, b, "add", "a", "b", true, [](float x, float y) { return x + y; });
 }
 
+int64_t check_gdn_gates_shapes(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a) {
+  SPECD_CHECK(a.ndim() == 2, "gdn_gates: a must be [T, H], got ", a.ndim(), " dimensions");
+  SPECD_CHECK(b.shape == a.shape, "gdn_gates: b must have a's shape [T, H]");
+  const int64_t h = a.shape[1];
+  const auto per_head = [h](const Tensor& v, const char* arg) {
+    SPECD_CHECK((v.ndim() == 1 || (v.ndim() == 2 && v.shape[0] == 1)) && v.shape.back() == h, "gdn_gates: ", arg,
+                " must have shape [H] or [1, H] with H = ", h);
+  };
+  per_head(dt, "dt");
+  per_head(ssm_a, "ssm_a");
+  return h;
+}
+
 std::pair<Tensor, Tensor> gdn_gates(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a) {
   check_rows(a, DType::F32, 2, "gdn_gates", "a");
   check_rows(b, DType::F32, 2, "gdn_gates", "b");
-  SPECD_CHECK(b.shape == a.shape, "gdn_gates: b must have a's shape [T, H]");
-  const int64_t t = a.shape[0], h = a.shape[1];
-  check_head_vec(dt, h, "dt");
-  check_head_vec(ssm_a, h, "ssm_a");
+  check_rows(dt, DType::F32, -1, "gdn_gates", "dt");
+  check_rows(ssm_a, DType::F32, -1, "gdn_gates", "ssm_a");
+  const int64_t t = a.shape[0], h = check_gdn_gates_shapes(a, b, dt, ssm_a);
   Tensor g = Tensor::empty(a.shape, DType::F32), beta = Tensor::empty(a.shape, DType::F32);
   const float* dv = row_at<float>(dt, 0);
   const float* sv = row_at<float>(ssm_a, 0);

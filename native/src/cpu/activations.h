@@ -45,4 +45,8 @@ Tensor add(const Tensor& a, const Tensor& b);
 // Throws std::invalid_argument naming the argument on a bad dtype, ndim or shape.
 std::pair<Tensor, Tensor> gdn_gates(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a);
 
+// The shape contract of gdn_gates, shared by the CPU and GPU backends (each checks its own devices,
+// dtypes and layouts first): a [T, H], b of a's shape, dt and ssm_a [H] or [1, H]. Returns H.
+int64_t check_gdn_gates_shapes(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a);
+
 }  // namespace specd::cpu

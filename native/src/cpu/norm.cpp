@@ -17,22 +17,27 @@ double sum_squares(const float* x, int64_t d) {
   return s;
 }
 
-// A CPU F32 contiguous tensor of x's shape (residual, z).
-void check_like_x(const Tensor& t, const Tensor& x, const char* op, const char* arg) {
-  check_cpu(t, op, arg);
+// The RMSNorm scale of one row, as float (the double mean of squares, rounded once).
+float rms_scale(const float* x, int64_t d, float eps) {
+  return float(1.0 / std::sqrt(sum_squares(x, d) / double(d) + double(eps)));
+}
+
+}  // namespace
+
+void check_like_x(const Tensor& t, const Tensor& x, Device dev, const char* op, const char* arg) {
+  check_device(t, dev, op, arg);
   check_dtype(t, DType::F32, op, arg);
   check_contiguous(t, op, arg);
   SPECD_CHECK(t.shape == x.shape, op, ": ", arg, " shape differs from x");
 }
 
-// The checks rms_norm and rms_norm_gated share: x, weight and eps.
-void check_rms_args(const Tensor& x, const std::optional<Tensor>& weight, float eps, const char* op) {
-  check_cpu(x, op, "x");
+void check_rms_args(const Tensor& x, const std::optional<Tensor>& weight, float eps, Device dev, const char* op) {
+  check_device(x, dev, op, "x");
   check_dtype(x, DType::F32, op, "x");
   check_contiguous(x, op, "x");
   SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
   if (weight) {
-    check_cpu(*weight, op, "weight");
+    check_device(*weight, dev, op, "weight");
     check_dtype(*weight, DType::F32, op, "weight");
     check_contiguous(*weight, op, "weight");
     SPECD_CHECK(weight->numel() == x.cols(), op, ": weight has ", weight->numel(), " elements, x rows have ",
@@ -41,18 +46,11 @@ void check_rms_args(const Tensor& x, const std::optional<Tensor>& weight, float 
   SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");
 }
 
-// The RMSNorm scale of one row, as float (the double mean of squares, rounded once).
-float rms_scale(const float* x, int64_t d, float eps) {
-  return float(1.0 / std::sqrt(sum_squares(x, d) / double(d) + double(eps)));
-}
-
-}  // namespace
-
 std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>& weight, float eps,
                                    const std::optional<Tensor>& residual) {
   const char* op = "rms_norm";
-  check_rms_args(x, weight, eps, op);
-  if (residual) check_like_x(*residual, x, op, "residual");
+  check_rms_args(x, weight, eps, Device::CPU, op);
+  if (residual) check_like_x(*residual, x, Device::CPU, op, "residual");
   int64_t d = x.cols(), rows = x.rows();
   Tensor y = Tensor::empty(x.shape, DType::F32);
   Tensor h = residual ? Tensor::empty(x.shape, DType::F32) : x;
@@ -76,8 +74,8 @@ std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>&
 
 Tensor rms_norm_gated(const Tensor& x, const std::optional<Tensor>& weight, float eps, const Tensor& z) {
   const char* op = "rms_norm_gated";
-  check_rms_args(x, weight, eps, op);
-  check_like_x(z, x, op, "z");
+  check_rms_args(x, weight, eps, Device::CPU, op);
+  check_like_x(z, x, Device::CPU, op, "z");
   int64_t d = x.cols(), rows = x.rows();
   Tensor y = Tensor::empty(x.shape, DType::F32);
   const float* w = weight ? weight->ptr<float>() : nullptr;

@@ -20,6 +20,12 @@ std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>&
 // silu(z)). Throws std::invalid_argument naming the argument as rms_norm does.
 Tensor rms_norm_gated(const Tensor& x, const std::optional<Tensor>& weight, float eps, const Tensor& z);
 
+// Checks shared by the CPU and GPU norms (std::invalid_argument naming `op` and the argument):
+// x F32 [..., d] contiguous on `dev`, weight F32 with d elements, eps finite and >= 0 ...
+void check_rms_args(const Tensor& x, const std::optional<Tensor>& weight, float eps, Device dev, const char* op);
+// ... and an F32 contiguous tensor of x's shape on `dev` (residual, z).
+void check_like_x(const Tensor& t, const Tensor& x, Device dev, const char* op, const char* arg);
+
 // L2 normalisation over the last dimension: y = x / sqrt(sum(x^2) + eps). F32 [..., d].
 // This is the GDN q/k norm (eps inside the square root of the sum; qwen35-target.md §6.2).
 Tensor l2_norm(const Tensor& x, float eps);

@@ -16,27 +16,6 @@ namespace {
 
 constexpr int64_t kChanBlock = 64;  // channels per work item; fixed so per-channel code never varies
 
-void check_state(const Tensor& s, const std::vector<int64_t>& shape, const char* op, const char* arg,
-                 bool written = true) {
-  check_cpu(s, op, arg);
-  check_dtype(s, DType::F32, op, arg);
-  check_contiguous(s, op, arg);
-  if (written) check_writable(s, op, arg);
-  SPECD_CHECK(s.shape == shape, op, ": ", arg, " has the wrong shape (see the docstring for the expected one)");
-}
-
-// The state a call writes: `state_out` (checked like `state`, plus its aliasing contract) or `state`.
-// `state` must be writable only when it is the one written.
-const Tensor& written_state(const Tensor& state, const std::optional<Tensor>& state_out,
-                            const std::vector<int64_t>& shape, std::initializer_list<const Tensor*> inputs,
-                            const char* op) {
-  check_state(state, shape, op, "state", !state_out);
-  if (!state_out) return state;
-  check_state(*state_out, shape, op, "state_out");
-  if (check_state_out_aliasing(*state_out, state, inputs, op)) check_writable(state, op, "state");
-  return *state_out;
-}
-
 // Bytes [lo, hi) a tensor's elements can touch (any stride signs); empty for no elements.
 std::pair<uintptr_t, uintptr_t> byte_span(const Tensor& t) {
   const uintptr_t base = reinterpret_cast<uintptr_t>(t.data);
@@ -106,7 +85,7 @@ void gdn_token(const GdnArgs& a, int64_t t, int64_t j, float* S, float* qs) {
   }
 }
 
-// Returns the state the call writes (see written_state).
+// Returns the state the call writes (cpu::written_state).
 const Tensor& check_gdn(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                         const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
                         const std::optional<Tensor>& state_out) {
@@ -118,11 +97,11 @@ const Tensor& check_gdn(const Tensor& q, const Tensor& k, const Tensor& v, const
   check_rows(beta, DType::F32, 2, op, "beta");
   const GdnDims d = check_gated_delta_net_shapes(q, k, v, g, beta, scale, op);
   if (checkpoints) {
-    check_state(*checkpoints, {d.T, d.hv, d.dv, d.dk}, op, "checkpoints");
+    check_state(*checkpoints, {d.T, d.hv, d.dv, d.dk}, Device::CPU, op, "checkpoints");
     SPECD_CHECK(!overlap(*checkpoints, state), op, ": checkpoints must not overlap state");
   }
   return written_state(state, state_out, {d.hv, d.dv, d.dk},
-                       {&q, &k, &v, &g, &beta, checkpoints ? &*checkpoints : nullptr}, op);
+                       {&q, &k, &v, &g, &beta, checkpoints ? &*checkpoints : nullptr}, Device::CPU, op);
 }
 
 }  // namespace
@@ -133,13 +112,29 @@ bool overlap(const Tensor& a, const Tensor& b) {
   return lo < hi && c < d && c < hi && lo < d;
 }
 
-bool check_state_out_aliasing(const Tensor& state_out, const Tensor& state,
-                              std::initializer_list<const Tensor*> inputs, const char* op) {
-  if (state_out.data == state.data) return true;
-  SPECD_CHECK(!overlap(state_out, state), op, ": state_out must be state itself or not overlap it");
+void check_state(const Tensor& s, const std::vector<int64_t>& shape, Device dev, const char* op, const char* arg,
+                 bool written) {
+  check_device(s, dev, op, arg);
+  check_dtype(s, DType::F32, op, arg);
+  check_contiguous(s, op, arg);
+  if (written) check_writable(s, op, arg);
+  SPECD_CHECK(s.shape == shape, op, ": ", arg, " has the wrong shape (see the docstring for the expected one)");
+}
+
+const Tensor& written_state(const Tensor& state, const std::optional<Tensor>& state_out,
+                            const std::vector<int64_t>& shape, std::initializer_list<const Tensor*> inputs, Device dev,
+                            const char* op) {
+  check_state(state, shape, dev, op, "state", !state_out);
+  if (!state_out) return state;
+  check_state(*state_out, shape, dev, op, "state_out");
+  if (state_out->data == state.data) {  // in place
+    check_writable(state, op, "state");
+    return state;
+  }
+  SPECD_CHECK(!overlap(*state_out, state), op, ": state_out must be state itself or not overlap it");
   for (const Tensor* t : inputs)
-    SPECD_CHECK(!t || !overlap(state_out, *t), op, ": state_out must not overlap the inputs");
-  return false;
+    SPECD_CHECK(!t || !overlap(*state_out, *t), op, ": state_out must not overlap the inputs");
+  return *state_out;
 }
 
 GdnDims check_gated_delta_net_shapes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
@@ -166,7 +161,7 @@ Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state,
   int64_t T = x.dim(0), C = x.dim(1), K = weight.dim(0);
   SPECD_CHECK(K >= 1 && weight.dim(1) == C, op, ": weight must be [K >= 1, C=", C, "], got [", K, ", ",
               weight.dim(1), "]");
-  const Tensor& out_state = written_state(state, state_out, {K - 1, C}, {&x, &weight}, op);
+  const Tensor& out_state = written_state(state, state_out, {K - 1, C}, {&x, &weight}, Device::CPU, op);
   Tensor y = Tensor::empty({T, C}, DType::F32);
   int64_t blocks = (C + kChanBlock - 1) / kChanBlock;
   parallel_for(blocks, std::max<int64_t>(1, 64 / std::max<int64_t>(T, 1)), [&](int64_t b, int64_t e) {

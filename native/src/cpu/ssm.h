@@ -1,6 +1,7 @@
 #pragma once
 #include <initializer_list>
 #include <optional>
+#include <vector>
 
 #include "specd/tensor.h"
 
@@ -44,19 +45,26 @@ struct GdnDims {
   int64_t T, hk, dk, hv, dv;
 };
 
-// The shape contract of gated_delta_net above, shared by the CPU and GPU backends (each checks its
-// own devices, dtypes and layouts first): q and k [T, Hk, dk], v [T, Hv, dv] with Hv % Hk == 0,
-// g and beta [T, Hv], scale finite. Throws std::invalid_argument naming `op` and the argument.
-// The aliasing contract of a `state_out` argument, shared by the CPU and GPU backends (each checks
-// its device, dtype, layout and shape first): true when state_out is `state` itself (in place);
-// otherwise it must overlap neither `state` nor any of `inputs` (null entries are skipped).
-// Throws std::invalid_argument naming `op`.
-bool check_state_out_aliasing(const Tensor& state_out, const Tensor& state,
-                              std::initializer_list<const Tensor*> inputs, const char* op);
+// Checks shared by the CPU and GPU backends (std::invalid_argument naming `op` and the argument).
 
 // Whether the bytes two tensors can touch overlap (same device assumed; empty tensors never do).
 bool overlap(const Tensor& a, const Tensor& b);
 
+// A state argument (state, state_out, checkpoints): F32 of `shape` on `dev`, contiguous, and
+// writable when `written`.
+void check_state(const Tensor& s, const std::vector<int64_t>& shape, Device dev, const char* op, const char* arg,
+                 bool written = true);
+
+// The state a call writes, after checking `state` and `state_out`: state_out when given (either
+// `state` itself, in place, or overlapping neither `state` nor any of `inputs`; null entries are
+// skipped), else state; only the written one must be writable.
+const Tensor& written_state(const Tensor& state, const std::optional<Tensor>& state_out,
+                            const std::vector<int64_t>& shape, std::initializer_list<const Tensor*> inputs, Device dev,
+                            const char* op);
+
+// The shape contract of gated_delta_net above (each backend checks its own devices, dtypes and
+// layouts first): q and k [T, Hk, dk], v [T, Hv, dv] with Hv % Hk == 0, g and beta [T, Hv], scale
+// finite.
 GdnDims check_gated_delta_net_shapes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                      const Tensor& beta, float scale, const char* op);
 

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "../cpu/activations.h"
 #include "activations.cuh"
 #include "op_util.cuh"
 #include "ops.h"
@@ -80,13 +81,6 @@ __global__ void __launch_bounds__(kThreads) gdn_gates_kernel(const float* __rest
   }
 }
 
-// A per-head table of gdn_gates: F32 [H] or [1, H] on the GPU, contiguous.
-void check_head_vec(const Tensor& v, int64_t h, const char* arg) {
-  detail::check_gpu_tensor(v, DType::F32, -1, "gdn_gates", arg);
-  SPECD_CHECK((v.ndim() == 1 || (v.ndim() == 2 && v.shape[0] == 1)) && v.shape.back() == h, "gdn_gates: ", arg,
-              " must have shape [H] or [1, H] with H = ", h);
-}
-
 }  // namespace
 
 Tensor silu(const Tensor& x) { return run<Op::Silu>(x, nullptr, "silu", "x", ""); }
@@ -99,10 +93,9 @@ Tensor add(const Tensor& a, const Tensor& b) { return run<Op::Add>(a, &b, "add",
 std::pair<Tensor, Tensor> gdn_gates(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a) {
   detail::check_gpu_tensor(a, DType::F32, 2, "gdn_gates", "a");
   detail::check_gpu_tensor(b, DType::F32, 2, "gdn_gates", "b");
-  SPECD_CHECK(b.shape == a.shape, "gdn_gates: b must have a's shape [T, H]");
-  const int64_t h = a.shape[1], n = a.numel();
-  check_head_vec(dt, h, "dt");
-  check_head_vec(ssm_a, h, "ssm_a");
+  detail::check_gpu_tensor(dt, DType::F32, -1, "gdn_gates", "dt");
+  detail::check_gpu_tensor(ssm_a, DType::F32, -1, "gdn_gates", "ssm_a");
+  const int64_t h = cpu::check_gdn_gates_shapes(a, b, dt, ssm_a), n = a.numel();
   Tensor g = Tensor::empty(a.shape, DType::F32, Device::GPU), beta = Tensor::empty(a.shape, DType::F32, Device::GPU);
   if (n == 0) return {g, beta};
   gdn_gates_kernel<<<unsigned(grid_for(n)), kThreads, 0, detail::stream()>>>(

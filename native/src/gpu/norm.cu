@@ -12,6 +12,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "../cpu/norm.h"
 #include "activations.cuh"
 #include "common.cuh"
 #include "ops.h"
@@ -142,38 +143,14 @@ void check_rows(const char* op, int64_t rows) {
   SPECD_CHECK(rows <= 0x7fffffff, op, ": at most 2^31 - 1 rows on the GPU, got ", rows);
 }
 
-// A GPU F32 contiguous tensor of x's shape (residual, z).
-void check_like_x(const Tensor& t, const Tensor& x, const char* op, const char* arg) {
-  detail::check_gpu(t, op, arg);
-  check_dtype(t, DType::F32, op, arg);
-  check_contiguous(t, op, arg);
-  SPECD_CHECK(t.shape == x.shape, op, ": ", arg, " shape differs from x");
-}
-
-// The checks rms_norm and rms_norm_gated share: x, weight, eps and the row count.
-void check_rms_args(const Tensor& x, const std::optional<Tensor>& weight, float eps, const char* op) {
-  detail::check_gpu(x, op, "x");
-  check_dtype(x, DType::F32, op, "x");
-  check_contiguous(x, op, "x");
-  SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
-  if (weight) {
-    detail::check_gpu(*weight, op, "weight");
-    check_dtype(*weight, DType::F32, op, "weight");
-    check_contiguous(*weight, op, "weight");
-    SPECD_CHECK(weight->numel() == x.cols(), op, ": weight has ", weight->numel(), " elements, x rows have ",
-                x.cols());
-  }
-  SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");
-  check_rows(op, x.rows());
-}
-
 }  // namespace
 
 std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>& weight, float eps,
                                    const std::optional<Tensor>& residual) {
   const char* op = "rms_norm";
-  check_rms_args(x, weight, eps, op);
-  if (residual) check_like_x(*residual, x, op, "residual");
+  cpu::check_rms_args(x, weight, eps, Device::GPU, op);
+  check_rows(op, x.rows());
+  if (residual) cpu::check_like_x(*residual, x, Device::GPU, op, "residual");
   int64_t d = x.cols(), rows = x.rows();
   Tensor y = Tensor::empty(x.shape, DType::F32, Device::GPU);
   Tensor h = residual ? Tensor::empty(x.shape, DType::F32, Device::GPU) : x;
@@ -189,8 +166,9 @@ std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>&
 
 Tensor rms_norm_gated(const Tensor& x, const std::optional<Tensor>& weight, float eps, const Tensor& z) {
   const char* op = "rms_norm_gated";
-  check_rms_args(x, weight, eps, op);
-  check_like_x(z, x, op, "z");
+  cpu::check_rms_args(x, weight, eps, Device::GPU, op);
+  check_rows(op, x.rows());
+  cpu::check_like_x(z, x, Device::GPU, op, "z");
   Tensor y = Tensor::empty(x.shape, DType::F32, Device::GPU);
   if (x.rows() == 0) return y;
   launch<Mode::RMS, false, true>(x.ptr<float>(), nullptr, weight ? weight->ptr<float>() : nullptr, nullptr,

@@ -22,9 +22,9 @@
 // to their scale per token; tests use 1e-4 * max|ref| + rtol 1e-4 over up to 16 tokens.
 #include <algorithm>
 #include <cmath>
-#include <initializer_list>
 
 #include "../cpu/ssm.h"
+#include "activations.cuh"
 #include "op_util.cuh"
 #include "ops.h"
 
@@ -35,12 +35,6 @@ namespace {
 // ------------------------------------------------------------------------------ conv1d_causal
 
 constexpr int kConvThreads = 128;
-
-__device__ __forceinline__ double sigmoid_f64(double x) {
-  if (x >= 0.0) return 1.0 / (1.0 + exp(-x));
-  double e = exp(x);
-  return e / (1.0 + e);
-}
 
 // state_out may be state (in place): no __restrict__ on either.
 __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __restrict__ x, const float* __restrict__ w,
@@ -57,7 +51,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __res
       float src = r < km1 ? state[r * C + c] : x[(r - km1) * C + c];
       acc = __fadd_rn(acc, __fmul_rn(w[j * C + c], src));
     }
-    y[t * C + c] = silu_out ? float(double(acc) * sigmoid_f64(acc)) : acc;
+    y[t * C + c] = silu_out ? detail::apply<detail::Op::Silu>(acc, 0.0f) : acc;  // the silu op's code
   }
   // New state = X rows T .. T+K-2; ascending r reads state row T + r before it is overwritten
   // (in place).
@@ -178,25 +172,6 @@ __global__ void __launch_bounds__(kFallbackThreads) gdn_fallback_kernel(const Gd
   }
 }
 
-void check_state(const Tensor& s, const std::vector<int64_t>& shape, const char* op, const char* arg,
-                 bool written = true) {
-  detail::check_gpu_tensor(s, DType::F32, -1, op, arg);
-  if (written) check_writable(s, op, arg);
-  SPECD_CHECK(s.shape == shape, op, ": ", arg, " has the wrong shape (see the docstring for the expected one)");
-}
-
-// The state a call writes: `state_out` (checked like `state`, plus its aliasing contract) or `state`.
-// `state` must be writable only when it is the one written.
-const Tensor& written_state(const Tensor& state, const std::optional<Tensor>& state_out,
-                            const std::vector<int64_t>& shape, std::initializer_list<const Tensor*> inputs,
-                            const char* op) {
-  check_state(state, shape, op, "state", !state_out);
-  if (!state_out) return state;
-  check_state(*state_out, shape, op, "state_out");
-  if (cpu::check_state_out_aliasing(*state_out, state, inputs, op)) check_writable(state, op, "state");
-  return *state_out;
-}
-
 }  // namespace
 
 Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu,
@@ -207,7 +182,7 @@ Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state,
   int64_t T = x.dim(0), C = x.dim(1), K = weight.dim(0);
   SPECD_CHECK(K >= 1 && weight.dim(1) == C, op, ": weight must be [K >= 1, C=", C, "], got [", K, ", ",
               weight.dim(1), "]");
-  const Tensor& out_state = written_state(state, state_out, {K - 1, C}, {&x, &weight}, op);
+  const Tensor& out_state = cpu::written_state(state, state_out, {K - 1, C}, {&x, &weight}, Device::GPU, op);
   Tensor y = Tensor::empty({T, C}, DType::F32, Device::GPU);
   if (C == 0) return y;
   int64_t blocks = (C + kConvThreads - 1) / kConvThreads;
@@ -231,11 +206,12 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
   const cpu::GdnDims d = cpu::check_gated_delta_net_shapes(q, k, v, g, beta, scale, op);
   const int64_t T = d.T, hk = d.hk, dk = d.dk, hv = d.hv, dv = d.dv;
   if (checkpoints) {
-    check_state(*checkpoints, {T, hv, dv, dk}, op, "checkpoints");
+    cpu::check_state(*checkpoints, {T, hv, dv, dk}, Device::GPU, op, "checkpoints");
     SPECD_CHECK(!cpu::overlap(*checkpoints, state), op, ": checkpoints must not overlap state");  // blocks race
   }
-  const Tensor& out_state = written_state(state, state_out, {hv, dv, dk},
-                                          {&q, &k, &v, &g, &beta, checkpoints ? &*checkpoints : nullptr}, op);
+  const Tensor& out_state = cpu::written_state(state, state_out, {hv, dv, dk},
+                                               {&q, &k, &v, &g, &beta, checkpoints ? &*checkpoints : nullptr},
+                                               Device::GPU, op);
   SPECD_CHECK(hv <= 0x7fffffff && dk <= 0x7fffffff / 2 && dv <= 0x7fffffff, op, ": dimensions too large");
   Tensor out = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
   const bool in_place = out_state.data == state.data;
