@@ -236,7 +236,8 @@ class Qwen35Model:
             self.gdn_vecs = {i: (up.plain(l.ssm_dt).reshape([1, hp.n_v_heads]),
                                  up.plain(l.ssm_a).reshape([1, hp.n_v_heads]))
                              for i, l in enumerate(weights.layers) if hp.recurrent[i]}
-            if up.gemv_tiles:  # the row-major upload temporaries stay cached in the pool otherwise
+            if up.gemv_tiles:  # the staging buffers of the tiled upload stay cached in the pool otherwise
+                up.release_staging()
                 sn.gpu_trim_pool()  # (H200, 27B IQ4_XS: 1.85 GB of the process's device memory)
             elif self.device == sn.Device.GPU:
                 sn.gpu_synchronize()
@@ -453,18 +454,21 @@ class Qwen35Model:
         h, d = None, ops.a(sn.embedding(self.token_embd, tokens, trusted=True))
         taps, pending = {}, []
         for i, layer in enumerate(self.layers):
-            u, x = sn.rms_norm(d, layer.attn_norm, eps, residual=h) if h is not None else \
-                (sn.rms_norm(d, layer.attn_norm, eps), d)
+            # the attn_norm-ed stream's projections (the norm fused with their GEMV's input split)
+            proj = [layer.attn_qkv, layer.attn_gate, layer.ssm_beta, layer.ssm_alpha] if self.hp.recurrent[i] \
+                else [layer.attn_q, layer.attn_k, layer.attn_v]
+            ys, x = mm.norm_group(d, layer.attn_norm, eps, proj, residual=h)
             if i - 1 in self.capture_layers:
                 taps[i - 1] = ops.a(x)
+            ys = [ops.a(y) for y in ys]
             if self.hp.recurrent[i]:
-                mix, p = self._gdn(i, layer, u, st, tree, mm)
+                mix, p = self._gdn(i, layer, *ys, st, tree, mm)
             else:
-                mix, p = self._attention(i, layer, u, st, positions, rows, kv_len, tree, mm), None
+                mix, p = self._attention(i, layer, *ys, st, positions, rows, kv_len, tree, mm), None
             pending.append(p)
-            u, h = sn.rms_norm(mix, layer.post_attention_norm, eps, residual=x)
-            ffn = sn.swiglu(*mm.group(u, [layer.ffn_gate, layer.ffn_up]))
-            d = ops.a(mm(ffn, layer.ffn_down))
+            (gate, up), h = mm.norm_group(mix, layer.post_attention_norm, eps, [layer.ffn_gate, layer.ffn_up],
+                                          residual=x)
+            d = ops.a(mm.swiglu(gate, up, layer.ffn_down))
         feats = ops.cat([taps[i] for i in self.capture_layers], axis=1) if self.capture_layers else None
         if last_only:
             h, d = ops.last_row(ops.a(h)) if h is not None else None, ops.last_row(d)
@@ -482,12 +486,12 @@ class Qwen35Model:
     def _gdn_scale(self) -> float:
         return 1.0 / math.sqrt(self.hp.head_k_dim)
 
-    def _attention(self, i, layer, u, st, positions, rows, kv_len, tree, mm):
-        """Gated full attention of layer i on u (the attn_norm-ed residual stream)."""
-        hp, w = self.hp, u.shape[0]
+    def _attention(self, i, layer, qg, k, v, st, positions, rows, kv_len, tree, mm):
+        """Gated full attention of layer i from the q / gate, k and v projections of its attn_norm-ed
+        residual stream."""
+        hp, w = self.hp, qg.shape[0]
         hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
         ops = self._ops
-        qg, k, v = (ops.a(y) for y in mm.group(u, [layer.attn_q, layer.attn_k, layer.attn_v]))
         qg = ops.reshape(qg, w * nh, 2 * hd)  # per head [q | gate]
         q = sn.rms_norm(ops.reshape(ops.cols(qg, 0, hd), w, nh, hd), layer.attn_q_norm, hp.rms_eps)
         gate = ops.reshape(ops.cols(qg, hd, 2 * hd), w, nh, hd)
@@ -505,13 +509,12 @@ class Qwen35Model:
         a = ops.reshape(ops.a(sn.mul(a, sn.sigmoid(gate))), w, nh * hd)
         return ops.a(mm(a, layer.attn_output))
 
-    def _gdn(self, i, layer, u, st, tree, mm):
-        """Gated DeltaNet of layer i on u (the attn_norm-ed residual stream): (output, pending states)."""
-        hp, w = self.hp, u.shape[0]
+    def _gdn(self, i, layer, m, z, b, a, st, tree, mm):
+        """Gated DeltaNet of layer i from the qkv, gate (z), beta and alpha projections of its
+        attn_norm-ed residual stream: (output, pending states)."""
+        hp, w = self.hp, m.shape[0]
         hk, hv, dk, dv = hp.n_k_heads, hp.n_v_heads, hp.head_k_dim, hp.head_v_dim
         ops = self._ops
-        m, z, b, a = (ops.a(y) for y in mm.group(u, [layer.attn_qkv, layer.attn_gate, layer.ssm_beta,
-                                                     layer.ssm_alpha]))
         z = ops.reshape(z, w, hv, dv)
         if tree is None:  # pending states out of place: the committed ones stay untouched
             conv_state = ops.empty(st.conv[i].shape)
@@ -548,9 +551,8 @@ class Qwen35Model:
     def _logits(self, d, h):
         """Logits of the rows of the final hidden state h + d (summed by the output norm; d alone when
         h is None: no layers), on the model's device (numpy on the CPU)."""
-        u = sn.rms_norm(d, self.output_norm, self.hp.rms_eps, residual=h) if h is not None else \
-            (sn.rms_norm(d, self.output_norm, self.hp.rms_eps),)
-        return self._ops.a(sn.matmul(u[0], self.output))
+        (logits,), _ = _EXACT.norm_group(d, self.output_norm, self.hp.rms_eps, [self.output], residual=h)
+        return self._ops.a(logits)
 
     # ------------------------------------------------------------------ commit helpers
 
@@ -643,6 +645,15 @@ class _Linear:
 
     def group(self, x, ws):
         return sn.matmul_group(x, ws, exact=self.exact)
+
+    def norm_group(self, x, weight, eps, ws, residual=None):
+        """(group(u, ws), h) with (u, h) = rms_norm of h = x + residual (or x): sn.rms_norm_matmul,
+        whose GPU norm kernel also writes the GEMV's input split (one launch fewer, bit-identical)."""
+        return sn.rms_norm_matmul(x, weight, eps, ws, residual=residual, exact=self.exact)
+
+    def swiglu(self, gate, up, w):
+        """swiglu(gate, up) @ w^T: sn.swiglu_matmul (the GEMV's input split computes the SwiGLU)."""
+        return sn.swiglu_matmul(gate, up, [w], exact=self.exact)[0]
 
 
 _EXACT, _INEXACT = _Linear(True), _Linear(False)

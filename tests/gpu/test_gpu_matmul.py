@@ -286,3 +286,56 @@ def test_matmul_group_bad_input(rng):
         sn.matmul_group(xg, [weight(rng, "Q8_0", 4, 256).to(GPU), weight(rng, "Q8_0", 4, 512).to(GPU)])
     with pytest.raises(ValueError):
         sn.matmul_group(xg, [weight(rng, "Q8_0", 4, 256)])  # a CPU weight with a GPU x
+
+
+def _bits(t):
+    return t.numpy().view(np.uint32)
+
+
+@gpu_only
+def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
+    """The GEMV's x split fused into the op producing x (norm_split_kernel, split_x_kernel<SwigluInput>)
+    gives bit for bit what the composition gives on the GPU (rms_norm or swiglu, then matmul_group):
+    every tensor-core format incl. IQ4_XS_TILED, with and without a residual and a norm weight, n = 1..16
+    (fused) and 17, 40 (the composition: GEMV slices, and the BF16 GEMM with exact=False), a ragged
+    last 256-group (Q8_0, 288 inputs) and a float weight in the list (composition)."""
+    cases = [(512, ["IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS_TILED"]), (288, ["Q8_0", "Q8_0"]),
+             (256, ["Q8_0", "F32"])]
+    for d, names in cases:
+        ws = []
+        for name in names:
+            if name == "IQ4_XS_TILED":
+                ws.append(sn.tile_for_gemv(weight(rng, "IQ4_XS", 48, d).to(GPU)))
+            else:
+                ws.append(weight(rng, name, int(rng.integers(1, 200)), d).to(GPU))
+        nw = sn.Tensor((1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)).to(GPU)
+        for n, exact in ((1, True), (2, True), (7, True), (16, True), (17, True), (40, False)):
+            x, r, g, u = (sn.Tensor(rng.standard_normal((n, d)).astype(np.float32)).to(GPU) for _ in range(4))
+            for weight_, residual in ((nw, r), (nw, None), (None, r)):
+                ys, h = sn.rms_norm_matmul(x, weight_, 1e-6, ws, residual=residual, exact=exact)
+                if residual is None:
+                    uref, href = sn.rms_norm(x, weight_, 1e-6), x
+                else:
+                    uref, href = sn.rms_norm(x, weight_, 1e-6, residual=residual)
+                assert np.array_equal(_bits(h), _bits(href))
+                for name, y, want in zip(names, ys, sn.matmul_group(uref, ws, exact=exact)):
+                    assert np.array_equal(_bits(y), _bits(want)), (d, name, n, residual is None, weight_ is None)
+            for name, y, want in zip(names, sn.swiglu_matmul(g, u, ws, exact=exact),
+                                     sn.matmul_group(sn.swiglu(g, u), ws, exact=exact)):
+                assert np.array_equal(_bits(y), _bits(want)), (d, name, n, "swiglu")
+
+
+@gpu_only
+def test_fused_matmul_bad_input_on_gpu(rng):
+    xg = sn.Tensor(rng.standard_normal((2, 256)).astype(np.float32)).to(GPU)
+    w = weight(rng, "Q8_0", 4, 256).to(GPU)
+    with pytest.raises(ValueError, match="no weights"):
+        sn.rms_norm_matmul(xg, None, 1e-6, [])
+    with pytest.raises(ValueError, match="columns"):
+        sn.rms_norm_matmul(xg, None, 1e-6, [w, weight(rng, "Q8_0", 4, 512).to(GPU)])
+    with pytest.raises(ValueError):
+        sn.rms_norm_matmul(xg, None, 1e-6, [weight(rng, "Q8_0", 4, 256)])  # a CPU weight with a GPU x
+    with pytest.raises(ValueError, match="residual"):
+        sn.rms_norm_matmul(xg, None, 1e-6, [w], residual=sn.Tensor(np.zeros((2, 128), np.float32)).to(GPU))
+    with pytest.raises(ValueError, match="same shape"):
+        sn.swiglu_matmul(xg, sn.Tensor(np.zeros((2, 128), np.float32)).to(GPU), [w])

@@ -142,3 +142,42 @@ def test_matmul_group(rng):
         sn.matmul_group(x, [])
     with pytest.raises(ValueError):
         sn.matmul_group(x, [make_weight(rng, "Q8_0", 4, 512)[0]])
+
+
+def bits(t):
+    return (t.numpy() if isinstance(t, sn.Tensor) else t).view(np.uint32)
+
+
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions(rng, n):
+    """The fused projections on the CPU (the GPU kernels: tests/gpu/test_gpu_matmul.py) are the
+    compositions bit for bit: rms_norm_matmul = matmul_group(rms_norm(...)) with and without a
+    residual and a norm weight; swiglu_matmul = matmul_group(swiglu(gate, up))."""
+    d = 256
+    x, r, g, u = (rng.standard_normal((n, d)).astype(np.float32) for _ in range(4))
+    nw = sn.Tensor((1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+    ws = [make_weight(rng, name, out, d)[0] for name, out in (("Q8_0", 7), ("IQ4_XS", 3), ("F32", 5))]
+    for weight, residual in ((nw, None), (nw, r), (None, r), (None, None)):
+        ys, h = sn.rms_norm_matmul(x, weight, 1e-6, ws, residual=residual)
+        ref = sn.rms_norm(x, weight, 1e-6, residual=residual) if residual is not None else \
+            (sn.rms_norm(x, weight, 1e-6), x)
+        assert np.array_equal(bits(h), bits(ref[1]))
+        for y, want in zip(ys, sn.matmul_group(ref[0], ws)):
+            assert np.array_equal(bits(y), bits(want))
+    for y, want in zip(sn.swiglu_matmul(g, u, ws), sn.matmul_group(sn.swiglu(g, u), ws)):
+        assert np.array_equal(bits(y), bits(want))
+
+
+def test_fused_matmul_bad_input(rng):
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    w = make_weight(rng, "Q8_0", 4, 256)[0]
+    with pytest.raises(ValueError, match="rms_norm_matmul: no weights"):
+        sn.rms_norm_matmul(x, None, 1e-6, [])
+    with pytest.raises(ValueError, match="residual"):
+        sn.rms_norm_matmul(x, None, 1e-6, [w], residual=np.zeros((2, 128), np.float32))
+    with pytest.raises(ValueError, match=r"rms_norm_matmul: ws\[0\]"):
+        sn.rms_norm_matmul(x, None, 1e-6, [make_weight(rng, "Q8_0", 4, 512)[0]])
+    with pytest.raises(ValueError, match="swiglu_matmul: no weights"):
+        sn.swiglu_matmul(x, x, [])
+    with pytest.raises(ValueError):
+        sn.swiglu_matmul(x, np.zeros((2, 128), np.float32), [w])

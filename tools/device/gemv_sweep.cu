@@ -75,7 +75,7 @@ void call(const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, i
     CK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, 0));
     return v;
   }();
-  mma::launch_split_x(x, in, n, xbuf, nullptr);
+  mma::launch_split_x(mma::PlainInput{x, in}, in, n, xbuf, nullptr);
   size_t used = 0;
   mma::launch<F, NT>(ws.data(), int(ws.size()), in, mma::x_view(xbuf, in, n), n, sms, [&](size_t bytes) {
     float* p = reinterpret_cast<float*>(scratch + used);

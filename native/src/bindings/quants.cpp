@@ -2,7 +2,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "../cpu/activations.h"
 #include "../cpu/matmul.h"
+#include "../cpu/norm.h"
 #include "../cpu/quants.h"
 #if SPECD_WITH_GPU
 #include "../gpu/ops.h"
@@ -27,6 +29,29 @@ Tensor as_tensor(const py::handle& obj, const char* op, const char* arg) {
   return from_numpy(a, std::nullopt);
 }
 
+// The weights of a group call (a non-empty sequence, each on x's device).
+std::vector<Tensor> group_weights(const Tensor& x, const py::sequence& ws, const char* op) {
+  std::vector<Tensor> wt;
+  for (const py::handle& w : ws) {
+    wt.push_back(as_tensor(w, op, "ws[i]"));
+    require_same_device(x, wt.back(), op);
+  }
+  SPECD_CHECK(!wt.empty(), op, ": no weights");
+  return wt;
+}
+
+// [x @ w.T for w in ws] on the CPU (call without the GIL); errors name the weight's index.
+std::vector<Tensor> cpu_group(const Tensor& x, const std::vector<Tensor>& ws, const char* op) {
+  std::vector<Tensor> ys;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    try {
+      ys.push_back(cpu::matmul(x, ws[i]));
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string(op) + ": ws[" + std::to_string(i) + "]: " + e.what());
+    }
+  }
+  return ys;
+}
 
 }  // namespace
 
@@ -89,26 +114,11 @@ within (2^-8 + 1e-5) * (|x| @ |w|^T), not batch invariant). The CPU is always ex
       "matmul_group",
       [](const py::object& x, const py::sequence& ws, bool exact) {
         Tensor xt = as_tensor(x, "matmul_group", "x");
-        std::vector<Tensor> wt;
-        for (const py::handle& w : ws) {
-          wt.push_back(as_tensor(w, "matmul_group", "ws[i]"));
-          require_same_device(xt, wt.back(), "matmul_group");
-        }
-        if (wt.empty()) throw py::value_error("matmul_group: no weights");
+        std::vector<Tensor> wt = group_weights(xt, ws, "matmul_group");
 #if SPECD_WITH_GPU
         if (xt.device == Device::GPU) return without_gil([&] { return gpu::matmul_group(xt, wt, exact); });
 #endif
-        return without_gil([&] {
-          std::vector<Tensor> ys;
-          for (size_t i = 0; i < wt.size(); ++i) {
-            try {
-              ys.push_back(cpu::matmul(xt, wt[i]));
-            } catch (const std::invalid_argument& e) {
-              throw std::invalid_argument("matmul_group: ws[" + std::to_string(i) + "]: " + e.what());
-            }
-          }
-          return ys;
-        });
+        return without_gil([&] { return cpu_group(xt, wt, "matmul_group"); });
       },
       py::arg("x"), py::arg("ws"), py::arg("exact") = true,
       R"doc([x @ w.T for w in ws]: several linear layers reading the same x (the projections of one
@@ -121,6 +131,57 @@ one launch of up to 8 weights; F32 / F16 / BF16 weights (and every format on HIP
 launch each. GPU, n > 16 with exact=False: x is rounded to BF16 once, then one GEMM per weight. The
 CPU runs the calls in turn. Raises ValueError on an empty sequence, dtype, dimension or device
 mismatch (naming ws[i]).)doc");
+
+  m.def(
+      "rms_norm_matmul",
+      [](const py::object& x, std::optional<Tensor> weight, float eps, const py::sequence& ws,
+         std::optional<Tensor> residual, bool exact) {
+        const char* op = "rms_norm_matmul";
+        Tensor xt = as_tensor(x, op, "x");
+        for (const auto* t : {&weight, &residual})
+          if (*t) require_same_device(xt, **t, op);
+        std::vector<Tensor> wt = group_weights(xt, ws, op);
+        auto [ys, h] = without_gil([&]() -> std::pair<std::vector<Tensor>, Tensor> {
+#if SPECD_WITH_GPU
+          if (xt.device == Device::GPU) return gpu::rms_norm_matmul(xt, weight, eps, wt, residual, exact);
+#endif
+          auto [u, hh] = cpu::rms_norm(xt, weight, eps, residual);
+          return {cpu_group(u, wt, op), hh};
+        });
+        return py::make_tuple(ys, h);
+      },
+      py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("ws"), py::arg("residual") = py::none(),
+      py::arg("exact") = true,
+      R"doc(The projections of an RMS-normed hidden state: (ys, h) with ys = matmul_group(u, ws, exact)
+where u = rms_norm(x, weight, eps) of h = x + residual (with a residual) or of h = x (without).
+
+Arguments as for rms_norm and matmul_group (x F32 [n, d]; weight F32 [d] or None; ws [out_i, d]; all on
+one device). Returns (list of F32 [n, out_i], h). Bit-identical to that composition on each backend.
+On the GPU, when the tensor-core GEMV reads the normed rows (1 <= n <= 16, every weight Q8_0 /
+K-quant / IQ4_XS, 16-byte aligned rows) the norm kernel also writes the GEMV's split of them and u is
+never stored (one kernel launch fewer per call, matmul.cu: norm_split_kernel); otherwise the ops run
+in turn. Raises ValueError as those ops do.)doc");
+  m.def(
+      "swiglu_matmul",
+      [](const py::object& gate, const py::object& up, const py::sequence& ws, bool exact) {
+        const char* op = "swiglu_matmul";
+        Tensor gt = as_tensor(gate, op, "gate"), ut = as_tensor(up, op, "up");
+        require_same_device(gt, ut, op);
+        std::vector<Tensor> wt = group_weights(gt, ws, op);
+#if SPECD_WITH_GPU
+        if (gt.device == Device::GPU) return without_gil([&] { return gpu::swiglu_matmul(gt, ut, wt, exact); });
+#endif
+        return without_gil([&] { return cpu_group(cpu::swiglu(gt, ut), wt, op); });
+      },
+      py::arg("gate"), py::arg("up"), py::arg("ws"), py::arg("exact") = true,
+      R"doc(matmul_group(swiglu(gate, up), ws, exact): the SwiGLU MLP's down projection (and any other
+weight reading the same activations), bit-identical to that composition on each backend.
+
+gate, up: F32 [n, in] of one shape; ws: [out_i, in] as for matmul_group; all on one device. Returns a
+list of F32 [n, out_i]. On the GPU, when the tensor-core GEMV reads the activations (as for
+rms_norm_matmul), its x split computes silu(gate) * up itself with the swiglu op's device code and
+the activations are never stored (one kernel launch fewer); otherwise swiglu, then matmul_group.
+Raises ValueError as swiglu and matmul_group do.)doc");
 
   m.def(
       "tile_for_gemv",

@@ -71,7 +71,10 @@
 #include <utility>
 #include <vector>
 
+#include "../cpu/norm.h"
+#include "activations.cuh"
 #include "common.cuh"
+#include "norm.cuh"
 #include "op_util.cuh"
 #include "ops.h"
 #include "specd/gpu.h"
@@ -311,15 +314,12 @@ void check_weight(const Tensor& w, int64_t in, const char* op) {
 
 namespace {
 
-// matmul / matmul_group; `op` names the caller in errors, weights are "w" (one) or "ws[i]" with i.
-std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool exact, const char* op) {
-  detail::check_gpu(x, op, "x");
-  check_dtype(x, DType::F32, op, "x");
-  check_contiguous(x, op, "x");
-  SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
+// The outputs [..., out_i] of x [..., in] @ ws[i]^T on the GPU after checking the weights against
+// x's shape (x itself is checked by the caller); `op` names the caller in errors, weights are "w"
+// (one) or "ws[i]" with i.
+std::vector<Tensor> linear_outputs(const Tensor& x, const std::vector<Tensor>& ws, const char* op) {
   SPECD_CHECK(!ws.empty(), op, ": no weights");
-  SPECD_CHECK(detail::aligned16(x.data), op, ": x data must be 16-byte aligned");
-  const int64_t n = x.rows(), in = x.cols();
+  const int64_t in = x.cols();
   std::vector<Tensor> ys;
   for (size_t i = 0; i < ws.size(); ++i) {
     const Tensor& w = ws[i];
@@ -335,6 +335,18 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
     shape.back() = w.dim(0);
     ys.push_back(Tensor::empty(shape, DType::F32, Device::GPU));
   }
+  return ys;
+}
+
+// matmul / matmul_group; `op` names the caller in errors.
+std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool exact, const char* op) {
+  detail::check_gpu(x, op, "x");
+  check_dtype(x, DType::F32, op, "x");
+  check_contiguous(x, op, "x");
+  SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
+  SPECD_CHECK(detail::aligned16(x.data), op, ": x data must be 16-byte aligned");
+  std::vector<Tensor> ys = linear_outputs(x, ws, op);
+  const int64_t n = x.rows(), in = x.cols();
   if (n == 0) return ys;
   if (in == 0) {
     for (Tensor& y : ys)
@@ -377,6 +389,97 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
   return ys;
 }
 
+#if SPECD_MMA_GEMV
+// --- the GEMV's x split fused into the op that produces x (one launch fewer per call) -------------
+
+// rms_norm's output values (norm.cuh: normed, the standalone kernel's second pass) as split inputs:
+// row r of src (x, or h = x + residual) times the row's scale and w (or none). Rows 16-byte aligned.
+struct NormInput {
+  const float* src;
+  const float* __restrict__ w;
+  float scale;  // of the row being split (one block per row)
+  int64_t d;
+  __device__ __forceinline__ void load(int r, int64_t blk, int t, float (&v)[8]) const {
+    const float4* s4 = reinterpret_cast<const float4*>(src + int64_t(r) * d + 32 * blk);
+    const float4* w4 = w ? reinterpret_cast<const float4*>(w + 32 * blk) : nullptr;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int i = t + 4 * k;  // inputs 4t.. (k = 0) and 16 + 4t.. (k = 1)
+      const float4 o = detail::norm::normed<false>(s4[i], scale, w4 ? w4 + i : nullptr, float4{});
+      v[4 * k] = o.x, v[4 * k + 1] = o.y, v[4 * k + 2] = o.z, v[4 * k + 3] = o.w;
+    }
+  }
+};
+
+// swiglu's output values (activations.cuh: the swiglu op's device code) as split inputs.
+struct SwigluInput {
+  const float* __restrict__ g;
+  const float* __restrict__ u;
+  int64_t in;
+  __device__ __forceinline__ void load(int r, int64_t blk, int t, float (&v)[8]) const {
+    const int64_t off = int64_t(r) * in + 32 * blk;
+    const float4* g4 = reinterpret_cast<const float4*>(g + off);
+    const float4* u4 = reinterpret_cast<const float4*>(u + off);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const float4 a = g4[t + 4 * k], b = u4[t + 4 * k];
+      using detail::Op;
+      v[4 * k] = detail::apply<Op::Swiglu>(a.x, b.x), v[4 * k + 1] = detail::apply<Op::Swiglu>(a.y, b.y);
+      v[4 * k + 2] = detail::apply<Op::Swiglu>(a.z, b.z), v[4 * k + 3] = detail::apply<Op::Swiglu>(a.w, b.w);
+    }
+  }
+};
+
+// One block per row of x [n, d] (the norm kernel's block size, threads_for(d / 4)): the norm's first
+// pass (norm.cuh, the standalone vector kernel's arithmetic: the same scale), then the block's warps
+// split the row's 256-input groups from the values the norm's second pass would store (NormInput), so
+// the split equals split_x of rms_norm's output bit for bit; with a residual, h = x + residual is
+// stored. The normed row itself is not stored: only the GEMV reads it.
+template <bool RESID>
+__global__ void norm_split_kernel(const float* __restrict__ x, const float* __restrict__ residual,
+                                  const float* __restrict__ w, float* h, int64_t d, float eps, int n,
+                                  uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
+  using namespace detail::norm;
+  detail::mma::pdl_launch_dependents();  // the GEMV may start loading weights now (it waits for our writes)
+  const int r = int(blockIdx.x);
+  const int64_t off = int64_t(r) * d;
+  const float4* rr = RESID ? reinterpret_cast<const float4*>(residual + off) : nullptr;
+  float4* hr = RESID ? reinterpret_cast<float4*>(h + off) : nullptr;
+  const double ss = block_sum(row_squares<RESID>(reinterpret_cast<const float4*>(x + off), rr, hr, d / 4));
+  // block_sum ended with a block barrier: every warp sees the whole stored h row.
+  const NormInput src{RESID ? h : x, w, rms_scale(ss, d, eps), d};
+  const int64_t groups = (d + detail::mma::kGroup - 1) / detail::mma::kGroup;
+  for (int64_t grp = threadIdx.x / 32; grp < groups; grp += blockDim.x / 32)
+    detail::mma::split_group(src, r, n, grp, d, int(threadIdx.x & 31), xb, xs, xm);
+}
+#endif
+
+// Whether the projections of x [n, in] (n = rows) by ws run on the tensor-core GEMV with x split
+// once by the op producing x: 1 <= n <= 16 (one GEMV slice, exact or not) and every weight in a
+// tensor-core format, with 16-byte aligned rows of `in` floats (in % 4 == 0, base pointers checked by the caller).
+bool split_fusable(int64_t n, int64_t in, const std::vector<Tensor>& ws) {
+  if (!SPECD_MMA_GEMV || n < 1 || n > kNMax || in == 0 || in % 4 != 0) return false;
+#if SPECD_MMA_GEMV
+  for (const Tensor& w : ws)
+    if (!detail::mma::handles(w.dtype)) return false;
+#endif
+  return true;
+}
+
+#if SPECD_MMA_GEMV
+// The tensor-core GEMV of ws (split_fusable) into ys on x split at xsplit (its n rows of `in`).
+void gemv_on_split(const std::vector<Tensor>& ws, std::vector<Tensor>& ys, int64_t in, const void* xsplit, int n) {
+  std::vector<detail::mma::Weight> mma;
+  for (size_t i = 0; i < ws.size(); ++i)
+    if (ws[i].dim(0) > 0)
+      mma.push_back({{static_cast<const uint8_t*>(ws[i].data), ws[i].row_bytes(), ws[i].dim(0), ys[i].ptr<float>()},
+                     ws[i].dtype});
+  if (!mma.empty())
+    detail::mma::gemv_split(mma.data(), int(mma.size()), in,
+                            detail::mma::x_view(static_cast<const uint8_t*>(xsplit), in, n), n);
+}
+#endif
+
 }  // namespace
 
 std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws, bool exact) {
@@ -384,6 +487,63 @@ std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws,
 }
 
 Tensor matmul(const Tensor& x, const Tensor& w, bool exact) { return std::move(linear(x, {w}, exact, "matmul")[0]); }
+
+std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const std::optional<Tensor>& weight, float eps,
+                                                       const std::vector<Tensor>& ws,
+                                                       const std::optional<Tensor>& residual, bool exact) {
+  const char* op = "rms_norm_matmul";
+  cpu::check_rms_args(x, weight, eps, Device::GPU, op);
+  if (residual) cpu::check_like_x(*residual, x, Device::GPU, op, "residual");
+  const int64_t n = x.rows(), d = x.cols();
+  const bool aligned = detail::aligned16(x.data) && (!weight || detail::aligned16(weight->data)) &&
+                       (!residual || detail::aligned16(residual->data));
+  if (!aligned || !split_fusable(n, d, ws)) {  // the composition: same results, one launch more
+    auto [y, h] = rms_norm(x, weight, eps, residual);
+    return {linear(y, ws, exact, op), h};
+  }
+  std::vector<Tensor> ys = linear_outputs(x, ws, op);
+  Tensor h = residual ? Tensor::empty(x.shape, DType::F32, Device::GPU) : x;
+#if SPECD_MMA_GEMV
+  namespace mma = detail::mma;
+  const mma::XSizes sz(d);
+  std::shared_ptr<void> xsplit = alloc(sz.total());  // freed stream-ordered
+  auto* base = static_cast<uint8_t*>(xsplit.get());
+  auto* xb = reinterpret_cast<uint2*>(base);
+  auto* xs = reinterpret_cast<float*>(base + sz.xb);
+  auto* xm = reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs);
+  const float* w = weight ? weight->ptr<float>() : nullptr;
+  const unsigned blocks = unsigned(n), threads = unsigned(detail::norm::threads_for(d / 4));
+  cudaStream_t s = detail::stream();
+  if (residual)
+    norm_split_kernel<true><<<blocks, threads, 0, s>>>(x.ptr<float>(), residual->ptr<float>(), w, h.ptr<float>(), d,
+                                                       eps, int(n), xb, xs, xm);
+  else
+    norm_split_kernel<false><<<blocks, threads, 0, s>>>(x.ptr<float>(), nullptr, w, nullptr, d, eps, int(n), xb, xs,
+                                                        xm);
+  SPECD_GPU_CHECK_LAUNCH("norm_split_kernel");
+  gemv_on_split(ws, ys, d, base, int(n));
+#endif
+  return {ys, h};
+}
+
+std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const std::vector<Tensor>& ws, bool exact) {
+  const char* op = "swiglu_matmul";
+  detail::check_gpu_tensor(gate, DType::F32, -1, op, "gate");
+  detail::check_gpu_tensor(up, DType::F32, -1, op, "up");
+  SPECD_CHECK(gate.shape == up.shape, op, ": gate and up must have the same shape");
+  SPECD_CHECK(gate.ndim() >= 1, op, ": gate must have at least 1 dimension");
+  const int64_t n = gate.rows(), in = gate.cols();
+  if (!detail::aligned16(gate.data) || !detail::aligned16(up.data) || !split_fusable(n, in, ws))
+    return linear(swiglu(gate, up), ws, exact, op);  // the composition: same results, one launch more
+  std::vector<Tensor> ys = linear_outputs(gate, ws, op);
+#if SPECD_MMA_GEMV
+  std::shared_ptr<void> xsplit = alloc(detail::mma::XSizes(in).total());  // freed stream-ordered
+  detail::mma::launch_split_x(SwigluInput{gate.ptr<float>(), up.ptr<float>(), in}, in, int(n),
+                              static_cast<uint8_t*>(xsplit.get()), detail::stream());
+  gemv_on_split(ws, ys, in, xsplit.get(), int(n));
+#endif
+  return ys;
+}
 
 bool gemv_tiles_supported() { return SPECD_MMA_GEMV != 0; }
 

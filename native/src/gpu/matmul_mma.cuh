@@ -588,29 +588,36 @@ __device__ __forceinline__ void compute(const typename F::Raw (&raw)[2], int64_t
   }
 }
 
-// x [n, in] F32 -> the split x of a call (XView). One warp per (row r of x, 256-input group grp),
-// 4 lanes per 32-input sub-block sb: thread id = ((r * groups + grp) * 8 + sb) * 4 + t. Lane t of a
-// sub-block loads exactly the inputs of its own B-fragment word (4t .. 4t+3 and 16+4t .. 16+4t+3,
-// see the k order above), so it writes xb[blk][nt][4 (column % 8) + t] (column 3r + tau) for each
-// term without an exchange. The group maximum is a warp reduction, the sub-block sums of the terms
-// (exact integers, |sum| <= 2048, so exact in f16) a reduction over the 4 lanes, written to xm by
-// lane t = 0; warp lane 0 writes the group's column scales to xs, lane 1 of the r = 0 warp zeroes
-// the padding columns 3n .. kMaxCols. Exactness: see the header.
-__global__ void split_x_kernel(const float* __restrict__ x, int64_t in, int n, int64_t groups, uint2* __restrict__ xb,
-                               float* __restrict__ xs, uint32_t* __restrict__ xm) {
-  pdl_launch_dependents();  // the GEMV may start loading weights now (it waits for our writes)
-  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int t = int(id & 3), sb = int(id >> 2) & 7, lane = int(id & 31);
-  const int64_t rg = id >> 5, grp = rg % groups;
-  const int r = int(rg / groups);  // the same for the whole warp
-  const int64_t blk = grp * (kGroup / 32) + sb;
-  const bool have = r < n && 32 * blk < in;  // the same for the sub-block's 4 lanes
-  float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // inputs 4t + {0..3}, 16 + 4t + {0..3}
-  if (have) {
+// The inputs of a split: load(r, blk, t, v) gives the 8 values lane t of 32-input block blk of row r
+// multiplies in its B-fragment words, inputs 4t .. 4t+3 (v[0..3]) and 16+4t .. 16+4t+3 (v[4..7]) (the
+// k order above). PlainInput reads them from x [n, in] F32 (rows 16-byte aligned); the fused ops of
+// matmul.cu compute them (a norm's or SwiGLU's outputs) with the standalone ops' device code.
+struct PlainInput {
+  const float* __restrict__ x;
+  int64_t in;
+  __device__ __forceinline__ void load(int r, int64_t blk, int t, float (&v)[8]) const {
     const float4* src = reinterpret_cast<const float4*>(x + int64_t(r) * in + 32 * blk);
     const float4 a = src[t], b = src[4 + t];
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
   }
+};
+
+// Row r's 256-input group grp of the split x of a call (XView), by one whole warp (r < n or not: the
+// shuffles need all 32 lanes; rows >= n write nothing), 4 lanes per 32-input sub-block sb = lane / 4,
+// t = lane % 4. Lane t of a sub-block gets exactly the inputs of its own B-fragment word, so it writes
+// xb[blk][nt][4 (column % 8) + t] (column 3r + tau) for each term without an exchange. The group
+// maximum is a warp reduction, the sub-block sums of the terms (exact integers, |sum| <= 2048, so
+// exact in f16) a reduction over the 4 lanes, written to xm by lane t = 0; warp lane 0 writes the
+// group's column scales to xs, lane 1 of row 0 zeroes the padding columns 3n .. kMaxCols.
+// Exactness: see the header.
+template <class In>
+__device__ __forceinline__ void split_group(const In& src, int r, int n, int64_t grp, int64_t in, int lane,
+                                            uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
+  const int t = lane & 3, sb = lane >> 2;
+  const int64_t blk = grp * (kGroup / 32) + sb;
+  const bool have = r < n && 32 * blk < in;  // the same for the sub-block's 4 lanes
+  float v[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // inputs 4t + {0..3}, 16 + 4t + {0..3}
+  if (have) src.load(r, blk, t, v);
   float m = 0.0f;  // max |x| of the group, +inf if it holds inf / NaN
 #pragma unroll
   for (int k = 0; k < 8; ++k) m = isfinite(v[k]) ? fmaxf(m, fabsf(v[k])) : INFINITY;
@@ -662,6 +669,17 @@ __global__ void split_x_kernel(const float* __restrict__ x, int64_t in, int n, i
   }
   if (r == 0 && lane == 1)
     for (int c = 3 * n; c < kMaxCols; ++c) xs[grp * kMaxCols + c] = 0.0f;
+}
+
+// The inputs of `src` (n rows of `in`) -> the split x of a call (XView): one warp per (row r,
+// 256-input group grp), thread id = (r * groups + grp) * 32 + lane.
+template <class In>
+__global__ void split_x_kernel(const In src, int64_t in, int n, int64_t groups, uint2* __restrict__ xb,
+                               float* __restrict__ xs, uint32_t* __restrict__ xm) {
+  pdl_launch_dependents();  // the GEMV may start loading weights now (it waits for our writes)
+  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t rg = id >> 5;
+  split_group(src, int(rg / groups), n, rg % groups, in, int(id & 31), xb, xs, xm);
 }
 
 // Several weights against the same x in one launch (the projections that read one normed hidden
@@ -899,11 +917,12 @@ inline XView x_view(const uint8_t* base, int64_t in, int n) {
                reinterpret_cast<const uint32_t*>(base + sz.xb + sz.xs), 3 * n, 0};
 }
 
-// x [n, in] -> its split at base (x_view), on stream s.
-inline void launch_split_x(const float* x, int64_t in, int n, uint8_t* base, cudaStream_t s) {
+// The inputs of src (n rows of `in`, see PlainInput) -> their split at base (x_view), on stream s.
+template <class In>
+void launch_split_x(const In& src, int64_t in, int n, uint8_t* base, cudaStream_t s) {
   const XSizes sz(in);
   const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 32;
-  split_x_kernel<<<unsigned((threads + 127) / 128), 128, 0, s>>>(x, in, n, groups, reinterpret_cast<uint2*>(base),
+  split_x_kernel<<<unsigned((threads + 127) / 128), 128, 0, s>>>(src, in, n, groups, reinterpret_cast<uint2*>(base),
                                                                    reinterpret_cast<float*>(base + sz.xb),
                                                                    reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
   SPECD_GPU_CHECK_LAUNCH("split_x_kernel");
@@ -922,11 +941,11 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
   // Programmatic dependent launch (may overlap the kernel before it in the stream) only when the
   // binary running on this device has the griddepcontrol instructions, i.e. was compiled for sm_90 or
-  // later. Asked of split_x_kernel (same translation unit, so the same binary version), which every
-  // call has already launched: a plain attribute query, also inside a graph capture.
+  // later. Asked of the kernel about to be launched (a lazily loaded kernel is loaded by the query
+  // as the launch would load it, also inside a graph capture), once per instance.
   static const bool pdl_ok = [] {
     cudaFuncAttributes a{};
-    SPECD_GPU_CHECK(cudaFuncGetAttributes(&a, split_x_kernel));
+    SPECD_GPU_CHECK(cudaFuncGetAttributes(&a, mma_gemv_kernel<F, NT>));
     return a.binaryVersion >= 90;
   }();
   cudaLaunchAttribute pdl{};
@@ -994,14 +1013,11 @@ struct Weight {
   DType t;
 };
 
-// y_i[n, out_i] = x[n, in] @ w_i^T for every weight (1 <= n <= 16, x rows 16-byte aligned,
-// in % 32 == 0, every format handled): x is split once, then each format's weights (up to
-// kMaxGroup per launch) run as one grouped launch.
-inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n) {
+// y_i[n, out_i] = x[n, in] @ w_i^T for every weight (1 <= n <= 16, in % 32 == 0, every format
+// handled) on x already split (xv: x_view of a split queued on the library stream before this
+// call): each format's weights (up to kMaxGroup per launch) run as one grouped launch.
+inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv, int n) {
   cudaStream_t s = stream();
-  std::shared_ptr<void> xsplit = alloc(XSizes(in).total());  // freed stream-ordered
-  launch_split_x(x, in, n, static_cast<uint8_t*>(xsplit.get()), s);
-  const XView xv = x_view(static_cast<const uint8_t*>(xsplit.get()), in, n);
   std::vector<std::shared_ptr<void>> scratch;  // split partials, freed stream-ordered after the kernels
   auto partials = [&](size_t bytes) {
     scratch.push_back(alloc(bytes));
@@ -1032,6 +1048,13 @@ inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n)
     };
     with_tiles(n, go);
   }
+}
+
+// y_i = x @ w_i^T as gemv_split after splitting x [n, in] F32 (rows 16-byte aligned).
+inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n) {
+  std::shared_ptr<void> xsplit = alloc(XSizes(in).total());  // freed stream-ordered
+  launch_split_x(PlainInput{x, in}, in, n, static_cast<uint8_t*>(xsplit.get()), stream());
+  gemv_split(ws, count, in, x_view(static_cast<const uint8_t*>(xsplit.get()), in, n), n);
 }
 
 #endif  // SPECD_HOST_EMU

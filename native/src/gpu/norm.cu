@@ -10,75 +10,24 @@
 // The gated variant multiplies each stored value by silu(z) with the device functions of the
 // standalone silu and mul ops (activations.cuh), so it is bit-identical to mul(rms_norm, silu(z)).
 #include <cmath>
-#include <type_traits>
 
 #include "../cpu/norm.h"
-#include "activations.cuh"
 #include "common.cuh"
+#include "norm.cuh"
 #include "ops.h"
 
 namespace specd::gpu {
 
 namespace {
 
-constexpr int kMaxThreads = 1024;
-
-// Sum of `v` over the block (blockDim.x a multiple of SPECD_WARP, <= 1024); every thread gets the
-// total. Fixed reduction order.
-__device__ __forceinline__ double block_sum(double v) {
-  __shared__ double partial[kMaxThreads / SPECD_WARP];
-  __shared__ double total;
-  int lane = threadIdx.x % SPECD_WARP, warp = threadIdx.x / SPECD_WARP;
-  int nwarps = blockDim.x / SPECD_WARP;
-  v = detail::warp_sum(v);
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    double s = lane < nwarps ? partial[lane] : 0.0;
-    s = detail::warp_sum(s);
-    if (lane == 0) total = s;
-  }
-  __syncthreads();
-  return total;
-}
+using namespace detail::norm;
 
 // Mode: RMS (mean of squares, optional weight, optional residual) or L2 (sum of squares).
 enum class Mode { RMS, L2 };
 
-// Element access either as float4 (VEC) or float; index i counts vectors (VEC) or floats.
-template <bool VEC>
-struct Row {
-  using T = typename std::conditional<VEC, float4, float>::type;
-  static constexpr int kWidth = VEC ? 4 : 1;
-};
-
-__device__ __forceinline__ float4 add(float4 a, float4 b) { return {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w}; }
-__device__ __forceinline__ float add(float a, float b) { return a + b; }
-__device__ __forceinline__ double sq(float4 a) {
-  return double(a.x) * double(a.x) + double(a.y) * double(a.y) + double(a.z) * double(a.z) +
-         double(a.w) * double(a.w);
-}
-__device__ __forceinline__ double sq(float a) { return double(a) * double(a); }
-__device__ __forceinline__ float4 scale_mul(float4 a, float s, float4 w) {
-  return {a.x * s * w.x, a.y * s * w.y, a.z * s * w.z, a.w * s * w.w};
-}
-__device__ __forceinline__ float scale_mul(float a, float s, float w) { return a * s * w; }
-__device__ __forceinline__ float4 scale_only(float4 a, float s) { return {a.x * s, a.y * s, a.z * s, a.w * s}; }
-__device__ __forceinline__ float scale_only(float a, float s) { return a * s; }
-// y * silu(z), one F32 rounding per factor as the silu and mul ops.
-__device__ __forceinline__ float gate(float y, float z) {
-  using detail::apply;
-  using detail::Op;
-  return apply<Op::Mul>(y, apply<Op::Silu>(z, 0.0f));
-}
-__device__ __forceinline__ float4 gate(float4 y, float4 z) {
-  return {gate(y.x, z.x), gate(y.y, z.y), gate(y.z, z.z), gate(y.w, z.w)};
-}
-
 // x, residual, h, z, y: [rows, d]; w: [d] or null. h is written only with a residual, z read only
-// when GATE (then y = norm * silu(z)). The second
-// pass re-reads the row this thread wrote or read in the first pass (same thread, so the h
-// stores are visible; the row is usually still in L1/L2).
+// when GATE (then y = norm * silu(z)). The second pass re-reads the row this thread wrote or read
+// in the first pass (same thread, so the h stores are visible; the row is usually still in L1/L2).
 template <Mode M, bool VEC, bool RESID, bool GATE>
 __global__ void norm_kernel(const float* __restrict__ x, const float* __restrict__ residual,
                             const float* __restrict__ w, float* h, const float* __restrict__ z,
@@ -87,41 +36,15 @@ __global__ void norm_kernel(const float* __restrict__ x, const float* __restrict
   const int64_t n = d / Row<VEC>::kWidth;  // vectors (or floats) per row
   const int64_t off = int64_t(blockIdx.x) * d;
   const T* xr = reinterpret_cast<const T*>(x + off);
-  const T* rr = RESID ? reinterpret_cast<const T*>(residual + off) : nullptr;
   T* hr = RESID ? reinterpret_cast<T*>(h + off) : nullptr;
   const T* zr = GATE ? reinterpret_cast<const T*>(z + off) : nullptr;
   T* yr = reinterpret_cast<T*>(y + off);
-
-  double ss = 0.0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    T v = xr[i];
-    if constexpr (RESID) {
-      v = add(v, rr[i]);
-      hr[i] = v;
-    }
-    ss += sq(v);
-  }
-  ss = block_sum(ss);
-  const float scale = M == Mode::RMS ? float(1.0 / sqrt(ss / double(d) + double(eps)))
-                                     : float(1.0 / sqrt(ss + double(eps)));
+  const double ss = block_sum(row_squares<RESID>(xr, RESID ? reinterpret_cast<const T*>(residual + off) : nullptr, hr, n));
+  const float scale = M == Mode::RMS ? rms_scale(ss, d, eps) : l2_scale(ss, eps);
   const T* src = RESID ? const_cast<const T*>(hr) : xr;
   const T* wr = reinterpret_cast<const T*>(w);
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    T v = src[i];
-    T out = wr ? scale_mul(v, scale, wr[i]) : scale_only(v, scale);
-    if constexpr (GATE) out = gate(out, zr[i]);
-    yr[i] = out;
-  }
-}
-
-// Threads per row: enough that each thread handles about ceil(items / 1024) items, rounded up to
-// a whole logical warp. A function of d only (batch invariance).
-int threads_for(int64_t items) {
-  int64_t per = (items + kMaxThreads - 1) / kMaxThreads;
-  if (per < 1) per = 1;
-  int64_t t = (items + per - 1) / per;
-  t = (t + SPECD_WARP - 1) / SPECD_WARP * SPECD_WARP;
-  return int(t < SPECD_WARP ? SPECD_WARP : t);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    yr[i] = normed<GATE>(src[i], scale, wr ? wr + i : nullptr, GATE ? zr[i] : T{});
 }
 
 template <Mode M, bool RESID, bool GATE = false>

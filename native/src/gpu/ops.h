@@ -54,6 +54,20 @@ Tensor matmul(const Tensor& x, const Tensor& w, bool exact = true);
 // to 8 per launch). Raises std::invalid_argument as matmul does, and for an empty list.
 std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws, bool exact = true);
 
+// matmul_group of rms_norm's output: (ys, h) with ys bit-identical to matmul_group(u, ws, exact) where
+// (u, h) = rms_norm(x, weight, eps, residual) (h = x + residual; x without a residual). When the GEMV
+// reads x split (1..16 rows, tensor-core formats, 16-byte aligned rows) the norm kernel writes that
+// split and u is never stored: one launch fewer (norm_split_kernel, matmul.cu); otherwise the
+// composition. Raises std::invalid_argument as rms_norm and matmul_group do.
+std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const std::optional<Tensor>& weight, float eps,
+                                                       const std::vector<Tensor>& ws,
+                                                       const std::optional<Tensor>& residual, bool exact = true);
+
+// matmul_group(swiglu(gate, up), ws, exact), bit for bit, with the SwiGLU computed by the GEMV's x
+// split (split_x_kernel reading gate and up) when the GEMV reads x split; otherwise the composition.
+std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const std::vector<Tensor>& ws,
+                                  bool exact = true);
+
 // Whether this build's GEMV reads IQ4_XS_TILED (CUDA: yes; HIP: no, its FMA GEMV reads row-major IQ4_XS).
 bool gemv_tiles_supported();
 

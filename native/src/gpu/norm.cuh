@@ -1,0 +1,106 @@
+// The RMSNorm / L2-norm row arithmetic on the GPU, shared by the norm kernels (norm.cu) and the
+// norm fused with the GEMV's x split (matmul.cu): one definition, so the fused op computes every
+// value with the same operations in the same order as the standalone norm (bit-identical).
+//
+// One thread block per row; the block size depends only on the row length d (threads_for), so a
+// row's result does not depend on how many rows share the call (batch invariance). The sum of
+// squares is accumulated in double (per thread, then a fixed-order warp-shuffle and cross-warp
+// reduction), and the scale is computed exactly as the CPU op does (cpu/norm.cpp).
+#pragma once
+#include <cmath>
+#include <type_traits>
+
+#include "activations.cuh"
+#include "common.cuh"
+
+namespace specd::gpu::detail::norm {
+
+constexpr int kMaxThreads = 1024;
+
+// Sum of `v` over the block (blockDim.x a multiple of SPECD_WARP, <= 1024); every thread gets the
+// total. Fixed reduction order. Ends with a block barrier, so global stores made by any thread of
+// the block before the call are visible to all of them after it.
+__device__ __forceinline__ double block_sum(double v) {
+  __shared__ double partial[kMaxThreads / SPECD_WARP];
+  __shared__ double total;
+  int lane = threadIdx.x % SPECD_WARP, warp = threadIdx.x / SPECD_WARP;
+  int nwarps = blockDim.x / SPECD_WARP;
+  v = warp_sum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    double s = lane < nwarps ? partial[lane] : 0.0;
+    s = warp_sum(s);
+    if (lane == 0) total = s;
+  }
+  __syncthreads();
+  return total;
+}
+
+// Element access either as float4 (VEC) or float; index i counts vectors (VEC) or floats.
+template <bool VEC>
+struct Row {
+  using T = typename std::conditional<VEC, float4, float>::type;
+  static constexpr int kWidth = VEC ? 4 : 1;
+};
+
+__device__ __forceinline__ float4 add(float4 a, float4 b) { return {a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w}; }
+__device__ __forceinline__ float add(float a, float b) { return a + b; }
+__device__ __forceinline__ double sq(float4 a) {
+  return double(a.x) * double(a.x) + double(a.y) * double(a.y) + double(a.z) * double(a.z) +
+         double(a.w) * double(a.w);
+}
+__device__ __forceinline__ double sq(float a) { return double(a) * double(a); }
+__device__ __forceinline__ float4 scale_mul(float4 a, float s, float4 w) {
+  return {a.x * s * w.x, a.y * s * w.y, a.z * s * w.z, a.w * s * w.w};
+}
+__device__ __forceinline__ float scale_mul(float a, float s, float w) { return a * s * w; }
+__device__ __forceinline__ float4 scale_only(float4 a, float s) { return {a.x * s, a.y * s, a.z * s, a.w * s}; }
+__device__ __forceinline__ float scale_only(float a, float s) { return a * s; }
+// y * silu(z), one F32 rounding per factor as the silu and mul ops.
+__device__ __forceinline__ float gate(float y, float z) { return apply<Op::Mul>(y, apply<Op::Silu>(z, 0.0f)); }
+__device__ __forceinline__ float4 gate(float4 y, float4 z) {
+  return {gate(y.x, z.x), gate(y.y, z.y), gate(y.z, z.z), gate(y.w, z.w)};
+}
+
+// First pass over a row of n items (vectors or floats): this thread's part of the sum of squares of
+// x (+ residual, stored to h when RESID).
+template <bool RESID, class T>
+__device__ __forceinline__ double row_squares(const T* xr, const T* rr, T* hr, int64_t n) {
+  double ss = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    T v = xr[i];
+    if constexpr (RESID) {
+      v = add(v, rr[i]);
+      hr[i] = v;
+    }
+    ss += sq(v);
+  }
+  return ss;
+}
+
+// The multiplier of a row from its sum of squares (as cpu/norm.cpp: in double, rounded once).
+__device__ __forceinline__ float rms_scale(double ss, int64_t d, float eps) {
+  return float(1.0 / sqrt(ss / double(d) + double(eps)));
+}
+__device__ __forceinline__ float l2_scale(double ss, float eps) { return float(1.0 / sqrt(ss + double(eps))); }
+
+// An output value of the second pass: v * scale (* w), then (GATE) * silu(z).
+template <bool GATE, class T>
+__device__ __forceinline__ T normed(T v, float scale, const T* w, T z) {
+  T out = w ? scale_mul(v, scale, *w) : scale_only(v, scale);
+  if constexpr (GATE) out = gate(out, z);
+  return out;
+}
+
+// Threads per row: enough that each thread handles about ceil(items / 1024) items, rounded up to
+// a whole logical warp. A function of d only (batch invariance).
+inline int threads_for(int64_t items) {
+  int64_t per = (items + kMaxThreads - 1) / kMaxThreads;
+  if (per < 1) per = 1;
+  int64_t t = (items + per - 1) / per;
+  t = (t + SPECD_WARP - 1) / SPECD_WARP * SPECD_WARP;
+  return int(t < SPECD_WARP ? SPECD_WARP : t);
+}
+
+}  // namespace specd::gpu::detail::norm
