@@ -75,22 +75,22 @@ __device__ __forceinline__ float4 gate(float4 y, float4 z) {
   return {gate(y.x, z.x), gate(y.y, z.y), gate(y.z, z.z), gate(y.w, z.w)};
 }
 
-// x, residual, h, z, y: [rows, d]; w: [d] or null. h is written only with a residual, z read only
-// when GATE (then y = norm * silu(z)). The second
-// pass re-reads the row this thread wrote or read in the first pass (same thread, so the h
-// stores are visible; the row is usually still in L1/L2).
+// One row of d elements, normalised by the whole block (blockDim.x = threads_for(VEC ? d / 4 : d):
+// the order of the sums depends on it). x, residual, h, z, y: the row's elements (16-byte aligned
+// when VEC); w: [d] or null. h is written only with a residual, z read only when GATE (then y =
+// norm * silu(z)). The second pass re-reads the row this thread wrote or read in the first pass
+// (same thread, so the h stores are visible; the row is usually still in L1/L2).
 template <Mode M, bool VEC, bool RESID, bool GATE>
-__global__ void norm_kernel(const float* __restrict__ x, const float* __restrict__ residual,
-                            const float* __restrict__ w, float* h, const float* __restrict__ z,
-                            float* __restrict__ y, int64_t d, float eps) {
+__device__ __forceinline__ void norm_row(const float* __restrict__ x, const float* __restrict__ residual,
+                                         const float* __restrict__ w, float* h, const float* __restrict__ z,
+                                         float* __restrict__ y, int64_t d, float eps) {
   using T = typename Row<VEC>::T;
   const int64_t n = d / Row<VEC>::kWidth;  // vectors (or floats) per row
-  const int64_t off = int64_t(blockIdx.x) * d;
-  const T* xr = reinterpret_cast<const T*>(x + off);
-  const T* rr = RESID ? reinterpret_cast<const T*>(residual + off) : nullptr;
-  T* hr = RESID ? reinterpret_cast<T*>(h + off) : nullptr;
-  const T* zr = GATE ? reinterpret_cast<const T*>(z + off) : nullptr;
-  T* yr = reinterpret_cast<T*>(y + off);
+  const T* xr = reinterpret_cast<const T*>(x);
+  const T* rr = reinterpret_cast<const T*>(residual);
+  T* hr = reinterpret_cast<T*>(h);
+  const T* zr = reinterpret_cast<const T*>(z);
+  T* yr = reinterpret_cast<T*>(y);
 
   double ss = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -112,6 +112,16 @@ __global__ void norm_kernel(const float* __restrict__ x, const float* __restrict
     if constexpr (GATE) out = gate(out, zr[i]);
     yr[i] = out;
   }
+}
+
+// x, residual, h, z, y: [rows, d], one block per row (norm_row).
+template <Mode M, bool VEC, bool RESID, bool GATE>
+__global__ void norm_kernel(const float* __restrict__ x, const float* __restrict__ residual,
+                            const float* __restrict__ w, float* h, const float* __restrict__ z,
+                            float* __restrict__ y, int64_t d, float eps) {
+  const int64_t off = int64_t(blockIdx.x) * d;
+  norm_row<M, VEC, RESID, GATE>(x + off, RESID ? residual + off : nullptr, w, RESID ? h + off : nullptr,
+                                GATE ? z + off : nullptr, y + off, d, eps);
 }
 
 // Threads per row: enough that each thread handles about ceil(items / 1024) items, rounded up to
