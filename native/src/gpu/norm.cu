@@ -9,7 +9,10 @@
 // vector loads when d % 4 == 0 and every pointer is 16-byte aligned, else element by element.
 // The gated variant multiplies each stored value by silu(z) with the device functions of the
 // standalone silu and mul ops (activations.cuh), so it is bit-identical to mul(rms_norm, silu(z)).
+// gdn_qkv normalises each Gated DeltaNet q / k head with the same row code (norm_row) and block
+// size as l2_norm, so it is bit-identical to l2_norm of the column slices.
 #include <cmath>
+#include <tuple>
 #include <type_traits>
 
 #include "../cpu/norm.h"
@@ -124,6 +127,28 @@ __global__ void norm_kernel(const float* __restrict__ x, const float* __restrict
                                 GATE ? z + off : nullptr, y + off, d, eps);
 }
 
+// gdn_qkv: cv [w, 2 hk dk + hv dv] -> q, k [w, hk, dk] (L2-normalised heads), v [w, hv, dv]. One block
+// per (token t, q or k head h). The head is first staged in (16-byte aligned) shared memory, so
+// norm_row reads a contiguous aligned row exactly as l2_norm reads the composition's copy of the
+// head (vector loads whenever dk % 4 == 0, whatever the alignment of cv's rows): same sums, same
+// bits. Every block then copies its share of token t's v columns.
+template <bool VEC>
+__global__ void gdn_qkv_kernel(const float* __restrict__ cv, float* __restrict__ q, float* __restrict__ k,
+                               float* __restrict__ v, int64_t hk, int64_t dk, int64_t vcols, float eps) {
+  extern __shared__ float4 stage4[];
+  float* stage = reinterpret_cast<float*>(stage4);
+  const int64_t heads = 2 * hk, t = blockIdx.x / heads, h = blockIdx.x % heads;
+  const float* row = cv + t * (heads * dk + vcols);
+  for (int64_t i = threadIdx.x; i < dk; i += blockDim.x) stage[i] = row[h * dk + i];
+  __syncthreads();
+  float* y = h < hk ? q + (t * hk + h) * dk : k + (t * hk + h - hk) * dk;
+  norm_row<Mode::L2, VEC, false, false>(stage, nullptr, nullptr, nullptr, nullptr, y, dk, eps);
+  for (int64_t i = h * blockDim.x + threadIdx.x; i < vcols; i += heads * blockDim.x)
+    v[t * vcols + i] = row[heads * dk + i];
+}
+
+constexpr int64_t kMaxStagedDk = 8192;  // 32 KiB of shared memory per block
+
 // Threads per row: enough that each thread handles about ceil(items / 1024) items, rounded up to
 // a whole logical warp. A function of d only (batch invariance).
 int threads_for(int64_t items) {
@@ -199,6 +224,35 @@ Tensor l2_norm(const Tensor& x, float eps) {
   if (rows == 0) return y;
   launch<Mode::L2, false>(x.ptr<float>(), nullptr, nullptr, nullptr, y.ptr<float>(), rows, d, eps);
   return y;
+}
+
+std::tuple<Tensor, Tensor, Tensor> gdn_qkv(const Tensor& cv, int64_t n_k_heads, int64_t head_k_dim,
+                                            int64_t n_v_heads, int64_t head_v_dim, float eps) {
+  const char* op = "gdn_qkv";
+  cpu::check_gdn_qkv_args(cv, n_k_heads, head_k_dim, n_v_heads, head_v_dim, eps, Device::GPU);
+  const int64_t w = cv.dim(0), hk = n_k_heads, dk = head_k_dim;
+  SPECD_CHECK(dk <= kMaxStagedDk, op, ": head_k_dim must be at most ", kMaxStagedDk, " on the GPU, got ", dk);
+  const int64_t blocks = w * 2 * hk;
+  SPECD_CHECK(blocks <= 0x7fffffff, op, ": at most 2^31 - 1 (token, q / k head) pairs on the GPU, got ", blocks);
+  Tensor q = Tensor::empty({w, hk, dk}, DType::F32, Device::GPU);
+  Tensor k = Tensor::empty({w, hk, dk}, DType::F32, Device::GPU);
+  Tensor v = Tensor::empty({w, n_v_heads, head_v_dim}, DType::F32, Device::GPU);
+  if (w == 0) return {q, k, v};
+  // Fresh tensors (the composition's head copy and l2_norm output, q and k here) are 16-byte
+  // aligned, so l2_norm takes its vector path exactly when dk % 4 == 0: so does this op.
+  const bool vec = dk % 4 == 0;
+  const int threads = threads_for(vec ? dk / 4 : dk);
+  const size_t shmem = size_t(dk) * sizeof(float);
+  cudaStream_t s = detail::stream();
+  const int64_t vcols = n_v_heads * head_v_dim;
+  if (vec)
+    gdn_qkv_kernel<true><<<unsigned(blocks), threads, shmem, s>>>(cv.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
+                                                                   v.ptr<float>(), hk, dk, vcols, eps);
+  else
+    gdn_qkv_kernel<false><<<unsigned(blocks), threads, shmem, s>>>(cv.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
+                                                                    v.ptr<float>(), hk, dk, vcols, eps);
+  SPECD_GPU_CHECK_LAUNCH("gdn_qkv_kernel");
+  return {q, k, v};
 }
 
 }  // namespace specd::gpu
