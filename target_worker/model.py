@@ -524,9 +524,7 @@ class Qwen35Model:
                                                  self._conv_state_after(st.conv[i], m, tree.path(j)[:-1]),
                                                  apply_silu=True)) for j in range(w)])
             conv_state = None
-        q = ops.a(sn.l2_norm(ops.reshape(ops.cols(cv, 0, hk * dk), w, hk, dk), hp.rms_eps))
-        k = ops.a(sn.l2_norm(ops.reshape(ops.cols(cv, hk * dk, 2 * hk * dk), w, hk, dk), hp.rms_eps))
-        v = ops.reshape(ops.cols(cv, 2 * hk * dk, hp.conv_channels), w, hv, dv)
+        q, k, v = (ops.a(y) for y in sn.gdn_qkv(cv, hk, dk, hv, dv, hp.rms_eps))  # L2-normed q, k heads; v
         g, beta = (ops.a(y) for y in sn.gdn_gates(a, b, *self.gdn_vecs[i]))  # ssm_a * softplus(a + dt), sigmoid(b)
         if tree is None:
             state = ops.empty(st.ssm[i].shape)

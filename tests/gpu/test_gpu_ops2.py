@@ -1,5 +1,6 @@
 """GPU ops of issue 7 part 2 against the CPU backend: embedding, rope_neox, kv_write, attention,
-conv1d_causal, gated_delta_net, silu/sigmoid/softplus/swiglu/mul/add, gdn_gates, rms_norm_gated, topk.
+conv1d_causal, gated_delta_net, silu/sigmoid/softplus/swiglu/mul/add, gdn_gates, rms_norm_gated, gdn_qkv,
+topk.
 
 Skipped without a GPU exactly like test_gpu_ops.py. SPECD_TEST_GPU_DRYRUN=1 runs every test with
 "GPU" tensors left on the CPU (CPU vs CPU), to check the test logic on machines without a GPU.
@@ -12,6 +13,9 @@ Tolerances (stated per op, matching the comments in native/src/gpu/*.cu):
   <= 2 ulp from the CPU op (softplus / sigmoid 1 ulp, then the product).
 * rms_norm_gated: bit-identical to mul(rms_norm, silu(z)) on the GPU; 1.2e-6 relative to the CPU
   op (rms_norm's 1e-6 and silu's ulp).
+* gdn_qkv: bit-identical to l2_norm of the sliced q / k heads and the sliced v on the GPU; q, k within
+  l2_norm's 1e-6 relative of the CPU op (double sums in another order: at most the scale's last bit), v
+  bit-identical (a copy).
 * attention: |gpu - cpu| <= 2e-5 * max|v| + 1e-4 |cpu| (different dot order, expf vs exp).
 * gated_delta_net: output and state within 1e-4 * max|cpu| + 1e-4 |cpu| per element.
 Bitwise properties checked on the GPU itself: attention rows are identical whatever the number of
@@ -177,6 +181,55 @@ def test_rms_norm_gated_gpu(rng, shape, with_weight):
     np.testing.assert_array_equal(bits(y), bits(sn.mul(sn.rms_norm(gx, gw, 1e-6), sn.silu(gz)).numpy()))
     # atol: silu of very negative z is denormal, where a last-bit scale flip is a large relative step
     np.testing.assert_allclose(y, sn.rms_norm_gated(x, w, 1e-6, z).numpy(), rtol=1.2e-6, atol=1e-37)
+
+
+# (Hk, dk, Hv, dv): the 27B, odd sizes (scalar path), dk % 4 == 0 with C % 4 != 0 (cv rows not 16-byte
+# aligned), heads longer than one block pass (dk 4100: 544 threads, 2050 / 2051: scalar)
+GPU_QKV_DIMS = [(16, 128, 48, 128), (1, 1, 1, 1), (2, 3, 5, 7), (3, 4, 3, 3), (2, 4100, 3, 5), (1, 2051, 2, 3),
+                (2, 2050, 1, 1)]
+
+
+@pytest.mark.parametrize("dims", GPU_QKV_DIMS)
+@pytest.mark.parametrize("w", [0, 1, 5, 16, 17])
+@gpu_only
+def test_gdn_qkv_gpu(rng, dims, w):
+    """One launch, bit-identical to l2_norm of the slices on the GPU (the composition _gdn ran), within
+    l2_norm's 1e-6 of the CPU op (v exact); each row equals a 1-row call (batch invariance)."""
+    hk, dk, hv, dv = dims
+    cv = f32(rng, (w, 2 * hk * dk + hv * dv), rng.uniform(0.01, 100))
+    if w:
+        cv[0, dk : 2 * dk] = 0  # a zero head
+    gcv = on_gpu(cv)
+    poison(cv.nbytes)
+    q, k, v = (t.numpy() for t in sn.gdn_qkv(gcv, hk, dk, hv, dv, 1e-6))
+    assert q.shape == k.shape == (w, hk, dk) and v.shape == (w, hv, dv)
+    comp = [sn.l2_norm(sn.slice(gcv, -1, 0, hk * dk).reshape([w, hk, dk]), 1e-6),
+            sn.l2_norm(sn.slice(gcv, -1, hk * dk, 2 * hk * dk).reshape([w, hk, dk]), 1e-6),
+            sn.slice(gcv, -1, 2 * hk * dk, cv.shape[1]).reshape([w, hv, dv])]
+    for got, want in zip((q, k, v), comp):
+        np.testing.assert_array_equal(bits(got), bits(want.numpy()))
+    cq, ck, cv_ = (t.numpy() for t in sn.gdn_qkv(cv, hk, dk, hv, dv, 1e-6))
+    np.testing.assert_allclose(q, cq, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(k, ck, rtol=1e-6, atol=0)
+    np.testing.assert_array_equal(bits(v), bits(cv_))
+    for t in range(min(w, 3)):
+        one = sn.gdn_qkv(on_gpu(cv[t : t + 1]), hk, dk, hv, dv, 1e-6)
+        for got, full in zip(one, (q, k, v)):
+            np.testing.assert_array_equal(bits(got.numpy()), bits(full[t : t + 1]))
+
+
+@gpu_only
+def test_gdn_qkv_gpu_bad_input(rng):
+    cv = on_gpu(f32(rng, (3, 31)))
+    with pytest.raises(ValueError, match="gdn_qkv: cv has 31 columns"):
+        sn.gdn_qkv(cv, 2, 4, 3, 4, 1e-6)
+    with pytest.raises(ValueError, match="gdn_qkv: cv must be F32"):
+        sn.gdn_qkv(on_gpu(np.ones((3, 31), np.float16)), 2, 4, 3, 5, 1e-6)
+    with pytest.raises(ValueError, match="gdn_qkv: eps must be finite"):
+        sn.gdn_qkv(cv, 2, 4, 3, 5, -1.0)
+    if not DRYRUN:  # the CPU op has no head_k_dim limit
+        with pytest.raises(ValueError, match="gdn_qkv: head_k_dim must be at most 8192 on the GPU, got 8193"):
+            sn.gdn_qkv(on_gpu(np.ones((1, 2 * 8193 + 1), np.float32)), 1, 8193, 1, 1, 1e-6)
 
 
 @gpu_only

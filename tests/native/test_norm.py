@@ -1,5 +1,5 @@
 """RMSNorm and L2 norm against float64 numpy references (qwen35-target.md §6.2); rms_norm_gated bit for bit
-against mul(rms_norm, silu(z))."""
+against mul(rms_norm, silu(z)), gdn_qkv bit for bit against l2_norm of the column slices."""
 import numpy as np
 import pytest
 
@@ -147,3 +147,66 @@ def test_rms_norm_gated_bad_inputs():
     for args, msg in cases:
         with pytest.raises(ValueError, match=msg):
             sn.rms_norm_gated(*args)
+
+
+# ------------------------------------------- gdn_qkv: bit for bit l2_norm of the q / k slices, the v slice
+
+# (Hk, dk, Hv, dv): the 27B, small odd ones, dk % 4 == 0 with C % 4 != 0 (GPU rows of cv unaligned)
+QKV_DIMS = [(16, 128, 48, 128), (1, 1, 1, 1), (2, 3, 5, 7), (3, 4, 3, 3), (2, 130, 4, 5), (4, 64, 8, 32)]
+
+
+def composed_qkv(cv, hk, dk, hv, dv, eps):
+    """The composition _gdn ran before gdn_qkv (numpy column copies and sn.l2_norm)."""
+    w = cv.shape[0]
+    q = sn.l2_norm(np.ascontiguousarray(cv[:, : hk * dk]).reshape(w, hk, dk), eps).numpy()
+    k = sn.l2_norm(np.ascontiguousarray(cv[:, hk * dk : 2 * hk * dk]).reshape(w, hk, dk), eps).numpy()
+    return q, k, np.ascontiguousarray(cv[:, 2 * hk * dk :]).reshape(w, hv, dv)
+
+
+@pytest.mark.parametrize("dims", QKV_DIMS)
+def test_gdn_qkv_bitwise(rng, dims):
+    hk, dk, hv, dv = dims
+    c = 2 * hk * dk + hv * dv
+    for w in range(18):
+        cv = (rng.standard_normal((w, c)) * rng.uniform(0.01, 100)).astype(np.float32)
+        if w:
+            cv[0, :dk] = 0  # a zero head: the scale is 1/sqrt(eps)
+        for eps in (1e-6, 0.0) if w == 3 else (1e-6,):
+            got = sn.gdn_qkv(cv, hk, dk, hv, dv, eps)
+            assert all(isinstance(t, sn.Tensor) for t in got)
+            for g, want in zip(got, composed_qkv(cv, hk, dk, hv, dv, eps)):
+                assert_bits(g.numpy(), want)
+
+
+def test_gdn_qkv_special_values():
+    """inf / NaN in a head spoil that head only (as l2_norm); v is copied bit for bit (NaN payloads too)."""
+    hk, dk, hv, dv = 2, 4, 3, 2
+    cv = np.arange(2 * (2 * hk * dk + hv * dv), dtype=np.float32).reshape(2, -1)
+    cv[0, 1], cv[1, 9], cv[1, -1] = np.inf, np.nan, np.float32(1e-45)
+    cv.view(np.uint32)[0, -2] = 0x7FC00123
+    for g, want in zip(sn.gdn_qkv(cv, hk, dk, hv, dv, 1e-6), composed_qkv(cv, hk, dk, hv, dv, 1e-6)):
+        assert_bits(g.numpy(), want)
+
+
+def test_gdn_qkv_bad_inputs():
+    cv = np.ones((3, 2 * 2 * 4 + 3 * 5), np.float32)  # Hk 2, dk 4, Hv 3, dv 5: C = 31
+    dims = (2, 4, 3, 5)
+    cases = [
+        ((cv.astype(np.float16), *dims, 1e-6), "gdn_qkv: cv must be F32"),
+        ((cv.reshape(-1), *dims, 1e-6), "gdn_qkv: cv must have 2 dimensions"),
+        ((cv.reshape(3, 1, 31), *dims, 1e-6), "gdn_qkv: cv must have 2 dimensions"),
+        ((np.ones((3, 62), np.float32)[:, ::2], *dims, 1e-6), "gdn_qkv: cv must be contiguous"),
+        ((cv, 2, 4, 3, 4, 1e-6), r"cv has 31 columns, expected 2 \* n_k_heads \* head_k_dim \+ n_v_heads \* "
+                                 r"head_v_dim = 2 \* 2 \* 4 \+ 3 \* 4"),
+        ((cv, 2, 4, 3, 2**62, 1e-6), "cv has 31 columns"),
+        ((cv, 2**62, 2**62, 3, 5, 1e-6), "cv has 31 columns"),
+        ((cv, 0, 4, 3, 5, 1e-6), "n_k_heads, head_k_dim, n_v_heads and head_v_dim must be > 0, got 0, 4, 3, 5"),
+        ((cv, 2, 4, 3, -5, 1e-6), "must be > 0"),
+        ((cv, *dims, -1.0), "gdn_qkv: eps must be finite and >= 0"),
+        ((cv, *dims, float("nan")), "gdn_qkv: eps must be finite"),
+    ]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            sn.gdn_qkv(*args)
+    q, k, v = sn.gdn_qkv(np.ones((0, 31), np.float32), *dims, 1e-6)
+    assert q.shape == k.shape == (0, 2, 4) and v.shape == (0, 3, 5)

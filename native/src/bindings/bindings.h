@@ -35,7 +35,7 @@ void require_same_device(const Tensor& a, const Tensor& b, const char* op);
 
 void register_core(py::module_& m);
 void register_quants(py::module_& m);      // dequantize, matmul, embedding
-void register_norm(py::module_& m);        // rms_norm, rms_norm_gated, l2_norm
+void register_norm(py::module_& m);        // rms_norm, rms_norm_gated, l2_norm, gdn_qkv
 void register_rope(py::module_& m);        // rope_neox (+ YaRN)
 void register_attention(py::module_& m);   // kv_write, attention
 void register_ssm(py::module_& m);         // conv1d_causal, gated_delta_net

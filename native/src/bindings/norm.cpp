@@ -64,6 +64,30 @@ device mismatch.)doc");
       R"doc(L2 normalisation over the last dimension: y = x / sqrt(sum(x**2) + eps).
 
 x: F32 [..., d]. The Gated DeltaNet q/k normalisation (eps inside the square root of the sum).)doc");
+  m.def(
+      "gdn_qkv",
+      [](const Tensor& cv, int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim,
+         float eps) {
+        auto [q, k, v] = without_gil([&] {
+#if SPECD_WITH_GPU
+          if (cv.device == Device::GPU) return gpu::gdn_qkv(cv, n_k_heads, head_k_dim, n_v_heads, head_v_dim, eps);
+#endif
+          return cpu::gdn_qkv(cv, n_k_heads, head_k_dim, n_v_heads, head_v_dim, eps);
+        });
+        return py::make_tuple(q, k, v);
+      },
+      py::arg("cv"), py::arg("n_k_heads"), py::arg("head_k_dim"), py::arg("n_v_heads"), py::arg("head_v_dim"),
+      py::arg("eps"),
+      R"doc(The Gated DeltaNet q, k, v of the conv output in one op (qwen35-target.md §6.5 steps 3 and 6).
+
+cv: F32 [w, C] contiguous (w may be 0), C = 2 * n_k_heads * head_k_dim + n_v_heads * head_v_dim,
+columns [q heads | k heads | v heads]; all four dimensions > 0; eps finite, >= 0. Returns (q, k, v),
+new tensors on cv's device: q, k F32 [w, n_k_heads, head_k_dim], each head L2-normalised
+(x / sqrt(sum(x**2) + eps)); v F32 [w, n_v_heads, head_v_dim], a copy. Bit-identical on each backend
+to l2_norm(reshape(slice(cv, -1, 0, Hk*dk), w, Hk, dk), eps), the same for k, and the v slice (each
+head runs l2_norm's row arithmetic); on the GPU one kernel launch (head_k_dim at most 8192). Raises
+ValueError naming the argument on a wrong dtype, number of dimensions, layout, column count,
+dimension or eps.)doc");
 }
 
 }  // namespace specd::py_bind

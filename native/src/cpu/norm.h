@@ -1,5 +1,6 @@
 #pragma once
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include "specd/tensor.h"
@@ -29,5 +30,17 @@ void check_like_x(const Tensor& t, const Tensor& x, Device dev, const char* op, 
 // L2 normalisation over the last dimension: y = x / sqrt(sum(x^2) + eps). F32 [..., d].
 // This is the GDN q/k norm (eps inside the square root of the sum; qwen35-target.md §6.2).
 Tensor l2_norm(const Tensor& x, float eps);
+
+// The Gated DeltaNet q / k / v of the conv output (qwen35-target.md §6.5 steps 3 and 6) in one pass:
+// cv F32 [w, C] contiguous, C = 2 Hk dk + Hv dv, columns [q heads | k heads | v heads]. Returns
+// q, k = l2_norm of each dk-head (F32 [w, Hk, dk]) and v (F32 [w, Hv, dv], a copy). Each head is
+// normalised by l2_norm's row arithmetic, so the result is bit-identical to l2_norm of the column
+// slices. Throws std::invalid_argument (check_gdn_qkv_args) on a bad cv, dimension or eps.
+std::tuple<Tensor, Tensor, Tensor> gdn_qkv(const Tensor& cv, int64_t n_k_heads, int64_t head_k_dim,
+                                           int64_t n_v_heads, int64_t head_v_dim, float eps);
+// gdn_qkv's checks, shared with the GPU backend: cv F32 2-D contiguous on `dev`, the four dimensions
+// > 0 with C = 2 Hk dk + Hv dv, eps finite and >= 0.
+void check_gdn_qkv_args(const Tensor& cv, int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads,
+                        int64_t head_v_dim, float eps, Device dev);
 
 }  // namespace specd::cpu

@@ -9,7 +9,10 @@
 // vector loads when d % 4 == 0 and every pointer is 16-byte aligned, else element by element.
 // The gated variant multiplies each stored value by silu(z) with the device functions of the
 // standalone silu and mul ops (activations.cuh), so it is bit-identical to mul(rms_norm, silu(z)).
+// gdn_qkv normalises each Gated DeltaNet q / k head with the same row code (norm_row) and block
+// size as l2_norm, so it is bit-identical to l2_norm of the column slices.
 #include <cmath>
+#include <tuple>
 
 #include "../cpu/norm.h"
 #include "common.cuh"
@@ -25,27 +28,60 @@ using namespace detail::norm;
 // Mode: RMS (mean of squares, optional weight, optional residual) or L2 (sum of squares).
 enum class Mode { RMS, L2 };
 
-// x, residual, h, z, y: [rows, d]; w: [d] or null. h is written only with a residual, z read only
-// when GATE (then y = norm * silu(z)). The second pass re-reads the row this thread wrote or read
-// in the first pass (same thread, so the h stores are visible; the row is usually still in L1/L2).
+// One row of d elements, normalised by the whole block (blockDim.x = threads_for(VEC ? d / 4 : d):
+// the order of the sums depends on it). x, residual, h, z, y: the row's elements (16-byte aligned
+// when VEC); w: [d] or null. h is written only with a residual, z read only when GATE (then y =
+// norm * silu(z)). The second pass re-reads the row this thread wrote or read in the first pass
+// (same thread, so the h stores are visible; the row is usually still in L1/L2).
 template <Mode M, bool VEC, bool RESID, bool GATE>
-__global__ void norm_kernel(const float* __restrict__ x, const float* __restrict__ residual,
-                            const float* __restrict__ w, float* h, const float* __restrict__ z,
-                            float* __restrict__ y, int64_t d, float eps) {
+__device__ __forceinline__ void norm_row(const float* __restrict__ x, const float* __restrict__ residual,
+                                         const float* __restrict__ w, float* h, const float* __restrict__ z,
+                                         float* __restrict__ y, int64_t d, float eps) {
   using T = typename Row<VEC>::T;
   const int64_t n = d / Row<VEC>::kWidth;  // vectors (or floats) per row
-  const int64_t off = int64_t(blockIdx.x) * d;
-  const T* xr = reinterpret_cast<const T*>(x + off);
-  T* hr = RESID ? reinterpret_cast<T*>(h + off) : nullptr;
-  const T* zr = GATE ? reinterpret_cast<const T*>(z + off) : nullptr;
-  T* yr = reinterpret_cast<T*>(y + off);
-  const double ss = block_sum(row_squares<RESID>(xr, RESID ? reinterpret_cast<const T*>(residual + off) : nullptr, hr, n));
+  const T* xr = reinterpret_cast<const T*>(x);
+  T* hr = reinterpret_cast<T*>(h);
+  const T* zr = reinterpret_cast<const T*>(z);
+  T* yr = reinterpret_cast<T*>(y);
+  const double ss = block_sum(row_squares<RESID>(xr, reinterpret_cast<const T*>(residual), hr, n));
   const float scale = M == Mode::RMS ? rms_scale(ss, d, eps) : l2_scale(ss, eps);
   const T* src = RESID ? const_cast<const T*>(hr) : xr;
   const T* wr = reinterpret_cast<const T*>(w);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
     yr[i] = normed<GATE>(src[i], scale, wr ? wr + i : nullptr, GATE ? zr[i] : T{});
 }
+
+// x, residual, h, z, y: [rows, d], one block per row (norm_row).
+template <Mode M, bool VEC, bool RESID, bool GATE>
+__global__ void norm_kernel(const float* __restrict__ x, const float* __restrict__ residual,
+                            const float* __restrict__ w, float* h, const float* __restrict__ z,
+                            float* __restrict__ y, int64_t d, float eps) {
+  const int64_t off = int64_t(blockIdx.x) * d;
+  norm_row<M, VEC, RESID, GATE>(x + off, RESID ? residual + off : nullptr, w, RESID ? h + off : nullptr,
+                                GATE ? z + off : nullptr, y + off, d, eps);
+}
+
+// gdn_qkv: cv [w, 2 hk dk + hv dv] -> q, k [w, hk, dk] (L2-normalised heads), v [w, hv, dv]. One block
+// per (token t, q or k head h). The head is first staged in (16-byte aligned) shared memory, so
+// norm_row reads a contiguous aligned row exactly as l2_norm reads the composition's copy of the
+// head (vector loads whenever dk % 4 == 0, whatever the alignment of cv's rows): same sums, same
+// bits. Every block then copies its share of token t's v columns.
+template <bool VEC>
+__global__ void gdn_qkv_kernel(const float* __restrict__ cv, float* __restrict__ q, float* __restrict__ k,
+                               float* __restrict__ v, int64_t hk, int64_t dk, int64_t vcols, float eps) {
+  extern __shared__ float4 stage4[];
+  float* stage = reinterpret_cast<float*>(stage4);
+  const int64_t heads = 2 * hk, t = blockIdx.x / heads, h = blockIdx.x % heads;
+  const float* row = cv + t * (heads * dk + vcols);
+  for (int64_t i = threadIdx.x; i < dk; i += blockDim.x) stage[i] = row[h * dk + i];
+  __syncthreads();
+  float* y = h < hk ? q + (t * hk + h) * dk : k + (t * hk + h - hk) * dk;
+  norm_row<Mode::L2, VEC, false, false>(stage, nullptr, nullptr, nullptr, nullptr, y, dk, eps);
+  for (int64_t i = h * blockDim.x + threadIdx.x; i < vcols; i += heads * blockDim.x)
+    v[t * vcols + i] = row[heads * dk + i];
+}
+
+constexpr int64_t kMaxStagedDk = 8192;  // 32 KiB of shared memory per block
 
 template <Mode M, bool RESID, bool GATE = false>
 void launch(const float* x, const float* r, const float* w, float* h, float* y, int64_t rows, int64_t d,
@@ -112,6 +148,35 @@ Tensor l2_norm(const Tensor& x, float eps) {
   if (rows == 0) return y;
   launch<Mode::L2, false>(x.ptr<float>(), nullptr, nullptr, nullptr, y.ptr<float>(), rows, d, eps);
   return y;
+}
+
+std::tuple<Tensor, Tensor, Tensor> gdn_qkv(const Tensor& cv, int64_t n_k_heads, int64_t head_k_dim,
+                                            int64_t n_v_heads, int64_t head_v_dim, float eps) {
+  const char* op = "gdn_qkv";
+  cpu::check_gdn_qkv_args(cv, n_k_heads, head_k_dim, n_v_heads, head_v_dim, eps, Device::GPU);
+  const int64_t w = cv.dim(0), hk = n_k_heads, dk = head_k_dim;
+  SPECD_CHECK(dk <= kMaxStagedDk, op, ": head_k_dim must be at most ", kMaxStagedDk, " on the GPU, got ", dk);
+  const int64_t blocks = w * 2 * hk;
+  SPECD_CHECK(blocks <= 0x7fffffff, op, ": at most 2^31 - 1 (token, q / k head) pairs on the GPU, got ", blocks);
+  Tensor q = Tensor::empty({w, hk, dk}, DType::F32, Device::GPU);
+  Tensor k = Tensor::empty({w, hk, dk}, DType::F32, Device::GPU);
+  Tensor v = Tensor::empty({w, n_v_heads, head_v_dim}, DType::F32, Device::GPU);
+  if (w == 0) return {q, k, v};
+  // Fresh tensors (the composition's head copy and l2_norm output, q and k here) are 16-byte
+  // aligned, so l2_norm takes its vector path exactly when dk % 4 == 0: so does this op.
+  const bool vec = dk % 4 == 0;
+  const int threads = threads_for(vec ? dk / 4 : dk);
+  const size_t shmem = size_t(dk) * sizeof(float);
+  cudaStream_t s = detail::stream();
+  const int64_t vcols = n_v_heads * head_v_dim;
+  if (vec)
+    gdn_qkv_kernel<true><<<unsigned(blocks), threads, shmem, s>>>(cv.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
+                                                                   v.ptr<float>(), hk, dk, vcols, eps);
+  else
+    gdn_qkv_kernel<false><<<unsigned(blocks), threads, shmem, s>>>(cv.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
+                                                                    v.ptr<float>(), hk, dk, vcols, eps);
+  SPECD_GPU_CHECK_LAUNCH("gdn_qkv_kernel");
+  return {q, k, v};
 }
 
 }  // namespace specd::gpu

@@ -6,6 +6,7 @@
 // runtime failures throw std::runtime_error naming the failing call.
 #pragma once
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -28,6 +29,12 @@ Tensor rms_norm_gated(const Tensor& x, const std::optional<Tensor>& weight, floa
 
 // L2 normalisation over the last dimension: y = x / sqrt(sum(x^2) + eps). F32 [..., d] (norm.cu).
 Tensor l2_norm(const Tensor& x, float eps);
+
+// cpu::gdn_qkv in one launch (norm.cu): each q / k head normalised by l2_norm's per-row code (same
+// block size and order of sums), so bit-identical to l2_norm of the column slices on the GPU.
+// head_k_dim at most 8192.
+std::tuple<Tensor, Tensor, Tensor> gdn_qkv(const Tensor& cv, int64_t n_k_heads, int64_t head_k_dim,
+                                           int64_t n_v_heads, int64_t head_v_dim, float eps);
 
 // y[n, out] = x[n, in] @ w[out, in]^T (matmul.cu). x: F32 [..., in] contiguous (output shape is
 // x's with the last dimension replaced by out); w: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS
