@@ -492,13 +492,11 @@ class Qwen35Model:
         hp, w = self.hp, qg.shape[0]
         hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
         ops = self._ops
-        qg = ops.reshape(qg, w * nh, 2 * hd)  # per head [q | gate]
-        q = sn.rms_norm(ops.reshape(ops.cols(qg, 0, hd), w, nh, hd), layer.attn_q_norm, hp.rms_eps)
-        gate = ops.reshape(ops.cols(qg, hd, 2 * hd), w, nh, hd)
-        k = sn.rms_norm(ops.reshape(k, w, nkv, hd), layer.attn_k_norm, hp.rms_eps)
+        # qg: per head [q | gate]. q and k: head RMS norm then RoPE, one op; gate: a view of qg's gate half.
+        q, gate, k = sn.qk_norm_rope(ops.reshape(qg, w, nh, 2 * hd), ops.reshape(k, w, nkv, hd), layer.attn_q_norm,
+                                     layer.attn_k_norm, positions, hp.n_rot, hp.rope_freq_base, hp.rms_eps,
+                                     trusted=True)
         v = ops.reshape(v, w, nkv, hd)
-        q = sn.rope_neox(q, positions, hp.n_rot, hp.rope_freq_base, trusted=True)
-        k = sn.rope_neox(k, positions, hp.n_rot, hp.rope_freq_base, trusted=True)
         kc, vc = st.kv[i]
         sn.kv_write(kc, k, rows, trusted=True)
         sn.kv_write(vc, v, rows, trusted=True)
@@ -506,7 +504,7 @@ class Qwen35Model:
             a = sn.attention(q, kc, vc, kv_len, positions, causal=True, trusted=True)
         else:
             a = sn.attention(q, kc, vc, kv_len, positions, causal=False, mask=tree.mask, trusted=True)
-        a = ops.reshape(ops.a(sn.mul(a, sn.sigmoid(gate))), w, nh * hd)
+        a = ops.reshape(ops.a(sn.mul_sigmoid(a, gate)), w, nh * hd)
         return ops.a(mm(a, layer.attn_output))
 
     def _gdn(self, i, layer, m, z, b, a, st, tree, mm):

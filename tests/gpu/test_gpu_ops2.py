@@ -1,6 +1,6 @@
 """GPU ops of issue 7 part 2 against the CPU backend: embedding, rope_neox, kv_write, attention,
 conv1d_causal, gated_delta_net, silu/sigmoid/softplus/swiglu/mul/add, gdn_gates, rms_norm_gated, gdn_qkv,
-topk.
+qk_norm_rope, mul_sigmoid, topk.
 
 Skipped without a GPU exactly like test_gpu_ops.py. SPECD_TEST_GPU_DRYRUN=1 runs every test with
 "GPU" tensors left on the CPU (CPU vs CPU), to check the test logic on machines without a GPU.
@@ -16,6 +16,9 @@ Tolerances (stated per op, matching the comments in native/src/gpu/*.cu):
 * gdn_qkv: bit-identical to l2_norm of the sliced q / k heads and the sliced v on the GPU; q, k within
   l2_norm's 1e-6 relative of the CPU op (double sums in another order: at most the scale's last bit), v
   bit-identical (a copy).
+* qk_norm_rope: q and k bit-identical to rope_neox(rms_norm(.)) on the GPU; within rms_norm's 1e-6
+  relative (+ rope's ulp) of the CPU op. mul_sigmoid: bit-identical to mul(a, sigmoid(gate)) on the
+  GPU (also reading qk_norm_rope's gate view inside qg); <= 2 ulp from the CPU op.
 * attention: |gpu - cpu| <= 2e-5 * max|v| + 1e-4 |cpu| (different dot order, expf vs exp).
 * gated_delta_net: output and state within 1e-4 * max|cpu| + 1e-4 |cpu| per element.
 Bitwise properties checked on the GPU itself: attention rows are identical whatever the number of
@@ -371,6 +374,105 @@ def test_rope_gpu_bad_input(rng):
         sn.rope_neox(x, on_gpu(np.array([0, 1], np.int32)), 66, 1e4)
     with pytest.raises(ValueError, match="positions"):
         sn.rope_neox(x, on_gpu(np.array([0], np.int32)), 64, 1e4)
+
+
+# ---------------------------------------------------- fused attention q / k preparation, output gate
+
+QK_CASES = [
+    # w, heads, kv_heads, head_dim, n_rot
+    (1, 24, 4, 256, 64),  # 27B decode (vector loads)
+    (5, 24, 4, 256, 64),
+    (17, 24, 4, 256, 64),
+    (3, 5, 3, 10, 4),  # scalar loads (head_dim % 4 != 0)
+    (4, 3, 1, 6, 0),
+    (2, 2, 2, 130, 130),
+    (2, 3, 1, 2050, 64),  # several loads per thread
+    (0, 3, 1, 8, 8),
+]
+
+
+def qk_composition(qg, k, qw, kw, pos, n_rot, hd):
+    """What Qwen35Model._attention ran before qk_norm_rope, on qg's device."""
+    q = sn.rope_neox(sn.rms_norm(sn.slice(qg, -1, 0, hd), qw, 1e-6), pos, n_rot, 1e7).numpy()
+    return q, sn.rope_neox(sn.rms_norm(k, kw, 1e-6), pos, n_rot, 1e7).numpy()
+
+
+@pytest.mark.parametrize("case", QK_CASES)
+@gpu_only
+def test_qk_norm_rope_gpu(rng, case):
+    """One launch; q and k bit-identical to rope_neox(rms_norm(.)) on the GPU and within rms_norm's
+    1e-6 relative (+ rope's ulp) of the CPU op; gate is the view of qg that mul_sigmoid reads: bitwise
+    mul(a, sigmoid(a copy of qg's gate half)). Host, GPU and trusted GPU positions agree; rows alone
+    equal the batch."""
+    w, nh, nkv, hd, n_rot = case
+    qg, k = f32(rng, (w, nh, 2 * hd), rng.uniform(0.01, 100)), f32(rng, (w, nkv, hd), rng.uniform(0.01, 100))
+    qw, kw = f32(rng, hd), f32(rng, hd)
+    pos = rng.integers(0, 300000, w).astype(np.int32)
+    gqg, gk, gqw, gkw, gpos = on_gpu(qg), on_gpu(k), on_gpu(qw), on_gpu(kw), on_gpu(pos)
+    poison(qg.nbytes)
+    q, gate, ko = sn.qk_norm_rope(gqg, gk, gqw, gkw, gpos, n_rot, 1e7, 1e-6)
+    assert q.device == gate.device == ko.device == DEV
+    assert q.shape == gate.shape == (w, nh, hd) and ko.shape == (w, nkv, hd)
+    q, ko = q.numpy(), ko.numpy()
+    want_q, want_k = qk_composition(gqg, gk, gqw, gkw, gpos, n_rot, hd)
+    np.testing.assert_array_equal(bits(q), bits(want_q))
+    np.testing.assert_array_equal(bits(ko), bits(want_k))
+    for got, cpu in zip((q, ko), sn.qk_norm_rope(qg, k, qw, kw, pos, n_rot, 1e7, 1e-6)[::2]):
+        cpu = cpu.numpy()
+        np.testing.assert_allclose(got, cpu, rtol=2e-6, atol=4e-6 * np.abs(cpu).max(initial=0))
+    a = on_gpu(f32(rng, (w, nh, hd)))
+    np.testing.assert_array_equal(bits(sn.mul_sigmoid(a, gate).numpy()),
+                                  bits(sn.mul(a, sn.sigmoid(sn.slice(gqg, -1, hd, 2 * hd))).numpy()))
+    for p, trusted in ((pos, False), (gpos, True)):
+        q2, _, k2 = sn.qk_norm_rope(gqg, gk, gqw, gkw, p, n_rot, 1e7, 1e-6, trusted=trusted)
+        np.testing.assert_array_equal(bits(q2.numpy()), bits(q))
+        np.testing.assert_array_equal(bits(k2.numpy()), bits(ko))
+    for i in sorted({0, w - 1}) if w else ():
+        qi, _, ki = sn.qk_norm_rope(on_gpu(qg[i : i + 1]), on_gpu(k[i : i + 1]), gqw, gkw, on_gpu(pos[i : i + 1]),
+                                    n_rot, 1e7, 1e-6)
+        np.testing.assert_array_equal(bits(qi.numpy()), bits(q[i : i + 1]))
+        np.testing.assert_array_equal(bits(ki.numpy()), bits(ko[i : i + 1]))
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5), (2, 3, 257), (17, 24, 256), (0, 4)])
+@gpu_only
+def test_mul_sigmoid_gpu(rng, shape):
+    """One launch, bit-identical to mul(a, sigmoid(gate)) on the GPU, <= 2 ulp from the CPU op
+    (sigmoid's device libm ulp, then the multiply)."""
+    a, g = f32(rng, shape, 10), f32(rng, shape, 20)
+    g.reshape(-1)[: min(g.size, SPECIALS.size)] = SPECIALS[: min(g.size, SPECIALS.size)]
+    ga, gg = on_gpu(a), on_gpu(g)
+    poison(a.nbytes)
+    y = sn.mul_sigmoid(ga, gg)
+    assert y.device == DEV and y.shape == shape
+    y = y.numpy()
+    np.testing.assert_array_equal(bits(y), bits(sn.mul(ga, sn.sigmoid(gg)).numpy()))
+    ulp_close_nan(y, sn.mul_sigmoid(a, g).numpy(), 2)
+
+
+@gpu_only
+def test_attn_fused_gpu_bad_input(rng):
+    qg, k, v, pos = on_gpu(f32(rng, (2, 3, 8))), on_gpu(f32(rng, (2, 1, 4))), on_gpu(f32(rng, 4)), \
+        on_gpu(np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="qk_norm_rope: positions must be >= 0, got -1 at index 1"):
+        sn.qk_norm_rope(qg, k, v, v, on_gpu(np.array([0, -1], np.int32)), 4, 1e4, 1e-6)
+    with pytest.raises(ValueError, match="qk_norm_rope: positions has 1 entries"):
+        sn.qk_norm_rope(qg, k, v, v, on_gpu(np.zeros(1, np.int32)), 4, 1e4, 1e-6)
+    with pytest.raises(ValueError, match="qk_norm_rope: q_norm_w has 5 elements"):
+        sn.qk_norm_rope(qg, k, on_gpu(f32(rng, 5)), v, pos, 4, 1e4, 1e-6)
+    with pytest.raises(ValueError, match=r"qk_norm_rope: qg must be \[w, heads, 2 \* head_dim\]"):
+        sn.qk_norm_rope(on_gpu(f32(rng, (2, 3, 6))), k, v, v, pos, 4, 1e4, 1e-6)
+    with pytest.raises(ValueError, match="qk_norm_rope: n_rot must be <= head_dim"):
+        sn.qk_norm_rope(qg, k, v, v, pos, 6, 1e4, 1e-6)
+    with pytest.raises(ValueError, match="mul_sigmoid: a and gate must have the same shape"):
+        sn.mul_sigmoid(on_gpu(f32(rng, (3, 4))), on_gpu(f32(rng, (4, 3))))
+    with pytest.raises(ValueError, match="mul_sigmoid: gate must be F32"):
+        sn.mul_sigmoid(on_gpu(f32(rng, (3, 4))), on_gpu(np.zeros((3, 4), np.int32)))
+    if not DRYRUN:
+        with pytest.raises(ValueError, match="different devices"):
+            sn.qk_norm_rope(qg, f32(rng, (2, 1, 4)), v, v, pos, 4, 1e4, 1e-6)
+        with pytest.raises(ValueError, match="different devices"):
+            sn.mul_sigmoid(on_gpu(f32(rng, (3, 4))), f32(rng, (3, 4)))
 
 
 # ---------------------------------------------------------------------------- kv cache, attention

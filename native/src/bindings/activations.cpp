@@ -62,6 +62,18 @@ void register_activations(py::module_& m) {
         py::arg("a"), py::arg("b"),
         (std::string("a + b elementwise (one F32 rounding, as numpy). b has a's shape, or [H] / [1, H] for a of "
                      "shape [..., H]: then b is broadcast over a's rows. Raises ValueError on other shapes.") + shapes).c_str());
+  m.def("mul_sigmoid",
+        [](const Tensor& a, const Tensor& gate) {
+          return binary(a, gate, "mul_sigmoid", cpu::mul_sigmoid, GPU_FN(mul_sigmoid));
+        },
+        py::arg("a"), py::arg("gate"),
+        R"doc(a * sigmoid(gate), elementwise: the gated attention's output gate (qwen35-target.md §6.3 step 6).
+
+a, gate: F32 of one shape on one device with a contiguous last dimension (outer strides free on the
+CPU; on the GPU a contiguous and gate's rows evenly spaced, as qk_norm_rope's gate view inside qg,
+read there without a copy). Returns a new contiguous F32 tensor of a's shape, bit-identical on each backend to
+mul(a, sigmoid(gate)) (the F32 sigmoid, then one F32 multiply); on the GPU one kernel launch. Raises
+ValueError naming the argument on a dtype, shape, layout or device mismatch.)doc");
   m.def("gdn_gates", &gdn_gates, py::arg("a"), py::arg("b"), py::arg("dt"), py::arg("ssm_a"),
         R"doc(Gated DeltaNet gates in one pass: returns (g, beta) with g = ssm_a * softplus(a + dt) and
 beta = sigmoid(b), elementwise (qwen35-target.md §6.5 step 4).

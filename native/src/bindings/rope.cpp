@@ -45,6 +45,40 @@ yarn_original_context > 0 when yarn_factor > 1.
 trusted (GPU only; the CPU op always checks, at no cost): the caller guarantees GPU positions are
 >= 0, so they are not read back (no host synchronisation; needed inside a GPU graph capture); a
 negative one is then rotated as given.)doc");
+  m.def(
+      "qk_norm_rope",
+      [](const Tensor& qg, const Tensor& k, const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& positions,
+         int64_t n_rot, double theta, float eps, bool trusted) {
+        for (const Tensor* t : {&k, &q_norm_w, &k_norm_w}) require_same_device(qg, *t, "qk_norm_rope");
+        auto [q, gate, ko] = without_gil([&] {
+#if SPECD_WITH_GPU
+          if (qg.device == Device::GPU)
+            return gpu::qk_norm_rope(qg, k, q_norm_w, k_norm_w, positions, n_rot, theta, eps, trusted);
+#else
+          (void)trusted;
+#endif
+          return cpu::qk_norm_rope(qg, k, q_norm_w, k_norm_w, positions, n_rot, theta, eps);
+        });
+        return py::make_tuple(q, gate, ko);
+      },
+      py::arg("qg"), py::arg("k"), py::arg("q_norm_w"), py::arg("k_norm_w"), py::arg("positions"), py::arg("n_rot"),
+      py::arg("theta"), py::arg("eps"), py::arg("trusted") = false,
+      R"doc(The gated attention's q / k preparation in one op (qwen35-target.md §6.3 steps 1-3): returns
+(q, gate, k) with
+  q    = rope_neox(rms_norm(qg[..., :hd], q_norm_w, eps), positions, n_rot, theta)  F32 [w, nh, hd]
+  gate = qg[..., hd:]                                                                 [w, nh, hd]
+  k    = rope_neox(rms_norm(k, k_norm_w, eps), positions, n_rot, theta)              F32 [w, nkv, hd]
+qg: F32 [w, nh, 2*hd], each head's projection row [q | gate] (attn_q's packed layout); k: F32
+[w, nkv, hd]; both contiguous. q_norm_w, k_norm_w: F32 [hd]; positions: I32 [w], each >= 0 (on the GPU
+a CPU or GPU tensor). Plain partial NeoX RoPE, theta the GGUF rope.freq_base (no YaRN).
+gate is not copied: it is a view of qg's memory (rows 2*hd floats apart; it keeps qg alive) for
+mul_sigmoid, which reads it as it is; ops that need contiguous inputs reject it (on the CPU,
+gate.numpy() is the numpy view qg[..., hd:]).
+q and k are bit-identical on each backend to that rms_norm / rope_neox composition (the same per-row
+arithmetic); on the GPU one kernel launch (n_rot <= 512, hd <= 8192 there). Raises ValueError naming
+the argument on a dtype, shape or device mismatch, a negative position, n_rot odd, negative or > hd,
+theta not finite > 0, or eps not finite >= 0. trusted: as rope_neox's (GPU positions not read back;
+needed inside a graph capture).)doc");
 }
 
 }  // namespace specd::py_bind

@@ -68,6 +68,9 @@ Tensor mul(const Tensor& a, const Tensor& b) {
 Tensor add(const Tensor& a, const Tensor& b) {
   return binary(a, b, "add", "a", "b", true, [](float x, float y) { return x + y; });
 }
+Tensor mul_sigmoid(const Tensor& a, const Tensor& gate) {
+  return binary(a, gate, "mul_sigmoid", "a", "gate", false, [](float x, float g) { return x * sigmoid(g); });
+}
 
 int64_t check_gdn_gates_shapes(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a) {
   SPECD_CHECK(a.ndim() == 2, "gdn_gates: a must be [T, H], got ", a.ndim(), " dimensions");

@@ -36,6 +36,10 @@ Tensor softplus(const Tensor& x);
 Tensor swiglu(const Tensor& gate, const Tensor& up);  // silu(gate) * up, in double, rounded once
 Tensor mul(const Tensor& a, const Tensor& b);
 Tensor add(const Tensor& a, const Tensor& b);
+// The gated attention's output gate (qwen35-target.md §6.3 step 6): a * sigmoid(gate), a and gate of
+// one shape (gate may be a row-strided view, e.g. qk_norm_rope's gate inside qg). Each element is
+// the F32 sigmoid times a, one F32 rounding: bit-identical to mul(a, sigmoid(gate)).
+Tensor mul_sigmoid(const Tensor& a, const Tensor& gate);
 
 // The Gated DeltaNet gates in one pass (qwen35-target.md §6.5 step 4): returns (g, beta) with
 // g = ssm_a * softplus(a + dt) and beta = sigmoid(b), elementwise. a, b: F32 [T, H] (contiguous last

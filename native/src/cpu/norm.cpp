@@ -31,6 +31,11 @@ void l2_row(const float* x, float* y, int64_t d, float eps) {
 
 }  // namespace
 
+void rms_norm_row(const float* x, const float* weight, int64_t d, float eps, float* y) {
+  const float scale = rms_scale(x, d, eps);
+  for (int64_t i = 0; i < d; ++i) y[i] = x[i] * scale * (weight ? weight[i] : 1.0f);
+}
+
 void check_like_x(const Tensor& t, const Tensor& x, Device dev, const char* op, const char* arg) {
   check_device(t, dev, op, arg);
   check_dtype(t, DType::F32, op, arg);
@@ -70,10 +75,7 @@ std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>&
         const float* rr = residual->ptr<float>() + r * d;
         for (int64_t i = 0; i < d; ++i) hr[i] = xr[i] + rr[i];
       }
-      const float* src = residual ? hr : xr;
-      float scale = rms_scale(src, d, eps);
-      float* yr = y.ptr<float>() + r * d;
-      for (int64_t i = 0; i < d; ++i) yr[i] = src[i] * scale * (w ? w[i] : 1.0f);
+      rms_norm_row(residual ? hr : xr, w, d, eps, y.ptr<float>() + r * d);
     }
   });
   return {y, h};

@@ -21,6 +21,11 @@ std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>&
 // silu(z)). Throws std::invalid_argument naming the argument as rms_norm does.
 Tensor rms_norm_gated(const Tensor& x, const std::optional<Tensor>& weight, float eps, const Tensor& z);
 
+// One row of rms_norm (no residual): y[i] = x[i] * scale * weight[i] (weight null: x[i] * scale), the
+// scale from a fixed-order double sum of squares. Fused ops that normalise rows (rope.h's
+// qk_norm_rope) call it, so they are bit-identical to rms_norm. y may not alias x.
+void rms_norm_row(const float* x, const float* weight, int64_t d, float eps, float* y);
+
 // Checks shared by the CPU and GPU norms (std::invalid_argument naming `op` and the argument):
 // x F32 [..., d] contiguous on `dev`, weight F32 with d elements, eps finite and >= 0 ...
 void check_rms_args(const Tensor& x, const std::optional<Tensor>& weight, float eps, Device dev, const char* op);

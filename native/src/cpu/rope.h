@@ -1,5 +1,6 @@
 #pragma once
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "specd/tensor.h"
@@ -23,12 +24,12 @@ struct Yarn {
 //   high = min(ceil(d(beta_slow)), n_rot - 1) (high += 0.001 if equal),
 //   ramp[i] = clamp((i - low) / (high - low), 0, 1),
 //   inv_freq[i] = inv[i] / factor * ramp[i] + inv[i] * (1 - ramp[i]),
-// multiplier = attention_factor or 0.1 * ln(factor) + 1. Validates its arguments (op "rope_neox").
+// multiplier = attention_factor or 0.1 * ln(factor) + 1. Validates its arguments (errors name `op`).
 struct RopeFreqs {
   std::vector<double> inv_freq;
   double mscale = 1.0;
 };
-RopeFreqs rope_freqs(int64_t n_rot, double theta, const Yarn& yarn);
+RopeFreqs rope_freqs(int64_t n_rot, double theta, const Yarn& yarn, const char* op);
 
 // Partial NeoX ("rotate half") RoPE on the first n_rot dims of every head (qwen35-target.md §6.4,
 // drafters.md §3.4). x: F32 [n, heads, head_dim] (last dim contiguous, outer strides free);
@@ -40,5 +41,23 @@ RopeFreqs rope_freqs(int64_t n_rot, double theta, const Yarn& yarn);
 // with 0 <= n_rot <= head_dim, factor >= 1 and original_context > 0 when factor > 1.
 // Returns a new contiguous F32 tensor of x's shape.
 Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, const Yarn& yarn);
+
+// The gated attention's q / k preparation in one pass (qwen35-target.md §6.3 steps 1-3):
+// qg F32 [w, nh, 2 hd] (per head [q | gate], contiguous), k F32 [w, nkv, hd] (contiguous),
+// q_norm_w / k_norm_w F32 [hd], positions I32 [w] (each >= 0). Returns (q, gate, k):
+//   q = rope_neox(rms_norm(qg[..., :hd], q_norm_w, eps), positions, n_rot, theta)  F32 [w, nh, hd]
+//   gate = qg[..., hd:], a view of qg's memory (no copy; rows 2 hd floats apart)      F32 [w, nh, hd]
+//   k = rope_neox(rms_norm(k, k_norm_w, eps), positions, n_rot, theta)              F32 [w, nkv, hd]
+// Plain RoPE (no YaRN). Each head row goes through rms_norm_row and the rotation of rope_neox, so q
+// and k are bit-identical to that composition. Throws std::invalid_argument naming the argument.
+std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qg, const Tensor& k, const Tensor& q_norm_w,
+                                                const Tensor& k_norm_w, const Tensor& positions, int64_t n_rot,
+                                                double theta, float eps);
+
+// qk_norm_rope's checks shared by the CPU and GPU backends (positions: count only, each backend
+// checks its dtype, device and values), and its gate view of qg.
+void check_qk_norm_rope_args(const Tensor& qg, const Tensor& k, const Tensor& q_norm_w, const Tensor& k_norm_w,
+                             const Tensor& positions, int64_t n_rot, float eps, Device dev);
+Tensor qk_gate_view(const Tensor& qg);
 
 }  // namespace specd::cpu

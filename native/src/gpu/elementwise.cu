@@ -1,5 +1,5 @@
 // Elementwise activations and arithmetic on the GPU: silu, sigmoid, softplus, swiglu, mul, add,
-// and the fused Gated DeltaNet gates (gdn_gates).
+// and the fused Gated DeltaNet gates (gdn_gates) and attention output gate (mul_sigmoid).
 //
 // Same formulas as cpu/activations.h, evaluated in double and rounded to F32 once (sigmoid split at
 // 0 so it never overflows, softplus = x above 20 else log1p(exp(x))). Tolerance vs the CPU op:
@@ -9,8 +9,10 @@
 // never. Every element is computed independently, so results are batch invariant. mul / add
 // broadcast a b of shape [H] or [1, H] over the rows of a [..., H] (same single rounding).
 // gdn_gates runs the per-element functions of add, softplus, mul and sigmoid (activations.cuh) in
-// one launch, so it is bit-identical to their composition on the GPU.
-// GPU inputs must be contiguous (GPU tensors always are unless reshaped views of other layouts).
+// one launch, so it is bit-identical to their composition on the GPU; likewise mul_sigmoid (sigmoid,
+// then mul).
+// GPU inputs must be contiguous (GPU tensors always are unless reshaped views of other layouts),
+// except mul_sigmoid's gate: rows evenly spaced (qk_norm_rope's gate, a view inside qg).
 #include <algorithm>
 #include <cmath>
 
@@ -81,6 +83,30 @@ __global__ void __launch_bounds__(kThreads) gdn_gates_kernel(const float* __rest
   }
 }
 
+// y = a * sigmoid(gate) over [rows, d]; gate's row r starts at gate + r * pitch.
+__global__ void __launch_bounds__(kThreads) mul_sigmoid_kernel(const float* __restrict__ a,
+                                                               const float* __restrict__ gate, float* __restrict__ y,
+                                                               int64_t n, int64_t d, int64_t pitch) {
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
+    y[i] = apply<Op::Mul>(a[i], apply<Op::Sigmoid>(gate[i / d * pitch + i % d], 0.0f));
+}
+
+// Floats from one row of t (F32, any rank) to the next when its rows are evenly spaced with a
+// contiguous last dimension: a contiguous tensor or a column range of one (qk_norm_rope's gate).
+int64_t row_pitch(const Tensor& t, const char* op, const char* arg) {
+  const char* want = " must have a contiguous last dimension and evenly spaced rows";
+  SPECD_CHECK(t.ndim() == 0 || t.cols() <= 1 || t.strides.back() == 4, op, ": ", arg, want);
+  int64_t pitch = -1, rows = 1;  // bytes; rows per step along dimension d
+  for (int64_t d = t.ndim() - 2; d >= 0; --d) {
+    if (t.shape[size_t(d)] > 1) {
+      if (pitch < 0) pitch = t.strides[size_t(d)] / rows;
+      SPECD_CHECK(t.strides[size_t(d)] == pitch * rows && pitch % 4 == 0, op, ": ", arg, want);
+    }
+    rows *= t.shape[size_t(d)];
+  }
+  return pitch < 0 ? t.cols() : pitch / 4;  // a single row: any pitch
+}
+
 }  // namespace
 
 Tensor silu(const Tensor& x) { return run<Op::Silu>(x, nullptr, "silu", "x", ""); }
@@ -89,6 +115,21 @@ Tensor softplus(const Tensor& x) { return run<Op::Softplus>(x, nullptr, "softplu
 Tensor swiglu(const Tensor& gate, const Tensor& up) { return run<Op::Swiglu>(gate, &up, "swiglu", "gate", "up"); }
 Tensor mul(const Tensor& a, const Tensor& b) { return run<Op::Mul>(a, &b, "mul", "a", "b"); }
 Tensor add(const Tensor& a, const Tensor& b) { return run<Op::Add>(a, &b, "add", "a", "b"); }
+
+Tensor mul_sigmoid(const Tensor& a, const Tensor& gate) {
+  const char* op = "mul_sigmoid";
+  detail::check_gpu_tensor(a, DType::F32, -1, op, "a");
+  detail::check_gpu(gate, op, "gate");
+  check_dtype(gate, DType::F32, op, "gate");
+  SPECD_CHECK(a.shape == gate.shape, op, ": a and gate must have the same shape");
+  const int64_t pitch = row_pitch(gate, op, "gate"), n = a.numel();
+  Tensor y = Tensor::empty(a.shape, DType::F32, Device::GPU);
+  if (n == 0) return y;
+  mul_sigmoid_kernel<<<unsigned(grid_for(n)), kThreads, 0, detail::stream()>>>(a.ptr<float>(), gate.ptr<float>(),
+                                                                              y.ptr<float>(), n, a.cols(), pitch);
+  SPECD_GPU_CHECK_LAUNCH("mul_sigmoid_kernel");
+  return y;
+}
 
 std::pair<Tensor, Tensor> gdn_gates(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a) {
   detail::check_gpu_tensor(a, DType::F32, 2, "gdn_gates", "a");

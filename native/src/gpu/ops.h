@@ -105,6 +105,9 @@ Tensor softplus(const Tensor& x);
 Tensor swiglu(const Tensor& gate, const Tensor& up);
 Tensor mul(const Tensor& a, const Tensor& b);
 Tensor add(const Tensor& a, const Tensor& b);
+// a * sigmoid(gate) as cpu::mul_sigmoid, one launch; bit-identical to mul(a, sigmoid(gate)) on the GPU.
+// a contiguous; gate of a's shape with evenly spaced rows (contiguous, or qk_norm_rope's view in qg).
+Tensor mul_sigmoid(const Tensor& a, const Tensor& gate);
 // (g, beta) = (ssm_a * softplus(a + dt), sigmoid(b)) as cpu::gdn_gates, in one launch: a, b F32
 // [T, H]; dt, ssm_a F32 [H] or [1, H]. Bit-identical to mul(softplus(add(a, dt)), ssm_a) and
 // sigmoid(b) on the GPU (the same device functions).
@@ -118,6 +121,11 @@ Tensor embedding(const Tensor& w, const Tensor& ids, bool trusted = false);
 // negative position is rotated as given (no memory access depends on a position).
 Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, const cpu::Yarn& yarn,
                  bool trusted = false);
+// cpu::qk_norm_rope in one launch (rope.cu): q and k bit-identical to rope_neox(rms_norm(.)) on the GPU,
+// gate the same view of qg; positions and trusted as rope_neox.
+std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qg, const Tensor& k, const Tensor& q_norm_w,
+                                                const Tensor& k_norm_w, const Tensor& positions, int64_t n_rot,
+                                                double theta, float eps, bool trusted = false);
 
 // KV cache write and GQA attention as cpu::kv_write / cpu::attention (attention.cu). kv_write is
 // bit-identical to the CPU op; attention is split-free (one block per (query, head)) and batch
