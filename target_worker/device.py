@@ -318,8 +318,8 @@ class _Uploader:
     embedding = plain   # a row-gather table (any storage type)
 
     def layer_matmul(self, t):
-        """A layer's matmul weight: tiled for the GEMV where gemv_tiles applies (the row-major copy
-        on the device is only a temporary), else as :meth:`plain`."""
+        """A layer's matmul weight: tiled for the GEMV where gemv_tiles applies (from the row-major
+        bytes in a reused staging buffer, :meth:`_staged`), else as :meth:`plain`."""
         if not (self.gemv_tiles and t.dtype == sn.DType.IQ4_XS and len(t.shape) == 2 and t.shape[0] % 16 == 0):
             return self.plain(t)
         key = ("tiled", id(t))  # its own entry: plain() / embedding() of the same source stay row-major

@@ -299,8 +299,9 @@ def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
     every tensor-core format incl. IQ4_XS_TILED, with and without a residual and a norm weight, n = 1..16
     (fused) and 17, 40 (the composition: GEMV slices, and the BF16 GEMM with exact=False), a ragged
     last 256-group (Q8_0, 288 inputs) and a float weight in the list (composition)."""
+    # d 4096 / 12288: 1024-thread norm blocks, and more 256-input groups than warps
     cases = [(512, ["IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS_TILED"]), (288, ["Q8_0", "Q8_0"]),
-             (256, ["Q8_0", "F32"])]
+             (256, ["Q8_0", "F32"]), (4096, ["Q4_K"]), (12288, ["Q8_0"])]
     for d, names in cases:
         ws = []
         for name in names:
@@ -309,9 +310,11 @@ def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
             else:
                 ws.append(weight(rng, name, int(rng.integers(1, 200)), d).to(GPU))
         nw = sn.Tensor((1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)).to(GPU)
-        for n, exact in ((1, True), (2, True), (7, True), (16, True), (17, True), (40, False)):
+        widths = ((0, True), (1, True), (2, True), (7, True), (16, True), (17, True), (40, False)) if d <= 512 else \
+            ((1, True), (16, True))
+        for n, exact in widths:
             x, r, g, u = (sn.Tensor(rng.standard_normal((n, d)).astype(np.float32)).to(GPU) for _ in range(4))
-            for weight_, residual in ((nw, r), (nw, None), (None, r)):
+            for weight_, residual in ((nw, r), (nw, None), (None, r), (None, None)):
                 ys, h = sn.rms_norm_matmul(x, weight_, 1e-6, ws, residual=residual, exact=exact)
                 if residual is None:
                     uref, href = sn.rms_norm(x, weight_, 1e-6), x

@@ -473,6 +473,12 @@ def test_attn_fused_gpu_bad_input(rng):
             sn.qk_norm_rope(qg, f32(rng, (2, 1, 4)), v, v, pos, 4, 1e4, 1e-6)
         with pytest.raises(ValueError, match="different devices"):
             sn.mul_sigmoid(on_gpu(f32(rng, (3, 4))), f32(rng, (3, 4)))
+        # a qg view 4 bytes past an allocation: the composition would normalise an aligned copy of q
+        # (vector loads) but k in place, so the fused op refuses instead of computing in another order
+        buf = sn.Tensor.zeros([1 + 2 * 3 * 8], sn.DType.F32, GPU)
+        odd = buf.view_rows(1, 1 + 2 * 3 * 8).reshape([2, 3, 8])
+        with pytest.raises(ValueError, match="qk_norm_rope: on the GPU, qg, k, q_norm_w and k_norm_w must be 16-byte"):
+            sn.qk_norm_rope(odd, k, v, v, pos, 4, 1e4, 1e-6)
 
 
 # ---------------------------------------------------------------------------- kv cache, attention

@@ -405,8 +405,7 @@ struct NormInput {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const int i = t + 4 * k;  // inputs 4t.. (k = 0) and 16 + 4t.. (k = 1)
-      const float4 o = detail::norm::normed<false>(s4[i], scale, w4 ? w4 + i : nullptr, float4{});
-      v[4 * k] = o.x, v[4 * k + 1] = o.y, v[4 * k + 2] = o.z, v[4 * k + 3] = o.w;
+      detail::mma::put4(v, k, detail::norm::normed<false>(s4[i], scale, w4 ? w4 + i : nullptr, float4{}));
     }
   }
 };
@@ -423,9 +422,10 @@ struct SwigluInput {
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const float4 a = g4[t + 4 * k], b = u4[t + 4 * k];
+      using detail::apply;
       using detail::Op;
-      v[4 * k] = detail::apply<Op::Swiglu>(a.x, b.x), v[4 * k + 1] = detail::apply<Op::Swiglu>(a.y, b.y);
-      v[4 * k + 2] = detail::apply<Op::Swiglu>(a.z, b.z), v[4 * k + 3] = detail::apply<Op::Swiglu>(a.w, b.w);
+      detail::mma::put4(v, k, {apply<Op::Swiglu>(a.x, b.x), apply<Op::Swiglu>(a.y, b.y), apply<Op::Swiglu>(a.z, b.z),
+                               apply<Op::Swiglu>(a.w, b.w)});
     }
   }
 };
@@ -436,7 +436,7 @@ struct SwigluInput {
 // the split equals split_x of rms_norm's output bit for bit; with a residual, h = x + residual is
 // stored. The normed row itself is not stored: only the GEMV reads it.
 template <bool RESID>
-__global__ void norm_split_kernel(const float* __restrict__ x, const float* __restrict__ residual,
+__global__ void __launch_bounds__(detail::norm::kMaxThreads) norm_split_kernel(const float* __restrict__ x, const float* __restrict__ residual,
                                   const float* __restrict__ w, float* h, int64_t d, float eps, int n,
                                   uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
   using namespace detail::norm;

@@ -592,13 +592,17 @@ __device__ __forceinline__ void compute(const typename F::Raw (&raw)[2], int64_t
 // multiplies in its B-fragment words, inputs 4t .. 4t+3 (v[0..3]) and 16+4t .. 16+4t+3 (v[4..7]) (the
 // k order above). PlainInput reads them from x [n, in] F32 (rows 16-byte aligned); the fused ops of
 // matmul.cu compute them (a norm's or SwiGLU's outputs) with the standalone ops' device code.
+// v[4 k .. 4 k + 3] = a (k = 0: inputs 4t.., k = 1: inputs 16 + 4t..).
+__device__ __forceinline__ void put4(float (&v)[8], int k, float4 a) {
+  v[4 * k] = a.x, v[4 * k + 1] = a.y, v[4 * k + 2] = a.z, v[4 * k + 3] = a.w;
+}
+
 struct PlainInput {
   const float* __restrict__ x;
   int64_t in;
   __device__ __forceinline__ void load(int r, int64_t blk, int t, float (&v)[8]) const {
     const float4* src = reinterpret_cast<const float4*>(x + int64_t(r) * in + 32 * blk);
-    const float4 a = src[t], b = src[4 + t];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    put4(v, 0, src[t]), put4(v, 1, src[4 + t]);
   }
 };
 

@@ -170,10 +170,15 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qg, const Tensor& 
   Tensor dpos = gpu_positions(positions, trusted, op);
   Tensor q = Tensor::empty({w, nh, hd}, DType::F32, Device::GPU), ko = Tensor::empty(k.shape, DType::F32, Device::GPU);
   if (w == 0 || nh + nkv == 0 || hd == 0) return {q, cpu::qk_gate_view(qg), ko};
-  // rms_norm's choice: vector loads when hd % 4 == 0 and its tensors are 16-byte aligned, as every
-  // tensor the library allocates is (and then so is each head row of qg and k).
-  const bool vec = hd % 4 == 0 && detail::aligned16(qg.data) && detail::aligned16(k.data) &&
-                   detail::aligned16(q_norm_w.data) && detail::aligned16(k_norm_w.data);
+  // rms_norm's choice: vector loads when hd % 4 == 0 and its tensors are 16-byte aligned. The
+  // composition normalises a fresh (aligned) copy of q, so q and k take the same path only when
+  // every input is aligned, as every tensor the library allocates is: anything else is refused
+  // rather than computed in another order.
+  const bool vec = hd % 4 == 0;
+  SPECD_CHECK(!vec || (detail::aligned16(qg.data) && detail::aligned16(k.data) && detail::aligned16(q_norm_w.data) &&
+                       detail::aligned16(k_norm_w.data)),
+              op, ": on the GPU, qg, k, q_norm_w and k_norm_w must be 16-byte aligned when head_dim % 4 == 0 "
+              "(views at other offsets: copy them first)");
   const dim3 grid(unsigned(w), unsigned(nh + nkv));
   const int threads = norm::threads_for(vec ? hd / 4 : hd);
   const size_t shmem = size_t(hd) * sizeof(float);
