@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# gRPC's EventEngine TCP client and listener (grpcio's default) pass every socket read and write
+# between their own poller / pool threads and the thread that polls the completion queue; the iomgr
+# stack they replace does the socket I/O on the polling thread itself. On the spec loop's worker hops
+# (one small message each way per step) that halves gRPC's CPU time per message on both sides and
+# cuts the round trip by a third (BENCHMARKS.md, "Spec loop on the CPU: per-call overhead"). grpc
+# reads the variable once, when it is imported, so main() sets it before any command module loads;
+# the children `specd serve` starts inherit it, and a GRPC_EXPERIMENTS already set is kept.
+GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -38,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
     args = build_parser().parse_args(argv)
     if getattr(args, "_missing", None):
         print(f"specd {args.command}: unavailable ({args._missing})", file=sys.stderr)

@@ -81,6 +81,7 @@ class CoordinatorMetrics:
         self._accepted, self._draft_length = self.accepted.labels(*lv), self.draft_length.labels(*lv)
         self._step_draft, self._step_verify = self.step.labels(*lv, "draft"), self.step.labels(*lv, "verify")
         self._overhead = self.overhead.labels(*lv)
+        self._ttft, self._inter_chunk = self.ttft.labels(*lv), self.inter_chunk.labels(*lv)
         self._reached: list = []       # position i -> child of reached{position=i}
         self._per_position: list = []  # position i -> child of per_position{position=i}
 
@@ -93,6 +94,11 @@ class CoordinatorMetrics:
         while len(cache) < n:
             cache.append(family.labels(*self._lv, str(len(cache))))
         return cache
+
+    def record_chunk(self, seconds: float, first: bool) -> None:
+        """A chunk handed to gRPC ``seconds`` after the request started (``first``) or after the
+        previous chunk."""
+        (self._ttft if first else self._inter_chunk).observe(seconds)
 
     def record_step(self, drafts: int, accepted: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
         """One decode step: ``drafts`` offered (0: plain), ``accepted`` of them, times in seconds."""

@@ -13,6 +13,7 @@ import time
 import urllib.request
 
 import grpc
+import pytest
 
 from specd.protos.v1 import worker_pb2 as wpb
 from specd.protos.v1 import worker_pb2_grpc as wpbg
@@ -183,3 +184,23 @@ def test_bad_pair_stops_start_up_with_both_files_named(target_gguf, tmp_path):
         assert out.returncode == 2, out.stderr
         assert "vocabulary" in out.stderr and bad in out.stderr and target_gguf in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_cli_picks_grpcs_iomgr_tcp_stack_unless_the_caller_chose(monkeypatch):
+    """main() sets GRPC_EXPERIMENTS (cli.GRPC_EXPERIMENTS: the iomgr TCP client / listener, half the
+    gRPC CPU time per message of the EventEngine ones) before any command module imports grpc, which
+    reads it only at import; a value the caller set is kept."""
+    from specd.coordinator import cli
+
+    # `python -m specd.coordinator.cli` loads no grpc before main(): else the setting would come too late
+    out = subprocess.run([sys.executable, "-c", "import sys, specd.coordinator.cli; print('grpc' in sys.modules)"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+    monkeypatch.setenv("GRPC_EXPERIMENTS", "")
+    monkeypatch.delenv("GRPC_EXPERIMENTS")  # restored (unset) after the test
+    for before, after in ((None, cli.GRPC_EXPERIMENTS), ("-event_engine_client", "-event_engine_client")):
+        if before is not None:
+            monkeypatch.setenv("GRPC_EXPERIMENTS", before)
+        with pytest.raises(SystemExit):
+            cli.main(["--help"])
+        assert os.environ["GRPC_EXPERIMENTS"] == after

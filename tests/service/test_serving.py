@@ -417,11 +417,13 @@ def test_metrics_agree_with_responses(stack, reference):
     prompts = [[81, 82], [83, 84, 85]]
     plans = {tuple(prompts[0]): None, tuple(prompts[1]): 2}
     stack.drafter.plan = lambda p, step: plans.get(p, 0)
-    dones = []
+    dones, n_chunks = [], 0
     for p in prompts:
         ref, _ = reference(p, 40)
         stack.drafter.continuations[tuple(p)] = ref
-        dones.append(generate(stub, token_request(p, 25, ignore_eos=True))[1])
+        chunks, done = generate(stub, token_request(p, 25, ignore_eos=True))
+        dones.append(done)
+        n_chunks += len(chunks)
     reg = coord.metrics.registry
     lab = {"model": "condgen.gguf", "drafter": "scripted"}
     val = lambda name, **kw: reg.get_sample_value(name, {**lab, **kw}) or 0.0  # noqa: E731
@@ -435,7 +437,14 @@ def test_metrics_agree_with_responses(stack, reference):
         per = sum(d.speculation.accepted_per_position[i] for d in dones if i < len(d.speculation.accepted_per_position))
         assert val("specd_spec_accepted_tokens_per_position_total", position=str(i)) == per
     assert val("specd_requests_running") == 0
+    # step and chunk series are recorded off the step's critical path (event loop callbacks), all
+    # before the request's stream ends
     assert val("specd_request_ttft_seconds_count") == 2
+    assert val("specd_request_inter_chunk_latency_seconds_count") == n_chunks - 2
+    steps = sum(d.timing.steps for d in dones)
+    assert val("specd_step_seconds_count", phase="verify") == val("specd_loop_overhead_seconds_count") == steps
+    assert val("specd_step_seconds_count", phase="draft") == val("specd_spec_draft_length_count") == \
+        sum(d.speculation.num_drafts for d in dones)
 
 
 def test_proto_sources_ship_with_the_stubs():

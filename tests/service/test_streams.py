@@ -501,6 +501,61 @@ def test_worker_without_stream_methods_names_the_flag():
     assert err.code == grpc.StatusCode.INTERNAL and "--no-worker-streams" in err.message
 
 
+def test_worker_stream_reads_while_its_write_completes():
+    """The answer's read is posted before the write's completion is awaited: an answer that comes
+    back before that completion reaches the event loop is not held up by it (here the write completes
+    only once the read is posted: awaiting the write first would never return)."""
+    import asyncio
+
+    from specd.coordinator.server import WorkerStream
+
+    class Rpc(_FakeRpc):
+        async def write(self, msg):
+            await self.reading.wait()
+
+        async def read(self):
+            self.reading.set()
+            return wpb.VerifyResponse(accepted=3)
+
+    async def run():
+        rpc = Rpc()
+        rpc.reading = asyncio.Event()
+        ws = WorkerStream(lambda timeout=None: rpc, "verify", 5.0)
+        return await asyncio.wait_for(ws.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), None), 5)
+
+    assert asyncio.run(run()).accepted == 3
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_worker_stream_failed_write_cancels_its_read(started):
+    """A write that fails (before or after the read is posted) raises the mapped error and leaves no
+    read task behind."""
+    import asyncio
+
+    from specd.coordinator.server import RequestError, WorkerStream
+
+    exc = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details="gone")
+
+    class Rpc(_FakeRpc):
+        async def write(self, msg):
+            if started:
+                await asyncio.sleep(0.01)  # the read task runs meanwhile
+            raise exc
+
+        async def read(self):
+            await asyncio.sleep(3600)
+
+    async def run():
+        ws = WorkerStream(lambda timeout=None: Rpc(), "propose", 5.0)
+        with pytest.raises(RequestError) as ei:
+            await ws.call(wpb.ProposeRequest(seq_id="s"), None)
+        await asyncio.sleep(0.01)  # the cancelled read unwinds
+        return ei.value, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    err, left = asyncio.run(run())
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "propose" in err.message and left == []
+
+
 def test_worker_stream_close_is_bounded():
     """A half-close that does not complete within its timeout cancels the stream instead of holding
     up the Releases after it."""
