@@ -132,11 +132,12 @@ class WorkerStream:
         worker_timeout_s: per-call bound without a request deadline (seconds, > 0).
     """
 
-    __slots__ = ("method", "what", "worker_timeout_s", "rpc", "expired")
+    __slots__ = ("method", "what", "worker_timeout_s", "rpc", "loop", "expired")
 
     def __init__(self, method, what: str, worker_timeout_s: float):
         self.method, self.what, self.worker_timeout_s = method, what, worker_timeout_s
         self.rpc = None  # the grpc.aio StreamStreamCall once opened
+        self.loop = None  # its event loop (asyncio.get_running_loop() costs a getpid() system call)
         self.expired = False
 
     def _expire(self) -> None:
@@ -156,12 +157,13 @@ class WorkerStream:
                 raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded before {self.what}")
         if self.rpc is None:
             self.rpc = self.method(timeout=None if deadline is None else left)
+            self.loop = asyncio.get_running_loop()
         if deadline is None:
-            timer = asyncio.get_running_loop().call_later(left, self._expire)
+            timer = self.loop.call_later(left, self._expire)
         # The read is posted before the write's completion comes back: that completion reaches the
         # event loop after whatever else is ready there (the client's chunk write, metrics), and
         # a read posted only then would add that wait to a fast worker's answer.
-        read = asyncio.ensure_future(self.rpc.read())
+        read = self.loop.create_task(self.rpc.read())
         try:
             await self.rpc.write(msg)
             resp = await read
@@ -623,7 +625,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         lv = mx.l()
         mx.running.labels(*lv).inc()
         mx.spec_requests.labels(*mx.l(MODE_NAMES[mode])).inc()
-        call_soon = asyncio.get_running_loop().call_soon  # per-chunk metrics: see _loop's record_step
+        loop = asyncio.get_running_loop()
         outcome = ("abort", "CANCELLED")  # client cancel lands here
         last_sent = None
         # the client write in flight (at most one): it completes while the loop runs the next step's
@@ -637,12 +639,14 @@ class Coordinator(gpbg.SpecDecodeServicer):
                                         request.stream_options.token_by_token, live, reasoning, streams):
                 if writing is not None:
                     await self._written(writing)
-                writing = asyncio.ensure_future(context.write(msg))
+                writing = loop.create_task(context.write(msg))
                 now = time.perf_counter()
                 if msg.HasField("complete"):
                     outcome = (msg.complete.finish_reason, "OK")
                 else:  # latency metrics from chunks handed to gRPC
-                    call_soon(mx.record_chunk, now - (t_start if last_sent is None else last_sent), last_sent is None)
+                    # recorded off the step's critical path, like _loop's record_step
+                    loop.call_soon(mx.record_chunk, now - (t_start if last_sent is None else last_sent),
+                                   last_sent is None)
                     last_sent = now
             if writing is not None:
                 await self._written(writing)
