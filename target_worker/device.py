@@ -3,8 +3,8 @@
 
 A forward graph is written once against a small "array plumbing" interface (``ops``): results of
 native ops are turned into the model's working arrays by ``ops.a``, and the few operations the
-graph does outside the native ops (reshape, column slices, row gathers, concatenation, copies,
-a scalar scale, host <-> device moves) go through ``ops``.
+graph does outside the native ops (reshape, row gathers, concatenation, copies, a scalar scale,
+host <-> device moves) go through ``ops``.
 :class:`_HostOps` is the CPU path: numpy, exactly the operations the CPU forwards have always done
 (bit for bit). :class:`_TensorOps` keeps everything as sn.Tensor on the model's device, using the
 native glue ops (sn.slice / concat / copy / copy_rows, sn.embedding as an exact row gather, and
@@ -54,10 +54,6 @@ class _HostOps:
     @staticmethod
     def reshape(x, *shape):
         return x.reshape(shape)
-
-    @staticmethod
-    def cols(x, start, stop):
-        return np.ascontiguousarray(x[..., start:stop])
 
     @staticmethod
     def take(x, rows):
@@ -162,10 +158,6 @@ class _TensorOps:
     @staticmethod
     def reshape(x, *shape):
         return x.reshape(list(shape))
-
-    @staticmethod
-    def cols(x, start, stop):
-        return sn.slice(x, -1, start, stop)
 
     def take(self, x, rows):
         rows = [int(r) for r in rows]
@@ -335,10 +327,10 @@ class _Uploader:
         allocations that follow and could no longer be returned (H200, 27B IQ4_XS: 1.7 GiB held
         after sn.gpu_trim_pool); :meth:`release_staging` frees the buffers."""
         out, key = t.shape[0], (t.dtype, t.shape[1])
-        buf = self._staging.get(key)
-        if buf is None or buf.shape[0] < out:
-            self._staging[key] = buf = None  # the smaller buffer goes first
-            buf = self._staging[key] = sn.Tensor.empty([out, t.shape[1]], t.dtype, self.device)
+        if key not in self._staging or self._staging[key].shape[0] < out:
+            self._staging.pop(key, None)  # a smaller buffer goes before the larger one is allocated
+            self._staging[key] = sn.Tensor.empty([out, t.shape[1]], t.dtype, self.device)
+        buf = self._staging[key]
         view = buf.view_rows(0, out)
         sn.gpu_write_async(view, t.numpy())  # stream-ordered after the tiling that last read it
         return view

@@ -629,9 +629,9 @@ class _Tree:
 
 class _Linear:
     """The matmuls of one forward: ``exact`` (batch invariant: verify / decode) or not (the GPU may
-    run more than 16 rows as a BF16 GEMM: prefill chunks; see Qwen35Model.verify). ``group`` runs
-    the projections of one input together (sn.matmul_group: bit-identical to separate calls, fewer
-    GPU launches)."""
+    run more than 16 rows as a BF16 GEMM: prefill chunks; see Qwen35Model.verify). ``norm_group``
+    runs the projections of one normed input together (one GEMV launch per format, bit-identical to
+    separate calls), ``swiglu`` the FFN down projection of the SwiGLU."""
 
     def __init__(self, exact: bool):
         self.exact = exact
@@ -639,11 +639,8 @@ class _Linear:
     def __call__(self, x, w):
         return sn.matmul(x, w, exact=self.exact)
 
-    def group(self, x, ws):
-        return sn.matmul_group(x, ws, exact=self.exact)
-
     def norm_group(self, x, weight, eps, ws, residual=None):
-        """(group(u, ws), h) with (u, h) = rms_norm of h = x + residual (or x): sn.rms_norm_matmul,
+        """(sn.matmul_group(u, ws), h) with (u, h) = rms_norm of h = x + residual (or x): sn.rms_norm_matmul,
         whose GPU norm kernel also writes the GEMV's input split (one launch fewer, bit-identical)."""
         return sn.rms_norm_matmul(x, weight, eps, ws, residual=residual, exact=self.exact)
 

@@ -15,6 +15,7 @@
 // except mul_sigmoid's gate: rows evenly spaced (qk_norm_rope's gate, a view inside qg).
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "../cpu/activations.h"
 #include "activations.cuh"
@@ -96,15 +97,16 @@ __global__ void __launch_bounds__(kThreads) mul_sigmoid_kernel(const float* __re
 int64_t row_pitch(const Tensor& t, const char* op, const char* arg) {
   const char* want = " must have a contiguous last dimension and evenly spaced rows";
   SPECD_CHECK(t.ndim() == 0 || t.cols() <= 1 || t.strides.back() == 4, op, ": ", arg, want);
-  int64_t pitch = -1, rows = 1;  // bytes; rows per step along dimension d
+  std::optional<int64_t> pitch;  // bytes between rows, from the innermost dimension with several rows
+  int64_t rows = 1;               // rows per step along dimension d
   for (int64_t d = t.ndim() - 2; d >= 0; --d) {
     if (t.shape[size_t(d)] > 1) {
-      if (pitch < 0) pitch = t.strides[size_t(d)] / rows;
-      SPECD_CHECK(t.strides[size_t(d)] == pitch * rows && pitch % 4 == 0, op, ": ", arg, want);
+      if (!pitch) pitch = t.strides[size_t(d)] / rows;
+      SPECD_CHECK(t.strides[size_t(d)] == *pitch * rows && *pitch > 0 && *pitch % 4 == 0, op, ": ", arg, want);
     }
     rows *= t.shape[size_t(d)];
   }
-  return pitch < 0 ? t.cols() : pitch / 4;  // a single row: any pitch
+  return pitch ? *pitch / 4 : t.cols();  // a single row: any pitch
 }
 
 }  // namespace
