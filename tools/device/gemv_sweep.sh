@@ -13,6 +13,8 @@
 #     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 ring96:-DSPECD_MMA_RING_REGS=96,-DSPECD_MMA_MIN_BLOCKS=3
 #       ring128:-DSPECD_MMA_RING_REGS=128,-DSPECD_MMA_MIN_BLOCKS=3 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5"
 # (check build.log for spills: a 160-register ring at 3 blocks per SM spills).
+# Nsight Compute profiles format NCU_FORMAT (default IQ4_XS_T) at width 1 (the gate, alone); with NCU_SOURCE=1 also
+# the SourceCounters section and each NCU variant's per-SASS-instruction table (stall samples) in ncu_src_NAME.csv.
 # Outputs: sweep.tsv (variant format out in group n us GBps ratio_to_copy checksum), build.log, ncu.txt.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
@@ -54,11 +56,17 @@ NCU_BIN=${NCU_BIN:-/usr/local/cuda/bin/ncu}
 for name in ${NCU-}; do
   [ -x "$B/$name" ] || continue
   echo "######## $name" >>"$OUT/ncu.txt"
-  SWEEP_FORMAT=IQ4_XS timeout "${NCU_TIMEOUT:-150}" "$NCU_BIN" --clock-control none -k regex:mma_gemv_kernel \
+  src=()
+  [ "${NCU_SOURCE:-0}" = 1 ] && src=(--section SourceCounters --import-source no -o "$B/ncu_$name" -f)
+  SWEEP_FORMAT=${NCU_FORMAT:-IQ4_XS_T} timeout "${NCU_TIMEOUT:-150}" "$NCU_BIN" --clock-control none -k regex:mma_gemv_kernel \
     --launch-skip 5 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis \
-    --section MemoryWorkloadAnalysis_Tables "$B/$name" "$name" 1 >>"$OUT/ncu.txt" 2>&1
+    --section MemoryWorkloadAnalysis_Tables "${src[@]}" "$B/$name" "$name" 1 >>"$OUT/ncu.txt" 2>&1
   echo "ncu $name rc=$?" >>"$OUT/ncu.txt"
+  if [ "${NCU_SOURCE:-0}" = 1 ] && [ -f "$B/ncu_$name.ncu-rep" ]; then  # per-SASS-instruction stall samples
+    "$NCU_BIN" -i "$B/ncu_$name.ncu-rep" --page details >>"$OUT/ncu.txt" 2>&1
+    "$NCU_BIN" -i "$B/ncu_$name.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_src_$name.csv" 2>&1
+  fi
 done
 grep -v "^#" "$OUT/sweep.tsv" | awk -F'\t' '$6 == 1 || $6 == 16' | cut -f1-9
 grep "^#" "$OUT/sweep.tsv"
