@@ -298,10 +298,13 @@ def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
     gives bit for bit what the composition gives on the GPU (rms_norm or swiglu, then matmul_group):
     every tensor-core format incl. IQ4_XS_TILED, with and without a residual and a norm weight, n = 1..16
     (fused) and 17, 40 (the composition: GEMV slices, and the BF16 GEMM with exact=False), a ragged
-    last 256-group (Q8_0, 288 inputs) and a float weight in the list (composition)."""
-    # d 4096 / 12288: 1024-thread norm blocks, and more 256-input groups than warps
+    last 256-group (Q8_0, 288 and 5152 inputs) and a float weight in the list (composition).
+    norm_split_kernel runs up to 8 blocks per row, each recomputing the row's sums: d 256 / 288 / 512
+    one group per block (1, 2, 2 blocks), 4096 two (8 blocks of 1024 threads), 5120 three (7 blocks of
+    640, the last with 2 groups), 5152 three (7 blocks, a ragged last group), 12288 six (8 blocks)."""
     cases = [(512, ["IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS_TILED"]), (288, ["Q8_0", "Q8_0"]),
-             (256, ["Q8_0", "F32"]), (4096, ["Q4_K"]), (12288, ["Q8_0"])]
+             (256, ["Q8_0", "F32"]), (256, ["Q6_K"]), (4096, ["Q4_K"]), (5120, ["IQ4_XS_TILED", "Q6_K"]),
+             (5152, ["Q8_0"]), (12288, ["Q8_0"])]
     for d, names in cases:
         ws = []
         for name in names:
@@ -311,7 +314,7 @@ def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
                 ws.append(weight(rng, name, int(rng.integers(1, 200)), d).to(GPU))
         nw = sn.Tensor((1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)).to(GPU)
         widths = ((0, True), (1, True), (2, True), (7, True), (16, True), (17, True), (40, False)) if d <= 512 else \
-            ((1, True), (16, True))
+            ((1, True), (3, True), (16, True))
         for n, exact in widths:
             x, r, g, u = (sn.Tensor(rng.standard_normal((n, d)).astype(np.float32)).to(GPU) for _ in range(4))
             for weight_, residual in ((nw, r), (nw, None), (None, r), (None, None)):

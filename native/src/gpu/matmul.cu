@@ -392,20 +392,30 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
 #if SPECD_MMA_GEMV
 // --- the GEMV's x split fused into the op that produces x (one launch fewer per call) -------------
 
-// rms_norm's output values (norm.cuh: normed, the standalone kernel's second pass) as split inputs:
-// row r of src (x, or h = x + residual) times the row's scale and w (or none). Rows 16-byte aligned.
+// rms_norm's output values as split inputs (norm.cuh: normed, the standalone kernel's second pass):
+// row r of x [n, in] (+ residual when RESID) times the row's scale and w (or none). h = x + residual
+// is formed here in registers (another block's stores are not visible to this one) and stored: every
+// value is loaded by exactly one lane of the grid, so h is written once. Rows 16-byte aligned.
+template <bool RESID>
 struct NormInput {
-  const float* src;
+  const float* __restrict__ x;
+  const float* __restrict__ residual;
+  float* __restrict__ h;
   const float* __restrict__ w;
-  float scale;  // of the row being split (one block per row)
-  int64_t d;
+  float scale;  // of the row being split
+  int64_t in;
   __device__ __forceinline__ void load(int r, int64_t blk, int t, float (&v)[8]) const {
-    const float4* s4 = reinterpret_cast<const float4*>(src + int64_t(r) * d + 32 * blk);
-    const float4* w4 = w ? reinterpret_cast<const float4*>(w + 32 * blk) : nullptr;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      const int i = t + 4 * k;  // inputs 4t.. (k = 0) and 16 + 4t.. (k = 1)
-      detail::mma::put4(v, k, detail::norm::normed<false>(s4[i], scale, w4 ? w4 + i : nullptr, float4{}));
+      const int64_t i = 32 * blk + 4 * (t + 4 * k);  // inputs 4t.. (k = 0) and 16 + 4t.. (k = 1) of the block
+      const int64_t e = (int64_t(r) * in + i) / 4;   // the float4 of x holding them
+      float4 a = reinterpret_cast<const float4*>(x)[e];
+      if constexpr (RESID) {
+        a = detail::norm::add(a, reinterpret_cast<const float4*>(residual)[e]);
+        reinterpret_cast<float4*>(h)[e] = a;
+      }
+      const float4* w4 = w ? reinterpret_cast<const float4*>(w) + i / 4 : nullptr;
+      detail::mma::put4(v, k, detail::norm::normed<false>(a, scale, w4, float4{}));
     }
   }
 };
@@ -430,27 +440,59 @@ struct SwigluInput {
   }
 };
 
-// One block per row of x [n, d] (the norm kernel's block size, threads_for(d / 4)): the norm's first
-// pass (norm.cuh, the standalone vector kernel's arithmetic: the same scale), then the block's warps
-// split the row's 256-input groups from the values the norm's second pass would store (NormInput), so
-// the split equals split_x of rms_norm's output bit for bit; with a residual, h = x + residual is
-// stored. The normed row itself is not stored: only the GEMV reads it.
+// The norm -> split of x [n, in]: block (b, r) of a [blocks, n] grid splits the 256-input groups
+// [b gpb, (b + 1) gpb) of row r. Its block size is the standalone norm kernel's (threads_for(in / 4)),
+// and it first computes the row's scale with that kernel's first pass (row_squares and block_sum of
+// norm.cuh: the same sums in the same order, so the same scale; every block of a row recomputes them:
+// a 5120 row is re-read from L2, 20 KB, 40 KB with a residual). Then its warps split its groups from
+// the values the norm's second pass would store (NormInput), so the split equals split_x of
+// rms_norm's output bit for bit; the normed row itself is not stored: only the GEMV reads it.
 template <bool RESID>
-__global__ void __launch_bounds__(detail::norm::kMaxThreads) norm_split_kernel(const float* __restrict__ x, const float* __restrict__ residual,
-                                  const float* __restrict__ w, float* h, int64_t d, float eps, int n,
-                                  uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
+__global__ void __launch_bounds__(detail::norm::kMaxThreads)
+    norm_split_kernel(const float* __restrict__ x, const float* __restrict__ residual, const float* __restrict__ w,
+                      float* __restrict__ h, int64_t in, int64_t gpb, float eps, int n, uint2* __restrict__ xb,
+                      float* __restrict__ xs, uint32_t* __restrict__ xm) {
   using namespace detail::norm;
   detail::mma::pdl_launch_dependents();  // the GEMV may start loading weights now (it waits for our writes)
-  const int r = int(blockIdx.x);
-  const int64_t off = int64_t(r) * d;
-  const float4* rr = RESID ? reinterpret_cast<const float4*>(residual + off) : nullptr;
-  float4* hr = RESID ? reinterpret_cast<float4*>(h + off) : nullptr;
-  const double ss = block_sum(row_squares<RESID>(reinterpret_cast<const float4*>(x + off), rr, hr, d / 4));
-  // block_sum ended with a block barrier: every warp sees the whole stored h row.
-  const NormInput src{RESID ? h : x, w, rms_scale(ss, d, eps), d};
-  const int64_t groups = (d + detail::mma::kGroup - 1) / detail::mma::kGroup;
-  for (int64_t grp = threadIdx.x / 32; grp < groups; grp += blockDim.x / 32)
-    detail::mma::split_group(src, r, n, grp, d, int(threadIdx.x & 31), xb, xs, xm);
+  const int r = int(blockIdx.y);
+  const int64_t off = int64_t(r) * in / 4;
+  const double ss = block_sum(row_squares<RESID, float4, false>(reinterpret_cast<const float4*>(x) + off,
+                                                                RESID ? reinterpret_cast<const float4*>(residual) + off
+                                                                      : nullptr,
+                                                                nullptr, in / 4));
+  const NormInput<RESID> src{x, residual, h, w, rms_scale(ss, in, eps), in};
+  const int64_t groups = (in + detail::mma::kGroup - 1) / detail::mma::kGroup;
+  const int64_t g0 = int64_t(blockIdx.x) * gpb, g1 = g0 + gpb < groups ? g0 + gpb : groups;
+  for (int64_t grp = g0 + threadIdx.x / 32; grp < g1; grp += blockDim.x / 32)
+    detail::mma::split_group(src, r, n, grp, in, int(threadIdx.x & 31), xb, xs, xm);
+}
+
+// Launch geometry of norm_split_kernel for rows of `in` (a multiple of 4; a function of `in` only, so a
+// row's arithmetic does not depend on n): blocks per row and groups per block. Each block's warps
+// split one group each at most (gpb <= warps), over at most 8 blocks per row: 16 rows x 8 blocks
+// fill the 132 multiprocessors of an H200 in one wave (one 640-thread block of a 5120 row per
+// multiprocessor: 52 registers) while n = 1 spreads a row's split over 7 of them.
+struct NormSplitPlan {
+  int threads;
+  int64_t gpb, blocks;
+  explicit NormSplitPlan(int64_t in) : threads(detail::norm::threads_for(in / 4)) {
+    const int64_t groups = (in + detail::mma::kGroup - 1) / detail::mma::kGroup;
+    gpb = std::min<int64_t>(threads / 32, (groups + 7) / 8);
+    blocks = (groups + gpb - 1) / gpb;
+  }
+};
+
+// The norm -> split launch (norm_split_kernel) of x [n, in] into the split x at base (XSizes(in));
+// residual / h with RESID (null otherwise).
+template <bool RESID>
+void launch_norm_split(const float* x, const float* residual, const float* w, float* h, int64_t in, float eps, int n,
+                       uint8_t* base) {
+  const NormSplitPlan plan(in);
+  const detail::mma::XSizes sz(in);
+  norm_split_kernel<RESID><<<dim3(unsigned(plan.blocks), unsigned(n)), unsigned(plan.threads), 0, detail::stream()>>>(
+      x, residual, w, h, in, plan.gpb, eps, n, reinterpret_cast<uint2*>(base), reinterpret_cast<float*>(base + sz.xb),
+      reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
+  SPECD_GPU_CHECK_LAUNCH("norm_split_kernel");
 }
 #endif
 
@@ -504,23 +546,13 @@ std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const st
   std::vector<Tensor> ys = linear_outputs(x, ws, op);
   Tensor h = residual ? Tensor::empty(x.shape, DType::F32, Device::GPU) : x;
 #if SPECD_MMA_GEMV
-  namespace mma = detail::mma;
-  const mma::XSizes sz(d);
-  std::shared_ptr<void> xsplit = alloc(sz.total());  // freed stream-ordered
+  std::shared_ptr<void> xsplit = alloc(detail::mma::XSizes(d).total());  // freed stream-ordered
   auto* base = static_cast<uint8_t*>(xsplit.get());
-  auto* xb = reinterpret_cast<uint2*>(base);
-  auto* xs = reinterpret_cast<float*>(base + sz.xb);
-  auto* xm = reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs);
   const float* w = weight ? weight->ptr<float>() : nullptr;
-  const unsigned blocks = unsigned(n), threads = unsigned(detail::norm::threads_for(d / 4));
-  cudaStream_t s = detail::stream();
   if (residual)
-    norm_split_kernel<true><<<blocks, threads, 0, s>>>(x.ptr<float>(), residual->ptr<float>(), w, h.ptr<float>(), d,
-                                                       eps, int(n), xb, xs, xm);
+    launch_norm_split<true>(x.ptr<float>(), residual->ptr<float>(), w, h.ptr<float>(), d, eps, int(n), base);
   else
-    norm_split_kernel<false><<<blocks, threads, 0, s>>>(x.ptr<float>(), nullptr, w, nullptr, d, eps, int(n), xb, xs,
-                                                        xm);
-  SPECD_GPU_CHECK_LAUNCH("norm_split_kernel");
+    launch_norm_split<false>(x.ptr<float>(), nullptr, w, nullptr, d, eps, int(n), base);
   gemv_on_split(ws, ys, d, base, int(n));
 #endif
   return {ys, h};
