@@ -529,7 +529,8 @@ class Qwen35Model:
             o = ops.a(sn.gated_delta_net(q, k, v, g, beta, st.ssm[i], self._gdn_scale, state_out=state))
         else:
             state, o = None, self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
-        out = ops.a(mm.norm_gated(o, layer.ssm_norm, hp.rms_eps, z, layer.ssm_out))  # o, z: [w, hv, dv]
+        o = ops.reshape(ops.a(sn.rms_norm_gated(o, layer.ssm_norm, hp.rms_eps, z)), w, hv * dv)
+        out = ops.a(mm(o, layer.ssm_out))
         return out, GDNPending(m, q, k, v, g, beta, state, conv_state)
 
     def _gdn_tree(self, s0, q, k, v, g, beta, tree):
@@ -630,8 +631,7 @@ class _Linear:
     """The matmuls of one forward: ``exact`` (batch invariant: verify / decode) or not (the GPU may
     run more than 16 rows as a BF16 GEMM: prefill chunks; see Qwen35Model.verify). ``norm_group``
     runs the projections of one normed input together (one GEMV launch per format, bit-identical to
-    separate calls), ``norm_gated`` the GDN output norm and ssm_out, ``swiglu`` the FFN down projection
-    of the SwiGLU."""
+    separate calls), ``swiglu`` the FFN down projection of the SwiGLU."""
 
     def __init__(self, exact: bool):
         self.exact = exact
@@ -643,11 +643,6 @@ class _Linear:
         """(sn.matmul_group(u, ws), h) with (u, h) = rms_norm of h = x + residual (or x): sn.rms_norm_matmul,
         whose GPU norm kernel also writes the GEMV's input split (one launch fewer, bit-identical)."""
         return sn.rms_norm_matmul(x, weight, eps, ws, residual=residual, exact=self.exact)
-
-    def norm_gated(self, x, weight, eps, z, w):
-        """rms_norm_gated(x, weight, eps, z) of heads x, z [n, h, d], read as [n, h * d], @ w^T:
-        sn.rms_norm_gated_matmul, whose GPU norm kernel writes the GEMV's input split (one launch fewer)."""
-        return sn.rms_norm_gated_matmul(x, weight, eps, z, [w], exact=self.exact)[0]
 
     def swiglu(self, gate, up, w):
         """swiglu(gate, up) @ w^T: sn.swiglu_matmul (the GEMV's input split computes the SwiGLU)."""

@@ -36,42 +36,6 @@ def test_random_gguf_loads_and_runs(tmp_path, mix):
     assert np.isfinite(m.decode(st, int(np.argmax(logits)))).all()
 
 
-@pytest.mark.parametrize("tensor_ops", [False, True])
-def test_gdn_output_norm_and_ssm_out_run_as_one_op(tmp_path, monkeypatch, tensor_ops):
-    """Qwen35Model._gdn runs the GDN output norm and ssm_out (Q6_K) as one sn.rms_norm_gated_matmul of
-    the [w, Hv, dv] heads (on the GPU the norm kernel writes the GEMV's input split), on both op paths,
-    in chain and tree verifies, and the logits are bit-identical to the composition it replaces:
-    rms_norm_gated, then matmul of its [w, Hv * dv] view."""
-    out = tmp_path / "tiny.gguf"
-    rq.write(out, "tiny", "iq4xs", seed=2)
-    weights = load_qwen35(out)
-    hp = weights.hparams
-    m = Qwen35Model(weights, tensor_ops=tensor_ops)
-    fused, calls = sn.rms_norm_gated_matmul, []
-
-    def spy(x, weight, eps, z, ws, exact=True):
-        calls.append(tuple(x.shape))
-        return fused(x, weight, eps, z, ws, exact=exact)
-
-    def composition(x, weight, eps, z, ws, exact=True):
-        u = sn.rms_norm_gated(x, weight, eps, z)
-        return sn.matmul_group(u.reshape([u.shape[0], u.shape[1] * u.shape[2]]), ws, exact=exact)
-
-    def run():
-        st = m.new_sequence(32)
-        m.prefill(st, [1, 2, 3])
-        return m.verify(st, [4, 5, 6]).logits, m.verify(st, [7, 8, 9, 10], [-1, 0, 0, 2]).logits
-
-    monkeypatch.setattr(sn, "rms_norm_gated_matmul", spy)
-    got = run()
-    n_gdn = sum(hp.recurrent)
-    assert calls == [(3, hp.n_v_heads, hp.head_v_dim)] * n_gdn + [(3, hp.n_v_heads, hp.head_v_dim)] * n_gdn + \
-        [(4, hp.n_v_heads, hp.head_v_dim)] * n_gdn  # prefill, chain verify, tree verify
-    monkeypatch.setattr(sn, "rms_norm_gated_matmul", composition)
-    for a, b in zip(got, run()):
-        np.testing.assert_array_equal(a, b)
-
-
 @pytest.mark.parametrize("mix", ["iq4xs", "q8_0"])
 def test_tiled_tensors_keep_finite_scales(tmp_path, monkeypatch, mix):
     """Tensors larger than the byte pool are tiled from a block boundary: every decoded weight is

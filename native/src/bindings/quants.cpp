@@ -1,4 +1,4 @@
-// dequantize, quantize, matmul(_group), the fused norm / swiglu matmuls, embedding.
+// dequantize, quantize, matmul, embedding.
 #include <stdexcept>
 #include <string>
 
@@ -161,38 +161,6 @@ On the GPU, when the tensor-core GEMV reads the normed rows (1 <= n <= 16, every
 K-quant / IQ4_XS, 16-byte aligned rows) the norm kernel also writes the GEMV's split of them and u is
 never stored (one kernel launch fewer per call, matmul.cu: norm_split_kernel); otherwise the ops run
 in turn. Raises ValueError as those ops do.)doc");
-  m.def(
-      "rms_norm_gated_matmul",
-      [](const py::object& x, std::optional<Tensor> weight, float eps, const py::object& z, const py::sequence& ws,
-         bool exact) {
-        const char* op = "rms_norm_gated_matmul";
-        Tensor xt = as_tensor(x, op, "x"), zt = as_tensor(z, op, "z");
-        require_same_device(xt, zt, op);
-        if (weight) require_same_device(xt, *weight, op);
-        std::vector<Tensor> wt = group_weights(xt, ws, op);
-#if SPECD_WITH_GPU
-        if (xt.device == Device::GPU)
-          return without_gil([&] { return gpu::rms_norm_gated_matmul(xt, weight, eps, zt, wt, exact); });
-#endif
-        return without_gil([&] {
-          cpu::check_rms_gated_heads_args(xt, weight, eps, zt, Device::CPU, op);
-          const Tensor u = cpu::rms_norm_gated(xt, weight, eps, zt);
-          return cpu_group(u.reshape({xt.dim(0), xt.dim(1) * xt.dim(2)}), wt, op);
-        });
-      },
-      py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("z"), py::arg("ws"), py::arg("exact") = true,
-      R"doc(The projections of a gated-RMS-normed tensor of heads (the Gated DeltaNet output norm and
-ssm_out, qwen35-target.md §6.5): matmul_group(u.reshape(n, heads * d), ws, exact) where
-u = rms_norm_gated(x, weight, eps, z), each head of d values normalised on its own.
-
-x, z: F32 [n, heads, d] of one shape, contiguous; weight: F32 [d] or None; eps: float >= 0; ws:
-[out_i, heads * d] as for matmul_group; all on one device. Returns a list of F32 [n, out_i].
-Bit-identical to that composition on each backend. On the GPU, when the tensor-core GEMV reads the
-normed values (as for rms_norm_matmul, and d % 4 == 0) the norm kernel computes each head's scale as
-rms_norm_gated's kernel does and writes the GEMV's split of u, which is never stored (one kernel
-launch fewer, matmul.cu: norm_split_kernel); otherwise the ops run in turn. Raises ValueError naming
-the argument on a dtype, shape or device mismatch (x not 3-D, z not of x's shape, weight not of d
-elements) and as matmul_group does.)doc");
   m.def(
       "swiglu_matmul",
       [](const py::object& gate, const py::object& up, const py::sequence& ws, bool exact) {

@@ -58,13 +58,6 @@ void check_rms_args(const Tensor& x, const std::optional<Tensor>& weight, float 
   SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");
 }
 
-void check_rms_gated_heads_args(const Tensor& x, const std::optional<Tensor>& weight, float eps, const Tensor& z,
-                                Device dev, const char* op) {
-  check_rms_args(x, weight, eps, dev, op);
-  check_ndim(x, 3, op, "x");
-  check_like_x(z, x, dev, op, "z");
-}
-
 std::pair<Tensor, Tensor> rms_norm(const Tensor& x, const std::optional<Tensor>& weight, float eps,
                                    const std::optional<Tensor>& residual) {
   const char* op = "rms_norm";

@@ -31,10 +31,6 @@ void rms_norm_row(const float* x, const float* weight, int64_t d, float eps, flo
 void check_rms_args(const Tensor& x, const std::optional<Tensor>& weight, float eps, Device dev, const char* op);
 // ... and an F32 contiguous tensor of x's shape on `dev` (residual, z).
 void check_like_x(const Tensor& t, const Tensor& x, Device dev, const char* op, const char* arg);
-// rms_norm_gated_matmul's checks (the op: bindings/quants.cpp, gpu/matmul.cu): x F32 [n, heads, d]
-// (3 dimensions) and weight, eps as check_rms_args, z like x.
-void check_rms_gated_heads_args(const Tensor& x, const std::optional<Tensor>& weight, float eps, const Tensor& z,
-                                Device dev, const char* op);
 
 // L2 normalisation over the last dimension: y = x / sqrt(sum(x^2) + eps). F32 [..., d].
 // This is the GDN q/k norm (eps inside the square root of the sum; qwen35-target.md §6.2).

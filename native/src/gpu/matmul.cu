@@ -393,36 +393,20 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
 #if SPECD_MMA_GEMV
 // --- the GEMV's x split fused into the op that produces x (one launch fewer per call) -------------
 
-// A norm's output values as split inputs (norm.cuh: normed, the standalone kernel's second pass):
-// row r of x [n, in] (+ residual when RESID) in heads of d values (rms_norm: one head, d = in), each
-// head normalised by its own scale (head j: scales[j - head0]), times w [d] (or none), times silu(z)
-// (GATE: rms_norm_gated, z of x's shape). h = x + residual is formed here in registers (another
-// block's stores are not visible to this one) and stored: every value is loaded by exactly one lane
-// of the grid, so h is written once. Rows and heads 16-byte aligned (in, d multiples of 4).
-template <bool RESID, bool GATE>
+// rms_norm's output values (norm.cuh: normed, the standalone kernel's second pass) as split inputs:
+// row r of src (x, or h = x + residual) times the row's scale and w (or none). Rows 16-byte aligned.
 struct NormInput {
-  const float* __restrict__ x;
-  const float* __restrict__ residual;
-  float* __restrict__ h;
+  const float* src;
   const float* __restrict__ w;
-  const float* __restrict__ z;
-  const float* scales;  // the block's head scales (shared memory)
-  int64_t head0, d, in;
+  float scale;  // of the row being split (one block per row)
+  int64_t d;
   __device__ __forceinline__ void load(int r, int64_t blk, int t, float (&v)[8]) const {
+    const float4* s4 = reinterpret_cast<const float4*>(src + int64_t(r) * d + 32 * blk);
+    const float4* w4 = w ? reinterpret_cast<const float4*>(w + 32 * blk) : nullptr;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      const int64_t i = 32 * blk + 4 * (t + 4 * k);  // inputs 4t.. (k = 0) and 16 + 4t.. (k = 1) of the block
-      const int64_t e = (int64_t(r) * in + i) / 4;   // the float4 of x holding them
-      float4 a = reinterpret_cast<const float4*>(x)[e];
-      if constexpr (RESID) {
-        a = detail::norm::add(a, reinterpret_cast<const float4*>(residual)[e]);
-        reinterpret_cast<float4*>(h)[e] = a;
-      }
-      // rms_norm: one head (d = in); gated: in < 2^31 (checked by the op), a 32-bit division
-      const int64_t head = GATE ? uint32_t(i) / uint32_t(d) : 0, j = i - head * d;
-      const float4* w4 = w ? reinterpret_cast<const float4*>(w) + j / 4 : nullptr;
-      detail::mma::put4(v, k, detail::norm::normed<GATE>(a, scales[head - head0], w4,
-                                                         GATE ? reinterpret_cast<const float4*>(z)[e] : float4{}));
+      const int i = t + 4 * k;  // inputs 4t.. (k = 0) and 16 + 4t.. (k = 1)
+      detail::mma::put4(v, k, detail::norm::normed<false>(s4[i], scale, w4 ? w4 + i : nullptr, float4{}));
     }
   }
 };
@@ -447,71 +431,27 @@ struct SwigluInput {
   }
 };
 
-// Most heads whose scales one block of norm_split_kernel computes (shared memory; NormSplitPlan).
-constexpr int kMaxHeads = 16;
-
-// The norm -> split of x [n, in] in heads of d values (rms_norm: d = in; rms_norm_gated: the heads of
-// its rows): block (b, r) of a [blocks, n] grid splits the 256-input groups [b gpb, (b + 1) gpb) of
-// row r. Its block size is the standalone norm kernel's for a row of d (threads_for(d / 4)), and it
-// first computes the scale of every head its groups touch with that kernel's first pass (row_squares
-// and block_sum of norm.cuh: the same sums in the same order, so the same scale; every block of a row
-// recomputes the sums it needs: a 5120 row is re-read from L2, 20 KB, 40 KB with a residual). Then
-// its warps split its groups from the values the norm's second pass would store (NormInput), so the
-// split equals split_x of the norm's output bit for bit; the normed row itself is not stored: only
-// the GEMV reads it.
-template <bool RESID, bool GATE>
-__global__ void __launch_bounds__(detail::norm::kMaxThreads)
-    norm_split_kernel(const float* __restrict__ x, const float* __restrict__ residual, const float* __restrict__ w,
-                      float* __restrict__ h, const float* __restrict__ z, int64_t d, int64_t in, int64_t gpb,
-                      float eps, int n, uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
+// One block per row of x [n, d] (the norm kernel's block size, threads_for(d / 4)): the norm's first
+// pass (norm.cuh, the standalone vector kernel's arithmetic: the same scale), then the block's warps
+// split the row's 256-input groups from the values the norm's second pass would store (NormInput), so
+// the split equals split_x of rms_norm's output bit for bit; with a residual, h = x + residual is
+// stored. The normed row itself is not stored: only the GEMV reads it.
+template <bool RESID>
+__global__ void __launch_bounds__(detail::norm::kMaxThreads) norm_split_kernel(const float* __restrict__ x, const float* __restrict__ residual,
+                                  const float* __restrict__ w, float* h, int64_t d, float eps, int n,
+                                  uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
   using namespace detail::norm;
   detail::mma::pdl_launch_dependents();  // the GEMV may start loading weights now (it waits for our writes)
-  __shared__ float scales[kMaxHeads];
-  const int r = int(blockIdx.y);
-  const int64_t groups = (in + detail::mma::kGroup - 1) / detail::mma::kGroup;
-  const int64_t g0 = int64_t(blockIdx.x) * gpb, g1 = g0 + gpb < groups ? g0 + gpb : groups;
-  const int64_t hi = g1 * detail::mma::kGroup < in ? g1 * detail::mma::kGroup : in;
-  const int64_t head0 = g0 * detail::mma::kGroup / d, head1 = (hi - 1) / d;
-  for (int64_t hd = head0; hd <= head1; ++hd) {
-    const int64_t off = (int64_t(r) * in + hd * d) / 4;
-    const float4* rr = RESID ? reinterpret_cast<const float4*>(residual) + off : nullptr;
-    const double ss = block_sum(row_squares<RESID, float4, false>(reinterpret_cast<const float4*>(x) + off, rr,
-                                                                  nullptr, d / 4));
-    if (threadIdx.x == 0) scales[hd - head0] = rms_scale(ss, d, eps);
-  }
-  __syncthreads();  // the scales
-  const NormInput<RESID, GATE> src{x, residual, h, w, z, scales, head0, d, in};
-  for (int64_t grp = g0 + threadIdx.x / 32; grp < g1; grp += blockDim.x / 32)
-    detail::mma::split_group(src, r, n, grp, in, int(threadIdx.x & 31), xb, xs, xm);
-}
-
-// Launch geometry of norm_split_kernel for rows of `in` in heads of d (both multiples of 4; a
-// function of (in, d) only, so a row's arithmetic does not depend on n): blocks per row and groups per
-// block. Each block's warps split one group each at most (gpb <= warps), over at most 8 blocks per
-// row: 16 rows x 8 blocks fill the 132 multiprocessors of an H200 in one wave (one 640-thread block of
-// a 5120 row per multiprocessor: 50-52 registers) while n = 1 spreads a row's split over 7 of them.
-struct NormSplitPlan {
-  int threads;
-  int64_t gpb, blocks, heads;  // heads: the most one block touches
-  NormSplitPlan(int64_t in, int64_t d) : threads(detail::norm::threads_for(d / 4)) {
-    const int64_t groups = (in + detail::mma::kGroup - 1) / detail::mma::kGroup;
-    gpb = std::min<int64_t>(threads / 32, (groups + 7) / 8);
-    blocks = (groups + gpb - 1) / gpb;
-    heads = std::min<int64_t>((gpb * detail::mma::kGroup - 1) / d + 2, in / d);
-  }
-};
-
-// The norm -> split launch (norm_split_kernel) of x [n, in] in heads of d into the split x at base
-// (XSizes(in)); residual / h with RESID, z with GATE (null otherwise). plan.heads <= kMaxHeads.
-template <bool RESID, bool GATE>
-void launch_norm_split(const NormSplitPlan& plan, const float* x, const float* residual, const float* w, float* h,
-                       const float* z, int64_t d, int64_t in, float eps, int n, uint8_t* base) {
-  const detail::mma::XSizes sz(in);
-  norm_split_kernel<RESID, GATE><<<dim3(unsigned(plan.blocks), unsigned(n)), unsigned(plan.threads), 0,
-                                   detail::stream()>>>(
-      x, residual, w, h, z, d, in, plan.gpb, eps, n, reinterpret_cast<uint2*>(base),
-      reinterpret_cast<float*>(base + sz.xb), reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
-  SPECD_GPU_CHECK_LAUNCH("norm_split_kernel");
+  const int r = int(blockIdx.x);
+  const int64_t off = int64_t(r) * d;
+  const float4* rr = RESID ? reinterpret_cast<const float4*>(residual + off) : nullptr;
+  float4* hr = RESID ? reinterpret_cast<float4*>(h + off) : nullptr;
+  const double ss = block_sum(row_squares<RESID>(reinterpret_cast<const float4*>(x + off), rr, hr, d / 4));
+  // block_sum ended with a block barrier: every warp sees the whole stored h row.
+  const NormInput src{RESID ? h : x, w, rms_scale(ss, d, eps), d};
+  const int64_t groups = (d + detail::mma::kGroup - 1) / detail::mma::kGroup;
+  for (int64_t grp = threadIdx.x / 32; grp < groups; grp += blockDim.x / 32)
+    detail::mma::split_group(src, r, n, grp, d, int(threadIdx.x & 31), xb, xs, xm);
 }
 #endif
 
@@ -565,42 +505,26 @@ std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const st
   std::vector<Tensor> ys = linear_outputs(x, ws, op);
   Tensor h = residual ? Tensor::empty(x.shape, DType::F32, Device::GPU) : x;
 #if SPECD_MMA_GEMV
-  std::shared_ptr<void> xsplit = alloc(detail::mma::XSizes(d).total());  // freed stream-ordered
+  namespace mma = detail::mma;
+  const mma::XSizes sz(d);
+  std::shared_ptr<void> xsplit = alloc(sz.total());  // freed stream-ordered
   auto* base = static_cast<uint8_t*>(xsplit.get());
-  const NormSplitPlan plan(d, d);  // one head: the row
+  auto* xb = reinterpret_cast<uint2*>(base);
+  auto* xs = reinterpret_cast<float*>(base + sz.xb);
+  auto* xm = reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs);
   const float* w = weight ? weight->ptr<float>() : nullptr;
+  const unsigned blocks = unsigned(n), threads = unsigned(detail::norm::threads_for(d / 4));
+  cudaStream_t s = detail::stream();
   if (residual)
-    launch_norm_split<true, false>(plan, x.ptr<float>(), residual->ptr<float>(), w, h.ptr<float>(), nullptr, d, d,
-                                   eps, int(n), base);
+    norm_split_kernel<true><<<blocks, threads, 0, s>>>(x.ptr<float>(), residual->ptr<float>(), w, h.ptr<float>(), d,
+                                                       eps, int(n), xb, xs, xm);
   else
-    launch_norm_split<false, false>(plan, x.ptr<float>(), nullptr, w, nullptr, nullptr, d, d, eps, int(n), base);
+    norm_split_kernel<false><<<blocks, threads, 0, s>>>(x.ptr<float>(), nullptr, w, nullptr, d, eps, int(n), xb, xs,
+                                                        xm);
+  SPECD_GPU_CHECK_LAUNCH("norm_split_kernel");
   gemv_on_split(ws, ys, d, base, int(n));
 #endif
   return {ys, h};
-}
-
-std::vector<Tensor> rms_norm_gated_matmul(const Tensor& x, const std::optional<Tensor>& weight, float eps,
-                                          const Tensor& z, const std::vector<Tensor>& ws, bool exact) {
-  const char* op = "rms_norm_gated_matmul";
-  cpu::check_rms_gated_heads_args(x, weight, eps, z, Device::GPU, op);
-  const int64_t n = x.dim(0), d = x.dim(2), in = x.dim(1) * d;
-  // rms_norm_gated's vector path (16-byte aligned heads) is the arithmetic the fused kernel follows.
-  bool fused = d % 4 == 0 && in <= 0x7fffffff && detail::aligned16(x.data) && detail::aligned16(z.data) &&
-               (!weight || detail::aligned16(weight->data)) && split_fusable(n, in, ws);
-#if SPECD_MMA_GEMV
-  fused = fused && NormSplitPlan(in, d).heads <= kMaxHeads;
-#endif
-  if (!fused)  // the composition: same results, one launch more
-    return linear(rms_norm_gated(x, weight, eps, z).reshape({n, in}), ws, exact, op);
-  std::vector<Tensor> ys = linear_outputs(x.reshape({n, in}), ws, op);
-#if SPECD_MMA_GEMV
-  std::shared_ptr<void> xsplit = alloc(detail::mma::XSizes(in).total());  // freed stream-ordered
-  auto* base = static_cast<uint8_t*>(xsplit.get());
-  launch_norm_split<false, true>(NormSplitPlan(in, d), x.ptr<float>(), nullptr, weight ? weight->ptr<float>() : nullptr,
-                                 nullptr, z.ptr<float>(), d, in, eps, int(n), base);
-  gemv_on_split(ws, ys, in, base, int(n));
-#endif
-  return ys;
 }
 
 std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const std::vector<Tensor>& ws, bool exact) {

@@ -2,9 +2,8 @@
 // norm fused with the GEMV's x split (matmul.cu): one definition, so the fused op computes every
 // value with the same operations in the same order as the standalone norm (bit-identical).
 //
-// One thread block per row (matmul.cu's norm_split_kernel: several per row, each recomputing the
-// sums with this block size and code); the block size depends only on the row length d (threads_for),
-// so a row's result does not depend on how many rows share the call (batch invariance). The sum of
+// One thread block per row; the block size depends only on the row length d (threads_for), so a
+// row's result does not depend on how many rows share the call (batch invariance). The sum of
 // squares is accumulated in double (per thread, then a fixed-order warp-shuffle and cross-warp
 // reduction), and the scale is computed exactly as the CPU op does (cpu/norm.cpp).
 #pragma once
@@ -65,16 +64,15 @@ __device__ __forceinline__ float4 gate(float4 y, float4 z) {
 }
 
 // First pass over a row of n items (vectors or floats): this thread's part of the sum of squares of
-// x (+ residual when RESID, stored to h when also STORE; matmul.cu's norm_split_kernel stores h
-// itself, once per element over the several blocks of a row).
-template <bool RESID, class T, bool STORE = RESID>
+// x (+ residual, stored to h when RESID).
+template <bool RESID, class T>
 __device__ __forceinline__ double row_squares(const T* xr, const T* rr, T* hr, int64_t n) {
   double ss = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     T v = xr[i];
     if constexpr (RESID) {
       v = add(v, rr[i]);
-      if constexpr (STORE) hr[i] = v;
+      hr[i] = v;
     }
     ss += sq(v);
   }

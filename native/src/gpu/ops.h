@@ -70,15 +70,6 @@ std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const st
                                                        const std::vector<Tensor>& ws,
                                                        const std::optional<Tensor>& residual, bool exact = true);
 
-// matmul_group of rms_norm_gated's output read as [n, heads * d] (the Gated DeltaNet output norm
-// feeding ssm_out), x and z F32 [n, heads, d], weight F32 [d] or none: bit-identical to
-// matmul_group(reshape(rms_norm_gated(x, weight, eps, z), n, heads * d), ws, exact). When the GEMV
-// reads x split (as rms_norm_matmul; also d % 4 == 0) the norm kernel writes that split, each head
-// normalised with the standalone kernel's arithmetic; otherwise the composition. Raises
-// std::invalid_argument as rms_norm_gated and matmul_group do, and for x not 3-D.
-std::vector<Tensor> rms_norm_gated_matmul(const Tensor& x, const std::optional<Tensor>& weight, float eps,
-                                          const Tensor& z, const std::vector<Tensor>& ws, bool exact = true);
-
 // matmul_group(swiglu(gate, up), ws, exact), bit for bit, with the SwiGLU computed by the GEMV's x
 // split (split_x_kernel reading gate and up) when the GEMV reads x split; otherwise the composition.
 std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const std::vector<Tensor>& ws,
