@@ -1,7 +1,7 @@
 // Variant sweep of the tensor-core GEMV (issue 7). tools/device/gemv_sweep.sh compiles this file once
 // per variant, with -D overrides of the tuning constants at the top of native/src/gpu/matmul_mma.cuh,
 // and runs each binary on the GPU: it times one GEMV call (split_x_kernel + mma_gemv_kernel +
-// its split-K sums, exactly the launches of detail::mma::gemv) per format, weight shape and width,
+// sum_splits_kernel, exactly the launches of detail::mma::gemv) per format, weight shape and width,
 // rotating over enough weight copies that every call streams its weights from HBM, and prints one
 // tab-separated line per case with the microseconds per call, the weight bytes per second and their
 // ratio to the device-to-device copy bandwidth measured at start-up, plus a checksum of the outputs
@@ -65,7 +65,7 @@ void tile(const std::vector<uint8_t*>& bufs, int64_t out, int64_t in, int64_t wb
   CK(cudaFree(tmp));
 }
 
-// One GEMV call: the launches of detail::mma::gemv (split x, the grouped kernel with its split sums),
+// One GEMV call: the launches of detail::mma::gemv (split x, the grouped kernel, the split sums),
 // the split partials in `scratch`.
 template <class F, int NT>
 void call(const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, int n, uint8_t* xbuf,

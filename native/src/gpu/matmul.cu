@@ -34,9 +34,8 @@
 //   per call; the loads of the next units are in flight while a unit is computed (a ring of
 //   registers, as deep as a register budget allows: none for Q6_K, nor at 5-6 tiles). Splits depend
 //   only on (out, in, format, the device's multiprocessor count): about 16 blocks per multiprocessor
-//   (3-4 resident: several waves of latency-bound warps), at least 4 units each; split partials go
-//   to a scratch buffer and the last block of a row block to finish (an atomic arrival count; the
-//   order of arrival decides nothing) sums them, split 0 first.
+//   (3-4 resident: several waves of latency-bound warps), at least 4 units each; split partials go to a scratch buffer and are summed split 0 first by a
+//   second kernel (never atomics).
 // * Batch invariance: a column's arithmetic (its terms and scale, the integer MMAs and IMADs, the
 //   super-block float steps, the split walk and sum, the term sum) is the same in every instance and
 //   depends on no other column; integer sums have no order. So row i of y is bit-identical whatever n

@@ -1,7 +1,7 @@
 // Integer tensor-core GEMV of the quantized weight formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, and
 // IQ4_XS_TILED: IQ4_XS in this GEMV's 16-row tiles, IQ4T below) for n <= 16 rows of x:
-// y[n, out] = x[n, in] @ w[out, in]^T; each call is split_x and the grouped GEMV (launched as a
-// programmatic dependent of split_x: pdl_wait; its blocks sum the split-K partials, sum_if_last). Included by matmul.cu (see its header for
+// y[n, out] = x[n, in] @ w[out, in]^T; each call is split_x, the grouped GEMV (launched as a
+// programmatic dependent of split_x: pdl_wait) and the split-K sums. Included by matmul.cu (see its header for
 // the exactness and batch-invariance arguments). NVIDIA only (mma.sync inline PTX, sm_80+):
 // SPECD_MMA_GEMV is 0 on HIP, where matmul.cu keeps the FP32-FMA GEMV for every format.
 //
@@ -691,19 +691,14 @@ __global__ void split_x_kernel(const In src, int64_t in, int n, int64_t groups, 
 // inputs (the same for all) and its own split of the reduction dimension (units_per_split of its
 // shape); the grid is flat, weight i owning blocks [block0[i], block0[i + 1]) = its row blocks x
 // splits, row blocks fastest. Every weight's arithmetic is that of a launch of its own, so a group
-// and separate calls give bit-identical results. A weight with several splits writes partials; the
-// last block of a row block to finish sums them (sum_if_last).
+// and separate calls give bit-identical results.
 constexpr int kMaxGroup = 8;
 struct Group {
   int count = 0;
   const uint8_t* w[kMaxGroup] = {};
   int64_t row_bytes[kMaxGroup] = {}, out[kMaxGroup] = {}, per_split[kMaxGroup] = {};
-  int splits[kMaxGroup] = {};
   float* dst[kMaxGroup] = {};                 // split partials [splits][n][out] (or y when one split)
-  float* y[kMaxGroup] = {};                   // the output [n, out]
   int64_t block0[kMaxGroup + 1] = {};         // first flat block of each weight; block0[count] = grid
-  int64_t counter0[kMaxGroup] = {};           // weight i's first row-block counter (several splits)
-  unsigned* counters = nullptr;               // split_counters(): zero between launches
 };
 
 // This block's weight wi (the last whose first block is <= blockIdx.x), row block and split.
@@ -740,39 +735,6 @@ __device__ __forceinline__ void store_partials(const float (&accf)[NT][4], float
     const int row = e & 15, r = e >> 4;
     if (row0_e + row < out_e)
       o[int64_t(r) * out_e + row0_e + row] = __fadd_rn(__fadd_rn(p[row][3 * r], p[row][3 * r + 1]), p[row][3 * r + 2]);
-  }
-}
-
-// Split-K without a second launch: after the block's partials are stored, it counts its arrival on
-// its row block's counter; the block arriving last (splits - 1 arrivals before it) sums the row
-// block's splits in split order, y = split 0 + split 1 + ... (so the result does not depend on which
-// block that is), and sets the counter back to zero for the next launch (the library's launches run
-// in one stream, one after another). Fences: every thread's partials are visible device-wide before
-// its block arrives; the summing block reads the others' through L2 (ld.global.cg: its L1 may hold
-// stale lines of a buffer reused from an earlier launch).
-__device__ __forceinline__ void sum_if_last(const Group& g_, int n) {
-  const GroupBlock gb = locate(g_);  // located again: nothing of it stays live across the unit loop
-  const int splits = g_.splits[gb.wi];
-  if (splits == 1) return;
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* c = g_.counters + g_.counter0[gb.wi] + gb.rb;
-    last = atomicAdd(c, 1u) == unsigned(splits - 1);
-    if (last) atomicExch(c, 0u);
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int64_t out = g_.out[gb.wi], row0 = gb.rb * kRowsPerBlock;
-  const int64_t rows = out - row0 < kRowsPerBlock ? out - row0 : kRowsPerBlock;
-  const float* part = g_.dst[gb.wi];
-  for (int64_t e = threadIdx.x; e < rows * n; e += blockDim.x) {
-    const int64_t j = (e / rows) * out + row0 + e % rows;  // x row e / rows, weight row row0 + e % rows
-    float v = __ldcg(part + j);
-    for (int k = 1; k < splits; ++k) v += __ldcg(part + int64_t(k) * n * out + j);  // plain adds: nothing to contract
-    g_.y[gb.wi][j] = v;
   }
 }
 
@@ -861,7 +823,6 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel
     }
   }
   store_partials<NT>(accf, part[warp], g_, warp, lane, n);
-  sum_if_last(g_, n);
 }
 
 // Splits of the reduction dimension for a weight of `out` rows and `nunits` units, on `sms`
@@ -878,6 +839,28 @@ inline int64_t units_per_split(int64_t out, int64_t nunits, int64_t sms) {
   return std::max<int64_t>(per, 1);
 }
 
+// Sums of the split partials of a group (the weights with more than one split): element e of the
+// flat range is element e - elem0[i] of weight i; y = split 0 + split 1 + ... (fixed order).
+struct SplitSums {
+  int count = 0;
+  const float* part[kMaxGroup] = {};
+  float* y[kMaxGroup] = {};
+  int splits[kMaxGroup] = {};
+  int64_t elem0[kMaxGroup + 1] = {};
+};
+
+// Element e (< elem0[count]) of the flat range of a SplitSums: split 0 + split 1 + ... in order.
+__host__ __device__ inline void sum_splits_at(const SplitSums& s_, int64_t e) {
+  int i = 0;
+  for (int k = 1; k < kMaxGroup; ++k)
+    if (k < s_.count && e >= s_.elem0[k]) i = k;
+  const int64_t j = e - s_.elem0[i], count = s_.elem0[i + 1] - s_.elem0[i];
+  const float* part = s_.part[i];
+  float v = part[j];
+  for (int k = 1; k < s_.splits[i]; ++k) v += part[int64_t(k) * count + j];  // plain adds: nothing to contract
+  s_.y[i][j] = v;
+}
+
 // One weight of a grouped launch: its bytes, row bytes and rows, and its output y [n, out] (F32).
 struct GroupWeight {
   const uint8_t* w;
@@ -887,32 +870,30 @@ struct GroupWeight {
 
 // The launch plan of weights ws[0 .. count) (count <= kMaxGroup; format units of `unit_elems`
 // inputs) against n rows of x on `sms` multiprocessors: the kernel's Group (each weight's split,
-// its flat blocks; the weights with several splits write partials to scratch(bytes) buffers, kept
-// alive by the caller until the kernel ran, and count on `counters` from 0, one per row block).
-// Returns the counters used (at most kMaxGroup * kBlocksPerSM * sms / 2: a weight splits only when
-// it has at most half that many row blocks). Shared by the launch and the host emulation.
+// its flat blocks) and the SplitSums of the weights with several splits, whose partials go to
+// scratch(bytes) buffers (the caller keeps them alive until the sums ran). Shared by the launch and
+// the host emulation.
 template <class Scratch>
-inline int64_t plan_group(const GroupWeight* ws, int count, int64_t in, int unit_elems, int n, int64_t sms,
-                          const Scratch& scratch, unsigned* counters, Group& grp) {
+inline void plan_group(const GroupWeight* ws, int count, int64_t in, int unit_elems, int n, int64_t sms,
+                       const Scratch& scratch, Group& grp, SplitSums& sums) {
   const int64_t nunits = in / unit_elems;
   grp = Group{};
+  sums = SplitSums{};
   grp.count = count;
-  grp.counters = counters;
-  int64_t used = 0;
   for (int i = 0; i < count; ++i) {
     const GroupWeight& wt = ws[i];
     const int64_t per = units_per_split(wt.out, nunits, sms);
     const int64_t splits = (nunits + per - 1) / per, row_blocks = (wt.out + kRowsPerBlock - 1) / kRowsPerBlock;
     grp.w[i] = wt.w, grp.row_bytes[i] = wt.row_bytes, grp.out[i] = wt.out, grp.per_split[i] = per;
-    grp.splits[i] = int(splits), grp.y[i] = wt.y, grp.dst[i] = wt.y;
+    grp.dst[i] = wt.y;
     if (splits > 1) {
       grp.dst[i] = scratch(size_t(splits * n * wt.out) * sizeof(float));
-      grp.counter0[i] = used;
-      used += row_blocks;
+      sums.part[sums.count] = grp.dst[i], sums.y[sums.count] = wt.y, sums.splits[sums.count] = int(splits);
+      sums.elem0[sums.count + 1] = sums.elem0[sums.count] + int64_t(n) * wt.out;
+      ++sums.count;
     }
     grp.block0[i + 1] = grp.block0[i] + row_blocks * splits;
   }
-  return used;
 }
 
 // Bytes of the split x of `in` inputs (any n <= 16): xb, xs, xm, each 16-byte aligned.
@@ -928,6 +909,11 @@ struct XSizes {
 };
 
 #ifndef SPECD_HOST_EMU
+__global__ void sum_splits_kernel(const SplitSums s_) {
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e < s_.elem0[s_.count]) sum_splits_at(s_, e);
+}
+
 // The views of the split x of n rows of `in` inputs laid out at base (XSizes(in).total() bytes).
 inline XView x_view(const uint8_t* base, int64_t in, int n) {
   const XSizes sz(in);
@@ -946,30 +932,16 @@ void launch_split_x(const In& src, int64_t in, int n, uint8_t* base, cudaStream_
   SPECD_GPU_CHECK_LAUNCH("split_x_kernel");
 }
 
-// The row-block counters of sum_if_last: one device buffer of the process, zeroed once (each launch
-// leaves its counters at zero), kMaxGroup * kBlocksPerSM * sms of them (plan_group's bound).
-inline unsigned* split_counters(int64_t sms, int64_t used) {
-  const int64_t capacity = int64_t(kMaxGroup) * kBlocksPerSM * sms;
-  static unsigned* const counters = [capacity] {
-    void* p = nullptr;
-    SPECD_GPU_CHECK(cudaMalloc(&p, size_t(capacity) * sizeof(unsigned)));
-    SPECD_GPU_CHECK(cudaMemset(p, 0, size_t(capacity) * sizeof(unsigned)));
-    return static_cast<unsigned*>(p);
-  }();
-  SPECD_CHECK(used <= capacity, "matmul: ", used, " split-K counters for one GEMV launch, more than ", capacity);
-  return counters;
-}
-
 // One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x on
-// `sms` multiprocessors (the split partials summed in the launch, sum_if_last); scratch(bytes) ->
-// float* buffers for the partials, alive until the kernel ran.
+// `sms` multiprocessors, then one launch summing the split partials of those with several splits;
+// scratch(bytes) -> float* buffers for the partials, alive until those kernels ran.
 template <class F, int NT, class Scratch>
 void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n, int64_t sms, const Scratch& scratch,
             cudaStream_t s) {
   const int64_t nunits = in / F::kUnitElems;
   Group grp;
-  const int64_t used = plan_group(ws, count, in, F::kUnitElems, n, sms, scratch, nullptr, grp);
-  if (used > 0) grp.counters = split_counters(sms, used);
+  SplitSums sums;
+  plan_group(ws, count, in, F::kUnitElems, n, sms, scratch, grp, sums);
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
   // Programmatic dependent launch (may overlap the kernel before it in the stream) only when the
   // binary running on this device has the griddepcontrol instructions, i.e. was compiled for sm_90 or
@@ -992,6 +964,11 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   const cudaError_t err = cudaLaunchKernelEx(&cfg, mma_gemv_kernel<F, NT>, grp, nunits, xv, n);
   if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not by the next launch's check
   SPECD_GPU_CHECK(err);
+  if (sums.count > 0) {
+    const int64_t total = sums.elem0[sums.count];
+    sum_splits_kernel<<<unsigned((total + 255) / 256), 256, 0, s>>>(sums);
+    SPECD_GPU_CHECK_LAUNCH("sum_splits_kernel");
+  }
 }
 
 // dst (IQ4_XS_TILED) = src (IQ4_XS [out, nunits * 256], row-major, out % 16 == 0) regrouped into

@@ -159,20 +159,6 @@ inline int __shfl_xor_sync(unsigned mask, int v, int m) {
   return int(exchange(uint32_t(v), int(threadIdx.x & 31) ^ m));
 }
 inline void __syncwarp() { tl_warp->bar->arrive_and_wait(); }
-thread_local std::barrier<>* tl_block = nullptr;  // the block's barrier
-inline void __syncthreads() { tl_block->arrive_and_wait(); }
-inline void __threadfence() {}  // one block at a time: every store is visible to the next block
-inline unsigned atomicAdd(unsigned* p, unsigned v) {
-  const unsigned old = *p;
-  *p = old + v;
-  return old;
-}
-inline unsigned atomicExch(unsigned* p, unsigned v) {
-  const unsigned old = *p;
-  *p = v;
-  return old;
-}
-inline float __ldcg(const float* p) { return *p; }
 
 #include "matmul_mma.cuh"
 
@@ -208,13 +194,11 @@ void emulate(int64_t blocks, int threads, const Fn& fn) {
   for (int64_t b = 0; b < blocks; ++b) {
     std::vector<WarpShared> warps(size_t(threads / 32));
     for (auto& s : warps) s.bar = std::make_unique<std::barrier<>>(32);
-    std::barrier<> block_bar(threads);
     std::vector<std::thread> th;
     for (int i = 0; i < threads; ++i)
       th.emplace_back([&, i] {
         threadIdx.x = unsigned(i), blockIdx.x = unsigned(b), blockDim.x = unsigned(threads);
         tl_warp = &warps[size_t(i / 32)];
-        tl_block = &block_bar;
         fn();
       });
     for (auto& t : th) t.join();
@@ -222,8 +206,8 @@ void emulate(int64_t blocks, int threads, const Fn& fn) {
 }
 
 // The weights (each out[i] rows, stored one after the other in w) against x as one grouped launch
-// planned by mma::plan_group (flat grid, each weight's own split; the launch's own planner; the
-// split partials summed by the last block of each row block, sum_if_last).
+// planned by mma::plan_group (flat grid, each weight's own split; the launch's own planner), then
+// the split sums of mma::sum_splits_at (the sum kernel's element function).
 template <class F>
 void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std::vector<float>& x, int n,
          const std::vector<int64_t>& outs, std::vector<float>& y) {
@@ -259,18 +243,16 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
     }
   }
   std::vector<std::vector<float>> scratch;
-  std::vector<unsigned> counters(size_t(kMaxGroup * kBlocksPerSM * sms), 0u);  // as split_counters
   Group grp;
-  const int64_t used = plan_group(ws.data(), int(outs.size()), in, F::kUnitElems, n, sms,
-                                  [&](size_t bytes) {
-                                    scratch.emplace_back(bytes / sizeof(float), NAN);
-                                    return scratch.back().data();
-                                  }, counters.data(), grp);
-  if (used > int64_t(counters.size())) std::abort();
+  SplitSums sums;
+  plan_group(ws.data(), int(outs.size()), in, F::kUnitElems, n, sms,
+             [&](size_t bytes) {
+               scratch.emplace_back(bytes / sizeof(float), NAN);
+               return scratch.back().data();
+             }, grp, sums);
   const auto kernel = with_tiles(n, [](auto nt) { return mma_gemv_kernel<F, decltype(nt)::value>; });
   emulate(grp.block0[grp.count], kWarps * 32, [&] { kernel(grp, nunits, xv, n); });
-  for (unsigned c : counters)
-    if (c != 0) std::abort();  // every launch leaves its counters at zero
+  for (int64_t e = 0; e < sums.elem0[sums.count]; ++e) sum_splits_at(sums, e);
 }
 
 int main(int argc, char** argv) {
