@@ -64,13 +64,13 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #define SPECD_MMA_LOADS_ONLY 0  // sweep diagnostic: load every unit, skip its arithmetic (wrong results)
 #endif
 #ifndef SPECD_MMA_RING_REGS
-#define SPECD_MMA_RING_REGS 40  // registers for weight words in flight per thread at 1-2 tiles (3-4: 3/4)
+#define SPECD_MMA_RING_REGS 64  // registers for weight words in flight per thread at 1-2 tiles (3-4: 3/4)
 #endif
 #ifndef SPECD_MMA_MAX_AHEAD
 #define SPECD_MMA_MAX_AHEAD 4  // most units loading ahead (units_ahead)
 #endif
 #ifndef SPECD_MMA_MIN_BLOCKS
-#define SPECD_MMA_MIN_BLOCKS 5  // resident blocks per SM the 1-2 tile instances are compiled for (3+ tiles: one fewer)
+#define SPECD_MMA_MIN_BLOCKS 4  // resident blocks per SM the 1-2 tile instances are compiled for (3+ tiles: one fewer)
 #endif
 constexpr int kBlocksPerSM = SPECD_MMA_SPLIT_BLOCKS;
 static_assert(kBlocksPerSM >= 1, "SPECD_MMA_SPLIT_BLOCKS: at least one block per multiprocessor");
@@ -562,12 +562,10 @@ __host__ __device__ constexpr int units_ahead() {
   return ahead < 0 ? 0 : ahead > SPECD_MMA_MAX_AHEAD ? SPECD_MMA_MAX_AHEAD : ahead;
 }
 
-// Resident blocks per multiprocessor an instance is compiled for: 5 (<= 96 registers per thread, a
-// 40-register ring: one IQ4_XS unit ahead) for one and two tiles, 4 (<= 128) for more (their 12 .. 24
-// accumulators). More resident warps beat a deeper ring: the GEMV's warps are latency-bound (H200,
-// gemv_sweep.sh, sessions of 15:13 and 19:07: 3-5 % faster at widths 1-2 than 4 blocks with a
-// 64-register ring, 0-12 % at 4-16; 3 blocks with 96-128 registers 7-10 % slower). ptxas spills a few
-// words in some instances at these caps (see the build's -Xptxas -v).
+// Resident blocks per multiprocessor an instance is compiled for: 4 (<= 128 registers per thread)
+// for one and two tiles, 3 (<= 168) for more (their 12 .. 24 accumulators). ptxas spills a few
+// words in some instances at these caps (IQ4_XS 2 / 4 / 6 tiles 4-8 bytes, Q4_K / Q5_K 5-6 tiles
+// 12-28 bytes); the H200 numbers in BENCHMARKS.md are of this build.
 template <int NT>
 __host__ __device__ constexpr int min_blocks() { return NT <= 2 ? SPECD_MMA_MIN_BLOCKS : SPECD_MMA_MIN_BLOCKS - 1; }
 static_assert(SPECD_MMA_MIN_BLOCKS >= 2, "SPECD_MMA_MIN_BLOCKS: the 3+ tile instances take one block fewer");
