@@ -3,7 +3,8 @@
 # compiles tools/device/gemv_sweep.cu once per variant (-D overrides of the tuning constants at the
 # top of native/src/gpu/matmul_mma.cuh), in parallel, runs each (per format: the 27B's 17408 x 5120
 # FFN gate alone, gate + up as one grouped launch, 5120 x 17408 down; widths 1, 2, 4, 8, 10, 12, 16) and, for the
-# variants in NCU, Nsight Compute on one IQ4_XS width-1 launch (sections below, SM clock not locked).
+# variants in NCU, Nsight Compute on one width-1 launch of the gate (format NCU_FORMAT, default IQ4_XS_T: the tiled
+# IQ4_XS; sections below, SM clock not locked).
 #
 # Usage (repository root on the GPU machine):
 #     OUT=/some/dir bash tools/device/gemv_sweep.sh
@@ -13,9 +14,11 @@
 #     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 ring96:-DSPECD_MMA_RING_REGS=96,-DSPECD_MMA_MIN_BLOCKS=3
 #       ring128:-DSPECD_MMA_RING_REGS=128,-DSPECD_MMA_MIN_BLOCKS=3 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5"
 # (check build.log for spills: a 160-register ring at 3 blocks per SM spills).
-# Nsight Compute profiles format NCU_FORMAT (default IQ4_XS_T) at width 1 (the gate, alone); with NCU_SOURCE=1 also
-# the SourceCounters section and each NCU variant's per-SASS-instruction table (stall samples) in ncu_src_NAME.csv.
-# Outputs: sweep.tsv (variant format out in group n us GBps ratio_to_copy checksum), build.log, ncu.txt.
+# With NCU_SOURCE=1 Nsight Compute also collects the SourceCounters section and writes each NCU variant's
+# per-SASS-instruction table (stall samples by reason) to ncu_src_NAME.csv. Checksums agree bit for bit between
+# variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS changes the split-K arithmetic).
+# Outputs: sweep.tsv (variant format out in group n us GBps ratio_to_copy checksum), build.log, ncu.txt,
+# ncu_src_NAME.csv.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -57,15 +60,17 @@ for name in ${NCU-}; do
   [ -x "$B/$name" ] || continue
   echo "######## $name" >>"$OUT/ncu.txt"
   src=()
+  rm -f "$B/ncu_$name.ncu-rep"  # never import a report of an earlier call
   [ "${NCU_SOURCE:-0}" = 1 ] && src=(--section SourceCounters --import-source no -o "$B/ncu_$name" -f)
   SWEEP_FORMAT=${NCU_FORMAT:-IQ4_XS_T} timeout "${NCU_TIMEOUT:-150}" "$NCU_BIN" --clock-control none -k regex:mma_gemv_kernel \
     --launch-skip 5 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis \
-    --section MemoryWorkloadAnalysis_Tables "${src[@]}" "$B/$name" "$name" 1 >>"$OUT/ncu.txt" 2>&1
-  echo "ncu $name rc=$?" >>"$OUT/ncu.txt"
-  if [ "${NCU_SOURCE:-0}" = 1 ] && [ -f "$B/ncu_$name.ncu-rep" ]; then  # per-SASS-instruction stall samples
+    --section MemoryWorkloadAnalysis_Tables ${src[@]+"${src[@]}"} "$B/$name" "$name" 1 >>"$OUT/ncu.txt" 2>&1
+  rc=$?
+  echo "ncu $name rc=$rc" >>"$OUT/ncu.txt"
+  if [ "$rc" -eq 0 ] && [ "${NCU_SOURCE:-0}" = 1 ] && [ -f "$B/ncu_$name.ncu-rep" ]; then  # per-SASS stall samples
     "$NCU_BIN" -i "$B/ncu_$name.ncu-rep" --page details >>"$OUT/ncu.txt" 2>&1
-    "$NCU_BIN" -i "$B/ncu_$name.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_src_$name.csv" 2>&1
+    "$NCU_BIN" -i "$B/ncu_$name.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_src_$name.csv" 2>>"$OUT/ncu.txt"
   fi
 done
 grep -v "^#" "$OUT/sweep.tsv" | awk -F'\t' '$6 == 1 || $6 == 16' | cut -f1-9
