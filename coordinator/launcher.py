@@ -242,10 +242,6 @@ def run(args) -> int:
 
     check_device_transport(args.feature_transport, default_device() if cfg.device == "auto" else cfg.device, "serve")
     ns, args = args, cfg
-    rt = args.runtime_dir or tempfile.mkdtemp(prefix="specd-")
-    own_rt = not args.runtime_dir
-    os.makedirs(rt, exist_ok=True)
-    tsock, dsock = f"unix://{rt}/target.sock", f"unix://{rt}/draft.sock"
     capture = args.capture_layers
     if args.drafter_gguf:
         from specd.draft_worker.gguf_loader import check_pair, load_drafter
@@ -254,6 +250,11 @@ def run(args) -> int:
         dhp = load_drafter(args.drafter_gguf).hparams
         check_pair(dhp, args.drafter_gguf, read_hparams(open_gguf(args.target), args.target), args.target)
         capture = ",".join(str(i) for i in dhp.target_layer_ids)
+    # Created only once nothing above can fail: the finally below removes it on every later exit.
+    rt = args.runtime_dir or tempfile.mkdtemp(prefix="specd-")
+    own_rt = not args.runtime_dir
+    os.makedirs(rt, exist_ok=True)
+    tsock, dsock = f"unix://{rt}/target.sock", f"unix://{rt}/draft.sock"
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,

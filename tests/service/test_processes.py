@@ -177,13 +177,17 @@ def test_bad_pair_stops_start_up_with_both_files_named(target_gguf, tmp_path):
     from .test_drafters import make_gguf
 
     bad = make_gguf(tmp_path, "dflash", vocab=512, mask=500)
+    tmp = tmp_path / "tmp"  # the processes' TMPDIR: `serve` makes its runtime directory there
+    tmp.mkdir()
     for argv in (["draft-worker", "--drafter", bad, "--target", target_gguf, "--listen", f"unix://{tmp_path}/d.sock"],
                  ["serve", "--target", target_gguf, "--drafter", bad, "--listen", f"unix://{tmp_path}/c.sock",
                   "--metrics-port", "0"]):
-        out = subprocess.run(CLI + argv, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(CLI + argv, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "TMPDIR": str(tmp)})
         assert out.returncode == 2, out.stderr
         assert "vocabulary" in out.stderr and bad in out.stderr and target_gguf in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
+        assert list(tmp.iterdir()) == [], f"{argv[0]} left {list(tmp.iterdir())}"  # nothing left behind
 
 
 def test_cli_picks_grpcs_iomgr_tcp_stack_unless_the_caller_chose(monkeypatch):
