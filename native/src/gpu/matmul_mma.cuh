@@ -69,6 +69,9 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #ifndef SPECD_MMA_MAX_AHEAD
 #define SPECD_MMA_MAX_AHEAD 4  // most units loading ahead (units_ahead)
 #endif
+#ifndef SPECD_MMA_WEIGHT_NOALLOC
+#define SPECD_MMA_WEIGHT_NOALLOC 0  // 1: weight loads skip L1 (ld.global.nc.L1::no_allocate; IQ4_XS / Q4_K / Q5_K)
+#endif
 #ifndef SPECD_MMA_MIN_BLOCKS
 #define SPECD_MMA_MIN_BLOCKS 4  // resident blocks per SM the 1-2 tile instances are compiled for (3+ tiles: one fewer)
 #endif
@@ -165,6 +168,34 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
+#endif
+}
+
+// A weight load (each weight byte is read once per call): with SPECD_MMA_WEIGHT_NOALLOC through the
+// non-coherent path without allocating in L1, which then holds only what the warps re-read (x). H200,
+// session of 19:07 (tiled IQ4_XS): 1-3 % slower at width 1, 2-12 % faster at widths 4-16; a sweep knob
+// until every format is measured.
+template <class T>
+__device__ __forceinline__ T ldw(const uint8_t* p) {
+#if SPECD_MMA_WEIGHT_NOALLOC && !defined(SPECD_HOST_EMU) && defined(__CUDA_ARCH__)
+  if constexpr (sizeof(T) == 16) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+  } else if constexpr (sizeof(T) == 8) {
+    uint2 v;
+    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+  } else {
+    static_assert(sizeof(T) == 4, "ldw: 4, 8 or 16 bytes");
+    uint32_t v;
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+  }
+#else
+  return *reinterpret_cast<const T*>(p);
 #endif
 }
 
@@ -292,9 +323,9 @@ struct IQ4U {
   __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
     const uint8_t* blk = row + u * 136;
     Raw r;
-    r.hdr = *reinterpret_cast<const uint2*>(blk);
+    r.hdr = ldw<uint2>(blk);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) r.q[j] = *reinterpret_cast<const uint32_t*>(blk + 8 + 16 * j + 4 * t);
+    for (int j = 0; j < 8; ++j) r.q[j] = ldw<uint32_t>(blk + 8 + 16 * j + 4 * t);
     return r;
   }
   // The 6-bit scales: byte k of .x = ls_{2k}, of .y = ls_{2k+1}.
@@ -340,13 +371,13 @@ struct IQ4T {
   __device__ __forceinline__ static void load_tile(const uint8_t* __restrict__ p, int lane, Raw (&r)[2]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint4 v = *reinterpret_cast<const uint4*>(p + 512 * i + 16 * lane);
+      const uint4 v = ldw<uint4>(p + 512 * i + 16 * lane);
       uint32_t* q = r[i >> 1].q + 4 * (i & 1);
       q[0] = v.x, q[1] = v.y, q[2] = v.z, q[3] = v.w;
     }
     const int g = lane >> 2;
-    r[0].hdr = *reinterpret_cast<const uint2*>(p + 2048 + 8 * g);
-    r[1].hdr = *reinterpret_cast<const uint2*>(p + 2048 + 8 * (g + 8));
+    r[0].hdr = ldw<uint2>(p + 2048 + 8 * g);
+    r[1].hdr = ldw<uint2>(p + 2048 + 8 * (g + 8));
   }
   template <int NT>
   __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
@@ -372,12 +403,12 @@ struct QK45U {
   __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
     const uint8_t* blk = row + u * kBlock;
     Raw r;
-    r.hdr = *reinterpret_cast<const uint4*>(blk);
+    r.hdr = ldw<uint4>(blk);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) r.q[i] = *reinterpret_cast<const uint32_t*>(blk + kQs + 16 * i + 4 * t);
+    for (int i = 0; i < 8; ++i) r.q[i] = ldw<uint32_t>(blk + kQs + 16 * i + 4 * t);
     if constexpr (kQ5) {
-      r.h[0] = *reinterpret_cast<const uint32_t*>(blk + 16 + 4 * t);
-      r.h[1] = *reinterpret_cast<const uint32_t*>(blk + 32 + 4 * t);
+      r.h[0] = ldw<uint32_t>(blk + 16 + 4 * t);
+      r.h[1] = ldw<uint32_t>(blk + 32 + 4 * t);
     } else {
       r.h[0] = 0;
     }
