@@ -103,7 +103,8 @@ def build_mma_emu(tmp_path_factory, *defines):
     if not CXX or not os.path.exists(MMA_SRC):
         pytest.skip("no C++ compiler or no source tree")
     d = tmp_path_factory.mktemp("mma_emu")
-    for src in (SRC, MMA_SRC, os.path.join(HERE, "host_emu", "portability.h"),
+    for src in (SRC, MMA_SRC, os.path.join(os.path.dirname(MMA_SRC), "pdl.cuh"),
+                os.path.join(HERE, "host_emu", "portability.h"),
                 os.path.join(HERE, "host_emu", "mma_main.cpp")):
         shutil.copy(src, d / os.path.basename(src))
     exe = d / "mma_emu"

@@ -63,6 +63,7 @@ template <bool VEC>
 __global__ void __launch_bounds__(kThreads) argmax_pass1(const float* __restrict__ x, int64_t V, int64_t slice,
                                                          int parts, Cand* __restrict__ parts_out,
                                                          int32_t* __restrict__ out) {
+  detail::pdl_enter();
   const int p = int(blockIdx.x % unsigned(parts));
   const int64_t r = blockIdx.x / unsigned(parts);
   const int64_t begin = int64_t(p) * slice;
@@ -93,6 +94,7 @@ __global__ void __launch_bounds__(kThreads) argmax_pass1(const float* __restrict
 
 // One warp per row reduces its `parts` candidates.
 __global__ void argmax_pass2(const Cand* __restrict__ parts_in, int parts, int32_t* __restrict__ out) {
+  detail::pdl_enter();
   const int64_t r = blockIdx.x;
   Cand best{-INFINITY, INT32_MAX};
   for (int p = threadIdx.x; p < parts; p += SPECD_WARP) {
@@ -137,13 +139,14 @@ Tensor argmax(const Tensor& x) {
   SPECD_CHECK(rows * parts <= 0x7fffffff, op, ": too many rows for one launch (", rows, ")");
   const unsigned grid = unsigned(rows * parts);
   if (vec)
-    argmax_pass1<true><<<grid, kThreads, 0, s>>>(x.ptr<float>(), V, slice, int(parts), cand, out.ptr<int32_t>());
+    detail::launch_kernel<argmax_pass1<true>>("argmax_pass1", grid, kThreads, 0, s, x.ptr<float>(), V, slice,
+                                              int(parts), cand, out.ptr<int32_t>());
   else
-    argmax_pass1<false><<<grid, kThreads, 0, s>>>(x.ptr<float>(), V, slice, int(parts), cand, out.ptr<int32_t>());
-  SPECD_GPU_CHECK_LAUNCH("argmax_pass1");
+    detail::launch_kernel<argmax_pass1<false>>("argmax_pass1", grid, kThreads, 0, s, x.ptr<float>(), V, slice,
+                                               int(parts), cand, out.ptr<int32_t>());
   if (parts > 1) {
-    argmax_pass2<<<unsigned(rows), SPECD_WARP, 0, s>>>(cand, int(parts), out.ptr<int32_t>());
-    SPECD_GPU_CHECK_LAUNCH("argmax_pass2");
+    detail::launch_kernel<argmax_pass2>("argmax_pass2", unsigned(rows), SPECD_WARP, 0, s, cand, int(parts),
+                                        out.ptr<int32_t>());
   }
   return out;
 }

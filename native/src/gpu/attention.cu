@@ -57,6 +57,7 @@ template <DType T>
 __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(uint8_t* __restrict__ cache, const float* __restrict__ x,
                                                                  const int32_t* __restrict__ rows, int hkv, int d,
                                                                  int64_t row_stride, int64_t head_stride, int64_t cap) {
+  detail::pdl_enter();
   const int64_t i = blockIdx.x / hkv;
   const int g = int(blockIdx.x % hkv);
   if (rows[i] < 0 || rows[i] >= cap) return;  // only reachable with trusted rows; uniform per block
@@ -199,6 +200,7 @@ __device__ __forceinline__ float subwarp_sum(float v, int w) {
 constexpr int kScanThreads = 256, kScanPer = 8;
 
 __global__ void __launch_bounds__(kScanThreads) attn_mask_compact_kernel(const AttnParams P, int32_t* idx, int32_t* cnt) {
+  detail::pdl_enter();
   __shared__ int sc[kScanThreads];
   const int64_t i = blockIdx.x;
   const int t = threadIdx.x;
@@ -231,6 +233,7 @@ __global__ void __launch_bounds__(kScanThreads) attn_mask_compact_kernel(const A
 
 template <DType KT, DType VT>
 __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const AttnParams P) {
+  detail::pdl_enter();
   extern __shared__ __align__(16) float smem[];
   float* qs = smem;                // [hs, dp] (zero padded)
   float* os = qs + P.hs * P.dp;    // [hs, dp]
@@ -402,6 +405,7 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const AttnParams P
 
 // One block per (row of the slice, q head); thread e = output element e.
 __global__ void __launch_bounds__(kMaxDim) attn_combine_kernel(const AttnParams P) {
+  detail::pdl_enter();
   const int64_t il = blockIdx.x / P.hq, i = P.i0 + il;
   const int h = int(blockIdx.x % P.hq), e = threadIdx.x;
   int64_t lo, cnt;
@@ -440,9 +444,15 @@ bool few_chunk_blocks(int64_t n, int64_t hkv, int64_t nch) {
 template <DType KT>
 void launch_chunks(DType vt, const AttnParams& P, unsigned blocks, size_t shmem, cudaStream_t s) {
   switch (vt) {
-    case DType::F32: attn_chunk_kernel<KT, DType::F32><<<blocks, kThreads, shmem, s>>>(P); break;
-    case DType::F16: attn_chunk_kernel<KT, DType::F16><<<blocks, kThreads, shmem, s>>>(P); break;
-    default: attn_chunk_kernel<KT, DType::Q8_0><<<blocks, kThreads, shmem, s>>>(P); break;
+    case DType::F32:
+      detail::launch_kernel<attn_chunk_kernel<KT, DType::F32>>("attn_chunk_kernel", blocks, kThreads, shmem, s, P);
+      break;
+    case DType::F16:
+      detail::launch_kernel<attn_chunk_kernel<KT, DType::F16>>("attn_chunk_kernel", blocks, kThreads, shmem, s, P);
+      break;
+    default:
+      detail::launch_kernel<attn_chunk_kernel<KT, DType::Q8_0>>("attn_chunk_kernel", blocks, kThreads, shmem, s, P);
+      break;
   }
 }
 
@@ -476,11 +486,22 @@ void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows, bool tru
   cudaStream_t s = detail::stream();
   const int64_t rs = cache.strides[0], hs = cache.strides[1];
   switch (cache.dtype) {
-    case DType::F32: kv_write_kernel<DType::F32><<<blocks, kWriteThreads, 0, s>>>(dst, x.ptr<float>(), drows.ptr<int32_t>(), int(hkv), int(d), rs, hs, cap); break;
-    case DType::F16: kv_write_kernel<DType::F16><<<blocks, kWriteThreads, 0, s>>>(dst, x.ptr<float>(), drows.ptr<int32_t>(), int(hkv), int(d), rs, hs, cap); break;
-    default: kv_write_kernel<DType::Q8_0><<<blocks, kWriteThreads, 0, s>>>(dst, x.ptr<float>(), drows.ptr<int32_t>(), int(hkv), int(d), rs, hs, cap); break;
+    case DType::F32:
+      detail::launch_kernel<kv_write_kernel<DType::F32>>("kv_write_kernel", blocks, kWriteThreads, 0, s, dst,
+                                                         x.ptr<float>(), drows.ptr<int32_t>(), int(hkv), int(d), rs, hs,
+                                                         cap);
+      break;
+    case DType::F16:
+      detail::launch_kernel<kv_write_kernel<DType::F16>>("kv_write_kernel", blocks, kWriteThreads, 0, s, dst,
+                                                         x.ptr<float>(), drows.ptr<int32_t>(), int(hkv), int(d), rs, hs,
+                                                         cap);
+      break;
+    default:
+      detail::launch_kernel<kv_write_kernel<DType::Q8_0>>("kv_write_kernel", blocks, kWriteThreads, 0, s, dst,
+                                                          x.ptr<float>(), drows.ptr<int32_t>(), int(hkv), int(d), rs,
+                                                          hs, cap);
+      break;
   }
-  SPECD_GPU_CHECK_LAUNCH("kv_write_kernel");
 }
 
 Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_pos,
@@ -564,8 +585,8 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     idx = Tensor::empty({n, a.kv_len}, DType::I32, Device::GPU);
     cnt = Tensor::empty({n}, DType::I32, Device::GPU);
     detail::check_grid(n, op);
-    attn_mask_compact_kernel<<<unsigned(n), kScanThreads, 0, s>>>(P, idx.ptr<int32_t>(), cnt.ptr<int32_t>());
-    SPECD_GPU_CHECK_LAUNCH("attn_mask_compact_kernel");
+    detail::launch_kernel<attn_mask_compact_kernel>("attn_mask_compact_kernel", unsigned(n), kScanThreads, 0, s, P,
+                                                    idx.ptr<int32_t>(), cnt.ptr<int32_t>());
     P.idx = idx.ptr<int32_t>();
     P.cnt = cnt.ptr<int32_t>();
   }
@@ -588,9 +609,7 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
       case DType::F16: launch_chunks<DType::F16>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
       default: launch_chunks<DType::Q8_0>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
     }
-    SPECD_GPU_CHECK_LAUNCH("attn_chunk_kernel");
-    attn_combine_kernel<<<unsigned(rows * hq), combine_threads, 0, s>>>(P);
-    SPECD_GPU_CHECK_LAUNCH("attn_combine_kernel");
+    detail::launch_kernel<attn_combine_kernel>("attn_combine_kernel", unsigned(rows * hq), combine_threads, 0, s, P);
   }
   return out;
 }

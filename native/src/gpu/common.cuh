@@ -51,17 +51,6 @@ class EnqueueGuard {
       ::specd::gpu::detail::throw_runtime_error(specd_err_, #call, __FILE__, __LINE__);   \
   } while (0)
 
-// Checks that the kernel launch just issued was accepted (bad configuration, no kernel image for
-// the device, ...), naming the kernel. Errors raised while the kernel runs surface at the next
-// synchronising call (a device-to-host copy or synchronize()).
-#define SPECD_GPU_CHECK_LAUNCH(kernel_name)                                                     \
-  do {                                                                                          \
-    cudaError_t specd_err_ = cudaGetLastError();                                                \
-    if (specd_err_ != cudaSuccess)                                                              \
-      ::specd::gpu::detail::throw_runtime_error(specd_err_, "launch of " kernel_name, __FILE__, \
-                                                __LINE__);                                      \
-  } while (0)
-
 namespace specd::gpu::detail {
 
 // Input checks shared by the ops (std::invalid_argument, like the CPU ops).
@@ -81,3 +70,5 @@ __device__ __forceinline__ T warp_sum(T v) {
 }
 
 }  // namespace specd::gpu::detail
+
+#include "pdl.cuh"  // launch_kernel and the kernels' pdl_enter (after the helpers above, which it uses)

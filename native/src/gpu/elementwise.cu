@@ -34,6 +34,7 @@ using detail::Op;
 template <Op OP>
 __global__ void __launch_bounds__(kThreads) elementwise_kernel(const float* __restrict__ a, const float* __restrict__ b,
                                                                float* __restrict__ y, int64_t n, int64_t b_period) {
+  detail::pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
     y[i] = apply<OP>(a[i], b ? b[b_period ? i % b_period : i] : 0.0f);
 }
@@ -66,9 +67,9 @@ Tensor run(const Tensor& a, const Tensor* b, const char* op, const char* an, con
   Tensor y = Tensor::empty(a.shape, DType::F32, Device::GPU);
   int64_t n = a.numel();
   if (n == 0) return y;
-  elementwise_kernel<OP><<<unsigned(grid_for(n)), kThreads, 0, detail::stream()>>>(
-      a.ptr<float>(), b ? b->ptr<float>() : nullptr, y.ptr<float>(), n, b_period);
-  SPECD_GPU_CHECK_LAUNCH("elementwise_kernel");
+  detail::launch_kernel<elementwise_kernel<OP>>("elementwise_kernel", unsigned(grid_for(n)), kThreads, 0,
+                                                detail::stream(), a.ptr<float>(), b ? b->ptr<float>() : nullptr,
+                                                y.ptr<float>(), n, b_period);
   return y;
 }
 
@@ -77,6 +78,7 @@ __global__ void __launch_bounds__(kThreads) gdn_gates_kernel(const float* __rest
                                                              const float* __restrict__ dt,
                                                              const float* __restrict__ ssm_a, float* __restrict__ g,
                                                              float* __restrict__ beta, int64_t n, int64_t h) {
+  detail::pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
     const int64_t c = i % h;
     g[i] = apply<Op::Mul>(apply<Op::Softplus>(apply<Op::Add>(a[i], dt[c]), 0.0f), ssm_a[c]);
@@ -88,6 +90,7 @@ __global__ void __launch_bounds__(kThreads) gdn_gates_kernel(const float* __rest
 __global__ void __launch_bounds__(kThreads) mul_sigmoid_kernel(const float* __restrict__ a,
                                                                const float* __restrict__ gate, float* __restrict__ y,
                                                                int64_t n, int64_t d, int64_t pitch) {
+  detail::pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
     y[i] = apply<Op::Mul>(a[i], apply<Op::Sigmoid>(gate[i / d * pitch + i % d], 0.0f));
 }
@@ -127,9 +130,8 @@ Tensor mul_sigmoid(const Tensor& a, const Tensor& gate) {
   const int64_t pitch = row_pitch(gate, op, "gate"), n = a.numel();
   Tensor y = Tensor::empty(a.shape, DType::F32, Device::GPU);
   if (n == 0) return y;
-  mul_sigmoid_kernel<<<unsigned(grid_for(n)), kThreads, 0, detail::stream()>>>(a.ptr<float>(), gate.ptr<float>(),
-                                                                              y.ptr<float>(), n, a.cols(), pitch);
-  SPECD_GPU_CHECK_LAUNCH("mul_sigmoid_kernel");
+  detail::launch_kernel<mul_sigmoid_kernel>("mul_sigmoid_kernel", unsigned(grid_for(n)), kThreads, 0, detail::stream(),
+                                            a.ptr<float>(), gate.ptr<float>(), y.ptr<float>(), n, a.cols(), pitch);
   return y;
 }
 
@@ -141,9 +143,9 @@ std::pair<Tensor, Tensor> gdn_gates(const Tensor& a, const Tensor& b, const Tens
   const int64_t h = cpu::check_gdn_gates_shapes(a, b, dt, ssm_a), n = a.numel();
   Tensor g = Tensor::empty(a.shape, DType::F32, Device::GPU), beta = Tensor::empty(a.shape, DType::F32, Device::GPU);
   if (n == 0) return {g, beta};
-  gdn_gates_kernel<<<unsigned(grid_for(n)), kThreads, 0, detail::stream()>>>(
-      a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), n, h);
-  SPECD_GPU_CHECK_LAUNCH("gdn_gates_kernel");
+  detail::launch_kernel<gdn_gates_kernel>("gdn_gates_kernel", unsigned(grid_for(n)), kThreads, 0, detail::stream(),
+                                          a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(),
+                                          g.ptr<float>(), beta.ptr<float>(), n, h);
   return {g, beta};
 }
 

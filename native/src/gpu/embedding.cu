@@ -24,6 +24,7 @@ template <DType T>
 __global__ void __launch_bounds__(kThreads) embedding_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
                                                              const int32_t* __restrict__ ids, float* __restrict__ y,
                                                              int64_t h, int64_t vocab) {
+  detail::pdl_enter();
   const int64_t i = blockIdx.x;
   const int64_t id = ids[i];
   float* yr = y + i * h;
@@ -45,6 +46,7 @@ template <class W>
 __global__ void __launch_bounds__(kThreads) embedding_blocks_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
                                                                     int64_t nchunks, const int32_t* __restrict__ ids,
                                                                     float* __restrict__ y, int64_t h, int64_t vocab) {
+  detail::pdl_enter();
   const int64_t id = ids[blockIdx.x];
   if (id < 0 || id >= vocab) {  // only reachable with trusted ids
     for (int64_t c = threadIdx.x; c < h; c += kThreads) y[int64_t(blockIdx.x) * h + c] = 0.0f;
@@ -58,8 +60,9 @@ __global__ void __launch_bounds__(kThreads) embedding_blocks_kernel(const uint8_
 template <class W>
 void launch_blocks(const Tensor& w, const int32_t* ids, Tensor& y, int64_t n, cudaStream_t s) {
   const int64_t h = w.dim(1);
-  embedding_blocks_kernel<W><<<unsigned(n), kThreads, 0, s>>>(static_cast<const uint8_t*>(w.data), w.row_bytes(),
-                                                             h / 32, ids, y.ptr<float>(), h, w.dim(0));
+  detail::launch_kernel<embedding_blocks_kernel<W>>("embedding_blocks_kernel", unsigned(n), kThreads, 0, s,
+                                                    static_cast<const uint8_t*>(w.data), w.row_bytes(), h / 32, ids,
+                                                    y.ptr<float>(), h, w.dim(0));
 }
 
 }  // namespace
@@ -99,16 +102,31 @@ Tensor embedding(const Tensor& w, const Tensor& ids, bool trusted) {
   const uint8_t* wp = static_cast<const uint8_t*>(w.data);
   cudaStream_t s = detail::stream();
   switch (w.dtype) {
-    case DType::F32: embedding_kernel<DType::F32><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h, vocab); break;
-    case DType::F16: embedding_kernel<DType::F16><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h, vocab); break;
+    case DType::F32:
+      detail::launch_kernel<embedding_kernel<DType::F32>>("embedding_kernel", unsigned(n), kThreads, 0, s, wp,
+                                                          w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h,
+                                                          vocab);
+      break;
+    case DType::F16:
+      detail::launch_kernel<embedding_kernel<DType::F16>>("embedding_kernel", unsigned(n), kThreads, 0, s, wp,
+                                                          w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h,
+                                                          vocab);
+      break;
     case DType::Q4_K: launch_blocks<detail::Q4KW>(w, dev_ids.ptr<int32_t>(), y, n, s); break;
     case DType::Q5_K: launch_blocks<detail::Q5KW>(w, dev_ids.ptr<int32_t>(), y, n, s); break;
     case DType::Q6_K: launch_blocks<detail::Q6KW>(w, dev_ids.ptr<int32_t>(), y, n, s); break;
     case DType::IQ4_XS: launch_blocks<detail::IQ4XSW>(w, dev_ids.ptr<int32_t>(), y, n, s); break;
-    case DType::BF16: embedding_kernel<DType::BF16><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h, vocab); break;
-    default: embedding_kernel<DType::Q8_0><<<unsigned(n), kThreads, 0, s>>>(wp, w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h, vocab); break;
+    case DType::BF16:
+      detail::launch_kernel<embedding_kernel<DType::BF16>>("embedding_kernel", unsigned(n), kThreads, 0, s, wp,
+                                                           w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h,
+                                                           vocab);
+      break;
+    default:
+      detail::launch_kernel<embedding_kernel<DType::Q8_0>>("embedding_kernel", unsigned(n), kThreads, 0, s, wp,
+                                                           w.row_bytes(), dev_ids.ptr<int32_t>(), y.ptr<float>(), h,
+                                                           vocab);
+      break;
   }
-  SPECD_GPU_CHECK_LAUNCH("embedding_kernel");
   return y;
 }
 

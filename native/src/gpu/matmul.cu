@@ -159,6 +159,7 @@ template <class W, int NMAX, int R>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
                                                         int64_t nchunks, const float* __restrict__ x,
                                                         int64_t ldx, float* __restrict__ y, int n, int64_t out) {
+  detail::pdl_enter();
   constexpr int U = steps_in_flight<R, NMAX>();
   constexpr int kStride = kThreads;                                    // chunks per block step
   __shared__ float lane_part[R * NMAX][kThreads + 1];  // +1: conflict-free column reads
@@ -233,9 +234,8 @@ struct Problem {
 template <class W, int NMAX, int R>
 void launch_r(const Problem& p, cudaStream_t s) {
   int64_t blocks = (p.out + R - 1) / R;
-  gemv_kernel<W, NMAX, R><<<unsigned(blocks), kThreads, 0, s>>>(p.w, p.row_bytes, p.nchunks, p.x, p.ldx, p.y, p.n,
-                                                                 p.out);
-  SPECD_GPU_CHECK_LAUNCH("gemv_kernel");
+  detail::launch_kernel<gemv_kernel<W, NMAX, R>>("gemv_kernel", unsigned(blocks), kThreads, 0, s, p.w, p.row_bytes,
+                                                 p.nchunks, p.x, p.ldx, p.y, p.n, p.out);
 }
 
 // Rows per block: more rows reuse each activation load for more weights (L1 traffic), fewer keep
@@ -439,8 +439,8 @@ template <bool RESID>
 __global__ void __launch_bounds__(detail::norm::kMaxThreads) norm_split_kernel(const float* __restrict__ x, const float* __restrict__ residual,
                                   const float* __restrict__ w, float* h, int64_t d, float eps, int n,
                                   uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
+  detail::pdl_enter();
   using namespace detail::norm;
-  detail::mma::pdl_launch_dependents();  // the GEMV may start loading weights now (it waits for our writes)
   const int r = int(blockIdx.x);
   const int64_t off = int64_t(r) * d;
   const float4* rr = RESID ? reinterpret_cast<const float4*>(residual + off) : nullptr;
@@ -515,12 +515,12 @@ std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const st
   const unsigned blocks = unsigned(n), threads = unsigned(detail::norm::threads_for(d / 4));
   cudaStream_t s = detail::stream();
   if (residual)
-    norm_split_kernel<true><<<blocks, threads, 0, s>>>(x.ptr<float>(), residual->ptr<float>(), w, h.ptr<float>(), d,
-                                                       eps, int(n), xb, xs, xm);
+    detail::launch_kernel<norm_split_kernel<true>>("norm_split_kernel", blocks, threads, 0, s, x.ptr<float>(),
+                                                   residual->ptr<float>(), w, h.ptr<float>(), d, eps, int(n), xb, xs,
+                                                   xm);
   else
-    norm_split_kernel<false><<<blocks, threads, 0, s>>>(x.ptr<float>(), nullptr, w, nullptr, d, eps, int(n), xb, xs,
-                                                        xm);
-  SPECD_GPU_CHECK_LAUNCH("norm_split_kernel");
+    detail::launch_kernel<norm_split_kernel<false>>("norm_split_kernel", blocks, threads, 0, s, x.ptr<float>(), nullptr,
+                                                    w, nullptr, d, eps, int(n), xb, xs, xm);
   gemv_on_split(ws, ys, d, base, int(n));
 #endif
   return {ys, h};

@@ -64,6 +64,7 @@ template <class W>
 __global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* __restrict__ w, int64_t row_bytes,
                                                                uint32_t nchunks, uint32_t rows, int64_t in,
                                                                uint16_t* __restrict__ dst) {
+  detail::pdl_enter();
   const uint32_t total = rows * nchunks, step = gridDim.x * kThreads;
   for (uint32_t t = blockIdx.x * kThreads + threadIdx.x; t < total; t += step) {
     const uint32_t r = t / nchunks, c = t % nchunks;
@@ -75,6 +76,7 @@ __global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* _
 __global__ void __launch_bounds__(kThreads) dequant_tiled_bf16_kernel(const uint8_t* __restrict__ w, uint32_t nunits,
                                                                      int64_t r0, uint32_t rows, int64_t in,
                                                                      uint16_t* __restrict__ dst) {
+  detail::pdl_enter();
   const uint32_t nchunks = 8 * nunits, total = rows * nchunks, step = gridDim.x * kThreads;
   for (uint32_t t = blockIdx.x * kThreads + threadIdx.x; t < total; t += step) {
     const uint32_t r = t / nchunks, c = t % nchunks;
@@ -84,6 +86,7 @@ __global__ void __launch_bounds__(kThreads) dequant_tiled_bf16_kernel(const uint
 
 __global__ void __launch_bounds__(kThreads) x_bf16_kernel(const float* __restrict__ x, int64_t count,
                                                          uint16_t* __restrict__ dst) {
+  detail::pdl_enter();
   const int64_t step = int64_t(gridDim.x) * kThreads;
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < count; i += step) dst[i] = to_bf16(x[i]);
 }
@@ -98,8 +101,8 @@ void dequant_launch(const uint8_t* w, int64_t row_bytes, int64_t nchunks, int64_
   const unsigned grid = grid_for(rows * nchunks);
   // A panel holds at most kPanelBytes of BF16 (<= 2^27 chunks), so 32-bit indices never wrap.
   SPECD_CHECK(rows * nchunks + int64_t(grid) * kThreads <= int64_t(UINT32_MAX), "matmul: dequantize panel too large");
-  dequant_bf16_kernel<W><<<grid, kThreads, 0, stream()>>>(w, row_bytes, uint32_t(nchunks), uint32_t(rows), in, dst);
-  SPECD_GPU_CHECK_LAUNCH("dequant_bf16_kernel");
+  detail::launch_kernel<dequant_bf16_kernel<W>>("dequant_bf16_kernel", grid, kThreads, 0, stream(), w, row_bytes,
+                                                uint32_t(nchunks), uint32_t(rows), in, dst);
 }
 
 // Rows [r0, r0 + rows) of w as BF16 into dst [rows, in]; the same chunk decoders as the GEMV.
@@ -116,9 +119,9 @@ void dequant_panel(const Tensor& w, int64_t r0, int64_t rows, uint16_t* dst) {
     case DType::IQ4_XS_TILED: {
       const unsigned grid = grid_for(rows * (in / 32));
       SPECD_CHECK(rows * (in / 32) + int64_t(grid) * kThreads <= int64_t(UINT32_MAX), "matmul: dequantize panel too large");
-      dequant_tiled_bf16_kernel<<<grid, kThreads, 0, stream()>>>(static_cast<const uint8_t*>(w.data), uint32_t(in / 256),
-                                                                 r0, uint32_t(rows), in, dst);
-      SPECD_GPU_CHECK_LAUNCH("dequant_tiled_bf16_kernel");
+      detail::launch_kernel<dequant_tiled_bf16_kernel>("dequant_tiled_bf16_kernel", grid, kThreads, 0, stream(),
+                                                       static_cast<const uint8_t*>(w.data), uint32_t(in / 256), r0,
+                                                       uint32_t(rows), in, dst);
       return;
     }
     case DType::F32:
@@ -175,8 +178,8 @@ void matmul_blas(const Tensor& x, const std::vector<Tensor>& ws, std::vector<Ten
   for (const Tensor& w : ws) SPECD_CHECK(w.dim(0) <= INT_MAX, "matmul: dimensions exceed the BLAS int range");
   std::shared_ptr<void> xbuf = alloc(size_t(n * in) * 2);  // x in BF16 once for every weight
   auto* xb = static_cast<uint16_t*>(xbuf.get());
-  x_bf16_kernel<<<grid_for(n * in), kThreads, 0, stream()>>>(x.ptr<float>(), n * in, xb);
-  SPECD_GPU_CHECK_LAUNCH("x_bf16_kernel");
+  detail::launch_kernel<x_bf16_kernel>("x_bf16_kernel", grid_for(n * in), kThreads, 0, stream(), x.ptr<float>(), n * in,
+                                       xb);
   for (size_t i = 0; i < ws.size(); ++i) gemm_weight(xb, n, ws[i], ys[i]);
   // xbuf is freed stream-ordered, after the GEMMs queued above.
 }

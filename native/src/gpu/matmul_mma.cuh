@@ -49,6 +49,7 @@
 #ifndef SPECD_HOST_EMU
 #include "common.cuh"
 #endif
+#include "pdl.cuh"
 #include "weight_formats.cuh"
 
 namespace specd::gpu::detail::mma {
@@ -140,22 +141,6 @@ __device__ __forceinline__ void hmma(float (&d)[4], const uint32_t (&a)[4], uint
 }
 
 // --- small helpers ----------------------------------------------------------------------------
-
-// Programmatic dependent launch (PTX griddepcontrol, sm_90): split_x lets the GEMV launch as soon as
-// every split_x block has started, and each GEMV block loads its first weight units (which depend
-// on nothing) before waiting for split_x's completion and memory, so the GEMV's launch and first
-// loads overlap split_x. The wait returns at once when the kernel was launched without the
-// attribute (e.g. after another kernel), and both are no-ops in the host emulation.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if !defined(SPECD_HOST_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if !defined(SPECD_HOST_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 // PTX prmt.b32 in its default mode: byte i of the result = byte (sel nibble i & 7) of {b, a}, or
 // that byte's sign replicated when the nibble's bit 3 is set; only the low 16 bits of sel count.
@@ -711,7 +696,7 @@ __device__ __forceinline__ void split_group(const In& src, int r, int n, int64_t
 template <class In>
 __global__ void split_x_kernel(const In src, int64_t in, int n, int64_t groups, uint2* __restrict__ xb,
                                float* __restrict__ xs, uint32_t* __restrict__ xm) {
-  pdl_launch_dependents();  // the GEMV may start loading weights now (it waits for our writes)
+  pdl_enter();  // the GEMV may start loading weights now (it waits for our writes); we wait for our inputs
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t rg = id >> 5;
   split_group(src, int(rg / groups), n, rg % groups, in, int(id & 31), xb, xs, xm);
@@ -807,6 +792,7 @@ struct RowSource<F, true> {
 template <class F, int NT>
 __global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel(const Group g_, int64_t nunits,
                                                                              const XView xv0, int n) {
+  pdl_launch_dependents();  // the next kernel may launch; this one waits below, after its first weight loads
   const GroupBlock gb = locate(g_);
   const uint8_t* __restrict__ w = g_.w[gb.wi];
   const int64_t row_bytes = g_.row_bytes[gb.wi], out = g_.out[gb.wi], per_split = g_.per_split[gb.wi];
@@ -941,6 +927,7 @@ struct XSizes {
 
 #ifndef SPECD_HOST_EMU
 __global__ void sum_splits_kernel(const SplitSums s_) {
+  detail::pdl_enter();
   const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (e < s_.elem0[s_.count]) sum_splits_at(s_, e);
 }
@@ -957,10 +944,9 @@ template <class In>
 void launch_split_x(const In& src, int64_t in, int n, uint8_t* base, cudaStream_t s) {
   const XSizes sz(in);
   const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 32;
-  split_x_kernel<<<unsigned((threads + 127) / 128), 128, 0, s>>>(src, in, n, groups, reinterpret_cast<uint2*>(base),
-                                                                   reinterpret_cast<float*>(base + sz.xb),
-                                                                   reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
-  SPECD_GPU_CHECK_LAUNCH("split_x_kernel");
+  detail::launch_kernel<split_x_kernel<In>>(
+      "split_x_kernel", unsigned((threads + 127) / 128), 128, 0, s, src, in, n, groups, reinterpret_cast<uint2*>(base),
+      reinterpret_cast<float*>(base + sz.xb), reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
 }
 
 // One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x on
@@ -974,31 +960,11 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   SplitSums sums;
   plan_group(ws, count, in, F::kUnitElems, n, sms, scratch, grp, sums);
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
-  // Programmatic dependent launch (may overlap the kernel before it in the stream) only when the
-  // binary running on this device has the griddepcontrol instructions, i.e. was compiled for sm_90 or
-  // later. Asked of the kernel about to be launched (a lazily loaded kernel is loaded by the query
-  // as the launch would load it, also inside a graph capture), once per instance.
-  static const bool pdl_ok = [] {
-    cudaFuncAttributes a{};
-    SPECD_GPU_CHECK(cudaFuncGetAttributes(&a, mma_gemv_kernel<F, NT>));
-    return a.binaryVersion >= 90;
-  }();
-  cudaLaunchAttribute pdl{};
-  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(grp.block0[count]));
-  cfg.blockDim = dim3(kWarps * 32);
-  cfg.stream = s;
-  cfg.attrs = &pdl;
-  cfg.numAttrs = pdl_ok ? 1 : 0;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, mma_gemv_kernel<F, NT>, grp, nunits, xv, n);
-  if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not by the next launch's check
-  SPECD_GPU_CHECK(err);
+  detail::launch_kernel<mma_gemv_kernel<F, NT>>("mma_gemv_kernel", unsigned(grp.block0[count]), kWarps * 32, 0, s, grp,
+                                                nunits, xv, n);
   if (sums.count > 0) {
     const int64_t total = sums.elem0[sums.count];
-    sum_splits_kernel<<<unsigned((total + 255) / 256), 256, 0, s>>>(sums);
-    SPECD_GPU_CHECK_LAUNCH("sum_splits_kernel");
+    detail::launch_kernel<sum_splits_kernel>("sum_splits_kernel", unsigned((total + 255) / 256), 256, 0, s, sums);
   }
 }
 
@@ -1008,6 +974,7 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
 // .. + 3 of row g + 8 (i / 2), 4 bytes each at offset 4 t) and its 8 header pieces (rows 2 m, 2 m + 1).
 __global__ void tile_iq4_xs_kernel(const uint8_t* __restrict__ src, int64_t nunits, int64_t pieces,
                                    uint4* __restrict__ dst) {
+  detail::pdl_enter();
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (id >= pieces) return;
   const int q = int(id % 136);
@@ -1032,8 +999,8 @@ inline void launch_tile_iq4_xs(const uint8_t* src, int64_t out, int64_t in, uint
   const int64_t nunits = in / 256, pieces = out / 16 * nunits * 136;  // 16-byte pieces of dst
   if (pieces == 0) return;
   SPECD_CHECK((pieces + 255) / 256 <= 0x7fffffff, "tile_for_gemv: too many blocks for one launch");
-  tile_iq4_xs_kernel<<<unsigned((pieces + 255) / 256), 256, 0, s>>>(src, nunits, pieces, reinterpret_cast<uint4*>(dst));
-  SPECD_GPU_CHECK_LAUNCH("tile_iq4_xs_kernel");
+  detail::launch_kernel<tile_iq4_xs_kernel>("tile_iq4_xs_kernel", unsigned((pieces + 255) / 256), 256, 0, s, src,
+                                            nunits, pieces, reinterpret_cast<uint4*>(dst));
 }
 
 // Whether the tensor-core GEMV handles weight format t.

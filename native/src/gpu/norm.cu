@@ -56,6 +56,7 @@ template <Mode M, bool VEC, bool RESID, bool GATE>
 __global__ void norm_kernel(const float* __restrict__ x, const float* __restrict__ residual,
                             const float* __restrict__ w, float* h, const float* __restrict__ z,
                             float* __restrict__ y, int64_t d, float eps) {
+  detail::pdl_enter();
   const int64_t off = int64_t(blockIdx.x) * d;
   norm_row<M, VEC, RESID, GATE>(x + off, RESID ? residual + off : nullptr, w, RESID ? h + off : nullptr,
                                 GATE ? z + off : nullptr, y + off, d, eps);
@@ -69,6 +70,7 @@ __global__ void norm_kernel(const float* __restrict__ x, const float* __restrict
 template <bool VEC>
 __global__ void gdn_qkv_kernel(const float* __restrict__ cv, float* __restrict__ q, float* __restrict__ k,
                                float* __restrict__ v, int64_t hk, int64_t dk, int64_t vcols, float eps) {
+  detail::pdl_enter();
   extern __shared__ float4 stage4[];
   float* stage = reinterpret_cast<float*>(stage4);
   const int64_t heads = 2 * hk, t = blockIdx.x / heads, h = blockIdx.x % heads;
@@ -92,10 +94,11 @@ void launch(const float* x, const float* r, const float* w, float* h, float* y, 
   cudaStream_t s = detail::stream();
   // rows <= 2^31 - 1 (grid x limit) is checked by the caller.
   if (vec)
-    norm_kernel<M, true, RESID, GATE><<<unsigned(rows), threads, 0, s>>>(x, r, w, h, z, y, d, eps);
+    detail::launch_kernel<norm_kernel<M, true, RESID, GATE>>("norm_kernel", unsigned(rows), threads, 0, s, x, r, w, h,
+                                                             z, y, d, eps);
   else
-    norm_kernel<M, false, RESID, GATE><<<unsigned(rows), threads, 0, s>>>(x, r, w, h, z, y, d, eps);
-  SPECD_GPU_CHECK_LAUNCH("norm_kernel");
+    detail::launch_kernel<norm_kernel<M, false, RESID, GATE>>("norm_kernel", unsigned(rows), threads, 0, s, x, r, w, h,
+                                                              z, y, d, eps);
 }
 
 void check_rows(const char* op, int64_t rows) {
@@ -170,12 +173,11 @@ std::tuple<Tensor, Tensor, Tensor> gdn_qkv(const Tensor& cv, int64_t n_k_heads, 
   cudaStream_t s = detail::stream();
   const int64_t vcols = n_v_heads * head_v_dim;
   if (vec)
-    gdn_qkv_kernel<true><<<unsigned(blocks), threads, shmem, s>>>(cv.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
-                                                                   v.ptr<float>(), hk, dk, vcols, eps);
+    detail::launch_kernel<gdn_qkv_kernel<true>>("gdn_qkv_kernel", unsigned(blocks), threads, shmem, s, cv.ptr<float>(),
+                                                q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), hk, dk, vcols, eps);
   else
-    gdn_qkv_kernel<false><<<unsigned(blocks), threads, shmem, s>>>(cv.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
-                                                                    v.ptr<float>(), hk, dk, vcols, eps);
-  SPECD_GPU_CHECK_LAUNCH("gdn_qkv_kernel");
+    detail::launch_kernel<gdn_qkv_kernel<false>>("gdn_qkv_kernel", unsigned(blocks), threads, shmem, s, cv.ptr<float>(),
+                                                 q.ptr<float>(), k.ptr<float>(), v.ptr<float>(), hk, dk, vcols, eps);
   return {q, k, v};
 }
 

@@ -59,6 +59,7 @@ __device__ __forceinline__ void rotate_pair(const float* x, const double* cs, in
 __global__ void __launch_bounds__(kThreads) rope_kernel(const float* __restrict__ x, const int32_t* __restrict__ pos,
                                                         float* __restrict__ y, int heads, int hd, int half,
                                                         const Freqs f) {
+  detail::pdl_enter();
   __shared__ double cs[2 * kMaxHalf];
   const int64_t t = blockIdx.x;
   const int h0 = int(blockIdx.y) * kHeads;
@@ -90,6 +91,7 @@ __global__ void __launch_bounds__(norm::kMaxThreads)
     qk_norm_rope_kernel(const float* __restrict__ qg, const float* __restrict__ k, const float* __restrict__ q_norm_w,
                         const float* __restrict__ k_norm_w, const int32_t* __restrict__ pos, float* __restrict__ q,
                         float* __restrict__ ko, int nh, int nkv, int hd, int half, float eps, const Freqs f) {
+  detail::pdl_enter();
   using T = typename norm::Row<VEC>::T;
   extern __shared__ float4 normed4[];  // the normalised head, hd floats
   __shared__ double cs[2 * kMaxHalf];
@@ -150,9 +152,9 @@ Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double
   Tensor y = Tensor::empty(x.shape, DType::F32, Device::GPU);
   if (n == 0 || heads == 0 || hd == 0) return y;
   const dim3 grid(unsigned(n), unsigned((heads + kHeads - 1) / kHeads));
-  rope_kernel<<<grid, kThreads, 0, detail::stream()>>>(x.ptr<float>(), dpos.ptr<int32_t>(), y.ptr<float>(), int(heads),
-                                                       int(hd), int(n_rot / 2), device_freqs(rf));
-  SPECD_GPU_CHECK_LAUNCH("rope_kernel");
+  detail::launch_kernel<rope_kernel>("rope_kernel", grid, kThreads, 0, detail::stream(), x.ptr<float>(),
+                                     dpos.ptr<int32_t>(), y.ptr<float>(), int(heads), int(hd), int(n_rot / 2),
+                                     device_freqs(rf));
   return y;
 }
 
@@ -185,14 +187,13 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qg, const Tensor& 
   cudaStream_t s = detail::stream();
   const float *pqg = qg.ptr<float>(), *pk = k.ptr<float>(), *qw = q_norm_w.ptr<float>(), *kw = k_norm_w.ptr<float>();
   if (vec)
-    qk_norm_rope_kernel<true><<<grid, threads, shmem, s>>>(pqg, pk, qw, kw, dpos.ptr<int32_t>(), q.ptr<float>(),
-                                                           ko.ptr<float>(), int(nh), int(nkv), int(hd), int(n_rot / 2),
-                                                           eps, device_freqs(rf));
+    detail::launch_kernel<qk_norm_rope_kernel<true>>("qk_norm_rope_kernel", grid, threads, shmem, s, pqg, pk, qw, kw,
+                                                     dpos.ptr<int32_t>(), q.ptr<float>(), ko.ptr<float>(), int(nh),
+                                                     int(nkv), int(hd), int(n_rot / 2), eps, device_freqs(rf));
   else
-    qk_norm_rope_kernel<false><<<grid, threads, shmem, s>>>(pqg, pk, qw, kw, dpos.ptr<int32_t>(), q.ptr<float>(),
-                                                            ko.ptr<float>(), int(nh), int(nkv), int(hd), int(n_rot / 2),
-                                                            eps, device_freqs(rf));
-  SPECD_GPU_CHECK_LAUNCH("qk_norm_rope_kernel");
+    detail::launch_kernel<qk_norm_rope_kernel<false>>(
+        "launch of qk_norm_rope_kernel", grid, threads, shmem, s, pqg, pk, qw, kw, dpos.ptr<int32_t>(), q.ptr<float>(),
+        ko.ptr<float>(), int(nh), int(nkv), int(hd), int(n_rot / 2), eps, device_freqs(rf));
   return {q, cpu::qk_gate_view(qg), ko};
 }
 

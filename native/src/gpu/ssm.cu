@@ -41,6 +41,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __res
                                                               const float* state, float* state_out,
                                                               float* __restrict__ y, int64_t T, int64_t C, int64_t K,
                                                               bool silu_out) {
+  detail::pdl_enter();
   const int64_t c = int64_t(blockIdx.x) * kConvThreads + threadIdx.x;
   if (c >= C) return;
   const int64_t km1 = K - 1;
@@ -81,6 +82,7 @@ constexpr int kGdnRows = 32;  // state rows per block when dv % kGdnRows == 0 (k
 // Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / kLanes.
 template <int E>  // state elements per thread; dk = E * kLanes
 __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) {
+  detail::pdl_enter();
   constexpr int DK = E * kLanes;
   __shared__ float ks[DK], qs[DK];
   const int rows = blockDim.x / kLanes, nb = P.dv / rows;
@@ -132,6 +134,7 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) 
 // Any dk / dv: the state stays in global memory, one thread per state row.
 constexpr int kFallbackThreads = 128;
 __global__ void __launch_bounds__(kFallbackThreads) gdn_fallback_kernel(const GdnParams P) {
+  detail::pdl_enter();
   extern __shared__ float sh[];
   float* ks = sh;
   float* qs = sh + P.dk;
@@ -187,10 +190,9 @@ Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state,
   if (C == 0) return y;
   int64_t blocks = (C + kConvThreads - 1) / kConvThreads;
   detail::check_grid(blocks, op);
-  conv1d_kernel<<<unsigned(blocks), kConvThreads, 0, detail::stream()>>>(x.ptr<float>(), weight.ptr<float>(),
-                                                                        state.ptr<float>(), out_state.ptr<float>(),
-                                                                        y.ptr<float>(), T, C, K, apply_silu);
-  SPECD_GPU_CHECK_LAUNCH("conv1d_kernel");
+  detail::launch_kernel<conv1d_kernel>("conv1d_kernel", unsigned(blocks), kConvThreads, 0, detail::stream(),
+                                       x.ptr<float>(), weight.ptr<float>(), state.ptr<float>(), out_state.ptr<float>(),
+                                       y.ptr<float>(), T, C, K, apply_silu);
   return y;
 }
 
@@ -229,17 +231,16 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
   const int64_t blocks = fast ? hv * (dv / rows) : hv;
   detail::check_grid(blocks, op);
   if (fast && dk == 32) {
-    gdn_kernel<8><<<unsigned(blocks), threads, 0, s>>>(P);
+    detail::launch_kernel<gdn_kernel<8>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
   } else if (fast && dk == 64) {
-    gdn_kernel<16><<<unsigned(blocks), threads, 0, s>>>(P);
+    detail::launch_kernel<gdn_kernel<16>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
   } else if (fast) {  // dk == 128
-    gdn_kernel<32><<<unsigned(blocks), threads, 0, s>>>(P);
+    detail::launch_kernel<gdn_kernel<32>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
   } else {
     size_t shmem = size_t(2 * dk) * sizeof(float);
     SPECD_CHECK(shmem <= 48 * 1024, op, ": dk too large for the GPU op (", dk, ")");
-    gdn_fallback_kernel<<<unsigned(blocks), kFallbackThreads, shmem, s>>>(P);
+    detail::launch_kernel<gdn_fallback_kernel>("gdn_fallback_kernel", unsigned(blocks), kFallbackThreads, shmem, s, P);
   }
-  SPECD_GPU_CHECK_LAUNCH("gdn_kernel");
   return out;
 }
 

@@ -28,6 +28,7 @@ __device__ __forceinline__ void take(Cand& best, float v, int32_t i) {
 
 __global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict__ x, int64_t V, int64_t k,
                                                         float* __restrict__ vals, int32_t* __restrict__ idx) {
+  detail::pdl_enter();
   __shared__ Cand part[kThreads / SPECD_WARP];
   __shared__ Cand prev;
   const int64_t r = blockIdx.x;
@@ -82,9 +83,8 @@ std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k) {
   shape.push_back(k);
   Tensor vals = Tensor::empty(shape, DType::F32, Device::GPU), idx = Tensor::empty(shape, DType::I32, Device::GPU);
   if (n == 0) return {vals, idx};
-  topk_kernel<<<unsigned(n), kThreads, 0, detail::stream()>>>(x.ptr<float>(), V, k, vals.ptr<float>(),
-                                                             idx.ptr<int32_t>());
-  SPECD_GPU_CHECK_LAUNCH("topk_kernel");
+  detail::launch_kernel<topk_kernel>("topk_kernel", unsigned(n), kThreads, 0, detail::stream(), x.ptr<float>(), V, k,
+                                     vals.ptr<float>(), idx.ptr<int32_t>());
   return {vals, idx};
 }
 

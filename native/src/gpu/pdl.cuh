@@ -1,0 +1,73 @@
+// Programmatic dependent launch (PDL, sm_90): a kernel launched with launch_kernel<K>() may have its blocks
+// scheduled while the kernel before it in the stream drains, so launch latency and the ramp of one
+// kernel overlap the tail of the last (a decode step is ~1200 mostly latency-bound launches).
+//
+// The contract that keeps the stream's order of memory effects: every kernel of the backend calls
+// pdl_wait() before its first access to memory another kernel writes or reads (tests/gpu/
+// test_gpu_pdl_lint.py checks that each __global__ function starts with pdl_enter() or pdl_wait()).
+// griddepcontrol.wait returns when the kernels it depends on have completed and their writes are
+// visible; since each of those waited for its own predecessor, the order is transitive. A kernel may
+// read memory no kernel writes (weights) before waiting: the tensor-core GEMV prefetches its first
+// weight units that way.
+//
+// pdl_launch_dependents() lets the next kernel launch once every block of this one has called it
+// (or exited). On HIP, in the host emulation and for binaries older than sm_90 both are no-ops, and
+// launch_kernel<K>() launches plainly (a kernel without the wait instruction must never run early).
+#pragma once
+
+#if !defined(SPECD_HOST_EMU)
+#include "common.cuh"
+#endif
+
+namespace specd::gpu::detail {
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if !defined(SPECD_HOST_EMU) && !SPECD_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if !defined(SPECD_HOST_EMU) && !SPECD_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// The start of a kernel: let the next kernel launch, then wait for the ones before.
+__device__ __forceinline__ void pdl_enter() {
+  pdl_launch_dependents();
+  pdl_wait();
+}
+
+#if !defined(SPECD_HOST_EMU)
+// K<<<grid, block, smem, s>>>(args...) as a programmatic dependent of the work before it when the
+// binary running K has the griddepcontrol instructions (compiled for sm_90 or later; asked of K once,
+// which also loads a lazily loaded kernel as its first launch would, inside a graph capture too).
+// Throws std::runtime_error "... call `launch of <name>` failed ..." when the launch is refused.
+template <auto K, class... Args>
+void launch_kernel(const char* name, dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args) {
+#if SPECD_HIP
+  K<<<grid, block, smem, s>>>(args...);
+  const cudaError_t err = cudaGetLastError();
+#else
+  static const bool pdl_ok = [] {
+    cudaFuncAttributes a{};
+    SPECD_GPU_CHECK(cudaFuncGetAttributes(&a, K));
+    return a.binaryVersion >= 90;
+  }();
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl_ok ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, K, args...);
+  if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not by the next launch's check
+#endif
+  if (err != cudaSuccess) throw_runtime_error(err, (std::string("launch of ") + name).c_str(), __FILE__, __LINE__);
+}
+#endif
+
+}  // namespace specd::gpu::detail

@@ -1,0 +1,62 @@
+"""Source check of the programmatic-dependent-launch contract (native/src/gpu/pdl.cuh), no GPU needed.
+
+Every kernel of the CUDA backend is launched with launch_kernel<K>(), which lets its blocks start
+while the kernel before it drains; that is only safe because each kernel waits (griddepcontrol.wait)
+before touching memory another kernel writes or reads, and because every kernel waits, the order is
+transitive. A kernel that forgot the wait would race with its predecessor only on sm_90 hardware and
+only sometimes, so this is checked on the source: each __global__ function's first statement is
+pdl_enter() (let the next kernel launch, then wait), or pdl_launch_dependents() for a kernel that
+waits later, after loads of memory no kernel writes (the tensor-core GEMV's weights)."""
+import os
+import re
+
+import pytest
+
+GPU_SRC = os.path.join(os.path.dirname(__file__), "..", "..", "native", "src", "gpu")
+
+
+def kernels():
+    """(file, name, body) of every __global__ function of the CUDA sources."""
+    found = []
+    for fn in sorted(os.listdir(GPU_SRC)):
+        if not fn.endswith((".cu", ".cuh")):
+            continue
+        src = open(os.path.join(GPU_SRC, fn)).read()
+        for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\(.*?\)\s+)?(\w+)\s*\(", src, re.S):
+            depth, i = 0, m.end() - 1
+            while True:  # the parameter list
+                depth += {"(": 1, ")": -1}.get(src[i], 0)
+                if depth == 0:
+                    break
+                i += 1
+            start = src.index("{", i) + 1
+            depth, j = 1, start
+            while depth:
+                depth += {"{": 1, "}": -1}.get(src[j], 0)
+                j += 1
+            found.append((fn, m.group(1), src[start:j - 1]))
+    return found
+
+
+def test_every_kernel_found():
+    names = {name for _, name, _ in kernels()}
+    assert {"mma_gemv_kernel", "split_x_kernel", "norm_kernel", "attn_chunk_kernel", "gdn_kernel"} <= names
+
+
+@pytest.mark.parametrize("fn,name,body", [pytest.param(*k, id=f"{k[0]}:{k[1]}") for k in kernels()])
+def test_kernel_waits_before_memory(fn, name, body):
+    code = [ln.strip() for ln in body.split("\n") if ln.strip() and not ln.strip().startswith("//")]
+    first = code[0].split("//")[0].strip()
+    assert re.fullmatch(r"(detail::)?pdl_(enter|launch_dependents)\(\);", first), (
+        f"{fn}: {name} must start with pdl_enter() (see native/src/gpu/pdl.cuh), starts with {first!r}")
+    if "pdl_launch_dependents" in first:
+        assert "pdl_wait()" in body, f"{fn}: {name} lets the next kernel launch but never waits"
+
+
+def test_kernels_launch_through_launch_kernel():
+    """No <<<>>> launch outside pdl.cuh: a kernel launched plainly is safe, but would not overlap, and
+    launch_kernel is where launch errors are reported."""
+    for fn in sorted(os.listdir(GPU_SRC)):
+        if fn.endswith((".cu", ".cuh")) and fn != "pdl.cuh":
+            src = open(os.path.join(GPU_SRC, fn)).read()
+            assert "<<<" not in re.sub(r"//.*", "", src), f"{fn}: launch with launch_kernel<K>() (pdl.cuh)"
