@@ -124,6 +124,21 @@ def test_tiled_matmul_bit_identical(rng, out, k):
 
 
 @tiles_only
+def test_tiled_matmul_right_after_tiling(rng):
+    """x already on the device, tile_for_gemv then matmul with nothing synchronising between them:
+    the GEMV loads weight units before it waits for the kernels before it (programmatic dependent
+    launch, native/src/gpu/pdl.cuh), so the tiling kernel must have completed by the time the GEMV
+    starts (it never lets the next kernel launch early). Fresh weights every round, compared bit for bit
+    with the row-major weight's result computed before the tiling."""
+    x = sn.Tensor((rng.standard_normal((1, 5120)) * 0.5).astype(np.float32)).to(GPU)
+    for _ in range(20):
+        w = iq4(rng, 4096, 5120).to(GPU)
+        ref = sn.matmul(x, w)
+        got = sn.matmul(x, sn.tile_for_gemv(w))
+        assert np.array_equal(ref.to(CPU).numpy().view(np.uint32), got.to(CPU).numpy().view(np.uint32))
+
+
+@tiles_only
 def test_tiled_prefill_path_bit_identical(rng):
     """n > 16 without exact: dequantize to BF16 (panels; the tiled rows gathered) + cuBLAS."""
     w = iq4(rng, 272, 1024).to(GPU)

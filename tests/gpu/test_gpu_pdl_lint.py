@@ -5,8 +5,9 @@ while the kernel before it drains; that is only safe because each kernel waits (
 before touching memory another kernel writes or reads, and because every kernel waits, the order is
 transitive. A kernel that forgot the wait would race with its predecessor only on sm_90 hardware and
 only sometimes, so this is checked on the source: each __global__ function's first statement is
-pdl_enter() (let the next kernel launch, then wait), or pdl_launch_dependents() for a kernel that
-waits later, after loads of memory no kernel writes (the tensor-core GEMV's weights)."""
+pdl_enter() (let the next kernel launch, then wait), pdl_wait() (a kernel that must not let the next
+one launch early: the tiling kernel, which writes weights), or pdl_launch_dependents() for a kernel
+that waits later, after loads of weights, with no return before its pdl_wait()."""
 import os
 import re
 
@@ -15,13 +16,20 @@ import pytest
 GPU_SRC = os.path.join(os.path.dirname(__file__), "..", "..", "native", "src", "gpu")
 
 
+def sources():
+    """(file, text without comments) of the CUDA sources, subfolders included."""
+    for root, _, files in sorted(os.walk(GPU_SRC)):
+        for fn in sorted(files):
+            if fn.endswith((".cu", ".cuh")):
+                src = open(os.path.join(root, fn)).read()
+                src = re.sub(r"/\*.*?\*/", " ", src, flags=re.S)
+                yield os.path.relpath(os.path.join(root, fn), GPU_SRC), re.sub(r"//[^\n]*", "", src)
+
+
 def kernels():
     """(file, name, body) of every __global__ function of the CUDA sources."""
     found = []
-    for fn in sorted(os.listdir(GPU_SRC)):
-        if not fn.endswith((".cu", ".cuh")):
-            continue
-        src = open(os.path.join(GPU_SRC, fn)).read()
+    for fn, src in sources():
         for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\(.*?\)\s+)?(\w+)\s*\(", src, re.S):
             depth, i = 0, m.end() - 1
             while True:  # the parameter list
@@ -39,24 +47,26 @@ def kernels():
 
 
 def test_every_kernel_found():
+    """Every __global__ in the sources is a kernel the checks below see (none skipped by its spelling)."""
     names = {name for _, name, _ in kernels()}
     assert {"mma_gemv_kernel", "split_x_kernel", "norm_kernel", "attn_chunk_kernel", "gdn_kernel"} <= names
+    assert sum(src.count("__global__") for _, src in sources()) == len(kernels())
 
 
 @pytest.mark.parametrize("fn,name,body", [pytest.param(*k, id=f"{k[0]}:{k[1]}") for k in kernels()])
 def test_kernel_waits_before_memory(fn, name, body):
-    code = [ln.strip() for ln in body.split("\n") if ln.strip() and not ln.strip().startswith("//")]
-    first = code[0].split("//")[0].strip()
-    assert re.fullmatch(r"(detail::)?pdl_(enter|launch_dependents)\(\);", first), (
+    first = next(ln.strip() for ln in body.split("\n") if ln.strip())
+    assert re.fullmatch(r"(detail::)?pdl_(enter|wait|launch_dependents)\(\);", first), (
         f"{fn}: {name} must start with pdl_enter() (see native/src/gpu/pdl.cuh), starts with {first!r}")
     if "pdl_launch_dependents" in first:
         assert "pdl_wait()" in body, f"{fn}: {name} lets the next kernel launch but never waits"
+        before = body[:body.index("pdl_wait()")]
+        assert not re.search(r"\breturn\b", before), f"{fn}: {name} may return before its pdl_wait()"
 
 
 def test_kernels_launch_through_launch_kernel():
     """No <<<>>> launch outside pdl.cuh: a kernel launched plainly is safe, but would not overlap, and
     launch_kernel is where launch errors are reported."""
-    for fn in sorted(os.listdir(GPU_SRC)):
-        if fn.endswith((".cu", ".cuh")) and fn != "pdl.cuh":
-            src = open(os.path.join(GPU_SRC, fn)).read()
-            assert "<<<" not in re.sub(r"//.*", "", src), f"{fn}: launch with launch_kernel<K>() (pdl.cuh)"
+    for fn, src in sources():
+        if fn != "pdl.cuh":
+            assert "<<<" not in src, f"{fn}: launch with launch_kernel<K>() (pdl.cuh)"

@@ -1,7 +1,8 @@
 // Integer tensor-core GEMV of the quantized weight formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, and
 // IQ4_XS_TILED: IQ4_XS in this GEMV's 16-row tiles, IQ4T below) for n <= 16 rows of x:
-// y[n, out] = x[n, in] @ w[out, in]^T; each call is split_x, the grouped GEMV (launched as a
-// programmatic dependent of split_x: pdl_wait) and the split-K sums. Included by matmul.cu (see its header for
+// y[n, out] = x[n, in] @ w[out, in]^T; each call is split_x, the grouped GEMV (a programmatic
+// dependent of split_x, as every kernel: pdl.cuh; it loads its first weight units before pdl_wait) and
+// the split-K sums. Included by matmul.cu (see its header for
 // the exactness and batch-invariance arguments). NVIDIA only (mma.sync inline PTX, sm_80+):
 // SPECD_MMA_GEMV is 0 on HIP, where matmul.cu keeps the FP32-FMA GEMV for every format.
 //
@@ -974,7 +975,7 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
 // .. + 3 of row g + 8 (i / 2), 4 bytes each at offset 4 t) and its 8 header pieces (rows 2 m, 2 m + 1).
 __global__ void tile_iq4_xs_kernel(const uint8_t* __restrict__ src, int64_t nunits, int64_t pieces,
                                    uint4* __restrict__ dst) {
-  detail::pdl_enter();
+  detail::pdl_wait();  // and never lets the next kernel launch early: a GEMV reads weights before waiting (pdl.cuh)
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (id >= pieces) return;
   const int q = int(id % 136);

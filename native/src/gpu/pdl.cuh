@@ -4,15 +4,17 @@
 //
 // The contract that keeps the stream's order of memory effects: every kernel of the backend calls
 // pdl_wait() before its first access to memory another kernel writes or reads (tests/gpu/
-// test_gpu_pdl_lint.py checks that each __global__ function starts with pdl_enter() or pdl_wait()).
-// griddepcontrol.wait returns when the kernels it depends on have completed and their writes are
-// visible; since each of those waited for its own predecessor, the order is transitive. A kernel may
-// read memory no kernel writes (weights) before waiting: the tensor-core GEMV prefetches its first
-// weight units that way.
+// test_gpu_pdl_lint.py checks that each __global__ function starts with pdl_enter() or pdl_wait(), or
+// with pdl_launch_dependents() and a pdl_wait() before any return). griddepcontrol.wait returns when
+// the kernels it depends on have completed and their writes are visible; since each of those waited
+// for its own predecessor, the order is transitive. One exception: the tensor-core GEMV loads its
+// first weight units before waiting. Weights are written only by uploads (copies, which order fully)
+// and by tile_iq4_xs_kernel, which therefore starts with pdl_wait() alone: it never lets the next
+// kernel launch early, so a GEMV launched after it (two launches later) starts after it completed.
 //
 // pdl_launch_dependents() lets the next kernel launch once every block of this one has called it
-// (or exited). On HIP, in the host emulation and for binaries older than sm_90 both are no-ops, and
-// launch_kernel<K>() launches plainly (a kernel without the wait instruction must never run early).
+// (or exited). On HIP, in the host emulation and for code compiled for PTX older than sm_90 both are
+// no-ops, and launch_kernel<K>() launches plainly (a kernel without the wait must never run early).
 #pragma once
 
 #if !defined(SPECD_HOST_EMU)
@@ -48,10 +50,14 @@ void launch_kernel(const char* name, dim3 grid, dim3 block, size_t smem, cudaStr
   K<<<grid, block, smem, s>>>(args...);
   const cudaError_t err = cudaGetLastError();
 #else
-  static const bool pdl_ok = [] {
+  // griddepcontrol is in K only when its PTX targets sm_90 or later (a binary JIT-compiled for the
+  // device from older PTX has binaryVersion 90 but no wait in it)
+  static const bool pdl_ok = [name] {
     cudaFuncAttributes a{};
-    SPECD_GPU_CHECK(cudaFuncGetAttributes(&a, K));
-    return a.binaryVersion >= 90;
+    const cudaError_t e = cudaFuncGetAttributes(&a, K);
+    if (e != cudaSuccess)
+      throw_runtime_error(e, (std::string("cudaFuncGetAttributes of ") + name).c_str(), __FILE__, __LINE__);
+    return a.ptxVersion >= 90 && a.binaryVersion >= 90;
   }();
   cudaLaunchAttribute attr{};
   attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -191,9 +191,9 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qg, const Tensor& 
                                                      dpos.ptr<int32_t>(), q.ptr<float>(), ko.ptr<float>(), int(nh),
                                                      int(nkv), int(hd), int(n_rot / 2), eps, device_freqs(rf));
   else
-    detail::launch_kernel<qk_norm_rope_kernel<false>>(
-        "launch of qk_norm_rope_kernel", grid, threads, shmem, s, pqg, pk, qw, kw, dpos.ptr<int32_t>(), q.ptr<float>(),
-        ko.ptr<float>(), int(nh), int(nkv), int(hd), int(n_rot / 2), eps, device_freqs(rf));
+    detail::launch_kernel<qk_norm_rope_kernel<false>>("qk_norm_rope_kernel", grid, threads, shmem, s, pqg, pk, qw, kw,
+                                                      dpos.ptr<int32_t>(), q.ptr<float>(), ko.ptr<float>(), int(nh),
+                                                      int(nkv), int(hd), int(n_rot / 2), eps, device_freqs(rf));
   return {q, cpu::qk_gate_view(qg), ko};
 }
 
