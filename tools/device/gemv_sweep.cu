@@ -46,14 +46,15 @@ struct Format {
 };
 
 // IQ4_XS_T gets the bytes IQ4_XS gets (the weights of a shape depend on the block size only), so
-// their checksums must agree bit for bit.
+// their checksums must agree bit for bit; its buffers hold the tiled layout (mma::IQ4T::kTileUnitBytes
+// per 16 rows x 256 inputs, the bytes its GB/s count: the header under test decides them).
 const Format kFormats[] = {
     {"IQ4_XS", 136, 256, {0}, false}, {"IQ4_XS_T", 136, 256, {0}, true}, {"Q4_K", 144, 256, {0, 2}, false},
     {"Q5_K", 176, 256, {0, 2}, false}, {"Q6_K", 210, 256, {208}, false}, {"Q8_0", 34, 32, {0}, false},
 };
 
-// Each buffer (IQ4_XS [out, in], out % 16 == 0) regrouped in place into the library's tiled layout
-// by its own kernel (tile_for_gemv's).
+// Each buffer (IQ4_XS [out, in] in its first wbytes, out % 16 == 0, room for the tiled bytes) regrouped
+// in place into the library's tiled layout by its own kernel (tile_for_gemv's).
 void tile(const std::vector<uint8_t*>& bufs, int64_t out, int64_t in, int64_t wbytes) {
   uint8_t* tmp;
   CK(cudaMalloc(&tmp, size_t(wbytes)));
@@ -133,7 +134,8 @@ int main(int argc, char** argv) {
     if (only && std::string(only) != f.name) continue;
     for (const Shape& sh : shapes) {
       const int64_t row_bytes = sh.in / f.block_elems * f.block_bytes, wbytes = sh.out * row_bytes;
-      const int64_t call_bytes = wbytes * sh.group;
+      const int64_t dev_bytes = f.tiled ? sh.out / 16 * (sh.in / 256) * mma::IQ4T::kTileUnitBytes : wbytes;
+      const int64_t call_bytes = dev_bytes * sh.group;
       const int copies = int(std::max<int64_t>(1, (240ll << 20) / call_bytes + 1));  // > 4x the 50 MB L2
       std::vector<uint8_t> host(static_cast<size_t>(wbytes));
       std::mt19937_64 wrng(uint64_t(sh.out) * 1000003u + uint64_t(sh.in) * 31u + uint64_t(f.block_bytes));
@@ -145,10 +147,10 @@ int main(int argc, char** argv) {
         for (int off : f.d_offsets) host[size_t(b * f.block_bytes + off)] = 0x00, host[size_t(b * f.block_bytes + off + 1)] = 0x20;
       std::vector<uint8_t*> bufs(static_cast<size_t>(copies * sh.group));
       for (auto& p : bufs) {
-        CK(cudaMalloc(&p, size_t(wbytes)));
+        CK(cudaMalloc(&p, size_t(dev_bytes)));
         CK(cudaMemcpy(p, host.data(), size_t(wbytes), cudaMemcpyHostToDevice));
       }
-      if (f.tiled) tile(bufs, sh.out, sh.in, wbytes);  // same size: 17408 and 5120 rows are whole tiles
+      if (f.tiled) tile(bufs, sh.out, sh.in, wbytes);  // 17408 and 5120 rows are whole tiles
       float* y;
       CK(cudaMalloc(&y, size_t(16 * sh.out * sh.group) * sizeof(float)));
       for (int n : widths) {

@@ -18,6 +18,8 @@
 # With NCU_SOURCE=1 Nsight Compute also collects the SourceCounters section and writes each NCU variant's
 # per-SASS-instruction table (stall samples by reason) to ncu_src_NAME.csv. Checksums agree bit for bit between
 # variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS changes the split-K arithmetic).
+# SWEEP_BUILD_ONLY=1 compiles the variants and stops (no GPU needed: e.g. while tests run), SWEEP_SKIP_BUILD=1
+# then runs them (tools/device/ab_decode.sh does both).
 # Outputs: sweep.tsv (variant format out in group n us GBps ratio_to_copy checksum), build.log, ncu.txt,
 # ncu_src_NAME.csv.
 set -u -o pipefail
@@ -33,22 +35,27 @@ split12:-DSPECD_MMA_SPLIT_BLOCKS=12
 split16:-DSPECD_MMA_SPLIT_BLOCKS=16
 split8-loads:-DSPECD_MMA_SPLIT_BLOCKS=8,-DSPECD_MMA_LOADS_ONLY=1"
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
-{ date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv; "$NVCC" --version | tail -1; } >"$OUT/build.log" 2>&1
+if [ "${SWEEP_SKIP_BUILD:-0}" != 1 ]; then  # SWEEP_SKIP_BUILD=1: the binaries of an earlier SWEEP_BUILD_ONLY=1 call
+  { date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv; "$NVCC" --version | tail -1; } >"$OUT/build.log" 2>&1
+  names=()
+  for v in $VARIANTS; do
+    name=${v%%:*}
+    flags=${v#*:}
+    names+=("$name")
+    # shellcheck disable=SC2086
+    ("$NVCC" -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xptxas -v ${flags//,/ } -I native/include \
+      -I native/src/gpu -I native/src -o "$B/$name" tools/device/gemv_sweep.cu >"$B/$name.log" 2>&1
+     echo "build $name rc=$?" >>"$B/$name.log") &
+  done
+  wait
+  for name in "${names[@]}"; do
+    { echo "=== $name"; grep -E "rc=|error|Used|Compiling entry" "$B/$name.log" | grep -B1 -E "rc=|error|Used" |
+        grep -E "rc=|error|gemv|Used" | sed 's/ptxas info    : //'; } >>"$OUT/build.log"
+  done
+fi
+[ "${SWEEP_BUILD_ONLY:-0}" = 1 ] && exit 0
 names=()
-for v in $VARIANTS; do
-  name=${v%%:*}
-  flags=${v#*:}
-  names+=("$name")
-  # shellcheck disable=SC2086
-  ("$NVCC" -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xptxas -v ${flags//,/ } -I native/include \
-    -I native/src/gpu -I native/src -o "$B/$name" tools/device/gemv_sweep.cu >"$B/$name.log" 2>&1
-   echo "build $name rc=$?" >>"$B/$name.log") &
-done
-wait
-for name in "${names[@]}"; do
-  { echo "=== $name"; grep -E "rc=|error|Used|Compiling entry" "$B/$name.log" | grep -B1 -E "rc=|error|Used" |
-      grep -E "rc=|error|gemv|Used" | sed 's/ptxas info    : //'; } >>"$OUT/build.log"
-done
+for v in $VARIANTS; do names+=("${v%%:*}"); done
 : >"$OUT/sweep.tsv"
 for name in "${names[@]}"; do
   [ -x "$B/$name" ] || { echo "# $name: not built" >>"$OUT/sweep.tsv"; continue; }

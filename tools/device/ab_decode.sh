@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# A/B of the GPU decode step in one device call (issue 7): the working tree against older trees, on the
+# same GPU, the same random 27B-shaped GGUF and the same minutes, so that a change is judged against
+# its baseline measured there, not against another session's numbers.
+#   1. gpu_tests.sh builds and installs the working tree and runs TESTS (REPORT=0); meanwhile each tree
+#      of OLD ("name:dir ...") is built into /tmp/site_NAME (its own build folder) and, with
+#      SWEEP_VARIANTS, gemv_sweep.sh compiles its variants (a variant can point -I at an old tree's
+#      native/src/gpu: its headers then replace the working tree's).
+#   2. tools/bench/gpu_decode.py of each tree on the GGUF, the old ones then "new", ROUNDS times
+#      (default 2): plain decode tok/s and verify ms at widths 1..17 (no prefill, no profile).
+#   3. the sweep's runs (SWEEP_FORMAT as gemv_sweep.sh).
+# The old trees: folders carried with the working tree (untracked), e.g.
+#     mkdir ab_pdl && git archive wip/pdl-all | tar -x -C ab_pdl
+# Usage (repository root on the GPU machine; carry .whl):
+#     OUT=/some/dir OLD="pdl:ab_pdl" TESTS="tests/gpu/test_gpu_gemv_tiles.py" bash tools/device/ab_decode.sh
+#     OUT=/some/dir OLD="pdl:ab_pdl" SWEEP_FORMAT=IQ4_XS_T \
+#       SWEEP_VARIANTS="new:-DSPECD_MMA_SPLIT_BLOCKS=16 pdl:-I$PWD/ab_pdl/native/src/gpu" bash tools/device/ab_decode.sh
+# Outputs: build.log, pytest.log, status.txt (gpu_tests.sh), old_build.log, ab.log (the decode runs'
+# output), ab.tsv (tree round decode_tok_s verify_ms_w1 verify_ms_w8 verify_ms_w16), sweep.tsv.
+set -u -o pipefail
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+: "${OLD:?OLD: the baseline trees, name:dir ...}"
+R=$PWD
+GGUF=/tmp/r27-ab.gguf
+trap 'rm -f "$GGUF" "$GGUF.tmp"' EXIT  # 15 GB: never left behind
+# The wheels first (grpcio-tools builds the protos): the old trees' builds start before gpu_tests.sh's.
+for d in .whl ../.whl; do
+  if ls "$d"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$d"/*.whl \
+      >"$OUT/old_build.log" 2>&1
+    break
+  fi
+done
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+names=() dirs=()
+for t in $OLD; do names+=("${t%%:*}"); dirs+=("$(cd "${t#*:}" && pwd)"); done
+(for i in "${!names[@]}"; do  # one after the other: each build takes all cores it is given
+   (cd "${dirs[$i]}" && SPECD_GPU=cuda CMAKE_BUILD_PARALLEL_LEVEL=8 python3 -m pip install --no-build-isolation \
+     --no-deps -q --no-compile --target "/tmp/site_${names[$i]}" -C build-dir="/tmp/specd-build-${names[$i]}" . \
+     >>"$OUT/old_build.log" 2>&1
+    echo "build ${names[$i]} rc=$?" >>"$OUT/old_build.log")
+ done) &
+old_pid=$!
+if [ -n "${SWEEP_VARIANTS:-}" ]; then  # compile only (no GPU yet): gemv_sweep.sh runs them in step 3
+  (mkdir -p /tmp/ab_sweep && OUT=/tmp/ab_sweep VARIANTS="$SWEEP_VARIANTS" SWEEP_BUILD_ONLY=1 \
+    bash tools/device/gemv_sweep.sh >/dev/null 2>&1) &
+  sweep_pid=$!
+fi
+OUT=$OUT REPORT=0 bash tools/device/gpu_tests.sh >/dev/null 2>&1
+echo "gpu_tests rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+wait "$old_pid"
+echo "old builds done at ${SECONDS}s: $(grep -E '^build ' "$OUT/old_build.log" | tr '\n' ' ')" >>"$OUT/status.txt"
+: >"$OUT/ab.tsv"
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  for i in "${!names[@]}" new; do
+    tree=new src=$R path=$PYTHONPATH
+    [ "$i" = new ] || tree=${names[$i]} src=${dirs[$i]} path=/tmp/site_${names[$i]}:$PYTHONPATH
+    mkdir -p "/tmp/ab_$tree$round"
+    (cd /tmp && PYTHONPATH=$path timeout 150 python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix iq4xs \
+      --prefill --decode-tokens 64 --out "/tmp/ab_$tree$round") >>"$OUT/ab.log" 2>&1
+    echo "decode $tree round $round rc=$? at ${SECONDS}s" | tee -a "$OUT/ab.log" >>"$OUT/status.txt"
+    python3 - "$tree" "$round" "/tmp/ab_$tree$round/gpu_decode_iq4xs.json" >>"$OUT/ab.tsv" <<'EOF'
+import json, sys
+tree, rnd, path = sys.argv[1:]
+try:
+    r = json.load(open(path))
+except (OSError, ValueError) as e:
+    print(f"{tree}\t{rnd}\tmissing: {e}")
+    raise SystemExit
+v = {int(k): x for k, x in r["verify_ms"].items()}
+print(f"{tree}\t{rnd}\t{r['decode_tok_s']:.2f}\t{v[1]:.3f}\t{v[8]:.3f}\t{v[16]:.3f}")
+EOF
+  done
+done
+if [ -n "${SWEEP_VARIANTS:-}" ]; then
+  wait "$sweep_pid"
+  OUT=/tmp/ab_sweep VARIANTS="$SWEEP_VARIANTS" SWEEP_SKIP_BUILD=1 timeout 150 bash tools/device/gemv_sweep.sh >/dev/null 2>&1
+  cp /tmp/ab_sweep/sweep.tsv "$OUT/sweep.tsv"
+  cat /tmp/ab_sweep/build.log >>"$OUT/old_build.log"
+fi
+cat "$OUT/status.txt" "$OUT/ab.tsv"
