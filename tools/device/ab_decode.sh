@@ -35,12 +35,18 @@ for d in .whl ../.whl; do
 done
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 names=() dirs=()
-for t in $OLD; do names+=("${t%%:*}"); dirs+=("$(cd "${t#*:}" && pwd)"); done
+for t in $OLD; do
+  [ "${t%%:*}" != new ] || { echo "OLD: the name new is the working tree's" >&2; exit 2; }
+  names+=("${t%%:*}"); dirs+=("$(cd "${t#*:}" && pwd)") || exit 2
+done
 (for i in "${!names[@]}"; do  # one after the other: each build takes all cores it is given
+   rm -f "/tmp/site_${names[$i]}/.ab_built"
    (cd "${dirs[$i]}" && SPECD_GPU=cuda CMAKE_BUILD_PARALLEL_LEVEL=8 python3 -m pip install --no-build-isolation \
      --no-deps -q --no-compile --target "/tmp/site_${names[$i]}" -C build-dir="/tmp/specd-build-${names[$i]}" . \
      >>"$OUT/old_build.log" 2>&1
-    echo "build ${names[$i]} rc=$?" >>"$OUT/old_build.log")
+    rc=$?
+    echo "build ${names[$i]} rc=$rc" >>"$OUT/old_build.log"
+    [ "$rc" -eq 0 ] && touch "/tmp/site_${names[$i]}/.ab_built")
  done) &
 old_pid=$!
 if [ -n "${SWEEP_VARIANTS:-}" ]; then  # compile only (no GPU yet): gemv_sweep.sh runs them in step 3
@@ -57,7 +63,11 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
   for i in "${!names[@]}" new; do
     tree=new src=$R path=$PYTHONPATH
     [ "$i" = new ] || tree=${names[$i]} src=${dirs[$i]} path=/tmp/site_${names[$i]}:$PYTHONPATH
-    mkdir -p "/tmp/ab_$tree$round"
+    if [ "$tree" != new ] && [ ! -f "/tmp/site_$tree/.ab_built" ]; then  # never the new build under an old name
+      printf '%s\t%s\tnot built (old_build.log)\n' "$tree" "$round" >>"$OUT/ab.tsv"
+      continue
+    fi
+    rm -rf "/tmp/ab_$tree$round" && mkdir -p "/tmp/ab_$tree$round"  # no result of an earlier call
     (cd /tmp && PYTHONPATH=$path timeout 150 python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix iq4xs \
       --prefill --decode-tokens 64 --out "/tmp/ab_$tree$round") >>"$OUT/ab.log" 2>&1
     echo "decode $tree round $round rc=$? at ${SECONDS}s" | tee -a "$OUT/ab.log" >>"$OUT/status.txt"
