@@ -10,13 +10,15 @@
 #      (default 2): plain decode tok/s and verify ms at widths 1..17 (no prefill, no profile).
 #   3. the sweep's runs (SWEEP_FORMAT as gemv_sweep.sh).
 # The old trees: folders carried with the working tree (untracked), e.g.
-#     mkdir ab_pdl && git archive wip/pdl-all | tar -x -C ab_pdl
+#     mkdir ab_pdl && git archive wip/pdl-all ':!models' ':!tests' | tar -x -C ab_pdl
+# (without models/ and tests/: the device tool carries at most 64 MiB with the working tree).
 # Usage (repository root on the GPU machine; carry .whl):
 #     OUT=/some/dir OLD="pdl:ab_pdl" TESTS="tests/gpu/test_gpu_gemv_tiles.py" bash tools/device/ab_decode.sh
 #     OUT=/some/dir OLD="pdl:ab_pdl" SWEEP_FORMAT=IQ4_XS_T \
 #       SWEEP_VARIANTS="new:-DSPECD_MMA_SPLIT_BLOCKS=16 pdl:-I$PWD/ab_pdl/native/src/gpu" bash tools/device/ab_decode.sh
 # Outputs: build.log, pytest.log, status.txt (gpu_tests.sh), old_build.log, ab.log (the decode runs'
-# output), ab.tsv (tree round decode_tok_s verify_ms_w1 verify_ms_w8 verify_ms_w16), sweep.tsv.
+# output), ab.tsv (tree round decode_tok_s verify_ms_w1 verify_ms_w8 verify_ms_w16 specd.native's file, or why
+# a tree was not measured), sweep.tsv. Exit status 1 when a tree was not measured.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -25,23 +27,28 @@ OUT=$(cd "$OUT" && pwd)
 R=$PWD
 GGUF=/tmp/r27-ab.gguf
 trap 'rm -f "$GGUF" "$GGUF.tmp"' EXIT  # 15 GB: never left behind
-# The wheels first (grpcio-tools builds the protos): the old trees' builds start before gpu_tests.sh's.
+# The old trees' builds need the wheels (grpcio-tools builds the protos) before gpu_tests.sh installs them
+# into /tmp/site (replacing its folders): their own copy in /tmp/site_ab. The compilers gpu_tests.sh picks.
+: >"$OUT/old_build.log"
 for d in .whl ../.whl; do
   if ls "$d"/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$d"/*.whl \
-      >"$OUT/old_build.log" 2>&1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_ab "$d"/*.whl \
+      >>"$OUT/old_build.log" 2>&1
     break
   fi
 done
-export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if [ -z "${CXX:-}" ] || [ "${CXX:-}" = /opt/gcc/bin/g++ ]; then
+  if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++; fi
+fi
+if [ -n "${CXX:-}" ] && [ -z "${CUDAHOSTCXX:-}" ]; then export CUDAHOSTCXX=$CXX; fi
 names=() dirs=()
 for t in $OLD; do
   [ "${t%%:*}" != new ] || { echo "OLD: the name new is the working tree's" >&2; exit 2; }
   names+=("${t%%:*}"); dirs+=("$(cd "${t#*:}" && pwd)") || exit 2
 done
 (for i in "${!names[@]}"; do  # one after the other: each build takes all cores it is given
-   rm -f "/tmp/site_${names[$i]}/.ab_built"
-   (cd "${dirs[$i]}" && SPECD_GPU=cuda CMAKE_BUILD_PARALLEL_LEVEL=8 python3 -m pip install --no-build-isolation \
+   rm -rf "/tmp/site_${names[$i]}" "/tmp/specd-build-${names[$i]}"  # pip --target keeps what is there
+   (cd "${dirs[$i]}" && PYTHONPATH=/tmp/site_ab SPECD_GPU=cuda CMAKE_BUILD_PARALLEL_LEVEL=8 python3 -m pip install --no-build-isolation \
      --no-deps -q --no-compile --target "/tmp/site_${names[$i]}" -C build-dir="/tmp/specd-build-${names[$i]}" . \
      >>"$OUT/old_build.log" 2>&1
     rc=$?
@@ -58,36 +65,41 @@ OUT=$OUT REPORT=0 bash tools/device/gpu_tests.sh >/dev/null 2>&1
 echo "gpu_tests rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 wait "$old_pid"
 echo "old builds done at ${SECONDS}s: $(grep -E '^build ' "$OUT/old_build.log" | tr '\n' ' ')" >>"$OUT/status.txt"
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+[ -n "${SWEEP_VARIANTS:-}" ] && wait "$sweep_pid"  # no compiles while the decodes are timed
 : >"$OUT/ab.tsv"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for i in "${!names[@]}" new; do
     tree=new src=$R path=$PYTHONPATH
     [ "$i" = new ] || tree=${names[$i]} src=${dirs[$i]} path=/tmp/site_${names[$i]}:$PYTHONPATH
-    if [ "$tree" != new ] && [ ! -f "/tmp/site_$tree/.ab_built" ]; then  # never the new build under an old name
-      printf '%s\t%s\tnot built (old_build.log)\n' "$tree" "$round" >>"$OUT/ab.tsv"
+    # The library this tree's run imports: never the new build under an old name (a failed or partial build).
+    lib=$(cd /tmp && PYTHONPATH=$path python3 -c 'import specd.native._native as m; print(m.__file__)' 2>/dev/null)
+    if [ "$tree" != new ] && { [ ! -f "/tmp/site_$tree/.ab_built" ] || [ "${lib#/tmp/site_$tree/}" = "$lib" ]; }; then
+      printf '%s\t%s\tnot measured: built %s, imports %s (old_build.log)\n' "$tree" "$round" \
+        "$([ -f "/tmp/site_$tree/.ab_built" ] && echo yes || echo no)" "${lib:-nothing}" >>"$OUT/ab.tsv"
       continue
     fi
     rm -rf "/tmp/ab_$tree$round" && mkdir -p "/tmp/ab_$tree$round"  # no result of an earlier call
     (cd /tmp && PYTHONPATH=$path timeout 150 python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix iq4xs \
       --prefill --decode-tokens 64 --out "/tmp/ab_$tree$round") >>"$OUT/ab.log" 2>&1
     echo "decode $tree round $round rc=$? at ${SECONDS}s" | tee -a "$OUT/ab.log" >>"$OUT/status.txt"
-    python3 - "$tree" "$round" "/tmp/ab_$tree$round/gpu_decode_iq4xs.json" >>"$OUT/ab.tsv" <<'EOF'
+    python3 - "$tree" "$round" "/tmp/ab_$tree$round/gpu_decode_iq4xs.json" "$lib" >>"$OUT/ab.tsv" <<'EOF'
 import json, sys
-tree, rnd, path = sys.argv[1:]
+tree, rnd, path, lib = sys.argv[1:]
 try:
     r = json.load(open(path))
 except (OSError, ValueError) as e:
     print(f"{tree}\t{rnd}\tmissing: {e}")
     raise SystemExit
 v = {int(k): x for k, x in r["verify_ms"].items()}
-print(f"{tree}\t{rnd}\t{r['decode_tok_s']:.2f}\t{v[1]:.3f}\t{v[8]:.3f}\t{v[16]:.3f}")
+print(f"{tree}\t{rnd}\t{r['decode_tok_s']:.2f}\t{v[1]:.3f}\t{v[8]:.3f}\t{v[16]:.3f}\t{lib}")
 EOF
   done
 done
 if [ -n "${SWEEP_VARIANTS:-}" ]; then
-  wait "$sweep_pid"
   OUT=/tmp/ab_sweep VARIANTS="$SWEEP_VARIANTS" SWEEP_SKIP_BUILD=1 timeout 150 bash tools/device/gemv_sweep.sh >/dev/null 2>&1
   cp /tmp/ab_sweep/sweep.tsv "$OUT/sweep.tsv"
   cat /tmp/ab_sweep/build.log >>"$OUT/old_build.log"
 fi
 cat "$OUT/status.txt" "$OUT/ab.tsv"
+! grep -qE "not measured|missing" "$OUT/ab.tsv"

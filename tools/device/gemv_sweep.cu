@@ -147,7 +147,7 @@ int main(int argc, char** argv) {
         for (int off : f.d_offsets) host[size_t(b * f.block_bytes + off)] = 0x00, host[size_t(b * f.block_bytes + off + 1)] = 0x20;
       std::vector<uint8_t*> bufs(static_cast<size_t>(copies * sh.group));
       for (auto& p : bufs) {
-        CK(cudaMalloc(&p, size_t(dev_bytes)));
+        CK(cudaMalloc(&p, size_t(std::max(wbytes, dev_bytes))));  // the row-major bytes first, then tiled in place
         CK(cudaMemcpy(p, host.data(), size_t(wbytes), cudaMemcpyHostToDevice));
       }
       if (f.tiled) tile(bufs, sh.out, sh.in, wbytes);  // 17408 and 5120 rows are whole tiles

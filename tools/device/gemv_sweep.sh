@@ -18,6 +18,7 @@
 # With NCU_SOURCE=1 Nsight Compute also collects the SourceCounters section and writes each NCU variant's
 # per-SASS-instruction table (stall samples by reason) to ncu_src_NAME.csv. Checksums agree bit for bit between
 # variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS changes the split-K arithmetic).
+# SWEEP_FORMAT=NAME times one format only (IQ4_XS, IQ4_XS_T, Q4_K, Q5_K, Q6_K, Q8_0; read by gemv_sweep.cu).
 # SWEEP_BUILD_ONLY=1 compiles the variants and stops (no GPU needed: e.g. while tests run), SWEEP_SKIP_BUILD=1
 # then runs them (tools/device/ab_decode.sh does both).
 # Outputs: sweep.tsv (variant format out in group n us GBps ratio_to_copy checksum), build.log, ncu.txt,
@@ -42,6 +43,7 @@ if [ "${SWEEP_SKIP_BUILD:-0}" != 1 ]; then  # SWEEP_SKIP_BUILD=1: the binaries o
     name=${v%%:*}
     flags=${v#*:}
     names+=("$name")
+    rm -f "$B/$name"  # a failed compile never leaves an earlier call's binary to be timed under this name
     # shellcheck disable=SC2086
     ("$NVCC" -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -Xptxas -v ${flags//,/ } -I native/include \
       -I native/src/gpu -I native/src -o "$B/$name" tools/device/gemv_sweep.cu >"$B/$name.log" 2>&1

@@ -108,7 +108,10 @@ GPU tensors run gpu::matmul: every format above; a batch-invariant GEMV (weights
 same float32 values as here) over slices of 16 rows, or, with exact=False and n > 16 (prefill),
 BF16-dequantized weights and BF16 x through cuBLAS / hipBLAS with float32 accumulation (error
 within (2^-8 + 1e-5) * (|x| @ |w|^T), not batch invariant). The CPU is always exact and ignores
-`exact`. Raises ValueError on dtype, dimension or device mismatch.)doc");
+`exact`. On CUDA the GEMV starts loading w before the kernels queued before it have finished
+(programmatic dependent launch, native/src/gpu/pdl.cuh): a w written on the device by another op
+(not an upload or tile_for_gemv) must be complete first (gpu_synchronize). Raises ValueError on
+dtype, dimension or device mismatch.)doc");
 
   m.def(
       "matmul_group",

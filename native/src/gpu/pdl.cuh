@@ -11,6 +11,8 @@
 // first weight units before waiting. Weights are written only by uploads (copies, which order fully)
 // and by tile_iq4_xs_kernel, which therefore starts with pdl_wait() alone: it never lets the next
 // kernel launch early, so a GEMV launched after it (two launches later) starts after it completed.
+// A weight some other kernel writes (e.g. a KV tensor passed to matmul) must be complete before the
+// matmul is queued (the matmul binding documents it); nothing in specd does that.
 //
 // pdl_launch_dependents() lets the next kernel launch once every block of this one has called it
 // (or exited). On HIP, in the host emulation and for code compiled for PTX older than sm_90 both are
