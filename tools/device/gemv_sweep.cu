@@ -118,7 +118,20 @@ int main(int argc, char** argv) {
   // (out, in, weights in the group): the 27B's FFN gate (one), gate + up (one grouped launch), down.
   struct Shape { int64_t out, in; int group; };
   const Shape shapes[] = {{17408, 5120, 1}, {17408, 5120, 2}, {5120, 17408, 1}};
-  const int widths[] = {1, 2, 4, 8, 10, 12, 16};  // 1, 1, 2, 3, 4, 5, 6 tiles
+  std::vector<int> widths = {1, 2, 4, 8, 10, 12, 16};  // 1, 1, 2, 3, 4, 5, 6 tiles
+  if (const char* w = std::getenv("SWEEP_WIDTHS")) {   // e.g. "8" or "1,8" (for ncu: the first launches' width)
+    widths.clear();
+    for (const char* p = w; *p;) {
+      char* end;
+      const long n = std::strtol(p, &end, 10);
+      if (end == p || n < 1 || n > 16) {
+        std::fprintf(stderr, "SWEEP_WIDTHS: widths 1..16 separated by commas, got \"%s\"\n", w);
+        return 2;
+      }
+      widths.push_back(int(n));
+      p = *end == ',' ? end + 1 : end;
+    }
+  }
   uint8_t *xbuf, *scratch;
   float* x;
   CK(cudaMalloc(&xbuf, 16 << 20));

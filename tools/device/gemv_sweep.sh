@@ -3,7 +3,7 @@
 # compiles tools/device/gemv_sweep.cu once per variant (-D overrides of the tuning constants at the
 # top of native/src/gpu/matmul_mma.cuh), in parallel, runs each (per format: the 27B's 17408 x 5120
 # FFN gate alone, gate + up as one grouped launch, 5120 x 17408 down; widths 1, 2, 4, 8, 10, 12, 16) and, for the
-# variants in NCU, Nsight Compute on one width-1 launch of the gate (format NCU_FORMAT, default IQ4_XS_T: the tiled
+# variants in NCU, Nsight Compute on one launch of the gate at width NCU_WIDTH (default 1; format NCU_FORMAT, default IQ4_XS_T: the tiled
 # IQ4_XS; sections below, SM clock not locked).
 #
 # Usage (repository root on the GPU machine):
@@ -18,6 +18,7 @@
 # With NCU_SOURCE=1 Nsight Compute also collects the SourceCounters section and writes each NCU variant's
 # per-SASS-instruction table (stall samples by reason) to ncu_src_NAME.csv. Checksums agree bit for bit between
 # variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS changes the split-K arithmetic).
+# SWEEP_WIDTHS=1,8 times those widths only (default 1, 2, 4, 8, 10, 12, 16).
 # SWEEP_FORMAT=NAME times one format only (IQ4_XS, IQ4_XS_T, Q4_K, Q5_K, Q6_K, Q8_0; read by gemv_sweep.cu).
 # SWEEP_BUILD_ONLY=1 compiles the variants and stops (no GPU needed: e.g. while tests run), SWEEP_SKIP_BUILD=1
 # then runs them (tools/device/ab_decode.sh does both).
@@ -72,7 +73,7 @@ for name in ${NCU-}; do
   src=()
   rm -f "$B/ncu_$name.ncu-rep"  # never import a report of an earlier call
   [ "${NCU_SOURCE:-0}" = 1 ] && src=(--section SourceCounters --import-source no -o "$B/ncu_$name" -f)
-  SWEEP_FORMAT=${NCU_FORMAT:-IQ4_XS_T} timeout "${NCU_TIMEOUT:-150}" "$NCU_BIN" --clock-control none -k regex:mma_gemv_kernel \
+  SWEEP_FORMAT=${NCU_FORMAT:-IQ4_XS_T} SWEEP_WIDTHS=${NCU_WIDTH:-1} timeout "${NCU_TIMEOUT:-150}" "$NCU_BIN" --clock-control none -k regex:mma_gemv_kernel \
     --launch-skip 5 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis \
     --section MemoryWorkloadAnalysis_Tables ${src[@]+"${src[@]}"} "$B/$name" "$name" 1 >>"$OUT/ncu.txt" 2>&1
