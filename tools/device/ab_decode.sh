@@ -7,7 +7,7 @@
 #      SWEEP_VARIANTS, gemv_sweep.sh compiles its variants (a variant can point -I at an old tree's
 #      native/src/gpu: its headers then replace the working tree's).
 #   2. tools/bench/gpu_decode.py of each tree on the GGUF, the old ones then "new", ROUNDS times
-#      (default 2): plain decode tok/s and verify ms at widths 1..17 (no prefill, no profile).
+#      (default 2): plain decode tok/s, verify ms at widths 1..17 and the scripted loop (no prefill, no profile).
 #   3. the sweep's runs (SWEEP_FORMAT as gemv_sweep.sh).
 # The old trees: folders carried with the working tree (untracked), e.g.
 #     mkdir ab_pdl && git archive wip/pdl-all ':!models' ':!tests' | tar -x -C ab_pdl
@@ -17,8 +17,8 @@
 #     OUT=/some/dir OLD="pdl:ab_pdl" SWEEP_FORMAT=IQ4_XS_T \
 #       SWEEP_VARIANTS="new:-DSPECD_MMA_SPLIT_BLOCKS=16 pdl:-I$PWD/ab_pdl/native/src/gpu" bash tools/device/ab_decode.sh
 # Outputs: build.log, pytest.log, status.txt (gpu_tests.sh), old_build.log, ab.log (the decode runs'
-# output), ab.tsv (tree round decode_tok_s verify_ms_w1 verify_ms_w8 verify_ms_w16 specd.native's file, or why
-# a tree was not measured), sweep.tsv. Exit status 1 when a tree was not measured.
+# output), ab.tsv (tree round decode_tok_s verify_ms_w1 verify_ms_w4 verify_ms_w8 verify_ms_w16, the scripted
+# loop's tok/s at each acceptance length, specd.native's file; or why a tree was not measured), sweep.tsv. Exit status 1 when a tree was not measured.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -92,7 +92,8 @@ except (OSError, ValueError) as e:
     print(f"{tree}\t{rnd}\tmissing: {e}")
     raise SystemExit
 v = {int(k): x for k, x in r["verify_ms"].items()}
-print(f"{tree}\t{rnd}\t{r['decode_tok_s']:.2f}\t{v[1]:.3f}\t{v[8]:.3f}\t{v[16]:.3f}\t{lib}")
+loop = "\t".join(f"{r['loop'][al]['tok_s']:.1f}" for al in sorted(r.get("loop", {}), key=int))
+print(f"{tree}\t{rnd}\t{r['decode_tok_s']:.2f}\t{v[1]:.3f}\t{v[4]:.3f}\t{v[8]:.3f}\t{v[16]:.3f}\t{loop}\t{lib}")
 EOF
   done
 done
