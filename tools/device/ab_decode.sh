@@ -17,8 +17,9 @@
 #     OUT=/some/dir OLD="pdl:ab_pdl" SWEEP_FORMAT=IQ4_XS_T \
 #       SWEEP_VARIANTS="new:-DSPECD_MMA_SPLIT_BLOCKS=16 pdl:-I$PWD/ab_pdl/native/src/gpu" bash tools/device/ab_decode.sh
 # Outputs: build.log, pytest.log, status.txt (gpu_tests.sh), old_build.log, ab.log (the decode runs'
-# output), ab.tsv (tree round decode_tok_s verify_ms_w1 verify_ms_w4 verify_ms_w8 verify_ms_w16, the scripted
-# loop's tok/s at each acceptance length, specd.native's file; or why a tree was not measured), sweep.tsv. Exit status 1 when a tree was not measured.
+# output), ab.tsv (tree round decode_tok_s verify_ms_w1 verify_ms_w4 verify_ms_w8
+# verify_ms_w16 loop_tok_s_al3 loop_tok_s_al5 loop_tok_s_al7, the file of specd.native._native; or why a tree
+# was not measured), sweep.tsv. Exit status 1 when a tree was not measured.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -91,9 +92,14 @@ try:
 except (OSError, ValueError) as e:
     print(f"{tree}\t{rnd}\tmissing: {e}")
     raise SystemExit
-v = {int(k): x for k, x in r["verify_ms"].items()}
-loop = "\t".join(f"{r['loop'][al]['tok_s']:.1f}" for al in sorted(r.get("loop", {}), key=int))
-print(f"{tree}\t{rnd}\t{r['decode_tok_s']:.2f}\t{v[1]:.3f}\t{v[4]:.3f}\t{v[8]:.3f}\t{v[16]:.3f}\t{loop}\t{lib}")
+try:  # a result without one of these is reported as missing (the exit status then says so)
+    v = {int(k): x for k, x in r["verify_ms"].items()}
+    loop = {int(k): x["tok_s"] for k, x in r["loop"].items()}
+    cols = [f"{r['decode_tok_s']:.2f}"] + [f"{v[w]:.3f}" for w in (1, 4, 8, 16)] + [f"{loop[a]:.1f}" for a in (3, 5, 7)]
+except (KeyError, TypeError, ValueError) as e:
+    print(f"{tree}\t{rnd}\tmissing: {e!r} in {path}")
+    raise SystemExit
+print("\t".join([tree, rnd] + cols + [lib]))
 EOF
   done
 done
