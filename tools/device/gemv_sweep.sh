@@ -16,7 +16,8 @@
 # (check build.log for spills: a 160-register ring at 3 blocks per SM spills); weight loads without L1 allocation:
 #     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 nal:-DSPECD_MMA_WEIGHT_NOALLOC=1 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5"
 # With NCU_SOURCE=1 Nsight Compute also collects the SourceCounters section and writes each NCU variant's
-# per-SASS-instruction table (stall samples by reason) to ncu_src_NAME.csv. Checksums agree bit for bit between
+# per-SASS-instruction table (stall samples by reason) to ncu_src_NAME.csv (per-opcode summary, anywhere:
+# python tools/device/ncu_src_summary.py ncu_src_*.csv). Checksums agree bit for bit between
 # variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS changes the split-K arithmetic).
 # SWEEP_WIDTHS=1,8 times those widths only (default 1, 2, 4, 8, 10, 12, 16).
 # SWEEP_FORMAT=NAME times one format only (IQ4_XS, IQ4_XS_T, Q4_K, Q5_K, Q6_K, Q8_0; read by gemv_sweep.cu).
