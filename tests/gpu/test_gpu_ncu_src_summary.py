@@ -41,7 +41,7 @@ def test_totals_per_opcode(tmp_path):
     assert stats["IMMA"].stalls["long_sb"] == 20
     lines = ns.report(write(tmp_path), top=2)
     assert "50 stall samples" in lines[1]
-    assert lines[3].split()[:2] == ["IMMA", "50.0%"] and lines[4].split()[0] in ("LDG", "BRA") and len(lines) == 5
+    assert [ln.split()[:2] for ln in lines[3:]] == [["IMMA", "50.0%"], ["LDG", "30.0%"]]  # top 2 of 3
 
 
 def test_bad_tables_name_the_file(tmp_path, capsys):

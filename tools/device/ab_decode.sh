@@ -87,16 +87,12 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     python3 - "$tree" "$round" "/tmp/ab_$tree$round/gpu_decode_iq4xs.json" "$lib" >>"$OUT/ab.tsv" <<'EOF'
 import json, sys
 tree, rnd, path, lib = sys.argv[1:]
-try:
+try:  # no file, or a result without one of these columns: reported as missing (the exit status says so)
     r = json.load(open(path))
-except (OSError, ValueError) as e:
-    print(f"{tree}\t{rnd}\tmissing: {e}")
-    raise SystemExit
-try:  # a result without one of these is reported as missing (the exit status then says so)
     v = {int(k): x for k, x in r["verify_ms"].items()}
     loop = {int(k): x["tok_s"] for k, x in r["loop"].items()}
     cols = [f"{r['decode_tok_s']:.2f}"] + [f"{v[w]:.3f}" for w in (1, 4, 8, 16)] + [f"{loop[a]:.1f}" for a in (3, 5, 7)]
-except (KeyError, TypeError, ValueError) as e:
+except (OSError, KeyError, TypeError, ValueError) as e:
     print(f"{tree}\t{rnd}\tmissing: {e!r} in {path}")
     raise SystemExit
 print("\t".join([tree, rnd] + cols + [lib]))
