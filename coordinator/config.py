@@ -68,6 +68,12 @@ class CoordinatorConfig:
         worker (worker.proto), default on: a message on an open stream costs about half a unary
         call's round trip. ``--no-worker-streams`` makes one unary call per step (workers without
         the stream methods).
+    plain_steps_per_call: plain decode steps the target worker runs per Verify call (a plain run,
+        worker.proto ``plain_steps``), default 8; 1 = one call per plain token. A run saves the
+        coordinator round trip of all but one of its steps (the loop overhead per plain token falls
+        by about that factor) and streams its tokens as one chunk. Runs are cut to the tokens left,
+        the reasoning budget, the policy's plain burst, the deadline and the worker's
+        ``max_plain_steps``; the tokens are those of single steps.
     policy: the adaptive policy (spec-loop.md §9.1a), see PolicyConfig.
     feature_transport: how drafter feature rows travel: "shm" (default; the target's shared-memory
         ring, both workers on one host) or "inline" (the target returns the rows it committed in its
@@ -114,6 +120,7 @@ class CoordinatorConfig:
     reasoning_close: str = "\n</think>\n\n"
     feature_transport: str = "shm"
     worker_streams: bool = True
+    plain_steps_per_call: int = 8
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
     def validate(self) -> None:
@@ -125,7 +132,8 @@ class CoordinatorConfig:
         for name in ("default_max_tokens", "worker_timeout_s", "health_poll_s", "public_max_message_bytes",
                      "internal_max_message_bytes", "keepalive_min_ping_interval_ms", "keepalive_time_ms",
                      "keepalive_timeout_ms", "release_timeout_s", "health_timeout_s", "max_request_id_bytes",
-                     "max_stop_strings", "max_stop_string_bytes", "max_prompt_bytes", "send_stall_timeout_s"):
+                     "max_stop_strings", "max_stop_string_bytes", "max_prompt_bytes", "send_stall_timeout_s",
+                     "plain_steps_per_call"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"coordinator: {name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.metrics_port <= 65535:
@@ -200,6 +208,7 @@ _FLAGS = [  # (field, type, help)
     ("reasoning_budget", int, "default reasoning budget in thinking tokens (0 = unmanaged)"),
     ("reply_reserve", int, "arm a reasoning budget B only when max_tokens > B + reply_reserve"),
     ("reasoning_close", str, "text forced to close thinking when the budget is spent (must contain </think>)"),
+    ("plain_steps_per_call", int, "plain decode steps per target Verify call (1 = one call per token)"),
     ("feature_transport", str, "drafter feature rows: shm (shared memory, one host), inline (bytes via the coordinator) or cuda-ipc (GPU ring shared through CUDA IPC; --device cuda)"),
 ]
 _POLICY_FLAGS = [

@@ -100,8 +100,13 @@ class CoordinatorMetrics:
         previous chunk."""
         (self._ttft if first else self._inter_chunk).observe(seconds)
 
-    def record_step(self, drafts: int, accepted: int, draft_s: float, verify_s: float, overhead_s: float) -> None:
-        """One decode step: ``drafts`` offered (0: plain), ``accepted`` of them, times in seconds."""
+    def record_step(self, drafts: int, accepted: int, draft_s: float, verify_s: float, overhead_s: float,
+                    steps: int = 1) -> None:
+        """One decode step: ``drafts`` offered (0: plain), ``accepted`` of them, times in seconds.
+        ``steps`` > 1: that many plain steps of one plain run, each with the given (per-step) times."""
+        for _ in range(steps - 1):
+            self._step_verify.observe(verify_s)
+            self._overhead.observe(overhead_s)
         if drafts:
             self._drafts.inc()
             self._draft_tokens.inc(drafts)

@@ -6,7 +6,9 @@ Per sequence, in the coordinator; decisions use only past steps, so the policy i
   ``accept_alpha``; the first speculative step after a plain burst (a *probe*) uses ``probe_alpha``
   (0.5) so a stream that became predictable leaves plain decoding at once.
 * ``t_spec`` / ``t_plain`` — EMAs (alpha ``time_alpha``) of the measured wall time of a speculative
-  step (propose + verify + commit, seconds) and of a plain step (seed-only verify). The step-cost
+  step (propose + verify + commit, seconds) and of a plain step (seed-only verify; a step of a plain
+  run — several plain steps in one worker call — counts its share of the call's wall time, so t_plain
+  includes the round trip divided over the run). The step-cost
   ratio is rho = t_spec / t_plain once both are measured, ``step_ratio`` before (default 1.9).
   A speculative step emits a + 1 tokens in t_spec, a plain one 1 token in t_plain, so speculation pays
   iff a > rho - 1.
@@ -99,6 +101,17 @@ class AdaptivePolicy:
             if self.burst_left == 0:
                 self.probing = True
                 self.switches.append((step + 1, True, "probe"))
+
+    def plain_left(self) -> int | None:
+        """Plain steps left in the current burst before the probe (None: no burst running); a plain
+        run is capped to it so the probe comes at the step it would with single steps."""
+        return self.burst_left if self.enabled and self.burst_left > 0 else None
+
+    def record_plain_run(self, step: int, steps: int, dt: float) -> None:
+        """``steps`` plain steps of one plain run (indices ``step`` .. ``step + steps - 1``), each
+        taking ``dt`` seconds (its share of the call's wall time, round trip included)."""
+        for i in range(steps):
+            self.record_plain(step + i, dt)
 
     def record_spec(self, step: int, accepted: int, dt: float | None, gate: bool = True) -> None:
         """A speculative step ran and accepted ``accepted`` drafts. ``dt`` None: the step's time is

@@ -20,6 +20,11 @@ How the loop uses it (server.py ``_loop``):
   drafter with the committed tokens). So a one-token close costs no extra step at all.
 * Each further close token needs one plain step (``room() == 0``): ``Verify([anchor])`` commits the
   anchor, its bonus is replaced by the next close token. Speculation resumes after the last one.
+* Outside a thinking section a step may open one: :meth:`clip` cuts the drafts before the first one
+  that would pass the budget (e.g. drafts after a drafted ``<think>`` once the budget is spent), and a
+  plain run (several plain steps in one call) is capped at ``room() + 1`` steps inside a section and
+  stops right after a ``<think>`` outside one (:attr:`run_stop`), so in every case only the step's
+  last token can overflow.
 """
 from __future__ import annotations
 
@@ -71,6 +76,26 @@ class ReasoningBudget:
         if self.in_think:
             return max(0, self.budget - self.count)
         return None
+
+    @property
+    def run_stop(self) -> int | None:
+        """Token after which a plain run must end (``<think>`` while armed, so the run cannot open a
+        section and go past the budget inside it), or None."""
+        return self.open_id if self.armed else None
+
+    def clip(self, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` in which no token would be emitted past the budget (the
+        budget simulated over the drafts from the current state): accepted drafts then never overflow,
+        only the bonus may. All of them when not armed."""
+        if not self.armed:
+            return drafts
+        sim = ReasoningBudget(self.budget, self.open_id, self.close_id, self.close_seq, self.in_think)
+        sim.count, sim.queue = self.count, list(self.queue)
+        for i, t in enumerate(drafts):
+            if sim._over():
+                return drafts[:i]
+            sim.track(int(t))
+        return drafts
 
     def _over(self) -> bool:
         return self.armed and (bool(self.queue) or (self.in_think and self.count >= self.budget))

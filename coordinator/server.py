@@ -9,7 +9,9 @@ Per request (spec-loop.md §2-§3, §9):
    committed tokens the drafter has not seen, so it ingests their feature rows from the ring) then
    target ``Verify([anchor, drafts])`` which accepts the greedy-matching prefix and commits it in the
    same call — two worker calls per step. Plain: ``Verify([anchor])`` only (features are still
-   captured, the drafter catches up on its next Propose);
+   captured, the drafter catches up on its next Propose), as a plain run of up to
+   ``plain_steps_per_call`` steps in one call (:meth:`Coordinator._plain_run` sets its length;
+   worker.proto ``plain_steps``), streamed as one chunk (one per token with token-by-token output);
 4. the emitted tokens d_1..d_m, bonus go through :class:`Finisher` one by one (EOS, stop ids, stop
    strings, max_tokens cut exactly inside the block); a chunk carries what may be sent;
    DDTree steps (spec-loop.md §7; draft mode "tree"): ``Propose`` asks for per-position top-k
@@ -64,6 +66,7 @@ from .reasoning import BudgetError, ReasoningBudget
 log = logging.getLogger("specd.coordinator")
 
 SERVICE_NAME = "specd.v1.SpecDecode"
+MAX_RUN_STOP_IDS = 4096  # most stop_token_ids a plain run carries (the target worker's limit)
 MODE_NAMES = {gpb.SPECULATION_MODE_AUTO: "auto", gpb.SPECULATION_MODE_OFF: "off", gpb.SPECULATION_MODE_FORCE: "force"}
 
 
@@ -781,6 +784,24 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 aborted.append(rid)
         return gpb.AbortResponse(aborted=aborted)
 
+    def _plain_run(self, remaining: int, policy: AdaptivePolicy, deadline, inline_room: int | None) -> int:
+        """Plain steps for the next Verify call (a plain run, worker.proto ``plain_steps``): at most
+        ``plain_steps_per_call`` and the worker's ``max_plain_steps``, cut to ``remaining`` (tokens
+        left, already clipped to the reasoning budget's emit room), the policy's plain burst (the probe
+        keeps its step), ``inline_room`` (inline transport: feature rows that may still pile up before
+        the next Propose, None otherwise) and the deadline (the measured step time, with one step of
+        margin for the call's round trip; 1 before any step time is known). >= 1."""
+        n = min(self.cfg.plain_steps_per_call, self.tinfo.max_plain_steps or 1, remaining)
+        burst = policy.plain_left()
+        if burst is not None:
+            n = min(n, burst)
+        if inline_room is not None:
+            n = min(n, inline_room)
+        if deadline is not None and n > 1:
+            t = policy.t_plain or policy.t_spec
+            n = 1 if t is None else min(n, int((deadline - time.monotonic()) / t) - 1)
+        return max(1, n)
+
     async def _loop(self, seq_id, prompt, fin: Finisher, mode, opts: SpecOptions, deadline, started, t_start,
                     token_by_token, live, reasoning=(None, False), streams=None):
         n_prompt = len(prompt)
@@ -831,6 +852,10 @@ class Coordinator(gpbg.SpecDecodeServicer):
         t_first = time.perf_counter()
         timing.ttft_s = t_first - t_start
         synced = 0  # positions the drafter has ingested
+        # a plain run stops early at these (an optimisation only: the Finisher decides what is sent)
+        run_stops = list(fin.stop_ids) if len(fin.stop_ids) < MAX_RUN_STOP_IDS else []
+        if rb is not None and rb.run_stop is not None:  # and at a <think> (reasoning.py)
+            run_stops.append(rb.run_stop)
         while not fin.done:
             if live.aborted:
                 fin.abort()
@@ -844,6 +869,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
             room = rb.room() if rb is not None else None
             if room is not None:  # clip to the thinking tokens left; 0 = a forced close token is next
                 k = min(k, room)
+                remaining = min(remaining, room + 1)  # a plain run too: only its last token may overflow
             force = mode == gpb.SPECULATION_MODE_FORCE
             speculate = k > 0 and (force or policy.speculate_next())
             catch_up = committed - synced
@@ -874,12 +900,21 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 drafts = list(prop.tokens)[:k]
                 if any(not 0 <= d < self.tinfo.vocab_size for d in drafts):
                     raise RequestError(grpc.StatusCode.INTERNAL, f"drafter returned a token outside the vocabulary: {drafts}")
+                if rb is not None:  # drafts past a drafted <think> may not pass the budget
+                    drafts = rb.clip(drafts)
                 if top_k and drafts:
                     tree = self._tree(anchor, prop, len(drafts), top_k,
                                       min(opts.budget, capacity - committed - 1), opts.chain_seed)
-                    drafts = tree.tokens[1:]
+                    if rb is not None and rb.armed and not rb.in_think and rb.open_id in tree.tokens[1:]:
+                        tree = None  # a branch could open a thinking section and pass the budget: verify the chain
+                    else:
+                        drafts = tree.tokens[1:]
             t1 = time.perf_counter()
-            if tree is None:
+            run = 1 if speculate else self._plain_run(remaining, policy, deadline,
+                                                      inline_cap - catch_up - cap - 1 if inline else None)
+            if run > 1:
+                vreq = wpb.VerifyRequest(seq_id=seq_id, tokens=[anchor], plain_steps=run, stop_token_ids=run_stops)
+            elif tree is None:
                 vreq = wpb.VerifyRequest(seq_id=seq_id, tokens=[anchor] + drafts, max_accept=len(drafts))
             else:
                 vreq = wpb.VerifyRequest(seq_id=seq_id, tokens=tree.tokens, parents=tree.parents, max_accept=k)
@@ -889,13 +924,14 @@ class Coordinator(gpbg.SpecDecodeServicer):
             compute = vr.compute_s + (prop.compute_s if speculate else 0.0)
             timing.worker_compute_s += compute
             timing.loop_overhead_s += max(0.0, dt - compute)
-            timing.steps += 1
             m = vr.accepted
             emitted = list(vr.emitted)
-            if len(emitted) != m + 1 or vr.committed != committed + m + 1:
+            if len(emitted) != m + 1 or vr.committed != committed + m + 1 or len(emitted) > run + len(drafts):
                 raise RequestError(grpc.StatusCode.INTERNAL,
                                    f"target verify returned {len(emitted)} tokens / committed {vr.committed} "
-                                   f"for {m} accepted at {committed}")
+                                   f"for {m} accepted at {committed} ({len(drafts)} drafts, {run} plain steps)")
+            if not speculate:
+                m = 0  # a plain run's emitted tokens are target steps, not accepted drafts
             if tree is not None:
                 self._check_tree(tree, vr, k)
             committed = vr.committed
@@ -911,11 +947,13 @@ class Coordinator(gpbg.SpecDecodeServicer):
             # the stop / max_tokens cut inside the block: only the drafts up to it count as accepted,
             # so the stats and metrics agree with what was sent (C01, C04)
             out, used = [], 0
+            first_step = step  # a plain run's tokens are steps first_step, first_step + 1, ...
             if token_by_token:
                 for t in emitted:
                     before = len(fin.ids)
                     fin.push(t)
                     used += 1
+                    step = first_step + used - 1 if not speculate else first_step
                     c = chunk(fin.ids[before:], m)
                     if c.chunk.token_ids or c.chunk.text:
                         out.append(c)
@@ -927,6 +965,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
                     used += 1
                     if fin.push(t):
                         break
+                if not speculate:
+                    step = first_step + used - 1
                 c = chunk(fin.ids[before:], m)
                 if not fin.done or c.chunk.token_ids or c.chunk.text:
                     out.append(c)
@@ -936,7 +976,10 @@ class Coordinator(gpbg.SpecDecodeServicer):
             # Prometheus updates take ~3 us (counter) to ~10 us (histogram) each, up to ~20 per step: the
             # event loop runs them once this coroutine next waits, i.e. while the next step's worker
             # call is in flight, not between this verify's answer and that call
-            call_soon(mx.record_step, len(drafts), m_sent, t1 - t0, t2 - t1, max(0.0, dt - compute))
+            steps, share = (1, 1) if speculate else (used, len(emitted))  # a run's steps after the finish are not counted
+            timing.steps += steps
+            call_soon(mx.record_step, len(drafts), m_sent, t1 - t0, (t2 - t1) / share, max(0.0, dt - compute) / share,
+                      steps)
             if speculate:
                 if drafts:
                     stats.num_drafts += 1
@@ -958,8 +1001,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 # than a steady-state step: its time stays out of t_spec
                 policy.record_spec(step, m, dt if catch_up <= cap + 1 else None, gate=not force)
             else:
-                stats.num_plain_steps += 1
-                policy.record_plain(step, dt)
+                stats.num_plain_steps += steps
+                policy.record_plain_run(first_step, steps, dt / share)
             for c in out:
                 yield c
         if fin.take_text():  # nothing may remain unsent

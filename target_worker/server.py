@@ -10,6 +10,11 @@ Greedy chain acceptance (spec-loop.md §3): verify ``[a, d_1..d_k]`` at position
 of row i, m = longest prefix with d_{j} = t_{j-1}, capped by ``max_accept``; emitted = d_1..d_m, t_m;
 commit rows 0..m (anchor + m drafts) so c <- c + m + 1 and the bonus t_m becomes the next anchor.
 
+Plain runs (``plain_steps`` n > 1, worker.proto): up to n plain steps in one call, each the same
+one-row verify + commit as a single plain call, so the tokens are those of n calls; the model lock is
+taken per step (other sequences' calls interleave) and the run ends early at a stop token or when the
+call is cancelled. One call instead of n saves the coordinator round trip per plain token.
+
 Tree verify (spec-loop.md §7): ``Verify`` with ``parents`` runs the tree with an ancestor-only mask,
 walks it from the root along the per-node argmax and commits the accepted path (KV / feature
 compaction, recurrent state re-run along the path: :meth:`Qwen35Model.commit` with a path).
@@ -159,6 +164,7 @@ class _Seq:
         self.last_used = time.monotonic()
 
 
+MAX_RUN_STOP_IDS = 4096  # most stop_token_ids of a plain run (worker.proto)
 LIGHT_RESERVE = 2  # RPC threads kept free of compute calls (Health, Release, Info always find one)
 
 
@@ -377,7 +383,8 @@ class TargetServicer(pbg.TargetWorkerServicer):
                              feature_transport=self.transport,
                              inline_max_rows=self.inline_max_rows if self.inline else 0,
                              memory=self._memory_proto(), shared_tensors=self._shared_tensors(),
-                             max_sequences=self.cfg.max_sequences, compute_slots=self.slots.n)
+                             max_sequences=self.cfg.max_sequences, compute_slots=self.slots.n,
+                             max_plain_steps=self.cfg.max_verify)
 
     def _shared_tensors(self):
         """TargetInfo.shared_tensors: the exported token_embd / output (shared_weights), or none."""
@@ -503,13 +510,12 @@ class TargetServicer(pbg.TargetWorkerServicer):
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                        f"tree verify: parents must have one entry per token ({len(tokens)}), parents[0] = -1 and "
                        f"0 <= parents[i] < i, got {parents[:16]}")
+        if request.plain_steps > 1:
+            return self._plain_run(s, request, context)
         k = len(tokens) - 1
         limit = min(k, int(request.max_accept)) if request.HasField("max_accept") else k
         with s.lock:
-            if s.released:
-                _abort(context, grpc.StatusCode.NOT_FOUND, f"sequence {request.seq_id!r} was released")
-            if s.pending is not None:
-                _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "a deferred verify is pending; Commit first")
+            self._check_idle(s, request.seq_id, context)
             t0 = time.perf_counter()
             path: list[int] = []
             try:
@@ -537,6 +543,45 @@ class TargetServicer(pbg.TargetWorkerServicer):
             return pb.VerifyResponse(accepted=m, emitted=emitted, committed=s.st.committed, compute_s=dt,
                                      argmax=[int(x) for x in t] if (request.return_argmax or parents) else [],
                                      path=path, rows=self._rows(request.seq_id))
+
+    @staticmethod
+    def _check_idle(s: _Seq, seq_id: str, context) -> None:
+        """Aborts unless the sequence (its lock held) is live with no deferred verify pending."""
+        if s.released:
+            _abort(context, grpc.StatusCode.NOT_FOUND, f"sequence {seq_id!r} was released")
+        if s.pending is not None:
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "a deferred verify is pending; Commit first")
+
+    def _plain_run(self, s: _Seq, request, context):
+        """A plain run (worker.proto ``plain_steps``): up to n one-row verify + commit steps, the
+        argmax of each the anchor of the next. Stops after a token of ``stop_token_ids`` or when the
+        call is no longer active. Aborts INVALID_ARGUMENT on a request that is not a plain run."""
+        n, stop = int(request.plain_steps), set(request.stop_token_ids)
+        if len(request.tokens) != 1 or request.parents or request.defer_commit:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"a plain run (plain_steps {n}) takes the anchor only, without parents or defer_commit; got "
+                   f"{len(request.tokens)} tokens, {len(request.parents)} parents, defer_commit {request.defer_commit}")
+        if n > self.cfg.max_verify or len(request.stop_token_ids) > MAX_RUN_STOP_IDS:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                   f"plain run: plain_steps {n} exceeds max_plain_steps {self.cfg.max_verify} or "
+                   f"{len(request.stop_token_ids)} stop_token_ids exceed {MAX_RUN_STOP_IDS}")
+        anchor, emitted = int(request.tokens[0]), []
+        with s.lock:
+            self._check_idle(s, request.seq_id, context)
+            t0 = time.perf_counter()
+            try:
+                for _ in range(n):
+                    if emitted and (emitted[-1] in stop or not context.is_active()):
+                        break
+                    with self.model_lock:  # per step: other sequences' calls run between the steps
+                        res = self.model.verify(s.st, [anchor])
+                        self.model.commit(s.st, res, 1)
+                    anchor = int(res.argmax[0])
+                    emitted.append(anchor)
+            except ValueError as exc:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"plain run step {len(emitted) + 1}: {exc}")
+            return pb.VerifyResponse(accepted=len(emitted) - 1, emitted=emitted, committed=s.st.committed,
+                                     compute_s=time.perf_counter() - t0, rows=self._rows(request.seq_id))
 
     def Commit(self, request, context):
         return self.slots.run(context, self._commit, request, context)

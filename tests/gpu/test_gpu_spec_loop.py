@@ -45,3 +45,14 @@ def test_gpu_spec_equals_gpu_plain(gpu_stack, gpu_plain, family, mode):
         assert streamed_ids(chunks) == ref, (family, mode, ids[:8])
         accepted += done.speculation.num_accepted_tokens
     assert accepted > 0  # the drafts were really used
+
+
+def test_gpu_plain_runs_equal_gpu_plain(gpu_stack, gpu_plain):
+    """Speculation off with the target on the GPU: plain runs (up to 8 target steps per Verify call,
+    each the one-row step of a single call) stream the same tokens as plain greedy decoding."""
+    off = gpb.SpeculationParams(mode=gpb.SPECULATION_MODE_OFF)
+    for ids, ref in gpu_plain:
+        chunks, done = generate(gpu_stack["dflash"], token_request(ids, MAX_TOKENS, ignore_eos=True, speculation=off),
+                                timeout=120)
+        assert streamed_ids(chunks) == ref
+        assert max(len(c.token_ids) for c in chunks) == 8 and done.speculation.num_plain_steps == MAX_TOKENS - 1

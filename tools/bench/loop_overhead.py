@@ -6,7 +6,8 @@ own greedy continuation, computed here beforehand by a plain in-process run) and
 drafter worker. Two shapes per acceptance length AL: "exact" proposes AL - 1 drafts, all right
 (verify width = AL, nothing wasted); "block B" proposes B drafts of which the first AL - 1 are right
 (verify width B + 1, as a real block drafter with rejections). For plain decode (speculation off) and
-each AL it sends the same prompts and reports, from the final Generate message: decode tokens/s,
+each AL it sends the same prompts and reports (plain decode twice: one target step per Verify call,
+and plain runs of ``--plain-steps-per-call`` steps per call), from the final Generate message: decode tokens/s,
 steps, worker calls per step, the workers' compute time and the loop overhead per step — both the
 in-step overhead the coordinator accumulates (``Timing.loop_overhead_s``: step wall time around the
 worker calls minus their compute) and the total (decode wall time minus worker compute: also the
@@ -21,7 +22,8 @@ speculation off), and requests go through an in-process gRPC client (no CLI proc
 Each coordinator and mode gets one short warm-up request first (CUDA graph capture of its widths).
 
 Usage: python tools/bench/loop_overhead.py [--target models/demo-target.gguf] [--device cpu|cuda]
-       [--tokens 128] [--al 3 5 7] [--block 8] [--no-worker-streams] [--write BENCHMARKS.md]
+       [--tokens 128] [--al 3 5 7] [--block 8] [--plain-steps-per-call 8] [--no-worker-streams]
+       [--write BENCHMARKS.md]
 ``--device cuda`` runs both the reference and the workers on the GPU (e.g. a random 27B-shaped GGUF of
 tools/bench/random_qwen35.py, whose placeholder tokenizer encodes the prompts byte by byte).
 ``--no-worker-streams`` gives the coordinators ``--no-worker-streams`` (one unary Verify / Propose call
@@ -98,7 +100,8 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def generate(stub, ids, n, mode, max_draft=0):
-    """One Generate of ``n`` tokens (EOS ignored); returns the final GenerateComplete message."""
+    """One Generate of ``n`` tokens (EOS ignored); returns (the final GenerateComplete message, the
+    number of chunks after the first: one per Verify call, since each call's tokens go out as one chunk)."""
     from specd.protos.v1 import generate_pb2 as gpb
 
     req = gpb.GenerateRequest(tokenized=gpb.TokenizedInput(input_ids=ids),
@@ -106,11 +109,13 @@ def generate(stub, ids, n, mode, max_draft=0):
     req.speculation.mode = {"off": gpb.SPECULATION_MODE_OFF, "force": gpb.SPECULATION_MODE_FORCE}[mode]
     if max_draft:
         req.speculation.max_draft_tokens = max_draft
-    done = None
+    done, chunks = None, -1
     for r in stub.Generate(req):  # no deadline, like `specd generate` without --timeout-s
         if r.HasField("complete"):
             done = r.complete
-    return done
+        else:
+            chunks += 1
+    return done, chunks
 
 
 def run_mode(stub, prompts, n, mode, max_draft=0):
@@ -119,21 +124,21 @@ def run_mode(stub, prompts, n, mode, max_draft=0):
 
 
 def summarise(label, results, reference):
-    tok = steps = drafts = 0
+    tok = steps = calls = 0
     decode = compute = overhead = 0.0
-    for r, ref in zip(results, reference):
+    for (r, verifies), ref in zip(results, reference):
         ids = [int(t) for t in r.output_ids]
         assert ids == ref, f"{label}: output differs from plain greedy decoding"
         t = r.timing
         tok += int(r.usage.completion_tokens)
         steps += int(t.steps)
-        drafts += int(r.speculation.num_drafts)
+        calls += verifies + int(r.speculation.num_drafts)  # a Verify per chunk, a Propose per draft
         decode += float(t.decode_s)
         compute += float(t.worker_compute_s)
         overhead += float(t.loop_overhead_s)
     n = max(steps, 1)
     return dict(label=label, tokens=tok, steps=steps, tok_s=tok / decode if decode else 0.0,
-                al=tok / n, calls=(steps + drafts) / n, overhead_ms=1e3 * overhead / n,
+                al=tok / n, calls=calls / n, overhead_ms=1e3 * overhead / n,
                 total_ms=1e3 * (decode - compute) / n, overhead_share=(decode - compute) / decode if decode else 0.0,
                 compute_ms=1e3 * compute / n)
 
@@ -145,6 +150,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--al", type=int, nargs="+", default=[3, 5, 7])
     ap.add_argument("--block", type=int, default=8, help="drafts per step of the 'block' rows (default 8)")
+    ap.add_argument("--plain-steps-per-call", type=int, default=8,
+                    help="the coordinators' --plain-steps-per-call (default 8); plain decode is also measured at 1")
     ap.add_argument("--no-worker-streams", action="store_true",
                     help="coordinators make one unary worker call per step (the previous hot path)")
     ap.add_argument("--write", default="", help="append the markdown section to this file")
@@ -198,10 +205,12 @@ def main():
         for name, (_, p) in drafters.items():
             wait_ready(p, f"draft-worker {name}")
         coords = {}
-        for name, (dsock, _) in drafters.items():
+        # "plain-1": plain decode at one step per Verify call (the others run plain runs)
+        for name, (dsock, _) in [("plain-1", drafters["exact"])] + list(drafters.items()):
             addr = f"127.0.0.1:{free_port()}"
             argv = ["coordinator", "--target", tsock, "--drafter", dsock, "--tokenizer", args.target,
-                    "--listen", addr, "--metrics-port", "0"]
+                    "--listen", addr, "--metrics-port", "0",
+                    "--plain-steps-per-call", "1" if name == "plain-1" else str(args.plain_steps_per_call)]
             coords[name] = (addr, launch(argv + (["--no-worker-streams"] if args.no_worker_streams else [])))
             procs.append(coords[name][1])
         stubs = {}
@@ -210,7 +219,10 @@ def main():
             channels.append(grpc.insecure_channel(addr))
             stubs[name] = gpbg.SpecDecodeStub(channels[-1])
 
-        rows = [summarise("plain (speculation off)", run_mode(stubs["exact"], prompts, args.tokens, "off"), reference)]
+        rows = [summarise("plain (speculation off), 1 step per call",
+                          run_mode(stubs["plain-1"], prompts, args.tokens, "off"), reference),
+                summarise(f"plain (speculation off), {args.plain_steps_per_call} steps per call",
+                          run_mode(stubs["exact"], prompts, args.tokens, "off"), reference)]
         for al in args.al:
             res = run_mode(stubs["exact"], prompts, args.tokens, "force", max_draft=al - 1)
             rows.append(summarise(f"oracle drafter, AL {al}, exact (width {al})", res, reference))
@@ -238,12 +250,15 @@ def main():
     lines = [f"## Spec loop on {where}: loop overhead at fixed acceptance ({datetime.date.today()})", "",
              f"**Hardware.** {hw}. **Target.** `{args.target}`. **Command.** `python tools/bench/loop_overhead.py "
              f"--target {args.target} --device {args.device} --tokens {args.tokens} --al {' '.join(map(str, args.al))}"
+             f" --plain-steps-per-call {args.plain_steps_per_call}"
              f"{' --no-worker-streams' if args.no_worker_streams else ''}` ({wall:.0f} s wall). "
              f"{len(prompts)} prompts x {args.tokens} tokens, greedy, every run's tokens checked equal to plain greedy "
              "decoding. Real processes over gRPC (unix sockets between coordinator and workers, "
              f"{calls}); the oracle drafter's own compute is ~0, so the numbers isolate the target and the loop. "
              "In-step overhead: step wall time around the worker calls minus their compute (Timing.loop_overhead_s); "
              f"total: decode wall time minus worker compute, per step (the share is of the latter). {cost}", "",
+             "Plain decode runs at 1 and at --plain-steps-per-call target steps per Verify call (a plain run); "
+             "\"vs plain\" is against the first row. Steps are target steps (a plain run counts each of its steps).", "",
              "| mode | tokens/step (AL) | decode tok/s | vs plain | worker calls / step | worker compute / step "
              "| in-step overhead / step | total overhead / step | overhead share |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
