@@ -21,8 +21,9 @@ Series:
   reasoning budget not armed),
   ``specd_spec_draft_length`` (drafts offered per speculative step), ``specd_request_spec_acceptance_ratio``
   (accepted / draft tokens per finished request with drafts);
-* steps: ``specd_step_seconds{phase=draft|verify}`` (worker call wall time), ``specd_loop_overhead_seconds``
-  (step wall time minus the workers' reported compute, per step).
+* steps: ``specd_step_seconds{phase=draft|verify}`` (worker call wall time; a plain run's steps each
+  observe their share of the call), ``specd_loop_overhead_seconds`` (step wall time minus the workers'
+  reported compute, per step, shared out the same way).
 """
 from __future__ import annotations
 

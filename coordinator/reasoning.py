@@ -103,23 +103,26 @@ class ReasoningBudget:
     def apply(self, emitted: list[int]) -> list[int]:
         """The step's emitted tokens with a forced close token in place of an overflowing bonus
         (only the last token may be replaced); updates the counts."""
-        out = []
-        for i, t in enumerate(emitted):
-            if self._over():
-                if i != len(emitted) - 1:
-                    raise BudgetError(f"reasoning budget: token {i} of {len(emitted)} emitted past the budget")
-                if not self.queue:
-                    self.queue = list(self.close_seq)
-                    self.closed = True
-                t = self.queue.pop(0)
-                self.forced += 1
-                out.append(t)
-                if t == self.close_id:
-                    self.in_think = False
-                continue
-            out.append(int(t))
-            self.track(int(t))
-        return out
+        return [self.take(t, i == len(emitted) - 1) for i, t in enumerate(emitted)]
+
+    def take(self, t: int, last: bool) -> int:
+        """One emitted token, in order: the token itself (counted), or, when it is past the budget,
+        the next forced close token in its place. Raises BudgetError when a token that is not the
+        step's ``last`` is past the budget (the step was not clipped: a bug). The loop takes a
+        step's tokens one by one up to its finish, so tokens after a stop are never counted."""
+        if self._over():
+            if not last:
+                raise BudgetError("reasoning budget: a token before the step's last was emitted past the budget")
+            if not self.queue:
+                self.queue = list(self.close_seq)
+                self.closed = True
+            t = self.queue.pop(0)
+            self.forced += 1
+            if t == self.close_id:
+                self.in_think = False
+            return t
+        self.track(int(t))
+        return int(t)
 
     def track(self, t: int) -> None:
         if t == self.close_id:

@@ -55,6 +55,7 @@ from specd.protos.v1 import generate_pb2 as gpb
 from specd.protos.v1 import generate_pb2_grpc as gpbg
 from specd.protos.v1 import worker_pb2 as wpb
 from specd.protos.v1 import worker_pb2_grpc as wpbg
+from specd.target_worker.server import MAX_RUN_STOP_IDS  # most stop_token_ids of a plain run
 
 from .config import CoordinatorConfig
 from .ddtree import auto_top_k, build_tree, walk_tree
@@ -66,7 +67,6 @@ from .reasoning import BudgetError, ReasoningBudget
 log = logging.getLogger("specd.coordinator")
 
 SERVICE_NAME = "specd.v1.SpecDecode"
-MAX_RUN_STOP_IDS = 4096  # most stop_token_ids a plain run carries (the target worker's limit)
 MODE_NAMES = {gpb.SPECULATION_MODE_AUTO: "auto", gpb.SPECULATION_MODE_OFF: "off", gpb.SPECULATION_MODE_FORCE: "force"}
 
 
@@ -211,7 +211,8 @@ class WorkerStream:
 
 
 class _Live:
-    """A live request's control flags (Abort sets ``aborted``; the loop checks it once per step)."""
+    """A live request's control flags (Abort sets ``aborted``; the loop checks it once per worker call:
+    a step or a plain run)."""
 
     __slots__ = ("aborted",)
 
@@ -775,7 +776,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
                                                          f"{list(vr.emitted)} != walk {path} / {want}")
 
     async def Abort(self, request, context):
-        """Flags the named live requests; each ends after its current step with "abort"."""
+        """Flags the named live requests; each ends after its current step (or plain run) with "abort"."""
         aborted = []
         for rid in request.request_ids:
             live = self.live.get(rid)
@@ -901,14 +902,15 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 if any(not 0 <= d < self.tinfo.vocab_size for d in drafts):
                     raise RequestError(grpc.StatusCode.INTERNAL, f"drafter returned a token outside the vocabulary: {drafts}")
                 if rb is not None:  # drafts past a drafted <think> may not pass the budget
-                    drafts = rb.clip(drafts)
+                    cut = rb.clip(drafts)
+                    if top_k and (len(cut) < len(drafts) or (rb.armed and not rb.in_think
+                                                              and rb.open_id in prop.top_k_ids)):
+                        top_k = 0  # a candidate could open a thinking section past the budget: verify the chain
+                    drafts = cut
                 if top_k and drafts:
                     tree = self._tree(anchor, prop, len(drafts), top_k,
                                       min(opts.budget, capacity - committed - 1), opts.chain_seed)
-                    if rb is not None and rb.armed and not rb.in_think and rb.open_id in tree.tokens[1:]:
-                        tree = None  # a branch could open a thinking section and pass the budget: verify the chain
-                    else:
-                        drafts = tree.tokens[1:]
+                    drafts = tree.tokens[1:]
             t1 = time.perf_counter()
             run = 1 if speculate else self._plain_run(remaining, policy, deadline,
                                                       inline_cap - catch_up - cap - 1 if inline else None)
@@ -937,39 +939,39 @@ class Coordinator(gpbg.SpecDecodeServicer):
             committed = vr.committed
             if inline and vr.HasField("rows"):
                 rows_out.append(vr.rows)
-            if rb is not None:  # an overflowing bonus (never fed to the target) becomes a close token
-                try:
-                    emitted = rb.apply(emitted)
-                except BudgetError as exc:
-                    raise RequestError(grpc.StatusCode.INTERNAL, str(exc)) from exc
-            tokens.extend(emitted)
-            anchor = emitted[-1]
-            # the stop / max_tokens cut inside the block: only the drafts up to it count as accepted,
-            # so the stats and metrics agree with what was sent (C01, C04)
-            out, used = [], 0
+            # Token by token up to the finish: the reasoning budget (an overflowing bonus, never fed to
+            # the target, becomes a close token) and the stop / max_tokens cut inside the block; only
+            # the tokens up to the cut count (accepted drafts, thinking tokens, a run's steps), so the
+            # stats and metrics agree with what was sent (C01, C04)
+            out, used, taken = [], 0, []
             first_step = step  # a plain run's tokens are steps first_step, first_step + 1, ...
-            if token_by_token:
-                for t in emitted:
-                    before = len(fin.ids)
+            before = len(fin.ids)
+            for t in emitted:
+                if rb is not None:
+                    try:
+                        t = rb.take(t, used == len(emitted) - 1)
+                    except BudgetError as exc:
+                        raise RequestError(grpc.StatusCode.INTERNAL, str(exc)) from exc
+                taken.append(t)
+                used += 1
+                if not speculate:
+                    step = first_step + used - 1
+                if token_by_token:
+                    b = len(fin.ids)
                     fin.push(t)
-                    used += 1
-                    step = first_step + used - 1 if not speculate else first_step
-                    c = chunk(fin.ids[before:], m)
+                    c = chunk(fin.ids[b:], m)
                     if c.chunk.token_ids or c.chunk.text:
                         out.append(c)
                     if fin.done:
                         break
-            else:
-                before = len(fin.ids)
-                for t in emitted:
-                    used += 1
-                    if fin.push(t):
-                        break
-                if not speculate:
-                    step = first_step + used - 1
+                elif fin.push(t):
+                    break
+            if not token_by_token:
                 c = chunk(fin.ids[before:], m)
                 if not fin.done or c.chunk.token_ids or c.chunk.text:
                     out.append(c)
+            tokens.extend(taken)  # all of emitted unless the request finished inside it
+            anchor = taken[-1]
             m_sent = min(m, used)
             for c in out:
                 c.chunk.accepted_in_step = m_sent

@@ -278,14 +278,17 @@ class _TensorOps:
 _PLACED_BY_MODEL = ("ssm_conv1d", "ssm_a", "ssm_dt", "attn_conv_base", "ffn_conv_base")
 
 
+_TILED_SOURCES = (sn.DType.IQ4_XS, sn.DType.Q6_K)  # the formats sn.tile_for_gemv regroups
+
+
 class _Uploader:
     """Places the weights on the model's device once, in their stored type (the GPU matmul and
     embedding decode every type the loaders accept; the CPU with tensor_ops: as they are).
 
     gemv_tiles: on a GPU whose GEMV reads it (``sn.gemv_tiles_supported()``: CUDA builds), the
-    layers' IQ4_XS matrices with a multiple of 16 rows are placed in the tensor-core GEMV's tiled
-    layout (``sn.tile_for_gemv``: same bytes, bit-identical matmul results, ~10 % faster GEMV on
-    the H200, BENCHMARKS.md); embeddings and the output head stay row-major (row gathers, IPC export).
+    layers' IQ4_XS and Q6_K matrices with a multiple of 16 rows are placed in the tensor-core GEMV's
+    tiled layouts (``sn.tile_for_gemv``: same bytes, bit-identical matmul results, faster GEMV on the
+    H200: BENCHMARKS.md); embeddings and the output head stay row-major (row gathers, IPC export).
     Default False (the drafter's uploads); the target model passes its ``gemv_tiles`` option. A
     source already on the device is tiled into a copy (the row-major original stays with its owner).
     """
@@ -312,7 +315,7 @@ class _Uploader:
     def layer_matmul(self, t):
         """A layer's matmul weight: tiled for the GEMV where gemv_tiles applies (from the row-major
         bytes in a reused staging buffer, :meth:`_staged`), else as :meth:`plain`."""
-        if not (self.gemv_tiles and t.dtype == sn.DType.IQ4_XS and len(t.shape) == 2 and t.shape[0] % 16 == 0):
+        if not (self.gemv_tiles and t.dtype in _TILED_SOURCES and len(t.shape) == 2 and t.shape[0] % 16 == 0):
             return self.plain(t)
         key = ("tiled", id(t))  # its own entry: plain() / embedding() of the same source stay row-major
         if key not in self._placed:

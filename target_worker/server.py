@@ -59,7 +59,8 @@ class TargetWorkerConfig:
     capture_layers: the drafter's target_layer_ids (empty: no drafter features; rows are then n_embd
         zeros so the ring protocol still works).
     max_seq_len: positions per sequence (0: the GGUF context_length, else 4096).
-    max_verify: most rows per Verify (1 + drafts), default 33.
+    max_verify: most rows per Verify (1 + drafts), default 33; also the most steps of a plain run
+        (``VerifyRequest.plain_steps``, reported as ``TargetInfo.max_plain_steps``).
     max_sequences: live sequences at once (RESOURCE_EXHAUSTED beyond), default 64.
     kv_dtype: "f16" (default), "q8_0" or "f32".
     prefill_chunk: tokens per prefill forward, default 512.
@@ -557,10 +558,11 @@ class TargetServicer(pbg.TargetWorkerServicer):
         argmax of each the anchor of the next. Stops after a token of ``stop_token_ids`` or when the
         call is no longer active. Aborts INVALID_ARGUMENT on a request that is not a plain run."""
         n, stop = int(request.plain_steps), set(request.stop_token_ids)
-        if len(request.tokens) != 1 or request.parents or request.defer_commit:
+        if len(request.tokens) != 1 or request.parents or request.defer_commit or request.HasField("max_accept"):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                   f"a plain run (plain_steps {n}) takes the anchor only, without parents or defer_commit; got "
-                   f"{len(request.tokens)} tokens, {len(request.parents)} parents, defer_commit {request.defer_commit}")
+                   f"a plain run (plain_steps {n}) takes the anchor only, without parents, defer_commit or max_accept; "
+                   f"got {len(request.tokens)} tokens, {len(request.parents)} parents, defer_commit "
+                   f"{request.defer_commit}, max_accept {'set' if request.HasField('max_accept') else 'unset'}")
         if n > self.cfg.max_verify or len(request.stop_token_ids) > MAX_RUN_STOP_IDS:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                    f"plain run: plain_steps {n} exceeds max_plain_steps {self.cfg.max_verify} or "
@@ -581,7 +583,8 @@ class TargetServicer(pbg.TargetWorkerServicer):
             except ValueError as exc:
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"plain run step {len(emitted) + 1}: {exc}")
             return pb.VerifyResponse(accepted=len(emitted) - 1, emitted=emitted, committed=s.st.committed,
-                                     compute_s=time.perf_counter() - t0, rows=self._rows(request.seq_id))
+                                     compute_s=time.perf_counter() - t0, rows=self._rows(request.seq_id),
+                                     argmax=emitted if request.return_argmax else [])  # each step's argmax
 
     def Commit(self, request, context):
         return self.slots.run(context, self._commit, request, context)
@@ -777,7 +780,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capture-layers", default="", help="comma-separated drafter target_layer_ids (default none)")
     p.add_argument("--max-seq-len", type=int, default=d.max_seq_len,
                    help="positions per sequence (default 0: GGUF context_length, else 4096)")
-    p.add_argument("--max-verify", type=int, default=d.max_verify, help=f"rows per Verify (default {d.max_verify})")
+    p.add_argument("--max-verify", type=int, default=d.max_verify, help=f"rows per Verify, and steps per plain run (default {d.max_verify})")
     p.add_argument("--max-sequences", type=int, default=d.max_sequences,
                    help=f"live sequences (default {d.max_sequences})")
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=["f16", "q8_0", "f32"], help="KV cache type (default f16)")

@@ -199,18 +199,19 @@ def test_gpu_mma_gemv_emulated_every_width(mma_emu, rng, name):
     check_mma_emulated(d, exe, name, t, x, out, sms=1, widths=tuple(range(1, 17)))
 
 
+@pytest.mark.parametrize("fmt", ["IQ4_XS", "Q6_K"])
 @pytest.mark.parametrize("k,outs", [(2048, [20]), (512, [7, 130, 40])])
-def test_gpu_mma_gemv_emulated_tiled_iq4_xs(mma_emu, rng, k, outs):
-    """IQ4_XS in the GEMV's tiled layout (IQ4T: 16-row tiles, lane-ordered quants, 512-byte warp
-    loads; ragged last tiles) gives bit for bit the row-major kernel's results, at every width, with
-    split-K and in grouped launches."""
+def test_gpu_mma_gemv_emulated_tiled(mma_emu, rng, fmt, k, outs):
+    """IQ4_XS / Q6_K in the GEMV's tiled layouts (IQ4T / Q6T: 16-row tiles, lane-ordered quants,
+    512-byte warp loads; ragged last tiles) give bit for bit the row-major kernel's results, at every
+    width, with split-K and in grouped launches."""
     d, exe = mma_emu
-    raws = [weight(rng, "IQ4_XS", o, k, False)[0] for o in outs]
+    raws = [weight(rng, fmt, o, k, False)[0] for o in outs]
     np.concatenate(raws).tofile(d / "w.bin")
     x = rng.standard_normal((16, k)).astype(np.float32)
     for n in (1, 3, 8, 12, 16):
-        rowmajor = run_mma_emu(d, exe, "IQ4_XS", x[:n], outs, sms=1)
-        tiled = run_mma_emu(d, exe, "IQ4_XS_T", x[:n], outs, sms=1)
+        rowmajor = run_mma_emu(d, exe, fmt, x[:n], outs, sms=1)
+        tiled = run_mma_emu(d, exe, fmt + "_T", x[:n], outs, sms=1)
         for i, (a, b) in enumerate(zip(tiled, rowmajor)):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"n={n}, weight {i}"
 
@@ -223,12 +224,12 @@ def mma_emu_deep_ring(tmp_path_factory):
                          "-DSPECD_MMA_MIN_BLOCKS=3")
 
 
-@pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T"])
+@pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T", "Q6_K_T"])
 def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, rng, name):
     """The ring depth and occupancy constants change when units are loaded, never the arithmetic: a
     deep-ring build gives bit for bit the default build's rows (split-K on 1 SM, ragged last splits)."""
     k, out = 2304, 40
-    raw, _ = weight(rng, "IQ4_XS" if name == "IQ4_XS_T" else name, out, k, False)
+    raw, _ = weight(rng, name.removesuffix("_T"), out, k, False)
     x = rng.standard_normal((4, k)).astype(np.float32)
     for d, _exe in (mma_emu, mma_emu_deep_ring):
         np.ascontiguousarray(raw).tofile(d / "w.bin")

@@ -1,10 +1,14 @@
-"""IQ4_XS_TILED: IQ4_XS weights regrouped for the CUDA tensor-core GEMV (sn.tile_for_gemv).
+"""IQ4_XS_TILED / Q6_K_TILED: IQ4_XS and Q6_K weights regrouped for the CUDA tensor-core GEMV
+(sn.tile_for_gemv).
 
-The layout (native/src/gpu/matmul_mma.cuh, IQ4T): rows in tiles of 16; per tile and 256-input unit
-2176 bytes: 4 runs of 512 bytes of quants in the MMA's lane order (run i holds at 16 l the words
-4 i .. 4 i + 3 of lane l = 4 g + t, word k = 8 h + j being qs[16 j + 4 t ..] of row g + 8 h), then the
-16 rows' 8-byte headers. `pack_reference` below writes it from that description (numpy), independently
-of the GPU kernel.
+The layouts (native/src/gpu/matmul_mma.cuh, IQ4T and Q6T): rows in tiles of 16. IQ4_XS, per tile and
+256-input unit 2176 bytes: 4 runs of 512 bytes of quants in the MMA's lane order (run i holds at 16 l
+the words 4 i .. 4 i + 3 of lane l = 4 g + t, word k = 8 h + j being qs[16 j + 4 t ..] of row g + 8 h),
+then the 16 rows' 8-byte headers. Q6_K, per tile and unit 3360 bytes: 6 runs of 512 bytes (run 3 h + c
+holds at 16 l the words 4 c .. 4 c + 3 of lane l of row g + 8 h, whose words k = 0..11 are
+ql[16 k + 4 t ..] for k < 8 and qh[16 (k - 8) + 4 t ..]), then the 16 rows' 16 scale bytes, then their
+fp16 d. `pack_reference` / `pack_reference_q6` below write them from those descriptions (numpy),
+independently of the GPU kernels.
 
 What must hold: the GPU kernel writes exactly those bytes; matmul / matmul_group on the tiled weight
 equal the row-major weight's results BIT FOR BIT (GEMV widths 1..17, grouped with other formats, the
@@ -26,6 +30,7 @@ from quant_blocks import random_blocks  # noqa: E402
 GPU, CPU = sn.Device.GPU, sn.Device.CPU
 HAVE_TILES = sn.gpu_available() and sn.gemv_tiles_supported()
 TILED_ID = 0x10000 + 23
+Q6_TILED_ID = 0x10000 + 14
 
 
 def tiles_only(f):
@@ -48,8 +53,31 @@ def pack_reference(raw: np.ndarray) -> np.ndarray:
                           axis=2).reshape(out, row_bytes)
 
 
+def pack_reference_q6(raw: np.ndarray) -> np.ndarray:
+    """Row-major Q6_K bytes [out, units * 210] (out % 16 == 0) -> the tiled layout's bytes."""
+    out, row_bytes = raw.shape
+    units, nt = row_bytes // 210, out // 16
+    blk = raw.reshape(nt, 16, units, 210)                                       # tile, row in tile, unit, byte
+    ql = blk[..., :128].reshape(nt, 2, 8, units, 2, 4, 4, 4)                    # tile, h, g, unit, c, m, t, byte
+    ql = ql.transpose(0, 3, 1, 4, 2, 6, 5, 7)                                   # tile, unit, h, c, g, t, m, byte
+    qh = blk[..., 128:192].reshape(nt, 2, 8, units, 4, 4, 4)                    # tile, h, g, unit, m, t, byte
+    qh = qh.transpose(0, 3, 1, 2, 5, 4, 6)[:, :, :, None]                       # tile, unit, h, c = 2, g, t, m, byte
+    quants = np.concatenate([ql, qh], axis=3).reshape(nt, units, 3072)
+    scales = blk[..., 192:208].transpose(0, 2, 1, 3).reshape(nt, units, 256)
+    d = blk[..., 208:210].transpose(0, 2, 1, 3).reshape(nt, units, 32)
+    return np.concatenate([quants, scales, d], axis=2).reshape(out, row_bytes)
+
+
+# source format -> (its tiled dtype, the reference packing)
+FORMATS = {"IQ4_XS": (sn.DType.IQ4_XS_TILED, pack_reference), "Q6_K": (sn.DType.Q6_K_TILED, pack_reference_q6)}
+
+
+def blocks(rng, fmt, out, k):
+    return sn.Tensor(np.ascontiguousarray(random_blocks(rng, fmt, out, k)), getattr(sn.DType, fmt))
+
+
 def iq4(rng, out, k):
-    return sn.Tensor(np.ascontiguousarray(random_blocks(rng, "IQ4_XS", out, k)), sn.DType.IQ4_XS)
+    return blocks(rng, "IQ4_XS", out, k)
 
 
 @pytest.fixture
@@ -68,15 +96,33 @@ def test_pack_reference_moves_every_byte_once(rng):
     assert bytes(unit[2048 + 8 * 9 : 2048 + 8 * 10]) == bytes(raw[9, 136 : 136 + 8])
 
 
+def test_pack_reference_q6_moves_every_byte_once(rng):
+    raw = rng.integers(0, 256, (32, 2 * 210), dtype=np.uint8)
+    packed = pack_reference_q6(raw)
+    assert packed.shape == raw.shape
+    assert sorted(packed.ravel().tolist()) == sorted(raw.ravel().tolist())
+    unit = packed.reshape(2, 2, 3360)[0, 1]  # tile 0, unit 1 (block bytes at 210 ..)
+    # row 9 (g 1, h 1), ql word k 5 (c 1, m 1), t 2 -> run 4, lane 6, word 1
+    assert bytes(unit[512 * 4 + 16 * 6 + 4 : 512 * 4 + 16 * 6 + 8]) == bytes(raw[9, 210 + 16 * 5 + 8 : 210 + 16 * 5 + 12])
+    # row 2 (g 2, h 0), qh word m 3, t 1 -> run 2, lane 9, word 3
+    assert bytes(unit[512 * 2 + 16 * 9 + 12 : 512 * 2 + 16 * 10]) == bytes(raw[2, 210 + 128 + 48 + 4 : 210 + 128 + 48 + 8])
+    assert bytes(unit[3072 + 16 * 9 : 3072 + 16 * 10]) == bytes(raw[9, 210 + 192 : 210 + 208])
+    assert bytes(unit[3328 + 2 * 9 : 3328 + 2 * 10]) == bytes(raw[9, 210 + 208 : 210 + 210])
+
+
 def test_tiled_dtype_is_not_a_ggml_type():
-    with pytest.raises(ValueError, match="GEMV layout"):
-        sn.dtype_from_id(TILED_ID)
-    assert int(sn.DType.IQ4_XS_TILED) == TILED_ID
+    for tid, name in ((TILED_ID, "IQ4_XS"), (Q6_TILED_ID, "Q6_K")):
+        with pytest.raises(ValueError, match=f"GEMV layout of {name}"):
+            sn.dtype_from_id(tid)
+    assert int(sn.DType.IQ4_XS_TILED) == TILED_ID and int(sn.DType.Q6_K_TILED) == Q6_TILED_ID
+    assert sn.block_size(sn.DType.Q6_K_TILED) == 256 and sn.type_size(sn.DType.Q6_K_TILED) == 210
 
 
-def test_other_ops_refuse_the_tiled_layout(rng):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_other_ops_refuse_the_tiled_layout(rng, fmt):
     """A tiled tensor (here raw bytes wrapped on the CPU) is read by the GPU matmul only."""
-    wt = sn.Tensor(np.ascontiguousarray(pack_reference(random_blocks(rng, "IQ4_XS", 32, 256))), sn.DType.IQ4_XS_TILED)
+    tiled, pack = FORMATS[fmt]
+    wt = sn.Tensor(np.ascontiguousarray(pack(random_blocks(rng, fmt, 32, 256))), tiled)
     assert list(wt.shape) == [32, 256]
     for call in (lambda: sn.slice(wt, 0, 0, 16), lambda: sn.concat([wt, wt]), lambda: wt.view_rows(0, 16),
                  lambda: sn.copy_rows(wt, 0, wt, 16, 16), lambda: wt.reshape([16, 512])):
@@ -85,7 +131,7 @@ def test_other_ops_refuse_the_tiled_layout(rng):
     assert list(wt.reshape([32, 256]).shape) == [32, 256]  # the same shape is fine
     with pytest.raises(ValueError, match="tiled layout"):
         sn.matmul(sn.Tensor(np.zeros((1, 256), np.float32)), wt)
-    with pytest.raises(ValueError, match="IQ4_XS_TILED"):
+    with pytest.raises(ValueError, match=f"{fmt}_TILED"):
         sn.dequantize(wt)
 
 
@@ -101,19 +147,22 @@ def test_tile_for_gemv_needs_a_gpu_tensor(rng):
 
 
 @tiles_only
-def test_tile_for_gemv_bytes(rng):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tile_for_gemv_bytes(rng, fmt):
+    tiled, pack = FORMATS[fmt]
     for out, k in ((16, 256), (48, 768), (64, 5120)):
-        w = iq4(rng, out, k)
+        w = blocks(rng, fmt, out, k)
         t = sn.tile_for_gemv(w.to(GPU))
-        assert t.dtype == sn.DType.IQ4_XS_TILED and list(t.shape) == [out, k] and t.device == GPU
+        assert t.dtype == tiled and list(t.shape) == [out, k] and t.device == GPU
         got = t.to(CPU).numpy()
-        assert np.array_equal(got.reshape(out, -1), pack_reference(w.numpy())), (out, k)
+        assert np.array_equal(got.reshape(out, -1), pack(w.numpy())), (out, k)
 
 
 @tiles_only
-@pytest.mark.parametrize("out,k", [(16, 256), (96, 512), (400, 1280), (17408, 5120)])
-def test_tiled_matmul_bit_identical(rng, out, k):
-    w = iq4(rng, out, k).to(GPU)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("out,k", [(16, 256), (96, 512), (400, 1280), (17408, 5120), (5120, 6144)])
+def test_tiled_matmul_bit_identical(rng, fmt, out, k):
+    w = blocks(rng, fmt, out, k).to(GPU)
     wt = sn.tile_for_gemv(w)
     widths = range(1, 18) if out < 10000 else (1, 2, 8, 16)
     for n in widths:
@@ -124,7 +173,8 @@ def test_tiled_matmul_bit_identical(rng, out, k):
 
 
 @tiles_only
-def test_tiled_matmul_right_after_tiling(rng):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiled_matmul_right_after_tiling(rng, fmt):
     """x already on the device, tile_for_gemv then matmul with nothing synchronising between them:
     the GEMV loads weight units before it waits for the kernels before it (programmatic dependent
     launch, native/src/gpu/pdl.cuh), so the tiling kernel must have completed by the time the GEMV
@@ -132,16 +182,17 @@ def test_tiled_matmul_right_after_tiling(rng):
     with the row-major weight's result computed before the tiling."""
     x = sn.Tensor((rng.standard_normal((1, 5120)) * 0.5).astype(np.float32)).to(GPU)
     for _ in range(20):
-        w = iq4(rng, 4096, 5120).to(GPU)
+        w = blocks(rng, fmt, 4096, 5120).to(GPU)
         ref = sn.matmul(x, w)
         got = sn.matmul(x, sn.tile_for_gemv(w))
         assert np.array_equal(ref.to(CPU).numpy().view(np.uint32), got.to(CPU).numpy().view(np.uint32))
 
 
 @tiles_only
-def test_tiled_prefill_path_bit_identical(rng):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiled_prefill_path_bit_identical(rng, fmt):
     """n > 16 without exact: dequantize to BF16 (panels; the tiled rows gathered) + cuBLAS."""
-    w = iq4(rng, 272, 1024).to(GPU)
+    w = blocks(rng, fmt, 272, 1024).to(GPU)
     wt = sn.tile_for_gemv(w)
     x = sn.Tensor((rng.standard_normal((40, 1024)) * 0.5).astype(np.float32)).to(GPU)
     ref = sn.matmul(x, w, exact=False).to(CPU).numpy()
@@ -152,9 +203,9 @@ def test_tiled_prefill_path_bit_identical(rng):
 @tiles_only
 def test_tiled_group_with_other_formats(rng):
     k = 512
-    ws = [iq4(rng, 64, k).to(GPU), sn.Tensor(np.ascontiguousarray(random_blocks(rng, "Q6_K", 32, k)),
-                                             sn.DType.Q6_K).to(GPU), iq4(rng, 48, k).to(GPU)]
-    tiled = [sn.tile_for_gemv(ws[0]), ws[1], sn.tile_for_gemv(ws[2])]
+    ws = [iq4(rng, 64, k).to(GPU), blocks(rng, "Q6_K", 32, k).to(GPU), iq4(rng, 48, k).to(GPU),
+          blocks(rng, "Q6_K", 80, k).to(GPU)]
+    tiled = [sn.tile_for_gemv(ws[0]), ws[1], sn.tile_for_gemv(ws[2]), sn.tile_for_gemv(ws[3])]
     for n in (1, 5, 16, 20):
         x = sn.Tensor((rng.standard_normal((n, k)) * 0.5).astype(np.float32)).to(GPU)
         for a, b in zip(sn.matmul_group(x, ws), sn.matmul_group(x, tiled)):
@@ -165,17 +216,19 @@ def test_tiled_group_with_other_formats(rng):
 def test_tiled_bad_input(rng):
     with pytest.raises(ValueError, match="multiple of 16"):
         sn.tile_for_gemv(iq4(rng, 24, 256).to(GPU))
-    q6 = sn.Tensor(np.ascontiguousarray(random_blocks(rng, "Q6_K", 16, 256)), sn.DType.Q6_K).to(GPU)
-    with pytest.raises(ValueError, match="IQ4_XS"):
-        sn.tile_for_gemv(q6)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        sn.tile_for_gemv(blocks(rng, "Q6_K", 24, 256).to(GPU))
+    with pytest.raises(ValueError, match="IQ4_XS or Q6_K, got Q4_K"):
+        sn.tile_for_gemv(blocks(rng, "Q4_K", 16, 256).to(GPU))
     wt = sn.tile_for_gemv(iq4(rng, 32, 256).to(GPU))
     with pytest.raises(ValueError, match="tiled layout"):
         sn.slice(wt, 0, 0, 16)
     with pytest.raises(ValueError, match="IQ4_XS_TILED"):
         sn.embedding(wt, sn.Tensor(np.array([0, 1], np.int32)))
-    ragged = sn.Tensor(np.zeros((24, 136), np.uint8), sn.DType.IQ4_XS_TILED).to(GPU)  # not made by tile_for_gemv
-    with pytest.raises(ValueError, match="multiple of 16"):
-        sn.matmul(sn.Tensor(np.zeros((1, 256), np.float32)).to(GPU), ragged)
+    for dt, nbytes in ((sn.DType.IQ4_XS_TILED, 136), (sn.DType.Q6_K_TILED, 210)):
+        ragged = sn.Tensor(np.zeros((24, nbytes), np.uint8), dt).to(GPU)  # not made by tile_for_gemv
+        with pytest.raises(ValueError, match="multiple of 16"):
+            sn.matmul(sn.Tensor(np.zeros((1, 256), np.float32)).to(GPU), ragged)
 
 
 @tiles_only
@@ -197,6 +250,8 @@ def test_model_with_tiled_layers_equals_row_major(tmp_path):
     plain = Qwen35Model(load_qwen35(str(path)), device=GPU, gemv_tiles=False)
     assert tiled.layers[0].ffn_gate.dtype == sn.DType.IQ4_XS_TILED
     assert plain.layers[0].ffn_gate.dtype == sn.DType.IQ4_XS
+    dtypes = {getattr(v, "dtype", None) for layer in tiled.layers for v in vars(layer).values()}
+    assert sn.DType.Q6_K_TILED in dtypes and sn.DType.Q6_K not in dtypes  # the mix's attn_v / ssm_out
     assert tiled.output.dtype != sn.DType.IQ4_XS_TILED and tiled.token_embd.dtype != sn.DType.IQ4_XS_TILED
     prompt = list(range(3, 40))
     sa, sb = tiled.new_sequence(128), plain.new_sequence(128)

@@ -330,3 +330,106 @@ def test_worker_plain_run_and_its_errors(mstack, target, reference):
     with pytest.raises(grpc.RpcError) as err:
         target.Verify(wpb.VerifyRequest(seq_id=seq, tokens=[anchor], plain_steps=2))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_drafted_think_outside_a_section_is_clipped(mstack, plain_model, monkeypatch, tree):
+    """Budget 2, thinking off in the prompt, and a drafter that drafts <think> then more tokens than
+    the budget allows: the chain is clipped after the budget's edge (a tree falls back to that chain),
+    so no accepted token passes the budget; the output equals the hand-driven reference."""
+    from .test_reasoning import budget_reference, chat_request, think_ids
+
+    stub, coord = coordinator(mstack, 8)
+    open_id, close_id, close = think_ids(coord.tok.tokenizer)
+    verifies = []
+    real = mstack.tservicer._verify
+
+    def spy(request, context):
+        verifies.append((list(request.tokens), list(request.parents)))
+        return real(request, context)
+
+    monkeypatch.setattr(mstack.tservicer, "_verify", spy)
+    spec = gpb.SpeculationParams(mode=gpb.SPECULATION_MODE_FORCE,
+                                 draft_mode=gpb.DRAFT_MODE_TREE if tree else gpb.DRAFT_MODE_CHAIN)
+    req = chat_request(30, False, 2, spec, rid=f"run-think-draft-{tree}")
+    prompt = coord._prompt(req)
+    ref, _, _ = budget_reference(plain_model, prompt, 2, close, 30, open_id, close_id)
+    cont = list(ref) + [5] * 20
+    cont[1] = open_id  # the first step drafts <think> and 5 more tokens
+    mstack.drafter.plan, mstack.drafter.topk_ranks = None, None
+    mstack.drafter.continuations[tuple(prompt)] = cont
+    chunks, done = run_no_deadline(stub, req)
+    assert streamed_ids(chunks) == ref
+    first, parents = verifies[0]
+    assert first == [ref[0], open_id, cont[2], cont[3]] and not parents  # <think> + 2 thinking drafts, a chain
+
+
+def test_stop_string_inside_a_run_counts_only_what_was_sent(mstack):
+    """A stop string (not one token, so the worker's run goes past it): the reasoning stats, steps and
+    output are those of one call per step."""
+    from .test_reasoning import chat_request
+
+    res = {}
+    for n in (1, 8):
+        stub, coord = coordinator(mstack, n)
+        _, base = run_no_deadline(stub, chat_request(30, True, 6, OFF, rid=f"run-ss-base-{n}"))
+        text = coord.tok.tokenizer.decode(list(base.output_ids)[:3], skip_special_tokens=True)
+        req = chat_request(30, True, 6, OFF, rid=f"run-ss-{n}")
+        req.stopping.stop.append(text[-2:])
+        _, done = run_no_deadline(stub, req)
+        sp = done.speculation
+        assert done.finish_reason == "stop"
+        res[n] = (list(done.output_ids), done.text, sp.thinking_tokens, sp.reasoning_budget_closed, sp.forced_tokens,
+                  done.timing.steps, sp.num_plain_steps)
+    assert res[1] == res[8]
+
+
+def test_token_by_token_stop_inside_a_run(mstack, reference):
+    stub, _ = coordinator(mstack, 8)
+    prompt = PROMPTS[3]
+    ref, _ = reference(prompt, 30)
+    j = next(i for i in range(5, 30) if ref[i] not in ref[:i])
+    req = token_request(prompt, 30, stop_token_ids=[ref[j]], ignore_eos=True, speculation=OFF)
+    req.stream_options.token_by_token = True
+    chunks, done = run_no_deadline(stub, req)
+    assert streamed_ids(chunks) == ref[:j] and [c.step_index for c in chunks if c.token_ids] == list(range(j))
+    assert done.timing.steps == j
+
+
+def test_worker_run_argmax_and_single_step_stop_ids(mstack, target, reference):
+    prompt = PROMPTS[1]
+    ref, _ = reference(prompt, 12)
+    seq = "run-worker-2"
+    target.Prefill(wpb.PrefillRequest(seq_id=seq, tokens=prompt, capacity=len(prompt) + 12))
+    r = target.Verify(wpb.VerifyRequest(seq_id=seq, tokens=[ref[0]], plain_steps=4, return_argmax=True))
+    assert list(r.emitted) == list(r.argmax) == ref[1:5]
+    with pytest.raises(grpc.RpcError) as err:  # a run has no drafts to cap
+        target.Verify(wpb.VerifyRequest(seq_id=seq, tokens=[ref[4]], plain_steps=4, max_accept=0))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_accept" in err.value.details()
+    # plain_steps 0 / 1: one ordinary step, the stop ids unused
+    r = target.Verify(wpb.VerifyRequest(seq_id=seq, tokens=[ref[4]], plain_steps=1, stop_token_ids=[ref[5]]))
+    assert list(r.emitted) == [ref[5]]
+    r = target.Verify(wpb.VerifyRequest(seq_id=seq, tokens=[ref[5]], stop_token_ids=[ref[6]]))
+    assert list(r.emitted) == [ref[6]]
+    target.Release(wpb.ReleaseRequest(seq_id=seq))
+
+
+def test_abort_lands_after_the_current_run(mstack, reference):
+    """Abort during a long plain generation: the request ends with "abort" after at most one more run,
+    and what was sent is a prefix of the plain greedy tokens."""
+    stub, _ = coordinator(mstack, 8)
+    prompt = PROMPTS[0]
+    ref, _ = reference(prompt, 200)
+    req = token_request(prompt, 200, ignore_eos=True, speculation=OFF)
+    req.request_id = "run-abort-1"
+    got, done, at = [], None, None
+    for r in stub.Generate(req):
+        if r.HasField("chunk"):
+            got.extend(r.chunk.token_ids)
+            if at is None and len(got) >= 9:
+                at = len(got)
+                assert list(stub.Abort(gpb.AbortRequest(request_ids=[req.request_id])).aborted) == [req.request_id]
+        else:
+            done = r.complete
+    assert done.finish_reason == "abort" and got == ref[: len(got)]
+    assert len(got) <= at + 2 * 8  # the run in flight and at most one more (the abort races the next call)

@@ -42,25 +42,29 @@ struct Format {
   const char* name;
   int block_bytes, block_elems;
   std::vector<int> d_offsets;  // fp16 scale fields of a block, set to a small value (no inf / NaN)
-  bool tiled;                  // uploaded in the GEMV's tiled layout (IQ4_XS_T: mma::IQ4T)
+  bool tiled;                  // uploaded in the GEMV's tiled layout (IQ4_XS_T: mma::IQ4T, Q6_K_T: mma::Q6T)
 };
 
-// IQ4_XS_T gets the bytes IQ4_XS gets (the weights of a shape depend on the block size only), so
-// their checksums must agree bit for bit; its buffers hold the tiled layout (mma::IQ4T::kTileUnitBytes
-// per 16 rows x 256 inputs, the bytes its GB/s count: the header under test decides them).
+// IQ4_XS_T / Q6_K_T get the bytes IQ4_XS / Q6_K get (the weights of a shape depend on the block size
+// only), so their checksums must agree bit for bit; their buffers hold the tiled layout
+// (kTileUnitBytes per 16 rows x 256 inputs, the bytes its GB/s count: the header under test decides them).
 const Format kFormats[] = {
     {"IQ4_XS", 136, 256, {0}, false}, {"IQ4_XS_T", 136, 256, {0}, true}, {"Q4_K", 144, 256, {0, 2}, false},
-    {"Q5_K", 176, 256, {0, 2}, false}, {"Q6_K", 210, 256, {208}, false}, {"Q8_0", 34, 32, {0}, false},
+    {"Q5_K", 176, 256, {0, 2}, false}, {"Q6_K", 210, 256, {208}, false}, {"Q6_K_T", 210, 256, {208}, true},
+    {"Q8_0", 34, 32, {0}, false},
 };
 
-// Each buffer (IQ4_XS [out, in] in its first wbytes, out % 16 == 0, room for the tiled bytes) regrouped
-// in place into the library's tiled layout by its own kernel (tile_for_gemv's).
-void tile(const std::vector<uint8_t*>& bufs, int64_t out, int64_t in, int64_t wbytes) {
+// Each buffer (IQ4_XS or Q6_K [out, in] in its first wbytes, out % 16 == 0, room for the tiled bytes)
+// regrouped in place into the library's tiled layout by its own kernel (tile_for_gemv's).
+void tile(const Format& f, const std::vector<uint8_t*>& bufs, int64_t out, int64_t in, int64_t wbytes) {
   uint8_t* tmp;
   CK(cudaMalloc(&tmp, size_t(wbytes)));
   for (uint8_t* p : bufs) {
     CK(cudaMemcpy(tmp, p, size_t(wbytes), cudaMemcpyDeviceToDevice));
-    mma::launch_tile_iq4_xs(tmp, out, in, p, nullptr);
+    if (f.block_bytes == 210)
+      mma::launch_tile_q6_k(tmp, out, in, p, nullptr);
+    else
+      mma::launch_tile_iq4_xs(tmp, out, in, p, nullptr);
   }
   CK(cudaDeviceSynchronize());
   CK(cudaFree(tmp));
@@ -103,6 +107,7 @@ void run(const Format& f, const std::vector<mma::GroupWeight>& ws, int64_t in, c
   if (nm == "Q4_K") return dispatch<mma::QK45U<false>>(ws, in, x, n, xbuf, scratch);
   if (nm == "Q5_K") return dispatch<mma::QK45U<true>>(ws, in, x, n, xbuf, scratch);
   if (nm == "Q6_K") return dispatch<mma::Q6U>(ws, in, x, n, xbuf, scratch);
+  if (nm == "Q6_K_T") return dispatch<mma::Q6T>(ws, in, x, n, xbuf, scratch);
   return dispatch<mma::Q8U>(ws, in, x, n, xbuf, scratch);
 }
 
@@ -111,7 +116,7 @@ void run(const Format& f, const std::vector<mma::GroupWeight>& ws, int64_t in, c
 int main(int argc, char** argv) {
   const std::string variant = argc > 1 ? argv[1] : "default";
   const double target_ms = argc > 2 ? std::atof(argv[2]) : 20.0;  // per timed repetition
-  const char* only = std::getenv("SWEEP_FORMAT");                  // one format (for ncu), else all
+  const char* only = std::getenv("SWEEP_FORMAT");                  // formats "A,B" (for ncu: one), else all
   const double copy = copy_gbps();
   std::printf("# variant %s copy_GBps %.1f\n", variant.c_str(), copy);
   std::mt19937_64 rng(1234);
@@ -144,10 +149,11 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(x, hx.data(), hx.size() * sizeof(float), cudaMemcpyHostToDevice));
   }
   for (const Format& f : kFormats) {
-    if (only && std::string(only) != f.name) continue;
+    if (only && (std::string(",") + only + ",").find(std::string(",") + f.name + ",") == std::string::npos) continue;
     for (const Shape& sh : shapes) {
       const int64_t row_bytes = sh.in / f.block_elems * f.block_bytes, wbytes = sh.out * row_bytes;
-      const int64_t dev_bytes = f.tiled ? sh.out / 16 * (sh.in / 256) * mma::IQ4T::kTileUnitBytes : wbytes;
+      const int64_t tile_unit = f.block_bytes == 210 ? mma::Q6T::kTileUnitBytes : mma::IQ4T::kTileUnitBytes;
+      const int64_t dev_bytes = f.tiled ? sh.out / 16 * (sh.in / 256) * tile_unit : wbytes;
       const int64_t call_bytes = dev_bytes * sh.group;
       const int copies = int(std::max<int64_t>(1, (240ll << 20) / call_bytes + 1));  // > 4x the 50 MB L2
       std::vector<uint8_t> host(static_cast<size_t>(wbytes));
@@ -163,7 +169,7 @@ int main(int argc, char** argv) {
         CK(cudaMalloc(&p, size_t(std::max(wbytes, dev_bytes))));  // the row-major bytes first, then tiled in place
         CK(cudaMemcpy(p, host.data(), size_t(wbytes), cudaMemcpyHostToDevice));
       }
-      if (f.tiled) tile(bufs, sh.out, sh.in, wbytes);  // 17408 and 5120 rows are whole tiles
+      if (f.tiled) tile(f, bufs, sh.out, sh.in, wbytes);  // 17408 and 5120 rows are whole tiles
       float* y;
       CK(cudaMalloc(&y, size_t(16 * sh.out * sh.group) * sizeof(float)));
       for (int n : widths) {

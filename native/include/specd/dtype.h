@@ -23,6 +23,9 @@ enum class DType : int32_t {
   // load 512 contiguous bytes; matmul_mma.cuh, IQ4T). Same blocks and bytes as IQ4_XS, another
   // order, so only the GPU matmul reads it (gpu::tile_for_gemv makes it); never in a GGUF file.
   IQ4_XS_TILED = 0x10000 + 23,
+  // Not a ggml type either: Q6_K rows in the same 16-row tiles (matmul_mma.cuh, Q6T; 16-byte loads
+  // where Q6_K's 210-byte blocks allow 2-byte ones). Made by gpu::tile_for_gemv, read by the GPU matmul.
+  Q6_K_TILED = 0x10000 + 14,
 };
 
 struct DTypeInfo {
@@ -36,10 +39,12 @@ const DTypeInfo& dtype_info(DType t);
 DType dtype_from_id(int32_t id);
 
 inline bool is_block_type(DType t) { return dtype_info(t).block_size > 1; }
-// Whether rows of t are stored one after another (every type but IQ4_XS_TILED): what slicing,
+// Whether t is one of the GPU GEMV's tiled layouts (IQ4_XS_TILED, Q6_K_TILED).
+inline bool is_gemv_tiled(DType t) { return t == DType::IQ4_XS_TILED || t == DType::Q6_K_TILED; }
+// Whether rows of t are stored one after another (every type but the tiled layouts): what slicing,
 // concatenation, row views and the CPU ops assume.
-inline bool is_row_major(DType t) { return t != DType::IQ4_XS_TILED; }
-// Rows per tile of IQ4_XS_TILED (a tiled weight has a multiple of this many rows).
+inline bool is_row_major(DType t) { return !is_gemv_tiled(t); }
+// Rows per tile of the tiled layouts (a tiled weight has a multiple of this many rows).
 constexpr int64_t kGemvTileRows = 16;
 inline bool is_float_type(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
 

@@ -245,7 +245,8 @@ void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
     case DType::Q5_K: dequantize_q5_k(s, dst, nb); return;
     case DType::Q6_K: dequantize_q6_k(s, dst, nb); return;
     case DType::IQ4_XS: dequantize_iq4_xs(s, dst, nb); return;
-    case DType::IQ4_XS_TILED: fail("dequantize: IQ4_XS_TILED is the GPU GEMV's tiled layout; only the GPU matmul reads it");
+    case DType::IQ4_XS_TILED:
+    case DType::Q6_K_TILED: fail("dequantize: ", info.name, " is the GPU GEMV's tiled layout; only the GPU matmul reads it");
     default: fail("dequantize: ", info.name, " is not a weight format");
   }
 }
@@ -279,9 +280,9 @@ void quantize_row(DType t, const float* src, void* dst, int64_t n) {
 }
 
 void check_weight_dtype(const Tensor& t, const char* op, const char* arg) {
-  SPECD_CHECK(t.dtype != DType::I32 && t.dtype != DType::IQ4_XS_TILED, op, ": ", arg,
+  SPECD_CHECK(t.dtype != DType::I32 && !is_gemv_tiled(t.dtype), op, ": ", arg,
               " must be a weight format (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS), got ", dtype_info(t.dtype).name,
-              t.dtype == DType::IQ4_XS_TILED ? " (the GPU GEMV's tiled layout: only the GPU matmul reads it)" : "");
+              is_gemv_tiled(t.dtype) ? " (the GPU GEMV's tiled layout: only the GPU matmul reads it)" : "");
 }
 
 Tensor dequantize(const Tensor& w) {

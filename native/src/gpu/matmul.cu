@@ -3,7 +3,8 @@
 // Q6_K, IQ4_XS); n > 16 exact = 16-row slices through the same GEMV; n > 16 inexact goes to the
 // dequantize + vendor GEMM path (matmul_blas.cu).
 //
-// Two GEMVs. On CUDA the quantized formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ4_XS_TILED) run the tensor-core
+// Two GEMVs. On CUDA the quantized formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS and the tiled IQ4_XS_TILED,
+// Q6_K_TILED) run the tensor-core
 // GEMV of matmul_mma.cuh; F32 / F16 / BF16, and every format on HIP, run the FP32-FMA GEMV below.
 // A format always takes the same kernel at every width 1..16 (batch invariance, below).
 //
@@ -292,18 +293,18 @@ void gemv(Problem p, DType t, int64_t in, bool w16) {
 void check_weight(const Tensor& w, int64_t in, const char* op) {
   const DType t = w.dtype;
   SPECD_CHECK(t == DType::Q8_0 || t == DType::F32 || t == DType::F16 || t == DType::BF16 || t == DType::Q4_K ||
-                  t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS || (t == DType::IQ4_XS_TILED && SPECD_MMA_GEMV),
-              op, ": w must be F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS or (CUDA) IQ4_XS_TILED on the GPU, got ",
-              dtype_info(t).name);
-  if (t == DType::IQ4_XS_TILED)
-    SPECD_CHECK(w.dim(0) % kGemvTileRows == 0, op, ": an IQ4_XS_TILED weight has a multiple of ", kGemvTileRows,
-                " rows, got ", w.dim(0));
+                  t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS || (is_gemv_tiled(t) && SPECD_MMA_GEMV),
+              op, ": w must be F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS or (CUDA) IQ4_XS_TILED / Q6_K_TILED on the "
+              "GPU, got ", dtype_info(t).name);
+  if (is_gemv_tiled(t))
+    SPECD_CHECK(w.dim(0) % kGemvTileRows == 0, op, ": a ", dtype_info(t).name, " weight has a multiple of ",
+                kGemvTileRows, " rows, got ", w.dim(0));
   const int64_t bs = dtype_info(t).block_size;
   SPECD_CHECK(in % bs == 0, op, ": w has ", in, " columns, not a multiple of the ", dtype_info(t).name,
               " block size ", bs);
-  // Block loads: Q4_K/Q5_K and IQ4_XS_TILED read 16-byte words, IQ4_XS 8-byte, Q6_K/Q8_0/16-bit 2-byte.
+  // Block loads: Q4_K/Q5_K and the tiled layouts read 16-byte words, IQ4_XS 8-byte, Q6_K/Q8_0/16-bit 2-byte.
   const auto addr = reinterpret_cast<uintptr_t>(w.data);
-  const uintptr_t need = (t == DType::Q4_K || t == DType::Q5_K || t == DType::IQ4_XS_TILED) ? 16
+  const uintptr_t need = (t == DType::Q4_K || t == DType::Q5_K || is_gemv_tiled(t)) ? 16
                          : t == DType::IQ4_XS                                           ? 8
                          : t == DType::F32                                              ? 4
                                                                                         : 2;
@@ -550,18 +551,25 @@ bool gemv_tiles_supported() { return SPECD_MMA_GEMV != 0; }
 Tensor tile_for_gemv(const Tensor& w) {
   const char* op = "tile_for_gemv";
   detail::check_gpu(w, op, "w");
-  check_dtype(w, DType::IQ4_XS, op, "w");
+  SPECD_CHECK(w.dtype == DType::IQ4_XS || w.dtype == DType::Q6_K, op, ": w must be IQ4_XS or Q6_K, got ",
+              dtype_info(w.dtype).name);
   check_ndim(w, 2, op, "w");
   check_contiguous(w, op, "w");
   SPECD_CHECK(gemv_tiles_supported(), op, ": the tiled layout is read by the CUDA tensor-core GEMV only (this is a ",
               backend(), " build)");
   const int64_t out = w.dim(0), in = w.dim(1);
   SPECD_CHECK(out % kGemvTileRows == 0, op, ": w has ", out, " rows, not a multiple of ", kGemvTileRows);
-  SPECD_CHECK(reinterpret_cast<uintptr_t>(w.data) % 4 == 0, op, ": w data must be 4-byte aligned (the kernel's loads)");
-  Tensor y = Tensor::empty(w.shape, DType::IQ4_XS_TILED, Device::GPU);
+  const bool q6 = w.dtype == DType::Q6_K;
+  SPECD_CHECK(reinterpret_cast<uintptr_t>(w.data) % (q6 ? 2 : 4) == 0, op, ": w data must be ", q6 ? 2 : 4,
+              "-byte aligned (the kernel's loads)");
+  Tensor y = Tensor::empty(w.shape, q6 ? DType::Q6_K_TILED : DType::IQ4_XS_TILED, Device::GPU);
 #if SPECD_MMA_GEMV
-  detail::mma::launch_tile_iq4_xs(static_cast<const uint8_t*>(w.data), out, in, static_cast<uint8_t*>(y.data),
-                                  detail::stream());
+  const auto* src = static_cast<const uint8_t*>(w.data);
+  auto* dst = static_cast<uint8_t*>(y.data);
+  if (q6)
+    detail::mma::launch_tile_q6_k(src, out, in, dst, detail::stream());
+  else
+    detail::mma::launch_tile_iq4_xs(src, out, in, dst, detail::stream());
 #else
   (void)in;
 #endif

@@ -72,7 +72,9 @@ __global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* _
   }
 }
 
-// The same for rows [r0, r0 + rows) of an IQ4_XS_TILED weight w (nunits 256-input units per row).
+// The same for rows [r0, r0 + rows) of a tiled weight w (IQ4_XS_TILED: T = IQ4XSTiledW, Q6_K_TILED:
+// Q6KTiledW; nunits 256-input units per row, 8 chunks each).
+template <class T>
 __global__ void __launch_bounds__(kThreads) dequant_tiled_bf16_kernel(const uint8_t* __restrict__ w, uint32_t nunits,
                                                                      int64_t r0, uint32_t rows, int64_t in,
                                                                      uint16_t* __restrict__ dst) {
@@ -80,7 +82,7 @@ __global__ void __launch_bounds__(kThreads) dequant_tiled_bf16_kernel(const uint
   const uint32_t nchunks = 8 * nunits, total = rows * nchunks, step = gridDim.x * kThreads;
   for (uint32_t t = blockIdx.x * kThreads + threadIdx.x; t < total; t += step) {
     const uint32_t r = t / nchunks, c = t % nchunks;
-    decode_raw<IQ4XSW>(IQ4XSTiledW::load_tiled(w, nunits, r0 + r, c), c, StoreBF16{dst + int64_t(r) * in});
+    decode_raw<T>(T::load_tiled(w, nunits, r0 + r, c), c, StoreBF16{dst + int64_t(r) * in});
   }
 }
 
@@ -94,6 +96,16 @@ __global__ void __launch_bounds__(kThreads) x_bf16_kernel(const float* __restric
 unsigned grid_for(int64_t items) {
   const int64_t blocks = (items + kThreads - 1) / kThreads, cap = int64_t(sm_count()) * 32;
   return unsigned(std::max<int64_t>(1, std::min(blocks, cap)));
+}
+
+template <class T>
+void dequant_tiled_launch(const Tensor& w, int64_t r0, int64_t rows, uint16_t* dst) {
+  const int64_t in = w.dim(1);
+  const unsigned grid = grid_for(rows * (in / 32));
+  SPECD_CHECK(rows * (in / 32) + int64_t(grid) * kThreads <= int64_t(UINT32_MAX), "matmul: dequantize panel too large");
+  detail::launch_kernel<dequant_tiled_bf16_kernel<T>>("dequant_tiled_bf16_kernel", grid, kThreads, 0, stream(),
+                                                      static_cast<const uint8_t*>(w.data), uint32_t(in / 256), r0,
+                                                      uint32_t(rows), in, dst);
 }
 
 template <class W>
@@ -116,14 +128,8 @@ void dequant_panel(const Tensor& w, int64_t r0, int64_t rows, uint16_t* dst) {
     case DType::Q5_K: return dequant_launch<Q5KW>(src, rb, in / 32, rows, in, dst);
     case DType::Q6_K: return dequant_launch<Q6KW>(src, rb, in / 32, rows, in, dst);
     case DType::IQ4_XS: return dequant_launch<IQ4XSW>(src, rb, in / 32, rows, in, dst);
-    case DType::IQ4_XS_TILED: {
-      const unsigned grid = grid_for(rows * (in / 32));
-      SPECD_CHECK(rows * (in / 32) + int64_t(grid) * kThreads <= int64_t(UINT32_MAX), "matmul: dequantize panel too large");
-      detail::launch_kernel<dequant_tiled_bf16_kernel>("dequant_tiled_bf16_kernel", grid, kThreads, 0, stream(),
-                                                       static_cast<const uint8_t*>(w.data), uint32_t(in / 256), r0,
-                                                       uint32_t(rows), in, dst);
-      return;
-    }
+    case DType::IQ4_XS_TILED: return dequant_tiled_launch<IQ4XSTiledW>(w, r0, rows, dst);
+    case DType::Q6_K_TILED: return dequant_tiled_launch<Q6KTiledW>(w, r0, rows, dst);
     case DType::F32:
       if (in % 4 == 0 && w16) return dequant_launch<F32W<4>>(src, rb, in / 4, rows, in, dst);
       return dequant_launch<F32W<1>>(src, rb, in, rows, in, dst);

@@ -1,5 +1,5 @@
 // Integer tensor-core GEMV of the quantized weight formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, and
-// IQ4_XS_TILED: IQ4_XS in this GEMV's 16-row tiles, IQ4T below) for n <= 16 rows of x:
+// IQ4_XS_TILED / Q6_K_TILED: IQ4_XS / Q6_K in this GEMV's 16-row tiles, IQ4T / Q6T below) for n <= 16 rows of x:
 // y[n, out] = x[n, in] @ w[out, in]^T; each call is split_x, the grouped GEMV (a programmatic
 // dependent of split_x, as every kernel: pdl.cuh; it loads its first weight units before pdl_wait) and
 // the split-K sums. Included by matmul.cu (see its header for
@@ -534,6 +534,38 @@ struct Q6U {
   }
 };
 
+// Q6_K in the GEMV's tiled layout (DType::Q6_K_TILED, made by tile_q6_k_kernel; weight_formats.cuh
+// kQ6TileUnitBytes): rows in tiles of 16; per tile and unit (256 inputs) 3360 bytes: first the 16 rows'
+// quants in lane order, 6 runs of 512 bytes, run i = 3 h + c holding at 16 l the words 4 c .. 4 c + 3
+// of lane l = 4 g + t for row g + 8 h, whose 12 words are Q6U::Raw's ql[0..7] then qh[0..3]; then the
+// 16 rows' 16 scale bytes in row order; then the 16 rows' fp16 d. Every load is a 16-byte word (the
+// row-major Q6_K's 210-byte blocks allow 2-byte loads only) except d. Same values and arithmetic as
+// Q6U, so bit-identical results.
+struct Q6T {
+  static constexpr int kUnitElems = 256, kTileUnitBytes = int(kQ6TileUnitBytes);
+  static constexpr bool kTiled = true;
+  using Raw = Q6U::Raw;
+  __device__ __forceinline__ static void load_tile(const uint8_t* __restrict__ p, int lane, Raw (&r)[2]) {
+#pragma unroll
+    for (int i = 0; i < 6; ++i) {
+      const uint4 v = ldw<uint4>(p + 512 * i + 16 * lane);
+      uint32_t* q = (i % 3 == 2) ? r[i / 3].qh : r[i / 3].ql + 4 * (i % 3);
+      q[0] = v.x, q[1] = v.y, q[2] = v.z, q[3] = v.w;
+    }
+    const int g = lane >> 2;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint4 sc = ldw<uint4>(p + kQ6TileScales + 16 * (g + 8 * h));
+      r[h].sc[0] = sc.x, r[h].sc[1] = sc.y, r[h].sc[2] = sc.z, r[h].sc[3] = sc.w;
+      r[h].d = ld_u16(p + kQ6TileD + 2 * (g + 8 * h));
+    }
+  }
+  template <int NT>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+    Q6U::unit<NT>(r, u, xv, accf);
+  }
+};
+
 // Q8_0 (34-byte blocks, 2-byte aligned: fp16 d | int8 q[32]): unit = one block, accf += (d * scale)
 // * (q . x') per block (|q . x'| < 2^22: converted exactly).
 struct Q8U {
@@ -995,6 +1027,48 @@ __global__ void tile_iq4_xs_kernel(const uint8_t* __restrict__ src, int64_t nuni
   dst[id] = v;
 }
 
+// dst (Q6_K_TILED) = src (Q6_K [out, nunits * 256], row-major, 2-byte aligned, out % 16 == 0) regrouped
+// into Q6T's tiles: one thread per 16 bytes of dst; a tile unit's 210 pieces are its 192 quant pieces
+// (run i = q / 32 = 3 h + c, lane q % 32: Q6U::Raw words 4 c .. 4 c + 3 of row g + 8 h: ql bytes 16 k + 4 t
+// for k = 4 c + m when c < 2, qh bytes 16 m + 4 t when c = 2), its 16 scale pieces (row q - 192) and
+// its 2 d pieces (rows 0-7, 8-15). The source is only 2-byte aligned: read as 16-bit words.
+__global__ void tile_q6_k_kernel(const uint8_t* __restrict__ src, int64_t nunits, int64_t pieces,
+                                 uint4* __restrict__ dst) {
+  detail::pdl_wait();  // and never lets the next kernel launch early (as tile_iq4_xs_kernel)
+  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (id >= pieces) return;
+  const int q = int(id % 210);
+  const int64_t tu = id / 210, u = tu % nunits, tile = tu / nunits, row_bytes = nunits * 210;
+  const uint8_t* base = src + tile * 16 * row_bytes + u * 210;  // row 0 of the tile, unit u
+  const auto half = [](const uint8_t* p) { return uint32_t(*reinterpret_cast<const uint16_t*>(p)); };
+  const auto word = [&](const uint8_t* p) { return half(p) | (half(p + 2) << 16); };
+  uint32_t v[4];
+  if (q < 192) {
+    const int i = q >> 5, lane = q & 31, g = lane >> 2, t = lane & 3, h = i / 3, c = i % 3;
+    const uint8_t* blk = base + (g + 8 * h) * row_bytes;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) v[m] = word(blk + (c < 2 ? 16 * (4 * c + m) : 128 + 16 * m) + 4 * t);
+  } else if (q < 208) {
+    const uint8_t* sc = base + (q - 192) * row_bytes + 192;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) v[m] = word(sc + 4 * m);
+  } else {
+    const uint8_t* d0 = base + 8 * (q - 208) * row_bytes + 208;  // d of rows 8 (q - 208) + 0 .. 7
+#pragma unroll
+    for (int m = 0; m < 4; ++m) v[m] = half(d0 + 2 * m * row_bytes) | (half(d0 + (2 * m + 1) * row_bytes) << 16);
+  }
+  dst[id] = make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+// dst = src (Q6_K [out, in] on the device, out % 16 == 0, in % 256 == 0) in Q6T's tiled layout.
+inline void launch_tile_q6_k(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
+  const int64_t nunits = in / 256, pieces = out / 16 * nunits * 210;  // 16-byte pieces of dst
+  if (pieces == 0) return;
+  SPECD_CHECK((pieces + 255) / 256 <= 0x7fffffff, "tile_for_gemv: too many blocks for one launch");
+  detail::launch_kernel<tile_q6_k_kernel>("tile_q6_k_kernel", unsigned((pieces + 255) / 256), 256, 0, s, src, nunits,
+                                          pieces, reinterpret_cast<uint4*>(dst));
+}
+
 // dst = src (IQ4_XS [out, in] on the device, out % 16 == 0, in % 256 == 0) in IQ4T's tiled layout.
 inline void launch_tile_iq4_xs(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
   const int64_t nunits = in / 256, pieces = out / 16 * nunits * 136;  // 16-byte pieces of dst
@@ -1007,7 +1081,7 @@ inline void launch_tile_iq4_xs(const uint8_t* src, int64_t out, int64_t in, uint
 // Whether the tensor-core GEMV handles weight format t.
 inline bool handles(DType t) {
   return t == DType::Q8_0 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS ||
-         t == DType::IQ4_XS_TILED;
+         t == DType::IQ4_XS_TILED || t == DType::Q6_K_TILED;
 }
 
 // One weight of a tensor-core GEMV call: the grouped launch's view of it and its format.
@@ -1046,6 +1120,7 @@ inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv,
         case DType::Q6_K: return launch<Q6U, kNT>(batch, m, in, xv, n, sms, partials, s);
         case DType::IQ4_XS: return launch<IQ4U, kNT>(batch, m, in, xv, n, sms, partials, s);
         case DType::IQ4_XS_TILED: return launch<IQ4T, kNT>(batch, m, in, xv, n, sms, partials, s);
+        case DType::Q6_K_TILED: return launch<Q6T, kNT>(batch, m, in, xv, n, sms, partials, s);
         default: fail("matmul: no tensor-core GEMV for ", dtype_info(ws[i].t).name);
       }
     };

@@ -393,6 +393,35 @@ struct IQ4XSTiledW : IQ4XSW {
   }
 };
 
+// Q6_K_TILED (the tensor-core GEMV's layout, matmul_mma.cuh Q6T): rows in tiles of 16; per tile and
+// 256-input unit kQ6TileUnitBytes bytes: 6 runs of 512 bytes of quants (run 3 h + c holds at 16 l the
+// words 4 c .. 4 c + 3 of lane l = 4 g + t of row g + 8 h, whose words k = 0..11 are ql[16 k + 4 t ..]
+// for k < 8 and qh[16 (k - 8) + 4 t ..]), then the 16 rows' 16 scale bytes, then their fp16 d.
+// load_tiled gathers Q6KW's chunk (row r, chunk c) from it: the same bytes, so the same values.
+constexpr int64_t kQ6TileUnitBytes = 16 * 210, kQ6TileScales = 3072, kQ6TileD = 3072 + 256;
+struct Q6KTiledW : Q6KW {
+  __device__ __forceinline__ static Raw load_tiled(const uint8_t* __restrict__ w, int64_t nunits, int64_t r, int64_t c) {
+    const int rt = int(r & 15);
+    const uint8_t* unit = w + ((r >> 4) * nunits + (c >> 3)) * kQ6TileUnitBytes;
+    // the word of the row's quant byte b (4-aligned): ql when b < 128, else qh[b - 128]
+    const auto word = [&](int b) {
+      const int k = b >> 4, t = (b >> 2) & 3;
+      return *reinterpret_cast<const uint32_t*>(unit + 512 * (3 * (rt >> 3) + (k >> 2)) + 16 * (4 * (rt & 7) + t) +
+                                                4 * (k & 3));
+    };
+    const int half = int(c >> 2) & 1, l0 = 8 * int(c & 3);
+    const uint8_t* sc = unit + kQ6TileScales + 16 * rt + 8 * half + (l0 >> 4);  // byte of part g at sc + 2g
+    Raw raw;
+    const int ql = 64 * half + l0, qh = 128 + 32 * half + l0;
+    raw.ql[0] = word(ql), raw.ql[1] = word(ql + 4), raw.ql[2] = word(ql + 32), raw.ql[3] = word(ql + 36);
+    raw.qh[0] = word(qh), raw.qh[1] = word(qh + 4);
+    raw.sc01 = uint32_t(sc[0]) | (uint32_t(sc[2]) << 8);
+    raw.sc23 = uint32_t(sc[4]) | (uint32_t(sc[6]) << 8);
+    raw.d = *reinterpret_cast<const uint16_t*>(unit + kQ6TileD + 2 * rt);
+    return raw;
+  }
+};
+
 // --- whole-chunk decode ---------------------------------------------------------------------
 
 // Decodes chunk c of a weight row: store.part(o, v) for each of its kParts parts, v the part's

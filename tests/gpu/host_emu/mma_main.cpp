@@ -8,7 +8,8 @@
 // covered by test_gpu_matmul.py.
 //
 // usage: mma_emu FORMAT n in out[,out...] w.bin x.bin y.bin   (x: F32 [n, in]; y: F32 [n, out]; w: the
-// weights row-major as in GGUF; FORMAT IQ4_XS_T packs them into the tiled layout, then runs IQ4T)
+// weights row-major as in GGUF; FORMAT IQ4_XS_T / Q6_K_T packs them into the tiled layout, then runs
+// IQ4T / Q6T)
 #include <barrier>
 #include <cmath>
 #include <cstdio>
@@ -187,6 +188,31 @@ void pack_iq4_xs_tiles(const uint8_t* src, int64_t out, int64_t nunits, uint8_t*
     }
 }
 
+// The same for Q6T's layout (mma::tile_q6_k_kernel on the GPU): src Q6_K [out][nunits * 210 bytes] ->
+// dst ((out + 15) / 16 * nunits * 3360 bytes): per tile unit, run 3 h + c at 16 lane holds the lane's
+// words 4 c .. 4 c + 3 of row g + 8 h (words k < 8: ql[16 k + 4 t ..], k >= 8: qh[16 (k - 8) + 4 t ..]),
+// then the 16 rows' scales (16 bytes each), then their d (2 bytes each).
+void pack_q6_k_tiles(const uint8_t* src, int64_t out, int64_t nunits, uint8_t* dst) {
+  const int64_t row_bytes = nunits * 210;
+  for (int64_t tile = 0; tile < (out + 15) / 16; ++tile)
+    for (int64_t u = 0; u < nunits; ++u) {
+      uint8_t* o = dst + (tile * nunits + u) * mma::Q6T::kTileUnitBytes;
+      for (int r = 0; r < 16; ++r) {
+        const int64_t row = std::min<int64_t>(tile * 16 + r, out - 1);
+        const uint8_t* blk = src + row * row_bytes + u * 210;
+        for (int b = 0; b < 16; ++b) o[3072 + 16 * r + b] = blk[192 + b];
+        for (int b = 0; b < 2; ++b) o[3328 + 2 * r + b] = blk[208 + b];
+        const int g = r & 7, h = r >> 3;
+        for (int k = 0; k < 12; ++k)
+          for (int t = 0; t < 4; ++t) {
+            const int lane = 4 * g + t, run = 3 * h + k / 4;
+            const int from = (k < 8 ? 16 * k : 128 + 16 * (k - 8)) + 4 * t;
+            for (int b = 0; b < 4; ++b) o[512 * run + 16 * lane + 4 * (k % 4) + b] = blk[from + b];
+          }
+      }
+    }
+}
+
 // Runs fn() on `blocks` blocks of `threads` threads (warps of 32 with their exchange barrier), one
 // block at a time (the kernels' __shared__ arrays are statics).
 template <class Fn>
@@ -237,8 +263,11 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   if constexpr (F::kTiled) {
     packed.reserve(ws.size());
     for (GroupWeight& wt : ws) {
-      packed.emplace_back(size_t((wt.out + 15) / 16 * (in / 256) * IQ4T::kTileUnitBytes));
-      pack_iq4_xs_tiles(wt.w, wt.out, in / 256, packed.back().data());
+      packed.emplace_back(size_t((wt.out + 15) / 16 * (in / 256) * F::kTileUnitBytes));
+      if constexpr (std::is_same_v<F, Q6T>)
+        pack_q6_k_tiles(wt.w, wt.out, in / 256, packed.back().data());
+      else
+        pack_iq4_xs_tiles(wt.w, wt.out, in / 256, packed.back().data());
       wt.w = packed.back().data();
     }
   }
@@ -277,7 +306,7 @@ int main(int argc, char** argv) {
   if (fmt == "Q8_0") row_bytes = in / 32 * 34;
   else if (fmt == "Q4_K") row_bytes = in / 256 * 144;
   else if (fmt == "Q5_K") row_bytes = in / 256 * 176;
-  else if (fmt == "Q6_K") row_bytes = in / 256 * 210;
+  else if (fmt == "Q6_K" || fmt == "Q6_K_T") row_bytes = in / 256 * 210;
   else if (fmt == "IQ4_XS" || fmt == "IQ4_XS_T") row_bytes = in / 256 * 136;  // _T: run in the tiled layout
   else return 2;
   // The weights' rows one after the other (y: each weight's [n, out_i] one after the other).
@@ -289,6 +318,7 @@ int main(int argc, char** argv) {
   else if (fmt == "Q4_K") run<mma::QK45U<false>>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q5_K") run<mma::QK45U<true>>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q6_K") run<mma::Q6U>(w, row_bytes, in, x, n, outs, y);
+  else if (fmt == "Q6_K_T") run<mma::Q6T>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "IQ4_XS") run<mma::IQ4U>(w, row_bytes, in, x, n, outs, y);
   else run<mma::IQ4T>(w, row_bytes, in, x, n, outs, y);
   std::ofstream(argv[7], std::ios::binary).write(reinterpret_cast<const char*>(y.data()), std::streamsize(y.size() * 4));
