@@ -61,8 +61,8 @@ class ServeConfig:
         the GPU (default True; ``--no-cuda-graphs`` runs every op from Python). Ignored on the CPU.
     max_graphs: most captured CUDA graphs the target worker keeps (LRU; ``--max-graphs``), >= 1.
         Default 16.
-    gemv_tiles: the target worker places its layers' IQ4_XS matrices in the tensor-core GEMV's tiled
-        layout on a CUDA GPU (default True; bit-identical results; ``--no-gemv-tiles`` keeps GGUF order).
+    gemv_tiles: the target worker places its layers' IQ4_XS, Q4_K and Q6_K matrices in the tensor-core
+        GEMV's tiled layouts on a CUDA GPU (default True; bit-identical results; ``--no-gemv-tiles`` keeps GGUF order).
     share_target_weights: "auto" (default): the drafter worker maps the target worker's token_embd /
         output (CUDA IPC) when both run on the same GPU and the tensors' content fingerprints match
         the target GGUF's, else loads its own copy (logged); "off":
@@ -188,7 +188,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-graphs", type=int, default=d.max_graphs,
                    help=f"most captured CUDA graphs the target worker keeps, >= 1 (default {d.max_graphs})")
     p.add_argument("--gemv-tiles", action=argparse.BooleanOptionalAction, default=d.gemv_tiles,
-                   help="the target's IQ4_XS matrices in the GEMV's tiled layout on a CUDA GPU (default on)")
+                   help="the target's IQ4_XS / Q4_K / Q6_K layer matrices in the GEMV's tiled layouts on a CUDA "
+                        "GPU (default on)")
     from specd.draft_worker.server import add_share_argument
 
     add_share_argument(p, d.share_target_weights)

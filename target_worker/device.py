@@ -278,7 +278,7 @@ class _TensorOps:
 _PLACED_BY_MODEL = ("ssm_conv1d", "ssm_a", "ssm_dt", "attn_conv_base", "ffn_conv_base")
 
 
-_TILED_SOURCES = (sn.DType.IQ4_XS, sn.DType.Q6_K)  # the formats sn.tile_for_gemv regroups
+_TILED_SOURCES = (sn.DType.IQ4_XS, sn.DType.Q4_K, sn.DType.Q6_K)  # the formats sn.tile_for_gemv regroups
 
 
 class _Uploader:
@@ -286,7 +286,7 @@ class _Uploader:
     embedding decode every type the loaders accept; the CPU with tensor_ops: as they are).
 
     gemv_tiles: on a GPU whose GEMV reads it (``sn.gemv_tiles_supported()``: CUDA builds), the
-    layers' IQ4_XS and Q6_K matrices with a multiple of 16 rows are placed in the tensor-core GEMV's
+    layers' IQ4_XS, Q4_K and Q6_K matrices with a multiple of 16 rows are placed in the tensor-core GEMV's
     tiled layouts (``sn.tile_for_gemv``: same bytes, bit-identical matmul results, faster GEMV on the
     H200: BENCHMARKS.md); embeddings and the output head stay row-major (row gathers, IPC export).
     Default False (the drafter's uploads); the target model passes its ``gemv_tiles`` option. A

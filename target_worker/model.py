@@ -185,7 +185,7 @@ class Qwen35Model:
             GPU maps) instead of the usual upload; the target worker passes one on the GPU.
         cuda_graphs: on the GPU, replay exact chain verifies of width <= 16 as captured CUDA graphs
             (module docstring; bitwise the eager results). Ignored on the CPU.
-        gemv_tiles: on a CUDA GPU, the layers' IQ4_XS and Q6_K matrices are placed in the tensor-core
+        gemv_tiles: on a CUDA GPU, the layers' IQ4_XS, Q4_K and Q6_K matrices are placed in the tensor-core
             GEMV's tiled layouts (``sn.tile_for_gemv``: bit-identical results, faster GEMV); default True.
         max_graphs: most captured chain-verify graphs kept (least recently used evicted), >= 1;
             default 16 (``specd target-worker --max-graphs``). Each keeps its own arena (activations,

@@ -71,8 +71,8 @@ class TargetWorkerConfig:
         True; bitwise the eager results, far less host work per step). Ignored on the CPU.
     max_graphs: most captured verify graphs kept (least recently used evicted; each holds its own
         device arena), >= 1, default 16. Ignored without cuda_graphs.
-    gemv_tiles: on a CUDA GPU, place the layers' IQ4_XS matrices in the tensor-core GEMV's tiled
-        layout (default True; same bytes, bit-identical results, faster decode). Ignored elsewhere.
+    gemv_tiles: on a CUDA GPU, place the layers' IQ4_XS, Q4_K and Q6_K matrices in the tensor-core
+        GEMV's tiled layouts (default True; same bytes, bit-identical results, faster decode). Ignored elsewhere.
     export_head: on the GPU, place token_embd / output in IPC-exported buffers and publish their
         handles in Info, so a drafter worker on the same GPU maps them instead of a second copy
         (default True; :mod:`.shared_weights`). The mapping is writable (CUDA's legacy IPC): False
@@ -790,7 +790,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-graphs", type=int, default=d.max_graphs,
                    help=f"most captured CUDA graphs kept, LRU-evicted, >= 1 (default {d.max_graphs})")
     p.add_argument("--gemv-tiles", action=argparse.BooleanOptionalAction, default=d.gemv_tiles,
-                   help="on a CUDA GPU, place the layers' IQ4_XS matrices in the GEMV's tiled layout (default on; "
+                   help="on a CUDA GPU, place the layers' IQ4_XS / Q4_K / Q6_K matrices in the GEMV's tiled layouts (default on; "
                         "bit-identical results)")
     p.add_argument("--export-head", action=argparse.BooleanOptionalAction, default=d.export_head,
                    help="on the GPU, export token_embd / output over CUDA IPC for a drafter worker on the same "

@@ -9,7 +9,7 @@ const DTypeInfo& dtype_info(DType t) {
   static const DTypeInfo f32{"F32", 1, 4}, f16{"F16", 1, 2}, bf16{"BF16", 1, 2}, i32{"I32", 1, 4},
       q8_0{"Q8_0", 32, 34}, q4_k{"Q4_K", 256, 144}, q5_k{"Q5_K", 256, 176}, q6_k{"Q6_K", 256, 210},
       iq4_xs{"IQ4_XS", 256, 136}, iq4_xs_tiled{"IQ4_XS_TILED", 256, 136},
-      q6_k_tiled{"Q6_K_TILED", 256, 210};
+      q6_k_tiled{"Q6_K_TILED", 256, 210}, q4_k_tiled{"Q4_K_TILED", 256, 144};
   switch (t) {
     case DType::F32: return f32;
     case DType::F16: return f16;
@@ -22,6 +22,7 @@ const DTypeInfo& dtype_info(DType t) {
     case DType::IQ4_XS: return iq4_xs;
     case DType::IQ4_XS_TILED: return iq4_xs_tiled;
     case DType::Q6_K_TILED: return q6_k_tiled;
+    case DType::Q4_K_TILED: return q4_k_tiled;
   }
   fail("unsupported dtype id ", static_cast<int>(t),
        " (specd reads F32, F16, BF16, I32, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS)");
@@ -29,7 +30,7 @@ const DTypeInfo& dtype_info(DType t) {
 
 DType dtype_from_id(int32_t id) {
   DType t = static_cast<DType>(id);
-  SPECD_CHECK(!is_gemv_tiled(t), "dtype id ", id, " is specd's GPU GEMV layout of ", t == DType::Q6_K_TILED ? "Q6_K" : "IQ4_XS",
+  SPECD_CHECK(!is_gemv_tiled(t), "dtype id ", id, " is specd's GPU GEMV layout of ", dtype_info(untiled(t)).name,
               ", not a ggml type");
   dtype_info(t);  // validates
   return t;

@@ -199,10 +199,10 @@ def test_gpu_mma_gemv_emulated_every_width(mma_emu, rng, name):
     check_mma_emulated(d, exe, name, t, x, out, sms=1, widths=tuple(range(1, 17)))
 
 
-@pytest.mark.parametrize("fmt", ["IQ4_XS", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["IQ4_XS", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("k,outs", [(2048, [20]), (512, [7, 130, 40])])
 def test_gpu_mma_gemv_emulated_tiled(mma_emu, rng, fmt, k, outs):
-    """IQ4_XS / Q6_K in the GEMV's tiled layouts (IQ4T / Q6T: 16-row tiles, lane-ordered quants,
+    """IQ4_XS / Q4_K / Q6_K in the GEMV's tiled layouts (IQ4T / Q4T / Q6T: 16-row tiles, lane-ordered quants,
     512-byte warp loads; ragged last tiles) give bit for bit the row-major kernel's results, at every
     width, with split-K and in grouped launches."""
     d, exe = mma_emu
@@ -224,7 +224,7 @@ def mma_emu_deep_ring(tmp_path_factory):
                          "-DSPECD_MMA_MIN_BLOCKS=3")
 
 
-@pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T", "Q6_K_T"])
+@pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T", "Q4_K_T", "Q6_K_T"])
 def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, rng, name):
     """The ring depth and occupancy constants change when units are loaded, never the arithmetic: a
     deep-ring build gives bit for bit the default build's rows (split-K on 1 SM, ragged last splits)."""

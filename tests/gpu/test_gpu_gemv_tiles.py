@@ -1,10 +1,11 @@
-"""IQ4_XS_TILED / Q6_K_TILED: IQ4_XS and Q6_K weights regrouped for the CUDA tensor-core GEMV
-(sn.tile_for_gemv).
+"""IQ4_XS_TILED / Q4_K_TILED / Q6_K_TILED: IQ4_XS, Q4_K and Q6_K weights regrouped for the CUDA
+tensor-core GEMV (sn.tile_for_gemv).
 
-The layouts (native/src/gpu/matmul_mma.cuh, IQ4T and Q6T): rows in tiles of 16. IQ4_XS, per tile and
+The layouts (native/src/gpu/matmul_mma.cuh, IQ4T, Q4T and Q6T): rows in tiles of 16. IQ4_XS, per tile and
 256-input unit 2176 bytes: 4 runs of 512 bytes of quants in the MMA's lane order (run i holds at 16 l
 the words 4 i .. 4 i + 3 of lane l = 4 g + t, word k = 8 h + j being qs[16 j + 4 t ..] of row g + 8 h),
-then the 16 rows' 8-byte headers. Q6_K, per tile and unit 3360 bytes: 6 runs of 512 bytes (run 3 h + c
+then the 16 rows' 8-byte headers; Q4_K the same with its qs (after a 16-byte header) and 16-byte
+headers (2304 bytes). Q6_K, per tile and unit 3360 bytes: 6 runs of 512 bytes (run 3 h + c
 holds at 16 l the words 4 c .. 4 c + 3 of lane l of row g + 8 h, whose words k = 0..11 are
 ql[16 k + 4 t ..] for k < 8 and qh[16 (k - 8) + 4 t ..]), then the 16 rows' 16 scale bytes, then their
 fp16 d. `pack_reference` / `pack_reference_q6` below write them from those descriptions (numpy),
@@ -31,6 +32,7 @@ GPU, CPU = sn.Device.GPU, sn.Device.CPU
 HAVE_TILES = sn.gpu_available() and sn.gemv_tiles_supported()
 TILED_ID = 0x10000 + 23
 Q6_TILED_ID = 0x10000 + 14
+Q4K_TILED_ID = 0x10000 + 12
 
 
 def tiles_only(f):
@@ -38,18 +40,19 @@ def tiles_only(f):
     return pytest.mark.gpu(f)
 
 
-def pack_reference(raw: np.ndarray) -> np.ndarray:
-    """Row-major IQ4_XS bytes [out, units * 136] (out % 16 == 0) -> the tiled layout's bytes."""
+def pack_reference(raw: np.ndarray, block: int = 136, hdr_bytes: int = 8) -> np.ndarray:
+    """Row-major IQ4_XS bytes [out, units * 136] (out % 16 == 0; Q4_K: block 144, hdr_bytes 16) -> the
+    tiled layout's bytes."""
     out, row_bytes = raw.shape
-    units = row_bytes // 136
-    blk = raw.reshape(out // 16, 16, units, 136)             # tile, row in tile, unit, byte
-    hdr = blk[..., :8].transpose(0, 2, 1, 3)                  # tile, unit, row, 8
-    qs = blk[..., 8:].reshape(out // 16, 2, 8, units, 8, 4, 4)  # tile, h, g, unit, j, t, byte
+    units = row_bytes // block
+    blk = raw.reshape(out // 16, 16, units, block)           # tile, row in tile, unit, byte
+    hdr = blk[..., :hdr_bytes].transpose(0, 2, 1, 3)          # tile, unit, row, hdr_bytes
+    qs = blk[..., hdr_bytes:].reshape(out // 16, 2, 8, units, 8, 4, 4)  # tile, h, g, unit, j, t, byte
     # word k = 8 h + j of lane 4 g + t at 512 (k // 4) + 16 lane + 4 (k % 4): order (k // 4, g, t, k % 4, byte)
     q = qs.transpose(0, 3, 1, 4, 2, 5, 6)                     # tile, unit, h, j, g, t, byte
     q = q.reshape(out // 16, units, 2, 2, 4, 8, 4, 4)         # tile, unit, h, j // 4, j % 4, g, t, byte
     q = q.transpose(0, 1, 2, 3, 5, 6, 4, 7)                   # tile, unit, h, j // 4, g, t, j % 4, byte
-    return np.concatenate([q.reshape(out // 16, units, 2048), hdr.reshape(out // 16, units, 128)],
+    return np.concatenate([q.reshape(out // 16, units, 2048), hdr.reshape(out // 16, units, 16 * hdr_bytes)],
                           axis=2).reshape(out, row_bytes)
 
 
@@ -69,7 +72,9 @@ def pack_reference_q6(raw: np.ndarray) -> np.ndarray:
 
 
 # source format -> (its tiled dtype, the reference packing)
-FORMATS = {"IQ4_XS": (sn.DType.IQ4_XS_TILED, pack_reference), "Q6_K": (sn.DType.Q6_K_TILED, pack_reference_q6)}
+FORMATS = {"IQ4_XS": (sn.DType.IQ4_XS_TILED, pack_reference),
+           "Q4_K": (sn.DType.Q4_K_TILED, lambda raw: pack_reference(raw, 144, 16)),
+           "Q6_K": (sn.DType.Q6_K_TILED, pack_reference_q6)}
 
 
 def blocks(rng, fmt, out, k):
@@ -96,6 +101,25 @@ def test_pack_reference_moves_every_byte_once(rng):
     assert bytes(unit[2048 + 8 * 9 : 2048 + 8 * 10]) == bytes(raw[9, 136 : 136 + 8])
 
 
+def test_pack_reference_q4_k_spot_checks(rng):
+    raw = rng.integers(0, 256, (32, 2 * 144), dtype=np.uint8)
+    packed = pack_reference(raw, 144, 16)
+    assert sorted(packed.ravel().tolist()) == sorted(raw.ravel().tolist())
+    unit = packed.reshape(2, 2, 2304)[1, 0]  # tile 1, unit 0: rows 16..31
+    # row 16 + 10 (g 2, h 1), qs word k 6, t 3 -> run 2 + 1, lane 11, word 2
+    assert bytes(unit[512 * 3 + 16 * 11 + 8 : 512 * 3 + 16 * 11 + 12]) == bytes(raw[26, 16 + 16 * 6 + 12 : 16 + 16 * 6 + 16])
+    assert bytes(unit[2048 + 16 * 10 : 2048 + 16 * 11]) == bytes(raw[26, :16])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pack_reference_is_a_permutation(fmt):
+    """Every byte position lands exactly once (the packers work on any element type: distinct ints)."""
+    block = {"IQ4_XS": 136, "Q4_K": 144, "Q6_K": 210}[fmt]
+    raw = np.arange(32 * 3 * block, dtype=np.int32).reshape(32, 3 * block)
+    packed = FORMATS[fmt][1](raw)
+    assert packed.shape == raw.shape and np.array_equal(np.sort(packed.ravel()), raw.ravel())
+
+
 def test_pack_reference_q6_moves_every_byte_once(rng):
     raw = rng.integers(0, 256, (32, 2 * 210), dtype=np.uint8)
     packed = pack_reference_q6(raw)
@@ -111,10 +135,11 @@ def test_pack_reference_q6_moves_every_byte_once(rng):
 
 
 def test_tiled_dtype_is_not_a_ggml_type():
-    for tid, name in ((TILED_ID, "IQ4_XS"), (Q6_TILED_ID, "Q6_K")):
+    for tid, name in ((TILED_ID, "IQ4_XS"), (Q6_TILED_ID, "Q6_K"), (Q4K_TILED_ID, "Q4_K")):
         with pytest.raises(ValueError, match=f"GEMV layout of {name}"):
             sn.dtype_from_id(tid)
     assert int(sn.DType.IQ4_XS_TILED) == TILED_ID and int(sn.DType.Q6_K_TILED) == Q6_TILED_ID
+    assert int(sn.DType.Q4_K_TILED) == Q4K_TILED_ID and sn.type_size(sn.DType.Q4_K_TILED) == 144
     assert sn.block_size(sn.DType.Q6_K_TILED) == 256 and sn.type_size(sn.DType.Q6_K_TILED) == 210
 
 
@@ -173,6 +198,28 @@ def test_tiled_matmul_bit_identical(rng, fmt, out, k):
 
 
 @tiles_only
+def test_tile_for_gemv_of_a_two_byte_aligned_q6_k_view(rng):
+    """Q6_K rows are 210 * units bytes: a row view starts 2-byte aligned, and the tiling kernel reads
+    16-bit halves, so it tiles any row view."""
+    w = blocks(rng, "Q6_K", 17, 512)
+    view = w.to(GPU).view_rows(1, 17)
+    t = sn.tile_for_gemv(view)
+    assert np.array_equal(t.to(CPU).numpy().reshape(16, -1), pack_reference_q6(w.numpy()[1:17]))
+
+
+@tiles_only
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiled_prefill_across_panels(rng, fmt):
+    """The BF16 dequantization of a weight larger than one panel (panels start at rows that are not
+    multiples of 16): the tiled rows gathered from any start row."""
+    w = blocks(rng, fmt, 3296, 40960).to(GPU)
+    x = sn.Tensor((rng.standard_normal((20, 40960)) * 0.5).astype(np.float32)).to(GPU)
+    ref = sn.matmul(x, w, exact=False).to(CPU).numpy()
+    got = sn.matmul(x, sn.tile_for_gemv(w), exact=False).to(CPU).numpy()
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+
+
+@tiles_only
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tiled_matmul_right_after_tiling(rng, fmt):
     """x already on the device, tile_for_gemv then matmul with nothing synchronising between them:
@@ -204,8 +251,9 @@ def test_tiled_prefill_path_bit_identical(rng, fmt):
 def test_tiled_group_with_other_formats(rng):
     k = 512
     ws = [iq4(rng, 64, k).to(GPU), blocks(rng, "Q6_K", 32, k).to(GPU), iq4(rng, 48, k).to(GPU),
-          blocks(rng, "Q6_K", 80, k).to(GPU)]
-    tiled = [sn.tile_for_gemv(ws[0]), ws[1], sn.tile_for_gemv(ws[2]), sn.tile_for_gemv(ws[3])]
+          blocks(rng, "Q6_K", 80, k).to(GPU), blocks(rng, "Q4_K", 32, k).to(GPU), blocks(rng, "Q4_K", 16, k).to(GPU)]
+    tiled = [sn.tile_for_gemv(ws[0]), ws[1], sn.tile_for_gemv(ws[2]), sn.tile_for_gemv(ws[3]), sn.tile_for_gemv(ws[4]),
+             ws[5]]
     for n in (1, 5, 16, 20):
         x = sn.Tensor((rng.standard_normal((n, k)) * 0.5).astype(np.float32)).to(GPU)
         for a, b in zip(sn.matmul_group(x, ws), sn.matmul_group(x, tiled)):
@@ -218,28 +266,30 @@ def test_tiled_bad_input(rng):
         sn.tile_for_gemv(iq4(rng, 24, 256).to(GPU))
     with pytest.raises(ValueError, match="multiple of 16"):
         sn.tile_for_gemv(blocks(rng, "Q6_K", 24, 256).to(GPU))
-    with pytest.raises(ValueError, match="IQ4_XS or Q6_K, got Q4_K"):
-        sn.tile_for_gemv(blocks(rng, "Q4_K", 16, 256).to(GPU))
+    with pytest.raises(ValueError, match="IQ4_XS, Q4_K or Q6_K, got Q5_K"):
+        sn.tile_for_gemv(blocks(rng, "Q5_K", 16, 256).to(GPU))
     wt = sn.tile_for_gemv(iq4(rng, 32, 256).to(GPU))
     with pytest.raises(ValueError, match="tiled layout"):
         sn.slice(wt, 0, 0, 16)
-    with pytest.raises(ValueError, match="IQ4_XS_TILED"):
-        sn.embedding(wt, sn.Tensor(np.array([0, 1], np.int32)))
-    for dt, nbytes in ((sn.DType.IQ4_XS_TILED, 136), (sn.DType.Q6_K_TILED, 210)):
+    for fmt, (tiled, _) in FORMATS.items():
+        with pytest.raises(ValueError, match=f"{fmt}_TILED"):
+            sn.embedding(sn.tile_for_gemv(blocks(rng, fmt, 32, 256).to(GPU)), sn.Tensor(np.array([0, 1], np.int32)))
+    for dt, nbytes in ((sn.DType.IQ4_XS_TILED, 136), (sn.DType.Q4_K_TILED, 144), (sn.DType.Q6_K_TILED, 210)):
         ragged = sn.Tensor(np.zeros((24, nbytes), np.uint8), dt).to(GPU)  # not made by tile_for_gemv
         with pytest.raises(ValueError, match="multiple of 16"):
             sn.matmul(sn.Tensor(np.zeros((1, 256), np.float32)).to(GPU), ragged)
 
 
 @tiles_only
-def test_model_with_tiled_layers_equals_row_major(tmp_path):
+@pytest.mark.parametrize("mix,body", [("iq4xs", "IQ4_XS"), ("q4km", "Q4_K")])
+def test_model_with_tiled_layers_equals_row_major(tmp_path, mix, body):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "bench"))
     import random_qwen35 as rq
     from specd.target_worker.gguf_loader import load_qwen35
     from specd.target_worker.model import Qwen35Model
 
-    path = tmp_path / "tiny-iq4xs.gguf"
-    rq.write(path, "tiny", "iq4xs")
+    path = tmp_path / f"tiny-{mix}.gguf"
+    rq.write(path, "tiny", mix)
     def cached():  # bytes the pool holds but no buffer uses
         mi = sn.gpu_memory_info()
         return mi["pool_reserved_bytes"] - mi["pool_used_bytes"] if mi["pool"] else 0
@@ -248,11 +298,12 @@ def test_model_with_tiled_layers_equals_row_major(tmp_path):
     tiled = Qwen35Model(load_qwen35(str(path)), device=GPU, gemv_tiles=True)
     assert cached() <= before + (64 << 20), "the upload temporaries stay cached (sn.gpu_trim_pool)"
     plain = Qwen35Model(load_qwen35(str(path)), device=GPU, gemv_tiles=False)
-    assert tiled.layers[0].ffn_gate.dtype == sn.DType.IQ4_XS_TILED
-    assert plain.layers[0].ffn_gate.dtype == sn.DType.IQ4_XS
+    assert tiled.layers[0].ffn_gate.dtype == getattr(sn.DType, body + "_TILED")
+    assert plain.layers[0].ffn_gate.dtype == getattr(sn.DType, body)
     dtypes = {getattr(v, "dtype", None) for layer in tiled.layers for v in vars(layer).values()}
-    assert sn.DType.Q6_K_TILED in dtypes and sn.DType.Q6_K not in dtypes  # the mix's attn_v / ssm_out
-    assert tiled.output.dtype != sn.DType.IQ4_XS_TILED and tiled.token_embd.dtype != sn.DType.IQ4_XS_TILED
+    assert sn.DType.Q6_K_TILED in dtypes  # the mix's attn_v (and ssm_out / every other ffn_down)
+    assert not dtypes & {sn.DType.Q6_K, sn.DType.IQ4_XS, sn.DType.Q4_K}, dtypes  # every layer matrix tiled
+    assert tiled.output.dtype == plain.output.dtype and tiled.token_embd.dtype == plain.token_embd.dtype  # row-major
     prompt = list(range(3, 40))
     sa, sb = tiled.new_sequence(128), plain.new_sequence(128)
     la, lb = tiled.prefill(sa, prompt), plain.prefill(sb, prompt)

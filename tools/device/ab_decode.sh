@@ -6,7 +6,8 @@
 #      of OLD ("name:dir ...") is built into /tmp/site_NAME (its own build folder) and, with
 #      SWEEP_VARIANTS, gemv_sweep.sh compiles its variants (a variant can point -I at an old tree's
 #      native/src/gpu: its headers then replace the working tree's).
-#   2. tools/bench/gpu_decode.py of each tree on the GGUF, the old ones then "new", ROUNDS times
+#   2. tools/bench/gpu_decode.py of each tree on the GGUF (the random 27B in quant mix MIX, default iq4xs),
+#      the old ones then "new", ROUNDS times
 #      (default 2): plain decode tok/s, verify ms at widths 1..17 and the scripted loop (no prefill, no profile).
 #   3. the sweep's runs (SWEEP_FORMAT as gemv_sweep.sh).
 # The old trees: folders carried with the working tree (untracked), e.g.
@@ -26,6 +27,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 : "${OLD:?OLD: the baseline trees, name:dir ...}"
 R=$PWD
+MIX=${MIX:-iq4xs}  # the random 27B's quant mix (tools/bench/random_qwen35.py: iq4xs, q4km, ...)
 GGUF=/tmp/r27-ab.gguf
 trap 'rm -f "$GGUF" "$GGUF.tmp"' EXIT  # 15 GB: never left behind
 # The old trees' builds need the wheels (grpcio-tools builds the protos) before gpu_tests.sh installs them
@@ -81,10 +83,10 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       continue
     fi
     rm -rf "/tmp/ab_$tree$round" && mkdir -p "/tmp/ab_$tree$round"  # no result of an earlier call
-    (cd /tmp && PYTHONPATH=$path timeout 150 python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix iq4xs \
+    (cd /tmp && PYTHONPATH=$path timeout 150 python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix "$MIX" \
       --prefill --decode-tokens 64 --out "/tmp/ab_$tree$round") >>"$OUT/ab.log" 2>&1
     echo "decode $tree round $round rc=$? at ${SECONDS}s" | tee -a "$OUT/ab.log" >>"$OUT/status.txt"
-    python3 - "$tree" "$round" "/tmp/ab_$tree$round/gpu_decode_iq4xs.json" "$lib" >>"$OUT/ab.tsv" <<'EOF'
+    python3 - "$tree" "$round" "/tmp/ab_$tree$round/gpu_decode_$MIX.json" "$lib" >>"$OUT/ab.tsv" <<'EOF'
 import json, sys
 tree, rnd, path, lib = sys.argv[1:]
 try:  # no file, or a result without one of these columns: reported as missing (the exit status says so)

@@ -42,15 +42,16 @@ struct Format {
   const char* name;
   int block_bytes, block_elems;
   std::vector<int> d_offsets;  // fp16 scale fields of a block, set to a small value (no inf / NaN)
-  bool tiled;                  // uploaded in the GEMV's tiled layout (IQ4_XS_T: mma::IQ4T, Q6_K_T: mma::Q6T)
+  bool tiled;                  // uploaded in the GEMV's tiled layout (IQ4_XS_T, Q4_K_T, Q6_K_T: mma::IQ4T / Q4T / Q6T)
 };
 
-// IQ4_XS_T / Q6_K_T get the bytes IQ4_XS / Q6_K get (the weights of a shape depend on the block size
+// IQ4_XS_T / Q4_K_T / Q6_K_T get the bytes IQ4_XS / Q4_K / Q6_K get (the weights of a shape depend on the block size
 // only), so their checksums must agree bit for bit; their buffers hold the tiled layout
 // (kTileUnitBytes per 16 rows x 256 inputs, the bytes its GB/s count: the header under test decides them).
 const Format kFormats[] = {
     {"IQ4_XS", 136, 256, {0}, false}, {"IQ4_XS_T", 136, 256, {0}, true}, {"Q4_K", 144, 256, {0, 2}, false},
-    {"Q5_K", 176, 256, {0, 2}, false}, {"Q6_K", 210, 256, {208}, false}, {"Q6_K_T", 210, 256, {208}, true},
+    {"Q4_K_T", 144, 256, {0, 2}, true}, {"Q5_K", 176, 256, {0, 2}, false}, {"Q6_K", 210, 256, {208}, false},
+    {"Q6_K_T", 210, 256, {208}, true},
     {"Q8_0", 34, 32, {0}, false},
 };
 
@@ -61,8 +62,11 @@ void tile(const Format& f, const std::vector<uint8_t*>& bufs, int64_t out, int64
   CK(cudaMalloc(&tmp, size_t(wbytes)));
   for (uint8_t* p : bufs) {
     CK(cudaMemcpy(tmp, p, size_t(wbytes), cudaMemcpyDeviceToDevice));
-    if (f.block_bytes == 210)
+    const std::string nm = f.name;
+    if (nm == "Q6_K_T")
       mma::launch_tile_q6_k(tmp, out, in, p, nullptr);
+    else if (nm == "Q4_K_T")
+      mma::launch_tile_q4_k(tmp, out, in, p, nullptr);
     else
       mma::launch_tile_iq4_xs(tmp, out, in, p, nullptr);
   }
@@ -108,6 +112,7 @@ void run(const Format& f, const std::vector<mma::GroupWeight>& ws, int64_t in, c
   if (nm == "Q5_K") return dispatch<mma::QK45U<true>>(ws, in, x, n, xbuf, scratch);
   if (nm == "Q6_K") return dispatch<mma::Q6U>(ws, in, x, n, xbuf, scratch);
   if (nm == "Q6_K_T") return dispatch<mma::Q6T>(ws, in, x, n, xbuf, scratch);
+  if (nm == "Q4_K_T") return dispatch<mma::Q4T>(ws, in, x, n, xbuf, scratch);
   return dispatch<mma::Q8U>(ws, in, x, n, xbuf, scratch);
 }
 
@@ -152,7 +157,7 @@ int main(int argc, char** argv) {
     if (only && (std::string(",") + only + ",").find(std::string(",") + f.name + ",") == std::string::npos) continue;
     for (const Shape& sh : shapes) {
       const int64_t row_bytes = sh.in / f.block_elems * f.block_bytes, wbytes = sh.out * row_bytes;
-      const int64_t tile_unit = f.block_bytes == 210 ? mma::Q6T::kTileUnitBytes : mma::IQ4T::kTileUnitBytes;
+      const int64_t tile_unit = 16 * f.block_bytes;  // every tiled layout keeps the bytes of its 16 rows
       const int64_t dev_bytes = f.tiled ? sh.out / 16 * (sh.in / 256) * tile_unit : wbytes;
       const int64_t call_bytes = dev_bytes * sh.group;
       const int copies = int(std::max<int64_t>(1, (240ll << 20) / call_bytes + 1));  // > 4x the 50 MB L2

@@ -20,7 +20,7 @@
 # python tools/device/ncu_src_summary.py ncu_src_*.csv). Checksums agree bit for bit between
 # variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS changes the split-K arithmetic).
 # SWEEP_WIDTHS=1,8 times those widths only (default 1, 2, 4, 8, 10, 12, 16).
-# SWEEP_FORMAT=NAME[,NAME...] times those formats only (IQ4_XS, IQ4_XS_T, Q4_K, Q5_K, Q6_K, Q6_K_T, Q8_0;
+# SWEEP_FORMAT=NAME[,NAME...] times those formats only (IQ4_XS, IQ4_XS_T, Q4_K, Q4_K_T, Q5_K, Q6_K, Q6_K_T, Q8_0;
 # read by gemv_sweep.cu).
 # SWEEP_BUILD_ONLY=1 compiles the variants and stops (no GPU needed: e.g. while tests run), SWEEP_SKIP_BUILD=1
 # then runs them (tools/device/ab_decode.sh does both).

@@ -183,8 +183,8 @@ Tensor contiguous_copy(const Tensor& t) {
 
 void register_core(py::module_& m) {
   py::enum_<DType>(m, "DType", "Tensor element/block formats; values are ggml type ids (GGMLQuantizationType), except "
-                       "IQ4_XS_TILED (0x10017) and Q6_K_TILED (0x1000e): specd's GPU GEMV layouts of IQ4_XS and Q6_K "
-                       "(see tile_for_gemv).")
+                       "IQ4_XS_TILED (0x10017), Q4_K_TILED (0x1000c) and Q6_K_TILED (0x1000e): specd's GPU GEMV "
+                       "layouts of IQ4_XS, Q4_K and Q6_K (see tile_for_gemv).")
       .value("F32", DType::F32)
       .value("F16", DType::F16)
       .value("Q8_0", DType::Q8_0)
@@ -193,6 +193,7 @@ void register_core(py::module_& m) {
       .value("Q6_K", DType::Q6_K)
       .value("IQ4_XS", DType::IQ4_XS)
       .value("IQ4_XS_TILED", DType::IQ4_XS_TILED)
+      .value("Q4_K_TILED", DType::Q4_K_TILED)
       .value("Q6_K_TILED", DType::Q6_K_TILED)
       .value("I32", DType::I32)
       .value("BF16", DType::BF16);

@@ -196,10 +196,10 @@ Raises ValueError as swiglu and matmul_group do.)doc");
         throw std::invalid_argument("tile_for_gemv: w must be a GPU tensor (the tiled layout is for the GPU GEMV)");
       },
       py::arg("w"),
-      R"doc(w regrouped for the CUDA tensor-core GEMV: IQ4_XS or Q6_K [out, in] on the GPU (contiguous,
-out a multiple of 16) -> a new GPU tensor of dtype IQ4_XS_TILED or Q6_K_TILED, same shape and bytes,
-rows in tiles of 16 whose quants sit in the MMA's lane order (every warp load covers 512 contiguous
-bytes: IQ4_XS's row-major loads are 8 rows x 16 bytes, Q6_K's 2-byte words). matmul / matmul_group
+      R"doc(w regrouped for the CUDA tensor-core GEMV: IQ4_XS, Q4_K or Q6_K [out, in] on the GPU
+(contiguous, out a multiple of 16) -> a new GPU tensor of dtype IQ4_XS_TILED, Q4_K_TILED or Q6_K_TILED,
+same shape and bytes, rows in tiles of 16 whose quants sit in the MMA's lane order (every warp load of
+quants covers 512 contiguous bytes: the row-major loads are 8 rows x 16 bytes, Q6_K's 2-byte words). matmul / matmul_group
 give bit-identical results on either layout; every other op refuses the tiled dtypes (they are not
 row-major). Raises ValueError for another dtype, device or shape, or when the build has no
 tensor-core GEMV (see gemv_tiles_supported).)doc");
@@ -213,7 +213,8 @@ tensor-core GEMV (see gemv_tiles_supported).)doc");
         return false;
 #endif
       },
-      "True when this build's GPU matmul reads IQ4_XS_TILED and Q6_K_TILED (CUDA builds; not HIP, not CPU-only).");
+      "True when this build's GPU matmul reads the tiled layouts (IQ4_XS_TILED, Q4_K_TILED, Q6_K_TILED; CUDA builds, "
+      "not HIP, not CPU-only).");
 
   m.def(
       "embedding",

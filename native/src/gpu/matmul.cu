@@ -4,7 +4,7 @@
 // dequantize + vendor GEMM path (matmul_blas.cu).
 //
 // Two GEMVs. On CUDA the quantized formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS and the tiled IQ4_XS_TILED,
-// Q6_K_TILED) run the tensor-core
+// Q4_K_TILED, Q6_K_TILED) run the tensor-core
 // GEMV of matmul_mma.cuh; F32 / F16 / BF16, and every format on HIP, run the FP32-FMA GEMV below.
 // A format always takes the same kernel at every width 1..16 (batch invariance, below).
 //
@@ -294,8 +294,8 @@ void check_weight(const Tensor& w, int64_t in, const char* op) {
   const DType t = w.dtype;
   SPECD_CHECK(t == DType::Q8_0 || t == DType::F32 || t == DType::F16 || t == DType::BF16 || t == DType::Q4_K ||
                   t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS || (is_gemv_tiled(t) && SPECD_MMA_GEMV),
-              op, ": w must be F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS or (CUDA) IQ4_XS_TILED / Q6_K_TILED on the "
-              "GPU, got ", dtype_info(t).name);
+              op, ": w must be F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS or (CUDA) a tiled layout (IQ4_XS_TILED, "
+              "Q4_K_TILED, Q6_K_TILED) on the GPU, got ", dtype_info(t).name);
   if (is_gemv_tiled(t))
     SPECD_CHECK(w.dim(0) % kGemvTileRows == 0, op, ": a ", dtype_info(t).name, " weight has a multiple of ",
                 kGemvTileRows, " rows, got ", w.dim(0));
@@ -551,8 +551,8 @@ bool gemv_tiles_supported() { return SPECD_MMA_GEMV != 0; }
 Tensor tile_for_gemv(const Tensor& w) {
   const char* op = "tile_for_gemv";
   detail::check_gpu(w, op, "w");
-  SPECD_CHECK(w.dtype == DType::IQ4_XS || w.dtype == DType::Q6_K, op, ": w must be IQ4_XS or Q6_K, got ",
-              dtype_info(w.dtype).name);
+  SPECD_CHECK(w.dtype == DType::IQ4_XS || w.dtype == DType::Q4_K || w.dtype == DType::Q6_K, op,
+              ": w must be IQ4_XS, Q4_K or Q6_K, got ", dtype_info(w.dtype).name);
   check_ndim(w, 2, op, "w");
   check_contiguous(w, op, "w");
   SPECD_CHECK(gemv_tiles_supported(), op, ": the tiled layout is read by the CUDA tensor-core GEMV only (this is a ",
@@ -562,12 +562,15 @@ Tensor tile_for_gemv(const Tensor& w) {
   const bool q6 = w.dtype == DType::Q6_K;
   SPECD_CHECK(reinterpret_cast<uintptr_t>(w.data) % (q6 ? 2 : 4) == 0, op, ": w data must be ", q6 ? 2 : 4,
               "-byte aligned (the kernel's loads)");
-  Tensor y = Tensor::empty(w.shape, q6 ? DType::Q6_K_TILED : DType::IQ4_XS_TILED, Device::GPU);
+  const DType tiled = q6 ? DType::Q6_K_TILED : w.dtype == DType::Q4_K ? DType::Q4_K_TILED : DType::IQ4_XS_TILED;
+  Tensor y = Tensor::empty(w.shape, tiled, Device::GPU);
 #if SPECD_MMA_GEMV
   const auto* src = static_cast<const uint8_t*>(w.data);
   auto* dst = static_cast<uint8_t*>(y.data);
   if (q6)
     detail::mma::launch_tile_q6_k(src, out, in, dst, detail::stream());
+  else if (tiled == DType::Q4_K_TILED)
+    detail::mma::launch_tile_q4_k(src, out, in, dst, detail::stream());
   else
     detail::mma::launch_tile_iq4_xs(src, out, in, dst, detail::stream());
 #else

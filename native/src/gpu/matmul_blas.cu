@@ -72,8 +72,8 @@ __global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* _
   }
 }
 
-// The same for rows [r0, r0 + rows) of a tiled weight w (IQ4_XS_TILED: T = IQ4XSTiledW, Q6_K_TILED:
-// Q6KTiledW; nunits 256-input units per row, 8 chunks each).
+// The same for rows [r0, r0 + rows) of a tiled weight w (IQ4_XS_TILED: T = IQ4XSTiledW, Q4_K_TILED:
+// Q4KTiledW, Q6_K_TILED: Q6KTiledW; nunits 256-input units per row, 8 chunks each).
 template <class T>
 __global__ void __launch_bounds__(kThreads) dequant_tiled_bf16_kernel(const uint8_t* __restrict__ w, uint32_t nunits,
                                                                      int64_t r0, uint32_t rows, int64_t in,
@@ -130,6 +130,7 @@ void dequant_panel(const Tensor& w, int64_t r0, int64_t rows, uint16_t* dst) {
     case DType::IQ4_XS: return dequant_launch<IQ4XSW>(src, rb, in / 32, rows, in, dst);
     case DType::IQ4_XS_TILED: return dequant_tiled_launch<IQ4XSTiledW>(w, r0, rows, dst);
     case DType::Q6_K_TILED: return dequant_tiled_launch<Q6KTiledW>(w, r0, rows, dst);
+    case DType::Q4_K_TILED: return dequant_tiled_launch<Q4KTiledW>(w, r0, rows, dst);
     case DType::F32:
       if (in % 4 == 0 && w16) return dequant_launch<F32W<4>>(src, rb, in / 4, rows, in, dst);
       return dequant_launch<F32W<1>>(src, rb, in, rows, in, dst);

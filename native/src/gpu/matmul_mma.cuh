@@ -1,5 +1,6 @@
 // Integer tensor-core GEMV of the quantized weight formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, and
-// IQ4_XS_TILED / Q6_K_TILED: IQ4_XS / Q6_K in this GEMV's 16-row tiles, IQ4T / Q6T below) for n <= 16 rows of x:
+// IQ4_XS_TILED / Q4_K_TILED / Q6_K_TILED: those formats in this GEMV's 16-row tiles, IQ4T / Q4T / Q6T
+// below) for n <= 16 rows of x:
 // y[n, out] = x[n, in] @ w[out, in]^T; each call is split_x, the grouped GEMV (a programmatic
 // dependent of split_x, as every kernel: pdl.cuh; it loads its first weight units before pdl_wait) and
 // the split-K sums. Included by matmul.cu (see its header for
@@ -72,7 +73,8 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #define SPECD_MMA_MAX_AHEAD 4  // most units loading ahead (units_ahead)
 #endif
 #ifndef SPECD_MMA_WEIGHT_NOALLOC
-#define SPECD_MMA_WEIGHT_NOALLOC 0  // 1: weight loads skip L1 (ld.global.nc.L1::no_allocate; IQ4_XS / Q4_K / Q5_K)
+#define SPECD_MMA_WEIGHT_NOALLOC 0  // 1: weight loads skip L1 (ld.global.nc.L1::no_allocate; the ldw loads of IQ4_XS,
+                                    // Q4_K, Q5_K and the tiled layouts)
 #endif
 #ifndef SPECD_MMA_MIN_BLOCKS
 #define SPECD_MMA_MIN_BLOCKS 4  // resident blocks per SM the 1-2 tile instances are compiled for (3+ tiles: one fewer)
@@ -343,7 +345,7 @@ struct IQ4U {
   }
 };
 
-// IQ4_XS in the GEMV's tiled layout (DType::IQ4_XS_TILED, made by tile_iq4_xs_kernel): rows in tiles of 16; per tile and unit
+// IQ4_XS in the GEMV's tiled layout (DType::IQ4_XS_TILED, made by tile_q4_kernel): rows in tiles of 16; per tile and unit
 // (256 inputs) 2176 bytes: first the 16 rows' quants in lane order, 4 runs of 512 bytes, run i holding
 // at 16 l the words 4 i .. 4 i + 3 of lane l = 4 g + t, whose 16 words are qs[16 j + 4 t ..] (j = 0..7)
 // of row g, then of row g + 8; then the 16 rows' 8-byte headers (d, scales_h, scales_l) in row
@@ -531,6 +533,32 @@ struct Q6U {
       }
     }
     finish(acc, u, d, xv, accf);
+  }
+};
+
+// Q4_K in the GEMV's tiled layout (DType::Q4_K_TILED, made by tile_q4_kernel; weight_formats.cuh
+// kQ4TileUnitBytes): IQ4T's arrangement with Q4_K's 16-byte headers: per tile and unit 2304 bytes, the
+// 16 rows' quants in lane order (4 runs of 512 bytes, run i holding at 16 l the words 4 (i & 1) .. + 3 of
+// lane l = 4 g + t for row g + 8 (i / 2), whose 8 words are qs[16 k + 4 t ..]), then the 16 rows' 16-byte
+// headers (d, dmin, scales) in row order. Same values and arithmetic as QK45U<false>: bit-identical.
+struct Q4T {
+  static constexpr int kUnitElems = 256, kTileUnitBytes = int(kQ4TileUnitBytes);
+  static constexpr bool kTiled = true;
+  using Raw = QK45U<false>::Raw;
+  __device__ __forceinline__ static void load_tile(const uint8_t* __restrict__ p, int lane, Raw (&r)[2]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 v = ldw<uint4>(p + 512 * i + 16 * lane);
+      uint32_t* q = r[i >> 1].q + 4 * (i & 1);
+      q[0] = v.x, q[1] = v.y, q[2] = v.z, q[3] = v.w;
+    }
+    const int g = lane >> 2;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) r[h].hdr = ldw<uint4>(p + 2048 + 16 * (g + 8 * h)), r[h].h[0] = 0;
+  }
+  template <int NT>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+    QK45U<false>::unit<NT>(r, u, xv, accf);
   }
 };
 
@@ -1001,30 +1029,36 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   }
 }
 
-// dst (IQ4_XS_TILED) = src (IQ4_XS [out, nunits * 256], row-major, out % 16 == 0) regrouped into
-// IQ4T's tiles: one thread per 16 bytes of dst; a tile unit's 136 pieces are
-// its 128 quant pieces (run i = q / 32, lane q % 32: words 4 i .. 4 i + 3, i.e. sub-blocks 4 (i & 1)
-// .. + 3 of row g + 8 (i / 2), 4 bytes each at offset 4 t) and its 8 header pieces (rows 2 m, 2 m + 1).
-__global__ void tile_iq4_xs_kernel(const uint8_t* __restrict__ src, int64_t nunits, int64_t pieces,
-                                   uint4* __restrict__ dst) {
+// dst (IQ4_XS_TILED / Q4_K_TILED) = src (IQ4_XS / Q4_K [out, nunits * 256], row-major, 4-byte aligned, out %
+// 16 == 0; kBlock-byte blocks: a kHdr-byte header, then qs[128] at kHdr) regrouped into IQ4T's / Q4T's
+// tiles: one thread per 16 bytes of dst; a tile unit's 128 + kHdr pieces are its 128 quant pieces
+// (run i = q / 32, lane q % 32: words 4 i .. 4 i + 3, i.e. qs[16 k + 4 t ..] for k = 4 (i & 1) .. + 3, of
+// row g + 8 (i / 2)) and its header pieces (the 16 rows' headers one after the other, 16 bytes a piece).
+template <int kBlock, int kHdr>
+__global__ void tile_q4_kernel(const uint8_t* __restrict__ src, int64_t nunits, int64_t pieces,
+                               uint4* __restrict__ dst) {
   detail::pdl_wait();  // and never lets the next kernel launch early: a GEMV reads weights before waiting (pdl.cuh)
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (id >= pieces) return;
-  const int q = int(id % 136);
-  const int64_t tu = id / 136, u = tu % nunits, tile = tu / nunits, row_bytes = nunits * 136;
-  const uint8_t* base = src + tile * 16 * row_bytes + u * 136;  // row 0 of the tile, unit u
+  constexpr int kPieces = 128 + kHdr;  // 16-byte pieces per tile unit: 2048 quant bytes + 16 headers
+  const int q = int(id % kPieces);
+  const int64_t tu = id / kPieces, u = tu % nunits, tile = tu / nunits, row_bytes = nunits * kBlock;
+  const uint8_t* base = src + tile * 16 * row_bytes + u * kBlock;  // row 0 of the tile, unit u
   const auto word = [](const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); };
-  uint4 v;
+  uint32_t v[4];
   if (q < 128) {
     const int i = q >> 5, lane = q & 31, g = lane >> 2, t = lane & 3;
-    const uint8_t* blk = base + (g + 8 * (i >> 1)) * row_bytes + 8 + 4 * t;
-    const int j0 = 4 * (i & 1);
-    v = make_uint4(word(blk + 16 * j0), word(blk + 16 * (j0 + 1)), word(blk + 16 * (j0 + 2)), word(blk + 16 * (j0 + 3)));
+    const uint8_t* blk = base + (g + 8 * (i >> 1)) * row_bytes + kHdr + 4 * t;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) v[m] = word(blk + 16 * (4 * (i & 1) + m));
   } else {
-    const uint8_t* h0 = base + 2 * (q - 128) * row_bytes;
-    v = make_uint4(word(h0), word(h0 + 4), word(h0 + row_bytes), word(h0 + row_bytes + 4));
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {  // header-area byte b = 16 (q - 128) + 4 m: row b / kHdr, offset b % kHdr
+      const int b = 16 * (q - 128) + 4 * m;
+      v[m] = word(base + (b / kHdr) * row_bytes + b % kHdr);
+    }
   }
-  dst[id] = v;
+  dst[id] = make_uint4(v[0], v[1], v[2], v[3]);
 }
 
 // dst (Q6_K_TILED) = src (Q6_K [out, nunits * 256], row-major, 2-byte aligned, out % 16 == 0) regrouped
@@ -1034,7 +1068,7 @@ __global__ void tile_iq4_xs_kernel(const uint8_t* __restrict__ src, int64_t nuni
 // its 2 d pieces (rows 0-7, 8-15). The source is only 2-byte aligned: read as 16-bit words.
 __global__ void tile_q6_k_kernel(const uint8_t* __restrict__ src, int64_t nunits, int64_t pieces,
                                  uint4* __restrict__ dst) {
-  detail::pdl_wait();  // and never lets the next kernel launch early (as tile_iq4_xs_kernel)
+  detail::pdl_wait();  // and never lets the next kernel launch early (as tile_q4_kernel)
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (id >= pieces) return;
   const int q = int(id % 210);
@@ -1069,19 +1103,27 @@ inline void launch_tile_q6_k(const uint8_t* src, int64_t out, int64_t in, uint8_
                                           pieces, reinterpret_cast<uint4*>(dst));
 }
 
-// dst = src (IQ4_XS [out, in] on the device, out % 16 == 0, in % 256 == 0) in IQ4T's tiled layout.
-inline void launch_tile_iq4_xs(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
-  const int64_t nunits = in / 256, pieces = out / 16 * nunits * 136;  // 16-byte pieces of dst
+// dst = src (IQ4_XS or Q4_K [out, in] on the device, out % 16 == 0, in % 256 == 0) in IQ4T's / Q4T's
+// tiled layout.
+template <int kBlock, int kHdr>
+inline void launch_tile_q4(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
+  const int64_t nunits = in / 256, pieces = out / 16 * nunits * (128 + kHdr);  // 16-byte pieces of dst
   if (pieces == 0) return;
   SPECD_CHECK((pieces + 255) / 256 <= 0x7fffffff, "tile_for_gemv: too many blocks for one launch");
-  detail::launch_kernel<tile_iq4_xs_kernel>("tile_iq4_xs_kernel", unsigned((pieces + 255) / 256), 256, 0, s, src,
-                                            nunits, pieces, reinterpret_cast<uint4*>(dst));
+  detail::launch_kernel<tile_q4_kernel<kBlock, kHdr>>("tile_q4_kernel", unsigned((pieces + 255) / 256), 256, 0, s,
+                                                      src, nunits, pieces, reinterpret_cast<uint4*>(dst));
+}
+inline void launch_tile_iq4_xs(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
+  launch_tile_q4<136, 8>(src, out, in, dst, s);
+}
+inline void launch_tile_q4_k(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
+  launch_tile_q4<144, 16>(src, out, in, dst, s);
 }
 
 // Whether the tensor-core GEMV handles weight format t.
 inline bool handles(DType t) {
   return t == DType::Q8_0 || t == DType::Q4_K || t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS ||
-         t == DType::IQ4_XS_TILED || t == DType::Q6_K_TILED;
+         is_gemv_tiled(t);
 }
 
 // One weight of a tensor-core GEMV call: the grouped launch's view of it and its format.
@@ -1121,6 +1163,7 @@ inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv,
         case DType::IQ4_XS: return launch<IQ4U, kNT>(batch, m, in, xv, n, sms, partials, s);
         case DType::IQ4_XS_TILED: return launch<IQ4T, kNT>(batch, m, in, xv, n, sms, partials, s);
         case DType::Q6_K_TILED: return launch<Q6T, kNT>(batch, m, in, xv, n, sms, partials, s);
+        case DType::Q4_K_TILED: return launch<Q4T, kNT>(batch, m, in, xv, n, sms, partials, s);
         default: fail("matmul: no tensor-core GEMV for ", dtype_info(ws[i].t).name);
       }
     };

@@ -9,8 +9,9 @@
 // the kernels it depends on have completed and their writes are visible; since each of those waited
 // for its own predecessor, the order is transitive. One exception: the tensor-core GEMV loads its
 // first weight units before waiting. Weights are written only by uploads (copies, which order fully)
-// and by tile_iq4_xs_kernel, which therefore starts with pdl_wait() alone: it never lets the next
-// kernel launch early, so a GEMV launched after it (two launches later) starts after it completed.
+// and by the weight-tiling kernels (tile_q4_kernel, tile_q6_k_kernel), which therefore start with
+// pdl_wait() alone: they never let the next kernel launch early, so a GEMV launched after one (two
+// launches later) starts after it completed.
 // A weight some other kernel writes (e.g. a KV tensor passed to matmul) must be complete before the
 // matmul is queued (the matmul binding documents it); nothing in specd does that.
 //

@@ -393,6 +393,25 @@ struct IQ4XSTiledW : IQ4XSW {
   }
 };
 
+// Q4_K_TILED (the tensor-core GEMV's layout, matmul_mma.cuh Q4T): IQ4_XS_TILED's arrangement of the
+// quants (qs[16 k + 4 t ..] as word k of lane 4 g + t of row g + 8 h, run 2 h + k / 4), then the 16
+// rows' 16-byte headers. load_tiled gathers Q4KW's chunk (row r, chunk c = 16 bytes qs[16 sel ..]).
+constexpr int64_t kQ4TileUnitBytes = 16 * 144;
+struct Q4KTiledW : Q4KW {
+  __device__ __forceinline__ static Raw load_tiled(const uint8_t* __restrict__ w, int64_t nunits, int64_t r, int64_t c) {
+    const int rt = int(r & 15), k = int(c & 7);
+    const uint8_t* unit = w + ((r >> 4) * nunits + (c >> 3)) * kQ4TileUnitBytes;
+    const uint8_t* q = unit + 512 * (2 * (rt >> 3) + (k >> 2)) + 64 * (rt & 7) + 4 * (k & 3);  // lane 4 g + t at q + 16 t
+    const auto word = [&](int t) { return *reinterpret_cast<const uint32_t*>(q + 16 * t); };
+    Raw raw;
+    raw.sel = k;
+    raw.hdr = *reinterpret_cast<const uint4*>(unit + 2048 + 16 * rt);
+    raw.q = uint4{word(0), word(1), word(2), word(3)};
+    raw.qh = uint4{0u, 0u, 0u, 0u};
+    return raw;
+  }
+};
+
 // Q6_K_TILED (the tensor-core GEMV's layout, matmul_mma.cuh Q6T): rows in tiles of 16; per tile and
 // 256-input unit kQ6TileUnitBytes bytes: 6 runs of 512 bytes of quants (run 3 h + c holds at 16 l the
 // words 4 c .. 4 c + 3 of lane l = 4 g + t of row g + 8 h, whose words k = 0..11 are ql[16 k + 4 t ..]

@@ -8,8 +8,8 @@
 // covered by test_gpu_matmul.py.
 //
 // usage: mma_emu FORMAT n in out[,out...] w.bin x.bin y.bin   (x: F32 [n, in]; y: F32 [n, out]; w: the
-// weights row-major as in GGUF; FORMAT IQ4_XS_T / Q6_K_T packs them into the tiled layout, then runs
-// IQ4T / Q6T)
+// weights row-major as in GGUF; FORMAT IQ4_XS_T / Q4_K_T / Q6_K_T packs them into the tiled layout,
+// then runs IQ4T / Q4T / Q6T)
 #include <barrier>
 #include <cmath>
 #include <cstdio>
@@ -165,24 +165,25 @@ inline void __syncwarp() { tl_warp->bar->arrive_and_wait(); }
 
 using namespace specd::gpu::detail;
 
-// The test's own packer of IQ4T's tiled layout (the library tiles on the GPU: mma::tile_iq4_xs_kernel,
-// checked against a numpy packer on the device by test_gpu_gemv_tiles.py): a row-major IQ4_XS weight src
-// [out][nunits * 136 bytes] -> dst ((out + 15) / 16 * nunits * 2176 bytes); a ragged last tile repeats
-// the last row (the kernel's clamp makes any row count work; the library tiles multiples of 16).
-void pack_iq4_xs_tiles(const uint8_t* src, int64_t out, int64_t nunits, uint8_t* dst) {
-  const int64_t row_bytes = nunits * 136;
+// The test's own packer of IQ4T's / Q4T's tiled layout (the library tiles on the GPU: mma::tile_q4_kernel,
+// checked against a numpy packer on the device by test_gpu_gemv_tiles.py): a row-major IQ4_XS / Q4_K
+// weight src [out][nunits * block bytes] (a hdr-byte header, then qs[128]) -> dst ((out + 15) / 16 *
+// nunits * 16 * block bytes); a ragged last tile repeats the last row (the kernel's clamp makes any row
+// count work; the library tiles multiples of 16).
+void pack_q4_tiles(const uint8_t* src, int64_t out, int64_t nunits, int block, int hdr, uint8_t* dst) {
+  const int64_t row_bytes = nunits * block;
   for (int64_t tile = 0; tile < (out + 15) / 16; ++tile)
     for (int64_t u = 0; u < nunits; ++u) {
-      uint8_t* o = dst + (tile * nunits + u) * mma::IQ4T::kTileUnitBytes;
+      uint8_t* o = dst + (tile * nunits + u) * 16 * block;
       for (int r = 0; r < 16; ++r) {
         const int64_t row = std::min<int64_t>(tile * 16 + r, out - 1);
-        const uint8_t* blk = src + row * row_bytes + u * 136;
-        for (int b = 0; b < 8; ++b) o[2048 + 8 * r + b] = blk[b];
+        const uint8_t* blk = src + row * row_bytes + u * block;
+        for (int b = 0; b < hdr; ++b) o[2048 + hdr * r + b] = blk[b];
         const int g = r & 7, h = r >> 3;
         for (int j = 0; j < 8; ++j)
           for (int t = 0; t < 4; ++t) {
             const int k = 8 * h + j, lane = 4 * g + t;  // word k of the lane: run k / 4, word k % 4
-            for (int b = 0; b < 4; ++b) o[512 * (k >> 2) + 16 * lane + 4 * (k & 3) + b] = blk[8 + 16 * j + 4 * t + b];
+            for (int b = 0; b < 4; ++b) o[512 * (k >> 2) + 16 * lane + 4 * (k & 3) + b] = blk[hdr + 16 * j + 4 * t + b];
           }
       }
     }
@@ -266,8 +267,10 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
       packed.emplace_back(size_t((wt.out + 15) / 16 * (in / 256) * F::kTileUnitBytes));
       if constexpr (std::is_same_v<F, Q6T>)
         pack_q6_k_tiles(wt.w, wt.out, in / 256, packed.back().data());
+      else if constexpr (std::is_same_v<F, Q4T>)
+        pack_q4_tiles(wt.w, wt.out, in / 256, 144, 16, packed.back().data());
       else
-        pack_iq4_xs_tiles(wt.w, wt.out, in / 256, packed.back().data());
+        pack_q4_tiles(wt.w, wt.out, in / 256, 136, 8, packed.back().data());
       wt.w = packed.back().data();
     }
   }
@@ -304,7 +307,7 @@ int main(int argc, char** argv) {
   for (int64_t o : outs) out += o;
   int64_t row_bytes = 0;
   if (fmt == "Q8_0") row_bytes = in / 32 * 34;
-  else if (fmt == "Q4_K") row_bytes = in / 256 * 144;
+  else if (fmt == "Q4_K" || fmt == "Q4_K_T") row_bytes = in / 256 * 144;
   else if (fmt == "Q5_K") row_bytes = in / 256 * 176;
   else if (fmt == "Q6_K" || fmt == "Q6_K_T") row_bytes = in / 256 * 210;
   else if (fmt == "IQ4_XS" || fmt == "IQ4_XS_T") row_bytes = in / 256 * 136;  // _T: run in the tiled layout
@@ -316,6 +319,7 @@ int main(int argc, char** argv) {
   std::ifstream(argv[6], std::ios::binary).read(reinterpret_cast<char*>(x.data()), std::streamsize(x.size() * 4));
   if (fmt == "Q8_0") run<mma::Q8U>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q4_K") run<mma::QK45U<false>>(w, row_bytes, in, x, n, outs, y);
+  else if (fmt == "Q4_K_T") run<mma::Q4T>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q5_K") run<mma::QK45U<true>>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q6_K") run<mma::Q6U>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q6_K_T") run<mma::Q6T>(w, row_bytes, in, x, n, outs, y);
