@@ -351,18 +351,25 @@ struct IQ4U {
 // of row g, then of row g + 8; then the 16 rows' 8-byte headers (d, scales_h, scales_l) in row
 // order. Each warp load covers 512 contiguous bytes (the row-major loads: 8 rows x 16 bytes); a
 // warp's units are contiguous. Same values and arithmetic as IQ4U, so bit-identical results.
+// The 2048 quant bytes of an IQ4T / Q4T tile unit at p: 4 runs of 512 bytes, run i holding at 16 lane the
+// words 4 (i & 1) .. + 3 of the lane's row g + 8 (i / 2) (Raw::q, 8 words per row).
+template <class Raw>
+__device__ __forceinline__ void load_quant_runs(const uint8_t* __restrict__ p, int lane, Raw (&r)[2]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 v = ldw<uint4>(p + 512 * i + 16 * lane);
+    uint32_t* q = r[i >> 1].q + 4 * (i & 1);
+    q[0] = v.x, q[1] = v.y, q[2] = v.z, q[3] = v.w;
+  }
+}
+
 struct IQ4T {
   static constexpr int kUnitElems = 256, kTileUnitBytes = int(kIq4TileUnitBytes);
   static constexpr bool kTiled = true;
   using Raw = IQ4U::Raw;
   // Lane `lane`'s registers of the tile unit at p: r[0] row g, r[1] row g + 8.
   __device__ __forceinline__ static void load_tile(const uint8_t* __restrict__ p, int lane, Raw (&r)[2]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint4 v = ldw<uint4>(p + 512 * i + 16 * lane);
-      uint32_t* q = r[i >> 1].q + 4 * (i & 1);
-      q[0] = v.x, q[1] = v.y, q[2] = v.z, q[3] = v.w;
-    }
+    load_quant_runs(p, lane, r);
     const int g = lane >> 2;
     r[0].hdr = ldw<uint2>(p + 2048 + 8 * g);
     r[1].hdr = ldw<uint2>(p + 2048 + 8 * (g + 8));
@@ -546,12 +553,7 @@ struct Q4T {
   static constexpr bool kTiled = true;
   using Raw = QK45U<false>::Raw;
   __device__ __forceinline__ static void load_tile(const uint8_t* __restrict__ p, int lane, Raw (&r)[2]) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint4 v = ldw<uint4>(p + 512 * i + 16 * lane);
-      uint32_t* q = r[i >> 1].q + 4 * (i & 1);
-      q[0] = v.x, q[1] = v.y, q[2] = v.z, q[3] = v.w;
-    }
+    load_quant_runs(p, lane, r);
     const int g = lane >> 2;
 #pragma unroll
     for (int h = 0; h < 2; ++h) r[h].hdr = ldw<uint4>(p + 2048 + 16 * (g + 8 * h)), r[h].h[0] = 0;
