@@ -270,6 +270,9 @@ def test_bounded_messages(istack, reference):
         assert streamed_ids(chunks) == ref[:60]
         assert ingested and max(ingested) <= 20, ingested
         assert done.speculation.num_drafts >= 60 // 20
+        # nothing is accepted, so a chunk of several tokens is a plain run: runs happened, cut to the room
+        # the cap leaves before the next Propose
+        assert max(len(c.token_ids) for c in chunks) > 1
     finally:
         svc.inline_max_rows = old
         del istack.drafter.ingest

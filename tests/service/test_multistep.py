@@ -433,3 +433,19 @@ def test_abort_lands_after_the_current_run(mstack, reference):
             done = r.complete
     assert done.finish_reason == "abort" and got == ref[: len(got)]
     assert len(got) <= at + 2 * 8  # the run in flight and at most one more (the abort races the next call)
+
+
+def test_measured_step_times_with_runs_stay_lossless(mstack, reference):
+    """With measured step times (the default policy) t_plain of a run is its share of the call, so the
+    policy's switches may differ from one call per step; the tokens may not."""
+    pol = PolicyConfig(step_ratio=1.9, burst_len=6, accept_prior=0.0)  # measure_times on
+    for n in (1, 8):
+        stub, _ = coordinator(mstack, n, policy=pol)
+        for plan in (0, 2, None):
+            mstack.drafter.plan = plan
+            prompt = PROMPTS[4]
+            ref, _ = reference(prompt, 50 + 8)
+            mstack.drafter.continuations[tuple(prompt)] = ref
+            chunks, done = run_no_deadline(stub, token_request(prompt, 50, ignore_eos=True))
+            assert streamed_ids(chunks) == ref[:50], (n, plan)
+            assert done.timing.steps == done.speculation.num_drafts + done.speculation.num_plain_steps
