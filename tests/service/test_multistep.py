@@ -128,6 +128,17 @@ def test_stop_token_inside_a_run_ends_it_on_the_worker(mstack, reference, count_
         assert len(count_steps) == j, "the worker ran steps past the stop token"
 
 
+def scripted_run(stack, stub, reference, prompt, n_tokens, plan):
+    """Generate n_tokens with the scripted drafter's ``plan`` over the greedy continuation; checks the
+    tokens against plain greedy decoding and returns (chunks, complete)."""
+    stack.drafter.plan = plan
+    ref, _ = reference(prompt, n_tokens + 8)
+    stack.drafter.continuations[tuple(prompt)] = ref
+    chunks, done = run_no_deadline(stub, token_request(prompt, n_tokens, ignore_eos=True))
+    assert streamed_ids(chunks) == ref[:n_tokens], plan
+    return chunks, done
+
+
 def test_policy_bursts_and_probes_land_on_the_same_steps(mstack, reference):
     """Gate -> plain burst -> probe: plain runs are cut at the burst's end, so every switch, count and
     token is the same as with one call per plain step."""
@@ -136,12 +147,7 @@ def test_policy_bursts_and_probes_land_on_the_same_steps(mstack, reference):
     for n in (1, 8):
         stub, _ = coordinator(mstack, n, policy=pol)
         for plan in (0, 1, None):
-            mstack.drafter.plan = plan
-            prompt = PROMPTS[1]
-            ref, _ = reference(prompt, 60 + 8)
-            mstack.drafter.continuations[tuple(prompt)] = ref
-            chunks, done = run_no_deadline(stub, token_request(prompt, 60, ignore_eos=True))
-            assert streamed_ids(chunks) == ref[:60]
+            chunks, done = scripted_run(mstack, stub, reference, PROMPTS[1], 60, plan)
             sp = done.speculation
             results.append((n, plan, [(s.step_index, s.to_speculative, s.reason) for s in sp.policy_switches],
                             sp.num_drafts, sp.num_plain_steps, sp.num_accepted_tokens, done.timing.steps))
@@ -442,10 +448,5 @@ def test_measured_step_times_with_runs_stay_lossless(mstack, reference):
     for n in (1, 8):
         stub, _ = coordinator(mstack, n, policy=pol)
         for plan in (0, 2, None):
-            mstack.drafter.plan = plan
-            prompt = PROMPTS[4]
-            ref, _ = reference(prompt, 50 + 8)
-            mstack.drafter.continuations[tuple(prompt)] = ref
-            chunks, done = run_no_deadline(stub, token_request(prompt, 50, ignore_eos=True))
-            assert streamed_ids(chunks) == ref[:50], (n, plan)
+            _, done = scripted_run(mstack, stub, reference, PROMPTS[4], 50, plan)
             assert done.timing.steps == done.speculation.num_drafts + done.speculation.num_plain_steps
