@@ -76,6 +76,11 @@ class _HostOps:
         return x[-1:]
 
     @staticmethod
+    def lead_rows(x, n):
+        """Rows [0, n) of x without a copy (a numpy view)."""
+        return x[:n]
+
+    @staticmethod
     def host(x):
         return x
 
@@ -184,6 +189,11 @@ class _TensorOps:
     @staticmethod
     def last_row(x):
         return sn.slice(x, 0, x.shape[0] - 1, x.shape[0])
+
+    @staticmethod
+    def lead_rows(x, n):
+        """Rows [0, n) of a contiguous x without a copy (a view sharing its memory: no launch)."""
+        return x.view_rows(0, n)
 
     @staticmethod
     def host(x):

@@ -520,9 +520,13 @@ class TargetServicer(pbg.TargetWorkerServicer):
             t0 = time.perf_counter()
             path: list[int] = []
             try:
+                plain = len(tokens) == 1 and not parents and not request.defer_commit
                 with self.model_lock:
-                    res = self.model.verify(s.st, tokens, parents or None)
-                    t = res.argmax
+                    if plain:  # verify + commit of one row, fused (Qwen35Model.step)
+                        t = [self.model.step(s.st, tokens[0])]
+                    else:
+                        res = self.model.verify(s.st, tokens, parents or None)
+                        t = res.argmax
                     if parents:
                         path = walk_tree(tokens, parents, [int(x) for x in t], limit)
                         m = len(path) - 1
@@ -530,10 +534,10 @@ class TargetServicer(pbg.TargetWorkerServicer):
                         m = 0
                         while m < limit and tokens[m + 1] == int(t[m]):
                             m += 1
-                    if not request.defer_commit:
-                        self.model.commit(s.st, res, path if parents else m + 1)
-                    else:
+                    if request.defer_commit:
                         s.pending = res
+                    elif not plain:
+                        self.model.commit(s.st, res, path if parents else m + 1)
             except ValueError as exc:
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"verify: {exc}")
             dt = time.perf_counter() - t0
@@ -576,9 +580,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
                     if emitted and (emitted[-1] in stop or not context.is_active()):
                         break
                     with self.model_lock:  # per step: other sequences' calls run between the steps
-                        res = self.model.verify(s.st, [anchor])
-                        self.model.commit(s.st, res, 1)
-                    anchor = int(res.argmax[0])
+                        anchor = self.model.step(s.st, anchor)
                     emitted.append(anchor)
             except ValueError as exc:
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"plain run step {len(emitted) + 1}: {exc}")

@@ -16,7 +16,9 @@ device; the host contracts are in tests/native/test_index_guards.py). Properties
   states) over many steps of widths 1..16, two sequences interleaved, a small graph cache (eviction)
   and positions crossing the 1024-row attention bound, with commits (any prefix) replayed as graphs
   too; a stale graph result refuses its logits; a larger attention bound supersedes a (sequence, w)
-  pair's graphs of smaller bounds, and Qwen35Model.release drops a sequence's graphs.
+  pair's graphs of smaller bounds, and Qwen35Model.release drops a sequence's graphs;
+* plain steps (Qwen35Model.step) replay their own graph, states committed in place, bitwise the eager
+  one-row verify + commit.
 """
 from __future__ import annotations
 
@@ -361,11 +363,46 @@ def test_graph_decode_crosses_attention_bound(tiny, rng):
         _same_result(rg, re, f"step {step} at {sg.committed}")
         graphs.commit(sg, rg, w)
         eager.commit(se, re, w)
-    assert {k[2] for k in graphs._graphs} == {1100}  # the 1024-bound graphs were superseded
+    assert {k[3] for k in graphs._graphs} == {1100}  # the 1024-bound graphs were superseded
     assert sorted(k[1] for k in graphs._graphs) == [1, 2, 3]
     assert_same_state(sg, se)
     assert graphs.graph_arena_bytes() >= 3 * (64 << 20)  # measured, commit graphs included
     assert graphs.release(sg) == 3 and not graphs._graphs and graphs.graph_arena_bytes() == 0
+
+
+def test_graph_step_equals_eager_verify_and_commit(tiny, rng):
+    """Plain steps (Qwen35Model.step) replay one graph per (sequence, attention bound) that commits the
+    GDN / conv states in place, without a commit graph: bitwise the eager one-row verify + commit
+    (argmax, states, KV and feature rows) across the 1024-row bound and between speculative verifies;
+    release drops the step graphs with the others."""
+    weights, _ = tiny("main")
+    graphs, eager = _pair(weights, prefill_chunk=256, capture_layers=[1])
+    vocab = weights.hparams.n_vocab
+    prompt = [int(t) for t in rng.integers(0, vocab, size=1012)]
+    sg, se = graphs.new_sequence(1100), eager.new_sequence(1100)
+    t = int(np.argmax(graphs.prefill(sg, prompt)))
+    eager.prefill(se, prompt)
+    for i in range(16):
+        if i % 4 == 3:  # a speculative step on both: verify 3 rows, commit 2
+            toks = [t] + [int(x) for x in rng.integers(0, vocab, size=2)]
+            rg, re = graphs.verify(sg, toks), eager.verify(se, toks)
+            graphs.commit(sg, rg, 2)
+            eager.commit(se, re, 2)
+            t = int(re.argmax[1])
+            continue
+        best = graphs.step(sg, t)
+        re = eager.verify(se, [t])
+        eager.commit(se, re, 1)
+        assert best == int(re.argmax[0]), f"step {i} at {se.committed}"
+        t = best
+    assert sg.committed > 1024
+    assert_same_state(sg, se)
+    np.testing.assert_array_equal(sg.features.read(0, sg.committed), se.features.read(0, se.committed))
+    steps = [k for k in graphs._graphs if k[2]]
+    assert {k[3] for k in steps} == {1100} and {k[1] for k in steps} == {1}  # the 1024 bound's was superseded
+    assert all(not graphs._graphs[k].commits for k in steps)
+    n = len(graphs._graphs)
+    assert graphs.release(sg) == n and not graphs._graphs
 
 
 def test_stale_graph_result_refuses_logits(tiny):

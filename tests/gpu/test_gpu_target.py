@@ -180,6 +180,38 @@ def test_gpu_chain_verify_is_batch_invariant(tiny, rng, name, kv):
         np.testing.assert_array_equal(st.features.read(0, st.committed), ref_st.features.read(0, st.committed))
 
 
+@pytest.mark.parametrize("name,kv", [("main", sn.DType.F16), ("r3", sn.DType.Q8_0)])
+@gpu_only
+def test_gpu_step_equals_one_row_verify_and_commit(tiny, rng, name, kv):
+    """Qwen35Model.step (GDN / conv states updated in place; on the GPU its own captured graph) gives
+    bitwise the argmax, logits, states, KV rows and feature rows of verify([t]) + commit(1), over steps
+    interleaved with speculative verifies committing a random prefix on both sequences."""
+    weights, ck = tiny(name)
+    model = gpu_model(weights, kv_dtype=kv, capture_layers=[1])
+    vocab = weights.hparams.n_vocab
+    a, b = model.new_sequence(96), model.new_sequence(96)
+    t = int(np.argmax(model.prefill(a, ck.prompt)))
+    model.prefill(b, ck.prompt)
+    for i in range(16):
+        if i % 5 == 4:  # a speculative step between plain ones, the same on both sequences
+            toks = [t] + [int(x) for x in rng.integers(0, vocab, size=3)]
+            n = int(rng.integers(1, 5))
+            for st in (a, b):
+                res = model.verify(st, toks)
+                model.commit(st, res, n)
+            t = int(res.argmax[n - 1])
+            continue
+        best = model.step(a, t)
+        res = model.verify(b, [t])
+        model.commit(b, res, 1)
+        assert best == int(res.argmax[0]), f"step {i}"
+        assert_same_state(a, b)
+        np.testing.assert_array_equal(a.features.read(0, a.committed), b.features.read(0, b.committed))
+        t = best
+    ref = model.verify(a, [t]).logits[0]  # a's next row, not committed
+    np.testing.assert_array_equal(model.decode(b, t), ref)  # decode is a step returning its logits
+
+
 @gpu_only
 def test_gpu_prefill_chunking_is_invariant(tiny):
     weights, ck = tiny("main")

@@ -95,18 +95,16 @@ def test_plain_runs_equal_single_steps_at_every_edge(mstack, reference, n, token
 
 @pytest.fixture
 def count_steps(mstack, monkeypatch):
-    """Counts the target model's one-row verifies (every plain step the worker runs; a prefill's
-    verifies have the prompt's rows)."""
+    """Counts the target model's plain steps (Qwen35Model.step: every plain step the worker runs)."""
     model = mstack.tservicer.model
     calls = []
-    real = model.verify
+    real = model.step
 
-    def verify(st, tokens, *args, **kw):
-        if len(tokens) == 1:
-            calls.append(1)
-        return real(st, tokens, *args, **kw)
+    def step(st, token):
+        calls.append(1)
+        return real(st, token)
 
-    monkeypatch.setattr(model, "verify", verify)
+    monkeypatch.setattr(model, "step", step)
     return calls
 
 

@@ -147,6 +147,54 @@ def test_chain_commit_every_n_equals_plain(checkpoint, converted, rng, name, kv)
         assert_same_state(model, st, ref_st)
 
 
+@pytest.mark.parametrize("name,kv", [("main", sn.DType.F16), ("r3", sn.DType.Q8_0), ("smoke", sn.DType.F32)])
+def test_step_equals_one_row_verify_and_commit(checkpoint, converted, rng, name, kv):
+    """Qwen35Model.step updates the GDN / conv states in place; it must equal verify([t]) + commit(1)
+    bitwise (argmax, states, KV rows, feature rows), also between speculative verifies."""
+    ck = checkpoint(name)
+    model = model_for(converted, name, kv=kv, capture=[1])
+    vocab = ck.config.vocab_size
+    a, b = model.new_sequence(96), model.new_sequence(96)
+    t = int(np.argmax(model.prefill(a, ck.prompt)))
+    model.prefill(b, ck.prompt)
+    for i in range(14):
+        if i % 5 == 4:  # a speculative step, the same on both sequences
+            toks = [t] + [int(x) for x in rng.integers(0, vocab, size=3)]
+            n = int(rng.integers(1, 5))
+            for st in (a, b):
+                res = model.verify(st, toks)
+                model.commit(st, res, n)
+            t = int(res.argmax[n - 1])
+            continue
+        best = model.step(a, t)
+        res = model.verify(b, [t])
+        model.commit(b, res, 1)
+        assert best == int(res.argmax[0]) == int(np.argmax(res.logits[0])), f"step {i}"
+        assert_same_state(model, a, b)
+        t = best
+
+
+def test_step_refuses_bad_input_and_stale_verifies(checkpoint, converted):
+    """A bad token or a full sequence raises ValueError and changes nothing; a verify made before a
+    step can no longer commit (the step overwrote its states and KV rows)."""
+    ck = checkpoint("main")
+    model = model_for(converted, "main", capture=[1])
+    st = model.new_sequence(len(ck.prompt) + 1)
+    model.prefill(st, ck.prompt)
+    ssm = {i: s.copy() for i, s in st.ssm.items()}
+    for bad in (-1, ck.config.vocab_size):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            model.step(st, bad)
+    assert st.committed == len(ck.prompt) and all(np.array_equal(ssm[i], st.ssm[i]) for i in ssm)
+    stale = model.verify(st, [1])
+    model.step(st, 1)
+    with pytest.raises(ValueError, match="exceed the sequence capacity"):
+        model.step(st, 1)
+    with pytest.raises(ValueError, match="moved from|newer verify"):
+        model.commit(st, stale, 1)
+    assert st.committed == len(ck.prompt) + 1
+
+
 def random_tree(rng, w):
     parents = [-1]
     for j in range(1, w):

@@ -4,7 +4,8 @@
 Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
 * device-to-device copy bandwidth (torch, the physical reference of this run);
 * device memory taken by the weights, and per sequence (KV cache per token, GDN + conv state);
-* plain greedy decode tok/s (verify one row, commit, read its argmax: the service's greedy step), against
+* plain greedy decode tok/s (``Qwen35Model.step``: the service's plain step, states committed in place), and
+  the same steps as a one-row verify + commit (``decode_verify_commit_tok_s``), against
   the ceiling copy bandwidth / bytes streamed per token (every weight byte except the embedding table,
   of which one row is read); with CUDA graphs on (the default) also the same decode op by op;
 * chain verify step time at widths 1..17 (``verify`` without committing; the model has no capture
@@ -118,14 +119,27 @@ def main(argv=None) -> int:
     tok = int(np.argmax(logits))
     model.decode(st, tok)  # warm-up
 
-    def run_decode():  # as the service decodes greedily: verify 1 row, commit it, read its argmax
+    def run_decode():  # as the service decodes greedily: one plain step (Qwen35Model.step), its argmax next
         nonlocal tok
         for _ in range(args.decode_tokens):
-            res = model.verify(st, [tok])
-            model.commit(st, res, 1)
-            tok = int(res.argmax[0])
+            tok = model.step(st, tok)
+
     t = timed(run_decode, sync)
     rep["decode_tok_s"] = args.decode_tokens / t
+    # The same steps as one-row verify + commit (the spec loop's kind of step), on a second sequence so
+    # that the first keeps the positions the measurements below have always used.
+    st2 = model.new_sequence(4096)
+    tok2 = int(np.argmax(model.prefill(st2, prompt)))
+
+    def run_verify_commit():
+        nonlocal tok2
+        for _ in range(args.decode_tokens):
+            res = model.verify(st2, [tok2])
+            model.commit(st2, res, 1)
+            tok2 = int(res.argmax[0])
+    run_verify_commit()  # warm-up: captures its graphs
+    rep["decode_verify_commit_tok_s"] = args.decode_tokens / timed(run_verify_commit, sync)
+    model.release(st2)
     if rep["copy_GBps"]:
         rep["decode_ceiling_tok_s"] = rep["copy_GBps"] * 1e9 / per_token
         rep["decode_ratio_to_ceiling"] = rep["decode_tok_s"] / rep["decode_ceiling_tok_s"]
@@ -133,7 +147,8 @@ def main(argv=None) -> int:
         model.cuda_graphs = False
         rep["decode_eager_tok_s"] = args.decode_tokens / timed(run_decode, sync)
         model.cuda_graphs = True
-    print("decode", rep["decode_tok_s"], "eager", rep.get("decode_eager_tok_s"), flush=True)
+    print("decode", rep["decode_tok_s"], "as verify + commit", rep["decode_verify_commit_tok_s"], "eager",
+          rep.get("decode_eager_tok_s"), flush=True)
 
     if args.profile > 0:
         decode_tokens = args.decode_tokens
@@ -245,6 +260,8 @@ def markdown(r: dict) -> str:
          if r.get("copy_GBps") else "- copy bandwidth: n/a",
          f"- plain decode **{r['decode_tok_s']:.1f} tok/s**"
          + (f" ({r['decode_ratio_to_ceiling']:.2f} of the ceiling)" if r.get("decode_ratio_to_ceiling") else "")
+         + (f"; as one-row verify + commit {r['decode_verify_commit_tok_s']:.1f} tok/s"
+            if r.get("decode_verify_commit_tok_s") else "")
          + (f"; CUDA graphs on; op by op from Python {r['decode_eager_tok_s']:.1f} tok/s" if r.get("decode_eager_tok_s")
             else ""), "",
          "| verify width | " + " | ".join(str(w) for w in r["verify_ms"]) + " |",

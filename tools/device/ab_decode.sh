@@ -19,8 +19,8 @@
 #       SWEEP_VARIANTS="new:-DSPECD_MMA_SPLIT_BLOCKS=16 pdl:-I$PWD/ab_pdl/native/src/gpu" bash tools/device/ab_decode.sh
 # Outputs: build.log, pytest.log, status.txt (gpu_tests.sh), old_build.log, ab.log (the decode runs'
 # output), ab.tsv (tree round decode_tok_s verify_ms_w1 verify_ms_w4 verify_ms_w8
-# verify_ms_w16 loop_tok_s_al3 loop_tok_s_al5 loop_tok_s_al7, the file of specd.native._native; or why a tree
-# was not measured), sweep.tsv. Exit status 1 when a tree was not measured.
+# verify_ms_w16 loop_tok_s_al3 loop_tok_s_al5 loop_tok_s_al7 decode_verify_commit_tok_s (- for trees from before
+# it), the file of specd.native._native; or why a tree was not measured), sweep.tsv. Exit status 1 when a tree was not measured.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -94,6 +94,8 @@ try:  # no file, or a result without one of these columns: reported as missing (
     v = {int(k): x for k, x in r["verify_ms"].items()}
     loop = {int(k): x["tok_s"] for k, x in r["loop"].items()}
     cols = [f"{r['decode_tok_s']:.2f}"] + [f"{v[w]:.3f}" for w in (1, 4, 8, 16)] + [f"{loop[a]:.1f}" for a in (3, 5, 7)]
+    vc = r.get("decode_verify_commit_tok_s")  # (gpu_decode.py from before Qwen35Model.step: absent)
+    cols.append("-" if vc is None else f"{vc:.2f}")
 except (OSError, KeyError, TypeError, ValueError) as e:
     print(f"{tree}\t{rnd}\tmissing: {e!r} in {path}")
     raise SystemExit
