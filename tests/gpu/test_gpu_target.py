@@ -30,6 +30,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from target.steps import check_steps_equal_verify_commit  # noqa: E402
 from target.tinymodels import SPECS, build_checkpoint  # noqa: E402
 
 from specd.target_worker.convert import convert  # noqa: E402
@@ -188,26 +189,11 @@ def test_gpu_step_equals_one_row_verify_and_commit(tiny, rng, name, kv):
     interleaved with speculative verifies committing a random prefix on both sequences."""
     weights, ck = tiny(name)
     model = gpu_model(weights, kv_dtype=kv, capture_layers=[1])
-    vocab = weights.hparams.n_vocab
-    a, b = model.new_sequence(96), model.new_sequence(96)
-    t = int(np.argmax(model.prefill(a, ck.prompt)))
-    model.prefill(b, ck.prompt)
-    for i in range(16):
-        if i % 5 == 4:  # a speculative step between plain ones, the same on both sequences
-            toks = [t] + [int(x) for x in rng.integers(0, vocab, size=3)]
-            n = int(rng.integers(1, 5))
-            for st in (a, b):
-                res = model.verify(st, toks)
-                model.commit(st, res, n)
-            t = int(res.argmax[n - 1])
-            continue
-        best = model.step(a, t)
-        res = model.verify(b, [t])
-        model.commit(b, res, 1)
-        assert best == int(res.argmax[0]), f"step {i}"
+
+    def same(a, b):
         assert_same_state(a, b)
         np.testing.assert_array_equal(a.features.read(0, a.committed), b.features.read(0, b.committed))
-        t = best
+    a, b, t = check_steps_equal_verify_commit(model, list(ck.prompt), rng, same, n_steps=16)
     ref = model.verify(a, [t]).logits[0]  # a's next row, not committed
     np.testing.assert_array_equal(model.decode(b, t), ref)  # decode is a step returning its logits
 

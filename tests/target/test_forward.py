@@ -21,6 +21,7 @@ from specd.target_worker.model import Qwen35Model
 from specd.target_worker.perplexity import perplexity
 from specd.target_worker.tokenizer import build_tokenizer
 
+from .steps import check_steps_equal_verify_commit
 from .tinymodels import ADDED_TOKENS, SPECIAL_TOKENS, load_reference, logits64
 
 pytestmark = pytest.mark.oracle
@@ -153,25 +154,7 @@ def test_step_equals_one_row_verify_and_commit(checkpoint, converted, rng, name,
     bitwise (argmax, states, KV rows, feature rows), also between speculative verifies."""
     ck = checkpoint(name)
     model = model_for(converted, name, kv=kv, capture=[1])
-    vocab = ck.config.vocab_size
-    a, b = model.new_sequence(96), model.new_sequence(96)
-    t = int(np.argmax(model.prefill(a, ck.prompt)))
-    model.prefill(b, ck.prompt)
-    for i in range(14):
-        if i % 5 == 4:  # a speculative step, the same on both sequences
-            toks = [t] + [int(x) for x in rng.integers(0, vocab, size=3)]
-            n = int(rng.integers(1, 5))
-            for st in (a, b):
-                res = model.verify(st, toks)
-                model.commit(st, res, n)
-            t = int(res.argmax[n - 1])
-            continue
-        best = model.step(a, t)
-        res = model.verify(b, [t])
-        model.commit(b, res, 1)
-        assert best == int(res.argmax[0]) == int(np.argmax(res.logits[0])), f"step {i}"
-        assert_same_state(model, a, b)
-        t = best
+    check_steps_equal_verify_commit(model, ck.prompt, rng, lambda a, b: assert_same_state(model, a, b))
 
 
 def test_step_refuses_bad_input_and_stale_verifies(checkpoint, converted):
