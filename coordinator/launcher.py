@@ -61,6 +61,8 @@ class ServeConfig:
         the GPU (default True; ``--no-cuda-graphs`` runs every op from Python). Ignored on the CPU.
     max_graphs: most captured CUDA graphs the target worker keeps (LRU; ``--max-graphs``), >= 1.
         Default 16.
+    slot_cache: released sequences' device states the target worker keeps with their CUDA graphs for
+        the next requests of the same capacity class (``--slot-cache``), >= 0. Default 2.
     gemv_tiles: the target worker places its layers' IQ4_XS, Q4_K and Q6_K matrices in the tensor-core
         GEMV's tiled layouts on a CUDA GPU (default True; bit-identical results; ``--no-gemv-tiles`` keeps GGUF order).
     share_target_weights: "auto" (default): the drafter worker maps the target worker's token_embd /
@@ -87,6 +89,7 @@ class ServeConfig:
     device: str = "auto"
     cuda_graphs: bool = True
     max_graphs: int = 16
+    slot_cache: int = 2
     gemv_tiles: bool = True
     share_target_weights: str = "auto"
     start_timeout_s: float = 600.0
@@ -114,6 +117,8 @@ class ServeConfig:
             raise ValueError("serve: --scripted-continuations needs --scripted-block")
         if self.max_graphs < 1:
             raise ValueError(f"serve: --max-graphs must be >= 1, got {self.max_graphs}")
+        if self.slot_cache < 0:
+            raise ValueError(f"serve: --slot-cache must be >= 0, got {self.slot_cache}")
         from specd.target_worker.shared_weights import check_share_mode
 
         check_share_mode(self.share_target_weights, "serve")
@@ -187,6 +192,9 @@ def add_arguments(p) -> None:
                    help="replay the target's chain verifies (<= 16 rows) as CUDA graphs on the GPU (default on)")
     p.add_argument("--max-graphs", type=int, default=d.max_graphs,
                    help=f"most captured CUDA graphs the target worker keeps, >= 1 (default {d.max_graphs})")
+    p.add_argument("--slot-cache", type=int, default=d.slot_cache,
+                   help="released sequences' device states the target worker keeps, with their CUDA graphs, for "
+                        f"the next requests of the same capacity class, >= 0 (default {d.slot_cache})")
     p.add_argument("--gemv-tiles", action=argparse.BooleanOptionalAction, default=d.gemv_tiles,
                    help="the target's IQ4_XS / Q4_K / Q6_K layer matrices in the GEMV's tiled layouts on a CUDA "
                         "GPU (default on)")
@@ -262,6 +270,7 @@ def run(args) -> int:
                     "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype, "--device", args.device,
                     "--feature-transport", ns.feature_transport,
                     "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs", "--max-graphs", str(args.max_graphs),
+                    "--slot-cache", str(args.slot_cache),
                     "--gemv-tiles" if args.gemv_tiles else "--no-gemv-tiles",
                     # export the head only for a drafter that may map it (legacy CUDA IPC mappings are writable)
                     "--export-head" if args.drafter_gguf and args.share_target_weights == "auto" else "--no-export-head"])

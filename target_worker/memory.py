@@ -16,6 +16,9 @@ All sizes are bytes. The state a sequence holds (qwen35-target.md §8, model.py'
   (:mod:`.feature_cuda_ipc`) the rows (``4 * capacity * n_taps * n_embd``) are device memory, counted
   in ``sequence_bytes`` (``feature_ring_on_device``), and only the slot table (8 bytes per position
   plus a 64-byte header) stays in /dev/shm.
+* **Kept state slots** (GPU with ``cuda_graphs``): a sequence's K/V caches have its capacity rounded up
+  to 1024 rows, and up to ``slot_cache`` released sequences' states (K/V, GDN, conv) stay allocated for
+  the next sequences with their captured graphs; counted in the workspace at ``max_seq_len``.
 * **CUDA graph arenas** (GPU with ``cuda_graphs``): each captured chain verify keeps its own outputs
   (activations, logits, deferred-commit buffers of its width) in an arena; at most ``max_graphs``
   are kept, each counted at the widest captured width (16 rows). Part of the workspace. An estimate
@@ -53,6 +56,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 KiB = 1 << 10
 
+GRAPH_KV_STEP = 1024  # a captured verify's attention bound step (model.py); K/V rows with CUDA graphs: multiples
 # Fixed device reserve for the CUDA context, cuBLAS workspace and pool fragmentation (bytes).
 CONTEXT_RESERVE_BYTES = 1 * GiB
 H200_BYTES = 141 * 10**9  # "141 GB" of HBM3e (decimal), as NVIDIA states it; cudaMemGetInfo reports a bit less
@@ -337,10 +341,15 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
     sb = state_bytes(hp, model.kv_dtype, verify_width, n_taps)
     by_type = model_weight_bytes(model)
     weights = sum(by_type.values())
-    kv_seq = sb.kv_per_token * max_seq_len
+    graphed = getattr(model, "cuda_graphs", False)
+    # with CUDA graphs a sequence's K/V rows are its capacity rounded up to the graphs' attention step, and
+    # up to slot_cache released sequences' states stay allocated for reuse (model.py: _StateSlot)
+    kv_rows = -(-max_seq_len // GRAPH_KV_STEP) * GRAPH_KV_STEP if graphed else max_seq_len
+    kv_seq = sb.kv_per_token * kv_rows
     seq = kv_seq + sb.recurrent + sb.conv + sb.verify
-    graphs = (cuda_graph_bytes(hp, model.max_graphs, n_taps) if getattr(model, "cuda_graphs", False) else 0)
-    ws = workspace_bytes(hp, verify_width, getattr(model, "prefill_chunk", 0)) + graphs
+    graphs = cuda_graph_bytes(hp, model.max_graphs, n_taps) if graphed else 0
+    slots = getattr(model, "slot_cache", 0) * (kv_seq + sb.recurrent + sb.conv) if graphed else 0
+    ws = workspace_bytes(hp, verify_width, getattr(model, "prefill_chunk", 0)) + graphs + slots
     ring = segment_bytes(max_seq_len, max(1, n_taps) * hp.n_embd)
     host_ring = ring
     on_device = feature_transport == "cuda-ipc"

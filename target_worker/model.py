@@ -25,29 +25,33 @@ per-token state checkpoints (strategy B writes w states). When all w tokens are 
 verify's final copies are copied into the sequence's state (which keeps its device addresses).
 
 CUDA graphs (GPU, ``cuda_graphs``, default on). An exact chain verify of width w <= 16 is recorded
-once per (sequence, w, key bound) as a GPU graph (sn.gpu_graph_begin / end) and replayed afterwards:
+once per (state slot, w, key bound) as a GPU graph (sn.gpu_graph_begin / end) and replayed afterwards:
 its token ids and positions are read from one fixed device buffer of the model, refreshed by a single
 asynchronous host -> device copy before each replay, and it reads the sequence's KV caches and GDN /
 conv states at their fixed addresses (commit updates them in place). Attention inside the graph runs
-over the first ``bound`` cache rows, bound = committed + w rounded up to a multiple of 1024 (at most
-the capacity), with the causal limit (row i sees keys up to its own position): exactly the keys of
-the eager call, so graph and eager results are bitwise equal, while the split-K grid stays within
-16 chunks of the eager one (a sequence re-captures each width once per 1024 positions). Outputs
-(logits, argmax, features, GDN pending tensors) live in the graph's arena and are overwritten by its
-next replay: a VerifyResult of a graph refuses ``logits`` once a newer replay of that graph ran,
-and commit already refuses all but a sequence's newest verify. At most ``max_graphs`` graphs are
-kept (least recently used evicted); capturing a (sequence, w) graph for a larger bound drops that
-pair's graphs of smaller bounds (never used again: committed only grows), and
-:meth:`Qwen35Model.release` drops a finished sequence's graphs.
-Committing n rows of a graph's verify is itself recorded once
-per (graph, n) (it reads the arena's pending tensors and updates the states in place) and replayed:
-one launch instead of a few native calls per GDN layer. Tree verify and prefill (exact=False) run
-eagerly, and so do their commits.
+over the first ``bound`` cache rows, bound = committed + w rounded up to a multiple of 1024, with the
+causal limit (row i sees keys up to its own position): exactly the keys of the eager call, so graph
+and eager results are bitwise equal, while the split-K grid stays within 16 chunks of the eager one (a
+slot re-captures each width once per 1024 positions). Outputs (logits, argmax, features, GDN pending
+tensors) live in the graph's arena and are overwritten by its next replay: a VerifyResult of a graph
+refuses ``logits`` once a newer replay of that graph ran, and commit already refuses all but a
+sequence's newest verify. At most ``max_graphs`` graphs are kept (least recently used evicted);
+capturing a (slot, w) graph for a larger bound drops that pair's graphs of smaller bounds.
+Committing n rows of a graph's verify is itself recorded once per (graph, n) (it reads the arena's
+pending tensors and updates the states in place) and replayed: one launch instead of a few native calls
+per GDN layer. Tree verify and prefill (exact=False) run eagerly, and so do their commits.
+
+State slots: a sequence's K/V caches, GDN and conv states are a :class:`_StateSlot` whose K/V rows are
+the capacity rounded up to 1024 (so any graph bound fits). :meth:`Qwen35Model.release` keeps up to
+``slot_cache`` released slots with their graphs, and a new sequence whose capacity rounds to the same
+rows takes one (its GDN / conv states zeroed in place): a new request replays the graphs of an earlier
+one instead of capturing its own (each capture records the whole forward, tens of milliseconds for
+the 27B). Beyond ``slot_cache`` the oldest kept slot is dropped with its graphs.
 
 Plain decode steps (:meth:`Qwen35Model.step`, what ``decode`` and the target worker's plain steps run)
 fuse the one-row verify with its commit: the GDN recurrence and the conv write the sequence's states
 in place (their ``state_out`` is the state itself), so there are no pending copies to keep or copy
-back, and on the GPU each (sequence, key bound) has one captured step graph (keyed as the verify graphs
+back, and on the GPU each (slot, key bound) has one captured step graph (keyed as the verify graphs
 with ``in_place`` set) replayed alone, without a commit graph.
 """
 from __future__ import annotations
@@ -64,6 +68,7 @@ import specd.native as sn
 
 from .device import _HostOps, _TensorOps, _Uploader, default_device, parse_device  # noqa: F401
 from .features import FeatureRing
+from .memory import GRAPH_KV_STEP as _GRAPH_KV_STEP  # a captured verify's attention bound: committed + w rounded up
 
 
 @dataclasses.dataclass
@@ -142,29 +147,42 @@ class PrefillCancelled(Exception):
     caller gone)."""
 
 
-class SequenceState:
-    """Per-sequence target state (see the module docstring). ``committed`` counts final positions."""
+class _StateSlot:
+    """The device buffers of one sequence's state: K/V caches of ``rows`` rows per attention layer,
+    GDN and conv states per GDN layer. Captured graphs bake in these addresses, so they are keyed by
+    the slot, and a released sequence's slot (kept by :meth:`Qwen35Model.release` up to
+    ``slot_cache``) serves a later sequence with the same ``rows`` together with its graphs."""
 
     _uids = itertools.count()
 
-    def __init__(self, model: "Qwen35Model", capacity: int):
-        hp = model.hp
-        self.uid = next(SequenceState._uids)  # never reused: keys the model's captured graphs
-        self.released = False  # set by Qwen35Model.release: device state freed, verify refused
-        self.capacity = capacity
-        self.committed = 0
-        self.verifies = 0  # a verify overwrites K/V rows past `committed`: only the newest may commit
+    def __init__(self, model: "Qwen35Model", rows: int):
+        hp, ops, dev = model.hp, model._ops, model.device
+        self.uid = next(_StateSlot._uids)  # never reused: keys the model's captured graphs
+        self.rows = rows
         self.kv: dict[int, tuple[sn.Tensor, sn.Tensor]] = {}
         self.ssm: dict = {}  # np.ndarray on the CPU, sn.Tensor on the GPU
         self.conv: dict = {}
-        ops, dev = model._ops, model.device
         for i in range(hp.n_layer):
             if hp.recurrent[i]:
                 self.ssm[i] = ops.zeros((hp.n_v_heads, hp.head_v_dim, hp.head_k_dim))
                 self.conv[i] = ops.zeros((hp.ssm_conv_kernel - 1, hp.conv_channels))
             else:
-                shape = [capacity, hp.n_head_kv, hp.head_dim]
+                shape = [rows, hp.n_head_kv, hp.head_dim]
                 self.kv[i] = (sn.Tensor.zeros(shape, model.kv_dtype, dev), sn.Tensor.zeros(shape, model.kv_dtype, dev))
+
+
+class SequenceState:
+    """Per-sequence target state (see the module docstring). ``committed`` counts final positions;
+    the K/V caches, GDN and conv states are those of its :class:`_StateSlot` (``slot``)."""
+
+    def __init__(self, model: "Qwen35Model", capacity: int, slot: _StateSlot):
+        hp = model.hp
+        self.released = False  # set by Qwen35Model.release: device state given back, verify refused
+        self.capacity = capacity
+        self.committed = 0
+        self.verifies = 0  # a verify overwrites K/V rows past `committed`: only the newest may commit
+        self.slot = slot
+        self.kv, self.ssm, self.conv = dict(slot.kv), dict(slot.ssm), dict(slot.conv)
         self.features = FeatureRing(capacity, max(1, len(model.capture_layers)) * hp.n_embd)
 
 
@@ -196,11 +214,14 @@ class Qwen35Model:
         max_graphs: most captured chain-verify graphs kept (least recently used evicted), >= 1;
             default 16 (``specd target-worker --max-graphs``). Each keeps its own arena (activations,
             logits, commit graphs): see :func:`.memory.cuda_graph_bytes`.
+        slot_cache: with CUDA graphs, released sequences' state slots (K/V caches, GDN and conv states)
+            kept for later sequences, with the graphs captured on them (module docstring), >= 0; default
+            2 (``specd target-worker --slot-cache``); 0 frees a sequence's state and graphs at release.
     """
 
     def __init__(self, weights, capture_layers: Sequence[int] = (), kv_dtype=sn.DType.F16, prefill_chunk: int = 512,
                  device=sn.Device.CPU, tensor_ops: bool = False, cuda_graphs: bool = True, max_graphs: int = 16,
-                 head_exporter=None, gemv_tiles: bool = True):
+                 head_exporter=None, gemv_tiles: bool = True, slot_cache: int = 2):
         self.w, self.hp = weights, weights.hparams
         hp = self.hp
         for lid in capture_layers:
@@ -212,6 +233,8 @@ class Qwen35Model:
             raise ValueError(f"prefill_chunk must be > 0, got {prefill_chunk}")
         if max_graphs < 1:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+        if slot_cache < 0:
+            raise ValueError(f"slot_cache must be >= 0, got {slot_cache}")
         self.capture_layers = list(capture_layers)
         self.kv_dtype, self.prefill_chunk = kv_dtype, prefill_chunk
         self.device = parse_device(device)
@@ -252,6 +275,8 @@ class Qwen35Model:
         self.head_exporter = head_exporter if head_exporter is not None and head_exporter.infos else None
         self.cuda_graphs = bool(cuda_graphs) and self.device == sn.Device.GPU
         self.max_graphs = max_graphs
+        self.slot_cache = slot_cache
+        self._free_slots: list[_StateSlot] = []  # released sequences' slots kept for reuse, oldest first
         self._graphs: collections.OrderedDict[tuple[int, int, bool, int], _CapturedVerify] = collections.OrderedDict()
         # Inputs of every captured verify: token ids at [0, 16), positions (= KV rows) at [16, 32).
         self._graph_in = (sn.Tensor.zeros([2 * _GRAPH_MAX_W], sn.DType.I32, self.device) if self.cuda_graphs
@@ -273,18 +298,51 @@ class Qwen35Model:
 
     # ------------------------------------------------------------------ public API
 
-    def release(self, st: SequenceState) -> int:
-        """Frees a finished sequence: drops its captured verify graphs (and their commit graphs) and
-        its device state (KV caches, GDN and conv states); later verifies of ``st`` raise ValueError.
-        Returns the number of graphs dropped. Call it under the lock that serialises forwards and
-        captures: a dropped graph's destructor waits for its last replay, and its arena or the
-        states are freed now (a VerifyResult still held keeps only its own graph's arena). Idempotent."""
-        keys = [k for k in self._graphs if k[0] == st.uid]
+    def release(self, st: SequenceState, keep_slot: bool = True) -> int:
+        """Ends a finished sequence; later verifies of ``st`` raise ValueError. With CUDA graphs its
+        state slot and that slot's captured graphs are kept for the next sequence of the same
+        capacity class (``keep_slot``; at most ``slot_cache`` kept, the oldest dropped beyond);
+        otherwise (or for a dropped slot) the captured verify graphs (and their commit graphs) and the
+        device state (KV caches, GDN and conv states) are freed. Returns the number of graphs dropped.
+        Call it under the lock that serialises forwards and captures: a dropped graph's destructor
+        waits for its last replay, and its arena or the states are freed now (a VerifyResult still
+        held keeps only its own graph's arena). Idempotent."""
+        if st.released:
+            return 0
+        st.released = True
+        slot, st.slot = st.slot, None
+        st.kv, st.ssm, st.conv = {}, {}, {}
+        if not (keep_slot and self.cuda_graphs and self.slot_cache):
+            return self._drop_slot(slot)
+        self._free_slots.append(slot)
+        dropped = 0
+        while len(self._free_slots) > self.slot_cache:
+            dropped += self._drop_slot(self._free_slots.pop(0))
+        return dropped
+
+    def _drop_slot(self, slot: _StateSlot) -> int:
+        """Drops the graphs captured on ``slot`` (its buffers go with the last reference)."""
+        keys = [k for k in self._graphs if k[0] == slot.uid]
         for k in keys:
             del self._graphs[k]
-        st.released = True
-        st.kv, st.ssm, st.conv = {}, {}, {}
         return len(keys)
+
+    def _slot_for(self, capacity: int) -> _StateSlot:
+        """A state slot for ``capacity`` positions, states zeroed: with CUDA graphs a kept slot of the
+        same rows (capacity rounded up to the graphs' attention step, so a graph's attention bound,
+        committed + w rounded up to that step, never passes the cache) when one is free, else a new one."""
+        if not self.cuda_graphs:
+            return _StateSlot(self, capacity)
+        rows = -(-capacity // _GRAPH_KV_STEP) * _GRAPH_KV_STEP
+        for j, slot in enumerate(self._free_slots):
+            if slot.rows == rows:
+                del self._free_slots[j]
+                zero = self._ops.zeros
+                for states in (slot.ssm, slot.conv):  # in place: the graphs read these addresses
+                    for t in states.values():
+                        self._ops.assign(t, zero(t.shape))
+                return slot  # (K/V rows are written by a verify before anything reads them)
+        return _StateSlot(self, rows)
 
     def graph_arena_bytes(self) -> int:
         """Measured device bytes held by the arenas of the live captured graphs (verify graphs and
@@ -299,7 +357,7 @@ class Qwen35Model:
         """Fresh state for a sequence of at most ``capacity`` positions (KV rows and feature slots)."""
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, got {capacity}")
-        return SequenceState(self, capacity)
+        return SequenceState(self, capacity, self._slot_for(capacity))
 
     def prefill(self, st: SequenceState, tokens: Sequence[int], cancelled=None) -> np.ndarray:
         """Runs and commits ``tokens`` after the committed prefix in chunks; returns the last row's
@@ -350,7 +408,7 @@ class Qwen35Model:
             else:
                 st.features.write(c, feats if isinstance(feats, np.ndarray) else feats.numpy())
         except BaseException:
-            self.release(st)  # its states may hold part of this step
+            self.release(st, keep_slot=False)  # its states may hold part of this step
             raise
         st.committed += 1
         return best, logits
@@ -465,8 +523,8 @@ class Qwen35Model:
         inputs[:w] = tokens
         inputs[_GRAPH_MAX_W : _GRAPH_MAX_W + w] = c + np.arange(w)
         sn.gpu_write_async(self._graph_in, inputs)  # ordered after every replay already queued
-        bound = min(st.capacity, -(-(c + w) // _GRAPH_KV_STEP) * _GRAPH_KV_STEP)
-        key = (st.uid, w, in_place, bound)
+        bound = min(st.slot.rows, -(-(c + w) // _GRAPH_KV_STEP) * _GRAPH_KV_STEP)
+        key = (st.slot.uid, w, in_place, bound)
         g = self._graphs.get(key)
         if g is None:
             g = self._capture_chain(st, w, bound, in_place)
@@ -658,7 +716,6 @@ class Qwen35Model:
 
 
 _GRAPH_MAX_W = 16  # widest captured chain verify (the exact GEMV's row slice)
-_GRAPH_KV_STEP = 1024  # a captured verify's attention bound: committed + w rounded up to this
 
 
 class _Tree:

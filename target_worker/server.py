@@ -71,6 +71,10 @@ class TargetWorkerConfig:
         True; bitwise the eager results, far less host work per step). Ignored on the CPU.
     max_graphs: most captured verify graphs kept (least recently used evicted; each holds its own
         device arena), >= 1, default 16. Ignored without cuda_graphs.
+    slot_cache: released sequences' device states (K/V caches, GDN and conv states, capacity rounded
+        up to 1024 positions) kept with their captured graphs for the next sequences of the same
+        capacity class, so a new request replays graphs instead of capturing them, >= 0, default 2
+        (0: freed at release). Ignored without cuda_graphs.
     gemv_tiles: on a CUDA GPU, place the layers' IQ4_XS, Q4_K and Q6_K matrices in the tensor-core
         GEMV's tiled layouts (default True; same bytes, bit-identical results, faster decode). Ignored elsewhere.
     export_head: on the GPU, place token_embd / output in IPC-exported buffers and publish their
@@ -110,6 +114,7 @@ class TargetWorkerConfig:
     device: str = "auto"
     cuda_graphs: bool = True
     max_graphs: int = 16
+    slot_cache: int = 2
     gemv_tiles: bool = True
     export_head: bool = True
     threads: int = 0
@@ -128,7 +133,7 @@ class TargetWorkerConfig:
                      "max_graphs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"target-worker: {name} must be > 0, got {getattr(self, name)}")
-        for name in ("threads", "max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s"):
+        for name in ("threads", "max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s", "slot_cache"):
             if getattr(self, name) < 0:
                 raise ValueError(f"target-worker: {name} must be >= 0, got {getattr(self, name)}")
         if self.max_seq_len < 0:
@@ -655,7 +660,7 @@ def load_servicer(cfg: TargetWorkerConfig) -> TargetServicer:
     exporter = HeadExporter(backend) if cfg.export_head and parse_device(cfg.resolved_device) == backend.device else None
     model = Qwen35Model(weights, capture_layers=cfg.capture_layers, kv_dtype=kv, prefill_chunk=cfg.prefill_chunk,
                         device=cfg.resolved_device, cuda_graphs=cfg.cuda_graphs, max_graphs=cfg.max_graphs,
-                        gemv_tiles=cfg.gemv_tiles, head_exporter=exporter)
+                        slot_cache=cfg.slot_cache, gemv_tiles=cfg.gemv_tiles, head_exporter=exporter)
     meta = read_tokenizer_metadata(reader)
     eos = list(meta.end_ids) if meta is not None else []
     return TargetServicer(model, cfg, eos)
@@ -791,6 +796,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on the GPU, replay chain verifies of up to 16 rows as CUDA graphs (default on)")
     p.add_argument("--max-graphs", type=int, default=d.max_graphs,
                    help=f"most captured CUDA graphs kept, LRU-evicted, >= 1 (default {d.max_graphs})")
+    p.add_argument("--slot-cache", type=int, default=d.slot_cache,
+                   help="released sequences' device states kept, with their CUDA graphs, for the next sequences "
+                        f"of the same capacity class (1024-position steps), >= 0 (default {d.slot_cache}; 0: freed "
+                        "at release)")
     p.add_argument("--gemv-tiles", action=argparse.BooleanOptionalAction, default=d.gemv_tiles,
                    help="on a CUDA GPU, place the layers' IQ4_XS / Q4_K / Q6_K matrices in the GEMV's tiled layouts (default on; "
                         "bit-identical results)")
@@ -857,6 +866,7 @@ def config_from_args(args) -> TargetWorkerConfig:
                              max_sequences=args.max_sequences, kv_dtype=args.kv_dtype,
                              prefill_chunk=args.prefill_chunk, device=args.device,
                              cuda_graphs=args.cuda_graphs, max_graphs=args.max_graphs,
+                             slot_cache=getattr(args, "slot_cache", TargetWorkerConfig.slot_cache),
                              gemv_tiles=getattr(args, "gemv_tiles", True),
                              export_head=getattr(args, "export_head", True), threads=args.threads,
                              max_concurrent_rpcs=args.max_concurrent_rpcs,

@@ -18,7 +18,9 @@ device; the host contracts are in tests/native/test_index_guards.py). Properties
   too; a stale graph result refuses its logits; a larger attention bound supersedes a (sequence, w)
   pair's graphs of smaller bounds, and Qwen35Model.release drops a sequence's graphs;
 * plain steps (Qwen35Model.step) replay their own graph, states committed in place, bitwise the eager
-  one-row verify + commit.
+  one-row verify + commit;
+* a released sequence's state slot and graphs serve the next sequence of its capacity class (no new
+  capture), bitwise the eager model's fresh sequence.
 """
 from __future__ import annotations
 
@@ -351,7 +353,7 @@ def test_graph_verify_equals_eager(tiny, rng, name, kv):
 def test_graph_decode_crosses_attention_bound(tiny, rng):
     """Positions past 1024 switch to graphs with a larger attention bound; still bitwise eager."""
     weights, _ = tiny("smoke")
-    graphs, eager = _pair(weights, prefill_chunk=256)
+    graphs, eager = _pair(weights, prefill_chunk=256, slot_cache=0)
     prompt = [int(t) for t in rng.integers(0, weights.hparams.n_vocab, size=1018)]
     sg, se = graphs.new_sequence(1100), eager.new_sequence(1100)
     graphs.prefill(sg, prompt)
@@ -363,7 +365,7 @@ def test_graph_decode_crosses_attention_bound(tiny, rng):
         _same_result(rg, re, f"step {step} at {sg.committed}")
         graphs.commit(sg, rg, w)
         eager.commit(se, re, w)
-    assert {k[3] for k in graphs._graphs} == {1100}  # the 1024-bound graphs were superseded
+    assert {k[3] for k in graphs._graphs} == {2048}  # the 1024-bound graphs were superseded (rows: 2048)
     assert sorted(k[1] for k in graphs._graphs) == [1, 2, 3]
     assert_same_state(sg, se)
     assert graphs.graph_arena_bytes() >= 3 * (64 << 20)  # measured, commit graphs included
@@ -376,7 +378,7 @@ def test_graph_step_equals_eager_verify_and_commit(tiny, rng):
     (argmax, states, KV and feature rows) across the 1024-row bound and between speculative verifies;
     release drops the step graphs with the others."""
     weights, _ = tiny("main")
-    graphs, eager = _pair(weights, prefill_chunk=256, capture_layers=[1])
+    graphs, eager = _pair(weights, prefill_chunk=256, capture_layers=[1], slot_cache=0)
     vocab = weights.hparams.n_vocab
     prompt = [int(t) for t in rng.integers(0, vocab, size=1012)]
     sg, se = graphs.new_sequence(1100), eager.new_sequence(1100)
@@ -399,10 +401,51 @@ def test_graph_step_equals_eager_verify_and_commit(tiny, rng):
     assert_same_state(sg, se)
     np.testing.assert_array_equal(sg.features.read(0, sg.committed), se.features.read(0, se.committed))
     steps = [k for k in graphs._graphs if k[2]]
-    assert {k[3] for k in steps} == {1100} and {k[1] for k in steps} == {1}  # the 1024 bound's was superseded
+    assert {k[3] for k in steps} == {2048} and {k[1] for k in steps} == {1}  # the 1024 bound's was superseded
     assert all(not graphs._graphs[k].commits for k in steps)
     n = len(graphs._graphs)
     assert graphs.release(sg) == n and not graphs._graphs
+
+
+def test_released_slot_serves_the_next_sequence_with_its_graphs(tiny, rng):
+    """A released sequence's state slot and its captured graphs serve the next sequence of the same
+    capacity class (no new capture: the same graph objects replay), with states zeroed: its tokens,
+    logits, states and features equal an eager model's fresh sequence bitwise; a sequence of another
+    class gets a new slot; beyond slot_cache the oldest kept slot goes with its graphs."""
+    weights, ck = tiny("main")
+    graphs, eager = _pair(weights, capture_layers=[1], slot_cache=1)
+    vocab = weights.hparams.n_vocab
+
+    def generate(model, capacity, toks):
+        st = model.new_sequence(capacity)
+        t = int(np.argmax(model.prefill(st, ck.prompt)))
+        out = []
+        for i, d in enumerate(toks):
+            if i % 3 == 2:  # a speculative step: verify 3 rows, commit 2
+                res = model.verify(st, [t, d, int(d + 1) % vocab])
+                model.commit(st, res, 2)
+                t = int(res.argmax[1])
+            else:
+                t = model.step(st, t)
+            out.append(t)
+        return st, out
+
+    toks = [int(x) for x in rng.integers(0, vocab, size=9)]
+    s1, out1 = generate(graphs, 200, toks)
+    slot, captured = s1.slot, dict(graphs._graphs)
+    assert graphs.release(s1) == 0 and graphs._graphs == captured  # kept with its graphs
+    toks2 = [int(x) for x in rng.integers(0, vocab, size=9)]
+    s2, out2 = generate(graphs, 300, toks2)  # same class (rows 1024): the slot and its graphs again
+    assert s2.slot is slot and all(graphs._graphs[k] is g for k, g in captured.items())
+    e2, ref2 = generate(eager, 300, toks2)
+    assert out2 == ref2
+    assert_same_state(s2, e2)
+    np.testing.assert_array_equal(s2.features.read(0, s2.committed), e2.features.read(0, e2.committed))
+    s3 = graphs.new_sequence(1500)  # another class (rows 2048): a new slot
+    assert s3.slot is not slot and s3.slot.rows == 2048
+    graphs.release(s2)
+    n = len(captured)
+    assert graphs.release(s3) == n and not graphs._graphs  # slot_cache 1: s2's slot goes with its graphs
 
 
 def test_stale_graph_result_refuses_logits(tiny):

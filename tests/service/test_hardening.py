@@ -437,7 +437,7 @@ def test_release_and_reap_free_the_model_state_under_the_model_lock(stack):
     real = ts.model.release
 
     def release(st):
-        calls.append((st.uid, ts.model_lock.locked()))
+        calls.append((id(st), ts.model_lock.locked()))
         return real(st)
 
     ts.model.release = release
@@ -448,10 +448,10 @@ def test_release_and_reap_free_the_model_state_under_the_model_lock(stack):
             t.Prefill(wpb.PrefillRequest(seq_id="rel-2", tokens=[5, 6, 7], capacity=20), timeout=10)
             s1 = ts.seqs["rel-1"]
             assert t.Release(wpb.ReleaseRequest(seq_id="rel-1"), timeout=5).existed
-            assert s1.released and s1.st.released and calls == [(s1.st.uid, True)]
+            assert s1.released and s1.st.released and calls == [(id(s1.st), True)]
             s2 = ts.seqs["rel-2"]
             assert ts.reap_idle(time.monotonic() + 10_000) == ["rel-2"]
-            assert s2.st.released and calls[-1] == (s2.st.uid, True)
+            assert s2.st.released and calls[-1] == (id(s2.st), True)
             with pytest.raises(grpc.RpcError) as err:  # invalid tokens: the state it built is freed
                 t.Prefill(wpb.PrefillRequest(seq_id="rel-3", tokens=[10**6], capacity=20), timeout=10)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

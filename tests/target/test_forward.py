@@ -316,9 +316,10 @@ def test_release_drops_the_sequences_graphs_and_state(converted):
     model.prefill(a, [1, 2, 3])
     model.prefill(b, [1, 2, 3])
     res = model.verify(a, [4, 5])
-    for key, n in (((a.uid, 1, 1024), 10), ((a.uid, 2, 1024), 20), ((b.uid, 1, 1024), 40)):
+    ka, kb = a.slot.uid, b.slot.uid
+    for key, n in (((ka, 1, False, 1024), 10), ((ka, 2, False, 1024), 20), ((kb, 1, True, 1024), 40)):
         model._graphs[key] = _CapturedVerify(_FakeGraph(n), None, None, None, [])
-    model._graphs[(a.uid, 1, 1024)].commits[1] = _FakeGraph(5)
+    model._graphs[(ka, 1, False, 1024)].commits[1] = _FakeGraph(5)
     assert model.graph_arena_bytes() == 75  # verify graphs and their commit graphs
     from specd.protos.v1 import worker_pb2
     from specd.target_worker.memory import report
@@ -329,7 +330,7 @@ def test_release_drops_the_sequences_graphs_and_state(converted):
     assert report(model, 64, 2, 4, measure=False).cuda_graph_measured_bytes == 0
     model.cuda_graphs = False
     assert model.release(a) == 2
-    assert list(model._graphs) == [(b.uid, 1, 1024)] and model.graph_arena_bytes() == 40
+    assert list(model._graphs) == [(kb, 1, True, 1024)] and model.graph_arena_bytes() == 40
     assert a.released and not a.kv and not a.ssm and not a.conv
     with pytest.raises(ValueError, match="released"):
         model.verify(a, [1])
@@ -338,6 +339,37 @@ def test_release_drops_the_sequences_graphs_and_state(converted):
     assert model.release(a) == 0  # idempotent
     model.commit(b, model.verify(b, [4]), 1)  # the other sequence is untouched
     assert b.committed == 4
+
+
+def test_released_slots_are_kept_per_capacity_class(converted):
+    """With CUDA graphs a released sequence's state slot is kept (at most slot_cache, the oldest
+    dropped with its graphs) and given, states zeroed, to the next sequence whose capacity rounds up
+    to the same rows (multiples of 1024). Bookkeeping only, on the CPU: the tensor-ops path with
+    cuda_graphs set and stand-in graphs (tests/gpu/test_gpu_graph.py runs real ones)."""
+    from specd.target_worker.model import _CapturedVerify
+
+    model = Qwen35Model(load_qwen35(converted("smoke")), tensor_ops=True, slot_cache=2)
+    model.cuda_graphs = True
+    a = model.new_sequence(100)
+    assert a.slot.rows == 1024
+    for t in [*a.ssm.values(), *a.conv.values()]:  # a finished sequence leaves non-zero states
+        model._ops.assign(t, sn.Tensor(np.ones(t.shape, np.float32)))
+    model._graphs[(a.slot.uid, 1, True, 1024)] = _CapturedVerify(_FakeGraph(1), None, None, None, [])
+    slot = a.slot
+    assert model.release(a) == 0 and len(model._graphs) == 1
+    b = model.new_sequence(1000)
+    assert b.slot is slot and b.capacity == 1000 and not b.released
+    assert all(not t.numpy().any() for t in [*b.ssm.values(), *b.conv.values()])
+    c, d = model.new_sequence(1025), model.new_sequence(5)
+    c_slot, d_slot = c.slot, d.slot
+    assert c_slot.rows == 2048 and d_slot.rows == 1024 and d_slot is not slot
+    assert model.release(b) == 0 and model.release(c) == 0 and b.slot is None
+    assert model.release(d) == 1 and not model._graphs  # three kept > 2: b's slot (the oldest) goes
+    assert model.new_sequence(900).slot is d_slot
+    e = model.new_sequence(2000)
+    assert e.slot is c_slot and model.release(e, keep_slot=False) == 0 and model._free_slots == []
+    with pytest.raises(ValueError, match="slot_cache must be >= 0"):
+        Qwen35Model(load_qwen35(converted("smoke")), slot_cache=-1)
 
 
 def test_c24_tokenizer_from_gguf_matches_transformers(checkpoint, converted):
