@@ -34,3 +34,15 @@ def test_loop_overhead_bench_smoke(tmp_path, streams):
     # 8 tokens = the prefill's + 7 plain steps: one call each, or one plain run of 7 in one call
     assert calls[0] == 1.0 and calls[1] == round(1 / 7, 2) and all(1.0 < c <= 2.0 for c in calls[2:])
     assert ("one unary call per worker call" in text) != streams
+
+
+def test_grpc_floor_bench_smoke(tmp_path):
+    """tools/bench/grpc_floor.py: both server kinds answer over one stream and the table has a row each
+    with positive medians."""
+    md = tmp_path / "F.md"
+    run_script([sys.executable, str(ROOT / "tools" / "bench" / "grpc_floor.py"), "--calls", "5", "--handler-ms", "0",
+                "--write", str(md)], timeout=120)
+    rows = [line.split("|") for line in md.read_text(encoding="utf-8").splitlines() if line.startswith("| sync")
+            or line.startswith("| aio")]
+    assert [r[1].strip() for r in rows] == ["sync", "aio"]
+    assert all(float(c.strip().split()[0]) > 0 for r in rows for c in r[2:5])
