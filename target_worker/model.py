@@ -384,7 +384,7 @@ class Qwen35Model:
         successor (the argmax of its logits, int). Equals ``verify(st, [token])`` + ``commit(st, res, 1)``
         bitwise (logits, states, KV rows, feature rows) but updates the GDN and conv states in place
         (no pending copies: 2 state copies per GDN layer fewer, ~0.3 GB of device traffic for the 27B) and
-        on the GPU replays one captured graph per (sequence, key bound) instead of a verify and a
+        on the GPU replays one captured graph per (state slot, key bound) instead of a verify and a
         commit graph. Outstanding verifies of ``st`` can no longer commit. Raises ValueError as verify
         (bad token, capacity, released sequence); an error inside the forward leaves the states half
         updated, so the sequence is released before the error propagates."""

@@ -16,7 +16,7 @@ device; the host contracts are in tests/native/test_index_guards.py). Properties
   states) over many steps of widths 1..16, two sequences interleaved, a small graph cache (eviction)
   and positions crossing the 1024-row attention bound, with commits (any prefix) replayed as graphs
   too; a stale graph result refuses its logits; a larger attention bound supersedes a (sequence, w)
-  pair's graphs of smaller bounds, and Qwen35Model.release drops a sequence's graphs;
+  pair's graphs of smaller bounds, and Qwen35Model.release (slot_cache 0) drops a sequence's graphs;
 * plain steps (Qwen35Model.step) replay their own graph, states committed in place, bitwise the eager
   one-row verify + commit;
 * a released sequence's state slot and graphs serve the next sequence of its capacity class (no new
@@ -373,10 +373,10 @@ def test_graph_decode_crosses_attention_bound(tiny, rng):
 
 
 def test_graph_step_equals_eager_verify_and_commit(tiny, rng):
-    """Plain steps (Qwen35Model.step) replay one graph per (sequence, attention bound) that commits the
+    """Plain steps (Qwen35Model.step) replay one graph per (state slot, attention bound) that commits the
     GDN / conv states in place, without a commit graph: bitwise the eager one-row verify + commit
     (argmax, states, KV and feature rows) across the 1024-row bound and between speculative verifies;
-    release drops the step graphs with the others."""
+    release (slot_cache 0) drops the step graphs with the others."""
     weights, _ = tiny("main")
     graphs, eager = _pair(weights, prefill_chunk=256, capture_layers=[1], slot_cache=0)
     vocab = weights.hparams.n_vocab
