@@ -517,7 +517,7 @@ class Qwen35Model:
     def _replay_chain(self, st, tokens, in_place: bool) -> _CapturedVerify:
         """Replays the graph of a chain forward of len(tokens) rows after st's committed prefix
         (``in_place``: :meth:`step`'s, which commits its GDN / conv states), capturing it first if
-        needed. Graphs are keyed (sequence, w, in_place, key bound); see the module docstring."""
+        needed. Graphs are keyed (state slot, w, in_place, key bound); see the module docstring."""
         w, c = len(tokens), st.committed
         inputs = np.zeros(2 * _GRAPH_MAX_W, np.int32)
         inputs[:w] = tokens
