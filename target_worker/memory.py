@@ -38,7 +38,8 @@ token), 144 MiB of recurrent state, 5.6 MiB of conv state and 274 MiB of verify 
 max_verify 33 (of which 144 MiB is the chain verify's final-S copy), 2.41 GiB in all. The workspace
 reserve is 4.73 GiB with 512-token prefill chunks (1.17 GiB for verifies alone). On a "141 GB" H200
 counted as 141e9 bytes (131.3 GiB; the device itself reports ~139.8 GiB, so this is conservative)
-**46** such sequences fit next to the weights (Q8_0 KV: 76). The feature ring (5 taps: 100 KiB per
+**46** such sequences fit next to the weights (Q8_0 KV: 76; 44 with the default 16 CUDA graph arenas, 42 with
+the 2 kept state slots of the default ``slot_cache`` too). The feature ring (5 taps: 100 KiB per
 position, 3.1 GiB per 32k sequence) is host shared memory, not device memory, but 46 x 3.1 GiB = 143 GiB of /dev/shm is
 more than the host has: at 32k, long-context serving needs a bounded ring (future work). With the
 cuda-ipc transport the ring holds the whole sequence on the device instead (the capacity contract in
@@ -57,6 +58,12 @@ MiB = 1 << 20
 KiB = 1 << 10
 
 GRAPH_KV_STEP = 1024  # a captured verify's attention bound step (model.py); K/V rows with CUDA graphs: multiples
+
+
+def graph_rows(positions: int) -> int:
+    """``positions`` rounded up to a multiple of GRAPH_KV_STEP: a captured forward's attention bound
+    (committed + w), and with CUDA graphs a sequence's K/V rows (its capacity)."""
+    return -(-int(positions) // GRAPH_KV_STEP) * GRAPH_KV_STEP
 # Fixed device reserve for the CUDA context, cuBLAS workspace and pool fragmentation (bytes).
 CONTEXT_RESERVE_BYTES = 1 * GiB
 H200_BYTES = 141 * 10**9  # "141 GB" of HBM3e (decimal), as NVIDIA states it; cudaMemGetInfo reports a bit less
@@ -195,7 +202,8 @@ class MemoryReport:
     cuda_graph_measured_bytes (measured, with ``measure`` on a model with CUDA graphs: the arenas of
     its live verify and commit graphs, GpuGraph.arena_bytes; 0 otherwise); feature_ring_on_device
     (cuda-ipc transport: the ring's rows are device memory, included in sequence_bytes, and
-    host_feature_bytes counts only the slot tables).
+    host_feature_bytes counts only the slot tables); slot_cache_bytes (with CUDA graphs: the states of
+    the model's slot_cache kept released sequences at max_seq_len, part of workspace_bytes).
     """
 
     device: str
@@ -223,6 +231,7 @@ class MemoryReport:
     cuda_graph_bytes: int = 0
     cuda_graph_measured_bytes: int = 0
     feature_ring_on_device: bool = False
+    slot_cache_bytes: int = 0
     feature_transport: str = "shm"  # "inline": no ring at all (rows travel in the messages)
 
     def fits_on(self, device_bytes: int) -> int:
@@ -245,6 +254,7 @@ class MemoryReport:
                   else "(none: inline transport)" if self.feature_transport == "inline" else "(host shm)"),
                f"  workspace          {_fmt(self.workspace_bytes)}"
                + (f" (of which CUDA graph arenas {_fmt(self.cuda_graph_bytes)})" if self.cuda_graph_bytes else "")
+               + (f" (of which kept state slots {_fmt(self.slot_cache_bytes)})" if self.slot_cache_bytes else "")
                + (f", graph arenas now {_fmt(self.cuda_graph_measured_bytes)}"
                   if self.cuda_graph_measured_bytes else ""),
                f"  total              {_fmt(self.total_bytes)} for {self.max_sequences} sequences "
@@ -344,7 +354,7 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
     graphed = getattr(model, "cuda_graphs", False)
     # with CUDA graphs a sequence's K/V rows are its capacity rounded up to the graphs' attention step, and
     # up to slot_cache released sequences' states stay allocated for reuse (model.py: _StateSlot)
-    kv_rows = -(-max_seq_len // GRAPH_KV_STEP) * GRAPH_KV_STEP if graphed else max_seq_len
+    kv_rows = graph_rows(max_seq_len) if graphed else max_seq_len
     kv_seq = sb.kv_per_token * kv_rows
     seq = kv_seq + sb.recurrent + sb.conv + sb.verify
     graphs = cuda_graph_bytes(hp, model.max_graphs, n_taps) if graphed else 0
@@ -379,7 +389,7 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
                         verify_width=sb.verify_width, verify_bytes_per_sequence=sb.verify, sequence_bytes=seq,
                         feature_ring_bytes_per_sequence=ring, workspace_bytes=ws, max_sequences=int(max_sequences),
                         total_bytes=weights + ws + max_sequences * seq, host_feature_bytes=max_sequences * host_ring,
-                        cuda_graph_bytes=graphs, feature_ring_on_device=on_device,
+                        cuda_graph_bytes=graphs, feature_ring_on_device=on_device, slot_cache_bytes=slots,
                         feature_transport=feature_transport, **extra)
 
 

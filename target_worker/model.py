@@ -68,7 +68,7 @@ import specd.native as sn
 
 from .device import _HostOps, _TensorOps, _Uploader, default_device, parse_device  # noqa: F401
 from .features import FeatureRing
-from .memory import GRAPH_KV_STEP as _GRAPH_KV_STEP  # a captured verify's attention bound: committed + w rounded up
+from .memory import graph_rows  # a captured verify's attention bound: committed + w rounded up
 
 
 @dataclasses.dataclass
@@ -125,13 +125,14 @@ class VerifyResult:
         """RuntimeError when the verify ran as a CUDA graph that has been replayed since (its arena
         tensors ``raw_logits`` / ``raw_features`` / ``pending`` were overwritten)."""
         if self.graph is not None and self.graph.replays != self.replay:
-            raise RuntimeError(f"VerifyResult.{what}: a newer verify of this sequence and width replayed the "
+            raise RuntimeError(f"VerifyResult.{what}: a newer forward of this state slot and width replayed the "
                                f"CUDA graph holding these {what}; read them before the next verify")
 
 
 @dataclasses.dataclass
 class _CapturedVerify:
-    """A recorded chain verify of one sequence and width, and the arena tensors it writes."""
+    """A recorded chain forward of one state slot and width (a verify, or with ``in_place`` a plain
+    step), and the arena tensors it writes."""
 
     graph: object  # sn.GpuGraph
     logits: object
@@ -333,16 +334,27 @@ class Qwen35Model:
         committed + w rounded up to that step, never passes the cache) when one is free, else a new one."""
         if not self.cuda_graphs:
             return _StateSlot(self, capacity)
-        rows = -(-capacity // _GRAPH_KV_STEP) * _GRAPH_KV_STEP
+        rows = graph_rows(capacity)
         for j, slot in enumerate(self._free_slots):
             if slot.rows == rows:
                 del self._free_slots[j]
-                zero = self._ops.zeros
-                for states in (slot.ssm, slot.conv):  # in place: the graphs read these addresses
-                    for t in states.values():
-                        self._ops.assign(t, zero(t.shape))
-                return slot  # (K/V rows are written by a verify before anything reads them)
-        return _StateSlot(self, rows)
+                try:
+                    for t in [*slot.ssm.values(), *slot.conv.values()]:  # in place: the graphs read these addresses
+                        self._ops.assign(t, self._ops.zeros(t.shape))
+                except BaseException:
+                    self._drop_slot(slot)
+                    raise
+                # K/V rows need no reset: attention reads only positions up to each row's own, all written
+                # by this sequence (prefill / verify write a row's K/V before any row attends to it)
+                return slot
+        try:
+            return _StateSlot(self, rows)
+        except (MemoryError, RuntimeError):
+            if not self._free_slots:
+                raise
+            while self._free_slots:  # kept slots of other sizes give their memory back first
+                self._drop_slot(self._free_slots.pop())
+            return _StateSlot(self, rows)
 
     def graph_arena_bytes(self) -> int:
         """Measured device bytes held by the arenas of the live captured graphs (verify graphs and
@@ -394,19 +406,18 @@ class Qwen35Model:
         """(argmax int, logits: numpy [1, n_vocab] or a device tensor valid until the next replay)."""
         tokens = self._check_tokens([token], st)
         c = st.committed
+        # a capture failing here has run nothing: the sequence stays as it was
+        g = self._chain_graph(st, 1, c, in_place=True) if self.cuda_graphs else None
         st.verifies += 1  # pending verifies ran against the states this step overwrites
         try:
-            if self.cuda_graphs:
-                logits, argmax, feats = self._step_graph(st, tokens)
+            if g is not None:
+                self._replay(g, tokens, c)
+                logits, argmax, feats = g.logits, g.argmax, g.features
             else:
                 idx = self._ops.indices(tokens, np.array([c], np.int32), np.array([c], np.int32))
                 logits, argmax, feats, _ = self._forward(st, *idx, c + 1, None, False, _EXACT, in_place=True)
             best = int(argmax.numpy()[0])
-            feats = self._features(feats, 1)
-            if getattr(st.features, "device", False) and not isinstance(feats, np.ndarray):
-                st.features.write_rows(c, feats, [0])  # device to device (cuda-ipc ring)
-            else:
-                st.features.write(c, feats if isinstance(feats, np.ndarray) else feats.numpy())
+            self._ring_write(st, c, self._features(feats, 1))
         except BaseException:
             self.release(st, keep_slot=False)  # its states may hold part of this step
             raise
@@ -472,11 +483,19 @@ class Qwen35Model:
             g.replay()
         else:
             self._commit_states(st, res, rows)
-        if device_ring:
-            st.features.write_rows(res.start, res.raw_features, rows)  # device to device (cuda-ipc ring)
-        else:
-            st.features.write(res.start, feats)
+        self._ring_write(st, res.start, res.raw_features, rows) if device_ring else self._ring_write(st, res.start, feats)
         st.committed += n
+
+    @staticmethod
+    def _ring_write(st, start, feats, rows=None) -> None:
+        """Stores feature rows at positions start, start + 1, ...: ``feats[rows]`` (all of feats when
+        rows is None). A device tensor goes device to device into a device ring (cuda-ipc), anything
+        else through the host."""
+        if getattr(st.features, "device", False) and not isinstance(feats, np.ndarray):
+            st.features.write_rows(start, feats, list(range(feats.shape[0])) if rows is None else rows)
+        else:
+            host = feats if isinstance(feats, np.ndarray) else feats.numpy()
+            st.features.write(start, host if rows is None else host[rows])
 
     def _commit_states(self, st, res, rows) -> None:
         """The device (or numpy) part of commit: KV compaction and GDN / conv state updates."""
@@ -502,42 +521,43 @@ class Qwen35Model:
     # ------------------------------------------------------------------ CUDA graphs
 
     def _verify_graph(self, st, tokens) -> VerifyResult:
-        """Chain verify by replaying the (st, w) graph, capturing it first if needed."""
+        """Chain verify by replaying the (slot, w) graph, capturing it first if needed."""
         w, c = len(tokens), st.committed
-        g = self._replay_chain(st, tokens, in_place=False)
+        g = self._chain_graph(st, w, c, in_place=False)
+        self._replay(g, tokens, c)
         return VerifyResult(tokens, None, g.logits, g.argmax.numpy(), self._features(g.features, w), c,
                             g.pending, st, st.verifies, g, g.replays)
 
-    def _step_graph(self, st, tokens):
-        """:meth:`step`'s forward by replaying the (st, step) graph: (logits, argmax, features) tensors
-        of its arena."""
-        g = self._replay_chain(st, tokens, in_place=True)
-        return g.logits, g.argmax, g.features
+    def _chain_graph(self, st, w, c, in_place: bool) -> _CapturedVerify:
+        """The graph of a chain forward of w rows after c committed positions on st's slot
+        (``in_place``: :meth:`step`'s, which commits its GDN / conv states), captured now if needed
+        (nothing runs). Graphs are keyed (state slot, w, in_place, key bound); see the module docstring."""
+        bound = min(st.slot.rows, graph_rows(c + w))
+        key = (st.slot.uid, w, in_place, bound)
+        g = self._graphs.get(key)
+        if g is not None:
+            self._graphs.move_to_end(key)
+            return g
+        g = self._capture_chain(st, w, bound, in_place)
+        # within a sequence a slot's bound only grows; a later sequence on the slot starts again below
+        for old in [k for k in self._graphs if k[:3] == key[:3] and k[3] < bound]:
+            del self._graphs[old]
+        self._graphs[key] = g
+        kept = {slot.uid for slot in self._free_slots}
+        while len(self._graphs) > self.max_graphs:  # kept slots' graphs go first, then the least recently used
+            old = next((k for k in self._graphs if k[0] in kept), next(iter(self._graphs)))
+            del self._graphs[old]  # its arena lives on while results still hold tensors
+        return g
 
-    def _replay_chain(self, st, tokens, in_place: bool) -> _CapturedVerify:
-        """Replays the graph of a chain forward of len(tokens) rows after st's committed prefix
-        (``in_place``: :meth:`step`'s, which commits its GDN / conv states), capturing it first if
-        needed. Graphs are keyed (state slot, w, in_place, key bound); see the module docstring."""
-        w, c = len(tokens), st.committed
+    def _replay(self, g: _CapturedVerify, tokens, c: int) -> None:
+        """Replays g on tokens at positions c, c + 1, ... (one asynchronous upload of the inputs)."""
+        w = len(tokens)
         inputs = np.zeros(2 * _GRAPH_MAX_W, np.int32)
         inputs[:w] = tokens
         inputs[_GRAPH_MAX_W : _GRAPH_MAX_W + w] = c + np.arange(w)
         sn.gpu_write_async(self._graph_in, inputs)  # ordered after every replay already queued
-        bound = min(st.slot.rows, -(-(c + w) // _GRAPH_KV_STEP) * _GRAPH_KV_STEP)
-        key = (st.slot.uid, w, in_place, bound)
-        g = self._graphs.get(key)
-        if g is None:
-            g = self._capture_chain(st, w, bound, in_place)
-            for old in [k for k in self._graphs if k[:3] == key[:3] and k[3] < bound]:
-                del self._graphs[old]  # superseded: this kind's bound only grows
-            self._graphs[key] = g
-            while len(self._graphs) > self.max_graphs:
-                self._graphs.popitem(last=False)  # its arena lives on while results still hold tensors
-        else:
-            self._graphs.move_to_end(key)
         g.graph.replay()
         g.replays += 1
-        return g
 
     def _capture_chain(self, st, w, bound, in_place) -> _CapturedVerify:
         tokens = self._graph_in.view_rows(0, w)

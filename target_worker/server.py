@@ -331,9 +331,10 @@ class TargetServicer(pbg.TargetWorkerServicer):
         return reaped
 
     def _free_state(self, st, seq: "_Seq | None" = None) -> None:
-        """Frees a sequence's device state and captured graphs (model.release) and ``seq``'s pending
-        verify under model_lock, the lock of every forward and capture: a graph's destructor waits
-        for its last replay, and no buffer is freed beside another call's capture."""
+        """Releases a sequence's device state (model.release: freed, or kept with its captured graphs
+        for a later sequence, --slot-cache) and drops ``seq``'s pending verify under model_lock, the
+        lock of every forward and capture: a graph's destructor waits for its last replay, and no
+        buffer is freed beside another call's capture."""
         with self.model_lock:
             if seq is not None:
                 seq.pending = None
@@ -342,8 +343,8 @@ class TargetServicer(pbg.TargetWorkerServicer):
                 release(st)
 
     def _free_seq(self, s: "_Seq") -> None:
-        """Marks a removed sequence released (calls that still hold it are refused) and frees its
-        pending verify, graphs and device state under model_lock. Call with ``s.lock`` held."""
+        """Marks a removed sequence released (calls that still hold it are refused) and releases its
+        pending verify and device state under model_lock (:meth:`_free_state`). Call with ``s.lock`` held."""
         s.released = True
         self._free_state(s.st, s)
 
@@ -556,8 +557,9 @@ class TargetServicer(pbg.TargetWorkerServicer):
 
     @staticmethod
     def _check_idle(s: _Seq, seq_id: str, context) -> None:
-        """Aborts unless the sequence (its lock held) is live with no deferred verify pending."""
-        if s.released:
+        """Aborts unless the sequence (its lock held) is live with no deferred verify pending (the model
+        releases a sequence itself when a plain step fails inside its forward: Qwen35Model.step)."""
+        if s.released or s.st.released:
             _abort(context, grpc.StatusCode.NOT_FOUND, f"sequence {seq_id!r} was released")
         if s.pending is not None:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "a deferred verify is pending; Commit first")
@@ -632,7 +634,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
             return pb.ReleaseResponse(existed=True)
         if s is not None:
             with s.lock:  # an in-flight Verify/Commit finishes writing its rows first
-                self._free_seq(s)  # under model_lock: graphs and device buffers
+                self._free_seq(s)  # under model_lock: device state (kept or freed) and graphs
                 freed = self.features.release(request.seq_id)
         else:
             freed = self.features.release(request.seq_id)

@@ -397,7 +397,8 @@ def test_typed_options_have_flags_defaults_and_validation():
     assert (dd.idle_ttl_s, dd.tombstone_cap, dd.shutdown_grace_s) == (5, 7, 2.0)
 
 
-def test_max_graphs_flag_default_validation_and_serve_forwarding(monkeypatch):
+def test_graph_flags_default_validation_and_serve_forwarding(monkeypatch):
+    """--max-graphs and --slot-cache: defaults, validation on both commands, forwarded by specd serve."""
     from specd.coordinator import launcher
     from specd.coordinator.cli import build_parser
 
@@ -413,6 +414,13 @@ def test_max_graphs_flag_default_validation_and_serve_forwarding(monkeypatch):
     assert p.parse_args(["serve"]).max_graphs == 16
     with pytest.raises(ValueError, match="--max-graphs must be >= 1"):
         launcher.ServeConfig(target="t.gguf", drafter_gguf="", max_graphs=0).validate()
+    assert tserver.TargetWorkerConfig().slot_cache == 2 and p.parse_args(["serve"]).slot_cache == 2
+    tc = tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf", "--slot-cache", "0"]))
+    assert tc.slot_cache == 0
+    with pytest.raises(ValueError, match="slot_cache must be >= 0"):
+        tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf", "--slot-cache", "-1"]))
+    with pytest.raises(ValueError, match="--slot-cache must be >= 0"):
+        launcher.ServeConfig(target="t.gguf", drafter_gguf="", slot_cache=-1).validate()
     seen = []
 
     class Stop(Exception):
@@ -424,9 +432,11 @@ def test_max_graphs_flag_default_validation_and_serve_forwarding(monkeypatch):
 
     monkeypatch.setattr(launcher, "_child", child)
     with pytest.raises(Stop):
-        launcher.run(p.parse_args(["serve", "--target", "t.gguf", "--drafter", "none", "--max-graphs", "5"]))
+        launcher.run(p.parse_args(["serve", "--target", "t.gguf", "--drafter", "none", "--max-graphs", "5",
+                                   "--slot-cache", "3"]))
     argv = seen[0]
     assert argv[0] == "target-worker" and argv[argv.index("--max-graphs") + 1] == "5"
+    assert argv[argv.index("--slot-cache") + 1] == "3"
 
 
 def test_release_and_reap_free_the_model_state_under_the_model_lock(stack):

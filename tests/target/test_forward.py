@@ -372,6 +372,44 @@ def test_released_slots_are_kept_per_capacity_class(converted):
         Qwen35Model(load_qwen35(converted("smoke")), slot_cache=-1)
 
 
+def test_step_failures_keep_or_release_the_sequence(converted):
+    """A plain step whose graph capture fails has run nothing: the sequence stays usable. A failure
+    once the forward runs (here the graph inputs' upload, with a stand-in graph on the CPU) may leave
+    the states half updated: the sequence is released and its slot not kept (nor its graphs)."""
+    from specd.target_worker.model import _CapturedVerify
+
+    model = Qwen35Model(load_qwen35(converted("smoke")), tensor_ops=True, slot_cache=2)
+    model.cuda_graphs = True  # the tensor-ops path with graphs asked for: capture fails on the CPU
+    st = model.new_sequence(64)
+    with pytest.raises(Exception):
+        model.step(st, 1)
+    assert not st.released and st.committed == 0 and not model._graphs
+    slot = st.slot
+    fake = _CapturedVerify(_FakeGraph(1), None, None, None, [])
+    model._graphs[(slot.uid, 1, True, 1024)] = fake
+    model._chain_graph = lambda *a, **k: fake  # "captured": the replay's input upload then fails
+    with pytest.raises(Exception):
+        model.step(st, 1)
+    assert st.released and model._free_slots == [] and not model._graphs
+
+
+def test_memory_report_counts_graph_rows_and_kept_slots(converted):
+    """With CUDA graphs the report counts K/V at max_seq_len rounded up to 1024 rows and the kept
+    slots (slot_cache states at that size) inside the workspace."""
+    from specd.target_worker.memory import report, state_bytes
+
+    model = Qwen35Model(load_qwen35(converted("smoke")), tensor_ops=True, slot_cache=3)
+    plain = report(model, 1500, 2, 4, measure=False)
+    assert plain.kv_bytes_per_sequence == plain.kv_bytes_per_token * 1500 and plain.slot_cache_bytes == 0
+    model.cuda_graphs = True
+    rep = report(model, 1500, 2, 4, measure=False)
+    sb = state_bytes(model.hp, model.kv_dtype, 4, 0)
+    assert rep.kv_bytes_per_sequence == rep.kv_bytes_per_token * 2048
+    assert rep.slot_cache_bytes == 3 * (rep.kv_bytes_per_sequence + sb.recurrent + sb.conv)
+    assert rep.workspace_bytes == plain.workspace_bytes + rep.cuda_graph_bytes + rep.slot_cache_bytes
+    assert "kept state slots" in "\n".join(rep.lines())
+
+
 def test_c24_tokenizer_from_gguf_matches_transformers(checkpoint, converted):
     """The tokenizer rebuilt from GGUF metadata encodes like transformers' Qwen3_5Tokenizer built from
     the same vocabulary and merges (the oracle: its own normaliser, split regex and byte-level BPE),
