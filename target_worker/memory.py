@@ -64,6 +64,8 @@ def graph_rows(positions: int) -> int:
     """``positions`` rounded up to a multiple of GRAPH_KV_STEP: a captured forward's attention bound
     (committed + w), and with CUDA graphs a sequence's K/V rows (its capacity)."""
     return -(-int(positions) // GRAPH_KV_STEP) * GRAPH_KV_STEP
+
+
 # Fixed device reserve for the CUDA context, cuBLAS workspace and pool fragmentation (bytes).
 CONTEXT_RESERVE_BYTES = 1 * GiB
 H200_BYTES = 141 * 10**9  # "141 GB" of HBM3e (decimal), as NVIDIA states it; cudaMemGetInfo reports a bit less

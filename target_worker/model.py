@@ -158,7 +158,7 @@ class _StateSlot:
 
     def __init__(self, model: "Qwen35Model", rows: int):
         hp, ops, dev = model.hp, model._ops, model.device
-        self.uid = next(_StateSlot._uids)  # never reused: keys the model's captured graphs
+        self.uid = next(self._uids)  # never reused: keys the model's captured graphs
         self.rows = rows
         self.kv: dict[int, tuple[sn.Tensor, sn.Tensor]] = {}
         self.ssm: dict = {}  # np.ndarray on the CPU, sn.Tensor on the GPU
@@ -483,7 +483,10 @@ class Qwen35Model:
             g.replay()
         else:
             self._commit_states(st, res, rows)
-        self._ring_write(st, res.start, res.raw_features, rows) if device_ring else self._ring_write(st, res.start, feats)
+        if device_ring:
+            self._ring_write(st, res.start, res.raw_features, rows)
+        else:
+            self._ring_write(st, res.start, feats)
         st.committed += n
 
     @staticmethod

@@ -346,6 +346,7 @@ def test_released_slots_are_kept_per_capacity_class(converted):
     dropped with its graphs) and given, states zeroed, to the next sequence whose capacity rounds up
     to the same rows (multiples of 1024). Bookkeeping only, on the CPU: the tensor-ops path with
     cuda_graphs set and stand-in graphs (tests/gpu/test_gpu_graph.py runs real ones)."""
+    import specd.target_worker.model as mdl
     from specd.target_worker.model import _CapturedVerify
 
     model = Qwen35Model(load_qwen35(converted("smoke")), tensor_ops=True, slot_cache=2)
@@ -368,6 +369,21 @@ def test_released_slots_are_kept_per_capacity_class(converted):
     assert model.new_sequence(900).slot is d_slot
     e = model.new_sequence(2000)
     assert e.slot is c_slot and model.release(e, keep_slot=False) == 0 and model._free_slots == []
+    # a new slot that does not fit the device: the kept slots (here a 1024-row one) give their memory back
+    model.release(model.new_sequence(10))
+    real, calls = mdl._StateSlot, []
+
+    def tight(m, rows):
+        calls.append(len(m._free_slots))
+        if len(calls) == 1:
+            raise RuntimeError("out of device memory")
+        return real(m, rows)
+
+    mdl._StateSlot = tight
+    try:
+        assert model.new_sequence(3000).slot.rows == 3072 and calls == [1, 0] and model._free_slots == []
+    finally:
+        mdl._StateSlot = real
     with pytest.raises(ValueError, match="slot_cache must be >= 0"):
         Qwen35Model(load_qwen35(converted("smoke")), slot_cache=-1)
 

@@ -275,14 +275,14 @@ def markdown(r: dict) -> str:
          + (f"; as one-row verify + commit {r['decode_verify_commit_tok_s']:.1f} tok/s"
             if r.get("decode_verify_commit_tok_s") else "")
          + (f"; CUDA graphs on; op by op from Python {r['decode_eager_tok_s']:.1f} tok/s" if r.get("decode_eager_tok_s")
-            else ""), ""]
+            else "")]
     fv = r.get("first_verify_commit")
     if fv:
         reused = (f"; on a released state slot (replays them) {fv['reused_slot_ms']:.1f} ms" if "reused_slot_ms" in fv
                   else "")
-        L[-1:] = [f"- a sequence's first one-row verify + commit (captures its graphs) {fv['new_slot_ms']:.1f} ms"
-                  f"{reused}; steady {fv['steady_ms']:.1f} ms", ""]
-    L += [
+        L.append(f"- a sequence's first one-row verify + commit (captures its graphs) {fv['new_slot_ms']:.1f} ms"
+                 f"{reused}; steady {fv['steady_ms']:.1f} ms")
+    L += ["",
          "| verify width | " + " | ".join(str(w) for w in r["verify_ms"]) + " |",
          "| --- |" + " --- |" * len(r["verify_ms"]),
          "| ms | " + " | ".join(f"{v:.1f}" for v in r["verify_ms"].values()) + " |", "",
