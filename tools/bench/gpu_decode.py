@@ -15,6 +15,7 @@ Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
 * with ``--profile N``: where the time of N plain decode steps goes, per GPU kernel (torch.profiler's
   CUPTI trace, which sees the library's kernels, graph-launched ones included);
 * prefill tok/s at 128 / 512 / 2048 / 8192 prompt tokens (longer ones skipped once one takes > 60 s);
+  with ``--profile-prefill N``: where the time of one prefill of N tokens goes, per GPU kernel;
 * an in-process speculative loop with a scripted drafter at acceptance lengths 3, 5 and 7: each step
   verifies the anchor + 7 drafts whose first AL - 1 are the target's own greedy continuation and
   the rest wrong, then commits AL tokens; tokens/s and the speedup over plain decode. (In-process:
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="profile N plain decode steps per GPU kernel (0: off)")
+    ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
+                    help="profile one prefill of N prompt tokens per GPU kernel, after a warm-up prefill (0: off)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="replay chain verifies of <= 16 rows as CUDA graphs (default on)")
     args = ap.parse_args(argv)
@@ -220,6 +223,17 @@ def main(argv=None) -> int:
         del s
         if t > 60:
             break
+    if args.profile_prefill > 0:
+        n = args.profile_prefill
+        toks = rng.integers(0, vocab, n).tolist()
+
+        def run_prefill():
+            s = model.new_sequence(n + 1)
+            model.prefill(s, toks)
+            model.release(s)
+        run_prefill()  # warm-up (the first prefill of a length includes one-time allocations)
+        rep["prefill_profile"], rep["prefill_profile_tokens"] = kernel_profile(run_prefill, sync, 1), n
+        print("prefill profile", json.dumps(rep["prefill_profile"][:25]), flush=True)
 
     os.makedirs(args.out, exist_ok=True)
     Path(args.out, f"gpu_decode_{args.mix}.json").write_text(json.dumps(rep, indent=1))
@@ -297,6 +311,12 @@ def markdown(r: dict) -> str:
         steps = max(1, r.get("profile_steps", 1))
         L += [f"| `{k['kernel']}` | {k['calls'] / steps:.0f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
               for k in r["profile"][:15]]
+    if r.get("prefill_profile"):
+        n = r["prefill_profile_tokens"]
+        L += ["", f"GPU time of one prefill of {n} tokens by kernel (top 15; torch.profiler CUPTI trace):", "",
+              "| kernel | calls | us | share |", "| --- | --- | --- | --- |"]
+        L += [f"| `{k['kernel']}` | {k['calls']} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
+              for k in r["prefill_profile"][:15]]
     return "\n".join(L) + "\n"
 
 
