@@ -749,7 +749,9 @@ def test_attention_gpu_bad_input(rng):
 # ----------------------------------------------------------------------------------------- ssm
 
 
-@pytest.mark.parametrize("T,C,K", [(1, 10240, 4), (7, 10240, 4), (2, 100, 1), (1, 33, 3), (9, 6144, 4)])
+# T > 16: the kernel splits the tokens over blocks (kConvTokens), K = 20: chunks of K - 1 tokens
+@pytest.mark.parametrize("T,C,K", [(1, 10240, 4), (7, 10240, 4), (2, 100, 1), (1, 33, 3), (9, 6144, 4),
+                                   (40, 10240, 4), (33, 300, 1), (50, 130, 20)])
 @pytest.mark.parametrize("silu", [True, False])
 @gpu_only
 def test_conv1d_gpu_vs_cpu_and_split(rng, T, C, K, silu):
@@ -786,7 +788,7 @@ GDN_SHAPES = [(16, 48, 128, 128), (2, 4, 64, 32), (1, 2, 48, 40), (2, 2, 32, 256
 
 
 @pytest.mark.parametrize("shape", GDN_SHAPES)
-@pytest.mark.parametrize("T", [1, 8])
+@pytest.mark.parametrize("T", [1, 8, 21])  # 21: stages of 8 tokens and a ragged one; the split below crosses a stage
 @gpu_only
 def test_gdn_gpu_vs_cpu(rng, shape, T):
     hk, hv, dk, dv = shape
@@ -816,7 +818,7 @@ def test_gdn_gpu_vs_cpu(rng, shape, T):
 
 
 @pytest.mark.parametrize("shape", GDN_SHAPES)
-@pytest.mark.parametrize("T", [0, 1, 8])
+@pytest.mark.parametrize("T", [0, 1, 8, 21])
 @gpu_only
 def test_gdn_gpu_state_out(rng, shape, T):
     """Out of place (state_out) equals in place bitwise (outputs, state, checkpoints) and leaves
@@ -835,7 +837,7 @@ def test_gdn_gpu_state_out(rng, shape, T):
     np.testing.assert_array_equal(src.numpy(), state)
 
 
-@pytest.mark.parametrize("T", [0, 1, 5])
+@pytest.mark.parametrize("T", [0, 1, 5, 40])
 @gpu_only
 def test_conv1d_gpu_state_out(rng, T):
     C, K = 300, 4

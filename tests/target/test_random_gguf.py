@@ -79,3 +79,12 @@ def test_gpu_decode_kernel_summary():
                               "load_s": 1.0, "decode_tok_s": 1.0, "verify_ms": {1: 1.0}, "prefill_tok_s": {},
                               "loop": {}, "streamed_bytes_per_token": 1, "profile": rows, "profile_steps": 2})
     assert "| `mma::mma_gemv_kernel<mma::IQ4U, 1>` | 0 | 15 | 81.1 % |" in md
+
+
+def test_gpu_decode_exclusive_kernel_times():
+    """With programmatic dependent launch a kernel's span starts while the one before it runs; the
+    profile counts each kernel from the end of every kernel that started before it, so the times add
+    up to the GPU's busy time (gaps excluded) and a kernel wholly inside another's span counts 0."""
+    import gpu_decode
+    spans = [(0.0, 10.0, "a"), (2.0, 15.0, "b"), (3.0, 12.0, "c"), (20.0, 25.0, "d")]
+    assert gpu_decode.exclusive_times(spans) == [("a", 10.0), ("b", 5.0), ("c", 0.0), ("d", 5.0)]

@@ -251,8 +251,21 @@ def kernel_profile(run, sync, steps: int) -> list[dict]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         sync()
-    return summarise_kernels([(e.name, e.time_range.elapsed_us()) for e in prof.events()
-                              if e.device_type == torch.autograd.DeviceType.CUDA], steps)
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    return summarise_kernels(exclusive_times(spans), steps)
+
+
+def exclusive_times(spans: list[tuple[float, float, str]]) -> list[tuple[str, float]]:
+    """[(start, end, name)] sorted by start -> [(name, us)] where a kernel's time counts only from the
+    end of every kernel that started before it. With programmatic dependent launch a kernel's blocks
+    start while its predecessor runs and wait in griddepcontrol.wait, so its own span would also
+    count that wait; this way the times add up to the busy time of the GPU, each interval once."""
+    out, busy_until = [], float("-inf")
+    for start, end, name in spans:
+        out.append((name, max(0.0, end - max(start, busy_until))))
+        busy_until = max(busy_until, end)
+    return out
 
 
 def short_kernel_name(name: str) -> str:
@@ -306,14 +319,14 @@ def markdown(r: dict) -> str:
          "| scripted AL | tok/s | speedup vs plain |", "| --- | --- | --- |"]
     L += [f"| {al} | {v['tok_s']:.1f} | {v['speedup']:.2f}x |" for al, v in r["loop"].items()]
     if r.get("profile"):
-        L += ["", "GPU time per plain decode step by kernel (top 15; torch.profiler CUPTI trace):", "",
+        L += ["", "GPU time per plain decode step by kernel (top 15; torch.profiler CUPTI trace; a kernel's time counted from the end of the kernels before it):", "",
               "| kernel | calls / step | us / step | share |", "| --- | --- | --- | --- |"]
         steps = max(1, r.get("profile_steps", 1))
         L += [f"| `{k['kernel']}` | {k['calls'] / steps:.0f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
               for k in r["profile"][:15]]
     if r.get("prefill_profile"):
         n = r["prefill_profile_tokens"]
-        L += ["", f"GPU time of one prefill of {n} tokens by kernel (top 15; torch.profiler CUPTI trace):", "",
+        L += ["", f"GPU time of one prefill of {n} tokens by kernel (top 15; torch.profiler CUPTI trace; a kernel's time counted from the end of the kernels before it):", "",
               "| kernel | calls | us | share |", "| --- | --- | --- | --- |"]
         L += [f"| `{k['kernel']}` | {k['calls']} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
               for k in r["prefill_profile"][:15]]

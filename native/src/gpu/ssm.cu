@@ -2,7 +2,7 @@
 // (cpu/ssm.h). GPU inputs must be contiguous; states are updated in place, or read from `state` and
 // written to `state_out` (same arithmetic, bitwise equal).
 //
-// conv1d_causal: one thread per channel, tokens in order; y[t, c] = sum_j w[j, c] * X[t + j, c]
+// conv1d_causal: one thread per channel and chunk of kConvTokens tokens, tokens in order; y[t, c] = sum_j w[j, c] * X[t + j, c]
 // with j ascending and explicit round-to-nearest mul/add (no FMA), as the CPU op, then silu in
 // double. Tolerance vs CPU: bit-identical (silu: <= 1 F32 ulp when device and host double exp
 // straddle an F32 rounding boundary, practically never); state bit-identical.
@@ -14,7 +14,9 @@
 // Otherwise a fallback kernel keeps the state in global memory (one block per head, one thread per
 // state row). Lane p of a row holds elements p, p + 4, ...: each state load/store instruction of a
 // warp covers 16 contiguous bytes of 8 rows (the other half of each sector comes with the next
-// element, from L1/L2); the layout is kept because it fixes the order of the partial sums. Per token: S <- exp(g) S; m = S^T k; d = beta (v - m); S <- S + k d;
+// element, from L1/L2); the layout is kept because it fixes the order of the partial sums. The
+// tokens' inputs are staged in shared memory kGdnStage at a time (one load wait and barrier pair per
+// stage; a 512-token prefill chunk waited on 512). Per token: S <- exp(g) S; m = S^T k; d = beta (v - m); S <- S + k d;
 // o = S^T (scale q), F32, fixed-order partial sums (per lane, then a fixed 4-lane butterfly). The
 // arithmetic of a token never depends on T, so T tokens at once equal several calls with the
 // carried state (bitwise), and checkpoints[t] equal the state after token t (bitwise).
@@ -35,17 +37,22 @@ namespace {
 // ------------------------------------------------------------------------------ conv1d_causal
 
 constexpr int kConvThreads = 128;
+constexpr int64_t kConvTokens = 16;  // tokens per block (grid y); a prefill chunk of 512 tokens: 32 blocks per channel
 
+// Block (bx, by): channels bx * kConvThreads + threadIdx.x, tokens [by * chunk, + chunk). Every output
+// is computed alone, so splitting the tokens over blocks changes no bits. Only the first chunk
+// (chunk >= K - 1) reads state rows, and its threads write their channel's new state after their
+// outputs: no other block touches the state, so in place is safe.
 // state_out may be state (in place): no __restrict__ on either.
 __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __restrict__ x, const float* __restrict__ w,
                                                               const float* state, float* state_out,
                                                               float* __restrict__ y, int64_t T, int64_t C, int64_t K,
-                                                              bool silu_out) {
+                                                              int64_t chunk, bool silu_out) {
   detail::pdl_enter();
   const int64_t c = int64_t(blockIdx.x) * kConvThreads + threadIdx.x;
   if (c >= C) return;
-  const int64_t km1 = K - 1;
-  for (int64_t t = 0; t < T; ++t) {
+  const int64_t km1 = K - 1, t0 = int64_t(blockIdx.y) * chunk, t1 = t0 + chunk < T ? t0 + chunk : T;
+  for (int64_t t = t0; t < t1; ++t) {
     float acc = 0.0f;
     for (int64_t j = 0; j < K; ++j) {
       int64_t r = t + j;
@@ -54,6 +61,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __res
     }
     y[t * C + c] = silu_out ? detail::apply<detail::Op::Silu>(acc, 0.0f) : acc;  // the silu op's code
   }
+  if (blockIdx.y != 0) return;
   // New state = X rows T .. T+K-2; ascending r reads state row T + r before it is overwritten
   // (in place).
   for (int64_t r = 0; r < km1; ++r) {
@@ -78,53 +86,68 @@ struct GdnParams {
 constexpr int kLanes = 4;  // threads per state row
 constexpr int kMaxGdnThreads = 512;
 constexpr int kGdnRows = 32;  // state rows per block when dv % kGdnRows == 0 (kGdnRows * kLanes threads)
+constexpr int kGdnStage = 8;  // tokens staged in shared memory at once (dk 128: 9.3 KiB per block)
 
 // Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / kLanes.
+// The tokens' k, q (pre-scaled), v, g and beta are staged in shared memory kGdnStage tokens at a time,
+// so a prefill's token chain waits on global loads and barriers once per stage, not per token; the
+// arithmetic of a token is unchanged (same bits for any T and stage split).
 template <int E>  // state elements per thread; dk = E * kLanes
 __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) {
   detail::pdl_enter();
   constexpr int DK = E * kLanes;
-  __shared__ float ks[DK], qs[DK];
+  __shared__ float ks[kGdnStage][DK], qs[kGdnStage][DK], vs[kGdnStage][kMaxGdnThreads / kLanes];
+  __shared__ float gs[kGdnStage], bs[kGdnStage];
   const int rows = blockDim.x / kLanes, nb = P.dv / rows;
-  const int j = blockIdx.x / nb, kh = j % P.hk;
-  const int jv = (blockIdx.x % nb) * rows + threadIdx.x / kLanes, p = threadIdx.x % kLanes;
+  const int j = blockIdx.x / nb, kh = j % P.hk, r0 = (blockIdx.x % nb) * rows;
+  const int jv = r0 + threadIdx.x / kLanes, p = threadIdx.x % kLanes;
   const int64_t head = int64_t(P.dv) * DK;
   const float* S = P.state + j * head + int64_t(jv) * DK;
   float s[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) s[e] = S[e * kLanes + p];
-  for (int64_t t = 0; t < P.T; ++t) {
-    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
-      ks[i] = P.k[(t * P.hk + kh) * DK + i];
-      qs[i] = __fmul_rn(P.q[(t * P.hk + kh) * DK + i], P.scale);
+  for (int64_t t0 = 0; t0 < P.T; t0 += kGdnStage) {
+    const int n = P.T - t0 < kGdnStage ? int(P.T - t0) : kGdnStage;
+    for (int i = threadIdx.x; i < n * DK; i += blockDim.x) {
+      const int64_t src = ((t0 + i / DK) * P.hk + kh) * DK + i % DK;
+      ks[i / DK][i % DK] = P.k[src];
+      qs[i / DK][i % DK] = __fmul_rn(P.q[src], P.scale);
+    }
+    for (int i = threadIdx.x; i < n * rows; i += blockDim.x)
+      vs[i / rows][i % rows] = P.v[((t0 + i / rows) * P.hv + j) * P.dv + r0 + i % rows];
+    if (threadIdx.x < n) {
+      gs[threadIdx.x] = P.g[(t0 + threadIdx.x) * P.hv + j];
+      bs[threadIdx.x] = P.beta[(t0 + threadIdx.x) * P.hv + j];
     }
     __syncthreads();
-    const float decay = expf(P.g[t * P.hv + j]);
-    const float bt = P.beta[t * P.hv + j];
-    float m = 0.0f;
+    for (int u = 0; u < n; ++u) {
+      const int64_t t = t0 + u;
+      const float decay = expf(gs[u]);
+      float m = 0.0f;
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      s[e] = __fmul_rn(s[e], decay);
-      m = __fadd_rn(m, __fmul_rn(s[e], ks[e * kLanes + p]));
-    }
-    m = __fadd_rn(m, SPECD_SHFL_XOR(m, 1));
-    m = __fadd_rn(m, SPECD_SHFL_XOR(m, 2));
-    const float d = __fmul_rn(bt, __fsub_rn(P.v[(t * P.hv + j) * P.dv + jv], m));
-    float o = 0.0f;
+      for (int e = 0; e < E; ++e) {
+        s[e] = __fmul_rn(s[e], decay);
+        m = __fadd_rn(m, __fmul_rn(s[e], ks[u][e * kLanes + p]));
+      }
+      m = __fadd_rn(m, SPECD_SHFL_XOR(m, 1));
+      m = __fadd_rn(m, SPECD_SHFL_XOR(m, 2));
+      const float d = __fmul_rn(bs[u], __fsub_rn(vs[u][jv - r0], m));
+      float o = 0.0f;
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      s[e] = __fadd_rn(s[e], __fmul_rn(ks[e * kLanes + p], d));
-      o = __fadd_rn(o, __fmul_rn(s[e], qs[e * kLanes + p]));
-    }
-    o = __fadd_rn(o, SPECD_SHFL_XOR(o, 1));
-    o = __fadd_rn(o, SPECD_SHFL_XOR(o, 2));
-    if (p == 0) P.out[(t * P.hv + j) * P.dv + jv] = o;
-    if (P.ckpt) {
-      float* C = P.ckpt + (t * P.hv + j) * head + int64_t(jv) * DK;
+      for (int e = 0; e < E; ++e) {
+        s[e] = __fadd_rn(s[e], __fmul_rn(ks[u][e * kLanes + p], d));
+        o = __fadd_rn(o, __fmul_rn(s[e], qs[u][e * kLanes + p]));
+      }
+      o = __fadd_rn(o, SPECD_SHFL_XOR(o, 1));
+      o = __fadd_rn(o, SPECD_SHFL_XOR(o, 2));
+      if (p == 0) P.out[(t * P.hv + j) * P.dv + jv] = o;
+      if (P.ckpt) {
+        float* C = P.ckpt + (t * P.hv + j) * head + int64_t(jv) * DK;
 #pragma unroll
-      for (int e = 0; e < E; ++e) C[e * kLanes + p] = s[e];
+        for (int e = 0; e < E; ++e) C[e * kLanes + p] = s[e];
+      }
     }
-    __syncthreads();  // ks / qs are rewritten for the next token
+    __syncthreads();  // the stage is rewritten for the next tokens
   }
   float* SO = P.state_out + j * head + int64_t(jv) * DK;
 #pragma unroll
@@ -190,9 +213,13 @@ Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state,
   if (C == 0) return y;
   int64_t blocks = (C + kConvThreads - 1) / kConvThreads;
   detail::check_grid(blocks, op);
-  detail::launch_kernel<conv1d_kernel>("conv1d_kernel", unsigned(blocks), kConvThreads, 0, detail::stream(),
-                                       x.ptr<float>(), weight.ptr<float>(), state.ptr<float>(), out_state.ptr<float>(),
-                                       y.ptr<float>(), T, C, K, apply_silu);
+  // at least K - 1 tokens per chunk, so only the first chunk reads the state (see the kernel); at
+  // most 65535 chunks (grid y)
+  const int64_t chunk = std::max({kConvTokens, K - 1, (T + 65534) / 65535});
+  const int64_t chunks = std::max<int64_t>(1, (T + chunk - 1) / chunk);
+  detail::launch_kernel<conv1d_kernel>("conv1d_kernel", dim3(unsigned(blocks), unsigned(chunks)), kConvThreads, 0,
+                                       detail::stream(), x.ptr<float>(), weight.ptr<float>(), state.ptr<float>(),
+                                       out_state.ptr<float>(), y.ptr<float>(), T, C, K, chunk, apply_silu);
   return y;
 }
 
