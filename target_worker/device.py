@@ -297,7 +297,7 @@ class _Uploader:
 
     gemv_tiles: on a GPU whose GEMV reads it (``sn.gemv_tiles_supported()``: CUDA builds), the
     layers' IQ4_XS, Q4_K and Q6_K matrices with a multiple of 16 rows are placed in the tensor-core GEMV's
-    tiled layouts (``sn.tile_for_gemv``: same bytes, bit-identical matmul results, faster GEMV on the
+    tiled layouts (``sn.tile_for_gemv``: the same blocks regrouped, bit-identical matmul results, faster GEMV on the
     H200: BENCHMARKS.md); embeddings and the output head stay row-major (row gathers, IPC export).
     Default False (the drafter's uploads); the target model passes its ``gemv_tiles`` option. A
     source already on the device is tiled into a copy (the row-major original stays with its owner).

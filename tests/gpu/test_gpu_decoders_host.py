@@ -75,6 +75,23 @@ def test_gpu_weight_decoders_bit_exact_on_host(decoder, rng, name, extreme):
     assert np.array_equal(got16, bf16_bits(ref)), f"{name}: BF16 stores differ from round-to-nearest-even"
 
 
+@pytest.mark.parametrize("fmt", ["IQ4_XS", "Q4_K", "Q6_K"])
+def test_gpu_tiled_weight_decoders_bit_exact_on_host(decoder, rng, fmt):
+    """The tiled layouts' chunk gathers (IQ4XSTiledW / Q4KTiledW / Q6KTiledW::load_tiled, the prefill's
+    dequantize-to-BF16 of tiled weights) on bytes packed by test_gpu_gemv_tiles.py's reference packers
+    (IQ4_XS_TILED: recoded indices) decode to the row-major weight's values, bit for bit."""
+    from test_gpu_gemv_tiles import FORMATS as TILED
+    d, exe = decoder
+    rows, k = 32, 1024
+    raw = random_blocks(rng, fmt, rows, k, extreme=False)
+    ref = sn.dequantize(sn.Tensor(raw, getattr(sn.DType, fmt))).numpy()
+    np.ascontiguousarray(TILED[fmt][1](np.ascontiguousarray(raw).reshape(rows, -1))).tofile(d / "w.bin")
+    for extra, out, want in (([], "y.bin", ref.view(np.uint32)), (["bf16"], "b.bin", bf16_bits(ref))):
+        subprocess.run([str(exe), fmt + "_T", str(rows), str(k), str(d / "w.bin"), str(d / out), *extra], check=True)
+        got = np.fromfile(d / out, want.dtype).reshape(rows, k)
+        assert np.array_equal(got, want), f"{fmt}_T {extra}: {int(np.sum(got != want))} of {got.size} values differ"
+
+
 def bf16_bits(f32):
     """float32 -> bfloat16 bits, round to nearest even, NaN kept quiet (numpy, independent of the kernel)."""
     u = f32.view(np.uint32).astype(np.uint64)
@@ -203,8 +220,9 @@ def test_gpu_mma_gemv_emulated_every_width(mma_emu, rng, name):
 @pytest.mark.parametrize("k,outs", [(2048, [20]), (512, [7, 130, 40])])
 def test_gpu_mma_gemv_emulated_tiled(mma_emu, rng, fmt, k, outs):
     """IQ4_XS / Q4_K / Q6_K in the GEMV's tiled layouts (IQ4T / Q4T / Q6T: 16-row tiles, lane-ordered quants,
-    512-byte warp loads; ragged last tiles) give bit for bit the row-major kernel's results, at every
-    width, with split-K and in grouped launches."""
+    512-byte warp loads; ragged last tiles; IQ4T: recoded indices and their own table lookup, packed by
+    mma_main.cpp's packer) give bit for bit the row-major kernel's results, at every width, with split-K
+    and in grouped launches."""
     d, exe = mma_emu
     raws = [weight(rng, fmt, o, k, False)[0] for o in outs]
     np.concatenate(raws).tofile(d / "w.bin")
@@ -214,6 +232,16 @@ def test_gpu_mma_gemv_emulated_tiled(mma_emu, rng, fmt, k, outs):
         tiled = run_mma_emu(d, exe, fmt + "_T", x[:n], outs, sms=1)
         for i, (a, b) in enumerate(zip(tiled, rowmajor)):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"n={n}, weight {i}"
+
+
+def test_gpu_mma_iq4_lookups_on_host(mma_emu):
+    """`mma_emu lookup`: the __byte_perm stand-in and mma::prmt against hand-computed PTX prmt.b32
+    results (the sign-replicating selectors included), then IQ4T's lookup of recoded words
+    (IQ4TableRecoded) against IQ4U's (IQ4Table) of the original words and against kvalues, for every
+    16-bit half and 10^5 random words."""
+    d, exe = mma_emu
+    r = subprocess.run([str(exe), "lookup"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
 @pytest.fixture(scope="module")

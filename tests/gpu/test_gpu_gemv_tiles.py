@@ -4,12 +4,14 @@ tensor-core GEMV (sn.tile_for_gemv).
 The layouts (native/src/gpu/matmul_mma.cuh, IQ4T, Q4T and Q6T): rows in tiles of 16. IQ4_XS, per tile and
 256-input unit 2176 bytes: 4 runs of 512 bytes of quants in the MMA's lane order (run i holds at 16 l
 the words 4 i .. 4 i + 3 of lane l = 4 g + t, word k = 8 h + j being qs[16 j + 4 t ..] of row g + 8 h),
-then the 16 rows' 8-byte headers; Q4_K the same with its qs (after a 16-byte header) and 16-byte
-headers (2304 bytes). Q6_K, per tile and unit 3360 bytes: 6 runs of 512 bytes (run 3 h + c
+then the 16 rows' 8-byte headers; the stored 4-bit indices are recoded (bits 2 and 3 swapped: 4-7 <->
+8-11), which shortens the GEMV's table lookup and leaves every value as it was. Q4_K the same
+arrangement, bytes unchanged, with its qs (after a 16-byte header) and 16-byte headers (2304 bytes).
+Q6_K, per tile and unit 3360 bytes: 6 runs of 512 bytes (run 3 h + c
 holds at 16 l the words 4 c .. 4 c + 3 of lane l of row g + 8 h, whose words k = 0..11 are
 ql[16 k + 4 t ..] for k < 8 and qh[16 (k - 8) + 4 t ..]), then the 16 rows' 16 scale bytes, then their
-fp16 d. `pack_reference` / `pack_reference_q6` below write them from those descriptions (numpy),
-independently of the GPU kernels.
+fp16 d. `pack_reference` / `arrange_q4` / `pack_reference_q6` below write them from those descriptions
+(numpy), independently of the GPU kernels.
 
 What must hold: the GPU kernel writes exactly those bytes; matmul / matmul_group on the tiled weight
 equal the row-major weight's results BIT FOR BIT (GEMV widths 1..17, grouped with other formats, the
@@ -40,9 +42,14 @@ def tiles_only(f):
     return pytest.mark.gpu(f)
 
 
-def pack_reference(raw: np.ndarray, block: int = 136, hdr_bytes: int = 8) -> np.ndarray:
+# IQ4_XS_TILED's stored index of each IQ4_XS index: bits 2 and 3 swapped
+IQ4_TILED_INDEX = np.array([0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15], np.uint8)
+KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+
+
+def arrange_q4(raw: np.ndarray, block: int = 136, hdr_bytes: int = 8) -> np.ndarray:
     """Row-major IQ4_XS bytes [out, units * 136] (out % 16 == 0; Q4_K: block 144, hdr_bytes 16) -> the
-    tiled layout's bytes."""
+    tiled arrangement (Q4_K_TILED's bytes; IQ4_XS_TILED recodes the quants too: pack_reference)."""
     out, row_bytes = raw.shape
     units = row_bytes // block
     blk = raw.reshape(out // 16, 16, units, block)           # tile, row in tile, unit, byte
@@ -54,6 +61,16 @@ def pack_reference(raw: np.ndarray, block: int = 136, hdr_bytes: int = 8) -> np.
     q = q.transpose(0, 1, 2, 3, 5, 6, 4, 7)                   # tile, unit, h, j // 4, g, t, j % 4, byte
     return np.concatenate([q.reshape(out // 16, units, 2048), hdr.reshape(out // 16, units, 16 * hdr_bytes)],
                           axis=2).reshape(out, row_bytes)
+
+
+def pack_reference(raw: np.ndarray) -> np.ndarray:
+    """Row-major IQ4_XS bytes [out, units * 136] (out % 16 == 0) -> IQ4_XS_TILED's bytes: arranged, and
+    both indices of every quant byte recoded (IQ4_TILED_INDEX)."""
+    out, row_bytes = raw.shape
+    packed = arrange_q4(raw)
+    q = packed.reshape(out // 16, row_bytes // 136, 2176)[..., :2048]  # a view of the quants
+    q[...] = IQ4_TILED_INDEX[q & 15] | (IQ4_TILED_INDEX[q >> 4] << 4)
+    return packed
 
 
 def pack_reference_q6(raw: np.ndarray) -> np.ndarray:
@@ -73,8 +90,10 @@ def pack_reference_q6(raw: np.ndarray) -> np.ndarray:
 
 # source format -> (its tiled dtype, the reference packing)
 FORMATS = {"IQ4_XS": (sn.DType.IQ4_XS_TILED, pack_reference),
-           "Q4_K": (sn.DType.Q4_K_TILED, lambda raw: pack_reference(raw, 144, 16)),
+           "Q4_K": (sn.DType.Q4_K_TILED, lambda raw: arrange_q4(raw, 144, 16)),
            "Q6_K": (sn.DType.Q6_K_TILED, pack_reference_q6)}
+# source format -> the byte arrangement alone (IQ4_XS without the recoding)
+ARRANGE = {"IQ4_XS": arrange_q4, "Q4_K": lambda raw: arrange_q4(raw, 144, 16), "Q6_K": pack_reference_q6}
 
 
 def blocks(rng, fmt, out, k):
@@ -90,9 +109,9 @@ def rng():
     return np.random.default_rng(20261130)
 
 
-def test_pack_reference_moves_every_byte_once(rng):
+def test_arrange_q4_moves_every_byte_once(rng):
     raw = rng.integers(0, 256, (32, 2 * 136), dtype=np.uint8)
-    packed = pack_reference(raw)
+    packed = arrange_q4(raw)
     assert packed.shape == raw.shape
     assert sorted(packed.ravel().tolist()) == sorted(raw.ravel().tolist())
     # spot checks against the description: row 9 (g 1, h 1), unit 1, sub-block j 5, t 2 -> word k 13 of lane 6
@@ -101,9 +120,24 @@ def test_pack_reference_moves_every_byte_once(rng):
     assert bytes(unit[2048 + 8 * 9 : 2048 + 8 * 10]) == bytes(raw[9, 136 : 136 + 8])
 
 
+def test_pack_reference_recodes_iq4_xs_indices(rng):
+    """IQ4_XS_TILED: the arrangement, with each quant nibble c stored as IQ4_TILED_INDEX[c] (headers as
+    they were). The recoded table (value of stored index s: KVALUES[IQ4_TILED_INDEX[s]], the map being
+    its own inverse) has entries j and j + 8 of one sign for every j < 8: what the GEMV's lookup needs."""
+    raw = rng.integers(0, 256, (32, 3 * 136), dtype=np.uint8)
+    arranged, packed = arrange_q4(raw), pack_reference(raw)
+    a, p = arranged.reshape(2, 3, 2176), packed.reshape(2, 3, 2176)
+    assert np.array_equal(a[..., 2048:], p[..., 2048:])
+    for shift in (0, 4):
+        assert np.array_equal(IQ4_TILED_INDEX[(a[..., :2048] >> shift) & 15], (p[..., :2048] >> shift) & 15)
+    assert np.array_equal(IQ4_TILED_INDEX[IQ4_TILED_INDEX], np.arange(16))
+    recoded = KVALUES[IQ4_TILED_INDEX]
+    assert np.array_equal(np.sign(recoded[:8]), np.sign(recoded[8:]))
+
+
 def test_pack_reference_q4_k_spot_checks(rng):
     raw = rng.integers(0, 256, (32, 2 * 144), dtype=np.uint8)
-    packed = pack_reference(raw, 144, 16)
+    packed = arrange_q4(raw, 144, 16)
     assert sorted(packed.ravel().tolist()) == sorted(raw.ravel().tolist())
     unit = packed.reshape(2, 2, 2304)[1, 0]  # tile 1, unit 0: rows 16..31
     # row 16 + 10 (g 2, h 1), qs word k 6, t 3 -> run 2 + 1, lane 11, word 2
@@ -111,12 +145,12 @@ def test_pack_reference_q4_k_spot_checks(rng):
     assert bytes(unit[2048 + 16 * 10 : 2048 + 16 * 11]) == bytes(raw[26, :16])
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ARRANGE)
 def test_pack_reference_is_a_permutation(fmt):
-    """Every byte position lands exactly once (the packers work on any element type: distinct ints)."""
+    """Every byte position lands exactly once (the arrangements work on any element type: distinct ints)."""
     block = {"IQ4_XS": 136, "Q4_K": 144, "Q6_K": 210}[fmt]
     raw = np.arange(32 * 3 * block, dtype=np.int32).reshape(32, 3 * block)
-    packed = FORMATS[fmt][1](raw)
+    packed = ARRANGE[fmt](raw)
     assert packed.shape == raw.shape and np.array_equal(np.sort(packed.ravel()), raw.ravel())
 
 

@@ -20,8 +20,9 @@ enum class DType : int32_t {
   I32 = 26,
   BF16 = 30,
   // Not a ggml type: IQ4_XS rows regrouped for the CUDA tensor-core GEMV (16-row tiles, each warp
-  // load 512 contiguous bytes; matmul_mma.cuh, IQ4T). Same blocks and bytes as IQ4_XS, another
-  // order, so only the GPU matmul reads it (gpu::tile_for_gemv makes it); never in a GGUF file.
+  // load 512 contiguous bytes; matmul_mma.cuh, IQ4T). IQ4_XS's blocks in another order, with the
+  // 4-bit indices recoded (bits 2 and 3 swapped: a shorter table lookup in the GEMV, same values), so
+  // only the GPU matmul reads it (gpu::tile_for_gemv makes it); never in a GGUF file.
   IQ4_XS_TILED = 0x10000 + 23,
   // Not a ggml type either: Q6_K rows in the same 16-row tiles (matmul_mma.cuh, Q6T; 16-byte loads
   // where Q6_K's 210-byte blocks allow 2-byte ones). Made by gpu::tile_for_gemv, read by the GPU matmul.

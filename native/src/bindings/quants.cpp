@@ -198,8 +198,10 @@ Raises ValueError as swiglu and matmul_group do.)doc");
       py::arg("w"),
       R"doc(w regrouped for the CUDA tensor-core GEMV: IQ4_XS, Q4_K or Q6_K [out, in] on the GPU
 (contiguous, out a multiple of 16) -> a new GPU tensor of dtype IQ4_XS_TILED, Q4_K_TILED or Q6_K_TILED,
-same shape and bytes, rows in tiles of 16 whose quants sit in the MMA's lane order (every warp load of
-quants covers 512 contiguous bytes: the row-major loads are 8 rows x 16 bytes, Q6_K's 2-byte words). matmul / matmul_group
+same shape and size, rows in tiles of 16 whose quants sit in the MMA's lane order (every warp load of
+quants covers 512 contiguous bytes: the row-major loads are 8 rows x 16 bytes, Q6_K's 2-byte words);
+IQ4_XS_TILED also stores each 4-bit index with bits 2 and 3 swapped (a shorter table lookup in the
+GEMV; the values are unchanged). matmul / matmul_group
 give bit-identical results on either layout; every other op refuses the tiled dtypes (they are not
 row-major). Raises ValueError for another dtype, device or shape, or when the build has no
 tensor-core GEMV (see gemv_tiles_supported).)doc");

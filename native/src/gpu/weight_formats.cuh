@@ -372,18 +372,27 @@ struct StoreBF16 {
   }
 };
 
+// IQ4_XS_TILED's recoding of the 4-bit indices: bits 2 and 3 of every nibble of w swapped (0-3 and
+// 12-15 stay, 4-7 <-> 8-11; its own inverse). The tiled layout stores recoded indices because the
+// GEMV's lookup of the recoded table is shorter (matmul_mma.cuh, IQ4TableRecoded); values unchanged.
+__host__ __device__ constexpr uint32_t iq4_tile_recode(uint32_t w) {
+  const uint32_t x = ((w >> 2) ^ (w >> 3)) & 0x11111111u;  // bit 2 != bit 3, per nibble
+  return w ^ (x << 2) ^ (x << 3);
+}
+
 // IQ4_XS_TILED (the tensor-core GEMV's layout, matmul_mma.cuh IQ4T): rows in tiles of 16; per tile
 // and 256-input unit kIq4TileUnitBytes bytes: the 16 rows' quants in the MMA's lane order (run i of
 // 512 bytes holds at 16 l the words 4 i .. 4 i + 3 of lane l = 4 g + t, word k = 8 h + j being
-// qs[16 j + 4 t ..] of row g + 8 h), then the 16 rows' 8-byte headers. load_tiled gathers IQ4XSW's
-// chunk (row r, sub-block c) from it: the same bytes, so the same values.
+// qs[16 j + 4 t ..] of row g + 8 h, its indices recoded by iq4_tile_recode), then the 16 rows' 8-byte
+// headers. load_tiled gathers IQ4XSW's chunk (row r, sub-block c) from it and undoes the recoding:
+// the row-major bytes, so the same values.
 constexpr int64_t kIq4TileUnitBytes = 16 * 136;
 struct IQ4XSTiledW : IQ4XSW {
   __device__ __forceinline__ static Raw load_tiled(const uint8_t* __restrict__ w, int64_t nunits, int64_t r, int64_t c) {
     const int rt = int(r & 15), j = int(c & 7), k = 8 * (rt >> 3) + j;
     const uint8_t* unit = w + ((r >> 4) * nunits + (c >> 3)) * kIq4TileUnitBytes;
     const uint8_t* q = unit + 512 * (k >> 2) + 64 * (rt & 7) + 4 * (k & 3);  // lane 4 g + t at q + 16 t
-    const auto word = [&](int t) { return *reinterpret_cast<const uint32_t*>(q + 16 * t); };
+    const auto word = [&](int t) { return iq4_tile_recode(*reinterpret_cast<const uint32_t*>(q + 16 * t)); };
     Raw raw;
     raw.j = j;
     raw.hdr = *reinterpret_cast<const uint2*>(unit + 2048 + 8 * rt);

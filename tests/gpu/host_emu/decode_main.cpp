@@ -1,7 +1,8 @@
 // Host harness for test_gpu_decoders_host.py: decodes whole rows through the GPU weight-format
 // policies with decode_chunk (chunk by chunk, part by part, at the policies' offsets, as the
 // embedding gather and the dequantize-to-BF16 kernel walk them) and writes float32, or with "bf16"
-// the BF16 bits that kernel stores.
+// the BF16 bits that kernel stores. FORMAT IQ4_XS_T / Q4_K_T / Q6_K_T: IN.bin holds the GEMV's tiled
+// layout (ROWS a multiple of 16), decoded through load_tiled as the tiled dequantize-to-BF16 kernel does.
 // Usage: decode FORMAT ROWS IN IN.bin OUT.bin [bf16]
 #include <cmath>
 #include <cstdio>
@@ -28,6 +29,19 @@ void rows(const uint8_t* w, int64_t n, int64_t rb, int64_t in, int64_t nchunks, 
   else rows<W, StoreF32>(w, n, rb, in, nchunks, f32);
 }
 
+// The same for a weight in a tiled layout (T: IQ4XSTiledW, Q4KTiledW or Q6KTiledW; 8 chunks per unit).
+template <class T, class Store, class Out>
+void tiled_rows(const uint8_t* w, int64_t n, int64_t in, Out* out) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < in / 32; ++c) decode_raw<T>(T::load_tiled(w, in / 256, r, c), c, Store{out + r * in});
+}
+
+template <class T>
+void tiled_rows(const uint8_t* w, int64_t n, int64_t in, float* f32, uint16_t* bf16) {
+  if (bf16) tiled_rows<T, StoreBF16>(w, n, in, bf16);
+  else tiled_rows<T, StoreF32>(w, n, in, f32);
+}
+
 int main(int argc, char** argv) {
   if (argc != 6 && argc != 7) return 2;
   const bool as_bf16 = argc == 7 && std::string(argv[6]) == "bf16";
@@ -49,6 +63,9 @@ int main(int argc, char** argv) {
   else if (fmt == "Q5_K") rows<Q5KW>(w, n, rb, in, in / 32, out.data(), b);
   else if (fmt == "Q6_K") rows<Q6KW>(w, n, rb, in, in / 32, out.data(), b);
   else if (fmt == "IQ4_XS") rows<IQ4XSW>(w, n, rb, in, in / 32, out.data(), b);
+  else if (fmt == "IQ4_XS_T") tiled_rows<IQ4XSTiledW>(w, n, in, out.data(), b);
+  else if (fmt == "Q4_K_T") tiled_rows<Q4KTiledW>(w, n, in, out.data(), b);
+  else if (fmt == "Q6_K_T") tiled_rows<Q6KTiledW>(w, n, in, out.data(), b);
   else if (fmt == "F16") rows<Half16W<8, false>>(w, n, rb, in, in / 8, out.data(), b);
   else if (fmt == "F16_1") rows<Half16W<1, false>>(w, n, rb, in, in, out.data(), b);
   else if (fmt == "BF16") rows<Half16W<8, true>>(w, n, rb, in, in / 8, out.data(), b);

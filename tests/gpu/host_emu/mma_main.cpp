@@ -165,12 +165,16 @@ inline void __syncwarp() { tl_warp->bar->arrive_and_wait(); }
 
 using namespace specd::gpu::detail;
 
+// IQ4T's stored index of IQ4_XS index c (4 bits): bits 2 and 3 swapped.
+inline int iq4_tiled_index(int c) { return (c & 3) | ((c & 4) << 1) | ((c & 8) >> 1); }
+
 // The test's own packer of IQ4T's / Q4T's tiled layout (the library tiles on the GPU: mma::tile_q4_kernel,
 // checked against a numpy packer on the device by test_gpu_gemv_tiles.py): a row-major IQ4_XS / Q4_K
 // weight src [out][nunits * block bytes] (a hdr-byte header, then qs[128]) -> dst ((out + 15) / 16 *
 // nunits * 16 * block bytes); a ragged last tile repeats the last row (the kernel's clamp makes any row
-// count work; the library tiles multiples of 16).
-void pack_q4_tiles(const uint8_t* src, int64_t out, int64_t nunits, int block, int hdr, uint8_t* dst) {
+// count work; the library tiles multiples of 16). recode (IQ4_XS): both indices of every quant byte
+// go through iq4_tiled_index.
+void pack_q4_tiles(const uint8_t* src, int64_t out, int64_t nunits, int block, int hdr, bool recode, uint8_t* dst) {
   const int64_t row_bytes = nunits * block;
   for (int64_t tile = 0; tile < (out + 15) / 16; ++tile)
     for (int64_t u = 0; u < nunits; ++u) {
@@ -183,7 +187,11 @@ void pack_q4_tiles(const uint8_t* src, int64_t out, int64_t nunits, int block, i
         for (int j = 0; j < 8; ++j)
           for (int t = 0; t < 4; ++t) {
             const int k = 8 * h + j, lane = 4 * g + t;  // word k of the lane: run k / 4, word k % 4
-            for (int b = 0; b < 4; ++b) o[512 * (k >> 2) + 16 * lane + 4 * (k & 3) + b] = blk[hdr + 16 * j + 4 * t + b];
+            for (int b = 0; b < 4; ++b) {
+              const int q = blk[hdr + 16 * j + 4 * t + b];
+              o[512 * (k >> 2) + 16 * lane + 4 * (k & 3) + b] =
+                  uint8_t(recode ? iq4_tiled_index(q & 15) | (iq4_tiled_index(q >> 4) << 4) : q);
+            }
           }
       }
     }
@@ -268,9 +276,9 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
       if constexpr (std::is_same_v<F, Q6T>)
         pack_q6_k_tiles(wt.w, wt.out, in / 256, packed.back().data());
       else if constexpr (std::is_same_v<F, Q4T>)
-        pack_q4_tiles(wt.w, wt.out, in / 256, 144, 16, packed.back().data());
+        pack_q4_tiles(wt.w, wt.out, in / 256, 144, 16, false, packed.back().data());
       else
-        pack_q4_tiles(wt.w, wt.out, in / 256, 136, 8, packed.back().data());
+        pack_q4_tiles(wt.w, wt.out, in / 256, 136, 8, true, packed.back().data());
       wt.w = packed.back().data();
     }
   }
@@ -287,7 +295,68 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   for (int64_t e = 0; e < sums.elem0[sums.count]; ++e) sum_splits_at(sums, e);
 }
 
+// `mma_emu lookup`: checks of the byte permute the IQ4_XS lookups are made of, then of the lookups
+// themselves; prints what fails, returns 1 if anything does.
+int check_lookups() {
+  int bad = 0;
+  // The __byte_perm stand-in (portability.h) and mma::prmt against hand-computed PTX prmt.b32 results
+  // (default mode: selector nibble bit 3 replicates the selected byte's sign; upper 16 bits ignored).
+  struct Case {
+    uint32_t a, b, sel, want;
+  };
+  const Case cases[] = {
+      {0x33221100u, 0x77665544u, 0x3210u, 0x33221100u},
+      {0x33221100u, 0x77665544u, 0x7654u, 0x77665544u},
+      {0x33221100u, 0x77665544u, 0x0123u, 0x00112233u},
+      {0x33221100u, 0x77665544u, 0x5140u, 0x55114400u},
+      {0x80FF7F01u, 0x00000000u, 0x8888u, 0x00000000u},  // sign of 0x01
+      {0x80FF7F01u, 0x00000000u, 0xAAAAu, 0xFFFFFFFFu},  // sign of 0xFF
+      {0x80FF7F01u, 0x00000000u, 0xB8A9u, 0xFF00FF00u},  // signs of 0x7F, 0xFF, 0x01, 0x80
+      {0x00000000u, 0x7F80017Fu, 0xCDEFu, 0x0000FF00u},  // from b: signs of b3 0x7F, b2 0x80, b1 0x01, b0 0x7F
+      {0x33221100u, 0xF0665544u, 0x7F3Cu, 0xF0FF3300u},  // mixed: b0 sign, a3, b3 sign, b3
+  };
+  for (const Case& c : cases) {
+    const uint32_t got = __byte_perm(c.a, c.b, c.sel), got_hi = mma::prmt(c.a, c.b, 0xABCD0000u | c.sel);
+    if (got != c.want || got_hi != c.want) {
+      std::printf("prmt(%08x, %08x, %04x) = %08x / %08x, want %08x\n", c.a, c.b, c.sel, got, got_hi, c.want);
+      ++bad;
+    }
+  }
+  // IQ4T's lookup of recoded words gives IQ4U's lookup of the original words (and kvalues), for every
+  // value of the first 16 bits, then random words (both tables as every lane builds them).
+  static const int8_t kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  auto rnd = [&] {
+    state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+    return uint32_t(state >> 16);
+  };
+  for (int lane = 0; lane < 2; ++lane) {
+    const mma::IQ4Table tab(lane);
+    const mma::IQ4TableRecoded rec(lane);
+    for (uint32_t i = 0; i < (1u << 16) + 100000u; ++i) {
+      const uint32_t w = i < (1u << 16) ? i * 0x10001u ^ 0x5A5A0000u : rnd();
+      uint32_t wr = 0;  // w recoded nibble by nibble
+      for (int k = 0; k < 8; ++k) wr |= uint32_t(iq4_tiled_index(int(w >> (4 * k)) & 15)) << (4 * k);
+      if (wr != iq4_tile_recode(w)) {
+        std::printf("iq4_tile_recode(%08x) = %08x, want %08x\n", w, iq4_tile_recode(w), wr);
+        ++bad;
+      }
+      const uint2 a = tab.lookup8(w), b = rec.lookup8(wr);
+      uint32_t want[2] = {0u, 0u};
+      for (int k = 0; k < 8; ++k) want[k >> 2] |= uint32_t(uint8_t(kv[(w >> (4 * k)) & 15])) << (8 * (k & 3));
+      if (a.x != want[0] || a.y != want[1] || b.x != want[0] || b.y != want[1]) {
+        if (++bad < 10)
+          std::printf("w %08x: lookup8 %08x %08x, recoded %08x %08x, want %08x %08x\n", w, a.x, a.y, b.x, b.y, want[0],
+                      want[1]);
+      }
+    }
+  }
+  std::printf("%s\n", bad ? "FAILED" : "ok");
+  return bad ? 1 : 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]) == "lookup") return check_lookups();
   if (argc != 8) {
     std::fprintf(stderr, "usage: %s FORMAT n in out[,out...] w.bin x.bin y.bin\n", argv[0]);
     return 2;
