@@ -233,7 +233,9 @@ def main(argv=None) -> int:
             model.release(s)
         run_prefill()  # warm-up (the first prefill of a length includes one-time allocations)
         rep["prefill_profile"], rep["prefill_profile_tokens"] = kernel_profile(run_prefill, sync, 1), n
+        rep["prefill_host_profile"] = host_profile(run_prefill, sync)
         print("prefill profile", json.dumps(rep["prefill_profile"][:25]), flush=True)
+        print("prefill host profile", json.dumps(rep["prefill_host_profile"]), flush=True)
 
     os.makedirs(args.out, exist_ok=True)
     Path(args.out, f"gpu_decode_{args.mix}.json").write_text(json.dumps(rep, indent=1))
@@ -254,6 +256,26 @@ def kernel_profile(run, sync, steps: int) -> list[dict]:
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
     return summarise_kernels(exclusive_times(spans), steps)
+
+
+def host_profile(run, sync, top: int = 20) -> dict:
+    """Where the host's time goes in one call of ``run`` (cProfile): the wall time, and the ``top``
+    functions by own time (a native op's own time is its host side: argument checks, allocation,
+    launches), each with calls and seconds. Tells a host-bound loop (GPU idle between launches)
+    from a GPU-bound one when compared with :func:`kernel_profile`'s busy time."""
+    import cProfile
+    import pstats
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    run()
+    sync()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+    rows = sorted(((f"{os.path.basename(k[0])}:{k[2]}", v[1], v[2]) for k, v in stats.items()), key=lambda r: -r[2])
+    return {"wall_s": wall, "top": [{"function": f, "calls": n, "own_s": t} for f, n, t in rows[:top]]}
 
 
 def exclusive_times(spans: list[tuple[float, float, str]]) -> list[tuple[str, float]]:
@@ -330,6 +352,12 @@ def markdown(r: dict) -> str:
               "| kernel | calls | us | share |", "| --- | --- | --- | --- |"]
         L += [f"| `{k['kernel']}` | {k['calls']} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
               for k in r["prefill_profile"][:15]]
+        busy = sum(k["us_per_step"] for k in r["prefill_profile"]) / 1e3
+        hp = r.get("prefill_host_profile")
+        if hp:
+            L += ["", f"Host side of the same prefill (cProfile): wall {1e3 * hp['wall_s']:.1f} ms, GPU busy "
+                  f"{busy:.1f} ms; top functions by own time:", "", "| function | calls | own ms |", "| --- | --- | --- |"]
+            L += [f"| `{f['function']}` | {f['calls']} | {1e3 * f['own_s']:.1f} |" for f in hp["top"][:15]]
     return "\n".join(L) + "\n"
 
 
