@@ -8,16 +8,16 @@
 // straddle an F32 rounding boundary, practically never); state bit-identical.
 //
 // gated_delta_net: sequential over tokens; the dv x dk state of a value head lives in registers
-// (4 lanes per state row, dk / 4 elements each) for dk in {32, 64, 128} and dv <= 128 (the 27B:
-// dk = dv = 128), split over blocks of kGdnRows state rows when dv % kGdnRows == 0 (else one block
-// per head): the state rows are independent, so the split only adds blocks (the 27B: 4 per head).
-// Otherwise a fallback kernel keeps the state in global memory (one block per head, one thread per
-// state row). Lane p of a row holds elements p, p + 4, ...: each state load/store instruction of a
-// warp covers 16 contiguous bytes of 8 rows (the other half of each sector comes with the next
-// element, from L1/L2); the layout is kept because it fixes the order of the partial sums. The
+// (L = max(4, dk / 16) lanes per state row, dk / L elements each: the 27B's dk = 128 has 8 lanes of
+// 16) for dk in {32, 64, 128}, in blocks of kGdnRows state rows when dv % kGdnRows == 0 (else one
+// block per head, if dv * L <= 512): the state rows are independent, so the split only adds blocks
+// (the 27B: 4 per head). Otherwise a fallback kernel keeps the state in global memory (one block per
+// head, one thread per state row). Lane p of a row holds elements p, p + L, ...; the layout fixes
+// the order of the partial sums (8 lanes instead of 4 for dk = 128 halves each thread's chain of
+// dependent adds and doubles the warps per token, which the one-token-at-a-time chain is bound by). The
 // tokens' inputs are staged in shared memory kGdnStage at a time (one load wait and barrier pair per
 // stage; a 512-token prefill chunk waited on 512). Per token: S <- exp(g) S; m = S^T k; d = beta (v - m); S <- S + k d;
-// o = S^T (scale q), F32, fixed-order partial sums (per lane, then a fixed 4-lane butterfly). The
+// o = S^T (scale q), F32, fixed-order partial sums (per lane, then a fixed L-lane butterfly). The
 // arithmetic of a token never depends on T, so T tokens at once equal several calls with the
 // carried state (bitwise), and checkpoints[t] equal the state after token t (bitwise).
 // Tolerance vs CPU (different dot-product order, expf): outputs and state within ~1e-5 relative
@@ -83,29 +83,29 @@ struct GdnParams {
   float* out;
 };
 
-constexpr int kLanes = 4;  // threads per state row
+constexpr int kMinLanes = 4;  // threads per state row: dk / 16 (dk 128: 8), at least 4 (kernel template L)
 constexpr int kMaxGdnThreads = 512;
-constexpr int kGdnRows = 32;  // state rows per block when dv % kGdnRows == 0 (kGdnRows * kLanes threads)
+constexpr int kGdnRows = 32;  // state rows per block when dv % kGdnRows == 0 (kGdnRows * L threads)
 constexpr int kGdnStage = 8;  // tokens staged in shared memory at once (dk 128: 9.3 KiB per block)
 
-// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / kLanes.
+// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / L.
 // The tokens' k, q (pre-scaled), v, g and beta are staged in shared memory kGdnStage tokens at a time,
 // so a prefill's token chain waits on global loads and barriers once per stage, not per token; the
 // arithmetic of a token is unchanged (same bits for any T and stage split).
-template <int E>  // state elements per thread; dk = E * kLanes
+template <int E, int L>  // state elements per thread, threads per state row; dk = E * L
 __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) {
   detail::pdl_enter();
-  constexpr int DK = E * kLanes;
-  __shared__ float ks[kGdnStage][DK], qs[kGdnStage][DK], vs[kGdnStage][kMaxGdnThreads / kLanes];
+  constexpr int DK = E * L;
+  __shared__ float ks[kGdnStage][DK], qs[kGdnStage][DK], vs[kGdnStage][kMaxGdnThreads / L];
   __shared__ float gs[kGdnStage], bs[kGdnStage];
-  const int rows = blockDim.x / kLanes, nb = P.dv / rows;
+  const int rows = blockDim.x / L, nb = P.dv / rows;
   const int j = blockIdx.x / nb, kh = j % P.hk, r0 = (blockIdx.x % nb) * rows;
-  const int jv = r0 + threadIdx.x / kLanes, p = threadIdx.x % kLanes;
+  const int jv = r0 + threadIdx.x / L, p = threadIdx.x % L;
   const int64_t head = int64_t(P.dv) * DK;
   const float* S = P.state + j * head + int64_t(jv) * DK;
   float s[E];
 #pragma unroll
-  for (int e = 0; e < E; ++e) s[e] = S[e * kLanes + p];
+  for (int e = 0; e < E; ++e) s[e] = S[e * L + p];
   for (int64_t t0 = 0; t0 < P.T; t0 += kGdnStage) {
     const int n = P.T - t0 < kGdnStage ? int(P.T - t0) : kGdnStage;
     for (int i = threadIdx.x; i < n * DK; i += blockDim.x) {
@@ -127,31 +127,31 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) 
 #pragma unroll
       for (int e = 0; e < E; ++e) {
         s[e] = __fmul_rn(s[e], decay);
-        m = __fadd_rn(m, __fmul_rn(s[e], ks[u][e * kLanes + p]));
+        m = __fadd_rn(m, __fmul_rn(s[e], ks[u][e * L + p]));
       }
-      m = __fadd_rn(m, SPECD_SHFL_XOR(m, 1));
-      m = __fadd_rn(m, SPECD_SHFL_XOR(m, 2));
+#pragma unroll
+      for (int x = 1; x < L; x <<= 1) m = __fadd_rn(m, SPECD_SHFL_XOR(m, x));
       const float d = __fmul_rn(bs[u], __fsub_rn(vs[u][jv - r0], m));
       float o = 0.0f;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        s[e] = __fadd_rn(s[e], __fmul_rn(ks[u][e * kLanes + p], d));
-        o = __fadd_rn(o, __fmul_rn(s[e], qs[u][e * kLanes + p]));
+        s[e] = __fadd_rn(s[e], __fmul_rn(ks[u][e * L + p], d));
+        o = __fadd_rn(o, __fmul_rn(s[e], qs[u][e * L + p]));
       }
-      o = __fadd_rn(o, SPECD_SHFL_XOR(o, 1));
-      o = __fadd_rn(o, SPECD_SHFL_XOR(o, 2));
+#pragma unroll
+      for (int x = 1; x < L; x <<= 1) o = __fadd_rn(o, SPECD_SHFL_XOR(o, x));
       if (p == 0) P.out[(t * P.hv + j) * P.dv + jv] = o;
       if (P.ckpt) {
         float* C = P.ckpt + (t * P.hv + j) * head + int64_t(jv) * DK;
 #pragma unroll
-        for (int e = 0; e < E; ++e) C[e * kLanes + p] = s[e];
+        for (int e = 0; e < E; ++e) C[e * L + p] = s[e];
       }
     }
     __syncthreads();  // the stage is rewritten for the next tokens
   }
   float* SO = P.state_out + j * head + int64_t(jv) * DK;
 #pragma unroll
-  for (int e = 0; e < E; ++e) SO[e * kLanes + p] = s[e];
+  for (int e = 0; e < E; ++e) SO[e * L + p] = s[e];
 }
 
 // Any dk / dv: the state stays in global memory, one thread per state row.
@@ -249,20 +249,21 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
               state.ptr<float>(), out_state.ptr<float>(), checkpoints ? checkpoints->ptr<float>() : nullptr, scale,
               T, int(hk), int(hv), int(dk), int(dv), out.ptr<float>()};
   cudaStream_t s = detail::stream();
-  // The register kernel (dk 32 / 64 / 128, whole warps of state rows); anything else takes the
+  // The register kernel (dk 32 / 64 / 128, whole warps per block): dk / 16 lanes per state row (at
+  // least 4), so a token's two dot products are chains of at most 16 adds; anything else takes the
   // fallback, one block per head.
-  const bool fast = (dk == 32 || dk == 64 || dk == 128) && dv * kLanes <= kMaxGdnThreads &&
-                    (dv * kLanes) % SPECD_WARP == 0;
+  const int lanes = std::max<int>(kMinLanes, int(dk / 16));
   const int64_t rows = dv % kGdnRows == 0 ? kGdnRows : dv;  // state rows per block
-  const int threads = int(rows) * kLanes;
+  const int threads = int(rows) * lanes;
+  const bool fast = (dk == 32 || dk == 64 || dk == 128) && rows * lanes <= kMaxGdnThreads && threads % SPECD_WARP == 0;
   const int64_t blocks = fast ? hv * (dv / rows) : hv;
   detail::check_grid(blocks, op);
   if (fast && dk == 32) {
-    detail::launch_kernel<gdn_kernel<8>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
+    detail::launch_kernel<gdn_kernel<8, 4>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
   } else if (fast && dk == 64) {
-    detail::launch_kernel<gdn_kernel<16>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
+    detail::launch_kernel<gdn_kernel<16, 4>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
   } else if (fast) {  // dk == 128
-    detail::launch_kernel<gdn_kernel<32>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
+    detail::launch_kernel<gdn_kernel<16, 8>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
   } else {
     size_t shmem = size_t(2 * dk) * sizeof(float);
     SPECD_CHECK(shmem <= 48 * 1024, op, ": dk too large for the GPU op (", dk, ")");
