@@ -49,6 +49,10 @@
 // reads is written; the exact path reads only visible keys).
 #pragma once
 
+#ifndef SPECD_HOST_EMU
+#include "common.cuh"  // portability.h: SPECD_HIP, before it is tested below
+#endif
+
 #if !SPECD_HIP
 #define SPECD_FLASH_ATTN 1
 #else
@@ -60,9 +64,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#ifndef SPECD_HOST_EMU
-#include "common.cuh"
-#endif
 #include "pdl.cuh"
 
 namespace specd::gpu::detail::flash {
