@@ -471,8 +471,9 @@ size_t flash_smem_limit() { return size_t(std::max(0, detail::max_smem_optin() -
 
 // Whether a checked call (n >= 1 rows, kv_len >= 1) runs attn_flash_kernel: the caller allows the
 // inexact path (exact == false: the target's prefill chunks), n >= flash::kMinRows (64: the verify
-// widths 1..16 and short prefill tails keep the split-K kernel; from 64 rows the tensor cores win even
-// on a grid of 4 row blocks x 4 KV heads), no mask (tree verify, drafter blocks), F16 K and V caches,
+// widths 1..16 and short prefill tails keep the split-K kernel; 64 rows of the 27B are a grid of only
+// 4 row blocks x 4 KV heads, still expected to beat the CUDA-core kernel but not yet timed: tune with
+// tools/device/gpu_report.py), no mask (tree verify, drafter blocks), F16 K and V caches,
 // head_dim 64, 128 or 256, q / cache head rows 16-byte aligned (cp.async and float4 loads), and the
 // block's shared memory within the device's opt-in limit (head_dim 256 with 8 warps: 192 KiB; H100 /
 // H200 allow 227 KiB). Causal or not, windowed or not: the kernel masks each row's [lo, hi) as the
