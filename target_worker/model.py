@@ -200,8 +200,9 @@ class Qwen35Model:
             the weights are uploaded once here in their stored types, the KV caches, GDN and conv
             states and every activation stay on the device, and only the outputs (logits, argmax,
             features) come back to the host. Verify rows are computed exactly at any width (each
-            equals decode bitwise); prefill chunks over 16 rows use the 2^-8-accurate BF16 GEMM
-            (so GPU greedy output depends on ``prefill_chunk``, as in llama.cpp on the batch size). Same API and semantics as on the CPU (prefill, decode, chain and tree verify,
+            equals decode bitwise); prefill chunks over 16 rows use the 2^-8-accurate BF16 GEMM and,
+            from 64 rows on F16 K/V caches, the tensor-core flash attention (~1e-3; sn.attention's
+            ``exact``) (so GPU greedy output depends on ``prefill_chunk``, as in llama.cpp on the batch size). Same API and semantics as on the CPU (prefill, decode, chain and tree verify,
             commit). Raises RuntimeError when the GPU is asked for and none is usable.
         tensor_ops: run the device code path (sn.Tensor glue ops instead of numpy) even on the CPU;
             for tests on machines without a GPU (``SPECD_TEST_GPU_DRYRUN``). Implied by the GPU.
@@ -434,7 +435,9 @@ class Qwen35Model:
         logits and argmax of every row (only the last row with ``last_only``) and every row's features.
         ``exact`` (default): every row is bit-identical to computing it alone (decode), on every device
         — what makes speculative output equal plain output. ``exact=False`` lets the GPU run matmuls of
-        more than 16 rows as a BF16 GEMM (2^-8-accurate, not batch invariant): prefill only.
+        more than 16 rows as a BF16 GEMM (2^-8-accurate, not batch invariant) and the causal attention
+        of 64 or more rows over F16 K/V caches through the tensor-core flash-attention kernel (F16 q and
+        softmax weights, ~1e-3 of max|v|; sn.attention's ``exact``): prefill only.
         """
         tokens = self._check_tokens(tokens, st)
         w, c = len(tokens), st.committed
@@ -631,7 +634,7 @@ class Qwen35Model:
 
     def _attention(self, i, layer, qg, k, v, st, positions, rows, kv_len, tree, mm):
         """Gated full attention of layer i from the q / gate, k and v projections of its attn_norm-ed
-        residual stream."""
+        residual stream; ``mm.exact`` False (prefill) lets a chain's attention take the inexact GPU path."""
         hp, w = self.hp, qg.shape[0]
         hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
         ops = self._ops
@@ -643,8 +646,8 @@ class Qwen35Model:
         kc, vc = st.kv[i]
         sn.kv_write(kc, k, rows, trusted=True)
         sn.kv_write(vc, v, rows, trusted=True)
-        if tree is None:
-            a = sn.attention(q, kc, vc, kv_len, positions, causal=True, trusted=True)
+        if tree is None:  # exact=False (prefill chunks) may take the GPU's flash-attention path
+            a = sn.attention(q, kc, vc, kv_len, positions, causal=True, trusted=True, exact=mm.exact)
         else:
             a = sn.attention(q, kc, vc, kv_len, positions, causal=False, mask=tree.mask, trusted=True)
         a = ops.reshape(ops.a(sn.mul_sigmoid(a, gate)), w, nh * hd)

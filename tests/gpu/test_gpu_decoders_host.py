@@ -122,6 +122,7 @@ def build_mma_emu(tmp_path_factory, *defines):
     d = tmp_path_factory.mktemp("mma_emu")
     for src in (SRC, MMA_SRC, os.path.join(os.path.dirname(MMA_SRC), "pdl.cuh"),
                 os.path.join(HERE, "host_emu", "portability.h"),
+                os.path.join(HERE, "host_emu", "warp_emu.h"),
                 os.path.join(HERE, "host_emu", "mma_main.cpp")):
         shutil.copy(src, d / os.path.basename(src))
     exe = d / "mma_emu"

@@ -19,7 +19,12 @@ Tolerances (stated per op, matching the comments in native/src/gpu/*.cu):
 * qk_norm_rope: q and k bit-identical to rope_neox(rms_norm(.)) on the GPU; within rms_norm's 1e-6
   relative (+ rope's ulp) of the CPU op. mul_sigmoid: bit-identical to mul(a, sigmoid(gate)) on the
   GPU (also reading qk_norm_rope's gate view inside qg); <= 2 ulp from the CPU op.
-* attention: |gpu - cpu| <= 2e-5 * max|v| + 1e-4 |cpu| (different dot order, expf vs exp).
+* attention: |gpu - cpu| <= 2e-5 * max|v| + 1e-4 |cpu| (different dot order, expf vs exp). With
+  exact=False (prefill) and >= 64 rows without a mask on F16 caches of head_dim 64/128/256, the
+  tensor-core flash path: F16 q and softmax weights, so a looser tolerance derived in flash_ref.py
+  (per (row, head): max|v| * (2 E (1 + 2 E) + 2^-11 + N 2^-25 + 1e-5), E = 2^-11 * scale * max_j
+  sum_e |q_e k_je|; and at most 2e-3 * max|v| in any call, ~1e-4 measured); every other exact=False
+  call is bit-identical to exact=True.
 * gated_delta_net: output and state within 1e-4 * max|cpu| + 1e-4 |cpu| per element.
 Bitwise properties checked on the GPU itself: attention rows are identical whatever the number of
 query rows in the call (1..17) and a tree node equals the chain verify of its path; conv1d and
@@ -27,11 +32,15 @@ GDN give the same outputs/state whether the tokens come in one call or several, 
 checkpoints equal the carried state.
 """
 import os
+import sys
 
 import numpy as np
 import pytest
 
 import specd.native as sn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from flash_ref import check_flash  # noqa: E402
 
 DRYRUN = os.environ.get("SPECD_TEST_GPU_DRYRUN") == "1"
 GPU = sn.Device.GPU
@@ -744,6 +753,102 @@ def test_attention_gpu_bad_input(rng):
         sn.attention(on_gpu(f32(rng, (2, 3, 64))), k, v, 4, pos)
     with pytest.raises(ValueError, match="window"):
         sn.attention(q, k, v, 4, pos, window=-1)
+
+
+# ------------------------------------------------------- flash attention (exact=False: prefill chunks)
+
+FLASH_MIN_ROWS = 64  # flash::kMinRows (attention_flash.cuh)
+
+
+def f16_cache(rng, capacity, hkv, d):
+    return rng.standard_normal((capacity, hkv, d)).astype(np.float16)
+
+
+def flash_and_exact(q, k, v, kv_len, pos, **kw):
+    """(exact=False, exact=True, default, CPU op) results of one call, numpy."""
+    qg, kg, vg, pg = on_gpu(q), on_gpu(k), on_gpu(v), on_gpu(pos)
+    y = sn.attention(qg, kg, vg, kv_len, pg, exact=False, **kw).numpy()
+    ye = sn.attention(qg, kg, vg, kv_len, pg, exact=True, **kw).numpy()
+    yd = sn.attention(qg, kg, vg, kv_len, pg, **kw).numpy()
+    cpu = sn.attention(q, k, v, kv_len, pos, **kw).numpy()
+    return y, ye, yd, cpu
+
+
+# (head_dim, hq, hkv, n, c): n query rows at positions c .. c + n - 1 over kv_len = c + n keys (a prefill
+# chunk in the middle of a prompt); GQA 6:1 (the 27B's 24 q / 4 KV heads) and 1:1; 100 rows: a ragged
+# last slab; 512 rows over 2048 keys: the 27B's prefill chunk.
+FLASH_CASES = [(d, hq, hkv, n, c) for d in (64, 128, 256) for hq, hkv in ((24, 4), (8, 8)) for n, c in ((64, 0), (100, 700))]
+FLASH_CASES += [(d, 24, 4, 512, 1536) for d in (64, 128, 256)] + [(128, 8, 8, 512, 0)]
+
+
+@pytest.mark.parametrize("d,hq,hkv,n,c", FLASH_CASES)
+@gpu_only
+def test_attention_gpu_flash_prefill_vs_cpu(rng, d, hq, hkv, n, c):
+    """exact=False takes the tensor-core path (its result differs from exact=True) and stays within
+    the flash tolerance of the CPU op (flash_ref.check_flash); exact=True is the default and within the
+    exact path's tolerance."""
+    kv_len = c + n
+    k, v = f16_cache(rng, kv_len + 16, hkv, d), f16_cache(rng, kv_len + 16, hkv, d)
+    q = f32(rng, (n, hq, d))
+    pos = np.arange(c, kv_len, dtype=np.int32)
+    y, ye, yd, cpu = flash_and_exact(q, k, v, kv_len, pos)
+    err = check_flash(y, q, k, v, kv_len, pos, ref=cpu, what=f"d={d} {hq}/{hkv} n={n} c={c}")
+    np.testing.assert_array_equal(yd, ye)
+    check_attn(ye, cpu, float(np.abs(v[:kv_len].astype(np.float32)).max()))
+    if not DRYRUN:
+        assert not np.array_equal(y, ye), "exact=False did not take the flash path"
+        assert err > 0
+
+
+@pytest.mark.parametrize("causal,window", [(True, 0), (True, 300), (False, 0), (False, 129)])
+@gpu_only
+def test_attention_gpu_flash_window_bidirectional_and_row_independence(rng, causal, window):
+    """Windows and bidirectional rows, unsorted positions, an explicit scale, rows without keys
+    (bidirectional window past kv_len: zeros); and a row's flash result does not depend on the other
+    rows of the call (key tiles at absolute positions): the last 64 rows of a 100-row call equal a call
+    of those rows alone, bit for bit."""
+    d, hq, hkv, n, kv_len = 128, 12, 2, 100, 900
+    k, v = f16_cache(rng, kv_len, hkv, d), f16_cache(rng, kv_len, hkv, d)
+    q = f32(rng, (n, hq, d))
+    pos = np.arange(kv_len - n, kv_len, dtype=np.int32)
+    y, _, _, cpu = flash_and_exact(q, k, v, kv_len, pos, causal=causal, window=window)
+    check_flash(y, q, k, v, kv_len, pos, causal, window, ref=cpu, what=f"causal={causal} window={window}")
+    kg, vg = on_gpu(k), on_gpu(v)
+    tail = sn.attention(on_gpu(q[n - 64:]), kg, vg, kv_len, on_gpu(pos[n - 64:]), causal=causal, window=window,
+                        exact=False).numpy()
+    np.testing.assert_array_equal(tail, y[n - 64:])
+    pos2 = rng.integers(0, kv_len + 200, n).astype(np.int32)  # any order; some past kv_len
+    y2, _, _, cpu2 = flash_and_exact(q, k, v, kv_len, pos2, causal=causal, window=window, scale=0.05)
+    check_flash(y2, q, k, v, kv_len, pos2, causal, window, scale=0.05, ref=cpu2, what="random positions")
+
+
+@gpu_only
+def test_attention_gpu_exact_false_falls_back_bitwise(rng):
+    """exact=False is bit-identical to exact=True wherever the flash path does not apply: fewer than 64
+    rows (verify widths, prefill tails), a mask (tree verify), F32 / Q8_0 / mixed caches, head_dim 96."""
+    kv_len, hkv = 300, 2
+    pos = np.arange(kv_len - FLASH_MIN_ROWS, kv_len, dtype=np.int32)
+
+    def same(c, q, p, **kw):
+        qg, pg = on_gpu(q), on_gpu(p)
+        a = sn.attention(qg, c.gpu[0], c.gpu[1], kv_len, pg, exact=False, **kw).numpy()
+        b = sn.attention(qg, c.gpu[0], c.gpu[1], kv_len, pg, **kw).numpy()
+        np.testing.assert_array_equal(a, b)
+
+    f16 = Caches(rng, kv_len, hkv, 128, "F16", kv_len)
+    q = f32(rng, (FLASH_MIN_ROWS, 8, 128))
+    same(f16, q[:FLASH_MIN_ROWS - 1], pos[1:])
+    for w in (1, 5, 16):
+        same(f16, q[:w], pos[-w:])
+    mask = np.ones((FLASH_MIN_ROWS, kv_len), np.int32)
+    same(f16, q, pos, causal=False, mask=mask)
+    for dtype in ("F32", "Q8_0"):
+        same(Caches(rng, kv_len, hkv, 128, dtype, kv_len), q, pos)
+    mixed = Caches(rng, kv_len, hkv, 128, "F16", kv_len)
+    other = Caches(rng, kv_len, hkv, 128, "F32", kv_len)
+    mixed.gpu[1] = other.gpu[1]
+    same(mixed, q, pos)
+    same(Caches(rng, kv_len, 2, 96, "F16", kv_len), f32(rng, (FLASH_MIN_ROWS, 6, 96)), pos)
 
 
 # ----------------------------------------------------------------------------------------- ssm

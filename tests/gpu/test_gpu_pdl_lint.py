@@ -49,7 +49,7 @@ def kernels():
 def test_every_kernel_found():
     """Every __global__ in the sources is a kernel the checks below see (none skipped by its spelling)."""
     names = {name for _, name, _ in kernels()}
-    assert {"mma_gemv_kernel", "split_x_kernel", "norm_kernel", "attn_chunk_kernel", "gdn_kernel"} <= names
+    assert {"mma_gemv_kernel", "split_x_kernel", "norm_kernel", "attn_chunk_kernel", "attn_flash_kernel", "gdn_kernel"} <= names
     assert sum(src.count("__global__") for _, src in sources()) == len(kernels())
 
 

@@ -10,6 +10,11 @@ Properties:
   the prompt, chunked prefill and 32 greedy decode steps, whose tokens must be equal. Prefill
   chunks here are <= 16 rows: prefill (``verify(exact=False)``) runs chunks over 16 rows as a BF16
   cuBLAS GEMM (error ~2^-8), fine for a prefill but not for a 1e-4 comparison; verifies are exact.
+* Prefill chunks of >= 64 rows on F16 K/V caches take the tensor-core flash attention
+  (``sn.attention(..., exact=False)``, F16 q and softmax weights): logits of an 80-token verify whose
+  attention is forced onto that path stay within REL_FLASH = 2e-3 of the CPU model (the host emulation
+  of the kernel in the CPU model measured 0.8e-4 .. 1.4e-4 on "main"; the F16 K/V caches alone are allowed
+  REL_F16_KV), and Qwen35Model.prefill does take it.
 * Batch invariance on the GPU, bitwise: chain verify rows of width 1..8 equal step-by-step decode
   logits, committing any prefix leaves a state whose next decodes equal a plain run's, and a tree
   node's logits equal the chain verify of its path (what makes speculative output equal plain
@@ -45,6 +50,7 @@ REL = 1e-4
 # element (2^-11 relative), and later rows attend to it: measured 3.3e-4 over 24 demo-target rows.
 REL_F16_KV = 1e-3
 CHUNK = 16  # see the module docstring
+REL_FLASH = 2e-3  # the flash-attention prefill path (module docstring)
 
 
 def gpu_only(f):
@@ -204,6 +210,42 @@ def test_gpu_prefill_chunking_is_invariant(tiny):
     model = gpu_model(weights, prefill_chunk=5)
     _, dec = plain_logits(model, list(ck.prompt))
     np.testing.assert_array_equal(model.prefill(model.new_sequence(32), ck.prompt), dec[-1])
+
+
+@gpu_only
+def test_gpu_prefill_flash_attention_matches_cpu(tiny, rng, monkeypatch):
+    """"main" (head_dim 64, GQA 2:1), F16 K/V, an 80-token prompt. (1) A verify with exact matmuls whose
+    attention calls are forced to exact=False (flash path) gives logits within REL_FLASH of the CPU
+    model, and differs from the exact verify. (2) prefill (chunk 128) passes exact=False to its 80-row
+    attention calls, and its logits are within REL_FLASH of a GPU prefill whose attention is forced
+    exact (the same BF16 GEMMs otherwise), and differ from them."""
+    weights, _ = tiny("main")
+    prompt = [int(t) for t in rng.integers(0, weights.hparams.n_vocab, size=80)]
+    cpu = Qwen35Model(weights, kv_dtype=sn.DType.F16)
+    gpu = gpu_model(weights, kv_dtype=sn.DType.F16, prefill_chunk=128)
+    original, force, seen = sn.attention, {"exact": None}, []
+
+    def attention(*args, **kw):
+        seen.append((args[0].shape[0], kw.get("exact", True), kw.get("mask") is None))
+        if force["exact"] is not None:
+            kw["exact"] = force["exact"]
+        return original(*args, **kw)
+
+    monkeypatch.setattr(sn, "attention", attention)
+    ref = cpu.verify(cpu.new_sequence(96), prompt).logits
+    exact = host(gpu.verify(gpu.new_sequence(96), prompt).logits)
+    assert rel_err(exact, ref) <= REL_FLASH  # F16 K/V roundings may flip over 80 rows (REL_F16_KV: 12 / 24 rows)
+    force["exact"] = False
+    flash = host(gpu.verify(gpu.new_sequence(96), prompt).logits)
+    assert rel_err(flash, ref) <= REL_FLASH
+    force["exact"], seen[:] = None, []
+    p = gpu.prefill(gpu.new_sequence(96), prompt)
+    assert (80, False, True) in seen  # the chunk's causal attention asked for the flash path
+    force["exact"] = True
+    pe = gpu.prefill(gpu.new_sequence(96), prompt)
+    assert rel_err(p, pe) <= REL_FLASH
+    if not DRYRUN:
+        assert not np.array_equal(flash, exact) and not np.array_equal(p, pe)
 
 
 @gpu_only

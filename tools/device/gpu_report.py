@@ -220,7 +220,8 @@ def gemv_bandwidth(rng, copy_gbps):
 
 
 def attention_gdn_timing(rng):
-    """Attention (1 query row over 4k / 32k keys, and 8 masked verify rows over 4k keys, F16 cache, 27B shapes: 24 q heads, 4 KV heads,
+    """Attention (1 query row over 4k / 32k keys, 8 masked verify rows over 4k keys, and a 512-row prefill chunk
+    over 8k keys exact and flash, F16 cache, 27B shapes: 24 q heads, 4 KV heads,
     head_dim 256) and GDN decode (T = 1, 48 v heads, 16 k heads, dk = dv = 128) per call, from a
     Python loop synchronised at both ends (includes the host floor of each call: q_pos is
     value-checked on the host, which reads it back)."""
@@ -248,6 +249,23 @@ def attention_gdn_timing(rng):
                                              [()], 50) for _ in range(3))
             rows.append({"op": f"attention {n} x {kv_len} keys F16 masked verify (24q/4kv/256)",
                          "us_per_call": t * 1e6, "kv_GBps": kv_bytes / t / 1e9})
+    # A prefill chunk at 27B shapes: 512 rows at positions 7680 .. 8191 over 8192 keys, the exact split-K
+    # kernel vs the tensor-core flash path (exact=False); the op name carries the attention TFLOP/s
+    # (4 * hq * d flops per visible (row, key) pair; GB/s column: K/V bytes of the cache read once).
+    kv_len, n = 8192, 512
+    raw = (rng.standard_normal((kv_len, hkv, d)) * 0.5).astype(np.float16)
+    k, v = on_gpu(raw), on_gpu(raw[::-1].copy())
+    qp = on_gpu(rng.standard_normal((n, hq, d)).astype(np.float32))
+    posp = on_gpu(np.arange(kv_len - n, kv_len, dtype=np.int32))
+    flops = 4.0 * hq * d * (n * (kv_len - n) + n * (n + 1) / 2)
+    kv_bytes = 2 * kv_len * hkv * d * 2
+    for exact in (True, False):
+        t = statistics.median(time_calls(lambda: sn.attention(qp, k, v, kv_len, posp, exact=exact), [()], 5)
+                              for _ in range(3))
+        rows.append({"op": f"attention {n} x {kv_len} keys F16 prefill, {'exact' if exact else 'flash (exact=False)'}"
+                           f" (24q/4kv/256): {flops / t / 1e12:.1f} TFLOP/s",
+                     "us_per_call": t * 1e6, "kv_GBps": kv_bytes / t / 1e9})
+    del k, v, qp
     hk, hv, dk, dv = 16, 48, 128, 128
     args = [on_gpu(a) for a in (rng.standard_normal((1, hk, dk)).astype(np.float32) * 0.1,
                                 rng.standard_normal((1, hk, dk)).astype(np.float32) * 0.1,

@@ -34,22 +34,24 @@ capture). A row outside [0, capacity) is then skipped; of repeated rows one writ
   m.def(
       "attention",
       [](const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t kv_len, const Tensor& q_pos,
-         bool causal, int64_t window, std::optional<Tensor> mask, std::optional<float> scale, bool trusted) {
+         bool causal, int64_t window, std::optional<Tensor> mask, std::optional<float> scale, bool trusted,
+         bool exact) {
         cpu::AttentionArgs a{kv_len, causal, window, std::move(mask), scale};
         require_same_device(q, k_cache, "attention");
         require_same_device(q, v_cache, "attention");
         return without_gil([&] {
 #if SPECD_WITH_GPU
-          if (q.device == Device::GPU) return gpu::attention(q, k_cache, v_cache, q_pos, a, trusted);
+          if (q.device == Device::GPU) return gpu::attention(q, k_cache, v_cache, q_pos, a, trusted, exact);
 #else
           (void)trusted;
+          (void)exact;
 #endif
           return cpu::attention(q, k_cache, v_cache, q_pos, a);
         });
       },
       py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("kv_len"), py::arg("q_pos"),
       py::arg("causal") = true, py::arg("window") = 0, py::arg("mask") = py::none(), py::arg("scale") = py::none(),
-      py::arg("trusted") = false,
+      py::arg("trusted") = false, py::arg("exact") = true,
       R"doc(Softmax attention of n queries over the first kv_len rows of a KV cache (GQA).
 
 q: F32 [n, Hq, d] (last dim contiguous); k_cache, v_cache: [capacity, Hkv, d] F32/F16/Q8_0 caches
@@ -69,7 +71,18 @@ q_pos < 0, a mask that is not [n, kv_len] I32, or a non-finite scale.
 trusted (GPU only; the CPU op always checks, at no cost): the caller guarantees GPU q_pos are >= 0,
 so they are not read back (no host synchronisation; needed inside a GPU graph capture). No memory
 access depends on q_pos (keys come from rows < kv_len only, the grid is sized from kv_len): a
-negative q_pos sees no key when causal (zeros), keys from row 0 otherwise.)doc");
+negative q_pos sees no key when causal (zeros), keys from row 0 otherwise.
+exact (GPU only; the CPU is always exact and ignores it): True (default) keeps everything above
+(split-K CUDA-core kernel, |gpu - cpu| <= ~1e-5 * max|v|, batch invariant bit for bit). False allows
+the tensor-core flash-attention path (FlashAttention-2, Dao 2023) for calls of n >= 64 rows with
+mask None on F16 k_cache and v_cache with head_dim 64, 128 or 256 (causal or not, any window, any
+GQA ratio) on CUDA: q is rounded to F16 when staged, scores and the online softmax are F32, the
+softmax weights are rounded to F16 for the weights @ v product (F32 accumulation), so
+|gpu - cpu| <= ~1e-3 * max|v| (first order: max|v| * (u + 2 u * scale * max_j sum_e |q_e k_je|),
+u = 2^-11); still deterministic, and a row's result does not depend on the other rows of the call,
+but it differs from exact=True. Any other call (fewer rows, a mask, F32 / Q8_0 caches, other head
+dims, HIP) runs the exact kernel whatever `exact` says. For prefill only (Qwen35Model.prefill passes
+exact=False; verify and decode must stay exact).)doc");
 }
 
 }  // namespace specd::py_bind

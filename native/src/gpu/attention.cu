@@ -9,12 +9,16 @@
 // unless `trusted`; the kernel skips a row outside [0, capacity) whatever the caller promised.
 //
 // attention: split-K over fixed chunks of each row's visible-key sequence; see the comment above
-// attn_chunk_kernel for the design, the invariance guarantees and the tolerance vs the CPU op.
+// attn_chunk_kernel for the design, the invariance guarantees and the tolerance vs the CPU op. With
+// exact = false (prefill chunks), calls of at least flash::kMinRows rows without a mask on F16 caches
+// of head_dim 64 / 128 / 256 run the tensor-core flash-attention kernel instead (attention_flash.cuh:
+// F16 Q and P, ~1e-3 * max|v|; use_flash below lists every condition).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "../cpu/attention.h"
+#include "attention_flash.cuh"
 #include "op_util.cuh"
 #include "ops.h"
 
@@ -456,6 +460,90 @@ void launch_chunks(DType vt, const AttnParams& P, unsigned blocks, size_t shmem,
   }
 }
 
+// ----------------------------------------------------------------------------- flash attention
+
+#if SPECD_FLASH_ATTN
+namespace flash = detail::flash;
+
+// Dynamic shared memory a flash block may use: the device's opt-in limit less 1 KiB for the kernel's
+// static arrays (64 bytes).
+size_t flash_smem_limit() { return size_t(std::max(0, detail::max_smem_optin() - 1024)); }
+
+// Whether a checked call (n >= 1 rows, kv_len >= 1) runs attn_flash_kernel: the caller allows the
+// inexact path (exact == false: the target's prefill chunks), n >= flash::kMinRows (64: the verify
+// widths 1..16 and short prefill tails keep the split-K kernel; 64 rows of the 27B are a grid of only
+// 4 row blocks x 4 KV heads, still expected to beat the CUDA-core kernel but not yet timed: tune with
+// tools/device/gpu_report.py), no mask (tree verify, drafter blocks), F16 K and V caches,
+// head_dim 64, 128 or 256, q / cache head rows 16-byte aligned (cp.async and float4 loads), and the
+// block's shared memory within the device's opt-in limit (head_dim 256 with 8 warps: 192 KiB; H100 /
+// H200 allow 227 KiB). Causal or not, windowed or not: the kernel masks each row's [lo, hi) as the
+// split-K kernel computes it.
+bool use_flash(const Tensor& q, const Tensor& kc, const Tensor& vc, const cpu::AttentionArgs& a, bool exact) {
+  const int64_t n = q.dim(0), hq = q.dim(1), d = q.dim(2), hkv = kc.dim(1);
+  if (exact || a.mask || n < flash::kMinRows || !flash::supported_dim(d)) return false;
+  if (kc.dtype != DType::F16 || vc.dtype != DType::F16) return false;
+  auto rows16 = [](const Tensor& c) {
+    return detail::aligned16(c.data) && c.strides[0] % 16 == 0 && c.strides[1] % 16 == 0;
+  };
+  if (!detail::aligned16(q.data) || !rows16(kc) || !rows16(vc)) return false;
+  return flash::plan(n, hkv, hq / hkv, d).smem <= flash_smem_limit();
+}
+
+// Launches attn_flash_kernel<D>; the first call per instance raises its dynamic shared memory limit to
+// what its largest plan needs, capped at flash_smem_limit() (use_flash checked the plan against it).
+template <int D>
+void launch_flash(const flash::Params& P, const flash::Plan& pl, cudaStream_t s) {
+  static const bool limit_set = [] {
+    const int bytes = int(std::min(flash::max_smem(D), flash_smem_limit()));
+    SPECD_GPU_CHECK(cudaFuncSetAttribute(flash::attn_flash_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    return true;
+  }();
+  (void)limit_set;
+  detail::launch_kernel<flash::attn_flash_kernel<D>>("attn_flash_kernel", unsigned(pl.blocks), unsigned(pl.warps * 32),
+                                                      pl.smem, s, P);
+}
+
+Tensor flash_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& q_pos,
+                       const cpu::AttentionArgs& a, const char* op) {
+  const int64_t n = q.dim(0), hq = q.dim(1), d = q.dim(2), hkv = kc.dim(1);
+  const flash::Plan pl = flash::plan(n, hkv, hq / hkv, d);
+  detail::check_grid(pl.blocks, op);
+  SPECD_CHECK(pl.row_blocks <= 0x7fffffff, op, ": too many rows for one launch (", n, ")");
+  Tensor out = Tensor::empty(q.shape, DType::F32, Device::GPU);
+  Tensor dpos = detail::i32_on_gpu(q_pos);
+  flash::Params P{};
+  P.q = q.ptr<float>();
+  P.kc = static_cast<const uint8_t*>(kc.data);
+  P.vc = static_cast<const uint8_t*>(vc.data);
+  P.k_row_stride = kc.strides[0];
+  P.k_head_stride = kc.strides[1];
+  P.v_row_stride = vc.strides[0];
+  P.v_head_stride = vc.strides[1];
+  P.q_pos = dpos.ptr<int32_t>();
+  P.out = out.ptr<float>();
+  P.n = n;
+  P.window = a.window;
+  P.kv_len = int(a.kv_len);
+  P.causal = a.causal ? 1 : 0;
+  P.hq = int(hq);
+  P.hkv = int(hkv);
+  P.r = int(hq / hkv);
+  P.hs = pl.hs;
+  P.nsub = pl.nsub;
+  P.slabs = pl.slabs;
+  P.row_blocks = int(pl.row_blocks);
+  const double scale = a.scale ? double(*a.scale) : 1.0 / std::sqrt(double(d));
+  P.scale_log2 = float(scale * 1.4426950408889634);  // log2(e)
+  cudaStream_t s = detail::stream();
+  switch (d) {
+    case 64: launch_flash<64>(P, pl, s); break;
+    case 128: launch_flash<128>(P, pl, s); break;
+    default: launch_flash<256>(P, pl, s); break;
+  }
+  return out;
+}
+#endif  // SPECD_FLASH_ATTN
+
 }  // namespace
 
 void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows, bool trusted) {
@@ -505,7 +593,7 @@ void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows, bool tru
 }
 
 Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_pos,
-                 const cpu::AttentionArgs& a, bool trusted) {
+                 const cpu::AttentionArgs& a, bool trusted, bool exact) {
   const char* op = "attention";
   detail::check_gpu_tensor(q, DType::F32, 3, op, "q");
   check_cache(k_cache, op, "k_cache");
@@ -533,6 +621,11 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
       SPECD_CHECK(pv[size_t(i)] >= 0, "attention: q_pos must be >= 0, got ", pv[size_t(i)], " at index ", i);
   }
   if (n == 0 || hq == 0 || d == 0 || a.kv_len == 0) return Tensor::zeros(q.shape, DType::F32, Device::GPU);
+#if SPECD_FLASH_ATTN
+  if (use_flash(q, k_cache, v_cache, a, exact)) return flash_attention(q, k_cache, v_cache, q_pos, a, op);
+#else
+  (void)exact;
+#endif
   detail::check_grid(n * hq, op);
   Tensor out = Tensor::empty(q.shape, DType::F32, Device::GPU);
   Tensor dpos = detail::i32_on_gpu(q_pos);

@@ -22,6 +22,10 @@ cudaStream_t stream();
 // Multiprocessor count of the library's device (cached).
 int sm_count();
 
+// Most dynamic shared memory one block of the library's device may use once its kernel raised the
+// limit (cudaFuncAttributeMaxDynamicSharedMemorySize; sharedMemPerBlockOptin, cached).
+int max_smem_optin();
+
 // The graph-capture lock (runtime.cu; recursive, never destroyed).
 std::recursive_mutex& capture_mu();
 

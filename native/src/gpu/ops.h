@@ -130,13 +130,17 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qg, const Tensor& 
                                                 double theta, float eps, bool trusted = false);
 
 // KV cache write and GQA attention as cpu::kv_write / cpu::attention (attention.cu). kv_write is
-// bit-identical to the CPU op; attention is split-free (one block per (query, head)) and batch
-// invariant bit for bit (result depends only on the row's ordered visible keys). Trusted kv_write
-// rows outside [0, capacity) are skipped (repeated rows: one of the writes wins); a trusted negative
-// q_pos sees no key when causal (zeros) and keys from 0 otherwise; keys past kv_len are never read.
+// bit-identical to the CPU op; attention (exact, the default) is split-K over fixed chunks of each row's
+// visible keys and batch invariant bit for bit (result depends only on the row's ordered visible keys).
+// exact = false (prefill chunks only) lets calls of >= 64 rows without a mask on F16 caches of head_dim
+// 64 / 128 / 256 run the tensor-core flash-attention kernel (attention_flash.cuh: F16 q and softmax
+// weights, ~1e-3 * max|v| from the CPU op; deterministic, a row's result independent of the other rows,
+// but not the exact path's); every other call ignores it. Trusted kv_write rows outside [0, capacity)
+// are skipped (repeated rows: one of the writes wins); a trusted negative q_pos sees no key when causal
+// (zeros) and keys from 0 otherwise; keys past kv_len are never read.
 void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows, bool trusted = false);
 Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& q_pos,
-                 const cpu::AttentionArgs& args, bool trusted = false);
+                 const cpu::AttentionArgs& args, bool trusted = false, bool exact = true);
 
 // Gated DeltaNet conv and recurrence as cpu::conv1d_causal / cpu::gated_delta_net (ssm.cu),
 // including the optional out-of-place state_out.

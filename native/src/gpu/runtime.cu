@@ -71,6 +71,7 @@ struct Probe {
   int device = 0;
   std::string name;
   int sms = 0;
+  int smem_optin = 0;
   bool pools = false;
 };
 
@@ -107,6 +108,11 @@ const Probe& probe() {
     }
     r.name = prop.name;
     r.sms = prop.multiProcessorCount;
+#if SPECD_HIP
+    r.smem_optin = int(prop.sharedMemPerBlock);
+#else
+    r.smem_optin = int(prop.sharedMemPerBlockOptin);
+#endif
     int pools = 0;
     if (cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, r.device) != cudaSuccess) {
       cudaGetLastError();
@@ -153,6 +159,8 @@ cudaStream_t stream() {
 }
 
 int sm_count() { return require().sms; }
+
+int max_smem_optin() { return require().smem_optin; }
 
 // ---- Graph capture state (see specd/gpu.h). One global capture at a time, guarded by capture_mu();
 // allocation and free paths consult it, so they also work from buffer deleters on any thread.

@@ -1,0 +1,234 @@
+// Host emulation of the CUDA execution model for the kernel harnesses mma_main.cpp (the tensor-core GEMV,
+// native/src/gpu/matmul_mma.cuh) and attn_main.cpp (the flash attention, native/src/gpu/attention_flash.cuh):
+// a block runs as one std::thread per lane; the warp-wide instructions are emulated from the PTX ISA
+// fragment layouts with one barrier per instruction: every lane publishes its operands in the warp's
+// exchange slot of that instruction (two slots used in turn), waits at the warp barrier, then computes
+// its own result from the published operands (a lane can only publish into a slot again after the next
+// instruction's barrier, which every lane reaches after reading the slot). mma.sync m16n8k32 s8 -> s32
+// (exact integers, as the hardware), mma.sync m16n8k16 f16 -> f32 (products exact, summed in double and
+// rounded once), ldmatrix .x4 (and .trans), shuffles, __syncwarp; __syncthreads is a block barrier,
+// cp.async an immediate copy, __shared__ arrays are statics (one block at a time) and dynamic shared
+// memory is specd_emu_dyn_smem (set by the harness).
+#pragma once
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "portability.h"
+
+#define SPECD_HIP 0
+#define SPECD_HOST_EMU 1
+#define SPECD_WARP 32
+#define __global__
+#define __launch_bounds__(...)
+#define __shared__ static  // one block at a time: a static array is the block's shared memory
+inline void __trap() { std::abort(); }
+
+struct Dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+thread_local Dim3 threadIdx, blockIdx;
+thread_local Dim3 blockDim;
+
+// IEEE binary16, round to nearest even (subnormals, overflow to inf, NaN kept), as __float2half_rn.
+inline uint16_t f16_rn(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);                 // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);                // >= 65520: inf
+  if (a >= 0x38800000u) {                                               // >= 2^-14: normal
+    const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);                   // round the 13 dropped bits
+    return uint16_t(sign | ((r - 0x38000000u) >> 13));
+  }
+  float af;
+  std::memcpy(&af, &a, 4);
+  return uint16_t(sign | uint16_t(std::nearbyint(af * 16777216.0f)));  // subnormal: units of 2^-24
+}
+inline float f16_f(uint16_t h) { return specd_fp16_bits_to_float(h); }
+
+struct __half {
+  uint16_t v;
+};
+struct __half2 {
+  uint16_t x, y;
+};
+inline __half __float2half_rn(float f) { return __half{f16_rn(f)}; }
+inline float __half2float(__half h) { return f16_f(h.v); }
+inline __half2 __floats2half2_rn(float a, float b) { return __half2{f16_rn(a), f16_rn(b)}; }
+inline __half2 __hsub2(__half2 a, __half2 b) {
+  return __half2{f16_rn(f16_f(a.x) - f16_f(b.x)), f16_rn(f16_f(a.y) - f16_f(b.y))};
+}
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+template <class T>
+inline T __ldg(const T* p) { return *p; }
+inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
+struct float2 {
+  float x, y;
+};
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+using std::isfinite;
+using std::max;
+using std::min;
+
+// Per-warp exchange: two slots used in turn (see the header comment).
+struct WarpSlot {
+  uint32_t a[32][4];
+  uint32_t b[32][2];
+  uint32_t sh[32];
+  const uint16_t* p[32];
+};
+struct WarpShared {
+  WarpSlot slot[2];
+  std::unique_ptr<std::barrier<>> bar;
+};
+thread_local WarpShared* tl_warp = nullptr;
+thread_local unsigned tl_phase = 0;  // warp instructions this lane has executed
+thread_local std::barrier<>* tl_block = nullptr;
+inline uint8_t* specd_emu_dyn_smem = nullptr;  // the block's dynamic shared memory (harness-owned)
+
+// This lane's slot for its next warp instruction.
+inline WarpSlot& next_slot() { return tl_warp->slot[tl_phase++ & 1u]; }
+
+inline float half_of(uint32_t reg, int h) { return f16_f(uint16_t(h ? reg >> 16 : reg & 0xffffu)); }
+
+// One warp-wide MMA: every lane publishes its A and B registers, then computes its four D elements
+// (c0, c1 = row g, columns 2t, 2t+1; c2, c3 = row g + 8) as elem(row, col, d[c]) from the published
+// fragments.
+template <class T, class Elem>
+inline void warp_mma(T (&d)[4], const uint32_t (&a)[4], uint2 b, const Elem& elem) {
+  WarpSlot& w = next_slot();
+  const int lane = int(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
+  for (int r = 0; r < 4; ++r) w.a[lane][r] = a[r];
+  w.b[lane][0] = b.x, w.b[lane][1] = b.y;
+  tl_warp->bar->arrive_and_wait();
+  for (int c = 0; c < 4; ++c) d[c] = elem(w, g + 8 * (c >> 1), 2 * t + (c & 1), d[c]);
+}
+
+// m16n8k16 f16 -> f32, d += a * b: products exact, summed in double, rounded once.
+inline void specd_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+  warp_mma(d, a, b, [](const WarpSlot& w, int row, int col, float acc) {
+    double s = acc;
+    for (int k = 0; k < 16; ++k) {
+      // A (row, k): lane 4 (row % 8) + (k % 8) / 2, register (row >= 8) + 2 (k >= 8), half k & 1.
+      const float av = half_of(w.a[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
+      // B (k, col): lane 4 col + (k % 8) / 2, register k >= 8, half k & 1.
+      const float bv = half_of(w.b[4 * col + (k % 8) / 2][k >= 8], k & 1);
+      s += double(av) * double(bv);
+    }
+    return float(s);
+  });
+}
+
+inline int8_t byte_of(uint32_t reg, int i) { return int8_t(uint8_t(reg >> (8 * i))); }
+
+// m16n8k32 s8 -> s32, d = a * b (C = 0): exact.
+inline void specd_emu_imma(int (&d)[4], const uint32_t (&a)[4], uint2 b) {
+  warp_mma(d, a, b, [](const WarpSlot& w, int row, int col, int) {
+    int64_t s = 0;
+    for (int k = 0; k < 32; ++k) {
+      // A (row, k): lane 4 (row % 8) + (k % 16) / 4, register (row >= 8) + 2 (k >= 16), byte k % 4.
+      const int av = byte_of(w.a[4 * (row % 8) + (k % 16) / 4][(row >= 8) + 2 * (k >= 16)], k % 4);
+      // B (k, col): lane 4 col + (k % 16) / 4, register k >= 16, byte k % 4.
+      const int bv = byte_of(w.b[4 * col + (k % 16) / 4][k >= 16], k % 4);
+      s += int64_t(av) * bv;
+    }
+    return int(s);
+  });
+}
+
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lane 8 m + i gives the address of row i of matrix
+// m; register m of lane 4 g + t = row g, elements 2t, 2t+1 (trans: rows 2t, 2t+1, element g), the
+// first in the lower 16 bits.
+inline void specd_emu_ldmatrix_x4(uint32_t (&r)[4], const uint16_t* p, bool trans) {
+  WarpSlot& w = next_slot();
+  const int lane = int(threadIdx.x & 31), g = lane >> 2, t = lane & 3;
+  if ((reinterpret_cast<uintptr_t>(p) & 15u) != 0) std::abort();  // rows are 16-byte aligned
+  w.p[lane] = p;
+  tl_warp->bar->arrive_and_wait();
+  for (int m = 0; m < 4; ++m) {
+    uint16_t lo, hi;
+    if (!trans) {
+      lo = w.p[8 * m + g][2 * t];
+      hi = w.p[8 * m + g][2 * t + 1];
+    } else {
+      lo = w.p[8 * m + 2 * t][g];
+      hi = w.p[8 * m + 2 * t + 1][g];
+    }
+    r[m] = uint32_t(lo) | (uint32_t(hi) << 16);
+  }
+}
+
+// cp.async 16 bytes (cp-size 16, src-size 16 or 0: zero fill): copied at once.
+inline void specd_emu_cp_async16(uint16_t* dst, const uint8_t* src, bool valid) {
+  if ((reinterpret_cast<uintptr_t>(dst) & 15u) != 0 || (reinterpret_cast<uintptr_t>(src) & 15u) != 0) std::abort();
+  if (valid) std::memcpy(dst, src, 16);
+  else std::memset(dst, 0, 16);
+}
+inline size_t __cvta_generic_to_shared(const void* p) { return reinterpret_cast<size_t>(p); }
+
+// Warp exchange: every lane publishes v, then reads lane src's (every lane takes part, as in the kernel).
+inline uint32_t exchange(uint32_t v, int src) {
+  WarpSlot& w = next_slot();
+  w.sh[threadIdx.x & 31] = v;
+  tl_warp->bar->arrive_and_wait();
+  return w.sh[src & 31];
+}
+inline uint32_t __shfl_sync(unsigned mask, uint32_t v, int src) {
+  if (mask != 0xffffffffu) std::abort();
+  return exchange(v, src);
+}
+inline float __shfl_xor_sync(unsigned mask, float v, int m) {
+  if (mask != 0xffffffffu) std::abort();
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  u = exchange(u, int(threadIdx.x & 31) ^ m);
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+inline int __shfl_xor_sync(unsigned mask, int v, int m) {
+  if (mask != 0xffffffffu) std::abort();
+  return int(exchange(uint32_t(v), int(threadIdx.x & 31) ^ m));
+}
+#define SPECD_SHFL_XOR(v, lane_mask) __shfl_xor_sync(0xffffffffu, (v), (lane_mask))
+inline void __syncwarp() {
+  next_slot();  // an instruction without operands: keeps the lanes' slot turns aligned
+  tl_warp->bar->arrive_and_wait();
+}
+inline void __syncthreads() { tl_block->arrive_and_wait(); }
+
+// Runs fn() on `blocks` blocks of `threads` threads (warps of 32 with their exchange barrier, a block
+// barrier), one block at a time (the kernels' __shared__ arrays are statics). before_block(b), when
+// given, runs on the calling thread before block b starts (e.g. to poison shared memory).
+template <class Fn, class Before>
+void emulate(int64_t blocks, int threads, const Fn& fn, const Before& before_block) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    before_block(b);
+    std::vector<WarpShared> warps(size_t(threads / 32));
+    for (auto& s : warps) s.bar = std::make_unique<std::barrier<>>(32);
+    std::barrier<> block(threads);
+    std::vector<std::thread> th;
+    for (int i = 0; i < threads; ++i)
+      th.emplace_back([&, i] {
+        threadIdx.x = unsigned(i), blockIdx.x = unsigned(b), blockDim.x = unsigned(threads);
+        tl_warp = &warps[size_t(i / 32)];
+        tl_phase = 0;
+        tl_block = &block;
+        fn();
+      });
+    for (auto& t : th) t.join();
+  }
+}
+template <class Fn>
+void emulate(int64_t blocks, int threads, const Fn& fn) {
+  emulate(blocks, threads, fn, [](int64_t) {});
+}
