@@ -14,7 +14,8 @@ Properties:
   (``sn.attention(..., exact=False)``, F16 q and softmax weights): logits of an 80-token verify whose
   attention is forced onto that path stay within REL_FLASH = 2e-3 of the CPU model (the host emulation
   of the kernel in the CPU model measured 0.8e-4 .. 1.4e-4 on "main"; the F16 K/V caches alone are allowed
-  REL_F16_KV), and Qwen35Model.prefill does take it.
+  REL_F16_KV), and Qwen35Model.prefill does take it, landing as close to the CPU model as a prefill with
+  exact attention (both run BF16 GEMMs).
 * Batch invariance on the GPU, bitwise: chain verify rows of width 1..8 equal step-by-step decode
   logits, committing any prefix leaves a state whose next decodes equal a plain run's, and a tree
   node's logits equal the chain verify of its path (what makes speculative output equal plain
@@ -217,8 +218,9 @@ def test_gpu_prefill_flash_attention_matches_cpu(tiny, rng, monkeypatch):
     """"main" (head_dim 64, GQA 2:1), F16 K/V, an 80-token prompt. (1) A verify with exact matmuls whose
     attention calls are forced to exact=False (flash path) gives logits within REL_FLASH of the CPU
     model, and differs from the exact verify. (2) prefill (chunk 128) passes exact=False to its 80-row
-    attention calls, and its logits are within REL_FLASH of a GPU prefill whose attention is forced
-    exact (the same BF16 GEMMs otherwise), and differ from them."""
+    attention calls, and its last logits are as close to the CPU model's as those of a GPU prefill whose
+    attention is forced exact (the same BF16 GEMMs otherwise: within 2x its error, or REL_FLASH), and
+    differ from them."""
     weights, _ = tiny("main")
     prompt = [int(t) for t in rng.integers(0, weights.hparams.n_vocab, size=80)]
     cpu = Qwen35Model(weights, kv_dtype=sn.DType.F16)
@@ -243,7 +245,10 @@ def test_gpu_prefill_flash_attention_matches_cpu(tiny, rng, monkeypatch):
     assert (80, False, True) in seen  # the chunk's causal attention asked for the flash path
     force["exact"] = True
     pe = gpu.prefill(gpu.new_sequence(96), prompt)
-    assert rel_err(p, pe) <= REL_FLASH
+    # Both prefills run BF16 GEMMs (~2^-8 per product), whose input roundings flip where the attention
+    # differs by ~1e-4, so p and pe differ by BF16 noise (H200: 4.7e-3): the flash prefill must be as
+    # close to the CPU model as the exact-attention prefill is (within 2x, or REL_FLASH).
+    assert rel_err(p, ref[-1]) <= max(2 * rel_err(pe, ref[-1]), REL_FLASH)
     if not DRYRUN:
         assert not np.array_equal(flash, exact) and not np.array_equal(p, pe)
 
