@@ -35,7 +35,9 @@ trip. With ``ipc_streams`` (default on) a worker whose Info offers an IPC stream
 reaches (probed at connect) gets the same messages as length-prefixed frames on that Unix socket
 instead (:class:`IpcStream`, specd.target_worker.ipc_stream): a third to a half of a gRPC stream
 message's round trip, same semantics; which transport each worker's hot path uses is logged at
-connect and reported by GetModelInfo and the ``specd_worker_hot_path`` gauge. Each chunk's client
+connect and reported by GetModelInfo and the ``specd_worker_hot_path`` gauge; a socket that fails
+with UNAVAILABLE (worker stopped or restarted) sends new sequences to gRPC streams until the readiness
+loop has read that worker's Info again and probed what it offers then. Each chunk's client
 write runs while the loop makes the next step's worker calls (at most one write in flight, each
 bounded by ``send_stall_timeout_s``).
 
@@ -410,6 +412,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         # per worker: how the hot path reaches it ("ipc-stream", "grpc-stream", "unary"; "" no drafter)
         self.hot_path = {"target": "", "drafter": ""}
         self.ipc_offers: dict[str, IpcOffer] = {}  # "verify" / "propose" -> the IPC socket in use
+        self._ipc_lost: set[str] = set()  # workers whose IPC socket failed: re-chosen by the readiness loop
         self._releases: set[asyncio.Task] = set()  # Releases in flight (close() waits for them)
 
     async def connect(self) -> None:
@@ -459,7 +462,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
                                           self.dinfo.name if self.dinfo is not None else "")
         for worker, kind in self.hot_path.items():
             if kind:
-                self.metrics.hot_path.labels(*self.metrics.l(worker, kind)).set(1)
+                self.metrics.hot_path.labels(*self.metrics.l(worker, kind)).set(1)  # chosen before the metrics existed
         self.connected = True
 
     async def _choose_hot_path(self, info, worker: str, method: IpcMethod) -> None:
@@ -482,13 +485,52 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 kind = "grpc-stream"
                 why = f"its IPC stream socket {offer.path} cannot be used from here: {type(exc).__name__}: {exc}"
             else:
-                self.hot_path[worker], self.ipc_offers[method.what] = "ipc-stream", offer
+                self._set_hot_path(worker, "ipc-stream", method, offer)
                 log.info("coordinator: %s worker at %s: hot path over its IPC stream socket %s", worker, addr,
                          offer.path)
                 return
-        self.hot_path[worker] = kind
+        self._set_hot_path(worker, kind, method)
         log.info("coordinator: %s worker at %s: hot path over %s (%s)", worker, addr,
                  "gRPC streams" if kind == "grpc-stream" else "unary calls", why)
+
+    def _set_hot_path(self, worker: str, kind: str, method: IpcMethod, offer: IpcOffer | None = None) -> None:
+        """Records ``worker``'s hot-path transport ``kind`` (with its IPC ``offer`` for "ipc-stream")
+        and moves the specd_worker_hot_path gauge (once the metrics exist: connect sets them after)."""
+        old, self.hot_path[worker] = self.hot_path[worker], kind
+        if offer is None:
+            self.ipc_offers.pop(method.what, None)
+        else:
+            self.ipc_offers[method.what] = offer
+        mx = getattr(self, "metrics", None)
+        if mx is not None:
+            if old:
+                mx.hot_path.labels(*mx.l(worker, old)).set(0)
+            mx.hot_path.labels(*mx.l(worker, kind)).set(1)
+
+    def _ipc_failed(self, offer: IpcOffer) -> None:
+        """A sequence found ``offer``'s socket unusable (UNAVAILABLE: its worker stopped, or restarted
+        with a new socket and token): new sequences take that worker's gRPC stream, whose channel
+        reconnects by itself, until the readiness loop has read the worker's Info again and chosen its
+        hot path anew (:meth:`_rechoose_lost`)."""
+        if self.ipc_offers.get(offer.method.what) is not offer:
+            return  # another sequence reported it first
+        worker = "target" if offer.method is VERIFY_STREAM else "drafter"
+        self._set_hot_path(worker, "grpc-stream", offer.method)
+        self._ipc_lost.add(worker)
+        log.warning("coordinator: the %s worker's IPC stream socket %s failed; new requests use gRPC streams until "
+                    "its Info is read again", worker, offer.path)
+
+    async def _rechoose_lost(self) -> None:
+        """Reads the Info of each worker whose IPC socket failed and chooses its hot path again (a
+        restarted worker offers a new socket); a worker that does not answer is tried next round."""
+        for worker in list(self._ipc_lost):
+            stub, method = (self.target, VERIFY_STREAM) if worker == "target" else (self.drafter, PROPOSE_STREAM)
+            try:
+                info = await stub.Info(wpb.InfoRequest(), timeout=self.cfg.health_timeout_s)
+            except grpc.aio.AioRpcError:
+                continue
+            self._ipc_lost.discard(worker)
+            await self._choose_hot_path(info, worker, method)
 
     def _check_drafter_slots(self) -> None:
         """Warns when worker streams are on and the drafter has fewer compute slots than the target
@@ -517,12 +559,15 @@ class Coordinator(gpbg.SpecDecodeServicer):
         return True
 
     def watch_workers(self, health_servicer) -> None:
-        """Starts the readiness loop: SpecDecode is SERVING only while both workers are."""
+        """Starts the readiness loop: SpecDecode is SERVING only while both workers are; while they
+        are, it also re-chooses the hot path of a worker whose IPC socket failed."""
         from grpc_health.v1 import health_pb2
 
         async def loop():
             while True:
                 ok = await self.workers_serving()
+                if ok and self._ipc_lost:
+                    await self._rechoose_lost()
                 await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ok
                                           else health_pb2.HealthCheckResponse.NOT_SERVING)
                 await asyncio.sleep(self.cfg.health_poll_s)
@@ -955,7 +1000,12 @@ class Coordinator(gpbg.SpecDecodeServicer):
         """The coordinator's single gate for worker calls: ``fn`` is a unary stub method or the
         sequence's :class:`SequenceStream`; returns the response, raises RequestError (:func:`rpc_error`)."""
         if isinstance(fn, SequenceStream):
-            return await fn.call(msg, deadline)
+            try:
+                return await fn.call(msg, deadline)
+            except RequestError as exc:
+                if exc.code == grpc.StatusCode.UNAVAILABLE and isinstance(fn, IpcStream):
+                    self._ipc_failed(fn.offer)
+                raise
         try:
             return await fn(msg, timeout=self._timeout(deadline))
         except grpc.aio.AioRpcError as exc:

@@ -527,3 +527,47 @@ def test_context_is_active_until_the_client_closes():
     with pytest.raises(ipc_stream.IpcAbort) as ei:
         ctx.abort(grpc.StatusCode.NOT_FOUND, "gone")
     assert (ei.value.code, ei.value.details) == (grpc.StatusCode.NOT_FOUND, "gone")
+
+
+def test_a_worker_restarted_with_a_new_socket_is_found_again(stack, reference):
+    """The drafter's IPC socket goes away and the worker offers a new one (as after a restart): the
+    request that meets the dead socket fails UNAVAILABLE (retryable, as on a broken gRPC stream), the
+    next ones run over gRPC streams, and once the readiness loop has re-read the worker's Info the hot
+    path is back on IPC, over the new socket; every output equals plain greedy."""
+    servicer = dserver.DraftServicer(ScriptedDrafter(6, stack.tservicer.model.hp.n_vocab),
+                                     feature_transport=stack.transport)
+    addr = f"unix://{stack.dir}/d-restart.sock"
+    server, _ = dserver.start_server(servicer, addr, 8)
+    try:
+        stub = stack.coordinator(policy=PolicyConfig(step_ratio=0), drafter_override=addr, health_poll_s=0.2)
+        coord = stack.coords[-1][0]
+        old = servicer.ipc_stream
+        assert coord.hot_path["drafter"] == "ipc-stream" and coord.ipc_offers["propose"].path == old.path
+        prompt, force = [4, 6, 8], gpb.SpeculationParams(mode=gpb.SPECULATION_MODE_FORCE)
+        ref, _ = reference(prompt, 8)
+        assert streamed_ids(generate(stub, token_request(prompt, 8, ignore_eos=True, speculation=force))[0]) == ref
+        old.close()  # the socket is gone; a new one is offered
+        new = IpcStreamServer(servicer, PROPOSE_STREAM, "draft-worker", 1 << 20, 8)
+        try:
+            with pytest.raises(grpc.RpcError) as ei:
+                generate(stub, token_request(prompt, 8, ignore_eos=True, speculation=force))
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "propose" in ei.value.details()
+            end = time.monotonic() + 10
+            while coord.hot_path["drafter"] != "ipc-stream" and time.monotonic() < end:
+                assert streamed_ids(generate(stub, token_request(prompt, 8, ignore_eos=True,
+                                                                 speculation=force))[0]) == ref
+                time.sleep(0.05)
+            assert coord.hot_path["drafter"] == "ipc-stream" and coord.ipc_offers["propose"].path == new.path
+            before = new.connections
+            assert streamed_ids(generate(stub, token_request(prompt, 8, ignore_eos=True, speculation=force))[0]) == ref
+            assert new.connections == before + 1
+            reg = coord.metrics.registry
+            lab = {"model": "condgen.gguf", "drafter": "scripted", "worker": "drafter"}
+            assert reg.get_sample_value("specd_worker_hot_path", {**lab, "transport": "ipc-stream"}) == 1
+            assert reg.get_sample_value("specd_worker_hot_path", {**lab, "transport": "grpc-stream"}) == 0
+        finally:
+            new.close()
+        wait_released(stack)
+    finally:
+        server.stop(0).wait()
+        servicer.close()
