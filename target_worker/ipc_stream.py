@@ -37,7 +37,8 @@ that connection only: a hello of the wrong length or magic -> INVALID_ARGUMENT, 
 PERMISSION_DENIED, another worker's method -> UNIMPLEMENTED, a frame over max_message_bytes or more
 connections than ``max_connections`` -> RESOURCE_EXHAUSTED, an unparsable request -> INVALID_ARGUMENT.
 
-Bounds: at most ``max_connections`` connections (the worker's RPC thread count), one thread each;
+Bounds: at most ``max_connections`` connections (the worker's RPC thread count), each served by one
+thread (kept for later connections, like gRPC's pool threads: :meth:`IpcStreamServer._worker`);
 the hello must arrive within HELLO_TIMEOUT_S; a write the client does not take within
 WRITE_TIMEOUT_S ends the connection (SO_SNDTIMEO; a peer process that dies closes its end at once, so
 this covers a live peer that stopped reading). Waiting for the next request has no time limit, as
@@ -51,6 +52,7 @@ import dataclasses
 import hmac
 import logging
 import os
+import queue
 import secrets
 import select
 import shutil
@@ -182,6 +184,8 @@ class IpcStreamServer:
         self.changed = threading.Condition(self.lock)  # notified when a connection ends
         self.conns: set[socket.socket] = set()
         self.connections = 0  # connections accepted so far (probes included)
+        self.idle = 0  # connection threads waiting for their next connection on ``pending``
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()  # at most ``idle`` entries; None = exit
         self.closed = False
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -214,11 +218,38 @@ class IpcStreamServer:
                                                f"{self.max_connections} IPC stream connections are taken"))
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name=f"specd-ipc-{self.method.what}", daemon=True).start()
+            self._dispatch(conn)
+
+    def _dispatch(self, conn: socket.socket) -> None:
+        """Hands an admitted connection to an idle connection thread, or to a new one."""
+        with self.lock:
+            reuse = self.idle > 0
+            if reuse:
+                self.idle -= 1
+        if reuse:
+            self.pending.put(conn)
+        else:
+            threading.Thread(target=self._worker, args=(conn,), name=f"specd-ipc-{self.method.what}", daemon=True).start()
+
+    def _worker(self, conn: socket.socket | None) -> None:
+        """A connection thread: serves one connection after another until close(). Kept between
+        connections, as gRPC's thread pool keeps its threads: a new thread per sequence would build the
+        native library's per-thread state again (on the CPU an OpenMP thread team, whose churn cost the
+        steps of the demo benchmark up to twice their time). At most max_connections threads exist."""
+        while conn is not None:
+            self._serve(conn)
+            with self.lock:  # one step: close() shuts connections down under the lock, never a closed one
+                self.conns.discard(conn)
+                conn.close()  # the client sees EOF only once this thread counts as idle
+                self.changed.notify_all()
+                if self.closed:
+                    return
+                self.idle += 1
+            conn = self.pending.get()
 
     def _serve(self, conn: socket.socket) -> None:
-        """One connection: hello, then the stream (module docstring); always closes the connection
-        and frees its slot."""
+        """One connection: hello, then the stream (module docstring); always frees its slot (the
+        caller closes the connection)."""
         responses = None
         reader = conn.makefile("rb")
         try:
@@ -245,10 +276,6 @@ class IpcStreamServer:
             if responses is not None:
                 responses.close()  # a stream suspended at its yield gives its compute slot back
             reader.close()
-            with self.lock:  # close() shuts connections down under the lock: never one closed meanwhile
-                self.conns.discard(conn)
-                conn.close()
-                self.changed.notify_all()
 
     def _frame_length(self, reader, what: str) -> int | None:
         """The next frame's length, or None at a clean end of stream; IpcAbort when it exceeds
@@ -320,6 +347,10 @@ class IpcStreamServer:
             pass
         self.acceptor.join(JOIN_TIMEOUT_S)
         self.listener.close()
+        with self.lock:  # no dispatch any more: wake the idle connection threads to exit
+            idle, self.idle = self.idle, 0
+        for _ in range(idle):
+            self.pending.put(None)
         if getattr(self.servicer, "ipc_stream", None) is self:
             self.servicer.ipc_stream = None
         with self.lock:

@@ -218,6 +218,7 @@ def test_close_drains_for_the_grace_then_cuts_joins_and_removes_the_socket_and_d
     directory are gone; a second close is a no-op."""
     gate = threading.Event()
     sv = _Servicer(gate=gate)
+    before = set(threading.enumerate())
     ipc = IpcStreamServer(sv, VERIFY_STREAM, "test-worker", 1 << 20, 4)
     assert sv.ipc_stream is ipc
     idle, _ = _hello(ipc, VERIFY_STREAM.id)
@@ -230,6 +231,10 @@ def test_close_drains_for_the_grace_then_cuts_joins_and_removes_the_socket_and_d
     assert _answer(busy)[0] == "ok" and _closed(busy) and _closed(idle)
     assert not os.path.exists(ipc.path) and not os.path.exists(ipc.dir)
     assert sv.ipc_stream is None and not ipc.acceptor.is_alive() and not ipc.conns
+    end = time.monotonic() + 5
+    while set(threading.enumerate()) - before and time.monotonic() < end:
+        time.sleep(0.02)
+    assert not set(threading.enumerate()) - before  # connection threads, idle or not, have exited
     with pytest.raises(OSError):
         _connect(ipc)
     ipc.close()
@@ -571,3 +576,34 @@ def test_a_worker_restarted_with_a_new_socket_is_found_again(stack, reference):
     finally:
         server.stop(0).wait()
         servicer.close()
+
+
+def test_connection_threads_are_kept_for_the_next_connections():
+    """Sequences one after another are served by the same connection thread (its native per-thread
+    state, e.g. an OpenMP team, is kept, as in gRPC's thread pool); two at once by two threads."""
+    class Recording(_Servicer):
+        def _verify(self, request, context):
+            self.seen.append(threading.get_ident())
+            return super()._verify(request, context)
+
+    sv = Recording(slots=4)
+    sv.seen = []
+    ipc = IpcStreamServer(sv, VERIFY_STREAM, "test-worker", 1 << 20, 4)
+    req = _frame(wpb.VerifyRequest(seq_id="s", tokens=[1]).SerializeToString())
+    try:
+        for _ in range(3):
+            s, _ = _hello(ipc, VERIFY_STREAM.id)
+            s.sendall(req)
+            assert _answer(s)[0] == "ok"
+            s.shutdown(socket.SHUT_WR)  # the client's half-close ends the stream; the worker closes
+            assert _closed(s)
+            s.close()
+        a, _ = _hello(ipc, VERIFY_STREAM.id)
+        b, _ = _hello(ipc, VERIFY_STREAM.id)
+        for c in (a, b):
+            c.sendall(req)
+            assert _answer(c)[0] == "ok"
+            c.close()
+    finally:
+        ipc.close()
+    assert len(set(sv.seen[:3])) == 1 and len(set(sv.seen)) == 2
