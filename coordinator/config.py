@@ -71,7 +71,7 @@ class CoordinatorConfig:
     ipc_streams: with worker_streams on, use a worker's IPC stream socket when its Info offers one and
         it can be reached from this host (a probe hello at connect, bounded by health_timeout_s), else
         the gRPC streams (logged once per worker at connect), default on: the same messages as
-        length-prefixed frames on a Unix socket, a third to a half of a gRPC stream message's round
+        length-prefixed frames on a Unix socket, about a quarter of a gRPC stream message's round
         trip (specd.target_worker.ipc_stream). ``--no-ipc-streams``: gRPC streams even when offered.
     plain_steps_per_call: plain decode steps the target worker runs per Verify call (a plain run,
         worker.proto ``plain_steps``), default 8; 1 = one call per plain token. A run saves the

@@ -33,7 +33,7 @@ Hot path (``worker_streams``, default on): a sequence's Verify and Propose calls
 step and closed before its Release: a message on an open stream costs about half a unary call's round
 trip. With ``ipc_streams`` (default on) a worker whose Info offers an IPC stream socket that this host
 reaches (probed at connect) gets the same messages as length-prefixed frames on that Unix socket
-instead (:class:`IpcStream`, specd.target_worker.ipc_stream): a third to a half of a gRPC stream
+instead (:class:`IpcStream`, specd.target_worker.ipc_stream): about a quarter of a gRPC stream
 message's round trip, same semantics; which transport each worker's hot path uses is logged at
 connect and reported by GetModelInfo and the ``specd_worker_hot_path`` gauge; a socket that fails
 with UNAVAILABLE (worker stopped or restarted) sends new sequences to gRPC streams until the readiness
@@ -251,12 +251,13 @@ class IpcOffer:
 
 
 async def read_status(reader: asyncio.StreamReader, max_bytes: int, what: str) -> tuple[int, bytes]:
-    """One status frame from a worker's IPC stream socket: (status byte, the rest). INTERNAL when its
-    length is 0 or exceeds ``max_bytes`` + 1 (a broken worker); EOFError / OSError when the
-    connection ends."""
+    """One status frame from a worker's IPC stream socket: (status byte, the rest). RESOURCE_EXHAUSTED
+    when its body exceeds ``max_bytes`` (as gRPC's max_receive_message_length), INTERNAL for an empty
+    frame (a broken worker); EOFError / OSError when the connection ends."""
     n, status = STATUS.unpack(await reader.readexactly(STATUS.size))
-    if not 1 <= n <= max_bytes + 1:
-        raise RequestError(grpc.StatusCode.INTERNAL, f"{what}: IPC answer frame of {n} bytes (limit {max_bytes + 1})")
+    if n == 0 or n - 1 > max_bytes:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED if n else grpc.StatusCode.INTERNAL,
+                           f"{what}: IPC answer frame of {n} bytes (limit {max_bytes + 1})")
     return status, await reader.readexactly(n - 1)
 
 

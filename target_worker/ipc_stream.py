@@ -3,9 +3,9 @@
 Why: per speculative step the coordinator makes two worker calls, and a gRPC stream message's round
 trip (0.39-0.42 ms on the H200 host, tools/bench/grpc_floor.py) is 5-7 % of a 12-16 ms step. The same
 protobuf messages as length-prefixed frames on a Unix socket (asyncio streams in the coordinator, a
-blocking socket thread here) take a third to a half of that (grpc_floor.py rows sync / ipc: 115 vs
-62 us on the 2-core dev VM). gRPC stays for everything else (Info, Prefill, Commit, Release, Health)
-and for workers on another host.
+blocking socket thread here) take about a quarter of that (grpc_floor.py rows sync / ipc: 261-285
+vs 68-71 us on the 2-core dev VM, BENCHMARKS.md). gRPC stays for everything else (Info, Prefill,
+Commit, Release, Health) and for workers on another host.
 
 Set-up (:class:`IpcStreamServer`, started by ``start_worker_server`` unless ``--no-ipc-streams``): a
 private directory (``tempfile.mkdtemp``, mode 0700) holding ``stream.sock`` (AF_UNIX, SOCK_STREAM)
@@ -167,7 +167,7 @@ class IpcStreamServer:
             is published as ``servicer.ipc_stream`` (Info offers it) until it closes.
         method: VERIFY_STREAM or PROPOSE_STREAM.
         name: the worker's name in logs and errors ("target-worker").
-        max_message_bytes: largest request frame accepted (> 0).
+        max_message_bytes: largest request frame accepted and response sent (> 0).
         max_connections: connections at once, more are refused with RESOURCE_EXHAUSTED (> 0).
 
     Raises RuntimeError naming the path when the socket cannot be created (the directory is removed).
@@ -196,7 +196,8 @@ class IpcStreamServer:
             self._remove_dir()
             raise RuntimeError(f"{name}: cannot listen on the IPC stream socket {self.path}: {exc} "
                                "(--no-ipc-streams serves the streams over gRPC only)") from None
-        self.acceptor = threading.Thread(target=self._accept_loop, name=f"specd-ipc-accept-{method.what}", daemon=True)
+        self.acceptor = threading.Thread(target=self._accept_loop, name=f"specd-ipc-accept-{method.what}",
+                                         daemon=True)
         self.acceptor.start()
         if getattr(servicer, "ipc_stream", None) is None:
             servicer.ipc_stream = self
@@ -213,9 +214,12 @@ class IpcStreamServer:
                     self.conns.add(conn)
                     self.connections += 1
             if not admitted:
-                _send_quietly(conn, error_frame(grpc.StatusCode.UNAVAILABLE, f"{self.name}: stopping") if self.closed
-                              else error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: all "
-                                               f"{self.max_connections} IPC stream connections are taken"))
+                if self.closed:
+                    refusal = error_frame(grpc.StatusCode.UNAVAILABLE, f"{self.name}: stopping")
+                else:
+                    refusal = error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: all "
+                                          f"{self.max_connections} IPC stream connections are taken")
+                _send_quietly(conn, refusal)
                 conn.close()
                 continue
             self._dispatch(conn)
@@ -229,7 +233,8 @@ class IpcStreamServer:
         if reuse:
             self.pending.put(conn)
         else:
-            threading.Thread(target=self._worker, args=(conn,), name=f"specd-ipc-{self.method.what}", daemon=True).start()
+            threading.Thread(target=self._worker, args=(conn,), name=f"specd-ipc-{self.method.what}",
+                             daemon=True).start()
 
     def _worker(self, conn: socket.socket | None) -> None:
         """A connection thread: serves one connection after another until close(). Kept between
@@ -264,6 +269,10 @@ class IpcStreamServer:
                                                    self._requests(conn, reader))
             for resp in responses:
                 body = resp.SerializeToString()
+                if len(body) > self.max_message_bytes:  # as gRPC's max_send_message_length
+                    raise IpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: response of {len(body)} "
+                                                                       f"bytes exceeds max_message_bytes "
+                                                                       f"{self.max_message_bytes}")
                 conn.sendall(STATUS.pack(len(body) + 1, 0) + body)
         except IpcAbort as exc:
             _send_quietly(conn, error_frame(exc.code, exc.details))

@@ -113,7 +113,8 @@ BAD_INPUT = {  # name -> (bytes sent after connecting (None: a good hello), then
     "hello length": (FRAME.pack(7) + b"SPECDIS", None, grpc.StatusCode.INVALID_ARGUMENT, "hello of 7 bytes"),
     "oversized hello": (FRAME.pack(0xFFFFFFFF), None, grpc.StatusCode.RESOURCE_EXHAUSTED, "max_message_bytes"),
     "oversized request": (None, FRAME.pack(0xFFFFFFF0), grpc.StatusCode.RESOURCE_EXHAUSTED, "max_message_bytes"),
-    "garbage protobuf": (None, _frame(b"\xff\xff\xff\xff\x0f"), grpc.StatusCode.INVALID_ARGUMENT, "not a VerifyRequest"),
+    "garbage protobuf": (None, _frame(b"\xff\xff\xff\xff\x0f"), grpc.StatusCode.INVALID_ARGUMENT,
+                         "not a VerifyRequest"),
 }
 
 
@@ -175,7 +176,7 @@ def test_a_client_that_stops_reading_is_dropped_after_the_write_bound(monkeypatc
     monkeypatch.setattr(ipc_stream, "WRITE_TIMEOUT_S", 1)
     big = wpb.VerifyResponse(argmax=list(range(1 << 20)))  # ~3.5 MB: more than the socket buffers hold
     sv = _Servicer(answer=big)
-    ipc = IpcStreamServer(sv, VERIFY_STREAM, "test-worker", 1 << 20, 4)
+    ipc = IpcStreamServer(sv, VERIFY_STREAM, "test-worker", 16 << 20, 4)
     try:
         s, ans = _hello(ipc, VERIFY_STREAM.id)
         assert ans == ("ok", b"")
@@ -306,7 +307,8 @@ def test_coordinator_without_ipc_streams_uses_grpc_streams_even_when_offered(sta
     lab = {"model": "condgen.gguf", "drafter": "scripted"}
     assert reg.get_sample_value("specd_worker_hot_path", {**lab, "worker": "target", "transport": "grpc-stream"}) == 1
     default = stack.coords[0][0].metrics.registry
-    assert default.get_sample_value("specd_worker_hot_path", {**lab, "worker": "drafter", "transport": "ipc-stream"}) == 1
+    assert default.get_sample_value("specd_worker_hot_path",
+                                    {**lab, "worker": "drafter", "transport": "ipc-stream"}) == 1
     ipcs = (stack.tservicer.ipc_stream, stack.dservicer.ipc_stream)
     before = [i.connections for i in ipcs]
     prompt = [1, 2, 3, 4]
@@ -607,3 +609,34 @@ def test_connection_threads_are_kept_for_the_next_connections():
     finally:
         ipc.close()
     assert len(set(sv.seen[:3])) == 1 and len(set(sv.seen)) == 2
+
+
+def test_an_answer_over_the_message_limit_is_resource_exhausted_on_both_sides(tmp_path):
+    """A response larger than the worker's max_message_bytes is not sent (RESOURCE_EXHAUSTED, as gRPC's
+    send limit); an answer frame larger than the coordinator's internal_max_message_bytes is refused
+    with RESOURCE_EXHAUSTED (gRPC's receive limit) and the connection closed."""
+    big = wpb.VerifyResponse(argmax=list(range(1000)))
+    ipc = IpcStreamServer(_Servicer(answer=big), VERIFY_STREAM, "test-worker", 1000, 4)
+    try:
+        s, _ = _hello(ipc, VERIFY_STREAM.id)
+        s.sendall(_frame(wpb.VerifyRequest(seq_id="s", tokens=[1]).SerializeToString()))
+        code, details = _answer(s)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "exceeds max_message_bytes 1000" in details
+        s.close()
+    finally:
+        ipc.close()
+    from specd.coordinator.server import IpcOffer, IpcStream, RequestError
+
+    ipc = IpcStreamServer(_Servicer(answer=big), VERIFY_STREAM, "test-worker", 1 << 20, 4)
+
+    async def run():
+        st = IpcStream(IpcOffer(ipc.path, ipc.token, VERIFY_STREAM), 5.0, 100)
+        with pytest.raises(RequestError) as ei:
+            await st.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), None)
+        return ei.value, st.writer
+
+    try:
+        err, writer = asyncio.run(run())
+    finally:
+        ipc.close()
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "IPC answer frame" in err.message and writer is None
