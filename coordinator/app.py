@@ -29,9 +29,9 @@ async def serve(cfg, drain_timeout_s: float | None = None, ready=None) -> None:
         drain_timeout_s = cfg.drain_timeout_s
     coord = Coordinator(cfg)
     server, port = await start_server(coord)
-    log.info("coordinator: listening on %s (target %s, drafter %s; feature transport %s, worker %s)", cfg.listen,
-             cfg.target, cfg.drafter or "-", cfg.feature_transport,
-             "streams" if cfg.worker_streams else "unary calls")
+    log.info("coordinator: listening on %s (target %s, drafter %s; feature transport %s; hot path: target %s, "
+             "drafter %s)", cfg.listen, cfg.target, cfg.drafter or "-", cfg.feature_transport,
+             coord.hot_path["target"], coord.hot_path["drafter"] or "-")
     print(f"READY {cfg.listen} port={port}", flush=True)
     if ready is not None:
         ready(port)

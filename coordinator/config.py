@@ -68,6 +68,11 @@ class CoordinatorConfig:
         worker (worker.proto), default on: a message on an open stream costs about half a unary
         call's round trip. ``--no-worker-streams`` makes one unary call per step (workers without
         the stream methods).
+    ipc_streams: with worker_streams on, use a worker's IPC stream socket when its Info offers one and
+        it can be reached from this host (a probe hello at connect, bounded by health_timeout_s), else
+        the gRPC streams (logged once per worker at connect), default on: the same messages as
+        length-prefixed frames on a Unix socket, about a quarter of a gRPC stream message's round
+        trip (specd.target_worker.ipc_stream). ``--no-ipc-streams``: gRPC streams even when offered.
     plain_steps_per_call: plain decode steps the target worker runs per Verify call (a plain run,
         worker.proto ``plain_steps``), default 8; 1 = one call per plain token. A run saves the
         coordinator round trip of all but one of its steps (the loop overhead per plain token falls
@@ -120,6 +125,7 @@ class CoordinatorConfig:
     reasoning_close: str = "\n</think>\n\n"
     feature_transport: str = "shm"
     worker_streams: bool = True
+    ipc_streams: bool = True
     plain_steps_per_call: int = 8
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -129,6 +135,10 @@ class CoordinatorConfig:
         from specd.target_worker.feature_inline import check_transport
 
         check_transport(self.feature_transport, "coordinator")
+        from specd.target_worker.server import check_bool
+
+        for name in ("worker_streams", "ipc_streams"):
+            check_bool(getattr(self, name), name, "coordinator")
         for name in ("default_max_tokens", "worker_timeout_s", "health_poll_s", "public_max_message_bytes",
                      "internal_max_message_bytes", "keepalive_min_ping_interval_ms", "keepalive_time_ms",
                      "keepalive_timeout_ms", "release_timeout_s", "health_timeout_s", "max_request_id_bytes",
@@ -233,6 +243,9 @@ def add_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> Non
     p.add_argument("--no-reflection", action="store_true", help="disable gRPC server reflection")
     p.add_argument("--no-worker-streams", action="store_true",
                    help="one unary Verify / Propose call per step instead of one stream per sequence and worker")
+    p.add_argument("--ipc-streams", action=argparse.BooleanOptionalAction, default=d.ipc_streams,
+                   help="with worker streams, use a worker's IPC stream socket when its Info offers one and this host "
+                        "reaches it, else gRPC streams (default on; --no-ipc-streams: gRPC streams)")
     p.add_argument("--no-tree-chain-seed", action="store_true",
                    help="DDTree: do not insert the top-1 chain first (default: chain seed on)")
     for name, typ, help_text in _POLICY_FLAGS:
@@ -249,6 +262,7 @@ def config_from_args(args, **override) -> CoordinatorConfig:
                        measure_times=not args.policy_fixed_ratio)
     cfg = CoordinatorConfig(**kw, reflection=not args.no_reflection,
                             tree_chain_seed=not getattr(args, "no_tree_chain_seed", False),
-                            worker_streams=not getattr(args, "no_worker_streams", False), policy=pol)
+                            worker_streams=not getattr(args, "no_worker_streams", False),
+                            ipc_streams=getattr(args, "ipc_streams", True), policy=pol)
     cfg.validate()
     return cfg

@@ -5,7 +5,9 @@ temporary directory), the coordinator on ``--listen``. Each child is ``python -m
 <command> ...``, so each part can also be started alone with the same flags (that is how a Helm chart
 runs them). The launcher waits for each child's ``READY`` line, then forwards SIGTERM/SIGINT to the
 children (coordinator first, so it drains, then the workers, which unlink their shared memory) and
-exits with the first non-zero child status.
+exits with the first non-zero child status. ``--feature-transport`` and ``--ipc-streams`` /
+``--no-ipc-streams`` (coordinator flags) also go to both workers: with ``--no-ipc-streams`` the workers
+open no IPC stream socket and the coordinator uses gRPC streams.
 
 Drafter: with ``--drafter D.gguf`` (DFlash, DSpark or DFlash 2) the target captures the drafter's
 ``target_layer_ids`` (read from D.gguf) and the drafter worker runs D.gguf bound to the target's
@@ -233,7 +235,9 @@ def _passthrough(args) -> list[str]:
     out = []
     for action in args._coord_actions:
         v = getattr(args, action.dest)
-        if isinstance(v, bool):
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: both values are explicit
+            out.append(action.option_strings[0 if v else 1])
+        elif isinstance(v, bool):
             if v:
                 out.append(action.option_strings[0])
         else:
@@ -264,11 +268,12 @@ def run(args) -> int:
     own_rt = not args.runtime_dir
     os.makedirs(rt, exist_ok=True)
     tsock, dsock = f"unix://{rt}/target.sock", f"unix://{rt}/draft.sock"
+    ipc = "--ipc-streams" if ns.ipc_streams else "--no-ipc-streams"
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,
                     "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype, "--device", args.device,
-                    "--feature-transport", ns.feature_transport,
+                    "--feature-transport", ns.feature_transport, ipc,
                     "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs", "--max-graphs", str(args.max_graphs),
                     "--slot-cache", str(args.slot_cache),
                     "--gemv-tiles" if args.gemv_tiles else "--no-gemv-tiles",
@@ -282,7 +287,7 @@ def run(args) -> int:
 
             vocab = int(next(x for x in GGUFReader(args.target).tensors if x.name == "token_embd.weight").shape[1])
             dargv = ["draft-worker", "--listen", dsock, "--vocab", str(vocab),
-                     "--feature-transport", ns.feature_transport, "--device", args.device]
+                     "--feature-transport", ns.feature_transport, ipc, "--device", args.device]
             dargv += ["--drafter", args.drafter_gguf, "--target", args.target,
                       "--drafter-kv-dtype", args.drafter_kv_dtype,
                       "--dspark-markov", getattr(args, "dspark_markov", "fused"),

@@ -23,7 +23,9 @@ Series:
   (accepted / draft tokens per finished request with drafts);
 * steps: ``specd_step_seconds{phase=draft|verify}`` (worker call wall time; a plain run's steps each
   observe their share of the call), ``specd_loop_overhead_seconds`` (step wall time minus the workers'
-  reported compute, per step, shared out the same way).
+  reported compute, per step, shared out the same way);
+* transport: ``specd_worker_hot_path{worker=target|drafter,transport=ipc-stream|grpc-stream|unary}`` = 1
+  for the transport each worker's per-step calls use (chosen at connect).
 """
 from __future__ import annotations
 
@@ -75,6 +77,8 @@ class CoordinatorMetrics:
                               buckets=STEP_BUCKETS, registry=r)
         self.overhead = Histogram("specd_loop_overhead_seconds", "Step wall time outside worker compute", lab,
                                   buckets=STEP_BUCKETS, registry=r)
+        self.hot_path = Gauge("specd_worker_hot_path", "Transport of each worker's per-step calls (1 = in use)",
+                              lab + ("worker", "transport"), registry=r)
         lv = self._lv
 
         # the per-step series' children, looked up once (labels() takes a lock and hashes per call)

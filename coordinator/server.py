@@ -31,8 +31,15 @@ Per request (spec-loop.md §2-§3, §9):
 Hot path (``worker_streams``, default on): a sequence's Verify and Propose calls travel over one
 ``VerifyStream`` and one ``ProposeStream`` (worker.proto; :class:`WorkerStream`), opened at its first
 step and closed before its Release: a message on an open stream costs about half a unary call's round
-trip. Each chunk's client write runs while the loop makes the next step's worker calls (at most one
-write in flight, each bounded by ``send_stall_timeout_s``).
+trip. With ``ipc_streams`` (default on) a worker whose Info offers an IPC stream socket that this host
+reaches (probed at connect) gets the same messages as length-prefixed frames on that Unix socket
+instead (:class:`IpcStream`, specd.target_worker.ipc_stream): about a quarter of a gRPC stream
+message's round trip, same semantics; which transport each worker's hot path uses is logged at
+connect and reported by GetModelInfo and the ``specd_worker_hot_path`` gauge; a socket that fails
+with UNAVAILABLE (worker stopped or restarted) sends new sequences to gRPC streams until the readiness
+loop has read that worker's Info again and probed what it offers then. Each chunk's client
+write runs while the loop makes the next step's worker calls (at most one write in flight, each
+bounded by ``send_stall_timeout_s``).
 
 Both workers' sequences are released on every exit path (finish, error, client cancel, deadline).
 Deadlines: each worker call gets the request's remaining time; a speculative step is skipped for a
@@ -50,11 +57,14 @@ import time
 import uuid
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from specd.protos.v1 import generate_pb2 as gpb
 from specd.protos.v1 import generate_pb2_grpc as gpbg
 from specd.protos.v1 import worker_pb2 as wpb
 from specd.protos.v1 import worker_pb2_grpc as wpbg
+from specd.target_worker.ipc_stream import (FRAME, PROBE, PROPOSE_STREAM, STATUS, VERIFY_STREAM, IpcMethod,
+                                            hello_frame, parse_error)
 from specd.target_worker.server import MAX_RUN_STOP_IDS  # most stop_token_ids of a plain run
 
 from .config import CoordinatorConfig
@@ -118,7 +128,33 @@ def status_error(code: grpc.StatusCode, details: str, what: str) -> RequestError
     return RequestError(grpc.StatusCode.INTERNAL, f"{what} failed: {code.name}: {details}")
 
 
-class WorkerStream:
+class SequenceStream:
+    """A sequence's hot-path stream to one worker: :class:`WorkerStream` (gRPC) or :class:`IpcStream`
+    (the worker's IPC stream socket). ``await call(msg, deadline)`` returns the answer to one request
+    (in order), ``await close(ok, timeout)`` ends the stream; both set ``what`` (the call's name in
+    errors) and ``worker_timeout_s``."""
+
+    __slots__ = ("what", "worker_timeout_s")
+
+    def _budget(self, deadline: float | None) -> float:
+        """Seconds the next call may take: the request's time left (``deadline``: time.monotonic()
+        seconds), or worker_timeout_s without one. Raises DEADLINE_EXCEEDED when none is left."""
+        if deadline is None:
+            return self.worker_timeout_s
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded before {self.what}")
+        return left
+
+    def _timed_out(self, deadline: float | None) -> RequestError:
+        """The error of a call that ran out of time (the request's deadline, else worker_timeout_s)."""
+        if deadline is not None:
+            return status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "", self.what)
+        return RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"{self.what}: no answer within worker_timeout_s {self.worker_timeout_s}")
+
+
+class WorkerStream(SequenceStream):
     """One sequence's request stream to a worker (``VerifyStream`` / ``ProposeStream``, worker.proto):
     ``await call(msg, deadline)`` writes one request and returns its response (one response per
     request, in order). A message on the open stream costs about half a unary call's round trip.
@@ -135,7 +171,7 @@ class WorkerStream:
         worker_timeout_s: per-call bound without a request deadline (seconds, > 0).
     """
 
-    __slots__ = ("method", "what", "worker_timeout_s", "rpc", "loop", "expired")
+    __slots__ = ("method", "rpc", "loop", "expired")
 
     def __init__(self, method, what: str, worker_timeout_s: float):
         self.method, self.what, self.worker_timeout_s = method, what, worker_timeout_s
@@ -152,12 +188,7 @@ class WorkerStream:
         or None. Raises RequestError (DEADLINE_EXCEEDED when the deadline or ``worker_timeout_s``
         passes, else as :func:`rpc_error`; INTERNAL when the worker ends the stream early)."""
         timer = None
-        if deadline is None:
-            left = self.worker_timeout_s
-        else:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline exceeded before {self.what}")
+        left = self._budget(deadline)
         if self.rpc is None:
             self.rpc = self.method(timeout=None if deadline is None else left)
             self.loop = asyncio.get_running_loop()
@@ -178,8 +209,7 @@ class WorkerStream:
             raise rpc_error(exc, self.what) from exc
         except (asyncio.CancelledError, asyncio.InvalidStateError) as exc:
             if self.expired:
-                raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"{self.what}: no answer within worker_timeout_s {self.worker_timeout_s}") from None
+                raise self._timed_out(None) from None
             if isinstance(exc, asyncio.InvalidStateError):  # the stream ended between two steps (worker gone)
                 raise status_error(await self.rpc.code(), await self.rpc.details(), self.what) from None
             raise
@@ -208,6 +238,147 @@ class WorkerStream:
             await asyncio.wait_for(rpc.done_writing(), timeout)
         except Exception:  # noqa: BLE001 - the stream already failed (or timed out): nothing to close
             rpc.cancel()
+
+
+@dataclasses.dataclass(frozen=True)
+class IpcOffer:
+    """A worker's IPC stream socket as its Info offers it (path, token) and the stream ``method``
+    served there (VERIFY_STREAM / PROPOSE_STREAM)."""
+
+    path: str
+    token: bytes
+    method: IpcMethod
+
+
+async def read_status(reader: asyncio.StreamReader, max_bytes: int, what: str) -> tuple[int, bytes]:
+    """One status frame from a worker's IPC stream socket: (status byte, the rest). RESOURCE_EXHAUSTED
+    when its body exceeds ``max_bytes`` (as gRPC's max_receive_message_length), INTERNAL for an empty
+    frame (a broken worker); EOFError / OSError when the connection ends."""
+    n, status = STATUS.unpack(await reader.readexactly(STATUS.size))
+    if n == 0 or n - 1 > max_bytes:
+        raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED if n else grpc.StatusCode.INTERNAL,
+                           f"{what}: IPC answer frame of {n} bytes (limit {max_bytes + 1})")
+    return status, await reader.readexactly(n - 1)
+
+
+async def probe_ipc(offer: IpcOffer, timeout: float) -> None:
+    """Checks that this host reaches ``offer``'s socket and that the worker there takes its token: a
+    hello with the probe method, answered ok (at most ``timeout`` seconds). Raises OSError / EOFError /
+    asyncio.TimeoutError, or RequestError with the worker's refusal."""
+    async def run():
+        reader, writer = await asyncio.open_unix_connection(offer.path)
+        try:
+            writer.write(hello_frame(offer.token, PROBE))
+            status, body = await read_status(reader, 1 << 16, "probe")
+            if status:
+                code, details = parse_error(body)
+                raise RequestError(code, f"{code.name}: {details}")
+        finally:
+            writer.transport.abort()
+
+    await asyncio.wait_for(run(), timeout)
+
+
+class IpcStream(SequenceStream):
+    """One sequence's VerifyStream / ProposeStream over the worker's IPC stream socket
+    (specd.target_worker.ipc_stream: the same messages as length-prefixed frames on a Unix socket,
+    asyncio streams here), with :class:`WorkerStream`'s interface and semantics.
+
+    The connection opens at the first call (a hello with the worker's token, answered once the stream
+    holds one of the worker's compute slots). Each call is bounded by the request's time left or,
+    without a deadline, ``worker_timeout_s``: a timer aborts the connection and the call raises
+    DEADLINE_EXCEEDED. A worker's error frame maps like the gRPC stream's status (:func:`status_error`;
+    e.g. RESOURCE_EXHAUSTED for a refused slot); a socket that is gone, refused or reset ->
+    UNAVAILABLE. A failed or cancelled call closes the connection (the request ends with it).
+
+    Args:
+        offer: the worker's socket, token and stream method.
+        worker_timeout_s: per-call bound without a request deadline (seconds, > 0).
+        max_message_bytes: largest request or answer (internal_max_message_bytes; RESOURCE_EXHAUSTED
+            for a larger request, like gRPC).
+    """
+
+    __slots__ = ("offer", "max_bytes", "reader", "writer", "loop", "expired")
+
+    def __init__(self, offer: IpcOffer, worker_timeout_s: float, max_message_bytes: int):
+        self.offer, self.what, self.worker_timeout_s = offer, offer.method.what, worker_timeout_s
+        self.max_bytes = max_message_bytes
+        self.reader = self.writer = None  # the asyncio streams once opened
+        self.loop = None  # its event loop (asyncio.get_running_loop() costs a getpid() system call)
+        self.expired = False
+
+    def _expire(self) -> None:
+        self.expired = True
+        self._abort()  # the pending read ends (EOF); the call reports DEADLINE_EXCEEDED
+
+    def _abort(self) -> None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.transport.abort()
+
+    async def _open(self, left: float) -> None:
+        """Connects (bounded by ``left`` seconds) and says hello; raises like :meth:`call`."""
+        try:
+            self.reader, self.writer = await asyncio.wait_for(asyncio.open_unix_connection(self.offer.path), left)
+        except asyncio.TimeoutError:
+            self.expired = True
+            raise
+        self.writer.write(hello_frame(self.offer.token, self.offer.method.id))
+        status, body = await read_status(self.reader, self.max_bytes, self.what)
+        if status:
+            raise status_error(*parse_error(body), self.what)
+
+    async def call(self, msg, deadline: float | None):
+        """Sends ``msg`` and returns the worker's response. ``deadline``: time.monotonic() seconds or
+        None. Raises RequestError (see the class docstring)."""
+        left = self._budget(deadline)
+        data = msg.SerializeToString()
+        if len(data) > self.max_bytes:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.what}: request of {len(data)} bytes exceeds "
+                                                                   f"internal_max_message_bytes {self.max_bytes}")
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        self.expired = False
+        timer = self.loop.call_later(left, self._expire)
+        try:
+            if self.writer is None:
+                await self._open(left)
+            self.writer.write(FRAME.pack(len(data)) + data)
+            await self.writer.drain()  # returns at once unless a large message filled the socket buffer
+            status, body = await read_status(self.reader, self.max_bytes, self.what)
+            if status:
+                raise status_error(*parse_error(body), self.what)
+            return self.offer.method.response.FromString(body)
+        except (OSError, EOFError, asyncio.TimeoutError) as exc:  # asyncio.IncompleteReadError is an EOFError
+            self._abort()
+            if self.expired:
+                raise self._timed_out(deadline) from None
+            raise status_error(grpc.StatusCode.UNAVAILABLE, f"IPC stream socket {self.offer.path}: "
+                                                            f"{exc or type(exc).__name__}", self.what) from None
+        except DecodeError as exc:
+            self._abort()
+            raise RequestError(grpc.StatusCode.INTERNAL, f"{self.what}: unparsable IPC answer: {exc}") from None
+        except BaseException:  # a worker error, or this call cancelled: the connection's state is unknown
+            self._abort()
+            raise
+        finally:
+            timer.cancel()
+
+    async def close(self, ok: bool, timeout: float | None = None) -> None:
+        """Half-closes the connection and waits (at most ``timeout`` seconds) for the worker to close
+        its end, i.e. for its handler to return and free the compute slot (``ok``: the request ended
+        normally), or closes it at once; never raises and never leaves the connection open."""
+        writer = self.writer
+        if writer is None:
+            return
+        try:
+            if ok:
+                writer.write_eof()
+                await asyncio.wait_for(self.reader.read(), timeout)
+        except Exception:  # noqa: BLE001 - the connection already failed or the worker did not close in time
+            pass
+        finally:
+            self._abort()
 
 
 class _Live:
@@ -239,6 +410,10 @@ class Coordinator(gpbg.SpecDecodeServicer):
         self._instance = uuid.uuid4().hex[:12]
         self.eos_ids: list[int] = []
         self.connected = False  # calls before connect() finished get UNAVAILABLE
+        # per worker: how the hot path reaches it ("ipc-stream", "grpc-stream", "unary"; "" no drafter)
+        self.hot_path = {"target": "", "drafter": ""}
+        self.ipc_offers: dict[str, IpcOffer] = {}  # "verify" / "propose" -> the IPC socket in use
+        self._ipc_lost: set[str] = set()  # workers whose IPC socket failed: re-chosen by the readiness loop
         self._releases: set[asyncio.Task] = set()  # Releases in flight (close() waits for them)
 
     async def connect(self) -> None:
@@ -248,6 +423,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         self.target = wpbg.TargetWorkerStub(self.target_channel)
         self.tinfo = await self.target.Info(wpb.InfoRequest(), timeout=self.cfg.worker_timeout_s, wait_for_ready=True)
         self.eos_ids = list(self.tinfo.eos_token_ids)
+        await self._choose_hot_path(self.tinfo, "target", VERIFY_STREAM)
         want = self.cfg.feature_transport
         if (self.tinfo.feature_transport or "shm") != want:
             raise RuntimeError(f"coordinator feature_transport is {want!r} but the target worker at {self.cfg.target} runs "
@@ -262,6 +438,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
             self.drafter = wpbg.DraftWorkerStub(self.draft_channel)
             self.dinfo = await self.drafter.Info(wpb.InfoRequest(), timeout=self.cfg.worker_timeout_s,
                                                  wait_for_ready=True)
+            await self._choose_hot_path(self.dinfo, "drafter", PROPOSE_STREAM)
             if (self.dinfo.feature_transport or "shm") != want:
                 raise RuntimeError(f"coordinator feature_transport is {want!r} but the drafter worker at "
                                    f"{self.cfg.drafter} runs {self.dinfo.feature_transport or 'shm'!r}; start all "
@@ -284,7 +461,77 @@ class Coordinator(gpbg.SpecDecodeServicer):
                                    f"{self.dinfo.name} does not")
         self.metrics = CoordinatorMetrics(os.path.basename(self.tinfo.model_path),
                                           self.dinfo.name if self.dinfo is not None else "")
+        for worker, kind in self.hot_path.items():
+            if kind:
+                self.metrics.hot_path.labels(*self.metrics.l(worker, kind)).set(1)  # chosen before the metrics existed
         self.connected = True
+
+    async def _choose_hot_path(self, info, worker: str, method: IpcMethod) -> None:
+        """Sets ``hot_path[worker]`` (and ``ipc_offers[method.what]`` for "ipc-stream"): the worker's
+        IPC stream socket when worker_streams and ipc_streams are on, its Info offers one and a probe
+        hello from this host is answered ok; else gRPC streams, or unary calls without worker_streams.
+        Logs the choice, with the reason when an offered socket is not used."""
+        addr = self.cfg.target if worker == "target" else self.cfg.drafter
+        if not self.cfg.worker_streams:
+            kind, why = "unary", "--no-worker-streams"
+        elif not info.ipc_stream_socket:
+            kind, why = "grpc-stream", "the worker offers no IPC stream socket"
+        elif not self.cfg.ipc_streams:
+            kind, why = "grpc-stream", "--no-ipc-streams"
+        else:
+            offer = IpcOffer(info.ipc_stream_socket, bytes(info.ipc_stream_token), method)
+            try:
+                await probe_ipc(offer, self.cfg.health_timeout_s)
+            except (OSError, EOFError, asyncio.TimeoutError, RequestError) as exc:  # another host, no permission
+                kind = "grpc-stream"
+                why = f"its IPC stream socket {offer.path} cannot be used from here: {type(exc).__name__}: {exc}"
+            else:
+                self._set_hot_path(worker, "ipc-stream", method, offer)
+                log.info("coordinator: %s worker at %s: hot path over its IPC stream socket %s", worker, addr,
+                         offer.path)
+                return
+        self._set_hot_path(worker, kind, method)
+        log.info("coordinator: %s worker at %s: hot path over %s (%s)", worker, addr,
+                 "gRPC streams" if kind == "grpc-stream" else "unary calls", why)
+
+    def _set_hot_path(self, worker: str, kind: str, method: IpcMethod, offer: IpcOffer | None = None) -> None:
+        """Records ``worker``'s hot-path transport ``kind`` (with its IPC ``offer`` for "ipc-stream")
+        and moves the specd_worker_hot_path gauge (once the metrics exist: connect sets them after)."""
+        old, self.hot_path[worker] = self.hot_path[worker], kind
+        if offer is None:
+            self.ipc_offers.pop(method.what, None)
+        else:
+            self.ipc_offers[method.what] = offer
+        mx = getattr(self, "metrics", None)
+        if mx is not None:
+            if old:
+                mx.hot_path.labels(*mx.l(worker, old)).set(0)
+            mx.hot_path.labels(*mx.l(worker, kind)).set(1)
+
+    def _ipc_failed(self, offer: IpcOffer) -> None:
+        """A sequence found ``offer``'s socket unusable (UNAVAILABLE: its worker stopped, or restarted
+        with a new socket and token): new sequences take that worker's gRPC stream, whose channel
+        reconnects by itself, until the readiness loop has read the worker's Info again and chosen its
+        hot path anew (:meth:`_rechoose_lost`)."""
+        if self.ipc_offers.get(offer.method.what) is not offer:
+            return  # another sequence reported it first
+        worker = "target" if offer.method is VERIFY_STREAM else "drafter"
+        self._set_hot_path(worker, "grpc-stream", offer.method)
+        self._ipc_lost.add(worker)
+        log.warning("coordinator: the %s worker's IPC stream socket %s failed; new requests use gRPC streams until "
+                    "its Info is read again", worker, offer.path)
+
+    async def _rechoose_lost(self) -> None:
+        """Reads the Info of each worker whose IPC socket failed and chooses its hot path again (a
+        restarted worker offers a new socket); a worker that does not answer is tried next round."""
+        for worker in list(self._ipc_lost):
+            stub, method = (self.target, VERIFY_STREAM) if worker == "target" else (self.drafter, PROPOSE_STREAM)
+            try:
+                info = await stub.Info(wpb.InfoRequest(), timeout=self.cfg.health_timeout_s)
+            except grpc.aio.AioRpcError:
+                continue
+            self._ipc_lost.discard(worker)
+            await self._choose_hot_path(info, worker, method)
 
     def _check_drafter_slots(self) -> None:
         """Warns when worker streams are on and the drafter has fewer compute slots than the target
@@ -313,12 +560,15 @@ class Coordinator(gpbg.SpecDecodeServicer):
         return True
 
     def watch_workers(self, health_servicer) -> None:
-        """Starts the readiness loop: SpecDecode is SERVING only while both workers are."""
+        """Starts the readiness loop: SpecDecode is SERVING only while both workers are; while they
+        are, it also re-chooses the hot path of a worker whose IPC socket failed."""
         from grpc_health.v1 import health_pb2
 
         async def loop():
             while True:
                 ok = await self.workers_serving()
+                if ok and self._ipc_lost:
+                    await self._rechoose_lost()
                 await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ok
                                           else health_pb2.HealthCheckResponse.NOT_SERVING)
                 await asyncio.sleep(self.cfg.health_poll_s)
@@ -369,7 +619,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
             target_fits_sequences=fits if fits >= 0 else None,
             drafter_weight_bytes=self.dinfo.memory.weight_bytes if self.dinfo else 0,
             drafter_target_head_bytes=self.dinfo.memory.target_head_bytes if self.dinfo else 0,
-            drafter_shared_head_bytes=self.dinfo.memory.shared_head_bytes if self.dinfo else 0)
+            drafter_shared_head_bytes=self.dinfo.memory.shared_head_bytes if self.dinfo else 0,
+            target_hot_path=self.hot_path["target"], drafter_hot_path=self.hot_path["drafter"])
 
     def _server_draft_cap(self) -> int:
         if self.dinfo is None:
@@ -620,9 +871,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
         # the sequence's VerifyStream / ProposeStream (opened at its first step; None: unary calls)
         streams = None
         if self.cfg.worker_streams:
-            streams = {"verify": WorkerStream(self.target.VerifyStream, "verify", self.cfg.worker_timeout_s)}
+            streams = {"verify": self._stream("verify", self.target.VerifyStream)}
             if self.drafter is not None:
-                streams["propose"] = WorkerStream(self.drafter.ProposeStream, "propose", self.cfg.worker_timeout_s)
+                streams["propose"] = self._stream("propose", self.drafter.ProposeStream)
         deadline = None if context.time_remaining() is None else time.monotonic() + context.time_remaining()
         t_start = time.perf_counter()
         mx = self.metrics
@@ -686,6 +937,14 @@ class Coordinator(gpbg.SpecDecodeServicer):
             task.add_done_callback(self._releases.discard)
             await asyncio.shield(task)
 
+    def _stream(self, what: str, grpc_method) -> SequenceStream:
+        """A new sequence's stream for ``what`` ("verify" / "propose"): over the worker's IPC stream
+        socket when connect chose it, else the gRPC stream ``grpc_method``."""
+        offer = self.ipc_offers.get(what)
+        if offer is not None:
+            return IpcStream(offer, self.cfg.worker_timeout_s, self.cfg.internal_max_message_bytes)
+        return WorkerStream(grpc_method, what, self.cfg.worker_timeout_s)
+
     async def _written(self, writing: asyncio.Future) -> None:
         """Waits for a client write started by Generate (at most send_stall_timeout_s: a client that
         stops reading ends with RESOURCE_EXHAUSTED) and re-raises its error."""
@@ -740,9 +999,14 @@ class Coordinator(gpbg.SpecDecodeServicer):
 
     async def _call(self, fn, msg, deadline, what: str):
         """The coordinator's single gate for worker calls: ``fn`` is a unary stub method or the
-        sequence's :class:`WorkerStream`; returns the response, raises RequestError (:func:`rpc_error`)."""
-        if isinstance(fn, WorkerStream):
-            return await fn.call(msg, deadline)
+        sequence's :class:`SequenceStream`; returns the response, raises RequestError (:func:`rpc_error`)."""
+        if isinstance(fn, SequenceStream):
+            try:
+                return await fn.call(msg, deadline)
+            except RequestError as exc:
+                if exc.code == grpc.StatusCode.UNAVAILABLE and isinstance(fn, IpcStream):
+                    self._ipc_failed(fn.offer)
+                raise
         try:
             return await fn(msg, timeout=self._timeout(deadline))
         except grpc.aio.AioRpcError as exc:

@@ -45,6 +45,7 @@ import numpy as np
 from specd.protos.v1 import worker_pb2 as pb
 from specd.protos.v1 import worker_pb2_grpc as pbg
 from specd.target_worker.feature_shm import FeatureHandleInfo, attach_reader, shm_namespace_id
+from specd.target_worker.ipc_stream import PROPOSE_STREAM, ipc_info, ipc_path
 
 from .model import DEFAULT_MARKOV, MARKOV_MODES
 
@@ -185,6 +186,10 @@ class DraftWorkerConfig:
         that memory: the drafter then refuses Propose with FAILED_PRECONDITION and reports
         NOT_SERVING until restarted; :class:`specd.target_worker.shared_weights.TargetWatch`).
         Default 2 s; > 0.
+    ipc_streams: also serve the ProposeStream on a framed Unix socket in a private temporary
+        directory, offered with a random token in Info (:mod:`specd.target_worker.ipc_stream`; a
+        co-located coordinator's hot path then skips gRPC), default True. At most ``threads``
+        connections at once; removed when the server stops. ``--no-ipc-streams``: gRPC only.
     """
 
     drafter: str = ""
@@ -208,12 +213,15 @@ class DraftWorkerConfig:
     share_target_weights: str = "auto"
     target_worker: str = ""
     target_watch_s: float = 2.0
+    ipc_streams: bool = True
 
     def validate(self) -> None:
         from specd.target_worker.feature_inline import check_transport
+        from specd.target_worker.server import check_bool
         from specd.target_worker.shared_weights import check_share_mode
 
         check_transport(self.feature_transport, "draft-worker")
+        check_bool(self.ipc_streams, "ipc_streams", "draft-worker")
         check_share_mode(self.share_target_weights, "draft-worker")
         if not self.target_watch_s > 0:
             raise ValueError(f"draft-worker: --target-watch-s must be > 0, got {self.target_watch_s}")
@@ -289,6 +297,7 @@ class DraftServicer(pbg.DraftWorkerServicer):
         from specd.target_worker.server import ComputeSlots
 
         self.slots = ComputeSlots(0)  # set by start_server from its thread count
+        self.ipc_stream = None  # the IpcStreamServer Info offers (start_server sets it unless ipc_streams is off)
 
     def Info(self, request, context):
         with self.lock:
@@ -302,7 +311,7 @@ class DraftServicer(pbg.DraftWorkerServicer):
                               has_confidence=bool(getattr(self.drafter, "has_confidence", False)),
                               feature_transport=self.transport,
                               dspark_markov=_MARKOV_PB.get(getattr(self.drafter, "dspark_markov", ""), 0),
-                              memory=self.memory_proto(), compute_slots=self.slots.n)
+                              memory=self.memory_proto(), compute_slots=self.slots.n, **ipc_info(self))
 
     def memory(self):
         """The drafter's :class:`specd.target_worker.memory.DrafterMemory`, or None (no model)."""
@@ -488,13 +497,15 @@ class DraftServicer(pbg.DraftWorkerServicer):
 
 
 def start_server(servicer: DraftServicer, listen: str, threads: int = 72, max_message_bytes: int = 256 << 20,
-                 max_concurrent_rpcs: int = 0):
+                 max_concurrent_rpcs: int = 0, ipc_streams: bool = True):
     """Starts the drafter worker's server (Propose admitted by compute slots; the idle reaper when the
-    servicer has a TTL; see target_worker.server.start_worker_server); returns (server, bound port)."""
+    servicer has a TTL; the ProposeStream also on an IPC stream socket with ``ipc_streams``; see
+    target_worker.server.start_worker_server); returns (server, bound port)."""
     from specd.target_worker.server import start_worker_server
 
     return start_worker_server(servicer, listen, pbg.add_DraftWorkerServicer_to_server, SERVICE_NAME,
-                               "draft-worker", threads, max_message_bytes, max_concurrent_rpcs, servicer.idle_ttl_s)
+                               "draft-worker", threads, max_message_bytes, max_concurrent_rpcs, servicer.idle_ttl_s,
+                               PROPOSE_STREAM if ipc_streams else None)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -599,10 +610,11 @@ def run(args) -> int:
                             shutdown_grace_s=args.shutdown_grace_s, feature_transport=args.feature_transport,
                             share_target_weights=getattr(args, "share_target_weights", "auto"),
                             target_worker=getattr(args, "target_worker", ""),
-                            target_watch_s=getattr(args, "target_watch_s", 2.0))
+                            target_watch_s=getattr(args, "target_watch_s", 2.0), ipc_streams=args.ipc_streams)
     cfg.validate()
     servicer = DraftServicer(make_drafter(cfg), cfg.idle_ttl_s, cfg.tombstone_cap, cfg.feature_transport)
-    server, _ = start_server(servicer, cfg.listen, cfg.threads or 72, cfg.max_message_bytes, cfg.max_concurrent_rpcs)
+    server, _ = start_server(servicer, cfg.listen, cfg.threads or 72, cfg.max_message_bytes, cfg.max_concurrent_rpcs,
+                             cfg.ipc_streams)
     servicer.health = server.health
     head = getattr(servicer.drafter, "shared_head", None)
     if head is not None:
@@ -610,8 +622,8 @@ def run(args) -> int:
 
         servicer.target_watch = TargetWatch(cfg.target_worker, head.owner_id, cfg.target_watch_s,
                                             servicer.target_lost).start()
-    log.info("draft-worker: %s drafter (block %d) on %s", servicer.drafter.name, servicer.drafter.block_size,
-             cfg.listen)
+    log.info("draft-worker: %s drafter (block %d) on %s (IPC stream socket %s)", servicer.drafter.name,
+             servicer.drafter.block_size, cfg.listen, ipc_path(server))
     try:
         mem = servicer.memory()
         if mem is not None:

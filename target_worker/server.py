@@ -46,6 +46,7 @@ from specd.coordinator.ddtree import walk_tree
 
 from .feature_inline import InlineFeatureWriter, check_transport, encode_rows, inline_max_rows
 from .feature_shm import FeatureWriter, ShmExhausted, shm_namespace_id
+from .ipc_stream import VERIFY_STREAM, IpcMethod, ipc_info, ipc_path, serve_ipc_streams
 
 log = logging.getLogger("specd.target_worker")
 
@@ -101,6 +102,10 @@ class TargetWorkerConfig:
         different hosts). See :mod:`.feature_inline`. "cuda-ipc": the ring in device memory shared with
         the drafter worker on the same GPU through CUDA/HIP IPC (:mod:`.feature_cuda_ipc`); needs
         device "cuda" here and on the drafter worker (ValueError otherwise).
+    ipc_streams: also serve the VerifyStream on a framed Unix socket in a private temporary directory,
+        offered with a random token in Info (:mod:`.ipc_stream`; a co-located coordinator's hot path
+        then skips gRPC), default True. At most ``rpc_threads`` connections at once; the socket and
+        its directory are removed when the server stops. ``--no-ipc-streams``: gRPC only.
     """
 
     target: str = ""
@@ -124,10 +129,12 @@ class TargetWorkerConfig:
     tombstone_cap: int = 4096
     shutdown_grace_s: float = 2.0
     feature_transport: str = "shm"
+    ipc_streams: bool = True
 
     def validate(self) -> None:
         if not self.target:
             raise ValueError("target-worker: --target is required")
+        check_bool(self.ipc_streams, "ipc_streams", "target-worker")
         check_transport(self.feature_transport, "target-worker")
         for name in ("max_verify", "max_sequences", "prefill_chunk", "max_message_bytes", "tombstone_cap",
                      "max_graphs"):
@@ -156,6 +163,12 @@ class TargetWorkerConfig:
     @property
     def rpc_threads(self) -> int:
         return self.threads or self.max_sequences + 8
+
+
+def check_bool(value, name: str, who: str) -> None:
+    """ValueError unless ``value`` is a bool (a typed on/off field set from code or a config file)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{who}: {name} must be true or false, got {value!r}")
 
 
 def _abort(context, code, msg):
@@ -270,6 +283,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
         # its Prefill; the Prefill then frees what it built instead of leaking it (bounded memory)
         self.tombstones: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.slots = ComputeSlots(0)  # set by start_server from its thread count
+        self.ipc_stream = None  # the IpcStreamServer Info offers (start_server sets it unless --no-ipc-streams)
         self._memory = None  # MemoryReport without device measurements (static after load)
 
     def memory_report(self, measure: bool = True):
@@ -391,7 +405,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
                              inline_max_rows=self.inline_max_rows if self.inline else 0,
                              memory=self._memory_proto(), shared_tensors=self._shared_tensors(),
                              max_sequences=self.cfg.max_sequences, compute_slots=self.slots.n,
-                             max_plain_steps=self.cfg.max_verify)
+                             max_plain_steps=self.cfg.max_verify, **ipc_info(self))
 
     def _shared_tensors(self):
         """TargetInfo.shared_tensors: the exported token_embd / output (shared_weights), or none."""
@@ -722,11 +736,14 @@ def new_server(threads: int, max_message_bytes: int, max_concurrent_rpcs: int = 
 
 
 def start_worker_server(servicer, listen: str, register, service: str, name: str, threads: int,
-                        max_message_bytes: int, max_concurrent_rpcs: int, idle_ttl_s: float):
+                        max_message_bytes: int, max_concurrent_rpcs: int, idle_ttl_s: float,
+                        ipc_method: IpcMethod | None = None):
     """Starts a worker's grpc.Server: ``register(servicer, server)`` adds its service, a health
     service reports ``service`` (and "") SERVING, compute calls are admitted by ComputeSlots, and an
-    IdleReaper runs when ``idle_ttl_s`` > 0. Shared by the target and drafter workers. Returns
-    (server, bound port); RuntimeError naming ``name`` when ``listen`` cannot be bound."""
+    IdleReaper runs when ``idle_ttl_s`` > 0. With ``ipc_method`` the stream method is also served on
+    an IPC stream socket (:func:`.ipc_stream.serve_ipc_streams`: at most ``threads`` connections,
+    closed by ``server.stop``). Shared by the target and drafter workers. Returns (server, bound
+    port); RuntimeError naming ``name`` when ``listen`` or the IPC socket cannot be bound."""
     from grpc_health.v1 import health_pb2
 
     server, hs = new_server(threads, max_message_bytes, max_concurrent_rpcs)
@@ -738,7 +755,13 @@ def start_worker_server(servicer, listen: str, register, service: str, name: str
         raise RuntimeError(f"{name}: cannot listen on {listen}: {exc}") from None
     if port == 0:
         raise RuntimeError(f"{name}: cannot listen on {listen}")
-    server.start()
+    try:
+        if ipc_method is not None:
+            serve_ipc_streams(server, servicer, ipc_method, name, max_message_bytes, threads)
+        server.start()
+    except BaseException:
+        server.stop(0)  # also closes the IPC socket when it was created
+        raise
     for svc in ("", service):
         hs.set(svc, health_pb2.HealthCheckResponse.SERVING)
     server.health = hs
@@ -750,12 +773,13 @@ def start_worker_server(servicer, listen: str, register, service: str, name: str
 def start_server(servicer: TargetServicer, listen: str, threads: int | None = None,
                  max_message_bytes: int = 256 << 20, max_concurrent_rpcs: int | None = None):
     """Starts the target worker's server (see start_worker_server); threads / max_concurrent_rpcs
-    default from the servicer's config. Returns (server, bound port)."""
+    default from the servicer's config, the VerifyStream's IPC socket follows ``cfg.ipc_streams``.
+    Returns (server, bound port)."""
     cfg = servicer.cfg
     return start_worker_server(servicer, listen, pbg.add_TargetWorkerServicer_to_server, "specd.worker.v1.TargetWorker",
                                "target-worker", threads or cfg.rpc_threads, max_message_bytes,
                                cfg.max_concurrent_rpcs if max_concurrent_rpcs is None else max_concurrent_rpcs,
-                               cfg.idle_ttl_s)
+                               cfg.idle_ttl_s, VERIFY_STREAM if cfg.ipc_streams else None)
 
 
 def serve_forever(server, close, name: str, grace_s: float = 2.0) -> int:
@@ -816,7 +840,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_worker_server_arguments(p: argparse.ArgumentParser, d) -> None:
     """The server flags both workers share (admission, message size, idle reaper, tombstones, drain,
-    feature transport); ``d`` is the worker's default config, whose fields give the defaults."""
+    IPC streams, feature transport); ``d`` is the worker's default config, whose fields give the defaults."""
     p.add_argument("--max-concurrent-rpcs", type=int, default=d.max_concurrent_rpcs,
                    help="calls admitted at once, RESOURCE_EXHAUSTED beyond (default 0: 4 x threads)")
     p.add_argument("--max-message-bytes", type=int, default=d.max_message_bytes, help="default 256 MiB")
@@ -826,6 +850,10 @@ def add_worker_server_arguments(p: argparse.ArgumentParser, d) -> None:
                    help=f"released ids remembered (default {d.tombstone_cap})")
     p.add_argument("--shutdown-grace-s", type=float, default=d.shutdown_grace_s,
                    help=f"on SIGTERM, in-flight calls get this long (default {d.shutdown_grace_s})")
+    p.add_argument("--ipc-streams", action=argparse.BooleanOptionalAction, default=d.ipc_streams,
+                   help="also serve the per-sequence stream on a framed Unix socket in a private temp dir, offered "
+                        "with a random token in Info, for a coordinator on this host (default on; "
+                        "--no-ipc-streams: gRPC only)")
     add_transport_argument(p, d.feature_transport)
 
 
@@ -874,7 +902,7 @@ def config_from_args(args) -> TargetWorkerConfig:
                              max_concurrent_rpcs=args.max_concurrent_rpcs,
                              max_message_bytes=args.max_message_bytes, idle_ttl_s=args.idle_ttl_s,
                              tombstone_cap=args.tombstone_cap, shutdown_grace_s=args.shutdown_grace_s,
-                             feature_transport=args.feature_transport)
+                             feature_transport=args.feature_transport, ipc_streams=args.ipc_streams)
     cfg.validate()
     return cfg
 
@@ -884,8 +912,8 @@ def run(args) -> int:
     cfg = config_from_args(args)
     servicer = load_servicer(cfg)
     server, _ = start_server(servicer, cfg.listen, cfg.rpc_threads, cfg.max_message_bytes)
-    log.info("target-worker: %s on %s (capture %s, device %s)", cfg.target, cfg.listen, list(cfg.capture_layers),
-             servicer.model.device)
+    log.info("target-worker: %s on %s (capture %s, device %s; IPC stream socket %s)", cfg.target, cfg.listen,
+             list(cfg.capture_layers), servicer.model.device, ipc_path(server))
     log_memory(servicer)
     print(f"READY {cfg.listen}", flush=True)
     return serve_forever(server, servicer.close, "target-worker", cfg.shutdown_grace_s)

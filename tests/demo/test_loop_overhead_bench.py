@@ -1,5 +1,6 @@
 """Smoke test of the spec-loop benchmark (tools/bench/loop_overhead.py) on the demo target: 8 tokens,
-AL 3 and 5, with and without worker streams. One target worker serves every mode; the script
+AL 3 and 5, over the IPC stream sockets (default), gRPC streams (--no-ipc-streams) and unary calls
+(--no-worker-streams). One target worker serves every mode; the script
 checks every run's tokens against plain greedy decoding itself (it fails otherwise), so a zero exit
 and the table's rows are the check."""
 from __future__ import annotations
@@ -16,13 +17,18 @@ SCRIPT = ROOT / "tools" / "bench" / "loop_overhead.py"
 TARGET = ROOT / "models" / "demo-target.gguf"
 
 
-@pytest.mark.parametrize("streams", [True, False])
-def test_loop_overhead_bench_smoke(tmp_path, streams):
+HOT_PATHS = {"ipc": ([], "one IPC stream per sequence and worker"),
+             "grpc": (["--no-ipc-streams"], "one gRPC stream per sequence and worker"),
+             "unary": (["--no-worker-streams"], "one unary call per worker call")}
+
+
+@pytest.mark.parametrize("hot_path", sorted(HOT_PATHS))
+def test_loop_overhead_bench_smoke(tmp_path, hot_path):
     if not TARGET.is_file():
         pytest.skip(f"missing {TARGET}")
     md = tmp_path / "B.md"
     cmd = [sys.executable, str(SCRIPT), "--target", str(TARGET), "--device", "cpu", "--tokens", "8",
-           "--al", "3", "5", "--block", "6", "--write", str(md)] + ([] if streams else ["--no-worker-streams"])
+           "--al", "3", "5", "--block", "6", "--write", str(md)] + HOT_PATHS[hot_path][0]
     run_script(cmd, timeout=180)
     text = md.read_text(encoding="utf-8")
     rows = [line for line in text.splitlines() if line.startswith("| plain") or line.startswith("| oracle")]
@@ -33,16 +39,16 @@ def test_loop_overhead_bench_smoke(tmp_path, streams):
     calls = [float(r.split("|")[5]) for r in rows]
     # 8 tokens = the prefill's + 7 plain steps: one call each, or one plain run of 7 in one call
     assert calls[0] == 1.0 and calls[1] == round(1 / 7, 2) and all(1.0 < c <= 2.0 for c in calls[2:])
-    assert ("one unary call per worker call" in text) != streams
+    assert HOT_PATHS[hot_path][1] in text
 
 
 def test_grpc_floor_bench_smoke(tmp_path):
-    """tools/bench/grpc_floor.py: both server kinds answer over one stream and the table has a row each
-    with positive medians."""
+    """tools/bench/grpc_floor.py: every server kind (gRPC sync and aio, the IPC stream socket) answers
+    over one stream and the table has a row each with positive medians."""
     md = tmp_path / "F.md"
     run_script([sys.executable, str(ROOT / "tools" / "bench" / "grpc_floor.py"), "--calls", "5", "--handler-ms", "0",
                 "--write", str(md)], timeout=120)
     rows = [line.split("|") for line in md.read_text(encoding="utf-8").splitlines() if line.startswith("| sync")
-            or line.startswith("| aio")]
-    assert [r[1].strip() for r in rows] == ["sync", "aio"]
+            or line.startswith("| aio") or line.startswith("| ipc")]
+    assert [r[1].strip() for r in rows] == ["sync", "aio", "ipc"]
     assert all(float(c.strip().split()[0]) > 0 for r in rows for c in r[2:5])

@@ -1,5 +1,6 @@
-"""Real processes: `specd serve` (three processes on Unix sockets) answering `specd generate`, and
-shared-memory segments unlinked when a worker is stopped by SIGTERM while holding sequences."""
+"""Real processes: `specd serve` (three processes on Unix sockets; the hot path over the workers' IPC
+stream sockets) answering `specd generate`, and shared-memory segments and IPC stream sockets removed
+when a worker is stopped by SIGTERM while holding sequences."""
 from __future__ import annotations
 
 import glob
@@ -15,6 +16,8 @@ import urllib.request
 import grpc
 import pytest
 
+from specd.protos.v1 import generate_pb2 as gpb
+from specd.protos.v1 import generate_pb2_grpc as gpbg
 from specd.protos.v1 import worker_pb2 as wpb
 from specd.protos.v1 import worker_pb2_grpc as wpbg
 
@@ -81,6 +84,14 @@ def test_serve_and_generate_cli(target_gguf, reference, tmp_path):
                     "--capture-layers", ",".join(map(str, CAPTURE)), "--max-seq-len", "128", "--kv-dtype", "f32",
                     "--runtime-dir", str(tmp_path / "rt")])
     try:
+        with grpc.insecure_channel(sock) as ch:  # the hot path runs over both workers' IPC stream sockets
+            info = gpbg.SpecDecodeStub(ch).GetModelInfo(gpb.GetModelInfoRequest(), timeout=30)
+        assert (info.target_hot_path, info.drafter_hot_path) == ("ipc-stream", "ipc-stream")
+        ipc_dirs = []
+        for name, stub in (("target", wpbg.TargetWorkerStub), ("draft", wpbg.DraftWorkerStub)):
+            with grpc.insecure_channel(f"unix://{tmp_path}/rt/{name}.sock") as ch:
+                ipc_dirs.append(os.path.dirname(stub(ch).Info(wpb.InfoRequest(), timeout=30).ipc_stream_socket))
+        assert all(os.path.isdir(d) for d in ipc_dirs)
         prompt = [9, 8, 7, 6]
         out = subprocess.run(CLI + ["generate", "--server", sock, "--token-ids", ",".join(map(str, prompt)),
                                     "--max-tokens", "10", "--ignore-eos", "--json"],
@@ -117,9 +128,10 @@ def test_serve_and_generate_cli(target_gguf, reference, tmp_path):
     finally:
         assert _stop(serve, 90) == 0
     assert not _leaked_segments(before)
+    assert not any(os.path.exists(d) for d in ipc_dirs)  # the workers removed their IPC stream sockets
 
 
-def test_sigterm_unlinks_shared_memory_of_live_sequences(target_gguf, tmp_path):
+def test_sigterm_unlinks_shared_memory_of_live_sequences_and_the_ipc_socket(target_gguf, tmp_path):
     sock = f"unix://{tmp_path}/t.sock"
     worker = _start(["target-worker", "--target", target_gguf, "--listen", sock,
                      "--capture-layers", ",".join(map(str, CAPTURE)), "--max-seq-len", "64"])
@@ -134,9 +146,12 @@ def test_sigterm_unlinks_shared_memory_of_live_sequences(target_gguf, tmp_path):
             assert stub.Info(wpb.InfoRequest(), timeout=10).live_shm_segments == 3
             stub.Release(wpb.ReleaseRequest(seq_id="s0"), timeout=10)
             assert not os.path.exists(f"/dev/shm/{names[0]}")
+            ipc = stub.Info(wpb.InfoRequest(), timeout=10).ipc_stream_socket
+            assert os.path.exists(ipc)
     finally:
         assert _stop(worker) == 0
     assert not any(os.path.exists(f"/dev/shm/{n}") for n in names)
+    assert not os.path.exists(os.path.dirname(ipc))
 
 
 def test_serve_with_a_real_drafter_chain_and_tree(target_gguf, reference, tmp_path):

@@ -1,7 +1,9 @@
 """The hot path over per-sequence worker streams (worker.proto VerifyStream / ProposeStream,
-CoordinatorConfig.worker_streams) and the pipelined client write: lossless against plain greedy and
-against the unary path, one stream per sequence and worker, the per-call bound without a deadline,
-compute-slot admission of streams, and the cached metric children."""
+CoordinatorConfig.worker_streams), over the workers' IPC stream sockets (ipc_streams, the default) or
+gRPC, and the pipelined client write: lossless against plain greedy and against the unary path, one
+stream per sequence and worker, the per-call bound without a deadline, compute-slot admission of
+streams, and the cached metric children. Tests of the stream semantics run on both transports
+(``transport``: "ipc" = the stack's default coordinator, "grpc" = ``ipc_streams=False``)."""
 from __future__ import annotations
 
 import socket
@@ -27,6 +29,29 @@ def _spec(mode=gpb.SPECULATION_MODE_FORCE, **kw):
     return gpb.SpeculationParams(mode=mode, **kw)
 
 
+# the coordinator options of each hot-path transport (the stack's policy: speculate every step)
+TRANSPORTS = {"ipc": {}, "grpc": {"ipc_streams": False}, "unary": {"worker_streams": False}}
+HOT_PATH = {"ipc": "ipc-stream", "grpc": "grpc-stream", "unary": "unary"}
+
+
+def via(stack, transport: str, **kw):
+    """A SpecDecode stub of a coordinator over the stack's workers whose hot path is ``transport``
+    ("ipc": the stack's default coordinator; the others started once and cached; with ``kw`` a new
+    one), checked to use that transport for both workers."""
+    cache = stack.__dict__.setdefault("transport_stubs", {})
+    if transport not in cache or kw:
+        if transport == "ipc" and not kw:
+            stub, coord = stack.stub, stack.coords[0][0]
+        else:
+            stub = stack.coordinator(**{"policy": PolicyConfig(step_ratio=0), **TRANSPORTS[transport], **kw})
+            coord = stack.coords[-1][0]
+        assert coord.hot_path == {"target": HOT_PATH[transport], "drafter": HOT_PATH[transport]}, coord.hot_path
+        if kw:
+            return stub
+        cache[transport] = stub
+    return cache[transport]
+
+
 def _wait_slots_free(stack, timeout=10.0):
     """Waits until every compute slot of both workers is free again (no stream left holding one)."""
     end = time.monotonic() + timeout
@@ -39,20 +64,20 @@ def _wait_slots_free(stack, timeout=10.0):
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("transport", ["ipc", "grpc", "unary"])
 @pytest.mark.parametrize("plan", [None, 2, 0])
 @pytest.mark.parametrize("draft_mode", [gpb.DRAFT_MODE_CHAIN, gpb.DRAFT_MODE_TREE])
-def test_streams_and_unary_calls_give_the_plain_greedy_output(stack, reference, plan, draft_mode):
-    """Chain and tree steps at full, partial and no acceptance: the stream path (default) and the
-    unary path (--no-worker-streams) both stream exactly the plain greedy tokens, with the same
-    steps and acceptance."""
+def test_streams_and_unary_calls_give_the_plain_greedy_output(stack, reference, plan, draft_mode, transport):
+    """Chain and tree steps at full, partial and no acceptance: the IPC stream path (default), the
+    gRPC stream path (--no-ipc-streams) and the unary path (--no-worker-streams) each stream exactly
+    the plain greedy tokens, with the same steps and acceptance as the unary path."""
     prompt = [7, 1, 8, 2, 8]
     ref, _ = reference(prompt, 40)
     stack.drafter.continuations[tuple(prompt)] = ref
     stack.drafter.plan = plan
-    unary = stack.coordinator(policy=PolicyConfig(step_ratio=0), worker_streams=False)
     try:
         out = []
-        for stub in (stack.stub, unary):
+        for stub in (via(stack, transport), via(stack, "unary")):
             chunks, done = generate(stub, token_request(prompt, 30, ignore_eos=True,
                                                         speculation=_spec(draft_mode=draft_mode)))
             assert streamed_ids(chunks) == ref[:30] == list(done.output_ids)
@@ -64,9 +89,11 @@ def test_streams_and_unary_calls_give_the_plain_greedy_output(stack, reference, 
     wait_released(stack)
 
 
-def test_one_stream_per_sequence_and_worker_carries_every_step(stack, reference, monkeypatch):
+@pytest.mark.parametrize("transport", ["ipc", "grpc"])
+def test_one_stream_per_sequence_and_worker_carries_every_step(stack, reference, monkeypatch, transport):
     """With worker_streams (default) a request opens one VerifyStream and one ProposeStream and sends
-    every step over them: no unary Verify / Propose, one stream message per step and worker call."""
+    every step over them: no unary Verify / Propose, one stream message per step and worker call.
+    Over IPC each worker accepts exactly one connection for the request (none over gRPC)."""
     prompt = [2, 7, 1, 8]
     ref, _ = reference(prompt, 30)
     stack.drafter.continuations[tuple(prompt)] = ref
@@ -98,13 +125,17 @@ def test_one_stream_per_sequence_and_worker_carries_every_step(stack, reference,
                 yield r
         return real_stream(self, context, fn, counted())
 
+    stub = via(stack, transport)
     monkeypatch.setattr(tserver.ComputeSlots, "run", run)
     monkeypatch.setattr(tserver.ComputeSlots, "stream", stream)
+    ipcs = (stack.tservicer.ipc_stream, stack.dservicer.ipc_stream)
+    before = [i.connections for i in ipcs]
     try:
-        chunks, done = generate(stack.stub, token_request(prompt, 20, ignore_eos=True, speculation=_spec()))
+        chunks, done = generate(stub, token_request(prompt, 20, ignore_eos=True, speculation=_spec()))
     finally:
         stack.drafter.plan = None
     assert streamed_ids(chunks) == ref[:20]
+    assert [i.connections - b for i, b in zip(ipcs, before)] == ([1, 1] if transport == "ipc" else [0, 0])
     steps = done.timing.steps
     assert seen["Verify"] == seen["Propose"] == 0
     assert seen["VerifyStream"] == seen["ProposeStream"] == 1
@@ -113,25 +144,28 @@ def test_one_stream_per_sequence_and_worker_carries_every_step(stack, reference,
     wait_released(stack)
 
 
-def test_plain_requests_open_no_drafter_stream(stack, reference, monkeypatch):
+@pytest.mark.parametrize("transport", ["ipc", "grpc"])
+def test_plain_requests_open_no_drafter_stream(stack, reference, monkeypatch, transport):
     """Speculation off: the verify stream only (the drafter is never called)."""
+    stub = via(stack, transport)
     opened = []
     real = tserver.ComputeSlots.stream
     monkeypatch.setattr(tserver.ComputeSlots, "stream",
                         lambda self, c, fn, it: opened.append(fn.__name__) or real(self, c, fn, it))
     prompt = [5, 5, 6]
     ref, _ = reference(prompt, 12)
-    chunks, done = generate(stack.stub, token_request(prompt, 12, ignore_eos=True,
-                                                      speculation=_spec(gpb.SPECULATION_MODE_OFF)))
+    chunks, done = generate(stub, token_request(prompt, 12, ignore_eos=True,
+                                                speculation=_spec(gpb.SPECULATION_MODE_OFF)))
     assert streamed_ids(chunks) == ref[:12] and opened == ["_verify"]
     wait_released(stack)
 
 
-def test_stream_call_without_deadline_is_bounded_by_worker_timeout(stack, reference):
+@pytest.mark.parametrize("transport", ["ipc", "grpc"])
+def test_stream_call_without_deadline_is_bounded_by_worker_timeout(stack, reference, transport):
     """No request deadline: each stream message is bounded by worker_timeout_s like a unary call; a
     drafter that does not answer in time ends the request with DEADLINE_EXCEEDED and frees both
-    workers' sequences."""
-    stub = stack.coordinator(policy=PolicyConfig(step_ratio=0), worker_timeout_s=0.5)
+    workers' sequences (and, on both transports, their stream slots)."""
+    stub = via(stack, transport, worker_timeout_s=0.5)
     prompt = [9, 9, 1]
     real = stack.drafter.propose
 
@@ -150,11 +184,14 @@ def test_stream_call_without_deadline_is_bounded_by_worker_timeout(stack, refere
     finally:
         del stack.drafter.propose  # the slow call in flight keeps running; its Release waits for it
     wait_released(stack)
+    _wait_slots_free(stack)
 
 
-def test_stream_with_deadline_ends_with_deadline_exceeded(stack):
-    """A request deadline is the stream's gRPC deadline: a step that outlives it ends the request
-    with DEADLINE_EXCEEDED."""
+@pytest.mark.parametrize("transport", ["ipc", "grpc"])
+def test_stream_with_deadline_ends_with_deadline_exceeded(stack, transport):
+    """A request deadline bounds every stream message (gRPC: the stream's deadline; IPC: the call's
+    timer): a step that outlives it ends the request with DEADLINE_EXCEEDED."""
+    stub = via(stack, transport)
     real = stack.drafter.propose
 
     def slow(*a, **kw):
@@ -164,11 +201,12 @@ def test_stream_with_deadline_ends_with_deadline_exceeded(stack):
     stack.drafter.propose = slow
     try:
         with pytest.raises(grpc.RpcError) as ei:
-            generate(stack.stub, token_request([4, 4, 2], 10, ignore_eos=True, speculation=_spec()), timeout=0.6)
+            generate(stub, token_request([4, 4, 2], 10, ignore_eos=True, speculation=_spec()), timeout=0.6)
         assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         del stack.drafter.propose
     wait_released(stack)
+    _wait_slots_free(stack)
 
 
 def test_stream_worker_error_maps_like_the_unary_call(stack):
@@ -181,11 +219,13 @@ def test_stream_worker_error_maps_like_the_unary_call(stack):
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_worker_error_mid_stream_ends_that_request_only(stack, reference, monkeypatch):
+@pytest.mark.parametrize("transport", ["ipc", "grpc"])
+def test_worker_error_mid_stream_ends_that_request_only(stack, reference, monkeypatch, transport):
     """The target refuses the 3rd Verify of one request (INVALID_ARGUMENT on its stream): that request
     ends with the unary mapping (INTERNAL naming the call) after the chunks of its first steps, which
     are the plain greedy tokens; a request running alongside and the next one are served in full, and
     both workers' sequences and compute slots are freed."""
+    stub = via(stack, transport)
     bad, good = [3, 1, 4, 1, 5], [2, 7, 1, 8, 2]
     for p in (bad, good):
         ref, _ = reference(p, 40)
@@ -205,11 +245,11 @@ def test_worker_error_mid_stream_ends_that_request_only(stack, reference, monkey
     req.request_id = "bad-1"
     got, other = [], {}
     t = threading.Thread(target=lambda: other.update(
-        r=generate(stack.stub, token_request(good, 30, ignore_eos=True, speculation=_spec()))))
+        r=generate(stub, token_request(good, 30, ignore_eos=True, speculation=_spec()))))
     t.start()
     try:
         with pytest.raises(grpc.RpcError) as ei:
-            for r in stack.stub.Generate(req, timeout=60):
+            for r in stub.Generate(req, timeout=60):
                 got.extend(r.chunk.token_ids)
     finally:
         t.join(60)
@@ -219,7 +259,7 @@ def test_worker_error_mid_stream_ends_that_request_only(stack, reference, monkey
     assert 0 < len(got) < 30 and got == reference(bad, 40)[0][:len(got)]
     chunks, _ = other["r"]
     assert streamed_ids(chunks) == reference(good, 40)[0][:30]
-    chunks, _ = generate(stack.stub, token_request(good, 12, ignore_eos=True, speculation=_spec()))
+    chunks, _ = generate(stub, token_request(good, 12, ignore_eos=True, speculation=_spec()))
     assert streamed_ids(chunks) == reference(good, 40)[0][:12]
     wait_released(stack)
     _wait_slots_free(stack)
@@ -417,11 +457,13 @@ def test_stream_of_a_vanished_coordinator_frees_its_slot(monkeypatch):
         servicer.close()
 
 
+@pytest.mark.parametrize("transport", ["ipc", "grpc"])
 @pytest.mark.parametrize("where", ["between_steps", "mid_propose"])
-def test_client_cancel_frees_both_workers_stream_slots(stack, reference, where):
+def test_client_cancel_frees_both_workers_stream_slots(stack, reference, where, transport):
     """A client cancel between two steps or while a Propose is on the drafter: the coordinator cancels
-    both streams, and the workers' stream handlers give their compute slots back (not only the
-    sequences)."""
+    both streams (IPC: closes both connections), and the workers' stream handlers give their compute
+    slots back (not only the sequences)."""
+    stub = via(stack, transport)
     _wait_slots_free(stack)  # the slow calls of the tests above have ended
     prompt = [8, 6, 7, 5, 3, 0, 4]
     ref, _ = reference(prompt, 200)
@@ -438,7 +480,7 @@ def test_client_cancel_frees_both_workers_stream_slots(stack, reference, where):
 
     stack.drafter.propose = slow
     try:
-        call = stack.stub.Generate(token_request(prompt, 200, ignore_eos=True), timeout=60)
+        call = stub.Generate(token_request(prompt, 200, ignore_eos=True), timeout=60)
         it = iter(call)
         next(it)
         if where == "mid_propose":

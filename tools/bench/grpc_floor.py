@@ -1,19 +1,23 @@
 #!/usr/bin/env python3
-"""The gRPC floor under specd's loop overhead: one worker round trip with nothing of specd in it.
+"""The transport floor under specd's loop overhead: one worker round trip with nothing of specd in it.
 
 Runs a bare worker.proto ``TargetWorker.VerifyStream`` server in a child process (grpcio's
 thread-pool server, as the target and draft workers use; or ``--server aio``) whose handler only
 sleeps ``--handler-ms`` (a stand-in for the GPU step: the threads then wake from idle, as in serving)
 and answers, and a client in this process that sends requests over one stream as specd's coordinator
 does (grpc.aio, the read posted before the write, unix socket, the same GRPC_EXPERIMENTS default as the
-specd processes). Both sides stamp time.perf_counter (CLOCK_MONOTONIC, shared by the processes), so
-each round trip splits into the request path (client write -> handler start) and the response path
-(handler end -> client read done). Reports medians over ``--calls`` calls after a warm-up.
+specd processes). ``ipc``: the same handler behind the workers' IPC stream socket
+(specd.target_worker.ipc_stream.IpcStreamServer: framed protobuf on a Unix socket, one blocking thread
+per connection) and the coordinator's own client for it (specd.coordinator.server.IpcStream, asyncio
+streams), i.e. specd's default hot path. Both sides stamp time.perf_counter (CLOCK_MONOTONIC, shared
+by the processes), so each round trip splits into the request path (client write -> handler start)
+and the response path (handler end -> client read done). Reports medians over ``--calls`` calls after
+a warm-up; one row per server kind (default all three: sync, aio, ipc).
 
 Compare with the in-step overhead per worker call of tools/bench/loop_overhead.py on the same machine:
 what is above this floor is specd's own Python around the calls.
 
-Usage: python tools/bench/grpc_floor.py [--calls 400] [--handler-ms 3] [--server sync|aio] [--write FILE]
+Usage: python tools/bench/grpc_floor.py [--calls 400] [--handler-ms 3] [--server sync|aio|ipc|all] [--write FILE]
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 # the specd processes' default (specd/coordinator/app.py, target_worker/server.py): iomgr TCP stack
@@ -50,6 +55,9 @@ def serve(addr: str, kind: str, handler_s: float, log_path: str) -> None:
         log.write(f"{t:.7f} {te:.7f}\n")
         return pb.VerifyResponse(accepted=0, emitted=[1, 2, 3], committed=5, compute_s=te - t)
 
+    if kind == "ipc":
+        serve_ipc(work)
+        return
     if kind == "sync":
         class Sync(pbg.TargetWorkerServicer):
             def VerifyStream(self, requests, context):
@@ -78,6 +86,50 @@ def serve(addr: str, kind: str, handler_s: float, log_path: str) -> None:
         await server.wait_for_termination()
 
     asyncio.run(main())
+
+
+def serve_ipc(work) -> None:
+    """The ipc child: ``work`` as the VerifyStream handler of an IpcStreamServer (no compute-slot
+    limit); prints READY with the socket path and token, serves until SIGTERM, then removes the socket."""
+    import signal
+
+    from specd.target_worker.ipc_stream import VERIFY_STREAM, IpcStreamServer
+    from specd.target_worker.server import ComputeSlots
+
+    class Servicer:
+        slots = ComputeSlots(0)
+        ipc_stream = None
+
+        def _verify(self, request, context):
+            return work()
+
+    ipc = IpcStreamServer(Servicer(), VERIFY_STREAM, "grpc-floor", 1 << 20, 8)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    print(f"READY {ipc.path} {ipc.token.hex()}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    ipc.close()
+
+
+async def ipc_client(path: str, token: bytes, calls: int, warmup: int) -> list[tuple[float, float]]:
+    """(call start, answer parsed) per call after the warm-up, over one IPC stream (specd's client)."""
+    from specd.coordinator.server import IpcOffer, IpcStream
+    from specd.protos.v1 import worker_pb2 as pb
+    from specd.target_worker.ipc_stream import VERIFY_STREAM
+
+    out = []
+    stream = IpcStream(IpcOffer(path, token, VERIFY_STREAM), 60.0, 1 << 20)
+    req = pb.VerifyRequest(seq_id="floor", tokens=[1, 2, 3, 4])
+    try:
+        for i in range(warmup + calls):
+            t0 = time.perf_counter()
+            await stream.call(req, None)
+            if i >= warmup:
+                out.append((t0, time.perf_counter()))
+    finally:
+        await stream.close(True, 5.0)
+    return out
 
 
 async def client(addr: str, calls: int, warmup: int) -> list[tuple[float, float]]:
@@ -110,10 +162,14 @@ def measure(kind: str, calls: int, handler_ms: float) -> dict:
         child = subprocess.Popen([sys.executable, __file__, "--serve", addr, "--server", kind,
                                   "--handler-ms", str(handler_ms), "--log", log], stdout=subprocess.PIPE, text=True)
         try:
-            if child.stdout.readline().strip() != "READY":
+            ready = child.stdout.readline().split()
+            if not ready or ready[0] != "READY":
                 raise RuntimeError(f"the {kind} server did not start")
             warmup = 50
-            stamps = asyncio.run(client(addr, calls, warmup))
+            if kind == "ipc":
+                stamps = asyncio.run(ipc_client(ready[1], bytes.fromhex(ready[2]), calls, warmup))
+            else:
+                stamps = asyncio.run(client(addr, calls, warmup))
         finally:
             child.terminate()
             child.wait(10)
@@ -128,11 +184,13 @@ def measure(kind: str, calls: int, handler_ms: float) -> dict:
 
 
 def markdown(rows: list[dict], args) -> str:
-    cmd = f"python tools/bench/grpc_floor.py --calls {args.calls} --handler-ms {args.handler_ms}"
+    cmd = f"python tools/bench/grpc_floor.py --calls {args.calls} --handler-ms {args.handler_ms} --server {args.server}"
     out = [f"## gRPC floor of one worker round trip ({datetime.date.today().isoformat()})", "",
            f"**Hardware.** {platform.machine()} host, {os.cpu_count()} cores. **Command.** `{cmd}`. One VerifyStream, "
            f"client grpc.aio (specd's coordinator pattern), handler sleeping {args.handler_ms} ms, unix socket; medians "
-           f"of {args.calls} calls.", "",
+           f"of {args.calls} calls. Row ipc: the same handler and messages over the workers' IPC stream socket "
+           "(length-prefixed frames, one blocking thread per connection) with the coordinator's IpcStream client "
+           "(asyncio streams): specd's default hot path.", "",
            "| server | request path (write -> handler) | response path (handler -> read) | round trip minus handler |",
            "| --- | --- | --- | --- |"]
     out += [f"| {r['server']} | {r['request_us']:.0f} us | {r['response_us']:.0f} us | "
@@ -144,7 +202,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=400, help="timed calls per server kind (default 400)")
     ap.add_argument("--handler-ms", type=float, default=3.0, help="handler sleep in ms (default 3)")
-    ap.add_argument("--server", choices=["sync", "aio", "both"], default="both")
+    ap.add_argument("--server", choices=["sync", "aio", "ipc", "all"], default="all",
+                    help="server kind(s) to measure (default all: sync, aio and ipc, one row each)")
     ap.add_argument("--write", default="", help="append the markdown section to this file")
     ap.add_argument("--serve", default="", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--log", default="", help=argparse.SUPPRESS)
@@ -154,7 +213,7 @@ def main() -> int:
     if args.serve:
         serve(args.serve, args.server, args.handler_ms / 1e3, args.log)
         return 0
-    kinds = ["sync", "aio"] if args.server == "both" else [args.server]
+    kinds = ["sync", "aio", "ipc"] if args.server == "all" else [args.server]
     md = markdown([measure(k, args.calls, args.handler_ms) for k in kinds], args)
     print(md)
     if args.write:

@@ -23,11 +23,13 @@ Each coordinator and mode gets one short warm-up request first (CUDA graph captu
 
 Usage: python tools/bench/loop_overhead.py [--target models/demo-target.gguf] [--device cpu|cuda]
        [--tokens 128] [--al 3 5 7] [--block 8] [--plain-steps-per-call 8] [--no-worker-streams]
-       [--write BENCHMARKS.md]
+       [--no-ipc-streams] [--write BENCHMARKS.md]
 ``--device cuda`` runs both the reference and the workers on the GPU (e.g. a random 27B-shaped GGUF of
 tools/bench/random_qwen35.py, whose placeholder tokenizer encodes the prompts byte by byte).
 ``--no-worker-streams`` gives the coordinators ``--no-worker-streams`` (one unary Verify / Propose call
 per step instead of one stream per sequence: the previous hot path, for comparison).
+``--no-ipc-streams`` gives the coordinators ``--no-ipc-streams`` (per-sequence gRPC streams instead of
+the workers' IPC stream sockets, the default hot path): run it with and without to A/B the two.
 """
 from __future__ import annotations
 
@@ -154,6 +156,8 @@ def main():
                     help="the coordinators' --plain-steps-per-call (default 8); plain decode is also measured at 1")
     ap.add_argument("--no-worker-streams", action="store_true",
                     help="coordinators make one unary worker call per step (the previous hot path)")
+    ap.add_argument("--no-ipc-streams", action="store_true",
+                    help="coordinators use gRPC streams instead of the workers' IPC stream sockets (default: IPC)")
     ap.add_argument("--write", default="", help="append the markdown section to this file")
     args = ap.parse_args()
     if min(args.al) < 2 or args.block < max(args.al) - 1:
@@ -211,7 +215,9 @@ def main():
             argv = ["coordinator", "--target", tsock, "--drafter", dsock, "--tokenizer", args.target,
                     "--listen", addr, "--metrics-port", "0",
                     "--plain-steps-per-call", "1" if name == "plain-1" else str(args.plain_steps_per_call)]
-            coords[name] = (addr, launch(argv + (["--no-worker-streams"] if args.no_worker_streams else [])))
+            argv += ["--no-worker-streams"] if args.no_worker_streams else []
+            argv += ["--no-ipc-streams"] if args.no_ipc_streams else []
+            coords[name] = (addr, launch(argv))
             procs.append(coords[name][1])
         stubs = {}
         for name, (addr, p) in coords.items():
@@ -246,14 +252,16 @@ def main():
         cost = ("The 7.4 M-parameter demo target is dominated by per-op dispatch on this CPU, so a verify of 9 tokens "
                 "costs only ~1.5-2x a decode; on a 27B target the verify is weight-bound instead (performance.md). "
                 f"Load average during the run: {os.getloadavg()[0]:.1f} (treat single rows as +-30 %).")
-    calls = "one unary call per worker call" if args.no_worker_streams else "one stream per sequence and worker"
+    calls = ("one unary call per worker call" if args.no_worker_streams else
+             f"one {'gRPC' if args.no_ipc_streams else 'IPC'} stream per sequence and worker")
     lines = [f"## Spec loop on {where}: loop overhead at fixed acceptance ({datetime.date.today()})", "",
              f"**Hardware.** {hw}. **Target.** `{args.target}`. **Command.** `python tools/bench/loop_overhead.py "
              f"--target {args.target} --device {args.device} --tokens {args.tokens} --al {' '.join(map(str, args.al))}"
              f" --plain-steps-per-call {args.plain_steps_per_call}"
-             f"{' --no-worker-streams' if args.no_worker_streams else ''}` ({wall:.0f} s wall). "
+             f"{' --no-worker-streams' if args.no_worker_streams else ''}"
+             f"{' --no-ipc-streams' if args.no_ipc_streams else ''}` ({wall:.0f} s wall). "
              f"{len(prompts)} prompts x {args.tokens} tokens, greedy, every run's tokens checked equal to plain greedy "
-             "decoding. Real processes over gRPC (unix sockets between coordinator and workers, "
+             "decoding. Real processes (unix sockets between coordinator and workers, "
              f"{calls}); the oracle drafter's own compute is ~0, so the numbers isolate the target and the loop. "
              "In-step overhead: step wall time around the worker calls minus their compute (Timing.loop_overhead_s); "
              f"total: decode wall time minus worker compute, per step (the share is of the latter). {cost}", "",

@@ -4,7 +4,8 @@
 # timing; the per-format GEMV table only with FORMATS=1), then the target benchmark on a random 27B-shaped GGUF (tools/bench/gpu_decode.py)
 # for each mix in $MIXES (default "iq4xs"), and with LOOP_AL (e.g. "5") the service loop benchmark
 # (tools/bench/loop_overhead.py --device cuda: coordinator + workers over gRPC, scripted oracle
-# drafter at those acceptance lengths) on the first mix's GGUF, and with DRAFTERS (e.g. "dflash dspark
+# drafter at those acceptance lengths) on the first mix's GGUF (LOOP_IPC_AB=1: twice, over the workers' IPC
+# stream sockets (the default hot path) then with --no-ipc-streams (gRPC streams), for the A/B), and with DRAFTERS (e.g. "dflash dspark
 # dflash2") the drafter benchmark (tools/bench/gpu_drafter.py: random drafters of those families in the
 # published 27B shapes, DRAFTER_TYPE bf16 (default) or q8_0, written next to the first mix's GGUF by
 # tools/bench/random_drafter.py and deleted after; ingest of 512 context rows, propose step time, floor,
@@ -40,9 +41,13 @@ for mix in ${MIXES:-iq4xs}; do
     --out "$OUT" ${DECODE_ARGS:-} >>"$OUT/decode.log" 2>&1
   echo "decode $mix rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
   if [ -n "${LOOP_AL:-}" ] && [ "$(left)" -gt 90 ]; then
-    timeout "$(left)" python3 "$R/tools/bench/loop_overhead.py" --target "/tmp/r27-$mix.gguf" --device cuda \
-      --tokens 64 --al $LOOP_AL >>"$OUT/decode.log" 2>&1
-    echo "loop $mix rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+    ab=""; [ "${LOOP_IPC_AB:-0}" = 1 ] && ab=--no-ipc-streams
+    for hot in "" $ab; do
+      [ "$(left)" -gt 60 ] || break
+      timeout "$(left)" python3 "$R/tools/bench/loop_overhead.py" --target "/tmp/r27-$mix.gguf" --device cuda \
+        --tokens 64 --al $LOOP_AL $hot >>"$OUT/decode.log" 2>&1
+      echo "loop $mix ${hot:-ipc} rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+    done
     LOOP_AL=""
   fi
   if [ -n "${DRAFTERS:-}" ] && [ -f "/tmp/r27-$mix.gguf" ] && [ "$(left)" -gt 60 ]; then

@@ -1,0 +1,413 @@
+"""IPC streams: a worker's per-sequence VerifyStream / ProposeStream also served over a framed Unix socket.
+
+Why: per speculative step the coordinator makes two worker calls, and a gRPC stream message's round
+trip (0.39-0.42 ms on the H200 host, tools/bench/grpc_floor.py) is 5-7 % of a 12-16 ms step. The same
+protobuf messages as length-prefixed frames on a Unix socket (asyncio streams in the coordinator, a
+blocking socket thread here) take about a quarter of that (grpc_floor.py rows sync / ipc: 261-285
+vs 68-71 us on the 2-core dev VM, BENCHMARKS.md). gRPC stays for everything else (Info, Prefill,
+Commit, Release, Health) and for workers on another host.
+
+Set-up (:class:`IpcStreamServer`, started by ``start_worker_server`` unless ``--no-ipc-streams``): a
+private directory (``tempfile.mkdtemp``, mode 0700) holding ``stream.sock`` (AF_UNIX, SOCK_STREAM)
+and a random 16-byte token, both published in Info (``ipc_stream_socket`` / ``ipc_stream_token``):
+only a peer that may call Info over gRPC and can open the directory (same host, same user or root)
+gets in.
+
+Protocol, version 1 (integers little-endian):
+
+* frame = u32 length | payload (length bytes; at most the worker's ``max_message_bytes``).
+* The client's first frame is the hello (25 bytes): ``b"SPECDIS1"`` | the 16-byte token | u8 method:
+  0 = probe (the worker answers ok and closes: the coordinator's reachability check at connect),
+  1 = verify stream (target worker), 2 = propose stream (drafter worker); a worker accepts only its
+  own method and the probe.
+* The worker answers the hello with a status frame once the stream is admitted (it then holds one of
+  the worker's compute slots until it ends, :meth:`ComputeSlots.stream`).
+* Then each client frame is one serialized VerifyRequest / ProposeRequest, and each answer, in order,
+  a status frame: u8 0 | the serialized VerifyResponse / ProposeResponse (ok), or u8 1 | u32 gRPC
+  status code value | UTF-8 details (error; the worker closes the connection after it).
+* The client ends the stream by half-closing (``shutdown(SHUT_WR)``): the handler returns and the
+  worker closes the connection. A client that closes at once cancels it (a plain run in progress stops
+  at its next step: ``context.is_active()``).
+
+Semantics are the gRPC stream's (worker.proto header): each request is answered by the servicer's
+``_verify`` / ``_propose`` with an :class:`IpcContext` standing in for the gRPC context (``abort``,
+``is_active``), the first error ends the stream with the status the gRPC stream would have, and an
+unexpected exception ends it with INTERNAL (logged). Errors of the connection itself, each ending
+that connection only: a hello of the wrong length or magic -> INVALID_ARGUMENT, a wrong token ->
+PERMISSION_DENIED, another worker's method -> UNIMPLEMENTED, a frame over max_message_bytes or more
+connections than ``max_connections`` -> RESOURCE_EXHAUSTED, an unparsable request -> INVALID_ARGUMENT.
+
+Bounds: at most ``max_connections`` connections (the worker's RPC thread count), each served by one
+thread (kept for later connections, like gRPC's pool threads: :meth:`IpcStreamServer._worker`);
+the hello must arrive within HELLO_TIMEOUT_S; a write the client does not take within
+WRITE_TIMEOUT_S ends the connection (SO_SNDTIMEO; a peer process that dies closes its end at once, so
+this covers a live peer that stopped reading). Waiting for the next request has no time limit, as
+on the gRPC stream. :meth:`IpcStreamServer.close` (the wrapped ``server.stop``) refuses new
+connections, gives open ones the stop's grace, cuts the rest, joins the threads (bounded) and removes
+the socket and its directory (also at interpreter exit when close was never called).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+import os
+import queue
+import secrets
+import select
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import weakref
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from specd.protos.v1 import worker_pb2 as pb
+
+log = logging.getLogger("specd.ipc_stream")
+
+MAGIC = b"SPECDIS1"  # "specd IPC stream", protocol version 1
+TOKEN_BYTES = 16
+PROBE = 0  # hello method: reachability check only
+FRAME = struct.Struct("<I")  # the length prefix
+STATUS = struct.Struct("<IB")  # length prefix + status byte of a status frame
+ERROR = struct.Struct("<BI")  # an error frame's payload head: status 1, gRPC status code value
+HELLO = struct.Struct(f"<I{len(MAGIC)}s{TOKEN_BYTES}sB")  # the hello frame: length, magic, token, method
+OK_FRAME = STATUS.pack(1, 0)  # a status frame without a body: the hello's answer
+HELLO_TIMEOUT_S = 10.0  # a connection must say hello within this (it holds a connection thread meanwhile)
+WRITE_TIMEOUT_S = 20.0  # a peer that takes no data for this long is dropped (the gRPC side's keepalive ack bound)
+JOIN_TIMEOUT_S = 5.0  # close(): how long connections cut off get to end their thread
+
+
+@dataclasses.dataclass(frozen=True)
+class IpcMethod:
+    """One stream method on the IPC socket: hello ``id``, the servicer attribute answering one
+    request (``handler``, called as ``handler(request, context)``), the request / response classes
+    and the call's name in errors."""
+
+    id: int
+    handler: str
+    request: type
+    response: type
+    what: str
+
+
+VERIFY_STREAM = IpcMethod(1, "_verify", pb.VerifyRequest, pb.VerifyResponse, "verify")
+PROPOSE_STREAM = IpcMethod(2, "_propose", pb.ProposeRequest, pb.ProposeResponse, "propose")
+CODES = {c.value[0]: c for c in grpc.StatusCode}  # wire value -> grpc.StatusCode
+
+
+def hello_frame(token: bytes, method: int) -> bytes:
+    """The client's hello frame for ``method`` (PROBE or an IpcMethod id)."""
+    return HELLO.pack(HELLO.size - FRAME.size, MAGIC, token, method)
+
+
+def error_frame(code: grpc.StatusCode, details: str) -> bytes:
+    """A status frame carrying an error: ``code`` and UTF-8 ``details``."""
+    text = details.encode("utf-8", "replace")
+    return FRAME.pack(ERROR.size + len(text)) + ERROR.pack(1, code.value[0]) + text
+
+
+def parse_error(payload: bytes) -> tuple[grpc.StatusCode, str]:
+    """(code, details) of an error frame's payload after its status byte; UNKNOWN for a code this
+    grpc does not know, INTERNAL for a payload too short to hold one."""
+    if len(payload) < ERROR.size - 1:
+        return grpc.StatusCode.INTERNAL, f"malformed IPC error frame ({len(payload)} bytes)"
+    (value,) = FRAME.unpack_from(payload)
+    return CODES.get(value, grpc.StatusCode.UNKNOWN), bytes(payload[FRAME.size:]).decode("utf-8", "replace")
+
+
+class IpcAbort(Exception):
+    """Raised by :meth:`IpcContext.abort`: ends the stream with ``code`` / ``details``. Not a
+    ValueError / RuntimeError, so the handlers' own ``except`` clauses let it through, as they do
+    grpc's abort exception."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class IpcContext:
+    """What the stream handlers use of a ``grpc.ServicerContext``, for one IPC connection."""
+
+    __slots__ = ("sock", "poller")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.poller = select.poll()
+        self.poller.register(sock, select.POLLIN)  # POLLHUP / POLLERR are always reported
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        """Ends the stream with ``code`` / ``details`` (raises IpcAbort, like grpc's abort)."""
+        raise IpcAbort(code, details)
+
+    def is_active(self) -> bool:
+        """False once the client closed or cancelled the stream. One poll(0) system call while
+        nothing is pending; a readable socket is peeked (EOF = closed, data = the next request)."""
+        if not self.poller.poll(0):
+            return True
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+
+
+class IpcStreamServer:
+    """Serves ``method`` of ``servicer`` on a new private Unix socket (module docstring).
+
+    Args:
+        servicer: the worker's servicer: ``servicer.slots`` (:class:`ComputeSlots`) admits each
+            connection, ``getattr(servicer, method.handler)`` answers its requests (both looked up
+            per connection, as the gRPC stream handlers do). The first server started for a servicer
+            is published as ``servicer.ipc_stream`` (Info offers it) until it closes.
+        method: VERIFY_STREAM or PROPOSE_STREAM.
+        name: the worker's name in logs and errors ("target-worker").
+        max_message_bytes: largest request frame accepted and response sent (> 0).
+        max_connections: connections at once, more are refused with RESOURCE_EXHAUSTED (> 0).
+
+    Raises RuntimeError naming the path when the socket cannot be created (the directory is removed).
+    """
+
+    def __init__(self, servicer, method: IpcMethod, name: str, max_message_bytes: int, max_connections: int):
+        self.servicer, self.method, self.name = servicer, method, name
+        self.max_message_bytes, self.max_connections = max_message_bytes, max_connections
+        self.dir = tempfile.mkdtemp(prefix="specd-ipc-")  # mode 0700: only this user (and root) reach the socket
+        self._remove_dir = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)  # also at exit
+        self.path = os.path.join(self.dir, "stream.sock")
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # notified when a connection ends
+        self.conns: set[socket.socket] = set()
+        self.connections = 0  # connections accepted so far (probes included)
+        self.idle = 0  # connection threads waiting for their next connection on ``pending``
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()  # at most ``idle`` entries; None = exit
+        self.closed = False
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.listener.bind(self.path)
+            self.listener.listen(max(16, max_connections))
+        except OSError as exc:
+            self.listener.close()
+            self._remove_dir()
+            raise RuntimeError(f"{name}: cannot listen on the IPC stream socket {self.path}: {exc} "
+                               "(--no-ipc-streams serves the streams over gRPC only)") from None
+        self.acceptor = threading.Thread(target=self._accept_loop, name=f"specd-ipc-accept-{method.what}",
+                                         daemon=True)
+        self.acceptor.start()
+        if getattr(servicer, "ipc_stream", None) is None:
+            servicer.ipc_stream = self
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # close() shut the listener down
+                return
+            with self.lock:
+                admitted = not self.closed and len(self.conns) < self.max_connections
+                if admitted:
+                    self.conns.add(conn)
+                    self.connections += 1
+            if not admitted:
+                if self.closed:
+                    refusal = error_frame(grpc.StatusCode.UNAVAILABLE, f"{self.name}: stopping")
+                else:
+                    refusal = error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: all "
+                                          f"{self.max_connections} IPC stream connections are taken")
+                _send_quietly(conn, refusal)
+                conn.close()
+                continue
+            self._dispatch(conn)
+
+    def _dispatch(self, conn: socket.socket) -> None:
+        """Hands an admitted connection to an idle connection thread, or to a new one."""
+        with self.lock:
+            reuse = self.idle > 0
+            if reuse:
+                self.idle -= 1
+        if reuse:
+            self.pending.put(conn)
+        else:
+            threading.Thread(target=self._worker, args=(conn,), name=f"specd-ipc-{self.method.what}",
+                             daemon=True).start()
+
+    def _worker(self, conn: socket.socket | None) -> None:
+        """A connection thread: serves one connection after another until close(). Kept between
+        connections, as gRPC's thread pool keeps its threads: a new thread per sequence would build the
+        native library's per-thread state again (on the CPU an OpenMP thread team, whose churn cost the
+        steps of the demo benchmark up to twice their time). At most max_connections threads exist."""
+        while conn is not None:
+            self._serve(conn)
+            with self.lock:  # one step: close() shuts connections down under the lock, never a closed one
+                self.conns.discard(conn)
+                conn.close()  # the client sees EOF only once this thread counts as idle
+                self.changed.notify_all()
+                if self.closed:
+                    return
+                self.idle += 1
+            conn = self.pending.get()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """One connection: hello, then the stream (module docstring); always frees its slot (the
+        caller closes the connection)."""
+        responses = None
+        reader = conn.makefile("rb")
+        try:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(WRITE_TIMEOUT_S), 0))
+            conn.settimeout(HELLO_TIMEOUT_S)
+            if self._hello(reader) == PROBE:
+                conn.sendall(OK_FRAME)
+                return
+            conn.settimeout(None)  # blocking: the next request may take as long as the client's step
+            ctx = IpcContext(conn)
+            responses = self.servicer.slots.stream(ctx, getattr(self.servicer, self.method.handler),
+                                                   self._requests(conn, reader))
+            for resp in responses:
+                body = resp.SerializeToString()
+                if len(body) > self.max_message_bytes:  # as gRPC's max_send_message_length
+                    raise IpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: response of {len(body)} "
+                                                                       f"bytes exceeds max_message_bytes "
+                                                                       f"{self.max_message_bytes}")
+                conn.sendall(STATUS.pack(len(body) + 1, 0) + body)
+        except IpcAbort as exc:
+            _send_quietly(conn, error_frame(exc.code, exc.details))
+        except OSError as exc:  # the client went away, or stopped reading for WRITE_TIMEOUT_S
+            log.debug("%s: IPC %s stream ended: %s", self.name, self.method.what, exc)
+        except Exception as exc:  # noqa: BLE001 - a handler bug: INTERNAL to the client, logged here
+            log.exception("%s: IPC %s stream failed", self.name, self.method.what)
+            _send_quietly(conn, error_frame(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        finally:
+            if responses is not None:
+                responses.close()  # a stream suspended at its yield gives its compute slot back
+            reader.close()
+
+    def _frame_length(self, reader, what: str) -> int | None:
+        """The next frame's length, or None at a clean end of stream; IpcAbort when it exceeds
+        max_message_bytes."""
+        head = reader.read(FRAME.size)
+        if len(head) < FRAME.size:
+            return None
+        (n,) = FRAME.unpack(head)
+        if n > self.max_message_bytes:
+            raise IpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"{self.name}: {what} frame of {n} bytes exceeds max_message_bytes {self.max_message_bytes}")
+        return n
+
+    def _hello(self, reader) -> int:
+        """Reads and checks the hello; returns its method (PROBE or this server's). IpcAbort on a bad
+        one, OSError (socket.timeout) when it does not come in time."""
+        n = self._frame_length(reader, "hello")
+        want = HELLO.size - FRAME.size
+        if n is None:
+            raise OSError("closed before its hello")
+        if n != want:
+            raise IpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: IPC hello of {n} bytes, expected {want}")
+        data = reader.read(n)
+        if len(data) < n:
+            raise OSError("closed inside its hello")
+        _, magic, token, method = HELLO.unpack(FRAME.pack(n) + data)
+        if magic != MAGIC:
+            raise IpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: bad IPC hello magic {magic!r}, expected "
+                                                             f"{MAGIC!r}")
+        if not hmac.compare_digest(token, self.token):
+            raise IpcAbort(grpc.StatusCode.PERMISSION_DENIED, f"{self.name}: wrong IPC stream token")
+        if method not in (PROBE, self.method.id):
+            raise IpcAbort(grpc.StatusCode.UNIMPLEMENTED,
+                           f"{self.name}: IPC method {method} not served here (this socket serves {self.method.id}, "
+                           f"the {self.method.what} stream)")
+        return method
+
+    def _requests(self, conn: socket.socket, reader):
+        """The stream's requests. Its first step runs once ComputeSlots admitted the stream: it answers
+        the hello then. Ends at the client's half-close (or a close mid-frame: the client is gone)."""
+        conn.sendall(OK_FRAME)
+        parse = self.method.request.FromString
+        while True:
+            n = self._frame_length(reader, "request")
+            if n is None:
+                return
+            data = reader.read(n)
+            if len(data) < n:
+                return
+            try:
+                request = parse(data)
+            except DecodeError as exc:
+                raise IpcAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{self.name}: request frame of {n} bytes is not a "
+                               f"{self.method.request.DESCRIPTOR.name}: {exc}") from None
+            yield request
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """Stops accepting, lets open connections end on their own for ``grace_s`` seconds, shuts the
+        others down, waits (at most JOIN_TIMEOUT_S) for their threads and removes the socket and its
+        directory. Idempotent."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() (Linux)
+        except OSError:
+            pass
+        self.acceptor.join(JOIN_TIMEOUT_S)
+        self.listener.close()
+        with self.lock:  # no dispatch any more: wake the idle connection threads to exit
+            idle, self.idle = self.idle, 0
+        for _ in range(idle):
+            self.pending.put(None)
+        if getattr(self.servicer, "ipc_stream", None) is self:
+            self.servicer.ipc_stream = None
+        with self.lock:
+            self.changed.wait_for(lambda: not self.conns, timeout=grace_s)
+            for c in self.conns:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)  # its blocked read returns EOF, its writes fail
+                except OSError:
+                    pass
+            if not self.changed.wait_for(lambda: not self.conns, timeout=JOIN_TIMEOUT_S):
+                log.warning("%s: %d IPC stream connection(s) still in a handler after %.0f s", self.name,
+                            len(self.conns), JOIN_TIMEOUT_S)
+        self._remove_dir()
+
+
+def _send_quietly(conn: socket.socket, data: bytes) -> None:
+    """Sends a last frame to a connection that is about to be closed (the peer may be gone)."""
+    try:
+        conn.sendall(data)
+    except OSError:
+        pass
+
+
+def ipc_info(servicer) -> dict:
+    """The Info fields offering ``servicer``'s IPC stream socket (none when it has no open one)."""
+    ipc = getattr(servicer, "ipc_stream", None)
+    return {} if ipc is None else {"ipc_stream_socket": ipc.path, "ipc_stream_token": ipc.token}
+
+
+def ipc_path(server) -> str:
+    """The IPC stream socket of a worker's grpc.Server for logs ("off" without one)."""
+    ipc = getattr(server, "ipc_stream", None)
+    return "off" if ipc is None else ipc.path
+
+
+def serve_ipc_streams(server, servicer, method: IpcMethod, name: str, max_message_bytes: int,
+                      max_connections: int) -> IpcStreamServer:
+    """Starts an :class:`IpcStreamServer` for ``servicer`` beside the grpc.Server ``server`` and ties its
+    life to it: ``server.stop(grace)`` also closes it (after starting the gRPC stop, so both drain at
+    once), on every path that stops the server (serve_forever's SIGTERM, tests). Returns it."""
+    ipc = IpcStreamServer(servicer, method, name, max_message_bytes, max_connections)
+    grpc_stop = server.stop
+
+    def stop(grace=None):
+        done = grpc_stop(grace)
+        ipc.close(grace or 0.0)
+        return done
+
+    server.stop = stop
+    server.ipc_stream = ipc
+    return ipc

@@ -1,0 +1,642 @@
+"""IPC streams (specd.target_worker.ipc_stream): the workers' VerifyStream / ProposeStream on a framed
+Unix socket and the coordinator's IpcStream client. The stream semantics shared with the gRPC streams
+(exactness, one stream per sequence, deadlines, errors mid-stream, cancel) are parametrized over both
+transports in test_streams.py; here: the socket protocol (hello, error frames, bad input), the worker's
+bounds and clean-up, the coordinator's transport choice and fallback, and the flags."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+import types
+
+import grpc
+import pytest
+
+from specd.coordinator.policy import PolicyConfig
+from specd.draft_worker import server as dserver
+from specd.draft_worker.scripted import ScriptedDrafter
+from specd.protos.v1 import generate_pb2 as gpb
+from specd.protos.v1 import worker_pb2 as wpb
+from specd.protos.v1 import worker_pb2_grpc as wpbg
+from specd.target_worker import ipc_stream
+from specd.target_worker import server as tserver
+from specd.target_worker.ipc_stream import (FRAME, MAGIC, PROBE, PROPOSE_STREAM, VERIFY_STREAM, IpcStreamServer,
+                                            hello_frame, parse_error)
+
+from .conftest import generate, streamed_ids, token_request
+from .test_serving import wait_released
+from .test_streams import _wait_slots_free
+
+
+def _connect(ipc) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(ipc.path)
+    return s
+
+
+def _frame(data: bytes) -> bytes:
+    return FRAME.pack(len(data)) + data
+
+
+def _read_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        if not chunk:
+            raise EOFError(f"closed after {len(out)} of {n} bytes")
+        out += chunk
+    return out
+
+
+def _answer(s: socket.socket):
+    """One status frame: ("ok", body bytes) or (grpc.StatusCode, details)."""
+    (n,) = FRAME.unpack(_read_exact(s, FRAME.size))
+    payload = _read_exact(s, n)
+    return ("ok", payload[1:]) if payload[0] == 0 else parse_error(payload[1:])
+
+
+def _closed(s: socket.socket) -> bool:
+    return s.recv(1) == b""
+
+
+def _hello(ipc, method: int, token: bytes | None = None):
+    s = _connect(ipc)
+    s.sendall(hello_frame(ipc.token if token is None else token, method))
+    return s, _answer(s)
+
+
+def _verify_unknown_sequence_answers_not_found(ipc) -> None:
+    """A full verify stream on ``ipc``: admitted, one request, the worker's NOT_FOUND, closed."""
+    s, ans = _hello(ipc, VERIFY_STREAM.id)
+    with s:
+        assert ans == ("ok", b"")
+        s.sendall(_frame(wpb.VerifyRequest(seq_id="no-such-seq", tokens=[1]).SerializeToString()))
+        code, details = _answer(s)
+        assert code == grpc.StatusCode.NOT_FOUND and "no-such-seq" in details
+        assert _closed(s)
+
+
+def test_info_offers_a_private_socket_and_a_random_token(stack):
+    """Both workers offer their IPC stream socket in Info: in a 0700 directory of its own, with a
+    16-byte token (different per worker); a probe hello is answered ok and closed."""
+    t = wpbg.TargetWorkerStub(grpc.insecure_channel(f"unix://{stack.dir}/t.sock")).Info(wpb.InfoRequest(), timeout=10)
+    d = wpbg.DraftWorkerStub(grpc.insecure_channel(f"unix://{stack.dir}/d.sock")).Info(wpb.InfoRequest(), timeout=10)
+    for info, ipc in ((t, stack.tservicer.ipc_stream), (d, stack.dservicer.ipc_stream)):
+        assert info.ipc_stream_socket == ipc.path and info.ipc_stream_token == ipc.token and len(ipc.token) == 16
+        assert stat.S_ISSOCK(os.stat(ipc.path).st_mode)
+        assert stat.S_IMODE(os.stat(os.path.dirname(ipc.path)).st_mode) == 0o700
+        s, ans = _hello(ipc, PROBE)
+        with s:
+            assert ans == ("ok", b"") and _closed(s)
+    assert t.ipc_stream_token != d.ipc_stream_token
+
+
+def test_worker_error_on_the_socket_maps_like_the_grpc_stream(stack):
+    """A Verify of a sequence the target does not know: NOT_FOUND in an error frame, as the gRPC
+    stream's status (test_streams.test_stream_worker_error_maps_like_the_unary_call); the connection
+    closes and its slot is free."""
+    _verify_unknown_sequence_answers_not_found(stack.tservicer.ipc_stream)
+    _wait_slots_free(stack)
+
+
+BAD_INPUT = {  # name -> (bytes sent after connecting (None: a good hello), then a request frame, code, words)
+    "magic": (FRAME.pack(25) + b"HTTP/1.1" + bytes(17), None, grpc.StatusCode.INVALID_ARGUMENT, "magic"),
+    "token": ("bad-token", None, grpc.StatusCode.PERMISSION_DENIED, "token"),
+    "method": ("propose", None, grpc.StatusCode.UNIMPLEMENTED, "method 2"),
+    "hello length": (FRAME.pack(7) + b"SPECDIS", None, grpc.StatusCode.INVALID_ARGUMENT, "hello of 7 bytes"),
+    "oversized hello": (FRAME.pack(0xFFFFFFFF), None, grpc.StatusCode.RESOURCE_EXHAUSTED, "max_message_bytes"),
+    "oversized request": (None, FRAME.pack(0xFFFFFFF0), grpc.StatusCode.RESOURCE_EXHAUSTED, "max_message_bytes"),
+    "garbage protobuf": (None, _frame(b"\xff\xff\xff\xff\x0f"), grpc.StatusCode.INVALID_ARGUMENT,
+                         "not a VerifyRequest"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_gets_a_clear_error_and_only_that_connection_ends(stack, case):
+    """Wrong magic, token or method, a bad or oversized length, unparsable protobuf: an error frame
+    naming what was wrong, the connection closed, its slot free; an open stream alongside and new
+    connections are served as before."""
+    ipc = stack.tservicer.ipc_stream
+    hello, request, code, words = BAD_INPUT[case]
+    other, ans = _hello(ipc, VERIFY_STREAM.id)  # a stream alongside, admitted before
+    assert ans == ("ok", b"")
+    with other, _connect(ipc) as s:
+        if hello is None:
+            s.sendall(hello_frame(ipc.token, VERIFY_STREAM.id))
+            assert _answer(s) == ("ok", b"")
+        else:
+            s.sendall({"bad-token": hello_frame(bytes(16), VERIFY_STREAM.id),
+                       "propose": hello_frame(ipc.token, PROPOSE_STREAM.id)}.get(hello, hello))
+        if request is not None:
+            s.sendall(request)
+        got, details = _answer(s)
+        assert got == code and words in details and details.startswith("target-worker: "), details
+        assert _closed(s)
+        other.sendall(_frame(wpb.VerifyRequest(seq_id="still-served", tokens=[1]).SerializeToString()))
+        assert _answer(other)[0] == grpc.StatusCode.NOT_FOUND
+    _verify_unknown_sequence_answers_not_found(ipc)
+    _wait_slots_free(stack)
+
+
+def test_a_vanished_client_frees_its_slot(stack):
+    """A client whose socket closes while its stream waits for the next request (process gone: the
+    kernel closes its end): the worker's handler ends and gives the compute slot back."""
+    _wait_slots_free(stack)
+    s, ans = _hello(stack.dservicer.ipc_stream, PROPOSE_STREAM.id)
+    assert ans == ("ok", b"")
+    slots = stack.dservicer.slots
+    assert slots.n - slots.sem._value == 1  # admitted: the stream holds a slot
+    s.close()
+    _wait_slots_free(stack)
+
+
+class _Servicer:
+    """A stand-in servicer: ComputeSlots and a verify handler answering ``answer`` (or blocking on
+    ``gate`` first)."""
+
+    def __init__(self, slots=2, answer=None, gate=None):
+        self.slots, self.answer, self.gate, self.ipc_stream = tserver.ComputeSlots(slots), answer, gate, None
+
+    def _verify(self, request, context):
+        if self.gate is not None:
+            self.gate.wait(10)
+        return self.answer or wpb.VerifyResponse(accepted=0, emitted=[int(request.tokens[0])])
+
+
+def test_a_client_that_stops_reading_is_dropped_after_the_write_bound(monkeypatch):
+    """A live client that sends requests but stops reading the answers (the socket buffer fills):
+    the worker's blocked write gives up after WRITE_TIMEOUT_S, ends the stream and frees its slot."""
+    monkeypatch.setattr(ipc_stream, "WRITE_TIMEOUT_S", 1)
+    big = wpb.VerifyResponse(argmax=list(range(1 << 20)))  # ~3.5 MB: more than the socket buffers hold
+    sv = _Servicer(answer=big)
+    ipc = IpcStreamServer(sv, VERIFY_STREAM, "test-worker", 16 << 20, 4)
+    try:
+        s, ans = _hello(ipc, VERIFY_STREAM.id)
+        assert ans == ("ok", b"")
+        s.sendall(_frame(wpb.VerifyRequest(seq_id="s", tokens=[1]).SerializeToString()))
+        time.sleep(0.2)
+        assert sv.slots.sem._value == 1  # the handler is blocked in its write
+        end = time.monotonic() + 10
+        while sv.slots.sem._value != 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert sv.slots.sem._value == 2 and not ipc.conns
+        s.close()
+    finally:
+        ipc.close()
+
+
+def test_connections_beyond_the_limit_are_refused_and_refused_slots_keep_the_grpc_message():
+    """At most max_connections connections (RESOURCE_EXHAUSTED beyond); a stream the compute slots
+    refuse gets ComputeSlots' RESOURCE_EXHAUSTED message, as on the gRPC stream."""
+    ipc = IpcStreamServer(_Servicer(slots=1), VERIFY_STREAM, "test-worker", 1 << 20, 2)
+    try:
+        first, ans = _hello(ipc, VERIFY_STREAM.id)
+        assert ans == ("ok", b"")
+        second, ans = _hello(ipc, VERIFY_STREAM.id)  # a connection, but no compute slot
+        assert ans[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "compute slots are taken" in ans[1]
+        assert _closed(second)
+        third = _connect(ipc)
+        other = _connect(ipc)  # two connections open: the third is refused at once
+        code, details = _answer(other)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "all 2 IPC stream connections are taken" in details
+        for s in (first, second, third, other):
+            s.close()
+    finally:
+        ipc.close()
+
+
+def test_close_drains_for_the_grace_then_cuts_joins_and_removes_the_socket_and_directory():
+    """close(grace): new connections are refused; open streams may go on for the grace (as gRPC's
+    stop(grace): a sequence mid-generation keeps its steps), so a stream in a handler finishes its
+    answer; then every stream is cut off (EOF to the client), the threads end, and the socket and its
+    directory are gone; a second close is a no-op."""
+    gate = threading.Event()
+    sv = _Servicer(gate=gate)
+    before = set(threading.enumerate())
+    ipc = IpcStreamServer(sv, VERIFY_STREAM, "test-worker", 1 << 20, 4)
+    assert sv.ipc_stream is ipc
+    idle, _ = _hello(ipc, VERIFY_STREAM.id)
+    busy, _ = _hello(ipc, VERIFY_STREAM.id)
+    busy.sendall(_frame(wpb.VerifyRequest(seq_id="s", tokens=[5]).SerializeToString()))
+    threading.Timer(0.3, gate.set).start()
+    t0 = time.monotonic()
+    ipc.close(grace_s=1.0)
+    assert 0.9 < time.monotonic() - t0 < 1.0 + ipc_stream.JOIN_TIMEOUT_S
+    assert _answer(busy)[0] == "ok" and _closed(busy) and _closed(idle)
+    assert not os.path.exists(ipc.path) and not os.path.exists(ipc.dir)
+    assert sv.ipc_stream is None and not ipc.acceptor.is_alive() and not ipc.conns
+    end = time.monotonic() + 5
+    while set(threading.enumerate()) - before and time.monotonic() < end:
+        time.sleep(0.02)
+    assert not set(threading.enumerate()) - before  # connection threads, idle or not, have exited
+    with pytest.raises(OSError):
+        _connect(ipc)
+    ipc.close()
+    idle.close()
+    busy.close()
+
+
+def test_worker_stop_removes_the_socket_and_directory():
+    """A worker's server.stop (the SIGTERM path of serve_forever and the tests' stop) closes its IPC
+    stream server: socket and directory removed."""
+    servicer = dserver.DraftServicer(ScriptedDrafter(4, 64))
+    server, port = dserver.start_server(servicer, "127.0.0.1:0", 4)
+    ipc = servicer.ipc_stream
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            info = wpbg.DraftWorkerStub(ch).Info(wpb.InfoRequest(), timeout=10)
+        assert info.ipc_stream_socket == ipc.path and os.path.exists(ipc.path)
+    finally:
+        server.stop(0).wait()
+    assert not os.path.exists(ipc.dir) and servicer.ipc_stream is None
+
+
+def test_a_socket_that_cannot_be_created_is_a_clear_error_and_leaves_no_directory(tmp_path, monkeypatch):
+    """A temp directory whose path is too long for a Unix socket: RuntimeError naming the path and
+    --no-ipc-streams; the directory it made is removed, and a worker start fails the same way."""
+    long = tmp_path / ("d" * 120)
+    long.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(long))
+    with pytest.raises(RuntimeError, match="cannot listen on the IPC stream socket .*--no-ipc-streams"):
+        IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 4)
+    with pytest.raises(RuntimeError, match="draft-worker: cannot listen on the IPC stream socket"):
+        dserver.start_server(dserver.DraftServicer(ScriptedDrafter(4, 64)), "127.0.0.1:0", 4)
+    assert list(long.iterdir()) == []
+
+
+def test_worker_without_ipc_streams_offers_none_and_the_coordinator_uses_grpc(stack, reference):
+    """A drafter worker started with ipc_streams off: Info offers no socket, a coordinator reaches it
+    over gRPC streams (and the target over IPC), with the plain greedy output."""
+    servicer = dserver.DraftServicer(ScriptedDrafter(6, stack.tservicer.model.hp.n_vocab),
+                                     feature_transport=stack.transport)
+    server, _ = dserver.start_server(servicer, f"unix://{stack.dir}/d-noipc.sock", 8, ipc_streams=False)
+    try:
+        assert servicer.ipc_stream is None
+        with grpc.insecure_channel(f"unix://{stack.dir}/d-noipc.sock") as ch:
+            assert wpbg.DraftWorkerStub(ch).Info(wpb.InfoRequest(), timeout=10).ipc_stream_socket == ""
+        stub = stack.coordinator(policy=PolicyConfig(step_ratio=0), drafter_override=f"unix://{stack.dir}/d-noipc.sock")
+        coord = stack.coords[-1][0]
+        assert coord.hot_path == {"target": "ipc-stream", "drafter": "grpc-stream"}
+        info = stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=10)
+        assert (info.target_hot_path, info.drafter_hot_path) == ("ipc-stream", "grpc-stream")
+        prompt = [3, 3, 7]
+        ref, _ = reference(prompt, 12)
+        chunks, done = generate(stub, token_request(prompt, 12, ignore_eos=True,
+                                                    speculation=gpb.SpeculationParams(mode=gpb.SPECULATION_MODE_FORCE)))
+        assert streamed_ids(chunks) == ref and done.speculation.num_drafts > 0
+        wait_released(stack)
+    finally:
+        server.stop(0).wait()
+        servicer.close()
+
+
+def test_coordinator_without_ipc_streams_uses_grpc_streams_even_when_offered(stack, reference):
+    """--no-ipc-streams on the coordinator: gRPC streams for both workers (no IPC connection), same
+    output; the transport is in GetModelInfo and the specd_worker_hot_path gauge."""
+    stub = stack.coordinator(policy=PolicyConfig(step_ratio=0), ipc_streams=False)
+    coord = stack.coords[-1][0]
+    assert coord.hot_path == {"target": "grpc-stream", "drafter": "grpc-stream"}
+    reg = coord.metrics.registry
+    lab = {"model": "condgen.gguf", "drafter": "scripted"}
+    assert reg.get_sample_value("specd_worker_hot_path", {**lab, "worker": "target", "transport": "grpc-stream"}) == 1
+    default = stack.coords[0][0].metrics.registry
+    assert default.get_sample_value("specd_worker_hot_path",
+                                    {**lab, "worker": "drafter", "transport": "ipc-stream"}) == 1
+    ipcs = (stack.tservicer.ipc_stream, stack.dservicer.ipc_stream)
+    before = [i.connections for i in ipcs]
+    prompt = [1, 2, 3, 4]
+    ref, _ = reference(prompt, 10)
+    chunks, _ = generate(stub, token_request(prompt, 10, ignore_eos=True))
+    assert streamed_ids(chunks) == ref
+    assert [i.connections for i in ipcs] == before
+    assert stub.GetModelInfo(gpb.GetModelInfoRequest(), timeout=10).target_hot_path == "grpc-stream"
+    wait_released(stack)
+
+
+@pytest.mark.parametrize("how", ["missing", "wrong token"])
+def test_an_unreachable_socket_falls_back_to_grpc_streams(stack, reference, monkeypatch, caplog, how):
+    """A socket this host cannot use (another host's path; a socket whose worker refuses the token):
+    the coordinator logs one INFO line naming it and uses gRPC streams for that worker."""
+    real = stack.tservicer.ipc_stream
+    fake = types.SimpleNamespace(path="/nonexistent/specd-ipc/stream.sock" if how == "missing" else real.path,
+                                 token=real.token if how == "missing" else bytes(16))
+    monkeypatch.setattr(stack.tservicer, "ipc_stream", fake)
+    caplog.set_level(logging.INFO, logger="specd.coordinator")
+    stub = stack.coordinator(policy=PolicyConfig(step_ratio=0))
+    assert stack.coords[-1][0].hot_path == {"target": "grpc-stream", "drafter": "ipc-stream"}
+    lines = [r.getMessage() for r in caplog.records if "target worker" in r.getMessage()]
+    assert len(lines) == 1 and "gRPC streams" in lines[0] and fake.path in lines[0], lines
+    assert ("FileNotFoundError" if how == "missing" else "PERMISSION_DENIED") in lines[0]
+    monkeypatch.undo()
+    prompt = [6, 1, 6]
+    ref, _ = reference(prompt, 8)
+    chunks, _ = generate(stub, token_request(prompt, 8, ignore_eos=True))
+    assert streamed_ids(chunks) == ref
+    wait_released(stack)
+
+
+def _ipc_stream(path, token=bytes(16), timeout=5.0):
+    from specd.coordinator.server import IpcOffer, IpcStream
+
+    return IpcStream(IpcOffer(str(path), token, VERIFY_STREAM), timeout, 1 << 20)
+
+
+def test_client_maps_a_missing_socket_to_unavailable(tmp_path):
+    """The worker's socket is gone (worker stopped): UNAVAILABLE naming the call, nothing left open."""
+    from specd.coordinator.server import RequestError
+
+    async def run():
+        st = _ipc_stream(tmp_path / "gone.sock")
+        with pytest.raises(RequestError) as ei:
+            await st.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), None)
+        await st.close(True, 1.0)
+        return ei.value, st.writer
+
+    err, writer = asyncio.run(run())
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "verify: worker unavailable" in err.message and writer is None
+
+
+class _RawWorker:
+    """A Unix socket 'worker' that admits one connection (ok hello) and then does ``then`` with it:
+    "hang" (reads, never answers or closes), "reset" (closes after the first request)."""
+
+    def __init__(self, path, then):
+        self.path, self.then = str(path), then
+        self.lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.lsock.bind(self.path)
+        self.lsock.listen()
+        self.conns = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        try:
+            c, _ = self.lsock.accept()
+        except OSError:
+            return
+        self.conns.append(c)
+        _read_exact(c, FRAME.size + 25)
+        c.sendall(ipc_stream.OK_FRAME)
+        if self.then == "reset":
+            _read_exact(c, FRAME.size)
+            c.close()
+            return
+        while c.recv(4096):
+            pass
+
+    def close(self):
+        self.lsock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.parametrize("deadline", [False, True])
+def test_client_call_is_bounded_and_closes_its_connection(tmp_path, deadline):
+    """A worker that never answers: the call ends with DEADLINE_EXCEEDED after worker_timeout_s (no
+    request deadline) or the request's deadline, and the connection is closed."""
+    from specd.coordinator.server import RequestError
+
+    w = _RawWorker(tmp_path / "w.sock", "hang")
+
+    async def run():
+        st = _ipc_stream(w.path, timeout=0.3)
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as ei:
+            await st.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), time.monotonic() + 0.3 if deadline else None)
+        return ei.value, time.monotonic() - t0, st.writer
+
+    try:
+        err, took, writer = asyncio.run(run())
+    finally:
+        w.close()
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and took < 2.0 and writer is None
+    assert ("deadline exceeded during verify" if deadline else "worker_timeout_s 0.3") in err.message
+
+
+def test_client_maps_a_reset_mid_call_to_unavailable(tmp_path):
+    """The worker closes the connection without an answer (it crashed): UNAVAILABLE."""
+    from specd.coordinator.server import RequestError
+
+    w = _RawWorker(tmp_path / "w.sock", "reset")
+
+    async def run():
+        st = _ipc_stream(w.path)
+        with pytest.raises(RequestError) as ei:
+            await st.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), None)
+        return ei.value
+
+    try:
+        err = asyncio.run(run())
+    finally:
+        w.close()
+    assert err.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_client_close_is_bounded_and_leaves_nothing_open(tmp_path):
+    """close(ok=True) half-closes and waits for the worker to close at most its timeout; a worker that
+    never closes is cut off then. No task or connection is left behind."""
+    w = _RawWorker(tmp_path / "w.sock", "hang")
+
+    async def run():
+        st = _ipc_stream(w.path)
+        st.loop = asyncio.get_running_loop()
+        st.reader, st.writer = await asyncio.open_unix_connection(w.path)
+        st.writer.write(hello_frame(bytes(16), VERIFY_STREAM.id))
+        t0 = time.monotonic()
+        await st.close(True, 0.3)
+        took = time.monotonic() - t0
+        await asyncio.sleep(0.05)
+        return took, st.writer, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    try:
+        took, writer, left = asyncio.run(run())
+    finally:
+        w.close()
+    assert 0.25 < took < 2.0 and writer is None and left == []
+
+
+def test_ipc_stream_flags_defaults_validation_and_serve_forwarding(target_gguf, monkeypatch):
+    """--ipc-streams / --no-ipc-streams on target-worker, draft-worker and coordinator (default on,
+    typed fields validated); specd serve forwards its value to both workers and the coordinator."""
+    from specd.coordinator import launcher
+    from specd.coordinator.cli import build_parser
+    from specd.coordinator.config import CoordinatorConfig, config_from_args
+
+    p = build_parser()
+    assert tserver.TargetWorkerConfig().ipc_streams and dserver.DraftWorkerConfig().ipc_streams
+    assert CoordinatorConfig().ipc_streams
+    assert tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf"])).ipc_streams
+    assert not tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf",
+                                                      "--no-ipc-streams"])).ipc_streams
+    assert p.parse_args(["draft-worker", "--vocab", "8"]).ipc_streams
+    assert not p.parse_args(["draft-worker", "--vocab", "8", "--no-ipc-streams"]).ipc_streams
+    assert config_from_args(p.parse_args(["coordinator"])).ipc_streams
+    assert not config_from_args(p.parse_args(["coordinator", "--no-ipc-streams"])).ipc_streams
+    for bad in (tserver.TargetWorkerConfig(target="t.gguf", ipc_streams="no"),
+                dserver.DraftWorkerConfig(vocab=8, ipc_streams=1), CoordinatorConfig(ipc_streams=None)):
+        with pytest.raises(ValueError, match="ipc_streams must be true or false"):
+            bad.validate()
+    seen = []
+
+    class Ready:
+        stdout = types.SimpleNamespace(readline=lambda: "READY\n")
+
+        def poll(self):
+            return 0
+
+    class Stop(Exception):
+        pass
+
+    def child(argv, *a, **k):
+        seen.append(list(argv))
+        if argv[0] == "coordinator":
+            raise Stop
+        return Ready()
+
+    monkeypatch.setattr(launcher, "_child", child)
+    for flag, want in (([], "--ipc-streams"), (["--no-ipc-streams"], "--no-ipc-streams")):
+        seen.clear()
+        with pytest.raises(Stop):
+            launcher.run(p.parse_args(["serve", "--target", target_gguf, "--drafter", "none", "--scripted-block", "2",
+                                       "--runtime-dir", "", *flag]))
+        assert [a[0] for a in seen] == ["target-worker", "draft-worker", "coordinator"]
+        for argv in seen:
+            assert want in argv and ({"--ipc-streams", "--no-ipc-streams"} - {want}).isdisjoint(argv), argv
+
+
+def test_hello_and_error_frames_round_trip():
+    """The frame helpers: a hello is 4 + 25 bytes with the magic, token and method; an error frame's
+    code and details parse back (an unknown code value -> UNKNOWN)."""
+    h = hello_frame(b"t" * 16, 2)
+    assert len(h) == 29 and h[4:12] == MAGIC and h[12:28] == b"t" * 16 and h[28] == 2
+    f = ipc_stream.error_frame(grpc.StatusCode.NOT_FOUND, "no sequence \u00e9")
+    assert parse_error(f[5:]) == (grpc.StatusCode.NOT_FOUND, "no sequence \u00e9")
+    assert parse_error(struct.pack("<I", 99))[0] == grpc.StatusCode.UNKNOWN
+
+
+def test_context_is_active_until_the_client_closes():
+    """IpcContext.is_active (a plain run checks it between steps): True while the client is connected,
+    also with its next request already waiting; False once it closed its end (cancel) or reset."""
+    a, b = socket.socketpair()
+    ctx = ipc_stream.IpcContext(a)
+    assert ctx.is_active()
+    b.sendall(b"next")
+    assert ctx.is_active() and a.recv(4) == b"next"
+    b.close()
+    assert not ctx.is_active()
+    a.close()
+    with pytest.raises(ipc_stream.IpcAbort) as ei:
+        ctx.abort(grpc.StatusCode.NOT_FOUND, "gone")
+    assert (ei.value.code, ei.value.details) == (grpc.StatusCode.NOT_FOUND, "gone")
+
+
+def test_a_worker_restarted_with_a_new_socket_is_found_again(stack, reference):
+    """The drafter's IPC socket goes away and the worker offers a new one (as after a restart): the
+    request that meets the dead socket fails UNAVAILABLE (retryable, as on a broken gRPC stream), the
+    next ones run over gRPC streams, and once the readiness loop has re-read the worker's Info the hot
+    path is back on IPC, over the new socket; every output equals plain greedy."""
+    servicer = dserver.DraftServicer(ScriptedDrafter(6, stack.tservicer.model.hp.n_vocab),
+                                     feature_transport=stack.transport)
+    addr = f"unix://{stack.dir}/d-restart.sock"
+    server, _ = dserver.start_server(servicer, addr, 8)
+    try:
+        stub = stack.coordinator(policy=PolicyConfig(step_ratio=0), drafter_override=addr, health_poll_s=0.2)
+        coord = stack.coords[-1][0]
+        old = servicer.ipc_stream
+        assert coord.hot_path["drafter"] == "ipc-stream" and coord.ipc_offers["propose"].path == old.path
+        prompt, force = [4, 6, 8], gpb.SpeculationParams(mode=gpb.SPECULATION_MODE_FORCE)
+        ref, _ = reference(prompt, 8)
+        assert streamed_ids(generate(stub, token_request(prompt, 8, ignore_eos=True, speculation=force))[0]) == ref
+        old.close()  # the socket is gone; a new one is offered
+        new = IpcStreamServer(servicer, PROPOSE_STREAM, "draft-worker", 1 << 20, 8)
+        try:
+            with pytest.raises(grpc.RpcError) as ei:
+                generate(stub, token_request(prompt, 8, ignore_eos=True, speculation=force))
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "propose" in ei.value.details()
+            end = time.monotonic() + 10
+            while coord.hot_path["drafter"] != "ipc-stream" and time.monotonic() < end:
+                assert streamed_ids(generate(stub, token_request(prompt, 8, ignore_eos=True,
+                                                                 speculation=force))[0]) == ref
+                time.sleep(0.05)
+            assert coord.hot_path["drafter"] == "ipc-stream" and coord.ipc_offers["propose"].path == new.path
+            before = new.connections
+            assert streamed_ids(generate(stub, token_request(prompt, 8, ignore_eos=True, speculation=force))[0]) == ref
+            assert new.connections == before + 1
+            reg = coord.metrics.registry
+            lab = {"model": "condgen.gguf", "drafter": "scripted", "worker": "drafter"}
+            assert reg.get_sample_value("specd_worker_hot_path", {**lab, "transport": "ipc-stream"}) == 1
+            assert reg.get_sample_value("specd_worker_hot_path", {**lab, "transport": "grpc-stream"}) == 0
+        finally:
+            new.close()
+        wait_released(stack)
+    finally:
+        server.stop(0).wait()
+        servicer.close()
+
+
+def test_connection_threads_are_kept_for_the_next_connections():
+    """Sequences one after another are served by the same connection thread (its native per-thread
+    state, e.g. an OpenMP team, is kept, as in gRPC's thread pool); two at once by two threads."""
+    class Recording(_Servicer):
+        def _verify(self, request, context):
+            self.seen.append(threading.get_ident())
+            return super()._verify(request, context)
+
+    sv = Recording(slots=4)
+    sv.seen = []
+    ipc = IpcStreamServer(sv, VERIFY_STREAM, "test-worker", 1 << 20, 4)
+    req = _frame(wpb.VerifyRequest(seq_id="s", tokens=[1]).SerializeToString())
+    try:
+        for _ in range(3):
+            s, _ = _hello(ipc, VERIFY_STREAM.id)
+            s.sendall(req)
+            assert _answer(s)[0] == "ok"
+            s.shutdown(socket.SHUT_WR)  # the client's half-close ends the stream; the worker closes
+            assert _closed(s)
+            s.close()
+        a, _ = _hello(ipc, VERIFY_STREAM.id)
+        b, _ = _hello(ipc, VERIFY_STREAM.id)
+        for c in (a, b):
+            c.sendall(req)
+            assert _answer(c)[0] == "ok"
+            c.close()
+    finally:
+        ipc.close()
+    assert len(set(sv.seen[:3])) == 1 and len(set(sv.seen)) == 2
+
+
+def test_an_answer_over_the_message_limit_is_resource_exhausted_on_both_sides(tmp_path):
+    """A response larger than the worker's max_message_bytes is not sent (RESOURCE_EXHAUSTED, as gRPC's
+    send limit); an answer frame larger than the coordinator's internal_max_message_bytes is refused
+    with RESOURCE_EXHAUSTED (gRPC's receive limit) and the connection closed."""
+    big = wpb.VerifyResponse(argmax=list(range(1000)))
+    ipc = IpcStreamServer(_Servicer(answer=big), VERIFY_STREAM, "test-worker", 1000, 4)
+    try:
+        s, _ = _hello(ipc, VERIFY_STREAM.id)
+        s.sendall(_frame(wpb.VerifyRequest(seq_id="s", tokens=[1]).SerializeToString()))
+        code, details = _answer(s)
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "exceeds max_message_bytes 1000" in details
+        s.close()
+    finally:
+        ipc.close()
+    from specd.coordinator.server import IpcOffer, IpcStream, RequestError
+
+    ipc = IpcStreamServer(_Servicer(answer=big), VERIFY_STREAM, "test-worker", 1 << 20, 4)
+
+    async def run():
+        st = IpcStream(IpcOffer(ipc.path, ipc.token, VERIFY_STREAM), 5.0, 100)
+        with pytest.raises(RequestError) as ei:
+            await st.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), None)
+        return ei.value, st.writer
+
+    try:
+        err, writer = asyncio.run(run())
+    finally:
+        ipc.close()
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "IPC answer frame" in err.message and writer is None
