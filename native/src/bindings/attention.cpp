@@ -80,7 +80,8 @@ GQA ratio) on CUDA: q is rounded to F16 when staged, scores and the online softm
 softmax weights are rounded to F16 for the weights @ v product (F32 accumulation), so
 |gpu - cpu| <= ~1e-3 * max|v| (first order: max|v| * (u + 2 u * scale * max_j sum_e |q_e k_je|),
 u = 2^-11); still deterministic, and a row's result does not depend on the other rows of the call,
-but it differs from exact=True. Any other call (fewer rows, a mask, F32 / Q8_0 caches, other head
+but it differs from exact=True. q elements beyond F16's range (|q| > 65504) become inf there (the
+target's q is RMS-normed first, so far inside it). Any other call (fewer rows, a mask, F32 / Q8_0 caches, other head
 dims, HIP) runs the exact kernel whatever `exact` says. For prefill only (Qwen35Model.prefill passes
 exact=False; verify and decode must stay exact).)doc");
 }

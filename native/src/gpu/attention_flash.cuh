@@ -7,7 +7,7 @@
 // HIP) runs the exact split-K kernel. NVIDIA only (mma.sync / ldmatrix / cp.async inline PTX, sm_80+):
 // SPECD_FLASH_ATTN is 0 on HIP. Also compiled for the host by tests/gpu/host_emu/attn_main.cpp
 // (SPECD_HOST_EMU: every warp-wide instruction emulated from the PTX ISA fragment layouts), which runs
-// the kernel's logic on the CPU against a numpy reference (tests/gpu/test_gpu_decoders_host.py).
+// the kernel's logic on the CPU against a numpy reference (tests/gpu/test_gpu_flash_attention_host.py).
 //
 // Row semantics: exactly cpu::attention's without a mask. Query row i (position q_pos[i]) sees the keys
 // j in [lo_i, hi_i), lo_i = max(0, q_pos[i] - window + 1) when window > 0 (else 0), hi_i = min(kv_len,
