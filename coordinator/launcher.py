@@ -5,7 +5,8 @@ temporary directory), the coordinator on ``--listen``. Each child is ``python -m
 <command> ...``, so each part can also be started alone with the same flags (that is how a Helm chart
 runs them). The launcher waits for each child's ``READY`` line, then forwards SIGTERM/SIGINT to the
 children (coordinator first, so it drains, then the workers, which unlink their shared memory) and
-exits with the first non-zero child status. ``--feature-transport`` and ``--ipc-streams`` /
+exits with the first non-zero child status. The children run in their own process groups, so a
+terminal's Ctrl-C reaches only the launcher (and drains like SIGTERM), and die with it if it is killed. ``--feature-transport`` and ``--ipc-streams`` /
 ``--no-ipc-streams`` (coordinator flags) also go to both workers: with ``--no-ipc-streams`` the workers
 open no IPC stream socket and the coordinator uses gRPC streams.
 
@@ -212,7 +213,29 @@ def add_arguments(p) -> None:
 
 def _child(argv: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "specd.coordinator.cli", *argv], stdout=subprocess.PIPE,
-                            text=True, start_new_session=False)
+                            text=True, preexec_fn=_own_group_dying_with_parent())
+
+
+def _own_group_dying_with_parent():
+    """The children's pre-exec step: each child gets its own process group, so a terminal's Ctrl-C
+    (SIGINT to the foreground group) reaches only the launcher, which then stops the children in
+    order (coordinator first: it drains the streams in flight) instead of every process dying at
+    once; on Linux each child also gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG), so none
+    outlives a killed launcher. libc is loaded here, before the fork (nothing is imported after it)."""
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def pre_exec():
+        os.setpgrp()
+        if prctl is not None:
+            prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:  # the launcher died before the prctl: nobody would stop us
+                os._exit(1)
+    return pre_exec
 
 
 class StartFailed(RuntimeError):

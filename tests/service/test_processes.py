@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -42,8 +43,9 @@ def _leaked_segments(before: set) -> list[str]:
     return leaked
 
 
-def _start(argv, timeout=120):
-    p = subprocess.Popen(CLI + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _start(argv, timeout=120, new_session=False):
+    p = subprocess.Popen(CLI + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=new_session)
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         line = p.stdout.readline()
@@ -82,7 +84,7 @@ def test_serve_and_generate_cli(target_gguf, reference, tmp_path):
                     "--metrics-port", str(mport), "--metrics-addr", "127.0.0.1",
                     "--scripted-continuations", str(cont), "--policy-step-ratio", "0",
                     "--capture-layers", ",".join(map(str, CAPTURE)), "--max-seq-len", "128", "--kv-dtype", "f32",
-                    "--runtime-dir", str(tmp_path / "rt")])
+                    "--runtime-dir", str(tmp_path / "rt")], new_session=True)  # its own group: Ctrl-C below
     try:
         with grpc.insecure_channel(sock) as ch:  # the hot path runs over both workers' IPC stream sockets
             info = gpbg.SpecDecodeStub(ch).GetModelInfo(gpb.GetModelInfoRequest(), timeout=30)
@@ -116,12 +118,18 @@ def test_serve_and_generate_cli(target_gguf, reference, tmp_path):
             body = resp.read().decode()
         assert 'specd_spec_accepted_tokens_total{drafter="scripted",model="condgen.gguf"} 7.0' in body
         assert "specd_requests_total" in body and "specd_request_ttft_seconds_bucket" in body
-        # drain: SIGTERM while a stream is in flight; it completes, then everything exits 0
+        # drain: Ctrl-C in serve's terminal (SIGINT to its whole process group) while a stream is in
+        # flight; only the launcher gets it (the children have their own groups: a worker stopping at
+        # once would cut a stream longer than its 2 s grace), the stream completes, then everything exits 0
+        children = Path(f"/proc/{serve.pid}/task/{serve.pid}/children")
+        if children.exists():  # Linux
+            kids = [int(c) for c in children.read_text().split()]
+            assert len(kids) == 3 and all(os.getpgid(k) == k for k in kids)
         gen = subprocess.Popen(CLI + ["generate", "--server", sock, "--token-ids", "5,5,5", "--max-tokens", "100",
                                       "--ignore-eos", "--ids", "--token-by-token"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         first = os.read(gen.stdout.fileno(), 1).decode()  # the stream has started (unbuffered read)
-        serve.send_signal(signal.SIGTERM)
+        os.killpg(serve.pid, signal.SIGINT)
         out, err = gen.communicate(timeout=120)
         assert gen.returncode == 0, err
         assert "completion=100" in err and len((first + out).split()) == 100, (err, first + out)
