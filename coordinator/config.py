@@ -49,7 +49,9 @@ class CoordinatorConfig:
         forwards it).
     release_timeout_s: per worker Release call, and how long close() waits for Releases still in
         flight before closing the worker channels, default 10 s.
-    health_timeout_s: per worker health Check of the readiness loop, default 2 s.
+    health_timeout_s: per worker health Check of the readiness loop, default 2 s; also bounds the IPC
+        probe at connect and each sequence's IPC connect + hello (a socket not answering by then is
+        given up for gRPC streams).
     max_request_id_bytes: longest request_id accepted (INVALID_ARGUMENT beyond), default 256.
     max_stop_strings: most stop strings per request, default 16; max_stop_string_bytes: longest one
         (UTF-8 bytes), default 256.
@@ -70,7 +72,8 @@ class CoordinatorConfig:
         the stream methods).
     ipc_streams: with worker_streams on, use a worker's IPC stream socket when its Info offers one and
         it can be reached from this host (a probe hello at connect, bounded by health_timeout_s), else
-        the gRPC streams (logged once per worker at connect), default on: the same messages as
+        the gRPC streams (logged once per worker at connect; a probe failure that may pass, a timeout
+        or RESOURCE_EXHAUSTED, is probed again by the readiness loop), default on: the same messages as
         length-prefixed frames on a Unix socket, about a quarter of a gRPC stream message's round
         trip (specd.target_worker.ipc_stream). ``--no-ipc-streams``: gRPC streams even when offered.
     plain_steps_per_call: plain decode steps the target worker runs per Verify call (a plain run,

@@ -8,7 +8,8 @@ children (coordinator first, so it drains, then the workers, which unlink their 
 exits with the first non-zero child status. The children run in their own process groups, so a
 terminal's Ctrl-C reaches only the launcher (and drains like SIGTERM), and die with it if it is killed. ``--feature-transport`` and ``--ipc-streams`` /
 ``--no-ipc-streams`` (coordinator flags) also go to both workers: with ``--no-ipc-streams`` the workers
-open no IPC stream socket and the coordinator uses gRPC streams.
+open no IPC stream socket and the coordinator uses gRPC streams; ``--no-worker-streams`` (unary calls,
+no stream at all) also sends ``--no-ipc-streams`` to the workers.
 
 Drafter: with ``--drafter D.gguf`` (DFlash, DSpark or DFlash 2) the target captures the drafter's
 ``target_layer_ids`` (read from D.gguf) and the drafter worker runs D.gguf bound to the target's
@@ -291,7 +292,8 @@ def run(args) -> int:
     own_rt = not args.runtime_dir
     os.makedirs(rt, exist_ok=True)
     tsock, dsock = f"unix://{rt}/target.sock", f"unix://{rt}/draft.sock"
-    ipc = "--ipc-streams" if ns.ipc_streams else "--no-ipc-streams"
+    # without worker streams the coordinator makes unary calls: a socket the workers opened would go unused
+    ipc = "--ipc-streams" if ns.ipc_streams and not getattr(ns, "no_worker_streams", False) else "--no-ipc-streams"
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,

@@ -261,6 +261,9 @@ async def read_status(reader: asyncio.StreamReader, max_bytes: int, what: str) -
     return status, await reader.readexactly(n - 1)
 
 
+OPEN_TIMEOUT_S = 2.0  # IpcStream's default bound on connect + hello (the coordinator passes health_timeout_s)
+
+
 async def probe_ipc(offer: IpcOffer, timeout: float) -> None:
     """Checks that this host reaches ``offer``'s socket and that the worker there takes its token: a
     hello with the probe method, answered ok (at most ``timeout`` seconds). Raises OSError / EOFError /
@@ -285,7 +288,13 @@ class IpcStream(SequenceStream):
     asyncio streams here), with :class:`WorkerStream`'s interface and semantics.
 
     The connection opens at the first call (a hello with the worker's token, answered once the stream
-    holds one of the worker's compute slots). Each call is bounded by the request's time left or,
+    holds one of the worker's compute slots; admission never waits for a slot, so the answer is
+    immediate from a live worker). Connect and hello together are bounded by ``open_timeout_s``: a
+    socket that is gone or refused, or a worker that does not answer the hello in time (a dead acceptor,
+    a stopped process), means the socket cannot be used; no request byte was sent then, so with a
+    ``fallback`` the sequence goes on over it (a gRPC :class:`WorkerStream`: the same call succeeds)
+    after ``on_lost(offer)`` is told (the coordinator's :meth:`Coordinator._ipc_failed`), and without
+    one the call raises UNAVAILABLE. Each call is bounded by the request's time left or,
     without a deadline, ``worker_timeout_s``: a timer aborts the connection and the call raises
     DEADLINE_EXCEEDED. A worker's error frame maps like the gRPC stream's status (:func:`status_error`;
     e.g. RESOURCE_EXHAUSTED for a refused slot); a socket that is gone, refused or reset ->
@@ -296,13 +305,22 @@ class IpcStream(SequenceStream):
         worker_timeout_s: per-call bound without a request deadline (seconds, > 0).
         max_message_bytes: largest request or answer (internal_max_message_bytes; RESOURCE_EXHAUSTED
             for a larger request, like gRPC).
+        open_timeout_s: bound on connect + hello (the coordinator's health_timeout_s; default
+            OPEN_TIMEOUT_S), far below worker_timeout_s so a dead socket is found before the request's
+            budget is spent.
+        fallback: makes the stream that takes over when the socket cannot be opened (None: UNAVAILABLE).
+        on_lost: called with ``offer`` when the socket could not be opened.
     """
 
-    __slots__ = ("offer", "max_bytes", "reader", "writer", "loop", "expired")
+    __slots__ = ("offer", "max_bytes", "reader", "writer", "loop", "expired", "open_timeout_s", "fallback",
+                 "on_lost", "instead")
 
-    def __init__(self, offer: IpcOffer, worker_timeout_s: float, max_message_bytes: int):
+    def __init__(self, offer: IpcOffer, worker_timeout_s: float, max_message_bytes: int,
+                 open_timeout_s: float = OPEN_TIMEOUT_S, fallback=None, on_lost=None):
         self.offer, self.what, self.worker_timeout_s = offer, offer.method.what, worker_timeout_s
-        self.max_bytes = max_message_bytes
+        self.max_bytes, self.open_timeout_s = max_message_bytes, open_timeout_s
+        self.fallback, self.on_lost = fallback, on_lost
+        self.instead: SequenceStream | None = None  # the fallback stream once the socket failed to open
         self.reader = self.writer = None  # the asyncio streams once opened
         self.loop = None  # its event loop (asyncio.get_running_loop() costs a getpid() system call)
         self.expired = False
@@ -316,21 +334,48 @@ class IpcStream(SequenceStream):
         if writer is not None:
             writer.transport.abort()
 
-    async def _open(self, left: float) -> None:
-        """Connects (bounded by ``left`` seconds) and says hello; raises like :meth:`call`."""
-        try:
-            self.reader, self.writer = await asyncio.wait_for(asyncio.open_unix_connection(self.offer.path), left)
-        except asyncio.TimeoutError:
-            self.expired = True
-            raise
+    async def _hello(self) -> tuple[int, bytes]:
+        """Connects and says hello; returns the worker's answer (status byte, rest)."""
+        self.reader, self.writer = await asyncio.open_unix_connection(self.offer.path)
         self.writer.write(hello_frame(self.offer.token, self.offer.method.id))
-        status, body = await read_status(self.reader, self.max_bytes, self.what)
+        return await read_status(self.reader, self.max_bytes, self.what)
+
+    async def _open(self, left: float) -> bool:
+        """Opens the connection within min(``left``, open_timeout_s). False when the socket cannot be
+        used (connect error, EOF or no answer to the hello in time: nothing of the request was sent;
+        the connection is closed); DEADLINE_EXCEEDED when the request's own budget ran out first; a
+        worker's refusal (error frame) raises like :meth:`call`."""
+        bound = min(left, self.open_timeout_s)
+        try:
+            status, body = await asyncio.wait_for(self._hello(), bound)
+        except (OSError, EOFError, asyncio.TimeoutError) as exc:
+            self._abort()
+            if isinstance(exc, asyncio.TimeoutError) and (self.expired or bound >= left):
+                self.expired = True  # the call's budget, not the worker's hello bound, ran out
+                raise
+            log.debug("%s: IPC stream socket %s cannot be opened: %s", self.what, self.offer.path,
+                      exc or type(exc).__name__)
+            return False
         if status:
             raise status_error(*parse_error(body), self.what)
+        return True
+
+    async def _fall_back(self, msg, deadline: float | None):
+        """The socket could not be opened: tells ``on_lost`` and sends ``msg`` (and the rest of the
+        sequence) over the fallback stream, or raises UNAVAILABLE without one."""
+        if self.on_lost is not None:
+            self.on_lost(self.offer)
+        if self.fallback is None:
+            raise status_error(grpc.StatusCode.UNAVAILABLE, f"IPC stream socket {self.offer.path} cannot be "
+                                                            f"opened within {self.open_timeout_s} s", self.what)
+        self.instead = self.fallback()
+        return await self.instead.call(msg, deadline)
 
     async def call(self, msg, deadline: float | None):
         """Sends ``msg`` and returns the worker's response. ``deadline``: time.monotonic() seconds or
         None. Raises RequestError (see the class docstring)."""
+        if self.instead is not None:
+            return await self.instead.call(msg, deadline)
         left = self._budget(deadline)
         data = msg.SerializeToString()
         if len(data) > self.max_bytes:
@@ -341,9 +386,10 @@ class IpcStream(SequenceStream):
         self.expired = False
         timer = self.loop.call_later(left, self._expire)
         try:
-            if self.writer is None:
-                await self._open(left)
-            self.writer.write(FRAME.pack(len(data)) + data)
+            if self.writer is None and not await self._open(left):
+                timer.cancel()  # the fallback stream bounds its own call
+                return await self._fall_back(msg, deadline)
+            self.writer.writelines((FRAME.pack(len(data)), data))  # no joined copy of a large request
             await self.writer.drain()  # returns at once unless a large message filled the socket buffer
             status, body = await read_status(self.reader, self.max_bytes, self.what)
             if status:
@@ -367,7 +413,11 @@ class IpcStream(SequenceStream):
     async def close(self, ok: bool, timeout: float | None = None) -> None:
         """Half-closes the connection and waits (at most ``timeout`` seconds) for the worker to close
         its end, i.e. for its handler to return and free the compute slot (``ok``: the request ended
-        normally), or closes it at once; never raises and never leaves the connection open."""
+        normally), or closes it at once; never raises and never leaves the connection open. After a
+        fall-back, closes the fallback stream instead."""
+        if self.instead is not None:
+            await self.instead.close(ok, timeout)
+            return
         writer = self.writer
         if writer is None:
             return
@@ -379,6 +429,15 @@ class IpcStream(SequenceStream):
             pass
         finally:
             self._abort()
+
+
+def _transient(exc: Exception) -> bool:
+    """Whether a failed IPC probe may succeed later: no answer in time (a worker still warming up),
+    all connections or slots taken (RESOURCE_EXHAUSTED), a worker stopping (UNAVAILABLE), a full
+    backlog (BlockingIOError). A missing socket or a refused token stays as it is."""
+    if isinstance(exc, RequestError):
+        return exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+    return isinstance(exc, (asyncio.TimeoutError, BlockingIOError))
 
 
 class _Live:
@@ -470,7 +529,10 @@ class Coordinator(gpbg.SpecDecodeServicer):
         """Sets ``hot_path[worker]`` (and ``ipc_offers[method.what]`` for "ipc-stream"): the worker's
         IPC stream socket when worker_streams and ipc_streams are on, its Info offers one and a probe
         hello from this host is answered ok; else gRPC streams, or unary calls without worker_streams.
-        Logs the choice, with the reason when an offered socket is not used."""
+        A probe failure that may pass (:func:`_transient`: no answer in time while the worker warms up,
+        all its connections taken) puts the worker in ``_ipc_lost``, so the readiness loop probes it
+        again; one that will not (another host's path, a wrong token) does not. Logs the choice, with
+        the reason when an offered socket is not used."""
         addr = self.cfg.target if worker == "target" else self.cfg.drafter
         if not self.cfg.worker_streams:
             kind, why = "unary", "--no-worker-streams"
@@ -485,14 +547,18 @@ class Coordinator(gpbg.SpecDecodeServicer):
             except (OSError, EOFError, asyncio.TimeoutError, RequestError) as exc:  # another host, no permission
                 kind = "grpc-stream"
                 why = f"its IPC stream socket {offer.path} cannot be used from here: {type(exc).__name__}: {exc}"
+                if _transient(exc):
+                    self._ipc_lost.add(worker)
+                    why += "; probed again by the readiness loop"
             else:
                 self._set_hot_path(worker, "ipc-stream", method, offer)
                 log.info("coordinator: %s worker at %s: hot path over its IPC stream socket %s", worker, addr,
                          offer.path)
                 return
+        same = self.hot_path[worker] == kind  # a re-probe that changed nothing: not worth an INFO line each round
         self._set_hot_path(worker, kind, method)
-        log.info("coordinator: %s worker at %s: hot path over %s (%s)", worker, addr,
-                 "gRPC streams" if kind == "grpc-stream" else "unary calls", why)
+        log.log(logging.DEBUG if same else logging.INFO, "coordinator: %s worker at %s: hot path over %s (%s)", worker,
+                addr, "gRPC streams" if kind == "grpc-stream" else "unary calls", why)
 
     def _set_hot_path(self, worker: str, kind: str, method: IpcMethod, offer: IpcOffer | None = None) -> None:
         """Records ``worker``'s hot-path transport ``kind`` (with its IPC ``offer`` for "ipc-stream")
@@ -942,7 +1008,10 @@ class Coordinator(gpbg.SpecDecodeServicer):
         socket when connect chose it, else the gRPC stream ``grpc_method``."""
         offer = self.ipc_offers.get(what)
         if offer is not None:
-            return IpcStream(offer, self.cfg.worker_timeout_s, self.cfg.internal_max_message_bytes)
+            return IpcStream(offer, self.cfg.worker_timeout_s, self.cfg.internal_max_message_bytes,
+                             self.cfg.health_timeout_s,
+                             fallback=lambda: WorkerStream(grpc_method, what, self.cfg.worker_timeout_s),
+                             on_lost=self._ipc_failed)
         return WorkerStream(grpc_method, what, self.cfg.worker_timeout_s)
 
     async def _written(self, writing: asyncio.Future) -> None:

@@ -45,7 +45,7 @@ import numpy as np
 from specd.protos.v1 import worker_pb2 as pb
 from specd.protos.v1 import worker_pb2_grpc as pbg
 from specd.target_worker.feature_shm import FeatureHandleInfo, attach_reader, shm_namespace_id
-from specd.target_worker.ipc_stream import PROPOSE_STREAM, ipc_info, ipc_path
+from specd.target_worker.ipc_stream import IDLE_TIMEOUT_S, PROPOSE_STREAM, ipc_info, ipc_path
 
 from .model import DEFAULT_MARKOV, MARKOV_MODES
 
@@ -190,6 +190,8 @@ class DraftWorkerConfig:
         directory, offered with a random token in Info (:mod:`specd.target_worker.ipc_stream`; a
         co-located coordinator's hot path then skips gRPC), default True. At most ``threads``
         connections at once; removed when the server stops. ``--no-ipc-streams``: gRPC only.
+    ipc_idle_timeout_s: an IPC stream with no new request for this long is closed and its compute
+        slot freed (as target_worker.server.TargetWorkerConfig.ipc_idle_timeout_s). Default 80; > 0.
     """
 
     drafter: str = ""
@@ -214,14 +216,16 @@ class DraftWorkerConfig:
     target_worker: str = ""
     target_watch_s: float = 2.0
     ipc_streams: bool = True
+    ipc_idle_timeout_s: float = IDLE_TIMEOUT_S
 
     def validate(self) -> None:
         from specd.target_worker.feature_inline import check_transport
-        from specd.target_worker.server import check_bool
+        from specd.target_worker.server import check_bool, check_idle_timeout
         from specd.target_worker.shared_weights import check_share_mode
 
         check_transport(self.feature_transport, "draft-worker")
         check_bool(self.ipc_streams, "ipc_streams", "draft-worker")
+        check_idle_timeout(self.ipc_idle_timeout_s, "draft-worker")
         check_share_mode(self.share_target_weights, "draft-worker")
         if not self.target_watch_s > 0:
             raise ValueError(f"draft-worker: --target-watch-s must be > 0, got {self.target_watch_s}")
@@ -497,7 +501,8 @@ class DraftServicer(pbg.DraftWorkerServicer):
 
 
 def start_server(servicer: DraftServicer, listen: str, threads: int = 72, max_message_bytes: int = 256 << 20,
-                 max_concurrent_rpcs: int = 0, ipc_streams: bool = True):
+                 max_concurrent_rpcs: int = 0, ipc_streams: bool = True,
+                 ipc_idle_timeout_s: float = IDLE_TIMEOUT_S):
     """Starts the drafter worker's server (Propose admitted by compute slots; the idle reaper when the
     servicer has a TTL; the ProposeStream also on an IPC stream socket with ``ipc_streams``; see
     target_worker.server.start_worker_server); returns (server, bound port)."""
@@ -505,7 +510,7 @@ def start_server(servicer: DraftServicer, listen: str, threads: int = 72, max_me
 
     return start_worker_server(servicer, listen, pbg.add_DraftWorkerServicer_to_server, SERVICE_NAME,
                                "draft-worker", threads, max_message_bytes, max_concurrent_rpcs, servicer.idle_ttl_s,
-                               PROPOSE_STREAM if ipc_streams else None)
+                               PROPOSE_STREAM if ipc_streams else None, ipc_idle_timeout_s)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -610,11 +615,12 @@ def run(args) -> int:
                             shutdown_grace_s=args.shutdown_grace_s, feature_transport=args.feature_transport,
                             share_target_weights=getattr(args, "share_target_weights", "auto"),
                             target_worker=getattr(args, "target_worker", ""),
-                            target_watch_s=getattr(args, "target_watch_s", 2.0), ipc_streams=args.ipc_streams)
+                            target_watch_s=getattr(args, "target_watch_s", 2.0), ipc_streams=args.ipc_streams,
+                            ipc_idle_timeout_s=getattr(args, "ipc_idle_timeout_s", IDLE_TIMEOUT_S))
     cfg.validate()
     servicer = DraftServicer(make_drafter(cfg), cfg.idle_ttl_s, cfg.tombstone_cap, cfg.feature_transport)
     server, _ = start_server(servicer, cfg.listen, cfg.threads or 72, cfg.max_message_bytes, cfg.max_concurrent_rpcs,
-                             cfg.ipc_streams)
+                             cfg.ipc_streams, cfg.ipc_idle_timeout_s)
     servicer.health = server.health
     head = getattr(servicer.drafter, "shared_head", None)
     if head is not None:

@@ -11,7 +11,10 @@ Set-up (:class:`IpcStreamServer`, started by ``start_worker_server`` unless ``--
 private directory (``tempfile.mkdtemp``, mode 0700) holding ``stream.sock`` (AF_UNIX, SOCK_STREAM)
 and a random 16-byte token, both published in Info (``ipc_stream_socket`` / ``ipc_stream_token``):
 only a peer that may call Info over gRPC and can open the directory (same host, same user or root)
-gets in.
+gets in. The directory is made under the temp directory (TMPDIR), or under SHORT_BASE when that path
+would not fit a Unix socket address (SUN_PATH_MAX). A socket that cannot be set up at all does not stop
+the worker: :func:`serve_ipc_streams` logs a warning with the reason and the worker serves without IPC
+(its Info offers no socket; coordinators use gRPC streams).
 
 Protocol, version 1 (integers little-endian):
 
@@ -25,9 +28,11 @@ Protocol, version 1 (integers little-endian):
 * Then each client frame is one serialized VerifyRequest / ProposeRequest, and each answer, in order,
   a status frame: u8 0 | the serialized VerifyResponse / ProposeResponse (ok), or u8 1 | u32 gRPC
   status code value | UTF-8 details (error; the worker closes the connection after it).
-* The client ends the stream by half-closing (``shutdown(SHUT_WR)``): the handler returns and the
-  worker closes the connection. A client that closes at once cancels it (a plain run in progress stops
-  at its next step: ``context.is_active()``).
+* The client ends the stream by half-closing (``shutdown(SHUT_WR)``): the requests already sent are
+  answered (a plain run in progress runs all its steps, as after gRPC's ``done_writing``), then the
+  handler returns and the worker closes the connection. A client that closes its socket entirely
+  cancels the stream (a plain run in progress stops at its next step: ``context.is_active()`` sees the
+  hang-up).
 
 Semantics are the gRPC stream's (worker.proto header): each request is answered by the servicer's
 ``_verify`` / ``_propose`` with an :class:`IpcContext` standing in for the gRPC context (``abort``,
@@ -39,12 +44,23 @@ connections than ``max_connections`` -> RESOURCE_EXHAUSTED, an unparsable reques
 
 Bounds: at most ``max_connections`` connections (the worker's RPC thread count), each served by one
 thread (kept for later connections, like gRPC's pool threads: :meth:`IpcStreamServer._worker`);
-the hello must arrive within HELLO_TIMEOUT_S; a write the client does not take within
+the whole hello must arrive within HELLO_TIMEOUT_S of the accept (one deadline over all its reads, so
+a client trickling bytes cannot hold a connection); a write the client does not take within
 WRITE_TIMEOUT_S ends the connection (SO_SNDTIMEO; a peer process that dies closes its end at once, so
-this covers a live peer that stopped reading). Waiting for the next request has no time limit, as
-on the gRPC stream. :meth:`IpcStreamServer.close` (the wrapped ``server.stop``) refuses new
-connections, gives open ones the stop's grace, cuts the rest, joins the threads (bounded) and removes
-the socket and its directory (also at interpreter exit when close was never called).
+this covers a live peer that stopped reading); a connection with no new request for ``idle_timeout_s``
+(the workers' ``--ipc-idle-timeout-s``, default IDLE_TIMEOUT_S = gRPC keepalive's 80 s) gets a
+DEADLINE_EXCEEDED error frame and is closed, which frees its compute slot and thread (SO_RCVTIMEO: the
+liveness bound gRPC's keepalive gives its streams, for a coordinator that hangs without closing). The
+acceptor survives a failed accept() (EMFILE, ENOBUFS: logged, retried after ACCEPT_RETRY_S); it ends
+only at close().
+
+:meth:`IpcStreamServer.close` refuses new connections, gives open ones the stop's grace, cuts the
+rest and removes the socket and its directory (also at interpreter exit when close was never called).
+It blocks: up to JOIN_TIMEOUT_S for the acceptor thread, then ``grace_s`` plus up to JOIN_TIMEOUT_S
+for the connections to leave their handlers (their threads end right after; idle ones are woken to
+exit and not joined). The wrapped ``server.stop(grace)`` (:func:`serve_ipc_streams`) starts the gRPC
+stop first and returns gRPC's Event, but only after this close returned, i.e. it blocks up to
+``grace + 2 * JOIN_TIMEOUT_S`` where gRPC's own stop returns at once.
 """
 from __future__ import annotations
 
@@ -60,6 +76,7 @@ import socket
 import struct
 import tempfile
 import threading
+import time
 import weakref
 
 import grpc
@@ -77,7 +94,13 @@ STATUS = struct.Struct("<IB")  # length prefix + status byte of a status frame
 ERROR = struct.Struct("<BI")  # an error frame's payload head: status 1, gRPC status code value
 HELLO = struct.Struct(f"<I{len(MAGIC)}s{TOKEN_BYTES}sB")  # the hello frame: length, magic, token, method
 OK_FRAME = STATUS.pack(1, 0)  # a status frame without a body: the hello's answer
-HELLO_TIMEOUT_S = 10.0  # a connection must say hello within this (it holds a connection thread meanwhile)
+HELLO_TIMEOUT_S = 10.0  # a connection's whole hello must arrive within this (it holds a connection thread meanwhile)
+IDLE_TIMEOUT_S = 80.0  # default wait for a stream's next request: gRPC keepalive's bound on a silent peer
+ACCEPT_RETRY_S = 0.1  # pause after a failed accept() (EMFILE...): the backlog waits, the thread is kept
+SUN_PATH_MAX = 107  # longest Unix socket path (Linux sun_path is 108 bytes with the NUL)
+SHORT_BASE = "/tmp"  # the socket directory's base when the temp directory's path is too long for one
+DIR_PREFIX = "specd-ipc-"
+DISCARD_BYTES = 1 << 20  # unread input dropped before closing a connection after an error frame
 WRITE_TIMEOUT_S = 20.0  # a peer that takes no data for this long is dropped (the gRPC side's keepalive ack bound)
 JOIN_TIMEOUT_S = 5.0  # close(): how long connections cut off get to end their thread
 
@@ -145,16 +168,12 @@ class IpcContext:
         raise IpcAbort(code, details)
 
     def is_active(self) -> bool:
-        """False once the client closed or cancelled the stream. One poll(0) system call while
-        nothing is pending; a readable socket is peeked (EOF = closed, data = the next request)."""
-        if not self.poller.poll(0):
-            return True
-        try:
-            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
+        """False once the client closed its socket (cancel) or the connection broke: POLLHUP /
+        POLLERR. A half-close (SHUT_WR, the stream's normal end) is only EOF to read, with no hang-up:
+        the stream stays active and the requests already sent run to their end, as after gRPC's
+        done_writing. One poll(0) system call."""
+        events = self.poller.poll(0)
+        return not events or not events[0][1] & (select.POLLHUP | select.POLLERR)
 
 
 class IpcStreamServer:
@@ -169,14 +188,17 @@ class IpcStreamServer:
         name: the worker's name in logs and errors ("target-worker").
         max_message_bytes: largest request frame accepted and response sent (> 0).
         max_connections: connections at once, more are refused with RESOURCE_EXHAUSTED (> 0).
+        idle_timeout_s: a stream with no new request for this long is closed (> 0; module docstring).
 
-    Raises RuntimeError naming the path when the socket cannot be created (the directory is removed).
+    Raises RuntimeError naming the reason when the socket cannot be created (no directory is left).
     """
 
-    def __init__(self, servicer, method: IpcMethod, name: str, max_message_bytes: int, max_connections: int):
+    def __init__(self, servicer, method: IpcMethod, name: str, max_message_bytes: int, max_connections: int,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S):
         self.servicer, self.method, self.name = servicer, method, name
         self.max_message_bytes, self.max_connections = max_message_bytes, max_connections
-        self.dir = tempfile.mkdtemp(prefix="specd-ipc-")  # mode 0700: only this user (and root) reach the socket
+        self.idle_timeout_s = idle_timeout_s
+        self.dir = _socket_dir(name)  # mode 0700: only this user (and root) reach the socket
         self._remove_dir = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)  # also at exit
         self.path = os.path.join(self.dir, "stream.sock")
         self.token = secrets.token_bytes(TOKEN_BYTES)
@@ -187,15 +209,18 @@ class IpcStreamServer:
         self.idle = 0  # connection threads waiting for their next connection on ``pending``
         self.pending: queue.SimpleQueue = queue.SimpleQueue()  # at most ``idle`` entries; None = exit
         self.closed = False
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:  # EMFILE...
+            self._remove_dir()
+            raise RuntimeError(f"{name}: cannot create the IPC stream socket: {exc}") from None
         try:
             self.listener.bind(self.path)
             self.listener.listen(max(16, max_connections))
         except OSError as exc:
             self.listener.close()
             self._remove_dir()
-            raise RuntimeError(f"{name}: cannot listen on the IPC stream socket {self.path}: {exc} "
-                               "(--no-ipc-streams serves the streams over gRPC only)") from None
+            raise RuntimeError(f"{name}: cannot listen on the IPC stream socket {self.path}: {exc}") from None
         self.acceptor = threading.Thread(target=self._accept_loop, name=f"specd-ipc-accept-{method.what}",
                                          daemon=True)
         self.acceptor.start()
@@ -203,11 +228,23 @@ class IpcStreamServer:
             servicer.ipc_stream = self
 
     def _accept_loop(self) -> None:
+        """Accepts until close(). A failed accept() while open (EMFILE, ENOBUFS, ECONNABORTED) is
+        transient: returning would leave the socket bound with nobody accepting, and new connections
+        would hang in the backlog; so it is logged (once per run of failures) and retried."""
+        failing = False
         while True:
             try:
                 conn, _ = self.listener.accept()
-            except OSError:  # close() shut the listener down
-                return
+            except OSError as exc:
+                if self.closed:  # close() shut the listener down
+                    return
+                if not failing:
+                    log.warning("%s: accept on the IPC stream socket failed (%s); retrying every %.1f s",
+                                self.name, exc, ACCEPT_RETRY_S)
+                failing = True
+                time.sleep(ACCEPT_RETRY_S)
+                continue
+            failing = False
             with self.lock:
                 admitted = not self.closed and len(self.conns) < self.max_connections
                 if admitted:
@@ -258,12 +295,15 @@ class IpcStreamServer:
         responses = None
         reader = conn.makefile("rb")
         try:
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(WRITE_TIMEOUT_S), 0))
-            conn.settimeout(HELLO_TIMEOUT_S)
-            if self._hello(reader) == PROBE:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(WRITE_TIMEOUT_S))
+            method = self._hello(conn, time.monotonic() + HELLO_TIMEOUT_S)
+            conn.settimeout(None)  # blocking again: writes are bounded by SO_SNDTIMEO
+            if method == PROBE:
                 conn.sendall(OK_FRAME)
                 return
-            conn.settimeout(None)  # blocking: the next request may take as long as the client's step
+            # A read waiting longer than idle_timeout_s fails with EAGAIN (the reader returns None /
+            # a short read): the coordinator is gone or hung (module docstring).
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.idle_timeout_s))
             ctx = IpcContext(conn)
             responses = self.servicer.slots.stream(ctx, getattr(self.servicer, self.method.handler),
                                                    self._requests(conn, reader))
@@ -273,9 +313,10 @@ class IpcStreamServer:
                     raise IpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: response of {len(body)} "
                                                                        f"bytes exceeds max_message_bytes "
                                                                        f"{self.max_message_bytes}")
-                conn.sendall(STATUS.pack(len(body) + 1, 0) + body)
+                send_parts(conn, (STATUS.pack(len(body) + 1, 0), body))
         except IpcAbort as exc:
             _send_quietly(conn, error_frame(exc.code, exc.details))
+            _discard_input(conn)
         except OSError as exc:  # the client went away, or stopped reading for WRITE_TIMEOUT_S
             log.debug("%s: IPC %s stream ended: %s", self.name, self.method.what, exc)
         except Exception as exc:  # noqa: BLE001 - a handler bug: INTERNAL to the client, logged here
@@ -288,26 +329,32 @@ class IpcStreamServer:
 
     def _frame_length(self, reader, what: str) -> int | None:
         """The next frame's length, or None at a clean end of stream; IpcAbort when it exceeds
-        max_message_bytes."""
+        max_message_bytes, or with DEADLINE_EXCEEDED when no frame started within idle_timeout_s."""
         head = reader.read(FRAME.size)
-        if len(head) < FRAME.size:
-            return None
-        (n,) = FRAME.unpack(head)
+        if head is None:  # the SO_RCVTIMEO idle bound passed with nothing read (EAGAIN)
+            raise IpcAbort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name}: no {what} for {self.idle_timeout_s} s "
+                                                              "(--ipc-idle-timeout-s); the IPC stream is closed")
+        return None if len(head) < FRAME.size else self._check_length(FRAME.unpack(head)[0], what)
+
+    def _check_length(self, n: int, what: str) -> int:
         if n > self.max_message_bytes:
             raise IpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"{self.name}: {what} frame of {n} bytes exceeds max_message_bytes {self.max_message_bytes}")
         return n
 
-    def _hello(self, reader) -> int:
-        """Reads and checks the hello; returns its method (PROBE or this server's). IpcAbort on a bad
-        one, OSError (socket.timeout) when it does not come in time."""
-        n = self._frame_length(reader, "hello")
-        want = HELLO.size - FRAME.size
-        if n is None:
+    def _hello(self, conn: socket.socket, deadline: float) -> int:
+        """Reads and checks the hello (all of it by ``deadline``, time.monotonic()); returns its method
+        (PROBE or this server's). IpcAbort on a bad one, OSError (socket.timeout) when it does not
+        come in time. Read from the socket itself, exactly its bytes, so the stream's buffered reader
+        starts at the first request."""
+        head = _recv_by(conn, FRAME.size, deadline)
+        if len(head) < FRAME.size:
             raise OSError("closed before its hello")
+        n = self._check_length(FRAME.unpack(head)[0], "hello")
+        want = HELLO.size - FRAME.size
         if n != want:
             raise IpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: IPC hello of {n} bytes, expected {want}")
-        data = reader.read(n)
+        data = _recv_by(conn, n, deadline)
         if len(data) < n:
             raise OSError("closed inside its hello")
         _, magic, token, method = HELLO.unpack(FRAME.pack(n) + data)
@@ -332,7 +379,7 @@ class IpcStreamServer:
             if n is None:
                 return
             data = reader.read(n)
-            if len(data) < n:
+            if data is None or len(data) < n:  # closed mid-frame, or stalled there for idle_timeout_s
                 return
             try:
                 request = parse(data)
@@ -343,9 +390,11 @@ class IpcStreamServer:
             yield request
 
     def close(self, grace_s: float = 0.0) -> None:
-        """Stops accepting, lets open connections end on their own for ``grace_s`` seconds, shuts the
-        others down, waits (at most JOIN_TIMEOUT_S) for their threads and removes the socket and its
-        directory. Idempotent."""
+        """Stops accepting (waits at most JOIN_TIMEOUT_S for the acceptor thread), lets open
+        connections end on their own for ``grace_s`` seconds, shuts the others down, waits at most
+        JOIN_TIMEOUT_S more for them to leave their handlers (their threads exit right after; idle
+        threads are woken to exit, not joined) and removes the socket and its directory. Blocks up to
+        grace_s + 2 * JOIN_TIMEOUT_S. Idempotent."""
         with self.lock:
             if self.closed:
                 return
@@ -375,6 +424,71 @@ class IpcStreamServer:
         self._remove_dir()
 
 
+def _timeval(seconds: float) -> bytes:
+    """A struct timeval for SO_SNDTIMEO / SO_RCVTIMEO."""
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+def _recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
+    """Exactly ``n`` bytes from ``conn`` (fewer at EOF), all by ``deadline`` (time.monotonic()):
+    the time left is set before each recv, so a peer sending a byte at a time cannot stretch it.
+    socket.timeout once it passes."""
+    buf = b""
+    while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout(f"no complete hello within {HELLO_TIMEOUT_S} s")
+        conn.settimeout(left)
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+def send_parts(conn: socket.socket, parts) -> None:
+    """sendall of the concatenation of ``parts`` without building it (one copy of a large answer
+    less): sendmsg gathers them; a partial send goes on from where it stopped. Raises OSError like
+    sendall (SO_SNDTIMEO's EAGAIN included)."""
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        sent = conn.sendmsg(views)
+        if sent <= 0:  # a blocking stream socket sends something or raises: never loop without progress
+            raise OSError("sendmsg sent nothing")
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0], sent = views[0][sent:], 0
+
+
+def _socket_dir(name: str) -> str:
+    """A new private directory for the socket: under the temp directory, or under SHORT_BASE when the
+    socket path there would exceed SUN_PATH_MAX (a long TMPDIR). RuntimeError naming the reason when
+    neither works (the caller serves without IPC)."""
+    base = tempfile.gettempdir()
+    if len(os.path.join(base, DIR_PREFIX + "x" * 8, "stream.sock")) > SUN_PATH_MAX:  # mkdtemp adds 8 chars
+        base = SHORT_BASE
+    try:
+        return tempfile.mkdtemp(prefix=DIR_PREFIX, dir=base)
+    except OSError as exc:
+        raise RuntimeError(f"{name}: cannot create the IPC stream socket's directory under {base}: {exc}") from None
+
+
+def _discard_input(conn: socket.socket) -> None:
+    """Reads (at most DISCARD_BYTES of) what the client sent and nobody will read, without waiting: a
+    Unix socket closed with unread input resets the connection, and the client would get ECONNRESET
+    instead of the error frame's clean end."""
+    try:
+        conn.setblocking(False)
+        for _ in range(DISCARD_BYTES >> 16):
+            if not conn.recv(1 << 16):
+                return
+    except OSError:  # nothing more pending (BlockingIOError), or the client is gone
+        pass
+
+
 def _send_quietly(conn: socket.socket, data: bytes) -> None:
     """Sends a last frame to a connection that is about to be closed (the peer may be gone)."""
     try:
@@ -396,11 +510,19 @@ def ipc_path(server) -> str:
 
 
 def serve_ipc_streams(server, servicer, method: IpcMethod, name: str, max_message_bytes: int,
-                      max_connections: int) -> IpcStreamServer:
+                      max_connections: int, idle_timeout_s: float = IDLE_TIMEOUT_S) -> IpcStreamServer | None:
     """Starts an :class:`IpcStreamServer` for ``servicer`` beside the grpc.Server ``server`` and ties its
     life to it: ``server.stop(grace)`` also closes it (after starting the gRPC stop, so both drain at
-    once), on every path that stops the server (serve_forever's SIGTERM, tests). Returns it."""
-    ipc = IpcStreamServer(servicer, method, name, max_message_bytes, max_connections)
+    once), on every path that stops the server (serve_forever's SIGTERM, tests). The wrapped stop
+    blocks until the IPC side is closed (up to grace + 2 * JOIN_TIMEOUT_S, :meth:`IpcStreamServer.close`)
+    and then returns gRPC's Event. Returns the IpcStreamServer, or None when the socket cannot be set
+    up: IPC is an optimisation on by default, so a warning names the reason and the worker serves
+    its streams over gRPC only (Info offers no socket)."""
+    try:
+        ipc = IpcStreamServer(servicer, method, name, max_message_bytes, max_connections, idle_timeout_s)
+    except RuntimeError as exc:
+        log.warning("%s: serving without an IPC stream socket (streams over gRPC only): %s", name, exc)
+        return None
     grpc_stop = server.stop
 
     def stop(grace=None):

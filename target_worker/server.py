@@ -46,7 +46,7 @@ from specd.coordinator.ddtree import walk_tree
 
 from .feature_inline import InlineFeatureWriter, check_transport, encode_rows, inline_max_rows
 from .feature_shm import FeatureWriter, ShmExhausted, shm_namespace_id
-from .ipc_stream import VERIFY_STREAM, IpcMethod, ipc_info, ipc_path, serve_ipc_streams
+from .ipc_stream import IDLE_TIMEOUT_S, VERIFY_STREAM, IpcMethod, ipc_info, ipc_path, serve_ipc_streams
 
 log = logging.getLogger("specd.target_worker")
 
@@ -106,6 +106,10 @@ class TargetWorkerConfig:
         offered with a random token in Info (:mod:`.ipc_stream`; a co-located coordinator's hot path
         then skips gRPC), default True. At most ``rpc_threads`` connections at once; the socket and
         its directory are removed when the server stops. ``--no-ipc-streams``: gRPC only.
+    ipc_idle_timeout_s: an IPC stream with no new request for this long is closed and its compute
+        slot freed (a coordinator that hangs without closing; gRPC streams get the same from keepalive,
+        whose bound is also 80 s). Default 80; > 0, and longer than any pause of the coordinator between
+        a sequence's steps (its send_stall_timeout_s, 60 s by default).
     """
 
     target: str = ""
@@ -130,11 +134,13 @@ class TargetWorkerConfig:
     shutdown_grace_s: float = 2.0
     feature_transport: str = "shm"
     ipc_streams: bool = True
+    ipc_idle_timeout_s: float = IDLE_TIMEOUT_S
 
     def validate(self) -> None:
         if not self.target:
             raise ValueError("target-worker: --target is required")
         check_bool(self.ipc_streams, "ipc_streams", "target-worker")
+        check_idle_timeout(self.ipc_idle_timeout_s, "target-worker")
         check_transport(self.feature_transport, "target-worker")
         for name in ("max_verify", "max_sequences", "prefill_chunk", "max_message_bytes", "tombstone_cap",
                      "max_graphs"):
@@ -163,6 +169,12 @@ class TargetWorkerConfig:
     @property
     def rpc_threads(self) -> int:
         return self.threads or self.max_sequences + 8
+
+
+def check_idle_timeout(value, who: str) -> None:
+    """ValueError unless ``value`` (ipc_idle_timeout_s) is a number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{who}: ipc_idle_timeout_s must be a number > 0, got {value!r}")
 
 
 def check_bool(value, name: str, who: str) -> None:
@@ -737,13 +749,14 @@ def new_server(threads: int, max_message_bytes: int, max_concurrent_rpcs: int = 
 
 def start_worker_server(servicer, listen: str, register, service: str, name: str, threads: int,
                         max_message_bytes: int, max_concurrent_rpcs: int, idle_ttl_s: float,
-                        ipc_method: IpcMethod | None = None):
+                        ipc_method: IpcMethod | None = None, ipc_idle_timeout_s: float = IDLE_TIMEOUT_S):
     """Starts a worker's grpc.Server: ``register(servicer, server)`` adds its service, a health
     service reports ``service`` (and "") SERVING, compute calls are admitted by ComputeSlots, and an
     IdleReaper runs when ``idle_ttl_s`` > 0. With ``ipc_method`` the stream method is also served on
     an IPC stream socket (:func:`.ipc_stream.serve_ipc_streams`: at most ``threads`` connections,
-    closed by ``server.stop``). Shared by the target and drafter workers. Returns (server, bound
-    port); RuntimeError naming ``name`` when ``listen`` or the IPC socket cannot be bound."""
+    idle ones closed after ``ipc_idle_timeout_s``, all closed by ``server.stop``; a socket that cannot
+    be set up only logs a warning: streams over gRPC only). Shared by the target and drafter workers.
+    Returns (server, bound port); RuntimeError naming ``name`` when ``listen`` cannot be bound."""
     from grpc_health.v1 import health_pb2
 
     server, hs = new_server(threads, max_message_bytes, max_concurrent_rpcs)
@@ -757,7 +770,7 @@ def start_worker_server(servicer, listen: str, register, service: str, name: str
         raise RuntimeError(f"{name}: cannot listen on {listen}")
     try:
         if ipc_method is not None:
-            serve_ipc_streams(server, servicer, ipc_method, name, max_message_bytes, threads)
+            serve_ipc_streams(server, servicer, ipc_method, name, max_message_bytes, threads, ipc_idle_timeout_s)
         server.start()
     except BaseException:
         server.stop(0)  # also closes the IPC socket when it was created
@@ -779,7 +792,7 @@ def start_server(servicer: TargetServicer, listen: str, threads: int | None = No
     return start_worker_server(servicer, listen, pbg.add_TargetWorkerServicer_to_server, "specd.worker.v1.TargetWorker",
                                "target-worker", threads or cfg.rpc_threads, max_message_bytes,
                                cfg.max_concurrent_rpcs if max_concurrent_rpcs is None else max_concurrent_rpcs,
-                               cfg.idle_ttl_s, VERIFY_STREAM if cfg.ipc_streams else None)
+                               cfg.idle_ttl_s, VERIFY_STREAM if cfg.ipc_streams else None, cfg.ipc_idle_timeout_s)
 
 
 def serve_forever(server, close, name: str, grace_s: float = 2.0) -> int:
@@ -854,6 +867,10 @@ def add_worker_server_arguments(p: argparse.ArgumentParser, d) -> None:
                    help="also serve the per-sequence stream on a framed Unix socket in a private temp dir, offered "
                         "with a random token in Info, for a coordinator on this host (default on; "
                         "--no-ipc-streams: gRPC only)")
+    p.add_argument("--ipc-idle-timeout-s", type=float, default=d.ipc_idle_timeout_s,
+                   help="close an IPC stream with no new request for this long, freeing its compute slot (a hung "
+                        f"coordinator; default {d.ipc_idle_timeout_s:g}, as gRPC keepalive; must exceed the "
+                        "coordinator's send_stall_timeout_s)")
     add_transport_argument(p, d.feature_transport)
 
 
@@ -902,7 +919,8 @@ def config_from_args(args) -> TargetWorkerConfig:
                              max_concurrent_rpcs=args.max_concurrent_rpcs,
                              max_message_bytes=args.max_message_bytes, idle_ttl_s=args.idle_ttl_s,
                              tombstone_cap=args.tombstone_cap, shutdown_grace_s=args.shutdown_grace_s,
-                             feature_transport=args.feature_transport, ipc_streams=args.ipc_streams)
+                             feature_transport=args.feature_transport, ipc_streams=args.ipc_streams,
+                             ipc_idle_timeout_s=getattr(args, "ipc_idle_timeout_s", IDLE_TIMEOUT_S))
     cfg.validate()
     return cfg
 

@@ -52,3 +52,9 @@ def test_grpc_floor_bench_smoke(tmp_path):
             or line.startswith("| aio") or line.startswith("| ipc")]
     assert [r[1].strip() for r in rows] == ["sync", "aio", "ipc"]
     assert all(float(c.strip().split()[0]) > 0 for r in rows for c in r[2:5])
+    assert "## Transport floor of one worker round trip: gRPC and IPC streams" in md.read_text(encoding="utf-8")
+    both = tmp_path / "B.md"  # --server both: the name from before the ipc row, still sync and aio
+    run_script([sys.executable, str(ROOT / "tools" / "bench" / "grpc_floor.py"), "--calls", "2", "--handler-ms", "0",
+                "--server", "both", "--write", str(both)], timeout=120)
+    assert [line.split("|")[1].strip() for line in both.read_text(encoding="utf-8").splitlines()
+            if line.startswith(("| sync", "| aio", "| ipc"))] == ["sync", "aio"]

@@ -6,6 +6,7 @@ bounds and clean-up, the coordinator's transport choice and fallback, and the fl
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import socket
@@ -80,6 +81,19 @@ def _verify_unknown_sequence_answers_not_found(ipc) -> None:
         s.sendall(_frame(wpb.VerifyRequest(seq_id="no-such-seq", tokens=[1]).SerializeToString()))
         code, details = _answer(s)
         assert code == grpc.StatusCode.NOT_FOUND and "no-such-seq" in details
+        assert _closed(s)
+
+
+def _round_trip(ipc, token: int) -> None:
+    """A whole stream to a _Servicer: hello, one request answered ok (``token`` echoed), half-close,
+    the worker closes."""
+    s, ans = _hello(ipc, VERIFY_STREAM.id)
+    with s:
+        assert ans == ("ok", b"")
+        s.sendall(_frame(wpb.VerifyRequest(seq_id="s", tokens=[token]).SerializeToString()))
+        code, body = _answer(s)
+        assert code == "ok" and list(wpb.VerifyResponse.FromString(body).emitted) == [token]
+        s.shutdown(socket.SHUT_WR)
         assert _closed(s)
 
 
@@ -258,16 +272,40 @@ def test_worker_stop_removes_the_socket_and_directory():
     assert not os.path.exists(ipc.dir) and servicer.ipc_stream is None
 
 
-def test_a_socket_that_cannot_be_created_is_a_clear_error_and_leaves_no_directory(tmp_path, monkeypatch):
-    """A temp directory whose path is too long for a Unix socket: RuntimeError naming the path and
-    --no-ipc-streams; the directory it made is removed, and a worker start fails the same way."""
+def test_a_long_tmpdir_uses_a_short_base_and_a_socket_that_cannot_be_created_only_turns_ipc_off(
+        tmp_path, monkeypatch, caplog):
+    """A temp directory whose path is too long for a Unix socket (a long TMPDIR): the socket's directory
+    goes under SHORT_BASE instead and IPC works. When no socket can be made at all (SHORT_BASE too long
+    as well): IpcStreamServer raises RuntimeError naming the reason and leaves no directory, and a
+    worker still starts, with a warning naming the reason, offering no socket in Info."""
     long = tmp_path / ("d" * 120)
     long.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(long))
-    with pytest.raises(RuntimeError, match="cannot listen on the IPC stream socket .*--no-ipc-streams"):
+    ipc = IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 4)
+    try:
+        assert os.path.dirname(ipc.dir) == ipc_stream.SHORT_BASE and len(ipc.path) <= ipc_stream.SUN_PATH_MAX
+        _round_trip(ipc, 3)
+    finally:
+        ipc.close()
+    monkeypatch.setattr(ipc_stream, "SHORT_BASE", str(long))
+    with pytest.raises(RuntimeError, match="test-worker: cannot listen on the IPC stream socket .*too long"):
         IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 4)
-    with pytest.raises(RuntimeError, match="draft-worker: cannot listen on the IPC stream socket"):
-        dserver.start_server(dserver.DraftServicer(ScriptedDrafter(4, 64)), "127.0.0.1:0", 4)
+    monkeypatch.setattr(ipc_stream, "SHORT_BASE", str(long / "missing"))
+    with pytest.raises(RuntimeError, match="cannot create the IPC stream socket's directory under .*missing"):
+        IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 4)
+    assert list(long.iterdir()) == []
+    caplog.set_level(logging.WARNING, logger="specd.ipc_stream")
+    servicer = dserver.DraftServicer(ScriptedDrafter(4, 64))
+    server, port = dserver.start_server(servicer, "127.0.0.1:0", 4)
+    try:
+        assert servicer.ipc_stream is None and not hasattr(server, "ipc_stream")
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            assert wpbg.DraftWorkerStub(ch).Info(wpb.InfoRequest(), timeout=10).ipc_stream_socket == ""
+        warned = [r.getMessage() for r in caplog.records if "serving without an IPC stream socket" in r.getMessage()]
+        assert len(warned) == 1 and "draft-worker" in warned[0] and "missing" in warned[0], warned
+    finally:
+        server.stop(0).wait()
+        servicer.close()
     assert list(long.iterdir()) == []
 
 
@@ -334,6 +372,7 @@ def test_an_unreachable_socket_falls_back_to_grpc_streams(stack, reference, monk
     lines = [r.getMessage() for r in caplog.records if "target worker" in r.getMessage()]
     assert len(lines) == 1 and "gRPC streams" in lines[0] and fake.path in lines[0], lines
     assert ("FileNotFoundError" if how == "missing" else "PERMISSION_DENIED") in lines[0]
+    assert "target" not in stack.coords[-1][0]._ipc_lost  # it will not change: not probed again
     monkeypatch.undo()
     prompt = [6, 1, 6]
     ref, _ = reference(prompt, 8)
@@ -500,14 +539,26 @@ def test_ipc_stream_flags_defaults_validation_and_serve_forwarding(target_gguf, 
         return Ready()
 
     monkeypatch.setattr(launcher, "_child", child)
-    for flag, want in (([], "--ipc-streams"), (["--no-ipc-streams"], "--no-ipc-streams")):
+    for flag, want in (([], "--ipc-streams"), (["--no-ipc-streams"], "--no-ipc-streams"),
+                       (["--no-worker-streams"], "--no-ipc-streams")):  # unary calls: a socket would go unused
         seen.clear()
         with pytest.raises(Stop):
             launcher.run(p.parse_args(["serve", "--target", target_gguf, "--drafter", "none", "--scripted-block", "2",
                                        "--runtime-dir", "", *flag]))
         assert [a[0] for a in seen] == ["target-worker", "draft-worker", "coordinator"]
-        for argv in seen:
+        for argv in seen if not flag or flag[0] != "--no-worker-streams" else seen[:2]:
             assert want in argv and ({"--ipc-streams", "--no-ipc-streams"} - {want}).isdisjoint(argv), argv
+        assert ("--no-worker-streams" in seen[2]) == (flag == ["--no-worker-streams"])
+    # --ipc-idle-timeout-s: a typed, validated worker field (default gRPC keepalive's 80 s)
+    assert tserver.TargetWorkerConfig().ipc_idle_timeout_s == dserver.DraftWorkerConfig().ipc_idle_timeout_s == 80.0
+    assert tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf", "--ipc-idle-timeout-s",
+                                                  "5"])).ipc_idle_timeout_s == 5.0
+    assert p.parse_args(["draft-worker", "--vocab", "8", "--ipc-idle-timeout-s", "7"]).ipc_idle_timeout_s == 7.0
+    for bad in (tserver.TargetWorkerConfig(target="t.gguf", ipc_idle_timeout_s=0),
+                dserver.DraftWorkerConfig(vocab=8, ipc_idle_timeout_s="80"),
+                dserver.DraftWorkerConfig(vocab=8, ipc_idle_timeout_s=-1.0)):
+        with pytest.raises(ValueError, match="ipc_idle_timeout_s must be a number > 0"):
+            bad.validate()
 
 
 def test_hello_and_error_frames_round_trip():
@@ -522,12 +573,15 @@ def test_hello_and_error_frames_round_trip():
 
 def test_context_is_active_until_the_client_closes():
     """IpcContext.is_active (a plain run checks it between steps): True while the client is connected,
-    also with its next request already waiting; False once it closed its end (cancel) or reset."""
+    also with its next request already waiting and after its half-close (the stream's normal end, as
+    gRPC's done_writing); False once it closed its socket (cancel) or reset."""
     a, b = socket.socketpair()
     ctx = ipc_stream.IpcContext(a)
     assert ctx.is_active()
     b.sendall(b"next")
     assert ctx.is_active() and a.recv(4) == b"next"
+    b.shutdown(socket.SHUT_WR)
+    assert ctx.is_active() and a.recv(1) == b"" and ctx.is_active()
     b.close()
     assert not ctx.is_active()
     a.close()
@@ -538,9 +592,10 @@ def test_context_is_active_until_the_client_closes():
 
 def test_a_worker_restarted_with_a_new_socket_is_found_again(stack, reference):
     """The drafter's IPC socket goes away and the worker offers a new one (as after a restart): the
-    request that meets the dead socket fails UNAVAILABLE (retryable, as on a broken gRPC stream), the
-    next ones run over gRPC streams, and once the readiness loop has re-read the worker's Info the hot
-    path is back on IPC, over the new socket; every output equals plain greedy."""
+    request that meets the dead socket cannot open it (nothing of its request was sent), so it goes on
+    over a gRPC stream and succeeds; the next ones run over gRPC streams, and once the readiness loop
+    has re-read the worker's Info the hot path is back on IPC, over the new socket; every output
+    equals plain greedy."""
     servicer = dserver.DraftServicer(ScriptedDrafter(6, stack.tservicer.model.hp.n_vocab),
                                      feature_transport=stack.transport)
     addr = f"unix://{stack.dir}/d-restart.sock"
@@ -556,9 +611,9 @@ def test_a_worker_restarted_with_a_new_socket_is_found_again(stack, reference):
         old.close()  # the socket is gone; a new one is offered
         new = IpcStreamServer(servicer, PROPOSE_STREAM, "draft-worker", 1 << 20, 8)
         try:
-            with pytest.raises(grpc.RpcError) as ei:
-                generate(stub, token_request(prompt, 8, ignore_eos=True, speculation=force))
-            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "propose" in ei.value.details()
+            chunks, done = generate(stub, token_request(prompt, 8, ignore_eos=True, speculation=force))
+            assert streamed_ids(chunks) == ref and done.speculation.num_drafts > 0
+            assert new.connections == 0  # its Info was not read yet: the fallback went over gRPC
             end = time.monotonic() + 10
             while coord.hot_path["drafter"] != "ipc-stream" and time.monotonic() < end:
                 assert streamed_ids(generate(stub, token_request(prompt, 8, ignore_eos=True,
@@ -640,3 +695,257 @@ def test_an_answer_over_the_message_limit_is_resource_exhausted_on_both_sides(tm
     finally:
         ipc.close()
     assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "IPC answer frame" in err.message and writer is None
+
+
+class _FlakyListener:
+    """Wraps a listening socket: its next ``fail`` accept() calls raise EMFILE (out of descriptors)."""
+
+    def __init__(self, real, fail):
+        self.real, self.fail, self.failed = real, fail, 0
+
+    def accept(self):
+        if self.failed < self.fail:
+            self.failed += 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return self.real.accept()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_the_acceptor_survives_a_failed_accept(caplog):
+    """accept() failing while the server is open (EMFILE) is transient: logged once, retried, and a
+    connection made meanwhile waits in the backlog and is served; close() still ends the acceptor."""
+    caplog.set_level(logging.WARNING, logger="specd.ipc_stream")
+    ipc = IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 4)
+    try:
+        ipc.listener = _FlakyListener(ipc.listener, 3)
+        _round_trip(ipc, 1)  # taken by the accept() already waiting; the next three fail
+        _round_trip(ipc, 2)
+        assert ipc.listener.failed == 3 and ipc.acceptor.is_alive()
+        warned = [r for r in caplog.records if "accept on the IPC stream socket failed" in r.getMessage()]
+        assert len(warned) == 1 and "Too many open files" in warned[0].getMessage()
+    finally:
+        ipc.close()
+    assert not ipc.acceptor.is_alive()
+
+
+class _Fallback:
+    """A stand-in for the gRPC WorkerStream an IpcStream falls back to: records its calls."""
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    async def call(self, msg, deadline):
+        self.seen.append(("call", msg.seq_id))
+        return wpb.VerifyResponse(accepted=7)
+
+    async def close(self, ok, timeout=None):
+        self.seen.append(("close", ok))
+
+
+@pytest.mark.parametrize("how,fallback", [("backlog", True), ("missing", True), ("backlog", False)])
+def test_a_socket_that_cannot_be_opened_is_found_fast_and_the_call_falls_back(tmp_path, how, fallback):
+    """A socket whose hello is never answered (a worker whose acceptor is gone: the connection waits in
+    the backlog) or that is gone: found within open_timeout_s, not the call's 60 s budget; on_lost is
+    told, and the call (nothing of it was sent) goes to the fallback stream, which also gets the rest of
+    the sequence and the close; without a fallback the call raises UNAVAILABLE."""
+    from specd.coordinator.server import IpcOffer, IpcStream, RequestError
+
+    path = str(tmp_path / "w.sock")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if how == "backlog":
+        lsock.bind(path)
+        lsock.listen(4)  # never accepts
+    seen = []
+
+    async def run():
+        st = IpcStream(IpcOffer(path, bytes(16), VERIFY_STREAM), 60.0, 1 << 20, 0.3,
+                       fallback=(lambda: _Fallback(seen)) if fallback else None,
+                       on_lost=lambda offer: seen.append(("lost", offer.path)))
+        t0 = time.monotonic()
+        try:
+            got = await st.call(wpb.VerifyRequest(seq_id="s1", tokens=[1]), None)
+        except RequestError as exc:
+            got = exc
+        took = time.monotonic() - t0
+        if fallback:
+            assert (await st.call(wpb.VerifyRequest(seq_id="s2", tokens=[1]), None)).accepted == 7
+        await st.close(True, 1.0)
+        return got, took, st.writer
+
+    try:
+        got, took, writer = asyncio.run(run())
+    finally:
+        lsock.close()
+    assert took < 2.0 and writer is None
+    if fallback:
+        assert got.accepted == 7
+        assert seen == [("lost", path), ("call", "s1"), ("call", "s2"), ("close", True)]
+    else:
+        assert got.code == grpc.StatusCode.UNAVAILABLE and "cannot be opened within 0.3 s" in got.message
+        assert seen == [("lost", path)]
+
+
+class _PlainRun(_Servicer):
+    """A plain run's shape (TargetServicer._plain_run): up to plain_steps steps, each checking first
+    that the call is still active; records the steps it ran."""
+
+    def _verify(self, request, context):
+        emitted = []
+        for i in range(request.plain_steps):
+            if emitted and not context.is_active():
+                break
+            time.sleep(0.03)
+            emitted.append(i)
+        self.ran.append(len(emitted))
+        return wpb.VerifyResponse(accepted=len(emitted) - 1, emitted=emitted)
+
+
+@pytest.mark.parametrize("end", ["half-close", "close"])
+def test_a_half_close_lets_a_plain_run_finish_and_a_close_cancels_it(end):
+    """A raw client sends a plain run of 8 steps and at once half-closes (SHUT_WR, the stream's normal
+    end, as gRPC's done_writing): all 8 steps run and are answered, then the worker closes. A client
+    that closes its socket instead cancels the run: it stops at its next step."""
+    sv = _PlainRun()
+    sv.ran = []
+    ipc = IpcStreamServer(sv, VERIFY_STREAM, "test-worker", 1 << 20, 4)
+    try:
+        s, ans = _hello(ipc, VERIFY_STREAM.id)
+        assert ans == ("ok", b"")
+        s.sendall(_frame(wpb.VerifyRequest(seq_id="s", tokens=[1], plain_steps=8).SerializeToString()))
+        if end == "half-close":
+            s.shutdown(socket.SHUT_WR)
+            code, body = _answer(s)
+            assert code == "ok" and len(wpb.VerifyResponse.FromString(body).emitted) == 8
+            assert _closed(s) and sv.ran == [8]
+        else:
+            time.sleep(0.05)
+            s.close()
+            end_by = time.monotonic() + 5
+            while not sv.ran and time.monotonic() < end_by:
+                time.sleep(0.02)
+            assert sv.ran and sv.ran[0] < 8
+        s.close()
+    finally:
+        ipc.close()
+
+
+def test_the_hello_has_one_deadline_a_trickling_client_is_dropped(monkeypatch):
+    """A client sending its hello a byte at a time, each byte well within the hello timeout: the whole
+    hello is bounded (one deadline), so the worker drops it after HELLO_TIMEOUT_S and frees the
+    connection; a prompt hello is served as before."""
+    monkeypatch.setattr(ipc_stream, "HELLO_TIMEOUT_S", 0.5)
+    ipc = IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 4)
+    s = _connect(ipc)
+    stop = threading.Event()
+
+    def trickle():
+        for b in hello_frame(ipc.token, VERIFY_STREAM.id):  # 29 bytes, 0.15 s apart: 4.4 s in all
+            try:
+                s.sendall(bytes([b]))
+            except OSError:  # the worker closed the connection
+                return
+            if stop.wait(0.15):
+                return
+
+    t = threading.Thread(target=trickle)
+    try:
+        t0 = time.monotonic()
+        t.start()
+        while (ipc.connections == 0 or ipc.conns) and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+        assert not ipc.conns and 0.4 < took < 1.5, took
+        _round_trip(ipc, 4)
+    finally:
+        stop.set()
+        t.join(5)
+        s.close()
+        ipc.close()
+
+
+def test_a_stream_without_requests_for_the_idle_timeout_is_closed_and_frees_its_slot():
+    """A coordinator that holds a stream open but sends nothing (hung): after idle_timeout_s without a
+    request the worker sends DEADLINE_EXCEEDED naming --ipc-idle-timeout-s, closes the connection and
+    frees its compute slot and connection; requests coming within the bound keep the stream."""
+    sv = _Servicer(slots=2)
+    ipc = IpcStreamServer(sv, VERIFY_STREAM, "test-worker", 1 << 20, 4, idle_timeout_s=0.5)
+    try:
+        s, ans = _hello(ipc, VERIFY_STREAM.id)
+        assert ans == ("ok", b"")
+        for token in (1, 2, 3):  # 0.3 s apart: each within the bound
+            time.sleep(0.3)
+            s.sendall(_frame(wpb.VerifyRequest(seq_id="s", tokens=[token]).SerializeToString()))
+            assert _answer(s)[0] == "ok"
+        assert sv.slots.sem._value == 1
+        t0 = time.monotonic()
+        code, details = _answer(s)  # nothing sent any more
+        took = time.monotonic() - t0
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "--ipc-idle-timeout-s" in details and 0.3 < took < 2.0
+        assert _closed(s)
+        end = time.monotonic() + 5
+        while (sv.slots.sem._value != 2 or ipc.conns) and time.monotonic() < end:
+            time.sleep(0.02)
+        assert sv.slots.sem._value == 2 and not ipc.conns
+        s.close()
+        _round_trip(ipc, 5)
+    finally:
+        ipc.close()
+
+
+@pytest.mark.parametrize("failure", ["timeout", "exhausted"])
+def test_a_transient_probe_failure_is_probed_again(stack, reference, monkeypatch, failure):
+    """The probe at connect fails in a way that may pass (no answer in time while the worker warms up;
+    RESOURCE_EXHAUSTED: all its connections taken): gRPC streams at first, but the worker stays in the
+    re-probe set, and the readiness loop's next probe puts its hot path on IPC."""
+    from specd.coordinator import server as cserver
+
+    real, probes = cserver.probe_ipc, []
+
+    async def flaky(offer, timeout):
+        probes.append(offer.method.what)
+        if offer.method is VERIFY_STREAM and probes.count("verify") == 1:
+            if failure == "timeout":
+                raise asyncio.TimeoutError()
+            raise cserver.RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED: all taken")
+        return await real(offer, timeout)
+
+    monkeypatch.setattr(cserver, "probe_ipc", flaky)
+    stub = stack.coordinator(policy=PolicyConfig(step_ratio=0), health_poll_s=0.2)
+    coord = stack.coords[-1][0]
+    end = time.monotonic() + 10
+    while coord.hot_path["target"] != "ipc-stream" and time.monotonic() < end:
+        time.sleep(0.05)
+    assert coord.hot_path["target"] == "ipc-stream" and probes.count("verify") >= 2 and not coord._ipc_lost
+    before = stack.tservicer.ipc_stream.connections
+    prompt = [5, 2, 5]
+    ref, _ = reference(prompt, 8)
+    assert streamed_ids(generate(stub, token_request(prompt, 8, ignore_eos=True))[0]) == ref
+    assert stack.tservicer.ipc_stream.connections > before
+    wait_released(stack)
+
+
+def test_send_parts_sends_everything_across_partial_sends():
+    """send_parts (the worker's answer, head and body without joining them): a body larger than the
+    socket buffer goes out in several partial sendmsg calls, in order and complete."""
+    a, b = socket.socketpair()
+    body = bytes(range(256)) * 20000  # 5 MB: more than the socket buffers take at once
+    got = bytearray()
+
+    def read():
+        while len(got) < 4 + len(body):
+            chunk = b.recv(1 << 16)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        ipc_stream.send_parts(a, (FRAME.pack(len(body)), b"", body))
+    finally:
+        t.join(10)
+        a.close()
+        b.close()
+    assert bytes(got) == FRAME.pack(len(body)) + body

@@ -12,12 +12,13 @@ per connection) and the coordinator's own client for it (specd.coordinator.serve
 streams), i.e. specd's default hot path. Both sides stamp time.perf_counter (CLOCK_MONOTONIC, shared
 by the processes), so each round trip splits into the request path (client write -> handler start)
 and the response path (handler end -> client read done). Reports medians over ``--calls`` calls after
-a warm-up; one row per server kind (default all three: sync, aio, ipc).
+a warm-up; one row per server kind (default all three: sync, aio, ipc; ``both``, the name from before
+the ipc row, still means sync and aio).
 
 Compare with the in-step overhead per worker call of tools/bench/loop_overhead.py on the same machine:
 what is above this floor is specd's own Python around the calls.
 
-Usage: python tools/bench/grpc_floor.py [--calls 400] [--handler-ms 3] [--server sync|aio|ipc|all] [--write FILE]
+Usage: python tools/bench/grpc_floor.py [--calls 400] [--handler-ms 3] [--server sync|aio|ipc|both|all] [--write FILE]
 """
 from __future__ import annotations
 
@@ -185,7 +186,7 @@ def measure(kind: str, calls: int, handler_ms: float) -> dict:
 
 def markdown(rows: list[dict], args) -> str:
     cmd = f"python tools/bench/grpc_floor.py --calls {args.calls} --handler-ms {args.handler_ms} --server {args.server}"
-    out = [f"## gRPC floor of one worker round trip ({datetime.date.today().isoformat()})", "",
+    out = [f"## Transport floor of one worker round trip: gRPC and IPC streams ({datetime.date.today().isoformat()})", "",
            f"**Hardware.** {platform.machine()} host, {os.cpu_count()} cores. **Command.** `{cmd}`. One VerifyStream, "
            f"client grpc.aio (specd's coordinator pattern), handler sleeping {args.handler_ms} ms, unix socket; medians "
            f"of {args.calls} calls. Row ipc: the same handler and messages over the workers' IPC stream socket "
@@ -198,12 +199,16 @@ def markdown(rows: list[dict], args) -> str:
     return "\n".join(out) + "\n"
 
 
+KINDS = {"sync": ["sync"], "aio": ["aio"], "ipc": ["ipc"], "both": ["sync", "aio"]}  # --server -> rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=400, help="timed calls per server kind (default 400)")
     ap.add_argument("--handler-ms", type=float, default=3.0, help="handler sleep in ms (default 3)")
-    ap.add_argument("--server", choices=["sync", "aio", "ipc", "all"], default="all",
-                    help="server kind(s) to measure (default all: sync, aio and ipc, one row each)")
+    ap.add_argument("--server", choices=[*KINDS, "all"], default="all",
+                    help="server kind(s) to measure (default all: sync, aio and ipc, one row each; both: sync "
+                         "and aio)")
     ap.add_argument("--write", default="", help="append the markdown section to this file")
     ap.add_argument("--serve", default="", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--log", default="", help=argparse.SUPPRESS)
@@ -213,7 +218,7 @@ def main() -> int:
     if args.serve:
         serve(args.serve, args.server, args.handler_ms / 1e3, args.log)
         return 0
-    kinds = ["sync", "aio", "ipc"] if args.server == "all" else [args.server]
+    kinds = KINDS[args.server] if args.server in KINDS else KINDS["sync"] + KINDS["aio"] + KINDS["ipc"]
     md = markdown([measure(k, args.calls, args.handler_ms) for k in kinds], args)
     print(md)
     if args.write:
