@@ -57,9 +57,12 @@ def test_gpu_decode_benchmark_smoke_on_cpu(tmp_path):
     import gpu_decode
     gguf_path = tmp_path / "tiny.gguf"
     assert gpu_decode.main(["--gguf", str(gguf_path), "--config", "tiny", "--mix", "q8_0", "--device", "cpu",
-                            "--decode-tokens", "4", "--prefill", "16", "--out", str(tmp_path)]) == 0
+                            "--decode-tokens", "4", "--prefill", "16", "--decode-context", "40",
+                            "--out", str(tmp_path)]) == 0
     rep = json.loads((tmp_path / "gpu_decode_q8_0.json").read_text())
     assert rep["decode_tok_s"] > 0 and len(rep["verify_ms"]) == 17 and rep["prefill_tok_s"]
+    assert rep["prefill_cold_tok_s"].keys() == rep["prefill_tok_s"].keys()
+    assert rep["decode_at_context_tok_s"]["40"] > 0
     assert all(v["steps_not_matching_greedy"] == 0 and v["steps"] > 0 for v in rep["loop"].values())
 
 

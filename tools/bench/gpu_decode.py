@@ -14,6 +14,8 @@ Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
   layers, so no feature rows are computed or copied);
 * with ``--profile N``: where the time of N plain decode steps goes, per GPU kernel (torch.profiler's
   CUPTI trace, which sees the library's kernels, graph-launched ones included);
+* with ``--decode-context N ...``: plain decode tok/s after a prompt of N tokens (long-context decode,
+  where each step's attention reads N keys per attention layer);
 * prefill tok/s at 128 / 512 / 2048 / 8192 prompt tokens: the median of 3 runs after a first (cold) one,
   reported apart (longer lengths skipped once one takes > 60 s; one run only above 20 s);
   with ``--profile-prefill N``: where the time of one prefill of N tokens goes, per GPU kernel;
@@ -84,6 +86,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="profile N plain decode steps per GPU kernel (0: off)")
+    ap.add_argument("--decode-context", type=int, nargs="*", default=[], metavar="N",
+                    help="also plain decode tok/s after a prompt of N tokens (the attention then reads N keys "
+                         "per layer; e.g. 8192 32768)")
     ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
                     help="profile one prefill of N prompt tokens per GPU kernel, after a warm-up prefill (0: off)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
@@ -234,6 +239,19 @@ def main(argv=None) -> int:
         print("prefill", n, rep["prefill_tok_s"][n], "cold", rep["prefill_cold_tok_s"][n], flush=True)
         if t > 60:
             break
+    rep["decode_at_context_tok_s"] = {}
+    for n in args.decode_context:  # long-context decode: the attention's share grows with the keys read
+        s = model.new_sequence(n + args.decode_tokens + 2)
+        t_ctx = int(np.argmax(model.prefill(s, rng.integers(0, vocab, n).tolist())))
+        t_ctx = model.step(s, t_ctx)  # warm-up (captures this slot's step graph)
+
+        def run_at_context():
+            nonlocal t_ctx
+            for _ in range(args.decode_tokens):
+                t_ctx = model.step(s, t_ctx)
+        rep["decode_at_context_tok_s"][n] = args.decode_tokens / timed(run_at_context, sync)
+        model.release(s)
+        print("decode at context", n, rep["decode_at_context_tok_s"][n], flush=True)
     if args.profile_prefill > 0:
         n = args.profile_prefill
         toks = rng.integers(0, vocab, n).tolist()
@@ -352,6 +370,11 @@ def markdown(r: dict) -> str:
     if r.get("prefill_cold_tok_s"):
         L.append("| first prefill of the length (cold) | "
                  + " | ".join(f"{v:.0f}" for v in r["prefill_cold_tok_s"].values()) + " |")
+    ctx = r.get("decode_at_context_tok_s")
+    if ctx:
+        L += ["", "| decode after a prompt of (tokens) | " + " | ".join(str(n) for n in ctx) + " |",
+              "| --- |" + " --- |" * len(ctx),
+              "| plain decode tok/s | " + " | ".join(f"{v:.1f}" for v in ctx.values()) + " |"]
     L += ["",
          "| scripted AL | tok/s | speedup vs plain |", "| --- | --- | --- |"]
     L += [f"| {al} | {v['tok_s']:.1f} | {v['speedup']:.2f}x |" for al, v in r["loop"].items()]
