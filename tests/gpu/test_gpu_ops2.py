@@ -779,6 +779,9 @@ def flash_and_exact(q, k, v, kv_len, pos, **kw):
 # last slab; 512 rows over 2048 keys: the 27B's prefill chunk.
 FLASH_CASES = [(d, hq, hkv, n, c) for d in (64, 128, 256) for hq, hkv in ((24, 4), (8, 8)) for n, c in ((64, 0), (100, 700))]
 FLASH_CASES += [(d, 24, 4, 512, 1536) for d in (64, 128, 256)] + [(128, 8, 8, 512, 0)]
+# GQA 8:1 at head_dim 256: 8 warps, the largest shared-memory launch (192 KiB); 9:1: a group of more
+# heads than a block's warps, split over nsub = 2 blocks (idle warps in the second)
+FLASH_CASES += [(256, 16, 2, 100, 0), (64, 18, 2, 100, 300)]
 
 
 @pytest.mark.parametrize("d,hq,hkv,n,c", FLASH_CASES)
