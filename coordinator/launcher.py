@@ -6,10 +6,11 @@ temporary directory), the coordinator on ``--listen``. Each child is ``python -m
 runs them). The launcher waits for each child's ``READY`` line, then forwards SIGTERM/SIGINT to the
 children (coordinator first, so it drains, then the workers, which unlink their shared memory) and
 exits with the first non-zero child status. The children run in their own process groups, so a
-terminal's Ctrl-C reaches only the launcher (and drains like SIGTERM), and die with it if it is killed. ``--feature-transport`` and ``--ipc-streams`` /
-``--no-ipc-streams`` (coordinator flags) also go to both workers: with ``--no-ipc-streams`` the workers
-open no IPC stream socket and the coordinator uses gRPC streams; ``--no-worker-streams`` (unary calls,
-no stream at all) also sends ``--no-ipc-streams`` to the workers.
+terminal's Ctrl-C reaches only the launcher (and drains like SIGTERM), and die with it if it is
+killed. ``--feature-transport`` and ``--ipc-streams`` / ``--no-ipc-streams`` (coordinator flags) also go
+to both workers: with ``--no-ipc-streams`` the workers open no IPC stream socket and the coordinator
+uses gRPC streams; ``--no-worker-streams`` (unary calls, no stream at all) also sends
+``--no-ipc-streams`` to the workers.
 
 Drafter: with ``--drafter D.gguf`` (DFlash, DSpark or DFlash 2) the target captures the drafter's
 ``target_layer_ids`` (read from D.gguf) and the drafter worker runs D.gguf bound to the target's
