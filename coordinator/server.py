@@ -309,7 +309,7 @@ class IpcStream(SequenceStream):
             OPEN_TIMEOUT_S), far below worker_timeout_s so a dead socket is found before the request's
             budget is spent.
         fallback: makes the stream that takes over when the socket cannot be opened (None: UNAVAILABLE).
-        on_lost: called with ``offer`` when the socket could not be opened.
+        on_lost: called with ``offer`` when the socket cannot be opened or fails with UNAVAILABLE.
     """
 
     __slots__ = ("offer", "max_bytes", "reader", "writer", "loop", "expired", "open_timeout_s", "fallback",
@@ -362,20 +362,31 @@ class IpcStream(SequenceStream):
 
     async def _fall_back(self, msg, deadline: float | None):
         """The socket could not be opened: tells ``on_lost`` and sends ``msg`` (and the rest of the
-        sequence) over the fallback stream, or raises UNAVAILABLE without one."""
-        if self.on_lost is not None:
-            self.on_lost(self.offer)
+        sequence) over the fallback stream, or raises UNAVAILABLE without one (:meth:`call` tells
+        ``on_lost`` then)."""
         if self.fallback is None:
             raise status_error(grpc.StatusCode.UNAVAILABLE, f"IPC stream socket {self.offer.path} cannot be "
                                                             f"opened within {self.open_timeout_s} s", self.what)
+        if self.on_lost is not None:
+            self.on_lost(self.offer)
         self.instead = self.fallback()
         return await self.instead.call(msg, deadline)
 
     async def call(self, msg, deadline: float | None):
         """Sends ``msg`` and returns the worker's response. ``deadline``: time.monotonic() seconds or
-        None. Raises RequestError (see the class docstring)."""
+        None. Raises RequestError (see the class docstring); an UNAVAILABLE one (the socket broke, or
+        its worker is stopping) is also told to ``on_lost``, so new sequences stop using the socket."""
         if self.instead is not None:
             return await self.instead.call(msg, deadline)
+        try:
+            return await self._call_ipc(msg, deadline)
+        except RequestError as exc:
+            if exc.code == grpc.StatusCode.UNAVAILABLE and self.instead is None and self.on_lost is not None:
+                self.on_lost(self.offer)
+            raise
+
+    async def _call_ipc(self, msg, deadline: float | None):
+        """:meth:`call` over the socket (or, when it cannot be opened, :meth:`_fall_back`)."""
         left = self._budget(deadline)
         data = msg.SerializeToString()
         if len(data) > self.max_bytes:
@@ -1070,12 +1081,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         """The coordinator's single gate for worker calls: ``fn`` is a unary stub method or the
         sequence's :class:`SequenceStream`; returns the response, raises RequestError (:func:`rpc_error`)."""
         if isinstance(fn, SequenceStream):
-            try:
-                return await fn.call(msg, deadline)
-            except RequestError as exc:
-                if exc.code == grpc.StatusCode.UNAVAILABLE and isinstance(fn, IpcStream):
-                    self._ipc_failed(fn.offer)
-                raise
+            return await fn.call(msg, deadline)
         try:
             return await fn(msg, timeout=self._timeout(deadline))
         except grpc.aio.AioRpcError as exc:

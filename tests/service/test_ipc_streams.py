@@ -787,6 +787,47 @@ def test_a_socket_that_cannot_be_opened_is_found_fast_and_the_call_falls_back(tm
         assert seen == [("lost", path)]
 
 
+def test_a_socket_that_breaks_mid_stream_is_reported_once(tmp_path):
+    """A worker that answers the hello, then closes while a request waits (it stopped): the call raises
+    UNAVAILABLE and on_lost is told once, so new sequences stop using that socket; no fallback is taken
+    (part of the request may have run)."""
+    from specd.coordinator.server import IpcOffer, IpcStream, RequestError
+
+    path = str(tmp_path / "w.sock")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(path)
+    lsock.listen(1)
+
+    def worker():
+        c, _ = lsock.accept()
+        with c:
+            c.recv(ipc_stream.HELLO.size)
+            c.sendall(ipc_stream.OK_FRAME)
+            c.recv(64)  # the request; then the worker is gone
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    seen = []
+
+    async def run():
+        st = IpcStream(IpcOffer(path, bytes(16), VERIFY_STREAM), 60.0, 1 << 20, 1.0,
+                       fallback=lambda: _Fallback(seen), on_lost=lambda offer: seen.append(("lost", offer.path)))
+        try:
+            await st.call(wpb.VerifyRequest(seq_id="s1", tokens=[1]), None)
+        except RequestError as exc:
+            return exc
+        finally:
+            await st.close(False)
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        t.join(5)
+        lsock.close()
+    assert got.code == grpc.StatusCode.UNAVAILABLE
+    assert seen == [("lost", path)]
+
+
 class _PlainRun(_Servicer):
     """A plain run's shape (TargetServicer._plain_run): up to plain_steps steps, each checking first
     that the call is still active; records the steps it ran."""
