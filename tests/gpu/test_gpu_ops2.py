@@ -737,6 +737,55 @@ def test_attention_gpu_chunk_boundaries(rng, dtype):
         np.testing.assert_array_equal(ych[-1], yt[node], err_msg=f"tree node {node} vs chain")
 
 
+@pytest.mark.parametrize("dtype", ["F16", "Q8_0", "F32"])
+@gpu_only
+def test_attention_gpu_long_rows(rng, dtype):
+    """Rows of up to 70000 visible keys (1094 chunks: the combine pass walks its chunks in tiles of 256, 32
+    partials in flight) match the CPU, alone or with shorter rows in one call (bitwise: the chunk grid and
+    the combine's tiles depend only on the row), masked too; and a tree at 8253 keys whose draft rows
+    straddle the chunk boundary 8256 equals the chain verify of each path."""
+    hq, hkv, d = 4, 1, 64
+    kv_len = 70000
+    c = Caches(rng, kv_len + 8, hkv, d, dtype, kv_len)
+    pos = np.array([4095, 4096, 8191, 8192, 12300, 65535, 65536, 69999], np.int32)  # cnt = pos + 1
+    q = f32(rng, (len(pos), hq, d), 2)
+    y, cpu = attn_both(c, q, kv_len, pos)
+    check_attn(y, cpu, c.vmax)
+    kg, vg = c.gpu
+    for i in (0, 1, 3, 7):
+        alone = sn.attention(on_gpu(q[i:i + 1]), kg, vg, kv_len, on_gpu(pos[i:i + 1])).numpy()
+        np.testing.assert_array_equal(alone[0], y[i], err_msg=f"row {i} alone")
+    mask = (rng.random((2, kv_len)) < 0.9).astype(np.int32)
+    check_attn(*attn_both(c, q[[1, 7]], kv_len, pos[[1, 7]], causal=False, mask=mask), c.vmax)
+    # The tree's rows [c0, c0 + 4) cross the chunk boundary 8256 (= 129 x 64).
+    c0 = 8253
+    parent, depth, tmask = tree(c0)
+    n = len(parent)
+    cap = c0 + n + 8
+    kx, vx = f32(rng, (c0 + n, hkv, d)), f32(rng, (c0 + n, hkv, d))
+
+    def caches(kr, vr):
+        rk, dt = empty_cache(cap, hkv, d, dtype)
+        rv, _ = empty_cache(cap, hkv, d, dtype)
+        ck, cv = on_gpu(rk, dt), on_gpu(rv, dt)
+        rows = np.arange(len(kr), dtype=np.int32)
+        sn.kv_write(ck, on_gpu(kr), rows)
+        sn.kv_write(cv, on_gpu(vr), rows)
+        return ck, cv
+
+    kt, vt = caches(kx, vx)
+    qn = f32(rng, (n, hq, d))
+    pos_t = (c0 + np.array(depth)).astype(np.int32)
+    yt = sn.attention(on_gpu(qn), kt, vt, c0 + n, on_gpu(pos_t), causal=False, mask=on_gpu(tmask)).numpy()
+    for node in (3, 6):
+        path = tree_path(parent, node)
+        idx = np.concatenate([np.arange(c0), c0 + np.array(path)])
+        ck, cv = caches(kx[idx], vx[idx])
+        pch = np.arange(c0, c0 + len(path), dtype=np.int32)
+        ych = sn.attention(on_gpu(np.stack([qn[p] for p in path])), ck, cv, c0 + len(path), on_gpu(pch)).numpy()
+        np.testing.assert_array_equal(ych[-1], yt[node], err_msg=f"tree node {node} vs chain")
+
+
 @gpu_only
 def test_attention_gpu_bad_input(rng):
     raw, _ = empty_cache(16, 2, 64, "F16")

@@ -91,9 +91,14 @@ def main(argv=None) -> int:
                          "per layer; e.g. 8192 32768)")
     ap.add_argument("--profile-prefill", type=int, default=0, metavar="N",
                     help="profile one prefill of N prompt tokens per GPU kernel, after a warm-up prefill (0: off)")
+    ap.add_argument("--prefill-chunks", type=int, nargs="*", default=[], metavar="C",
+                    help="also time the --prefill lengths with prefill chunks of C tokens (Qwen35Model.prefill_chunk; the "
+                         "main table uses the model's default, 512)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="replay chain verifies of <= 16 rows as CUDA graphs (default on)")
     args = ap.parse_args(argv)
+    if any(c <= 0 for c in args.prefill_chunks):
+        ap.error("--prefill-chunks: each chunk must be > 0 tokens")
 
     import random_qwen35
     import specd.native as sn
@@ -219,26 +224,14 @@ def main(argv=None) -> int:
                            "speedup": (pos - t0_pos) / t / rep["decode_tok_s"], "steps_not_matching_greedy": mismatches}
     print("loop", rep["loop"], flush=True)
 
-    rep["prefill_tok_s"], rep["prefill_cold_tok_s"] = {}, {}
-    for n in args.prefill:
-        toks = rng.integers(0, vocab, n).tolist()
-
-        def one():
-            s = model.new_sequence(n + 1)
-            t = timed(lambda: model.prefill(s, toks), sync)
-            model.release(s)
-            return t
-        # the first prefill of a length also pays one-time costs (cuBLAS heuristics and workspace,
-        # lazily loaded kernels, pool growth): reported apart; the figure is the median of 3 warm ones
-        t = one()
-        rep["prefill_cold_tok_s"][n] = n / t
-        if t > 20:
-            rep["prefill_tok_s"][n] = n / t
-        else:
-            rep["prefill_tok_s"][n] = n / float(np.median([one() for _ in range(3)]))
-        print("prefill", n, rep["prefill_tok_s"][n], "cold", rep["prefill_cold_tok_s"][n], flush=True)
-        if t > 60:
-            break
+    rep["prefill_tok_s"], rep["prefill_cold_tok_s"] = prefill_rates(model, args.prefill, rng, vocab, sync)
+    rep["prefill_tok_s_by_chunk"] = {}
+    default_chunk = model.prefill_chunk
+    for c in args.prefill_chunks:  # e.g. 2048: the dequantized weights of a chunk serve 4x the rows of 512
+        model.prefill_chunk = c
+        rep["prefill_tok_s_by_chunk"][c] = prefill_rates(model, args.prefill, rng, vocab, sync)[0]
+        print("prefill chunk", c, rep["prefill_tok_s_by_chunk"][c], flush=True)
+    model.prefill_chunk = default_chunk
     rep["decode_at_context_tok_s"] = {}
     for n in args.decode_context:  # long-context decode: the attention's share grows with the keys read
         s = model.new_sequence(n + args.decode_tokens + 2)
@@ -270,6 +263,28 @@ def main(argv=None) -> int:
     Path(args.out, f"gpu_decode_{args.mix}.json").write_text(json.dumps(rep, indent=1))
     print(markdown(rep))
     return 0
+
+
+def prefill_rates(model, lengths, rng, vocab, sync) -> tuple[dict, dict]:
+    """Prefill tok/s of random prompts of each length: ({n: median of 3 warm runs}, {n: the first run}).
+    The first prefill of a length also pays one-time costs (cuBLAS heuristics and workspace, lazily
+    loaded kernels, pool growth), so it is reported apart. Stops after a length whose run took > 60 s."""
+    warm, cold = {}, {}
+    for n in lengths:
+        toks = rng.integers(0, vocab, n).tolist()
+
+        def one():
+            s = model.new_sequence(n + 1)
+            t = timed(lambda: model.prefill(s, toks), sync)
+            model.release(s)
+            return t
+        t = one()
+        cold[n] = n / t
+        warm[n] = n / t if t > 20 else n / float(np.median([one() for _ in range(3)]))
+        print("prefill", n, warm[n], "cold", cold[n], flush=True)
+        if t > 60:
+            break
+    return warm, cold
 
 
 def kernel_profile(run, sync, steps: int) -> list[dict]:
@@ -370,6 +385,9 @@ def markdown(r: dict) -> str:
     if r.get("prefill_cold_tok_s"):
         L.append("| first prefill of the length (cold) | "
                  + " | ".join(f"{v:.0f}" for v in r["prefill_cold_tok_s"].values()) + " |")
+    for c, rates in r.get("prefill_tok_s_by_chunk", {}).items():
+        L.append(f"| prefill tok/s, {c}-token chunks (median of 3 warm) | "
+                 + " | ".join(f"{rates[n]:.0f}" if n in rates else "-" for n in r["prefill_tok_s"]) + " |")
     ctx = r.get("decode_at_context_tok_s")
     if ctx:
         L += ["", "| decode after a prompt of (tokens) | " + " | ".join(str(n) for n in ctx) + " |",

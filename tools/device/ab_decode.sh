@@ -20,7 +20,10 @@
 # Outputs: build.log, pytest.log, status.txt (gpu_tests.sh), old_build.log, ab.log (the decode runs'
 # output), ab.tsv (tree round decode_tok_s verify_ms_w1 verify_ms_w4 verify_ms_w8
 # verify_ms_w16 loop_tok_s_al3 loop_tok_s_al5 loop_tok_s_al7 decode_verify_commit_tok_s (- for trees from before
-# it), the file of specd.native._native; or why a tree was not measured), sweep.tsv. Exit status 1 when a tree was not measured.
+# it) decode_at_context ("N:tok/s,..." with AB_DECODE_ARGS="--decode-context N ...", else -), the file of
+# specd.native._native; or why a tree was not measured), sweep.tsv; with ATTN_CONTEXTS (e.g. "4096 32768") each
+# tree's tools/device/attn_bench.py run (the working tree's script on that tree's library, round 1) in
+# attn_bench_NAME.json. AB_DECODE_ARGS adds gpu_decode.py options to every decode run. Exit status 1 when a tree was not measured.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -83,8 +86,13 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       continue
     fi
     rm -rf "/tmp/ab_$tree$round" && mkdir -p "/tmp/ab_$tree$round"  # no result of an earlier call
+    if [ -n "${ATTN_CONTEXTS:-}" ] && [ "$round" = 1 ]; then  # this tree's attention kernels, the new script
+      (cd /tmp && PYTHONPATH=$path timeout 120 python3 "$R/tools/device/attn_bench.py" --out "$OUT" --label "$tree" \
+        --contexts $ATTN_CONTEXTS) >>"$OUT/ab.log" 2>&1
+      echo "attn_bench $tree rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+    fi
     (cd /tmp && PYTHONPATH=$path timeout 150 python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix "$MIX" \
-      --prefill --decode-tokens 64 --out "/tmp/ab_$tree$round") >>"$OUT/ab.log" 2>&1
+      --prefill --decode-tokens 64 ${AB_DECODE_ARGS:-} --out "/tmp/ab_$tree$round") >>"$OUT/ab.log" 2>&1
     echo "decode $tree round $round rc=$? at ${SECONDS}s" | tee -a "$OUT/ab.log" >>"$OUT/status.txt"
     python3 - "$tree" "$round" "/tmp/ab_$tree$round/gpu_decode_$MIX.json" "$lib" >>"$OUT/ab.tsv" <<'EOF'
 import json, sys
@@ -96,6 +104,8 @@ try:  # no file, or a result without one of these columns: reported as missing (
     cols = [f"{r['decode_tok_s']:.2f}"] + [f"{v[w]:.3f}" for w in (1, 4, 8, 16)] + [f"{loop[a]:.1f}" for a in (3, 5, 7)]
     vc = r.get("decode_verify_commit_tok_s")  # (gpu_decode.py from before Qwen35Model.step: absent)
     cols.append("-" if vc is None else f"{vc:.2f}")
+    ctx = r.get("decode_at_context_tok_s") or {}  # AB_DECODE_ARGS="--decode-context N ...": "N:tok/s,..."
+    cols.append(",".join(f"{n}:{t:.2f}" for n, t in ctx.items()) or "-")
 except (OSError, KeyError, TypeError, ValueError) as e:
     print(f"{tree}\t{rnd}\tmissing: {e!r} in {path}")
     raise SystemExit

@@ -103,7 +103,9 @@ __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(uint8_t* __rest
 //     at rows c + depth) bitwise: both see the same ordered key sequence, hence the same chunks;
 //   * a mask of all ones gives exactly the unmasked result.
 // Pass 1 (attn_chunk_kernel): one block per (row, KV head, head sub-group, chunk), for up to
-// kMaxHs q heads of the GQA group at once, so K and V of the chunk are read once per group:
+// kMaxHs q heads of the GQA group at once, so K and V of the chunk are read once per group; the blocks
+// of the rows of one (chunk, KV head) are adjacent in the grid, so a verify's rows read each key from
+// HBM once and from L2 after:
 //   scores: one (sub)warp of W lanes per key (W = head_dim/8 rounded up to a power of two, <= 32);
 //           lane sums its dims 8 at a time (16-byte loads for F16, 2x16 for F32) in a fixed order
 //           with fmaf, then a fixed xor butterfly over the W lanes; s = dot * scale;
@@ -112,7 +114,7 @@ __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(uint8_t* __rest
 //   values: thread (dim group, key slice) accumulates p * v over its slice's keys in increasing
 //           order; slices are then added in slice order (0, 1, 2, ...) through shared memory.
 //   Partials (m_c, l_c, acc_c[d], F32) go to a scratch buffer from the device pool.
-// Pass 2 (attn_combine_kernel): one block per (row, q head): M = max m_c; then for c = 0, 1, ...
+// Pass 2 (attn_combine_kernel): one block per (row, q head, 64 outputs): M = max m_c; then for c = 0, 1, ...
 // in order: w = expf(m_c - M), L = fmaf(l_c, w, L), acc = fmaf(w, acc_c, acc); out = acc / L.
 // Chunks beyond the row's visible count are skipped by every launch (no work, no partial), so
 // nothing depends on n. No atomics: every reduction has a fixed order. A query with no visible
@@ -146,7 +148,7 @@ struct AttnParams {
   int causal, hq, hkv, r, d, dg, dp;  // dg = ceil(d / 8) dim groups, dp = 8 * dg (padded d)
   int hs, nsub, nch, w;               // heads per block, sub-groups per KV head, chunks, lanes per key
   int vec;                            // 16-byte loads allowed (alignment and d % 8 checked on the host)
-  int64_t i0;                         // first row of the slice
+  int64_t i0, rows;                   // the slice: first row, rows
   float scale;
   float* part;  // [slice rows, hq, nch, dp] acc then [slice rows, hq, nch, 2] (m, l)
   float* ml;
@@ -245,13 +247,13 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const AttnParams P
   int32_t* kp = reinterpret_cast<int32_t*>(ss + P.hs * kChunk);  // [kChunk] key positions
   __shared__ float m_s[kMaxHs], l_s[kMaxHs];
 
-  int64_t b = blockIdx.x;
-  const int c = int(b % P.nch);
-  b /= P.nch;
+  int64_t b = blockIdx.x;  // rows fastest: the rows of one (chunk, KV head) share its keys through L2
+  const int64_t il = b % P.rows, i = P.i0 + il;
+  b /= P.rows;
   const int sub = int(b % P.nsub);
   b /= P.nsub;
   const int g = int(b % P.hkv);
-  const int64_t il = b / P.hkv, i = P.i0 + il;
+  const int c = int(b / P.hkv);
   int64_t lo, cnt;
   row_range(P, i, lo, cnt);
   const int64_t r0 = int64_t(c) * kChunk;
@@ -407,31 +409,65 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const AttnParams P
   }
 }
 
-// One block per (row of the slice, q head); thread e = output element e.
-__global__ void __launch_bounds__(kMaxDim) attn_combine_kernel(const AttnParams P) {
+// One block per (row of the slice, q head, kCombineDims output elements); thread = output element e.
+// The chunks' weights w_c = expf(m_c - M) are computed once per block into shared memory,
+// kCombineTile chunks at a time; each thread then runs the fixed-order chains of L and acc with
+// kCombineAhead partial loads in flight (loads issued before the chain consumes them, so a row of many
+// chunks costs a few L2 round trips, not one per chunk). Same arithmetic, in the same order, as one
+// thread looping over the chunks.
+constexpr int kCombineDims = 64, kCombineTile = 256, kCombineAhead = 32;
+
+__global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnParams P) {
   detail::pdl_enter();
-  const int64_t il = blockIdx.x / P.hq, i = P.i0 + il;
-  const int h = int(blockIdx.x % P.hq), e = threadIdx.x;
+  __shared__ float w_s[kCombineTile], l_s[kCombineTile], red[kCombineDims / SPECD_WARP];
+  const int slices = (P.d + kCombineDims - 1) / kCombineDims;
+  const int64_t il = blockIdx.x / (int64_t(P.hq) * slices), i = P.i0 + il;
+  const int h = int(blockIdx.x / slices % P.hq), t = threadIdx.x;
+  const int e = int(blockIdx.x % slices) * kCombineDims + t;
   int64_t lo, cnt;
   row_range(P, i, lo, cnt);
   const int nc = int((cnt + kChunk - 1) / kChunk);
-  if (e >= P.d) return;
   float* o = P.out + (i * P.hq + h) * P.d + e;
-  if (nc == 0) {
-    *o = 0.0f;
+  if (nc == 0) {  // uniform over the block
+    if (e < P.d) *o = 0.0f;
     return;
   }
   const float* ml = P.ml + (il * P.hq + h) * P.nch * 2;
-  const float* acc_c = P.part + (il * P.hq + h) * P.nch * int64_t(P.dp) + e;
-  float M = -INFINITY;
-  for (int c = 0; c < nc; ++c) M = fmaxf(M, ml[2 * c]);
+  const float* acc_c = P.part + (il * P.hq + h) * P.nch * int64_t(P.dp) + (e < P.d ? e : 0);
+  float M = -INFINITY;  // a max is order-free: any split of the chunks gives the same value
+  for (int c = t; c < nc; c += kCombineDims) M = fmaxf(M, ml[2 * c]);
+  M = warp_max(M);
+  if (t % SPECD_WARP == 0) red[t / SPECD_WARP] = M;
+  __syncthreads();
+  M = red[0];
+#pragma unroll
+  for (int x = 1; x < kCombineDims / SPECD_WARP; ++x) M = fmaxf(M, red[x]);
   float L = 0.0f, acc = 0.0f;
-  for (int c = 0; c < nc; ++c) {
-    const float w = expf(ml[2 * c] - M);
-    L = fmaf(ml[2 * c + 1], w, L);
-    acc = fmaf(w, acc_c[int64_t(c) * P.dp], acc);
+  for (int c0 = 0; c0 < nc; c0 += kCombineTile) {
+    const int tn = nc - c0 < kCombineTile ? nc - c0 : kCombineTile;
+    __syncthreads();  // the previous tile's weights are used up
+    for (int x = t; x < tn; x += kCombineDims) {
+      w_s[x] = expf(ml[2 * (c0 + x)] - M);
+      l_s[x] = ml[2 * (c0 + x) + 1];
+    }
+    __syncthreads();
+    int x = 0;
+    for (; x + kCombineAhead <= tn; x += kCombineAhead) {  // all loads first, then the chain
+      float a[kCombineAhead];
+#pragma unroll
+      for (int u = 0; u < kCombineAhead; ++u) a[u] = acc_c[int64_t(c0 + x + u) * P.dp];
+#pragma unroll
+      for (int u = 0; u < kCombineAhead; ++u) {
+        L = fmaf(l_s[x + u], w_s[x + u], L);
+        acc = fmaf(w_s[x + u], a[u], acc);
+      }
+    }
+    for (; x < tn; ++x) {
+      L = fmaf(l_s[x], w_s[x], L);
+      acc = fmaf(w_s[x], acc_c[int64_t(c0 + x) * P.dp], acc);
+    }
   }
-  *o = __fdiv_rn(acc, L);
+  if (e < P.d) *o = __fdiv_rn(acc, L);
 }
 
 // Whether the chunk pass has so few (row, KV head, chunk) blocks that the GPU would idle: then one
@@ -689,10 +725,11 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   const int64_t rows_per = std::max<int64_t>(1, std::min<int64_t>(n, kScratchFloats / per_row));
   Tensor scratch = Tensor::empty({rows_per * per_row}, DType::F32, Device::GPU);
   const size_t shmem = size_t(2 * hs * dp + hs * kChunk) * sizeof(float) + kChunk * sizeof(int32_t);
-  const int combine_threads = int((d + SPECD_WARP - 1) / SPECD_WARP * SPECD_WARP);
+  const int64_t combine_slices = (d + kCombineDims - 1) / kCombineDims;
   for (int64_t i0 = 0; i0 < n; i0 += rows_per) {
     const int64_t rows = std::min(rows_per, n - i0);
     P.i0 = i0;
+    P.rows = rows;
     P.part = scratch.ptr<float>();
     P.ml = scratch.ptr<float>() + rows * hq * nch * dp;
     const int64_t blocks = rows * hkv * nsub * nch;
@@ -702,7 +739,9 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
       case DType::F16: launch_chunks<DType::F16>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
       default: launch_chunks<DType::Q8_0>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
     }
-    detail::launch_kernel<attn_combine_kernel>("attn_combine_kernel", unsigned(rows * hq), combine_threads, 0, s, P);
+    detail::check_grid(rows * hq * combine_slices, op);
+    detail::launch_kernel<attn_combine_kernel>("attn_combine_kernel", unsigned(rows * hq * combine_slices), kCombineDims,
+                                               0, s, P);
   }
   return out;
 }
