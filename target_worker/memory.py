@@ -36,14 +36,17 @@ attn_v / ssm_out) are 14.96 GB of weights (13.93 GiB: IQ4_XS 12.77 GB, Q6_K 1.31
 0.01). At max_seq_len 32768 with an F16 KV cache one sequence takes 2.0 GiB of KV (64 KiB per
 token), 144 MiB of recurrent state, 5.6 MiB of conv state and 274 MiB of verify buffers at
 max_verify 33 (of which 144 MiB is the chain verify's final-S copy), 2.41 GiB in all. The workspace
-reserve is 4.73 GiB with 512-token prefill chunks (1.17 GiB for verifies alone). On a "141 GB" H200
-counted as 141e9 bytes (131.3 GiB; the device itself reports ~139.8 GiB, so this is conservative)
-**46** such sequences fit next to the weights (Q8_0 KV: 76; 44 with the default 16 CUDA graph arenas, 42 with
-the 2 kept state slots of the default ``slot_cache`` too). The feature ring (5 taps: 100 KiB per
-position, 3.1 GiB per 32k sequence) is host shared memory, not device memory, but 46 x 3.1 GiB = 143 GiB of /dev/shm is
-more than the host has: at 32k, long-context serving needs a bounded ring (future work). With the
-cuda-ipc transport the ring holds the whole sequence on the device instead (the capacity contract in
-feature_cuda_ipc): 2.41 + 3.13 = 5.54 GiB per 32k sequence, so about 20 sequences fit instead of 46.
+reserve is 15.48 GiB with the default 2048-token prefill chunks (1.17 GiB for verifies alone; 4.73 GiB
+with ``--prefill-chunk 512``): the chunk's term is 0.80 GiB of activations, 7.68 GiB of deferred-commit
+buffers (48 GDN layers x 2048 rows) and 6.0 GiB counted for per-row GDN state copies, plus the 1 GiB
+reserve. On a "141 GB" H200 counted as 141e9 bytes (131.3 GiB; the device itself reports ~139.8 GiB,
+so this is conservative) **42** such sequences fit next to the weights (46 with 512-token chunks;
+Q8_0 KV: 69; 40 with the default 16 CUDA graph arenas, 38 with the 2 kept state slots of the default
+``slot_cache`` too). The feature ring (5 taps: 100 KiB per position, 3.1 GiB per 32k sequence) is host
+shared memory, not device memory, but 42 x 3.1 GiB = 131 GiB of /dev/shm is more than most hosts'
+/dev/shm holds: at 32k, long-context serving needs a bounded ring (future work). With the cuda-ipc
+transport the ring holds the whole sequence on the device instead (the capacity contract in
+feature_cuda_ipc): 2.41 + 3.13 = 5.54 GiB per 32k sequence, so about 18 sequences fit instead of 42.
 """
 from __future__ import annotations
 
