@@ -27,8 +27,9 @@ All sizes are bytes. The state a sequence holds (qwen35-target.md §8, model.py'
 
 ``fits`` = how many sequences at ``max_seq_len`` fit a device of ``device_bytes`` after the weights
 and a workspace reserve (:func:`workspace_bytes`: the widest forward in flight — a verify's
-activations, logits and tree-verify state copies, or a prefill chunk's activations and transient
-deferred-commit buffers — plus a fixed allowance for the CUDA context and pool fragmentation).
+activations, logits and tree-verify state copies, or a prefill chunk's activations, transient
+deferred-commit buffers and feature rows — plus a fixed allowance for the CUDA context and pool
+fragmentation).
 
 Worked example (tests/target/test_memory.py::test_27b_iq4xs_fits_one_h200): the 27B shapes of
 tools/bench/random_qwen35.py CONFIGS["27b"] in the ``iq4xs`` mix (IQ4_XS body, Q5_K output, Q6_K
@@ -36,14 +37,17 @@ attn_v / ssm_out) are 14.96 GB of weights (13.93 GiB: IQ4_XS 12.77 GB, Q6_K 1.31
 0.01). At max_seq_len 32768 with an F16 KV cache one sequence takes 2.0 GiB of KV (64 KiB per
 token), 144 MiB of recurrent state, 5.6 MiB of conv state and 274 MiB of verify buffers at
 max_verify 33 (of which 144 MiB is the chain verify's final-S copy), 2.41 GiB in all. The workspace
-reserve is 4.73 GiB with 512-token prefill chunks (1.17 GiB for verifies alone). On a "141 GB" H200
-counted as 141e9 bytes (131.3 GiB; the device itself reports ~139.8 GiB, so this is conservative)
-**46** such sequences fit next to the weights (Q8_0 KV: 76; 44 with the default 16 CUDA graph arenas, 42 with
-the 2 kept state slots of the default ``slot_cache`` too). The feature ring (5 taps: 100 KiB per
-position, 3.1 GiB per 32k sequence) is host shared memory, not device memory, but 46 x 3.1 GiB = 143 GiB of /dev/shm is
-more than the host has: at 32k, long-context serving needs a bounded ring (future work). With the
-cuda-ipc transport the ring holds the whole sequence on the device instead (the capacity contract in
-feature_cuda_ipc): 2.41 + 3.13 = 5.54 GiB per 32k sequence, so about 20 sequences fit instead of 46.
+reserve is 9.87 GiB with the default 2048-token prefill chunks (1.17 GiB for verifies alone; 3.33 GiB
+with ``--prefill-chunk 512``): the chunk's 0.80 GiB of activations, 7.68 GiB of deferred-commit buffers
+(48 GDN layers x 2048 rows) and 0.39 GiB of feature rows (5 taps), plus the 1 GiB reserve. On a
+"141 GB" H200 counted as 141e9 bytes (131.3 GiB; the device itself reports ~139.8 GiB, so this is
+conservative) **44** such sequences fit next to the weights (47 with 512-token chunks; Q8_0 KV: 72;
+42 with the default 16 CUDA graph arenas, 40 with the 2 kept state slots of the default ``slot_cache``
+too). The feature ring (5 taps: 100 KiB per position, 3.1 GiB per 32k sequence) is host shared
+memory, not device memory, but 44 x 3.1 GiB = 138 GiB of /dev/shm is more than most hosts' /dev/shm
+holds: at 32k, long-context serving needs a bounded ring (future work). With the cuda-ipc transport
+the ring holds the whole sequence on the device instead (the capacity contract in feature_cuda_ipc):
+2.41 + 3.13 = 5.54 GiB per 32k sequence, so about 19 sequences fit instead of 44.
 """
 from __future__ import annotations
 
@@ -127,24 +131,27 @@ def state_bytes(hp, kv_dtype, verify_width: int, n_taps: int) -> StateBytes:
                       verify_width=w, feature_per_token=4 * max(1, n_taps) * hp.n_embd + 8)
 
 
-def workspace_bytes(hp, verify_width: int, prefill_chunk: int = 0) -> int:
+def workspace_bytes(hp, verify_width: int, prefill_chunk: int = 0, n_taps: int = 0) -> int:
     """Device workspace estimate (bytes) for the widest forward in flight, a verify of
     ``verify_width`` rows or a prefill chunk of ``prefill_chunk`` rows: the normed hidden rows and
-    logits (float32 [w, n_vocab] twice; a prefill chunk keeps one row of logits), the widest layer
-    activations (float32, a few [w, max(n_ff, C, q+gate)] buffers), the chunk's transient
-    deferred-commit buffers (a prefill commits at once, so they are not per sequence), the tree
-    verify's per-node state copies of one GDN layer (w * Hv*dv*dk*4), plus
-    :data:`CONTEXT_RESERVE_BYTES`. Forwards run one at a time (one model lock)."""
+    logits (float32 [w, n_vocab] twice; a prefill chunk keeps one row of logits) and the widest layer
+    activations (float32, a few [w, max(n_ff, C, q+gate)] buffers); for a verify, the tree verify's
+    per-node state copies of one GDN layer (w * Hv*dv*dk*4); for a prefill chunk (a chain: one
+    out-of-place S per GDN layer, no per-row states) its transient deferred-commit buffers (a prefill
+    commits at once, so they are not per sequence) and its ``n_taps`` captured feature rows (float32
+    [p, n_embd] per tap and their concatenation); plus :data:`CONTEXT_RESERVE_BYTES`. Forwards run
+    one at a time (one model lock)."""
     widest = max(hp.n_ff, hp.conv_channels, 2 * hp.n_head * hp.head_dim, hp.n_embd)
 
-    def one(w: int, logit_rows: int, pending: int) -> int:
-        return (2 * 4 * logit_rows * hp.n_vocab + 6 * 4 * w * widest
-                + w * hp.n_v_heads * hp.head_v_dim * hp.head_k_dim * 4 + pending)
+    def act(w: int, logit_rows: int) -> int:
+        return 2 * 4 * logit_rows * hp.n_vocab + 6 * 4 * w * widest
 
     w = int(verify_width)
     p = int(prefill_chunk)
-    prefill = one(p, 1, state_bytes(hp, "F32", p, 1).verify) if p > 0 else 0
-    return max(one(w, w, 0), prefill) + CONTEXT_RESERVE_BYTES
+    verify = act(w, w) + w * hp.n_v_heads * hp.head_v_dim * hp.head_k_dim * 4
+    prefill = (act(p, 1) + state_bytes(hp, "F32", p, 1).verify + 2 * 4 * p * int(n_taps) * hp.n_embd
+               if p > 0 else 0)
+    return max(verify, prefill) + CONTEXT_RESERVE_BYTES
 
 
 def cuda_graph_bytes(hp, max_graphs: int, n_taps: int, graph_width: int = 16) -> int:
@@ -361,7 +368,7 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
     seq = kv_seq + sb.recurrent + sb.conv + sb.verify
     graphs = cuda_graph_bytes(hp, model.max_graphs, n_taps) if graphed else 0
     slots = getattr(model, "slot_cache", 0) * (kv_seq + sb.recurrent + sb.conv) if graphed else 0
-    ws = workspace_bytes(hp, verify_width, getattr(model, "prefill_chunk", 0)) + graphs + slots
+    ws = workspace_bytes(hp, verify_width, getattr(model, "prefill_chunk", 0), n_taps) + graphs + slots
     ring = segment_bytes(max_seq_len, max(1, n_taps) * hp.n_embd)
     host_ring = ring
     on_device = feature_transport == "cuda-ipc"

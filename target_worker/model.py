@@ -195,7 +195,10 @@ class Qwen35Model:
         capture_layers: the drafter's ``target_layer_ids`` (0-based output indices; each must be a
             trunk layer below the last); features are the residual stream after those layers.
         kv_dtype: KV cache type, ``DType.F16`` (default) or ``DType.Q8_0`` (or F32).
-        prefill_chunk: tokens per prefill forward.
+        prefill_chunk: tokens per prefill forward, > 0; default 2048 (``specd target-worker
+            --prefill-chunk``). On the GPU each chunk of over 16 rows dequantizes every weight matrix to
+            BF16 once for its GEMMs, so longer chunks amortize that; the workspace grows with the chunk
+            (:func:`.memory.workspace_bytes`).
         device: ``sn.Device.CPU`` (default) or ``sn.Device.GPU`` (or "cpu" / "cuda" / "gpu"). On the GPU
             the weights are uploaded once here in their stored types, the KV caches, GDN and conv
             states and every activation stay on the device, and only the outputs (logits, argmax,
@@ -221,7 +224,7 @@ class Qwen35Model:
             2 (``specd target-worker --slot-cache``); 0 frees a sequence's state and graphs at release.
     """
 
-    def __init__(self, weights, capture_layers: Sequence[int] = (), kv_dtype=sn.DType.F16, prefill_chunk: int = 512,
+    def __init__(self, weights, capture_layers: Sequence[int] = (), kv_dtype=sn.DType.F16, prefill_chunk: int = 2048,
                  device=sn.Device.CPU, tensor_ops: bool = False, cuda_graphs: bool = True, max_graphs: int = 16,
                  head_exporter=None, gemv_tiles: bool = True, slot_cache: int = 2):
         self.w, self.hp = weights, weights.hparams

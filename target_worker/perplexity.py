@@ -14,6 +14,8 @@ import sys
 
 import numpy as np
 
+PERPLEXITY_CHUNK = 512  # tokens per forward of `specd perplexity` (its memory: [512, n_vocab] logits)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target GGUF (arch qwen35)")
@@ -83,7 +85,9 @@ def run(args) -> int:
     with open(args.file, encoding="utf-8") as f:
         tokens = np.asarray(tok.encode(f.read()).ids, np.int32)
     kv = {"f16": sn.DType.F16, "q8_0": sn.DType.Q8_0, "f32": sn.DType.F32}[args.kv_type]
-    model = Qwen35Model(weights, kv_dtype=kv)
+    # every row's logits are scored (float32 [chunk, n_vocab], float64 copies), so the forwards stay at
+    # 512 rows whatever the serving default; they are exact (each row bitwise its decode): same scores
+    model = Qwen35Model(weights, kv_dtype=kv, prefill_chunk=PERPLEXITY_CHUNK)
     ppl, err, n = perplexity(model, tokens, args.ctx, args.max_chunks, out=sys.stdout)
     print(f"\nFinal estimate: PPL = {ppl:.4f} +/- {err:.5f} ({n} tokens scored, ctx {args.ctx})")
     return 0

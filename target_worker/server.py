@@ -64,7 +64,9 @@ class TargetWorkerConfig:
         (``VerifyRequest.plain_steps``, reported as ``TargetInfo.max_plain_steps``).
     max_sequences: live sequences at once (RESOURCE_EXHAUSTED beyond), default 64.
     kv_dtype: "f16" (default), "q8_0" or "f32".
-    prefill_chunk: tokens per prefill forward, default 512.
+    prefill_chunk: tokens per prefill forward, > 0, default 2048 (on the GPU each chunk dequantizes
+        every weight matrix to BF16 once, so longer chunks prefill faster; the workspace reserve grows
+        with the chunk: :func:`.memory.workspace_bytes`).
     device: where the target runs: "auto" (default: "cuda" when this build has a GPU backend and a
         GPU is present, else "cpu"), "cpu" or "cuda" (Qwen35Model(device=GPU): weights, KV cache and
         recurrent state on the GPU). "cuda" in a CPU-only build or without a GPU is a clear error.
@@ -119,7 +121,7 @@ class TargetWorkerConfig:
     max_verify: int = 33
     max_sequences: int = 64
     kv_dtype: str = "f16"
-    prefill_chunk: int = 512
+    prefill_chunk: int = 2048
     device: str = "auto"
     cuda_graphs: bool = True
     max_graphs: int = 16
@@ -830,7 +832,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequences", type=int, default=d.max_sequences,
                    help=f"live sequences (default {d.max_sequences})")
     p.add_argument("--kv-dtype", default=d.kv_dtype, choices=["f16", "q8_0", "f32"], help="KV cache type (default f16)")
-    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help=f"default {d.prefill_chunk}")
+    p.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk,
+                   help=f"tokens per prefill forward, > 0 (default {d.prefill_chunk})")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
                    help="on the GPU, replay chain verifies of up to 16 rows as CUDA graphs (default on)")
     p.add_argument("--max-graphs", type=int, default=d.max_graphs,

@@ -825,7 +825,7 @@ def flash_and_exact(q, k, v, kv_len, pos, **kw):
 
 # (head_dim, hq, hkv, n, c): n query rows at positions c .. c + n - 1 over kv_len = c + n keys (a prefill
 # chunk in the middle of a prompt); GQA 6:1 (the 27B's 24 q / 4 KV heads) and 1:1; 100 rows: a ragged
-# last slab; 512 rows over 2048 keys: the 27B's prefill chunk.
+# last slab; 512 rows over 2048 keys: a 27B prefill chunk of 512 tokens (--prefill-chunk 512).
 FLASH_CASES = [(d, hq, hkv, n, c) for d in (64, 128, 256) for hq, hkv in ((24, 4), (8, 8)) for n, c in ((64, 0), (100, 700))]
 FLASH_CASES += [(d, 24, 4, 512, 1536) for d in (64, 128, 256)] + [(128, 8, 8, 512, 0)]
 # GQA 8:1 at head_dim 256: 8 warps, the largest shared-memory launch (192 KiB); 9:1: a group of more

@@ -3,6 +3,7 @@ window, FORCE without gate switches, stats cut at a stop, /dev/shm exhaustion, h
 request-controlled sizes, assigned request ids, slow readers, typed options."""
 from __future__ import annotations
 
+import argparse
 import asyncio
 import errno
 import threading
@@ -395,6 +396,23 @@ def test_typed_options_have_flags_defaults_and_validation():
         dc.validate()
     dd = p.parse_args(["draft-worker", "--vocab", "10", "--idle-ttl-s", "5", "--tombstone-cap", "7"])
     assert (dd.idle_ttl_s, dd.tombstone_cap, dd.shutdown_grace_s) == (5, 7, 2.0)
+
+
+def test_prefill_chunk_default_flag_and_validation():
+    """--prefill-chunk: 2048 tokens by default (config, flag, its help), > 0, passed to the config as given."""
+    from specd.coordinator.cli import build_parser
+
+    p = build_parser()
+    assert tserver.TargetWorkerConfig().prefill_chunk == 2048
+    assert tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf"])).prefill_chunk == 2048
+    tc = tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf", "--prefill-chunk", "512"]))
+    assert tc.prefill_chunk == 512
+    for bad in ("0", "-1"):
+        with pytest.raises(ValueError, match="prefill_chunk must be > 0"):
+            tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf", "--prefill-chunk", bad]))
+    ap = argparse.ArgumentParser()
+    tserver.add_arguments(ap)
+    assert "--prefill-chunk PREFILL_CHUNK tokens per prefill forward, > 0 (default 2048)" in " ".join(ap.format_help().split())
 
 
 def test_graph_flags_default_validation_and_serve_forwarding(monkeypatch):

@@ -33,7 +33,7 @@ SPECS = ["smoke", "main", "r3", "condgen"]
 REL_TOL = {"smoke": 1e-5, "main": 1e-5, "r3": 1e-4, "condgen": 1e-5}
 
 
-def model_for(converted, name, kv=sn.DType.F32, capture=(), chunk=512, outtype="f32"):
+def model_for(converted, name, kv=sn.DType.F32, capture=(), chunk=2048, outtype="f32"):
     return Qwen35Model(load_qwen35(converted(name, outtype)), capture_layers=capture, kv_dtype=kv,
                        prefill_chunk=chunk)
 

@@ -1,6 +1,7 @@
 """target_worker.memory: the memory report against hand-computed sizes and the tensors the model
 actually allocates (tiny random GGUFs of tools/bench/random_qwen35.py, the demo target), and the
 27B IQ4_XS fit on one H200 (from the hparams and the mix's storage types; no 15 GB file)."""
+import inspect
 import sys
 from pathlib import Path
 
@@ -144,9 +145,18 @@ def test_27b_iq4xs_fits_one_h200():
     assert sb.conv == 48 * 3 * 10240 * 4
     seq = 32768 * sb.kv_per_token + sb.recurrent + sb.conv + sb.verify
     assert 2.3 * mem.GiB < seq < 2.5 * mem.GiB  # 2 GiB KV + 144 MiB S + 274 MiB verify buffers
-    ws = mem.workspace_bytes(hp, 33, 512)  # a verify of 33 rows or a 512-token prefill chunk
+    # a verify of 33 rows or a prefill chunk of the default 2048 tokens (the chunk's term is the larger)
+    chunk = inspect.signature(Qwen35Model).parameters["prefill_chunk"].default
+    assert chunk == 2048
+    ws = mem.workspace_bytes(hp, 33, chunk, n_taps=5)
+    assert ws > mem.workspace_bytes(hp, 33, 512, n_taps=5) > mem.workspace_bytes(hp, 33)
+    assert 9.5 * mem.GiB < ws < 10 * mem.GiB  # 9.87 GiB (3.33 GiB with 512-token chunks, 1.17 for verifies)
+    # a prefill chunk is a chain: its deferred-commit buffers and feature rows, no per-row GDN states
+    widest = max(hp.n_ff, hp.conv_channels, 2 * hp.n_head * hp.head_dim, hp.n_embd)
+    assert ws - mem.CONTEXT_RESERVE_BYTES == (8 * hp.n_vocab + 24 * chunk * widest + mem.state_bytes(hp, "F32", chunk, 1).verify
+                                              + 2 * 4 * chunk * 5 * hp.n_embd)
     n = mem.fits(mem.H200_BYTES, weights, seq, ws)
-    assert n >= 40  # "room for many sequences": 48 at 141e9 bytes
+    assert n >= 40  # "room for many sequences": 44 at 141e9 bytes (47 with 512-token chunks)
     assert mem.fits(mem.H200_BYTES, weights, seq, ws) == (mem.H200_BYTES - weights - ws) // seq
     # Q8_0 KV nearly halves the per-token cost
     sb8 = mem.state_bytes(hp, sn.DType.Q8_0, verify_width=33, n_taps=5)
@@ -160,17 +170,17 @@ def test_27b_iq4xs_fits_one_h200():
     assert one == mem.workspace_bytes(hp, 16) - mem.CONTEXT_RESERVE_BYTES + mem.state_bytes(hp, "F32", 16, 5).verify
     assert 150 * mem.MiB < one < 300 * mem.MiB
     assert mem.cuda_graph_bytes(hp, 16, 5) == 16 * one
-    assert mem.fits(mem.H200_BYTES, weights, seq, ws + mem.cuda_graph_bytes(hp, 16, 5)) >= 40
+    assert mem.fits(mem.H200_BYTES, weights, seq, ws + mem.cuda_graph_bytes(hp, 16, 5)) >= 40  # 42
     # and the default 2 kept state slots (--slot-cache: a released sequence's K/V, S and conv state): two
     # sequences' states without their verify buffers, so at most two sequences fewer
     slots = 2 * (32768 * sb.kv_per_token + sb.recurrent + sb.conv)
-    with_slots = mem.fits(mem.H200_BYTES, weights, seq, ws + mem.cuda_graph_bytes(hp, 16, 5) + slots)
-    assert with_slots >= 40 and mem.fits(mem.H200_BYTES, weights, seq, ws + mem.cuda_graph_bytes(hp, 16, 5)) - with_slots <= 2
+    with_slots = mem.fits(mem.H200_BYTES, weights, seq, ws + mem.cuda_graph_bytes(hp, 16, 5) + slots)  # 40
+    assert with_slots >= 38 and mem.fits(mem.H200_BYTES, weights, seq, ws + mem.cuda_graph_bytes(hp, 16, 5)) - with_slots <= 2
 
 
 def test_27b_cuda_ipc_ring_on_the_device():
     """With --feature-transport cuda-ipc the 32k ring (100 KiB per position, 3.1 GiB) is device memory
-    per sequence: about 20 sequences fit one H200 instead of 46 (memory.py's docstring)."""
+    per sequence: about 19 sequences fit one H200 instead of 44 (memory.py's docstring)."""
     from specd.target_worker.feature_cuda_ipc import device_bytes
 
     hp, types = _27b_iq4xs()
@@ -179,9 +189,9 @@ def test_27b_cuda_ipc_ring_on_the_device():
     seq = 32768 * sb.kv_per_token + sb.recurrent + sb.conv + sb.verify
     ring = device_bytes(32768, 5 * hp.n_embd)
     assert ring == 32768 * 100 * 1024
-    ws = mem.workspace_bytes(hp, 33, 512)
+    ws = mem.workspace_bytes(hp, 33, 2048, n_taps=5)  # the default prefill chunk
     n = mem.fits(mem.H200_BYTES, weights, seq + ring, ws)
-    assert 18 <= n <= 22, n
+    assert 17 <= n <= 21, n
 
 
 def test_inline_transport_reports_no_feature_ring(tiny_iq4xs):
@@ -193,3 +203,26 @@ def test_inline_transport_reports_no_feature_ring(tiny_iq4xs):
     assert shm.feature_ring_bytes_per_sequence > 0 and shm.host_feature_bytes == 4 * shm.feature_ring_bytes_per_sequence
     assert inline.feature_ring_bytes_per_sequence == 0 and inline.host_feature_bytes == 0
     assert any("none: inline transport" in line for line in inline.lines())
+
+
+def test_default_prefill_chunk_sizes_the_workspace(tiny_iq4xs):
+    """Qwen35Model's prefill chunk is 2048 tokens by default (> 0 enforced), and the report's workspace
+    covers a chunk of the model's size."""
+    w = load_qwen35(tiny_iq4xs)
+    m = Qwen35Model(w)
+    assert m.prefill_chunk == 2048
+    assert mem.report(m, 64, 4, 8, measure=False).workspace_bytes == mem.workspace_bytes(m.hp, 8, 2048)
+    small = Qwen35Model(w, prefill_chunk=512, capture_layers=(1, 3))
+    assert mem.report(small, 64, 4, 8, measure=False).workspace_bytes == mem.workspace_bytes(m.hp, 8, 512, 2)
+    assert mem.workspace_bytes(m.hp, 8, 2048) > mem.workspace_bytes(m.hp, 8, 512)
+    # a prefill chunk's pieces as the model allocates them: one chain forward of p rows keeps the
+    # deferred-commit buffers of p rows (one S and conv state per GDN layer) and p feature rows per tap
+    p = 24
+    st = small.new_sequence(64)
+    res = small.verify(st, list(range(1, p + 1)), last_only=True, exact=False)
+    assert _pending_nbytes(res) == mem.state_bytes(m.hp, "F32", p, 2).verify
+    assert all(q.final_state.shape == st.ssm[i].shape for i, q in enumerate(res.pending) if q is not None)
+    assert res.features.nbytes == 4 * p * 2 * m.hp.n_embd
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="prefill_chunk must be > 0"):
+            Qwen35Model(w, prefill_chunk=bad)

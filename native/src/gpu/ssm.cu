@@ -37,7 +37,7 @@ namespace {
 // ------------------------------------------------------------------------------ conv1d_causal
 
 constexpr int kConvThreads = 128;
-constexpr int64_t kConvTokens = 16;  // tokens per block (grid y); a prefill chunk of 512 tokens: 32 blocks per channel
+constexpr int64_t kConvTokens = 16;  // tokens per block (grid y); a prefill chunk of 2048 tokens: 128 blocks per channel
 
 // Block (bx, by): channels bx * kConvThreads + threadIdx.x, tokens [by * chunk, + chunk). Every output
 // is computed alone, so splitting the tokens over blocks changes no bits. Only the first chunk
