@@ -23,7 +23,9 @@
 # it) decode_at_context ("N:tok/s,..." with AB_DECODE_ARGS="--decode-context N ...", else -), the file of
 # specd.native._native; or why a tree was not measured), sweep.tsv; with ATTN_CONTEXTS (e.g. "4096 32768") each
 # tree's tools/device/attn_bench.py run (the working tree's script on that tree's library, round 1) in
-# attn_bench_NAME.json. AB_DECODE_ARGS adds gpu_decode.py options to every decode run. Exit status 1 when a tree was not measured.
+# attn_bench_NAME.json. AB_DECODE_ARGS adds gpu_decode.py options to every decode run; DECODE_TREES (e.g. "new")
+# limits the decode runs to those trees; LOOP_AL (e.g. "3 5 7") then runs tools/bench/loop_overhead.py on the
+# working tree (the service loop over its IPC streams, as gpu_bench.sh). Exit status 1 when a tree was not measured.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -85,12 +87,13 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
         "$([ -f "/tmp/site_$tree/.ab_built" ] && echo yes || echo no)" "${lib:-nothing}" >>"$OUT/ab.tsv"
       continue
     fi
-    rm -rf "/tmp/ab_$tree$round" && mkdir -p "/tmp/ab_$tree$round"  # no result of an earlier call
     if [ -n "${ATTN_CONTEXTS:-}" ] && [ "$round" = 1 ]; then  # this tree's attention kernels, the new script
       (cd /tmp && PYTHONPATH=$path timeout 120 python3 "$R/tools/device/attn_bench.py" --out "$OUT" --label "$tree" \
         --contexts $ATTN_CONTEXTS) >>"$OUT/ab.log" 2>&1
       echo "attn_bench $tree rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
     fi
+    case " ${DECODE_TREES:-$tree} " in *" $tree "*) ;; *) continue ;; esac  # DECODE_TREES: only these trees decode
+    rm -rf "/tmp/ab_$tree$round" && mkdir -p "/tmp/ab_$tree$round"  # no result of an earlier call
     (cd /tmp && PYTHONPATH=$path timeout 150 python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix "$MIX" \
       --prefill --decode-tokens 64 ${AB_DECODE_ARGS:-} --out "/tmp/ab_$tree$round") >>"$OUT/ab.log" 2>&1
     echo "decode $tree round $round rc=$? at ${SECONDS}s" | tee -a "$OUT/ab.log" >>"$OUT/status.txt"
@@ -113,6 +116,11 @@ print("\t".join([tree, rnd] + cols + [lib]))
 EOF
   done
 done
+if [ -n "${LOOP_AL:-}" ]; then  # the service loop on the working tree (tools/bench/loop_overhead.py, as gpu_bench.sh)
+  (cd /tmp && timeout 200 python3 "$R/tools/bench/loop_overhead.py" --target "$GGUF" --device cuda --tokens 64 \
+    --al $LOOP_AL) >>"$OUT/ab.log" 2>&1
+  echo "loop new rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+fi
 if [ -n "${SWEEP_VARIANTS:-}" ]; then
   OUT=/tmp/ab_sweep VARIANTS="$SWEEP_VARIANTS" SWEEP_SKIP_BUILD=1 timeout 150 bash tools/device/gemv_sweep.sh >/dev/null 2>&1
   cp /tmp/ab_sweep/sweep.tsv "$OUT/sweep.tsv"
