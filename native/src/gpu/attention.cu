@@ -196,8 +196,14 @@ __device__ __forceinline__ void load8(const uint8_t* row, int g, int d, int vec,
   for (int e = 0; e < 8; ++e) v[e] = 8 * g + e < d ? load<T>(row, 8 * g + e) : 0.0f;
 }
 
+// Sum over each group of w lanes (w a power of two <= the warp, uniform over the warp): xor butterfly
+// with m = w/2, w/4, ..., 1. Written as the warp-wide butterfly with the steps m >= w skipped, so the
+// loop unrolls and the chains of a thread's many sums interleave (a loop bound by w alone runs them one
+// after another, each a chain of dependent shuffles); the same adds in the same order.
 __device__ __forceinline__ float subwarp_sum(float v, int w) {
-  for (int m = w / 2; m > 0; m >>= 1) v += SPECD_SHFL_XOR(v, m);  // w uniform: all lanes shuffle
+#pragma unroll
+  for (int m = SPECD_WARP / 2; m > 0; m >>= 1)
+    if (m < w) v += SPECD_SHFL_XOR(v, m);  // w uniform: all lanes shuffle
   return v;
 }
 
