@@ -12,7 +12,8 @@ before it (tools/bench/gpu_decode.py's ``exclusive_times``: with programmatic de
 span also covers its wait for the predecessor).
 
 Usage (GPU machine, specd built with SPECD_GPU=cuda): python tools/device/attn_bench.py --out DIR
-[--contexts 4096 32768 131072]. Writes DIR/attn_bench.json and prints a markdown table.
+[--contexts 4096 32768 131072] [--label NAME] [--probe]. Writes DIR/attn_bench[_NAME].json and prints a markdown
+table; --probe only calls each case once (for Nsight Compute).
 """
 from __future__ import annotations
 
@@ -115,10 +116,20 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072],
                     help="KV lengths (keys per call), default 4096 32768 131072")
     ap.add_argument("--label", default="", help="name of the tree measured (shown in the JSON)")
+    ap.add_argument("--probe", action="store_true",
+                    help="call each case once, no timing or profiler (a target for Nsight Compute: ncu -k regex:attn_)")
     args = ap.parse_args(argv)
     if any(c < 8 for c in args.contexts):
         ap.error("--contexts: each at least 8 (the verify cases use the last 8 positions)")
     rng = np.random.default_rng(7)
+    if args.probe:
+        for c in args.contexts:
+            raw = (rng.standard_normal((c, HKV, D)) * 0.5).astype(np.float16)
+            k, v = on_gpu(raw), on_gpu(raw[::-1].copy())
+            for name, _, kw in cases(rng, c):
+                sn.attention(kw["q"], k, v, c, kw["q_pos"], causal=kw.get("causal", True), mask=kw.get("mask"), trusted=True)
+            sn.gpu_synchronize()
+        return 0
     cb = copy_bandwidth()
     rep = {"label": args.label, "copy_GBps": cb["GBps"] if cb else None, "rows": []}
     for c in args.contexts:
