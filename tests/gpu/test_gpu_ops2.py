@@ -688,6 +688,36 @@ def test_attention_gpu_batch_invariance_bitwise(rng, dtype, shape):
         np.testing.assert_array_equal(ych[-1], yt[node], err_msg=f"tree node {node} vs chain")
 
 
+def assert_tree_equals_chain(rng, hq, hkv, d, dtype, c0, nodes):
+    """tree(c0)'s rows in one masked call over c0 committed keys equal, bitwise, the last row of a chain
+    verify of each node's path (the path's keys written at rows c0, c0 + 1, ... of another cache)."""
+    parent, depth, tmask = tree(c0)
+    n = len(parent)
+    cap = c0 + n + 8
+    kx, vx = f32(rng, (c0 + n, hkv, d)), f32(rng, (c0 + n, hkv, d))
+
+    def caches(kr, vr):
+        rk, dt = empty_cache(cap, hkv, d, dtype)
+        rv, _ = empty_cache(cap, hkv, d, dtype)
+        ck, cv = on_gpu(rk, dt), on_gpu(rv, dt)
+        rows = np.arange(len(kr), dtype=np.int32)
+        sn.kv_write(ck, on_gpu(kr), rows)
+        sn.kv_write(cv, on_gpu(vr), rows)
+        return ck, cv
+
+    kt, vt = caches(kx, vx)
+    qn = f32(rng, (n, hq, d))
+    pos_t = (c0 + np.array(depth)).astype(np.int32)
+    yt = sn.attention(on_gpu(qn), kt, vt, c0 + n, on_gpu(pos_t), causal=False, mask=on_gpu(tmask)).numpy()
+    for node in nodes:
+        path = tree_path(parent, node)
+        idx = np.concatenate([np.arange(c0), c0 + np.array(path)])
+        ck, cv = caches(kx[idx], vx[idx])
+        pch = np.arange(c0, c0 + len(path), dtype=np.int32)
+        ych = sn.attention(on_gpu(np.stack([qn[p] for p in path])), ck, cv, c0 + len(path), on_gpu(pch)).numpy()
+        np.testing.assert_array_equal(ych[-1], yt[node], err_msg=f"tree node {node} vs chain")
+
+
 @pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
 @gpu_only
 def test_attention_gpu_chunk_boundaries(rng, dtype):
@@ -709,32 +739,7 @@ def test_attention_gpu_chunk_boundaries(rng, dtype):
     y1 = sn.attention(on_gpu(q), kg, vg, kv_len, on_gpu(pos), causal=False, mask=on_gpu(ones)).numpy()
     np.testing.assert_array_equal(y0, y1)
     # Tree rows [c0, c0 + 7) across the chunk boundary at 64: node == chain verify of its path.
-    c0 = 60
-    parent, depth, tmask = tree(c0)
-    n = len(parent)
-    cap = c0 + n + 8
-    kx, vx = f32(rng, (c0 + n, hkv, d)), f32(rng, (c0 + n, hkv, d))
-
-    def caches(kr, vr):
-        rk, dt = empty_cache(cap, hkv, d, dtype)
-        rv, _ = empty_cache(cap, hkv, d, dtype)
-        ck, cv = on_gpu(rk, dt), on_gpu(rv, dt)
-        rows = np.arange(len(kr), dtype=np.int32)
-        sn.kv_write(ck, on_gpu(kr), rows)
-        sn.kv_write(cv, on_gpu(vr), rows)
-        return ck, cv
-
-    kt, vt = caches(kx, vx)
-    qn = f32(rng, (n, hq, d))
-    pos_t = (c0 + np.array(depth)).astype(np.int32)
-    yt = sn.attention(on_gpu(qn), kt, vt, c0 + n, on_gpu(pos_t), causal=False, mask=on_gpu(tmask)).numpy()
-    for node in range(n):
-        path = tree_path(parent, node)
-        idx = np.concatenate([np.arange(c0), c0 + np.array(path)])
-        ck, cv = caches(kx[idx], vx[idx])
-        pch = np.arange(c0, c0 + len(path), dtype=np.int32)
-        ych = sn.attention(on_gpu(np.stack([qn[p] for p in path])), ck, cv, c0 + len(path), on_gpu(pch)).numpy()
-        np.testing.assert_array_equal(ych[-1], yt[node], err_msg=f"tree node {node} vs chain")
+    assert_tree_equals_chain(rng, hq, hkv, d, dtype, 60, range(7))
 
 
 @pytest.mark.parametrize("dtype", ["F16", "Q8_0", "F32"])
@@ -758,32 +763,7 @@ def test_attention_gpu_long_rows(rng, dtype):
     mask = (rng.random((2, kv_len)) < 0.9).astype(np.int32)
     check_attn(*attn_both(c, q[[1, 7]], kv_len, pos[[1, 7]], causal=False, mask=mask), c.vmax)
     # The tree's rows [c0, c0 + 4) cross the chunk boundary 8256 (= 129 x 64).
-    c0 = 8253
-    parent, depth, tmask = tree(c0)
-    n = len(parent)
-    cap = c0 + n + 8
-    kx, vx = f32(rng, (c0 + n, hkv, d)), f32(rng, (c0 + n, hkv, d))
-
-    def caches(kr, vr):
-        rk, dt = empty_cache(cap, hkv, d, dtype)
-        rv, _ = empty_cache(cap, hkv, d, dtype)
-        ck, cv = on_gpu(rk, dt), on_gpu(rv, dt)
-        rows = np.arange(len(kr), dtype=np.int32)
-        sn.kv_write(ck, on_gpu(kr), rows)
-        sn.kv_write(cv, on_gpu(vr), rows)
-        return ck, cv
-
-    kt, vt = caches(kx, vx)
-    qn = f32(rng, (n, hq, d))
-    pos_t = (c0 + np.array(depth)).astype(np.int32)
-    yt = sn.attention(on_gpu(qn), kt, vt, c0 + n, on_gpu(pos_t), causal=False, mask=on_gpu(tmask)).numpy()
-    for node in (3, 6):
-        path = tree_path(parent, node)
-        idx = np.concatenate([np.arange(c0), c0 + np.array(path)])
-        ck, cv = caches(kx[idx], vx[idx])
-        pch = np.arange(c0, c0 + len(path), dtype=np.int32)
-        ych = sn.attention(on_gpu(np.stack([qn[p] for p in path])), ck, cv, c0 + len(path), on_gpu(pch)).numpy()
-        np.testing.assert_array_equal(ych[-1], yt[node], err_msg=f"tree node {node} vs chain")
+    assert_tree_equals_chain(rng, hq, hkv, d, dtype, 8253, (3, 6))
 
 
 @gpu_only
