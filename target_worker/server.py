@@ -66,7 +66,8 @@ class TargetWorkerConfig:
     kv_dtype: "f16" (default), "q8_0" or "f32".
     prefill_chunk: tokens per prefill forward, > 0, default 2048 (on the GPU each chunk dequantizes
         every weight matrix to BF16 once, so longer chunks prefill faster; the workspace reserve grows
-        with the chunk: :func:`.memory.workspace_bytes`).
+        with the chunk: :func:`.memory.workspace_bytes`; a cancelled prefill stops at the next chunk
+        boundary, so shorter chunks stop sooner).
     device: where the target runs: "auto" (default: "cuda" when this build has a GPU backend and a
         GPU is present, else "cpu"), "cpu" or "cuda" (Qwen35Model(device=GPU): weights, KV cache and
         recurrent state on the GPU). "cuda" in a CPU-only build or without a GPU is a clear error.

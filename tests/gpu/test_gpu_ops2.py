@@ -742,17 +742,23 @@ def test_attention_gpu_chunk_boundaries(rng, dtype):
     assert_tree_equals_chain(rng, hq, hkv, d, dtype, 60, range(7))
 
 
+# (hq, hkv, head_dim, kv_len, query positions): one 64-output combine block per head, 1094 chunks; two
+# combine blocks per head, the second half past head_dim (96)
+LONG_ROWS = [(4, 1, 64, 70000, [4095, 4096, 8191, 8192, 12300, 65535, 65536, 69999]),
+             (6, 2, 96, 20000, [31, 2047, 2048, 2111, 8191, 12300, 19998, 19999])]
+
+
 @pytest.mark.parametrize("dtype", ["F16", "Q8_0", "F32"])
+@pytest.mark.parametrize("case", LONG_ROWS)
 @gpu_only
-def test_attention_gpu_long_rows(rng, dtype):
-    """Rows of up to 70000 visible keys (1094 chunks: the combine pass walks its chunks in tiles of 256, 32
-    partials in flight) match the CPU, alone or with shorter rows in one call (bitwise: the chunk grid and
-    the combine's tiles depend only on the row), masked too; and a tree at 8253 keys whose draft rows
-    straddle the chunk boundary 8256 equals the chain verify of each path."""
-    hq, hkv, d = 4, 1, 64
-    kv_len = 70000
+def test_attention_gpu_long_rows(rng, dtype, case):
+    """Rows of up to 70000 visible keys (1094 chunks: the combine pass walks its chunks in tiles of 256, in
+    batches of 32, 8 and 1 partials) match the CPU, alone or with shorter rows in one call (bitwise: the
+    chunk grid and the combine's batches depend only on the row), masked too; and a tree at 8253 keys whose
+    draft rows straddle the chunk boundary 8256 equals the chain verify of each path."""
+    hq, hkv, d, kv_len, pos = case
     c = Caches(rng, kv_len + 8, hkv, d, dtype, kv_len)
-    pos = np.array([4095, 4096, 8191, 8192, 12300, 65535, 65536, 69999], np.int32)  # cnt = pos + 1
+    pos = np.array(pos, np.int32)  # cnt = pos + 1
     q = f32(rng, (len(pos), hq, d), 2)
     y, cpu = attn_both(c, q, kv_len, pos)
     check_attn(y, cpu, c.vmax)

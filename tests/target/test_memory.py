@@ -156,7 +156,7 @@ def test_27b_iq4xs_fits_one_h200():
     assert ws - mem.CONTEXT_RESERVE_BYTES == (8 * hp.n_vocab + 24 * chunk * widest + mem.state_bytes(hp, "F32", chunk, 1).verify
                                               + 2 * 4 * chunk * 5 * hp.n_embd)
     n = mem.fits(mem.H200_BYTES, weights, seq, ws)
-    assert n >= 40  # "room for many sequences": 44 at 141e9 bytes (47 with 512-token chunks)
+    assert n >= 44  # "room for many sequences": 44 at 141e9 bytes (47 with 512-token chunks)
     assert mem.fits(mem.H200_BYTES, weights, seq, ws) == (mem.H200_BYTES - weights - ws) // seq
     # Q8_0 KV nearly halves the per-token cost
     sb8 = mem.state_bytes(hp, sn.DType.Q8_0, verify_width=33, n_taps=5)
@@ -175,7 +175,7 @@ def test_27b_iq4xs_fits_one_h200():
     # sequences' states without their verify buffers, so at most two sequences fewer
     slots = 2 * (32768 * sb.kv_per_token + sb.recurrent + sb.conv)
     with_slots = mem.fits(mem.H200_BYTES, weights, seq, ws + mem.cuda_graph_bytes(hp, 16, 5) + slots)  # 40
-    assert with_slots >= 38 and mem.fits(mem.H200_BYTES, weights, seq, ws + mem.cuda_graph_bytes(hp, 16, 5)) - with_slots <= 2
+    assert with_slots >= 40 and mem.fits(mem.H200_BYTES, weights, seq, ws + mem.cuda_graph_bytes(hp, 16, 5)) - with_slots <= 2
 
 
 def test_27b_cuda_ipc_ring_on_the_device():

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
                     help="profile one prefill of N prompt tokens per GPU kernel, after a warm-up prefill (0: off)")
     ap.add_argument("--prefill-chunks", type=int, nargs="*", default=[], metavar="C",
                     help="also time the --prefill lengths with prefill chunks of C tokens (Qwen35Model.prefill_chunk; the "
-                         "main table uses the model's default, 512)")
+                         "main table uses the model's default, 2048; e.g. 512 for the A/B)")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="replay chain verifies of <= 16 rows as CUDA graphs (default on)")
     args = ap.parse_args(argv)
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     rep["prefill_tok_s"], rep["prefill_cold_tok_s"] = prefill_rates(model, args.prefill, rng, vocab, sync)
     rep["prefill_tok_s_by_chunk"] = {}
     default_chunk = model.prefill_chunk
-    for c in args.prefill_chunks:  # e.g. 2048: the dequantized weights of a chunk serve 4x the rows of 512
+    for c in args.prefill_chunks:  # each chunk dequantizes every weight once: smaller chunks pay it more often
         model.prefill_chunk = c
         rep["prefill_tok_s_by_chunk"][c] = prefill_rates(model, args.prefill, rng, vocab, sync)[0]
         print("prefill chunk", c, rep["prefill_tok_s_by_chunk"][c], flush=True)

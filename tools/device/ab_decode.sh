@@ -22,8 +22,8 @@
 # verify_ms_w16 loop_tok_s_al3 loop_tok_s_al5 loop_tok_s_al7 decode_verify_commit_tok_s (- for trees from before
 # it) decode_at_context ("N:tok/s,..." with AB_DECODE_ARGS="--decode-context N ...", else -), the file of
 # specd.native._native; or why a tree was not measured), sweep.tsv; with ATTN_CONTEXTS (e.g. "4096 32768") each
-# tree's tools/device/attn_bench.py run (the working tree's script on that tree's library, round 1) in
-# attn_bench_NAME.json. AB_DECODE_ARGS adds gpu_decode.py options to every decode run; DECODE_TREES (e.g. "new")
+# tree's tools/device/attn_bench.py run (the working tree's script on that tree's library, round 1): its
+# table in ab.log (the JSON stays in /tmp: the device tool brings back 8 files). AB_DECODE_ARGS adds gpu_decode.py options to every decode run; DECODE_TREES (e.g. "new")
 # limits the decode runs to those trees; LOOP_AL (e.g. "3 5 7") then runs tools/bench/loop_overhead.py on the
 # working tree (the service loop over its IPC streams, as gpu_bench.sh). Exit status 1 when a tree was not measured.
 set -u -o pipefail
@@ -50,6 +50,9 @@ if [ -z "${CXX:-}" ] || [ "${CXX:-}" = /opt/gcc/bin/g++ ]; then
 fi
 if [ -n "${CXX:-}" ] && [ -z "${CUDAHOSTCXX:-}" ]; then export CUDAHOSTCXX=$CXX; fi
 names=() dirs=()
+for t in ${DECODE_TREES:-}; do  # a name that matches no tree would skip every decode silently
+  [ "$t" = new ] || case " $OLD " in *" $t:"*) ;; *) echo "DECODE_TREES: $t is not new nor a tree of OLD" >&2; exit 2 ;; esac
+done
 for t in $OLD; do
   [ "${t%%:*}" != new ] || { echo "OLD: the name new is the working tree's" >&2; exit 2; }
   names+=("${t%%:*}"); dirs+=("$(cd "${t#*:}" && pwd)") || exit 2
@@ -88,7 +91,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       continue
     fi
     if [ -n "${ATTN_CONTEXTS:-}" ] && [ "$round" = 1 ]; then  # this tree's attention kernels, the new script
-      (cd /tmp && PYTHONPATH=$path timeout 120 python3 "$R/tools/device/attn_bench.py" --out "$OUT" --label "$tree" \
+      (cd /tmp && PYTHONPATH=$path timeout 120 python3 "$R/tools/device/attn_bench.py" --out /tmp/ab_attn --label "$tree" \
         --contexts $ATTN_CONTEXTS) >>"$OUT/ab.log" 2>&1
       echo "attn_bench $tree rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
     fi
@@ -116,7 +119,7 @@ print("\t".join([tree, rnd] + cols + [lib]))
 EOF
   done
 done
-if [ -n "${LOOP_AL:-}" ]; then  # the service loop on the working tree (tools/bench/loop_overhead.py, as gpu_bench.sh)
+if [ -n "${LOOP_AL:-}" ] && [ -f "$GGUF" ]; then  # the service loop on the working tree (tools/bench/loop_overhead.py, as gpu_bench.sh)
   (cd /tmp && timeout 200 python3 "$R/tools/bench/loop_overhead.py" --target "$GGUF" --device cuda --tokens 64 \
     --al $LOOP_AL) >>"$OUT/ab.log" 2>&1
   echo "loop new rc=$? at ${SECONDS}s" >>"$OUT/status.txt"

@@ -11,7 +11,7 @@
 # tools/bench/random_drafter.py and deleted after; ingest of 512 context rows, propose step time, floor,
 # and the ratio to that mix's verify time at each drafter's verify width); all within $BUDGET_S seconds
 # (default 560). ATTN_CONTEXTS (e.g. "4096 32768 131072") runs tools/device/attn_bench.py (decode / verify
-# attention time, K/V bandwidth and kernel times at those context lengths) after the report. DECODE_ARGS adds gpu_decode.py options (e.g. "--prefill 128 512" to leave time for DRAFTERS).
+# attention time, K/V bandwidth and kernel times at those context lengths; its table in decode.log) after the report. DECODE_ARGS adds gpu_decode.py options (e.g. "--prefill 128 512" to leave time for DRAFTERS).
 #
 # Usage (repository root on the GPU machine; carry .whl, see gpu_tests.sh for the wheels):
 #     OUT=/some/dir MIXES="iq4xs q4km" bash tools/device/gpu_bench.sh
@@ -38,7 +38,7 @@ timeout "$t" python3 "$R/tools/device/gpu_report.py" --out "$OUT" $fmt >>"$OUT/p
 echo "report rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 if [ -n "${ATTN_CONTEXTS:-}" ]; then  # decode / verify attention over long KV caches (attn_bench.py)
   t=$(left); [ "$t" -gt 120 ] && t=120
-  timeout "$t" python3 "$R/tools/device/attn_bench.py" --out "$OUT" --contexts $ATTN_CONTEXTS >>"$OUT/decode.log" 2>&1
+  timeout "$t" python3 "$R/tools/device/attn_bench.py" --out /tmp/attn_bench --contexts $ATTN_CONTEXTS >>"$OUT/decode.log" 2>&1
   echo "attn_bench rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 fi
 for mix in ${MIXES:-iq4xs}; do
