@@ -617,12 +617,14 @@ def _transient(exc: Exception) -> bool:
 
 class _Live:
     """A live request's control flags (Abort sets ``aborted``; the loop checks it once per worker call:
-    a step or a plain run)."""
+    a step or a plain run) and ``held``: the last step's :meth:`CoordinatorMetrics.record_step`
+    arguments, recorded while the next verify is in flight (or when the request ends)."""
 
-    __slots__ = ("aborted",)
+    __slots__ = ("aborted", "held")
 
     def __init__(self):
         self.aborted = False
+        self.held: tuple | None = None
 
 
 class Coordinator(gpbg.SpecDecodeServicer):
@@ -1169,6 +1171,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
             if writing is not None and not writing.done():
                 writing.cancel()
             self.live.pop(rid, None)
+            if live.held is not None:  # the last step's metrics (held for a next verify)
+                mx.record_step(*live.held)
             mx.running.labels(*lv).dec()
             mx.requests.labels(*mx.l(*outcome)).inc()
             mx.generation_tokens.labels(*lv).inc(len(fin.ids))
@@ -1423,6 +1427,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 vreq = wpb.VerifyRequest(seq_id=seq_id, tokens=[anchor] + drafts, max_accept=len(drafts))
             else:
                 vreq = wpb.VerifyRequest(seq_id=seq_id, tokens=tree.tokens, parents=tree.parents, max_accept=k)
+            if live.held is not None:  # the last step's metrics: the event loop runs them during this verify
+                call_soon(mx.record_step, *live.held)
+                live.held = None
             vr = await self._call(streams["verify"] if streams else self.target.Verify, vreq, deadline, "verify")
             t2 = time.perf_counter()
             dt = t2 - t0
@@ -1478,13 +1485,12 @@ class Coordinator(gpbg.SpecDecodeServicer):
             m_sent = min(m, used)
             for c in out:
                 c.chunk.accepted_in_step = m_sent
-            # Prometheus updates take ~3 us (counter) to ~10 us (histogram) each, up to ~20 per step: the
-            # event loop runs them once this coroutine next waits, i.e. while the next step's worker
-            # call is in flight, not between this verify's answer and that call
+            # Prometheus updates take ~3 us (counter) to ~10 us (histogram) each, up to ~20 per step: they
+            # are held until the next verify is in flight (the step's longest wait), so they run neither
+            # between this verify's answer and the next call nor during a short Propose
             steps, share = (1, 1) if speculate else (used, len(emitted))  # a run's steps after the finish are not counted
             timing.steps += steps
-            call_soon(mx.record_step, len(drafts), m_sent, t1 - t0, (t2 - t1) / share, max(0.0, dt - compute) / share,
-                      steps)
+            live.held = (len(drafts), m_sent, t1 - t0, (t2 - t1) / share, max(0.0, dt - compute) / share, steps)
             if speculate:
                 if drafts:
                     stats.num_drafts += 1
