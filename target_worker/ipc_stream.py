@@ -103,6 +103,7 @@ DIR_PREFIX = "specd-ipc-"
 DISCARD_BYTES = 1 << 20  # unread input dropped before closing a connection after an error frame
 WRITE_TIMEOUT_S = 20.0  # a peer that takes no data for this long is dropped (the gRPC side's keepalive ack bound)
 JOIN_TIMEOUT_S = 5.0  # close(): how long connections cut off get to end their thread
+JOIN_BYTES = 1 << 16  # an answer up to this size is joined with its head and sent by one sendall (larger: send_parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +314,10 @@ class IpcStreamServer:
                     raise IpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: response of {len(body)} "
                                                                        f"bytes exceeds max_message_bytes "
                                                                        f"{self.max_message_bytes}")
-                send_parts(conn, (STATUS.pack(len(body) + 1, 0), body))
+                if len(body) <= JOIN_BYTES:  # the common answer: one joined frame, one C-level sendall
+                    conn.sendall(STATUS.pack(len(body) + 1, 0) + body)
+                else:
+                    send_parts(conn, (STATUS.pack(len(body) + 1, 0), body))
         except IpcAbort as exc:
             _send_quietly(conn, error_frame(exc.code, exc.details))
             _discard_input(conn)
