@@ -3,9 +3,9 @@
 Why: per speculative step the coordinator makes two worker calls, and a gRPC stream message's round
 trip (0.39-0.42 ms on the H200 host, tools/bench/grpc_floor.py) is 5-7 % of a 12-16 ms step. The same
 protobuf messages as length-prefixed frames on a Unix socket (a non-blocking socket on the coordinator's
-event loop, a blocking socket thread here) take about a quarter of that (grpc_floor.py rows sync / ipc: 261-285
-vs 68-71 us on the 2-core dev VM, BENCHMARKS.md). gRPC stays for everything else (Info, Prefill,
-Commit, Release, Health) and for workers on another host.
+event loop, a blocking socket thread here) take about a quarter of that (grpc_floor.py rows sync / ipc:
+261-285 vs 68-71 us on the 2-core dev VM, BENCHMARKS.md). gRPC stays for everything else (Info,
+Prefill, Commit, Release, Health) and for workers on another host.
 
 Set-up (:class:`IpcStreamServer`, started by ``start_worker_server`` unless ``--no-ipc-streams``): a
 private directory (``tempfile.mkdtemp``, mode 0700) holding ``stream.sock`` (AF_UNIX, SOCK_STREAM)

@@ -88,8 +88,9 @@ def test_drafter_checks_a_sequences_options_whenever_they_change(target, stack):
             again = d.Propose(wpb.ProposeRequest(seq_id="opts", start=len(prompt), anchor=pre.first_token,
                                                  max_tokens=2), timeout=30)
             assert list(again.tokens) == list(ok.tokens)
-            assert _err(d.Propose, wpb.ProposeRequest(seq_id="opts", start=len(prompt), anchor=pre.first_token,
-                                                      max_tokens=2, dspark_markov=9)) == grpc.StatusCode.INVALID_ARGUMENT
+            bad_markov = wpb.ProposeRequest(seq_id="opts", start=len(prompt), anchor=pre.first_token, max_tokens=2,
+                                            dspark_markov=9)
+            assert _err(d.Propose, bad_markov) == grpc.StatusCode.INVALID_ARGUMENT
             d.Release(wpb.ReleaseRequest(seq_id="opts"), timeout=30)
     finally:
         target.Release(wpb.ReleaseRequest(seq_id="opts"), timeout=30)
