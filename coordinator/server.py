@@ -53,6 +53,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import socket
 import time
 import uuid
 
@@ -262,6 +263,7 @@ async def read_status(reader: asyncio.StreamReader, max_bytes: int, what: str) -
 
 
 OPEN_TIMEOUT_S = 2.0  # IpcStream's default bound on connect + hello (the coordinator passes health_timeout_s)
+RECV_BYTES = 1 << 18  # most bytes one IpcStream recv takes (asyncio's transports read as much)
 
 
 async def probe_ipc(offer: IpcOffer, timeout: float) -> None:
@@ -284,8 +286,8 @@ async def probe_ipc(offer: IpcOffer, timeout: float) -> None:
 
 class IpcStream(SequenceStream):
     """One sequence's VerifyStream / ProposeStream over the worker's IPC stream socket
-    (specd.target_worker.ipc_stream: the same messages as length-prefixed frames on a Unix socket,
-    asyncio streams here), with :class:`WorkerStream`'s interface and semantics.
+    (specd.target_worker.ipc_stream: the same messages as length-prefixed frames on a Unix socket),
+    with :class:`WorkerStream`'s interface and semantics.
 
     The connection opens at the first call (a hello with the worker's token, answered once the stream
     holds one of the worker's compute slots; admission never waits for a slot, so the answer is
@@ -300,6 +302,14 @@ class IpcStream(SequenceStream):
     e.g. RESOURCE_EXHAUSTED for a refused slot); a socket that is gone, refused or reset ->
     UNAVAILABLE. A failed or cancelled call closes the connection (the request ends with it).
 
+    Hot path (per call; no asyncio transport, protocol or stream reader between the socket and the
+    call): the request goes out with one ``sendmsg`` on the non-blocking socket (a request larger than
+    the socket buffer is finished by a writer callback); one ``recv`` right after it takes an answer
+    that is already there (a fast worker on a busy host) without a trip through the event loop, else
+    the socket's reader callback (registered once per connection) completes the call's future with
+    the answer frame. One deadline timer per connection is re-armed only when it fires early (each
+    call's bound only moves it later), not set and cancelled per call.
+
     Args:
         offer: the worker's socket, token and stream method.
         worker_timeout_s: per-call bound without a request deadline (seconds, > 0).
@@ -312,8 +322,8 @@ class IpcStream(SequenceStream):
         on_lost: called with ``offer`` when the socket cannot be opened or fails with UNAVAILABLE.
     """
 
-    __slots__ = ("offer", "max_bytes", "reader", "writer", "loop", "expired", "open_timeout_s", "fallback",
-                 "on_lost", "instead")
+    __slots__ = ("offer", "max_bytes", "sock", "loop", "expired", "open_timeout_s", "fallback", "on_lost",
+                 "instead", "buf", "waiter", "unsent", "timer", "expiry", "eof", "opened")
 
     def __init__(self, offer: IpcOffer, worker_timeout_s: float, max_message_bytes: int,
                  open_timeout_s: float = OPEN_TIMEOUT_S, fallback=None, on_lost=None):
@@ -321,24 +331,164 @@ class IpcStream(SequenceStream):
         self.max_bytes, self.open_timeout_s = max_message_bytes, open_timeout_s
         self.fallback, self.on_lost = fallback, on_lost
         self.instead: SequenceStream | None = None  # the fallback stream once the socket failed to open
-        self.reader = self.writer = None  # the asyncio streams once opened
+        self.sock: socket.socket | None = None  # the non-blocking connection once opened; None when closed
         self.loop = None  # its event loop (asyncio.get_running_loop() costs a getpid() system call)
+        self.buf = bytearray()  # bytes received and not yet taken as a frame
+        self.waiter: asyncio.Future | None = None  # the pending call's (or close's) answer
+        self.unsent: list[memoryview] = []  # the rest of a request the socket did not take at once
+        self.timer = None  # the connection's deadline timer (asyncio.TimerHandle) while armed
+        self.expiry: float | None = None  # loop.time() by which the call in flight must be answered
+        self.eof = False  # the worker closed its end
+        self.opened = False  # the hello was answered (a connection lost after that is not opened again)
         self.expired = False
 
-    def _expire(self) -> None:
-        self.expired = True
-        self._abort()  # the pending read ends (EOF); the call reports DEADLINE_EXCEEDED
+    # ---- connection plumbing (event-loop callbacks)
 
     def _abort(self) -> None:
-        writer, self.writer = self.writer, None
-        if writer is not None:
-            writer.transport.abort()
+        """Closes the connection now (idempotent); a pending call's future fails with EOFError."""
+        sock, self.sock = self.sock, None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if sock is None:
+            return
+        self.loop.remove_reader(sock)
+        if self.unsent:
+            self.loop.remove_writer(sock)
+            self.unsent = []
+        sock.close()
+        self._fail(EOFError("IPC stream connection closed"))
+
+    def _fail(self, exc: BaseException) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+    def _on_timer(self) -> None:
+        """The deadline timer: expires the call in flight once its bound has passed, else re-arms for it."""
+        self.timer = None
+        if self.expiry is None or self.sock is None:
+            return
+        if self.loop.time() >= self.expiry:
+            self.expired = True
+            self._abort()  # the pending call reports DEADLINE_EXCEEDED
+        else:
+            self.timer = self.loop.call_at(self.expiry, self._on_timer)
+
+    def _arm(self, left: float) -> None:
+        """Bounds the call starting now by ``left`` seconds."""
+        self.expiry = self.loop.time() + left
+        if self.timer is not None:
+            if self.timer.when() <= self.expiry:
+                return  # it fires first and re-arms for this call
+            self.timer.cancel()
+        self.timer = self.loop.call_at(self.expiry, self._on_timer)
+
+    def _recv(self) -> None:
+        """Takes what the socket holds (non-blocking) and completes the pending future with a whole
+        frame; EOF or a socket error fails it."""
+        try:
+            data = self.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._abort_with(exc)
+            return
+        if not data:
+            self.eof = True
+            self._abort_with(EOFError("the worker closed the IPC stream connection"))
+            return
+        self.buf += data
+        if self.waiter is not None:
+            self._complete()
+
+    def _abort_with(self, exc: BaseException) -> None:
+        self._fail(exc)
+        self._abort()
+
+    def _complete(self) -> None:
+        """Completes the pending future with the next frame once all of it is buffered."""
+        try:
+            frame = self._frame()
+        except RequestError as exc:
+            self._abort_with(exc)
+            return
+        if frame is not None:
+            waiter, self.waiter = self.waiter, None
+            if not waiter.done():
+                waiter.set_result(frame)
+
+    def _frame(self) -> tuple[int, bytes] | None:
+        """The next status frame in the buffer, (status byte, the rest), or None while incomplete.
+        RESOURCE_EXHAUSTED when its body exceeds max_bytes (as gRPC's max_receive_message_length),
+        INTERNAL for an empty frame (a broken worker)."""
+        buf = self.buf
+        if len(buf) < STATUS.size:
+            return None
+        n, status = STATUS.unpack_from(buf)
+        if n == 0 or n - 1 > self.max_bytes:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED if n else grpc.StatusCode.INTERNAL,
+                               f"{self.what}: IPC answer frame of {n} bytes (limit {self.max_bytes + 1})")
+        end = FRAME.size + n
+        if len(buf) < end:
+            return None
+        with memoryview(buf) as view:  # one copy of the body, not two
+            body = bytes(view[STATUS.size:end])
+        del buf[:end]
+        return status, body
+
+    def _send(self, parts) -> None:
+        """Sends ``parts`` (a frame) without waiting: what the socket does not take at once is finished
+        by a writer callback while the call waits for its answer. OSError when the socket fails."""
+        views = [memoryview(p) for p in parts if len(p)]
+        try:
+            sent = self.sock.sendmsg(views)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        self.unsent = _advance(views, sent)
+        if self.unsent:
+            self.loop.add_writer(self.sock, self._flush)
+
+    def _flush(self) -> None:
+        try:
+            sent = self.sock.sendmsg(self.unsent)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._abort_with(exc)
+            return
+        self.unsent = _advance(self.unsent, sent)
+        if not self.unsent:
+            self.loop.remove_writer(self.sock)
+
+    async def _answer(self) -> tuple[int, bytes]:
+        """The next frame: from the buffer, after one non-blocking recv (an answer already there skips
+        the event loop; the reader callback then finds nothing), or from the reader callback. EOFError
+        once the connection is gone without one."""
+        frame = self._frame()
+        if frame is None and self.sock is not None and not self.unsent:
+            self._recv()
+            frame = self._frame()
+        if frame is not None:
+            return frame
+        if self.sock is None:
+            raise EOFError("IPC stream connection closed")
+        self.waiter = self.loop.create_future()
+        return await self.waiter
+
+    # ---- the stream
 
     async def _hello(self) -> tuple[int, bytes]:
         """Connects and says hello; returns the worker's answer (status byte, rest)."""
-        self.reader, self.writer = await asyncio.open_unix_connection(self.offer.path)
-        self.writer.write(hello_frame(self.offer.token, self.offer.method.id))
-        return await read_status(self.reader, self.max_bytes, self.what)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        self.sock, self.eof = sock, False
+        await self.loop.sock_connect(sock, self.offer.path)
+        if self.sock is not sock:  # aborted meanwhile
+            raise EOFError("IPC stream connection closed")
+        self.loop.add_reader(sock, self._recv)
+        self._send((hello_frame(self.offer.token, self.offer.method.id),))
+        return await self._answer()
 
     async def _open(self, left: float) -> bool:
         """Opens the connection within min(``left``, open_timeout_s). False when the socket cannot be
@@ -356,8 +506,12 @@ class IpcStream(SequenceStream):
             log.debug("%s: IPC stream socket %s cannot be opened: %s", self.what, self.offer.path,
                       exc or type(exc).__name__)
             return False
+        except BaseException:
+            self._abort()
+            raise
         if status:
             raise status_error(*parse_error(body), self.what)
+        self.opened = True
         return True
 
     async def _fall_back(self, msg, deadline: float | None):
@@ -395,18 +549,18 @@ class IpcStream(SequenceStream):
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
         self.expired = False
-        timer = self.loop.call_later(left, self._expire)
+        self._arm(left)
         try:
-            if self.writer is None and not await self._open(left):
-                timer.cancel()  # the fallback stream bounds its own call
+            if not self.opened and not await self._open(left):
+                self.expiry = None  # the fallback stream bounds its own call
                 return await self._fall_back(msg, deadline)
-            self.writer.writelines((FRAME.pack(len(data)), data))  # no joined copy of a large request
-            await self.writer.drain()  # returns at once unless a large message filled the socket buffer
-            status, body = await read_status(self.reader, self.max_bytes, self.what)
+            if self.sock is not None:  # else the worker closed it: its last frame (an error) or EOF answers
+                self._send((FRAME.pack(len(data)), data))  # no joined copy of a large request
+            status, body = await self._answer()
             if status:
                 raise status_error(*parse_error(body), self.what)
             return self.offer.method.response.FromString(body)
-        except (OSError, EOFError, asyncio.TimeoutError) as exc:  # asyncio.IncompleteReadError is an EOFError
+        except (OSError, EOFError, asyncio.TimeoutError) as exc:
             self._abort()
             if self.expired:
                 raise self._timed_out(deadline) from None
@@ -419,7 +573,7 @@ class IpcStream(SequenceStream):
             self._abort()
             raise
         finally:
-            timer.cancel()
+            self.expiry = None
 
     async def close(self, ok: bool, timeout: float | None = None) -> None:
         """Half-closes the connection and waits (at most ``timeout`` seconds) for the worker to close
@@ -429,17 +583,27 @@ class IpcStream(SequenceStream):
         if self.instead is not None:
             await self.instead.close(ok, timeout)
             return
-        writer = self.writer
-        if writer is None:
+        if self.sock is None:
             return
         try:
-            if ok:
-                writer.write_eof()
-                await asyncio.wait_for(self.reader.read(), timeout)
-        except Exception:  # noqa: BLE001 - the connection already failed or the worker did not close in time
+            if ok and not self.eof:
+                self.sock.shutdown(socket.SHUT_WR)
+                self.waiter = self.loop.create_future()
+                await asyncio.wait_for(self.waiter, timeout)  # fails with EOFError at the worker's close
+        except Exception:  # noqa: BLE001 - EOF (the worker closed), a failed connection or no close in time
             pass
         finally:
             self._abort()
+
+
+def _advance(views: list, sent: int) -> list:
+    """``views`` (memoryviews) less their first ``sent`` bytes."""
+    while sent and views:
+        if sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        else:
+            views[0], sent = views[0][sent:], 0
+    return views
 
 
 def _transient(exc: Exception) -> bool:
@@ -453,12 +617,14 @@ def _transient(exc: Exception) -> bool:
 
 class _Live:
     """A live request's control flags (Abort sets ``aborted``; the loop checks it once per worker call:
-    a step or a plain run)."""
+    a step or a plain run) and ``held``: the last step's :meth:`CoordinatorMetrics.record_step`
+    arguments, recorded while the next verify is in flight (or when the request ends)."""
 
-    __slots__ = ("aborted",)
+    __slots__ = ("aborted", "held")
 
     def __init__(self):
         self.aborted = False
+        self.held: tuple | None = None
 
 
 class Coordinator(gpbg.SpecDecodeServicer):
@@ -1005,6 +1171,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
             if writing is not None and not writing.done():
                 writing.cancel()
             self.live.pop(rid, None)
+            if live.held is not None:  # the last step's metrics (held for a next verify)
+                mx.record_step(*live.held)
             mx.running.labels(*lv).dec()
             mx.requests.labels(*mx.l(*outcome)).inc()
             mx.generation_tokens.labels(*lv).inc(len(fin.ids))
@@ -1259,6 +1427,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 vreq = wpb.VerifyRequest(seq_id=seq_id, tokens=[anchor] + drafts, max_accept=len(drafts))
             else:
                 vreq = wpb.VerifyRequest(seq_id=seq_id, tokens=tree.tokens, parents=tree.parents, max_accept=k)
+            if live.held is not None:  # the last step's metrics: the event loop runs them during this verify
+                call_soon(mx.record_step, *live.held)
+                live.held = None
             vr = await self._call(streams["verify"] if streams else self.target.Verify, vreq, deadline, "verify")
             t2 = time.perf_counter()
             dt = t2 - t0
@@ -1314,13 +1485,12 @@ class Coordinator(gpbg.SpecDecodeServicer):
             m_sent = min(m, used)
             for c in out:
                 c.chunk.accepted_in_step = m_sent
-            # Prometheus updates take ~3 us (counter) to ~10 us (histogram) each, up to ~20 per step: the
-            # event loop runs them once this coroutine next waits, i.e. while the next step's worker
-            # call is in flight, not between this verify's answer and that call
+            # Prometheus updates take ~3 us (counter) to ~10 us (histogram) each, up to ~20 per step: they
+            # are held until the next verify is in flight (the step's longest wait), so they run neither
+            # between this verify's answer and the next call nor during a short Propose
             steps, share = (1, 1) if speculate else (used, len(emitted))  # a run's steps after the finish are not counted
             timing.steps += steps
-            call_soon(mx.record_step, len(drafts), m_sent, t1 - t0, (t2 - t1) / share, max(0.0, dt - compute) / share,
-                      steps)
+            live.held = (len(drafts), m_sent, t1 - t0, (t2 - t1) / share, max(0.0, dt - compute) / share, steps)
             if speculate:
                 if drafts:
                     stats.num_drafts += 1

@@ -275,6 +275,10 @@ class _Seq:
         self.reader, self.synced = reader, 0
         self.lock = threading.Lock()
         self.last_used = time.monotonic()
+        # the last Propose's option fields and their checked ProposeOptions (a sequence sends the same
+        # options every step: parsed and checked once)
+        self.options_key: tuple | None = None
+        self.options: ProposeOptions | None = None
 
 
 class DraftServicer(pbg.DraftWorkerServicer):
@@ -385,21 +389,12 @@ class DraftServicer(pbg.DraftWorkerServicer):
             opener = getattr(self.drafter, "open", None)
             if opener is not None:
                 opener(seq_id, int(h.capacity))
-        try:
-            mk = int(request.dspark_markov)
-            if mk not in _MARKOV_NAME:
-                raise ValueError(f"unknown dspark_markov {mk}")
-            opts = ProposeOptions(float(request.confidence_threshold), int(request.top_k),
-                                  float(request.top_k_temperature) or 1.0, _MARKOV_NAME[mk])
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"propose: {exc}")
-        if opts.top_k > int(getattr(self.drafter, "max_top_k", 0)):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"propose: top_k {opts.top_k} exceeds the drafter's max_top_k "
-                          f"{int(getattr(self.drafter, 'max_top_k', 0))}")
-        if opts.confidence_threshold and not getattr(self.drafter, "has_confidence", False):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "propose: confidence_threshold needs a DSpark drafter with a confidence head")
+        key = (request.confidence_threshold, request.top_k, request.top_k_temperature, request.dspark_markov)
+        if key == s.options_key:
+            opts = s.options
+        else:
+            opts = self._options(request, context)
+            s.options_key, s.options = key, opts
         t0 = time.perf_counter()
         s.last_used = time.monotonic()
         with s.lock:
@@ -443,6 +438,25 @@ class DraftServicer(pbg.DraftWorkerServicer):
             resp.top_k_ids.extend(np.asarray(ids, np.int64).reshape(-1).tolist())
             resp.top_k_logprobs.extend(np.asarray(lps, np.float64).reshape(-1).tolist())
         return resp
+
+    def _options(self, request, context) -> ProposeOptions:
+        """The request's ProposeOptions; aborts INVALID_ARGUMENT for options this drafter cannot serve."""
+        try:
+            mk = int(request.dspark_markov)
+            if mk not in _MARKOV_NAME:
+                raise ValueError(f"unknown dspark_markov {mk}")
+            opts = ProposeOptions(float(request.confidence_threshold), int(request.top_k),
+                                  float(request.top_k_temperature) or 1.0, _MARKOV_NAME[mk])
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"propose: {exc}")
+        if opts.top_k > int(getattr(self.drafter, "max_top_k", 0)):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"propose: top_k {opts.top_k} exceeds the drafter's max_top_k "
+                          f"{int(getattr(self.drafter, 'max_top_k', 0))}")
+        if opts.confidence_threshold and not getattr(self.drafter, "has_confidence", False):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "propose: confidence_threshold needs a DSpark drafter with a confidence head")
+        return opts
 
     def Release(self, request, context):
         with self.lock:

@@ -42,7 +42,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 
-from .features import FeatureRing
+from .features import FeatureRing, held_span
 
 MAGIC = 0x53504543445F4654  # "SPECD_FT"
 
@@ -262,6 +262,9 @@ class FeatureReader:
             return np.zeros((0, self.handle.width), np.float32)
         if start < 0 or start + n > self.committed:
             raise ValueError(f"feature rows {start}..{start + n - 1} are not committed (committed {self.committed})")
+        span = held_span(self.slot_pos, start, n)
+        if span is not None:
+            return self.rows[span].copy()
         pos = start + np.arange(n)
         slots = pos % self.handle.capacity
         bad = pos[self.slot_pos[slots] != pos]

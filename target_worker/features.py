@@ -25,6 +25,19 @@ def write_slots(capacity: int, start: int, n: int) -> tuple[np.ndarray, np.ndarr
     return pos % capacity, pos
 
 
+def held_span(slot_pos: np.ndarray, start: int, n: int) -> slice | None:
+    """The slots holding positions start .. start+n-1 as one slice when they are one run of slots (the
+    range does not wrap) and every one holds its position, else None (then :func:`held_slots` gives
+    the slots or names the positions missing). The common read: a few rows, no numpy temporaries."""
+    capacity = slot_pos.shape[0]
+    first = start % capacity
+    if start < 0 or n <= 0 or first + n > capacity:
+        return None
+    if slot_pos[first:first + n].tolist() != list(range(start, start + n)):
+        return None
+    return slice(first, first + n)
+
+
 def held_slots(slot_pos: np.ndarray, start: int, n: int) -> np.ndarray:
     """Slots (int64 [n]) holding positions start .. start+n-1 according to the slot table ``slot_pos``
     (int64 [capacity], -1 = empty). ValueError naming the first positions that were never written or
@@ -64,10 +77,16 @@ class FeatureRing:
         n = rows.shape[0]
         if rows.ndim != 2 or rows.shape[1] != self.width:
             raise ValueError(f"FeatureRing.write: rows must be [n, {self.width}], got {rows.shape}")
+        first = start % self.capacity if start >= 0 else 0
+        if start >= 0 and first + n <= self.capacity:  # one run of slots (no wrap): slices, no index arrays
+            self.rows[first:first + n] = rows
+            self.slot_pos[first:first + n] = np.arange(start, start + n)
+            return
         slots, pos = write_slots(self.capacity, start, n)
         self.rows[slots] = rows
         self.slot_pos[slots] = pos
 
     def read(self, start: int, n: int) -> np.ndarray:
         """Rows of positions start .. start+n-1 (a copy); ValueError if any is not held."""
-        return self.rows[held_slots(self.slot_pos, start, n)].copy()
+        span = held_span(self.slot_pos, start, n)
+        return self.rows[held_slots(self.slot_pos, start, n) if span is None else span].copy()

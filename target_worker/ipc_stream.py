@@ -2,10 +2,10 @@
 
 Why: per speculative step the coordinator makes two worker calls, and a gRPC stream message's round
 trip (0.39-0.42 ms on the H200 host, tools/bench/grpc_floor.py) is 5-7 % of a 12-16 ms step. The same
-protobuf messages as length-prefixed frames on a Unix socket (asyncio streams in the coordinator, a
-blocking socket thread here) take about a quarter of that (grpc_floor.py rows sync / ipc: 261-285
-vs 68-71 us on the 2-core dev VM, BENCHMARKS.md). gRPC stays for everything else (Info, Prefill,
-Commit, Release, Health) and for workers on another host.
+protobuf messages as length-prefixed frames on a Unix socket (a non-blocking socket on the coordinator's
+event loop, a blocking socket thread here) take about a quarter of that (grpc_floor.py rows sync / ipc:
+261-285 vs 68-71 us on the 2-core dev VM, BENCHMARKS.md). gRPC stays for everything else (Info,
+Prefill, Commit, Release, Health) and for workers on another host.
 
 Set-up (:class:`IpcStreamServer`, started by ``start_worker_server`` unless ``--no-ipc-streams``): a
 private directory (``tempfile.mkdtemp``, mode 0700) holding ``stream.sock`` (AF_UNIX, SOCK_STREAM)
@@ -103,6 +103,7 @@ DIR_PREFIX = "specd-ipc-"
 DISCARD_BYTES = 1 << 20  # unread input dropped before closing a connection after an error frame
 WRITE_TIMEOUT_S = 20.0  # a peer that takes no data for this long is dropped (the gRPC side's keepalive ack bound)
 JOIN_TIMEOUT_S = 5.0  # close(): how long connections cut off get to end their thread
+JOIN_BYTES = 1 << 16  # an answer up to this size is joined with its head and sent by one sendall (larger: send_parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -313,7 +314,10 @@ class IpcStreamServer:
                     raise IpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: response of {len(body)} "
                                                                        f"bytes exceeds max_message_bytes "
                                                                        f"{self.max_message_bytes}")
-                send_parts(conn, (STATUS.pack(len(body) + 1, 0), body))
+                if len(body) <= JOIN_BYTES:  # the common answer: one joined frame, one C-level sendall
+                    conn.sendall(STATUS.pack(len(body) + 1, 0) + body)
+                else:
+                    send_parts(conn, (STATUS.pack(len(body) + 1, 0), body))
         except IpcAbort as exc:
             _send_quietly(conn, error_frame(exc.code, exc.details))
             _discard_input(conn)

@@ -396,10 +396,10 @@ def test_client_maps_a_missing_socket_to_unavailable(tmp_path):
         with pytest.raises(RequestError) as ei:
             await st.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), None)
         await st.close(True, 1.0)
-        return ei.value, st.writer
+        return ei.value, st.sock
 
-    err, writer = asyncio.run(run())
-    assert err.code == grpc.StatusCode.UNAVAILABLE and "verify: worker unavailable" in err.message and writer is None
+    err, sock = asyncio.run(run())
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "verify: worker unavailable" in err.message and sock is None
 
 
 class _RawWorker:
@@ -448,13 +448,13 @@ def test_client_call_is_bounded_and_closes_its_connection(tmp_path, deadline):
         t0 = time.monotonic()
         with pytest.raises(RequestError) as ei:
             await st.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), time.monotonic() + 0.3 if deadline else None)
-        return ei.value, time.monotonic() - t0, st.writer
+        return ei.value, time.monotonic() - t0, st.sock
 
     try:
-        err, took, writer = asyncio.run(run())
+        err, took, sock = asyncio.run(run())
     finally:
         w.close()
-    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and took < 2.0 and writer is None
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and took < 2.0 and sock is None
     assert ("deadline exceeded during verify" if deadline else "worker_timeout_s 0.3") in err.message
 
 
@@ -485,19 +485,18 @@ def test_client_close_is_bounded_and_leaves_nothing_open(tmp_path):
     async def run():
         st = _ipc_stream(w.path)
         st.loop = asyncio.get_running_loop()
-        st.reader, st.writer = await asyncio.open_unix_connection(w.path)
-        st.writer.write(hello_frame(bytes(16), VERIFY_STREAM.id))
+        await st._hello()
         t0 = time.monotonic()
         await st.close(True, 0.3)
         took = time.monotonic() - t0
         await asyncio.sleep(0.05)
-        return took, st.writer, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return took, st.sock, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
 
     try:
-        took, writer, left = asyncio.run(run())
+        took, sock, left = asyncio.run(run())
     finally:
         w.close()
-    assert 0.25 < took < 2.0 and writer is None and left == []
+    assert 0.25 < took < 2.0 and sock is None and left == []
 
 
 def test_ipc_stream_flags_defaults_validation_and_serve_forwarding(target_gguf, monkeypatch):
@@ -688,13 +687,13 @@ def test_an_answer_over_the_message_limit_is_resource_exhausted_on_both_sides(tm
         st = IpcStream(IpcOffer(ipc.path, ipc.token, VERIFY_STREAM), 5.0, 100)
         with pytest.raises(RequestError) as ei:
             await st.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), None)
-        return ei.value, st.writer
+        return ei.value, st.sock
 
     try:
-        err, writer = asyncio.run(run())
+        err, sock = asyncio.run(run())
     finally:
         ipc.close()
-    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "IPC answer frame" in err.message and writer is None
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "IPC answer frame" in err.message and sock is None
 
 
 class _FlakyListener:
@@ -772,13 +771,13 @@ def test_a_socket_that_cannot_be_opened_is_found_fast_and_the_call_falls_back(tm
         if fallback:
             assert (await st.call(wpb.VerifyRequest(seq_id="s2", tokens=[1]), None)).accepted == 7
         await st.close(True, 1.0)
-        return got, took, st.writer
+        return got, took, st.sock
 
     try:
-        got, took, writer = asyncio.run(run())
+        got, took, sock = asyncio.run(run())
     finally:
         lsock.close()
-    assert took < 2.0 and writer is None
+    assert took < 2.0 and sock is None
     if fallback:
         assert got.accepted == 7
         assert seen == [("lost", path), ("call", "s1"), ("call", "s2"), ("close", True)]
@@ -990,3 +989,111 @@ def test_send_parts_sends_everything_across_partial_sends():
         a.close()
         b.close()
     assert bytes(got) == FRAME.pack(len(body)) + body
+
+
+class _Sizes(_Servicer):
+    """Answers each request with its token count and a ``big`` argmax list (answers larger than the
+    socket buffers)."""
+
+    def __init__(self, big=0):
+        super().__init__()
+        self.big = big
+
+    def _verify(self, request, context):
+        return wpb.VerifyResponse(accepted=len(request.tokens), argmax=list(range(self.big)))
+
+
+def test_client_sends_and_receives_messages_larger_than_the_socket_buffers():
+    """IpcStream's non-blocking socket: a request larger than the socket buffer is finished by the
+    writer callback while the call waits, an answer larger than one recv is buffered until complete,
+    and small calls before and after on the same connection are unaffected."""
+    from specd.coordinator.server import IpcOffer, IpcStream
+
+    ipc = IpcStreamServer(_Sizes(big=1 << 20), VERIFY_STREAM, "test-worker", 64 << 20, 4)
+
+    async def run():
+        st = IpcStream(IpcOffer(ipc.path, ipc.token, VERIFY_STREAM), 30.0, 64 << 20)
+        got = []
+        for n in (1, 2_000_000, 3):  # ~8 MB of varints in the middle request
+            r = await st.call(wpb.VerifyRequest(seq_id="s", tokens=[7] * n), None)
+            got.append((r.accepted, len(r.argmax)))
+        assert not st.unsent and not st.buf
+        await st.close(True, 5.0)
+        return got, st.sock
+
+    try:
+        got, sock = asyncio.run(run())
+    finally:
+        ipc.close()
+    assert got == [(1, 1 << 20), (2_000_000, 1 << 20), (3, 1 << 20)] and sock is None
+
+
+def test_client_deadline_timer_follows_each_call(tmp_path):
+    """One timer per connection, moved only when it fires: a call that starts after earlier calls used
+    part of the bound still gets its whole worker_timeout_s (the timer armed by the first call re-arms
+    for it), and a call that is never answered ends with DEADLINE_EXCEEDED at its own bound."""
+    from specd.coordinator.server import IpcOffer, IpcStream, RequestError
+
+    path = str(tmp_path / "w.sock")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(path)
+    lsock.listen(1)
+    ok = _frame(b"\0" + wpb.VerifyResponse(accepted=1).SerializeToString())
+
+    def worker():  # answers the first request after 0.25 s, the second at once, never the third
+        c, _ = lsock.accept()
+        with c:
+            _read_exact(c, FRAME.size + 25)
+            c.sendall(ipc_stream.OK_FRAME)
+            for delay in (0.25, 0.0):
+                (n,) = FRAME.unpack(_read_exact(c, FRAME.size))
+                _read_exact(c, n)
+                time.sleep(delay)
+                c.sendall(ok)
+            while c.recv(4096):
+                pass
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+
+    async def run():
+        st = IpcStream(IpcOffer(path, bytes(16), VERIFY_STREAM), 0.4, 1 << 20)
+        req = wpb.VerifyRequest(seq_id="s", tokens=[1])
+        for _ in range(2):
+            assert (await st.call(req, None)).accepted == 1  # 0.25 s, then at once: within 0.4 s each
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as ei:
+            await st.call(req, None)
+        return ei.value, time.monotonic() - t0, st.sock
+
+    try:
+        err, took, sock = asyncio.run(run())
+    finally:
+        lsock.close()
+        t.join(5)
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and "worker_timeout_s 0.4" in err.message
+    assert 0.35 < took < 1.5 and sock is None
+
+
+def test_client_does_not_reopen_a_connection_the_worker_closed():
+    """The worker ended the stream between two calls (here its idle bound): the next call gets the
+    worker's error frame (DEADLINE_EXCEEDED), not a new connection."""
+    from specd.coordinator.server import IpcOffer, IpcStream, RequestError
+
+    ipc = IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 4, idle_timeout_s=0.3)
+
+    async def run():
+        st = IpcStream(IpcOffer(ipc.path, ipc.token, VERIFY_STREAM), 10.0, 1 << 20)
+        assert list((await st.call(wpb.VerifyRequest(seq_id="s", tokens=[4]), None)).emitted) == [4]
+        await asyncio.sleep(0.8)  # the worker's idle bound passes: error frame, then it closes
+        with pytest.raises(RequestError) as ei:
+            await st.call(wpb.VerifyRequest(seq_id="s", tokens=[5]), None)
+        await st.close(True, 1.0)
+        return ei.value
+
+    try:
+        err = asyncio.run(run())
+        assert ipc.connections == 1
+    finally:
+        ipc.close()
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -69,6 +69,33 @@ def test_drafter_rejects_gaps_and_unknown_sequences(stack):
         assert info.block_size == stack.drafter.block_size and info.shm_namespace_id
 
 
+def test_drafter_checks_a_sequences_options_whenever_they_change(target, stack):
+    """The drafter parses and checks a sequence's options once while they stay the same; a request
+    that changes them is checked again (a refused one is not remembered), so valid options after a
+    refused request are served and invalid ones are refused every time."""
+    prompt = [7, 7, 7, 1]
+    pre = target.Prefill(wpb.PrefillRequest(seq_id="opts", tokens=prompt, capacity=40), timeout=30)
+    try:
+        with grpc.insecure_channel(f"unix://{stack.dir}/d.sock") as ch:
+            d = wpbg.DraftWorkerStub(ch)
+            ok = d.Propose(wpb.ProposeRequest(seq_id="opts", start=0, new_tokens=prompt, anchor=pre.first_token,
+                                              max_tokens=2, features=pre.features), timeout=30)
+            assert len(ok.tokens) == 2
+            too_many = wpb.ProposeRequest(seq_id="opts", start=len(prompt), anchor=pre.first_token, max_tokens=2,
+                                          top_k=1000)
+            for _ in range(2):
+                assert _err(d.Propose, too_many) == grpc.StatusCode.INVALID_ARGUMENT
+            again = d.Propose(wpb.ProposeRequest(seq_id="opts", start=len(prompt), anchor=pre.first_token,
+                                                 max_tokens=2), timeout=30)
+            assert list(again.tokens) == list(ok.tokens)
+            bad_markov = wpb.ProposeRequest(seq_id="opts", start=len(prompt), anchor=pre.first_token, max_tokens=2,
+                                            dspark_markov=9)
+            assert _err(d.Propose, bad_markov) == grpc.StatusCode.INVALID_ARGUMENT
+            d.Release(wpb.ReleaseRequest(seq_id="opts"), timeout=30)
+    finally:
+        target.Release(wpb.ReleaseRequest(seq_id="opts"), timeout=30)
+
+
 def test_info_reports_memory(target, stack):
     """TargetInfo.memory carries the worker's MemoryReport (weights, per-token and per-sequence
     state at max_seq_len, fit); the numbers equal what the model allocates for one sequence."""

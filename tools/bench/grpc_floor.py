@@ -191,7 +191,7 @@ def markdown(rows: list[dict], args) -> str:
            f"client grpc.aio (specd's coordinator pattern), handler sleeping {args.handler_ms} ms, unix socket; medians "
            f"of {args.calls} calls. Row ipc: the same handler and messages over the workers' IPC stream socket "
            "(length-prefixed frames, one blocking thread per connection) with the coordinator's IpcStream client "
-           "(asyncio streams): specd's default hot path.", "",
+           "(a non-blocking socket on the event loop): specd's default hot path.", "",
            "| server | request path (write -> handler) | response path (handler -> read) | round trip minus handler |",
            "| --- | --- | --- | --- |"]
     out += [f"| {r['server']} | {r['request_us']:.0f} us | {r['response_us']:.0f} us | "

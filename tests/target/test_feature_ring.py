@@ -1,0 +1,56 @@
+"""The host feature rings (specd.target_worker.features, .feature_shm): a range of positions held in one
+run of slots is written and read through slices (held_span), a range across the wrap through index
+arrays; both give the same rows, and a position overwritten, never written or not committed is an
+error either way."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specd.protos.v1 import worker_pb2 as pb
+from specd.target_worker.feature_shm import FeatureHandleInfo, FeatureWriter, attach_reader
+from specd.target_worker.features import FeatureRing, held_slots, held_span
+
+W = 5
+
+
+def rows(start: int, n: int) -> np.ndarray:
+    return (np.arange(start, start + n, dtype=np.float32)[:, None] * 10 + np.arange(W, dtype=np.float32))
+
+
+def test_held_span_is_a_slice_only_for_one_run_of_held_slots():
+    table = np.full(4, -1, np.int64)
+    table[[2, 3, 0]] = [6, 7, 8]  # positions 6, 7, 8 in slots 2, 3, 0
+    assert held_span(table, 6, 2) == slice(2, 4)
+    assert held_span(table, 8, 1) == slice(0, 1)
+    assert held_span(table, 7, 2) is None and held_slots(table, 7, 2).tolist() == [3, 0]  # across the wrap
+    assert held_span(table, 5, 2) is None  # position 5 is not held (slot 1 empty)
+    assert held_span(table, 2, 1) is None  # slot 2 holds 6: position 2 was overwritten
+    assert held_span(table, -1, 1) is None and held_span(table, 6, 0) is None
+
+
+@pytest.mark.parametrize("ring_kind", ["private", "shm"])
+def test_rings_read_the_same_rows_through_slices_and_index_arrays(ring_kind):
+    writer = FeatureWriter()
+    try:
+        if ring_kind == "shm":
+            ring, handle = writer.create("ring-test", 8, W)
+            reader = attach_reader(FeatureHandleInfo.from_proto(handle.to_proto(pb)))
+        else:
+            ring = reader = FeatureRing(8, W)
+        ring.write(0, rows(0, 6))  # slots 0..5 (one run)
+        ring.write(6, rows(6, 4))  # positions 6..9 -> slots 6, 7, 0, 1 (across the wrap: 0, 1 overwritten)
+        np.testing.assert_array_equal(reader.read(2, 4), rows(2, 4))  # one run
+        np.testing.assert_array_equal(reader.read(5, 5), rows(5, 5))  # across the wrap
+        np.testing.assert_array_equal(reader.read(8, 2), rows(8, 2))  # one run after the wrap
+        assert ring.slot_pos.tolist() == [8, 9, 2, 3, 4, 5, 6, 7]
+        with pytest.raises(ValueError, match="not in the ring|overwritten or never written"):
+            reader.read(0, 2)
+        with pytest.raises(ValueError, match="not in the ring|overwritten or never written"):
+            reader.read(1, 3)
+        if ring_kind == "shm":
+            with pytest.raises(ValueError, match="not committed"):
+                reader.read(9, 2)
+            reader.close()
+    finally:
+        writer.close_all()
