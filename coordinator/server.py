@@ -323,7 +323,7 @@ class IpcStream(SequenceStream):
     """
 
     __slots__ = ("offer", "max_bytes", "sock", "loop", "expired", "open_timeout_s", "fallback", "on_lost",
-                 "instead", "buf", "waiter", "unsent", "timer", "expiry", "eof", "opened")
+                 "instead", "buf", "waiter", "unsent", "timer", "expiry", "opened")
 
     def __init__(self, offer: IpcOffer, worker_timeout_s: float, max_message_bytes: int,
                  open_timeout_s: float = OPEN_TIMEOUT_S, fallback=None, on_lost=None):
@@ -338,7 +338,6 @@ class IpcStream(SequenceStream):
         self.unsent: list[memoryview] = []  # the rest of a request the socket did not take at once
         self.timer = None  # the connection's deadline timer (asyncio.TimerHandle) while armed
         self.expiry: float | None = None  # loop.time() by which the call in flight must be answered
-        self.eof = False  # the worker closed its end
         self.opened = False  # the hello was answered (a connection lost after that is not opened again)
         self.expired = False
 
@@ -365,9 +364,11 @@ class IpcStream(SequenceStream):
             waiter.set_exception(exc)
 
     def _on_timer(self) -> None:
-        """The deadline timer: expires the call in flight once its bound has passed, else re-arms for it."""
+        """The deadline timer: expires the call in flight once its bound has passed, else re-arms for it.
+        Without a call waiting for its answer (it was answered in this loop iteration, or it is still
+        connecting, which ``_open``'s wait_for bounds) it does nothing."""
         self.timer = None
-        if self.expiry is None or self.sock is None:
+        if self.expiry is None or self.sock is None or self.waiter is None:
             return
         if self.loop.time() >= self.expiry:
             self.expired = True
@@ -395,7 +396,6 @@ class IpcStream(SequenceStream):
             self._abort_with(exc)
             return
         if not data:
-            self.eof = True
             self._abort_with(EOFError("the worker closed the IPC stream connection"))
             return
         self.buf += data
@@ -482,7 +482,7 @@ class IpcStream(SequenceStream):
         """Connects and says hello; returns the worker's answer (status byte, rest)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.setblocking(False)
-        self.sock, self.eof = sock, False
+        self.sock = sock
         await self.loop.sock_connect(sock, self.offer.path)
         if self.sock is not sock:  # aborted meanwhile
             raise EOFError("IPC stream connection closed")
@@ -500,9 +500,9 @@ class IpcStream(SequenceStream):
             status, body = await asyncio.wait_for(self._hello(), bound)
         except (OSError, EOFError, asyncio.TimeoutError) as exc:
             self._abort()
-            if isinstance(exc, asyncio.TimeoutError) and (self.expired or bound >= left):
-                self.expired = True  # the call's budget, not the worker's hello bound, ran out
-                raise
+            if self.expired or (isinstance(exc, asyncio.TimeoutError) and bound >= left):
+                self.expired = True  # the call's budget, not the worker's hello bound, ran out (the deadline
+                raise  # timer aborts a pending hello with EOFError)
             log.debug("%s: IPC stream socket %s cannot be opened: %s", self.what, self.offer.path,
                       exc or type(exc).__name__)
             return False
@@ -586,7 +586,7 @@ class IpcStream(SequenceStream):
         if self.sock is None:
             return
         try:
-            if ok and not self.eof:
+            if ok:
                 self.sock.shutdown(socket.SHUT_WR)
                 self.waiter = self.loop.create_future()
                 await asyncio.wait_for(self.waiter, timeout)  # fails with EOFError at the worker's close

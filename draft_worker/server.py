@@ -275,10 +275,10 @@ class _Seq:
         self.reader, self.synced = reader, 0
         self.lock = threading.Lock()
         self.last_used = time.monotonic()
-        # the last Propose's option fields and their checked ProposeOptions (a sequence sends the same
-        # options every step: parsed and checked once)
-        self.options_key: tuple | None = None
-        self.options: ProposeOptions | None = None
+        # (the last Propose's option fields, their checked ProposeOptions): a sequence sends the same
+        # options every step, so they are parsed and checked once; one tuple, so concurrent Proposes
+        # never pair one request's fields with another's options
+        self.options: tuple[tuple, ProposeOptions] | None = None
 
 
 class DraftServicer(pbg.DraftWorkerServicer):
@@ -390,11 +390,12 @@ class DraftServicer(pbg.DraftWorkerServicer):
             if opener is not None:
                 opener(seq_id, int(h.capacity))
         key = (request.confidence_threshold, request.top_k, request.top_k_temperature, request.dspark_markov)
-        if key == s.options_key:
-            opts = s.options
+        cached = s.options
+        if cached is not None and cached[0] == key:
+            opts = cached[1]
         else:
             opts = self._options(request, context)
-            s.options_key, s.options = key, opts
+            s.options = (key, opts)
         t0 = time.perf_counter()
         s.last_used = time.monotonic()
         with s.lock:

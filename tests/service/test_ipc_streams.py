@@ -786,6 +786,37 @@ def test_a_socket_that_cannot_be_opened_is_found_fast_and_the_call_falls_back(tm
         assert seen == [("lost", path)]
 
 
+@pytest.mark.parametrize("deadline", [False, True])
+def test_a_budget_shorter_than_the_open_bound_ends_a_pending_hello_with_deadline_exceeded(tmp_path, deadline):
+    """A hello never answered while the call's own budget (its deadline, or worker_timeout_s) is shorter than
+    open_timeout_s: the call raises DEADLINE_EXCEEDED when that budget runs out; the socket is not reported
+    lost and the fallback is not used (the worker may be busy, not gone)."""
+    from specd.coordinator.server import IpcOffer, IpcStream, RequestError
+
+    path = str(tmp_path / "w.sock")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(path)
+    lsock.listen(4)  # never accepts: the hello waits
+    seen = []
+
+    async def run():
+        st = IpcStream(IpcOffer(path, bytes(16), VERIFY_STREAM), 0.2 if not deadline else 60.0, 1 << 20, 2.0,
+                       fallback=lambda: _Fallback(seen), on_lost=lambda offer: seen.append(("lost", offer.path)))
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as ei:
+            await st.call(wpb.VerifyRequest(seq_id="s1", tokens=[1]), time.monotonic() + 0.2 if deadline else None)
+        took = time.monotonic() - t0
+        await st.close(False)
+        return ei.value, took, st.sock
+
+    try:
+        err, took, sock = asyncio.run(run())
+    finally:
+        lsock.close()
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and took < 1.5 and sock is None
+    assert seen == []
+
+
 def test_a_socket_that_breaks_mid_stream_is_reported_once(tmp_path):
     """A worker that answers the hello, then closes while a request waits (it stopped): the call raises
     UNAVAILABLE and on_lost is told once, so new sequences stop using that socket; no fallback is taken

@@ -8,8 +8,8 @@ and answers, and a client in this process that sends requests over one stream as
 does (grpc.aio, the read posted before the write, unix socket, the same GRPC_EXPERIMENTS default as the
 specd processes). ``ipc``: the same handler behind the workers' IPC stream socket
 (specd.target_worker.ipc_stream.IpcStreamServer: framed protobuf on a Unix socket, one blocking thread
-per connection) and the coordinator's own client for it (specd.coordinator.server.IpcStream, asyncio
-streams), i.e. specd's default hot path. Both sides stamp time.perf_counter (CLOCK_MONOTONIC, shared
+per connection) and the coordinator's own client for it (specd.coordinator.server.IpcStream: a
+non-blocking socket on the event loop), i.e. specd's default hot path. Both sides stamp time.perf_counter (CLOCK_MONOTONIC, shared
 by the processes), so each round trip splits into the request path (client write -> handler start)
 and the response path (handler end -> client read done). Reports medians over ``--calls`` calls after
 a warm-up; one row per server kind (default all three: sync, aio, ipc; ``both``, the name from before
