@@ -365,12 +365,14 @@ class IpcStream(SequenceStream):
 
     def _on_timer(self) -> None:
         """The deadline timer: expires the call in flight once its bound has passed, else re-arms for it.
-        Without a call waiting for its answer (it was answered in this loop iteration, or it is still
-        connecting, which ``_open``'s wait_for bounds) it does nothing."""
+        A bound that passed without a call waiting for its answer (answered in this loop iteration, or
+        still connecting, which ``_open``'s wait_for bounds by the same time) expires nothing."""
         self.timer = None
-        if self.expiry is None or self.sock is None or self.waiter is None:
+        if self.expiry is None or self.sock is None:
             return
         if self.loop.time() >= self.expiry:
+            if self.waiter is None:
+                return
             self.expired = True
             self._abort()  # the pending call reports DEADLINE_EXCEEDED
         else:
