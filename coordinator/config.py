@@ -245,10 +245,12 @@ def add_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> Non
                        help=f"{help_text} (default {getattr(d, name)!r})")
     p.add_argument("--no-reflection", action="store_true", help="disable gRPC server reflection")
     p.add_argument("--no-worker-streams", action="store_true",
-                   help="one unary Verify / Propose call per step instead of one stream per sequence and worker")
+                   help="one unary Verify / Propose call per step instead of one stream per sequence and worker "
+                        "(specd serve: the workers then open no IPC stream socket either)")
     p.add_argument("--ipc-streams", action=argparse.BooleanOptionalAction, default=d.ipc_streams,
                    help="with worker streams, use a worker's IPC stream socket when its Info offers one and this host "
-                        "reaches it, else gRPC streams (default on; --no-ipc-streams: gRPC streams)")
+                        "reaches it, else gRPC streams (default on; --no-ipc-streams: gRPC streams; specd serve passes it "
+                        "to the workers too, which then open no socket)")
     p.add_argument("--no-tree-chain-seed", action="store_true",
                    help="DDTree: do not insert the top-1 chain first (default: chain seed on)")
     for name, typ, help_text in _POLICY_FLAGS:

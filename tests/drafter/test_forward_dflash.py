@@ -72,7 +72,9 @@ def test_dflash_parity(tmp_path, rng, sliding):
     assert p.tokens.dtype == np.int32 and p.tokens.shape == (ld.hparams.block_size - 1,)
     np.testing.assert_array_equal(p.tokens, lr.argmax(1))
     assert rel(p.hidden, hr) < TOL and rel(p.logits, lr) < TOL
-    assert len(set(p.tokens.tolist())) > 1  # the rows really differ (the fixture is not degenerate)
+    # the rows really differ (the fixture is not degenerate); on hidden states, not argmax tokens, which a
+    # random tiny head can map to one token for every row (seed 2771279148)
+    assert np.abs(np.diff(p.hidden, axis=0)).max() > 1e-3 * np.abs(p.hidden).max()
     if sliding == "qwen36_noflag":
         assert ld.hparams.sliding_window is None and not any(ld.hparams.sliding_pattern)
         assert ld.hparams.causal_pattern == (True,) * (cfg["num_hidden_layers"] - 1) + (False,)
