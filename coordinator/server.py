@@ -403,6 +403,9 @@ class IpcStream(SequenceStream):
         self.buf += data
         if self.waiter is not None:
             self._complete()
+        elif self.expiry is None and len(self.buf) > FRAME.size + self.max_bytes + 1:
+            self.buf.clear()  # between calls, unasked bytes beyond one whole frame: a broken worker; bounded
+            self._abort()  # (a call in flight bounds the buffer by its frame's checked length); next: UNAVAILABLE
 
     def _abort_with(self, exc: BaseException) -> None:
         self._fail(exc)
@@ -1173,15 +1176,15 @@ class Coordinator(gpbg.SpecDecodeServicer):
             if writing is not None and not writing.done():
                 writing.cancel()
             self.live.pop(rid, None)
+            task = asyncio.ensure_future(self._release(seq_id, started, streams, ended))  # first: whatever follows
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
             if live.held is not None:  # the last step's metrics (held for a next verify)
                 mx.record_step(*live.held)
             mx.running.labels(*lv).dec()
             mx.requests.labels(*mx.l(*outcome)).inc()
             mx.generation_tokens.labels(*lv).inc(len(fin.ids))
             mx.e2e.labels(*lv).observe(time.perf_counter() - t_start)
-            task = asyncio.ensure_future(self._release(seq_id, started, streams, ended))
-            self._releases.add(task)
-            task.add_done_callback(self._releases.discard)
             await asyncio.shield(task)
 
     def _stream(self, what: str, grpc_method) -> SequenceStream:

@@ -458,6 +458,54 @@ def test_client_call_is_bounded_and_closes_its_connection(tmp_path, deadline):
     assert ("deadline exceeded during verify" if deadline else "worker_timeout_s 0.3") in err.message
 
 
+def test_client_bounds_what_a_worker_sends_between_calls(tmp_path):
+    """A broken worker that answers a call and then streams unasked bytes: the client buffers at most one
+    whole frame's worth, closes the connection, and the next call raises UNAVAILABLE."""
+    from specd.coordinator.server import IpcOffer, IpcStream, RequestError
+
+    path = str(tmp_path / "w.sock")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(path)
+    lsock.listen(1)
+    limit = 1 << 10
+
+    def worker():
+        c, _ = lsock.accept()
+        with c:
+            _read_exact(c, FRAME.size + 25)
+            c.sendall(ipc_stream.OK_FRAME)
+            n = FRAME.unpack(_read_exact(c, FRAME.size))[0]
+            _read_exact(c, n)
+            c.sendall(ipc_stream.OK_FRAME)  # the answer, then (between calls) unasked bytes
+            time.sleep(0.1)
+            c.sendall(bytes(4 * limit))
+            try:
+                while c.recv(4096):
+                    pass
+            except OSError:
+                pass
+
+    threading.Thread(target=worker, daemon=True).start()
+
+    async def run():
+        st = IpcStream(IpcOffer(path, bytes(16), VERIFY_STREAM), 5.0, limit)
+        first = await st.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), None)
+        for _ in range(100):  # the reader callback takes the unasked bytes
+            if st.sock is None:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(RequestError) as ei:
+            await st.call(wpb.VerifyRequest(seq_id="s", tokens=[2]), None)
+        return first, ei.value, len(st.buf), st.sock
+
+    try:
+        first, err, buffered, sock = asyncio.run(run())
+    finally:
+        lsock.close()
+    assert first == wpb.VerifyResponse() and err.code == grpc.StatusCode.UNAVAILABLE
+    assert buffered == 0 and sock is None
+
+
 def test_client_maps_a_reset_mid_call_to_unavailable(tmp_path):
     """The worker closes the connection without an answer (it crashed): UNAVAILABLE."""
     from specd.coordinator.server import RequestError
