@@ -25,6 +25,9 @@ def write_slots(capacity: int, start: int, n: int) -> tuple[np.ndarray, np.ndarr
     return pos % capacity, pos
 
 
+SMALL_SPAN = 64  # held_span checks up to this many rows with Python lists, more with numpy
+
+
 def held_span(slot_pos: np.ndarray, start: int, n: int) -> slice | None:
     """The slots holding positions start .. start+n-1 as one slice when they are one run of slots (the
     range does not wrap) and every one holds its position, else None (then :func:`held_slots` gives
@@ -33,8 +36,12 @@ def held_span(slot_pos: np.ndarray, start: int, n: int) -> slice | None:
     first = start % capacity
     if start < 0 or n <= 0 or first + n > capacity:
         return None
-    if slot_pos[first:first + n].tolist() != list(range(start, start + n)):
-        return None
+    held = slot_pos[first:first + n]
+    if n <= SMALL_SPAN:  # Python lists beat numpy temporaries for the usual few rows
+        if held.tolist() != list(range(start, start + n)):
+            return None
+    elif held[0] != start or not np.array_equal(np.diff(held), np.ones(n - 1, held.dtype)):
+        return None  # (a whole prompt's rows: one vectorised check, not an n-long Python list)
     return slice(first, first + n)
 
 

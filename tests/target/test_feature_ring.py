@@ -27,6 +27,11 @@ def test_held_span_is_a_slice_only_for_one_run_of_held_slots():
     assert held_span(table, 5, 2) is None  # position 5 is not held (slot 1 empty)
     assert held_span(table, 2, 1) is None  # slot 2 holds 6: position 2 was overwritten
     assert held_span(table, -1, 1) is None and held_span(table, 6, 0) is None
+    big = np.arange(900, 1200, dtype=np.int64)  # 300 slots, slot i holds 900 + i: past SMALL_SPAN rows (numpy)
+    assert held_span(big, 900, 300) == slice(0, 300) and held_span(big, 1000, 150) == slice(100, 250)
+    big[200] = 1400  # slot 200's position 1100 overwritten by a later one
+    assert held_span(big, 900, 300) is None and held_span(big, 900, 200) == slice(0, 200)
+    assert held_span(big, 1101, 99) == slice(201, 300) and held_span(big, 899, 100) is None  # the last wraps
 
 
 @pytest.mark.parametrize("ring_kind", ["private", "shm"])
