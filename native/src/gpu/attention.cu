@@ -480,6 +480,20 @@ __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnPa
   if (e < P.d) *o = __fdiv_rn(acc, L);
 }
 
+// The q / cache / position / output fields that AttnParams and flash::Params share.
+template <class Params>
+void set_views(Params& P, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& q_pos, const Tensor& out) {
+  P.q = q.ptr<float>();
+  P.kc = static_cast<const uint8_t*>(kc.data);
+  P.vc = static_cast<const uint8_t*>(vc.data);
+  P.k_row_stride = kc.strides[0];
+  P.k_head_stride = kc.strides[1];
+  P.v_row_stride = vc.strides[0];
+  P.v_head_stride = vc.strides[1];
+  P.q_pos = q_pos.ptr<int32_t>();
+  P.out = out.ptr<float>();
+}
+
 // Whether the chunk pass has so few (row, KV head, chunk) blocks that the GPU would idle: then one
 // q head per block (hs = 1), so a GQA group's heads run in parallel blocks rather than one after
 // another in one block (K/V of a chunk are then read once per head, from L2). hs never changes a
@@ -557,29 +571,9 @@ Tensor flash_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, cons
   SPECD_CHECK(pl.row_blocks <= 0x7fffffff, op, ": too many rows for one launch (", n, ")");
   Tensor out = Tensor::empty(q.shape, DType::F32, Device::GPU);
   Tensor dpos = detail::i32_on_gpu(q_pos);
-  flash::Params P{};
-  P.q = q.ptr<float>();
-  P.kc = static_cast<const uint8_t*>(kc.data);
-  P.vc = static_cast<const uint8_t*>(vc.data);
-  P.k_row_stride = kc.strides[0];
-  P.k_head_stride = kc.strides[1];
-  P.v_row_stride = vc.strides[0];
-  P.v_head_stride = vc.strides[1];
-  P.q_pos = dpos.ptr<int32_t>();
-  P.out = out.ptr<float>();
-  P.n = n;
-  P.window = a.window;
-  P.kv_len = int(a.kv_len);
-  P.causal = a.causal ? 1 : 0;
-  P.hq = int(hq);
-  P.hkv = int(hkv);
-  P.r = int(hq / hkv);
-  P.hs = pl.hs;
-  P.nsub = pl.nsub;
-  P.slabs = pl.slabs;
-  P.row_blocks = int(pl.row_blocks);
   const double scale = a.scale ? double(*a.scale) : 1.0 / std::sqrt(double(d));
-  P.scale_log2 = float(scale * 1.4426950408889634);  // log2(e)
+  flash::Params P = flash::params(pl, n, hq, hkv, a.kv_len, a.window, a.causal, scale);
+  set_views(P, q, kc, vc, dpos, out);
   cudaStream_t s = detail::stream();
   switch (d) {
     case 64: launch_flash<64>(P, pl, s); break;
@@ -692,14 +686,7 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   const bool vec = d % 8 == 0 && aligned(k_cache) && aligned(v_cache);
 
   AttnParams P{};
-  P.q = q.ptr<float>();
-  P.kc = static_cast<const uint8_t*>(k_cache.data);
-  P.vc = static_cast<const uint8_t*>(v_cache.data);
-  P.k_row_stride = k_cache.strides[0];
-  P.k_head_stride = k_cache.strides[1];
-  P.v_row_stride = v_cache.strides[0];
-  P.v_head_stride = v_cache.strides[1];
-  P.q_pos = dpos.ptr<int32_t>();
+  set_views(P, q, k_cache, v_cache, dpos, out);
   P.mask = a.mask ? dmask.ptr<int32_t>() : nullptr;
   P.kv_len = a.kv_len;
   P.window = a.window;
@@ -716,7 +703,6 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   P.w = w;
   P.vec = vec ? 1 : 0;
   P.scale = a.scale ? *a.scale : float(1.0 / std::sqrt(double(d)));
-  P.out = out.ptr<float>();
 
   Tensor idx, cnt;
   if (a.mask) {  // visible positions of each row, compacted (so chunks follow the visible sequence)

@@ -111,6 +111,26 @@ inline Plan plan(int64_t n, int64_t hkv, int64_t r, int64_t d) {
   return p;
 }
 
+// Params of a call of plan ``pl``: its geometry, the launch plan and scale * log2(e); the caller sets
+// the pointers and strides (q, kc, vc, the strides, q_pos, out).
+inline Params params(const Plan& pl, int64_t n, int64_t hq, int64_t hkv, int64_t kv_len, int64_t window, bool causal,
+                     double scale) {
+  Params P{};
+  P.n = n;
+  P.window = window;
+  P.kv_len = int(kv_len);
+  P.causal = causal ? 1 : 0;
+  P.hq = int(hq);
+  P.hkv = int(hkv);
+  P.r = int(hq / hkv);
+  P.hs = pl.hs;
+  P.nsub = pl.nsub;
+  P.slabs = pl.slabs;
+  P.row_blocks = int(pl.row_blocks);
+  P.scale_log2 = float(scale * 1.4426950408889634);  // log2(e)
+  return P;
+}
+
 // Largest dynamic shared memory an instance may be launched with (kMaxWarps warps).
 inline size_t max_smem(int64_t d) { return size_t(kMaxWarps * 16 + 2 * kStages * kKeys) * size_t(d) * 2; }
 

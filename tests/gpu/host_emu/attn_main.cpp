@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const flash::Plan pl = flash::plan(n, hkv, hq / hkv, d);
-  flash::Params P{};
+  flash::Params P = flash::params(pl, n, hq, hkv, kv_len, window, causal != 0, scale);
   P.q = q.data();
   P.kc = reinterpret_cast<const uint8_t*>(k.data());
   P.vc = reinterpret_cast<const uint8_t*>(v.data());
@@ -65,18 +65,6 @@ int main(int argc, char** argv) {
   P.k_head_stride = P.v_head_stride = int64_t(d) * 2;
   P.q_pos = pos.data();
   P.out = out.data();
-  P.n = n;
-  P.window = window;
-  P.kv_len = int(kv_len);
-  P.causal = causal;
-  P.hq = int(hq);
-  P.hkv = int(hkv);
-  P.r = int(hq / hkv);
-  P.hs = pl.hs;
-  P.nsub = pl.nsub;
-  P.slabs = pl.slabs;
-  P.row_blocks = int(pl.row_blocks);
-  P.scale_log2 = float(scale * 1.4426950408889634);
   std::vector<uint4> smem((pl.smem + 15) / 16);
   if (d == 64) run<64>(P, pl, smem);
   else if (d == 128) run<128>(P, pl, smem);
