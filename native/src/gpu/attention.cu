@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "../cpu/attention.h"
+#include "attention_chunk_mma.cuh"
 #include "attention_flash.cuh"
 #include "op_util.cuh"
 #include "ops.h"
@@ -520,6 +521,74 @@ void launch_chunks(DType vt, const AttnParams& P, unsigned blocks, size_t shmem,
   }
 }
 
+#if SPECD_FLASH_ATTN
+namespace cmma = detail::chunk_mma;
+static_assert(cmma::kChunk == kChunk, "the tensor-core chunk pass writes the combine's chunks");
+
+// Whether the exact path's chunk pass runs on tensor cores (attention_chunk_mma.cuh): F16 K and V caches
+// of head_dim 64, 128 or 256 with 16-byte aligned head rows. Depends on the caches alone (never on the
+// rows, the mask or the window), so every call on a model's caches takes the same path.
+bool use_chunk_mma(const Tensor& kc, const Tensor& vc, int64_t d) {
+  if (kc.dtype != DType::F16 || vc.dtype != DType::F16 || !cmma::supported_dim(d)) return false;
+  auto rows16 = [](const Tensor& c) {
+    return detail::aligned16(c.data) && c.strides[0] % 16 == 0 && c.strides[1] % 16 == 0;
+  };
+  return rows16(kc) && rows16(vc);
+}
+
+// The chunk pass of one slice of rows on tensor cores.
+void launch_chunk_mma(const AttnParams& A, int64_t d, cudaStream_t s, const char* op) {
+  const bool packed = A.mask == nullptr && A.window == 0;  // every row reads chunk c from the same cache rows
+  const int64_t resident = int64_t(detail::sm_count()) * cmma::kMinBlocks * cmma::kWarps;
+  const cmma::Plan pl = cmma::plan(A.rows, A.r, A.hkv, A.nch, packed, resident);
+  detail::check_grid(pl.blocks, op);
+  cmma::Params P{};
+  P.q = A.q;
+  P.kc = A.kc;
+  P.vc = A.vc;
+  P.k_row_stride = A.k_row_stride;
+  P.k_head_stride = A.k_head_stride;
+  P.v_row_stride = A.v_row_stride;
+  P.v_head_stride = A.v_head_stride;
+  P.q_pos = A.q_pos;
+  P.idx = A.idx;
+  P.cnt = A.cnt;
+  P.kv_len = A.kv_len;
+  P.window = A.window;
+  P.causal = A.causal;
+  P.hq = A.hq;
+  P.hkv = A.hkv;
+  P.r = A.r;
+  P.nch = A.nch;
+  P.packed = pl.packed;
+  P.mpr = pl.mpr;
+  P.mtiles = pl.mtiles;
+  P.groups = pl.groups;
+  P.cpw = pl.cpw;
+  P.i0 = A.i0;
+  P.rows = A.rows;
+  P.scale = A.scale;
+  P.part = A.part;
+  P.ml = A.ml;
+  const unsigned blocks = unsigned(pl.blocks), threads = cmma::kWarps * 32;
+  const bool idx = A.idx != nullptr;
+  switch (d) {
+    case 64:
+      idx ? detail::launch_kernel<cmma::attn_chunk_mma_kernel<64, true>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P)
+          : detail::launch_kernel<cmma::attn_chunk_mma_kernel<64, false>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
+      break;
+    case 128:
+      idx ? detail::launch_kernel<cmma::attn_chunk_mma_kernel<128, true>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P)
+          : detail::launch_kernel<cmma::attn_chunk_mma_kernel<128, false>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
+      break;
+    default:
+      idx ? detail::launch_kernel<cmma::attn_chunk_mma_kernel<256, true>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P)
+          : detail::launch_kernel<cmma::attn_chunk_mma_kernel<256, false>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
+      break;
+  }
+}
+#endif  // SPECD_FLASH_ATTN
+
 // ----------------------------------------------------------------------------- flash attention
 
 #if SPECD_FLASH_ATTN
@@ -721,18 +790,28 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   Tensor scratch = Tensor::empty({rows_per * per_row}, DType::F32, Device::GPU);
   const size_t shmem = size_t(2 * hs * dp + hs * kChunk) * sizeof(float) + kChunk * sizeof(int32_t);
   const int64_t combine_slices = (d + kCombineDims - 1) / kCombineDims;
+#if SPECD_FLASH_ATTN
+  const bool chunk_mma = use_chunk_mma(k_cache, v_cache, d);
+#endif
   for (int64_t i0 = 0; i0 < n; i0 += rows_per) {
     const int64_t rows = std::min(rows_per, n - i0);
     P.i0 = i0;
     P.rows = rows;
     P.part = scratch.ptr<float>();
     P.ml = scratch.ptr<float>() + rows * hq * nch * dp;
-    const int64_t blocks = rows * hkv * nsub * nch;
-    detail::check_grid(blocks, op);
-    switch (k_cache.dtype) {
-      case DType::F32: launch_chunks<DType::F32>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
-      case DType::F16: launch_chunks<DType::F16>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
-      default: launch_chunks<DType::Q8_0>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
+#if SPECD_FLASH_ATTN
+    if (chunk_mma) {
+      launch_chunk_mma(P, d, s, op);
+    } else
+#endif
+    {
+      const int64_t blocks = rows * hkv * nsub * nch;
+      detail::check_grid(blocks, op);
+      switch (k_cache.dtype) {
+        case DType::F32: launch_chunks<DType::F32>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
+        case DType::F16: launch_chunks<DType::F16>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
+        default: launch_chunks<DType::Q8_0>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
+      }
     }
     detail::check_grid(rows * hq * combine_slices, op);
     detail::launch_kernel<attn_combine_kernel>("attn_combine_kernel", unsigned(rows * hq * combine_slices), kCombineDims,

@@ -1,5 +1,6 @@
 // Host emulation of the CUDA execution model for the kernel harnesses mma_main.cpp (the tensor-core GEMV,
-// native/src/gpu/matmul_mma.cuh) and attn_main.cpp (the flash attention, native/src/gpu/attention_flash.cuh):
+// native/src/gpu/matmul_mma.cuh), attn_main.cpp (the flash attention, native/src/gpu/attention_flash.cuh)
+// and chunk_main.cpp (the exact path's tensor-core chunk pass, native/src/gpu/attention_chunk_mma.cuh):
 // a block runs as one std::thread per lane; the warp-wide instructions are emulated from the PTX ISA
 // fragment layouts with one barrier per instruction: every lane publishes its operands in the warp's
 // exchange slot of that instruction (two slots used in turn), waits at the warp barrier, then computes
@@ -76,6 +77,7 @@ struct float2 {
   float x, y;
 };
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 using std::isfinite;
 using std::max;
 using std::min;

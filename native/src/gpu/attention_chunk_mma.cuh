@@ -1,0 +1,412 @@
+// The split-K chunk pass of the exact attention path on tensor cores: decode, chain verify and tree
+// verify over F16 K / V caches of head_dim 64, 128 or 256 (attention.cu takes it for every exact call on
+// such caches whatever the number of rows; F32 / Q8_0 caches, other head_dims and HIP keep the CUDA-core
+// chunk kernel). It writes the same per-chunk partials as attn_chunk_kernel, which attn_combine_kernel
+// then combines in chunk order: for each query row, q head and chunk c of kChunk visible keys (cut by
+// rank from the row's own visible sequence, as in attention.cu), m_c = max of the chunk's scores,
+// l_c = sum of exp(s - m_c) and acc_c[e] = sum of exp(s - m_c) v[e].
+//
+// Also compiled for the host by tests/gpu/host_emu/chunk_main.cpp (SPECD_HOST_EMU: mma.sync emulated from
+// the PTX ISA fragment layouts, warp_emu.h), which checks the layouts, the key walk and the masks against
+// a float64 reference (tests/gpu/test_gpu_attention_mma_host.py); test_gpu_ops2.py checks the device.
+//
+// Work split. An m-tile is 16 (query row, q head) slots of one KV head's GQA group: the heads of up to
+// 16 / r rows packed in row order when every row reads its chunk c from the same cache rows (no mask,
+// no window: chunk c is positions [kChunk c, kChunk c + kChunk) for every row), else the heads of one row
+// (a mask's compacted positions or a window's start differ per row). A block of kWarps warps takes one
+// m-tile, one KV head and kWarps * cpw chunks; it stages the m-tile's q once in shared memory as MMA
+// fragments, then each warp walks its own chunks (no further barrier): K and V are read from global
+// memory straight into fragment registers (16-byte loads, no shared-memory staging), so every byte of
+// the chunk is read once per m-tile: a decode (one m-tile per KV head) reads each key once, an 8-row
+// chain verify three times from L2 (its m-tiles' blocks are adjacent in the grid).
+//
+// Arithmetic per warp and chunk (m16n8k16, F16 inputs, F32 accumulation):
+//   S = Q K^T over the chunk's 64 keys: q is scaled by 2^sigma (sigma per slot, so that max |q| of the
+//       slot lies in [2^13, 2^14)) and split into two F16 terms, q_hi = f16(q) and q_lo = f16(q - q_hi)
+//       (|q - q_hi - q_lo| <= 2^-22 |q| + 2^-25), one MMA per term into the same F32 accumulator; K as
+//       stored (F16, exact). The dims of a 16-byte load are the k indices of two k-steps (a fixed
+//       permutation of the dot product's terms, the same for q and K).
+//   s = (S * 2^-sigma) * scale (two F32 multiplies, the first exact), -inf past the slot's visible count;
+//   m = max s; p = expf(s - m); l = fixed-order sum of p (lane, then quad butterfly);
+//   acc = P V: p * 2^14 (exact) split into two F16 terms as q, V as stored, one MMA per term; then
+//       acc * 2^-14 (exact). V's 16-byte loads hold 8 dims of one key; byte permutes pair two keys'
+//       halves into the B fragment (8 dim n-tiles per load round).
+// Each MMA output element is the dot product of one A row with one B column, so a slot's results depend
+// only on its own q, its visible keys and the cache, not on which other slots share its m-tile: the path
+// is batch invariant and a tree node equals the chain verify of its path bitwise (tests/gpu). Keys past
+// the slot's count but below the m-tile's largest count (visible to another row of the tile) enter the
+// MMAs with an exact zero weight, so they must be finite: every cache row below the largest visible
+// position is written before a verify reads it; keys past the tile's largest count are zero-filled.
+// Error vs the CPU op: the q and p splits leave ~2^-22 relative, the tensor core's F32 accumulation a
+// few F32 ulps per k-step: inside the exact path's tolerance (atol 2e-5 * max|v| + rtol 1e-4).
+#pragma once
+
+#include "attention_flash.cuh"  // SPECD_FLASH_ATTN, mma(), quad_max(), quad_sum(), pdl
+
+#if SPECD_FLASH_ATTN
+
+namespace specd::gpu::detail::chunk_mma {
+
+using flash::mma;
+using flash::quad_max;
+using flash::quad_sum;
+
+constexpr int kChunk = 64;           // keys per partial: attention.cu's kChunk (static_assert there)
+constexpr int kWarps = 4;            // warps per block
+constexpr int kSlots = 16;           // (row, q head) slots per m-tile: the MMA's 16 rows
+constexpr int kMinBlocks = 3;        // blocks per multiprocessor the kernel is compiled for
+constexpr float kPScale = 16384.0f;  // 2^14: p in [0, 1] scaled into F16's normal range before the split
+constexpr int kQExp = 14;            // max |q| of a slot is scaled into [2^13, 2^14)
+
+inline bool supported_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
+
+struct Params {
+  const float* q;   // F32 [n, hq, D] contiguous
+  const uint8_t* kc;  // F16 caches [capacity, hkv, D], head rows 16-byte aligned
+  const uint8_t* vc;
+  int64_t k_row_stride, k_head_stride;  // bytes
+  int64_t v_row_stride, v_head_stride;
+  const int32_t* q_pos;  // [n]
+  const int32_t* idx;    // [n, kv_len] visible positions in order (a mask), or null
+  const int32_t* cnt;    // [n] visible counts (a mask), or null
+  int64_t kv_len, window;
+  int causal, hq, hkv, r;  // r = hq / hkv
+  int nch;                 // chunks per (row, q head) in the partial layout
+  int packed, mpr;         // slots of several rows per m-tile (packed) or mpr m-tiles per row
+  int64_t mtiles;          // m-tiles in the slice
+  int groups, cpw;         // chunk groups of kWarps * cpw chunks per (m-tile, KV head)
+  int64_t i0, rows;        // the slice: first row, rows
+  float scale;
+  float* part;  // [rows, hq, nch, D] acc_c
+  float* ml;    // [rows, hq, nch, 2] (m_c, l_c)
+};
+
+// The launch plan of a slice of `rows` rows: m-tiles, chunks per warp and the grid. packed: the rows
+// read the same cache rows for each chunk (no mask and no window). cpw only spreads the same per-chunk
+// work over fewer warps (each chunk's partial is computed alone), so it never changes a result.
+struct Plan {
+  int packed, mpr, groups, cpw;
+  int64_t mtiles, blocks;
+};
+
+inline Plan plan(int64_t rows, int64_t r, int64_t hkv, int64_t nch, bool packed, int64_t resident_warps) {
+  Plan p{};
+  p.packed = packed ? 1 : 0;
+  p.mpr = int((r + kSlots - 1) / kSlots);
+  p.mtiles = packed ? (rows * r + kSlots - 1) / kSlots : rows * p.mpr;
+  const int64_t tasks = p.mtiles * hkv * nch;  // (m-tile, KV head, chunk)
+  int64_t cpw = tasks / (2 * (resident_warps > 0 ? resident_warps : 1));
+  cpw = cpw < 1 ? 1 : (cpw > nch ? nch : cpw);
+  p.cpw = int(cpw);
+  p.groups = int((nch + kWarps * cpw - 1) / (kWarps * cpw));
+  p.blocks = p.mtiles * p.groups * hkv;
+  return p;
+}
+
+// --- helpers ---------------------------------------------------------------------------------------
+
+// Two floats as two F16 terms each: hi = f16(a), lo = f16(a - hi) (a - hi is exact in F32), packed two
+// per register, the first in the lower 16 bits.
+__device__ __forceinline__ void split_f16x2(float a, float b, uint32_t& hi, uint32_t& lo) {
+#if defined(SPECD_HOST_EMU)
+  const uint16_t ha = f16_rn(a), hb = f16_rn(b);
+  hi = uint32_t(ha) | (uint32_t(hb) << 16);
+  lo = uint32_t(f16_rn(__fsub_rn(a, f16_f(ha)))) | (uint32_t(f16_rn(__fsub_rn(b, f16_f(hb)))) << 16);
+#else
+  const __half2 h = __floats2half2_rn(a, b);
+  const float2 f = __half22float2(h);
+  const __half2 l = __floats2half2_rn(__fsub_rn(a, f.x), __fsub_rn(b, f.y));
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+#endif
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// 16 bytes of a cache row (read-only for the kernel's duration), or zeros.
+__device__ __forceinline__ uint4 load16(const uint8_t* p, bool ok) {
+  return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : uint4{0u, 0u, 0u, 0u};
+}
+
+__device__ __forceinline__ float warp_max_f(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, SPECD_SHFL_XOR(v, m));
+  return v;
+}
+
+// Row i's first visible position and visible count (cnt from the mask when there is one), as
+// attention.cu's row_range.
+__device__ __forceinline__ void row_range(const Params& P, int64_t i, int64_t& lo, int64_t& cnt) {
+  const int64_t pos = P.q_pos[i];
+  lo = P.window > 0 ? (pos - P.window + 1 > 0 ? pos - P.window + 1 : 0) : 0;
+  const int64_t hi = P.causal ? (P.kv_len < pos + 1 ? P.kv_len : pos + 1) : P.kv_len;
+  cnt = P.cnt ? int64_t(P.cnt[i]) : (hi > lo ? hi - lo : 0);
+}
+
+// --- the kernel ------------------------------------------------------------------------------------
+
+// Grid: m-tiles fastest, then chunk groups, then KV heads. Idx: the rows' visible positions come from
+// P.idx (a mask) rather than lo + rank.
+template <int D, bool Idx>
+__global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel(const Params P) {
+  pdl_enter();
+  static_assert(D % 64 == 0 && D <= 256, "head_dim 64, 128 or 256");
+  constexpr int NS = D / 32;  // 32-dim slabs of q / K: two k-steps each
+  // q fragments: [slab][register quad][lane], 16 bytes each; quads: hi of k-step 2 slab (A regs 0-3),
+  // lo of it, hi of k-step 2 slab + 1, lo of it.
+  __shared__ uint4 sq[NS * 4 * 32];
+  __shared__ uint4 sp[kWarps * 8 * 32];  // each warp's P fragments of its current chunk
+  __shared__ int s_row[kSlots], s_head[kSlots], s_cnt[kSlots];
+  __shared__ float s_unscale[kSlots];
+  __shared__ int64_t s_lo;
+
+  int64_t b = blockIdx.x;
+  const int64_t mt = b % P.mtiles;
+  b /= P.mtiles;
+  const int grp = int(b % P.groups);
+  const int g = int(b / P.groups);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, tq = lane & 3;
+
+  // Slot table: slice row (-1: empty slot), q head, visible count.
+  if (tid < kSlots) {
+    int64_t il = -1;
+    int hh = 0;
+    if (P.packed) {
+      const int64_t rh = mt * kSlots + tid;
+      if (rh < P.rows * P.r) {
+        il = rh / P.r;
+        hh = int(rh % P.r);
+      }
+    } else {
+      hh = int(mt % P.mpr) * kSlots + tid;
+      if (hh < P.r) il = mt / P.mpr;
+    }
+    int64_t lo = 0, cnt = 0;
+    if (il >= 0) row_range(P, P.i0 + il, lo, cnt);
+    s_row[tid] = int(il);
+    s_head[tid] = g * P.r + hh;
+    s_cnt[tid] = int(cnt);
+    if (tid == 0) s_lo = lo;  // slot 0 is never empty; unpacked, every slot is its row
+  }
+  __syncthreads();
+  int maxcnt = 0;
+#pragma unroll
+  for (int s = 0; s < kSlots; ++s) maxcnt = max(maxcnt, s_cnt[s]);
+  if (int64_t(grp) * kWarps * P.cpw * kChunk >= maxcnt) return;  // uniform over the block
+
+  // Stage q: warp w takes slots 4w .. 4w + 3; lane = 8 dims (dims 8 lane .. 8 lane + 7).
+  for (int s = warp * 4; s < warp * 4 + 4; ++s) {
+    const int il = s_row[s];
+    const bool has = lane < D / 8;
+    float x[8];
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      x[e] = has && il >= 0 ? P.q[((P.i0 + il) * P.hq + s_head[s]) * D + 8 * lane + e] : 0.0f;
+      amax = fmaxf(amax, fabsf(x[e]));
+    }
+    amax = warp_max_f(amax);
+    int ex = 0;
+    if (amax > 0.0f && amax <= 3.4e38f) frexpf(amax, &ex);
+    const int sigma = amax > 0.0f && amax <= 3.4e38f ? min(100, max(-100, kQExp - ex)) : 0;
+    if (lane == 0) s_unscale[s] = ldexpf(1.0f, -sigma);  // a power of two in the normal range
+    if (has) {
+      uint32_t hi[4], lo[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) split_f16x2(ldexpf(x[2 * e], sigma), ldexpf(x[2 * e + 1], sigma), hi[e], lo[e]);
+      // Dims 8 lane + {0,1}, {2,3} are k-step 2j's a0 / a2 (rows 0-7) or a1 / a3 (rows 8-15) of lane
+      // 4 (s % 8) + lane % 4, dims {4,5}, {6,7} the same registers of k-step 2j + 1 (j = lane / 4).
+      uint32_t* const w = reinterpret_cast<uint32_t*>(sq);
+      const int j = lane / 4, t = (s % 8) * 4 + lane % 4, ar = s >= 8 ? 1 : 0;
+      auto put = [&](int reg, uint32_t v) { w[((j * 4 + reg / 4) * 32 + t) * 4 + reg % 4] = v; };
+      put(ar, hi[0]);
+      put(ar + 2, hi[1]);
+      put(8 + ar, hi[2]);
+      put(8 + ar + 2, hi[3]);
+      put(4 + ar, lo[0]);
+      put(4 + ar + 2, lo[1]);
+      put(12 + ar, lo[2]);
+      put(12 + ar + 2, lo[3]);
+    }
+  }
+  __syncthreads();
+
+  // This thread's slots: gq (accumulator elements 0, 1) and gq + 8 (2, 3).
+  const int row_a = s_row[gq], row_b = s_row[gq + 8];
+  const int cnt_a = s_cnt[gq], cnt_b = s_cnt[gq + 8];
+  const float un_a = s_unscale[gq], un_b = s_unscale[gq + 8];
+  const int64_t out_a = row_a >= 0 ? (int64_t(row_a) * P.hq + s_head[gq]) * P.nch : 0;
+  const int64_t out_b = row_b >= 0 ? (int64_t(row_b) * P.hq + s_head[gq + 8]) * P.nch : 0;
+  const int64_t lo = s_lo;
+  const int32_t* const idx_row = Idx ? P.idx + (P.i0 + s_row[0]) * P.kv_len : nullptr;
+  const uint8_t* const kbase = P.kc + int64_t(g) * P.k_head_stride + 16 * tq;
+  const uint8_t* const vbase = P.vc + int64_t(g) * P.v_head_stride + 16 * gq;
+
+  for (int k = 0; k < P.cpw; ++k) {
+    const int c = (grp * P.cpw + k) * kWarps + warp;
+    const int64_t r0 = int64_t(c) * kChunk;
+    if (r0 >= maxcnt) break;  // uniform over the warp; later chunks are further
+    const int cc = int(maxcnt - r0 < kChunk ? maxcnt - r0 : kChunk);  // keys read (zeros past them)
+    auto pos = [&](int j) -> int64_t { return Idx ? int64_t(idx_row[r0 + j]) : lo + r0 + j; };
+
+    // S = Q K^T: key n-tile t holds keys 8 t .. 8 t + 7; this lane loads key 8 t + gq, dims
+    // 32 slab + 8 tq .. + 7 (one 16-byte load = B of k-steps 2 slab and 2 slab + 1).
+    int32_t kp[8];  // cache row of each key, -1 past cc
+#pragma unroll
+    for (int t = 0; t < 8; ++t) kp[t] = 8 * t + gq < cc ? int32_t(pos(8 * t + gq)) : -1;
+    auto kload = [&](int t, int sl) { return load16(kbase + int64_t(kp[t]) * P.k_row_stride + 64 * sl, kp[t] >= 0); };
+    float s[8][4];
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[t][e] = 0.0f;
+    uint4 kb[8];
+#pragma unroll
+    for (int t = 0; t < 8; ++t) kb[t] = kload(t, 0);
+#pragma unroll 2  // whole: the scheduler interleaves slabs and spills
+    for (int sl = 0; sl < NS; ++sl) {
+      uint4 kn[8];
+      if (sl + 1 < NS) {
+#pragma unroll
+        for (int t = 0; t < 8; ++t) kn[t] = kload(t, sl + 1);
+      }
+      const uint4* const qf = sq + sl * 4 * 32 + lane;
+      const uint4 q0 = qf[0], q1 = qf[32], q2 = qf[64], q3 = qf[96];
+      const uint32_t ah0[4] = {q0.x, q0.y, q0.z, q0.w}, al0[4] = {q1.x, q1.y, q1.z, q1.w};
+      const uint32_t ah1[4] = {q2.x, q2.y, q2.z, q2.w}, al1[4] = {q3.x, q3.y, q3.z, q3.w};
+#pragma unroll
+      for (int t = 0; t < 8; ++t) {
+        mma(s[t], ah0, kb[t].x, kb[t].y);
+        mma(s[t], al0, kb[t].x, kb[t].y);
+        mma(s[t], ah1, kb[t].z, kb[t].w);
+        mma(s[t], al1, kb[t].z, kb[t].w);
+      }
+      if (sl + 1 < NS) {
+#pragma unroll
+        for (int t = 0; t < 8; ++t) kb[t] = kn[t];
+      }
+    }
+
+    // V of load round 0, k-step 0 in flight during the softmax. Lane loads keys 16 kk + 2 tq + {0, 1,
+    // 8, 9}, dims 64 rd + 8 gq .. + 7.
+    int32_t vp[4][4];  // cache row of each key, -1 past cc
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int j = 16 * kk + 2 * tq + (u & 1) + 8 * (u >> 1);
+        vp[kk][u] = j < cc ? int32_t(pos(j)) : -1;
+      }
+    auto vload = [&](int kk, int u, int rd) {
+      return load16(vbase + int64_t(vp[kk][u]) * P.v_row_stride + 128 * rd, vp[kk][u] >= 0);
+    };
+    uint4 vb[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) vb[u] = vload(0, u, 0);
+
+    // Softmax within the chunk. Element (t, e): slot gq (e < 2) or gq + 8, key 8 t + 2 tq + e % 2.
+    const int vis_a = int(cnt_a - r0 < kChunk ? cnt_a - r0 : kChunk), vis_b = int(cnt_b - r0 < kChunk ? cnt_b - r0 : kChunk);
+    float ma = -INFINITY, mb = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = 8 * t + 2 * tq + (e & 1);
+        const bool a = e < 2;
+        const float x = j < (a ? vis_a : vis_b) ? __fmul_rn(__fmul_rn(s[t][e], a ? un_a : un_b), P.scale) : -INFINITY;
+        s[t][e] = x;
+        if (a) ma = fmaxf(ma, x);
+        else mb = fmaxf(mb, x);
+      }
+    ma = quad_max(ma);
+    mb = quad_max(mb);
+    float la = 0.0f, lb = 0.0f;
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool a = e < 2;
+        const float m = a ? ma : mb;
+        const float p = s[t][e] == -INFINITY ? 0.0f : expf(s[t][e] - m);
+        s[t][e] = __fmul_rn(p, kPScale);
+        if (a) la += p;
+        else lb += p;
+      }
+    la = quad_sum(la);
+    lb = quad_sum(lb);
+    // P as the A fragments of the 4 key k-steps (n-tiles 2 kk, 2 kk + 1), two F16 terms each, parked in
+    // the warp's shared memory (registers are what bounds the kernel's occupancy).
+    uint4* const pf = sp + warp * 8 * 32 + lane;  // [kk][hi, lo][lane]
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t h[4], l[4];
+      split_f16x2(s[2 * kk][0], s[2 * kk][1], h[0], l[0]);
+      split_f16x2(s[2 * kk][2], s[2 * kk][3], h[1], l[1]);
+      split_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1], h[2], l[2]);
+      split_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3], h[3], l[3]);
+      pf[(2 * kk) * 32] = uint4{h[0], h[1], h[2], h[3]};
+      pf[(2 * kk + 1) * 32] = uint4{l[0], l[1], l[2], l[3]};
+    }
+    const bool wa = row_a >= 0 && vis_a > 0, wb = row_b >= 0 && vis_b > 0;
+    if (tq == 0) {
+      if (wa) *reinterpret_cast<float2*>(P.ml + (out_a + c) * 2) = make_float2(ma, la);
+      if (wb) *reinterpret_cast<float2*>(P.ml + (out_b + c) * 2) = make_float2(mb, lb);
+    }
+
+    // acc = P V, 64 dims per round: dim n-tile e of round rd holds dims 64 rd + 8 n + e (n = the B
+    // column, gq for this lane's loads), so this lane's accumulators are dims 64 rd + 16 tq + e (n = 2 tq)
+    // and 64 rd + 16 tq + 8 + e (n = 2 tq + 1).
+#pragma unroll 1
+    for (int rd = 0; rd < D / 64; ++rd) {  // not unrolled: interleaved rounds would hold two sets of o
+      float o[8][4];
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) o[e][x] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        uint4 vn[4];
+        const int nrd = kk == 3 ? rd + 1 : rd, nkk = (kk + 1) & 3;
+        if (nrd < D / 64) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u) vn[u] = vload(nkk, u, nrd);
+        }
+        const uint4 h4 = pf[(2 * kk) * 32], l4 = pf[(2 * kk + 1) * 32];  // only this lane's own stores
+        const uint32_t ph[4] = {h4.x, h4.y, h4.z, h4.w}, pl[4] = {l4.x, l4.y, l4.z, l4.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const uint32_t sel = (e & 1) ? 0x7632u : 0x5410u;
+          const uint32_t b0 = __byte_perm(word(vb[0], e / 2), word(vb[1], e / 2), sel);
+          const uint32_t b1 = __byte_perm(word(vb[2], e / 2), word(vb[3], e / 2), sel);
+          mma(o[e], ph, b0, b1);
+          mma(o[e], pl, b0, b1);
+        }
+        if (nrd < D / 64) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u) vb[u] = vn[u];
+        }
+      }
+      constexpr float inv = 1.0f / kPScale;
+      const int e0 = 64 * rd + 16 * tq;
+      if (wa) {
+        float4* const dst = reinterpret_cast<float4*>(P.part + (out_a + c) * D + e0);
+        dst[0] = make_float4(o[0][0] * inv, o[1][0] * inv, o[2][0] * inv, o[3][0] * inv);
+        dst[1] = make_float4(o[4][0] * inv, o[5][0] * inv, o[6][0] * inv, o[7][0] * inv);
+        dst[2] = make_float4(o[0][1] * inv, o[1][1] * inv, o[2][1] * inv, o[3][1] * inv);
+        dst[3] = make_float4(o[4][1] * inv, o[5][1] * inv, o[6][1] * inv, o[7][1] * inv);
+      }
+      if (wb) {
+        float4* const dst = reinterpret_cast<float4*>(P.part + (out_b + c) * D + e0);
+        dst[0] = make_float4(o[0][2] * inv, o[1][2] * inv, o[2][2] * inv, o[3][2] * inv);
+        dst[1] = make_float4(o[4][2] * inv, o[5][2] * inv, o[6][2] * inv, o[7][2] * inv);
+        dst[2] = make_float4(o[0][3] * inv, o[1][3] * inv, o[2][3] * inv, o[3][3] * inv);
+        dst[3] = make_float4(o[4][3] * inv, o[5][3] * inv, o[6][3] * inv, o[7][3] * inv);
+      }
+    }
+  }
+}
+
+}  // namespace specd::gpu::detail::chunk_mma
+
+#endif  // SPECD_FLASH_ATTN

@@ -1,0 +1,129 @@
+// Host emulation of the exact attention path's tensor-core chunk pass (native/src/gpu/
+// attention_chunk_mma.cuh): attn_chunk_mma_kernel runs on the CPU, one std::thread per lane (warp_emu.h:
+// mma.sync m16n8k16 f16 -> f32 and shuffles emulated from the PTX ISA layouts), with attention.cu's
+// launch plan (chunk_mma::plan: packed rows without a mask or window, else one row per m-tile), then the
+// partials are combined in chunk order with attn_combine_kernel's arithmetic. A mask is compacted on the
+// host as attn_mask_compact_kernel does. Partials and output are poisoned (NaN) first, so a partial the
+// kernel should have written and did not shows. Driven by tests/gpu/test_gpu_attention_mma_host.py.
+//
+// usage: chunk_emu D n hq hkv capacity kv_len window causal scale resident_warps q.bin pos.bin k.bin
+//        v.bin mask.bin|- out.bin
+//   q: F32 [n, hq, D]; pos: I32 [n]; k, v: F16 [capacity, hkv, D]; mask: I32 [n, kv_len] or "-";
+//   out: F32 [n, hq, D] (written). resident_warps sizes chunks per warp (small: several per warp).
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "warp_emu.h"
+#include "attention_chunk_mma.cuh"
+
+using namespace specd::gpu::detail;
+
+template <class T>
+static bool read_file(const char* path, std::vector<T>& v) {
+  std::ifstream f(path, std::ios::binary);
+  f.read(reinterpret_cast<char*>(v.data()), std::streamsize(v.size() * sizeof(T)));
+  return bool(f);
+}
+
+template <int D>
+static void run(const chunk_mma::Params& P, int64_t blocks) {
+  if (P.idx) emulate(blocks, chunk_mma::kWarps * 32, [&] { chunk_mma::attn_chunk_mma_kernel<D, true>(P); });
+  else emulate(blocks, chunk_mma::kWarps * 32, [&] { chunk_mma::attn_chunk_mma_kernel<D, false>(P); });
+}
+
+int main(int argc, char** argv) {
+  if (argc != 17) {
+    std::fprintf(stderr, "usage: %s D n hq hkv capacity kv_len window causal scale resident q pos k v mask|- out\n",
+                 argv[0]);
+    return 2;
+  }
+  const int d = std::atoi(argv[1]);
+  const int64_t n = std::atoll(argv[2]), hq = std::atoll(argv[3]), hkv = std::atoll(argv[4]);
+  const int64_t cap = std::atoll(argv[5]), kv_len = std::atoll(argv[6]), window = std::atoll(argv[7]);
+  const int causal = std::atoi(argv[8]);
+  const float scale = float(std::atof(argv[9]));
+  const int64_t resident = std::atoll(argv[10]);
+  const bool has_mask = std::string(argv[15]) != "-";
+  if (!chunk_mma::supported_dim(d) || n < 1 || hkv < 1 || hq % hkv || kv_len < 1 || kv_len > cap) return 2;
+  std::vector<float> q(size_t(n * hq * d)), out(size_t(n * hq * d), NAN);
+  std::vector<int32_t> pos(static_cast<size_t>(n)), mask(has_mask ? size_t(n * kv_len) : 0);
+  std::vector<uint16_t> k(size_t(cap * hkv * d)), v(size_t(cap * hkv * d));
+  if (!read_file(argv[11], q) || !read_file(argv[12], pos) || !read_file(argv[13], k) || !read_file(argv[14], v) ||
+      (has_mask && !read_file(argv[15], mask))) {
+    std::fprintf(stderr, "short input file\n");
+    return 2;
+  }
+  const int64_t r = hq / hkv, nch = (kv_len + chunk_mma::kChunk - 1) / chunk_mma::kChunk;
+  // The mask's visible positions per row, compacted in order (attn_mask_compact_kernel).
+  std::vector<int32_t> idx(has_mask ? size_t(n * kv_len) : 0), cnt(has_mask ? size_t(n) : 0);
+  for (int64_t i = 0; has_mask && i < n; ++i) {
+    const int64_t p = pos[size_t(i)];
+    const int64_t lo = window > 0 ? std::max<int64_t>(p - window + 1, 0) : 0;
+    const int64_t hi = causal ? std::min<int64_t>(kv_len, p + 1) : kv_len;
+    int32_t c = 0;
+    for (int64_t j = lo; j < hi; ++j)
+      if (mask[size_t(i * kv_len + j)] != 0) idx[size_t(i * kv_len + c++)] = int32_t(j);
+    cnt[size_t(i)] = c;
+  }
+  std::vector<float> part(size_t(n * hq * nch * d), NAN), ml(size_t(n * hq * nch * 2), NAN);
+  const chunk_mma::Plan pl = chunk_mma::plan(n, r, hkv, nch, !has_mask && window == 0, resident);
+  chunk_mma::Params P{};
+  P.q = q.data();
+  P.kc = reinterpret_cast<const uint8_t*>(k.data());
+  P.vc = reinterpret_cast<const uint8_t*>(v.data());
+  P.k_row_stride = P.v_row_stride = hkv * d * 2;
+  P.k_head_stride = P.v_head_stride = int64_t(d) * 2;
+  P.q_pos = pos.data();
+  P.idx = has_mask ? idx.data() : nullptr;
+  P.cnt = has_mask ? cnt.data() : nullptr;
+  P.kv_len = kv_len;
+  P.window = window;
+  P.causal = causal;
+  P.hq = int(hq);
+  P.hkv = int(hkv);
+  P.r = int(r);
+  P.nch = int(nch);
+  P.packed = pl.packed;
+  P.mpr = pl.mpr;
+  P.mtiles = pl.mtiles;
+  P.groups = pl.groups;
+  P.cpw = pl.cpw;
+  P.i0 = 0;
+  P.rows = n;
+  P.scale = scale;
+  P.part = part.data();
+  P.ml = ml.data();
+  if (d == 64) run<64>(P, pl.blocks);
+  else if (d == 128) run<128>(P, pl.blocks);
+  else run<256>(P, pl.blocks);
+  // attn_combine_kernel's arithmetic: M = max m_c; L, acc over c = 0, 1, ... with w = expf(m_c - M).
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t lo, c;
+    chunk_mma::row_range(P, i, lo, c);
+    const int64_t nc = (c + chunk_mma::kChunk - 1) / chunk_mma::kChunk;
+    for (int64_t h = 0; h < hq; ++h) {
+      const int64_t base = (i * hq + h) * nch;
+      float M = -INFINITY;
+      for (int64_t ch = 0; ch < nc; ++ch) M = std::fmax(M, ml[size_t((base + ch) * 2)]);
+      for (int e = 0; e < d; ++e) {
+        float L = 0.0f, acc = 0.0f;
+        for (int64_t ch = 0; ch < nc; ++ch) {
+          const float w = std::exp(ml[size_t((base + ch) * 2)] - M);
+          L = std::fma(ml[size_t((base + ch) * 2 + 1)], w, L);
+          acc = std::fma(w, part[size_t((base + ch) * d + e)], acc);
+        }
+        out[size_t((i * hq + h) * d + e)] = nc == 0 ? 0.0f : acc / L;
+      }
+    }
+  }
+  std::printf("packed=%d mtiles=%lld groups=%d cpw=%d blocks=%lld\n", pl.packed, (long long)pl.mtiles, pl.groups,
+              pl.cpw, (long long)pl.blocks);
+  std::ofstream(argv[16], std::ios::binary).write(reinterpret_cast<const char*>(out.data()),
+                                                  std::streamsize(out.size() * sizeof(float)));
+  return 0;
+}

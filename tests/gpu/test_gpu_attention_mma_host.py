@@ -1,0 +1,206 @@
+"""The exact attention path's tensor-core chunk pass (native/src/gpu/attention_chunk_mma.cuh), emulated
+on the host.
+
+host_emu/chunk_main.cpp compiles the kernel header for the CPU (host_emu/warp_emu.h: one thread per lane,
+mma.sync m16n8k16 f16 -> f32 and shuffles emulated from the PTX ISA fragment layouts) and runs
+attn_chunk_mma_kernel with attention.cu's launch plan, then combines its partials in chunk order as
+attn_combine_kernel does. So the q / K / V / P fragment layouts (the permuted dims of the 16-byte loads,
+the byte permutes that pair two keys of V), the two-term F16 splits of q and p, the slot table (rows packed
+into m-tiles, or one row per m-tile under a mask or a window), the key walk (chunks by rank, the mask's
+compacted positions, zero-filled keys past the tile's count) and the per-slot masking are checked without
+a GPU against a float64 reference, within the exact path's tolerance (atol 2e-5 * max|v| + rtol 1e-4).
+The emulated MMA sums in double, so the hardware's own accumulation is covered only by the GPU tests
+(test_gpu_ops2.py), as is the launch itself (registers, occupancy, PDL).
+"""
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GPU_SRC = os.path.join(HERE, "..", "..", "native", "src", "gpu")
+CXX = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+ATOL, RTOL = 2e-5, 1e-4  # of max|v|, relative: the exact path's tolerance vs the CPU op
+
+
+@pytest.fixture(scope="module")
+def chunk_emu(tmp_path_factory):
+    if not CXX or not os.path.exists(os.path.join(GPU_SRC, "attention_chunk_mma.cuh")):
+        pytest.skip("no C++ compiler or no source tree")
+    d = tmp_path_factory.mktemp("chunk_emu")
+    for src in (os.path.join(GPU_SRC, "attention_chunk_mma.cuh"), os.path.join(GPU_SRC, "attention_flash.cuh"),
+                os.path.join(GPU_SRC, "pdl.cuh"), os.path.join(HERE, "host_emu", "portability.h"),
+                os.path.join(HERE, "host_emu", "warp_emu.h"), os.path.join(HERE, "host_emu", "chunk_main.cpp")):
+        shutil.copy(src, d / os.path.basename(src))
+    exe = d / "chunk_emu"
+    r = subprocess.run([CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-I", str(d), "-o", str(exe),
+                        str(d / "chunk_main.cpp")], capture_output=True, text=True)
+    if r.returncode != 0 and "barrier" in r.stderr:
+        pytest.skip("C++ compiler without std::barrier (C++20)")
+    assert r.returncode == 0, r.stderr
+    return d, exe
+
+
+def run_emu(emu, q, k, v, kv_len, pos, causal=True, window=0, scale=None, mask=None, resident=10_000):
+    """The emulated chunk pass + combine: F32 [n, hq, d] (k, v: F16 [capacity, hkv, d]) and the plan line."""
+    d, exe = emu
+    n, hq, hd = q.shape
+    cap, hkv, _ = k.shape
+    sc = 1.0 / np.sqrt(hd) if scale is None else scale
+    files = {name: str(d / f"{name}.bin") for name in ("q", "pos", "k", "v", "mask", "out")}
+    np.ascontiguousarray(q, np.float32).tofile(files["q"])
+    np.ascontiguousarray(pos, np.int32).tofile(files["pos"])
+    np.ascontiguousarray(k, np.float16).tofile(files["k"])
+    np.ascontiguousarray(v, np.float16).tofile(files["v"])
+    if mask is not None:
+        np.ascontiguousarray(mask, np.int32).tofile(files["mask"])
+    r = subprocess.run([str(exe), str(hd), str(n), str(hq), str(hkv), str(cap), str(kv_len), str(window),
+                        str(int(causal)), repr(float(sc)), str(resident), files["q"], files["pos"], files["k"],
+                        files["v"], files["mask"] if mask is not None else "-", files["out"]],
+                       check=True, capture_output=True, text=True)
+    return np.fromfile(files["out"], np.float32).reshape(n, hq, hd), r.stdout.strip()
+
+
+def reference(q, k, v, kv_len, pos, causal=True, window=0, scale=None, mask=None):
+    """softmax(scale q k^T) v in float64 over each row's visible keys (cpu::attention's visibility:
+    [lo, hi) and, with a mask, its nonzero entries); zeros for a row without one."""
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    r = hq // hkv
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    out = np.zeros((n, hq, d))
+    for i in range(n):
+        lo = max(pos[i] - window + 1, 0) if window > 0 else 0
+        hi = min(pos[i] + 1, kv_len) if causal else kv_len
+        keys = [j for j in range(lo, hi) if mask is None or mask[i, j] != 0]
+        if not keys:
+            continue
+        for g in range(hkv):
+            s = q[i, g * r:(g + 1) * r].astype(np.float64) @ k[keys, g].astype(np.float64).T * scale
+            w = np.exp(s - s.max(axis=1, keepdims=True))
+            out[i, g * r:(g + 1) * r] = (w / w.sum(axis=1, keepdims=True)) @ v[keys, g].astype(np.float64)
+    return out
+
+
+def check(out, ref, v, what):
+    assert np.isfinite(out).all(), f"{what}: unwritten partial or output (NaN)"
+    err = np.abs(out - ref)
+    lim = ATOL * float(np.abs(v.astype(np.float32)).max()) + RTOL * np.abs(ref)
+    assert (err <= lim).all(), f"{what}: max err {err.max():.3g} (limit {lim.min():.3g}..)"
+
+
+def inputs(rng, n, hq, hkv, d, cap, qscale=1.0):
+    q = (rng.standard_normal((n, hq, d)) * qscale).astype(np.float32)
+    k = rng.standard_normal((cap, hkv, d)).astype(np.float16)
+    v = rng.standard_normal((cap, hkv, d)).astype(np.float16)
+    return q, k, v
+
+
+# (head_dim, hq, hkv, n, kv_len): decode and chain verify of the 27B's group (24:4 -> one KV head of 6:1
+# here), drafter-like 128 with 1:1 (16 rows packed per m-tile), 64; chunk edges (64, 65, 127, 128 keys).
+CASES = [
+    (256, 6, 1, 1, 200),
+    (256, 12, 2, 8, 130),
+    (128, 2, 2, 17, 128),
+    (128, 1, 1, 20, 65),
+    (64, 6, 1, 3, 64),
+    (64, 4, 2, 5, 127),
+]
+
+
+@pytest.mark.parametrize("d,hq,hkv,n,kv_len", CASES)
+def test_chunk_mma_emulated_chain_verify(chunk_emu, rng, d, hq, hkv, n, kv_len):
+    q, k, v = inputs(rng, n, hq, hkv, d, kv_len + 5)
+    pos = np.arange(kv_len - n, kv_len, dtype=np.int32)
+    out, plan = run_emu(chunk_emu, q, k, v, kv_len, pos)
+    assert "packed=1" in plan
+    check(out, reference(q, k, v, kv_len, pos), v, f"d={d} {hq}/{hkv} n={n} kv={kv_len}")
+
+
+def test_chunk_mma_emulated_rows_independent_of_the_call(chunk_emu, rng):
+    """A row's result is the same bits whatever rows share its m-tiles: the 8 rows of a chain verify (GQA
+    6:1: rows straddle m-tiles, keys past a row's count are real for later rows) equal 8 decodes."""
+    d, hq, hkv, n, kv_len = 256, 6, 1, 8, 150
+    q, k, v = inputs(rng, n, hq, hkv, d, kv_len)
+    pos = np.arange(kv_len - n, kv_len, dtype=np.int32)
+    full, _ = run_emu(chunk_emu, q, k, v, kv_len, pos)
+    for i in range(n):
+        one, _ = run_emu(chunk_emu, q[i:i + 1], k, v, kv_len, pos[i:i + 1])
+        np.testing.assert_array_equal(one.view(np.uint32), full[i:i + 1].view(np.uint32))
+
+
+def test_chunk_mma_emulated_tree_mask_equals_chain(chunk_emu, rng):
+    """A tree verify (mask over the prefix + ancestors, keys at cache rows c + node index) equals the chain
+    verify of each node's path (keys at rows c + depth) bit for bit: same visible key sequence, so the
+    same chunks, one row per m-tile under a mask."""
+    d, hq, hkv, prefix = 128, 6, 1, 100
+    parents = [-1, 0, 0, 1, 1, 2, 3]  # node 0 at depth 0
+    nodes = len(parents)
+    depth = [0] * nodes
+    for j in range(1, nodes):
+        depth[j] = depth[parents[j]] + 1
+    kv_len = prefix + nodes
+    q, k, v = inputs(rng, nodes, hq, hkv, d, kv_len + 8)
+    mask = np.zeros((nodes, kv_len), np.int32)
+    mask[:, :prefix] = 1
+    for j in range(nodes):
+        a = j
+        while a >= 0:
+            mask[j, prefix + a] = 1
+            a = parents[a]
+    pos = np.array([prefix + j for j in range(nodes)], np.int32)  # each node at its own cache row
+    tree, plan = run_emu(chunk_emu, q, k, v, kv_len, pos, mask=mask)
+    assert "packed=0" in plan
+    check(tree, reference(q, k, v, kv_len, pos, mask=mask), v, "tree")
+    for j in range(nodes):
+        path = []
+        a = j
+        while a >= 0:
+            path.append(a)
+            a = parents[a]
+        path = path[::-1]  # root .. j: the chain's rows prefix .. prefix + depth
+        kc, vc = k.copy(), v.copy()
+        kc[prefix:prefix + len(path)] = k[[prefix + a for a in path]]
+        vc[prefix:prefix + len(path)] = v[[prefix + a for a in path]]
+        chain, _ = run_emu(chunk_emu, q[j:j + 1], kc, vc, prefix + len(path), np.array([prefix + depth[j]], np.int32))
+        np.testing.assert_array_equal(chain.view(np.uint32), tree[j:j + 1].view(np.uint32))
+
+
+@pytest.mark.parametrize("causal,window", [(True, 37), (False, 0), (False, 21), (True, 70)])
+def test_chunk_mma_emulated_window_and_bidirectional(chunk_emu, rng, causal, window):
+    """Sliding windows (one row per m-tile: each row's chunks start at its own lo) and bidirectional rows,
+    incl. rows without a visible key (zeros)."""
+    d, hq, hkv, n, kv_len = 64, 6, 2, 12, 210
+    q, k, v = inputs(rng, n, hq, hkv, d, kv_len)
+    pos = np.arange(kv_len - n + 4, kv_len + 4, dtype=np.int32)  # the last rows past kv_len
+    out, plan = run_emu(chunk_emu, q, k, v, kv_len, pos, causal=causal, window=window)
+    assert ("packed=1" in plan) == (window == 0)
+    check(out, reference(q, k, v, kv_len, pos, causal, window), v, f"causal={causal} window={window}")
+
+
+def test_chunk_mma_emulated_several_chunks_per_warp(chunk_emu, rng):
+    """Few resident warps: each warp walks several chunks (cpw > 1), partial chunk groups at the end."""
+    d, hq, hkv, n, kv_len = 64, 2, 1, 2, 64 * 37 + 5
+    q, k, v = inputs(rng, n, hq, hkv, d, kv_len)
+    pos = np.array([kv_len - 2, kv_len - 1], np.int32)
+    out, plan = run_emu(chunk_emu, q, k, v, kv_len, pos, resident=4)
+    assert "cpw=1 " not in plan
+    check(out, reference(q, k, v, kv_len, pos), v, "cpw > 1")
+
+
+def test_chunk_mma_emulated_q_scales_and_peaky_softmax(chunk_emu, rng):
+    """q of very different magnitudes per head (the per-slot 2^sigma: 1e-6 .. 1e4, beyond F16's range
+    without it) and a peaky softmax (q * 4 on a head: most p far below F16's normal range before the 2^14
+    scale), with an explicit scale."""
+    d, hq, hkv, n, kv_len = 128, 6, 1, 2, 190
+    q, k, v = inputs(rng, n, hq, hkv, d, kv_len)
+    q[:, 0] *= 1e-6
+    q[:, 1] *= 1e4 * 1e-3  # scores stay moderate with the scale below
+    q[:, 2] *= 4.0
+    q[:, 3] = 0.0  # all-zero q: uniform weights
+    pos = np.array([kv_len - 2, kv_len - 1], np.int32)
+    scale = 0.05
+    out, _ = run_emu(chunk_emu, q, k, v, kv_len, pos, scale=scale)
+    check(out, reference(q, k, v, kv_len, pos, scale=scale), v, "q scales")
