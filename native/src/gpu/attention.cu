@@ -209,37 +209,47 @@ __device__ __forceinline__ float subwarp_sum(float v, int w) {
 }
 
 // Compacts the visible positions of each masked row: idx[i, 0..cnt) = visible positions in
-// increasing order, cnt[i] = their number. One block per row; integer scans only.
-constexpr int kScanThreads = 256, kScanPer = 8;
+// increasing order, cnt[i] = their number. One block per row, kScanPer entries per thread per segment;
+// the block's exclusive scan of the threads' counts is a shuffle scan per warp plus a scan of the warp
+// totals (two barriers per segment). Integer scans only.
+constexpr int kScanThreads = 256, kScanPer = 8, kScanWarps = kScanThreads / SPECD_WARP;
 
 __global__ void __launch_bounds__(kScanThreads) attn_mask_compact_kernel(const AttnParams P, int32_t* idx, int32_t* cnt) {
   detail::pdl_enter();
-  __shared__ int sc[kScanThreads];
+  __shared__ int wsum[kScanWarps];
   const int64_t i = blockIdx.x;
-  const int t = threadIdx.x;
+  const int t = threadIdx.x, lane = t % SPECD_WARP, warp = t / SPECD_WARP;
   const int64_t pos = P.q_pos[i];
   const int64_t lo = P.window > 0 ? (pos - P.window + 1 > 0 ? pos - P.window + 1 : 0) : 0;
   const int64_t hi = P.causal ? (P.kv_len < pos + 1 ? P.kv_len : pos + 1) : P.kv_len;
   const int32_t* mrow = P.mask + i * P.kv_len;
   int32_t* irow = idx + i * P.kv_len;
   int64_t base = 0;
-  for (int64_t t0 = lo; t0 < hi; t0 += int64_t(kScanThreads) * kScanPer) {
+  for (int64_t t0 = lo; t0 < hi; t0 += int64_t(kScanThreads) * kScanPer) {  // uniform over the block
     const int64_t j0 = t0 + int64_t(t) * kScanPer;
-    int own = 0;
-    for (int e = 0; e < kScanPer; ++e) own += (j0 + e < hi && mrow[j0 + e] != 0) ? 1 : 0;
-    sc[t] = own;
-    __syncthreads();
-    for (int off = 1; off < kScanThreads; off <<= 1) {  // inclusive Hillis-Steele scan
-      const int add = t >= off ? sc[t - off] : 0;
-      __syncthreads();
-      sc[t] += add;
-      __syncthreads();
+    unsigned vis = 0;  // bit e: entry j0 + e is visible
+#pragma unroll
+    for (int e = 0; e < kScanPer; ++e) vis |= (j0 + e < hi && mrow[j0 + e] != 0) ? 1u << e : 0u;
+    const int own = __popc(vis);
+    int incl = own;  // inclusive scan over the warp
+#pragma unroll
+    for (int m = 1; m < SPECD_WARP; m <<= 1) {
+      const int v = SPECD_SHFL_UP(incl, m);
+      if (lane >= m) incl += v;
     }
-    int64_t k = base + sc[t] - own;
-    for (int e = 0; e < kScanPer; ++e)
-      if (j0 + e < hi && mrow[j0 + e] != 0) irow[k++] = int32_t(j0 + e);
-    base += sc[kScanThreads - 1];
+    if (lane == SPECD_WARP - 1) wsum[warp] = incl;
     __syncthreads();
+    int before = 0, total = 0;
+#pragma unroll
+    for (int w = 0; w < kScanWarps; ++w) {
+      before += w < warp ? wsum[w] : 0;
+      total += wsum[w];
+    }
+    int64_t k = base + before + incl - own;
+    for (int e = 0; e < kScanPer; ++e)
+      if (vis >> e & 1u) irow[k++] = int32_t(j0 + e);
+    base += total;
+    __syncthreads();  // wsum is rewritten by the next segment
   }
   if (t == 0) cnt[i] = int32_t(base);
 }
@@ -417,35 +427,30 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const AttnParams P
 }
 
 // One block per (row of the slice, q head, kCombineDims output elements); thread = output element e.
-// The chunks' weights w_c = expf(m_c - M) are computed once per block into shared memory,
-// kCombineTile chunks at a time; each thread then runs the fixed-order chains of L and acc over batches
-// of kCombineAhead, then 8, then 1 partials whose loads are all issued before the chain consumes them
-// (combine_batch), so a row of nc chunks costs about nc / 32 + 10 L2 round trips instead of nc. Same
-// arithmetic, in the same order, as one thread looping over the chunks.
-constexpr int kCombineDims = 64, kCombineTile = 256, kCombineAhead = 32;
+// The row's partials are staged kCombineTile chunks at a time into shared memory with every 16-byte copy
+// in flight at once (cp.async; a plain copy on HIP): the chains below read them from there, so a tile
+// costs one memory round trip instead of one per chunk. The chunks' weights w_c = expf(m_c - M) are
+// computed once per block per tile; each thread then runs the fixed-order chains L = fmaf(l_c, w_c, L),
+// acc = fmaf(w_c, acc_c, acc) over c = 0, 1, ... (the arithmetic of one thread looping over the chunks).
+constexpr int kCombineDims = 64, kCombineTile = 128;  // 32 KiB of partials per tile
 
-// L and acc over chunks c .. c + B - 1 (weights w[0..B), sums l[0..B)): the B partials are loaded
-// first (unconditionally, so all are in flight), then the two fixed-order chains.
-template <int B>
-__device__ __forceinline__ void combine_batch(const float* acc_c, int64_t c, int64_t dp, const float* w, const float* l,
-                                              float& L, float& acc) {
-  float a[B];
-#pragma unroll
-  for (int u = 0; u < B; ++u) a[u] = acc_c[(c + u) * dp];
-#pragma unroll
-  for (int u = 0; u < B; ++u) {
-    L = fmaf(l[u], w[u], L);
-    acc = fmaf(w[u], a[u], acc);
-  }
+// 16 bytes of partials into shared memory (zeros when !valid; src must still be a valid address).
+__device__ __forceinline__ void stage16(float* dst, const float* src, bool valid) {
+#if SPECD_FLASH_ATTN
+  detail::flash::cp_async16(reinterpret_cast<uint16_t*>(dst), reinterpret_cast<const uint8_t*>(src), valid);
+#else
+  *reinterpret_cast<float4*>(dst) = valid ? *reinterpret_cast<const float4*>(src) : make_float4(0.f, 0.f, 0.f, 0.f);
+#endif
 }
 
 __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnParams P) {
   detail::pdl_enter();
+  __shared__ __align__(16) float acc_s[kCombineTile * kCombineDims];
   __shared__ float w_s[kCombineTile], l_s[kCombineTile], red[kCombineDims / SPECD_WARP];
   const int slices = (P.d + kCombineDims - 1) / kCombineDims;
   const int64_t il = blockIdx.x / (int64_t(P.hq) * slices), i = P.i0 + il;
   const int h = int(blockIdx.x / slices % P.hq), t = threadIdx.x;
-  const int e = int(blockIdx.x % slices) * kCombineDims + t;
+  const int slice = int(blockIdx.x % slices), e = slice * kCombineDims + t;
   int64_t lo, cnt;
   row_range(P, i, lo, cnt);
   const int nc = int((cnt + kChunk - 1) / kChunk);
@@ -455,7 +460,10 @@ __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnPa
     return;
   }
   const float* ml = P.ml + (il * P.hq + h) * P.nch * 2;
-  const float* acc_c = P.part + (il * P.hq + h) * P.nch * int64_t(P.dp) + (e < P.d ? e : 0);
+  // The slice's outputs of chunk c: kCombineDims floats at acc0 + c * dp, of which `pieces` 16-byte
+  // pieces hold dims below d (dp, a multiple of 8 >= d, keeps them inside the chunk's row).
+  const float* acc0 = P.part + (il * P.hq + h) * P.nch * int64_t(P.dp) + slice * kCombineDims;
+  const int pieces = (min(kCombineDims, P.d - slice * kCombineDims) + 3) / 4;
   float M = -INFINITY;  // a max is order-free: any split of the chunks gives the same value
   for (int c = t; c < nc; c += kCombineDims) M = fmaxf(M, ml[2 * c]);
   M = warp_max(M);
@@ -467,16 +475,26 @@ __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnPa
   float L = 0.0f, acc = 0.0f;
   for (int c0 = 0; c0 < nc; c0 += kCombineTile) {
     const int tn = nc - c0 < kCombineTile ? nc - c0 : kCombineTile;
-    __syncthreads();  // the previous tile's weights are used up
+    __syncthreads();  // the previous tile is used up
+    for (int x = t; x < tn * (kCombineDims / 4); x += kCombineDims) {
+      const int c = x / (kCombineDims / 4), pc = x % (kCombineDims / 4);
+      stage16(acc_s + c * kCombineDims + 4 * pc, acc0 + (c0 + c) * int64_t(P.dp) + 4 * pc, pc < pieces);
+    }
+#if SPECD_FLASH_ATTN
+    detail::flash::cp_async_commit();
+#endif
     for (int x = t; x < tn; x += kCombineDims) {
       w_s[x] = expf(ml[2 * (c0 + x)] - M);
       l_s[x] = ml[2 * (c0 + x) + 1];
     }
+#if SPECD_FLASH_ATTN
+    detail::flash::cp_async_wait<0>();
+#endif
     __syncthreads();
-    int x = 0;
-    for (; x + kCombineAhead <= tn; x += kCombineAhead) combine_batch<kCombineAhead>(acc_c, c0 + x, P.dp, w_s + x, l_s + x, L, acc);
-    for (; x + 8 <= tn; x += 8) combine_batch<8>(acc_c, c0 + x, P.dp, w_s + x, l_s + x, L, acc);
-    for (; x < tn; ++x) combine_batch<1>(acc_c, c0 + x, P.dp, w_s + x, l_s + x, L, acc);
+    for (int x = 0; x < tn; ++x) {
+      L = fmaf(l_s[x], w_s[x], L);
+      acc = fmaf(w_s[x], acc_s[x * kCombineDims + t], acc);
+    }
   }
   if (e < P.d) *o = __fdiv_rn(acc, L);
 }

@@ -112,6 +112,7 @@
 
 // Logical-warp shuffle (width 32 on any wavefront size; see the caveat above).
 #define SPECD_SHFL_XOR(v, lane_mask) __shfl_xor((v), (lane_mask), 32)
+#define SPECD_SHFL_UP(v, delta) __shfl_up((v), (delta), 32)
 #define SPECD_BACKEND_NAME "hip"
 
 #else  // CUDA
@@ -120,6 +121,7 @@
 #include <cuda_runtime.h>
 
 #define SPECD_SHFL_XOR(v, lane_mask) __shfl_xor_sync(0xffffffffu, (v), (lane_mask), 32)
+#define SPECD_SHFL_UP(v, delta) __shfl_up_sync(0xffffffffu, (v), (delta), 32)
 #define SPECD_BACKEND_NAME "cuda"
 #endif
 
