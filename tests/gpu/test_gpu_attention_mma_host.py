@@ -134,8 +134,9 @@ def test_chunk_mma_emulated_rows_independent_of_the_call(chunk_emu, rng):
 def test_chunk_mma_emulated_tree_mask_equals_chain(chunk_emu, rng):
     """A tree verify (mask over the prefix + ancestors, keys at cache rows c + node index) equals the chain
     verify of each node's path (keys at rows c + depth) bit for bit: same visible key sequence, so the
-    same chunks, one row per m-tile under a mask."""
-    d, hq, hkv, prefix = 128, 6, 1, 100
+    same chunks. The nodes share m-tiles (GQA 3:1, 5 rows per tile); they agree on chunk 0 (the prefix,
+    read once) and not on chunk 1 (read once per row)."""
+    d, hq, hkv, prefix = 128, 3, 1, 100
     parents = [-1, 0, 0, 1, 1, 2, 3]  # node 0 at depth 0
     nodes = len(parents)
     depth = [0] * nodes
@@ -152,7 +153,7 @@ def test_chunk_mma_emulated_tree_mask_equals_chain(chunk_emu, rng):
             a = parents[a]
     pos = np.array([prefix + j for j in range(nodes)], np.int32)  # each node at its own cache row
     tree, plan = run_emu(chunk_emu, q, k, v, kv_len, pos, mask=mask)
-    assert "packed=0" in plan
+    assert "packed=1" in plan
     check(tree, reference(q, k, v, kv_len, pos, mask=mask), v, "tree")
     for j in range(nodes):
         path = []
@@ -204,3 +205,22 @@ def test_chunk_mma_emulated_q_scales_and_peaky_softmax(chunk_emu, rng):
     scale = 0.05
     out, _ = run_emu(chunk_emu, q, k, v, kv_len, pos, scale=scale)
     check(out, reference(q, k, v, kv_len, pos, scale=scale), v, "q scales")
+
+
+def test_chunk_mma_emulated_random_mask(chunk_emu, rng):
+    """Random masks (rows disagree in every chunk: one pass per row), incl. a row without a visible key,
+    beside all-ones rows (which agree with each other), and an all-ones mask equal to no mask bitwise."""
+    d, hq, hkv, n, kv_len = 64, 4, 2, 6, 300
+    q, k, v = inputs(rng, n, hq, hkv, d, kv_len)
+    pos = np.array([299, 150, 299, 64, 299, 299], np.int32)
+    mask = (rng.random((n, kv_len)) < 0.5).astype(np.int32)
+    mask[1] = 0
+    mask[4:] = 1
+    out, plan = run_emu(chunk_emu, q, k, v, kv_len, pos, causal=False, mask=mask)
+    assert "packed=1" in plan
+    check(out, reference(q, k, v, kv_len, pos, causal=False, mask=mask), v, "random mask")
+    assert not out[1].any()
+    ones = np.ones((n, kv_len), np.int32)
+    y1, _ = run_emu(chunk_emu, q, k, v, kv_len, pos, mask=ones)
+    y0, _ = run_emu(chunk_emu, q, k, v, kv_len, pos)
+    np.testing.assert_array_equal(y1.view(np.uint32), y0.view(np.uint32))

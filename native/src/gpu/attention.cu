@@ -556,7 +556,9 @@ bool use_chunk_mma(const Tensor& kc, const Tensor& vc, int64_t d) {
 
 // The chunk pass of one slice of rows on tensor cores.
 void launch_chunk_mma(const AttnParams& A, int64_t d, cudaStream_t s, const char* op) {
-  const bool packed = A.mask == nullptr && A.window == 0;  // every row reads chunk c from the same cache rows
+  // Without a window every row's chunk c starts at rank 64 c from position 0: rows pack into m-tiles (under
+  // a mask the kernel checks per chunk that their compacted positions agree).
+  const bool packed = A.window == 0;
   const int64_t resident = int64_t(detail::sm_count()) * cmma::kMinBlocks * cmma::kWarps;
   const cmma::Plan pl = cmma::plan(A.rows, A.r, A.hkv, A.nch, packed, resident);
   detail::check_grid(pl.blocks, op);

@@ -239,169 +239,204 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
   const int64_t out_a = row_a >= 0 ? (int64_t(row_a) * P.hq + s_head[gq]) * P.nch : 0;
   const int64_t out_b = row_b >= 0 ? (int64_t(row_b) * P.hq + s_head[gq + 8]) * P.nch : 0;
   const int64_t lo = s_lo;
-  const int32_t* const idx_row = Idx ? P.idx + (P.i0 + s_row[0]) * P.kv_len : nullptr;
   const uint8_t* const kbase = P.kc + int64_t(g) * P.k_head_stride + 16 * tq;
   const uint8_t* const vbase = P.vc + int64_t(g) * P.v_head_stride + 16 * gq;
+  // The tile's rows (consecutive) and the one with the most visible keys (the leader: its positions
+  // serve every row when the rows agree on a chunk).
+  int first_row = s_row[0], last_row = s_row[0], lead = s_row[0], lead_cnt = s_cnt[0];
+#pragma unroll
+  for (int x = 1; x < kSlots; ++x)
+    if (s_row[x] >= 0) {
+      last_row = s_row[x];
+      if (s_cnt[x] > lead_cnt) lead = s_row[x], lead_cnt = s_cnt[x];
+    }
+  auto row_cnt = [&](int row) {  // a row of the tile's visible count
+    int n = 0;
+#pragma unroll
+    for (int x = 0; x < kSlots; ++x) n = s_row[x] == row ? s_cnt[x] : n;
+    return n;
+  };
+  auto idx_of = [&](int row) { return P.idx + (P.i0 + row) * P.kv_len; };
 
   for (int k = 0; k < P.cpw; ++k) {
     const int c = (grp * P.cpw + k) * kWarps + warp;
     const int64_t r0 = int64_t(c) * kChunk;
     if (r0 >= maxcnt) break;  // uniform over the warp; later chunks are further
-    const int cc = int(maxcnt - r0 < kChunk ? maxcnt - r0 : kChunk);  // keys read (zeros past them)
-    auto pos = [&](int j) -> int64_t { return Idx ? int64_t(idx_row[r0 + j]) : lo + r0 + j; };
+    // Under a mask, packed rows share the chunk's keys only where their compacted positions agree (a
+    // tree's rows over the committed prefix); the chunk is then read once with the leader's positions,
+    // else once per row, each pass keeping only its own row's slots.
+    bool agree = true;
+    if (Idx && P.packed && first_row != last_row) {
+      int ok = 1;
+      for (int row = first_row; row <= last_row; ++row) {
+        const int64_t n = row_cnt(row) - r0;
+        for (int j = lane; j < kChunk; j += 32)
+          if (j < n && idx_of(row)[r0 + j] != idx_of(lead)[r0 + j]) ok = 0;
+      }
+      agree = flash::warp_min_i(ok) != 0;
+    }
+    for (int only = agree ? -1 : first_row; only <= (agree ? -1 : last_row); ++only) {  // uniform
+      const int src = only < 0 ? lead : only;  // whose positions the pass reads
+      const int64_t span = (only < 0 ? maxcnt : row_cnt(only)) - r0;
+      if (span <= 0) continue;
+      const int cc = int(span < kChunk ? span : kChunk);  // keys read (zeros past them)
+      const int32_t* const idx_row = Idx ? idx_of(src) : nullptr;
+      auto pos = [&](int j) -> int64_t { return Idx ? int64_t(idx_row[r0 + j]) : lo + r0 + j; };
 
-    // S = Q K^T: key n-tile t holds keys 8 t .. 8 t + 7; this lane loads key 8 t + gq, dims
-    // 32 slab + 8 tq .. + 7 (one 16-byte load = B of k-steps 2 slab and 2 slab + 1).
-    int32_t kp[8];  // cache row of each key, -1 past cc
+      // S = Q K^T: key n-tile t holds keys 8 t .. 8 t + 7; this lane loads key 8 t + gq, dims
+      // 32 slab + 8 tq .. + 7 (one 16-byte load = B of k-steps 2 slab and 2 slab + 1).
+      int32_t kp[8];  // cache row of each key, -1 past cc
 #pragma unroll
-    for (int t = 0; t < 8; ++t) kp[t] = 8 * t + gq < cc ? int32_t(pos(8 * t + gq)) : -1;
-    auto kload = [&](int t, int sl) { return load16(kbase + int64_t(kp[t]) * P.k_row_stride + 64 * sl, kp[t] >= 0); };
-    float s[8][4];
+      for (int t = 0; t < 8; ++t) kp[t] = 8 * t + gq < cc ? int32_t(pos(8 * t + gq)) : -1;
+      auto kload = [&](int t, int sl) { return load16(kbase + int64_t(kp[t]) * P.k_row_stride + 64 * sl, kp[t] >= 0); };
+      float s[8][4];
 #pragma unroll
-    for (int t = 0; t < 8; ++t)
+      for (int t = 0; t < 8; ++t)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[t][e] = 0.0f;
-    uint4 kb[8];
+        for (int e = 0; e < 4; ++e) s[t][e] = 0.0f;
+      uint4 kb[8];
 #pragma unroll
-    for (int t = 0; t < 8; ++t) kb[t] = kload(t, 0);
+      for (int t = 0; t < 8; ++t) kb[t] = kload(t, 0);
 #pragma unroll 2  // whole: the scheduler interleaves slabs and spills
-    for (int sl = 0; sl < NS; ++sl) {
-      uint4 kn[8];
-      if (sl + 1 < NS) {
+      for (int sl = 0; sl < NS; ++sl) {
+        uint4 kn[8];
+        if (sl + 1 < NS) {
 #pragma unroll
-        for (int t = 0; t < 8; ++t) kn[t] = kload(t, sl + 1);
-      }
-      const uint4* const qf = sq + sl * 4 * 32 + lane;
-      const uint4 q0 = qf[0], q1 = qf[32], q2 = qf[64], q3 = qf[96];
-      const uint32_t ah0[4] = {q0.x, q0.y, q0.z, q0.w}, al0[4] = {q1.x, q1.y, q1.z, q1.w};
-      const uint32_t ah1[4] = {q2.x, q2.y, q2.z, q2.w}, al1[4] = {q3.x, q3.y, q3.z, q3.w};
+          for (int t = 0; t < 8; ++t) kn[t] = kload(t, sl + 1);
+        }
+        const uint4* const qf = sq + sl * 4 * 32 + lane;
+        const uint4 q0 = qf[0], q1 = qf[32], q2 = qf[64], q3 = qf[96];
+        const uint32_t ah0[4] = {q0.x, q0.y, q0.z, q0.w}, al0[4] = {q1.x, q1.y, q1.z, q1.w};
+        const uint32_t ah1[4] = {q2.x, q2.y, q2.z, q2.w}, al1[4] = {q3.x, q3.y, q3.z, q3.w};
 #pragma unroll
-      for (int t = 0; t < 8; ++t) {
-        mma(s[t], ah0, kb[t].x, kb[t].y);
-        mma(s[t], al0, kb[t].x, kb[t].y);
-        mma(s[t], ah1, kb[t].z, kb[t].w);
-        mma(s[t], al1, kb[t].z, kb[t].w);
-      }
-      if (sl + 1 < NS) {
+        for (int t = 0; t < 8; ++t) {
+          mma(s[t], ah0, kb[t].x, kb[t].y);
+          mma(s[t], al0, kb[t].x, kb[t].y);
+          mma(s[t], ah1, kb[t].z, kb[t].w);
+          mma(s[t], al1, kb[t].z, kb[t].w);
+        }
+        if (sl + 1 < NS) {
 #pragma unroll
-        for (int t = 0; t < 8; ++t) kb[t] = kn[t];
+          for (int t = 0; t < 8; ++t) kb[t] = kn[t];
+        }
       }
-    }
 
-    // V of load round 0, k-step 0 in flight during the softmax. Lane loads keys 16 kk + 2 tq + {0, 1,
-    // 8, 9}, dims 64 rd + 8 gq .. + 7.
-    int32_t vp[4][4];  // cache row of each key, -1 past cc
+      // V of load round 0, k-step 0 in flight during the softmax. Lane loads keys 16 kk + 2 tq + {0, 1,
+      // 8, 9}, dims 64 rd + 8 gq .. + 7.
+      int32_t vp[4][4];  // cache row of each key, -1 past cc
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
+      for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int j = 16 * kk + 2 * tq + (u & 1) + 8 * (u >> 1);
-        vp[kk][u] = j < cc ? int32_t(pos(j)) : -1;
-      }
-    auto vload = [&](int kk, int u, int rd) {
-      return load16(vbase + int64_t(vp[kk][u]) * P.v_row_stride + 128 * rd, vp[kk][u] >= 0);
-    };
-    uint4 vb[4];
+        for (int u = 0; u < 4; ++u) {
+          const int j = 16 * kk + 2 * tq + (u & 1) + 8 * (u >> 1);
+          vp[kk][u] = j < cc ? int32_t(pos(j)) : -1;
+        }
+      auto vload = [&](int kk, int u, int rd) {
+        return load16(vbase + int64_t(vp[kk][u]) * P.v_row_stride + 128 * rd, vp[kk][u] >= 0);
+      };
+      uint4 vb[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) vb[u] = vload(0, u, 0);
+      for (int u = 0; u < 4; ++u) vb[u] = vload(0, u, 0);
 
-    // Softmax within the chunk. Element (t, e): slot gq (e < 2) or gq + 8, key 8 t + 2 tq + e % 2.
-    const int vis_a = int(cnt_a - r0 < kChunk ? cnt_a - r0 : kChunk), vis_b = int(cnt_b - r0 < kChunk ? cnt_b - r0 : kChunk);
-    float ma = -INFINITY, mb = -INFINITY;
+      // Softmax within the chunk. Element (t, e): slot gq (e < 2) or gq + 8, key 8 t + 2 tq + e % 2.
+      const int vis_a = int(cnt_a - r0 < kChunk ? cnt_a - r0 : kChunk), vis_b = int(cnt_b - r0 < kChunk ? cnt_b - r0 : kChunk);
+      float ma = -INFINITY, mb = -INFINITY;
 #pragma unroll
-    for (int t = 0; t < 8; ++t)
+      for (int t = 0; t < 8; ++t)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = 8 * t + 2 * tq + (e & 1);
-        const bool a = e < 2;
-        const float x = j < (a ? vis_a : vis_b) ? __fmul_rn(__fmul_rn(s[t][e], a ? un_a : un_b), P.scale) : -INFINITY;
-        s[t][e] = x;
-        if (a) ma = fmaxf(ma, x);
-        else mb = fmaxf(mb, x);
-      }
-    ma = quad_max(ma);
-    mb = quad_max(mb);
-    float la = 0.0f, lb = 0.0f;
+        for (int e = 0; e < 4; ++e) {
+          const int j = 8 * t + 2 * tq + (e & 1);
+          const bool a = e < 2;
+          const float x = j < (a ? vis_a : vis_b) ? __fmul_rn(__fmul_rn(s[t][e], a ? un_a : un_b), P.scale) : -INFINITY;
+          s[t][e] = x;
+          if (a) ma = fmaxf(ma, x);
+          else mb = fmaxf(mb, x);
+        }
+      ma = quad_max(ma);
+      mb = quad_max(mb);
+      float la = 0.0f, lb = 0.0f;
 #pragma unroll
-    for (int t = 0; t < 8; ++t)
+      for (int t = 0; t < 8; ++t)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool a = e < 2;
-        const float m = a ? ma : mb;
-        const float p = s[t][e] == -INFINITY ? 0.0f : expf(s[t][e] - m);
-        s[t][e] = __fmul_rn(p, kPScale);
-        if (a) la += p;
-        else lb += p;
-      }
-    la = quad_sum(la);
-    lb = quad_sum(lb);
-    // P as the A fragments of the 4 key k-steps (n-tiles 2 kk, 2 kk + 1), two F16 terms each, parked in
-    // the warp's shared memory (registers are what bounds the kernel's occupancy).
-    uint4* const pf = sp + warp * 8 * 32 + lane;  // [kk][hi, lo][lane]
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      uint32_t h[4], l[4];
-      split_f16x2(s[2 * kk][0], s[2 * kk][1], h[0], l[0]);
-      split_f16x2(s[2 * kk][2], s[2 * kk][3], h[1], l[1]);
-      split_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1], h[2], l[2]);
-      split_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3], h[3], l[3]);
-      pf[(2 * kk) * 32] = uint4{h[0], h[1], h[2], h[3]};
-      pf[(2 * kk + 1) * 32] = uint4{l[0], l[1], l[2], l[3]};
-    }
-    const bool wa = row_a >= 0 && vis_a > 0, wb = row_b >= 0 && vis_b > 0;
-    if (tq == 0) {
-      if (wa) *reinterpret_cast<float2*>(P.ml + (out_a + c) * 2) = make_float2(ma, la);
-      if (wb) *reinterpret_cast<float2*>(P.ml + (out_b + c) * 2) = make_float2(mb, lb);
-    }
-
-    // acc = P V, 64 dims per round: dim n-tile e of round rd holds dims 64 rd + 8 n + e (n = the B
-    // column, gq for this lane's loads), so this lane's accumulators are dims 64 rd + 16 tq + e (n = 2 tq)
-    // and 64 rd + 16 tq + 8 + e (n = 2 tq + 1).
-#pragma unroll 1
-    for (int rd = 0; rd < D / 64; ++rd) {  // not unrolled: interleaved rounds would hold two sets of o
-      float o[8][4];
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) o[e][x] = 0.0f;
+        for (int e = 0; e < 4; ++e) {
+          const bool a = e < 2;
+          const float m = a ? ma : mb;
+          const float p = s[t][e] == -INFINITY ? 0.0f : expf(s[t][e] - m);
+          s[t][e] = __fmul_rn(p, kPScale);
+          if (a) la += p;
+          else lb += p;
+        }
+      la = quad_sum(la);
+      lb = quad_sum(lb);
+      // P as the A fragments of the 4 key k-steps (n-tiles 2 kk, 2 kk + 1), two F16 terms each, parked in
+      // the warp's shared memory (registers are what bounds the kernel's occupancy).
+      uint4* const pf = sp + warp * 8 * 32 + lane;  // [kk][hi, lo][lane]
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        uint4 vn[4];
-        const int nrd = kk == 3 ? rd + 1 : rd, nkk = (kk + 1) & 3;
-        if (nrd < D / 64) {
-#pragma unroll
-          for (int u = 0; u < 4; ++u) vn[u] = vload(nkk, u, nrd);
-        }
-        const uint4 h4 = pf[(2 * kk) * 32], l4 = pf[(2 * kk + 1) * 32];  // only this lane's own stores
-        const uint32_t ph[4] = {h4.x, h4.y, h4.z, h4.w}, pl[4] = {l4.x, l4.y, l4.z, l4.w};
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const uint32_t sel = (e & 1) ? 0x7632u : 0x5410u;
-          const uint32_t b0 = __byte_perm(word(vb[0], e / 2), word(vb[1], e / 2), sel);
-          const uint32_t b1 = __byte_perm(word(vb[2], e / 2), word(vb[3], e / 2), sel);
-          mma(o[e], ph, b0, b1);
-          mma(o[e], pl, b0, b1);
-        }
-        if (nrd < D / 64) {
-#pragma unroll
-          for (int u = 0; u < 4; ++u) vb[u] = vn[u];
-        }
+        uint32_t h[4], l[4];
+        split_f16x2(s[2 * kk][0], s[2 * kk][1], h[0], l[0]);
+        split_f16x2(s[2 * kk][2], s[2 * kk][3], h[1], l[1]);
+        split_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1], h[2], l[2]);
+        split_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3], h[3], l[3]);
+        pf[(2 * kk) * 32] = uint4{h[0], h[1], h[2], h[3]};
+        pf[(2 * kk + 1) * 32] = uint4{l[0], l[1], l[2], l[3]};
       }
-      constexpr float inv = 1.0f / kPScale;
-      const int e0 = 64 * rd + 16 * tq;
-      if (wa) {
-        float4* const dst = reinterpret_cast<float4*>(P.part + (out_a + c) * D + e0);
-        dst[0] = make_float4(o[0][0] * inv, o[1][0] * inv, o[2][0] * inv, o[3][0] * inv);
-        dst[1] = make_float4(o[4][0] * inv, o[5][0] * inv, o[6][0] * inv, o[7][0] * inv);
-        dst[2] = make_float4(o[0][1] * inv, o[1][1] * inv, o[2][1] * inv, o[3][1] * inv);
-        dst[3] = make_float4(o[4][1] * inv, o[5][1] * inv, o[6][1] * inv, o[7][1] * inv);
+      const bool wa = row_a >= 0 && vis_a > 0 && (only < 0 || row_a == only);
+      const bool wb = row_b >= 0 && vis_b > 0 && (only < 0 || row_b == only);
+      if (tq == 0) {
+        if (wa) *reinterpret_cast<float2*>(P.ml + (out_a + c) * 2) = make_float2(ma, la);
+        if (wb) *reinterpret_cast<float2*>(P.ml + (out_b + c) * 2) = make_float2(mb, lb);
       }
-      if (wb) {
-        float4* const dst = reinterpret_cast<float4*>(P.part + (out_b + c) * D + e0);
-        dst[0] = make_float4(o[0][2] * inv, o[1][2] * inv, o[2][2] * inv, o[3][2] * inv);
-        dst[1] = make_float4(o[4][2] * inv, o[5][2] * inv, o[6][2] * inv, o[7][2] * inv);
-        dst[2] = make_float4(o[0][3] * inv, o[1][3] * inv, o[2][3] * inv, o[3][3] * inv);
-        dst[3] = make_float4(o[4][3] * inv, o[5][3] * inv, o[6][3] * inv, o[7][3] * inv);
+
+      // acc = P V, 64 dims per round: dim n-tile e of round rd holds dims 64 rd + 8 n + e (n = the B
+      // column, gq for this lane's loads), so this lane's accumulators are dims 64 rd + 16 tq + e (n = 2 tq)
+      // and 64 rd + 16 tq + 8 + e (n = 2 tq + 1).
+#pragma unroll 1
+      for (int rd = 0; rd < D / 64; ++rd) {  // not unrolled: interleaved rounds would hold two sets of o
+        float o[8][4];
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) o[e][x] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          uint4 vn[4];
+          const int nrd = kk == 3 ? rd + 1 : rd, nkk = (kk + 1) & 3;
+          if (nrd < D / 64) {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) vn[u] = vload(nkk, u, nrd);
+          }
+          const uint4 h4 = pf[(2 * kk) * 32], l4 = pf[(2 * kk + 1) * 32];  // only this lane's own stores
+          const uint32_t ph[4] = {h4.x, h4.y, h4.z, h4.w}, pl[4] = {l4.x, l4.y, l4.z, l4.w};
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const uint32_t sel = (e & 1) ? 0x7632u : 0x5410u;
+            const uint32_t b0 = __byte_perm(word(vb[0], e / 2), word(vb[1], e / 2), sel);
+            const uint32_t b1 = __byte_perm(word(vb[2], e / 2), word(vb[3], e / 2), sel);
+            mma(o[e], ph, b0, b1);
+            mma(o[e], pl, b0, b1);
+          }
+          if (nrd < D / 64) {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) vb[u] = vn[u];
+          }
+        }
+        constexpr float inv = 1.0f / kPScale;
+        const int e0 = 64 * rd + 16 * tq;
+        if (wa) {
+          float4* const dst = reinterpret_cast<float4*>(P.part + (out_a + c) * D + e0);
+          dst[0] = make_float4(o[0][0] * inv, o[1][0] * inv, o[2][0] * inv, o[3][0] * inv);
+          dst[1] = make_float4(o[4][0] * inv, o[5][0] * inv, o[6][0] * inv, o[7][0] * inv);
+          dst[2] = make_float4(o[0][1] * inv, o[1][1] * inv, o[2][1] * inv, o[3][1] * inv);
+          dst[3] = make_float4(o[4][1] * inv, o[5][1] * inv, o[6][1] * inv, o[7][1] * inv);
+        }
+        if (wb) {
+          float4* const dst = reinterpret_cast<float4*>(P.part + (out_b + c) * D + e0);
+          dst[0] = make_float4(o[0][2] * inv, o[1][2] * inv, o[2][2] * inv, o[3][2] * inv);
+          dst[1] = make_float4(o[4][2] * inv, o[5][2] * inv, o[6][2] * inv, o[7][2] * inv);
+          dst[2] = make_float4(o[0][3] * inv, o[1][3] * inv, o[2][3] * inv, o[3][3] * inv);
+          dst[3] = make_float4(o[4][3] * inv, o[5][3] * inv, o[6][3] * inv, o[7][3] * inv);
+        }
       }
     }
   }

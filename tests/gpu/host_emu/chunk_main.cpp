@@ -1,7 +1,7 @@
 // Host emulation of the exact attention path's tensor-core chunk pass (native/src/gpu/
 // attention_chunk_mma.cuh): attn_chunk_mma_kernel runs on the CPU, one std::thread per lane (warp_emu.h:
 // mma.sync m16n8k16 f16 -> f32 and shuffles emulated from the PTX ISA layouts), with attention.cu's
-// launch plan (chunk_mma::plan: packed rows without a mask or window, else one row per m-tile), then the
+// launch plan (chunk_mma::plan: rows packed into m-tiles without a window, else one row per m-tile), then the
 // partials are combined in chunk order with attn_combine_kernel's arithmetic. A mask is compacted on the
 // host as attn_mask_compact_kernel does. Partials and output are poisoned (NaN) first, so a partial the
 // kernel should have written and did not shows. Driven by tests/gpu/test_gpu_attention_mma_host.py.
@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
     cnt[size_t(i)] = c;
   }
   std::vector<float> part(size_t(n * hq * nch * d), NAN), ml(size_t(n * hq * nch * 2), NAN);
-  const chunk_mma::Plan pl = chunk_mma::plan(n, r, hkv, nch, !has_mask && window == 0, resident);
+  const chunk_mma::Plan pl = chunk_mma::plan(n, r, hkv, nch, window == 0, resident);
   chunk_mma::Params P{};
   P.q = q.data();
   P.kc = reinterpret_cast<const uint8_t*>(k.data());
