@@ -209,10 +209,11 @@ __device__ __forceinline__ float subwarp_sum(float v, int w) {
 }
 
 // Compacts the visible positions of each masked row: idx[i, 0..cnt) = visible positions in
-// increasing order, cnt[i] = their number. One block per row, kScanPer entries per thread per segment;
+// increasing order, cnt[i] = their number. One block per row, kScanPer entries per thread per segment
+// (all loaded before the scan: a 32k-key row is 4 segments, 4 memory round trips);
 // the block's exclusive scan of the threads' counts is a shuffle scan per warp plus a scan of the warp
 // totals (two barriers per segment). Integer scans only.
-constexpr int kScanThreads = 256, kScanPer = 8, kScanWarps = kScanThreads / SPECD_WARP;
+constexpr int kScanThreads = 256, kScanPer = 32, kScanWarps = kScanThreads / SPECD_WARP;
 
 __global__ void __launch_bounds__(kScanThreads) attn_mask_compact_kernel(const AttnParams P, int32_t* idx, int32_t* cnt) {
   detail::pdl_enter();
@@ -427,12 +428,12 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const AttnParams P
 }
 
 // One block per (row of the slice, q head, kCombineDims output elements); thread = output element e.
-// The row's partials are staged kCombineTile chunks at a time into shared memory with every 16-byte copy
-// in flight at once (cp.async; a plain copy on HIP): the chains below read them from there, so a tile
-// costs one memory round trip instead of one per chunk. The chunks' weights w_c = expf(m_c - M) are
-// computed once per block per tile; each thread then runs the fixed-order chains L = fmaf(l_c, w_c, L),
-// acc = fmaf(w_c, acc_c, acc) over c = 0, 1, ... (the arithmetic of one thread looping over the chunks).
-constexpr int kCombineDims = 64, kCombineTile = 128;  // 32 KiB of partials per tile
+// The row's partials are staged kCombineTile chunks at a time into shared memory, every 16-byte copy of a
+// tile in flight at once and the next tile loading while the current one is consumed (cp.async, two
+// stages; a plain copy on HIP), so a row costs about one memory round trip instead of one per chunk.
+// Each thread runs the fixed-order chains L = fmaf(l_c, w_c, L), acc = fmaf(w_c, acc_c, acc) over
+// c = 0, 1, ... with w_c = expf(m_c - M) (the arithmetic of one thread looping over the chunks).
+constexpr int kCombineDims = 64, kCombineTile = 64;  // 16 KiB of partials per stage
 
 // 16 bytes of partials into shared memory (zeros when !valid; src must still be a valid address).
 __device__ __forceinline__ void stage16(float* dst, const float* src, bool valid) {
@@ -442,11 +443,22 @@ __device__ __forceinline__ void stage16(float* dst, const float* src, bool valid
   *reinterpret_cast<float4*>(dst) = valid ? *reinterpret_cast<const float4*>(src) : make_float4(0.f, 0.f, 0.f, 0.f);
 #endif
 }
+__device__ __forceinline__ void stage_commit() {
+#if SPECD_FLASH_ATTN
+  detail::flash::cp_async_commit();
+#endif
+}
+template <int N>
+__device__ __forceinline__ void stage_wait() {  // at most N committed stages still loading
+#if SPECD_FLASH_ATTN
+  detail::flash::cp_async_wait<N>();
+#endif
+}
 
 __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnParams P) {
   detail::pdl_enter();
-  __shared__ __align__(16) float acc_s[kCombineTile * kCombineDims];
-  __shared__ float w_s[kCombineTile], l_s[kCombineTile], red[kCombineDims / SPECD_WARP];
+  __shared__ __align__(16) float acc_s[2][kCombineTile * kCombineDims];
+  __shared__ float w_s[2][kCombineTile], l_s[2][kCombineTile], red[kCombineDims / SPECD_WARP];
   const int slices = (P.d + kCombineDims - 1) / kCombineDims;
   const int64_t il = blockIdx.x / (int64_t(P.hq) * slices), i = P.i0 + il;
   const int h = int(blockIdx.x / slices % P.hq), t = threadIdx.x;
@@ -464,6 +476,16 @@ __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnPa
   // pieces hold dims below d (dp, a multiple of 8 >= d, keeps them inside the chunk's row).
   const float* acc0 = P.part + (il * P.hq + h) * P.nch * int64_t(P.dp) + slice * kCombineDims;
   const int pieces = (min(kCombineDims, P.d - slice * kCombineDims) + 3) / 4;
+  const int ntiles = (nc + kCombineTile - 1) / kCombineTile;
+  auto stage_tile = [&](int tile) {  // tile's partials into stage tile % 2
+    const int c0 = tile * kCombineTile, tn = min(kCombineTile, nc - c0);
+    for (int x = t; x < tn * (kCombineDims / 4); x += kCombineDims) {
+      const int c = x / (kCombineDims / 4), pc = x % (kCombineDims / 4);
+      stage16(acc_s[tile & 1] + c * kCombineDims + 4 * pc, acc0 + (c0 + c) * int64_t(P.dp) + 4 * pc, pc < pieces);
+    }
+    stage_commit();
+  };
+  stage_tile(0);
   float M = -INFINITY;  // a max is order-free: any split of the chunks gives the same value
   for (int c = t; c < nc; c += kCombineDims) M = fmaxf(M, ml[2 * c]);
   M = warp_max(M);
@@ -473,28 +495,24 @@ __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnPa
 #pragma unroll
   for (int x = 1; x < kCombineDims / SPECD_WARP; ++x) M = fmaxf(M, red[x]);
   float L = 0.0f, acc = 0.0f;
-  for (int c0 = 0; c0 < nc; c0 += kCombineTile) {
-    const int tn = nc - c0 < kCombineTile ? nc - c0 : kCombineTile;
-    __syncthreads();  // the previous tile is used up
-    for (int x = t; x < tn * (kCombineDims / 4); x += kCombineDims) {
-      const int c = x / (kCombineDims / 4), pc = x % (kCombineDims / 4);
-      stage16(acc_s + c * kCombineDims + 4 * pc, acc0 + (c0 + c) * int64_t(P.dp) + 4 * pc, pc < pieces);
-    }
-#if SPECD_FLASH_ATTN
-    detail::flash::cp_async_commit();
-#endif
+  for (int tile = 0; tile < ntiles; ++tile) {
+    const int c0 = tile * kCombineTile, tn = min(kCombineTile, nc - c0), b = tile & 1;
     for (int x = t; x < tn; x += kCombineDims) {
-      w_s[x] = expf(ml[2 * (c0 + x)] - M);
-      l_s[x] = ml[2 * (c0 + x) + 1];
+      w_s[b][x] = expf(ml[2 * (c0 + x)] - M);
+      l_s[b][x] = ml[2 * (c0 + x) + 1];
     }
-#if SPECD_FLASH_ATTN
-    detail::flash::cp_async_wait<0>();
-#endif
-    __syncthreads();
+    if (tile + 1 < ntiles) {
+      stage_tile(tile + 1);  // its stage was consumed before the last iteration's closing barrier
+      stage_wait<1>();
+    } else {
+      stage_wait<0>();
+    }
+    __syncthreads();  // the tile's partials and weights are visible
     for (int x = 0; x < tn; ++x) {
-      L = fmaf(l_s[x], w_s[x], L);
-      acc = fmaf(w_s[x], acc_s[x * kCombineDims + t], acc);
+      L = fmaf(l_s[b][x], w_s[b][x], L);
+      acc = fmaf(w_s[b][x], acc_s[b][x * kCombineDims + t], acc);
     }
+    __syncthreads();  // stage b is refilled two tiles on
   }
   if (e < P.d) *o = __fdiv_rn(acc, L);
 }

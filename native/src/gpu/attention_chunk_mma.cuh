@@ -81,8 +81,8 @@ struct Params {
   float* ml;    // [rows, hq, nch, 2] (m_c, l_c)
 };
 
-// The launch plan of a slice of `rows` rows: m-tiles, chunks per warp and the grid. packed: the rows
-// read the same cache rows for each chunk (no mask and no window). cpw only spreads the same per-chunk
+// The launch plan of a slice of `rows` rows: m-tiles, chunks per warp and the grid. packed: the rows'
+// chunk c starts at the same rank (no window), so their slots share m-tiles. cpw only spreads the same per-chunk
 // work over fewer warps (each chunk's partial is computed alone), so it never changes a result.
 struct Plan {
   int packed, mpr, groups, cpw;
@@ -94,8 +94,10 @@ inline Plan plan(int64_t rows, int64_t r, int64_t hkv, int64_t nch, bool packed,
   p.packed = packed ? 1 : 0;
   p.mpr = int((r + kSlots - 1) / kSlots);
   p.mtiles = packed ? (rows * r + kSlots - 1) / kSlots : rows * p.mpr;
-  const int64_t tasks = p.mtiles * hkv * nch;  // (m-tile, KV head, chunk)
-  int64_t cpw = tasks / (2 * (resident_warps > 0 ? resident_warps : 1));
+  // (m-tile, KV head, chunk) tasks over at most one wave of warps, each with the same number of chunks
+  // (a partial second wave would run at a fraction of the bandwidth).
+  const int64_t tasks = p.mtiles * hkv * nch, warps = resident_warps > 0 ? resident_warps : 1;
+  int64_t cpw = (tasks + warps - 1) / warps;
   cpw = cpw < 1 ? 1 : (cpw > nch ? nch : cpw);
   p.cpw = int(cpw);
   p.groups = int((nch + kWarps * cpw - 1) / (kWarps * cpw));
@@ -126,6 +128,16 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 
 // 16 bytes of a cache row (read-only for the kernel's duration), or zeros.
 __device__ __forceinline__ uint4 load16(const uint8_t* p, bool ok) {
   return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : uint4{0u, 0u, 0u, 0u};
+}
+
+// Asks L2 for the 128-byte line at p (no register, no wait): the chunk's K and V lines are requested
+// ahead of the fragment loads, which then wait on L2 instead of DRAM.
+__device__ __forceinline__ void prefetch_l2(const uint8_t* p) {
+#if !defined(SPECD_HOST_EMU) && defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
 }
 
 __device__ __forceinline__ float warp_max_f(float v) {
@@ -241,6 +253,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
   const int64_t lo = s_lo;
   const uint8_t* const kbase = P.kc + int64_t(g) * P.k_head_stride + 16 * tq;
   const uint8_t* const vbase = P.vc + int64_t(g) * P.v_head_stride + 16 * gq;
+  const uint8_t* const kline = P.kc + int64_t(g) * P.k_head_stride, *const vline = P.vc + int64_t(g) * P.v_head_stride;
   // The tile's rows (consecutive) and the one with the most visible keys (the leader: its positions
   // serve every row when the rows agree on a chunk).
   int first_row = s_row[0], last_row = s_row[0], lead = s_row[0], lead_cnt = s_cnt[0];
@@ -289,6 +302,12 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
 #pragma unroll
       for (int t = 0; t < 8; ++t) kp[t] = 8 * t + gq < cc ? int32_t(pos(8 * t + gq)) : -1;
       auto kload = [&](int t, int sl) { return load16(kbase + int64_t(kp[t]) * P.k_row_stride + 64 * sl, kp[t] >= 0); };
+      // The chunk's K rows requested from L2 at once: line tq of key 8 t + gq.
+      if (tq < D / 64) {
+#pragma unroll
+        for (int t = 0; t < 8; ++t)
+          if (kp[t] >= 0) prefetch_l2(kline + int64_t(kp[t]) * P.k_row_stride + 128 * tq);
+      }
       float s[8][4];
 #pragma unroll
       for (int t = 0; t < 8; ++t)
@@ -321,6 +340,12 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
         }
       }
 
+#pragma unroll 1
+      for (int j = lane; j < cc; j += 32) {  // the chunk's V rows requested from L2 at once
+        const uint8_t* const row = vline + pos(j) * P.v_row_stride;
+#pragma unroll
+        for (int x = 0; x < D / 64; ++x) prefetch_l2(row + 128 * x);
+      }
       // V of load round 0, k-step 0 in flight during the softmax. Lane loads keys 16 kk + 2 tq + {0, 1,
       // 8, 9}, dims 64 rd + 8 gq .. + 7.
       int32_t vp[4][4];  // cache row of each key, -1 past cc
