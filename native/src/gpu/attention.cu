@@ -9,7 +9,9 @@
 // unless `trusted`; the kernel skips a row outside [0, capacity) whatever the caller promised.
 //
 // attention: split-K over fixed chunks of each row's visible-key sequence; see the comment above
-// attn_chunk_kernel for the design, the invariance guarantees and the tolerance vs the CPU op. With
+// attn_chunk_kernel for the design, the invariance guarantees and the tolerance vs the CPU op. On F16
+// caches of head_dim 64 / 128 / 256 (the target's) the chunk pass runs on tensor cores instead
+// (attention_chunk_mma.cuh: same chunks, same partials, same combine; use_chunk_mma). With
 // exact = false (prefill chunks), calls of at least flash::kMinRows rows without a mask on F16 caches
 // of head_dim 64 / 128 / 256 run the tensor-core flash-attention kernel instead (attention_flash.cuh:
 // F16 Q and P, ~1e-3 * max|v|; use_flash below lists every condition).
@@ -210,10 +212,10 @@ __device__ __forceinline__ float subwarp_sum(float v, int w) {
 
 // Compacts the visible positions of each masked row: idx[i, 0..cnt) = visible positions in
 // increasing order, cnt[i] = their number. One block per row, kScanPer entries per thread per segment
-// (all loaded before the scan: a 32k-key row is 4 segments, 4 memory round trips);
+// (32 per thread measured slower on the H200: a warp's loads then touch 32 lines each);
 // the block's exclusive scan of the threads' counts is a shuffle scan per warp plus a scan of the warp
 // totals (two barriers per segment). Integer scans only.
-constexpr int kScanThreads = 256, kScanPer = 32, kScanWarps = kScanThreads / SPECD_WARP;
+constexpr int kScanThreads = 256, kScanPer = 8, kScanWarps = kScanThreads / SPECD_WARP;
 
 __global__ void __launch_bounds__(kScanThreads) attn_mask_compact_kernel(const AttnParams P, int32_t* idx, int32_t* cnt) {
   detail::pdl_enter();
@@ -508,9 +510,15 @@ __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnPa
       stage_wait<0>();
     }
     __syncthreads();  // the tile's partials and weights are visible
-    for (int x = 0; x < tn; ++x) {
+    auto step = [&](int x) {
       L = fmaf(l_s[b][x], w_s[b][x], L);
       acc = fmaf(w_s[b][x], acc_s[b][x * kCombineDims + t], acc);
+    };
+    if (tn == kCombineTile) {  // unrolled: the shared-memory loads run ahead of the two chains
+#pragma unroll 16
+      for (int x = 0; x < kCombineTile; ++x) step(x);
+    } else {
+      for (int x = 0; x < tn; ++x) step(x);
     }
     __syncthreads();  // stage b is refilled two tiles on
   }
