@@ -6,8 +6,10 @@ mma.sync m16n8k16 f16 -> f32 and shuffles emulated from the PTX ISA fragment lay
 attn_chunk_mma_kernel with attention.cu's launch plan, then combines its partials in chunk order as
 attn_combine_kernel does. So the q / K / V / P fragment layouts (the permuted dims of the 16-byte loads,
 the byte permutes that pair two keys of V), the two-term F16 splits of q and p, the slot table (rows packed
-into m-tiles, or one row per m-tile under a mask or a window), the key walk (chunks by rank, the mask's
-compacted positions, zero-filled keys past the tile's count) and the per-slot masking are checked without
+into m-tiles, or one row per m-tile under a window; GQA groups over 16 heads), the key walk (chunks by rank,
+the mask's compacted positions, read once per tile where the rows agree and once per row where not or where
+a key some row does not see holds a non-finite V, zero-filled keys past the pass's count), the per-slot
+masking and the row slices of a call are checked without
 a GPU against a float64 reference, within the exact path's tolerance (atol 2e-5 * max|v| + rtol 1e-4).
 The emulated MMA sums in double, so the hardware's own accumulation is covered only by the GPU tests
 (test_gpu_ops2.py), as is the launch itself (registers, occupancy, PDL).
@@ -31,8 +33,9 @@ def chunk_emu(tmp_path_factory):
         pytest.skip("no C++ compiler or no source tree")
     d = tmp_path_factory.mktemp("chunk_emu")
     for src in (os.path.join(GPU_SRC, "attention_chunk_mma.cuh"), os.path.join(GPU_SRC, "attention_flash.cuh"),
-                os.path.join(GPU_SRC, "pdl.cuh"), os.path.join(HERE, "host_emu", "portability.h"),
-                os.path.join(HERE, "host_emu", "warp_emu.h"), os.path.join(HERE, "host_emu", "chunk_main.cpp")):
+                os.path.join(GPU_SRC, "attention_rows.cuh"), os.path.join(GPU_SRC, "pdl.cuh"),
+                os.path.join(HERE, "host_emu", "portability.h"), os.path.join(HERE, "host_emu", "warp_emu.h"),
+                os.path.join(HERE, "host_emu", "chunk_main.cpp")):
         shutil.copy(src, d / os.path.basename(src))
     exe = d / "chunk_emu"
     r = subprocess.run([CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-I", str(d), "-o", str(exe),
@@ -43,7 +46,7 @@ def chunk_emu(tmp_path_factory):
     return d, exe
 
 
-def run_emu(emu, q, k, v, kv_len, pos, causal=True, window=0, scale=None, mask=None, resident=10_000):
+def run_emu(emu, q, k, v, kv_len, pos, causal=True, window=0, scale=None, mask=None, resident=10_000, slice_rows=0):
     """The emulated chunk pass + combine: F32 [n, hq, d] (k, v: F16 [capacity, hkv, d]) and the plan line."""
     d, exe = emu
     n, hq, hd = q.shape
@@ -57,7 +60,7 @@ def run_emu(emu, q, k, v, kv_len, pos, causal=True, window=0, scale=None, mask=N
     if mask is not None:
         np.ascontiguousarray(mask, np.int32).tofile(files["mask"])
     r = subprocess.run([str(exe), str(hd), str(n), str(hq), str(hkv), str(cap), str(kv_len), str(window),
-                        str(int(causal)), repr(float(sc)), str(resident), files["q"], files["pos"], files["k"],
+                        str(int(causal)), repr(float(sc)), f"{resident}:{slice_rows}", files["q"], files["pos"], files["k"],
                         files["v"], files["mask"] if mask is not None else "-", files["out"]],
                        check=True, capture_output=True, text=True)
     return np.fromfile(files["out"], np.float32).reshape(n, hq, hd), r.stdout.strip()
@@ -224,3 +227,68 @@ def test_chunk_mma_emulated_random_mask(chunk_emu, rng):
     y1, _ = run_emu(chunk_emu, q, k, v, kv_len, pos, mask=ones)
     y0, _ = run_emu(chunk_emu, q, k, v, kv_len, pos)
     np.testing.assert_array_equal(y1.view(np.uint32), y0.view(np.uint32))
+
+
+def test_chunk_mma_emulated_mask_with_window(chunk_emu, rng):
+    """A mask and a window together (a drafter's windowed block): one row per m-tile, the mask's compacted
+    positions from each row's own window start."""
+    d, hq, hkv, n, kv_len = 128, 4, 1, 9, 300
+    q, k, v = inputs(rng, n, hq, hkv, d, kv_len)
+    pos = np.arange(kv_len - n, kv_len, dtype=np.int32)
+    for window in (5, 70, 130):
+        mask = (rng.random((n, kv_len)) < 0.8).astype(np.int32)
+        out, plan = run_emu(chunk_emu, q, k, v, kv_len, pos, causal=False, window=window, mask=mask)
+        assert "packed=0" in plan
+        check(out, reference(q, k, v, kv_len, pos, False, window, mask=mask), v, f"mask, window={window}")
+
+
+@pytest.mark.parametrize("window", [0, 50])
+def test_chunk_mma_emulated_gqa_over_16_heads(chunk_emu, rng, window):
+    """20 q heads per KV head: a row's heads span two m-tiles (packed across rows, or two per row under a
+    window); each row of a 3-row call equals the row alone bitwise."""
+    d, hq, hkv, n, kv_len = 64, 40, 2, 3, 200
+    q, k, v = inputs(rng, n, hq, hkv, d, kv_len)
+    pos = np.arange(kv_len - n, kv_len, dtype=np.int32)
+    out, _ = run_emu(chunk_emu, q, k, v, kv_len, pos, window=window)
+    check(out, reference(q, k, v, kv_len, pos, window=window), v, f"r=20 window={window}")
+    for i in range(n):
+        one, _ = run_emu(chunk_emu, q[i:i + 1], k, v, kv_len, pos[i:i + 1], window=window)
+        np.testing.assert_array_equal(one.view(np.uint32), out[i:i + 1].view(np.uint32))
+
+
+def test_chunk_mma_emulated_non_finite_v_seen_by_another_row(chunk_emu, rng):
+    """An inf in V (an F16 cache overflows past 65504) at a key only the last verify row sees: the earlier
+    rows stay finite and equal their decodes bitwise (the tail chunk then runs once per row: a zero weight
+    times inf would be NaN); the last row gets the CPU's inf / NaN."""
+    d, hq, hkv, n, kv_len = 64, 2, 1, 4, 100
+    q, k, v = inputs(rng, n, hq, hkv, d, kv_len)
+    v[99, 0, 5] = np.inf
+    pos = np.arange(kv_len - n, kv_len, dtype=np.int32)
+    out, _ = run_emu(chunk_emu, q, k, v, kv_len, pos)
+    for i in range(n - 1):
+        one, _ = run_emu(chunk_emu, q[i:i + 1], k, v, kv_len, pos[i:i + 1])
+        assert np.isfinite(one).all()
+        np.testing.assert_array_equal(one.view(np.uint32), out[i:i + 1].view(np.uint32))
+    assert not np.isfinite(out[n - 1, :, 5]).any()
+
+
+def test_chunk_mma_emulated_huge_q(chunk_emu, rng):
+    """|q| near 2^118 with tiny keys and scale (finite scores): 2^sigma keeps q inside F16's range."""
+    d, hq, hkv, n, kv_len = 64, 1, 1, 1, 64
+    q, _, v = inputs(rng, n, hq, hkv, d, kv_len)
+    q *= np.float32(2.0 ** 118 / np.abs(q).max())
+    k = (rng.standard_normal((kv_len, hkv, d)) * 2 ** -20).astype(np.float16)
+    pos = np.array([kv_len - 1], np.int32)
+    out, _ = run_emu(chunk_emu, q, k, v, kv_len, pos, scale=2.0 ** -100)
+    check(out, reference(q, k, v, kv_len, pos, scale=2.0 ** -100), v, "huge q")
+
+
+def test_chunk_mma_emulated_row_slices(chunk_emu, rng):
+    """Rows in slices of 3 (attention.cu bounds its scratch so: i0 > 0) equal one slice bitwise."""
+    d, hq, hkv, n, kv_len = 128, 6, 2, 8, 170
+    q, k, v = inputs(rng, n, hq, hkv, d, kv_len)
+    pos = np.arange(kv_len - n, kv_len, dtype=np.int32)
+    whole, _ = run_emu(chunk_emu, q, k, v, kv_len, pos)
+    sliced, _ = run_emu(chunk_emu, q, k, v, kv_len, pos, slice_rows=3)
+    np.testing.assert_array_equal(sliced.view(np.uint32), whole.view(np.uint32))
+    check(whole, reference(q, k, v, kv_len, pos), v, "slices")

@@ -34,7 +34,8 @@ def attn_emu(tmp_path_factory):
     if not CXX or not os.path.exists(os.path.join(GPU_SRC, "attention_flash.cuh")):
         pytest.skip("no C++ compiler or no source tree")
     d = tmp_path_factory.mktemp("attn_emu")
-    for src in (os.path.join(GPU_SRC, "attention_flash.cuh"), os.path.join(GPU_SRC, "pdl.cuh"),
+    for src in (os.path.join(GPU_SRC, "attention_flash.cuh"), os.path.join(GPU_SRC, "attention_rows.cuh"),
+                os.path.join(GPU_SRC, "pdl.cuh"),
                 os.path.join(HERE, "host_emu", "portability.h"), os.path.join(HERE, "host_emu", "warp_emu.h"),
                 os.path.join(HERE, "host_emu", "attn_main.cpp")):
         shutil.copy(src, d / os.path.basename(src))

@@ -752,9 +752,9 @@ LONG_ROWS = [(4, 1, 64, 70000, [4095, 4096, 8191, 8192, 12300, 65535, 65536, 699
 @pytest.mark.parametrize("case", LONG_ROWS)
 @gpu_only
 def test_attention_gpu_long_rows(rng, dtype, case):
-    """Rows of up to 70000 visible keys (1094 chunks: the combine pass walks its chunks in tiles of 256, in
-    batches of 32, 8 and 1 partials) match the CPU, alone or with shorter rows in one call (bitwise: the
-    chunk grid and the combine's batches depend only on the row), masked too; and a tree at 8253 keys whose
+    """Rows of up to 70000 visible keys (1094 chunks: the combine pass stages its chunks' partials 64 at a
+    time, double-buffered) match the CPU, alone or with shorter rows in one call (bitwise: the chunk grid
+    and the combine's order depend only on the row), masked too; and a tree at 8253 keys whose
     draft rows straddle the chunk boundary 8256 equals the chain verify of each path."""
     hq, hkv, d, kv_len, pos = case
     c = Caches(rng, kv_len + 8, hkv, d, dtype, kv_len)

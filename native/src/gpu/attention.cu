@@ -22,6 +22,7 @@
 #include "../cpu/attention.h"
 #include "attention_chunk_mma.cuh"
 #include "attention_flash.cuh"
+#include "attention_rows.cuh"
 #include "op_util.cuh"
 #include "ops.h"
 
@@ -137,33 +138,16 @@ constexpr int kMaxHs = 8;         // q heads per chunk block (a GQA group is spl
 constexpr int kU = 4;             // keys loaded ahead per (sub)warp / slice
 constexpr int64_t kScratchFloats = int64_t(32) << 20;  // 128 MiB of partials at most
 
-struct AttnParams {
-  const float* q;
-  const uint8_t* kc;
-  const uint8_t* vc;
-  int64_t k_row_stride, k_head_stride;  // cache strides (bytes); K and V may have different dtypes
-  int64_t v_row_stride, v_head_stride;
-  const int32_t* q_pos;
+// The CUDA-core kernels' fields beyond the split-K call's (attention_rows.cuh).
+struct AttnParams : detail::SplitKParams {
   const int32_t* mask;  // [n, kv_len] or null (compaction kernel only)
-  const int32_t* idx;   // [n, kv_len] visible positions in order, or null (no mask)
-  const int32_t* cnt;   // [n] visible counts, or null (no mask)
-  int64_t kv_len, window;
-  int causal, hq, hkv, r, d, dg, dp;  // dg = ceil(d / 8) dim groups, dp = 8 * dg (padded d)
-  int hs, nsub, nch, w;               // heads per block, sub-groups per KV head, chunks, lanes per key
-  int vec;                            // 16-byte loads allowed (alignment and d % 8 checked on the host)
-  int64_t i0, rows;                   // the slice: first row, rows
-  float scale;
-  float* part;  // [slice rows, hq, nch, dp] acc then [slice rows, hq, nch, 2] (m, l)
-  float* ml;
+  int d, dg;            // dg = ceil(d / 8) dim groups (dp = 8 * dg)
+  int hs, nsub, w;      // heads per block, sub-groups per KV head, lanes per key
+  int vec;              // 16-byte loads allowed (alignment and d % 8 checked on the host)
   float* out;
 };
 
-__device__ __forceinline__ void row_range(const AttnParams& P, int64_t i, int64_t& lo, int64_t& cnt) {
-  const int64_t pos = P.q_pos[i];
-  lo = P.window > 0 ? (pos - P.window + 1 > 0 ? pos - P.window + 1 : 0) : 0;
-  const int64_t hi = P.causal ? (P.kv_len < pos + 1 ? P.kv_len : pos + 1) : P.kv_len;
-  cnt = P.cnt ? int64_t(P.cnt[i]) : (hi > lo ? hi - lo : 0);
-}
+using detail::row_range;
 
 // Elements 8g .. 8g+7 of a cache head row (zeros past d).
 template <DType T>
@@ -222,9 +206,8 @@ __global__ void __launch_bounds__(kScanThreads) attn_mask_compact_kernel(const A
   __shared__ int wsum[kScanWarps];
   const int64_t i = blockIdx.x;
   const int t = threadIdx.x, lane = t % SPECD_WARP, warp = t / SPECD_WARP;
-  const int64_t pos = P.q_pos[i];
-  const int64_t lo = P.window > 0 ? (pos - P.window + 1 > 0 ? pos - P.window + 1 : 0) : 0;
-  const int64_t hi = P.causal ? (P.kv_len < pos + 1 ? P.kv_len : pos + 1) : P.kv_len;
+  int64_t lo, hi;
+  detail::visible_range(P.q_pos[i], P.window, P.causal != 0, P.kv_len, lo, hi);
   const int32_t* mrow = P.mask + i * P.kv_len;
   int32_t* irow = idx + i * P.kv_len;
   int64_t base = 0;
@@ -418,8 +401,8 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const AttnParams P
     }
   }
 
-  for (int x = tid; x < nh * P.d; x += kThreads) {
-    const int h = x / P.d, e = x % P.d;
+  for (int x = tid; x < nh * P.dp; x += kThreads) {  // incl. the zero padding d .. dp (the combine's 16-byte copies)
+    const int h = x / P.dp, e = x % P.dp;
     P.part[((il * P.hq + h0 + h) * P.nch + c) * int64_t(P.dp) + e] = os[h * P.dp + e];
   }
   if (tid < nh) {
@@ -430,37 +413,50 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const AttnParams P
 }
 
 // One block per (row of the slice, q head, kCombineDims output elements); thread = output element e.
-// The row's partials are staged kCombineTile chunks at a time into shared memory, every 16-byte copy of a
-// tile in flight at once and the next tile loading while the current one is consumed (cp.async, two
-// stages; a plain copy on HIP), so a row costs about one memory round trip instead of one per chunk.
-// Each thread runs the fixed-order chains L = fmaf(l_c, w_c, L), acc = fmaf(w_c, acc_c, acc) over
-// c = 0, 1, ... with w_c = expf(m_c - M) (the arithmetic of one thread looping over the chunks).
-constexpr int kCombineDims = 64, kCombineTile = 64;  // 16 KiB of partials per stage
+// The row's partials are staged tile chunks at a time into shared memory, every 16-byte copy of a tile in
+// flight at once and the next tile loading while the current one is consumed (cp.async, two stages when
+// the row can have more than one tile; a plain copy on HIP), so a row costs about one memory round trip
+// instead of one per chunk. Each thread runs the fixed-order chains L = fmaf(l_c, w_c, L),
+// acc = fmaf(w_c, acc_c, acc) over c = 0, 1, ... with w_c = expf(m_c - M) (the arithmetic of one thread
+// looping over the chunks).
+constexpr int kCombineDims = 64, kCombineTile = 64;  // at most 16 KiB of partials per stage
+
+// The combine's tile (chunks per stage), stages and dynamic shared memory for nch chunks per row.
+struct CombineShape {
+  int tile, stages;
+  size_t smem;
+};
+__host__ __device__ inline CombineShape combine_shape(int nch) {
+  const int tile = nch < kCombineTile ? (nch > 0 ? nch : 1) : kCombineTile;
+  const int stages = nch > tile ? 2 : 1;
+  return {tile, stages, size_t(stages) * tile * kCombineDims * sizeof(float)};
+}
 
 // 16 bytes of partials into shared memory (zeros when !valid; src must still be a valid address).
 __device__ __forceinline__ void stage16(float* dst, const float* src, bool valid) {
-#if SPECD_FLASH_ATTN
+#if SPECD_FLASH_ATTN && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   detail::flash::cp_async16(reinterpret_cast<uint16_t*>(dst), reinterpret_cast<const uint8_t*>(src), valid);
 #else
   *reinterpret_cast<float4*>(dst) = valid ? *reinterpret_cast<const float4*>(src) : make_float4(0.f, 0.f, 0.f, 0.f);
 #endif
 }
 __device__ __forceinline__ void stage_commit() {
-#if SPECD_FLASH_ATTN
+#if SPECD_FLASH_ATTN && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   detail::flash::cp_async_commit();
 #endif
 }
 template <int N>
 __device__ __forceinline__ void stage_wait() {  // at most N committed stages still loading
-#if SPECD_FLASH_ATTN
+#if SPECD_FLASH_ATTN && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   detail::flash::cp_async_wait<N>();
 #endif
 }
 
 __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnParams P) {
   detail::pdl_enter();
-  __shared__ __align__(16) float acc_s[2][kCombineTile * kCombineDims];
+  extern __shared__ __align__(16) float acc_s[];  // [stages][tile][kCombineDims]
   __shared__ float w_s[2][kCombineTile], l_s[2][kCombineTile], red[kCombineDims / SPECD_WARP];
+  const CombineShape cs = combine_shape(P.nch);
   const int slices = (P.d + kCombineDims - 1) / kCombineDims;
   const int64_t il = blockIdx.x / (int64_t(P.hq) * slices), i = P.i0 + il;
   const int h = int(blockIdx.x / slices % P.hq), t = threadIdx.x;
@@ -475,15 +471,17 @@ __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnPa
   }
   const float* ml = P.ml + (il * P.hq + h) * P.nch * 2;
   // The slice's outputs of chunk c: kCombineDims floats at acc0 + c * dp, of which `pieces` 16-byte
-  // pieces hold dims below d (dp, a multiple of 8 >= d, keeps them inside the chunk's row).
+  // pieces hold dims below dp (both chunk passes write the zero padding d .. dp).
   const float* acc0 = P.part + (il * P.hq + h) * P.nch * int64_t(P.dp) + slice * kCombineDims;
-  const int pieces = (min(kCombineDims, P.d - slice * kCombineDims) + 3) / 4;
-  const int ntiles = (nc + kCombineTile - 1) / kCombineTile;
-  auto stage_tile = [&](int tile) {  // tile's partials into stage tile % 2
-    const int c0 = tile * kCombineTile, tn = min(kCombineTile, nc - c0);
+  const int pieces = min(kCombineDims, P.dp - slice * kCombineDims) / 4;
+  const int ntiles = (nc + cs.tile - 1) / cs.tile;
+  auto stage_tile = [&](int tile) {  // tile's partials into stage tile % stages
+    const int c0 = tile * cs.tile, tn = min(cs.tile, nc - c0);
+    float* const dst = acc_s + (tile % cs.stages) * cs.tile * kCombineDims;
     for (int x = t; x < tn * (kCombineDims / 4); x += kCombineDims) {
       const int c = x / (kCombineDims / 4), pc = x % (kCombineDims / 4);
-      stage16(acc_s[tile & 1] + c * kCombineDims + 4 * pc, acc0 + (c0 + c) * int64_t(P.dp) + 4 * pc, pc < pieces);
+      const bool ok = pc < pieces;
+      stage16(dst + c * kCombineDims + 4 * pc, ok ? acc0 + (c0 + c) * int64_t(P.dp) + 4 * pc : acc0, ok);
     }
     stage_commit();
   };
@@ -498,7 +496,7 @@ __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnPa
   for (int x = 1; x < kCombineDims / SPECD_WARP; ++x) M = fmaxf(M, red[x]);
   float L = 0.0f, acc = 0.0f;
   for (int tile = 0; tile < ntiles; ++tile) {
-    const int c0 = tile * kCombineTile, tn = min(kCombineTile, nc - c0), b = tile & 1;
+    const int c0 = tile * cs.tile, tn = min(cs.tile, nc - c0), b = tile & 1;
     for (int x = t; x < tn; x += kCombineDims) {
       w_s[b][x] = expf(ml[2 * (c0 + x)] - M);
       l_s[b][x] = ml[2 * (c0 + x) + 1];
@@ -510,9 +508,10 @@ __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnPa
       stage_wait<0>();
     }
     __syncthreads();  // the tile's partials and weights are visible
+    const float* const a = acc_s + (tile % cs.stages) * cs.tile * kCombineDims + t;
     auto step = [&](int x) {
       L = fmaf(l_s[b][x], w_s[b][x], L);
-      acc = fmaf(w_s[b][x], acc_s[b][x * kCombineDims + t], acc);
+      acc = fmaf(w_s[b][x], a[x * kCombineDims], acc);
     };
     if (tn == kCombineTile) {  // unrolled: the shared-memory loads run ahead of the two chains
 #pragma unroll 16
@@ -520,7 +519,7 @@ __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnPa
     } else {
       for (int x = 0; x < tn; ++x) step(x);
     }
-    __syncthreads();  // stage b is refilled two tiles on
+    __syncthreads();  // this stage is refilled two tiles on
   }
   if (e < P.d) *o = __fdiv_rn(acc, L);
 }
@@ -537,6 +536,11 @@ void set_views(Params& P, const Tensor& q, const Tensor& kc, const Tensor& vc, c
   P.v_head_stride = vc.strides[1];
   P.q_pos = q_pos.ptr<int32_t>();
   P.out = out.ptr<float>();
+}
+
+// Whether a cache's data and every head row are 16-byte aligned (16-byte loads and copies).
+bool rows_aligned16(const Tensor& c) {
+  return detail::aligned16(c.data) && c.strides[0] % 16 == 0 && c.strides[1] % 16 == 0;
 }
 
 // Whether the chunk pass has so few (row, KV head, chunk) blocks that the GPU would idle: then one
@@ -574,10 +578,14 @@ static_assert(cmma::kChunk == kChunk, "the tensor-core chunk pass writes the com
 // rows, the mask or the window), so every call on a model's caches takes the same path.
 bool use_chunk_mma(const Tensor& kc, const Tensor& vc, int64_t d) {
   if (kc.dtype != DType::F16 || vc.dtype != DType::F16 || !cmma::supported_dim(d)) return false;
-  auto rows16 = [](const Tensor& c) {
-    return detail::aligned16(c.data) && c.strides[0] % 16 == 0 && c.strides[1] % 16 == 0;
-  };
-  return rows16(kc) && rows16(vc);
+  return rows_aligned16(kc) && rows_aligned16(vc);
+}
+
+template <int D>
+void launch_chunk_mma_d(bool idx, const cmma::Params& P, unsigned blocks, cudaStream_t s) {
+  constexpr unsigned threads = cmma::kWarps * 32;
+  if (idx) detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, true>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
+  else detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, false>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
 }
 
 // The chunk pass of one slice of rows on tensor cores.
@@ -589,48 +597,18 @@ void launch_chunk_mma(const AttnParams& A, int64_t d, cudaStream_t s, const char
   const cmma::Plan pl = cmma::plan(A.rows, A.r, A.hkv, A.nch, packed, resident);
   detail::check_grid(pl.blocks, op);
   cmma::Params P{};
-  P.q = A.q;
-  P.kc = A.kc;
-  P.vc = A.vc;
-  P.k_row_stride = A.k_row_stride;
-  P.k_head_stride = A.k_head_stride;
-  P.v_row_stride = A.v_row_stride;
-  P.v_head_stride = A.v_head_stride;
-  P.q_pos = A.q_pos;
-  P.idx = A.idx;
-  P.cnt = A.cnt;
-  P.kv_len = A.kv_len;
-  P.window = A.window;
-  P.causal = A.causal;
-  P.hq = A.hq;
-  P.hkv = A.hkv;
-  P.r = A.r;
-  P.nch = A.nch;
+  static_cast<detail::SplitKParams&>(P) = A;
   P.packed = pl.packed;
   P.mpr = pl.mpr;
   P.mtiles = pl.mtiles;
   P.groups = pl.groups;
   P.cpw = pl.cpw;
-  P.i0 = A.i0;
-  P.rows = A.rows;
-  P.scale = A.scale;
-  P.part = A.part;
-  P.ml = A.ml;
-  const unsigned blocks = unsigned(pl.blocks), threads = cmma::kWarps * 32;
+  const unsigned blocks = unsigned(pl.blocks);
   const bool idx = A.idx != nullptr;
   switch (d) {
-    case 64:
-      idx ? detail::launch_kernel<cmma::attn_chunk_mma_kernel<64, true>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P)
-          : detail::launch_kernel<cmma::attn_chunk_mma_kernel<64, false>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
-      break;
-    case 128:
-      idx ? detail::launch_kernel<cmma::attn_chunk_mma_kernel<128, true>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P)
-          : detail::launch_kernel<cmma::attn_chunk_mma_kernel<128, false>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
-      break;
-    default:
-      idx ? detail::launch_kernel<cmma::attn_chunk_mma_kernel<256, true>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P)
-          : detail::launch_kernel<cmma::attn_chunk_mma_kernel<256, false>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
-      break;
+    case 64: launch_chunk_mma_d<64>(idx, P, blocks, s); break;
+    case 128: launch_chunk_mma_d<128>(idx, P, blocks, s); break;
+    default: launch_chunk_mma_d<256>(idx, P, blocks, s); break;
   }
 }
 #endif  // SPECD_FLASH_ATTN
@@ -657,10 +635,7 @@ bool use_flash(const Tensor& q, const Tensor& kc, const Tensor& vc, const cpu::A
   const int64_t n = q.dim(0), hq = q.dim(1), d = q.dim(2), hkv = kc.dim(1);
   if (exact || a.mask || n < flash::kMinRows || !flash::supported_dim(d)) return false;
   if (kc.dtype != DType::F16 || vc.dtype != DType::F16) return false;
-  auto rows16 = [](const Tensor& c) {
-    return detail::aligned16(c.data) && c.strides[0] % 16 == 0 && c.strides[1] % 16 == 0;
-  };
-  if (!detail::aligned16(q.data) || !rows16(kc) || !rows16(vc)) return false;
+  if (!detail::aligned16(q.data) || !rows_aligned16(kc) || !rows_aligned16(vc)) return false;
   return flash::plan(n, hkv, hq / hkv, d).smem <= flash_smem_limit();
 }
 
@@ -794,10 +769,7 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   int w = 1;
   while (w < dg && w < SPECD_WARP) w *= 2;
   // 16-byte loads: d % 8 == 0 and every head row 16-byte aligned (Q8_0 always decodes bytewise).
-  auto aligned = [&](const Tensor& c) {
-    if (c.dtype == DType::Q8_0) return true;
-    return detail::aligned16(c.data) && c.strides[0] % 16 == 0 && c.strides[1] % 16 == 0;
-  };
+  auto aligned = [&](const Tensor& c) { return c.dtype == DType::Q8_0 || rows_aligned16(c); };
   const bool vec = d % 8 == 0 && aligned(k_cache) && aligned(v_cache);
 
   AttnParams P{};
@@ -861,7 +833,7 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     }
     detail::check_grid(rows * hq * combine_slices, op);
     detail::launch_kernel<attn_combine_kernel>("attn_combine_kernel", unsigned(rows * hq * combine_slices), kCombineDims,
-                                               0, s, P);
+                                               combine_shape(P.nch).smem, s, P);
   }
   return out;
 }

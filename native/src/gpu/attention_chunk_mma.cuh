@@ -1,24 +1,28 @@
 // The split-K chunk pass of the exact attention path on tensor cores: decode, chain verify and tree
-// verify over F16 K / V caches of head_dim 64, 128 or 256 (attention.cu takes it for every exact call on
-// such caches whatever the number of rows; F32 / Q8_0 caches, other head_dims and HIP keep the CUDA-core
-// chunk kernel). It writes the same per-chunk partials as attn_chunk_kernel, which attn_combine_kernel
-// then combines in chunk order: for each query row, q head and chunk c of kChunk visible keys (cut by
-// rank from the row's own visible sequence, as in attention.cu), m_c = max of the chunk's scores,
-// l_c = sum of exp(s - m_c) and acc_c[e] = sum of exp(s - m_c) v[e].
+// verify over F16 K / V caches of head_dim 64, 128 or 256 with 16-byte aligned head rows (attention.cu's
+// use_chunk_mma: every call on such caches that does not take the flash kernel, whatever its rows or
+// mask; F32 / Q8_0 caches, other head_dims and HIP keep the CUDA-core chunk kernel). It writes the same
+// per-chunk partials as attn_chunk_kernel, which attn_combine_kernel then combines in chunk order: for
+// each query row, q head and chunk c of kChunk visible keys (cut by rank from the row's own visible
+// sequence, as in attention.cu), m_c = max of the chunk's scores, l_c = sum of exp(s - m_c) and
+// acc_c[e] = sum of exp(s - m_c) v[e].
 //
 // Also compiled for the host by tests/gpu/host_emu/chunk_main.cpp (SPECD_HOST_EMU: mma.sync emulated from
 // the PTX ISA fragment layouts, warp_emu.h), which checks the layouts, the key walk and the masks against
 // a float64 reference (tests/gpu/test_gpu_attention_mma_host.py); test_gpu_ops2.py checks the device.
 //
-// Work split. An m-tile is 16 (query row, q head) slots of one KV head's GQA group: the heads of up to
-// 16 / r rows packed in row order when every row reads its chunk c from the same cache rows (no mask,
-// no window: chunk c is positions [kChunk c, kChunk c + kChunk) for every row), else the heads of one row
-// (a mask's compacted positions or a window's start differ per row). A block of kWarps warps takes one
-// m-tile, one KV head and kWarps * cpw chunks; it stages the m-tile's q once in shared memory as MMA
-// fragments, then each warp walks its own chunks (no further barrier): K and V are read from global
-// memory straight into fragment registers (16-byte loads, no shared-memory staging), so every byte of
-// the chunk is read once per m-tile: a decode (one m-tile per KV head) reads each key once, an 8-row
-// chain verify three times from L2 (its m-tiles' blocks are adjacent in the grid).
+// Work split. An m-tile is 16 (query row, q head) slots of one KV head's GQA group: without a window the
+// heads of consecutive rows, packed in row order (every row's chunk c starts at rank kChunk c from
+// position 0), with a window the heads of one row (each row's keys start at its own window). A block of
+// kWarps warps takes one m-tile, one KV head and kWarps * cpw chunks; it stages the m-tile's q once in
+// shared memory as MMA fragments, then each warp walks its own chunks (no further barrier): K and V are
+// read from global memory straight into fragment registers (16-byte loads, no shared-memory staging;
+// the chunk's rows requested from L2 first). A chunk is read once per m-tile with the positions of the
+// tile's row with the most keys when the tile's rows can share it: a decode reads each key once, an
+// 8-row chain verify three times from L2 (its m-tiles' blocks are adjacent in the grid). Else (a mask
+// whose compacted positions differ between the rows, e.g. a tree's rows past the committed prefix; or a
+// non-finite V at a key some row of the tile does not see) it is read once per row of the tile, each
+// pass keeping its own row's slots.
 //
 // Arithmetic per warp and chunk (m16n8k16, F16 inputs, F32 accumulation):
 //   S = Q K^T over the chunk's 64 keys: q is scaled by 2^sigma (sigma per slot, so that max |q| of the
@@ -34,14 +38,15 @@
 // Each MMA output element is the dot product of one A row with one B column, so a slot's results depend
 // only on its own q, its visible keys and the cache, not on which other slots share its m-tile: the path
 // is batch invariant and a tree node equals the chain verify of its path bitwise (tests/gpu). Keys past
-// the slot's count but below the m-tile's largest count (visible to another row of the tile) enter the
-// MMAs with an exact zero weight, so they must be finite: every cache row below the largest visible
-// position is written before a verify reads it; keys past the tile's largest count are zero-filled.
+// the slot's count but below the tile's largest count (visible to another row of the tile) enter the
+// MMAs with an exact zero weight: they are written rows, and a non-finite V among them sends the chunk
+// to the per-row passes (zero times inf is NaN); keys past a pass's count are zero-filled.
 // Error vs the CPU op: the q and p splits leave ~2^-22 relative, the tensor core's F32 accumulation a
 // few F32 ulps per k-step: inside the exact path's tolerance (atol 2e-5 * max|v| + rtol 1e-4).
 #pragma once
 
 #include "attention_flash.cuh"  // SPECD_FLASH_ATTN, mma(), quad_max(), quad_sum(), pdl
+#include "attention_rows.cuh"   // SplitKParams, row_range()
 
 #if SPECD_FLASH_ATTN
 
@@ -60,25 +65,11 @@ constexpr int kQExp = 14;            // max |q| of a slot is scaled into [2^13, 
 
 inline bool supported_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 
-struct Params {
-  const float* q;   // F32 [n, hq, D] contiguous
-  const uint8_t* kc;  // F16 caches [capacity, hkv, D], head rows 16-byte aligned
-  const uint8_t* vc;
-  int64_t k_row_stride, k_head_stride;  // bytes
-  int64_t v_row_stride, v_head_stride;
-  const int32_t* q_pos;  // [n]
-  const int32_t* idx;    // [n, kv_len] visible positions in order (a mask), or null
-  const int32_t* cnt;    // [n] visible counts (a mask), or null
-  int64_t kv_len, window;
-  int causal, hq, hkv, r;  // r = hq / hkv
-  int nch;                 // chunks per (row, q head) in the partial layout
-  int packed, mpr;         // slots of several rows per m-tile (packed) or mpr m-tiles per row
-  int64_t mtiles;          // m-tiles in the slice
-  int groups, cpw;         // chunk groups of kWarps * cpw chunks per (m-tile, KV head)
-  int64_t i0, rows;        // the slice: first row, rows
-  float scale;
-  float* part;  // [rows, hq, nch, D] acc_c
-  float* ml;    // [rows, hq, nch, 2] (m_c, l_c)
+// The split-K call's fields (attention_rows.cuh; dp = D) and the launch plan's.
+struct Params : SplitKParams {
+  int packed, mpr;  // slots of several rows per m-tile (packed) or mpr m-tiles per row
+  int64_t mtiles;   // m-tiles in the slice
+  int groups, cpw;  // chunk groups of kWarps * cpw chunks per (m-tile, KV head)
 };
 
 // The launch plan of a slice of `rows` rows: m-tiles, chunks per warp and the grid. packed: the rows'
@@ -126,6 +117,15 @@ __device__ __forceinline__ void split_f16x2(float a, float b, uint32_t& hi, uint
 #endif
 }
 
+// Whether none of the 8 F16 values is inf or NaN (exponent bits all ones).
+__device__ __forceinline__ bool finite_f16x8(const uint4& v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool ok = true;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) ok = ok && (w[i] & 0x7c00u) != 0x7c00u && (w[i] & 0x7c000000u) != 0x7c000000u;
+  return ok;
+}
+
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 // 16 bytes of a cache row (read-only for the kernel's duration), or zeros.
@@ -147,15 +147,6 @@ __device__ __forceinline__ float warp_max_f(float v) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, SPECD_SHFL_XOR(v, m));
   return v;
-}
-
-// Row i's first visible position and visible count (cnt from the mask when there is one), as
-// attention.cu's row_range.
-__device__ __forceinline__ void row_range(const Params& P, int64_t i, int64_t& lo, int64_t& cnt) {
-  const int64_t pos = P.q_pos[i];
-  lo = P.window > 0 ? (pos - P.window + 1 > 0 ? pos - P.window + 1 : 0) : 0;
-  const int64_t hi = P.causal ? (P.kv_len < pos + 1 ? P.kv_len : pos + 1) : P.kv_len;
-  cnt = P.cnt ? int64_t(P.cnt[i]) : (hi > lo ? hi - lo : 0);
 }
 
 // --- the kernel ------------------------------------------------------------------------------------
@@ -222,9 +213,11 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
       amax = fmaxf(amax, fabsf(x[e]));
     }
     amax = warp_max_f(amax);
+    // sigma in [-114, 126] for finite q (2^-sigma stays a normal float); 0 for a zero or non-finite q.
     int ex = 0;
-    if (amax > 0.0f && amax <= 3.4e38f) frexpf(amax, &ex);
-    const int sigma = amax > 0.0f && amax <= 3.4e38f ? min(100, max(-100, kQExp - ex)) : 0;
+    const bool scaled = amax > 0.0f && isfinite(amax);
+    if (scaled) frexpf(amax, &ex);
+    const int sigma = scaled ? min(126, kQExp - ex) : 0;
     if (lane == 0) s_unscale[s] = ldexpf(1.0f, -sigma);  // a power of two in the normal range
     if (has) {
       uint32_t hi[4], lo[4];
@@ -254,9 +247,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
   const int64_t out_a = row_a >= 0 ? (int64_t(row_a) * P.hq + s_head[gq]) * P.nch : 0;
   const int64_t out_b = row_b >= 0 ? (int64_t(row_b) * P.hq + s_head[gq + 8]) * P.nch : 0;
   const int64_t lo = s_lo;
-  const uint8_t* const kbase = P.kc + int64_t(g) * P.k_head_stride + 16 * tq;
-  const uint8_t* const vbase = P.vc + int64_t(g) * P.v_head_stride + 16 * gq;
-  const uint8_t* const kline = P.kc + int64_t(g) * P.k_head_stride, *const vline = P.vc + int64_t(g) * P.v_head_stride;
+  const uint8_t* const kline = P.kc + int64_t(g) * P.k_head_stride;  // the KV head's rows
+  const uint8_t* const vline = P.vc + int64_t(g) * P.v_head_stride;
+  const uint8_t* const kbase = kline + 16 * tq;  // this lane's 16 bytes of a slab
+  const uint8_t* const vbase = vline + 16 * gq;  // of a load round
   // The tile's rows (consecutive) and the one with the most visible keys (the leader: its positions
   // serve every row when the rows agree on a chunk).
   int first_row = s_row[0], last_row = s_row[0], lead = s_row[0], lead_cnt = s_cnt[0];
@@ -278,16 +272,28 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
     const int c = (grp * P.cpw + k) * kWarps + warp;
     const int64_t r0 = int64_t(c) * kChunk;
     if (r0 >= maxcnt) break;  // uniform over the warp; later chunks are further
-    // Under a mask, packed rows share the chunk's keys only where their compacted positions agree (a
-    // tree's rows over the committed prefix); the chunk is then read once with the leader's positions,
-    // else once per row, each pass keeping only its own row's slots.
+    // Packed rows read the chunk once, with the leader's positions, when they can share it; else once
+    // per row, each pass keeping only its own row's slots. They cannot (1) under a mask where their
+    // compacted positions differ (a tree's rows past the committed prefix), (2) where a key that some
+    // row of the tile does not see holds a non-finite V (an F16 cache stores inf past 65504): that row's
+    // zero weight times it would be NaN, which the row alone would never compute.
     bool agree = true;
-    if (Idx && P.packed && first_row != last_row) {
-      int ok = 1;
+    if (first_row != last_row) {
+      int ok = 1, min_vis = kChunk;
       for (int row = first_row; row <= last_row; ++row) {
         const int64_t n = row_cnt(row) - r0;
-        for (int j = lane; j < kChunk; j += 32)
-          if (j < n && idx_of(row)[r0 + j] != idx_of(lead)[r0 + j]) ok = 0;
+        min_vis = int(n < min_vis ? (n > 0 ? n : 0) : min_vis);
+        if (Idx) {
+          for (int j = lane; j < kChunk; j += 32)
+            if (j < n && idx_of(row)[r0 + j] != idx_of(lead)[r0 + j]) ok = 0;
+        }
+      }
+      const int cc = int(maxcnt - r0 < kChunk ? maxcnt - r0 : kChunk);
+      for (int x = lane; x < (cc - min_vis) * (D / 8); x += 32) {  // the keys [min_vis, cc): 16 bytes a lane
+        const int j = min_vis + x / (D / 8);
+        const int64_t row = Idx ? int64_t(idx_of(lead)[r0 + j]) : lo + r0 + j;
+        const uint4 w = __ldg(reinterpret_cast<const uint4*>(vline + row * P.v_row_stride) + x % (D / 8));
+        if (!finite_f16x8(w)) ok = 0;
       }
       agree = flash::warp_min_i(ok) != 0;
     }
@@ -319,7 +325,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
       uint4 kb[8];
 #pragma unroll
       for (int t = 0; t < 8; ++t) kb[t] = kload(t, 0);
-#pragma unroll 2  // whole: the scheduler interleaves slabs and spills
+#pragma unroll 2  // not whole: fully unrolled, the scheduler interleaves the slabs and spills
       for (int sl = 0; sl < NS; ++sl) {
         uint4 kn[8];
         if (sl + 1 < NS) {

@@ -64,6 +64,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "attention_rows.cuh"
 #include "pdl.cuh"
 
 namespace specd::gpu::detail::flash {
@@ -257,11 +258,8 @@ __device__ __forceinline__ void row_range(const Params& P, int64_t i, int& lo, i
   lo = P.kv_len;
   hi = 0;
   if (i >= P.n) return;
-  const int64_t pos = P.q_pos[i];
-  int64_t l = P.window > 0 ? pos - P.window + 1 : 0;
-  int64_t h = P.causal ? pos + 1 : int64_t(P.kv_len);
-  l = l < 0 ? 0 : l;
-  h = h > P.kv_len ? P.kv_len : h;
+  int64_t l, h;
+  visible_range(P.q_pos[i], P.window, P.causal != 0, P.kv_len, l, h);
   if (l < h) {
     lo = int(l);
     hi = int(h);

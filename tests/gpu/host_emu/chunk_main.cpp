@@ -6,10 +6,11 @@
 // host as attn_mask_compact_kernel does. Partials and output are poisoned (NaN) first, so a partial the
 // kernel should have written and did not shows. Driven by tests/gpu/test_gpu_attention_mma_host.py.
 //
-// usage: chunk_emu D n hq hkv capacity kv_len window causal scale resident_warps q.bin pos.bin k.bin
-//        v.bin mask.bin|- out.bin
+// usage: chunk_emu D n hq hkv capacity kv_len window causal scale resident_warps[:slice_rows] q.bin pos.bin
+//        k.bin v.bin mask.bin|- out.bin
 //   q: F32 [n, hq, D]; pos: I32 [n]; k, v: F16 [capacity, hkv, D]; mask: I32 [n, kv_len] or "-";
-//   out: F32 [n, hq, D] (written). resident_warps sizes chunks per warp (small: several per warp).
+//   out: F32 [n, hq, D] (written). resident_warps sizes chunks per warp (small: several per warp);
+//   slice_rows > 0 runs the rows in slices of that many (the last slice's plan is printed).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -47,7 +48,11 @@ int main(int argc, char** argv) {
   const int64_t cap = std::atoll(argv[5]), kv_len = std::atoll(argv[6]), window = std::atoll(argv[7]);
   const int causal = std::atoi(argv[8]);
   const float scale = float(std::atof(argv[9]));
-  const int64_t resident = std::atoll(argv[10]);
+  // resident_warps[:slice_rows]: rows go through the kernel in slices of slice_rows (attention.cu's
+  // scratch-bounded slices: i0 > 0), each with its own partials.
+  const std::string rs = argv[10];
+  const int64_t resident = std::atoll(rs.c_str());
+  const int64_t slice_rows = rs.find(':') == std::string::npos ? 0 : std::atoll(rs.c_str() + rs.find(':') + 1);
   const bool has_mask = std::string(argv[15]) != "-";
   if (!chunk_mma::supported_dim(d) || n < 1 || hkv < 1 || hq % hkv || kv_len < 1 || kv_len > cap) return 2;
   std::vector<float> q(size_t(n * hq * d)), out(size_t(n * hq * d), NAN);
@@ -62,62 +67,67 @@ int main(int argc, char** argv) {
   // The mask's visible positions per row, compacted in order (attn_mask_compact_kernel).
   std::vector<int32_t> idx(has_mask ? size_t(n * kv_len) : 0), cnt(has_mask ? size_t(n) : 0);
   for (int64_t i = 0; has_mask && i < n; ++i) {
-    const int64_t p = pos[size_t(i)];
-    const int64_t lo = window > 0 ? std::max<int64_t>(p - window + 1, 0) : 0;
-    const int64_t hi = causal ? std::min<int64_t>(kv_len, p + 1) : kv_len;
+    int64_t lo, hi;
+    visible_range(pos[size_t(i)], window, causal != 0, kv_len, lo, hi);
     int32_t c = 0;
     for (int64_t j = lo; j < hi; ++j)
       if (mask[size_t(i * kv_len + j)] != 0) idx[size_t(i * kv_len + c++)] = int32_t(j);
     cnt[size_t(i)] = c;
   }
-  std::vector<float> part(size_t(n * hq * nch * d), NAN), ml(size_t(n * hq * nch * 2), NAN);
-  const chunk_mma::Plan pl = chunk_mma::plan(n, r, hkv, nch, window == 0, resident);
-  chunk_mma::Params P{};
-  P.q = q.data();
-  P.kc = reinterpret_cast<const uint8_t*>(k.data());
-  P.vc = reinterpret_cast<const uint8_t*>(v.data());
-  P.k_row_stride = P.v_row_stride = hkv * d * 2;
-  P.k_head_stride = P.v_head_stride = int64_t(d) * 2;
-  P.q_pos = pos.data();
-  P.idx = has_mask ? idx.data() : nullptr;
-  P.cnt = has_mask ? cnt.data() : nullptr;
-  P.kv_len = kv_len;
-  P.window = window;
-  P.causal = causal;
-  P.hq = int(hq);
-  P.hkv = int(hkv);
-  P.r = int(r);
-  P.nch = int(nch);
-  P.packed = pl.packed;
-  P.mpr = pl.mpr;
-  P.mtiles = pl.mtiles;
-  P.groups = pl.groups;
-  P.cpw = pl.cpw;
-  P.i0 = 0;
-  P.rows = n;
-  P.scale = scale;
-  P.part = part.data();
-  P.ml = ml.data();
-  if (d == 64) run<64>(P, pl.blocks);
-  else if (d == 128) run<128>(P, pl.blocks);
-  else run<256>(P, pl.blocks);
-  // attn_combine_kernel's arithmetic: M = max m_c; L, acc over c = 0, 1, ... with w = expf(m_c - M).
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t lo, c;
-    chunk_mma::row_range(P, i, lo, c);
-    const int64_t nc = (c + chunk_mma::kChunk - 1) / chunk_mma::kChunk;
-    for (int64_t h = 0; h < hq; ++h) {
-      const int64_t base = (i * hq + h) * nch;
-      float M = -INFINITY;
-      for (int64_t ch = 0; ch < nc; ++ch) M = std::fmax(M, ml[size_t((base + ch) * 2)]);
-      for (int e = 0; e < d; ++e) {
-        float L = 0.0f, acc = 0.0f;
-        for (int64_t ch = 0; ch < nc; ++ch) {
-          const float w = std::exp(ml[size_t((base + ch) * 2)] - M);
-          L = std::fma(ml[size_t((base + ch) * 2 + 1)], w, L);
-          acc = std::fma(w, part[size_t((base + ch) * d + e)], acc);
+  const int64_t per = slice_rows > 0 ? std::min(slice_rows, n) : n;
+  chunk_mma::Plan pl{};
+  for (int64_t i0 = 0; i0 < n; i0 += per) {
+    const int64_t rows = std::min(per, n - i0);
+    std::vector<float> part(size_t(rows * hq * nch * d), NAN), ml(size_t(rows * hq * nch * 2), NAN);  // poisoned
+    pl = chunk_mma::plan(rows, r, hkv, nch, window == 0, resident);
+    chunk_mma::Params P{};
+    P.q = q.data();
+    P.kc = reinterpret_cast<const uint8_t*>(k.data());
+    P.vc = reinterpret_cast<const uint8_t*>(v.data());
+    P.k_row_stride = P.v_row_stride = hkv * d * 2;
+    P.k_head_stride = P.v_head_stride = int64_t(d) * 2;
+    P.q_pos = pos.data();
+    P.idx = has_mask ? idx.data() : nullptr;
+    P.cnt = has_mask ? cnt.data() : nullptr;
+    P.kv_len = kv_len;
+    P.window = window;
+    P.causal = causal;
+    P.hq = int(hq);
+    P.hkv = int(hkv);
+    P.r = int(r);
+    P.nch = int(nch);
+    P.dp = d;
+    P.i0 = i0;
+    P.rows = rows;
+    P.scale = scale;
+    P.part = part.data();
+    P.ml = ml.data();
+    P.packed = pl.packed;
+    P.mpr = pl.mpr;
+    P.mtiles = pl.mtiles;
+    P.groups = pl.groups;
+    P.cpw = pl.cpw;
+    if (d == 64) run<64>(P, pl.blocks);
+    else if (d == 128) run<128>(P, pl.blocks);
+    else run<256>(P, pl.blocks);
+    // attn_combine_kernel's arithmetic: M = max m_c; L, acc over c = 0, 1, ... with w = expf(m_c - M).
+    for (int64_t il = 0; il < rows; ++il) {
+      int64_t lo, c;
+      row_range(P, i0 + il, lo, c);
+      const int64_t nc = (c + chunk_mma::kChunk - 1) / chunk_mma::kChunk;
+      for (int64_t h = 0; h < hq; ++h) {
+        const int64_t base = (il * hq + h) * nch;
+        float M = -INFINITY;
+        for (int64_t ch = 0; ch < nc; ++ch) M = std::fmax(M, ml[size_t((base + ch) * 2)]);
+        for (int e = 0; e < d; ++e) {
+          float L = 0.0f, acc = 0.0f;
+          for (int64_t ch = 0; ch < nc; ++ch) {
+            const float w = std::exp(ml[size_t((base + ch) * 2)] - M);
+            L = std::fma(ml[size_t((base + ch) * 2 + 1)], w, L);
+            acc = std::fma(w, part[size_t((base + ch) * d + e)], acc);
+          }
+          out[size_t(((i0 + il) * hq + h) * d + e)] = nc == 0 ? 0.0f : acc / L;
         }
-        out[size_t((i * hq + h) * d + e)] = nc == 0 ? 0.0f : acc / L;
       }
     }
   }
