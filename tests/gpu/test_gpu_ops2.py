@@ -772,6 +772,46 @@ def test_attention_gpu_long_rows(rng, dtype, case):
     assert_tree_equals_chain(rng, hq, hkv, d, dtype, 8253, (3, 6))
 
 
+@pytest.mark.parametrize("window", [0, 50])
+@gpu_only
+def test_attention_gpu_gqa_over_16_heads_and_masked_windows(rng, window):
+    """20 q heads per KV head (a row's heads span two of the tensor-core pass's 16-slot m-tiles) and a mask
+    with a window (one row per m-tile) match the CPU; each row equals the row alone bitwise."""
+    hq, hkv, d, kv_len = 40, 2, 64, 200
+    c = Caches(rng, kv_len + 8, hkv, d, "F16", kv_len)
+    q = f32(rng, (5, hq, d), 2)
+    pos = np.arange(kv_len - 5, kv_len, dtype=np.int32)
+    y, cpu = attn_both(c, q, kv_len, pos, window=window)
+    check_attn(y, cpu, c.vmax)
+    kg, vg = c.gpu
+    for i in range(5):
+        alone = sn.attention(on_gpu(q[i:i + 1]), kg, vg, kv_len, on_gpu(pos[i:i + 1]), window=window).numpy()
+        np.testing.assert_array_equal(alone[0], y[i], err_msg=f"row {i} alone")
+    mask = (rng.random((5, kv_len)) < 0.7).astype(np.int32)
+    check_attn(*attn_both(c, q, kv_len, pos, causal=False, window=window or 90, mask=mask), c.vmax)
+
+
+@gpu_only
+def test_attention_gpu_non_finite_v_seen_by_another_row(rng):
+    """An inf in the F16 V cache (kv_write stores inf past 65504) at the key only the last verify row sees:
+    the other rows of the 8-row verify stay finite and equal their decodes bitwise (the tensor-core pass
+    reads that chunk once per row: a zero weight times inf would be NaN)."""
+    hq, hkv, d, kv_len = 24, 4, 256, 300
+    c = Caches(rng, kv_len + 8, hkv, d, "F16", kv_len)
+    kg, vg = c.gpu
+    big = np.zeros((1, hkv, d), np.float32)
+    big[0, :, 7] = 1e6
+    sn.kv_write(vg, on_gpu(big), np.array([kv_len - 1], np.int32))
+    q = f32(rng, (8, hq, d))
+    pos = np.arange(kv_len - 8, kv_len, dtype=np.int32)
+    y = sn.attention(on_gpu(q), kg, vg, kv_len, on_gpu(pos)).numpy()
+    for i in range(7):
+        alone = sn.attention(on_gpu(q[i:i + 1]), kg, vg, kv_len, on_gpu(pos[i:i + 1])).numpy()
+        assert np.isfinite(alone).all()
+        np.testing.assert_array_equal(alone[0], y[i], err_msg=f"row {i} alone")
+    assert not np.isfinite(y[7, :, 7]).any()
+
+
 @gpu_only
 def test_attention_gpu_bad_input(rng):
     raw, _ = empty_cache(16, 2, 64, "F16")
