@@ -15,35 +15,23 @@ The emulated MMA sums in double, so the hardware's own accumulation is covered o
 (test_gpu_ops2.py), as is the launch itself (registers, occupancy, PDL).
 """
 import os
-import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-GPU_SRC = os.path.join(HERE, "..", "..", "native", "src", "gpu")
-CXX = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_emu_build import build_emu  # noqa: E402
+
 ATOL, RTOL = 2e-5, 1e-4  # of max|v|, relative: the exact path's tolerance vs the CPU op
 
 
 @pytest.fixture(scope="module")
 def chunk_emu(tmp_path_factory):
-    if not CXX or not os.path.exists(os.path.join(GPU_SRC, "attention_chunk_mma.cuh")):
-        pytest.skip("no C++ compiler or no source tree")
-    d = tmp_path_factory.mktemp("chunk_emu")
-    for src in (os.path.join(GPU_SRC, "attention_chunk_mma.cuh"), os.path.join(GPU_SRC, "attention_flash.cuh"),
-                os.path.join(GPU_SRC, "attention_rows.cuh"), os.path.join(GPU_SRC, "pdl.cuh"),
-                os.path.join(HERE, "host_emu", "portability.h"), os.path.join(HERE, "host_emu", "warp_emu.h"),
-                os.path.join(HERE, "host_emu", "chunk_main.cpp")):
-        shutil.copy(src, d / os.path.basename(src))
-    exe = d / "chunk_emu"
-    r = subprocess.run([CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-I", str(d), "-o", str(exe),
-                        str(d / "chunk_main.cpp")], capture_output=True, text=True)
-    if r.returncode != 0 and "barrier" in r.stderr:
-        pytest.skip("C++ compiler without std::barrier (C++20)")
-    assert r.returncode == 0, r.stderr
-    return d, exe
+    return build_emu(tmp_path_factory, "chunk_emu",
+                     ["attention_chunk_mma.cuh", "attention_flash.cuh", "attention_rows.cuh", "pdl.cuh"],
+                     "chunk_main.cpp")
 
 
 def run_emu(emu, q, k, v, kv_len, pos, causal=True, window=0, scale=None, mask=None, resident=10_000, slice_rows=0):

@@ -14,7 +14,6 @@ asynchrony (the emulation copies at once, so a missing wait or barrier would not
 register / shared-memory limits of the real launch: test_gpu_ops2.py's flash tests on a GPU.
 """
 import os
-import shutil
 import subprocess
 import sys
 
@@ -24,28 +23,13 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from flash_ref import check_flash, row_ranges  # noqa: E402
-
-GPU_SRC = os.path.join(HERE, "..", "..", "native", "src", "gpu")
-CXX = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+from host_emu_build import build_emu  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def attn_emu(tmp_path_factory):
-    if not CXX or not os.path.exists(os.path.join(GPU_SRC, "attention_flash.cuh")):
-        pytest.skip("no C++ compiler or no source tree")
-    d = tmp_path_factory.mktemp("attn_emu")
-    for src in (os.path.join(GPU_SRC, "attention_flash.cuh"), os.path.join(GPU_SRC, "attention_rows.cuh"),
-                os.path.join(GPU_SRC, "pdl.cuh"),
-                os.path.join(HERE, "host_emu", "portability.h"), os.path.join(HERE, "host_emu", "warp_emu.h"),
-                os.path.join(HERE, "host_emu", "attn_main.cpp")):
-        shutil.copy(src, d / os.path.basename(src))
-    exe = d / "attn_emu"
-    r = subprocess.run([CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-I", str(d), "-o", str(exe),
-                        str(d / "attn_main.cpp")], capture_output=True, text=True)
-    if r.returncode != 0 and "barrier" in r.stderr:
-        pytest.skip("C++ compiler without std::barrier (C++20)")
-    assert r.returncode == 0, r.stderr
-    return d, exe
+    return build_emu(tmp_path_factory, "attn_emu", ["attention_flash.cuh", "attention_rows.cuh", "pdl.cuh"],
+                     "attn_main.cpp")
 
 
 def run_emu(emu, q, k, v, kv_len, pos, causal=True, window=0, scale=None):

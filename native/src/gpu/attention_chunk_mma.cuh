@@ -455,22 +455,18 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
             for (int u = 0; u < 4; ++u) vb[u] = vn[u];
           }
         }
-        constexpr float inv = 1.0f / kPScale;
+        // acc * 2^-14 of slot gq (x = 0: elements 0, 1) or gq + 8 (x = 2): dims e0 .. e0 + 15.
         const int e0 = 64 * rd + 16 * tq;
-        if (wa) {
-          float4* const dst = reinterpret_cast<float4*>(P.part + (out_a + c) * D + e0);
-          dst[0] = make_float4(o[0][0] * inv, o[1][0] * inv, o[2][0] * inv, o[3][0] * inv);
-          dst[1] = make_float4(o[4][0] * inv, o[5][0] * inv, o[6][0] * inv, o[7][0] * inv);
-          dst[2] = make_float4(o[0][1] * inv, o[1][1] * inv, o[2][1] * inv, o[3][1] * inv);
-          dst[3] = make_float4(o[4][1] * inv, o[5][1] * inv, o[6][1] * inv, o[7][1] * inv);
-        }
-        if (wb) {
-          float4* const dst = reinterpret_cast<float4*>(P.part + (out_b + c) * D + e0);
-          dst[0] = make_float4(o[0][2] * inv, o[1][2] * inv, o[2][2] * inv, o[3][2] * inv);
-          dst[1] = make_float4(o[4][2] * inv, o[5][2] * inv, o[6][2] * inv, o[7][2] * inv);
-          dst[2] = make_float4(o[0][3] * inv, o[1][3] * inv, o[2][3] * inv, o[3][3] * inv);
-          dst[3] = make_float4(o[4][3] * inv, o[5][3] * inv, o[6][3] * inv, o[7][3] * inv);
-        }
+        auto store = [&](int64_t out, int x) {
+          constexpr float inv = 1.0f / kPScale;
+          float4* const dst = reinterpret_cast<float4*>(P.part + (out + c) * D + e0);
+          dst[0] = make_float4(o[0][x] * inv, o[1][x] * inv, o[2][x] * inv, o[3][x] * inv);
+          dst[1] = make_float4(o[4][x] * inv, o[5][x] * inv, o[6][x] * inv, o[7][x] * inv);
+          dst[2] = make_float4(o[0][x + 1] * inv, o[1][x + 1] * inv, o[2][x + 1] * inv, o[3][x + 1] * inv);
+          dst[3] = make_float4(o[4][x + 1] * inv, o[5][x + 1] * inv, o[6][x + 1] * inv, o[7][x + 1] * inv);
+        };
+        if (wa) store(out_a, 0);
+        if (wb) store(out_b, 2);
       }
     }
   }

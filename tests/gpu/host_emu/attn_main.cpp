@@ -23,13 +23,6 @@
 
 using namespace specd::gpu::detail;
 
-template <class T>
-static bool read_file(const char* path, std::vector<T>& v) {
-  std::ifstream f(path, std::ios::binary);
-  f.read(reinterpret_cast<char*>(v.data()), std::streamsize(v.size() * sizeof(T)));
-  return bool(f);
-}
-
 template <int D>
 static void run(flash::Params P, const flash::Plan& pl, std::vector<uint4>& smem) {
   specd_emu_dyn_smem = reinterpret_cast<uint8_t*>(smem.data());

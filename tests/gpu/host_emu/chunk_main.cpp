@@ -24,13 +24,6 @@
 
 using namespace specd::gpu::detail;
 
-template <class T>
-static bool read_file(const char* path, std::vector<T>& v) {
-  std::ifstream f(path, std::ios::binary);
-  f.read(reinterpret_cast<char*>(v.data()), std::streamsize(v.size() * sizeof(T)));
-  return bool(f);
-}
-
 template <int D>
 static void run(const chunk_mma::Params& P, int64_t blocks) {
   if (P.idx) emulate(blocks, chunk_mma::kWarps * 32, [&] { chunk_mma::attn_chunk_mma_kernel<D, true>(P); });

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -233,4 +234,12 @@ void emulate(int64_t blocks, int threads, const Fn& fn, const Before& before_blo
 template <class Fn>
 void emulate(int64_t blocks, int threads, const Fn& fn) {
   emulate(blocks, threads, fn, [](int64_t) {});
+}
+
+// The harnesses' input files: v.size() elements of T read from path (false when short or missing).
+template <class T>
+bool read_file(const char* path, std::vector<T>& v) {
+  std::ifstream f(path, std::ios::binary);
+  f.read(reinterpret_cast<char*>(v.data()), std::streamsize(v.size() * sizeof(T)));
+  return bool(f);
 }
