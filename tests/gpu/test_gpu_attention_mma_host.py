@@ -244,20 +244,28 @@ def test_chunk_mma_emulated_gqa_over_16_heads(chunk_emu, rng, window):
         np.testing.assert_array_equal(one.view(np.uint32), out[i:i + 1].view(np.uint32))
 
 
-def test_chunk_mma_emulated_non_finite_v_seen_by_another_row(chunk_emu, rng):
-    """An inf in V (an F16 cache overflows past 65504) at a key only the last verify row sees: the earlier
-    rows stay finite and equal their decodes bitwise (the tail chunk then runs once per row: a zero weight
-    times inf would be NaN); the last row gets the CPU's inf / NaN."""
+@pytest.mark.parametrize("key,masked", [(99, False), (97, False), (97, True)])
+def test_chunk_mma_emulated_non_finite_v_seen_by_another_row(chunk_emu, rng, key, masked):
+    """An inf in V (an F16 cache overflows past 65504) at a key only the later verify rows see (the last
+    key; the first key the first row does not see), with or without an all-ones mask, beside a row without
+    keys in that chunk (a masked row with its tail masked off): the rows that do not see it stay finite and
+    equal their decodes bitwise (the chunk then runs once per row: a zero weight times inf would be NaN);
+    the rows that see it get the CPU's inf / NaN."""
     d, hq, hkv, n, kv_len = 64, 2, 1, 4, 100
     q, k, v = inputs(rng, n, hq, hkv, d, kv_len)
-    v[99, 0, 5] = np.inf
-    pos = np.arange(kv_len - n, kv_len, dtype=np.int32)
-    out, _ = run_emu(chunk_emu, q, k, v, kv_len, pos)
-    for i in range(n - 1):
-        one, _ = run_emu(chunk_emu, q[i:i + 1], k, v, kv_len, pos[i:i + 1])
-        assert np.isfinite(one).all()
+    v[key, 0, 5] = np.inf
+    pos = np.arange(kv_len - n, kv_len, dtype=np.int32)  # row i sees keys < 97 + i
+    mask = None
+    if masked:
+        mask = np.ones((n + 1, kv_len), np.int32)
+        mask[n, 64:] = 0  # an extra row with no key in chunk 1
+        q = np.concatenate([q, q[:1]])
+        pos = np.concatenate([pos, pos[-1:]])
+    out, _ = run_emu(chunk_emu, q, k, v, kv_len, pos, causal=True, mask=mask)
+    for i in range(len(pos)):
+        one, _ = run_emu(chunk_emu, q[i:i + 1], k, v, kv_len, pos[i:i + 1], mask=None if mask is None else mask[i:i + 1])
         np.testing.assert_array_equal(one.view(np.uint32), out[i:i + 1].view(np.uint32))
-    assert not np.isfinite(out[n - 1, :, 5]).any()
+        assert np.isfinite(one).all() == (pos[i] < key or (masked and i == n)), f"row {i}"
 
 
 def test_chunk_mma_emulated_huge_q(chunk_emu, rng):

@@ -117,7 +117,8 @@ __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(uint8_t* __rest
 //           l_c = fixed-order sum of p (lane strides + butterfly);
 //   values: thread (dim group, key slice) accumulates p * v over its slice's keys in increasing
 //           order; slices are then added in slice order (0, 1, 2, ...) through shared memory.
-//   Partials (m_c, l_c, acc_c[d], F32) go to a scratch buffer from the device pool.
+//   Partials (m_c, l_c, acc_c[dp] incl. the zero padding past d, F32) go to a scratch buffer from the
+//   device pool.
 // Pass 2 (attn_combine_kernel): one block per (row, q head, 64 outputs): M = max m_c; then for c = 0, 1, ...
 // in order: w = expf(m_c - M), L = fmaf(l_c, w, L), acc = fmaf(w, acc_c, acc); out = acc / L.
 // Chunks beyond the row's visible count are skipped by every launch (no work, no partial), so
@@ -414,9 +415,9 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const AttnParams P
 
 // One block per (row of the slice, q head, kCombineDims output elements); thread = output element e.
 // The row's partials are staged tile chunks at a time into shared memory, every 16-byte copy of a tile in
-// flight at once and the next tile loading while the current one is consumed (cp.async, two stages when
-// the row can have more than one tile; a plain copy on HIP), so a row costs about one memory round trip
-// instead of one per chunk. Each thread runs the fixed-order chains L = fmaf(l_c, w_c, L),
+// flight at once and the next tile loading while the current one is consumed (cp.async on sm_80+, else a
+// plain copy; two stages when the call's rows can have more than one tile, i.e. more than 64 chunks), so
+// a row costs about one memory round trip per tile instead of one per chunk. Each thread runs the fixed-order chains L = fmaf(l_c, w_c, L),
 // acc = fmaf(w_c, acc_c, acc) over c = 0, 1, ... with w_c = expf(m_c - M) (the arithmetic of one thread
 // looping over the chunks).
 constexpr int kCombineDims = 64, kCombineTile = 64;  // at most 16 KiB of partials per stage
@@ -496,7 +497,7 @@ __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnPa
   for (int x = 1; x < kCombineDims / SPECD_WARP; ++x) M = fmaxf(M, red[x]);
   float L = 0.0f, acc = 0.0f;
   for (int tile = 0; tile < ntiles; ++tile) {
-    const int c0 = tile * cs.tile, tn = min(cs.tile, nc - c0), b = tile & 1;
+    const int c0 = tile * cs.tile, tn = min(cs.tile, nc - c0), b = tile % cs.stages;
     for (int x = t; x < tn; x += kCombineDims) {
       w_s[b][x] = expf(ml[2 * (c0 + x)] - M);
       l_s[b][x] = ml[2 * (c0 + x) + 1];
@@ -508,7 +509,7 @@ __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnPa
       stage_wait<0>();
     }
     __syncthreads();  // the tile's partials and weights are visible
-    const float* const a = acc_s + (tile % cs.stages) * cs.tile * kCombineDims + t;
+    const float* const a = acc_s + b * cs.tile * kCombineDims + t;
     auto step = [&](int x) {
       L = fmaf(l_s[b][x], w_s[b][x], L);
       acc = fmaf(w_s[b][x], a[x * kCombineDims], acc);
@@ -574,11 +575,12 @@ namespace cmma = detail::chunk_mma;
 static_assert(cmma::kChunk == kChunk, "the tensor-core chunk pass writes the combine's chunks");
 
 // Whether the exact path's chunk pass runs on tensor cores (attention_chunk_mma.cuh): F16 K and V caches
-// of head_dim 64, 128 or 256 with 16-byte aligned head rows. Depends on the caches alone (never on the
-// rows, the mask or the window), so every call on a model's caches takes the same path.
+// of head_dim 64, 128 or 256 with 16-byte aligned head rows, on an sm_80+ device. Depends on the caches
+// and the device alone (never on the rows, the mask or the window), so every call on a model's caches
+// takes the same path.
 bool use_chunk_mma(const Tensor& kc, const Tensor& vc, int64_t d) {
   if (kc.dtype != DType::F16 || vc.dtype != DType::F16 || !cmma::supported_dim(d)) return false;
-  return rows_aligned16(kc) && rows_aligned16(vc);
+  return detail::compute_major() >= 8 && rows_aligned16(kc) && rows_aligned16(vc);
 }
 
 template <int D>
@@ -590,19 +592,17 @@ void launch_chunk_mma_d(bool idx, const cmma::Params& P, unsigned blocks, cudaSt
 
 // The chunk pass of one slice of rows on tensor cores.
 void launch_chunk_mma(const AttnParams& A, int64_t d, cudaStream_t s, const char* op) {
-  // Without a window every row's chunk c starts at rank 64 c from position 0: rows pack into m-tiles (under
-  // a mask the kernel checks per chunk that their compacted positions agree).
+  // Without a window every row's chunk c starts at rank 64 c from position 0: rows pack into m-tiles (the
+  // kernel reads a chunk once per row instead where the rows' compacted positions differ under a mask or
+  // a key some row does not see holds a non-finite V).
   const bool packed = A.window == 0;
   const int64_t resident = int64_t(detail::sm_count()) * cmma::kMinBlocks * cmma::kWarps;
   const cmma::Plan pl = cmma::plan(A.rows, A.r, A.hkv, A.nch, packed, resident);
   detail::check_grid(pl.blocks, op);
+  SPECD_CHECK(A.dp == d, op, ": the tensor-core chunk pass writes partials of head_dim ", d, ", not ", A.dp);
   cmma::Params P{};
   static_cast<detail::SplitKParams&>(P) = A;
-  P.packed = pl.packed;
-  P.mpr = pl.mpr;
-  P.mtiles = pl.mtiles;
-  P.groups = pl.groups;
-  P.cpw = pl.cpw;
+  cmma::set_plan(P, pl);
   const unsigned blocks = unsigned(pl.blocks);
   const bool idx = A.idx != nullptr;
   switch (d) {
@@ -634,7 +634,7 @@ size_t flash_smem_limit() { return size_t(std::max(0, detail::max_smem_optin() -
 bool use_flash(const Tensor& q, const Tensor& kc, const Tensor& vc, const cpu::AttentionArgs& a, bool exact) {
   const int64_t n = q.dim(0), hq = q.dim(1), d = q.dim(2), hkv = kc.dim(1);
   if (exact || a.mask || n < flash::kMinRows || !flash::supported_dim(d)) return false;
-  if (kc.dtype != DType::F16 || vc.dtype != DType::F16) return false;
+  if (kc.dtype != DType::F16 || vc.dtype != DType::F16 || detail::compute_major() < 8) return false;
   if (!detail::aligned16(q.data) || !rows_aligned16(kc) || !rows_aligned16(vc)) return false;
   return flash::plan(n, hkv, hq / hkv, d).smem <= flash_smem_limit();
 }

@@ -99,6 +99,15 @@ inline Plan plan(int64_t rows, int64_t r, int64_t hkv, int64_t nch, bool packed,
   return p;
 }
 
+// The plan's fields of Params (the split-K call's are the caller's).
+inline void set_plan(Params& P, const Plan& pl) {
+  P.packed = pl.packed;
+  P.mpr = pl.mpr;
+  P.mtiles = pl.mtiles;
+  P.groups = pl.groups;
+  P.cpw = pl.cpw;
+}
+
 // --- helpers ---------------------------------------------------------------------------------------
 
 // Two floats as two F16 terms each: hi = f16(a), lo = f16(a - hi) (a - hi is exact in F32), packed two
@@ -279,23 +288,26 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
     // zero weight times it would be NaN, which the row alone would never compute.
     bool agree = true;
     if (first_row != last_row) {
-      int ok = 1, min_vis = kChunk;
+      int ok = 1, min_vis = kChunk;  // min_vis: the fewest keys a row with keys in this chunk sees
       for (int row = first_row; row <= last_row; ++row) {
         const int64_t n = row_cnt(row) - r0;
-        min_vis = int(n < min_vis ? (n > 0 ? n : 0) : min_vis);
+        if (n > 0 && n < min_vis) min_vis = int(n);  // a row without keys here writes nothing for it
         if (Idx) {
           for (int j = lane; j < kChunk; j += 32)
             if (j < n && idx_of(row)[r0 + j] != idx_of(lead)[r0 + j]) ok = 0;
         }
       }
-      const int cc = int(maxcnt - r0 < kChunk ? maxcnt - r0 : kChunk);
-      for (int x = lane; x < (cc - min_vis) * (D / 8); x += 32) {  // the keys [min_vis, cc): 16 bytes a lane
-        const int j = min_vis + x / (D / 8);
-        const int64_t row = Idx ? int64_t(idx_of(lead)[r0 + j]) : lo + r0 + j;
-        const uint4 w = __ldg(reinterpret_cast<const uint4*>(vline + row * P.v_row_stride) + x % (D / 8));
-        if (!finite_f16x8(w)) ok = 0;
-      }
       agree = flash::warp_min_i(ok) != 0;
+      const int cc = int(maxcnt - r0 < kChunk ? maxcnt - r0 : kChunk);
+      if (agree && min_vis < cc) {  // V of the keys [min_vis, cc), 16 bytes a lane
+        for (int x = lane; x < (cc - min_vis) * (D / 8); x += 32) {
+          const int j = min_vis + x / (D / 8);
+          const int64_t key_row = Idx ? int64_t(idx_of(lead)[r0 + j]) : lo + r0 + j;
+          const uint4 w = __ldg(reinterpret_cast<const uint4*>(vline + key_row * P.v_row_stride) + x % (D / 8));
+          if (!finite_f16x8(w)) ok = 0;
+        }
+        agree = flash::warp_min_i(ok) != 0;
+      }
     }
     for (int only = agree ? -1 : first_row; only <= (agree ? -1 : last_row); ++only) {  // uniform
       const int src = only < 0 ? lead : only;  // whose positions the pass reads

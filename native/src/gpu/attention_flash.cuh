@@ -45,8 +45,10 @@
 // in sign): for q, k, v ~ N(0, 1) the largest error of a call is ~1e-4 * max|v| (host emulation), ~6e-4
 // with q * 4 (a peaky softmax); the tests allow 2e-3 * max|v|.
 // A V element outside a row's range but inside [kmin, kmax) (in the tile of a row's diagonal) is
-// multiplied by an exact zero weight: it must be finite (every cache row below kv_len that the model
-// reads is written; the exact path reads only visible keys).
+// multiplied by an exact zero weight. Every cache row below kv_len that the model reads is written, but a
+// written F16 value can be inf (|v| > 65504): then the rows of that tile that do not see the key get NaN
+// where a call of those rows alone would not (a known limit of this inexact prefill path; the exact
+// path's tensor-core chunk pass reads such a chunk once per row instead).
 #pragma once
 
 #ifndef SPECD_HOST_EMU

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "portability.h"  // __host__ / __device__ (host_emu's stand-ins in the emulation harnesses)
+
 namespace specd::gpu::detail {
 
 // The keys [lo, hi) a query row at position pos sees before any mask (empty when hi <= lo):

@@ -26,6 +26,9 @@ int sm_count();
 // limit (cudaFuncAttributeMaxDynamicSharedMemorySize; sharedMemPerBlockOptin, cached).
 int max_smem_optin();
 
+// Compute capability major of the library's device (cached; 8+ has mma.sync f16, ldmatrix, cp.async).
+int compute_major();
+
 // The graph-capture lock (runtime.cu; recursive, never destroyed).
 std::recursive_mutex& capture_mu();
 

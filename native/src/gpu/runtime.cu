@@ -72,6 +72,7 @@ struct Probe {
   std::string name;
   int sms = 0;
   int smem_optin = 0;
+  int major = 0;  // compute capability major (CUDA)
   bool pools = false;
 };
 
@@ -108,6 +109,7 @@ const Probe& probe() {
     }
     r.name = prop.name;
     r.sms = prop.multiProcessorCount;
+    r.major = prop.major;
 #if SPECD_HIP
     r.smem_optin = int(prop.sharedMemPerBlock);
 #else
@@ -161,6 +163,8 @@ cudaStream_t stream() {
 int sm_count() { return require().sms; }
 
 int max_smem_optin() { return require().smem_optin; }
+
+int compute_major() { return require().major; }
 
 // ---- Graph capture state (see specd/gpu.h). One global capture at a time, guarded by capture_mu();
 // allocation and free paths consult it, so they also work from buffer deleters on any thread.

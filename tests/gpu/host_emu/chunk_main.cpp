@@ -95,11 +95,7 @@ int main(int argc, char** argv) {
     P.scale = scale;
     P.part = part.data();
     P.ml = ml.data();
-    P.packed = pl.packed;
-    P.mpr = pl.mpr;
-    P.mtiles = pl.mtiles;
-    P.groups = pl.groups;
-    P.cpw = pl.cpw;
+    chunk_mma::set_plan(P, pl);
     if (d == 64) run<64>(P, pl.blocks);
     else if (d == 128) run<128>(P, pl.blocks);
     else run<256>(P, pl.blocks);
