@@ -414,12 +414,12 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const AttnParams P
 }
 
 // One block per (row of the slice, q head, kCombineDims output elements); thread = output element e.
-// The row's partials are staged tile chunks at a time into shared memory, every 16-byte copy of a tile in
-// flight at once and the next tile loading while the current one is consumed (cp.async on sm_80+, else a
-// plain copy; two stages when the call's rows can have more than one tile, i.e. more than 64 chunks), so
-// a row costs about one memory round trip per tile instead of one per chunk. Each thread runs the fixed-order chains L = fmaf(l_c, w_c, L),
-// acc = fmaf(w_c, acc_c, acc) over c = 0, 1, ... with w_c = expf(m_c - M) (the arithmetic of one thread
-// looping over the chunks).
+// The row's partials are staged a tile of chunks at a time into shared memory, every 16-byte copy of a
+// tile in flight at once and the next tile loading while the current one is consumed (cp.async on sm_80+,
+// else a plain copy; two stages when the call's rows can have more than one tile, i.e. more than 64
+// chunks), so a row costs about one memory round trip per tile instead of one per chunk. Each thread runs
+// the fixed-order chains L = fmaf(l_c, w_c, L), acc = fmaf(w_c, acc_c, acc) over c = 0, 1, ... with
+// w_c = expf(m_c - M) (the arithmetic of one thread looping over the chunks).
 constexpr int kCombineDims = 64, kCombineTile = 64;  // at most 16 KiB of partials per stage
 
 // The combine's tile (chunks per stage), stages and dynamic shared memory for nch chunks per row.
