@@ -586,8 +586,10 @@ bool use_chunk_mma(const Tensor& kc, const Tensor& vc, int64_t d) {
 template <int D>
 void launch_chunk_mma_d(bool idx, const cmma::Params& P, unsigned blocks, cudaStream_t s) {
   constexpr unsigned threads = cmma::kWarps * 32;
-  if (idx) detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, true>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
-  else detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, false>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
+  if (idx)
+    detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, true>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
+  else
+    detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, false>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
 }
 
 // The chunk pass of one slice of rows on tensor cores.

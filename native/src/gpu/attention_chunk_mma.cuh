@@ -135,7 +135,9 @@ __device__ __forceinline__ bool finite_f16x8(const uint4& v) {
   return ok;
 }
 
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
 
 // 16 bytes of a cache row (read-only for the kernel's duration), or zeros.
 __device__ __forceinline__ uint4 load16(const uint8_t* p, bool ok) {
@@ -385,7 +387,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
       for (int u = 0; u < 4; ++u) vb[u] = vload(0, u, 0);
 
       // Softmax within the chunk. Element (t, e): slot gq (e < 2) or gq + 8, key 8 t + 2 tq + e % 2.
-      const int vis_a = int(cnt_a - r0 < kChunk ? cnt_a - r0 : kChunk), vis_b = int(cnt_b - r0 < kChunk ? cnt_b - r0 : kChunk);
+      const int vis_a = int(cnt_a - r0 < kChunk ? cnt_a - r0 : kChunk);
+      const int vis_b = int(cnt_b - r0 < kChunk ? cnt_b - r0 : kChunk);
       float ma = -INFINITY, mb = -INFINITY;
 #pragma unroll
       for (int t = 0; t < 8; ++t)
