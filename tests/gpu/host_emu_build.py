@@ -1,9 +1,11 @@
 """Builds a host-emulation harness (tests/gpu/host_emu/*_main.cpp) with the GPU headers it compiles for the
-CPU, for the emulation tests' module fixtures (test_gpu_flash_attention_host.py, test_gpu_attention_mma_host.py)."""
+CPU, and draws the attention harnesses' random inputs, for the emulation tests (test_gpu_flash_attention_host.py,
+test_gpu_attention_mma_host.py)."""
 import os
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,3 +30,12 @@ def build_emu(tmp_path_factory, name, headers, main):
         pytest.skip("C++ compiler without std::barrier (C++20)")
     assert r.returncode == 0, r.stderr
     return d, exe
+
+
+def inputs(rng, n, hq, hkv, d, cap, qscale=1.0):
+    """Random attention inputs for the harnesses: q F32 [n, hq, d] (times qscale), K and V F16
+    [cap, hkv, d], all standard normal."""
+    q = (rng.standard_normal((n, hq, d)) * qscale).astype(np.float32)
+    k = rng.standard_normal((cap, hkv, d)).astype(np.float16)
+    v = rng.standard_normal((cap, hkv, d)).astype(np.float16)
+    return q, k, v

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_emu_build import build_emu  # noqa: E402
+from host_emu_build import build_emu, inputs  # noqa: E402
 
 ATOL, RTOL = 2e-5, 1e-4  # of max|v|, relative: the exact path's tolerance vs the CPU op
 
@@ -80,13 +80,6 @@ def check(out, ref, v, what):
     err = np.abs(out - ref)
     lim = ATOL * float(np.abs(v.astype(np.float32)).max()) + RTOL * np.abs(ref)
     assert (err <= lim).all(), f"{what}: max err {err.max():.3g} (limit {lim.min():.3g}..)"
-
-
-def inputs(rng, n, hq, hkv, d, cap, qscale=1.0):
-    q = (rng.standard_normal((n, hq, d)) * qscale).astype(np.float32)
-    k = rng.standard_normal((cap, hkv, d)).astype(np.float16)
-    v = rng.standard_normal((cap, hkv, d)).astype(np.float16)
-    return q, k, v
 
 
 # (head_dim, hq, hkv, n, kv_len): decode and chain verify of the 27B's group (24:4 -> one KV head of 6:1

@@ -23,7 +23,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from flash_ref import check_flash, row_ranges  # noqa: E402
-from host_emu_build import build_emu  # noqa: E402
+from host_emu_build import build_emu, inputs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +46,6 @@ def run_emu(emu, q, k, v, kv_len, pos, causal=True, window=0, scale=None):
     subprocess.run([str(exe), str(hd), str(n), str(hq), str(hkv), str(cap), str(kv_len), str(window), str(int(causal)),
                     repr(float(sc)), files["q"], files["pos"], files["k"], files["v"], files["out"]], check=True)
     return np.fromfile(files["out"], np.float32).reshape(n, hq, hd)
-
-
-def inputs(rng, n, hq, hkv, d, cap, qscale=1.0):
-    q = (rng.standard_normal((n, hq, d)) * qscale).astype(np.float32)
-    k = rng.standard_normal((cap, hkv, d)).astype(np.float16)
-    v = rng.standard_normal((cap, hkv, d)).astype(np.float16)
-    return q, k, v
 
 
 # (head_dim, hq, hkv, n, kv_len, first position): chunks in the middle of a prompt (positions c .. c + n - 1
