@@ -83,7 +83,8 @@ def check(out, ref, v, what):
 
 
 # (head_dim, hq, hkv, n, kv_len): decode and chain verify of the 27B's group (24:4 -> one KV head of 6:1
-# here), drafter-like 128 with 1:1 (16 rows packed per m-tile), 64; chunk edges (64, 65, 127, 128 keys).
+# here), drafter-like 128 with 1:1 (16 rows packed per m-tile), 64; chunk edges (64, 65, 127, 128 keys);
+# the combine's group edge (rows of 4093..4100 keys: 64 or 65 chunks, one or two groups) and three groups.
 CASES = [
     (256, 6, 1, 1, 200),
     (256, 12, 2, 8, 130),
@@ -91,6 +92,8 @@ CASES = [
     (128, 1, 1, 20, 65),
     (64, 6, 1, 3, 64),
     (64, 4, 2, 5, 127),
+    (64, 2, 1, 8, 4100),
+    (64, 1, 1, 2, 8500),
 ]
 
 

@@ -146,6 +146,8 @@ struct AttnParams : detail::SplitKParams {
   int hs, nsub, w;      // heads per block, sub-groups per KV head, lanes per key
   int vec;              // 16-byte loads allowed (alignment and d % 8 checked on the host)
   float* out;
+  float* gpart;  // [rows, hq, combine_groups(nch), dp] the combine's group partials acc_g
+  float* gml;    // [rows, hq, combine_groups(nch), 2] (M_g, L_g)
 };
 
 using detail::row_range;
@@ -413,24 +415,25 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const AttnParams P
   }
 }
 
-// One block per (row of the slice, q head, kCombineDims output elements); thread = output element e.
-// The row's partials are staged a tile of chunks at a time into shared memory, every 16-byte copy of a
-// tile in flight at once and the next tile loading while the current one is consumed (cp.async on sm_80+,
-// else a plain copy; two stages when the call's rows can have more than one tile, i.e. more than 64
-// chunks), so a row costs about one memory round trip per tile instead of one per chunk. Each thread runs
-// the fixed-order chains L = fmaf(l_c, w_c, L), acc = fmaf(w_c, acc_c, acc) over c = 0, 1, ... with
-// w_c = expf(m_c - M) (the arithmetic of one thread looping over the chunks).
-constexpr int kCombineDims = 64, kCombineTile = 64;  // at most 16 KiB of partials per stage
+// The combine runs in two levels so that a long row's chunks are read by many blocks at once (one block per
+// row and head had left a 131k-key decode 96 blocks, each waiting on one tile of partials after another):
+// Level 1 (attn_combine_kernel): one block per (row of the slice, q head, kCombineDims output elements,
+// group of kGroupChunks chunks g); thread = output element e. The group's partials are staged into shared
+// memory at once (cp.async on sm_80+, else a plain copy), then each thread runs the fixed-order chains
+// L = fmaf(l_c, w_c, L), acc = fmaf(w_c, acc_c, acc) over the group's chunks c in order, w_c = expf(m_c - M_g),
+// M_g = max m_c of the group. A row of one group (at most 4096 visible keys) writes acc / L as its output;
+// otherwise the group writes (M_g, L_g, acc_g) to the group partials.
+// Level 2 (attn_combine_groups_kernel), rows of more than one group: M = max M_g, then for g = 0, 1, ... in
+// order w_g = expf(M_g - M), L = fmaf(L_g, w_g, L), acc = fmaf(w_g, acc_g, acc); out = acc / L.
+// The groups are cut by chunk rank, so both levels depend on the row's own visible keys only (batch
+// invariance as for the chunks); a weight is expf(m_c - M_g) * expf(M_g - M) instead of expf(m_c - M), a
+// few ulp apart, inside the tolerance above.
+constexpr int kCombineDims = 64, kGroupChunks = 64;  // 16 KiB of partials per level-1 block
 
-// The combine's tile (chunks per stage), stages and dynamic shared memory for nch chunks per row.
-struct CombineShape {
-  int tile, stages;
-  size_t smem;
-};
-__host__ __device__ inline CombineShape combine_shape(int nch) {
-  const int tile = nch < kCombineTile ? (nch > 0 ? nch : 1) : kCombineTile;
-  const int stages = nch > tile ? 2 : 1;
-  return {tile, stages, size_t(stages) * tile * kCombineDims * sizeof(float)};
+// Groups per (row, q head) bounding every row's, and the level-1 block's dynamic shared memory.
+__host__ __device__ inline int combine_groups(int nch) { return (nch + kGroupChunks - 1) / kGroupChunks; }
+inline size_t combine_smem(int nch) {
+  return size_t(nch < kGroupChunks ? (nch > 0 ? nch : 1) : kGroupChunks) * kCombineDims * sizeof(float);
 }
 
 // 16 bytes of partials into shared memory (zeros when !valid; src must still be a valid address).
@@ -441,88 +444,107 @@ __device__ __forceinline__ void stage16(float* dst, const float* src, bool valid
   *reinterpret_cast<float4*>(dst) = valid ? *reinterpret_cast<const float4*>(src) : make_float4(0.f, 0.f, 0.f, 0.f);
 #endif
 }
-__device__ __forceinline__ void stage_commit() {
+__device__ __forceinline__ void stage_wait_all() {
 #if SPECD_FLASH_ATTN && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   detail::flash::cp_async_commit();
+  detail::flash::cp_async_wait<0>();
 #endif
 }
-template <int N>
-__device__ __forceinline__ void stage_wait() {  // at most N committed stages still loading
-#if SPECD_FLASH_ATTN && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  detail::flash::cp_async_wait<N>();
-#endif
+
+// M over the block's kCombineDims threads, each holding v (every thread gets it).
+__device__ __forceinline__ float block_max(float v, float* red) {
+  v = warp_max(v);
+  if (threadIdx.x % SPECD_WARP == 0) red[threadIdx.x / SPECD_WARP] = v;
+  __syncthreads();
+  v = red[0];
+#pragma unroll
+  for (int x = 1; x < kCombineDims / SPECD_WARP; ++x) v = fmaxf(v, red[x]);
+  return v;
 }
 
 __global__ void __launch_bounds__(kCombineDims) attn_combine_kernel(const AttnParams P) {
   detail::pdl_enter();
-  extern __shared__ __align__(16) float acc_s[];  // [stages][tile][kCombineDims]
-  __shared__ float w_s[2][kCombineTile], l_s[2][kCombineTile], red[kCombineDims / SPECD_WARP];
-  const CombineShape cs = combine_shape(P.nch);
-  const int slices = (P.d + kCombineDims - 1) / kCombineDims;
-  const int64_t il = blockIdx.x / (int64_t(P.hq) * slices), i = P.i0 + il;
-  const int h = int(blockIdx.x / slices % P.hq), t = threadIdx.x;
-  const int slice = int(blockIdx.x % slices), e = slice * kCombineDims + t;
+  extern __shared__ __align__(16) float acc_s[];  // [group chunks][kCombineDims]
+  __shared__ float w_s[kGroupChunks], l_s[kGroupChunks], red[kCombineDims / SPECD_WARP];
+  const int slices = (P.d + kCombineDims - 1) / kCombineDims, ngr = combine_groups(P.nch);
+  const int g = int(blockIdx.x % ngr), slice = int(blockIdx.x / ngr % slices);
+  const int h = int(blockIdx.x / (int64_t(ngr) * slices) % P.hq);
+  const int64_t il = blockIdx.x / (int64_t(ngr) * slices * P.hq), i = P.i0 + il;
+  const int t = threadIdx.x, e = slice * kCombineDims + t;
   int64_t lo, cnt;
   row_range(P, i, lo, cnt);
-  const int nc = int((cnt + kChunk - 1) / kChunk);
+  const int nc = int((cnt + kChunk - 1) / kChunk), c0 = g * kGroupChunks;
   float* o = P.out + (i * P.hq + h) * P.d + e;
-  if (nc == 0) {  // uniform over the block
-    if (e < P.d) *o = 0.0f;
-    return;
-  }
-  const float* ml = P.ml + (il * P.hq + h) * P.nch * 2;
+  if (nc == 0 && g == 0 && e < P.d) *o = 0.0f;  // a query without keys
+  if (c0 >= nc) return;  // uniform over the block
+  const int tn = min(kGroupChunks, nc - c0);
+  const float* ml = P.ml + ((il * P.hq + h) * P.nch + c0) * 2;
   // The slice's outputs of chunk c: kCombineDims floats at acc0 + c * dp, of which `pieces` 16-byte
   // pieces hold dims below dp (both chunk passes write the zero padding d .. dp).
-  const float* acc0 = P.part + (il * P.hq + h) * P.nch * int64_t(P.dp) + slice * kCombineDims;
+  const float* acc0 = P.part + ((il * P.hq + h) * P.nch + c0) * int64_t(P.dp) + slice * kCombineDims;
   const int pieces = min(kCombineDims, P.dp - slice * kCombineDims) / 4;
-  const int ntiles = (nc + cs.tile - 1) / cs.tile;
-  auto stage_tile = [&](int tile) {  // tile's partials into stage tile % stages
-    const int c0 = tile * cs.tile, tn = min(cs.tile, nc - c0);
-    float* const dst = acc_s + (tile % cs.stages) * cs.tile * kCombineDims;
-    for (int x = t; x < tn * (kCombineDims / 4); x += kCombineDims) {
-      const int c = x / (kCombineDims / 4), pc = x % (kCombineDims / 4);
-      const bool ok = pc < pieces;
-      stage16(dst + c * kCombineDims + 4 * pc, ok ? acc0 + (c0 + c) * int64_t(P.dp) + 4 * pc : acc0, ok);
-    }
-    stage_commit();
-  };
-  stage_tile(0);
-  float M = -INFINITY;  // a max is order-free: any split of the chunks gives the same value
-  for (int c = t; c < nc; c += kCombineDims) M = fmaxf(M, ml[2 * c]);
-  M = warp_max(M);
-  if (t % SPECD_WARP == 0) red[t / SPECD_WARP] = M;
-  __syncthreads();
-  M = red[0];
-#pragma unroll
-  for (int x = 1; x < kCombineDims / SPECD_WARP; ++x) M = fmaxf(M, red[x]);
-  float L = 0.0f, acc = 0.0f;
-  for (int tile = 0; tile < ntiles; ++tile) {
-    const int c0 = tile * cs.tile, tn = min(cs.tile, nc - c0), b = tile % cs.stages;
-    for (int x = t; x < tn; x += kCombineDims) {
-      w_s[b][x] = expf(ml[2 * (c0 + x)] - M);
-      l_s[b][x] = ml[2 * (c0 + x) + 1];
-    }
-    if (tile + 1 < ntiles) {
-      stage_tile(tile + 1);  // its stage was consumed before the last iteration's closing barrier
-      stage_wait<1>();
-    } else {
-      stage_wait<0>();
-    }
-    __syncthreads();  // the tile's partials and weights are visible
-    const float* const a = acc_s + b * cs.tile * kCombineDims + t;
-    auto step = [&](int x) {
-      L = fmaf(l_s[b][x], w_s[b][x], L);
-      acc = fmaf(w_s[b][x], a[x * kCombineDims], acc);
-    };
-    if (tn == kCombineTile) {  // unrolled: the shared-memory loads run ahead of the two chains
-#pragma unroll 16
-      for (int x = 0; x < kCombineTile; ++x) step(x);
-    } else {
-      for (int x = 0; x < tn; ++x) step(x);
-    }
-    __syncthreads();  // this stage is refilled two tiles on
+  for (int x = t; x < tn * (kCombineDims / 4); x += kCombineDims) {
+    const int c = x / (kCombineDims / 4), pc = x % (kCombineDims / 4);
+    const bool ok = pc < pieces;
+    stage16(acc_s + c * kCombineDims + 4 * pc, ok ? acc0 + c * int64_t(P.dp) + 4 * pc : acc0, ok);
   }
-  if (e < P.d) *o = __fdiv_rn(acc, L);
+  // A max is order-free: M_g is the same whichever thread reads which chunk.
+  const float m = t < tn ? ml[2 * t] : -INFINITY;
+  const float M = block_max(m, red);
+  if (t < tn) {
+    w_s[t] = expf(m - M);
+    l_s[t] = ml[2 * t + 1];
+  }
+  stage_wait_all();
+  __syncthreads();  // the group's partials and weights are visible
+  float L = 0.0f, acc = 0.0f;
+  const float* const a = acc_s + t;
+  auto step = [&](int x) {
+    L = fmaf(l_s[x], w_s[x], L);
+    acc = fmaf(w_s[x], a[x * kCombineDims], acc);
+  };
+  if (tn == kGroupChunks) {  // unrolled: the shared-memory loads run ahead of the two chains
+#pragma unroll 16
+    for (int x = 0; x < kGroupChunks; ++x) step(x);
+  } else {
+    for (int x = 0; x < tn; ++x) step(x);
+  }
+  if (nc <= kGroupChunks) {  // one group: this is the output
+    if (e < P.d) *o = __fdiv_rn(acc, L);
+    return;
+  }
+  const int64_t gi = (il * P.hq + h) * ngr + g;
+  if (e < P.dp) P.gpart[gi * P.dp + e] = acc;
+  if (t == 0) {
+    P.gml[2 * gi] = M;
+    P.gml[2 * gi + 1] = L;
+  }
+}
+
+__global__ void __launch_bounds__(kCombineDims) attn_combine_groups_kernel(const AttnParams P) {
+  detail::pdl_enter();
+  __shared__ float red[kCombineDims / SPECD_WARP];
+  const int slices = (P.d + kCombineDims - 1) / kCombineDims, ngr = combine_groups(P.nch);
+  const int64_t il = blockIdx.x / (int64_t(P.hq) * slices), i = P.i0 + il;
+  const int h = int(blockIdx.x / slices % P.hq), t = threadIdx.x;
+  const int e = int(blockIdx.x % slices) * kCombineDims + t;
+  int64_t lo, cnt;
+  row_range(P, i, lo, cnt);
+  const int ng = combine_groups(int((cnt + kChunk - 1) / kChunk));
+  if (ng <= 1) return;  // written by level 1 (uniform over the block)
+  const float* gml = P.gml + (il * P.hq + h) * ngr * 2;
+  const float* gacc = P.gpart + (il * P.hq + h) * ngr * int64_t(P.dp) + (e < P.dp ? e : 0);
+  float M = -INFINITY;
+  for (int x = t; x < ng; x += kCombineDims) M = fmaxf(M, gml[2 * x]);
+  M = block_max(M, red);
+  float L = 0.0f, acc = 0.0f;
+#pragma unroll 8
+  for (int x = 0; x < ng; ++x) {
+    const float w = expf(gml[2 * x] - M);
+    L = fmaf(gml[2 * x + 1], w, L);
+    acc = fmaf(w, gacc[x * int64_t(P.dp)], acc);
+  }
+  if (e < P.d) P.out[(i * P.hq + h) * P.d + e] = __fdiv_rn(acc, L);
 }
 
 // The q / cache / position / output fields that AttnParams and flash::Params share.
@@ -805,7 +827,8 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   }
 
   // Partials for a slice of rows; slicing never changes a row's arithmetic.
-  const int64_t per_row = hq * nch * (dp + 2);
+  const int64_t ngr = combine_groups(int(nch));
+  const int64_t per_row = hq * nch * (dp + 2) + (ngr > 1 ? hq * ngr * (dp + 2) : 0);
   const int64_t rows_per = std::max<int64_t>(1, std::min<int64_t>(n, kScratchFloats / per_row));
   Tensor scratch = Tensor::empty({rows_per * per_row}, DType::F32, Device::GPU);
   const size_t shmem = size_t(2 * hs * dp + hs * kChunk) * sizeof(float) + kChunk * sizeof(int32_t);
@@ -819,6 +842,8 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
     P.rows = rows;
     P.part = scratch.ptr<float>();
     P.ml = scratch.ptr<float>() + rows * hq * nch * dp;
+    P.gpart = P.ml + rows * hq * nch * 2;
+    P.gml = P.gpart + rows * hq * ngr * dp;
 #if SPECD_FLASH_ATTN
     if (chunk_mma) {
       launch_chunk_mma(P, d, s, op);
@@ -833,9 +858,12 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
         default: launch_chunks<DType::Q8_0>(v_cache.dtype, P, unsigned(blocks), shmem, s); break;
       }
     }
-    detail::check_grid(rows * hq * combine_slices, op);
-    detail::launch_kernel<attn_combine_kernel>("attn_combine_kernel", unsigned(rows * hq * combine_slices), kCombineDims,
-                                               combine_shape(P.nch).smem, s, P);
+    detail::check_grid(rows * hq * combine_slices * ngr, op);
+    detail::launch_kernel<attn_combine_kernel>("attn_combine_kernel", unsigned(rows * hq * combine_slices * ngr),
+                                               kCombineDims, combine_smem(P.nch), s, P);
+    if (ngr > 1)  // some row may have more than one group
+      detail::launch_kernel<attn_combine_groups_kernel>("attn_combine_groups_kernel", unsigned(rows * hq * combine_slices),
+                                                        kCombineDims, 0, s, P);
   }
   return out;
 }

@@ -2,7 +2,7 @@
 // attention_chunk_mma.cuh): attn_chunk_mma_kernel runs on the CPU, one std::thread per lane (warp_emu.h:
 // mma.sync m16n8k16 f16 -> f32 and shuffles emulated from the PTX ISA layouts), with attention.cu's
 // launch plan (chunk_mma::plan: rows packed into m-tiles without a window, else one row per m-tile), then the
-// partials are combined in chunk order with attn_combine_kernel's arithmetic. A mask is compacted on the
+// partials are combined with attention.cu's two-level combine arithmetic. A mask is compacted on the
 // host as attn_mask_compact_kernel does. Partials and output are poisoned (NaN) first, so a partial the
 // kernel should have written and did not shows. Driven by tests/gpu/test_gpu_attention_mma_host.py.
 //
@@ -11,6 +11,7 @@
 //   q: F32 [n, hq, D]; pos: I32 [n]; k, v: F16 [capacity, hkv, D]; mask: I32 [n, kv_len] or "-";
 //   out: F32 [n, hq, D] (written). resident_warps sizes chunks per warp (small: several per warp);
 //   slice_rows > 0 runs the rows in slices of that many (the last slice's plan is printed).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -99,22 +100,41 @@ int main(int argc, char** argv) {
     if (d == 64) run<64>(P, pl.blocks);
     else if (d == 128) run<128>(P, pl.blocks);
     else run<256>(P, pl.blocks);
-    // attn_combine_kernel's arithmetic: M = max m_c; L, acc over c = 0, 1, ... with w = expf(m_c - M).
+    // attention.cu's two-level combine: per group of 64 chunks M_g = max m_c and the chains L_g, acc_g over its
+    // chunks with w = expf(m_c - M_g); a row of one group outputs acc_g / L_g, else the same chains over the
+    // groups with w = expf(M_g - M), M = max M_g.
+    constexpr int64_t kGroup = 64;
+    auto chains = [](int64_t k, auto m_of, auto l_of, auto v_of, float& L, float& acc) {
+      float M = -INFINITY;
+      for (int64_t x = 0; x < k; ++x) M = std::fmax(M, m_of(x));
+      L = 0.0f, acc = 0.0f;
+      for (int64_t x = 0; x < k; ++x) {
+        const float w = std::exp(m_of(x) - M);
+        L = std::fma(l_of(x), w, L);
+        acc = std::fma(w, v_of(x), acc);
+      }
+      return M;
+    };
     for (int64_t il = 0; il < rows; ++il) {
       int64_t lo, c;
       row_range(P, i0 + il, lo, c);
-      const int64_t nc = (c + chunk_mma::kChunk - 1) / chunk_mma::kChunk;
+      const int64_t nc = (c + chunk_mma::kChunk - 1) / chunk_mma::kChunk, ng = (nc + kGroup - 1) / kGroup;
       for (int64_t h = 0; h < hq; ++h) {
         const int64_t base = (il * hq + h) * nch;
-        float M = -INFINITY;
-        for (int64_t ch = 0; ch < nc; ++ch) M = std::fmax(M, ml[size_t((base + ch) * 2)]);
         for (int e = 0; e < d; ++e) {
-          float L = 0.0f, acc = 0.0f;
-          for (int64_t ch = 0; ch < nc; ++ch) {
-            const float w = std::exp(ml[size_t((base + ch) * 2)] - M);
-            L = std::fma(ml[size_t((base + ch) * 2 + 1)], w, L);
-            acc = std::fma(w, part[size_t((base + ch) * d + e)], acc);
+          std::vector<float> gm(static_cast<size_t>(ng)), gl(gm.size()), ga(gm.size());
+          for (int64_t g = 0; g < ng; ++g) {
+            const int64_t c0 = base + g * kGroup;
+            gm[size_t(g)] = chains(
+                std::min(kGroup, nc - g * kGroup), [&](int64_t x) { return ml[size_t((c0 + x) * 2)]; },
+                [&](int64_t x) { return ml[size_t((c0 + x) * 2 + 1)]; },
+                [&](int64_t x) { return part[size_t((c0 + x) * d + e)]; }, gl[size_t(g)], ga[size_t(g)]);
           }
+          float L = ng ? gl[0] : 1.0f, acc = ng ? ga[0] : 0.0f;
+          if (ng > 1)
+            chains(
+                ng, [&](int64_t x) { return gm[size_t(x)]; }, [&](int64_t x) { return gl[size_t(x)]; },
+                [&](int64_t x) { return ga[size_t(x)]; }, L, acc);
           out[size_t(((i0 + il) * hq + h) * d + e)] = nc == 0 ? 0.0f : acc / L;
         }
       }
