@@ -37,8 +37,8 @@ attn_v / ssm_out) are 14.96 GB of weights (13.93 GiB: IQ4_XS 12.77 GB, Q6_K 1.31
 0.01). At max_seq_len 32768 with an F16 KV cache one sequence takes 2.0 GiB of KV (64 KiB per
 token), 144 MiB of recurrent state, 5.6 MiB of conv state and 274 MiB of verify buffers at
 max_verify 33 (of which 144 MiB is the chain verify's final-S copy), 2.41 GiB in all. The workspace
-reserve is 9.87 GiB with the default 2048-token prefill chunks (1.17 GiB for verifies alone; 3.33 GiB
-with ``--prefill-chunk 512``): the chunk's 0.80 GiB of activations, 7.68 GiB of deferred-commit buffers
+reserve is 9.99 GiB with the default 2048-token prefill chunks (1.17 GiB for verifies alone; 3.36 GiB
+with ``--prefill-chunk 512``): the chunk's 0.80 GiB of activations, 0.12 GiB of chunked-GDN scratch, 7.68 GiB of deferred-commit buffers
 (48 GDN layers x 2048 rows) and 0.39 GiB of feature rows (5 taps), plus the 1 GiB reserve. On a
 "141 GB" H200 counted as 141e9 bytes (131.3 GiB; the device itself reports ~139.8 GiB, so this is
 conservative) **44** such sequences fit next to the weights (47 with 512-token chunks; Q8_0 KV: 72;
@@ -139,8 +139,9 @@ def workspace_bytes(hp, verify_width: int, prefill_chunk: int = 0, n_taps: int =
     per-node state copies of one GDN layer (w * Hv*dv*dk*4); for a prefill chunk (a chain: one
     out-of-place S per GDN layer, no per-row states) its transient deferred-commit buffers (a prefill
     commits at once, so they are not per sequence) and its ``n_taps`` captured feature rows (float32
-    [p, n_embd] per tap and their concatenation); plus :data:`CONTEXT_RESERVE_BYTES`. Forwards run
-    one at a time (one model lock)."""
+    [p, n_embd] per tap and their concatenation) and the chunked GDN recurrence's scratch (float32 U, W, G
+    [Hv, p, dv + dk + 1] and P [Hv, ceil(p / 64), 64, 64]); plus :data:`CONTEXT_RESERVE_BYTES`. Forwards
+    run one at a time (one model lock)."""
     widest = max(hp.n_ff, hp.conv_channels, 2 * hp.n_head * hp.head_dim, hp.n_embd)
 
     def act(w: int, logit_rows: int) -> int:
@@ -149,7 +150,8 @@ def workspace_bytes(hp, verify_width: int, prefill_chunk: int = 0, n_taps: int =
     w = int(verify_width)
     p = int(prefill_chunk)
     verify = act(w, w) + w * hp.n_v_heads * hp.head_v_dim * hp.head_k_dim * 4
-    prefill = (act(p, 1) + state_bytes(hp, "F32", p, 1).verify + 2 * 4 * p * int(n_taps) * hp.n_embd
+    gdn_chunked = 4 * hp.n_v_heads * (p * (hp.head_v_dim + hp.head_k_dim + 1) + -(-p // 64) * 64 * 64)
+    prefill = (act(p, 1) + state_bytes(hp, "F32", p, 1).verify + 2 * 4 * p * int(n_taps) * hp.n_embd + gdn_chunked
                if p > 0 else 0)
     return max(verify, prefill) + CONTEXT_RESERVE_BYTES
 

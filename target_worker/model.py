@@ -440,7 +440,8 @@ class Qwen35Model:
         — what makes speculative output equal plain output. ``exact=False`` lets the GPU run matmuls of
         more than 16 rows as a BF16 GEMM (2^-8-accurate, not batch invariant) and the causal attention
         of 64 or more rows over F16 K/V caches through the tensor-core flash-attention kernel (F16 q and
-        softmax weights, ~1e-3 of max|v|; sn.attention's ``exact``): prefill only.
+        softmax weights, ~1e-3 of max|v|; sn.attention's ``exact``) and the Gated DeltaNet recurrence of
+        64 or more rows in chunks of 64 tokens (sn.gated_delta_net's ``exact``): prefill only.
         """
         tokens = self._check_tokens(tokens, st)
         w, c = len(tokens), st.committed
@@ -675,7 +676,8 @@ class Qwen35Model:
         g, beta = (ops.a(y) for y in sn.gdn_gates(a, b, *self.gdn_vecs[i]))  # ssm_a * softplus(a + dt), sigmoid(b)
         if tree is None:
             state = st.ssm[i] if in_place else ops.empty(st.ssm[i].shape)
-            o = ops.a(sn.gated_delta_net(q, k, v, g, beta, st.ssm[i], self._gdn_scale, state_out=state))
+            o = ops.a(sn.gated_delta_net(q, k, v, g, beta, st.ssm[i], self._gdn_scale, state_out=state,
+                                         exact=mm.exact))  # prefill (inexact): the GPU's chunked recurrence
         else:
             state, o = None, self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
         o = ops.reshape(ops.a(sn.rms_norm_gated(o, layer.ssm_norm, hp.rms_eps, z)), w, hv * dv)

@@ -25,7 +25,9 @@ Tolerances (stated per op, matching the comments in native/src/gpu/*.cu):
   (per (row, head): max|v| * (2 E (1 + 2 E) + 2^-11 + N 2^-25 + 1e-5), E = 2^-11 * scale * max_j
   sum_e |q_e k_je|; and at most 2e-3 * max|v| in any call, ~1e-4 measured); every other exact=False
   call is bit-identical to exact=True.
-* gated_delta_net: output and state within 1e-4 * max|cpu| + 1e-4 |cpu| per element.
+* gated_delta_net: output and state within 1e-4 * max|cpu| + 1e-4 |cpu| per element; with exact=False
+  and >= 64 tokens without checkpoints (prefill) the chunked (WY-form) path, same tolerance; every other
+  exact=False call is bit-identical to exact=True.
 Bitwise properties checked on the GPU itself: attention rows are identical whatever the number of
 query rows in the call (1..17) and a tree node equals the chain verify of its path; conv1d and
 GDN give the same outputs/state whether the tokens come in one call or several, and GDN
@@ -1018,6 +1020,61 @@ def test_gdn_gpu_state_out(rng, shape, T):
     np.testing.assert_array_equal(s_out.numpy(), s_in.numpy())
     np.testing.assert_array_equal(ck_out.numpy(), ck_in.numpy())
     np.testing.assert_array_equal(src.numpy(), state)
+
+
+# (hk, hv, dk, dv) of the chunked path (dk 32 / 64 / 128, dv % 16 == 0) and T: one chunk, ragged chunks
+GDN_CHUNKED = [((16, 48, 128, 128), 200), ((2, 4, 64, 32), 64), ((2, 4, 64, 32), 130), ((2, 2, 32, 256), 300),
+               ((1, 3, 128, 16), 65)]
+
+
+@pytest.mark.parametrize("shape,T", GDN_CHUNKED)
+@gpu_only
+def test_gdn_gpu_chunked_vs_cpu(rng, shape, T):
+    """exact=False (prefill): the chunked recurrence against the CPU op (token by token), in place and out of
+    place; then the tokens split over two calls (129 + the rest) carrying the state: still within the
+    tolerance of the CPU's one call."""
+    hk, hv, dk, dv = shape
+    q, k, v, g, beta, state = gdn_inputs(rng, T, hk, hv, dk, dv)
+    g *= 4  # decays down to ~e^-8 per token: the chunk's exp(G_i - G_j) spans many orders of magnitude
+    scale = 1 / np.sqrt(dk)
+    st_cpu = state.copy()
+    cpu = sn.gated_delta_net(q, k, v, g, beta, st_cpu, scale).numpy()
+    args = [on_gpu(a) for a in (q, k, v, g, beta)]
+
+    def close(y, ref):
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+    sg = on_gpu(state)
+    y = sn.gated_delta_net(*args, sg, scale, exact=False).numpy()
+    close(y, cpu)
+    close(sg.numpy(), st_cpu)
+    src, s_out = on_gpu(state), on_gpu(np.full_like(state, np.nan))
+    y_out = sn.gated_delta_net(*args, src, scale, state_out=s_out, exact=False).numpy()
+    np.testing.assert_array_equal(y_out, y)
+    np.testing.assert_array_equal(s_out.numpy(), sg.numpy())
+    np.testing.assert_array_equal(src.numpy(), state)
+    if T > 129:
+        s2 = on_gpu(state)
+        ys = [sn.gated_delta_net(*[on_gpu(a[t0:t1]) for a in (q, k, v, g, beta)], s2, scale, exact=False).numpy()
+              for t0, t1 in [(0, 129), (129, T)]]
+        close(np.concatenate(ys), cpu)
+        close(s2.numpy(), st_cpu)
+
+
+@pytest.mark.parametrize("case", ["short", "checkpoints", "dk48"])
+@gpu_only
+def test_gdn_gpu_inexact_falls_back_bitwise(rng, case):
+    """exact=False where the chunked path does not apply (< 64 tokens, checkpoints, dk 48) is the token kernel."""
+    hk, hv, dk, dv = (2, 2, 48, 64) if case == "dk48" else (2, 4, 64, 32)
+    T = 63 if case == "short" else 70
+    q, k, v, g, beta, state = gdn_inputs(rng, T, hk, hv, dk, dv)
+    args = [on_gpu(a) for a in (q, k, v, g, beta)]
+    ck = (lambda: on_gpu(np.zeros((T, hv, dv, dk), np.float32))) if case == "checkpoints" else (lambda: None)
+    sa, sb = on_gpu(state), on_gpu(state)
+    ya = sn.gated_delta_net(*args, sa, 0.2, ck()).numpy()
+    yb = sn.gated_delta_net(*args, sb, 0.2, ck(), exact=False).numpy()
+    np.testing.assert_array_equal(yb, ya)
+    np.testing.assert_array_equal(sb.numpy(), sa.numpy())
 
 
 @pytest.mark.parametrize("T", [0, 1, 5, 40])

@@ -37,21 +37,21 @@ bitwise the same outputs and state. Returns F32 [T, C]. Raises ValueError on dty
   m.def(
       "gated_delta_net",
       [](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& state,
-         float scale, std::optional<Tensor> checkpoints, std::optional<Tensor> state_out) {
+         float scale, std::optional<Tensor> checkpoints, std::optional<Tensor> state_out, bool exact) {
         for (const Tensor* t : {&k, &v, &g, &beta, &state}) require_same_device(q, *t, "gated_delta_net");
         if (checkpoints) require_same_device(q, *checkpoints, "gated_delta_net");
         if (state_out) require_same_device(q, *state_out, "gated_delta_net");
         return without_gil([&] {
 #if SPECD_WITH_GPU
           if (q.device == Device::GPU)
-            return gpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints, state_out);
+            return gpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints, state_out, exact);
 #endif
           return cpu::gated_delta_net(q, k, v, g, beta, state, scale, checkpoints, state_out);
         });
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"),
         py::arg("beta"), py::arg("state"), py::arg("scale"), py::arg("checkpoints") = py::none(),
-        py::arg("state_out") = py::none(),
+        py::arg("state_out") = py::none(), py::arg("exact") = true,
         R"doc(Gated DeltaNet recurrence, token by token (qwen35-target.md §6.5 step 7; ggml gated_delta_net).
 
 q, k: F32 [T, Hk, dk], already L2-normalised; v: F32 [T, Hv, dv]; g: F32 [T, Hv] log-decay
@@ -66,7 +66,11 @@ overlapping none of q, k, v, g, beta, state, checkpoints; it then receives the f
 state is only read (it need not be writable); out of place equals in place bitwise. checkpoints:
 None or F32 [T, Hv, dv, dk] contiguous writable; checkpoints[t] receives the state after token t
 (fast rollback, spec-loop.md §5.3). Running T tokens at once equals running them in several calls
-with the carried state, bitwise. Returns o: F32 [T, Hv, dv]. Raises ValueError on dtype/shape
+with the carried state, bitwise. exact=False (prefill only) lets the GPU run a call of >= 64 tokens
+without checkpoints in chunks of 64 tokens (the WY / chunkwise form of Yang et al., "Gated Delta
+Networks", ICLR 2025): the same recurrence in real arithmetic, other F32 rounding (within 1e-4 of
+max|o| of the CPU op), and its results then depend on how the tokens are split over calls; the CPU
+is always exact. Returns o: F32 [T, Hv, dv]. Raises ValueError on dtype/shape
 mismatch or an overlapping state_out.)doc");
 }
 

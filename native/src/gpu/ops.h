@@ -143,12 +143,14 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
                  const cpu::AttentionArgs& args, bool trusted = false, bool exact = true);
 
 // Gated DeltaNet conv and recurrence as cpu::conv1d_causal / cpu::gated_delta_net (ssm.cu),
-// including the optional out-of-place state_out.
+// including the optional out-of-place state_out. exact = false lets a call of >= 64 tokens without
+// checkpoints take the chunked (WY-form) recurrence: prefill only (its rounding differs from the
+// token-by-token kernel's, within the CPU tolerance).
 Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu,
                      const std::optional<Tensor>& state_out = std::nullopt);
 Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                        const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
-                       const std::optional<Tensor>& state_out = std::nullopt);
+                       const std::optional<Tensor>& state_out = std::nullopt, bool exact = true);
 
 // Top-k per row as cpu::topk (topk.cu); exact.
 std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k);
