@@ -22,6 +22,7 @@
 #include "../cpu/attention.h"
 #include "attention_chunk_mma.cuh"
 #include "attention_flash.cuh"
+#include "attention_mask.cuh"
 #include "attention_rows.cuh"
 #include "op_util.cuh"
 #include "ops.h"
@@ -98,7 +99,8 @@ __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(uint8_t* __rest
 //
 // Each query row i sees an ordered sequence of visible keys (increasing position): [lo, hi) when
 // there is no mask, else the positions of [lo, hi) whose mask entry is nonzero (compacted on the
-// GPU by attn_mask_compact_kernel into idx[i, rank], with the count in cnt[i]). That sequence is
+// GPU into idx[i, rank], with the count in cnt[i], by the kernels of attention_mask.cuh: one block per
+// (row, segment of 2048 positions), in two passes, count then write). That sequence is
 // cut into FIXED chunks of kChunk keys by rank: chunk c holds ranks [kChunk*c, kChunk*c + kChunk).
 // The cut depends only on the row's own visible sequence (never on n, on other rows, on the work
 // split, nor on the cache rows the keys sit in), so
@@ -141,7 +143,6 @@ constexpr int64_t kScratchFloats = int64_t(32) << 20;  // 128 MiB of partials at
 
 // The CUDA-core kernels' fields beyond the split-K call's (attention_rows.cuh).
 struct AttnParams : detail::SplitKParams {
-  const int32_t* mask;  // [n, kv_len] or null (compaction kernel only)
   int d, dg;            // dg = ceil(d / 8) dim groups (dp = 8 * dg)
   int hs, nsub, w;      // heads per block, sub-groups per KV head, lanes per key
   int vec;              // 16-byte loads allowed (alignment and d % 8 checked on the host)
@@ -195,52 +196,6 @@ __device__ __forceinline__ float subwarp_sum(float v, int w) {
   for (int m = SPECD_WARP / 2; m > 0; m >>= 1)
     if (m < w) v += SPECD_SHFL_XOR(v, m);  // w uniform: all lanes shuffle
   return v;
-}
-
-// Compacts the visible positions of each masked row: idx[i, 0..cnt) = visible positions in
-// increasing order, cnt[i] = their number. One block per row, kScanPer entries per thread per segment
-// (32 per thread measured slower on the H200: a warp's loads then touch 32 lines each);
-// the block's exclusive scan of the threads' counts is a shuffle scan per warp plus a scan of the warp
-// totals (two barriers per segment). Integer scans only.
-constexpr int kScanThreads = 256, kScanPer = 8, kScanWarps = kScanThreads / SPECD_WARP;
-
-__global__ void __launch_bounds__(kScanThreads) attn_mask_compact_kernel(const AttnParams P, int32_t* idx, int32_t* cnt) {
-  detail::pdl_enter();
-  __shared__ int wsum[kScanWarps];
-  const int64_t i = blockIdx.x;
-  const int t = threadIdx.x, lane = t % SPECD_WARP, warp = t / SPECD_WARP;
-  int64_t lo, hi;
-  detail::visible_range(P.q_pos[i], P.window, P.causal != 0, P.kv_len, lo, hi);
-  const int32_t* mrow = P.mask + i * P.kv_len;
-  int32_t* irow = idx + i * P.kv_len;
-  int64_t base = 0;
-  for (int64_t t0 = lo; t0 < hi; t0 += int64_t(kScanThreads) * kScanPer) {  // uniform over the block
-    const int64_t j0 = t0 + int64_t(t) * kScanPer;
-    unsigned vis = 0;  // bit e: entry j0 + e is visible
-#pragma unroll
-    for (int e = 0; e < kScanPer; ++e) vis |= (j0 + e < hi && mrow[j0 + e] != 0) ? 1u << e : 0u;
-    const int own = __popc(vis);
-    int incl = own;  // inclusive scan over the warp
-#pragma unroll
-    for (int m = 1; m < SPECD_WARP; m <<= 1) {
-      const int v = SPECD_SHFL_UP(incl, m);
-      if (lane >= m) incl += v;
-    }
-    if (lane == SPECD_WARP - 1) wsum[warp] = incl;
-    __syncthreads();
-    int before = 0, total = 0;
-#pragma unroll
-    for (int w = 0; w < kScanWarps; ++w) {
-      before += w < warp ? wsum[w] : 0;
-      total += wsum[w];
-    }
-    int64_t k = base + before + incl - own;
-    for (int e = 0; e < kScanPer; ++e)
-      if (vis >> e & 1u) irow[k++] = int32_t(j0 + e);
-    base += total;
-    __syncthreads();  // wsum is rewritten by the next segment
-  }
-  if (t == 0) cnt[i] = int32_t(base);
 }
 
 template <DType KT, DType VT>
@@ -798,7 +753,6 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
 
   AttnParams P{};
   set_views(P, q, k_cache, v_cache, dpos, out);
-  P.mask = a.mask ? dmask.ptr<int32_t>() : nullptr;
   P.kv_len = a.kv_len;
   P.window = a.window;
   P.causal = a.causal ? 1 : 0;
@@ -815,13 +769,29 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
   P.vec = vec ? 1 : 0;
   P.scale = a.scale ? *a.scale : float(1.0 / std::sqrt(double(d)));
 
-  Tensor idx, cnt;
+  Tensor idx, cnt, seg;
   if (a.mask) {  // visible positions of each row, compacted (so chunks follow the visible sequence)
     idx = Tensor::empty({n, a.kv_len}, DType::I32, Device::GPU);
     cnt = Tensor::empty({n}, DType::I32, Device::GPU);
-    detail::check_grid(n, op);
-    detail::launch_kernel<attn_mask_compact_kernel>("attn_mask_compact_kernel", unsigned(n), kScanThreads, 0, s, P,
-                                                    idx.ptr<int32_t>(), cnt.ptr<int32_t>());
+    detail::mask::Params M{};
+    M.mask = dmask.ptr<int32_t>();
+    M.q_pos = dpos.ptr<int32_t>();
+    M.kv_len = a.kv_len;
+    M.window = a.window;
+    M.causal = P.causal;
+    M.nseg = detail::mask::segments(a.kv_len);
+    M.idx = idx.ptr<int32_t>();
+    M.cnt = cnt.ptr<int32_t>();
+    const int64_t blocks = n * M.nseg;
+    detail::check_grid(blocks, op);
+    if (M.nseg > 1) {  // pass 1: the segments' counts (a row of one segment starts at rank 0)
+      seg = Tensor::empty({n, M.nseg}, DType::I32, Device::GPU);
+      M.seg = seg.ptr<int32_t>();
+      detail::launch_kernel<detail::mask::attn_mask_count_kernel>("attn_mask_count_kernel", unsigned(blocks),
+                                                                  detail::mask::kThreads, 0, s, M);
+    }
+    detail::launch_kernel<detail::mask::attn_mask_compact_kernel>("attn_mask_compact_kernel", unsigned(blocks),
+                                                                  detail::mask::kThreads, 0, s, M);
     P.idx = idx.ptr<int32_t>();
     P.cnt = cnt.ptr<int32_t>();
   }

@@ -3,8 +3,9 @@
 // mma.sync m16n8k16 f16 -> f32 and shuffles emulated from the PTX ISA layouts), with attention.cu's
 // launch plan (chunk_mma::plan: rows packed into m-tiles without a window, else one row per m-tile), then the
 // partials are combined with attention.cu's two-level combine arithmetic. A mask is compacted on the
-// host as attn_mask_compact_kernel does. Partials and output are poisoned (NaN) first, so a partial the
-// kernel should have written and did not shows. Driven by tests/gpu/test_gpu_attention_mma_host.py.
+// host as attention_mask.cuh's kernels do (emulated by mask_main.cpp). Partials and output are poisoned
+// (NaN) first, so a partial the kernel should have written and did not shows. Driven by
+// tests/gpu/test_gpu_attention_mma_host.py.
 //
 // usage: chunk_emu D n hq hkv capacity kv_len window causal scale resident_warps[:slice_rows] q.bin pos.bin
 //        k.bin v.bin mask.bin|- out.bin
@@ -58,7 +59,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int64_t r = hq / hkv, nch = (kv_len + chunk_mma::kChunk - 1) / chunk_mma::kChunk;
-  // The mask's visible positions per row, compacted in order (attn_mask_compact_kernel).
+  // The mask's visible positions per row, compacted in order (attention_mask.cuh).
   std::vector<int32_t> idx(has_mask ? size_t(n * kv_len) : 0), cnt(has_mask ? size_t(n) : 0);
   for (int64_t i = 0; has_mask && i < n; ++i) {
     int64_t lo, hi;

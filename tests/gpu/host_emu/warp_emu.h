@@ -1,6 +1,7 @@
 // Host emulation of the CUDA execution model for the kernel harnesses mma_main.cpp (the tensor-core GEMV,
-// native/src/gpu/matmul_mma.cuh), attn_main.cpp (the flash attention, native/src/gpu/attention_flash.cuh)
-// and chunk_main.cpp (the exact path's tensor-core chunk pass, native/src/gpu/attention_chunk_mma.cuh):
+// native/src/gpu/matmul_mma.cuh), attn_main.cpp (the flash attention, native/src/gpu/attention_flash.cuh),
+// chunk_main.cpp (the exact path's tensor-core chunk pass, native/src/gpu/attention_chunk_mma.cuh) and
+// mask_main.cpp (the mask compaction, native/src/gpu/attention_mask.cuh):
 // a block runs as one std::thread per lane; the warp-wide instructions are emulated from the PTX ISA
 // fragment layouts with one barrier per instruction: every lane publishes its operands in the warp's
 // exchange slot of that instruction (two slots used in turn), waits at the warp barrier, then computes
@@ -203,6 +204,14 @@ inline int __shfl_xor_sync(unsigned mask, int v, int m) {
   return int(exchange(uint32_t(v), int(threadIdx.x & 31) ^ m));
 }
 #define SPECD_SHFL_XOR(v, lane_mask) __shfl_xor_sync(0xffffffffu, (v), (lane_mask))
+// Lane l gets lane l - delta's v, or its own where l < delta.
+inline int __shfl_up_sync(unsigned mask, int v, int delta) {
+  if (mask != 0xffffffffu) std::abort();
+  const int lane = int(threadIdx.x & 31), got = int(exchange(uint32_t(v), lane - delta));
+  return lane >= delta ? got : v;
+}
+#define SPECD_SHFL_UP(v, delta) __shfl_up_sync(0xffffffffu, (v), (delta))
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline void __syncwarp() {
   next_slot();  // an instruction without operands: keeps the lanes' slot turns aligned
   tl_warp->bar->arrive_and_wait();
