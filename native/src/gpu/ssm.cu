@@ -27,6 +27,7 @@
 
 #include "../cpu/ssm.h"
 #include "activations.cuh"
+#include "gdn_chunked.cuh"
 #include "op_util.cuh"
 #include "ops.h"
 
@@ -72,16 +73,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __res
 
 // ---------------------------------------------------------------------------- gated_delta_net
 
-struct GdnParams {
-  const float *q, *k, *v, *g, *beta;
-  const float* state;
-  float* state_out;  // == state when in place
-  float* ckpt;
-  float scale;
-  int64_t T;
-  int hk, hv, dk, dv;
-  float* out;
-};
+using GdnParams = detail::gdn::Params;
 
 constexpr int kMinLanes = 4;  // threads per state row: dk / 16 (dk 128: 8), at least 4 (kernel template L)
 constexpr int kMaxGdnThreads = 512;
@@ -198,201 +190,21 @@ __global__ void __launch_bounds__(kFallbackThreads) gdn_fallback_kernel(const Gd
   }
 }
 
-// ------------------------------------------------------------- gated_delta_net, chunked (prefill)
-//
-// The inexact prefill path (exact = false, T >= kGdnChunk tokens, no checkpoints): the chunkwise form
-// of the gated delta rule (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, §3; the WY
-// representation of DeltaNet's chunked training, Yang et al. 2024), so a chunk's 64 tokens are a few
-// small matrix products instead of 64 dependent steps. Per value head and chunk of n <= 64 tokens
-// (rows i, j; S0 the state before the chunk, [dv, dk]; q already scaled):
-//   G_i = g_1 + ... + g_i (log decay since the chunk start), Gamma_i = exp(G_i);
-//   A_ij = beta_i exp(G_i - G_j) (k_i . k_j) for j < i, else 0; (I + A) is unit lower triangular;
-//   U = (I + A)^-1 diag(beta) V, W = (I + A)^-1 diag(beta Gamma) K   (forward substitution);
-//   D = U - W S0^T (the rows d_i of the token-by-token update, S <- S + d_i k_i^T);
-//   O = diag(Gamma) Q S0^T + P D, P_ij = exp(G_i - G_j) (q_i . k_j) for j <= i, else 0;
-//   S = Gamma_n S0 + D^T diag(exp(G_n - G_i)) K.
-// This is the token recursion rearranged (exact in real arithmetic; checked against it in float64 by
-// tests/gpu/test_gpu_gdn_chunked.py's reference), in F32 with other rounding: tolerance vs the CPU
-// op 1e-4 * max|ref| + 1e-4 relative, as the token kernel's. Two kernels:
-//   gdn_chunk_prep_kernel, one block per (chunk, value head), all chunks at once (they do not depend on
-//   the state): G, P, U and W into scratch;
-//   gdn_chunk_state_kernel, one block per (value head, kGdnChunkRows state rows), the chunks in order:
-//   state row r only meets column r of D and of O, so row blocks are independent.
-
-constexpr int kGdnChunk = 64;        // tokens per chunk (part of the path's arithmetic)
-constexpr int kGdnChunkThreads = 256;
-constexpr int kGdnChunkRows = 16;    // state rows per block of the state pass
-
-struct GdnChunkScratch {
-  float* U;  // [hv, T, dv]
-  float* W;  // [hv, T, dk]
-  float* P;  // [hv, chunks, 64, 64]
-  float* G;  // [hv, T]
-  int chunks;
-};
-
-// Dynamic shared memory of the two kernels for head dim DK.
-constexpr size_t gdn_prep_smem(int dk) { return size_t(2 * kGdnChunk * (dk + 1) + kGdnChunk * (kGdnChunk + 1) + 2 * kGdnChunk) * 4; }
-constexpr size_t gdn_state_smem(int dk) {
-  return size_t(kGdnChunk * (dk + 4) + kGdnChunk * (kGdnChunk + 1) + kGdnChunkRows * (dk + 4) +
-                kGdnChunk * (kGdnChunkRows + 1) + kGdnChunk) * 4;
-}
-
-template <int DK>
-__global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const GdnParams P, const GdnChunkScratch X) {
-  detail::pdl_enter();
-  constexpr int C = kGdnChunk, KS = DK + 1;
-  extern __shared__ float sm[];
-  float* Ks = sm;              // [C][KS] k rows (zeros past n)
-  float* Qs = Ks + C * KS;     // [C][KS] scale * q rows
-  float* As = Qs + C * KS;     // [C][C + 1] A
-  float* Gs = As + C * (C + 1);  // [C] G
-  float* Bs = Gs + C;          // [C] beta
-  const int c = blockIdx.x, j = blockIdx.y, kh = j % P.hk, tid = threadIdx.x;
-  const int64_t t0 = int64_t(c) * C;
-  const int n = P.T - t0 < C ? int(P.T - t0) : C;
-  for (int x = tid; x < C * DK; x += kGdnChunkThreads) {
-    const int i = x / DK, e = x % DK;
-    const int64_t src = ((t0 + i) * P.hk + kh) * DK + e;
-    Ks[i * KS + e] = i < n ? P.k[src] : 0.0f;
-    Qs[i * KS + e] = i < n ? __fmul_rn(P.q[src], P.scale) : 0.0f;
-  }
-  if (tid < C) {
-    Gs[tid] = tid < n ? P.g[(t0 + tid) * P.hv + j] : 0.0f;
-    Bs[tid] = tid < n ? P.beta[(t0 + tid) * P.hv + j] : 0.0f;
-  }
-  __syncthreads();
-  if (tid == 0)  // the prefix sum, in token order
-    for (int i = 1; i < n; ++i) Gs[i] = __fadd_rn(Gs[i - 1], Gs[i]);
-  // k_i . k_j and q_i . k_j for a 4 x 4 tile (i = 4 ti + a, j = 4 tj + b) per thread
-  const int ti = tid / 16, tj = tid % 16;
-  float kk[4][4] = {}, qk[4][4] = {};
-  for (int e = 0; e < DK; ++e) {
-    float ki[4], qi[4], kj[4];
-#pragma unroll
-    for (int a = 0; a < 4; ++a) ki[a] = Ks[(4 * ti + a) * KS + e], qi[a] = Qs[(4 * ti + a) * KS + e], kj[a] = Ks[(4 * tj + a) * KS + e];
-#pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-      for (int b = 0; b < 4; ++b) kk[a][b] = fmaf(ki[a], kj[b], kk[a][b]), qk[a][b] = fmaf(qi[a], kj[b], qk[a][b]);
-  }
-  __syncthreads();  // Gs complete
-  float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C;
-#pragma unroll
-  for (int a = 0; a < 4; ++a)
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      const int i = 4 * ti + a, jj = 4 * tj + b;
-      const float r = jj <= i && i < n ? expf(Gs[i] - Gs[jj]) : 0.0f;  // only j <= i: G_i - G_j <= 0 for g <= 0
-      As[i * (C + 1) + jj] = jj < i ? Bs[i] * r * kk[a][b] : 0.0f;
-      Pg[i * C + jj] = r * qk[a][b];
-    }
-  if (tid < n) X.G[int64_t(j) * P.T + t0 + tid] = Gs[tid];
-  __syncthreads();
-  // Forward substitution, one column per thread: x_i = rhs_i - sum_{j<i} A_ij x_j (rows past n: zeros)
-  for (int col = tid; col < P.dv + DK; col += kGdnChunkThreads) {
-    const bool isu = col < P.dv;
-    const int e = isu ? col : col - P.dv;
-    float x[C];
-#pragma unroll
-    for (int i = 0; i < C; ++i) {
-      float s = 0.0f;
-      if (i < n) s = isu ? Bs[i] * P.v[((t0 + i) * P.hv + j) * P.dv + e] : Bs[i] * expf(Gs[i]) * Ks[i * KS + e];
-#pragma unroll
-      for (int jj = 0; jj < i; ++jj) s = fmaf(-As[i * (C + 1) + jj], x[jj], s);
-      x[i] = s;
-    }
-    float* dst = isu ? X.U + (int64_t(j) * P.T + t0) * P.dv + e : X.W + (int64_t(j) * P.T + t0) * DK + e;
-    const int stride = isu ? P.dv : DK;
-#pragma unroll
-    for (int i = 0; i < C; ++i)
-      if (i < n) dst[int64_t(i) * stride] = x[i];
-  }
-}
-
-template <int DK>
-__global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_state_kernel(const GdnParams P, const GdnChunkScratch X) {
-  detail::pdl_enter();
-  constexpr int C = kGdnChunk, R = kGdnChunkRows, BS = DK + 4, DS = R + 1;
-  extern __shared__ __align__(16) float sm[];
-  float* Bf = sm;              // [C][BS] W, then scale * Q, then exp(G_n - G_i) K (one at a time)
-  float* Ps = Bf + C * BS;     // [C][C + 1] P
-  float* Ss = Ps + C * (C + 1);  // [R][BS] the block's state rows (16-byte aligned rows: BS % 4 == 0, offsets too)
-  float* Ds = Ss + R * BS;     // [C][DS] D's columns of the block's rows
-  float* Gs = Ds + C * DS;     // [C]
-  const int nb = P.dv / R, j = blockIdx.x / nb, r0 = (blockIdx.x % nb) * R, kh = j % P.hk, tid = threadIdx.x;
-  for (int x = tid; x < R * DK; x += kGdnChunkThreads)
-    Ss[(x / DK) * BS + x % DK] = P.state[(int64_t(j) * P.dv + r0 + x / DK) * DK + x % DK];
-  // Phases 1 and 2: thread (r = tid % R, rows i = i0 + 16 m); phase 3: (r = tid / 16, elements e = el + 16 m).
-  const int r = tid % R, i0 = tid / R;
-  static_assert(kGdnChunkThreads / R == 16 && C == 64, "phase 1 / 2 cover 16 x 4 = 64 rows");
-  auto dot_row = [&](int i) {  // Bf[i] . Ss[r] over DK, 4 at a time
-    const float4* a = reinterpret_cast<const float4*>(Bf + i * BS);
-    const float4* b = reinterpret_cast<const float4*>(Ss + r * BS);
-    float acc = 0.0f;
-#pragma unroll 8
-    for (int e = 0; e < DK / 4; ++e) {
-      const float4 x = a[e], y = b[e];
-      acc = fmaf(x.x, y.x, acc), acc = fmaf(x.y, y.y, acc), acc = fmaf(x.z, y.z, acc), acc = fmaf(x.w, y.w, acc);
-    }
-    return acc;
-  };
-  for (int c = 0; c < X.chunks; ++c) {
-    const int64_t t0 = int64_t(c) * C;
-    const int n = P.T - t0 < C ? int(P.T - t0) : C;
-    const float* Wg = X.W + (int64_t(j) * P.T + t0) * DK;
-    for (int x = tid; x < C * DK; x += kGdnChunkThreads) Bf[(x / DK) * BS + x % DK] = x / DK < n ? Wg[x] : 0.0f;
-    if (tid < C) Gs[tid] = tid < n ? X.G[int64_t(j) * P.T + t0 + tid] : 0.0f;
-    __syncthreads();  // W, G staged (and the last chunk's state rows written)
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {  // D = U - W S0^T
-      const int i = i0 + 16 * m;
-      const float w = dot_row(i);
-      Ds[i * DS + r] = i < n ? __fsub_rn(X.U[(int64_t(j) * P.T + t0 + i) * P.dv + r0 + r], w) : 0.0f;
-    }
-    __syncthreads();  // W consumed, D complete
-    for (int x = tid; x < C * DK; x += kGdnChunkThreads) {
-      const int i = x / DK;
-      Bf[i * BS + x % DK] = i < n ? __fmul_rn(P.q[((t0 + i) * P.hk + kh) * DK + x % DK], P.scale) : 0.0f;
-    }
-    const float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C;
-    for (int x = tid; x < C * C; x += kGdnChunkThreads) Ps[(x / C) * (C + 1) + x % C] = Pg[x];
-    __syncthreads();
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {  // O = diag(Gamma) Q S0^T + P D
-      const int i = i0 + 16 * m;
-      float o = expf(Gs[i]) * dot_row(i);
-      for (int jj = 0; jj <= i; ++jj) o = fmaf(Ps[i * (C + 1) + jj], Ds[jj * DS + r], o);
-      if (i < n) P.out[((t0 + i) * P.hv + j) * P.dv + r0 + r] = o;
-    }
-    __syncthreads();  // Q and P consumed; Ss still S0 for all
-    const float gn = Gs[n - 1];
-    for (int x = tid; x < C * DK; x += kGdnChunkThreads) {
-      const int i = x / DK;
-      Bf[i * BS + x % DK] = i < n ? expf(gn - Gs[i]) * P.k[((t0 + i) * P.hk + kh) * DK + x % DK] : 0.0f;
-    }
-    __syncthreads();
-    const float decay = expf(gn);
-    const int rs = tid / 16, el = tid % 16;
-#pragma unroll
-    for (int m = 0; m < DK / 16; ++m) {  // S = Gamma_n S0 + D^T K~ (each element read and written by one thread)
-      const int e = el + 16 * m;
-      float s = decay * Ss[rs * BS + e];
-      for (int i = 0; i < n; ++i) s = fmaf(Ds[i * DS + rs], Bf[i * BS + e], s);
-      Ss[rs * BS + e] = s;
-    }
-    __syncthreads();  // the state rows are complete before the next chunk's phase 1 reads them
-  }
-  for (int x = tid; x < R * DK; x += kGdnChunkThreads)
-    P.state_out[(int64_t(j) * P.dv + r0 + x / DK) * DK + x % DK] = Ss[(x / DK) * BS + x % DK];
-}
+using detail::gdn::GdnChunkScratch;
+using detail::gdn::gdn_chunk_prep_kernel;
+using detail::gdn::gdn_chunk_state_kernel;
+using detail::gdn::gdn_prep_smem;
+using detail::gdn::gdn_state_smem;
+using detail::gdn::kGdnChunk;
+using detail::gdn::kGdnChunkRows;
+using detail::gdn::kGdnChunkThreads;
 
 // The chunked path for head dim DK (the caller checked gdn_chunked_ok): the two kernels, scratch from the pool.
 template <int DK>
 void launch_gdn_chunked(const GdnParams& P, cudaStream_t s, const char* op) {
   static const bool limits_set = [] {
     SPECD_GPU_CHECK(cudaFuncSetAttribute(gdn_chunk_prep_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(gdn_prep_smem(DK))));
+                                         detail::max_smem_optin()));
     SPECD_GPU_CHECK(cudaFuncSetAttribute(gdn_chunk_state_kernel<DK>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          int(gdn_state_smem(DK))));
     return true;
@@ -407,9 +219,9 @@ void launch_gdn_chunked(const GdnParams& P, cudaStream_t s, const char* op) {
   X.G = X.W + int64_t(P.hv) * P.T * DK;
   X.P = X.G + int64_t(P.hv) * P.T;
   X.chunks = chunks;
-  detail::check_grid(chunks, op);
-  detail::launch_kernel<gdn_chunk_prep_kernel<DK>>("gdn_chunk_prep_kernel", dim3(unsigned(chunks), unsigned(P.hv)),
-                                                   kGdnChunkThreads, gdn_prep_smem(DK), s, P, X);
+  detail::check_grid(int64_t(chunks) * P.hv, op);
+  detail::launch_kernel<gdn_chunk_prep_kernel<DK>>("gdn_chunk_prep_kernel", unsigned(int64_t(chunks) * P.hv),
+                                                   kGdnChunkThreads, gdn_prep_smem(DK, P.dv), s, P, X);
   const int64_t blocks = int64_t(P.hv) * (P.dv / kGdnChunkRows);
   detail::check_grid(blocks, op);
   detail::launch_kernel<gdn_chunk_state_kernel<DK>>("gdn_chunk_state_kernel", unsigned(blocks), kGdnChunkThreads,
@@ -421,7 +233,7 @@ void launch_gdn_chunked(const GdnParams& P, cudaStream_t s, const char* op) {
 bool gdn_chunked_ok(bool exact, bool checkpoints, int64_t T, int64_t dk, int64_t dv) {
   if (exact || checkpoints || T < kGdnChunk || dv % kGdnChunkRows != 0) return false;
   if (dk != 32 && dk != 64 && dk != 128) return false;
-  return int64_t(gdn_prep_smem(int(dk))) <= detail::max_smem_optin() &&
+  return int64_t(gdn_prep_smem(int(dk), int(dv))) <= detail::max_smem_optin() &&
          int64_t(gdn_state_smem(int(dk))) <= detail::max_smem_optin();
 }
 

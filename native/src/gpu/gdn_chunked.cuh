@@ -1,0 +1,252 @@
+// Gated DeltaNet on the GPU, the chunked (prefill) recurrence: kernels and their shared fields, included by
+// ssm.cu (the token-by-token kernels and the launches) and compiled for the host by the emulation harness
+// tests/gpu/host_emu/gdn_main.cpp.
+#pragma once
+
+#ifndef SPECD_HOST_EMU
+#include "common.cuh"
+#endif
+
+#include <cstdint>
+
+#include "pdl.cuh"
+
+namespace specd::gpu::detail::gdn {
+
+// One gated_delta_net call: q, k [T, hk, dk], v [T, hv, dv], g, beta [T, hv] (contiguous, F32), the state
+// [hv, dv, dk] read from state and written to state_out (may be state), checkpoints [T, hv, dv, dk] or null.
+struct Params {
+  const float *q, *k, *v, *g, *beta;
+  const float* state;
+  float* state_out;  // == state when in place
+  float* ckpt;
+  float scale;
+  int64_t T;
+  int hk, hv, dk, dv;
+  float* out;
+};
+
+// The block's dynamic shared memory (the harness's buffer under host emulation).
+__device__ __forceinline__ float* dyn_smem() {
+#if defined(SPECD_HOST_EMU)
+  return reinterpret_cast<float*>(specd_emu_dyn_smem);
+#else
+  extern __shared__ __align__(16) float gdn_smem[];
+  return gdn_smem;
+#endif
+}
+
+// The inexact prefill path of gated_delta_net (ssm.cu) (exact = false, T >= kGdnChunk tokens, no checkpoints): the chunkwise form
+// of the gated delta rule (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, §3; the WY
+// representation of DeltaNet's chunked training, Yang et al. 2024), so a chunk's 64 tokens are a few
+// small matrix products instead of 64 dependent steps. Per value head and chunk of n <= 64 tokens
+// (rows i, j; S0 the state before the chunk, [dv, dk]; q already scaled):
+//   G_i = g_1 + ... + g_i (log decay since the chunk start), Gamma_i = exp(G_i);
+//   A_ij = beta_i exp(G_i - G_j) (k_i . k_j) for j < i, else 0; (I + A) is unit lower triangular;
+//   U = (I + A)^-1 diag(beta) V, W = (I + A)^-1 diag(beta Gamma) K   (forward substitution);
+//   D = U - W S0^T (the rows d_i of the token-by-token update, S <- S + d_i k_i^T);
+//   O = diag(Gamma) Q S0^T + P D, P_ij = exp(G_i - G_j) (q_i . k_j) for j <= i, else 0;
+//   S = Gamma_n S0 + D^T diag(exp(G_n - G_i)) K.
+// This is the token recursion rearranged (exact in real arithmetic; checked against it in float64 by
+// tests/gpu/test_gpu_gdn_chunked.py's reference), in F32 with other rounding: tolerance vs the CPU
+// op 1e-4 * max|ref| + 1e-4 relative, as the token kernel's. Two kernels:
+//   gdn_chunk_prep_kernel, one block per (value head, chunk), all chunks at once (they do not depend on
+//   the state): G, P, U and W into scratch;
+//   gdn_chunk_state_kernel, one block per (value head, kGdnChunkRows state rows), the chunks in order:
+//   state row r only meets column r of D and of O, so row blocks are independent.
+
+constexpr int kGdnChunk = 64;        // tokens per chunk (part of the path's arithmetic)
+constexpr int kGdnChunkThreads = 256;
+constexpr int kGdnChunkRows = 16;    // state rows per block of the state pass
+
+struct GdnChunkScratch {
+  float* U;  // [hv, T, dv]
+  float* W;  // [hv, T, dk]
+  float* P;  // [hv, chunks, 64, 64]
+  float* G;  // [hv, T]
+  int chunks;
+};
+
+// Dynamic shared memory of the two kernels for head dims dk, dv.
+constexpr size_t gdn_prep_smem(int dk, int dv) {
+  return size_t(2 * kGdnChunk * (dk + 1) + kGdnChunk * (kGdnChunk + 1) + 2 * kGdnChunk + kGdnChunk * dv) * 4;
+}
+constexpr size_t gdn_state_smem(int dk) {
+  return size_t(kGdnChunk * (dk + 4) + kGdnChunk * (kGdnChunk + 1) + kGdnChunkRows * (dk + 4) +
+                kGdnChunk * (kGdnChunkRows + 1) + kGdnChunk) * 4;
+}
+
+template <int DK>
+__global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const Params P, const GdnChunkScratch X) {
+  pdl_enter();
+  constexpr int C = kGdnChunk, KS = DK + 1;
+  float* const sm = dyn_smem();
+  float* Ks = sm;                // [C][KS] k rows (zeros past n)
+  float* Qs = Ks + C * KS;       // [C][KS] scale * q rows
+  float* As = Qs + C * KS;       // [C][C + 1] A
+  float* Gs = As + C * (C + 1);  // [C] G
+  float* Bs = Gs + C;            // [C] beta
+  float* Vs = Bs + C;            // [C][dv] v rows
+  const int c = int(blockIdx.x % X.chunks), j = int(blockIdx.x / X.chunks), kh = j % P.hk, tid = threadIdx.x;
+  const int64_t t0 = int64_t(c) * C;
+  const int n = P.T - t0 < C ? int(P.T - t0) : C;
+  for (int x = tid; x < C * DK; x += kGdnChunkThreads) {
+    const int i = x / DK, e = x % DK;
+    const int64_t src = ((t0 + i) * P.hk + kh) * DK + e;
+    Ks[i * KS + e] = i < n ? P.k[src] : 0.0f;
+    Qs[i * KS + e] = i < n ? __fmul_rn(P.q[src], P.scale) : 0.0f;
+  }
+  for (int x = tid; x < C * P.dv; x += kGdnChunkThreads) {
+    const int i = x / P.dv;
+    Vs[x] = i < n ? P.v[((t0 + i) * P.hv + j) * P.dv + x % P.dv] : 0.0f;
+  }
+  if (tid < C) {
+    Gs[tid] = tid < n ? P.g[(t0 + tid) * P.hv + j] : 0.0f;
+    Bs[tid] = tid < n ? P.beta[(t0 + tid) * P.hv + j] : 0.0f;
+  }
+  __syncthreads();
+  if (tid == 0)  // the prefix sum, in token order
+    for (int i = 1; i < n; ++i) Gs[i] = __fadd_rn(Gs[i - 1], Gs[i]);
+  // k_i . k_j and q_i . k_j for a 4 x 4 tile (i = 4 ti + a, j = 4 tj + b) per thread
+  const int ti = tid / 16, tj = tid % 16;
+  float kk[4][4] = {}, qk[4][4] = {};
+#pragma unroll 2
+  for (int e = 0; e < DK; ++e) {
+    float ki[4], qi[4], kj[4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) ki[a] = Ks[(4 * ti + a) * KS + e], qi[a] = Qs[(4 * ti + a) * KS + e], kj[a] = Ks[(4 * tj + a) * KS + e];
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+      for (int b = 0; b < 4; ++b) kk[a][b] = fmaf(ki[a], kj[b], kk[a][b]), qk[a][b] = fmaf(qi[a], kj[b], qk[a][b]);
+  }
+  __syncthreads();  // Gs complete
+  float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C;
+#pragma unroll
+  for (int a = 0; a < 4; ++a)
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const int i = 4 * ti + a, jj = 4 * tj + b;
+      const float r = jj <= i && i < n ? expf(Gs[i] - Gs[jj]) : 0.0f;  // only j <= i: G_i - G_j <= 0 for g <= 0
+      As[i * (C + 1) + jj] = jj < i ? Bs[i] * r * kk[a][b] : 0.0f;
+      Pg[i * C + jj] = r * qk[a][b];
+    }
+  if (tid < n) X.G[int64_t(j) * P.T + t0 + tid] = Gs[tid];
+  __syncthreads();
+  // Forward substitution, one column per thread: x_i = rhs_i - sum_{j<i} A_ij x_j (rows past n: zeros). The
+  // sum runs as two interleaved chains (even and odd j), so a row waits on i / 2 dependent FMAs.
+  for (int col = tid; col < P.dv + DK; col += kGdnChunkThreads) {
+    const bool isu = col < P.dv;
+    const int e = isu ? col : col - P.dv;
+    float x[C];
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      float s0 = isu ? Bs[i] * Vs[i * P.dv + e] : Bs[i] * expf(Gs[i]) * Ks[i * KS + e], s1 = 0.0f;
+#pragma unroll
+      for (int jj = 0; jj + 1 < i; jj += 2) {
+        s0 = fmaf(-As[i * (C + 1) + jj], x[jj], s0);
+        s1 = fmaf(-As[i * (C + 1) + jj + 1], x[jj + 1], s1);
+      }
+      if (i % 2 == 1) s0 = fmaf(-As[i * (C + 1) + i - 1], x[i - 1], s0);
+      x[i] = s0 + s1;
+    }
+    float* dst = isu ? X.U + (int64_t(j) * P.T + t0) * P.dv + e : X.W + (int64_t(j) * P.T + t0) * DK + e;
+    const int stride = isu ? P.dv : DK;
+#pragma unroll
+    for (int i = 0; i < C; ++i)
+      if (i < n) dst[int64_t(i) * stride] = x[i];
+  }
+}
+
+template <int DK>
+__global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_state_kernel(const Params P, const GdnChunkScratch X) {
+  pdl_enter();
+  constexpr int C = kGdnChunk, R = kGdnChunkRows, BS = DK + 4, DS = R + 1, M = C / 16, E = DK / 16;
+  float* const sm = dyn_smem();
+  float* Bf = sm;                // [C][BS] W, then scale * Q, then exp(G_n - G_i) K (one at a time)
+  float* Ps = Bf + C * BS;       // [C][C + 1] P
+  float* Ss = Ps + C * (C + 1);  // [R][BS] the block's state rows (16-byte aligned rows: BS % 4 == 0, offsets too)
+  float* Ds = Ss + R * BS;       // [C][DS] D's columns of the block's rows
+  float* Gs = Ds + C * DS;       // [C]
+  const int nb = P.dv / R, j = blockIdx.x / nb, r0 = (blockIdx.x % nb) * R, kh = j % P.hk, tid = threadIdx.x;
+  for (int x = tid; x < R * DK; x += kGdnChunkThreads)
+    Ss[(x / DK) * BS + x % DK] = P.state[(int64_t(j) * P.dv + r0 + x / DK) * DK + x % DK];
+  // Phases 1 and 2: thread (r = tid % R, rows i0 + 16 m, m < M); phase 3: (rs = tid / 16, elements el + 16 m).
+  static_assert(kGdnChunkThreads / R == 16 && kGdnChunkThreads / 16 == R, "16 x 16 threads");
+  const int r = tid % R, i0 = tid / R, rs = tid / 16, el = tid % 16;
+  auto dots = [&](float (&acc)[M]) {  // acc[m] = Bf[i0 + 16 m] . Ss[r] over DK, the M rows interleaved
+    const float4* b = reinterpret_cast<const float4*>(Ss + r * BS);
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+#pragma unroll 4
+    for (int e = 0; e < DK / 4; ++e) {
+      const float4 y = b[e];
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float4 x = reinterpret_cast<const float4*>(Bf + (i0 + 16 * m) * BS)[e];
+        acc[m] = fmaf(x.x, y.x, acc[m]), acc[m] = fmaf(x.y, y.y, acc[m]);
+        acc[m] = fmaf(x.z, y.z, acc[m]), acc[m] = fmaf(x.w, y.w, acc[m]);
+      }
+    }
+  };
+  for (int c = 0; c < X.chunks; ++c) {
+    const int64_t t0 = int64_t(c) * C;
+    const int n = P.T - t0 < C ? int(P.T - t0) : C;
+    const float* Wg = X.W + (int64_t(j) * P.T + t0) * DK;
+    for (int x = tid; x < C * DK; x += kGdnChunkThreads) Bf[(x / DK) * BS + x % DK] = x / DK < n ? Wg[x] : 0.0f;
+    if (tid < C) Gs[tid] = tid < n ? X.G[int64_t(j) * P.T + t0 + tid] : 0.0f;
+    __syncthreads();  // W, G staged (and the last chunk's state rows written)
+    float acc[M];
+    dots(acc);  // D = U - W S0^T
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const int i = i0 + 16 * m;
+      Ds[i * DS + r] = i < n ? __fsub_rn(X.U[(int64_t(j) * P.T + t0 + i) * P.dv + r0 + r], acc[m]) : 0.0f;
+    }
+    __syncthreads();  // W consumed, D complete
+    for (int x = tid; x < C * DK; x += kGdnChunkThreads) {
+      const int i = x / DK;
+      Bf[i * BS + x % DK] = i < n ? __fmul_rn(P.q[((t0 + i) * P.hk + kh) * DK + x % DK], P.scale) : 0.0f;
+    }
+    const float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C;
+    for (int x = tid; x < C * C; x += kGdnChunkThreads) Ps[(x / C) * (C + 1) + x % C] = Pg[x];
+    __syncthreads();
+    dots(acc);  // O = diag(Gamma) Q S0^T + P D (P is zero past the diagonal, D past n)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] *= expf(Gs[i0 + 16 * m]);
+#pragma unroll 4
+    for (int jj = 0; jj < C; ++jj) {
+      const float d = Ds[jj * DS + r];
+#pragma unroll
+      for (int m = 0; m < M; ++m) acc[m] = fmaf(Ps[(i0 + 16 * m) * (C + 1) + jj], d, acc[m]);
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+      if (i0 + 16 * m < n) P.out[((t0 + i0 + 16 * m) * P.hv + j) * P.dv + r0 + r] = acc[m];
+    __syncthreads();  // Q and P consumed; Ss still S0 for all
+    const float gn = Gs[n - 1];
+    for (int x = tid; x < C * DK; x += kGdnChunkThreads) {
+      const int i = x / DK;
+      Bf[i * BS + x % DK] = i < n ? expf(gn - Gs[i]) * P.k[((t0 + i) * P.hk + kh) * DK + x % DK] : 0.0f;
+    }
+    __syncthreads();
+    // S = Gamma_n S0 + D^T K~: thread (rs, el) owns elements el + 16 m of row rs (read and written by it alone)
+    const float decay = expf(gn);
+    float sacc[E];
+#pragma unroll
+    for (int m = 0; m < E; ++m) sacc[m] = decay * Ss[rs * BS + el + 16 * m];
+#pragma unroll 4
+    for (int i = 0; i < C; ++i) {  // rows past n: D and K~ are zero
+      const float d = Ds[i * DS + rs];
+#pragma unroll
+      for (int m = 0; m < E; ++m) sacc[m] = fmaf(d, Bf[i * BS + el + 16 * m], sacc[m]);
+    }
+#pragma unroll
+    for (int m = 0; m < E; ++m) Ss[rs * BS + el + 16 * m] = sacc[m];
+    __syncthreads();  // the state rows are complete before the next chunk's phase 1 reads them
+  }
+  for (int x = tid; x < R * DK; x += kGdnChunkThreads)
+    P.state_out[(int64_t(j) * P.dv + r0 + x / DK) * DK + x % DK] = Ss[(x / DK) * BS + x % DK];
+}
+
+}  // namespace specd::gpu::detail::gdn
