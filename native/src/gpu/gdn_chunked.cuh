@@ -76,6 +76,32 @@ constexpr size_t gdn_state_smem(int dk) {
                 kGdnChunk * (kGdnChunkRows + 1) + kGdnChunk) * 4;
 }
 
+// Stages N 16-byte pieces per thread (piece x = threadIdx.x + it * kGdnChunkThreads, it < N): every load(x)
+// is issued before the first store(x, value), so a stage costs one memory round trip, not N (the compiler
+// cannot move a global load above a store to shared memory through generic pointers).
+template <int N, class Load, class Store>
+__device__ __forceinline__ void staged(const Load& load, const Store& store) {
+  float4 v[N];
+#pragma unroll
+  for (int it = 0; it < N; ++it) v[it] = load(int(threadIdx.x) + it * kGdnChunkThreads);
+#pragma unroll
+  for (int it = 0; it < N; ++it) store(int(threadIdx.x) + it * kGdnChunkThreads, v[it]);
+}
+// 16-byte loads and stores (the emulation aborts on a misaligned one, as the GPU would fault).
+__device__ __forceinline__ void check16(const void* p) {
+#if defined(SPECD_HOST_EMU)
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) __trap();
+#else
+  (void)p;
+#endif
+}
+__device__ __forceinline__ float4 ld4(const float* p) { return check16(p), *reinterpret_cast<const float4*>(p); }
+__device__ __forceinline__ void st4(float* p, float4 v) { check16(p), *reinterpret_cast<float4*>(p) = v; }
+__device__ __forceinline__ float4 scaled(float4 v, float s) {
+  return make_float4(__fmul_rn(v.x, s), __fmul_rn(v.y, s), __fmul_rn(v.z, s), __fmul_rn(v.w, s));
+}
+constexpr float4 kZero4 = {0.0f, 0.0f, 0.0f, 0.0f};
+
 template <int DK>
 __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const Params P, const GdnChunkScratch X) {
   pdl_enter();
@@ -90,16 +116,19 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
   const int c = int(blockIdx.x % X.chunks), j = int(blockIdx.x / X.chunks), kh = j % P.hk, tid = threadIdx.x;
   const int64_t t0 = int64_t(c) * C;
   const int n = P.T - t0 < C ? int(P.T - t0) : C;
-  for (int x = tid; x < C * DK; x += kGdnChunkThreads) {
-    const int i = x / DK, e = x % DK;
-    const int64_t src = ((t0 + i) * P.hk + kh) * DK + e;
-    Ks[i * KS + e] = i < n ? P.k[src] : 0.0f;
-    Qs[i * KS + e] = i < n ? __fmul_rn(P.q[src], P.scale) : 0.0f;
-  }
-  for (int x = tid; x < C * P.dv; x += kGdnChunkThreads) {
-    const int i = x / P.dv;
-    Vs[x] = i < n ? P.v[((t0 + i) * P.hv + j) * P.dv + x % P.dv] : 0.0f;
-  }
+  constexpr int NK = C * DK / 4 / kGdnChunkThreads, Q4 = DK / 4;  // k / q pieces per thread, per row
+  auto src = [&](int x) { return ((t0 + x / Q4) * P.hk + kh) * DK + 4 * (x % Q4); };
+  auto put = [&](float* dst, int x, float4 f) {
+    float* d = dst + (x / Q4) * KS + 4 * (x % Q4);  // KS is odd: no 16-byte stores
+    d[0] = f.x, d[1] = f.y, d[2] = f.z, d[3] = f.w;
+  };
+  staged<NK>([&](int x) { return x / Q4 < n ? ld4(P.k + src(x)) : kZero4; }, [&](int x, float4 f) { put(Ks, x, f); });
+  staged<NK>([&](int x) { return x / Q4 < n ? scaled(ld4(P.q + src(x)), P.scale) : kZero4; },
+             [&](int x, float4 f) { put(Qs, x, f); });
+  const int V4 = P.dv / 4;  // dv % 16 == 0; a run-time size: 4 pieces per thread at a time
+  for (int x0 = 0; x0 < C * V4; x0 += 4 * kGdnChunkThreads)
+    staged<4>([&](int x) { x += x0; return x < C * V4 && x / V4 < n ? ld4(P.v + ((t0 + x / V4) * P.hv + j) * P.dv + 4 * (x % V4)) : kZero4; },
+              [&](int x, float4 f) { if (x + x0 < C * V4) st4(Vs + 4 * (x + x0), f); });
   if (tid < C) {
     Gs[tid] = tid < n ? P.g[(t0 + tid) * P.hv + j] : 0.0f;
     Bs[tid] = tid < n ? P.beta[(t0 + tid) * P.hv + j] : 0.0f;
@@ -159,7 +188,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
 }
 
 template <int DK>
-__global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_state_kernel(const Params P, const GdnChunkScratch X) {
+__global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(const Params P, const GdnChunkScratch X) {
   pdl_enter();
   constexpr int C = kGdnChunk, R = kGdnChunkRows, BS = DK + 4, DS = R + 1, M = C / 16, E = DK / 16;
   float* const sm = dyn_smem();
@@ -169,8 +198,10 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_state_kernel(const
   float* Ds = Ss + R * BS;       // [C][DS] D's columns of the block's rows
   float* Gs = Ds + C * DS;       // [C]
   const int nb = P.dv / R, j = blockIdx.x / nb, r0 = (blockIdx.x % nb) * R, kh = j % P.hk, tid = threadIdx.x;
-  for (int x = tid; x < R * DK; x += kGdnChunkThreads)
-    Ss[(x / DK) * BS + x % DK] = P.state[(int64_t(j) * P.dv + r0 + x / DK) * DK + x % DK];
+  constexpr int Q4 = DK / 4, NB = C * Q4 / kGdnChunkThreads;  // 16-byte pieces per row, per thread
+  auto to_bf = [&](int x, float4 f) { st4(Bf + (x / Q4) * BS + 4 * (x % Q4), f); };
+  for (int x = tid; x < R * Q4; x += kGdnChunkThreads)
+    st4(Ss + (x / Q4) * BS + 4 * (x % Q4), ld4(P.state + (int64_t(j) * P.dv + r0 + x / Q4) * DK + 4 * (x % Q4)));
   // Phases 1 and 2: thread (r = tid % R, rows i0 + 16 m, m < M); phase 3: (rs = tid / 16, elements el + 16 m).
   static_assert(kGdnChunkThreads / R == 16 && kGdnChunkThreads / 16 == R, "16 x 16 threads");
   const int r = tid % R, i0 = tid / R, rs = tid / 16, el = tid % 16;
@@ -193,7 +224,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_state_kernel(const
     const int64_t t0 = int64_t(c) * C;
     const int n = P.T - t0 < C ? int(P.T - t0) : C;
     const float* Wg = X.W + (int64_t(j) * P.T + t0) * DK;
-    for (int x = tid; x < C * DK; x += kGdnChunkThreads) Bf[(x / DK) * BS + x % DK] = x / DK < n ? Wg[x] : 0.0f;
+    staged<NB>([&](int x) { return x / Q4 < n ? ld4(Wg + 4 * x) : kZero4; }, to_bf);
     if (tid < C) Gs[tid] = tid < n ? X.G[int64_t(j) * P.T + t0 + tid] : 0.0f;
     __syncthreads();  // W, G staged (and the last chunk's state rows written)
     float acc[M];
@@ -204,12 +235,13 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_state_kernel(const
       Ds[i * DS + r] = i < n ? __fsub_rn(X.U[(int64_t(j) * P.T + t0 + i) * P.dv + r0 + r], acc[m]) : 0.0f;
     }
     __syncthreads();  // W consumed, D complete
-    for (int x = tid; x < C * DK; x += kGdnChunkThreads) {
-      const int i = x / DK;
-      Bf[i * BS + x % DK] = i < n ? __fmul_rn(P.q[((t0 + i) * P.hk + kh) * DK + x % DK], P.scale) : 0.0f;
-    }
+    auto qk_src = [&](int x) { return ((t0 + x / Q4) * P.hk + kh) * DK + 4 * (x % Q4); };
+    staged<NB>([&](int x) { return x / Q4 < n ? scaled(ld4(P.q + qk_src(x)), P.scale) : kZero4; }, to_bf);
     const float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C;
-    for (int x = tid; x < C * C; x += kGdnChunkThreads) Ps[(x / C) * (C + 1) + x % C] = Pg[x];
+    staged<C * C / 4 / kGdnChunkThreads>([&](int x) { return ld4(Pg + 4 * x); }, [&](int x, float4 f) {
+      float* d = Ps + (x / (C / 4)) * (C + 1) + 4 * (x % (C / 4));  // C + 1 is odd: no 16-byte stores
+      d[0] = f.x, d[1] = f.y, d[2] = f.z, d[3] = f.w;
+    });
     __syncthreads();
     dots(acc);  // O = diag(Gamma) Q S0^T + P D (P is zero past the diagonal, D past n)
 #pragma unroll
@@ -225,10 +257,8 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_state_kernel(const
       if (i0 + 16 * m < n) P.out[((t0 + i0 + 16 * m) * P.hv + j) * P.dv + r0 + r] = acc[m];
     __syncthreads();  // Q and P consumed; Ss still S0 for all
     const float gn = Gs[n - 1];
-    for (int x = tid; x < C * DK; x += kGdnChunkThreads) {
-      const int i = x / DK;
-      Bf[i * BS + x % DK] = i < n ? expf(gn - Gs[i]) * P.k[((t0 + i) * P.hk + kh) * DK + x % DK] : 0.0f;
-    }
+    staged<NB>([&](int x) { return x / Q4 < n ? ld4(P.k + qk_src(x)) : kZero4; },
+               [&](int x, float4 f) { to_bf(x, scaled(f, expf(gn - Gs[x / Q4]))); });
     __syncthreads();
     // S = Gamma_n S0 + D^T K~: thread (rs, el) owns elements el + 16 m of row rs (read and written by it alone)
     const float decay = expf(gn);
@@ -245,8 +275,8 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_state_kernel(const
     for (int m = 0; m < E; ++m) Ss[rs * BS + el + 16 * m] = sacc[m];
     __syncthreads();  // the state rows are complete before the next chunk's phase 1 reads them
   }
-  for (int x = tid; x < R * DK; x += kGdnChunkThreads)
-    P.state_out[(int64_t(j) * P.dv + r0 + x / DK) * DK + x % DK] = Ss[(x / DK) * BS + x % DK];
+  for (int x = tid; x < R * Q4; x += kGdnChunkThreads)
+    st4(P.state_out + (int64_t(j) * P.dv + r0 + x / Q4) * DK + 4 * (x % Q4), ld4(Ss + (x / Q4) * BS + 4 * (x % Q4)));
 }
 
 }  // namespace specd::gpu::detail::gdn

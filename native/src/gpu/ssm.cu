@@ -216,8 +216,8 @@ void launch_gdn_chunked(const GdnParams& P, cudaStream_t s, const char* op) {
   GdnChunkScratch X{};
   X.U = scratch.ptr<float>();
   X.W = X.U + int64_t(P.hv) * P.T * P.dv;
-  X.G = X.W + int64_t(P.hv) * P.T * DK;
-  X.P = X.G + int64_t(P.hv) * P.T;
+  X.P = X.W + int64_t(P.hv) * P.T * DK;  // every part 16-byte aligned: G (any length) last
+  X.G = X.P + int64_t(P.hv) * chunks * kGdnChunk * kGdnChunk;
   X.chunks = chunks;
   detail::check_grid(int64_t(chunks) * P.hv, op);
   detail::launch_kernel<gdn_chunk_prep_kernel<DK>>("gdn_chunk_prep_kernel", unsigned(int64_t(chunks) * P.hv),
@@ -229,12 +229,16 @@ void launch_gdn_chunked(const GdnParams& P, cudaStream_t s, const char* op) {
 }
 
 // Whether a call may take the chunked path: inexact, at least one chunk of tokens, no checkpoints (they
-// need every token's state), dk 32 / 64 / 128 and whole row blocks, and the shared memory the device has.
-bool gdn_chunked_ok(bool exact, bool checkpoints, int64_t T, int64_t dk, int64_t dv) {
-  if (exact || checkpoints || T < kGdnChunk || dv % kGdnChunkRows != 0) return false;
-  if (dk != 32 && dk != 64 && dk != 128) return false;
-  return int64_t(gdn_prep_smem(int(dk), int(dv))) <= detail::max_smem_optin() &&
-         int64_t(gdn_state_smem(int(dk))) <= detail::max_smem_optin();
+// need every token's state), dk 32 / 64 / 128, whole row blocks, 16-byte aligned q / k / v / states (the
+// kernels stage them 16 bytes at a time), and the shared memory the device has.
+bool gdn_chunked_ok(bool exact, const GdnParams& P) {
+  if (exact || P.ckpt || P.T < kGdnChunk || P.dv % kGdnChunkRows != 0) return false;
+  if (P.dk != 32 && P.dk != 64 && P.dk != 128) return false;
+  for (const void* p : {static_cast<const void*>(P.q), static_cast<const void*>(P.k), static_cast<const void*>(P.v),
+                        static_cast<const void*>(P.state), static_cast<const void*>(P.state_out)})
+    if (!detail::aligned16(p)) return false;
+  return int64_t(gdn_prep_smem(P.dk, P.dv)) <= detail::max_smem_optin() &&
+         int64_t(gdn_state_smem(P.dk)) <= detail::max_smem_optin();
 }
 
 }  // namespace
@@ -288,7 +292,7 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
               state.ptr<float>(), out_state.ptr<float>(), checkpoints ? checkpoints->ptr<float>() : nullptr, scale,
               T, int(hk), int(hv), int(dk), int(dv), out.ptr<float>()};
   cudaStream_t s = detail::stream();
-  if (gdn_chunked_ok(exact, checkpoints.has_value(), T, dk, dv)) {
+  if (gdn_chunked_ok(exact, P)) {
     if (dk == 32) launch_gdn_chunked<32>(P, s, op);
     else if (dk == 64) launch_gdn_chunked<64>(P, s, op);
     else launch_gdn_chunked<128>(P, s, op);

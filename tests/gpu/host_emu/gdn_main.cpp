@@ -41,8 +41,8 @@ int run(int argc, char** argv) {
   GdnChunkScratch X{};
   X.U = scratch.data();
   X.W = X.U + int64_t(hv) * T * dv;
-  X.G = X.W + int64_t(hv) * T * DK;
-  X.P = X.G + int64_t(hv) * T;
+  X.P = X.W + int64_t(hv) * T * DK;  // ssm.cu's order: G (any length) last
+  X.G = X.P + int64_t(hv) * chunks * kGdnChunk * kGdnChunk;
   X.chunks = chunks;
   std::vector<float> smem;
   auto poison = [&](size_t bytes) {
