@@ -1,6 +1,6 @@
 """Builds a host-emulation harness (tests/gpu/host_emu/*_main.cpp) with the GPU headers it compiles for the
-CPU, and draws the attention harnesses' random inputs, for the emulation tests (test_gpu_flash_attention_host.py,
-test_gpu_attention_mma_host.py)."""
+CPU, and draws the attention harnesses' random inputs and tree masks, for the emulation tests
+(test_gpu_flash_attention_host.py, test_gpu_attention_mma_host.py, test_gpu_mask_compact_host.py, ...)."""
 import os
 import shutil
 import subprocess
@@ -39,3 +39,17 @@ def inputs(rng, n, hq, hkv, d, cap, qscale=1.0):
     k = rng.standard_normal((cap, hkv, d)).astype(np.float16)
     v = rng.standard_normal((cap, hkv, d)).astype(np.float16)
     return q, k, v
+
+
+def tree_mask(prefix, parents):
+    """A tree verify's mask, I32 [nodes, prefix + nodes]: every node sees the committed prefix, itself and
+    its ancestors (parents[j] < j, -1 for a root)."""
+    nodes = len(parents)
+    mask = np.zeros((nodes, prefix + nodes), np.int32)
+    mask[:, :prefix] = 1
+    for j in range(nodes):
+        a = j
+        while a >= 0:
+            mask[j, prefix + a] = 1
+            a = parents[a]
+    return mask

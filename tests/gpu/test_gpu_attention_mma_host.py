@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_emu_build import build_emu, inputs  # noqa: E402
+from host_emu_build import build_emu, inputs, tree_mask  # noqa: E402
 
 ATOL, RTOL = 2e-5, 1e-4  # of max|v|, relative: the exact path's tolerance vs the CPU op
 
@@ -131,13 +131,7 @@ def test_chunk_mma_emulated_tree_mask_equals_chain(chunk_emu, rng):
         depth[j] = depth[parents[j]] + 1
     kv_len = prefix + nodes
     q, k, v = inputs(rng, nodes, hq, hkv, d, kv_len + 8)
-    mask = np.zeros((nodes, kv_len), np.int32)
-    mask[:, :prefix] = 1
-    for j in range(nodes):
-        a = j
-        while a >= 0:
-            mask[j, prefix + a] = 1
-            a = parents[a]
+    mask = tree_mask(prefix, parents)
     pos = np.array([prefix + j for j in range(nodes)], np.int32)  # each node at its own cache row
     tree, plan = run_emu(chunk_emu, q, k, v, kv_len, pos, mask=mask)
     assert "packed=1" in plan

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_emu_build import build_emu  # noqa: E402
+from host_emu_build import build_emu, tree_mask  # noqa: E402
 
 SEG = 2048     # positions per block (attention_mask.cuh: kThreads * kPer)
 POISON = -7    # mask_main.cpp's fill of idx
@@ -92,15 +92,7 @@ def test_mask_compact_emulated_tree(mask_emu):
     """A tree verify's mask (committed prefix + ancestors) over a long prefix: the prefix plus the path,
     in order."""
     prefix, parents = 5000, [-1, 0, 0, 1, 1, 2, 3]
-    nodes = len(parents)
-    kv_len = prefix + nodes
-    mask = np.zeros((nodes, kv_len), np.int32)
-    mask[:, :prefix] = 1
-    for j in range(nodes):
-        a = j
-        while a >= 0:
-            mask[j, prefix + a] = 1
-            a = parents[a]
-    pos = np.arange(prefix, prefix + nodes, dtype=np.int32)
+    mask = tree_mask(prefix, parents)
+    pos = np.arange(prefix, prefix + len(parents), dtype=np.int32)
     cnt = check(mask_emu, mask, pos)
     assert list(cnt) == [prefix + 1, prefix + 2, prefix + 2, prefix + 3, prefix + 3, prefix + 3, prefix + 4]
