@@ -205,6 +205,7 @@ class Qwen35Model:
             features) come back to the host. Verify rows are computed exactly at any width (each
             equals decode bitwise); prefill chunks over 16 rows use the 2^-8-accurate BF16 GEMM and,
             from 64 rows on F16 K/V caches, the tensor-core flash attention (~1e-3; sn.attention's
+            ``exact``) and from 64 rows the chunked Gated DeltaNet recurrence (sn.gated_delta_net's
             ``exact``) (so GPU greedy output depends on ``prefill_chunk``, as in llama.cpp on the batch size). Same API and semantics as on the CPU (prefill, decode, chain and tree verify,
             commit). Raises RuntimeError when the GPU is asked for and none is usable.
         tensor_ops: run the device code path (sn.Tensor glue ops instead of numpy) even on the CPU;

@@ -3,8 +3,8 @@ on the host.
 
 host_emu/chunk_main.cpp compiles the kernel header for the CPU (host_emu/warp_emu.h: one thread per lane,
 mma.sync m16n8k16 f16 -> f32 and shuffles emulated from the PTX ISA fragment layouts) and runs
-attn_chunk_mma_kernel with attention.cu's launch plan, then combines its partials in chunk order as
-attn_combine_kernel does. So the q / K / V / P fragment layouts (the permuted dims of the 16-byte loads,
+attn_chunk_mma_kernel with attention.cu's launch plan, then combines its partials with the two-level
+arithmetic of attn_combine_kernel / attn_combine_groups_kernel (mirrored on the host, not emulated). So the q / K / V / P fragment layouts (the permuted dims of the 16-byte loads,
 the byte permutes that pair two keys of V), the two-term F16 splits of q and p, the slot table (rows packed
 into m-tiles, or one row per m-tile under a window; GQA groups over 16 heads), the key walk (chunks by rank,
 the mask's compacted positions, read once per tile where the rows agree and once per row where not or where

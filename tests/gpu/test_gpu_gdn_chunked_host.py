@@ -81,3 +81,16 @@ def test_gdn_chunked_emulated_matches_token_recurrence(gdn_emu, rng, T, hk, hv, 
     ref_o, ref_s = reference(*args, scale)
     np.testing.assert_allclose(out, ref_o, rtol=1e-4, atol=1e-4 * np.abs(ref_o).max())
     np.testing.assert_allclose(st, ref_s, rtol=1e-4, atol=1e-4 * np.abs(ref_s).max())
+
+
+def test_gdn_chunked_emulated_huge_gates(gdn_emu, rng):
+    """Gates of -1000 and -inf at chunk starts and inside chunks: their decay is 0 (the state restarts), as
+    token by token, and the other gates' prefix sums keep their digits (the kernel clamps at -104)."""
+    T, hk, hv, dk, dv = 150, 1, 2, 32, 16
+    q, k, v, g, beta, state = inputs(rng, T, hk, hv, dk, dv, 1.0)
+    g[0, 0], g[64, 1], g[70, 0], g[128, 0] = -1000.0, -np.inf, -1000.0, -np.inf
+    scale = 1 / np.sqrt(dk)
+    out, st, _ = run_emu(gdn_emu, q, k, v, g, beta, state, scale)
+    ref_o, ref_s = reference(q, k, v, g, beta, state, scale)
+    np.testing.assert_allclose(out, ref_o, rtol=1e-4, atol=1e-4 * np.abs(ref_o).max())
+    np.testing.assert_allclose(st, ref_s, rtol=1e-4, atol=1e-4 * np.abs(ref_s).max())

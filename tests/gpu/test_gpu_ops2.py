@@ -754,8 +754,8 @@ LONG_ROWS = [(4, 1, 64, 70000, [4095, 4096, 8191, 8192, 12300, 65535, 65536, 699
 @pytest.mark.parametrize("case", LONG_ROWS)
 @gpu_only
 def test_attention_gpu_long_rows(rng, dtype, case):
-    """Rows of up to 70000 visible keys (1094 chunks: the combine pass stages its chunks' partials 64 at a
-    time, double-buffered) match the CPU, alone or with shorter rows in one call (bitwise: the chunk grid
+    """Rows of up to 70000 visible keys (1094 chunks: the combine reduces them in 18 groups of 64 chunks, then
+    the groups) match the CPU, alone or with shorter rows in one call (bitwise: the chunk grid
     and the combine's order depend only on the row), masked too; and a tree at 8253 keys whose
     draft rows straddle the chunk boundary 8256 equals the chain verify of each path."""
     hq, hkv, d, kv_len, pos = case
@@ -1061,11 +1061,12 @@ def test_gdn_gpu_chunked_vs_cpu(rng, shape, T):
         close(s2.numpy(), st_cpu)
 
 
-@pytest.mark.parametrize("case", ["short", "checkpoints", "dk48"])
+@pytest.mark.parametrize("case", ["short", "checkpoints", "dk48", "dv24"])
 @gpu_only
 def test_gdn_gpu_inexact_falls_back_bitwise(rng, case):
-    """exact=False where the chunked path does not apply (< 64 tokens, checkpoints, dk 48) is the token kernel."""
-    hk, hv, dk, dv = (2, 2, 48, 64) if case == "dk48" else (2, 4, 64, 32)
+    """exact=False where the chunked path does not apply (< 64 tokens, checkpoints, dk 48, dv % 16 != 0) is the
+    token kernel."""
+    hk, hv, dk, dv = {"dk48": (2, 2, 48, 64), "dv24": (1, 2, 64, 24)}.get(case, (2, 4, 64, 32))
     T = 63 if case == "short" else 70
     q, k, v, g, beta, state = gdn_inputs(rng, T, hk, hv, dk, dv)
     args = [on_gpu(a) for a in (q, k, v, g, beta)]

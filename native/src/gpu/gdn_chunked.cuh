@@ -48,8 +48,10 @@ __device__ __forceinline__ float* dyn_smem() {
 //   O = diag(Gamma) Q S0^T + P D, P_ij = exp(G_i - G_j) (q_i . k_j) for j <= i, else 0;
 //   S = Gamma_n S0 + D^T diag(exp(G_n - G_i)) K.
 // This is the token recursion rearranged (exact in real arithmetic; checked against it in float64 by
-// tests/gpu/test_gpu_gdn_chunked.py's reference), in F32 with other rounding: tolerance vs the CPU
-// op 1e-4 * max|ref| + 1e-4 relative, as the token kernel's. Two kernels:
+// tests/gpu/test_gpu_gdn_chunked_host.py's reference), in F32 with other rounding: tolerance vs the CPU
+// op 1e-4 * max|ref| + 1e-4 relative, as the token kernel's. A gate below kMinGate is taken as kMinGate: its
+// decay exp(g) is 0 in F32 either way (the state restarts), and the prefix sums stay finite and accurate
+// (a gate of -inf would make exp(G_i - G_j) NaN; one of -1e5 would swamp the others' digits). Two kernels:
 //   gdn_chunk_prep_kernel, one block per (value head, chunk), all chunks at once (they do not depend on
 //   the state): G, P, U and W into scratch;
 //   gdn_chunk_state_kernel, one block per (value head, kGdnChunkRows state rows), the chunks in order:
@@ -58,6 +60,7 @@ __device__ __forceinline__ float* dyn_smem() {
 constexpr int kGdnChunk = 64;        // tokens per chunk (part of the path's arithmetic)
 constexpr int kGdnChunkThreads = 256;
 constexpr int kGdnChunkRows = 16;    // state rows per block of the state pass
+constexpr float kMinGate = -104.0f;  // expf(-104) rounds to 0 in F32
 
 struct GdnChunkScratch {
   float* U;  // [hv, T, dv]
@@ -67,9 +70,10 @@ struct GdnChunkScratch {
   int chunks;
 };
 
-// Dynamic shared memory of the two kernels for head dims dk, dv.
-constexpr size_t gdn_prep_smem(int dk, int dv) {
-  return size_t(2 * kGdnChunk * (dk + 1) + kGdnChunk * (kGdnChunk + 1) + 2 * kGdnChunk + kGdnChunk * dv) * 4;
+// Dynamic shared memory of the two kernels for head dims dk, dv (size_t: any dv the op accepts).
+constexpr size_t gdn_prep_smem(int64_t dk, int64_t dv) {
+  return (size_t(2 * kGdnChunk) * size_t(dk + 1) + size_t(kGdnChunk * (kGdnChunk + 1) + 2 * kGdnChunk) +
+          size_t(kGdnChunk) * size_t(dv)) * 4;
 }
 constexpr size_t gdn_state_smem(int dk) {
   return size_t(kGdnChunk * (dk + 4) + kGdnChunk * (kGdnChunk + 1) + kGdnChunkRows * (dk + 4) +
@@ -130,7 +134,8 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
     staged<4>([&](int x) { x += x0; return x < C * V4 && x / V4 < n ? ld4(P.v + ((t0 + x / V4) * P.hv + j) * P.dv + 4 * (x % V4)) : kZero4; },
               [&](int x, float4 f) { if (x + x0 < C * V4) st4(Vs + 4 * (x + x0), f); });
   if (tid < C) {
-    Gs[tid] = tid < n ? P.g[(t0 + tid) * P.hv + j] : 0.0f;
+    const float g = tid < n ? P.g[(t0 + tid) * P.hv + j] : 0.0f;
+    Gs[tid] = g < kMinGate ? kMinGate : g;  // (a NaN gate stays NaN, as in the token kernel)
     Bs[tid] = tid < n ? P.beta[(t0 + tid) * P.hv + j] : 0.0f;
   }
   __syncthreads();

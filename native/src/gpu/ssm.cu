@@ -7,7 +7,7 @@
 // double. Tolerance vs CPU: bit-identical (silu: <= 1 F32 ulp when device and host double exp
 // straddle an F32 rounding boundary, practically never); state bit-identical.
 //
-// gated_delta_net: sequential over tokens; the dv x dk state of a value head lives in registers
+// gated_delta_net (exact): sequential over tokens; the dv x dk state of a value head lives in registers
 // (L = max(4, dk / 16) lanes per state row, dk / L elements each: the 27B's dk = 128 has 8 lanes of
 // 16) for dk in {32, 64, 128}, in blocks of kGdnRows state rows when dv % kGdnRows == 0 (else one
 // block per head, if dv * L <= 512): the state rows are independent, so the split only adds blocks
@@ -22,6 +22,10 @@
 // carried state (bitwise), and checkpoints[t] equal the state after token t (bitwise).
 // Tolerance vs CPU (different dot-product order, expf): outputs and state within ~1e-5 relative
 // to their scale per token; tests use 1e-4 * max|ref| + rtol 1e-4 over up to 16 tokens.
+// exact = false (prefill) with T >= 64 and no checkpoints (gdn_chunked_ok: dk 32 / 64 / 128, dv % 16 == 0,
+// 16-byte aligned inputs, the shared memory at hand) takes the chunked recurrence of gdn_chunked.cuh
+// instead: not token by token, so its results depend on how the tokens are split over calls, within the
+// same tolerance of the CPU op (tests up to 300 tokens).
 #include <algorithm>
 #include <cmath>
 
@@ -232,7 +236,7 @@ void launch_gdn_chunked(const GdnParams& P, cudaStream_t s, const char* op) {
 // need every token's state), dk 32 / 64 / 128, whole row blocks, 16-byte aligned q / k / v / states (the
 // kernels stage them 16 bytes at a time), and the shared memory the device has.
 bool gdn_chunked_ok(bool exact, const GdnParams& P) {
-  if (exact || P.ckpt || P.T < kGdnChunk || P.dv % kGdnChunkRows != 0) return false;
+  if (exact || P.ckpt || P.T < kGdnChunk || P.dv % kGdnChunkRows != 0 || P.dv > 4096) return false;
   if (P.dk != 32 && P.dk != 64 && P.dk != 128) return false;
   for (const void* p : {static_cast<const void*>(P.q), static_cast<const void*>(P.k), static_cast<const void*>(P.v),
                         static_cast<const void*>(P.state), static_cast<const void*>(P.state_out)})
