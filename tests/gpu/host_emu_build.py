@@ -1,6 +1,6 @@
 """Builds a host-emulation harness (tests/gpu/host_emu/*_main.cpp) with the GPU headers it compiles for the
-CPU, and draws the attention harnesses' random inputs and tree masks, for the emulation tests
-(test_gpu_flash_attention_host.py, test_gpu_attention_mma_host.py, test_gpu_mask_compact_host.py, ...)."""
+CPU, and draws the attention harnesses' random inputs, for the emulation tests (test_gpu_flash_attention_host.py,
+test_gpu_attention_mma_host.py, test_gpu_mask_compact_host.py, ...); tree_mask also serves test_gpu_ops2.py."""
 import os
 import shutil
 import subprocess

@@ -43,6 +43,7 @@ import specd.native as sn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from flash_ref import check_flash  # noqa: E402
+from host_emu_build import tree_mask  # noqa: E402
 
 DRYRUN = os.environ.get("SPECD_TEST_GPU_DRYRUN") == "1"
 GPU = sn.Device.GPU
@@ -613,15 +614,7 @@ def test_attention_gpu_mixed_cache_dtypes(rng, dtypes):
 def tree(c):
     parent = [-1, 0, 0, 1, 1, 2, 5]
     depth = [0, 1, 1, 2, 2, 2, 3]
-    n = len(parent)
-    mask = np.zeros((n, c + n), np.int32)
-    mask[:, :c] = 1
-    for i in range(n):
-        a = i
-        while a >= 0:
-            mask[i, c + a] = 1
-            a = parent[a]
-    return parent, depth, mask
+    return parent, depth, tree_mask(c, parent)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
