@@ -38,11 +38,10 @@ def held_span(slot_pos: np.ndarray, start: int, n: int) -> slice | None:
         return None
     held = slot_pos[first:first + n]
     if n <= SMALL_SPAN:  # Python lists beat numpy temporaries for the usual few rows
-        if held.tolist() != list(range(start, start + n)):
-            return None
-    elif held[0] != start or not np.array_equal(np.diff(held), np.ones(n - 1, held.dtype)):
-        return None  # (a whole prompt's rows: one vectorised check, not an n-long Python list)
-    return slice(first, first + n)
+        ok = held.tolist() == list(range(start, start + n))
+    else:  # a whole prompt's rows: one vectorised comparison, not an n-long Python list
+        ok = np.array_equal(held, np.arange(start, start + n))
+    return slice(first, first + n) if ok else None
 
 
 def held_slots(slot_pos: np.ndarray, start: int, n: int) -> np.ndarray:

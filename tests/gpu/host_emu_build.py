@@ -15,13 +15,13 @@ CXX = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shu
 
 def build_emu(tmp_path_factory, name, headers, main):
     """(folder, executable) of host_emu/``main`` compiled (C++20, -ffp-contract=off) with the GPU ``headers``
-    (names in native/src/gpu) and host_emu's portability.h / warp_emu.h; skips without a C++20 compiler or
-    the source tree."""
+    (names in native/src/gpu) and host_emu's portability.h / warp_emu.h / attn_case.h; skips without a C++20
+    compiler or the source tree."""
     if not CXX or not all(os.path.exists(os.path.join(GPU_SRC, h)) for h in headers):
         pytest.skip("no C++ compiler or no source tree")
     d = tmp_path_factory.mktemp(name)
     for src in [os.path.join(GPU_SRC, h) for h in headers] + [
-            os.path.join(HERE, "host_emu", f) for f in ("portability.h", "warp_emu.h", main)]:
+            os.path.join(HERE, "host_emu", f) for f in ("portability.h", "warp_emu.h", "attn_case.h", main)]:
         shutil.copy(src, d / os.path.basename(src))
     exe = d / name
     r = subprocess.run([CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-I", str(d), "-o", str(exe),

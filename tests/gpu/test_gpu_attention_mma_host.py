@@ -30,8 +30,8 @@ ATOL, RTOL = 2e-5, 1e-4  # of max|v|, relative: the exact path's tolerance vs th
 @pytest.fixture(scope="module")
 def chunk_emu(tmp_path_factory):
     return build_emu(tmp_path_factory, "chunk_emu",
-                     ["attention_chunk_mma.cuh", "attention_flash.cuh", "attention_rows.cuh", "pdl.cuh"],
-                     "chunk_main.cpp")
+                     ["attention_chunk_mma.cuh", "attention_flash.cuh", "attention_rows.cuh", "pdl.cuh",
+                      "warp_reduce.cuh"], "chunk_main.cpp")
 
 
 def run_emu(emu, q, k, v, kv_len, pos, causal=True, window=0, scale=None, mask=None, resident=10_000, slice_rows=0):

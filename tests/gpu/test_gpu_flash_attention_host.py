@@ -28,8 +28,8 @@ from host_emu_build import build_emu, inputs  # noqa: E402
 
 @pytest.fixture(scope="module")
 def attn_emu(tmp_path_factory):
-    return build_emu(tmp_path_factory, "attn_emu", ["attention_flash.cuh", "attention_rows.cuh", "pdl.cuh"],
-                     "attn_main.cpp")
+    return build_emu(tmp_path_factory, "attn_emu",
+                     ["attention_flash.cuh", "attention_rows.cuh", "pdl.cuh", "warp_reduce.cuh"], "attn_main.cpp")
 
 
 def run_emu(emu, q, k, v, kv_len, pos, causal=True, window=0, scale=None):

@@ -25,8 +25,8 @@ POISON = -7    # mask_main.cpp's fill of idx
 
 @pytest.fixture(scope="module")
 def mask_emu(tmp_path_factory):
-    return build_emu(tmp_path_factory, "mask_emu", ["attention_mask.cuh", "attention_rows.cuh", "pdl.cuh"],
-                     "mask_main.cpp")
+    return build_emu(tmp_path_factory, "mask_emu",
+                     ["attention_mask.cuh", "attention_rows.cuh", "pdl.cuh", "warp_reduce.cuh"], "mask_main.cpp")
 
 
 def run_emu(emu, mask, pos, causal, window):

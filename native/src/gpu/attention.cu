@@ -31,6 +31,8 @@ namespace specd::gpu {
 
 namespace {
 
+using detail::warp_max;
+
 constexpr int kMaxDim = 1024;
 
 void check_cache(const Tensor& c, const char* op, const char* arg) {
@@ -55,12 +57,6 @@ __device__ __forceinline__ float load(const uint8_t* row, int c) {
 // ---------------------------------------------------------------------------------------- kv_write
 
 constexpr int kWriteThreads = 128;
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int m = SPECD_WARP / 2; m > 0; m >>= 1) v = fmaxf(v, SPECD_SHFL_XOR(v, m));
-  return v;
-}
 
 template <DType T>
 __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(uint8_t* __restrict__ cache, const float* __restrict__ x,

@@ -154,12 +154,6 @@ __device__ __forceinline__ void prefetch_l2(const uint8_t* p) {
 #endif
 }
 
-__device__ __forceinline__ float warp_max_f(float v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, SPECD_SHFL_XOR(v, m));
-  return v;
-}
-
 // --- the kernel ------------------------------------------------------------------------------------
 
 // Grid: m-tiles fastest, then chunk groups, then KV heads. Idx: the rows' visible positions come from
@@ -223,7 +217,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
       x[e] = has && il >= 0 ? P.q[((P.i0 + il) * P.hq + s_head[s]) * D + 8 * lane + e] : 0.0f;
       amax = fmaxf(amax, fabsf(x[e]));
     }
-    amax = warp_max_f(amax);
+    amax = warp_max(amax);
     // sigma in [-114, 126] for finite q (2^-sigma stays a normal float); 0 for a zero or non-finite q.
     int ex = 0;
     const bool scaled = amax > 0.0f && isfinite(amax);
@@ -299,7 +293,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
             if (j < n && idx_of(row)[r0 + j] != idx_of(lead)[r0 + j]) ok = 0;
         }
       }
-      agree = flash::warp_min_i(ok) != 0;
+      agree = warp_min(ok) != 0;
       const int cc = int(maxcnt - r0 < kChunk ? maxcnt - r0 : kChunk);
       if (agree && min_vis < cc) {  // V of the keys [min_vis, cc), 16 bytes a lane
         for (int x = lane; x < (cc - min_vis) * (D / 8); x += 32) {
@@ -308,7 +302,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
           const uint4 w = __ldg(reinterpret_cast<const uint4*>(vline + key_row * P.v_row_stride) + x % (D / 8));
           if (!finite_f16x8(w)) ok = 0;
         }
-        agree = flash::warp_min_i(ok) != 0;
+        agree = warp_min(ok) != 0;
       }
     }
     for (int only = agree ? -1 : first_row; only <= (agree ? -1 : last_row); ++only) {  // uniform

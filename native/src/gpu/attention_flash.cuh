@@ -68,6 +68,7 @@
 
 #include "attention_rows.cuh"
 #include "pdl.cuh"
+#include "warp_reduce.cuh"
 
 namespace specd::gpu::detail::flash {
 
@@ -234,16 +235,6 @@ __device__ __forceinline__ float quad_sum(float v) {
   v = __fadd_rn(v, SPECD_SHFL_XOR(v, 1));
   return __fadd_rn(v, SPECD_SHFL_XOR(v, 2));
 }
-__device__ __forceinline__ int warp_min_i(int v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v = min(v, SPECD_SHFL_XOR(v, m));
-  return v;
-}
-__device__ __forceinline__ int warp_max_i(int v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v = max(v, SPECD_SHFL_XOR(v, m));
-  return v;
-}
 
 // --- layout ----------------------------------------------------------------------------------------
 
@@ -309,10 +300,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32, min_blocks(D)) attn_flash_kern
   {
     int lo, hi;
     row_range(P, row0 + (lane & 15), lo, hi);
-    wlo = warp_min_i(lo);
-    whi = warp_max_i(hi);
-    wlomax = warp_max_i(lo);
-    whimin = warp_min_i(hi);
+    wlo = warp_min(lo);
+    whi = warp_max(hi);
+    wlomax = warp_max(lo);
+    whimin = warp_min(hi);
     if (lane == 0) {
       s_lo[warp] = wlo;
       s_hi[warp] = whi;

@@ -22,6 +22,7 @@
 
 #include "attention_rows.cuh"
 #include "pdl.cuh"
+#include "warp_reduce.cuh"
 
 namespace specd::gpu::detail::mask {
 
@@ -56,19 +57,13 @@ __device__ __forceinline__ unsigned visible_bits(const Params& P, int64_t i, int
   return vis;
 }
 
-__device__ __forceinline__ int warp_sum_int(int v) {
-#pragma unroll
-  for (int m = SPECD_WARP / 2; m > 0; m >>= 1) v += SPECD_SHFL_XOR(v, m);
-  return v;
-}
-
 __global__ void __launch_bounds__(kThreads) attn_mask_count_kernel(const Params P) {
   pdl_enter();
   __shared__ int wsum[kWarps];
   const int64_t i = blockIdx.x / P.nseg, s = blockIdx.x % P.nseg;
   const int t = threadIdx.x;
   int64_t j0;
-  const int c = warp_sum_int(__popc(visible_bits(P, i, s, t, j0)));
+  const int c = warp_sum(__popc(visible_bits(P, i, s, t, j0)));
   if (t % SPECD_WARP == 0) wsum[t / SPECD_WARP] = c;
   __syncthreads();
   if (t == 0) {
@@ -86,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) attn_mask_compact_kernel(const Param
   const int t = threadIdx.x, lane = t % SPECD_WARP, warp = t / SPECD_WARP;
   int pre = 0;  // this thread's share of the row's visible entries before the segment
   for (int64_t x = t; x < s; x += kThreads) pre += P.seg[i * P.nseg + x];
-  pre = warp_sum_int(pre);
+  pre = warp_sum(pre);
   int64_t j0;
   const unsigned vis = visible_bits(P, i, s, t, j0);
   const int own = __popc(vis);

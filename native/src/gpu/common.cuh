@@ -6,6 +6,7 @@
 #include <string>
 
 #include "portability.h"
+#include "warp_reduce.cuh"  // warp_sum, warp_max, warp_min
 #include "specd/error.h"
 #include "specd/tensor.h"
 
@@ -66,15 +67,6 @@ inline void check_gpu(const Tensor& t, const char* op, const char* arg) {
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-// Sum over the 32 lanes of a logical warp; every lane gets the total. The xor butterfly adds in
-// the same order on every lane, so all lanes hold bit-identical results.
-template <class T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int m = SPECD_WARP / 2; m > 0; m >>= 1) v += SPECD_SHFL_XOR(v, m);
-  return v;
-}
 
 }  // namespace specd::gpu::detail
 

@@ -20,6 +20,7 @@
 
 #include "warp_emu.h"
 #include "attention_flash.cuh"
+#include "attn_case.h"
 
 using namespace specd::gpu::detail;
 
@@ -36,33 +37,18 @@ int main(int argc, char** argv) {
                  argv[0]);
     return 2;
   }
-  const int d = std::atoi(argv[1]);
-  const int64_t n = std::atoll(argv[2]), hq = std::atoll(argv[3]), hkv = std::atoll(argv[4]);
-  const int64_t cap = std::atoll(argv[5]), kv_len = std::atoll(argv[6]), window = std::atoll(argv[7]);
-  const int causal = std::atoi(argv[8]);
-  const double scale = std::atof(argv[9]);
-  if (!flash::supported_dim(d) || n < 1 || hkv < 1 || hq % hkv || kv_len < 0 || kv_len > cap) return 2;
-  std::vector<float> q(size_t(n * hq * d)), out(size_t(n * hq * d), NAN);
-  std::vector<int32_t> pos(static_cast<size_t>(n));
-  std::vector<uint16_t> k(size_t(cap * hkv * d)), v(size_t(cap * hkv * d));
-  if (!read_file(argv[10], q) || !read_file(argv[11], pos) || !read_file(argv[12], k) || !read_file(argv[13], v)) {
-    std::fprintf(stderr, "short input file\n");
-    return 2;
-  }
-  const flash::Plan pl = flash::plan(n, hkv, hq / hkv, d);
-  flash::Params P = flash::params(pl, n, hq, hkv, kv_len, window, causal != 0, scale);
-  P.q = q.data();
-  P.kc = reinterpret_cast<const uint8_t*>(k.data());
-  P.vc = reinterpret_cast<const uint8_t*>(v.data());
-  P.k_row_stride = P.v_row_stride = hkv * d * 2;
-  P.k_head_stride = P.v_head_stride = int64_t(d) * 2;
-  P.q_pos = pos.data();
-  P.out = out.data();
+  AttnCase c;
+  if (!c.parse(argv) || !flash::supported_dim(c.d)) return 2;
+  if (!c.read(argv[10], argv[11], argv[12], argv[13])) return 2;
+  const int d = c.d;
+  const flash::Plan pl = flash::plan(c.n, c.hkv, c.hq / c.hkv, d);
+  flash::Params P = flash::params(pl, c.n, c.hq, c.hkv, c.kv_len, c.window, c.causal != 0, c.scale);
+  c.set_views(P);
+  P.out = c.out.data();
   std::vector<uint4> smem((pl.smem + 15) / 16);
   if (d == 64) run<64>(P, pl, smem);
   else if (d == 128) run<128>(P, pl, smem);
   else run<256>(P, pl, smem);
-  std::ofstream(argv[14], std::ios::binary).write(reinterpret_cast<const char*>(out.data()),
-                                                  std::streamsize(out.size() * sizeof(float)));
+  c.write_out(argv[14]);
   return 0;
 }

@@ -23,6 +23,7 @@
 
 #include "warp_emu.h"
 #include "attention_chunk_mma.cuh"
+#include "attn_case.h"
 
 using namespace specd::gpu::detail;
 
@@ -38,26 +39,25 @@ int main(int argc, char** argv) {
                  argv[0]);
     return 2;
   }
-  const int d = std::atoi(argv[1]);
-  const int64_t n = std::atoll(argv[2]), hq = std::atoll(argv[3]), hkv = std::atoll(argv[4]);
-  const int64_t cap = std::atoll(argv[5]), kv_len = std::atoll(argv[6]), window = std::atoll(argv[7]);
-  const int causal = std::atoi(argv[8]);
-  const float scale = float(std::atof(argv[9]));
+  AttnCase ac;
+  if (!ac.parse(argv) || !chunk_mma::supported_dim(ac.d) || ac.kv_len < 1) return 2;
+  const int d = ac.d, causal = ac.causal;
+  const int64_t n = ac.n, hq = ac.hq, hkv = ac.hkv, kv_len = ac.kv_len, window = ac.window;
+  const float scale = float(ac.scale);
   // resident_warps[:slice_rows]: rows go through the kernel in slices of slice_rows (attention.cu's
   // scratch-bounded slices: i0 > 0), each with its own partials.
   const std::string rs = argv[10];
   const int64_t resident = std::atoll(rs.c_str());
   const int64_t slice_rows = rs.find(':') == std::string::npos ? 0 : std::atoll(rs.c_str() + rs.find(':') + 1);
   const bool has_mask = std::string(argv[15]) != "-";
-  if (!chunk_mma::supported_dim(d) || n < 1 || hkv < 1 || hq % hkv || kv_len < 1 || kv_len > cap) return 2;
-  std::vector<float> q(size_t(n * hq * d)), out(size_t(n * hq * d), NAN);
-  std::vector<int32_t> pos(static_cast<size_t>(n)), mask(has_mask ? size_t(n * kv_len) : 0);
-  std::vector<uint16_t> k(size_t(cap * hkv * d)), v(size_t(cap * hkv * d));
-  if (!read_file(argv[11], q) || !read_file(argv[12], pos) || !read_file(argv[13], k) || !read_file(argv[14], v) ||
-      (has_mask && !read_file(argv[15], mask))) {
+  std::vector<int32_t> mask(has_mask ? size_t(n * kv_len) : 0);
+  if (!ac.read(argv[11], argv[12], argv[13], argv[14])) return 2;
+  if (has_mask && !read_file(argv[15], mask)) {
     std::fprintf(stderr, "short input file\n");
     return 2;
   }
+  const std::vector<int32_t>& pos = ac.pos;
+  std::vector<float>& out = ac.out;
   const int64_t r = hq / hkv, nch = (kv_len + chunk_mma::kChunk - 1) / chunk_mma::kChunk;
   // The mask's visible positions per row, compacted in order (attention_mask.cuh).
   std::vector<int32_t> idx(has_mask ? size_t(n * kv_len) : 0), cnt(has_mask ? size_t(n) : 0);
@@ -76,12 +76,7 @@ int main(int argc, char** argv) {
     std::vector<float> part(size_t(rows * hq * nch * d), NAN), ml(size_t(rows * hq * nch * 2), NAN);  // poisoned
     pl = chunk_mma::plan(rows, r, hkv, nch, window == 0, resident);
     chunk_mma::Params P{};
-    P.q = q.data();
-    P.kc = reinterpret_cast<const uint8_t*>(k.data());
-    P.vc = reinterpret_cast<const uint8_t*>(v.data());
-    P.k_row_stride = P.v_row_stride = hkv * d * 2;
-    P.k_head_stride = P.v_head_stride = int64_t(d) * 2;
-    P.q_pos = pos.data();
+    ac.set_views(P);
     P.idx = has_mask ? idx.data() : nullptr;
     P.cnt = has_mask ? cnt.data() : nullptr;
     P.kv_len = kv_len;
@@ -143,7 +138,6 @@ int main(int argc, char** argv) {
   }
   std::printf("packed=%d mtiles=%lld groups=%d cpw=%d blocks=%lld\n", pl.packed, (long long)pl.mtiles, pl.groups,
               pl.cpw, (long long)pl.blocks);
-  std::ofstream(argv[16], std::ios::binary).write(reinterpret_cast<const char*>(out.data()),
-                                                  std::streamsize(out.size() * sizeof(float)));
+  ac.write_out(argv[16]);
   return 0;
 }

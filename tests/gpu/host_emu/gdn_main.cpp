@@ -58,7 +58,8 @@ int run(int argc, char** argv) {
                                                    std::streamsize(out.size() * sizeof(float)));
   std::ofstream(argv[14], std::ios::binary).write(reinterpret_cast<const char*>(state_out.data()),
                                                    std::streamsize(state_out.size() * sizeof(float)));
-  std::printf("chunks=%d prep_blocks=%lld state_blocks=%d\n", chunks, (long long)chunks * hv, hv * (dv / kGdnChunkRows));
+  std::printf("chunks=%d prep_blocks=%lld state_blocks=%d\n", chunks, (long long)chunks * hv,
+              hv * (dv / kGdnChunkRows));
   return 0;
 }
 
