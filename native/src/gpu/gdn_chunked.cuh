@@ -70,10 +70,12 @@ struct GdnChunkScratch {
   int chunks;
 };
 
-// Dynamic shared memory of the two kernels for head dims dk, dv (size_t: any dv the op accepts).
+// Dynamic shared memory of the two kernels for head dims dk, dv (size_t: any dv the op accepts). The prep
+// kernel's v rows reuse the q rows' space when they fit (dv <= dk + 1): 83 KiB for the 27B, two blocks per SM.
+__host__ __device__ constexpr bool gdn_v_in_q(int64_t dk, int64_t dv) { return dv <= dk + 1; }
 constexpr size_t gdn_prep_smem(int64_t dk, int64_t dv) {
   return (size_t(2 * kGdnChunk) * size_t(dk + 1) + size_t(kGdnChunk * (kGdnChunk + 1) + 2 * kGdnChunk) +
-          size_t(kGdnChunk) * size_t(dv)) * 4;
+          (gdn_v_in_q(dk, dv) ? 0 : size_t(kGdnChunk) * size_t(dv))) * 4;
 }
 constexpr size_t gdn_state_smem(int dk) {
   return size_t(kGdnChunk * (dk + 4) + kGdnChunk * (kGdnChunk + 4) + kGdnChunkRows * (dk + 4) +
@@ -116,7 +118,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
   float* As = Qs + C * KS;       // [C][C + 1] A
   float* Gs = As + C * (C + 1);  // [C] G
   float* Bs = Gs + C;            // [C] beta
-  float* Vs = Bs + C;            // [C][dv] v rows
+  float* Vs = gdn_v_in_q(DK, P.dv) ? Qs : Bs + C;  // [C][dv] v rows (staged once q . k is done)
   const int c = int(blockIdx.x % X.chunks), j = int(blockIdx.x / X.chunks), kh = j % P.hk, tid = threadIdx.x;
   const int64_t t0 = int64_t(c) * C;
   const int n = P.T - t0 < C ? int(P.T - t0) : C;
@@ -129,10 +131,6 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
   staged<NK>([&](int x) { return x / Q4 < n ? ld4(P.k + src(x)) : kZero4; }, [&](int x, float4 f) { put(Ks, x, f); });
   staged<NK>([&](int x) { return x / Q4 < n ? scaled(ld4(P.q + src(x)), P.scale) : kZero4; },
              [&](int x, float4 f) { put(Qs, x, f); });
-  const int V4 = P.dv / 4;  // dv % 16 == 0; a run-time size: 4 pieces per thread at a time
-  for (int x0 = 0; x0 < C * V4; x0 += 4 * kGdnChunkThreads)
-    staged<4>([&](int x) { x += x0; return x < C * V4 && x / V4 < n ? ld4(P.v + ((t0 + x / V4) * P.hv + j) * P.dv + 4 * (x % V4)) : kZero4; },
-              [&](int x, float4 f) { if (x + x0 < C * V4) st4(Vs + 4 * (x + x0), f); });
   if (tid < C) {
     const float g = tid < n ? P.g[(t0 + tid) * P.hv + j] : 0.0f;
     Gs[tid] = g < kMinGate ? kMinGate : g;  // (a NaN gate stays NaN, as in the token kernel)
@@ -154,7 +152,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
 #pragma unroll
       for (int b = 0; b < 4; ++b) kk[a][b] = fmaf(ki[a], kj[b], kk[a][b]), qk[a][b] = fmaf(qi[a], kj[b], qk[a][b]);
   }
-  __syncthreads();  // Gs complete
+  __syncthreads();  // Gs complete, Qs read
   float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C;
 #pragma unroll
   for (int a = 0; a < 4; ++a)
@@ -166,6 +164,10 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
       Pg[i * C + jj] = r * qk[a][b];
     }
   if (tid < n) X.G[int64_t(j) * P.T + t0 + tid] = Gs[tid];
+  const int V4 = P.dv / 4;  // dv % 16 == 0; a run-time size: 4 pieces per thread at a time
+  for (int x0 = 0; x0 < C * V4; x0 += 4 * kGdnChunkThreads)
+    staged<4>([&](int x) { x += x0; return x < C * V4 && x / V4 < n ? ld4(P.v + ((t0 + x / V4) * P.hv + j) * P.dv + 4 * (x % V4)) : kZero4; },
+              [&](int x, float4 f) { if (x + x0 < C * V4) st4(Vs + 4 * (x + x0), f); });
   __syncthreads();
   // Forward substitution, one column per thread: x_i = rhs_i - sum_{j<i} A_ij x_j (rows past n: zeros). The
   // sum runs as two interleaved chains (even and odd j), so a row waits on i / 2 dependent FMAs.
