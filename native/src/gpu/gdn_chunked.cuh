@@ -74,7 +74,7 @@ struct GdnChunkScratch {
 // kernel's v rows reuse the q rows' space when they fit (dv <= dk + 1): 83 KiB for the 27B, two blocks per SM.
 __host__ __device__ constexpr bool gdn_v_in_q(int64_t dk, int64_t dv) { return dv <= dk + 1; }
 constexpr size_t gdn_prep_smem(int64_t dk, int64_t dv) {
-  return (size_t(2 * kGdnChunk) * size_t(dk + 1) + size_t(kGdnChunk * (kGdnChunk + 1) + 2 * kGdnChunk) +
+  return (size_t(2 * kGdnChunk) * size_t(dk + 1) + size_t(kGdnChunk * (kGdnChunk + 1) + 3 * kGdnChunk) +
           (gdn_v_in_q(dk, dv) ? 0 : size_t(kGdnChunk) * size_t(dv))) * 4;
 }
 constexpr size_t gdn_state_smem(int dk) {
@@ -118,7 +118,8 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
   float* As = Qs + C * KS;       // [C][C + 1] A
   float* Gs = As + C * (C + 1);  // [C] G
   float* Bs = Gs + C;            // [C] beta
-  float* Vs = gdn_v_in_q(DK, P.dv) ? Qs : Bs + C;  // [C][dv] v rows (staged once q . k is done)
+  float* BGs = Bs + C;           // [C] beta Gamma (W's right-hand sides, once per row)
+  float* Vs = gdn_v_in_q(DK, P.dv) ? Qs : BGs + C;  // [C][dv] v rows (staged once q . k is done)
   const int c = int(blockIdx.x % X.chunks), j = int(blockIdx.x / X.chunks), kh = j % P.hk, tid = threadIdx.x;
   const int64_t t0 = int64_t(c) * C;
   const int n = P.T - t0 < C ? int(P.T - t0) : C;
@@ -164,6 +165,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
       Pg[i * C + jj] = r * qk[a][b];
     }
   if (tid < n) X.G[int64_t(j) * P.T + t0 + tid] = Gs[tid];
+  if (tid < C) BGs[tid] = Bs[tid] * expf(Gs[tid]);
   const int V4 = P.dv / 4;  // dv % 16 == 0; a run-time size: 4 pieces per thread at a time
   for (int x0 = 0; x0 < C * V4; x0 += 4 * kGdnChunkThreads)
     staged<4>([&](int x) { x += x0; return x < C * V4 && x / V4 < n ? ld4(P.v + ((t0 + x / V4) * P.hv + j) * P.dv + 4 * (x % V4)) : kZero4; },
@@ -177,7 +179,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
     float x[C];
 #pragma unroll
     for (int i = 0; i < C; ++i) {
-      float s0 = isu ? Bs[i] * Vs[i * P.dv + e] : Bs[i] * expf(Gs[i]) * Ks[i * KS + e], s1 = 0.0f;
+      float s0 = isu ? Bs[i] * Vs[i * P.dv + e] : BGs[i] * Ks[i * KS + e], s1 = 0.0f;
 #pragma unroll
       for (int jj = 0; jj + 1 < i; jj += 2) {
         s0 = fmaf(-As[i * (C + 1) + jj], x[jj], s0);
