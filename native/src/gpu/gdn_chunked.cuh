@@ -70,14 +70,16 @@ struct GdnChunkScratch {
   int chunks;
 };
 
-// Dynamic shared memory of the two kernels for head dims dk, dv (size_t: any dv the op accepts).
+// Dynamic shared memory of the two kernels for head dims dk, dv (size_t: any dv the op accepts). The prep
+// kernel's v rows reuse the q rows' space when they fit (dv <= dk + 1): 83 KiB for the 27B, two blocks per SM.
+__host__ __device__ constexpr bool gdn_v_in_q(int64_t dk, int64_t dv) { return dv <= dk + 1; }
 constexpr size_t gdn_prep_smem(int64_t dk, int64_t dv) {
-  return (size_t(2 * kGdnChunk) * size_t(dk + 1) + size_t(kGdnChunk * (kGdnChunk + 1) + 2 * kGdnChunk) +
-          size_t(kGdnChunk) * size_t(dv)) * 4;
+  return (size_t(2 * kGdnChunk) * size_t(dk + 1) + size_t(kGdnChunk * (kGdnChunk + 1) + 3 * kGdnChunk) +
+          (gdn_v_in_q(dk, dv) ? 0 : size_t(kGdnChunk) * size_t(dv))) * 4;
 }
 constexpr size_t gdn_state_smem(int dk) {
-  return size_t(kGdnChunk * (dk + 4) + kGdnChunk * (kGdnChunk + 1) + kGdnChunkRows * (dk + 4) +
-                kGdnChunk * (kGdnChunkRows + 1) + kGdnChunk) * 4;
+  return size_t(kGdnChunk * (dk + 4) + kGdnChunk * (kGdnChunk + 4) + kGdnChunkRows * (dk + 4) +
+                kGdnChunkRows * (kGdnChunk + 4) + kGdnChunk) * 4;
 }
 
 // Stages N 16-byte pieces per thread (piece x = threadIdx.x + it * kGdnChunkThreads, it < N): every load(x)
@@ -116,7 +118,8 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
   float* As = Qs + C * KS;       // [C][C + 1] A
   float* Gs = As + C * (C + 1);  // [C] G
   float* Bs = Gs + C;            // [C] beta
-  float* Vs = Bs + C;            // [C][dv] v rows
+  float* BGs = Bs + C;           // [C] beta Gamma (W's right-hand sides, once per row)
+  float* Vs = gdn_v_in_q(DK, P.dv) ? Qs : BGs + C;  // [C][dv] v rows (staged once q . k is done)
   const int c = int(blockIdx.x % X.chunks), j = int(blockIdx.x / X.chunks), kh = j % P.hk, tid = threadIdx.x;
   const int64_t t0 = int64_t(c) * C;
   const int n = P.T - t0 < C ? int(P.T - t0) : C;
@@ -129,10 +132,6 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
   staged<NK>([&](int x) { return x / Q4 < n ? ld4(P.k + src(x)) : kZero4; }, [&](int x, float4 f) { put(Ks, x, f); });
   staged<NK>([&](int x) { return x / Q4 < n ? scaled(ld4(P.q + src(x)), P.scale) : kZero4; },
              [&](int x, float4 f) { put(Qs, x, f); });
-  const int V4 = P.dv / 4;  // dv % 16 == 0; a run-time size: 4 pieces per thread at a time
-  for (int x0 = 0; x0 < C * V4; x0 += 4 * kGdnChunkThreads)
-    staged<4>([&](int x) { x += x0; return x < C * V4 && x / V4 < n ? ld4(P.v + ((t0 + x / V4) * P.hv + j) * P.dv + 4 * (x % V4)) : kZero4; },
-              [&](int x, float4 f) { if (x + x0 < C * V4) st4(Vs + 4 * (x + x0), f); });
   if (tid < C) {
     const float g = tid < n ? P.g[(t0 + tid) * P.hv + j] : 0.0f;
     Gs[tid] = g < kMinGate ? kMinGate : g;  // (a NaN gate stays NaN, as in the token kernel)
@@ -154,7 +153,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
 #pragma unroll
       for (int b = 0; b < 4; ++b) kk[a][b] = fmaf(ki[a], kj[b], kk[a][b]), qk[a][b] = fmaf(qi[a], kj[b], qk[a][b]);
   }
-  __syncthreads();  // Gs complete
+  __syncthreads();  // Gs complete, Qs read
   float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C;
 #pragma unroll
   for (int a = 0; a < 4; ++a)
@@ -166,6 +165,11 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
       Pg[i * C + jj] = r * qk[a][b];
     }
   if (tid < n) X.G[int64_t(j) * P.T + t0 + tid] = Gs[tid];
+  if (tid < C) BGs[tid] = Bs[tid] * expf(Gs[tid]);
+  const int V4 = P.dv / 4;  // dv % 16 == 0; a run-time size: 4 pieces per thread at a time
+  for (int x0 = 0; x0 < C * V4; x0 += 4 * kGdnChunkThreads)
+    staged<4>([&](int x) { x += x0; return x < C * V4 && x / V4 < n ? ld4(P.v + ((t0 + x / V4) * P.hv + j) * P.dv + 4 * (x % V4)) : kZero4; },
+              [&](int x, float4 f) { if (x + x0 < C * V4) st4(Vs + 4 * (x + x0), f); });
   __syncthreads();
   // Forward substitution, one column per thread: x_i = rhs_i - sum_{j<i} A_ij x_j (rows past n: zeros). The
   // sum runs as two interleaved chains (even and odd j), so a row waits on i / 2 dependent FMAs.
@@ -175,7 +179,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
     float x[C];
 #pragma unroll
     for (int i = 0; i < C; ++i) {
-      float s0 = isu ? Bs[i] * Vs[i * P.dv + e] : Bs[i] * expf(Gs[i]) * Ks[i * KS + e], s1 = 0.0f;
+      float s0 = isu ? Bs[i] * Vs[i * P.dv + e] : BGs[i] * Ks[i * KS + e], s1 = 0.0f;
 #pragma unroll
       for (int jj = 0; jj + 1 < i; jj += 2) {
         s0 = fmaf(-As[i * (C + 1) + jj], x[jj], s0);
@@ -195,19 +199,22 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
 template <int DK>
 __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(const Params P, const GdnChunkScratch X) {
   pdl_enter();
-  constexpr int C = kGdnChunk, R = kGdnChunkRows, BS = DK + 4, DS = R + 1, M = C / 16, E = DK / 16;
+  // Rows of BS / PS floats: 16-byte aligned (every offset below is a multiple of 4 floats), so the products
+  // read 4 operands per shared-memory load.
+  constexpr int C = kGdnChunk, R = kGdnChunkRows, BS = DK + 4, PS = C + 4, M = C / 16;
   float* const sm = dyn_smem();
-  float* Bf = sm;                // [C][BS] W, then scale * Q, then exp(G_n - G_i) K (one at a time)
-  float* Ps = Bf + C * BS;       // [C][C + 1] P
-  float* Ss = Ps + C * (C + 1);  // [R][BS] the block's state rows (16-byte aligned rows: BS % 4 == 0, offsets too)
-  float* Ds = Ss + R * BS;       // [C][DS] D's columns of the block's rows
-  float* Gs = Ds + C * DS;       // [C]
+  float* Bf = sm;           // [C][BS] W, then scale * Q, then exp(G_n - G_i) K (one at a time)
+  float* Ps = Bf + C * BS;  // [C][PS] P
+  float* Ss = Ps + C * PS;  // [R][BS] the block's state rows
+  float* Dt = Ss + R * BS;  // [R][PS] D^T: row r = D's column of the block's state row r
+  float* Gs = Dt + R * PS;  // [C]
   const int nb = P.dv / R, j = blockIdx.x / nb, r0 = (blockIdx.x % nb) * R, kh = j % P.hk, tid = threadIdx.x;
   constexpr int Q4 = DK / 4, NB = C * Q4 / kGdnChunkThreads;  // 16-byte pieces per row, per thread
   auto to_bf = [&](int x, float4 f) { st4(Bf + (x / Q4) * BS + 4 * (x % Q4), f); };
   for (int x = tid; x < R * Q4; x += kGdnChunkThreads)
     st4(Ss + (x / Q4) * BS + 4 * (x % Q4), ld4(P.state + (int64_t(j) * P.dv + r0 + x / Q4) * DK + 4 * (x % Q4)));
-  // Phases 1 and 2: thread (r = tid % R, rows i0 + 16 m, m < M); phase 3: (rs = tid / 16, elements el + 16 m).
+  // Phases 1 and 2: thread (r = tid % R, rows i0 + 16 m, m < M); phase 3: (rs = tid / 16, elements of row rs:
+  // 4 el .. 4 el + 3 of every 64 for dk >= 64, el and el + 16 for dk 32).
   static_assert(kGdnChunkThreads / R == 16 && kGdnChunkThreads / 16 == R, "16 x 16 threads");
   const int r = tid % R, i0 = tid / R, rs = tid / 16, el = tid % 16;
   auto dots = [&](float (&acc)[M]) {  // acc[m] = Bf[i0 + 16 m] . Ss[r] over DK, the M rows interleaved
@@ -237,25 +244,27 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const int i = i0 + 16 * m;
-      Ds[i * DS + r] = i < n ? __fsub_rn(X.U[(int64_t(j) * P.T + t0 + i) * P.dv + r0 + r], acc[m]) : 0.0f;
+      Dt[r * PS + i] = i < n ? __fsub_rn(X.U[(int64_t(j) * P.T + t0 + i) * P.dv + r0 + r], acc[m]) : 0.0f;
     }
     __syncthreads();  // W consumed, D complete
     auto qk_src = [&](int x) { return ((t0 + x / Q4) * P.hk + kh) * DK + 4 * (x % Q4); };
     staged<NB>([&](int x) { return x / Q4 < n ? scaled(ld4(P.q + qk_src(x)), P.scale) : kZero4; }, to_bf);
     const float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C;
-    staged<C * C / 4 / kGdnChunkThreads>([&](int x) { return ld4(Pg + 4 * x); }, [&](int x, float4 f) {
-      float* d = Ps + (x / (C / 4)) * (C + 1) + 4 * (x % (C / 4));  // C + 1 is odd: no 16-byte stores
-      d[0] = f.x, d[1] = f.y, d[2] = f.z, d[3] = f.w;
-    });
+    staged<C * C / 4 / kGdnChunkThreads>([&](int x) { return ld4(Pg + 4 * x); },
+                                         [&](int x, float4 f) { st4(Ps + (x / (C / 4)) * PS + 4 * (x % (C / 4)), f); });
     __syncthreads();
     dots(acc);  // O = diag(Gamma) Q S0^T + P D (P is zero past the diagonal, D past n)
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] *= expf(Gs[i0 + 16 * m]);
 #pragma unroll 4
-    for (int jj = 0; jj < C; ++jj) {
-      const float d = Ds[jj * DS + r];
+    for (int j4 = 0; j4 < C / 4; ++j4) {  // j = 4 j4 .. 4 j4 + 3, in order
+      const float4 d = ld4(Dt + r * PS + 4 * j4);
 #pragma unroll
-      for (int m = 0; m < M; ++m) acc[m] = fmaf(Ps[(i0 + 16 * m) * (C + 1) + jj], d, acc[m]);
+      for (int m = 0; m < M; ++m) {
+        const float4 p = ld4(Ps + (i0 + 16 * m) * PS + 4 * j4);
+        acc[m] = fmaf(p.x, d.x, acc[m]), acc[m] = fmaf(p.y, d.y, acc[m]);
+        acc[m] = fmaf(p.z, d.z, acc[m]), acc[m] = fmaf(p.w, d.w, acc[m]);
+      }
     }
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -265,19 +274,39 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
     staged<NB>([&](int x) { return x / Q4 < n ? ld4(P.k + qk_src(x)) : kZero4; },
                [&](int x, float4 f) { to_bf(x, scaled(f, expf(gn - Gs[x / Q4]))); });
     __syncthreads();
-    // S = Gamma_n S0 + D^T K~: thread (rs, el) owns elements el + 16 m of row rs (read and written by it alone)
+    // S = Gamma_n S0 + D^T K~: thread (rs, el) owns its elements of row rs (read and written by it alone);
+    // the sum over i in order.
     const float decay = expf(gn);
-    float sacc[E];
+    constexpr int V = DK >= 64 ? 4 : 1, NE = DK / 16 / V;  // elements per load, loads per i
+    auto elem = [&](int m) { return V == 4 ? 64 * m + 4 * el : el + 16 * m; };
+    float sacc[NE][V];
 #pragma unroll
-    for (int m = 0; m < E; ++m) sacc[m] = decay * Ss[rs * BS + el + 16 * m];
-#pragma unroll 4
-    for (int i = 0; i < C; ++i) {  // rows past n: D and K~ are zero
-      const float d = Ds[i * DS + rs];
+    for (int m = 0; m < NE; ++m)
 #pragma unroll
-      for (int m = 0; m < E; ++m) sacc[m] = fmaf(d, Bf[i * BS + el + 16 * m], sacc[m]);
+      for (int v = 0; v < V; ++v) sacc[m][v] = decay * Ss[rs * BS + elem(m) + v];
+#pragma unroll 2
+    for (int i4 = 0; i4 < C / 4; ++i4) {  // rows past n: D and K~ are zero
+      const float4 d4 = ld4(Dt + rs * PS + 4 * i4);
+      const float dd[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float* kr = Bf + (4 * i4 + u) * BS;
+#pragma unroll
+        for (int m = 0; m < NE; ++m) {
+          if constexpr (V == 4) {
+            const float4 k = ld4(kr + elem(m));
+            sacc[m][0] = fmaf(dd[u], k.x, sacc[m][0]), sacc[m][1] = fmaf(dd[u], k.y, sacc[m][1]);
+            sacc[m][2] = fmaf(dd[u], k.z, sacc[m][2]), sacc[m][3] = fmaf(dd[u], k.w, sacc[m][3]);
+          } else {
+            sacc[m][0] = fmaf(dd[u], kr[elem(m)], sacc[m][0]);
+          }
+        }
+      }
     }
 #pragma unroll
-    for (int m = 0; m < E; ++m) Ss[rs * BS + el + 16 * m] = sacc[m];
+    for (int m = 0; m < NE; ++m)
+#pragma unroll
+      for (int v = 0; v < V; ++v) Ss[rs * BS + elem(m) + v] = sacc[m][v];
     __syncthreads();  // the state rows are complete before the next chunk's phase 1 reads them
   }
   for (int x = tid; x < R * Q4; x += kGdnChunkThreads)
