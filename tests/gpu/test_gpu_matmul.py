@@ -297,7 +297,8 @@ def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
     """The GEMV's x split fused into the op producing x (norm_split_kernel, split_x_kernel<SwigluInput>)
     gives bit for bit what the composition gives on the GPU (rms_norm or swiglu, then matmul_group):
     every tensor-core format incl. the tiled layouts, with and without a residual and a norm weight, n = 1..16
-    (fused) and 17, 40 (the composition: GEMV slices, and the BF16 GEMM with exact=False), a ragged
+    (fused) and 17, 40 (the composition: GEMV slices, and the BF16 GEMM with exact=False, where swiglu_matmul
+    fuses swiglu into x's BF16 rounding), a ragged
     last 256-group (Q8_0, 288 inputs) and a float weight in the list (composition)."""
     # d 4096 / 12288: 1024-thread norm blocks, and more 256-input groups than warps
     cases = [(512, ["IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS_TILED", "Q4_K_TILED", "Q6_K_TILED"]), (288, ["Q8_0", "Q8_0"]),

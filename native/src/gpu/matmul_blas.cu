@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "activations.cuh"
 #include "common.cuh"
 #include "matmul_blas.h"
 #include "specd/gpu.h"
@@ -86,11 +87,23 @@ __global__ void __launch_bounds__(kThreads) dequant_tiled_bf16_kernel(const uint
   }
 }
 
-__global__ void __launch_bounds__(kThreads) x_bf16_kernel(const float* __restrict__ x, int64_t count,
-                                                         uint16_t* __restrict__ dst) {
+// The GEMM's x in BF16: x itself, or swiglu(gate, up) computed by the swiglu op's own code (apply), so
+// the fused conversion rounds the same F32 value the composition swiglu -> matmul would (bitwise) and
+// saves writing and re-reading it in F32.
+struct PlainX {
+  const float* __restrict__ x;
+  __device__ __forceinline__ float operator()(int64_t i) const { return x[i]; }
+};
+struct SwigluX {
+  const float* __restrict__ gate;
+  const float* __restrict__ up;
+  __device__ __forceinline__ float operator()(int64_t i) const { return apply<Op::Swiglu>(gate[i], up[i]); }
+};
+template <class X>
+__global__ void __launch_bounds__(kThreads) x_bf16_kernel(const X x, int64_t count, uint16_t* __restrict__ dst) {
   detail::pdl_enter();
   const int64_t step = int64_t(gridDim.x) * kThreads;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < count; i += step) dst[i] = to_bf16(x[i]);
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < count; i += step) dst[i] = to_bf16(x(i));
 }
 
 unsigned grid_for(int64_t items) {
@@ -177,18 +190,26 @@ void gemm_weight(const uint16_t* xb, int64_t n, const Tensor& w, Tensor& y) {
   // wbuf is freed stream-ordered, after the GEMMs queued above.
 }
 
+// x's n x in values in BF16 once for every weight, then the GEMMs.
+template <class X>
+void blas_all(const X& x, int64_t n, int64_t in, const std::vector<Tensor>& ws, std::vector<Tensor>& ys) {
+  SPECD_CHECK(n <= INT_MAX && in <= INT_MAX, "matmul: dimensions exceed the BLAS int range");
+  for (const Tensor& w : ws) SPECD_CHECK(w.dim(0) <= INT_MAX, "matmul: dimensions exceed the BLAS int range");
+  std::shared_ptr<void> xbuf = alloc(size_t(n * in) * 2);
+  auto* xb = static_cast<uint16_t*>(xbuf.get());
+  detail::launch_kernel<x_bf16_kernel<X>>("x_bf16_kernel", grid_for(n * in), kThreads, 0, stream(), x, n * in, xb);
+  for (size_t i = 0; i < ws.size(); ++i) gemm_weight(xb, n, ws[i], ys[i]);
+  // xbuf is freed stream-ordered, after the GEMMs queued above.
+}
+
 }  // namespace
 
 void matmul_blas(const Tensor& x, const std::vector<Tensor>& ws, std::vector<Tensor>& ys) {
-  const int64_t n = x.rows(), in = x.cols();
-  SPECD_CHECK(n <= INT_MAX && in <= INT_MAX, "matmul: dimensions exceed the BLAS int range");
-  for (const Tensor& w : ws) SPECD_CHECK(w.dim(0) <= INT_MAX, "matmul: dimensions exceed the BLAS int range");
-  std::shared_ptr<void> xbuf = alloc(size_t(n * in) * 2);  // x in BF16 once for every weight
-  auto* xb = static_cast<uint16_t*>(xbuf.get());
-  detail::launch_kernel<x_bf16_kernel>("x_bf16_kernel", grid_for(n * in), kThreads, 0, stream(), x.ptr<float>(), n * in,
-                                       xb);
-  for (size_t i = 0; i < ws.size(); ++i) gemm_weight(xb, n, ws[i], ys[i]);
-  // xbuf is freed stream-ordered, after the GEMMs queued above.
+  blas_all(PlainX{x.ptr<float>()}, x.rows(), x.cols(), ws, ys);
+}
+
+void matmul_blas_swiglu(const Tensor& gate, const Tensor& up, const std::vector<Tensor>& ws, std::vector<Tensor>& ys) {
+  blas_all(SwigluX{gate.ptr<float>(), up.ptr<float>()}, gate.rows(), gate.cols(), ws, ys);
 }
 
 }  // namespace specd::gpu::detail
