@@ -673,15 +673,21 @@ class Qwen35Model:
                                                  self._conv_state_after(st.conv[i], m, tree.path(j)[:-1]),
                                                  apply_silu=True)) for j in range(w)])
             conv_state = None
-        q, k, v = (ops.a(y) for y in sn.gdn_qkv(cv, hk, dk, hv, dv, hp.rms_eps))  # L2-normed q, k heads; v
-        g, beta = (ops.a(y) for y in sn.gdn_gates(a, b, *self.gdn_vecs[i]))  # ssm_a * softplus(a + dt), sigmoid(b)
-        if tree is None:
-            state = st.ssm[i] if in_place else ops.empty(st.ssm[i].shape)
-            o = ops.a(sn.gated_delta_net(q, k, v, g, beta, st.ssm[i], self._gdn_scale, state_out=state,
-                                         exact=mm.exact))  # prefill (inexact): the GPU's chunked recurrence
+        state = None if tree is not None else st.ssm[i] if in_place else ops.empty(st.ssm[i].shape)
+        if tree is None and mm.exact:  # decode / chain verify: qkv, gates, recurrence and gated norm in one op
+            y, q, k, v, g, beta = (ops.a(t) for t in sn.gdn_step(
+                cv, a, b, *self.gdn_vecs[i], z, layer.ssm_norm, st.ssm[i], hk, dk, hv, dv, hp.rms_eps,
+                self._gdn_scale, state_out=state))
         else:
-            state, o = None, self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
-        o = ops.reshape(ops.a(sn.rms_norm_gated(o, layer.ssm_norm, hp.rms_eps, z)), w, hv * dv)
+            q, k, v = (ops.a(t) for t in sn.gdn_qkv(cv, hk, dk, hv, dv, hp.rms_eps))  # L2-normed q, k heads; v
+            g, beta = (ops.a(t) for t in sn.gdn_gates(a, b, *self.gdn_vecs[i]))  # ssm_a * softplus(a + dt), sigmoid(b)
+            if tree is None:  # prefill (inexact): the GPU's chunked recurrence
+                o = ops.a(sn.gated_delta_net(q, k, v, g, beta, st.ssm[i], self._gdn_scale, state_out=state,
+                                             exact=False))
+            else:
+                o = self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
+            y = ops.a(sn.rms_norm_gated(o, layer.ssm_norm, hp.rms_eps, z))
+        o = ops.reshape(y, w, hv * dv)
         out = ops.a(mm(o, layer.ssm_out))
         return out, GDNPending(m, q, k, v, g, beta, state, conv_state)
 

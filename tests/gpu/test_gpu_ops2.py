@@ -1015,6 +1015,82 @@ def test_gdn_gpu_state_out(rng, shape, T):
     np.testing.assert_array_equal(src.numpy(), state)
 
 
+def gdn_step_inputs(rng, T, hk, hv, dk, dv, nan_z=False):
+    """gdn_step's inputs: cv (conv output, silu'd scale), a, b, dt, ssm_a, z, norm weight, state."""
+    cv = f32(rng, (T, 2 * hk * dk + hv * dv))
+    a, b = f32(rng, (T, hv)), f32(rng, (T, hv))
+    dt, ssm_a = f32(rng, (1, hv), 0.5), -np.abs(f32(rng, (1, hv)))
+    z, w = f32(rng, (T, hv, dv)), f32(rng, (dv,), 0.5) + 1
+    state = f32(rng, (hv, dv, dk), 0.1)
+    return cv, a, b, dt, ssm_a, z, w, state
+
+
+def gdn_step_composed(cv, a, b, dt, ssm_a, z, w, state, hk, dk, hv, dv, eps, scale, state_out=None):
+    """What gdn_step stands for: the four ops on cv's device."""
+    q, k, v = sn.gdn_qkv(cv, hk, dk, hv, dv, eps)
+    g, beta = sn.gdn_gates(a, b, dt, ssm_a)
+    o = sn.gated_delta_net(q, k, v, g, beta, state, scale, state_out=state_out)
+    return sn.rms_norm_gated(o, w, eps, z), q, k, v, g, beta
+
+
+# (hk, hv, dk, dv): the 27B (one 1024-thread block per head), GQA 2:1 with dk 64 and dk 32, whole-head
+# register blocks (dv 40), and shapes gdn_step composes (dk 48: the fallback recurrence; dv 256 at dk 128)
+GDN_STEP_SHAPES = [(16, 48, 128, 128), (2, 4, 64, 32), (2, 2, 32, 256), (1, 2, 64, 40), (2, 2, 48, 64),
+                   (1, 1, 128, 256)]
+
+
+@pytest.mark.parametrize("shape", GDN_STEP_SHAPES)
+@pytest.mark.parametrize("T", [0, 1, 3, 8, 17])  # 8 / 17: one stage of 8 tokens, stages and a ragged one
+@gpu_only
+def test_gdn_step_gpu_equals_composition_bitwise(rng, shape, T):
+    """gdn_step (one launch where it fuses) gives bit for bit what gdn_qkv, gdn_gates, gated_delta_net and
+    rms_norm_gated give on the GPU: y, the pending q / k / v / g / beta, and the state, in place and out of
+    place (state then untouched); and it matches the CPU op (the composition) within the recurrence's
+    tolerance."""
+    hk, hv, dk, dv = shape
+    cv, a, b, dt, ssm_a, z, w, state = gdn_step_inputs(rng, T, hk, hv, dk, dv)
+    dims, eps, scale = (hk, dk, hv, dv), 1e-6, 1 / np.sqrt(dk)
+    g_in = [on_gpu(x) for x in (cv, a, b, dt, ssm_a, z, w)]
+    s_ref = on_gpu(state)
+    ref = [t.numpy() for t in gdn_step_composed(*g_in, s_ref, *dims, eps, scale)]
+    s_in = on_gpu(state)
+    got = sn.gdn_step(*g_in, s_in, *dims, eps, scale)
+    assert got[0].device == DEV and got[0].shape == (T, hv, dv)
+    for name, x, r in zip(("y", "q", "k", "v", "g", "beta"), got, ref):
+        np.testing.assert_array_equal(x.numpy(), r, err_msg=name)
+    np.testing.assert_array_equal(s_in.numpy(), s_ref.numpy())
+    src, s_out = on_gpu(state), on_gpu(np.full_like(state, np.nan))
+    y_out = sn.gdn_step(*g_in, src, *dims, eps, scale, state_out=s_out)[0]
+    np.testing.assert_array_equal(y_out.numpy(), ref[0])
+    np.testing.assert_array_equal(s_out.numpy(), s_ref.numpy())
+    np.testing.assert_array_equal(src.numpy(), state)
+    st_cpu = state.copy()
+    cpu = sn.gdn_step(cv, a, b, dt, ssm_a, z, w, st_cpu, *dims, eps, scale)[0].numpy()
+    if T:
+        np.testing.assert_allclose(ref[0], cpu, rtol=1e-4, atol=1e-4 * np.abs(cpu).max())
+        np.testing.assert_allclose(s_ref.numpy(), st_cpu, rtol=1e-4, atol=1e-4 * np.abs(st_cpu).max())
+
+
+@gpu_only
+def test_gdn_step_gpu_unaligned_gate_and_errors(rng):
+    """A z that is not 16-byte aligned takes rms_norm_gated's scalar path in both (still bitwise the
+    composition); bad shapes raise ValueError naming the op (gdn_step or the composed op that checks it)."""
+    hk, hv, dk, dv, T = 2, 4, 64, 32, 5
+    cv, a, b, dt, ssm_a, z, w, state = gdn_step_inputs(rng, T, hk, hv, dk, dv)
+    dims = (hk, dk, hv, dv)
+    zg = on_gpu(np.concatenate([np.zeros(1, np.float32), z.ravel()])).view_rows(1, 1 + z.size).reshape([T, hv, dv])
+    g_in = [on_gpu(x) for x in (cv, a, b, dt, ssm_a)]
+    s1, s2 = on_gpu(state), on_gpu(state)
+    ref = gdn_step_composed(*g_in, zg, on_gpu(w), s1, *dims, 1e-6, 0.125)[0].numpy()
+    got = sn.gdn_step(*g_in, zg, on_gpu(w), s2, *dims, 1e-6, 0.125)[0].numpy()
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(s2.numpy(), s1.numpy())
+    with pytest.raises(ValueError, match="gdn_(step|gates)"):
+        sn.gdn_step(*g_in[:1], on_gpu(a[:, :3]), *g_in[2:], on_gpu(z), on_gpu(w), on_gpu(state), *dims, 1e-6, 0.1)
+    with pytest.raises(ValueError, match="z"):
+        sn.gdn_step(*g_in, on_gpu(z[:, :, :16].copy()), on_gpu(w), on_gpu(state), *dims, 1e-6, 0.1)
+
+
 # (hk, hv, dk, dv) of the chunked path (dk 32 / 64 / 128, dv % 16 == 0) and T: one chunk, ragged chunks
 GDN_CHUNKED = [((16, 48, 128, 128), 200), ((2, 4, 64, 32), 64), ((2, 4, 64, 32), 130), ((2, 2, 32, 256), 300),
                ((1, 3, 128, 16), 65)]

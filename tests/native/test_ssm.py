@@ -301,3 +301,57 @@ def test_gdn_state_out_bad_input(rng):
     buf = np.zeros(hv * d * d, np.float32)
     with pytest.raises(ValueError, match="state_out must not overlap the inputs"):
         sn.gated_delta_net(buf[: q.size].reshape(q.shape), k, v, g, beta, s, 1.0, state_out=buf.reshape(s.shape))
+
+
+# ---- gdn_step (the step's qkv, gates, recurrence and gated norm as one op) ---------------------------
+
+
+@pytest.mark.parametrize("T,hk,hv,dk,dv", [(0, 1, 2, 8, 8), (1, 2, 6, 16, 8), (3, 2, 4, 32, 16)])
+def test_gdn_step_against_float64(rng, T, hk, hv, dk, dv):
+    """gdn_step = L2-normed q / k heads of cv, g = ssm_a * softplus(a + dt), beta = sigmoid(b), the recurrence
+    and rms_norm(o) * silu(z), against float64 numpy (qwen35-target.md §6.5 steps 3-8); out of place
+    leaves the state untouched and equals in place bitwise."""
+    eps, scale = 1e-6, 1 / np.sqrt(dk)
+    cv = rng.standard_normal((T, 2 * hk * dk + hv * dv)).astype(np.float32)
+    a, b = (rng.standard_normal((T, hv)).astype(np.float32) for _ in range(2))
+    dt, ssm_a = rng.standard_normal(hv).astype(np.float32), -rng.uniform(0.1, 2, hv).astype(np.float32)
+    z = rng.standard_normal((T, hv, dv)).astype(np.float32)
+    w = (1 + 0.3 * rng.standard_normal(dv)).astype(np.float32)
+    state = (rng.standard_normal((hv, dv, dk)) * 0.3).astype(np.float32)
+    c = cv.astype(np.float64)
+    l2 = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)  # noqa: E731
+    q = l2(c[:, : hk * dk].reshape(T, hk, dk))
+    k = l2(c[:, hk * dk : 2 * hk * dk].reshape(T, hk, dk))
+    v = c[:, 2 * hk * dk :].reshape(T, hv, dv)
+    g = ssm_a * np.log1p(np.exp(a.astype(np.float64) + dt))
+    beta = 1 / (1 + np.exp(-b.astype(np.float64)))
+    st = state.copy()
+    got = [t.numpy() for t in sn.gdn_step(cv, a, b, dt, ssm_a, z, w, st, hk, dk, hv, dv, eps, scale)]
+    assert [x.shape for x in got] == [(T, hv, dv), (T, hk, dk), (T, hk, dk), (T, hv, dv), (T, hv), (T, hv)]
+    if T:
+        for x, ref in zip(got[1:], (q, k, v, g, beta)):
+            close(x, ref, 1e-6)
+        o, states = gdn_ref(q, k, v, g, beta, state, scale)
+        close(got[0], o / np.sqrt((o * o).mean(-1, keepdims=True) + eps) * w * silu64(z.astype(np.float64)), 1e-5)
+        close(st, states[-1], GDN_TOL)
+    st2, out = state.copy(), np.full_like(state, np.nan)
+    y2 = sn.gdn_step(cv, a, b, dt, ssm_a, z, w, st2, hk, dk, hv, dv, eps, scale, state_out=out)[0].numpy()
+    np.testing.assert_array_equal(y2, got[0])
+    np.testing.assert_array_equal(out, st)
+    np.testing.assert_array_equal(st2, state)
+
+
+def test_gdn_step_bad_input(rng):
+    """Shapes the composed ops refuse raise ValueError naming the op and argument."""
+    hk, hv, dk, dv, T = 1, 2, 8, 8, 2
+    cv = np.zeros((T, 2 * hk * dk + hv * dv), np.float32)
+    a = np.zeros((T, hv), np.float32)
+    vec, z, st = np.zeros(hv, np.float32), np.zeros((T, hv, dv), np.float32), np.zeros((hv, dv, dk), np.float32)
+    with pytest.raises(ValueError, match="gdn_qkv: cv has"):
+        sn.gdn_step(np.zeros((T, cv.shape[1] - 1), np.float32), a, a, vec, vec, z, None, st, hk, dk, hv, dv, 1e-6, 0.1)
+    with pytest.raises(ValueError, match="gdn_gates"):
+        sn.gdn_step(cv, a[:, :1], a, vec, vec, z, None, st, hk, dk, hv, dv, 1e-6, 0.1)
+    with pytest.raises(ValueError, match="z"):
+        sn.gdn_step(cv, a, a, vec, vec, z[:, :, :4].copy(), None, st, hk, dk, hv, dv, 1e-6, 0.1)
+    with pytest.raises(ValueError, match="state"):
+        sn.gdn_step(cv, a, a, vec, vec, z, None, st[:1].copy(), hk, dk, hv, dv, 1e-6, 0.1)

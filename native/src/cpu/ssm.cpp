@@ -7,6 +7,7 @@
 
 #include "activations.h"
 #include "float_view.h"
+#include "norm.h"
 #include "specd/error.h"
 #include "specd/parallel.h"
 
@@ -193,6 +194,16 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
     }
   });
   return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
+    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& z,
+    const std::optional<Tensor>& norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,
+    int64_t n_v_heads, int64_t head_v_dim, float eps, float scale, const std::optional<Tensor>& state_out) {
+  auto [q, k, v] = gdn_qkv(cv, n_k_heads, head_k_dim, n_v_heads, head_v_dim, eps);
+  auto [g, beta] = gdn_gates(a, b, dt, ssm_a);
+  Tensor o = gated_delta_net(q, k, v, g, beta, state, scale, std::nullopt, state_out);
+  return {rms_norm_gated(o, norm_weight, eps, z), q, k, v, g, beta};
 }
 
 }  // namespace specd::cpu

@@ -1,6 +1,7 @@
 #pragma once
 #include <initializer_list>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "specd/tensor.h"
@@ -39,6 +40,16 @@ Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state,
 Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                        const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
                        const std::optional<Tensor>& state_out = std::nullopt);
+
+// The Gated DeltaNet core of a step after its conv, as one op (the GPU fuses it: gpu::gdn_step): with
+// (q, k, v) = gdn_qkv(cv, n_k_heads, head_k_dim, n_v_heads, head_v_dim, eps) and (g, beta) =
+// gdn_gates(a, b, dt, ssm_a), o = gated_delta_net(q, k, v, g, beta, state, scale, none, state_out) and
+// y = rms_norm_gated(o, norm_weight, eps, z) (z F32 [T, Hv, dv]). Returns (y, q, k, v, g, beta), the
+// ops' results; throws std::invalid_argument as they do.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
+    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& z,
+    const std::optional<Tensor>& norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,
+    int64_t n_v_heads, int64_t head_v_dim, float eps, float scale, const std::optional<Tensor>& state_out);
 
 // The dimensions of a gated_delta_net call: T tokens, Hk key heads of dk, Hv value heads of dv.
 struct GdnDims {

@@ -1,5 +1,5 @@
 // Device forms of the elementwise functions of cpu/activations.h, shared by elementwise.cu and the
-// fused ops (gdn_gates, the gated RMSNorm in norm.cu): a fused op that calls apply<OP> computes
+// fused ops (gdn_gates, the gated RMSNorm in norm.cu, gdn_step in ssm.cu): a fused op that calls apply<OP> computes
 // each element with literally the code of the standalone op, so it is bit-identical to it.
 #pragma once
 #include <cmath>
@@ -28,5 +28,12 @@ __device__ __forceinline__ float apply(float a, float b) {
   if constexpr (OP == Op::Add) return __fadd_rn(a, b);
   return 0.0f;
 }
+
+// One element of gdn_gates: g = ssm_a * softplus(a + dt) and beta = sigmoid(b), with the add, softplus,
+// mul and sigmoid ops' code (shared by gdn_gates_kernel and gdn_step_kernel).
+__device__ __forceinline__ float gdn_g(float a, float dt, float ssm_a) {
+  return apply<Op::Mul>(apply<Op::Softplus>(apply<Op::Add>(a, dt), 0.0f), ssm_a);
+}
+__device__ __forceinline__ float gdn_beta(float b) { return apply<Op::Sigmoid>(b, 0.0f); }
 
 }  // namespace specd::gpu::detail

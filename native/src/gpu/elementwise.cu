@@ -81,8 +81,8 @@ __global__ void __launch_bounds__(kThreads) gdn_gates_kernel(const float* __rest
   detail::pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads) {
     const int64_t c = i % h;
-    g[i] = apply<Op::Mul>(apply<Op::Softplus>(apply<Op::Add>(a[i], dt[c]), 0.0f), ssm_a[c]);
-    beta[i] = apply<Op::Sigmoid>(b[i], 0.0f);
+    g[i] = detail::gdn_g(a[i], dt[c], ssm_a[c]);
+    beta[i] = detail::gdn_beta(b[i]);
   }
 }
 

@@ -25,9 +25,6 @@ namespace {
 
 using namespace detail::norm;
 
-// Mode: RMS (mean of squares, optional weight, optional residual) or L2 (sum of squares).
-enum class Mode { RMS, L2 };
-
 // One row of d elements, normalised by the whole block (blockDim.x = threads_for(VEC ? d / 4 : d):
 // the order of the sums depends on it). x, residual, h, z, y: the row's elements (16-byte aligned
 // when VEC); w: [d] or null. h is written only with a residual, z read only when GATE (then y =

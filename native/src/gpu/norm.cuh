@@ -93,6 +93,37 @@ __device__ __forceinline__ T normed(T v, float scale, const T* w, T z) {
   return out;
 }
 
+// Mode: RMS (mean of squares, optional weight, optional residual) or L2 (sum of squares).
+enum class Mode { RMS, L2 };
+
+// The arithmetic of norm_row (norm.cu) over a row of n <= 1024 items (float4 when VEC, else floats) by
+// one warp instead of a block of threads_for(n) threads: such a block gives thread i item i alone, its
+// warp w sums items 32 w .. 32 w + 31 (warp_sum) and warp 0 then sums the warps' sums (block_sum);
+// here lane l plays thread 32 w + l of each warp w in turn, then warp 0. Same sums in the same order,
+// so the same scale and outputs: bit-identical to norm_kernel / gdn_qkv_kernel without RESID.
+// x, w, z, y as norm_row (16-byte aligned when VEC; y may be shared memory).
+template <Mode M, bool VEC, bool GATE>
+__device__ __forceinline__ void warp_norm_row(const float* x, const float* __restrict__ w, const float* __restrict__ z,
+                                              float* y, int64_t d, float eps, int lane) {
+  using T = typename Row<VEC>::T;
+  const int n = int(d / Row<VEC>::kWidth), warps = (n + SPECD_WARP - 1) / SPECD_WARP;
+  const T* xr = reinterpret_cast<const T*>(x);
+  double mine = 0.0;  // block_sum's partial[lane]: the sum of the block's warp `lane`
+  for (int wi = 0; wi < warps; ++wi) {
+    const int i = wi * SPECD_WARP + lane;
+    double v = 0.0;
+    if (i < n) v += sq(xr[i]);  // row_squares of a thread with one item
+    v = warp_sum(v);
+    if (lane == wi) mine = v;
+  }
+  const double ss = warp_sum(lane < warps ? mine : 0.0);
+  const float scale = M == Mode::RMS ? rms_scale(ss, d, eps) : l2_scale(ss, eps);
+  const T* wr = reinterpret_cast<const T*>(w);
+  const T* zr = reinterpret_cast<const T*>(z);
+  T* yr = reinterpret_cast<T*>(y);
+  for (int i = lane; i < n; i += SPECD_WARP) yr[i] = normed<GATE>(xr[i], scale, wr ? wr + i : nullptr, GATE ? zr[i] : T{});
+}
+
 // Threads per row: enough that each thread handles about ceil(items / 1024) items, rounded up to
 // a whole logical warp. A function of d only (batch invariance).
 inline int threads_for(int64_t items) {

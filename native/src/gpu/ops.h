@@ -152,6 +152,17 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
                        const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
                        const std::optional<Tensor>& state_out = std::nullopt, bool exact = true);
 
+// The Gated DeltaNet core of a decode / verify step after its conv (ssm.cu): gdn_qkv(cv), gdn_gates(a, b,
+// dt, ssm_a), gated_delta_net (exact, token by token) from state (to state_out when given) and
+// rms_norm_gated(o, norm_weight, eps, z) in one launch, bit-identical to that composition, which it
+// runs instead where the recurrence is not the register kernel's (dk not 32 / 64 / 128, or dv too
+// large). Returns (y [T, Hv, dv], q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]). Throws
+// std::invalid_argument as the composed ops (op name gdn_step or theirs).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
+    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& z,
+    const std::optional<Tensor>& norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,
+    int64_t n_v_heads, int64_t head_v_dim, float eps, float scale, const std::optional<Tensor>& state_out);
+
 // Top-k per row as cpu::topk (topk.cu); exact.
 std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k);
 

@@ -29,9 +29,12 @@
 #include <algorithm>
 #include <cmath>
 
+#include "../cpu/activations.h"
+#include "../cpu/norm.h"
 #include "../cpu/ssm.h"
 #include "activations.cuh"
 #include "gdn_chunked.cuh"
+#include "norm.cuh"
 #include "op_util.cuh"
 #include "ops.h"
 
@@ -84,6 +87,34 @@ constexpr int kMaxGdnThreads = 512;
 constexpr int kGdnRows = 32;  // state rows per block when dv % kGdnRows == 0 (kGdnRows * L threads)
 constexpr int kGdnStage = 8;  // tokens staged in shared memory at once (dk 128: 9.3 KiB per block)
 
+// One token of one state row, lane p of L holding elements p, p + L, ... of the row in s: S <- exp(g) S;
+// m = S . k; d = beta (v - m); S <- S + k d; returns o = S . q (every lane; q pre-scaled). k, q: the
+// token's dk values (shared memory). The one definition of the token step of gdn_kernel and
+// gdn_step_kernel, so both give the same bits.
+template <int E, int L>
+__device__ __forceinline__ float gdn_row_token(float (&s)[E], const float* ks, const float* qs, float v, float g,
+                                               float beta, int p) {
+  const float decay = expf(g);
+  float m = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    s[e] = __fmul_rn(s[e], decay);
+    m = __fadd_rn(m, __fmul_rn(s[e], ks[e * L + p]));
+  }
+#pragma unroll
+  for (int x = 1; x < L; x <<= 1) m = __fadd_rn(m, SPECD_SHFL_XOR(m, x));
+  const float d = __fmul_rn(beta, __fsub_rn(v, m));
+  float o = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    s[e] = __fadd_rn(s[e], __fmul_rn(ks[e * L + p], d));
+    o = __fadd_rn(o, __fmul_rn(s[e], qs[e * L + p]));
+  }
+#pragma unroll
+  for (int x = 1; x < L; x <<= 1) o = __fadd_rn(o, SPECD_SHFL_XOR(o, x));
+  return o;
+}
+
 // Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / L.
 // The tokens' k, q (pre-scaled), v, g and beta are staged in shared memory kGdnStage tokens at a time,
 // so a prefill's token chain waits on global loads and barriers once per stage, not per token; the
@@ -118,24 +149,7 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) 
     __syncthreads();
     for (int u = 0; u < n; ++u) {
       const int64_t t = t0 + u;
-      const float decay = expf(gs[u]);
-      float m = 0.0f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        s[e] = __fmul_rn(s[e], decay);
-        m = __fadd_rn(m, __fmul_rn(s[e], ks[u][e * L + p]));
-      }
-#pragma unroll
-      for (int x = 1; x < L; x <<= 1) m = __fadd_rn(m, SPECD_SHFL_XOR(m, x));
-      const float d = __fmul_rn(bs[u], __fsub_rn(vs[u][jv - r0], m));
-      float o = 0.0f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        s[e] = __fadd_rn(s[e], __fmul_rn(ks[u][e * L + p], d));
-        o = __fadd_rn(o, __fmul_rn(s[e], qs[u][e * L + p]));
-      }
-#pragma unroll
-      for (int x = 1; x < L; x <<= 1) o = __fadd_rn(o, SPECD_SHFL_XOR(o, x));
+      const float o = gdn_row_token<E, L>(s, ks[u], qs[u], vs[u][jv - r0], gs[u], bs[u], p);
       if (p == 0) P.out[(t * P.hv + j) * P.dv + jv] = o;
       if (P.ckpt) {
         float* C = P.ckpt + (t * P.hv + j) * head + int64_t(jv) * DK;
@@ -194,6 +208,103 @@ __global__ void __launch_bounds__(kFallbackThreads) gdn_fallback_kernel(const Gd
   }
 }
 
+// ------------------------------------------------------------------------------------- gdn_step
+
+// gdn_step in one launch: gdn_qkv (L2-normed q / k heads, v), gdn_gates, the token-by-token recurrence
+// and rms_norm_gated of one value head per block, dv state rows x L lanes per row (gdn_kernel's rows
+// of L lanes, all rows of the head in one block, so the head's outputs can be normed in it). Tokens in
+// stages of kGdnStage. Every value is computed with the composition's code: the norms by warp_norm_row
+// (norm_row's sums in its order), the gates by gdn_g / gdn_beta, the recurrence by gdn_row_token, so
+// outputs, pending q / k / v / g / beta and state are bit-identical to the composition on the GPU.
+struct GdnStepParams {
+  const float* cv;  // [T, 2 hk dk + hv dv] conv outputs
+  const float *a, *b, *dt, *ssm_a, *z, *norm_w;
+  const float* state;
+  float* state_out;
+  float *y, *q, *k, *v, *g, *beta;
+  int64_t T;
+  int hk, hv, dv;
+  float eps, scale;
+};
+
+template <int DK>
+__host__ __device__ constexpr size_t gdn_step_smem(int dv) {  // bytes: cq, ck, qs, ks [S][DK]; vs, os [S][dv]; gs, bs [S]
+  return sizeof(float) * kGdnStage * (4 * size_t(DK) + 2 * size_t(dv) + 2);
+}
+
+template <int E, int L, bool VECQK, bool VECN>  // VECQK: gdn_qkv's vector path (dk % 4 == 0), VECN: rms_norm_gated's
+__global__ void __launch_bounds__(1024) gdn_step_kernel(const GdnStepParams P) {
+  detail::pdl_enter();
+  using detail::norm::Mode;
+  using detail::norm::warp_norm_row;
+  constexpr int DK = E * L, S = kGdnStage;
+  extern __shared__ float4 smem4[];
+  const int dv = P.dv;
+  float* cq = reinterpret_cast<float*>(smem4);  // conv q / k rows of the stage's tokens
+  float* ck = cq + S * DK;
+  float* qs = ck + S * DK;  // L2-normed q (then scaled) and k
+  float* ks = qs + S * DK;
+  float* vs = ks + S * DK;
+  float* os = vs + S * dv;  // recurrence outputs
+  float* gs = os + S * dv;
+  float* bs = gs + S;
+  const int j = blockIdx.x, kh = j % P.hk, tid = threadIdx.x, lane = tid % SPECD_WARP, warp = tid / SPECD_WARP;
+  const int warps = blockDim.x / SPECD_WARP, jv = tid / L, p = tid % L;
+  const bool writer = j < P.hk;  // the first value head of key head kh writes its q and k
+  const int64_t cols = 2 * int64_t(P.hk) * DK + int64_t(P.hv) * dv, head = int64_t(dv) * DK;
+  float s[E];
+  const float* S0 = P.state + j * head + int64_t(jv) * DK;
+#pragma unroll
+  for (int e = 0; e < E; ++e) s[e] = S0[e * L + p];
+  for (int64_t t0 = 0; t0 < P.T; t0 += S) {
+    const int n = P.T - t0 < S ? int(P.T - t0) : S;
+    for (int i = tid; i < n * DK; i += blockDim.x) {
+      const float* row = P.cv + (t0 + i / DK) * cols;
+      cq[i] = row[kh * DK + i % DK];
+      ck[i] = row[(P.hk + kh) * DK + i % DK];
+    }
+    for (int i = tid; i < n * dv; i += blockDim.x) {
+      const int64_t t = t0 + i / dv;
+      vs[i] = P.cv[t * cols + 2 * int64_t(P.hk) * DK + int64_t(j) * dv + i % dv];
+      P.v[(t * P.hv + j) * dv + i % dv] = vs[i];
+    }
+    if (tid < n) {
+      const int64_t e = (t0 + tid) * P.hv + j;
+      P.g[e] = gs[tid] = detail::gdn_g(P.a[e], P.dt[j], P.ssm_a[j]);
+      P.beta[e] = bs[tid] = detail::gdn_beta(P.b[e]);
+    }
+    __syncthreads();
+    for (int task = warp; task < 2 * n; task += warps) {  // (token, q or k): one warp each
+      const int u = task / 2;
+      const float* src = (task & 1 ? ck : cq) + u * DK;
+      warp_norm_row<Mode::L2, VECQK, false>(src, nullptr, nullptr, (task & 1 ? ks : qs) + u * DK, DK, P.eps, lane);
+    }
+    __syncthreads();
+    for (int i = tid; i < n * DK; i += blockDim.x) {
+      if (writer) {
+        const int64_t e = ((t0 + i / DK) * P.hk + kh) * DK + i % DK;
+        P.q[e] = qs[i];
+        P.k[e] = ks[i];
+      }
+      qs[i] = __fmul_rn(qs[i], P.scale);  // as gdn_kernel stages q
+    }
+    __syncthreads();
+    for (int u = 0; u < n; ++u) {
+      const float o = gdn_row_token<E, L>(s, ks + u * DK, qs + u * DK, vs[u * dv + jv], gs[u], bs[u], p);
+      if (p == 0) os[u * dv + jv] = o;
+    }
+    __syncthreads();
+    for (int u = warp; u < n; u += warps) {
+      const int64_t e = ((t0 + u) * P.hv + j) * dv;
+      warp_norm_row<Mode::RMS, VECN, true>(os + u * dv, P.norm_w, P.z + e, P.y + e, dv, P.eps, lane);
+    }
+    __syncthreads();  // the stage's buffers are refilled
+  }
+  float* SO = P.state_out + j * head + int64_t(jv) * DK;
+#pragma unroll
+  for (int e = 0; e < E; ++e) SO[e * L + p] = s[e];
+}
+
 using detail::gdn::GdnChunkScratch;
 using detail::gdn::gdn_chunk_prep_kernel;
 using detail::gdn::gdn_chunk_state_kernel;
@@ -243,6 +354,29 @@ bool gdn_chunked_ok(bool exact, const GdnParams& P) {
     if (!detail::aligned16(p)) return false;
   return int64_t(gdn_prep_smem(P.dk, P.dv)) <= detail::max_smem_optin() &&
          int64_t(gdn_state_smem(P.dk)) <= detail::max_smem_optin();
+}
+
+// The register kernel (dk 32 / 64 / 128, whole warps per block): dk / 16 lanes per state row (at least
+// 4), so a token's two dot products are chains of at most 16 adds; anything else takes the fallback,
+// one block per head (other sums: gdn_step fuses only what the register kernel runs).
+int gdn_lanes(int64_t dk) { return std::max<int>(kMinLanes, int(dk / 16)); }
+int64_t gdn_block_rows(int64_t dv) { return dv % kGdnRows == 0 ? kGdnRows : dv; }
+bool gdn_register_kernel(int64_t dk, int64_t dv) {
+  const int64_t threads = gdn_block_rows(dv) * gdn_lanes(dk);
+  return (dk == 32 || dk == 64 || dk == 128) && threads <= kMaxGdnThreads && threads % SPECD_WARP == 0;
+}
+
+// One block of dv * L threads per value head; dv * L <= 1024 keeps the stage buffers under 33 KiB.
+template <int E, int L>
+void launch_gdn_step(const GdnStepParams& P, bool vec_norm) {
+  static_assert(gdn_step_smem<E * L>(1024 / L) <= 48 * 1024, "gdn_step_kernel: static shared memory limit");
+  const unsigned threads = unsigned(P.dv * L);
+  if (vec_norm)  // gdn_qkv's vector path: dk % 4 == 0, true of every dk here
+    detail::launch_kernel<gdn_step_kernel<E, L, true, true>>("gdn_step_kernel", unsigned(P.hv), threads,
+                                                             gdn_step_smem<E * L>(P.dv), detail::stream(), P);
+  else
+    detail::launch_kernel<gdn_step_kernel<E, L, true, false>>("gdn_step_kernel", unsigned(P.hv), threads,
+                                                              gdn_step_smem<E * L>(P.dv), detail::stream(), P);
 }
 
 }  // namespace
@@ -302,13 +436,10 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
     else launch_gdn_chunked<128>(P, s, op);
     return out;
   }
-  // The register kernel (dk 32 / 64 / 128, whole warps per block): dk / 16 lanes per state row (at
-  // least 4), so a token's two dot products are chains of at most 16 adds; anything else takes the
-  // fallback, one block per head.
-  const int lanes = std::max<int>(kMinLanes, int(dk / 16));
-  const int64_t rows = dv % kGdnRows == 0 ? kGdnRows : dv;  // state rows per block
+  const int lanes = gdn_lanes(dk);
+  const int64_t rows = gdn_block_rows(dv);  // state rows per block
   const int threads = int(rows) * lanes;
-  const bool fast = (dk == 32 || dk == 64 || dk == 128) && rows * lanes <= kMaxGdnThreads && threads % SPECD_WARP == 0;
+  const bool fast = gdn_register_kernel(dk, dv);
   const int64_t blocks = fast ? hv * (dv / rows) : hv;
   detail::check_grid(blocks, op);
   if (fast && dk == 32) {
@@ -323,6 +454,48 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
     detail::launch_kernel<gdn_fallback_kernel>("gdn_fallback_kernel", unsigned(blocks), kFallbackThreads, shmem, s, P);
   }
   return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
+    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& z,
+    const std::optional<Tensor>& norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,
+    int64_t n_v_heads, int64_t head_v_dim, float eps, float scale, const std::optional<Tensor>& state_out) {
+  const char* op = "gdn_step";
+  const int64_t hk = n_k_heads, dk = head_k_dim, hv = n_v_heads, dv = head_v_dim;
+  cpu::check_gdn_qkv_args(cv, hk, dk, hv, dv, eps, Device::GPU);
+  detail::check_gpu_tensor(a, DType::F32, 2, op, "a");
+  detail::check_gpu_tensor(b, DType::F32, 2, op, "b");
+  detail::check_gpu_tensor(dt, DType::F32, -1, op, "dt");
+  detail::check_gpu_tensor(ssm_a, DType::F32, -1, op, "ssm_a");
+  const int64_t T = cv.dim(0);
+  SPECD_CHECK(cpu::check_gdn_gates_shapes(a, b, dt, ssm_a) == hv && a.dim(0) == T, op, ": a and b must be [T, Hv] = [",
+              T, ", ", hv, "]");
+  const bool fused = gdn_register_kernel(dk, dv) && dv * gdn_lanes(dk) <= 1024 && hv <= 0x7fffffff;
+  if (!fused) {  // the composition (any shape the ops take)
+    auto [q, k, v] = gdn_qkv(cv, hk, dk, hv, dv, eps);
+    auto [g, beta] = gdn_gates(a, b, dt, ssm_a);
+    Tensor o = gated_delta_net(q, k, v, g, beta, state, scale, std::nullopt, state_out, true);
+    return {rms_norm_gated(o, norm_weight, eps, z), q, k, v, g, beta};
+  }
+  Tensor q = Tensor::empty({T, hk, dk}, DType::F32, Device::GPU), k = Tensor::empty({T, hk, dk}, DType::F32, Device::GPU);
+  Tensor v = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU), y = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
+  Tensor g = Tensor::empty({T, hv}, DType::F32, Device::GPU), beta = Tensor::empty({T, hv}, DType::F32, Device::GPU);
+  cpu::check_gated_delta_net_shapes(q, k, v, g, beta, scale, op);  // Hv % Hk, scale
+  cpu::check_rms_args(y, norm_weight, eps, Device::GPU, op);
+  cpu::check_like_x(z, y, Device::GPU, op, "z");
+  const Tensor& out_state = cpu::written_state(state, state_out, {hv, dv, dk}, {&cv, &a, &b, &dt, &ssm_a, &z},
+                                               Device::GPU, op);
+  if (T == 0 && out_state.data == state.data) return {y, q, k, v, g, beta};
+  const float* w = norm_weight ? norm_weight->ptr<float>() : nullptr;
+  GdnStepParams P{cv.ptr<float>(), a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(), z.ptr<float>(),
+                  w, state.ptr<float>(), out_state.ptr<float>(), y.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
+                  v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), T, int(hk), int(hv), int(dv), eps, scale};
+  // rms_norm_gated's vector path (its x and y, fresh tensors, are aligned): the same choice here
+  const bool vec_norm = dv % 4 == 0 && (!w || detail::aligned16(w)) && detail::aligned16(z.data);
+  if (dk == 32) launch_gdn_step<8, 4>(P, vec_norm);
+  else if (dk == 64) launch_gdn_step<16, 4>(P, vec_norm);
+  else launch_gdn_step<16, 8>(P, vec_norm);
+  return {y, q, k, v, g, beta};
 }
 
 }  // namespace specd::gpu
