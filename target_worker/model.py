@@ -802,7 +802,8 @@ class _Linear:
         return sn.rms_norm_matmul(x, weight, eps, ws, residual=residual, exact=self.exact)
 
     def swiglu(self, gate, up, w):
-        """swiglu(gate, up) @ w^T: sn.swiglu_matmul (the GEMV's input split computes the SwiGLU)."""
+        """swiglu(gate, up) @ w^T: sn.swiglu_matmul (the GEMV's input split, or in prefill the BF16 GEMM's
+        input conversion, computes the SwiGLU)."""
         return sn.swiglu_matmul(gate, up, [w], exact=self.exact)[0]
 
 

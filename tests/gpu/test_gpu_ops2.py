@@ -1072,23 +1072,38 @@ def test_gdn_step_gpu_equals_composition_bitwise(rng, shape, T):
 
 
 @gpu_only
-def test_gdn_step_gpu_unaligned_gate_and_errors(rng):
-    """A z that is not 16-byte aligned takes rms_norm_gated's scalar path in both (still bitwise the
-    composition); bad shapes raise ValueError naming the op (gdn_step or the composed op that checks it)."""
+def test_gdn_step_gpu_norm_paths_and_errors(rng):
+    """Bitwise the composition on the gated norm's other paths: no norm weight, a z and a norm weight that
+    are not 16-byte aligned (rms_norm_gated's scalar path, taken by both); bad arguments raise ValueError
+    before anything runs (state and state_out untouched)."""
     hk, hv, dk, dv, T = 2, 4, 64, 32, 5
     cv, a, b, dt, ssm_a, z, w, state = gdn_step_inputs(rng, T, hk, hv, dk, dv)
     dims = (hk, dk, hv, dv)
-    zg = on_gpu(np.concatenate([np.zeros(1, np.float32), z.ravel()])).view_rows(1, 1 + z.size).reshape([T, hv, dv])
+
+    def unaligned(x):  # x's values at a 4-byte offset from an aligned buffer
+        return on_gpu(np.concatenate([np.zeros(1, np.float32), x.ravel()])).view_rows(1, 1 + x.size).reshape(
+            list(x.shape))
     g_in = [on_gpu(x) for x in (cv, a, b, dt, ssm_a)]
-    s1, s2 = on_gpu(state), on_gpu(state)
-    ref = gdn_step_composed(*g_in, zg, on_gpu(w), s1, *dims, 1e-6, 0.125)[0].numpy()
-    got = sn.gdn_step(*g_in, zg, on_gpu(w), s2, *dims, 1e-6, 0.125)[0].numpy()
-    np.testing.assert_array_equal(got, ref)
-    np.testing.assert_array_equal(s2.numpy(), s1.numpy())
-    with pytest.raises(ValueError, match="gdn_(step|gates)"):
-        sn.gdn_step(*g_in[:1], on_gpu(a[:, :3]), *g_in[2:], on_gpu(z), on_gpu(w), on_gpu(state), *dims, 1e-6, 0.1)
-    with pytest.raises(ValueError, match="z"):
-        sn.gdn_step(*g_in, on_gpu(z[:, :, :16].copy()), on_gpu(w), on_gpu(state), *dims, 1e-6, 0.1)
+    for zg, wg in ((on_gpu(z), None), (unaligned(z), on_gpu(w)), (on_gpu(z), unaligned(w))):
+        s1, s2 = on_gpu(state), on_gpu(state)
+        ref = gdn_step_composed(*g_in, zg, wg, s1, *dims, 1e-6, 0.125)[0].numpy()
+        got = sn.gdn_step(*g_in, zg, wg, s2, *dims, 1e-6, 0.125)[0].numpy()
+        np.testing.assert_array_equal(got, ref)
+        np.testing.assert_array_equal(s2.numpy(), s1.numpy())
+    sg, out = on_gpu(state), on_gpu(np.full_like(state, 7.0))
+    bad = [("gdn_gates", dict(a=on_gpu(a[:, :3]))), ("z must be", dict(z=on_gpu(z[:, :, :16].copy()))),
+           ("norm_weight must have", dict(w=on_gpu(np.ones(dv + 1, np.float32)))), ("scale", dict(scale=np.nan))]
+    for match, kw in bad:
+        args = dict(a=g_in[1], z=on_gpu(z), w=on_gpu(w), scale=0.1) | kw
+        with pytest.raises(ValueError, match=match):
+            sn.gdn_step(g_in[0], args["a"], *g_in[2:], args["z"], args["w"], sg, *dims, 1e-6, args["scale"],
+                        state_out=out)
+        with pytest.raises(ValueError, match=match):
+            sn.gdn_step(g_in[0], args["a"], *g_in[2:], args["z"], args["w"], sg, *dims, 1e-6, args["scale"])
+    np.testing.assert_array_equal(sg.numpy(), state)
+    assert (out.numpy() == 7.0).all()
+    with pytest.raises(ValueError, match="state"):
+        sn.gdn_step(*g_in, on_gpu(z), on_gpu(w), on_gpu(state[:1].copy()), *dims, 1e-6, 0.1)
 
 
 # (hk, hv, dk, dv) of the chunked path (dk 32 / 64 / 128, dv % 16 == 0) and T: one chunk, ragged chunks

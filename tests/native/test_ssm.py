@@ -342,16 +342,37 @@ def test_gdn_step_against_float64(rng, T, hk, hv, dk, dv):
 
 
 def test_gdn_step_bad_input(rng):
-    """Shapes the composed ops refuse raise ValueError naming the op and argument."""
+    """Every argument is checked before anything runs: a bad one raises ValueError naming the op and the
+    argument, and the state (in place) and state_out are left as they were."""
     hk, hv, dk, dv, T = 1, 2, 8, 8, 2
-    cv = np.zeros((T, 2 * hk * dk + hv * dv), np.float32)
-    a = np.zeros((T, hv), np.float32)
-    vec, z, st = np.zeros(hv, np.float32), np.zeros((T, hv, dv), np.float32), np.zeros((hv, dv, dk), np.float32)
-    with pytest.raises(ValueError, match="gdn_qkv: cv has"):
-        sn.gdn_step(np.zeros((T, cv.shape[1] - 1), np.float32), a, a, vec, vec, z, None, st, hk, dk, hv, dv, 1e-6, 0.1)
-    with pytest.raises(ValueError, match="gdn_gates"):
-        sn.gdn_step(cv, a[:, :1], a, vec, vec, z, None, st, hk, dk, hv, dv, 1e-6, 0.1)
-    with pytest.raises(ValueError, match="z"):
-        sn.gdn_step(cv, a, a, vec, vec, z[:, :, :4].copy(), None, st, hk, dk, hv, dv, 1e-6, 0.1)
-    with pytest.raises(ValueError, match="state"):
-        sn.gdn_step(cv, a, a, vec, vec, z, None, st[:1].copy(), hk, dk, hv, dv, 1e-6, 0.1)
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    cv, a, vec, z, w = f(T, 2 * hk * dk + hv * dv), f(T, hv), f(hv), f(T, hv, dv), f(dv)
+    st = f(hv, dv, dk)
+    keep = st.copy()
+    big = f(hv * dv * dk + 8)
+    cases = [
+        ("gdn_qkv: cv has", dict(cv=f(T, cv.shape[1] - 1))),
+        ("gdn_gates: dt must have shape", dict(a=f(T, hv + 1), b=f(T, hv + 1))),
+        ("gdn_step: a and b", dict(a=f(T + 1, hv), b=f(T + 1, hv))),
+        ("gdn_step: z must be", dict(z=f(T, hv, dv - 4))),
+        ("gdn_step: norm_weight must have", dict(w=f(dv + 1))),
+        ("gdn_step: state", dict(st=f(1, dv, dk))),
+        ("gdn_step: scale must be finite", dict(scale=np.inf)),
+        ("gdn_step: the state written must not overlap", dict(z=big[: T * hv * dv].reshape(T, hv, dv),
+                                                              st=big[8:].reshape(hv, dv, dk))),
+    ]
+    for match, bad in cases:
+        args = dict(cv=cv, a=a, b=a, dt=vec, ssm_a=vec, z=z, w=w, st=st, scale=0.1) | bad
+        before = args["st"].copy()
+        with pytest.raises(ValueError, match=match):
+            sn.gdn_step(args["cv"], args["a"], args["b"], args["dt"], args["ssm_a"], args["z"], args["w"], args["st"],
+                        hk, dk, hv, dv, 1e-6, args["scale"])
+        np.testing.assert_array_equal(args["st"], before, err_msg=match)
+    np.testing.assert_array_equal(st, keep)
+    out = np.full_like(st, 7.0)
+    with pytest.raises(ValueError, match="z must be"):
+        sn.gdn_step(cv, a, a, vec, vec, f(T, hv, dv - 4), w, st, hk, dk, hv, dv, 1e-6, 0.1, state_out=out)
+    assert (out == 7.0).all()
+    cv3 = f(T, 2 * 2 * dk + 3 * dv)
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        sn.gdn_step(cv3, f(T, 3), f(T, 3), f(3), f(3), f(T, 3, dv), w, f(3, dv, dk), 2, dk, 3, dv, 1e-6, 0.1)

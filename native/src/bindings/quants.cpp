@@ -183,7 +183,9 @@ weight reading the same activations), bit-identical to that composition on each 
 gate, up: F32 [n, in] of one shape; ws: [out_i, in] as for matmul_group; all on one device. Returns a
 list of F32 [n, out_i]. On the GPU, when the tensor-core GEMV reads the activations (as for
 rms_norm_matmul), its x split computes silu(gate) * up itself with the swiglu op's device code and
-the activations are never stored (one kernel launch fewer); otherwise swiglu, then matmul_group.
+the activations are never stored (one kernel launch fewer); with exact=False and more than 16 rows
+(prefill) the BF16 GEMM's input conversion computes them instead (matmul_blas_swiglu); otherwise
+swiglu, then matmul_group.
 Raises ValueError as swiglu and matmul_group do.)doc");
 
   m.def(

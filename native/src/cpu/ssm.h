@@ -51,6 +51,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
     const std::optional<Tensor>& norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,
     int64_t n_v_heads, int64_t head_v_dim, float eps, float scale, const std::optional<Tensor>& state_out);
 
+// gdn_step's checks, shared by the CPU and GPU backends and made before anything runs (so a bad argument
+// leaves the state untouched): cv as gdn_qkv; a, b F32 [T, Hv] and dt, ssm_a F32 [Hv] or [1, Hv], contiguous;
+// Hv % Hk == 0; scale finite; z F32 [T, Hv, dv] and norm_weight (when given) F32 [dv], contiguous; state /
+// state_out as gated_delta_net's (written_state), the written one overlapping none of the inputs. Returns the
+// state the call writes. Throws std::invalid_argument naming gdn_step (or gdn_qkv / gdn_gates for cv, a, b).
+const Tensor& check_gdn_step_args(const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt,
+                                  const Tensor& ssm_a, const Tensor& z, const std::optional<Tensor>& norm_weight,
+                                  const Tensor& state, const std::optional<Tensor>& state_out, int64_t n_k_heads,
+                                  int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
+                                  Device dev);
+
 // The dimensions of a gated_delta_net call: T tokens, Hk key heads of dk, Hv value heads of dv.
 struct GdnDims {
   int64_t T, hk, dk, hv, dv;

@@ -71,7 +71,7 @@ struct GdnChunkScratch {
 };
 
 // Dynamic shared memory of the two kernels for head dims dk, dv (size_t: any dv the op accepts). The prep
-// kernel's v rows reuse the q rows' space when they fit (dv <= dk + 1): 83 KiB for the 27B, two blocks per SM.
+// kernel's v rows reuse the q rows' space when they fit (dv <= dk + 1): 81.5 KiB for the 27B, two blocks per SM.
 __host__ __device__ constexpr bool gdn_v_in_q(int64_t dk, int64_t dv) { return dv <= dk + 1; }
 constexpr size_t gdn_prep_smem(int64_t dk, int64_t dv) {
   return (size_t(2 * kGdnChunk) * size_t(dk + 1) + size_t(kGdnChunk * (kGdnChunk + 1) + 3 * kGdnChunk) +

@@ -534,7 +534,7 @@ std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const st
   SPECD_CHECK(gate.shape == up.shape, op, ": gate and up must have the same shape");
   SPECD_CHECK(gate.ndim() >= 1, op, ": gate must have at least 1 dimension");
   const int64_t n = gate.rows(), in = gate.cols();
-  if (n > kNMax && !exact && in > 0 && gate.is_contiguous() && up.is_contiguous()) {  // prefill: as linear's BLAS path
+  if (n > kNMax && !exact && in > 0) {  // prefill: as linear's BLAS path
     std::vector<Tensor> ys = linear_outputs(gate, ws, op);
     detail::matmul_blas_swiglu(gate, up, ws, ys);  // swiglu fused into x's BF16 rounding (bitwise the composition)
     return ys;

@@ -71,7 +71,8 @@ std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const st
                                                        const std::optional<Tensor>& residual, bool exact = true);
 
 // matmul_group(swiglu(gate, up), ws, exact), bit for bit, with the SwiGLU computed by the GEMV's x
-// split (split_x_kernel reading gate and up) when the GEMV reads x split; otherwise the composition.
+// split (split_x_kernel reading gate and up) when the GEMV reads x split, or (exact = false, more than 16
+// rows: prefill) by the BF16 GEMM's x conversion (matmul_blas_swiglu); otherwise the composition.
 std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const std::vector<Tensor>& ws,
                                   bool exact = true);
 

@@ -26,6 +26,9 @@
 // 16-byte aligned inputs, the shared memory at hand) takes the chunked recurrence of gdn_chunked.cuh
 // instead: not token by token, so its results depend on how the tokens are split over calls, within the
 // same tolerance of the CPU op (tests up to 300 tokens).
+//
+// gdn_step: gdn_qkv, gdn_gates, the exact recurrence and rms_norm_gated of a decode / verify step in one
+// launch (gdn_step_kernel: one block per value head), bit-identical to those four ops (see the kernel).
 #include <algorithm>
 #include <cmath>
 
@@ -232,12 +235,13 @@ __host__ __device__ constexpr size_t gdn_step_smem(int dv) {  // bytes: cq, ck, 
   return sizeof(float) * kGdnStage * (4 * size_t(DK) + 2 * size_t(dv) + 2);
 }
 
-template <int E, int L, bool VECQK, bool VECN>  // VECQK: gdn_qkv's vector path (dk % 4 == 0), VECN: rms_norm_gated's
+template <int E, int L, bool VECN>  // VECN: rms_norm_gated's vector path
 __global__ void __launch_bounds__(1024) gdn_step_kernel(const GdnStepParams P) {
   detail::pdl_enter();
   using detail::norm::Mode;
   using detail::norm::warp_norm_row;
   constexpr int DK = E * L, S = kGdnStage;
+  static_assert(DK % 4 == 0, "gdn_qkv's vector path (dk % 4 == 0), which every register-kernel dk takes");
   extern __shared__ float4 smem4[];
   const int dv = P.dv;
   float* cq = reinterpret_cast<float*>(smem4);  // conv q / k rows of the stage's tokens
@@ -261,7 +265,7 @@ __global__ void __launch_bounds__(1024) gdn_step_kernel(const GdnStepParams P) {
     for (int i = tid; i < n * DK; i += blockDim.x) {
       const float* row = P.cv + (t0 + i / DK) * cols;
       cq[i] = row[kh * DK + i % DK];
-      ck[i] = row[(P.hk + kh) * DK + i % DK];
+      ck[i] = row[(int64_t(P.hk) + kh) * DK + i % DK];
     }
     for (int i = tid; i < n * dv; i += blockDim.x) {
       const int64_t t = t0 + i / dv;
@@ -277,7 +281,7 @@ __global__ void __launch_bounds__(1024) gdn_step_kernel(const GdnStepParams P) {
     for (int task = warp; task < 2 * n; task += warps) {  // (token, q or k): one warp each
       const int u = task / 2;
       const float* src = (task & 1 ? ck : cq) + u * DK;
-      warp_norm_row<Mode::L2, VECQK, false>(src, nullptr, nullptr, (task & 1 ? ks : qs) + u * DK, DK, P.eps, lane);
+      warp_norm_row<Mode::L2, true, false>(src, nullptr, nullptr, (task & 1 ? ks : qs) + u * DK, DK, P.eps, lane);
     }
     __syncthreads();
     for (int i = tid; i < n * DK; i += blockDim.x) {
@@ -366,17 +370,18 @@ bool gdn_register_kernel(int64_t dk, int64_t dv) {
   return (dk == 32 || dk == 64 || dk == 128) && threads <= kMaxGdnThreads && threads % SPECD_WARP == 0;
 }
 
-// One block of dv * L threads per value head; dv * L <= 1024 keeps the stage buffers under 33 KiB.
+// One block of dv * L threads per value head; dv * L <= 1024 keeps the stage buffers within 33 KiB
+// (dk 32, dv 256; the 27B's dk = dv = 128: 24 KiB).
 template <int E, int L>
 void launch_gdn_step(const GdnStepParams& P, bool vec_norm) {
-  static_assert(gdn_step_smem<E * L>(1024 / L) <= 48 * 1024, "gdn_step_kernel: static shared memory limit");
+  static_assert(gdn_step_smem<E * L>(1024 / L) <= 48 * 1024, "gdn_step_kernel: the default dynamic shared memory limit");
   const unsigned threads = unsigned(P.dv * L);
-  if (vec_norm)  // gdn_qkv's vector path: dk % 4 == 0, true of every dk here
-    detail::launch_kernel<gdn_step_kernel<E, L, true, true>>("gdn_step_kernel", unsigned(P.hv), threads,
-                                                             gdn_step_smem<E * L>(P.dv), detail::stream(), P);
+  if (vec_norm)
+    detail::launch_kernel<gdn_step_kernel<E, L, true>>("gdn_step_kernel", unsigned(P.hv), threads,
+                                                       gdn_step_smem<E * L>(P.dv), detail::stream(), P);
   else
-    detail::launch_kernel<gdn_step_kernel<E, L, true, false>>("gdn_step_kernel", unsigned(P.hv), threads,
-                                                              gdn_step_smem<E * L>(P.dv), detail::stream(), P);
+    detail::launch_kernel<gdn_step_kernel<E, L, false>>("gdn_step_kernel", unsigned(P.hv), threads,
+                                                        gdn_step_smem<E * L>(P.dv), detail::stream(), P);
 }
 
 }  // namespace
@@ -460,16 +465,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
     const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& z,
     const std::optional<Tensor>& norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,
     int64_t n_v_heads, int64_t head_v_dim, float eps, float scale, const std::optional<Tensor>& state_out) {
-  const char* op = "gdn_step";
   const int64_t hk = n_k_heads, dk = head_k_dim, hv = n_v_heads, dv = head_v_dim;
-  cpu::check_gdn_qkv_args(cv, hk, dk, hv, dv, eps, Device::GPU);
-  detail::check_gpu_tensor(a, DType::F32, 2, op, "a");
-  detail::check_gpu_tensor(b, DType::F32, 2, op, "b");
-  detail::check_gpu_tensor(dt, DType::F32, -1, op, "dt");
-  detail::check_gpu_tensor(ssm_a, DType::F32, -1, op, "ssm_a");
+  const Tensor& out_state = cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, z, norm_weight, state, state_out, hk, dk, hv,
+                                                     dv, eps, scale, Device::GPU);  // before anything runs
   const int64_t T = cv.dim(0);
-  SPECD_CHECK(cpu::check_gdn_gates_shapes(a, b, dt, ssm_a) == hv && a.dim(0) == T, op, ": a and b must be [T, Hv] = [",
-              T, ", ", hv, "]");
   const bool fused = gdn_register_kernel(dk, dv) && dv * gdn_lanes(dk) <= 1024 && hv <= 0x7fffffff;
   if (!fused) {  // the composition (any shape the ops take)
     auto [q, k, v] = gdn_qkv(cv, hk, dk, hv, dv, eps);
@@ -480,11 +479,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
   Tensor q = Tensor::empty({T, hk, dk}, DType::F32, Device::GPU), k = Tensor::empty({T, hk, dk}, DType::F32, Device::GPU);
   Tensor v = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU), y = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
   Tensor g = Tensor::empty({T, hv}, DType::F32, Device::GPU), beta = Tensor::empty({T, hv}, DType::F32, Device::GPU);
-  cpu::check_gated_delta_net_shapes(q, k, v, g, beta, scale, op);  // Hv % Hk, scale
-  cpu::check_rms_args(y, norm_weight, eps, Device::GPU, op);
-  cpu::check_like_x(z, y, Device::GPU, op, "z");
-  const Tensor& out_state = cpu::written_state(state, state_out, {hv, dv, dk}, {&cv, &a, &b, &dt, &ssm_a, &z},
-                                               Device::GPU, op);
   if (T == 0 && out_state.data == state.data) return {y, q, k, v, g, beta};
   const float* w = norm_weight ? norm_weight->ptr<float>() : nullptr;
   GdnStepParams P{cv.ptr<float>(), a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(), z.ptr<float>(),
