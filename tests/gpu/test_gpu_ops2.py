@@ -1040,7 +1040,7 @@ GDN_STEP_SHAPES = [(16, 48, 128, 128), (2, 4, 64, 32), (2, 2, 32, 256), (1, 2, 6
 
 
 @pytest.mark.parametrize("shape", GDN_STEP_SHAPES)
-@pytest.mark.parametrize("T", [0, 1, 3, 8, 17])  # 8 / 17: one stage of 8 tokens, stages and a ragged one
+@pytest.mark.parametrize("T", [0, 1, 3, 6, 7, 17])  # up to 6 fused (kGdnStepMaxTokens), then composed
 @gpu_only
 def test_gdn_step_gpu_equals_composition_bitwise(rng, shape, T):
     """gdn_step (one launch where it fuses) gives bit for bit what gdn_qkv, gdn_gates, gated_delta_net and

@@ -155,10 +155,11 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
 
 // The Gated DeltaNet core of a decode / verify step after its conv (ssm.cu): gdn_qkv(cv), gdn_gates(a, b,
 // dt, ssm_a), gated_delta_net (exact, token by token) from state (to state_out when given) and
-// rms_norm_gated(o, norm_weight, eps, z) in one launch, bit-identical to that composition, which it
-// runs instead where the recurrence is not the register kernel's (dk not 32 / 64 / 128, or dv too
-// large). Returns (y [T, Hv, dv], q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]). Throws
-// std::invalid_argument as the composed ops (op name gdn_step or theirs).
+// rms_norm_gated(o, norm_weight, eps, z) in one launch for up to 6 tokens (kGdnStepMaxTokens: decode and
+// short chains), bit-identical to that composition, which it runs instead for more tokens or where the
+// recurrence is not the register kernel's (dk not 32 / 64 / 128, or dv too large). Returns (y [T, Hv, dv],
+// q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]). Checks every argument first (cpu::check_gdn_step_args);
+// throws std::invalid_argument.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
     const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& z,
     const std::optional<Tensor>& norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,

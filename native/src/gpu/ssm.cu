@@ -230,6 +230,12 @@ struct GdnStepParams {
   float eps, scale;
 };
 
+// Tokens up to which gdn_step fuses. One block per head walks every token's recurrence with its 64 KiB
+// of state on one SM, where gdn_kernel spreads a head over 4 blocks: the fused launch wins at few tokens
+// and loses at more (H200, tools/device/gdn_step_bench.py, the 27B's heads, us per call against the
+// composition: 9.5 / 11.4 at 1 token, 12.6 / 13.5 at 4, 16.5 / 16.2 at 8, 28.7 / 22.4 at 16).
+constexpr int64_t kGdnStepMaxTokens = 6;
+
 template <int DK>
 __host__ __device__ constexpr size_t gdn_step_smem(int dv) {  // bytes: cq, ck, qs, ks [S][DK]; vs, os [S][dv]; gs, bs [S]
   return sizeof(float) * kGdnStage * (4 * size_t(DK) + 2 * size_t(dv) + 2);
@@ -469,7 +475,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
   const Tensor& out_state = cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, z, norm_weight, state, state_out, hk, dk, hv,
                                                      dv, eps, scale, Device::GPU);  // before anything runs
   const int64_t T = cv.dim(0);
-  const bool fused = gdn_register_kernel(dk, dv) && dv * gdn_lanes(dk) <= 1024 && hv <= 0x7fffffff;
+  const bool fused = T <= kGdnStepMaxTokens && gdn_register_kernel(dk, dv) && dv * gdn_lanes(dk) <= 1024 &&
+                     hv <= 0x7fffffff;
   if (!fused) {  // the composition (any shape the ops take)
     auto [q, k, v] = gdn_qkv(cv, hk, dk, hv, dv, eps);
     auto [g, beta] = gdn_gates(a, b, dt, ssm_a);
