@@ -104,7 +104,8 @@ gdn_gates(a, b, dt, ssm_a), o = gated_delta_net(q, k, v, g, beta, state, scale, 
 (exact, token by token) and y = rms_norm_gated(o, norm_weight, eps, z). Returns (y [T, Hv, dv], q, k
 [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]), exactly those ops' results: on the GPU two launches (q / k
 norms, gates and recurrence in gated_delta_net's blocks, then rms_norm_gated) where gated_delta_net runs
-its register kernel (dk 32 / 64 / 128, dv % 32 == 0 or dv * max(4, dk / 16) <= 512), bit-identical to
+its register kernel (dk 32 / 64 / 128; dv % 32 == 0, or dv * max(4, dk / 16) <= 512 and a multiple of
+32), bit-identical to
 the composition, which runs otherwise (and on the CPU). Every argument is checked before anything runs
 (a bad one leaves the state untouched): raises ValueError on a dtype, shape or layout mismatch (a, b
 [T, Hv]; z [T, Hv, dv]; norm_weight [dv]; state and state_out as gated_delta_net's) or a written state

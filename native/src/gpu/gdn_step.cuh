@@ -1,6 +1,6 @@
-// The token-by-token Gated DeltaNet pieces shared by ssm.cu's kernels: one token of one state row
-// (gdn_row_token, the arithmetic of gdn_kernel and gdn_step_kernel) and gdn_step_kernel itself. Included by
-// ssm.cu and compiled for the host by the emulation harness tests/gpu/host_emu/gdn_step_main.cpp.
+// The token-by-token Gated DeltaNet kernels: one token of one state row (gdn_row_token, the arithmetic of
+// both), gdn_kernel (gated_delta_net's register kernel) and gdn_step_kernel (gdn_step's). Included by ssm.cu
+// and compiled for the host by the emulation harness tests/gpu/host_emu/gdn_step_main.cpp.
 #pragma once
 
 #ifndef SPECD_HOST_EMU
@@ -11,6 +11,7 @@
 
 #include "activations.cuh"
 #include "dyn_smem.cuh"
+#include "gdn_chunked.cuh"  // gdn::Params
 #include "norm.cuh"
 #include "pdl.cuh"
 
@@ -18,7 +19,7 @@ namespace specd::gpu::detail::gdn_step {
 
 constexpr int kMaxGdnThreads = 512;
 constexpr int kGdnRows = 32;  // state rows per block when dv % kGdnRows == 0 (kGdnRows * L threads)
-constexpr int kGdnStage = 8;  // tokens staged in shared memory at once (dk 128: 9.3 KiB per block)
+constexpr int kGdnStage = 8;  // tokens staged in shared memory at once (dk 128: gdn_kernel 9.3 KiB, gdn_step 17.1 KiB)
 
 // One token of one state row, lane p of L holding elements p, p + L, ... of the row in s: S <- exp(g) S;
 // m = S . k; d = beta (v - m); S <- S + k d; returns o = S . q (every lane; q pre-scaled). k, q: the
@@ -48,6 +49,55 @@ __device__ __forceinline__ float gdn_row_token(float (&s)[E], const float* ks, c
   return o;
 }
 
+// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / L.
+// The tokens' k, q (pre-scaled), v, g and beta are staged in shared memory kGdnStage tokens at a time,
+// so a prefill's token chain waits on global loads and barriers once per stage, not per token; the
+// arithmetic of a token is unchanged (same bits for any T and stage split).
+template <int E, int L>  // state elements per thread, threads per state row; dk = E * L
+__global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const gdn::Params P) {
+  pdl_enter();
+  constexpr int DK = E * L;
+  __shared__ float ks[kGdnStage][DK], qs[kGdnStage][DK], vs[kGdnStage][kMaxGdnThreads / L];
+  __shared__ float gs[kGdnStage], bs[kGdnStage];
+  const int rows = blockDim.x / L, nb = P.dv / rows;
+  const int j = blockIdx.x / nb, kh = j % P.hk, r0 = (blockIdx.x % nb) * rows;
+  const int jv = r0 + threadIdx.x / L, p = threadIdx.x % L;
+  const int64_t head = int64_t(P.dv) * DK;
+  const float* S = P.state + j * head + int64_t(jv) * DK;
+  float s[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) s[e] = S[e * L + p];
+  for (int64_t t0 = 0; t0 < P.T; t0 += kGdnStage) {
+    const int n = P.T - t0 < kGdnStage ? int(P.T - t0) : kGdnStage;
+    for (int i = threadIdx.x; i < n * DK; i += blockDim.x) {
+      const int64_t src = ((t0 + i / DK) * P.hk + kh) * DK + i % DK;
+      ks[i / DK][i % DK] = P.k[src];
+      qs[i / DK][i % DK] = __fmul_rn(P.q[src], P.scale);
+    }
+    for (int i = threadIdx.x; i < n * rows; i += blockDim.x)
+      vs[i / rows][i % rows] = P.v[((t0 + i / rows) * P.hv + j) * P.dv + r0 + i % rows];
+    if (threadIdx.x < n) {
+      gs[threadIdx.x] = P.g[(t0 + threadIdx.x) * P.hv + j];
+      bs[threadIdx.x] = P.beta[(t0 + threadIdx.x) * P.hv + j];
+    }
+    __syncthreads();
+    for (int u = 0; u < n; ++u) {
+      const int64_t t = t0 + u;
+      const float o = gdn_row_token<E, L>(s, ks[u], qs[u], vs[u][jv - r0], gs[u], bs[u], p);
+      if (p == 0) P.out[(t * P.hv + j) * P.dv + jv] = o;
+      if (P.ckpt) {
+        float* C = P.ckpt + (t * P.hv + j) * head + int64_t(jv) * DK;
+#pragma unroll
+        for (int e = 0; e < E; ++e) C[e * L + p] = s[e];
+      }
+    }
+    __syncthreads();  // the stage is rewritten for the next tokens
+  }
+  float* SO = P.state_out + j * head + int64_t(jv) * DK;
+#pragma unroll
+  for (int e = 0; e < E; ++e) SO[e * L + p] = s[e];
+}
+
 // gdn_step in two launches: gdn_step_kernel runs gdn_qkv (L2-normed q / k heads, v), gdn_gates and the
 // token-by-token recurrence in gdn_kernel's blocks (a value head's state rows split over blocks of
 // `rows` rows x L lanes), writing o; rms_norm_gated then norms it (the standalone op). Tokens in stages
@@ -68,7 +118,8 @@ struct GdnStepParams {
 };
 
 template <int DK>
-__host__ __device__ constexpr size_t gdn_step_smem(int rows) {  // bytes: cq, ck, qs, ks [S][DK]; vs [S][rows]; gs, bs [S]
+// bytes: cq, ck, qs, ks [S][DK]; vs [S][rows]; gs, bs [S]
+__host__ __device__ constexpr size_t gdn_step_smem(int rows) {
   return sizeof(float) * kGdnStage * (4 * size_t(DK) + size_t(rows) + 2);
 }
 

@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __res
 using GdnParams = detail::gdn::Params;
 
 constexpr int kMinLanes = 4;  // threads per state row: dk / 16 (dk 128: 8), at least 4 (kernel template L)
+using detail::gdn_step::gdn_kernel;
 using detail::gdn_step::gdn_row_token;
 using detail::gdn_step::GdnStepParams;
 using detail::gdn_step::gdn_step_kernel;
@@ -94,55 +95,6 @@ using detail::gdn_step::gdn_step_smem;
 using detail::gdn_step::kGdnRows;
 using detail::gdn_step::kGdnStage;
 using detail::gdn_step::kMaxGdnThreads;
-
-// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / L.
-// The tokens' k, q (pre-scaled), v, g and beta are staged in shared memory kGdnStage tokens at a time,
-// so a prefill's token chain waits on global loads and barriers once per stage, not per token; the
-// arithmetic of a token is unchanged (same bits for any T and stage split).
-template <int E, int L>  // state elements per thread, threads per state row; dk = E * L
-__global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) {
-  detail::pdl_enter();
-  constexpr int DK = E * L;
-  __shared__ float ks[kGdnStage][DK], qs[kGdnStage][DK], vs[kGdnStage][kMaxGdnThreads / L];
-  __shared__ float gs[kGdnStage], bs[kGdnStage];
-  const int rows = blockDim.x / L, nb = P.dv / rows;
-  const int j = blockIdx.x / nb, kh = j % P.hk, r0 = (blockIdx.x % nb) * rows;
-  const int jv = r0 + threadIdx.x / L, p = threadIdx.x % L;
-  const int64_t head = int64_t(P.dv) * DK;
-  const float* S = P.state + j * head + int64_t(jv) * DK;
-  float s[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) s[e] = S[e * L + p];
-  for (int64_t t0 = 0; t0 < P.T; t0 += kGdnStage) {
-    const int n = P.T - t0 < kGdnStage ? int(P.T - t0) : kGdnStage;
-    for (int i = threadIdx.x; i < n * DK; i += blockDim.x) {
-      const int64_t src = ((t0 + i / DK) * P.hk + kh) * DK + i % DK;
-      ks[i / DK][i % DK] = P.k[src];
-      qs[i / DK][i % DK] = __fmul_rn(P.q[src], P.scale);
-    }
-    for (int i = threadIdx.x; i < n * rows; i += blockDim.x)
-      vs[i / rows][i % rows] = P.v[((t0 + i / rows) * P.hv + j) * P.dv + r0 + i % rows];
-    if (threadIdx.x < n) {
-      gs[threadIdx.x] = P.g[(t0 + threadIdx.x) * P.hv + j];
-      bs[threadIdx.x] = P.beta[(t0 + threadIdx.x) * P.hv + j];
-    }
-    __syncthreads();
-    for (int u = 0; u < n; ++u) {
-      const int64_t t = t0 + u;
-      const float o = gdn_row_token<E, L>(s, ks[u], qs[u], vs[u][jv - r0], gs[u], bs[u], p);
-      if (p == 0) P.out[(t * P.hv + j) * P.dv + jv] = o;
-      if (P.ckpt) {
-        float* C = P.ckpt + (t * P.hv + j) * head + int64_t(jv) * DK;
-#pragma unroll
-        for (int e = 0; e < E; ++e) C[e * L + p] = s[e];
-      }
-    }
-    __syncthreads();  // the stage is rewritten for the next tokens
-  }
-  float* SO = P.state_out + j * head + int64_t(jv) * DK;
-#pragma unroll
-  for (int e = 0; e < E; ++e) SO[e * L + p] = s[e];
-}
 
 // Any dk / dv: the state stays in global memory, one thread per state row.
 constexpr int kFallbackThreads = 128;
@@ -350,11 +302,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
     Tensor o = gated_delta_net(q, k, v, g, beta, state, scale, std::nullopt, state_out, true);
     return {rms_norm_gated(o, norm_weight, eps, z), q, k, v, g, beta};
   }
-  Tensor q = Tensor::empty({T, hk, dk}, DType::F32, Device::GPU), k = Tensor::empty({T, hk, dk}, DType::F32, Device::GPU);
-  Tensor v = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU), o = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
-  Tensor g = Tensor::empty({T, hv}, DType::F32, Device::GPU), beta = Tensor::empty({T, hv}, DType::F32, Device::GPU);
+  const auto empty = [](std::vector<int64_t> shape) { return Tensor::empty(shape, DType::F32, Device::GPU); };
+  Tensor q = empty({T, hk, dk}), k = empty({T, hk, dk}), v = empty({T, hv, dv}), o = empty({T, hv, dv});
+  Tensor g = empty({T, hv}), beta = empty({T, hv});
   if (T == 0 && out_state.data == state.data) return {o, q, k, v, g, beta};
-  SPECD_CHECK(hv * (dv / gdn_block_rows(dv)) <= 0x7fffffff, "gdn_step: too many value heads for one launch");
+  // before anything runs: the launch's grid and int fields, rms_norm_gated's rows
+  SPECD_CHECK(hv * (dv / gdn_block_rows(dv)) <= 0x7fffffff && T * hv <= 0x7fffffff && dv <= 0x7fffffff,
+              "gdn_step: at most 2^31 - 1 blocks, T * Hv rows and dv on the GPU");
   GdnStepParams P{cv.ptr<float>(), a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(),
                   state.ptr<float>(), out_state.ptr<float>(), o.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
                   v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), T, int(hk), int(hv), int(dv), eps, scale};
