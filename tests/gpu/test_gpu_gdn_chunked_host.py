@@ -22,7 +22,7 @@ from host_emu_build import build_emu  # noqa: E402
 
 @pytest.fixture(scope="module")
 def gdn_emu(tmp_path_factory):
-    return build_emu(tmp_path_factory, "gdn_emu", ["gdn_chunked.cuh", "pdl.cuh"], "gdn_main.cpp")
+    return build_emu(tmp_path_factory, "gdn_emu", ["gdn_chunked.cuh", "dyn_smem.cuh", "pdl.cuh"], "gdn_main.cpp")
 
 
 def reference(q, k, v, g, beta, state, scale):

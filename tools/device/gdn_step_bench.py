@@ -1,6 +1,6 @@
 """The Gated DeltaNet step of the 27B on the GPU: ``sn.gdn_step`` against the composition it replaces
 (gdn_qkv, gdn_gates, gated_delta_net, rms_norm_gated), GPU time per kernel (issue 7, decode). Which kernels
-gdn_step runs shows in the table (on main: one launch up to 6 tokens, the composition above).
+gdn_step runs shows in the table.
 
 Shapes of the 27B's GDN layers: 16 key heads and 48 value heads of 128, conv output [w, 10240], widths w =
 1 (decode) and the verify widths. Kernel times: torch.profiler's CUPTI trace of 20 calls (tools/bench/

@@ -102,10 +102,11 @@ dt, ssm_a: F32 [Hv] or [1, Hv]; z: F32 [T, Hv, dv] (the output gate); norm_weigh
 state / state_out as gated_delta_net. Computes (q, k, v) = gdn_qkv(cv, ...), (g, beta) =
 gdn_gates(a, b, dt, ssm_a), o = gated_delta_net(q, k, v, g, beta, state, scale, state_out=state_out)
 (exact, token by token) and y = rms_norm_gated(o, norm_weight, eps, z). Returns (y [T, Hv, dv], q, k
-[T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]), exactly those ops' results: on the GPU one launch (one
-block of dv * L threads per value head, L = max(4, dk / 16)) for T <= 6 where gated_delta_net runs its register
-kernel (dk 32 / 64 / 128, dv % 32 == 0 or dv * L <= 512) and dv * L <= 1024, bit-identical to the
-composition, which runs otherwise (and on the CPU). Every argument is checked before anything runs
+[T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]), exactly those ops' results: on the GPU two launches (q / k
+norms, gates and recurrence in gated_delta_net's blocks, then rms_norm_gated) where gated_delta_net runs
+its register kernel (dk 32 / 64 / 128; dv % 32 == 0, or dv * max(4, dk / 16) <= 512 and a multiple of
+32), bit-identical to
+the composition, which runs otherwise (and on the CPU). Every argument is checked before anything runs
 (a bad one leaves the state untouched): raises ValueError on a dtype, shape or layout mismatch (a, b
 [T, Hv]; z [T, Hv, dv]; norm_weight [dv]; state and state_out as gated_delta_net's) or a written state
 overlapping an input.)doc");

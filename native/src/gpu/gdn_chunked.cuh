@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "dyn_smem.cuh"
 #include "pdl.cuh"
 
 namespace specd::gpu::detail::gdn {
@@ -25,16 +26,6 @@ struct Params {
   int hk, hv, dk, dv;
   float* out;
 };
-
-// The block's dynamic shared memory (the harness's buffer under host emulation).
-__device__ __forceinline__ float* dyn_smem() {
-#if defined(SPECD_HOST_EMU)
-  return reinterpret_cast<float*>(specd_emu_dyn_smem);
-#else
-  extern __shared__ __align__(16) float gdn_smem[];
-  return gdn_smem;
-#endif
-}
 
 // The inexact prefill path of gated_delta_net (ssm.cu) (exact = false, T >= kGdnChunk tokens, no checkpoints): the chunkwise form
 // of the gated delta rule (Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025, §3; the WY

@@ -13,7 +13,11 @@
 #include <type_traits>
 
 #include "activations.cuh"
+#ifndef SPECD_HOST_EMU
 #include "common.cuh"
+#else
+#include "warp_reduce.cuh"  // the emulation harnesses (tests/gpu/host_emu) have no runtime header
+#endif
 
 namespace specd::gpu::detail::norm {
 

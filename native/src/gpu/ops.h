@@ -155,9 +155,9 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
 
 // The Gated DeltaNet core of a decode / verify step after its conv (ssm.cu): gdn_qkv(cv), gdn_gates(a, b,
 // dt, ssm_a), gated_delta_net (exact, token by token) from state (to state_out when given) and
-// rms_norm_gated(o, norm_weight, eps, z) in one launch for up to 6 tokens (kGdnStepMaxTokens: decode and
-// short chains), bit-identical to that composition, which it runs instead for more tokens or where the
-// recurrence is not the register kernel's (dk not 32 / 64 / 128, or dv too large). Returns (y [T, Hv, dv],
+// rms_norm_gated(o, norm_weight, eps, z) in two launches (gdn_step_kernel, then rms_norm_gated), bit-identical
+// to that composition, which it runs instead where the recurrence is not the register kernel's (dk not 32 /
+// 64 / 128, or a block of dv rows that is over 512 threads or not whole warps). Returns (y [T, Hv, dv],
 // q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]). Checks every argument first (cpu::check_gdn_step_args);
 // throws std::invalid_argument.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(

@@ -27,8 +27,8 @@
 // instead: not token by token, so its results depend on how the tokens are split over calls, within the
 // same tolerance of the CPU op (tests up to 300 tokens).
 //
-// gdn_step: gdn_qkv, gdn_gates, the exact recurrence and rms_norm_gated of a decode / verify step in one
-// launch (gdn_step_kernel: one block per value head), bit-identical to those four ops (see the kernel).
+// gdn_step: gdn_qkv, gdn_gates, the exact recurrence and rms_norm_gated of a decode / verify step in two
+// launches (gdn_step_kernel in gdn_kernel's blocks, then rms_norm_gated), bit-identical to those four ops.
 #include <algorithm>
 #include <cmath>
 
@@ -37,6 +37,7 @@
 #include "../cpu/ssm.h"
 #include "activations.cuh"
 #include "gdn_chunked.cuh"
+#include "gdn_step.cuh"
 #include "norm.cuh"
 #include "op_util.cuh"
 #include "ops.h"
@@ -86,86 +87,14 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __res
 using GdnParams = detail::gdn::Params;
 
 constexpr int kMinLanes = 4;  // threads per state row: dk / 16 (dk 128: 8), at least 4 (kernel template L)
-constexpr int kMaxGdnThreads = 512;
-constexpr int kGdnRows = 32;  // state rows per block when dv % kGdnRows == 0 (kGdnRows * L threads)
-constexpr int kGdnStage = 8;  // tokens staged in shared memory at once (dk 128: 9.3 KiB per block)
-
-// One token of one state row, lane p of L holding elements p, p + L, ... of the row in s: S <- exp(g) S;
-// m = S . k; d = beta (v - m); S <- S + k d; returns o = S . q (every lane; q pre-scaled). k, q: the
-// token's dk values (shared memory). The one definition of the token step of gdn_kernel and
-// gdn_step_kernel, so both give the same bits.
-template <int E, int L>
-__device__ __forceinline__ float gdn_row_token(float (&s)[E], const float* ks, const float* qs, float v, float g,
-                                               float beta, int p) {
-  const float decay = expf(g);
-  float m = 0.0f;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    s[e] = __fmul_rn(s[e], decay);
-    m = __fadd_rn(m, __fmul_rn(s[e], ks[e * L + p]));
-  }
-#pragma unroll
-  for (int x = 1; x < L; x <<= 1) m = __fadd_rn(m, SPECD_SHFL_XOR(m, x));
-  const float d = __fmul_rn(beta, __fsub_rn(v, m));
-  float o = 0.0f;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    s[e] = __fadd_rn(s[e], __fmul_rn(ks[e * L + p], d));
-    o = __fadd_rn(o, __fmul_rn(s[e], qs[e * L + p]));
-  }
-#pragma unroll
-  for (int x = 1; x < L; x <<= 1) o = __fadd_rn(o, SPECD_SHFL_XOR(o, x));
-  return o;
-}
-
-// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / L.
-// The tokens' k, q (pre-scaled), v, g and beta are staged in shared memory kGdnStage tokens at a time,
-// so a prefill's token chain waits on global loads and barriers once per stage, not per token; the
-// arithmetic of a token is unchanged (same bits for any T and stage split).
-template <int E, int L>  // state elements per thread, threads per state row; dk = E * L
-__global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const GdnParams P) {
-  detail::pdl_enter();
-  constexpr int DK = E * L;
-  __shared__ float ks[kGdnStage][DK], qs[kGdnStage][DK], vs[kGdnStage][kMaxGdnThreads / L];
-  __shared__ float gs[kGdnStage], bs[kGdnStage];
-  const int rows = blockDim.x / L, nb = P.dv / rows;
-  const int j = blockIdx.x / nb, kh = j % P.hk, r0 = (blockIdx.x % nb) * rows;
-  const int jv = r0 + threadIdx.x / L, p = threadIdx.x % L;
-  const int64_t head = int64_t(P.dv) * DK;
-  const float* S = P.state + j * head + int64_t(jv) * DK;
-  float s[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) s[e] = S[e * L + p];
-  for (int64_t t0 = 0; t0 < P.T; t0 += kGdnStage) {
-    const int n = P.T - t0 < kGdnStage ? int(P.T - t0) : kGdnStage;
-    for (int i = threadIdx.x; i < n * DK; i += blockDim.x) {
-      const int64_t src = ((t0 + i / DK) * P.hk + kh) * DK + i % DK;
-      ks[i / DK][i % DK] = P.k[src];
-      qs[i / DK][i % DK] = __fmul_rn(P.q[src], P.scale);
-    }
-    for (int i = threadIdx.x; i < n * rows; i += blockDim.x)
-      vs[i / rows][i % rows] = P.v[((t0 + i / rows) * P.hv + j) * P.dv + r0 + i % rows];
-    if (threadIdx.x < n) {
-      gs[threadIdx.x] = P.g[(t0 + threadIdx.x) * P.hv + j];
-      bs[threadIdx.x] = P.beta[(t0 + threadIdx.x) * P.hv + j];
-    }
-    __syncthreads();
-    for (int u = 0; u < n; ++u) {
-      const int64_t t = t0 + u;
-      const float o = gdn_row_token<E, L>(s, ks[u], qs[u], vs[u][jv - r0], gs[u], bs[u], p);
-      if (p == 0) P.out[(t * P.hv + j) * P.dv + jv] = o;
-      if (P.ckpt) {
-        float* C = P.ckpt + (t * P.hv + j) * head + int64_t(jv) * DK;
-#pragma unroll
-        for (int e = 0; e < E; ++e) C[e * L + p] = s[e];
-      }
-    }
-    __syncthreads();  // the stage is rewritten for the next tokens
-  }
-  float* SO = P.state_out + j * head + int64_t(jv) * DK;
-#pragma unroll
-  for (int e = 0; e < E; ++e) SO[e * L + p] = s[e];
-}
+using detail::gdn_step::gdn_kernel;
+using detail::gdn_step::gdn_row_token;
+using detail::gdn_step::GdnStepParams;
+using detail::gdn_step::gdn_step_kernel;
+using detail::gdn_step::gdn_step_smem;
+using detail::gdn_step::kGdnRows;
+using detail::gdn_step::kGdnStage;
+using detail::gdn_step::kMaxGdnThreads;
 
 // Any dk / dv: the state stays in global memory, one thread per state row.
 constexpr int kFallbackThreads = 128;
@@ -209,110 +138,6 @@ __global__ void __launch_bounds__(kFallbackThreads) gdn_fallback_kernel(const Gd
     }
     __syncthreads();
   }
-}
-
-// ------------------------------------------------------------------------------------- gdn_step
-
-// gdn_step in one launch: gdn_qkv (L2-normed q / k heads, v), gdn_gates, the token-by-token recurrence
-// and rms_norm_gated of one value head per block, dv state rows x L lanes per row (gdn_kernel's rows
-// of L lanes, all rows of the head in one block, so the head's outputs can be normed in it). Tokens in
-// stages of kGdnStage. Every value is computed with the composition's code: the norms by warp_norm_row
-// (norm_row's sums in its order), the gates by gdn_g / gdn_beta, the recurrence by gdn_row_token, so
-// outputs, pending q / k / v / g / beta and state are bit-identical to the composition on the GPU.
-struct GdnStepParams {
-  const float* cv;  // [T, 2 hk dk + hv dv] conv outputs
-  const float *a, *b, *dt, *ssm_a, *z, *norm_w;
-  const float* state;
-  float* state_out;
-  float *y, *q, *k, *v, *g, *beta;
-  int64_t T;
-  int hk, hv, dv;
-  float eps, scale;
-};
-
-// Tokens up to which gdn_step fuses. One block per head walks every token's recurrence with its 64 KiB
-// of state on one SM, where gdn_kernel spreads a head over 4 blocks: the fused launch wins at few tokens
-// and loses at more (H200, tools/device/gdn_step_bench.py, the 27B's heads, us per call against the
-// composition: 9.5 / 11.4 at 1 token, 12.6 / 13.5 at 4, 16.5 / 16.2 at 8, 28.7 / 22.4 at 16).
-constexpr int64_t kGdnStepMaxTokens = 6;
-
-template <int DK>
-__host__ __device__ constexpr size_t gdn_step_smem(int dv) {  // bytes: cq, ck, qs, ks [S][DK]; vs, os [S][dv]; gs, bs [S]
-  return sizeof(float) * kGdnStage * (4 * size_t(DK) + 2 * size_t(dv) + 2);
-}
-
-template <int E, int L, bool VECN>  // VECN: rms_norm_gated's vector path
-__global__ void __launch_bounds__(1024) gdn_step_kernel(const GdnStepParams P) {
-  detail::pdl_enter();
-  using detail::norm::Mode;
-  using detail::norm::warp_norm_row;
-  constexpr int DK = E * L, S = kGdnStage;
-  static_assert(DK % 4 == 0, "gdn_qkv's vector path (dk % 4 == 0), which every register-kernel dk takes");
-  extern __shared__ float4 smem4[];
-  const int dv = P.dv;
-  float* cq = reinterpret_cast<float*>(smem4);  // conv q / k rows of the stage's tokens
-  float* ck = cq + S * DK;
-  float* qs = ck + S * DK;  // L2-normed q (then scaled) and k
-  float* ks = qs + S * DK;
-  float* vs = ks + S * DK;
-  float* os = vs + S * dv;  // recurrence outputs
-  float* gs = os + S * dv;
-  float* bs = gs + S;
-  const int j = blockIdx.x, kh = j % P.hk, tid = threadIdx.x, lane = tid % SPECD_WARP, warp = tid / SPECD_WARP;
-  const int warps = blockDim.x / SPECD_WARP, jv = tid / L, p = tid % L;
-  const bool writer = j < P.hk;  // the first value head of key head kh writes its q and k
-  const int64_t cols = 2 * int64_t(P.hk) * DK + int64_t(P.hv) * dv, head = int64_t(dv) * DK;
-  float s[E];
-  const float* S0 = P.state + j * head + int64_t(jv) * DK;
-#pragma unroll
-  for (int e = 0; e < E; ++e) s[e] = S0[e * L + p];
-  for (int64_t t0 = 0; t0 < P.T; t0 += S) {
-    const int n = P.T - t0 < S ? int(P.T - t0) : S;
-    for (int i = tid; i < n * DK; i += blockDim.x) {
-      const float* row = P.cv + (t0 + i / DK) * cols;
-      cq[i] = row[kh * DK + i % DK];
-      ck[i] = row[(int64_t(P.hk) + kh) * DK + i % DK];
-    }
-    for (int i = tid; i < n * dv; i += blockDim.x) {
-      const int64_t t = t0 + i / dv;
-      vs[i] = P.cv[t * cols + 2 * int64_t(P.hk) * DK + int64_t(j) * dv + i % dv];
-      P.v[(t * P.hv + j) * dv + i % dv] = vs[i];
-    }
-    if (tid < n) {
-      const int64_t e = (t0 + tid) * P.hv + j;
-      P.g[e] = gs[tid] = detail::gdn_g(P.a[e], P.dt[j], P.ssm_a[j]);
-      P.beta[e] = bs[tid] = detail::gdn_beta(P.b[e]);
-    }
-    __syncthreads();
-    for (int task = warp; task < 2 * n; task += warps) {  // (token, q or k): one warp each
-      const int u = task / 2;
-      const float* src = (task & 1 ? ck : cq) + u * DK;
-      warp_norm_row<Mode::L2, true, false>(src, nullptr, nullptr, (task & 1 ? ks : qs) + u * DK, DK, P.eps, lane);
-    }
-    __syncthreads();
-    for (int i = tid; i < n * DK; i += blockDim.x) {
-      if (writer) {
-        const int64_t e = ((t0 + i / DK) * P.hk + kh) * DK + i % DK;
-        P.q[e] = qs[i];
-        P.k[e] = ks[i];
-      }
-      qs[i] = __fmul_rn(qs[i], P.scale);  // as gdn_kernel stages q
-    }
-    __syncthreads();
-    for (int u = 0; u < n; ++u) {
-      const float o = gdn_row_token<E, L>(s, ks + u * DK, qs + u * DK, vs[u * dv + jv], gs[u], bs[u], p);
-      if (p == 0) os[u * dv + jv] = o;
-    }
-    __syncthreads();
-    for (int u = warp; u < n; u += warps) {
-      const int64_t e = ((t0 + u) * P.hv + j) * dv;
-      warp_norm_row<Mode::RMS, VECN, true>(os + u * dv, P.norm_w, P.z + e, P.y + e, dv, P.eps, lane);
-    }
-    __syncthreads();  // the stage's buffers are refilled
-  }
-  float* SO = P.state_out + j * head + int64_t(jv) * DK;
-#pragma unroll
-  for (int e = 0; e < E; ++e) SO[e * L + p] = s[e];
 }
 
 using detail::gdn::GdnChunkScratch;
@@ -376,18 +201,14 @@ bool gdn_register_kernel(int64_t dk, int64_t dv) {
   return (dk == 32 || dk == 64 || dk == 128) && threads <= kMaxGdnThreads && threads % SPECD_WARP == 0;
 }
 
-// One block of dv * L threads per value head; dv * L <= 1024 keeps the stage buffers within 33 KiB
-// (dk 32, dv 256; the 27B's dk = dv = 128: 24 KiB).
+// gdn_kernel's blocks: rows state rows of L lanes each (gdn_block_rows), at most kMaxGdnThreads threads.
 template <int E, int L>
-void launch_gdn_step(const GdnStepParams& P, bool vec_norm) {
-  static_assert(gdn_step_smem<E * L>(1024 / L) <= 48 * 1024, "gdn_step_kernel: the default dynamic shared memory limit");
-  const unsigned threads = unsigned(P.dv * L);
-  if (vec_norm)
-    detail::launch_kernel<gdn_step_kernel<E, L, true>>("gdn_step_kernel", unsigned(P.hv), threads,
-                                                       gdn_step_smem<E * L>(P.dv), detail::stream(), P);
-  else
-    detail::launch_kernel<gdn_step_kernel<E, L, false>>("gdn_step_kernel", unsigned(P.hv), threads,
-                                                        gdn_step_smem<E * L>(P.dv), detail::stream(), P);
+void launch_gdn_step(const GdnStepParams& P) {
+  static_assert(gdn_step_smem<E * L>(kMaxGdnThreads / L) <= 48 * 1024,
+                "gdn_step_kernel: the default dynamic shared memory limit");
+  const int rows = int(gdn_block_rows(P.dv));
+  detail::launch_kernel<gdn_step_kernel<E, L>>("gdn_step_kernel", unsigned(int64_t(P.hv) * (P.dv / rows)),
+                                              unsigned(rows * L), gdn_step_smem<E * L>(rows), detail::stream(), P);
 }
 
 }  // namespace
@@ -475,27 +296,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
   const Tensor& out_state = cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, z, norm_weight, state, state_out, hk, dk, hv,
                                                      dv, eps, scale, Device::GPU);  // before anything runs
   const int64_t T = cv.dim(0);
-  const bool fused = T <= kGdnStepMaxTokens && gdn_register_kernel(dk, dv) && dv * gdn_lanes(dk) <= 1024 &&
-                     hv <= 0x7fffffff;
-  if (!fused) {  // the composition (any shape the ops take)
+  if (!gdn_register_kernel(dk, dv)) {  // the composition (any shape the ops take)
     auto [q, k, v] = gdn_qkv(cv, hk, dk, hv, dv, eps);
     auto [g, beta] = gdn_gates(a, b, dt, ssm_a);
     Tensor o = gated_delta_net(q, k, v, g, beta, state, scale, std::nullopt, state_out, true);
     return {rms_norm_gated(o, norm_weight, eps, z), q, k, v, g, beta};
   }
-  Tensor q = Tensor::empty({T, hk, dk}, DType::F32, Device::GPU), k = Tensor::empty({T, hk, dk}, DType::F32, Device::GPU);
-  Tensor v = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU), y = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
-  Tensor g = Tensor::empty({T, hv}, DType::F32, Device::GPU), beta = Tensor::empty({T, hv}, DType::F32, Device::GPU);
-  if (T == 0 && out_state.data == state.data) return {y, q, k, v, g, beta};
-  const float* w = norm_weight ? norm_weight->ptr<float>() : nullptr;
-  GdnStepParams P{cv.ptr<float>(), a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(), z.ptr<float>(),
-                  w, state.ptr<float>(), out_state.ptr<float>(), y.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
+  const auto empty = [](std::vector<int64_t> shape) { return Tensor::empty(shape, DType::F32, Device::GPU); };
+  Tensor q = empty({T, hk, dk}), k = empty({T, hk, dk}), v = empty({T, hv, dv}), o = empty({T, hv, dv});
+  Tensor g = empty({T, hv}), beta = empty({T, hv});
+  if (T == 0 && out_state.data == state.data) return {o, q, k, v, g, beta};
+  // before anything runs: the launch's grid and int fields, rms_norm_gated's rows
+  SPECD_CHECK(hv * (dv / gdn_block_rows(dv)) <= 0x7fffffff && T * hv <= 0x7fffffff && dv <= 0x7fffffff,
+              "gdn_step: at most 2^31 - 1 blocks, T * Hv rows and dv on the GPU");
+  GdnStepParams P{cv.ptr<float>(), a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(),
+                  state.ptr<float>(), out_state.ptr<float>(), o.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
                   v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), T, int(hk), int(hv), int(dv), eps, scale};
-  // rms_norm_gated's vector path (its x and y, fresh tensors, are aligned): the same choice here
-  const bool vec_norm = dv % 4 == 0 && (!w || detail::aligned16(w)) && detail::aligned16(z.data);
-  if (dk == 32) launch_gdn_step<8, 4>(P, vec_norm);
-  else if (dk == 64) launch_gdn_step<16, 4>(P, vec_norm);
-  else launch_gdn_step<16, 8>(P, vec_norm);
+  if (dk == 32) launch_gdn_step<8, 4>(P);
+  else if (dk == 64) launch_gdn_step<16, 4>(P);
+  else launch_gdn_step<16, 8>(P);
+  Tensor y = rms_norm_gated(o, norm_weight, eps, z);  // the standalone op: its vector path, its sums
   return {y, q, k, v, g, beta};
 }
 

@@ -203,6 +203,17 @@ inline int __shfl_xor_sync(unsigned mask, int v, int m) {
   if (mask != 0xffffffffu) std::abort();
   return int(exchange(uint32_t(v), int(threadIdx.x & 31) ^ m));
 }
+// A double as the hardware moves it: two 32-bit exchanges (low word, then high).
+inline double __shfl_xor_sync(unsigned mask, double v, int m) {
+  if (mask != 0xffffffffu) std::abort();
+  uint64_t u;
+  std::memcpy(&u, &v, 8);
+  const uint64_t lo = exchange(uint32_t(u), int(threadIdx.x & 31) ^ m);
+  const uint64_t hi = exchange(uint32_t(u >> 32), int(threadIdx.x & 31) ^ m);
+  u = lo | hi << 32;
+  std::memcpy(&v, &u, 8);
+  return v;
+}
 #define SPECD_SHFL_XOR(v, lane_mask) __shfl_xor_sync(0xffffffffu, (v), (lane_mask))
 // Lane l gets lane l - delta's v, or its own where l < delta.
 inline int __shfl_up_sync(unsigned mask, int v, int delta) {

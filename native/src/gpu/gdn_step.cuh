@@ -1,0 +1,197 @@
+// The token-by-token Gated DeltaNet kernels: one token of one state row (gdn_row_token, the arithmetic of
+// both), gdn_kernel (gated_delta_net's register kernel) and gdn_step_kernel (gdn_step's). Included by ssm.cu
+// and compiled for the host by the emulation harness tests/gpu/host_emu/gdn_step_main.cpp.
+#pragma once
+
+#ifndef SPECD_HOST_EMU
+#include "common.cuh"
+#endif
+
+#include <cstdint>
+
+#include "activations.cuh"
+#include "dyn_smem.cuh"
+#include "gdn_chunked.cuh"  // gdn::Params
+#include "norm.cuh"
+#include "pdl.cuh"
+
+namespace specd::gpu::detail::gdn_step {
+
+constexpr int kMaxGdnThreads = 512;
+constexpr int kGdnRows = 32;  // state rows per block when dv % kGdnRows == 0 (kGdnRows * L threads)
+constexpr int kGdnStage = 8;  // tokens staged in shared memory at once (dk 128: gdn_kernel 9.3 KiB, gdn_step 17.1 KiB)
+
+// One token of one state row, lane p of L holding elements p, p + L, ... of the row in s: S <- exp(g) S;
+// m = S . k; d = beta (v - m); S <- S + k d; returns o = S . q (every lane; q pre-scaled). k, q: the
+// token's dk values (shared memory). The one definition of the token step of gdn_kernel and
+// gdn_step_kernel, so both give the same bits.
+template <int E, int L>
+__device__ __forceinline__ float gdn_row_token(float (&s)[E], const float* ks, const float* qs, float v, float g,
+                                               float beta, int p) {
+  const float decay = expf(g);
+  float m = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    s[e] = __fmul_rn(s[e], decay);
+    m = __fadd_rn(m, __fmul_rn(s[e], ks[e * L + p]));
+  }
+#pragma unroll
+  for (int x = 1; x < L; x <<= 1) m = __fadd_rn(m, SPECD_SHFL_XOR(m, x));
+  const float d = __fmul_rn(beta, __fsub_rn(v, m));
+  float o = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    s[e] = __fadd_rn(s[e], __fmul_rn(ks[e * L + p], d));
+    o = __fadd_rn(o, __fmul_rn(s[e], qs[e * L + p]));
+  }
+#pragma unroll
+  for (int x = 1; x < L; x <<= 1) o = __fadd_rn(o, SPECD_SHFL_XOR(o, x));
+  return o;
+}
+
+// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / L.
+// The tokens' k, q (pre-scaled), v, g and beta are staged in shared memory kGdnStage tokens at a time,
+// so a prefill's token chain waits on global loads and barriers once per stage, not per token; the
+// arithmetic of a token is unchanged (same bits for any T and stage split).
+template <int E, int L>  // state elements per thread, threads per state row; dk = E * L
+__global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const gdn::Params P) {
+  pdl_enter();
+  constexpr int DK = E * L;
+  __shared__ float ks[kGdnStage][DK], qs[kGdnStage][DK], vs[kGdnStage][kMaxGdnThreads / L];
+  __shared__ float gs[kGdnStage], bs[kGdnStage];
+  const int rows = blockDim.x / L, nb = P.dv / rows;
+  const int j = blockIdx.x / nb, kh = j % P.hk, r0 = (blockIdx.x % nb) * rows;
+  const int jv = r0 + threadIdx.x / L, p = threadIdx.x % L;
+  const int64_t head = int64_t(P.dv) * DK;
+  const float* S = P.state + j * head + int64_t(jv) * DK;
+  float s[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) s[e] = S[e * L + p];
+  for (int64_t t0 = 0; t0 < P.T; t0 += kGdnStage) {
+    const int n = P.T - t0 < kGdnStage ? int(P.T - t0) : kGdnStage;
+    for (int i = threadIdx.x; i < n * DK; i += blockDim.x) {
+      const int64_t src = ((t0 + i / DK) * P.hk + kh) * DK + i % DK;
+      ks[i / DK][i % DK] = P.k[src];
+      qs[i / DK][i % DK] = __fmul_rn(P.q[src], P.scale);
+    }
+    for (int i = threadIdx.x; i < n * rows; i += blockDim.x)
+      vs[i / rows][i % rows] = P.v[((t0 + i / rows) * P.hv + j) * P.dv + r0 + i % rows];
+    if (threadIdx.x < n) {
+      gs[threadIdx.x] = P.g[(t0 + threadIdx.x) * P.hv + j];
+      bs[threadIdx.x] = P.beta[(t0 + threadIdx.x) * P.hv + j];
+    }
+    __syncthreads();
+    for (int u = 0; u < n; ++u) {
+      const int64_t t = t0 + u;
+      const float o = gdn_row_token<E, L>(s, ks[u], qs[u], vs[u][jv - r0], gs[u], bs[u], p);
+      if (p == 0) P.out[(t * P.hv + j) * P.dv + jv] = o;
+      if (P.ckpt) {
+        float* C = P.ckpt + (t * P.hv + j) * head + int64_t(jv) * DK;
+#pragma unroll
+        for (int e = 0; e < E; ++e) C[e * L + p] = s[e];
+      }
+    }
+    __syncthreads();  // the stage is rewritten for the next tokens
+  }
+  float* SO = P.state_out + j * head + int64_t(jv) * DK;
+#pragma unroll
+  for (int e = 0; e < E; ++e) SO[e * L + p] = s[e];
+}
+
+// gdn_step in two launches: gdn_step_kernel runs gdn_qkv (L2-normed q / k heads, v), gdn_gates and the
+// token-by-token recurrence in gdn_kernel's blocks (a value head's state rows split over blocks of
+// `rows` rows x L lanes), writing o; rms_norm_gated then norms it (the standalone op). Tokens in stages
+// of kGdnStage. Every value is computed with the composition's code: the L2 norms by warp_norm_row
+// (norm_row's sums in its order), the gates by gdn_g / gdn_beta, the recurrence by gdn_row_token, so
+// outputs, pending q / k / v / g / beta and state are bit-identical to the composition on the GPU.
+// (One block per head with the gated norm inside measured slower from ~7 tokens: 16.5 against 16.2 us
+// at 8 tokens, 28.7 against 22.4 at 16, the 27B's heads on the H200.)
+struct GdnStepParams {
+  const float* cv;  // [T, 2 hk dk + hv dv] conv outputs
+  const float *a, *b, *dt, *ssm_a;
+  const float* state;
+  float* state_out;
+  float *o, *q, *k, *v, *g, *beta;
+  int64_t T;
+  int hk, hv, dv;
+  float eps, scale;
+};
+
+template <int DK>
+// bytes: cq, ck, qs, ks [S][DK]; vs [S][rows]; gs, bs [S]
+__host__ __device__ constexpr size_t gdn_step_smem(int rows) {
+  return sizeof(float) * kGdnStage * (4 * size_t(DK) + size_t(rows) + 2);
+}
+
+// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / L (gdn_kernel's).
+template <int E, int L>
+__global__ void __launch_bounds__(kMaxGdnThreads) gdn_step_kernel(const GdnStepParams P) {
+  pdl_enter();
+  using norm::Mode;
+  using norm::warp_norm_row;
+  constexpr int DK = E * L, S = kGdnStage;
+  static_assert(DK % 4 == 0, "gdn_qkv's vector path (dk % 4 == 0), which every register-kernel dk takes");
+  const int rows = blockDim.x / L, nb = P.dv / rows;
+  float* cq = dyn_smem();  // conv q / k rows of the stage's tokens
+  float* ck = cq + S * DK;
+  float* qs = ck + S * DK;  // L2-normed q (then scaled) and k
+  float* ks = qs + S * DK;
+  float* vs = ks + S * DK;  // the block's v columns
+  float* gs = vs + S * rows;
+  float* bs = gs + S;
+  const int j = blockIdx.x / nb, rb = blockIdx.x % nb, r0 = rb * rows, kh = j % P.hk;
+  const int tid = threadIdx.x, lane = tid % SPECD_WARP, warp = tid / SPECD_WARP, warps = blockDim.x / SPECD_WARP;
+  const int jv = r0 + tid / L, p = tid % L;
+  const bool qk_writer = j < P.hk && rb == 0;  // one block per key head writes its q and k
+  const int64_t cols = 2 * int64_t(P.hk) * DK + int64_t(P.hv) * P.dv, head = int64_t(P.dv) * DK;
+  float s[E];
+  const float* S0 = P.state + j * head + int64_t(jv) * DK;
+#pragma unroll
+  for (int e = 0; e < E; ++e) s[e] = S0[e * L + p];
+  for (int64_t t0 = 0; t0 < P.T; t0 += S) {
+    const int n = P.T - t0 < S ? int(P.T - t0) : S;
+    for (int i = tid; i < n * DK; i += blockDim.x) {
+      const float* row = P.cv + (t0 + i / DK) * cols;
+      cq[i] = row[int64_t(kh) * DK + i % DK];
+      ck[i] = row[(int64_t(P.hk) + kh) * DK + i % DK];
+    }
+    for (int i = tid; i < n * rows; i += blockDim.x) {
+      const int64_t t = t0 + i / rows, c = int64_t(j) * P.dv + r0 + i % rows;
+      vs[i] = P.cv[t * cols + 2 * int64_t(P.hk) * DK + c];
+      P.v[t * P.hv * P.dv + c] = vs[i];
+    }
+    if (tid < n) {
+      const int64_t e = (t0 + tid) * P.hv + j;
+      gs[tid] = gdn_g(P.a[e], P.dt[j], P.ssm_a[j]);
+      bs[tid] = gdn_beta(P.b[e]);
+      if (rb == 0) P.g[e] = gs[tid], P.beta[e] = bs[tid];
+    }
+    __syncthreads();
+    for (int task = warp; task < 2 * n; task += warps) {  // (token, q or k): one warp each
+      const int u = task / 2;
+      const float* src = (task & 1 ? ck : cq) + u * DK;
+      warp_norm_row<Mode::L2, true, false>(src, nullptr, nullptr, (task & 1 ? ks : qs) + u * DK, DK, P.eps, lane);
+    }
+    __syncthreads();
+    for (int i = tid; i < n * DK; i += blockDim.x) {
+      if (qk_writer) {
+        const int64_t e = ((t0 + i / DK) * P.hk + kh) * DK + i % DK;
+        P.q[e] = qs[i];
+        P.k[e] = ks[i];
+      }
+      qs[i] = __fmul_rn(qs[i], P.scale);  // as gdn_kernel stages q
+    }
+    __syncthreads();
+    for (int u = 0; u < n; ++u) {
+      const int64_t t = t0 + u;
+      const float o = gdn_row_token<E, L>(s, ks + u * DK, qs + u * DK, vs[u * rows + jv - r0], gs[u], bs[u], p);
+      if (p == 0) P.o[(t * P.hv + j) * P.dv + jv] = o;
+    }
+    __syncthreads();  // the stage's buffers are refilled
+  }
+  float* SO = P.state_out + j * head + int64_t(jv) * DK;
+#pragma unroll
+  for (int e = 0; e < E; ++e) SO[e * L + p] = s[e];
+}
+
+}  // namespace specd::gpu::detail::gdn_step

@@ -1,0 +1,96 @@
+"""The GDN step kernel of the GPU (native/src/gpu/gdn_step.cuh: gdn_qkv's L2 norms, gdn_gates and the
+token-by-token recurrence of sn.gdn_step), emulated on the host.
+
+host_emu/gdn_step_main.cpp compiles the kernel header for the CPU (host_emu/warp_emu.h: one thread per thread
+of a block, shuffles, __syncthreads) and runs gdn_step_kernel with ssm.cu's launch, its outputs and shared
+memory poisoned. Checked against float64 numpy (qwen35-target.md §6.5 steps 3-7: q, k = L2-normed heads of
+the conv output, g = ssm_a * softplus(a + dt), beta = sigmoid(b), S <- exp(g) S; d = beta (v - S k); S <- S +
+d k^T; o = S (scale q)), with the recurrence's tolerance (1e-4 of the scale), so the staging, the head and row
+indexing, the writers of the pending q / k / g / beta and the stage edges are checked without a GPU, in and
+out of place; o and the state are also checked bit for bit against gdn_kernel (gated_delta_net's register
+kernel) run on the step's own q / k / v / g / beta. (Blocks run one after another here, so races between
+blocks cannot show; bitwise equality of the whole op with the composition: test_gpu_ops2.py on a GPU.)
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_emu_build import build_emu  # noqa: E402
+
+NAMES_IN = ("cv", "a", "b", "dt", "ssm_a", "state")
+NAMES_OUT = ("o", "q", "k", "v", "g", "beta", "state_out", "o_ref", "state_ref")
+
+
+@pytest.fixture(scope="module")
+def step_emu(tmp_path_factory):
+    headers = ["gdn_step.cuh", "gdn_chunked.cuh", "dyn_smem.cuh", "norm.cuh", "activations.cuh", "warp_reduce.cuh",
+               "pdl.cuh"]
+    return build_emu(tmp_path_factory, "gdn_step_emu", headers, "gdn_step_main.cpp")
+
+
+def reference(cv, a, b, dt, ssm_a, state, hk, dk, hv, dv, eps, scale):
+    c = cv.astype(np.float64)
+    T = c.shape[0]
+    l2 = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)  # noqa: E731
+    q = l2(c[:, : hk * dk].reshape(T, hk, dk))
+    k = l2(c[:, hk * dk : 2 * hk * dk].reshape(T, hk, dk))
+    v = c[:, 2 * hk * dk :].reshape(T, hv, dv)
+    g = ssm_a * np.log1p(np.exp(a.astype(np.float64) + dt))
+    beta = 1 / (1 + np.exp(-b.astype(np.float64)))
+    S = state.astype(np.float64).copy()
+    o = np.zeros((T, hv, dv))
+    for t in range(T):
+        for j in range(hv):
+            S[j] *= np.exp(g[t, j])
+            d = beta[t, j] * (v[t, j] - S[j] @ k[t, j % hk])
+            S[j] += np.outer(d, k[t, j % hk])
+            o[t, j] = S[j] @ (q[t, j % hk] * scale)
+    return dict(o=o, q=q, k=k, v=v, g=g, beta=beta, state_out=S)
+
+
+def run_emu(emu, T, hk, hv, dk, dv, eps, scale, arrays, in_place):
+    d, exe = emu
+    files = {n: str(d / f"{n}.bin") for n in NAMES_IN + NAMES_OUT}
+    for n in NAMES_IN:
+        np.ascontiguousarray(arrays[n], np.float32).tofile(files[n])
+    r = subprocess.run([str(exe), str(dk), str(T), str(hk), str(hv), str(dv), repr(eps), repr(float(scale)),
+                        str(int(in_place))] +
+                       [files[n] for n in NAMES_IN + NAMES_OUT], check=True, capture_output=True, text=True)
+    shapes = dict(o=(T, hv, dv), q=(T, hk, dk), k=(T, hk, dk), v=(T, hv, dv), g=(T, hv), beta=(T, hv),
+                  state_out=(hv, dv, dk), o_ref=(T, hv, dv), state_ref=(hv, dv, dk))
+    return {n: np.fromfile(files[n], np.float32).reshape(shapes[n]) for n in NAMES_OUT}, r.stdout.strip()
+
+
+# (T, hk, hv, dk, dv): a decode token; a stage of 8, 2 row blocks per head; two stages and a ragged one over
+# 2 row blocks with GQA 2:6; 4 row blocks with stages; whole-head blocks (dv 40), dk 32 and 128; no tokens.
+CASES = [(1, 2, 4, 64, 32), (8, 1, 3, 128, 64), (17, 2, 6, 128, 64), (9, 1, 2, 128, 128), (11, 2, 2, 32, 40),
+         (3, 1, 2, 128, 128), (0, 1, 1, 32, 32)]
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("T,hk,hv,dk,dv", CASES)
+def test_gdn_step_emulated_matches_float64(step_emu, rng, T, hk, hv, dk, dv, in_place):
+    """Against float64 within the recurrence's tolerance; o and the state bit for bit those of gdn_kernel
+    (gated_delta_net's register kernel) run on the step's own q, k, v, g, beta."""
+    eps, scale = 1e-6, 1 / np.sqrt(dk)
+    arrays = dict(cv=rng.standard_normal((T, 2 * hk * dk + hv * dv)), a=rng.standard_normal((T, hv)),
+                  b=rng.standard_normal((T, hv)), dt=rng.standard_normal(hv) * 0.5,
+                  ssm_a=-rng.uniform(0.1, 2, hv), state=rng.standard_normal((hv, dv, dk)) * 0.1)
+    arrays = {n: x.astype(np.float32) for n, x in arrays.items()}
+    got, plan = run_emu(step_emu, T, hk, hv, dk, dv, eps, scale, arrays, in_place)
+    rows = 32 if dv % 32 == 0 else dv
+    assert plan == f"blocks={hv * dv // rows} threads={rows * max(4, dk // 16)}"
+    ref = reference(*(arrays[n] for n in NAMES_IN), hk, dk, hv, dv, eps, scale)
+    for n in NAMES_OUT[:7]:
+        x, r = got[n], ref[n]
+        assert np.isfinite(x).all(), n  # every output written
+        if x.size:
+            np.testing.assert_allclose(x, r, rtol=1e-4, atol=1e-4 * np.abs(r).max(), err_msg=n)
+    np.testing.assert_array_equal(got["o"].view(np.uint32), got["o_ref"].view(np.uint32))
+    np.testing.assert_array_equal(got["state_out"].view(np.uint32), got["state_ref"].view(np.uint32))
+    if T == 0:
+        np.testing.assert_array_equal(got["state_out"], arrays["state"])
