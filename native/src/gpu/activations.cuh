@@ -4,7 +4,11 @@
 #pragma once
 #include <cmath>
 
+#ifndef SPECD_HOST_EMU
 #include "common.cuh"
+#else
+#include "warp_reduce.cuh"  // the emulation harnesses (tests/gpu/host_emu) have no runtime header
+#endif
 
 namespace specd::gpu::detail {
 
