@@ -12,9 +12,11 @@
 #include "pdl.cuh"
 
 namespace specd::gpu::detail::conv {
+namespace {  // internal linkage: conv1d_kernel is not a template, and only ssm.cu launches these
 
 constexpr int kConvThreads = 128;
-constexpr int64_t kConvTokens = 16;  // tokens per block (grid y); a prefill chunk of 2048 tokens: 128 blocks per channel
+// tokens per block (grid y); a prefill chunk of 2048 tokens: 128 blocks per channel
+constexpr int64_t kConvTokens = 16;
 
 // Block (bx, by): channels bx * kConvThreads + threadIdx.x, tokens [by * chunk, + chunk). Every output
 // is computed alone, so splitting the tokens over blocks changes no bits. Only the first chunk
@@ -69,7 +71,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_taps_kernel(const float* 
   for (int j = 0; j + 1 < K; ++j) win[j] = t0 < t1 ? X(t0 + j) : 0.0f;
 #pragma unroll 4
   for (int64_t t = t0; t < t1; ++t) {
-    win[K - 1] = X(t + km1);
+    win[K - 1] = x[t * C + c];  // X(t + K - 1): always an input row
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < K; ++j) acc = __fadd_rn(acc, __fmul_rn(wk[j], win[j]));
@@ -81,4 +83,5 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_taps_kernel(const float* 
   for (int64_t r = 0; r < km1; ++r) state_out[r * C + c] = X(T + r);  // as conv1d_kernel (ascending: in place safe)
 }
 
+}  // namespace
 }  // namespace specd::gpu::detail::conv

@@ -49,7 +49,8 @@ int main(int argc, char** argv) {
   grid([&] { conv1d_kernel(x.data(), w.data(), s1.data(), s1.data(), y1.data(), T, C, K, chunk, silu); });
   write_file(argv[9], y1), write_file(argv[10], s1);
   std::vector<float> y2(x.size(), nan), s2 = state;
-  if (K == 4) grid([&] { conv1d_taps_kernel<4>(x.data(), w.data(), s2.data(), s2.data(), y2.data(), T, C, chunk, silu); });
+  if (K == 4)
+    grid([&] { conv1d_taps_kernel<4>(x.data(), w.data(), s2.data(), s2.data(), y2.data(), T, C, chunk, silu); });
   write_file(argv[11], y2), write_file(argv[12], s2);
   std::printf("blocks=%lld chunks=%lld\n", (long long)blocks, (long long)chunks);
   return 0;
