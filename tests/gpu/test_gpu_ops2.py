@@ -941,13 +941,31 @@ def test_conv1d_gpu_vs_cpu_and_split(rng, T, C, K, silu):
     y = sn.conv1d_causal(on_gpu(x), wg, sg, silu)
     assert y.device == DEV and y.shape == (T, C)
     y = y.numpy()
-    ulp_close(y, cpu)
+    if silu:
+        ulp_close(y, cpu)  # the device's and the host's double exp
+    else:  # the same products and sums in the same order, no FMA on either side (-ffp-contract=off)
+        np.testing.assert_array_equal(y.view(np.uint32), cpu.view(np.uint32))
     np.testing.assert_array_equal(sg.numpy(), st_cpu)
     # token by token with the carried state: bitwise the same
     s2 = on_gpu(st)
     ys = np.concatenate([sn.conv1d_causal(on_gpu(x[t:t + 1]), wg, s2, silu).numpy() for t in range(T)])
     np.testing.assert_array_equal(ys, y)
     np.testing.assert_array_equal(s2.numpy(), sg.numpy())
+
+
+@pytest.mark.parametrize("T,C", [(1, 10240), (3, 130), (40, 10240)])
+@pytest.mark.parametrize("silu", [True, False])
+@gpu_only
+def test_conv1d_gpu_taps_kernel_equals_generic(rng, T, C, silu):
+    """K = 4 runs the register-window kernel, other K the generic one. A K = 5 conv whose first tap is 0 (and
+    whose first state row is anything) is the K = 4 conv in exact arithmetic and in F32 (0 * X + 0 = +0 starts
+    the same sums), so the generic kernel must give the window kernel's bits, and the same last 3 state rows."""
+    x, w, st = f32(rng, (T, C)), f32(rng, (4, C), 0.5), f32(rng, (3, C))
+    s4, s5 = on_gpu(st), on_gpu(np.concatenate([f32(rng, (1, C)), st]))
+    y4 = sn.conv1d_causal(on_gpu(x), on_gpu(w), s4, silu).numpy()
+    y5 = sn.conv1d_causal(on_gpu(x), on_gpu(np.concatenate([np.zeros((1, C), np.float32), w])), s5, silu).numpy()
+    np.testing.assert_array_equal(y5.view(np.uint32), y4.view(np.uint32))
+    np.testing.assert_array_equal(s5.numpy()[1:], s4.numpy())
 
 
 def gdn_inputs(rng, T, hk, hv, dk, dv):

@@ -36,6 +36,7 @@
 #include "../cpu/norm.h"
 #include "../cpu/ssm.h"
 #include "activations.cuh"
+#include "conv.cuh"
 #include "gdn_chunked.cuh"
 #include "gdn_step.cuh"
 #include "norm.cuh"
@@ -48,39 +49,10 @@ namespace {
 
 // ------------------------------------------------------------------------------ conv1d_causal
 
-constexpr int kConvThreads = 128;
-constexpr int64_t kConvTokens = 16;  // tokens per block (grid y); a prefill chunk of 2048 tokens: 128 blocks per channel
-
-// Block (bx, by): channels bx * kConvThreads + threadIdx.x, tokens [by * chunk, + chunk). Every output
-// is computed alone, so splitting the tokens over blocks changes no bits. Only the first chunk
-// (chunk >= K - 1) reads state rows, and its threads write their channel's new state after their
-// outputs: no other block touches the state, so in place is safe.
-// state_out may be state (in place): no __restrict__ on either.
-__global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __restrict__ x, const float* __restrict__ w,
-                                                              const float* state, float* state_out,
-                                                              float* __restrict__ y, int64_t T, int64_t C, int64_t K,
-                                                              int64_t chunk, bool silu_out) {
-  detail::pdl_enter();
-  const int64_t c = int64_t(blockIdx.x) * kConvThreads + threadIdx.x;
-  if (c >= C) return;
-  const int64_t km1 = K - 1, t0 = int64_t(blockIdx.y) * chunk, t1 = t0 + chunk < T ? t0 + chunk : T;
-  for (int64_t t = t0; t < t1; ++t) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < K; ++j) {
-      int64_t r = t + j;
-      float src = r < km1 ? state[r * C + c] : x[(r - km1) * C + c];
-      acc = __fadd_rn(acc, __fmul_rn(w[j * C + c], src));
-    }
-    y[t * C + c] = silu_out ? detail::apply<detail::Op::Silu>(acc, 0.0f) : acc;  // the silu op's code
-  }
-  if (blockIdx.y != 0) return;
-  // New state = X rows T .. T+K-2; ascending r reads state row T + r before it is overwritten
-  // (in place).
-  for (int64_t r = 0; r < km1; ++r) {
-    int64_t src = T + r;
-    state_out[r * C + c] = src < km1 ? state[src * C + c] : x[(src - km1) * C + c];
-  }
-}
+using detail::conv::conv1d_kernel;
+using detail::conv::conv1d_taps_kernel;
+using detail::conv::kConvThreads;
+using detail::conv::kConvTokens;
 
 // ---------------------------------------------------------------------------- gated_delta_net
 
@@ -230,9 +202,15 @@ Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state,
   // most 65535 chunks (grid y)
   const int64_t chunk = std::max({kConvTokens, K - 1, (T + 65534) / 65535});
   const int64_t chunks = std::max<int64_t>(1, (T + chunk - 1) / chunk);
-  detail::launch_kernel<conv1d_kernel>("conv1d_kernel", dim3(unsigned(blocks), unsigned(chunks)), kConvThreads, 0,
-                                       detail::stream(), x.ptr<float>(), weight.ptr<float>(), state.ptr<float>(),
-                                       out_state.ptr<float>(), y.ptr<float>(), T, C, K, chunk, apply_silu);
+  if (K == 4)  // the models' conv: the register-window kernel (bit-identical)
+    detail::launch_kernel<conv1d_taps_kernel<4>>("conv1d_taps_kernel", dim3(unsigned(blocks), unsigned(chunks)),
+                                                 kConvThreads, 0, detail::stream(), x.ptr<float>(), weight.ptr<float>(),
+                                                 state.ptr<float>(), out_state.ptr<float>(), y.ptr<float>(), T, C, chunk,
+                                                 apply_silu);
+  else
+    detail::launch_kernel<conv1d_kernel>("conv1d_kernel", dim3(unsigned(blocks), unsigned(chunks)), kConvThreads, 0,
+                                         detail::stream(), x.ptr<float>(), weight.ptr<float>(), state.ptr<float>(),
+                                         out_state.ptr<float>(), y.ptr<float>(), T, C, K, chunk, apply_silu);
   return y;
 }
 

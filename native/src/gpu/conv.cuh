@@ -1,0 +1,87 @@
+// The Gated DeltaNet's depthwise causal conv on the GPU (conv1d_causal's kernels): included by ssm.cu and
+// compiled for the host by the emulation harness tests/gpu/host_emu/conv_main.cpp.
+#pragma once
+
+#ifndef SPECD_HOST_EMU
+#include "common.cuh"
+#endif
+
+#include <cstdint>
+
+#include "activations.cuh"
+#include "pdl.cuh"
+
+namespace specd::gpu::detail::conv {
+namespace {  // internal linkage: conv1d_kernel is not a template, and only ssm.cu launches these
+
+constexpr int kConvThreads = 128;
+// tokens per block (grid y); a prefill chunk of 2048 tokens: 128 blocks per channel
+constexpr int64_t kConvTokens = 16;
+
+// Block (bx, by): channels bx * kConvThreads + threadIdx.x, tokens [by * chunk, + chunk). Every output
+// is computed alone, so splitting the tokens over blocks changes no bits. Only the first chunk
+// (chunk >= K - 1) reads state rows, and its threads write their channel's new state after their
+// outputs: no other block touches the state, so in place is safe.
+// state_out may be state (in place): no __restrict__ on either.
+__global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __restrict__ x, const float* __restrict__ w,
+                                                              const float* state, float* state_out,
+                                                              float* __restrict__ y, int64_t T, int64_t C, int64_t K,
+                                                              int64_t chunk, bool silu_out) {
+  pdl_enter();
+  const int64_t c = int64_t(blockIdx.x) * kConvThreads + threadIdx.x;
+  if (c >= C) return;
+  const int64_t km1 = K - 1, t0 = int64_t(blockIdx.y) * chunk, t1 = t0 + chunk < T ? t0 + chunk : T;
+  for (int64_t t = t0; t < t1; ++t) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < K; ++j) {
+      int64_t r = t + j;
+      float src = r < km1 ? state[r * C + c] : x[(r - km1) * C + c];
+      acc = __fadd_rn(acc, __fmul_rn(w[j * C + c], src));
+    }
+    y[t * C + c] = silu_out ? apply<Op::Silu>(acc, 0.0f) : acc;  // the silu op's code
+  }
+  if (blockIdx.y != 0) return;
+  // New state = X rows T .. T+K-2; ascending r reads state row T + r before it is overwritten
+  // (in place).
+  for (int64_t r = 0; r < km1; ++r) {
+    int64_t src = T + r;
+    state_out[r * C + c] = src < km1 ? state[src * C + c] : x[(src - km1) * C + c];
+  }
+}
+
+// The same for a compile-time K (the models' 4 taps): the channel's K weights stay in registers and the
+// K inputs of a token slide through a register window, so each input is loaded once instead of K times
+// and each weight once per block instead of once per token. Same products and sums in the same order
+// (j ascending, explicit mul / add): bit-identical to conv1d_kernel.
+template <int K>
+__global__ void __launch_bounds__(kConvThreads) conv1d_taps_kernel(const float* __restrict__ x,
+                                                                   const float* __restrict__ w, const float* state,
+                                                                   float* state_out, float* __restrict__ y, int64_t T,
+                                                                   int64_t C, int64_t chunk, bool silu_out) {
+  pdl_enter();
+  const int64_t c = int64_t(blockIdx.x) * kConvThreads + threadIdx.x;
+  if (c >= C) return;
+  constexpr int64_t km1 = K - 1;
+  const int64_t t0 = int64_t(blockIdx.y) * chunk, t1 = t0 + chunk < T ? t0 + chunk : T;
+  const auto X = [&](int64_t r) { return r < km1 ? state[r * C + c] : x[(r - km1) * C + c]; };  // rows of [state ; x]
+  float wk[K], win[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) wk[j] = w[j * C + c];
+#pragma unroll
+  for (int j = 0; j + 1 < K; ++j) win[j] = t0 < t1 ? X(t0 + j) : 0.0f;
+#pragma unroll 4
+  for (int64_t t = t0; t < t1; ++t) {
+    win[K - 1] = x[t * C + c];  // X(t + K - 1): always an input row
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K; ++j) acc = __fadd_rn(acc, __fmul_rn(wk[j], win[j]));
+    y[t * C + c] = silu_out ? apply<Op::Silu>(acc, 0.0f) : acc;  // the silu op's code
+#pragma unroll
+    for (int j = 0; j + 1 < K; ++j) win[j] = win[j + 1];
+  }
+  if (blockIdx.y != 0) return;
+  for (int64_t r = 0; r < km1; ++r) state_out[r * C + c] = X(T + r);  // as conv1d_kernel (ascending: in place safe)
+}
+
+}  // namespace
+}  // namespace specd::gpu::detail::conv
