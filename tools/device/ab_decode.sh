@@ -26,7 +26,8 @@
 # tree's tools/device/attn_bench.py run (the working tree's script on that tree's library, round 1): its
 # table in ab.log (the JSON stays in /tmp: the device tool brings back 8 files). AB_DECODE_ARGS adds gpu_decode.py options to every decode run; DECODE_TREES (e.g. "new")
 # limits the decode runs to those trees; LOOP_AL (e.g. "3 5 7") then runs tools/bench/loop_overhead.py on the
-# working tree (the service loop over its IPC streams, as gpu_bench.sh). Exit status 1 when a tree was not measured.
+# working tree (the service loop over its IPC streams, as gpu_bench.sh). DECODE_TIMEOUT: seconds per decode run
+# (default 150). Exit status 1 when a tree was not measured.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
@@ -98,7 +99,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     fi
     case " ${DECODE_TREES:-$tree} " in *" $tree "*) ;; *) continue ;; esac  # DECODE_TREES: only these trees decode
     rm -rf "/tmp/ab_$tree$round" && mkdir -p "/tmp/ab_$tree$round"  # no result of an earlier call
-    (cd /tmp && PYTHONPATH=$path timeout 150 python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix "$MIX" \
+    (cd /tmp && PYTHONPATH=$path timeout "${DECODE_TIMEOUT:-150}" python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix "$MIX" \
       --prefill --decode-tokens 64 ${AB_DECODE_ARGS:-} --out "/tmp/ab_$tree$round") >>"$OUT/ab.log" 2>&1
     echo "decode $tree round $round rc=$? at ${SECONDS}s" | tee -a "$OUT/ab.log" >>"$OUT/status.txt"
     python3 - "$tree" "$round" "/tmp/ab_$tree$round/gpu_decode_$MIX.json" "$lib" >>"$OUT/ab.tsv" <<'EOF'
