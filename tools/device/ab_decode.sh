@@ -15,7 +15,7 @@
 # (without models/ and tests/: the device tool carries at most 64 MiB with the working tree).
 # Usage (repository root on the GPU machine; carry .whl):
 #     OUT=/some/dir OLD="pdl:ab_pdl" TESTS="tests/gpu/test_gpu_gemv_tiles.py" bash tools/device/ab_decode.sh
-#     OUT=/some/dir DECODE_TREES=new AB_DECODE_ARGS="--l2-prefetch-mb 0 8 16" bash tools/device/ab_decode.sh  (no OLD)
+#     OUT=/some/dir DECODE_TREES=new AB_DECODE_ARGS="--decode-context 8192" bash tools/device/ab_decode.sh  (no OLD)
 #     OUT=/some/dir OLD="pdl:ab_pdl" SWEEP_FORMAT=IQ4_XS_T \
 #       SWEEP_VARIANTS="new:-DSPECD_MMA_SPLIT_BLOCKS=16 pdl:-I$PWD/ab_pdl/native/src/gpu" bash tools/device/ab_decode.sh
 # Outputs: build.log, pytest.log, status.txt (gpu_tests.sh), old_build.log, ab.log (the decode runs'
