@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "native"))
+from gdn_ref import gdn_ref, gdn_step_inputs_ref  # noqa: E402
 from host_emu_build import build_emu  # noqa: E402
 
 NAMES_IN = ("cv", "a", "b", "dt", "ssm_a", "state")
@@ -33,23 +35,9 @@ def step_emu(tmp_path_factory):
 
 
 def reference(cv, a, b, dt, ssm_a, state, hk, dk, hv, dv, eps, scale):
-    c = cv.astype(np.float64)
-    T = c.shape[0]
-    l2 = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)  # noqa: E731
-    q = l2(c[:, : hk * dk].reshape(T, hk, dk))
-    k = l2(c[:, hk * dk : 2 * hk * dk].reshape(T, hk, dk))
-    v = c[:, 2 * hk * dk :].reshape(T, hv, dv)
-    g = ssm_a * np.log1p(np.exp(a.astype(np.float64) + dt))
-    beta = 1 / (1 + np.exp(-b.astype(np.float64)))
-    S = state.astype(np.float64).copy()
-    o = np.zeros((T, hv, dv))
-    for t in range(T):
-        for j in range(hv):
-            S[j] *= np.exp(g[t, j])
-            d = beta[t, j] * (v[t, j] - S[j] @ k[t, j % hk])
-            S[j] += np.outer(d, k[t, j % hk])
-            o[t, j] = S[j] @ (q[t, j % hk] * scale)
-    return dict(o=o, q=q, k=k, v=v, g=g, beta=beta, state_out=S)
+    q, k, v, g, beta = gdn_step_inputs_ref(cv, a, b, dt, ssm_a, hk, dk, hv, dv, eps)
+    o, states = gdn_ref(q, k, v, g, beta, state, scale)
+    return dict(o=o, q=q, k=k, v=v, g=g, beta=beta, state_out=states[-1] if len(states) else state.astype(np.float64))
 
 
 def run_emu(emu, T, hk, hv, dk, dv, eps, scale, arrays, in_place):

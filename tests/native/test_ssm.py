@@ -1,19 +1,18 @@
-"""Gated DeltaNet conv and recurrence against float64 loop references (qwen35-target.md §6.5).
+"""Gated DeltaNet conv and recurrence against float64 loop references (qwen35-target.md §6.5; the
+recurrence's: tests/native/gdn_ref.py)."""
+import os
+import sys
 
-The recurrence reference follows §6.5 step 7 literally, one token at a time in the HF state layout
-S[i_k, j_v]; the op's ggml layout stores head j as [dv][dk], i.e. state[j] = S_j^T.
-"""
 import numpy as np
 import pytest
 
 import specd.native as sn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gdn_ref import gdn_ref, gdn_step_inputs_ref, silu64  # noqa: E402
+
 CONV_TOL = 1e-6  # K-term F32 sums (+ silu) vs float64; measured <= 1.9e-7 of the output scale
 GDN_TOL = 3e-6  # F32 recurrence over up to 17 tokens vs float64; measured <= 4.2e-7 of the scale
-
-
-def silu64(x):
-    return x / (1 + np.exp(-x))
 
 
 def conv_ref(x, w, state, apply_silu):
@@ -21,26 +20,6 @@ def conv_ref(x, w, state, apply_silu):
     X = np.concatenate([state, x]).astype(np.float64)
     y = np.stack([(w.astype(np.float64) * X[t : t + K]).sum(0) for t in range(x.shape[0])])
     return (silu64(y) if apply_silu else y), X[X.shape[0] - (K - 1) :]
-
-
-def gdn_ref(q, k, v, g, beta, state, scale):
-    """state: ggml layout [Hv, dv, dk]. Returns (o [T, Hv, dv], per-token states [T, Hv, dv, dk])."""
-    T, hk, _ = q.shape
-    hv = v.shape[1]
-    S = state.astype(np.float64).transpose(0, 2, 1).copy()  # [Hv, dk, dv]
-    outs, states = [], []
-    for t in range(T):
-        o = np.zeros((hv, v.shape[2]))
-        for j in range(hv):
-            kt, qt = k[t, j % hk].astype(np.float64), q[t, j % hk].astype(np.float64) * scale
-            S[j] *= np.exp(np.float64(g[t, j]))
-            m = S[j].T @ kt
-            d = np.float64(beta[t, j]) * (v[t, j] - m)
-            S[j] += np.outer(kt, d)
-            o[j] = S[j].T @ qt
-        outs.append(o)
-        states.append(S.transpose(0, 2, 1).copy())
-    return np.stack(outs), np.stack(states)
 
 
 def gdn_inputs(rng, T, hk, hv, dk, dv):
@@ -318,13 +297,7 @@ def test_gdn_step_against_float64(rng, T, hk, hv, dk, dv):
     z = rng.standard_normal((T, hv, dv)).astype(np.float32)
     w = (1 + 0.3 * rng.standard_normal(dv)).astype(np.float32)
     state = (rng.standard_normal((hv, dv, dk)) * 0.3).astype(np.float32)
-    c = cv.astype(np.float64)
-    l2 = lambda x: x / np.sqrt((x * x).sum(-1, keepdims=True) + eps)  # noqa: E731
-    q = l2(c[:, : hk * dk].reshape(T, hk, dk))
-    k = l2(c[:, hk * dk : 2 * hk * dk].reshape(T, hk, dk))
-    v = c[:, 2 * hk * dk :].reshape(T, hv, dv)
-    g = ssm_a * np.log1p(np.exp(a.astype(np.float64) + dt))
-    beta = 1 / (1 + np.exp(-b.astype(np.float64)))
+    q, k, v, g, beta = gdn_step_inputs_ref(cv, a, b, dt, ssm_a, hk, dk, hv, dv, eps)
     st = state.copy()
     got = [t.numpy() for t in sn.gdn_step(cv, a, b, dt, ssm_a, z, w, st, hk, dk, hv, dv, eps, scale)]
     assert [x.shape for x in got] == [(T, hv, dv), (T, hk, dk), (T, hk, dk), (T, hv, dv), (T, hv), (T, hv)]
