@@ -60,12 +60,10 @@ using GdnParams = detail::gdn::Params;
 
 constexpr int kMinLanes = 4;  // threads per state row: dk / 16 (dk 128: 8), at least 4 (kernel template L)
 using detail::gdn_step::gdn_kernel;
-using detail::gdn_step::gdn_row_token;
 using detail::gdn_step::GdnStepParams;
 using detail::gdn_step::gdn_step_kernel;
 using detail::gdn_step::gdn_step_smem;
 using detail::gdn_step::kGdnRows;
-using detail::gdn_step::kGdnStage;
 using detail::gdn_step::kMaxGdnThreads;
 
 // Any dk / dv: the state stays in global memory, one thread per state row.
