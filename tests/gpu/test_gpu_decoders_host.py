@@ -79,14 +79,17 @@ def test_gpu_weight_decoders_bit_exact_on_host(decoder, rng, name, extreme):
 def test_gpu_tiled_weight_decoders_bit_exact_on_host(decoder, rng, fmt):
     """The tiled layouts' chunk gathers (IQ4XSTiledW / Q4KTiledW / Q6KTiledW::load_tiled, the prefill's
     dequantize-to-BF16 of tiled weights) on bytes packed by test_gpu_gemv_tiles.py's reference packers
-    (IQ4_XS_TILED: recoded indices) decode to the row-major weight's values, bit for bit."""
+    (IQ4_XS_TILED: recoded indices) decode to the row-major weight's values, bit for bit; and so do
+    the BF16 rows of the tile-unit kernel (dequant_units_bf16_kernel's two phases: a warp's lanes decode
+    into a poisoned shared-memory tile at its swizzled slots, then store whole row segments)."""
     from test_gpu_gemv_tiles import FORMATS as TILED
     d, exe = decoder
     rows, k = 32, 1024
     raw = random_blocks(rng, fmt, rows, k, extreme=False)
     ref = sn.dequantize(sn.Tensor(raw, getattr(sn.DType, fmt))).numpy()
     np.ascontiguousarray(TILED[fmt][1](np.ascontiguousarray(raw).reshape(rows, -1))).tofile(d / "w.bin")
-    for extra, out, want in (([], "y.bin", ref.view(np.uint32)), (["bf16"], "b.bin", bf16_bits(ref))):
+    for extra, out, want in (([], "y.bin", ref.view(np.uint32)), (["bf16"], "b.bin", bf16_bits(ref)),
+                             (["units"], "u.bin", bf16_bits(ref))):
         subprocess.run([str(exe), fmt + "_T", str(rows), str(k), str(d / "w.bin"), str(d / out), *extra], check=True)
         got = np.fromfile(d / out, want.dtype).reshape(rows, k)
         assert np.array_equal(got, want), f"{fmt}_T {extra}: {int(np.sum(got != want))} of {got.size} values differ"

@@ -244,8 +244,8 @@ def test_tile_for_gemv_of_a_two_byte_aligned_q6_k_view(rng):
 @tiles_only
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tiled_prefill_across_panels(rng, fmt):
-    """The BF16 dequantization of a weight larger than one panel (panels start at rows that are not
-    multiples of 16): the tiled rows gathered from any start row."""
+    """The BF16 dequantization of a weight larger than one panel (3296 rows of 40960 inputs: panels of
+    3264 rows, whole 16-row tiles, then 32): the tile-unit kernel from a panel's first tile on."""
     w = blocks(rng, fmt, 3296, 40960).to(GPU)
     x = sn.Tensor((rng.standard_normal((20, 40960)) * 0.5).astype(np.float32)).to(GPU)
     ref = sn.matmul(x, w, exact=False).to(CPU).numpy()

@@ -73,17 +73,27 @@ __global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* _
   }
 }
 
-// The same for rows [r0, r0 + rows) of a tiled weight w (IQ4_XS_TILED: T = IQ4XSTiledW, Q4_K_TILED:
-// Q4KTiledW, Q6_K_TILED: Q6KTiledW; nunits 256-input units per row, 8 chunks each).
+// The same for tiles [tile0, tile0 + tiles) of a tiled weight w (IQ4_XS_TILED: T = IQ4XSTiledW,
+// Q4_K_TILED: Q4KTiledW, Q6_K_TILED: Q6KTiledW; nunits 256-input units per row), one tile unit per
+// warp and iteration (weight_formats.cuh: unit_decode_lane, unit_store_lane); dst holds the tiles' rows.
+// Consecutive warps take consecutive units of a tile: contiguous weight bytes, adjacent output columns.
+constexpr int kUnitWarps = 4;  // 4 x 8 KiB of shared memory per block
 template <class T>
-__global__ void __launch_bounds__(kThreads) dequant_tiled_bf16_kernel(const uint8_t* __restrict__ w, uint32_t nunits,
-                                                                     int64_t r0, uint32_t rows, int64_t in,
-                                                                     uint16_t* __restrict__ dst) {
+__global__ void __launch_bounds__(32 * kUnitWarps) dequant_units_bf16_kernel(const uint8_t* __restrict__ w,
+                                                                             uint32_t nunits, int64_t tile0,
+                                                                             uint32_t tiles, int64_t in,
+                                                                             uint16_t* __restrict__ dst) {
   detail::pdl_enter();
-  const uint32_t nchunks = 8 * nunits, total = rows * nchunks, step = gridDim.x * kThreads;
-  for (uint32_t t = blockIdx.x * kThreads + threadIdx.x; t < total; t += step) {
-    const uint32_t r = t / nchunks, c = t % nchunks;
-    decode_raw<T>(T::load_tiled(w, nunits, r0 + r, c), c, StoreBF16{dst + int64_t(r) * in});
+  __shared__ uint4 smem[kUnitWarps][kUnitRows * kUnitPieces];
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) & 31;
+  uint4* tile = smem[warp];
+  const uint32_t total = tiles * nunits, step = gridDim.x * kUnitWarps;
+  for (uint32_t i = blockIdx.x * kUnitWarps + warp; i < total; i += step) {
+    const uint32_t t = i / nunits, u = i % nunits;
+    unit_decode_lane<T>(w, nunits, kUnitRows * (tile0 + t), u, lane, tile);
+    __syncwarp();
+    unit_store_lane(tile, dst + int64_t(kUnitRows) * t * in, in, u, lane);
+    __syncwarp();  // the tile is read by every lane before the next unit overwrites it
   }
 }
 
@@ -113,12 +123,16 @@ unsigned grid_for(int64_t items) {
 
 template <class T>
 void dequant_tiled_launch(const Tensor& w, int64_t r0, int64_t rows, uint16_t* dst) {
-  const int64_t in = w.dim(1);
-  const unsigned grid = grid_for(rows * (in / 32));
-  SPECD_CHECK(rows * (in / 32) + int64_t(grid) * kThreads <= int64_t(UINT32_MAX), "matmul: dequantize panel too large");
-  detail::launch_kernel<dequant_tiled_bf16_kernel<T>>("dequant_tiled_bf16_kernel", grid, kThreads, 0, stream(),
-                                                      static_cast<const uint8_t*>(w.data), uint32_t(in / 256), r0,
-                                                      uint32_t(rows), in, dst);
+  const int64_t in = w.dim(1), nunits = in / 256, tiles = rows / kUnitRows;
+  SPECD_CHECK(r0 % kUnitRows == 0 && rows % kUnitRows == 0, "matmul: a tiled weight's panel must start and end at a",
+              " 16-row tile edge, got rows [", r0, ", ", r0 + rows, ")");
+  const int64_t units = tiles * nunits;
+  SPECD_CHECK(units + int64_t(sm_count()) * 8 * kUnitWarps <= int64_t(UINT32_MAX), "matmul: dequantize panel too large");
+  // About one wave (32 KiB of shared memory per block: 7 blocks per SM on sm_90), each warp looping over units.
+  const int64_t blocks = std::clamp<int64_t>((units + kUnitWarps - 1) / kUnitWarps, 1, int64_t(sm_count()) * 8);
+  detail::launch_kernel<dequant_units_bf16_kernel<T>>("dequant_units_bf16_kernel", unsigned(blocks), 32 * kUnitWarps, 0,
+                                                      stream(), static_cast<const uint8_t*>(w.data), uint32_t(nunits),
+                                                      r0 / kUnitRows, uint32_t(tiles), in, dst);
 }
 
 template <class W>
@@ -179,7 +193,9 @@ void gemm_weight(const uint16_t* xb, int64_t n, const Tensor& w, Tensor& y) {
     gemm_panel(static_cast<const uint16_t*>(w.data), xb, out, n, in, y.ptr<float>(), out);
     return;
   }
-  const int64_t panel = std::clamp<int64_t>(kPanelBytes / (2 * in), 1, out);
+  // Panels of whole 16-row tiles (the tiled layouts' dequantizer works a tile at a time), for every
+  // format alike, so a tiled weight's GEMMs are the row-major weight's, call for call.
+  const int64_t panel = std::min<int64_t>(std::max<int64_t>(kPanelBytes / (2 * in) / kUnitRows * kUnitRows, kUnitRows), out);
   std::shared_ptr<void> wbuf = alloc(size_t(panel * in) * 2);
   auto* wb = static_cast<uint16_t*>(wbuf.get());
   for (int64_t o0 = 0; o0 < out; o0 += panel) {

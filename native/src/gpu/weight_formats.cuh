@@ -482,4 +482,61 @@ __device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t c, cons
   decode_raw<W>(W::load(row, c), c, store);
 }
 
+// --- whole tile units to BF16 (the prefill's dequantization of the tiled layouts) ----------------
+//
+// A warp dequantizes one tile unit (16 rows x 256 inputs of IQ4_XS_TILED / Q4_K_TILED / Q6_K_TILED)
+// in two phases, so that its global stores are whole 512-byte row segments:
+//   1. unit_decode_lane: lane l decodes chunks 8 u + (l & 7) of rows 4 s + (l >> 3), s = 0..3, into the
+//      warp's shared-memory tile (16 rows x 32 pieces of 8 BF16 = 8 KiB) at unit_piece_slot;
+//   2. after __syncwarp, unit_store_lane: lane l copies piece l of each of the 16 rows to the output.
+// The per-chunk kernel stored each thread's 64 contiguous bytes with four 16-byte stores, so every
+// warp store touched 32 half-used sectors. The values are decode_raw's, so the BF16 bits are the
+// same as StoreBF16's.
+constexpr int kUnitRows = 16, kUnitPieces = 32;  // a unit row: 256 BF16 = 32 pieces of 16 bytes
+
+// Slot of piece p (8 BF16 at inputs 8 p .. 8 p + 7 of the unit) of unit row `row` in the tile. The XOR
+// swizzle keeps both phases free of shared-memory bank conflicts for IQ4_XS (an 8-lane phase of
+// 16-byte accesses must hit 8 distinct 16-byte bank groups): phase 1 writes pieces 4 j + P of one row
+// (j = 0..7), phase 2 reads pieces 8 m .. 8 m + 7 of one row.
+__device__ __forceinline__ int unit_piece_slot(int row, int p) { return row * kUnitPieces + (p ^ ((p >> 3) & 3)); }
+
+// decode_raw's store into the tile: part at row element o (o - col0 in [0, 256), a multiple of 8).
+struct StoreBF16Unit {
+  uint4* tile;
+  int row;
+  int64_t col0;
+  template <int N>
+  __device__ __forceinline__ void part(int64_t o, const float (&v)[N]) const {
+    static_assert(N == 8, "the tiled formats decode parts of 8 values");
+    tile[unit_piece_slot(row, int((o - col0) >> 3))] =
+        uint4{StoreBF16::pair(v[0], v[1]), StoreBF16::pair(v[2], v[3]), StoreBF16::pair(v[4], v[5]),
+              StoreBF16::pair(v[6], v[7])};
+  }
+};
+
+// Phase 1 for lane `lane` of the warp on unit u (inputs 256 u ..) of the tile whose first row is row0.
+// The four chunks' bytes are loaded before any is decoded, so they are in flight together.
+template <class T>
+__device__ __forceinline__ void unit_decode_lane(const uint8_t* __restrict__ w, int64_t nunits, int64_t row0,
+                                                 int64_t u, int lane, uint4* tile) {
+  const int64_t c = 8 * u + (lane & 7);
+  typename T::Raw raw[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) raw[s] = T::load_tiled(w, nunits, row0 + 4 * s + (lane >> 3), c);
+#pragma unroll
+  for (int s = 0; s < 4; ++s) decode_raw<T>(raw[s], c, StoreBF16Unit{tile, 4 * s + (lane >> 3), 256 * u});
+}
+
+// Phase 2: piece `lane` of each unit row to dst (the tile's first output row; rows of `in` BF16,
+// 16-byte aligned: in % 8 == 0), 512 contiguous bytes per warp store.
+__device__ __forceinline__ void unit_store_lane(const uint4* tile, uint16_t* __restrict__ dst, int64_t in, int64_t u,
+                                                int lane) {
+#pragma unroll 4
+  for (int r = 0; r < kUnitRows; ++r) {
+    uint16_t* p = dst + int64_t(r) * in + 256 * u + 8 * lane;
+    SPECD_STORE_ALIGNED(p, 16);
+    *reinterpret_cast<uint4*>(p) = tile[unit_piece_slot(r, lane)];
+  }
+}
+
 }  // namespace specd::gpu::detail

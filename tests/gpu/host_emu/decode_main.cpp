@@ -3,7 +3,8 @@
 // embedding gather and the dequantize-to-BF16 kernel walk them) and writes float32, or with "bf16"
 // the BF16 bits that kernel stores. FORMAT IQ4_XS_T / Q4_K_T / Q6_K_T: IN.bin holds the GEMV's tiled
 // layout (ROWS a multiple of 16), decoded through load_tiled as the tiled dequantize-to-BF16 kernel does.
-// Usage: decode FORMAT ROWS IN IN.bin OUT.bin [bf16]
+// With "units" (tiled formats only) the BF16 bits of the tile-unit kernel (tiled_units below).
+// Usage: decode FORMAT ROWS IN IN.bin OUT.bin [bf16 | units]
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -42,9 +43,24 @@ void tiled_rows(const uint8_t* w, int64_t n, int64_t in, float* f32, uint16_t* b
   else tiled_rows<T, StoreF32>(w, n, in, f32);
 }
 
+// The tiled weight through the prefill's tile-unit kernel (dequant_units_bf16_kernel): per unit, the
+// warp's 32 lanes run phase 1 (unit_decode_lane into a poisoned shared-memory tile), then, after the
+// kernel's __syncwarp, phase 2 (unit_store_lane); units in the kernel's order.
+template <class T>
+void tiled_units(const uint8_t* w, int64_t n, int64_t in, uint16_t* bf16) {
+  std::vector<uint4> tile(kUnitRows * kUnitPieces);
+  for (int64_t t = 0; t < n / kUnitRows; ++t)
+    for (int64_t u = 0; u < in / 256; ++u) {
+      std::fill(tile.begin(), tile.end(), uint4{~0u, ~0u, ~0u, ~0u});
+      for (int lane = 0; lane < 32; ++lane) unit_decode_lane<T>(w, in / 256, kUnitRows * t, u, lane, tile.data());
+      for (int lane = 0; lane < 32; ++lane) unit_store_lane(tile.data(), bf16 + kUnitRows * t * in, in, u, lane);
+    }
+}
+
 int main(int argc, char** argv) {
   if (argc != 6 && argc != 7) return 2;
-  const bool as_bf16 = argc == 7 && std::string(argv[6]) == "bf16";
+  const bool units = argc == 7 && std::string(argv[6]) == "units";  // BF16 through the tile-unit kernel
+  const bool as_bf16 = argc == 7 && (std::string(argv[6]) == "bf16" || units);
   const std::string fmt = argv[1];
   const int64_t n = atoll(argv[2]), in = atoll(argv[3]);
   FILE* f = fopen(argv[4], "rb");
@@ -63,6 +79,10 @@ int main(int argc, char** argv) {
   else if (fmt == "Q5_K") rows<Q5KW>(w, n, rb, in, in / 32, out.data(), b);
   else if (fmt == "Q6_K") rows<Q6KW>(w, n, rb, in, in / 32, out.data(), b);
   else if (fmt == "IQ4_XS") rows<IQ4XSW>(w, n, rb, in, in / 32, out.data(), b);
+  else if (units && fmt == "IQ4_XS_T") tiled_units<IQ4XSTiledW>(w, n, in, b);
+  else if (units && fmt == "Q4_K_T") tiled_units<Q4KTiledW>(w, n, in, b);
+  else if (units && fmt == "Q6_K_T") tiled_units<Q6KTiledW>(w, n, in, b);
+  else if (units) return 4;
   else if (fmt == "IQ4_XS_T") tiled_rows<IQ4XSTiledW>(w, n, in, out.data(), b);
   else if (fmt == "Q4_K_T") tiled_rows<Q4KTiledW>(w, n, in, out.data(), b);
   else if (fmt == "Q6_K_T") tiled_rows<Q6KTiledW>(w, n, in, out.data(), b);
