@@ -91,3 +91,23 @@ def test_gpu_decode_exclusive_kernel_times():
     import gpu_decode
     spans = [(0.0, 10.0, "a"), (2.0, 15.0, "b"), (3.0, 12.0, "c"), (20.0, 25.0, "d")]
     assert gpu_decode.exclusive_times(spans) == [("a", 10.0), ("b", 5.0), ("c", 0.0), ("d", 5.0)]
+
+
+def test_gpu_decode_idle_gaps():
+    """The prefill's idle-gap summary: busy time is the union of the GPU spans (overlapping PDL spans
+    counted once), gaps under 5 us are not listed, each listed gap names the kernels around it and the
+    host API calls overlapping it (by overlap), and the API totals cover every call."""
+    import gpu_decode
+    gpu = [(0.0, 10.0, "void a()"), (2.0, 12.0, "void b()"), (14.0, 20.0, "void c()"), (150.0, 160.0, "void d()"),
+           (1300.0, 1310.0, "void e()")]
+    api = [(5.0, 6.0, "cudaLaunchKernel"), (30.0, 140.0, "cudaStreamSynchronize"),
+           (145.0, 148.0, "cudaLaunchKernel"), (400.0, 500.0, "cudaMallocAsync")]
+    g = gpu_decode.idle_gaps(gpu, api, top=2)
+    assert g["span_us"] == 1310.0 and g["busy_us"] == 12.0 + 6.0 + 10.0 + 10.0
+    assert g["idle_us"] == 1310.0 - 38.0
+    assert g["gaps"]["5-20 us"] == [0, 0] and g["gaps"]["0.1-1 ms"] == [1, 130.0] and g["gaps"][">= 1 ms"] == [1, 1140.0]
+    assert [t["us"] for t in g["top"]] == [1140.0, 130.0]
+    assert g["top"][0]["before"] == "d" and g["top"][0]["after"] == "e" and g["top"][0]["api"] == {"cudaMallocAsync": 100.0}
+    assert g["top"][1]["api"] == {"cudaStreamSynchronize": 110.0, "cudaLaunchKernel": 3.0}
+    assert g["api"]["cudaLaunchKernel"] == [2, 4.0]
+    assert gpu_decode.idle_gaps([], api)["busy_us"] == 0.0

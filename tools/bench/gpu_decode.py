@@ -13,12 +13,14 @@ Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
 * chain verify step time at widths 1..17 (``verify`` without committing; the model has no capture
   layers, so no feature rows are computed or copied);
 * with ``--profile N``: where the time of N plain decode steps goes, per GPU kernel (torch.profiler's
-  CUPTI trace, which sees the library's kernels, graph-launched ones included);
+  CUPTI trace, which sees the library's kernels, graph-launched ones included), and where the GPU idles
+  between them (``decode_gaps``, JSON only);
 * with ``--decode-context N ...``: plain decode tok/s after a prompt of N tokens (long-context decode,
   where each step's attention reads N keys per attention layer);
 * prefill tok/s at 128 / 512 / 2048 / 8192 prompt tokens: the median of 3 runs after a first (cold) one,
   reported apart (longer lengths skipped once one takes > 60 s; one run only above 20 s);
-  with ``--profile-prefill N``: where the time of one prefill of N tokens goes, per GPU kernel;
+  with ``--profile-prefill N``: where the time of one prefill of N tokens goes, per GPU kernel, on the
+  host (cProfile), and where the GPU idles (gaps between its work, the host CUDA calls during them);
 * an in-process speculative loop with a scripted drafter at acceptance lengths 3, 5 and 7: each step
   verifies the anchor + 7 drafts whose first AL - 1 are the target's own greedy continuation and
   the rest wrong, then commits AL tokens; tokens/s and the speedup over plain decode. (In-process:
@@ -180,8 +182,10 @@ def main(argv=None) -> int:
         decode_tokens = args.decode_tokens
         args.decode_tokens = args.profile
         rep["profile"], rep["profile_steps"] = kernel_profile(run_decode, sync, args.profile), args.profile
+        rep["decode_gaps"] = gap_profile(run_decode, sync)
         args.decode_tokens = decode_tokens
         print("profile", json.dumps(rep["profile"][:25]), flush=True)
+        print("decode gaps", json.dumps(rep["decode_gaps"]), flush=True)
 
     rep["verify_ms"] = {}
     for w in range(1, 18):
@@ -256,6 +260,8 @@ def main(argv=None) -> int:
         run_prefill()  # warm-up (the first prefill of a length includes one-time allocations)
         rep["prefill_profile"], rep["prefill_profile_tokens"] = kernel_profile(run_prefill, sync, 1), n
         rep["prefill_host_profile"] = host_profile(run_prefill, sync)
+        rep["prefill_gaps"] = gap_profile(run_prefill, sync)
+        print("prefill gaps", json.dumps(rep["prefill_gaps"]), flush=True)
         print("prefill profile", json.dumps(rep["prefill_profile"][:25]), flush=True)
         print("prefill host profile", json.dumps(rep["prefill_host_profile"]), flush=True)
 
@@ -300,6 +306,69 @@ def kernel_profile(run, sync, steps: int) -> list[dict]:
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
     return summarise_kernels(exclusive_times(spans), steps)
+
+
+def gap_profile(run, sync, top: int = 10) -> dict:
+    """Where the GPU idles in one call of ``run``: torch.profiler's trace of the GPU's work (kernels,
+    copies) and of the host's CUDA API calls (CUPTI runtime / driver events: launches, synchronisations,
+    allocations), summarised by :func:`idle_gaps`. A gap that a synchronisation call overlaps is the
+    host waiting for the GPU and then refilling its queue; a gap no call overlaps is host work
+    (Python, argument checks) slower than the GPU."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        sync()
+    gpu, api = [], []
+    for e in prof.events():
+        span = (e.time_range.start, e.time_range.end, e.name)
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            gpu.append(span)
+        elif e.name.startswith("cu"):  # cudaLaunchKernel, cudaStreamSynchronize, cuLaunchKernelEx, ...
+            api.append(span)
+    return idle_gaps(sorted(gpu), sorted(api), top)
+
+
+def idle_gaps(gpu: list[tuple[float, float, str]], api: list[tuple[float, float, str]], top: int = 10,
+              min_us: float = 5.0) -> dict:
+    """GPU spans [(start, end, name)] sorted by start, host API call spans likewise (microseconds) ->
+    {"span_us": first start to last end, "busy_us", "idle_us", "gaps": {bucket: [count, us]} of the idle
+    intervals of at least ``min_us`` ("5-20 us", "20-100 us", "0.1-1 ms", ">= 1 ms"), "top": the ``top``
+    longest gaps as {us, before, after (short kernel names), api: {call: overlap us}}, "api": {call:
+    [count, us]} over the whole run}."""
+    out = {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "gaps": {}, "top": [], "api": {}}
+    for a0, a1, name in api:
+        slot = out["api"].setdefault(name, [0, 0.0])
+        slot[0] += 1
+        slot[1] += a1 - a0
+    if not gpu:
+        return out
+    gaps, busy_from, busy_until, last = [], gpu[0][0], gpu[0][1], gpu[0][2]
+    for start, end, name in gpu[1:]:
+        if start > busy_until:
+            out["busy_us"] += busy_until - busy_from
+            if start - busy_until >= min_us:
+                gaps.append((busy_until, start, last, name))
+            busy_from = start
+        if end >= busy_until:
+            busy_until, last = end, name
+    out["busy_us"] += busy_until - busy_from
+    out["span_us"] = busy_until - gpu[0][0]
+    out["idle_us"] = out["span_us"] - out["busy_us"]
+    for lo, hi, label in ((min_us, 20, f"{min_us:g}-20 us"), (20, 100, "20-100 us"), (100, 1000, "0.1-1 ms"),
+                          (1000, float("inf"), ">= 1 ms")):
+        sel = [g1 - g0 for g0, g1, _, _ in gaps if lo <= g1 - g0 < hi]
+        out["gaps"][label] = [len(sel), sum(sel)]
+    for g0, g1, before, after in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        calls: dict[str, float] = {}
+        for a0, a1, name in api:
+            overlap = min(a1, g1) - max(a0, g0)
+            if overlap > 0:
+                calls[name] = calls.get(name, 0.0) + overlap
+        out["top"].append({"us": g1 - g0, "before": short_kernel_name(before), "after": short_kernel_name(after),
+                           "api": calls})
+    return out
 
 
 def host_profile(run, sync, top: int = 20) -> dict:
@@ -414,6 +483,19 @@ def markdown(r: dict) -> str:
             L += ["", f"Host side of the same prefill (cProfile): wall {1e3 * hp['wall_s']:.1f} ms, GPU busy "
                   f"{busy:.1f} ms; top functions by own time:", "", "| function | calls | own ms |", "| --- | --- | --- |"]
             L += [f"| `{f['function']}` | {f['calls']} | {1e3 * f['own_s']:.1f} |" for f in hp["top"][:15]]
+        gp = r.get("prefill_gaps")
+        if gp:
+            L += ["", f"GPU idle in the same prefill (torch.profiler, GPU work and host CUDA API calls): "
+                  f"{gp['idle_us'] / 1e3:.1f} of {gp['span_us'] / 1e3:.1f} ms; gaps by length: "
+                  + ", ".join(f"{k} {v[0]} ({v[1] / 1e3:.2f} ms)" for k, v in gp["gaps"].items()) + ".", "",
+                  "| gap us | after kernel | before kernel | host API calls overlapping it (us) |",
+                  "| --- | --- | --- | --- |"]
+            L += [f"| {g['us']:.0f} | `{g['before']}` | `{g['after']}` | "
+                  + ", ".join(f"{k} {v:.0f}" for k, v in sorted(g["api"].items(), key=lambda kv: -kv[1])) + " |"
+                  for g in gp["top"]]
+            api = sorted(gp["api"].items(), key=lambda kv: -kv[1][1])[:10]
+            L += ["", "Host CUDA API calls of the prefill (top 10 by time): "
+                  + ", ".join(f"`{k}` {v[0]} x, {v[1] / 1e3:.2f} ms" for k, v in api) + "."]
     return "\n".join(L) + "\n"
 
 
