@@ -482,6 +482,8 @@ class Qwen35Model:
         if device_ring:
             res._check_graph("features")
             feats = None
+        elif res.parents is None:  # a chain's leading rows: a view (a prefill chunk's are tens of MB)
+            feats = res.features[: len(rows)]
         else:
             feats = res.features[rows]
         if res.graph is not None:  # the state updates read fixed addresses: one graph per n
