@@ -272,7 +272,7 @@ def test_tiled_matmul_right_after_tiling(rng, fmt):
 @tiles_only
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tiled_prefill_path_bit_identical(rng, fmt):
-    """n > 16 without exact: dequantize to BF16 (panels; the tiled rows gathered) + cuBLAS."""
+    """n > 16 without exact: dequantize to BF16 (panels; the tile-unit kernel) + cuBLAS."""
     w = blocks(rng, fmt, 272, 1024).to(GPU)
     wt = sn.tile_for_gemv(w)
     x = sn.Tensor((rng.standard_normal((40, 1024)) * 0.5).astype(np.float32)).to(GPU)

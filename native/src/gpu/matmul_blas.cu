@@ -9,7 +9,8 @@
 //
 // BF16 weights (16-byte aligned, rows a multiple of 8) go to the GEMM as they are, with no copy.
 //
-// Memory: the dequantized weight is produced panel by panel (at most kPanelBytes of BF16 per panel)
+// Memory: the dequantized weight is produced panel by panel (whole 16-row tiles, at most kPanelBytes of
+// BF16 per panel unless one tile of rows is more)
 // into one scratch buffer from the device pool (stream-ordered, cached by the pool between calls),
 // so the output head (248320 x 5120) needs 256 MiB, not 2.5 GB. Panels are multiplied as they are
 // produced; all work is on the library stream.
@@ -73,19 +74,20 @@ __global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* _
   }
 }
 
+#if !SPECD_HIP  // the tiled layouts are the CUDA tensor-core GEMV's (matmul.cu refuses them on HIP)
 // The same for tiles [tile0, tile0 + tiles) of a tiled weight w (IQ4_XS_TILED: T = IQ4XSTiledW,
 // Q4_K_TILED: Q4KTiledW, Q6_K_TILED: Q6KTiledW; nunits 256-input units per row), one tile unit per
 // warp and iteration (weight_formats.cuh: unit_decode_lane, unit_store_lane); dst holds the tiles' rows.
 // Consecutive warps take consecutive units of a tile: contiguous weight bytes, adjacent output columns.
 constexpr int kUnitWarps = 4;  // 4 x 8 KiB of shared memory per block
+static_assert(kUnitRows == kGemvTileRows, "a tile unit spans one GEMV tile of rows");
 template <class T>
-__global__ void __launch_bounds__(32 * kUnitWarps) dequant_units_bf16_kernel(const uint8_t* __restrict__ w,
-                                                                             uint32_t nunits, int64_t tile0,
-                                                                             uint32_t tiles, int64_t in,
-                                                                             uint16_t* __restrict__ dst) {
+__global__ void __launch_bounds__(SPECD_WARP * kUnitWarps)
+    dequant_units_bf16_kernel(const uint8_t* __restrict__ w, uint32_t nunits, int64_t tile0, uint32_t tiles, int64_t in,
+                              uint16_t* __restrict__ dst) {
   detail::pdl_enter();
   __shared__ uint4 smem[kUnitWarps][kUnitRows * kUnitPieces];
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) & 31;
+  const int warp = int(threadIdx.x) / SPECD_WARP, lane = int(threadIdx.x) & (SPECD_WARP - 1);
   uint4* tile = smem[warp];
   const uint32_t total = tiles * nunits, step = gridDim.x * kUnitWarps;
   for (uint32_t i = blockIdx.x * kUnitWarps + warp; i < total; i += step) {
@@ -96,6 +98,7 @@ __global__ void __launch_bounds__(32 * kUnitWarps) dequant_units_bf16_kernel(con
     __syncwarp();  // the tile is read by every lane before the next unit overwrites it
   }
 }
+#endif
 
 // The GEMM's x in BF16: x itself, or swiglu(gate, up) computed by the swiglu op's own code (apply), so
 // the fused conversion rounds the same F32 value the composition swiglu -> matmul would (bitwise) and
@@ -121,6 +124,7 @@ unsigned grid_for(int64_t items) {
   return unsigned(std::max<int64_t>(1, std::min(blocks, cap)));
 }
 
+#if !SPECD_HIP
 template <class T>
 void dequant_tiled_launch(const Tensor& w, int64_t r0, int64_t rows, uint16_t* dst) {
   const int64_t in = w.dim(1), nunits = in / 256, tiles = rows / kUnitRows;
@@ -128,17 +132,19 @@ void dequant_tiled_launch(const Tensor& w, int64_t r0, int64_t rows, uint16_t* d
               " 16-row tile edge, got rows [", r0, ", ", r0 + rows, ")");
   const int64_t units = tiles * nunits;
   SPECD_CHECK(units + int64_t(sm_count()) * 8 * kUnitWarps <= int64_t(UINT32_MAX), "matmul: dequantize panel too large");
-  // About one wave (32 KiB of shared memory per block: 7 blocks per SM on sm_90), each warp looping over units.
+  // Up to 8 blocks per SM, each warp looping over units. (On sm_90 six fit at a time, 33 KiB of shared
+  // memory each with the reserved 1 KiB: 1.33 waves when every block is needed. Measured so.)
   const int64_t blocks = std::clamp<int64_t>((units + kUnitWarps - 1) / kUnitWarps, 1, int64_t(sm_count()) * 8);
-  detail::launch_kernel<dequant_units_bf16_kernel<T>>("dequant_units_bf16_kernel", unsigned(blocks), 32 * kUnitWarps, 0,
-                                                      stream(), static_cast<const uint8_t*>(w.data), uint32_t(nunits),
-                                                      r0 / kUnitRows, uint32_t(tiles), in, dst);
+  detail::launch_kernel<dequant_units_bf16_kernel<T>>(
+      "dequant_units_bf16_kernel", unsigned(blocks), SPECD_WARP * kUnitWarps, 0, stream(),
+      static_cast<const uint8_t*>(w.data), uint32_t(nunits), r0 / kUnitRows, uint32_t(tiles), in, dst);
 }
+#endif
 
 template <class W>
 void dequant_launch(const uint8_t* w, int64_t row_bytes, int64_t nchunks, int64_t rows, int64_t in, uint16_t* dst) {
   const unsigned grid = grid_for(rows * nchunks);
-  // A panel holds at most kPanelBytes of BF16 (<= 2^27 chunks), so 32-bit indices never wrap.
+  // A panel holds at most kPanelBytes of BF16 (<= 2^27 chunks) or 16 rows: checked, not assumed.
   SPECD_CHECK(rows * nchunks + int64_t(grid) * kThreads <= int64_t(UINT32_MAX), "matmul: dequantize panel too large");
   detail::launch_kernel<dequant_bf16_kernel<W>>("dequant_bf16_kernel", grid, kThreads, 0, stream(), w, row_bytes,
                                                 uint32_t(nchunks), uint32_t(rows), in, dst);
@@ -155,9 +161,11 @@ void dequant_panel(const Tensor& w, int64_t r0, int64_t rows, uint16_t* dst) {
     case DType::Q5_K: return dequant_launch<Q5KW>(src, rb, in / 32, rows, in, dst);
     case DType::Q6_K: return dequant_launch<Q6KW>(src, rb, in / 32, rows, in, dst);
     case DType::IQ4_XS: return dequant_launch<IQ4XSW>(src, rb, in / 32, rows, in, dst);
+#if !SPECD_HIP
     case DType::IQ4_XS_TILED: return dequant_tiled_launch<IQ4XSTiledW>(w, r0, rows, dst);
     case DType::Q6_K_TILED: return dequant_tiled_launch<Q6KTiledW>(w, r0, rows, dst);
     case DType::Q4_K_TILED: return dequant_tiled_launch<Q4KTiledW>(w, r0, rows, dst);
+#endif
     case DType::F32:
       if (in % 4 == 0 && w16) return dequant_launch<F32W<4>>(src, rb, in / 4, rows, in, dst);
       return dequant_launch<F32W<1>>(src, rb, in, rows, in, dst);

@@ -489,15 +489,16 @@ __device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t c, cons
 //   1. unit_decode_lane: lane l decodes chunks 8 u + (l & 7) of rows 4 s + (l >> 3), s = 0..3, into the
 //      warp's shared-memory tile (16 rows x 32 pieces of 8 BF16 = 8 KiB) at unit_piece_slot;
 //   2. after __syncwarp, unit_store_lane: lane l copies piece l of each of the 16 rows to the output.
-// The per-chunk kernel stored each thread's 64 contiguous bytes with four 16-byte stores, so every
-// warp store touched 32 half-used sectors. The values are decode_raw's, so the BF16 bits are the
-// same as StoreBF16's.
+// (A thread per chunk storing its 64 contiguous bytes with four 16-byte stores makes every warp store
+// touch 32 half-used sectors.) The values are decode_raw's, so the BF16 bits are the same as
+// StoreBF16's.
 constexpr int kUnitRows = 16, kUnitPieces = 32;  // a unit row: 256 BF16 = 32 pieces of 16 bytes
 
 // Slot of piece p (8 BF16 at inputs 8 p .. 8 p + 7 of the unit) of unit row `row` in the tile. The XOR
 // swizzle keeps both phases free of shared-memory bank conflicts for IQ4_XS (an 8-lane phase of
 // 16-byte accesses must hit 8 distinct 16-byte bank groups): phase 1 writes pieces 4 j + P of one row
-// (j = 0..7), phase 2 reads pieces 8 m .. 8 m + 7 of one row.
+// (j = 0..7), phase 2 reads pieces 8 m .. 8 m + 7 of one row. (Q4_K's and Q6_K's part offsets give
+// 2-way conflicts in phase 1.)
 __device__ __forceinline__ int unit_piece_slot(int row, int p) { return row * kUnitPieces + (p ^ ((p >> 3) & 3)); }
 
 // decode_raw's store into the tile: part at row element o (o - col0 in [0, 256), a multiple of 8).

@@ -2,7 +2,7 @@
 // policies with decode_chunk (chunk by chunk, part by part, at the policies' offsets, as the
 // embedding gather and the dequantize-to-BF16 kernel walk them) and writes float32, or with "bf16"
 // the BF16 bits that kernel stores. FORMAT IQ4_XS_T / Q4_K_T / Q6_K_T: IN.bin holds the GEMV's tiled
-// layout (ROWS a multiple of 16), decoded through load_tiled as the tiled dequantize-to-BF16 kernel does.
+// layout (ROWS a multiple of 16), each chunk gathered through load_tiled on its own (the gathers alone).
 // With "units" (tiled formats only) the BF16 bits of the tile-unit kernel (tiled_units below).
 // Usage: decode FORMAT ROWS IN IN.bin OUT.bin [bf16 | units]
 #include <cmath>
