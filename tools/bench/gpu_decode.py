@@ -13,8 +13,7 @@ Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
 * chain verify step time at widths 1..17 (``verify`` without committing; the model has no capture
   layers, so no feature rows are computed or copied);
 * with ``--profile N``: where the time of N plain decode steps goes, per GPU kernel (torch.profiler's
-  CUPTI trace, which sees the library's kernels, graph-launched ones included), and where the GPU idles
-  between them (``decode_gaps``, JSON only);
+  CUPTI trace, which sees the library's kernels, graph-launched ones included);
 * with ``--decode-context N ...``: plain decode tok/s after a prompt of N tokens (long-context decode,
   where each step's attention reads N keys per attention layer);
 * prefill tok/s at 128 / 512 / 2048 / 8192 prompt tokens: the median of 3 runs after a first (cold) one,
@@ -182,10 +181,8 @@ def main(argv=None) -> int:
         decode_tokens = args.decode_tokens
         args.decode_tokens = args.profile
         rep["profile"], rep["profile_steps"] = kernel_profile(run_decode, sync, args.profile), args.profile
-        rep["decode_gaps"] = gap_profile(run_decode, sync)
         args.decode_tokens = decode_tokens
         print("profile", json.dumps(rep["profile"][:25]), flush=True)
-        print("decode gaps", json.dumps(rep["decode_gaps"]), flush=True)
 
     rep["verify_ms"] = {}
     for w in range(1, 18):
@@ -297,27 +294,26 @@ def kernel_profile(run, sync, steps: int) -> list[dict]:
     """GPU time per kernel over one call of ``run`` (``steps`` decode steps), from torch.profiler's
     CUPTI activity trace (it sees every kernel of the process, the native library's and graph-launched
     ones included); summarised by :func:`summarise_kernels`."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        sync()
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    return summarise_kernels(exclusive_times(spans), steps)
+    return summarise_kernels(exclusive_times(trace(run, sync)[0]), steps)
 
 
 def gap_profile(run, sync, top: int = 10) -> dict:
-    """Where the GPU idles in one call of ``run``: torch.profiler's trace of the GPU's work (kernels,
-    copies) and of the host's CUDA API calls (CUPTI runtime / driver events: launches, synchronisations,
-    allocations), summarised by :func:`idle_gaps`. A gap that a synchronisation call overlaps is the
-    host waiting for the GPU and then refilling its queue; a gap no call overlaps is host work
-    (Python, argument checks) slower than the GPU."""
+    """Where the GPU idles in one call of ``run``: the GPU's work (kernels, copies) and the host's CUDA
+    API calls (launches, synchronisations, allocations), summarised by :func:`idle_gaps`. A gap that a
+    synchronisation call overlaps is the host waiting for the GPU and then refilling its queue; a gap no
+    call overlaps is host work (Python, numpy) slower than the GPU. (Not for CUDA-graph replays: under
+    CUPTI a graph launch takes far longer than without it, so their gaps are the profiler's.)"""
+    return idle_gaps(*trace(run, sync, host_calls=True), top)
+
+
+def trace(run, sync, host_calls: bool = False) -> tuple[list, list]:
+    """torch.profiler trace of one call of ``run``: (GPU spans, host CUDA API call spans), each sorted
+    [(start us, end us, name)]; the second is empty unless ``host_calls``."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if host_calls else [ProfilerActivity.CUDA]
     sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
         run()
         sync()
     gpu, api = [], []
@@ -325,9 +321,9 @@ def gap_profile(run, sync, top: int = 10) -> dict:
         span = (e.time_range.start, e.time_range.end, e.name)
         if e.device_type == torch.autograd.DeviceType.CUDA:
             gpu.append(span)
-        elif e.name.startswith("cu"):  # cudaLaunchKernel, cudaStreamSynchronize, cuLaunchKernelEx, ...
+        elif host_calls and e.name.startswith("cu"):  # cudaLaunchKernel, cudaStreamSynchronize, cuLaunchKernelEx, ...
             api.append(span)
-    return idle_gaps(sorted(gpu), sorted(api), top)
+    return sorted(gpu), sorted(api)
 
 
 def idle_gaps(gpu: list[tuple[float, float, str]], api: list[tuple[float, float, str]], top: int = 10,

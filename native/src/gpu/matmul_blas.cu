@@ -203,7 +203,8 @@ void gemm_weight(const uint16_t* xb, int64_t n, const Tensor& w, Tensor& y) {
   }
   // Panels of whole 16-row tiles (the tiled layouts' dequantizer works a tile at a time), for every
   // format alike, so a tiled weight's GEMMs are the row-major weight's, call for call.
-  const int64_t panel = std::min<int64_t>(std::max<int64_t>(kPanelBytes / (2 * in) / kUnitRows * kUnitRows, kUnitRows), out);
+  const int64_t tiles_per_panel = std::max<int64_t>(kPanelBytes / (2 * in) / kUnitRows, 1);
+  const int64_t panel = std::min<int64_t>(tiles_per_panel * kUnitRows, out);
   std::shared_ptr<void> wbuf = alloc(size_t(panel * in) * 2);
   auto* wb = static_cast<uint16_t*>(wbuf.get());
   for (int64_t o0 = 0; o0 < out; o0 += panel) {

@@ -8,8 +8,8 @@ namespace specd::gpu::detail {
 
 // ys[i][n, out_i] = x[n, in] @ ws[i][out_i, in]^T through the vendor GEMM (cuBLAS / hipBLAS): x is
 // rounded to BF16 once; each w is dequantized to BF16 on the device in row panels of whole 16-row
-// tiles, at most kPanelBytes unless one tile is more (BF16 weights, 16-byte aligned with in % 8 == 0, are read as they are), and the GEMM
-// accumulates and writes F32. Used for inexact calls of n > 16 rows (prefill). Inputs are already
+// tiles, at most kPanelBytes unless one tile is more (BF16 weights, 16-byte aligned with in % 8 == 0,
+// are read as they are), and the GEMM accumulates and writes F32. Used for inexact calls of n > 16 rows (prefill). Inputs are already
 // validated by gpu::matmul / matmul_group; ys are F32 on the GPU. Not batch invariant across n (the
 // library picks its algorithm per shape); the error is that of BF16 inputs (see ops.h).
 void matmul_blas(const Tensor& x, const std::vector<Tensor>& ws, std::vector<Tensor>& ys);
