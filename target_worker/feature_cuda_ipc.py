@@ -241,6 +241,7 @@ class CudaIpcFeatureRing:
         self.header[:] = 0
         self.header[0], self.header[1], self.header[2] = MAGIC, capacity, width
         self.rows, self.mem_handle = backend.export(capacity, width)
+        self.all_zero = True  # the exported rows start zeroed; write_zeros keeps them so
         self.event = None
         try:
             self.event = backend.event_create()
@@ -262,9 +263,23 @@ class CudaIpcFeatureRing:
             return
         for d, s, n in _runs(slots, src_rows):
             self.backend.copy_rows(self.rows, d, src, s, n)
+        self.all_zero = False
+        self._publish(start, slots, pos)
+
+    def write_zeros(self, start: int, n: int) -> None:
+        """Positions start .. start+n-1 get zero rows (a target without capture layers): only the slot
+        table moves while every row is still the zero of the exported ring. ValueError when n > capacity."""
+        if not self.all_zero:
+            self.write(start, np.zeros((n, self.width), np.float32))
+            return
+        slots, pos = write_slots(self.capacity, start, n)
+        if n:
+            self._publish(start, slots, pos)
+
+    def _publish(self, start: int, slots: np.ndarray, pos: np.ndarray) -> None:
         self.event.record()  # after the copies; before the host publish a reader checks
         self.slot_pos[slots] = pos
-        self.header[3] = max(int(self.header[3]), start + int(src_rows.size))
+        self.header[3] = max(int(self.header[3]), start + len(slots))
         self.header[4] += 1
 
     def write(self, start: int, rows) -> None:

@@ -127,10 +127,15 @@ class ShmFeatureRing(FeatureRing):
         header[:] = 0
         header[0], header[1], header[2] = MAGIC, capacity, width
         self.header, self.shm = header, shm
+        self.all_zero = True  # a new segment's pages are zero-filled
 
     def write(self, start: int, rows: np.ndarray) -> None:
         super().write(start, rows)
         self.publish(start + np.asarray(rows).shape[0])
+
+    def write_zeros(self, start: int, n: int) -> None:
+        super().write_zeros(start, n)
+        self.publish(start + n)
 
     def publish(self, committed: int) -> None:
         self.header[3] = committed

@@ -70,6 +70,7 @@ class FeatureRing:
     def __init__(self, capacity: int, width: int, buffer: np.ndarray | None = None):
         if capacity <= 0 or width <= 0:
             raise ValueError(f"FeatureRing: capacity and width must be > 0, got {capacity} and {width}")
+        self.all_zero = buffer is None  # every row is zero (a new ring; write_zeros keeps it so)
         if buffer is None:
             buffer = np.zeros((capacity, width), np.float32)
         if buffer.shape != (capacity, width) or buffer.dtype != np.float32:
@@ -83,6 +84,7 @@ class FeatureRing:
         n = rows.shape[0]
         if rows.ndim != 2 or rows.shape[1] != self.width:
             raise ValueError(f"FeatureRing.write: rows must be [n, {self.width}], got {rows.shape}")
+        self.all_zero = False
         first = start % self.capacity if start >= 0 else 0
         if start >= 0 and first + n <= self.capacity:  # one run of slots (no wrap): slices, no index arrays
             self.rows[first:first + n] = rows
@@ -90,6 +92,15 @@ class FeatureRing:
             return
         slots, pos = write_slots(self.capacity, start, n)
         self.rows[slots] = rows
+        self.slot_pos[slots] = pos
+
+    def write_zeros(self, start: int, n: int) -> None:
+        """Positions start .. start+n-1 get zero rows (the features of a target without capture layers),
+        without touching rows that are zero already: a prefill chunk's are tens of MB. ValueError as
+        :meth:`write`."""
+        slots, pos = write_slots(self.capacity, start, n)
+        if not self.all_zero:
+            self.rows[slots] = 0.0
         self.slot_pos[slots] = pos
 
     def read(self, start: int, n: int) -> np.ndarray:

@@ -93,7 +93,8 @@ class VerifyResult:
     parents: np.ndarray | None  # int32 [w] tree parents (-1: the committed prefix), None for a chain
     raw_logits: object  # logits where they were computed: numpy (CPU) or an sn.Tensor on the device
     argmax: np.ndarray  # int32, one per row of logits
-    raw_features: object  # float32 [w, n_taps * n_embd]: numpy, or an sn.Tensor where computed (GPU)
+    raw_features: object  # float32 [w, n_taps * n_embd]: numpy, or an sn.Tensor where computed (GPU);
+    # None for a model without capture layers (its rows are zeros: ``features`` makes them when asked)
     start: int  # committed length when the verify ran
     pending: list  # per layer: GDNPending for GDN layers, None for attention layers
     sequence: "SequenceState"  # the sequence it ran on
@@ -116,6 +117,8 @@ class VerifyResult:
         """float32 [w, n_taps * n_embd] on the host, copied from the device on first use only (the
         cuda-ipc feature ring commits from the device tensor, ``raw_features``, and never asks).
         RuntimeError when the verify's CUDA graph has been replayed since (as for ``logits``)."""
+        if self.raw_features is None:  # no capture layers: zero rows of the ring's width
+            return np.zeros((len(self.tokens), self.sequence.features.width), np.float32)
         if not isinstance(self.raw_features, np.ndarray):
             self._check_graph("features")
             self.raw_features = self.raw_features.numpy()
@@ -422,7 +425,7 @@ class Qwen35Model:
                 idx = self._ops.indices(tokens, np.array([c], np.int32), np.array([c], np.int32))
                 logits, argmax, feats, _ = self._forward(st, *idx, c + 1, None, False, _EXACT, in_place=True)
             best = int(argmax.numpy()[0])
-            self._ring_write(st, c, self._features(feats, 1))
+            self._ring_write(st, c, 1, feats)
         except BaseException:
             self.release(st, keep_slot=False)  # its states may hold part of this step
             raise
@@ -458,7 +461,7 @@ class Qwen35Model:
         idx = self._ops.indices(tokens, positions, rows)
         logits, argmax, feats, pending = self._forward(st, *idx, c + w, tree, last_only, mm)
         return VerifyResult(tokens, None if tree is None else tree.parents, logits, argmax.numpy(),
-                            self._features(feats, w), c, pending, st, st.verifies)
+                            feats, c, pending, st, st.verifies)
 
     def commit(self, st: SequenceState, res: VerifyResult, n_or_path) -> None:
         """Makes a prefix (chain: an int n in 0..w) or a tree path (a list of row indices, each the
@@ -478,13 +481,13 @@ class Qwen35Model:
             return
         # The features are read (or checked) before any state moves: a stale graph or a failed
         # device-to-host copy raises here and leaves the sequence exactly as it was.
-        device_ring = getattr(st.features, "device", False) and not isinstance(res.raw_features, np.ndarray)
+        feats = res.raw_features  # None (zero rows), or read below unless a device ring copies it itself
+        device_ring = getattr(st.features, "device", False) and feats is not None and not isinstance(feats, np.ndarray)
         if device_ring:
             res._check_graph("features")
-            feats = None
-        elif res.parents is None:  # a chain's leading rows: a view (a prefill chunk's are tens of MB)
+        elif feats is not None and res.parents is None:  # a chain's leading rows: a view (a prefill chunk's are tens of MB)
             feats = res.features[: len(rows)]
-        else:
+        elif feats is not None:
             feats = res.features[rows]
         if res.graph is not None:  # the state updates read fixed addresses: one graph per n
             g = res.graph.commits.get(n)
@@ -493,18 +496,18 @@ class Qwen35Model:
             g.replay()
         else:
             self._commit_states(st, res, rows)
-        if device_ring:
-            self._ring_write(st, res.start, res.raw_features, rows)
-        else:
-            self._ring_write(st, res.start, feats)
+        self._ring_write(st, res.start, n, feats, rows if device_ring else None)
         st.committed += n
 
     @staticmethod
-    def _ring_write(st, start, feats, rows=None) -> None:
-        """Stores feature rows at positions start, start + 1, ...: ``feats[rows]`` (all of feats when
-        rows is None). A device tensor goes device to device into a device ring (cuda-ipc), anything
-        else through the host."""
-        if getattr(st.features, "device", False) and not isinstance(feats, np.ndarray):
+    def _ring_write(st, start, n, feats, rows=None) -> None:
+        """Stores n feature rows at positions start, start + 1, ...: ``feats[rows]`` (all of feats when
+        rows is None). None is n zero rows (a model without capture layers): the ring marks them
+        without copying (its rows are zero unless written). A device tensor goes device to device into
+        a device ring (cuda-ipc), anything else through the host."""
+        if feats is None:
+            st.features.write_zeros(start, n)
+        elif getattr(st.features, "device", False) and not isinstance(feats, np.ndarray):
             st.features.write_rows(start, feats, list(range(feats.shape[0])) if rows is None else rows)
         else:
             host = feats if isinstance(feats, np.ndarray) else feats.numpy()
@@ -538,7 +541,7 @@ class Qwen35Model:
         w, c = len(tokens), st.committed
         g = self._chain_graph(st, w, c, in_place=False)
         self._replay(g, tokens, c)
-        return VerifyResult(tokens, None, g.logits, g.argmax.numpy(), self._features(g.features, w), c,
+        return VerifyResult(tokens, None, g.logits, g.argmax.numpy(), g.features, c,
                             g.pending, st, st.verifies, g, g.replays)
 
     def _chain_graph(self, st, w, c, in_place: bool) -> _CapturedVerify:
@@ -627,13 +630,6 @@ class Qwen35Model:
             h, d = ops.last_row(ops.a(h)) if h is not None else None, ops.last_row(d)
         logits = self._logits(d, h)
         return logits, sn.argmax(logits), feats, pending  # the logits stay on the device until asked for
-
-    def _features(self, feats, w):
-        """Features of a forward where they were computed (numpy on the CPU, an sn.Tensor on the GPU;
-        :attr:`VerifyResult.features` copies to the host on first use), zeros without capture layers."""
-        if feats is None:
-            return np.zeros((w, self.hp.n_embd), np.float32)
-        return feats
 
     @property
     def _gdn_scale(self) -> float:

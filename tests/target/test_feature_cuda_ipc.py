@@ -110,6 +110,24 @@ def test_wraparound_and_overwritten_rows(writer):
     reader.close()
 
 
+def test_write_zeros_publishes_without_copies_until_rows_are_written(writer):
+    """A target without capture layers: write_zeros only moves the slot table (and records the event a
+    reader waits on) while the exported rows are all zero; after real rows it writes zeros."""
+    ring, h = writer.create("z", 4, W)
+    reader = fci.CudaIpcFeatureReader(h, backend=FakeIpcBackend())
+    FakeIpcBackend.log.clear()
+    ring.write_zeros(0, 3)
+    assert ring.all_zero and reader.committed == 3 and [e[0] for e in FakeIpcBackend.log] == ["record"]
+    np.testing.assert_array_equal(reader.read(0, 3).numpy(), np.zeros((3, W), np.float32))
+    ring.write(3, rows(3, 2))  # positions 3, 4 -> slots 3, 0
+    ring.write_zeros(5, 2)  # slots 1, 2
+    ring.write_zeros(7, 1)  # slot 3 held row 3: cleared
+    np.testing.assert_array_equal(reader.read(4, 4).numpy(), np.concatenate([rows(3, 2)[1:], np.zeros((3, W), np.float32)]))
+    with pytest.raises(ValueError, match="do not fit"):
+        ring.write_zeros(8, 5)
+    reader.close()
+
+
 def test_handle_validation(writer):
     _, h = writer.create("v", 8, W)
     bad = {

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from specd.protos.v1 import worker_pb2 as pb
+from specd.target_worker.feature_inline import InlineFeatureWriter
 from specd.target_worker.feature_shm import FeatureHandleInfo, FeatureWriter, attach_reader
 from specd.target_worker.features import FeatureRing, held_slots, held_span
 
@@ -56,6 +57,41 @@ def test_rings_read_the_same_rows_through_slices_and_index_arrays(ring_kind):
         if ring_kind == "shm":
             with pytest.raises(ValueError, match="not committed"):
                 reader.read(9, 2)
+            reader.close()
+    finally:
+        writer.close_all()
+
+
+@pytest.mark.parametrize("ring_kind", ["private", "shm", "inline"])
+def test_write_zeros_holds_zero_rows_and_clears_written_ones(ring_kind):
+    """write_zeros (the features of a target without capture layers) holds its positions with zero rows;
+    while the ring has only ever held zeros it copies nothing, and after a write of real rows it clears
+    the slots it takes (the inline ring sends the zero rows in its outbox)."""
+    writer = FeatureWriter() if ring_kind == "shm" else InlineFeatureWriter()
+    try:
+        if ring_kind == "private":
+            ring = reader = FeatureRing(8, W)
+        else:
+            ring, handle = writer.create("zeros-test", 8, W)
+            reader = attach_reader(FeatureHandleInfo.from_proto(handle.to_proto(pb))) if ring_kind == "shm" else None
+        ring.write_zeros(0, 6)
+        if ring_kind == "inline":
+            ring.write(6, rows(6, 2))
+            ring.write_zeros(8, 3)
+            outbox = ring.take()
+            assert [s for s, _ in outbox] == [0] and outbox[0][1].shape == (11, W)
+            np.testing.assert_array_equal(outbox[0][1], np.concatenate([np.zeros((6, W)), rows(6, 2), np.zeros((3, W))]))
+            return
+        assert ring.all_zero and ring.slot_pos.tolist() == [0, 1, 2, 3, 4, 5, -1, -1]
+        np.testing.assert_array_equal(reader.read(0, 6), np.zeros((6, W), np.float32))
+        ring.write(6, rows(6, 4))  # slots 6, 7, 0, 1
+        assert not ring.all_zero
+        ring.write_zeros(10, 3)  # positions 10..12 -> slots 2, 3, 4 (zero already)
+        ring.write_zeros(13, 2)  # slots 5, 6: slot 6 held row 6
+        np.testing.assert_array_equal(reader.read(7, 8), np.concatenate([rows(7, 3), np.zeros((5, W), np.float32)]))
+        with pytest.raises(ValueError, match="do not fit"):
+            ring.write_zeros(15, 9)
+        if reader is not ring:
             reader.close()
     finally:
         writer.close_all()

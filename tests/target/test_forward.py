@@ -466,3 +466,21 @@ def test_perplexity_cli(converted, tmp_path, capsys):
     assert specd_main(["perplexity", "--target", str(tmp_path / "none.gguf"), "--file", str(text)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("specd perplexity: error: ") and "none.gguf" in err and "Traceback" not in err
+
+
+def test_model_without_capture_layers_holds_zero_feature_rows(converted):
+    """Without capture layers the feature rows are zeros of one n_embd tap: prefill chunks, commits and
+    steps hold their positions in the ring without copying rows (its rows stay the new ring's zeros), and
+    a verify's ``features`` makes the zero rows when asked."""
+    model = Qwen35Model(load_qwen35(converted("smoke")), prefill_chunk=5)
+    st = model.new_sequence(32)
+    model.prefill(st, [1, 2, 3, 4, 5, 6, 7])  # chunks of 5 and 2
+    model.step(st, 8)
+    res = model.verify(st, [9, 10, 11])
+    assert res.raw_features is None and res.features.shape == (3, model.hp.n_embd) and not res.features.any()
+    model.commit(st, res, 2)
+    width = model.hp.n_embd
+    assert st.committed == 10 and st.features.all_zero and st.features.width == width
+    np.testing.assert_array_equal(st.features.read(0, 10), np.zeros((10, width), np.float32))
+    with pytest.raises(ValueError, match="not in the ring"):
+        st.features.read(9, 2)
