@@ -67,8 +67,9 @@ def inputs(rng, T, hk, hv, dk, dv, decay):
 
 
 # (T, hk, hv, dk, dv, decay): one whole chunk, ragged chunks, one token past a chunk, GQA 1:3 and 2:4,
-# decays from ~e^-0.1 to ~e^-8 per token (exp(G_i - G_j) over many orders of magnitude).
-CASES = [(64, 1, 2, 32, 32, 0.5), (130, 2, 4, 64, 16, 2.0), (65, 1, 3, 128, 32, 0.1), (200, 2, 2, 32, 48, 8.0)]
+# decays from ~e^-0.1 to ~e^-8 per token (exp(G_i - G_j) over many orders of magnitude), several chunks at dk 128.
+CASES = [(64, 1, 2, 32, 32, 0.5), (130, 2, 4, 64, 16, 2.0), (65, 1, 3, 128, 32, 0.1), (200, 2, 2, 32, 48, 8.0),
+         (250, 1, 3, 128, 64, 1.0)]
 
 
 @pytest.mark.parametrize("T,hk,hv,dk,dv,decay", CASES)

@@ -68,9 +68,14 @@ constexpr size_t gdn_prep_smem(int64_t dk, int64_t dv) {
   return (size_t(2 * kGdnChunk) * size_t(dk + 1) + size_t(kGdnChunk * (kGdnChunk + 1) + 3 * kGdnChunk) +
           (gdn_v_in_q(dk, dv) ? 0 : size_t(kGdnChunk) * size_t(dv))) * 4;
 }
+// The state kernel's slab buffer (floats): a chunk's rows x half of dk (W, Q) or half its rows x dk (K), padded.
+__host__ __device__ constexpr int gdn_state_slab(int dk) {
+  return kGdnChunk * (dk / 2 + 4) > kGdnChunk / 2 * (dk + 4) ? kGdnChunk * (dk / 2 + 4) : kGdnChunk / 2 * (dk + 4);
+}
+// Two slabs, P, the state rows, D^T, G and exp(G_n - G): 64 KiB at dk 128, three blocks per SM.
 constexpr size_t gdn_state_smem(int dk) {
-  return size_t(kGdnChunk * (dk + 4) + kGdnChunk * (kGdnChunk + 4) + kGdnChunkRows * (dk + 4) +
-                kGdnChunkRows * (kGdnChunk + 4) + kGdnChunk) * 4;
+  return size_t(2 * gdn_state_slab(dk) + kGdnChunk * (kGdnChunk + 4) + kGdnChunkRows * (dk + 4) +
+                kGdnChunkRows * (kGdnChunk + 4) + 2 * kGdnChunk) * 4;
 }
 
 // Stages N 16-byte pieces per thread (piece x = threadIdx.x + it * kGdnChunkThreads, it < N): every load(x)
@@ -98,6 +103,15 @@ __device__ __forceinline__ float4 scaled(float4 v, float s) {
   return make_float4(__fmul_rn(v.x, s), __fmul_rn(v.y, s), __fmul_rn(v.z, s), __fmul_rn(v.w, s));
 }
 constexpr float4 kZero4 = {0.0f, 0.0f, 0.0f, 0.0f};
+// x, hidden from the optimizer: an address computed from it is recomputed in each iteration of the state
+// kernel's chunk loop (a few integer ops on parameters) instead of being hoisted out of the loop into registers
+// held throughout it, which its 80-register budget does not hold (ptxas spilled them).
+__device__ __forceinline__ int opaque(int x) {
+#if !defined(SPECD_HOST_EMU)
+  asm volatile("" : "+r"(x));
+#endif
+  return x;
+}
 
 template <int DK>
 __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const Params P, const GdnChunkScratch X) {
@@ -187,121 +201,256 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
   }
 }
 
+// The state pass streams each chunk's operands through two slab buffers, every matrix in two halves: W and
+// scale * Q by halves of dk (the sums over e run over the first half, then the second), exp(G_n - G_i) K by
+// halves of the chunk's rows (the sum over i likewise). A step computes with one slab while the next one is in
+// flight from global memory into registers, stored to the other buffer after the step's arithmetic (one
+// barrier a step): the loads' round trips overlap arithmetic instead of stalling all the block's warps at a
+// barrier. Six steps a chunk, slab k of a chunk in buffer k % 2 (in flight during the step in parentheses):
+//   1. D = U - W S0^T over W's first half (W's second half, U)   2. its second half; D^T stored (Q's first half)
+//   3. Q S0^T, first half (Q's second half)   4. second half, then O = Gamma . + P D (K's first rows)
+//   5. S over rows i < 32 (K's other rows, half of the next chunk's P)
+//   6. S over i >= 32 (the next chunk's W first half, G, the other half of P)
+// Register tiles: D and O, 2 state rows x 2 chunk rows a thread (a warp 8 x 4: each shared-memory load one
+// wavefront, 4 loads per 16 FMAs); S, dk / 64 (at least 1) state rows x 4 elements (a warp 8 or 16 rows x 4
+// or 2 groups of 4: 6 wavefronts per 32 FMAs at dk 128). Every D, O and S element is one fmaf chain over e,
+// j or i in ascending order (the slabs split the chains, never reorder them), so the tiling and the staging
+// change no rounding.
 template <int DK>
 __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(const Params P, const GdnChunkScratch X) {
   pdl_enter();
-  // Rows of BS / PS floats: 16-byte aligned (every offset below is a multiple of 4 floats), so the products
-  // read 4 operands per shared-memory load.
-  constexpr int C = kGdnChunk, R = kGdnChunkRows, BS = DK + 4, PS = C + 4, M = C / 16;
+  // Rows of ES / BS / PS floats: odd multiples of 16 bytes, so 16-byte pieces of 8 consecutive rows (at one
+  // column) are one conflict-free wavefront.
+  constexpr int C = kGdnChunk, H = C / 2, R = kGdnChunkRows, SE = DK / 2, ES = SE + 4, BS = DK + 4, PS = C + 4;
+  constexpr int SB = gdn_state_slab(DK);
   float* const sm = dyn_smem();
-  float* Bf = sm;           // [C][BS] W, then scale * Q, then exp(G_n - G_i) K (one at a time)
-  float* Ps = Bf + C * BS;  // [C][PS] P
-  float* Ss = Ps + C * PS;  // [R][BS] the block's state rows
-  float* Dt = Ss + R * BS;  // [R][PS] D^T: row r = D's column of the block's state row r
-  float* Gs = Dt + R * PS;  // [C]
+  float* const Bf0 = sm;          // slabs 0, 2, 4 of a chunk: W's first half, Q's first half, K's first rows
+  float* const Bf1 = sm + SB;     // slabs 1, 3, 5
+  float* const Ps = Bf1 + SB;     // [C][PS] P
+  float* const Ss = Ps + C * PS;  // [R][BS] the block's state rows
+  float* const Dt = Ss + R * BS;  // [R][PS] D^T: row r = D's column of the block's state row r
+  float* const Gs = Dt + R * PS;  // [C] G
+  float* const Es = Gs + C;       // [C] exp(G_n - G_i), K~'s row scales
   const int nb = P.dv / R, j = blockIdx.x / nb, r0 = (blockIdx.x % nb) * R, kh = j % P.hk, tid = threadIdx.x;
-  constexpr int Q4 = DK / 4, NB = C * Q4 / kGdnChunkThreads;  // 16-byte pieces per row, per thread
-  auto to_bf = [&](int x, float4 f) { st4(Bf + (x / Q4) * BS + 4 * (x % Q4), f); };
-  for (int x = tid; x < R * Q4; x += kGdnChunkThreads)
-    st4(Ss + (x / Q4) * BS + 4 * (x % Q4), ld4(P.state + (int64_t(j) * P.dv + r0 + x / Q4) * DK + 4 * (x % Q4)));
-  // Phases 1 and 2: thread (r = tid % R, rows i0 + 16 m, m < M); phase 3: (rs = tid / 16, elements of row rs:
-  // 4 el .. 4 el + 3 of every 64 for dk >= 64, el and el + 16 for dk 32).
-  static_assert(kGdnChunkThreads / R == 16 && kGdnChunkThreads / 16 == R, "16 x 16 threads");
-  const int r = tid % R, i0 = tid / R, rs = tid / 16, el = tid % 16;
-  auto dots = [&](float (&acc)[M]) {  // acc[m] = Bf[i0 + 16 m] . Ss[r] over DK, the M rows interleaved
-    const float4* b = reinterpret_cast<const float4*>(Ss + r * BS);
+  static_assert(kGdnChunkThreads == 256 && R == 16 && C == 64, "the tiles below cover 16 x 64 with 256 threads");
+  // 16-byte pieces: per row of a W / Q slab, per row of K, per thread of a slab
+  constexpr int E4 = SE / 4, K4 = DK / 4, NP = C * SE / 4 / kGdnChunkThreads;
+  static_assert(NP * 4 * kGdnChunkThreads == C * SE && H * DK == C * SE, "whole slabs");
+  for (int x = tid; x < R * K4; x += kGdnChunkThreads)
+    st4(Ss + (x / K4) * BS + 4 * (x % K4), ld4(P.state + (int64_t(j) * P.dv + r0 + x / K4) * DK + 4 * (x % K4)));
+  // D and O: thread (state rows r, r + 8; chunk rows ib, ib + 32). S: state rows rg + RG a (a < SA), elements
+  // 4 eg .. 4 eg + 3 (dk 32: threads 128 on only).
+  const int r = tid % 8, ib = tid / 8;
+  constexpr int SA = DK >= 64 ? DK / 64 : 1, RG = R / SA;
+  const int rg = tid % RG, eg = tid / RG;
+  const bool s_on = tid < RG * K4;
+  using Slab = float4[NP];
+  // Pieces: thread tid takes row tid / E4 (K: / K4) + it * ER (KR) of a slab, so every piece's address is one
+  // per-thread base plus a constant (or a multiple of a parameter): few registers held across the loop.
+  constexpr int ER = kGdnChunkThreads / E4, KR = kGdnChunkThreads / K4;
+  const int er = tid / E4, ec = 4 * (tid % E4), kr = tid / K4, kc = 4 * (tid % K4);
+  // Slab `half` of the dk halves of rows 0..n-1 at base + i * stride (W, Q), and its store (q scaled).
+  auto load_e = [&](Slab& v, const float* base, int stride, int half, int n) {
+    const float* src = base + opaque(er) * stride + ec + half * SE;
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-#pragma unroll 4
-    for (int e = 0; e < DK / 4; ++e) {
-      const float4 y = b[e];
+    for (int it = 0; it < NP; ++it) v[it] = er + it * ER < n ? ld4(src + it * ER * stride) : kZero4;
+  };
+  auto put_e = [&](float* buf, const Slab& v, int n, bool q) {
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const float4 x = reinterpret_cast<const float4*>(Bf + (i0 + 16 * m) * BS)[e];
-        acc[m] = fmaf(x.x, y.x, acc[m]), acc[m] = fmaf(x.y, y.y, acc[m]);
-        acc[m] = fmaf(x.z, y.z, acc[m]), acc[m] = fmaf(x.w, y.w, acc[m]);
-      }
+    for (int it = 0; it < NP; ++it)
+      st4(buf + (er + it * ER) * ES + ec, q && er + it * ER < n ? scaled(v[it], P.scale) : v[it]);
+  };
+  // Rows half * H .. half * H + H - 1 of K, and their store scaled by exp(G_n - G_i) (Es, step 3).
+  const int qk_stride = P.hk * DK;
+  auto load_k = [&](Slab& v, const float* base, int half, int n) {
+    const float* src = base + (half * H + opaque(kr)) * qk_stride + kc;
+#pragma unroll
+    for (int it = 0; it < NP; ++it) v[it] = half * H + kr + it * KR < n ? ld4(src + it * KR * qk_stride) : kZero4;
+  };
+  auto put_k = [&](float* buf, const Slab& v, int half) {
+#pragma unroll
+    for (int it = 0; it < NP; ++it) st4(buf + (kr + it * KR) * BS + kc, scaled(v[it], Es[half * H + kr + it * KR]));
+  };
+  // P in two halves of rows (steps 5 and 6 load one each: fewer registers in flight at a time).
+  constexpr int NPP = C * C / 8 / kGdnChunkThreads, PR = kGdnChunkThreads / (C / 4);
+  using PHalf = float4[NPP];
+  auto load_p = [&](PHalf& v, int c, int half) {
+    const float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C + half * (C * C / 2) + 4 * tid;
+#pragma unroll
+    for (int it = 0; it < NPP; ++it) v[it] = ld4(Pg + it * 4 * kGdnChunkThreads);
+  };
+  auto put_p = [&](const PHalf& v, int half) {
+#pragma unroll
+    for (int it = 0; it < NPP; ++it)
+      st4(Ps + (half * H + tid / (C / 4) + it * PR) * PS + 4 * (tid % (C / 4)), v[it]);
+  };
+  auto load_g = [&](int64_t t0, int n) { return tid < n ? X.G[int64_t(j) * P.T + t0 + tid] : 0.0f; };
+  auto W_at = [&](int64_t t0) { return X.W + (int64_t(j) * P.T + t0) * DK; };
+  auto Q_at = [&](int64_t t0) { return P.q + (t0 * P.hk + kh) * DK; };
+  auto K_at = [&](int64_t t0) { return P.k + (t0 * P.hk + kh) * DK; };
+  auto rows_in = [&](int64_t t0) { return P.T - t0 < C ? int(P.T - t0) : C; };
+  // acc[a][b] += (slab rows ib + 32 b) . (state rows r + 8 a) over the slab's half of e, in order of e.
+  auto dots = [&](const float* buf, int half, float (&acc)[2][2]) {
+#pragma unroll (DK == 128 ? 4 : 2)  // (4 at dk 64 spills)
+    for (int e4 = 0; e4 < E4; ++e4) {
+      float4 x[2], y[2];
+#pragma unroll
+      for (int a = 0; a < 2; ++a) y[a] = ld4(Ss + (r + 8 * a) * BS + half * SE + 4 * e4);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) x[b] = ld4(buf + (ib + 32 * b) * ES + 4 * e4);
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          acc[a][b] = fmaf(x[b].x, y[a].x, acc[a][b]), acc[a][b] = fmaf(x[b].y, y[a].y, acc[a][b]);
+          acc[a][b] = fmaf(x[b].z, y[a].z, acc[a][b]), acc[a][b] = fmaf(x[b].w, y[a].w, acc[a][b]);
+        }
     }
   };
-  for (int c = 0; c < X.chunks; ++c) {
-    const int64_t t0 = int64_t(c) * C;
-    const int n = P.T - t0 < C ? int(P.T - t0) : C;
-    const float* Wg = X.W + (int64_t(j) * P.T + t0) * DK;
-    staged<NB>([&](int x) { return x / Q4 < n ? ld4(Wg + 4 * x) : kZero4; }, to_bf);
-    if (tid < C) Gs[tid] = tid < n ? X.G[int64_t(j) * P.T + t0 + tid] : 0.0f;
-    __syncthreads();  // W, G staged (and the last chunk's state rows written)
-    float acc[M];
-    dots(acc);  // D = U - W S0^T
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const int i = i0 + 16 * m;
-      Dt[r * PS + i] = i < n ? __fsub_rn(X.U[(int64_t(j) * P.T + t0 + i) * P.dv + r0 + r], acc[m]) : 0.0f;
-    }
-    __syncthreads();  // W consumed, D complete
-    auto qk_src = [&](int x) { return ((t0 + x / Q4) * P.hk + kh) * DK + 4 * (x % Q4); };
-    staged<NB>([&](int x) { return x / Q4 < n ? scaled(ld4(P.q + qk_src(x)), P.scale) : kZero4; }, to_bf);
-    const float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C;
-    staged<C * C / 4 / kGdnChunkThreads>([&](int x) { return ld4(Pg + 4 * x); },
-                                         [&](int x, float4 f) { st4(Ps + (x / (C / 4)) * PS + 4 * (x % (C / 4)), f); });
-    __syncthreads();
-    dots(acc);  // O = diag(Gamma) Q S0^T + P D (P is zero past the diagonal, D past n)
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] *= expf(Gs[i0 + 16 * m]);
-#pragma unroll 4
-    for (int j4 = 0; j4 < C / 4; ++j4) {  // j = 4 j4 .. 4 j4 + 3, in order
-      const float4 d = ld4(Dt + r * PS + 4 * j4);
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const float4 p = ld4(Ps + (i0 + 16 * m) * PS + 4 * j4);
-        acc[m] = fmaf(p.x, d.x, acc[m]), acc[m] = fmaf(p.y, d.y, acc[m]);
-        acc[m] = fmaf(p.z, d.z, acc[m]), acc[m] = fmaf(p.w, d.w, acc[m]);
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-      if (i0 + 16 * m < n) P.out[((t0 + i0 + 16 * m) * P.hv + j) * P.dv + r0 + r] = acc[m];
-    __syncthreads();  // Q and P consumed; Ss still S0 for all
-    const float gn = Gs[n - 1];
-    staged<NB>([&](int x) { return x / Q4 < n ? ld4(P.k + qk_src(x)) : kZero4; },
-               [&](int x, float4 f) { to_bf(x, scaled(f, expf(gn - Gs[x / Q4]))); });
-    __syncthreads();
-    // S = Gamma_n S0 + D^T K~: thread (rs, el) owns its elements of row rs (read and written by it alone);
-    // the sum over i in order.
-    const float decay = expf(gn);
-    constexpr int V = DK >= 64 ? 4 : 1, NE = DK / 16 / V;  // elements per load, loads per i
-    auto elem = [&](int m) { return V == 4 ? 64 * m + 4 * el : el + 16 * m; };
-    float sacc[NE][V];
-#pragma unroll
-    for (int m = 0; m < NE; ++m)
-#pragma unroll
-      for (int v = 0; v < V; ++v) sacc[m][v] = decay * Ss[rs * BS + elem(m) + v];
+  // sacc[a][v] += D_{i, rg + RG a} K~_{i, 4 eg + v} over the slab's rows i (rows past n: D and K~ zero), in order.
+  float sacc[SA][4];
+  auto s_rows = [&](const float* buf, int half) {
+    if (!s_on) return;
 #pragma unroll 2
-    for (int i4 = 0; i4 < C / 4; ++i4) {  // rows past n: D and K~ are zero
-      const float4 d4 = ld4(Dt + rs * PS + 4 * i4);
-      const float dd[4] = {d4.x, d4.y, d4.z, d4.w};
+    for (int i4 = 0; i4 < H / 4; ++i4) {
+      float d[SA][4];
+#pragma unroll
+      for (int a = 0; a < SA; ++a) {
+        const float4 d4 = ld4(Dt + (rg + RG * a) * PS + half * H + 4 * i4);
+        d[a][0] = d4.x, d[a][1] = d4.y, d[a][2] = d4.z, d[a][3] = d4.w;
+      }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const float* kr = Bf + (4 * i4 + u) * BS;
+        const float4 k = ld4(buf + (4 * i4 + u) * BS + 4 * eg);
 #pragma unroll
-        for (int m = 0; m < NE; ++m) {
-          if constexpr (V == 4) {
-            const float4 k = ld4(kr + elem(m));
-            sacc[m][0] = fmaf(dd[u], k.x, sacc[m][0]), sacc[m][1] = fmaf(dd[u], k.y, sacc[m][1]);
-            sacc[m][2] = fmaf(dd[u], k.z, sacc[m][2]), sacc[m][3] = fmaf(dd[u], k.w, sacc[m][3]);
-          } else {
-            sacc[m][0] = fmaf(dd[u], kr[elem(m)], sacc[m][0]);
-          }
+        for (int a = 0; a < SA; ++a) {
+          sacc[a][0] = fmaf(d[a][u], k.x, sacc[a][0]), sacc[a][1] = fmaf(d[a][u], k.y, sacc[a][1]);
+          sacc[a][2] = fmaf(d[a][u], k.z, sacc[a][2]), sacc[a][3] = fmaf(d[a][u], k.w, sacc[a][3]);
         }
       }
     }
-#pragma unroll
-    for (int m = 0; m < NE; ++m)
-#pragma unroll
-      for (int v = 0; v < V; ++v) Ss[rs * BS + elem(m) + v] = sacc[m][v];
-    __syncthreads();  // the state rows are complete before the next chunk's phase 1 reads them
+  };
+  Slab v;
+  {  // chunk 0's W first half, G and P
+    const int n = rows_in(0);
+    PHalf p0, p1;
+    load_e(v, W_at(0), DK, 0, n);
+    load_p(p0, 0, 0);
+    load_p(p1, 0, 1);
+    const float g = load_g(0, n);
+    put_e(Bf0, v, n, false);
+    put_p(p0, 0);
+    put_p(p1, 1);
+    if (tid < C) Gs[tid] = g;
   }
-  for (int x = tid; x < R * Q4; x += kGdnChunkThreads)
-    st4(P.state_out + (int64_t(j) * P.dv + r0 + x / Q4) * DK + 4 * (x % Q4), ld4(Ss + (x / Q4) * BS + 4 * (x % Q4)));
+  __syncthreads();
+  for (int c = 0; c < X.chunks; ++c) {
+    const int64_t t0 = int64_t(opaque(c)) * C;
+    const int n = rows_in(t0);
+    const bool more = c + 1 < X.chunks;
+    float acc[2][2], u[2][2];
+    // 1. D = U - W S0^T over W's first half
+    const float* Ug = X.U + (int64_t(j) * P.T + t0 + ib) * P.dv + r0 + r;
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        u[a][b] = ib + 32 * b < n ? Ug[32 * b * P.dv + 8 * a] : 0.0f;
+        acc[a][b] = 0.0f;
+      }
+    load_e(v, W_at(t0), DK, 1, n);
+    dots(Bf0, 0, acc);
+    put_e(Bf1, v, n, false);
+    __syncthreads();
+    // 2. its second half
+    load_e(v, Q_at(t0), qk_stride, 0, n);
+    dots(Bf1, 1, acc);
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int i = ib + 32 * b;
+        Dt[(r + 8 * a) * PS + i] = i < n ? __fsub_rn(u[a][b], acc[a][b]) : 0.0f;
+        acc[a][b] = 0.0f;
+      }
+    put_e(Bf0, v, n, true);
+    __syncthreads();  // D complete
+    // 3. O = diag(Gamma) Q S0^T + P D (P is zero past the diagonal, D past n): Q's first half
+    load_e(v, Q_at(t0), qk_stride, 1, n);
+    dots(Bf0, 0, acc);
+    // K~'s row scales for steps 4 and 5, by the last two warps (where ptxas fits 80 registers without spills)
+    if (const int i = tid - (kGdnChunkThreads - C); i >= 0) Es[i] = expf(Gs[n - 1] - Gs[i]);
+    put_e(Bf1, v, n, true);
+    __syncthreads();
+    // 4. Q's second half, then Gamma and P D
+    load_k(v, K_at(t0), 0, n);
+    dots(Bf1, 1, acc);
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const float gamma = expf(Gs[ib + 32 * b]);
+#pragma unroll
+      for (int a = 0; a < 2; ++a) acc[a][b] *= gamma;
+    }
+#pragma unroll 4
+    for (int j4 = 0; j4 < C / 4; ++j4) {  // j = 4 j4 .. 4 j4 + 3, in order
+      float4 d[2], p[2];
+#pragma unroll
+      for (int a = 0; a < 2; ++a) d[a] = ld4(Dt + (r + 8 * a) * PS + 4 * j4);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) p[b] = ld4(Ps + (ib + 32 * b) * PS + 4 * j4);
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          acc[a][b] = fmaf(p[b].x, d[a].x, acc[a][b]), acc[a][b] = fmaf(p[b].y, d[a].y, acc[a][b]);
+          acc[a][b] = fmaf(p[b].z, d[a].z, acc[a][b]), acc[a][b] = fmaf(p[b].w, d[a].w, acc[a][b]);
+        }
+    }
+    float* const Og = P.out + ((t0 + ib) * P.hv + opaque(j)) * P.dv + r0 + r;
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int a = 0; a < 2; ++a)
+        if (ib + 32 * b < n) Og[32 * b * P.hv * P.dv + 8 * a] = acc[a][b];
+    const float gn = Gs[n - 1];
+    put_k(Bf0, v, 0);
+    __syncthreads();  // P consumed, K's first rows staged
+    // 5. S = Gamma_n S0 + D^T K~ over rows i < 32 (thread-owned elements of Ss: read and written by it alone)
+    {
+      PHalf p;
+      if (more) load_p(p, c + 1, 0);
+      load_k(v, K_at(t0), 1, n);
+      const float decay = expf(gn);
+      if (s_on)
+#pragma unroll
+        for (int a = 0; a < SA; ++a)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sacc[a][e] = decay * Ss[(rg + RG * a) * BS + 4 * eg + e];
+      s_rows(Bf0, 0);
+      put_k(Bf1, v, 1);
+      if (more) put_p(p, 0);
+    }
+    __syncthreads();  // Gs no longer read this chunk
+    // 6. rows i >= 32; the state rows written
+    const int64_t t1 = t0 + C;
+    const int n1 = more ? rows_in(t1) : 0;
+    float g = 0.0f;
+    PHalf p;
+    if (more) load_e(v, W_at(t1), DK, 0, n1), load_p(p, c + 1, 1), g = load_g(t1, n1);
+    s_rows(Bf1, 1);
+    if (s_on)
+#pragma unroll
+      for (int a = 0; a < SA; ++a)
+        st4(Ss + (rg + RG * a) * BS + 4 * eg, make_float4(sacc[a][0], sacc[a][1], sacc[a][2], sacc[a][3]));
+    if (more) {
+      put_e(Bf0, v, n1, false);
+      put_p(p, 1);
+      if (tid < C) Gs[tid] = g;
+    }
+    __syncthreads();  // the state rows are complete before the next chunk's step 1 reads them
+  }
+  for (int x = tid; x < R * K4; x += kGdnChunkThreads)
+    st4(P.state_out + (int64_t(j) * P.dv + r0 + x / K4) * DK + 4 * (x % K4), ld4(Ss + (x / K4) * BS + 4 * (x % K4)));
 }
 
 }  // namespace specd::gpu::detail::gdn
