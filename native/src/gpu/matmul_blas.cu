@@ -100,9 +100,9 @@ __global__ void __launch_bounds__(SPECD_WARP * kUnitWarps)
 }
 #endif
 
-// The GEMM's x in BF16: x itself, or swiglu(gate, up) through swiglu_for_bf16, whose F32 value rounds
-// to the BF16 of the swiglu op's (apply's), so the fused conversion equals the composition swiglu ->
-// matmul bitwise and saves writing and re-reading it in F32. load8(v, f): the 8 values 8 v .. 8 v + 7 with 16-byte loads
+// The GEMM's x in BF16: x itself, or swiglu(gate, up) computed by the swiglu op's own code (apply), so
+// the fused conversion rounds the same F32 value the composition swiglu -> matmul would (bitwise) and
+// saves writing and re-reading it in F32. load8(v, f): the 8 values 8 v .. 8 v + 7 with 16-byte loads
 // (the inputs 16-byte aligned: aligned()).
 struct PlainX {
   const float* __restrict__ x;
@@ -116,13 +116,13 @@ struct PlainX {
 struct SwigluX {
   const float* __restrict__ gate;
   const float* __restrict__ up;
-  __device__ __forceinline__ float operator()(int64_t i) const { return swiglu_for_bf16(gate[i], up[i]); }
+  __device__ __forceinline__ float operator()(int64_t i) const { return apply<Op::Swiglu>(gate[i], up[i]); }
   __device__ __forceinline__ void load8(int64_t v, float (&f)[8]) const {
     float g[8], u[8];
     PlainX{gate}.load8(v, g);
     PlainX{up}.load8(v, u);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) f[k] = swiglu_for_bf16(g[k], u[k]);
+    for (int k = 0; k < 8; ++k) f[k] = apply<Op::Swiglu>(g[k], u[k]);
   }
   bool aligned() const { return aligned16(gate) && aligned16(up); }
 };

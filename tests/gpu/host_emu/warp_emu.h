@@ -72,7 +72,6 @@ inline __half2 __hsub2(__half2 a, __half2 b) {
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
-inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
 inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
