@@ -159,19 +159,43 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 2) gdn_chunk_prep_kernel(con
   __syncthreads();
   if (tid == 0)  // the prefix sum, in token order
     for (int i = 1; i < n; ++i) Gs[i] = __fadd_rn(Gs[i - 1], Gs[i]);
-  // k_i . k_j and q_i . k_j for a 4 x 4 tile (i = 4 ti + a, j = 4 tj + b) per thread, summed in e order: per e
-  // three 16-byte loads (k_i, q_i: 2 addresses per warp; k_j: 16 consecutive pieces, 2 wavefronts).
-  const int ti = tid / 16, tj = tid % 16;
+  // q_i . k_j for a 4 x 4 tile (i = 4 ti + a, j = 4 tj + b) per thread, and k_i . k_j where A needs it (tiles
+  // tj <= ti: threads 0 .. 135, the lower tiles row by row; threads 136 .. 255 the upper ones, A zero there),
+  // each summed in e order: per e 16-byte loads of k_j and q_i (and k_i) at 4 tj, 4 ti of row e of Kt / Qt
+  // (at most 16 distinct pieces of one row per warp: 2 wavefronts). Warps 0 .. 4 take both products (the
+  // upper tiles of warp 4 too, unused), warps 5 .. 7 q . k alone.
+  constexpr int kLower = 16 * 17 / 2;
+  int ti = 0, tj;
+  if (tid < kLower) {
+    while ((ti + 1) * (ti + 2) / 2 <= tid) ++ti;
+    tj = tid - ti * (ti + 1) / 2;
+  } else {
+    int u = tid - kLower;
+    while (u >= 15 - ti) u -= 15 - ti, ++ti;
+    tj = ti + 1 + u;
+  }
   float kk[4][4] = {}, qk[4][4] = {};
+  if (tid / 32 * 32 < kLower) {
 #pragma unroll 4
-  for (int e = 0; e < DK; ++e) {
-    const float4 ki4 = ld4(Kt + e * KT + 4 * ti), qi4 = ld4(Qt + e * KT + 4 * ti), kj4 = ld4(Kt + e * KT + 4 * tj);
-    const float ki[4] = {ki4.x, ki4.y, ki4.z, ki4.w}, qi[4] = {qi4.x, qi4.y, qi4.z, qi4.w},
-                kj[4] = {kj4.x, kj4.y, kj4.z, kj4.w};
+    for (int e = 0; e < DK; ++e) {
+      const float4 ki4 = ld4(Kt + e * KT + 4 * ti), qi4 = ld4(Qt + e * KT + 4 * ti), kj4 = ld4(Kt + e * KT + 4 * tj);
+      const float ki[4] = {ki4.x, ki4.y, ki4.z, ki4.w}, qi[4] = {qi4.x, qi4.y, qi4.z, qi4.w},
+                  kj[4] = {kj4.x, kj4.y, kj4.z, kj4.w};
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
+      for (int a = 0; a < 4; ++a)
 #pragma unroll
-      for (int b = 0; b < 4; ++b) kk[a][b] = fmaf(ki[a], kj[b], kk[a][b]), qk[a][b] = fmaf(qi[a], kj[b], qk[a][b]);
+        for (int b = 0; b < 4; ++b) kk[a][b] = fmaf(ki[a], kj[b], kk[a][b]), qk[a][b] = fmaf(qi[a], kj[b], qk[a][b]);
+    }
+  } else {
+#pragma unroll 4
+    for (int e = 0; e < DK; ++e) {
+      const float4 qi4 = ld4(Qt + e * KT + 4 * ti), kj4 = ld4(Kt + e * KT + 4 * tj);
+      const float qi[4] = {qi4.x, qi4.y, qi4.z, qi4.w}, kj[4] = {kj4.x, kj4.y, kj4.z, kj4.w};
+#pragma unroll
+      for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) qk[a][b] = fmaf(qi[a], kj[b], qk[a][b]);
+    }
   }
   __syncthreads();  // Gs complete, Qt read
   float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C;
