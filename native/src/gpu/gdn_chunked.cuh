@@ -62,15 +62,11 @@ struct GdnChunkScratch {
 };
 
 // Dynamic shared memory of the two kernels for head dims dk, dv (size_t: any dv the op accepts). The prep
-// kernel keeps k and q transposed ([dk][kGdnPrepRows]: a row of 64 tokens per element, 16-byte aligned,
-// padded so that the transposing stores and the W columns' reads are free of bank conflicts) and A [64][64];
-// the v rows reuse the q rows' space (q is last, so larger v rows run past it): 84.75 KiB for the 27B, two
-// blocks per SM.
-constexpr int kGdnPrepRows = kGdnChunk + 4;
-__host__ __device__ constexpr bool gdn_v_in_q(int64_t dk, int64_t dv) { return dv * kGdnChunk <= dk * kGdnPrepRows; }
+// kernel's v rows reuse the q rows' space when they fit (dv <= dk + 1): 81.5 KiB for the 27B, two blocks per SM.
+__host__ __device__ constexpr bool gdn_v_in_q(int64_t dk, int64_t dv) { return dv <= dk + 1; }
 constexpr size_t gdn_prep_smem(int64_t dk, int64_t dv) {
-  return (size_t(dk) * kGdnPrepRows + size_t(kGdnChunk * kGdnChunk + 3 * kGdnChunk) +
-          (gdn_v_in_q(dk, dv) ? size_t(dk) * kGdnPrepRows : size_t(kGdnChunk) * size_t(dv))) * 4;
+  return (size_t(2 * kGdnChunk) * size_t(dk + 1) + size_t(kGdnChunk * (kGdnChunk + 1) + 3 * kGdnChunk) +
+          (gdn_v_in_q(dk, dv) ? 0 : size_t(kGdnChunk) * size_t(dv))) * 4;
 }
 // The state kernel's slab buffer (floats): a chunk's rows x half of dk (W, Q) or half its rows x dk (K), padded.
 __host__ __device__ constexpr int gdn_state_slab(int dk) {
@@ -117,40 +113,30 @@ __device__ __forceinline__ int opaque(int x) {
   return x;
 }
 
-// Shared memory (floats): Kt [DK][KT] (k transposed: Kt[e * KT + i] = k_i[e], zeros past n), As [C][C] (A, row i
-// contiguous in j), Gs, Bs, BGs [C], then Qt [DK][KT] (scale * q transposed), whose space holds the v rows [C][dv]
-// once q . k is done (running past it when they do not fit). Every array starts 16-byte aligned.
 template <int DK>
-__global__ void __launch_bounds__(kGdnChunkThreads, 2) gdn_chunk_prep_kernel(const Params P, const GdnChunkScratch X) {
+__global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const Params P, const GdnChunkScratch X) {
   pdl_enter();
-  constexpr int C = kGdnChunk, KT = kGdnPrepRows;
-  static_assert(KT % 32 == 4, "KT = 4 mod 32: the transposing stores below are free of bank conflicts");
+  constexpr int C = kGdnChunk, KS = DK + 1;
   float* const sm = dyn_smem();
-  float* Kt = sm;              // [DK][KT]
-  float* As = Kt + DK * KT;    // [C][C]
-  float* Gs = As + C * C;      // [C] G
-  float* Bs = Gs + C;          // [C] beta
-  float* BGs = Bs + C;         // [C] beta Gamma (W's right-hand sides, once per row)
-  float* Qt = BGs + C;         // [DK][KT]
-  float* Vs = Qt;              // [C][dv] v rows (staged once q . k is done)
+  float* Ks = sm;                // [C][KS] k rows (zeros past n)
+  float* Qs = Ks + C * KS;       // [C][KS] scale * q rows
+  float* As = Qs + C * KS;       // [C][C + 1] A
+  float* Gs = As + C * (C + 1);  // [C] G
+  float* Bs = Gs + C;            // [C] beta
+  float* BGs = Bs + C;           // [C] beta Gamma (W's right-hand sides, once per row)
+  float* Vs = gdn_v_in_q(DK, P.dv) ? Qs : BGs + C;  // [C][dv] v rows (staged once q . k is done)
   const int c = int(blockIdx.x % X.chunks), j = int(blockIdx.x / X.chunks), kh = j % P.hk, tid = threadIdx.x;
   const int64_t t0 = int64_t(c) * C;
   const int n = P.T - t0 < C ? int(P.T - t0) : C;
   constexpr int NK = C * DK / 4 / kGdnChunkThreads, Q4 = DK / 4;  // k / q pieces per thread, per row
-  static_assert(Q4 % 2 == 0 && (C * Q4) % 32 == 0, "pieces in groups of 16 rows x 2 pieces");
-  // Piece x (16 bytes: row i, elements 4 p .. 4 p + 3): a warp takes 16 rows x 2 pieces, so its global loads
-  // are whole 32-byte sectors and its transposing stores (bank 16 p + 4 u + i mod 32 for element 4 p + u,
-  // KT = 4 mod 32) hit 32 distinct banks.
-  auto row = [](int x) { return 16 * ((x / 32) % 4) + x % 16; };
-  auto piece = [](int x) { return 2 * ((x / 32) / 4) + (x % 32) / 16; };
-  auto src = [&](int x) { return ((t0 + row(x)) * P.hk + kh) * DK + 4 * piece(x); };
+  auto src = [&](int x) { return ((t0 + x / Q4) * P.hk + kh) * DK + 4 * (x % Q4); };
   auto put = [&](float* dst, int x, float4 f) {
-    float* d = dst + 4 * piece(x) * KT + row(x);
-    d[0] = f.x, d[KT] = f.y, d[2 * KT] = f.z, d[3 * KT] = f.w;
+    float* d = dst + (x / Q4) * KS + 4 * (x % Q4);  // KS is odd: no 16-byte stores
+    d[0] = f.x, d[1] = f.y, d[2] = f.z, d[3] = f.w;
   };
-  staged<NK>([&](int x) { return row(x) < n ? ld4(P.k + src(x)) : kZero4; }, [&](int x, float4 f) { put(Kt, x, f); });
-  staged<NK>([&](int x) { return row(x) < n ? scaled(ld4(P.q + src(x)), P.scale) : kZero4; },
-             [&](int x, float4 f) { put(Qt, x, f); });
+  staged<NK>([&](int x) { return x / Q4 < n ? ld4(P.k + src(x)) : kZero4; }, [&](int x, float4 f) { put(Ks, x, f); });
+  staged<NK>([&](int x) { return x / Q4 < n ? scaled(ld4(P.q + src(x)), P.scale) : kZero4; },
+             [&](int x, float4 f) { put(Qs, x, f); });
   if (tid < C) {
     const float g = tid < n ? P.g[(t0 + tid) * P.hv + j] : 0.0f;
     Gs[tid] = g < kMinGate ? kMinGate : g;  // (a NaN gate stays NaN, as in the token kernel)
@@ -159,60 +145,30 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 2) gdn_chunk_prep_kernel(con
   __syncthreads();
   if (tid == 0)  // the prefix sum, in token order
     for (int i = 1; i < n; ++i) Gs[i] = __fadd_rn(Gs[i - 1], Gs[i]);
-  // q_i . k_j for a 4 x 4 tile (i = 4 ti + a, j = 4 tj + b) per thread, and k_i . k_j where A needs it (tiles
-  // tj <= ti: threads 0 .. 135, the lower tiles row by row; threads 136 .. 255 the upper ones, A zero there),
-  // each summed in e order: per e 16-byte loads of k_j and q_i (and k_i) at 4 tj, 4 ti of row e of Kt / Qt
-  // (at most 16 distinct pieces of one row per warp: 2 wavefronts). Warps 0 .. 4 take both products (the
-  // upper tiles of warp 4 too, unused), warps 5 .. 7 q . k alone.
-  constexpr int kLower = 16 * 17 / 2;
-  int ti = 0, tj;
-  if (tid < kLower) {
-    while ((ti + 1) * (ti + 2) / 2 <= tid) ++ti;
-    tj = tid - ti * (ti + 1) / 2;
-  } else {
-    int u = tid - kLower;
-    while (u >= 15 - ti) u -= 15 - ti, ++ti;
-    tj = ti + 1 + u;
-  }
+  // k_i . k_j and q_i . k_j for a 4 x 4 tile (i = 4 ti + a, j = 4 tj + b) per thread
+  const int ti = tid / 16, tj = tid % 16;
   float kk[4][4] = {}, qk[4][4] = {};
-  if (tid / 32 * 32 < kLower) {
-#pragma unroll 4
-    for (int e = 0; e < DK; ++e) {
-      const float4 ki4 = ld4(Kt + e * KT + 4 * ti), qi4 = ld4(Qt + e * KT + 4 * ti), kj4 = ld4(Kt + e * KT + 4 * tj);
-      const float ki[4] = {ki4.x, ki4.y, ki4.z, ki4.w}, qi[4] = {qi4.x, qi4.y, qi4.z, qi4.w},
-                  kj[4] = {kj4.x, kj4.y, kj4.z, kj4.w};
+#pragma unroll 2
+  for (int e = 0; e < DK; ++e) {
+    float ki[4], qi[4], kj[4];
 #pragma unroll
-      for (int a = 0; a < 4; ++a)
+    for (int a = 0; a < 4; ++a) ki[a] = Ks[(4 * ti + a) * KS + e], qi[a] = Qs[(4 * ti + a) * KS + e], kj[a] = Ks[(4 * tj + a) * KS + e];
 #pragma unroll
-        for (int b = 0; b < 4; ++b) kk[a][b] = fmaf(ki[a], kj[b], kk[a][b]), qk[a][b] = fmaf(qi[a], kj[b], qk[a][b]);
-    }
-  } else {
-#pragma unroll 4
-    for (int e = 0; e < DK; ++e) {
-      const float4 qi4 = ld4(Qt + e * KT + 4 * ti), kj4 = ld4(Kt + e * KT + 4 * tj);
-      const float qi[4] = {qi4.x, qi4.y, qi4.z, qi4.w}, kj[4] = {kj4.x, kj4.y, kj4.z, kj4.w};
+    for (int a = 0; a < 4; ++a)
 #pragma unroll
-      for (int a = 0; a < 4; ++a)
-#pragma unroll
-        for (int b = 0; b < 4; ++b) qk[a][b] = fmaf(qi[a], kj[b], qk[a][b]);
-    }
+      for (int b = 0; b < 4; ++b) kk[a][b] = fmaf(ki[a], kj[b], kk[a][b]), qk[a][b] = fmaf(qi[a], kj[b], qk[a][b]);
   }
-  __syncthreads();  // Gs complete, Qt read
+  __syncthreads();  // Gs complete, Qs read
   float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C;
 #pragma unroll
-  for (int a = 0; a < 4; ++a) {
-    const int i = 4 * ti + a;
-    float av[4], pv[4];
+  for (int a = 0; a < 4; ++a)
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      const int jj = 4 * tj + b;
+      const int i = 4 * ti + a, jj = 4 * tj + b;
       const float r = jj <= i && i < n ? expf(Gs[i] - Gs[jj]) : 0.0f;  // only j <= i: G_i - G_j <= 0 for g <= 0
-      av[b] = jj < i ? Bs[i] * r * kk[a][b] : 0.0f;
-      pv[b] = r * qk[a][b];
+      As[i * (C + 1) + jj] = jj < i ? Bs[i] * r * kk[a][b] : 0.0f;
+      Pg[i * C + jj] = r * qk[a][b];
     }
-    st4(As + i * C + 4 * tj, make_float4(av[0], av[1], av[2], av[3]));
-    st4(Pg + i * C + 4 * tj, make_float4(pv[0], pv[1], pv[2], pv[3]));
-  }
   if (tid < n) X.G[int64_t(j) * P.T + t0 + tid] = Gs[tid];
   if (tid < C) BGs[tid] = Bs[tid] * expf(Gs[tid]);
   const int V4 = P.dv / 4;  // dv % 16 == 0; a run-time size: 4 pieces per thread at a time
@@ -221,31 +177,20 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 2) gdn_chunk_prep_kernel(con
               [&](int x, float4 f) { if (x + x0 < C * V4) st4(Vs + 4 * (x + x0), f); });
   __syncthreads();
   // Forward substitution, one column per thread: x_i = rhs_i - sum_{j<i} A_ij x_j (rows past n: zeros). The
-  // sum runs as two interleaved chains (even and odd j), so a row waits on i / 2 dependent FMAs. The
-  // right-hand side of row i (v: a column of Vs; k: row e of Kt, 16 bytes per 4 rows, 8 distinct pieces per
-  // 8 lanes) read in both cases from clamped addresses and selected (beta, beta Gamma: 4 rows per load); A's row i 4 entries (one 16-byte
-  // broadcast) at a time.
+  // sum runs as two interleaved chains (even and odd j), so a row waits on i / 2 dependent FMAs.
   for (int col = tid; col < P.dv + DK; col += kGdnChunkThreads) {
     const bool isu = col < P.dv;
     const int e = isu ? col : col - P.dv;
-    const float* vcol = Vs + (isu ? e : 0);
-    const float* krow = Kt + (isu ? 0 : e) * KT;
     float x[C];
-    float4 k4, b4, bg4;
-    auto at = [](const float4& f, int u) { return u == 0 ? f.x : u == 1 ? f.y : u == 2 ? f.z : f.w; };
 #pragma unroll
     for (int i = 0; i < C; ++i) {
-      if (i % 4 == 0) k4 = ld4(krow + i), b4 = ld4(Bs + i), bg4 = ld4(BGs + i);
-      float s0 = isu ? at(b4, i % 4) * vcol[i * P.dv] : at(bg4, i % 4) * at(k4, i % 4), s1 = 0.0f;
+      float s0 = isu ? Bs[i] * Vs[i * P.dv + e] : BGs[i] * Ks[i * KS + e], s1 = 0.0f;
 #pragma unroll
-      for (int j4 = 0; 4 * j4 < i; ++j4) {
-        const float4 a4 = ld4(As + i * C + 4 * j4);
-        const int jj = 4 * j4;
-        s0 = fmaf(-a4.x, x[jj], s0);
-        if (jj + 1 < i) s1 = fmaf(-a4.y, x[jj + 1], s1);
-        if (jj + 2 < i) s0 = fmaf(-a4.z, x[jj + 2], s0);
-        if (jj + 3 < i) s1 = fmaf(-a4.w, x[jj + 3], s1);
+      for (int jj = 0; jj + 1 < i; jj += 2) {
+        s0 = fmaf(-As[i * (C + 1) + jj], x[jj], s0);
+        s1 = fmaf(-As[i * (C + 1) + jj + 1], x[jj + 1], s1);
       }
+      if (i % 2 == 1) s0 = fmaf(-As[i * (C + 1) + i - 1], x[i - 1], s0);
       x[i] = s0 + s1;
     }
     float* dst = isu ? X.U + (int64_t(j) * P.T + t0) * P.dv + e : X.W + (int64_t(j) * P.T + t0) * DK + e;
