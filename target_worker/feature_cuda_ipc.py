@@ -14,7 +14,8 @@ Per sequence the target worker (the only writer) creates:
 * the rows: a device tensor float32 ``[capacity, width]`` allocated with plain cudaMalloc and exported
   with ``cudaIpcGetMemHandle`` (``sn.gpu_ipc_export``); position p lives in row ``p % capacity``;
 * an interprocess event (``sn.gpu_ipc_event_create``), recorded on the library stream after every
-  commit's row copies;
+  commit's row copies (and at a commit of zero rows, which copies nothing while the rows are the
+  export's zeros: a target without capture layers);
 * the slot table on the host, in a small POSIX segment ``specd-fi-<pid>-<n>`` (created and cleaned
   up like the shm transport's segments): ``int64 header[8]`` (magic ``MAGIC``, capacity, width,
   committed, generation, reserved) then ``int64 slot_pos[capacity]`` (-1 = empty) — the
@@ -223,7 +224,8 @@ def _gather(backend, rows, slots: np.ndarray, width: int):
 class CudaIpcFeatureRing:
     """The target side of one sequence's device ring (see the module docstring). Interface of
     :class:`.features.FeatureRing`: ``capacity``, ``width``, ``slot_pos`` (host int64 [capacity]),
-    ``write(start, rows)``, ``read(start, n)``; plus ``write_rows`` (device-to-device commit).
+    ``all_zero``, ``write(start, rows)``, ``write_zeros(start, n)``, ``read(start, n)``; plus
+    ``write_rows`` (device-to-device commit).
 
     ``device`` is True: :meth:`Qwen35Model.commit` then passes the verify's device feature tensor to
     :meth:`write_rows` instead of host rows.
@@ -261,9 +263,9 @@ class CudaIpcFeatureRing:
         slots, pos = write_slots(self.capacity, start, int(src_rows.size))
         if not src_rows.size:
             return
+        self.all_zero = False  # before the copies: one failing part-way has written rows
         for d, s, n in _runs(slots, src_rows):
             self.backend.copy_rows(self.rows, d, src, s, n)
-        self.all_zero = False
         self._publish(start, slots, pos)
 
     def write_zeros(self, start: int, n: int) -> None:

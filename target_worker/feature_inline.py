@@ -31,7 +31,7 @@ import threading
 import numpy as np
 
 from .feature_shm import FeatureHandleInfo
-from .features import FeatureRing
+from .features import FeatureRing, write_slots
 
 TRANSPORTS = ("shm", "inline", "cuda-ipc")  # cuda-ipc: .feature_cuda_ipc
 INLINE_KIND = "inline"
@@ -83,7 +83,11 @@ class InlineFeatureRing(FeatureRing):
             self.outbox.append((start, rows.copy()))
 
     def write_zeros(self, start: int, n: int) -> None:
-        self.write(start, np.zeros((n, self.width), np.float32))  # the rows travel in the responses
+        """n zero rows at positions start .. start+n-1 (they travel in the responses like any rows);
+        ValueError as :meth:`.features.FeatureRing.write_zeros`."""
+        write_slots(self.capacity, start, n)  # the same bounds as every ring's
+        if n:
+            self.write(start, np.zeros((n, self.width), np.float32))
 
     def read(self, start: int, n: int) -> np.ndarray:
         raise ValueError("the inline feature ring keeps no rows (they travel in the responses)")

@@ -115,8 +115,9 @@ def _views(buf, capacity: int, width: int):
 class ShmFeatureRing(FeatureRing):
     """A :class:`FeatureRing` whose rows and slot table live in a shared-memory segment (writer side).
 
-    ``write`` stores rows (the target model calls it from ``commit``); ``publish(c)`` then marks rows
-    < c final for readers.
+    ``write`` stores rows (the target model calls it from ``commit``), ``write_zeros`` zero rows;
+    ``publish(c)`` then marks rows < c final for readers. ``shm`` must be a segment just created
+    (:func:`create_segment`: the kernel zero-fills new pages), so the ring starts ``all_zero``.
     """
 
     def __init__(self, shm: shared_memory.SharedMemory, capacity: int, width: int):

@@ -65,6 +65,9 @@ class FeatureRing:
         width: values per row (n_taps * n_embd); must be > 0.
         buffer: optional float32 array of shape (capacity, width) to use as storage (e.g. a view of
             shared memory); a new zeroed array otherwise.
+
+    ``all_zero``: every row is zero (a new ring without ``buffer``, or a subclass whose storage starts
+    zeroed, and only :meth:`write_zeros` since); :meth:`write_zeros` then moves the slot table alone.
     """
 
     def __init__(self, capacity: int, width: int, buffer: np.ndarray | None = None):

@@ -116,7 +116,9 @@ class VerifyResult:
     def features(self) -> np.ndarray:
         """float32 [w, n_taps * n_embd] on the host, copied from the device on first use only (the
         cuda-ipc feature ring commits from the device tensor, ``raw_features``, and never asks).
-        RuntimeError when the verify's CUDA graph has been replayed since (as for ``logits``)."""
+        RuntimeError when the verify's CUDA graph has been replayed since (as for ``logits``). A model
+        without capture layers (``raw_features`` None) gets a new zeros array [w, n_embd] (the ring's
+        width) on every call, whatever graph replays followed."""
         if self.raw_features is None:  # no capture layers: zero rows of the ring's width
             return np.zeros((len(self.tokens), self.sequence.features.width), np.float32)
         if not isinstance(self.raw_features, np.ndarray):

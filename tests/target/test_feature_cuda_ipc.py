@@ -116,6 +116,8 @@ def test_write_zeros_publishes_without_copies_until_rows_are_written(writer):
     ring, h = writer.create("z", 4, W)
     reader = fci.CudaIpcFeatureReader(h, backend=FakeIpcBackend())
     FakeIpcBackend.log.clear()
+    ring.write_zeros(0, 0)  # nothing to publish: no event recorded
+    assert not FakeIpcBackend.log and reader.committed == 0
     ring.write_zeros(0, 3)
     assert ring.all_zero and reader.committed == 3 and [e[0] for e in FakeIpcBackend.log] == ["record"]
     np.testing.assert_array_equal(reader.read(0, 3).numpy(), np.zeros((3, W), np.float32))

@@ -74,12 +74,16 @@ def test_write_zeros_holds_zero_rows_and_clears_written_ones(ring_kind):
         else:
             ring, handle = writer.create("zeros-test", 8, W)
             reader = attach_reader(FeatureHandleInfo.from_proto(handle.to_proto(pb))) if ring_kind == "shm" else None
+        ring.write_zeros(0, 0)  # nothing held, nothing published
+        assert ring_kind == "inline" and not ring.take() or ring_kind != "inline" and (ring.slot_pos == -1).all()
         ring.write_zeros(0, 6)
         if ring_kind == "inline":
             ring.write(6, rows(6, 2))
             ring.write_zeros(8, 3)
             outbox = ring.take()
             assert [s for s, _ in outbox] == [0] and outbox[0][1].shape == (11, W)
+            with pytest.raises(ValueError, match="do not fit"):
+                ring.write_zeros(11, 9)
             np.testing.assert_array_equal(outbox[0][1], np.concatenate([np.zeros((6, W)), rows(6, 2), np.zeros((3, W))]))
             return
         assert ring.all_zero and ring.slot_pos.tolist() == [0, 1, 2, 3, 4, 5, -1, -1]
@@ -91,6 +95,8 @@ def test_write_zeros_holds_zero_rows_and_clears_written_ones(ring_kind):
         np.testing.assert_array_equal(reader.read(7, 8), np.concatenate([rows(7, 3), np.zeros((5, W), np.float32)]))
         with pytest.raises(ValueError, match="do not fit"):
             ring.write_zeros(15, 9)
+        ring.write_zeros(15, 0)
+        np.testing.assert_array_equal(ring.slot_pos, [8, 9, 10, 11, 12, 13, 14, 7])
         if reader is not ring:
             reader.close()
     finally:

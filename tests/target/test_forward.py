@@ -469,8 +469,8 @@ def test_perplexity_cli(converted, tmp_path, capsys):
 
 
 def test_model_without_capture_layers_holds_zero_feature_rows(converted):
-    """Without capture layers the feature rows are zeros of one n_embd tap: prefill chunks, commits and
-    steps hold their positions in the ring without copying rows (its rows stay the new ring's zeros), and
+    """Without capture layers the feature rows are zeros of one n_embd tap: prefill chunks, chain and tree
+    commits and steps hold their positions in the ring without copying rows (its rows stay the new ring's zeros), and
     a verify's ``features`` makes the zero rows when asked."""
     model = Qwen35Model(load_qwen35(converted("smoke")), prefill_chunk=5)
     st = model.new_sequence(32)
@@ -479,8 +479,11 @@ def test_model_without_capture_layers_holds_zero_feature_rows(converted):
     res = model.verify(st, [9, 10, 11])
     assert res.raw_features is None and res.features.shape == (3, model.hp.n_embd) and not res.features.any()
     model.commit(st, res, 2)
+    tree = model.verify(st, [12, 13, 14], parents=[-1, 0, -1])
+    assert tree.raw_features is None and tree.features.shape == (3, model.hp.n_embd)
+    model.commit(st, tree, [0, 1])  # a tree path: positions 10, 11
     width = model.hp.n_embd
-    assert st.committed == 10 and st.features.all_zero and st.features.width == width
-    np.testing.assert_array_equal(st.features.read(0, 10), np.zeros((10, width), np.float32))
+    assert st.committed == 12 and st.features.all_zero and st.features.width == width
+    np.testing.assert_array_equal(st.features.read(0, 12), np.zeros((12, width), np.float32))
     with pytest.raises(ValueError, match="not in the ring"):
-        st.features.read(9, 2)
+        st.features.read(11, 2)

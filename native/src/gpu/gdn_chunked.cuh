@@ -105,9 +105,10 @@ __device__ __forceinline__ float4 scaled(float4 v, float s) {
 constexpr float4 kZero4 = {0.0f, 0.0f, 0.0f, 0.0f};
 // x, hidden from the optimizer: an address computed from it is recomputed in each iteration of the state
 // kernel's chunk loop (a few integer ops on parameters) instead of being hoisted out of the loop into registers
-// held throughout it, which its 80-register budget does not hold (ptxas spilled them).
+// held throughout it, which its 80-register budget does not hold (ptxas spilled them). NVIDIA only: on AMD
+// the "r" constraint names a scalar (wave-uniform) register, and x differs per thread.
 __device__ __forceinline__ int opaque(int x) {
-#if !defined(SPECD_HOST_EMU)
+#if !defined(SPECD_HOST_EMU) && !SPECD_HIP
   asm volatile("" : "+r"(x));
 #endif
   return x;

@@ -246,7 +246,7 @@ void blas_all(const X& x, int64_t n, int64_t in, const std::vector<Tensor>& ws, 
   for (const Tensor& w : ws) SPECD_CHECK(w.dim(0) <= INT_MAX, "matmul: dimensions exceed the BLAS int range");
   std::shared_ptr<void> xbuf = alloc(size_t(n * in) * 2);
   auto* xb = static_cast<uint16_t*>(xbuf.get());
-  const bool vec = x.aligned();  // xb: a pool allocation, 256-byte aligned
+  const bool vec = x.aligned() && aligned16(xb);  // (xb: a pool allocation, 256-byte aligned)
   detail::launch_kernel<x_bf16_kernel<X>>("x_bf16_kernel", grid_for(vec ? (n * in + 7) / 8 : n * in), kThreads, 0,
                                           stream(), x, n * in, vec, xb);
   for (size_t i = 0; i < ws.size(); ++i) gemm_weight(xb, n, ws[i], ys[i]);
