@@ -297,6 +297,14 @@ def kernel_profile(run, sync, steps: int) -> list[dict]:
     return summarise_kernels(exclusive_times(trace(run, sync)[0]), steps)
 
 
+def kernel_times(run, sync, calls: int, digits: int = 1) -> tuple[float, str]:
+    """(GPU us per call in all, "kernel us; ...") of ``calls`` calls made by one call of ``run``
+    (:func:`kernel_profile`), for the kernel benchmarks' markdown rows (tools/device/*_bench.py)."""
+    ks = kernel_profile(run, sync, calls)
+    detail = "; ".join(f"{k['kernel'].split('(')[0]} {k['us_per_step']:.{digits}f}" for k in ks)
+    return sum(k["us_per_step"] for k in ks), detail
+
+
 def gap_profile(run, sync, top: int = 10) -> dict:
     """Where the GPU idles in one call of ``run``: the GPU's work (kernels, copies) and the host's CUDA
     API calls (launches, synchronisations, allocations), summarised by :func:`idle_gaps`. A gap that a

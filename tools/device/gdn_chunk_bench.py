@@ -3,7 +3,7 @@
 
 Shapes of the 27B's GDN layers: 16 key heads and 48 value heads of 128 (q, k L2-normalised as gdn_qkv
 makes them, g = log decay <= 0, beta in (0, 1)), T tokens per call (a prefill chunk: 2048 by default).
-Kernel times: torch.profiler's CUPTI trace of 10 calls (tools/bench/gpu_decode.py's ``kernel_profile``:
+Kernel times: torch.profiler's CUPTI trace of 10 calls (tools/bench/gpu_decode.py's ``kernel_times``:
 each kernel counted from the end of the kernels before it). ``--check`` compares one call's output and
 new state with the CPU backend's token-by-token op (max |diff| / max |ref|; the chunked path's tolerance
 is 1e-4 of max |ref|: ssm.cu).
@@ -23,7 +23,7 @@ import numpy as np
 import specd.native as sn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from gpu_decode import kernel_profile  # noqa: E402
+from gpu_decode import kernel_times  # noqa: E402
 from gpu_report import on_gpu  # noqa: E402
 
 HK, HV, DK, DV = 16, 48, 128, 128
@@ -71,9 +71,7 @@ def main(argv=None) -> int:
             err = f"{rel(out, ref):.2e}, {rel(state_gpu.numpy(), state_cpu.numpy()):.2e}"
         for _ in range(3):
             run()
-        ks = kernel_profile(lambda: [run() for _ in range(10)], sn.gpu_synchronize, 10)
-        total = sum(k["us_per_step"] for k in ks)
-        detail = "; ".join(f"{k['kernel'].split('(')[0]} {k['us_per_step']:.1f}" for k in ks)
+        total, detail = kernel_times(lambda: [run() for _ in range(10)], sn.gpu_synchronize, 10)
         print(f"| {t} | {total:.1f} | {detail} | {err} |", flush=True)
     return 0
 

@@ -22,7 +22,7 @@ import numpy as np
 import specd.native as sn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from gpu_decode import kernel_profile  # noqa: E402
+from gpu_decode import kernel_times  # noqa: E402
 from gpu_report import on_gpu  # noqa: E402
 
 HK, HV, DK, DV, EPS = 16, 48, 128, 128, 1e-6
@@ -63,9 +63,7 @@ def main(argv=None) -> int:
         for name, op in (("composition", composed), ("gdn_step", fused)):
             for _ in range(5):
                 op(*x, state)
-            ks = kernel_profile(lambda: [op(*x, state) for _ in range(20)], sn.gpu_synchronize, 20)
-            total = sum(k["us_per_step"] for k in ks)
-            detail = "; ".join(f"{k['kernel'].split('(')[0]} {k['us_per_step']:.2f}" for k in ks)
+            total, detail = kernel_times(lambda: [op(*x, state) for _ in range(20)], sn.gpu_synchronize, 20, 2)
             print(f"| {w} | {name} | {total:.2f} | {detail} |", flush=True)
     return 0
 

@@ -217,6 +217,18 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
 // or 2 groups of 4: 6 wavefronts per 32 FMAs at dk 128). Every D, O and S element is one fmaf chain over e,
 // j or i in ascending order (the slabs split the chains, never reorder them), so the tiling and the staging
 // change no rounding.
+// The state pass's 2 x 2 register tile: acc[a][b] += x[b] . y[a] over one float4, its four products
+// in order (each element its own fmaf chain).
+__device__ __forceinline__ void tile_fma(float (&acc)[2][2], const float4 (&x)[2], const float4 (&y)[2]) {
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      acc[a][b] = fmaf(x[b].x, y[a].x, acc[a][b]), acc[a][b] = fmaf(x[b].y, y[a].y, acc[a][b]);
+      acc[a][b] = fmaf(x[b].z, y[a].z, acc[a][b]), acc[a][b] = fmaf(x[b].w, y[a].w, acc[a][b]);
+    }
+}
+
 template <int DK>
 __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(const Params P, const GdnChunkScratch X) {
   pdl_enter();
@@ -299,13 +311,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
       for (int a = 0; a < 2; ++a) y[a] = ld4(Ss + (r + 8 * a) * BS + half * SE + 4 * e4);
 #pragma unroll
       for (int b = 0; b < 2; ++b) x[b] = ld4(buf + (ib + 32 * b) * ES + 4 * e4);
-#pragma unroll
-      for (int a = 0; a < 2; ++a)
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          acc[a][b] = fmaf(x[b].x, y[a].x, acc[a][b]), acc[a][b] = fmaf(x[b].y, y[a].y, acc[a][b]);
-          acc[a][b] = fmaf(x[b].z, y[a].z, acc[a][b]), acc[a][b] = fmaf(x[b].w, y[a].w, acc[a][b]);
-        }
+      tile_fma(acc, x, y);
     }
   };
   // sacc[a][v] += D_{i, rg + RG a} K~_{i, 4 eg + v} over the slab's rows i (rows past n: D and K~ zero), in order.
@@ -399,13 +405,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
       for (int a = 0; a < 2; ++a) d[a] = ld4(Dt + (r + 8 * a) * PS + 4 * j4);
 #pragma unroll
       for (int b = 0; b < 2; ++b) p[b] = ld4(Ps + (ib + 32 * b) * PS + 4 * j4);
-#pragma unroll
-      for (int a = 0; a < 2; ++a)
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          acc[a][b] = fmaf(p[b].x, d[a].x, acc[a][b]), acc[a][b] = fmaf(p[b].y, d[a].y, acc[a][b]);
-          acc[a][b] = fmaf(p[b].z, d[a].z, acc[a][b]), acc[a][b] = fmaf(p[b].w, d[a].w, acc[a][b]);
-        }
+      tile_fma(acc, p, d);
     }
     float* const Og = P.out + ((t0 + ib) * P.hv + opaque(j)) * P.dv + r0 + r;
 #pragma unroll
