@@ -483,14 +483,12 @@ class Qwen35Model:
             return
         # The features are read (or checked) before any state moves: a stale graph or a failed
         # device-to-host copy raises here and leaves the sequence exactly as it was.
-        feats = res.raw_features  # None (zero rows), or read below unless a device ring copies it itself
-        device_ring = getattr(st.features, "device", False) and feats is not None and not isinstance(feats, np.ndarray)
-        if device_ring:
+        feats = res.raw_features  # None: zero rows (no capture layers)
+        device_ring = feats is not None and getattr(st.features, "device", False) and not isinstance(feats, np.ndarray)
+        if device_ring:  # the ring copies the rows device to device itself
             res._check_graph("features")
-        elif feats is not None and res.parents is None:  # a chain's leading rows: a view (a prefill chunk's are tens of MB)
-            feats = res.features[: len(rows)]
-        elif feats is not None:
-            feats = res.features[rows]
+        elif feats is not None:  # host rows; a chain's leading ones as a view (a prefill chunk's are tens of MB)
+            feats = res.features[: len(rows)] if res.parents is None else res.features[rows]
         if res.graph is not None:  # the state updates read fixed addresses: one graph per n
             g = res.graph.commits.get(n)
             if g is None:

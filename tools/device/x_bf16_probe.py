@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 
 import specd.native as sn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_report import on_gpu  # noqa: E402
 
 FF, D = 17408, 5120
 
@@ -23,11 +27,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     args = ap.parse_args(argv)
     rng = np.random.default_rng(3)
-    gpu = lambda a: sn.Tensor(np.ascontiguousarray(a, np.float32)).to(sn.Device.GPU)  # noqa: E731
-    gate, up = gpu(rng.standard_normal((args.tokens, FF))), gpu(rng.standard_normal((args.tokens, FF)))
-    x = gpu(rng.standard_normal((args.tokens, D)))
-    sn.swiglu_matmul(gate, up, [gpu(rng.standard_normal((16, FF)))], exact=False)
-    sn.matmul(x, gpu(rng.standard_normal((16, D))), exact=False)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    gate, up, x = on_gpu(f32(args.tokens, FF)), on_gpu(f32(args.tokens, FF)), on_gpu(f32(args.tokens, D))
+    sn.swiglu_matmul(gate, up, [on_gpu(f32(16, FF))], exact=False)
+    sn.matmul(x, on_gpu(f32(16, D)), exact=False)
     sn.gpu_synchronize()
     return 0
 

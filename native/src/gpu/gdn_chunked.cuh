@@ -202,6 +202,18 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
   }
 }
 
+// The state pass's 2 x 2 register tile: acc[a][b] += x[b] . y[a] over one float4, its four products
+// in order (each element its own fmaf chain).
+__device__ __forceinline__ void tile_fma(float (&acc)[2][2], const float4 (&x)[2], const float4 (&y)[2]) {
+#pragma unroll
+  for (int a = 0; a < 2; ++a)
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      acc[a][b] = fmaf(x[b].x, y[a].x, acc[a][b]), acc[a][b] = fmaf(x[b].y, y[a].y, acc[a][b]);
+      acc[a][b] = fmaf(x[b].z, y[a].z, acc[a][b]), acc[a][b] = fmaf(x[b].w, y[a].w, acc[a][b]);
+    }
+}
+
 // The state pass streams each chunk's operands through two slab buffers, every matrix in two halves: W and
 // scale * Q by halves of dk (the sums over e run over the first half, then the second), exp(G_n - G_i) K by
 // halves of the chunk's rows (the sum over i likewise). A step computes with one slab while the next one is in
@@ -217,18 +229,6 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
 // or 2 groups of 4: 6 wavefronts per 32 FMAs at dk 128). Every D, O and S element is one fmaf chain over e,
 // j or i in ascending order (the slabs split the chains, never reorder them), so the tiling and the staging
 // change no rounding.
-// The state pass's 2 x 2 register tile: acc[a][b] += x[b] . y[a] over one float4, its four products
-// in order (each element its own fmaf chain).
-__device__ __forceinline__ void tile_fma(float (&acc)[2][2], const float4 (&x)[2], const float4 (&y)[2]) {
-#pragma unroll
-  for (int a = 0; a < 2; ++a)
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      acc[a][b] = fmaf(x[b].x, y[a].x, acc[a][b]), acc[a][b] = fmaf(x[b].y, y[a].y, acc[a][b]);
-      acc[a][b] = fmaf(x[b].z, y[a].z, acc[a][b]), acc[a][b] = fmaf(x[b].w, y[a].w, acc[a][b]);
-    }
-}
-
 template <int DK>
 __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(const Params P, const GdnChunkScratch X) {
   pdl_enter();
