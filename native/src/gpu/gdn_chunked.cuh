@@ -46,7 +46,8 @@ struct Params {
 //   gdn_chunk_prep_kernel, one block per (value head, chunk), all chunks at once (they do not depend on
 //   the state): G, P, U and W into scratch;
 //   gdn_chunk_state_kernel, one block per (value head, kGdnChunkRows state rows), the chunks in order:
-//   state row r only meets column r of D and of O, so row blocks are independent.
+//   state row r only meets column r of D and of O, so row blocks are independent. Its three products run on
+//   tensor cores (3xTF32, F32-level accuracy) on CUDA, as FP32 fmaf chains on HIP (the #if SPECD_HIP below).
 
 constexpr int kGdnChunk = 64;        // tokens per chunk (part of the path's arithmetic)
 constexpr int kGdnChunkThreads = 256;
@@ -68,6 +69,7 @@ constexpr size_t gdn_prep_smem(int64_t dk, int64_t dv) {
   return (size_t(2 * kGdnChunk) * size_t(dk + 1) + size_t(kGdnChunk * (kGdnChunk + 1) + 3 * kGdnChunk) +
           (gdn_v_in_q(dk, dv) ? 0 : size_t(kGdnChunk) * size_t(dv))) * 4;
 }
+#if SPECD_HIP
 // The state kernel's slab buffer (floats): a chunk's rows x half of dk (W, Q) or half its rows x dk (K), padded.
 __host__ __device__ constexpr int gdn_state_slab(int dk) {
   return kGdnChunk * (dk / 2 + 4) > kGdnChunk / 2 * (dk + 4) ? kGdnChunk * (dk / 2 + 4) : kGdnChunk / 2 * (dk + 4);
@@ -77,6 +79,18 @@ constexpr size_t gdn_state_smem(int dk) {
   return size_t(2 * gdn_state_slab(dk) + kGdnChunk * (kGdnChunk + 4) + kGdnChunkRows * (dk + 4) +
                 kGdnChunkRows * (kGdnChunk + 4) + 2 * kGdnChunk) * 4;
 }
+#else
+// The state kernel's slab buffer (floats): a chunk's rows x half of dk (W, Q: rows of dk / 2 + 4) or half its
+// rows x dk (K: rows of dk + 8), padded (the strides that make the tensor-core fragment loads conflict-free).
+__host__ __device__ constexpr int gdn_state_slab(int dk) {
+  return kGdnChunk * (dk / 2 + 4) > kGdnChunk / 2 * (dk + 8) ? kGdnChunk * (dk / 2 + 4) : kGdnChunk / 2 * (dk + 8);
+}
+// Two slabs, P, the state rows, D^T as (hi, lo) pairs, G and exp(G_n - G): 68.25 KiB at dk 128, three blocks per SM.
+constexpr size_t gdn_state_smem(int dk) {
+  return size_t(2 * gdn_state_slab(dk) + kGdnChunk * (kGdnChunk + 4) + kGdnChunkRows * (dk + 4) +
+                kGdnChunkRows * (2 * kGdnChunk + 8) + 2 * kGdnChunk) * 4;
+}
+#endif
 
 // Stages N 16-byte pieces per thread (piece x = threadIdx.x + it * kGdnChunkThreads, it < N): every load(x)
 // is issued before the first store(x, value), so a stage costs one memory round trip, not N (the compiler
@@ -202,6 +216,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
   }
 }
 
+#if SPECD_HIP
 // The state pass's 2 x 2 register tile: acc[a][b] += x[b] . y[a] over one float4, its four products
 // in order (each element its own fmaf chain).
 __device__ __forceinline__ void tile_fma(float (&acc)[2][2], const float4 (&x)[2], const float4 (&y)[2]) {
@@ -453,5 +468,299 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   for (int x = tid; x < R * K4; x += kGdnChunkThreads)
     st4(P.state_out + (int64_t(j) * P.dv + r0 + x / K4) * DK + 4 * (x % K4), ld4(Ss + (x / K4) * BS + 4 * (x % K4)));
 }
+
+#else  // CUDA: the products on tensor cores
+
+// The state pass streams each chunk's operands through two slab buffers, every matrix in two halves: W and
+// scale * Q by halves of dk (the sums over e run over the first half, then the second), exp(G_n - G_i) K by
+// halves of the chunk's rows (the sum over i likewise). A step computes with one slab while the next one is in
+// flight from global memory into registers, stored to the other buffer after the step's arithmetic (one
+// barrier a step): the loads' round trips overlap arithmetic instead of stalling all the block's warps at a
+// barrier. Six steps a chunk, slab k of a chunk in buffer k % 2 (in flight during the step in parentheses):
+//   1. D = U - W S0^T over W's first half (W's second half, U)   2. its second half; D^T stored (Q's first half)
+//   3. Q S0^T, first half (Q's second half)   4. second half, then O = Gamma . + P D (K's first rows)
+//   5. S over rows i < 32 (K's other rows, half of the next chunk's P)
+//   6. S over i >= 32 (the next chunk's W first half, G, the other half of P)
+// The three products run on tensor cores, mma.sync m16n8k8 tf32 -> f32, at F32-level accuracy by 3xTF32: an
+// F32 operand x = hi + lo (split_tf32), a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi (the small terms first into
+// the F32 accumulator; a_lo b_lo, below 2^-22 |a b|, dropped). Warp w of 8 (lane 4 g + t, as the fragments):
+//   D and O, [64 chunk rows x 16 state rows]: the m16n8 tile of chunk rows 16 (w % 4) .. and state rows
+//   8 (w / 4) .., over e (W, Q: A fragments from the slab, S0: B fragments from Ss) then j (P, D^T);
+//   S, [16 state rows x dk]: n8 tiles w + 8 q of the elements (dk 32: warps 0..3), over i (D^T, K~).
+// D^T is stored as (hi, lo) pairs by the threads that compute D (a D element feeds 12 warps' fragments: split
+// once). Strides (floats): [row][k] operands (W, Q, P, S0) 4 mod 32 (lanes' words 4 g + t: conflict-free), the
+// [k][n] operand K~ 8 mod 32 (8 t + g), D^T's pairs 8 mod 32 (LDS.64, a half warp's words 8 g + 2 t, + 1).
+// Sums run in another order than the HIP path's fmaf chains (results differ in the last bits).
+
+// x = hi + lo exactly: hi = x rounded to tf32 (nearest, ties away from zero: cvt.rna.tf32.f32's value for
+// finite x, in 2 integer ops where cvt takes 4), lo = x - hi (exact in F32; |lo| <= 2^-11 |x|), which the
+// MMA reads truncated to tf32 (it ignores an operand's low 13 bits, as CUTLASS's round_half_ulp_truncate
+// relies on): lo's error <= 2^-22 |x|. A NaN x gives a NaN lo (hi may be -0), so NaNs still propagate.
+struct Tf32 {
+  uint32_t hi, lo;
+};
+__device__ __forceinline__ Tf32 split_tf32(float x) {
+  const uint32_t h = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  return {h, __float_as_uint(__fsub_rn(x, __uint_as_float(h)))};
+}
+// d += a b, mma.sync m16n8k8 row.col tf32 x tf32 -> f32 (PTX ISA "Matrix fragments for mma.m16n8k8", .tf32,
+// lane = 4 g + t): A a0 = (row g, k t), a1 = (g + 8, t), a2 = (g, t + 4), a3 = (g + 8, t + 4); B b0 = (k t,
+// col g), b1 = (k t + 4, col g); C/D d0, d1 = (row g, cols 2t, 2t + 1), d2, d3 = (row g + 8, ...).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+#if defined(SPECD_HOST_EMU)
+  const uint32_t a[4] = {a0, a1, a2, a3};
+  specd_emu_mma_tf32(d, a, make_uint2(b0, b1));
+#else
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+// d += a b in 3xTF32, the small terms first.
+__device__ __forceinline__ void mma3(float (&d)[4], const Tf32 (&a)[4], const Tf32 (&b)[2]) {
+  mma_tf32(d, a[0].lo, a[1].lo, a[2].lo, a[3].lo, b[0].hi, b[1].hi);
+  mma_tf32(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b[0].lo, b[1].lo);
+  mma_tf32(d, a[0].hi, a[1].hi, a[2].hi, a[3].hi, b[0].hi, b[1].hi);
+}
+// Fragments, split: A (16 x 8) of a row-major [m][k] array with row stride ld, p = its (row g, k t); B (8 x 8)
+// of a [n][k] array (B^T row-major), p = its (n g, k t); B of a [k][n] array, p = its (k t, n g).
+__device__ __forceinline__ void frag_a(Tf32 (&a)[4], const float* p, int ld) {
+  a[0] = split_tf32(p[0]), a[1] = split_tf32(p[8 * ld]), a[2] = split_tf32(p[4]), a[3] = split_tf32(p[8 * ld + 4]);
+}
+__device__ __forceinline__ void frag_b_nk(Tf32 (&b)[2], const float* p) { b[0] = split_tf32(p[0]), b[1] = split_tf32(p[4]); }
+__device__ __forceinline__ void frag_b_kn(Tf32 (&b)[2], const float* p, int ld) {
+  b[0] = split_tf32(p[0]), b[1] = split_tf32(p[4 * ld]);
+}
+// The same from arrays of (hi, lo) pairs (row stride ld pairs' floats), p = the pair of (row g, k t) / (n g, k t).
+__device__ __forceinline__ Tf32 ld_pair(const float* p) {
+  const float2 v = *reinterpret_cast<const float2*>(p);
+  return {__float_as_uint(v.x), __float_as_uint(v.y)};
+}
+__device__ __forceinline__ void frag_a_pairs(Tf32 (&a)[4], const float* p, int ld) {
+  a[0] = ld_pair(p), a[1] = ld_pair(p + 8 * ld), a[2] = ld_pair(p + 8), a[3] = ld_pair(p + 8 * ld + 8);
+}
+__device__ __forceinline__ void frag_b_pairs(Tf32 (&b)[2], const float* p) { b[0] = ld_pair(p), b[1] = ld_pair(p + 8); }
+
+template <int DK>
+__global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(const Params P, const GdnChunkScratch X) {
+  pdl_enter();
+  // Row strides (floats): W / Q slabs ES, K slabs KS, P PS, the state rows BS, D^T's pairs DS (header comment).
+  constexpr int C = kGdnChunk, H = C / 2, R = kGdnChunkRows, SE = DK / 2, ES = SE + 4, KS = DK + 8, BS = DK + 4,
+                PS = C + 4, DS = 2 * C + 8;
+  static_assert(ES % 32 == 4 || ES % 32 == 20, "A fragments of W / Q: conflict-free");
+  static_assert(KS % 32 == 8 && DS % 32 == 8 && BS % 32 == 4 && PS % 32 == 4, "conflict-free fragments");
+  constexpr int SB = gdn_state_slab(DK);
+  float* const sm = dyn_smem();
+  float* const Bf0 = sm;          // slabs 0, 2, 4 of a chunk: W's first half, Q's first half, K's first rows
+  float* const Bf1 = sm + SB;     // slabs 1, 3, 5
+  float* const Ps = Bf1 + SB;     // [C][PS] P
+  float* const Ss = Ps + C * PS;  // [R][BS] the block's state rows
+  float* const Dt = Ss + R * BS;  // [R][DS] D^T as (hi, lo) pairs: row r = D's column of the block's state row r
+  float* const Gs = Dt + R * DS;  // [C] G
+  float* const Es = Gs + C;       // [C] exp(G_n - G_i), K~'s row scales
+  const int nb = P.dv / R, j = blockIdx.x / nb, r0 = (blockIdx.x % nb) * R, kh = j % P.hk, tid = threadIdx.x;
+  static_assert(kGdnChunkThreads == 256 && R == 16 && C == 64, "the tiles below cover 16 x 64 with 8 warps");
+  // 16-byte pieces: per row of a W / Q slab, per row of K, per thread of a slab
+  constexpr int E4 = SE / 4, K4 = DK / 4, NP = C * SE / 4 / kGdnChunkThreads;
+  static_assert(NP * 4 * kGdnChunkThreads == C * SE && H * DK == C * SE, "whole slabs");
+  for (int x = tid; x < R * K4; x += kGdnChunkThreads)
+    st4(Ss + (x / K4) * BS + 4 * (x % K4), ld4(P.state + (int64_t(j) * P.dv + r0 + x / K4) * DK + 4 * (x % K4)));
+  // Warp w, lane 4 g + t. D and O: chunk rows mi + g (+ 8), state rows ni + 2 t (+ 1). S: n8 tiles w + 8 q
+  // (q < SQ) of the elements, warps w < NT.
+  const int w = tid / 32, g = (tid % 32) / 4, t = tid % 4, mi = 16 * (w % 4), ni = 8 * (w / 4);
+  constexpr int NT = DK / 8, SQ = NT >= 8 ? NT / 8 : 1;
+  const bool s_on = w < NT;
+  using Slab = float4[NP];
+  // Pieces: thread tid takes row tid / E4 (K: / K4) + it * ER (KR) of a slab, so every piece's address is one
+  // per-thread base plus a constant (or a multiple of a parameter): few registers held across the loop.
+  constexpr int ER = kGdnChunkThreads / E4, KR = kGdnChunkThreads / K4;
+  const int er = tid / E4, ec = 4 * (tid % E4), kr = tid / K4, kc = 4 * (tid % K4);
+  // Slab `half` of the dk halves of rows 0..n-1 at base + i * stride (W, Q), and its store (q scaled).
+  auto load_e = [&](Slab& v, const float* base, int stride, int half, int n) {
+    const float* src = base + opaque(er) * stride + ec + half * SE;
+#pragma unroll
+    for (int it = 0; it < NP; ++it) v[it] = er + it * ER < n ? ld4(src + it * ER * stride) : kZero4;
+  };
+  auto put_e = [&](float* buf, const Slab& v, int n, bool q) {
+#pragma unroll
+    for (int it = 0; it < NP; ++it)
+      st4(buf + (er + it * ER) * ES + ec, q && er + it * ER < n ? scaled(v[it], P.scale) : v[it]);
+  };
+  // Rows half * H .. half * H + H - 1 of K, and their store scaled by exp(G_n - G_i) (Es, step 3).
+  const int qk_stride = P.hk * DK;
+  auto load_k = [&](Slab& v, const float* base, int half, int n) {
+    const float* src = base + (half * H + opaque(kr)) * qk_stride + kc;
+#pragma unroll
+    for (int it = 0; it < NP; ++it) v[it] = half * H + kr + it * KR < n ? ld4(src + it * KR * qk_stride) : kZero4;
+  };
+  auto put_k = [&](float* buf, const Slab& v, int half) {
+#pragma unroll
+    for (int it = 0; it < NP; ++it) st4(buf + (kr + it * KR) * KS + kc, scaled(v[it], Es[half * H + kr + it * KR]));
+  };
+  // P in two halves of rows (steps 5 and 6 load one each: fewer registers in flight at a time).
+  constexpr int NPP = C * C / 8 / kGdnChunkThreads, PR = kGdnChunkThreads / (C / 4);
+  using PHalf = float4[NPP];
+  auto load_p = [&](PHalf& v, int c, int half) {
+    const float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C + half * (C * C / 2) + 4 * tid;
+#pragma unroll
+    for (int it = 0; it < NPP; ++it) v[it] = ld4(Pg + it * 4 * kGdnChunkThreads);
+  };
+  auto put_p = [&](const PHalf& v, int half) {
+#pragma unroll
+    for (int it = 0; it < NPP; ++it)
+      st4(Ps + (half * H + tid / (C / 4) + it * PR) * PS + 4 * (tid % (C / 4)), v[it]);
+  };
+  auto load_g = [&](int64_t t0, int n) { return tid < n ? X.G[int64_t(j) * P.T + t0 + tid] : 0.0f; };
+  auto W_at = [&](int64_t t0) { return X.W + (int64_t(j) * P.T + t0) * DK; };
+  auto Q_at = [&](int64_t t0) { return P.q + (t0 * P.hk + kh) * DK; };
+  auto K_at = [&](int64_t t0) { return P.k + (t0 * P.hk + kh) * DK; };
+  auto rows_in = [&](int64_t t0) { return P.T - t0 < C ? int(P.T - t0) : C; };
+  // acc += (slab rows mi..) (state rows ni..)^T over the slab's half of e.
+  auto dots = [&](const float* buf, int half, float (&acc)[4]) {
+    const float* a = buf + (mi + g) * ES + t;
+    const float* b = Ss + (ni + g) * BS + half * SE + t;
+#pragma unroll 
+    for (int k0 = 0; k0 < SE; k0 += 8) {
+      Tf32 af[4], bf[2];
+      frag_a(af, a + k0, ES);
+      frag_b_nk(bf, b + k0);
+      mma3(acc, af, bf);
+    }
+  };
+  // sacc[q] += (D^T)[:, slab rows] K~[slab rows, tile w + 8 q] over the slab's rows (rows past n: zeros).
+  float sacc[SQ][4];
+  auto s_rows = [&](const float* buf, int half) {
+    if (!s_on) return;
+#pragma unroll 
+    for (int k0 = 0; k0 < H; k0 += 8) {
+      Tf32 af[4];
+      frag_a_pairs(af, Dt + g * DS + 2 * (half * H + k0 + t), DS);
+#pragma unroll
+      for (int q = 0; q < SQ; ++q) {
+        Tf32 bf[2];
+        frag_b_kn(bf, buf + (k0 + t) * KS + 8 * (w + 8 * q) + g, KS);
+        mma3(sacc[q], af, bf);
+      }
+    }
+  };
+  Slab v;
+  {  // chunk 0's W first half, G and P
+    const int n = rows_in(0);
+    PHalf p0, p1;
+    load_e(v, W_at(0), DK, 0, n);
+    load_p(p0, 0, 0);
+    load_p(p1, 0, 1);
+    const float g0 = load_g(0, n);
+    put_e(Bf0, v, n, false);
+    put_p(p0, 0);
+    put_p(p1, 1);
+    if (tid < C) Gs[tid] = g0;
+  }
+  __syncthreads();
+  for (int c = 0; c < X.chunks; ++c) {
+    const int64_t t0 = int64_t(opaque(c)) * C;
+    const int n = rows_in(t0);
+    const bool more = c + 1 < X.chunks;
+    float acc[4];  // (chunk rows mi + g, + 8) x (state rows ni + 2 t, + 1)
+    // 1. D = U - W S0^T over W's first half: acc = -U + W S0^T, D = -acc
+    const float* Ug = X.U + (int64_t(j) * P.T + t0 + mi + g) * P.dv + r0 + ni + 2 * t;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float2 u = mi + g + 8 * h < n ? *reinterpret_cast<const float2*>(Ug + 8 * h * P.dv) : make_float2(0.0f, 0.0f);
+      acc[2 * h] = -u.x, acc[2 * h + 1] = -u.y;
+    }
+    load_e(v, W_at(t0), DK, 1, n);
+    dots(Bf0, 0, acc);
+    put_e(Bf1, v, n, false);
+    __syncthreads();
+    // 2. its second half; D^T stored as pairs (rows past n: zeros)
+    load_e(v, Q_at(t0), qk_stride, 0, n);
+    dots(Bf1, 1, acc);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = mi + g + 8 * (e >> 1);
+      const Tf32 d = split_tf32(i < n ? -acc[e] : 0.0f);
+      *reinterpret_cast<float2*>(Dt + (ni + 2 * t + (e & 1)) * DS + 2 * i) =
+          make_float2(__uint_as_float(d.hi), __uint_as_float(d.lo));
+      acc[e] = 0.0f;
+    }
+    put_e(Bf0, v, n, true);
+    __syncthreads();  // D complete
+    // 3. O = diag(Gamma) Q S0^T + P D (P is zero past the diagonal, D past n): Q's first half
+    load_e(v, Q_at(t0), qk_stride, 1, n);
+    dots(Bf0, 0, acc);
+    // K~'s row scales for steps 4 and 5, by the last two warps
+    if (const int i = tid - (kGdnChunkThreads - C); i >= 0) Es[i] = expf(Gs[n - 1] - Gs[i]);
+    put_e(Bf1, v, n, true);
+    __syncthreads();
+    // 4. Q's second half, then Gamma and P D
+    load_k(v, K_at(t0), 0, n);
+    dots(Bf1, 1, acc);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float gamma = expf(Gs[mi + g + 8 * h]);
+      acc[2 * h] *= gamma, acc[2 * h + 1] *= gamma;
+    }
+#pragma unroll 
+    for (int k0 = 0; k0 < C; k0 += 8) {
+      Tf32 af[4], bf[2];
+      frag_a(af, Ps + (mi + g) * PS + k0 + t, PS);
+      frag_b_pairs(bf, Dt + (ni + g) * DS + 2 * (k0 + t));
+      mma3(acc, af, bf);
+    }
+    float* const Og = P.out + ((t0 + mi + g) * P.hv + opaque(j)) * P.dv + r0 + ni + 2 * t;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (mi + g + 8 * h < n) Og[8 * h * P.hv * P.dv] = acc[2 * h], Og[8 * h * P.hv * P.dv + 1] = acc[2 * h + 1];
+    const float gn = Gs[n - 1];
+    put_k(Bf0, v, 0);
+    __syncthreads();  // P and D^T's reads by P D done, K's first rows staged
+    // 5. S = Gamma_n S0 + D^T K~ over rows i < 32 (thread-owned elements of Ss: read and written by it alone)
+    {
+      PHalf p;
+      if (more) load_p(p, c + 1, 0);
+      load_k(v, K_at(t0), 1, n);
+      const float decay = expf(gn);
+      if (s_on)
+#pragma unroll
+        for (int q = 0; q < SQ; ++q)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float2 s0 = *reinterpret_cast<const float2*>(Ss + (g + 8 * h) * BS + 8 * (w + 8 * q) + 2 * t);
+            sacc[q][2 * h] = decay * s0.x, sacc[q][2 * h + 1] = decay * s0.y;
+          }
+      s_rows(Bf0, 0);
+      put_k(Bf1, v, 1);
+      if (more) put_p(p, 0);
+    }
+    __syncthreads();  // Gs no longer read this chunk; S0 no longer read (steps 1-4) by other warps
+    // 6. rows i >= 32; the state rows written
+    const int64_t t1 = t0 + C;
+    const int n1 = more ? rows_in(t1) : 0;
+    float g1 = 0.0f;
+    PHalf p;
+    if (more) load_e(v, W_at(t1), DK, 0, n1), load_p(p, c + 1, 1), g1 = load_g(t1, n1);
+    s_rows(Bf1, 1);
+    if (s_on)
+#pragma unroll
+      for (int q = 0; q < SQ; ++q)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<float2*>(Ss + (g + 8 * h) * BS + 8 * (w + 8 * q) + 2 * t) =
+              make_float2(sacc[q][2 * h], sacc[q][2 * h + 1]);
+    if (more) {
+      put_e(Bf0, v, n1, false);
+      put_p(p, 1);
+      if (tid < C) Gs[tid] = g1;
+    }
+    __syncthreads();  // the state rows are complete before the next chunk's step 1 reads them
+  }
+  for (int x = tid; x < R * K4; x += kGdnChunkThreads)
+    st4(P.state_out + (int64_t(j) * P.dv + r0 + x / K4) * DK + 4 * (x % K4), ld4(Ss + (x / K4) * BS + 4 * (x % K4)));
+}
+
+#endif
 
 }  // namespace specd::gpu::detail::gdn

@@ -1,13 +1,15 @@
 // Host emulation of the CUDA execution model for the kernel harnesses mma_main.cpp (the tensor-core GEMV,
 // native/src/gpu/matmul_mma.cuh), attn_main.cpp (the flash attention, native/src/gpu/attention_flash.cuh),
 // chunk_main.cpp (the exact path's tensor-core chunk pass, native/src/gpu/attention_chunk_mma.cuh) and
-// mask_main.cpp (the mask compaction, native/src/gpu/attention_mask.cuh):
+// mask_main.cpp (the mask compaction, native/src/gpu/attention_mask.cuh), gdn_main.cpp (the chunked Gated DeltaNet,
+// native/src/gpu/gdn_chunked.cuh):
 // a block runs as one std::thread per lane; the warp-wide instructions are emulated from the PTX ISA
 // fragment layouts with one barrier per instruction: every lane publishes its operands in the warp's
 // exchange slot of that instruction (two slots used in turn), waits at the warp barrier, then computes
 // its own result from the published operands (a lane can only publish into a slot again after the next
 // instruction's barrier, which every lane reaches after reading the slot). mma.sync m16n8k32 s8 -> s32
 // (exact integers, as the hardware), mma.sync m16n8k16 f16 -> f32 (products exact, summed in double and
+// rounded once), mma.sync m16n8k8 tf32 -> f32 (operands truncated to tf32, products exact, summed in double and
 // rounded once), ldmatrix .x4 (and .trans), shuffles, __syncwarp; __syncthreads is a block barrier,
 // cp.async an immediate copy, __shared__ arrays are statics (one block at a time) and dynamic shared
 // memory is specd_emu_dyn_smem (set by the harness).
@@ -127,6 +129,24 @@ inline void specd_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
       const float av = half_of(w.a[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
       // B (k, col): lane 4 col + (k % 8) / 2, register k >= 8, half k & 1.
       const float bv = half_of(w.b[4 * col + (k % 8) / 2][k >= 8], k & 1);
+      s += double(av) * double(bv);
+    }
+    return float(s);
+  });
+}
+
+// m16n8k8 tf32 -> f32, d += a * b: each operand read as tf32 (its low 13 bits ignored, as the hardware reads
+// them: truncated), products exact, a row's 8 products and the accumulator summed in double and rounded once
+// to F32 (an approximation of the hardware's internal summation order and rounding).
+inline float tf32_of(uint32_t reg) { return __uint_as_float(reg & 0xffffe000u); }
+inline void specd_emu_mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+  warp_mma(d, a, b, [](const WarpSlot& w, int row, int col, float acc) {
+    double s = acc;
+    for (int k = 0; k < 8; ++k) {
+      // A (row, k): lane 4 (row % 8) + k % 4, register (row >= 8) + 2 (k >= 4); B (k, col): lane 4 col + k % 4,
+      // register k >= 4.
+      const float av = tf32_of(w.a[4 * (row % 8) + k % 4][(row >= 8) + 2 * (k >= 4)]);
+      const float bv = tf32_of(w.b[4 * col + k % 4][k >= 4]);
       s += double(av) * double(bv);
     }
     return float(s);
