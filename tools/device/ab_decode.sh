@@ -18,6 +18,9 @@
 #     OUT=/some/dir DECODE_TREES=new AB_DECODE_ARGS="--decode-context 8192" bash tools/device/ab_decode.sh  (no OLD)
 #     OUT=/some/dir OLD="pdl:ab_pdl" SWEEP_FORMAT=IQ4_XS_T \
 #       SWEEP_VARIANTS="new:-DSPECD_MMA_SPLIT_BLOCKS=16 pdl:-I$PWD/ab_pdl/native/src/gpu" bash tools/device/ab_decode.sh
+# SWEEP_OLD=1 also runs each old tree's own gemv_sweep.sh (its own sweep source and header, its default
+# tuning; the variant is named after the tree), for trees whose GEMV interface differs from the working
+# tree's (where an -I variant would not compile).
 # Outputs: build.log, pytest.log, status.txt (gpu_tests.sh), old_build.log, ab.log (the decode runs'
 # output), ab.tsv (tree round decode_tok_s verify_ms_w1 verify_ms_w4 verify_ms_w8
 # verify_ms_w16 loop_tok_s_al3 loop_tok_s_al5 loop_tok_s_al7 decode_verify_commit_tok_s (- for trees from before
@@ -71,7 +74,11 @@ done
 old_pid=$!
 if [ -n "${SWEEP_VARIANTS:-}" ]; then  # compile only (no GPU yet): gemv_sweep.sh runs them in step 3
   (mkdir -p /tmp/ab_sweep && OUT=/tmp/ab_sweep VARIANTS="$SWEEP_VARIANTS" SWEEP_BUILD_ONLY=1 \
-    bash tools/device/gemv_sweep.sh >/dev/null 2>&1) &
+    bash tools/device/gemv_sweep.sh >/dev/null 2>&1
+   [ "${SWEEP_OLD:-0}" = 1 ] && for i in "${!names[@]}"; do  # each old tree's own sweep, its defaults
+     (cd "${dirs[$i]}" && mkdir -p "/tmp/ab_sweep_${names[$i]}" && OUT="/tmp/ab_sweep_${names[$i]}" VARIANTS="${names[$i]}:" \
+       SWEEP_BUILD_ONLY=1 bash tools/device/gemv_sweep.sh >/dev/null 2>&1)
+   done) &
   sweep_pid=$!
 fi
 OUT=$OUT REPORT=0 bash tools/device/gpu_tests.sh >/dev/null 2>&1
@@ -130,6 +137,12 @@ if [ -n "${SWEEP_VARIANTS:-}" ]; then
   OUT=/tmp/ab_sweep VARIANTS="$SWEEP_VARIANTS" SWEEP_SKIP_BUILD=1 timeout 150 bash tools/device/gemv_sweep.sh >/dev/null 2>&1
   cp /tmp/ab_sweep/sweep.tsv "$OUT/sweep.tsv"
   cat /tmp/ab_sweep/build.log >>"$OUT/old_build.log"
+  [ "${SWEEP_OLD:-0}" = 1 ] && for i in "${!names[@]}"; do
+    (cd "${dirs[$i]}" && OUT="/tmp/ab_sweep_${names[$i]}" VARIANTS="${names[$i]}:" SWEEP_SKIP_BUILD=1 timeout 150 \
+      bash tools/device/gemv_sweep.sh >/dev/null 2>&1)
+    cat "/tmp/ab_sweep_${names[$i]}/sweep.tsv" >>"$OUT/sweep.tsv"
+    cat "/tmp/ab_sweep_${names[$i]}/build.log" >>"$OUT/old_build.log"
+  done
 fi
 cat "$OUT/status.txt" "$OUT/ab.tsv"
 ! grep -qE "not measured|missing" "$OUT/ab.tsv"

@@ -224,7 +224,7 @@ int main(int argc, char** argv) {
   else return 2;
   // The weights' rows one after the other (y: each weight's [n, out_i] one after the other).
   std::vector<uint8_t> w(size_t(row_bytes * out));
-  std::vector<float> x(size_t(n * in)), y(size_t(n * out));
+  std::vector<float> x(size_t(n * in)), y(size_t(n * out), NAN);  // y poisoned: every row must be written
   std::ifstream(argv[5], std::ios::binary).read(reinterpret_cast<char*>(w.data()), std::streamsize(w.size()));
   std::ifstream(argv[6], std::ios::binary).read(reinterpret_cast<char*>(x.data()), std::streamsize(x.size() * 4));
   if (fmt == "Q8_0") run<mma::Q8U>(w, row_bytes, in, x, n, outs, y);
