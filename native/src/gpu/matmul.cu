@@ -411,25 +411,33 @@ struct NormInput {
   }
 };
 
-// swiglu's output values (activations.cuh: the swiglu op's device code) as split inputs.
-struct SwigluInput {
-  const float* __restrict__ g;
-  const float* __restrict__ u;
-  int64_t in;
-  __device__ __forceinline__ void load(int r, int64_t blk, int t, float (&v)[8]) const {
-    const int64_t off = int64_t(r) * in + 32 * blk;
-    const float4* g4 = reinterpret_cast<const float4*>(g + off);
-    const float4* u4 = reinterpret_cast<const float4*>(u + off);
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const float4 a = g4[t + 4 * k], b = u4[t + 4 * k];
-      using detail::apply;
-      using detail::Op;
-      detail::mma::put4(v, k, {apply<Op::Swiglu>(a.x, b.x), apply<Op::Swiglu>(a.y, b.y), apply<Op::Swiglu>(a.z, b.z),
-                               apply<Op::Swiglu>(a.w, b.w)});
-    }
+// A 256-input group's values in shared memory (v[k] = input 256 grp + k) as split inputs.
+struct GroupValues {
+  const float* v;
+  int64_t grp;
+  __device__ __forceinline__ void load(int, int64_t blk, int t, float (&out)[8]) const {
+    const float* p = v + 32 * (blk - grp * (detail::mma::kGroup / 32));
+    detail::mma::put4(out, 0, *reinterpret_cast<const float4*>(p + 4 * t));
+    detail::mma::put4(out, 1, *reinterpret_cast<const float4*>(p + 16 + 4 * t));
   }
 };
+
+// swiglu(gate, up) [n, in] split for the GEMV: one block per (row r, 256-input group), a thread per
+// input computes its value with the swiglu op's device code (activations.cuh: double precision, so
+// one value per thread: 8 per lane in the split's own warp took ~3 us more per call), then warp 0
+// splits the group from shared memory (split_group: the same terms as split_x of swiglu's output).
+__global__ void __launch_bounds__(detail::mma::kGroup) swiglu_split_kernel(const float* __restrict__ g,
+                                                                           const float* __restrict__ u, int64_t in,
+                                                                           int n, int64_t groups, uint2* __restrict__ xb,
+                                                                           float* __restrict__ xs, uint32_t* __restrict__ xm) {
+  detail::pdl_enter();
+  __shared__ __align__(16) float v[detail::mma::kGroup];
+  const int r = int(blockIdx.x / groups);
+  const int64_t grp = blockIdx.x % groups, i = grp * detail::mma::kGroup + threadIdx.x, off = int64_t(r) * in + i;
+  v[threadIdx.x] = i < in ? detail::apply<detail::Op::Swiglu>(g[off], u[off]) : 0.0f;
+  __syncthreads();
+  if (threadIdx.x < 32) detail::mma::split_group(GroupValues{v, grp}, r, n, grp, in, int(threadIdx.x), xb, xs, xm);
+}
 
 // One block per row of x [n, d] (the norm kernel's block size, threads_for(d / 4)): the norm's first
 // pass (norm.cuh, the standalone vector kernel's arithmetic: the same scale), then the block's warps
@@ -543,9 +551,15 @@ std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const st
     return linear(swiglu(gate, up), ws, exact, op);  // the composition: same results, one launch more
   std::vector<Tensor> ys = linear_outputs(gate, ws, op);
 #if SPECD_MMA_GEMV
-  std::shared_ptr<void> xsplit = alloc(detail::mma::XSizes(in).total());  // freed stream-ordered
-  detail::mma::launch_split_x(SwigluInput{gate.ptr<float>(), up.ptr<float>(), in}, in, int(n),
-                              static_cast<uint8_t*>(xsplit.get()), detail::stream());
+  namespace mma = detail::mma;
+  const mma::XSizes sz(in);
+  std::shared_ptr<void> xsplit = alloc(sz.total());  // freed stream-ordered
+  auto* base = static_cast<uint8_t*>(xsplit.get());
+  const int64_t groups = (in + mma::kGroup - 1) / mma::kGroup;
+  detail::launch_kernel<swiglu_split_kernel>("swiglu_split_kernel", unsigned(n * groups), mma::kGroup, 0,
+                                             detail::stream(), gate.ptr<float>(), up.ptr<float>(), in, int(n), groups,
+                                             reinterpret_cast<uint2*>(base), reinterpret_cast<float*>(base + sz.xb),
+                                             reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
   gemv_on_split(ws, ys, in, xsplit.get(), int(n));
 #endif
   return ys;
