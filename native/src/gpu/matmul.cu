@@ -66,8 +66,9 @@
 //
 // Performance (H200, BENCHMARKS.md): the FMA GEMV streams F32 / F16 / BF16 weights at 0.9-1.0 of
 // copy bandwidth at n = 1 but is bound by FP32 FMA issue and L1 traffic of x at n = 8-16 (time
-// linear in n); the tensor-core GEMV streams the quantized formats at 0.30-0.41 of copy at n = 1..2
-// and 0.24-0.33 at 8 (tools/device/gemv_sweep.sh).
+// linear in n); the tensor-core GEMV streams the 27B's FFN weights at 0.48-0.57 of copy at n = 1..2
+// (tiled IQ4_XS 0.50, gate + up grouped 0.56, tiled Q6_K 0.57) and 0.26-0.33 at 16
+// (tools/device/gemv_sweep.sh).
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -423,9 +424,10 @@ struct GroupValues {
 };
 
 // swiglu(gate, up) [n, in] split for the GEMV: one block per (row r, 256-input group), a thread per
-// input computes its value with the swiglu op's device code (activations.cuh: double precision, so
-// one value per thread: 8 per lane in the split's own warp took ~3 us more per call), then warp 0
-// splits the group from shared memory (split_group: the same terms as split_x of swiglu's output).
+// input computes its value with the swiglu op's device code (activations.cuh: in double precision,
+// hence one value per thread), then warp 0 splits the group from shared memory (split_group: the
+// same terms as split_x of swiglu's output). H200, 27B decode step profile: 64 calls 134 us, against
+// 296 us when the split's own warp computed 8 values per lane (BENCHMARKS.md).
 __global__ void __launch_bounds__(detail::mma::kGroup) swiglu_split_kernel(const float* __restrict__ g,
                                                                            const float* __restrict__ u, int64_t in,
                                                                            int n, int64_t groups, uint2* __restrict__ xb,
