@@ -13,10 +13,10 @@ GPU_SRC = os.path.join(HERE, "..", "..", "native", "src", "gpu")
 CXX = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def build_emu(tmp_path_factory, name, headers, main):
-    """(folder, executable) of host_emu/``main`` compiled (C++20, -ffp-contract=off) with the GPU ``headers``
-    (names in native/src/gpu) and host_emu's portability.h / warp_emu.h / attn_case.h; skips without a C++20
-    compiler or the source tree."""
+def build_emu(tmp_path_factory, name, headers, main, defines=()):
+    """(folder, executable) of host_emu/``main`` compiled (C++20, -ffp-contract=off, with ``defines``, e.g.
+    "-DSPECD_HIP=1" for a header's AMD path) with the GPU ``headers`` (names in native/src/gpu) and
+    host_emu's portability.h / warp_emu.h / attn_case.h; skips without a C++20 compiler or the source tree."""
     if not CXX or not all(os.path.exists(os.path.join(GPU_SRC, h)) for h in headers):
         pytest.skip("no C++ compiler or no source tree")
     d = tmp_path_factory.mktemp(name)
@@ -24,8 +24,8 @@ def build_emu(tmp_path_factory, name, headers, main):
             os.path.join(HERE, "host_emu", f) for f in ("portability.h", "warp_emu.h", "attn_case.h", main)]:
         shutil.copy(src, d / os.path.basename(src))
     exe = d / name
-    r = subprocess.run([CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-I", str(d), "-o", str(exe),
-                        str(d / main)], capture_output=True, text=True)
+    r = subprocess.run([CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", *defines, "-I", str(d), "-o",
+                        str(exe), str(d / main)], capture_output=True, text=True)
     if r.returncode != 0 and "barrier" in r.stderr:
         pytest.skip("C++ compiler without std::barrier (C++20)")
     assert r.returncode == 0, r.stderr

@@ -3,7 +3,8 @@ the host.
 
 host_emu/gdn_main.cpp compiles the kernel header for the CPU (host_emu/warp_emu.h: one thread per thread of a
 block, __syncthreads) and runs gdn_chunk_prep_kernel and gdn_chunk_state_kernel with ssm.cu's launch, its
-scratch, output and shared memory poisoned. Checked against the token-by-token recurrence in float64
+scratch, output and shared memory poisoned, built twice: as CUDA (the state pass on tensor cores, 3xTF32) and
+as HIP (-DSPECD_HIP=1: its FP32-FMA state pass). Checked against the token-by-token recurrence in float64
 (cpu::gated_delta_net's arithmetic: S <- exp(g) S; m = S^T k; d = beta (v - m); S <- S + k d^T; o = S^T (scale
 q)) with the GPU op's tolerance 1e-4 * max|ref| + 1e-4 |ref|, so the chunkwise algebra (the WY form), the
 forward substitution, the chunk edges and ragged last chunks are checked without a GPU. The launch itself
@@ -20,9 +21,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_emu_build import build_emu  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def gdn_emu(tmp_path_factory):
-    return build_emu(tmp_path_factory, "gdn_emu", ["gdn_chunked.cuh", "dyn_smem.cuh", "pdl.cuh"], "gdn_main.cpp")
+@pytest.fixture(scope="module", params=["cuda", "hip"])
+def gdn_emu(request, tmp_path_factory):
+    """The emulation of the CUDA build (the state pass on tensor cores, 3xTF32) or of the HIP build (its
+    FP32-FMA state pass), each run by every test below."""
+    return build_emu(tmp_path_factory, "gdn_emu", ["gdn_chunked.cuh", "dyn_smem.cuh", "pdl.cuh"], "gdn_main.cpp",
+                     ["-DSPECD_HIP=1"] if request.param == "hip" else [])
 
 
 def reference(q, k, v, g, beta, state, scale):

@@ -515,6 +515,8 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1
 #if defined(SPECD_HOST_EMU)
   const uint32_t a[4] = {a0, a1, a2, a3};
   specd_emu_mma_tf32(d, a, make_uint2(b0, b1));
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  __trap();  // no tf32 MMA below sm_80; the chunked path is taken on compute capability 8+ only (ssm.cu)
 #else
   asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};\n"

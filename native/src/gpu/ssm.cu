@@ -150,9 +150,11 @@ void launch_gdn_chunked(const GdnParams& P, cudaStream_t s, const char* op) {
 
 // Whether a call may take the chunked path: inexact, at least one chunk of tokens, no checkpoints (they
 // need every token's state), dk 32 / 64 / 128, whole row blocks, 16-byte aligned q / k / v / states (the
-// kernels stage them 16 bytes at a time), and the shared memory the device has.
+// kernels stage them 16 bytes at a time), the shared memory the device has, and on CUDA compute capability
+// 8+ (the state pass's tf32 MMA).
 bool gdn_chunked_ok(bool exact, const GdnParams& P) {
   if (exact || P.ckpt || P.T < kGdnChunk || P.dv % kGdnChunkRows != 0 || P.dv > 4096) return false;
+  if (!SPECD_HIP && detail::compute_major() < 8) return false;
   if (P.dk != 32 && P.dk != 64 && P.dk != 128) return false;
   for (const void* p : {static_cast<const void*>(P.q), static_cast<const void*>(P.k), static_cast<const void*>(P.v),
                         static_cast<const void*>(P.state), static_cast<const void*>(P.state_out)})

@@ -3,7 +3,8 @@
 // (warp_emu.h: __syncthreads a block barrier, the dynamic shared memory a poisoned buffer), with ssm.cu's
 // launch (prep: one block per (value head, chunk of 64 tokens); state: one block per (value head, 16 state
 // rows)). The scratch and the output are poisoned (NaN) first, so a value the kernels should have written
-// and did not shows. Driven by tests/gpu/test_gpu_gdn_chunked_host.py.
+// and did not shows. Built with -DSPECD_HIP=1 it runs the HIP build's state kernel (FP32 FMAs) instead of the
+// CUDA build's (tensor cores). Driven by tests/gpu/test_gpu_gdn_chunked_host.py.
 //
 // usage: gdn_emu DK T hk hv dv scale q.bin k.bin v.bin g.bin beta.bin state.bin out.bin state_out.bin
 //   q, k: F32 [T, hk, DK]; v: F32 [T, hv, dv]; g, beta: F32 [T, hv]; state: F32 [hv, dv, DK];

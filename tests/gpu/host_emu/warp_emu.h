@@ -1,8 +1,6 @@
-// Host emulation of the CUDA execution model for the kernel harnesses mma_main.cpp (the tensor-core GEMV,
-// native/src/gpu/matmul_mma.cuh), attn_main.cpp (the flash attention, native/src/gpu/attention_flash.cuh),
-// chunk_main.cpp (the exact path's tensor-core chunk pass, native/src/gpu/attention_chunk_mma.cuh) and
-// mask_main.cpp (the mask compaction, native/src/gpu/attention_mask.cuh), gdn_main.cpp (the chunked Gated DeltaNet,
-// native/src/gpu/gdn_chunked.cuh):
+// Host emulation of the CUDA execution model for the kernel harnesses in this folder (*_main.cpp: the
+// tensor-core GEMV, the attention kernels, the mask compaction, the chunked and step Gated DeltaNet, the
+// causal conv; each names the header it runs):
 // a block runs as one std::thread per lane; the warp-wide instructions are emulated from the PTX ISA
 // fragment layouts with one barrier per instruction: every lane publishes its operands in the warp's
 // exchange slot of that instruction (two slots used in turn), waits at the warp barrier, then computes
@@ -27,7 +25,9 @@
 
 #include "portability.h"
 
+#ifndef SPECD_HIP  // -DSPECD_HIP=1 builds a header's AMD path (e.g. gdn_chunked.cuh's FP32 state kernel)
 #define SPECD_HIP 0
+#endif
 #define SPECD_HOST_EMU 1
 #define SPECD_WARP 32
 #define __global__
