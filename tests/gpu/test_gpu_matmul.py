@@ -294,7 +294,7 @@ def _bits(t):
 
 @gpu_only
 def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
-    """The GEMV's x split fused into the op producing x (norm_split_kernel, split_x_kernel<SwigluInput>)
+    """The GEMV's x split fused into the op producing x (norm_split_kernel, swiglu_split_kernel)
     gives bit for bit what the composition gives on the GPU (rms_norm or swiglu, then matmul_group):
     every tensor-core format incl. the tiled layouts, with and without a residual and a norm weight, n = 1..16
     (fused) and 17, 40 (the composition: GEMV slices, and the BF16 GEMM with exact=False, where swiglu_matmul

@@ -18,9 +18,10 @@
 #     OUT=/some/dir DECODE_TREES=new AB_DECODE_ARGS="--decode-context 8192" bash tools/device/ab_decode.sh  (no OLD)
 #     OUT=/some/dir OLD="pdl:ab_pdl" SWEEP_FORMAT=IQ4_XS_T \
 #       SWEEP_VARIANTS="new:-DSPECD_MMA_SPLIT_BLOCKS=16 pdl:-I$PWD/ab_pdl/native/src/gpu" bash tools/device/ab_decode.sh
-# SWEEP_OLD=1 also runs each old tree's own gemv_sweep.sh (its own sweep source and header, its default
-# tuning; the variant is named after the tree), for trees whose GEMV interface differs from the working
-# tree's (where an -I variant would not compile).
+# SWEEP_OLD=1 (with SWEEP_VARIANTS) also runs each old tree's own gemv_sweep.sh (its own sweep source and
+# header, its default tuning; the variant is named TREE-own), for trees whose GEMV interface differs from the
+# working tree's (where an -I variant would not compile); up to 150 s more per tree. A tree whose script
+# cannot build apart from running (no SWEEP_SKIP_BUILD, before 01d8f48) is listed as not supported.
 # Outputs: build.log, pytest.log, status.txt (gpu_tests.sh), old_build.log, ab.log (the decode runs'
 # output), ab.tsv (tree round decode_tok_s verify_ms_w1 verify_ms_w4 verify_ms_w8
 # verify_ms_w16 loop_tok_s_al3 loop_tok_s_al5 loop_tok_s_al7 decode_verify_commit_tok_s (- for trees from before
@@ -55,6 +56,10 @@ if [ -z "${CXX:-}" ] || [ "${CXX:-}" = /opt/gcc/bin/g++ ]; then
 fi
 if [ -n "${CXX:-}" ] && [ -z "${CUDAHOSTCXX:-}" ]; then export CUDAHOSTCXX=$CXX; fi
 names=() dirs=()
+if [ "${SWEEP_OLD:-0}" = 1 ] && [ -z "${SWEEP_VARIANTS:-}" ]; then
+  echo "SWEEP_OLD=1 runs alongside a sweep: set SWEEP_VARIANTS too" >&2
+  exit 2
+fi
 for t in ${DECODE_TREES:-}; do  # a name that matches no tree would skip every decode silently
   [ "$t" = new ] || case " $OLD " in *" $t:"*) ;; *) echo "DECODE_TREES: $t is not new nor a tree of OLD" >&2; exit 2 ;; esac
 done
@@ -76,8 +81,9 @@ if [ -n "${SWEEP_VARIANTS:-}" ]; then  # compile only (no GPU yet): gemv_sweep.s
   (mkdir -p /tmp/ab_sweep && OUT=/tmp/ab_sweep VARIANTS="$SWEEP_VARIANTS" SWEEP_BUILD_ONLY=1 \
     bash tools/device/gemv_sweep.sh >/dev/null 2>&1
    [ "${SWEEP_OLD:-0}" = 1 ] && for i in "${!names[@]}"; do  # each old tree's own sweep, its defaults
-     (cd "${dirs[$i]}" && mkdir -p "/tmp/ab_sweep_${names[$i]}" && OUT="/tmp/ab_sweep_${names[$i]}" VARIANTS="${names[$i]}:" \
-       SWEEP_BUILD_ONLY=1 bash tools/device/gemv_sweep.sh >/dev/null 2>&1)
+     grep -q SWEEP_SKIP_BUILD "${dirs[$i]}/tools/device/gemv_sweep.sh" 2>/dev/null || continue
+     (cd "${dirs[$i]}" && mkdir -p "/tmp/ab_sweep_${names[$i]}" && OUT="/tmp/ab_sweep_${names[$i]}" \
+       VARIANTS="${names[$i]}-own:" SWEEP_BUILD_ONLY=1 bash tools/device/gemv_sweep.sh >/dev/null 2>&1)
    done) &
   sweep_pid=$!
 fi
@@ -138,10 +144,16 @@ if [ -n "${SWEEP_VARIANTS:-}" ]; then
   cp /tmp/ab_sweep/sweep.tsv "$OUT/sweep.tsv"
   cat /tmp/ab_sweep/build.log >>"$OUT/old_build.log"
   [ "${SWEEP_OLD:-0}" = 1 ] && for i in "${!names[@]}"; do
-    (cd "${dirs[$i]}" && OUT="/tmp/ab_sweep_${names[$i]}" VARIANTS="${names[$i]}:" SWEEP_SKIP_BUILD=1 timeout 150 \
+    if ! grep -q SWEEP_SKIP_BUILD "${dirs[$i]}/tools/device/gemv_sweep.sh" 2>/dev/null; then
+      echo "# ${names[$i]}-own: not supported (its gemv_sweep.sh cannot build apart from running)" >>"$OUT/sweep.tsv"
+      continue
+    fi
+    (cd "${dirs[$i]}" && OUT="/tmp/ab_sweep_${names[$i]}" VARIANTS="${names[$i]}-own:" SWEEP_SKIP_BUILD=1 timeout 150 \
       bash tools/device/gemv_sweep.sh >/dev/null 2>&1)
-    cat "/tmp/ab_sweep_${names[$i]}/sweep.tsv" >>"$OUT/sweep.tsv"
-    cat "/tmp/ab_sweep_${names[$i]}/build.log" >>"$OUT/old_build.log"
+    echo "sweep ${names[$i]}-own rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+    cat "/tmp/ab_sweep_${names[$i]}/sweep.tsv" >>"$OUT/sweep.tsv" 2>/dev/null ||
+      echo "# ${names[$i]}-own: no sweep.tsv" >>"$OUT/sweep.tsv"
+    cat "/tmp/ab_sweep_${names[$i]}/build.log" >>"$OUT/old_build.log" 2>/dev/null
   done
 fi
 cat "$OUT/status.txt" "$OUT/ab.tsv"

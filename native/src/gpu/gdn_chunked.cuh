@@ -69,22 +69,16 @@ constexpr size_t gdn_prep_smem(int64_t dk, int64_t dv) {
   return (size_t(2 * kGdnChunk) * size_t(dk + 1) + size_t(kGdnChunk * (kGdnChunk + 1) + 3 * kGdnChunk) +
           (gdn_v_in_q(dk, dv) ? 0 : size_t(kGdnChunk) * size_t(dv))) * 4;
 }
+// The state kernel's slab buffer (floats): a chunk's rows x half of dk (W, Q: rows of dk / 2 + 4 floats), which
+// also holds half its rows x dk (K: rows of dk + 4 on HIP, dk + 8 on CUDA; 32 (dk + 8) = 64 (dk / 2 + 4)).
+__host__ __device__ constexpr int gdn_state_slab(int dk) { return kGdnChunk * (dk / 2 + 4); }
 #if SPECD_HIP
-// The state kernel's slab buffer (floats): a chunk's rows x half of dk (W, Q) or half its rows x dk (K), padded.
-__host__ __device__ constexpr int gdn_state_slab(int dk) {
-  return kGdnChunk * (dk / 2 + 4) > kGdnChunk / 2 * (dk + 4) ? kGdnChunk * (dk / 2 + 4) : kGdnChunk / 2 * (dk + 4);
-}
 // Two slabs, P, the state rows, D^T, G and exp(G_n - G): 64 KiB at dk 128, three blocks per SM.
 constexpr size_t gdn_state_smem(int dk) {
   return size_t(2 * gdn_state_slab(dk) + kGdnChunk * (kGdnChunk + 4) + kGdnChunkRows * (dk + 4) +
                 kGdnChunkRows * (kGdnChunk + 4) + 2 * kGdnChunk) * 4;
 }
 #else
-// The state kernel's slab buffer (floats): a chunk's rows x half of dk (W, Q: rows of dk / 2 + 4) or half its
-// rows x dk (K: rows of dk + 8), padded (the strides that make the tensor-core fragment loads conflict-free).
-__host__ __device__ constexpr int gdn_state_slab(int dk) {
-  return kGdnChunk * (dk / 2 + 4) > kGdnChunk / 2 * (dk + 8) ? kGdnChunk * (dk / 2 + 4) : kGdnChunk / 2 * (dk + 8);
-}
 // Two slabs, P, the state rows, D^T as (hi, lo) pairs, G and exp(G_n - G): 68.25 KiB at dk 128, three blocks per SM.
 constexpr size_t gdn_state_smem(int dk) {
   return size_t(2 * gdn_state_slab(dk) + kGdnChunk * (kGdnChunk + 4) + kGdnChunkRows * (dk + 4) +
@@ -119,7 +113,8 @@ __device__ __forceinline__ float4 scaled(float4 v, float s) {
 constexpr float4 kZero4 = {0.0f, 0.0f, 0.0f, 0.0f};
 // x, hidden from the optimizer: an address computed from it is recomputed in each iteration of the state
 // kernel's chunk loop (a few integer ops on parameters) instead of being hoisted out of the loop into registers
-// held throughout it, which its 80-register budget does not hold (ptxas spilled them). NVIDIA only: on AMD
+// held throughout it, which its 80-register budget does not hold (ptxas spilled them; the tensor-core kernel
+// still spills 52 bytes at dk 128, 4 at dk 64). NVIDIA only: on AMD
 // the "r" constraint names a scalar (wave-uniform) register, and x differs per thread.
 __device__ __forceinline__ int opaque(int x) {
 #if !defined(SPECD_HOST_EMU) && !SPECD_HIP
@@ -251,6 +246,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   // column) are one conflict-free wavefront.
   constexpr int C = kGdnChunk, H = C / 2, R = kGdnChunkRows, SE = DK / 2, ES = SE + 4, BS = DK + 4, PS = C + 4;
   constexpr int SB = gdn_state_slab(DK);
+  static_assert(C * ES <= SB && H * BS <= SB, "a slab holds W / Q's half and K's half");
   float* const sm = dyn_smem();
   float* const Bf0 = sm;          // slabs 0, 2, 4 of a chunk: W's first half, Q's first half, K's first rows
   float* const Bf1 = sm + SB;     // slabs 1, 3, 5
@@ -488,7 +484,8 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
 //   8 (w / 4) .., over e (W, Q: A fragments from the slab, S0: B fragments from Ss) then j (P, D^T);
 //   S, [16 state rows x dk]: n8 tiles w + 8 q of the elements (dk 32: warps 0..3), over i (D^T, K~).
 // D^T is stored as (hi, lo) pairs by the threads that compute D (a D element feeds 12 warps' fragments: split
-// once). Strides (floats): [row][k] operands (W, Q, P, S0) 4 mod 32 (lanes' words 4 g + t: conflict-free), the
+// once). Strides (floats): [row][k] operands (W, Q, P, S0) 4 mod 32, W / Q 20 at dk 32 (lanes' words 4 g + t or
+// 20 g + t: conflict-free), the
 // [k][n] operand K~ 8 mod 32 (8 t + g), D^T's pairs 8 mod 32 (LDS.64, a half warp's words 8 g + 2 t, + 1).
 // Sums run in another order than the HIP path's fmaf chains (results differ in the last bits). Measured on
 // the H200 (tools/device/gdn_chunk_bench.py --check, the 27B's shapes, 2048 tokens): max error 1.96e-6 /
@@ -558,6 +555,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   static_assert(ES % 32 == 4 || ES % 32 == 20, "A fragments of W / Q: conflict-free");
   static_assert(KS % 32 == 8 && DS % 32 == 8 && BS % 32 == 4 && PS % 32 == 4, "conflict-free fragments");
   constexpr int SB = gdn_state_slab(DK);
+  static_assert(C * ES <= SB && H * KS <= SB, "a slab holds W / Q's half and K's half");
   float* const sm = dyn_smem();
   float* const Bf0 = sm;          // slabs 0, 2, 4 of a chunk: W's first half, Q's first half, K's first rows
   float* const Bf1 = sm + SB;     // slabs 1, 3, 5
@@ -627,7 +625,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   auto dots = [&](const float* buf, int half, float (&acc)[4]) {
     const float* a = buf + (mi + g) * ES + t;
     const float* b = Ss + (ni + g) * BS + half * SE + t;
-#pragma unroll 
+#pragma unroll
     for (int k0 = 0; k0 < SE; k0 += 8) {
       Tf32 af[4], bf[2];
       frag_a(af, a + k0, ES);
@@ -639,7 +637,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   float sacc[SQ][4];
   auto s_rows = [&](const float* buf, int half) {
     if (!s_on) return;
-#pragma unroll 
+#pragma unroll
     for (int k0 = 0; k0 < H; k0 += 8) {
       Tf32 af[4];
       frag_a_pairs(af, Dt + g * DS + 2 * (half * H + k0 + t), DS);
@@ -709,7 +707,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
       const float gamma = expf(Gs[mi + g + 8 * h]);
       acc[2 * h] *= gamma, acc[2 * h + 1] *= gamma;
     }
-#pragma unroll 
+#pragma unroll
     for (int k0 = 0; k0 < C; k0 += 8) {
       Tf32 af[4], bf[2];
       frag_a(af, Ps + (mi + g) * PS + k0 + t, PS);

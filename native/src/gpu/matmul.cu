@@ -412,8 +412,9 @@ struct NormInput {
   }
 };
 
-// A 256-input group's values in shared memory (v[k] = input 256 grp + k) as split inputs.
-struct GroupValues {
+// One 256-input group's values as split inputs: v = kGroup floats in 16-byte aligned shared memory, v[k] =
+// input 256 grp + k of the row (zeros past `in`); load() is asked only for blocks blk of group grp.
+struct SharedGroupInput {
   const float* v;
   int64_t grp;
   __device__ __forceinline__ void load(int, int64_t blk, int t, float (&out)[8]) const {
@@ -423,10 +424,11 @@ struct GroupValues {
   }
 };
 
-// swiglu(gate, up) [n, in] split for the GEMV: one block per (row r, 256-input group), a thread per
-// input computes its value with the swiglu op's device code (activations.cuh: in double precision,
-// hence one value per thread), then warp 0 splits the group from shared memory (split_group: the
-// same terms as split_x of swiglu's output). H200, 27B decode step profile: 64 calls 134 us, against
+// swiglu(gate, up) (F32 [n, in], in % 32 == 0 as every tensor-core format has) split for the GEMV into
+// xb / xs / xm (the XSizes(in) layout): n * groups blocks of kGroup threads, one per (row r, 256-input
+// group). A thread computes one input's value with the swiglu op's device code (activations.cuh: in
+// double precision, hence one value per thread), then warp 0 splits the group from shared memory
+// (split_group: the same terms as split_x of swiglu's output). H200, 27B decode step profile: 64 calls 134 us, against
 // 296 us when the split's own warp computed 8 values per lane (BENCHMARKS.md).
 __global__ void __launch_bounds__(detail::mma::kGroup) swiglu_split_kernel(const float* __restrict__ g,
                                                                            const float* __restrict__ u, int64_t in,
@@ -438,7 +440,7 @@ __global__ void __launch_bounds__(detail::mma::kGroup) swiglu_split_kernel(const
   const int64_t grp = blockIdx.x % groups, i = grp * detail::mma::kGroup + threadIdx.x, off = int64_t(r) * in + i;
   v[threadIdx.x] = i < in ? detail::apply<detail::Op::Swiglu>(g[off], u[off]) : 0.0f;
   __syncthreads();
-  if (threadIdx.x < 32) detail::mma::split_group(GroupValues{v, grp}, r, n, grp, in, int(threadIdx.x), xb, xs, xm);
+  if (threadIdx.x < 32) detail::mma::split_group(SharedGroupInput{v, grp}, r, n, grp, in, int(threadIdx.x), xb, xs, xm);
 }
 
 // One block per row of x [n, d] (the norm kernel's block size, threads_for(d / 4)): the norm's first
@@ -519,19 +521,17 @@ std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const st
   const mma::XSizes sz(d);
   std::shared_ptr<void> xsplit = alloc(sz.total());  // freed stream-ordered
   auto* base = static_cast<uint8_t*>(xsplit.get());
-  auto* xb = reinterpret_cast<uint2*>(base);
-  auto* xs = reinterpret_cast<float*>(base + sz.xb);
-  auto* xm = reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs);
+  const mma::XSizes::Parts xp = sz.at(base);
   const float* w = weight ? weight->ptr<float>() : nullptr;
   const unsigned blocks = unsigned(n), threads = unsigned(detail::norm::threads_for(d / 4));
   cudaStream_t s = detail::stream();
   if (residual)
     detail::launch_kernel<norm_split_kernel<true>>("norm_split_kernel", blocks, threads, 0, s, x.ptr<float>(),
-                                                   residual->ptr<float>(), w, h.ptr<float>(), d, eps, int(n), xb, xs,
-                                                   xm);
+                                                   residual->ptr<float>(), w, h.ptr<float>(), d, eps, int(n), xp.xb,
+                                                   xp.xs, xp.xm);
   else
     detail::launch_kernel<norm_split_kernel<false>>("norm_split_kernel", blocks, threads, 0, s, x.ptr<float>(), nullptr,
-                                                    w, nullptr, d, eps, int(n), xb, xs, xm);
+                                                    w, nullptr, d, eps, int(n), xp.xb, xp.xs, xp.xm);
   gemv_on_split(ws, ys, d, base, int(n));
 #endif
   return {ys, h};
@@ -549,7 +549,7 @@ std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const st
     detail::matmul_blas_swiglu(gate, up, ws, ys);  // swiglu fused into x's BF16 rounding (bitwise the composition)
     return ys;
   }
-  if (!detail::aligned16(gate.data) || !detail::aligned16(up.data) || !split_fusable(n, in, ws))
+  if (!split_fusable(n, in, ws))  // (gate / up are read a float at a time: any alignment)
     return linear(swiglu(gate, up), ws, exact, op);  // the composition: same results, one launch more
   std::vector<Tensor> ys = linear_outputs(gate, ws, op);
 #if SPECD_MMA_GEMV
@@ -557,11 +557,11 @@ std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const st
   const mma::XSizes sz(in);
   std::shared_ptr<void> xsplit = alloc(sz.total());  // freed stream-ordered
   auto* base = static_cast<uint8_t*>(xsplit.get());
+  const mma::XSizes::Parts xp = sz.at(base);
   const int64_t groups = (in + mma::kGroup - 1) / mma::kGroup;
   detail::launch_kernel<swiglu_split_kernel>("swiglu_split_kernel", unsigned(n * groups), mma::kGroup, 0,
                                              detail::stream(), gate.ptr<float>(), up.ptr<float>(), in, int(n), groups,
-                                             reinterpret_cast<uint2*>(base), reinterpret_cast<float*>(base + sz.xb),
-                                             reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
+                                             xp.xb, xp.xs, xp.xm);
   gemv_on_split(ws, ys, in, xsplit.get(), int(n));
 #endif
   return ys;

@@ -699,7 +699,8 @@ __device__ __forceinline__ void compute(const typename F::Raw (&raw)[2], int64_t
 // The inputs of a split: load(r, blk, t, v) gives the 8 values lane t of 32-input block blk of row r
 // multiplies in its B-fragment words, inputs 4t .. 4t+3 (v[0..3]) and 16+4t .. 16+4t+3 (v[4..7]) (the
 // k order above). PlainInput reads them from x [n, in] F32 (rows 16-byte aligned); the fused ops of
-// matmul.cu compute them (a norm's or SwiGLU's outputs) with the standalone ops' device code.
+// matmul.cu compute them (a norm's outputs, with the standalone op's device code) or read them from
+// shared memory (SwiGLU's, computed there first).
 // v[4 k .. 4 k + 3] = a (k = 0: inputs 4t.., k = 1: inputs 16 + 4t..).
 __device__ __forceinline__ void put4(float (&v)[8], int k, float4 a) {
   v[4 * k] = a.x, v[4 * k + 1] = a.y, v[4 * k + 2] = a.z, v[4 * k + 3] = a.w;
@@ -1015,6 +1016,15 @@ struct XSizes {
     xm = size_t(groups * kMaxTiles * 32) * sizeof(uint32_t);
   }
   size_t total() const { return xb + xs + xm; }
+  // The three arrays of a split x laid out at base (total() bytes, 16-byte aligned), as the split writes them.
+  struct Parts {
+    uint2* xb;
+    float* xs;
+    uint32_t* xm;
+  };
+  Parts at(uint8_t* base) const {
+    return {reinterpret_cast<uint2*>(base), reinterpret_cast<float*>(base + xb), reinterpret_cast<uint32_t*>(base + xb + xs)};
+  }
 };
 
 #ifndef SPECD_HOST_EMU
@@ -1034,11 +1044,10 @@ inline XView x_view(const uint8_t* base, int64_t in, int n) {
 // The inputs of src (n rows of `in`, see PlainInput) -> their split at base (x_view), on stream s.
 template <class In>
 void launch_split_x(const In& src, int64_t in, int n, uint8_t* base, cudaStream_t s) {
-  const XSizes sz(in);
+  const XSizes::Parts x = XSizes(in).at(base);
   const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 32;
-  detail::launch_kernel<split_x_kernel<In>>(
-      "split_x_kernel", unsigned((threads + 127) / 128), 128, 0, s, src, in, n, groups, reinterpret_cast<uint2*>(base),
-      reinterpret_cast<float*>(base + sz.xb), reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
+  detail::launch_kernel<split_x_kernel<In>>("split_x_kernel", unsigned((threads + 127) / 128), 128, 0, s, src, in, n,
+                                            groups, x.xb, x.xs, x.xm);
 }
 
 // One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x on

@@ -93,8 +93,8 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   uint8_t* base = scratch_x.data();
   const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 32;  // as launch_split_x
   emulate((threads + 127) / 128, 128, [&] {
-    split_x_kernel(PlainInput{x.data(), in}, in, n, groups, reinterpret_cast<uint2*>(base), reinterpret_cast<float*>(base + sz.xb),
-                   reinterpret_cast<uint32_t*>(base + sz.xb + sz.xs));
+    const XSizes::Parts xp = sz.at(base);
+    split_x_kernel(PlainInput{x.data(), in}, in, n, groups, xp.xb, xp.xs, xp.xm);
   });
   const XView xv{reinterpret_cast<const uint2*>(base), reinterpret_cast<const float*>(base + sz.xb),
                  reinterpret_cast<const uint32_t*>(base + sz.xb + sz.xs), 3 * n, 0};
