@@ -211,6 +211,79 @@ __global__ void __launch_bounds__(kGdnChunkThreads) gdn_chunk_prep_kernel(const 
   }
 }
 
+// The state pass streams each chunk's operands through two slab buffers, every matrix in two halves: W and
+// scale * Q by halves of dk (the sums over e run over the first half, then the second), exp(G_n - G_i) K by
+// halves of the chunk's rows (the sum over i likewise). A step computes with one slab while the next one is in
+// flight from global memory into registers, stored to the other buffer after the step's arithmetic (one
+// barrier a step): the loads' round trips overlap arithmetic instead of stalling all the block's warps at a
+// barrier. Six steps a chunk, slab k of a chunk in buffer k % 2 (in flight during the step in parentheses):
+//   1. D = U - W S0^T over W's first half (W's second half, U)   2. its second half; D^T stored (Q's first half)
+//   3. Q S0^T, first half (Q's second half)   4. second half, then O = Gamma . + P D (K's first rows)
+//   5. S over rows i < 32 (K's other rows, half of the next chunk's P)
+//   6. S over i >= 32 (the next chunk's W first half, G, the other half of P)
+// Two kernels do it: on CUDA the products on tensor cores (3xTF32), on HIP in FP32 FMAs.
+//
+// The state pass's staging of a chunk's operands, shared by both state kernels: thread tid's 16-byte pieces of
+// the W / Q slabs (a chunk's rows x half of dk, rows ES floats apart), the K slabs (half a chunk's rows x dk,
+// rows KSTR apart), P's halves and G. Thread tid takes row tid / E4 (K: / K4) + it * ER (KR) of a slab, so
+// every piece's address is one per-thread base plus a constant (or a multiple of a parameter): few registers
+// held across the chunk loop. load_* fill registers (rows past n: zeros), put_* store them to shared memory.
+template <int DK, int KSTR>
+struct StateStaging {
+  static constexpr int C = kGdnChunk, H = C / 2, SE = DK / 2, ES = SE + 4, PS = C + 4, E4 = SE / 4, K4 = DK / 4;
+  static constexpr int NP = C * SE / 4 / kGdnChunkThreads, ER = kGdnChunkThreads / E4, KR = kGdnChunkThreads / K4;
+  static constexpr int NPP = C * C / 8 / kGdnChunkThreads, PR = kGdnChunkThreads / (C / 4);
+  static_assert(NP * 4 * kGdnChunkThreads == C * SE && H * DK == C * SE, "whole slabs");
+  using Slab = float4[NP];
+  using PHalf = float4[NPP];
+  const Params& P;
+  const GdnChunkScratch& X;
+  float* Ps;        // [C][PS] P
+  const float* Es;  // [C] exp(G_n - G_i), K~'s row scales
+  int j, kh, tid, er, ec, kr, kc, qk_stride;
+  __device__ __forceinline__ StateStaging(const Params& P_, const GdnChunkScratch& X_, int j_, int kh_, float* Ps_,
+                                          const float* Es_)
+      : P(P_), X(X_), Ps(Ps_), Es(Es_), j(j_), kh(kh_), tid(int(threadIdx.x)), er(tid / E4), ec(4 * (tid % E4)),
+        kr(tid / K4), kc(4 * (tid % K4)), qk_stride(P_.hk * DK) {}
+  // Slab `half` of the dk halves of rows 0..n-1 at base + i * stride (W, Q), and its store (q scaled).
+  __device__ __forceinline__ void load_e(Slab& v, const float* base, int stride, int half, int n) const {
+    const float* src = base + opaque(er) * stride + ec + half * SE;
+#pragma unroll
+    for (int it = 0; it < NP; ++it) v[it] = er + it * ER < n ? ld4(src + it * ER * stride) : kZero4;
+  }
+  __device__ __forceinline__ void put_e(float* buf, const Slab& v, int n, bool q) const {
+#pragma unroll
+    for (int it = 0; it < NP; ++it)
+      st4(buf + (er + it * ER) * ES + ec, q && er + it * ER < n ? scaled(v[it], P.scale) : v[it]);
+  }
+  // Rows half * H .. half * H + H - 1 of K, and their store scaled by exp(G_n - G_i) (Es, step 3).
+  __device__ __forceinline__ void load_k(Slab& v, const float* base, int half, int n) const {
+    const float* src = base + (half * H + opaque(kr)) * qk_stride + kc;
+#pragma unroll
+    for (int it = 0; it < NP; ++it) v[it] = half * H + kr + it * KR < n ? ld4(src + it * KR * qk_stride) : kZero4;
+  }
+  __device__ __forceinline__ void put_k(float* buf, const Slab& v, int half) const {
+#pragma unroll
+    for (int it = 0; it < NP; ++it) st4(buf + (kr + it * KR) * KSTR + kc, scaled(v[it], Es[half * H + kr + it * KR]));
+  }
+  // P in two halves of rows (steps 5 and 6 load one each: fewer registers in flight at a time).
+  __device__ __forceinline__ void load_p(PHalf& v, int c, int half) const {
+    const float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C + half * (C * C / 2) + 4 * tid;
+#pragma unroll
+    for (int it = 0; it < NPP; ++it) v[it] = ld4(Pg + it * 4 * kGdnChunkThreads);
+  }
+  __device__ __forceinline__ void put_p(const PHalf& v, int half) const {
+#pragma unroll
+    for (int it = 0; it < NPP; ++it)
+      st4(Ps + (half * H + tid / (C / 4) + it * PR) * PS + 4 * (tid % (C / 4)), v[it]);
+  }
+  __device__ __forceinline__ float load_g(int64_t t0, int n) const { return tid < n ? X.G[int64_t(j) * P.T + t0 + tid] : 0.0f; }
+  __device__ __forceinline__ const float* W_at(int64_t t0) const { return X.W + (int64_t(j) * P.T + t0) * DK; }
+  __device__ __forceinline__ const float* Q_at(int64_t t0) const { return P.q + (t0 * P.hk + kh) * DK; }
+  __device__ __forceinline__ const float* K_at(int64_t t0) const { return P.k + (t0 * P.hk + kh) * DK; }
+  __device__ __forceinline__ int rows_in(int64_t t0) const { return P.T - t0 < C ? int(P.T - t0) : C; }
+};
+
 #if SPECD_HIP
 // The state pass's 2 x 2 register tile: acc[a][b] += x[b] . y[a] over one float4, its four products
 // in order (each element its own fmaf chain).
@@ -224,17 +297,7 @@ __device__ __forceinline__ void tile_fma(float (&acc)[2][2], const float4 (&x)[2
     }
 }
 
-// The state pass streams each chunk's operands through two slab buffers, every matrix in two halves: W and
-// scale * Q by halves of dk (the sums over e run over the first half, then the second), exp(G_n - G_i) K by
-// halves of the chunk's rows (the sum over i likewise). A step computes with one slab while the next one is in
-// flight from global memory into registers, stored to the other buffer after the step's arithmetic (one
-// barrier a step): the loads' round trips overlap arithmetic instead of stalling all the block's warps at a
-// barrier. Six steps a chunk, slab k of a chunk in buffer k % 2 (in flight during the step in parentheses):
-//   1. D = U - W S0^T over W's first half (W's second half, U)   2. its second half; D^T stored (Q's first half)
-//   3. Q S0^T, first half (Q's second half)   4. second half, then O = Gamma . + P D (K's first rows)
-//   5. S over rows i < 32 (K's other rows, half of the next chunk's P)
-//   6. S over i >= 32 (the next chunk's W first half, G, the other half of P)
-// Register tiles: D and O, 2 state rows x 2 chunk rows a thread (a warp 8 x 4: each shared-memory load one
+// The HIP state kernel, in FP32 FMAs. Register tiles: D and O, 2 state rows x 2 chunk rows a thread (a warp 8 x 4: each shared-memory load one
 // wavefront, 4 loads per 16 FMAs); S, dk / 64 (at least 1) state rows x 4 elements (a warp 8 or 16 rows x 4
 // or 2 groups of 4: 6 wavefronts per 32 FMAs at dk 128). Every D, O and S element is one fmaf chain over e,
 // j or i in ascending order (the slabs split the chains, never reorder them), so the tiling and the staging
@@ -257,9 +320,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   float* const Es = Gs + C;       // [C] exp(G_n - G_i), K~'s row scales
   const int nb = P.dv / R, j = blockIdx.x / nb, r0 = (blockIdx.x % nb) * R, kh = j % P.hk, tid = threadIdx.x;
   static_assert(kGdnChunkThreads == 256 && R == 16 && C == 64, "the tiles below cover 16 x 64 with 256 threads");
-  // 16-byte pieces: per row of a W / Q slab, per row of K, per thread of a slab
-  constexpr int E4 = SE / 4, K4 = DK / 4, NP = C * SE / 4 / kGdnChunkThreads;
-  static_assert(NP * 4 * kGdnChunkThreads == C * SE && H * DK == C * SE, "whole slabs");
+  constexpr int E4 = SE / 4, K4 = DK / 4;
   for (int x = tid; x < R * K4; x += kGdnChunkThreads)
     st4(Ss + (x / K4) * BS + 4 * (x % K4), ld4(P.state + (int64_t(j) * P.dv + r0 + x / K4) * DK + 4 * (x % K4)));
   // D and O: thread (state rows r, r + 8; chunk rows ib, ib + 32). S: state rows rg + RG a (a < SA), elements
@@ -268,51 +329,10 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   constexpr int SA = DK >= 64 ? DK / 64 : 1, RG = R / SA;
   const int rg = tid % RG, eg = tid / RG;
   const bool s_on = tid < RG * K4;
-  using Slab = float4[NP];
-  // Pieces: thread tid takes row tid / E4 (K: / K4) + it * ER (KR) of a slab, so every piece's address is one
-  // per-thread base plus a constant (or a multiple of a parameter): few registers held across the loop.
-  constexpr int ER = kGdnChunkThreads / E4, KR = kGdnChunkThreads / K4;
-  const int er = tid / E4, ec = 4 * (tid % E4), kr = tid / K4, kc = 4 * (tid % K4);
-  // Slab `half` of the dk halves of rows 0..n-1 at base + i * stride (W, Q), and its store (q scaled).
-  auto load_e = [&](Slab& v, const float* base, int stride, int half, int n) {
-    const float* src = base + opaque(er) * stride + ec + half * SE;
-#pragma unroll
-    for (int it = 0; it < NP; ++it) v[it] = er + it * ER < n ? ld4(src + it * ER * stride) : kZero4;
-  };
-  auto put_e = [&](float* buf, const Slab& v, int n, bool q) {
-#pragma unroll
-    for (int it = 0; it < NP; ++it)
-      st4(buf + (er + it * ER) * ES + ec, q && er + it * ER < n ? scaled(v[it], P.scale) : v[it]);
-  };
-  // Rows half * H .. half * H + H - 1 of K, and their store scaled by exp(G_n - G_i) (Es, step 3).
-  const int qk_stride = P.hk * DK;
-  auto load_k = [&](Slab& v, const float* base, int half, int n) {
-    const float* src = base + (half * H + opaque(kr)) * qk_stride + kc;
-#pragma unroll
-    for (int it = 0; it < NP; ++it) v[it] = half * H + kr + it * KR < n ? ld4(src + it * KR * qk_stride) : kZero4;
-  };
-  auto put_k = [&](float* buf, const Slab& v, int half) {
-#pragma unroll
-    for (int it = 0; it < NP; ++it) st4(buf + (kr + it * KR) * BS + kc, scaled(v[it], Es[half * H + kr + it * KR]));
-  };
-  // P in two halves of rows (steps 5 and 6 load one each: fewer registers in flight at a time).
-  constexpr int NPP = C * C / 8 / kGdnChunkThreads, PR = kGdnChunkThreads / (C / 4);
-  using PHalf = float4[NPP];
-  auto load_p = [&](PHalf& v, int c, int half) {
-    const float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C + half * (C * C / 2) + 4 * tid;
-#pragma unroll
-    for (int it = 0; it < NPP; ++it) v[it] = ld4(Pg + it * 4 * kGdnChunkThreads);
-  };
-  auto put_p = [&](const PHalf& v, int half) {
-#pragma unroll
-    for (int it = 0; it < NPP; ++it)
-      st4(Ps + (half * H + tid / (C / 4) + it * PR) * PS + 4 * (tid % (C / 4)), v[it]);
-  };
-  auto load_g = [&](int64_t t0, int n) { return tid < n ? X.G[int64_t(j) * P.T + t0 + tid] : 0.0f; };
-  auto W_at = [&](int64_t t0) { return X.W + (int64_t(j) * P.T + t0) * DK; };
-  auto Q_at = [&](int64_t t0) { return P.q + (t0 * P.hk + kh) * DK; };
-  auto K_at = [&](int64_t t0) { return P.k + (t0 * P.hk + kh) * DK; };
-  auto rows_in = [&](int64_t t0) { return P.T - t0 < C ? int(P.T - t0) : C; };
+  const StateStaging<DK, BS> st(P, X, j, kh, Ps, Es);
+  using Slab = typename StateStaging<DK, BS>::Slab;
+  using PHalf = typename StateStaging<DK, BS>::PHalf;
+  const int qk_stride = st.qk_stride;
   // acc[a][b] += (slab rows ib + 32 b) . (state rows r + 8 a) over the slab's half of e, in order of e.
   auto dots = [&](const float* buf, int half, float (&acc)[2][2]) {
 #pragma unroll (DK == 128 ? 4 : 2)  // (4 at dk 64 spills)
@@ -350,21 +370,21 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   };
   Slab v;
   {  // chunk 0's W first half, G and P
-    const int n = rows_in(0);
+    const int n = st.rows_in(0);
     PHalf p0, p1;
-    load_e(v, W_at(0), DK, 0, n);
-    load_p(p0, 0, 0);
-    load_p(p1, 0, 1);
-    const float g = load_g(0, n);
-    put_e(Bf0, v, n, false);
-    put_p(p0, 0);
-    put_p(p1, 1);
+    st.load_e(v, st.W_at(0), DK, 0, n);
+    st.load_p(p0, 0, 0);
+    st.load_p(p1, 0, 1);
+    const float g = st.load_g(0, n);
+    st.put_e(Bf0, v, n, false);
+    st.put_p(p0, 0);
+    st.put_p(p1, 1);
     if (tid < C) Gs[tid] = g;
   }
   __syncthreads();
   for (int c = 0; c < X.chunks; ++c) {
     const int64_t t0 = int64_t(opaque(c)) * C;
-    const int n = rows_in(t0);
+    const int n = st.rows_in(t0);
     const bool more = c + 1 < X.chunks;
     float acc[2][2], u[2][2];
     // 1. D = U - W S0^T over W's first half
@@ -376,12 +396,12 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
         u[a][b] = ib + 32 * b < n ? Ug[32 * b * P.dv + 8 * a] : 0.0f;
         acc[a][b] = 0.0f;
       }
-    load_e(v, W_at(t0), DK, 1, n);
+    st.load_e(v, st.W_at(t0), DK, 1, n);
     dots(Bf0, 0, acc);
-    put_e(Bf1, v, n, false);
+    st.put_e(Bf1, v, n, false);
     __syncthreads();
     // 2. its second half
-    load_e(v, Q_at(t0), qk_stride, 0, n);
+    st.load_e(v, st.Q_at(t0), qk_stride, 0, n);
     dots(Bf1, 1, acc);
 #pragma unroll
     for (int a = 0; a < 2; ++a)
@@ -391,17 +411,17 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
         Dt[(r + 8 * a) * PS + i] = i < n ? __fsub_rn(u[a][b], acc[a][b]) : 0.0f;
         acc[a][b] = 0.0f;
       }
-    put_e(Bf0, v, n, true);
+    st.put_e(Bf0, v, n, true);
     __syncthreads();  // D complete
     // 3. O = diag(Gamma) Q S0^T + P D (P is zero past the diagonal, D past n): Q's first half
-    load_e(v, Q_at(t0), qk_stride, 1, n);
+    st.load_e(v, st.Q_at(t0), qk_stride, 1, n);
     dots(Bf0, 0, acc);
     // K~'s row scales for steps 4 and 5, by the last two warps (where ptxas fits 80 registers without spills)
     if (const int i = tid - (kGdnChunkThreads - C); i >= 0) Es[i] = expf(Gs[n - 1] - Gs[i]);
-    put_e(Bf1, v, n, true);
+    st.put_e(Bf1, v, n, true);
     __syncthreads();
     // 4. Q's second half, then Gamma and P D
-    load_k(v, K_at(t0), 0, n);
+    st.load_k(v, st.K_at(t0), 0, n);
     dots(Bf1, 1, acc);
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
@@ -425,13 +445,13 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
       for (int a = 0; a < 2; ++a)
         if (ib + 32 * b < n) Og[32 * b * P.hv * P.dv + 8 * a] = acc[a][b];
     const float gn = Gs[n - 1];
-    put_k(Bf0, v, 0);
+    st.put_k(Bf0, v, 0);
     __syncthreads();  // P consumed, K's first rows staged
     // 5. S = Gamma_n S0 + D^T K~ over rows i < 32 (thread-owned elements of Ss: read and written by it alone)
     {
       PHalf p;
-      if (more) load_p(p, c + 1, 0);
-      load_k(v, K_at(t0), 1, n);
+      if (more) st.load_p(p, c + 1, 0);
+      st.load_k(v, st.K_at(t0), 1, n);
       const float decay = expf(gn);
       if (s_on)
 #pragma unroll
@@ -439,24 +459,24 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
 #pragma unroll
           for (int e = 0; e < 4; ++e) sacc[a][e] = decay * Ss[(rg + RG * a) * BS + 4 * eg + e];
       s_rows(Bf0, 0);
-      put_k(Bf1, v, 1);
-      if (more) put_p(p, 0);
+      st.put_k(Bf1, v, 1);
+      if (more) st.put_p(p, 0);
     }
     __syncthreads();  // Gs no longer read this chunk
     // 6. rows i >= 32; the state rows written
     const int64_t t1 = t0 + C;
-    const int n1 = more ? rows_in(t1) : 0;
+    const int n1 = more ? st.rows_in(t1) : 0;
     float g = 0.0f;
     PHalf p;
-    if (more) load_e(v, W_at(t1), DK, 0, n1), load_p(p, c + 1, 1), g = load_g(t1, n1);
+    if (more) st.load_e(v, st.W_at(t1), DK, 0, n1), st.load_p(p, c + 1, 1), g = st.load_g(t1, n1);
     s_rows(Bf1, 1);
     if (s_on)
 #pragma unroll
       for (int a = 0; a < SA; ++a)
         st4(Ss + (rg + RG * a) * BS + 4 * eg, make_float4(sacc[a][0], sacc[a][1], sacc[a][2], sacc[a][3]));
     if (more) {
-      put_e(Bf0, v, n1, false);
-      put_p(p, 1);
+      st.put_e(Bf0, v, n1, false);
+      st.put_p(p, 1);
       if (tid < C) Gs[tid] = g;
     }
     __syncthreads();  // the state rows are complete before the next chunk's step 1 reads them
@@ -467,17 +487,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
 
 #else  // CUDA: the products on tensor cores
 
-// The state pass streams each chunk's operands through two slab buffers, every matrix in two halves: W and
-// scale * Q by halves of dk (the sums over e run over the first half, then the second), exp(G_n - G_i) K by
-// halves of the chunk's rows (the sum over i likewise). A step computes with one slab while the next one is in
-// flight from global memory into registers, stored to the other buffer after the step's arithmetic (one
-// barrier a step): the loads' round trips overlap arithmetic instead of stalling all the block's warps at a
-// barrier. Six steps a chunk, slab k of a chunk in buffer k % 2 (in flight during the step in parentheses):
-//   1. D = U - W S0^T over W's first half (W's second half, U)   2. its second half; D^T stored (Q's first half)
-//   3. Q S0^T, first half (Q's second half)   4. second half, then O = Gamma . + P D (K's first rows)
-//   5. S over rows i < 32 (K's other rows, half of the next chunk's P)
-//   6. S over i >= 32 (the next chunk's W first half, G, the other half of P)
-// The three products run on tensor cores, mma.sync m16n8k8 tf32 -> f32, at F32-level accuracy by 3xTF32: an
+// The three products run on tensor cores, mma.sync m16n8k8 tf32 -> f32, near F32 accuracy by 3xTF32: an
 // F32 operand x = hi + lo (split_tf32), a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi (the small terms first into
 // the F32 accumulator; a_lo b_lo, below 2^-22 |a b|, dropped). Warp w of 8 (lane 4 g + t, as the fragments):
 //   D and O, [64 chunk rows x 16 state rows]: the m16n8 tile of chunk rows 16 (w % 4) .. and state rows
@@ -566,9 +576,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   float* const Es = Gs + C;       // [C] exp(G_n - G_i), K~'s row scales
   const int nb = P.dv / R, j = blockIdx.x / nb, r0 = (blockIdx.x % nb) * R, kh = j % P.hk, tid = threadIdx.x;
   static_assert(kGdnChunkThreads == 256 && R == 16 && C == 64, "the tiles below cover 16 x 64 with 8 warps");
-  // 16-byte pieces: per row of a W / Q slab, per row of K, per thread of a slab
-  constexpr int E4 = SE / 4, K4 = DK / 4, NP = C * SE / 4 / kGdnChunkThreads;
-  static_assert(NP * 4 * kGdnChunkThreads == C * SE && H * DK == C * SE, "whole slabs");
+  constexpr int E4 = SE / 4, K4 = DK / 4;
   for (int x = tid; x < R * K4; x += kGdnChunkThreads)
     st4(Ss + (x / K4) * BS + 4 * (x % K4), ld4(P.state + (int64_t(j) * P.dv + r0 + x / K4) * DK + 4 * (x % K4)));
   // Warp w, lane 4 g + t. D and O: chunk rows mi + g (+ 8), state rows ni + 2 t (+ 1). S: n8 tiles w + 8 q
@@ -576,51 +584,10 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   const int w = tid / 32, g = (tid % 32) / 4, t = tid % 4, mi = 16 * (w % 4), ni = 8 * (w / 4);
   constexpr int NT = DK / 8, SQ = NT >= 8 ? NT / 8 : 1;
   const bool s_on = w < NT;
-  using Slab = float4[NP];
-  // Pieces: thread tid takes row tid / E4 (K: / K4) + it * ER (KR) of a slab, so every piece's address is one
-  // per-thread base plus a constant (or a multiple of a parameter): few registers held across the loop.
-  constexpr int ER = kGdnChunkThreads / E4, KR = kGdnChunkThreads / K4;
-  const int er = tid / E4, ec = 4 * (tid % E4), kr = tid / K4, kc = 4 * (tid % K4);
-  // Slab `half` of the dk halves of rows 0..n-1 at base + i * stride (W, Q), and its store (q scaled).
-  auto load_e = [&](Slab& v, const float* base, int stride, int half, int n) {
-    const float* src = base + opaque(er) * stride + ec + half * SE;
-#pragma unroll
-    for (int it = 0; it < NP; ++it) v[it] = er + it * ER < n ? ld4(src + it * ER * stride) : kZero4;
-  };
-  auto put_e = [&](float* buf, const Slab& v, int n, bool q) {
-#pragma unroll
-    for (int it = 0; it < NP; ++it)
-      st4(buf + (er + it * ER) * ES + ec, q && er + it * ER < n ? scaled(v[it], P.scale) : v[it]);
-  };
-  // Rows half * H .. half * H + H - 1 of K, and their store scaled by exp(G_n - G_i) (Es, step 3).
-  const int qk_stride = P.hk * DK;
-  auto load_k = [&](Slab& v, const float* base, int half, int n) {
-    const float* src = base + (half * H + opaque(kr)) * qk_stride + kc;
-#pragma unroll
-    for (int it = 0; it < NP; ++it) v[it] = half * H + kr + it * KR < n ? ld4(src + it * KR * qk_stride) : kZero4;
-  };
-  auto put_k = [&](float* buf, const Slab& v, int half) {
-#pragma unroll
-    for (int it = 0; it < NP; ++it) st4(buf + (kr + it * KR) * KS + kc, scaled(v[it], Es[half * H + kr + it * KR]));
-  };
-  // P in two halves of rows (steps 5 and 6 load one each: fewer registers in flight at a time).
-  constexpr int NPP = C * C / 8 / kGdnChunkThreads, PR = kGdnChunkThreads / (C / 4);
-  using PHalf = float4[NPP];
-  auto load_p = [&](PHalf& v, int c, int half) {
-    const float* Pg = X.P + (int64_t(j) * X.chunks + c) * C * C + half * (C * C / 2) + 4 * tid;
-#pragma unroll
-    for (int it = 0; it < NPP; ++it) v[it] = ld4(Pg + it * 4 * kGdnChunkThreads);
-  };
-  auto put_p = [&](const PHalf& v, int half) {
-#pragma unroll
-    for (int it = 0; it < NPP; ++it)
-      st4(Ps + (half * H + tid / (C / 4) + it * PR) * PS + 4 * (tid % (C / 4)), v[it]);
-  };
-  auto load_g = [&](int64_t t0, int n) { return tid < n ? X.G[int64_t(j) * P.T + t0 + tid] : 0.0f; };
-  auto W_at = [&](int64_t t0) { return X.W + (int64_t(j) * P.T + t0) * DK; };
-  auto Q_at = [&](int64_t t0) { return P.q + (t0 * P.hk + kh) * DK; };
-  auto K_at = [&](int64_t t0) { return P.k + (t0 * P.hk + kh) * DK; };
-  auto rows_in = [&](int64_t t0) { return P.T - t0 < C ? int(P.T - t0) : C; };
+  const StateStaging<DK, KS> st(P, X, j, kh, Ps, Es);
+  using Slab = typename StateStaging<DK, KS>::Slab;
+  using PHalf = typename StateStaging<DK, KS>::PHalf;
+  const int qk_stride = st.qk_stride;
   // acc += (slab rows mi..) (state rows ni..)^T over the slab's half of e.
   auto dots = [&](const float* buf, int half, float (&acc)[4]) {
     const float* a = buf + (mi + g) * ES + t;
@@ -651,21 +618,21 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   };
   Slab v;
   {  // chunk 0's W first half, G and P
-    const int n = rows_in(0);
+    const int n = st.rows_in(0);
     PHalf p0, p1;
-    load_e(v, W_at(0), DK, 0, n);
-    load_p(p0, 0, 0);
-    load_p(p1, 0, 1);
-    const float g0 = load_g(0, n);
-    put_e(Bf0, v, n, false);
-    put_p(p0, 0);
-    put_p(p1, 1);
+    st.load_e(v, st.W_at(0), DK, 0, n);
+    st.load_p(p0, 0, 0);
+    st.load_p(p1, 0, 1);
+    const float g0 = st.load_g(0, n);
+    st.put_e(Bf0, v, n, false);
+    st.put_p(p0, 0);
+    st.put_p(p1, 1);
     if (tid < C) Gs[tid] = g0;
   }
   __syncthreads();
   for (int c = 0; c < X.chunks; ++c) {
     const int64_t t0 = int64_t(opaque(c)) * C;
-    const int n = rows_in(t0);
+    const int n = st.rows_in(t0);
     const bool more = c + 1 < X.chunks;
     float acc[4];  // (chunk rows mi + g, + 8) x (state rows ni + 2 t, + 1)
     // 1. D = U - W S0^T over W's first half: acc = -U + W S0^T, D = -acc
@@ -675,12 +642,12 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
       const float2 u = mi + g + 8 * h < n ? *reinterpret_cast<const float2*>(Ug + 8 * h * P.dv) : make_float2(0.0f, 0.0f);
       acc[2 * h] = -u.x, acc[2 * h + 1] = -u.y;
     }
-    load_e(v, W_at(t0), DK, 1, n);
+    st.load_e(v, st.W_at(t0), DK, 1, n);
     dots(Bf0, 0, acc);
-    put_e(Bf1, v, n, false);
+    st.put_e(Bf1, v, n, false);
     __syncthreads();
     // 2. its second half; D^T stored as pairs (rows past n: zeros)
-    load_e(v, Q_at(t0), qk_stride, 0, n);
+    st.load_e(v, st.Q_at(t0), qk_stride, 0, n);
     dots(Bf1, 1, acc);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -690,17 +657,17 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
           make_float2(__uint_as_float(d.hi), __uint_as_float(d.lo));
       acc[e] = 0.0f;
     }
-    put_e(Bf0, v, n, true);
+    st.put_e(Bf0, v, n, true);
     __syncthreads();  // D complete
     // 3. O = diag(Gamma) Q S0^T + P D (P is zero past the diagonal, D past n): Q's first half
-    load_e(v, Q_at(t0), qk_stride, 1, n);
+    st.load_e(v, st.Q_at(t0), qk_stride, 1, n);
     dots(Bf0, 0, acc);
     // K~'s row scales for steps 4 and 5, by the last two warps
     if (const int i = tid - (kGdnChunkThreads - C); i >= 0) Es[i] = expf(Gs[n - 1] - Gs[i]);
-    put_e(Bf1, v, n, true);
+    st.put_e(Bf1, v, n, true);
     __syncthreads();
     // 4. Q's second half, then Gamma and P D
-    load_k(v, K_at(t0), 0, n);
+    st.load_k(v, st.K_at(t0), 0, n);
     dots(Bf1, 1, acc);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -719,13 +686,13 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
     for (int h = 0; h < 2; ++h)
       if (mi + g + 8 * h < n) Og[8 * h * P.hv * P.dv] = acc[2 * h], Og[8 * h * P.hv * P.dv + 1] = acc[2 * h + 1];
     const float gn = Gs[n - 1];
-    put_k(Bf0, v, 0);
+    st.put_k(Bf0, v, 0);
     __syncthreads();  // P and D^T's reads by P D done, K's first rows staged
     // 5. S = Gamma_n S0 + D^T K~ over rows i < 32 (thread-owned elements of Ss: read and written by it alone)
     {
       PHalf p;
-      if (more) load_p(p, c + 1, 0);
-      load_k(v, K_at(t0), 1, n);
+      if (more) st.load_p(p, c + 1, 0);
+      st.load_k(v, st.K_at(t0), 1, n);
       const float decay = expf(gn);
       if (s_on)
 #pragma unroll
@@ -736,16 +703,16 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
             sacc[q][2 * h] = decay * s0.x, sacc[q][2 * h + 1] = decay * s0.y;
           }
       s_rows(Bf0, 0);
-      put_k(Bf1, v, 1);
-      if (more) put_p(p, 0);
+      st.put_k(Bf1, v, 1);
+      if (more) st.put_p(p, 0);
     }
     __syncthreads();  // Gs no longer read this chunk; S0 no longer read (steps 1-4) by other warps
     // 6. rows i >= 32; the state rows written
     const int64_t t1 = t0 + C;
-    const int n1 = more ? rows_in(t1) : 0;
+    const int n1 = more ? st.rows_in(t1) : 0;
     float g1 = 0.0f;
     PHalf p;
-    if (more) load_e(v, W_at(t1), DK, 0, n1), load_p(p, c + 1, 1), g1 = load_g(t1, n1);
+    if (more) st.load_e(v, st.W_at(t1), DK, 0, n1), st.load_p(p, c + 1, 1), g1 = st.load_g(t1, n1);
     s_rows(Bf1, 1);
     if (s_on)
 #pragma unroll
@@ -755,8 +722,8 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
           *reinterpret_cast<float2*>(Ss + (g + 8 * h) * BS + 8 * (w + 8 * q) + 2 * t) =
               make_float2(sacc[q][2 * h], sacc[q][2 * h + 1]);
     if (more) {
-      put_e(Bf0, v, n1, false);
-      put_p(p, 1);
+      st.put_e(Bf0, v, n1, false);
+      st.put_p(p, 1);
       if (tid < C) Gs[tid] = g1;
     }
     __syncthreads();  // the state rows are complete before the next chunk's step 1 reads them
