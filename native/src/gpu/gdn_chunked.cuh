@@ -282,6 +282,19 @@ struct StateStaging {
   __device__ __forceinline__ const float* Q_at(int64_t t0) const { return P.q + (t0 * P.hk + kh) * DK; }
   __device__ __forceinline__ const float* K_at(int64_t t0) const { return P.k + (t0 * P.hk + kh) * DK; }
   __device__ __forceinline__ int rows_in(int64_t t0) const { return P.T - t0 < C ? int(P.T - t0) : C; }
+  // Before the chunk loop: chunk 0's W first half into buf, its G into Gs, its P (the caller then syncs).
+  __device__ __forceinline__ void first_chunk(Slab& v, float* buf, float* Gs) const {
+    const int n = rows_in(0);
+    PHalf p0, p1;
+    load_e(v, W_at(0), DK, 0, n);
+    load_p(p0, 0, 0);
+    load_p(p1, 0, 1);
+    const float g0 = load_g(0, n);
+    put_e(buf, v, n, false);
+    put_p(p0, 0);
+    put_p(p1, 1);
+    if (tid < C) Gs[tid] = g0;
+  }
 };
 
 #if SPECD_HIP
@@ -369,18 +382,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
     }
   };
   Slab v;
-  {  // chunk 0's W first half, G and P
-    const int n = st.rows_in(0);
-    PHalf p0, p1;
-    st.load_e(v, st.W_at(0), DK, 0, n);
-    st.load_p(p0, 0, 0);
-    st.load_p(p1, 0, 1);
-    const float g = st.load_g(0, n);
-    st.put_e(Bf0, v, n, false);
-    st.put_p(p0, 0);
-    st.put_p(p1, 1);
-    if (tid < C) Gs[tid] = g;
-  }
+  st.first_chunk(v, Bf0, Gs);
   __syncthreads();
   for (int c = 0; c < X.chunks; ++c) {
     const int64_t t0 = int64_t(opaque(c)) * C;
@@ -617,18 +619,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
     }
   };
   Slab v;
-  {  // chunk 0's W first half, G and P
-    const int n = st.rows_in(0);
-    PHalf p0, p1;
-    st.load_e(v, st.W_at(0), DK, 0, n);
-    st.load_p(p0, 0, 0);
-    st.load_p(p1, 0, 1);
-    const float g0 = st.load_g(0, n);
-    st.put_e(Bf0, v, n, false);
-    st.put_p(p0, 0);
-    st.put_p(p1, 1);
-    if (tid < C) Gs[tid] = g0;
-  }
+  st.first_chunk(v, Bf0, Gs);
   __syncthreads();
   for (int c = 0; c < X.chunks; ++c) {
     const int64_t t0 = int64_t(opaque(c)) * C;
