@@ -40,7 +40,11 @@ fi
 echo "specd: building (SPECD_GPU=${SPECD_GPU:-none}${SPECD_CUBLAS_ROOT:+, cuBLAS from $SPECD_CUBLAS_ROOT}) into $venv" >&2
 target="$root"
 [[ -n "$extra" ]] && target="$root[$extra]"
-"${pip[@]}" "$target"
+# The build requirements (pyproject's [build-system], plus CMake and Ninja) go into the venv and the build
+# runs without isolation: pip's isolated build environment is a new temporary folder every time, and the
+# changed paths made CMake reconfigure and recompile all of build/ on every run.
+"${pip[@]}" "scikit-build-core>=0.10" "pybind11>=2.12" "grpcio-tools>=1.60" "cmake>=3.18" ninja
+"${pip[@]}" --no-build-isolation "$target"
 if [[ "$extra" == "test" ]]; then
   # The DFlash / DFlash 2 reference (oracles.md §2). Its wheel pins tqdm, datasets and requests for
   # its training scripts, none of which the model classes the tests drive need: install it alone.
