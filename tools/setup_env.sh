@@ -40,10 +40,15 @@ fi
 echo "specd: building (SPECD_GPU=${SPECD_GPU:-none}${SPECD_CUBLAS_ROOT:+, cuBLAS from $SPECD_CUBLAS_ROOT}) into $venv" >&2
 target="$root"
 [[ -n "$extra" ]] && target="$root[$extra]"
-# The build requirements (pyproject's [build-system], plus CMake and Ninja) go into the venv and the build
-# runs without isolation: pip's isolated build environment is a new temporary folder every time, and the
-# changed paths made CMake reconfigure and recompile all of build/ on every run.
-"${pip[@]}" "scikit-build-core>=0.10" "pybind11>=2.12" "grpcio-tools>=1.60" "cmake>=3.18" ninja
+# The build requirements (pyproject's [build-system] requires, read from it, plus CMake and Ninja) go into
+# the venv and the build runs without isolation: pip's isolated build environment is a new temporary folder
+# every time, and the changed paths made CMake reconfigure and recompile all of build/ on every run.
+mapfile -t build_reqs < <("$venv/bin/python" -c 'import ast, re, sys
+section = open(sys.argv[1]).read().split("[build-system]", 1)[1]
+print("\n".join(ast.literal_eval(re.search(r"^requires\s*=\s*(\[[^\]]*\])", section, re.M).group(1))))' \
+  "$root/pyproject.toml")
+[[ ${#build_reqs[@]} -gt 0 ]] || { echo "specd: no [build-system] requires read from pyproject.toml" >&2; exit 1; }
+"${pip[@]}" "${build_reqs[@]}" "cmake>=3.18" ninja
 "${pip[@]}" --no-build-isolation "$target"
 if [[ "$extra" == "test" ]]; then
   # The DFlash / DFlash 2 reference (oracles.md §2). Its wheel pins tqdm, datasets and requests for
