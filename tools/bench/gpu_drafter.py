@@ -22,6 +22,9 @@ uploaded with the drafter weights), then measured:
   DFlash 2's selector projection) / the device copy bandwidth (tools/device/gpu_report.py's, as
   gpu_decode.py); gathered rows (embedding, W1, codebooks) are not counted;
 * the values: whether one block's logits and final hidden rows are finite, their std / RMS;
+* with ``--profile N``: where N proposes' time goes, per GPU kernel (gpu_decode.py's CUPTI
+  ``kernel_profile``: GPU busy time by kernel) and on the host (``host_profile``: wall time and the
+  Python functions by own time), so a host-bound propose (GPU idle between launches) shows;
 * with ``--verify-ms`` (one value) or ``--decode-json`` (gpu_decode.py's JSON: its ``verify_ms`` at
   the drafter's verify width), the ratio propose / verify.
 
@@ -159,6 +162,18 @@ def bench_family(family: str, args, target: str, sync, lm_head_bytes: int, verif
         ts = [timed(lambda: seq.forward_block(block, seq.n_ctx), sync) for _ in range(args.steps)]
         r["forward_ms"] = 1e3 * float(np.median(ts))
         r["head_ms"] = max(0.0, r["propose_ms"] - r["forward_ms"])  # two medians: noise could make it < 0
+        if args.profile:
+            from gpu_decode import host_profile, kernel_profile
+
+            def proposes():
+                for _ in range(args.profile):
+                    prop()
+            r["profile"] = kernel_profile(proposes, sync, args.profile)
+            r["profile_busy_ms"] = sum(k["us_per_step"] for k in r["profile"]) / 1e3
+            hp_ = host_profile(proposes, sync)
+            r["host_profile"] = {"wall_ms_per_propose": 1e3 * hp_["wall_s"] / args.profile, "top": hp_["top"]}
+            print(family, "profile", json.dumps(r["profile"][:25]), flush=True)
+            print(family, "host profile", json.dumps(r["host_profile"]), flush=True)
         if args.copy_GBps:
             r["floor_ms"] = 1e3 * r["stream_bytes_per_propose"] / (args.copy_GBps * 1e9)
             r["propose_ratio_to_floor"] = r["propose_ms"] / r["floor_ms"]
@@ -168,7 +183,8 @@ def bench_family(family: str, args, target: str, sync, lm_head_bytes: int, verif
             r["propose_ratio_to_verify"] = r["propose_ms"] / v
         d.release("s")
         del d, seq
-        print(family, json.dumps({k: v for k, v in r.items() if k not in ("generate", "summary")}), flush=True)
+        print(family, json.dumps({k: v for k, v in r.items() if k not in ("generate", "summary", "profile", "host_profile")}),
+              flush=True)
         return r
     finally:
         if generated and not args.keep:
@@ -205,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-json", default=None,
                     help="gpu_decode.py's JSON: verify time at each family's verify width")
     ap.add_argument("--seed", type=nonneg_int, default=0)
+    ap.add_argument("--profile", type=nonneg_int, default=0, metavar="N",
+                    help="profile N proposes per GPU kernel and on the host (0: off)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if args.decode_json and not os.path.isfile(args.decode_json):

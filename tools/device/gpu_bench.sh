@@ -7,7 +7,8 @@
 # drafter at those acceptance lengths) on the first mix's GGUF (LOOP_IPC_AB=1: twice, over the workers' IPC
 # stream sockets (the default hot path) then with --no-ipc-streams (gRPC streams), for the A/B), and with DRAFTERS (e.g. "dflash dspark
 # dflash2") the drafter benchmark (tools/bench/gpu_drafter.py: random drafters of those families in the
-# published 27B shapes, DRAFTER_TYPE bf16 (default) or q8_0, written next to the first mix's GGUF by
+# published 27B shapes, DRAFTER_TYPE bf16 (default) and / or q8_0 (e.g. "bf16 q8_0": one run each), DRAFTER_ARGS
+# more gpu_drafter.py options (e.g. "--profile 4"), written next to the first mix's GGUF by
 # tools/bench/random_drafter.py and deleted after; ingest of 512 context rows, propose step time, floor,
 # and the ratio to that mix's verify time at each drafter's verify width); all within $BUDGET_S seconds
 # (default 560). ATTN_CONTEXTS (e.g. "4096 32768 131072") runs tools/device/attn_bench.py (decode / verify
@@ -58,9 +59,12 @@ for mix in ${MIXES:-iq4xs}; do
   fi
   if [ -n "${DRAFTERS:-}" ] && [ -f "/tmp/r27-$mix.gguf" ] && [ "$(left)" -gt 60 ]; then
     dj=""; [ -f "$OUT/gpu_decode_$mix.json" ] && dj="--decode-json $OUT/gpu_decode_$mix.json"
-    timeout "$(left)" python3 "$R/tools/bench/gpu_drafter.py" --target "/tmp/r27-$mix.gguf" --families $DRAFTERS \
-      --type "${DRAFTER_TYPE:-bf16}" $dj --out "$OUT" >>"$OUT/decode.log" 2>&1
-    echo "drafters $mix rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+    for dt in ${DRAFTER_TYPE:-bf16}; do
+      [ "$(left)" -gt 60 ] || break
+      timeout "$(left)" python3 "$R/tools/bench/gpu_drafter.py" --target "/tmp/r27-$mix.gguf" --families $DRAFTERS \
+        --type "$dt" $dj --out "$OUT" ${DRAFTER_ARGS:-} >>"$OUT/decode.log" 2>&1
+      echo "drafters $mix $dt rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+    done
     DRAFTERS=""
   fi
   rm -f "/tmp/r27-$mix.gguf" /tmp/r27-"$mix"-draft-*.gguf
