@@ -831,17 +831,20 @@ def selector_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, hproj: Ten
     scores = np.empty((n, top_k), np.float32)
     toks = np.zeros(n, np.int32)
     q = None if sampling is None else np.empty((n, top_k), np.float32)
-    prev = int(seed)
+    # Every predecessor the chain can meet is the seed or one of slots 0..n-2's candidates, so their
+    # Pred rows are gathered in one call (one device round trip per propose instead of one per slot;
+    # the same rows, so the same scores).
+    pred_rows = sn.embedding(pred_cb, np.concatenate(([int(seed)], cand[:-1].reshape(-1))).astype(np.int32)).numpy()
+    row = 0  # pred_rows' row of the current predecessor
     for s in range(n):
-        pred = sn.embedding(pred_cb, np.array([prev], np.int32)).numpy()[0]
-        scores[s] = uv[s] + succ[s] @ (pred * p[s])
+        scores[s] = uv[s] + succ[s] @ (pred_rows[row] * p[s])
         if sampling is None:
             j = int(sn.argmax(scores[s : s + 1]).numpy()[0])
         else:
             q[s] = sampling_probs(scores[s : s + 1], sampling.temperature)[0]
             j = _draw(q[s], sampling.rng)
-        prev = int(cand[s, j])
-        toks[s] = prev
+        toks[s] = cand[s, j]
+        row = 1 + s * top_k + j
     return toks, cand, scores, q
 
 
