@@ -373,3 +373,58 @@ def test_gpu_mma_gemv_emulated_special_x_groups(mma_emu, rng, k):
             assert np.all(y[2] == 0.0)
     for n in range(1, 16):
         assert np.array_equal(ys[n][~bad[:n]].view(np.uint32), ys[16][:n][~bad[:n]].view(np.uint32)), f"n={n}"
+
+
+# BF16 weights on the tensor cores (BF16U: x as three BF16 terms, m16n8k16 bf16 -> f32 MMAs, a load ring at
+# every tile count), emulated: against the CPU backend within the GEMV's 1e-5 * (|x| @ |w|^T) (x's terms
+# sum to x exactly, the products are exact; the emulated MMA sums in double, the hardware in F32: the
+# hardware is test_gpu_matmul.py's), batch invariant, grouped == single, non-finite x kept per row.
+
+def bf16_weight(rng, rows, k):
+    """(raw BF16 bits [rows, k] uint16, the sn.Tensor of them) from random normals."""
+    bits = (rng.standard_normal((rows, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return bits, sn.Tensor(np.ascontiguousarray(bits), sn.DType.BF16)
+
+
+@pytest.mark.parametrize("k,out,sms", [(64, 7, None), (512, 77, None), (2048, 20, 1), (4096, 130, 2)])
+@pytest.mark.parametrize("xkind", ["normal", "wide"])
+def test_gpu_mma_gemv_bf16_emulated(mma_emu, rng, k, out, sms, xkind):
+    """Every width 1..16 (1..6 n8 tiles, the ring at each), ragged out, split-K (1-2 SMs: several
+    splits), x of normal and wide range (BF16 keeps F32's exponents: no scaling)."""
+    d, exe = mma_emu
+    raw, t = bf16_weight(rng, out, k)
+    raw.tofile(d / "w.bin")
+    x = rng.standard_normal((16, k)).astype(np.float32) if xkind == "normal" else wide_range_x(rng, 16, k)
+    ref = sn.matmul(x, t).numpy().astype(np.float64)
+    bound = np.abs(x.astype(np.float64)) @ np.abs(sn.dequantize(t).numpy().astype(np.float64)).T
+    ys = {}
+    for n in range(1, 17):
+        y = ys[n] = run_mma_emu(d, exe, "BF16", x[:n], out, sms=sms)
+        err = np.abs(y.astype(np.float64) - ref[:n])
+        assert np.all(err <= 1e-5 * bound[:n] + 1e-37), f"n={n}: max err / bound {(err / (bound[:n] + 1e-300)).max():.3g}"
+    for n in range(1, 16):
+        assert np.array_equal(ys[n].view(np.uint32), ys[16][:n].view(np.uint32)), f"n={n} differs from 16"
+
+
+def test_gpu_mma_gemv_bf16_emulated_group_and_nonfinite(mma_emu, rng):
+    """A grouped launch of three BF16 weights equals their single launches bit for bit; inf / NaN in a row
+    of x make that row's results non-finite (inf stays inf where the CPU's does) and leave the others."""
+    d, exe = mma_emu
+    k, outs = 512, [7, 130, 40]
+    parts = [bf16_weight(rng, o, k) for o in outs]
+    x = rng.standard_normal((12, k)).astype(np.float32)
+    for n in (1, 12):
+        np.concatenate([p[0].reshape(-1) for p in parts]).tofile(d / "w.bin")
+        group = run_mma_emu(d, exe, "BF16", x[:n], outs, sms=2)
+        for (raw, _), o, yg in zip(parts, outs, group):
+            raw.tofile(d / "w.bin")
+            single = run_mma_emu(d, exe, "BF16", x[:n], o, sms=2)
+            assert np.array_equal(yg.view(np.uint32), single.view(np.uint32)), f"out={o} n={n}"
+    raw, t = parts[1]
+    raw.tofile(d / "w.bin")
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[0, 100], x[1, 300] = np.inf, np.nan
+    y = run_mma_emu(d, exe, "BF16", x, outs[1])
+    ref = sn.matmul(x, t).numpy()
+    assert np.array_equal(np.isposinf(y[0]), np.isposinf(ref[0])) and np.array_equal(np.isneginf(y[0]), np.isneginf(ref[0]))
+    assert not np.isfinite(y[1]).any() and np.all(np.isfinite(y[2]))

@@ -246,6 +246,37 @@ def test_matmul_gpu_mma_wide_range_and_nonfinite_x(rng, name):
 
 
 @gpu_only
+def test_matmul_gpu_bf16_tensor_cores(rng):
+    """BF16 weights with in % 64 == 0 run on the tensor cores (BF16U: x as three BF16 terms, F32 MMA
+    sums): a DFlash-drafter-sized down projection (17408 -> 5120, split-K) at drafter widths within
+    GEMV_TOL of the CPU; x spanning 2^-60 .. 2^60 (BF16 keeps F32's exponents); inf / NaN in a row of x
+    make that row non-finite (inf where the CPU's is inf) and leave the others; a matmul_group of BF16
+    weights equals the single calls bit for bit."""
+    w = weight(rng, "BF16", 5120, 17408)
+    wg = w.to(GPU)
+    x = rng.standard_normal((16, 17408)).astype(np.float32)
+    ref, bound = sn.matmul(x, w).numpy(), abs_bound(x, w)
+    for n in (1, 8, 16):
+        check_close(sn.matmul(sn.Tensor(np.ascontiguousarray(x[:n])).to(GPU), wg).numpy(), ref[:n], bound[:n],
+                    GEMV_TOL, f"BF16 17408 -> 5120 n={n}")
+    k, out = 1024, 77
+    w = weight(rng, "BF16", out, k)
+    wg = w.to(GPU)
+    x = (rng.standard_normal((16, k)) * np.exp2(np.linspace(-60, 60, 16))[:, None]).astype(np.float32)
+    check_close(sn.matmul(sn.Tensor(x).to(GPU), wg).numpy(), sn.matmul(x, w).numpy(), abs_bound(x, w), GEMV_TOL,
+                "BF16 wide-range x")
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[0, 100], x[1, 700] = np.inf, np.nan
+    y, ref = sn.matmul(sn.Tensor(x).to(GPU), wg).numpy(), sn.matmul(x, w).numpy()
+    assert np.array_equal(np.isposinf(y[0]), np.isposinf(ref[0])) and np.array_equal(np.isneginf(y[0]), np.isneginf(ref[0]))
+    assert not np.isfinite(y[1]).any() and np.all(np.isfinite(y[2]))
+    ws = [weight(rng, "BF16", o, k).to(GPU) for o in (7, 130, 40)]
+    x = sn.Tensor(rng.standard_normal((9, k)).astype(np.float32)).to(GPU)
+    for yg, wi in zip(sn.matmul_group(x, ws), ws):
+        np.testing.assert_array_equal(yg.numpy(), sn.matmul(x, wi).numpy())
+
+
+@gpu_only
 def test_matmul_gpu_bad_input(rng):
     wg = weight(rng, "Q4_K", 8, 256).to(GPU)
     with pytest.raises(ValueError, match="columns"):

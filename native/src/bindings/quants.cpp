@@ -129,9 +129,10 @@ hidden state), bit-identical to separate matmul calls (each weight keeps its own
 
 x: F32 [n, in]; ws: a non-empty sequence of weights [out_i, in] as for matmul, all on x's device.
 Returns a list of F32 [n, out_i]. GPU, n <= 16 (and exact slices of 16): x is split for the
-tensor-core GEMV once per slice and each tensor-core format's weights (Q8_0, K-quants, IQ4_XS) run as
-one launch of up to 8 weights; F32 / F16 / BF16 weights (and every format on HIP) run one FMA-GEMV
-launch each. GPU, n > 16 with exact=False: x is rounded to BF16 once, then one GEMM per weight. The
+tensor-core GEMV once per slice and each tensor-core format's weights (Q8_0, K-quants, IQ4_XS; BF16
+with in % 64 == 0 and 16-byte aligned rows, on x split into three BF16 terms) run as one launch of
+up to 8 weights; F32 / F16 and other BF16 weights (and every format on HIP) run one FMA-GEMV launch
+each. GPU, n > 16 with exact=False: x is rounded to BF16 once, then one GEMM per weight. The
 CPU runs the calls in turn. Raises ValueError on an empty sequence, dtype, dimension or device
 mismatch (naming ws[i]).)doc");
 

@@ -5,8 +5,10 @@
 //
 // Two GEMVs. On CUDA the quantized formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS and the tiled IQ4_XS_TILED,
 // Q4_K_TILED, Q6_K_TILED) run the tensor-core
-// GEMV of matmul_mma.cuh; F32 / F16 / BF16, and every format on HIP, run the FP32-FMA GEMV below.
-// A format always takes the same kernel at every width 1..16 (batch invariance, below).
+// GEMV of matmul_mma.cuh, and so do BF16 weights with in % 64 == 0 and 16-byte aligned rows (BF16U:
+// x as three BF16 terms, bf16 MMAs with F32 accumulation); F32 / F16, other BF16 weights, and every
+// format on HIP, run the FP32-FMA GEMV below.
+// A weight always takes the same kernel at every width 1..16 (batch invariance, below).
 //
 // Tensor-core GEMV (matmul_mma.cuh; mma.sync m16n8k32 s8 x s8 -> s32, sm_80+):
 // * Weights are decoded to their INTEGER quants as int8 (Q8_0 q; Q4_K 0..15; Q5_K 0..31; Q6_K q - 32
@@ -40,7 +42,9 @@
 // * Batch invariance: a column's arithmetic (its terms and scale, the integer MMAs and IMADs, the
 //   super-block float steps, the split walk and sum, the term sum) is the same in every instance and
 //   depends on no other column; integer sums have no order. So row i of y is bit-identical whatever n
-//   (1..16), and, with the 16-row slices, whatever n at all.
+//   (1..16), and, with the 16-row slices, whatever n at all. BF16U's F32 MMA sums have an order, the
+//   same for every column (each D element is its own dot product, added to its own accumulator in the
+//   same k steps): checked bitwise on the GPU (test_gpu_matmul.py's batch-invariance tests).
 // * Groups (matmul_group: several weights against one x, e.g. q / k / v): x is split once per
 //   16-row slice and each format's weights run as ONE launch whose flat grid concatenates every
 //   weight's (split, row block) blocks; each weight keeps the split of its own shape, so its
@@ -368,7 +372,8 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
     const int rows = int(std::min<int64_t>(kNMax, n - r0));
     const float* xs = x.ptr<float>() + r0 * in;
 #if SPECD_MMA_GEMV
-    std::vector<detail::mma::Weight> mma;  // the tensor-core formats, split x shared, grouped launches
+    std::vector<detail::mma::Weight> mma;   // the integer tensor-core formats, split x shared, grouped launches
+    std::vector<detail::mma::Weight> bf16;  // BF16 weights on the tensor cores (their own x split)
 #endif
     for (size_t i = 0; i < ws.size(); ++i) {
       const Tensor& w = ws[i];
@@ -380,12 +385,17 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
         mma.push_back({{static_cast<const uint8_t*>(w.data), w.row_bytes(), out, y}, w.dtype});
         continue;
       }
+      if (w.dtype == DType::BF16 && detail::mma::bf16_on_tensor_cores(w.data, in)) {
+        bf16.push_back({{static_cast<const uint8_t*>(w.data), w.row_bytes(), out, y}, w.dtype});
+        continue;
+      }
 #endif
       Problem p{static_cast<const uint8_t*>(w.data), w.row_bytes(), 0, xs, in, y, rows, out};
       gemv(p, w.dtype, in, detail::aligned16(w.data));
     }
 #if SPECD_MMA_GEMV
     if (!mma.empty()) detail::mma::gemv(mma.data(), int(mma.size()), in, xs, rows);
+    if (!bf16.empty()) detail::mma::gemv_bf16(bf16.data(), int(bf16.size()), in, xs, rows);
 #endif
   }
   return ys;

@@ -143,6 +143,21 @@ __device__ __forceinline__ void hmma(float (&d)[4], const uint32_t (&a)[4], uint
 #endif
 }
 
+// d += a * b, mma.sync m16n8k16 bf16 x bf16 -> f32 (C = d): the BF16 weights' GEMV (BF16U). Products
+// are exact (8 x 8 significant bits); the tensor core adds them and d in F32. Layouts as hmma's.
+__device__ __forceinline__ void bmma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+#if defined(SPECD_HOST_EMU)
+  specd_emu_mma_bf16(d, a, b);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+#else
+  __trap();
+#endif
+}
+
 // --- small helpers ----------------------------------------------------------------------------
 
 // PTX prmt.b32 in its default mode: byte i of the result = byte (sel nibble i & 7) of {b, a}, or
@@ -255,6 +270,7 @@ struct XView {
   const uint32_t* __restrict__ xm;  // [groups][kMaxTiles][32] f16x2 sub-block sums of the terms
   int cols;                         // 3 n: live term columns
   int lane;
+  const uint4* __restrict__ xh = nullptr;  // BF16U only: [in / 32][kMaxTiles][32] BF16 terms (split_x_bf16_kernel)
   __device__ __forceinline__ bool live(int nt) const { return 8 * nt + (lane >> 2) < cols; }
   // B fragment of n8 tile nt for k32 step `kstep` (sub-block of 32 inputs); lanes of padding
   // columns feed zeros (and skip the load).
@@ -267,6 +283,10 @@ struct XView {
   }
   __device__ __forceinline__ uint32_t mins(int64_t grp, int nt) const {
     return live(nt) ? __ldg(xm + (grp * kMaxTiles + nt) * 32 + lane) : 0u;
+  }
+  // BF16U: the lane's 8 BF16 term values of n8 tile nt in 32-input chunk kc (zeros for padding columns).
+  __device__ __forceinline__ uint4 h(int64_t kc, int nt) const {
+    return live(nt) ? __ldg(xh + (kc * kMaxTiles + nt) * 32 + lane) : make_uint4(0u, 0u, 0u, 0u);
   }
 };
 
@@ -655,16 +675,59 @@ struct Q8U {
   }
 };
 
+// BF16 (row-major, rows 16-byte aligned, in % 64 == 0; not a quantized format: the FP32-FMA GEMV of
+// matmul.cu is bound by its FMAs at 8-16 rows, e.g. a DFlash drafter's block): unit = 64 inputs, two
+// 32-input chunks, of which lane t holds inputs 8t .. 8t + 7 (one 16-byte load per row and chunk). x
+// comes as three BF16 terms per value (split_x_bf16_kernel: hi + mid + lo == x), each a B column like
+// the int8 terms; m16n8k16 bf16 -> f32 MMAs multiply exactly and accumulate in F32 straight into accf
+// (no scales), and store_partials sums the terms (hi + mid) + lo as for every format. k order of a
+// chunk's step s (0, 1), A and B alike: k 2t, 2t + 1 = inputs 8t + 4s, + 1; k 2t + 8, 2t + 9 =
+// inputs 8t + 4s + 2, + 3 (word 2s, 2s + 1 of the lane's 16 bytes).
+struct BF16U {
+  static constexpr int kUnitElems = 64;
+  static constexpr bool kTiled = false;
+  static constexpr bool kLightUnit = true;  // loads and MMAs only: a load ring at every tile count
+  struct Raw {
+    uint4 w[2];  // chunk c: inputs 64 u + 32 c + 8t .. + 7
+  };
+  __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
+    Raw r;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) r.w[c] = ldw<uint4>(row + 128 * u + 64 * c + 16 * t);
+    return r;
+  }
+  template <int NT>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const uint32_t a0[4] = {r[0].w[c].x, r[1].w[c].x, r[0].w[c].y, r[1].w[c].y};
+      const uint32_t a1[4] = {r[0].w[c].z, r[1].w[c].z, r[0].w[c].w, r[1].w[c].w};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint4 b = xv.h(2 * u + c, nt);
+        bmma(accf[nt], a0, make_uint2(b.x, b.y));
+        bmma(accf[nt], a1, make_uint2(b.z, b.w));
+      }
+    }
+  }
+};
+
+// Whether F's unit body is light (loads and MMAs: BF16U): it keeps a load ring at 5-6 tiles too.
+template <class F, class = void>
+struct LightUnit : std::false_type {};
+template <class F>
+struct LightUnit<F, std::void_t<decltype(F::kLightUnit)>> : std::bool_constant<F::kLightUnit> {};
+
 // Units a warp keeps loading ahead of the one it computes (software pipelining: before computing a
 // unit, the slot of the previous one is refilled with the unit kAhead later): as many as a register
 // budget for the raw words allows, with one unit's words being computed, 0 .. 4. 0 (load one unit,
 // then compute it) for 5 and 6 tiles: the old 6-tile instance's ~800-instruction unit body was
 // doubled by the ring, unrolled over its slots (H200: verify at 9..16 rows 24-25.7 ms against
 // 19.7-21.3 ms with one unit ahead through register copies, BENCHMARKS.md); 5 tiles follows it
-// unmeasured on its own.
+// unmeasured on its own. Light units (BF16U) keep their ring (a few instructions per unit).
 template <class F, int NT>
 __host__ __device__ constexpr int units_ahead() {
-  if constexpr (NT >= 5) return 0;
+  if constexpr (NT >= 5 && !LightUnit<F>::value) return 0;
   constexpr int regs = int(sizeof(typename F::Raw) / 4) * 2;  // the raw words of one unit, both rows
   constexpr int ahead = (NT <= 2 ? SPECD_MMA_RING_REGS : SPECD_MMA_RING_REGS * 3 / 4) / regs - 1;
   return ahead < 0 ? 0 : ahead > SPECD_MMA_MAX_AHEAD ? SPECD_MMA_MAX_AHEAD : ahead;
@@ -793,6 +856,42 @@ __global__ void split_x_kernel(const In src, int64_t in, int n, int64_t groups, 
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t rg = id >> 5;
   split_group(src, int(rg / groups), n, rg % groups, in, int(id & 31), xb, xs, xm);
+}
+
+// BF16U's x: x [n, in] F32 (rows 16-byte aligned, in % 32 == 0) -> xh [in / 32][kMaxTiles][32] (tiles
+// 0 .. `tiles` - 1 written): lane 4 g + t of n8 tile nt in chunk kc holds term tau = c % 3 of row r = c / 3
+// (column c = 8 nt + g; zeros for c >= 3 n) at inputs 32 kc + 8t .. + 7 as 8 BF16, the lower input in
+// each word's lower half. hi = rn(x), mid = rn(x - hi), lo = rn(x - hi - mid): each difference is exact
+// in F32 and holds at most 16, then 8 significant bits, so hi + mid + lo == x for finite x (down to
+// F32's subnormals). A non-finite x is its own hi with mid = lo = 0: its products are the CPU's
+// (inf, or NaN). One thread per (chunk, tile, lane).
+__global__ void split_x_bf16_kernel(const float* __restrict__ x, int64_t in, int n, int tiles, uint4* __restrict__ xh) {
+  pdl_enter();  // the GEMV may start loading weights now (it waits for our writes); we wait for our inputs
+  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int lane = int(id & 31), nt = int((id >> 5) % tiles);
+  const int64_t kc = (id >> 5) / tiles;
+  if (kc >= in / 32) return;
+  const int c = 8 * nt + (lane >> 2), t = lane & 3;
+  uint32_t w[4] = {0u, 0u, 0u, 0u};
+  if (c < 3 * n) {
+    const int tau = c % 3;
+    const float4* p = reinterpret_cast<const float4*>(x + int64_t(c / 3) * in + 32 * kc + 8 * t);
+    const float4 v0 = p[0], v1 = p[1];
+    const float v[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float term = v[j];  // tau 0: hi
+      if (isfinite(v[j])) {
+        const float hi = __uint_as_float(uint32_t(to_bf16(v[j])) << 16), r1 = __fsub_rn(v[j], hi);
+        const float mid = __uint_as_float(uint32_t(to_bf16(r1)) << 16);
+        term = tau == 0 ? hi : tau == 1 ? mid : __fsub_rn(r1, mid);
+      } else if (tau > 0) {
+        term = 0.0f;
+      }
+      w[j >> 1] |= uint32_t(to_bf16(term)) << (16 * (j & 1));
+    }
+  }
+  xh[(kc * kMaxTiles + nt) * 32 + lane] = make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // Several weights against the same x in one launch (the projections that read one normed hidden
@@ -1041,6 +1140,20 @@ inline XView x_view(const uint8_t* base, int64_t in, int n) {
                reinterpret_cast<const uint32_t*>(base + sz.xb + sz.xs), 3 * n, 0};
 }
 
+// Bytes of BF16U's split x of `in` inputs (any n <= 16).
+inline size_t xh_bytes(int64_t in) { return size_t(in / 32 * kMaxTiles * 32) * sizeof(uint4); }
+
+// x [n, in] F32 -> BF16U's split x at xh (xh_bytes(in)), on stream s; the view of it.
+inline XView split_x_bf16(const float* x, int64_t in, int n, uint4* xh, cudaStream_t s) {
+  const int tiles = tiles_for(n);
+  const int64_t threads = in / 32 * tiles * 32;
+  detail::launch_kernel<split_x_bf16_kernel>("split_x_bf16_kernel", unsigned((threads + 127) / 128), 128, 0, s, x, in,
+                                             n, tiles, xh);
+  XView v{nullptr, nullptr, nullptr, 3 * n, 0};
+  v.xh = xh;
+  return v;
+}
+
 // The inputs of src (n rows of `in`, see PlainInput) -> their split at base (x_view), on stream s.
 template <class In>
 void launch_split_x(const In& src, int64_t in, int n, uint8_t* base, cudaStream_t s) {
@@ -1209,6 +1322,7 @@ inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv,
         case DType::IQ4_XS_TILED: return launch<IQ4T, kNT>(batch, m, in, xv, n, sms, partials, s);
         case DType::Q6_K_TILED: return launch<Q6T, kNT>(batch, m, in, xv, n, sms, partials, s);
         case DType::Q4_K_TILED: return launch<Q4T, kNT>(batch, m, in, xv, n, sms, partials, s);
+        case DType::BF16: return launch<BF16U, kNT>(batch, m, in, xv, n, sms, partials, s);
         default: fail("matmul: no tensor-core GEMV for ", dtype_info(ws[i].t).name);
       }
     };
@@ -1221,6 +1335,19 @@ inline void gemv(const Weight* ws, int count, int64_t in, const float* x, int n)
   std::shared_ptr<void> xsplit = alloc(XSizes(in).total());  // freed stream-ordered
   launch_split_x(PlainInput{x, in}, in, n, static_cast<uint8_t*>(xsplit.get()), stream());
   gemv_split(ws, count, in, x_view(static_cast<const uint8_t*>(xsplit.get()), in, n), n);
+}
+
+// Whether BF16 weight w ([out, in], data at `data`) runs on the tensor cores (BF16U): in % 64 == 0 and
+// 16-byte aligned rows. Depends on the weight only, so a weight takes one GEMV at every width.
+inline bool bf16_on_tensor_cores(const void* data, int64_t in) {
+  return in % 64 == 0 && reinterpret_cast<uintptr_t>(data) % 16 == 0;
+}
+
+// y_i = x @ w_i^T for BF16 weights (bf16_on_tensor_cores) on x [n, in] F32 (rows 16-byte aligned).
+inline void gemv_bf16(const Weight* ws, int count, int64_t in, const float* x, int n) {
+  std::shared_ptr<void> xh = alloc(xh_bytes(in));  // freed stream-ordered
+  const XView xv = split_x_bf16(x, in, n, static_cast<uint4*>(xh.get()), stream());
+  gemv_split(ws, count, in, xv, n);
 }
 
 #endif  // SPECD_HOST_EMU

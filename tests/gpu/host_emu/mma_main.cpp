@@ -9,7 +9,7 @@
 //
 // usage: mma_emu FORMAT n in out[,out...] w.bin x.bin y.bin   (x: F32 [n, in]; y: F32 [n, out]; w: the
 // weights row-major as in GGUF; FORMAT IQ4_XS_T / Q4_K_T / Q6_K_T packs them into the tiled layout,
-// then runs IQ4T / Q4T / Q6T)
+// then runs IQ4T / Q4T / Q6T; BF16 (in % 64 == 0) runs BF16U on its own x split, split_x_bf16_kernel)
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -90,14 +90,24 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   using namespace specd::gpu::detail::mma;
   const XSizes sz(in);
   std::vector<uint8_t> scratch_x(sz.total(), 0xA5);  // poisoned: whatever the kernels read was written
+  std::vector<uint4> scratch_h;
   uint8_t* base = scratch_x.data();
-  const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 32;  // as launch_split_x
-  emulate((threads + 127) / 128, 128, [&] {
-    const XSizes::Parts xp = sz.at(base);
-    split_x_kernel(PlainInput{x.data(), in}, in, n, groups, xp.xb, xp.xs, xp.xm);
-  });
-  const XView xv{reinterpret_cast<const uint2*>(base), reinterpret_cast<const float*>(base + sz.xb),
-                 reinterpret_cast<const uint32_t*>(base + sz.xb + sz.xs), 3 * n, 0};
+  XView xv{reinterpret_cast<const uint2*>(base), reinterpret_cast<const float*>(base + sz.xb),
+           reinterpret_cast<const uint32_t*>(base + sz.xb + sz.xs), 3 * n, 0};
+  if constexpr (std::is_same_v<F, BF16U>) {  // its own split: three BF16 terms (as mma::split_x_bf16)
+    scratch_h.assign(size_t(in / 32 * kMaxTiles * 32), make_uint4(0xA5A5A5A5u, 0xA5A5A5A5u, 0xA5A5A5A5u, 0xA5A5A5A5u));
+    const int tiles = tiles_for(n);
+    const int64_t threads = in / 32 * tiles * 32;
+    emulate((threads + 127) / 128, 128, [&] { split_x_bf16_kernel(x.data(), in, n, tiles, scratch_h.data()); });
+    xv = XView{nullptr, nullptr, nullptr, 3 * n, 0};
+    xv.xh = scratch_h.data();
+  } else {
+    const int64_t groups = (in + kGroup - 1) / kGroup, threads = int64_t(n) * groups * 32;  // as launch_split_x
+    emulate((threads + 127) / 128, 128, [&] {
+      const XSizes::Parts xp = sz.at(base);
+      split_x_kernel(PlainInput{x.data(), in}, in, n, groups, xp.xb, xp.xs, xp.xm);
+    });
+  }
   // Split-K as the host code picks it (units_per_split), with SPECD_EMU_SMS multiprocessors (default
   // 132, an H200; small values give many splits on the tests' small weights).
   const char* sms_env = std::getenv("SPECD_EMU_SMS");
@@ -221,6 +231,7 @@ int main(int argc, char** argv) {
   else if (fmt == "Q5_K") row_bytes = in / 256 * 176;
   else if (fmt == "Q6_K" || fmt == "Q6_K_T") row_bytes = in / 256 * 210;
   else if (fmt == "IQ4_XS" || fmt == "IQ4_XS_T") row_bytes = in / 256 * 136;  // _T: run in the tiled layout
+  else if (fmt == "BF16" && in % 64 == 0) row_bytes = in * 2;
   else return 2;
   // The weights' rows one after the other (y: each weight's [n, out_i] one after the other).
   std::vector<uint8_t> w(size_t(row_bytes * out));
@@ -234,6 +245,7 @@ int main(int argc, char** argv) {
   else if (fmt == "Q6_K") run<mma::Q6U>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q6_K_T") run<mma::Q6T>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "IQ4_XS") run<mma::IQ4U>(w, row_bytes, in, x, n, outs, y);
+  else if (fmt == "BF16") run<mma::BF16U>(w, row_bytes, in, x, n, outs, y);
   else run<mma::IQ4T>(w, row_bytes, in, x, n, outs, y);
   std::ofstream(argv[7], std::ios::binary).write(reinterpret_cast<const char*>(y.data()), std::streamsize(y.size() * 4));
   return 0;

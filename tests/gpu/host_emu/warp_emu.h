@@ -77,6 +77,7 @@ inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
 inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return uint4{x, y, z, w}; }
 struct float2 {
   float x, y;
 };
@@ -129,6 +130,21 @@ inline void specd_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
       const float av = half_of(w.a[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
       // B (k, col): lane 4 col + (k % 8) / 2, register k >= 8, half k & 1.
       const float bv = half_of(w.b[4 * col + (k % 8) / 2][k >= 8], k & 1);
+      s += double(av) * double(bv);
+    }
+    return float(s);
+  });
+}
+
+// m16n8k16 bf16 -> f32, d += a * b: products exact, summed in double, rounded once (an approximation of
+// the hardware's internal summation order and rounding). Layouts as specd_emu_mma's.
+inline float bf16_of(uint32_t reg, int h) { return __uint_as_float(h ? reg & 0xffff0000u : reg << 16); }
+inline void specd_emu_mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
+  warp_mma(d, a, b, [](const WarpSlot& w, int row, int col, float acc) {
+    double s = acc;
+    for (int k = 0; k < 16; ++k) {
+      const float av = bf16_of(w.a[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
+      const float bv = bf16_of(w.b[4 * col + (k % 8) / 2][k >= 8], k & 1);
       s += double(av) * double(bv);
     }
     return float(s);
