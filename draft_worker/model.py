@@ -770,8 +770,8 @@ def markov_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, w1: Tensor, 
 def _markov_chain_tensor(ops, logits, hidden, seed: int, w1: Tensor, w2: Tensor, conf_w, conf_b,
                          conf_with_markov: bool, sampling: Sampling | None = None, *, head=None, correct: bool = True):
     """:func:`markov_chain` on sn.Tensors of the model's device (``ops``: its _TensorOps): the
-    W1 gather, the W2 GEMV, the bias add and the argmax run there per row and only the chosen id comes
-    back (one small sync per draft, inherent to a sequential chain); the fused base logits are one
+    W1 gather, the W2 GEMV, the bias add and the argmax run there per row, a greedy chain feeding each
+    argmax to the next gather on the device (the ids come back once, after the last draft); the fused base logits are one
     [n, V] device tensor, the unfused ones are computed row by row by ``head`` (logits None).
     With ``sampling`` each corrected row is copied to the host for q and the draw. The confidence
     head (float64, [n, H + r] · w) runs on the host as in markov_chain.
@@ -779,24 +779,29 @@ def _markov_chain_tensor(ops, logits, hidden, seed: int, w1: Tensor, w2: Tensor,
     confidence float32 [n] or None, q float32 [n, V] or None)."""
     n = int(hidden.shape[0])
     toks = np.zeros(n, np.int32)
-    rows, corrected, prev_rows = [], [], []
+    rows, corrected, prev_rows, picks = [], [], [], []
     q = None
-    prev = int(seed)
+    prev = np.array([int(seed)], np.int32)  # greedy: then the device's argmax, I32 [1], never read back here
     for k in range(n):
         u = head(ops.rows(hidden, k, k + 1)) if head is not None else ops.rows(logits, k, k + 1)
         rows.append(u)
-        e = sn.embedding(w1, np.array([prev], np.int32))  # [1, r]
+        # trusted: an argmax of the V logits indexes W1 [V, r] (contract.py), so the ids need no
+        # read-back check, and the greedy chain queues all its steps without a host round trip.
+        e = sn.embedding(w1, prev, trusted=True)  # [1, r]
         prev_rows.append(e)
         c = sn.add(u, sn.matmul(e, w2)) if correct else u
         corrected.append(c)
         if sampling is None:
-            prev = int(sn.argmax(c).numpy()[0])
+            prev = sn.argmax(c)
+            picks.append(prev)
         else:
             qk = sampling_probs(ops.host(c), sampling.temperature, sampling.top_p, sampling.top_k)
             q = np.empty((n, qk.shape[1]), np.float32) if q is None else q
             q[k] = qk[0]
-            prev = _draw(q[k], sampling.rng)
-        toks[k] = prev
+            toks[k] = _draw(q[k], sampling.rng)
+            prev = toks[k : k + 1]
+    for k, pick in enumerate(picks):  # the first read waits for the whole chain, the rest are ready
+        toks[k] = pick.numpy()[0]
     base = logits if head is None else ops.cat(rows)
     conf = None
     if conf_w is not None:
