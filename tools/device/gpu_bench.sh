@@ -5,7 +5,8 @@
 # for each mix in $MIXES (default "iq4xs"), and with LOOP_AL (e.g. "5") the service loop benchmark
 # (tools/bench/loop_overhead.py --device cuda: coordinator + workers over gRPC, scripted oracle
 # drafter at those acceptance lengths) on the first mix's GGUF (LOOP_IPC_AB=1: twice, over the workers' IPC
-# stream sockets (the default hot path) then with --no-ipc-streams (gRPC streams), for the A/B), and with DRAFTERS (e.g. "dflash dspark
+# stream sockets (the default hot path) then with --no-ipc-streams (gRPC streams), for the A/B; LOOP_ARGS: more
+# loop_overhead.py options, e.g. "--ipc-spin-us 0 200"), and with DRAFTERS (e.g. "dflash dspark
 # dflash2") the drafter benchmark (tools/bench/gpu_drafter.py: random drafters of those families in the
 # published 27B shapes, DRAFTER_TYPE bf16 (default) and / or q8_0 (e.g. "bf16 q8_0": one run each), DRAFTER_ARGS
 # more gpu_drafter.py options (e.g. "--profile 4"), written next to the first mix's GGUF by
@@ -52,7 +53,7 @@ for mix in ${MIXES:-iq4xs}; do
     for hot in "" $ab; do
       [ "$(left)" -gt 60 ] || break
       timeout "$(left)" python3 "$R/tools/bench/loop_overhead.py" --target "/tmp/r27-$mix.gguf" --device cuda \
-        --tokens 64 --al $LOOP_AL $hot >>"$OUT/decode.log" 2>&1
+        --tokens 64 --al $LOOP_AL $hot ${LOOP_ARGS:-} >>"$OUT/decode.log" 2>&1
       echo "loop $mix ${hot:-ipc} rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
     done
     LOOP_AL=""
