@@ -1,6 +1,6 @@
 """Builds a host-emulation harness (tests/gpu/host_emu/*_main.cpp) with the GPU headers it compiles for the
 CPU, and draws the attention harnesses' random inputs, for the emulation tests (test_gpu_flash_attention_host.py,
-test_gpu_attention_mma_host.py, test_gpu_mask_compact_host.py, ...); tree_mask also serves test_gpu_ops2.py."""
+test_gpu_attention_mma_host.py, test_gpu_mask_compact_host.py, test_gpu_topk_host.py, ...); tree_mask and topk_plan also serve test_gpu_ops2.py."""
 import os
 import shutil
 import subprocess
@@ -53,3 +53,15 @@ def tree_mask(prefix, parents):
             mask[j, prefix + a] = 1
             a = parents[a]
     return mask
+
+
+def topk_plan(V, k):
+    """native/src/gpu/topk.cuh's plan(V, k) for the top-k tests: (lg, chunks, split), chunks of 2^lg
+    entries (>= 8 k chunks of 256..4096 when V allows, at most 1024 chunks), split when k <= chunks."""
+    lg = 12
+    while lg > 8 and (V >> lg) < 8 * k:
+        lg -= 1
+    while -(-V // (1 << lg)) > 1024:
+        lg += 1
+    chunks = -(-V // (1 << lg))
+    return lg, chunks, k <= chunks

@@ -43,7 +43,7 @@ import specd.native as sn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from flash_ref import check_flash  # noqa: E402
-from host_emu_build import tree_mask  # noqa: E402
+from host_emu_build import topk_plan, tree_mask  # noqa: E402
 
 DRYRUN = os.environ.get("SPECD_TEST_GPU_DRYRUN") == "1"
 GPU = sn.Device.GPU
@@ -1236,3 +1236,95 @@ def test_topk_gpu_exact(rng, shape, k):
 def test_topk_gpu_bad_k(rng):
     with pytest.raises(ValueError, match="k must be"):
         sn.topk(on_gpu(f32(rng, (2, 5))), 6)
+
+
+def topk_specials(rng, x):
+    """x [n, V] with, by row: NaNs, +-inf; -0.0 / +0.0 tied at the top; the maximum repeated (ties)."""
+    n, V = x.shape
+    for r in range(n):
+        pos = rng.choice(V, size=min(V, 6), replace=False)
+        if r % 4 == 1:
+            x[r, pos[:2]] = np.nan
+            x[r, pos[2:3]] = np.inf
+            x[r, pos[3:4]] = -np.inf
+        elif r % 4 == 2:
+            x[r] = -np.abs(x[r])
+            x[r, pos[:3]] = -0.0
+            x[r, pos[3:]] = 0.0
+        elif r % 4 == 3:
+            x[r, pos] = x[r].max()
+    return x
+
+
+def check_topk_gpu(x, k, alone=()):
+    """sn.topk on the GPU == the CPU op, values bit for bit (-0.0, NaN) and indices; each row in `alone`
+    run by itself gives its result among the others (batch invariance)."""
+    cv, ci = sn.topk(x, k)
+    gv, gi = sn.topk(on_gpu(x), k)
+    assert gv.device == DEV and gv.shape == x.shape[:-1] + (k,) and gi.shape == gv.shape
+    gv, gi = gv.numpy(), gi.numpy()
+    np.testing.assert_array_equal(gi, ci.numpy())
+    np.testing.assert_array_equal(gv.view(np.uint32), cv.numpy().view(np.uint32))
+    for r in alone:
+        ov, oi = sn.topk(on_gpu(x[r:r + 1]), k)
+        np.testing.assert_array_equal(oi.numpy(), gi[r:r + 1])
+        np.testing.assert_array_equal(ov.numpy().view(np.uint32), gv[r:r + 1].view(np.uint32))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("V", [1, 7, 255, 256, 257, 4096, 4097, 20000])
+@pytest.mark.parametrize("k", [1, 16, 64, "V"])
+@gpu_only
+def test_topk_gpu_matrix(rng, rows, V, k):
+    """Every path of topk.cuh (chunk maxima + select, rounds for k > chunks, k = V), V at and around the
+    chunk edges, specials in the rows, bit-identical to the CPU op and batch invariant."""
+    k = V if k == "V" else k
+    if k > V:
+        pytest.skip("k > V")
+    x = topk_specials(rng, f32(rng, (rows, V)))
+    check_topk_gpu(x, k, alone=sorted({0, rows - 1, min(3, rows - 1)}))
+
+
+@pytest.mark.parametrize("k", [1, 16, 64])
+@gpu_only
+def test_topk_gpu_vocab(rng, k):
+    """The DFlash 2 drafter's shape [8, 248320] (k = 16 there), with specials; a row alone == among 8."""
+    x = topk_specials(rng, f32(rng, (8, 248320)))
+    check_topk_gpu(x, k, alone=[0, 5])
+
+
+@pytest.mark.parametrize("k", [1, 5, 16, 64])
+@gpu_only
+def test_topk_gpu_chunk_edge_ties(rng, k):
+    """Ties straddling every chunk edge of the split path (the lower index wins across chunks), equal
+    chunk maxima (the k-th chunk maximum decided by index), NaNs across an edge."""
+    V = 20000
+    lg, chunks, split = topk_plan(V, k)
+    assert split
+    C = 1 << lg
+    x = f32(rng, (3, V))
+    for e in range(1, chunks):
+        x[0, e * C - 1] = x[0, e * C] = 9.0
+    x[1, ::C] = 5.0
+    x[1, 3 * C + 7] = 5.0
+    x[2, C - 2:C + 2] = np.nan
+    x[2, 2 * C] = -0.0
+    x[2, 2 * C + 1] = np.inf
+    check_topk_gpu(x, k, alone=[1])
+
+
+@pytest.mark.parametrize("V", [4097, 40000, 248320])
+@gpu_only
+def test_topk_gpu_many_ties(rng, V):
+    """Rows where thousands of entries tie with the k-th best (all zeros, mostly -inf with 5 finite
+    entries, one repeated value with a -0.0 and a NaN): the select kernel's overflow rounds."""
+    x = np.zeros((4, V), np.float32)
+    x[1] = -np.inf
+    x[1, rng.choice(V, 5, replace=False)] = f32(rng, 5)
+    x[2] = np.float32(1.5)
+    x[2, V // 3] = -0.0
+    x[2, V // 2] = np.nan
+    x[3] = -0.0
+    x[3, V - 1] = 0.0
+    for k in (1, 16, 64):
+        check_topk_gpu(x, k, alone=[1, 2])

@@ -1,75 +1,21 @@
-// Row-wise top-k on the GPU, same contract as cpu::topk: the k best (value, index) pairs of each
-// row under the argmax ranking (larger value first, NaN above every number, -0.0 == +0.0, ties by
-// lower index), best first. Exact, hence bit-identical to the CPU op and batch invariant.
-//
-// One block per row, k selection rounds: round r finds the best entry ranked strictly below the
-// entry chosen in round r - 1 (the ranking is a strict total order on (value, index), so this is
-// exactly the r-th best). O(k V) reads per row, from L2 after the first round: meant for the small
-// k of sampling and tree drafting (k <= ~64); a radix-select variant would serve large k.
+// Row-wise top-k on the GPU, same contract as cpu::topk: the k best (value, index) pairs of each row
+// under the argmax ranking (larger value first, NaN above every number, -0.0 == +0.0, ties by lower
+// index), best first. Exact, hence bit-identical to the CPU op and batch invariant: the path and its
+// chunking depend on (V, k) alone, and each row's result on that row alone. The kernels and the choice
+// of path are in topk.cuh.
 #include <climits>
-#include <cmath>
+#include <memory>
 
 #include "op_util.cuh"
 #include "ops.h"
-#include "ranking.cuh"
+#include "specd/gpu.h"
+#include "topk.cuh"
 
 namespace specd::gpu {
 
-namespace {
-
-constexpr int kThreads = 512;
-
-using detail::better;
-using detail::Cand;
-
-__device__ __forceinline__ void take(Cand& best, float v, int32_t i) {
-  if (i != INT32_MAX && (best.i == INT32_MAX || better(v, i, best.v, best.i))) best = {v, i};
-}
-
-__global__ void __launch_bounds__(kThreads) topk_kernel(const float* __restrict__ x, int64_t V, int64_t k,
-                                                        float* __restrict__ vals, int32_t* __restrict__ idx) {
-  detail::pdl_enter();
-  __shared__ Cand part[kThreads / SPECD_WARP];
-  __shared__ Cand prev;
-  const int64_t r = blockIdx.x;
-  const float* row = x + r * V;
-  const int lane = threadIdx.x % SPECD_WARP, warp = threadIdx.x / SPECD_WARP;
-  for (int64_t round = 0; round < k; ++round) {
-    Cand best{0.0f, INT32_MAX};  // INT32_MAX: none yet
-    Cand pv = round > 0 ? prev : Cand{0.0f, INT32_MAX};
-    for (int64_t j = threadIdx.x; j < V; j += kThreads) {
-      float v = row[j];
-      if (pv.i != INT32_MAX && !better(pv.v, pv.i, v, int32_t(j))) continue;  // not below the previous pick
-      take(best, v, int32_t(j));
-    }
-#pragma unroll
-    for (int m = SPECD_WARP / 2; m > 0; m >>= 1) {
-      float v = SPECD_SHFL_XOR(best.v, m);
-      int32_t i = SPECD_SHFL_XOR(best.i, m);
-      take(best, v, i);
-    }
-    if (lane == 0) part[warp] = best;
-    __syncthreads();
-    if (warp == 0) {
-      Cand c = lane < kThreads / SPECD_WARP ? part[lane] : Cand{0.0f, INT32_MAX};
-#pragma unroll
-      for (int m = SPECD_WARP / 2; m > 0; m >>= 1) {
-        float v = SPECD_SHFL_XOR(c.v, m);
-        int32_t i = SPECD_SHFL_XOR(c.i, m);
-        take(c, v, i);
-      }
-      if (lane == 0) {
-        prev = c;
-        vals[r * k + round] = c.v;
-        idx[r * k + round] = c.i;
-      }
-    }
-    __syncthreads();
-  }
-}
-
-}  // namespace
-
+// x: F32 [..., V] on the GPU, contiguous, V in [1, INT32_MAX]; k in [1, V]. Returns (values F32 [..., k],
+// indices I32 [..., k]). Throws std::invalid_argument for bad inputs, std::runtime_error when a launch or
+// the scratch allocation (8 bytes per row and chunk, stream-ordered) fails.
 std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k) {
   const char* op = "topk";
   detail::check_gpu_tensor(x, DType::F32, -1, op, "x");
@@ -83,8 +29,24 @@ std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k) {
   shape.push_back(k);
   Tensor vals = Tensor::empty(shape, DType::F32, Device::GPU), idx = Tensor::empty(shape, DType::I32, Device::GPU);
   if (n == 0) return {vals, idx};
-  detail::launch_kernel<topk_kernel>("topk_kernel", unsigned(n), kThreads, 0, detail::stream(), x.ptr<float>(), V, k,
-                                     vals.ptr<float>(), idx.ptr<int32_t>());
+  namespace tk = detail::topk;
+  const tk::Plan p = tk::plan(V, k);
+  if (!p.split) {
+    detail::launch_kernel<tk::rounds_kernel>("topk rounds_kernel", unsigned(n), tk::kRoundThreads, 0,
+                                             detail::stream(), x.ptr<float>(), V, k, vals.ptr<float>(),
+                                             idx.ptr<int32_t>());
+    return {vals, idx};
+  }
+  // n * chunks blocks of chunk_max_kernel (chunks <= kMaxChunks, so the product fits int64)
+  detail::check_grid(n * p.chunks, op);
+  std::shared_ptr<void> maxk = alloc(size_t(n * p.chunks) * sizeof(uint64_t));
+  auto* mk = static_cast<uint64_t*>(maxk.get());
+  detail::launch_kernel<tk::chunk_max_kernel>("topk chunk_max_kernel", unsigned(n * p.chunks), tk::kMaxThreads, 0,
+                                              detail::stream(), x.ptr<float>(), V, p.chunks, p.lg, mk);
+  detail::launch_kernel<tk::select_kernel>("topk select_kernel", unsigned(n), tk::kSelThreads, 0, detail::stream(),
+                                           x.ptr<float>(), V, k, p.chunks, p.lg, static_cast<const uint64_t*>(mk),
+                                           vals.ptr<float>(), idx.ptr<int32_t>());
+  // maxk is freed stream-ordered, after the kernels queued above.
   return {vals, idx};
 }
 

@@ -1,6 +1,6 @@
 // Host emulation of the CUDA execution model for the kernel harnesses in this folder (*_main.cpp: the
 // tensor-core GEMV, the attention kernels, the mask compaction, the chunked and step Gated DeltaNet, the
-// causal conv; each names the header it runs):
+// causal conv, the top-k; each names the header it runs):
 // a block runs as one std::thread per lane; the warp-wide instructions are emulated from the PTX ISA
 // fragment layouts with one barrier per instruction: every lane publishes its operands in the warp's
 // exchange slot of that instruction (two slots used in turn), waits at the warp barrier, then computes
@@ -8,11 +8,12 @@
 // instruction's barrier, which every lane reaches after reading the slot). mma.sync m16n8k32 s8 -> s32
 // (exact integers, as the hardware), mma.sync m16n8k16 f16 -> f32 (products exact, summed in double and
 // rounded once), mma.sync m16n8k8 tf32 -> f32 (operands truncated to tf32, products exact, summed in double and
-// rounded once), ldmatrix .x4 (and .trans), shuffles, __syncwarp; __syncthreads is a block barrier,
+// rounded once), ldmatrix .x4 (and .trans), shuffles, __syncwarp, atomicAdd on an int; __syncthreads is a block barrier,
 // cp.async an immediate copy, __shared__ arrays are statics (one block at a time) and dynamic shared
 // memory is specd_emu_dyn_smem (set by the harness).
 #pragma once
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -84,6 +85,7 @@ struct float2 {
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 using std::isfinite;
+using std::isnan;
 using std::max;
 using std::min;
 
@@ -258,6 +260,8 @@ inline int __shfl_up_sync(unsigned mask, int v, int delta) {
   return lane >= delta ? got : v;
 }
 #define SPECD_SHFL_UP(v, delta) __shfl_up_sync(0xffffffffu, (v), (delta))
+// atomicAdd on an int (shared memory in the kernels): a sequentially consistent fetch_add.
+inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline void __syncwarp() {
   next_slot();  // an instruction without operands: keeps the lanes' slot turns aligned
