@@ -48,16 +48,6 @@ for mix in ${MIXES:-iq4xs}; do
   timeout "$(left)" python3 "$R/tools/bench/gpu_decode.py" --gguf "/tmp/r27-$mix.gguf" --mix "$mix" \
     --out "$OUT" ${DECODE_ARGS:-} >>"$OUT/decode.log" 2>&1
   echo "decode $mix rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
-  if [ -n "${LOOP_AL:-}" ] && [ "$(left)" -gt 90 ]; then
-    ab=""; [ "${LOOP_IPC_AB:-0}" = 1 ] && ab=--no-ipc-streams
-    for hot in "" $ab; do
-      [ "$(left)" -gt 60 ] || break
-      timeout "$(left)" python3 "$R/tools/bench/loop_overhead.py" --target "/tmp/r27-$mix.gguf" --device cuda \
-        --tokens 64 --al $LOOP_AL $hot ${LOOP_ARGS:-} >>"$OUT/decode.log" 2>&1
-      echo "loop $mix ${hot:-ipc} rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
-    done
-    LOOP_AL=""
-  fi
   if [ -n "${DRAFTERS:-}" ] && [ -f "/tmp/r27-$mix.gguf" ] && [ "$(left)" -gt 60 ]; then
     dj=""; [ -f "$OUT/gpu_decode_$mix.json" ] && dj="--decode-json $OUT/gpu_decode_$mix.json"
     for dt in ${DRAFTER_TYPE:-bf16}; do
@@ -67,6 +57,16 @@ for mix in ${MIXES:-iq4xs}; do
       echo "drafters $mix $dt rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
     done
     DRAFTERS=""
+  fi
+  if [ -n "${LOOP_AL:-}" ] && [ "$(left)" -gt 90 ]; then
+    ab=""; [ "${LOOP_IPC_AB:-0}" = 1 ] && ab=--no-ipc-streams
+    for hot in "" $ab; do
+      [ "$(left)" -gt 60 ] || break
+      timeout "$(left)" python3 "$R/tools/bench/loop_overhead.py" --target "/tmp/r27-$mix.gguf" --device cuda \
+        --tokens 64 --al $LOOP_AL $hot ${LOOP_ARGS:-} >>"$OUT/decode.log" 2>&1
+      echo "loop $mix ${hot:-ipc} rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+    done
+    LOOP_AL=""
   fi
   rm -f "/tmp/r27-$mix.gguf" /tmp/r27-"$mix"-draft-*.gguf
 done
