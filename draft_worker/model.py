@@ -278,11 +278,10 @@ class DrafterModel:
             sel = self.w.selector
             self.selector = None if sel is None else (up.matmul(sel.hproj), up.embedding(sel.pred_cb),
                                                       up.embedding(sel.succ_cb))
-            if hp.dflash2 is not None:  # [1, taps * H] tables, broadcast over rows by an exact gather
-                self._conv_base = [tuple(tuple(up.plain(sn.Tensor(np.ascontiguousarray(b[j].reshape(1, -1))))
+            if hp.dflash2 is not None:  # per side, the [taps, H] base kernel sn.grouped_dynamic_conv reads
+                self._conv_base = [tuple(tuple(up.plain(sn.Tensor(np.ascontiguousarray(b[j])))
                                                for j in range(b.shape[0])) for b in pair)
                                    for pair in self._conv_base]
-                self._rep_ids: dict[int, Tensor] = {}
             if self.device == sn.Device.GPU:
                 sn.gpu_synchronize()
 
@@ -330,30 +329,13 @@ class DrafterModel:
         return ops.reshape(ops.a(sn.matmul(x, self.layers[i].attn_v)), x.shape[0], hp.n_head_kv, hp.head_dim)
 
     def _conv(self, y, D, j: int, base):
-        """Side j of the grouped dynamic conv with the coefficients D [L, 2, taps, G]."""
+        """Side j of the grouped dynamic conv (drafters.md §6.2) of y [L, H] with the coefficients
+        D [L, 2, taps, G] and that side's base kernel [taps, H], all float32: the numpy reference
+        :func:`grouped_dynamic_conv` on the host, else one ``sn.grouped_dynamic_conv`` (the same F32
+        operations in the same order, so bitwise the host's result; D's side read in place)."""
         if self.on_host:
             return grouped_dynamic_conv(y, D[:, j], base, self.hp.dflash2.conv_group_size)
-        return self._conv_tensor(y, self._ops.index(D, 1, j), base)
-
-    def _conv_tensor(self, y: Tensor, dyn: Tensor, base: Tensor) -> Tensor:
-        """:func:`grouped_dynamic_conv` on sn.Tensors (the model's device), the same F32 operations
-        in the same order (so bitwise the numpy result for equal inputs): coef = base + repeat(dyn)
-        (the repeat an exact gather), out = coef[:, 0]·y, then out[o:] += coef[o:, o]·y[:−o].
-        y [L, H]; dyn [L, taps, G]; base the [1, taps·H] table."""
-        ops, gs = self._ops, self.hp.dflash2.conv_group_size
-        L, taps, G = (int(d) for d in dyn.shape)
-        H = G * gs
-        ids = self._rep_ids.get(L)
-        if ids is None:  # element (t, o, c) of the repeat reads dyn[t, o, c // gs]
-            idx = (np.arange(L * taps, dtype=np.int64)[:, None] * G + np.arange(H) // gs).reshape(-1)
-            ids = self._rep_ids[L] = sn.Tensor(idx.astype(np.int32)).to(self.device)
-        rep = sn.embedding(dyn.reshape([L * taps * G, 1]), ids).reshape([L, taps * H])
-        coef = sn.add(rep, base).reshape([L, taps, H])  # base broadcast over rows (F32 add commutes)
-        out = sn.mul(ops.index(coef, 1, 0), y)
-        for o in range(1, min(taps, L)):
-            prod = sn.mul(ops.rows(ops.index(coef, 1, o), o, L), ops.rows(y, 0, L - o))
-            out = ops.cat([ops.rows(out, 0, o), sn.add(ops.rows(out, o, L), prod)])
-        return out
+        return sn.grouped_dynamic_conv(y, D, base, j)
 
     def _dyn(self, u, proj: Tensor):
         """Dynamic coefficients D = reshape(u · W_kpᵀ, [L, 2, taps, G])."""

@@ -121,11 +121,6 @@ class _HostOps:
         return x[start:stop]
 
     @staticmethod
-    def index(x, axis, i):
-        """x[..., i, ...] along ``axis`` (the axis dropped)."""
-        return np.take(x, i, axis=axis)
-
-    @staticmethod
     def scale(x, s):
         return (x * np.float32(s)).astype(np.float32)
 
@@ -244,11 +239,6 @@ class _TensorOps:
     @staticmethod
     def rows(x, start, stop):
         return sn.slice(x, 0, start, stop)
-
-    @staticmethod
-    def index(x, axis, i):
-        y = sn.slice(x, axis, i, i + 1)
-        return y.reshape([d for k, d in enumerate(y.shape) if k != (axis % len(y.shape))])
 
     def _const(self, value, width):
         """A [1, width] F32 table filled with ``value`` (cached)."""

@@ -38,7 +38,7 @@ void register_quants(py::module_& m);      // dequantize, matmul(_group), rms_no
 void register_norm(py::module_& m);        // rms_norm, rms_norm_gated, l2_norm, gdn_qkv
 void register_rope(py::module_& m);        // rope_neox (+ YaRN), qk_norm_rope
 void register_attention(py::module_& m);   // kv_write, attention
-void register_ssm(py::module_& m);         // conv1d_causal, gated_delta_net
+void register_ssm(py::module_& m);         // conv1d_causal, grouped_dynamic_conv, gated_delta_net, gdn_step
 void register_activations(py::module_& m); // silu, swiglu, sigmoid, softplus, mul, add, mul_sigmoid, gdn_gates
 void register_sampling(py::module_& m);    // argmax, topk
 void register_copy(py::module_& m);        // slice, concat, copy, copy_rows

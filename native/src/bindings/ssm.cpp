@@ -1,3 +1,4 @@
+#include "../cpu/dynamic_conv.h"
 #include "../cpu/ssm.h"
 #if SPECD_WITH_GPU
 #include "../gpu/ops.h"
@@ -34,6 +35,33 @@ memory overlapping neither state nor x; state is then only read (it need not be 
 the result equals the in-place one bitwise. Splitting the T tokens over several calls gives
 bitwise the same outputs and state. Returns F32 [T, C]. Raises ValueError on dtype/shape mismatch
 (weight [K >= 1, C], state and state_out [K-1, C]) or an overlapping state_out.)doc");
+  m.def(
+      "grouped_dynamic_conv",
+      [](const Tensor& y, const Tensor& dyn, const Tensor& base, int64_t side) {
+        // no require_same_device: the backend's checks name the argument on the wrong device
+        return without_gil([&] {
+#if SPECD_WITH_GPU
+          if (y.device == Device::GPU) return gpu::grouped_dynamic_conv(y, dyn, base, side);
+#endif
+          return cpu::grouped_dynamic_conv(y, dyn, base, side);
+        });
+      },
+      py::arg("y"), py::arg("dyn"), py::arg("base"), py::arg("side") = 0,
+      R"doc(DFlash 2's grouped dynamic causal convolution, one side of one module (drafters.md §6.2; the z-lab
+dflash package's _grouped_dynamic_convolve, ZL-0.1.0 model.py).
+
+For one block of L rows and H channels in G groups of group_size = H / G contiguous channels:
+  out[t, c] = sum_{o < taps} (base[o, c] + D[t, o, c // group_size]) * y[t - o, c],
+with y[t - o] = 0 before the block start (those terms are left out) and the dynamic coefficient taken
+at the output row t. y: F32 [L, H]; base: F32 [taps, H] (the module's base_kernel of this side);
+dyn: F32 [L, taps, G] (D itself; side 0), or the kernel projection's whole output F32 [L, S, taps, G]
+(S = 2 in DFlash 2: the prepare and finish sides) with D = dyn[:, side], read in place. All on one
+device, contiguous; taps >= 1, G >= 1, H % G == 0; L may be 0. The F32 operations and their order are
+those of the numpy reference draft_worker.model.grouped_dynamic_conv: coef = base + D, out = coef_0 * y_t,
+then out += coef_o * y_{t-o} for o = 1 .. min(taps - 1, t), every product and sum rounded to F32 (no
+fused multiply-add): CPU, GPU and numpy agree bit for bit (NaN payloads aside). Returns F32 [L, H].
+Raises ValueError naming the argument on a wrong device, dtype, layout or shape, a side outside
+[0, S), or a tensor of 2^31 elements or more.)doc");
   m.def(
       "gated_delta_net",
       [](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta, const Tensor& state,

@@ -165,6 +165,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
     const std::optional<Tensor>& norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,
     int64_t n_v_heads, int64_t head_v_dim, float eps, float scale, const std::optional<Tensor>& state_out);
 
+// DFlash 2's grouped dynamic causal convolution as cpu::grouped_dynamic_conv (dynamic_conv.cu): one thread
+// per output element, the CPU op's F32 operations in its order with explicit round-to-nearest (no FMA), so
+// bit-identical to the CPU op. dyn [L, S, taps, G] is read in place at `side`.
+Tensor grouped_dynamic_conv(const Tensor& y, const Tensor& dyn, const Tensor& base, int64_t side = 0);
+
 // Top-k per row as cpu::topk (topk.cu); exact.
 std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k);
 
