@@ -23,7 +23,7 @@ Each coordinator and mode gets one short warm-up request first (CUDA graph captu
 
 Usage: python tools/bench/loop_overhead.py [--target models/demo-target.gguf] [--device cpu|cuda]
        [--tokens 128] [--al 3 5 7] [--block 8] [--plain-steps-per-call 8] [--no-worker-streams]
-       [--no-ipc-streams] [--ipc-spin-us 0 [200 ...]] [--write BENCHMARKS.md]
+       [--no-ipc-streams] [--ipc-spin-us 0 [1000 1000:0 0:1000 ...]] [--write BENCHMARKS.md]
 ``--device cuda`` runs both the reference and the workers on the GPU (e.g. a random 27B-shaped GGUF of
 tools/bench/random_qwen35.py, whose placeholder tokenizer encodes the prompts byte by byte).
 ``--no-worker-streams`` gives the coordinators ``--no-worker-streams`` (one unary Verify / Propose call
@@ -32,8 +32,9 @@ per step instead of one stream per sequence: the previous hot path, for comparis
 the workers' IPC stream sockets, the default hot path): run it with and without to A/B the two.
 ``--ipc-spin-us N [N ...]`` gives every process (the target worker, the drafter workers, the coordinators)
 ``--ipc-spin-us N`` (busy-poll before blocking for an IPC request or answer, specd.target_worker.ipc_stream);
-with several values the service is started once per value (the reference runs once) and each gets its
-table, so spin on / off is compared in one call.
+a value ``W:C`` gives the workers W and the coordinators C (e.g. ``1000:0``: the workers' spin alone). With
+several values the service is started once per value (the reference runs once) and each gets its table,
+so spin on / off is compared in one call.
 """
 from __future__ import annotations
 
@@ -149,9 +150,21 @@ def summarise(label, results, reference):
                 compute_ms=1e3 * compute / n)
 
 
-def target_argv(args, run_dir: str, spin: int) -> list[str]:
+def spin_value(text: str) -> tuple[int, int]:
+    """An --ipc-spin-us value: "N" (every process) or "W:C" -> (workers' us, coordinators' us)."""
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected N or W:C (microseconds >= 0), got {text!r}")
+    return int(parts[0]), int(parts[-1])
+
+
+def spin_label(spin: tuple[int, int]) -> str:
+    return str(spin[0]) if spin[0] == spin[1] else f"{spin[0]}:{spin[1]}"
+
+
+def target_argv(args, run_dir: str, spin: tuple[int, int]) -> list[str]:
     return ["target-worker", "--target", args.target, "--listen", f"unix://{run_dir}/target.sock",
-            "--device", args.device, "--ipc-spin-us", str(spin)]
+            "--device", args.device, "--ipc-spin-us", str(spin[0])]
 
 
 def reference_run(args):
@@ -171,9 +184,9 @@ def reference_run(args):
     # pool keeps its blocks)
 
 
-def service_run(args, run_dir: str, spin: int, target: subprocess.Popen, cont: str, vocab: int, prompts,
-                reference) -> list[dict]:
-    """Starts the drafter workers and coordinators (every process with ``--ipc-spin-us spin``) beside the
+def service_run(args, run_dir: str, spin: tuple[int, int], target: subprocess.Popen, cont: str, vocab: int,
+                prompts, reference) -> list[dict]:
+    """Starts the drafter workers and coordinators (``--ipc-spin-us`` spin[0] / spin[1]) beside the
     started ``target`` worker, runs every mode and returns its rows; stops all of them, ``target`` too."""
     import grpc
 
@@ -193,7 +206,7 @@ def service_run(args, run_dir: str, spin: int, target: subprocess.Popen, cont: s
             drafters[name] = (dsock, launch(["draft-worker", "--listen", dsock, "--vocab", str(vocab),
                                              "--scripted-block", str(block), "--scripted-accept", str(accept),
                                              "--scripted-continuations", cont, "--device", args.device,
-                                             "--ipc-spin-us", str(spin)]))
+                                             "--ipc-spin-us", str(spin[0])]))
             procs.append(drafters[name][1])
         for name, (_, p) in drafters.items():
             wait_ready(p, f"draft-worker {name}")
@@ -202,7 +215,7 @@ def service_run(args, run_dir: str, spin: int, target: subprocess.Popen, cont: s
         for name, (dsock, _) in [("plain-1", drafters["exact"])] + list(drafters.items()):
             addr = f"127.0.0.1:{free_port()}"
             argv = ["coordinator", "--target", tsock, "--drafter", dsock, "--tokenizer", args.target,
-                    "--listen", addr, "--metrics-port", "0", "--ipc-spin-us", str(spin),
+                    "--listen", addr, "--metrics-port", "0", "--ipc-spin-us", str(spin[1]),
                     "--plain-steps-per-call", "1" if name == "plain-1" else str(args.plain_steps_per_call)]
             argv += ["--no-worker-streams"] if args.no_worker_streams else []
             argv += ["--no-ipc-streams"] if args.no_ipc_streams else []
@@ -245,20 +258,19 @@ def main():
                     help="coordinators make one unary worker call per step (the previous hot path)")
     ap.add_argument("--no-ipc-streams", action="store_true",
                     help="coordinators use gRPC streams instead of the workers' IPC stream sockets (default: IPC)")
-    ap.add_argument("--ipc-spin-us", type=int, nargs="+", default=[0],
-                    help="--ipc-spin-us for every process (default 0 = off); several values: one service run each")
+    ap.add_argument("--ipc-spin-us", type=spin_value, nargs="+", default=[(0, 0)], metavar="N|W:C",
+                    help="--ipc-spin-us for every process, or W for the workers and C for the coordinators "
+                         "(default 0 = off); several values: one service run each")
     ap.add_argument("--write", default="", help="append the markdown section to this file")
     args = ap.parse_args()
     if min(args.al) < 2 or args.block < max(args.al) - 1:
         ap.error("--al values must be >= 2 and --block >= max(--al) - 1")
-    if min(args.ipc_spin_us) < 0:
-        ap.error("--ipc-spin-us values must be >= 0")
     t_begin = time.perf_counter()
     # SIGTERM (e.g. `timeout` in gpu_bench.sh) exits through the finally below, which stops the servers
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     rt = tempfile.mkdtemp(prefix="specd-loop-")
-    runs = []  # (spin_us, rows) per service run
+    runs = []  # ((workers us, coordinators us), rows) per service run
     try:
         reference = None
         for i, spin in enumerate(args.ipc_spin_us):
@@ -299,7 +311,7 @@ def main():
              f" --plain-steps-per-call {args.plain_steps_per_call}"
              f"{' --no-worker-streams' if args.no_worker_streams else ''}"
              f"{' --no-ipc-streams' if args.no_ipc_streams else ''}"
-             f" --ipc-spin-us {' '.join(map(str, args.ipc_spin_us))}` ({wall:.0f} s wall). "
+             f" --ipc-spin-us {' '.join(map(spin_label, args.ipc_spin_us))}` ({wall:.0f} s wall). "
              f"{len(prompts)} prompts x {args.tokens} tokens, greedy, every run's tokens checked equal to plain greedy "
              "decoding. Real processes (unix sockets between coordinator and workers, "
              f"{calls}); the oracle drafter's own compute is ~0, so the numbers isolate the target and the loop. "
@@ -308,10 +320,11 @@ def main():
              "Plain decode runs at 1 and at --plain-steps-per-call target steps per Verify call (a plain run); "
              "\"vs plain\" is against the first row. Steps are target steps (a plain run counts each of its steps). "
              "`--ipc-spin-us N`: every process busy-polls up to N us for an IPC request or answer before blocking "
-             "(0 = off); one service run per value, in the order given.", ""]
+             "(0 = off; `W:C`: the workers W us, the coordinators C us); one service run per value, in the order "
+             "given.", ""]
     for spin, rows in runs:
         base = rows[0]["tok_s"]
-        lines += [f"**--ipc-spin-us {spin}**", "",
+        lines += [f"**--ipc-spin-us {spin_label(spin)}**", "",
                   "| mode | tokens/step (AL) | decode tok/s | vs plain | worker calls / step | worker compute / step "
                   "| in-step overhead / step | total overhead / step | overhead share |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -322,7 +335,7 @@ def main():
         lines.append("")
     if len(runs) > 1:  # the in-step overhead per step side by side (ms; total overhead in parentheses)
         lines += ["**In-step overhead per step by --ipc-spin-us** (ms; total overhead per step in parentheses)", "",
-                  "| mode | " + " | ".join(f"spin {spin} us" for spin, _ in runs) + " |",
+                  "| mode | " + " | ".join(f"spin {spin_label(spin)} us" for spin, _ in runs) + " |",
                   "| --- |" + " --- |" * len(runs)]
         for k, r in enumerate(runs[0][1]):
             lines.append(f"| {r['label']} | " + " | ".join(f"{rows[k]['overhead_ms']:.3f} ({rows[k]['total_ms']:.3f})"
