@@ -97,7 +97,8 @@ def serve(addr: str, kind: str, handler_s: float, log_path: str, spin_us: int = 
 
 def serve_ipc(work, spin_us: int = 0) -> None:
     """The ipc child: ``work`` as the VerifyStream handler of an IpcStreamServer (no compute-slot
-    limit; spinning up to ``spin_us`` before each blocking read); prints READY with the socket path and token, serves until SIGTERM, then removes the socket."""
+    limit; spinning up to ``spin_us`` before each blocking read); prints READY with the socket path and
+    token, serves until SIGTERM, then removes the socket."""
     import signal
 
     from specd.target_worker.ipc_stream import VERIFY_STREAM, IpcStreamServer
