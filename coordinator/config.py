@@ -76,6 +76,13 @@ class CoordinatorConfig:
         or RESOURCE_EXHAUSTED, is probed again by the readiness loop), default on: the same messages as
         length-prefixed frames on a Unix socket, about a quarter of a gRPC stream message's round
         trip (specd.target_worker.ipc_stream). ``--no-ipc-streams``: gRPC streams even when offered.
+    ipc_spin_us: an IPC stream call whose answer is not there right after its request was sent may
+        busy-poll its socket for up to this many microseconds before waiting in the event loop
+        (server.IpcSpin: only while no other IPC call waits for its answer, and only for a kind of
+        call whose answers came within the spin lately): an answer arriving within the spin skips the
+        coordinator's wake-up (~0.15 ms on the H200 host, a VM). Costs a busy core, and blocks the
+        event loop, for up to that long per spinning call. Default 0 = off; an int in 0..100000.
+        ``specd serve`` also passes it to both workers (their own ``--ipc-spin-us``).
     plain_steps_per_call: plain decode steps the target worker runs per Verify call (a plain run,
         worker.proto ``plain_steps``), default 8; 1 = one call per plain token. A run saves the
         coordinator round trip of all but one of its steps (the loop overhead per plain token falls
@@ -129,6 +136,7 @@ class CoordinatorConfig:
     feature_transport: str = "shm"
     worker_streams: bool = True
     ipc_streams: bool = True
+    ipc_spin_us: int = 0
     plain_steps_per_call: int = 8
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -142,6 +150,9 @@ class CoordinatorConfig:
 
         for name in ("worker_streams", "ipc_streams"):
             check_bool(getattr(self, name), name, "coordinator")
+        from specd.target_worker.ipc_stream import check_spin_us
+
+        check_spin_us(self.ipc_spin_us, "coordinator")
         for name in ("default_max_tokens", "worker_timeout_s", "health_poll_s", "public_max_message_bytes",
                      "internal_max_message_bytes", "keepalive_min_ping_interval_ms", "keepalive_time_ms",
                      "keepalive_timeout_ms", "release_timeout_s", "health_timeout_s", "max_request_id_bytes",
@@ -222,6 +233,8 @@ _FLAGS = [  # (field, type, help)
     ("reply_reserve", int, "arm a reasoning budget B only when max_tokens > B + reply_reserve"),
     ("reasoning_close", str, "text forced to close thinking when the budget is spent (must contain </think>)"),
     ("plain_steps_per_call", int, "plain decode steps per target Verify call (1 = one call per token)"),
+    ("ipc_spin_us", int, "busy-poll an IPC stream for an answer due soon for up to this many microseconds before "
+                         "waiting in the event loop (0 = off; 0..100000; specd serve passes it to the workers too)"),
     ("feature_transport", str, "drafter feature rows: shm (shared memory, one host), inline (bytes via the coordinator) or cuda-ipc (GPU ring shared through CUDA IPC; --device cuda)"),
 ]
 _POLICY_FLAGS = [

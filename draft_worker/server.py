@@ -192,6 +192,9 @@ class DraftWorkerConfig:
         connections at once; removed when the server stops. ``--no-ipc-streams``: gRPC only.
     ipc_idle_timeout_s: an IPC stream with no new request for this long is closed and its compute
         slot freed (as target_worker.server.TargetWorkerConfig.ipc_idle_timeout_s). Default 80; > 0.
+    ipc_spin_us: busy-poll an IPC stream's socket for up to this many microseconds before blocking for
+        its next request (as target_worker.server.TargetWorkerConfig.ipc_spin_us). Default 0 = off;
+        0..100000.
     """
 
     drafter: str = ""
@@ -217,15 +220,18 @@ class DraftWorkerConfig:
     target_watch_s: float = 2.0
     ipc_streams: bool = True
     ipc_idle_timeout_s: float = IDLE_TIMEOUT_S
+    ipc_spin_us: int = 0
 
     def validate(self) -> None:
         from specd.target_worker.feature_inline import check_transport
+        from specd.target_worker.ipc_stream import check_spin_us
         from specd.target_worker.server import check_bool, check_idle_timeout
         from specd.target_worker.shared_weights import check_share_mode
 
         check_transport(self.feature_transport, "draft-worker")
         check_bool(self.ipc_streams, "ipc_streams", "draft-worker")
         check_idle_timeout(self.ipc_idle_timeout_s, "draft-worker")
+        check_spin_us(self.ipc_spin_us, "draft-worker")
         check_share_mode(self.share_target_weights, "draft-worker")
         if not self.target_watch_s > 0:
             raise ValueError(f"draft-worker: --target-watch-s must be > 0, got {self.target_watch_s}")
@@ -517,15 +523,16 @@ class DraftServicer(pbg.DraftWorkerServicer):
 
 def start_server(servicer: DraftServicer, listen: str, threads: int = 72, max_message_bytes: int = 256 << 20,
                  max_concurrent_rpcs: int = 0, ipc_streams: bool = True,
-                 ipc_idle_timeout_s: float = IDLE_TIMEOUT_S):
+                 ipc_idle_timeout_s: float = IDLE_TIMEOUT_S, ipc_spin_us: int = 0):
     """Starts the drafter worker's server (Propose admitted by compute slots; the idle reaper when the
-    servicer has a TTL; the ProposeStream also on an IPC stream socket with ``ipc_streams``; see
+    servicer has a TTL; the ProposeStream also on an IPC stream socket with ``ipc_streams``, spinning up
+    to ``ipc_spin_us`` before each blocking read of a request; see
     target_worker.server.start_worker_server); returns (server, bound port)."""
     from specd.target_worker.server import start_worker_server
 
     return start_worker_server(servicer, listen, pbg.add_DraftWorkerServicer_to_server, SERVICE_NAME,
                                "draft-worker", threads, max_message_bytes, max_concurrent_rpcs, servicer.idle_ttl_s,
-                               PROPOSE_STREAM if ipc_streams else None, ipc_idle_timeout_s)
+                               PROPOSE_STREAM if ipc_streams else None, ipc_idle_timeout_s, ipc_spin_us)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -631,11 +638,12 @@ def run(args) -> int:
                             share_target_weights=getattr(args, "share_target_weights", "auto"),
                             target_worker=getattr(args, "target_worker", ""),
                             target_watch_s=getattr(args, "target_watch_s", 2.0), ipc_streams=args.ipc_streams,
-                            ipc_idle_timeout_s=getattr(args, "ipc_idle_timeout_s", IDLE_TIMEOUT_S))
+                            ipc_idle_timeout_s=getattr(args, "ipc_idle_timeout_s", IDLE_TIMEOUT_S),
+                            ipc_spin_us=getattr(args, "ipc_spin_us", 0))
     cfg.validate()
     servicer = DraftServicer(make_drafter(cfg), cfg.idle_ttl_s, cfg.tombstone_cap, cfg.feature_transport)
     server, _ = start_server(servicer, cfg.listen, cfg.threads or 72, cfg.max_message_bytes, cfg.max_concurrent_rpcs,
-                             cfg.ipc_streams, cfg.ipc_idle_timeout_s)
+                             cfg.ipc_streams, cfg.ipc_idle_timeout_s, cfg.ipc_spin_us)
     servicer.health = server.health
     head = getattr(servicer.drafter, "shared_head", None)
     if head is not None:

@@ -46,7 +46,8 @@ from specd.coordinator.ddtree import walk_tree
 
 from .feature_inline import InlineFeatureWriter, check_transport, encode_rows, inline_max_rows
 from .feature_shm import FeatureWriter, ShmExhausted, shm_namespace_id
-from .ipc_stream import IDLE_TIMEOUT_S, VERIFY_STREAM, IpcMethod, ipc_info, ipc_path, serve_ipc_streams
+from .ipc_stream import (IDLE_TIMEOUT_S, MAX_SPIN_US, VERIFY_STREAM, IpcMethod, check_spin_us, ipc_info, ipc_path,
+                         serve_ipc_streams)
 
 log = logging.getLogger("specd.target_worker")
 
@@ -113,6 +114,10 @@ class TargetWorkerConfig:
         slot freed (a coordinator that hangs without closing; gRPC streams get the same from keepalive,
         whose bound is also 80 s). Default 80; > 0, and longer than any pause of the coordinator between
         a sequence's steps (its send_stall_timeout_s, 60 s by default).
+    ipc_spin_us: before blocking for an IPC stream's next request, busy-poll its socket for up to this
+        many microseconds (:class:`.ipc_stream.FrameReader`): a request arriving within the spin skips
+        the connection thread's wake-up (~0.15 ms on the H200 host, a VM). Costs a busy core for up to
+        that long per request and open stream. Default 0 = off; an int in 0..100000 (MAX_SPIN_US).
     """
 
     target: str = ""
@@ -138,12 +143,14 @@ class TargetWorkerConfig:
     feature_transport: str = "shm"
     ipc_streams: bool = True
     ipc_idle_timeout_s: float = IDLE_TIMEOUT_S
+    ipc_spin_us: int = 0
 
     def validate(self) -> None:
         if not self.target:
             raise ValueError("target-worker: --target is required")
         check_bool(self.ipc_streams, "ipc_streams", "target-worker")
         check_idle_timeout(self.ipc_idle_timeout_s, "target-worker")
+        check_spin_us(self.ipc_spin_us, "target-worker")
         check_transport(self.feature_transport, "target-worker")
         for name in ("max_verify", "max_sequences", "prefill_chunk", "max_message_bytes", "tombstone_cap",
                      "max_graphs"):
@@ -752,12 +759,14 @@ def new_server(threads: int, max_message_bytes: int, max_concurrent_rpcs: int = 
 
 def start_worker_server(servicer, listen: str, register, service: str, name: str, threads: int,
                         max_message_bytes: int, max_concurrent_rpcs: int, idle_ttl_s: float,
-                        ipc_method: IpcMethod | None = None, ipc_idle_timeout_s: float = IDLE_TIMEOUT_S):
+                        ipc_method: IpcMethod | None = None, ipc_idle_timeout_s: float = IDLE_TIMEOUT_S,
+                        ipc_spin_us: int = 0):
     """Starts a worker's grpc.Server: ``register(servicer, server)`` adds its service, a health
     service reports ``service`` (and "") SERVING, compute calls are admitted by ComputeSlots, and an
     IdleReaper runs when ``idle_ttl_s`` > 0. With ``ipc_method`` the stream method is also served on
     an IPC stream socket (:func:`.ipc_stream.serve_ipc_streams`: at most ``threads`` connections,
-    idle ones closed after ``ipc_idle_timeout_s``, all closed by ``server.stop``; a socket that cannot
+    idle ones closed after ``ipc_idle_timeout_s``, a spin of up to ``ipc_spin_us`` before each blocking
+    read of a request, all closed by ``server.stop``; a socket that cannot
     be set up only logs a warning: streams over gRPC only). Shared by the target and drafter workers.
     Returns (server, bound port); RuntimeError naming ``name`` when ``listen`` cannot be bound."""
     from grpc_health.v1 import health_pb2
@@ -773,7 +782,8 @@ def start_worker_server(servicer, listen: str, register, service: str, name: str
         raise RuntimeError(f"{name}: cannot listen on {listen}")
     try:
         if ipc_method is not None:
-            serve_ipc_streams(server, servicer, ipc_method, name, max_message_bytes, threads, ipc_idle_timeout_s)
+            serve_ipc_streams(server, servicer, ipc_method, name, max_message_bytes, threads, ipc_idle_timeout_s,
+                              ipc_spin_us)
         server.start()
     except BaseException:
         server.stop(0)  # also closes the IPC socket when it was created
@@ -795,7 +805,8 @@ def start_server(servicer: TargetServicer, listen: str, threads: int | None = No
     return start_worker_server(servicer, listen, pbg.add_TargetWorkerServicer_to_server, "specd.worker.v1.TargetWorker",
                                "target-worker", threads or cfg.rpc_threads, max_message_bytes,
                                cfg.max_concurrent_rpcs if max_concurrent_rpcs is None else max_concurrent_rpcs,
-                               cfg.idle_ttl_s, VERIFY_STREAM if cfg.ipc_streams else None, cfg.ipc_idle_timeout_s)
+                               cfg.idle_ttl_s, VERIFY_STREAM if cfg.ipc_streams else None, cfg.ipc_idle_timeout_s,
+                               cfg.ipc_spin_us)
 
 
 def serve_forever(server, close, name: str, grace_s: float = 2.0) -> int:
@@ -875,6 +886,10 @@ def add_worker_server_arguments(p: argparse.ArgumentParser, d) -> None:
                    help="close an IPC stream with no new request for this long, freeing its compute slot (a hung "
                         f"coordinator; default {d.ipc_idle_timeout_s:g}, as gRPC keepalive; must exceed the "
                         "coordinator's send_stall_timeout_s)")
+    p.add_argument("--ipc-spin-us", type=int, default=d.ipc_spin_us,
+                   help="before blocking for an IPC stream's next request, busy-poll its socket for up to this many "
+                        "microseconds, so a request arriving meanwhile skips the thread's wake-up (costs a busy core "
+                        f"for up to that long per request and stream; default {d.ipc_spin_us} = off; 0..{MAX_SPIN_US})")
     add_transport_argument(p, d.feature_transport)
 
 
@@ -924,7 +939,8 @@ def config_from_args(args) -> TargetWorkerConfig:
                              max_message_bytes=args.max_message_bytes, idle_ttl_s=args.idle_ttl_s,
                              tombstone_cap=args.tombstone_cap, shutdown_grace_s=args.shutdown_grace_s,
                              feature_transport=args.feature_transport, ipc_streams=args.ipc_streams,
-                             ipc_idle_timeout_s=getattr(args, "ipc_idle_timeout_s", IDLE_TIMEOUT_S))
+                             ipc_idle_timeout_s=getattr(args, "ipc_idle_timeout_s", IDLE_TIMEOUT_S),
+                             ipc_spin_us=getattr(args, "ipc_spin_us", 0))
     cfg.validate()
     return cfg
 

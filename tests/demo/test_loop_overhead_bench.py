@@ -58,3 +58,28 @@ def test_grpc_floor_bench_smoke(tmp_path):
                 "--server", "both", "--write", str(both)], timeout=120)
     assert [line.split("|")[1].strip() for line in both.read_text(encoding="utf-8").splitlines()
             if line.startswith(("| sync", "| aio", "| ipc"))] == ["sync", "aio"]
+
+
+def test_loop_overhead_bench_spin_values(tmp_path):
+    """--ipc-spin-us with several values (N for every process, W:C for workers / coordinators apart):
+    one service run and table each, in order, every run's tokens checked, and the side-by-side table."""
+    if not TARGET.is_file():
+        pytest.skip(f"missing {TARGET}")
+    md = tmp_path / "S.md"
+    run_script([sys.executable, str(SCRIPT), "--target", str(TARGET), "--device", "cpu", "--tokens", "8", "--al", "3",
+                "--block", "6", "--ipc-spin-us", "0", "200:50", "--write", str(md)], timeout=240)
+    text = md.read_text(encoding="utf-8")
+    assert text.index("**--ipc-spin-us 0**") < text.index("**--ipc-spin-us 200:50**")
+    assert "| mode | spin 0 us | spin 200:50 us |" in text and "--ipc-spin-us 0 200:50`" in text
+    side = text[text.index("**In-step overhead per step by --ipc-spin-us**"):]
+    assert len([line for line in side.splitlines() if line.startswith(("| plain", "| oracle"))]) == 4
+
+
+def test_grpc_floor_bench_spin_rows(tmp_path):
+    """grpc_floor.py --ipc-spin-us 0 200: one ipc row per value, server and client spinning."""
+    md = tmp_path / "F.md"
+    run_script([sys.executable, str(ROOT / "tools" / "bench" / "grpc_floor.py"), "--calls", "5", "--handler-ms", "0",
+                "--server", "ipc", "--ipc-spin-us", "0", "200", "--write", str(md)], timeout=120)
+    rows = [line.split("|") for line in md.read_text(encoding="utf-8").splitlines() if line.startswith("| ipc")]
+    assert [r[1].strip() for r in rows] == ["ipc", "ipc, spin 200 us"]
+    assert all(float(c.strip().split()[0]) > 0 for r in rows for c in r[2:5])

@@ -18,7 +18,13 @@ the ipc row, still means sync and aio).
 Compare with the in-step overhead per worker call of tools/bench/loop_overhead.py on the same machine:
 what is above this floor is specd's own Python around the calls.
 
-Usage: python tools/bench/grpc_floor.py [--calls 400] [--handler-ms 3] [--server sync|aio|ipc|both|all] [--write FILE]
+``--ipc-spin-us N [N ...]``: one ipc row per value, the server and the client both spinning up to N us
+before blocking (the workers' and the coordinator's ``--ipc-spin-us``; 0 = off, the default): the request
+path then shows the worker's wake-up saved, and with a handler shorter than the spin the response path
+the client's.
+
+Usage: python tools/bench/grpc_floor.py [--calls 400] [--handler-ms 3] [--server sync|aio|ipc|both|all]
+       [--ipc-spin-us 0 [200 ...]] [--write FILE]
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ import time
 os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_client,-event_engine_listener")
 
 
-def serve(addr: str, kind: str, handler_s: float, log_path: str) -> None:
+def serve(addr: str, kind: str, handler_s: float, log_path: str, spin_us: int = 0) -> None:
     """The child: a VerifyStream server whose handler sleeps handler_s and logs its start / end."""
     from concurrent import futures
 
@@ -57,7 +63,7 @@ def serve(addr: str, kind: str, handler_s: float, log_path: str) -> None:
         return pb.VerifyResponse(accepted=0, emitted=[1, 2, 3], committed=5, compute_s=te - t)
 
     if kind == "ipc":
-        serve_ipc(work)
+        serve_ipc(work, spin_us)
         return
     if kind == "sync":
         class Sync(pbg.TargetWorkerServicer):
@@ -89,9 +95,10 @@ def serve(addr: str, kind: str, handler_s: float, log_path: str) -> None:
     asyncio.run(main())
 
 
-def serve_ipc(work) -> None:
+def serve_ipc(work, spin_us: int = 0) -> None:
     """The ipc child: ``work`` as the VerifyStream handler of an IpcStreamServer (no compute-slot
-    limit); prints READY with the socket path and token, serves until SIGTERM, then removes the socket."""
+    limit; spinning up to ``spin_us`` before each blocking read); prints READY with the socket path and
+    token, serves until SIGTERM, then removes the socket."""
     import signal
 
     from specd.target_worker.ipc_stream import VERIFY_STREAM, IpcStreamServer
@@ -104,7 +111,7 @@ def serve_ipc(work) -> None:
         def _verify(self, request, context):
             return work()
 
-    ipc = IpcStreamServer(Servicer(), VERIFY_STREAM, "grpc-floor", 1 << 20, 8)
+    ipc = IpcStreamServer(Servicer(), VERIFY_STREAM, "grpc-floor", 1 << 20, 8, spin_us=spin_us)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     print(f"READY {ipc.path} {ipc.token.hex()}", flush=True)
@@ -113,14 +120,15 @@ def serve_ipc(work) -> None:
     ipc.close()
 
 
-async def ipc_client(path: str, token: bytes, calls: int, warmup: int) -> list[tuple[float, float]]:
-    """(call start, answer parsed) per call after the warm-up, over one IPC stream (specd's client)."""
-    from specd.coordinator.server import IpcOffer, IpcStream
+async def ipc_client(path: str, token: bytes, calls: int, warmup: int, spin_us: int = 0) -> list[tuple[float, float]]:
+    """(call start, answer parsed) per call after the warm-up, over one IPC stream (specd's client,
+    with an IpcSpin of ``spin_us`` when > 0)."""
+    from specd.coordinator.server import IpcOffer, IpcSpin, IpcStream
     from specd.protos.v1 import worker_pb2 as pb
     from specd.target_worker.ipc_stream import VERIFY_STREAM
 
     out = []
-    stream = IpcStream(IpcOffer(path, token, VERIFY_STREAM), 60.0, 1 << 20)
+    stream = IpcStream(IpcOffer(path, token, VERIFY_STREAM), 60.0, 1 << 20, spin=IpcSpin(spin_us) if spin_us else None)
     req = pb.VerifyRequest(seq_id="floor", tokens=[1, 2, 3, 4])
     try:
         for i in range(warmup + calls):
@@ -156,19 +164,21 @@ async def client(addr: str, calls: int, warmup: int) -> list[tuple[float, float]
     return out
 
 
-def measure(kind: str, calls: int, handler_ms: float) -> dict:
-    """Medians in microseconds: request path, response path, round trip minus the handler."""
+def measure(kind: str, calls: int, handler_ms: float, spin_us: int = 0) -> dict:
+    """Medians in microseconds: request path, response path, round trip minus the handler (ipc: both
+    sides spinning up to ``spin_us``)."""
     with tempfile.TemporaryDirectory(prefix="specd-grpc-floor-") as d:
         addr, log = f"unix://{d}/floor.sock", os.path.join(d, "handler.log")
         child = subprocess.Popen([sys.executable, __file__, "--serve", addr, "--server", kind,
-                                  "--handler-ms", str(handler_ms), "--log", log], stdout=subprocess.PIPE, text=True)
+                                  "--handler-ms", str(handler_ms), "--log", log, "--ipc-spin-us", str(spin_us)],
+                                 stdout=subprocess.PIPE, text=True)
         try:
             ready = child.stdout.readline().split()
             if not ready or ready[0] != "READY":
                 raise RuntimeError(f"the {kind} server did not start")
             warmup = 50
             if kind == "ipc":
-                stamps = asyncio.run(ipc_client(ready[1], bytes.fromhex(ready[2]), calls, warmup))
+                stamps = asyncio.run(ipc_client(ready[1], bytes.fromhex(ready[2]), calls, warmup, spin_us))
             else:
                 stamps = asyncio.run(client(addr, calls, warmup))
         finally:
@@ -181,11 +191,14 @@ def measure(kind: str, calls: int, handler_ms: float) -> dict:
     req = [hs - t0 for (t0, _), (hs, _he) in zip(stamps, handler)]
     rsp = [t2 - he for (_, t2), (_hs, he) in zip(stamps, handler)]
     rest = [(t2 - t0) - (he - hs) for (t0, t2), (hs, he) in zip(stamps, handler)]
-    return {"server": kind, "request_us": med(req), "response_us": med(rsp), "round_trip_minus_handler_us": med(rest)}
+    name = f"ipc, spin {spin_us} us" if kind == "ipc" and spin_us else kind
+    return {"server": name, "request_us": med(req), "response_us": med(rsp), "round_trip_minus_handler_us": med(rest)}
 
 
 def markdown(rows: list[dict], args) -> str:
     cmd = f"python tools/bench/grpc_floor.py --calls {args.calls} --handler-ms {args.handler_ms} --server {args.server}"
+    if args.ipc_spin_us != [0]:
+        cmd += f" --ipc-spin-us {' '.join(map(str, args.ipc_spin_us))}"
     out = [f"## Transport floor of one worker round trip: gRPC and IPC streams ({datetime.date.today().isoformat()})", "",
            f"**Hardware.** {platform.machine()} host, {os.cpu_count()} cores. **Command.** `{cmd}`. One VerifyStream, "
            f"client grpc.aio (specd's coordinator pattern), handler sleeping {args.handler_ms} ms, unix socket; medians "
@@ -209,17 +222,21 @@ def main() -> int:
     ap.add_argument("--server", choices=[*KINDS, "all"], default="all",
                     help="server kind(s) to measure (default all: sync, aio and ipc, one row each; both: sync "
                          "and aio)")
+    ap.add_argument("--ipc-spin-us", type=int, nargs="+", default=[0],
+                    help="ipc rows: server and client spin up to this many us before blocking; one row per value "
+                         "(default 0 = off)")
     ap.add_argument("--write", default="", help="append the markdown section to this file")
     ap.add_argument("--serve", default="", help=argparse.SUPPRESS)  # the child process
     ap.add_argument("--log", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.calls < 1 or args.handler_ms < 0:
-        ap.error("--calls must be >= 1 and --handler-ms >= 0")
+    if args.calls < 1 or args.handler_ms < 0 or min(args.ipc_spin_us) < 0:
+        ap.error("--calls must be >= 1, --handler-ms and --ipc-spin-us >= 0")
     if args.serve:
-        serve(args.serve, args.server, args.handler_ms / 1e3, args.log)
+        serve(args.serve, args.server, args.handler_ms / 1e3, args.log, args.ipc_spin_us[0])
         return 0
     kinds = KINDS[args.server] if args.server in KINDS else KINDS["sync"] + KINDS["aio"] + KINDS["ipc"]
-    md = markdown([measure(k, args.calls, args.handler_ms) for k in kinds], args)
+    md = markdown([measure(k, args.calls, args.handler_ms, spin) for k in kinds
+                   for spin in (args.ipc_spin_us if k == "ipc" else [0])], args)
     print(md)
     if args.write:
         with open(args.write, "a", encoding="utf-8") as f:

@@ -23,13 +23,18 @@ Each coordinator and mode gets one short warm-up request first (CUDA graph captu
 
 Usage: python tools/bench/loop_overhead.py [--target models/demo-target.gguf] [--device cpu|cuda]
        [--tokens 128] [--al 3 5 7] [--block 8] [--plain-steps-per-call 8] [--no-worker-streams]
-       [--no-ipc-streams] [--write BENCHMARKS.md]
+       [--no-ipc-streams] [--ipc-spin-us 0 [1000 1000:0 0:1000 ...]] [--write BENCHMARKS.md]
 ``--device cuda`` runs both the reference and the workers on the GPU (e.g. a random 27B-shaped GGUF of
 tools/bench/random_qwen35.py, whose placeholder tokenizer encodes the prompts byte by byte).
 ``--no-worker-streams`` gives the coordinators ``--no-worker-streams`` (one unary Verify / Propose call
 per step instead of one stream per sequence: the previous hot path, for comparison).
 ``--no-ipc-streams`` gives the coordinators ``--no-ipc-streams`` (per-sequence gRPC streams instead of
 the workers' IPC stream sockets, the default hot path): run it with and without to A/B the two.
+``--ipc-spin-us N [N ...]`` gives every process (the target worker, the drafter workers, the coordinators)
+``--ipc-spin-us N`` (busy-poll before blocking for an IPC request or answer, specd.target_worker.ipc_stream);
+a value ``W:C`` gives the workers W and the coordinators C (e.g. ``1000:0``: the workers' spin alone). With
+several values the service is started once per value (the reference runs once) and each gets its table,
+so spin on / off is compared in one call.
 """
 from __future__ import annotations
 
@@ -145,66 +150,63 @@ def summarise(label, results, reference):
                 compute_ms=1e3 * compute / n)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="models/demo-target.gguf")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--al", type=int, nargs="+", default=[3, 5, 7])
-    ap.add_argument("--block", type=int, default=8, help="drafts per step of the 'block' rows (default 8)")
-    ap.add_argument("--plain-steps-per-call", type=int, default=8,
-                    help="the coordinators' --plain-steps-per-call (default 8); plain decode is also measured at 1")
-    ap.add_argument("--no-worker-streams", action="store_true",
-                    help="coordinators make one unary worker call per step (the previous hot path)")
-    ap.add_argument("--no-ipc-streams", action="store_true",
-                    help="coordinators use gRPC streams instead of the workers' IPC stream sockets (default: IPC)")
-    ap.add_argument("--write", default="", help="append the markdown section to this file")
-    args = ap.parse_args()
-    if min(args.al) < 2 or args.block < max(args.al) - 1:
-        ap.error("--al values must be >= 2 and --block >= max(--al) - 1")
-    t_begin = time.perf_counter()
-    # SIGTERM (e.g. `timeout` in gpu_bench.sh) exits through the finally below, which stops the servers
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+def spin_value(text: str) -> tuple[int, int]:
+    """An --ipc-spin-us value: "N" (every process) or "W:C" -> (workers' us, coordinators' us)."""
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected N or W:C (microseconds >= 0), got {text!r}")
+    return int(parts[0]), int(parts[-1])
 
-    import grpc
 
-    from specd.protos.v1 import generate_pb2_grpc as gpbg
+def spin_label(spin: tuple[int, int]) -> str:
+    return str(spin[0]) if spin[0] == spin[1] else f"{spin[0]}:{spin[1]}"
+
+
+def target_argv(args, run_dir: str, spin: tuple[int, int]) -> list[str]:
+    return ["target-worker", "--target", args.target, "--listen", f"unix://{run_dir}/target.sock",
+            "--device", args.device, "--ipc-spin-us", str(spin[0])]
+
+
+def reference_run(args):
+    """(prompts as token ids, their plain greedy continuations of args.tokens tokens, vocabulary size)."""
     from specd.target_worker.gguf_loader import load_qwen35, read_tokenizer_metadata
     from specd.target_worker.model import Qwen35Model
     from specd.target_worker.tokenizer import build_tokenizer
 
-    rt = tempfile.mkdtemp(prefix="specd-loop-")
-    tsock = f"unix://{rt}/target.sock"
-    procs: list[subprocess.Popen] = []  # stopped in reverse start order: coordinators, drafters, target
+    weights = load_qwen35(args.target)
+    tok = build_tokenizer(read_tokenizer_metadata(args.target), args.target)
+    # the reference runs op by op (no CUDA graphs), so the service's graph-replayed output is checked
+    # against an independent path
+    model = Qwen35Model(weights, device=args.device, cuda_graphs=False)
+    prompts = [tok.encode(p).ids for p in PROMPTS]
+    reference = [greedy(model, ids, args.tokens) for ids in prompts]
+    return prompts, reference, model.hp.n_vocab  # the model is freed on return (on the GPU this process's
+    # pool keeps its blocks)
+
+
+def service_run(args, run_dir: str, spin: tuple[int, int], target: subprocess.Popen, cont: str, vocab: int,
+                prompts, reference) -> list[dict]:
+    """Starts the drafter workers and coordinators (``--ipc-spin-us`` spin[0] / spin[1]) beside the
+    started ``target`` worker, runs every mode and returns its rows; stops all of them, ``target`` too."""
+    import grpc
+
+    from specd.protos.v1 import generate_pb2_grpc as gpbg
+
+    tsock = f"unix://{run_dir}/target.sock"
+    procs: list[subprocess.Popen] = [target]  # stopped in reverse start order: coordinators, drafters, target
     channels = []
     try:
-        # the service's target worker loads while the reference runs here
-        target = launch(["target-worker", "--target", args.target, "--listen", tsock, "--device", args.device])
-        procs.append(target)
-        weights = load_qwen35(args.target)
-        tok = build_tokenizer(read_tokenizer_metadata(args.target), args.target)
-        # the reference runs op by op (no CUDA graphs), so the service's graph-replayed output is checked
-        # against an independent path
-        model = Qwen35Model(weights, device=args.device, cuda_graphs=False)
-        vocab = model.hp.n_vocab
-        prompts = [tok.encode(p).ids for p in PROMPTS]
-        reference = [greedy(model, ids, args.tokens) for ids in prompts]
-        del model, weights  # on the GPU this process's pool keeps its blocks
-        cont = os.path.join(rt, "continuations.jsonl")
-        with open(cont, "w") as f:
-            for ids, c in zip(prompts, reference):
-                f.write(json.dumps({"prompt": ids, "continuation": c}) + "\n")
         wait_ready(target, "target-worker")
-
         # drafter workers: "exact" (block max(AL) - 1, every draft right; requests cap the drafts at
         # AL - 1) and one "block B" per AL (B drafts, the first AL - 1 right)
         shapes = [("exact", max(args.al) - 1, -1)] + [(f"block-{al}", args.block, al - 1) for al in args.al]
         drafters = {}
         for name, block, accept in shapes:
-            dsock = f"unix://{rt}/draft-{name}.sock"
+            dsock = f"unix://{run_dir}/draft-{name}.sock"
             drafters[name] = (dsock, launch(["draft-worker", "--listen", dsock, "--vocab", str(vocab),
                                              "--scripted-block", str(block), "--scripted-accept", str(accept),
-                                             "--scripted-continuations", cont, "--device", args.device]))
+                                             "--scripted-continuations", cont, "--device", args.device,
+                                             "--ipc-spin-us", str(spin[0])]))
             procs.append(drafters[name][1])
         for name, (_, p) in drafters.items():
             wait_ready(p, f"draft-worker {name}")
@@ -213,7 +215,7 @@ def main():
         for name, (dsock, _) in [("plain-1", drafters["exact"])] + list(drafters.items()):
             addr = f"127.0.0.1:{free_port()}"
             argv = ["coordinator", "--target", tsock, "--drafter", dsock, "--tokenizer", args.target,
-                    "--listen", addr, "--metrics-port", "0",
+                    "--listen", addr, "--metrics-port", "0", "--ipc-spin-us", str(spin[1]),
                     "--plain-steps-per-call", "1" if name == "plain-1" else str(args.plain_steps_per_call)]
             argv += ["--no-worker-streams"] if args.no_worker_streams else []
             argv += ["--no-ipc-streams"] if args.no_ipc_streams else []
@@ -235,13 +237,62 @@ def main():
             res = run_mode(stubs[f"block-{al}"], prompts, args.tokens, "force")
             rows.append(summarise(f"oracle drafter, AL {al}, block {args.block} (width {args.block + 1})", res,
                                   reference))
+        return rows
     finally:
         for ch in channels:
             ch.close()
         stop(list(reversed(procs)))
+
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="models/demo-target.gguf")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--al", type=int, nargs="+", default=[3, 5, 7])
+    ap.add_argument("--block", type=int, default=8, help="drafts per step of the 'block' rows (default 8)")
+    ap.add_argument("--plain-steps-per-call", type=int, default=8,
+                    help="the coordinators' --plain-steps-per-call (default 8); plain decode is also measured at 1")
+    ap.add_argument("--no-worker-streams", action="store_true",
+                    help="coordinators make one unary worker call per step (the previous hot path)")
+    ap.add_argument("--no-ipc-streams", action="store_true",
+                    help="coordinators use gRPC streams instead of the workers' IPC stream sockets (default: IPC)")
+    ap.add_argument("--ipc-spin-us", type=spin_value, nargs="+", default=[(0, 0)], metavar="N|W:C",
+                    help="--ipc-spin-us for every process, or W for the workers and C for the coordinators "
+                         "(default 0 = off); several values: one service run each")
+    ap.add_argument("--write", default="", help="append the markdown section to this file")
+    args = ap.parse_args()
+    if min(args.al) < 2 or args.block < max(args.al) - 1:
+        ap.error("--al values must be >= 2 and --block >= max(--al) - 1")
+    t_begin = time.perf_counter()
+    # SIGTERM (e.g. `timeout` in gpu_bench.sh) exits through the finally below, which stops the servers
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+    rt = tempfile.mkdtemp(prefix="specd-loop-")
+    runs = []  # ((workers us, coordinators us), rows) per service run
+    try:
+        reference = None
+        for i, spin in enumerate(args.ipc_spin_us):
+            run_dir = os.path.join(rt, f"run-{i}")
+            os.makedirs(run_dir)
+            if reference is None:  # the service's first target worker loads while the reference runs here
+                target = launch(target_argv(args, run_dir, spin))
+                try:
+                    prompts, reference, vocab = reference_run(args)
+                except BaseException:
+                    stop([target])
+                    raise
+                cont = os.path.join(rt, "continuations.jsonl")
+                with open(cont, "w") as f:
+                    for ids, c in zip(prompts, reference):
+                        f.write(json.dumps({"prompt": ids, "continuation": c}) + "\n")
+            else:
+                target = launch(target_argv(args, run_dir, spin))
+            runs.append((spin, service_run(args, run_dir, spin, target, cont, vocab, prompts, reference)))
+    finally:
         shutil.rmtree(rt, ignore_errors=True)
     wall = time.perf_counter() - t_begin
-    base = rows[0]["tok_s"]
     if args.device == "cuda":
         import specd.native as sn
         where, hw = "the GPU", f"{sn.gpu_device_name()} ({sn.gpu_backend()}), {os.cpu_count()} host cores"
@@ -259,21 +310,36 @@ def main():
              f"--target {args.target} --device {args.device} --tokens {args.tokens} --al {' '.join(map(str, args.al))}"
              f" --plain-steps-per-call {args.plain_steps_per_call}"
              f"{' --no-worker-streams' if args.no_worker_streams else ''}"
-             f"{' --no-ipc-streams' if args.no_ipc_streams else ''}` ({wall:.0f} s wall). "
+             f"{' --no-ipc-streams' if args.no_ipc_streams else ''}"
+             f" --ipc-spin-us {' '.join(map(spin_label, args.ipc_spin_us))}` ({wall:.0f} s wall). "
              f"{len(prompts)} prompts x {args.tokens} tokens, greedy, every run's tokens checked equal to plain greedy "
              "decoding. Real processes (unix sockets between coordinator and workers, "
              f"{calls}); the oracle drafter's own compute is ~0, so the numbers isolate the target and the loop. "
              "In-step overhead: step wall time around the worker calls minus their compute (Timing.loop_overhead_s); "
              f"total: decode wall time minus worker compute, per step (the share is of the latter). {cost}", "",
              "Plain decode runs at 1 and at --plain-steps-per-call target steps per Verify call (a plain run); "
-             "\"vs plain\" is against the first row. Steps are target steps (a plain run counts each of its steps).", "",
-             "| mode | tokens/step (AL) | decode tok/s | vs plain | worker calls / step | worker compute / step "
-             "| in-step overhead / step | total overhead / step | overhead share |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        lines.append(f"| {r['label']} | {r['al']:.2f} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | {r['calls']:.2f} | "
-                     f"{r['compute_ms']:.2f} ms | {r['overhead_ms']:.2f} ms | {r['total_ms']:.2f} ms | "
-                     f"{100 * r['overhead_share']:.1f} % |")
+             "\"vs plain\" is against the first row. Steps are target steps (a plain run counts each of its steps). "
+             "`--ipc-spin-us N`: every process busy-polls up to N us for an IPC request or answer before blocking "
+             "(0 = off; `W:C`: the workers W us, the coordinators C us); one service run per value, in the order "
+             "given.", ""]
+    for spin, rows in runs:
+        base = rows[0]["tok_s"]
+        lines += [f"**--ipc-spin-us {spin_label(spin)}**", "",
+                  "| mode | tokens/step (AL) | decode tok/s | vs plain | worker calls / step | worker compute / step "
+                  "| in-step overhead / step | total overhead / step | overhead share |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            lines.append(f"| {r['label']} | {r['al']:.2f} | {r['tok_s']:.1f} | {r['tok_s'] / base:.2f}x | "
+                         f"{r['calls']:.2f} | {r['compute_ms']:.2f} ms | {r['overhead_ms']:.2f} ms | "
+                         f"{r['total_ms']:.2f} ms | {100 * r['overhead_share']:.1f} % |")
+        lines.append("")
+    if len(runs) > 1:  # the in-step overhead per step side by side (ms; total overhead in parentheses)
+        lines += ["**In-step overhead per step by --ipc-spin-us** (ms; total overhead per step in parentheses)", "",
+                  "| mode | " + " | ".join(f"spin {spin_label(spin)} us" for spin, _ in runs) + " |",
+                  "| --- |" + " --- |" * len(runs)]
+        for k, r in enumerate(runs[0][1]):
+            lines.append(f"| {r['label']} | " + " | ".join(f"{rows[k]['overhead_ms']:.3f} ({rows[k]['total_ms']:.3f})"
+                                                         for _, rows in runs) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write:
