@@ -81,8 +81,14 @@ class CoordinatorConfig:
         (server.IpcSpin: only while no other IPC call waits for its answer, and only for a kind of
         call whose answers came within the spin lately): an answer arriving within the spin skips the
         coordinator's wake-up (~0.15 ms on the H200 host, a VM). Costs a busy core, and blocks the
-        event loop, for up to that long per spinning call. Default 0 = off; an int in 0..100000.
-        ``specd serve`` also passes it to both workers (their own ``--ipc-spin-us``).
+        event loop, for up to that long per spinning call. An int in 0..100000 (0 = off); default
+        1000: measured on the H200 (27B, AL 5) it cut the speculative step's loop overhead from 0.99 /
+        1.12 to 0.75 / 0.95 ms (exact / block-8 drafts), and on the 2-core CPU VM by a quarter
+        (BENCHMARKS.md, session of 2026-12-02 06:00 UTC).
+    worker_ipc_spin_us: the ``--ipc-spin-us`` ``specd serve`` gives both workers (a worker busy-polls
+        for a stream's next request, specd.target_worker.ipc_stream). Default 0 = off: on the H200
+        3000 lowered the block-8 step's overhead further (0.95 -> 0.79 ms) but on the 2-core VM the
+        spinning workers took cores from the compute (+27 %); an int in 0..100000.
     plain_steps_per_call: plain decode steps the target worker runs per Verify call (a plain run,
         worker.proto ``plain_steps``), default 8; 1 = one call per plain token. A run saves the
         coordinator round trip of all but one of its steps (the loop overhead per plain token falls
@@ -136,7 +142,8 @@ class CoordinatorConfig:
     feature_transport: str = "shm"
     worker_streams: bool = True
     ipc_streams: bool = True
-    ipc_spin_us: int = 0
+    ipc_spin_us: int = 1000
+    worker_ipc_spin_us: int = 0
     plain_steps_per_call: int = 8
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -153,6 +160,7 @@ class CoordinatorConfig:
         from specd.target_worker.ipc_stream import check_spin_us
 
         check_spin_us(self.ipc_spin_us, "coordinator")
+        check_spin_us(self.worker_ipc_spin_us, "coordinator", "worker_ipc_spin_us")
         for name in ("default_max_tokens", "worker_timeout_s", "health_poll_s", "public_max_message_bytes",
                      "internal_max_message_bytes", "keepalive_min_ping_interval_ms", "keepalive_time_ms",
                      "keepalive_timeout_ms", "release_timeout_s", "health_timeout_s", "max_request_id_bytes",
@@ -234,7 +242,9 @@ _FLAGS = [  # (field, type, help)
     ("reasoning_close", str, "text forced to close thinking when the budget is spent (must contain </think>)"),
     ("plain_steps_per_call", int, "plain decode steps per target Verify call (1 = one call per token)"),
     ("ipc_spin_us", int, "busy-poll an IPC stream for an answer due soon for up to this many microseconds before "
-                         "waiting in the event loop (0 = off; 0..100000; specd serve passes it to the workers too)"),
+                         "waiting in the event loop (0 = off; 0..100000)"),
+    ("worker_ipc_spin_us", int, "specd serve: the workers' --ipc-spin-us (busy-poll for a stream's next request; "
+                                "0 = off; 0..100000)"),
     ("feature_transport", str, "drafter feature rows: shm (shared memory, one host), inline (bytes via the coordinator) or cuda-ipc (GPU ring shared through CUDA IPC; --device cuda)"),
 ]
 _POLICY_FLAGS = [

@@ -7,8 +7,8 @@ runs them). The launcher waits for each child's ``READY`` line, then forwards SI
 children (coordinator first, so it drains, then the workers, which unlink their shared memory) and
 exits with the first non-zero child status. The children run in their own process groups, so a
 terminal's Ctrl-C reaches only the launcher (and drains like SIGTERM), and die with it if it is
-killed. ``--feature-transport``, ``--ipc-spin-us`` and ``--ipc-streams`` / ``--no-ipc-streams``
-(coordinator flags) also go to both workers: with ``--no-ipc-streams`` the workers open no IPC stream
+killed. ``--feature-transport`` and ``--ipc-streams`` / ``--no-ipc-streams`` (coordinator flags) also go
+to both workers, and ``--worker-ipc-spin-us`` is their ``--ipc-spin-us``: with ``--no-ipc-streams`` the workers open no IPC stream
 socket and the coordinator uses gRPC streams; ``--no-worker-streams`` (unary calls, no stream at all)
 also sends ``--no-ipc-streams`` to the workers.
 
@@ -299,7 +299,7 @@ def run(args) -> int:
     try:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,
                     "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype, "--device", args.device,
-                    "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(ns.ipc_spin_us),
+                    "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(ns.worker_ipc_spin_us),
                     "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs", "--max-graphs", str(args.max_graphs),
                     "--slot-cache", str(args.slot_cache),
                     "--gemv-tiles" if args.gemv_tiles else "--no-gemv-tiles",
@@ -313,7 +313,7 @@ def run(args) -> int:
 
             vocab = int(next(x for x in GGUFReader(args.target).tensors if x.name == "token_embd.weight").shape[1])
             dargv = ["draft-worker", "--listen", dsock, "--vocab", str(vocab),
-                     "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(ns.ipc_spin_us),
+                     "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(ns.worker_ipc_spin_us),
                      "--device", args.device]
             dargv += ["--drafter", args.drafter_gguf, "--target", args.target,
                       "--drafter-kv-dtype", args.drafter_kv_dtype,

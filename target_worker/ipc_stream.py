@@ -534,10 +534,10 @@ class IpcStreamServer:
         self._remove_dir()
 
 
-def check_spin_us(value, who: str) -> None:
-    """ValueError unless ``value`` (an ipc_spin_us field) is an int in 0..MAX_SPIN_US."""
+def check_spin_us(value, who: str, field: str = "ipc_spin_us") -> None:
+    """ValueError unless ``value`` (the spin field ``field`` of ``who``'s config) is an int in 0..MAX_SPIN_US."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SPIN_US:
-        raise ValueError(f"{who}: ipc_spin_us must be an integer in 0..{MAX_SPIN_US} (microseconds), got {value!r}")
+        raise ValueError(f"{who}: {field} must be an integer in 0..{MAX_SPIN_US} (microseconds), got {value!r}")
 
 
 def _timeval(seconds: float) -> bytes:

@@ -108,7 +108,8 @@ def test_grouped_dynamic_conv_gpu_errors(rng):
     y, dyn, base = inputs(rng, 4, 2, 5, 3)
     yg, dg, bg = on_gpu(y), on_gpu(dyn), on_gpu(base)
     op = "grouped_dynamic_conv"
-    for args, msg in [((y, dg, bg), "y must be on the GPU"), ((yg, dyn, bg), "dyn must be on the GPU"),
+    # y's device picks the backend: the other arguments must be on it
+    for args, msg in [((y, dyn, bg), "base must be on the CPU"), ((yg, dyn, bg), "dyn must be on the GPU"),
                       ((yg, dg, base), "base must be on the GPU"), ((y, dg, base), "dyn must be on the CPU"),
                       ((yg, on_gpu(dyn.astype(np.float16)), bg), "dyn must be F32"),
                       ((yg, dg, on_gpu(base[:1])), r"base must be \[taps, H\] = \[2, 15\]"),

@@ -358,16 +358,16 @@ def test_spinning_service_gives_the_plain_greedy_output(stack, reference, monkey
 
 
 def test_ipc_spin_flags_defaults_validation_and_serve_forwarding(monkeypatch, target_gguf):
-    """--ipc-spin-us: a typed field of both workers and the coordinator (default 0 = off), an int in
-    0..MAX_SPIN_US (ValueError naming the field otherwise, also from IpcStreamServer), and specd serve
-    passes the coordinator's value to both workers."""
+    """--ipc-spin-us: a typed field of both workers (default 0 = off) and the coordinator (default 1000),
+    an int in 0..MAX_SPIN_US (ValueError naming the field otherwise, also from IpcStreamServer), and
+    specd serve passes --worker-ipc-spin-us (default 0) to both workers as their --ipc-spin-us."""
     from specd.coordinator import launcher
     from specd.coordinator.cli import build_parser
     from specd.coordinator.config import CoordinatorConfig, config_from_args
 
     assert MAX_SPIN_US == 100_000
     assert tserver.TargetWorkerConfig().ipc_spin_us == dserver.DraftWorkerConfig().ipc_spin_us == 0
-    assert CoordinatorConfig().ipc_spin_us == 0
+    assert CoordinatorConfig().ipc_spin_us == 1000 and CoordinatorConfig().worker_ipc_spin_us == 0
     p = build_parser()
     assert tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf", "--ipc-spin-us",
                                                   "300"])).ipc_spin_us == 300
@@ -382,6 +382,8 @@ def test_ipc_spin_flags_defaults_validation_and_serve_forwarding(monkeypatch, ta
         IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 4, spin_us=-5)
     with pytest.raises(ValueError, match="ipc_spin_us"):
         config_from_args(p.parse_args(["coordinator", "--ipc-spin-us", "-1"]))
+    with pytest.raises(ValueError, match=r"worker_ipc_spin_us must be an integer in 0\.\.100000"):
+        config_from_args(p.parse_args(["coordinator", "--worker-ipc-spin-us", str(MAX_SPIN_US + 1)]))
 
     seen = []
 
@@ -401,11 +403,13 @@ def test_ipc_spin_flags_defaults_validation_and_serve_forwarding(monkeypatch, ta
         return Ready()
 
     monkeypatch.setattr(launcher, "_child", child)
-    for flag, want in (([], "0"), (["--ipc-spin-us", "250"], "250")):
+    for flag, workers, coordinator in (([], "0", "1000"),
+                                       (["--ipc-spin-us", "250", "--worker-ipc-spin-us", "40"], "40", "250")):
         seen.clear()
         with pytest.raises(Stop):
             launcher.run(p.parse_args(["serve", "--target", target_gguf, "--drafter", "none", "--scripted-block", "2",
                                        "--runtime-dir", "", *flag]))
         assert [a[0] for a in seen] == ["target-worker", "draft-worker", "coordinator"]
         for argv in seen:
+            want = coordinator if argv[0] == "coordinator" else workers
             assert argv[argv.index("--ipc-spin-us") + 1] == want, argv
