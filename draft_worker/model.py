@@ -821,7 +821,7 @@ def selector_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, hproj: Ten
     # Every predecessor the chain can meet is the seed or one of slots 0..n-2's candidates, so their
     # Pred rows are gathered in one call (one device round trip per propose instead of one per slot;
     # the same rows, so the same scores).
-    pred_rows = sn.embedding(pred_cb, np.concatenate(([int(seed)], cand[:-1].reshape(-1))).astype(np.int32)).numpy()
+    pred_rows = sn.embedding(pred_cb, np.concatenate((np.array([seed], np.int32), cand[:-1].reshape(-1)))).numpy()
     row = 0  # pred_rows' row of the current predecessor
     for s in range(n):
         scores[s] = uv[s] + succ[s] @ (pred_rows[row] * p[s])

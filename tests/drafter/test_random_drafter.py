@@ -134,9 +134,11 @@ def test_gpu_drafter_smoke_on_cpu(tmp_path):
     (tmp_path / "dec.json").write_text(json.dumps({"verify_ms": {str(w): float(w) for w in range(1, 18)}}))
     assert gpu_drafter.main(["--device", "cpu", "--config", "tiny", "--target", str(target), "--families", "dspark",
                              "--type", "q8_0", "--context", "16", "--steps", "1", "--warmup", "0",
-                             "--decode-json", str(tmp_path / "dec.json"), "--out", str(tmp_path / "o")]) == 0
+                             "--decode-json", str(tmp_path / "dec.json"), "--profile", "1", "--out", str(tmp_path / "o")]) == 0
     r = json.loads((tmp_path / "o" / "gpu_drafter_q8_0.json").read_text())["families"]["dspark"]
     assert r["verify_ms"] == 8.0 and r["verify_width"] == 8
+    # --profile: the host profile of the proposes (the CPU run has no GPU kernels to list)
+    assert r["host_profile"]["wall_ms_per_propose"] > 0 and r["host_profile"]["top"] and "profile_busy_ms" in r
 
 
 @pytest.mark.parametrize("argv", [["--context", "0"], ["--verify-ms", "-1"], ["--families", "eagle"],

@@ -428,3 +428,24 @@ def test_gpu_mma_gemv_bf16_emulated_group_and_nonfinite(mma_emu, rng):
     ref = sn.matmul(x, t).numpy()
     assert np.array_equal(np.isposinf(y[0]), np.isposinf(ref[0])) and np.array_equal(np.isneginf(y[0]), np.isneginf(ref[0]))
     assert not np.isfinite(y[1]).any() and np.all(np.isfinite(y[2]))
+
+
+def test_gpu_mma_gemv_bf16_emulated_extreme_x(mma_emu, rng):
+    """x near F32's maximum (its BF16 terms are truncations, so none overflows) and below 2^-110 (lo
+    under BF16's subnormals: an absolute error < 2^-126 per value) against the CPU."""
+    d, exe = mma_emu
+    k, out = 256, 24
+    raw, _ = bf16_weight(rng, out, k)
+    raw[:, 5] = 0x3A83  # ~1e-3: 3.3e38 * w stays finite
+    raw.tofile(d / "w.bin")
+    t = sn.Tensor(np.ascontiguousarray(raw), sn.DType.BF16)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[0, 5] = np.float32(3.3e38)
+    x[1, 5] = -np.float32(3.39e38)
+    x[2] = (rng.standard_normal(k) * 2.0 ** -120).astype(np.float32)
+    y = run_mma_emu(d, exe, "BF16", x, out).astype(np.float64)
+    ref = sn.matmul(x, t).numpy().astype(np.float64)
+    bound = np.abs(x.astype(np.float64)) @ np.abs(sn.dequantize(t).numpy().astype(np.float64)).T
+    assert np.all(np.isfinite(y))
+    allow = 1e-5 * bound + 2.0 ** -126 * np.abs(sn.dequantize(t).numpy().astype(np.float64)).sum(axis=1)
+    assert np.all(np.abs(y - ref) <= allow)

@@ -9,8 +9,10 @@ float32 error is far inside the bounds below), and bound = |x| @ |dequantize(w)|
 
 Tolerances, elementwise:
 * GEMV path (n <= 16 rows of x, and n > 16 with exact=True in 16-row slices): |y_gpu - y_cpu| <=
-  1e-5 * bound. F32 / F16 / BF16: both accumulate in float32 in different orders; the GPU decodes
-  the weights to exactly the CPU's float32 values. Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS (CUDA: the
+  1e-5 * bound. F32 / F16 (and BF16 rows off the tensor cores): both accumulate in float32 in
+  different orders; the GPU decodes the weights to exactly the CPU's float32 values. BF16 with
+  in % 64 == 0 (CUDA): x split into three BF16 terms whose sum is x, exact products on the bf16
+  tensor cores, F32 accumulation. Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS (CUDA: the
   integer tensor-core GEMV, matmul_mma.cuh): int8 quants times x split, per 256-input group, into a
   power of two times three int8 terms (|x - s (2^14 hi + 2^7 mid + lo)| <= 2^-20 max|x over the
   group|), exact integer sums with the integer sub-block scales, F32 once per super-block: ~1e-7 of
@@ -270,6 +272,14 @@ def test_matmul_gpu_bf16_tensor_cores(rng):
     y, ref = sn.matmul(sn.Tensor(x).to(GPU), wg).numpy(), sn.matmul(x, w).numpy()
     assert np.array_equal(np.isposinf(y[0]), np.isposinf(ref[0])) and np.array_equal(np.isneginf(y[0]), np.isneginf(ref[0]))
     assert not np.isfinite(y[1]).any() and np.all(np.isfinite(y[2]))
+    # x near F32's maximum against a small weight column: finite, as on the CPU (the terms truncate)
+    bits = w.numpy().copy()
+    bits[:, 5] = 0x3A83  # ~1e-3
+    w5 = sn.Tensor(np.ascontiguousarray(bits), sn.DType.BF16)
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    x[0, 5], x[1, 5] = np.float32(3.3e38), -np.float32(3.39e38)
+    check_close(sn.matmul(sn.Tensor(x).to(GPU), w5.to(GPU)).numpy(), sn.matmul(x, w5).numpy(), abs_bound(x, w5),
+                GEMV_TOL, "BF16 x near F32's maximum")
     ws = [weight(rng, "BF16", o, k).to(GPU) for o in (7, 130, 40)]
     x = sn.Tensor(rng.standard_normal((9, k)).astype(np.float32)).to(GPU)
     for yg, wi in zip(sn.matmul_group(x, ws), ws):

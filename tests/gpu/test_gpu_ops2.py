@@ -1293,6 +1293,12 @@ def test_topk_gpu_vocab(rng, k):
     check_topk_gpu(x, k, alone=[0, 5])
 
 
+@gpu_only
+def test_topk_gpu_long_row(rng):
+    """A row past kMaxChunks chunks of 4096 (5e6 entries: 8192-entry chunks, the plan's lg > 12)."""
+    check_topk_gpu(topk_specials(rng, f32(rng, (1, 5_000_000))), 16)
+
+
 @pytest.mark.parametrize("k", [1, 5, 16, 64])
 @gpu_only
 def test_topk_gpu_chunk_edge_ties(rng, k):

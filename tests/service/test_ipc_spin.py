@@ -108,6 +108,34 @@ def test_reader_reads_exact_frames_small_large_and_short():
         assert r.read(8) == b"xyz" and r.read(4) == b""  # EOF: the rest, then nothing
 
 
+def test_reader_large_frame_cut_by_the_idle_bound_or_eof():
+    """A frame larger than READ_BYTES (read straight into its result) whose body stops coming: the part
+    read when SO_RCVTIMEO passes after some bytes, None when it passes with none read, the part read at
+    EOF (the caller ends the stream on any short read)."""
+    n = 3 * ipc_stream.READ_BYTES
+    body = bytes(range(256)) * (n // 256)
+    a, b = socket.socketpair()
+    with a, b:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 200_000))
+        r = FrameReader(a, 0)
+        assert r.read(n) is None  # nothing came within the bound
+        sender = threading.Thread(target=b.sendall, args=(body[: n // 2],))
+        sender.start()
+        part = r.read(n)  # half came, then the bound passed
+        sender.join()
+        assert bytes(part) == body[: len(part)] and 0 < len(part) <= n // 2
+        rest = r.read(n // 2 - len(part)) if len(part) < n // 2 else b""
+        assert bytes(part) + bytes(rest) == body[: n // 2]
+        b.sendall(body[: n // 3])
+        b.shutdown(socket.SHUT_WR)
+        got = b""
+        while len(got) < n // 3:
+            chunk = r.read(n)
+            assert chunk and len(chunk) <= n // 3
+            got += bytes(chunk)
+        assert got == body[: n // 3] and r.read(n) == b""  # EOF: the part, then nothing
+
+
 # ---- the worker side (IpcStreamServer)
 
 

@@ -22,8 +22,8 @@ uploaded with the drafter weights), then measured:
   DFlash 2's selector projection) / the device copy bandwidth (tools/device/gpu_report.py's, as
   gpu_decode.py); gathered rows (embedding, W1, codebooks) are not counted;
 * the values: whether one block's logits and final hidden rows are finite, their std / RMS;
-* with ``--profile N``: where N proposes' time goes, per GPU kernel (gpu_decode.py's CUPTI
-  ``kernel_profile``: GPU busy time by kernel) and on the host (``host_profile``: wall time and the
+* with ``--profile N``: where N proposes' time goes, per GPU kernel (``--device cuda``: gpu_decode.py's
+  CUPTI ``kernel_profile``, GPU busy time by kernel) and on the host (``host_profile``: wall time and the
   Python functions by own time), so a host-bound propose (GPU idle between launches) shows;
 * with ``--verify-ms`` (one value) or ``--decode-json`` (gpu_decode.py's JSON: its ``verify_ms`` at
   the drafter's verify width), the ratio propose / verify.
@@ -168,10 +168,10 @@ def bench_family(family: str, args, target: str, sync, lm_head_bytes: int, verif
             def proposes():
                 for _ in range(args.profile):
                     prop()
-            r["profile"] = kernel_profile(proposes, sync, args.profile)
+            r["profile"] = kernel_profile(proposes, sync, args.profile) if args.device == "cuda" else []  # GPU kernels
             r["profile_busy_ms"] = sum(k["us_per_step"] for k in r["profile"]) / 1e3
-            hp_ = host_profile(proposes, sync)
-            r["host_profile"] = {"wall_ms_per_propose": 1e3 * hp_["wall_s"] / args.profile, "top": hp_["top"]}
+            host = host_profile(proposes, sync)
+            r["host_profile"] = {"wall_ms_per_propose": 1e3 * host["wall_s"] / args.profile, "top": host["top"]}
             print(family, "profile", json.dumps(r["profile"][:25]), flush=True)
             print(family, "host profile", json.dumps(r["host_profile"]), flush=True)
         if args.copy_GBps:

@@ -244,7 +244,6 @@ def service_run(args, run_dir: str, spin: tuple[int, int], target: subprocess.Po
         stop(list(reversed(procs)))
 
 
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="models/demo-target.gguf")
@@ -258,9 +257,9 @@ def main():
                     help="coordinators make one unary worker call per step (the previous hot path)")
     ap.add_argument("--no-ipc-streams", action="store_true",
                     help="coordinators use gRPC streams instead of the workers' IPC stream sockets (default: IPC)")
-    ap.add_argument("--ipc-spin-us", type=spin_value, nargs="+", default=[(0, 0)], metavar="N|W:C",
+    ap.add_argument("--ipc-spin-us", type=spin_value, nargs="+", default=[(0, 1000)], metavar="N|W:C",
                     help="--ipc-spin-us for every process, or W for the workers and C for the coordinators "
-                         "(default 0 = off); several values: one service run each")
+                         "(default 0:1000, the service's defaults; 0 = off); several values: one service run each")
     ap.add_argument("--write", default="", help="append the markdown section to this file")
     args = ap.parse_args()
     if min(args.al) < 2 or args.block < max(args.al) - 1:

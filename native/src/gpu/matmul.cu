@@ -51,7 +51,7 @@
 //   arithmetic, and hence every bit of its result, is that of a call of its own.
 // * HIP: SPECD_MMA_GEMV is 0 there (no mma.sync); the FMA GEMV below serves every format.
 //
-// FMA GEMV (F32 / F16 / BF16; all formats on HIP). A block of kWarps warps owns R consecutive
+// FMA GEMV (F32 / F16, BF16 off the tensor cores; all formats on HIP). A block of kWarps warps owns R consecutive
 // output rows and ALL (up to kNMax = 16) rows of x, so each weight byte is read from memory once
 // per launch; the warps split the reduction dimension. A weight row is cut into chunks and thread
 // t of the block handles chunks c = t + k*kThreads, so each warp-wide load covers contiguous bytes;

@@ -1,6 +1,6 @@
 // Integer tensor-core GEMV of the quantized weight formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, and
 // IQ4_XS_TILED / Q4_K_TILED / Q6_K_TILED: those formats in this GEMV's 16-row tiles, IQ4T / Q4T / Q6T
-// below) for n <= 16 rows of x:
+// below), and of BF16 weights on bf16 tensor cores (BF16U), for n <= 16 rows of x:
 // y[n, out] = x[n, in] @ w[out, in]^T; each call is split_x, the grouped GEMV (a programmatic
 // dependent of split_x, as every kernel: pdl.cuh; it loads its first weight units before pdl_wait) and
 // the split-K sums. Included by matmul.cu (see its header for
@@ -24,6 +24,9 @@
 // k = 16+4t..16+4t+3 hold 4t+2, 4t+18, 4t+3, 4t+19: the order in which IQ4_XS's nibbles come out of
 // a word of its quants (byte i of qs[16 j + 4t ..]: low nibble = input 4t+i, high = 16+4t+i), so that
 // format needs no reordering; the byte-per-weight formats reorder with one byte permute per register.
+//
+// BF16 weights (BF16U, below) run in the same kernel on x split into three BF16 terms instead
+// (split_x_bf16_kernel), with m16n8k16 bf16 -> f32 MMAs.
 //
 // x (split_x_kernel): per row r of x and 256-input group (the last one ragged for Q8_0 with
 // in % 256 != 0), with m = max |x| over the group in [2^E, 2^(E+1)), x' = x * 2^k, k = 19 - E
@@ -144,7 +147,8 @@ __device__ __forceinline__ void hmma(float (&d)[4], const uint32_t (&a)[4], uint
 }
 
 // d += a * b, mma.sync m16n8k16 bf16 x bf16 -> f32 (C = d): the BF16 weights' GEMV (BF16U). Products
-// are exact (8 x 8 significant bits); the tensor core adds them and d in F32. Layouts as hmma's.
+// are exact (8 x 8 significant bits); the tensor core accumulates them and d in F32 (its internal
+// alignment and rounding are not an IEEE add per product). Layouts as hmma's.
 __device__ __forceinline__ void bmma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
 #if defined(SPECD_HOST_EMU)
   specd_emu_mma_bf16(d, a, b);
@@ -861,10 +865,13 @@ __global__ void split_x_kernel(const In src, int64_t in, int n, int64_t groups, 
 // BF16U's x: x [n, in] F32 (rows 16-byte aligned, in % 32 == 0) -> xh [in / 32][kMaxTiles][32] (tiles
 // 0 .. `tiles` - 1 written): lane 4 g + t of n8 tile nt in chunk kc holds term tau = c % 3 of row r = c / 3
 // (column c = 8 nt + g; zeros for c >= 3 n) at inputs 32 kc + 8t .. + 7 as 8 BF16, the lower input in
-// each word's lower half. hi = rn(x), mid = rn(x - hi), lo = rn(x - hi - mid): each difference is exact
-// in F32 and holds at most 16, then 8 significant bits, so hi + mid + lo == x for finite x (down to
-// F32's subnormals). A non-finite x is its own hi with mid = lo = 0: its products are the CPU's
-// (inf, or NaN). One thread per (chunk, tile, lane).
+// each word's lower half. hi = x truncated to BF16 (its upper 16 bits), mid = (x - hi) truncated, lo = x -
+// hi - mid: each difference is exact in F32 and holds at most 16, then 8 significant bits, so hi + mid +
+// lo == x for finite |x| >= 2^-110 (truncation never rounds up, so a finite x near F32's maximum stays
+// finite; rounding to nearest made hi inf there); below 2^-110 lo's last bits fall under BF16's
+// subnormals: an absolute error < 2^-126 per value. A non-finite x is its own hi with mid = lo = 0, so
+// a row of x holding inf / NaN gives the CPU's inf / NaN against finite weights. One thread per
+// (chunk, tile, lane).
 __global__ void split_x_bf16_kernel(const float* __restrict__ x, int64_t in, int n, int tiles, uint4* __restrict__ xh) {
   pdl_enter();  // the GEMV may start loading weights now (it waits for our writes); we wait for our inputs
   const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -882,8 +889,8 @@ __global__ void split_x_bf16_kernel(const float* __restrict__ x, int64_t in, int
     for (int j = 0; j < 8; ++j) {
       float term = v[j];  // tau 0: hi
       if (isfinite(v[j])) {
-        const float hi = __uint_as_float(uint32_t(to_bf16(v[j])) << 16), r1 = __fsub_rn(v[j], hi);
-        const float mid = __uint_as_float(uint32_t(to_bf16(r1)) << 16);
+        const float hi = __uint_as_float(__float_as_uint(v[j]) & 0xffff0000u), r1 = __fsub_rn(v[j], hi);
+        const float mid = __uint_as_float(__float_as_uint(r1) & 0xffff0000u);
         term = tau == 0 ? hi : tau == 1 ? mid : __fsub_rn(r1, mid);
       } else if (tau > 0) {
         term = 0.0f;

@@ -39,9 +39,11 @@ std::tuple<Tensor, Tensor, Tensor> gdn_qkv(const Tensor& cv, int64_t n_k_heads, 
 // y[n, out] = x[n, in] @ w[out, in]^T (matmul.cu). x: F32 [..., in] contiguous (output shape is
 // x's with the last dimension replaced by out); w: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K or IQ4_XS
 // [out, in] contiguous, in a multiple of the format's block size (32 / 256).
-// n <= 16 rows: a GEMV-style kernel that reads each weight byte once per call; F32 / F16 / BF16
-// (and every format on HIP): weights decoded in registers to exactly cpu::dequantize's values, F32
-// FMAs; Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS on CUDA: integer tensor cores on the int8 quants against
+// n <= 16 rows: a GEMV-style kernel that reads each weight byte once per call; F32 / F16 and BF16
+// rows the tensor cores do not take (and every format on HIP): weights decoded in registers to exactly
+// cpu::dequantize's values, F32 FMAs; BF16 with in % 64 == 0 and 16-byte aligned rows on CUDA: bf16
+// tensor cores against x split into three BF16 terms (hi + mid + lo == x for |x| >= 2^-110), F32
+// sums; Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS on CUDA: integer tensor cores on the int8 quants against
 // x split per 256-input group into a power of two times three int8 terms (~21 bits of the group's
 // maximum: |x - s (2^14 hi + 2^7 mid + lo)| <= 2^-20 max|x over the group| (at least 2^-120)), exact integer sums with
 // the integer sub-block scales, F32 once per super-block (matmul.cu). Error within 1e-5 *
