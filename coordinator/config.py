@@ -84,11 +84,8 @@ class CoordinatorConfig:
         event loop, for up to that long per spinning call. An int in 0..100000 (0 = off); default
         1000: measured on the H200 (27B, AL 5) it cut the speculative step's loop overhead from 0.99 /
         1.12 to 0.75 / 0.95 ms (exact / block-8 drafts), and on the 2-core CPU VM by a quarter
-        (BENCHMARKS.md, session of 2026-12-02 06:00 UTC).
-    worker_ipc_spin_us: the ``--ipc-spin-us`` ``specd serve`` gives both workers (a worker busy-polls
-        for a stream's next request, specd.target_worker.ipc_stream). Default 0 = off: on the H200
-        3000 lowered the block-8 step's overhead further (0.95 -> 0.79 ms) but on the 2-core VM the
-        spinning workers took cores from the compute (+27 %); an int in 0..100000.
+        (BENCHMARKS.md, session of 2026-12-02 06:00 UTC). ``specd serve`` gives the workers
+        ``--worker-ipc-spin-us`` instead (launcher.ServeConfig).
     plain_steps_per_call: plain decode steps the target worker runs per Verify call (a plain run,
         worker.proto ``plain_steps``), default 8; 1 = one call per plain token. A run saves the
         coordinator round trip of all but one of its steps (the loop overhead per plain token falls
@@ -143,7 +140,6 @@ class CoordinatorConfig:
     worker_streams: bool = True
     ipc_streams: bool = True
     ipc_spin_us: int = 1000
-    worker_ipc_spin_us: int = 0
     plain_steps_per_call: int = 8
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -160,7 +156,6 @@ class CoordinatorConfig:
         from specd.target_worker.ipc_stream import check_spin_us
 
         check_spin_us(self.ipc_spin_us, "coordinator")
-        check_spin_us(self.worker_ipc_spin_us, "coordinator", "worker_ipc_spin_us")
         for name in ("default_max_tokens", "worker_timeout_s", "health_poll_s", "public_max_message_bytes",
                      "internal_max_message_bytes", "keepalive_min_ping_interval_ms", "keepalive_time_ms",
                      "keepalive_timeout_ms", "release_timeout_s", "health_timeout_s", "max_request_id_bytes",
@@ -243,8 +238,6 @@ _FLAGS = [  # (field, type, help)
     ("plain_steps_per_call", int, "plain decode steps per target Verify call (1 = one call per token)"),
     ("ipc_spin_us", int, "busy-poll an IPC stream for an answer due soon for up to this many microseconds before "
                          "waiting in the event loop (0 = off; 0..100000)"),
-    ("worker_ipc_spin_us", int, "specd serve: the workers' --ipc-spin-us (busy-poll for a stream's next request; "
-                                "0 = off; 0..100000)"),
     ("feature_transport", str, "drafter feature rows: shm (shared memory, one host), inline (bytes via the coordinator) or cuda-ipc (GPU ring shared through CUDA IPC; --device cuda)"),
 ]
 _POLICY_FLAGS = [

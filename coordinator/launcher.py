@@ -77,6 +77,11 @@ class ServeConfig:
         worker's socket) to the drafter worker; the target worker exports the two tensors only with
         "auto" and a drafter GGUF (``--export-head``, else ``--no-export-head``: the legacy CUDA IPC
         mapping of an exported buffer is writable by the importer).
+    worker_ipc_spin_us: both workers' ``--ipc-spin-us`` (a worker busy-polls for a stream's next
+        request, specd.target_worker.ipc_stream), an int in 0..100000. Default 0 = off: on the H200
+        3000 lowered the block-8 speculative step's loop overhead further (0.95 -> 0.79 ms) but on the
+        2-core VM the spinning workers took cores from the compute (+27 %) (BENCHMARKS.md, session of
+        2026-12-02 06:00 UTC). The coordinator's own spin is ``--ipc-spin-us`` (default 1000).
     start_timeout_s: wait for each child's READY line. Default 600.
     """
 
@@ -97,6 +102,7 @@ class ServeConfig:
     slot_cache: int = 2
     gemv_tiles: bool = True
     share_target_weights: str = "auto"
+    worker_ipc_spin_us: int = 0
     start_timeout_s: float = 600.0
 
     def resolve_models(self) -> None:
@@ -127,6 +133,9 @@ class ServeConfig:
         from specd.target_worker.shared_weights import check_share_mode
 
         check_share_mode(self.share_target_weights, "serve")
+        from specd.target_worker.ipc_stream import check_spin_us
+
+        check_spin_us(self.worker_ipc_spin_us, "serve", "worker_ipc_spin_us")
         if self.kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"serve: --kv-dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
         from specd.target_worker.server import check_device
@@ -206,6 +215,9 @@ def add_arguments(p) -> None:
     from specd.draft_worker.server import add_share_argument
 
     add_share_argument(p, d.share_target_weights)
+    p.add_argument("--worker-ipc-spin-us", type=int, default=d.worker_ipc_spin_us,
+                   help="both workers' --ipc-spin-us: busy-poll for a stream's next request for up to this many "
+                        f"microseconds (default {d.worker_ipc_spin_us} = off; 0..100000)")
     p.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s,
                    help="wait for each child's READY (default 600)")
     before = len(p._actions)
@@ -299,7 +311,7 @@ def run(args) -> int:
     try:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,
                     "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype, "--device", args.device,
-                    "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(ns.worker_ipc_spin_us),
+                    "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(args.worker_ipc_spin_us),
                     "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs", "--max-graphs", str(args.max_graphs),
                     "--slot-cache", str(args.slot_cache),
                     "--gemv-tiles" if args.gemv_tiles else "--no-gemv-tiles",
@@ -313,7 +325,7 @@ def run(args) -> int:
 
             vocab = int(next(x for x in GGUFReader(args.target).tensors if x.name == "token_embd.weight").shape[1])
             dargv = ["draft-worker", "--listen", dsock, "--vocab", str(vocab),
-                     "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(ns.worker_ipc_spin_us),
+                     "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(args.worker_ipc_spin_us),
                      "--device", args.device]
             dargv += ["--drafter", args.drafter_gguf, "--target", args.target,
                       "--drafter-kv-dtype", args.drafter_kv_dtype,

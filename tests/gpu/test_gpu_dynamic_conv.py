@@ -20,15 +20,8 @@ from specd.draft_worker.model import grouped_dynamic_conv
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "native"))
 from test_dynamic_conv import GROUPINGS, assert_bits, inputs  # noqa: E402
 
-DRYRUN = os.environ.get("SPECD_TEST_GPU_DRYRUN") == "1"
-GPU = sn.Device.GPU
-DEV = sn.Device.CPU if DRYRUN else GPU
-HAVE_GPU = sn.gpu_available() or DRYRUN
-
-
-def gpu_only(f):
-    f = pytest.mark.skipif(not HAVE_GPU, reason="no GPU backend/device in this build or machine")(f)
-    return pytest.mark.gpu(f)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_marks import DEV, DRYRUN, GPU, gpu_only  # noqa: E402
 
 
 def on_gpu(a):

@@ -45,15 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from flash_ref import check_flash  # noqa: E402
 from host_emu_build import topk_plan, tree_mask  # noqa: E402
 
-DRYRUN = os.environ.get("SPECD_TEST_GPU_DRYRUN") == "1"
-GPU = sn.Device.GPU
-DEV = sn.Device.CPU if DRYRUN else GPU
-HAVE_GPU = sn.gpu_available() or DRYRUN
-
-
-def gpu_only(f):
-    f = pytest.mark.skipif(not HAVE_GPU, reason="no GPU backend/device in this build or machine")(f)
-    return pytest.mark.gpu(f)
+from gpu_marks import DEV, DRYRUN, GPU, gpu_only  # noqa: E402
 
 
 def on_gpu(a, dtype=None):

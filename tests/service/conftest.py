@@ -140,6 +140,47 @@ class Stack:
         shutil.rmtree(self.dir, ignore_errors=True)  # the sockets' directory
 
 
+@pytest.fixture
+def serve_argvs(monkeypatch, target_gguf):
+    """argvs(*flags): the argv of each child `specd serve --target <demo target> --drafter none
+    --scripted-block 2 *flags` starts, in order (target-worker, draft-worker, coordinator), without
+    starting any (the launcher's _child is stubbed: each child is ready at once, the coordinator ends
+    the run)."""
+    import types
+
+    from specd.coordinator import launcher
+    from specd.coordinator.cli import build_parser
+
+    class Ready:
+        stdout = types.SimpleNamespace(readline=lambda: "READY\n")
+
+        def poll(self):
+            return 0
+
+    class Stop(Exception):
+        pass
+
+    seen: list[list[str]] = []
+
+    def child(argv, *a, **k):
+        seen.append(list(argv))
+        if argv[0] == "coordinator":
+            raise Stop
+        return Ready()
+
+    monkeypatch.setattr(launcher, "_child", child)
+
+    def argvs(*flags):
+        seen.clear()
+        with pytest.raises(Stop):
+            launcher.run(build_parser().parse_args(["serve", "--target", target_gguf, "--drafter", "none",
+                                                    "--scripted-block", "2", "--runtime-dir", "", *flags]))
+        assert [a[0] for a in seen] == ["target-worker", "draft-worker", "coordinator"]
+        return list(seen)
+
+    return argvs
+
+
 @pytest.fixture(scope="session")
 def stack(target_gguf):
     s = Stack(target_gguf, policy=PolicyConfig(step_ratio=0))  # policy off: speculate every step

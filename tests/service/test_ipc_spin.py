@@ -10,7 +10,6 @@ import socket
 import struct
 import threading
 import time
-import types
 
 import grpc
 import pytest
@@ -385,7 +384,7 @@ def test_spinning_service_gives_the_plain_greedy_output(stack, reference, monkey
 # ---- flags
 
 
-def test_ipc_spin_flags_defaults_validation_and_serve_forwarding(monkeypatch, target_gguf):
+def test_ipc_spin_flags_defaults_validation_and_serve_forwarding(serve_argvs):
     """--ipc-spin-us: a typed field of both workers (default 0 = off) and the coordinator (default 1000),
     an int in 0..MAX_SPIN_US (ValueError naming the field otherwise, also from IpcStreamServer), and
     specd serve passes --worker-ipc-spin-us (default 0) to both workers as their --ipc-spin-us."""
@@ -395,7 +394,7 @@ def test_ipc_spin_flags_defaults_validation_and_serve_forwarding(monkeypatch, ta
 
     assert MAX_SPIN_US == 100_000
     assert tserver.TargetWorkerConfig().ipc_spin_us == dserver.DraftWorkerConfig().ipc_spin_us == 0
-    assert CoordinatorConfig().ipc_spin_us == 1000 and CoordinatorConfig().worker_ipc_spin_us == 0
+    assert CoordinatorConfig().ipc_spin_us == 1000 and launcher.ServeConfig().worker_ipc_spin_us == 0
     p = build_parser()
     assert tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf", "--ipc-spin-us",
                                                   "300"])).ipc_spin_us == 300
@@ -410,34 +409,11 @@ def test_ipc_spin_flags_defaults_validation_and_serve_forwarding(monkeypatch, ta
         IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 4, spin_us=-5)
     with pytest.raises(ValueError, match="ipc_spin_us"):
         config_from_args(p.parse_args(["coordinator", "--ipc-spin-us", "-1"]))
-    with pytest.raises(ValueError, match=r"worker_ipc_spin_us must be an integer in 0\.\.100000"):
-        config_from_args(p.parse_args(["coordinator", "--worker-ipc-spin-us", str(MAX_SPIN_US + 1)]))
+    with pytest.raises(ValueError, match=r"serve: worker_ipc_spin_us must be an integer in 0\.\.100000"):
+        launcher.ServeConfig(target="t.gguf", worker_ipc_spin_us=MAX_SPIN_US + 1).validate()
 
-    seen = []
-
-    class Ready:
-        stdout = types.SimpleNamespace(readline=lambda: "READY\n")
-
-        def poll(self):
-            return 0
-
-    class Stop(Exception):
-        pass
-
-    def child(argv, *a, **k):
-        seen.append(list(argv))
-        if argv[0] == "coordinator":
-            raise Stop
-        return Ready()
-
-    monkeypatch.setattr(launcher, "_child", child)
-    for flag, workers, coordinator in (([], "0", "1000"),
-                                       (["--ipc-spin-us", "250", "--worker-ipc-spin-us", "40"], "40", "250")):
-        seen.clear()
-        with pytest.raises(Stop):
-            launcher.run(p.parse_args(["serve", "--target", target_gguf, "--drafter", "none", "--scripted-block", "2",
-                                       "--runtime-dir", "", *flag]))
-        assert [a[0] for a in seen] == ["target-worker", "draft-worker", "coordinator"]
-        for argv in seen:
+    for flags, workers, coordinator in (((), "0", "1000"),
+                                        (("--ipc-spin-us", "250", "--worker-ipc-spin-us", "40"), "40", "250")):
+        for argv in serve_argvs(*flags):
             want = coordinator if argv[0] == "coordinator" else workers
             assert argv[argv.index("--ipc-spin-us") + 1] == want, argv

@@ -547,10 +547,9 @@ def test_client_close_is_bounded_and_leaves_nothing_open(tmp_path):
     assert 0.25 < took < 2.0 and sock is None and left == []
 
 
-def test_ipc_stream_flags_defaults_validation_and_serve_forwarding(target_gguf, monkeypatch):
+def test_ipc_stream_flags_defaults_validation_and_serve_forwarding(serve_argvs):
     """--ipc-streams / --no-ipc-streams on target-worker, draft-worker and coordinator (default on,
     typed fields validated); specd serve forwards its value to both workers and the coordinator."""
-    from specd.coordinator import launcher
     from specd.coordinator.cli import build_parser
     from specd.coordinator.config import CoordinatorConfig, config_from_args
 
@@ -568,31 +567,9 @@ def test_ipc_stream_flags_defaults_validation_and_serve_forwarding(target_gguf, 
                 dserver.DraftWorkerConfig(vocab=8, ipc_streams=1), CoordinatorConfig(ipc_streams=None)):
         with pytest.raises(ValueError, match="ipc_streams must be true or false"):
             bad.validate()
-    seen = []
-
-    class Ready:
-        stdout = types.SimpleNamespace(readline=lambda: "READY\n")
-
-        def poll(self):
-            return 0
-
-    class Stop(Exception):
-        pass
-
-    def child(argv, *a, **k):
-        seen.append(list(argv))
-        if argv[0] == "coordinator":
-            raise Stop
-        return Ready()
-
-    monkeypatch.setattr(launcher, "_child", child)
     for flag, want in (([], "--ipc-streams"), (["--no-ipc-streams"], "--no-ipc-streams"),
                        (["--no-worker-streams"], "--no-ipc-streams")):  # unary calls: a socket would go unused
-        seen.clear()
-        with pytest.raises(Stop):
-            launcher.run(p.parse_args(["serve", "--target", target_gguf, "--drafter", "none", "--scripted-block", "2",
-                                       "--runtime-dir", "", *flag]))
-        assert [a[0] for a in seen] == ["target-worker", "draft-worker", "coordinator"]
+        seen = serve_argvs(*flag)
         for argv in seen if not flag or flag[0] != "--no-worker-streams" else seen[:2]:
             assert want in argv and ({"--ipc-streams", "--no-ipc-streams"} - {want}).isdisjoint(argv), argv
         assert ("--no-worker-streams" in seen[2]) == (flag == ["--no-worker-streams"])

@@ -123,35 +123,26 @@ inline void warp_mma(T (&d)[4], const uint32_t (&a)[4], uint2 b, const Elem& ele
   for (int c = 0; c < 4; ++c) d[c] = elem(w, g + 8 * (c >> 1), 2 * t + (c & 1), d[c]);
 }
 
-// m16n8k16 f16 -> f32, d += a * b: products exact, summed in double, rounded once.
-inline void specd_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
-  warp_mma(d, a, b, [](const WarpSlot& w, int row, int col, float acc) {
+// m16n8k16 with 16-bit operands decoded by value(reg, half) -> f32, d += a * b: products exact, summed in
+// double, rounded once (for bf16 an approximation of the hardware's internal summation and rounding;
+// the f16 min terms' operands are small integers, so there the hardware's sums are exact too).
+template <class Value>
+inline void emu_mma_k16(float (&d)[4], const uint32_t (&a)[4], uint2 b, Value value) {
+  warp_mma(d, a, b, [value](const WarpSlot& w, int row, int col, float acc) {
     double s = acc;
     for (int k = 0; k < 16; ++k) {
       // A (row, k): lane 4 (row % 8) + (k % 8) / 2, register (row >= 8) + 2 (k >= 8), half k & 1.
-      const float av = half_of(w.a[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
+      const float av = value(w.a[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
       // B (k, col): lane 4 col + (k % 8) / 2, register k >= 8, half k & 1.
-      const float bv = half_of(w.b[4 * col + (k % 8) / 2][k >= 8], k & 1);
+      const float bv = value(w.b[4 * col + (k % 8) / 2][k >= 8], k & 1);
       s += double(av) * double(bv);
     }
     return float(s);
   });
 }
-
-// m16n8k16 bf16 -> f32, d += a * b: products exact, summed in double, rounded once (an approximation of
-// the hardware's internal summation order and rounding). Layouts as specd_emu_mma's.
 inline float bf16_of(uint32_t reg, int h) { return __uint_as_float(h ? reg & 0xffff0000u : reg << 16); }
-inline void specd_emu_mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint2 b) {
-  warp_mma(d, a, b, [](const WarpSlot& w, int row, int col, float acc) {
-    double s = acc;
-    for (int k = 0; k < 16; ++k) {
-      const float av = bf16_of(w.a[4 * (row % 8) + (k % 8) / 2][(row >= 8) + 2 * (k >= 8)], k & 1);
-      const float bv = bf16_of(w.b[4 * col + (k % 8) / 2][k >= 8], k & 1);
-      s += double(av) * double(bv);
-    }
-    return float(s);
-  });
-}
+inline void specd_emu_mma(float (&d)[4], const uint32_t (&a)[4], uint2 b) { emu_mma_k16(d, a, b, half_of); }
+inline void specd_emu_mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint2 b) { emu_mma_k16(d, a, b, bf16_of); }
 
 // m16n8k8 tf32 -> f32, d += a * b: each operand read as tf32 (its low 13 bits ignored, as the hardware reads
 // them: truncated), products exact, a row's 8 products and the accumulator summed in double and rounded once
