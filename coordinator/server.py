@@ -66,7 +66,7 @@ from specd.protos.v1 import generate_pb2_grpc as gpbg
 from specd.protos.v1 import worker_pb2 as wpb
 from specd.protos.v1 import worker_pb2_grpc as wpbg
 from specd.target_worker.ipc_stream import (FRAME, PROBE, PROPOSE_STREAM, STATUS, VERIFY_STREAM, IpcMethod,
-                                            hello_frame, parse_error)
+                                            hello_frame, parse_error, poll_until)
 from specd.target_worker.server import MAX_RUN_STOP_IDS  # most stop_token_ids of a plain run
 
 from .config import CoordinatorConfig
@@ -285,8 +285,8 @@ class IpcSpin:
       A verify that takes longer than the spin (most targets) stops spinning after a few misses; one
       call in PROBE_EVERY spins anyway, so a kind whose answers got faster starts again.
 
-    Cost: a busy core for up to spin_us per spinning call. ``spin_us`` 0 (the default) turns it off:
-    the coordinator then builds no IpcSpin.
+    Cost: a busy core for up to spin_us per spinning call. ``spin_us`` 0 turns it off (the default is
+    1000, CoordinatorConfig.ipc_spin_us): the coordinator then builds no IpcSpin.
     """
 
     HIT_ALPHA = 0.25
@@ -525,16 +525,12 @@ class IpcStream(SequenceStream):
         """Polls the socket without blocking for up to the IpcSpin's spin_us (the event loop waits) and
         takes what comes; returns the answer frame once complete, else None (spin over, or the
         connection failed: ``sock`` is None then). Raises like :meth:`_frame`."""
-        poll, clock, pause = self.poll, time.monotonic_ns, os.sched_yield
-        end = clock() + self.spin.spin_ns
-        while self.sock is not None and clock() < end:
-            if poll(0):
-                self._recv()
-                frame = self._frame()
-                if frame is not None:
-                    return frame
-            else:
-                pause()  # a worker woken onto this CPU by the request runs now (FrameReader.spin says why)
+        end = time.monotonic_ns() + self.spin.spin_ns
+        while self.sock is not None and poll_until(self.poll, end):
+            self._recv()
+            frame = self._frame()
+            if frame is not None:
+                return frame
         return None
 
     async def _answer(self) -> tuple[int, bytes]:

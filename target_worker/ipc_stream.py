@@ -185,6 +185,23 @@ class IpcContext:
         return not events or not events[0][1] & (select.POLLHUP | select.POLLERR)
 
 
+def poll_until(poll, end_ns: int) -> bool:
+    """Busy-polls ``poll`` (a select.poll object's poll method, one socket registered for POLLIN) with
+    timeout 0 until it reports input or a hang-up (True) or time.monotonic_ns() reaches ``end_ns``
+    (False). The spin of the workers (FrameReader.spin) and of the coordinator (IpcStream._spin).
+
+    Between polls the thread yields its CPU: Linux places a task woken by a Unix-socket write on the
+    writer's CPU when it can (a "sync" wake-up: the writer is expected to sleep), so the peer this
+    thread just woke with its request or answer may be queued behind the spin; sched_yield lets it
+    run now (a no-op when nothing else is runnable here)."""
+    clock, pause = time.monotonic_ns, os.sched_yield
+    while clock() < end_ns:
+        if poll(0):
+            return True
+        pause()
+    return False
+
+
 class FrameReader:
     """Reads one connection's request frames from its blocking socket through its own buffer, and
     busy-polls for the next one before blocking (``spin_us``).
@@ -223,17 +240,7 @@ class FrameReader:
         (the next read does not block), False otherwise. At most spin_us of busy CPU."""
         if self.buf or not self.spin_ns:
             return bool(self.buf)
-        poll, clock, pause = self.poll, time.monotonic_ns, os.sched_yield
-        end = clock() + self.spin_ns
-        while clock() < end:
-            if poll(0):
-                return True
-            # Linux places a task woken by a Unix-socket write on the writer's CPU when it can (a "sync"
-            # wake-up: the writer is expected to sleep), so a peer woken by this thread's last answer
-            # may be queued behind this spin on its CPU: yielding lets it run now (a no-op when nothing
-            # else is runnable here).
-            pause()
-        return False
+        return poll_until(self.poll, time.monotonic_ns() + self.spin_ns)
 
     def read(self, n: int) -> bytes | bytearray | None:
         """Exactly ``n`` bytes (n >= 0; bytes, or a bytearray for a frame read past the buffer); fewer

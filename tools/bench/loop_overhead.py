@@ -32,7 +32,8 @@ per step instead of one stream per sequence: the previous hot path, for comparis
 the workers' IPC stream sockets, the default hot path): run it with and without to A/B the two.
 ``--ipc-spin-us N [N ...]`` gives every process (the target worker, the drafter workers, the coordinators)
 ``--ipc-spin-us N`` (busy-poll before blocking for an IPC request or answer, specd.target_worker.ipc_stream);
-a value ``W:C`` gives the workers W and the coordinators C (e.g. ``1000:0``: the workers' spin alone). With
+a value ``W:C`` gives the workers W and the coordinators C (e.g. ``1000:0``: the workers' spin alone;
+default ``0:1000``, the service's defaults). With
 several values the service is started once per value (the reference runs once) and each gets its table,
 so spin on / off is compared in one call.
 """
