@@ -62,8 +62,9 @@ class ServeConfig:
     device: where the target worker runs the target and the draft worker the drafter: auto (default:
         cuda when this build has a GPU backend and a GPU is present, else cpu), cpu or cuda (a clear
         error without a GPU). Passed as ``--device`` to both workers.
-    cuda_graphs: the target worker replays chain verifies of up to 16 rows as captured CUDA graphs on
-        the GPU (default True; ``--no-cuda-graphs`` runs every op from Python). Ignored on the CPU.
+    cuda_graphs: the target worker replays chain verifies of up to 16 rows, and a model draft worker its
+        greedy proposes, as captured CUDA graphs on the GPU (default True; ``--no-cuda-graphs`` runs
+        every op from Python in both). Ignored on the CPU.
     max_graphs: most captured CUDA graphs the target worker keeps (LRU; ``--max-graphs``), >= 1.
         Default 16.
     slot_cache: released sequences' device states the target worker keeps with their CUDA graphs for
@@ -203,7 +204,8 @@ def add_arguments(p) -> None:
 
     add_device_argument(p, d.device, "target and the drafter")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
-                   help="replay the target's chain verifies (<= 16 rows) as CUDA graphs on the GPU (default on)")
+                   help="replay the target's chain verifies (<= 16 rows) and the drafter's greedy proposes as CUDA "
+                        "graphs on the GPU (default on)")
     p.add_argument("--max-graphs", type=int, default=d.max_graphs,
                    help=f"most captured CUDA graphs the target worker keeps, >= 1 (default {d.max_graphs})")
     p.add_argument("--slot-cache", type=int, default=d.slot_cache,
@@ -330,6 +332,7 @@ def run(args) -> int:
             dargv += ["--drafter", args.drafter_gguf, "--target", args.target,
                       "--drafter-kv-dtype", args.drafter_kv_dtype,
                       "--dspark-markov", getattr(args, "dspark_markov", "fused"),
+                      "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs",
                       "--share-target-weights", args.share_target_weights, "--target-worker", tsock] if args.drafter_gguf else [
                 "--scripted-block", str(args.scripted_block), "--scripted-accept", str(args.scripted_accept),
                 "--scripted-continuations", args.scripted_continuations]

@@ -132,15 +132,26 @@ class ModelDrafter:
         return Draft(toks, conf, ids, lps)
 
     def release(self, seq_id: str) -> bool:
+        """Frees a sequence: its K/V caches and captured CUDA graphs (under the compute lock: a graph
+        is not dropped while another sequence's forward or capture runs). False for an unknown id."""
         with self.lock:
-            return self.seqs.pop(seq_id, None) is not None
+            seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        with self.compute_lock:
+            seq.release()
+        return True
 
     def close(self) -> None:
         """Shutdown: frees every sequence and, when the target's embedding / head are mapped from the
         target worker (``shared_head``), closes the mapping (after the queued work drains). The drafter
         cannot propose afterwards. Idempotent."""
         with self.lock:
+            seqs = list(self.seqs.values())
             self.seqs.clear()
+        with self.compute_lock:
+            for seq in seqs:
+                seq.release()
         head, self.shared_head = self.shared_head, None
         if head is not None:
             with self.compute_lock:
@@ -154,13 +165,14 @@ class ModelDrafter:
 
 def open_model_drafter(drafter_path: str, target_path: str, *, kv_dtype: str = "f32",
                        context_cap: int = 0, default_capacity: int = 4096,
-                       dspark_markov: str = DEFAULT_MARKOV, device: str = "cpu",
-                       share_target_weights: str = "auto", target_worker: str = "",
+                       dspark_markov: str = DEFAULT_MARKOV, device: str = "cpu", cuda_graphs: bool = True,
+                       max_graphs: int = 4, share_target_weights: str = "auto", target_worker: str = "",
                        shared_infos=None, ipc_backend=None) -> ModelDrafter:
     """Loads the drafter GGUF and binds it to the target GGUF's embedding and head after the pair
     check. kv_dtype: "f32" (default), "f16" or "q8_0"; context_cap: 0 (all context visible) or C > 0
     (drafters.md §3.7); device: "cpu" (default) or "cuda" (DrafterModel on the GPU: the weights, the
-    target embedding / head and every sequence's K/V uploaded there).
+    target embedding / head and every sequence's K/V uploaded there); cuda_graphs / max_graphs: the
+    DrafterModel options (greedy proposes replayed as CUDA graphs on the GPU; graphs kept per sequence).
 
     share_target_weights: "auto" (default) maps the target worker's exported token_embd / output
     ([n_vocab, n_embd] in the target's stored types; :mod:`specd.target_worker.shared_weights`) when
@@ -190,7 +202,8 @@ def open_model_drafter(drafter_path: str, target_path: str, *, kv_dtype: str = "
     check_pair(drafter.hparams, drafter_path, target.hparams, target_path)
     head, sharing = resolve_shared_head(share_target_weights, device, target_worker, target, target_path,
                                         backend=ipc_backend, infos=shared_infos)
-    kw = dict(kv_dtype=KV_DTYPES[kv_dtype], context_cap=context_cap or None, device=device)
+    kw = dict(kv_dtype=KV_DTYPES[kv_dtype], context_cap=context_cap or None, device=device, cuda_graphs=cuda_graphs,
+              max_graphs=max_graphs)
     try:
         model = (DrafterModel.for_target(drafter, target, **kw) if head is None
                  else DrafterModel(drafter, head.token_embd, head.output, **kw))

@@ -35,6 +35,43 @@ Per sequence (drafters.md §3.1–3.2, §3.7):
     top-K of rows 1..B−1. Greedy by default; with a :class:`Sampling` every draft is drawn from its
     proposal distribution q, which is returned for rejection sampling.
 
+CUDA graphs (``DrafterModel(cuda_graphs=True)``, the default; GPU). A greedy propose of the file's
+block size B replays a graph captured on the sequence: the block forward (embedding, every layer with
+its K/V writes and attention, the output norm), the lm_head over the proposal rows and the family's
+device head — DFlash's argmax; DSpark's greedy Markov chain (fused or ``"off"``; the W1 gathers, W2
+GEMVs, bias adds and argmaxes, each pick feeding the next gather on the device); DFlash 2's top-K of
+the unary logits, the selector projection p = W_h h and the Succ / Pred codebook rows of every
+candidate and of the seed. What changes per propose (the seed id, the block's positions, each layer's
+K/V rows and attention query positions) is read from one fixed device buffer of the sequence, refreshed
+by a single asynchronous host -> device copy before the replay. After it, on the host as in the eager
+path: reading the tokens back, DSpark's confidence head (float64 numpy), DFlash 2's per-slot selector
+scores and choices, and whatever the request asks for besides (return_logits / return_hidden copies,
+top-k and its log-softmax) from the graph's output tensors. Eager (op by op, as before): sampled
+proposals (the draws interleave host steps with the chain), DSpark ``markov="unfused"``, a block
+shrunk below B (a one-off near the end of a request: capturing it would cost more than it saves),
+drafters with ``final_logit_softcapping`` (tanh runs on the host), and blocks where a non-causal
+sliding layer has B > W (its two-sided window needs a host mask).
+
+Attention in the graph covers a key range fixed at capture: full layers (rows = position) the first
+``bound`` cache rows, bound = start + B rounded up to a multiple of 1024 (capped by the capacity);
+bounded layers (sliding windows, context_cap) all their rows (their row = position − base, so the
+graph does not depend on where the rows sit). Each query row still sees exactly the keys of the eager
+call: causal layers pass the rows' positions (causal limit, window W as eager); a non-causal layer
+passes the block's last position for every row (causal: every key up to the block's end, which is
+what a non-causal row sees), with window cap + B under context_cap; a non-causal sliding layer whose
+window reaches a context row (start + B > W) and a causal capped layer whose cap drops a context row
+(start > cap) need a per-row lower limit, so they run one attention call per block row (window
+W + B − 1 − i, resp. cap + 1 + i). sn.attention's result depends only on the row's ordered visible
+keys (not on kv_len, the other rows or the cache rows they sit in), so graph and eager results are
+bitwise equal. Graphs are keyed (B, head, bound, per-row): a sequence re-captures when its bound
+crosses a multiple of 1024 or when the per-row form first applies, and keeps at most ``max_graphs``
+(least recently used evicted; a larger bound drops that head's smaller ones). They are freed with the
+sequence (:meth:`DraftSequence.release`). Memory: each graph's arena holds its activations, the
+[n, V] F32 logits (DSpark: plus the chain's per-row logits and corrected rows, ~4 x) and the
+attention scratch: :meth:`DraftSequence.graph_arena_bytes` measures it. With ``tensor_ops`` on the
+CPU (tests) the same path runs uncaptured: the graph body is re-run on the fixed input buffer at
+every replay, with the same keys and captures.
+
 Masks (ZL-0.1.0 rule, drafters.md §3.3, resolved at conversion into ``causal_pattern`` /
 ``sliding_pattern``): key at position p_k is visible to the query at p_q iff (causal ⇒ p_k ≤ p_q)
 and (sliding ⇒ p_q − p_k < W, and if not causal also p_k − p_q < W). Windows are applied per row.
@@ -49,9 +86,10 @@ positions, so the bounded layers give exactly the unbounded result.
 """
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -59,6 +97,7 @@ import specd.native as sn
 from specd.native import DType, Tensor
 
 from specd.target_worker.device import _HostOps, _TensorOps, _Uploader, parse_device
+from specd.target_worker.memory import graph_rows  # a full layer's attention bound in a graph: start + B rounded up
 
 from .gguf_loader import LoadedDrafter
 
@@ -180,6 +219,22 @@ class Proposal:
     topk_logprobs: np.ndarray | None = None
 
 
+@dataclass
+class _CapturedPropose:
+    """A greedy propose recorded as a GPU graph (:meth:`DraftSequence._graph`) and its output tensors
+    (in the graph's arena, overwritten by every replay): the proposal rows' hidden, the logits and the
+    head's outputs (DFlash: the argmax ids; DSpark: :func:`_markov_chain_device`'s tuple; DFlash 2:
+    :func:`_selector_gather_device`'s). The CPU stand-in (tensor_ops) has no graph and re-runs
+    ``body`` at every replay, which sets the outputs."""
+
+    graph: object  # sn.GpuGraph, or None (CPU stand-in)
+    body: Callable | None
+    hidden: object = None
+    logits: object = None
+    head: object = None
+    replays: int = 0
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     """Row-wise log-softmax in float64 (x float32/float64 [n, m]); returns float32."""
     x = np.asarray(x, np.float64)
@@ -216,13 +271,23 @@ class DrafterModel:
             semantics as on the CPU; tokens equal the CPU's up to argmax ties under F32 rounding.
         tensor_ops: run the device code path (sn.Tensor glue ops) even on the CPU; for tests on
             machines without a GPU (``SPECD_TEST_GPU_DRYRUN``). Implied by the GPU.
+        cuda_graphs: on the GPU, replay greedy proposes as CUDA graphs captured per sequence (default
+            True; ``specd draft-worker --no-cuda-graphs`` turns it off): bitwise the eager results, far
+            less host work per propose (module docstring: what is captured, what stays eager, the
+            keys). With tensor_ops on the CPU the same path runs uncaptured; ignored on the host path.
+            A plain attribute, read at every propose: switching it off later runs eagerly (graphs
+            already captured stay until their sequence is released).
+        max_graphs: most captured graphs kept per sequence (least recently used evicted), >= 1;
+            default 4 (``--max-graphs``). A sequence normally holds one (two across a 1024-position
+            step of the attention bound).
 
-    Raises ValueError on a shape/vocabulary mismatch or a bad option.
+    Raises ValueError on a shape/vocabulary mismatch or a bad option (TypeError for a cuda_graphs
+    that is not a bool).
     """
 
     def __init__(self, drafter: LoadedDrafter, token_embd: Tensor, lm_head: Tensor, *,
                  kv_dtype: DType = DType.F32, context_cap: int | None = None, device=sn.Device.CPU,
-                 tensor_ops: bool = False):
+                 tensor_ops: bool = False, cuda_graphs: bool = True, max_graphs: int = 4):
         hp = drafter.hparams
         self.drafter, self.hp, self.w = drafter, hp, drafter.weights
         for name, t in (("token_embd", token_embd), ("lm_head", lm_head)):
@@ -237,7 +302,12 @@ class DrafterModel:
             raise ValueError(f"a Q8_0 KV cache needs head_dim % 32 == 0 (head_dim = {hp.head_dim})")
         if context_cap is not None and context_cap <= 0:
             raise ValueError(f"context_cap must be None or > 0, got {context_cap}")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool, got {cuda_graphs!r}")
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs must be an int >= 1, got {max_graphs!r}")
         self.kv_dtype, self.context_cap = kv_dtype, context_cap
+        self.cuda_graphs, self.max_graphs = cuda_graphs, max_graphs
         self.device = parse_device(device)
         self.on_host = self.device == sn.Device.CPU and not tensor_ops
         y = hp.yarn
@@ -282,6 +352,10 @@ class DrafterModel:
                 self._conv_base = [tuple(tuple(up.plain(sn.Tensor(np.ascontiguousarray(b[j])))
                                                for j in range(b.shape[0])) for b in pair)
                                    for pair in self._conv_base]
+            # the [1, width] scale tables ops.scale reads, made now: a graph capture cannot upload them
+            for value, width in ((hp.input_embedding_scale, hp.n_embd), (hp.output_multiplier, hp.n_vocab)):
+                if value != 1.0:
+                    self._ops.scale_table(value, width)
             if self.device == sn.Device.GPU:
                 sn.gpu_synchronize()
 
@@ -314,15 +388,18 @@ class DrafterModel:
                              f"got {tuple(f.shape)}")
         return ops.a(sn.rms_norm(sn.matmul(ops.put(f), self.fc), self.hidden_norm, hp.rms_eps))
 
-    def rope(self, x, positions: np.ndarray) -> Tensor:
+    def rope(self, x, positions, trusted: bool = False) -> Tensor:
         """The drafter's RoPE (full-head NeoX, θ and YaRN from the file; YaRN's attention factor applied
-        once, folded into cos/sin as in HF): x float32 [n, heads, head_dim], positions int32 [n]."""
-        return sn.rope_neox(x, np.asarray(positions, np.int32), **self._rope_kw)
+        once, folded into cos/sin as in HF): x float32 [n, heads, head_dim], positions int32 [n] (a
+        numpy array, or an I32 tensor of x's device; ``trusted``: its values are known valid)."""
+        if not isinstance(positions, Tensor):
+            positions = np.asarray(positions, np.int32)
+        return sn.rope_neox(x, positions, trusted=trusted, **self._rope_kw)
 
-    def _k(self, i: int, x: np.ndarray, positions: np.ndarray) -> Tensor:
+    def _k(self, i: int, x: np.ndarray, positions, trusted: bool = False) -> Tensor:
         hp, l, ops = self.hp, self.layers[i], self._ops
         k = ops.reshape(ops.a(sn.matmul(x, l.attn_k)), x.shape[0], hp.n_head_kv, hp.head_dim)
-        return self.rope(sn.rms_norm(k, l.attn_k_norm, hp.rms_eps), positions)
+        return self.rope(sn.rms_norm(k, l.attn_k_norm, hp.rms_eps), positions, trusted)
 
     def _v(self, i: int, x):
         hp, ops = self.hp, self._ops
@@ -411,17 +488,46 @@ class DraftSequence:
         if capacity <= hp.block_size:
             raise ValueError(f"capacity must exceed the block size {hp.block_size}, got {capacity}")
         self.model, self.capacity, self.n_ctx = model, int(capacity), 0
+        self.released = False
         self.layers: list[_LayerKV] = []
         for i in range(hp.n_layer):
             keep = model.window[i] - 1 if model.window[i] else model.context_cap
             rows = self.capacity if keep is None else min(self.capacity, 2 * keep + 2 * hp.block_size)
             self.layers.append(_LayerKV(rows, keep, hp, model.kv_dtype, model._ops, model.device))
+        # CUDA graphs (module docstring): key -> _CapturedPropose, least recently used first
+        self._graphs: collections.OrderedDict[tuple, _CapturedPropose] = collections.OrderedDict()
+        self.graph_captures = 0  # graphs captured on this sequence so far (tests, benchmarks)
+        self._graph_host: np.ndarray | None = None  # the graphs' inputs (layout: _graph_inputs)
+        self._graph_in: Tensor | None = None  # ... as the device buffer the graphs read
+
+    def release(self) -> int:
+        """Frees the sequence's captured graphs (their arenas), input buffer and K/V caches; later
+        ingest / propose raise ValueError. Returns the number of graphs dropped. Call it where forwards
+        are serialised (ModelDrafter's compute lock): a graph's destructor waits for its last replay.
+        Idempotent."""
+        dropped = len(self._graphs)
+        self._graphs.clear()
+        self._graph_host = self._graph_in = None
+        self.layers = []
+        self.released = True
+        return dropped
+
+    def graph_arena_bytes(self) -> int:
+        """Device bytes held by the arenas of this sequence's captured graphs (GpuGraph.arena_bytes;
+        0 without graphs or on the CPU)."""
+        return sum(int(g.graph.arena_bytes) for g in self._graphs.values() if g.graph is not None)
+
+    @property
+    def graph_count(self) -> int:
+        """Captured graphs kept now."""
+        return len(self._graphs)
 
     def cached_kv(self, layer: int, positions) -> tuple[np.ndarray, np.ndarray]:
         """Dequantized K (RoPE'd, k-normed) and V rows of ``layer`` for absolute ``positions``:
         float32 [n, Hkv, hd] each. Context positions must still be retained (< n_ctx, and within
         the layer's window for bounded layers); positions n_ctx .. n_ctx+B−1 hold the last block
         proposed there. Raises ValueError otherwise."""
+        self._check_live("cached_kv")
         lk = self.layers[layer]
         pos = np.asarray(positions, np.int64).reshape(-1)
         lo = lk.valid_lo if lk.keep is None else max(lk.valid_lo, self.n_ctx - lk.keep)
@@ -451,6 +557,7 @@ class DraftSequence:
         retained rows.
         """
         m, hp = self.model, self.model.hp
+        self._check_live("ingest")
         if isinstance(features, sn.Tensor):
             if features.dtype != sn.DType.F32:
                 raise ValueError(f"features must be float32, got {features.dtype}")
@@ -503,15 +610,36 @@ class DraftSequence:
         """Runs a block of B tokens at positions start .. start+B−1 over the context rows
         0 .. start−1 and returns the post-final-norm draft hidden, float32 [B, H] (all rows,
         anchor included). start must equal n_ctx. Writes the block's K/V into the cache rows of
-        positions start .. (scratch, overwritten by the next ingest)."""
-        m, hp, ops = self.model, self.model.hp, self.model._ops
+        positions start .. (scratch, overwritten by the next ingest). Always eager (op by op)."""
         B = len(tokens)
+        self._prepare_block(start, B)
+        ids = np.asarray(tokens, np.int32)
+        pos = (start + np.arange(B)).astype(np.int32)
+        rows = [(pos - lk.base).astype(np.int32) for lk in self.layers]
+        return self._block(ids, pos, rows, lambda i, q: self._attend(i, q, start, B), trusted=False)
+
+    def _prepare_block(self, start: int, B: int) -> None:
+        """Checks a block at ``start`` and makes every layer's rows of positions start .. start+B−1
+        addressable (bounded layers may compact: host-ordered copies, before the block's work)."""
+        self._check_live("forward_block")
         if start != self.n_ctx or start + B > self.capacity:
             raise ValueError(f"forward_block: block at {start} (B = {B}) after {self.n_ctx} context rows, "
                              f"capacity {self.capacity}")
-        ids = np.asarray(tokens, np.int32)
-        pos = (start + np.arange(B)).astype(np.int32)
-        h = ops.a(sn.embedding(m.token_embd, ids))
+        for lk in self.layers:
+            lk.make_room(0 if lk.keep is None else max(0, start - lk.keep), start, start + B, self.n_ctx)
+
+    def _check_live(self, what: str) -> None:
+        if self.released:
+            raise ValueError(f"{what}: this draft sequence was released")
+
+    def _block(self, ids, pos, rows, attend, trusted: bool):
+        """The block forward: token ids [B] and positions [B] (numpy, or I32 tensors of the model's
+        device), per layer the cache rows [B] its K/V go to, and ``attend(i, q)`` -> layer i's
+        attention output [B, Hq, hd]. ``trusted``: the index tensors' values are known valid (no
+        read-back: what a graph capture needs). Returns the post-final-norm hidden [B, H]."""
+        m, hp, ops = self.model, self.model.hp, self.model._ops
+        B = int(ids.shape[0])
+        h = ops.a(sn.embedding(m.token_embd, ids, trusted=trusted))
         if hp.input_embedding_scale != 1.0:
             h = ops.scale(h, hp.input_embedding_scale)
         df2 = hp.dflash2 is not None
@@ -522,13 +650,11 @@ class DraftSequence:
                 D = m._dyn(u, l.attn_conv_proj)
                 u = m._conv(u, D, 0, base_a[0])
             q = ops.reshape(ops.a(sn.matmul(u, l.attn_q)), B, hp.n_head, hp.head_dim)
-            q = m.rope(sn.rms_norm(q, l.attn_q_norm, hp.rms_eps), pos)
+            q = m.rope(sn.rms_norm(q, l.attn_q_norm, hp.rms_eps), pos, trusted)
             lk = self.layers[i]
-            lk.make_room(0 if lk.keep is None else max(0, start - lk.keep), start, start + B, self.n_ctx)
-            rows = (pos - lk.base).astype(np.int32)
-            sn.kv_write(lk.k, m._k(i, u, pos), rows)
-            sn.kv_write(lk.v, m._v(i, u), rows)
-            a = ops.reshape(self._attend(i, q, start, B), B, hp.n_head * hp.head_dim)
+            sn.kv_write(lk.k, m._k(i, u, pos, trusted), rows[i], trusted=trusted)
+            sn.kv_write(lk.v, m._v(i, u), rows[i], trusted=trusted)
+            a = ops.reshape(attend(i, q), B, hp.n_head * hp.head_dim)
             a = ops.a(sn.matmul(a, l.attn_output))
             if df2:
                 a = m._conv(a, D, 1, base_a[1])
@@ -562,6 +688,158 @@ class DraftSequence:
             mask = (kp - qpos[:, None] < W).astype(np.int32)
         return m._ops.a(sn.attention(q, kc, vc, kv_len, qpos, causal=causal, window=W, mask=mask))
 
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _graph_key(self, start: int, B: int, sampling, markov: str) -> tuple | None:
+        """The key of the graph that runs this propose, or None when it runs eagerly (module
+        docstring): (B, head, bound, per_row). bound: the full layers' attention bound (0 without
+        unbounded layers); per_row: some bounded layer's lower key limit differs per row and cuts
+        into the retained rows at this start, so it takes one attention call per row."""
+        m, hp = self.model, self.model.hp
+        if (not m.cuda_graphs or m.on_host or sampling is not None or B != hp.block_size
+                or hp.final_logit_softcapping or (hp.dspark is not None and markov == "unfused")):
+            return None
+        per_row = False
+        for i in range(len(self.layers)):
+            causal, W = m.causal[i], m.window[i]
+            if W and not causal:
+                if B > W:  # p_k − p_q < W binds inside the block: a host mask (eager)
+                    return None
+                per_row |= start + B > W
+            elif causal and not W and m.context_cap is not None:
+                per_row |= start > m.context_cap
+        unbounded = any(lk.keep is None for lk in self.layers)
+        bound = min(self.capacity, graph_rows(start + B)) if unbounded else 0
+        if hp.dflash2 is not None:
+            head = "selector"
+        elif hp.dspark is not None:
+            head = "markov" if markov == "fused" else "markov-off"
+        else:
+            head = "argmax"
+        return (B, head, bound, per_row)
+
+    def _layer_plan(self, i: int, B: int, bound: int, per_row: bool):
+        """Layer i's attention in a graph: (kv_len, last, window). Every call is causal over cache
+        rows < kv_len; ``last``: each row's query position is the block's last (a non-causal row sees
+        every key up to the block's end), else its own; window: one int (one call for the block) or B
+        ints (one call per row, row r with window[r]). Each row's visible keys equal the eager call's
+        (module docstring), relative to the layer's base like the eager positions."""
+        m, lk = self.model, self.layers[i]
+        causal, W, cap = m.causal[i], m.window[i], m.context_cap
+        kv_len = bound if lk.keep is None else lk.rows
+        if causal:
+            if W or cap is None:
+                return kv_len, False, W
+            # keys from start − cap: row r at start + r needs a window of cap + 1 + r
+            return kv_len, False, [cap + 1 + r for r in range(B)] if per_row else 0
+        if W:  # keys from start + r − W + 1 to the block's end: a window of W + B − 1 − r from the last position
+            return kv_len, True, [W + B - 1 - r for r in range(B)] if per_row else 0
+        return kv_len, True, 0 if cap is None else cap + B
+
+    def _graph_inputs(self, seed: int, start: int, key: tuple) -> np.ndarray:
+        """The graphs' input buffer for a block at ``start``: segments of block_size int32 — token
+        ids, positions, then per layer its cache rows and its attention query positions (both
+        relative to the layer's base); only the first B entries of a segment are read."""
+        B, _, bound, per_row = key
+        hp = self.model.hp
+        buf = np.zeros((2 + 2 * len(self.layers), hp.block_size), np.int32)
+        buf[0, :B] = [seed] + [hp.mask_token_id] * (B - 1)
+        pos = start + np.arange(B)
+        buf[1, :B] = pos
+        for i, lk in enumerate(self.layers):
+            buf[2 + 2 * i, :B] = pos - lk.base
+            buf[3 + 2 * i, :B] = start + B - 1 - lk.base if self._layer_plan(i, B, bound, per_row)[1] else pos - lk.base
+        return buf.reshape(-1)
+
+    def _graph_body(self, key: tuple):
+        """The device work a graph records: (proposal rows' hidden [n, H], logits [n, V], the head's
+        outputs), reading its inputs from the sequence's input buffer. No host read-back."""
+        B, head, bound, per_row = key
+        m, hp, ops = self.model, self.model.hp, self.model._ops
+        S = hp.block_size
+
+        def seg(j):
+            return self._graph_in.view_rows(j * S, j * S + B)
+
+        plans = [self._layer_plan(i, B, bound, per_row) for i in range(len(self.layers))]
+
+        def attend(i, q):
+            kv_len, _, window = plans[i]
+            lk, qpos = self.layers[i], seg(3 + 2 * i)
+            if isinstance(window, int):
+                return sn.attention(q, lk.k, lk.v, kv_len, qpos, causal=True, window=window, trusted=True)
+            return ops.cat([sn.attention(q.view_rows(r, r + 1), lk.k, lk.v, kv_len, qpos.view_rows(r, r + 1),
+                                         causal=True, window=window[r], trusted=True) for r in range(B)])
+
+        hidden_all = self._block(seg(0), seg(1), [seg(2 + 2 * i) for i in range(len(self.layers))], attend,
+                                 trusted=True)
+        hidden = ops.rows(hidden_all, hp.first_proposal_row, B)
+        logits = m.logits(hidden)
+        seed = self._graph_in.view_rows(0, 1)
+        if head == "argmax":
+            out = sn.argmax(logits)
+        elif head == "selector":
+            out = _selector_gather_device(ops, logits, hidden, seed, *m.selector, hp.dflash2.selector_top_k)
+        else:
+            out = _markov_chain_device(ops, logits, hidden, seed, *m.markov, correct=head == "markov",
+                                       keep_prev=m._conf_w is not None and hp.dspark.confidence_with_markov)
+        return hidden, logits, out
+
+    def _graph(self, key: tuple) -> "_CapturedPropose":
+        """The graph of ``key``, captured now if needed (nothing runs until :meth:`_replay`)."""
+        g = self._graphs.get(key)
+        if g is not None:
+            self._graphs.move_to_end(key)
+            return g
+        m = self.model
+        gpu = m.device == sn.Device.GPU
+        if self._graph_in is None:
+            n = (2 + 2 * len(self.layers)) * m.hp.block_size
+            if gpu:
+                self._graph_in = Tensor.zeros([n], DType.I32, m.device)
+            else:  # the CPU stand-in: a tensor viewing a numpy buffer written in place
+                self._graph_host = np.zeros(n, np.int32)
+                self._graph_in = Tensor(self._graph_host)
+        if gpu:
+            sn.gpu_graph_begin(self._arena_reserve(key))
+            try:
+                outs = self._graph_body(key)
+                g = _CapturedPropose(sn.gpu_graph_end(), None, *outs)
+            except BaseException:
+                sn.gpu_graph_abort()
+                raise
+        else:
+            g = _CapturedPropose(None, lambda: self._graph_body(key))
+        self.graph_captures += 1
+        # within a sequence the bound only grows (a rollback aside): that head's smaller bounds are done
+        for old in [k for k in self._graphs if k[:2] == key[:2] and k[3] == key[3] and k[2] < key[2]]:
+            del self._graphs[old]
+        self._graphs[key] = g
+        while len(self._graphs) > m.max_graphs:
+            self._graphs.popitem(last=False)
+        return g
+
+    def _arena_reserve(self, key: tuple) -> int:
+        """Device bytes a capture reserves up front for its arena (it grows past them when needed):
+        the logits (DSpark: ~4 [n, V] tensors with the chain's per-row rows) plus 16 MiB of
+        activations and attention scratch."""
+        B, head = key[:2]
+        hp = self.model.hp
+        n = B - hp.first_proposal_row
+        return (4 if head.startswith("markov") else 1) * n * hp.n_vocab * 4 + (16 << 20)
+
+    def _replay(self, g: "_CapturedPropose", key: tuple, seed: int, start: int) -> None:
+        """Runs graph g for a block at ``start`` after ``seed`` (one asynchronous upload of the inputs,
+        ordered after the work already queued)."""
+        inputs = self._graph_inputs(seed, start, key)
+        if g.graph is not None:
+            sn.gpu_write_async(self._graph_in, inputs)
+            g.graph.replay()
+        else:
+            self._graph_host[:] = inputs
+            g.hidden, g.logits, g.head = g.body()
+        g.replays += 1
+
     # ------------------------------------------------------------------ proposals
 
     def propose(self, seed_token: int, committed_len: int, *, return_logits: bool = False,
@@ -593,6 +871,7 @@ class DraftSequence:
         Returns a :class:`Proposal`. Raises ValueError on a bad argument.
         """
         m, hp = self.model, self.model.hp
+        self._check_live("propose")
         if committed_len != self.n_ctx:
             raise ValueError(f"propose: committed_len {committed_len} != {self.n_ctx} ingested context rows "
                              "(ingest the features of every committed position first)")
@@ -612,27 +891,37 @@ class DraftSequence:
         B = hp.block_size if block_size is None else int(block_size)
         if not hp.first_proposal_row + 1 <= B <= hp.block_size:
             raise ValueError(f"propose: block_size {block_size} outside [{hp.first_proposal_row + 1}, {hp.block_size}]")
-        hidden_all = self.forward_block([int(seed_token)] + [hp.mask_token_id] * (B - 1), start)
         ops = m._ops
-        if m.on_host:
-            hidden = np.ascontiguousarray(hidden_all[hp.first_proposal_row:])
-        else:  # device rows; only the outputs asked for are copied to the host below
-            hidden = ops.rows(hidden_all, hp.first_proposal_row, B)
-        unfused = hp.dspark is not None and markov == "unfused"
-        # unfused: the lm_head runs per row inside the chain (markov_chain fills ``logits``)
-        if unfused:
-            logits = np.empty((hidden.shape[0], hp.n_vocab), np.float32) if m.on_host else None
+        key = self._graph_key(start, B, sampling, markov)
+        graph = None
+        if key is not None:  # the device work as one captured graph; its outputs stay on the device
+            self._prepare_block(start, B)
+            graph = self._graph(key)
+            self._replay(graph, key, int(seed_token), start)
+            hidden, logits = graph.hidden, graph.logits
         else:
-            logits = m.logits(hidden)
+            hidden_all = self.forward_block([int(seed_token)] + [hp.mask_token_id] * (B - 1), start)
+            if m.on_host:
+                hidden = np.ascontiguousarray(hidden_all[hp.first_proposal_row:])
+            else:  # device rows; only the outputs asked for are copied to the host below
+                hidden = ops.rows(hidden_all, hp.first_proposal_row, B)
+            # unfused: the lm_head runs per row inside the chain (markov_chain fills ``logits``)
+            if hp.dspark is not None and markov == "unfused":
+                logits = np.empty((hidden.shape[0], hp.n_vocab), np.float32) if m.on_host else None
+            else:
+                logits = m.logits(hidden)
+        head = None if graph is None else graph.head
         out = Proposal(tokens=np.zeros(0, np.int32), start=start)
         if hp.dflash2 is not None:
-            self._select(out, hidden, logits, int(seed_token), topk, temperature, sampling)
+            self._select(out, hidden, logits, int(seed_token), topk, temperature, sampling, head)
         elif hp.dspark is not None:
             logits = self._markov(out, hidden, logits, int(seed_token), topk, temperature, return_logits,
-                                  confidence_threshold, sampling, markov)
+                                  confidence_threshold, sampling, markov, head)
         else:
             host_logits = logits if m.on_host else (ops.host(logits) if sampling is not None or topk else None)
-            if sampling is None:
+            if head is not None:
+                out.tokens = ops.host(head).astype(np.int32)
+            elif sampling is None:
                 out.tokens = sn.argmax(logits).numpy().astype(np.int32)
             else:
                 out.q = sampling_probs(host_logits, sampling.temperature, sampling.top_p, sampling.top_k)
@@ -649,19 +938,21 @@ class DraftSequence:
         return out
 
     def _markov(self, out: Proposal, hidden, logits, seed, topk, temperature, keep, threshold, sampling,
-                markov: str = DEFAULT_MARKOV):
-        """Fills ``out`` for DSpark; returns the base logits (the unfused chain computes them)."""
+                markov: str = DEFAULT_MARKOV, chain=None):
+        """Fills ``out`` for DSpark; returns the base logits (the unfused chain computes them).
+        ``chain``: the device chain a graph replay already ran (:func:`_markov_chain_device`), or None."""
         m = self.model
         w1, w2 = m.markov
         head = m.logits if markov == "unfused" else None
+        cwm = m.hp.dspark.confidence_with_markov
         if m.on_host:
-            toks, corrected, conf, q = markov_chain(logits, hidden, seed, w1, w2, m._conf_w, m._conf_b,
-                                                    m.hp.dspark.confidence_with_markov, sampling, head=head,
-                                                    correct=markov != "off")
+            toks, corrected, conf, q = markov_chain(logits, hidden, seed, w1, w2, m._conf_w, m._conf_b, cwm,
+                                                    sampling, head=head, correct=markov != "off")
         else:
-            toks, logits, corrected, conf, q = _markov_chain_tensor(
-                m._ops, logits, hidden, seed, w1, w2, m._conf_w, m._conf_b, m.hp.dspark.confidence_with_markov,
-                sampling, head=head, correct=markov != "off")
+            if chain is None:
+                chain = _markov_chain_device(m._ops, logits, hidden, seed, w1, w2, sampling, head=head,
+                                             correct=markov != "off", keep_prev=m._conf_w is not None and cwm)
+            toks, logits, corrected, conf, q = _markov_finish(m._ops, hidden, chain, m._conf_w, m._conf_b, cwm)
             corrected_dev = corrected
             if keep or topk:
                 corrected = m._ops.host(corrected)
@@ -680,11 +971,19 @@ class DraftSequence:
             out.topk_logprobs = np.take_along_axis(lse, ids.astype(np.int64), axis=1)
         return logits
 
-    def _select(self, out: Proposal, hidden, logits, seed, topk, temperature, sampling) -> None:
+    def _select(self, out: Proposal, hidden, logits, seed, topk, temperature, sampling, gathered=None) -> None:
+        """Fills ``out`` for DFlash 2. ``gathered``: the selector inputs a graph replay already computed
+        on the device (:func:`_selector_gather_device`), or None."""
         m = self.model
         hproj, pred_cb, succ_cb = m.selector
-        toks, cand, scores, qk = selector_chain(logits, hidden, seed, hproj, pred_cb, succ_cb,
-                                                m.hp.dflash2.selector_top_k, sampling)
+        if gathered is None:
+            toks, cand, scores, qk = selector_chain(logits, hidden, seed, hproj, pred_cb, succ_cb,
+                                                    m.hp.dflash2.selector_top_k, sampling)
+        else:
+            uv, cand, p, succ, pred = (m._ops.host(x) for x in gathered)
+            n, k = cand.shape
+            toks, cand, scores, qk = _selector_pick(uv, cand.astype(np.int32), p, succ.reshape(n, k, -1), pred,
+                                                    sampling)
         out.tokens, out.candidates, out.candidate_scores = toks, cand, scores
         if qk is not None:
             out.q = np.zeros((cand.shape[0], m.hp.n_vocab), np.float32)
@@ -749,21 +1048,23 @@ def markov_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, w1: Tensor, 
     return toks, corrected, conf, q
 
 
-def _markov_chain_tensor(ops, logits, hidden, seed: int, w1: Tensor, w2: Tensor, conf_w, conf_b,
-                         conf_with_markov: bool, sampling: Sampling | None = None, *, head=None, correct: bool = True):
-    """:func:`markov_chain` on sn.Tensors of the model's device (``ops``: its _TensorOps): the
-    W1 gather, the W2 GEMV, the bias add and the argmax run there per row, a greedy chain feeding each
-    argmax to the next gather on the device (the ids come back once, after the last draft); the fused base logits are one
-    [n, V] device tensor, the unfused ones are computed row by row by ``head`` (logits None).
-    With ``sampling`` each corrected row is copied to the host for q and the draw. The confidence
-    head (float64, [n, H + r] · w) runs on the host as in markov_chain.
-    Returns (tokens int32 [n], base logits Tensor [n, V], corrected logits Tensor [n, V],
-    confidence float32 [n] or None, q float32 [n, V] or None)."""
+def _markov_chain_device(ops, logits, hidden, seed, w1: Tensor, w2: Tensor, sampling: Sampling | None = None, *,
+                         head=None, correct: bool = True, keep_prev: bool = True):
+    """The device part of :func:`markov_chain` on sn.Tensors of the model's device (``ops``: its
+    _TensorOps): the W1 gather, the W2 GEMV, the bias add and the argmax run there per row, a greedy
+    chain feeding each argmax to the next gather on the device, so nothing is read back (what a graph
+    capture records; ``seed``: an int, or an I32 [1] device tensor). The fused base logits are one
+    [n, V] device tensor, the unfused ones are computed row by row by ``head`` (logits None). With
+    ``sampling`` each corrected row is copied to the host for q and the draw.
+    Returns (tokens: I32 tensor [n] when greedy, else int32 numpy [n]; base logits Tensor [n, V];
+    corrected logits Tensor [n, V]; the W1 rows of each draft's predecessor, Tensor [n, r], or None
+    without ``keep_prev``; q float32 [n, V] or None); :func:`_markov_finish` completes it."""
     n = int(hidden.shape[0])
-    toks = np.zeros(n, np.int32)
+    toks = None if sampling is None else np.zeros(n, np.int32)
     rows, corrected, prev_rows, picks = [], [], [], []
     q = None
-    prev = np.array([int(seed)], np.int32)  # greedy: then the device's argmax, I32 [1], never read back here
+    # greedy: then the device's argmax, I32 [1], never read back here
+    prev = seed if isinstance(seed, Tensor) else np.array([int(seed)], np.int32)
     for k in range(n):
         u = head(ops.rows(hidden, k, k + 1)) if head is not None else ops.rows(logits, k, k + 1)
         rows.append(u)
@@ -782,18 +1083,29 @@ def _markov_chain_tensor(ops, logits, hidden, seed: int, w1: Tensor, w2: Tensor,
             q[k] = qk[0]
             toks[k] = _draw(q[k], sampling.rng)
             prev = toks[k : k + 1]
-    for k, pick in enumerate(picks):  # the first read waits for the whole chain, the rest are ready
-        toks[k] = pick.numpy()[0]
+    if sampling is None:
+        toks = ops.cat(picks)  # one read-back for the whole chain
     base = logits if head is None else ops.cat(rows)
+    return toks, base, ops.cat(corrected), ops.cat(prev_rows) if keep_prev else None, q
+
+
+def _markov_finish(ops, hidden, chain, conf_w, conf_b, conf_with_markov: bool):
+    """The host part of the device chain (``chain`` from :func:`_markov_chain_device`): the tokens read
+    back and the confidence head (float64, [n, H + r] · w) as in markov_chain.
+    Returns (tokens int32 [n], base logits Tensor [n, V], corrected logits Tensor [n, V],
+    confidence float32 [n] or None, q float32 [n, V] or None)."""
+    toks, base, corrected, prev, q = chain
+    if isinstance(toks, Tensor):
+        toks = ops.host(toks).astype(np.int32)
     conf = None
     if conf_w is not None:
         h = ops.host(hidden)
-        x = np.concatenate([h, ops.host(ops.cat(prev_rows))], axis=1) if conf_with_markov else h
+        x = np.concatenate([h, ops.host(prev)], axis=1) if conf_with_markov else h
         if x.shape[1] != conf_w.shape[0]:
             raise ValueError(f"confidence head expects {conf_w.shape[0]} inputs, got {x.shape[1]}")
         z = x.astype(np.float64) @ conf_w.astype(np.float64) + float(conf_b)
         conf = (1.0 / (1.0 + np.exp(-z))).astype(np.float32)
-    return toks, base, ops.cat(corrected), conf, q
+    return toks, base, corrected, conf, q
 
 
 def selector_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, hproj: Tensor, pred_cb: Tensor,
@@ -815,13 +1127,40 @@ def selector_chain(logits: np.ndarray, hidden: np.ndarray, seed: int, hproj: Ten
     h = hidden if isinstance(hidden, Tensor) else np.ascontiguousarray(hidden, np.float32)
     p = sn.matmul(h, hproj).numpy()  # [n, R]
     succ = sn.embedding(succ_cb, np.ascontiguousarray(cand.reshape(-1))).numpy().reshape(n, top_k, -1)
-    scores = np.empty((n, top_k), np.float32)
-    toks = np.zeros(n, np.int32)
-    q = None if sampling is None else np.empty((n, top_k), np.float32)
     # Every predecessor the chain can meet is the seed or one of slots 0..n-2's candidates, so their
     # Pred rows are gathered in one call (one device round trip per propose instead of one per slot;
     # the same rows, so the same scores).
     pred_rows = sn.embedding(pred_cb, np.concatenate((np.array([seed], np.int32), cand[:-1].reshape(-1)))).numpy()
+    return _selector_pick(uv, cand, p, succ, pred_rows, sampling)
+
+
+def _selector_gather_device(ops, logits, hidden, seed: Tensor, hproj: Tensor, pred_cb: Tensor, succ_cb: Tensor,
+                            top_k: int):
+    """The inputs of :func:`_selector_pick` computed on the device from device tensors, nothing read
+    back (what a graph capture records): (top-K values [n, K], ids I32 [n, K], p [n, R], the Succ rows
+    of every candidate [n·K, R], the Pred rows of the seed (``seed``: I32 [1]) and of slots
+    0..n−2's candidates [1 + (n−1)·K, R]). The same ops and rows as :func:`selector_chain`'s (exact
+    gathers of the same ids), so the same values; the ids are topk outputs, in range (trusted)."""
+    n = int(hidden.shape[0])
+    uv, cand = sn.topk(logits, top_k)
+    p = sn.matmul(hidden, hproj)
+    succ = sn.embedding(succ_cb, cand.reshape([n * top_k]), trusted=True)
+    pred = sn.embedding(pred_cb, seed, trusted=True)
+    if n > 1:
+        prev_ids = cand.view_rows(0, n - 1).reshape([(n - 1) * top_k])
+        pred = ops.cat([pred, sn.embedding(pred_cb, prev_ids, trusted=True)])
+    return uv, cand, p, succ, pred
+
+
+def _selector_pick(uv: np.ndarray, cand: np.ndarray, p: np.ndarray, succ: np.ndarray, pred_rows: np.ndarray,
+                   sampling: Sampling | None = None):
+    """The selector chain of :func:`selector_chain` on its gathered inputs (float32 host arrays): uv
+    [n, K] top-K unary values, cand int32 [n, K], p [n, R], succ [n, K, R], pred_rows [1 + (n−1)·K, R]
+    (the seed's Pred row, then those of slots 0..n−2's candidates). Returns as selector_chain."""
+    n, top_k = cand.shape
+    scores = np.empty((n, top_k), np.float32)
+    toks = np.zeros(n, np.int32)
+    q = None if sampling is None else np.empty((n, top_k), np.float32)
     row = 0  # pred_rows' row of the current predecessor
     for s in range(n):
         scores[s] = uv[s] + succ[s] @ (pred_rows[row] * p[s])

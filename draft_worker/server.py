@@ -150,6 +150,12 @@ class DraftWorkerConfig:
         target embedding / lm_head it reuses (mapped from the target worker or uploaded from the
         target GGUF: ``share_target_weights``) and the context K/V on the GPU). "cuda" in a CPU-only build or without a GPU is a clear error. The scripted
         drafter ignores it.
+    cuda_graphs: on the GPU, replay greedy proposes as CUDA graphs captured per sequence (default
+        True; bitwise the eager results, far less host work per propose; ``--no-cuda-graphs`` runs
+        every op from Python). See :mod:`specd.draft_worker.model` (what is captured, what stays eager).
+        Ignored on the CPU and by the scripted drafter.
+    max_graphs: most captured graphs kept per sequence (least recently used evicted; each holds its
+        own device arena, mostly the block's logits), >= 1, default 4. Ignored without cuda_graphs.
     listen: gRPC address, ``unix:///path.sock`` (default) or ``host:port``.
     scripted_block: block of the scripted drafter (drafts per step), default 8.
     vocab: vocabulary size for the scripted drafter (0: required when no drafter GGUF).
@@ -203,6 +209,8 @@ class DraftWorkerConfig:
     dspark_markov: str = DEFAULT_MARKOV
     context_cap: int = 0
     device: str = "auto"
+    cuda_graphs: bool = True
+    max_graphs: int = 4
     listen: str = "unix:///tmp/specd-draft.sock"
     scripted_block: int = 8
     vocab: int = 0
@@ -230,6 +238,9 @@ class DraftWorkerConfig:
 
         check_transport(self.feature_transport, "draft-worker")
         check_bool(self.ipc_streams, "ipc_streams", "draft-worker")
+        check_bool(self.cuda_graphs, "cuda_graphs", "draft-worker")
+        if isinstance(self.max_graphs, bool) or not isinstance(self.max_graphs, int) or self.max_graphs < 1:
+            raise ValueError(f"draft-worker: --max-graphs must be an int >= 1, got {self.max_graphs!r}")
         check_idle_timeout(self.ipc_idle_timeout_s, "draft-worker")
         check_spin_us(self.ipc_spin_us, "draft-worker")
         check_share_mode(self.share_target_weights, "draft-worker")
@@ -552,6 +563,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from specd.target_worker.server import add_device_argument
 
     add_device_argument(p, d.device, "drafter")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=d.cuda_graphs,
+                   help="on the GPU, replay greedy proposes as CUDA graphs captured per sequence (default on)")
+    p.add_argument("--max-graphs", type=int, default=d.max_graphs,
+                   help=f"most captured CUDA graphs kept per sequence, LRU-evicted, >= 1 (default {d.max_graphs})")
     p.add_argument("--listen", default=d.listen, help=f"gRPC address (default {d.listen})")
     p.add_argument("--scripted-block", type=int, default=d.scripted_block,
                    help=f"scripted drafter: drafts per step (default {d.scripted_block})")
@@ -612,6 +627,7 @@ def make_drafter(cfg: DraftWorkerConfig) -> Drafter:
 
         d = open_model_drafter(cfg.drafter, cfg.target, kv_dtype=cfg.drafter_kv_dtype, context_cap=cfg.context_cap,
                                dspark_markov=cfg.dspark_markov, device=cfg.resolved_device,
+                               cuda_graphs=cfg.cuda_graphs, max_graphs=cfg.max_graphs,
                                share_target_weights=cfg.share_target_weights, target_worker=cfg.target_worker)
         hs = d.head_sharing
         log.info("draft-worker: %s (device %s; target token_embd / output: %s)", d.hp.summary(), cfg.resolved_device,
@@ -629,7 +645,9 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg = DraftWorkerConfig(drafter=args.drafter, target=args.target, drafter_kv_dtype=args.drafter_kv_dtype,
                             dspark_markov=getattr(args, "dspark_markov", DEFAULT_MARKOV),
-                            context_cap=args.context_cap, device=getattr(args, "device", "auto"), listen=args.listen, scripted_block=args.scripted_block,
+                            context_cap=args.context_cap, device=getattr(args, "device", "auto"),
+                            cuda_graphs=getattr(args, "cuda_graphs", True), max_graphs=getattr(args, "max_graphs", 4),
+                            listen=args.listen, scripted_block=args.scripted_block,
                             vocab=args.vocab, scripted_continuations=args.scripted_continuations,
                             scripted_accept=args.scripted_accept, threads=args.threads,
                             max_concurrent_rpcs=args.max_concurrent_rpcs, max_message_bytes=args.max_message_bytes,

@@ -240,12 +240,13 @@ class _TensorOps:
     def rows(x, start, stop):
         return sn.slice(x, 0, start, stop)
 
-    def _const(self, value, width):
-        """A [1, width] F32 table filled with ``value`` (cached)."""
-        key = (float(value), int(width))
+    def scale_table(self, value, width):
+        """The [1, width] F32 table of float32(value) that :meth:`scale` multiplies by (uploaded once,
+        cached; the drafter makes its tables before any CUDA graph capture, which cannot upload)."""
+        key = (float(np.float32(value)), int(width))
         t = self._consts.get(key)
         if t is None:
-            t = self.put(np.full((1, width), value, np.float32))
+            t = self.put(np.full((1, width), np.float32(value), np.float32))
             self._consts[key] = t
         return t
 
@@ -253,7 +254,7 @@ class _TensorOps:
         """x * float32(s), elementwise (one F32 rounding, as numpy's)."""
         shape = list(x.shape)
         flat = x.reshape([shape[0], int(np.prod(shape[1:], dtype=np.int64))])
-        return sn.mul(flat, self._const(np.float32(s), flat.shape[1])).reshape(shape)
+        return sn.mul(flat, self.scale_table(s, flat.shape[1])).reshape(shape)
 
     def softcap(self, x, c):
         """tanh(x / c) * c. No native tanh yet: computed on the host (numpy, as the CPU path) and
