@@ -16,7 +16,11 @@ uploaded with the drafter weights), then measured:
   ``ProposeOptions(top_k=--top-k)``: the drafter forward over the block's rows, the lm_head over the
   proposal rows, then argmax (DFlash), the DSpark Markov chain (``--dspark-markov``, default fused)
   + confidence head, or the DFlash 2 candidate selector): median (and min) over ``--steps`` after
-  ``--warmup``; the forward alone (``DraftSequence.forward_block``) too, so head = propose - forward;
+  ``--warmup``; the forward alone (``DraftSequence.forward_block``, always eager) too, so head =
+  propose - forward for the eager propose. ``--cuda-graphs`` (default ``both`` on cuda): the propose
+  replayed as a CUDA graph (``propose_ms``, the worker's default) and the eager one
+  (``propose_eager_ms``, ``DrafterModel.cuda_graphs`` switched off) are measured in the same run on
+  the same sequence; ``on`` / ``off`` measure one of them (``off``: ``propose_ms`` is the eager one);
 * the physical floor: bytes one propose must stream (every ``blk.*`` tensor + ``output_norm`` of the
   drafter, the target's lm_head once, DSpark's Markov W2 once per draft (one GEMV per chain step),
   DFlash 2's selector projection) / the device copy bandwidth (tools/device/gpu_report.py's, as
@@ -111,7 +115,7 @@ def bench_family(family: str, args, target: str, sync, lm_head_bytes: int, verif
         used0 = device_used_bytes() if args.device == "cuda" else None
         t0 = time.perf_counter()
         d = open_model_drafter(str(path), target, kv_dtype=args.kv_dtype, dspark_markov=args.dspark_markov,
-                               device=args.device)
+                               device=args.device, cuda_graphs=args.cuda_graphs != "off")
         sync()
         r["load_s"] = time.perf_counter() - t0
         used1 = device_used_bytes() if args.device == "cuda" else None
@@ -150,18 +154,29 @@ def bench_family(family: str, args, target: str, sync, lm_head_bytes: int, verif
         def prop():
             nonlocal draft
             draft = d.propose("s", anchor, hp.n_drafts, opts)
+        if args.cuda_graphs == "both":  # the eager propose first, on the same sequence
+            d.model.cuda_graphs = False
+            for _ in range(args.warmup):
+                prop()
+            ts = [timed(prop, sync) for _ in range(args.steps)]
+            r["propose_eager_ms"] = 1e3 * float(np.median(ts))
+            d.model.cuda_graphs = True
+        for _ in range(args.warmup):  # (the graph's capture happens here)
+            prop()
         ts = [timed(prop, sync) for _ in range(args.steps)]
         r["propose_ms"] = 1e3 * float(np.median(ts))
         r["propose_min_ms"] = 1e3 * float(np.min(ts))
         r["n_tokens"] = len(draft.tokens)
         seq = d.seqs["s"]
+        r["graph_captures"], r["graph_arena_bytes"] = seq.graph_captures, seq.graph_arena_bytes()
         p = seq.propose(anchor, seq.n_ctx, return_logits=True, return_hidden=True)  # untimed: sanity of the values
         r["logits_finite"] = bool(np.isfinite(p.logits).all() and np.isfinite(p.hidden).all())
         r["logits_std"], r["hidden_rms"] = float(np.std(p.logits)), float(np.sqrt(np.mean(np.square(p.hidden))))
         block = [anchor] + [hp.mask_token_id] * (hp.block_size - 1)
         ts = [timed(lambda: seq.forward_block(block, seq.n_ctx), sync) for _ in range(args.steps)]
         r["forward_ms"] = 1e3 * float(np.median(ts))
-        r["head_ms"] = max(0.0, r["propose_ms"] - r["forward_ms"])  # two medians: noise could make it < 0
+        # of the eager propose (the forward is eager); two medians: noise could make it < 0
+        r["head_ms"] = max(0.0, r.get("propose_eager_ms", r["propose_ms"]) - r["forward_ms"])
         if args.profile:
             from gpu_decode import host_profile, kernel_profile
 
@@ -216,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=nonneg_int, default=0, help="ProposeOptions.top_k (0: none, the default)")
     ap.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="f32", help="drafter K/V cache (worker default f32)")
     ap.add_argument("--dspark-markov", choices=MARKOV_MODES, default=DEFAULT_MARKOV)
+    ap.add_argument("--cuda-graphs", choices=("both", "on", "off"), default="both",
+                    help="measure the propose replayed as a CUDA graph (on), eagerly (off) or both in one run "
+                         "(default both; propose_ms is the graph's unless off)")
     ap.add_argument("--verify-ms", type=positive_float, default=None,
                     help="target verify step time (ms) to compare every family's propose with")
     ap.add_argument("--decode-json", default=None,
@@ -237,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--device cuda: no GPU in this build / machine (use --device cpu)")
     rep: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "target": args.target, "config": args.config,
                  "type": args.type, "context": args.context, "steps": args.steps, "top_k": args.top_k,
-                 "kv_dtype": args.kv_dtype, "dspark_markov": args.dspark_markov,
+                 "kv_dtype": args.kv_dtype, "dspark_markov": args.dspark_markov, "cuda_graphs": args.cuda_graphs,
                  "device": sn.gpu_device_name() if args.device == "cuda" else "cpu"}
     if not os.path.exists(args.target):
         rep["generate_target"] = random_qwen35.write(args.target, args.config, args.mix)
@@ -265,15 +283,17 @@ def markdown(r: dict) -> str:
     f = lambda v, fmt: "n/a" if v is None else format(v, fmt)  # noqa: E731
     L = [f"### Random {r['config']}-shaped drafters ({r['type']}) on {r['device']} ({r['date']})", "",
          f"- target {r['target']}; context {r['context']} rows; propose median of {r['steps']}; top_k {r['top_k']}; "
-         f"K/V {r['kv_dtype']}; DSpark Markov {r['dspark_markov']}; copy bandwidth "
+         f"K/V {r['kv_dtype']}; DSpark Markov {r['dspark_markov']}; CUDA graphs {r.get('cuda_graphs', 'n/a')}; "
+         "copy bandwidth "
          + (f"{r['copy_GBps']:.0f} GB/s" if r.get("copy_GBps") else "n/a"), "",
-         "| family | B / drafts | params | file GB | load s | ingest ms | rows/s | propose ms (min) | forward ms "
-         "| head ms | streamed GB | floor ms | x floor | verify ms | propose / verify |",
-         "| --- |" + " --- |" * 14]
+         "| family | B / drafts | params | file GB | load s | ingest ms | rows/s | propose ms (min) | eager propose ms "
+         "| forward ms | head ms | streamed GB | floor ms | x floor | verify ms | propose / verify |",
+         "| --- |" + " --- |" * 15]
     for fam, x in r["families"].items():
         L.append(f"| {fam} | {x['block_size']} / {x['drafts']} | {x['params'] / 1e9:.3f} B | {x['weight_bytes'] / 1e9:.2f} "
                  f"| {x['load_s']:.1f} | {x['ingest_ms']:.1f} | {x['ingest_rows_per_s']:.0f} "
-                 f"| **{x['propose_ms']:.2f}** ({x['propose_min_ms']:.2f}) | {x['forward_ms']:.2f} | {x['head_ms']:.2f} "
+                 f"| **{x['propose_ms']:.2f}** ({x['propose_min_ms']:.2f}) | {f(x.get('propose_eager_ms'), '.2f')} "
+                 f"| {x['forward_ms']:.2f} | {x['head_ms']:.2f} "
                  f"| {x['stream_bytes_per_propose'] / 1e9:.2f} | {f(x.get('floor_ms'), '.2f')} "
                  f"| {f(x.get('propose_ratio_to_floor'), '.1f')} | {f(x.get('verify_ms'), '.1f')} "
                  f"| {f(x.get('propose_ratio_to_verify'), '.2f')} |")
