@@ -100,11 +100,14 @@ def compare_proposals(cpu, gpu, hp, rng, pieces=PIECES, capacity=96, topk=3, mar
                 np.testing.assert_allclose(b.confidence, a.confidence, atol=ATOL)
         else:
             assert b.confidence is None
-        # the cached context K/V agree as well (row = position; the last context rows of each layer)
+        # the cached context K/V agree as well (row = position; the last context rows of each layer). A
+        # Q8_0 cache may round a value the two devices computed a few F32 ulps apart to neighbouring
+        # steps: one step is 1/127 of its block's maximum.
+        kv_rel = rel + 1.0 / 127 if gpu.kv_dtype == sn.DType.Q8_0 else rel
         for layer in range(hp.n_layer):
             lo = max(0, pos - 4)
             for x, y in zip(sg.cached_kv(layer, range(lo, pos)), sc.cached_kv(layer, range(lo, pos))):
-                close(x, y, f"{what}: layer {layer} K/V", rel)
+                close(x, y, f"{what}: layer {layer} K/V", kv_rel)
     return sc, sg
 
 

@@ -132,7 +132,7 @@ def test_graph_proposes_equal_eager(tmp_path, rng, case):
     for _ in range(14):  # short context: the sliding layers compact, the per-row forms switch on
         pos = ingest(int(rng.integers(1, B + 1)), pos)  # 1 + accepted drafts
         propose()
-    pos = ingest(2, pos - 3)  # a rollback: re-ingest from 3 rows back
+    pos = ingest(3, pos - 3)  # a rollback: re-ingest the last 3 rows (behind them a sliding layer may keep nothing)
     propose()
     pos = ingest(1000 - pos, pos)
     propose()
