@@ -97,7 +97,9 @@ import specd.native as sn
 from specd.native import DType, Tensor
 
 from specd.target_worker.device import _HostOps, _TensorOps, _Uploader, parse_device
-from specd.target_worker.memory import graph_rows  # a full layer's attention bound in a graph: start + B rounded up
+# graph_rows: a full layer's attention bound in a graph (start + B rounded up); drafter_graph_arena_bytes:
+# what a capture reserves for its arena (also the memory report's estimate)
+from specd.target_worker.memory import drafter_graph_arena_bytes, graph_rows
 
 from .gguf_loader import LoadedDrafter
 
@@ -232,7 +234,6 @@ class _CapturedPropose:
     hidden: object = None
     logits: object = None
     head: object = None
-    replays: int = 0
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -821,12 +822,10 @@ class DraftSequence:
 
     def _arena_reserve(self, key: tuple) -> int:
         """Device bytes a capture reserves up front for its arena (it grows past them when needed):
-        the logits (DSpark: ~4 [n, V] tensors with the chain's per-row rows) plus 16 MiB of
-        activations and attention scratch."""
-        B, head = key[:2]
-        hp = self.model.hp
-        n = B - hp.first_proposal_row
-        return (4 if head.startswith("markov") else 1) * n * hp.n_vocab * 4 + (16 << 20)
+        :func:`specd.target_worker.memory.drafter_graph_arena_bytes` — the logits (DSpark: ~4 [n, V]
+        tensors with the chain's per-row rows) plus 16 MiB of activations and attention scratch.
+        Graphs run only the file's block size (``key[0]`` = B), the size that function counts."""
+        return drafter_graph_arena_bytes(self.model.hp, markov=key[1].startswith("markov"))
 
     def _replay(self, g: "_CapturedPropose", key: tuple, seed: int, start: int) -> None:
         """Runs graph g for a block at ``start`` after ``seed`` (one asynchronous upload of the inputs,
@@ -838,7 +837,6 @@ class DraftSequence:
         else:
             self._graph_host[:] = inputs
             g.hidden, g.logits, g.head = g.body()
-        g.replays += 1
 
     # ------------------------------------------------------------------ proposals
 

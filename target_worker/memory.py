@@ -404,6 +404,33 @@ def report(model, max_seq_len: int, max_sequences: int, verify_width: int, measu
                         feature_transport=feature_transport, **extra)
 
 
+# Device bytes a drafter graph capture reserves for its activations and attention scratch on top of
+# the block's logits (draft_worker/model.py: DraftSequence._arena_reserve).
+DRAFTER_GRAPH_SCRATCH_BYTES = 16 * MiB
+
+
+def drafter_graph_arena_bytes(hp, markov: bool | None = None) -> int:
+    """Device bytes one captured drafter propose (draft_worker/model.py, module docstring) reserves
+    for its arena: the F32 logits of the proposal rows [B − first_proposal_row, n_vocab] (``markov``,
+    by default DSpark's: x4, the Markov chain's per-row base and corrected rows besides) plus
+    :data:`DRAFTER_GRAPH_SCRATCH_BYTES` of activations and attention scratch. An estimate: the arena
+    grows past its reservation by more chunks when a capture needs them (the measured figure is
+    ``DraftSequence.graph_arena_bytes``)."""
+    if markov is None:
+        markov = hp.dspark is not None
+    n = int(hp.block_size) - int(hp.first_proposal_row)
+    return (4 if markov else 1) * n * int(hp.n_vocab) * 4 + DRAFTER_GRAPH_SCRATCH_BYTES
+
+
+def drafter_graph_bytes(hp, max_graphs: int, n_layer: int | None = None) -> int:
+    """Device bytes the CUDA graphs of one drafter sequence may hold: ``max_graphs`` arenas of
+    :func:`drafter_graph_arena_bytes` (the most a sequence keeps; it normally holds one, two across a
+    1024-position step of the attention bound, more only when a DSpark request switches the Markov
+    mode) plus the graphs' int32 input buffer ((2 + 2 * n_layer) x block_size)."""
+    n_layer = int(hp.n_layer if n_layer is None else n_layer)
+    return int(max_graphs) * drafter_graph_arena_bytes(hp) + (2 + 2 * n_layer) * int(hp.block_size) * 4
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterMemory:
     """Memory of a model drafter (bytes): weight_bytes / weight_bytes_by_type (the drafter GGUF's own
@@ -414,7 +441,9 @@ class DrafterMemory:
     ``target_head_bytes``: this process's memory; on the CPU a view of the mapped GGUF) or "shared"
     (mapped from the target worker through CUDA IPC, ``shared_head_bytes``: the target worker's
     memory, counted there, not here); "" when unknown. Each distinct tensor counted once (a tied head
-    is the embedding)."""
+    is the embedding). ``cuda_graph_bytes_per_sequence``: on the GPU with ``cuda_graphs``, the estimate
+    of :func:`drafter_graph_bytes` at ``max_graphs`` (the arenas of a sequence's captured proposes;
+    0 without graphs, as on the CPU)."""
 
     device: str
     weight_bytes: int
@@ -425,6 +454,8 @@ class DrafterMemory:
     target_head: str = ""
     target_head_bytes: int = 0
     shared_head_bytes: int = 0
+    cuda_graph_bytes_per_sequence: int = 0
+    max_graphs: int = 0
 
     def lines(self) -> list[str]:
         types = ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(self.weight_bytes_by_type.items(), key=lambda kv: -kv[1]))
@@ -437,6 +468,9 @@ class DrafterMemory:
             out.append(f"  target embd/head   {_fmt(self.target_head_bytes)} own copy")
         out.append(f"  context K/V        {_fmt(self.kv_bytes_per_token)} per token ({self.kv_dtype}) "
                    f"+ {_fmt(self.bounded_kv_bytes_per_sequence)} per sequence (bounded layers)")
+        if self.cuda_graph_bytes_per_sequence:
+            out.append(f"  CUDA graph arenas  {_fmt(self.cuda_graph_bytes_per_sequence)} per sequence "
+                       f"(at most {self.max_graphs} graphs; estimate)")
         return out
 
     def to_proto(self, pb):
@@ -472,8 +506,12 @@ def drafter_memory(model, head_sharing=None) -> DrafterMemory:
             head[id(t)] = int(t.nbytes)
     shared = head_sharing is not None and head_sharing.shared
     head_bytes = int(head_sharing.nbytes) if shared else sum(head.values())
+    graphed = on_gpu and getattr(model, "cuda_graphs", False)
+    max_graphs = int(getattr(model, "max_graphs", 0)) if graphed else 0
+    graphs = drafter_graph_bytes(hp, max_graphs) if graphed else 0
     return DrafterMemory(device="cuda" if on_gpu else "cpu", weight_bytes=sum(by_type.values()),
                          weight_bytes_by_type=by_type, kv_dtype=type_name(model.kv_dtype),
                          kv_bytes_per_token=per_token, bounded_kv_bytes_per_sequence=bounded,
                          target_head="shared" if shared else "own",
-                         target_head_bytes=0 if shared else head_bytes, shared_head_bytes=head_bytes if shared else 0)
+                         target_head_bytes=0 if shared else head_bytes, shared_head_bytes=head_bytes if shared else 0,
+                         cuda_graph_bytes_per_sequence=graphs, max_graphs=max_graphs)

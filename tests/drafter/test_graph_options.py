@@ -118,3 +118,44 @@ def launcher_draft_argv(monkeypatch, launcher, p, extra):
     with pytest.raises(Stop):
         launcher.run(p.parse_args(["serve", "--target", "t.gguf", "--drafter", "d.gguf", *extra]))
     return next(a for a in seen if a[0] == "draft-worker")
+
+
+@pytest.mark.parametrize("family", ["dflash", "dspark", "dflash2"])
+def test_memory_report_counts_graph_arenas(tmp_path, rng, family):
+    """DrafterMemory.cuda_graph_bytes_per_sequence: max_graphs arenas of the size a capture reserves
+    (DraftSequence._arena_reserve: one [n, V] F32 logits, DSpark 4, plus 16 MiB) plus the graphs' input
+    buffer; 0 on the CPU and without cuda_graphs; in lines() and the proto."""
+    import specd.native as sn
+    from specd.protos.v1 import worker_pb2 as wpb
+    from specd.target_worker import memory as mem
+
+    ld, emb, head = tiny(tmp_path, rng, family)
+    hp = ld.hparams
+    n = hp.block_size - hp.first_proposal_row
+    one = (4 if family == "dspark" else 1) * n * hp.n_vocab * 4 + mem.DRAFTER_GRAPH_SCRATCH_BYTES
+    assert mem.drafter_graph_arena_bytes(hp) == one
+    inputs = (2 + 2 * hp.n_layer) * hp.block_size * 4
+    assert mem.drafter_graph_bytes(hp, 3) == 3 * one + inputs
+
+    # the capture's reservation is the reported figure (tensor_ops: the graph path's keys on the CPU)
+    m = DrafterModel(ld, emb, head, tensor_ops=True, max_graphs=3)
+    seq = m.new_sequence(64)
+    seq.ingest(rng.normal(0, 1, (9, hp.n_taps * hp.n_embd)).astype(np.float32), 0)
+    for markov in (("fused", "off") if family == "dspark" else ("fused",)):
+        key = seq._graph_key(9, hp.block_size, None, markov)
+        assert key is not None and seq._arena_reserve(key) == one
+    seq.propose(3, 9)
+    assert seq.graph_captures == 1 and seq._graph_in.nbytes == inputs
+    seq.release()
+
+    cpu = mem.drafter_memory(m)
+    assert cpu.cuda_graph_bytes_per_sequence == 0 and cpu.max_graphs == 0  # no arenas on the CPU
+    assert "CUDA graph" not in "\n".join(cpu.lines())
+    m.device = sn.Device.GPU  # only what drafter_memory reads: the report of the same model on a GPU
+    gpu = mem.drafter_memory(m)
+    assert gpu.device == "cuda" and gpu.max_graphs == 3 and gpu.cuda_graph_bytes_per_sequence == 3 * one + inputs
+    assert "CUDA graph arenas" in "\n".join(gpu.lines())
+    pb = gpu.to_proto(wpb)
+    assert pb.cuda_graph_bytes_per_sequence == gpu.cuda_graph_bytes_per_sequence and pb.max_graphs == 3
+    m.cuda_graphs = False
+    assert mem.drafter_memory(m).cuda_graph_bytes_per_sequence == 0

@@ -17,7 +17,7 @@ uploaded with the drafter weights), then measured:
   proposal rows, then argmax (DFlash), the DSpark Markov chain (``--dspark-markov``, default fused)
   + confidence head, or the DFlash 2 candidate selector): median (and min) over ``--steps`` after
   ``--warmup``; the forward alone (``DraftSequence.forward_block``, always eager) too, so head =
-  propose - forward for the eager propose. ``--cuda-graphs`` (default ``both`` on cuda): the propose
+  propose - forward for the eager propose (n/a when only the graph's is measured). ``--cuda-graphs`` (default ``both`` on cuda): the propose
   replayed as a CUDA graph (``propose_ms``, the worker's default) and the eager one
   (``propose_eager_ms``, ``DrafterModel.cuda_graphs`` switched off) are measured in the same run on
   the same sequence; ``on`` / ``off`` measure one of them (``off``: ``propose_ms`` is the eager one);
@@ -175,8 +175,11 @@ def bench_family(family: str, args, target: str, sync, lm_head_bytes: int, verif
         block = [anchor] + [hp.mask_token_id] * (hp.block_size - 1)
         ts = [timed(lambda: seq.forward_block(block, seq.n_ctx), sync) for _ in range(args.steps)]
         r["forward_ms"] = 1e3 * float(np.median(ts))
-        # of the eager propose (the forward is eager); two medians: noise could make it < 0
-        r["head_ms"] = max(0.0, r.get("propose_eager_ms", r["propose_ms"]) - r["forward_ms"])
+        # of the eager propose (the forward is eager; None when only the graph's was measured: --cuda-graphs
+        # on, cuda); two medians: noise could make it < 0
+        eager = r.get("propose_eager_ms",
+                      r["propose_ms"] if args.cuda_graphs == "off" or args.device != "cuda" else None)
+        r["head_ms"] = None if eager is None else max(0.0, eager - r["forward_ms"])
         if args.profile:
             from gpu_decode import host_profile, kernel_profile
 
@@ -293,7 +296,7 @@ def markdown(r: dict) -> str:
         L.append(f"| {fam} | {x['block_size']} / {x['drafts']} | {x['params'] / 1e9:.3f} B | {x['weight_bytes'] / 1e9:.2f} "
                  f"| {x['load_s']:.1f} | {x['ingest_ms']:.1f} | {x['ingest_rows_per_s']:.0f} "
                  f"| **{x['propose_ms']:.2f}** ({x['propose_min_ms']:.2f}) | {f(x.get('propose_eager_ms'), '.2f')} "
-                 f"| {x['forward_ms']:.2f} | {x['head_ms']:.2f} "
+                 f"| {x['forward_ms']:.2f} | {f(x.get('head_ms'), '.2f')} "
                  f"| {x['stream_bytes_per_propose'] / 1e9:.2f} | {f(x.get('floor_ms'), '.2f')} "
                  f"| {f(x.get('propose_ratio_to_floor'), '.1f')} | {f(x.get('verify_ms'), '.1f')} "
                  f"| {f(x.get('propose_ratio_to_verify'), '.2f')} |")
