@@ -36,7 +36,8 @@ Per sequence (drafters.md §3.1–3.2, §3.7):
     proposal distribution q, which is returned for rejection sampling.
 
 CUDA graphs (``DrafterModel(cuda_graphs=True)``, the default; GPU). A greedy propose of the file's
-block size B replays a graph captured on the sequence: the block forward (embedding, every layer with
+block size B, or of a smaller block B' that the sequence's previous propose also ran (a draft cap
+below B - 1 asks for the same B' every step), replays a graph captured on the sequence: the block forward (embedding, every layer with
 its K/V writes and attention, the output norm), the lm_head over the proposal rows and the family's
 device head — DFlash's argmax; DSpark's greedy Markov chain (fused or ``"off"``; the W1 gathers, W2
 GEMVs, bias adds and argmaxes, each pick feeding the next gather on the device); DFlash 2's top-K of
@@ -48,7 +49,9 @@ path: reading the tokens back, DSpark's confidence head (float64 numpy), DFlash 
 scores and choices, and whatever the request asks for besides (return_logits / return_hidden copies,
 top-k and its log-softmax) from the graph's output tensors. Eager (op by op, as before): sampled
 proposals (the draws interleave host steps with the chain), DSpark ``markov="unfused"``, a block
-shrunk below B (a one-off near the end of a request: capturing it would cost more than it saves),
+shrunk below B for the first time in a row (the shrinking blocks near the end of a request: a
+capture per step would cost more than it saves), a key whose capture failed (logged once; e.g. no
+device memory for its arena),
 drafters with ``final_logit_softcapping`` (tanh runs on the host), and blocks where a non-causal
 sliding layer has B > W (its two-sided window needs a host mask).
 
@@ -87,6 +90,7 @@ positions, so the bounded layers give exactly the unbounded result.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -102,6 +106,8 @@ from specd.target_worker.device import _HostOps, _TensorOps, _Uploader, parse_de
 from specd.target_worker.memory import drafter_graph_arena_bytes, graph_rows
 
 from .gguf_loader import LoadedDrafter
+
+log = logging.getLogger(__name__)
 
 __all__ = ["DrafterModel", "DraftSequence", "Proposal", "Sampling", "sampling_probs", "markov_chain", "selector_chain",
            "grouped_dynamic_conv", "MARKOV_MODES", "DEFAULT_MARKOV"]
@@ -500,6 +506,8 @@ class DraftSequence:
         self.graph_captures = 0  # graphs captured on this sequence so far (tests, benchmarks)
         self._graph_host: np.ndarray | None = None  # the graphs' inputs (layout: _graph_inputs)
         self._graph_in: Tensor | None = None  # ... as the device buffer the graphs read
+        self._last_block: int | None = None  # the block size of the last propose (_graph_key)
+        self._no_graph: set[tuple] = set()  # keys whose capture failed: they run eagerly from then on
 
     def release(self) -> int:
         """Frees the sequence's captured graphs (their arenas), input buffer and K/V caches; later
@@ -697,7 +705,11 @@ class DraftSequence:
         unbounded layers); per_row: some bounded layer's lower key limit differs per row and cuts
         into the retained rows at this start, so it takes one attention call per row."""
         m, hp = self.model, self.model.hp
-        if (not m.cuda_graphs or m.on_host or sampling is not None or B != hp.block_size
+        # A block smaller than the file's is captured once it repeats (a --max-draft-tokens cap
+        # asks for the same B every step); the shrinking blocks at a request's end stay eager,
+        # where a capture per step would cost more than it saves.
+        if (not m.cuda_graphs or m.on_host or sampling is not None
+                or (B != hp.block_size and B != self._last_block)
                 or hp.final_logit_softcapping or (hp.dspark is not None and markov == "unfused")):
             return None
         per_row = False
@@ -717,7 +729,8 @@ class DraftSequence:
             head = "markov" if markov == "fused" else "markov-off"
         else:
             head = "argmax"
-        return (B, head, bound, per_row)
+        key = (B, head, bound, per_row)
+        return None if key in self._no_graph else key
 
     def _layer_plan(self, i: int, B: int, bound: int, per_row: bool):
         """Layer i's attention in a graph: (kv_len, last, window). Every call is causal over cache
@@ -824,7 +837,7 @@ class DraftSequence:
         """Device bytes a capture reserves up front for its arena (it grows past them when needed):
         :func:`specd.target_worker.memory.drafter_graph_arena_bytes` — the logits (DSpark: ~4 [n, V]
         tensors with the chain's per-row rows) plus 16 MiB of activations and attention scratch.
-        Graphs run only the file's block size (``key[0]`` = B), the size that function counts."""
+        That function counts the file's block size, the largest B a key (``key[0]``) can have."""
         return drafter_graph_arena_bytes(self.model.hp, markov=key[1].startswith("markov"))
 
     def _replay(self, g: "_CapturedPropose", key: tuple, seed: int, start: int) -> None:
@@ -891,10 +904,16 @@ class DraftSequence:
             raise ValueError(f"propose: block_size {block_size} outside [{hp.first_proposal_row + 1}, {hp.block_size}]")
         ops = m._ops
         key = self._graph_key(start, B, sampling, markov)
+        self._last_block = B
         graph = None
         if key is not None:  # the device work as one captured graph; its outputs stay on the device
             self._prepare_block(start, B)
-            graph = self._graph(key)
+            try:
+                graph = self._graph(key)
+            except RuntimeError as exc:  # e.g. no device memory for the arena: this key runs eagerly
+                log.warning("drafter: CUDA graph capture of %s failed (%s); that propose shape runs eagerly", key, exc)
+                self._no_graph.add(key)
+        if graph is not None:
             self._replay(graph, key, int(seed_token), start)
             hidden, logits = graph.hidden, graph.logits
         else:

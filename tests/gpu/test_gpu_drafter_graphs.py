@@ -18,6 +18,7 @@ non-causal sliding with its per-row form, context_cap non-causal and causal, an 
   within max_graphs;
 * proposes that stay eager (sampling, a shrunk block, DSpark unfused, cuda_graphs switched off)
   capture nothing and still equal the eager model's;
+* a shrunk block is captured once it repeats; a failed capture runs eagerly and is not retried;
 * releasing the sequence (directly or through ModelDrafter) frees its graphs.
 """
 from __future__ import annotations
@@ -157,8 +158,8 @@ def test_graph_proposes_equal_eager(tmp_path, rng, case):
 @pytest.mark.parametrize("family", ["dflash", "dspark", "dflash2"])
 @gpu_only
 def test_eager_proposes_capture_nothing(tmp_path, rng, family):
-    """Sampling, a shrunk block, DSpark unfused and cuda_graphs switched off run eagerly on a graph
-    model: no capture, and the same proposals as the eager model."""
+    """Sampling, a shrunk block (once; repeated, it is captured), DSpark unfused and cuda_graphs
+    switched off run eagerly on a graph model: no capture, and the same proposals as the eager model."""
     ld, gm, em, _ = build(tmp_path, rng, family)
     hp = ld.hparams
     width = hp.n_taps * hp.n_embd
@@ -177,12 +178,19 @@ def test_eager_proposes_capture_nothing(tmp_path, rng, family):
     for kw in runs:
         assert_same(gs.propose(seed, 20, **kw()), es.propose(seed, 20, **kw()), str(kw()))
         assert gs.graph_captures == 1
+    # a shrunk block that repeats (a draft cap) is captured from its second propose on
+    shrunk = dict(block_size=hp.block_size - 2, return_logits=True)
+    for _ in range(2):
+        assert_same(gs.propose(seed, 20, **shrunk), es.propose(seed, 20, **shrunk), "repeated shrunk block")
+    assert gs.graph_captures == 2
+    gs.propose(seed, 20)  # the full block again: its graph is kept
+    assert gs.graph_captures == 2
     gm.cuda_graphs = False
     assert_same(gs.propose(seed, 20), es.propose(seed, 20), "switched off")
-    assert gs.graph_captures == 1
+    assert gs.graph_captures == 2
     gm.cuda_graphs = True
     assert_same(gs.propose(seed, 20), es.propose(seed, 20), "switched on again: a replay")
-    assert gs.graph_captures == 1
+    assert gs.graph_captures == 2
 
 
 @gpu_only
@@ -221,3 +229,28 @@ def test_model_drafter_release_frees_graphs(tmp_path, rng):
     md.open("b", 64)
     md.close()
     assert not md.seqs
+
+
+@gpu_only
+def test_failed_capture_runs_eagerly(tmp_path, rng, monkeypatch, caplog):
+    """A capture that fails (e.g. no device memory for its arena) does not fail the propose: it runs
+    eagerly, equal to the eager model, the failure is logged once and that key is not tried again."""
+    from specd.draft_worker.model import DraftSequence
+
+    ld, gm, em, _ = build(tmp_path, rng, "dflash")
+    hp = ld.hparams
+    gs, es = gm.new_sequence(96), em.new_sequence(96)
+    feats = rng.normal(0, 1, (12, hp.n_taps * hp.n_embd)).astype(np.float32)
+    gs.ingest(feats, 0)
+    es.ingest(feats, 0)
+    tries = []
+
+    def refuse(self, key):
+        tries.append(key)
+        raise RuntimeError("out of memory (test)")
+
+    monkeypatch.setattr(DraftSequence, "_graph", refuse)
+    for seed in (3, 5):
+        assert_same(gs.propose(seed, 12), es.propose(seed, 12), f"seed {seed}")
+    assert len(tries) == 1 and gs.graph_captures == 0 and gs.graph_count == 0
+    assert sum("capture" in r.getMessage() and "eagerly" in r.getMessage() for r in caplog.records) == 1
