@@ -8,7 +8,7 @@ CPU kernels see the same inputs), which checks that the device graph is exactly 
 
 Properties (GPU: tokens, candidates and top-k ids exact; logits, hidden, corrected logits, top-k
 log-probs, candidate scores and confidences within REL = 1e-4 of max|cpu| (REL_F16_KV = 1e-3 with an
-F16 context cache: see its comment), confidences within ATOL = 1e-5; dry run: all bitwise):
+F16 context cache, REL_Q8_KV = 5e-3 with a Q8_0 one: see their comments), confidences within ATOL = 1e-5; dry run: all bitwise):
 * tiny drafters of every family (DFlash with sliding + full layers, DSpark with YaRN, a
   softcapped DSpark, DFlash 2 with sliding non-causal layers; F32 and Q8_0 context K/V; a
   context_cap run exercising the bounded layers' compaction and windowed views): context ingested in
@@ -45,6 +45,9 @@ REL, ATOL = 1e-4, 1e-5
 # F16 context K/V: a 1-ulp F32 difference between the backends can flip an F16 rounding of a cached
 # element (2^-11 relative) that later blocks attend to: measured 1.7e-4 (dflash2, 7 blocks).
 REL_F16_KV = 1e-3
+# Q8_0 context K/V: the same F32 difference can move a cached element to the neighbouring Q8_0 step
+# (1/127 of its block's maximum): H200, 3 of 8 seeds, logits 4.5e-4 .. 8.0e-4 of max|logit|.
+REL_Q8_KV = 5e-3
 PIECES = (5, 1, 9, 3, 7, 2)  # context rows per ingest; a proposal after each
 
 
@@ -139,7 +142,7 @@ def test_gpu_tiny_drafter_matches_cpu(tmp_path, rng, case):
     c = dict(TINY_CASES[case])
     family, kv, cap = c.pop("family"), c.pop("kv", sn.DType.F32), c.pop("cap", None)
     run = dict(pieces=c.pop("pieces", PIECES), capacity=c.pop("capacity", 96),
-               rel=REL_F16_KV if kv == sn.DType.F16 else REL)
+               rel={sn.DType.F16: REL_F16_KV, sn.DType.Q8_0: REL_Q8_KV}.get(kv, REL))
     ld, emb, head = build_tiny(tmp_path, rng, family, **c)
     kw = dict(kv_dtype=kv, context_cap=cap)
     compare_proposals(DrafterModel(ld, emb, head, **kw), gpu_drafter(ld, emb, head, **kw), ld.hparams, rng, **run)

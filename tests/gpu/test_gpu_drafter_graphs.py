@@ -65,6 +65,8 @@ CASES = {
                               per_row=lambda s, b: s > 40),
     "dflash-f16kv-hd64": dict(family="dflash", kv=sn.DType.F16, dims=dict(td.TINY, head_dim=64), unbounded=True,
                               per_row=lambda s, b: False),
+    "dflash-q8kv": dict(family="dflash", kv=sn.DType.Q8_0, dims=dict(td.TINY, head_dim=32), unbounded=True,
+                        per_row=lambda s, b: False),
     "dspark": dict(family="dspark", unbounded=True, per_row=lambda s, b: False),
     "dspark-yarn-off": dict(family="dspark", yarn=True, markov="off", unbounded=True, per_row=lambda s, b: False),
     "dflash2": dict(family="dflash2", sliding="all", unbounded=False, per_row=lambda s, b: s + b > W),
