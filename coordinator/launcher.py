@@ -67,6 +67,8 @@ class ServeConfig:
         every op from Python in both). Ignored on the CPU.
     max_graphs: most captured CUDA graphs the target worker keeps (LRU; ``--max-graphs``), >= 1.
         Default 16.
+    drafter_max_graphs: most captured CUDA graphs a model draft worker keeps per sequence (LRU;
+        ``--drafter-max-graphs``, the draft worker's ``--max-graphs``), >= 1. Default 4.
     slot_cache: released sequences' device states the target worker keeps with their CUDA graphs for
         the next requests of the same capacity class (``--slot-cache``), >= 0. Default 2.
     gemv_tiles: the target worker places its layers' IQ4_XS, Q4_K and Q6_K matrices in the tensor-core
@@ -100,6 +102,7 @@ class ServeConfig:
     device: str = "auto"
     cuda_graphs: bool = True
     max_graphs: int = 16
+    drafter_max_graphs: int = 4
     slot_cache: int = 2
     gemv_tiles: bool = True
     share_target_weights: str = "auto"
@@ -129,6 +132,8 @@ class ServeConfig:
             raise ValueError("serve: --scripted-continuations needs --scripted-block")
         if self.max_graphs < 1:
             raise ValueError(f"serve: --max-graphs must be >= 1, got {self.max_graphs}")
+        if self.drafter_max_graphs < 1:
+            raise ValueError(f"serve: --drafter-max-graphs must be >= 1, got {self.drafter_max_graphs}")
         if self.slot_cache < 0:
             raise ValueError(f"serve: --slot-cache must be >= 0, got {self.slot_cache}")
         from specd.target_worker.shared_weights import check_share_mode
@@ -208,6 +213,9 @@ def add_arguments(p) -> None:
                         "graphs on the GPU (default on)")
     p.add_argument("--max-graphs", type=int, default=d.max_graphs,
                    help=f"most captured CUDA graphs the target worker keeps, >= 1 (default {d.max_graphs})")
+    p.add_argument("--drafter-max-graphs", type=int, default=d.drafter_max_graphs,
+                   help="most captured CUDA graphs a model draft worker keeps per sequence, >= 1 "
+                        f"(default {d.drafter_max_graphs})")
     p.add_argument("--slot-cache", type=int, default=d.slot_cache,
                    help="released sequences' device states the target worker keeps, with their CUDA graphs, for "
                         f"the next requests of the same capacity class, >= 0 (default {d.slot_cache})")
@@ -333,6 +341,7 @@ def run(args) -> int:
                       "--drafter-kv-dtype", args.drafter_kv_dtype,
                       "--dspark-markov", getattr(args, "dspark_markov", "fused"),
                       "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs",
+                      "--max-graphs", str(args.drafter_max_graphs),
                       "--share-target-weights", args.share_target_weights, "--target-worker", tsock] if args.drafter_gguf else [
                 "--scripted-block", str(args.scripted_block), "--scripted-accept", str(args.scripted_accept),
                 "--scripted-continuations", args.scripted_continuations]

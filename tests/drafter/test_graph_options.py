@@ -70,7 +70,13 @@ def test_draft_worker_graph_flags(monkeypatch):
         DraftWorkerConfig(drafter="d.gguf", target="t.gguf", device="cpu", cuda_graphs="no").validate()
     # specd serve forwards --cuda-graphs / --no-cuda-graphs to a model draft worker
     assert "--no-cuda-graphs" in launcher_draft_argv(monkeypatch, launcher, p, ["--no-cuda-graphs"])
-    assert "--cuda-graphs" in launcher_draft_argv(monkeypatch, launcher, p, [])
+    argv = launcher_draft_argv(monkeypatch, launcher, p, [])
+    assert "--cuda-graphs" in argv and argv[argv.index("--max-graphs") + 1] == "4"
+    # ... and --drafter-max-graphs as the draft worker's --max-graphs (serve's --max-graphs is the target's)
+    argv = launcher_draft_argv(monkeypatch, launcher, p, ["--drafter-max-graphs", "2", "--max-graphs", "7"])
+    assert argv[argv.index("--max-graphs") + 1] == "2"
+    with pytest.raises(ValueError, match="--drafter-max-graphs must be >= 1"):
+        launcher.ServeConfig(target="t.gguf", drafter_gguf="d.gguf", drafter_max_graphs=0).validate()
 
 
 def launcher_draft_argv(monkeypatch, launcher, p, extra):
