@@ -16,3 +16,45 @@ def rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"[seed] {request.node.nodeid}: SPECD_TEST_SEED={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def serve_children(monkeypatch):
+    """``run(args)`` runs ``specd serve <args>`` with its workers recorded instead of started, and returns
+    the argv of each child up to the draft worker's, whose launch stops the run (a worker "starts" at
+    once: READY on its stdout, alive until stopped)."""
+    import types
+
+    from specd.coordinator import launcher
+    from specd.coordinator.cli import build_parser
+
+    class Stop(Exception):
+        pass
+
+    class Proc:
+        stdout = types.SimpleNamespace(readline=lambda: "READY\n")
+
+        def poll(self):
+            return None
+
+        def send_signal(self, sig):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    def run(args):
+        seen = []
+
+        def child(argv, *a, **k):
+            seen.append(list(argv))
+            if argv[0] == "draft-worker":
+                raise Stop
+            return Proc()
+
+        monkeypatch.setattr(launcher, "_child", child)
+        with pytest.raises(Stop):
+            launcher.run(build_parser().parse_args(["serve", *args]))
+        return seen
+
+    return run

@@ -51,7 +51,7 @@ def test_host_path_never_captures_and_release(tmp_path, rng, family):
             call()
 
 
-def test_draft_worker_graph_flags(monkeypatch):
+def test_draft_worker_graph_flags(monkeypatch, serve_children):
     from specd.coordinator import launcher
     from specd.coordinator.cli import build_parser
     from specd.draft_worker.server import DraftWorkerConfig
@@ -69,34 +69,19 @@ def test_draft_worker_graph_flags(monkeypatch):
     with pytest.raises(ValueError, match="cuda_graphs must be true or false"):
         DraftWorkerConfig(drafter="d.gguf", target="t.gguf", device="cpu", cuda_graphs="no").validate()
     # specd serve forwards --cuda-graphs / --no-cuda-graphs to a model draft worker
-    assert "--no-cuda-graphs" in launcher_draft_argv(monkeypatch, launcher, p, ["--no-cuda-graphs"])
-    argv = launcher_draft_argv(monkeypatch, launcher, p, [])
+    assert "--no-cuda-graphs" in launcher_draft_argv(monkeypatch, serve_children, ["--no-cuda-graphs"])
+    argv = launcher_draft_argv(monkeypatch, serve_children, [])
     assert "--cuda-graphs" in argv and argv[argv.index("--max-graphs") + 1] == "4"
     # ... and --drafter-max-graphs as the draft worker's --max-graphs (serve's --max-graphs is the target's)
-    argv = launcher_draft_argv(monkeypatch, launcher, p, ["--drafter-max-graphs", "2", "--max-graphs", "7"])
+    argv = launcher_draft_argv(monkeypatch, serve_children, ["--drafter-max-graphs", "2", "--max-graphs", "7"])
     assert argv[argv.index("--max-graphs") + 1] == "2"
     with pytest.raises(ValueError, match="--drafter-max-graphs must be >= 1"):
         launcher.ServeConfig(target="t.gguf", drafter_gguf="d.gguf", drafter_max_graphs=0).validate()
 
 
-def launcher_draft_argv(monkeypatch, launcher, p, extra):
-    """The argv specd serve starts the draft worker with (workers stubbed: the target "starts", the
-    drafter's launch is captured and stops the run; the pair check is skipped)."""
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    class Proc:  # a worker that already exited: nothing to stop afterwards
-        def poll(self):
-            return 0
-
-    def child(argv, *a, **k):
-        seen.append(list(argv))
-        if argv[0] == "draft-worker":
-            raise Stop
-        return Proc()
-
+def launcher_draft_argv(monkeypatch, serve_children, extra):
+    """The argv specd serve starts the draft worker with (serve_children; the loaders and the pair check
+    stubbed: the files do not exist)."""
     import specd.draft_worker.gguf_loader as gl
     import specd.target_worker.gguf_loader as tl
 
@@ -114,16 +99,12 @@ def launcher_draft_argv(monkeypatch, launcher, p, extra):
         def __init__(self, *_):
             self.tensors = [T()]
 
-    monkeypatch.setattr(launcher, "_child", child)
-    monkeypatch.setattr(launcher, "_wait_ready", lambda *a, **k: None, raising=False)
     monkeypatch.setattr(gl, "load_drafter", lambda *_: LD())
     monkeypatch.setattr(gl, "check_pair", lambda *a, **k: None)
     monkeypatch.setattr(tl, "open_gguf", lambda *_: None)
     monkeypatch.setattr(tl, "read_hparams", lambda *_: None)
     monkeypatch.setattr("gguf.GGUFReader", Reader)
-    with pytest.raises(Stop):
-        launcher.run(p.parse_args(["serve", "--target", "t.gguf", "--drafter", "d.gguf", *extra]))
-    return next(a for a in seen if a[0] == "draft-worker")
+    return serve_children(["--target", "t.gguf", "--drafter", "d.gguf", *extra])[-1]
 
 
 @pytest.mark.parametrize("family", ["dflash", "dspark", "dflash2"])

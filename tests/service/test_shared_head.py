@@ -390,42 +390,11 @@ def test_share_option_validation_and_flags(target_gguf):
         build_parser().parse_args(["serve", "--share-target-weights", "maybe"])
 
 
-def test_serve_forwards_the_option_and_the_target_socket(hstack, target_gguf, monkeypatch):
-    from specd.coordinator import launcher
-    from specd.coordinator.cli import build_parser
-
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    class Proc:
-        stdout = types.SimpleNamespace(readline=lambda: "READY\n")
-
-        def poll(self):
-            return None
-
-        def send_signal(self, sig):
-            pass
-
-        def wait(self, timeout=None):
-            return 0
-
-    def child(argv, *a, **k):
-        seen.append(list(argv))
-        if argv[0] == "draft-worker":
-            raise Stop
-        return Proc()
-
-    monkeypatch.setattr(launcher, "_child", child)
+def test_serve_forwards_the_option_and_the_target_socket(hstack, target_gguf, serve_children):
     for mode in ("auto", "off"):
-        seen.clear()
         extra = [] if mode == "auto" else ["--share-target-weights", "off"]
-        with pytest.raises(Stop):
-            launcher.run(build_parser().parse_args(["serve", "--target", target_gguf, "--drafter",
-                                                    hstack.drafter_path, "--device", "cpu",
-                                                    "--runtime-dir", hstack.dir + "/rt", *extra]))
-        t, d = seen
+        t, d = serve_children(["--target", target_gguf, "--drafter", hstack.drafter_path, "--device", "cpu",
+                               "--runtime-dir", hstack.dir + "/rt", *extra])
         tsock = t[t.index("--listen") + 1]
         assert d[d.index("--share-target-weights") + 1] == mode and d[d.index("--target-worker") + 1] == tsock
         # the target exports its head only for a drafter that may map it (the mapping is writable)
