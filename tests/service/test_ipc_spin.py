@@ -22,10 +22,9 @@ from specd.target_worker import ipc_stream
 from specd.target_worker import server as tserver
 from specd.target_worker.ipc_stream import MAX_SPIN_US, VERIFY_STREAM, FrameReader, IpcStreamServer
 
-from .conftest import generate, streamed_ids, token_request
-from .test_ipc_streams import _Servicer, _answer, _closed, _frame, _hello
+from .test_ipc_streams import _Servicer, _answer, _closed, _frame, _hello, call_after_idle
 from .test_serving import wait_released
-from .test_streams import _spec
+from .test_streams import _spec, greedy_runs
 
 
 def _req(token: int) -> bytes:
@@ -329,22 +328,9 @@ def test_client_spin_gives_the_same_answers_fast_or_slow(delay_s):
 def test_client_spin_sees_a_worker_that_closes():
     """A worker ending the stream (its idle bound) while the client spins for an answer: the call gets
     the worker's error frame, not a hang or a spin past the connection's end."""
-    from specd.coordinator.server import RequestError
-
     ipc = IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 4, idle_timeout_s=0.3)
-    spin = IpcSpin(MAX_SPIN_US)
-
-    async def run():
-        st = IpcStream(IpcOffer(ipc.path, ipc.token, VERIFY_STREAM), 10.0, 1 << 20, spin=spin)
-        assert list((await st.call(wpb.VerifyRequest(seq_id="s", tokens=[4]), None)).emitted) == [4]
-        await asyncio.sleep(0.6)
-        with pytest.raises(RequestError) as ei:
-            await st.call(wpb.VerifyRequest(seq_id="s", tokens=[5]), None)
-        await st.close(True, 1.0)
-        return ei.value
-
     try:
-        err = asyncio.run(run())
+        err = call_after_idle(ipc, 0.6, IpcSpin(MAX_SPIN_US))
     finally:
         ipc.close()
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -368,13 +354,8 @@ def test_spinning_service_gives_the_plain_greedy_output(stack, reference, monkey
     try:
         for plan in (None, 2):
             stack.drafter.plan = plan
-            out = []
-            for stub in (spinning, stack.stub):
-                chunks, done = generate(stub, token_request(prompt, 30, ignore_eos=True, speculation=_spec()))
-                assert streamed_ids(chunks) == ref[:30] == list(done.output_ids)
-                sp = done.speculation
-                out.append((done.timing.steps, sp.num_drafts, sp.num_accepted_tokens, list(sp.accepted_per_position)))
-            assert out[0] == out[1]
+            a, b = greedy_runs((spinning, stack.stub), prompt, ref, _spec())
+            assert a == b
     finally:
         stack.drafter.plan = None
     assert coord.ipc_spin.waiting == 0 and set(coord.ipc_spin.hits) <= {"verify", "propose"}

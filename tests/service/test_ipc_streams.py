@@ -1133,24 +1133,30 @@ def test_client_deadline_timer_follows_each_call(tmp_path):
     assert 0.35 < took < 1.5 and sock is None
 
 
-def test_client_does_not_reopen_a_connection_the_worker_closed():
-    """The worker ended the stream between two calls (here its idle bound): the next call gets the
-    worker's error frame (DEADLINE_EXCEEDED), not a new connection."""
+def call_after_idle(ipc, idle_s, spin=None):
+    """One verify call over a coordinator IpcStream to ``ipc`` (its _Servicer echoes), then ``idle_s`` of
+    silence (past the worker's idle bound: it sends an error frame and closes), then a second call:
+    returns the RequestError that call raised (pytest fails if none)."""
     from specd.coordinator.server import IpcOffer, IpcStream, RequestError
 
-    ipc = IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 4, idle_timeout_s=0.3)
-
     async def run():
-        st = IpcStream(IpcOffer(ipc.path, ipc.token, VERIFY_STREAM), 10.0, 1 << 20)
+        st = IpcStream(IpcOffer(ipc.path, ipc.token, VERIFY_STREAM), 10.0, 1 << 20, spin=spin)
         assert list((await st.call(wpb.VerifyRequest(seq_id="s", tokens=[4]), None)).emitted) == [4]
-        await asyncio.sleep(0.8)  # the worker's idle bound passes: error frame, then it closes
+        await asyncio.sleep(idle_s)
         with pytest.raises(RequestError) as ei:
             await st.call(wpb.VerifyRequest(seq_id="s", tokens=[5]), None)
         await st.close(True, 1.0)
         return ei.value
 
+    return asyncio.run(run())
+
+
+def test_client_does_not_reopen_a_connection_the_worker_closed():
+    """The worker ended the stream between two calls (here its idle bound): the next call gets the
+    worker's error frame (DEADLINE_EXCEEDED), not a new connection."""
+    ipc = IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 4, idle_timeout_s=0.3)
     try:
-        err = asyncio.run(run())
+        err = call_after_idle(ipc, 0.8)
         assert ipc.connections == 1
     finally:
         ipc.close()

@@ -64,6 +64,19 @@ def _wait_slots_free(stack, timeout=10.0):
         time.sleep(0.05)
 
 
+def greedy_runs(stubs, prompt, ref, spec, n=30):
+    """Generates n tokens of ``prompt`` through each stub with speculation ``spec``; asserts each streams
+    exactly ``ref[:n]`` (the plain greedy tokens) and returns each run's (steps, drafts, accepted tokens,
+    accepted per position), for comparing the paths' speculation."""
+    out = []
+    for stub in stubs:
+        chunks, done = generate(stub, token_request(prompt, n, ignore_eos=True, speculation=spec))
+        assert streamed_ids(chunks) == ref[:n] == list(done.output_ids)
+        sp = done.speculation
+        out.append((done.timing.steps, sp.num_drafts, sp.num_accepted_tokens, list(sp.accepted_per_position)))
+    return out
+
+
 @pytest.mark.parametrize("transport", ["ipc", "grpc", "unary"])
 @pytest.mark.parametrize("plan", [None, 2, 0])
 @pytest.mark.parametrize("draft_mode", [gpb.DRAFT_MODE_CHAIN, gpb.DRAFT_MODE_TREE])
@@ -76,14 +89,8 @@ def test_streams_and_unary_calls_give_the_plain_greedy_output(stack, reference, 
     stack.drafter.continuations[tuple(prompt)] = ref
     stack.drafter.plan = plan
     try:
-        out = []
-        for stub in (via(stack, transport), via(stack, "unary")):
-            chunks, done = generate(stub, token_request(prompt, 30, ignore_eos=True,
-                                                        speculation=_spec(draft_mode=draft_mode)))
-            assert streamed_ids(chunks) == ref[:30] == list(done.output_ids)
-            sp = done.speculation
-            out.append((done.timing.steps, sp.num_drafts, sp.num_accepted_tokens, list(sp.accepted_per_position)))
-        assert out[0] == out[1]
+        a, b = greedy_runs((via(stack, transport), via(stack, "unary")), prompt, ref, _spec(draft_mode=draft_mode))
+        assert a == b
     finally:
         stack.drafter.plan = None
     wait_released(stack)
