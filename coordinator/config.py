@@ -86,6 +86,12 @@ class CoordinatorConfig:
         1.12 to 0.75 / 0.95 ms (exact / block-8 drafts), and on the 2-core CPU VM by a quarter
         (BENCHMARKS.md, session of 2026-12-02 06:00 UTC). ``specd serve`` gives the workers
         ``--worker-ipc-spin-us`` instead (launcher.ServeConfig).
+    ipc_wake_ahead: with ipc_spin_us > 0, a call whose answer is predicted (from its stream's last
+        answers) to come later than half the spin window sleeps in the event loop until half a window
+        before it and then spins (server.IpcStream._timed_spin, :class:`specd.target_worker.ipc_stream.
+        WakeAhead`), so the answer to a verify longer than the spin is caught by a spin too. Default
+        True; ``--no-ipc-wake-ahead`` spins right after the request only. ``specd serve`` passes it to
+        the workers as well (their ``--ipc-wake-ahead``, which acts with ``--worker-ipc-spin-us``).
     plain_steps_per_call: plain decode steps the target worker runs per Verify call (a plain run,
         worker.proto ``plain_steps``), default 8; 1 = one call per plain token. A run saves the
         coordinator round trip of all but one of its steps (the loop overhead per plain token falls
@@ -140,6 +146,7 @@ class CoordinatorConfig:
     worker_streams: bool = True
     ipc_streams: bool = True
     ipc_spin_us: int = 1000
+    ipc_wake_ahead: bool = True
     plain_steps_per_call: int = 8
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
 
@@ -151,7 +158,7 @@ class CoordinatorConfig:
         check_transport(self.feature_transport, "coordinator")
         from specd.target_worker.server import check_bool
 
-        for name in ("worker_streams", "ipc_streams"):
+        for name in ("worker_streams", "ipc_streams", "ipc_wake_ahead"):
             check_bool(getattr(self, name), name, "coordinator")
         from specd.target_worker.ipc_stream import check_spin_us
 
@@ -267,6 +274,11 @@ def add_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> Non
                    help="with worker streams, use a worker's IPC stream socket when its Info offers one and this host "
                         "reaches it, else gRPC streams (default on; --no-ipc-streams: gRPC streams; specd serve passes it "
                         "to the workers too, which then open no socket)")
+    p.add_argument("--ipc-wake-ahead", action=argparse.BooleanOptionalAction, default=d.ipc_wake_ahead,
+                   help="with --ipc-spin-us, a call whose answer is predicted from its stream's last answers to come "
+                        "after the spin sleeps until half a spin window before it, then spins (default on; "
+                        "--no-ipc-wake-ahead: spin right after the request only; specd serve passes it to the "
+                        "workers too)")
     p.add_argument("--no-tree-chain-seed", action="store_true",
                    help="DDTree: do not insert the top-1 chain first (default: chain seed on)")
     for name, typ, help_text in _POLICY_FLAGS:
@@ -284,6 +296,7 @@ def config_from_args(args, **override) -> CoordinatorConfig:
     cfg = CoordinatorConfig(**kw, reflection=not args.no_reflection,
                             tree_chain_seed=not getattr(args, "no_tree_chain_seed", False),
                             worker_streams=not getattr(args, "no_worker_streams", False),
-                            ipc_streams=getattr(args, "ipc_streams", True), policy=pol)
+                            ipc_streams=getattr(args, "ipc_streams", True),
+                            ipc_wake_ahead=getattr(args, "ipc_wake_ahead", True), policy=pol)
     cfg.validate()
     return cfg

@@ -84,7 +84,8 @@ class ServeConfig:
         request, specd.target_worker.ipc_stream), an int in 0..100000. Default 0 = off: on the H200
         3000 lowered the block-8 speculative step's loop overhead further (0.95 -> 0.79 ms) but on the
         2-core VM the spinning workers took cores from the compute (+27 %) (BENCHMARKS.md, session of
-        2026-12-02 06:00 UTC). The coordinator's own spin is ``--ipc-spin-us`` (default 1000).
+        2026-12-02 06:00 UTC). The coordinator's own spin is ``--ipc-spin-us`` (default 1000). The
+        coordinator's ``--ipc-wake-ahead`` / ``--no-ipc-wake-ahead`` is passed to both workers too.
     start_timeout_s: wait for each child's READY line. Default 600.
     """
 
@@ -317,11 +318,12 @@ def run(args) -> int:
     tsock, dsock = f"unix://{rt}/target.sock", f"unix://{rt}/draft.sock"
     # without worker streams the coordinator makes unary calls: a socket the workers opened would go unused
     ipc = "--ipc-streams" if ns.ipc_streams and not getattr(ns, "no_worker_streams", False) else "--no-ipc-streams"
+    wake = "--ipc-wake-ahead" if getattr(ns, "ipc_wake_ahead", True) else "--no-ipc-wake-ahead"
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,
                     "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype, "--device", args.device,
-                    "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(args.worker_ipc_spin_us),
+                    "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(args.worker_ipc_spin_us), wake,
                     "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs", "--max-graphs", str(args.max_graphs),
                     "--slot-cache", str(args.slot_cache),
                     "--gemv-tiles" if args.gemv_tiles else "--no-gemv-tiles",
@@ -335,7 +337,7 @@ def run(args) -> int:
 
             vocab = int(next(x for x in GGUFReader(args.target).tensors if x.name == "token_embd.weight").shape[1])
             dargv = ["draft-worker", "--listen", dsock, "--vocab", str(vocab),
-                     "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(args.worker_ipc_spin_us),
+                     "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(args.worker_ipc_spin_us), wake,
                      "--device", args.device]
             dargv += ["--drafter", args.drafter_gguf, "--target", args.target,
                       "--drafter-kv-dtype", args.drafter_kv_dtype,

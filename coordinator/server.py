@@ -65,7 +65,7 @@ from specd.protos.v1 import generate_pb2 as gpb
 from specd.protos.v1 import generate_pb2_grpc as gpbg
 from specd.protos.v1 import worker_pb2 as wpb
 from specd.protos.v1 import worker_pb2_grpc as wpbg
-from specd.target_worker.ipc_stream import (FRAME, PROBE, PROPOSE_STREAM, STATUS, VERIFY_STREAM, IpcMethod,
+from specd.target_worker.ipc_stream import (FRAME, PROBE, PROPOSE_STREAM, STATUS, VERIFY_STREAM, IpcMethod, WakeAhead,
                                             hello_frame, parse_error, poll_until)
 from specd.target_worker.server import MAX_RUN_STOP_IDS  # most stop_token_ids of a plain run
 
@@ -265,6 +265,7 @@ async def read_status(reader: asyncio.StreamReader, max_bytes: int, what: str) -
 
 OPEN_TIMEOUT_S = 2.0  # IpcStream's default bound on connect + hello (the coordinator passes health_timeout_s)
 RECV_BYTES = 1 << 18  # most bytes one IpcStream recv takes (asyncio's transports read as much)
+LOOP_TIMER_EARLY_S = 0.001  # a wake-ahead timer fires this early: epoll's timeout is whole ms, rounded up
 
 
 class IpcSpin:
@@ -287,16 +288,23 @@ class IpcSpin:
 
     Cost: a busy core for up to spin_us per spinning call. ``spin_us`` 0 turns it off (the default is
     1000, CoordinatorConfig.ipc_spin_us): the coordinator then builds no IpcSpin.
+
+    With ``wake_ahead`` (CoordinatorConfig.ipc_wake_ahead, default on) each stream predicts its next
+    answer's arrival from its last ones (:class:`specd.target_worker.ipc_stream.WakeAhead`); a call
+    whose answer is due later than half a window after its request sleeps in the event loop instead
+    and spins from half a window before the predicted arrival (:meth:`IpcStream._timed_spin`; the
+    same rule on other calls waiting), so the answer to a verify longer than the spin is caught too.
     """
 
     HIT_ALPHA = 0.25
     HIT_MIN = 0.5
     PROBE_EVERY = 16
 
-    __slots__ = ("spin_ns", "hits", "skipped", "waiting")
+    __slots__ = ("spin_ns", "wake_ahead", "hits", "skipped", "waiting")
 
-    def __init__(self, spin_us: int):
+    def __init__(self, spin_us: int, wake_ahead: bool = True):
         self.spin_ns = int(spin_us) * 1000
+        self.wake_ahead = bool(wake_ahead)
         self.hits: dict[str, float] = {}  # call kind -> EMA of its spins' hits
         self.skipped: dict[str, int] = {}  # call kind -> calls not spun since its last spin
         self.waiting = 0  # IPC calls of this coordinator waiting for their answer in the event loop
@@ -360,7 +368,8 @@ class IpcStream(SequenceStream):
     the answer frame. One deadline timer per connection is re-armed only when it fires early (each
     call's bound only moves it later), not set and cancelled per call. With ``spin`` (an
     :class:`IpcSpin`), an answer not there after that recv may be busy-polled for (:meth:`_spin`)
-    before the call waits in the event loop.
+    before the call waits in the event loop, or, when the stream's last answers predict it later than
+    half a spin window, from half a window before it (:meth:`_timed_spin`, the IpcSpin's wake-ahead).
 
     Args:
         offer: the worker's socket, token and stream method.
@@ -376,7 +385,7 @@ class IpcStream(SequenceStream):
     """
 
     __slots__ = ("offer", "max_bytes", "sock", "loop", "expired", "open_timeout_s", "fallback", "on_lost",
-                 "instead", "buf", "waiter", "unsent", "timer", "expiry", "opened", "spin", "poll")
+                 "instead", "buf", "waiter", "unsent", "timer", "expiry", "opened", "spin", "poll", "ahead")
 
     def __init__(self, offer: IpcOffer, worker_timeout_s: float, max_message_bytes: int,
                  open_timeout_s: float = OPEN_TIMEOUT_S, fallback=None, on_lost=None, spin: IpcSpin | None = None):
@@ -395,6 +404,8 @@ class IpcStream(SequenceStream):
         self.expired = False
         self.spin = spin
         self.poll = None  # with spin: poll() of a select.poll on the connection, for _spin
+        # with the spin's wake-ahead: when this stream's answers come (IpcSpin's docstring)
+        self.ahead = WakeAhead(spin.spin_ns) if spin is not None and spin.wake_ahead else None
 
     # ---- connection plumbing (event-loop callbacks)
 
@@ -533,22 +544,55 @@ class IpcStream(SequenceStream):
                 return frame
         return None
 
-    async def _answer(self) -> tuple[int, bytes]:
+    def _timed_spin(self, end_ns: int) -> None:
+        """The wake-ahead timer of a call waiting in the event loop: polls the socket without blocking
+        until its answer completes the call's future (through :meth:`_recv`) or time.monotonic_ns()
+        reaches ``end_ns``. Skipped once the call is answered or when another IPC call of this
+        coordinator waits too (its answer would queue behind the spin, as for :meth:`_spin`)."""
+        if self.waiter is None or self.spin.waiting > 1:
+            return
+        while self.waiter is not None and self.sock is not None and poll_until(self.poll, end_ns):
+            self._recv()
+
+    def _wake_timer(self, sent_ns: int):
+        """The wake-ahead timer of the call whose request went out at ``sent_ns`` (time.monotonic_ns(),
+        the loop's clock), or None when its answer is due within half a spin window (spin at once, as
+        without wake-ahead) or too little is known of this stream's answers (:class:`WakeAhead`). The
+        timer fires LOOP_TIMER_EARLY_S early: the event loop wakes from epoll in whole milliseconds,
+        rounded up, and the spin runs to half a window past the predicted arrival."""
+        sleep = self.ahead.sleep_ns() if sent_ns and self.ahead is not None else 0
+        if not sleep:
+            return None
+        return self.loop.call_at((sent_ns + sleep) / 1e9 - LOOP_TIMER_EARLY_S, self._timed_spin,
+                                 sent_ns + sleep + self.spin.spin_ns)
+
+    async def _answer(self, sent_ns: int = 0) -> tuple[int, bytes]:
         """The next frame: from the buffer, after one non-blocking recv (an answer already there skips
         the event loop; the reader callback then finds nothing), after a spin (:class:`IpcSpin`), or
-        from the reader callback. EOFError once the connection is gone without one."""
+        from the reader callback, after a wake-ahead spin (:meth:`_wake_timer`) when the request went
+        out at ``sent_ns`` (time.monotonic_ns(); 0: none, the hello's answer). EOFError once the
+        connection is gone without one."""
         frame = self._frame()
+        timer = None
         if frame is None and self.sock is not None and not self.unsent:
             self._recv()
             frame = self._frame()
             spin = self.spin
-            if frame is None and spin is not None and self.sock is not None and spin.should_spin(self.what):
-                frame = self._spin()
-                spin.record(self.what, frame is not None)
-        if frame is not None:
-            return frame
-        if self.sock is None:
-            raise EOFError("IPC stream connection closed")
+            if frame is None and spin is not None and self.sock is not None:
+                timer = self._wake_timer(sent_ns)
+                if timer is None and spin.should_spin(self.what):
+                    frame = self._spin()
+                    spin.record(self.what, frame is not None)
+        if frame is None:
+            if self.sock is None:
+                raise EOFError("IPC stream connection closed")
+            frame = await self._wait(timer)
+        if sent_ns and self.ahead is not None:
+            self.ahead.record(time.monotonic_ns() - sent_ns)
+        return frame
+
+    async def _wait(self, timer) -> tuple[int, bytes]:
+        """The answer frame through the reader callback (or ``timer``'s spin, cancelled at the end)."""
         self.waiter = self.loop.create_future()
         if self.spin is None:
             return await self.waiter
@@ -557,6 +601,8 @@ class IpcStream(SequenceStream):
             return await self.waiter
         finally:
             self.spin.waiting -= 1
+            if timer is not None:
+                timer.cancel()
 
     # ---- the stream
 
@@ -640,9 +686,11 @@ class IpcStream(SequenceStream):
             if not self.opened and not await self._open(left):
                 self.expiry = None  # the fallback stream bounds its own call
                 return await self._fall_back(msg, deadline)
+            sent_ns = 0
             if self.sock is not None:  # else the worker closed it: its last frame (an error) or EOF answers
                 self._send((FRAME.pack(len(data)), data))  # no joined copy of a large request
-            status, body = await self._answer()
+                sent_ns = time.monotonic_ns()
+            status, body = await self._answer(sent_ns)
             if status:
                 raise status_error(*parse_error(body), self.what)
             return self.offer.method.response.FromString(body)
@@ -735,7 +783,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         # per worker: how the hot path reaches it ("ipc-stream", "grpc-stream", "unary"; "" no drafter)
         self.hot_path = {"target": "", "drafter": ""}
         self.ipc_offers: dict[str, IpcOffer] = {}  # "verify" / "propose" -> the IPC socket in use
-        self.ipc_spin = IpcSpin(cfg.ipc_spin_us) if cfg.ipc_spin_us else None  # shared by its IpcStreams
+        self.ipc_spin = IpcSpin(cfg.ipc_spin_us, cfg.ipc_wake_ahead) if cfg.ipc_spin_us else None  # shared by its IpcStreams
         self._ipc_lost: set[str] = set()  # workers whose IPC socket failed: re-chosen by the readiness loop
         self._releases: set[asyncio.Task] = set()  # Releases in flight (close() waits for them)
 

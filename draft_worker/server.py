@@ -201,6 +201,9 @@ class DraftWorkerConfig:
     ipc_spin_us: busy-poll an IPC stream's socket for up to this many microseconds before blocking for
         its next request (as target_worker.server.TargetWorkerConfig.ipc_spin_us). Default 0 = off;
         0..100000.
+    ipc_wake_ahead: with ipc_spin_us > 0, a wait predicted to outlast the spin sleeps until shortly
+        before the request is due, then spins (as target_worker.server.TargetWorkerConfig.ipc_wake_ahead).
+        Default True.
     """
 
     drafter: str = ""
@@ -229,6 +232,7 @@ class DraftWorkerConfig:
     ipc_streams: bool = True
     ipc_idle_timeout_s: float = IDLE_TIMEOUT_S
     ipc_spin_us: int = 0
+    ipc_wake_ahead: bool = True
 
     def validate(self) -> None:
         from specd.target_worker.feature_inline import check_transport
@@ -243,6 +247,7 @@ class DraftWorkerConfig:
             raise ValueError(f"draft-worker: --max-graphs must be an int >= 1, got {self.max_graphs!r}")
         check_idle_timeout(self.ipc_idle_timeout_s, "draft-worker")
         check_spin_us(self.ipc_spin_us, "draft-worker")
+        check_bool(self.ipc_wake_ahead, "ipc_wake_ahead", "draft-worker")
         check_share_mode(self.share_target_weights, "draft-worker")
         if not self.target_watch_s > 0:
             raise ValueError(f"draft-worker: --target-watch-s must be > 0, got {self.target_watch_s}")
@@ -534,16 +539,17 @@ class DraftServicer(pbg.DraftWorkerServicer):
 
 def start_server(servicer: DraftServicer, listen: str, threads: int = 72, max_message_bytes: int = 256 << 20,
                  max_concurrent_rpcs: int = 0, ipc_streams: bool = True,
-                 ipc_idle_timeout_s: float = IDLE_TIMEOUT_S, ipc_spin_us: int = 0):
+                 ipc_idle_timeout_s: float = IDLE_TIMEOUT_S, ipc_spin_us: int = 0, ipc_wake_ahead: bool = True):
     """Starts the drafter worker's server (Propose admitted by compute slots; the idle reaper when the
     servicer has a TTL; the ProposeStream also on an IPC stream socket with ``ipc_streams``, spinning up
-    to ``ipc_spin_us`` before each blocking read of a request; see
+    to ``ipc_spin_us`` before each blocking read of a request, timed by ``ipc_wake_ahead``; see
     target_worker.server.start_worker_server); returns (server, bound port)."""
     from specd.target_worker.server import start_worker_server
 
     return start_worker_server(servicer, listen, pbg.add_DraftWorkerServicer_to_server, SERVICE_NAME,
                                "draft-worker", threads, max_message_bytes, max_concurrent_rpcs, servicer.idle_ttl_s,
-                               PROPOSE_STREAM if ipc_streams else None, ipc_idle_timeout_s, ipc_spin_us)
+                               PROPOSE_STREAM if ipc_streams else None, ipc_idle_timeout_s, ipc_spin_us,
+                               ipc_wake_ahead)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -657,11 +663,12 @@ def run(args) -> int:
                             target_worker=getattr(args, "target_worker", ""),
                             target_watch_s=getattr(args, "target_watch_s", 2.0), ipc_streams=args.ipc_streams,
                             ipc_idle_timeout_s=getattr(args, "ipc_idle_timeout_s", IDLE_TIMEOUT_S),
-                            ipc_spin_us=getattr(args, "ipc_spin_us", 0))
+                            ipc_spin_us=getattr(args, "ipc_spin_us", 0),
+                            ipc_wake_ahead=getattr(args, "ipc_wake_ahead", True))
     cfg.validate()
     servicer = DraftServicer(make_drafter(cfg), cfg.idle_ttl_s, cfg.tombstone_cap, cfg.feature_transport)
     server, _ = start_server(servicer, cfg.listen, cfg.threads or 72, cfg.max_message_bytes, cfg.max_concurrent_rpcs,
-                             cfg.ipc_streams, cfg.ipc_idle_timeout_s, cfg.ipc_spin_us)
+                             cfg.ipc_streams, cfg.ipc_idle_timeout_s, cfg.ipc_spin_us, cfg.ipc_wake_ahead)
     servicer.health = server.health
     head = getattr(servicer.drafter, "shared_head", None)
     if head is not None:

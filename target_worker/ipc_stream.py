@@ -58,7 +58,10 @@ Spin-then-block (``spin_us``, the workers' ``--ipc-spin-us``, default 0 = off): 
 read of a stream's next request, a connection thread with nothing buffered busy-polls its socket for
 up to spin_us (:class:`FrameReader`), so a request arriving meanwhile skips the thread's (and, on a
 VM, the vCPU's) wake-up; then it blocks as before. The idle bound starts after the spin, so it fires
-up to spin_us late. Cost: a busy core for up to spin_us per request, per open stream.
+up to spin_us late. Cost: a busy core for up to spin_us per request, per open stream. With wake-ahead
+(``wake_ahead``, the workers' ``--ipc-wake-ahead``, default on) a wait expected to last longer than the
+spin first sleeps in a blocking poll until shortly before the request is due (:class:`WakeAhead`), so
+the drafter's wait across a whole verify ends in a spin too, not only a short wait.
 
 :meth:`IpcStreamServer.close` refuses new connections, gives open ones the stop's grace, cuts the
 rest and removes the socket and its directory (also at interpreter exit when close was never called).
@@ -70,6 +73,7 @@ stop first and returns gRPC's Event, but only after this close returned, i.e. it
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hmac
 import logging
@@ -112,6 +116,7 @@ JOIN_TIMEOUT_S = 5.0  # close(): how long connections cut off get to end their t
 JOIN_BYTES = 1 << 16  # an answer up to this size is joined with its head and sent by one sendall (larger: send_parts)
 READ_BYTES = 1 << 16  # most bytes one read of a frame head takes: the small request behind it (and any pipelined) too
 MAX_SPIN_US = 100_000  # largest --ipc-spin-us: a spin is a busy core, so it stays short next to any step
+MAX_WAKE_SLEEP_NS = 1_000_000_000  # WakeAhead sleeps at most this long: a stream idle for longer spins at once, as without it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +207,49 @@ def poll_until(poll, end_ns: int) -> bool:
     return False
 
 
+class WakeAhead:
+    """When a stream's waiter should start busy-polling for its next frame: hybrid polling (sleep, then
+    spin), as Linux's NVMe driver sleeps through most of an I/O's expected time before it polls.
+
+    Why: a spin right after a request or answer catches only frames due within the spin window. A longer
+    wait (the coordinator's for a 10 ms verify; a drafter's for the next Propose, across a whole verify)
+    still ends in a blocked thread's wake-up, ~0.15 ms on the H200 host (a hypervisor round trip). One
+    stream's waits repeat closely from step to step, so the shortest of its last DEPTH waits predicts the
+    next one from below: the waiter sleeps until half a spin window before that (in a blocking wait that
+    the frame itself still ends, with the usual wake-up, when it comes earlier), then spins for the window.
+
+    Cost: the same busy core as the spin, once per wait, for about half a window plus how late the frame
+    is against the prediction; a prediction off by more than the window costs the window and no more.
+
+    Args:
+        window_ns: the spin window (the process's ``ipc_spin_us``, in nanoseconds), > 0.
+    """
+
+    DEPTH = 8  # waits remembered
+    MIN_WAITS = 3  # waits seen before any sleep: the first after a stream opens is not a step's
+
+    __slots__ = ("window_ns", "waits")
+
+    def __init__(self, window_ns: int):
+        if window_ns <= 0:
+            raise ValueError(f"WakeAhead: the spin window must be > 0 ns, got {window_ns}")
+        self.window_ns = int(window_ns)
+        self.waits: collections.deque[int] = collections.deque(maxlen=self.DEPTH)
+
+    def record(self, waited_ns: int) -> None:
+        """Adds one wait: nanoseconds from the waiter's start to its frame (with any wake-up in it)."""
+        self.waits.append(max(0, int(waited_ns)))
+
+    def sleep_ns(self) -> int:
+        """Nanoseconds the next wait sleeps before it spins: the shortest recent wait less half a window;
+        0 (spin at once) before MIN_WAITS waits, when that is not positive, or when it exceeds
+        MAX_WAKE_SLEEP_NS (an idle stream: no spin is worth planning)."""
+        if len(self.waits) < self.MIN_WAITS:
+            return 0
+        sleep = min(self.waits) - self.window_ns // 2
+        return sleep if 0 < sleep <= MAX_WAKE_SLEEP_NS else 0
+
+
 class FrameReader:
     """Reads one connection's request frames from its blocking socket through its own buffer, and
     busy-polls for the next one before blocking (``spin_us``).
@@ -220,15 +268,19 @@ class FrameReader:
     Args:
         sock: the connection (blocking; SO_RCVTIMEO, when set, bounds each read's wait: the idle bound).
         spin_us: most microseconds :meth:`spin` polls, 0 (off) .. MAX_SPIN_US.
+        wake_ahead: with spin_us > 0, a wait predicted to outlast the spin sleeps first (:class:`WakeAhead`,
+            fed by :meth:`arrived`).
     """
 
-    __slots__ = ("sock", "buf", "spin_ns", "poll")
+    __slots__ = ("sock", "buf", "spin_ns", "poll", "ahead", "wait_from")
 
-    def __init__(self, sock: socket.socket, spin_us: int = 0):
+    def __init__(self, sock: socket.socket, spin_us: int = 0, wake_ahead: bool = True):
         self.sock = sock
         self.buf = bytearray()  # bytes received beyond the frames read so far
         self.spin_ns = int(spin_us) * 1000
         self.poll = None
+        self.ahead = WakeAhead(self.spin_ns) if self.spin_ns and wake_ahead else None
+        self.wait_from = 0  # time.monotonic_ns() at which the current wait began (0: none being timed)
         if self.spin_ns:
             poller = select.poll()
             poller.register(sock, select.POLLIN)  # POLLHUP / POLLERR are always reported: they end a spin too
@@ -236,11 +288,27 @@ class FrameReader:
 
     def spin(self) -> bool:
         """Polls the socket without blocking until it has input (or a hang-up) or ``spin_us`` passed;
-        returns at once when a byte is already buffered or spinning is off. True when input is ready
-        (the next read does not block), False otherwise. At most spin_us of busy CPU."""
+        returns at once when a byte is already buffered or spinning is off. With wake-ahead it first
+        sleeps in a blocking poll (whole milliseconds) for :meth:`WakeAhead.sleep_ns`, then spins until
+        a window after that. True when input is ready (the next read does not block), False otherwise.
+        At most spin_us (plus the sleep's sub-millisecond rest) of busy CPU."""
         if self.buf or not self.spin_ns:
             return bool(self.buf)
-        return poll_until(self.poll, time.monotonic_ns() + self.spin_ns)
+        start = time.monotonic_ns()
+        sleep = 0
+        if self.ahead is not None:
+            self.wait_from = start
+            sleep = self.ahead.sleep_ns()
+            if sleep >= 1_000_000 and self.poll(sleep // 1_000_000):
+                return True
+        return poll_until(self.poll, start + sleep + self.spin_ns)
+
+    def arrived(self) -> None:
+        """Tells the wake-ahead that the frame the last :meth:`spin` waited for has begun to arrive
+        (call after reading its head): records the wait. No-op without wake-ahead or a timed wait."""
+        if self.wait_from:
+            self.ahead.record(time.monotonic_ns() - self.wait_from)
+            self.wait_from = 0
 
     def read(self, n: int) -> bytes | bytearray | None:
         """Exactly ``n`` bytes (n >= 0; bytes, or a bytearray for a frame read past the buffer); fewer
@@ -300,17 +368,18 @@ class IpcStreamServer:
         idle_timeout_s: a stream with no new request for this long is closed (> 0; module docstring).
         spin_us: before blocking for a stream's next request, busy-poll its socket for up to this many
             microseconds (0 = off, at most MAX_SPIN_US; :class:`FrameReader`).
+        wake_ahead: with spin_us > 0, a wait predicted to outlast the spin sleeps first (:class:`WakeAhead`).
 
     Raises RuntimeError naming the reason when the socket cannot be created (no directory is left),
     ValueError for a spin_us out of range.
     """
 
     def __init__(self, servicer, method: IpcMethod, name: str, max_message_bytes: int, max_connections: int,
-                 idle_timeout_s: float = IDLE_TIMEOUT_S, spin_us: int = 0):
+                 idle_timeout_s: float = IDLE_TIMEOUT_S, spin_us: int = 0, wake_ahead: bool = True):
         check_spin_us(spin_us, name)
         self.servicer, self.method, self.name = servicer, method, name
         self.max_message_bytes, self.max_connections = max_message_bytes, max_connections
-        self.idle_timeout_s, self.spin_us = idle_timeout_s, spin_us
+        self.idle_timeout_s, self.spin_us, self.wake_ahead = idle_timeout_s, spin_us, bool(wake_ahead)
         self.dir = _socket_dir(name)  # mode 0700: only this user (and root) reach the socket
         self._remove_dir = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)  # also at exit
         self.path = os.path.join(self.dir, "stream.sock")
@@ -418,7 +487,8 @@ class IpcStreamServer:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.idle_timeout_s))
             ctx = IpcContext(conn)
             responses = self.servicer.slots.stream(ctx, getattr(self.servicer, self.method.handler),
-                                                   self._requests(conn, FrameReader(conn, self.spin_us)))
+                                                   self._requests(conn, FrameReader(conn, self.spin_us,
+                                                                                       self.wake_ahead)))
             for resp in responses:
                 body = resp.SerializeToString()
                 if len(body) > self.max_message_bytes:  # as gRPC's max_send_message_length
@@ -486,8 +556,9 @@ class IpcStreamServer:
     def _requests(self, conn: socket.socket, reader: FrameReader):
         """The stream's requests. Its first step runs once ComputeSlots admitted the stream: it answers
         the hello then. Ends at the client's half-close (or a close mid-frame: the client is gone).
-        Before each request it spins (``spin_us``, :meth:`FrameReader.spin`) unless one is buffered,
-        then blocks as before: the idle bound counts from the spin's end (at most spin_us later)."""
+        Before each request it spins (``spin_us``, :meth:`FrameReader.spin`, with its wake-ahead sleep)
+        unless one is buffered, then blocks as before: the idle bound counts from the spin's end (at most
+        spin_us plus the sleep, itself at most MAX_WAKE_SLEEP_NS, later)."""
         conn.sendall(OK_FRAME)
         parse = self.method.request.FromString
         while True:
@@ -495,6 +566,7 @@ class IpcStreamServer:
             n = self._frame_length(reader, "request")
             if n is None:
                 return
+            reader.arrived()
             data = reader.read(n)
             if data is None or len(data) < n:  # closed mid-frame, or stalled there for idle_timeout_s
                 return
@@ -634,17 +706,18 @@ def ipc_path(server) -> str:
 
 def serve_ipc_streams(server, servicer, method: IpcMethod, name: str, max_message_bytes: int,
                       max_connections: int, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                      spin_us: int = 0) -> IpcStreamServer | None:
+                      spin_us: int = 0, wake_ahead: bool = True) -> IpcStreamServer | None:
     """Starts an :class:`IpcStreamServer` for ``servicer`` beside the grpc.Server ``server`` and ties its
     life to it: ``server.stop(grace)`` also closes it (after starting the gRPC stop, so both drain at
     once), on every path that stops the server (serve_forever's SIGTERM, tests). The wrapped stop
     blocks until the IPC side is closed (up to grace + 2 * JOIN_TIMEOUT_S, :meth:`IpcStreamServer.close`)
     and then returns gRPC's Event. Returns the IpcStreamServer, or None when the socket cannot be set
     up: IPC is an optimisation on by default, so a warning names the reason and the worker serves
-    its streams over gRPC only (Info offers no socket). ``spin_us``: :class:`IpcStreamServer` (ValueError
-    out of range)."""
+    its streams over gRPC only (Info offers no socket). ``spin_us``, ``wake_ahead``: :class:`IpcStreamServer`
+    (ValueError for a spin_us out of range)."""
     try:
-        ipc = IpcStreamServer(servicer, method, name, max_message_bytes, max_connections, idle_timeout_s, spin_us)
+        ipc = IpcStreamServer(servicer, method, name, max_message_bytes, max_connections, idle_timeout_s, spin_us,
+                              wake_ahead)
     except RuntimeError as exc:
         log.warning("%s: serving without an IPC stream socket (streams over gRPC only): %s", name, exc)
         return None

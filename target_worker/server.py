@@ -118,6 +118,10 @@ class TargetWorkerConfig:
         many microseconds (:class:`.ipc_stream.FrameReader`): a request arriving within the spin skips
         the connection thread's wake-up (~0.15 ms on the H200 host, a VM). Costs a busy core for up to
         that long per request and open stream. Default 0 = off; an int in 0..100000 (MAX_SPIN_US).
+    ipc_wake_ahead: with ipc_spin_us > 0, a wait predicted (from the stream's last waits) to outlast
+        the spin sleeps until shortly before the request is due, then spins
+        (:class:`.ipc_stream.WakeAhead`): a drafter's wait across a whole verify ends in a spin too.
+        Default True; ``--no-ipc-wake-ahead`` spins right after each answer only.
     """
 
     target: str = ""
@@ -144,11 +148,13 @@ class TargetWorkerConfig:
     ipc_streams: bool = True
     ipc_idle_timeout_s: float = IDLE_TIMEOUT_S
     ipc_spin_us: int = 0
+    ipc_wake_ahead: bool = True
 
     def validate(self) -> None:
         if not self.target:
             raise ValueError("target-worker: --target is required")
         check_bool(self.ipc_streams, "ipc_streams", "target-worker")
+        check_bool(self.ipc_wake_ahead, "ipc_wake_ahead", "target-worker")
         check_idle_timeout(self.ipc_idle_timeout_s, "target-worker")
         check_spin_us(self.ipc_spin_us, "target-worker")
         check_transport(self.feature_transport, "target-worker")
@@ -760,13 +766,13 @@ def new_server(threads: int, max_message_bytes: int, max_concurrent_rpcs: int = 
 def start_worker_server(servicer, listen: str, register, service: str, name: str, threads: int,
                         max_message_bytes: int, max_concurrent_rpcs: int, idle_ttl_s: float,
                         ipc_method: IpcMethod | None = None, ipc_idle_timeout_s: float = IDLE_TIMEOUT_S,
-                        ipc_spin_us: int = 0):
+                        ipc_spin_us: int = 0, ipc_wake_ahead: bool = True):
     """Starts a worker's grpc.Server: ``register(servicer, server)`` adds its service, a health
     service reports ``service`` (and "") SERVING, compute calls are admitted by ComputeSlots, and an
     IdleReaper runs when ``idle_ttl_s`` > 0. With ``ipc_method`` the stream method is also served on
     an IPC stream socket (:func:`.ipc_stream.serve_ipc_streams`: at most ``threads`` connections,
     idle ones closed after ``ipc_idle_timeout_s``, a spin of up to ``ipc_spin_us`` before each blocking
-    read of a request, all closed by ``server.stop``; a socket that cannot
+    read of a request (timed by ``ipc_wake_ahead``), all closed by ``server.stop``; a socket that cannot
     be set up only logs a warning: streams over gRPC only). Shared by the target and drafter workers.
     Returns (server, bound port); RuntimeError naming ``name`` when ``listen`` cannot be bound."""
     from grpc_health.v1 import health_pb2
@@ -783,7 +789,7 @@ def start_worker_server(servicer, listen: str, register, service: str, name: str
     try:
         if ipc_method is not None:
             serve_ipc_streams(server, servicer, ipc_method, name, max_message_bytes, threads, ipc_idle_timeout_s,
-                              ipc_spin_us)
+                              ipc_spin_us, ipc_wake_ahead)
         server.start()
     except BaseException:
         server.stop(0)  # also closes the IPC socket when it was created
@@ -806,7 +812,7 @@ def start_server(servicer: TargetServicer, listen: str, threads: int | None = No
                                "target-worker", threads or cfg.rpc_threads, max_message_bytes,
                                cfg.max_concurrent_rpcs if max_concurrent_rpcs is None else max_concurrent_rpcs,
                                cfg.idle_ttl_s, VERIFY_STREAM if cfg.ipc_streams else None, cfg.ipc_idle_timeout_s,
-                               cfg.ipc_spin_us)
+                               cfg.ipc_spin_us, cfg.ipc_wake_ahead)
 
 
 def serve_forever(server, close, name: str, grace_s: float = 2.0) -> int:
@@ -890,6 +896,10 @@ def add_worker_server_arguments(p: argparse.ArgumentParser, d) -> None:
                    help="before blocking for an IPC stream's next request, busy-poll its socket for up to this many "
                         "microseconds, so a request arriving meanwhile skips the thread's wake-up (costs a busy core "
                         f"for up to that long per request and stream; default {d.ipc_spin_us} = off; 0..{MAX_SPIN_US})")
+    p.add_argument("--ipc-wake-ahead", action=argparse.BooleanOptionalAction, default=d.ipc_wake_ahead,
+                   help="with --ipc-spin-us, a wait predicted from the stream's last waits to outlast the spin sleeps "
+                        "until shortly before the request is due, then spins (default on; --no-ipc-wake-ahead: "
+                        "spin right after each answer only)")
     add_transport_argument(p, d.feature_transport)
 
 
@@ -940,7 +950,8 @@ def config_from_args(args) -> TargetWorkerConfig:
                              tombstone_cap=args.tombstone_cap, shutdown_grace_s=args.shutdown_grace_s,
                              feature_transport=args.feature_transport, ipc_streams=args.ipc_streams,
                              ipc_idle_timeout_s=getattr(args, "ipc_idle_timeout_s", IDLE_TIMEOUT_S),
-                             ipc_spin_us=getattr(args, "ipc_spin_us", 0))
+                             ipc_spin_us=getattr(args, "ipc_spin_us", 0),
+                             ipc_wake_ahead=getattr(args, "ipc_wake_ahead", True))
     cfg.validate()
     return cfg
 

@@ -33,7 +33,8 @@ the workers' IPC stream sockets, the default hot path): run it with and without 
 ``--ipc-spin-us N [N ...]`` gives every process (the target worker, the drafter workers, the coordinators)
 ``--ipc-spin-us N`` (busy-poll before blocking for an IPC request or answer, specd.target_worker.ipc_stream);
 a value ``W:C`` gives the workers W and the coordinators C (e.g. ``1000:0``: the workers' spin alone;
-default ``0:1000``, the service's defaults). With
+default ``0:1000``, the service's defaults); a suffix ``/fixed`` gives them ``--no-ipc-wake-ahead`` (spin
+right after each request or answer only, not from shortly before the predicted one). With
 several values the service is started once per value (the reference runs once) and each gets its table,
 so spin on / off is compared in one call.
 """
@@ -151,21 +152,27 @@ def summarise(label, results, reference):
                 compute_ms=1e3 * compute / n)
 
 
-def spin_value(text: str) -> tuple[int, int]:
-    """An --ipc-spin-us value: "N" (every process) or "W:C" -> (workers' us, coordinators' us)."""
-    parts = text.split(":")
-    if len(parts) > 2 or not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError(f"expected N or W:C (microseconds >= 0), got {text!r}")
-    return int(parts[0]), int(parts[-1])
+def spin_value(text: str) -> tuple[int, int, bool]:
+    """An --ipc-spin-us value: "N" (every process) or "W:C", optionally with "/fixed" (no wake-ahead)
+    -> (workers' us, coordinators' us, wake-ahead)."""
+    spins, _, how = text.partition("/")
+    parts = spins.split(":")
+    if len(parts) > 2 or not all(p.isdigit() for p in parts) or how not in ("", "fixed"):
+        raise argparse.ArgumentTypeError(f"expected N or W:C (microseconds >= 0), optionally /fixed, got {text!r}")
+    return int(parts[0]), int(parts[-1]), not how
 
 
-def spin_label(spin: tuple[int, int]) -> str:
-    return str(spin[0]) if spin[0] == spin[1] else f"{spin[0]}:{spin[1]}"
+def spin_label(spin: tuple[int, int, bool]) -> str:
+    return (str(spin[0]) if spin[0] == spin[1] else f"{spin[0]}:{spin[1]}") + ("" if spin[2] else "/fixed")
 
 
-def target_argv(args, run_dir: str, spin: tuple[int, int]) -> list[str]:
+def wake_flag(spin: tuple[int, int, bool]) -> str:
+    return "--ipc-wake-ahead" if spin[2] else "--no-ipc-wake-ahead"
+
+
+def target_argv(args, run_dir: str, spin: tuple[int, int, bool]) -> list[str]:
     return ["target-worker", "--target", args.target, "--listen", f"unix://{run_dir}/target.sock",
-            "--device", args.device, "--ipc-spin-us", str(spin[0])]
+            "--device", args.device, "--ipc-spin-us", str(spin[0]), wake_flag(spin)]
 
 
 def reference_run(args):
@@ -185,9 +192,9 @@ def reference_run(args):
     # pool keeps its blocks)
 
 
-def service_run(args, run_dir: str, spin: tuple[int, int], target: subprocess.Popen, cont: str, vocab: int,
+def service_run(args, run_dir: str, spin: tuple[int, int, bool], target: subprocess.Popen, cont: str, vocab: int,
                 prompts, reference) -> list[dict]:
-    """Starts the drafter workers and coordinators (``--ipc-spin-us`` spin[0] / spin[1]) beside the
+    """Starts the drafter workers and coordinators (``--ipc-spin-us`` spin[0] / spin[1], wake-ahead spin[2]) beside the
     started ``target`` worker, runs every mode and returns its rows; stops all of them, ``target`` too."""
     import grpc
 
@@ -207,7 +214,7 @@ def service_run(args, run_dir: str, spin: tuple[int, int], target: subprocess.Po
             drafters[name] = (dsock, launch(["draft-worker", "--listen", dsock, "--vocab", str(vocab),
                                              "--scripted-block", str(block), "--scripted-accept", str(accept),
                                              "--scripted-continuations", cont, "--device", args.device,
-                                             "--ipc-spin-us", str(spin[0])]))
+                                             "--ipc-spin-us", str(spin[0]), wake_flag(spin)]))
             procs.append(drafters[name][1])
         for name, (_, p) in drafters.items():
             wait_ready(p, f"draft-worker {name}")
@@ -216,7 +223,7 @@ def service_run(args, run_dir: str, spin: tuple[int, int], target: subprocess.Po
         for name, (dsock, _) in [("plain-1", drafters["exact"])] + list(drafters.items()):
             addr = f"127.0.0.1:{free_port()}"
             argv = ["coordinator", "--target", tsock, "--drafter", dsock, "--tokenizer", args.target,
-                    "--listen", addr, "--metrics-port", "0", "--ipc-spin-us", str(spin[1]),
+                    "--listen", addr, "--metrics-port", "0", "--ipc-spin-us", str(spin[1]), wake_flag(spin),
                     "--plain-steps-per-call", "1" if name == "plain-1" else str(args.plain_steps_per_call)]
             argv += ["--no-worker-streams"] if args.no_worker_streams else []
             argv += ["--no-ipc-streams"] if args.no_ipc_streams else []
@@ -258,9 +265,10 @@ def main():
                     help="coordinators make one unary worker call per step (the previous hot path)")
     ap.add_argument("--no-ipc-streams", action="store_true",
                     help="coordinators use gRPC streams instead of the workers' IPC stream sockets (default: IPC)")
-    ap.add_argument("--ipc-spin-us", type=spin_value, nargs="+", default=[(0, 1000)], metavar="N|W:C",
+    ap.add_argument("--ipc-spin-us", type=spin_value, nargs="+", default=[(0, 1000, True)], metavar="N|W:C[/fixed]",
                     help="--ipc-spin-us for every process, or W for the workers and C for the coordinators "
-                         "(default 0:1000, the service's defaults; 0 = off); several values: one service run each")
+                         "(default 0:1000, the service's defaults; 0 = off); /fixed: --no-ipc-wake-ahead (spin right "
+                         "after each request or answer only); several values: one service run each")
     ap.add_argument("--write", default="", help="append the markdown section to this file")
     args = ap.parse_args()
     if min(args.al) < 2 or args.block < max(args.al) - 1:
@@ -270,7 +278,7 @@ def main():
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     rt = tempfile.mkdtemp(prefix="specd-loop-")
-    runs = []  # ((workers us, coordinators us), rows) per service run
+    runs = []  # ((workers us, coordinators us, wake-ahead), rows) per service run
     try:
         reference = None
         for i, spin in enumerate(args.ipc_spin_us):
@@ -320,8 +328,9 @@ def main():
              "Plain decode runs at 1 and at --plain-steps-per-call target steps per Verify call (a plain run); "
              "\"vs plain\" is against the first row. Steps are target steps (a plain run counts each of its steps). "
              "`--ipc-spin-us N`: every process busy-polls up to N us for an IPC request or answer before blocking "
-             "(0 = off; `W:C`: the workers W us, the coordinators C us); one service run per value, in the order "
-             "given.", ""]
+             "(0 = off; `W:C`: the workers W us, the coordinators C us), from half a window before the answer or "
+             "request its stream's last ones predict when that is later (wake-ahead; `/fixed`: right after the "
+             "request or answer only); one service run per value, in the order given.", ""]
     for spin, rows in runs:
         base = rows[0]["tok_s"]
         lines += [f"**--ipc-spin-us {spin_label(spin)}**", "",
