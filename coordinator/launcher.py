@@ -81,10 +81,13 @@ class ServeConfig:
         "auto" and a drafter GGUF (``--export-head``, else ``--no-export-head``: the legacy CUDA IPC
         mapping of an exported buffer is writable by the importer).
     worker_ipc_spin_us: both workers' ``--ipc-spin-us`` (a worker busy-polls for a stream's next
-        request, specd.target_worker.ipc_stream), an int in 0..100000. Default 0 = off: on the H200
-        3000 lowered the block-8 speculative step's loop overhead further (0.95 -> 0.79 ms) but on the
-        2-core VM the spinning workers took cores from the compute (+27 %) (BENCHMARKS.md, session of
-        2026-12-02 06:00 UTC). The coordinator's own spin is ``--ipc-spin-us`` (default 1000). The
+        request, specd.target_worker.ipc_stream), an int in 0..100000 (0 = off) or -1 (the default,
+        auto): each worker spins 1000 us on a GPU and not at all on the CPU
+        (:func:`specd.target_worker.ipc_stream.resolve_spin_us`). On the H200 the workers' spin with
+        wake-ahead took the AL 5 step's loop overhead from 6.6 to 5.7 % (exact drafts) and 5.8 to 5.0 %
+        (block 8) (BENCHMARKS.md, session of 2026-12-02 11:53 UTC); on the 2-core VM spinning workers
+        took cores from the CPU compute (+27 %, session of 2026-12-02 06:00 UTC). The coordinator's own
+        spin is ``--ipc-spin-us`` (default 1000). The
         coordinator's ``--ipc-wake-ahead`` / ``--no-ipc-wake-ahead`` is passed to both workers too.
     start_timeout_s: wait for each child's READY line. Default 600.
     """
@@ -107,7 +110,7 @@ class ServeConfig:
     slot_cache: int = 2
     gemv_tiles: bool = True
     share_target_weights: str = "auto"
-    worker_ipc_spin_us: int = 0
+    worker_ipc_spin_us: int = -1
     start_timeout_s: float = 600.0
 
     def resolve_models(self) -> None:
@@ -142,7 +145,7 @@ class ServeConfig:
         check_share_mode(self.share_target_weights, "serve")
         from specd.target_worker.ipc_stream import check_spin_us
 
-        check_spin_us(self.worker_ipc_spin_us, "serve", "worker_ipc_spin_us")
+        check_spin_us(self.worker_ipc_spin_us, "serve", "worker_ipc_spin_us", auto=True)
         if self.kv_dtype not in ("f16", "q8_0", "f32"):
             raise ValueError(f"serve: --kv-dtype must be f16, q8_0 or f32, got {self.kv_dtype!r}")
         from specd.target_worker.server import check_device
@@ -228,7 +231,8 @@ def add_arguments(p) -> None:
     add_share_argument(p, d.share_target_weights)
     p.add_argument("--worker-ipc-spin-us", type=int, default=d.worker_ipc_spin_us,
                    help="both workers' --ipc-spin-us: busy-poll for a stream's next request for up to this many "
-                        f"microseconds (default {d.worker_ipc_spin_us} = off; 0..100000)")
+                        f"microseconds (0..100000, 0 = off; default {d.worker_ipc_spin_us} = auto: 1000 on a GPU, off on "
+                        "the CPU)")
     p.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s,
                    help="wait for each child's READY (default 600)")
     before = len(p._actions)

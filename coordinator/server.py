@@ -667,17 +667,91 @@ class IpcStream(SequenceStream):
         try:
             return await self._call_ipc(msg, deadline)
         except RequestError as exc:
-            if exc.code == grpc.StatusCode.UNAVAILABLE and self.instead is None and self.on_lost is not None:
-                self.on_lost(self.offer)
+            self._lost(exc)
             raise
 
-    async def _call_ipc(self, msg, deadline: float | None):
-        """:meth:`call` over the socket (or, when it cannot be opened, :meth:`_fall_back`)."""
-        left = self._budget(deadline)
+    def can_send_early(self) -> bool:
+        """Whether :meth:`send_early` may send now: the connection is open and no call is in flight."""
+        return (self.instead is None and self.opened and self.sock is not None and self.waiter is None
+                and self.expiry is None and not self.unsent)
+
+    def send_early(self, msg, deadline: float | None) -> int:
+        """The first half of a call, synchronous: sends ``msg`` now (:meth:`can_send_early` must hold)
+        so that the worker computes while the caller does other work; :meth:`answer` takes the
+        response. Returns the send time (time.monotonic_ns()) for it. Raises RequestError like
+        :meth:`call` (the connection is closed then)."""
+        try:
+            left = self._budget(deadline)
+            data = self._serialized(msg)
+            self.expired = False
+            self._arm(left)
+            return self._put(data)
+        except BaseException as exc:
+            self.expiry = None
+            raise self._reported(exc, deadline) from None
+
+    async def answer(self, sent_ns: int, deadline: float | None):
+        """The second half of a call begun by :meth:`send_early` (``sent_ns``: its return): the
+        worker's response, under the call's bound re-armed from now. Raises like :meth:`call`."""
+        try:
+            self._arm(self._budget(deadline))
+            return await self._response(sent_ns)
+        except BaseException as exc:
+            raise self._reported(exc, deadline) from None
+        finally:
+            self.expiry = None
+
+    def _lost(self, exc: RequestError) -> None:
+        """Tells ``on_lost`` of an UNAVAILABLE error on the socket (not of the fallback stream's)."""
+        if exc.code == grpc.StatusCode.UNAVAILABLE and self.instead is None and self.on_lost is not None:
+            self.on_lost(self.offer)
+
+    def _serialized(self, msg) -> bytes:
         data = msg.SerializeToString()
         if len(data) > self.max_bytes:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.what}: request of {len(data)} bytes exceeds "
                                                                    f"internal_max_message_bytes {self.max_bytes}")
+        return data
+
+    def _put(self, data: bytes) -> int:
+        """Sends one request frame; returns the send time (time.monotonic_ns()), 0 when the worker
+        closed the connection already (its last frame, an error, or EOF answers)."""
+        if self.sock is None:
+            return 0
+        self._send((FRAME.pack(len(data)), data))  # no joined copy of a large request
+        return time.monotonic_ns()
+
+    async def _response(self, sent_ns: int):
+        status, body = await self._answer(sent_ns)
+        if status:
+            raise status_error(*parse_error(body), self.what)
+        return self.offer.method.response.FromString(body)
+
+    def _failed(self, exc: BaseException, deadline: float | None) -> BaseException:
+        """What a failed call raises (the connection is closed first: its state is unknown): the
+        connection's own failure as DEADLINE_EXCEEDED (expired) or UNAVAILABLE (told to ``on_lost``),
+        an unparsable answer as INTERNAL, anything else (a worker's error, a cancellation) as it is."""
+        self._abort()
+        if isinstance(exc, (OSError, EOFError, asyncio.TimeoutError)):
+            if self.expired:
+                return self._timed_out(deadline)
+            exc = status_error(grpc.StatusCode.UNAVAILABLE, f"IPC stream socket {self.offer.path}: "
+                                                            f"{exc or type(exc).__name__}", self.what)
+        elif isinstance(exc, DecodeError):
+            return RequestError(grpc.StatusCode.INTERNAL, f"{self.what}: unparsable IPC answer: {exc}")
+        return exc
+
+    def _reported(self, exc: BaseException, deadline: float | None) -> BaseException:
+        """:meth:`_failed`, with an UNAVAILABLE error told to ``on_lost`` (as :meth:`call` does)."""
+        err = self._failed(exc, deadline)
+        if isinstance(err, RequestError):
+            self._lost(err)
+        return err
+
+    async def _call_ipc(self, msg, deadline: float | None):
+        """:meth:`call` over the socket (or, when it cannot be opened, :meth:`_fall_back`)."""
+        left = self._budget(deadline)
+        data = self._serialized(msg)
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
         self.expired = False
@@ -686,26 +760,9 @@ class IpcStream(SequenceStream):
             if not self.opened and not await self._open(left):
                 self.expiry = None  # the fallback stream bounds its own call
                 return await self._fall_back(msg, deadline)
-            sent_ns = 0
-            if self.sock is not None:  # else the worker closed it: its last frame (an error) or EOF answers
-                self._send((FRAME.pack(len(data)), data))  # no joined copy of a large request
-                sent_ns = time.monotonic_ns()
-            status, body = await self._answer(sent_ns)
-            if status:
-                raise status_error(*parse_error(body), self.what)
-            return self.offer.method.response.FromString(body)
-        except (OSError, EOFError, asyncio.TimeoutError) as exc:
-            self._abort()
-            if self.expired:
-                raise self._timed_out(deadline) from None
-            raise status_error(grpc.StatusCode.UNAVAILABLE, f"IPC stream socket {self.offer.path}: "
-                                                            f"{exc or type(exc).__name__}", self.what) from None
-        except DecodeError as exc:
-            self._abort()
-            raise RequestError(grpc.StatusCode.INTERNAL, f"{self.what}: unparsable IPC answer: {exc}") from None
-        except BaseException:  # a worker error, or this call cancelled: the connection's state is unknown
-            self._abort()
-            raise
+            return await self._response(self._put(data))
+        except BaseException as exc:
+            raise self._failed(exc, deadline) from None
         finally:
             self.expiry = None
 
@@ -1390,6 +1447,44 @@ class Coordinator(gpbg.SpecDecodeServicer):
         except grpc.aio.AioRpcError as exc:
             raise rpc_error(exc, what) from exc
 
+    def _propose_request(self, seq_id: str, start: int, new_tokens, anchor: int, k: int, opts: SpecOptions,
+                         rows=()) -> tuple:
+        """(the ProposeRequest of a step drafting up to ``k`` tokens after ``anchor``, with the drafter
+        synced from ``start`` to ``start + len(new_tokens)``; its top_k: DDTree's candidates per draft)."""
+        top_k = opts.top_k or auto_top_k(opts.budget, k, self.dinfo.max_top_k) if opts.tree else 0
+        req = wpb.ProposeRequest(seq_id=seq_id, start=start, new_tokens=new_tokens, anchor=anchor, max_tokens=k,
+                                 confidence_threshold=opts.confidence_threshold, top_k=top_k,
+                                 top_k_temperature=opts.temperature if top_k else 0.0,
+                                 dspark_markov=opts.dspark_markov, rows=rows)
+        return req, top_k
+
+    def _propose_early(self, stream, seq_id: str, synced: int, ahead: list[int], committed: int, anchor: int,
+                       opts: SpecOptions, fin: Finisher, emitted: int, policy: AdaptivePolicy, force: bool, deadline):
+        """Sends the next step's Propose at a speculative step's verify answer, before the step's
+        bookkeeping (finish rules, detokenisation, chunks, stats): the drafter computes meanwhile, so
+        the bookkeeping leaves the loop's critical path. Only where the next step is already known:
+        an IPC stream with nothing in flight, no armed reasoning budget (which may rewrite tokens), the
+        ``emitted`` tokens leaving room for a draft, the policy speculating next, and the deadline
+        fitting a speculative step. The request is the one the next step would build (the tokens
+        ``ahead`` of ``synced``, i.e. the anchor and the verify's emitted tokens, up to ``committed``;
+        the new ``anchor``); if the request finishes instead, its answer is dropped with the stream.
+        Returns the next step's (k, top_k, send time in ns, perf_counter at the send), None when not
+        sent, or the RequestError of a failed send, raised by the next step (not by a request that
+        finishes)."""
+        if not isinstance(stream, IpcStream) or not stream.can_send_early():
+            return None
+        k = min(opts.cap, fin.max_tokens - len(fin.ids) - emitted - 1)
+        if k <= 0 or not (force or policy.speculate_next()):
+            return None
+        if deadline is not None and policy.t_spec is not None and deadline - time.monotonic() < policy.t_spec:
+            return None
+        req, top_k = self._propose_request(seq_id, synced, ahead[:committed - synced], anchor, k, opts)
+        t0 = time.perf_counter()
+        try:
+            return k, top_k, stream.send_early(req, deadline), t0
+        except RequestError as exc:
+            return exc
+
     def _tree(self, anchor: int, prop, rows: int, top_k: int, budget: int, chain_seed: bool):
         """The DDTree of one step from a ProposeResponse's row-major top-k ([rows, top_k]) under
         ``budget`` nodes (>= k, as the sequence capacity leaves room for the chain); INTERNAL when
@@ -1497,6 +1592,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         synced = 0  # positions the drafter has ingested
         # a plain run stops early at these (an optimisation only: the Finisher decides what is sent)
         run_stops = list(fin.stop_ids) if len(fin.stop_ids) < MAX_RUN_STOP_IDS else []
+        early = None  # the next step's Propose when sent at the last verify's answer (_propose_early)
         if rb is not None and rb.run_stop is not None:  # and at a <think> (reasoning.py)
             run_stops.append(rb.run_stop)
         while not fin.done:
@@ -1508,36 +1604,41 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 break
             step += 1
             remaining = fin.max_tokens - len(fin.ids)
-            k = min(cap, remaining - 1)
-            room = rb.room() if rb is not None else None
-            if room is not None:  # clip to the thinking tokens left; 0 = a forced close token is next
-                k = min(k, room)
-                remaining = min(remaining, room + 1)  # a plain run too: only its last token may overflow
             force = mode == gpb.SPECULATION_MODE_FORCE
-            speculate = k > 0 and (force or policy.speculate_next())
             catch_up = committed - synced
-            if speculate and deadline is not None and policy.t_spec is not None \
-                    and deadline - time.monotonic() < policy.t_spec:
-                speculate = False  # a speculative step would not fit the deadline: plain steps to the end
-            if inline and k > 0 and catch_up + cap + 1 > inline_cap:
-                speculate = True  # drain the rows pending for the drafter before they outgrow one message
-            t0 = time.perf_counter()
+            if early is not None:  # this step's Propose went out at the last verify's answer (_propose_early)
+                if isinstance(early, BaseException):
+                    raise early
+                k, top_k, sent_ns, t0 = early
+                early = None
+                speculate = True
+            else:
+                sent_ns = 0
+                k = min(cap, remaining - 1)
+                room = rb.room() if rb is not None else None
+                if room is not None:  # clip to the thinking tokens left; 0 = a forced close token is next
+                    k = min(k, room)
+                    remaining = min(remaining, room + 1)  # a plain run too: only its last token may overflow
+                speculate = k > 0 and (force or policy.speculate_next())
+                if speculate and deadline is not None and policy.t_spec is not None \
+                        and deadline - time.monotonic() < policy.t_spec:
+                    speculate = False  # a speculative step would not fit the deadline: plain steps to the end
+                if inline and k > 0 and catch_up + cap + 1 > inline_cap:
+                    speculate = True  # drain the rows pending for the drafter before they outgrow one message
+                t0 = time.perf_counter()
             drafts: list[int] = []
             tree = None
-            if speculate:
-                top_k = 0
-                if opts.tree:
-                    top_k = opts.top_k or auto_top_k(opts.budget, k, self.dinfo.max_top_k)
-                req = wpb.ProposeRequest(seq_id=seq_id, start=synced, new_tokens=tokens[synced:committed],
-                                         anchor=anchor, max_tokens=k, confidence_threshold=opts.confidence_threshold,
-                                         top_k=top_k, top_k_temperature=opts.temperature if top_k else 0.0,
-                                         dspark_markov=opts.dspark_markov, rows=rows_out)
+            if speculate and sent_ns:
+                prop = await streams["propose"].answer(sent_ns, deadline)
+            elif speculate:
+                req, top_k = self._propose_request(seq_id, synced, tokens[synced:committed], anchor, k, opts, rows_out)
                 rows_out = []
                 if not started["drafter"]:
                     req.features.CopyFrom(pre.features)
                     started["drafter"] = True
                 prop = await self._call(streams["propose"] if streams else self.drafter.Propose, req, deadline,
                                         "propose")
+            if speculate:
                 stats.dspark_markov = int(prop.dspark_markov)  # worker.proto and generate.proto share the values
                 synced = committed
                 drafts = list(prop.tokens)[:k]
@@ -1584,6 +1685,13 @@ class Coordinator(gpbg.SpecDecodeServicer):
             committed = vr.committed
             if inline and vr.HasField("rows"):
                 rows_out.append(vr.rows)
+            if speculate:
+                # a Propose that also ingested the prompt or a catch-up after plain steps is slower
+                # than a steady-state step: its time stays out of t_spec
+                policy.record_spec(step, m, dt if catch_up <= cap + 1 else None, gate=not force)
+                if streams is not None and (rb is None or not rb.armed) and not inline and not live.aborted:
+                    early = self._propose_early(streams["propose"], seq_id, synced, tokens[synced:] + emitted,
+                                                committed, emitted[-1], opts, fin, len(emitted), policy, force, deadline)
             # Token by token up to the finish: the reasoning budget (an overflowing bonus, never fed to
             # the target, becomes a close token) and the stop / max_tokens cut inside the block; only
             # the tokens up to the cut count (accepted drafts, thinking tokens, a run's steps), so the
@@ -1643,9 +1751,6 @@ class Coordinator(gpbg.SpecDecodeServicer):
                             per_rank[rk] += 1
                 else:
                     stats.num_plain_steps += 1
-                # a Propose that also ingested the prompt or a catch-up after plain steps is slower
-                # than a steady-state step: its time stays out of t_spec
-                policy.record_spec(step, m, dt if catch_up <= cap + 1 else None, gate=not force)
             else:
                 stats.num_plain_steps += steps
                 policy.record_plain_run(first_step, steps, dt / share)

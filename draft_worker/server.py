@@ -45,7 +45,8 @@ import numpy as np
 from specd.protos.v1 import worker_pb2 as pb
 from specd.protos.v1 import worker_pb2_grpc as pbg
 from specd.target_worker.feature_shm import FeatureHandleInfo, attach_reader, shm_namespace_id
-from specd.target_worker.ipc_stream import IDLE_TIMEOUT_S, PROPOSE_STREAM, ipc_info, ipc_path
+from specd.target_worker.ipc_stream import (AUTO_SPIN_US, IDLE_TIMEOUT_S, PROPOSE_STREAM, ipc_info, ipc_path,
+                                            resolve_spin_us)
 
 from .model import DEFAULT_MARKOV, MARKOV_MODES
 
@@ -199,8 +200,8 @@ class DraftWorkerConfig:
     ipc_idle_timeout_s: an IPC stream with no new request for this long is closed and its compute
         slot freed (as target_worker.server.TargetWorkerConfig.ipc_idle_timeout_s). Default 80; > 0.
     ipc_spin_us: busy-poll an IPC stream's socket for up to this many microseconds before blocking for
-        its next request (as target_worker.server.TargetWorkerConfig.ipc_spin_us). Default 0 = off;
-        0..100000.
+        its next request (as target_worker.server.TargetWorkerConfig.ipc_spin_us). 0..100000 (0 = off)
+        or -1 (the default): 1000 on a GPU, off on the CPU.
     ipc_wake_ahead: with ipc_spin_us > 0, a wait predicted to outlast the spin sleeps until shortly
         before the request is due, then spins (as target_worker.server.TargetWorkerConfig.ipc_wake_ahead).
         Default True.
@@ -231,7 +232,7 @@ class DraftWorkerConfig:
     target_watch_s: float = 2.0
     ipc_streams: bool = True
     ipc_idle_timeout_s: float = IDLE_TIMEOUT_S
-    ipc_spin_us: int = 0
+    ipc_spin_us: int = AUTO_SPIN_US
     ipc_wake_ahead: bool = True
 
     def validate(self) -> None:
@@ -246,7 +247,7 @@ class DraftWorkerConfig:
         if isinstance(self.max_graphs, bool) or not isinstance(self.max_graphs, int) or self.max_graphs < 1:
             raise ValueError(f"draft-worker: --max-graphs must be an int >= 1, got {self.max_graphs!r}")
         check_idle_timeout(self.ipc_idle_timeout_s, "draft-worker")
-        check_spin_us(self.ipc_spin_us, "draft-worker")
+        check_spin_us(self.ipc_spin_us, "draft-worker", auto=True)
         check_bool(self.ipc_wake_ahead, "ipc_wake_ahead", "draft-worker")
         check_share_mode(self.share_target_weights, "draft-worker")
         if not self.target_watch_s > 0:
@@ -663,12 +664,13 @@ def run(args) -> int:
                             target_worker=getattr(args, "target_worker", ""),
                             target_watch_s=getattr(args, "target_watch_s", 2.0), ipc_streams=args.ipc_streams,
                             ipc_idle_timeout_s=getattr(args, "ipc_idle_timeout_s", IDLE_TIMEOUT_S),
-                            ipc_spin_us=getattr(args, "ipc_spin_us", 0),
+                            ipc_spin_us=getattr(args, "ipc_spin_us", AUTO_SPIN_US),
                             ipc_wake_ahead=getattr(args, "ipc_wake_ahead", True))
     cfg.validate()
     servicer = DraftServicer(make_drafter(cfg), cfg.idle_ttl_s, cfg.tombstone_cap, cfg.feature_transport)
     server, _ = start_server(servicer, cfg.listen, cfg.threads or 72, cfg.max_message_bytes, cfg.max_concurrent_rpcs,
-                             cfg.ipc_streams, cfg.ipc_idle_timeout_s, cfg.ipc_spin_us, cfg.ipc_wake_ahead)
+                             cfg.ipc_streams, cfg.ipc_idle_timeout_s,
+                             resolve_spin_us(cfg.ipc_spin_us, cfg.resolved_device), cfg.ipc_wake_ahead)
     servicer.health = server.health
     head = getattr(servicer.drafter, "shared_head", None)
     if head is not None:

@@ -116,6 +116,8 @@ JOIN_TIMEOUT_S = 5.0  # close(): how long connections cut off get to end their t
 JOIN_BYTES = 1 << 16  # an answer up to this size is joined with its head and sent by one sendall (larger: send_parts)
 READ_BYTES = 1 << 16  # most bytes one read of a frame head takes: the small request behind it (and any pipelined) too
 MAX_SPIN_US = 100_000  # largest --ipc-spin-us: a spin is a busy core, so it stays short next to any step
+AUTO_SPIN_US = -1  # the workers' default --ipc-spin-us: GPU_SPIN_US on a GPU, 0 (off) on the CPU (resolve_spin_us)
+GPU_SPIN_US = 1000  # a GPU worker's spin window: H200, 27B, AL 5 (BENCHMARKS.md, session of 2026-12-02 11:53 UTC)
 MAX_WAKE_SLEEP_NS = 1_000_000_000  # WakeAhead sleeps at most this long: a stream idle for longer spins at once, as without it
 
 
@@ -613,10 +615,24 @@ class IpcStreamServer:
         self._remove_dir()
 
 
-def check_spin_us(value, who: str, field: str = "ipc_spin_us") -> None:
-    """ValueError unless ``value`` (the spin field ``field`` of ``who``'s config) is an int in 0..MAX_SPIN_US."""
+def check_spin_us(value, who: str, field: str = "ipc_spin_us", auto: bool = False) -> None:
+    """ValueError unless ``value`` (the spin field ``field`` of ``who``'s config) is an int in 0..MAX_SPIN_US,
+    or AUTO_SPIN_US where ``auto`` (a worker's field)."""
+    if auto and value == AUTO_SPIN_US and not isinstance(value, bool):
+        return
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SPIN_US:
-        raise ValueError(f"{who}: {field} must be an integer in 0..{MAX_SPIN_US} (microseconds), got {value!r}")
+        also = f" or {AUTO_SPIN_US} (auto)" if auto else ""
+        raise ValueError(f"{who}: {field} must be an integer in 0..{MAX_SPIN_US} (microseconds){also}, got {value!r}")
+
+
+def resolve_spin_us(value: int, device: str) -> int:
+    """A worker's spin window in microseconds: ``value``, or for AUTO_SPIN_US GPU_SPIN_US when the worker
+    computes on a GPU (``device`` "cuda": its host cores idle during the compute, so a spin costs no compute)
+    and 0 on the CPU (a spinning thread would take a core from the compute: +27 % loop overhead on the
+    2-core VM, BENCHMARKS.md, session of 2026-12-02 06:00 UTC)."""
+    if value != AUTO_SPIN_US:
+        return value
+    return GPU_SPIN_US if device == "cuda" else 0
 
 
 def _timeval(seconds: float) -> bytes:

@@ -20,7 +20,8 @@ from specd.draft_worker import server as dserver
 from specd.protos.v1 import worker_pb2 as wpb
 from specd.target_worker import ipc_stream
 from specd.target_worker import server as tserver
-from specd.target_worker.ipc_stream import MAX_SPIN_US, VERIFY_STREAM, FrameReader, IpcStreamServer
+from specd.target_worker.ipc_stream import (AUTO_SPIN_US, GPU_SPIN_US, MAX_SPIN_US, VERIFY_STREAM, FrameReader,
+                                            IpcStreamServer, resolve_spin_us)
 
 from .test_ipc_streams import _Servicer, _answer, _closed, _frame, _hello, call_after_idle
 from .test_serving import wait_released
@@ -366,22 +367,28 @@ def test_spinning_service_gives_the_plain_greedy_output(stack, reference, monkey
 
 
 def test_ipc_spin_flags_defaults_validation_and_serve_forwarding(serve_argvs):
-    """--ipc-spin-us: a typed field of both workers (default 0 = off) and the coordinator (default 1000),
-    an int in 0..MAX_SPIN_US (ValueError naming the field otherwise, also from IpcStreamServer), and
-    specd serve passes --worker-ipc-spin-us (default 0) to both workers as their --ipc-spin-us."""
+    """--ipc-spin-us: a typed field of both workers (default -1 = auto: 1000 us on a GPU, off on the CPU)
+    and the coordinator (default 1000), an int in 0..MAX_SPIN_US (or -1 for a worker; ValueError naming
+    the field otherwise, also from IpcStreamServer), and specd serve passes --worker-ipc-spin-us (default
+    -1) to both workers as their --ipc-spin-us."""
     from specd.coordinator import launcher
     from specd.coordinator.cli import build_parser
     from specd.coordinator.config import CoordinatorConfig, config_from_args
 
     assert MAX_SPIN_US == 100_000
-    assert tserver.TargetWorkerConfig().ipc_spin_us == dserver.DraftWorkerConfig().ipc_spin_us == 0
-    assert CoordinatorConfig().ipc_spin_us == 1000 and launcher.ServeConfig().worker_ipc_spin_us == 0
+    assert tserver.TargetWorkerConfig().ipc_spin_us == dserver.DraftWorkerConfig().ipc_spin_us == AUTO_SPIN_US == -1
+    assert CoordinatorConfig().ipc_spin_us == 1000 and launcher.ServeConfig().worker_ipc_spin_us == -1
+    assert resolve_spin_us(-1, "cuda") == GPU_SPIN_US == 1000 and resolve_spin_us(-1, "cpu") == 0
+    assert resolve_spin_us(300, "cuda") == resolve_spin_us(300, "cpu") == 300
+    tserver.TargetWorkerConfig(target="t.gguf").validate()  # auto is a worker's valid value...
+    with pytest.raises(ValueError, match="coordinator: ipc_spin_us"):
+        CoordinatorConfig(ipc_spin_us=-1).validate()  # ... not the coordinator's
     p = build_parser()
     assert tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf", "--ipc-spin-us",
                                                   "300"])).ipc_spin_us == 300
     assert p.parse_args(["draft-worker", "--vocab", "8", "--ipc-spin-us", "40"]).ipc_spin_us == 40
     assert config_from_args(p.parse_args(["coordinator", "--ipc-spin-us", "200"])).ipc_spin_us == 200
-    for bad in (-1, MAX_SPIN_US + 1, 1.5, "5", True):
+    for bad in (-2, MAX_SPIN_US + 1, 1.5, "5", True):
         for cfg in (tserver.TargetWorkerConfig(target="t.gguf", ipc_spin_us=bad),
                     dserver.DraftWorkerConfig(vocab=8, ipc_spin_us=bad), CoordinatorConfig(ipc_spin_us=bad)):
             with pytest.raises(ValueError, match=r"ipc_spin_us must be an integer in 0\.\.100000"):
@@ -393,7 +400,7 @@ def test_ipc_spin_flags_defaults_validation_and_serve_forwarding(serve_argvs):
     with pytest.raises(ValueError, match=r"serve: worker_ipc_spin_us must be an integer in 0\.\.100000"):
         launcher.ServeConfig(target="t.gguf", worker_ipc_spin_us=MAX_SPIN_US + 1).validate()
 
-    for flags, workers, coordinator in (((), "0", "1000"),
+    for flags, workers, coordinator in (((), "-1", "1000"),
                                         (("--ipc-spin-us", "250", "--worker-ipc-spin-us", "40"), "40", "250")):
         for argv in serve_argvs(*flags):
             want = coordinator if argv[0] == "coordinator" else workers
