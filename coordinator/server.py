@@ -405,7 +405,7 @@ class IpcStream(SequenceStream):
         self.spin = spin
         self.poll = None  # with spin: poll() of a select.poll on the connection, for _spin
         # with the spin's wake-ahead: when this stream's answers come (IpcSpin's docstring)
-        self.ahead = WakeAhead(spin.spin_ns) if spin is not None and spin.wake_ahead else None
+        self.ahead = WakeAhead(spin.spin_ns) if spin is not None and spin.wake_ahead and spin.spin_ns > 0 else None
 
     # ---- connection plumbing (event-loop callbacks)
 
@@ -559,12 +559,13 @@ class IpcStream(SequenceStream):
         the loop's clock), or None when its answer is due within half a spin window (spin at once, as
         without wake-ahead) or too little is known of this stream's answers (:class:`WakeAhead`). The
         timer fires LOOP_TIMER_EARLY_S early: the event loop wakes from epoll in whole milliseconds,
-        rounded up, and the spin runs to half a window past the predicted arrival."""
+        rounded up, and the spin runs to half a window past the predicted arrival (so up to a window
+        plus LOOP_TIMER_EARLY_S in all). None too when that time has passed already."""
         sleep = self.ahead.sleep_ns() if sent_ns and self.ahead is not None else 0
-        if not sleep:
+        when = (sent_ns + sleep) / 1e9 - LOOP_TIMER_EARLY_S
+        if not sleep or when <= time.monotonic():  # (an early call's answer taken late: spin now)
             return None
-        return self.loop.call_at((sent_ns + sleep) / 1e9 - LOOP_TIMER_EARLY_S, self._timed_spin,
-                                 sent_ns + sleep + self.spin.spin_ns)
+        return self.loop.call_at(when, self._timed_spin, sent_ns + sleep + self.spin.spin_ns)
 
     async def _answer(self, sent_ns: int = 0) -> tuple[int, bytes]:
         """The next frame: from the buffer, after one non-blocking recv (an answer already there skips
@@ -769,8 +770,9 @@ class IpcStream(SequenceStream):
     async def close(self, ok: bool, timeout: float | None = None) -> None:
         """Half-closes the connection and waits (at most ``timeout`` seconds) for the worker to close
         its end, i.e. for its handler to return and free the compute slot (``ok``: the request ended
-        normally), or closes it at once; never raises and never leaves the connection open. After a
-        fall-back, closes the fallback stream instead."""
+        normally), or closes it at once; never raises and never leaves the connection open. Answers
+        still coming for calls sent and not awaited (an early Propose the request no longer needs,
+        :meth:`send_early`) are dropped on the way. After a fall-back, closes the fallback stream instead."""
         if self.instead is not None:
             await self.instead.close(ok, timeout)
             return
@@ -779,8 +781,10 @@ class IpcStream(SequenceStream):
         try:
             if ok:
                 self.sock.shutdown(socket.SHUT_WR)
-                self.waiter = self.loop.create_future()
-                await asyncio.wait_for(self.waiter, timeout)  # fails with EOFError at the worker's close
+                end = None if timeout is None else self.loop.time() + timeout
+                while True:  # each answer frame completes a waiter; the worker's close fails one with EOFError
+                    self.waiter = self.loop.create_future()
+                    await asyncio.wait_for(self.waiter, None if end is None else max(0.0, end - self.loop.time()))
         except Exception:  # noqa: BLE001 - EOF (the worker closed), a failed connection or no close in time
             pass
         finally:
@@ -1468,22 +1472,27 @@ class Coordinator(gpbg.SpecDecodeServicer):
         fitting a speculative step. The request is the one the next step would build (the tokens
         ``ahead`` of ``synced``, i.e. the anchor and the verify's emitted tokens, up to ``committed``;
         the new ``anchor``); if the request finishes instead, its answer is dropped with the stream.
-        Returns the next step's (k, top_k, send time in ns, perf_counter at the send), None when not
-        sent, or the RequestError of a failed send, raised by the next step (not by a request that
-        finishes)."""
+        Returns the next step's (k, top_k, send time in ns), None when not sent, or the RequestError
+        of a failed send, raised by the next step (not by a request that finishes)."""
         if not isinstance(stream, IpcStream) or not stream.can_send_early():
             return None
-        k = min(opts.cap, fin.max_tokens - len(fin.ids) - emitted - 1)
-        if k <= 0 or not (force or policy.speculate_next()):
-            return None
-        if deadline is not None and policy.t_spec is not None and deadline - time.monotonic() < policy.t_spec:
+        k = min(opts.cap, fin.max_tokens - len(fin.ids) - emitted - 1)  # the next step's k (the loop's rule)
+        if not self._speculates(k, force, policy, deadline):
             return None
         req, top_k = self._propose_request(seq_id, synced, ahead[:committed - synced], anchor, k, opts)
-        t0 = time.perf_counter()
         try:
-            return k, top_k, stream.send_early(req, deadline), t0
+            return k, top_k, stream.send_early(req, deadline)
         except RequestError as exc:
             return exc
+
+    @staticmethod
+    def _speculates(k: int, force: bool, policy: AdaptivePolicy, deadline: float | None) -> bool:
+        """Whether a step of up to ``k`` drafts speculates: room for a draft, FORCE or the adaptive
+        policy, and (deadline: time.monotonic() seconds) time left for a speculative step, else
+        plain steps to the end."""
+        if k <= 0 or not (force or policy.speculate_next()):
+            return False
+        return deadline is None or policy.t_spec is None or deadline - time.monotonic() >= policy.t_spec
 
     def _tree(self, anchor: int, prop, rows: int, top_k: int, budget: int, chain_seed: bool):
         """The DDTree of one step from a ProposeResponse's row-major top-k ([rows, top_k]) under
@@ -1606,29 +1615,25 @@ class Coordinator(gpbg.SpecDecodeServicer):
             remaining = fin.max_tokens - len(fin.ids)
             force = mode == gpb.SPECULATION_MODE_FORCE
             catch_up = committed - synced
-            if early is not None:  # this step's Propose went out at the last verify's answer (_propose_early)
-                if isinstance(early, BaseException):
-                    raise early
-                k, top_k, sent_ns, t0 = early
-                early = None
+            t0 = time.perf_counter()
+            sent, early = early, None
+            if sent is not None:  # this step's Propose went out at the last verify's answer (_propose_early)
+                if isinstance(sent, BaseException):
+                    raise sent
+                k, top_k, sent_ns = sent
                 speculate = True
             else:
-                sent_ns = 0
                 k = min(cap, remaining - 1)
                 room = rb.room() if rb is not None else None
                 if room is not None:  # clip to the thinking tokens left; 0 = a forced close token is next
                     k = min(k, room)
                     remaining = min(remaining, room + 1)  # a plain run too: only its last token may overflow
-                speculate = k > 0 and (force or policy.speculate_next())
-                if speculate and deadline is not None and policy.t_spec is not None \
-                        and deadline - time.monotonic() < policy.t_spec:
-                    speculate = False  # a speculative step would not fit the deadline: plain steps to the end
+                speculate = self._speculates(k, force, policy, deadline)
                 if inline and k > 0 and catch_up + cap + 1 > inline_cap:
                     speculate = True  # drain the rows pending for the drafter before they outgrow one message
-                t0 = time.perf_counter()
             drafts: list[int] = []
             tree = None
-            if speculate and sent_ns:
+            if sent is not None:
                 prop = await streams["propose"].answer(sent_ns, deadline)
             elif speculate:
                 req, top_k = self._propose_request(seq_id, synced, tokens[synced:committed], anchor, k, opts, rows_out)

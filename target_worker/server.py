@@ -46,8 +46,8 @@ from specd.coordinator.ddtree import walk_tree
 
 from .feature_inline import InlineFeatureWriter, check_transport, encode_rows, inline_max_rows
 from .feature_shm import FeatureWriter, ShmExhausted, shm_namespace_id
-from .ipc_stream import (AUTO_SPIN_US, GPU_SPIN_US, IDLE_TIMEOUT_S, MAX_SPIN_US, VERIFY_STREAM, IpcMethod, check_spin_us, ipc_info, resolve_spin_us, ipc_path,
-                         serve_ipc_streams)
+from .ipc_stream import (AUTO_SPIN_US, GPU_SPIN_US, IDLE_TIMEOUT_S, MAX_SPIN_US, VERIFY_STREAM, IpcMethod, check_spin_us,
+                         ipc_info, ipc_path, resolve_spin_us, serve_ipc_streams)
 
 log = logging.getLogger("specd.target_worker")
 

@@ -2,16 +2,24 @@
 (Coordinator._propose_early, IpcStream.send_early / answer): the drafter computes while the
 coordinator runs the finish rules and builds the chunk. Here: the early path is taken and changes no
 token, step or acceptance (against the unary path, which never sends early); requests that finish with
-an early Propose outstanding release everything; a failed early send fails only a request that goes on."""
+an early Propose outstanding release everything; a failed early send fails only a request that goes on;
+IpcStream's two halves of a call, their errors, and a close past an answer nobody awaits."""
 from __future__ import annotations
+
+import asyncio
+import time
 
 import grpc
 import pytest
 
-from specd.coordinator.server import IpcStream, RequestError
+from specd.coordinator.server import IpcOffer, IpcStream, RequestError, status_error
 from specd.protos.v1 import generate_pb2 as gpb
+from specd.protos.v1 import worker_pb2 as wpb
+from specd.target_worker.ipc_stream import VERIFY_STREAM, IpcStreamServer
 
 from .conftest import generate, streamed_ids, token_request
+from .test_ipc_spin import _SlowServicer
+from .test_ipc_streams import _Servicer
 from .test_serving import wait_released
 from .test_streams import _spec, greedy_runs, via
 
@@ -85,3 +93,87 @@ def test_a_failed_early_send_fails_only_a_request_that_goes_on(stack, reference,
     chunks, done = generate(stack.stub, token_request(PROMPT, 3, ignore_eos=True, speculation=_spec()))
     assert streamed_ids(chunks) == ref[:3]
     wait_released(stack)
+
+
+# ---- IpcStream.send_early / answer / close
+
+
+class _Aborting(_Servicer):
+    """Answers like _Servicer, but aborts a request for token 99 with NOT_FOUND."""
+
+    def _verify(self, request, context):
+        if request.tokens[0] == 99:
+            context.abort(grpc.StatusCode.NOT_FOUND, "token 99 refused")
+        return super()._verify(request, context)
+
+
+def _on_stream(servicer, body):
+    """Runs ``body(stream)`` (async) on an IpcStream to a worker with ``servicer``, its connection
+    opened by one call first; returns (body's result, the server's open connections after it)."""
+    ipc = IpcStreamServer(servicer, VERIFY_STREAM, "test-worker", 1 << 20, 4)
+
+    async def run():
+        st = IpcStream(IpcOffer(ipc.path, ipc.token, VERIFY_STREAM), 10.0, 1 << 20)
+        assert not st.can_send_early()  # not opened yet
+        assert list((await st.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), None)).emitted) == [1]
+        assert st.can_send_early()
+        return await body(st)
+
+    try:
+        out = asyncio.run(run())
+        return out, set(ipc.conns)
+    finally:
+        ipc.close()
+
+
+def test_send_early_then_answer_gives_the_calls_answers():
+    async def body(st):
+        got = []
+        for t in (5, 6, 7):
+            sent = st.send_early(wpb.VerifyRequest(seq_id="s", tokens=[t]), None)
+            assert sent > 0 and not st.can_send_early()  # one call in flight
+            got.append(list((await st.answer(sent, None)).emitted))
+        await st.close(True, 5.0)
+        return got
+
+    got, conns = _on_stream(_Servicer(), body)
+    assert got == [[5], [6], [7]] and not conns
+
+
+def test_answer_raises_the_workers_error_and_a_passed_deadline():
+    """A worker's error frame is raised by answer() (the stream ends); a deadline that passes between
+    send_early and answer() raises DEADLINE_EXCEEDED and closes the connection."""
+    async def refused(st):
+        sent = st.send_early(wpb.VerifyRequest(seq_id="s", tokens=[99]), None)
+        with pytest.raises(RequestError) as ei:
+            await st.answer(sent, None)
+        return ei.value, st.sock
+
+    (err, sock), _ = _on_stream(_Aborting(), refused)
+    want = status_error(grpc.StatusCode.NOT_FOUND, "token 99 refused", "verify")  # call()'s mapping
+    assert (err.code, err.message) == (want.code, want.message) and "token 99 refused" in err.message and sock is None
+
+    async def late(st):
+        deadline = time.monotonic() + 0.05
+        sent = st.send_early(wpb.VerifyRequest(seq_id="s", tokens=[2]), deadline)
+        await asyncio.sleep(0.1)
+        with pytest.raises(RequestError) as ei:
+            await st.answer(sent, deadline)
+        return ei.value.code, st.sock
+
+    (code, sock), _ = _on_stream(_Servicer(), late)
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and sock is None
+
+
+def test_close_waits_for_the_worker_past_an_answer_nobody_awaits():
+    """A request that ends with an early call still out (its answer slower than the close): close
+    drops that answer and still waits for the worker's end of stream, so the worker's connection
+    (and compute slot) is free once close returns."""
+    async def body(st):
+        st.send_early(wpb.VerifyRequest(seq_id="s", tokens=[2]), None)
+        t0 = time.monotonic()
+        await st.close(True, 5.0)
+        return time.monotonic() - t0
+
+    took, conns = _on_stream(_SlowServicer(0.1), body)
+    assert took >= 0.05 and not conns

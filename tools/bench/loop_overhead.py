@@ -33,7 +33,7 @@ the workers' IPC stream sockets, the default hot path): run it with and without 
 ``--ipc-spin-us N [N ...]`` gives every process (the target worker, the drafter workers, the coordinators)
 ``--ipc-spin-us N`` (busy-poll before blocking for an IPC request or answer, specd.target_worker.ipc_stream);
 a value ``W:C`` gives the workers W and the coordinators C (e.g. ``1000:0``: the workers' spin alone;
-default ``0:1000``, the service's defaults); a suffix ``/fixed`` gives them ``--no-ipc-wake-ahead`` (spin
+default ``auto:1000``, the service's defaults: the workers 1000 on a GPU and 0 on the CPU); a suffix ``/fixed`` gives them ``--no-ipc-wake-ahead`` (spin
 right after each request or answer only, not from shortly before the predicted one). With
 several values the service is started once per value (the reference runs once) and each gets its table,
 so spin on / off is compared in one call.
@@ -153,17 +153,22 @@ def summarise(label, results, reference):
 
 
 def spin_value(text: str) -> tuple[int, int, bool]:
-    """An --ipc-spin-us value: "N" (every process) or "W:C", optionally with "/fixed" (no wake-ahead)
-    -> (workers' us, coordinators' us, wake-ahead)."""
+    """An --ipc-spin-us value: "N" (every process) or "W:C" (W may be "auto": the workers' default,
+    1000 us on a GPU, off on the CPU), optionally with "/fixed" (no wake-ahead) -> (workers' us or -1
+    for auto, coordinators' us, wake-ahead)."""
     spins, _, how = text.partition("/")
     parts = spins.split(":")
-    if len(parts) > 2 or not all(p.isdigit() for p in parts) or how not in ("", "fixed"):
-        raise argparse.ArgumentTypeError(f"expected N or W:C (microseconds >= 0), optionally /fixed, got {text!r}")
-    return int(parts[0]), int(parts[-1]), not how
+    workers, coordinators = parts[0], parts[-1]
+    auto = len(parts) == 2 and workers == "auto"
+    if len(parts) > 2 or not coordinators.isdigit() or not (auto or workers.isdigit()) or how not in ("", "fixed"):
+        raise argparse.ArgumentTypeError(f"expected N or W:C (microseconds >= 0, W also auto), optionally /fixed, "
+                                         f"got {text!r}")
+    return -1 if auto else int(workers), int(coordinators), not how
 
 
 def spin_label(spin: tuple[int, int, bool]) -> str:
-    return (str(spin[0]) if spin[0] == spin[1] else f"{spin[0]}:{spin[1]}") + ("" if spin[2] else "/fixed")
+    workers = "auto" if spin[0] < 0 else str(spin[0])
+    return (workers if spin[0] == spin[1] else f"{workers}:{spin[1]}") + ("" if spin[2] else "/fixed")
 
 
 def wake_flag(spin: tuple[int, int, bool]) -> str:
@@ -265,9 +270,9 @@ def main():
                     help="coordinators make one unary worker call per step (the previous hot path)")
     ap.add_argument("--no-ipc-streams", action="store_true",
                     help="coordinators use gRPC streams instead of the workers' IPC stream sockets (default: IPC)")
-    ap.add_argument("--ipc-spin-us", type=spin_value, nargs="+", default=[(0, 1000, True)], metavar="N|W:C[/fixed]",
+    ap.add_argument("--ipc-spin-us", type=spin_value, nargs="+", default=[(-1, 1000, True)], metavar="N|W:C[/fixed]",
                     help="--ipc-spin-us for every process, or W for the workers and C for the coordinators "
-                         "(default 0:1000, the service's defaults; 0 = off); /fixed: --no-ipc-wake-ahead (spin right "
+                         "(default auto:1000, the service's defaults; 0 = off); /fixed: --no-ipc-wake-ahead (spin right "
                          "after each request or answer only); several values: one service run each")
     ap.add_argument("--write", default="", help="append the markdown section to this file")
     args = ap.parse_args()
