@@ -243,8 +243,9 @@ _FLAGS = [  # (field, type, help)
     ("reply_reserve", int, "arm a reasoning budget B only when max_tokens > B + reply_reserve"),
     ("reasoning_close", str, "text forced to close thinking when the budget is spent (must contain </think>)"),
     ("plain_steps_per_call", int, "plain decode steps per target Verify call (1 = one call per token)"),
-    ("ipc_spin_us", int, "busy-poll an IPC stream for an answer due soon for up to this many microseconds before "
-                         "waiting in the event loop (0 = off; 0..100000)"),
+    ("ipc_spin_us", int, "the coordinator's spin: busy-poll an IPC stream for an answer due soon for up to this many "
+                         "microseconds before waiting in the event loop (0 = off; 0..100000; specd serve's workers: "
+                         "--worker-ipc-spin-us)"),
     ("feature_transport", str, "drafter feature rows: shm (shared memory, one host), inline (bytes via the coordinator) or cuda-ipc (GPU ring shared through CUDA IPC; --device cuda)"),
 ]
 _POLICY_FLAGS = [
@@ -276,7 +277,7 @@ def add_arguments(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> Non
                         "to the workers too, which then open no socket)")
     p.add_argument("--ipc-wake-ahead", action=argparse.BooleanOptionalAction, default=d.ipc_wake_ahead,
                    help="with --ipc-spin-us, a call whose answer is predicted from its stream's last answers to come "
-                        "after the spin sleeps until half a spin window before it, then spins (default on; "
+                        "later than half the spin window sleeps until half a window before it, then spins (default on; "
                         "--no-ipc-wake-ahead: spin right after the request only; specd serve passes it to the "
                         "workers too)")
     p.add_argument("--no-tree-chain-seed", action="store_true",

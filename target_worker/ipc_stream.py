@@ -54,13 +54,14 @@ liveness bound gRPC's keepalive gives its streams, for a coordinator that hangs 
 acceptor survives a failed accept() (EMFILE, ENOBUFS: logged, retried after ACCEPT_RETRY_S); it ends
 only at close().
 
-Spin-then-block (``spin_us``, the workers' ``--ipc-spin-us``, default 0 = off): before the blocking
+Spin-then-block (``spin_us``, the workers' ``--ipc-spin-us``, default -1 = auto: 1000 us on a GPU, off on
+the CPU, :func:`resolve_spin_us`): before the blocking
 read of a stream's next request, a connection thread with nothing buffered busy-polls its socket for
 up to spin_us (:class:`FrameReader`), so a request arriving meanwhile skips the thread's (and, on a
 VM, the vCPU's) wake-up; then it blocks as before. The idle bound starts after the spin, so it fires
 up to spin_us late. Cost: a busy core for up to spin_us per request, per open stream. With wake-ahead
-(``wake_ahead``, the workers' ``--ipc-wake-ahead``, default on) a wait expected to last longer than the
-spin first sleeps in a blocking poll until shortly before the request is due (:class:`WakeAhead`), so
+(``wake_ahead``, the workers' ``--ipc-wake-ahead``, default on) a wait expected to last longer than half
+the spin window first sleeps in a blocking poll until shortly before the request is due (:class:`WakeAhead`), so
 the drafter's wait across a whole verify ends in a spin too, not only a short wait.
 
 :meth:`IpcStreamServer.close` refuses new connections, gives open ones the stop's grace, cuts the

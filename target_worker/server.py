@@ -901,8 +901,8 @@ def add_worker_server_arguments(p: argparse.ArgumentParser, d) -> None:
                         f"for up to that long per request and stream; 0..{MAX_SPIN_US}, 0 = off; default "
                         f"{AUTO_SPIN_US} = auto: {GPU_SPIN_US} on a GPU, off on the CPU)")
     p.add_argument("--ipc-wake-ahead", action=argparse.BooleanOptionalAction, default=d.ipc_wake_ahead,
-                   help="with --ipc-spin-us, a wait predicted from the stream's last waits to outlast the spin sleeps "
-                        "until shortly before the request is due, then spins (default on; --no-ipc-wake-ahead: "
+                   help="with --ipc-spin-us, a wait predicted from the stream's last waits to outlast half the spin "
+                        "window sleeps until half a window before the request is due, then spins (default on; --no-ipc-wake-ahead: "
                         "spin right after each answer only)")
     add_transport_argument(p, d.feature_transport)
 
