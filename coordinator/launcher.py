@@ -231,8 +231,8 @@ def add_arguments(p) -> None:
     add_share_argument(p, d.share_target_weights)
     p.add_argument("--worker-ipc-spin-us", type=int, default=d.worker_ipc_spin_us,
                    help="both workers' --ipc-spin-us: busy-poll for a stream's next request for up to this many "
-                        f"microseconds (0..100000, 0 = off; default {d.worker_ipc_spin_us} = auto: 1000 on a GPU, off on "
-                        "the CPU)")
+                        f"microseconds (0..100000, 0 = off; default {d.worker_ipc_spin_us} = auto: 1000 on a GPU, "
+                        "off on the CPU)")
     p.add_argument("--start-timeout-s", type=float, default=d.start_timeout_s,
                    help="wait for each child's READY (default 600)")
     before = len(p._actions)
@@ -323,11 +323,12 @@ def run(args) -> int:
     # without worker streams the coordinator makes unary calls: a socket the workers opened would go unused
     ipc = "--ipc-streams" if ns.ipc_streams and not getattr(ns, "no_worker_streams", False) else "--no-ipc-streams"
     wake = "--ipc-wake-ahead" if getattr(ns, "ipc_wake_ahead", True) else "--no-ipc-wake-ahead"
+    ipc_flags = ["--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(args.worker_ipc_spin_us), wake]
     procs: list[tuple[str, subprocess.Popen]] = []
     try:
         t = _child(["target-worker", "--target", args.target, "--listen", tsock, "--capture-layers", capture,
                     "--max-seq-len", str(args.max_seq_len), "--kv-dtype", args.kv_dtype, "--device", args.device,
-                    "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(args.worker_ipc_spin_us), wake,
+                    *ipc_flags,
                     "--cuda-graphs" if args.cuda_graphs else "--no-cuda-graphs", "--max-graphs", str(args.max_graphs),
                     "--slot-cache", str(args.slot_cache),
                     "--gemv-tiles" if args.gemv_tiles else "--no-gemv-tiles",
@@ -341,7 +342,7 @@ def run(args) -> int:
 
             vocab = int(next(x for x in GGUFReader(args.target).tensors if x.name == "token_embd.weight").shape[1])
             dargv = ["draft-worker", "--listen", dsock, "--vocab", str(vocab),
-                     "--feature-transport", ns.feature_transport, ipc, "--ipc-spin-us", str(args.worker_ipc_spin_us), wake,
+                     *ipc_flags,
                      "--device", args.device]
             dargv += ["--drafter", args.drafter_gguf, "--target", args.target,
                       "--drafter-kv-dtype", args.drafter_kv_dtype,

@@ -730,8 +730,9 @@ class IpcStream(SequenceStream):
 
     def _failed(self, exc: BaseException, deadline: float | None) -> BaseException:
         """What a failed call raises (the connection is closed first: its state is unknown): the
-        connection's own failure as DEADLINE_EXCEEDED (expired) or UNAVAILABLE (told to ``on_lost``),
-        an unparsable answer as INTERNAL, anything else (a worker's error, a cancellation) as it is."""
+        connection's own failure as DEADLINE_EXCEEDED (expired) or UNAVAILABLE, an unparsable answer
+        as INTERNAL, anything else (a worker's error, a cancellation) as it is. Telling ``on_lost`` is
+        the caller's (:meth:`call`, :meth:`_reported`)."""
         self._abort()
         if isinstance(exc, (OSError, EOFError, asyncio.TimeoutError)):
             if self.expired:
@@ -844,7 +845,8 @@ class Coordinator(gpbg.SpecDecodeServicer):
         # per worker: how the hot path reaches it ("ipc-stream", "grpc-stream", "unary"; "" no drafter)
         self.hot_path = {"target": "", "drafter": ""}
         self.ipc_offers: dict[str, IpcOffer] = {}  # "verify" / "propose" -> the IPC socket in use
-        self.ipc_spin = IpcSpin(cfg.ipc_spin_us, cfg.ipc_wake_ahead) if cfg.ipc_spin_us else None  # shared by its IpcStreams
+        # shared by its IpcStreams
+        self.ipc_spin = IpcSpin(cfg.ipc_spin_us, cfg.ipc_wake_ahead) if cfg.ipc_spin_us else None
         self._ipc_lost: set[str] = set()  # workers whose IPC socket failed: re-chosen by the readiness loop
         self._releases: set[asyncio.Task] = set()  # Releases in flight (close() waits for them)
 
@@ -1462,24 +1464,23 @@ class Coordinator(gpbg.SpecDecodeServicer):
                                  dspark_markov=opts.dspark_markov, rows=rows)
         return req, top_k
 
-    def _propose_early(self, stream, seq_id: str, synced: int, ahead: list[int], committed: int, anchor: int,
-                       opts: SpecOptions, fin: Finisher, emitted: int, policy: AdaptivePolicy, force: bool, deadline):
+    def _propose_early(self, stream, seq_id: str, start: int, new_tokens: list[int], anchor: int, k: int,
+                       opts: SpecOptions, policy: AdaptivePolicy, force: bool, deadline):
         """Sends the next step's Propose at a speculative step's verify answer, before the step's
         bookkeeping (finish rules, detokenisation, chunks, stats): the drafter computes meanwhile, so
         the bookkeeping leaves the loop's critical path. Only where the next step is already known:
-        an IPC stream with nothing in flight, no armed reasoning budget (which may rewrite tokens), the
-        ``emitted`` tokens leaving room for a draft, the policy speculating next, and the deadline
-        fitting a speculative step. The request is the one the next step would build (the tokens
-        ``ahead`` of ``synced``, i.e. the anchor and the verify's emitted tokens, up to ``committed``;
-        the new ``anchor``); if the request finishes instead, its answer is dropped with the stream.
+        an IPC stream with nothing in flight, no armed reasoning budget (which may rewrite tokens; the
+        caller checks it), room for a draft (``k`` > 0), the policy speculating next, and the deadline
+        fitting a speculative step. The request is the one the next step would build (``new_tokens``
+        from ``start``: the anchor and the accepted drafts; the new ``anchor``, the bonus token); if
+        the request finishes instead, its answer is dropped with the stream.
         Returns the next step's (k, top_k, send time in ns), None when not sent, or the RequestError
         of a failed send, raised by the next step (not by a request that finishes)."""
         if not isinstance(stream, IpcStream) or not stream.can_send_early():
             return None
-        k = min(opts.cap, fin.max_tokens - len(fin.ids) - emitted - 1)  # the next step's k (the loop's rule)
         if not self._speculates(k, force, policy, deadline):
             return None
-        req, top_k = self._propose_request(seq_id, synced, ahead[:committed - synced], anchor, k, opts)
+        req, top_k = self._propose_request(seq_id, start, new_tokens, anchor, k, opts)
         try:
             return k, top_k, stream.send_early(req, deadline)
         except RequestError as exc:
@@ -1695,8 +1696,11 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 # than a steady-state step: its time stays out of t_spec
                 policy.record_spec(step, m, dt if catch_up <= cap + 1 else None, gate=not force)
                 if streams is not None and (rb is None or not rb.armed) and not inline and not live.aborted:
-                    early = self._propose_early(streams["propose"], seq_id, synced, tokens[synced:] + emitted,
-                                                committed, emitted[-1], opts, fin, len(emitted), policy, force, deadline)
+                    # the next step's k and new tokens, as it finds them once every emitted token is taken
+                    k_next = min(cap, fin.max_tokens - len(fin.ids) - len(emitted) - 1)
+                    early = self._propose_early(streams["propose"], seq_id, synced,
+                                                (tokens[synced:] + emitted)[:committed - synced], emitted[-1],
+                                                k_next, opts, policy, force, deadline)
             # Token by token up to the finish: the reasoning budget (an overflowing bonus, never fed to
             # the target, becomes a close token) and the stop / max_tokens cut inside the block; only
             # the tokens up to the cut count (accepted drafts, thinking tokens, a run's steps), so the

@@ -61,8 +61,8 @@ up to spin_us (:class:`FrameReader`), so a request arriving meanwhile skips the 
 VM, the vCPU's) wake-up; then it blocks as before. The idle bound starts after the spin, so it fires
 up to spin_us late. Cost: a busy core for up to spin_us per request, per open stream. With wake-ahead
 (``wake_ahead``, the workers' ``--ipc-wake-ahead``, default on) a wait expected to last longer than half
-the spin window first sleeps in a blocking poll until shortly before the request is due (:class:`WakeAhead`), so
-the drafter's wait across a whole verify ends in a spin too, not only a short wait.
+the spin window first sleeps in a blocking poll until shortly before the request is due
+(:class:`WakeAhead`), so the drafter's wait across a whole verify ends in a spin too, not only a short wait.
 
 :meth:`IpcStreamServer.close` refuses new connections, gives open ones the stop's grace, cuts the
 rest and removes the socket and its directory (also at interpreter exit when close was never called).
@@ -119,7 +119,7 @@ READ_BYTES = 1 << 16  # most bytes one read of a frame head takes: the small req
 MAX_SPIN_US = 100_000  # largest --ipc-spin-us: a spin is a busy core, so it stays short next to any step
 AUTO_SPIN_US = -1  # the workers' default --ipc-spin-us: GPU_SPIN_US on a GPU, 0 (off) on the CPU (resolve_spin_us)
 GPU_SPIN_US = 1000  # a GPU worker's spin window: H200, 27B, AL 5 (BENCHMARKS.md, session of 2026-12-02 11:53 UTC)
-MAX_WAKE_SLEEP_NS = 1_000_000_000  # WakeAhead sleeps at most this long: a stream idle for longer spins at once, as without it
+MAX_WAKE_SLEEP_NS = 1_000_000_000  # WakeAhead's longest sleep: a stream idle longer spins at once, as without it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -619,9 +619,9 @@ class IpcStreamServer:
 def check_spin_us(value, who: str, field: str = "ipc_spin_us", auto: bool = False) -> None:
     """ValueError unless ``value`` (the spin field ``field`` of ``who``'s config) is an int in 0..MAX_SPIN_US,
     or AUTO_SPIN_US where ``auto`` (a worker's field)."""
-    if auto and value == AUTO_SPIN_US and not isinstance(value, bool):
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SPIN_US:
+    valid = isinstance(value, int) and not isinstance(value, bool) and (
+        0 <= value <= MAX_SPIN_US or (auto and value == AUTO_SPIN_US))
+    if not valid:
         also = f" or {AUTO_SPIN_US} (auto)" if auto else ""
         raise ValueError(f"{who}: {field} must be an integer in 0..{MAX_SPIN_US} (microseconds){also}, got {value!r}")
 

@@ -46,8 +46,8 @@ from specd.coordinator.ddtree import walk_tree
 
 from .feature_inline import InlineFeatureWriter, check_transport, encode_rows, inline_max_rows
 from .feature_shm import FeatureWriter, ShmExhausted, shm_namespace_id
-from .ipc_stream import (AUTO_SPIN_US, GPU_SPIN_US, IDLE_TIMEOUT_S, MAX_SPIN_US, VERIFY_STREAM, IpcMethod, check_spin_us,
-                         ipc_info, ipc_path, resolve_spin_us, serve_ipc_streams)
+from .ipc_stream import (AUTO_SPIN_US, GPU_SPIN_US, IDLE_TIMEOUT_S, MAX_SPIN_US, VERIFY_STREAM, IpcMethod,
+                         check_spin_us, ipc_info, ipc_path, resolve_spin_us, serve_ipc_streams)
 
 log = logging.getLogger("specd.target_worker")
 
@@ -902,8 +902,8 @@ def add_worker_server_arguments(p: argparse.ArgumentParser, d) -> None:
                         f"{AUTO_SPIN_US} = auto: {GPU_SPIN_US} on a GPU, off on the CPU)")
     p.add_argument("--ipc-wake-ahead", action=argparse.BooleanOptionalAction, default=d.ipc_wake_ahead,
                    help="with --ipc-spin-us, a wait predicted from the stream's last waits to outlast half the spin "
-                        "window sleeps until half a window before the request is due, then spins (default on; --no-ipc-wake-ahead: "
-                        "spin right after each answer only)")
+                        "window sleeps until half a window before the request is due, then spins (default on; "
+                        "--no-ipc-wake-ahead: spin right after each answer only)")
     add_transport_argument(p, d.feature_transport)
 
 

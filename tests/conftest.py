@@ -20,9 +20,9 @@ def rng(request):
 
 @pytest.fixture
 def serve_children(monkeypatch):
-    """``run(args)`` runs ``specd serve <args>`` with its workers recorded instead of started, and returns
-    the argv of each child up to the draft worker's, whose launch stops the run (a worker "starts" at
-    once: READY on its stdout, alive until stopped)."""
+    """``run(args, stop_at="draft-worker")`` runs ``specd serve <args>`` with its children recorded instead
+    of started, and returns the argv of each child up to ``stop_at``'s, whose launch stops the run (a
+    child "starts" at once: READY on its stdout, alive until stopped)."""
     import types
 
     from specd.coordinator import launcher
@@ -43,12 +43,12 @@ def serve_children(monkeypatch):
         def wait(self, timeout=None):
             return 0
 
-    def run(args):
+    def run(args, stop_at: str = "draft-worker"):
         seen = []
 
         def child(argv, *a, **k):
             seen.append(list(argv))
-            if argv[0] == "draft-worker":
+            if argv[0] == stop_at:
                 raise Stop
             return Proc()
 

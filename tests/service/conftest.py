@@ -141,42 +141,16 @@ class Stack:
 
 
 @pytest.fixture
-def serve_argvs(monkeypatch, target_gguf):
+def serve_argvs(serve_children, target_gguf):
     """argvs(*flags): the argv of each child `specd serve --target <demo target> --drafter none
     --scripted-block 2 *flags` starts, in order (target-worker, draft-worker, coordinator), without
-    starting any (the launcher's _child is stubbed: each child is ready at once, the coordinator ends
-    the run)."""
-    import types
-
-    from specd.coordinator import launcher
-    from specd.coordinator.cli import build_parser
-
-    class Ready:
-        stdout = types.SimpleNamespace(readline=lambda: "READY\n")
-
-        def poll(self):
-            return 0
-
-    class Stop(Exception):
-        pass
-
-    seen: list[list[str]] = []
-
-    def child(argv, *a, **k):
-        seen.append(list(argv))
-        if argv[0] == "coordinator":
-            raise Stop
-        return Ready()
-
-    monkeypatch.setattr(launcher, "_child", child)
+    starting any (tests/conftest.py's serve_children; the coordinator's launch ends the run)."""
 
     def argvs(*flags):
-        seen.clear()
-        with pytest.raises(Stop):
-            launcher.run(build_parser().parse_args(["serve", "--target", target_gguf, "--drafter", "none",
-                                                    "--scripted-block", "2", "--runtime-dir", "", *flags]))
+        seen = serve_children(["--target", target_gguf, "--drafter", "none", "--scripted-block", "2",
+                               "--runtime-dir", "", *flags], stop_at="coordinator")
         assert [a[0] for a in seen] == ["target-worker", "draft-worker", "coordinator"]
-        return list(seen)
+        return seen
 
     return argvs
 

@@ -33,7 +33,8 @@ the workers' IPC stream sockets, the default hot path): run it with and without 
 ``--ipc-spin-us N [N ...]`` gives every process (the target worker, the drafter workers, the coordinators)
 ``--ipc-spin-us N`` (busy-poll before blocking for an IPC request or answer, specd.target_worker.ipc_stream);
 a value ``W:C`` gives the workers W and the coordinators C (e.g. ``1000:0``: the workers' spin alone;
-default ``auto:1000``, the service's defaults: the workers 1000 on a GPU and 0 on the CPU); a suffix ``/fixed`` gives them ``--no-ipc-wake-ahead`` (spin
+default ``auto:1000``, the service's defaults: the workers 1000 on a GPU and 0 on the CPU); a
+suffix ``/fixed`` gives them ``--no-ipc-wake-ahead`` (spin
 right after each request or answer only, not from shortly before the predicted one). With
 several values the service is started once per value (the reference runs once) and each gets its table,
 so spin on / off is compared in one call.
@@ -272,7 +273,8 @@ def main():
                     help="coordinators use gRPC streams instead of the workers' IPC stream sockets (default: IPC)")
     ap.add_argument("--ipc-spin-us", type=spin_value, nargs="+", default=[(-1, 1000, True)], metavar="N|W:C[/fixed]",
                     help="--ipc-spin-us for every process, or W for the workers and C for the coordinators "
-                         "(default auto:1000, the service's defaults; 0 = off); /fixed: --no-ipc-wake-ahead (spin right "
+                         "(default auto:1000, the service's defaults; 0 = off); /fixed: --no-ipc-wake-ahead "
+                         "(spin right "
                          "after each request or answer only); several values: one service run each")
     ap.add_argument("--write", default="", help="append the markdown section to this file")
     args = ap.parse_args()
