@@ -76,18 +76,26 @@ def _reader(sock, window_us, waits_ms, wake_ahead=True):
 
 def test_reader_sleeps_then_spins_for_a_request_due_later_than_the_window():
     """Waits of 60 ms and a 20 ms window: the reader sleeps 50 ms in one blocking poll, then polls
-    without blocking; a request sent at 60 ms is taken by that spin, and the wait is recorded."""
+    without blocking; a request sent once the spin has begun is taken by that spin, and the wait is
+    recorded. The request is sent from the first non-blocking poll, so no thread's timing decides it."""
     a, b = socket.socketpair()
     with a, b:
         r = _reader(a, 20_000, [60, 60, 60])
-        timer = threading.Timer(0.06, b.sendall, (b"x",))
-        timer.start()
+        real = r.poll.poll
+
+        def send_at_spin(timeout):
+            if timeout == 0 and r.poll.timeouts.count(0) == 1:
+                b.sendall(b"x")
+            return real(timeout)
+
+        r.poll.poll = send_at_spin
+        t0 = time.monotonic_ns()
         assert r.spin() is True
-        timer.join()
-        assert r.poll.timeouts[0] == 50 and r.poll.timeouts[-1] == 0 and len(r.poll.timeouts) > 1
+        assert r.poll.timeouts[0] == 50 and set(r.poll.timeouts[1:]) == {0}
         assert r.read(1) == b"x"
         r.arrived()
-        assert len(r.ahead.waits) == 4 and r.ahead.waits[-1] >= 55 * MS and r.wait_from == 0
+        assert len(r.ahead.waits) == 4 and r.ahead.waits[-1] >= 50 * MS and r.wait_from == 0
+        assert time.monotonic_ns() - t0 >= 50 * MS
 
 
 def test_reader_sleep_ends_at_an_early_request_and_buffered_input_skips_it():
@@ -163,8 +171,9 @@ def _calls(spin: IpcSpin, delay_s: float, n: int):
 
 
 def test_client_wake_ahead_catches_a_slow_answer_with_a_timed_spin(monkeypatch):
-    """A worker answering after 40 ms, a 10 ms spin: after three calls the stream plans timed spins,
-    which catch answers (the call's future completed inside the spin); the answers are exact."""
+    """A worker answering after 60 ms, a 30 ms spin: after three calls the stream plans timed spins,
+    which catch answers (the call's future completed inside the spin); the answers are exact. The
+    window is wide so that a loaded machine's late timer still starts the spin before the answer."""
     caught = []
     timed_spin = IpcStream._timed_spin
 
@@ -174,10 +183,10 @@ def test_client_wake_ahead_catches_a_slow_answer_with_a_timed_spin(monkeypatch):
         caught.append(waiting and self.waiter is None)
 
     monkeypatch.setattr(IpcStream, "_timed_spin", spy)
-    spin = IpcSpin(10_000)
-    got, st = _calls(spin, 0.04, 8)
+    spin = IpcSpin(30_000)
+    got, st = _calls(spin, 0.06, 8)
     assert got == [[t] for t in range(8)] and spin.waiting == 0
-    assert len(st.ahead.waits) == 8 and min(st.ahead.waits) >= 35 * MS
+    assert len(st.ahead.waits) == 8 and min(st.ahead.waits) >= 55 * MS
     assert caught and any(caught)
 
 
