@@ -87,6 +87,7 @@
 #include "matmul_blas.h"
 #include "weight_formats.cuh"
 #include "matmul_mma.cuh"
+#include "norm_split.cuh"
 
 namespace specd::gpu {
 
@@ -404,24 +405,6 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
 #if SPECD_MMA_GEMV
 // --- the GEMV's x split fused into the op that produces x (one launch fewer per call) -------------
 
-// rms_norm's output values (norm.cuh: normed, the standalone kernel's second pass) as split inputs:
-// row r of src (x, or h = x + residual) times the row's scale and w (or none). Rows 16-byte aligned.
-struct NormInput {
-  const float* src;
-  const float* __restrict__ w;
-  float scale;  // of the row being split (one block per row)
-  int64_t d;
-  __device__ __forceinline__ void load(int r, int64_t blk, int t, float (&v)[8]) const {
-    const float4* s4 = reinterpret_cast<const float4*>(src + int64_t(r) * d + 32 * blk);
-    const float4* w4 = w ? reinterpret_cast<const float4*>(w + 32 * blk) : nullptr;
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int i = t + 4 * k;  // inputs 4t.. (k = 0) and 16 + 4t.. (k = 1)
-      detail::mma::put4(v, k, detail::norm::normed<false>(s4[i], scale, w4 ? w4 + i : nullptr, float4{}));
-    }
-  }
-};
-
 // One 256-input group's values as split inputs: v = kGroup floats in 16-byte aligned shared memory, v[k] =
 // input 256 grp + k of the row (zeros past `in`); load() is asked only for blocks blk of group grp.
 struct SharedGroupInput {
@@ -453,28 +436,6 @@ __global__ void __launch_bounds__(detail::mma::kGroup) swiglu_split_kernel(const
   if (threadIdx.x < 32) detail::mma::split_group(SharedGroupInput{v, grp}, r, n, grp, in, int(threadIdx.x), xb, xs, xm);
 }
 
-// One block per row of x [n, d] (the norm kernel's block size, threads_for(d / 4)): the norm's first
-// pass (norm.cuh, the standalone vector kernel's arithmetic: the same scale), then the block's warps
-// split the row's 256-input groups from the values the norm's second pass would store (NormInput), so
-// the split equals split_x of rms_norm's output bit for bit; with a residual, h = x + residual is
-// stored. The normed row itself is not stored: only the GEMV reads it.
-template <bool RESID>
-__global__ void __launch_bounds__(detail::norm::kMaxThreads) norm_split_kernel(const float* __restrict__ x, const float* __restrict__ residual,
-                                  const float* __restrict__ w, float* h, int64_t d, float eps, int n,
-                                  uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
-  detail::pdl_enter();
-  using namespace detail::norm;
-  const int r = int(blockIdx.x);
-  const int64_t off = int64_t(r) * d;
-  const float4* rr = RESID ? reinterpret_cast<const float4*>(residual + off) : nullptr;
-  float4* hr = RESID ? reinterpret_cast<float4*>(h + off) : nullptr;
-  const double ss = block_sum(row_squares<RESID>(reinterpret_cast<const float4*>(x + off), rr, hr, d / 4));
-  // block_sum ended with a block barrier: every warp sees the whole stored h row.
-  const NormInput src{RESID ? h : x, w, rms_scale(ss, d, eps), d};
-  const int64_t groups = (d + detail::mma::kGroup - 1) / detail::mma::kGroup;
-  for (int64_t grp = threadIdx.x / 32; grp < groups; grp += blockDim.x / 32)
-    detail::mma::split_group(src, r, n, grp, d, int(threadIdx.x & 31), xb, xs, xm);
-}
 #endif
 
 // Whether the projections of x [n, in] (n = rows) by ws run on the tensor-core GEMV with x split
@@ -536,12 +497,12 @@ std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const st
   const unsigned blocks = unsigned(n), threads = unsigned(detail::norm::threads_for(d / 4));
   cudaStream_t s = detail::stream();
   if (residual)
-    detail::launch_kernel<norm_split_kernel<true>>("norm_split_kernel", blocks, threads, 0, s, x.ptr<float>(),
-                                                   residual->ptr<float>(), w, h.ptr<float>(), d, eps, int(n), xp.xb,
-                                                   xp.xs, xp.xm);
+    detail::launch_kernel<detail::norm_split_kernel<true>>("norm_split_kernel", blocks, threads, 0, s, x.ptr<float>(),
+                                                           residual->ptr<float>(), w, h.ptr<float>(), d, eps, int(n),
+                                                           xp.xb, xp.xs, xp.xm);
   else
-    detail::launch_kernel<norm_split_kernel<false>>("norm_split_kernel", blocks, threads, 0, s, x.ptr<float>(), nullptr,
-                                                    w, nullptr, d, eps, int(n), xp.xb, xp.xs, xp.xm);
+    detail::launch_kernel<detail::norm_split_kernel<false>>("norm_split_kernel", blocks, threads, 0, s, x.ptr<float>(),
+                                                            nullptr, w, nullptr, d, eps, int(n), xp.xb, xp.xs, xp.xm);
   gemv_on_split(ws, ys, d, base, int(n));
 #endif
   return {ys, h};

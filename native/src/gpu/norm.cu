@@ -25,29 +25,6 @@ namespace {
 
 using namespace detail::norm;
 
-// One row of d elements, normalised by the whole block (blockDim.x = threads_for(VEC ? d / 4 : d):
-// the order of the sums depends on it). x, residual, h, z, y: the row's elements (16-byte aligned
-// when VEC); w: [d] or null. h is written only with a residual, z read only when GATE (then y =
-// norm * silu(z)). The second pass re-reads the row this thread wrote or read in the first pass
-// (same thread, so the h stores are visible; the row is usually still in L1/L2).
-template <Mode M, bool VEC, bool RESID, bool GATE>
-__device__ __forceinline__ void norm_row(const float* __restrict__ x, const float* __restrict__ residual,
-                                         const float* __restrict__ w, float* h, const float* __restrict__ z,
-                                         float* __restrict__ y, int64_t d, float eps) {
-  using T = typename Row<VEC>::T;
-  const int64_t n = d / Row<VEC>::kWidth;  // vectors (or floats) per row
-  const T* xr = reinterpret_cast<const T*>(x);
-  T* hr = reinterpret_cast<T*>(h);
-  const T* zr = reinterpret_cast<const T*>(z);
-  T* yr = reinterpret_cast<T*>(y);
-  const double ss = block_sum(row_squares<RESID>(xr, reinterpret_cast<const T*>(residual), hr, n));
-  const float scale = M == Mode::RMS ? rms_scale(ss, d, eps) : l2_scale(ss, eps);
-  const T* src = RESID ? const_cast<const T*>(hr) : xr;
-  const T* wr = reinterpret_cast<const T*>(w);
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
-    yr[i] = normed<GATE>(src[i], scale, wr ? wr + i : nullptr, GATE ? zr[i] : T{});
-}
-
 // x, residual, h, z, y: [rows, d], one block per row (norm_row).
 template <Mode M, bool VEC, bool RESID, bool GATE>
 __global__ void norm_kernel(const float* __restrict__ x, const float* __restrict__ residual,

@@ -2,7 +2,7 @@
 // norm fused with the GEMV's x split (matmul.cu): one definition, so the fused op computes every
 // value with the same operations in the same order as the standalone norm (bit-identical).
 //
-// One thread block per row; the block size depends only on the row length d (threads_for), so a
+// One thread block per row (norm_row); the block size depends only on the row length d (threads_for), so a
 // row's result does not depend on how many rows share the call (batch invariance). warp_norm_row
 // replays that block's sums with one warp (gdn_step_kernel in gdn_step.cuh normalises rows in a block of
 // its own). The sum of
@@ -102,7 +102,30 @@ __device__ __forceinline__ T normed(T v, float scale, const T* w, T z) {
 // Mode: RMS (mean of squares, optional weight, optional residual) or L2 (sum of squares).
 enum class Mode { RMS, L2 };
 
-// The arithmetic of norm_row (norm.cu) over a row of n <= 1024 items (float4 when VEC, else floats) by
+// One row of d elements, normalised by the whole block (blockDim.x = threads_for(VEC ? d / 4 : d):
+// the order of the sums depends on it). x, residual, h, z, y: the row's elements (16-byte aligned
+// when VEC); w: [d] or null. h is written only with a residual, z read only when GATE (then y =
+// norm * silu(z)). The second pass re-reads the row this thread wrote or read in the first pass
+// (same thread, so the h stores are visible; the row is usually still in L1/L2).
+template <Mode M, bool VEC, bool RESID, bool GATE>
+__device__ __forceinline__ void norm_row(const float* __restrict__ x, const float* __restrict__ residual,
+                                         const float* __restrict__ w, float* h, const float* __restrict__ z,
+                                         float* __restrict__ y, int64_t d, float eps) {
+  using T = typename Row<VEC>::T;
+  const int64_t n = d / Row<VEC>::kWidth;  // vectors (or floats) per row
+  const T* xr = reinterpret_cast<const T*>(x);
+  T* hr = reinterpret_cast<T*>(h);
+  const T* zr = reinterpret_cast<const T*>(z);
+  T* yr = reinterpret_cast<T*>(y);
+  const double ss = block_sum(row_squares<RESID>(xr, reinterpret_cast<const T*>(residual), hr, n));
+  const float scale = M == Mode::RMS ? rms_scale(ss, d, eps) : l2_scale(ss, eps);
+  const T* src = RESID ? const_cast<const T*>(hr) : xr;
+  const T* wr = reinterpret_cast<const T*>(w);
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    yr[i] = normed<GATE>(src[i], scale, wr ? wr + i : nullptr, GATE ? zr[i] : T{});
+}
+
+// The arithmetic of norm_row over a row of n <= 1024 items (float4 when VEC, else floats) by
 // one warp instead of a block of threads_for(n) threads: such a block gives thread i item i alone, its
 // warp w sums items 32 w .. 32 w + 31 (warp_sum) and warp 0 then sums the warps' sums (block_sum);
 // here lane l plays thread 32 w + l of each warp w in turn, then warp 0. Same sums in the same order,

@@ -1,0 +1,93 @@
+"""rms_norm_matmul's GPU kernel (native/src/gpu/norm_split.cuh: RMSNorm fused with the tensor-core GEMV's x
+split), emulated on the host.
+
+host_emu/norm_split_main.cpp compiles the kernel header for the CPU (host_emu/warp_emu.h: one thread per
+thread of a block, shuffles, __syncthreads, shared memory) and runs it with matmul.cu's launch (one
+block per row of norm::threads_for(d / 4) threads), then the composition it replaces on the GPU: the
+standalone norm kernel's row code (norm_row, same block size) and split_x_kernel of its output, every
+buffer poisoned first. The fused split must equal the composition's byte for byte, h = x + residual
+bit for bit, and the values the split encodes must be float64's RMSNorm within the split's contract
+(matmul_mma.cuh: 2^-20 of each 256-input group's maximum) plus F32 rounding. Cases: one or two warps
+a group of rows, the 27B's d = 5120 (640 threads), 1024-thread blocks, more 256-input groups than warps
+(d = 12288), a ragged last group (d = 288), with and without the residual and the norm weight. (Blocks
+run one after another here, so races between blocks cannot show; the hardware: test_gpu_matmul.py's
+test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu.)
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_emu_build import build_emu  # noqa: E402
+
+HEADERS = ["norm_split.cuh", "matmul_mma.cuh", "weight_formats.cuh", "norm.cuh", "activations.cuh",
+           "warp_reduce.cuh", "pdl.cuh"]
+FILES = ("x", "r", "w", "h", "split", "h_ref", "split_ref", "recon")
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    return build_emu(tmp_path_factory, "norm_split_emu", HEADERS, "norm_split_main.cpp")
+
+
+def run_emu(emu, x, r, w, eps):
+    d, exe = emu
+    n, dim = x.shape
+    files = {f: str(d / f"{f}.bin") for f in FILES}
+    x.astype(np.float32).tofile(files["x"])
+    (r if r is not None else np.zeros(0, np.float32)).astype(np.float32).tofile(files["r"])
+    (w if w is not None else np.zeros(0, np.float32)).astype(np.float32).tofile(files["w"])
+    out = subprocess.run([str(exe), str(n), str(dim), str(int(r is not None)), str(int(w is not None)), repr(eps)] +
+                         [files[f] for f in FILES], check=True, capture_output=True, text=True).stdout.strip()
+    got = {f: np.fromfile(files[f], np.uint8 if f.startswith("split") else np.float32) for f in FILES[3:]}
+    for f in ("h", "h_ref", "recon"):
+        got[f] = got[f].reshape(n, dim)
+    return got, out
+
+
+def threads_for(items):
+    """norm.cuh's threads_for: about ceil(items / 1024) items a thread, whole warps."""
+    per = -(-items // 1024)
+    return -(-(-(-items // per)) // 32) * 32
+
+
+def rms_norm64(h, w, eps):
+    h = h.astype(np.float64)
+    u = h / np.sqrt((h * h).mean(axis=1, keepdims=True) + eps)
+    return u * w.astype(np.float64) if w is not None else u
+
+
+# (n, d): one warp per 256-input group and 2 rows; a ragged last group (Q8_0's 288 inputs); the 27B's
+# hidden size (640-thread blocks, 20 groups); 1024-thread blocks, one group per warp (8192); more groups
+# than warps (12288: 48 groups on 32 warps)
+CASES = [(2, 256), (3, 288), (1, 5120), (2, 5120), (1, 8192), (1, 12288)]
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("resid", [True, False])
+@pytest.mark.parametrize("n,d", CASES)
+def test_norm_split_emulated_equals_the_composition(emu, rng, n, d, resid, weighted):
+    eps = 1e-6
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    x[:, 7] *= 40.0  # an outlier activation: its group's other inputs keep fewer bits in the split
+    r = rng.standard_normal((n, d)).astype(np.float32) if resid else None
+    w = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32) if weighted else None
+    got, out = run_emu(emu, x, r, w, eps)
+    assert out == f"threads={threads_for(d // 4)}"
+    assert np.array_equal(got["split"], got["split_ref"])  # byte for byte, poisoned bytes included
+    if resid:
+        h = x + r
+        assert np.array_equal(got["h"].view(np.uint32), h.view(np.uint32))
+        assert np.array_equal(got["h_ref"].view(np.uint32), h.view(np.uint32))
+    else:
+        h = x
+        assert np.isnan(got["h"]).all()  # no h without a residual
+    want = rms_norm64(h, w, eps)
+    # each input's 256-input group maximum (the last group ragged when d % 256 != 0)
+    bound = np.concatenate([np.repeat(np.abs(want[:, g:g + 256]).max(axis=1, keepdims=True), min(256, d - g), axis=1)
+                            for g in range(0, d, 256)], axis=1)
+    err = np.abs(got["recon"].astype(np.float64) - want)
+    assert np.all(err <= 2.0 ** -19 * bound + 1e-6 * np.abs(want)), (err / bound).max()
