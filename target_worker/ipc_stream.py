@@ -196,18 +196,20 @@ class IpcContext:
 def poll_until(poll, end_ns: int) -> bool:
     """Busy-polls ``poll`` (a select.poll object's poll method, one socket registered for POLLIN) with
     timeout 0 until it reports input or a hang-up (True) or time.monotonic_ns() reaches ``end_ns``
-    (False). The spin of the workers (FrameReader.spin) and of the coordinator (IpcStream._spin).
+    (False). It polls at least once, so a thread that resumes after ``end_ns`` (a loaded machine) still
+    takes a frame that is already there. The spin of the workers (FrameReader.spin) and of the
+    coordinator (IpcStream._spin).
 
     Between polls the thread yields its CPU: Linux places a task woken by a Unix-socket write on the
     writer's CPU when it can (a "sync" wake-up: the writer is expected to sleep), so the peer this
     thread just woke with its request or answer may be queued behind the spin; sched_yield lets it
     run now (a no-op when nothing else is runnable here)."""
     clock, pause = time.monotonic_ns, os.sched_yield
-    while clock() < end_ns:
-        if poll(0):
-            return True
+    while not poll(0):
+        if clock() >= end_ns:
+            return False
         pause()
-    return False
+    return True
 
 
 class WakeAhead:

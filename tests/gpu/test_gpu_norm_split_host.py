@@ -7,9 +7,10 @@ block per row of norm::threads_for(d / 4) threads), then the composition it repl
 standalone norm kernel's row code (norm_row, same block size) and split_x_kernel of its output, every
 buffer poisoned first. The fused split must equal the composition's byte for byte, h = x + residual
 bit for bit, and the values the split encodes must be float64's RMSNorm within the split's contract
-(matmul_mma.cuh: 2^-20 of each 256-input group's maximum) plus F32 rounding. Cases: one or two warps
-a group of rows, the 27B's d = 5120 (640 threads), 1024-thread blocks, more 256-input groups than warps
-(d = 12288), a ragged last group (d = 288), with and without the residual and the norm weight. (Blocks
+(matmul_mma.cuh: 2^-20 of each 256-input group's maximum) plus F32 rounding. Built with AddressSanitizer,
+so a read out of bounds fails too. Cases: d = 256 and a ragged
+last group (288), the 27B's 5120 (640 threads), 1024-thread blocks (8192), more 256-input groups than warps
+(12288, and 8480 with a ragged last group), 1-3 rows, with and without the residual and the norm weight. (Blocks
 run one after another here, so races between blocks cannot show; the hardware: test_gpu_matmul.py's
 test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu.)
 """
@@ -30,7 +31,8 @@ FILES = ("x", "r", "w", "h", "split", "h_ref", "split_ref", "recon")
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
-    return build_emu(tmp_path_factory, "norm_split_emu", HEADERS, "norm_split_main.cpp")
+    # AddressSanitizer: a read past a row, the norm weight or the shared-memory stage fails the run
+    return build_emu(tmp_path_factory, "norm_split_emu", HEADERS, "norm_split_main.cpp", ("-fsanitize=address",))
 
 
 def run_emu(emu, x, r, w, eps):
@@ -62,8 +64,8 @@ def rms_norm64(h, w, eps):
 
 # (n, d): one warp per 256-input group and 2 rows; a ragged last group (Q8_0's 288 inputs); the 27B's
 # hidden size (640-thread blocks, 20 groups); 1024-thread blocks, one group per warp (8192); more groups
-# than warps (12288: 48 groups on 32 warps)
-CASES = [(2, 256), (3, 288), (1, 5120), (2, 5120), (1, 8192), (1, 12288)]
+# than warps (12288: 48 groups on 32 warps; 8480: 34 on 23, the last group ragged)
+CASES = [(2, 256), (3, 288), (1, 5120), (2, 5120), (1, 8192), (2, 12288), (2, 8480)]
 
 
 @pytest.mark.parametrize("weighted", [True, False])
@@ -90,4 +92,4 @@ def test_norm_split_emulated_equals_the_composition(emu, rng, n, d, resid, weigh
     bound = np.concatenate([np.repeat(np.abs(want[:, g:g + 256]).max(axis=1, keepdims=True), min(256, d - g), axis=1)
                             for g in range(0, d, 256)], axis=1)
     err = np.abs(got["recon"].astype(np.float64) - want)
-    assert np.all(err <= 2.0 ** -19 * bound + 1e-6 * np.abs(want)), (err / bound).max()
+    assert np.all(err <= 2.0 ** -20 * bound + 2e-7 * np.abs(want)), (err / bound).max()

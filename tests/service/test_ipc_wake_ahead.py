@@ -77,7 +77,8 @@ def _reader(sock, window_us, waits_ms, wake_ahead=True):
 def test_reader_sleeps_then_spins_for_a_request_due_later_than_the_window():
     """Waits of 60 ms and a 20 ms window: the reader sleeps 50 ms in one blocking poll, then polls
     without blocking; a request sent once the spin has begun is taken by that spin, and the wait is
-    recorded. The request is sent from the first non-blocking poll, so no thread's timing decides it."""
+    recorded. The request is sent from the first non-blocking poll, which comes even when the thread
+    resumes after the window (poll_until polls at least once), so no thread's timing decides it."""
     a, b = socket.socketpair()
     with a, b:
         r = _reader(a, 20_000, [60, 60, 60])

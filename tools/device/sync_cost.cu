@@ -1,9 +1,10 @@
 // What one dependency between two steps of GPU work costs on this GPU (issue 7). A decode step of
-// the 27B is ~1000 dependent kernels, most of them latency-bound, so the price of a kernel boundary
+// the 27B is ~1100 dependent kernels, most of them latency-bound, so the price of a kernel boundary
 // bounds what fusing kernels (a persistent per-layer decode kernel) could save per step.
 //
 // Times a chain of P dependent phases. A phase is a trivial cross-block exchange: every thread reads
-// the value a thread of another block wrote in the phase before, adds 1 and writes its own. The
+// the value a thread of another block (of its own block in a grid of one) wrote in the phase before,
+// adds 1 and writes its own. The
 // phases are separated by:
 //   launch      one kernel per phase, launched on a stream (<<<>>>)
 //   launch+pdl  one kernel per phase, a programmatic dependent of the one before (cudaLaunchKernelEx
@@ -39,8 +40,8 @@ namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 
-// One phase's work for element i of n: read another block's element (shift is half the grid plus
-// one), add 1.
+// One phase's work for element i of n: read the element half the grid plus one further on (another
+// block's, but for a grid of one block), add 1.
 __device__ __forceinline__ void exchange(const float* in, float* out, int n, int shift) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   out[i] = in[(i + shift) % n] + 1.0f;

@@ -9,10 +9,13 @@ set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 D=$(cd "$(dirname "$0")" && pwd)
-nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o /tmp/sync_cost "$D/sync_cost.cu" >"$OUT/sync_cost.md" 2>&1 || exit 1
+BIN=$(mktemp -d)
+trap 'rm -rf "$BIN"' EXIT
+nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o "$BIN/sync_cost" "$D/sync_cost.cu" \
+  >"$OUT/sync_cost.md" 2>&1 || exit 1
 rc=0
 for p in ${PHASES:-1000}; do
-  /tmp/sync_cost "$p" >>"$OUT/sync_cost.md" 2>&1 || rc=1
+  "$BIN/sync_cost" "$p" >>"$OUT/sync_cost.md" 2>&1 || rc=1
   echo >>"$OUT/sync_cost.md"
 done
 exit $rc

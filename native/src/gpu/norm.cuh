@@ -1,5 +1,5 @@
 // The RMSNorm / L2-norm row arithmetic on the GPU, shared by the norm kernels (norm.cu) and the
-// norm fused with the GEMV's x split (matmul.cu): one definition, so the fused op computes every
+// norm fused with the GEMV's x split (norm_split.cuh): one definition, so the fused op computes every
 // value with the same operations in the same order as the standalone norm (bit-identical).
 //
 // One thread block per row (norm_row); the block size depends only on the row length d (threads_for), so a

@@ -37,9 +37,10 @@ struct NormInput {
 // xs / xm, the mma::XSizes(d) layout) equals split_x of rms_norm's output bit for bit; with a
 // residual, h = x + residual is stored.
 template <bool RESID>
-__global__ void __launch_bounds__(norm::kMaxThreads) norm_split_kernel(const float* __restrict__ x, const float* __restrict__ residual,
-                                  const float* __restrict__ w, float* h, int64_t d, float eps, int n,
-                                  uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
+__global__ void __launch_bounds__(norm::kMaxThreads)
+    norm_split_kernel(const float* __restrict__ x, const float* __restrict__ residual, const float* __restrict__ w,
+                      float* h, int64_t d, float eps, int n, uint2* __restrict__ xb, float* __restrict__ xs,
+                      uint32_t* __restrict__ xm) {
   pdl_enter();
   using namespace norm;
   const int r = int(blockIdx.x);

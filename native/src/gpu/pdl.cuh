@@ -1,6 +1,6 @@
 // Programmatic dependent launch (PDL, sm_90): a kernel launched with launch_kernel<K>() may have its blocks
 // scheduled while the kernel before it in the stream drains, so launch latency and the ramp of one
-// kernel overlap the tail of the last (a decode step is ~1200 mostly latency-bound launches).
+// kernel overlap the tail of the last (a decode step is ~1100 mostly latency-bound launches).
 //
 // The contract that keeps the stream's order of memory effects: every kernel of the backend calls
 // pdl_wait() before its first access to memory another kernel writes or reads (tests/gpu/
