@@ -163,7 +163,7 @@ Arguments as for rms_norm and matmul_group (x F32 [n, d]; weight F32 [d] or None
 one device). Returns (list of F32 [n, out_i], h). Bit-identical to that composition on each backend.
 On the GPU, when the tensor-core GEMV reads the normed rows (1 <= n <= 16, every weight Q8_0 /
 K-quant / IQ4_XS, 16-byte aligned rows) the norm kernel also writes the GEMV's split of them and u is
-never stored (one kernel launch fewer per call, matmul.cu: norm_split_kernel); otherwise the ops run
+never stored (one kernel launch fewer per call, norm_split.cuh: norm_split_kernel); otherwise the ops run
 in turn. Raises ValueError as those ops do.)doc");
   m.def(
       "swiglu_matmul",

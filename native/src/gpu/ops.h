@@ -66,7 +66,7 @@ std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws,
 // matmul_group of rms_norm's output: (ys, h) with ys bit-identical to matmul_group(u, ws, exact) where
 // (u, h) = rms_norm(x, weight, eps, residual) (h = x + residual; x without a residual). When the GEMV
 // reads x split (1..16 rows, tensor-core formats, 16-byte aligned rows) the norm kernel writes that
-// split and u is never stored: one launch fewer (norm_split_kernel, matmul.cu); otherwise the
+// split and u is never stored: one launch fewer (norm_split_kernel, norm_split.cuh); otherwise the
 // composition. Raises std::invalid_argument as rms_norm and matmul_group do.
 std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const std::optional<Tensor>& weight, float eps,
                                                        const std::vector<Tensor>& ws,
