@@ -39,8 +39,9 @@ Semantics are the gRPC stream's (worker.proto header): each request is answered 
 ``is_active``), the first error ends the stream with the status the gRPC stream would have, and an
 unexpected exception ends it with INTERNAL (logged). Errors of the connection itself, each ending
 that connection only: a hello of the wrong length or magic -> INVALID_ARGUMENT, a wrong token ->
-PERMISSION_DENIED, another worker's method -> UNIMPLEMENTED, a frame over max_message_bytes or more
-connections than ``max_connections`` -> RESOURCE_EXHAUSTED, an unparsable request -> INVALID_ARGUMENT.
+PERMISSION_DENIED, another worker's method -> UNIMPLEMENTED, a frame over max_message_bytes, more
+connections than ``max_connections`` or a connection thread that cannot start -> RESOURCE_EXHAUSTED, an
+unparsable request -> INVALID_ARGUMENT.
 
 Bounds: at most ``max_connections`` connections (the worker's RPC thread count), each served by one
 thread (kept for later connections, like gRPC's pool threads: :meth:`IpcStreamServer._worker`);
@@ -449,16 +450,28 @@ class IpcStreamServer:
             self._dispatch(conn)
 
     def _dispatch(self, conn: socket.socket) -> None:
-        """Hands an admitted connection to an idle connection thread, or to a new one."""
+        """Hands an admitted connection to an idle connection thread, or to a new one. A thread that
+        cannot start (RuntimeError: the process's thread or memory limit) refuses only this connection
+        with RESOURCE_EXHAUSTED and gives its place back: raised here, it would end the acceptor (new
+        connections would hang in the backlog) and leave the connection counted and open."""
         with self.lock:
             reuse = self.idle > 0
             if reuse:
                 self.idle -= 1
         if reuse:
             self.pending.put(conn)
-        else:
+            return
+        try:
             threading.Thread(target=self._worker, args=(conn,), name=f"specd-ipc-{self.method.what}",
                              daemon=True).start()
+        except RuntimeError as exc:
+            log.warning("%s: cannot start an IPC stream connection thread (%s); connection refused", self.name, exc)
+            with self.lock:
+                self.conns.discard(conn)
+                self.changed.notify_all()
+            _send_quietly(conn, error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: cannot start an IPC "
+                                                                                f"stream connection thread: {exc}"))
+            conn.close()
 
     def _worker(self, conn: socket.socket | None) -> None:
         """A connection thread: serves one connection after another until close(). Kept between

@@ -756,6 +756,36 @@ def test_the_acceptor_survives_a_failed_accept(caplog):
     assert not ipc.acceptor.is_alive()
 
 
+def test_a_connection_thread_that_cannot_start_refuses_only_that_connection(monkeypatch, caplog):
+    """Starting a connection thread fails (RuntimeError "can't start new thread": the process's thread
+    or memory limit): that connection gets RESOURCE_EXHAUSTED and is closed, its place is freed, and
+    the acceptor goes on serving the next connections."""
+    caplog.set_level(logging.WARNING, logger="specd.ipc_stream")
+    ipc = IpcStreamServer(_Servicer(), VERIFY_STREAM, "test-worker", 1 << 20, 1)
+    failures = [RuntimeError("can't start new thread")]
+
+    class _Thread(threading.Thread):
+        def start(self):
+            if failures:
+                raise failures.pop()
+            super().start()
+
+    monkeypatch.setattr(ipc_stream, "threading", types.SimpleNamespace(Thread=_Thread))  # _dispatch's threads only
+    try:
+        s = _connect(ipc)
+        with s:
+            s.settimeout(5)
+            code, details = _answer(s)  # refused at the accept, as beyond max_connections (no hello needed)
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "can't start new thread" in details
+            assert _closed(s)
+        assert ipc.acceptor.is_alive() and not failures
+        _round_trip(ipc, 3)  # the only connection place was given back
+        assert any("connection thread" in r.getMessage() for r in caplog.records)
+    finally:
+        ipc.close()
+    assert not ipc.conns and not ipc.acceptor.is_alive()
+
+
 class _Fallback:
     """A stand-in for the gRPC WorkerStream an IpcStream falls back to: records its calls."""
 
