@@ -535,13 +535,18 @@ class IpcStream(SequenceStream):
     def _spin(self) -> tuple[int, bytes] | None:
         """Polls the socket without blocking for up to the IpcSpin's spin_us (the event loop waits) and
         takes what comes; returns the answer frame once complete, else None (spin over, or the
-        connection failed: ``sock`` is None then). Raises like :meth:`_frame`."""
+        connection failed: ``sock`` is None then). Raises like :meth:`_frame`. The clock is checked after
+        each read too: poll_until returns on readiness without looking at it, so a socket that stays
+        readable without completing a frame (a worker trickling its answer) would hold the loop, and its
+        deadline timer, for as long as it trickles."""
         end = time.monotonic_ns() + self.spin.spin_ns
         while self.sock is not None and poll_until(self.poll, end):
             self._recv()
             frame = self._frame()
             if frame is not None:
                 return frame
+            if time.monotonic_ns() >= end:
+                break
         return None
 
     def _timed_spin(self, end_ns: int) -> None:
@@ -553,6 +558,8 @@ class IpcStream(SequenceStream):
             return
         while self.waiter is not None and self.sock is not None and poll_until(self.poll, end_ns):
             self._recv()
+            if time.monotonic_ns() >= end_ns:  # bounded while input keeps coming without a frame (_spin)
+                break
 
     def _wake_timer(self, sent_ns: int):
         """The wake-ahead timer of the call whose request went out at ``sent_ns`` (time.monotonic_ns(),

@@ -6,6 +6,8 @@ coordinator's gate, the end-to-end exactness with every process spinning, and th
 from __future__ import annotations
 
 import asyncio
+import errno
+import select
 import socket
 import struct
 import threading
@@ -20,8 +22,8 @@ from specd.draft_worker import server as dserver
 from specd.protos.v1 import worker_pb2 as wpb
 from specd.target_worker import ipc_stream
 from specd.target_worker import server as tserver
-from specd.target_worker.ipc_stream import (AUTO_SPIN_US, GPU_SPIN_US, MAX_SPIN_US, VERIFY_STREAM, FrameReader,
-                                            IpcStreamServer, resolve_spin_us)
+from specd.target_worker.ipc_stream import (AUTO_SPIN_US, GPU_SPIN_US, MAX_SPIN_US, STATUS, VERIFY_STREAM,
+                                            FrameReader, IpcStreamServer, resolve_spin_us)
 
 from .test_ipc_streams import _Servicer, _answer, _closed, _frame, _hello, call_after_idle
 from .test_serving import wait_released
@@ -335,6 +337,45 @@ def test_client_spin_sees_a_worker_that_closes():
     finally:
         ipc.close()
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class _EndlessInput:
+    """A worker connection that always polls ready (``poll``) and never completes a frame: its recv raises
+    EAGAIN ("eagain") or returns the head of a 128 MiB answer (within the default 256 MiB limit) and then
+    one byte per call ("trickle": a slow or broken worker). Fails the test, instead of hanging it, when a
+    spin still reads after 5 s."""
+
+    def __init__(self, how: str):
+        self.how, self.calls, self.end = how, 0, time.monotonic() + 5.0
+
+    def poll(self, timeout):
+        return [(0, select.POLLIN)]
+
+    def recv(self, n):
+        self.calls += 1
+        if time.monotonic() > self.end:
+            raise AssertionError(f"the spin still reads after 5 s ({self.calls} reads)")
+        if self.how == "eagain":
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+        return STATUS.pack(128 << 20, 0) if self.calls == 1 else b"x"
+
+    def stream(self, spin: IpcSpin) -> IpcStream:
+        """An IpcStream reading from this connection, as after its hello."""
+        st = IpcStream(IpcOffer("/nonexistent", b"t" * 16, VERIFY_STREAM), 10.0, 256 << 20, spin=spin)
+        st.sock, st.poll = self, self.poll
+        return st
+
+
+@pytest.mark.parametrize("how", ["eagain", "trickle"])
+def test_client_spin_ends_at_its_bound_while_input_keeps_coming_without_a_frame(how):
+    """The coordinator's spin holds the event loop (no deadline timer, no other sequence runs), so it
+    must end at spin_us even when the socket stays readable without ever completing the answer: a recv
+    that finds nothing (EAGAIN) or a worker trickling the answer a byte at a time."""
+    conn = _EndlessInput(how)
+    st = conn.stream(IpcSpin(2_000))
+    t0 = time.monotonic()
+    assert st._spin() is None
+    assert time.monotonic() - t0 < 1.0 and conn.calls >= 1 and st.sock is conn
 
 
 # ---- through the service

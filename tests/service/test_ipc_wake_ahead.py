@@ -20,7 +20,7 @@ from specd.target_worker import server as tserver
 from specd.target_worker.ipc_stream import (MAX_WAKE_SLEEP_NS, VERIFY_STREAM, FrameReader, IpcStreamServer,
                                             WakeAhead)
 
-from .test_ipc_spin import _SlowServicer
+from .test_ipc_spin import _EndlessInput, _SlowServicer
 from .test_ipc_streams import _Servicer, _answer, _frame, _hello
 
 MS = 1_000_000  # ns
@@ -214,6 +214,20 @@ def test_timed_spin_yields_to_other_waiting_calls():
     st.waiter, spin.waiting = None, 1
     st._timed_spin(time.monotonic_ns() + 10 ** 9)
     assert time.monotonic() - t0 < 0.5
+
+
+@pytest.mark.parametrize("how", ["eagain", "trickle"])
+def test_timed_spin_ends_at_its_bound_while_input_keeps_coming_without_a_frame(how):
+    """A timed spin holds the event loop like the immediate one: it ends at its end time even when the
+    socket stays readable without completing the awaited answer (EAGAIN, or a worker trickling bytes);
+    the call then waits in the event loop, under its deadline timer."""
+    conn = _EndlessInput(how)
+    spin = IpcSpin(2_000)
+    st = conn.stream(spin)
+    st.waiter, spin.waiting = object(), 1  # the call waiting in the event loop (IpcStream._wait)
+    t0 = time.monotonic()
+    st._timed_spin(time.monotonic_ns() + 2 * MS)
+    assert time.monotonic() - t0 < 1.0 and conn.calls >= 1 and st.waiter is not None and st.sock is conn
 
 
 # ---- flags
