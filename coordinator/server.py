@@ -455,7 +455,11 @@ class IpcStream(SequenceStream):
 
     def _recv(self) -> None:
         """Takes what the socket holds (non-blocking) and completes the pending future with a whole
-        frame; EOF or a socket error fails it."""
+        frame; EOF or a socket error fails it. Without a pending future the buffer holds at most one
+        whole frame (a call's answer not awaited yet: send_early's until answer()); more is a broken
+        worker: the connection is closed, and only the first frame of a call in flight is kept (its
+        answer, or the head whose error :meth:`_frame` raises: RESOURCE_EXHAUSTED over max_bytes). The
+        next call raises UNAVAILABLE."""
         try:
             data = self.sock.recv(RECV_BYTES)
         except (BlockingIOError, InterruptedError):
@@ -469,9 +473,11 @@ class IpcStream(SequenceStream):
         self.buf += data
         if self.waiter is not None:
             self._complete()
-        elif self.expiry is None and len(self.buf) > FRAME.size + self.max_bytes + 1:
-            self.buf.clear()  # between calls, unasked bytes beyond one whole frame: a broken worker; bounded
-            self._abort()  # (a call in flight bounds the buffer by its frame's checked length); next: UNAVAILABLE
+        elif len(self.buf) > FRAME.size + self.max_bytes + 1:  # a broken worker (above): bounded
+            n = STATUS.unpack_from(self.buf)[0]
+            keep = 0 if self.expiry is None else FRAME.size + n if 0 < n <= self.max_bytes + 1 else STATUS.size
+            del self.buf[keep:]
+            self._abort()
 
     def _abort_with(self, exc: BaseException) -> None:
         self._fail(exc)

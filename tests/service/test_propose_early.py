@@ -7,6 +7,8 @@ IpcStream's two halves of a call, their errors, and a close past an answer nobod
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 import time
 
 import grpc
@@ -15,11 +17,12 @@ import pytest
 from specd.coordinator.server import IpcOffer, IpcStream, RequestError, status_error
 from specd.protos.v1 import generate_pb2 as gpb
 from specd.protos.v1 import worker_pb2 as wpb
-from specd.target_worker.ipc_stream import VERIFY_STREAM, IpcStreamServer
+from specd.target_worker import ipc_stream
+from specd.target_worker.ipc_stream import FRAME, STATUS, VERIFY_STREAM, IpcStreamServer
 
 from .conftest import generate, streamed_ids, token_request
 from .test_ipc_spin import _SlowServicer
-from .test_ipc_streams import _Servicer
+from .test_ipc_streams import _read_exact, _Servicer
 from .test_serving import wait_released
 from .test_streams import _spec, greedy_runs, via
 
@@ -177,3 +180,62 @@ def test_close_waits_for_the_worker_past_an_answer_nobody_awaits():
 
     took, conns = _on_stream(_SlowServicer(0.1), body)
     assert took >= 0.05 and not conns
+
+
+@pytest.mark.parametrize("flood", ["unasked", "oversized"])
+def test_a_worker_flooding_an_early_calls_answer_is_cut_off_at_one_frame(tmp_path, flood):
+    """A broken worker streams bytes while the coordinator is busy elsewhere (its verify) between
+    send_early and answer(): unasked bytes after the early call's answer, or an answer over the
+    coordinator's limit. The client buffers at most one whole frame's worth (as between calls) and
+    closes the connection: answer() still returns the whole answer before the unasked bytes (the next
+    call raises UNAVAILABLE, as between calls), or raises RESOURCE_EXHAUSTED for the oversized answer
+    (as a call() does)."""
+    path = str(tmp_path / "w.sock")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(path)
+    lsock.listen(1)
+    limit = 1 << 10
+
+    def worker():
+        c, _ = lsock.accept()
+        with c:
+            try:
+                _read_exact(c, FRAME.size + 25)
+                c.sendall(ipc_stream.OK_FRAME)
+                for answer in (ipc_stream.OK_FRAME, ipc_stream.OK_FRAME if flood == "unasked" else b""):
+                    _read_exact(c, FRAME.unpack(_read_exact(c, FRAME.size))[0])  # the first call, the early one
+                    c.sendall(answer)
+                c.sendall((b"" if flood == "unasked" else STATUS.pack((1 << 20) + 1, 0)) + bytes(1 << 20))
+                while c.recv(4096):
+                    pass
+            except OSError:
+                pass
+
+    threading.Thread(target=worker, daemon=True).start()
+
+    async def run():
+        st = IpcStream(IpcOffer(path, bytes(16), VERIFY_STREAM), 5.0, limit)
+        assert await st.call(wpb.VerifyRequest(seq_id="s", tokens=[1]), None) == wpb.VerifyResponse()
+        sent = st.send_early(wpb.VerifyRequest(seq_id="s", tokens=[2]), None)
+        for _ in range(200):  # the verify meanwhile: the reader callback takes what the worker sends
+            if st.sock is None:
+                break
+            await asyncio.sleep(0.01)
+        buffered, sock = len(st.buf), st.sock
+        try:
+            got = await st.answer(sent, None)
+        except RequestError as exc:
+            return buffered, sock, exc, None
+        with pytest.raises(RequestError) as ei:
+            await st.call(wpb.VerifyRequest(seq_id="s", tokens=[3]), None)
+        return buffered, sock, got, ei.value.code
+
+    try:
+        buffered, sock, got, then = asyncio.run(run())
+    finally:
+        lsock.close()
+    assert buffered <= STATUS.size and sock is None  # the answer (an empty frame) or the oversized one's head
+    if flood == "unasked":
+        assert got == wpb.VerifyResponse() and then == grpc.StatusCode.UNAVAILABLE
+    else:
+        assert isinstance(got, RequestError) and got.code == grpc.StatusCode.RESOURCE_EXHAUSTED, got
