@@ -198,7 +198,7 @@ class DraftWorkerConfig:
         co-located coordinator's hot path then skips gRPC), default True. At most ``threads``
         connections at once; removed when the server stops. ``--no-ipc-streams``: gRPC only.
     ipc_idle_timeout_s: an IPC stream with no new request for this long is closed and its compute
-        slot freed (as target_worker.server.TargetWorkerConfig.ipc_idle_timeout_s). Default 80; > 0.
+        slot freed (as target_worker.server.TargetWorkerConfig.ipc_idle_timeout_s). Default 80; 0.001 .. 1e9.
     ipc_spin_us: busy-poll an IPC stream's socket for up to this many microseconds before blocking for
         its next request (as target_worker.server.TargetWorkerConfig.ipc_spin_us). 0..100000 (0 = off)
         or -1 (the default): 1000 on a GPU, off on the CPU.

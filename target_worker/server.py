@@ -46,8 +46,9 @@ from specd.coordinator.ddtree import walk_tree
 
 from .feature_inline import InlineFeatureWriter, check_transport, encode_rows, inline_max_rows
 from .feature_shm import FeatureWriter, ShmExhausted, shm_namespace_id
-from .ipc_stream import (AUTO_SPIN_US, GPU_SPIN_US, IDLE_TIMEOUT_S, MAX_SPIN_US, VERIFY_STREAM, IpcMethod,
-                         check_spin_us, ipc_info, ipc_path, resolve_spin_us, serve_ipc_streams)
+from .ipc_stream import (AUTO_SPIN_US, GPU_SPIN_US, IDLE_TIMEOUT_S, MAX_IDLE_TIMEOUT_S, MAX_SPIN_US,
+                         MIN_IDLE_TIMEOUT_S, VERIFY_STREAM, IpcMethod, check_spin_us, ipc_info, ipc_path,
+                         resolve_spin_us, serve_ipc_streams)
 
 log = logging.getLogger("specd.target_worker")
 
@@ -112,8 +113,8 @@ class TargetWorkerConfig:
         its directory are removed when the server stops. ``--no-ipc-streams``: gRPC only.
     ipc_idle_timeout_s: an IPC stream with no new request for this long is closed and its compute
         slot freed (a coordinator that hangs without closing; gRPC streams get the same from keepalive,
-        whose bound is also 80 s). Default 80; > 0, and longer than any pause of the coordinator between
-        a sequence's steps (its send_stall_timeout_s, 60 s by default).
+        whose bound is also 80 s). Default 80; 0.001 .. 1e9 (each stream's SO_RCVTIMEO), and longer than
+        any pause of the coordinator between a sequence's steps (its send_stall_timeout_s, 60 s by default).
     ipc_spin_us: before blocking for an IPC stream's next request, busy-poll its socket for up to this
         many microseconds (:class:`.ipc_stream.FrameReader`): a request arriving within the spin skips
         the connection thread's wake-up (~0.15 ms on the H200 host, a VM). Costs a busy core for up to
@@ -191,9 +192,13 @@ class TargetWorkerConfig:
 
 
 def check_idle_timeout(value, who: str) -> None:
-    """ValueError unless ``value`` (ipc_idle_timeout_s) is a number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{who}: ipc_idle_timeout_s must be a number > 0, got {value!r}")
+    """ValueError unless ``value`` (ipc_idle_timeout_s) is a number in MIN_IDLE_TIMEOUT_S..MAX_IDLE_TIMEOUT_S:
+    each IPC stream's SO_RCVTIMEO, which a larger or infinite value cannot be packed into (every stream
+    would fail after its hello) and a smaller one rounds to 0 (no idle bound)."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not MIN_IDLE_TIMEOUT_S <= value <= MAX_IDLE_TIMEOUT_S):
+        raise ValueError(f"{who}: ipc_idle_timeout_s must be a number > 0 ({MIN_IDLE_TIMEOUT_S:g}.."
+                         f"{MAX_IDLE_TIMEOUT_S:g} seconds), got {value!r}")
 
 
 def check_bool(value, name: str, who: str) -> None:

@@ -585,6 +585,22 @@ def test_ipc_stream_flags_defaults_validation_and_serve_forwarding(serve_argvs):
             bad.validate()
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e20, 1e-7])
+def test_an_idle_timeout_the_socket_cannot_carry_is_refused_at_validation(value):
+    """--ipc-idle-timeout-s becomes each stream's SO_RCVTIMEO: a value it cannot carry (infinite, NaN,
+    past a timeval's seconds) would fail every stream after its hello with INTERNAL (the probe, answered
+    before, still passes, so the coordinator would choose the socket), and one under a microsecond
+    packs to a zero timeval, which means no idle bound at all. Both are refused when the worker's
+    config is validated; the accepted range packs to a non-zero timeval."""
+    for cfg in (tserver.TargetWorkerConfig(target="t.gguf", ipc_idle_timeout_s=value),
+                dserver.DraftWorkerConfig(vocab=8, ipc_idle_timeout_s=value)):
+        with pytest.raises(ValueError, match="ipc_idle_timeout_s must be a number > 0"):
+            cfg.validate()
+    for ok in (ipc_stream.MIN_IDLE_TIMEOUT_S, ipc_stream.MAX_IDLE_TIMEOUT_S):
+        tserver.check_idle_timeout(ok, "target-worker")
+        assert ipc_stream._timeval(ok) != ipc_stream._timeval(0)
+
+
 def test_hello_and_error_frames_round_trip():
     """The frame helpers: a hello is 4 + 25 bytes with the magic, token and method; an error frame's
     code and details parse back (an unknown code value -> UNKNOWN)."""
