@@ -898,8 +898,8 @@ def add_worker_server_arguments(p: argparse.ArgumentParser, d) -> None:
                         "--no-ipc-streams: gRPC only)")
     p.add_argument("--ipc-idle-timeout-s", type=float, default=d.ipc_idle_timeout_s,
                    help="close an IPC stream with no new request for this long, freeing its compute slot (a hung "
-                        f"coordinator; default {d.ipc_idle_timeout_s:g}, as gRPC keepalive; must exceed the "
-                        "coordinator's send_stall_timeout_s)")
+                        f"coordinator; default {d.ipc_idle_timeout_s:g}, as gRPC keepalive; {MIN_IDLE_TIMEOUT_S:g}.."
+                        f"{MAX_IDLE_TIMEOUT_S:g}; must exceed the coordinator's send_stall_timeout_s)")
     p.add_argument("--ipc-spin-us", type=int, default=d.ipc_spin_us,
                    help="before blocking for an IPC stream's next request, busy-poll its socket for up to this many "
                         "microseconds, so a request arriving meanwhile skips the thread's wake-up (costs a busy core "
