@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 
 from .policy import PolicyConfig
 
@@ -168,13 +169,13 @@ class CoordinatorConfig:
                      "keepalive_timeout_ms", "release_timeout_s", "health_timeout_s", "max_request_id_bytes",
                      "max_stop_strings", "max_stop_string_bytes", "max_prompt_bytes", "send_stall_timeout_s",
                      "plain_steps_per_call"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"coordinator: {name} must be > 0, got {getattr(self, name)}")
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):  # nan / inf: a timer never set
+                raise ValueError(f"coordinator: {name} must be > 0 and finite, got {getattr(self, name)}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"coordinator: metrics_port must be in 0..65535, got {self.metrics_port}")
         for name in ("max_draft_tokens", "max_prompt_tokens", "max_ping_strikes", "drain_timeout_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"coordinator: {name} must be >= 0, got {getattr(self, name)}")
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"coordinator: {name} must be >= 0 and finite, got {getattr(self, name)}")
         if self.reasoning_budget < 0 or self.reply_reserve < 0:
             raise ValueError(f"coordinator: reasoning_budget and reply_reserve must be >= 0, got "
                              f"{self.reasoning_budget}, {self.reply_reserve}")
@@ -185,8 +186,6 @@ class CoordinatorConfig:
         if self.tree_budget < 1 or self.tree_top_k < 0:
             raise ValueError(f"coordinator: tree_budget must be >= 1 and tree_top_k >= 0, got "
                              f"{self.tree_budget}, {self.tree_top_k}")
-        import math
-
         if not (self.tree_temperature > 0 and math.isfinite(self.tree_temperature)):
             raise ValueError(f"coordinator: tree_temperature must be finite > 0, got {self.tree_temperature}")
         if not 0.0 <= self.confidence_threshold < 1.0:

@@ -23,6 +23,7 @@ Every switch is recorded as (step index, to_speculative, reason) with reason "ga
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass
@@ -50,6 +51,9 @@ class PolicyConfig:
     accept_prior: float = -1.0
 
     def validate(self) -> None:
+        for name in ("step_ratio", "gate_factor", "accept_prior", "accept_alpha", "probe_alpha", "time_alpha"):
+            if not math.isfinite(getattr(self, name)):  # nan passes every comparison below
+                raise ValueError(f"policy {name} must be finite, got {getattr(self, name)}")
         if self.step_ratio < 0 or (0 < self.step_ratio < 1):
             raise ValueError(f"policy step_ratio must be 0 (off) or >= 1, got {self.step_ratio}")
         if self.gate_factor <= 0:

@@ -33,6 +33,7 @@ import argparse
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import time
 from concurrent import futures
@@ -76,8 +77,6 @@ class ProposeOptions:
     dspark_markov: str = ""
 
     def __post_init__(self):
-        import math
-
         if not 0.0 <= self.confidence_threshold < 1.0:
             raise ValueError(f"confidence_threshold must be in [0, 1), got {self.confidence_threshold}")
         if self.top_k < 0 or not (self.top_k_temperature > 0 and math.isfinite(self.top_k_temperature)):
@@ -250,13 +249,13 @@ class DraftWorkerConfig:
         check_spin_us(self.ipc_spin_us, "draft-worker", auto=True)
         check_bool(self.ipc_wake_ahead, "ipc_wake_ahead", "draft-worker")
         check_share_mode(self.share_target_weights, "draft-worker")
-        if not self.target_watch_s > 0:
+        if not (self.target_watch_s > 0 and math.isfinite(self.target_watch_s)):
             raise ValueError(f"draft-worker: --target-watch-s must be > 0, got {self.target_watch_s}")
         if self.threads < 0 or self.max_message_bytes <= 0 or self.tombstone_cap <= 0:
             raise ValueError("draft-worker: threads >= 0, max_message_bytes and tombstone_cap > 0 required")
         for name in ("max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"draft-worker: {name} must be >= 0, got {getattr(self, name)}")
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):  # nan passes a "< 0" test
+                raise ValueError(f"draft-worker: {name} must be >= 0 and finite, got {getattr(self, name)}")
         if self.dspark_markov not in MARKOV_MODES:
             raise ValueError(f"draft-worker: dspark_markov must be one of {MARKOV_MODES}, got {self.dspark_markov!r}")
         from specd.target_worker.server import check_device

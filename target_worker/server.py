@@ -31,6 +31,7 @@ import argparse
 import collections
 import dataclasses
 import logging
+import math
 import signal
 import threading
 import time
@@ -167,8 +168,8 @@ class TargetWorkerConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"target-worker: {name} must be > 0, got {getattr(self, name)}")
         for name in ("threads", "max_concurrent_rpcs", "idle_ttl_s", "shutdown_grace_s", "slot_cache"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"target-worker: {name} must be >= 0, got {getattr(self, name)}")
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):  # nan passes a "< 0" test
+                raise ValueError(f"target-worker: {name} must be >= 0 and finite, got {getattr(self, name)}")
         if self.max_seq_len < 0:
             raise ValueError(f"target-worker: max_seq_len must be >= 0, got {self.max_seq_len}")
         if self.kv_dtype not in ("f16", "q8_0", "f32"):

@@ -398,6 +398,28 @@ def test_typed_options_have_flags_defaults_and_validation():
     assert (dd.idle_ttl_s, dd.tombstone_cap, dd.shutdown_grace_s) == (5, 7, 2.0)
 
 
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_non_finite_numbers_are_refused_by_every_config(value):
+    """nan passes a "< 0" or "<= 0" test and inf makes a timer or a drain wait forever: every float option
+    of the coordinator (timeouts, the policy), the target worker and the draft worker refuses both by name."""
+    from specd.coordinator.cli import build_parser
+    from specd.coordinator.config import config_from_args
+    from specd.draft_worker import server as dserver
+
+    p = build_parser()
+    for flag in ("--worker-timeout-s", "--release-timeout-s", "--health-timeout-s", "--send-stall-timeout-s",
+                 "--drain-timeout-s", "--health-poll-s", "--policy-gate-factor", "--policy-accept-prior",
+                 "--policy-step-ratio", "--policy-time-alpha"):
+        with pytest.raises(ValueError, match=flag[2:].replace("-", "_").removeprefix("policy_")):
+            config_from_args(p.parse_args(["coordinator", flag, value]))
+    for flag in ("--idle-ttl-s", "--shutdown-grace-s"):
+        with pytest.raises(ValueError, match=flag[2:].replace("-", "_")):
+            tserver.config_from_args(p.parse_args(["target-worker", "--target", "t.gguf", flag, value]))
+    for name in ("idle_ttl_s", "shutdown_grace_s", "target_watch_s"):
+        with pytest.raises(ValueError, match=name if name != "target_watch_s" else "target-watch-s"):
+            dserver.DraftWorkerConfig(vocab=10, **{name: float(value)}).validate()
+
+
 def test_prefill_chunk_default_flag_and_validation():
     """--prefill-chunk: 2048 tokens by default (config, flag, its help), > 0, passed to the config as given."""
     from specd.coordinator.cli import build_parser
