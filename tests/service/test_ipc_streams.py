@@ -56,6 +56,29 @@ def _read_exact(s: socket.socket, n: int) -> bytes:
     return out
 
 
+def fake_worker(tmp_path, serve):
+    """A fake worker's IPC socket at tmp_path / "w.sock" that accepts one connection, answers its hello
+    with OK and runs serve(conn) on a daemon thread (an OSError, the client gone, ends it quietly).
+    Returns (path, the listening socket: the test closes it)."""
+    path = str(tmp_path / "w.sock")
+    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lsock.bind(path)
+    lsock.listen(1)
+
+    def run():
+        c, _ = lsock.accept()
+        with c:
+            try:
+                _read_exact(c, FRAME.size + 25)
+                c.sendall(ipc_stream.OK_FRAME)
+                serve(c)
+            except OSError:
+                pass
+
+    threading.Thread(target=run, daemon=True).start()
+    return path, lsock
+
+
 def _answer(s: socket.socket):
     """One status frame: ("ok", body bytes) or (grpc.StatusCode, details)."""
     (n,) = FRAME.unpack(_read_exact(s, FRAME.size))
@@ -463,29 +486,18 @@ def test_client_bounds_what_a_worker_sends_between_calls(tmp_path):
     whole frame's worth, closes the connection, and the next call raises UNAVAILABLE."""
     from specd.coordinator.server import IpcOffer, IpcStream, RequestError
 
-    path = str(tmp_path / "w.sock")
-    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    lsock.bind(path)
-    lsock.listen(1)
     limit = 1 << 10
 
-    def worker():
-        c, _ = lsock.accept()
-        with c:
-            _read_exact(c, FRAME.size + 25)
-            c.sendall(ipc_stream.OK_FRAME)
-            n = FRAME.unpack(_read_exact(c, FRAME.size))[0]
-            _read_exact(c, n)
-            c.sendall(ipc_stream.OK_FRAME)  # the answer, then (between calls) unasked bytes
-            time.sleep(0.1)
-            c.sendall(bytes(4 * limit))
-            try:
-                while c.recv(4096):
-                    pass
-            except OSError:
-                pass
+    def serve(c):
+        n = FRAME.unpack(_read_exact(c, FRAME.size))[0]
+        _read_exact(c, n)
+        c.sendall(ipc_stream.OK_FRAME)  # the answer, then (between calls) unasked bytes
+        time.sleep(0.1)
+        c.sendall(bytes(4 * limit))
+        while c.recv(4096):
+            pass
 
-    threading.Thread(target=worker, daemon=True).start()
+    path, lsock = fake_worker(tmp_path, serve)
 
     async def run():
         st = IpcStream(IpcOffer(path, bytes(16), VERIFY_STREAM), 5.0, limit)
@@ -896,20 +908,7 @@ def test_a_socket_that_breaks_mid_stream_is_reported_once(tmp_path):
     (part of the request may have run)."""
     from specd.coordinator.server import IpcOffer, IpcStream, RequestError
 
-    path = str(tmp_path / "w.sock")
-    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    lsock.bind(path)
-    lsock.listen(1)
-
-    def worker():
-        c, _ = lsock.accept()
-        with c:
-            c.recv(ipc_stream.HELLO.size)
-            c.sendall(ipc_stream.OK_FRAME)
-            c.recv(64)  # the request; then the worker is gone
-
-    t = threading.Thread(target=worker, daemon=True)
-    t.start()
+    path, lsock = fake_worker(tmp_path, lambda c: c.recv(64))  # the request; then the worker is gone
     seen = []
 
     async def run():
@@ -925,7 +924,6 @@ def test_a_socket_that_breaks_mid_stream_is_reported_once(tmp_path):
     try:
         got = asyncio.run(run())
     finally:
-        t.join(5)
         lsock.close()
     assert got.code == grpc.StatusCode.UNAVAILABLE
     assert seen == [("lost", path)]

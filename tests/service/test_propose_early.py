@@ -7,8 +7,6 @@ IpcStream's two halves of a call, their errors, and a close past an answer nobod
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 
 import grpc
@@ -22,7 +20,7 @@ from specd.target_worker.ipc_stream import FRAME, STATUS, VERIFY_STREAM, IpcStre
 
 from .conftest import generate, streamed_ids, token_request
 from .test_ipc_spin import _SlowServicer
-from .test_ipc_streams import _read_exact, _Servicer
+from .test_ipc_streams import _read_exact, _Servicer, fake_worker
 from .test_serving import wait_released
 from .test_streams import _spec, greedy_runs, via
 
@@ -190,28 +188,17 @@ def test_a_worker_flooding_an_early_calls_answer_is_cut_off_at_one_frame(tmp_pat
     closes the connection: answer() still returns the whole answer before the unasked bytes (the next
     call raises UNAVAILABLE, as between calls), or raises RESOURCE_EXHAUSTED for the oversized answer
     (as a call() does)."""
-    path = str(tmp_path / "w.sock")
-    lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    lsock.bind(path)
-    lsock.listen(1)
     limit = 1 << 10
 
-    def worker():
-        c, _ = lsock.accept()
-        with c:
-            try:
-                _read_exact(c, FRAME.size + 25)
-                c.sendall(ipc_stream.OK_FRAME)
-                for answer in (ipc_stream.OK_FRAME, ipc_stream.OK_FRAME if flood == "unasked" else b""):
-                    _read_exact(c, FRAME.unpack(_read_exact(c, FRAME.size))[0])  # the first call, the early one
-                    c.sendall(answer)
-                c.sendall((b"" if flood == "unasked" else STATUS.pack((1 << 20) + 1, 0)) + bytes(1 << 20))
-                while c.recv(4096):
-                    pass
-            except OSError:
-                pass
+    def serve(c):
+        for answer in (ipc_stream.OK_FRAME, ipc_stream.OK_FRAME if flood == "unasked" else b""):
+            _read_exact(c, FRAME.unpack(_read_exact(c, FRAME.size))[0])  # the first call, the early one
+            c.sendall(answer)
+        c.sendall((b"" if flood == "unasked" else STATUS.pack((1 << 20) + 1, 0)) + bytes(1 << 20))
+        while c.recv(4096):
+            pass
 
-    threading.Thread(target=worker, daemon=True).start()
+    path, lsock = fake_worker(tmp_path, serve)
 
     async def run():
         st = IpcStream(IpcOffer(path, bytes(16), VERIFY_STREAM), 5.0, limit)
