@@ -442,12 +442,10 @@ class IpcStreamServer:
                     self.connections += 1
             if not admitted:
                 if self.closed:
-                    refusal = error_frame(grpc.StatusCode.UNAVAILABLE, f"{self.name}: stopping")
+                    _refuse(conn, grpc.StatusCode.UNAVAILABLE, f"{self.name}: stopping")
                 else:
-                    refusal = error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: all "
-                                          f"{self.max_connections} IPC stream connections are taken")
-                _send_quietly(conn, refusal)
-                conn.close()
+                    _refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: all "
+                            f"{self.max_connections} IPC stream connections are taken")
                 continue
             self._dispatch(conn)
 
@@ -471,9 +469,8 @@ class IpcStreamServer:
             with self.lock:
                 self.conns.discard(conn)
                 self.changed.notify_all()
-            _send_quietly(conn, error_frame(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: cannot start an IPC "
-                                                                                f"stream connection thread: {exc}"))
-            conn.close()
+            _refuse(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: cannot start an IPC stream connection "
+                                                              f"thread: {exc}")
 
     def _worker(self, conn: socket.socket | None) -> None:
         """A connection thread: serves one connection after another until close(). Kept between
@@ -724,6 +721,12 @@ def _send_quietly(conn: socket.socket, data: bytes) -> None:
         conn.sendall(data)
     except OSError:
         pass
+
+
+def _refuse(conn: socket.socket, code: grpc.StatusCode, details: str) -> None:
+    """Ends a connection the acceptor will not serve: its error frame (best effort), then the close."""
+    _send_quietly(conn, error_frame(code, details))
+    conn.close()
 
 
 def ipc_info(servicer) -> dict:
