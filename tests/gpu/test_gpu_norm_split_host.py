@@ -10,7 +10,9 @@ bit for bit, and the values the split encodes must be float64's RMSNorm within t
 (matmul_mma.cuh: 2^-20 of each 256-input group's maximum) plus F32 rounding. Built with AddressSanitizer,
 so a read out of bounds fails too. Cases: d = 256 and a ragged
 last group (288), the 27B's 5120 (640 threads), 1024-thread blocks (8192), more 256-input groups than warps
-(12288, and 8480 with a ragged last group), 1-3 rows, with and without the residual and the norm weight. (Blocks
+(12288, and 8480 with a ragged last group), 1-3 rows, with and without the residual and the norm weight, the
+row staged in (poisoned) shared memory as matmul.cu launches rows of up to 8192 floats, or re-read from global
+memory as it launches longer ones. (Blocks
 run one after another here, so races between blocks cannot show; the hardware: test_gpu_matmul.py's
 test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu.)
 """
@@ -24,7 +26,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_emu_build import build_emu  # noqa: E402
 
-HEADERS = ["norm_split.cuh", "matmul_mma.cuh", "weight_formats.cuh", "norm.cuh", "activations.cuh",
+HEADERS = ["norm_split.cuh", "dyn_smem.cuh", "matmul_mma.cuh", "weight_formats.cuh", "norm.cuh", "activations.cuh",
            "warp_reduce.cuh", "pdl.cuh"]
 FILES = ("x", "r", "w", "h", "split", "h_ref", "split_ref", "recon")
 
@@ -35,14 +37,14 @@ def emu(tmp_path_factory):
     return build_emu(tmp_path_factory, "norm_split_emu", HEADERS, "norm_split_main.cpp", ("-fsanitize=address",))
 
 
-def run_emu(emu, x, r, w, eps):
+def run_emu(emu, x, r, w, eps, staged):
     d, exe = emu
     n, dim = x.shape
     files = {f: str(d / f"{f}.bin") for f in FILES}
     x.astype(np.float32).tofile(files["x"])
     (r if r is not None else np.zeros(0, np.float32)).astype(np.float32).tofile(files["r"])
     (w if w is not None else np.zeros(0, np.float32)).astype(np.float32).tofile(files["w"])
-    out = subprocess.run([str(exe), str(n), str(dim), str(int(r is not None)), str(int(w is not None)), repr(eps)] +
+    out = subprocess.run([str(exe), str(n), str(dim), str(int(r is not None)), str(int(w is not None)), str(int(staged)), repr(eps)] +
                          [files[f] for f in FILES], check=True, capture_output=True, text=True).stdout.strip()
     got = {f: np.fromfile(files[f], np.uint8 if f.startswith("split") else np.float32) for f in FILES[3:]}
     for f in ("h", "h_ref", "recon"):
@@ -68,16 +70,20 @@ def rms_norm64(h, w, eps):
 CASES = [(2, 256), (3, 288), (1, 5120), (2, 5120), (1, 8192), (2, 12288), (2, 8480)]
 
 
+MAX_STAGED_FLOATS = 8192  # norm_split.cuh: kMaxStagedFloats, the rows matmul.cu stages in shared memory
+
+
 @pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("resid", [True, False])
-@pytest.mark.parametrize("n,d", CASES)
-def test_norm_split_emulated_equals_the_composition(emu, rng, n, d, resid, weighted):
+@pytest.mark.parametrize("n,d,staged", [(n, d, staged) for n, d in CASES for staged in (True, False)
+                                        if d <= MAX_STAGED_FLOATS or not staged])
+def test_norm_split_emulated_equals_the_composition(emu, rng, n, d, resid, weighted, staged):
     eps = 1e-6
     x = rng.standard_normal((n, d)).astype(np.float32)
     x[:, 7] *= 40.0  # an outlier activation: its group's other inputs keep fewer bits in the split
     r = rng.standard_normal((n, d)).astype(np.float32) if resid else None
     w = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32) if weighted else None
-    got, out = run_emu(emu, x, r, w, eps)
+    got, out = run_emu(emu, x, r, w, eps, staged)
     assert out == f"threads={threads_for(d // 4)}"
     assert np.array_equal(got["split"], got["split_ref"])  # byte for byte, poisoned bytes included
     if resid:

@@ -496,13 +496,21 @@ std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const st
   const float* w = weight ? weight->ptr<float>() : nullptr;
   const unsigned blocks = unsigned(n), threads = unsigned(detail::norm::threads_for(d / 4));
   cudaStream_t s = detail::stream();
+  const float* r = residual ? residual->ptr<float>() : nullptr;
+  float* hp = residual ? h.ptr<float>() : nullptr;
+  const bool staged = d <= detail::kMaxStagedFloats;
+  const size_t smem = staged ? size_t(d) * sizeof(float) : 0;
+  auto launch = [&](auto resid, auto stage) {
+    constexpr auto kernel = detail::norm_split_kernel<decltype(resid)::value, decltype(stage)::value>;
+    detail::launch_kernel<kernel>("norm_split_kernel", blocks, threads, smem, s, x.ptr<float>(), r, w, hp, d, eps,
+                                  int(n), xp.xb, xp.xs, xp.xm);
+  };
+  using yes = std::true_type;
+  using no = std::false_type;
   if (residual)
-    detail::launch_kernel<detail::norm_split_kernel<true>>("norm_split_kernel", blocks, threads, 0, s, x.ptr<float>(),
-                                                           residual->ptr<float>(), w, h.ptr<float>(), d, eps, int(n),
-                                                           xp.xb, xp.xs, xp.xm);
+    staged ? launch(yes(), yes()) : launch(yes(), no());
   else
-    detail::launch_kernel<detail::norm_split_kernel<false>>("norm_split_kernel", blocks, threads, 0, s, x.ptr<float>(),
-                                                            nullptr, w, nullptr, d, eps, int(n), xp.xb, xp.xs, xp.xm);
+    staged ? launch(no(), yes()) : launch(no(), no());
   gemv_on_split(ws, ys, d, base, int(n));
 #endif
   return {ys, h};

@@ -70,9 +70,10 @@ __device__ __forceinline__ float4 gate(float4 y, float4 z) {
 }
 
 // First pass over a row of n items (vectors or floats): this thread's part of the sum of squares of
-// x (+ residual, stored to h when RESID).
+// x (+ residual, stored to h when RESID); the items summed are also stored to `copy` when given
+// (norm_split_kernel's shared-memory row).
 template <bool RESID, class T>
-__device__ __forceinline__ double row_squares(const T* xr, const T* rr, T* hr, int64_t n) {
+__device__ __forceinline__ double row_squares(const T* xr, const T* rr, T* hr, int64_t n, T* copy = nullptr) {
   double ss = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     T v = xr[i];
@@ -80,6 +81,7 @@ __device__ __forceinline__ double row_squares(const T* xr, const T* rr, T* hr, i
       v = add(v, rr[i]);
       hr[i] = v;
     }
+    if (copy) copy[i] = v;
     ss += sq(v);
   }
   return ss;

@@ -7,13 +7,15 @@
 // test_gpu_pdl_lint.py checks that each __global__ function starts with pdl_enter() or pdl_wait(), or
 // with pdl_launch_dependents() and a pdl_wait() before any return). griddepcontrol.wait returns when
 // the kernels it depends on have completed and their writes are visible; since each of those waited
-// for its own predecessor, the order is transitive. One exception: the tensor-core GEMV loads its
-// first weight units before waiting. Weights are written only by uploads (copies, which order fully)
+// for its own predecessor, the order is transitive. Two exceptions load weights before waiting: the
+// tensor-core GEMV (mma_gemv_kernel, its first weight units) and the RMSNorm fused with its x split
+// (norm_split_kernel, its norm weights). Weights are written only by uploads (copies, which order fully)
 // and by the weight-tiling kernels (tile_q4_kernel, tile_q6_k_kernel), which therefore start with
 // pdl_wait() alone: they never let the next kernel launch early, so a GEMV launched after one (two
 // launches later) starts after it completed.
-// A weight some other kernel writes (e.g. a KV tensor passed to matmul) must be complete before the
-// matmul is queued (the matmul binding documents it); nothing in specd does that.
+// A weight some other kernel writes (e.g. a KV tensor passed to matmul, a norm weight computed on the
+// device passed to rms_norm_matmul) must be complete before the op is queued (the bindings document
+// it); nothing in specd does that. test_gpu_pdl_lint.py allows the early loads in these two kernels only.
 //
 // pdl_launch_dependents() lets the next kernel launch once every block of this one has called it
 // (or exited). On HIP, in the host emulation and for code compiled for PTX older than sm_90 both are

@@ -5,11 +5,13 @@
 // output buffer starts poisoned (split bytes 0xA5, floats NaN), so a value one side writes and the other
 // does not shows. Driven by tests/gpu/test_gpu_norm_split_host.py.
 //
-// usage: norm_split_emu n d RESID WEIGHTED eps x.bin r.bin w.bin h.bin split.bin h_ref.bin split_ref.bin recon.bin
-//   x, r: F32 [n, d] (r read when RESID); w: F32 [d] (read when WEIGHTED); h, h_ref: F32 [n, d] (x + r,
+// usage: norm_split_emu n d RESID WEIGHTED STAGED eps x.bin r.bin w.bin h.bin split.bin h_ref.bin split_ref.bin recon.bin
+//   STAGED: the kernel keeps the row in (poisoned) dynamic shared memory (d <= kMaxStagedFloats, as
+//   matmul.cu launches it) or re-reads it from global memory; x, r: F32 [n, d] (r read when RESID); w: F32 [d] (read when WEIGHTED); h, h_ref: F32 [n, d] (x + r,
 //   written only with RESID); split, split_ref: the mma::XSizes(d) bytes of the fused kernel and of the
 //   composition; recon: F32 [n, d], the values the fused split encodes (the sum of each input's terms
 //   times their column scales, in double).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -56,7 +58,7 @@ std::vector<float> decode(const uint8_t* base, int n, int64_t d) {
   return out;
 }
 
-template <bool RESID>
+template <bool RESID, bool STAGED>
 int run(int n, int64_t d, bool weighted, float eps, char** files) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> x(size_t(n * d)), r(x.size()), w(static_cast<size_t>(d));
@@ -71,10 +73,16 @@ int run(int n, int64_t d, bool weighted, float eps, char** files) {
   const int threads = norm::threads_for(d / 4);
 
   const mma::XSizes::Parts xp = sz.at(split.data());
-  emulate(n, threads, [&] {
-    norm_split_kernel<RESID>(x.data(), RESID ? r.data() : nullptr, wp, RESID ? h.data() : nullptr, d, eps, n, xp.xb,
-                             xp.xs, xp.xm);
-  });
+  std::vector<float> stage(STAGED ? size_t(d) : 0);  // exactly the launch's dynamic shared memory
+  specd_emu_dyn_smem = STAGED ? reinterpret_cast<uint8_t*>(stage.data()) : nullptr;
+  emulate(
+      n, threads,
+      [&] {
+        norm_split_kernel<RESID, STAGED>(x.data(), RESID ? r.data() : nullptr, wp, RESID ? h.data() : nullptr, d, eps,
+                                         n, xp.xb, xp.xs, xp.xm);
+      },
+      [&](int64_t) { std::fill(stage.begin(), stage.end(), nan); });
+  specd_emu_dyn_smem = nullptr;
 
   // the composition: rms_norm's kernel (norm_kernel: norm_row per block) into u, then split_x of u
   emulate(n, threads, [&] {
@@ -96,14 +104,18 @@ int run(int n, int64_t d, bool weighted, float eps, char** files) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 14) {
-    std::fprintf(stderr, "usage: %s n d RESID WEIGHTED eps x r w h split h_ref split_ref recon\n", argv[0]);
+  if (argc != 15) {
+    std::fprintf(stderr, "usage: %s n d RESID WEIGHTED STAGED eps x r w h split h_ref split_ref recon\n", argv[0]);
     return 2;
   }
   const int n = std::atoi(argv[1]);
   const int64_t d = std::atoll(argv[2]);
   if (n < 1 || n > 16 || d < 32 || d % 32 != 0) return 2;  // rms_norm_matmul's fused case (split_fusable)
-  const bool weighted = std::atoi(argv[4]) != 0;
-  const float eps = std::strtof(argv[5], nullptr);
-  return std::atoi(argv[3]) ? run<true>(n, d, weighted, eps, argv + 6) : run<false>(n, d, weighted, eps, argv + 6);
+  const bool resid = std::atoi(argv[3]) != 0, weighted = std::atoi(argv[4]) != 0, staged = std::atoi(argv[5]) != 0;
+  if (staged && d > kMaxStagedFloats) return 2;
+  const float eps = std::strtof(argv[6], nullptr);
+  char** files = argv + 7;
+  if (staged)
+    return resid ? run<true, true>(n, d, weighted, eps, files) : run<false, true>(n, d, weighted, eps, files);
+  return resid ? run<true, false>(n, d, weighted, eps, files) : run<false, false>(n, d, weighted, eps, files);
 }
