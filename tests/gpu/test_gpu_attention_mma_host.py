@@ -278,3 +278,31 @@ def test_chunk_mma_emulated_row_slices(chunk_emu, rng):
     sliced, _ = run_emu(chunk_emu, q, k, v, kv_len, pos, slice_rows=3)
     np.testing.assert_array_equal(sliced.view(np.uint32), whole.view(np.uint32))
     check(whole, reference(q, k, v, kv_len, pos), v, "slices")
+
+
+@pytest.mark.parametrize("case", ["decode", "chain", "tree", "window", "inf_v", "decode_128"])
+def test_chunk_mma_emulated_warps_per_chunk_change_no_bit(chunk_emu, rng, case):
+    """ds = head_dim / 64 warps sharing a chunk (each computes its S and P and one 64-dim round of P V: the
+    plan of a short context) give the same bits as one warp per chunk (ds = 1, as the plan picks when fewer
+    warps are resident; cpw = 1 in both). The 27B's head_dim 256 and GQA group (6:1): a decode, a chain
+    verify, a tree mask (chunks read once per row), a window (one row per m-tile) and an inf in V that only
+    later rows see (per-row passes); and a head_dim 128 decode (ds = 2)."""
+    d, hq, hkv = (128, 2, 2) if case == "decode_128" else (256, 6, 1)
+    n, kv_len, window = {"decode": (1, 200, 0), "chain": (8, 150, 0), "tree": (7, 107, 0), "window": (3, 230, 70),
+                         "inf_v": (4, 100, 0), "decode_128": (1, 300, 0)}[case]
+    q, k, v = inputs(rng, n, hq, hkv, d, kv_len + 8)
+    pos = np.arange(kv_len - n, kv_len, dtype=np.int32)
+    mask = None
+    if case == "tree":
+        mask = tree_mask(100, [-1, 0, 0, 1, 1, 2, 3])
+        pos = np.arange(100, 107, dtype=np.int32)
+    if case == "inf_v":
+        v[kv_len - 2, 0, 5] = np.inf
+    split, plan = run_emu(chunk_emu, q, k, v, kv_len, pos, window=window, mask=mask)
+    assert f"ds={d // 64} " in plan and "cpw=1 " in plan, plan
+    tasks = int(plan.split("mtiles=")[1].split()[0]) * hkv * -(-kv_len // 64)
+    one, plan = run_emu(chunk_emu, q, k, v, kv_len, pos, window=window, mask=mask, resident=tasks)
+    assert "ds=1 " in plan and "cpw=1 " in plan, plan
+    np.testing.assert_array_equal(split.view(np.uint32), one.view(np.uint32))
+    if case != "inf_v":  # (the rows that see the inf are inf / NaN: compared bitwise only)
+        check(one, reference(q, k, v, kv_len, pos, window=window, mask=mask), v, case)

@@ -729,6 +729,26 @@ def test_attention_gpu_chunk_boundaries(rng, dtype):
     assert_tree_equals_chain(rng, hq, hkv, d, dtype, 60, range(7))
 
 
+@pytest.mark.parametrize("shape", [(24, 4, 256), (8, 2, 128)])
+@gpu_only
+def test_attention_gpu_warps_per_chunk_bitwise(rng, shape):
+    """The tensor-core chunk pass (F16 caches) shares a chunk among head_dim / 64 warps when its tasks are
+    few (attention_chunk_mma.cuh: plan's ds; a short context) and gives each warp whole chunks when they are
+    many: 32 causal rows over 1600 keys in one call (on the H200 1200 tasks: ds = 1 for the 27B's shape)
+    equal each row alone (100 tasks: ds = 4) bit for bit, and the CPU within the exact path's tolerance."""
+    hq, hkv, d = shape
+    kv_len, n = 1600, 32
+    c = Caches(rng, kv_len, hkv, d, "F16", kv_len)
+    q = f32(rng, (n, hq, d), 2)
+    pos = np.arange(kv_len - n, kv_len, dtype=np.int32)
+    full, cpu = attn_both(c, q, kv_len, pos)
+    check_attn(full, cpu, c.vmax)
+    kg, vg = c.gpu
+    for i in range(n):
+        y = sn.attention(on_gpu(q[i:i + 1]), kg, vg, kv_len, on_gpu(pos[i:i + 1])).numpy()
+        np.testing.assert_array_equal(y, full[i:i + 1], err_msg=f"row {i}")
+
+
 # (hq, hkv, head_dim, kv_len, query positions): one 64-output combine block per head, 1094 chunks; two
 # combine blocks per head, the second half past head_dim (96)
 LONG_ROWS = [(4, 1, 64, 70000, [4095, 4096, 8191, 8192, 12300, 65535, 65536, 69999]),

@@ -557,13 +557,13 @@ bool use_chunk_mma(const Tensor& kc, const Tensor& vc, int64_t d) {
   return detail::compute_major() >= 8 && rows_aligned16(kc) && rows_aligned16(vc);
 }
 
-template <int D>
+template <int D, int DS>
 void launch_chunk_mma_d(bool idx, const cmma::Params& P, unsigned blocks, cudaStream_t s) {
   constexpr unsigned threads = cmma::kWarps * 32;
   if (idx)
-    detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, true>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
+    detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, true, DS>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
   else
-    detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, false>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
+    detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, false, DS>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
 }
 
 // The chunk pass of one slice of rows on tensor cores.
@@ -573,7 +573,7 @@ void launch_chunk_mma(const AttnParams& A, int64_t d, cudaStream_t s, const char
   // a key some row does not see holds a non-finite V).
   const bool packed = A.window == 0;
   const int64_t resident = int64_t(detail::sm_count()) * cmma::kMinBlocks * cmma::kWarps;
-  const cmma::Plan pl = cmma::plan(A.rows, A.r, A.hkv, A.nch, packed, resident);
+  const cmma::Plan pl = cmma::plan(A.rows, A.r, A.hkv, A.nch, packed, resident, int(d));
   detail::check_grid(pl.blocks, op);
   SPECD_CHECK(A.dp == d, op, ": the tensor-core chunk pass writes partials of head_dim ", d, ", not ", A.dp);
   cmma::Params P{};
@@ -581,10 +581,11 @@ void launch_chunk_mma(const AttnParams& A, int64_t d, cudaStream_t s, const char
   cmma::set_plan(P, pl);
   const unsigned blocks = unsigned(pl.blocks);
   const bool idx = A.idx != nullptr;
+  const bool split = pl.ds > 1;  // ds = d / 64 warps per chunk
   switch (d) {
-    case 64: launch_chunk_mma_d<64>(idx, P, blocks, s); break;
-    case 128: launch_chunk_mma_d<128>(idx, P, blocks, s); break;
-    default: launch_chunk_mma_d<256>(idx, P, blocks, s); break;
+    case 64: launch_chunk_mma_d<64, 1>(idx, P, blocks, s); break;
+    case 128: split ? launch_chunk_mma_d<128, 2>(idx, P, blocks, s) : launch_chunk_mma_d<128, 1>(idx, P, blocks, s); break;
+    default: split ? launch_chunk_mma_d<256, 4>(idx, P, blocks, s) : launch_chunk_mma_d<256, 1>(idx, P, blocks, s); break;
   }
 }
 #endif  // SPECD_FLASH_ATTN

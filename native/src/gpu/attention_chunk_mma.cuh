@@ -14,12 +14,17 @@
 // Work split. An m-tile is 16 (query row, q head) slots of one KV head's GQA group: without a window the
 // heads of consecutive rows, packed in row order (every row's chunk c starts at rank kChunk c from
 // position 0), with a window the heads of one row (each row's keys start at its own window). A block of
-// kWarps warps takes one m-tile, one KV head and kWarps * cpw chunks; it stages the m-tile's q once in
+// kWarps warps takes one m-tile, one KV head and kWarps / ds * cpw chunks; it stages the m-tile's q once in
 // shared memory as MMA fragments, then each warp walks its own chunks (no further barrier): K and V are
 // read from global memory straight into fragment registers (16-byte loads, no shared-memory staging;
-// the chunk's rows requested from L2 first). A chunk is read once per m-tile with the positions of the
-// tile's row with the most keys when the tile's rows can share it: a decode reads each key once, an
-// 8-row chain verify three times from L2 (its m-tiles' blocks are adjacent in the grid). Else (a mask
+// the chunk's K and V rows requested from L2 first). With few chunks in flight (a short context: a
+// decode at 200 keys has 4 chunks per KV head) ds = D / 64 warps share a chunk (the kernel's DS): each
+// computes the chunk's S and P (the same values) and one 64-dim round of P V, so each warp's chain of
+// dependent loads is shorter (at head_dim 256: 8 K slabs and 4 V k-steps, not 8 and 16); every value is
+// computed by the same code as with ds = 1, so ds never changes a bit.
+// A chunk is read once per m-tile with the positions of the
+// tile's row with the most keys when the tile's rows can share it: a decode reads each key once (and ds - 1 times
+// more from L2), an 8-row chain verify three times from L2 (its m-tiles' blocks are adjacent in the grid). Else (a mask
 // whose compacted positions differ between the rows, e.g. a tree's rows past the committed prefix; or a
 // non-finite V at a key some row of the tile does not see) it is read once per row of the tile, each
 // pass keeping its own row's slots.
@@ -69,7 +74,7 @@ inline bool supported_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 struct Params : SplitKParams {
   int packed, mpr;  // slots of several rows per m-tile (packed) or mpr m-tiles per row
   int64_t mtiles;   // m-tiles in the slice
-  int groups, cpw;  // chunk groups of kWarps * cpw chunks per (m-tile, KV head)
+  int groups, cpw;  // chunk groups of kWarps / ds * cpw chunks per (m-tile, KV head); ds: the kernel's DS
 };
 
 // The launch plan of a slice of `rows` rows: m-tiles, chunks per warp and the grid. packed: the rows'
@@ -77,10 +82,12 @@ struct Params : SplitKParams {
 // work over fewer warps (each chunk's partial is computed alone), so it never changes a result.
 struct Plan {
   int packed, mpr, groups, cpw;
+  int ds;  // warps per chunk: 1, or D / 64 (<= kWarps), each warp then taking one of P V's 64-dim rounds
   int64_t mtiles, blocks;
 };
 
-inline Plan plan(int64_t rows, int64_t r, int64_t hkv, int64_t nch, bool packed, int64_t resident_warps) {
+// d: the head_dim (supported_dim). ds, like cpw, only changes which warp computes a value, never how.
+inline Plan plan(int64_t rows, int64_t r, int64_t hkv, int64_t nch, bool packed, int64_t resident_warps, int d) {
   Plan p{};
   p.packed = packed ? 1 : 0;
   p.mpr = int((r + kSlots - 1) / kSlots);
@@ -94,7 +101,12 @@ inline Plan plan(int64_t rows, int64_t r, int64_t hkv, int64_t nch, bool packed,
   int64_t cpw = 2 * tasks < 3 * warps ? 1 : (tasks + warps - 1) / warps;
   cpw = cpw > nch ? nch : cpw;
   p.cpw = int(cpw);
-  p.groups = int((nch + kWarps * cpw - 1) / (kWarps * cpw));
+  // A warp per 64-dim round of P V where that keeps the tasks' warps under 1.5 waves too (then cpw = 1).
+  // (Not 2 warps per chunk at head_dim 256: that instance spills.)
+  const int rounds = d / 64;
+  p.ds = rounds <= kWarps && 2 * tasks * rounds < 3 * warps ? rounds : 1;
+  const int64_t per_group = kWarps / p.ds * cpw;  // chunks per (m-tile, KV head, group)
+  p.groups = int((nch + per_group - 1) / per_group);
   p.blocks = p.mtiles * p.groups * hkv;
   return p;
 }
@@ -158,10 +170,11 @@ __device__ __forceinline__ void prefetch_l2(const uint8_t* p) {
 
 // Grid: m-tiles fastest, then chunk groups, then KV heads. Idx: the rows' visible positions come from
 // P.idx (a mask) rather than lo + rank.
-template <int D, bool Idx>
+template <int D, bool Idx, int DS>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel(const Params P) {
   pdl_enter();
   static_assert(D % 64 == 0 && D <= 256, "head_dim 64, 128 or 256");
+  static_assert(DS >= 1 && kWarps % DS == 0 && (D / 64) % DS == 0, "DS warps per chunk share its D / 64 rounds");
   constexpr int NS = D / 32;  // 32-dim slabs of q / K: two k-steps each
   // q fragments: [slab][register quad][lane], 16 bytes each; quads: hi of k-step 2 slab (A regs 0-3),
   // lo of it, hi of k-step 2 slab + 1, lo of it.
@@ -178,6 +191,9 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
   const int g = int(b / P.groups);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
+  // This warp's chunk of the block's kWarps / DS in flight and its P V rounds [rd0, rd0 + kRounds) of D / 64.
+  constexpr int cpb = kWarps / DS, kRounds = D / 64 / DS;
+  const int wc = warp / DS, rd0 = warp % DS * kRounds;
 
   // Slot table: slice row (-1: empty slot), q head, visible count.
   if (tid < kSlots) {
@@ -204,7 +220,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
   int maxcnt = 0;
 #pragma unroll
   for (int s = 0; s < kSlots; ++s) maxcnt = max(maxcnt, s_cnt[s]);
-  if (int64_t(grp) * kWarps * P.cpw * kChunk >= maxcnt) return;  // uniform over the block
+  if (int64_t(grp) * cpb * P.cpw * kChunk >= maxcnt) return;  // uniform over the block
 
   // Stage q: warp w takes slots 4w .. 4w + 3; lane = 8 dims (dims 8 lane .. 8 lane + 7).
   for (int s = warp * 4; s < warp * 4 + 4; ++s) {
@@ -274,7 +290,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
   auto idx_of = [&](int row) { return P.idx + (P.i0 + row) * P.kv_len; };
 
   for (int k = 0; k < P.cpw; ++k) {
-    const int c = (grp * P.cpw + k) * kWarps + warp;
+    const int c = (grp * P.cpw + k) * cpb + wc;
     const int64_t r0 = int64_t(c) * kChunk;
     if (r0 >= maxcnt) break;  // uniform over the warp; later chunks are further
     // Packed rows read the chunk once, with the leader's positions, when they can share it; else once
@@ -358,10 +374,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
       }
 
 #pragma unroll 1
-      for (int j = lane; j < cc; j += 32) {  // the chunk's V rows requested from L2 at once
+      for (int j = lane; j < cc; j += 32) {  // the V lines of this warp's rounds requested from L2 at once
         const uint8_t* const row = vline + pos(j) * P.v_row_stride;
 #pragma unroll
-        for (int x = 0; x < D / 64; ++x) prefetch_l2(row + 128 * x);
+        for (int x = 0; x < kRounds; ++x) prefetch_l2(row + 128 * (rd0 + x));
       }
       // V of load round 0, k-step 0 in flight during the softmax. Lane loads keys 16 kk + 2 tq + {0, 1,
       // 8, 9}, dims 64 rd + 8 gq .. + 7.
@@ -378,7 +394,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
       };
       uint4 vb[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) vb[u] = vload(0, u, 0);
+      for (int u = 0; u < 4; ++u) vb[u] = vload(0, u, rd0);
 
       // Softmax within the chunk. Element (t, e): slot gq (e < 2) or gq + 8, key 8 t + 2 tq + e % 2.
       const int vis_a = int(cnt_a - r0 < kChunk ? cnt_a - r0 : kChunk);
@@ -426,7 +442,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
       }
       const bool wa = row_a >= 0 && vis_a > 0 && (only < 0 || row_a == only);
       const bool wb = row_b >= 0 && vis_b > 0 && (only < 0 || row_b == only);
-      if (tq == 0) {
+      if (tq == 0 && rd0 == 0) {  // one writer of the chunk's (m, l)
         if (wa) *reinterpret_cast<float2*>(P.ml + (out_a + c) * 2) = make_float2(ma, la);
         if (wb) *reinterpret_cast<float2*>(P.ml + (out_b + c) * 2) = make_float2(mb, lb);
       }
@@ -435,7 +451,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
       // column, gq for this lane's loads), so this lane's accumulators are dims 64 rd + 16 tq + e (n = 2 tq)
       // and 64 rd + 16 tq + 8 + e (n = 2 tq + 1).
 #pragma unroll 1
-      for (int rd = 0; rd < D / 64; ++rd) {  // not unrolled: interleaved rounds would hold two sets of o
+      for (int x = 0; x < kRounds; ++x) {  // not unrolled: interleaved rounds would hold two sets of o
+        const int rd = rd0 + x;
         float o[8][4];
 #pragma unroll
         for (int e = 0; e < 8; ++e)
@@ -444,10 +461,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           uint4 vn[4];
-          const int nrd = kk == 3 ? rd + 1 : rd, nkk = (kk + 1) & 3;
-          if (nrd < D / 64) {
+          const int nx = kk == 3 ? x + 1 : x, nkk = (kk + 1) & 3;
+          if (nx < kRounds) {
 #pragma unroll
-            for (int u = 0; u < 4; ++u) vn[u] = vload(nkk, u, nrd);
+            for (int u = 0; u < 4; ++u) vn[u] = vload(nkk, u, rd0 + nx);
           }
           const uint4 h4 = pf[(2 * kk) * 32], l4 = pf[(2 * kk + 1) * 32];  // only this lane's own stores
           const uint32_t ph[4] = {h4.x, h4.y, h4.z, h4.w}, pl[4] = {l4.x, l4.y, l4.z, l4.w};
@@ -459,7 +476,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
             mma(o[e], ph, b0, b1);
             mma(o[e], pl, b0, b1);
           }
-          if (nrd < D / 64) {
+          if (nx < kRounds) {
 #pragma unroll
             for (int u = 0; u < 4; ++u) vb[u] = vn[u];
           }

@@ -27,10 +27,10 @@
 
 using namespace specd::gpu::detail;
 
-template <int D>
+template <int D, int DS>
 static void run(const chunk_mma::Params& P, int64_t blocks) {
-  if (P.idx) emulate(blocks, chunk_mma::kWarps * 32, [&] { chunk_mma::attn_chunk_mma_kernel<D, true>(P); });
-  else emulate(blocks, chunk_mma::kWarps * 32, [&] { chunk_mma::attn_chunk_mma_kernel<D, false>(P); });
+  if (P.idx) emulate(blocks, chunk_mma::kWarps * 32, [&] { chunk_mma::attn_chunk_mma_kernel<D, true, DS>(P); });
+  else emulate(blocks, chunk_mma::kWarps * 32, [&] { chunk_mma::attn_chunk_mma_kernel<D, false, DS>(P); });
 }
 
 int main(int argc, char** argv) {
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
   for (int64_t i0 = 0; i0 < n; i0 += per) {
     const int64_t rows = std::min(per, n - i0);
     std::vector<float> part(size_t(rows * hq * nch * d), NAN), ml(size_t(rows * hq * nch * 2), NAN);  // poisoned
-    pl = chunk_mma::plan(rows, r, hkv, nch, window == 0, resident);
+    pl = chunk_mma::plan(rows, r, hkv, nch, window == 0, resident, d);
     chunk_mma::Params P{};
     ac.set_views(P);
     P.idx = has_mask ? idx.data() : nullptr;
@@ -93,9 +93,9 @@ int main(int argc, char** argv) {
     P.part = part.data();
     P.ml = ml.data();
     chunk_mma::set_plan(P, pl);
-    if (d == 64) run<64>(P, pl.blocks);
-    else if (d == 128) run<128>(P, pl.blocks);
-    else run<256>(P, pl.blocks);
+    if (d == 64) run<64, 1>(P, pl.blocks);  // the launch of attention.cu (launch_chunk_mma)
+    else if (d == 128) pl.ds > 1 ? run<128, 2>(P, pl.blocks) : run<128, 1>(P, pl.blocks);
+    else pl.ds > 1 ? run<256, 4>(P, pl.blocks) : run<256, 1>(P, pl.blocks);
     // attention.cu's two-level combine: per group of 64 chunks M_g = max m_c and the chains L_g, acc_g over its
     // chunks with w = expf(m_c - M_g); a row of one group outputs acc_g / L_g, else the same chains over the
     // groups with w = expf(M_g - M), M = max M_g.
@@ -136,8 +136,8 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("packed=%d mtiles=%lld groups=%d cpw=%d blocks=%lld\n", pl.packed, (long long)pl.mtiles, pl.groups,
-              pl.cpw, (long long)pl.blocks);
+  std::printf("packed=%d mtiles=%lld groups=%d cpw=%d ds=%d blocks=%lld\n", pl.packed, (long long)pl.mtiles,
+              pl.groups, pl.cpw, pl.ds, (long long)pl.blocks);
   ac.write_out(argv[16]);
   return 0;
 }
