@@ -162,13 +162,14 @@ def test_chunk_mma_emulated_window_and_bidirectional(chunk_emu, rng, causal, win
     check(out, reference(q, k, v, kv_len, pos, causal, window), v, f"causal={causal} window={window}")
 
 
-def test_chunk_mma_emulated_several_chunks_per_warp(chunk_emu, rng):
-    """Few resident warps: each warp walks several chunks (cpw > 1), partial chunk groups at the end."""
-    d, hq, hkv, n, kv_len = 64, 2, 1, 2, 64 * 37 + 5
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_chunk_mma_emulated_several_chunks_per_warp(chunk_emu, rng, d):
+    """Few resident warps: each warp walks several chunks (cpw > 1, ds = 1), partial chunk groups at the end."""
+    hq, hkv, n, kv_len = 2, 1, 2, 64 * 37 + 5
     q, k, v = inputs(rng, n, hq, hkv, d, kv_len)
     pos = np.array([kv_len - 2, kv_len - 1], np.int32)
     out, plan = run_emu(chunk_emu, q, k, v, kv_len, pos, resident=4)
-    assert "cpw=1 " not in plan
+    assert "cpw=1 " not in plan and "ds=1 " in plan, plan
     check(out, reference(q, k, v, kv_len, pos), v, "cpw > 1")
 
 
@@ -280,20 +281,21 @@ def test_chunk_mma_emulated_row_slices(chunk_emu, rng):
     check(whole, reference(q, k, v, kv_len, pos), v, "slices")
 
 
-@pytest.mark.parametrize("case", ["decode", "chain", "tree", "window", "inf_v", "decode_128"])
+@pytest.mark.parametrize("case", ["decode", "chain", "tree", "window", "inf_v", "decode_128", "tree_128", "window_128"])
 def test_chunk_mma_emulated_warps_per_chunk_change_no_bit(chunk_emu, rng, case):
     """ds = head_dim / 64 warps sharing a chunk (each computes its S and P and one 64-dim round of P V: the
     plan of a short context) give the same bits as one warp per chunk (ds = 1, as the plan picks when fewer
     warps are resident; cpw = 1 in both). The 27B's head_dim 256 and GQA group (6:1): a decode, a chain
     verify, a tree mask (chunks read once per row), a window (one row per m-tile) and an inf in V that only
-    later rows see (per-row passes); and a head_dim 128 decode (ds = 2)."""
-    d, hq, hkv = (128, 2, 2) if case == "decode_128" else (256, 6, 1)
+    later rows see (per-row passes); and a head_dim 128 decode, tree and window (ds = 2)."""
+    d, hq, hkv = (128, 2, 2) if case.endswith("_128") else (256, 6, 1)
     n, kv_len, window = {"decode": (1, 200, 0), "chain": (8, 150, 0), "tree": (7, 107, 0), "window": (3, 230, 70),
-                         "inf_v": (4, 100, 0), "decode_128": (1, 300, 0)}[case]
+                         "inf_v": (4, 100, 0), "decode_128": (1, 300, 0), "tree_128": (7, 107, 0),
+                         "window_128": (3, 230, 70)}[case]
     q, k, v = inputs(rng, n, hq, hkv, d, kv_len + 8)
     pos = np.arange(kv_len - n, kv_len, dtype=np.int32)
     mask = None
-    if case == "tree":
+    if case.startswith("tree"):
         mask = tree_mask(100, [-1, 0, 0, 1, 1, 2, 3])
         pos = np.arange(100, 107, dtype=np.int32)
     if case == "inf_v":

@@ -17,6 +17,7 @@ run one after another here, so races between blocks cannot show; the hardware: t
 test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu.)
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -70,7 +71,9 @@ def rms_norm64(h, w, eps):
 CASES = [(2, 256), (3, 288), (1, 5120), (2, 5120), (1, 8192), (2, 12288), (2, 8480)]
 
 
-MAX_STAGED_FLOATS = 8192  # norm_split.cuh: kMaxStagedFloats, the rows matmul.cu stages in shared memory
+# norm_split.cuh's kMaxStagedFloats: matmul.cu stages rows of up to this many floats in shared memory
+MAX_STAGED_FLOATS = int(re.search(r"kMaxStagedFloats = (\d+);", open(os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "native", "src", "gpu", "norm_split.cuh")).read()).group(1))
 
 
 @pytest.mark.parametrize("weighted", [True, False])

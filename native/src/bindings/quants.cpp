@@ -164,9 +164,9 @@ one device). Returns (list of F32 [n, out_i], h). Bit-identical to that composit
 On the GPU, when the tensor-core GEMV reads the normed rows (1 <= n <= 16, every weight Q8_0 /
 K-quant / IQ4_XS, 16-byte aligned rows) the norm kernel also writes the GEMV's split of them and u is
 never stored (one kernel launch fewer per call, norm_split.cuh: norm_split_kernel); otherwise the ops run
-in turn. On CUDA that kernel, like matmul's GEMV, loads `weight` before the kernels queued before it
-have finished (programmatic dependent launch, native/src/gpu/pdl.cuh): a weight written on the device
-by another op (not an upload) must be complete first (gpu_synchronize).
+in turn. On CUDA that kernel loads `weight`, and the GEMV `ws`, before the kernels queued before them
+have finished (programmatic dependent launch, native/src/gpu/pdl.cuh): a weight or ws written on the
+device by another op (not an upload or tile_for_gemv) must be complete first (gpu_synchronize).
 Raises ValueError as those ops do.)doc");
   m.def(
       "swiglu_matmul",

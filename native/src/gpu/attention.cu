@@ -557,15 +557,6 @@ bool use_chunk_mma(const Tensor& kc, const Tensor& vc, int64_t d) {
   return detail::compute_major() >= 8 && rows_aligned16(kc) && rows_aligned16(vc);
 }
 
-template <int D, int DS>
-void launch_chunk_mma_d(bool idx, const cmma::Params& P, unsigned blocks, cudaStream_t s) {
-  constexpr unsigned threads = cmma::kWarps * 32;
-  if (idx)
-    detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, true, DS>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
-  else
-    detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, false, DS>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
-}
-
 // The chunk pass of one slice of rows on tensor cores.
 void launch_chunk_mma(const AttnParams& A, int64_t d, cudaStream_t s, const char* op) {
   // Without a window every row's chunk c starts at rank 64 c from position 0: rows pack into m-tiles (the
@@ -581,12 +572,16 @@ void launch_chunk_mma(const AttnParams& A, int64_t d, cudaStream_t s, const char
   cmma::set_plan(P, pl);
   const unsigned blocks = unsigned(pl.blocks);
   const bool idx = A.idx != nullptr;
-  const bool split = pl.ds > 1;  // ds = d / 64 warps per chunk
-  switch (d) {
-    case 64: launch_chunk_mma_d<64, 1>(idx, P, blocks, s); break;
-    case 128: split ? launch_chunk_mma_d<128, 2>(idx, P, blocks, s) : launch_chunk_mma_d<128, 1>(idx, P, blocks, s); break;
-    default: split ? launch_chunk_mma_d<256, 4>(idx, P, blocks, s) : launch_chunk_mma_d<256, 1>(idx, P, blocks, s); break;
-  }
+  constexpr unsigned threads = cmma::kWarps * 32;
+  const bool launched = cmma::with_instance(int(d), pl.ds, [&](auto dc, auto dsc) {
+    constexpr int D = decltype(dc)::value, DS = decltype(dsc)::value;
+    if (idx)
+      detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, true, DS>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
+    else
+      detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, false, DS>>("attn_chunk_mma_kernel", blocks, threads, 0, s,
+                                                                        P);
+  });
+  SPECD_CHECK(launched, op, ": no tensor-core chunk pass for head_dim ", d, " with ", pl.ds, " warps per chunk");
 }
 #endif  // SPECD_FLASH_ATTN
 

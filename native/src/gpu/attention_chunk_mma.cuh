@@ -23,8 +23,8 @@
 // dependent loads is shorter (at head_dim 256: 8 K slabs and 4 V k-steps, not 8 and 16); every value is
 // computed by the same code as with ds = 1, so ds never changes a bit.
 // A chunk is read once per m-tile with the positions of the
-// tile's row with the most keys when the tile's rows can share it: a decode reads each key once (and ds - 1 times
-// more from L2), an 8-row chain verify three times from L2 (its m-tiles' blocks are adjacent in the grid). Else (a mask
+// tile's row with the most keys when the tile's rows can share it: a decode reads each K row once (and ds - 1 times
+// more from L2) and each V row once, an 8-row chain verify three times from L2 (its m-tiles' blocks are adjacent in the grid). Else (a mask
 // whose compacted positions differ between the rows, e.g. a tree's rows past the committed prefix; or a
 // non-finite V at a key some row of the tile does not see) it is read once per row of the tile, each
 // pass keeping its own row's slots.
@@ -50,6 +50,8 @@
 // few F32 ulps per k-step: inside the exact path's tolerance (atol 2e-5 * max|v| + rtol 1e-4).
 #pragma once
 
+#include <type_traits>
+
 #include "attention_flash.cuh"  // SPECD_FLASH_ATTN, mma(), quad_max(), quad_sum(), pdl
 #include "attention_rows.cuh"   // SplitKParams, row_range()
 
@@ -74,7 +76,7 @@ inline bool supported_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 struct Params : SplitKParams {
   int packed, mpr;  // slots of several rows per m-tile (packed) or mpr m-tiles per row
   int64_t mtiles;   // m-tiles in the slice
-  int groups, cpw;  // chunk groups of kWarps / ds * cpw chunks per (m-tile, KV head); ds: the kernel's DS
+  int groups, cpw;  // chunk groups of kWarps / ds * cpw chunks per (m-tile, KV head) (ds: Plan's, the kernel's DS)
 };
 
 // The launch plan of a slice of `rows` rows: m-tiles, chunks per warp and the grid. packed: the rows'
@@ -102,13 +104,27 @@ inline Plan plan(int64_t rows, int64_t r, int64_t hkv, int64_t nch, bool packed,
   cpw = cpw > nch ? nch : cpw;
   p.cpw = int(cpw);
   // A warp per 64-dim round of P V where that keeps the tasks' warps under 1.5 waves too (then cpw = 1).
-  // (Not 2 warps per chunk at head_dim 256: that instance spills.)
+  // (Only ds = 1 or d / 64, the kernel instances there are: at head_dim 256, DS = 2 spills 68 bytes a thread
+  // where DS = 1 spills none and DS = 4 4 bytes, nvcc 13 for sm_90.)
   const int rounds = d / 64;
   p.ds = rounds <= kWarps && 2 * tasks * rounds < 3 * warps ? rounds : 1;
   const int64_t per_group = kWarps / p.ds * cpw;  // chunks per (m-tile, KV head, group)
   p.groups = int((nch + per_group - 1) / per_group);
   p.blocks = p.mtiles * p.groups * hkv;
   return p;
+}
+
+// f(std::integral_constant<int, D>(), std::integral_constant<int, DS>()) for the kernel instance of head_dim d
+// and a plan's ds (D = d, DS = ds); false (nothing called) for a pair without an instance.
+template <class F>
+bool with_instance(int d, int ds, F&& f) {
+  using std::integral_constant;
+  if (d == 64 && ds == 1) return f(integral_constant<int, 64>(), integral_constant<int, 1>()), true;
+  if (d == 128 && ds == 1) return f(integral_constant<int, 128>(), integral_constant<int, 1>()), true;
+  if (d == 128 && ds == 2) return f(integral_constant<int, 128>(), integral_constant<int, 2>()), true;
+  if (d == 256 && ds == 1) return f(integral_constant<int, 256>(), integral_constant<int, 1>()), true;
+  if (d == 256 && ds == 4) return f(integral_constant<int, 256>(), integral_constant<int, 4>()), true;
+  return false;
 }
 
 // The plan's fields of Params (the split-K call's are the caller's).
@@ -451,8 +467,8 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
       // column, gq for this lane's loads), so this lane's accumulators are dims 64 rd + 16 tq + e (n = 2 tq)
       // and 64 rd + 16 tq + 8 + e (n = 2 tq + 1).
 #pragma unroll 1
-      for (int x = 0; x < kRounds; ++x) {  // not unrolled: interleaved rounds would hold two sets of o
-        const int rd = rd0 + x;
+      for (int ri = 0; ri < kRounds; ++ri) {  // not unrolled: interleaved rounds would hold two sets of o
+        const int rd = rd0 + ri;
         float o[8][4];
 #pragma unroll
         for (int e = 0; e < 8; ++e)
@@ -461,10 +477,10 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           uint4 vn[4];
-          const int nx = kk == 3 ? x + 1 : x, nkk = (kk + 1) & 3;
-          if (nx < kRounds) {
+          const int nri = kk == 3 ? ri + 1 : ri, nkk = (kk + 1) & 3;
+          if (nri < kRounds) {
 #pragma unroll
-            for (int u = 0; u < 4; ++u) vn[u] = vload(nkk, u, rd0 + nx);
+            for (int u = 0; u < 4; ++u) vn[u] = vload(nkk, u, rd0 + nri);
           }
           const uint4 h4 = pf[(2 * kk) * 32], l4 = pf[(2 * kk + 1) * 32];  // only this lane's own stores
           const uint32_t ph[4] = {h4.x, h4.y, h4.z, h4.w}, pl[4] = {l4.x, l4.y, l4.z, l4.w};
@@ -476,7 +492,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
             mma(o[e], ph, b0, b1);
             mma(o[e], pl, b0, b1);
           }
-          if (nx < kRounds) {
+          if (nri < kRounds) {
 #pragma unroll
             for (int u = 0; u < 4; ++u) vb[u] = vn[u];
           }

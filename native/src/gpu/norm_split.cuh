@@ -32,13 +32,15 @@ __device__ __forceinline__ void group_weights(const float* __restrict__ w, int64
 
 // rms_norm's output values (norm.cuh: normed, the standalone kernel's second pass) as split inputs:
 // the row being split (x, or h = x + residual; in shared memory when staged, else global memory; one
-// block per row) times the row's scale and the lane's weights wv of the group being split (or none).
+// block per row) times the row's scale and the lane's weights wv of the group being split (or none):
+// wv holds one group's weights, so the input is given to split_group for that group only (the kernel
+// reloads wv for each group).
 struct NormInput {
   const float4* row;  // the row's first 4 inputs (16-byte aligned)
   bool weighted;
   float4 wv[2];  // group_weights of the group split_group is given with this input
   float scale;
-  __device__ __forceinline__ void load(int, int64_t blk, int t, float (&v)[8]) const {
+  __device__ __forceinline__ void load(int /*r: the block's row, `row`*/, int64_t blk, int t, float (&v)[8]) const {
     const float4* s4 = row + 8 * blk;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {  // inputs 4t.. (k = 0) and 16 + 4t.. (k = 1); norm::normed's arithmetic

@@ -27,10 +27,13 @@
 
 using namespace specd::gpu::detail;
 
-template <int D, int DS>
-static void run(const chunk_mma::Params& P, int64_t blocks) {
-  if (P.idx) emulate(blocks, chunk_mma::kWarps * 32, [&] { chunk_mma::attn_chunk_mma_kernel<D, true, DS>(P); });
-  else emulate(blocks, chunk_mma::kWarps * 32, [&] { chunk_mma::attn_chunk_mma_kernel<D, false, DS>(P); });
+// The plan's kernel instance, chosen as attention.cu's launch_chunk_mma does (chunk_mma::with_instance).
+static bool run(const chunk_mma::Params& P, int d, int ds, int64_t blocks) {
+  return chunk_mma::with_instance(d, ds, [&](auto dc, auto dsc) {
+    constexpr int D = decltype(dc)::value, DS = decltype(dsc)::value;
+    if (P.idx) emulate(blocks, chunk_mma::kWarps * 32, [&] { chunk_mma::attn_chunk_mma_kernel<D, true, DS>(P); });
+    else emulate(blocks, chunk_mma::kWarps * 32, [&] { chunk_mma::attn_chunk_mma_kernel<D, false, DS>(P); });
+  });
 }
 
 int main(int argc, char** argv) {
@@ -93,9 +96,10 @@ int main(int argc, char** argv) {
     P.part = part.data();
     P.ml = ml.data();
     chunk_mma::set_plan(P, pl);
-    if (d == 64) run<64, 1>(P, pl.blocks);  // the launch of attention.cu (launch_chunk_mma)
-    else if (d == 128) pl.ds > 1 ? run<128, 2>(P, pl.blocks) : run<128, 1>(P, pl.blocks);
-    else pl.ds > 1 ? run<256, 4>(P, pl.blocks) : run<256, 1>(P, pl.blocks);
+    if (!run(P, d, pl.ds, pl.blocks)) {
+      std::fprintf(stderr, "no kernel instance for d=%d ds=%d\n", d, pl.ds);
+      return 2;
+    }
     // attention.cu's two-level combine: per group of 64 chunks M_g = max m_c and the chains L_g, acc_g over its
     // chunks with w = expf(m_c - M_g); a row of one group outputs acc_g / L_g, else the same chains over the
     // groups with w = expf(M_g - M), M = max M_g.
