@@ -45,8 +45,9 @@ def run_emu(emu, x, r, w, eps, staged):
     x.astype(np.float32).tofile(files["x"])
     (r if r is not None else np.zeros(0, np.float32)).astype(np.float32).tofile(files["r"])
     (w if w is not None else np.zeros(0, np.float32)).astype(np.float32).tofile(files["w"])
-    out = subprocess.run([str(exe), str(n), str(dim), str(int(r is not None)), str(int(w is not None)), str(int(staged)), repr(eps)] +
-                         [files[f] for f in FILES], check=True, capture_output=True, text=True).stdout.strip()
+    flags = [str(int(r is not None)), str(int(w is not None)), str(int(staged))]
+    out = subprocess.run([str(exe), str(n), str(dim), *flags, repr(eps)] + [files[f] for f in FILES], check=True,
+                         capture_output=True, text=True).stdout.strip()
     got = {f: np.fromfile(files[f], np.uint8 if f.startswith("split") else np.float32) for f in FILES[3:]}
     for f in ("h", "h_ref", "recon"):
         got[f] = got[f].reshape(n, dim)

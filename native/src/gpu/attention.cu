@@ -575,11 +575,11 @@ void launch_chunk_mma(const AttnParams& A, int64_t d, cudaStream_t s, const char
   constexpr unsigned threads = cmma::kWarps * 32;
   const bool launched = cmma::with_instance(int(d), pl.ds, [&](auto dc, auto dsc) {
     constexpr int D = decltype(dc)::value, DS = decltype(dsc)::value;
+    const char* name = "attn_chunk_mma_kernel";
     if (idx)
-      detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, true, DS>>("attn_chunk_mma_kernel", blocks, threads, 0, s, P);
+      detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, true, DS>>(name, blocks, threads, 0, s, P);
     else
-      detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, false, DS>>("attn_chunk_mma_kernel", blocks, threads, 0, s,
-                                                                        P);
+      detail::launch_kernel<cmma::attn_chunk_mma_kernel<D, false, DS>>(name, blocks, threads, 0, s, P);
   });
   SPECD_CHECK(launched, op, ": no tensor-core chunk pass for head_dim ", d, " with ", pl.ds, " warps per chunk");
 }

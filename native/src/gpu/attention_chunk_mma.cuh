@@ -21,10 +21,10 @@
 // decode at 200 keys has 4 chunks per KV head) ds = D / 64 warps share a chunk (the kernel's DS): each
 // computes the chunk's S and P (the same values) and one 64-dim round of P V, so each warp's chain of
 // dependent loads is shorter (at head_dim 256: 8 K slabs and 4 V k-steps, not 8 and 16); every value is
-// computed by the same code as with ds = 1, so ds never changes a bit.
-// A chunk is read once per m-tile with the positions of the
-// tile's row with the most keys when the tile's rows can share it: a decode reads each K row once (and ds - 1 times
-// more from L2) and each V row once, an 8-row chain verify three times from L2 (its m-tiles' blocks are adjacent in the grid). Else (a mask
+// computed by the same code as with ds = 1, so ds never changes a bit. A chunk is read once per m-tile
+// with the positions of the tile's row with the most keys when the tile's rows can share it: a decode
+// reads each K row once (and ds - 1 times more from L2) and each V row once, an 8-row chain verify three
+// times from L2 (its m-tiles' blocks are adjacent in the grid). Else (a mask
 // whose compacted positions differ between the rows, e.g. a tree's rows past the committed prefix; or a
 // non-finite V at a key some row of the tile does not see) it is read once per row of the tile, each
 // pass keeping its own row's slots.
@@ -395,7 +395,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
 #pragma unroll
         for (int x = 0; x < kRounds; ++x) prefetch_l2(row + 128 * (rd0 + x));
       }
-      // V of load round 0, k-step 0 in flight during the softmax. Lane loads keys 16 kk + 2 tq + {0, 1,
+      // V of load round rd0, k-step 0 in flight during the softmax. Lane loads keys 16 kk + 2 tq + {0, 1,
       // 8, 9}, dims 64 rd + 8 gq .. + 7.
       int32_t vp[4][4];  // cache row of each key, -1 past cc
 #pragma unroll

@@ -43,7 +43,9 @@ struct NormInput {
   __device__ __forceinline__ void load(int /*r: the block's row, `row`*/, int64_t blk, int t, float (&v)[8]) const {
     const float4* s4 = row + 8 * blk;
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {  // inputs 4t.. (k = 0) and 16 + 4t.. (k = 1); norm::normed's arithmetic
+    // inputs 4t.. (k = 0) and 16 + 4t.. (k = 1): norm::normed's arithmetic (checked bit for bit against it by
+    // the emulation), written out on the values: normed's weight pointer to wv[k] gave the kernel a stack.
+    for (int k = 0; k < 2; ++k) {
       const float4 a = s4[t + 4 * k];
       mma::put4(v, k, weighted ? norm::scale_mul(a, scale, wv[k]) : norm::scale_only(a, scale));
     }

@@ -5,9 +5,11 @@
 // output buffer starts poisoned (split bytes 0xA5, floats NaN), so a value one side writes and the other
 // does not shows. Driven by tests/gpu/test_gpu_norm_split_host.py.
 //
-// usage: norm_split_emu n d RESID WEIGHTED STAGED eps x.bin r.bin w.bin h.bin split.bin h_ref.bin split_ref.bin recon.bin
+// usage: norm_split_emu n d RESID WEIGHTED STAGED eps x.bin r.bin w.bin h.bin split.bin h_ref.bin split_ref.bin
+//        recon.bin
 //   STAGED: the kernel keeps the row in (poisoned) dynamic shared memory (d <= kMaxStagedFloats, as
-//   matmul.cu launches it) or re-reads it from global memory; x, r: F32 [n, d] (r read when RESID); w: F32 [d] (read when WEIGHTED); h, h_ref: F32 [n, d] (x + r,
+//   matmul.cu launches it) or re-reads it from global memory; x, r: F32 [n, d] (r read when RESID);
+//   w: F32 [d] (read when WEIGHTED); h, h_ref: F32 [n, d] (x + r,
 //   written only with RESID); split, split_ref: the mma::XSizes(d) bytes of the fused kernel and of the
 //   composition; recon: F32 [n, d], the values the fused split encodes (the sum of each input's terms
 //   times their column scales, in double).
