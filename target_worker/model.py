@@ -653,8 +653,7 @@ class Qwen35Model:
             a = sn.attention(q, kc, vc, kv_len, positions, causal=True, trusted=True, exact=mm.exact)
         else:
             a = sn.attention(q, kc, vc, kv_len, positions, causal=False, mask=tree.mask, trusted=True)
-        a = ops.reshape(ops.a(sn.mul_sigmoid(a, gate)), w, nh * hd)
-        return ops.a(mm(a, layer.attn_output))
+        return ops.a(mm.gated(a, gate, layer.attn_output))  # the output gate fused with the split
 
     def _gdn(self, i, layer, m, z, b, a, st, tree, mm, in_place=False):
         """Gated DeltaNet of layer i from the qkv, gate (z), beta and alpha projections of its
@@ -672,10 +671,10 @@ class Qwen35Model:
                                                  apply_silu=True)) for j in range(w)])
             conv_state = None
         state = None if tree is not None else st.ssm[i] if in_place else ops.empty(st.ssm[i].shape)
-        if tree is None and mm.exact:  # decode / chain verify: qkv, gates, recurrence and gated norm in one op
-            y, q, k, v, g, beta = (ops.a(t) for t in sn.gdn_step(
-                cv, a, b, *self.gdn_vecs[i], z, layer.ssm_norm, st.ssm[i], hk, dk, hv, dv, hp.rms_eps,
-                self._gdn_scale, state_out=state))
+        if tree is None and mm.exact:  # decode / chain verify: qkv, gates and recurrence in one op
+            o, q, k, v, g, beta = (ops.a(t) for t in sn.gdn_step(
+                cv, a, b, *self.gdn_vecs[i], st.ssm[i], hk, dk, hv, dv, hp.rms_eps, self._gdn_scale,
+                state_out=state))
         else:
             q, k, v = (ops.a(t) for t in sn.gdn_qkv(cv, hk, dk, hv, dv, hp.rms_eps))  # L2-normed q, k heads; v
             g, beta = (ops.a(t) for t in sn.gdn_gates(a, b, *self.gdn_vecs[i]))  # ssm_a * softplus(a + dt), sigmoid(b)
@@ -684,9 +683,7 @@ class Qwen35Model:
                                              exact=False))
             else:
                 o = self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
-            y = ops.a(sn.rms_norm_gated(o, layer.ssm_norm, hp.rms_eps, z))
-        o = ops.reshape(y, w, hv * dv)
-        out = ops.a(mm(o, layer.ssm_out))
+        out = ops.a(mm.gated_norm(o, layer.ssm_norm, hp.rms_eps, z, layer.ssm_out))  # norm fused with the split
         return out, GDNPending(m, q, k, v, g, beta, state, conv_state)
 
     def _gdn_tree(self, s0, q, k, v, g, beta, tree):
@@ -786,7 +783,9 @@ class _Linear:
     """The matmuls of one forward: ``exact`` (batch invariant: verify / decode) or not (the GPU may
     run more than 16 rows as a BF16 GEMM: prefill chunks; see Qwen35Model.verify). ``norm_group``
     runs the projections of one normed input together (one GEMV launch per format, bit-identical to
-    separate calls), ``swiglu`` the FFN down projection of the SwiGLU."""
+    separate calls), ``gated`` the attention's out projection of its sigmoid-gated output, ``gated_norm``
+    the Gated DeltaNet's out projection of its gated-normed output,
+    ``swiglu`` the FFN down projection of the SwiGLU."""
 
     def __init__(self, exact: bool):
         self.exact = exact
@@ -798,6 +797,16 @@ class _Linear:
         """(sn.matmul_group(u, ws), h) with (u, h) = rms_norm of h = x + residual (or x): sn.rms_norm_matmul,
         whose GPU norm kernel also writes the GEMV's input split (one launch fewer, bit-identical)."""
         return sn.rms_norm_matmul(x, weight, eps, ws, residual=residual, exact=self.exact)
+
+    def gated(self, a, gate, w):
+        """mul_sigmoid(a, gate) (a [n, heads, d]) @ w^T: sn.mul_sigmoid_matmul, whose GPU x split computes the
+        gate (one launch fewer, bit-identical)."""
+        return sn.mul_sigmoid_matmul(a, gate, [w], exact=self.exact)[0]
+
+    def gated_norm(self, x, weight, eps, z, w):
+        """rms_norm_gated(x, weight, eps, z) (x, z [n, heads, d]) @ w^T: sn.rms_norm_gated_matmul, whose GPU
+        x split computes the gated norm (one launch fewer, bit-identical)."""
+        return sn.rms_norm_gated_matmul(x, weight, eps, z, [w], exact=self.exact)[0]
 
     def swiglu(self, gate, up, w):
         """swiglu(gate, up) @ w^T: sn.swiglu_matmul (the GEMV's input split, or in prefill the BF16 GEMM's

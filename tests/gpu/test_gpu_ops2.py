@@ -1046,22 +1046,20 @@ def test_gdn_gpu_state_out(rng, shape, T):
     np.testing.assert_array_equal(src.numpy(), state)
 
 
-def gdn_step_inputs(rng, T, hk, hv, dk, dv, nan_z=False):
-    """gdn_step's inputs: cv (conv output, silu'd scale), a, b, dt, ssm_a, z, norm weight, state."""
+def gdn_step_inputs(rng, T, hk, hv, dk, dv):
+    """gdn_step's inputs: cv (conv output, silu'd scale), a, b, dt, ssm_a, state."""
     cv = f32(rng, (T, 2 * hk * dk + hv * dv))
     a, b = f32(rng, (T, hv)), f32(rng, (T, hv))
     dt, ssm_a = f32(rng, (1, hv), 0.5), -np.abs(f32(rng, (1, hv)))
-    z, w = f32(rng, (T, hv, dv)), f32(rng, (dv,), 0.5) + 1
     state = f32(rng, (hv, dv, dk), 0.1)
-    return cv, a, b, dt, ssm_a, z, w, state
+    return cv, a, b, dt, ssm_a, state
 
 
-def gdn_step_composed(cv, a, b, dt, ssm_a, z, w, state, hk, dk, hv, dv, eps, scale, state_out=None):
-    """What gdn_step stands for: the four ops on cv's device."""
+def gdn_step_composed(cv, a, b, dt, ssm_a, state, hk, dk, hv, dv, eps, scale, state_out=None):
+    """What gdn_step stands for: the three ops on cv's device."""
     q, k, v = sn.gdn_qkv(cv, hk, dk, hv, dv, eps)
     g, beta = sn.gdn_gates(a, b, dt, ssm_a)
-    o = sn.gated_delta_net(q, k, v, g, beta, state, scale, state_out=state_out)
-    return sn.rms_norm_gated(o, w, eps, z), q, k, v, g, beta
+    return sn.gated_delta_net(q, k, v, g, beta, state, scale, state_out=state_out), q, k, v, g, beta
 
 
 # (hk, hv, dk, dv): the 27B (4 blocks of 32 state rows per head), GQA 2:1 with dk 64 and dk 32, whole-head
@@ -1075,67 +1073,51 @@ GDN_STEP_SHAPES = [(16, 48, 128, 128), (2, 4, 64, 32), (2, 2, 32, 256), (1, 2, 6
 @pytest.mark.parametrize("T", [0, 1, 3, 8, 17])  # 8 / 17: one stage of 8 tokens, stages and a ragged one
 @gpu_only
 def test_gdn_step_gpu_equals_composition_bitwise(rng, shape, T):
-    """gdn_step (its two launches where it fuses) gives bit for bit what gdn_qkv, gdn_gates, gated_delta_net and
-    rms_norm_gated give on the GPU: y, the pending q / k / v / g / beta, and the state, in place and out of
-    place (state then untouched); and it matches the CPU op (the composition) within the recurrence's
-    tolerance."""
+    """gdn_step (its one launch where it fuses) gives bit for bit what gdn_qkv, gdn_gates and gated_delta_net
+    give on the GPU: o, the pending q / k / v / g / beta, and the state, in place and out of place (state then
+    untouched); and it matches the CPU op (the composition) within the recurrence's tolerance."""
     hk, hv, dk, dv = shape
-    cv, a, b, dt, ssm_a, z, w, state = gdn_step_inputs(rng, T, hk, hv, dk, dv)
+    cv, a, b, dt, ssm_a, state = gdn_step_inputs(rng, T, hk, hv, dk, dv)
     dims, eps, scale = (hk, dk, hv, dv), 1e-6, 1 / np.sqrt(dk)
-    g_in = [on_gpu(x) for x in (cv, a, b, dt, ssm_a, z, w)]
+    g_in = [on_gpu(x) for x in (cv, a, b, dt, ssm_a)]
     s_ref = on_gpu(state)
     ref = [t.numpy() for t in gdn_step_composed(*g_in, s_ref, *dims, eps, scale)]
     s_in = on_gpu(state)
     got = sn.gdn_step(*g_in, s_in, *dims, eps, scale)
     assert got[0].device == DEV and got[0].shape == (T, hv, dv)
-    for name, x, r in zip(("y", "q", "k", "v", "g", "beta"), got, ref):
+    for name, x, r in zip(("o", "q", "k", "v", "g", "beta"), got, ref):
         np.testing.assert_array_equal(x.numpy(), r, err_msg=name)
     np.testing.assert_array_equal(s_in.numpy(), s_ref.numpy())
     src, s_out = on_gpu(state), on_gpu(np.full_like(state, np.nan))
-    y_out = sn.gdn_step(*g_in, src, *dims, eps, scale, state_out=s_out)[0]
-    np.testing.assert_array_equal(y_out.numpy(), ref[0])
+    o_out = sn.gdn_step(*g_in, src, *dims, eps, scale, state_out=s_out)[0]
+    np.testing.assert_array_equal(o_out.numpy(), ref[0])
     np.testing.assert_array_equal(s_out.numpy(), s_ref.numpy())
     np.testing.assert_array_equal(src.numpy(), state)
     st_cpu = state.copy()
-    cpu = sn.gdn_step(cv, a, b, dt, ssm_a, z, w, st_cpu, *dims, eps, scale)[0].numpy()
+    cpu = sn.gdn_step(cv, a, b, dt, ssm_a, st_cpu, *dims, eps, scale)[0].numpy()
     if T:
         np.testing.assert_allclose(ref[0], cpu, rtol=1e-4, atol=1e-4 * np.abs(cpu).max())
         np.testing.assert_allclose(s_ref.numpy(), st_cpu, rtol=1e-4, atol=1e-4 * np.abs(st_cpu).max())
 
 
 @gpu_only
-def test_gdn_step_gpu_norm_paths_and_errors(rng):
-    """Bitwise the composition on the gated norm's other paths: no norm weight, a z and a norm weight that
-    are not 16-byte aligned (rms_norm_gated's scalar path, taken by both); bad arguments raise ValueError
-    before anything runs (state and state_out untouched)."""
+def test_gdn_step_gpu_errors(rng):
+    """Bad arguments raise ValueError before anything runs (state and state_out untouched)."""
     hk, hv, dk, dv, T = 2, 4, 64, 32, 5
-    cv, a, b, dt, ssm_a, z, w, state = gdn_step_inputs(rng, T, hk, hv, dk, dv)
+    cv, a, b, dt, ssm_a, state = gdn_step_inputs(rng, T, hk, hv, dk, dv)
     dims = (hk, dk, hv, dv)
-
-    def unaligned(x):  # x's values at a 4-byte offset from an aligned buffer
-        return on_gpu(np.concatenate([np.zeros(1, np.float32), x.ravel()])).view_rows(1, 1 + x.size).reshape(
-            list(x.shape))
     g_in = [on_gpu(x) for x in (cv, a, b, dt, ssm_a)]
-    for zg, wg in ((on_gpu(z), None), (unaligned(z), on_gpu(w)), (on_gpu(z), unaligned(w))):
-        s1, s2 = on_gpu(state), on_gpu(state)
-        ref = gdn_step_composed(*g_in, zg, wg, s1, *dims, 1e-6, 0.125)[0].numpy()
-        got = sn.gdn_step(*g_in, zg, wg, s2, *dims, 1e-6, 0.125)[0].numpy()
-        np.testing.assert_array_equal(got, ref)
-        np.testing.assert_array_equal(s2.numpy(), s1.numpy())
     sg, out = on_gpu(state), on_gpu(np.full_like(state, 7.0))
-    bad = [("gdn_gates", dict(a=on_gpu(a[:, :3]))), ("z must be", dict(z=on_gpu(z[:, :, :16].copy()))),
-           ("norm_weight must have", dict(w=on_gpu(np.ones(dv + 1, np.float32)))), ("scale", dict(scale=np.nan))]
-    for match, kw in bad:
-        args = dict(a=g_in[1], z=on_gpu(z), w=on_gpu(w), scale=0.1) | kw
+    for match, kw in [("gdn_gates", dict(a=on_gpu(a[:, :3]))), ("scale", dict(scale=np.nan))]:
+        args = dict(a=g_in[1], scale=0.1) | kw
         with pytest.raises(ValueError, match=match):
-            sn.gdn_step(g_in[0], args["a"], *g_in[2:], args["z"], args["w"], sg, *dims, 1e-6, args["scale"],
-                        state_out=out)
+            sn.gdn_step(g_in[0], args["a"], *g_in[2:], sg, *dims, 1e-6, args["scale"], state_out=out)
         with pytest.raises(ValueError, match=match):
-            sn.gdn_step(g_in[0], args["a"], *g_in[2:], args["z"], args["w"], sg, *dims, 1e-6, args["scale"])
+            sn.gdn_step(g_in[0], args["a"], *g_in[2:], sg, *dims, 1e-6, args["scale"])
     np.testing.assert_array_equal(sg.numpy(), state)
     assert (out.numpy() == 7.0).all()
     with pytest.raises(ValueError, match="state"):
-        sn.gdn_step(*g_in, on_gpu(z), on_gpu(w), on_gpu(state[:1].copy()), *dims, 1e-6, 0.1)
+        sn.gdn_step(*g_in, on_gpu(state[:1].copy()), *dims, 1e-6, 0.1)
 
 
 # (hk, hv, dk, dv) of the chunked path (dk 32 / 64 / 128, dv % 16 == 0) and T: one chunk, ragged chunks

@@ -5,7 +5,8 @@ while the kernel before it drains; that is only safe because each kernel waits (
 before touching memory another kernel writes or reads, and because every kernel waits, the order is
 transitive. A kernel that forgot the wait would race with its predecessor only on sm_90 hardware and
 only sometimes, so this is checked on the source: each __global__ function's first statement is
-pdl_enter() (let the next kernel launch, then wait), pdl_wait() (a kernel that must not let the next
+pdl_enter() (let the next kernel launch, then wait; pdl_enter_prefetch() also asks L2 for an input first,
+which cannot make a value stale), pdl_wait() (a kernel that must not let the next
 one launch early: the tiling kernel, which writes weights), or pdl_launch_dependents() for a kernel
 that waits later, after loads of weights, with no return before its pdl_wait(). Only the kernels pdl.cuh
 names as its exceptions may do that."""
@@ -58,9 +59,12 @@ def test_every_kernel_found():
 
 @pytest.mark.parametrize("fn,name,body", [pytest.param(*k, id=f"{k[0]}:{k[1]}") for k in kernels()])
 def test_kernel_waits_before_memory(fn, name, body):
-    first = next(ln.strip() for ln in body.split("\n") if ln.strip())
-    assert re.fullmatch(r"(detail::)?pdl_(enter|wait|launch_dependents)\(\);", first), (
+    first = body.strip().split(";")[0] + ";"  # the first statement
+    assert re.fullmatch(r"(detail::)?pdl_(enter|wait|launch_dependents)\(\);|(detail::)?pdl_enter_prefetch\(.*\);",
+                        first, re.S), (
         f"{fn}: {name} must start with pdl_enter() (see native/src/gpu/pdl.cuh), starts with {first!r}")
+    if "pdl_enter_prefetch" in first:  # its address arguments come from kernel parameters, not from memory
+        assert "[" not in first and "->" not in first, f"{fn}: {name} reads memory before its wait: {first!r}"
     if "pdl_launch_dependents" in first:
         assert name in EARLY_WEIGHT_LOADS, f"{fn}: {name} starts before its wait but is not one of pdl.cuh's exceptions"
         assert "pdl_wait()" in body, f"{fn}: {name} lets the next kernel launch but never waits"

@@ -168,6 +168,49 @@ def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions(rng, n):
         assert np.array_equal(bits(y), bits(want))
 
 
+@pytest.mark.parametrize("n", [0, 1, 3, 17])
+def test_rms_norm_gated_matmul_on_the_cpu(rng, n):
+    """rms_norm_gated_matmul on the CPU (the GPU's fused kernel: tests/gpu/test_gpu_matmul.py) is
+    rms_norm_gated then matmul_group of the [n, heads * d] view bit for bit, and within float32 rounding of
+    float64 numpy on the gguf-dequantized weights: y = x / rms(x) * w * silu(z) over each group of d
+    (qwen35-target.md §6.5 step 8), then y @ W^T."""
+    heads, d = 4, 128
+    x, z = (rng.standard_normal((n, heads, d)).astype(np.float32) for _ in range(2))
+    nw = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    made = [make_weight(rng, name, out, heads * d) for name, out in (("Q8_0", 7), ("IQ4_XS", 3), ("F32", 5))]
+    ws = [w for w, _ in made]
+    for weight in (sn.Tensor(nw), None):
+        ys = sn.rms_norm_gated_matmul(x, weight, 1e-6, z, ws)
+        u = sn.rms_norm_gated(x, weight, 1e-6, z).numpy().reshape(n, heads * d)
+        x64, z64 = x.astype(np.float64), z.astype(np.float64)
+        y64 = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-6) * (nw if weight is not None else 1.0)
+        y64 = (y64 * z64 / (1 + np.exp(-z64))).reshape(n, heads * d)
+        for y, want, (_, wref) in zip(ys, sn.matmul_group(u, ws), made):
+            assert y.shape == (n, wref.shape[0]) and np.array_equal(bits(y), bits(want))
+            ref = y64 @ wref.astype(np.float64).T
+            np.testing.assert_allclose(y.numpy(), ref, rtol=1e-4, atol=1e-4 * (np.abs(ref).max() if n else 1))
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 17])
+def test_mul_sigmoid_matmul_on_the_cpu(rng, n):
+    """mul_sigmoid_matmul on the CPU (the GPU's fused split: tests/gpu/test_gpu_matmul.py) is mul_sigmoid then
+    matmul_group of the [n, heads * d] view bit for bit, with the gate a strided view (qg's gate half), and
+    within float32 rounding of float64 numpy: (a * sigmoid(gate)) @ W^T (qwen35-target.md §6.3)."""
+    heads, d = 2, 128
+    a = rng.standard_normal((n, heads, d)).astype(np.float32)
+    qg = (3 * rng.standard_normal((n, heads, 2 * d))).astype(np.float32)
+    gate = qg[..., d:]
+    made = [make_weight(rng, name, out, heads * d) for name, out in (("Q8_0", 7), ("IQ4_XS", 3), ("F32", 5))]
+    ws = [w for w, _ in made]
+    ys = sn.mul_sigmoid_matmul(a, gate, ws)
+    u = sn.mul_sigmoid(a, gate).numpy().reshape(n, heads * d)
+    y64 = (a.astype(np.float64) / (1 + np.exp(-gate.astype(np.float64)))).reshape(n, heads * d)
+    for y, want, (_, wref) in zip(ys, sn.matmul_group(u, ws), made):
+        assert y.shape == (n, wref.shape[0]) and np.array_equal(bits(y), bits(want))
+        ref = y64 @ wref.astype(np.float64).T
+        np.testing.assert_allclose(y.numpy(), ref, rtol=1e-4, atol=1e-4 * (np.abs(ref).max() if n else 1))
+
+
 def test_fused_matmul_bad_input(rng):
     x = rng.standard_normal((2, 256)).astype(np.float32)
     w = make_weight(rng, "Q8_0", 4, 256)[0]
@@ -181,3 +224,18 @@ def test_fused_matmul_bad_input(rng):
         sn.swiglu_matmul(x, x, [])
     with pytest.raises(ValueError):
         sn.swiglu_matmul(x, np.zeros((2, 128), np.float32), [w])
+    x3 = rng.standard_normal((2, 2, 128)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"rms_norm_gated_matmul: x must be \[n, groups, d\]"):
+        sn.rms_norm_gated_matmul(x, None, 1e-6, x, [w])
+    with pytest.raises(ValueError, match="rms_norm_gated_matmul: no weights"):
+        sn.rms_norm_gated_matmul(x3, None, 1e-6, x3, [])
+    with pytest.raises(ValueError, match="z"):
+        sn.rms_norm_gated_matmul(x3, None, 1e-6, x3[:, :1], [w])
+    with pytest.raises(ValueError, match="norm_weight|weight"):
+        sn.rms_norm_gated_matmul(x3, np.ones(64, np.float32), 1e-6, x3, [w])
+    with pytest.raises(ValueError, match=r"mul_sigmoid_matmul: a must be \[n, \.\.\., d\]"):
+        sn.mul_sigmoid_matmul(x[0], x[0], [w])
+    with pytest.raises(ValueError, match="mul_sigmoid_matmul: no weights"):
+        sn.mul_sigmoid_matmul(x3, x3, [])
+    with pytest.raises(ValueError, match="same shape"):
+        sn.mul_sigmoid_matmul(x3, x3[:, :1], [w])

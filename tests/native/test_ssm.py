@@ -282,34 +282,32 @@ def test_gdn_state_out_bad_input(rng):
         sn.gated_delta_net(buf[: q.size].reshape(q.shape), k, v, g, beta, s, 1.0, state_out=buf.reshape(s.shape))
 
 
-# ---- gdn_step (the step's qkv, gates, recurrence and gated norm as one op) ---------------------------
+# ---- gdn_step (the step's qkv, gates and recurrence as one op) ----------------------------------------
 
 
 @pytest.mark.parametrize("T,hk,hv,dk,dv", [(0, 1, 2, 8, 8), (1, 2, 6, 16, 8), (3, 2, 4, 32, 16)])
 def test_gdn_step_against_float64(rng, T, hk, hv, dk, dv):
-    """gdn_step = L2-normed q / k heads of cv, g = ssm_a * softplus(a + dt), beta = sigmoid(b), the recurrence
-    and rms_norm(o) * silu(z), against float64 numpy (qwen35-target.md §6.5 steps 3-8); out of place
-    leaves the state untouched and equals in place bitwise."""
+    """gdn_step = L2-normed q / k heads of cv, g = ssm_a * softplus(a + dt), beta = sigmoid(b) and the
+    recurrence's o, against float64 numpy (qwen35-target.md §6.5 steps 3-7); out of place leaves the state
+    untouched and equals in place bitwise."""
     eps, scale = 1e-6, 1 / np.sqrt(dk)
     cv = rng.standard_normal((T, 2 * hk * dk + hv * dv)).astype(np.float32)
     a, b = (rng.standard_normal((T, hv)).astype(np.float32) for _ in range(2))
     dt, ssm_a = rng.standard_normal(hv).astype(np.float32), -rng.uniform(0.1, 2, hv).astype(np.float32)
-    z = rng.standard_normal((T, hv, dv)).astype(np.float32)
-    w = (1 + 0.3 * rng.standard_normal(dv)).astype(np.float32)
     state = (rng.standard_normal((hv, dv, dk)) * 0.3).astype(np.float32)
     q, k, v, g, beta = gdn_step_inputs_ref(cv, a, b, dt, ssm_a, hk, dk, hv, dv, eps)
     st = state.copy()
-    got = [t.numpy() for t in sn.gdn_step(cv, a, b, dt, ssm_a, z, w, st, hk, dk, hv, dv, eps, scale)]
+    got = [t.numpy() for t in sn.gdn_step(cv, a, b, dt, ssm_a, st, hk, dk, hv, dv, eps, scale)]
     assert [x.shape for x in got] == [(T, hv, dv), (T, hk, dk), (T, hk, dk), (T, hv, dv), (T, hv), (T, hv)]
     if T:
         for x, ref in zip(got[1:], (q, k, v, g, beta)):
             close(x, ref, 1e-6)
         o, states = gdn_ref(q, k, v, g, beta, state, scale)
-        close(got[0], o / np.sqrt((o * o).mean(-1, keepdims=True) + eps) * w * silu64(z.astype(np.float64)), 1e-5)
+        close(got[0], o, GDN_TOL)
         close(st, states[-1], GDN_TOL)
     st2, out = state.copy(), np.full_like(state, np.nan)
-    y2 = sn.gdn_step(cv, a, b, dt, ssm_a, z, w, st2, hk, dk, hv, dv, eps, scale, state_out=out)[0].numpy()
-    np.testing.assert_array_equal(y2, got[0])
+    o2 = sn.gdn_step(cv, a, b, dt, ssm_a, st2, hk, dk, hv, dv, eps, scale, state_out=out)[0].numpy()
+    np.testing.assert_array_equal(o2, got[0])
     np.testing.assert_array_equal(out, st)
     np.testing.assert_array_equal(st2, state)
 
@@ -319,7 +317,7 @@ def test_gdn_step_bad_input(rng):
     argument, and the state (in place) and state_out are left as they were."""
     hk, hv, dk, dv, T = 1, 2, 8, 8, 2
     f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
-    cv, a, vec, z, w = f(T, 2 * hk * dk + hv * dv), f(T, hv), f(hv), f(T, hv, dv), f(dv)
+    cv, a, vec = f(T, 2 * hk * dk + hv * dv), f(T, hv), f(hv)
     st = f(hv, dv, dk)
     keep = st.copy()
     big = f(hv * dv * dk + 8)
@@ -327,25 +325,23 @@ def test_gdn_step_bad_input(rng):
         ("gdn_qkv: cv has", dict(cv=f(T, cv.shape[1] - 1))),
         ("gdn_gates: dt must have shape", dict(a=f(T, hv + 1), b=f(T, hv + 1))),
         ("gdn_step: a and b", dict(a=f(T + 1, hv), b=f(T + 1, hv))),
-        ("gdn_step: z must be", dict(z=f(T, hv, dv - 4))),
-        ("gdn_step: norm_weight must have", dict(w=f(dv + 1))),
         ("gdn_step: state", dict(st=f(1, dv, dk))),
         ("gdn_step: scale must be finite", dict(scale=np.inf)),
-        ("gdn_step: the state written must not overlap", dict(z=big[: T * hv * dv].reshape(T, hv, dv),
-                                                              st=big[8:].reshape(hv, dv, dk))),
+        ("gdn_step: the state written must not overlap", dict(a=big[: T * hv].reshape(T, hv),
+                                                              st=big[2:2 + hv * dv * dk].reshape(hv, dv, dk))),
     ]
     for match, bad in cases:
-        args = dict(cv=cv, a=a, b=a, dt=vec, ssm_a=vec, z=z, w=w, st=st, scale=0.1) | bad
+        args = dict(cv=cv, a=a, b=a, dt=vec, ssm_a=vec, st=st, scale=0.1) | bad
         before = args["st"].copy()
         with pytest.raises(ValueError, match=match):
-            sn.gdn_step(args["cv"], args["a"], args["b"], args["dt"], args["ssm_a"], args["z"], args["w"], args["st"],
+            sn.gdn_step(args["cv"], args["a"], args["b"], args["dt"], args["ssm_a"], args["st"],
                         hk, dk, hv, dv, 1e-6, args["scale"])
         np.testing.assert_array_equal(args["st"], before, err_msg=match)
     np.testing.assert_array_equal(st, keep)
     out = np.full_like(st, 7.0)
-    with pytest.raises(ValueError, match="z must be"):
-        sn.gdn_step(cv, a, a, vec, vec, f(T, hv, dv - 4), w, st, hk, dk, hv, dv, 1e-6, 0.1, state_out=out)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        sn.gdn_step(cv, a, a, vec, vec, st, hk, dk, hv, dv, 1e-6, np.nan, state_out=out)
     assert (out == 7.0).all()
     cv3 = f(T, 2 * 2 * dk + 3 * dv)
     with pytest.raises(ValueError, match="multiple of key heads"):
-        sn.gdn_step(cv3, f(T, 3), f(T, 3), f(3), f(3), f(T, 3, dv), w, f(3, dv, dk), 2, dk, 3, dv, 1e-6, 0.1)
+        sn.gdn_step(cv3, f(T, 3), f(T, 3), f(3), f(3), f(3, dv, dk), 2, dk, 3, dv, 1e-6, 0.1)

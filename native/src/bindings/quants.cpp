@@ -193,6 +193,67 @@ swiglu, then matmul_group.
 Raises ValueError as swiglu and matmul_group do.)doc");
 
   m.def(
+      "mul_sigmoid_matmul",
+      [](const py::object& a, const py::object& gate, const py::sequence& ws, bool exact) {
+        const char* op = "mul_sigmoid_matmul";
+        Tensor at = as_tensor(a, op, "a"), gt = as_tensor(gate, op, "gate");
+        require_same_device(at, gt, op);
+        SPECD_CHECK(at.ndim() >= 2, op, ": a must be [n, ..., d], got ", at.ndim(), " dimension(s)");
+        std::vector<Tensor> wt = group_weights(at, ws, op);
+#if SPECD_WITH_GPU
+        if (at.device == Device::GPU) return without_gil([&] { return gpu::mul_sigmoid_matmul(at, gt, wt, exact); });
+#endif
+        int64_t in = 1;  // elements per row of a
+        for (size_t k = 1; k < at.shape.size(); ++k) in *= at.shape[k];
+        return without_gil([&] { return cpu_group(cpu::mul_sigmoid(at, gt).reshape({at.dim(0), in}), wt, op); });
+      },
+      py::arg("a"), py::arg("gate"), py::arg("ws"), py::arg("exact") = true,
+      R"doc(The projections of a sigmoid-gated output: matmul_group(y viewed [n, in], ws, exact) with y =
+mul_sigmoid(a, gate) (gated attention's output gate and out projection, qwen35-target.md §6.3).
+
+a: F32 [n, ..., d] (in = its elements per row n); gate: a's shape, rows evenly spaced (a view such as
+qk_norm_rope's gate, as mul_sigmoid takes); ws: [out_i, in] as for matmul_group; all on one device. Returns
+a list of F32 [n, out_i]. Bit-identical to that composition on each backend. On the GPU, when the
+tensor-core GEMV reads the gated rows (1 <= n <= 16, every weight Q8_0 / K-quant / IQ4_XS) the GEMV's x
+split computes a * sigmoid(gate) itself with mul_sigmoid's device code (elementwise_split_kernel) and y is
+never stored (one kernel launch fewer); otherwise mul_sigmoid, then matmul_group. Raises ValueError as those
+ops do, and for a of fewer than 2 dimensions.)doc");
+
+  m.def(
+      "rms_norm_gated_matmul",
+      [](const py::object& x, std::optional<Tensor> weight, float eps, const py::object& z, const py::sequence& ws,
+         bool exact) {
+        const char* op = "rms_norm_gated_matmul";
+        Tensor xt = as_tensor(x, op, "x"), zt = as_tensor(z, op, "z");
+        require_same_device(xt, zt, op);
+        if (weight) require_same_device(xt, *weight, op);
+        cpu::check_rms_args(xt, weight, eps, xt.device, op);
+        cpu::check_like_x(zt, xt, xt.device, op, "z");
+        SPECD_CHECK(xt.ndim() == 3, op, ": x must be [n, groups, d], got ", xt.ndim(), " dimensions");
+        std::vector<Tensor> wt = group_weights(xt, ws, op);
+#if SPECD_WITH_GPU
+        if (xt.device == Device::GPU)
+          return without_gil([&] { return gpu::rms_norm_gated_matmul(xt, weight, eps, zt, wt, exact); });
+#endif
+        return without_gil([&] {
+          const Tensor y = cpu::rms_norm_gated(xt, weight, eps, zt);
+          return cpu_group(y.reshape({xt.dim(0), xt.dim(1) * xt.dim(2)}), wt, op);
+        });
+      },
+      py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("z"), py::arg("ws"), py::arg("exact") = true,
+      R"doc(The projections of a gated RMS-normed state: matmul_group(y viewed [n, groups * d], ws, exact) with
+y = rms_norm_gated(x, weight, eps, z), normed over d (the Gated DeltaNet's output norm and out projection,
+qwen35-target.md §6.5 steps 8-9).
+
+x, z: F32 [n, groups, d] of one shape; weight: F32 [d] or None; ws: [out_i, groups * d] as for
+matmul_group; all on one device. Returns a list of F32 [n, out_i]. Bit-identical to that composition on
+each backend. On the GPU, when the tensor-core GEMV reads the normed rows (1 <= n <= 16, every weight
+Q8_0 / K-quant / IQ4_XS, d % 4 == 0 dividing 256, 16-byte aligned x, z and weight) the GEMV's x split
+computes the norm itself with the standalone op's sums (gated_norm_split_kernel) and y is never stored
+(one kernel launch fewer); otherwise rms_norm_gated, then matmul_group. Raises ValueError as those ops
+do, and for x not 3-D.)doc");
+
+  m.def(
       "tile_for_gemv",
       [](const py::object& w) {
         Tensor wt = as_tensor(w, "tile_for_gemv", "w");

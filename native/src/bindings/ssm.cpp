@@ -102,42 +102,39 @@ is always exact. Returns o: F32 [T, Hv, dv]. Raises ValueError on dtype/shape
 mismatch or an overlapping state_out.)doc");
   m.def(
       "gdn_step",
-      [](const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& z,
-         std::optional<Tensor> norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,
-         int64_t n_v_heads, int64_t head_v_dim, float eps, float scale, std::optional<Tensor> state_out) {
-        for (const Tensor* t : {&a, &b, &dt, &ssm_a, &z, &state}) require_same_device(cv, *t, "gdn_step");
-        if (norm_weight) require_same_device(cv, *norm_weight, "gdn_step");
+      [](const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
+         int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
+         std::optional<Tensor> state_out) {
+        for (const Tensor* t : {&a, &b, &dt, &ssm_a, &state}) require_same_device(cv, *t, "gdn_step");
         if (state_out) require_same_device(cv, *state_out, "gdn_step");
         auto r = without_gil([&] {
 #if SPECD_WITH_GPU
           if (cv.device == Device::GPU)
-            return gpu::gdn_step(cv, a, b, dt, ssm_a, z, norm_weight, state, n_k_heads, head_k_dim, n_v_heads,
-                                 head_v_dim, eps, scale, state_out);
+            return gpu::gdn_step(cv, a, b, dt, ssm_a, state, n_k_heads, head_k_dim, n_v_heads, head_v_dim, eps, scale,
+                                 state_out);
 #endif
-          return cpu::gdn_step(cv, a, b, dt, ssm_a, z, norm_weight, state, n_k_heads, head_k_dim, n_v_heads, head_v_dim,
-                               eps, scale, state_out);
+          return cpu::gdn_step(cv, a, b, dt, ssm_a, state, n_k_heads, head_k_dim, n_v_heads, head_v_dim, eps, scale,
+                               state_out);
         });
         return py::make_tuple(std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r),
                               std::get<5>(r));
       },
-      py::arg("cv"), py::arg("a"), py::arg("b"), py::arg("dt"), py::arg("ssm_a"), py::arg("z"), py::arg("norm_weight"),
-      py::arg("state"), py::arg("n_k_heads"), py::arg("head_k_dim"), py::arg("n_v_heads"), py::arg("head_v_dim"),
-      py::arg("eps"), py::arg("scale"), py::arg("state_out") = py::none(),
-      R"doc(The Gated DeltaNet core of a decode / verify step after its conv, as one op (qwen35-target.md §6.5 steps 3-8).
+      py::arg("cv"), py::arg("a"), py::arg("b"), py::arg("dt"), py::arg("ssm_a"), py::arg("state"),
+      py::arg("n_k_heads"), py::arg("head_k_dim"), py::arg("n_v_heads"), py::arg("head_v_dim"), py::arg("eps"),
+      py::arg("scale"), py::arg("state_out") = py::none(),
+      R"doc(The Gated DeltaNet core of a decode / verify step after its conv, as one op (qwen35-target.md §6.5 steps 3-7).
 
 cv: F32 [T, 2 Hk dk + Hv dv] (conv1d_causal's output); a, b: F32 [T, Hv] (alpha, beta projections);
-dt, ssm_a: F32 [Hv] or [1, Hv]; z: F32 [T, Hv, dv] (the output gate); norm_weight: F32 [dv] or None;
-state / state_out as gated_delta_net. Computes (q, k, v) = gdn_qkv(cv, ...), (g, beta) =
-gdn_gates(a, b, dt, ssm_a), o = gated_delta_net(q, k, v, g, beta, state, scale, state_out=state_out)
-(exact, token by token) and y = rms_norm_gated(o, norm_weight, eps, z). Returns (y [T, Hv, dv], q, k
-[T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]), exactly those ops' results: on the GPU two launches (q / k
-norms, gates and recurrence in gated_delta_net's blocks, then rms_norm_gated) where gated_delta_net runs
-its register kernel (dk 32 / 64 / 128; dv % 32 == 0, or dv * max(4, dk / 16) <= 512 and a multiple of
-32), bit-identical to
-the composition, which runs otherwise (and on the CPU). Every argument is checked before anything runs
+dt, ssm_a: F32 [Hv] or [1, Hv]; state / state_out as gated_delta_net. Computes (q, k, v) = gdn_qkv(cv,
+...), (g, beta) = gdn_gates(a, b, dt, ssm_a) and o = gated_delta_net(q, k, v, g, beta, state, scale,
+state_out=state_out) (exact, token by token). Returns (o [T, Hv, dv], q, k [T, Hk, dk], v [T, Hv, dv],
+g, beta [T, Hv]), exactly those ops' results: on the GPU one launch (q / k norms, gates and recurrence in
+gated_delta_net's blocks) where gated_delta_net runs its register kernel (dk 32 / 64 / 128; dv % 32 == 0,
+or dv * max(4, dk / 16) <= 512 and a multiple of 32), bit-identical to the composition, which runs
+otherwise (and on the CPU). The output's gated norm (step 8) is left to the out projection:
+rms_norm_gated_matmul(o, norm_weight, eps, z, [ssm_out]). Every argument is checked before anything runs
 (a bad one leaves the state untouched): raises ValueError on a dtype, shape or layout mismatch (a, b
-[T, Hv]; z [T, Hv, dv]; norm_weight [dv]; state and state_out as gated_delta_net's) or a written state
-overlapping an input.)doc");
+[T, Hv]; state and state_out as gated_delta_net's) or a written state overlapping an input.)doc");
 }
 
 }  // namespace specd::py_bind

@@ -198,16 +198,13 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
 }
 
 const Tensor& check_gdn_step_args(const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt,
-                                  const Tensor& ssm_a, const Tensor& z, const std::optional<Tensor>& norm_weight,
-                                  const Tensor& state, const std::optional<Tensor>& state_out, int64_t n_k_heads,
-                                  int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
-                                  Device dev) {
+                                  const Tensor& ssm_a, const Tensor& state, const std::optional<Tensor>& state_out,
+                                  int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim,
+                                  float eps, float scale, Device dev) {
   const char* op = "gdn_step";
   const int64_t hk = n_k_heads, dk = head_k_dim, hv = n_v_heads, dv = head_v_dim;
   check_gdn_qkv_args(cv, hk, dk, hv, dv, eps, dev);
-  for (const auto& [t, name] : {std::pair{&a, "a"}, {&b, "b"}, {&dt, "dt"}, {&ssm_a, "ssm_a"}, {&z, "z"},
-                                {norm_weight ? &*norm_weight : nullptr, "norm_weight"}}) {
-    if (!t) continue;
+  for (const auto& [t, name] : {std::pair{&a, "a"}, {&b, "b"}, {&dt, "dt"}, {&ssm_a, "ssm_a"}}) {
     check_device(*t, dev, op, name);
     check_dtype(*t, DType::F32, op, name);
     check_contiguous(*t, op, name);
@@ -217,27 +214,22 @@ const Tensor& check_gdn_step_args(const Tensor& cv, const Tensor& a, const Tenso
               ": a and b must be [T, Hv] = [", T, ", ", hv, "]");
   SPECD_CHECK(hv % hk == 0, op, ": value heads (", hv, ") must be a multiple of key heads (", hk, ")");
   SPECD_CHECK(std::isfinite(scale), op, ": scale must be finite, got ", scale);
-  SPECD_CHECK(z.shape == std::vector<int64_t>({T, hv, dv}), op, ": z must be [T, Hv, dv] = [", T, ", ", hv, ", ", dv,
-              "]");
-  SPECD_CHECK(!norm_weight || norm_weight->numel() == dv, op, ": norm_weight must have dv = ", dv, " elements, got ",
-              norm_weight ? norm_weight->numel() : 0);
-  const Tensor* w = norm_weight ? &*norm_weight : nullptr;
-  const Tensor& out = written_state(state, state_out, {hv, dv, dk}, {&cv, &a, &b, &dt, &ssm_a, &z, w}, dev, op);
-  for (const Tensor* t : {&cv, &a, &b, &dt, &ssm_a, &z, w})  // in place too: the inputs are read as the state is written
-    SPECD_CHECK(!t || !overlap(out, *t), op, ": the state written must not overlap the inputs");
+  const Tensor& out = written_state(state, state_out, {hv, dv, dk}, {&cv, &a, &b, &dt, &ssm_a}, dev, op);
+  for (const Tensor* t : {&cv, &a, &b, &dt, &ssm_a})  // in place too: the inputs are read as the state is written
+    SPECD_CHECK(!overlap(out, *t), op, ": the state written must not overlap the inputs");
   return out;
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
-    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& z,
-    const std::optional<Tensor>& norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,
-    int64_t n_v_heads, int64_t head_v_dim, float eps, float scale, const std::optional<Tensor>& state_out) {
-  check_gdn_step_args(cv, a, b, dt, ssm_a, z, norm_weight, state, state_out, n_k_heads, head_k_dim, n_v_heads,
-                      head_v_dim, eps, scale, Device::CPU);
+    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
+    int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
+    const std::optional<Tensor>& state_out) {
+  check_gdn_step_args(cv, a, b, dt, ssm_a, state, state_out, n_k_heads, head_k_dim, n_v_heads, head_v_dim, eps, scale,
+                      Device::CPU);
   auto [q, k, v] = gdn_qkv(cv, n_k_heads, head_k_dim, n_v_heads, head_v_dim, eps);
   auto [g, beta] = gdn_gates(a, b, dt, ssm_a);
   Tensor o = gated_delta_net(q, k, v, g, beta, state, scale, std::nullopt, state_out);
-  return {rms_norm_gated(o, norm_weight, eps, z), q, k, v, g, beta};
+  return {o, q, k, v, g, beta};
 }
 
 }  // namespace specd::cpu

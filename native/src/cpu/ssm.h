@@ -43,24 +43,23 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
 
 // The Gated DeltaNet core of a step after its conv, as one op (the GPU fuses it: gpu::gdn_step): with
 // (q, k, v) = gdn_qkv(cv, n_k_heads, head_k_dim, n_v_heads, head_v_dim, eps) and (g, beta) =
-// gdn_gates(a, b, dt, ssm_a), o = gated_delta_net(q, k, v, g, beta, state, scale, none, state_out) and
-// y = rms_norm_gated(o, norm_weight, eps, z) (z F32 [T, Hv, dv]). Returns (y, q, k, v, g, beta), the
-// ops' results; throws std::invalid_argument as they do.
+// gdn_gates(a, b, dt, ssm_a), o = gated_delta_net(q, k, v, g, beta, state, scale, none, state_out).
+// Returns (o, q, k, v, g, beta), the ops' results (the output's gated norm is the out projection's
+// rms_norm_gated_matmul); throws std::invalid_argument as they do.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
-    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& z,
-    const std::optional<Tensor>& norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,
-    int64_t n_v_heads, int64_t head_v_dim, float eps, float scale, const std::optional<Tensor>& state_out);
+    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
+    int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
+    const std::optional<Tensor>& state_out);
 
 // gdn_step's checks, shared by the CPU and GPU backends and made before anything runs (so a bad argument
 // leaves the state untouched): cv as gdn_qkv; a, b F32 [T, Hv] and dt, ssm_a F32 [Hv] or [1, Hv], contiguous;
-// Hv % Hk == 0; scale finite; z F32 [T, Hv, dv] and norm_weight (when given) F32 [dv], contiguous; state /
+// Hv % Hk == 0; scale finite; state /
 // state_out as gated_delta_net's (written_state), the written one overlapping none of the inputs. Returns the
 // state the call writes. Throws std::invalid_argument naming gdn_step (or gdn_qkv / gdn_gates for cv, a, b).
 const Tensor& check_gdn_step_args(const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt,
-                                  const Tensor& ssm_a, const Tensor& z, const std::optional<Tensor>& norm_weight,
-                                  const Tensor& state, const std::optional<Tensor>& state_out, int64_t n_k_heads,
-                                  int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
-                                  Device dev);
+                                  const Tensor& ssm_a, const Tensor& state, const std::optional<Tensor>& state_out,
+                                  int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim,
+                                  float eps, float scale, Device dev);
 
 // The dimensions of a gated_delta_net call: T tokens, Hk key heads of dk, Hv value heads of dv.
 struct GdnDims {

@@ -95,23 +95,6 @@ __global__ void __launch_bounds__(kThreads) mul_sigmoid_kernel(const float* __re
     y[i] = apply<Op::Mul>(a[i], apply<Op::Sigmoid>(gate[i / d * pitch + i % d], 0.0f));
 }
 
-// Floats from one row of t (F32, any rank) to the next when its rows are evenly spaced with a
-// contiguous last dimension: a contiguous tensor or a column range of one (qk_norm_rope's gate).
-int64_t row_pitch(const Tensor& t, const char* op, const char* arg) {
-  const char* want = " must have a contiguous last dimension and evenly spaced rows";
-  SPECD_CHECK(t.ndim() == 0 || t.cols() <= 1 || t.strides.back() == 4, op, ": ", arg, want);
-  std::optional<int64_t> pitch;  // bytes between rows, from the innermost dimension with several rows
-  int64_t rows = 1;               // rows per step along dimension d
-  for (int64_t d = t.ndim() - 2; d >= 0; --d) {
-    if (t.shape[size_t(d)] > 1) {
-      if (!pitch) pitch = t.strides[size_t(d)] / rows;
-      SPECD_CHECK(t.strides[size_t(d)] == *pitch * rows && *pitch > 0 && *pitch % 4 == 0, op, ": ", arg, want);
-    }
-    rows *= t.shape[size_t(d)];
-  }
-  return pitch ? *pitch / 4 : t.cols();  // a single row: any pitch
-}
-
 }  // namespace
 
 Tensor silu(const Tensor& x) { return run<Op::Silu>(x, nullptr, "silu", "x", ""); }
@@ -127,7 +110,7 @@ Tensor mul_sigmoid(const Tensor& a, const Tensor& gate) {
   detail::check_gpu(gate, op, "gate");
   check_dtype(gate, DType::F32, op, "gate");
   SPECD_CHECK(a.shape == gate.shape, op, ": a and gate must have the same shape");
-  const int64_t pitch = row_pitch(gate, op, "gate"), n = a.numel();
+  const int64_t pitch = detail::row_pitch(gate, op, "gate"), n = a.numel();
   Tensor y = Tensor::empty(a.shape, DType::F32, Device::GPU);
   if (n == 0) return y;
   detail::launch_kernel<mul_sigmoid_kernel>("mul_sigmoid_kernel", unsigned(grid_for(n)), kThreads, 0, detail::stream(),

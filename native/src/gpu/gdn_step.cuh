@@ -124,9 +124,17 @@ __host__ __device__ constexpr size_t gdn_step_smem(int rows) {
 }
 
 // Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / L (gdn_kernel's).
+// The state rows block b reads first: value head b / nb, rows [(b % nb) * rows, + rows) of dk floats, contiguous.
+template <int DK>
+__device__ __forceinline__ const float* gdn_block_state(const GdnStepParams& P, int rows) {
+  const int nb = P.dv / rows;
+  return P.state + (int64_t(blockIdx.x / nb) * P.dv + int64_t(blockIdx.x % nb) * rows) * DK;
+}
+
 template <int E, int L>
 __global__ void __launch_bounds__(kMaxGdnThreads) gdn_step_kernel(const GdnStepParams P) {
-  pdl_enter();
+  // the block's state (16 KiB at the 27B's shapes, 3 MiB a layer, never in L2 a step later) asked of L2 first
+  pdl_enter_prefetch(gdn_block_state<E * L>(P, blockDim.x / L), sizeof(float) * (blockDim.x / L) * E * L);
   using norm::Mode;
   using norm::warp_norm_row;
   constexpr int DK = E * L, S = kGdnStage;

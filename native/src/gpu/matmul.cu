@@ -402,6 +402,24 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
   return ys;
 }
 
+// The value at offset off of [n, in] of swiglu(g, u) (the swiglu op's device code).
+struct SwigluValue {
+  const float* __restrict__ g;
+  const float* __restrict__ u;
+  __device__ __forceinline__ float operator()(int64_t off) const { return detail::apply<detail::Op::Swiglu>(g[off], u[off]); }
+};
+
+// ... of a * sigmoid(gate) (mul_sigmoid's device code), a contiguous, gate's rows of d at a pitch of `pitch` floats.
+struct MulSigmoidValue {
+  const float* __restrict__ a;
+  const float* __restrict__ gate;
+  int64_t d, pitch;
+  __device__ __forceinline__ float operator()(int64_t off) const {
+    using detail::Op;
+    return detail::apply<Op::Mul>(a[off], detail::apply<Op::Sigmoid>(gate[off / d * pitch + off % d], 0.0f));
+  }
+};
+
 #if SPECD_MMA_GEMV
 // --- the GEMV's x split fused into the op that produces x (one launch fewer per call) -------------
 
@@ -417,23 +435,55 @@ struct SharedGroupInput {
   }
 };
 
-// swiglu(gate, up) (F32 [n, in], in % 32 == 0 as every tensor-core format has) split for the GEMV into
-// xb / xs / xm (the XSizes(in) layout): n * groups blocks of kGroup threads, one per (row r, 256-input
-// group). A thread computes one input's value with the swiglu op's device code (activations.cuh: in
-// double precision, hence one value per thread), then warp 0 splits the group from shared memory
-// (split_group: the same terms as split_x of swiglu's output). H200, 27B decode step profile: 64 calls 134 us, against
-// 296 us when the split's own warp computed 8 values per lane (BENCHMARKS.md).
-__global__ void __launch_bounds__(detail::mma::kGroup) swiglu_split_kernel(const float* __restrict__ g,
-                                                                           const float* __restrict__ u, int64_t in,
-                                                                           int n, int64_t groups, uint2* __restrict__ xb,
-                                                                           float* __restrict__ xs, uint32_t* __restrict__ xm) {
+// An elementwise op's output (F32 [n, in], in % 32 == 0 as every tensor-core format has; `value` its element at
+// an offset) split for the GEMV into xb / xs / xm (the XSizes(in) layout): n * groups blocks of kGroup threads,
+// one per (row r, 256-input group). A thread computes one input's value with the op's device code
+// (activations.cuh: in double precision, hence one value per thread), then warp 0 splits the group from shared
+// memory (split_group: the same terms as split_x of the op's output). H200, 27B decode step profile (SwiGLU): 64
+// calls 134 us, against 296 us when the split's own warp computed 8 values per lane (BENCHMARKS.md).
+template <class Value>
+__global__ void __launch_bounds__(detail::mma::kGroup) elementwise_split_kernel(const Value value, int64_t in, int n,
+                                                                                int64_t groups, uint2* __restrict__ xb,
+                                                                                float* __restrict__ xs,
+                                                                                uint32_t* __restrict__ xm) {
   detail::pdl_enter();
   __shared__ __align__(16) float v[detail::mma::kGroup];
   const int r = int(blockIdx.x / groups);
-  const int64_t grp = blockIdx.x % groups, i = grp * detail::mma::kGroup + threadIdx.x, off = int64_t(r) * in + i;
-  v[threadIdx.x] = i < in ? detail::apply<detail::Op::Swiglu>(g[off], u[off]) : 0.0f;
+  const int64_t grp = blockIdx.x % groups, i = grp * detail::mma::kGroup + threadIdx.x;
+  v[threadIdx.x] = i < in ? value(int64_t(r) * in + i) : 0.0f;
   __syncthreads();
   if (threadIdx.x < 32) detail::mma::split_group(SharedGroupInput{v, grp}, r, n, grp, in, int(threadIdx.x), xb, xs, xm);
+}
+
+// Warps of gated_norm_split_kernel for norm groups of d inputs: one per group of a 256-input split group,
+// at most 8 (a warp then norms several groups in turn).
+constexpr int gated_norm_split_warps(int64_t d) { return int(std::min<int64_t>(detail::mma::kGroup / d, 8)); }
+
+// rms_norm_gated over norm groups of d inputs (d % 4 == 0, d dividing 256; x, z [n, in] with in % d == 0,
+// 16-byte aligned, as w [d] when given) split for the GEMV into xb / xs / xm (the XSizes(in) layout): n *
+// groups blocks of gated_norm_split_warps(d) warps, one per (row r, 256-input group grp). A warp norms the
+// group's norm groups w, w + warps, ... with warp_norm_row, which replays the standalone rms_norm_gated's
+// block sums (its vector path, one item per thread) with one warp: the same values bit for bit, into
+// shared memory (zeros past the row's `in` inputs); then warp 0 splits the group (split_group: the same
+// terms as split_x of rms_norm_gated's output).
+__global__ void __launch_bounds__(8 * SPECD_WARP) gated_norm_split_kernel(
+    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ z, int64_t d, float eps,
+    int64_t in, int n, int64_t groups, uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
+  detail::pdl_enter();
+  namespace norm = detail::norm;
+  __shared__ __align__(16) float v[detail::mma::kGroup];
+  const int r = int(blockIdx.x / groups), lane = int(threadIdx.x % SPECD_WARP);
+  const int64_t grp = blockIdx.x % groups, row = int64_t(r) * in;
+  const int warps = int(blockDim.x / SPECD_WARP);
+  for (int h = int(threadIdx.x / SPECD_WARP); h * d < detail::mma::kGroup; h += warps) {
+    const int64_t i = grp * detail::mma::kGroup + h * d;  // the norm group's first input
+    if (i < in)
+      norm::warp_norm_row<norm::Mode::RMS, true, true>(x + row + i, w, z + row + i, v + h * d, d, eps, lane);
+    else
+      for (int64_t k = lane; k < d; k += SPECD_WARP) v[h * d + k] = 0.0f;
+  }
+  __syncthreads();
+  if (threadIdx.x < SPECD_WARP) detail::mma::split_group(SharedGroupInput{v, grp}, r, n, grp, in, lane, xb, xs, xm);
 }
 
 #endif
@@ -463,6 +513,30 @@ void gemv_on_split(const std::vector<Tensor>& ws, std::vector<Tensor>& ys, int64
                             detail::mma::x_view(static_cast<const uint8_t*>(xsplit), in, n), n);
 }
 #endif
+
+// ws (split_fusable for n rows of `in`) against the output of an elementwise op (its element at an offset of
+// [n, in]: SwigluValue, MulSigmoidValue) split by elementwise_split_kernel: one launch fewer than the op, then
+// the GEMV. x: a tensor of the op's output shape (x.rows() == n, x.cols() == in), which shapes the outputs.
+template <class Value>
+std::vector<Tensor> elementwise_matmul(const Value& value, const Tensor& x, const std::vector<Tensor>& ws,
+                                       const char* op) {
+  std::vector<Tensor> ys = linear_outputs(x, ws, op);
+#if SPECD_MMA_GEMV
+  namespace mma = detail::mma;
+  const int64_t n = x.rows(), in = x.cols();
+  const mma::XSizes sz(in);
+  std::shared_ptr<void> xsplit = alloc(sz.total());  // freed stream-ordered
+  const mma::XSizes::Parts xp = sz.at(static_cast<uint8_t*>(xsplit.get()));
+  const int64_t groups = (in + mma::kGroup - 1) / mma::kGroup;
+  detail::launch_kernel<elementwise_split_kernel<Value>>("elementwise_split_kernel", unsigned(n * groups), mma::kGroup,
+                                                         0, detail::stream(), value, in, int(n), groups, xp.xb, xp.xs,
+                                                         xp.xm);
+  gemv_on_split(ws, ys, in, xsplit.get(), int(n));
+#else
+  (void)value;
+#endif
+  return ys;
+}
 
 }  // namespace
 
@@ -530,17 +604,48 @@ std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const st
   }
   if (!split_fusable(n, in, ws))  // (gate / up are read a float at a time: any alignment)
     return linear(swiglu(gate, up), ws, exact, op);  // the composition: same results, one launch more
-  std::vector<Tensor> ys = linear_outputs(gate, ws, op);
+  return elementwise_matmul(SwigluValue{gate.ptr<float>(), up.ptr<float>()}, gate, ws, op);
+}
+
+std::vector<Tensor> mul_sigmoid_matmul(const Tensor& a, const Tensor& gate, const std::vector<Tensor>& ws, bool exact) {
+  const char* op = "mul_sigmoid_matmul";
+  detail::check_gpu_tensor(a, DType::F32, -1, op, "a");
+  detail::check_gpu(gate, op, "gate");
+  check_dtype(gate, DType::F32, op, "gate");
+  SPECD_CHECK(a.shape == gate.shape, op, ": a and gate must have the same shape");
+  SPECD_CHECK(a.ndim() >= 2, op, ": a must be [n, ..., d], got ", a.ndim(), " dimension(s)");
+  const int64_t pitch = detail::row_pitch(gate, op, "gate"), n = a.dim(0), d = a.cols();
+  int64_t in = 1;
+  for (size_t k = 1; k < a.shape.size(); ++k) in *= a.shape[k];
+  if (!split_fusable(n, in, ws))  // the composition (prefill: mul_sigmoid, then the BF16 GEMM)
+    return linear(mul_sigmoid(a, gate).reshape({n, in}), ws, exact, op);
+  return elementwise_matmul(MulSigmoidValue{a.ptr<float>(), gate.ptr<float>(), d, pitch}, a.reshape({n, in}), ws, op);
+}
+
+std::vector<Tensor> rms_norm_gated_matmul(const Tensor& x, const std::optional<Tensor>& weight, float eps,
+                                          const Tensor& z, const std::vector<Tensor>& ws, bool exact) {
+  const char* op = "rms_norm_gated_matmul";
+  cpu::check_rms_args(x, weight, eps, Device::GPU, op);
+  cpu::check_like_x(z, x, Device::GPU, op, "z");
+  SPECD_CHECK(x.ndim() == 3, op, ": x must be [n, groups, d], got ", x.ndim(), " dimensions");
+  const int64_t n = x.dim(0), d = x.dim(2), in = x.dim(1) * d;
+  // the fused kernel's warp_norm_row must replay rms_norm_gated's vector path: d % 4 == 0, 16-byte aligned
+  const bool aligned = detail::aligned16(x.data) && detail::aligned16(z.data) &&
+                       (!weight || detail::aligned16(weight->data));
+  if (!aligned || d % 4 != 0 || d == 0 || 256 % d != 0 || !split_fusable(n, in, ws))  // the composition
+    return linear(rms_norm_gated(x, weight, eps, z).reshape({n, in}), ws, exact, op);
+  const Tensor x2 = x.reshape({n, in});
+  std::vector<Tensor> ys = linear_outputs(x2, ws, op);
 #if SPECD_MMA_GEMV
   namespace mma = detail::mma;
   const mma::XSizes sz(in);
   std::shared_ptr<void> xsplit = alloc(sz.total());  // freed stream-ordered
-  auto* base = static_cast<uint8_t*>(xsplit.get());
-  const mma::XSizes::Parts xp = sz.at(base);
+  const mma::XSizes::Parts xp = sz.at(static_cast<uint8_t*>(xsplit.get()));
   const int64_t groups = (in + mma::kGroup - 1) / mma::kGroup;
-  detail::launch_kernel<swiglu_split_kernel>("swiglu_split_kernel", unsigned(n * groups), mma::kGroup, 0,
-                                             detail::stream(), gate.ptr<float>(), up.ptr<float>(), in, int(n), groups,
-                                             xp.xb, xp.xs, xp.xm);
+  detail::launch_kernel<gated_norm_split_kernel>("gated_norm_split_kernel", unsigned(n * groups),
+                                                 unsigned(gated_norm_split_warps(d) * SPECD_WARP), 0, detail::stream(),
+                                                 x.ptr<float>(), weight ? weight->ptr<float>() : nullptr, z.ptr<float>(),
+                                                 d, eps, in, int(n), groups, xp.xb, xp.xs, xp.xm);
   gemv_on_split(ws, ys, in, xsplit.get(), int(n));
 #endif
   return ys;

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "common.cuh"
@@ -51,6 +52,24 @@ inline Tensor i32_on_gpu(const Tensor& t) {
 // GPU tensors unless the caller vouches for the values (`trusted`: no read-back, no sync). The
 // kernels guard every index either way, so a broken promise never reads or writes out of bounds.
 inline bool check_on_host(const Tensor& t, bool trusted) { return t.device != Device::GPU || !trusted; }
+
+// Floats from one row of t (F32, any rank) to the next when its rows are evenly spaced with a
+// contiguous last dimension: a contiguous tensor or a column range of one (qk_norm_rope's gate), as
+// mul_sigmoid and mul_sigmoid_matmul read their gate. Throws std::invalid_argument naming op and arg otherwise.
+inline int64_t row_pitch(const Tensor& t, const char* op, const char* arg) {
+  const char* want = " must have a contiguous last dimension and evenly spaced rows";
+  SPECD_CHECK(t.ndim() == 0 || t.cols() <= 1 || t.strides.back() == 4, op, ": ", arg, want);
+  std::optional<int64_t> pitch;  // bytes between rows, from the innermost dimension with several rows
+  int64_t rows = 1;               // rows per step along dimension d
+  for (int64_t d = t.ndim() - 2; d >= 0; --d) {
+    if (t.shape[size_t(d)] > 1) {
+      if (!pitch) pitch = t.strides[size_t(d)] / rows;
+      SPECD_CHECK(t.strides[size_t(d)] == *pitch * rows && *pitch > 0 && *pitch % 4 == 0, op, ": ", arg, want);
+    }
+    rows *= t.shape[size_t(d)];
+  }
+  return pitch ? *pitch / 4 : t.cols();  // a single row: any pitch
+}
 
 inline void check_grid(int64_t blocks, const char* op) {
   SPECD_CHECK(blocks <= 0x7fffffff, op, ": too many rows for one launch (", blocks, " blocks)");

@@ -73,10 +73,27 @@ std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const st
                                                        const std::optional<Tensor>& residual, bool exact = true);
 
 // matmul_group(swiglu(gate, up), ws, exact), bit for bit, with the SwiGLU computed by the GEMV's x
-// split (split_x_kernel reading gate and up) when the GEMV reads x split, or (exact = false, more than 16
+// split (elementwise_split_kernel reading gate and up) when the GEMV reads x split, or (exact = false, more than 16
 // rows: prefill) by the BF16 GEMM's x conversion (matmul_blas_swiglu); otherwise the composition.
 std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const std::vector<Tensor>& ws,
                                   bool exact = true);
+
+// matmul_group(mul_sigmoid(a, gate) viewed [n, in], ws, exact), bit for bit: gated attention's output gate and
+// out projection. a: F32 [n, ..., d] contiguous (in = its elements per row n); gate: a's shape, rows evenly spaced
+// (as mul_sigmoid's). When the GEMV reads x split (1..16 rows, tensor-core formats) the split computes the gate
+// (elementwise_split_kernel) and the product is never stored: one launch fewer; otherwise the composition.
+// Raises std::invalid_argument as mul_sigmoid and matmul_group do, and for a of fewer than 2 dimensions.
+std::vector<Tensor> mul_sigmoid_matmul(const Tensor& a, const Tensor& gate, const std::vector<Tensor>& ws,
+                                       bool exact = true);
+
+// matmul_group(rms_norm_gated(x, weight, eps, z) viewed [n, groups * d], ws, exact), bit for bit: the Gated
+// DeltaNet's output norm and out projection. x, z: F32 [n, groups, d] (RMS-normed over d). When the GEMV reads x
+// split (1..16 rows, tensor-core formats) and d % 4 == 0 divides 256 with 16-byte aligned x, z and weight, the
+// norm is computed by the GEMV's x split (gated_norm_split_kernel) and never stored: one launch fewer;
+// otherwise the composition. Raises std::invalid_argument as rms_norm_gated and matmul_group do, and for x
+// not 3-D.
+std::vector<Tensor> rms_norm_gated_matmul(const Tensor& x, const std::optional<Tensor>& weight, float eps,
+                                          const Tensor& z, const std::vector<Tensor>& ws, bool exact = true);
 
 // Whether this build's GEMV reads the tiled layouts (CUDA: yes; HIP: no, its FMA GEMV reads row-major).
 bool gemv_tiles_supported();
@@ -156,16 +173,16 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
                        const std::optional<Tensor>& state_out = std::nullopt, bool exact = true);
 
 // The Gated DeltaNet core of a decode / verify step after its conv (ssm.cu): gdn_qkv(cv), gdn_gates(a, b,
-// dt, ssm_a), gated_delta_net (exact, token by token) from state (to state_out when given) and
-// rms_norm_gated(o, norm_weight, eps, z) in two launches (gdn_step_kernel, then rms_norm_gated), bit-identical
-// to that composition, which it runs instead where the recurrence is not the register kernel's (dk not 32 /
-// 64 / 128, or a block of dv rows that is over 512 threads or not whole warps). Returns (y [T, Hv, dv],
-// q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]). Checks every argument first (cpu::check_gdn_step_args);
-// throws std::invalid_argument.
+// dt, ssm_a) and gated_delta_net (exact, token by token) from state (to state_out when given) in one launch
+// (gdn_step_kernel), bit-identical to that composition, which it runs instead where the recurrence is not the
+// register kernel's (dk not 32 / 64 / 128, or a block of dv rows that is over 512 threads or not whole warps).
+// Returns (o [T, Hv, dv], q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv]); the output's gated norm is the
+// out projection's (rms_norm_gated_matmul). Checks every argument first (cpu::check_gdn_step_args); throws
+// std::invalid_argument.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
-    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& z,
-    const std::optional<Tensor>& norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,
-    int64_t n_v_heads, int64_t head_v_dim, float eps, float scale, const std::optional<Tensor>& state_out);
+    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
+    int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
+    const std::optional<Tensor>& state_out);
 
 // DFlash 2's grouped dynamic causal convolution as cpu::grouped_dynamic_conv (dynamic_conv.cu): one thread
 // per output element, the CPU op's F32 operations in its order with explicit round-to-nearest (no FMA), so

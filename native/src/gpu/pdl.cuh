@@ -4,8 +4,8 @@
 //
 // The contract that keeps the stream's order of memory effects: every kernel of the backend calls
 // pdl_wait() before its first access to memory another kernel writes or reads (tests/gpu/
-// test_gpu_pdl_lint.py checks that each __global__ function starts with pdl_enter() or pdl_wait(), or
-// with pdl_launch_dependents() and a pdl_wait() before any return). griddepcontrol.wait returns when
+// test_gpu_pdl_lint.py checks that each __global__ function starts with pdl_enter(), pdl_enter_prefetch()
+// or pdl_wait(), or with pdl_launch_dependents() and a pdl_wait() before any return). griddepcontrol.wait returns when
 // the kernels it depends on have completed and their writes are visible; since each of those waited
 // for its own predecessor, the order is transitive. Two exceptions load weights before waiting: the
 // tensor-core GEMV (mma_gemv_kernel, its first weight units) and the RMSNorm fused with its x split
@@ -41,6 +41,21 @@ __device__ __forceinline__ void pdl_wait() {
 // The start of a kernel: let the next kernel launch, then wait for the ones before.
 __device__ __forceinline__ void pdl_enter() {
   pdl_launch_dependents();
+  pdl_wait();
+}
+// pdl_enter() that first asks L2 for the bytes [p, p + bytes), the block's threads a 128-byte line each in
+// turn: an input read right after the wait that misses L2 (a recurrent state) then comes from L2 while
+// the kernels before this one drain. Safe for any memory, whoever writes it: a prefetch returns nothing
+// to the thread and L2 is the GPU's point of coherence, so no value read after the wait can be stale.
+__device__ __forceinline__ void pdl_enter_prefetch(const void* p, size_t bytes) {
+  pdl_launch_dependents();
+#if !defined(SPECD_HOST_EMU) && !SPECD_HIP && defined(__CUDA_ARCH__)
+  const char* c = static_cast<const char*>(p);
+  for (size_t off = size_t(threadIdx.x) * 128; off < bytes; off += size_t(blockDim.x) * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+#else
+  (void)p, (void)bytes;
+#endif
   pdl_wait();
 }
 

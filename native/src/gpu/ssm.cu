@@ -27,8 +27,8 @@
 // instead: not token by token, so its results depend on how the tokens are split over calls, within the
 // same tolerance of the CPU op (tests up to 300 tokens).
 //
-// gdn_step: gdn_qkv, gdn_gates, the exact recurrence and rms_norm_gated of a decode / verify step in two
-// launches (gdn_step_kernel in gdn_kernel's blocks, then rms_norm_gated), bit-identical to those four ops.
+// gdn_step: gdn_qkv, gdn_gates and the exact recurrence of a decode / verify step in one launch
+// (gdn_step_kernel in gdn_kernel's blocks), bit-identical to those three ops.
 #include <algorithm>
 #include <cmath>
 
@@ -267,34 +267,33 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
-    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& z,
-    const std::optional<Tensor>& norm_weight, const Tensor& state, int64_t n_k_heads, int64_t head_k_dim,
-    int64_t n_v_heads, int64_t head_v_dim, float eps, float scale, const std::optional<Tensor>& state_out) {
+    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
+    int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
+    const std::optional<Tensor>& state_out) {
   const int64_t hk = n_k_heads, dk = head_k_dim, hv = n_v_heads, dv = head_v_dim;
-  const Tensor& out_state = cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, z, norm_weight, state, state_out, hk, dk, hv,
-                                                     dv, eps, scale, Device::GPU);  // before anything runs
+  const Tensor& out_state = cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, state, state_out, hk, dk, hv, dv, eps, scale,
+                                                     Device::GPU);  // before anything runs
   const int64_t T = cv.dim(0);
   if (!gdn_register_kernel(dk, dv)) {  // the composition (any shape the ops take)
     auto [q, k, v] = gdn_qkv(cv, hk, dk, hv, dv, eps);
     auto [g, beta] = gdn_gates(a, b, dt, ssm_a);
     Tensor o = gated_delta_net(q, k, v, g, beta, state, scale, std::nullopt, state_out, true);
-    return {rms_norm_gated(o, norm_weight, eps, z), q, k, v, g, beta};
+    return {o, q, k, v, g, beta};
   }
   const auto empty = [](std::vector<int64_t> shape) { return Tensor::empty(shape, DType::F32, Device::GPU); };
   Tensor q = empty({T, hk, dk}), k = empty({T, hk, dk}), v = empty({T, hv, dv}), o = empty({T, hv, dv});
   Tensor g = empty({T, hv}), beta = empty({T, hv});
   if (T == 0 && out_state.data == state.data) return {o, q, k, v, g, beta};
-  // before anything runs: the launch's grid and int fields, rms_norm_gated's rows
-  SPECD_CHECK(hv * (dv / gdn_block_rows(dv)) <= 0x7fffffff && T * hv <= 0x7fffffff && dv <= 0x7fffffff,
-              "gdn_step: at most 2^31 - 1 blocks, T * Hv rows and dv on the GPU");
+  // before anything runs: the launch's grid and int fields
+  SPECD_CHECK(hv * (dv / gdn_block_rows(dv)) <= 0x7fffffff && dv <= 0x7fffffff,
+              "gdn_step: at most 2^31 - 1 blocks and dv on the GPU");
   GdnStepParams P{cv.ptr<float>(), a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(),
                   state.ptr<float>(), out_state.ptr<float>(), o.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
                   v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), T, int(hk), int(hv), int(dv), eps, scale};
   if (dk == 32) launch_gdn_step<8, 4>(P);
   else if (dk == 64) launch_gdn_step<16, 4>(P);
   else launch_gdn_step<16, 8>(P);
-  Tensor y = rms_norm_gated(o, norm_weight, eps, z);  // the standalone op: its vector path, its sums
-  return {y, q, k, v, g, beta};
+  return {o, q, k, v, g, beta};
 }
 
 }  // namespace specd::gpu
