@@ -1,6 +1,6 @@
 """The Gated DeltaNet step of the 27B on the GPU: ``sn.gdn_step`` against the composition it replaces
-(gdn_qkv, gdn_gates, gated_delta_net, rms_norm_gated), GPU time per kernel (issue 7, decode). Which kernels
-gdn_step runs shows in the table.
+(gdn_qkv, gdn_gates, gated_delta_net), GPU time per kernel (issue 7, decode). Which kernels gdn_step runs
+shows in the table. (The output's gated norm runs in the out projection's x split: rms_norm_gated_matmul.)
 
 Shapes of the 27B's GDN layers: 16 key heads and 48 value heads of 128, conv output [w, 10240], widths w =
 1 (decode) and the verify widths. Kernel times: torch.profiler's CUPTI trace of 20 calls (tools/bench/
@@ -29,20 +29,20 @@ HK, HV, DK, DV, EPS = 16, 48, 128, 128, 1e-6
 
 
 def inputs(rng, w: int):
-    """(cv, a, b, dt, ssm_a, z, norm weight) on the GPU and a state, for w tokens."""
+    """(cv, a, b, dt, ssm_a) on the GPU and a state, for w tokens."""
     f = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    args = [f(w, 2 * HK * DK + HV * DV), f(w, HV), f(w, HV), f(1, HV), -np.abs(f(1, HV)), f(w, HV, DV), 1 + f(DV) / 4]
+    args = [f(w, 2 * HK * DK + HV * DV), f(w, HV), f(w, HV), f(1, HV), -np.abs(f(1, HV))]
     return [on_gpu(x) for x in args], on_gpu(f(HV, DV, DK) / 10)
 
 
-def composed(cv, a, b, dt, ssm_a, z, w, state):
+def composed(cv, a, b, dt, ssm_a, state):
     q, k, v = sn.gdn_qkv(cv, HK, DK, HV, DV, EPS)
     g, beta = sn.gdn_gates(a, b, dt, ssm_a)
-    return sn.rms_norm_gated(sn.gated_delta_net(q, k, v, g, beta, state, DK ** -0.5), w, EPS, z)
+    return sn.gated_delta_net(q, k, v, g, beta, state, DK ** -0.5)
 
 
-def fused(cv, a, b, dt, ssm_a, z, w, state):
-    return sn.gdn_step(cv, a, b, dt, ssm_a, z, w, state, HK, DK, HV, DV, EPS, DK ** -0.5)[0]
+def fused(cv, a, b, dt, ssm_a, state):
+    return sn.gdn_step(cv, a, b, dt, ssm_a, state, HK, DK, HV, DV, EPS, DK ** -0.5)[0]
 
 
 def main(argv=None) -> int:
