@@ -375,13 +375,15 @@ def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
 def test_rms_norm_gated_matmul_equals_its_composition_on_gpu(rng):
     """rms_norm_gated_matmul (the GDN output norm fused into the out projection's x split,
     gated_norm_split_kernel) gives bit for bit rms_norm_gated, then matmul_group, on the GPU: the 27B's 48
-    heads of 128 against tiled IQ4_XS / Q6_K; norm groups of 256 (one per split group), 64 and 8 (several
-    per warp: 32 groups over 8 warps); a ragged last split group (3 heads of 128); with and without a norm
-    weight; n = 0..16 (fused) and 17, 40 (the composition); an inf in x (its row non-finite, as the
-    composition's); and the composition's own paths: a d that does not divide 256 (96), unaligned z or
-    weight, a float weight in the list."""
+    heads of 128 against tiled IQ4_XS / Q6_K; norm groups of 256 (one per split group), 64, 32, 16, 8 and 4
+    (several per warp: up to 64 groups over 8 warps); a ragged last split group (3 heads of 128; 96 inputs
+    in groups of 32, 16 and 4, whose warps zero-fill several groups past the row); with and without a norm
+    weight; n = 1..16 fused, exact or not (a prefill's last chunk), and 0, 17, 40 (the composition); an inf in x
+    (its row non-finite, as the composition's); and the composition's own paths: a d that does not divide
+    256 (96), unaligned x, z or weight, a float weight in the list."""
     cases = [(48, 128, ["IQ4_XS_TILED", "Q6_K_TILED"]), (2, 256, ["IQ4_XS", "Q8_0"]), (8, 64, ["Q4_K"]),
-             (64, 8, ["Q8_0"]), (3, 128, ["Q8_0"]), (4, 96, ["Q8_0"]), (2, 128, ["Q8_0", "F32"])]
+             (64, 8, ["Q8_0"]), (3, 32, ["Q8_0"]), (6, 16, ["Q8_0"]), (24, 4, ["Q8_0"]), (3, 128, ["Q8_0"]),
+             (4, 96, ["Q8_0"]), (2, 128, ["Q8_0", "F32"])]
 
     def unaligned(a):  # a's values at a 4-byte offset from an aligned buffer
         flat = sn.Tensor(np.concatenate([np.zeros(1, np.float32), a.ravel()])).to(GPU)
@@ -396,8 +398,8 @@ def test_rms_norm_gated_matmul_equals_its_composition_on_gpu(rng):
                 ws.append(weight(rng, name, int(rng.integers(1, 200)), k).to(GPU))
         nw_host = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
         nw = sn.Tensor(nw_host).to(GPU)
-        widths = ((0, True), (1, True), (2, True), (7, True), (16, True), (17, True), (40, False)) if k <= 1024 else \
-            ((1, True), (3, True), (16, True))
+        widths = ((0, True), (1, True), (2, True), (7, True), (5, False), (16, True), (17, True), (40, False)) \
+            if k <= 1024 else ((1, True), (3, True), (16, True))
         for n, exact in widths:
             xh = rng.standard_normal((n, heads, d)).astype(np.float32)
             zh = rng.standard_normal((n, heads, d)).astype(np.float32)
@@ -406,7 +408,7 @@ def test_rms_norm_gated_matmul_equals_its_composition_on_gpu(rng):
             x, z = sn.Tensor(xh).to(GPU), sn.Tensor(zh).to(GPU)
             variants = [("weight", x, nw, z), ("no weight", x, None, z)]
             if n in (1, 16) and names[0] == "Q8_0":
-                variants += [("unaligned z", x, nw, unaligned(zh))]
+                variants += [("unaligned z", x, nw, unaligned(zh)), ("unaligned x", unaligned(xh), nw, z)]
                 if d % 4 == 0:
                     variants += [("unaligned weight", x, unaligned(nw_host), z)]
             for what, xx, ww, zz in variants:
@@ -422,14 +424,14 @@ def test_mul_sigmoid_matmul_equals_its_composition_on_gpu(rng):
     """mul_sigmoid_matmul (gated attention's output gate fused into the out projection's x split,
     elementwise_split_kernel) gives bit for bit mul_sigmoid, then matmul_group, on the GPU: the 27B's 24 heads
     of 256 against tiled IQ4_XS, the gate a strided view of qg (as qk_norm_rope returns it) or contiguous, a
-    ragged last split group (4 heads of 24), n = 0..16 (fused) and 17, 40 (the composition), an inf in a and a
-    float weight in the list (the composition)."""
+    ragged last split group (4 heads of 24), n = 1..16 fused, exact or not, and 0, 17, 40 (the composition), an
+    inf in a, a float weight in the list (the composition), and a of 2 and 4 dimensions."""
     for nh, hd, names in ((24, 256, ["IQ4_XS_TILED"]), (2, 128, ["Q8_0", "Q4_K"]), (4, 24, ["Q8_0"]),
                           (2, 64, ["Q8_0", "F32"])):
         k = nh * hd
         ws = [sn.tile_for_gemv(weight(rng, name[: -len("_TILED")], 64, k).to(GPU)) if name.endswith("_TILED")
               else weight(rng, name, int(rng.integers(1, 200)), k).to(GPU) for name in names]
-        for n, exact in ((0, True), (1, True), (2, True), (9, True), (16, True), (17, True), (40, False)):
+        for n, exact in ((0, True), (1, True), (2, True), (9, True), (4, False), (16, True), (17, True), (40, False)):
             ah = rng.standard_normal((n, nh, hd)).astype(np.float32)
             if n >= 2:
                 ah[1, 0, 3] = np.inf
@@ -442,6 +444,11 @@ def test_mul_sigmoid_matmul_equals_its_composition_on_gpu(rng):
                 for name, y, want in zip(names, ys, sn.matmul_group(u, ws, exact=exact)):
                     assert y.shape == (n, want.shape[1]) and np.array_equal(_bits(y), _bits(want)), (
                         nh, hd, name, n, what)
+    w = weight(rng, "Q8_0", 32, 256).to(GPU)
+    for shape in ((3, 256), (3, 2, 2, 64)):  # a of 2 and 4 dimensions: rows of 256 inputs
+        a, g = (sn.Tensor(rng.standard_normal(shape).astype(np.float32)).to(GPU) for _ in range(2))
+        want = sn.matmul(sn.mul_sigmoid(a, g).reshape([3, 256]), w)
+        assert np.array_equal(_bits(sn.mul_sigmoid_matmul(a, g, [w])[0]), _bits(want)), shape
 
 
 @gpu_only
@@ -461,7 +468,7 @@ def test_fused_matmul_bad_input_on_gpu(rng):
     x3 = sn.Tensor(rng.standard_normal((2, 2, 128)).astype(np.float32)).to(GPU)
     with pytest.raises(ValueError, match="groups, d"):
         sn.rms_norm_gated_matmul(xg, None, 1e-6, xg, [w])
-    with pytest.raises(ValueError, match="z"):
+    with pytest.raises(ValueError, match="rms_norm_gated_matmul: z"):
         sn.rms_norm_gated_matmul(x3, None, 1e-6, sn.Tensor(np.zeros((2, 2, 64), np.float32)).to(GPU), [w])
     with pytest.raises(ValueError, match="columns"):
         sn.rms_norm_gated_matmul(x3, None, 1e-6, x3, [weight(rng, "Q8_0", 4, 512).to(GPU)])

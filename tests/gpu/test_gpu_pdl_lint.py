@@ -18,6 +18,10 @@ import pytest
 GPU_SRC = os.path.join(os.path.dirname(__file__), "..", "..", "native", "src", "gpu")
 # pdl.cuh's exceptions: kernels that load weights (uploads, which no kernel writes) before their wait
 EARLY_WEIGHT_LOADS = {"mma_gemv_kernel", "norm_split_kernel"}
+# functions a pdl_enter_prefetch() address argument may call: each computes an address from kernel
+# parameters and indices only (checked below: its body indexes and dereferences nothing)
+PREFETCH_HELPERS = {"gdn_block_state"}
+CASTS = {"int", "int64_t", "size_t", "sizeof", "pdl_enter_prefetch"}
 
 
 def sources():
@@ -28,6 +32,19 @@ def sources():
                 src = open(os.path.join(root, fn)).read()
                 src = re.sub(r"/\*.*?\*/", " ", src, flags=re.S)
                 yield os.path.relpath(os.path.join(root, fn), GPU_SRC), re.sub(r"//[^\n]*", "", src)
+
+
+def helper_body(name):
+    """The body of the __device__ function `name` (the first definition in the sources)."""
+    for _, src in sources():
+        m = re.search(r"__device__[^;{]*\b" + name + r"\s*\([^)]*\)\s*{", src)
+        if m:
+            depth, j = 1, m.end()
+            while depth:
+                depth += {"{": 1, "}": -1}.get(src[j], 0)
+                j += 1
+            return src[m.end():j - 1]
+    raise AssertionError(f"no __device__ function {name} in the sources")
 
 
 def kernels():
@@ -65,6 +82,12 @@ def test_kernel_waits_before_memory(fn, name, body):
         f"{fn}: {name} must start with pdl_enter() (see native/src/gpu/pdl.cuh), starts with {first!r}")
     if "pdl_enter_prefetch" in first:  # its address arguments come from kernel parameters, not from memory
         assert "[" not in first and "->" not in first, f"{fn}: {name} reads memory before its wait: {first!r}"
+        called = set(re.findall(r"(\w+)\s*(?:<[^<>()]*>)?\s*\(", first)) - CASTS
+        assert called <= PREFETCH_HELPERS, f"{fn}: {name} calls {called - PREFETCH_HELPERS} before its wait"
+        for helper in called:
+            body_h = helper_body(helper)
+            assert "[" not in body_h and "->" not in body_h and not re.search(r"(^|[=(,]\s*)\*\w", body_h), (
+                f"{helper} (called before {name}'s wait) must compute an address, not read memory")
     if "pdl_launch_dependents" in first:
         assert name in EARLY_WEIGHT_LOADS, f"{fn}: {name} starts before its wait but is not one of pdl.cuh's exceptions"
         assert "pdl_wait()" in body, f"{fn}: {name} lets the next kernel launch but never waits"

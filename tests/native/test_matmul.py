@@ -229,13 +229,15 @@ def test_fused_matmul_bad_input(rng):
         sn.rms_norm_gated_matmul(x, None, 1e-6, x, [w])
     with pytest.raises(ValueError, match="rms_norm_gated_matmul: no weights"):
         sn.rms_norm_gated_matmul(x3, None, 1e-6, x3, [])
-    with pytest.raises(ValueError, match="z"):
+    with pytest.raises(ValueError, match="rms_norm_gated_matmul: z"):
         sn.rms_norm_gated_matmul(x3, None, 1e-6, x3[:, :1], [w])
-    with pytest.raises(ValueError, match="norm_weight|weight"):
+    with pytest.raises(ValueError, match="rms_norm_gated_matmul: weight"):
         sn.rms_norm_gated_matmul(x3, np.ones(64, np.float32), 1e-6, x3, [w])
     with pytest.raises(ValueError, match=r"mul_sigmoid_matmul: a must be \[n, \.\.\., d\]"):
         sn.mul_sigmoid_matmul(x[0], x[0], [w])
     with pytest.raises(ValueError, match="mul_sigmoid_matmul: no weights"):
         sn.mul_sigmoid_matmul(x3, x3, [])
-    with pytest.raises(ValueError, match="same shape"):
+    with pytest.raises(ValueError, match="mul_sigmoid_matmul: a and gate must have the same shape"):
         sn.mul_sigmoid_matmul(x3, x3[:, :1], [w])
+    with pytest.raises(ValueError, match="mul_sigmoid_matmul: gate must be F32"):
+        sn.mul_sigmoid_matmul(x3, x3.astype(np.int32), [w])

@@ -34,7 +34,7 @@ decltype(auto) without_gil(F&& f) {
 void require_same_device(const Tensor& a, const Tensor& b, const char* op);
 
 void register_core(py::module_& m);
-void register_quants(py::module_& m);      // dequantize, matmul(_group), rms_norm_matmul, swiglu_matmul, embedding
+void register_quants(py::module_& m);      // dequantize, matmul(_group), the fused *_matmul ops, embedding
 void register_norm(py::module_& m);        // rms_norm, rms_norm_gated, l2_norm, gdn_qkv
 void register_rope(py::module_& m);        // rope_neox (+ YaRN), qk_norm_rope
 void register_attention(py::module_& m);   // kv_write, attention

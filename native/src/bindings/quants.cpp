@@ -198,6 +198,9 @@ Raises ValueError as swiglu and matmul_group do.)doc");
         const char* op = "mul_sigmoid_matmul";
         Tensor at = as_tensor(a, op, "a"), gt = as_tensor(gate, op, "gate");
         require_same_device(at, gt, op);
+        check_dtype(at, DType::F32, op, "a");
+        check_dtype(gt, DType::F32, op, "gate");
+        SPECD_CHECK(at.shape == gt.shape, op, ": a and gate must have the same shape");
         SPECD_CHECK(at.ndim() >= 2, op, ": a must be [n, ..., d], got ", at.ndim(), " dimension(s)");
         std::vector<Tensor> wt = group_weights(at, ws, op);
 #if SPECD_WITH_GPU
@@ -216,8 +219,10 @@ qk_norm_rope's gate, as mul_sigmoid takes); ws: [out_i, in] as for matmul_group;
 a list of F32 [n, out_i]. Bit-identical to that composition on each backend. On the GPU, when the
 tensor-core GEMV reads the gated rows (1 <= n <= 16, every weight Q8_0 / K-quant / IQ4_XS) the GEMV's x
 split computes a * sigmoid(gate) itself with mul_sigmoid's device code (elementwise_split_kernel) and y is
-never stored (one kernel launch fewer); otherwise mul_sigmoid, then matmul_group. Raises ValueError as those
-ops do, and for a of fewer than 2 dimensions.)doc");
+never stored (one kernel launch fewer); otherwise mul_sigmoid, then matmul_group. On CUDA the GEMV loads `ws`
+before the kernels queued before it have finished (native/src/gpu/pdl.cuh): a ws written on the device by
+another op (not an upload or tile_for_gemv) must be complete first. Raises ValueError as those ops do, and for
+a of fewer than 2 dimensions.)doc");
 
   m.def(
       "rms_norm_gated_matmul",
@@ -250,8 +255,10 @@ matmul_group; all on one device. Returns a list of F32 [n, out_i]. Bit-identical
 each backend. On the GPU, when the tensor-core GEMV reads the normed rows (1 <= n <= 16, every weight
 Q8_0 / K-quant / IQ4_XS, d % 4 == 0 dividing 256, 16-byte aligned x, z and weight) the GEMV's x split
 computes the norm itself with the standalone op's sums (gated_norm_split_kernel) and y is never stored
-(one kernel launch fewer); otherwise rms_norm_gated, then matmul_group. Raises ValueError as those ops
-do, and for x not 3-D.)doc");
+(one kernel launch fewer); otherwise rms_norm_gated, then matmul_group. On CUDA the GEMV loads `ws` before
+the kernels queued before it have finished (native/src/gpu/pdl.cuh): a ws written on the device by another op
+(not an upload or tile_for_gemv) must be complete first. Raises ValueError as those ops do, and for x not
+3-D.)doc");
 
   m.def(
       "tile_for_gemv",

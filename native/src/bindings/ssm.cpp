@@ -122,7 +122,8 @@ mismatch or an overlapping state_out.)doc");
       py::arg("cv"), py::arg("a"), py::arg("b"), py::arg("dt"), py::arg("ssm_a"), py::arg("state"),
       py::arg("n_k_heads"), py::arg("head_k_dim"), py::arg("n_v_heads"), py::arg("head_v_dim"), py::arg("eps"),
       py::arg("scale"), py::arg("state_out") = py::none(),
-      R"doc(The Gated DeltaNet core of a decode / verify step after its conv, as one op (qwen35-target.md §6.5 steps 3-7).
+      R"doc(The Gated DeltaNet core of a decode / verify step after its conv, as one op (qwen35-target.md §6.5
+steps 3-7).
 
 cv: F32 [T, 2 Hk dk + Hv dv] (conv1d_causal's output); a, b: F32 [T, Hv] (alpha, beta projections);
 dt, ssm_a: F32 [Hv] or [1, Hv]; state / state_out as gated_delta_net. Computes (q, k, v) = gdn_qkv(cv,

@@ -1,8 +1,10 @@
 // Device forms of the elementwise functions of cpu/activations.h, shared by elementwise.cu and the
-// fused ops (gdn_gates, the gated RMSNorm in norm.cu, gdn_step in ssm.cu): a fused op that calls apply<OP> computes
-// each element with literally the code of the standalone op, so it is bit-identical to it.
+// fused ops (gdn_gates, the gated RMSNorm in norm.cu, gdn_step in ssm.cu, the x splits of swiglu_matmul and
+// mul_sigmoid_matmul in matmul.cu): a fused op that calls apply<OP> computes each element with literally the
+// code of the standalone op, so it is bit-identical to it.
 #pragma once
 #include <cmath>
+#include <cstdint>
 
 #ifndef SPECD_HOST_EMU
 #include "common.cuh"
@@ -31,6 +33,13 @@ __device__ __forceinline__ float apply(float a, float b) {
   if constexpr (OP == Op::Mul) return __fmul_rn(a, b);
   if constexpr (OP == Op::Add) return __fadd_rn(a, b);
   return 0.0f;
+}
+
+// Element i of mul_sigmoid(a, gate) over rows of d: a[i] * sigmoid(gate), gate's rows `pitch` floats apart
+// (mul_sigmoid_kernel and mul_sigmoid_matmul's split).
+__device__ __forceinline__ float mul_sigmoid_at(const float* a, const float* gate, int64_t i, int64_t d,
+                                                int64_t pitch) {
+  return apply<Op::Mul>(a[i], apply<Op::Sigmoid>(gate[i / d * pitch + i % d], 0.0f));
 }
 
 // One element of gdn_gates: g = ssm_a * softplus(a + dt) and beta = sigmoid(b), with the add, softplus,

@@ -15,7 +15,6 @@
 // except mul_sigmoid's gate: rows evenly spaced (qk_norm_rope's gate, a view inside qg).
 #include <algorithm>
 #include <cmath>
-#include <optional>
 
 #include "../cpu/activations.h"
 #include "activations.cuh"
@@ -92,7 +91,7 @@ __global__ void __launch_bounds__(kThreads) mul_sigmoid_kernel(const float* __re
                                                                int64_t n, int64_t d, int64_t pitch) {
   detail::pdl_enter();
   for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += int64_t(gridDim.x) * kThreads)
-    y[i] = apply<Op::Mul>(a[i], apply<Op::Sigmoid>(gate[i / d * pitch + i % d], 0.0f));
+    y[i] = detail::mul_sigmoid_at(a, gate, i, d, pitch);
 }
 
 }  // namespace
@@ -105,12 +104,7 @@ Tensor mul(const Tensor& a, const Tensor& b) { return run<Op::Mul>(a, &b, "mul",
 Tensor add(const Tensor& a, const Tensor& b) { return run<Op::Add>(a, &b, "add", "a", "b"); }
 
 Tensor mul_sigmoid(const Tensor& a, const Tensor& gate) {
-  const char* op = "mul_sigmoid";
-  detail::check_gpu_tensor(a, DType::F32, -1, op, "a");
-  detail::check_gpu(gate, op, "gate");
-  check_dtype(gate, DType::F32, op, "gate");
-  SPECD_CHECK(a.shape == gate.shape, op, ": a and gate must have the same shape");
-  const int64_t pitch = detail::row_pitch(gate, op, "gate"), n = a.numel();
+  const int64_t pitch = detail::check_mul_sigmoid(a, gate, "mul_sigmoid"), n = a.numel();
   Tensor y = Tensor::empty(a.shape, DType::F32, Device::GPU);
   if (n == 0) return y;
   detail::launch_kernel<mul_sigmoid_kernel>("mul_sigmoid_kernel", unsigned(grid_for(n)), kThreads, 0, detail::stream(),

@@ -98,14 +98,13 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const gdn::Params P
   for (int e = 0; e < E; ++e) SO[e * L + p] = s[e];
 }
 
-// gdn_step in two launches: gdn_step_kernel runs gdn_qkv (L2-normed q / k heads, v), gdn_gates and the
+// gdn_step in one launch: gdn_step_kernel runs gdn_qkv (L2-normed q / k heads, v), gdn_gates and the
 // token-by-token recurrence in gdn_kernel's blocks (a value head's state rows split over blocks of
-// `rows` rows x L lanes), writing o; rms_norm_gated then norms it (the standalone op). Tokens in stages
-// of kGdnStage. Every value is computed with the composition's code: the L2 norms by warp_norm_row
-// (norm_row's sums in its order), the gates by gdn_g / gdn_beta, the recurrence by gdn_row_token, so
-// outputs, pending q / k / v / g / beta and state are bit-identical to the composition on the GPU.
-// (One block per head with the gated norm inside measured slower from ~7 tokens: 16.5 against 16.2 us
-// at 8 tokens, 28.7 against 22.4 at 16, the 27B's heads on the H200.)
+// `rows` rows x L lanes), writing o (its gated norm runs in the out projection's x split:
+// rms_norm_gated_matmul). Tokens in stages of kGdnStage. Every value is computed with the composition's
+// code: the L2 norms by warp_norm_row (norm_row's sums in its order), the gates by gdn_g / gdn_beta, the
+// recurrence by gdn_row_token, so outputs, pending q / k / v / g / beta and state are bit-identical to the
+// composition on the GPU.
 struct GdnStepParams {
   const float* cv;  // [T, 2 hk dk + hv dv] conv outputs
   const float *a, *b, *dt, *ssm_a;
@@ -123,14 +122,15 @@ __host__ __device__ constexpr size_t gdn_step_smem(int rows) {
   return sizeof(float) * kGdnStage * (4 * size_t(DK) + size_t(rows) + 2);
 }
 
-// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / L (gdn_kernel's).
-// The state rows block b reads first: value head b / nb, rows [(b % nb) * rows, + rows) of dk floats, contiguous.
+// The state rows of block b: value head b / nb, rows [(b % nb) * rows, + rows) of DK floats, contiguous
+// (nb = dv / rows).
 template <int DK>
 __device__ __forceinline__ const float* gdn_block_state(const GdnStepParams& P, int rows) {
   const int nb = P.dv / rows;
   return P.state + (int64_t(blockIdx.x / nb) * P.dv + int64_t(blockIdx.x % nb) * rows) * DK;
 }
 
+// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / L (gdn_kernel's).
 template <int E, int L>
 __global__ void __launch_bounds__(kMaxGdnThreads) gdn_step_kernel(const GdnStepParams P) {
   // the block's state (16 KiB at the 27B's shapes, 3 MiB a layer, never in L2 a step later) asked of L2 first
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_step_kernel(const GdnStepP
   const bool qk_writer = j < P.hk && rb == 0;  // one block per key head writes its q and k
   const int64_t cols = 2 * int64_t(P.hk) * DK + int64_t(P.hv) * P.dv, head = int64_t(P.dv) * DK;
   float s[E];
-  const float* S0 = P.state + j * head + int64_t(jv) * DK;
+  const float* S0 = gdn_block_state<DK>(P, rows) + int64_t(tid / L) * DK;  // row jv, as prefetched
 #pragma unroll
   for (int e = 0; e < E; ++e) s[e] = S0[e * L + p];
   for (int64_t t0 = 0; t0 < P.T; t0 += S) {

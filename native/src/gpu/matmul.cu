@@ -321,23 +321,30 @@ void check_weight(const Tensor& w, int64_t in, const char* op) {
 
 namespace {
 
-// The outputs [..., out_i] of x [..., in] @ ws[i]^T on the GPU after checking the weights against
-// x's shape (x itself is checked by the caller); `op` names the caller in errors, weights are "w"
-// (one) or "ws[i]" with i.
-std::vector<Tensor> linear_outputs(const Tensor& x, const std::vector<Tensor>& ws, const char* op) {
+// Checks weights ws[i] [out_i, in] of a product with `in` inputs (GPU, 2-D, contiguous, a GEMV format
+// of `in`, rows for one launch); `op` names the caller in errors, weights are "w" (one) or "ws[i]" with i,
+// the input `x_name`. The fused ops call it before their first launch, so a bad weight queues nothing.
+void check_weights(int64_t in, const std::vector<Tensor>& ws, const char* op, const char* x_name = "x") {
   SPECD_CHECK(!ws.empty(), op, ": no weights");
-  const int64_t in = x.cols();
-  std::vector<Tensor> ys;
   for (size_t i = 0; i < ws.size(); ++i) {
     const Tensor& w = ws[i];
     const char* name = ws.size() == 1 ? "w" : "ws[i]";  // no string built per call: i is in the messages
     detail::check_gpu(w, op, name);
     check_ndim(w, 2, op, name);
     check_contiguous(w, op, name);
-    SPECD_CHECK(w.dim(1) == in, op, ": x has ", in, " columns, ", name, " (i = ", i, ") has ", w.dim(1),
+    SPECD_CHECK(w.dim(1) == in, op, ": ", x_name, " has ", in, " columns, ", name, " (i = ", i, ") has ", w.dim(1),
                 " (it is [out, in])");
     check_weight(w, in, op);
     SPECD_CHECK(w.dim(0) <= 0x7fffffff, op, ": ", name, " (i = ", i, ") has too many rows for one launch");
+  }
+}
+
+// The outputs [..., out_i] of x [..., in] @ ws[i]^T on the GPU after checking the weights against
+// x's shape (check_weights; x itself is checked by the caller).
+std::vector<Tensor> linear_outputs(const Tensor& x, const std::vector<Tensor>& ws, const char* op) {
+  check_weights(x.cols(), ws, op);
+  std::vector<Tensor> ys;
+  for (const Tensor& w : ws) {
     std::vector<int64_t> shape = x.shape;
     shape.back() = w.dim(0);
     ys.push_back(Tensor::empty(shape, DType::F32, Device::GPU));
@@ -406,7 +413,9 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
 struct SwigluValue {
   const float* __restrict__ g;
   const float* __restrict__ u;
-  __device__ __forceinline__ float operator()(int64_t off) const { return detail::apply<detail::Op::Swiglu>(g[off], u[off]); }
+  __device__ __forceinline__ float operator()(int64_t off) const {
+    return detail::apply<detail::Op::Swiglu>(g[off], u[off]);
+  }
 };
 
 // ... of a * sigmoid(gate) (mul_sigmoid's device code), a contiguous, gate's rows of d at a pitch of `pitch` floats.
@@ -415,8 +424,7 @@ struct MulSigmoidValue {
   const float* __restrict__ gate;
   int64_t d, pitch;
   __device__ __forceinline__ float operator()(int64_t off) const {
-    using detail::Op;
-    return detail::apply<Op::Mul>(a[off], detail::apply<Op::Sigmoid>(gate[off / d * pitch + off % d], 0.0f));
+    return detail::mul_sigmoid_at(a, gate, off, d, pitch);
   }
 };
 
@@ -514,28 +522,41 @@ void gemv_on_split(const std::vector<Tensor>& ws, std::vector<Tensor>& ys, int64
 }
 #endif
 
-// ws (split_fusable for n rows of `in`) against the output of an elementwise op (its element at an offset of
-// [n, in]: SwigluValue, MulSigmoidValue) split by elementwise_split_kernel: one launch fewer than the op, then
-// the GEMV. x: a tensor of the op's output shape (x.rows() == n, x.cols() == in), which shapes the outputs.
-template <class Value>
-std::vector<Tensor> elementwise_matmul(const Value& value, const Tensor& x, const std::vector<Tensor>& ws,
-                                       const char* op) {
+// ws (split_fusable for n rows of `in`) against x split by a fused op's kernel: launch_split(parts, groups)
+// queues that kernel, which writes the XSizes(in) layout at `parts` (groups 256-input groups per row), then
+// the GEMV. x: a tensor of the split values' shape (x.rows() == n, x.cols() == in), which shapes the outputs.
+template <class LaunchSplit>
+std::vector<Tensor> split_matmul(const Tensor& x, const std::vector<Tensor>& ws, const char* op,
+                                 const LaunchSplit& launch_split) {
   std::vector<Tensor> ys = linear_outputs(x, ws, op);
 #if SPECD_MMA_GEMV
   namespace mma = detail::mma;
-  const int64_t n = x.rows(), in = x.cols();
+  const int64_t in = x.cols();
   const mma::XSizes sz(in);
   std::shared_ptr<void> xsplit = alloc(sz.total());  // freed stream-ordered
-  const mma::XSizes::Parts xp = sz.at(static_cast<uint8_t*>(xsplit.get()));
-  const int64_t groups = (in + mma::kGroup - 1) / mma::kGroup;
-  detail::launch_kernel<elementwise_split_kernel<Value>>("elementwise_split_kernel", unsigned(n * groups), mma::kGroup,
-                                                         0, detail::stream(), value, in, int(n), groups, xp.xb, xp.xs,
-                                                         xp.xm);
-  gemv_on_split(ws, ys, in, xsplit.get(), int(n));
+  launch_split(sz.at(static_cast<uint8_t*>(xsplit.get())), (in + mma::kGroup - 1) / mma::kGroup);
+  gemv_on_split(ws, ys, in, xsplit.get(), int(x.rows()));
 #else
-  (void)value;
+  (void)launch_split;
 #endif
   return ys;
+}
+
+// split_matmul of an elementwise op's output (its element at an offset of [n, in]: SwigluValue,
+// MulSigmoidValue), split by elementwise_split_kernel: one launch fewer than the op, then the GEMV.
+template <class Value>
+std::vector<Tensor> elementwise_matmul(const Value& value, const Tensor& x, const std::vector<Tensor>& ws,
+                                       const char* op) {
+  return split_matmul(x, ws, op, [&](const auto& xp, int64_t groups) {
+#if SPECD_MMA_GEMV
+    const int64_t n = x.rows(), in = x.cols();
+    detail::launch_kernel<elementwise_split_kernel<Value>>("elementwise_split_kernel", unsigned(n * groups),
+                                                           detail::mma::kGroup, 0, detail::stream(), value, in, int(n),
+                                                           groups, xp.xb, xp.xs, xp.xm);
+#else
+    (void)xp, (void)groups, (void)value;
+#endif
+  });
 }
 
 }  // namespace
@@ -597,6 +618,7 @@ std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const st
   SPECD_CHECK(gate.shape == up.shape, op, ": gate and up must have the same shape");
   SPECD_CHECK(gate.ndim() >= 1, op, ": gate must have at least 1 dimension");
   const int64_t n = gate.rows(), in = gate.cols();
+  check_weights(in, ws, op, "gate");
   if (n > kNMax && !exact && in > 0) {  // prefill: as linear's BLAS path
     std::vector<Tensor> ys = linear_outputs(gate, ws, op);
     detail::matmul_blas_swiglu(gate, up, ws, ys);  // swiglu fused into x's BF16 rounding (bitwise the composition)
@@ -609,17 +631,16 @@ std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const st
 
 std::vector<Tensor> mul_sigmoid_matmul(const Tensor& a, const Tensor& gate, const std::vector<Tensor>& ws, bool exact) {
   const char* op = "mul_sigmoid_matmul";
-  detail::check_gpu_tensor(a, DType::F32, -1, op, "a");
-  detail::check_gpu(gate, op, "gate");
-  check_dtype(gate, DType::F32, op, "gate");
-  SPECD_CHECK(a.shape == gate.shape, op, ": a and gate must have the same shape");
+  const int64_t pitch = detail::check_mul_sigmoid(a, gate, op);
   SPECD_CHECK(a.ndim() >= 2, op, ": a must be [n, ..., d], got ", a.ndim(), " dimension(s)");
-  const int64_t pitch = detail::row_pitch(gate, op, "gate"), n = a.dim(0), d = a.cols();
-  int64_t in = 1;
+  const int64_t n = a.dim(0);
+  int64_t in = 1;  // a's elements per row of n
   for (size_t k = 1; k < a.shape.size(); ++k) in *= a.shape[k];
+  const Tensor a2 = a.reshape({n, in});
+  check_weights(in, ws, op, "a");
   if (!split_fusable(n, in, ws))  // the composition (prefill: mul_sigmoid, then the BF16 GEMM)
     return linear(mul_sigmoid(a, gate).reshape({n, in}), ws, exact, op);
-  return elementwise_matmul(MulSigmoidValue{a.ptr<float>(), gate.ptr<float>(), d, pitch}, a.reshape({n, in}), ws, op);
+  return elementwise_matmul(MulSigmoidValue{a.ptr<float>(), gate.ptr<float>(), a.cols(), pitch}, a2, ws, op);
 }
 
 std::vector<Tensor> rms_norm_gated_matmul(const Tensor& x, const std::optional<Tensor>& weight, float eps,
@@ -629,26 +650,22 @@ std::vector<Tensor> rms_norm_gated_matmul(const Tensor& x, const std::optional<T
   cpu::check_like_x(z, x, Device::GPU, op, "z");
   SPECD_CHECK(x.ndim() == 3, op, ": x must be [n, groups, d], got ", x.ndim(), " dimensions");
   const int64_t n = x.dim(0), d = x.dim(2), in = x.dim(1) * d;
+  check_weights(in, ws, op);
   // the fused kernel's warp_norm_row must replay rms_norm_gated's vector path: d % 4 == 0, 16-byte aligned
   const bool aligned = detail::aligned16(x.data) && detail::aligned16(z.data) &&
                        (!weight || detail::aligned16(weight->data));
   if (!aligned || d % 4 != 0 || d == 0 || 256 % d != 0 || !split_fusable(n, in, ws))  // the composition
     return linear(rms_norm_gated(x, weight, eps, z).reshape({n, in}), ws, exact, op);
-  const Tensor x2 = x.reshape({n, in});
-  std::vector<Tensor> ys = linear_outputs(x2, ws, op);
+  return split_matmul(x.reshape({n, in}), ws, op, [&](const auto& xp, int64_t groups) {
 #if SPECD_MMA_GEMV
-  namespace mma = detail::mma;
-  const mma::XSizes sz(in);
-  std::shared_ptr<void> xsplit = alloc(sz.total());  // freed stream-ordered
-  const mma::XSizes::Parts xp = sz.at(static_cast<uint8_t*>(xsplit.get()));
-  const int64_t groups = (in + mma::kGroup - 1) / mma::kGroup;
-  detail::launch_kernel<gated_norm_split_kernel>("gated_norm_split_kernel", unsigned(n * groups),
-                                                 unsigned(gated_norm_split_warps(d) * SPECD_WARP), 0, detail::stream(),
-                                                 x.ptr<float>(), weight ? weight->ptr<float>() : nullptr, z.ptr<float>(),
-                                                 d, eps, in, int(n), groups, xp.xb, xp.xs, xp.xm);
-  gemv_on_split(ws, ys, in, xsplit.get(), int(n));
+    detail::launch_kernel<gated_norm_split_kernel>(
+        "gated_norm_split_kernel", unsigned(n * groups), unsigned(gated_norm_split_warps(d) * SPECD_WARP), 0,
+        detail::stream(), x.ptr<float>(), weight ? weight->ptr<float>() : nullptr, z.ptr<float>(), d, eps, in, int(n),
+        groups, xp.xb, xp.xs, xp.xm);
+#else
+    (void)xp, (void)groups;
 #endif
-  return ys;
+  });
 }
 
 bool gemv_tiles_supported() { return SPECD_MMA_GEMV != 0; }

@@ -767,7 +767,7 @@ __device__ __forceinline__ void compute(const typename F::Raw (&raw)[2], int64_t
 // multiplies in its B-fragment words, inputs 4t .. 4t+3 (v[0..3]) and 16+4t .. 16+4t+3 (v[4..7]) (the
 // k order above). PlainInput reads them from x [n, in] F32 (rows 16-byte aligned); the fused ops of
 // matmul.cu compute them (a norm's outputs, with the standalone op's device code) or read them from
-// shared memory (SwiGLU's, computed there first).
+// shared memory (values computed there first: SwiGLU, the sigmoid gate, the gated norm).
 // v[4 k .. 4 k + 3] = a (k = 0: inputs 4t.., k = 1: inputs 16 + 4t..).
 __device__ __forceinline__ void put4(float (&v)[8], int k, float4 a) {
   v[4 * k] = a.x, v[4 * k + 1] = a.y, v[4 * k + 2] = a.z, v[4 * k + 3] = a.w;

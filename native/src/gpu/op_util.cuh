@@ -71,6 +71,16 @@ inline int64_t row_pitch(const Tensor& t, const char* op, const char* arg) {
   return pitch ? *pitch / 4 : t.cols();  // a single row: any pitch
 }
 
+// mul_sigmoid's arguments (a F32 contiguous on the GPU, gate F32 of a's shape with evenly spaced rows):
+// gate's row pitch in floats. Throws std::invalid_argument naming op and the argument.
+inline int64_t check_mul_sigmoid(const Tensor& a, const Tensor& gate, const char* op) {
+  check_gpu_tensor(a, DType::F32, -1, op, "a");
+  check_gpu(gate, op, "gate");
+  check_dtype(gate, DType::F32, op, "gate");
+  SPECD_CHECK(a.shape == gate.shape, op, ": a and gate must have the same shape");
+  return row_pitch(gate, op, "gate");
+}
+
 inline void check_grid(int64_t blocks, const char* op) {
   SPECD_CHECK(blocks <= 0x7fffffff, op, ": too many rows for one launch (", blocks, " blocks)");
 }

@@ -22,6 +22,8 @@
 // no-ops, and launch_kernel<K>() launches plainly (a kernel without the wait must never run early).
 #pragma once
 
+#include <cstdint>
+
 #if !defined(SPECD_HOST_EMU)
 #include "common.cuh"
 #endif
@@ -50,9 +52,10 @@ __device__ __forceinline__ void pdl_enter() {
 __device__ __forceinline__ void pdl_enter_prefetch(const void* p, size_t bytes) {
   pdl_launch_dependents();
 #if !defined(SPECD_HOST_EMU) && !SPECD_HIP && defined(__CUDA_ARCH__)
-  const char* c = static_cast<const char*>(p);
-  for (size_t off = size_t(threadIdx.x) * 128; off < bytes; off += size_t(blockDim.x) * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(127);  // the first line, 128-byte aligned
+  const size_t span = reinterpret_cast<uintptr_t>(p) + bytes - first;
+  for (size_t off = size_t(threadIdx.x) * 128; bytes > 0 && off < span; off += size_t(blockDim.x) * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(first + off));
 #else
   (void)p, (void)bytes;
 #endif
