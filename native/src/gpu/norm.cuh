@@ -69,21 +69,39 @@ __device__ __forceinline__ float4 gate(float4 y, float4 z) {
   return {gate(y.x, z.x), gate(y.y, z.y), gate(y.z, z.z), gate(y.w, z.w)};
 }
 
+// Item i of the first pass from its loaded x and residual r: x + r stored to h when RESID; the item is also
+// stored to `copy` when given.
+template <bool RESID, class T>
+__device__ __forceinline__ T row_item(T x, T r, T* hr, T* copy, int64_t i) {
+  if constexpr (RESID) {
+    x = add(x, r);
+    hr[i] = x;
+  }
+  if (copy) copy[i] = x;
+  return x;
+}
+
 // First pass over a row of n items (vectors or floats): this thread's part of the sum of squares of
 // x (+ residual, stored to h when RESID); the items summed are also stored to `copy` when given
-// (norm_split_kernel's shared-memory row).
+// (norm_split_kernel's shared-memory row). Items i, i + blockDim.x, ... summed in that order, two at a
+// time with both items' loads issued first: written one at a time, the h stores kept the compiler from
+// hoisting the next item's loads, so a row of two items per thread (the 27B's 5120: 640 threads) waited
+// for two L2 round trips in turn (sm_90 SASS).
 template <bool RESID, class T>
 __device__ __forceinline__ double row_squares(const T* xr, const T* rr, T* hr, int64_t n, T* copy = nullptr) {
+  const auto res = [rr](int64_t i) {
+    if constexpr (RESID) return rr[i];
+    else return T{};
+  };
   double ss = 0.0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    T v = xr[i];
-    if constexpr (RESID) {
-      v = add(v, rr[i]);
-      hr[i] = v;
-    }
-    if (copy) copy[i] = v;
-    ss += sq(v);
+  const int64_t step = blockDim.x;
+  int64_t i = threadIdx.x;
+  for (; i + step < n; i += 2 * step) {
+    const T x0 = xr[i], x1 = xr[i + step], r0 = res(i), r1 = res(i + step);
+    ss += sq(row_item<RESID>(x0, r0, hr, copy, i));
+    ss += sq(row_item<RESID>(x1, r1, hr, copy, i + step));
   }
+  if (i < n) ss += sq(row_item<RESID>(xr[i], res(i), hr, copy, i));
   return ss;
 }
 
