@@ -70,7 +70,7 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #define SPECD_MMA_LOADS_ONLY 0  // sweep diagnostic: load every unit, skip its arithmetic (wrong results)
 #endif
 #ifndef SPECD_MMA_RING_REGS
-#define SPECD_MMA_RING_REGS 64  // registers for weight words in flight per thread at 1-2 tiles (3-4: 3/4)
+#define SPECD_MMA_RING_REGS 64  // registers for weight words in flight per thread at 1 tile (2: 5/8, 3-4: 3/4)
 #endif
 #ifndef SPECD_MMA_MAX_AHEAD
 #define SPECD_MMA_MAX_AHEAD 4  // most units loading ahead (units_ahead)
@@ -80,7 +80,8 @@ constexpr int kRowsPerBlock = kWarps * 16;
                                     // Q4_K, Q5_K and the tiled layouts)
 #endif
 #ifndef SPECD_MMA_MIN_BLOCKS
-#define SPECD_MMA_MIN_BLOCKS 4  // resident blocks per SM the 1-2 tile instances are compiled for (3+ tiles: one fewer)
+#define SPECD_MMA_MIN_BLOCKS 4  // resident blocks per SM the 1-tile instances are compiled for (2 tiles: one more,
+                                // 3+ tiles: one fewer)
 #endif
 constexpr int kBlocksPerSM = SPECD_MMA_SPLIT_BLOCKS;
 static_assert(kBlocksPerSM >= 1, "SPECD_MMA_SPLIT_BLOCKS: at least one block per multiprocessor");
@@ -733,16 +734,25 @@ template <class F, int NT>
 __host__ __device__ constexpr int units_ahead() {
   if constexpr (NT >= 5 && !LightUnit<F>::value) return 0;
   constexpr int regs = int(sizeof(typename F::Raw) / 4) * 2;  // the raw words of one unit, both rows
-  constexpr int ahead = (NT <= 2 ? SPECD_MMA_RING_REGS : SPECD_MMA_RING_REGS * 3 / 4) / regs - 1;
+  constexpr int budget = NT == 1   ? SPECD_MMA_RING_REGS
+                         : NT == 2 ? SPECD_MMA_RING_REGS * 5 / 8  // 5 blocks per SM: min_blocks
+                                   : SPECD_MMA_RING_REGS * 3 / 4;
+  constexpr int ahead = budget / regs - 1;
   return ahead < 0 ? 0 : ahead > SPECD_MMA_MAX_AHEAD ? SPECD_MMA_MAX_AHEAD : ahead;
 }
 
 // Resident blocks per multiprocessor an instance is compiled for: 4 (<= 128 registers per thread)
-// for one and two tiles, 3 (<= 168) for more (their 12 .. 24 accumulators). ptxas spills a few
-// words in some instances at these caps (IQ4_XS 2 / 4 / 6 tiles 4-8 bytes, Q4_K / Q5_K 5-6 tiles
-// 12-28 bytes); the H200 numbers in BENCHMARKS.md are of this build.
+// for one tile, 5 (<= 96, with a 40-register ring: units_ahead) for two, 3 (<= 168) for more (their
+// 12 .. 24 accumulators). Two tiles at 5 blocks: verify at 4 rows 9.52-9.60 -> 9.32-9.34 ms (H200,
+// session of 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's GEMV 4 % slower, at 6
+// blocks 15 %. ptxas spills a few words in some instances at these caps (row-major IQ4_XS 2 / 4 tiles
+// 16 / 8 bytes, tiled IQ4_XS 4 tiles 8, Q4_K / Q5_K 5-6 tiles 12-44, row-major Q6_K 2 tiles 44: that
+// one is used only for weights whose rows are not a multiple of 16); the H200 numbers in BENCHMARKS.md
+// are of this build.
 template <int NT>
-__host__ __device__ constexpr int min_blocks() { return NT <= 2 ? SPECD_MMA_MIN_BLOCKS : SPECD_MMA_MIN_BLOCKS - 1; }
+__host__ __device__ constexpr int min_blocks() {
+  return NT == 1 ? SPECD_MMA_MIN_BLOCKS : NT == 2 ? SPECD_MMA_MIN_BLOCKS + 1 : SPECD_MMA_MIN_BLOCKS - 1;
+}
 static_assert(SPECD_MMA_MIN_BLOCKS >= 2, "SPECD_MMA_MIN_BLOCKS: the 3+ tile instances take one block fewer");
 
 // --- kernels ---------------------------------------------------------------------------------
