@@ -35,9 +35,10 @@
 // * Work: a block of 4 warps owns 64 output rows (each warp 16: lanes hold rows g, g + 8) and one
 //   split of the reduction dimension (units of 256 inputs, Q8_0 32); each weight byte is read once
 //   per call; the loads of the next units are in flight while a unit is computed (a ring of
-//   registers, as deep as a register budget allows: none for Q6_K, nor at 5-6 tiles). Splits depend
+//   registers, as deep as a register budget allows, mma::units_ahead: none for Q6_K, none for Q4_K /
+//   Q5_K from two tiles on, none at 5-6 tiles but for BF16). Splits depend
 //   only on (out, in, format, the device's multiprocessor count): about 16 blocks per multiprocessor
-//   (3-4 resident: several waves of latency-bound warps), at least 4 units each; split partials go to a scratch buffer and are summed split 0 first by a
+//   (3-5 resident, mma::min_blocks: several waves of latency-bound warps), at least 4 units each; split partials go to a scratch buffer and are summed split 0 first by a
 //   second kernel (never atomics).
 // * Batch invariance: a column's arithmetic (its terms and scale, the integer MMAs and IMADs, the
 //   super-block float steps, the split walk and sum, the term sum) is the same in every instance and

@@ -70,7 +70,7 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #define SPECD_MMA_LOADS_ONLY 0  // sweep diagnostic: load every unit, skip its arithmetic (wrong results)
 #endif
 #ifndef SPECD_MMA_RING_REGS
-#define SPECD_MMA_RING_REGS 64  // registers for weight words in flight per thread at 1 tile (2: 5/8, 3-4: 3/4)
+#define SPECD_MMA_RING_REGS 64  // registers for weight words in flight per thread at 1 tile (units_ahead)
 #endif
 #ifndef SPECD_MMA_MAX_AHEAD
 #define SPECD_MMA_MAX_AHEAD 4  // most units loading ahead (units_ahead)
@@ -80,8 +80,7 @@ constexpr int kRowsPerBlock = kWarps * 16;
                                     // Q4_K, Q5_K and the tiled layouts)
 #endif
 #ifndef SPECD_MMA_MIN_BLOCKS
-#define SPECD_MMA_MIN_BLOCKS 4  // resident blocks per SM the 1-tile instances are compiled for (2 tiles: one more,
-                                // 3+ tiles: one fewer)
+#define SPECD_MMA_MIN_BLOCKS 4  // resident blocks per SM the 1-tile instances are compiled for (min_blocks)
 #endif
 constexpr int kBlocksPerSM = SPECD_MMA_SPLIT_BLOCKS;
 static_assert(kBlocksPerSM >= 1, "SPECD_MMA_SPLIT_BLOCKS: at least one block per multiprocessor");
@@ -723,37 +722,52 @@ struct LightUnit : std::false_type {};
 template <class F>
 struct LightUnit<F, std::void_t<decltype(F::kLightUnit)>> : std::bool_constant<F::kLightUnit> {};
 
+// Whether F's two-tile instance (3-5 rows of x) runs at one block more per multiprocessor than the
+// one-tile instance (SPECD_MMA_MIN_BLOCKS + 1: <= 96 registers a thread) with 5/8 of the ring. Not
+// row-major Q6_K, whose two-tile body spills 44 bytes at 96 registers and none at 128 (ptxas -v): it
+// keeps SPECD_MMA_MIN_BLOCKS and the whole ring. Row-major Q6_K is every Q6_K output head (the head
+// stays row-major: target_worker/device.py).
+template <class F>
+__host__ __device__ constexpr bool two_tiles_one_block_more() {
+  return !std::is_same_v<F, Q6U>;
+}
+
+// Resident blocks per multiprocessor an instance is compiled for: SPECD_MMA_MIN_BLOCKS (4: <= 128
+// registers a thread) for one tile, one more for two (two_tiles_one_block_more), one fewer for three
+// and more (4 .. 6 tiles: 16 .. 24 accumulators; 3 blocks: <= 168 registers). Two tiles at 5 blocks
+// (tiled IQ4_XS and Q6_K, the Q5_K head: the random 27B's mix): verify at 4 rows 9.52-9.60 -> 9.32-9.34
+// ms (H200, session of 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's GEMV 4 %
+// slower, at 6 blocks 15 %. ptxas spills a few bytes in some instances at these caps (row-major IQ4_XS
+// 2 / 4 tiles 16 / 8, tiled IQ4_XS 4 tiles 8, Q4_K / Q5_K 5-6 tiles 12-44).
+template <class F, int NT>
+__host__ __device__ constexpr int min_blocks() {
+  if constexpr (NT == 1) return SPECD_MMA_MIN_BLOCKS;
+  else if constexpr (NT == 2) return two_tiles_one_block_more<F>() ? SPECD_MMA_MIN_BLOCKS + 1 : SPECD_MMA_MIN_BLOCKS;
+  else return SPECD_MMA_MIN_BLOCKS - 1;
+}
+static_assert(SPECD_MMA_MIN_BLOCKS >= 2, "SPECD_MMA_MIN_BLOCKS: the 3+ tile instances take one block fewer");
+static_assert((SPECD_MMA_MIN_BLOCKS + 1) * kWarps * 32 <= 2048,
+              "SPECD_MMA_MIN_BLOCKS: the two-tile instances' blocks (one more) must fit a multiprocessor's 2048 threads");
+
 // Units a warp keeps loading ahead of the one it computes (software pipelining: before computing a
 // unit, the slot of the previous one is refilled with the unit kAhead later): as many as a register
-// budget for the raw words allows, with one unit's words being computed, 0 .. 4. 0 (load one unit,
-// then compute it) for 5 and 6 tiles: the old 6-tile instance's ~800-instruction unit body was
-// doubled by the ring, unrolled over its slots (H200: verify at 9..16 rows 24-25.7 ms against
-// 19.7-21.3 ms with one unit ahead through register copies, BENCHMARKS.md); 5 tiles follows it
-// unmeasured on its own. Light units (BF16U) keep their ring (a few instructions per unit).
+// budget for the raw words allows, with one unit's words being computed, 0 .. 4. The budget follows
+// the registers min_blocks leaves: SPECD_MMA_RING_REGS at one tile, and at two tiles unless they take a
+// block more (then 5/8 of it), 3/4 of it at 3-4 tiles. 0 (load one unit, then compute it) for 5 and 6
+// tiles: the old 6-tile instance's ~800-instruction unit body was doubled by the ring, unrolled over its
+// slots (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms with one unit ahead through register
+// copies, BENCHMARKS.md); 5 tiles follows it unmeasured on its own. Light units (BF16U) keep their ring
+// (a few instructions per unit).
 template <class F, int NT>
 __host__ __device__ constexpr int units_ahead() {
   if constexpr (NT >= 5 && !LightUnit<F>::value) return 0;
   constexpr int regs = int(sizeof(typename F::Raw) / 4) * 2;  // the raw words of one unit, both rows
-  constexpr int budget = NT == 1   ? SPECD_MMA_RING_REGS
-                         : NT == 2 ? SPECD_MMA_RING_REGS * 5 / 8  // 5 blocks per SM: min_blocks
-                                   : SPECD_MMA_RING_REGS * 3 / 4;
+  constexpr int budget = min_blocks<F, NT>() > SPECD_MMA_MIN_BLOCKS ? SPECD_MMA_RING_REGS * 5 / 8
+                         : NT <= 2                                 ? SPECD_MMA_RING_REGS
+                                                                   : SPECD_MMA_RING_REGS * 3 / 4;
   constexpr int ahead = budget / regs - 1;
   return ahead < 0 ? 0 : ahead > SPECD_MMA_MAX_AHEAD ? SPECD_MMA_MAX_AHEAD : ahead;
 }
-
-// Resident blocks per multiprocessor an instance is compiled for: 4 (<= 128 registers per thread)
-// for one tile, 5 (<= 96, with a 40-register ring: units_ahead) for two, 3 (<= 168) for more (their
-// 12 .. 24 accumulators). Two tiles at 5 blocks: verify at 4 rows 9.52-9.60 -> 9.32-9.34 ms (H200,
-// session of 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's GEMV 4 % slower, at 6
-// blocks 15 %. ptxas spills a few words in some instances at these caps (row-major IQ4_XS 2 / 4 tiles
-// 16 / 8 bytes, tiled IQ4_XS 4 tiles 8, Q4_K / Q5_K 5-6 tiles 12-44, row-major Q6_K 2 tiles 44: that
-// one is used only for weights whose rows are not a multiple of 16); the H200 numbers in BENCHMARKS.md
-// are of this build.
-template <int NT>
-__host__ __device__ constexpr int min_blocks() {
-  return NT == 1 ? SPECD_MMA_MIN_BLOCKS : NT == 2 ? SPECD_MMA_MIN_BLOCKS + 1 : SPECD_MMA_MIN_BLOCKS - 1;
-}
-static_assert(SPECD_MMA_MIN_BLOCKS >= 2, "SPECD_MMA_MIN_BLOCKS: the 3+ tile instances take one block fewer");
 
 // --- kernels ---------------------------------------------------------------------------------
 
@@ -999,7 +1013,7 @@ struct RowSource<F, true> {
 // One block: kWarps warps, warp w owns rows row0 + 16 w .. + 15 of its weight (lane rows g, g + 8) and
 // all rows of x, over units [u_begin, u_end) of its split, in order (units_ahead units loading ahead).
 template <class F, int NT>
-__global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel(const Group g_, int64_t nunits,
+__global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_kernel(const Group g_, int64_t nunits,
                                                                              const XView xv0, int n) {
   pdl_launch_dependents();  // the next kernel may launch; this one waits below, after its first weight loads
   const GroupBlock gb = locate(g_);
@@ -1052,7 +1066,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel
 }
 
 // Splits of the reduction dimension for a weight of `out` rows and `nunits` units, on `sms`
-// multiprocessors: about kBlocksPerSM blocks per multiprocessor (3-4 resident, so several waves:
+// multiprocessors: about kBlocksPerSM blocks per multiprocessor (3-5 resident, so several waves:
 // the warps are latency-bound, and more of them in flight beat the tail; H200, gemv_sweep.sh: 16
 // against 4 took the 27B FFN gate + up launch from 67 to 55 us, Q8_0 17408 x 5120 from 102 to 68
 // us), at least 4 units per split (which caps the 256-input formats of 5120 inputs at 5 splits). Depends on the weight shape and the device only (never on n or on the weights it is
