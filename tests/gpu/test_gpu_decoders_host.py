@@ -142,18 +142,15 @@ def mma_emu(tmp_path_factory):
     return build_mma_emu(tmp_path_factory)
 
 
-def run_mma_emu(d, exe, name, x, out, sms=None, reverse_blocks=False):
+def run_mma_emu(d, exe, name, x, out, sms=None):
     """The emulated GEMV of w.bin (one weight of `out` rows, or a group: a list of row counts, the
-    weights' rows one after the other in w.bin) against x: y [n, out], or a list of [n, out_i]. The
-    harness also checks the kernel's split sums against a serial sum of its partials and its split
-    counters re-armed (and fails otherwise); reverse_blocks runs the blocks last to first."""
+    weights' rows one after the other in w.bin) against x: y [n, out], or a list of [n, out_i]."""
     n, k = x.shape
     outs = out if isinstance(out, list) else [out]
     np.ascontiguousarray(x).astype(np.float32).tofile(d / "x.bin")
     env = dict(os.environ)
     if sms is not None:
         env["SPECD_EMU_SMS"] = str(sms)
-    env["SPECD_EMU_REVERSE_BLOCKS"] = "1" if reverse_blocks else "0"
     subprocess.run([str(exe), name, str(n), str(k), ",".join(map(str, outs)), str(d / "w.bin"), str(d / "x.bin"),
                     str(d / "y.bin")], check=True, env=env)
     flat = np.fromfile(d / "y.bin", np.float32)
@@ -274,25 +271,6 @@ def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, rng, 
         base = run_mma_emu(*mma_emu, name, x[:n], out, sms=1)
         deep = run_mma_emu(*mma_emu_deep_ring, name, x[:n], out, sms=1)
         assert np.array_equal(base.view(np.uint32), deep.view(np.uint32)), f"{name} n={n}"
-
-
-@pytest.mark.parametrize("name", ["Q8_0", "Q5_K", "IQ4_XS_T", "Q6_K_T"])
-def test_gpu_mma_split_sums_do_not_depend_on_block_order(mma_emu, rng, name):
-    """Split-K in one kernel (sum_splits_if_last): whichever block of a row block finishes last sums
-    its splits, split 0 first. The blocks run first to last (the last split's block sums) and last to
-    first (split 0's block sums) give the same rows bit for bit, for a grouped launch of two weights
-    (their own counters) with many splits on one SM and a ragged last row block; each run also checks
-    its sums against a serial sum of the partials and its counters back at zero."""
-    d, exe = mma_emu
-    k, outs = 4096, [80, 48]
-    raw, _ = weight(rng, name.removesuffix("_T"), sum(outs), k, False)
-    np.ascontiguousarray(raw).tofile(d / "w.bin")
-    x = rng.standard_normal((16, k)).astype(np.float32)
-    for n in (1, 3, 16):
-        fwd = run_mma_emu(d, exe, name, x[:n], outs, sms=1)
-        rev = run_mma_emu(d, exe, name, x[:n], outs, sms=1, reverse_blocks=True)
-        for a, b in zip(fwd, rev):
-            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{name} n={n}"
 
 
 @pytest.mark.parametrize("scale_exp", [-110, -116, -125])

@@ -1,7 +1,7 @@
 // Variant sweep of the tensor-core GEMV (issue 7). tools/device/gemv_sweep.sh compiles this file once
 // per variant, with -D overrides of the tuning constants at the top of native/src/gpu/matmul_mma.cuh,
-// and runs each binary on the GPU: it times one GEMV call (split_x_kernel + mma_gemv_kernel, exactly
-// the launches of detail::mma::gemv) per format, weight shape and width,
+// and runs each binary on the GPU: it times one GEMV call (split_x_kernel + mma_gemv_kernel +
+// sum_splits_kernel, exactly the launches of detail::mma::gemv) per format, weight shape and width,
 // rotating over enough weight copies that every call streams its weights from HBM, and prints one
 // tab-separated line per case with the microseconds per call, the weight bytes per second and their
 // ratio to the device-to-device copy bandwidth measured at start-up, plus a checksum of the outputs

@@ -38,9 +38,8 @@
 //   registers, as deep as a register budget allows, mma::units_ahead: none for Q6_K, none for Q4_K /
 //   Q5_K from two tiles on, none at 5-6 tiles but for BF16). Splits depend
 //   only on (out, in, format, the device's multiprocessor count): about 16 blocks per multiprocessor
-//   (3-5 resident, mma::min_blocks: several waves of latency-bound warps), at least 4 units each; split partials go to a scratch buffer, and the
-//   block that completes its row block's count (an atomic counter) sums them split 0 first
-//   (mma::sum_splits_if_last; values are never accumulated atomically).
+//   (3-5 resident, mma::min_blocks: several waves of latency-bound warps), at least 4 units each; split partials go to a scratch buffer and are summed split 0 first by a
+//   second kernel (never atomics).
 // * Batch invariance: a column's arithmetic (its terms and scale, the integer MMAs and IMADs, the
 //   super-block float steps, the split walk and sum, the term sum) is the same in every instance and
 //   depends on no other column; integer sums have no order. So row i of y is bit-identical whatever n

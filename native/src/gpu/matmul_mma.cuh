@@ -937,28 +937,8 @@ struct Group {
   const uint8_t* w[kMaxGroup] = {};
   int64_t row_bytes[kMaxGroup] = {}, out[kMaxGroup] = {}, per_split[kMaxGroup] = {};
   float* dst[kMaxGroup] = {};                 // split partials [splits][n][out] (or y when one split)
-  float* y[kMaxGroup] = {};                   // y [n][out] of a weight with several splits
-  int splits[kMaxGroup] = {};
-  int64_t ctr0[kMaxGroup] = {};               // its row blocks' split counters: split_counters() + ctr0 + rb
   int64_t block0[kMaxGroup + 1] = {};         // first flat block of each weight; block0[count] = grid
 };
-
-// Completion counters of split-K row blocks (sum_splits_if_last): one per row block of each weight
-// with several splits in a launch, zero between launches (the block that sums a row block re-arms
-// its counter). The launches of one module share them: the library's single stream orders them, and
-// a kernel's counters are touched only after its PDL wait, which returns once the kernels before it
-// have completed. Splits > 1 needs row blocks <= kBlocksPerSM / 2 per multiprocessor, so a launch
-// needs at most kMaxGroup * kBlocksPerSM / 2 counters per multiprocessor (plan_group checks).
-constexpr int64_t kSplitCounters = int64_t(1) << 15;
-#ifdef SPECD_HOST_EMU
-inline int* split_counters() {
-  static int c[kSplitCounters];
-  return c;
-}
-#else
-static __device__ int g_split_counters[kSplitCounters];
-__device__ __forceinline__ int* split_counters() { return g_split_counters; }
-#endif
 
 // This block's weight wi (the last whose first block is <= blockIdx.x), row block and split.
 struct GroupBlock {
@@ -1030,57 +1010,6 @@ struct RowSource<F, true> {
   }
 };
 
-// p[0] + p[stride] + ... + p[(splits - 1) stride] (F32), added in that order, whoever sums them (batch
-// invariance); loaded 8 at a time from L2 (other blocks wrote them) so the round trips overlap.
-__device__ __forceinline__ float sum_split_partials(const float* p, int64_t stride, int splits) {
-  constexpr int kBatch = 8;
-  float v = 0.0f;
-#pragma unroll 1
-  for (int k0 = 0; k0 < splits; k0 += kBatch) {
-    float t[kBatch];
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) t[i] = k0 + i < splits ? __ldcg(p + int64_t(k0 + i) * stride) : 0.0f;
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i)
-      if (k0 + i < splits) v = k0 + i == 0 ? t[i] : __fadd_rn(v, t[i]);
-  }
-  return v;
-}
-
-// y[r][row] = the sum of the partials part[k][r][row] (k < splits, [splits][n][out]) for rows row0 ..
-// row0 + 63 (< out) of every row r of x, by the block's threads. Not inlined: its loop would take
-// registers from the unit loop in the kernel's register allocation (ptxas: 80 bytes of spills in
-// tiled IQ4_XS's 4-tile instance); called at the kernel's end, nothing else is live.
-__device__ __noinline__ void sum_row_block(const float* part, float* y, int64_t out, int64_t row0, int n, int splits) {
-  for (int e = threadIdx.x; e < n * kRowsPerBlock; e += kWarps * 32) {
-    const int64_t row = row0 + e % kRowsPerBlock, j = int64_t(e / kRowsPerBlock) * out + row;
-    if (row < out) y[j] = sum_split_partials(part + j, int64_t(n) * out, splits);
-  }
-}
-
-// Split-K without a second kernel: a block of a weight with several splits counts itself done on its
-// row block's counter once its partials are stored (release: barrier, then thread 0's fence and
-// atomic, as CUTLASS's split-K semaphore); the block that completes the count sums the row block's
-// partials split 0 first (sum_split_partials) into y and re-arms the counter. The same adds in the
-// same order as a separate sum kernel, so results do not depend on which block sums or when.
-__device__ __forceinline__ void sum_splits_if_last(const Group& g_, int n) {
-  const GroupBlock gb = locate(g_);
-  const int splits = g_.splits[gb.wi];
-  if (splits <= 1) return;  // the same for the whole block
-  __shared__ int last;
-  int* ctr = split_counters() + g_.ctr0[gb.wi] + gb.rb;
-  __syncthreads();  // every warp's partials stored
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(ctr, 1) == splits - 1;
-    if (last) __threadfence();  // acquire: the other blocks' partials are read after this
-  }
-  __syncthreads();
-  if (!last) return;
-  sum_row_block(g_.dst[gb.wi], g_.y[gb.wi], g_.out[gb.wi], gb.rb * kRowsPerBlock, n, splits);
-  if (threadIdx.x == 0) *ctr = 0;
-}
-
 // One block: kWarps warps, warp w owns rows row0 + 16 w .. + 15 of its weight (lane rows g, g + 8) and
 // all rows of x, over units [u_begin, u_end) of its split, in order (units_ahead units loading ahead).
 template <class F, int NT>
@@ -1134,7 +1063,6 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
     }
   }
   store_partials<NT>(accf, part[warp], g_, warp, lane, n);
-  sum_splits_if_last(g_, n);
 }
 
 // Splits of the reduction dimension for a weight of `out` rows and `nunits` units, on `sms`
@@ -1151,6 +1079,28 @@ inline int64_t units_per_split(int64_t out, int64_t nunits, int64_t sms) {
   return std::max<int64_t>(per, 1);
 }
 
+// Sums of the split partials of a group (the weights with more than one split): element e of the
+// flat range is element e - elem0[i] of weight i; y = split 0 + split 1 + ... (fixed order).
+struct SplitSums {
+  int count = 0;
+  const float* part[kMaxGroup] = {};
+  float* y[kMaxGroup] = {};
+  int splits[kMaxGroup] = {};
+  int64_t elem0[kMaxGroup + 1] = {};
+};
+
+// Element e (< elem0[count]) of the flat range of a SplitSums: split 0 + split 1 + ... in order.
+__host__ __device__ inline void sum_splits_at(const SplitSums& s_, int64_t e) {
+  int i = 0;
+  for (int k = 1; k < kMaxGroup; ++k)
+    if (k < s_.count && e >= s_.elem0[k]) i = k;
+  const int64_t j = e - s_.elem0[i], count = s_.elem0[i + 1] - s_.elem0[i];
+  const float* part = s_.part[i];
+  float v = part[j];
+  for (int k = 1; k < s_.splits[i]; ++k) v += part[int64_t(k) * count + j];  // plain adds: nothing to contract
+  s_.y[i][j] = v;
+}
+
 // One weight of a grouped launch: its bytes, row bytes and rows, and its output y [n, out] (F32).
 struct GroupWeight {
   const uint8_t* w;
@@ -1159,33 +1109,31 @@ struct GroupWeight {
 };
 
 // The launch plan of weights ws[0 .. count) (count <= kMaxGroup; format units of `unit_elems`
-// inputs) against n rows of x on `sms` multiprocessors: the kernel's Group (each weight's split, its
-// flat blocks, and for the weights with several splits their partials in scratch(bytes) buffers,
-// which the caller keeps alive until the kernel ran, and their split counters). Shared by the launch
-// and the host emulation.
+// inputs) against n rows of x on `sms` multiprocessors: the kernel's Group (each weight's split,
+// its flat blocks) and the SplitSums of the weights with several splits, whose partials go to
+// scratch(bytes) buffers (the caller keeps them alive until the sums ran). Shared by the launch and
+// the host emulation.
 template <class Scratch>
 inline void plan_group(const GroupWeight* ws, int count, int64_t in, int unit_elems, int n, int64_t sms,
-                       const Scratch& scratch, Group& grp) {
+                       const Scratch& scratch, Group& grp, SplitSums& sums) {
   const int64_t nunits = in / unit_elems;
   grp = Group{};
+  sums = SplitSums{};
   grp.count = count;
-  int64_t counters = 0;
   for (int i = 0; i < count; ++i) {
     const GroupWeight& wt = ws[i];
     const int64_t per = units_per_split(wt.out, nunits, sms);
     const int64_t splits = (nunits + per - 1) / per, row_blocks = (wt.out + kRowsPerBlock - 1) / kRowsPerBlock;
     grp.w[i] = wt.w, grp.row_bytes[i] = wt.row_bytes, grp.out[i] = wt.out, grp.per_split[i] = per;
-    grp.dst[i] = wt.y, grp.splits[i] = int(splits);
+    grp.dst[i] = wt.y;
     if (splits > 1) {
       grp.dst[i] = scratch(size_t(splits * n * wt.out) * sizeof(float));
-      grp.y[i] = wt.y, grp.ctr0[i] = counters;
-      counters += row_blocks;
+      sums.part[sums.count] = grp.dst[i], sums.y[sums.count] = wt.y, sums.splits[sums.count] = int(splits);
+      sums.elem0[sums.count + 1] = sums.elem0[sums.count] + int64_t(n) * wt.out;
+      ++sums.count;
     }
     grp.block0[i + 1] = grp.block0[i] + row_blocks * splits;
   }
-  SPECD_CHECK(counters <= kSplitCounters, "matmul: a GEMV launch needs ", counters, " split counters, more than the ",
-              kSplitCounters, " there are (more than ", kSplitCounters / (kMaxGroup * kBlocksPerSM / 2),
-              " multiprocessors?)");
 }
 
 // Bytes of the split x of `in` inputs (any n <= 16): xb, xs, xm, each 16-byte aligned.
@@ -1210,6 +1158,12 @@ struct XSizes {
 };
 
 #ifndef SPECD_HOST_EMU
+__global__ void sum_splits_kernel(const SplitSums s_) {
+  detail::pdl_enter();
+  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e < s_.elem0[s_.count]) sum_splits_at(s_, e);
+}
+
 // The views of the split x of n rows of `in` inputs laid out at base (XSizes(in).total() bytes).
 inline XView x_view(const uint8_t* base, int64_t in, int n) {
   const XSizes sz(in);
@@ -1241,17 +1195,22 @@ void launch_split_x(const In& src, int64_t in, int n, uint8_t* base, cudaStream_
 }
 
 // One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x on
-// `sms` multiprocessors (the split partials summed by the kernel: sum_splits_if_last); scratch(bytes)
-// -> float* buffers for the partials, alive until the kernel ran.
+// `sms` multiprocessors, then one launch summing the split partials of those with several splits;
+// scratch(bytes) -> float* buffers for the partials, alive until those kernels ran.
 template <class F, int NT, class Scratch>
 void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n, int64_t sms, const Scratch& scratch,
             cudaStream_t s) {
   const int64_t nunits = in / F::kUnitElems;
   Group grp;
-  plan_group(ws, count, in, F::kUnitElems, n, sms, scratch, grp);
+  SplitSums sums;
+  plan_group(ws, count, in, F::kUnitElems, n, sms, scratch, grp, sums);
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
   detail::launch_kernel<mma_gemv_kernel<F, NT>>("mma_gemv_kernel", unsigned(grp.block0[count]), kWarps * 32, 0, s, grp,
                                                 nunits, xv, n);
+  if (sums.count > 0) {
+    const int64_t total = sums.elem0[sums.count];
+    detail::launch_kernel<sum_splits_kernel>("sum_splits_kernel", unsigned((total + 255) / 256), 256, 0, s, sums);
+  }
 }
 
 // dst (IQ4_XS_TILED / Q4_K_TILED) = src (IQ4_XS / Q4_K [out, nunits * 256], row-major, 4-byte aligned, out %

@@ -10,14 +10,12 @@
 // usage: mma_emu FORMAT n in out[,out...] w.bin x.bin y.bin   (x: F32 [n, in]; y: F32 [n, out]; w: the
 // weights row-major as in GGUF; FORMAT IQ4_XS_T / Q4_K_T / Q6_K_T packs them into the tiled layout,
 // then runs IQ4T / Q4T / Q6T; BF16 (in % 64 == 0) runs BF16U on its own x split, split_x_bf16_kernel)
-#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
-#include <numeric>
 #include <string>
 #include <vector>
 
@@ -83,33 +81,9 @@ void pack_q6_k_tiles(const uint8_t* src, int64_t out, int64_t nunits, uint8_t* d
     }
 }
 
-// The kernel's split sums (mma::sum_splits_if_last) against a serial sum of the partials it stored,
-// split 0 first, bit for bit, and every split counter re-armed to zero; exits 1 on a difference.
-void check_split_sums(const specd::gpu::detail::mma::Group& grp, int n) {
-  using namespace specd::gpu::detail::mma;
-  for (int i = 0; i < grp.count; ++i) {
-    if (grp.splits[i] <= 1) continue;
-    const int64_t m = int64_t(n) * grp.out[i];
-    for (int64_t j = 0; j < m; ++j) {
-      float v = grp.dst[i][j];
-      for (int k = 1; k < grp.splits[i]; ++k) v += grp.dst[i][k * m + j];
-      if (std::memcmp(&v, &grp.y[i][j], sizeof v) != 0) {
-        std::fprintf(stderr, "weight %d element %lld: split sum %g, serial sum %g\n", i, (long long)j, grp.y[i][j], v);
-        std::exit(1);
-      }
-    }
-  }
-  for (int64_t c = 0; c < kSplitCounters; ++c)
-    if (split_counters()[c] != 0) {
-      std::fprintf(stderr, "split counter %lld left at %d\n", (long long)c, split_counters()[c]);
-      std::exit(1);
-    }
-}
-
 // The weights (each out[i] rows, stored one after the other in w) against x as one grouped launch
-// planned by mma::plan_group (flat grid, each weight's own split; the launch's own planner), its
-// blocks in order or, with SPECD_EMU_REVERSE_BLOCKS=1, last to first (so another block of each row
-// block sums its splits), then check_split_sums.
+// planned by mma::plan_group (flat grid, each weight's own split; the launch's own planner), then
+// the split sums of mma::sum_splits_at (the sum kernel's element function).
 template <class F>
 void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std::vector<float>& x, int n,
          const std::vector<int64_t>& outs, std::vector<float>& y) {
@@ -161,18 +135,15 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   }
   std::vector<std::vector<float>> scratch;
   Group grp;
+  SplitSums sums;
   plan_group(ws.data(), int(outs.size()), in, F::kUnitElems, n, sms,
              [&](size_t bytes) {
                scratch.emplace_back(bytes / sizeof(float), NAN);
                return scratch.back().data();
-             }, grp);
+             }, grp, sums);
   const auto kernel = with_tiles(n, [](auto nt) { return mma_gemv_kernel<F, decltype(nt)::value>; });
-  std::vector<int64_t> order(static_cast<size_t>(grp.block0[grp.count]));
-  std::iota(order.begin(), order.end(), int64_t(0));
-  const char* reverse = std::getenv("SPECD_EMU_REVERSE_BLOCKS");
-  if (reverse && std::string(reverse) == "1") std::reverse(order.begin(), order.end());
-  emulate_blocks(order, kWarps * 32, [&] { kernel(grp, nunits, xv, n); }, [](int64_t) {});
-  check_split_sums(grp, n);
+  emulate(grp.block0[grp.count], kWarps * 32, [&] { kernel(grp, nunits, xv, n); });
+  for (int64_t e = 0; e < sums.elem0[sums.count]; ++e) sum_splits_at(sums, e);
 }
 
 // `mma_emu lookup`: checks of the byte permute the IQ4_XS lookups are made of, then of the lookups

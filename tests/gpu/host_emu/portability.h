@@ -8,7 +8,6 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __noinline__ inline
 #define __restrict__
 struct uint4 { uint32_t x, y, z, w; };
 struct uint2 { uint32_t x, y; };

@@ -8,13 +8,12 @@
 // instruction's barrier, which every lane reaches after reading the slot). mma.sync m16n8k32 s8 -> s32
 // (exact integers, as the hardware), mma.sync m16n8k16 f16 -> f32 (products exact, summed in double and
 // rounded once), mma.sync m16n8k8 tf32 -> f32 (operands truncated to tf32, products exact, summed in double and
-// rounded once), ldmatrix .x4 (and .trans), shuffles, __syncwarp, atomicAdd on an int (shared or global); __syncthreads is a block barrier,
+// rounded once), ldmatrix .x4 (and .trans), shuffles, __syncwarp, atomicAdd on an int; __syncthreads is a block barrier,
 // cp.async an immediate copy, __shared__ arrays are statics (one block at a time) and dynamic shared
 // memory is specd_emu_dyn_smem (set by the harness).
 #pragma once
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -22,7 +21,6 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
-#include <numeric>
 #include <thread>
 #include <vector>
 
@@ -79,18 +77,6 @@ inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
-template <class T>
-inline T __ldcg(const T* p) { return *p; }
-// Blocks run one at a time: a fence orders nothing more than the emulation already does.
-inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
-// A failed host-side check of a header (specd/error.h's SPECD_CHECK in the library): print, abort.
-#define SPECD_CHECK(cond, ...)                                          \
-  do {                                                                  \
-    if (!(cond)) {                                                      \
-      std::fprintf(stderr, "SPECD_CHECK failed: %s\n", #cond);          \
-      std::abort();                                                     \
-    }                                                                   \
-  } while (0)
 inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
 inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return uint4{x, y, z, w}; }
 struct float2 {
@@ -265,7 +251,7 @@ inline int __shfl_up_sync(unsigned mask, int v, int delta) {
   return lane >= delta ? got : v;
 }
 #define SPECD_SHFL_UP(v, delta) __shfl_up_sync(0xffffffffu, (v), (delta))
-// atomicAdd on an int (shared or global memory): a sequentially consistent fetch_add.
+// atomicAdd on an int (shared memory in the kernels): a sequentially consistent fetch_add.
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
 inline void __syncwarp() {
@@ -274,13 +260,12 @@ inline void __syncwarp() {
 }
 inline void __syncthreads() { tl_block->arrive_and_wait(); }
 
-// Runs fn() on the blocks listed in `order` (block indices, in that order) of `threads` threads each
-// (warps of 32 with their exchange barrier, a block barrier), one block at a time (the kernels'
-// __shared__ arrays are statics). before_block(b), when given, runs on the calling thread before block
-// b starts (e.g. to poison shared memory).
+// Runs fn() on `blocks` blocks of `threads` threads (warps of 32 with their exchange barrier, a block
+// barrier), one block at a time (the kernels' __shared__ arrays are statics). before_block(b), when
+// given, runs on the calling thread before block b starts (e.g. to poison shared memory).
 template <class Fn, class Before>
-void emulate_blocks(const std::vector<int64_t>& order, int threads, const Fn& fn, const Before& before_block) {
-  for (const int64_t b : order) {
+void emulate(int64_t blocks, int threads, const Fn& fn, const Before& before_block) {
+  for (int64_t b = 0; b < blocks; ++b) {
     before_block(b);
     std::vector<WarpShared> warps(size_t(threads / 32));
     for (auto& s : warps) s.bar = std::make_unique<std::barrier<>>(32);
@@ -296,13 +281,6 @@ void emulate_blocks(const std::vector<int64_t>& order, int threads, const Fn& fn
       });
     for (auto& t : th) t.join();
   }
-}
-// Blocks 0 .. blocks - 1 in order.
-template <class Fn, class Before>
-void emulate(int64_t blocks, int threads, const Fn& fn, const Before& before_block) {
-  std::vector<int64_t> order(static_cast<size_t>(blocks));
-  std::iota(order.begin(), order.end(), int64_t(0));
-  emulate_blocks(order, threads, fn, before_block);
 }
 template <class Fn>
 void emulate(int64_t blocks, int threads, const Fn& fn) {
