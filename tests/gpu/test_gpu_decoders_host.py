@@ -252,8 +252,7 @@ def test_gpu_mma_iq4_lookups_on_host(mma_emu):
 def mma_emu_deep_ring(tmp_path_factory):
     """The emulation with the sweep's deepest ring (tools/device/gemv_sweep.sh variants): up to 8 units
     loading ahead in a 160-register ring at one tile and 3 resident blocks (mma::min_blocks and
-    units_ahead scale the rest: two tiles 100 registers at 4 blocks, row-major Q6_K 160 at 3;
-    3-4 tiles 120 at 2)."""
+    units_ahead scale the rest: two tiles 100 registers at 4 blocks, 3-4 tiles 120 at 2)."""
     return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_RING_REGS=160", "-DSPECD_MMA_MAX_AHEAD=8",
                          "-DSPECD_MMA_MIN_BLOCKS=3")
 

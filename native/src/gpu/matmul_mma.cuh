@@ -168,7 +168,7 @@ __device__ __forceinline__ void bmma(float (&d)[4], const uint32_t (&a)[4], uint
 // that byte's sign replicated when the nibble's bit 3 is set; only the low 16 bits of sel count.
 // __byte_perm documents 3-bit selectors, so nvcc masks every selector it cannot prove clean (an
 // extra instruction per permute); the callers here pass selectors with bit 3 clear, except
-// IQ4TableRecoded, which uses the sign mode.
+// IQ4TableRecoded and sbyte, which use the sign mode.
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 #if defined(SPECD_HOST_EMU)
   return __byte_perm(a, b, sel & 0xffffu);
@@ -209,8 +209,9 @@ __device__ __forceinline__ T ldw(const uint8_t* p) {
 
 // Byte i (0..3) of v, unsigned.
 __device__ __forceinline__ int ubyte(uint32_t v, int i) { return int(prmt(v, 0u, 0x4440u | uint32_t(i))); }
-// Byte i of v as a signed int8.
-__device__ __forceinline__ int sbyte(uint32_t v, int i) { return int(int8_t(uint8_t(v >> (8 * i)))); }
+// Byte i (0..3) of v as a signed int8: byte i, then its sign replicated (one PRMT for a constant i; the
+// shift and sign extension of int8_t(v >> 8 i) take two instructions for i = 1, 2).
+__device__ __forceinline__ int sbyte(uint32_t v, int i) { return int(prmt(v, 0u, 0x8880u | 0x1111u * uint32_t(i))); }
 
 // Exact float of an integer with |v| < 2^22 (magic-number trick: two full-rate instructions instead
 // of the quarter-rate converter).
@@ -722,49 +723,36 @@ struct LightUnit : std::false_type {};
 template <class F>
 struct LightUnit<F, std::void_t<decltype(F::kLightUnit)>> : std::bool_constant<F::kLightUnit> {};
 
-// Whether F's two-tile instance (3-5 rows of x) runs at one block more per multiprocessor than the
-// one-tile instance (SPECD_MMA_MIN_BLOCKS + 1: <= 96 registers a thread) with 5/8 of the ring. Not
-// row-major Q6_K, whose two-tile body spills 44 bytes at 96 registers and none at 128 (ptxas -v): it
-// keeps SPECD_MMA_MIN_BLOCKS and the whole ring. Row-major Q6_K is every Q6_K output head (the head
-// stays row-major: target_worker/device.py).
-template <class F>
-__host__ __device__ constexpr bool two_tiles_one_block_more() {
-  return !std::is_same_v<F, Q6U>;
-}
-
 // Resident blocks per multiprocessor an instance is compiled for: SPECD_MMA_MIN_BLOCKS (4: <= 128
-// registers a thread) for one tile, one more for two (two_tiles_one_block_more), one fewer for three
-// and more (4 .. 6 tiles: 16 .. 24 accumulators; 3 blocks: <= 168 registers). Two tiles at 5 blocks
-// (tiled IQ4_XS and Q6_K, the Q5_K head: the random 27B's mix): verify at 4 rows 9.52-9.60 -> 9.32-9.34
-// ms (H200, session of 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's GEMV 4 %
-// slower, at 6 blocks 15 %. ptxas spills a few bytes in some instances at these caps (row-major IQ4_XS
-// 2 / 4 tiles 16 / 8, tiled IQ4_XS 4 tiles 8, Q4_K / Q5_K 5-6 tiles 12-44).
-template <class F, int NT>
+// registers a thread) for one tile, one more for two (<= 96, with 5/8 of the ring: units_ahead), one
+// fewer for three and more (4 .. 6 tiles: 16 .. 24 accumulators; 3 blocks: <= 168 registers). Two tiles
+// at 5 blocks (tiled IQ4_XS and Q6_K, the Q5_K head: the random 27B's mix): verify at 4 rows 9.52-9.60
+// -> 9.32-9.34 ms (H200, session of 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's
+// GEMV 4 % slower, at 6 blocks 15 %. ptxas spills a few bytes in some instances at these caps
+// (row-major IQ4_XS 2 / 4 tiles 16 / 8, tiled IQ4_XS 4 tiles 8, Q4_K / Q5_K 5-6 tiles 12-44).
+template <int NT>
 __host__ __device__ constexpr int min_blocks() {
-  if constexpr (NT == 1) return SPECD_MMA_MIN_BLOCKS;
-  else if constexpr (NT == 2) return two_tiles_one_block_more<F>() ? SPECD_MMA_MIN_BLOCKS + 1 : SPECD_MMA_MIN_BLOCKS;
-  else return SPECD_MMA_MIN_BLOCKS - 1;
+  return NT == 1 ? SPECD_MMA_MIN_BLOCKS : NT == 2 ? SPECD_MMA_MIN_BLOCKS + 1 : SPECD_MMA_MIN_BLOCKS - 1;
 }
 static_assert(SPECD_MMA_MIN_BLOCKS >= 2, "SPECD_MMA_MIN_BLOCKS: the 3+ tile instances take one block fewer");
 static_assert((SPECD_MMA_MIN_BLOCKS + 1) * kWarps * 32 <= 2048,
               "SPECD_MMA_MIN_BLOCKS: the two-tile instances' blocks (one more) must fit a multiprocessor's 2048 threads");
 
-// Units a warp keeps loading ahead of the one it computes (software pipelining: before computing a
-// unit, the slot of the previous one is refilled with the unit kAhead later): as many as a register
-// budget for the raw words allows, with one unit's words being computed, 0 .. 4. The budget follows
-// the registers min_blocks leaves: SPECD_MMA_RING_REGS at one tile, and at two tiles unless they take a
-// block more (then 5/8 of it), 3/4 of it at 3-4 tiles. 0 (load one unit, then compute it) for 5 and 6
-// tiles: the old 6-tile instance's ~800-instruction unit body was doubled by the ring, unrolled over its
-// slots (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms with one unit ahead through register
-// copies, BENCHMARKS.md); 5 tiles follows it unmeasured on its own. Light units (BF16U) keep their ring
-// (a few instructions per unit).
+// Units a warp keeps loading ahead of the one it computes (software pipelining: before computing a unit,
+// the slot of the previous one is refilled with the unit kAhead later): as many as a register budget for
+// the raw words allows, with one unit's words being computed, 0 .. 4. The budget follows the registers
+// min_blocks leaves: SPECD_MMA_RING_REGS at one tile, 5/8 of it at two, 3/4 at 3-4. 0 (load one unit, then
+// compute it) for 5 and 6 tiles: the old 6-tile instance's ~800-instruction unit body was doubled by the
+// ring, unrolled over its slots (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms with one unit
+// ahead through register copies, BENCHMARKS.md); 5 tiles follows it unmeasured on its own. Light units
+// (BF16U) keep their ring (a few instructions per unit).
 template <class F, int NT>
 __host__ __device__ constexpr int units_ahead() {
   if constexpr (NT >= 5 && !LightUnit<F>::value) return 0;
   constexpr int regs = int(sizeof(typename F::Raw) / 4) * 2;  // the raw words of one unit, both rows
-  constexpr int budget = min_blocks<F, NT>() > SPECD_MMA_MIN_BLOCKS ? SPECD_MMA_RING_REGS * 5 / 8
-                         : NT <= 2                                 ? SPECD_MMA_RING_REGS
-                                                                   : SPECD_MMA_RING_REGS * 3 / 4;
+  constexpr int budget = NT == 1   ? SPECD_MMA_RING_REGS
+                         : NT == 2 ? SPECD_MMA_RING_REGS * 5 / 8
+                                   : SPECD_MMA_RING_REGS * 3 / 4;
   constexpr int ahead = budget / regs - 1;
   return ahead < 0 ? 0 : ahead > SPECD_MMA_MAX_AHEAD ? SPECD_MMA_MAX_AHEAD : ahead;
 }
@@ -1013,7 +1001,7 @@ struct RowSource<F, true> {
 // One block: kWarps warps, warp w owns rows row0 + 16 w .. + 15 of its weight (lane rows g, g + 8) and
 // all rows of x, over units [u_begin, u_end) of its split, in order (units_ahead units loading ahead).
 template <class F, int NT>
-__global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_kernel(const Group g_, int64_t nunits,
+__global__ void __launch_bounds__(kWarps * 32, min_blocks<NT>()) mma_gemv_kernel(const Group g_, int64_t nunits,
                                                                              const XView xv0, int n) {
   pdl_launch_dependents();  // the next kernel may launch; this one waits below, after its first weight loads
   const GroupBlock gb = locate(g_);
