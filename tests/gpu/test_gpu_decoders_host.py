@@ -240,7 +240,8 @@ def test_gpu_mma_gemv_emulated_tiled(mma_emu, rng, fmt, k, outs):
 
 def test_gpu_mma_iq4_lookups_on_host(mma_emu):
     """`mma_emu lookup`: the __byte_perm stand-in and mma::prmt against hand-computed PTX prmt.b32
-    results (the sign-replicating selectors included), then IQ4T's lookup of recoded words
+    results (the sign-replicating selectors included), mma::sbyte for every byte value at every
+    position, then IQ4T's lookup of recoded words
     (IQ4TableRecoded) against IQ4U's (IQ4Table) of the original words and against kvalues, for every
     16-bit half and 10^5 random words."""
     d, exe = mma_emu

@@ -14,9 +14,9 @@
 #     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 ring96:-DSPECD_MMA_RING_REGS=96,-DSPECD_MMA_MIN_BLOCKS=3
 #       ring128:-DSPECD_MMA_RING_REGS=128,-DSPECD_MMA_MIN_BLOCKS=3 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5"
 # (the flags set the one-tile instances; two tiles take one block more and 5/8 of the ring, three and four tiles
-# one block fewer and 3/4 of it, five and six one block fewer and no ring: matmul_mma.cuh, min_blocks /
-# units_ahead; so mb5 runs two tiles at 6 blocks; check build.log for spills: a 160-register ring at 3 blocks
-# per SM spills); weight loads without L1 allocation:
+# one block fewer and 3/4 of it, five and six one block fewer and no ring (BF16: 3/4 of it): matmul_mma.cuh,
+# min_blocks / units_ahead; so mb5 runs two tiles at 6 blocks; check build.log for spills: a 160-register ring at
+# 3 blocks per SM spills); weight loads without L1 allocation:
 #     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 nal:-DSPECD_MMA_WEIGHT_NOALLOC=1 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5"
 # With NCU_SOURCE=1 Nsight Compute also collects the SourceCounters section and writes each NCU variant's
 # per-SASS-instruction table (stall samples by reason) to ncu_src_NAME.csv (per-opcode summary, anywhere:

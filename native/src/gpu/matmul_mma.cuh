@@ -445,6 +445,7 @@ struct QK45U {
   static constexpr bool kTiled = false;
   static constexpr int kBlock = kQ5 ? 176 : 144, kQs = kQ5 ? 48 : 16;
   struct Raw {
+    static constexpr int kWords = 4 + 8 + (kQ5 ? 2 : 1);  // without the device's padding (RawWords)
     uint4 hdr;
     uint32_t q[8];               // q[2p + s] = qs[32p + 16s + 4t ..]
     uint32_t h[kQ5 ? 2 : 1];     // Q5_K: qh[4t ..], qh[16 + 4t ..]
@@ -725,7 +726,7 @@ struct LightUnit<F, std::void_t<decltype(F::kLightUnit)>> : std::bool_constant<F
 
 // Resident blocks per multiprocessor an instance is compiled for: SPECD_MMA_MIN_BLOCKS (4: <= 128
 // registers a thread) for one tile, one more for two (<= 96, with 5/8 of the ring: units_ahead), one
-// fewer for three and more (4 .. 6 tiles: 16 .. 24 accumulators; 3 blocks: <= 168 registers). Two tiles
+// fewer for three and more (3 .. 6 tiles: 12 .. 24 accumulators; 3 blocks: <= 168 registers). Two tiles
 // at 5 blocks (tiled IQ4_XS and Q6_K, the Q5_K head: the random 27B's mix): verify at 4 rows 9.52-9.60
 // -> 9.32-9.34 ms (H200, session of 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's
 // GEMV 4 % slower, at 6 blocks 15 %. ptxas spills a few bytes in some instances at these caps
@@ -738,18 +739,26 @@ static_assert(SPECD_MMA_MIN_BLOCKS >= 2, "SPECD_MMA_MIN_BLOCKS: the 3+ tile inst
 static_assert((SPECD_MMA_MIN_BLOCKS + 1) * kWarps * 32 <= 2048,
               "SPECD_MMA_MIN_BLOCKS: the two-tile instances' blocks (one more) must fit a multiprocessor's 2048 threads");
 
+// 32-bit words of one row's Raw: Raw::kWords where a uint4 member pads sizeof(Raw) on the device to a
+// multiple of 16 bytes (QK45U: 13 / 14 words in 64 bytes; the host emulation's uint4 has no such
+// alignment, so counting sizeof would give the two different ring depths), else sizeof(Raw) / 4.
+template <class Raw, class = void>
+struct RawWords : std::integral_constant<int, int(sizeof(Raw) / 4)> {};
+template <class Raw>
+struct RawWords<Raw, std::void_t<decltype(Raw::kWords)>> : std::integral_constant<int, Raw::kWords> {};
+
 // Units a warp keeps loading ahead of the one it computes (software pipelining: before computing a unit,
 // the slot of the previous one is refilled with the unit kAhead later): as many as a register budget for
 // the raw words allows, with one unit's words being computed, 0 .. 4. The budget follows the registers
-// min_blocks leaves: SPECD_MMA_RING_REGS at one tile, 5/8 of it at two, 3/4 at 3-4. 0 (load one unit, then
-// compute it) for 5 and 6 tiles: the old 6-tile instance's ~800-instruction unit body was doubled by the
-// ring, unrolled over its slots (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms with one unit
-// ahead through register copies, BENCHMARKS.md); 5 tiles follows it unmeasured on its own. Light units
-// (BF16U) keep their ring (a few instructions per unit).
+// min_blocks leaves: SPECD_MMA_RING_REGS at one tile, 5/8 of it at two, 3/4 at three and more. 0 (load one
+// unit, then compute it) for 5 and 6 tiles: the old 6-tile instance's ~800-instruction unit body was
+// doubled by the ring, unrolled over its slots (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms
+// with one unit ahead through register copies, BENCHMARKS.md); 5 tiles follows it unmeasured on its own.
+// Light units (BF16U) keep their ring (a few instructions per unit).
 template <class F, int NT>
 __host__ __device__ constexpr int units_ahead() {
   if constexpr (NT >= 5 && !LightUnit<F>::value) return 0;
-  constexpr int regs = int(sizeof(typename F::Raw) / 4) * 2;  // the raw words of one unit, both rows
+  constexpr int regs = RawWords<typename F::Raw>::value * 2;  // the raw words of one unit, both rows
   constexpr int budget = NT == 1   ? SPECD_MMA_RING_REGS
                          : NT == 2 ? SPECD_MMA_RING_REGS * 5 / 8
                                    : SPECD_MMA_RING_REGS * 3 / 4;
@@ -768,7 +777,7 @@ __device__ __forceinline__ void compute(const typename F::Raw (&raw)[2], int64_t
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int i = 0; i < int(sizeof(typename F::Raw) / 4); ++i) v ^= reinterpret_cast<const uint32_t*>(&raw[h])[i];
+      for (int i = 0; i < RawWords<typename F::Raw>::value; ++i) v ^= reinterpret_cast<const uint32_t*>(&raw[h])[i];
     accf[0][0] = __int_as_float(__float_as_int(accf[0][0]) ^ int(v));
   } else {
     F::template unit<NT>(raw, u, xv, accf);

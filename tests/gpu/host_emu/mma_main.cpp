@@ -173,6 +173,16 @@ int check_lookups() {
       ++bad;
     }
   }
+  // mma::sbyte (one sign-mode permute) against the int8 of the byte: every byte value at every position,
+  // the other bytes set.
+  for (int i = 0; i < 4; ++i)
+    for (uint32_t b = 0; b < 256; ++b) {
+      const uint32_t v = (0xA5C3E781u & ~(0xFFu << (8 * i))) | (b << (8 * i));
+      if (mma::sbyte(v, i) != int(int8_t(uint8_t(b)))) {
+        std::printf("sbyte(%08x, %d) = %d, want %d\n", v, i, mma::sbyte(v, i), int(int8_t(uint8_t(b))));
+        ++bad;
+      }
+    }
   // IQ4T's lookup of recoded words gives IQ4U's lookup of the original words (and kvalues), for every
   // value of the first 16 bits, then random words (both tables as every lane builds them).
   static const int8_t kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
