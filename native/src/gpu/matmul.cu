@@ -32,14 +32,14 @@
 // * k order: in each sub-block lane t feeds the MMA's k = 4t..4t+3 with the inputs 4t, 4t+16, 4t+1,
 //   4t+17 and k = 16+4t.. with 4t+2, 4t+18, 4t+3, 4t+19 (A and B alike): the order IQ4_XS's nibbles
 //   come out of a word, so its quants need no reordering; the byte formats reorder with one permute.
-// * Work: a block of 4 warps owns 64 output rows (each warp 16: lanes hold rows g, g + 8) and one
-//   split of the reduction dimension (units of 256 inputs, Q8_0 32); each weight byte is read once
-//   per call; the loads of the next units are in flight while a unit is computed (a ring of
-//   registers, as deep as a register budget allows, mma::units_ahead: none for Q6_K, none for Q4_K /
-//   Q5_K from two tiles on, none at 5-6 tiles but for BF16). Splits depend
-//   only on (out, in, format, the device's multiprocessor count): about 16 blocks per multiprocessor
-//   (3-5 resident, mma::min_blocks: several waves of latency-bound warps), at least 4 units each; split partials go to a scratch buffer and are summed split 0 first by a
-//   second kernel (never atomics).
+// * Work: a block of 4 warps owns 64 output rows (each warp 16: lanes hold rows g, g + 8) and one split
+//   of the reduction dimension (units of 256 inputs, Q8_0 32); each weight byte is read once per call;
+//   the loads of the next units are in flight while a unit is computed (a ring of registers, as deep as a
+//   register budget allows, mma::units_ahead: none for Q6_K, none for Q4_K / Q5_K from two tiles on, none
+//   at 5-6 tiles but for BF16). Splits depend only on (out, in, format, the device's multiprocessor
+//   count): about 16 blocks per multiprocessor (3-5 resident, mma::min_blocks: several waves of
+//   latency-bound warps), at least 4 units each; split partials go to a scratch buffer and are summed split 0
+//   first by a second kernel (never atomics).
 // * Batch invariance: a column's arithmetic (its terms and scale, the integer MMAs and IMADs, the
 //   super-block float steps, the split walk and sum, the term sum) is the same in every instance and
 //   depends on no other column; integer sums have no order. So row i of y is bit-identical whatever n
