@@ -445,10 +445,10 @@ struct QK45U {
   static constexpr bool kTiled = false;
   static constexpr int kBlock = kQ5 ? 176 : 144, kQs = kQ5 ? 48 : 16;
   struct Raw {
-    static constexpr int kWords = 4 + 8 + (kQ5 ? 2 : 1);  // without the device's padding (RawWords)
     uint4 hdr;
     uint32_t q[8];               // q[2p + s] = qs[32p + 16s + 4t ..]
     uint32_t h[kQ5 ? 2 : 1];     // Q5_K: qh[4t ..], qh[16 + 4t ..]
+    static constexpr int kWords = int(sizeof(hdr) + sizeof(q) + sizeof(h)) / 4;  // without the padding (RawWords)
   };
   __device__ __forceinline__ static Raw load(const uint8_t* __restrict__ row, int64_t u, int t) {
     const uint8_t* blk = row + u * kBlock;
