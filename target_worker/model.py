@@ -607,13 +607,15 @@ class Qwen35Model:
         ops, eps = self._ops, self.hp.rms_eps
         # The residual stream after layer i is h + ffn_out; that sum is formed by the norm that reads
         # it next (rms_norm's residual input: the same single F32 add, one launch fewer per layer).
-        h, d = None, ops.a(sn.embedding(self.token_embd, tokens, trusted=True))
+        # The out projections' and the FFN's outputs pass from op to op as split-K partials where mm
+        # hands them over so (mm.partials): the norm or SwiGLU reading them sums them, no sum launch.
+        h, d, d_parts = None, ops.a(sn.embedding(self.token_embd, tokens, trusted=True)), False
         taps, pending = {}, []
         for i, layer in enumerate(self.layers):
             # the attn_norm-ed stream's projections (the norm fused with their GEMV's input split)
             proj = [layer.attn_qkv, layer.attn_gate, layer.ssm_beta, layer.ssm_alpha] if self.hp.recurrent[i] \
                 else [layer.attn_q, layer.attn_k, layer.attn_v]
-            ys, x = mm.norm_group(d, layer.attn_norm, eps, proj, residual=h)
+            ys, x = mm.norm_group(d, layer.attn_norm, eps, proj, residual=h, in_partials=d_parts)
             if i - 1 in self.capture_layers:
                 taps[i - 1] = ops.a(x)
             ys = [ops.a(y) for y in ys]
@@ -623,12 +625,15 @@ class Qwen35Model:
                 mix, p = self._attention(i, layer, *ys, st, positions, rows, kv_len, tree, mm), None
             pending.append(p)
             (gate, up), h = mm.norm_group(mix, layer.post_attention_norm, eps, [layer.ffn_gate, layer.ffn_up],
-                                          residual=x)
-            d = ops.a(mm.swiglu(gate, up, layer.ffn_down))
+                                          residual=x, in_partials=mm.partials, partials=mm.partials)
+            d = ops.a(mm.swiglu(gate, up, layer.ffn_down, in_partials=mm.partials, partials=mm.partials))
+            d_parts = mm.partials
         feats = ops.cat([taps[i] for i in self.capture_layers], axis=1) if self.capture_layers else None
         if last_only:
+            if d_parts:  # the rows of the value, not of its partials
+                d, d_parts = ops.a(sn.sum_partials(d)), False
             h, d = ops.last_row(ops.a(h)) if h is not None else None, ops.last_row(d)
-        logits = self._logits(d, h)
+        logits = self._logits(d, h, d_parts)
         return logits, sn.argmax(logits), feats, pending  # the logits stay on the device until asked for
 
     @property
@@ -653,7 +658,7 @@ class Qwen35Model:
             a = sn.attention(q, kc, vc, kv_len, positions, causal=True, trusted=True, exact=mm.exact)
         else:
             a = sn.attention(q, kc, vc, kv_len, positions, causal=False, mask=tree.mask, trusted=True)
-        return ops.a(mm.gated(a, gate, layer.attn_output))  # the output gate fused with the split
+        return ops.a(mm.gated(a, gate, layer.attn_output, partials=mm.partials))  # the output gate fused with the split
 
     def _gdn(self, i, layer, m, z, b, a, st, tree, mm, in_place=False):
         """Gated DeltaNet of layer i from the qkv, gate (z), beta and alpha projections of its
@@ -683,7 +688,7 @@ class Qwen35Model:
                                              exact=False))
             else:
                 o = self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
-        out = ops.a(mm.gated_norm(o, layer.ssm_norm, hp.rms_eps, z, layer.ssm_out))  # norm fused with the split
+        out = ops.a(mm.gated_norm(o, layer.ssm_norm, hp.rms_eps, z, layer.ssm_out, partials=mm.partials))  # norm fused with the split
         return out, GDNPending(m, q, k, v, g, beta, state, conv_state)
 
     def _gdn_tree(self, s0, q, k, v, g, beta, tree):
@@ -697,10 +702,11 @@ class Qwen35Model:
             states.append(s)
         return ops.cat(outs)
 
-    def _logits(self, d, h):
+    def _logits(self, d, h, d_parts=False):
         """Logits of the rows of the final hidden state h + d (summed by the output norm; d alone when
-        h is None: no layers), on the model's device (numpy on the CPU)."""
-        (logits,), _ = _EXACT.norm_group(d, self.output_norm, self.hp.rms_eps, [self.output], residual=h)
+        h is None: no layers; d as split-K partials with ``d_parts``), on the model's device (numpy on the CPU)."""
+        (logits,), _ = _EXACT.norm_group(d, self.output_norm, self.hp.rms_eps, [self.output], residual=h,
+                                         in_partials=d_parts)
         return self._ops.a(logits)
 
     # ------------------------------------------------------------------ commit helpers
@@ -785,33 +791,40 @@ class _Linear:
     runs the projections of one normed input together (one GEMV launch per format, bit-identical to
     separate calls), ``gated`` the attention's out projection of its sigmoid-gated output, ``gated_norm``
     the Gated DeltaNet's out projection of its gated-normed output,
-    ``swiglu`` the FFN down projection of the SwiGLU."""
+    ``swiglu`` the FFN down projection of the SwiGLU.
+
+    ``partials`` (exact forwards: the GEMV's decode / verify widths): the forward hands the out
+    projections' and the FFN's outputs to the next op as split-K partials (it passes this as the
+    methods' ``partials`` and ``in_partials``): on the GPU the norm or SwiGLU that reads them sums them,
+    bit for bit as the GEMV's own sum kernel would, and that kernel's launch (one per GEMV) goes."""
 
     def __init__(self, exact: bool):
         self.exact = exact
+        self.partials = exact
 
     def __call__(self, x, w):
         return sn.matmul(x, w, exact=self.exact)
 
-    def norm_group(self, x, weight, eps, ws, residual=None):
+    def norm_group(self, x, weight, eps, ws, residual=None, in_partials=False, partials=False):
         """(sn.matmul_group(u, ws), h) with (u, h) = rms_norm of h = x + residual (or x): sn.rms_norm_matmul,
         whose GPU norm kernel also writes the GEMV's input split (one launch fewer, bit-identical)."""
-        return sn.rms_norm_matmul(x, weight, eps, ws, residual=residual, exact=self.exact)
+        return sn.rms_norm_matmul(x, weight, eps, ws, residual=residual, exact=self.exact, partials=partials,
+                                  in_partials=in_partials)
 
-    def gated(self, a, gate, w):
+    def gated(self, a, gate, w, partials=False):
         """mul_sigmoid(a, gate) (a [n, heads, d]) @ w^T: sn.mul_sigmoid_matmul, whose GPU x split computes the
         gate (one launch fewer, bit-identical)."""
-        return sn.mul_sigmoid_matmul(a, gate, [w], exact=self.exact)[0]
+        return sn.mul_sigmoid_matmul(a, gate, [w], exact=self.exact, partials=partials)[0]
 
-    def gated_norm(self, x, weight, eps, z, w):
+    def gated_norm(self, x, weight, eps, z, w, partials=False):
         """rms_norm_gated(x, weight, eps, z) (x, z [n, heads, d]) @ w^T: sn.rms_norm_gated_matmul, whose GPU
         x split computes the gated norm (one launch fewer, bit-identical)."""
-        return sn.rms_norm_gated_matmul(x, weight, eps, z, [w], exact=self.exact)[0]
+        return sn.rms_norm_gated_matmul(x, weight, eps, z, [w], exact=self.exact, partials=partials)[0]
 
-    def swiglu(self, gate, up, w):
+    def swiglu(self, gate, up, w, in_partials=False, partials=False):
         """swiglu(gate, up) @ w^T: sn.swiglu_matmul (the GEMV's input split, or in prefill the BF16 GEMM's
         input conversion, computes the SwiGLU)."""
-        return sn.swiglu_matmul(gate, up, [w], exact=self.exact)[0]
+        return sn.swiglu_matmul(gate, up, [w], exact=self.exact, partials=partials, in_partials=in_partials)[0]
 
 
 _EXACT, _INEXACT = _Linear(True), _Linear(False)

@@ -124,6 +124,7 @@ def build_mma_emu(tmp_path_factory, *defines):
         pytest.skip("no C++ compiler or no source tree")
     d = tmp_path_factory.mktemp("mma_emu")
     for src in (SRC, MMA_SRC, os.path.join(os.path.dirname(MMA_SRC), "pdl.cuh"),
+                os.path.join(os.path.dirname(MMA_SRC), "partials.cuh"),
                 os.path.join(HERE, "host_emu", "portability.h"),
                 os.path.join(HERE, "host_emu", "warp_emu.h"),
                 os.path.join(HERE, "host_emu", "mma_main.cpp")):

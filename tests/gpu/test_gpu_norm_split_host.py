@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_emu_build import build_emu  # noqa: E402
 
 HEADERS = ["norm_split.cuh", "dyn_smem.cuh", "matmul_mma.cuh", "weight_formats.cuh", "norm.cuh", "activations.cuh",
-           "warp_reduce.cuh", "pdl.cuh"]
+           "warp_reduce.cuh", "pdl.cuh", "partials.cuh"]
 FILES = ("x", "r", "w", "h", "split", "h_ref", "split_ref", "recon")
 
 

@@ -17,7 +17,7 @@ import pytest
 
 GPU_SRC = os.path.join(os.path.dirname(__file__), "..", "..", "native", "src", "gpu")
 # pdl.cuh's exceptions: kernels that load weights (uploads, which no kernel writes) before their wait
-EARLY_WEIGHT_LOADS = {"mma_gemv_kernel", "norm_split_kernel"}
+EARLY_WEIGHT_LOADS = {"mma_gemv_kernel", "norm_split_kernel", "norm_split_partials_kernel"}
 # functions a pdl_enter_prefetch() address argument may call: each computes an address from kernel
 # parameters and indices only (checked below: its body indexes and dereferences nothing)
 PREFETCH_HELPERS = {"gdn_block_state"}

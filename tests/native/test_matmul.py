@@ -241,3 +241,56 @@ def test_fused_matmul_bad_input(rng):
         sn.mul_sigmoid_matmul(x3, x3[:, :1], [w])
     with pytest.raises(ValueError, match="mul_sigmoid_matmul: gate must be F32"):
         sn.mul_sigmoid_matmul(x3, x3.astype(np.int32), [w])
+
+
+def test_sum_partials_on_the_cpu(rng):
+    """sum_partials adds split-K partials [S, ...] in order, each add rounded once in float32 (numpy's left
+    fold of float32 arrays), for S = 1 (part 0 itself), 2, 5, 17 and parts of 1..3 dimensions; bad partials
+    raise ValueError naming the op."""
+    for s, shape in ((1, (3, 8)), (2, (5,)), (5, (2, 3, 4)), (17, (1, 5120))):
+        p = (rng.standard_normal((s,) + shape) * 10.0 ** rng.integers(-3, 4, (s,) + shape)).astype(np.float32)
+        want = p[0].copy()
+        for k in range(1, s):
+            want = want + p[k]
+        got = sn.sum_partials(p)
+        assert got.shape == shape and np.array_equal(bits(got), want.view(np.uint32)), (s, shape)
+    with pytest.raises(ValueError, match=r"sum_partials: p must be split-K partials \[S, \.\.\.\]"):
+        sn.sum_partials(np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="sum_partials: p must hold 1 .. 65536 partials, got 0"):
+        sn.sum_partials(np.zeros((0, 4), np.float32))
+    with pytest.raises(ValueError, match="sum_partials"):
+        sn.sum_partials(np.zeros((2, 4), np.int32))
+
+
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_fused_matmuls_hand_over_partials_on_the_cpu(rng, n):
+    """partials=True on the CPU gives each output as its one part [1, n, out] (the output bit for bit), and
+    in_partials=True takes x (rms_norm_matmul) or gate and up (swiglu_matmul) as partials [S, n, d]: the
+    results equal the ops on sum_partials of them bit for bit; bad partials raise ValueError naming the op."""
+    d, heads = 256, 2
+    ws = [make_weight(rng, name, out, d)[0] for name, out in (("Q8_0", 7), ("IQ4_XS", 3), ("F32", 5))]
+    nw = sn.Tensor((1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+    p, pg, pu = (rng.standard_normal((4, n, d)).astype(np.float32) for _ in range(3))
+    r, a, z = (rng.standard_normal(shape).astype(np.float32) for shape in ((n, d), (n, heads, d // heads),
+                                                                         (n, heads, d // heads)))
+    x = sn.sum_partials(p).numpy()
+    for residual in (r, None):
+        ys, h = sn.rms_norm_matmul(p, nw, 1e-6, ws, residual=residual, partials=True, in_partials=True)
+        ys_ref, h_ref = sn.rms_norm_matmul(x, nw, 1e-6, ws, residual=residual)
+        assert np.array_equal(bits(h), bits(h_ref))
+        for y, want in zip(ys, ys_ref):
+            assert y.shape == (1,) + want.shape and np.array_equal(bits(y)[0], bits(want))
+    fused = sn.swiglu_matmul(pg, pu, ws, partials=True, in_partials=True)
+    for y, want in zip(fused, sn.swiglu_matmul(sn.sum_partials(pg), sn.sum_partials(pu), ws)):
+        assert y.shape == (1,) + want.shape and np.array_equal(bits(y)[0], bits(want))
+    for y, want in zip(sn.mul_sigmoid_matmul(a, z, ws, partials=True), sn.mul_sigmoid_matmul(a, z, ws)):
+        assert y.shape == (1,) + want.shape and np.array_equal(bits(y)[0], bits(want))
+    for y, want in zip(sn.rms_norm_gated_matmul(a, None, 1e-6, z, ws, partials=True),
+                       sn.rms_norm_gated_matmul(a, None, 1e-6, z, ws)):
+        assert y.shape == (1,) + want.shape and np.array_equal(bits(y)[0], bits(want))
+    with pytest.raises(ValueError, match=r"rms_norm_matmul: x must be split-K partials"):
+        sn.rms_norm_matmul(p[0, 0], None, 1e-6, ws, in_partials=True)
+    with pytest.raises(ValueError, match="residual shape differs"):
+        sn.rms_norm_matmul(p, None, 1e-6, ws, residual=r[:, :128].copy(), in_partials=True)
+    with pytest.raises(ValueError, match="swiglu_matmul: gate must hold 1 .. 65536 partials"):
+        sn.swiglu_matmul(pg[:0], pu[:0], ws, in_partials=True)

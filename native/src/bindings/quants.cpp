@@ -1,4 +1,5 @@
 // dequantize, quantize, matmul, embedding.
+#include <deque>
 #include <stdexcept>
 #include <string>
 
@@ -53,9 +54,68 @@ std::vector<Tensor> cpu_group(const Tensor& x, const std::vector<Tensor>& ws, co
   return ys;
 }
 
+// The CPU's `partials` outputs: each output as its one part [1, ...] (the CPU's matmul has no splits).
+std::vector<Tensor> cpu_partials(std::vector<Tensor> ys, bool partials) {
+  if (partials)
+    for (Tensor& y : ys) {
+      std::vector<int64_t> shape = y.shape;
+      shape.insert(shape.begin(), 1);
+      y = y.reshape(shape);
+    }
+  return ys;
+}
+
+// An `in_partials` input on the CPU: the value it stands for (cpu::sum_partials, errors naming op and arg).
+Tensor cpu_input(const Tensor& t, bool in_partials, const char* op, const char* arg) {
+  return in_partials ? cpu::sum_partials(t, op, arg) : t;
+}
+
+// doc followed by the paragraph on split-K partials that the ops taking `partials` share (kept alive for the
+// module's lifetime, as pybind keeps the pointer).
+const char* with_partials_doc(const char* doc) {
+  static std::deque<std::string> docs;
+  docs.push_back(std::string(doc) + R"doc(
+
+Split-K partials (the GEMV's per-split sums, handed from one op to the next instead of being summed by a
+kernel of their own): with partials=True each output comes as F32 [S, n, out_i] whose sum p[0] + p[1] + ...
++ p[S - 1], added in that order in F32, is the output bit for bit (sum_partials); S is the integer
+tensor-core GEMV's split count when it computed that output in one slice (GPU, 1 <= n <= 16, a Q8_0 /
+K-quant / IQ4_XS weight), else 1 (the output itself, with a leading axis: always on the CPU).)doc");
+  return docs.back().c_str();
+}
+
 }  // namespace
 
 void register_quants(py::module_& m) {
+  m.def(
+      "norm_reads_partials",
+      [](int64_t d) {
+#if SPECD_WITH_GPU
+        if (gpu::available()) return gpu::norm_reads_partials(d);
+#endif
+        (void)d;
+        return false;
+      },
+      py::arg("d"),
+      "Whether rms_norm_matmul's fused GPU norm reads split-K partials of rows of d itself on this device "
+      "(norm_split_partials_kernel: sm_90 code, d cut into a cluster of 2-8 blocks of 128 threads, a device that runs "
+      "such clusters); False without a GPU.");
+  m.def(
+      "sum_partials",
+      [](const py::object& p) {
+        Tensor pt = as_tensor(p, "sum_partials", "p");
+#if SPECD_WITH_GPU
+        if (pt.device == Device::GPU) return without_gil([&] { return gpu::sum_partials(pt); });
+#endif
+        return without_gil([&] { return cpu::sum_partials(pt); });
+      },
+      py::arg("p"),
+      R"doc(The value split-K partials stand for: p F32 [S, ...] contiguous (S >= 1, as the matmul ops give them
+with partials=True) -> p[0] + p[1] + ... + p[S - 1] of shape p.shape[1:], added in that order with each add
+rounded once in F32 (the order every op reading partials uses, so each equals the others bit for bit). S = 1:
+part 0 itself (a view, no copy). GPU: one launch. Raises ValueError on another dtype, fewer than 2 dimensions,
+a non-contiguous p, or S outside 1 .. 65536.)doc");
+
   m.def(
       "dequantize",
       [](const py::object& w) {
@@ -139,7 +199,7 @@ mismatch (naming ws[i]).)doc");
   m.def(
       "rms_norm_matmul",
       [](const py::object& x, std::optional<Tensor> weight, float eps, const py::sequence& ws,
-         std::optional<Tensor> residual, bool exact) {
+         std::optional<Tensor> residual, bool exact, bool partials, bool in_partials) {
         const char* op = "rms_norm_matmul";
         Tensor xt = as_tensor(x, op, "x");
         for (const auto* t : {&weight, &residual})
@@ -147,16 +207,17 @@ mismatch (naming ws[i]).)doc");
         std::vector<Tensor> wt = group_weights(xt, ws, op);
         auto [ys, h] = without_gil([&]() -> std::pair<std::vector<Tensor>, Tensor> {
 #if SPECD_WITH_GPU
-          if (xt.device == Device::GPU) return gpu::rms_norm_matmul(xt, weight, eps, wt, residual, exact);
+          if (xt.device == Device::GPU)
+            return gpu::rms_norm_matmul(xt, weight, eps, wt, residual, exact, partials, in_partials);
 #endif
-          auto [u, hh] = cpu::rms_norm(xt, weight, eps, residual);
-          return {cpu_group(u, wt, op), hh};
+          auto [u, hh] = cpu::rms_norm(cpu_input(xt, in_partials, op, "x"), weight, eps, residual);
+          return {cpu_partials(cpu_group(u, wt, op), partials), hh};
         });
         return py::make_tuple(ys, h);
       },
       py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("ws"), py::arg("residual") = py::none(),
-      py::arg("exact") = true,
-      R"doc(The projections of an RMS-normed hidden state: (ys, h) with ys = matmul_group(u, ws, exact)
+      py::arg("exact") = true, py::arg("partials") = false, py::arg("in_partials") = false,
+      with_partials_doc(R"doc(The projections of an RMS-normed hidden state: (ys, h) with ys = matmul_group(u, ws, exact)
 where u = rms_norm(x, weight, eps) of h = x + residual (with a residual) or of h = x (without).
 
 Arguments as for rms_norm and matmul_group (x F32 [n, d]; weight F32 [d] or None; ws [out_i, d]; all on
@@ -167,21 +228,32 @@ never stored (one kernel launch fewer per call, norm_split.cuh: norm_split_kerne
 in turn. On CUDA that kernel loads `weight`, and the GEMV `ws`, before the kernels queued before them
 have finished (programmatic dependent launch, native/src/gpu/pdl.cuh): a weight or ws written on the
 device by another op (not an upload or tile_for_gemv) must be complete first (gpu_synchronize).
-Raises ValueError as those ops do.)doc");
+in_partials=True: x is given as split-K partials [S, n, d] (below) and h is their sum (+ residual); when the
+norm is fused as above and norm_reads_partials(d) (sm_90 code, d cut into a cluster of 2-8 blocks of 128
+threads, a device that runs such clusters) the norm reads them itself, one thread-block cluster per row whose
+blocks together replay the one-block norm's sums in its order (norm_split_partials_kernel): no sum launch;
+otherwise sum_partials first. Raises ValueError as those ops do, and for partials sum_partials refuses.)doc"));
   m.def(
       "swiglu_matmul",
-      [](const py::object& gate, const py::object& up, const py::sequence& ws, bool exact) {
+      [](const py::object& gate, const py::object& up, const py::sequence& ws, bool exact, bool partials,
+         bool in_partials) {
         const char* op = "swiglu_matmul";
         Tensor gt = as_tensor(gate, op, "gate"), ut = as_tensor(up, op, "up");
         require_same_device(gt, ut, op);
+        SPECD_CHECK(gt.shape == ut.shape, op, ": gate and up must have the same shape");
         std::vector<Tensor> wt = group_weights(gt, ws, op);
 #if SPECD_WITH_GPU
-        if (gt.device == Device::GPU) return without_gil([&] { return gpu::swiglu_matmul(gt, ut, wt, exact); });
+        if (gt.device == Device::GPU)
+          return without_gil([&] { return gpu::swiglu_matmul(gt, ut, wt, exact, partials, in_partials); });
 #endif
-        return without_gil([&] { return cpu_group(cpu::swiglu(gt, ut), wt, op); });
+        return without_gil([&] {
+          const Tensor g = cpu_input(gt, in_partials, op, "gate"), u = cpu_input(ut, in_partials, op, "up");
+          return cpu_partials(cpu_group(cpu::swiglu(g, u), wt, op), partials);
+        });
       },
-      py::arg("gate"), py::arg("up"), py::arg("ws"), py::arg("exact") = true,
-      R"doc(matmul_group(swiglu(gate, up), ws, exact): the SwiGLU MLP's down projection (and any other
+      py::arg("gate"), py::arg("up"), py::arg("ws"), py::arg("exact") = true, py::arg("partials") = false,
+      py::arg("in_partials") = false,
+      with_partials_doc(R"doc(matmul_group(swiglu(gate, up), ws, exact): the SwiGLU MLP's down projection (and any other
 weight reading the same activations), bit-identical to that composition on each backend.
 
 gate, up: F32 [n, in] of one shape; ws: [out_i, in] as for matmul_group; all on one device. Returns a
@@ -189,12 +261,13 @@ list of F32 [n, out_i]. On the GPU, when the tensor-core GEMV reads the activati
 rms_norm_matmul), its x split computes silu(gate) * up itself with the swiglu op's device code and
 the activations are never stored (one kernel launch fewer); with exact=False and more than 16 rows
 (prefill) the BF16 GEMM's input conversion computes them instead (matmul_blas_swiglu); otherwise
-swiglu, then matmul_group.
-Raises ValueError as swiglu and matmul_group do.)doc");
+swiglu, then matmul_group. in_partials=True: gate and up are given as split-K partials [S, n, in] (below),
+which that split sums as it reads them (no sum launch; otherwise sum_partials first).
+Raises ValueError as swiglu and matmul_group do, and for partials sum_partials refuses.)doc"));
 
   m.def(
       "mul_sigmoid_matmul",
-      [](const py::object& a, const py::object& gate, const py::sequence& ws, bool exact) {
+      [](const py::object& a, const py::object& gate, const py::sequence& ws, bool exact, bool partials) {
         const char* op = "mul_sigmoid_matmul";
         Tensor at = as_tensor(a, op, "a"), gt = as_tensor(gate, op, "gate");
         require_same_device(at, gt, op);
@@ -204,14 +277,17 @@ Raises ValueError as swiglu and matmul_group do.)doc");
         SPECD_CHECK(at.ndim() >= 2, op, ": a must be [n, ..., d], got ", at.ndim(), " dimension(s)");
         std::vector<Tensor> wt = group_weights(at, ws, op);
 #if SPECD_WITH_GPU
-        if (at.device == Device::GPU) return without_gil([&] { return gpu::mul_sigmoid_matmul(at, gt, wt, exact); });
+        if (at.device == Device::GPU)
+          return without_gil([&] { return gpu::mul_sigmoid_matmul(at, gt, wt, exact, partials); });
 #endif
         int64_t in = 1;  // elements per row of a
         for (size_t k = 1; k < at.shape.size(); ++k) in *= at.shape[k];
-        return without_gil([&] { return cpu_group(cpu::mul_sigmoid(at, gt).reshape({at.dim(0), in}), wt, op); });
+        return without_gil([&] {
+          return cpu_partials(cpu_group(cpu::mul_sigmoid(at, gt).reshape({at.dim(0), in}), wt, op), partials);
+        });
       },
-      py::arg("a"), py::arg("gate"), py::arg("ws"), py::arg("exact") = true,
-      R"doc(The projections of a sigmoid-gated output: matmul_group(y viewed [n, in], ws, exact) with y =
+      py::arg("a"), py::arg("gate"), py::arg("ws"), py::arg("exact") = true, py::arg("partials") = false,
+      with_partials_doc(R"doc(The projections of a sigmoid-gated output: matmul_group(y viewed [n, in], ws, exact) with y =
 mul_sigmoid(a, gate) (gated attention's output gate and out projection, qwen35-target.md §6.3).
 
 a: F32 [n, ..., d] (in = its elements per row n); gate: a's shape, rows evenly spaced (a view such as
@@ -222,12 +298,12 @@ split computes a * sigmoid(gate) itself with mul_sigmoid's device code (elementw
 never stored (one kernel launch fewer); otherwise mul_sigmoid, then matmul_group. On CUDA the GEMV loads `ws`
 before the kernels queued before it have finished (native/src/gpu/pdl.cuh): a ws written on the device by
 another op (not an upload or tile_for_gemv) must be complete first. Raises ValueError as those ops do, and for
-a of fewer than 2 dimensions.)doc");
+a of fewer than 2 dimensions.)doc"));
 
   m.def(
       "rms_norm_gated_matmul",
       [](const py::object& x, std::optional<Tensor> weight, float eps, const py::object& z, const py::sequence& ws,
-         bool exact) {
+         bool exact, bool partials) {
         const char* op = "rms_norm_gated_matmul";
         Tensor xt = as_tensor(x, op, "x"), zt = as_tensor(z, op, "z");
         require_same_device(xt, zt, op);
@@ -238,15 +314,16 @@ a of fewer than 2 dimensions.)doc");
         std::vector<Tensor> wt = group_weights(xt, ws, op);
 #if SPECD_WITH_GPU
         if (xt.device == Device::GPU)
-          return without_gil([&] { return gpu::rms_norm_gated_matmul(xt, weight, eps, zt, wt, exact); });
+          return without_gil([&] { return gpu::rms_norm_gated_matmul(xt, weight, eps, zt, wt, exact, partials); });
 #endif
         return without_gil([&] {
           const Tensor y = cpu::rms_norm_gated(xt, weight, eps, zt);
-          return cpu_group(y.reshape({xt.dim(0), xt.dim(1) * xt.dim(2)}), wt, op);
+          return cpu_partials(cpu_group(y.reshape({xt.dim(0), xt.dim(1) * xt.dim(2)}), wt, op), partials);
         });
       },
       py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("z"), py::arg("ws"), py::arg("exact") = true,
-      R"doc(The projections of a gated RMS-normed state: matmul_group(y viewed [n, groups * d], ws, exact) with
+      py::arg("partials") = false,
+      with_partials_doc(R"doc(The projections of a gated RMS-normed state: matmul_group(y viewed [n, groups * d], ws, exact) with
 y = rms_norm_gated(x, weight, eps, z), normed over d (the Gated DeltaNet's output norm and out projection,
 qwen35-target.md §6.5 steps 8-9).
 
@@ -258,7 +335,7 @@ computes the norm itself with the standalone op's sums (gated_norm_split_kernel)
 (one kernel launch fewer); otherwise rms_norm_gated, then matmul_group. On CUDA the GEMV loads `ws` before
 the kernels queued before it have finished (native/src/gpu/pdl.cuh): a ws written on the device by another op
 (not an upload or tile_for_gemv) must be complete first. Raises ValueError as those ops do, and for x not
-3-D.)doc");
+3-D.)doc"));
 
   m.def(
       "tile_for_gemv",

@@ -72,6 +72,40 @@ Tensor mul_sigmoid(const Tensor& a, const Tensor& gate) {
   return binary(a, gate, "mul_sigmoid", "a", "gate", false, [](float x, float g) { return x * sigmoid(g); });
 }
 
+void check_partials(const Tensor& p, Device device, const char* op, const char* arg) {
+  check_device(p, device, op, arg);
+  check_dtype(p, DType::F32, op, arg);
+  check_contiguous(p, op, arg);
+  SPECD_CHECK(p.ndim() >= 2, op, ": ", arg, " must be split-K partials [S, ...] (at least 2 dimensions), got ",
+              p.ndim(), " dimension(s)");
+  SPECD_CHECK(p.dim(0) >= 1 && p.dim(0) <= (int64_t(1) << 16), op, ": ", arg, " must hold 1 .. 65536 partials, got ",
+              p.dim(0));
+}
+
+Tensor first_part(const Tensor& p) {
+  Tensor v = p;
+  v.shape.erase(v.shape.begin());
+  v.strides = contiguous_strides(v.shape, v.dtype);
+  return v;
+}
+
+Tensor sum_partials(const Tensor& p, const char* op, const char* arg) {
+  check_partials(p, Device::CPU, op, arg);
+  if (p.dim(0) == 1) return first_part(p);  // the value itself: a view
+  Tensor y = Tensor::empty(first_part(p).shape, DType::F32);
+  const int64_t count = y.numel(), splits = p.dim(0);
+  const float* src = p.ptr<float>();
+  float* dst = y.ptr<float>();
+  parallel_for(count, 16384, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) {
+      float v = src[j];
+      for (int64_t k = 1; k < splits; ++k) v += src[k * count + j];
+      dst[j] = v;
+    }
+  });
+  return y;
+}
+
 int64_t check_gdn_gates_shapes(const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a) {
   SPECD_CHECK(a.ndim() == 2, "gdn_gates: a must be [T, H], got ", a.ndim(), " dimensions");
   SPECD_CHECK(b.shape == a.shape, "gdn_gates: b must have a's shape [T, H]");

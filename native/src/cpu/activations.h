@@ -41,6 +41,17 @@ Tensor add(const Tensor& a, const Tensor& b);
 // the F32 sigmoid times a, one F32 rounding: bit-identical to mul(a, sigmoid(gate)).
 Tensor mul_sigmoid(const Tensor& a, const Tensor& gate);
 
+// Split-K partials, as the matmul ops hand their outputs over with `partials` (a GEMV's per-split sums,
+// gpu/matmul_mma.cuh) and take them with `in_partials`: p F32 [S, ...] contiguous with S >= 1 on `device`;
+// the value they stand for is p[0] + p[1] + ... + p[S - 1], added in that order with each add rounded once
+// in F32 (the order of every backend's sum: gpu/partials.cuh). check_partials throws std::invalid_argument
+// naming `op` and `arg` otherwise; first_part is part 0 as a view of shape p.shape[1:] (the value itself
+// when S = 1); sum_partials (CPU) a new contiguous F32 tensor of that shape (part 0 itself when S = 1), its
+// errors naming `op` and `arg`.
+void check_partials(const Tensor& p, Device device, const char* op, const char* arg);
+Tensor first_part(const Tensor& p);
+Tensor sum_partials(const Tensor& p, const char* op = "sum_partials", const char* arg = "p");
+
 // The Gated DeltaNet gates in one pass (qwen35-target.md §6.5 step 4): returns (g, beta) with
 // g = ssm_a * softplus(a + dt) and beta = sigmoid(b), elementwise. a, b: F32 [T, H] (contiguous last
 // dimension); dt, ssm_a: F32 [H] or [1, H], broadcast over the rows. Each element is computed by

@@ -78,11 +78,13 @@
 #include <utility>
 #include <vector>
 
+#include "../cpu/activations.h"
 #include "../cpu/norm.h"
 #include "activations.cuh"
 #include "common.cuh"
 #include "norm.cuh"
 #include "op_util.cuh"
+#include "partials.cuh"
 #include "ops.h"
 #include "specd/gpu.h"
 #include "matmul_blas.h"
@@ -340,27 +342,55 @@ void check_weights(int64_t in, const std::vector<Tensor>& ws, const char* op, co
   }
 }
 
-// The outputs [..., out_i] of x [..., in] @ ws[i]^T on the GPU after checking the weights against
-// x's shape (check_weights; x itself is checked by the caller).
-std::vector<Tensor> linear_outputs(const Tensor& x, const std::vector<Tensor>& ws, const char* op) {
-  check_weights(x.cols(), ws, op);
-  std::vector<Tensor> ys;
+// The split-K partials each output of x [n, in] @ ws[i]^T is handed over as when the caller asks for
+// partials: the integer tensor-core GEMV's splits (mma::gemv_splits) when it computes that output in one
+// slice (1 <= n <= 16, an integer tensor-core format: mma::handles), else 1 (the output itself; BF16 weights
+// on the tensor cores too). Empty without `partials`.
+std::vector<int64_t> partial_counts(int64_t n, int64_t in, const std::vector<Tensor>& ws, bool partials) {
+  std::vector<int64_t> counts;
+  if (!partials) return counts;
   for (const Tensor& w : ws) {
+    int64_t c = 1;
+#if SPECD_MMA_GEMV
+    if (n >= 1 && n <= kNMax && in > 0 && w.dim(0) > 0 && detail::mma::handles(w.dtype))
+      c = detail::mma::gemv_splits(w.dtype, w.dim(0), in);
+#else
+    (void)n, (void)in;
+#endif
+    counts.push_back(c);
+  }
+  return counts;
+}
+
+// The outputs [..., out_i] of x [..., in] @ ws[i]^T on the GPU after checking the weights against
+// x's shape (check_weights; x itself is checked by the caller); with `partials`, each as its split-K
+// partials [partial_counts_i, ..., out_i].
+std::vector<Tensor> linear_outputs(const Tensor& x, const std::vector<Tensor>& ws, const char* op,
+                                   bool partials = false) {
+  check_weights(x.cols(), ws, op);
+  const std::vector<int64_t> counts = partial_counts(x.rows(), x.cols(), ws, partials);
+  std::vector<Tensor> ys;
+  for (size_t i = 0; i < ws.size(); ++i) {
     std::vector<int64_t> shape = x.shape;
-    shape.back() = w.dim(0);
+    shape.back() = ws[i].dim(0);
+    if (partials) shape.insert(shape.begin(), counts[i]);
     ys.push_back(Tensor::empty(shape, DType::F32, Device::GPU));
   }
   return ys;
 }
 
-// matmul / matmul_group; `op` names the caller in errors.
-std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool exact, const char* op) {
+// Whether output y of x (n rows) holds split-K partials the GEMV writes as they are (GroupWeight::keep_partials).
+bool keeps_partials(const Tensor& y, const Tensor& x) { return y.ndim() == x.ndim() + 1 && y.dim(0) > 1; }
+
+// matmul / matmul_group; `op` names the caller in errors; `partials`: the outputs as linear_outputs gives them.
+std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool exact, const char* op,
+                           bool partials = false) {
   detail::check_gpu(x, op, "x");
   check_dtype(x, DType::F32, op, "x");
   check_contiguous(x, op, "x");
   SPECD_CHECK(x.ndim() >= 1, op, ": x must have at least 1 dimension");
   SPECD_CHECK(detail::aligned16(x.data), op, ": x data must be 16-byte aligned");
-  std::vector<Tensor> ys = linear_outputs(x, ws, op);
+  std::vector<Tensor> ys = linear_outputs(x, ws, op, partials);
   const int64_t n = x.rows(), in = x.cols();
   if (n == 0) return ys;
   if (in == 0) {
@@ -390,8 +420,8 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
       if (out == 0) continue;
       float* y = ys[i].ptr<float>() + r0 * out;
 #if SPECD_MMA_GEMV
-      if (detail::mma::handles(w.dtype)) {
-        mma.push_back({{static_cast<const uint8_t*>(w.data), w.row_bytes(), out, y}, w.dtype});
+      if (detail::mma::handles(w.dtype)) {  // partials (one slice only) go straight to ys[i]
+        mma.push_back({{static_cast<const uint8_t*>(w.data), w.row_bytes(), out, y, keeps_partials(ys[i], x)}, w.dtype});
         continue;
       }
       if (w.dtype == DType::BF16 && detail::mma::bf16_on_tensor_cores(w.data, in)) {
@@ -410,14 +440,25 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
   return ys;
 }
 
-// The value at offset off of [n, in] of swiglu(g, u) (the swiglu op's device code).
+// The value at offset off of [n, in] of swiglu(g, u) (the swiglu op's device code), g and u each given as
+// `splits` split-K partials of `count` floats (partials.cuh; 1: g and u themselves).
 struct SwigluValue {
   const float* __restrict__ g;
   const float* __restrict__ u;
+  int splits;
+  int64_t count;
   __device__ __forceinline__ float operator()(int64_t off) const {
-    return detail::apply<detail::Op::Swiglu>(g[off], u[off]);
+    return detail::apply<detail::Op::Swiglu>(detail::fold_partials(g, splits, count, off),
+                                             detail::fold_partials(u, splits, count, off));
   }
 };
+
+// y = the in-order sum of partials p (partials.cuh): one thread per element.
+__global__ void sum_partials_kernel(const float* __restrict__ p, int splits, int64_t count, float* __restrict__ y) {
+  detail::pdl_enter();
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j < count) y[j] = detail::fold_partials(p, splits, count, j);
+}
 
 // ... of a * sigmoid(gate) (mul_sigmoid's device code), a contiguous, gate's rows of d at a pitch of `pitch` floats.
 struct MulSigmoidValue {
@@ -510,12 +551,14 @@ bool split_fusable(int64_t n, int64_t in, const std::vector<Tensor>& ws) {
 }
 
 #if SPECD_MMA_GEMV
-// The tensor-core GEMV of ws (split_fusable) into ys on x split at xsplit (its n rows of `in`).
-void gemv_on_split(const std::vector<Tensor>& ws, std::vector<Tensor>& ys, int64_t in, const void* xsplit, int n) {
+// The tensor-core GEMV of ws (split_fusable) into ys (linear_outputs of x) on x split at xsplit (its n rows of `in`).
+void gemv_on_split(const std::vector<Tensor>& ws, std::vector<Tensor>& ys, const Tensor& x, const void* xsplit, int n) {
+  const int64_t in = x.cols();
   std::vector<detail::mma::Weight> mma;
   for (size_t i = 0; i < ws.size(); ++i)
     if (ws[i].dim(0) > 0)
-      mma.push_back({{static_cast<const uint8_t*>(ws[i].data), ws[i].row_bytes(), ws[i].dim(0), ys[i].ptr<float>()},
+      mma.push_back({{static_cast<const uint8_t*>(ws[i].data), ws[i].row_bytes(), ws[i].dim(0), ys[i].ptr<float>(),
+                      keeps_partials(ys[i], x)},
                      ws[i].dtype});
   if (!mma.empty())
     detail::mma::gemv_split(mma.data(), int(mma.size()), in,
@@ -526,17 +569,18 @@ void gemv_on_split(const std::vector<Tensor>& ws, std::vector<Tensor>& ys, int64
 // ws (split_fusable for n rows of `in`) against x split by a fused op's kernel: launch_split(parts, groups)
 // queues that kernel, which writes the XSizes(in) layout at `parts` (groups 256-input groups per row), then
 // the GEMV. x: a tensor of the split values' shape (x.rows() == n, x.cols() == in), which shapes the outputs.
+// `partials`: the outputs as linear_outputs gives them.
 template <class LaunchSplit>
-std::vector<Tensor> split_matmul(const Tensor& x, const std::vector<Tensor>& ws, const char* op,
+std::vector<Tensor> split_matmul(const Tensor& x, const std::vector<Tensor>& ws, const char* op, bool partials,
                                  const LaunchSplit& launch_split) {
-  std::vector<Tensor> ys = linear_outputs(x, ws, op);
+  std::vector<Tensor> ys = linear_outputs(x, ws, op, partials);
 #if SPECD_MMA_GEMV
   namespace mma = detail::mma;
   const int64_t in = x.cols();
   const mma::XSizes sz(in);
   std::shared_ptr<void> xsplit = alloc(sz.total());  // freed stream-ordered
   launch_split(sz.at(static_cast<uint8_t*>(xsplit.get())), (in + mma::kGroup - 1) / mma::kGroup);
-  gemv_on_split(ws, ys, in, xsplit.get(), int(x.rows()));
+  gemv_on_split(ws, ys, x, xsplit.get(), int(x.rows()));
 #else
   (void)launch_split;
 #endif
@@ -547,8 +591,8 @@ std::vector<Tensor> split_matmul(const Tensor& x, const std::vector<Tensor>& ws,
 // MulSigmoidValue), split by elementwise_split_kernel: one launch fewer than the op, then the GEMV.
 template <class Value>
 std::vector<Tensor> elementwise_matmul(const Value& value, const Tensor& x, const std::vector<Tensor>& ws,
-                                       const char* op) {
-  return split_matmul(x, ws, op, [&](const auto& xp, int64_t groups) {
+                                       const char* op, bool partials) {
+  return split_matmul(x, ws, op, partials, [&](const auto& xp, int64_t groups) {
 #if SPECD_MMA_GEMV
     const int64_t n = x.rows(), in = x.cols();
     detail::launch_kernel<elementwise_split_kernel<Value>>("elementwise_split_kernel", unsigned(n * groups),
@@ -568,69 +612,160 @@ std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws,
 
 Tensor matmul(const Tensor& x, const Tensor& w, bool exact) { return std::move(linear(x, {w}, exact, "matmul")[0]); }
 
-std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const std::optional<Tensor>& weight, float eps,
-                                                       const std::vector<Tensor>& ws,
-                                                       const std::optional<Tensor>& residual, bool exact) {
+// Whether norm_split_partials_kernel serves rows of d on this build and device: a cluster shape for d
+// (norm_cluster_blocks), sm_90 code, and a device that can run at least one such cluster (asked once per
+// cluster size and process: a small MIG instance may not). Both instances are one binary, so asking of one
+// answers for both.
+bool norm_reads_partials(int64_t d) {
+#if SPECD_MMA_GEMV
+  constexpr auto kernel = detail::norm_split_partials_kernel<true>;
+  const int blocks = detail::norm_cluster_blocks(d);
+  if (blocks == 0 || !detail::sm90_binary<kernel>("norm_split_partials_kernel")) return false;
+  static std::once_flag once[detail::kMaxClusterBlocks + 1];
+  static bool runs[detail::kMaxClusterBlocks + 1];
+  std::call_once(once[blocks], [blocks] {
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim = {unsigned(blocks), 1, 1};
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(unsigned(blocks));
+    cfg.blockDim = dim3(unsigned(detail::kClusterThreads));
+    cfg.dynamicSmemBytes = detail::kMaxClusterStage;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+    if (e != cudaSuccess) (void)cudaGetLastError();  // not a failure of the next call: the composition serves
+    runs[blocks] = e == cudaSuccess && clusters > 0;
+  });
+  return runs[blocks];
+#else
+  (void)d;
+  return false;
+#endif
+}
+
+Tensor sum_partials(const Tensor& p) {
+  cpu::check_partials(p, Device::GPU, "sum_partials", "p");
+  if (p.dim(0) == 1) return cpu::first_part(p);  // the value itself: a view
+  Tensor y = Tensor::empty(cpu::first_part(p).shape, DType::F32, Device::GPU);
+  const int64_t count = y.numel();
+  if (count > 0)
+    detail::launch_kernel<sum_partials_kernel>("sum_partials_kernel", unsigned((count + 255) / 256), 256, 0,
+                                               detail::stream(), p.ptr<float>(), int(p.dim(0)), count, y.ptr<float>());
+  return y;
+}
+
+namespace {
+
+#if SPECD_MMA_GEMV
+// The one-block norm fused with the GEMV's x split (norm_split_kernel) on x itself.
+void launch_norm_split(const Tensor& x, const float* r, const float* w, float* hp, int64_t d, float eps, int n,
+                       const detail::mma::XSizes::Parts& xp) {
+  const bool staged = d <= detail::kMaxStagedFloats;
+  const size_t smem = staged ? size_t(d) * sizeof(float) : 0;
+  const unsigned threads = unsigned(detail::norm::threads_for(d / 4));
+  auto launch = [&](auto resid, auto stage) {
+    constexpr auto kernel = detail::norm_split_kernel<decltype(resid)::value, decltype(stage)::value>;
+    detail::launch_kernel<kernel>("norm_split_kernel", unsigned(n), threads, smem, detail::stream(), x.ptr<float>(),
+                                  r, w, hp, d, eps, n, xp.xb, xp.xs, xp.xm);
+  };
+  using yes = std::true_type;
+  using no = std::false_type;
+  if (r)
+    staged ? launch(yes(), yes()) : launch(yes(), no());
+  else
+    staged ? launch(no(), yes()) : launch(no(), no());
+}
+
+// The cluster norm fused with the GEMV's x split (norm_split_partials_kernel, norm_reads_partials(d)) on x given
+// as split-K partials p [S, n, d]; h [n, d] always written.
+void launch_norm_split_partials(const Tensor& p, const float* r, const float* w, float* hp, int64_t d, float eps,
+                                int n, const detail::mma::XSizes::Parts& xp) {
+  const int blocks = detail::norm_cluster_blocks(d);
+  const int64_t threads = int64_t(blocks) * detail::kClusterThreads, per = (d / 4 + threads - 1) / threads;
+  const size_t smem = size_t(per) * detail::kClusterThreads * sizeof(float4);
+  auto launch = [&](auto resid) {
+    constexpr auto kernel = detail::norm_split_partials_kernel<decltype(resid)::value>;
+    detail::launch_kernel_clustered<kernel>("norm_split_partials_kernel", unsigned(n * blocks),
+                                            unsigned(detail::kClusterThreads), unsigned(blocks), smem,
+                                            detail::stream(), p.ptr<float>(), int(p.dim(0)), r, w, hp, d, eps, n,
+                                            xp.xb, xp.xs, xp.xm);
+  };
+  r ? launch(std::true_type()) : launch(std::false_type());
+}
+#endif
+
+}  // namespace
+
+std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x_in, const std::optional<Tensor>& weight,
+                                                       float eps, const std::vector<Tensor>& ws,
+                                                       const std::optional<Tensor>& residual, bool exact,
+                                                       bool partials, bool in_partials) {
   const char* op = "rms_norm_matmul";
+  // x: the norm's input (part 0 of it when given as several partials: its shape and alignment are theirs)
+  if (in_partials) cpu::check_partials(x_in, Device::GPU, op, "x");
+  const bool several = in_partials && x_in.dim(0) > 1;
+  const Tensor x = in_partials ? cpu::first_part(x_in) : x_in;
   cpu::check_rms_args(x, weight, eps, Device::GPU, op);
   if (residual) cpu::check_like_x(*residual, x, Device::GPU, op, "residual");
   const int64_t n = x.rows(), d = x.cols();
   const bool aligned = detail::aligned16(x.data) && (!weight || detail::aligned16(weight->data)) &&
                        (!residual || detail::aligned16(residual->data));
-  if (!aligned || !split_fusable(n, d, ws)) {  // the composition: same results, one launch more
-    auto [y, h] = rms_norm(x, weight, eps, residual);
-    return {linear(y, ws, exact, op), h};
+  const bool fused = aligned && split_fusable(n, d, ws) && (!several || norm_reads_partials(d));
+  if (!fused) {  // the composition: same results, one launch more (two with partials to sum)
+    auto [y, h] = rms_norm(several ? sum_partials(x_in) : x, weight, eps, residual);
+    return {linear(y, ws, exact, op, partials), h};
   }
-  std::vector<Tensor> ys = linear_outputs(x, ws, op);
-  Tensor h = residual ? Tensor::empty(x.shape, DType::F32, Device::GPU) : x;
+  std::vector<Tensor> ys = linear_outputs(x, ws, op, partials);
+  Tensor h = residual || several ? Tensor::empty(x.shape, DType::F32, Device::GPU) : x;
 #if SPECD_MMA_GEMV
   namespace mma = detail::mma;
   const mma::XSizes sz(d);
   std::shared_ptr<void> xsplit = alloc(sz.total());  // freed stream-ordered
   auto* base = static_cast<uint8_t*>(xsplit.get());
-  const mma::XSizes::Parts xp = sz.at(base);
   const float* w = weight ? weight->ptr<float>() : nullptr;
-  const unsigned blocks = unsigned(n), threads = unsigned(detail::norm::threads_for(d / 4));
-  cudaStream_t s = detail::stream();
   const float* r = residual ? residual->ptr<float>() : nullptr;
-  float* hp = residual ? h.ptr<float>() : nullptr;
-  const bool staged = d <= detail::kMaxStagedFloats;
-  const size_t smem = staged ? size_t(d) * sizeof(float) : 0;
-  auto launch = [&](auto resid, auto stage) {
-    constexpr auto kernel = detail::norm_split_kernel<decltype(resid)::value, decltype(stage)::value>;
-    detail::launch_kernel<kernel>("norm_split_kernel", blocks, threads, smem, s, x.ptr<float>(), r, w, hp, d, eps,
-                                  int(n), xp.xb, xp.xs, xp.xm);
-  };
-  using yes = std::true_type;
-  using no = std::false_type;
-  if (residual)
-    staged ? launch(yes(), yes()) : launch(yes(), no());
+  if (several)
+    launch_norm_split_partials(x_in, r, w, h.ptr<float>(), d, eps, int(n), sz.at(base));
   else
-    staged ? launch(no(), yes()) : launch(no(), no());
-  gemv_on_split(ws, ys, d, base, int(n));
+    launch_norm_split(x, r, w, residual ? h.ptr<float>() : nullptr, d, eps, int(n), sz.at(base));
+  gemv_on_split(ws, ys, x, base, int(n));
 #endif
   return {ys, h};
 }
 
-std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const std::vector<Tensor>& ws, bool exact) {
+std::vector<Tensor> swiglu_matmul(const Tensor& gate_in, const Tensor& up_in, const std::vector<Tensor>& ws,
+                                  bool exact, bool partials, bool in_partials) {
   const char* op = "swiglu_matmul";
-  detail::check_gpu_tensor(gate, DType::F32, -1, op, "gate");
-  detail::check_gpu_tensor(up, DType::F32, -1, op, "up");
-  SPECD_CHECK(gate.shape == up.shape, op, ": gate and up must have the same shape");
-  SPECD_CHECK(gate.ndim() >= 1, op, ": gate must have at least 1 dimension");
+  detail::check_gpu_tensor(gate_in, DType::F32, -1, op, "gate");
+  detail::check_gpu_tensor(up_in, DType::F32, -1, op, "up");
+  SPECD_CHECK(gate_in.shape == up_in.shape, op, ": gate and up must have the same shape");
+  SPECD_CHECK(gate_in.ndim() >= (in_partials ? 2 : 1), op, ": gate must have at least ", in_partials ? 2 : 1,
+              " dimension(s)");
+  // gate, up: the activations (part 0 of them when several partials: their shape)
+  if (in_partials) cpu::check_partials(gate_in, Device::GPU, op, "gate"), cpu::check_partials(up_in, Device::GPU, op, "up");
+  const bool several = in_partials && gate_in.dim(0) > 1;  // (up's too: the same shape)
+  const Tensor gate = in_partials ? cpu::first_part(gate_in) : gate_in;
+  const Tensor up = in_partials ? cpu::first_part(up_in) : up_in;
   const int64_t n = gate.rows(), in = gate.cols();
   check_weights(in, ws, op, "gate");
+  if (several && !split_fusable(n, in, ws))  // the composition reads the sums
+    return swiglu_matmul(sum_partials(gate_in), sum_partials(up_in), ws, exact, partials, false);
   if (n > kNMax && !exact && in > 0) {  // prefill: as linear's BLAS path
-    std::vector<Tensor> ys = linear_outputs(gate, ws, op);
+    std::vector<Tensor> ys = linear_outputs(gate, ws, op, partials);
     detail::matmul_blas_swiglu(gate, up, ws, ys);  // swiglu fused into x's BF16 rounding (bitwise the composition)
     return ys;
   }
   if (!split_fusable(n, in, ws))  // (gate / up are read a float at a time: any alignment)
-    return linear(swiglu(gate, up), ws, exact, op);  // the composition: same results, one launch more
-  return elementwise_matmul(SwigluValue{gate.ptr<float>(), up.ptr<float>()}, gate, ws, op);
+    return linear(swiglu(gate, up), ws, exact, op, partials);  // the composition: same results, one launch more
+  const int splits = int(in_partials ? gate_in.dim(0) : 1);  // (at most 65536: check_partials)
+  return elementwise_matmul(SwigluValue{gate.ptr<float>(), up.ptr<float>(), splits, gate.numel()}, gate, ws, op,
+                            partials);
 }
 
-std::vector<Tensor> mul_sigmoid_matmul(const Tensor& a, const Tensor& gate, const std::vector<Tensor>& ws, bool exact) {
+std::vector<Tensor> mul_sigmoid_matmul(const Tensor& a, const Tensor& gate, const std::vector<Tensor>& ws, bool exact,
+                                       bool partials) {
   const char* op = "mul_sigmoid_matmul";
   const int64_t pitch = detail::check_mul_sigmoid(a, gate, op);
   SPECD_CHECK(a.ndim() >= 2, op, ": a must be [n, ..., d], got ", a.ndim(), " dimension(s)");
@@ -640,12 +775,13 @@ std::vector<Tensor> mul_sigmoid_matmul(const Tensor& a, const Tensor& gate, cons
   const Tensor a2 = a.reshape({n, in});
   check_weights(in, ws, op, "a");
   if (!split_fusable(n, in, ws))  // the composition (prefill: mul_sigmoid, then the BF16 GEMM)
-    return linear(mul_sigmoid(a, gate).reshape({n, in}), ws, exact, op);
-  return elementwise_matmul(MulSigmoidValue{a.ptr<float>(), gate.ptr<float>(), a.cols(), pitch}, a2, ws, op);
+    return linear(mul_sigmoid(a, gate).reshape({n, in}), ws, exact, op, partials);
+  return elementwise_matmul(MulSigmoidValue{a.ptr<float>(), gate.ptr<float>(), a.cols(), pitch}, a2, ws, op,
+                            partials);
 }
 
 std::vector<Tensor> rms_norm_gated_matmul(const Tensor& x, const std::optional<Tensor>& weight, float eps,
-                                          const Tensor& z, const std::vector<Tensor>& ws, bool exact) {
+                                          const Tensor& z, const std::vector<Tensor>& ws, bool exact, bool partials) {
   const char* op = "rms_norm_gated_matmul";
   cpu::check_rms_args(x, weight, eps, Device::GPU, op);
   cpu::check_like_x(z, x, Device::GPU, op, "z");
@@ -656,8 +792,8 @@ std::vector<Tensor> rms_norm_gated_matmul(const Tensor& x, const std::optional<T
   const bool aligned = detail::aligned16(x.data) && detail::aligned16(z.data) &&
                        (!weight || detail::aligned16(weight->data));
   if (!aligned || d % 4 != 0 || d == 0 || 256 % d != 0 || !split_fusable(n, in, ws))  // the composition
-    return linear(rms_norm_gated(x, weight, eps, z).reshape({n, in}), ws, exact, op);
-  return split_matmul(x.reshape({n, in}), ws, op, [&](const auto& xp, int64_t groups) {
+    return linear(rms_norm_gated(x, weight, eps, z).reshape({n, in}), ws, exact, op, partials);
+  return split_matmul(x.reshape({n, in}), ws, op, partials, [&](const auto& xp, int64_t groups) {
 #if SPECD_MMA_GEMV
     detail::launch_kernel<gated_norm_split_kernel>(
         "gated_norm_split_kernel", unsigned(n * groups), unsigned(gated_norm_split_warps(d) * SPECD_WARP), 0,

@@ -54,6 +54,7 @@
 #ifndef SPECD_HOST_EMU
 #include "common.cuh"
 #endif
+#include "partials.cuh"
 #include "pdl.cuh"
 #include "weight_formats.cuh"
 
@@ -1092,18 +1093,24 @@ __host__ __device__ inline void sum_splits_at(const SplitSums& s_, int64_t e) {
   for (int k = 1; k < kMaxGroup; ++k)
     if (k < s_.count && e >= s_.elem0[k]) i = k;
   const int64_t j = e - s_.elem0[i], count = s_.elem0[i + 1] - s_.elem0[i];
-  const float* part = s_.part[i];
-  float v = part[j];
-  for (int k = 1; k < s_.splits[i]; ++k) v += part[int64_t(k) * count + j];  // plain adds: nothing to contract
-  s_.y[i][j] = v;
+  s_.y[i][j] = fold_partials(s_.part[i], s_.splits[i], count, j);
 }
 
-// One weight of a grouped launch: its bytes, row bytes and rows, and its output y [n, out] (F32).
+// One weight of a grouped launch: its bytes, row bytes and rows, and its output y [n, out] (F32); with
+// keep_partials and several splits, y is instead the split-K partials [splits][n][out] (splits_for), left
+// for the consumer to sum (split 0 first) instead of a sum kernel.
 struct GroupWeight {
   const uint8_t* w;
   int64_t row_bytes, out;
   float* y;
+  bool keep_partials = false;
 };
+
+// Splits of a weight of `out` rows and `nunits` units on `sms` multiprocessors (units_per_split's).
+inline int64_t splits_for(int64_t out, int64_t nunits, int64_t sms) {
+  const int64_t per = units_per_split(out, nunits, sms);
+  return (nunits + per - 1) / per;
+}
 
 // The launch plan of weights ws[0 .. count) (count <= kMaxGroup; format units of `unit_elems`
 // inputs) against n rows of x on `sms` multiprocessors: the kernel's Group (each weight's split,
@@ -1120,10 +1127,10 @@ inline void plan_group(const GroupWeight* ws, int count, int64_t in, int unit_el
   for (int i = 0; i < count; ++i) {
     const GroupWeight& wt = ws[i];
     const int64_t per = units_per_split(wt.out, nunits, sms);
-    const int64_t splits = (nunits + per - 1) / per, row_blocks = (wt.out + kRowsPerBlock - 1) / kRowsPerBlock;
+    const int64_t splits = splits_for(wt.out, nunits, sms), row_blocks = (wt.out + kRowsPerBlock - 1) / kRowsPerBlock;
     grp.w[i] = wt.w, grp.row_bytes[i] = wt.row_bytes, grp.out[i] = wt.out, grp.per_split[i] = per;
     grp.dst[i] = wt.y;
-    if (splits > 1) {
+    if (splits > 1 && !wt.keep_partials) {
       grp.dst[i] = scratch(size_t(splits * n * wt.out) * sizeof(float));
       sums.part[sums.count] = grp.dst[i], sums.y[sums.count] = wt.y, sums.splits[sums.count] = int(splits);
       sums.elem0[sums.count + 1] = sums.elem0[sums.count] + int64_t(n) * wt.out;
@@ -1318,6 +1325,38 @@ struct Weight {
   DType t;
 };
 
+template <class F>
+struct FormatTag {
+  using type = F;
+};
+
+// f(FormatTag<F>{}) for the tensor-core unit type F of weight format t (handles(t), or BF16); fails
+// naming the format otherwise.
+template <class Fn>
+void with_format(DType t, const Fn& f) {
+  switch (t) {
+    case DType::Q8_0: return f(FormatTag<Q8U>{});
+    case DType::Q4_K: return f(FormatTag<QK45U<false>>{});
+    case DType::Q5_K: return f(FormatTag<QK45U<true>>{});
+    case DType::Q6_K: return f(FormatTag<Q6U>{});
+    case DType::IQ4_XS: return f(FormatTag<IQ4U>{});
+    case DType::IQ4_XS_TILED: return f(FormatTag<IQ4T>{});
+    case DType::Q6_K_TILED: return f(FormatTag<Q6T>{});
+    case DType::Q4_K_TILED: return f(FormatTag<Q4T>{});
+    case DType::BF16: return f(FormatTag<BF16U>{});
+    default: fail("matmul: no tensor-core GEMV for ", dtype_info(t).name);
+  }
+}
+
+// Split-K partials the tensor-core GEMV computes for a weight of format t (handles(t)), `out` rows and
+// `in` inputs (a multiple of the format's unit) on this device: plan_group's count, which a caller asking
+// for the partials (GroupWeight::keep_partials) sizes their buffer [splits][n][out] by.
+inline int64_t gemv_splits(DType t, int64_t out, int64_t in) {
+  int64_t splits = 1;
+  with_format(t, [&](auto tag) { splits = splits_for(out, in / decltype(tag)::type::kUnitElems, sm_count()); });
+  return splits;
+}
+
 // y_i[n, out_i] = x[n, in] @ w_i^T for every weight (1 <= n <= 16, in % 32 == 0, every format
 // handled) on x already split (xv: x_view of a split queued on the library stream before this
 // call): each format's weights (up to kMaxGroup per launch) run as one grouped launch.
@@ -1339,22 +1378,10 @@ inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv,
         batch[m++] = ws[j].g;
         done[size_t(j)] = true;
       }
-    auto go = [&](auto nt) {
-      constexpr int kNT = decltype(nt)::value;
-      switch (ws[i].t) {
-        case DType::Q8_0: return launch<Q8U, kNT>(batch, m, in, xv, n, sms, partials, s);
-        case DType::Q4_K: return launch<QK45U<false>, kNT>(batch, m, in, xv, n, sms, partials, s);
-        case DType::Q5_K: return launch<QK45U<true>, kNT>(batch, m, in, xv, n, sms, partials, s);
-        case DType::Q6_K: return launch<Q6U, kNT>(batch, m, in, xv, n, sms, partials, s);
-        case DType::IQ4_XS: return launch<IQ4U, kNT>(batch, m, in, xv, n, sms, partials, s);
-        case DType::IQ4_XS_TILED: return launch<IQ4T, kNT>(batch, m, in, xv, n, sms, partials, s);
-        case DType::Q6_K_TILED: return launch<Q6T, kNT>(batch, m, in, xv, n, sms, partials, s);
-        case DType::Q4_K_TILED: return launch<Q4T, kNT>(batch, m, in, xv, n, sms, partials, s);
-        case DType::BF16: return launch<BF16U, kNT>(batch, m, in, xv, n, sms, partials, s);
-        default: fail("matmul: no tensor-core GEMV for ", dtype_info(ws[i].t).name);
-      }
-    };
-    with_tiles(n, go);
+    with_format(ws[i].t, [&](auto tag) {
+      using F = typename decltype(tag)::type;
+      with_tiles(n, [&](auto nt) { launch<F, decltype(nt)::value>(batch, m, in, xv, n, sms, partials, s); });
+    });
   }
 }
 

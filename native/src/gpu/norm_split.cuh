@@ -8,9 +8,14 @@
 #include "dyn_smem.cuh"
 #include "matmul_mma.cuh"
 #include "norm.cuh"
+#include "partials.cuh"
 #include "pdl.cuh"
 
 #if SPECD_MMA_GEMV
+#if !defined(SPECD_HOST_EMU)
+#include <cooperative_groups.h>  // (CUDA only: SPECD_MMA_GEMV is 0 on HIP)
+#endif
+
 namespace specd::gpu::detail {
 
 // Rows of up to this many floats are staged in the block's dynamic shared memory (32 KiB, under the
@@ -34,14 +39,16 @@ __device__ __forceinline__ void group_weights(const float* __restrict__ w, int64
 // the row being split (x, or h = x + residual; in shared memory when staged, else global memory; one
 // block per row) times the row's scale and the lane's weights wv of the group being split (or none):
 // wv holds one group's weights, so the input is given to split_group for that group only (the kernel
-// reloads wv for each group).
+// reloads wv for each group). `row` holds the row from its 32-input block blk0 on (0: the whole row; the
+// cluster kernel below: the group's first block).
 struct NormInput {
-  const float4* row;  // the row's first 4 inputs (16-byte aligned)
+  const float4* row;  // the inputs of 32-input block blk0 on (16-byte aligned)
+  int64_t blk0;
   bool weighted;
   float4 wv[2];  // group_weights of the group split_group is given with this input
   float scale;
   __device__ __forceinline__ void load(int /*r: the block's row, `row`*/, int64_t blk, int t, float (&v)[8]) const {
-    const float4* s4 = row + 8 * blk;
+    const float4* s4 = row + 8 * (blk - blk0);
 #pragma unroll
     // inputs 4t.. (k = 0) and 16 + 4t.. (k = 1): norm::normed's arithmetic (checked bit for bit against it by
     // the emulation), written out on the values: normed's weight pointer to wv[k] gave the kernel a stack.
@@ -84,12 +91,122 @@ __global__ void __launch_bounds__(norm::kMaxThreads)
   const double ss = block_sum(row_squares<RESID>(reinterpret_cast<const float4*>(x + off), rr, hr, d / 4, stage));
   // block_sum ended with a block barrier: every warp sees the whole stored row (h, stage).
   const float4* row = STAGED ? stage : reinterpret_cast<const float4*>((RESID ? h : x) + off);
-  NormInput src{row, w != nullptr, {wv[0], wv[1]}, rms_scale(ss, d, eps)};
+  NormInput src{row, 0, w != nullptr, {wv[0], wv[1]}, rms_scale(ss, d, eps)};
   for (int64_t grp = warp; grp < groups; grp += warps) {
     if (grp != warp) group_weights(w, grp, d, lane, src.wv);
     mma::split_group(src, r, n, grp, d, lane, xb, xs, xm);
   }
 }
+
+#if !defined(SPECD_HOST_EMU)
+// --- the same norm on split-K partials, over a thread-block cluster ---------------------------------------------
+
+#ifndef SPECD_NORM_CLUSTER_THREADS
+#define SPECD_NORM_CLUSTER_THREADS 128  // threads of each block of norm_split_partials_kernel's clusters
+#endif
+constexpr int kClusterThreads = SPECD_NORM_CLUSTER_THREADS;
+constexpr int kGroupItems = mma::kGroup / 4;  // float4 items of a 256-input split group
+static_assert(kClusterThreads % kGroupItems == 0, "a cluster block must hold whole split groups");
+constexpr int kMaxClusterBlocks = 8;  // the portable cluster size
+static_assert(norm::kMaxThreads / kClusterThreads <= kMaxClusterBlocks, "a row's cluster must be portable");
+constexpr size_t kMaxClusterStage = 32 << 10;  // bytes of a block's stage (under the 48 KiB of a plain launch)
+// Split groups of a cluster block's items per item of its threads (kClusterThreads consecutive float4s).
+constexpr int kClusterGroups = kClusterThreads / kGroupItems;
+
+// A cluster block's stage for rows of d floats cut over `threads` threads: per item of a thread,
+// kClusterThreads float4s.
+inline size_t cluster_stage_bytes(int64_t d, int64_t threads) {
+  return size_t((d / 4 + threads - 1) / threads) * kClusterThreads * 16;
+}
+
+// Blocks per cluster of norm_split_partials_kernel for rows of d floats, or 0 when it does not serve d: the
+// one-block kernel's threads_for(d / 4) threads cut into 2 .. kMaxClusterBlocks blocks of kClusterThreads,
+// each staging at most kMaxClusterStage bytes. (Whether the device can run such a cluster is the launcher's
+// question: matmul.cu, norm_reads_partials.)
+inline int norm_cluster_blocks(int64_t d) {
+  if (d % 4 != 0 || d <= 0) return 0;
+  const int t = norm::threads_for(d / 4);
+  const int blocks = t / kClusterThreads;
+  const bool fits = t % kClusterThreads == 0 && blocks >= 2 && blocks <= kMaxClusterBlocks;
+  return fits && cluster_stage_bytes(d, t) <= kMaxClusterStage ? blocks : 0;
+}
+
+// The q-th split group that block `rank` of a cluster of `threads` threads holds: its items j threads + rank
+// kClusterThreads + [0, kClusterThreads) for j = q / kClusterGroups hold kClusterGroups whole groups.
+__device__ __forceinline__ int64_t cluster_group(int64_t q, int threads, int rank) {
+  return ((q / kClusterGroups) * threads + int64_t(rank) * kClusterThreads) / kGroupItems + q % kClusterGroups;
+}
+
+// norm_split_kernel (RESID, STAGED) on x given as split-K partials (partials.cuh: parts [splits][n][d], x =
+// their in-order sum), h = x (+ residual) always stored. One cluster of norm_cluster_blocks(d) blocks per row
+// (blockIdx.x = row * blocks + rank), together the one-block kernel's threads: thread g = rank *
+// kClusterThreads + threadIdx.x takes that kernel's thread g's items (g, g + T, ... of the row's d / 4
+// float4s), so its sum of squares, each warp's sum and then the sum of the T / 32 warp sums (every block gets
+// all of them through distributed shared memory) are the one-block kernel's, in its order: the same scale and
+// split, bit for bit. A block's items are whole split groups (kClusterThreads % 64 == 0), staged in its
+// dynamic shared memory (cluster_stage_bytes: [per][kClusterThreads] float4s), which its warps split.
+// Why: the partials of the 27B's FFN down projection (17 splits of 5120) are 348 KB; one block reads them at
+// one SM's bandwidth, a cluster of 5 at five times that, and sum_splits_kernel's launch goes.
+template <bool RESID>
+__global__ void __launch_bounds__(kClusterThreads)
+    norm_split_partials_kernel(const float* __restrict__ parts, int splits, const float* __restrict__ residual,
+                               const float* __restrict__ w, float* __restrict__ h, int64_t d, float eps, int n,
+                               uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
+  pdl_launch_dependents();  // the next kernel may launch; this one waits below, after its weight loads
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // no clusters before sm_90: the host launches this only for an sm90_binary
+#else
+  namespace cg = cooperative_groups;
+  using namespace norm;
+  const cg::cluster_group cluster = cg::this_cluster();
+  // Another block's shared memory may be written only once that block runs: this arrival, waited for before
+  // the warp sums are exchanged, says so (its wait overlaps the loads below).
+  cluster.barrier_arrive();
+  const int blocks = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  const int lane = int(threadIdx.x & 31), warp = int(threadIdx.x / 32);
+  const int threads = blocks * kClusterThreads;  // T, the one-block kernel's block size
+  const int g = rank * kClusterThreads + int(threadIdx.x);
+  const int64_t items = d / 4, per = (items + threads - 1) / threads;
+  const int64_t owned = per * kClusterGroups, groups = (d + mma::kGroup - 1) / mma::kGroup;
+  float4 wv[2];
+  group_weights(w, cluster_group(warp, threads, rank), d, lane, wv);  // zeros past the last group
+  pdl_wait();
+  const int r = int(blockIdx.x) / blocks;
+  const int64_t off = int64_t(r) * d;
+  const float4* rr = RESID ? reinterpret_cast<const float4*>(residual + off) : nullptr;
+  float4* hr = reinterpret_cast<float4*>(h + off);
+  float4* stage = reinterpret_cast<float4*>(dyn_smem());
+  double ss = 0.0;  // row_squares' sum for thread g: its items in order
+  for (int64_t j = 0; j < per; ++j) {
+    const int64_t i = j * threads + g;
+    if (i >= items) break;
+    float4 v = fold_partials4(parts + off, splits, int64_t(n) * d, i);
+    if constexpr (RESID) v = add(v, rr[i]);
+    hr[i] = v;
+    stage[j * kClusterThreads + threadIdx.x] = v;
+    ss += sq(v);
+  }
+  // block_sum over the cluster: warp g / 32's sum to slot g / 32 of every block, then each warp sums the slots.
+  __shared__ double partial[kMaxThreads / SPECD_WARP];
+  const double mine = warp_sum(ss);
+  cluster.barrier_wait();  // every block of the cluster runs
+  if (lane == 0)
+    for (int b = 0; b < blocks; ++b) *cluster.map_shared_rank(&partial[g / SPECD_WARP], b) = mine;
+  cluster.sync();  // every slot written (and the stage visible to the block's warps); no remote access after it
+  const int nwarps = threads / SPECD_WARP;
+  const double ssum = warp_sum(lane < nwarps ? partial[lane] : 0.0);
+  NormInput src{nullptr, 0, w != nullptr, {wv[0], wv[1]}, rms_scale(ssum, d, eps)};
+  for (int64_t q = warp; q < owned; q += kClusterThreads / SPECD_WARP) {
+    const int64_t grp = cluster_group(q, threads, rank);
+    if (grp >= groups) break;
+    if (q != warp) group_weights(w, grp, d, lane, src.wv);
+    src.blk0 = grp * (mma::kGroup / 32);
+    src.row = stage + (q / kClusterGroups) * kClusterThreads + (q % kClusterGroups) * kGroupItems;
+    mma::split_group(src, r, n, grp, d, lane, xb, xs, xm);
+  }
+#endif
+}
+#endif
 
 }  // namespace specd::gpu::detail
 #endif

@@ -68,23 +68,32 @@ std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws,
 // reads x split (1..16 rows, tensor-core formats, 16-byte aligned rows) the norm kernel writes that
 // split and u is never stored: one launch fewer (norm_split_kernel, norm_split.cuh); otherwise the
 // composition. Raises std::invalid_argument as rms_norm and matmul_group do.
+// Split-K partials (cpu::check_partials): with `partials` each output comes as the partials the GEMV computed it
+// from, [S_i, n, out_i] (S_i = the integer tensor-core GEMV's splits when it ran on one slice, else 1: the output
+// itself), left for the op that reads it to sum instead of a sum kernel; with `in_partials` x is such partials
+// [S, n, d]: the norm sums them itself (norm_split_partials_kernel, a thread-block cluster per row) when the norm
+// is fused with the GEMV's split and norm_reads_partials(d);
+// otherwise sum_partials first. h = their sum (+ residual); everything bit for bit the ops on the sum.
 std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const std::optional<Tensor>& weight, float eps,
                                                        const std::vector<Tensor>& ws,
-                                                       const std::optional<Tensor>& residual, bool exact = true);
+                                                       const std::optional<Tensor>& residual, bool exact = true,
+                                                       bool partials = false, bool in_partials = false);
 
 // matmul_group(swiglu(gate, up), ws, exact), bit for bit, with the SwiGLU computed by the GEMV's x
 // split (elementwise_split_kernel reading gate and up) when the GEMV reads x split, or (exact = false, more than 16
 // rows: prefill) by the BF16 GEMM's x conversion (matmul_blas_swiglu); otherwise the composition.
+// `partials` / `in_partials` (gate and up): as rms_norm_matmul's; the split sums partials as it reads them.
 std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const std::vector<Tensor>& ws,
-                                  bool exact = true);
+                                  bool exact = true, bool partials = false, bool in_partials = false);
 
 // matmul_group(mul_sigmoid(a, gate) viewed [n, in], ws, exact), bit for bit: gated attention's output gate and
 // out projection. a: F32 [n, ..., d] contiguous (in = its elements per row n); gate: a's shape, rows evenly spaced
 // (as mul_sigmoid's). When the GEMV reads x split (1..16 rows, tensor-core formats) the split computes the gate
 // (elementwise_split_kernel) and the product is never stored: one launch fewer; otherwise the composition.
 // Raises std::invalid_argument as mul_sigmoid and matmul_group do, and for a of fewer than 2 dimensions.
+// `partials`: as rms_norm_matmul's.
 std::vector<Tensor> mul_sigmoid_matmul(const Tensor& a, const Tensor& gate, const std::vector<Tensor>& ws,
-                                       bool exact = true);
+                                       bool exact = true, bool partials = false);
 
 // matmul_group(rms_norm_gated(x, weight, eps, z) viewed [n, groups * d], ws, exact), bit for bit: the Gated
 // DeltaNet's output norm and out projection. x, z: F32 [n, groups, d] (RMS-normed over d). When the GEMV reads x
@@ -92,8 +101,18 @@ std::vector<Tensor> mul_sigmoid_matmul(const Tensor& a, const Tensor& gate, cons
 // norm is computed by the GEMV's x split (gated_norm_split_kernel) and never stored: one launch fewer;
 // otherwise the composition. Raises std::invalid_argument as rms_norm_gated and matmul_group do, and for x
 // not 3-D.
+// `partials`: as rms_norm_matmul's.
 std::vector<Tensor> rms_norm_gated_matmul(const Tensor& x, const std::optional<Tensor>& weight, float eps,
-                                          const Tensor& z, const std::vector<Tensor>& ws, bool exact = true);
+                                          const Tensor& z, const std::vector<Tensor>& ws, bool exact = true,
+                                          bool partials = false);
+
+// Whether rms_norm_matmul's fused norm reads split-K partials of rows of d itself on this device
+// (norm_split_partials_kernel: a cluster shape for d, sm_90 code, a device that runs such clusters).
+bool norm_reads_partials(int64_t d);
+
+// The value split-K partials p (F32 [S, ...] on the GPU, cpu::check_partials) stand for: p[0] + ... + p[S - 1]
+// in order (partials.cuh), one launch; part 0 itself (a view) when S = 1. Raises std::invalid_argument on a bad p.
+Tensor sum_partials(const Tensor& p);
 
 // Whether this build's GEMV reads the tiled layouts (CUDA: yes; HIP: no, its FMA GEMV reads row-major).
 bool gemv_tiles_supported();

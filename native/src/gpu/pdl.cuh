@@ -9,13 +9,13 @@
 // the kernels it depends on have completed and their writes are visible; since each of those waited
 // for its own predecessor, the order is transitive. Two exceptions load weights before waiting: the
 // tensor-core GEMV (mma_gemv_kernel, its first weight units) and the RMSNorm fused with its x split
-// (norm_split_kernel, its norm weights). Weights are written only by uploads (copies, which order fully)
+// (norm_split_kernel and norm_split_partials_kernel, their norm weights). Weights are written only by uploads (copies, which order fully)
 // and by the weight-tiling kernels (tile_q4_kernel, tile_q6_k_kernel), which therefore start with
 // pdl_wait() alone: they never let the next kernel launch early, so a GEMV launched after one (two
 // launches later) starts after it completed.
 // A weight some other kernel writes (e.g. a KV tensor passed to matmul, a norm weight computed on the
 // device passed to rms_norm_matmul) must be complete before the op is queued (the bindings document
-// it); nothing in specd does that. test_gpu_pdl_lint.py allows the early loads in these two kernels only.
+// it); nothing in specd does that. test_gpu_pdl_lint.py allows the early loads in these kernels only.
 //
 // pdl_launch_dependents() lets the next kernel launch once every block of this one has called it
 // (or exited). On HIP, in the host emulation and for code compiled for PTX older than sm_90 both are
@@ -63,39 +63,67 @@ __device__ __forceinline__ void pdl_enter_prefetch(const void* p, size_t bytes) 
 }
 
 #if !defined(SPECD_HOST_EMU)
-// K<<<grid, block, smem, s>>>(args...) as a programmatic dependent of the work before it when the
-// binary running K has the griddepcontrol instructions (compiled for sm_90 or later; asked of K once,
-// which also loads a lazily loaded kernel as its first launch would, inside a graph capture too).
-// Throws std::runtime_error "... call `launch of <name>` failed ..." when the launch is refused.
-template <auto K, class... Args>
-void launch_kernel(const char* name, dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args) {
-#if SPECD_HIP
-  K<<<grid, block, smem, s>>>(args...);
-  const cudaError_t err = cudaGetLastError();
-#else
-  // griddepcontrol is in K only when its PTX targets sm_90 or later (a binary JIT-compiled for the
-  // device from older PTX has binaryVersion 90 but no wait in it)
-  static const bool pdl_ok = [name] {
+#if !SPECD_HIP
+// Whether the binary running K is sm_90 code compiled from sm_90 PTX, so that it has the griddepcontrol
+// instructions and the thread-block cluster code (a binary JIT-compiled for the device from older PTX has
+// binaryVersion 90 but neither). Asked of K once, which also loads a lazily loaded kernel as its first launch
+// would, inside a graph capture too. Throws std::runtime_error when the attributes cannot be read.
+template <auto K>
+bool sm90_binary(const char* name) {
+  static const bool ok = [name] {
     cudaFuncAttributes a{};
     const cudaError_t e = cudaFuncGetAttributes(&a, K);
     if (e != cudaSuccess)
       throw_runtime_error(e, (std::string("cudaFuncGetAttributes of ") + name).c_str(), __FILE__, __LINE__);
     return a.ptxVersion >= 90 && a.binaryVersion >= 90;
   }();
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+  return ok;
+}
+#endif
+
+// K<<<grid, block, smem, s>>>(args...) in clusters of `cluster` blocks along x (1: none; more only for a K
+// with sm90_binary, grid.x a multiple of it, at most the portable 8), as a programmatic dependent of the work
+// before it when K's binary has the griddepcontrol instructions (sm90_binary).
+// Throws std::runtime_error "... call `launch of <name>` failed ..." when the launch is refused, and
+// std::invalid_argument for a cluster it may not ask for.
+template <auto K, class... Args>
+void launch_kernel_clustered(const char* name, dim3 grid, dim3 block, unsigned cluster, size_t smem, cudaStream_t s,
+                             Args... args) {
+#if SPECD_HIP
+  SPECD_CHECK(cluster == 1, "launch of ", name, ": no thread-block clusters on HIP");
+  K<<<grid, block, smem, s>>>(args...);
+  const cudaError_t err = cudaGetLastError();
+#else
+  cudaLaunchAttribute attrs[2] = {};
+  unsigned count = 0;
+  const bool sm90 = sm90_binary<K>(name);
+  if (sm90) {
+    attrs[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[count++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    SPECD_CHECK(sm90 && cluster <= 8 && grid.x % cluster == 0, "launch of ", name, ": a cluster of ", cluster,
+                " blocks needs sm_90 code, at most 8 blocks and a grid of whole clusters (", grid.x, " blocks)");
+    attrs[count].id = cudaLaunchAttributeClusterDimension;
+    attrs[count++].val.clusterDim = {cluster, 1, 1};
+  }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl_ok ? 1 : 0;
+  cfg.attrs = attrs;
+  cfg.numAttrs = count;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, K, args...);
   if (err != cudaSuccess) (void)cudaGetLastError();  // reported here, not by the next launch's check
 #endif
   if (err != cudaSuccess) throw_runtime_error(err, (std::string("launch of ") + name).c_str(), __FILE__, __LINE__);
+}
+
+// launch_kernel_clustered without clusters: every kernel's launch.
+template <auto K, class... Args>
+void launch_kernel(const char* name, dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args... args) {
+  launch_kernel_clustered<K>(name, grid, block, 1, smem, s, args...);
 }
 #endif
 
