@@ -15,6 +15,12 @@ row staged in (poisoned) shared memory as matmul.cu launches rows of up to 8192 
 memory as it launches longer ones. (Blocks
 run one after another here, so races between blocks cannot show; the hardware: test_gpu_matmul.py's
 test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu.)
+
+norm_split_partials_kernel (x as split-K partials, one thread-block cluster a row) runs with its launch's shape:
+a cluster's blocks at once (warp_emu.h: emulate_clusters), each with its own poisoned dynamic shared memory of
+cluster_smem_bytes, the warp sums stored into every block's through the emulated distributed shared memory.
+Its split must equal the composition on the parts' in-order sum byte for byte, h bit for bit. (On the H200:
+test_gpu_partials.py.)
 """
 import os
 import re
@@ -38,14 +44,15 @@ def emu(tmp_path_factory):
     return build_emu(tmp_path_factory, "norm_split_emu", HEADERS, "norm_split_main.cpp", ("-fsanitize=address",))
 
 
-def run_emu(emu, x, r, w, eps, staged):
+def run_emu(emu, x, r, w, eps, staged, splits=0):
+    """The harness on x [n, d] (splits 0), or on x's partials [splits, n, d] (the cluster kernel)."""
     d, exe = emu
-    n, dim = x.shape
+    n, dim = x.shape[-2:]
     files = {f: str(d / f"{f}.bin") for f in FILES}
     x.astype(np.float32).tofile(files["x"])
     (r if r is not None else np.zeros(0, np.float32)).astype(np.float32).tofile(files["r"])
     (w if w is not None else np.zeros(0, np.float32)).astype(np.float32).tofile(files["w"])
-    flags = [str(int(r is not None)), str(int(w is not None)), str(int(staged))]
+    flags = [str(int(r is not None)), str(int(w is not None)), str(int(staged)), str(splits)]
     out = subprocess.run([str(exe), str(n), str(dim), *flags, repr(eps)] + [files[f] for f in FILES], check=True,
                          capture_output=True, text=True).stdout.strip()
     got = {f: np.fromfile(files[f], np.uint8 if f.startswith("split") else np.float32) for f in FILES[3:]}
@@ -89,13 +96,20 @@ def test_norm_split_emulated_equals_the_composition(emu, rng, n, d, resid, weigh
     w = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32) if weighted else None
     got, out = run_emu(emu, x, r, w, eps, staged)
     assert out == f"threads={threads_for(d // 4)}"
+    check(got, x, r, w, eps, h_always=False)
+
+
+def check(got, x, r, w, eps, h_always):
+    """The fused split byte for byte the composition's, h = x (+ r) bit for bit (written without a residual
+    only when h_always), and the split's values float64's RMSNorm within the split's contract."""
+    d = x.shape[1]
     assert np.array_equal(got["split"], got["split_ref"])  # byte for byte, poisoned bytes included
-    if resid:
-        h = x + r
-        assert np.array_equal(got["h"].view(np.uint32), h.view(np.uint32))
+    h = x + r if r is not None else x
+    if r is not None:
         assert np.array_equal(got["h_ref"].view(np.uint32), h.view(np.uint32))
+    if r is not None or h_always:
+        assert np.array_equal(got["h"].view(np.uint32), h.view(np.uint32))
     else:
-        h = x
         assert np.isnan(got["h"]).all()  # no h without a residual
     want = rms_norm64(h, w, eps)
     # each input's 256-input group maximum (the last group ragged when d % 256 != 0)
@@ -103,3 +117,35 @@ def test_norm_split_emulated_equals_the_composition(emu, rng, n, d, resid, weigh
                             for g in range(0, d, 256)], axis=1)
     err = np.abs(got["recon"].astype(np.float64) - want)
     assert np.all(err <= 2.0 ** -20 * bound + 2e-7 * np.abs(want)), (err / bound).max()
+
+
+def cluster_blocks(d):
+    """norm_split.cuh's norm_cluster_blocks for the cases below: threads_for(d / 4) in blocks of 128."""
+    return threads_for(d // 4) // 128
+
+
+# (n, d, S): the 27B's FFN down projection (17 parts of 5120: 5 blocks, two items a thread) and its out
+# projections (6 parts), 8 blocks of one item (4096) and of two (8192), the smallest cluster (1024: 2 blocks), one
+# part (the value itself), 3 rows (the clusters in turn).
+PARTIALS_CASES = [(1, 5120, 17), (2, 5120, 6), (1, 4096, 5), (1, 8192, 3), (3, 1024, 2), (1, 6144, 1)]
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("resid", [True, False])
+@pytest.mark.parametrize("n,d,splits", PARTIALS_CASES)
+def test_norm_split_partials_emulated_equals_the_composition(emu, rng, n, d, splits, resid, weighted):
+    """norm_split_partials_kernel, its cluster's blocks run together with their own shared memory (the warp sums
+    exchanged through the emulated distributed shared memory): bit for bit the one-block composition on the
+    in-order sum of the parts."""
+    eps = 1e-6
+    parts = rng.standard_normal((splits, n, d)).astype(np.float32)
+    parts[:, :, 7] *= 40.0
+    x = parts[0].copy()
+    for k in range(1, splits):  # partials.cuh's order: one F32 add per part, in part order
+        x = x + parts[k]
+    r = rng.standard_normal((n, d)).astype(np.float32) if resid else None
+    w = (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32) if weighted else None
+    got, out = run_emu(emu, parts, r, w, eps, False, splits)
+    assert out == f"blocks={cluster_blocks(d)}\nthreads={threads_for(d // 4)}"
+    check(got, x, r, w, eps, h_always=True)
+

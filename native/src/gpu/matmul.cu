@@ -630,7 +630,7 @@ bool norm_reads_partials(int64_t d) {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(unsigned(blocks));
     cfg.blockDim = dim3(unsigned(detail::kClusterThreads));
-    cfg.dynamicSmemBytes = detail::kMaxClusterStage;
+    cfg.dynamicSmemBytes = detail::kMaxClusterStage + detail::kClusterSumsBytes;  // the most a launch asks
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
     int clusters = 0;
@@ -683,8 +683,7 @@ void launch_norm_split(const Tensor& x, const float* r, const float* w, float* h
 void launch_norm_split_partials(const Tensor& p, const float* r, const float* w, float* hp, int64_t d, float eps,
                                 int n, const detail::mma::XSizes::Parts& xp) {
   const int blocks = detail::norm_cluster_blocks(d);
-  const int64_t threads = int64_t(blocks) * detail::kClusterThreads, per = (d / 4 + threads - 1) / threads;
-  const size_t smem = size_t(per) * detail::kClusterThreads * sizeof(float4);
+  const size_t smem = detail::cluster_smem_bytes(d, int64_t(blocks) * detail::kClusterThreads);
   auto launch = [&](auto resid) {
     constexpr auto kernel = detail::norm_split_partials_kernel<decltype(resid)::value>;
     detail::launch_kernel_clustered<kernel>("norm_split_partials_kernel", unsigned(n * blocks),

@@ -98,8 +98,8 @@ __global__ void __launch_bounds__(norm::kMaxThreads)
   }
 }
 
-#if !defined(SPECD_HOST_EMU)
 // --- the same norm on split-K partials, over a thread-block cluster ---------------------------------------------
+// (The host emulation runs a cluster's blocks together: host_emu/warp_emu.h, emulate_clusters.)
 
 #ifndef SPECD_NORM_CLUSTER_THREADS
 #define SPECD_NORM_CLUSTER_THREADS 128  // threads of each block of norm_split_partials_kernel's clusters
@@ -118,6 +118,12 @@ constexpr int kClusterGroups = kClusterThreads / kGroupItems;
 inline size_t cluster_stage_bytes(int64_t d, int64_t threads) {
   return size_t((d / 4 + threads - 1) / threads) * kClusterThreads * 16;
 }
+// The warp sums every block of a cluster receives (one double per warp of the one-block kernel), in dynamic
+// shared memory after the stage: the memory other blocks write is then all dynamic, which the host emulation
+// maps block to block as the hardware's distributed shared memory.
+constexpr size_t kClusterSumsBytes = (norm::kMaxThreads / SPECD_WARP) * sizeof(double);
+// A cluster block's dynamic shared memory: its stage, then the warp sums (16-byte aligned: the stage is in float4s).
+inline size_t cluster_smem_bytes(int64_t d, int64_t threads) { return cluster_stage_bytes(d, threads) + kClusterSumsBytes; }
 
 // Blocks per cluster of norm_split_partials_kernel for rows of d floats, or 0 when it does not serve d: the
 // one-block kernel's threads_for(d / 4) threads cut into 2 .. kMaxClusterBlocks blocks of kClusterThreads,
@@ -144,7 +150,8 @@ __device__ __forceinline__ int64_t cluster_group(int64_t q, int threads, int ran
 // float4s), so its sum of squares, each warp's sum and then the sum of the T / 32 warp sums (every block gets
 // all of them through distributed shared memory) are the one-block kernel's, in its order: the same scale and
 // split, bit for bit. A block's items are whole split groups (kClusterThreads % 64 == 0), staged in its
-// dynamic shared memory (cluster_stage_bytes: [per][kClusterThreads] float4s), which its warps split.
+// dynamic shared memory (cluster_smem_bytes: [per][kClusterThreads] float4s, then the warp sums), which its warps
+// split.
 // Why: the partials of the 27B's FFN down projection (17 splits of 5120) are 348 KB; one block reads them at
 // one SM's bandwidth, a cluster of 5 at five times that, and sum_splits_kernel's launch goes.
 template <bool RESID>
@@ -176,6 +183,7 @@ __global__ void __launch_bounds__(kClusterThreads)
   const float4* rr = RESID ? reinterpret_cast<const float4*>(residual + off) : nullptr;
   float4* hr = reinterpret_cast<float4*>(h + off);
   float4* stage = reinterpret_cast<float4*>(dyn_smem());
+  double* partial = reinterpret_cast<double*>(stage + per * kClusterThreads);  // cluster_smem_bytes' warp sums
   double ss = 0.0;  // row_squares' sum for thread g: its items in order
   for (int64_t j = 0; j < per; ++j) {
     const int64_t i = j * threads + g;
@@ -187,7 +195,6 @@ __global__ void __launch_bounds__(kClusterThreads)
     ss += sq(v);
   }
   // block_sum over the cluster: warp g / 32's sum to slot g / 32 of every block, then each warp sums the slots.
-  __shared__ double partial[kMaxThreads / SPECD_WARP];
   const double mine = warp_sum(ss);
   cluster.barrier_wait();  // every block of the cluster runs
   if (lane == 0)
@@ -206,7 +213,6 @@ __global__ void __launch_bounds__(kClusterThreads)
   }
 #endif
 }
-#endif
 
 }  // namespace specd::gpu::detail
 #endif

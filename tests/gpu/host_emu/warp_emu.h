@@ -10,7 +10,9 @@
 // rounded once), mma.sync m16n8k8 tf32 -> f32 (operands truncated to tf32, products exact, summed in double and
 // rounded once), ldmatrix .x4 (and .trans), shuffles, __syncwarp, atomicAdd on an int; __syncthreads is a block barrier,
 // cp.async an immediate copy, __shared__ arrays are statics (one block at a time) and dynamic shared
-// memory is specd_emu_dyn_smem (set by the harness).
+// memory is specd_emu_dyn_smem (set by the harness). Thread-block clusters (emulate_clusters): a cluster's blocks
+// run together, each with dynamic shared memory of its own, which cooperative_groups' cluster_group maps block to
+// block (distributed shared memory) and synchronises with a cluster barrier.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -21,6 +23,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -104,6 +107,50 @@ thread_local WarpShared* tl_warp = nullptr;
 thread_local unsigned tl_phase = 0;  // warp instructions this lane has executed
 thread_local std::barrier<>* tl_block = nullptr;
 inline uint8_t* specd_emu_dyn_smem = nullptr;  // the block's dynamic shared memory (harness-owned)
+
+// A running cluster (emulate_clusters): each block's dynamic shared memory and the cluster barrier.
+struct ClusterShared {
+  std::vector<uint8_t*> smem;
+  size_t smem_bytes = 0;
+  std::unique_ptr<std::barrier<>> bar;
+};
+thread_local ClusterShared* tl_cluster = nullptr;
+thread_local unsigned tl_cluster_rank = 0;
+thread_local uint8_t* tl_dyn_smem = nullptr;  // this block's, in a cluster
+thread_local std::optional<std::barrier<>::arrival_token> tl_cluster_arrival;
+// The calling thread's block's dynamic shared memory (dyn_smem.cuh).
+inline uint8_t* specd_emu_block_smem() { return tl_dyn_smem ? tl_dyn_smem : specd_emu_dyn_smem; }
+
+// cooperative_groups' cluster_group (sm_90), as the cluster kernels use it. An arrival must be waited for before
+// the next (barrier_arrive, then barrier_wait); remote shared memory is dynamic shared memory only (abort
+// otherwise), at the same offset in block `rank`'s.
+namespace cooperative_groups {
+struct cluster_group {
+  unsigned num_blocks() const { return unsigned(tl_cluster->smem.size()); }
+  unsigned block_rank() const { return tl_cluster_rank; }
+  void barrier_arrive() const {
+    if (tl_cluster_arrival) std::abort();
+    tl_cluster_arrival.emplace(tl_cluster->bar->arrive());
+  }
+  void barrier_wait() const {
+    if (!tl_cluster_arrival) std::abort();
+    tl_cluster->bar->wait(std::move(*tl_cluster_arrival));
+    tl_cluster_arrival.reset();
+  }
+  void sync() const {
+    if (tl_cluster_arrival) std::abort();
+    tl_cluster->bar->arrive_and_wait();
+  }
+  template <class T>
+  T* map_shared_rank(T* p, int rank) const {
+    const intptr_t off = reinterpret_cast<uint8_t*>(p) - tl_dyn_smem;
+    if (off < 0 || size_t(off) + sizeof(T) > tl_cluster->smem_bytes || rank < 0 || rank >= int(num_blocks()))
+      std::abort();
+    return reinterpret_cast<T*>(tl_cluster->smem[size_t(rank)] + off);
+  }
+};
+inline cluster_group this_cluster() { return {}; }
+}  // namespace cooperative_groups
 
 // This lane's slot for its next warp instruction.
 inline WarpSlot& next_slot() { return tl_warp->slot[tl_phase++ & 1u]; }
@@ -285,6 +332,42 @@ void emulate(int64_t blocks, int threads, const Fn& fn, const Before& before_blo
 template <class Fn>
 void emulate(int64_t blocks, int threads, const Fn& fn) {
   emulate(blocks, threads, fn, [](int64_t) {});
+}
+
+// Runs fn() on `clusters` clusters of `blocks` blocks (blockIdx.x = cluster * blocks + rank) of `threads` threads,
+// a cluster's blocks at once (the clusters one after another), each block with its warps, its block barrier and
+// smem_bytes of dynamic shared memory of its own, every byte `fill` (a poison) at the start. The kernel must not
+// use static __shared__ arrays (one per process here). A thread exiting with an arrival not waited for aborts.
+template <class Fn>
+void emulate_clusters(int64_t clusters, int blocks, int threads, size_t smem_bytes, uint8_t fill, const Fn& fn) {
+  for (int64_t c = 0; c < clusters; ++c) {
+    std::vector<std::vector<uint8_t>> mem(size_t(blocks), std::vector<uint8_t>(smem_bytes, fill));
+    ClusterShared cluster;
+    for (auto& m : mem) cluster.smem.push_back(m.data());
+    cluster.smem_bytes = smem_bytes;
+    cluster.bar = std::make_unique<std::barrier<>>(blocks * threads);
+    std::vector<std::vector<WarpShared>> warps(static_cast<size_t>(blocks));
+    std::vector<std::unique_ptr<std::barrier<>>> block_bars;
+    for (auto& wb : warps) {
+      wb = std::vector<WarpShared>(size_t(threads / 32));
+      for (auto& s : wb) s.bar = std::make_unique<std::barrier<>>(32);
+      block_bars.push_back(std::make_unique<std::barrier<>>(threads));
+    }
+    std::vector<std::thread> th;
+    for (int b = 0; b < blocks; ++b)
+      for (int i = 0; i < threads; ++i)
+        th.emplace_back([&, b, i] {
+          threadIdx.x = unsigned(i), blockIdx.x = unsigned(c * blocks + b), blockDim.x = unsigned(threads);
+          tl_warp = &warps[size_t(b)][size_t(i / 32)];
+          tl_phase = 0;
+          tl_block = block_bars[size_t(b)].get();
+          tl_cluster = &cluster, tl_cluster_rank = unsigned(b), tl_dyn_smem = mem[size_t(b)].data();
+          fn();
+          if (tl_cluster_arrival) std::abort();
+          tl_cluster = nullptr, tl_dyn_smem = nullptr;
+        });
+    for (auto& t : th) t.join();
+  }
 }
 
 // The harnesses' input files: v.size() elements of T read from path (false when short or missing).
