@@ -126,8 +126,10 @@ def cluster_blocks(d):
 
 # (n, d, S): the 27B's FFN down projection (17 parts of 5120: 5 blocks, two items a thread) and its out
 # projections (6 parts), 8 blocks of one item (4096) and of two (8192), the smallest cluster (1024: 2 blocks), one
-# part (the value itself), 3 rows (the clusters in turn).
-PARTIALS_CASES = [(1, 5120, 17), (2, 5120, 6), (1, 4096, 5), (1, 8192, 3), (3, 1024, 2), (1, 6144, 1)]
+# part (the value itself), 3 rows (the clusters in turn), ragged rows (4000: 1000 items on 1024 threads, the last
+# 256-input group ragged; 2016: 504 items on 4 blocks).
+PARTIALS_CASES = [(1, 5120, 17), (2, 5120, 6), (1, 4096, 5), (1, 8192, 3), (3, 1024, 2), (1, 6144, 1), (1, 4000, 4),
+                  (2, 2016, 3)]
 
 
 @pytest.mark.parametrize("weighted", [True, False])

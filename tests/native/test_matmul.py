@@ -290,6 +290,11 @@ def test_fused_matmuls_hand_over_partials_on_the_cpu(rng, n):
         assert y.shape == (1,) + want.shape and np.array_equal(bits(y)[0], bits(want))
     with pytest.raises(ValueError, match=r"rms_norm_matmul: x must be split-K partials"):
         sn.rms_norm_matmul(p[0, 0], None, 1e-6, ws, in_partials=True)
+    # a matrix [n, d] itself is not read as n partials of one row
+    with pytest.raises(ValueError, match=r"rms_norm_matmul: x must be split-K partials \[S, n, d\].*got 2 dim"):
+        sn.rms_norm_matmul(p[0], None, 1e-6, ws, in_partials=True)
+    with pytest.raises(ValueError, match=r"swiglu_matmul: gate must be split-K partials \[S, n, d\].*got 2 dim"):
+        sn.swiglu_matmul(pg[0], pu[0], ws, in_partials=True)
     with pytest.raises(ValueError, match="residual shape differs"):
         sn.rms_norm_matmul(p, None, 1e-6, ws, residual=r[:, :128].copy(), in_partials=True)
     with pytest.raises(ValueError, match="swiglu_matmul: gate must hold 1 .. 65536 partials"):

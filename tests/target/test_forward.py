@@ -178,6 +178,21 @@ def test_step_refuses_bad_input_and_stale_verifies(checkpoint, converted):
     assert st.committed == len(ck.prompt) + 1
 
 
+def test_last_only_verify_equals_the_last_row(checkpoint, converted, rng):
+    """An exact verify with last_only (its FFN output handed on as split-K partials is summed before the output
+    norm reads the last row) gives the full verify's last row bit for bit: logits and argmax."""
+    ck = checkpoint("main")
+    model = model_for(converted, "main")
+    st = model.new_sequence(len(ck.prompt) + 8)
+    model.prefill(st, ck.prompt)
+    draft = [int(t) for t in rng.integers(0, ck.config.vocab_size, size=5)]
+    full, last = model.verify(st, draft), model.verify(st, draft, last_only=True)
+    full_logits, last_logits = np.asarray(full.logits), np.asarray(last.logits)
+    assert last_logits.shape == (1, full_logits.shape[1])
+    np.testing.assert_array_equal(last_logits[0], full_logits[-1])
+    assert int(np.asarray(last.argmax).reshape(-1)[-1]) == int(np.asarray(full.argmax).reshape(-1)[-1])
+
+
 def random_tree(rng, w):
     parents = [-1]
     for j in range(1, w):

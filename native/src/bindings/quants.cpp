@@ -1,5 +1,4 @@
 // dequantize, quantize, matmul, embedding.
-#include <deque>
 #include <stdexcept>
 #include <string>
 
@@ -70,18 +69,23 @@ Tensor cpu_input(const Tensor& t, bool in_partials, const char* op, const char* 
   return in_partials ? cpu::sum_partials(t, op, arg) : t;
 }
 
-// doc followed by the paragraph on split-K partials that the ops taking `partials` share (kept alive for the
-// module's lifetime, as pybind keeps the pointer).
-const char* with_partials_doc(const char* doc) {
-  static std::deque<std::string> docs;
-  docs.push_back(std::string(doc) + R"doc(
+// The ops' `in_partials` inputs stand for matrices [n, d]: partials of one are [S, n, d] (a 2-D tensor would be
+// read as S partials of one row). Both backends.
+void check_matrix_partials(const Tensor& t, bool in_partials, const char* op, const char* arg) {
+  SPECD_CHECK(!in_partials || t.ndim() == 3, op, ": ", arg, " must be split-K partials [S, n, d] with in_partials=True, got ",
+              t.ndim(), " dimension(s)");
+}
+
+// doc followed by the paragraph on split-K partials that the ops taking `partials` share (m.def copies a
+// docstring: the temporary may go once it returns).
+std::string with_partials_doc(const char* doc) {
+  return std::string(doc) + R"doc(
 
 Split-K partials (the GEMV's per-split sums, handed from one op to the next instead of being summed by a
 kernel of their own): with partials=True each output comes as F32 [S, n, out_i] whose sum p[0] + p[1] + ...
 + p[S - 1], added in that order in F32, is the output bit for bit (sum_partials); S is the integer
 tensor-core GEMV's split count when it computed that output in one slice (GPU, 1 <= n <= 16, a Q8_0 /
-K-quant / IQ4_XS weight), else 1 (the output itself, with a leading axis: always on the CPU).)doc");
-  return docs.back().c_str();
+K-quant / IQ4_XS weight), else 1 (the output itself, with a leading axis: always on the CPU).)doc";
 }
 
 }  // namespace
@@ -202,6 +206,7 @@ mismatch (naming ws[i]).)doc");
          std::optional<Tensor> residual, bool exact, bool partials, bool in_partials) {
         const char* op = "rms_norm_matmul";
         Tensor xt = as_tensor(x, op, "x");
+        check_matrix_partials(xt, in_partials, op, "x");
         for (const auto* t : {&weight, &residual})
           if (*t) require_same_device(xt, **t, op);
         std::vector<Tensor> wt = group_weights(xt, ws, op);
@@ -232,7 +237,7 @@ in_partials=True: x is given as split-K partials [S, n, d] (below) and h is thei
 norm is fused as above and norm_reads_partials(d) (sm_90 code, d cut into a cluster of 2-8 blocks of 128
 threads, a device that runs such clusters) the norm reads them itself, one thread-block cluster per row whose
 blocks together replay the one-block norm's sums in its order (norm_split_partials_kernel): no sum launch;
-otherwise sum_partials first. Raises ValueError as those ops do, and for partials sum_partials refuses.)doc"));
+otherwise sum_partials first. Raises ValueError as those ops do, and for partials sum_partials refuses.)doc").c_str());
   m.def(
       "swiglu_matmul",
       [](const py::object& gate, const py::object& up, const py::sequence& ws, bool exact, bool partials,
@@ -241,6 +246,7 @@ otherwise sum_partials first. Raises ValueError as those ops do, and for partial
         Tensor gt = as_tensor(gate, op, "gate"), ut = as_tensor(up, op, "up");
         require_same_device(gt, ut, op);
         SPECD_CHECK(gt.shape == ut.shape, op, ": gate and up must have the same shape");
+        check_matrix_partials(gt, in_partials, op, "gate");
         std::vector<Tensor> wt = group_weights(gt, ws, op);
 #if SPECD_WITH_GPU
         if (gt.device == Device::GPU)
@@ -263,7 +269,7 @@ the activations are never stored (one kernel launch fewer); with exact=False and
 (prefill) the BF16 GEMM's input conversion computes them instead (matmul_blas_swiglu); otherwise
 swiglu, then matmul_group. in_partials=True: gate and up are given as split-K partials [S, n, in] (below),
 which that split sums as it reads them (no sum launch; otherwise sum_partials first).
-Raises ValueError as swiglu and matmul_group do, and for partials sum_partials refuses.)doc"));
+Raises ValueError as swiglu and matmul_group do, and for partials sum_partials refuses.)doc").c_str());
 
   m.def(
       "mul_sigmoid_matmul",
@@ -298,7 +304,7 @@ split computes a * sigmoid(gate) itself with mul_sigmoid's device code (elementw
 never stored (one kernel launch fewer); otherwise mul_sigmoid, then matmul_group. On CUDA the GEMV loads `ws`
 before the kernels queued before it have finished (native/src/gpu/pdl.cuh): a ws written on the device by
 another op (not an upload or tile_for_gemv) must be complete first. Raises ValueError as those ops do, and for
-a of fewer than 2 dimensions.)doc"));
+a of fewer than 2 dimensions.)doc").c_str());
 
   m.def(
       "rms_norm_gated_matmul",
@@ -335,7 +341,7 @@ computes the norm itself with the standalone op's sums (gated_norm_split_kernel)
 (one kernel launch fewer); otherwise rms_norm_gated, then matmul_group. On CUDA the GEMV loads `ws` before
 the kernels queued before it have finished (native/src/gpu/pdl.cuh): a ws written on the device by another op
 (not an upload or tile_for_gemv) must be complete first. Raises ValueError as those ops do, and for x not
-3-D.)doc"));
+3-D.)doc").c_str());
 
   m.def(
       "tile_for_gemv",

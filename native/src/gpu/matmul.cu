@@ -379,8 +379,9 @@ std::vector<Tensor> linear_outputs(const Tensor& x, const std::vector<Tensor>& w
   return ys;
 }
 
-// Whether output y of x (n rows) holds split-K partials the GEMV writes as they are (GroupWeight::keep_partials).
-bool keeps_partials(const Tensor& y, const Tensor& x) { return y.ndim() == x.ndim() + 1 && y.dim(0) > 1; }
+// The split-K partials output y of x (n rows) holds for the GEMV to write as they are (GroupWeight::partials),
+// 0 when y is the output itself.
+int64_t kept_partials(const Tensor& y, const Tensor& x) { return y.ndim() == x.ndim() + 1 ? y.dim(0) : 0; }
 
 // matmul / matmul_group; `op` names the caller in errors; `partials`: the outputs as linear_outputs gives them.
 std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool exact, const char* op,
@@ -421,7 +422,7 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
       float* y = ys[i].ptr<float>() + r0 * out;
 #if SPECD_MMA_GEMV
       if (detail::mma::handles(w.dtype)) {  // partials (one slice only) go straight to ys[i]
-        mma.push_back({{static_cast<const uint8_t*>(w.data), w.row_bytes(), out, y, keeps_partials(ys[i], x)}, w.dtype});
+        mma.push_back({{static_cast<const uint8_t*>(w.data), w.row_bytes(), out, y, kept_partials(ys[i], x)}, w.dtype});
         continue;
       }
       if (w.dtype == DType::BF16 && detail::mma::bf16_on_tensor_cores(w.data, in)) {
@@ -558,7 +559,7 @@ void gemv_on_split(const std::vector<Tensor>& ws, std::vector<Tensor>& ys, const
   for (size_t i = 0; i < ws.size(); ++i)
     if (ws[i].dim(0) > 0)
       mma.push_back({{static_cast<const uint8_t*>(ws[i].data), ws[i].row_bytes(), ws[i].dim(0), ys[i].ptr<float>(),
-                      keeps_partials(ys[i], x)},
+                      kept_partials(ys[i], x)},
                      ws[i].dtype});
   if (!mma.empty())
     detail::mma::gemv_split(mma.data(), int(mma.size()), in,

@@ -1097,13 +1097,14 @@ __host__ __device__ inline void sum_splits_at(const SplitSums& s_, int64_t e) {
 }
 
 // One weight of a grouped launch: its bytes, row bytes and rows, and its output y [n, out] (F32); with
-// keep_partials and several splits, y is instead the split-K partials [splits][n][out] (splits_for), left
-// for the consumer to sum (split 0 first) instead of a sum kernel.
+// partials > 0, y is instead a buffer of that many split-K partials [partials][n][out], which must be the
+// weight's splits (splits_for; plan_group checks), left for the consumer to sum (split 0 first) instead of a sum
+// kernel.
 struct GroupWeight {
   const uint8_t* w;
   int64_t row_bytes, out;
   float* y;
-  bool keep_partials = false;
+  int64_t partials = 0;
 };
 
 // Splits of a weight of `out` rows and `nunits` units on `sms` multiprocessors (units_per_split's).
@@ -1116,21 +1117,24 @@ inline int64_t splits_for(int64_t out, int64_t nunits, int64_t sms) {
 // inputs) against n rows of x on `sms` multiprocessors: the kernel's Group (each weight's split,
 // its flat blocks) and the SplitSums of the weights with several splits, whose partials go to
 // scratch(bytes) buffers (the caller keeps them alive until the sums ran). Shared by the launch and
-// the host emulation.
+// the host emulation. False when a weight's partials buffer does not hold its splits (the plan is then not
+// to be launched: its kernel would write past that buffer or leave parts of it unwritten).
 template <class Scratch>
-inline void plan_group(const GroupWeight* ws, int count, int64_t in, int unit_elems, int n, int64_t sms,
+inline bool plan_group(const GroupWeight* ws, int count, int64_t in, int unit_elems, int n, int64_t sms,
                        const Scratch& scratch, Group& grp, SplitSums& sums) {
   const int64_t nunits = in / unit_elems;
   grp = Group{};
   sums = SplitSums{};
   grp.count = count;
+  bool sized = true;
   for (int i = 0; i < count; ++i) {
     const GroupWeight& wt = ws[i];
     const int64_t per = units_per_split(wt.out, nunits, sms);
     const int64_t splits = splits_for(wt.out, nunits, sms), row_blocks = (wt.out + kRowsPerBlock - 1) / kRowsPerBlock;
     grp.w[i] = wt.w, grp.row_bytes[i] = wt.row_bytes, grp.out[i] = wt.out, grp.per_split[i] = per;
     grp.dst[i] = wt.y;
-    if (splits > 1 && !wt.keep_partials) {
+    if (wt.partials > 0 && wt.partials != splits) sized = false;
+    if (splits > 1 && wt.partials == 0) {
       grp.dst[i] = scratch(size_t(splits * n * wt.out) * sizeof(float));
       sums.part[sums.count] = grp.dst[i], sums.y[sums.count] = wt.y, sums.splits[sums.count] = int(splits);
       sums.elem0[sums.count + 1] = sums.elem0[sums.count] + int64_t(n) * wt.out;
@@ -1138,6 +1142,7 @@ inline void plan_group(const GroupWeight* ws, int count, int64_t in, int unit_el
     }
     grp.block0[i + 1] = grp.block0[i] + row_blocks * splits;
   }
+  return sized;
 }
 
 // Bytes of the split x of `in` inputs (any n <= 16): xb, xs, xm, each 16-byte aligned.
@@ -1207,7 +1212,8 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   const int64_t nunits = in / F::kUnitElems;
   Group grp;
   SplitSums sums;
-  plan_group(ws, count, in, F::kUnitElems, n, sms, scratch, grp, sums);
+  SPECD_CHECK(plan_group(ws, count, in, F::kUnitElems, n, sms, scratch, grp, sums),
+              "matmul: a split-K partials output does not hold its GEMV's split count");
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
   detail::launch_kernel<mma_gemv_kernel<F, NT>>("mma_gemv_kernel", unsigned(grp.block0[count]), kWarps * 32, 0, s, grp,
                                                 nunits, xv, n);
@@ -1350,7 +1356,7 @@ void with_format(DType t, const Fn& f) {
 
 // Split-K partials the tensor-core GEMV computes for a weight of format t (handles(t)), `out` rows and
 // `in` inputs (a multiple of the format's unit) on this device: plan_group's count, which a caller asking
-// for the partials (GroupWeight::keep_partials) sizes their buffer [splits][n][out] by.
+// for the partials (GroupWeight::partials) sizes their buffer [splits][n][out] by.
 inline int64_t gemv_splits(DType t, int64_t out, int64_t in) {
   int64_t splits = 1;
   with_format(t, [&](auto tag) { splits = splits_for(out, in / decltype(tag)::type::kUnitElems, sm_count()); });

@@ -1,7 +1,8 @@
 // Split-K partials: p [S][count] F32 with y = p[0] + p[1] + ... + p[S - 1], added in that order, each add
 // rounded once in F32. The order the GEMV's sum kernel (matmul_mma.cuh: sum_splits_kernel), the ops that
 // read partials instead of y (norm_split.cuh, matmul.cu: SwigluValue) and the CPU's sum_partials
-// (cpu/ops) share, so each of them computes y bit for bit. A header the emulation harnesses also compile.
+// (cpu/activations.cpp, its own loop in this order) share, so each of them computes y bit for bit. A header
+// the emulation harnesses also compile.
 #pragma once
 
 #include <cstdint>

@@ -136,11 +136,12 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   std::vector<std::vector<float>> scratch;
   Group grp;
   SplitSums sums;
-  plan_group(ws.data(), int(outs.size()), in, F::kUnitElems, n, sms,
-             [&](size_t bytes) {
-               scratch.emplace_back(bytes / sizeof(float), NAN);
-               return scratch.back().data();
-             }, grp, sums);
+  if (!plan_group(ws.data(), int(outs.size()), in, F::kUnitElems, n, sms,
+                  [&](size_t bytes) {
+                    scratch.emplace_back(bytes / sizeof(float), NAN);
+                    return scratch.back().data();
+                  }, grp, sums))
+    std::abort();  // (no partials buffers here: every output is summed)
   const auto kernel = with_tiles(n, [](auto nt) { return mma_gemv_kernel<F, decltype(nt)::value>; });
   emulate(grp.block0[grp.count], kWarps * 32, [&] { kernel(grp, nunits, xv, n); });
   for (int64_t e = 0; e < sums.elem0[sums.count]; ++e) sum_splits_at(sums, e);

@@ -36,7 +36,13 @@
 #define SPECD_WARP 32
 #define __global__
 #define __launch_bounds__(...)
-#define __shared__ static  // one block at a time: a static array is the block's shared memory
+// One block at a time: a static array is the block's shared memory. Not in a cluster, whose blocks run at once
+// (emulate_clusters): there the declaration aborts (specd_emu_static_shared_ok), as the blocks would share it.
+inline bool specd_emu_static_shared_ok();
+#define SPECD_EMU_CAT2(a, b) a##b
+#define SPECD_EMU_CAT(a, b) SPECD_EMU_CAT2(a, b)
+#define __shared__ \
+  [[maybe_unused]] const bool SPECD_EMU_CAT(specd_emu_shared_ok_, __COUNTER__) = specd_emu_static_shared_ok(); static
 inline void __trap() { std::abort(); }
 
 struct Dim3 {
@@ -118,34 +124,46 @@ thread_local ClusterShared* tl_cluster = nullptr;
 thread_local unsigned tl_cluster_rank = 0;
 thread_local uint8_t* tl_dyn_smem = nullptr;  // this block's, in a cluster
 thread_local std::optional<std::barrier<>::arrival_token> tl_cluster_arrival;
+thread_local bool tl_cluster_waited = false;  // a cluster barrier completed: every block of the cluster runs
+thread_local bool tl_remote_unfenced = false;  // another block's memory mapped since this thread last arrived
 // The calling thread's block's dynamic shared memory (dyn_smem.cuh).
 inline uint8_t* specd_emu_block_smem() { return tl_dyn_smem ? tl_dyn_smem : specd_emu_dyn_smem; }
+inline bool specd_emu_static_shared_ok() {
+  if (tl_cluster) std::abort();  // a static __shared__ array in a cluster kernel: one for all of its blocks here
+  return true;
+}
 
-// cooperative_groups' cluster_group (sm_90), as the cluster kernels use it. An arrival must be waited for before
-// the next (barrier_arrive, then barrier_wait); remote shared memory is dynamic shared memory only (abort
-// otherwise), at the same offset in block `rank`'s.
+// cooperative_groups' cluster_group (sm_90), as the cluster kernels use it, with the rules of distributed shared
+// memory checked (abort): another block's memory is mapped (map_shared_rank: dynamic shared memory only, the same
+// offset in block `rank`'s) only after a cluster barrier completed (every block then runs) and every such access
+// is followed by an arrival of the thread at a cluster barrier (so the block waits there before it exits);
+// an arrival is waited for before the next (barrier_arrive, then barrier_wait).
 namespace cooperative_groups {
 struct cluster_group {
   unsigned num_blocks() const { return unsigned(tl_cluster->smem.size()); }
   unsigned block_rank() const { return tl_cluster_rank; }
   void barrier_arrive() const {
     if (tl_cluster_arrival) std::abort();
+    tl_remote_unfenced = false;
     tl_cluster_arrival.emplace(tl_cluster->bar->arrive());
   }
   void barrier_wait() const {
     if (!tl_cluster_arrival) std::abort();
     tl_cluster->bar->wait(std::move(*tl_cluster_arrival));
     tl_cluster_arrival.reset();
+    tl_cluster_waited = true;
   }
   void sync() const {
-    if (tl_cluster_arrival) std::abort();
-    tl_cluster->bar->arrive_and_wait();
+    barrier_arrive();
+    barrier_wait();
   }
   template <class T>
   T* map_shared_rank(T* p, int rank) const {
     const intptr_t off = reinterpret_cast<uint8_t*>(p) - tl_dyn_smem;
-    if (off < 0 || size_t(off) + sizeof(T) > tl_cluster->smem_bytes || rank < 0 || rank >= int(num_blocks()))
+    if (!tl_cluster_waited || off < 0 || size_t(off) + sizeof(T) > tl_cluster->smem_bytes || rank < 0 ||
+        rank >= int(num_blocks()))
       std::abort();
+    tl_remote_unfenced = true;
     return reinterpret_cast<T*>(tl_cluster->smem[size_t(rank)] + off);
   }
 };
@@ -337,7 +355,8 @@ void emulate(int64_t blocks, int threads, const Fn& fn) {
 // Runs fn() on `clusters` clusters of `blocks` blocks (blockIdx.x = cluster * blocks + rank) of `threads` threads,
 // a cluster's blocks at once (the clusters one after another), each block with its warps, its block barrier and
 // smem_bytes of dynamic shared memory of its own, every byte `fill` (a poison) at the start. The kernel must not
-// use static __shared__ arrays (one per process here). A thread exiting with an arrival not waited for aborts.
+// declare static __shared__ arrays (one per process here: the declaration aborts). A thread exiting with an
+// arrival not waited for, or after mapping another block's memory without arriving at a barrier since, aborts.
 template <class Fn>
 void emulate_clusters(int64_t clusters, int blocks, int threads, size_t smem_bytes, uint8_t fill, const Fn& fn) {
   for (int64_t c = 0; c < clusters; ++c) {
@@ -362,9 +381,10 @@ void emulate_clusters(int64_t clusters, int blocks, int threads, size_t smem_byt
           tl_phase = 0;
           tl_block = block_bars[size_t(b)].get();
           tl_cluster = &cluster, tl_cluster_rank = unsigned(b), tl_dyn_smem = mem[size_t(b)].data();
+          tl_cluster_waited = tl_remote_unfenced = false;
           fn();
-          if (tl_cluster_arrival) std::abort();
-          tl_cluster = nullptr, tl_dyn_smem = nullptr;
+          if (tl_cluster_arrival || tl_remote_unfenced) std::abort();  // exits before its arrival is waited for /
+          tl_cluster = nullptr, tl_dyn_smem = nullptr;                  // after an access no barrier follows
         });
     for (auto& t : th) t.join();
   }
