@@ -72,8 +72,8 @@ Tensor cpu_input(const Tensor& t, bool in_partials, const char* op, const char* 
 // The ops' `in_partials` inputs stand for matrices [n, d]: partials of one are [S, n, d] (a 2-D tensor would be
 // read as S partials of one row). Both backends.
 void check_matrix_partials(const Tensor& t, bool in_partials, const char* op, const char* arg) {
-  SPECD_CHECK(!in_partials || t.ndim() == 3, op, ": ", arg, " must be split-K partials [S, n, d] with in_partials=True, got ",
-              t.ndim(), " dimension(s)");
+  SPECD_CHECK(!in_partials || t.ndim() == 3, op, ": ", arg,
+              " must be split-K partials [S, n, d] with in_partials=True, got ", t.ndim(), " dimension(s)");
 }
 
 // doc followed by the paragraph on split-K partials that the ops taking `partials` share (m.def copies a

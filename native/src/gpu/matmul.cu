@@ -380,8 +380,11 @@ std::vector<Tensor> linear_outputs(const Tensor& x, const std::vector<Tensor>& w
 }
 
 // The split-K partials output y of x (n rows) holds for the GEMV to write as they are (GroupWeight::partials),
-// 0 when y is the output itself.
-int64_t kept_partials(const Tensor& y, const Tensor& x) { return y.ndim() == x.ndim() + 1 ? y.dim(0) : 0; }
+// 0 when y is the output itself: no leading axis, or one part (partial_counts' 1: its layout is the output's, which
+// a GEMV of several splits, e.g. of a call in slices of 16 rows, sums into).
+int64_t kept_partials(const Tensor& y, const Tensor& x) {
+  return y.ndim() == x.ndim() + 1 && y.dim(0) > 1 ? y.dim(0) : 0;
+}
 
 // matmul / matmul_group; `op` names the caller in errors; `partials`: the outputs as linear_outputs gives them.
 std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool exact, const char* op,
@@ -741,8 +744,7 @@ std::vector<Tensor> swiglu_matmul(const Tensor& gate_in, const Tensor& up_in, co
   detail::check_gpu_tensor(gate_in, DType::F32, -1, op, "gate");
   detail::check_gpu_tensor(up_in, DType::F32, -1, op, "up");
   SPECD_CHECK(gate_in.shape == up_in.shape, op, ": gate and up must have the same shape");
-  SPECD_CHECK(gate_in.ndim() >= (in_partials ? 2 : 1), op, ": gate must have at least ", in_partials ? 2 : 1,
-              " dimension(s)");
+  SPECD_CHECK(gate_in.ndim() >= 1, op, ": gate must have at least 1 dimension");
   // gate, up: the activations (part 0 of them when several partials: their shape)
   if (in_partials) cpu::check_partials(gate_in, Device::GPU, op, "gate"), cpu::check_partials(up_in, Device::GPU, op, "up");
   const bool several = in_partials && gate_in.dim(0) > 1;  // (up's too: the same shape)

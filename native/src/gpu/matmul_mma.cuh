@@ -1097,9 +1097,9 @@ __host__ __device__ inline void sum_splits_at(const SplitSums& s_, int64_t e) {
 }
 
 // One weight of a grouped launch: its bytes, row bytes and rows, and its output y [n, out] (F32); with
-// partials > 0, y is instead a buffer of that many split-K partials [partials][n][out], which must be the
+// partials > 1, y is instead a buffer of that many split-K partials [partials][n][out], which must be the
 // weight's splits (splits_for; plan_group checks), left for the consumer to sum (split 0 first) instead of a sum
-// kernel.
+// kernel (0: y is the output, summed into when the weight has several splits).
 struct GroupWeight {
   const uint8_t* w;
   int64_t row_bytes, out;

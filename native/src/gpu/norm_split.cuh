@@ -123,7 +123,9 @@ inline size_t cluster_stage_bytes(int64_t d, int64_t threads) {
 // maps block to block as the hardware's distributed shared memory.
 constexpr size_t kClusterSumsBytes = (norm::kMaxThreads / SPECD_WARP) * sizeof(double);
 // A cluster block's dynamic shared memory: its stage, then the warp sums (16-byte aligned: the stage is in float4s).
-inline size_t cluster_smem_bytes(int64_t d, int64_t threads) { return cluster_stage_bytes(d, threads) + kClusterSumsBytes; }
+inline size_t cluster_smem_bytes(int64_t d, int64_t threads) {
+  return cluster_stage_bytes(d, threads) + kClusterSumsBytes;
+}
 
 // Blocks per cluster of norm_split_partials_kernel for rows of d floats, or 0 when it does not serve d: the
 // one-block kernel's threads_for(d / 4) threads cut into 2 .. kMaxClusterBlocks blocks of kClusterThreads,
