@@ -10,6 +10,11 @@ indexing, the writers of the pending q / k / g / beta and the stage edges are ch
 out of place; o and the state are also checked bit for bit against gdn_kernel (gated_delta_net's register
 kernel) run on the step's own q / k / v / g / beta. (Blocks run one after another here, so races between
 blocks cannot show; bitwise equality of the whole op with the composition: test_gpu_ops2.py on a GPU.)
+
+host_emu/gdn_split_main.cpp runs gdn_step_split_kernel (the step, then its output's gated norm and the out
+projection's x split, in clusters of 8 blocks whose blocks run together: warp_emu.h's emulate_clusters) and the
+composition it replaces (gdn_step_kernel, then gated_norm_split_kernel on its o): the split bytes, the pending
+values and the state must be equal byte for byte.
 """
 import os
 import subprocess
@@ -27,11 +32,19 @@ NAMES_IN = ("cv", "a", "b", "dt", "ssm_a", "state")
 NAMES_OUT = ("o", "q", "k", "v", "g", "beta", "state_out", "o_ref", "state_ref")
 
 
+HEADERS = ["gdn_step.cuh", "gdn_chunked.cuh", "dyn_smem.cuh", "norm.cuh", "norm_split.cuh", "matmul_mma.cuh",
+           "weight_formats.cuh", "partials.cuh", "activations.cuh", "warp_reduce.cuh", "pdl.cuh"]
+
+
 @pytest.fixture(scope="module")
 def step_emu(tmp_path_factory):
-    headers = ["gdn_step.cuh", "gdn_chunked.cuh", "dyn_smem.cuh", "norm.cuh", "activations.cuh", "warp_reduce.cuh",
-               "pdl.cuh"]
-    return build_emu(tmp_path_factory, "gdn_step_emu", headers, "gdn_step_main.cpp")
+    return build_emu(tmp_path_factory, "gdn_step_emu", HEADERS, "gdn_step_main.cpp")
+
+
+@pytest.fixture(scope="module")
+def split_emu(tmp_path_factory):
+    # AddressSanitizer: a read past o, z, the norm weight or a block's shared memory fails the run
+    return build_emu(tmp_path_factory, "gdn_split_emu", HEADERS, "gdn_split_main.cpp", ("-fsanitize=address",))
 
 
 def reference(cv, a, b, dt, ssm_a, state, hk, dk, hv, dv, eps, scale):
@@ -82,3 +95,44 @@ def test_gdn_step_emulated_matches_float64(step_emu, rng, T, hk, hv, dk, dv, in_
     np.testing.assert_array_equal(got["state_out"].view(np.uint32), got["state_ref"].view(np.uint32))
     if T == 0:
         np.testing.assert_array_equal(got["state_out"], arrays["state"])
+
+
+def step_arrays(rng, T, hk, hv, dk, dv):
+    """Random inputs of a GDN step (the recurrence's stable range: decays in (0, 1), a small state)."""
+    arrays = dict(cv=rng.standard_normal((T, 2 * hk * dk + hv * dv)), a=rng.standard_normal((T, hv)),
+                  b=rng.standard_normal((T, hv)), dt=rng.standard_normal(hv) * 0.5,
+                  ssm_a=-rng.uniform(0.1, 2, hv), state=rng.standard_normal((hv, dv, dk)) * 0.1)
+    return {n: x.astype(np.float32) for n, x in arrays.items()}
+
+
+# (T, hk, hv, dk, dv): the 27B's heads (a decode token, a verify of 16: two stages, every block rank splitting two
+# tokens) at fewer heads; two heads a group (dv 128) with a ragged stage; four heads a group (dv 64, dk 64); eight
+# one-block heads a group (dv 32, dk 32, GQA 1:8); one head a group (dv 256).
+SPLIT_CASES = [(1, 2, 4, 128, 128), (16, 2, 4, 128, 128), (11, 1, 2, 128, 128), (3, 2, 4, 64, 64),
+               (5, 1, 8, 32, 32), (2, 1, 1, 128, 256)]
+
+
+@pytest.mark.parametrize("in_place,weighted", [(False, True), (True, True), (False, False)])
+@pytest.mark.parametrize("T,hk,hv,dk,dv", SPLIT_CASES)
+def test_gdn_step_split_emulated_equals_composition(split_emu, rng, T, hk, hv, dk, dv, in_place, weighted):
+    """gdn_step_split_kernel: the split x, q / k / v / g / beta and the state byte for byte the composition's."""
+    d, exe = split_emu
+    eps, scale = 1e-6, 1 / np.sqrt(dk)
+    arrays = step_arrays(rng, T, hk, hv, dk, dv)
+    arrays["z"] = rng.standard_normal((T, hv, dv)).astype(np.float32) * 2
+    arrays["w"] = rng.uniform(0.5, 1.5, dv).astype(np.float32)
+    names_in = NAMES_IN + ("z", "w")
+    files = {n: str(d / f"{n}.bin") for n in names_in + ("split", "split_ref", "pend", "pend_ref")}
+    for n in names_in:
+        arrays[n].tofile(files[n])
+    r = subprocess.run([str(exe), str(dk), str(T), str(hk), str(hv), str(dv), repr(eps), repr(float(scale)),
+                        str(int(in_place)), str(int(weighted))] + [files[n] for n in names_in] +
+                       [files[n] for n in ("split", "split_ref", "pend", "pend_ref")],
+                       check=True, capture_output=True, text=True)
+    assert r.stdout.strip() == f"blocks={hv * dv // 32} clusters={hv * dv // 256}"
+    split, split_ref = (np.fromfile(files[n], np.uint8) for n in ("split", "split_ref"))
+    pend, pend_ref = (np.fromfile(files[n], np.float32) for n in ("pend", "pend_ref"))
+    assert pend.size == T * (2 * hk * dk + hv * dv + 2 * hv) + hv * dv * dk
+    assert np.isfinite(pend_ref).all() and (split_ref != 0xA5).any()  # the composition wrote them
+    np.testing.assert_array_equal(split, split_ref)
+    np.testing.assert_array_equal(pend.view(np.uint32), pend_ref.view(np.uint32))

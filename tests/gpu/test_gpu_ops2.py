@@ -47,6 +47,9 @@ from host_emu_build import topk_plan, tree_mask  # noqa: E402
 
 from gpu_marks import DEV, DRYRUN, GPU, gpu_only  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "native"))
+from quant_blocks import random_blocks  # noqa: E402
+
 
 def on_gpu(a, dtype=None):
     a = np.array(a, copy=True, order="C")  # a device copy: never aliases the host array
@@ -1118,6 +1121,97 @@ def test_gdn_step_gpu_errors(rng):
     assert (out.numpy() == 7.0).all()
     with pytest.raises(ValueError, match="state"):
         sn.gdn_step(*g_in, on_gpu(state[:1].copy()), *dims, 1e-6, 0.1)
+
+
+def gemv_weight(rng, name, out, k):
+    """A weight [out, k] of format `name` on the test device (random valid blocks; *_TILED: tiled for the GEMV)."""
+    base = name[: -len("_TILED")] if name.endswith("_TILED") else name
+    if base == "F32":
+        return on_gpu(f32(rng, (out, k), 0.05))
+    w = on_gpu(random_blocks(rng, base, out, k), getattr(sn.DType, base))
+    return sn.tile_for_gemv(w) if name.endswith("_TILED") and not DRYRUN else w
+
+
+def gdn_step_gated_composed(cv, a, b, dt, ssm_a, state, dims, eps, scale, nw, z, ws, partials, state_out=None):
+    """What gdn_step_gated_matmul stands for: gdn_step, then rms_norm_gated_matmul of its o."""
+    o, *pend = sn.gdn_step(cv, a, b, dt, ssm_a, state, *dims, eps, scale, state_out=state_out)
+    return sn.rms_norm_gated_matmul(o, nw, eps, z, ws, partials=partials), pend
+
+
+# (hk, hv, dk, dv, ws): the 27B (its out projection Q6_K, tiled), dk 64 / dv 64 (4 heads a split group), dk 32 /
+# dv 32 (8), dv 256 (one head a group), and shapes the op composes: hv dv not whole groups (3 heads of 128), dv 48
+# (whole-head blocks), a float weight in ws.
+GATED_SHAPES = [(16, 48, 128, 128, ["Q6_K_TILED"]), (2, 4, 64, 64, ["IQ4_XS_TILED", "Q8_0"]),
+                (1, 8, 32, 32, ["Q4_K"]), (1, 2, 128, 256, ["IQ4_XS"]), (1, 3, 128, 128, ["Q8_0"]),
+                (1, 2, 64, 48, ["Q8_0"]), (2, 4, 64, 64, ["Q8_0", "F32"])]
+
+
+@pytest.mark.parametrize("shape", GATED_SHAPES)
+@pytest.mark.parametrize("T", [0, 1, 4, 16, 17])  # 16: every block rank of a cluster splits two tokens; 17: composed
+@gpu_only
+def test_gdn_step_gated_matmul_gpu_equals_composition_bitwise(rng, shape, T):
+    """gdn_step_gated_matmul (one launch steps, norms and splits where it fuses: gdn_step_split_kernel) gives bit
+    for bit gdn_step then rms_norm_gated_matmul on the GPU: the projections (summed and as partials), the pending
+    q / k / v / g / beta and the state, in place and out of place (the state then untouched), with and without a
+    norm weight; and it matches the CPU op within the recurrence's tolerance."""
+    hk, hv, dk, dv, names = shape
+    dims, eps, scale = (hk, dk, hv, dv), 1e-6, 1 / np.sqrt(dk)
+    cv, a, b, dt, ssm_a, state = gdn_step_inputs(rng, T, hk, hv, dk, dv)
+    z = f32(rng, (T, hv, dv), 2.0)
+    nw_host = (1.0 + 0.1 * rng.standard_normal(dv)).astype(np.float32)
+    ws = [gemv_weight(rng, name, int(rng.integers(1, 4)) * 64, hv * dv) for name in names]
+    g_in = [on_gpu(x) for x in (cv, a, b, dt, ssm_a)]
+    zg = on_gpu(z)
+    for nw, partials in ((on_gpu(nw_host), False), (None, True)):
+        s_ref, s_in = on_gpu(state), on_gpu(state)
+        ys_ref, pend_ref = gdn_step_gated_composed(*g_in, s_ref, dims, eps, scale, nw, zg, ws, partials)
+        ys, *pend = sn.gdn_step_gated_matmul(*g_in, s_in, *dims, eps, scale, nw, zg, ws, partials=partials)
+        for y, want in zip(ys, ys_ref):
+            assert y.device == DEV and y.shape == want.shape
+            np.testing.assert_array_equal(y.numpy().view(np.uint32), want.numpy().view(np.uint32))
+        for name, x, r in zip(("q", "k", "v", "g", "beta"), pend, pend_ref):
+            np.testing.assert_array_equal(x.numpy(), r.numpy(), err_msg=name)
+        np.testing.assert_array_equal(s_in.numpy(), s_ref.numpy())
+        src, s_out = on_gpu(state), on_gpu(np.full_like(state, np.nan))
+        ys_out, *_ = sn.gdn_step_gated_matmul(*g_in, src, *dims, eps, scale, nw, zg, ws, partials=partials,
+                                              state_out=s_out)
+        for y, want in zip(ys_out, ys_ref):
+            np.testing.assert_array_equal(y.numpy().view(np.uint32), want.numpy().view(np.uint32))
+        np.testing.assert_array_equal(s_out.numpy(), s_ref.numpy())
+        np.testing.assert_array_equal(src.numpy(), state)
+    if T:  # against the CPU op (the composition on the CPU), no partials
+        w_cpu = [sn.Tensor(random_blocks(np.random.default_rng(7), "Q8_0", 64, hv * dv), sn.DType.Q8_0)]
+        w_dev = [on_gpu(w_cpu[0].numpy(), sn.DType.Q8_0)]
+        st_cpu, st_dev = state.copy(), on_gpu(state)
+        y_cpu = sn.gdn_step_gated_matmul(cv, a, b, dt, ssm_a, st_cpu, *dims, eps, scale, nw_host, z, w_cpu)[0][0]
+        y_dev = sn.gdn_step_gated_matmul(*g_in, st_dev, *dims, eps, scale, on_gpu(nw_host), zg, w_dev)[0][0]
+        y_cpu = np.asarray(y_cpu.numpy() if hasattr(y_cpu, "numpy") else y_cpu)
+        np.testing.assert_allclose(y_dev.numpy(), y_cpu, rtol=1e-3, atol=1e-3 * np.abs(y_cpu).max())
+        np.testing.assert_allclose(st_dev.numpy(), st_cpu, rtol=1e-4, atol=1e-4 * np.abs(st_cpu).max())
+
+
+@gpu_only
+def test_gdn_step_gated_matmul_gpu_errors(rng):
+    """Bad arguments raise ValueError naming them before anything runs: the state (in place) and state_out are
+    left as they were, whether the bad argument is the step's, the norm's or a weight."""
+    hk, hv, dk, dv, T = 1, 2, 128, 128, 2
+    dims = (hk, dk, hv, dv)
+    cv, a, b, dt, ssm_a, state = gdn_step_inputs(rng, T, hk, hv, dk, dv)
+    g_in = [on_gpu(x) for x in (cv, a, b, dt, ssm_a)]
+    z, nw = on_gpu(f32(rng, (T, hv, dv))), on_gpu(np.ones(dv, np.float32))
+    w = gemv_weight(rng, "Q8_0", 64, hv * dv)
+    cases = [("gdn_gates", dict(a=on_gpu(a[:, :1]))), ("scale", dict(scale=np.nan)), ("z", dict(z=on_gpu(f32(rng, (T, hv, 64))))),
+             ("weight", dict(nw=on_gpu(np.ones(dv + 1, np.float32)))),
+             ("ws", dict(ws=[gemv_weight(rng, "Q8_0", 64, hv * dv + 32)]))]
+    for in_place in (True, False):
+        for match, bad in cases:
+            args = dict(a=g_in[1], scale=0.1, z=z, nw=nw, ws=[w]) | bad
+            sg, out = on_gpu(state), on_gpu(np.full_like(state, 7.0))
+            with pytest.raises(ValueError, match=match):
+                sn.gdn_step_gated_matmul(g_in[0], args["a"], *g_in[2:], sg, *dims, 1e-6, args["scale"], args["nw"],
+                                         args["z"], args["ws"], state_out=None if in_place else out)
+            np.testing.assert_array_equal(sg.numpy(), state, err_msg=match)
+            assert (out.numpy() == 7.0).all(), match
 
 
 # (hk, hv, dk, dv) of the chunked path (dk 32 / 64 / 128, dv % 16 == 0) and T: one chunk, ragged chunks

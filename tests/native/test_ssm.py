@@ -10,6 +10,7 @@ import specd.native as sn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gdn_ref import gdn_ref, gdn_step_inputs_ref, silu64  # noqa: E402
+from quant_blocks import random_blocks  # noqa: E402
 
 CONV_TOL = 1e-6  # K-term F32 sums (+ silu) vs float64; measured <= 1.9e-7 of the output scale
 GDN_TOL = 3e-6  # F32 recurrence over up to 17 tokens vs float64; measured <= 4.2e-7 of the scale
@@ -310,6 +311,64 @@ def test_gdn_step_against_float64(rng, T, hk, hv, dk, dv):
     np.testing.assert_array_equal(o2, got[0])
     np.testing.assert_array_equal(out, st)
     np.testing.assert_array_equal(st2, state)
+
+
+@pytest.mark.parametrize("T,weighted", [(1, True), (3, False), (0, True)])
+def test_gdn_step_gated_matmul_against_float64(rng, T, weighted):
+    """gdn_step_gated_matmul = gdn_step's pending values, and its o's gated RMS norm (per value head, times the
+    norm weight, times silu(z)) projected by each weight (qwen35-target.md §6.5 steps 3-9), against float64
+    numpy on the dequantized weights; partials=True gives each output as one part [1, T, out]."""
+    hk, hv, dk, dv, eps = 2, 4, 16, 8, 1e-6
+    scale = 1 / np.sqrt(dk)
+    cv = rng.standard_normal((T, 2 * hk * dk + hv * dv)).astype(np.float32)
+    a, b = (rng.standard_normal((T, hv)).astype(np.float32) for _ in range(2))
+    dt, ssm_a = rng.standard_normal(hv).astype(np.float32), -rng.uniform(0.1, 2, hv).astype(np.float32)
+    state = (rng.standard_normal((hv, dv, dk)) * 0.3).astype(np.float32)
+    z = rng.standard_normal((T, hv, dv)).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, dv).astype(np.float32) if weighted else None
+    ws = [sn.Tensor(random_blocks(rng, "Q8_0", out, hv * dv), sn.DType.Q8_0) for out in (5, 3)]
+    st = state.copy()
+    ys, *pend = sn.gdn_step_gated_matmul(cv, a, b, dt, ssm_a, st, hk, dk, hv, dv, eps, scale, nw, z, ws)
+    q, k, v, g, beta = gdn_step_inputs_ref(cv, a, b, dt, ssm_a, hk, dk, hv, dv, eps)
+    assert [x.shape for x in pend] == [(T, hk, dk), (T, hk, dk), (T, hv, dv), (T, hv), (T, hv)]
+    o, states = gdn_ref(q, k, v, g, beta, state, scale)
+    if T:
+        for x, ref in zip(pend, (q, k, v, g, beta)):
+            close(x.numpy(), ref, 1e-6)
+        close(st, states[-1], GDN_TOL)
+    u = o / np.sqrt((o ** 2).mean(axis=-1, keepdims=True) + eps) * (nw if weighted else 1.0) * silu64(z)
+    for y, w in zip(ys, ws):
+        ref = u.reshape(T, hv * dv) @ sn.dequantize(w).numpy().astype(np.float64).T
+        assert y.shape == (T, w.shape[0])
+        if T:
+            close(y.numpy(), ref, 1e-4)
+    st2 = state.copy()
+    parts, *_ = sn.gdn_step_gated_matmul(cv, a, b, dt, ssm_a, st2, hk, dk, hv, dv, eps, scale, nw, z, ws,
+                                         partials=True)
+    for p, y in zip(parts, ys):
+        np.testing.assert_array_equal(p.numpy(), y.numpy()[None])
+    np.testing.assert_array_equal(st2, st)
+
+
+def test_gdn_step_gated_matmul_bad_input(rng):
+    """A bad argument of the step, of the norm or a weight raises ValueError naming it, and the state (in
+    place) is left as it was."""
+    hk, hv, dk, dv, T = 1, 2, 8, 16, 2
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    cv, a, vec, z = f(T, 2 * hk * dk + hv * dv), f(T, hv), f(hv), f(T, hv, dv)
+    w = sn.Tensor(random_blocks(rng, "Q8_0", 4, hv * dv), sn.DType.Q8_0)
+    st = f(hv, dv, dk)
+    keep = st.copy()
+    cases = [("gdn_step: scale must be finite", dict(scale=np.inf)),
+             ("gdn_step_gated_matmul: z", dict(z=f(T, hv, dv + 1))),
+             ("gdn_step_gated_matmul: weight", dict(nw=f(dv - 1))),
+             ("ws\\[0\\]", dict(ws=[sn.Tensor(random_blocks(rng, "Q8_0", 4, hv * dv + 32), sn.DType.Q8_0)]))]
+    for match, bad in cases:
+        args = dict(scale=0.1, z=z, nw=f(dv), ws=[w]) | bad
+        with pytest.raises(ValueError, match=match):
+            sn.gdn_step_gated_matmul(cv, a, a, vec, vec, st, hk, dk, hv, dv, 1e-6, args["scale"], args["nw"],
+                                     args["z"], args["ws"])
+        np.testing.assert_array_equal(st, keep, err_msg=match)
 
 
 def test_gdn_step_bad_input(rng):

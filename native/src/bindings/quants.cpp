@@ -6,6 +6,7 @@
 #include "../cpu/matmul.h"
 #include "../cpu/norm.h"
 #include "../cpu/quants.h"
+#include "../cpu/ssm.h"
 #if SPECD_WITH_GPU
 #include "../gpu/ops.h"
 #endif
@@ -342,6 +343,59 @@ computes the norm itself with the standalone op's sums (gated_norm_split_kernel)
 the kernels queued before it have finished (native/src/gpu/pdl.cuh): a ws written on the device by another op
 (not an upload or tile_for_gemv) must be complete first. Raises ValueError as those ops do, and for x not
 3-D.)doc").c_str());
+
+  m.def(
+      "gdn_step_gated_matmul",
+      [](const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
+         int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
+         std::optional<Tensor> norm_weight, const py::object& z, const py::sequence& ws, bool exact, bool partials,
+         std::optional<Tensor> state_out) {
+        const char* op = "gdn_step_gated_matmul";
+        Tensor zt = as_tensor(z, op, "z");
+        for (const Tensor* t : {&a, &b, &dt, &ssm_a, &state, static_cast<const Tensor*>(&zt)})
+          require_same_device(cv, *t, op);
+        if (state_out) require_same_device(cv, *state_out, op);
+        if (norm_weight) require_same_device(cv, *norm_weight, op);
+        std::vector<Tensor> wt = group_weights(cv, ws, op);
+        auto r = without_gil([&] {
+#if SPECD_WITH_GPU
+          if (cv.device == Device::GPU)
+            return gpu::gdn_step_gated_matmul(cv, a, b, dt, ssm_a, state, n_k_heads, head_k_dim, n_v_heads, head_v_dim,
+                                              eps, scale, state_out, norm_weight, zt, wt, exact, partials);
+#endif
+          // the composition; the norm's and the weights' arguments checked before the state is touched
+          cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, state, state_out, n_k_heads, head_k_dim, n_v_heads, head_v_dim,
+                                   eps, scale, Device::CPU);
+          const Tensor o_shape = Tensor::empty({cv.dim(0), n_v_heads, head_v_dim}, DType::F32, Device::CPU);
+          cpu::check_rms_args(o_shape, norm_weight, eps, Device::CPU, op);
+          cpu::check_like_x(zt, o_shape, Device::CPU, op, "z");
+          (void)cpu_group(Tensor::empty({0, o_shape.dim(1) * o_shape.dim(2)}, DType::F32), wt, op);  // ws' checks
+          auto [o, q, k, v, g, beta] = cpu::gdn_step(cv, a, b, dt, ssm_a, state, n_k_heads, head_k_dim, n_v_heads,
+                                                     head_v_dim, eps, scale, state_out);
+          const Tensor y = cpu::rms_norm_gated(o, norm_weight, eps, zt);
+          return std::make_tuple(
+              cpu_partials(cpu_group(y.reshape({o.dim(0), o.dim(1) * o.dim(2)}), wt, op), partials), q, k, v, g, beta);
+        });
+        return py::make_tuple(std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r),
+                              std::get<5>(r));
+      },
+      py::arg("cv"), py::arg("a"), py::arg("b"), py::arg("dt"), py::arg("ssm_a"), py::arg("state"),
+      py::arg("n_k_heads"), py::arg("head_k_dim"), py::arg("n_v_heads"), py::arg("head_v_dim"), py::arg("eps"),
+      py::arg("scale"), py::arg("norm_weight"), py::arg("z"), py::arg("ws"), py::arg("exact") = true,
+      py::arg("partials") = false, py::arg("state_out") = py::none(),
+      with_partials_doc(R"doc(A Gated DeltaNet decode / verify step after its conv, through its output's gated norm and out
+projection (qwen35-target.md §6.5 steps 3-9): gdn_step(cv, a, b, dt, ssm_a, state, n_k_heads, head_k_dim,
+n_v_heads, head_v_dim, eps, scale, state_out), then rms_norm_gated_matmul(o, norm_weight, eps, z, ws, exact)
+on its output o [T, Hv, dv] (one eps for the q / k L2 norms and the output norm, as the model has).
+
+Arguments as those two ops take them (z: F32 [T, Hv, dv]; norm_weight: F32 [dv] or None; ws: [out_i, Hv dv]).
+Returns (ys, q, k, v, g, beta): the projections (a list of F32 [T, out_i]) and gdn_step's pending values; o is
+not returned. Bit-identical to the composition on each backend. On CUDA (sm_90), where the tensor-core GEMV
+reads the output (1 <= T <= 16, every weight Q8_0 / K-quant / IQ4_XS, dk 32 / 64 / 128, dv % 32 == 0 dividing
+256, Hv dv % 256 == 0, 16-byte aligned z and norm_weight), the gdn_step launch itself norms and splits o for the
+GEMV in clusters of 8 blocks (gdn_step_split_kernel): one launch fewer; otherwise the composition. Every argument
+is checked before anything runs (a bad one leaves the state untouched): raises ValueError as those ops do.)doc")
+          .c_str());
 
   m.def(
       "tile_for_gemv",

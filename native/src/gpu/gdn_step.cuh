@@ -13,6 +13,7 @@
 #include "dyn_smem.cuh"
 #include "gdn_chunked.cuh"  // gdn::Params
 #include "norm.cuh"
+#include "norm_split.cuh"  // the gated norm and split of gdn_step_split_kernel (CUDA only: SPECD_MMA_GEMV)
 #include "pdl.cuh"
 
 namespace specd::gpu::detail::gdn_step {
@@ -130,11 +131,17 @@ __device__ __forceinline__ const float* gdn_block_state(const GdnStepParams& P, 
   return P.state + (int64_t(blockIdx.x / nb) * P.dv + int64_t(blockIdx.x % nb) * rows) * DK;
 }
 
-// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / L (gdn_kernel's).
+// The bytes of the block's state rows (gdn_block_state's), which the kernels ask L2 for before their wait (16 KiB at
+// the 27B's shapes, 3 MiB a layer, never in L2 a step later).
 template <int E, int L>
-__global__ void __launch_bounds__(kMaxGdnThreads) gdn_step_kernel(const GdnStepParams P) {
-  // the block's state (16 KiB at the 27B's shapes, 3 MiB a layer, never in L2 a step later) asked of L2 first
-  pdl_enter_prefetch(gdn_block_state<E * L>(P, blockDim.x / L), sizeof(float) * (blockDim.x / L) * E * L);
+__device__ __forceinline__ size_t gdn_block_state_bytes() {
+  return sizeof(float) * (blockDim.x / L) * E * L;
+}
+
+// gdn_step_kernel's work after its wait. Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with
+// rows = blockDim.x / L (gdn_kernel's).
+template <int E, int L>
+__device__ __forceinline__ void gdn_step_block(const GdnStepParams& P) {
   using norm::Mode;
   using norm::warp_norm_row;
   constexpr int DK = E * L, S = kGdnStage;
@@ -201,5 +208,44 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_step_kernel(const GdnStepP
 #pragma unroll
   for (int e = 0; e < E; ++e) SO[e * L + p] = s[e];
 }
+
+template <int E, int L>
+__global__ void __launch_bounds__(kMaxGdnThreads) gdn_step_kernel(const GdnStepParams P) {
+  pdl_enter_prefetch(gdn_block_state<E * L>(P, blockDim.x / L), gdn_block_state_bytes<E, L>());
+  gdn_step_block<E, L>(P);
+}
+
+#if SPECD_MMA_GEMV
+// gdn_step_kernel followed by the output's gated norm and the out projection's x split (gated_norm_split_kernel's
+// work, norm_split.cuh), in one launch: rms_norm_gated_matmul(o, norm_w, eps, z, [ssm_out]) without o's kernel
+// boundary. The blocks run in clusters of kGdnSplitCluster, one per 256-input split group of o's rows (the launch
+// asks rows = 32 state rows a block, 256 % dv == 0 and hv dv % 256 == 0, so block b holds the group's inputs
+// 32 (b % 8) .. + 31). Each block stores its o as gdn_step_kernel does, then its state; the cluster barrier makes
+// the group's o visible to the cluster's blocks (release / acquire at cluster scope), and block `rank` of the
+// cluster norms and splits the group for tokens rank, rank + 8, ... with gated_norm_split_kernel's code (the
+// same values bit for bit: gated_norm_group, split_group). T <= 16 (the GEMV's rows).
+constexpr int kGdnSplitCluster = mma::kGroup / kGdnRows;
+
+template <int E, int L>
+__global__ void __launch_bounds__(kGdnRows * L) gdn_step_split_kernel(const GdnStepParams P, const GatedSplit S) {
+  pdl_enter_prefetch(gdn_block_state<E * L>(P, blockDim.x / L), gdn_block_state_bytes<E, L>());
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // no clusters before sm_90: the host launches this only for an sm90_binary
+#else
+  gdn_step_block<E, L>(P);
+  const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  cluster.sync();  // the group's o, written by the cluster's blocks, visible to each of them
+  const int64_t grp = blockIdx.x / kGdnSplitCluster;
+  float* v = dyn_smem() + gdn_step_smem<E * L>(blockDim.x / L) / sizeof(float);  // past the stage: [kGroup]
+  const int lane = int(threadIdx.x % SPECD_WARP), warp = int(threadIdx.x / SPECD_WARP);
+  for (int64_t t = cluster.block_rank(); t < P.T; t += kGdnSplitCluster) {
+    gated_norm_group(P.o, S.w, S.z, P.dv, S.eps, S.in, int(t), grp, v, warp, int(blockDim.x / SPECD_WARP), lane);
+    __syncthreads();
+    if (warp == 0) mma::split_group(SharedGroupInput{v, grp}, int(t), int(P.T), grp, S.in, lane, S.xb, S.xs, S.xm);
+    __syncthreads();  // v is the next token's
+  }
+#endif
+}
+#endif
 
 }  // namespace specd::gpu::detail::gdn_step

@@ -88,6 +88,7 @@
 #include "ops.h"
 #include "specd/gpu.h"
 #include "matmul_blas.h"
+#include "matmul_split.h"
 #include "weight_formats.cuh"
 #include "matmul_mma.cuh"
 #include "norm_split.cuh"
@@ -477,17 +478,6 @@ struct MulSigmoidValue {
 #if SPECD_MMA_GEMV
 // --- the GEMV's x split fused into the op that produces x (one launch fewer per call) -------------
 
-// One 256-input group's values as split inputs: v = kGroup floats in 16-byte aligned shared memory, v[k] =
-// input 256 grp + k of the row (zeros past `in`); load() is asked only for blocks blk of group grp.
-struct SharedGroupInput {
-  const float* v;
-  int64_t grp;
-  __device__ __forceinline__ void load(int, int64_t blk, int t, float (&out)[8]) const {
-    const float* p = v + 32 * (blk - grp * (detail::mma::kGroup / 32));
-    detail::mma::put4(out, 0, *reinterpret_cast<const float4*>(p + 4 * t));
-    detail::mma::put4(out, 1, *reinterpret_cast<const float4*>(p + 16 + 4 * t));
-  }
-};
 
 // An elementwise op's output (F32 [n, in], in % 32 == 0 as every tensor-core format has; `value` its element at
 // an offset) split for the GEMV into xb / xs / xm (the XSizes(in) layout): n * groups blocks of kGroup threads,
@@ -506,38 +496,7 @@ __global__ void __launch_bounds__(detail::mma::kGroup) elementwise_split_kernel(
   const int64_t grp = blockIdx.x % groups, i = grp * detail::mma::kGroup + threadIdx.x;
   v[threadIdx.x] = i < in ? value(int64_t(r) * in + i) : 0.0f;
   __syncthreads();
-  if (threadIdx.x < 32) detail::mma::split_group(SharedGroupInput{v, grp}, r, n, grp, in, int(threadIdx.x), xb, xs, xm);
-}
-
-// Warps of gated_norm_split_kernel for norm groups of d inputs: one per group of a 256-input split group,
-// at most 8 (a warp then norms several groups in turn).
-constexpr int gated_norm_split_warps(int64_t d) { return int(std::min<int64_t>(detail::mma::kGroup / d, 8)); }
-
-// rms_norm_gated over norm groups of d inputs (d % 4 == 0, d dividing 256; x, z [n, in] with in % d == 0,
-// 16-byte aligned, as w [d] when given) split for the GEMV into xb / xs / xm (the XSizes(in) layout): n *
-// groups blocks of gated_norm_split_warps(d) warps, one per (row r, 256-input group grp). A warp norms the
-// group's norm groups w, w + warps, ... with warp_norm_row, which replays the standalone rms_norm_gated's
-// block sums (its vector path, one item per thread) with one warp: the same values bit for bit, into
-// shared memory (zeros past the row's `in` inputs); then warp 0 splits the group (split_group: the same
-// terms as split_x of rms_norm_gated's output).
-__global__ void __launch_bounds__(8 * SPECD_WARP) gated_norm_split_kernel(
-    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ z, int64_t d, float eps,
-    int64_t in, int n, int64_t groups, uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
-  detail::pdl_enter();
-  namespace norm = detail::norm;
-  __shared__ __align__(16) float v[detail::mma::kGroup];
-  const int r = int(blockIdx.x / groups), lane = int(threadIdx.x % SPECD_WARP);
-  const int64_t grp = blockIdx.x % groups, row = int64_t(r) * in;
-  const int warps = int(blockDim.x / SPECD_WARP);
-  for (int h = int(threadIdx.x / SPECD_WARP); h * d < detail::mma::kGroup; h += warps) {
-    const int64_t i = grp * detail::mma::kGroup + h * d;  // the norm group's first input
-    if (i < in)
-      norm::warp_norm_row<norm::Mode::RMS, true, true>(x + row + i, w, z + row + i, v + h * d, d, eps, lane);
-    else
-      for (int64_t k = lane; k < d; k += SPECD_WARP) v[h * d + k] = 0.0f;
-  }
-  __syncthreads();
-  if (threadIdx.x < SPECD_WARP) detail::mma::split_group(SharedGroupInput{v, grp}, r, n, grp, in, lane, xb, xs, xm);
+  if (threadIdx.x < 32) detail::mma::split_group(detail::SharedGroupInput{v, grp}, r, n, grp, in, int(threadIdx.x), xb, xs, xm);
 }
 
 #endif
@@ -545,7 +504,7 @@ __global__ void __launch_bounds__(8 * SPECD_WARP) gated_norm_split_kernel(
 // Whether the projections of x [n, in] (n = rows) by ws run on the tensor-core GEMV with x split
 // once by the op producing x: 1 <= n <= 16 (one GEMV slice, exact or not) and every weight in a
 // tensor-core format, with 16-byte aligned rows of `in` floats (in % 4 == 0, base pointers checked by the caller).
-bool split_fusable(int64_t n, int64_t in, const std::vector<Tensor>& ws) {
+bool fusable(int64_t n, int64_t in, const std::vector<Tensor>& ws) {
   if (!SPECD_MMA_GEMV || n < 1 || n > kNMax || in == 0 || in % 4 != 0) return false;
 #if SPECD_MMA_GEMV
   for (const Tensor& w : ws)
@@ -555,7 +514,7 @@ bool split_fusable(int64_t n, int64_t in, const std::vector<Tensor>& ws) {
 }
 
 #if SPECD_MMA_GEMV
-// The tensor-core GEMV of ws (split_fusable) into ys (linear_outputs of x) on x split at xsplit (its n rows of `in`).
+// The tensor-core GEMV of ws (fusable) into ys (linear_outputs of x) on x split at xsplit (its n rows of `in`).
 void gemv_on_split(const std::vector<Tensor>& ws, std::vector<Tensor>& ys, const Tensor& x, const void* xsplit, int n) {
   const int64_t in = x.cols();
   std::vector<detail::mma::Weight> mma;
@@ -570,7 +529,7 @@ void gemv_on_split(const std::vector<Tensor>& ws, std::vector<Tensor>& ys, const
 }
 #endif
 
-// ws (split_fusable for n rows of `in`) against x split by a fused op's kernel: launch_split(parts, groups)
+// ws (fusable for n rows of `in`) against x split by a fused op's kernel: launch_split(parts, groups)
 // queues that kernel, which writes the XSizes(in) layout at `parts` (groups 256-input groups per row), then
 // the GEMV. x: a tensor of the split values' shape (x.rows() == n, x.cols() == in), which shapes the outputs.
 // `partials`: the outputs as linear_outputs gives them.
@@ -609,6 +568,19 @@ std::vector<Tensor> elementwise_matmul(const Value& value, const Tensor& x, cons
 }
 
 }  // namespace
+
+void detail::check_gemv_weights(int64_t in, const std::vector<Tensor>& ws, const char* op, const char* x_name) {
+  check_weights(in, ws, op, x_name);
+}
+
+#if SPECD_MMA_GEMV
+bool detail::split_fusable(int64_t n, int64_t in, const std::vector<Tensor>& ws) { return fusable(n, in, ws); }
+
+std::vector<Tensor> detail::matmul_on_split(const Tensor& x, const std::vector<Tensor>& ws, const char* op,
+                                            bool partials, const SplitLauncher& launch_split) {
+  return split_matmul(x, ws, op, partials, launch_split);
+}
+#endif
 
 std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws, bool exact) {
   return linear(x, ws, exact, "matmul_group");
@@ -715,7 +687,7 @@ std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x_in, const
   const int64_t n = x.rows(), d = x.cols();
   const bool aligned = detail::aligned16(x.data) && (!weight || detail::aligned16(weight->data)) &&
                        (!residual || detail::aligned16(residual->data));
-  const bool fused = aligned && split_fusable(n, d, ws) && (!several || norm_reads_partials(d));
+  const bool fused = aligned && fusable(n, d, ws) && (!several || norm_reads_partials(d));
   if (!fused) {  // the composition: same results, one launch more (two with partials to sum)
     auto [y, h] = rms_norm(several ? sum_partials(x_in) : x, weight, eps, residual);
     return {linear(y, ws, exact, op, partials), h};
@@ -752,14 +724,14 @@ std::vector<Tensor> swiglu_matmul(const Tensor& gate_in, const Tensor& up_in, co
   const Tensor up = in_partials ? cpu::first_part(up_in) : up_in;
   const int64_t n = gate.rows(), in = gate.cols();
   check_weights(in, ws, op, "gate");
-  if (several && !split_fusable(n, in, ws))  // the composition reads the sums
+  if (several && !fusable(n, in, ws))  // the composition reads the sums
     return swiglu_matmul(sum_partials(gate_in), sum_partials(up_in), ws, exact, partials, false);
   if (n > kNMax && !exact && in > 0) {  // prefill: as linear's BLAS path
     std::vector<Tensor> ys = linear_outputs(gate, ws, op, partials);
     detail::matmul_blas_swiglu(gate, up, ws, ys);  // swiglu fused into x's BF16 rounding (bitwise the composition)
     return ys;
   }
-  if (!split_fusable(n, in, ws))  // (gate / up are read a float at a time: any alignment)
+  if (!fusable(n, in, ws))  // (gate / up are read a float at a time: any alignment)
     return linear(swiglu(gate, up), ws, exact, op, partials);  // the composition: same results, one launch more
   const int splits = int(in_partials ? gate_in.dim(0) : 1);  // (at most 65536: check_partials)
   return elementwise_matmul(SwigluValue{gate.ptr<float>(), up.ptr<float>(), splits, gate.numel()}, gate, ws, op,
@@ -776,7 +748,7 @@ std::vector<Tensor> mul_sigmoid_matmul(const Tensor& a, const Tensor& gate, cons
   for (size_t k = 1; k < a.shape.size(); ++k) in *= a.shape[k];
   const Tensor a2 = a.reshape({n, in});
   check_weights(in, ws, op, "a");
-  if (!split_fusable(n, in, ws))  // the composition (prefill: mul_sigmoid, then the BF16 GEMM)
+  if (!fusable(n, in, ws))  // the composition (prefill: mul_sigmoid, then the BF16 GEMM)
     return linear(mul_sigmoid(a, gate).reshape({n, in}), ws, exact, op, partials);
   return elementwise_matmul(MulSigmoidValue{a.ptr<float>(), gate.ptr<float>(), a.cols(), pitch}, a2, ws, op,
                             partials);
@@ -793,14 +765,14 @@ std::vector<Tensor> rms_norm_gated_matmul(const Tensor& x, const std::optional<T
   // the fused kernel's warp_norm_row must replay rms_norm_gated's vector path: d % 4 == 0, 16-byte aligned
   const bool aligned = detail::aligned16(x.data) && detail::aligned16(z.data) &&
                        (!weight || detail::aligned16(weight->data));
-  if (!aligned || d % 4 != 0 || d == 0 || 256 % d != 0 || !split_fusable(n, in, ws))  // the composition
+  if (!aligned || d % 4 != 0 || d == 0 || 256 % d != 0 || !fusable(n, in, ws))  // the composition
     return linear(rms_norm_gated(x, weight, eps, z).reshape({n, in}), ws, exact, op, partials);
   return split_matmul(x.reshape({n, in}), ws, op, partials, [&](const auto& xp, int64_t groups) {
 #if SPECD_MMA_GEMV
-    detail::launch_kernel<gated_norm_split_kernel>(
-        "gated_norm_split_kernel", unsigned(n * groups), unsigned(gated_norm_split_warps(d) * SPECD_WARP), 0,
-        detail::stream(), x.ptr<float>(), weight ? weight->ptr<float>() : nullptr, z.ptr<float>(), d, eps, in, int(n),
-        groups, xp.xb, xp.xs, xp.xm);
+    const detail::GatedSplit S{z.ptr<float>(), weight ? weight->ptr<float>() : nullptr, eps, in, xp.xb, xp.xs, xp.xm};
+    detail::launch_kernel<detail::gated_norm_split_kernel>("gated_norm_split_kernel", unsigned(n * groups),
+                                                           unsigned(detail::gated_norm_split_warps(d) * SPECD_WARP), 0,
+                                                           detail::stream(), x.ptr<float>(), d, int(n), groups, S);
 #else
     (void)xp, (void)groups;
 #endif

@@ -53,6 +53,7 @@
 
 #ifndef SPECD_HOST_EMU
 #include "common.cuh"
+#include "specd/gpu.h"  // alloc: the launches' scratch
 #endif
 #include "partials.cuh"
 #include "pdl.cuh"

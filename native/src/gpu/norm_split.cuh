@@ -216,5 +216,69 @@ __global__ void __launch_bounds__(kClusterThreads)
 #endif
 }
 
+
+// --- the gated norm of groups of a 256-input split group (rms_norm_gated_matmul's split) --------------------------
+
+// One 256-input group's values as split inputs: v = kGroup floats in 16-byte aligned shared memory, v[k] =
+// input 256 grp + k of the row (zeros past `in`); load() is asked only for blocks blk of group grp.
+struct SharedGroupInput {
+  const float* v;
+  int64_t grp;
+  __device__ __forceinline__ void load(int, int64_t blk, int t, float (&out)[8]) const {
+    const float* p = v + 32 * (blk - grp * (mma::kGroup / 32));
+    mma::put4(out, 0, *reinterpret_cast<const float4*>(p + 4 * t));
+    mma::put4(out, 1, *reinterpret_cast<const float4*>(p + 16 + 4 * t));
+  }
+};
+
+// What a gated norm and split writes besides its input o: the gate z [n, in] and norm weight w [d] (or null) of
+// rms_norm_gated, its eps, the row length `in`, and the split x (xb / xs / xm: the XSizes(in) layout).
+struct GatedSplit {
+  const float* z;
+  const float* w;
+  float eps;
+  int64_t in;
+  uint2* xb;
+  float* xs;
+  uint32_t* xm;
+};
+
+// rms_norm_gated of row r's 256-input group grp of x [n, in] (norm groups of d inputs: d % 4 == 0, d dividing
+// 256; x, z 16-byte aligned, as w [d] when given) into v (kGroup floats of shared memory; zeros past `in`): warp
+// `warp` of `warps` norms the group's norm groups warp, warp + warps, ... with warp_norm_row, which replays the
+// standalone rms_norm_gated's block sums (its vector path, one item per thread) with one warp: the same values bit
+// for bit. The caller synchronises the block before reading v.
+__device__ __forceinline__ void gated_norm_group(const float* x, const float* w, const float* z, int64_t d, float eps,
+                                                 int64_t in, int r, int64_t grp, float* v, int warp, int warps,
+                                                 int lane) {
+  const int64_t row = int64_t(r) * in;
+  for (int h = warp; h * d < mma::kGroup; h += warps) {
+    const int64_t i = grp * mma::kGroup + h * d;  // the norm group's first input
+    if (i < in)
+      norm::warp_norm_row<norm::Mode::RMS, true, true>(x + row + i, w, z + row + i, v + h * d, d, eps, lane);
+    else
+      for (int64_t k = lane; k < d; k += SPECD_WARP) v[h * d + k] = 0.0f;
+  }
+}
+
+// Warps of gated_norm_split_kernel for norm groups of d inputs: one per group of a 256-input split group,
+// at most 8 (a warp then norms several groups in turn).
+constexpr int gated_norm_split_warps(int64_t d) { return int(std::min<int64_t>(mma::kGroup / d, 8)); }
+
+// rms_norm_gated of x [n, in] (gated_norm_group's shapes) split for the GEMV into S's xb / xs / xm: n * groups
+// blocks of gated_norm_split_warps(d) warps, one per (row r, 256-input group grp): gated_norm_group into shared
+// memory, then warp 0 splits the group (split_group: the same terms as split_x of rms_norm_gated's output).
+__global__ void __launch_bounds__(8 * SPECD_WARP) gated_norm_split_kernel(const float* __restrict__ x, int64_t d,
+                                                                          int n, int64_t groups, const GatedSplit S) {
+  pdl_enter();
+  __shared__ __align__(16) float v[mma::kGroup];
+  const int r = int(blockIdx.x / groups), lane = int(threadIdx.x % SPECD_WARP);
+  const int64_t grp = blockIdx.x % groups;
+  gated_norm_group(x, S.w, S.z, d, S.eps, S.in, r, grp, v, int(threadIdx.x / SPECD_WARP),
+                   int(blockDim.x / SPECD_WARP), lane);
+  __syncthreads();
+  if (threadIdx.x < SPECD_WARP) mma::split_group(SharedGroupInput{v, grp}, r, n, grp, S.in, lane, S.xb, S.xs, S.xm);
+}
+
 }  // namespace specd::gpu::detail
 #endif

@@ -202,6 +202,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
     const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
     int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
     const std::optional<Tensor>& state_out);
+// gdn_step followed by rms_norm_gated_matmul(o, norm_weight, eps, z, ws, exact, partials) (o [T, Hv, dv] not
+// returned): (ys, q, k, v, g, beta), bit-identical to that composition. Where the tensor-core GEMV reads the
+// output (T <= 16, tensor-core weight formats, CUDA sm_90: ssm.cu) the gdn_step launch itself norms and splits o
+// (gdn_step_split_kernel), one launch fewer; otherwise the composition. Checks every argument first (the state
+// is untouched on a bad one); throws std::invalid_argument.
+std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step_gated_matmul(
+    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
+    int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
+    const std::optional<Tensor>& state_out, const std::optional<Tensor>& norm_weight, const Tensor& z,
+    const std::vector<Tensor>& ws, bool exact, bool partials);
 
 // DFlash 2's grouped dynamic causal convolution as cpu::grouped_dynamic_conv (dynamic_conv.cu): one thread
 // per output element, the CPU op's F32 operations in its order with explicit round-to-nearest (no FMA), so

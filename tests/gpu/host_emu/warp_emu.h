@@ -43,6 +43,7 @@ inline bool specd_emu_static_shared_ok();
 #define SPECD_EMU_CAT(a, b) SPECD_EMU_CAT2(a, b)
 #define __shared__ \
   [[maybe_unused]] const bool SPECD_EMU_CAT(specd_emu_shared_ok_, __COUNTER__) = specd_emu_static_shared_ok(); static
+#define __align__(n) __attribute__((aligned(n)))
 inline void __trap() { std::abort(); }
 
 struct Dim3 {
