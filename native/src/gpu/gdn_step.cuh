@@ -8,18 +8,39 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 
 #include "activations.cuh"
 #include "dyn_smem.cuh"
 #include "gdn_chunked.cuh"  // gdn::Params
 #include "norm.cuh"
-#include "norm_split.cuh"  // the gated norm and split of gdn_step_split_kernel (CUDA only: SPECD_MMA_GEMV)
 #include "pdl.cuh"
 
 namespace specd::gpu::detail::gdn_step {
 
 constexpr int kMaxGdnThreads = 512;
 constexpr int kGdnRows = 32;  // state rows per block when dv % kGdnRows == 0 (kGdnRows * L threads)
+constexpr int kMinLanes = 4;  // threads per state row: dk / 16 (dk 128: 8), at least 4 (kernel template L)
+
+// The register kernels' launch shape (gdn_kernel, gdn_step_kernel; ssm.cu): dk / 16 lanes per state row (at least
+// kMinLanes), so a token's two dot products are chains of at most 16 adds; blocks of kGdnRows state rows when dv %
+// kGdnRows == 0, else of a whole head; they serve dk 32 / 64 / 128 with whole warps of at most kMaxGdnThreads
+// (anything else takes ssm.cu's fallback recurrence, one block per head, and gdn_step its composition).
+inline int gdn_lanes(int64_t dk) { return dk / 16 > kMinLanes ? int(dk / 16) : kMinLanes; }
+inline int64_t gdn_block_rows(int64_t dv) { return dv % kGdnRows == 0 ? kGdnRows : dv; }
+inline bool gdn_register_kernel(int64_t dk, int64_t dv) {
+  const int64_t threads = gdn_block_rows(dv) * gdn_lanes(dk);
+  return (dk == 32 || dk == 64 || dk == 128) && threads <= kMaxGdnThreads && threads % SPECD_WARP == 0;
+}
+
+// f(E, L) (std::integral_constant) for the register kernels' instance of dk (gdn_register_kernel(dk, dv)).
+template <class F>
+decltype(auto) with_gdn_instance(int64_t dk, const F& f) {
+  using std::integral_constant;
+  if (dk == 32) return f(integral_constant<int, 8>(), integral_constant<int, 4>());
+  if (dk == 64) return f(integral_constant<int, 16>(), integral_constant<int, 4>());
+  return f(integral_constant<int, 16>(), integral_constant<int, 8>());
+}
 constexpr int kGdnStage = 8;  // tokens staged in shared memory at once (dk 128: gdn_kernel 9.3 KiB, gdn_step 17.1 KiB)
 
 // One token of one state row, lane p of L holding elements p, p + L, ... of the row in s: S <- exp(g) S;
@@ -215,37 +236,5 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_step_kernel(const GdnStepP
   gdn_step_block<E, L>(P);
 }
 
-#if SPECD_MMA_GEMV
-// gdn_step_kernel followed by the output's gated norm and the out projection's x split (gated_norm_split_kernel's
-// work, norm_split.cuh), in one launch: rms_norm_gated_matmul(o, norm_w, eps, z, [ssm_out]) without o's kernel
-// boundary. The blocks run in clusters of kGdnSplitCluster, one per 256-input split group of o's rows (the launch
-// asks rows = 32 state rows a block, 256 % dv == 0 and hv dv % 256 == 0, so block b holds the group's inputs
-// 32 (b % 8) .. + 31). Each block stores its o as gdn_step_kernel does, then its state; the cluster barrier makes
-// the group's o visible to the cluster's blocks (release / acquire at cluster scope), and block `rank` of the
-// cluster norms and splits the group for tokens rank, rank + 8, ... with gated_norm_split_kernel's code (the
-// same values bit for bit: gated_norm_group, split_group). T <= 16 (the GEMV's rows).
-constexpr int kGdnSplitCluster = mma::kGroup / kGdnRows;
-
-template <int E, int L>
-__global__ void __launch_bounds__(kGdnRows * L) gdn_step_split_kernel(const GdnStepParams P, const GatedSplit S) {
-  pdl_enter_prefetch(gdn_block_state<E * L>(P, blockDim.x / L), gdn_block_state_bytes<E, L>());
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();  // no clusters before sm_90: the host launches this only for an sm90_binary
-#else
-  gdn_step_block<E, L>(P);
-  const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  cluster.sync();  // the group's o, written by the cluster's blocks, visible to each of them
-  const int64_t grp = blockIdx.x / kGdnSplitCluster;
-  float* v = dyn_smem() + gdn_step_smem<E * L>(blockDim.x / L) / sizeof(float);  // past the stage: [kGroup]
-  const int lane = int(threadIdx.x % SPECD_WARP), warp = int(threadIdx.x / SPECD_WARP);
-  for (int64_t t = cluster.block_rank(); t < P.T; t += kGdnSplitCluster) {
-    gated_norm_group(P.o, S.w, S.z, P.dv, S.eps, S.in, int(t), grp, v, warp, int(blockDim.x / SPECD_WARP), lane);
-    __syncthreads();
-    if (warp == 0) mma::split_group(SharedGroupInput{v, grp}, int(t), int(P.T), grp, S.in, lane, S.xb, S.xs, S.xm);
-    __syncthreads();  // v is the next token's
-  }
-#endif
-}
-#endif
 
 }  // namespace specd::gpu::detail::gdn_step

@@ -80,6 +80,7 @@
 
 #include "../cpu/activations.h"
 #include "../cpu/norm.h"
+#include "../cpu/ssm.h"
 #include "activations.cuh"
 #include "common.cuh"
 #include "norm.cuh"
@@ -88,10 +89,10 @@
 #include "ops.h"
 #include "specd/gpu.h"
 #include "matmul_blas.h"
-#include "matmul_split.h"
 #include "weight_formats.cuh"
 #include "matmul_mma.cuh"
 #include "norm_split.cuh"
+#include "gdn_step_split.cuh"
 
 namespace specd::gpu {
 
@@ -504,7 +505,7 @@ __global__ void __launch_bounds__(detail::mma::kGroup) elementwise_split_kernel(
 // Whether the projections of x [n, in] (n = rows) by ws run on the tensor-core GEMV with x split
 // once by the op producing x: 1 <= n <= 16 (one GEMV slice, exact or not) and every weight in a
 // tensor-core format, with 16-byte aligned rows of `in` floats (in % 4 == 0, base pointers checked by the caller).
-bool fusable(int64_t n, int64_t in, const std::vector<Tensor>& ws) {
+bool split_fusable(int64_t n, int64_t in, const std::vector<Tensor>& ws) {
   if (!SPECD_MMA_GEMV || n < 1 || n > kNMax || in == 0 || in % 4 != 0) return false;
 #if SPECD_MMA_GEMV
   for (const Tensor& w : ws)
@@ -514,7 +515,7 @@ bool fusable(int64_t n, int64_t in, const std::vector<Tensor>& ws) {
 }
 
 #if SPECD_MMA_GEMV
-// The tensor-core GEMV of ws (fusable) into ys (linear_outputs of x) on x split at xsplit (its n rows of `in`).
+// The tensor-core GEMV of ws (split_fusable) into ys (linear_outputs of x) on x split at xsplit (its n rows of `in`).
 void gemv_on_split(const std::vector<Tensor>& ws, std::vector<Tensor>& ys, const Tensor& x, const void* xsplit, int n) {
   const int64_t in = x.cols();
   std::vector<detail::mma::Weight> mma;
@@ -529,7 +530,7 @@ void gemv_on_split(const std::vector<Tensor>& ws, std::vector<Tensor>& ys, const
 }
 #endif
 
-// ws (fusable for n rows of `in`) against x split by a fused op's kernel: launch_split(parts, groups)
+// ws (split_fusable for n rows of `in`) against x split by a fused op's kernel: launch_split(parts, groups)
 // queues that kernel, which writes the XSizes(in) layout at `parts` (groups 256-input groups per row), then
 // the GEMV. x: a tensor of the split values' shape (x.rows() == n, x.cols() == in), which shapes the outputs.
 // `partials`: the outputs as linear_outputs gives them.
@@ -568,19 +569,6 @@ std::vector<Tensor> elementwise_matmul(const Value& value, const Tensor& x, cons
 }
 
 }  // namespace
-
-void detail::check_gemv_weights(int64_t in, const std::vector<Tensor>& ws, const char* op, const char* x_name) {
-  check_weights(in, ws, op, x_name);
-}
-
-#if SPECD_MMA_GEMV
-bool detail::split_fusable(int64_t n, int64_t in, const std::vector<Tensor>& ws) { return fusable(n, in, ws); }
-
-std::vector<Tensor> detail::matmul_on_split(const Tensor& x, const std::vector<Tensor>& ws, const char* op,
-                                            bool partials, const SplitLauncher& launch_split) {
-  return split_matmul(x, ws, op, partials, launch_split);
-}
-#endif
 
 std::vector<Tensor> matmul_group(const Tensor& x, const std::vector<Tensor>& ws, bool exact) {
   return linear(x, ws, exact, "matmul_group");
@@ -687,7 +675,7 @@ std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x_in, const
   const int64_t n = x.rows(), d = x.cols();
   const bool aligned = detail::aligned16(x.data) && (!weight || detail::aligned16(weight->data)) &&
                        (!residual || detail::aligned16(residual->data));
-  const bool fused = aligned && fusable(n, d, ws) && (!several || norm_reads_partials(d));
+  const bool fused = aligned && split_fusable(n, d, ws) && (!several || norm_reads_partials(d));
   if (!fused) {  // the composition: same results, one launch more (two with partials to sum)
     auto [y, h] = rms_norm(several ? sum_partials(x_in) : x, weight, eps, residual);
     return {linear(y, ws, exact, op, partials), h};
@@ -724,14 +712,14 @@ std::vector<Tensor> swiglu_matmul(const Tensor& gate_in, const Tensor& up_in, co
   const Tensor up = in_partials ? cpu::first_part(up_in) : up_in;
   const int64_t n = gate.rows(), in = gate.cols();
   check_weights(in, ws, op, "gate");
-  if (several && !fusable(n, in, ws))  // the composition reads the sums
+  if (several && !split_fusable(n, in, ws))  // the composition reads the sums
     return swiglu_matmul(sum_partials(gate_in), sum_partials(up_in), ws, exact, partials, false);
   if (n > kNMax && !exact && in > 0) {  // prefill: as linear's BLAS path
     std::vector<Tensor> ys = linear_outputs(gate, ws, op, partials);
     detail::matmul_blas_swiglu(gate, up, ws, ys);  // swiglu fused into x's BF16 rounding (bitwise the composition)
     return ys;
   }
-  if (!fusable(n, in, ws))  // (gate / up are read a float at a time: any alignment)
+  if (!split_fusable(n, in, ws))  // (gate / up are read a float at a time: any alignment)
     return linear(swiglu(gate, up), ws, exact, op, partials);  // the composition: same results, one launch more
   const int splits = int(in_partials ? gate_in.dim(0) : 1);  // (at most 65536: check_partials)
   return elementwise_matmul(SwigluValue{gate.ptr<float>(), up.ptr<float>(), splits, gate.numel()}, gate, ws, op,
@@ -748,7 +736,7 @@ std::vector<Tensor> mul_sigmoid_matmul(const Tensor& a, const Tensor& gate, cons
   for (size_t k = 1; k < a.shape.size(); ++k) in *= a.shape[k];
   const Tensor a2 = a.reshape({n, in});
   check_weights(in, ws, op, "a");
-  if (!fusable(n, in, ws))  // the composition (prefill: mul_sigmoid, then the BF16 GEMM)
+  if (!split_fusable(n, in, ws))  // the composition (prefill: mul_sigmoid, then the BF16 GEMM)
     return linear(mul_sigmoid(a, gate).reshape({n, in}), ws, exact, op, partials);
   return elementwise_matmul(MulSigmoidValue{a.ptr<float>(), gate.ptr<float>(), a.cols(), pitch}, a2, ws, op,
                             partials);
@@ -765,7 +753,7 @@ std::vector<Tensor> rms_norm_gated_matmul(const Tensor& x, const std::optional<T
   // the fused kernel's warp_norm_row must replay rms_norm_gated's vector path: d % 4 == 0, 16-byte aligned
   const bool aligned = detail::aligned16(x.data) && detail::aligned16(z.data) &&
                        (!weight || detail::aligned16(weight->data));
-  if (!aligned || d % 4 != 0 || d == 0 || 256 % d != 0 || !fusable(n, in, ws))  // the composition
+  if (!aligned || d % 4 != 0 || d == 0 || 256 % d != 0 || !split_fusable(n, in, ws))  // the composition
     return linear(rms_norm_gated(x, weight, eps, z).reshape({n, in}), ws, exact, op, partials);
   return split_matmul(x.reshape({n, in}), ws, op, partials, [&](const auto& xp, int64_t groups) {
 #if SPECD_MMA_GEMV
@@ -777,6 +765,93 @@ std::vector<Tensor> rms_norm_gated_matmul(const Tensor& x, const std::optional<T
     (void)xp, (void)groups;
 #endif
   });
+}
+
+#if SPECD_MMA_GEMV
+namespace {
+
+// Whether this build and device run gdn_step_split_kernel<E, L>: sm_90 code, and at least one cluster of
+// kGdnSplitCluster blocks fits the device (asked once per instance and process: a small MIG instance may not).
+template <int E, int L>
+bool gdn_split_runs() {
+  namespace gs = detail::gdn_step;
+  constexpr auto kernel = gs::gdn_step_split_kernel<E, L>;
+  if (!detail::sm90_binary<kernel>("gdn_step_split_kernel")) return false;
+  static const bool runs = [] {
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim = {unsigned(gs::kGdnSplitCluster), 1, 1};
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(unsigned(gs::kGdnSplitCluster));
+    cfg.blockDim = dim3(unsigned(gs::kGdnRows * L));
+    cfg.dynamicSmemBytes = gs::gdn_split_smem<E * L>();
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+    if (e != cudaSuccess) (void)cudaGetLastError();  // not a failure of the next call: the composition serves
+    return e == cudaSuccess && clusters > 0;
+  }();
+  return runs;
+}
+
+}  // namespace
+#endif
+
+std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step_gated_matmul(
+    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
+    int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
+    const std::optional<Tensor>& state_out, const std::optional<Tensor>& norm_weight, const Tensor& z,
+    const std::vector<Tensor>& ws, bool exact, bool partials) {
+  const char* op = "gdn_step_gated_matmul";
+  const int64_t hk = n_k_heads, dk = head_k_dim, hv = n_v_heads, dv = head_v_dim;
+  const Tensor& out_state = cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, state, state_out, hk, dk, hv, dv, eps, scale,
+                                                     Device::GPU);
+  const int64_t T = cv.dim(0), in = hv * dv;
+  // the gated norm's and the projection's arguments, on o's shape, before anything runs
+  Tensor o = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
+  cpu::check_rms_args(o, norm_weight, eps, Device::GPU, op);
+  cpu::check_like_x(z, o, Device::GPU, op, "z");
+  check_weights(in, ws, op);
+  namespace gs = detail::gdn_step;
+#if SPECD_MMA_GEMV
+  // one cluster of 8 blocks of kGdnRows state rows per 256-input split group (hence 256 % dv == 0, whole groups)
+  const bool fused = T >= 1 && gs::gdn_register_kernel(dk, dv) && gs::gdn_block_rows(dv) == gs::kGdnRows &&
+                     detail::mma::kGroup % dv == 0 && in % detail::mma::kGroup == 0 && detail::aligned16(z.data) &&
+                     (!norm_weight || detail::aligned16(norm_weight->data)) && split_fusable(T, in, ws) &&
+                     gs::with_gdn_instance(dk, [](auto e, auto l) {
+                       return gdn_split_runs<decltype(e)::value, decltype(l)::value>();
+                     });
+#else
+  const bool fused = false;
+#endif
+  if (!fused) {  // the composition
+    auto [o2, q, k, v, g, beta] = gdn_step(cv, a, b, dt, ssm_a, state, hk, dk, hv, dv, eps, scale, state_out);
+    return {rms_norm_gated_matmul(o2, norm_weight, eps, z, ws, exact, partials), q, k, v, g, beta};
+  }
+  const auto empty = [](std::vector<int64_t> shape) { return Tensor::empty(shape, DType::F32, Device::GPU); };
+  Tensor q = empty({T, hk, dk}), k = empty({T, hk, dk}), v = empty({T, hv, dv}), g = empty({T, hv}),
+         beta = empty({T, hv});
+  SPECD_CHECK(in / gs::kGdnRows <= 0x7fffffff, op, ": at most 2^31 - 1 blocks");
+  const gs::GdnStepParams P{cv.ptr<float>(), a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(),
+                            state.ptr<float>(), out_state.ptr<float>(), o.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
+                            v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), T, int(hk), int(hv), int(dv), eps,
+                            scale};
+  std::vector<Tensor> ys = split_matmul(o.reshape({T, in}), ws, op, partials, [&](const auto& xp, int64_t) {
+#if SPECD_MMA_GEMV
+    const detail::GatedSplit S{z.ptr<float>(), norm_weight ? norm_weight->ptr<float>() : nullptr, eps, in,
+                               xp.xb, xp.xs, xp.xm};
+    gs::with_gdn_instance(dk, [&](auto e, auto l) {
+      constexpr int E = decltype(e)::value, L = decltype(l)::value;
+      detail::launch_kernel_clustered<gs::gdn_step_split_kernel<E, L>>(
+          "gdn_step_split_kernel", unsigned(in / gs::kGdnRows), unsigned(gs::kGdnRows * L),
+          unsigned(gs::kGdnSplitCluster), gs::gdn_split_smem<E * L>(), detail::stream(), P, S);
+    });
+#else
+    (void)xp;
+#endif
+  });
+  return {ys, q, k, v, g, beta};
 }
 
 bool gemv_tiles_supported() { return SPECD_MMA_GEMV != 0; }

@@ -28,9 +28,8 @@
 // same tolerance of the CPU op (tests up to 300 tokens).
 //
 // gdn_step: gdn_qkv, gdn_gates and the exact recurrence of a decode / verify step in one launch
-// (gdn_step_kernel in gdn_kernel's blocks), bit-identical to those three ops. gdn_step_gated_matmul: that launch
-// also norms and splits its output for the out projection's GEMV (gdn_step_split_kernel, clusters of 8 blocks),
-// bit-identical to gdn_step then rms_norm_gated_matmul.
+// (gdn_step_kernel in gdn_kernel's blocks), bit-identical to those three ops (gdn_step_gated_matmul, matmul.cu,
+// also norms and splits its output for the out projection in that launch).
 #include <algorithm>
 #include <cmath>
 
@@ -41,7 +40,6 @@
 #include "conv.cuh"
 #include "gdn_chunked.cuh"
 #include "gdn_step.cuh"
-#include "matmul_split.h"
 #include "norm.cuh"
 #include "op_util.cuh"
 #include "ops.h"
@@ -61,15 +59,13 @@ using detail::conv::kConvTokens;
 
 using GdnParams = detail::gdn::Params;
 
-constexpr int kMinLanes = 4;  // threads per state row: dk / 16 (dk 128: 8), at least 4 (kernel template L)
+using detail::gdn_step::gdn_block_rows;
 using detail::gdn_step::gdn_kernel;
+using detail::gdn_step::gdn_lanes;
+using detail::gdn_step::gdn_register_kernel;
 using detail::gdn_step::GdnStepParams;
 using detail::gdn_step::gdn_step_kernel;
 using detail::gdn_step::gdn_step_smem;
-#if SPECD_MMA_GEMV
-using detail::gdn_step::gdn_step_split_kernel;
-using detail::gdn_step::kGdnSplitCluster;
-#endif
 using detail::gdn_step::kGdnRows;
 using detail::gdn_step::kMaxGdnThreads;
 
@@ -170,16 +166,6 @@ bool gdn_chunked_ok(bool exact, const GdnParams& P) {
          int64_t(gdn_state_smem(P.dk)) <= detail::max_smem_optin();
 }
 
-// The register kernel (dk 32 / 64 / 128, whole warps per block): dk / 16 lanes per state row (at least
-// 4), so a token's two dot products are chains of at most 16 adds; anything else takes the fallback,
-// one block per head (other sums: gdn_step fuses only what the register kernel runs).
-int gdn_lanes(int64_t dk) { return std::max<int>(kMinLanes, int(dk / 16)); }
-int64_t gdn_block_rows(int64_t dv) { return dv % kGdnRows == 0 ? kGdnRows : dv; }
-bool gdn_register_kernel(int64_t dk, int64_t dv) {
-  const int64_t threads = gdn_block_rows(dv) * gdn_lanes(dk);
-  return (dk == 32 || dk == 64 || dk == 128) && threads <= kMaxGdnThreads && threads % SPECD_WARP == 0;
-}
-
 // gdn_kernel's blocks: rows state rows of L lanes each (gdn_block_rows), at most kMaxGdnThreads threads.
 template <int E, int L>
 void launch_gdn_step(const GdnStepParams& P) {
@@ -189,46 +175,6 @@ void launch_gdn_step(const GdnStepParams& P) {
   detail::launch_kernel<gdn_step_kernel<E, L>>("gdn_step_kernel", unsigned(int64_t(P.hv) * (P.dv / rows)),
                                               unsigned(rows * L), gdn_step_smem<E * L>(rows), detail::stream(), P);
 }
-
-#if SPECD_MMA_GEMV
-// gdn_step_split_kernel's dynamic shared memory: gdn_step_kernel's stage, then the group being split (kGroup floats).
-template <int E, int L>
-size_t gdn_split_smem() {
-  return gdn_step_smem<E * L>(kGdnRows) + detail::mma::kGroup * sizeof(float);
-}
-
-// Whether this build and device run gdn_step_split_kernel<E, L>: sm_90 code, and at least one cluster of
-// kGdnSplitCluster blocks fits the device (asked once per instance and process: a small MIG instance may not).
-template <int E, int L>
-bool gdn_split_runs() {
-  constexpr auto kernel = gdn_step_split_kernel<E, L>;
-  if (!detail::sm90_binary<kernel>("gdn_step_split_kernel")) return false;
-  static const bool runs = [] {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim = {unsigned(kGdnSplitCluster), 1, 1};
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(unsigned(kGdnSplitCluster));
-    cfg.blockDim = dim3(unsigned(kGdnRows * L));
-    cfg.dynamicSmemBytes = gdn_split_smem<E, L>();
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-    if (e != cudaSuccess) (void)cudaGetLastError();  // not a failure of the next call: the composition serves
-    return e == cudaSuccess && clusters > 0;
-  }();
-  return runs;
-}
-
-// f(E, L) for the register kernel's instance of dk (gdn_register_kernel(dk, dv)).
-template <class F>
-decltype(auto) with_gdn_instance(int64_t dk, const F& f) {
-  if (dk == 32) return f(std::integral_constant<int, 8>(), std::integral_constant<int, 4>());
-  if (dk == 64) return f(std::integral_constant<int, 16>(), std::integral_constant<int, 4>());
-  return f(std::integral_constant<int, 16>(), std::integral_constant<int, 8>());
-}
-#endif
 
 }  // namespace
 
@@ -341,57 +287,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
   else if (dk == 64) launch_gdn_step<16, 4>(P);
   else launch_gdn_step<16, 8>(P);
   return {o, q, k, v, g, beta};
-}
-
-std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step_gated_matmul(
-    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
-    int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
-    const std::optional<Tensor>& state_out, const std::optional<Tensor>& norm_weight, const Tensor& z,
-    const std::vector<Tensor>& ws, bool exact, bool partials) {
-  const char* op = "gdn_step_gated_matmul";
-  const int64_t hk = n_k_heads, dk = head_k_dim, hv = n_v_heads, dv = head_v_dim;
-  const Tensor& out_state = cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, state, state_out, hk, dk, hv, dv, eps, scale,
-                                                     Device::GPU);
-  const int64_t T = cv.dim(0), in = hv * dv;
-  // the gated norm's and the projection's arguments, on o's shape, before anything runs
-  Tensor o = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
-  cpu::check_rms_args(o, norm_weight, eps, Device::GPU, op);
-  cpu::check_like_x(z, o, Device::GPU, op, "z");
-  detail::check_gemv_weights(in, ws, op);
-#if SPECD_MMA_GEMV
-  // one cluster per 256-input split group of 8 blocks of kGdnRows state rows (hence 256 % dv == 0, whole groups)
-  const bool fused = T >= 1 && gdn_register_kernel(dk, dv) && gdn_block_rows(dv) == kGdnRows &&
-                     detail::mma::kGroup % dv == 0 && in % detail::mma::kGroup == 0 && detail::aligned16(z.data) &&
-                     (!norm_weight || detail::aligned16(norm_weight->data)) && detail::split_fusable(T, in, ws) &&
-                     with_gdn_instance(dk, [](auto e, auto l) { return gdn_split_runs<decltype(e)::value, decltype(l)::value>(); });
-#else
-  const bool fused = false;
-#endif
-  if (!fused) {  // the composition
-    auto [o2, q, k, v, g, beta] = gdn_step(cv, a, b, dt, ssm_a, state, hk, dk, hv, dv, eps, scale, state_out);
-    return {rms_norm_gated_matmul(o2, norm_weight, eps, z, ws, exact, partials), q, k, v, g, beta};
-  }
-  const auto empty = [](std::vector<int64_t> shape) { return Tensor::empty(shape, DType::F32, Device::GPU); };
-  Tensor q = empty({T, hk, dk}), k = empty({T, hk, dk}), v = empty({T, hv, dv});
-  Tensor g = empty({T, hv}), beta = empty({T, hv});
-  SPECD_CHECK(hv * (dv / kGdnRows) <= 0x7fffffff && dv <= 0x7fffffff, op, ": at most 2^31 - 1 blocks and dv");
-  const GdnStepParams P{cv.ptr<float>(), a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(),
-                        state.ptr<float>(), out_state.ptr<float>(), o.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
-                        v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), T, int(hk), int(hv), int(dv), eps, scale};
-  std::vector<Tensor> ys;
-#if SPECD_MMA_GEMV
-  ys = detail::matmul_on_split(o.reshape({T, in}), ws, op, partials, [&](const auto& xp, int64_t) {
-    const detail::GatedSplit S{z.ptr<float>(), norm_weight ? norm_weight->ptr<float>() : nullptr, eps, in,
-                               xp.xb, xp.xs, xp.xm};
-    with_gdn_instance(dk, [&](auto e, auto l) {
-      constexpr int E = decltype(e)::value, L = decltype(l)::value;
-      detail::launch_kernel_clustered<gdn_step_split_kernel<E, L>>(
-          "gdn_step_split_kernel", unsigned(hv * (dv / kGdnRows)), unsigned(kGdnRows * L), unsigned(kGdnSplitCluster),
-          gdn_split_smem<E, L>(), detail::stream(), P, S);
-    });
-  });
-#endif
-  return {ys, q, k, v, g, beta};
 }
 
 }  // namespace specd::gpu

@@ -1,4 +1,4 @@
-// Host emulation of gdn_step_split_kernel (native/src/gpu/gdn_step.cuh: the GDN step, then its output's gated
+// Host emulation of gdn_step_split_kernel (native/src/gpu/gdn_step_split.cuh: the GDN step, then its output's gated
 // norm and the out projection's x split, in clusters of kGdnSplitCluster blocks: warp_emu.h's emulate_clusters) and
 // of the composition it replaces on the GPU: gdn_step_kernel, then gated_norm_split_kernel (norm_split.cuh) on its
 // o, as ssm.cu and matmul.cu launch them. Every output, the split bytes and each block's shared memory start
@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "warp_emu.h"
-#include "gdn_step.cuh"
+#include "gdn_step_split.cuh"
 
 using namespace specd::gpu::detail;
 using namespace specd::gpu::detail::gdn_step;
@@ -78,8 +78,8 @@ int run(char** argv) {
     const GatedSplit S{z.data(), weighted ? w.data() : nullptr, eps, in, xp.xb, xp.xs, xp.xm};
     const size_t stage = gdn_step_smem<DK>(kGdnRows);
     if (fused) {
-      emulate_clusters(blocks / kGdnSplitCluster, kGdnSplitCluster, kGdnRows * L, stage + mma::kGroup * sizeof(float),
-                       0xFF, [&] { gdn_step_split_kernel<E, L>(P, S); });
+      emulate_clusters(blocks / kGdnSplitCluster, kGdnSplitCluster, kGdnRows * L, gdn_split_smem<DK>(), 0xFF,
+                       [&] { gdn_step_split_kernel<E, L>(P, S); });
     } else {
       std::vector<float> smem;
       emulate(blocks, kGdnRows * L, [&] { gdn_step_kernel<E, L>(P); }, [&](int64_t) {
