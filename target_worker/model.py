@@ -646,14 +646,12 @@ class Qwen35Model:
         hp, w = self.hp, qg.shape[0]
         hd, nh, nkv = hp.head_dim, hp.n_head, hp.n_head_kv
         ops = self._ops
-        # qg: per head [q | gate]. q and k: head RMS norm then RoPE, one op; gate: a view of qg's gate half.
-        q, gate, k = sn.qk_norm_rope(ops.reshape(qg, w, nh, 2 * hd), ops.reshape(k, w, nkv, hd), layer.attn_q_norm,
-                                     layer.attn_k_norm, positions, hp.n_rot, hp.rope_freq_base, hp.rms_eps,
-                                     trusted=True)
-        v = ops.reshape(v, w, nkv, hd)
+        # qg: per head [q | gate]. q and k: head RMS norm then RoPE, one op that also writes the roped k and v
+        # into the caches at rows (kv_write's bytes; on the GPU in the same launch); gate: a view of qg's gate half.
         kc, vc = st.kv[i]
-        sn.kv_write(kc, k, rows, trusted=True)
-        sn.kv_write(vc, v, rows, trusted=True)
+        q, gate, _ = sn.qk_norm_rope(ops.reshape(qg, w, nh, 2 * hd), ops.reshape(k, w, nkv, hd), layer.attn_q_norm,
+                                     layer.attn_k_norm, positions, hp.n_rot, hp.rope_freq_base, hp.rms_eps,
+                                     trusted=True, k_cache=kc, v_cache=vc, v=ops.reshape(v, w, nkv, hd), rows=rows)
         if tree is None:  # exact=False (prefill chunks) may take the GPU's flash-attention path
             a = sn.attention(q, kc, vc, kv_len, positions, causal=True, trusted=True, exact=mm.exact)
         else:

@@ -4,8 +4,8 @@ Needs a real GPU (skipped otherwise, and under SPECD_TEST_GPU_DRYRUN: graphs exi
 device; the host contracts are in tests/native/test_index_guards.py). Properties:
 * broadcast sn.add / sn.mul of a [1, H] / [H] operand: bitwise numpy;
 * trusted index tensors are not read back, and the kernels guard them: an out-of-range embedding
-  id gives a zero row, an out-of-range kv_write row is skipped, a negative causal q_pos attends to
-  nothing (zeros); untrusted GPU indices are still checked (ValueError);
+  id gives a zero row, an out-of-range kv_write (or qk_norm_rope cache write) row is skipped, a negative
+  causal q_pos attends to nothing (zeros); untrusted GPU indices are still checked (ValueError);
 * a captured graph replays with new inputs written by sn.gpu_write_async; tensors freed during the
   capture stay valid for replays; a host synchronisation during a capture raises RuntimeError and
   the library works normally after sn.gpu_graph_abort(); another thread's op waits for the capture;
@@ -88,6 +88,28 @@ def test_trusted_kv_write_skips_bad_rows(rng, dtype):
     np.testing.assert_array_equal(after[2], ref.numpy()[2])
     with pytest.raises(ValueError, match="outside the cache"):
         sn.kv_write(cache, on_gpu(x), on_gpu(np.array([6, 2, 1], np.int32)))
+
+
+@pytest.mark.parametrize("dtype", [sn.DType.F32, sn.DType.F16, sn.DType.Q8_0])
+def test_trusted_qk_norm_rope_cache_write_skips_bad_rows(rng, dtype):
+    """As kv_write's: trusted rows outside the cache are skipped (k still returned for every row); the written
+    row equals the composition's bytes."""
+    qg, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((3, 2, 64), (3, 2, 32), (3, 2, 32)))
+    norm_w, pos = on_gpu(np.ones(32, np.float32)), on_gpu(np.array([4, 5, 6], np.int32))
+    caches = [sn.Tensor.zeros([6, 2, 32], dtype, GPU) for _ in range(2)]
+    before = [c.numpy().copy() for c in caches]
+    _, _, ko = sn.qk_norm_rope(on_gpu(qg), on_gpu(k), norm_w, norm_w, pos, 32, 1e4, 1e-6, trusted=True,
+                               k_cache=caches[0], v_cache=caches[1], v=on_gpu(v),
+                               rows=on_gpu(np.array([6, 2, -3], np.int32)))
+    _, _, want_k = sn.qk_norm_rope(on_gpu(qg), on_gpu(k), norm_w, norm_w, pos, 32, 1e4, 1e-6)
+    np.testing.assert_array_equal(ko.numpy(), want_k.numpy())
+    keep = [r for r in range(6) if r != 2]
+    for c, b, x in zip(caches, before, (want_k.numpy(), v)):
+        after = c.numpy()
+        np.testing.assert_array_equal(after[keep], b[keep])  # rows 6 and -3 skipped
+        ref = sn.Tensor.zeros([6, 2, 32], dtype, GPU)
+        sn.kv_write(ref, on_gpu(x[1:2]), np.array([2], np.int32))
+        np.testing.assert_array_equal(after[2], ref.numpy()[2])
 
 
 def test_trusted_attention_negative_position(rng):

@@ -17,7 +17,9 @@ Tolerances (stated per op, matching the comments in native/src/gpu/*.cu):
   l2_norm's 1e-6 relative of the CPU op (double sums in another order: at most the scale's last bit), v
   bit-identical (a copy).
 * qk_norm_rope: q and k bit-identical to rope_neox(rms_norm(.)) on the GPU; within rms_norm's 1e-6
-  relative (+ rope's ulp) of the CPU op. mul_sigmoid: bit-identical to mul(a, sigmoid(gate)) on the
+  relative (+ rope's ulp) of the CPU op. With its KV cache write, every cache byte bit-identical to
+  kv_write(k_cache, k, rows) and kv_write(v_cache, v, rows) after it on the GPU, and to the CPU kv_write
+  of the GPU's k and of v. mul_sigmoid: bit-identical to mul(a, sigmoid(gate)) on the
   GPU (also reading qk_norm_rope's gate view inside qg); <= 2 ulp from the CPU op.
 * attention: |gpu - cpu| <= 2e-5 * max|v| + 1e-4 |cpu| (different dot order, expf vs exp). With
   exact=False (prefill) and >= 64 rows without a mask on F16 caches of head_dim 64/128/256, the
@@ -568,6 +570,126 @@ def test_kv_write_gpu_bad_rows(rng):
         sn.kv_write(g, x, on_gpu(np.array([3, 8], np.int32)))
     with pytest.raises(ValueError, match="x must be"):
         sn.kv_write(g, on_gpu(f32(rng, (2, 3, 64))), np.array([0, 1], np.int32))
+
+
+def random_cache(rng, capacity, hkv, d, dtype):
+    """empty_cache filled with random bytes (rows a call does not write must keep them)."""
+    raw, dt = empty_cache(capacity, hkv, d, dtype)
+    raw.view(np.uint8)[...] = rng.integers(0, 256, raw.view(np.uint8).shape, dtype=np.uint8)
+    return raw, dt
+
+
+def cache_bytes(t):
+    return t.numpy().view(np.uint8)
+
+
+# w, heads, kv_heads, head_dim, n_rot: the 27B's decode / verify (vector loads), scalar loads (head_dim % 4
+# != 0: F32 / F16 caches only), several loads per thread and many Q8_0 blocks, no rows
+QK_CACHE_CASES = [(1, 24, 4, 256, 64), (5, 24, 4, 256, 64), (17, 24, 4, 256, 64), (3, 5, 3, 10, 4),
+                  (2, 3, 1, 2080, 64), (0, 3, 1, 32, 8)]
+
+
+@pytest.mark.parametrize("dtypes", [(d, d) for d in DTYPES] + [("F16", "Q8_0"), ("Q8_0", "F32")])
+@pytest.mark.parametrize("case", QK_CACHE_CASES)
+@gpu_only
+def test_qk_norm_rope_cache_write_gpu(rng, case, dtypes):
+    """One launch writes the caches as the composition does: q, k and every cache byte bit-identical to
+    qk_norm_rope then kv_write(k_cache, k, rows) and kv_write(v_cache, v, rows) on the GPU (rows in any
+    order; other rows keep their bytes); the same bytes as the CPU kv_write of the GPU's k and of v, q and k
+    within the CPU op's tolerance. Host, GPU and trusted GPU rows agree; each row alone equals the batch."""
+    (w, nh, nkv, hd, n_rot), (kdt, vdt) = case, dtypes
+    if "Q8_0" in dtypes and hd % 32:
+        pytest.skip("Q8_0 needs head_dim % 32 == 0")
+    cap = 2 * w + 3
+    qg, k = f32(rng, (w, nh, 2 * hd), rng.uniform(0.01, 100)), f32(rng, (w, nkv, hd), rng.uniform(0.01, 100))
+    v, qw, kw = f32(rng, (w, nkv, hd), 3), f32(rng, hd), f32(rng, hd)
+    if w and hd >= 32:
+        v[0, 0, :32] = 0  # an all-zero Q8_0 block
+    pos = rng.integers(0, 300000, w).astype(np.int32)
+    rows = rng.permutation(cap)[:w].astype(np.int32)
+    (kraw, kt), (vraw, vt) = random_cache(rng, cap, nkv, hd, kdt), random_cache(rng, cap, nkv, hd, vdt)
+    g = [on_gpu(a) for a in (qg, k, qw, kw, pos)]
+    gv, grows = on_gpu(v), on_gpu(rows)
+
+    def fused(p_rows, trusted=False, sl=slice(None), caches=None):
+        kc, vc = caches or (on_gpu(kraw, kt), on_gpu(vraw, vt))
+        gqg, gk, gpos, gvs = (sn.slice(t, 0, sl.start, sl.stop) if sl.start is not None else t
+                              for t in (g[0], g[1], g[4], gv))
+        q, gate, ko = sn.qk_norm_rope(gqg, gk, g[2], g[3], gpos, n_rot, 1e7, 1e-6, trusted=trusted, k_cache=kc,
+                                      v_cache=vc, v=gvs, rows=p_rows)
+        return q, gate, ko, kc, vc
+
+    ref_k, ref_v = on_gpu(kraw, kt), on_gpu(vraw, vt)
+    q0, _, k0 = sn.qk_norm_rope(*g, n_rot, 1e7, 1e-6)
+    sn.kv_write(ref_k, k0, grows)
+    sn.kv_write(ref_v, gv, grows)
+    poison(qg.nbytes)
+    q, gate, ko, kc, vc = fused(grows)
+    assert q.device == gate.device == ko.device == DEV
+    assert q.shape == gate.shape == (w, nh, hd) and ko.shape == (w, nkv, hd)
+    q, ko = q.numpy(), ko.numpy()
+    np.testing.assert_array_equal(bits(q), bits(q0.numpy()))
+    np.testing.assert_array_equal(bits(ko), bits(k0.numpy()))
+    np.testing.assert_array_equal(cache_bytes(kc), cache_bytes(ref_k))
+    np.testing.assert_array_equal(cache_bytes(vc), cache_bytes(ref_v))
+    # the CPU: kv_write of the GPU's k and of v gives the same bytes; q and k as test_qk_norm_rope_gpu's
+    ck, cv = kraw.copy(), vraw.copy()
+    sn.kv_write(sn.Tensor(ck, kt) if kt else ck, ko, rows)
+    sn.kv_write(sn.Tensor(cv, vt) if vt else cv, v, rows)
+    np.testing.assert_array_equal(cache_bytes(kc), ck.view(np.uint8))
+    np.testing.assert_array_equal(cache_bytes(vc), cv.view(np.uint8))
+    cpu_k, cpu_v = kraw.copy(), vraw.copy()
+    cq, _, cko = sn.qk_norm_rope(qg, k, qw, kw, pos, n_rot, 1e7, 1e-6, k_cache=sn.Tensor(cpu_k, kt) if kt else cpu_k,
+                                 v_cache=sn.Tensor(cpu_v, vt) if vt else cpu_v, v=v, rows=rows)
+    np.testing.assert_array_equal(cpu_v.view(np.uint8), cv.view(np.uint8))
+    for got, cpu in ((q, cq.numpy()), (ko, cko.numpy())):
+        np.testing.assert_allclose(got, cpu, rtol=2e-6, atol=4e-6 * np.abs(cpu).max(initial=0))
+    for p_rows, trusted in ((rows, False), (grows, True)):
+        _, _, _, kc2, vc2 = fused(p_rows, trusted)
+        np.testing.assert_array_equal(cache_bytes(kc2), cache_bytes(kc))
+        np.testing.assert_array_equal(cache_bytes(vc2), cache_bytes(vc))
+    one = (on_gpu(kraw, kt), on_gpu(vraw, vt))
+    for i in range(w):
+        fused(on_gpu(rows[i : i + 1]), sl=slice(i, i + 1), caches=one)
+    np.testing.assert_array_equal(cache_bytes(one[0]), cache_bytes(kc))
+    np.testing.assert_array_equal(cache_bytes(one[1]), cache_bytes(vc))
+
+
+@gpu_only
+def test_qk_norm_rope_cache_write_gpu_bad_input(rng):
+    """Bad arguments raise ValueError naming them before the launch: no cache byte changes."""
+    w, nh, nkv, hd, cap = 2, 3, 1, 32, 8
+    args = [on_gpu(a) for a in (f32(rng, (w, nh, 2 * hd)), f32(rng, (w, nkv, hd)), f32(rng, hd), f32(rng, hd),
+                                np.zeros(w, np.int32))]
+    kc, vc = on_gpu(random_cache(rng, cap, nkv, hd, "F16")[0]), on_gpu(*random_cache(rng, cap, nkv, hd, "Q8_0"))
+    f32c = on_gpu(np.zeros((cap, nkv, hd), np.float32))
+    v, rows = on_gpu(f32(rng, (w, nkv, hd))), on_gpu(np.array([5, 1], np.int32))
+    good = dict(k_cache=kc, v_cache=vc, v=v, rows=rows)
+    cases = [
+        (dict(k_cache=kc, v_cache=vc, v=v), "qk_norm_rope: k_cache, v_cache, v and rows must be given together"),
+        (dict(good, rows=on_gpu(np.array([5, 8], np.int32))), r"qk_norm_rope: rows\[1\] = 8 is outside the cache"),
+        (dict(good, rows=np.array([-1, 1], np.int32)), "is outside the cache"),  # host rows
+        (dict(good, rows=on_gpu(np.array([3, 3], np.int32))), "qk_norm_rope: rows must be distinct"),
+        (dict(good, rows=on_gpu(np.array([3], np.int32))), "rows has 1 entries, k has 2"),
+        (dict(good, v=on_gpu(f32(rng, (w, 2, hd)))), "v must have k's shape"),
+        (dict(good, v_cache=on_gpu(np.zeros((cap + 1, nkv, hd), np.float16))), "k_cache and v_cache shapes differ"),
+        (dict(good, k_cache=on_gpu(np.zeros((cap, nkv, hd), np.int32))), "k_cache must be F32, F16 or Q8_0"),
+        (dict(good, v_cache=kc), "k_cache and v_cache must not overlap"),
+        (dict(good, k_cache=on_gpu(np.zeros((cap, nkv, hd), np.float32)), v_cache=f32c,
+              v=f32c.view_rows(cap - w, cap)), "v_cache must not overlap the inputs"),
+    ]
+    if not DRYRUN:  # the CPU op takes CPU caches and row-strided host rows
+        cases += [(dict(good, k_cache=np.zeros((cap, nkv, hd), np.float16)), "k_cache must be on the GPU"),
+                  (dict(good, v=f32(rng, (w, nkv, hd))), "v must be on the GPU"),
+                  (dict(good, rows=np.array([5, 0, 1, 0], np.int32)[::2]), "rows must be contiguous")]
+    before = [cache_bytes(t).copy() for t in (kc, vc, f32c)]
+    for kw_cache, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            sn.qk_norm_rope(*args, 4, 1e4, 1e-6, **kw_cache)
+    with pytest.raises(ValueError, match="qk_norm_rope: positions must be >= 0"):
+        sn.qk_norm_rope(*args[:4], on_gpu(np.array([0, -1], np.int32)), 4, 1e4, 1e-6, **good)
+    for t, b in zip((kc, vc, f32c), before):
+        np.testing.assert_array_equal(cache_bytes(t), b)
 
 
 # (hq, hkv, d): 27B full attention, drafter, small; d = 20: no 16-byte loads, partials padded to 24

@@ -1,6 +1,7 @@
 """The gated attention's fused ops on the CPU, bit for bit against the compositions they replace in
 Qwen35Model._attention (qwen35-target.md §6.3): qk_norm_rope = rope_neox(rms_norm(.)) of the q half
-of qg and of k (gate: a view of qg's other half), mul_sigmoid = mul(a, sigmoid(gate))."""
+of qg and of k (gate: a view of qg's other half), with its KV cache write = kv_write(k_cache, k, rows)
+and kv_write(v_cache, v, rows), mul_sigmoid = mul(a, sigmoid(gate))."""
 import gc
 
 import numpy as np
@@ -117,6 +118,148 @@ def test_qk_norm_rope_bad_inputs():
     for args, msg in cases:
         with pytest.raises(ValueError, match=msg):
             sn.qk_norm_rope(*args)
+
+
+# ---------------------------------------------------------------- qk_norm_rope's KV cache write
+
+KV_DTYPES = ["F32", "F16", "Q8_0"]
+ROW_BYTES = {"F32": lambda hd: 4 * hd, "F16": lambda hd: 2 * hd, "Q8_0": lambda hd: hd // 32 * 34}
+
+
+def random_cache(rng, cap, nkv, hd, dtype):
+    """Raw bytes of a cache [cap, nkv, hd] of `dtype`, random (rows a call does not write keep them)."""
+    return rng.integers(0, 256, (cap, nkv, ROW_BYTES[dtype](hd)), np.uint8)
+
+
+def cache_arg(raw, dtype):
+    """The cache argument over raw's bytes (zero-copy: the op writes into raw)."""
+    if dtype == "Q8_0":
+        return sn.Tensor(raw, sn.DType.Q8_0)
+    return raw.view(np.float32 if dtype == "F32" else np.float16)
+
+
+def kv_inputs(rng, w, nh, nkv, hd, cap):
+    """qk_inputs, v [w, nkv, hd] (a few special values, an all-zero Q8_0 block) and distinct rows in any
+    order (a tree verify's)."""
+    qg, k, qw, kw, pos = qk_inputs(rng, w, nh, nkv, hd)
+    v = (rng.standard_normal((w, nkv, hd)) * rng.uniform(0.01, 100)).astype(np.float32)
+    if w:
+        v.flat[rng.integers(0, v.size, 4)] = rng.choice(SPECIAL[3:], 4)  # finite: kv_write's contract
+        v[0, 0, :32] = 0
+    return qg, k, qw, kw, pos, v, rng.permutation(cap)[:w].astype(np.int32)
+
+
+def composed_kv(qg, k, qw, kw, pos, v, rows, n_rot, kraw, kdt, vraw, vdt):
+    """What Qwen35Model._attention ran before the fused write, into copies of the caches: (q, k, k bytes,
+    v bytes)."""
+    q, _, ko = sn.qk_norm_rope(qg, k, qw, kw, pos, n_rot, 1e7, 1e-6)
+    kraw, vraw = kraw.copy(), vraw.copy()
+    sn.kv_write(cache_arg(kraw, kdt), ko, rows)
+    sn.kv_write(cache_arg(vraw, vdt), v, rows)
+    return q.numpy(), ko.numpy(), kraw, vraw
+
+
+CACHE_CASES = [
+    # w, heads, kv_heads, head_dim, n_rot, capacity
+    (1, 24, 4, 256, 64, 40),  # 27B decode
+    (5, 24, 4, 256, 64, 40),  # verify
+    (17, 4, 2, 64, 32, 17),  # every row of the cache
+    (3, 5, 3, 96, 96, 8),
+    (0, 3, 1, 32, 8, 4),
+]
+CACHE_DTYPES = [(d, d) for d in KV_DTYPES] + [("F16", "Q8_0"), ("Q8_0", "F32")]
+
+
+@pytest.mark.parametrize("kdt,vdt", CACHE_DTYPES)
+@pytest.mark.parametrize("case", CACHE_CASES)
+def test_qk_norm_rope_cache_write_bitwise(rng, case, kdt, vdt):
+    """q, k and every cache byte equal qk_norm_rope then kv_write(k_cache, k, rows) and
+    kv_write(v_cache, v, rows), bit for bit; the rows not written keep their bytes."""
+    w, nh, nkv, hd, n_rot, cap = case
+    qg, k, qw, kw, pos, v, rows = kv_inputs(rng, w, nh, nkv, hd, cap)
+    kraw, vraw = random_cache(rng, cap, nkv, hd, kdt), random_cache(rng, cap, nkv, hd, vdt)
+    want_q, want_k, want_kc, want_vc = composed_kv(qg, k, qw, kw, pos, v, rows, n_rot, kraw, kdt, vraw, vdt)
+    q, gate, ko = sn.qk_norm_rope(qg, k, qw, kw, pos, n_rot, 1e7, 1e-6, k_cache=cache_arg(kraw, kdt),
+                                  v_cache=cache_arg(vraw, vdt), v=v, rows=rows)
+    assert_bits(q.numpy(), want_q)
+    assert_bits(ko.numpy(), want_k)
+    np.testing.assert_array_equal(gate.numpy(), qg[..., hd:])
+    np.testing.assert_array_equal(kraw, want_kc)
+    np.testing.assert_array_equal(vraw, want_vc)
+
+
+def test_qk_norm_rope_cache_write_tensors_and_rows_alone(rng):
+    """sn.Tensor arguments (the model's tensor-ops path) write the same bytes, and each row written alone
+    (a decode step at a time) equals the batch."""
+    w, nh, nkv, hd, cap = 6, 4, 2, 64, 12
+    qg, k, qw, kw, pos, v, rows = kv_inputs(rng, w, nh, nkv, hd, cap)
+    kraw, vraw = random_cache(rng, cap, nkv, hd, "Q8_0"), random_cache(rng, cap, nkv, hd, "F16")
+    _, _, want_kc, want_vc = composed_kv(qg, k, qw, kw, pos, v, rows, 32, kraw, "Q8_0", vraw, "F16")
+    kt, vt = kraw.copy(), vraw.copy()
+    sn.qk_norm_rope(sn.Tensor(qg), sn.Tensor(k), sn.Tensor(qw), sn.Tensor(kw), sn.Tensor(pos), 32, 1e7, 1e-6,
+                    k_cache=cache_arg(kt, "Q8_0"), v_cache=sn.Tensor(cache_arg(vt, "F16")), v=sn.Tensor(v),
+                    rows=sn.Tensor(rows))
+    np.testing.assert_array_equal(kt, want_kc)
+    np.testing.assert_array_equal(vt, want_vc)
+    for i in range(w):
+        sn.qk_norm_rope(qg[i : i + 1], k[i : i + 1], qw, kw, pos[i : i + 1], 32, 1e7, 1e-6,
+                        k_cache=cache_arg(kraw, "Q8_0"), v_cache=cache_arg(vraw, "F16"), v=v[i : i + 1],
+                        rows=rows[i : i + 1])
+    np.testing.assert_array_equal(kraw, want_kc)
+    np.testing.assert_array_equal(vraw, want_vc)
+
+
+def test_qk_norm_rope_cache_write_bad_inputs(rng):
+    """Every bad argument raises ValueError naming it before anything is written: no cache byte changes."""
+    w, nh, nkv, hd, cap = 2, 3, 1, 32, 8
+    qg, k, qw, kw, pos, v, _ = kv_inputs(rng, w, nh, nkv, hd, cap)
+    kraw, vraw = random_cache(rng, cap, nkv, hd, "F16"), random_cache(rng, cap, nkv, hd, "Q8_0")
+    kc, vc, rows = cache_arg(kraw, "F16"), cache_arg(vraw, "Q8_0"), np.array([5, 1], np.int32)
+    f32c = np.zeros((cap, nkv, hd), np.float32)  # a cache some input lies in
+    f32c.view(np.int32)[0, 0, :2] = [0, 1]
+    read_only = np.zeros((cap, nkv, hd), np.float16)
+    read_only.flags.writeable = False
+    good = dict(k_cache=kc, v_cache=vc, v=v, rows=rows)
+    cases = [
+        (dict(k_cache=kc, v=v, rows=rows), "qk_norm_rope: k_cache, v_cache, v and rows must be given together"),
+        (dict(rows=rows), "must be given together"),
+        (dict(good, k_cache=np.zeros((cap, nkv, hd), np.int32)), "qk_norm_rope: k_cache must be F32, F16 or Q8_0"),
+        (dict(good, v_cache=np.zeros((cap, nkv, 2 * hd), np.float16)[..., ::2]), "v_cache must be contiguous"),
+        (dict(good, v_cache=np.zeros((cap, hd), np.float16)), "v_cache must have 3 dimensions"),
+        (dict(good, k_cache=read_only), "k_cache is read-only"),
+        (dict(good, v_cache=np.zeros((cap + 1, nkv, hd), np.float16)), "k_cache and v_cache shapes differ"),
+        (dict(good, k_cache=np.zeros((cap, 2, hd), np.float16), v_cache=np.zeros((cap, 2, hd), np.float16)),
+         r"k must be \[n, 2, 32\] to match the k_cache"),
+        (dict(good, v=v.astype(np.float16)), "qk_norm_rope: v must be F32"),
+        (dict(good, v=np.zeros((w, nkv, 2 * hd), np.float32)[..., ::2]), "v must be contiguous"),
+        (dict(good, v=np.zeros((w + 1, nkv, hd), np.float32)), "v must have k's shape"),
+        (dict(good, rows=rows.astype(np.float32)), "qk_norm_rope: rows must be I32"),
+        (dict(good, rows=rows.reshape(2, 1)), "rows must have 1 dimensions"),
+        (dict(good, rows=np.array([0, 1, 2], np.int32)), "rows has 3 entries, k has 2"),
+        (dict(good, rows=np.array([0, 8], np.int32)), r"qk_norm_rope: rows\[1\] = 8 is outside the cache \[0, 8\)"),
+        (dict(good, rows=np.array([-1, 0], np.int32)), r"rows\[0\] = -1 is outside the cache"),
+        (dict(good, rows=np.array([3, 3], np.int32)), "qk_norm_rope: rows must be distinct"),
+        (dict(good, v_cache=kc), "k_cache and v_cache must not overlap"),
+        (dict(good, k_cache=vc), "k_cache and v_cache must not overlap"),  # Q8_0: whole rows of blocks
+        (dict(good, k_cache=np.zeros_like(f32c), v_cache=f32c, v=f32c[cap - w :]),
+         "v_cache must not overlap the inputs"),
+        (dict(good, k_cache=f32c, v_cache=np.zeros_like(f32c), rows=f32c.view(np.int32)[0, 0, :2]),
+         "k_cache must not overlap the inputs"),
+    ]
+    snapshot = [a.copy() for a in (kraw, vraw, f32c)]
+    for kw_cache, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            sn.qk_norm_rope(qg, k, qw, kw, pos, 4, 1e4, 1e-6, **kw_cache)
+        for a, b in zip((kraw, vraw, f32c), snapshot):
+            np.testing.assert_array_equal(a, b)
+    # the op's own arguments are checked before the write as well
+    for args, msg in [((qg, k, qw, kw, np.array([0, -1], np.int32), 4, 1e4, 1e-6), "positions must be >= 0"),
+                      ((qg, k, qw, kw, pos, 3, 1e4, 1e-6), "n_rot must be even"),
+                      ((qg, k, qw, kw[:4], pos, 4, 1e4, 1e-6), "k_norm_w has 4 elements")]:
+        with pytest.raises(ValueError, match=msg):
+            sn.qk_norm_rope(*args, **good)
+        for a, b in zip((kraw, vraw), snapshot):
+            np.testing.assert_array_equal(a, b)
 
 
 # ------------------------------------------------------------------------------ mul_sigmoid

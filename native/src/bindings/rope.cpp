@@ -48,21 +48,28 @@ negative one is then rotated as given.)doc");
   m.def(
       "qk_norm_rope",
       [](const Tensor& qg, const Tensor& k, const Tensor& q_norm_w, const Tensor& k_norm_w, const Tensor& positions,
-         int64_t n_rot, double theta, float eps, bool trusted) {
+         int64_t n_rot, double theta, float eps, bool trusted, std::optional<Tensor> k_cache,
+         std::optional<Tensor> v_cache, std::optional<Tensor> v, std::optional<Tensor> rows) {
+        const int given = int(bool(k_cache)) + int(bool(v_cache)) + int(bool(v)) + int(bool(rows));
+        SPECD_CHECK(given == 0 || given == 4, "qk_norm_rope: k_cache, v_cache, v and rows must be given together");
+        std::optional<cpu::QkCacheWrite> cache;
+        if (given) cache = cpu::QkCacheWrite{*k_cache, *v_cache, *v, *rows};
+        // k_cache, v_cache and v: the backends' device checks name them
         for (const Tensor* t : {&k, &q_norm_w, &k_norm_w}) require_same_device(qg, *t, "qk_norm_rope");
         auto [q, gate, ko] = without_gil([&] {
 #if SPECD_WITH_GPU
           if (qg.device == Device::GPU)
-            return gpu::qk_norm_rope(qg, k, q_norm_w, k_norm_w, positions, n_rot, theta, eps, trusted);
+            return gpu::qk_norm_rope(qg, k, q_norm_w, k_norm_w, positions, n_rot, theta, eps, trusted, cache);
 #else
           (void)trusted;
 #endif
-          return cpu::qk_norm_rope(qg, k, q_norm_w, k_norm_w, positions, n_rot, theta, eps);
+          return cpu::qk_norm_rope(qg, k, q_norm_w, k_norm_w, positions, n_rot, theta, eps, cache);
         });
         return py::make_tuple(q, gate, ko);
       },
       py::arg("qg"), py::arg("k"), py::arg("q_norm_w"), py::arg("k_norm_w"), py::arg("positions"), py::arg("n_rot"),
-      py::arg("theta"), py::arg("eps"), py::arg("trusted") = false,
+      py::arg("theta"), py::arg("eps"), py::arg("trusted") = false, py::arg("k_cache") = py::none(),
+      py::arg("v_cache") = py::none(), py::arg("v") = py::none(), py::arg("rows") = py::none(),
       R"doc(The gated attention's q / k preparation in one op (qwen35-target.md §6.3 steps 1-3): returns
 (q, gate, k) with
   q    = rope_neox(rms_norm(qg[..., :hd], q_norm_w, eps), positions, n_rot, theta)  F32 [w, nh, hd]
@@ -78,7 +85,17 @@ q and k are bit-identical on each backend to that rms_norm / rope_neox compositi
 arithmetic); on the GPU one kernel launch (n_rot <= 512, hd <= 8192 there). Raises ValueError naming
 the argument on a dtype, shape or device mismatch, a negative position, n_rot odd, negative or > hd,
 theta not finite > 0, or eps not finite >= 0. trusted: as rope_neox's (GPU positions not read back;
-needed inside a graph capture).)doc");
+needed inside a graph capture).
+KV cache write (k_cache, v_cache, v, rows: all four or none): also writes the caches in place as
+  kv_write(k_cache, k, rows); kv_write(v_cache, v, rows)
+would, with the returned k: the same bytes (kv_write's row codecs), still in one launch on the GPU.
+k_cache, v_cache: KV caches as kv_write's ([capacity, nkv, hd], F32, F16 or Q8_0, contiguous, writable,
+on qg's device), of the same shape (dtypes may differ); v: F32 [w, nkv, hd], contiguous; rows: I32 [w]
+(on the GPU a CPU or GPU tensor). Everything is checked before anything is written: besides the errors
+above, ValueError naming the argument when only some of the four are given, on a cache's dtype, shape,
+layout or read-only memory, v not of k's shape, a row outside [0, capacity) or repeated rows, or a cache
+overlapping the other or an input. trusted also covers GPU rows as kv_write's (not read back; a row
+outside [0, capacity) is then skipped, of repeated rows one write wins).)doc");
 }
 
 }  // namespace specd::py_bind

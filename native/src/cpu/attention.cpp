@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "float_view.h"
@@ -19,6 +20,29 @@ void check_kv_cache_format(const Tensor& c, const char* op, const char* arg) {
               " must be F32, F16 or Q8_0, got ", dtype_info(c.dtype).name);
   SPECD_CHECK(c.dim(2) % dtype_info(c.dtype).block_size == 0, op, ": ", arg, " head_dim (", c.dim(2),
               ") must be a multiple of ", dtype_info(c.dtype).block_size, " for ", dtype_info(c.dtype).name);
+}
+
+void check_kv_write_shapes(const Tensor& cache, const Tensor& x, const Tensor& rows, const char* op,
+                           const char* cache_arg, const char* x_arg) {
+  check_writable(cache, op, cache_arg);
+  const int64_t n = x.dim(0), hkv = cache.dim(1), d = cache.dim(2);
+  SPECD_CHECK(x.dim(1) == hkv && x.dim(2) == d, op, ": ", x_arg, " must be [n, ", hkv, ", ", d, "] to match the ",
+              cache_arg, ", got [", n, ", ", x.dim(1), ", ", x.dim(2), "]");
+  SPECD_CHECK(rows.dim(0) == n, op, ": rows has ", rows.dim(0), " entries, ", x_arg, " has ", n);
+}
+
+void check_kv_rows(std::vector<int32_t> rows, int64_t capacity, const char* op) {
+  for (size_t i = 0; i < rows.size(); ++i)
+    SPECD_CHECK(rows[i] >= 0 && rows[i] < capacity, op, ": rows[", i, "] = ", rows[i], " is outside the cache [0, ",
+                capacity, ")");
+  std::sort(rows.begin(), rows.end());
+  SPECD_CHECK(std::adjacent_find(rows.begin(), rows.end()) == rows.end(), op, ": rows must be distinct");
+}
+
+void check_kv_rows(const Tensor& rows, int64_t capacity, const char* op) {
+  std::vector<int32_t> rv(static_cast<size_t>(rows.dim(0)));
+  for (size_t i = 0; i < rv.size(); ++i) rv[i] = elem_at<int32_t>(rows, int64_t(i));
+  check_kv_rows(std::move(rv), capacity, op);
 }
 
 namespace {
@@ -181,21 +205,11 @@ void check_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, const 
 void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows) {
   const char* op = "kv_write";
   check_cache(cache, op, "cache");
-  check_writable(cache, op, "cache");
   check_rows(x, DType::F32, 3, op, "x");
   check_rows(rows, DType::I32, 1, op, "rows");
-  int64_t n = x.dim(0), cap = cache.dim(0), hkv = cache.dim(1), d = cache.dim(2);
-  SPECD_CHECK(x.dim(1) == hkv && x.dim(2) == d, op, ": x must be [n, ", hkv, ", ", d, "] to match the cache, got [",
-              n, ", ", x.dim(1), ", ", x.dim(2), "]");
-  SPECD_CHECK(rows.dim(0) == n, op, ": rows has ", rows.dim(0), " entries, x has ", n);
-  std::vector<int32_t> sorted(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    int32_t r = elem_at<int32_t>(rows, i);
-    SPECD_CHECK(r >= 0 && r < cap, op, ": rows[", i, "] = ", r, " is outside the cache [0, ", cap, ")");
-    sorted[size_t(i)] = r;
-  }
-  std::sort(sorted.begin(), sorted.end());
-  SPECD_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), op, ": rows must be distinct");
+  check_kv_write_shapes(cache, x, rows, op, "cache", "x");
+  check_kv_rows(rows, cache.dim(0), op);
+  const int64_t n = x.dim(0), hkv = cache.dim(1), d = cache.dim(2);
   parallel_for(n, std::max<int64_t>(1, 8192 / std::max<int64_t>(hkv * d, 1)), [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       uint8_t* dst = static_cast<uint8_t*>(cache.data) + elem_at<int32_t>(rows, i) * cache.strides[0];

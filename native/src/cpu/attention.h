@@ -1,5 +1,6 @@
 #pragma once
 #include <optional>
+#include <vector>
 
 #include "specd/tensor.h"
 
@@ -18,6 +19,16 @@ void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows);
 // first): 3-D [capacity, n_kv_heads, head_dim], contiguous, F32 / F16 / Q8_0, head_dim a multiple of
 // the dtype's block size. Throws std::invalid_argument naming `op` and `arg`.
 void check_kv_cache_format(const Tensor& cache, const char* op, const char* arg);
+
+// kv_write's checks shared by the CPU and GPU backends and qk_norm_rope's cache write, after each has
+// checked the tensors' devices, dtypes and layouts. check_kv_write_shapes: `cache` (named cache_arg)
+// writable, x [n, n_kv_heads, head_dim] of the cache's head shape (named x_arg), rows with n entries.
+// check_kv_rows: the rows' values (on the host; or a CPU I32 [n] tensor's, any stride) in [0, capacity)
+// and distinct. Throw std::invalid_argument naming `op` and the argument.
+void check_kv_write_shapes(const Tensor& cache, const Tensor& x, const Tensor& rows, const char* op,
+                           const char* cache_arg, const char* x_arg);
+void check_kv_rows(std::vector<int32_t> rows, int64_t capacity, const char* op);
+void check_kv_rows(const Tensor& rows, int64_t capacity, const char* op);
 
 struct AttentionArgs {
   int64_t kv_len = 0;

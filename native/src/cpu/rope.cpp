@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
+#include "attention.h"
 #include "float_view.h"
 #include "norm.h"
+#include "ssm.h"  // overlap
 #include "specd/error.h"
 #include "specd/parallel.h"
 
@@ -62,6 +65,14 @@ void rotate_row(const float* x, const double* cs, int64_t half, int64_t hd, floa
   std::memcpy(y + 2 * half, x + 2 * half, size_t(hd - 2 * half) * sizeof(float));
 }
 
+// An F32 input of qk_norm_rope: on `dev`, contiguous.
+void check_f32_input(const Tensor& t, Device dev, const char* arg) {
+  const char* op = "qk_norm_rope";
+  check_device(t, dev, op, arg);
+  check_dtype(t, DType::F32, op, arg);
+  check_contiguous(t, op, arg);
+}
+
 void check_positions(const Tensor& positions, const char* op) {
   for (int64_t i = 0; i < positions.dim(0); ++i) {
     int32_t p = elem_at<int32_t>(positions, i);
@@ -110,13 +121,8 @@ Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double
 void check_qk_norm_rope_args(const Tensor& qg, const Tensor& k, const Tensor& q_norm_w, const Tensor& k_norm_w,
                              const Tensor& positions, int64_t n_rot, float eps, Device dev) {
   const char* op = "qk_norm_rope";
-  const auto f32 = [&](const Tensor& t, const char* arg) {
-    check_device(t, dev, op, arg);
-    check_dtype(t, DType::F32, op, arg);
-    check_contiguous(t, op, arg);
-  };
-  f32(qg, "qg");
-  f32(k, "k");
+  check_f32_input(qg, dev, "qg");
+  check_f32_input(k, dev, "k");
   check_ndim(qg, 3, op, "qg");
   check_ndim(k, 3, op, "k");
   const int64_t w = k.dim(0), hd = k.dim(2);
@@ -124,7 +130,7 @@ void check_qk_norm_rope_args(const Tensor& qg, const Tensor& k, const Tensor& q_
               ", heads, ", 2 * hd, "] for k of shape [w, kv_heads, head_dim] = [", w, ", ", k.dim(1), ", ", hd,
               "], got [", qg.dim(0), ", ", qg.dim(1), ", ", qg.dim(2), "]");
   const auto head_weight = [&](const Tensor& t, const char* arg) {
-    f32(t, arg);
+    check_f32_input(t, dev, arg);
     SPECD_CHECK(t.numel() == hd, op, ": ", arg, " has ", t.numel(), " elements, heads have ", hd);
   };
   head_weight(q_norm_w, "q_norm_w");
@@ -137,6 +143,27 @@ void check_qk_norm_rope_args(const Tensor& qg, const Tensor& k, const Tensor& q_
   SPECD_CHECK(eps >= 0.0f && std::isfinite(eps), op, ": eps must be finite and >= 0");
 }
 
+void check_qk_cache_write(const QkCacheWrite& c, const Tensor& qg, const Tensor& k, const Tensor& q_norm_w,
+                          const Tensor& k_norm_w, const Tensor& positions, Device dev) {
+  const char* op = "qk_norm_rope";
+  for (const auto& [cache, arg] : {std::pair{&c.k_cache, "k_cache"}, std::pair{&c.v_cache, "v_cache"}}) {
+    check_device(*cache, dev, op, arg);
+    check_kv_cache_format(*cache, op, arg);
+  }
+  SPECD_CHECK(c.k_cache.shape == c.v_cache.shape, op, ": k_cache and v_cache shapes differ");
+  check_f32_input(c.v, dev, "v");
+  SPECD_CHECK(c.v.shape == k.shape, op, ": v must have k's shape [w, kv_heads, head_dim]");
+  check_dtype(c.rows, DType::I32, op, "rows");
+  check_ndim(c.rows, 1, op, "rows");
+  check_kv_write_shapes(c.k_cache, k, c.rows, op, "k_cache", "k");
+  check_kv_write_shapes(c.v_cache, c.v, c.rows, op, "v_cache", "v");
+  // One pass (one GPU launch) reads the inputs while it writes the caches: no byte may be both.
+  SPECD_CHECK(!overlap(c.k_cache, c.v_cache), op, ": k_cache and v_cache must not overlap");
+  for (const auto& [cache, arg] : {std::pair{&c.k_cache, "k_cache"}, std::pair{&c.v_cache, "v_cache"}})
+    for (const Tensor* t : {&qg, &k, &c.v, &q_norm_w, &k_norm_w, &positions, &c.rows})
+      SPECD_CHECK(t->device != cache->device || !overlap(*cache, *t), op, ": ", arg, " must not overlap the inputs");
+}
+
 Tensor qk_gate_view(const Tensor& qg) {
   Tensor gate = qg;  // qg's memory, owner and strides: rows stay 2 hd floats apart
   const int64_t hd = qg.dim(2) / 2;
@@ -147,12 +174,17 @@ Tensor qk_gate_view(const Tensor& qg) {
 
 std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qg, const Tensor& k, const Tensor& q_norm_w,
                                                 const Tensor& k_norm_w, const Tensor& positions, int64_t n_rot,
-                                                double theta, float eps) {
+                                                double theta, float eps, const std::optional<QkCacheWrite>& cache) {
   const char* op = "qk_norm_rope";
   check_qk_norm_rope_args(qg, k, q_norm_w, k_norm_w, positions, n_rot, eps, Device::CPU);
   check_rows(positions, DType::I32, 1, op, "positions");
   RopeFreqs f = rope_freqs(n_rot, theta, Yarn{}, op);
   check_positions(positions, op);
+  if (cache) {  // all of kv_write's checks, before anything is written
+    check_qk_cache_write(*cache, qg, k, q_norm_w, k_norm_w, positions, Device::CPU);
+    check_rows(cache->rows, DType::I32, 1, op, "rows");
+    check_kv_rows(cache->rows, cache->k_cache.dim(0), op);
+  }
   const int64_t w = k.dim(0), nh = qg.dim(1), nkv = k.dim(1), hd = k.dim(2), half = n_rot / 2;
   Tensor q = Tensor::empty({w, nh, hd}, DType::F32), ko = Tensor::empty(k.shape, DType::F32);
   parallel_for(w, std::max<int64_t>(1, 4096 / std::max<int64_t>((nh + nkv) * hd, 1)), [&](int64_t b, int64_t e) {
@@ -169,6 +201,10 @@ std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qg, const Tensor& 
       }
     }
   });
+  if (cache) {  // the composition the GPU op fuses (the same bytes: kv_write's row codecs)
+    kv_write(cache->k_cache, ko, cache->rows);
+    kv_write(cache->v_cache, cache->v, cache->rows);
+  }
   return {q, qk_gate_view(qg), ko};
 }
 

@@ -42,6 +42,13 @@ RopeFreqs rope_freqs(int64_t n_rot, double theta, const Yarn& yarn, const char* 
 // Returns a new contiguous F32 tensor of x's shape.
 Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, const Yarn& yarn);
 
+// qk_norm_rope's optional KV cache write (the attention layer's two kv_write calls): k_cache and v_cache
+// KV caches as kv_write's (cpu/attention.h; the same shape [capacity, n_kv_heads, head_dim], dtypes may
+// differ), v F32 [w, n_kv_heads, head_dim] (contiguous), rows I32 [w].
+struct QkCacheWrite {
+  Tensor k_cache, v_cache, v, rows;
+};
+
 // The gated attention's q / k preparation in one pass (qwen35-target.md §6.3 steps 1-3):
 // qg F32 [w, nh, 2 hd] (per head [q | gate], contiguous), k F32 [w, nkv, hd] (contiguous),
 // q_norm_w / k_norm_w F32 [hd], positions I32 [w] (each >= 0). Returns (q, gate, k):
@@ -49,15 +56,23 @@ Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double
 //   gate = qg[..., hd:], a view of qg's memory (no copy; rows 2 hd floats apart)      F32 [w, nh, hd]
 //   k = rope_neox(rms_norm(k, k_norm_w, eps), positions, n_rot, theta)              F32 [w, nkv, hd]
 // Plain RoPE (no YaRN). Each head row goes through rms_norm_row and the rotation of rope_neox, so q
-// and k are bit-identical to that composition. Throws std::invalid_argument naming the argument.
+// and k are bit-identical to that composition. With `cache`, then also kv_write(k_cache, k, rows) and
+// kv_write(v_cache, v, rows) (the returned k; the same bytes), every argument checked before anything is
+// written (the rows in range and distinct; the caches overlapping neither each other nor an input).
+// Throws std::invalid_argument naming the argument.
 std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qg, const Tensor& k, const Tensor& q_norm_w,
                                                 const Tensor& k_norm_w, const Tensor& positions, int64_t n_rot,
-                                                double theta, float eps);
+                                                double theta, float eps,
+                                                const std::optional<QkCacheWrite>& cache = std::nullopt);
 
 // qk_norm_rope's checks shared by the CPU and GPU backends (positions: count only, each backend
 // checks its dtype, device and values), and its gate view of qg.
 void check_qk_norm_rope_args(const Tensor& qg, const Tensor& k, const Tensor& q_norm_w, const Tensor& k_norm_w,
                              const Tensor& positions, int64_t n_rot, float eps, Device dev);
 Tensor qk_gate_view(const Tensor& qg);
+// The same for its cache write, after check_qk_norm_rope_args (rows: dtype, rank and count; each backend
+// checks their device, layout and values, as kv_write's).
+void check_qk_cache_write(const QkCacheWrite& c, const Tensor& qg, const Tensor& k, const Tensor& q_norm_w,
+                          const Tensor& k_norm_w, const Tensor& positions, Device dev);
 
 }  // namespace specd::cpu

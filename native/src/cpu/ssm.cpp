@@ -18,17 +18,19 @@ namespace {
 
 constexpr int64_t kChanBlock = 64;  // channels per work item; fixed so per-channel code never varies
 
-// Bytes [lo, hi) a tensor's elements can touch (any stride signs); empty for no elements.
+// Bytes [lo, hi) a tensor's elements can touch (any stride signs); empty for no elements. A block
+// format's innermost dimension is whole contiguous blocks (a KV cache's Q8_0 rows): its row's bytes.
 std::pair<uintptr_t, uintptr_t> byte_span(const Tensor& t) {
   const uintptr_t base = reinterpret_cast<uintptr_t>(t.data);
   for (int64_t n : t.shape)
     if (n == 0) return {base, base};
+  const bool blocks = is_block_type(t.dtype) && t.ndim() > 0;
   intptr_t lo = 0, hi = 0;
-  for (size_t i = 0; i < t.shape.size(); ++i) {
+  for (size_t i = 0; i + (blocks ? 1 : 0) < t.shape.size(); ++i) {
     const intptr_t ext = intptr_t(t.shape[i] - 1) * intptr_t(t.strides[i]);
     (ext < 0 ? lo : hi) += ext;
   }
-  return {base + lo, base + hi + uintptr_t(row_size(t.dtype, 1))};
+  return {base + lo, base + hi + uintptr_t(blocks ? t.row_bytes() : row_size(t.dtype, 1))};
 }
 
 // Row r of X = [state ; x]: state row r for r < K-1, else x row r - (K-1).

@@ -68,7 +68,8 @@ struct GdnDims {
 
 // Checks shared by the CPU and GPU backends (std::invalid_argument naming `op` and the argument).
 
-// Whether the bytes two tensors can touch overlap (same device assumed; empty tensors never do).
+// Whether the bytes two tensors can touch overlap (same device assumed; empty tensors never do; block
+// formats: whole rows).
 bool overlap(const Tensor& a, const Tensor& b);
 
 // A state argument (state, state_out, checkpoints): F32 of `shape` on `dev`, contiguous, and

@@ -2,11 +2,11 @@
 // cpu::attention (cpu/attention.h), for F32, F16 and Q8_0 caches and any head_dim up to 1024
 // (64/128/256 in the models; Q8_0 needs head_dim % 32 == 0).
 //
-// kv_write: one block per (row, KV head). F32 copies, F16 rounds to nearest even, Q8_0 is ggml's
-// quantize_row_q8_0_ref (d = amax / 127, q = round-half-away(x / d) with the unrounded reciprocal,
-// one warp per 32-element block). Bit-identical to the CPU op for finite inputs (NaN payloads may
-// differ). Row indices are range/distinctness-checked on the host (a GPU rows tensor is read back)
-// unless `trusted`; the kernel skips a row outside [0, capacity) whatever the caller promised.
+// kv_write: one block per (row, KV head), converting with kv_store.cuh's store_kv_row (F32 copies, F16
+// rounds to nearest even, Q8_0 is ggml's quantize_row_q8_0_ref; qk_norm_rope's fused cache write stores
+// with it too). Bit-identical to the CPU op for finite inputs (NaN payloads may differ). Row indices
+// are range/distinctness-checked on the host (a GPU rows tensor is read back) unless `trusted`; the
+// kernel skips a row outside [0, capacity) whatever the caller promised.
 //
 // attention: split-K over fixed chunks of each row's visible-key sequence; see the comment above
 // attn_chunk_kernel for the design, the invariance guarantees and the tolerance vs the CPU op. On F16
@@ -24,6 +24,7 @@
 #include "attention_flash.cuh"
 #include "attention_mask.cuh"
 #include "attention_rows.cuh"
+#include "kv_store.cuh"
 #include "op_util.cuh"
 #include "ops.h"
 
@@ -66,27 +67,8 @@ __global__ void __launch_bounds__(kWriteThreads) kv_write_kernel(uint8_t* __rest
   const int64_t i = blockIdx.x / hkv;
   const int g = int(blockIdx.x % hkv);
   if (rows[i] < 0 || rows[i] >= cap) return;  // only reachable with trusted rows; uniform per block
-  const float* xr = x + (i * hkv + g) * d;
-  uint8_t* dst = cache + int64_t(rows[i]) * row_stride + g * head_stride;
-  if constexpr (T == DType::F32) {
-    for (int c = threadIdx.x; c < d; c += kWriteThreads) reinterpret_cast<float*>(dst)[c] = xr[c];
-  } else if constexpr (T == DType::F16) {
-    for (int c = threadIdx.x; c < d; c += kWriteThreads)
-      reinterpret_cast<uint16_t*>(dst)[c] = __half_as_ushort(__float2half_rn(xr[c]));
-  } else {
-    const int lane = threadIdx.x % SPECD_WARP, warp = threadIdx.x / SPECD_WARP;
-    for (int b = warp; b < d / 32; b += kWriteThreads / SPECD_WARP) {  // uniform per warp
-      float v = xr[b * 32 + lane];
-      float amax = warp_max(fabsf(v));
-      float dd = __fdiv_rn(amax, 127.0f);
-      float id = dd != 0.0f ? __fdiv_rn(1.0f, dd) : 0.0f;
-      uint8_t* blk = dst + b * 34;
-      if (lane == 0) {
-        *reinterpret_cast<uint16_t*>(blk) = __half_as_ushort(__float2half_rn(dd));
-      }
-      reinterpret_cast<int8_t*>(blk + 2)[lane] = int8_t(roundf(__fmul_rn(v, id)));
-    }
-  }
+  detail::store_kv_row<T>(cache + int64_t(rows[i]) * row_stride + g * head_stride, x + (i * hkv + g) * d, d,
+                          kWriteThreads);
 }
 
 // --------------------------------------------------------------------------------------- attention
@@ -651,22 +633,12 @@ Tensor flash_attention(const Tensor& q, const Tensor& kc, const Tensor& vc, cons
 void kv_write(const Tensor& cache, const Tensor& x, const Tensor& rows, bool trusted) {
   const char* op = "kv_write";
   check_cache(cache, op, "cache");
-  check_writable(cache, op, "cache");
   detail::check_gpu_tensor(x, DType::F32, 3, op, "x");
   check_index(rows, op, "rows", 1);
-  int64_t n = x.dim(0), cap = cache.dim(0), hkv = cache.dim(1), d = cache.dim(2);
-  SPECD_CHECK(x.dim(1) == hkv && x.dim(2) == d, op, ": x must be [n, ", hkv, ", ", d, "] to match the cache, got [",
-              n, ", ", x.dim(1), ", ", x.dim(2), "]");
-  SPECD_CHECK(rows.dim(0) == n, op, ": rows has ", rows.dim(0), " entries, x has ", n);
+  cpu::check_kv_write_shapes(cache, x, rows, op, "cache", "x");
+  const int64_t n = x.dim(0), cap = cache.dim(0), hkv = cache.dim(1), d = cache.dim(2);
   SPECD_CHECK(d <= 0x7fffffff && hkv <= 0x7fffffff, op, ": cache dimensions too large");
-  if (detail::check_on_host(rows, trusted)) {
-    std::vector<int32_t> rv = detail::host_i32(rows);
-    for (int64_t i = 0; i < n; ++i)
-      SPECD_CHECK(rv[size_t(i)] >= 0 && rv[size_t(i)] < cap, op, ": rows[", i, "] = ", rv[size_t(i)],
-                  " is outside the cache [0, ", cap, ")");
-    std::sort(rv.begin(), rv.end());
-    SPECD_CHECK(std::adjacent_find(rv.begin(), rv.end()) == rv.end(), op, ": rows must be distinct");
-  }
+  if (detail::check_on_host(rows, trusted)) cpu::check_kv_rows(detail::host_i32(rows), cap, op);
   if (n == 0 || hkv == 0 || d == 0) return;
   detail::check_grid(n * hkv, op);
   detail::EnqueueGuard guard;  // in place (no output allocation): waits while another thread captures

@@ -163,10 +163,13 @@ Tensor embedding(const Tensor& w, const Tensor& ids, bool trusted = false);
 Tensor rope_neox(const Tensor& x, const Tensor& positions, int64_t n_rot, double theta, const cpu::Yarn& yarn,
                  bool trusted = false);
 // cpu::qk_norm_rope in one launch (rope.cu): q and k bit-identical to rope_neox(rms_norm(.)) on the GPU,
-// gate the same view of qg; positions and trusted as rope_neox.
+// gate the same view of qg; positions and trusted as rope_neox. With `cache` the same launch writes the
+// caches as kv_write(k_cache, k, rows) and kv_write(v_cache, v, rows) would (the same bytes; rows, CPU or
+// GPU, and trusted as kv_write's: a trusted row outside [0, capacity) is skipped).
 std::tuple<Tensor, Tensor, Tensor> qk_norm_rope(const Tensor& qg, const Tensor& k, const Tensor& q_norm_w,
                                                 const Tensor& k_norm_w, const Tensor& positions, int64_t n_rot,
-                                                double theta, float eps, bool trusted = false);
+                                                double theta, float eps, bool trusted = false,
+                                                const std::optional<cpu::QkCacheWrite>& cache = std::nullopt);
 
 // KV cache write and GQA attention as cpu::kv_write / cpu::attention (attention.cu). kv_write is
 // bit-identical to the CPU op; attention (exact, the default) is split-K over fixed chunks of each row's
