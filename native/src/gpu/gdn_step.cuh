@@ -41,6 +41,7 @@ decltype(auto) with_gdn_instance(int64_t dk, const F& f) {
   if (dk == 64) return f(integral_constant<int, 16>(), integral_constant<int, 4>());
   return f(integral_constant<int, 16>(), integral_constant<int, 8>());
 }
+
 constexpr int kGdnStage = 8;  // tokens staged in shared memory at once (dk 128: gdn_kernel 9.3 KiB, gdn_step 17.1 KiB)
 
 // One token of one state row, lane p of L holding elements p, p + L, ... of the row in s: S <- exp(g) S;
@@ -235,6 +236,5 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_step_kernel(const GdnStepP
   pdl_enter_prefetch(gdn_block_state<E * L>(P, blockDim.x / L), gdn_block_state_bytes<E, L>());
   gdn_step_block<E, L>(P);
 }
-
 
 }  // namespace specd::gpu::detail::gdn_step

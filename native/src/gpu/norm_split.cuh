@@ -216,7 +216,6 @@ __global__ void __launch_bounds__(kClusterThreads)
 #endif
 }
 
-
 // --- the gated norm of groups of a 256-input split group (rms_norm_gated_matmul's split) --------------------------
 
 // One 256-input group's values as split inputs: v = kGroup floats in 16-byte aligned shared memory, v[k] =
@@ -231,8 +230,8 @@ struct SharedGroupInput {
   }
 };
 
-// What a gated norm and split writes besides its input o: the gate z [n, in] and norm weight w [d] (or null) of
-// rms_norm_gated, its eps, the row length `in`, and the split x (xb / xs / xm: the XSizes(in) layout).
+// A gated norm's other inputs (rms_norm_gated's gate z [n, in], norm weight w [d] or null, and eps), the row length
+// `in`, and the split x it writes (xb / xs / xm: the XSizes(in) layout).
 struct GatedSplit {
   const float* z;
   const float* w;
