@@ -18,9 +18,9 @@ import pytest
 GPU_SRC = os.path.join(os.path.dirname(__file__), "..", "..", "native", "src", "gpu")
 # pdl.cuh's exceptions: kernels that load weights (uploads, which no kernel writes) before their wait
 EARLY_WEIGHT_LOADS = {"mma_gemv_kernel", "norm_split_kernel", "norm_split_partials_kernel"}
-# functions a pdl_enter_prefetch() address argument may call: each computes an address from kernel
+# functions a pdl_enter_prefetch() argument may call: each computes an address or a size from kernel
 # parameters and indices only (checked below: its body indexes and dereferences nothing)
-PREFETCH_HELPERS = {"gdn_block_state"}
+PREFETCH_HELPERS = {"gdn_block_state", "gdn_block_state_bytes"}
 CASTS = {"int", "int64_t", "size_t", "sizeof", "pdl_enter_prefetch"}
 
 

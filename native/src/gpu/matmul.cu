@@ -812,7 +812,7 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step
   Tensor o = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
   cpu::check_rms_args(o, norm_weight, eps, Device::GPU, op);
   cpu::check_like_x(z, o, Device::GPU, op, "z");
-  check_weights(in, ws, op);
+  check_weights(in, ws, op, "the step's output o");
   namespace gs = detail::gdn_step;
 #if SPECD_MMA_GEMV
   // one cluster of 8 blocks of kGdnRows state rows per 256-input split group (hence 256 % dv == 0, whole groups)

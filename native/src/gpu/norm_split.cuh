@@ -157,7 +157,7 @@ __device__ __forceinline__ int64_t cluster_group(int64_t q, int threads, int ran
 // Why: the partials of the 27B's FFN down projection (17 splits of 5120) are 348 KB; one block reads them at
 // one SM's bandwidth, a cluster of 5 at five times that, and sum_splits_kernel's launch goes.
 template <bool RESID>
-__global__ void __launch_bounds__(kClusterThreads)
+__global__ void __launch_bounds__(kClusterThreads, 1)
     norm_split_partials_kernel(const float* __restrict__ parts, int splits, const float* __restrict__ residual,
                                const float* __restrict__ w, float* __restrict__ h, int64_t d, float eps, int n,
                                uint2* __restrict__ xb, float* __restrict__ xs, uint32_t* __restrict__ xm) {
@@ -242,19 +242,16 @@ struct GatedSplit {
   uint32_t* xm;
 };
 
-// rms_norm_gated of row r's 256-input group grp of x [n, in] (norm groups of d inputs: d % 4 == 0, d dividing
-// 256; x, z 16-byte aligned, as w [d] when given) into v (kGroup floats of shared memory; zeros past `in`): warp
-// `warp` of `warps` norms the group's norm groups warp, warp + warps, ... with warp_norm_row, which replays the
-// standalone rms_norm_gated's block sums (its vector path, one item per thread) with one warp: the same values bit
-// for bit. The caller synchronises the block before reading v.
-__device__ __forceinline__ void gated_norm_group(const float* x, const float* w, const float* z, int64_t d, float eps,
-                                                 int64_t in, int r, int64_t grp, float* v, int warp, int warps,
-                                                 int lane) {
-  const int64_t row = int64_t(r) * in;
+// rms_norm_gated of one 256-input split group of a row into v (kGroup floats of shared memory): xg, zg its first
+// inputs of x and z (count <= kGroup of them in the row; norm groups of d inputs: d % 4 == 0, d dividing 256; 16-byte
+// aligned, as w [d] when given), zeros past count. Warp `warp` of `warps` norms the group's norm groups warp, warp +
+// warps, ... with warp_norm_row, which replays the standalone rms_norm_gated's block sums (its vector path, one item
+// per thread) with one warp: the same values bit for bit. The caller synchronises the block before reading v.
+__device__ __forceinline__ void gated_norm_group(const float* xg, const float* zg, const float* w, int64_t d, float eps,
+                                                 int64_t count, float* v, int warp, int warps, int lane) {
   for (int h = warp; h * d < mma::kGroup; h += warps) {
-    const int64_t i = grp * mma::kGroup + h * d;  // the norm group's first input
-    if (i < in)
-      norm::warp_norm_row<norm::Mode::RMS, true, true>(x + row + i, w, z + row + i, v + h * d, d, eps, lane);
+    if (h * d < count)
+      norm::warp_norm_row<norm::Mode::RMS, true, true>(xg + h * d, w, zg + h * d, v + h * d, d, eps, lane);
     else
       for (int64_t k = lane; k < d; k += SPECD_WARP) v[h * d + k] = 0.0f;
   }
@@ -272,8 +269,8 @@ __global__ void __launch_bounds__(8 * SPECD_WARP) gated_norm_split_kernel(const 
   pdl_enter();
   __shared__ __align__(16) float v[mma::kGroup];
   const int r = int(blockIdx.x / groups), lane = int(threadIdx.x % SPECD_WARP);
-  const int64_t grp = blockIdx.x % groups;
-  gated_norm_group(x, S.w, S.z, d, S.eps, S.in, r, grp, v, int(threadIdx.x / SPECD_WARP),
+  const int64_t grp = blockIdx.x % groups, first = r * S.in + grp * mma::kGroup;
+  gated_norm_group(x + first, S.z + first, S.w, d, S.eps, S.in - grp * mma::kGroup, v, int(threadIdx.x / SPECD_WARP),
                    int(blockDim.x / SPECD_WARP), lane);
   __syncthreads();
   if (threadIdx.x < SPECD_WARP) mma::split_group(SharedGroupInput{v, grp}, r, n, grp, S.in, lane, S.xb, S.xs, S.xm);
