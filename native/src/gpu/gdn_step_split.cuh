@@ -14,49 +14,40 @@ namespace specd::gpu::detail::gdn_step {
 // work, norm_split.cuh), in one launch: rms_norm_gated_matmul(o, norm_w, eps, z, [ssm_out]) without o's kernel
 // boundary. The blocks run in clusters of kGdnSplitCluster, one per 256-input split group of o's rows (the launch
 // asks rows = 32 state rows a block, 256 % dv == 0 and hv dv % 256 == 0, so block b holds the group's inputs
-// 32 (b % 8) .. + 31). Block `rank` of a cluster norms and splits the group for tokens rank and rank + 8 (T <= 16:
-// the GEMV's rows): it stages their z and the norm weight in shared memory first, so that those loads overlap the
-// recurrence; then each block stores its o as gdn_step_kernel does, and its state; the cluster barrier makes the
-// group's o visible to the cluster's blocks (release / acquire at cluster scope), and each block norms and splits
-// its tokens with gated_norm_split_kernel's code (gated_norm_group, split_group: the same values bit for bit).
+// 32 (b % 8) .. + 31). Each block stores its o as gdn_step_kernel does, then its state; the cluster barrier makes
+// the group's o visible to the cluster's blocks (release / acquire at cluster scope), and block `rank` of the
+// cluster norms and splits the group for tokens rank, rank + 8, ... with gated_norm_split_kernel's code (the
+// same values bit for bit: gated_norm_group, split_group). T <= 16 (the GEMV's rows). (Staging the tokens' z and
+// the norm weight in shared memory before the recurrence, so that their loads overlap it, measured 7 us a decode
+// step slower on the H200: BENCHMARKS.md.)
 constexpr int kGdnSplitCluster = mma::kGroup / kGdnRows;
-constexpr int kGdnSplitTokens = 16 / kGdnSplitCluster;  // tokens a block splits, at most
 
 // gdn_step_split_kernel's dynamic shared memory (bytes) at dk = DK: gdn_step_kernel's stage for kGdnRows rows, then
-// the group being split, the z of the block's tokens and the norm weight (kGroup floats each; 16-byte aligned: the
-// stage is whole 32-byte rows).
+// the group being split (kGroup floats, 16-byte aligned: the stage is whole 32-byte rows).
 template <int DK>
 __host__ __device__ constexpr size_t gdn_split_smem() {
-  return gdn_step_smem<DK>(kGdnRows) + (2 + kGdnSplitTokens) * mma::kGroup * sizeof(float);
+  return gdn_step_smem<DK>(kGdnRows) + mma::kGroup * sizeof(float);
 }
 
+// Launch bounds of one block a multiprocessor: without them ptxas gave the kernel 64 registers and 112 bytes of
+// spills (dk 128), with them 107 registers and none.
 template <int E, int L>
 __global__ void __launch_bounds__(kGdnRows * L, 1) gdn_step_split_kernel(const GdnStepParams P, const GatedSplit S) {
   pdl_enter_prefetch(gdn_block_state<E * L>(P, blockDim.x / L), gdn_block_state_bytes<E, L>());
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // no clusters before sm_90: the host launches this only for an sm90_binary
 #else
+  gdn_step_block<E, L>(P);
   const cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-  const int rank = int(cluster.block_rank()), tid = int(threadIdx.x);
+  cluster.sync();  // the group's o, written by the cluster's blocks, visible to each of them
   const int64_t grp = blockIdx.x / kGdnSplitCluster, first = grp * mma::kGroup;
   float* v = dyn_smem() + gdn_step_smem<E * L>(blockDim.x / L) / sizeof(float);  // past the stage: [kGroup]
-  float* zs = v + mma::kGroup;                                                   // [kGdnSplitTokens][kGroup]
-  float* ws = zs + kGdnSplitTokens * mma::kGroup;                                // [dv]
-  for (int i = tid; i < kGdnSplitTokens * mma::kGroup; i += blockDim.x) {
-    const int64_t t = rank + kGdnSplitCluster * (i / mma::kGroup);
-    if (t < P.T) zs[i] = S.z[t * S.in + first + i % mma::kGroup];
-  }
-  if (S.w)
-    for (int i = tid; i < P.dv; i += blockDim.x) ws[i] = S.w[i];
-  gdn_step_block<E, L>(P);
-  cluster.sync();  // the group's o, written by the cluster's blocks, visible to each of them (and zs, ws to the block)
-  const int lane = tid % SPECD_WARP, warp = tid / SPECD_WARP;
-  for (int j = 0; rank + kGdnSplitCluster * j < P.T; ++j) {
-    const int t = rank + kGdnSplitCluster * j;
-    gated_norm_group(P.o + t * S.in + first, zs + j * mma::kGroup, S.w ? ws : nullptr, P.dv, S.eps, mma::kGroup, v,
-                     warp, int(blockDim.x / SPECD_WARP), lane);
+  const int lane = int(threadIdx.x % SPECD_WARP), warp = int(threadIdx.x / SPECD_WARP);
+  for (int64_t t = cluster.block_rank(); t < P.T; t += kGdnSplitCluster) {
+    gated_norm_group(P.o + t * S.in + first, S.z + t * S.in + first, S.w, P.dv, S.eps, mma::kGroup, v, warp,
+                     int(blockDim.x / SPECD_WARP), lane);
     __syncthreads();
-    if (warp == 0) mma::split_group(SharedGroupInput{v, grp}, t, int(P.T), grp, S.in, lane, S.xb, S.xs, S.xm);
+    if (warp == 0) mma::split_group(SharedGroupInput{v, grp}, int(t), int(P.T), grp, S.in, lane, S.xb, S.xs, S.xm);
     __syncthreads();  // v is the next token's
   }
 #endif

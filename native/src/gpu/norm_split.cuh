@@ -155,7 +155,9 @@ __device__ __forceinline__ int64_t cluster_group(int64_t q, int threads, int ran
 // dynamic shared memory (cluster_smem_bytes: [per][kClusterThreads] float4s, then the warp sums), which its warps
 // split.
 // Why: the partials of the 27B's FFN down projection (17 splits of 5120) are 348 KB; one block reads them at
-// one SM's bandwidth, a cluster of 5 at five times that, and sum_splits_kernel's launch goes.
+// one SM's bandwidth, a cluster of 5 at five times that, and sum_splits_kernel's launch goes. Launch bounds of one
+// block a multiprocessor: without them ptxas gave the kernel 64 registers (95 with them), and a 27B decode step
+// spent 698 us in it against 640 (H200, BENCHMARKS.md).
 template <bool RESID>
 __global__ void __launch_bounds__(kClusterThreads, 1)
     norm_split_partials_kernel(const float* __restrict__ parts, int splits, const float* __restrict__ residual,
