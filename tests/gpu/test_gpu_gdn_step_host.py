@@ -32,8 +32,8 @@ NAMES_IN = ("cv", "a", "b", "dt", "ssm_a", "state")
 NAMES_OUT = ("o", "q", "k", "v", "g", "beta", "state_out", "o_ref", "state_ref")
 
 
-HEADERS = ["gdn_step.cuh", "gdn_step_split.cuh", "gdn_chunked.cuh", "dyn_smem.cuh", "norm.cuh", "norm_split.cuh", "matmul_mma.cuh",
-           "weight_formats.cuh", "partials.cuh", "activations.cuh", "warp_reduce.cuh", "pdl.cuh"]
+HEADERS = ["gdn_step.cuh", "gdn_step_split.cuh", "gdn_chunked.cuh", "dyn_smem.cuh", "norm.cuh", "norm_split.cuh",
+           "matmul_mma.cuh", "weight_formats.cuh", "partials.cuh", "activations.cuh", "warp_reduce.cuh", "pdl.cuh"]
 
 
 @pytest.fixture(scope="module")

@@ -1323,7 +1323,8 @@ def test_gdn_step_gated_matmul_gpu_errors(rng):
     z, nw = on_gpu(f32(rng, (T, hv, dv))), on_gpu(np.ones(dv, np.float32))
     w = gemv_weight(rng, "Q8_0", 64, hv * dv)
     cases = [("gdn_gates", dict(a=on_gpu(a[:, :1]))), ("scale", dict(scale=np.nan)),
-             ("z", dict(z=on_gpu(f32(rng, (T, hv, 64))))), ("weight", dict(nw=on_gpu(np.ones(dv + 1, np.float32)))),
+             ("z must be", dict(z=on_gpu(f32(rng, (T, hv, 64))))),
+             ("norm_weight must be", dict(nw=on_gpu(np.ones(dv + 1, np.float32)))),
              (r"w \(i = 0\)|ws\[0\]", dict(ws=[gemv_weight(rng, "Q8_0", 64, hv * dv + 32)]))]  # GPU | CPU
     for in_place in (True, False):
         for match, bad in cases:
@@ -1334,6 +1335,38 @@ def test_gdn_step_gated_matmul_gpu_errors(rng):
                                          args["z"], args["ws"], state_out=None if in_place else out)
             np.testing.assert_array_equal(sg.numpy(), state, err_msg=match)
             assert (out.numpy() == 7.0).all(), match
+    flat = on_gpu(state.reshape(-1))  # z a view of the state written (the fused kernel would read it as it changes)
+    sg = flat.view_rows(0, state.size).reshape(list(state.shape))
+    with pytest.raises(ValueError, match="z must not overlap the state written"):
+        sn.gdn_step_gated_matmul(*g_in, sg, *dims, 1e-6, 0.1, nw, flat.view_rows(0, z.shape[0] * hv * dv).reshape(
+            [T, hv, dv]), [w])
+    np.testing.assert_array_equal(sg.numpy(), state)
+
+
+@gpu_only
+def test_gdn_step_gated_matmul_is_one_fused_launch(rng):
+    """At the 27B's shapes on an sm_90 device gdn_step_gated_matmul runs gdn_step_split_kernel and the GEMV, not the
+    composition's gdn_step_kernel and gated_norm_split_kernel (the bitwise tests above would pass on the composition
+    too). Kernel names from torch.profiler's CUDA activity trace."""
+    if DRYRUN:
+        pytest.skip("kernel names exist on a GPU only")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the fused kernel needs thread-block clusters (sm_90)")
+    from torch.profiler import ProfilerActivity, profile
+    hk, hv, dk, dv, T = 16, 48, 128, 128, 1
+    cv, a, b, dt, ssm_a, state = gdn_step_inputs(rng, T, hk, hv, dk, dv)
+    args = [on_gpu(x) for x in (cv, a, b, dt, ssm_a, state)] + [hk, dk, hv, dv, 1e-6, 1 / np.sqrt(dk)]
+    norm = [on_gpu(np.ones(dv, np.float32)), on_gpu(f32(rng, (T, hv, dv))),
+            [gemv_weight(rng, "Q6_K_TILED", 5120, hv * dv)]]
+    sn.gdn_step_gated_matmul(*args, *norm)  # loads the kernels
+    sn.gpu_synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        sn.gdn_step_gated_matmul(*args, *norm)
+        sn.gpu_synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("gdn_step_split_kernel" in n for n in names) == 1, names
+    assert not any("gdn_step_kernel" in n or "gated_norm_split_kernel" in n for n in names), names
 
 
 # (hk, hv, dk, dv) of the chunked path (dk 32 / 64 / 128, dv % 16 == 0) and T: one chunk, ragged chunks

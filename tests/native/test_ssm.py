@@ -352,7 +352,7 @@ def test_gdn_step_gated_matmul_against_float64(rng, T, weighted):
 
 def test_gdn_step_gated_matmul_bad_input(rng):
     """A bad argument of the step, of the norm or a weight raises ValueError naming it, and the state (in
-    place) is left as it was."""
+    place) is left as it was; z overlapping the state written is refused."""
     hk, hv, dk, dv, T = 1, 2, 8, 16, 2
     f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     cv, a, vec, z = f(T, 2 * hk * dk + hv * dv), f(T, hv), f(hv), f(T, hv, dv)
@@ -361,7 +361,9 @@ def test_gdn_step_gated_matmul_bad_input(rng):
     keep = st.copy()
     cases = [("gdn_step: scale must be finite", dict(scale=np.inf)),
              ("gdn_step_gated_matmul: z", dict(z=f(T, hv, dv + 1))),
-             ("gdn_step_gated_matmul: weight", dict(nw=f(dv - 1))),
+             ("gdn_step_gated_matmul: norm_weight must be", dict(nw=f(dv - 1))),
+             ("gdn_step_gated_matmul: z must not overlap the state",
+              dict(z=st.reshape(-1)[: T * hv * dv].reshape(T, hv, dv))),
              ("ws\\[0\\]", dict(ws=[sn.Tensor(random_blocks(rng, "Q8_0", 4, hv * dv + 32), sn.DType.Q8_0)]))]
     for match, bad in cases:
         args = dict(scale=0.1, z=z, nw=f(dv), ws=[w]) | bad

@@ -30,7 +30,7 @@ cache[rows[i]] = quantize(x[i]) with the ggml row codecs (bit-identical to gguf.
 Returns None. Raises ValueError on dtype/shape mismatch, a row outside [0, capacity) or repeated rows.
 trusted (GPU only; the CPU op always checks, at no cost): the caller guarantees GPU rows are in range
 and distinct, so they are not read back (no host synchronisation; needed inside a GPU graph
-capture). A row outside [0, capacity) is then skipped; of repeated rows one write wins.)doc");
+capture). A row outside [0, capacity) is then skipped; repeated rows race (their bytes are then unspecified).)doc");
   m.def(
       "attention",
       [](const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, int64_t kv_len, const Tensor& q_pos,

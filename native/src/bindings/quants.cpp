@@ -364,12 +364,10 @@ the kernels queued before it have finished (native/src/gpu/pdl.cuh): a ws writte
                                               eps, scale, state_out, norm_weight, zt, wt, exact, partials);
 #endif
           // the composition; the norm's and the weights' arguments checked before the state is touched
-          cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, state, state_out, n_k_heads, head_k_dim, n_v_heads, head_v_dim,
-                                   eps, scale, Device::CPU);
-          const Tensor o_shape = Tensor::empty({cv.dim(0), n_v_heads, head_v_dim}, DType::F32, Device::CPU);
-          cpu::check_rms_args(o_shape, norm_weight, eps, Device::CPU, op);
-          cpu::check_like_x(zt, o_shape, Device::CPU, op, "z");
-          (void)cpu_group(Tensor::empty({0, o_shape.dim(1) * o_shape.dim(2)}, DType::F32), wt, op);  // ws' checks
+          const Tensor& written = cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, state, state_out, n_k_heads,
+                                                           head_k_dim, n_v_heads, head_v_dim, eps, scale, Device::CPU);
+          cpu::check_gdn_output_norm_args(zt, norm_weight, written, cv.dim(0), n_v_heads, head_v_dim, Device::CPU, op);
+          (void)cpu_group(Tensor::empty({0, n_v_heads * head_v_dim}, DType::F32), wt, op);  // ws' checks
           auto [o, q, k, v, g, beta] = cpu::gdn_step(cv, a, b, dt, ssm_a, state, n_k_heads, head_k_dim, n_v_heads,
                                                      head_v_dim, eps, scale, state_out);
           const Tensor y = cpu::rms_norm_gated(o, norm_weight, eps, zt);
@@ -383,8 +381,8 @@ the kernels queued before it have finished (native/src/gpu/pdl.cuh): a ws writte
       py::arg("n_k_heads"), py::arg("head_k_dim"), py::arg("n_v_heads"), py::arg("head_v_dim"), py::arg("eps"),
       py::arg("scale"), py::arg("norm_weight"), py::arg("z"), py::arg("ws"), py::arg("exact") = true,
       py::arg("partials") = false, py::arg("state_out") = py::none(),
-      with_partials_doc(R"doc(A Gated DeltaNet decode / verify step after its conv, through its output's gated norm and out
-projection (qwen35-target.md §6.5 steps 3-9): gdn_step(cv, a, b, dt, ssm_a, state, n_k_heads, head_k_dim,
+      with_partials_doc(R"doc(A Gated DeltaNet decode / verify step after its conv, through its output's gated norm
+and out projection (qwen35-target.md §6.5 steps 3-9): gdn_step(cv, a, b, dt, ssm_a, state, n_k_heads, head_k_dim,
 n_v_heads, head_v_dim, eps, scale, state_out), then rms_norm_gated_matmul(o, norm_weight, eps, z, ws, exact)
 on its output o [T, Hv, dv] (one eps for the q / k L2 norms and the output norm, as the model has).
 

@@ -95,7 +95,7 @@ on qg's device), of the same shape (dtypes may differ); v: F32 [w, nkv, hd], con
 above, ValueError naming the argument when only some of the four are given, on a cache's dtype, shape,
 layout or read-only memory, v not of k's shape, a row outside [0, capacity) or repeated rows, or a cache
 overlapping the other or an input. trusted also covers GPU rows as kv_write's (not read back; a row
-outside [0, capacity) is then skipped, of repeated rows one write wins).)doc");
+outside [0, capacity) is then skipped, repeated rows race: their bytes are then unspecified).)doc");
 }
 
 }  // namespace specd::py_bind

@@ -116,6 +116,24 @@ bool overlap(const Tensor& a, const Tensor& b) {
   return lo < hi && c < d && c < hi && lo < d;
 }
 
+void check_gdn_output_norm_args(const Tensor& z, const std::optional<Tensor>& norm_weight, const Tensor& written,
+                                int64_t T, int64_t n_v_heads, int64_t head_v_dim, Device dev, const char* op) {
+  check_device(z, dev, op, "z");
+  check_dtype(z, DType::F32, op, "z");
+  check_contiguous(z, op, "z");
+  SPECD_CHECK(z.ndim() == 3 && z.dim(0) == T && z.dim(1) == n_v_heads && z.dim(2) == head_v_dim, op,
+              ": z must be [T, n_v_heads, head_v_dim] = [", T, ", ", n_v_heads, ", ", head_v_dim, "], got ", z.ndim(),
+              " dimension(s) of ", z.numel(), " elements");
+  SPECD_CHECK(!overlap(written, z), op, ": z must not overlap the state written");
+  if (!norm_weight) return;
+  check_device(*norm_weight, dev, op, "norm_weight");
+  check_dtype(*norm_weight, DType::F32, op, "norm_weight");
+  check_contiguous(*norm_weight, op, "norm_weight");
+  SPECD_CHECK(norm_weight->ndim() == 1 && norm_weight->dim(0) == head_v_dim, op, ": norm_weight must be [head_v_dim = ",
+              head_v_dim, "], got ", norm_weight->numel(), " elements");
+  SPECD_CHECK(!overlap(written, *norm_weight), op, ": norm_weight must not overlap the state written");
+}
+
 void check_state(const Tensor& s, const std::vector<int64_t>& shape, Device dev, const char* op, const char* arg,
                  bool written) {
   check_device(s, dev, op, arg);

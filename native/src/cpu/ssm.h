@@ -61,6 +61,12 @@ const Tensor& check_gdn_step_args(const Tensor& cv, const Tensor& a, const Tenso
                                   int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim,
                                   float eps, float scale, Device dev);
 
+// gdn_step_gated_matmul's output-norm arguments, after check_gdn_step_args (both backends; std::invalid_argument
+// naming op and the argument): z F32 [T, Hv, dv] and norm_weight F32 [dv] (or none), contiguous on dev, neither
+// overlapping the state the step writes (`written`: the fused GPU kernel reads them while other blocks store it).
+void check_gdn_output_norm_args(const Tensor& z, const std::optional<Tensor>& norm_weight, const Tensor& written,
+                                int64_t T, int64_t n_v_heads, int64_t head_v_dim, Device dev, const char* op);
+
 // The dimensions of a gated_delta_net call: T tokens, Hk key heads of dk, Hv value heads of dv.
 struct GdnDims {
   int64_t T, hk, dk, hv, dv;

@@ -1,6 +1,7 @@
 // The token-by-token Gated DeltaNet kernels: one token of one state row (gdn_row_token, the arithmetic of
-// both), gdn_kernel (gated_delta_net's register kernel) and gdn_step_kernel (gdn_step's). Included by ssm.cu
-// and compiled for the host by the emulation harness tests/gpu/host_emu/gdn_step_main.cpp.
+// both), gdn_kernel (gated_delta_net's register kernel) and gdn_step_kernel (gdn_step's), and their launch shape.
+// Included by ssm.cu and gdn_step_split.cuh (matmul.cu), and compiled for the host by the emulation harnesses
+// tests/gpu/host_emu/gdn_step_main.cpp and gdn_split_main.cpp.
 #pragma once
 
 #ifndef SPECD_HOST_EMU

@@ -497,7 +497,8 @@ __global__ void __launch_bounds__(detail::mma::kGroup) elementwise_split_kernel(
   const int64_t grp = blockIdx.x % groups, i = grp * detail::mma::kGroup + threadIdx.x;
   v[threadIdx.x] = i < in ? value(int64_t(r) * in + i) : 0.0f;
   __syncthreads();
-  if (threadIdx.x < 32) detail::mma::split_group(detail::SharedGroupInput{v, grp}, r, n, grp, in, int(threadIdx.x), xb, xs, xm);
+  if (threadIdx.x < 32)
+    detail::mma::split_group(detail::SharedGroupInput{v, grp}, r, n, grp, in, int(threadIdx.x), xb, xs, xm);
 }
 
 #endif
@@ -808,15 +809,13 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step
   const Tensor& out_state = cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, state, state_out, hk, dk, hv, dv, eps, scale,
                                                      Device::GPU);
   const int64_t T = cv.dim(0), in = hv * dv;
-  // the gated norm's and the projection's arguments, on o's shape, before anything runs
-  Tensor o = Tensor::empty({T, hv, dv}, DType::F32, Device::GPU);
-  cpu::check_rms_args(o, norm_weight, eps, Device::GPU, op);
-  cpu::check_like_x(z, o, Device::GPU, op, "z");
+  // the output norm's and the projection's arguments, before anything runs
+  cpu::check_gdn_output_norm_args(z, norm_weight, out_state, T, hv, dv, Device::GPU, op);
   check_weights(in, ws, op, "the step's output o");
   namespace gs = detail::gdn_step;
 #if SPECD_MMA_GEMV
   // one cluster of 8 blocks of kGdnRows state rows per 256-input split group (hence 256 % dv == 0, whole groups)
-  const bool fused = T >= 1 && gs::gdn_register_kernel(dk, dv) && gs::gdn_block_rows(dv) == gs::kGdnRows &&
+  const bool fused = gs::gdn_register_kernel(dk, dv) && gs::gdn_block_rows(dv) == gs::kGdnRows &&
                      detail::mma::kGroup % dv == 0 && in % detail::mma::kGroup == 0 && detail::aligned16(z.data) &&
                      (!norm_weight || detail::aligned16(norm_weight->data)) && split_fusable(T, in, ws) &&
                      gs::with_gdn_instance(dk, [](auto e, auto l) {
@@ -830,8 +829,8 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step
     return {rms_norm_gated_matmul(o2, norm_weight, eps, z, ws, exact, partials), q, k, v, g, beta};
   }
   const auto empty = [](std::vector<int64_t> shape) { return Tensor::empty(shape, DType::F32, Device::GPU); };
-  Tensor q = empty({T, hk, dk}), k = empty({T, hk, dk}), v = empty({T, hv, dv}), g = empty({T, hv}),
-         beta = empty({T, hv});
+  Tensor o = empty({T, hv, dv}), q = empty({T, hk, dk}), k = empty({T, hk, dk}), v = empty({T, hv, dv}),
+         g = empty({T, hv}), beta = empty({T, hv});
   SPECD_CHECK(in / gs::kGdnRows <= 0x7fffffff, op, ": at most 2^31 - 1 blocks");
   const gs::GdnStepParams P{cv.ptr<float>(), a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(),
                             state.ptr<float>(), out_state.ptr<float>(), o.ptr<float>(), q.ptr<float>(), k.ptr<float>(),

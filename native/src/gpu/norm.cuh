@@ -5,7 +5,7 @@
 // One thread block per row (norm_row); the block size depends only on the row length d (threads_for), so a
 // row's result does not depend on how many rows share the call (batch invariance). warp_norm_row
 // replays that block's sums with one warp (gdn_step_kernel in gdn_step.cuh and gated_norm_split_kernel in
-// matmul.cu normalise rows in a block of their own). The sum of
+// norm_split.cuh normalise rows in a block of their own). The sum of
 // squares is accumulated in double (per thread, then a fixed-order warp-shuffle and cross-warp
 // reduction), and the scale is computed exactly as the CPU op does (cpu/norm.cpp).
 #pragma once

@@ -155,9 +155,9 @@ __device__ __forceinline__ int64_t cluster_group(int64_t q, int threads, int ran
 // dynamic shared memory (cluster_smem_bytes: [per][kClusterThreads] float4s, then the warp sums), which its warps
 // split.
 // Why: the partials of the 27B's FFN down projection (17 splits of 5120) are 348 KB; one block reads them at
-// one SM's bandwidth, a cluster of 5 at five times that, and sum_splits_kernel's launch goes. Launch bounds of one
-// block a multiprocessor: without them ptxas gave the kernel 64 registers (95 with them), and a 27B decode step
-// spent 698 us in it against 640 (H200, BENCHMARKS.md).
+// one SM's bandwidth, a cluster of 5 at five times that, and sum_splits_kernel's launch goes. The launch bounds ask
+// for at least one resident block a multiprocessor, which lifts ptxas's register target: without the minimum it gave
+// the kernel 64 registers (95 with it), and a 27B decode step spent 698 us in it against 640 (H200, BENCHMARKS.md).
 template <bool RESID>
 __global__ void __launch_bounds__(kClusterThreads, 1)
     norm_split_partials_kernel(const float* __restrict__ parts, int splits, const float* __restrict__ residual,
@@ -245,10 +245,11 @@ struct GatedSplit {
 };
 
 // rms_norm_gated of one 256-input split group of a row into v (kGroup floats of shared memory): xg, zg its first
-// inputs of x and z (count <= kGroup of them in the row; norm groups of d inputs: d % 4 == 0, d dividing 256; 16-byte
-// aligned, as w [d] when given), zeros past count. Warp `warp` of `warps` norms the group's norm groups warp, warp +
-// warps, ... with warp_norm_row, which replays the standalone rms_norm_gated's block sums (its vector path, one item
-// per thread) with one warp: the same values bit for bit. The caller synchronises the block before reading v.
+// inputs of x and z (count: the row's inputs from xg on, of which the group holds at most kGroup; norm groups of d
+// inputs: d % 4 == 0, d dividing 256; 16-byte aligned, as w [d] when given), zeros past count. Warp `warp` of
+// `warps` norms the group's norm groups warp, warp + warps, ... with warp_norm_row, which replays the standalone
+// rms_norm_gated's block sums (its vector path, one item per thread) with one warp: the same values bit for bit.
+// The caller synchronises the block before reading v.
 __device__ __forceinline__ void gated_norm_group(const float* xg, const float* zg, const float* w, int64_t d, float eps,
                                                  int64_t count, float* v, int warp, int warps, int lane) {
   for (int h = warp; h * d < mma::kGroup; h += warps) {

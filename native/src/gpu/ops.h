@@ -207,7 +207,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
     const std::optional<Tensor>& state_out);
 // gdn_step followed by rms_norm_gated_matmul(o, norm_weight, eps, z, ws, exact, partials) (o [T, Hv, dv] not
 // returned): (ys, q, k, v, g, beta), bit-identical to that composition. Where the tensor-core GEMV reads the
-// output (T <= 16, tensor-core weight formats, CUDA sm_90: ssm.cu) the gdn_step launch itself norms and splits o
+// output (T <= 16, tensor-core weight formats, CUDA sm_90: matmul.cu) the gdn_step launch itself norms and splits o
 // (gdn_step_split_kernel), one launch fewer; otherwise the composition. Checks every argument first (the state
 // is untouched on a bad one); throws std::invalid_argument.
 std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step_gated_matmul(

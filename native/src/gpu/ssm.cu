@@ -63,6 +63,7 @@ using detail::gdn_step::gdn_block_rows;
 using detail::gdn_step::gdn_kernel;
 using detail::gdn_step::gdn_lanes;
 using detail::gdn_step::gdn_register_kernel;
+using detail::gdn_step::with_gdn_instance;
 using detail::gdn_step::GdnStepParams;
 using detail::gdn_step::gdn_step_kernel;
 using detail::gdn_step::gdn_step_smem;
@@ -245,12 +246,11 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
   const bool fast = gdn_register_kernel(dk, dv);
   const int64_t blocks = fast ? hv * (dv / rows) : hv;
   detail::check_grid(blocks, op);
-  if (fast && dk == 32) {
-    detail::launch_kernel<gdn_kernel<8, 4>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
-  } else if (fast && dk == 64) {
-    detail::launch_kernel<gdn_kernel<16, 4>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
-  } else if (fast) {  // dk == 128
-    detail::launch_kernel<gdn_kernel<16, 8>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
+  if (fast) {
+    with_gdn_instance(dk, [&](auto e, auto l) {
+      constexpr int E = decltype(e)::value, L = decltype(l)::value;
+      detail::launch_kernel<gdn_kernel<E, L>>("gdn_kernel", unsigned(blocks), threads, 0, s, P);
+    });
   } else {
     size_t shmem = size_t(2 * dk) * sizeof(float);
     SPECD_CHECK(shmem <= 48 * 1024, op, ": dk too large for the GPU op (", dk, ")");
@@ -283,9 +283,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
   GdnStepParams P{cv.ptr<float>(), a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(),
                   state.ptr<float>(), out_state.ptr<float>(), o.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
                   v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), T, int(hk), int(hv), int(dv), eps, scale};
-  if (dk == 32) launch_gdn_step<8, 4>(P);
-  else if (dk == 64) launch_gdn_step<16, 4>(P);
-  else launch_gdn_step<16, 8>(P);
+  with_gdn_instance(dk, [&](auto e, auto l) { launch_gdn_step<decltype(e)::value, decltype(l)::value>(P); });
   return {o, q, k, v, g, beta};
 }
 

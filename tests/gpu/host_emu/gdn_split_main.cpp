@@ -46,14 +46,14 @@ int run(char** argv) {
   const int64_t T = std::atoll(argv[2]);
   const int hk = std::atoi(argv[3]), hv = std::atoi(argv[4]), dv = std::atoi(argv[5]);
   const int64_t in = int64_t(hv) * dv;
-  // the fused launch's shapes (ssm.cu: gdn_step_gated_matmul)
+  // the fused launch's shapes (matmul.cu: gdn_step_gated_matmul)
   if (T < 1 || T > 16 || hk < 1 || hv % hk != 0 || dv % kGdnRows != 0 || mma::kGroup % dv != 0 ||
       in % mma::kGroup != 0)
     return 2;
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const int64_t cols = 2 * int64_t(hk) * DK + in;
-  std::vector<float> cv(size_t(T * cols)), a(size_t(T * hv)), b(a.size()), dt(static_cast<size_t>(hv)), ssm_a(dt.size()),
-      state(size_t(in) * DK), z(size_t(T * in)), w(static_cast<size_t>(dv));
+  std::vector<float> cv(size_t(T * cols)), a(size_t(T * hv)), b(a.size()), dt(static_cast<size_t>(hv)),
+      ssm_a(dt.size()), state(size_t(in) * DK), z(size_t(T * in)), w(static_cast<size_t>(dv));
   if (!read_file(argv[10], cv) || !read_file(argv[11], a) || !read_file(argv[12], b) || !read_file(argv[13], dt) ||
       !read_file(argv[14], ssm_a) || !read_file(argv[15], state) || !read_file(argv[16], z) ||
       !read_file(argv[17], w)) {
