@@ -675,19 +675,21 @@ class Qwen35Model:
             conv_state = None
         state = None if tree is not None else st.ssm[i] if in_place else ops.empty(st.ssm[i].shape)
         if tree is None and mm.exact:  # decode / chain verify: qkv, gates, recurrence, output norm and split in one op
-            ys, *pend = sn.gdn_step_gated_matmul(
+            (out,), *pend = sn.gdn_step_gated_matmul(
                 cv, a, b, *self.gdn_vecs[i], st.ssm[i], hk, dk, hv, dv, hp.rms_eps, self._gdn_scale, layer.ssm_norm, z,
                 [layer.ssm_out], exact=True, partials=mm.partials, state_out=state)
             q, k, v, g, beta = (ops.a(t) for t in pend)
-            return ops.a(ys[0]), GDNPending(m, q, k, v, g, beta, state, conv_state)
-        q, k, v = (ops.a(t) for t in sn.gdn_qkv(cv, hk, dk, hv, dv, hp.rms_eps))  # L2-normed q, k heads; v
-        g, beta = (ops.a(t) for t in sn.gdn_gates(a, b, *self.gdn_vecs[i]))  # ssm_a * softplus(a + dt), sigmoid(b)
-        if tree is None:  # prefill (inexact): the GPU's chunked recurrence
-            o = ops.a(sn.gated_delta_net(q, k, v, g, beta, st.ssm[i], self._gdn_scale, state_out=state, exact=False))
         else:
-            o = self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
-        out = ops.a(mm.gated_norm(o, layer.ssm_norm, hp.rms_eps, z, layer.ssm_out, partials=mm.partials))  # norm fused with the split
-        return out, GDNPending(m, q, k, v, g, beta, state, conv_state)
+            q, k, v = (ops.a(t) for t in sn.gdn_qkv(cv, hk, dk, hv, dv, hp.rms_eps))  # L2-normed q, k heads; v
+            g, beta = (ops.a(t) for t in sn.gdn_gates(a, b, *self.gdn_vecs[i]))  # ssm_a * softplus(a + dt), sigmoid(b)
+            if tree is None:  # prefill (inexact): the GPU's chunked recurrence
+                o = ops.a(sn.gated_delta_net(q, k, v, g, beta, st.ssm[i], self._gdn_scale, state_out=state,
+                                             exact=False))
+            else:
+                o = self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
+            # the norm fused with the out projection's split
+            out = mm.gated_norm(o, layer.ssm_norm, hp.rms_eps, z, layer.ssm_out, partials=mm.partials)
+        return ops.a(out), GDNPending(m, q, k, v, g, beta, state, conv_state)
 
     def _gdn_tree(self, s0, q, k, v, g, beta, tree):
         """Each node's recurrence starts from its parent's state (the committed S for roots)."""

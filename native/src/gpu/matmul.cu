@@ -479,7 +479,6 @@ struct MulSigmoidValue {
 #if SPECD_MMA_GEMV
 // --- the GEMV's x split fused into the op that produces x (one launch fewer per call) -------------
 
-
 // An elementwise op's output (F32 [n, in], in % 32 == 0 as every tensor-core format has; `value` its element at
 // an offset) split for the GEMV into xb / xs / xm (the XSizes(in) layout): n * groups blocks of kGroup threads,
 // one per (row r, 256-input group). A thread computes one input's value with the op's device code
@@ -588,20 +587,9 @@ bool norm_reads_partials(int64_t d) {
   if (blocks == 0 || !detail::sm90_binary<kernel>("norm_split_partials_kernel")) return false;
   static std::once_flag once[detail::kMaxClusterBlocks + 1];
   static bool runs[detail::kMaxClusterBlocks + 1];
-  std::call_once(once[blocks], [blocks] {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim = {unsigned(blocks), 1, 1};
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(unsigned(blocks));
-    cfg.blockDim = dim3(unsigned(detail::kClusterThreads));
-    cfg.dynamicSmemBytes = detail::kMaxClusterStage + detail::kClusterSumsBytes;  // the most a launch asks
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-    if (e != cudaSuccess) (void)cudaGetLastError();  // not a failure of the next call: the composition serves
-    runs[blocks] = e == cudaSuccess && clusters > 0;
+  std::call_once(once[blocks], [blocks] {  // the most shared memory a launch asks
+    runs[blocks] = detail::cluster_fits<kernel>(unsigned(blocks), unsigned(detail::kClusterThreads),
+                                                detail::kMaxClusterStage + detail::kClusterSumsBytes);
   });
   return runs[blocks];
 #else
@@ -778,21 +766,8 @@ bool gdn_split_runs() {
   namespace gs = detail::gdn_step;
   constexpr auto kernel = gs::gdn_step_split_kernel<E, L>;
   if (!detail::sm90_binary<kernel>("gdn_step_split_kernel")) return false;
-  static const bool runs = [] {
-    cudaLaunchAttribute attr{};
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim = {unsigned(gs::kGdnSplitCluster), 1, 1};
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(unsigned(gs::kGdnSplitCluster));
-    cfg.blockDim = dim3(unsigned(gs::kGdnRows * L));
-    cfg.dynamicSmemBytes = gs::gdn_split_smem<E * L>();
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    int clusters = 0;
-    const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-    if (e != cudaSuccess) (void)cudaGetLastError();  // not a failure of the next call: the composition serves
-    return e == cudaSuccess && clusters > 0;
-  }();
+  static const bool runs = detail::cluster_fits<kernel>(unsigned(gs::kGdnSplitCluster), unsigned(gs::kGdnRows * L),
+                                                        gs::gdn_split_smem<E * L>());
   return runs;
 }
 

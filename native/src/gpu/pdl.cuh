@@ -79,6 +79,26 @@ bool sm90_binary(const char* name) {
   }();
   return ok;
 }
+
+// Whether one cluster of `blocks` blocks of K (`threads` threads and `smem` bytes of dynamic shared memory each)
+// fits this device (cudaOccupancyMaxActiveClusters: a small MIG instance may fit none). A failed query counts as
+// no and its error is cleared (not a failure of the next call). A driver query per call: callers keep the answer.
+template <auto K>
+bool cluster_fits(unsigned blocks, unsigned threads, size_t smem) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim = {blocks, 1, 1};
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, K, &cfg);
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return e == cudaSuccess && clusters > 0;
+}
 #endif
 
 // K<<<grid, block, smem, s>>>(args...) in clusters of `cluster` blocks along x (1: none; more only for a K
