@@ -127,7 +127,28 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(1234);
   // (out, in, weights in the group): the 27B's FFN gate (one), gate + up (one grouped launch), down.
   struct Shape { int64_t out, in; int group; };
-  const Shape shapes[] = {{17408, 5120, 1}, {17408, 5120, 2}, {5120, 17408, 1}};
+  std::vector<Shape> shapes = {{17408, 5120, 1}, {17408, 5120, 2}, {5120, 17408, 1}};
+  if (const char* sp = std::getenv("SWEEP_SHAPES")) {  // "OUTxIN[xGROUP],...": these shapes instead
+    shapes.clear();
+    for (const char* p = sp; *p;) {
+      long long out = 0, in = 0;
+      int group = 1, used = 0;
+      if (std::sscanf(p, "%lldx%lld%n", &out, &in, &used) != 2 || out < 16 || out % 16 || in < 256 || in % 256) {
+        std::fprintf(stderr, "SWEEP_SHAPES: OUTxIN[xGROUP] (OUT a multiple of 16, IN of 256), got \"%s\"\n", sp);
+        return 2;
+      }
+      p += used;
+      if (*p == 'x') {
+        group = int(std::strtol(p + 1, const_cast<char**>(&p), 10));
+        if (group < 1 || group > mma::kMaxGroup) return 2;
+      }
+      shapes.push_back({out, in, group});
+      p = *p == ',' ? p + 1 : p;
+    }
+  }
+  // SWEEP_HOT=1: one copy of the weights, so a call's weights stay in L2 when they fit (50 MB): the GEMV's time
+  // without HBM, against the rotated copies' (the default) with it.
+  const bool hot = std::getenv("SWEEP_HOT") && std::string(std::getenv("SWEEP_HOT")) == "1";
   std::vector<int> widths = {1, 2, 4, 8, 10, 12, 16};  // 1, 1, 2, 3, 4, 5, 6 tiles
   if (const char* w = std::getenv("SWEEP_WIDTHS")) {   // e.g. "8" or "1,8" (for ncu: the first launches' width)
     widths.clear();
@@ -160,7 +181,7 @@ int main(int argc, char** argv) {
       const int64_t tile_unit = 16 * f.block_bytes;  // every tiled layout keeps the bytes of its 16 rows
       const int64_t dev_bytes = f.tiled ? sh.out / 16 * (sh.in / 256) * tile_unit : wbytes;
       const int64_t call_bytes = dev_bytes * sh.group;
-      const int copies = int(std::max<int64_t>(1, (240ll << 20) / call_bytes + 1));  // > 4x the 50 MB L2
+      const int copies = hot ? 1 : int(std::max<int64_t>(1, (240ll << 20) / call_bytes + 1));  // > 4x the 50 MB L2
       std::vector<uint8_t> host(static_cast<size_t>(wbytes));
       std::mt19937_64 wrng(uint64_t(sh.out) * 1000003u + uint64_t(sh.in) * 31u + uint64_t(f.block_bytes));
       for (size_t i = 0; i < host.size(); i += 8) {

@@ -13,9 +13,9 @@
 # bit-identical whatever they are, test_gpu_mma_gemv_ring_depth_keeps_results in tests/gpu/test_gpu_decoders_host.py), e.g.
 #     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 ring96:-DSPECD_MMA_RING_REGS=96,-DSPECD_MMA_MIN_BLOCKS=3
 #       ring128:-DSPECD_MMA_RING_REGS=128,-DSPECD_MMA_MIN_BLOCKS=3 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5"
-# (the flags set the one-tile instances; two tiles take one block more and 5/8 of the ring, three and four tiles
-# one block fewer and 3/4 of it, five and six one block fewer and no ring (BF16: 3/4 of it): matmul_mma.cuh,
-# min_blocks / units_ahead; so mb5 runs two tiles at 6 blocks; check build.log for spills: a 160-register ring at
+# (the flags set the one-tile instances; two tiles take one block more and 5/8 of the ring (tiled IQ4_XS: its own,
+# SPECD_MMA_MIN_BLOCKS_2 and SPECD_MMA_RING_REGS_2), three and four tiles one block fewer and 3/4 of it, five and
+# six one block fewer and no ring (BF16: 3/4 of it): matmul_mma.cuh, min_blocks / units_ahead; check build.log for spills: a 160-register ring at
 # 3 blocks per SM spills); weight loads without L1 allocation:
 #     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 nal:-DSPECD_MMA_WEIGHT_NOALLOC=1 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5"
 # With NCU_SOURCE=1 Nsight Compute also collects the SourceCounters section and writes each NCU variant's
@@ -25,6 +25,9 @@
 # SWEEP_WIDTHS=1,8 times those widths only (default 1, 2, 4, 8, 10, 12, 16).
 # SWEEP_FORMAT=NAME[,NAME...] times those formats only (IQ4_XS, IQ4_XS_T, Q4_K, Q4_K_T, Q5_K, Q6_K, Q6_K_T, Q8_0;
 # read by gemv_sweep.cu).
+# SWEEP_SHAPES=OUTxIN[xGROUP],... times those weight shapes instead of the 27B FFN's three; SWEEP_HOT=1 times every
+# call on one copy of its weights, which then stays in L2 when it fits (50 MB): the GEMV without HBM (both read
+# by gemv_sweep.cu; tools/device/gemv_l2.sh runs the pair).
 # SWEEP_BUILD_ONLY=1 compiles the variants and stops (no GPU needed: e.g. while tests run), SWEEP_SKIP_BUILD=1
 # then runs them (tools/device/ab_decode.sh does both).
 # Outputs: sweep.tsv (variant format out in group n us GBps ratio_to_copy checksum), build.log, ncu.txt,
