@@ -13,8 +13,8 @@
 # bit-identical whatever they are, test_gpu_mma_gemv_ring_depth_keeps_results in tests/gpu/test_gpu_decoders_host.py), e.g.
 #     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 ring96:-DSPECD_MMA_RING_REGS=96,-DSPECD_MMA_MIN_BLOCKS=3
 #       ring128:-DSPECD_MMA_RING_REGS=128,-DSPECD_MMA_MIN_BLOCKS=3 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5"
-# (the flags set the one-tile instances; two tiles take one block more and 5/8 of the ring (tiled IQ4_XS: its own,
-# SPECD_MMA_MIN_BLOCKS_2 and SPECD_MMA_RING_REGS_2), three and four tiles one block fewer and 3/4 of it, five and
+# (the flags set the one-tile instances; two tiles take one block more and 5/8 of the ring (tiled IQ4_XS: its own at
+# two to four tiles, SPECD_MMA_IQ4T_BLOCKS_2 / _RING_2 / _BLOCKS_34 / _RING_34), three and four tiles one block fewer and 3/4 of it, five and
 # six one block fewer and no ring (BF16: 3/4 of it): matmul_mma.cuh, min_blocks / units_ahead; check build.log for spills: a 160-register ring at
 # 3 blocks per SM spills); weight loads without L1 allocation:
 #     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 nal:-DSPECD_MMA_WEIGHT_NOALLOC=1 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5"
