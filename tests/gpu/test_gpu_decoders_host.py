@@ -254,9 +254,10 @@ def test_gpu_mma_iq4_lookups_on_host(mma_emu):
 def mma_emu_deep_ring(tmp_path_factory):
     """The emulation with the sweep's deepest ring (tools/device/gemv_sweep.sh variants): up to 8 units
     loading ahead in a 160-register ring at one tile and 3 resident blocks (mma::min_blocks and
-    units_ahead scale the rest: two tiles 100 registers at 4 blocks, 3-4 tiles 120 at 2)."""
+    units_ahead scale the rest: two tiles 100 registers at 4 blocks, 3-4 tiles 120 at 2); tiled IQ4_XS's
+    own 2- and 3-4-tile rings (SPECD_MMA_IQ4T_RING_*, none by default) 100 and 120 registers."""
     return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_RING_REGS=160", "-DSPECD_MMA_MAX_AHEAD=8",
-                         "-DSPECD_MMA_MIN_BLOCKS=3")
+                         "-DSPECD_MMA_MIN_BLOCKS=3", "-DSPECD_MMA_IQ4T_RING_2=100", "-DSPECD_MMA_IQ4T_RING_34=120")
 
 
 @pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T", "Q4_K_T", "Q6_K_T"])
@@ -265,10 +266,10 @@ def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, rng, 
     deep-ring build gives bit for bit the default build's rows (split-K on 1 SM, ragged last splits)."""
     k, out = 2304, 40
     raw, _ = weight(rng, name.removesuffix("_T"), out, k, False)
-    x = rng.standard_normal((4, k)).astype(np.float32)
+    x = rng.standard_normal((8, k)).astype(np.float32)
     for d, _exe in (mma_emu, mma_emu_deep_ring):
         np.ascontiguousarray(raw).tofile(d / "w.bin")
-    for n in (1, 2, 4):
+    for n in (1, 2, 4, 8):  # 1, 1, 2 and 3 tiles
         base = run_mma_emu(*mma_emu, name, x[:n], out, sms=1)
         deep = run_mma_emu(*mma_emu_deep_ring, name, x[:n], out, sms=1)
         assert np.array_equal(base.view(np.uint32), deep.view(np.uint32)), f"{name} n={n}"

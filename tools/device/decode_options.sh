@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run-time options of one build, A/B on the GPU decode step in one device call (issue 7): the working tree built
 # and tested once (gpu_tests.sh), then tools/bench/gpu_decode.py on the random 27B GGUF once per option set of
-# OPTIONS ("name:--flag=value,--flag=value ..."), ROUNDS times (default 2) in alternating order, so that an
-# option's effect is judged against the other sets measured on the same GPU in the same minutes. With SWEEP=1,
+# OPTIONS ("name:--flag=value,--flag=value ...", or "name" for the defaults), ROUNDS times (default 2), each round
+# starting one set later (so no set always runs first), so that an option's effect is judged against the other sets
+# measured on the same GPU in the same minutes. Nothing is timed when the build fails. With SWEEP=1,
 # gemv_sweep.sh (its SWEEP_* settings from the environment, VARIANTS default "base:") is compiled while the tests
 # run and timed after the decodes.
 # Usage (repository root on the GPU machine; carry .whl):
@@ -12,8 +13,10 @@
 # Outputs: build.log, pytest.log, status.txt (gpu_tests.sh), decode.log (the decode runs' output, with each run's
 # per-kernel profile under --profile), decode.tsv (name round decode_tok_s verify_ms_w1 verify_ms_w16
 # loop_tok_s_al5 gpu_us_per_step: the profile's kernels summed, - without --profile), sweep.tsv / build.log of
-# the sweep under $OUT/sweep. Exit status 1 when a run failed.
+# the sweep under $OUT/sweep. Exit status 1 when the tests or a run failed or a run's numbers are missing.
 set -u -o pipefail
+set -f  # OPTIONS' words are option sets, never file patterns
+R=$PWD
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -27,24 +30,25 @@ if [ "${SWEEP:-0}" = 1 ]; then  # compile only now (no GPU needed); timed after 
   sweep_pid=$!
 fi
 OUT=$OUT REPORT=0 bash tools/device/gpu_tests.sh >/dev/null 2>&1
-echo "gpu_tests rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
+tests_rc=$?
+echo "gpu_tests rc=$tests_rc at ${SECONDS}s" >>"$OUT/status.txt"
+# without this tree's build the runs would time whatever specd an earlier call installed
+grep -q "^build rc=0 " "$OUT/status.txt" || { echo "the build failed: nothing timed (build.log)" >&2; exit 1; }
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 [ "${SWEEP:-0}" = 1 ] && wait "$sweep_pid"
-rc_all=0
+rc_all=$((tests_rc != 0))
 : >"$OUT/decode.tsv"
 sets=($OPTIONS)
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  order=("${sets[@]}")
-  if [ $((round % 2)) = 0 ]; then  # every other round backwards: no set always runs first
-    order=()
-    for ((i = ${#sets[@]} - 1; i >= 0; i--)); do order+=("${sets[$i]}"); done
-  fi
+  order=()
+  for ((i = 0; i < ${#sets[@]}; i++)); do order+=("${sets[$(((i + round - 1) % ${#sets[@]}))]}"); done
   for set in "${order[@]}"; do
-    name=${set%%:*} flags=${set#*:}
-    dir=/tmp/opt_$name$round
+    name=${set%%:*} flags=
+    [ "$set" = "$name" ] || flags=${set#*:}
+    dir=/tmp/opt_${name}_r$round
     rm -rf "$dir" && mkdir -p "$dir"
     # shellcheck disable=SC2086
-    (cd /tmp && timeout "${DECODE_TIMEOUT:-150}" python3 "$OLDPWD/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix "$MIX" \
+    (cd /tmp && timeout "${DECODE_TIMEOUT:-150}" python3 "$R/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix "$MIX" \
       --prefill --decode-tokens 64 ${AB_DECODE_ARGS:-} ${flags//,/ } --out "$dir") >>"$OUT/decode.log" 2>&1
     rc=$?
     [ "$rc" = 0 ] || rc_all=1
@@ -70,4 +74,5 @@ if [ "${SWEEP:-0}" = 1 ]; then
     bash tools/device/gemv_sweep.sh) >>"$OUT/decode.log" 2>&1
   echo "sweep rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 fi
+grep -q missing "$OUT/decode.tsv" && rc_all=1
 exit $rc_all

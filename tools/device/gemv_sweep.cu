@@ -2,7 +2,8 @@
 // per variant, with -D overrides of the tuning constants at the top of native/src/gpu/matmul_mma.cuh,
 // and runs each binary on the GPU: it times one GEMV call (split_x_kernel + mma_gemv_kernel +
 // sum_splits_kernel, exactly the launches of detail::mma::gemv) per format, weight shape and width,
-// rotating over enough weight copies that every call streams its weights from HBM, and prints one
+// rotating over enough weight copies that every call streams its weights from HBM (SWEEP_HOT=1: one copy, which
+// stays in L2 when it fits), and prints one
 // tab-separated line per case with the microseconds per call, the weight bytes per second and their
 // ratio to the device-to-device copy bandwidth measured at start-up, plus a checksum of the outputs
 // (variants with the same split sizing must agree bit for bit).
@@ -37,6 +38,8 @@ namespace mma = specd::gpu::detail::mma;
 namespace {
 
 constexpr size_t kScratchBytes = size_t(64) << 20;  // split partials of one call
+constexpr int64_t kMaxShapeIn = 17408;                // x holds 16 rows of this many inputs (SWEEP_SHAPES' bound)
+constexpr int64_t kMaxShapeOut = 262144;              // (the partials' scratch bounds it further, checked per call)
 
 struct Format {
   const char* name;
@@ -122,29 +125,39 @@ int main(int argc, char** argv) {
   const std::string variant = argc > 1 ? argv[1] : "default";
   const double target_ms = argc > 2 ? std::atof(argv[2]) : 20.0;  // per timed repetition
   const char* only = std::getenv("SWEEP_FORMAT");                  // formats "A,B" (for ncu: one), else all
-  const double copy = copy_gbps();
-  std::printf("# variant %s copy_GBps %.1f\n", variant.c_str(), copy);
   std::mt19937_64 rng(1234);
   // (out, in, weights in the group): the 27B's FFN gate (one), gate + up (one grouped launch), down.
   struct Shape { int64_t out, in; int group; };
   std::vector<Shape> shapes = {{17408, 5120, 1}, {17408, 5120, 2}, {5120, 17408, 1}};
   if (const char* sp = std::getenv("SWEEP_SHAPES")) {  // "OUTxIN[xGROUP],...": these shapes instead
     shapes.clear();
+    const auto bad = [sp] {
+      std::fprintf(stderr, "SWEEP_SHAPES: OUTxIN[xGROUP],... (OUT a multiple of 16 up to %lld, IN a multiple of 256 up "
+                   "to %lld, GROUP 1..%d), got \"%s\"\n", (long long)kMaxShapeOut, (long long)kMaxShapeIn,
+                   mma::kMaxGroup, sp);
+      return 2;
+    };
     for (const char* p = sp; *p;) {
-      long long out = 0, in = 0;
-      int group = 1, used = 0;
-      if (std::sscanf(p, "%lldx%lld%n", &out, &in, &used) != 2 || out < 16 || out % 16 || in < 256 || in % 256) {
-        std::fprintf(stderr, "SWEEP_SHAPES: OUTxIN[xGROUP] (OUT a multiple of 16, IN of 256), got \"%s\"\n", sp);
-        return 2;
-      }
-      p += used;
+      char* end;
+      const long long out = std::strtoll(p, &end, 10);
+      if (end == p || *end != 'x') return bad();
+      p = end + 1;
+      const long long in = std::strtoll(p, &end, 10);
+      long long group = 1;
+      if (end == p) return bad();
+      p = end;
       if (*p == 'x') {
-        group = int(std::strtol(p + 1, const_cast<char**>(&p), 10));
-        if (group < 1 || group > mma::kMaxGroup) return 2;
+        group = std::strtoll(p + 1, &end, 10);
+        if (end == p + 1) return bad();
+        p = end;
       }
-      shapes.push_back({out, in, group});
-      p = *p == ',' ? p + 1 : p;
+      if (out < 16 || out % 16 || out > kMaxShapeOut || in < 256 || in % 256 || in > kMaxShapeIn || group < 1 ||
+          group > mma::kMaxGroup || (*p && *p != ','))
+        return bad();
+      shapes.push_back({out, in, int(group)});
+      p += *p == ',';
     }
+    if (shapes.empty()) return bad();
   }
   // SWEEP_HOT=1: one copy of the weights, so a call's weights stay in L2 when they fit (50 MB): the GEMV's time
   // without HBM, against the rotated copies' (the default) with it.
@@ -163,13 +176,15 @@ int main(int argc, char** argv) {
       p = *end == ',' ? end + 1 : end;
     }
   }
+  const double copy = copy_gbps();  // (after the settings are checked: a bad one costs no GPU time)
+  std::printf("# variant %s copy_GBps %.1f\n", variant.c_str(), copy);
   uint8_t *xbuf, *scratch;
   float* x;
   CK(cudaMalloc(&xbuf, 16 << 20));
   CK(cudaMalloc(&scratch, kScratchBytes));
-  CK(cudaMalloc(&x, 16 * 17408 * sizeof(float)));
+  CK(cudaMalloc(&x, 16 * kMaxShapeIn * sizeof(float)));
   {
-    std::vector<float> hx(16 * 17408);
+    std::vector<float> hx(16 * kMaxShapeIn);
     std::normal_distribution<float> nd;
     for (float& v : hx) v = nd(rng);
     CK(cudaMemcpy(x, hx.data(), hx.size() * sizeof(float), cudaMemcpyHostToDevice));

@@ -81,7 +81,7 @@ for name in ${NCU-}; do
   src=()
   rm -f "$B/ncu_$name.ncu-rep"  # never import a report of an earlier call
   [ "${NCU_SOURCE:-0}" = 1 ] && src=(--section SourceCounters --import-source no -o "$B/ncu_$name" -f)
-  SWEEP_FORMAT=${NCU_FORMAT:-IQ4_XS_T} SWEEP_WIDTHS=${NCU_WIDTH:-1} timeout "${NCU_TIMEOUT:-150}" "$NCU_BIN" --clock-control none -k regex:mma_gemv_kernel \
+  SWEEP_FORMAT=${NCU_FORMAT:-IQ4_XS_T} SWEEP_WIDTHS=${NCU_WIDTH:-1} SWEEP_SHAPES=17408x5120 timeout "${NCU_TIMEOUT:-150}" "$NCU_BIN" --clock-control none -k regex:mma_gemv_kernel \
     --launch-skip 5 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis \
     --section MemoryWorkloadAnalysis_Tables ${src[@]+"${src[@]}"} "$B/$name" "$name" 1 >>"$OUT/ncu.txt" 2>&1

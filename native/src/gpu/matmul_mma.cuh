@@ -89,7 +89,7 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #define SPECD_MMA_IQ4T_BLOCKS_2 6
 #endif
 #ifndef SPECD_MMA_IQ4T_RING_2
-#define SPECD_MMA_IQ4T_RING_2 25
+#define SPECD_MMA_IQ4T_RING_2 0
 #endif
 #ifndef SPECD_MMA_IQ4T_BLOCKS_34
 #define SPECD_MMA_IQ4T_BLOCKS_34 4
@@ -739,27 +739,25 @@ struct LightUnit : std::false_type {};
 template <class F>
 struct LightUnit<F, std::void_t<decltype(F::kLightUnit)>> : std::bool_constant<F::kLightUnit> {};
 
-// Whether F's 2- to 4-tile instances take tiled IQ4_XS's own blocks and rings (SPECD_MMA_IQ4T_*), with no unit
-// loading ahead (a unit's words are 20 registers): more resident warps beat a ring there. Two tiles at 6 blocks
-// instead of 5 with 40 ring registers: the FFN gate at 3-5 rows 27.1-27.7 -> 24.1-24.8 us a call, verify at 4 rows
-// 8.79-8.84 -> 8.25-8.27 ms; three and four tiles at 4 blocks instead of 3 with 48: the FFN gate at 6 / 8 / 10 rows
-// 29.0 / 30.0 / 34.6 -> 28.6 / 29.4 / 32.9 us, gate + up 50.5 / 52.6 / 62.0 -> 49.1 / 50.9 / 58.0 (H200,
-// gemv_sweep.sh, session of 2026-12-03 18:53 UTC; 5 blocks, or 4 with one unit ahead, were slower). Not tiled Q6_K:
-// it spills 80 bytes at 6 blocks, and its 4-row 6144-input projection went 18.3 -> 20.5 us.
-template <class F>
-constexpr bool kIq4tTuning = std::is_same_v<F, IQ4T>;
+// Whether instance (F, NT) takes tiled IQ4_XS's own blocks and ring (SPECD_MMA_IQ4T_*: 2 tiles, 3-4 tiles), with no
+// unit loading ahead by default (a unit's words are 20 registers): more resident warps beat a ring there. Two tiles
+// at 6 blocks instead of 5 with a 40-register ring: the FFN gate at 3-5 rows 27.1-27.7 -> 24.1-24.8 us a call,
+// verify at 4 rows 8.79-8.84 -> 8.25-8.27 ms; three and four tiles at 4 blocks instead of 3 with 48: the FFN gate at
+// 6 / 8 / 10 rows 29.0 / 30.0 / 34.6 -> 28.6 / 29.4 / 32.9 us, gate + up 50.5 / 52.6 / 62.0 -> 49.1 / 50.9 / 58.0
+// (H200, gemv_sweep.sh, session of 2026-12-03 18:53 UTC; 5 blocks, or 4 with one unit ahead, were slower). Not tiled
+// Q6_K: it spills 80 bytes at 6 blocks, and its 4-row 6144-input projection went 18.3 -> 20.5 us.
+template <class F, int NT>
+constexpr bool kIq4tTuning = std::is_same_v<F, IQ4T> && NT >= 2 && NT <= 4;
 
-// Resident blocks per multiprocessor an instance is compiled for: SPECD_MMA_MIN_BLOCKS (4: <= 128
-// registers a thread) for one tile, one more for two (<= 96, with 5/8 of the ring: units_ahead; kIq4tTuning: its
-// own), one fewer for three and more (3 .. 6 tiles: 12 .. 24 accumulators; 3 blocks: <= 168
-// registers). Two tiles at 5 blocks (tiled IQ4_XS and Q6_K, the Q5_K head: the random 27B's mix): verify at 4 rows
-// 9.52-9.60 -> 9.32-9.34 ms (H200, session of 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's
-// GEMV 4 % slower, at 6 blocks 15 %. ptxas spills a few bytes in some instances at these caps (row-major IQ4_XS
-// 2 / 4 tiles 16 / 8, Q4_K / Q5_K 5-6 tiles 12-44).
+// Resident blocks per multiprocessor an instance is compiled for: SPECD_MMA_MIN_BLOCKS (4: <= 128 registers a
+// thread) for one tile, one more for two (<= 96, with 5/8 of the ring: units_ahead), one fewer for three and more
+// (3 .. 6 tiles: 12 .. 24 accumulators; 3 blocks: <= 168 registers); kIq4tTuning: its own. Two tiles at 5 blocks
+// rather than 4 (tiled Q6_K, the Q5_K head): verify at 4 rows 9.52-9.60 -> 9.32-9.34 ms (H200, session of
+// 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's GEMV 4 % slower, at 6 blocks 15 %. ptxas spills
+// a few bytes in some instances at these caps (row-major IQ4_XS 2 / 4 tiles 16 / 8, Q4_K / Q5_K 5-6 tiles 12-44).
 template <class F, int NT>
 __host__ __device__ constexpr int min_blocks() {
-  if constexpr (kIq4tTuning<F> && NT == 2) return SPECD_MMA_IQ4T_BLOCKS_2;
-  if constexpr (kIq4tTuning<F> && (NT == 3 || NT == 4)) return SPECD_MMA_IQ4T_BLOCKS_34;
+  if constexpr (kIq4tTuning<F, NT>) return NT == 2 ? SPECD_MMA_IQ4T_BLOCKS_2 : SPECD_MMA_IQ4T_BLOCKS_34;
   return NT == 1 ? SPECD_MMA_MIN_BLOCKS : NT == 2 ? SPECD_MMA_MIN_BLOCKS + 1 : SPECD_MMA_MIN_BLOCKS - 1;
 }
 static_assert(SPECD_MMA_MIN_BLOCKS >= 2, "SPECD_MMA_MIN_BLOCKS: the 3+ tile instances take one block fewer");
@@ -780,9 +778,8 @@ struct RawWords<Raw, std::void_t<decltype(Raw::kWords)>> : std::integral_constan
 // Units a warp keeps loading ahead of the one it computes (software pipelining: before computing a unit,
 // the slot of the previous one is refilled with the unit kAhead later): as many as a register budget for
 // the raw words allows, with one unit's words being computed, 0 .. 4. The budget follows the registers
-// min_blocks leaves: SPECD_MMA_RING_REGS at one tile, 5/8 of it at two, 3/4 at three and more (kIq4tTuning: its own
-// at two to four). 0 (load one
-// unit, then compute it) for 5 and 6 tiles: the old 6-tile instance's ~800-instruction unit body was
+// min_blocks leaves: SPECD_MMA_RING_REGS at one tile, 5/8 of it at two, 3/4 at three and more (kIq4tTuning: its
+// own). 0 (load one unit, then compute it) for 5 and 6 tiles: the old 6-tile instance's ~800-instruction unit body was
 // doubled by the ring, unrolled over its slots (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms
 // with one unit ahead through register copies, BENCHMARKS.md); 5 tiles follows it unmeasured on its own.
 // Light units (BF16U) keep their ring (a few instructions per unit).
@@ -790,12 +787,10 @@ template <class F, int NT>
 __host__ __device__ constexpr int units_ahead() {
   if constexpr (NT >= 5 && !LightUnit<F>::value) return 0;
   constexpr int regs = RawWords<typename F::Raw>::value * 2;  // the raw words of one unit, both rows
-  constexpr bool iq4t = kIq4tTuning<F>;
-  constexpr int budget = NT == 1                ? SPECD_MMA_RING_REGS
-                         : NT == 2 && iq4t      ? SPECD_MMA_IQ4T_RING_2
-                         : NT == 2              ? SPECD_MMA_RING_REGS * 5 / 8
-                         : NT <= 4 && iq4t      ? SPECD_MMA_IQ4T_RING_34
-                                                : SPECD_MMA_RING_REGS * 3 / 4;
+  constexpr int budget = kIq4tTuning<F, NT> ? (NT == 2 ? SPECD_MMA_IQ4T_RING_2 : SPECD_MMA_IQ4T_RING_34)
+                         : NT == 1          ? SPECD_MMA_RING_REGS
+                         : NT == 2          ? SPECD_MMA_RING_REGS * 5 / 8
+                                            : SPECD_MMA_RING_REGS * 3 / 4;
   constexpr int ahead = budget / regs - 1;
   return ahead < 0 ? 0 : ahead > SPECD_MMA_MAX_AHEAD ? SPECD_MMA_MAX_AHEAD : ahead;
 }
