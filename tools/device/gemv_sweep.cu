@@ -161,7 +161,8 @@ int main(int argc, char** argv) {
   }
   // SWEEP_HOT=1: one copy of the weights, so a call's weights stay in L2 when they fit (50 MB): the GEMV's time
   // without HBM, against the rotated copies' (the default) with it.
-  const bool hot = std::getenv("SWEEP_HOT") && std::string(std::getenv("SWEEP_HOT")) == "1";
+  const char* hot_env = std::getenv("SWEEP_HOT");
+  const bool hot = hot_env && std::string(hot_env) == "1";
   std::vector<int> widths = {1, 2, 4, 8, 10, 12, 16};  // 1, 1, 2, 3, 4, 5, 6 tiles
   if (const char* w = std::getenv("SWEEP_WIDTHS")) {   // e.g. "8" or "1,8" (for ncu: the first launches' width)
     widths.clear();
