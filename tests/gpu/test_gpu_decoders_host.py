@@ -260,19 +260,33 @@ def mma_emu_deep_ring(tmp_path_factory):
                          "-DSPECD_MMA_MIN_BLOCKS=3", "-DSPECD_MMA_IQ4T_RING_2=100", "-DSPECD_MMA_IQ4T_RING_34=120")
 
 
+@pytest.fixture(scope="module")
+def mma_emu_x_ahead(tmp_path_factory):
+    """The emulation with the next unit's x fragments loaded ahead at one tile (SPECD_MMA_X_AHEAD=1,
+    mma::x_ahead), with the default ring (tiled IQ4_XS: two units ahead; Q6_K: none) and with one unit ahead
+    for every format (a 72-register ring at 3 blocks: Q6_K's 34-register units too)."""
+    return (build_mma_emu(tmp_path_factory, "-DSPECD_MMA_X_AHEAD=1"),
+            build_mma_emu(tmp_path_factory, "-DSPECD_MMA_X_AHEAD=1", "-DSPECD_MMA_RING_REGS=72",
+                          "-DSPECD_MMA_MIN_BLOCKS=3"))
+
+
 @pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T", "Q4_K_T", "Q6_K_T"])
-def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, rng, name):
-    """The ring depth and occupancy constants change when units are loaded, never the arithmetic: a
-    deep-ring build gives bit for bit the default build's rows (split-K on 1 SM, ragged last splits)."""
-    k, out = 2304, 40
-    raw, _ = weight(rng, name.removesuffix("_T"), out, k, False)
-    x = rng.standard_normal((8, k)).astype(np.float32)
-    for d, _exe in (mma_emu, mma_emu_deep_ring):
-        np.ascontiguousarray(raw).tofile(d / "w.bin")
-    for n in (1, 2, 4, 8):  # 1, 1, 2 and 3 tiles
-        base = run_mma_emu(*mma_emu, name, x[:n], out, sms=1)
-        deep = run_mma_emu(*mma_emu_deep_ring, name, x[:n], out, sms=1)
-        assert np.array_equal(base.view(np.uint32), deep.view(np.uint32)), f"{name} n={n}"
+def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, mma_emu_x_ahead, rng, name):
+    """The ring depth, occupancy and x-ahead constants change when units and x are loaded, never the
+    arithmetic: the deep-ring and x-ahead builds give bit for bit the default build's rows (split-K on 1 SM,
+    ragged last splits; splits of 1, 3, 5 and 4 256-input units: odd and even runs through the unrolled slots)."""
+    out = 40
+    builds = (mma_emu_deep_ring, *mma_emu_x_ahead)
+    for k in (2304, 768, 256):  # 256-input units: 9 (splits of 5 and 4), 3, 1
+        raw, _ = weight(rng, name.removesuffix("_T"), out, k, False)
+        x = rng.standard_normal((8, k)).astype(np.float32)
+        for d, _exe in (mma_emu, *builds):
+            np.ascontiguousarray(raw).tofile(d / "w.bin")
+        for n in (1, 2, 4, 8):  # 1, 1, 2 and 3 tiles
+            base = run_mma_emu(*mma_emu, name, x[:n], out, sms=1)
+            for build in builds:
+                other = run_mma_emu(*build, name, x[:n], out, sms=1)
+                assert np.array_equal(base.view(np.uint32), other.view(np.uint32)), f"{name} k={k} n={n} {build[0]}"
 
 
 @pytest.mark.parametrize("scale_exp", [-110, -116, -125])

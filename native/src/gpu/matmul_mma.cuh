@@ -81,6 +81,12 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #define SPECD_MMA_WEIGHT_NOALLOC 0  // 1: weight loads skip L1 (ld.global.nc.L1::no_allocate; the ldw loads of IQ4_XS,
                                     // Q4_K, Q5_K and the tiled layouts)
 #endif
+#ifndef SPECD_MMA_X_AHEAD
+#define SPECD_MMA_X_AHEAD 1  // 1: the tiled formats' 1-tile instances load the next unit's x fragments ahead (x_ahead)
+#endif
+#ifndef SPECD_MMA_X_RING_REGS
+#define SPECD_MMA_X_RING_REGS 56  // SPECD_MMA_RING_REGS of the x_ahead instances (their x takes 32 registers)
+#endif
 #ifndef SPECD_MMA_MIN_BLOCKS
 #define SPECD_MMA_MIN_BLOCKS 4  // resident blocks per SM the 1-tile instances are compiled for (min_blocks)
 #endif
@@ -310,12 +316,34 @@ struct XView {
   }
 };
 
+// The B fragments of one 256-input unit (k32 steps 8 u .. 8 u + 7, n8 tiles 0 .. NT - 1) held in
+// registers: the kernel loads the next unit's while it computes this one (x_ahead), so the unit's MMAs
+// do not wait on x's L1 / L2 round trip.
+template <int NT>
+struct XUnit {
+  uint2 f[8][NT];
+  __device__ __forceinline__ void load(const XView& xv, int64_t u) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) f[j][nt] = xv.b(8 * u + j, nt);
+  }
+};
+// An XView whose B fragments come from the XUnit of the unit being computed (the formats' units pass
+// kstep = 8 u + a constant, so kstep & 7 is that constant: the fragments stay in registers).
+template <int NT>
+struct XViewAhead : XView {
+  const XUnit<NT>& xu;
+  __device__ __forceinline__ XViewAhead(const XView& v, const XUnit<NT>& u) : XView(v), xu(u) {}
+  __device__ __forceinline__ uint2 b(int64_t kstep, int nt) const { return xu.f[kstep & 7][nt]; }
+};
+
 // One k32 step: for each of P weight fragments a[p] (same inputs, e.g. the two 16-input scale
 // groups of Q6_K) and each n8 tile, acc += sc[p][row] * (a[p] . b) (integer; sc[p][h] is the scale
 // of row g + 8 h).
-template <int NT, int P>
+template <int NT, int P, class X>
 __device__ __forceinline__ void step(const uint32_t (&a)[P][4], const int (&sc)[P][2], int64_t kstep,
-                                     const XView& xv, int (&acc)[NT][4]) {
+                                     const X& xv, int (&acc)[NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
     const uint2 b = xv.b(kstep, nt);
@@ -390,8 +418,8 @@ struct IQ4U {
     return make_uint2((sl & 0x0f0f0f0fu) | ((s << 4) & 0x30303030u), ((sl >> 4) & 0x0f0f0f0fu) | ((s << 2) & 0x30303030u));
   }
   // Table: IQ4Table (GGUF's indices) or IQ4TableRecoded (IQ4T's).
-  template <int NT, class Table = IQ4Table>
-  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+  template <int NT, class Table = IQ4Table, class X = XView>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const X& xv, float (&accf)[NT][4]) {
     const Table tab(xv.lane);
     uint2 ls[2];
     float d[2];
@@ -443,8 +471,8 @@ struct IQ4T {
     r[0].hdr = ldw<uint2>(p + 2048 + 8 * g);
     r[1].hdr = ldw<uint2>(p + 2048 + 8 * (g + 8));
   }
-  template <int NT>
-  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+  template <int NT, class X = XView>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const X& xv, float (&accf)[NT][4]) {
     IQ4U::unit<NT, IQ4TableRecoded>(r, u, xv, accf);
   }
 };
@@ -486,8 +514,8 @@ struct QK45U {
     sc = make_uint2(s0 & 0x3f3f3f3fu, (s2 & 0x0f0f0f0fu) | ((s0 >> 2) & 0x30303030u));
     mn = make_uint2(s1 & 0x3f3f3f3fu, ((s2 >> 4) & 0x0f0f0f0fu) | ((s1 >> 2) & 0x30303030u));
   }
-  template <int NT>
-  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+  template <int NT, class X = XView>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const X& xv, float (&accf)[NT][4]) {
     const int t = xv.lane & 3;
     uint2 sc[2];
     uint32_t am[4] = {0u, 0u, 0u, 0u};  // A of the min MMA: m_{2t}, m_{2t+1} of rows g, g + 8 (f16)
@@ -575,8 +603,8 @@ struct Q6U {
     r.d = ld_u16(blk + 208);
     return r;
   }
-  template <int NT>
-  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+  template <int NT, class X = XView>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const X& xv, float (&accf)[NT][4]) {
     float d[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) d[h] = specd_fp16_bits_to_float(uint16_t(r[h].d));
@@ -628,8 +656,8 @@ struct Q4T {
 #pragma unroll
     for (int h = 0; h < 2; ++h) r[h].hdr = ldw<uint4>(p + 2048 + 16 * (g + 8 * h)), r[h].h[0] = 0;
   }
-  template <int NT>
-  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+  template <int NT, class X = XView>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const X& xv, float (&accf)[NT][4]) {
     QK45U<false>::unit<NT>(r, u, xv, accf);
   }
 };
@@ -660,8 +688,8 @@ struct Q6T {
       r[h].d = ld_u16(p + kQ6TileD + 2 * (g + 8 * h));
     }
   }
-  template <int NT>
-  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+  template <int NT, class X = XView>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const X& xv, float (&accf)[NT][4]) {
     Q6U::unit<NT>(r, u, xv, accf);
   }
 };
@@ -775,11 +803,19 @@ struct RawWords : std::integral_constant<int, int(sizeof(Raw) / 4)> {};
 template <class Raw>
 struct RawWords<Raw, std::void_t<decltype(Raw::kWords)>> : std::integral_constant<int, Raw::kWords> {};
 
+// Whether instance (F, NT) loads the next unit's x fragments ahead (SPECD_MMA_X_AHEAD; XUnit): the tiled formats'
+// one-tile instances (the decode step's GEMVs: 16 registers of x a unit, two units live; more tiles would take
+// the ring's registers), whose units are 256 inputs and read x through step.
+template <class F, int NT>
+__host__ __device__ constexpr bool x_ahead() {
+  return SPECD_MMA_X_AHEAD && NT == 1 && F::kTiled;
+}
+
 // Units a warp keeps loading ahead of the one it computes (software pipelining: before computing a unit,
 // the slot of the previous one is refilled with the unit kAhead later): as many as a register budget for
 // the raw words allows, with one unit's words being computed, 0 .. 4. The budget follows the registers
-// min_blocks leaves: SPECD_MMA_RING_REGS at one tile, 5/8 of it at two, 3/4 at three and more (kIq4tTuning: its
-// own). 0 (load one unit, then compute it) for 5 and 6 tiles: the old 6-tile instance's ~800-instruction unit body was
+// min_blocks leaves: SPECD_MMA_RING_REGS at one tile (SPECD_MMA_X_RING_REGS where x_ahead), 5/8 of it at
+// two, 3/4 at three and more (kIq4tTuning: its own). 0 (load one unit, then compute it) for 5 and 6 tiles: the old 6-tile instance's ~800-instruction unit body was
 // doubled by the ring, unrolled over its slots (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms
 // with one unit ahead through register copies, BENCHMARKS.md); 5 tiles follows it unmeasured on its own.
 // Light units (BF16U) keep their ring (a few instructions per unit).
@@ -788,7 +824,7 @@ __host__ __device__ constexpr int units_ahead() {
   if constexpr (NT >= 5 && !LightUnit<F>::value) return 0;
   constexpr int regs = RawWords<typename F::Raw>::value * 2;  // the raw words of one unit, both rows
   constexpr int budget = kIq4tTuning<F, NT> ? (NT == 2 ? SPECD_MMA_IQ4T_RING_2 : SPECD_MMA_IQ4T_RING_34)
-                         : NT == 1          ? SPECD_MMA_RING_REGS
+                         : NT == 1          ? (x_ahead<F, NT>() ? SPECD_MMA_X_RING_REGS : SPECD_MMA_RING_REGS)
                          : NT == 2          ? SPECD_MMA_RING_REGS * 5 / 8
                                             : SPECD_MMA_RING_REGS * 3 / 4;
   constexpr int ahead = budget / regs - 1;
@@ -799,8 +835,8 @@ __host__ __device__ constexpr int units_ahead() {
 
 // The unit's contribution (F::unit), or with SPECD_MMA_LOADS_ONLY a fold of its raw words into one
 // accumulator (keeps the loads, drops the arithmetic: the memory side's ceiling of a variant).
-template <class F, int NT>
-__device__ __forceinline__ void compute(const typename F::Raw (&raw)[2], int64_t u, const XView& xv, float (&accf)[NT][4]) {
+template <class F, int NT, class X = XView>
+__device__ __forceinline__ void compute(const typename F::Raw (&raw)[2], int64_t u, const X& xv, float (&accf)[NT][4]) {
   if constexpr (SPECD_MMA_LOADS_ONLY) {
     uint32_t v = 0;
 #pragma unroll
@@ -1060,12 +1096,32 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
   __shared__ float part[kWarps][16][kMaxCols + 1];
   const RowSource<F> src(w, row0, out, row_bytes, nunits, lane);
   constexpr int kAhead = units_ahead<F, NT>();
+  constexpr bool kX = x_ahead<F, NT>();
+  // Unit u's x fragments (kX): slot (u - u_begin) % 2 without a weight ring, the weight slot's with one;
+  // the next unit's are loaded before a unit is computed.
+  XUnit<NT> xu[kAhead == 0 ? 2 : kAhead + 1];
   if constexpr (kAhead == 0) {
     pdl_wait();  // split_x complete: xv readable
-    for (int64_t u = u_begin; u < u_end; ++u) {
-      typename F::Raw raw[2];
-      src.load(raw, u);
-      compute<F, NT>(raw, u, xv, accf);
+    if constexpr (kX) {
+      if (u_begin < u_end) xu[0].load(xv, u_begin);
+      for (int64_t u0 = u_begin; u0 < u_end; u0 += 2) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int64_t u = u0 + i;
+          if (u < u_end) {
+            typename F::Raw raw[2];
+            src.load(raw, u);
+            if (u + 1 < u_end) xu[(i + 1) % 2].load(xv, u + 1);
+            compute<F, NT>(raw, u, XViewAhead<NT>(xv, xu[i]), accf);
+          }
+        }
+      }
+    } else {
+      for (int64_t u = u_begin; u < u_end; ++u) {
+        typename F::Raw raw[2];
+        src.load(raw, u);
+        compute<F, NT>(raw, u, xv, accf);
+      }
     }
   } else {
     // kAhead + 1 slots, unit u in slot (u - u_begin) % kSlots; the loop is unrolled over the slots so
@@ -1077,13 +1133,20 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
     for (int i = 0; i < kAhead; ++i)
       if (u_begin + i < u_end) src.load(ring[i], u_begin + i);
     pdl_wait();  // the first units' weights are in flight; from here on x is read
+    if constexpr (kX)
+      if (u_begin < u_end) xu[0].load(xv, u_begin);
     for (int64_t u0 = u_begin; u0 < u_end; u0 += kSlots) {
 #pragma unroll
       for (int i = 0; i < kSlots; ++i) {
         const int64_t u = u0 + i;
         if (u < u_end) {
           if (u + kAhead < u_end) src.load(ring[(i + kAhead) % kSlots], u + kAhead);
-          compute<F, NT>(ring[i], u, xv, accf);
+          if constexpr (kX) {
+            if (u + 1 < u_end) xu[(i + 1) % kSlots].load(xv, u + 1);
+            compute<F, NT>(ring[i], u, XViewAhead<NT>(xv, xu[i]), accf);
+          } else {
+            compute<F, NT>(ring[i], u, xv, accf);
+          }
         }
       }
     }
