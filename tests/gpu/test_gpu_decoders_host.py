@@ -255,28 +255,28 @@ def mma_emu_deep_ring(tmp_path_factory):
     """The emulation with the sweep's deepest ring (tools/device/gemv_sweep.sh variants): up to 8 units
     loading ahead in a 160-register ring at one tile and 3 resident blocks (mma::min_blocks and
     units_ahead scale the rest: two tiles 100 registers at 4 blocks, 3-4 tiles 120 at 2); tiled IQ4_XS's
-    own 2- and 3-4-tile rings (SPECD_MMA_IQ4T_RING_*, none by default) 100 and 120 registers."""
+    own 2- and 3-4-tile rings (SPECD_MMA_IQ4T_RING_*, none by default) 100 and 120 registers; the tiled
+    formats' one-tile rings with x ahead (SPECD_MMA_X_RING_REGS) 160 registers."""
     return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_RING_REGS=160", "-DSPECD_MMA_MAX_AHEAD=8",
-                         "-DSPECD_MMA_MIN_BLOCKS=3", "-DSPECD_MMA_IQ4T_RING_2=100", "-DSPECD_MMA_IQ4T_RING_34=120")
+                         "-DSPECD_MMA_MIN_BLOCKS=3", "-DSPECD_MMA_IQ4T_RING_2=100", "-DSPECD_MMA_IQ4T_RING_34=120",
+                         "-DSPECD_MMA_X_RING_REGS=160")
 
 
 @pytest.fixture(scope="module")
-def mma_emu_x_ahead(tmp_path_factory):
-    """The emulation with the next unit's x fragments loaded ahead at one tile (SPECD_MMA_X_AHEAD=1,
-    mma::x_ahead), with the default ring (tiled IQ4_XS: two units ahead; Q6_K: none) and with one unit ahead
-    for every format (a 72-register ring at 3 blocks: Q6_K's 34-register units too)."""
-    return (build_mma_emu(tmp_path_factory, "-DSPECD_MMA_X_AHEAD=1"),
-            build_mma_emu(tmp_path_factory, "-DSPECD_MMA_X_AHEAD=1", "-DSPECD_MMA_RING_REGS=72",
-                          "-DSPECD_MMA_MIN_BLOCKS=3"))
+def mma_emu_no_x_ahead(tmp_path_factory):
+    """The emulation without the tiled formats' x loaded a unit ahead (SPECD_MMA_X_AHEAD=0: x read in each
+    unit, the rings of SPECD_MMA_RING_REGS)."""
+    return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_X_AHEAD=0")
 
 
 @pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T", "Q4_K_T", "Q6_K_T"])
-def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, mma_emu_x_ahead, rng, name):
+def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, mma_emu_no_x_ahead, rng, name):
     """The ring depth, occupancy and x-ahead constants change when units and x are loaded, never the
-    arithmetic: the deep-ring and x-ahead builds give bit for bit the default build's rows (split-K on 1 SM,
-    ragged last splits; splits of 1, 3, 5 and 4 256-input units: odd and even runs through the unrolled slots)."""
+    arithmetic: the deep-ring and no-x-ahead builds give bit for bit the default build's rows (split-K on 1
+    SM, ragged last splits; splits of 1, 3, 5 and 4 256-input units: odd and even runs through the unrolled
+    slots)."""
     out = 40
-    builds = (mma_emu_deep_ring, *mma_emu_x_ahead)
+    builds = (mma_emu_deep_ring, mma_emu_no_x_ahead)
     for k in (2304, 768, 256):  # 256-input units: 9 (splits of 5 and 4), 3, 1
         raw, _ = weight(rng, name.removesuffix("_T"), out, k, False)
         x = rng.standard_normal((8, k)).astype(np.float32)

@@ -68,6 +68,9 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #ifndef SPECD_MMA_SPLIT_BLOCKS
 #define SPECD_MMA_SPLIT_BLOCKS 16  // blocks per SM the split-K sizing aims at (units_per_split)
 #endif
+#ifndef SPECD_MMA_SPLIT_UNITS
+#define SPECD_MMA_SPLIT_UNITS 4  // fewest units per split (units_per_split)
+#endif
 #ifndef SPECD_MMA_LOADS_ONLY
 #define SPECD_MMA_LOADS_ONLY 0  // sweep diagnostic: load every unit, skip its arithmetic (wrong results)
 #endif
@@ -105,6 +108,7 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #endif
 constexpr int kBlocksPerSM = SPECD_MMA_SPLIT_BLOCKS;
 static_assert(kBlocksPerSM >= 1, "SPECD_MMA_SPLIT_BLOCKS: at least one block per multiprocessor");
+static_assert(SPECD_MMA_SPLIT_UNITS >= 1, "SPECD_MMA_SPLIT_UNITS: at least one unit per split");
 constexpr int kTerms = 3;                   // int8 terms per x value
 constexpr int kMaxTiles = 6;                // n8 tiles of term columns for n = 16 (48 columns)
 constexpr int kMaxCols = 8 * kMaxTiles;
@@ -316,27 +320,35 @@ struct XView {
   }
 };
 
-// The B fragments of one 256-input unit (k32 steps 8 u .. 8 u + 7, n8 tiles 0 .. NT - 1) held in
-// registers: the kernel loads the next unit's while it computes this one (x_ahead), so the unit's MMAs
-// do not wait on x's L1 / L2 round trip.
+// What one 256-input unit u reads of the split x (k32 steps 8 u .. 8 u + 7, group u, n8 tiles 0 .. NT - 1),
+// held in registers: the kernel loads the next unit's while it computes this one (x_ahead), so the unit's
+// MMAs and its float step do not wait on x's L1 / L2 round trip. A format that reads no sub-block sums
+// leaves m unread, and the compiler drops its loads.
 template <int NT>
 struct XUnit {
-  uint2 f[8][NT];
+  uint2 f[8][NT];  // B fragments
+  float2 s[NT];    // column scales
+  uint32_t m[NT];  // sub-block sums (Q4_K / Q5_K's mins)
   __device__ __forceinline__ void load(const XView& xv, int64_t u) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) f[j][nt] = xv.b(8 * u + j, nt);
+      for (int j = 0; j < 8; ++j) f[j][nt] = xv.b(8 * u + j, nt);
+      s[nt] = xv.scale(u, nt), m[nt] = xv.mins(u, nt);
+    }
   }
 };
-// An XView whose B fragments come from the XUnit of the unit being computed (the formats' units pass
-// kstep = 8 u + a constant, so kstep & 7 is that constant: the fragments stay in registers).
+// An XView that answers from the XUnit of the unit being computed: the formats' units pass kstep = 8 u +
+// a constant (so kstep & 7 is that constant and the fragments stay in registers) and grp = u.
 template <int NT>
 struct XViewAhead : XView {
   const XUnit<NT>& xu;
   __device__ __forceinline__ XViewAhead(const XView& v, const XUnit<NT>& u) : XView(v), xu(u) {}
   __device__ __forceinline__ uint2 b(int64_t kstep, int nt) const { return xu.f[kstep & 7][nt]; }
+  __device__ __forceinline__ float2 scale(int64_t, int nt) const { return xu.s[nt]; }
+  __device__ __forceinline__ uint32_t mins(int64_t, int nt) const { return xu.m[nt]; }
 };
+static_assert(kGroup == 256, "XUnit: a 256-input unit is one x group");
 
 // One k32 step: for each of P weight fragments a[p] (same inputs, e.g. the two 16-input scale
 // groups of Q6_K) and each n8 tile, acc += sc[p][row] * (a[p] . b) (integer; sc[p][h] is the scale
@@ -359,8 +371,8 @@ __device__ __forceinline__ void step(const uint32_t (&a)[P][4], const int (&sc)[
 
 // End of a super-block: accf += (d_row * scale_col) * float(acc) (the product exact: scales are
 // powers of two), in a fixed order.
-template <int NT>
-__device__ __forceinline__ void finish(const int (&acc)[NT][4], int64_t grp, const float (&d)[2], const XView& xv,
+template <int NT, class X>
+__device__ __forceinline__ void finish(const int (&acc)[NT][4], int64_t grp, const float (&d)[2], const X& xv,
                                        float (&accf)[NT][4]) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -777,24 +789,6 @@ struct LightUnit<F, std::void_t<decltype(F::kLightUnit)>> : std::bool_constant<F
 template <class F, int NT>
 constexpr bool kIq4tTuning = std::is_same_v<F, IQ4T> && NT >= 2 && NT <= 4;
 
-// Resident blocks per multiprocessor an instance is compiled for: SPECD_MMA_MIN_BLOCKS (4: <= 128 registers a
-// thread) for one tile, one more for two (<= 96, with 5/8 of the ring: units_ahead), one fewer for three and more
-// (3 .. 6 tiles: 12 .. 24 accumulators; 3 blocks: <= 168 registers); kIq4tTuning: its own. Two tiles at 5 blocks
-// rather than 4 (tiled Q6_K, the Q5_K head): verify at 4 rows 9.52-9.60 -> 9.32-9.34 ms (H200, session of
-// 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's GEMV 4 % slower, at 6 blocks 15 %. ptxas spills
-// a few bytes in some instances at these caps (row-major IQ4_XS 2 / 4 tiles 16 / 8, Q4_K / Q5_K 5-6 tiles 12-44).
-template <class F, int NT>
-__host__ __device__ constexpr int min_blocks() {
-  if constexpr (kIq4tTuning<F, NT>) return NT == 2 ? SPECD_MMA_IQ4T_BLOCKS_2 : SPECD_MMA_IQ4T_BLOCKS_34;
-  return NT == 1 ? SPECD_MMA_MIN_BLOCKS : NT == 2 ? SPECD_MMA_MIN_BLOCKS + 1 : SPECD_MMA_MIN_BLOCKS - 1;
-}
-static_assert(SPECD_MMA_MIN_BLOCKS >= 2, "SPECD_MMA_MIN_BLOCKS: the 3+ tile instances take one block fewer");
-static_assert((SPECD_MMA_MIN_BLOCKS + 1) * kWarps * 32 <= 2048,
-              "SPECD_MMA_MIN_BLOCKS: the two-tile instances' blocks (one more) must fit a multiprocessor's 2048 threads");
-static_assert(SPECD_MMA_IQ4T_BLOCKS_2 >= 1 && SPECD_MMA_IQ4T_BLOCKS_2 * kWarps * 32 <= 2048 &&
-                  SPECD_MMA_IQ4T_BLOCKS_34 >= 1 && SPECD_MMA_IQ4T_BLOCKS_34 * kWarps * 32 <= 2048,
-              "SPECD_MMA_IQ4T_BLOCKS_*: the blocks must fit a multiprocessor's 2048 threads");
-
 // 32-bit words of one row's Raw: Raw::kWords where a uint4 member pads sizeof(Raw) on the device to a
 // multiple of 16 bytes (QK45U: 13 / 14 words in 64 bytes; the host emulation's uint4 has no such
 // alignment, so counting sizeof would give the two different ring depths), else sizeof(Raw) / 4.
@@ -810,23 +804,57 @@ template <class F, int NT>
 __host__ __device__ constexpr bool x_ahead() {
   return SPECD_MMA_X_AHEAD && NT == 1 && F::kTiled;
 }
+// Registers of one unit's raw words (both rows).
+template <class F>
+__host__ __device__ constexpr int unit_regs() {
+  return RawWords<typename F::Raw>::value * 2;
+}
+// The x_ahead instances keep at least one unit of weights loading ahead too (x that is ready sooner than the
+// weights gains little: tiled Q6_K's 34-register units, with no ring at 4 blocks, gained only in the model):
+// where two units exceed SPECD_MMA_X_RING_REGS, they run at one block fewer (3: <= 168 registers).
+template <class F, int NT>
+__host__ __device__ constexpr bool x_ahead_fewer_blocks() {
+  return x_ahead<F, NT>() && 2 * unit_regs<F>() > SPECD_MMA_X_RING_REGS;
+}
+
+// Resident blocks per multiprocessor an instance is compiled for: SPECD_MMA_MIN_BLOCKS (4: <= 128 registers a
+// thread) for one tile, one more for two (<= 96, with 5/8 of the ring: units_ahead), one fewer for three and more
+// (3 .. 6 tiles: 12 .. 24 accumulators; 3 blocks: <= 168 registers); kIq4tTuning: its own. Two tiles at 5 blocks
+// rather than 4 (tiled Q6_K, the Q5_K head): verify at 4 rows 9.52-9.60 -> 9.32-9.34 ms (H200, session of
+// 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's GEMV 4 % slower, at 6 blocks 15 %. ptxas spills
+// a few bytes in some instances at these caps (row-major IQ4_XS 2 / 4 tiles 16 / 8, Q4_K / Q5_K 5-6 tiles 12-44).
+template <class F, int NT>
+__host__ __device__ constexpr int min_blocks() {
+  if constexpr (kIq4tTuning<F, NT>) return NT == 2 ? SPECD_MMA_IQ4T_BLOCKS_2 : SPECD_MMA_IQ4T_BLOCKS_34;
+  if constexpr (x_ahead_fewer_blocks<F, NT>()) return SPECD_MMA_MIN_BLOCKS - 1;
+  return NT == 1 ? SPECD_MMA_MIN_BLOCKS : NT == 2 ? SPECD_MMA_MIN_BLOCKS + 1 : SPECD_MMA_MIN_BLOCKS - 1;
+}
+static_assert(SPECD_MMA_MIN_BLOCKS >= 2, "SPECD_MMA_MIN_BLOCKS: the 3+ tile instances take one block fewer");
+static_assert((SPECD_MMA_MIN_BLOCKS + 1) * kWarps * 32 <= 2048,
+              "SPECD_MMA_MIN_BLOCKS: the two-tile instances' blocks (one more) must fit a multiprocessor's 2048 threads");
+static_assert(SPECD_MMA_IQ4T_BLOCKS_2 >= 1 && SPECD_MMA_IQ4T_BLOCKS_2 * kWarps * 32 <= 2048 &&
+                  SPECD_MMA_IQ4T_BLOCKS_34 >= 1 && SPECD_MMA_IQ4T_BLOCKS_34 * kWarps * 32 <= 2048,
+              "SPECD_MMA_IQ4T_BLOCKS_*: the blocks must fit a multiprocessor's 2048 threads");
 
 // Units a warp keeps loading ahead of the one it computes (software pipelining: before computing a unit,
 // the slot of the previous one is refilled with the unit kAhead later): as many as a register budget for
 // the raw words allows, with one unit's words being computed, 0 .. 4. The budget follows the registers
-// min_blocks leaves: SPECD_MMA_RING_REGS at one tile (SPECD_MMA_X_RING_REGS where x_ahead), 5/8 of it at
-// two, 3/4 at three and more (kIq4tTuning: its own). 0 (load one unit, then compute it) for 5 and 6 tiles: the old 6-tile instance's ~800-instruction unit body was
-// doubled by the ring, unrolled over its slots (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms
-// with one unit ahead through register copies, BENCHMARKS.md); 5 tiles follows it unmeasured on its own.
+// min_blocks leaves: SPECD_MMA_RING_REGS at one tile (x_ahead: SPECD_MMA_X_RING_REGS, or two units at one
+// block fewer), 5/8 of it at two, 3/4 at three and more (kIq4tTuning: its own). 0 (load one unit, then
+// compute it) for 5 and 6 tiles: the old 6-tile instance's ~800-instruction unit body was doubled by the
+// ring, unrolled over its slots (H200: verify at 9..16 rows 24-25.7 ms against 19.7-21.3 ms with one unit
+// ahead through register copies, BENCHMARKS.md); 5 tiles follows it unmeasured on its own.
 // Light units (BF16U) keep their ring (a few instructions per unit).
 template <class F, int NT>
 __host__ __device__ constexpr int units_ahead() {
   if constexpr (NT >= 5 && !LightUnit<F>::value) return 0;
-  constexpr int regs = RawWords<typename F::Raw>::value * 2;  // the raw words of one unit, both rows
-  constexpr int budget = kIq4tTuning<F, NT> ? (NT == 2 ? SPECD_MMA_IQ4T_RING_2 : SPECD_MMA_IQ4T_RING_34)
-                         : NT == 1          ? (x_ahead<F, NT>() ? SPECD_MMA_X_RING_REGS : SPECD_MMA_RING_REGS)
-                         : NT == 2          ? SPECD_MMA_RING_REGS * 5 / 8
-                                            : SPECD_MMA_RING_REGS * 3 / 4;
+  constexpr int regs = unit_regs<F>();
+  constexpr int budget = kIq4tTuning<F, NT>              ? (NT == 2 ? SPECD_MMA_IQ4T_RING_2 : SPECD_MMA_IQ4T_RING_34)
+                         : x_ahead_fewer_blocks<F, NT>() ? 2 * regs
+                         : x_ahead<F, NT>()              ? SPECD_MMA_X_RING_REGS
+                         : NT == 1                       ? SPECD_MMA_RING_REGS
+                         : NT == 2                       ? SPECD_MMA_RING_REGS * 5 / 8
+                                                         : SPECD_MMA_RING_REGS * 3 / 4;
   constexpr int ahead = budget / regs - 1;
   return ahead < 0 ? 0 : ahead > SPECD_MMA_MAX_AHEAD ? SPECD_MMA_MAX_AHEAD : ahead;
 }
@@ -1097,31 +1125,13 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
   const RowSource<F> src(w, row0, out, row_bytes, nunits, lane);
   constexpr int kAhead = units_ahead<F, NT>();
   constexpr bool kX = x_ahead<F, NT>();
-  // Unit u's x fragments (kX): slot (u - u_begin) % 2 without a weight ring, the weight slot's with one;
-  // the next unit's are loaded before a unit is computed.
-  XUnit<NT> xu[kAhead == 0 ? 2 : kAhead + 1];
+  static_assert(!kX || kAhead > 0, "x_ahead instances keep a unit of weights loading ahead (units_ahead)");
   if constexpr (kAhead == 0) {
     pdl_wait();  // split_x complete: xv readable
-    if constexpr (kX) {
-      if (u_begin < u_end) xu[0].load(xv, u_begin);
-      for (int64_t u0 = u_begin; u0 < u_end; u0 += 2) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int64_t u = u0 + i;
-          if (u < u_end) {
-            typename F::Raw raw[2];
-            src.load(raw, u);
-            if (u + 1 < u_end) xu[(i + 1) % 2].load(xv, u + 1);
-            compute<F, NT>(raw, u, XViewAhead<NT>(xv, xu[i]), accf);
-          }
-        }
-      }
-    } else {
-      for (int64_t u = u_begin; u < u_end; ++u) {
-        typename F::Raw raw[2];
-        src.load(raw, u);
-        compute<F, NT>(raw, u, xv, accf);
-      }
+    for (int64_t u = u_begin; u < u_end; ++u) {
+      typename F::Raw raw[2];
+      src.load(raw, u);
+      compute<F, NT>(raw, u, xv, accf);
     }
   } else {
     // kAhead + 1 slots, unit u in slot (u - u_begin) % kSlots; the loop is unrolled over the slots so
@@ -1133,6 +1143,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
     for (int i = 0; i < kAhead; ++i)
       if (u_begin + i < u_end) src.load(ring[i], u_begin + i);
     pdl_wait();  // the first units' weights are in flight; from here on x is read
+    // kX: unit u's x in xu[(u - u_begin) % kSlots], the next unit's loaded before a unit is computed.
+    XUnit<NT> xu[kX ? kSlots : 1];
     if constexpr (kX)
       if (u_begin < u_end) xu[0].load(xv, u_begin);
     for (int64_t u0 = u_begin; u0 < u_end; u0 += kSlots) {
@@ -1158,12 +1170,13 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
 // multiprocessors: about kBlocksPerSM blocks per multiprocessor (3-5 resident, so several waves:
 // the warps are latency-bound, and more of them in flight beat the tail; H200, gemv_sweep.sh: 16
 // against 4 took the 27B FFN gate + up launch from 67 to 55 us, Q8_0 17408 x 5120 from 102 to 68
-// us), at least 4 units per split (which caps the 256-input formats of 5120 inputs at 5 splits). Depends on the weight shape and the device only (never on n or on the weights it is
+// us), at least SPECD_MMA_SPLIT_UNITS (4) units per split (which caps the 256-input formats of 5120 inputs
+// at 5 splits). Depends on the weight shape and the device only (never on n or on the weights it is
 // grouped with), so every row of x sees the same arithmetic whatever the width or grouping of the call.
 inline int64_t units_per_split(int64_t out, int64_t nunits, int64_t sms) {
   const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t want = kBlocksPerSM * sms;
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want / row_blocks, nunits / 4));
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want / row_blocks, nunits / SPECD_MMA_SPLIT_UNITS));
   int64_t per = (nunits + splits - 1) / splits;
   return std::max<int64_t>(per, 1);
 }
