@@ -274,10 +274,9 @@ def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, mma_e
     """The ring depth, occupancy and x-ahead constants change when units and x are loaded, never the
     arithmetic: the deep-ring and no-x-ahead builds give bit for bit the default build's rows (split-K on 1
     SM, ragged last splits; splits of 1, 3, 5 and 4 256-input units: odd and even runs through the unrolled
-    slots)."""
-    out = 40
+    slots; 1100 rows: one split of 9 units, which wraps the deep rings of every format)."""
     builds = (mma_emu_deep_ring, mma_emu_no_x_ahead)
-    for k in (2304, 768, 256):  # 256-input units: 9 (splits of 5 and 4), 3, 1
+    for k, out in ((2304, 40), (768, 40), (256, 40), (2304, 1100)):  # 256-input units: 9 (splits of 5, 4), 3, 1, 9
         raw, _ = weight(rng, name.removesuffix("_T"), out, k, False)
         x = rng.standard_normal((8, k)).astype(np.float32)
         for d, _exe in (mma_emu, *builds):

@@ -12,16 +12,20 @@
 # Ring depth and occupancy (SPECD_MMA_RING_REGS, SPECD_MMA_MAX_AHEAD, SPECD_MMA_MIN_BLOCKS; results are
 # bit-identical whatever they are, test_gpu_mma_gemv_ring_depth_keeps_results in tests/gpu/test_gpu_decoders_host.py), e.g.
 #     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 ring96:-DSPECD_MMA_RING_REGS=96,-DSPECD_MMA_MIN_BLOCKS=3
-#       ring128:-DSPECD_MMA_RING_REGS=128,-DSPECD_MMA_MIN_BLOCKS=3 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5"
+#       ring128:-DSPECD_MMA_RING_REGS=128,-DSPECD_MMA_MIN_BLOCKS=3 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5,-DSPECD_MMA_X_AHEAD=0"
 # (the flags set the one-tile instances; two tiles take one block more and 5/8 of the ring (tiled IQ4_XS: its own at
 # two to four tiles, SPECD_MMA_IQ4T_BLOCKS_2 / _RING_2 / _BLOCKS_34 / _RING_34), three and four tiles one block fewer and 3/4 of it, five and
 # six one block fewer and no ring (BF16: 3/4 of it): matmul_mma.cuh, min_blocks / units_ahead; check build.log for spills: a 160-register ring at
 # 3 blocks per SM spills); weight loads without L1 allocation:
-#     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 nal:-DSPECD_MMA_WEIGHT_NOALLOC=1 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5"
+#     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 nal:-DSPECD_MMA_WEIGHT_NOALLOC=1 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5,-DSPECD_MMA_X_AHEAD=0"
+# x read a unit ahead (the tiled formats' one-tile instances, SPECD_MMA_X_AHEAD; SPECD_MMA_X_RING_REGS their ring,
+# which the ring and block flags above leave alone: add -DSPECD_MMA_X_AHEAD=0 to time those on the tiled formats'
+# one-tile instances), bit-identical too; the fewest units per split (changes the split-K arithmetic, so the checksums):
+#     VARIANTS="new: off:-DSPECD_MMA_X_AHEAD=0 xr72:-DSPECD_MMA_X_RING_REGS=72,-DSPECD_MMA_MIN_BLOCKS=3 s8:-DSPECD_MMA_SPLIT_UNITS=8"
 # With NCU_SOURCE=1 Nsight Compute also collects the SourceCounters section and writes each NCU variant's
 # per-SASS-instruction table (stall samples by reason) to ncu_src_NAME.csv (per-opcode summary, anywhere:
 # python tools/device/ncu_src_summary.py ncu_src_*.csv). Checksums agree bit for bit between
-# variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS changes the split-K arithmetic).
+# variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS and SPECD_MMA_SPLIT_UNITS change the split-K arithmetic).
 # SWEEP_WIDTHS=1,8 times those widths only (default 1, 2, 4, 8, 10, 12, 16).
 # SWEEP_FORMAT=NAME[,NAME...] times those formats only (IQ4_XS, IQ4_XS_T, Q4_K, Q4_K_T, Q5_K, Q6_K, Q6_K_T, Q8_0;
 # read by gemv_sweep.cu).

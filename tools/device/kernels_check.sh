@@ -8,7 +8,7 @@
 # Each stage writes its results as soon as it ends, so a call cut short keeps the stages before.
 # Usage (repository root on the GPU machine; carry .whl):
 #     OUT=/some/dir TESTS="tests/gpu/test_gpu_spec_loop.py" PYTEST_TIMEOUT=120 \
-#       SWEEP_VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5" bash tools/device/kernels_check.sh
+#       SWEEP_VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5,-DSPECD_MMA_X_AHEAD=0" bash tools/device/kernels_check.sh
 # Outputs: build.log, pytest.log, status.txt (gpu_tests.sh), gdn_step.md, conv.md, sweep.tsv, sweep_build.log.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}

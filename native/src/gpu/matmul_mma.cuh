@@ -85,10 +85,10 @@ constexpr int kRowsPerBlock = kWarps * 16;
                                     // Q4_K, Q5_K and the tiled layouts)
 #endif
 #ifndef SPECD_MMA_X_AHEAD
-#define SPECD_MMA_X_AHEAD 1  // 1: the tiled formats' 1-tile instances load the next unit's x fragments ahead (x_ahead)
+#define SPECD_MMA_X_AHEAD 1  // 1: the tiled formats' 1-tile instances load the next unit's x ahead (x_ahead, XUnit)
 #endif
 #ifndef SPECD_MMA_X_RING_REGS
-#define SPECD_MMA_X_RING_REGS 56  // SPECD_MMA_RING_REGS of the x_ahead instances (their x takes 32 registers)
+#define SPECD_MMA_X_RING_REGS 56  // SPECD_MMA_RING_REGS of the x_ahead instances (their x: 2 x 18-19 registers)
 #endif
 #ifndef SPECD_MMA_MIN_BLOCKS
 #define SPECD_MMA_MIN_BLOCKS 4  // resident blocks per SM the 1-tile instances are compiled for (min_blocks)
@@ -323,7 +323,7 @@ struct XView {
 // What one 256-input unit u reads of the split x (k32 steps 8 u .. 8 u + 7, group u, n8 tiles 0 .. NT - 1),
 // held in registers: the kernel loads the next unit's while it computes this one (x_ahead), so the unit's
 // MMAs and its float step do not wait on x's L1 / L2 round trip. A format that reads no sub-block sums
-// leaves m unread, and the compiler drops its loads.
+// leaves m unread, and ptxas drops its loads (the SASS is the same without them).
 template <int NT>
 struct XUnit {
   uint2 f[8][NT];  // B fragments
@@ -341,9 +341,9 @@ struct XUnit {
 // An XView that answers from the XUnit of the unit being computed: the formats' units pass kstep = 8 u +
 // a constant (so kstep & 7 is that constant and the fragments stay in registers) and grp = u.
 template <int NT>
-struct XViewAhead : XView {
+struct XUnitView : XView {
   const XUnit<NT>& xu;
-  __device__ __forceinline__ XViewAhead(const XView& v, const XUnit<NT>& u) : XView(v), xu(u) {}
+  __device__ __forceinline__ XUnitView(const XView& v, const XUnit<NT>& u) : XView(v), xu(u) {}
   __device__ __forceinline__ uint2 b(int64_t kstep, int nt) const { return xu.f[kstep & 7][nt]; }
   __device__ __forceinline__ float2 scale(int64_t, int nt) const { return xu.s[nt]; }
   __device__ __forceinline__ uint32_t mins(int64_t, int nt) const { return xu.m[nt]; }
@@ -797,21 +797,24 @@ struct RawWords : std::integral_constant<int, int(sizeof(Raw) / 4)> {};
 template <class Raw>
 struct RawWords<Raw, std::void_t<decltype(Raw::kWords)>> : std::integral_constant<int, Raw::kWords> {};
 
-// Whether instance (F, NT) loads the next unit's x fragments ahead (SPECD_MMA_X_AHEAD; XUnit): the tiled formats'
-// one-tile instances (the decode step's GEMVs: 16 registers of x a unit, two units live; more tiles would take
-// the ring's registers), whose units are 256 inputs and read x through step.
+// Whether instance (F, NT) loads the next unit's x ahead (SPECD_MMA_X_AHEAD; XUnit: B fragments, column scales
+// and sub-block sums, 18-19 registers a unit at one tile, two units live): the tiled formats' one-tile instances,
+// the decode step's GEMVs (H200: decode 135.0 -> 138.6 tok/s, BENCHMARKS.md, session of 2026-12-03 22:13 UTC). At
+// two tiles and more x takes the registers of the ring or of resident blocks (tiled IQ4_XS at two tiles spilled at
+// 4 blocks). Needs a unit of weights loading ahead too (SPECD_MMA_MAX_AHEAD >= 1).
 template <class F, int NT>
 __host__ __device__ constexpr bool x_ahead() {
-  return SPECD_MMA_X_AHEAD && NT == 1 && F::kTiled;
+  return SPECD_MMA_X_AHEAD && SPECD_MMA_MAX_AHEAD >= 1 && NT == 1 && F::kTiled;
 }
 // Registers of one unit's raw words (both rows).
 template <class F>
 __host__ __device__ constexpr int unit_regs() {
   return RawWords<typename F::Raw>::value * 2;
 }
-// The x_ahead instances keep at least one unit of weights loading ahead too (x that is ready sooner than the
-// weights gains little: tiled Q6_K's 34-register units, with no ring at 4 blocks, gained only in the model):
-// where two units exceed SPECD_MMA_X_RING_REGS, they run at one block fewer (3: <= 168 registers).
+// The x_ahead instances keep at least one unit of weights loading ahead too: where two units' words exceed
+// SPECD_MMA_X_RING_REGS (tiled Q6_K: 68 registers) they run at one block fewer (SPECD_MMA_MIN_BLOCKS - 1). Tiled
+// Q6_K's 17408 x 5120 GEMV at width 1: 29.5 us without x ahead, 30.1 with x ahead and no ring at 4 blocks, 28.5
+// with both at 3 blocks (gemv_sweep.sh, H200, same session).
 template <class F, int NT>
 __host__ __device__ constexpr bool x_ahead_fewer_blocks() {
   return x_ahead<F, NT>() && 2 * unit_regs<F>() > SPECD_MMA_X_RING_REGS;
@@ -819,7 +822,8 @@ __host__ __device__ constexpr bool x_ahead_fewer_blocks() {
 
 // Resident blocks per multiprocessor an instance is compiled for: SPECD_MMA_MIN_BLOCKS (4: <= 128 registers a
 // thread) for one tile, one more for two (<= 96, with 5/8 of the ring: units_ahead), one fewer for three and more
-// (3 .. 6 tiles: 12 .. 24 accumulators; 3 blocks: <= 168 registers); kIq4tTuning: its own. Two tiles at 5 blocks
+// (3 .. 6 tiles: 12 .. 24 accumulators; 3 blocks: <= 168 registers); kIq4tTuning: its own; tiled Q6_K's one tile
+// one fewer too (x_ahead_fewer_blocks). Two tiles at 5 blocks
 // rather than 4 (tiled Q6_K, the Q5_K head): verify at 4 rows 9.52-9.60 -> 9.32-9.34 ms (H200, session of
 // 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's GEMV 4 % slower, at 6 blocks 15 %. ptxas spills
 // a few bytes in some instances at these caps (row-major IQ4_XS 2 / 4 tiles 16 / 8, Q4_K / Q5_K 5-6 tiles 12-44).
@@ -829,7 +833,8 @@ __host__ __device__ constexpr int min_blocks() {
   if constexpr (x_ahead_fewer_blocks<F, NT>()) return SPECD_MMA_MIN_BLOCKS - 1;
   return NT == 1 ? SPECD_MMA_MIN_BLOCKS : NT == 2 ? SPECD_MMA_MIN_BLOCKS + 1 : SPECD_MMA_MIN_BLOCKS - 1;
 }
-static_assert(SPECD_MMA_MIN_BLOCKS >= 2, "SPECD_MMA_MIN_BLOCKS: the 3+ tile instances take one block fewer");
+static_assert(SPECD_MMA_MIN_BLOCKS >= 2,
+              "SPECD_MMA_MIN_BLOCKS: the 3+ tile instances and x_ahead_fewer_blocks take one block fewer");
 static_assert((SPECD_MMA_MIN_BLOCKS + 1) * kWarps * 32 <= 2048,
               "SPECD_MMA_MIN_BLOCKS: the two-tile instances' blocks (one more) must fit a multiprocessor's 2048 threads");
 static_assert(SPECD_MMA_IQ4T_BLOCKS_2 >= 1 && SPECD_MMA_IQ4T_BLOCKS_2 * kWarps * 32 <= 2048 &&
@@ -865,6 +870,7 @@ __host__ __device__ constexpr int units_ahead() {
 // accumulator (keeps the loads, drops the arithmetic: the memory side's ceiling of a variant).
 template <class F, int NT, class X = XView>
 __device__ __forceinline__ void compute(const typename F::Raw (&raw)[2], int64_t u, const X& xv, float (&accf)[NT][4]) {
+  static_assert(std::is_same_v<X, XView> || x_ahead<F, NT>(), "an XUnitView only for the x_ahead instances");
   if constexpr (SPECD_MMA_LOADS_ONLY) {
     uint32_t v = 0;
 #pragma unroll
@@ -1124,8 +1130,9 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
   __shared__ float part[kWarps][16][kMaxCols + 1];
   const RowSource<F> src(w, row0, out, row_bytes, nunits, lane);
   constexpr int kAhead = units_ahead<F, NT>();
-  constexpr bool kX = x_ahead<F, NT>();
-  static_assert(!kX || kAhead > 0, "x_ahead instances keep a unit of weights loading ahead (units_ahead)");
+  constexpr bool kXAhead = x_ahead<F, NT>();
+  static_assert(!kXAhead || (kAhead > 0 && F::kUnitElems == kGroup),
+                "x_ahead instances: a unit of weights loading ahead (units_ahead), units of one x group (XUnit)");
   if constexpr (kAhead == 0) {
     pdl_wait();  // split_x complete: xv readable
     for (int64_t u = u_begin; u < u_end; ++u) {
@@ -1143,9 +1150,9 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
     for (int i = 0; i < kAhead; ++i)
       if (u_begin + i < u_end) src.load(ring[i], u_begin + i);
     pdl_wait();  // the first units' weights are in flight; from here on x is read
-    // kX: unit u's x in xu[(u - u_begin) % kSlots], the next unit's loaded before a unit is computed.
-    XUnit<NT> xu[kX ? kSlots : 1];
-    if constexpr (kX)
+    // kXAhead: unit u's x in xu[(u - u_begin) % kSlots], the next unit's loaded before a unit is computed.
+    XUnit<NT> xu[kXAhead ? kSlots : 1];
+    if constexpr (kXAhead)
       if (u_begin < u_end) xu[0].load(xv, u_begin);
     for (int64_t u0 = u_begin; u0 < u_end; u0 += kSlots) {
 #pragma unroll
@@ -1153,9 +1160,9 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
         const int64_t u = u0 + i;
         if (u < u_end) {
           if (u + kAhead < u_end) src.load(ring[(i + kAhead) % kSlots], u + kAhead);
-          if constexpr (kX) {
+          if constexpr (kXAhead) {
             if (u + 1 < u_end) xu[(i + 1) % kSlots].load(xv, u + 1);
-            compute<F, NT>(ring[i], u, XViewAhead<NT>(xv, xu[i]), accf);
+            compute<F, NT>(ring[i], u, XUnitView<NT>(xv, xu[i]), accf);
           } else {
             compute<F, NT>(ring[i], u, xv, accf);
           }
