@@ -799,7 +799,7 @@ struct RawWords<Raw, std::void_t<decltype(Raw::kWords)>> : std::integral_constan
 
 // Whether instance (F, NT) loads the next unit's x ahead (SPECD_MMA_X_AHEAD; XUnit: B fragments, column scales
 // and sub-block sums, 18-19 registers a unit at one tile, two units live): the tiled formats' one-tile instances,
-// the decode step's GEMVs (H200: decode 135.0 -> 138.6 tok/s, BENCHMARKS.md, session of 2026-12-03 22:13 UTC). At
+// the decode step's GEMVs (H200: decode +2.2-5.4 %, BENCHMARKS.md, session of 2026-12-03 22:13 UTC). At
 // two tiles and more x takes the registers of the ring or of resident blocks (tiled IQ4_XS at two tiles spilled at
 // 4 blocks). Needs a unit of weights loading ahead too (SPECD_MMA_MAX_AHEAD >= 1).
 template <class F, int NT>
