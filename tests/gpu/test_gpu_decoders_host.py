@@ -250,6 +250,18 @@ def test_gpu_mma_iq4_lookups_on_host(mma_emu):
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
+# The ring-depth builds size splits by the fewest-units rule alone (SPECD_MMA_SPLIT_WAVES=0): the wave rule reads the
+# one-tile instance's resident blocks (mma::min_blocks), which the occupancy constants below change, and with it
+# the splits, which are arithmetic. The default build's wave-rule splits: test_gpu_mma_split_plans.
+FEWEST_UNITS = "-DSPECD_MMA_SPLIT_WAVES=0"
+
+
+@pytest.fixture(scope="module")
+def mma_emu_fewest_units(tmp_path_factory):
+    """The emulation with the default ring, occupancy and x-ahead constants, splits by the fewest-units rule."""
+    return build_mma_emu(tmp_path_factory, FEWEST_UNITS)
+
+
 @pytest.fixture(scope="module")
 def mma_emu_deep_ring(tmp_path_factory):
     """The emulation with the sweep's deepest ring (tools/device/gemv_sweep.sh variants): up to 8 units
@@ -259,22 +271,23 @@ def mma_emu_deep_ring(tmp_path_factory):
     formats' one-tile rings with x ahead (SPECD_MMA_X_RING_REGS) 160 registers."""
     return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_RING_REGS=160", "-DSPECD_MMA_MAX_AHEAD=8",
                          "-DSPECD_MMA_MIN_BLOCKS=3", "-DSPECD_MMA_IQ4T_RING_2=100", "-DSPECD_MMA_IQ4T_RING_34=120",
-                         "-DSPECD_MMA_X_RING_REGS=160")
+                         "-DSPECD_MMA_X_RING_REGS=160", FEWEST_UNITS)
 
 
 @pytest.fixture(scope="module")
 def mma_emu_no_x_ahead(tmp_path_factory):
     """The emulation without the tiled formats' x loaded a unit ahead (SPECD_MMA_X_AHEAD=0: x read in each
     unit, the rings of SPECD_MMA_RING_REGS)."""
-    return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_X_AHEAD=0")
+    return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_X_AHEAD=0", FEWEST_UNITS)
 
 
 @pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T", "Q4_K_T", "Q6_K_T"])
-def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, mma_emu_no_x_ahead, rng, name):
+def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu_fewest_units, mma_emu_deep_ring, mma_emu_no_x_ahead, rng, name):
     """The ring depth, occupancy and x-ahead constants change when units and x are loaded, never the
     arithmetic: the deep-ring and no-x-ahead builds give bit for bit the default build's rows (split-K on 1
     SM, ragged last splits; splits of 1, 3, 5 and 4 256-input units: odd and even runs through the unrolled
     slots; 1100 rows: one split of 9 units, which wraps the deep rings of every format)."""
+    mma_emu = mma_emu_fewest_units
     builds = (mma_emu_deep_ring, mma_emu_no_x_ahead)
     for k, out in ((2304, 40), (768, 40), (256, 40), (2304, 1100)):  # 256-input units: 9 (splits of 5, 4), 3, 1, 9
         raw, _ = weight(rng, name.removesuffix("_T"), out, k, False)
@@ -286,6 +299,58 @@ def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, mma_e
             for build in builds:
                 other = run_mma_emu(*build, name, x[:n], out, sms=1)
                 assert np.array_equal(base.view(np.uint32), other.view(np.uint32)), f"{name} k={k} n={n} {build[0]}"
+
+
+def split_plan(d, exe, name, out, k, sms=132):
+    """(splits, units per split) the GEMV plans for one weight of `name`, `out` rows and `k` inputs on `sms`
+    multiprocessors (mma::splits_for / units_per_split, as the launch and gemv_splits call them)."""
+    r = subprocess.run([str(exe), "splits", name, str(out), str(k), str(sms)], capture_output=True, text=True, check=True)
+    splits, per = map(int, r.stdout.split())
+    return splits, per
+
+
+# The 27B decode step's weights on an H200 (132 SMs): (format, out, in, splits, units per split). Tiled IQ4_XS runs 4
+# blocks per SM at one tile, tiled Q6_K 3. The FFN gate / up and GDN qkv take 3 splits of 7 units (1.55 / 0.91
+# waves), the down projection 10 of 7 (1.52), the Q6_K out projection 4 of 6 (0.81); the rest keep the fewest-units
+# rule's 4-unit splits (GDN z: 0.91 wave; attention q: 1.45 waves with 4 splits of 5), the output head 1 split; the
+# formats without a tiled layout the fewest-units rule's (Q8_0's 32-input units too).
+SPLIT_PLANS_27B = [("IQ4_XS_T", 17408, 5120, 3, 7), ("IQ4_XS_T", 5120, 17408, 10, 7), ("IQ4_XS_T", 10240, 5120, 3, 7),
+                   ("IQ4_XS_T", 6144, 5120, 5, 4), ("IQ4_XS_T", 12288, 5120, 4, 5), ("IQ4_XS_T", 1024, 5120, 5, 4),
+                   ("IQ4_XS_T", 5120, 6144, 6, 4), ("Q6_K_T", 5120, 6144, 4, 6), ("Q6_K_T", 1024, 5120, 5, 4),
+                   ("Q5_K", 248320, 5120, 1, 20), ("Q8_0", 5120, 5120, 23, 7), ("Q5_K", 10240, 5120, 5, 4),
+                   ("IQ4_XS", 17408, 5120, 3, 7), ("Q6_K", 5120, 6144, 4, 6)]
+
+
+@pytest.mark.parametrize("name,out,k,splits,per", SPLIT_PLANS_27B)
+def test_gpu_mma_split_plans(mma_emu, name, out, k, splits, per):
+    """The wave rule's splits (mma::units_per_split) for the 27B's decode weights on 132 SMs, and the fewest-units
+    rule's where no split of at most 2048 inputs fills the resident blocks to a good wave shape (Q8_0's 32-input
+    units, the output head's single split)."""
+    assert split_plan(*mma_emu, name, out, k) == (splits, per)
+
+
+def test_gpu_mma_split_plans_rules(mma_emu, mma_emu_fewest_units):
+    """Over a grid of shapes and SM counts: every split plan covers the units with splits of at most `per` (the last
+    one ragged); the wave rule's plans (the tiled formats and their row-major twins) are either the fewest-units
+    rule's or at most 2048 inputs a split, never more splits than the fewest-units rule's; a row-major format with a
+    tiled layout plans as that layout (the same bits either way: test_gpu_gemv_tiles.py); the formats without one
+    keep the fewest-units rule's."""
+    twins = {"IQ4_XS": "IQ4_XS_T", "Q6_K": "Q6_K_T", "Q4_K": "Q4_K_T"}
+    for name, unit in (("IQ4_XS_T", 256), ("IQ4_XS", 256), ("Q6_K_T", 256), ("Q6_K", 256), ("Q4_K_T", 256),
+                       ("Q4_K", 256), ("Q5_K", 256), ("Q8_0", 32), ("BF16", 64)):
+        for out in (16, 48, 1024, 5120, 6144, 17408, 65536):
+            for k in (256, 2048, 5120, 6144, 17408):
+                if k % unit:
+                    continue
+                for sms in (1, 8, 132):
+                    nunits = k // unit
+                    s, per = split_plan(*mma_emu, name, out, k, sms)
+                    s0, per0 = split_plan(*mma_emu_fewest_units, name, out, k, sms)
+                    assert s == -(-nunits // per) and (s - 1) * per < nunits, (name, out, k, sms, s, per)
+                    waves = name.endswith("_T") or name in twins
+                    assert (s, per) == (s0, per0) or (waves and per * unit <= 2048 and s <= s0), (name, out, k, sms, s, s0)
+                    if name in twins:
+                        assert (s, per) == split_plan(*mma_emu, twins[name], out, k, sms), (name, out, k, sms)
 
 
 @pytest.mark.parametrize("scale_exp", [-110, -116, -125])

@@ -26,7 +26,9 @@
 # output), ab.tsv (tree round decode_tok_s verify_ms_w1 verify_ms_w4 verify_ms_w8
 # verify_ms_w16 loop_tok_s_al3 loop_tok_s_al5 loop_tok_s_al7 decode_verify_commit_tok_s (- for trees from before
 # it) decode_at_context ("N:tok/s,..." with AB_DECODE_ARGS="--decode-context N ...", else -), the file of
-# specd.native._native; or why a tree was not measured), sweep.tsv; with ATTN_CONTEXTS (e.g. "4096 32768") each
+# specd.native._native; or why a tree was not measured), sweep.tsv, ncu.txt (with NCU, NCU_SOURCE as gemv_sweep.sh:
+# its Nsight Compute of those sweep variants and the per-opcode stall summaries; SWEEP_TIMEOUT: seconds for the
+# sweep's runs and Nsight Compute, default 150); with ATTN_CONTEXTS (e.g. "4096 32768") each
 # tree's tools/device/attn_bench.py run (the working tree's script on that tree's library, round 1): its
 # table in ab.log (the JSON stays in /tmp: the device tool brings back 8 files). AB_DECODE_ARGS adds gpu_decode.py options to every decode run; DECODE_TREES (e.g. "new")
 # limits the decode runs to those trees; LOOP_AL (e.g. "3 5 7") then runs tools/bench/loop_overhead.py on the
@@ -140,9 +142,16 @@ if [ -n "${LOOP_AL:-}" ] && [ -f "$GGUF" ]; then  # the service loop on the work
   echo "loop new rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 fi
 if [ -n "${SWEEP_VARIANTS:-}" ]; then
-  OUT=/tmp/ab_sweep VARIANTS="$SWEEP_VARIANTS" SWEEP_SKIP_BUILD=1 timeout 150 bash tools/device/gemv_sweep.sh >/dev/null 2>&1
+  OUT=/tmp/ab_sweep VARIANTS="$SWEEP_VARIANTS" SWEEP_SKIP_BUILD=1 timeout "${SWEEP_TIMEOUT:-150}" bash tools/device/gemv_sweep.sh \
+    >/dev/null 2>&1
   cp /tmp/ab_sweep/sweep.tsv "$OUT/sweep.tsv"
   cat /tmp/ab_sweep/build.log >>"$OUT/old_build.log"
+  if [ -n "${NCU-}" ] && [ -s /tmp/ab_sweep/ncu.txt ]; then  # gemv_sweep.sh's Nsight Compute of the variants in NCU
+    cp /tmp/ab_sweep/ncu.txt "$OUT/ncu.txt"
+    for csv in /tmp/ab_sweep/ncu_src_*.csv; do  # NCU_SOURCE=1: per-opcode stall summaries (the CSVs stay: 8 files)
+      [ -f "$csv" ] && python3 tools/device/ncu_src_summary.py "$csv" >>"$OUT/ncu.txt" 2>&1
+    done
+  fi
   [ "${SWEEP_OLD:-0}" = 1 ] && for i in "${!names[@]}"; do
     if ! grep -q SWEEP_SKIP_BUILD "${dirs[$i]}/tools/device/gemv_sweep.sh" 2>/dev/null; then
       echo "# ${names[$i]}-own: not supported (its gemv_sweep.sh cannot build apart from running)" >>"$OUT/sweep.tsv"

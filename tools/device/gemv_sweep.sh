@@ -10,7 +10,9 @@
 #     OUT=/some/dir bash tools/device/gemv_sweep.sh
 #     OUT=/some/dir VARIANTS="s4:-DSPECD_MMA_SPLIT_BLOCKS=4 s16:-DSPECD_MMA_SPLIT_BLOCKS=16" NCU="s16" bash tools/device/gemv_sweep.sh
 # Ring depth and occupancy (SPECD_MMA_RING_REGS, SPECD_MMA_MAX_AHEAD, SPECD_MMA_MIN_BLOCKS; results are
-# bit-identical whatever they are, test_gpu_mma_gemv_ring_depth_keeps_results in tests/gpu/test_gpu_decoders_host.py), e.g.
+# bit-identical whatever they are for the same split plan, test_gpu_mma_gemv_ring_depth_keeps_results in
+# tests/gpu/test_gpu_decoders_host.py; but the wave rule sizes the tiled formats' splits by their one-tile instances'
+# resident blocks, which SPECD_MMA_MIN_BLOCKS, SPECD_MMA_X_AHEAD and SPECD_MMA_X_RING_REGS can change), e.g.
 #     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 ring96:-DSPECD_MMA_RING_REGS=96,-DSPECD_MMA_MIN_BLOCKS=3
 #       ring128:-DSPECD_MMA_RING_REGS=128,-DSPECD_MMA_MIN_BLOCKS=3 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5,-DSPECD_MMA_X_AHEAD=0"
 # (the flags set the one-tile instances; two tiles take one block more and 5/8 of the ring (tiled IQ4_XS: its own at
@@ -25,7 +27,9 @@
 # With NCU_SOURCE=1 Nsight Compute also collects the SourceCounters section and writes each NCU variant's
 # per-SASS-instruction table (stall samples by reason) to ncu_src_NAME.csv (per-opcode summary, anywhere:
 # python tools/device/ncu_src_summary.py ncu_src_*.csv). Checksums agree bit for bit between
-# variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS and SPECD_MMA_SPLIT_UNITS change the split-K arithmetic).
+# variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS, SPECD_MMA_SPLIT_UNITS, SPECD_MMA_SPLIT_WAVES,
+# SPECD_MMA_SPLIT_MAX_INPUTS and the occupancy flags above change the split-K arithmetic). The L2 prefetch of the
+# ring-less (2- to 6-tile) instances, SPECD_MMA_L2_AHEAD (units ahead, 0: off), never changes a result.
 # SWEEP_WIDTHS=1,8 times those widths only (default 1, 2, 4, 8, 10, 12, 16).
 # SWEEP_FORMAT=NAME[,NAME...] times those formats only (IQ4_XS, IQ4_XS_T, Q4_K, Q4_K_T, Q5_K, Q6_K, Q6_K_T, Q8_0;
 # read by gemv_sweep.cu).

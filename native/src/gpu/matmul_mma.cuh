@@ -71,6 +71,15 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #ifndef SPECD_MMA_SPLIT_UNITS
 #define SPECD_MMA_SPLIT_UNITS 4  // fewest units per split (units_per_split)
 #endif
+#ifndef SPECD_MMA_L2_AHEAD
+#define SPECD_MMA_L2_AHEAD 2  // tiled formats without a register ring: units ahead each warp asks L2 for (0: none; mma_gemv_kernel)
+#endif
+#ifndef SPECD_MMA_SPLIT_WAVES
+#define SPECD_MMA_SPLIT_WAVES 1  // 1: splits sized by the waves they fill (units_per_split); 0: the fewest-units rule alone
+#endif
+#ifndef SPECD_MMA_SPLIT_MAX_INPUTS
+#define SPECD_MMA_SPLIT_MAX_INPUTS 2048  // longest split the wave rule takes, in inputs (units_per_split)
+#endif
 #ifndef SPECD_MMA_LOADS_ONLY
 #define SPECD_MMA_LOADS_ONLY 0  // sweep diagnostic: load every unit, skip its arithmetic (wrong results)
 #endif
@@ -320,6 +329,17 @@ struct XView {
   }
 };
 
+// A lane's pointers into the split x: XView's arrays with the lane's offsets folded in, indexed by 32-bit unit
+// numbers (XUnit's loads; with XView's 64-bit indices and per-lane predicates, and the kernel's 64-bit unit loop,
+// tiled IQ4_XS's one-tile loop took ~30 instructions more a unit: 338 against 309, sm_90 SASS).
+struct XLane {
+  const uint2* __restrict__ xb;
+  const float* __restrict__ xs;
+  const uint32_t* __restrict__ xm;
+  __device__ __forceinline__ explicit XLane(const XView& v)
+      : xb(v.xb + v.lane), xs(v.xs + 2 * (v.lane & 3)), xm(v.xm + v.lane) {}
+};
+
 // What one 256-input unit u reads of the split x (k32 steps 8 u .. 8 u + 7, group u, n8 tiles 0 .. NT - 1),
 // held in registers: the kernel loads the next unit's while it computes this one (x_ahead), so the unit's
 // MMAs and its float step do not wait on x's L1 / L2 round trip. A format that reads no sub-block sums
@@ -329,12 +349,17 @@ struct XUnit {
   uint2 f[8][NT];  // B fragments
   float2 s[NT];    // column scales
   uint32_t m[NT];  // sub-block sums (Q4_K / Q5_K's mins)
-  __device__ __forceinline__ void load(const XView& xv, int64_t u) {
+  // Every lane loads, padding columns' lanes too (unlike XView::b): what they read only reaches the
+  // padding columns of the MMAs' outputs, which store_partials never stores.
+  __device__ __forceinline__ void load(const XLane& x, int u) {
+    const uint2* b = x.xb + u * (8 * kMaxTiles * 32);
+    const float* sc = x.xs + u * kMaxCols;
+    const uint32_t* mn = x.xm + u * (kMaxTiles * 32);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) f[j][nt] = xv.b(8 * u + j, nt);
-      s[nt] = xv.scale(u, nt), m[nt] = xv.mins(u, nt);
+      for (int j = 0; j < 8; ++j) f[j][nt] = __ldg(b + (j * kMaxTiles + nt) * 32);
+      s[nt] = *reinterpret_cast<const float2*>(sc + 8 * nt), m[nt] = __ldg(mn + nt * 32);
     }
   }
 };
@@ -422,12 +447,16 @@ struct IQ4U {
     for (int j = 0; j < 8; ++j) r.q[j] = ldw<uint32_t>(blk + 8 + 16 * j + 4 * t);
     return r;
   }
-  // The 6-bit scales: byte k of .x = ls_{2k}, of .y = ls_{2k+1}.
+  // The sub-block scales ls_j - 32 as int8: byte k of .x = ls_{2k} - 32, of .y = ls_{2k+1} - 32. Bytewise, for
+  // ls in [0, 64): (ls + 0x60) ^ 0x80 = ls - 32 (mod 256), and ls + 0x60 < 0x100 carries into no other byte, so
+  // a word takes one add and one XOR, and each k32 step reads its scale with one sign-extending byte permute
+  // (sbyte) instead of a permute and a subtraction.
   __device__ __forceinline__ static uint2 scales(uint2 hdr) {
     const uint32_t sl = hdr.y, sh = hdr.x >> 16;
     uint32_t s = (sh | (sh << 8)) & 0x00ff00ffu;  // nibble k of sh -> low nibble of byte k
     s = (s | (s << 4)) & 0x0f0f0f0fu;
-    return make_uint2((sl & 0x0f0f0f0fu) | ((s << 4) & 0x30303030u), ((sl >> 4) & 0x0f0f0f0fu) | ((s << 2) & 0x30303030u));
+    const uint32_t ev = (sl & 0x0f0f0f0fu) | ((s << 4) & 0x30303030u), od = ((sl >> 4) & 0x0f0f0f0fu) | ((s << 2) & 0x30303030u);
+    return make_uint2((ev + 0x60606060u) ^ 0x80808080u, (od + 0x60606060u) ^ 0x80808080u);
   }
   // Table: IQ4Table (GGUF's indices) or IQ4TableRecoded (IQ4T's).
   template <int NT, class Table = IQ4Table, class X = XView>
@@ -445,7 +474,7 @@ struct IQ4U {
       make_a(a[0], tab.lookup8(r[0].q[j]), tab.lookup8(r[1].q[j]));
       int sc[1][2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sc[0][h] = ubyte((j & 1) ? ls[h].y : ls[h].x, j >> 1) - 32;
+      for (int h = 0; h < 2; ++h) sc[0][h] = sbyte((j & 1) ? ls[h].y : ls[h].x, j >> 1);
       step<NT, 1>(a, sc, 8 * u + j, xv, acc);
     }
     finish(acc, u, d, xv, accf);
@@ -1091,6 +1120,7 @@ struct RowSource {
 #pragma unroll
     for (int h = 0; h < 2; ++h) r[h] = F::load(rows[h], u, t);
   }
+  __device__ __forceinline__ void prefetch(int) const {}  // a row-major unit is 32 rows' scattered blocks: none
 };
 template <class F>
 struct RowSource<F, true> {
@@ -1103,6 +1133,16 @@ struct RowSource<F, true> {
   }
   __device__ __forceinline__ void load(typename F::Raw (&r)[2], int64_t u) const {
     F::load_tile(tile + u * F::kTileUnitBytes, lane, r);
+  }
+  // Asks L2 for tile unit u (contiguous: a 128-byte line a lane). A hint that returns nothing: results never change.
+  __device__ __forceinline__ void prefetch(int u) const {
+#if !defined(SPECD_HOST_EMU) && defined(__CUDA_ARCH__)
+    const uintptr_t p = reinterpret_cast<uintptr_t>(tile + u * F::kTileUnitBytes), first = p & ~uintptr_t(127);
+    static_assert(F::kTileUnitBytes + 127 <= 32 * 128, "prefetch: a tile unit's lines, one a lane");
+    if (uintptr_t(lane) * 128 < p + F::kTileUnitBytes - first) asm volatile("prefetch.global.L2 [%0];" ::"l"(first + 128 * lane));
+#else
+    (void)u;
+#endif
   }
 };
 
@@ -1119,8 +1159,9 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
   XView xv = xv0;
   xv.lane = lane;
   const int64_t row0 = gb.rb * kRowsPerBlock + int64_t(warp) * 16;
-  const int64_t u_begin = gb.split * per_split;
-  const int64_t u_end = u_begin + per_split < nunits ? u_begin + per_split : nunits;
+  // Unit indices in 32 bits (a weight has < 2^31 units): 64-bit index arithmetic took ~15 instructions of a unit.
+  const int u_begin = int(gb.split * per_split);
+  const int u_end = int(u_begin + per_split < nunits ? u_begin + per_split : nunits);
 
   float accf[NT][4];
 #pragma unroll
@@ -1134,8 +1175,18 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
   static_assert(!kXAhead || (kAhead > 0 && F::kUnitElems == kGroup),
                 "x_ahead instances: a unit of weights loading ahead (units_ahead), units of one x group (XUnit)");
   if constexpr (kAhead == 0) {
+    // No unit loads ahead into registers here (the tiled formats' 2- to 6-tile instances: the verify widths), so each
+    // unit is asked of L2 kL2 units before its load (SPECD_MMA_L2_AHEAD). H200, same GGUF and call: verify at 8 / 16
+    // rows 10.53 / 14.94 -> 9.63 / 14.00 ms, the scripted loop at AL 3 / 5 / 7 285 / 474 / 653 -> 304 / 501 / 689
+    // tok/s (session of 2026-12-04 03:10 UTC). The one-tile instances, whose register ring holds the next unit,
+    // were 3-7 % slower with it (the FFN gate + up 34.9 -> 38.1 us): none there.
+    constexpr int kL2 = F::kTiled ? SPECD_MMA_L2_AHEAD : 0;
+    if constexpr (kL2 > 0)
+      for (int u = u_begin; u < u_begin + kL2 && u < u_end; ++u) src.prefetch(u);
     pdl_wait();  // split_x complete: xv readable
-    for (int64_t u = u_begin; u < u_end; ++u) {
+    for (int u = u_begin; u < u_end; ++u) {
+      if constexpr (kL2 > 0)
+        if (u + kL2 < u_end) src.prefetch(u + kL2);
       typename F::Raw raw[2];
       src.load(raw, u);
       compute<F, NT>(raw, u, xv, accf);
@@ -1152,16 +1203,17 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
     pdl_wait();  // the first units' weights are in flight; from here on x is read
     // kXAhead: unit u's x in xu[(u - u_begin) % kSlots], the next unit's loaded before a unit is computed.
     XUnit<NT> xu[kXAhead ? kSlots : 1];
+    const XLane xl(xv);
     if constexpr (kXAhead)
-      if (u_begin < u_end) xu[0].load(xv, u_begin);
-    for (int64_t u0 = u_begin; u0 < u_end; u0 += kSlots) {
+      if (u_begin < u_end) xu[0].load(xl, u_begin);
+    for (int u0 = u_begin; u0 < u_end; u0 += kSlots) {
 #pragma unroll
       for (int i = 0; i < kSlots; ++i) {
-        const int64_t u = u0 + i;
+        const int u = u0 + i;
         if (u < u_end) {
           if (u + kAhead < u_end) src.load(ring[(i + kAhead) % kSlots], u + kAhead);
           if constexpr (kXAhead) {
-            if (u + 1 < u_end) xu[(i + 1) % kSlots].load(xv, u + 1);
+            if (u + 1 < u_end) xu[(i + 1) % kSlots].load(xl, u + 1);
             compute<F, NT>(ring[i], u, XUnitView<NT>(xv, xu[i]), accf);
           } else {
             compute<F, NT>(ring[i], u, xv, accf);
@@ -1173,19 +1225,34 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
   store_partials<NT>(accf, part[warp], g_, warp, lane, n);
 }
 
-// Splits of the reduction dimension for a weight of `out` rows and `nunits` units, on `sms`
-// multiprocessors: about kBlocksPerSM blocks per multiprocessor (3-5 resident, so several waves:
-// the warps are latency-bound, and more of them in flight beat the tail; H200, gemv_sweep.sh: 16
-// against 4 took the 27B FFN gate + up launch from 67 to 55 us, Q8_0 17408 x 5120 from 102 to 68
-// us), at least SPECD_MMA_SPLIT_UNITS (4) units per split (which caps the 256-input formats of 5120 inputs
-// at 5 splits). Depends on the weight shape and the device only (never on n or on the weights it is
-// grouped with), so every row of x sees the same arithmetic whatever the width or grouping of the call.
-inline int64_t units_per_split(int64_t out, int64_t nunits, int64_t sms) {
+// Splits of the reduction dimension for a weight of `out` rows and `nunits` units of `unit_elems` inputs, on `sms`
+// multiprocessors that each hold `bps` blocks of the format's one-tile (decode) instance (wave_blocks; 0: the
+// fewest-units rule below alone). Depends on the weight's
+// shape and format and the device only (never on n or on the weights it is grouped with), so every row of x sees
+// the same arithmetic whatever the width or grouping of the call.
+//   The fewest splits of at most SPECD_MMA_SPLIT_MAX_INPUTS (2048) inputs whose blocks fill the resident slots (bps
+// * sms) to a good wave shape: 0.8 to 1 wave, or past one wave a last wave at least 0.4 full. A block pays a ramp
+// (its first unit's weights and x arrive before any arithmetic), so longer blocks are cheaper per unit, while a
+// last wave of a few blocks costs about a whole block's time for little work. H200, width 1 (gemv_sweep.sh,
+// session of 2026-12-04 03:10 UTC), tiled IQ4_XS: FFN gate + up 36.97 -> 35.02 us (3 splits of 7 units instead
+// of 5 of 4: 3.1 waves), down 21.55 -> 20.79 (10 of 7: 1.5 waves; 12 of 6: 19.95), GDN qkv 14.69 -> 13.98 (0.9
+// wave); tiled Q6_K's 5120 x 6144 14.44 -> 13.53 (4 of 6: 0.8 wave); against 1.03-1.21 waves at 23.15 / 22.16
+// / 15.50 / 14.46. Otherwise (no such split, or SPECD_MMA_SPLIT_WAVES 0) the fewest-units rule: about
+// kBlocksPerSM blocks per multiprocessor, at least SPECD_MMA_SPLIT_UNITS (4) units per split (16 against 4 took the
+// 27B FFN gate + up launch from 67 to 55 us, Q8_0 17408 x 5120 from 102 to 68 us, 2026-11-30). Wave shares in
+// hundredths, integers: the host, the device and the emulation agree.
+inline int64_t units_per_split(int64_t out, int64_t nunits, int unit_elems, int64_t sms, int bps) {
   const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t want = kBlocksPerSM * sms;
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(want / row_blocks, nunits / SPECD_MMA_SPLIT_UNITS));
-  int64_t per = (nunits + splits - 1) / splits;
-  return std::max<int64_t>(per, 1);
+  if (SPECD_MMA_SPLIT_WAVES && bps > 0)
+    for (int64_t s = 1; s <= splits; ++s) {
+      const int64_t per = (nunits + s - 1) / s;
+      if (per * unit_elems > SPECD_MMA_SPLIT_MAX_INPUTS || (nunits + per - 1) / per != s) continue;  // too long, or s - 1 splits
+      const int64_t w100 = row_blocks * s * 100 / (int64_t(bps) * sms), last = w100 % 100;
+      if ((w100 >= 80 && w100 <= 100) || (w100 > 100 && (last >= 40 || last == 0))) return per;
+    }
+  return std::max<int64_t>((nunits + splits - 1) / splits, 1);
 }
 
 // Sums of the split partials of a group (the weights with more than one split): element e of the
@@ -1218,30 +1285,65 @@ struct GroupWeight {
   int64_t partials = 0;
 };
 
-// Splits of a weight of `out` rows and `nunits` units on `sms` multiprocessors (units_per_split's).
+// The tiled format whose split plan F's weights take: its own, or for a row-major format the tiled layout of the same
+// quants, so that a weight gives the same bits in either layout (test_gpu_gemv_tiles.py); void for the formats with
+// no tiled layout.
+template <class F>
+struct SplitTwin {
+  using type = std::conditional_t<F::kTiled, F, void>;
+};
+template <>
+struct SplitTwin<IQ4U> {
+  using type = IQ4T;
+};
+template <>
+struct SplitTwin<QK45U<false>> {
+  using type = Q4T;
+};
+template <>
+struct SplitTwin<Q6U> {
+  using type = Q6T;
+};
+// The resident blocks per multiprocessor units_per_split sizes F's splits by: its tiled twin's one-tile (decode)
+// instance's (where the wave rule was measured); 0 (the fewest-units rule alone) for the formats without one.
+template <class F>
+constexpr int wave_blocks() {
+  using T = typename SplitTwin<F>::type;
+  if constexpr (std::is_void_v<T>)
+    return 0;
+  else
+    return min_blocks<T, 1>();
+}
+
+// Units per split and splits of a weight of format F, `out` rows and `nunits` units on `sms` multiprocessors.
+template <class F>
+inline int64_t units_per_split_of(int64_t out, int64_t nunits, int64_t sms) {
+  return units_per_split(out, nunits, F::kUnitElems, sms, wave_blocks<F>());
+}
+template <class F>
 inline int64_t splits_for(int64_t out, int64_t nunits, int64_t sms) {
-  const int64_t per = units_per_split(out, nunits, sms);
+  const int64_t per = units_per_split_of<F>(out, nunits, sms);
   return (nunits + per - 1) / per;
 }
 
-// The launch plan of weights ws[0 .. count) (count <= kMaxGroup; format units of `unit_elems`
-// inputs) against n rows of x on `sms` multiprocessors: the kernel's Group (each weight's split,
+// The launch plan of weights ws[0 .. count) (count <= kMaxGroup; format F) against n rows of x on `sms`
+// multiprocessors: the kernel's Group (each weight's split,
 // its flat blocks) and the SplitSums of the weights with several splits, whose partials go to
 // scratch(bytes) buffers (the caller keeps them alive until the sums ran). Shared by the launch and
 // the host emulation. False when a weight's partials buffer does not hold its splits (the plan is then not
 // to be launched: its kernel would write past that buffer or leave parts of it unwritten).
-template <class Scratch>
-inline bool plan_group(const GroupWeight* ws, int count, int64_t in, int unit_elems, int n, int64_t sms,
-                       const Scratch& scratch, Group& grp, SplitSums& sums) {
-  const int64_t nunits = in / unit_elems;
+template <class F, class Scratch>
+inline bool plan_group(const GroupWeight* ws, int count, int64_t in, int n, int64_t sms, const Scratch& scratch, Group& grp,
+                       SplitSums& sums) {
+  const int64_t nunits = in / F::kUnitElems;
   grp = Group{};
   sums = SplitSums{};
   grp.count = count;
   bool sized = true;
   for (int i = 0; i < count; ++i) {
     const GroupWeight& wt = ws[i];
-    const int64_t per = units_per_split(wt.out, nunits, sms);
-    const int64_t splits = splits_for(wt.out, nunits, sms), row_blocks = (wt.out + kRowsPerBlock - 1) / kRowsPerBlock;
+    const int64_t per = units_per_split_of<F>(wt.out, nunits, sms);
+    const int64_t splits = splits_for<F>(wt.out, nunits, sms), row_blocks = (wt.out + kRowsPerBlock - 1) / kRowsPerBlock;
     grp.w[i] = wt.w, grp.row_bytes[i] = wt.row_bytes, grp.out[i] = wt.out, grp.per_split[i] = per;
     grp.dst[i] = wt.y;
     if (wt.partials > 0 && wt.partials != splits) sized = false;
@@ -1323,7 +1425,7 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   const int64_t nunits = in / F::kUnitElems;
   Group grp;
   SplitSums sums;
-  SPECD_CHECK(plan_group(ws, count, in, F::kUnitElems, n, sms, scratch, grp, sums),
+  SPECD_CHECK(plan_group<F>(ws, count, in, n, sms, scratch, grp, sums),
               "matmul: a split-K partials output does not hold its GEMV's split count");
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
   detail::launch_kernel<mma_gemv_kernel<F, NT>>("mma_gemv_kernel", unsigned(grp.block0[count]), kWarps * 32, 0, s, grp,
@@ -1470,7 +1572,10 @@ void with_format(DType t, const Fn& f) {
 // for the partials (GroupWeight::partials) sizes their buffer [splits][n][out] by.
 inline int64_t gemv_splits(DType t, int64_t out, int64_t in) {
   int64_t splits = 1;
-  with_format(t, [&](auto tag) { splits = splits_for(out, in / decltype(tag)::type::kUnitElems, sm_count()); });
+  with_format(t, [&](auto tag) {
+    using F = typename decltype(tag)::type;
+    splits = splits_for<F>(out, in / F::kUnitElems, sm_count());
+  });
   return splits;
 }
 

@@ -136,7 +136,7 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   std::vector<std::vector<float>> scratch;
   Group grp;
   SplitSums sums;
-  if (!plan_group(ws.data(), int(outs.size()), in, F::kUnitElems, n, sms,
+  if (!plan_group<F>(ws.data(), int(outs.size()), in, n, sms,
                   [&](size_t bytes) {
                     scratch.emplace_back(bytes / sizeof(float), NAN);
                     return scratch.back().data();
@@ -217,8 +217,32 @@ int check_lookups() {
   return bad ? 1 : 0;
 }
 
+// `mma_emu splits FORMAT out in sms`: the GEMV's split plan of one weight (mma::splits_for, units_per_split_of) as
+// "splits units_per_split".
+template <class F>
+int print_splits(int64_t out, int64_t in, int64_t sms) {
+  const int64_t nunits = in / F::kUnitElems;
+  std::printf("%lld %lld\n", static_cast<long long>(mma::splits_for<F>(out, nunits, sms)),
+              static_cast<long long>(mma::units_per_split_of<F>(out, nunits, sms)));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc == 2 && std::string(argv[1]) == "lookup") return check_lookups();
+  if (argc == 6 && std::string(argv[1]) == "splits") {
+    const std::string f = argv[2];
+    const int64_t out = std::atoll(argv[3]), in = std::atoll(argv[4]), sms = std::atoll(argv[5]);
+    if (f == "IQ4_XS_T") return print_splits<mma::IQ4T>(out, in, sms);
+    if (f == "IQ4_XS") return print_splits<mma::IQ4U>(out, in, sms);
+    if (f == "Q6_K_T") return print_splits<mma::Q6T>(out, in, sms);
+    if (f == "Q6_K") return print_splits<mma::Q6U>(out, in, sms);
+    if (f == "Q4_K_T") return print_splits<mma::Q4T>(out, in, sms);
+    if (f == "Q4_K") return print_splits<mma::QK45U<false>>(out, in, sms);
+    if (f == "Q5_K") return print_splits<mma::QK45U<true>>(out, in, sms);
+    if (f == "Q8_0") return print_splits<mma::Q8U>(out, in, sms);
+    if (f == "BF16") return print_splits<mma::BF16U>(out, in, sms);
+    return 2;
+  }
   if (argc != 8) {
     std::fprintf(stderr, "usage: %s FORMAT n in out[,out...] w.bin x.bin y.bin\n", argv[0]);
     return 2;
