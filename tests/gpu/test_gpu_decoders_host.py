@@ -250,16 +250,10 @@ def test_gpu_mma_iq4_lookups_on_host(mma_emu):
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
-# The ring-depth builds size splits by the fewest-units rule alone (SPECD_MMA_SPLIT_WAVES=0): the wave rule reads the
-# one-tile instance's resident blocks (mma::min_blocks), which the occupancy constants below change, and with it
-# the splits, which are arithmetic. The default build's wave-rule splits: test_gpu_mma_split_plans.
-FEWEST_UNITS = "-DSPECD_MMA_SPLIT_WAVES=0"
-
-
 @pytest.fixture(scope="module")
 def mma_emu_fewest_units(tmp_path_factory):
-    """The emulation with the default ring, occupancy and x-ahead constants, splits by the fewest-units rule."""
-    return build_mma_emu(tmp_path_factory, FEWEST_UNITS)
+    """The emulation with splits by the fewest-units rule alone (SPECD_MMA_SPLIT_WAVES=0)."""
+    return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_SPLIT_WAVES=0")
 
 
 @pytest.fixture(scope="module")
@@ -271,23 +265,23 @@ def mma_emu_deep_ring(tmp_path_factory):
     formats' one-tile rings with x ahead (SPECD_MMA_X_RING_REGS) 160 registers."""
     return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_RING_REGS=160", "-DSPECD_MMA_MAX_AHEAD=8",
                          "-DSPECD_MMA_MIN_BLOCKS=3", "-DSPECD_MMA_IQ4T_RING_2=100", "-DSPECD_MMA_IQ4T_RING_34=120",
-                         "-DSPECD_MMA_X_RING_REGS=160", FEWEST_UNITS)
+                         "-DSPECD_MMA_X_RING_REGS=160")
 
 
 @pytest.fixture(scope="module")
 def mma_emu_no_x_ahead(tmp_path_factory):
     """The emulation without the tiled formats' x loaded a unit ahead (SPECD_MMA_X_AHEAD=0: x read in each
     unit, the rings of SPECD_MMA_RING_REGS)."""
-    return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_X_AHEAD=0", FEWEST_UNITS)
+    return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_X_AHEAD=0")
 
 
 @pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T", "Q4_K_T", "Q6_K_T"])
-def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu_fewest_units, mma_emu_deep_ring, mma_emu_no_x_ahead, rng, name):
+def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, mma_emu_no_x_ahead, rng, name):
     """The ring depth, occupancy and x-ahead constants change when units and x are loaded, never the
-    arithmetic: the deep-ring and no-x-ahead builds give bit for bit the default build's rows (split-K on 1
-    SM, ragged last splits; splits of 1, 3, 5 and 4 256-input units: odd and even runs through the unrolled
-    slots; 1100 rows: one split of 9 units, which wraps the deep rings of every format)."""
-    mma_emu = mma_emu_fewest_units
+    arithmetic (the split plans included: the wave rule's blocks per multiprocessor are constants, kWaveBlocks):
+    the deep-ring and no-x-ahead builds give bit for bit the default build's rows (split-K on 1 SM, ragged last
+    splits; splits of 1, 3, 5 and 4 256-input units: odd and even runs through the unrolled slots; 1100 rows: one
+    split of 9 units, which wraps the deep rings of every format)."""
     builds = (mma_emu_deep_ring, mma_emu_no_x_ahead)
     for k, out in ((2304, 40), (768, 40), (256, 40), (2304, 1100)):  # 256-input units: 9 (splits of 5, 4), 3, 1, 9
         raw, _ = weight(rng, name.removesuffix("_T"), out, k, False)
@@ -301,19 +295,25 @@ def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu_fewest_units, mma_emu_dee
                 assert np.array_equal(base.view(np.uint32), other.view(np.uint32)), f"{name} k={k} n={n} {build[0]}"
 
 
-def split_plan(d, exe, name, out, k, sms=132):
-    """(splits, units per split) the GEMV plans for one weight of `name`, `out` rows and `k` inputs on `sms`
-    multiprocessors (mma::splits_for / units_per_split, as the launch and gemv_splits call them)."""
+def split_info(d, exe, name, out, k, sms=132):
+    """(splits, units per split, wave blocks, one-tile blocks) of one weight of `name`, `out` rows and `k` inputs on
+    `sms` multiprocessors: the GEMV's plan (mma::splits_for / units_per_split_of, as the launch and gemv_splits call
+    them), the blocks per multiprocessor the wave rule assumes (mma::wave_blocks) and those the format's tiled twin's
+    one-tile instance runs at in this build (mma::min_blocks; 0 0 without a twin)."""
     r = subprocess.run([str(exe), "splits", name, str(out), str(k), str(sms)], capture_output=True, text=True, check=True)
-    splits, per = map(int, r.stdout.split())
-    return splits, per
+    return tuple(map(int, r.stdout.split()))
+
+
+def split_plan(d, exe, name, out, k, sms=132):
+    """(splits, units per split) of split_info."""
+    return split_info(d, exe, name, out, k, sms)[:2]
 
 
 # The 27B decode step's weights on an H200 (132 SMs): (format, out, in, splits, units per split). Tiled IQ4_XS runs 4
 # blocks per SM at one tile, tiled Q6_K 3. The FFN gate / up and GDN qkv take 3 splits of 7 units (1.55 / 0.91
-# waves), the down projection 10 of 7 (1.52), the Q6_K out projection 4 of 6 (0.81); the rest keep the fewest-units
-# rule's 4-unit splits (GDN z: 0.91 wave; attention q: 1.45 waves with 4 splits of 5), the output head 1 split; the
-# formats without a tiled layout the fewest-units rule's (Q8_0's 32-input units too).
+# waves), the down projection 10 of 7 (1.52), attention q 4 of 5 (1.45), the Q6_K out projection 4 of 6 (0.81);
+# the rest keep the fewest-units rule's 4-unit splits (GDN z: 0.91 wave; attention k, v: no split fills 0.8 of a
+# wave); the formats without a tiled layout keep the fewest-units rule (the Q5_K output head's single split, Q8_0).
 SPLIT_PLANS_27B = [("IQ4_XS_T", 17408, 5120, 3, 7), ("IQ4_XS_T", 5120, 17408, 10, 7), ("IQ4_XS_T", 10240, 5120, 3, 7),
                    ("IQ4_XS_T", 6144, 5120, 5, 4), ("IQ4_XS_T", 12288, 5120, 4, 5), ("IQ4_XS_T", 1024, 5120, 5, 4),
                    ("IQ4_XS_T", 5120, 6144, 6, 4), ("Q6_K_T", 5120, 6144, 4, 6), ("Q6_K_T", 1024, 5120, 5, 4),
@@ -323,10 +323,13 @@ SPLIT_PLANS_27B = [("IQ4_XS_T", 17408, 5120, 3, 7), ("IQ4_XS_T", 5120, 17408, 10
 
 @pytest.mark.parametrize("name,out,k,splits,per", SPLIT_PLANS_27B)
 def test_gpu_mma_split_plans(mma_emu, name, out, k, splits, per):
-    """The wave rule's splits (mma::units_per_split) for the 27B's decode weights on 132 SMs, and the fewest-units
-    rule's where no split of at most 2048 inputs fills the resident blocks to a good wave shape (Q8_0's 32-input
-    units, the output head's single split)."""
-    assert split_plan(*mma_emu, name, out, k) == (splits, per)
+    """The wave rule's splits (mma::units_per_split) for the 27B's decode weights on 132 SMs, the fewest-units
+    rule's where no split of at most 2048 inputs fills the resident blocks to a good wave shape or the format has
+    no tiled layout; and in this (default) build the wave rule's blocks per multiprocessor are the tiled twin's
+    one-tile instance's."""
+    got_splits, got_per, wave_blocks, one_tile_blocks = split_info(*mma_emu, name, out, k)
+    assert (got_splits, got_per) == (splits, per)
+    assert wave_blocks == one_tile_blocks
 
 
 def test_gpu_mma_split_plans_rules(mma_emu, mma_emu_fewest_units):

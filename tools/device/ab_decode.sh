@@ -28,7 +28,7 @@
 # it) decode_at_context ("N:tok/s,..." with AB_DECODE_ARGS="--decode-context N ...", else -), the file of
 # specd.native._native; or why a tree was not measured), sweep.tsv, ncu.txt (with NCU, NCU_SOURCE as gemv_sweep.sh:
 # its Nsight Compute of those sweep variants and the per-opcode stall summaries; SWEEP_TIMEOUT: seconds for the
-# sweep's runs and Nsight Compute, default 150); with ATTN_CONTEXTS (e.g. "4096 32768") each
+# sweep's runs and Nsight Compute, and for each SWEEP_OLD tree's, default 150); with ATTN_CONTEXTS (e.g. "4096 32768") each
 # tree's tools/device/attn_bench.py run (the working tree's script on that tree's library, round 1): its
 # table in ab.log (the JSON stays in /tmp: the device tool brings back 8 files). AB_DECODE_ARGS adds gpu_decode.py options to every decode run; DECODE_TREES (e.g. "new")
 # limits the decode runs to those trees; LOOP_AL (e.g. "3 5 7") then runs tools/bench/loop_overhead.py on the
@@ -142,6 +142,7 @@ if [ -n "${LOOP_AL:-}" ] && [ -f "$GGUF" ]; then  # the service loop on the work
   echo "loop new rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 fi
 if [ -n "${SWEEP_VARIANTS:-}" ]; then
+  rm -f /tmp/ab_sweep/ncu.txt /tmp/ab_sweep/ncu_src_*.csv  # never an earlier call's profiles
   OUT=/tmp/ab_sweep VARIANTS="$SWEEP_VARIANTS" SWEEP_SKIP_BUILD=1 timeout "${SWEEP_TIMEOUT:-150}" bash tools/device/gemv_sweep.sh \
     >/dev/null 2>&1
   cp /tmp/ab_sweep/sweep.tsv "$OUT/sweep.tsv"
@@ -157,7 +158,7 @@ if [ -n "${SWEEP_VARIANTS:-}" ]; then
       echo "# ${names[$i]}-own: not supported (its gemv_sweep.sh cannot build apart from running)" >>"$OUT/sweep.tsv"
       continue
     fi
-    (cd "${dirs[$i]}" && OUT="/tmp/ab_sweep_${names[$i]}" VARIANTS="${names[$i]}-own:" SWEEP_SKIP_BUILD=1 timeout 150 \
+    (cd "${dirs[$i]}" && OUT="/tmp/ab_sweep_${names[$i]}" VARIANTS="${names[$i]}-own:" SWEEP_SKIP_BUILD=1 timeout "${SWEEP_TIMEOUT:-150}" \
       bash tools/device/gemv_sweep.sh >/dev/null 2>&1)
     echo "sweep ${names[$i]}-own rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
     cat "/tmp/ab_sweep_${names[$i]}/sweep.tsv" >>"$OUT/sweep.tsv" 2>/dev/null ||

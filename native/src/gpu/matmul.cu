@@ -37,9 +37,11 @@
 //   the loads of the next units are in flight while a unit is computed (a ring of registers, as deep as a
 //   register budget allows, mma::units_ahead: none for Q6_K, none for Q4_K / Q5_K from two tiles on, none
 //   at 5-6 tiles but for BF16). Splits depend only on (out, in, format, the device's multiprocessor
-//   count): about 16 blocks per multiprocessor (3-5 resident, mma::min_blocks: several waves of
-//   latency-bound warps), at least 4 units each; split partials go to a scratch buffer and are summed split 0
-//   first by a second kernel (never atomics).
+//   count), never on n or grouping (mma::units_per_split): for the tiled formats (and the row-major ones with a
+//   tiled layout, which plan as it: mma::SplitTwin) the fewest splits of at most 2048 inputs whose blocks fill
+//   the decode instance's resident slots to 0.8-1 wave or leave a last wave at least 0.4 full; else about 16
+//   blocks per multiprocessor, at least 4 units each. Split partials go to a scratch buffer and are summed split 0
+//   first by a second kernel or by the op reading the output (never atomics).
 // * Batch invariance: a column's arithmetic (its terms and scale, the integer MMAs and IMADs, the
 //   super-block float steps, the split walk and sum, the term sum) is the same in every instance and
 //   depends on no other column; integer sums have no order. So row i of y is bit-identical whatever n

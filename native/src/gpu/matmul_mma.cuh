@@ -122,6 +122,9 @@ constexpr int kTerms = 3;                   // int8 terms per x value
 constexpr int kMaxTiles = 6;                // n8 tiles of term columns for n = 16 (48 columns)
 constexpr int kMaxCols = 8 * kMaxTiles;
 constexpr int kGroup = 256;                 // inputs sharing one power-of-two x scale
+// Most units (of any format) one GEMV reduces over: the kernel's unit indices and some offsets from them are 32-bit
+// products (XUnit::load: u * 1536 B fragments, RowSource::prefetch: u * a tiled unit's <= 3360 bytes).
+constexpr int64_t kMaxUnits = 600000;
 
 // n8 tiles of term columns a call of n rows of x runs (3 n columns): the kernel instance NT. One
 // instance per tile count, so no tile is all padding: a run-time skip of dead tiles put a branch and
@@ -349,10 +352,11 @@ struct XUnit {
   uint2 f[8][NT];  // B fragments
   float2 s[NT];    // column scales
   uint32_t m[NT];  // sub-block sums (Q4_K / Q5_K's mins)
-  // Every lane loads, padding columns' lanes too (unlike XView::b): what they read only reaches the
-  // padding columns of the MMAs' outputs, which store_partials never stores.
+  // XView::b / scale / mins of unit u's k32 steps and group (the same layout: split_x_kernel), except that every
+  // lane loads, padding columns' lanes too: what they read only reaches the padding columns of the MMAs' outputs,
+  // which store_partials never stores (the emulation poisons the split x's unwritten bytes with NaN f16 / -1 int8).
   __device__ __forceinline__ void load(const XLane& x, int u) {
-    const uint2* b = x.xb + u * (8 * kMaxTiles * 32);
+    const uint2* b = x.xb + u * (8 * kMaxTiles * 32);  // 32-bit products: launch bounds nunits (kMaxUnits)
     const float* sc = x.xs + u * kMaxCols;
     const uint32_t* mn = x.xm + u * (kMaxTiles * 32);
 #pragma unroll
@@ -1120,7 +1124,6 @@ struct RowSource {
 #pragma unroll
     for (int h = 0; h < 2; ++h) r[h] = F::load(rows[h], u, t);
   }
-  __device__ __forceinline__ void prefetch(int) const {}  // a row-major unit is 32 rows' scattered blocks: none
 };
 template <class F>
 struct RowSource<F, true> {
@@ -1159,7 +1162,8 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
   XView xv = xv0;
   xv.lane = lane;
   const int64_t row0 = gb.rb * kRowsPerBlock + int64_t(warp) * 16;
-  // Unit indices in 32 bits (a weight has < 2^31 units): 64-bit index arithmetic took ~15 instructions of a unit.
+  // Unit indices in 32 bits (launch checks nunits <= kMaxUnits): 64-bit index arithmetic took ~15 instructions of a
+  // unit.
   const int u_begin = int(gb.split * per_split);
   const int u_end = int(u_begin + per_split < nunits ? u_begin + per_split : nunits);
 
@@ -1179,7 +1183,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
     // unit is asked of L2 kL2 units before its load (SPECD_MMA_L2_AHEAD). H200, same GGUF and call: verify at 8 / 16
     // rows 10.53 / 14.94 -> 9.63 / 14.00 ms, the scripted loop at AL 3 / 5 / 7 285 / 474 / 653 -> 304 / 501 / 689
     // tok/s (session of 2026-12-04 03:10 UTC). The one-tile instances, whose register ring holds the next unit,
-    // were 3-7 % slower with it (the FFN gate + up 34.9 -> 38.1 us): none there.
+    // were 3-9 % slower with it (tiled IQ4_XS: GDN qkv 13.89 -> 14.29 us, FFN gate + up 34.92 -> 38.11): none there.
     constexpr int kL2 = F::kTiled ? SPECD_MMA_L2_AHEAD : 0;
     if constexpr (kL2 > 0)
       for (int u = u_begin; u < u_begin + kL2 && u < u_end; ++u) src.prefetch(u);
@@ -1231,16 +1235,17 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
 // shape and format and the device only (never on n or on the weights it is grouped with), so every row of x sees
 // the same arithmetic whatever the width or grouping of the call.
 //   The fewest splits of at most SPECD_MMA_SPLIT_MAX_INPUTS (2048) inputs whose blocks fill the resident slots (bps
-// * sms) to a good wave shape: 0.8 to 1 wave, or past one wave a last wave at least 0.4 full. A block pays a ramp
+// * sms) to a good wave shape: 0.8 to 1 wave, or past one wave whole waves or a last wave at least 0.4 full (integer
+// comparisons: the host, the device and the emulation agree). The shape is judged per weight, as the contract
+// above requires, though a grouped launch runs its weights' blocks as one grid. A block pays a ramp
 // (its first unit's weights and x arrive before any arithmetic), so longer blocks are cheaper per unit, while a
 // last wave of a few blocks costs about a whole block's time for little work. H200, width 1 (gemv_sweep.sh,
-// session of 2026-12-04 03:10 UTC), tiled IQ4_XS: FFN gate + up 36.97 -> 35.02 us (3 splits of 7 units instead
-// of 5 of 4: 3.1 waves), down 21.55 -> 20.79 (10 of 7: 1.5 waves; 12 of 6: 19.95), GDN qkv 14.69 -> 13.98 (0.9
+// session of 2026-12-04 03:10 UTC), tiled IQ4_XS: FFN gate + up, one launch, 36.97 -> 35.02 us (3 splits of 7 units
+// instead of 5 of 4: 1.55 waves a weight), down 21.55 -> 20.79 (10 of 7: 1.5 waves; 12 of 6: 19.95), GDN qkv 14.69 -> 13.98 (0.9
 // wave); tiled Q6_K's 5120 x 6144 14.44 -> 13.53 (4 of 6: 0.8 wave); against 1.03-1.21 waves at 23.15 / 22.16
 // / 15.50 / 14.46. Otherwise (no such split, or SPECD_MMA_SPLIT_WAVES 0) the fewest-units rule: about
 // kBlocksPerSM blocks per multiprocessor, at least SPECD_MMA_SPLIT_UNITS (4) units per split (16 against 4 took the
-// 27B FFN gate + up launch from 67 to 55 us, Q8_0 17408 x 5120 from 102 to 68 us, 2026-11-30). Wave shares in
-// hundredths, integers: the host, the device and the emulation agree.
+// 27B FFN gate + up launch from 67 to 55 us, Q8_0 17408 x 5120 from 102 to 68 us, 2026-11-30).
 inline int64_t units_per_split(int64_t out, int64_t nunits, int unit_elems, int64_t sms, int bps) {
   const int64_t row_blocks = (out + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t want = kBlocksPerSM * sms;
@@ -1248,9 +1253,9 @@ inline int64_t units_per_split(int64_t out, int64_t nunits, int unit_elems, int6
   if (SPECD_MMA_SPLIT_WAVES && bps > 0)
     for (int64_t s = 1; s <= splits; ++s) {
       const int64_t per = (nunits + s - 1) / s;
-      if (per * unit_elems > SPECD_MMA_SPLIT_MAX_INPUTS || (nunits + per - 1) / per != s) continue;  // too long, or s - 1 splits
-      const int64_t w100 = row_blocks * s * 100 / (int64_t(bps) * sms), last = w100 % 100;
-      if ((w100 >= 80 && w100 <= 100) || (w100 > 100 && (last >= 40 || last == 0))) return per;
+      if (per * unit_elems > SPECD_MMA_SPLIT_MAX_INPUTS || (nunits + per - 1) / per != s) continue;  // too long, or fewer splits
+      const int64_t blocks = row_blocks * s, slots = int64_t(bps) * sms, last = blocks % slots;
+      if (blocks <= slots ? 100 * blocks >= 80 * slots : last == 0 || 100 * last >= 40 * slots) return per;
     }
   return std::max<int64_t>((nunits + splits - 1) / splits, 1);
 }
@@ -1304,15 +1309,20 @@ template <>
 struct SplitTwin<Q6U> {
   using type = Q6T;
 };
-// The resident blocks per multiprocessor units_per_split sizes F's splits by: its tiled twin's one-tile (decode)
-// instance's (where the wave rule was measured); 0 (the fewest-units rule alone) for the formats without one.
+// The resident blocks per multiprocessor units_per_split sizes a tiled format's splits by: its one-tile (decode)
+// instance's at the default tuning constants (min_blocks<T, 1>(): tiled Q6_K runs one block fewer,
+// x_ahead_fewer_blocks; test_gpu_mma_split_plans checks the two agree), written out so that a sweep variant's
+// occupancy constants leave the split plan, hence the results, alone.
+template <class T>
+constexpr int kWaveBlocks = std::is_same_v<T, Q6T> ? 3 : 4;
+// units_per_split's bps for format F: its tiled twin's kWaveBlocks; 0 (the fewest-units rule alone) without a twin.
 template <class F>
 constexpr int wave_blocks() {
   using T = typename SplitTwin<F>::type;
   if constexpr (std::is_void_v<T>)
     return 0;
   else
-    return min_blocks<T, 1>();
+    return kWaveBlocks<T>;
 }
 
 // Units per split and splits of a weight of format F, `out` rows and `nunits` units on `sms` multiprocessors.
@@ -1343,7 +1353,7 @@ inline bool plan_group(const GroupWeight* ws, int count, int64_t in, int n, int6
   for (int i = 0; i < count; ++i) {
     const GroupWeight& wt = ws[i];
     const int64_t per = units_per_split_of<F>(wt.out, nunits, sms);
-    const int64_t splits = splits_for<F>(wt.out, nunits, sms), row_blocks = (wt.out + kRowsPerBlock - 1) / kRowsPerBlock;
+    const int64_t splits = (nunits + per - 1) / per, row_blocks = (wt.out + kRowsPerBlock - 1) / kRowsPerBlock;
     grp.w[i] = wt.w, grp.row_bytes[i] = wt.row_bytes, grp.out[i] = wt.out, grp.per_split[i] = per;
     grp.dst[i] = wt.y;
     if (wt.partials > 0 && wt.partials != splits) sized = false;
@@ -1428,6 +1438,8 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   SPECD_CHECK(plan_group<F>(ws, count, in, n, sms, scratch, grp, sums),
               "matmul: a split-K partials output does not hold its GEMV's split count");
   SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
+  SPECD_CHECK(nunits <= kMaxUnits, "matmul: more than ", kMaxUnits, " units of ", F::kUnitElems,
+              " inputs for one tensor-core GEMV");
   detail::launch_kernel<mma_gemv_kernel<F, NT>>("mma_gemv_kernel", unsigned(grp.block0[count]), kWarps * 32, 0, s, grp,
                                                 nunits, xv, n);
   if (sums.count > 0) {

@@ -89,7 +89,9 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
          const std::vector<int64_t>& outs, std::vector<float>& y) {
   using namespace specd::gpu::detail::mma;
   const XSizes sz(in);
-  std::vector<uint8_t> scratch_x(sz.total(), 0xA5);  // poisoned: whatever the kernels read was written
+  // Poisoned (NaN f32 / f16, int8 -1): whatever the kernels read was written, but for the padding columns' B fragments
+  // and sub-block sums, which every lane of the x-ahead instances loads and only padding columns may see.
+  std::vector<uint8_t> scratch_x(sz.total(), 0xFF);
   std::vector<uint4> scratch_h;
   uint8_t* base = scratch_x.data();
   XView xv{reinterpret_cast<const uint2*>(base), reinterpret_cast<const float*>(base + sz.xb),
@@ -218,12 +220,16 @@ int check_lookups() {
 }
 
 // `mma_emu splits FORMAT out in sms`: the GEMV's split plan of one weight (mma::splits_for, units_per_split_of) as
-// "splits units_per_split".
+// "splits units_per_split wave_blocks one_tile_blocks": the blocks per multiprocessor the wave rule assumes and those
+// the format's tiled twin's one-tile instance runs at in this build (min_blocks; 0 0 without a twin).
 template <class F>
 int print_splits(int64_t out, int64_t in, int64_t sms) {
   const int64_t nunits = in / F::kUnitElems;
-  std::printf("%lld %lld\n", static_cast<long long>(mma::splits_for<F>(out, nunits, sms)),
-              static_cast<long long>(mma::units_per_split_of<F>(out, nunits, sms)));
+  using T = typename mma::SplitTwin<F>::type;
+  int blocks = 0;
+  if constexpr (!std::is_void_v<T>) blocks = mma::min_blocks<T, 1>();
+  std::printf("%lld %lld %d %d\n", static_cast<long long>(mma::splits_for<F>(out, nunits, sms)),
+              static_cast<long long>(mma::units_per_split_of<F>(out, nunits, sms)), mma::wave_blocks<F>(), blocks);
   return 0;
 }
 
