@@ -859,7 +859,8 @@ __host__ __device__ constexpr bool x_ahead_fewer_blocks() {
 // one fewer too (x_ahead_fewer_blocks). Two tiles at 5 blocks
 // rather than 4 (tiled Q6_K, the Q5_K head): verify at 4 rows 9.52-9.60 -> 9.32-9.34 ms (H200, session of
 // 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's GEMV 4 % slower, at 6 blocks 15 %. ptxas spills
-// a few bytes in some instances at these caps (row-major IQ4_XS 2 / 4 tiles 16 / 8, Q4_K / Q5_K 5-6 tiles 12-44).
+// a few bytes in some instances at these caps (sm_90, CUDA 13.0: row-major IQ4_XS 2 / 4 tiles 8 / 12, Q6_K 2 / 6 tiles
+// 12 / 24, Q4_K 6 tiles 28; tiled Q4_K 5 / 6 tiles 12 / 20, tiled IQ4_XS 5 tiles and tiled Q6_K 6 tiles 4).
 template <class F, int NT>
 __host__ __device__ constexpr int min_blocks() {
   if constexpr (kIq4tTuning<F, NT>) return NT == 2 ? SPECD_MMA_IQ4T_BLOCKS_2 : SPECD_MMA_IQ4T_BLOCKS_34;
