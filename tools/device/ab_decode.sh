@@ -31,7 +31,9 @@
 # sweep's runs and Nsight Compute, and for each SWEEP_OLD tree's, default 150); with ATTN_CONTEXTS (e.g. "4096 32768") each
 # tree's tools/device/attn_bench.py run (the working tree's script on that tree's library, round 1): its
 # table in ab.log (the JSON stays in /tmp: the device tool brings back 8 files). AB_DECODE_ARGS adds gpu_decode.py options to every decode run; DECODE_TREES (e.g. "new")
-# limits the decode runs to those trees; LOOP_AL (e.g. "3 5 7") then runs tools/bench/loop_overhead.py on the
+# limits the decode runs to those trees; DECODE_ENVS ("name:VAR=V,VAR=V ...") adds decode runs of the working tree,
+# named new-NAME (DECODE_TREES takes that name), each with those environment variables set: an experiment's runtime
+# knob read by an uncommitted working tree, one build for several variants (never a product switch); LOOP_AL (e.g. "3 5 7") then runs tools/bench/loop_overhead.py on the
 # working tree (the service loop over its IPC streams, as gpu_bench.sh). DECODE_TIMEOUT: seconds per decode run
 # (default 150). Exit status 1 when a tree was not measured.
 set -u -o pipefail
@@ -62,8 +64,17 @@ if [ "${SWEEP_OLD:-0}" = 1 ] && [ -z "${SWEEP_VARIANTS:-}" ]; then
   echo "SWEEP_OLD=1 runs alongside a sweep: set SWEEP_VARIANTS too" >&2
   exit 2
 fi
+for e in ${DECODE_ENVS:-}; do  # name:VAR=V[,VAR=V ...], else the run would be mistaken for an old tree's
+  [[ $e =~ ^[A-Za-z0-9_]+:[A-Za-z_][A-Za-z0-9_]*=[^,]*(,[A-Za-z_][A-Za-z0-9_]*=[^,]*)*$ ]] ||
+    { echo "DECODE_ENVS: $e is not name:VAR=V[,VAR=V ...]" >&2; exit 2; }
+done
 for t in ${DECODE_TREES:-}; do  # a name that matches no tree would skip every decode silently
-  [ "$t" = new ] || case " $OLD " in *" $t:"*) ;; *) echo "DECODE_TREES: $t is not new nor a tree of OLD" >&2; exit 2 ;; esac
+  case $t in
+    new) continue ;;
+    new-*) known=" ${DECODE_ENVS:-} " name=${t#new-} ;;
+    *) known=" $OLD " name=$t ;;
+  esac
+  case $known in *" $name:"*) ;; *) echo "DECODE_TREES: $t is not new, a tree of OLD nor new-NAME of DECODE_ENVS" >&2; exit 2 ;; esac
 done
 for t in $OLD; do
   [ "${t%%:*}" != new ] || { echo "OLD: the name new is the working tree's" >&2; exit 2; }
@@ -97,12 +108,16 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 [ -n "${SWEEP_VARIANTS:-}" ] && wait "$sweep_pid"  # no compiles while the decodes are timed
 : >"$OUT/ab.tsv"
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for i in "${!names[@]}" new; do
-    tree=new src=$R path=$PYTHONPATH
-    [ "$i" = new ] || tree=${names[$i]} src=${dirs[$i]} path=/tmp/site_${names[$i]}:$PYTHONPATH
+  for i in "${!names[@]}" new ${DECODE_ENVS:-}; do
+    tree=new src=$R path=$PYTHONPATH envs=()
+    case $i in
+      new) ;;
+      *:*) tree=new-${i%%:*}; IFS=, read -r -a envs <<<"${i#*:}" ;;  # DECODE_ENVS: the working tree, these variables set
+      *) tree=${names[$i]} src=${dirs[$i]} path=/tmp/site_${names[$i]}:$PYTHONPATH ;;
+    esac
     # The library this tree's run imports: never the new build under an old name (a failed or partial build).
     lib=$(cd /tmp && PYTHONPATH=$path python3 -c 'import specd.native._native as m; print(m.__file__)' 2>/dev/null)
-    if [ "$tree" != new ] && { [ ! -f "/tmp/site_$tree/.ab_built" ] || [ "${lib#/tmp/site_$tree/}" = "$lib" ]; }; then
+    if [ "$src" != "$R" ] && { [ ! -f "/tmp/site_$tree/.ab_built" ] || [ "${lib#/tmp/site_$tree/}" = "$lib" ]; }; then
       printf '%s\t%s\tnot measured: built %s, imports %s (old_build.log)\n' "$tree" "$round" \
         "$([ -f "/tmp/site_$tree/.ab_built" ] && echo yes || echo no)" "${lib:-nothing}" >>"$OUT/ab.tsv"
       continue
@@ -114,7 +129,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     fi
     case " ${DECODE_TREES:-$tree} " in *" $tree "*) ;; *) continue ;; esac  # DECODE_TREES: only these trees decode
     rm -rf "/tmp/ab_$tree$round" && mkdir -p "/tmp/ab_$tree$round"  # no result of an earlier call
-    (cd /tmp && PYTHONPATH=$path timeout "${DECODE_TIMEOUT:-150}" python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix "$MIX" \
+    (cd /tmp && env "${envs[@]}" PYTHONPATH=$path timeout "${DECODE_TIMEOUT:-150}" python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix "$MIX" \
       --prefill --decode-tokens 64 ${AB_DECODE_ARGS:-} --out "/tmp/ab_$tree$round") >>"$OUT/ab.log" 2>&1
     echo "decode $tree round $round rc=$? at ${SECONDS}s" | tee -a "$OUT/ab.log" >>"$OUT/status.txt"
     python3 - "$tree" "$round" "/tmp/ab_$tree$round/gpu_decode_$MIX.json" "$lib" >>"$OUT/ab.tsv" <<'EOF'
