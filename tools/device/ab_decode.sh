@@ -7,7 +7,7 @@
 #      SWEEP_VARIANTS, gemv_sweep.sh compiles its variants (a variant can point -I at an old tree's
 #      native/src/gpu: its headers then replace the working tree's).
 #   2. tools/bench/gpu_decode.py of each tree on the GGUF (the random 27B in quant mix MIX, default iq4xs),
-#      the old ones then "new", ROUNDS times
+#      the old ones, then "new", then DECODE_ENVS' new-NAME runs, ROUNDS times
 #      (default 2): plain decode tok/s, verify ms at widths 1..17 and the scripted loop (no prefill, no profile).
 #   3. the sweep's runs (SWEEP_FORMAT as gemv_sweep.sh).
 # The old trees: folders carried with the working tree (untracked), e.g.
@@ -33,7 +33,8 @@
 # table in ab.log (the JSON stays in /tmp: the device tool brings back 8 files). AB_DECODE_ARGS adds gpu_decode.py options to every decode run; DECODE_TREES (e.g. "new")
 # limits the decode runs to those trees; DECODE_ENVS ("name:VAR=V,VAR=V ...") adds decode runs of the working tree,
 # named new-NAME (DECODE_TREES takes that name), each with those environment variables set: an experiment's runtime
-# knob read by an uncommitted working tree, one build for several variants (never a product switch); LOOP_AL (e.g. "3 5 7") then runs tools/bench/loop_overhead.py on the
+# knob read by an uncommitted working tree, one build for several variants (never a product switch; a PYTHONPATH
+# there is overridden by the script's); LOOP_AL (e.g. "3 5 7") then runs tools/bench/loop_overhead.py on the
 # working tree (the service loop over its IPC streams, as gpu_bench.sh). DECODE_TIMEOUT: seconds per decode run
 # (default 150). Exit status 1 when a tree was not measured.
 set -u -o pipefail
@@ -64,22 +65,27 @@ if [ "${SWEEP_OLD:-0}" = 1 ] && [ -z "${SWEEP_VARIANTS:-}" ]; then
   echo "SWEEP_OLD=1 runs alongside a sweep: set SWEEP_VARIANTS too" >&2
   exit 2
 fi
+set -f  # DECODE_ENVS, DECODE_TREES and OLD are words, never file patterns (set +f after OLD's loop)
+env_names=" " env_runs=()
 for e in ${DECODE_ENVS:-}; do  # name:VAR=V[,VAR=V ...], else the run would be mistaken for an old tree's
   [[ $e =~ ^[A-Za-z0-9_]+:[A-Za-z_][A-Za-z0-9_]*=[^,]*(,[A-Za-z_][A-Za-z0-9_]*=[^,]*)*$ ]] ||
     { echo "DECODE_ENVS: $e is not name:VAR=V[,VAR=V ...]" >&2; exit 2; }
+  case $env_names in *" ${e%%:*} "*) echo "DECODE_ENVS: the name ${e%%:*} twice" >&2; exit 2 ;; esac
+  env_names+="${e%%:*} " env_runs+=("$e")
 done
 for t in ${DECODE_TREES:-}; do  # a name that matches no tree would skip every decode silently
   case $t in
-    new) continue ;;
-    new-*) known=" ${DECODE_ENVS:-} " name=${t#new-} ;;
-    *) known=" $OLD " name=$t ;;
+    new) known=1 ;;
+    new-*) case $env_names in *" ${t#new-} "*) known=1 ;; *) known=0 ;; esac ;;
+    *) case " $OLD " in *" $t:"*) known=1 ;; *) known=0 ;; esac ;;
   esac
-  case $known in *" $name:"*) ;; *) echo "DECODE_TREES: $t is not new, a tree of OLD nor new-NAME of DECODE_ENVS" >&2; exit 2 ;; esac
+  [ "$known" = 1 ] || { echo "DECODE_TREES: $t is not new, a tree of OLD nor new-NAME of DECODE_ENVS" >&2; exit 2; }
 done
 for t in $OLD; do
-  [ "${t%%:*}" != new ] || { echo "OLD: the name new is the working tree's" >&2; exit 2; }
+  case ${t%%:*} in new | new-*) echo "OLD: the names new and new-* are the working tree's" >&2; exit 2 ;; esac
   names+=("${t%%:*}"); dirs+=("$(cd "${t#*:}" && pwd)") || exit 2
 done
+set +f
 (for i in "${!names[@]}"; do  # one after the other: each build takes all cores it is given
    rm -rf "/tmp/site_${names[$i]}" "/tmp/specd-build-${names[$i]}"  # pip --target keeps what is there
    (cd "${dirs[$i]}" && PYTHONPATH=/tmp/site_ab SPECD_GPU=cuda CMAKE_BUILD_PARALLEL_LEVEL=8 python3 -m pip install --no-build-isolation \
@@ -108,28 +114,28 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 [ -n "${SWEEP_VARIANTS:-}" ] && wait "$sweep_pid"  # no compiles while the decodes are timed
 : >"$OUT/ab.tsv"
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for i in "${!names[@]}" new ${DECODE_ENVS:-}; do
-    tree=new src=$R path=$PYTHONPATH envs=()
+  for i in "${!names[@]}" new ${env_runs[@]+"${env_runs[@]}"}; do
+    tree=new src=$R path=$PYTHONPATH envs=() old=0
     case $i in
       new) ;;
       *:*) tree=new-${i%%:*}; IFS=, read -r -a envs <<<"${i#*:}" ;;  # DECODE_ENVS: the working tree, these variables set
-      *) tree=${names[$i]} src=${dirs[$i]} path=/tmp/site_${names[$i]}:$PYTHONPATH ;;
+      *) tree=${names[$i]} src=${dirs[$i]} path=/tmp/site_${names[$i]}:$PYTHONPATH old=1 ;;
     esac
     # The library this tree's run imports: never the new build under an old name (a failed or partial build).
     lib=$(cd /tmp && PYTHONPATH=$path python3 -c 'import specd.native._native as m; print(m.__file__)' 2>/dev/null)
-    if [ "$src" != "$R" ] && { [ ! -f "/tmp/site_$tree/.ab_built" ] || [ "${lib#/tmp/site_$tree/}" = "$lib" ]; }; then
+    if [ "$old" = 1 ] && { [ ! -f "/tmp/site_$tree/.ab_built" ] || [ "${lib#/tmp/site_$tree/}" = "$lib" ]; }; then
       printf '%s\t%s\tnot measured: built %s, imports %s (old_build.log)\n' "$tree" "$round" \
         "$([ -f "/tmp/site_$tree/.ab_built" ] && echo yes || echo no)" "${lib:-nothing}" >>"$OUT/ab.tsv"
       continue
     fi
     if [ -n "${ATTN_CONTEXTS:-}" ] && [ "$round" = 1 ]; then  # this tree's attention kernels, the new script
-      (cd /tmp && PYTHONPATH=$path timeout 120 python3 "$R/tools/device/attn_bench.py" --out /tmp/ab_attn --label "$tree" \
+      (cd /tmp && env ${envs[@]+"${envs[@]}"} PYTHONPATH=$path timeout 120 python3 "$R/tools/device/attn_bench.py" --out /tmp/ab_attn --label "$tree" \
         --contexts $ATTN_CONTEXTS) >>"$OUT/ab.log" 2>&1
       echo "attn_bench $tree rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
     fi
     case " ${DECODE_TREES:-$tree} " in *" $tree "*) ;; *) continue ;; esac  # DECODE_TREES: only these trees decode
     rm -rf "/tmp/ab_$tree$round" && mkdir -p "/tmp/ab_$tree$round"  # no result of an earlier call
-    (cd /tmp && env "${envs[@]}" PYTHONPATH=$path timeout "${DECODE_TIMEOUT:-150}" python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix "$MIX" \
+    (cd /tmp && env ${envs[@]+"${envs[@]}"} PYTHONPATH=$path timeout "${DECODE_TIMEOUT:-150}" python3 "$src/tools/bench/gpu_decode.py" --gguf "$GGUF" --mix "$MIX" \
       --prefill --decode-tokens 64 ${AB_DECODE_ARGS:-} --out "/tmp/ab_$tree$round") >>"$OUT/ab.log" 2>&1
     echo "decode $tree round $round rc=$? at ${SECONDS}s" | tee -a "$OUT/ab.log" >>"$OUT/status.txt"
     python3 - "$tree" "$round" "/tmp/ab_$tree$round/gpu_decode_$MIX.json" "$lib" >>"$OUT/ab.tsv" <<'EOF'
