@@ -16,6 +16,7 @@
 # Usage (repository root on the GPU machine; carry .whl):
 #     OUT=/some/dir OLD="pdl:ab_pdl" TESTS="tests/gpu/test_gpu_gemv_tiles.py" bash tools/device/ab_decode.sh
 #     OUT=/some/dir DECODE_TREES=new AB_DECODE_ARGS="--decode-context 8192" bash tools/device/ab_decode.sh  (no OLD)
+#     OUT=/some/dir DECODE_ENVS="off:SPECD_EXP_X=0 on:SPECD_EXP_X=1" bash tools/device/ab_decode.sh  (runs new-off, new-on)
 #     OUT=/some/dir OLD="pdl:ab_pdl" SWEEP_FORMAT=IQ4_XS_T \
 #       SWEEP_VARIANTS="new:-DSPECD_MMA_SPLIT_BLOCKS=16 pdl:-I$PWD/ab_pdl/native/src/gpu" bash tools/device/ab_decode.sh
 # SWEEP_OLD=1 (with SWEEP_VARIANTS) also runs each old tree's own gemv_sweep.sh (its own sweep source and
