@@ -15,13 +15,15 @@
 // heads of consecutive rows, packed in row order (every row's chunk c starts at rank kChunk c from
 // position 0), with a window the heads of one row (each row's keys start at its own window). A block of
 // kWarps warps takes one m-tile, one KV head and kWarps / ds * cpw chunks; it stages the m-tile's q once in
-// shared memory as MMA fragments, then each warp walks its own chunks (no further barrier): K and V are
+// shared memory as MMA fragments, then each warp walks its own chunks (no block-wide barrier): K and V are
 // read from global memory straight into fragment registers (16-byte loads, no shared-memory staging;
 // the chunk's K and V rows requested from L2 first). With few chunks in flight (a short context: a
 // decode at 200 keys has 4 chunks per KV head) ds = D / 64 warps share a chunk (the kernel's DS): each
-// computes the chunk's S and P (the same values) and one 64-dim round of P V, so each warp's chain of
-// dependent loads is shorter (at head_dim 256: 8 K slabs and 4 V k-steps, not 8 and 16); every value is
-// computed by the same code as with ds = 1, so ds never changes a bit. A chunk is read once per m-tile
+// computes 8 / ds of S's key n-tiles, the warps exchange them in shared memory (a named barrier of the ds
+// warps), then each computes P (the same values) and one 64-dim round of P V. A warp issues all of its K and
+// V loads at once, so its chain of dependent loads is one round trip (with ds = 1, at head_dim 256: 8 K slabs,
+// then 16 V k-steps); every value is computed by the same MMAs in the same order as with ds = 1, so ds never
+// changes a bit. A chunk is read once per m-tile
 // with the positions of the tile's row with the most keys when the tile's rows can share it: a decode
 // reads each K row once (and ds - 1 times more from L2) and each V row once, an 8-row chain verify three
 // times from L2 (its m-tiles' blocks are adjacent in the grid). Else (a mask
@@ -182,6 +184,17 @@ __device__ __forceinline__ void prefetch_l2(const uint8_t* p) {
 #endif
 }
 
+// Barrier of the DS warps that share a chunk (PTX named barrier 1 + wc; __syncthreads is barrier 0): the warps of
+// a block's other chunk may have left the chunk loop or be in another of its passes.
+template <int DS>
+__device__ __forceinline__ void chunk_sync(int wc) {
+#if defined(SPECD_HOST_EMU)
+  specd_emu_bar_sync(1 + wc, DS * 32);
+#else
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + wc), "n"(DS * 32) : "memory");
+#endif
+}
+
 // --- the kernel ------------------------------------------------------------------------------------
 
 // Grid: m-tiles fastest, then chunk groups, then KV heads. Idx: the rows' visible positions come from
@@ -196,6 +209,7 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
   // lo of it, hi of k-step 2 slab + 1, lo of it.
   __shared__ uint4 sq[NS * 4 * 32];
   __shared__ uint4 sp[kWarps * 8 * 32];  // each warp's P fragments of its current chunk
+  __shared__ float4 ss[DS > 1 ? kWarps / DS * 8 * 32 : 1];  // DS > 1: a chunk's S, [chunk of the block][n-tile][lane]
   __shared__ int s_row[kSlots], s_head[kSlots], s_cnt[kSlots];
   __shared__ float s_unscale[kSlots];
   __shared__ int64_t s_lo;
@@ -347,70 +361,117 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
 
       // S = Q K^T: key n-tile t holds keys 8 t .. 8 t + 7; this lane loads key 8 t + gq, dims
       // 32 slab + 8 tq .. + 7 (one 16-byte load = B of k-steps 2 slab and 2 slab + 1).
-      int32_t kp[8];  // cache row of each key, -1 past cc
-#pragma unroll
-      for (int t = 0; t < 8; ++t) kp[t] = 8 * t + gq < cc ? int32_t(pos(8 * t + gq)) : -1;
-      auto kload = [&](int t, int sl) { return load16(kbase + int64_t(kp[t]) * P.k_row_stride + 64 * sl, kp[t] >= 0); };
-      // The chunk's K rows requested from L2 at once: line tq of key 8 t + gq.
-      if (tq < D / 64) {
-#pragma unroll
-        for (int t = 0; t < 8; ++t)
-          if (kp[t] >= 0) prefetch_l2(kline + int64_t(kp[t]) * P.k_row_stride + 128 * tq);
-      }
-      float s[8][4];
-#pragma unroll
-      for (int t = 0; t < 8; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[t][e] = 0.0f;
-      uint4 kb[8];
-#pragma unroll
-      for (int t = 0; t < 8; ++t) kb[t] = kload(t, 0);
-#pragma unroll 2  // not whole: fully unrolled, the scheduler interleaves the slabs and spills
-      for (int sl = 0; sl < NS; ++sl) {
-        uint4 kn[8];
-        if (sl + 1 < NS) {
-#pragma unroll
-          for (int t = 0; t < 8; ++t) kn[t] = kload(t, sl + 1);
-        }
+      auto kload_row = [&](int32_t row, int sl) { return load16(kbase + int64_t(row) * P.k_row_stride + 64 * sl, row >= 0); };
+      // S of key n-tile t over slab sl: q's hi and lo terms of the slab's two k-steps, in that order (one fixed
+      // order of MMAs per element, whichever warp computes it).
+      auto s_slab = [&](float (&st)[4], const uint4& kb, int sl) {
         const uint4* const qf = sq + sl * 4 * 32 + lane;
         const uint4 q0 = qf[0], q1 = qf[32], q2 = qf[64], q3 = qf[96];
         const uint32_t ah0[4] = {q0.x, q0.y, q0.z, q0.w}, al0[4] = {q1.x, q1.y, q1.z, q1.w};
         const uint32_t ah1[4] = {q2.x, q2.y, q2.z, q2.w}, al1[4] = {q3.x, q3.y, q3.z, q3.w};
+        mma(st, ah0, kb.x, kb.y);
+        mma(st, al0, kb.x, kb.y);
+        mma(st, ah1, kb.z, kb.w);
+        mma(st, al1, kb.z, kb.w);
+      };
+      // V of round rd0: lane loads keys 16 kk + 2 tq + {0, 1, 8, 9} of k-step kk, dims 64 rd + 8 gq .. + 7.
+      int32_t vp[4][4];  // cache row of each key, -1 past cc (set_vp: after S with DS == 1, which needs the registers)
+      auto set_vp = [&] {
 #pragma unroll
-        for (int t = 0; t < 8; ++t) {
-          mma(s[t], ah0, kb[t].x, kb[t].y);
-          mma(s[t], al0, kb[t].x, kb[t].y);
-          mma(s[t], ah1, kb[t].z, kb[t].w);
-          mma(s[t], al1, kb[t].z, kb[t].w);
-        }
-        if (sl + 1 < NS) {
+        for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-          for (int t = 0; t < 8; ++t) kb[t] = kn[t];
-        }
-      }
-
-#pragma unroll 1
-      for (int j = lane; j < cc; j += 32) {  // the V lines of this warp's rounds requested from L2 at once
-        const uint8_t* const row = vline + pos(j) * P.v_row_stride;
-#pragma unroll
-        for (int x = 0; x < kRounds; ++x) prefetch_l2(row + 128 * (rd0 + x));
-      }
-      // V of load round rd0, k-step 0 in flight during the softmax. Lane loads keys 16 kk + 2 tq + {0, 1,
-      // 8, 9}, dims 64 rd + 8 gq .. + 7.
-      int32_t vp[4][4];  // cache row of each key, -1 past cc
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int j = 16 * kk + 2 * tq + (u & 1) + 8 * (u >> 1);
-          vp[kk][u] = j < cc ? int32_t(pos(j)) : -1;
-        }
+          for (int u = 0; u < 4; ++u) {
+            const int j = 16 * kk + 2 * tq + (u & 1) + 8 * (u >> 1);
+            vp[kk][u] = j < cc ? int32_t(pos(j)) : -1;
+          }
+      };
       auto vload = [&](int kk, int u, int rd) {
         return load16(vbase + int64_t(vp[kk][u]) * P.v_row_stride + 128 * rd, vp[kk][u] >= 0);
       };
-      uint4 vb[4];
+      float s[8][4];
+      uint4 vb[4];                         // DS == 1: V of the k-step computed next (the others load during P V)
+      uint4 vall[DS > 1 ? 4 : 1][4];       // DS > 1 (one round, kRounds == 1): V of all four k-steps, loaded with K
+      if constexpr (DS == 1) {
+        int32_t kp[8];  // cache row of each key, -1 past cc
 #pragma unroll
-      for (int u = 0; u < 4; ++u) vb[u] = vload(0, u, rd0);
+        for (int t = 0; t < 8; ++t) kp[t] = 8 * t + gq < cc ? int32_t(pos(8 * t + gq)) : -1;
+        // The chunk's K rows requested from L2 at once: line tq of key 8 t + gq.
+        if (tq < D / 64) {
+#pragma unroll
+          for (int t = 0; t < 8; ++t)
+            if (kp[t] >= 0) prefetch_l2(kline + int64_t(kp[t]) * P.k_row_stride + 128 * tq);
+        }
+#pragma unroll
+        for (int t = 0; t < 8; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[t][e] = 0.0f;
+        uint4 kb[8];
+#pragma unroll
+        for (int t = 0; t < 8; ++t) kb[t] = kload_row(kp[t], 0);
+#pragma unroll 2  // not whole: fully unrolled, the scheduler interleaves the slabs and spills
+        for (int sl = 0; sl < NS; ++sl) {
+          uint4 kn[8];
+          if (sl + 1 < NS) {
+#pragma unroll
+            for (int t = 0; t < 8; ++t) kn[t] = kload_row(kp[t], sl + 1);
+          }
+#pragma unroll
+          for (int t = 0; t < 8; ++t) s_slab(s[t], kb[t], sl);
+          if (sl + 1 < NS) {
+#pragma unroll
+            for (int t = 0; t < 8; ++t) kb[t] = kn[t];
+          }
+        }
+#pragma unroll 1
+        for (int j = lane; j < cc; j += 32) {  // the V lines of this warp's rounds requested from L2 at once
+          const uint8_t* const row = vline + pos(j) * P.v_row_stride;
+#pragma unroll
+          for (int x = 0; x < kRounds; ++x) prefetch_l2(row + 128 * (rd0 + x));
+        }
+        // V of load round rd0, k-step 0 in flight during the softmax.
+        set_vp();
+#pragma unroll
+        for (int u = 0; u < 4; ++u) vb[u] = vload(0, u, rd0);
+      } else {
+        // The DS warps of the chunk split S's 8 key n-tiles (TPW each) and exchange them in shared memory. A warp
+        // issues every load of its tiles' K (every slab) and of its round's V at once: one round trip to memory
+        // where one warp computing all of S waited on NS dependent ones, and the P V k-steps on 3 more. Each S
+        // element is the same MMAs in the same order as with DS == 1 (s_slab), so the split changes no bit.
+        static_assert(kRounds == 1, "DS > 1: one 64-dim round of P V a warp");
+        constexpr int TPW = 8 / DS;
+        const int t0 = (warp % DS) * TPW;
+        uint4 kb[TPW][NS];
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) {
+          const int j = 8 * (t0 + i) + gq;
+          const int32_t row = j < cc ? int32_t(pos(j)) : -1;
+#pragma unroll
+          for (int sl = 0; sl < NS; ++sl) kb[i][sl] = kload_row(row, sl);
+        }
+        set_vp();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+          for (int u = 0; u < 4; ++u) vall[kk][u] = vload(kk, u, rd0);
+        float sk[TPW][4];
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sk[i][e] = 0.0f;
+#pragma unroll
+          for (int sl = 0; sl < NS; ++sl) s_slab(sk[i], kb[i][sl], sl);
+        }
+        float4* const sx = ss + wc * 8 * 32 + lane;
+#pragma unroll
+        for (int i = 0; i < TPW; ++i) sx[(t0 + i) * 32] = make_float4(sk[i][0], sk[i][1], sk[i][2], sk[i][3]);
+        chunk_sync<DS>(wc);
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+          const float4 v = sx[t * 32];
+          s[t][0] = v.x, s[t][1] = v.y, s[t][2] = v.z, s[t][3] = v.w;
+        }
+        chunk_sync<DS>(wc);  // every warp holds the chunk's S before a next pass overwrites it
+      }
 
       // Softmax within the chunk. Element (t, e): slot gq (e < 2) or gq + 8, key 8 t + 2 tq + e % 2.
       const int vis_a = int(cnt_a - r0 < kChunk ? cnt_a - r0 : kChunk);
@@ -476,23 +537,26 @@ __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel
           for (int x = 0; x < 4; ++x) o[e][x] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
+          // DS == 1: the next k-step's V (of this round or the next) loads during this one's MMAs.
           uint4 vn[4];
           const int nri = kk == 3 ? ri + 1 : ri, nkk = (kk + 1) & 3;
-          if (nri < kRounds) {
+          const bool next = DS == 1 && nri < kRounds;
+          if (next) {
 #pragma unroll
             for (int u = 0; u < 4; ++u) vn[u] = vload(nkk, u, rd0 + nri);
           }
           const uint4 h4 = pf[(2 * kk) * 32], l4 = pf[(2 * kk + 1) * 32];  // only this lane's own stores
           const uint32_t ph[4] = {h4.x, h4.y, h4.z, h4.w}, pl[4] = {l4.x, l4.y, l4.z, l4.w};
+          const uint4* const v = DS == 1 ? vb : vall[DS > 1 ? kk : 0];
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             const uint32_t sel = (e & 1) ? 0x7632u : 0x5410u;
-            const uint32_t b0 = __byte_perm(word(vb[0], e / 2), word(vb[1], e / 2), sel);
-            const uint32_t b1 = __byte_perm(word(vb[2], e / 2), word(vb[3], e / 2), sel);
+            const uint32_t b0 = __byte_perm(word(v[0], e / 2), word(v[1], e / 2), sel);
+            const uint32_t b1 = __byte_perm(word(v[2], e / 2), word(v[3], e / 2), sel);
             mma(o[e], ph, b0, b1);
             mma(o[e], pl, b0, b1);
           }
-          if (nri < kRounds) {
+          if (next) {
 #pragma unroll
             for (int u = 0; u < 4; ++u) vb[u] = vn[u];
           }

@@ -8,7 +8,8 @@
 // instruction's barrier, which every lane reaches after reading the slot). mma.sync m16n8k32 s8 -> s32
 // (exact integers, as the hardware), mma.sync m16n8k16 f16 -> f32 (products exact, summed in double and
 // rounded once), mma.sync m16n8k8 tf32 -> f32 (operands truncated to tf32, products exact, summed in double and
-// rounded once), ldmatrix .x4 (and .trans), shuffles, __syncwarp, atomicAdd on an int; __syncthreads is a block barrier,
+// rounded once), ldmatrix .x4 (and .trans), shuffles, __syncwarp, atomicAdd on an int; __syncthreads is a block barrier
+// (and bar.sync id, count a named one: specd_emu_bar_sync),
 // cp.async an immediate copy, __shared__ arrays are statics (one block at a time) and dynamic shared
 // memory is specd_emu_dyn_smem (set by the harness). Thread-block clusters (emulate_clusters): a cluster's blocks
 // run together, each with dynamic shared memory of its own, which cooperative_groups' cluster_group maps block to
@@ -18,11 +19,13 @@
 #include <atomic>
 #include <barrier>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -326,6 +329,28 @@ inline void __syncwarp() {
 }
 inline void __syncthreads() { tl_block->arrive_and_wait(); }
 
+// A block's named barriers (PTX bar.sync id, count: the first `count` threads to arrive at barrier `id` go on
+// together; id 0 is __syncthreads'), a generation per id.
+struct NamedBarriers {
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived[16] = {};
+  unsigned gen[16] = {};
+};
+thread_local NamedBarriers* tl_named = nullptr;
+inline void specd_emu_bar_sync(int id, int count) {
+  if (id < 1 || id > 15 || count < 32 || count % 32 != 0) std::abort();
+  NamedBarriers& nb = *tl_named;
+  std::unique_lock<std::mutex> lock(nb.mu);
+  const unsigned gen = nb.gen[id];
+  if (++nb.arrived[id] == count) {
+    nb.arrived[id] = 0, ++nb.gen[id];
+    nb.cv.notify_all();
+  } else {
+    nb.cv.wait(lock, [&] { return nb.gen[id] != gen; });
+  }
+}
+
 // Runs fn() on `blocks` blocks of `threads` threads (warps of 32 with their exchange barrier, a block
 // barrier), one block at a time (the kernels' __shared__ arrays are statics). before_block(b), when
 // given, runs on the calling thread before block b starts (e.g. to poison shared memory).
@@ -336,6 +361,7 @@ void emulate(int64_t blocks, int threads, const Fn& fn, const Before& before_blo
     std::vector<WarpShared> warps(size_t(threads / 32));
     for (auto& s : warps) s.bar = std::make_unique<std::barrier<>>(32);
     std::barrier<> block(threads);
+    NamedBarriers named;
     std::vector<std::thread> th;
     for (int i = 0; i < threads; ++i)
       th.emplace_back([&, i] {
@@ -343,6 +369,7 @@ void emulate(int64_t blocks, int threads, const Fn& fn, const Before& before_blo
         tl_warp = &warps[size_t(i / 32)];
         tl_phase = 0;
         tl_block = &block;
+        tl_named = &named;
         fn();
       });
     for (auto& t : th) t.join();
