@@ -89,6 +89,7 @@ void call(const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, i
   }();
   mma::launch_split_x(mma::PlainInput{x, in}, in, n, xbuf, nullptr);
   size_t used = 0;
+  mma::SplitSums sums;
   mma::launch<F, NT>(ws.data(), int(ws.size()), in, mma::x_view(xbuf, in, n), n, sms, [&](size_t bytes) {
     float* p = reinterpret_cast<float*>(scratch + used);
     used += (bytes + 255) / 256 * 256;
@@ -97,7 +98,8 @@ void call(const std::vector<mma::GroupWeight>& ws, int64_t in, const float* x, i
       std::exit(2);
     }
     return p;
-  }, nullptr);
+  }, sums, nullptr);
+  mma::launch_sums(sums, nullptr);
 }
 
 template <class F>

@@ -1427,12 +1427,29 @@ void launch_split_x(const In& src, int64_t in, int n, uint8_t* base, cudaStream_
                                             groups, x.xb, x.xs, x.xm);
 }
 
+// One launch summing the split partials of sums (none when it holds no weight).
+inline void launch_sums(const SplitSums& sums, cudaStream_t s) {
+  if (sums.count == 0) return;
+  const int64_t total = sums.elem0[sums.count];
+  detail::launch_kernel<sum_splits_kernel>("sum_splits_kernel", unsigned((total + 255) / 256), 256, 0, s, sums);
+}
+
+// pending += add (pending.count + add.count <= kMaxGroup): one sum launch for both.
+inline void merge_sums(SplitSums& pending, const SplitSums& add) {
+  for (int i = 0; i < add.count; ++i) {
+    const int k = pending.count++;
+    pending.part[k] = add.part[i], pending.y[k] = add.y[i], pending.splits[k] = add.splits[i];
+    pending.elem0[k + 1] = pending.elem0[k] + (add.elem0[i + 1] - add.elem0[i]);
+  }
+}
+
 // One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x on
-// `sms` multiprocessors, then one launch summing the split partials of those with several splits;
-// scratch(bytes) -> float* buffers for the partials, alive until those kernels ran.
+// `sms` multiprocessors; the split partials of those with several splits are left to sum, added to `pending`
+// (launch_sums; when they would not fit, pending's sums are launched first). scratch(bytes) -> float* buffers for
+// the partials, alive until the sums ran.
 template <class F, int NT, class Scratch>
 void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n, int64_t sms, const Scratch& scratch,
-            cudaStream_t s) {
+            SplitSums& pending, cudaStream_t s) {
   const int64_t nunits = in / F::kUnitElems;
   Group grp;
   SplitSums sums;
@@ -1443,10 +1460,11 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
               " inputs for one tensor-core GEMV");
   detail::launch_kernel<mma_gemv_kernel<F, NT>>("mma_gemv_kernel", unsigned(grp.block0[count]), kWarps * 32, 0, s, grp,
                                                 nunits, xv, n);
-  if (sums.count > 0) {
-    const int64_t total = sums.elem0[sums.count];
-    detail::launch_kernel<sum_splits_kernel>("sum_splits_kernel", unsigned((total + 255) / 256), 256, 0, s, sums);
+  if (pending.count + sums.count > kMaxGroup) {
+    launch_sums(pending, s);
+    pending = SplitSums{};
   }
+  merge_sums(pending, sums);
 }
 
 // dst (IQ4_XS_TILED / Q4_K_TILED) = src (IQ4_XS / Q4_K [out, nunits * 256], row-major, 4-byte aligned, out %
@@ -1594,7 +1612,9 @@ inline int64_t gemv_splits(DType t, int64_t out, int64_t in) {
 
 // y_i[n, out_i] = x[n, in] @ w_i^T for every weight (1 <= n <= 16, in % 32 == 0, every format
 // handled) on x already split (xv: x_view of a split queued on the library stream before this
-// call): each format's weights (up to kMaxGroup per launch) run as one grouped launch.
+// call): each format's weights (up to kMaxGroup per launch) run as one grouped launch, and the split partials of
+// all of them are summed by one launch after the last (the 27B's attention q / k (tiled IQ4_XS) and v (tiled
+// Q6_K): one sum launch a layer, not two).
 inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv, int n) {
   cudaStream_t s = stream();
   std::vector<std::shared_ptr<void>> scratch;  // split partials, freed stream-ordered after the kernels
@@ -1603,6 +1623,7 @@ inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv,
     return static_cast<float*>(scratch.back().get());
   };
   const int64_t sms = sm_count();
+  SplitSums pending;
   std::vector<bool> done(size_t(count), false);
   for (int i = 0; i < count; ++i) {
     if (done[size_t(i)]) continue;
@@ -1615,9 +1636,10 @@ inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv,
       }
     with_format(ws[i].t, [&](auto tag) {
       using F = typename decltype(tag)::type;
-      with_tiles(n, [&](auto nt) { launch<F, decltype(nt)::value>(batch, m, in, xv, n, sms, partials, s); });
+      with_tiles(n, [&](auto nt) { launch<F, decltype(nt)::value>(batch, m, in, xv, n, sms, partials, pending, s); });
     });
   }
+  launch_sums(pending, s);
 }
 
 // y_i = x @ w_i^T as gemv_split after splitting x [n, in] F32 (rows 16-byte aligned).
