@@ -176,3 +176,45 @@ def test_partials_bad_input_on_gpu(rng):
         sn.sum_partials(sn.Tensor(np.zeros((2, 4), np.float16)).to(GPU))
     with pytest.raises(ValueError, match=r"sum_partials: p must be split-K partials"):
         sn.sum_partials(gpu(np.zeros(4)))
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 16])
+@gpu_only
+def test_gdn_conv_and_step_on_partials_equal_them_on_their_sum(rng, n):
+    """The Gated DeltaNet's projections as split-K partials (the 27B decode's shapes, scaled down: Hk 2, Hv 16,
+    dk 128, dv 128): conv1d_causal(in_partials=True) gives bit for bit the outputs and state of the conv of
+    their sum, and its x_out that sum; gdn_step_gated_matmul(in_partials=True) on a, b and z partials (the fused
+    launch, whose kernel sums them: tiled IQ4_XS out projection) gives the outputs, pending values and state of
+    the op on their sums. The partials come from real GEMV calls (matmul_group, partials=True)."""
+    hk, hv, dk, dv, d = 2, 16, 128, 128, 1024
+    C, hidden = 2 * hk * dk + hv * dv, 2048
+    x = gpu(rng.standard_normal((n, hidden)))
+    proj = [weight(rng, "IQ4_XS_TILED", out, hidden) for out in (C, hv * dv, hv, hv)]
+    nw = gpu(np.ones(hidden))
+    parts, _ = sn.rms_norm_matmul(x, nw, 1e-6, proj, partials=True)
+    sums = [sn.sum_partials(p) for p in parts]
+    assert all(p.shape[0] > 1 for p in parts), [p.shape for p in parts]
+    conv_w = gpu(rng.standard_normal((4, C)) * 0.3)
+    s0 = rng.standard_normal((3, C)).astype(np.float32)
+    st_ref, st_got = gpu(s0), gpu(s0)
+    y_ref = sn.conv1d_causal(sums[0], conv_w, st_ref)
+    x_out = gpu(np.full((n, C), np.nan))
+    y_got = sn.conv1d_causal(parts[0], conv_w, st_got, in_partials=True, x_out=x_out)
+    assert_same(y_got, y_ref, "conv outputs")
+    assert_same(st_got, st_ref, "conv state")
+    assert_same(x_out, sums[0], "conv x_out")
+    cv = y_ref
+    dt, ssm_a = gpu(rng.standard_normal(hv)), gpu(-rng.uniform(0.1, 2, hv))
+    state = (rng.standard_normal((hv, dv, dk)) * 0.3).astype(np.float32)
+    out_w = [weight(rng, "IQ4_XS_TILED", d, hv * dv)]
+    norm_w = gpu(rng.uniform(0.5, 1.5, dv))
+    args = (dt, ssm_a)
+    s_ref, s_got = gpu(state), gpu(state)
+    zp = parts[1].reshape([parts[1].shape[0], n, hv, dv])
+    want = sn.gdn_step_gated_matmul(cv, sums[3], sums[2], *args, s_ref, hk, dk, hv, dv, 1e-6, dk ** -0.5, norm_w,
+                                    sums[1].reshape([n, hv, dv]), out_w, partials=True)
+    got = sn.gdn_step_gated_matmul(cv, parts[3], parts[2], *args, s_got, hk, dk, hv, dv, 1e-6, dk ** -0.5, norm_w,
+                                   zp, out_w, partials=True, in_partials=True)
+    for i, (g_, w_) in enumerate(zip([*got[0], *got[1:]], [*want[0], *want[1:]])):
+        assert_same(g_, w_, f"gdn_step_gated_matmul output {i}")
+    assert_same(s_got, s_ref, "GDN state")

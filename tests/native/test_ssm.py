@@ -406,3 +406,73 @@ def test_gdn_step_bad_input(rng):
     cv3 = f(T, 2 * 2 * dk + 3 * dv)
     with pytest.raises(ValueError, match="multiple of key heads"):
         sn.gdn_step(cv3, f(T, 3), f(T, 3), f(3), f(3), f(3, dv, dk), 2, dk, 3, dv, 1e-6, 0.1)
+
+
+# ---- split-K partials (in_partials) and the conv's x_out --------------------------------------------------
+
+
+def in_order_sum(parts):
+    """p[0] + p[1] + ... in order, each add rounded in F32: the value split-K partials stand for."""
+    v = parts[0].copy()
+    for p in parts[1:]:
+        v = (v + p).astype(np.float32)
+    return v
+
+
+@pytest.mark.parametrize("S,T", [(1, 3), (3, 1), (4, 5)])
+def test_conv1d_in_partials_and_x_out_bitwise(rng, S, T):
+    """in_partials: the conv of partials [S, T, C] is bit for bit the conv of their in-order sum (outputs and
+    state); x_out receives that sum."""
+    C, K = 40, 4
+    parts = rng.standard_normal((S, T, C)).astype(np.float32)
+    w = rng.standard_normal((K, C)).astype(np.float32)
+    s0 = rng.standard_normal((K - 1, C)).astype(np.float32)
+    s_ref, s_got = s0.copy(), s0.copy()
+    want = sn.conv1d_causal(in_order_sum(parts), w, s_ref).numpy()
+    x_out = np.full((T, C), np.nan, np.float32)
+    got = sn.conv1d_causal(parts, w, s_got, in_partials=True, x_out=x_out).numpy()
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(s_got, s_ref)
+    np.testing.assert_array_equal(x_out, in_order_sum(parts))
+
+
+def test_conv1d_in_partials_bad_input(rng):
+    """Partials that are not [S, T, C], and an x_out of the wrong shape or overlapping an argument, raise
+    ValueError naming them; the state is left as it was."""
+    C, K = 8, 4
+    w, s = np.zeros((K, C), np.float32), rng.standard_normal((K - 1, C)).astype(np.float32)
+    keep = s.copy()
+    with pytest.raises(ValueError, match="x must be split-K partials"):
+        sn.conv1d_causal(np.zeros((3, C), np.float32), w, s, in_partials=True)
+    parts = np.zeros((2, 3, C), np.float32)
+    with pytest.raises(ValueError, match="x_out has the wrong shape"):
+        sn.conv1d_causal(parts, w, s, in_partials=True, x_out=np.zeros((2, C), np.float32))
+    with pytest.raises(ValueError, match="x_out must overlap none"):
+        sn.conv1d_causal(parts, w, s, in_partials=True, x_out=s[:3] if s.shape[0] == 3 else None)
+    np.testing.assert_array_equal(s, keep)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_gdn_step_gated_matmul_in_partials_bitwise(rng, T):
+    """in_partials: a, b [S, T, Hv] and z [S, T, Hv, dv] as partials (each its own S) give bit for bit the outputs,
+    pending values and state of the op on their in-order sums."""
+    hk, hv, dk, dv, eps = 2, 4, 16, 8, 1e-6
+    scale = 1 / np.sqrt(dk)
+    cv = rng.standard_normal((T, 2 * hk * dk + hv * dv)).astype(np.float32)
+    ap, bp = rng.standard_normal((3, T, hv)).astype(np.float32), rng.standard_normal((2, T, hv)).astype(np.float32)
+    zp = rng.standard_normal((5, T, hv, dv)).astype(np.float32)
+    dt, ssm_a = rng.standard_normal(hv).astype(np.float32), -rng.uniform(0.1, 2, hv).astype(np.float32)
+    state = (rng.standard_normal((hv, dv, dk)) * 0.3).astype(np.float32)
+    nw = rng.uniform(0.5, 1.5, dv).astype(np.float32)
+    ws = [sn.Tensor(random_blocks(rng, "Q8_0", 6, hv * dv), sn.DType.Q8_0)]
+    st_ref, st_got = state.copy(), state.copy()
+    want = sn.gdn_step_gated_matmul(cv, in_order_sum(ap), in_order_sum(bp), dt, ssm_a, st_ref, hk, dk, hv, dv, eps,
+                                    scale, nw, in_order_sum(zp), ws)
+    got = sn.gdn_step_gated_matmul(cv, ap, bp, dt, ssm_a, st_got, hk, dk, hv, dv, eps, scale, nw, zp, ws,
+                                   in_partials=True)
+    for g_, w_ in zip([*got[0], *got[1:]], [*want[0], *want[1:]]):
+        np.testing.assert_array_equal(g_.numpy().view(np.uint32), w_.numpy().view(np.uint32))
+    np.testing.assert_array_equal(st_got, st_ref)
+    with pytest.raises(ValueError, match="with in_partials=True a and b must be split-K partials"):
+        sn.gdn_step_gated_matmul(cv, ap[0], bp, dt, ssm_a, st_got, hk, dk, hv, dv, eps, scale, nw, zp, ws,
+                                 in_partials=True)
