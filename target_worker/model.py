@@ -615,14 +615,12 @@ class Qwen35Model:
             # the attn_norm-ed stream's projections (the norm fused with their GEMV's input split)
             proj = [layer.attn_qkv, layer.attn_gate, layer.ssm_beta, layer.ssm_alpha] if self.hp.recurrent[i] \
                 else [layer.attn_q, layer.attn_k, layer.attn_v]
-            # a chain's GDN projections reach the conv and the step as split-K partials (summed as they are read)
-            gdn_parts = mm.partials and self.hp.recurrent[i] and tree is None
-            ys, x = mm.norm_group(d, layer.attn_norm, eps, proj, residual=h, in_partials=d_parts, partials=gdn_parts)
+            ys, x = mm.norm_group(d, layer.attn_norm, eps, proj, residual=h, in_partials=d_parts)
             if i - 1 in self.capture_layers:
                 taps[i - 1] = ops.a(x)
             ys = [ops.a(y) for y in ys]
             if self.hp.recurrent[i]:
-                mix, p = self._gdn(i, layer, *ys, st, tree, mm, in_place, gdn_parts)
+                mix, p = self._gdn(i, layer, *ys, st, tree, mm, in_place)
             else:
                 mix, p = self._attention(i, layer, *ys, st, positions, rows, kv_len, tree, mm), None
             pending.append(p)
@@ -660,22 +658,16 @@ class Qwen35Model:
             a = sn.attention(q, kc, vc, kv_len, positions, causal=False, mask=tree.mask, trusted=True)
         return ops.a(mm.gated(a, gate, layer.attn_output, partials=mm.partials))  # the output gate fused with the split
 
-    def _gdn(self, i, layer, m, z, b, a, st, tree, mm, in_place=False, parts=False):
+    def _gdn(self, i, layer, m, z, b, a, st, tree, mm, in_place=False):
         """Gated DeltaNet of layer i from the qkv, gate (z), beta and alpha projections of its
-        attn_norm-ed residual stream: (output, pending states); ``in_place``: see :meth:`_forward`.
-        ``parts`` (a chain's exact forward): the projections are split-K partials [S, w, out] (the
-        matmul's ``partials``), which the conv and the step sum as they read them (no sum launch)."""
-        hp, w = self.hp, m.shape[-2]
+        attn_norm-ed residual stream: (output, pending states); ``in_place``: see :meth:`_forward`."""
+        hp, w = self.hp, m.shape[0]
         hk, hv, dk, dv = hp.n_k_heads, hp.n_v_heads, hp.head_k_dim, hp.head_v_dim
         ops = self._ops
-        z = ops.reshape(z, z.shape[0], w, hv, dv) if parts else ops.reshape(z, w, hv, dv)
-        conv_in = m
+        z = ops.reshape(z, w, hv, dv)
         if tree is None:  # pending states out of place (the committed ones stay untouched) unless in_place
             conv_state = st.conv[i] if in_place else ops.empty(st.conv[i].shape)
-            if parts and not in_place:  # a verify's commit reads the conv inputs: the conv writes their sums
-                conv_in = ops.empty((w, m.shape[-1]))
-            cv = ops.a(sn.conv1d_causal(m, self.conv_w[i], st.conv[i], apply_silu=True, state_out=conv_state,
-                                        in_partials=parts, x_out=conv_in if conv_in is not m else None))
+            cv = ops.a(sn.conv1d_causal(m, self.conv_w[i], st.conv[i], apply_silu=True, state_out=conv_state))
         else:
             cv = ops.cat([ops.a(sn.conv1d_causal(ops.take(m, [j]), self.conv_w[i],
                                                  self._conv_state_after(st.conv[i], m, tree.path(j)[:-1]),
@@ -685,7 +677,7 @@ class Qwen35Model:
         if tree is None and mm.exact:  # decode / chain verify: qkv, gates, recurrence, output norm and split in one op
             (out,), *pend = sn.gdn_step_gated_matmul(
                 cv, a, b, *self.gdn_vecs[i], st.ssm[i], hk, dk, hv, dv, hp.rms_eps, self._gdn_scale, layer.ssm_norm, z,
-                [layer.ssm_out], exact=True, partials=mm.partials, state_out=state, in_partials=parts)
+                [layer.ssm_out], exact=True, partials=mm.partials, state_out=state)
             q, k, v, g, beta = (ops.a(t) for t in pend)
         else:
             q, k, v = (ops.a(t) for t in sn.gdn_qkv(cv, hk, dk, hv, dv, hp.rms_eps))  # L2-normed q, k heads; v
@@ -697,7 +689,7 @@ class Qwen35Model:
                 o = self._gdn_tree(st.ssm[i], q, k, v, g, beta, tree)
             # the norm fused with the out projection's split
             out = mm.gated_norm(o, layer.ssm_norm, hp.rms_eps, z, layer.ssm_out, partials=mm.partials)
-        return ops.a(out), GDNPending(conv_in, q, k, v, g, beta, state, conv_state)
+        return ops.a(out), GDNPending(m, q, k, v, g, beta, state, conv_state)
 
     def _gdn_tree(self, s0, q, k, v, g, beta, tree):
         """Each node's recurrence starts from its parent's state (the committed S for roots)."""

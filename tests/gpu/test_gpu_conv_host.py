@@ -4,9 +4,8 @@ host_emu/conv_main.cpp compiles the kernel header for the CPU (host_emu/warp_emu
 (any K) and conv1d_taps_kernel<4> (the models' 4 taps: weights in registers, inputs through a register
 window) with ssm.cu's grid, in place on the state. The window kernel must give the generic kernel's bits
 (outputs and state) for every token count, chunk edge and the state-only start (T < K - 1); both are checked
-against float64 numpy (y[t, c] = sum_j w[j, c] X[t + j, c] over X = [state ; x], then silu). With x given as
-split-K partials (conv1d_causal's in_partials) both must give the bits they give on the parts' in-order F32 sum.
-The launch itself: test_gpu_ops2.py's and test_gpu_partials.py's conv tests on a GPU.
+against float64 numpy (y[t, c] = sum_j w[j, c] X[t + j, c] over X = [state ; x], then silu). The launch
+itself: test_gpu_ops2.py's conv tests on a GPU.
 """
 import os
 import subprocess
@@ -21,21 +20,19 @@ from host_emu_build import build_emu  # noqa: E402
 
 @pytest.fixture(scope="module")
 def conv_emu(tmp_path_factory):
-    return build_emu(tmp_path_factory, "conv_emu",
-                     ["conv.cuh", "activations.cuh", "warp_reduce.cuh", "pdl.cuh", "partials.cuh"], "conv_main.cpp")
+    return build_emu(tmp_path_factory, "conv_emu", ["conv.cuh", "activations.cuh", "warp_reduce.cuh", "pdl.cuh"],
+                     "conv_main.cpp")
 
 
 def run_emu(emu, x, w, state, chunk, silu):
-    """x: [T, C], or split-K partials [S, T, C] of it."""
     d, exe = emu
-    T, C = x.shape[-2:]
+    T, C = x.shape
     K = w.shape[0]
     names = ("x", "w", "state", "y1", "s1", "y2", "s2")
     files = {n: str(d / f"{n}.bin") for n in names}
     for n, a in zip(names, (x, w, state)):
         np.ascontiguousarray(a, np.float32).tofile(files[n])
-    splits = [str(x.shape[0])] if x.ndim == 3 else []
-    subprocess.run([str(exe), str(T), str(C), str(K), str(chunk), str(int(silu))] + [files[n] for n in names] + splits,
+    subprocess.run([str(exe), str(T), str(C), str(K), str(chunk), str(int(silu))] + [files[n] for n in names],
                    check=True, capture_output=True, text=True)
     out = [np.fromfile(files[n], np.float32) for n in ("y1", "s1", "y2", "s2")]
     return out[0].reshape(T, C), out[1].reshape(K - 1, C), out[2].reshape(T, C), out[3].reshape(K - 1, C)
@@ -57,19 +54,3 @@ def test_conv_taps_kernel_emulated_bitwise(conv_emu, rng, T, C, chunk, silu):
         ref = ref / (1 + np.exp(-ref))
     np.testing.assert_allclose(y1, ref, rtol=1e-5, atol=1e-5 * max(np.abs(ref).max(initial=0), 1))
     np.testing.assert_array_equal(s1, X[X.shape[0] - (K - 1) :].astype(np.float32))
-
-
-@pytest.mark.parametrize("S,T,C,chunk", [(3, 1, 130, 16), (5, 2, 64, 16), (2, 37, 129, 8), (9, 3, 40, 16)])
-def test_conv_kernels_on_partials_emulated_bitwise(conv_emu, rng, S, T, C, chunk):
-    """in_partials: the kernels fold the parts in order (partials.cuh) as they read x: the bits of x = their sum."""
-    K = 4
-    parts = rng.standard_normal((S, T, C)).astype(np.float32)
-    x = parts[0].copy()
-    for k in range(1, S):  # the in-order F32 sum the parts stand for
-        x = (x + parts[k]).astype(np.float32)
-    w = rng.standard_normal((K, C)).astype(np.float32)
-    state = rng.standard_normal((K - 1, C)).astype(np.float32)
-    want = run_emu(conv_emu, x, w, state, chunk, True)
-    got = run_emu(conv_emu, parts, w, state, chunk, True)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))

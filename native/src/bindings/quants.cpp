@@ -349,12 +349,9 @@ the kernels queued before it have finished (native/src/gpu/pdl.cuh): a ws writte
       [](const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
          int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
          std::optional<Tensor> norm_weight, const py::object& z, const py::sequence& ws, bool exact, bool partials,
-         std::optional<Tensor> state_out, bool in_partials) {
+         std::optional<Tensor> state_out) {
         const char* op = "gdn_step_gated_matmul";
         Tensor zt = as_tensor(z, op, "z");
-        SPECD_CHECK(!in_partials || (a.ndim() == 3 && b.ndim() == 3 && zt.ndim() == 4), op,
-                    ": with in_partials=True a and b must be split-K partials [S, T, Hv] and z [S, T, Hv, dv], got ",
-                    a.ndim(), ", ", b.ndim(), " and ", zt.ndim(), " dimensions");
         for (const Tensor* t : {&a, &b, &dt, &ssm_a, &state, static_cast<const Tensor*>(&zt)})
           require_same_device(cv, *t, op);
         if (state_out) require_same_device(cv, *state_out, op);
@@ -364,21 +361,16 @@ the kernels queued before it have finished (native/src/gpu/pdl.cuh): a ws writte
 #if SPECD_WITH_GPU
           if (cv.device == Device::GPU)
             return gpu::gdn_step_gated_matmul(cv, a, b, dt, ssm_a, state, n_k_heads, head_k_dim, n_v_heads, head_v_dim,
-                                              eps, scale, state_out, norm_weight, zt, wt, exact, partials, in_partials);
+                                              eps, scale, state_out, norm_weight, zt, wt, exact, partials);
 #endif
-          // the composition (on the partials' sums); the norm's and the weights' arguments checked before the state
-          // is touched
-          const Tensor av = cpu_input(a, in_partials, op, "a"), bv = cpu_input(b, in_partials, op, "b");
-          const Tensor zv = cpu_input(zt, in_partials, op, "z");
-          const Tensor& written = cpu::check_gdn_step_args(cv, av, bv, dt, ssm_a, state, state_out, n_k_heads,
+          // the composition; the norm's and the weights' arguments checked before the state is touched
+          const Tensor& written = cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, state, state_out, n_k_heads,
                                                            head_k_dim, n_v_heads, head_v_dim, eps, scale, Device::CPU);
-          cpu::check_gdn_output_norm_args(zv, norm_weight, written, cv.dim(0), n_v_heads, head_v_dim, Device::CPU, op);
-          for (const Tensor* t : {&a, &b, static_cast<const Tensor*>(&zt)})  // every part
-            SPECD_CHECK(!cpu::overlap(written, *t), op, ": the state written must not overlap a, b or z");
+          cpu::check_gdn_output_norm_args(zt, norm_weight, written, cv.dim(0), n_v_heads, head_v_dim, Device::CPU, op);
           (void)cpu_group(Tensor::empty({0, n_v_heads * head_v_dim}, DType::F32), wt, op);  // ws' checks
-          auto [o, q, k, v, g, beta] = cpu::gdn_step(cv, av, bv, dt, ssm_a, state, n_k_heads, head_k_dim, n_v_heads,
+          auto [o, q, k, v, g, beta] = cpu::gdn_step(cv, a, b, dt, ssm_a, state, n_k_heads, head_k_dim, n_v_heads,
                                                      head_v_dim, eps, scale, state_out);
-          const Tensor y = cpu::rms_norm_gated(o, norm_weight, eps, zv);
+          const Tensor y = cpu::rms_norm_gated(o, norm_weight, eps, zt);
           return std::make_tuple(
               cpu_partials(cpu_group(y.reshape({o.dim(0), o.dim(1) * o.dim(2)}), wt, op), partials), q, k, v, g, beta);
         });
@@ -388,7 +380,7 @@ the kernels queued before it have finished (native/src/gpu/pdl.cuh): a ws writte
       py::arg("cv"), py::arg("a"), py::arg("b"), py::arg("dt"), py::arg("ssm_a"), py::arg("state"),
       py::arg("n_k_heads"), py::arg("head_k_dim"), py::arg("n_v_heads"), py::arg("head_v_dim"), py::arg("eps"),
       py::arg("scale"), py::arg("norm_weight"), py::arg("z"), py::arg("ws"), py::arg("exact") = true,
-      py::arg("partials") = false, py::arg("state_out") = py::none(), py::arg("in_partials") = false,
+      py::arg("partials") = false, py::arg("state_out") = py::none(),
       with_partials_doc(R"doc(A Gated DeltaNet decode / verify step after its conv, through its output's gated norm
 and out projection (qwen35-target.md §6.5 steps 3-9): gdn_step(cv, a, b, dt, ssm_a, state, n_k_heads, head_k_dim,
 n_v_heads, head_v_dim, eps, scale, state_out), then rms_norm_gated_matmul(o, norm_weight, eps, z, ws, exact)
@@ -400,11 +392,7 @@ not returned. Bit-identical to the composition on each backend. On CUDA (sm_90),
 reads the output (1 <= T <= 16, every weight Q8_0 / K-quant / IQ4_XS, dk 32 / 64 / 128, dv % 32 == 0 dividing
 256, Hv dv % 256 == 0, 16-byte aligned z and norm_weight), the gdn_step launch itself norms and splits o for the
 GEMV in clusters of 8 blocks (gdn_step_split_kernel): one launch fewer; otherwise the composition. Every argument
-is checked before anything runs (a bad one leaves the state untouched): raises ValueError as those ops do.
-
-in_partials=True: a and b are split-K partials F32 [S, T, Hv] and z F32 [S, T, Hv, dv] (each its own S: the
-projections' partials=True outputs), standing for their in-order F32 sums; the result is bit for bit that of the
-sums (the fused launch sums them as it reads them: no sum launch).)doc")
+is checked before anything runs (a bad one leaves the state untouched): raises ValueError as those ops do.)doc")
           .c_str());
 
   m.def(

@@ -1,6 +1,3 @@
-#include <cstring>
-
-#include "../cpu/activations.h"
 #include "../cpu/dynamic_conv.h"
 #include "../cpu/ssm.h"
 #if SPECD_WITH_GPU
@@ -14,38 +11,19 @@ void register_ssm(py::module_& m) {
   m.def(
       "conv1d_causal",
       [](const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu,
-         std::optional<Tensor> state_out, bool in_partials, std::optional<Tensor> x_out) {
-        const char* op = "conv1d_causal";
-        require_same_device(x, weight, op);
-        require_same_device(x, state, op);
-        if (state_out) require_same_device(x, *state_out, op);
-        if (x_out) require_same_device(x, *x_out, op);
-        SPECD_CHECK(!in_partials || x.ndim() == 3, op, ": x must be split-K partials [S, T, C] with in_partials=True, got ",
-                    x.ndim(), " dimension(s)");
+         std::optional<Tensor> state_out) {
+        require_same_device(x, weight, "conv1d_causal");
+        require_same_device(x, state, "conv1d_causal");
+        if (state_out) require_same_device(x, *state_out, "conv1d_causal");
         return without_gil([&] {
 #if SPECD_WITH_GPU
-          if (x.device == Device::GPU)
-            return gpu::conv1d_causal(x, weight, state, apply_silu, state_out, in_partials, x_out);
+          if (x.device == Device::GPU) return gpu::conv1d_causal(x, weight, state, apply_silu, state_out);
 #endif
-          const Tensor xv = in_partials ? cpu::sum_partials(x, op, "x") : x;
-          if (in_partials && state_out)  // as the GPU op: state_out may overlap none of the parts
-            SPECD_CHECK(!cpu::overlap(*state_out, x), op, ": state_out must not overlap x");
-          if (x_out) {  // checked before the state is written
-            cpu::check_state(*x_out, {xv.dim(0), xv.dim(1)}, Device::CPU, op, "x_out");
-            for (const Tensor* t : {&x, &weight, &state})
-              SPECD_CHECK(!cpu::overlap(*x_out, *t), op, ": x_out must overlap none of x, weight, state and state_out");
-            if (state_out)
-              SPECD_CHECK(!cpu::overlap(*x_out, *state_out), op,
-                          ": x_out must overlap none of x, weight, state and state_out");
-          }
-          Tensor y = cpu::conv1d_causal(xv, weight, state, apply_silu, state_out);
-          if (x_out) std::memcpy(x_out->data, xv.data, size_t(xv.numel()) * sizeof(float));
-          return y;
+          return cpu::conv1d_causal(x, weight, state, apply_silu, state_out);
         });
       },
       py::arg("x"), py::arg("weight"), py::arg("state"),
-        py::arg("apply_silu") = true, py::arg("state_out") = py::none(), py::arg("in_partials") = false,
-        py::arg("x_out") = py::none(),
+        py::arg("apply_silu") = true, py::arg("state_out") = py::none(),
         R"doc(Depthwise causal conv of the Gated DeltaNet, with its rolling state (qwen35-target.md §6.5 step 2).
 
 x: F32 [T, C] (last dim contiguous); weight: F32 [K, C] (GGUF ssm_conv1d, tap K-1 = current token);
@@ -56,13 +34,7 @@ state_out when given: F32 [K-1, C], contiguous, writable, on x's device, either 
 memory overlapping neither state nor x; state is then only read (it need not be writable), and
 the result equals the in-place one bitwise. Splitting the T tokens over several calls gives
 bitwise the same outputs and state. Returns F32 [T, C]. Raises ValueError on dtype/shape mismatch
-(weight [K >= 1, C], state and state_out [K-1, C]) or an overlapping state_out.
-
-in_partials=True: x is split-K partials F32 [S, T, C] (the GEMV's per-split sums of the qkv projection, a
-matmul's partials=True output) standing for x = p[0] + p[1] + ... + p[S - 1], added in that order in F32; the
-conv is bit for bit the conv of that sum (on the GPU its kernel sums the parts as it reads them: no sum launch).
-x_out: F32 [T, C], contiguous, writable, on x's device, overlapping no other argument: receives x's values (with
-in_partials, the sums), e.g. a verify's conv inputs kept for its commit, without a sum launch.)doc");
+(weight [K >= 1, C], state and state_out [K-1, C]) or an overlapping state_out.)doc");
   m.def(
       "grouped_dynamic_conv",
       [](const Tensor& y, const Tensor& dyn, const Tensor& base, int64_t side) {

@@ -9,7 +9,6 @@
 #include <cstdint>
 
 #include "activations.cuh"
-#include "partials.cuh"
 #include "pdl.cuh"
 
 namespace specd::gpu::detail::conv {
@@ -19,26 +18,15 @@ constexpr int kConvThreads = 128;
 // tokens per block (grid y); a prefill chunk of 2048 tokens: 128 blocks per channel
 constexpr int64_t kConvTokens = 16;
 
-// The conv's input x [T, C], or split-K partials of it (partials.cuh: `splits` parts `part` floats apart, x their
-// in-order sum, which each read forms: conv1d_causal's in_partials, the GEMV's split sums left to the conv).
-struct ConvInput {
-  const float* __restrict__ x;
-  int splits;
-  int64_t part;
-  __device__ __forceinline__ float operator[](int64_t j) const { return fold_partials(x, splits, part, j); }
-};
-
 // Block (bx, by): channels bx * kConvThreads + threadIdx.x, tokens [by * chunk, + chunk). Every output
 // is computed alone, so splitting the tokens over blocks changes no bits. Only the first chunk
 // (chunk >= K - 1) reads state rows, and its threads write their channel's new state after their
 // outputs: no other block touches the state, so in place is safe.
 // state_out may be state (in place): no __restrict__ on either.
-// x_out (or null): receives x's values [T, C] (with partials, their sums).
-__global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const ConvInput x, const float* __restrict__ w,
+__global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __restrict__ x, const float* __restrict__ w,
                                                               const float* state, float* state_out,
-                                                              float* __restrict__ y, float* __restrict__ x_out,
-                                                              int64_t T, int64_t C, int64_t K, int64_t chunk,
-                                                              bool silu_out) {
+                                                              float* __restrict__ y, int64_t T, int64_t C, int64_t K,
+                                                              int64_t chunk, bool silu_out) {
   pdl_enter();
   const int64_t c = int64_t(blockIdx.x) * kConvThreads + threadIdx.x;
   if (c >= C) return;
@@ -51,7 +39,6 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const ConvInput x,
       acc = __fadd_rn(acc, __fmul_rn(w[j * C + c], src));
     }
     y[t * C + c] = silu_out ? apply<Op::Silu>(acc, 0.0f) : acc;  // the silu op's code
-    if (x_out) x_out[t * C + c] = x[t * C + c];
   }
   if (blockIdx.y != 0) return;
   // New state = X rows T .. T+K-2; ascending r reads state row T + r before it is overwritten
@@ -67,11 +54,10 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const ConvInput x,
 // and each weight once per block instead of once per token. Same products and sums in the same order
 // (j ascending, explicit mul / add): bit-identical to conv1d_kernel.
 template <int K>
-__global__ void __launch_bounds__(kConvThreads) conv1d_taps_kernel(const ConvInput x,
+__global__ void __launch_bounds__(kConvThreads) conv1d_taps_kernel(const float* __restrict__ x,
                                                                    const float* __restrict__ w, const float* state,
-                                                                   float* state_out, float* __restrict__ y,
-                                                                   float* __restrict__ x_out, int64_t T, int64_t C,
-                                                                   int64_t chunk, bool silu_out) {
+                                                                   float* state_out, float* __restrict__ y, int64_t T,
+                                                                   int64_t C, int64_t chunk, bool silu_out) {
   pdl_enter();
   const int64_t c = int64_t(blockIdx.x) * kConvThreads + threadIdx.x;
   if (c >= C) return;
@@ -86,7 +72,6 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_taps_kernel(const ConvInp
 #pragma unroll 4
   for (int64_t t = t0; t < t1; ++t) {
     win[K - 1] = x[t * C + c];  // X(t + K - 1): always an input row
-    if (x_out) x_out[t * C + c] = win[K - 1];
     float acc = 0.0f;
 #pragma unroll
     for (int j = 0; j < K; ++j) acc = __fadd_rn(acc, __fmul_rn(wk[j], win[j]));

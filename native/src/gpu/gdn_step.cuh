@@ -15,7 +15,6 @@
 #include "dyn_smem.cuh"
 #include "gdn_chunked.cuh"  // gdn::Params
 #include "norm.cuh"
-#include "partials.cuh"
 #include "pdl.cuh"
 
 namespace specd::gpu::detail::gdn_step {
@@ -132,16 +131,13 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const gdn::Params P
 // composition on the GPU.
 struct GdnStepParams {
   const float* cv;  // [T, 2 hk dk + hv dv] conv outputs
-  const float *a, *b, *dt, *ssm_a;  // a, b [T, hv], or split-K partials of them (ab_splits)
+  const float *a, *b, *dt, *ssm_a;
   const float* state;
   float* state_out;
   float *o, *q, *k, *v, *g, *beta;
   int64_t T;
   int hk, hv, dv;
   float eps, scale;
-  // a and b as split-K partials (partials.cuh; gdn_step_gated_matmul's in_partials): parts T hv floats apart, each
-  // value the in-order sum of its parts. 1: a and b themselves.
-  int a_splits = 1, b_splits = 1;
 };
 
 template <int DK>
@@ -203,9 +199,9 @@ __device__ __forceinline__ void gdn_step_block(const GdnStepParams& P) {
       P.v[t * P.hv * P.dv + c] = vs[i];
     }
     if (tid < n) {
-      const int64_t e = (t0 + tid) * P.hv + j, part = P.T * P.hv;
-      gs[tid] = gdn_g(fold_partials(P.a, P.a_splits, part, e), P.dt[j], P.ssm_a[j]);
-      bs[tid] = gdn_beta(fold_partials(P.b, P.b_splits, part, e));
+      const int64_t e = (t0 + tid) * P.hv + j;
+      gs[tid] = gdn_g(P.a[e], P.dt[j], P.ssm_a[j]);
+      bs[tid] = gdn_beta(P.b[e]);
       if (rb == 0) P.g[e] = gs[tid], P.beta[e] = bs[tid];
     }
     __syncthreads();

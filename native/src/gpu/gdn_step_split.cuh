@@ -23,11 +23,10 @@ namespace specd::gpu::detail::gdn_step {
 constexpr int kGdnSplitCluster = mma::kGroup / kGdnRows;
 
 // gdn_step_split_kernel's dynamic shared memory (bytes) at dk = DK: gdn_step_kernel's stage for kGdnRows rows, then
-// the group being split (kGroup floats, 16-byte aligned: the stage is whole 32-byte rows), then the group's z summed
-// from its partials (kGroup floats; used when S.z_splits > 1).
+// the group being split (kGroup floats, 16-byte aligned: the stage is whole 32-byte rows).
 template <int DK>
 __host__ __device__ constexpr size_t gdn_split_smem() {
-  return gdn_step_smem<DK>(kGdnRows) + 2 * mma::kGroup * sizeof(float);
+  return gdn_step_smem<DK>(kGdnRows) + mma::kGroup * sizeof(float);
 }
 
 // The launch bounds ask for at least one resident block a multiprocessor, which lifts ptxas's register target:
@@ -43,18 +42,10 @@ __global__ void __launch_bounds__(kGdnRows * L, 1) gdn_step_split_kernel(const G
   cluster.sync();  // the group's o, written by the cluster's blocks, visible to each of them
   const int64_t grp = blockIdx.x / kGdnSplitCluster, first = grp * mma::kGroup;
   float* v = dyn_smem() + gdn_step_smem<E * L>(blockDim.x / L) / sizeof(float);  // past the stage: [kGroup]
-  float* zs = v + mma::kGroup;                                                      // then [kGroup]
   const int lane = int(threadIdx.x % SPECD_WARP), warp = int(threadIdx.x / SPECD_WARP);
   for (int64_t t = cluster.block_rank(); t < P.T; t += kGdnSplitCluster) {
-    const float* zg = S.z + t * S.in + first;
-    if (S.z_splits > 1) {  // z's partials summed once into shared memory (the norm reads each value twice)
-      for (int k = int(threadIdx.x); k < mma::kGroup; k += int(blockDim.x))
-        zs[k] = fold_partials(S.z, S.z_splits, P.T * S.in, t * S.in + first + k);
-      __syncthreads();
-      zg = zs;
-    }
-    gated_norm_group(P.o + t * S.in + first, zg, S.w, P.dv, S.eps, mma::kGroup, v, warp, int(blockDim.x / SPECD_WARP),
-                     lane);
+    gated_norm_group(P.o + t * S.in + first, S.z + t * S.in + first, S.w, P.dv, S.eps, mma::kGroup, v, warp,
+                     int(blockDim.x / SPECD_WARP), lane);
     __syncthreads();
     if (warp == 0) mma::split_group(SharedGroupInput{v, grp}, int(t), int(P.T), grp, S.in, lane, S.xb, S.xs, S.xm);
     __syncthreads();  // v is the next token's

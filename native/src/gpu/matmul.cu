@@ -777,27 +777,17 @@ bool gdn_split_runs() {
 #endif
 
 std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step_gated_matmul(
-    const Tensor& cv, const Tensor& ap, const Tensor& bp, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
+    const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
     int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
-    const std::optional<Tensor>& state_out, const std::optional<Tensor>& norm_weight, const Tensor& zp,
-    const std::vector<Tensor>& ws, bool exact, bool partials, bool in_partials) {
+    const std::optional<Tensor>& state_out, const std::optional<Tensor>& norm_weight, const Tensor& z,
+    const std::vector<Tensor>& ws, bool exact, bool partials) {
   const char* op = "gdn_step_gated_matmul";
   const int64_t hk = n_k_heads, dk = head_k_dim, hv = n_v_heads, dv = head_v_dim;
-  if (in_partials) {
-    cpu::check_partials(ap, Device::GPU, op, "a");
-    cpu::check_partials(bp, Device::GPU, op, "b");
-    cpu::check_partials(zp, Device::GPU, op, "z");
-  }
-  // the values a, b and z stand for (with in_partials the first parts: their shapes, and the in-place checks)
-  const Tensor a = in_partials ? cpu::first_part(ap) : ap, b = in_partials ? cpu::first_part(bp) : bp;
-  const Tensor z = in_partials ? cpu::first_part(zp) : zp;
   const Tensor& out_state = cpu::check_gdn_step_args(cv, a, b, dt, ssm_a, state, state_out, hk, dk, hv, dv, eps, scale,
                                                      Device::GPU);
   const int64_t T = cv.dim(0), in = hv * dv;
   // the output norm's and the projection's arguments, before anything runs
   cpu::check_gdn_output_norm_args(z, norm_weight, out_state, T, hv, dv, Device::GPU, op);
-  for (const Tensor* t : {&ap, &bp, &zp})  // every part, not only the first
-    SPECD_CHECK(!cpu::overlap(out_state, *t), op, ": the state written must not overlap a, b or z");
   check_weights(in, ws, op, "the step's output o");
   namespace gs = detail::gdn_step;
 #if SPECD_MMA_GEMV
@@ -811,24 +801,22 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step
 #else
   const bool fused = false;
 #endif
-  if (!fused) {  // the composition, on the partials' sums
-    const auto value = [&](const Tensor& p, const Tensor& v) { return in_partials ? sum_partials(p) : v; };
-    auto [o2, q, k, v, g, beta] =
-        gdn_step(cv, value(ap, a), value(bp, b), dt, ssm_a, state, hk, dk, hv, dv, eps, scale, state_out);
-    return {rms_norm_gated_matmul(o2, norm_weight, eps, value(zp, z), ws, exact, partials), q, k, v, g, beta};
+  if (!fused) {  // the composition
+    auto [o2, q, k, v, g, beta] = gdn_step(cv, a, b, dt, ssm_a, state, hk, dk, hv, dv, eps, scale, state_out);
+    return {rms_norm_gated_matmul(o2, norm_weight, eps, z, ws, exact, partials), q, k, v, g, beta};
   }
   const auto empty = [](std::vector<int64_t> shape) { return Tensor::empty(shape, DType::F32, Device::GPU); };
   Tensor o = empty({T, hv, dv}), q = empty({T, hk, dk}), k = empty({T, hk, dk}), v = empty({T, hv, dv}),
          g = empty({T, hv}), beta = empty({T, hv});
   SPECD_CHECK(in / gs::kGdnRows <= 0x7fffffff, op, ": at most 2^31 - 1 blocks");
-  const gs::GdnStepParams P{cv.ptr<float>(), ap.ptr<float>(), bp.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(),
+  const gs::GdnStepParams P{cv.ptr<float>(), a.ptr<float>(), b.ptr<float>(), dt.ptr<float>(), ssm_a.ptr<float>(),
                             state.ptr<float>(), out_state.ptr<float>(), o.ptr<float>(), q.ptr<float>(), k.ptr<float>(),
                             v.ptr<float>(), g.ptr<float>(), beta.ptr<float>(), T, int(hk), int(hv), int(dv), eps,
-                            scale, in_partials ? int(ap.dim(0)) : 1, in_partials ? int(bp.dim(0)) : 1};
+                            scale};
   std::vector<Tensor> ys = split_matmul(o.reshape({T, in}), ws, op, partials, [&](const auto& xp, int64_t) {
 #if SPECD_MMA_GEMV
-    const detail::GatedSplit S{zp.ptr<float>(), norm_weight ? norm_weight->ptr<float>() : nullptr, eps, in,
-                               xp.xb, xp.xs, xp.xm, in_partials ? int(zp.dim(0)) : 1};
+    const detail::GatedSplit S{z.ptr<float>(), norm_weight ? norm_weight->ptr<float>() : nullptr, eps, in,
+                               xp.xb, xp.xs, xp.xm};
     gs::with_gdn_instance(dk, [&](auto e, auto l) {
       constexpr int E = decltype(e)::value, L = decltype(l)::value;
       detail::launch_kernel_clustered<gs::gdn_step_split_kernel<E, L>>(

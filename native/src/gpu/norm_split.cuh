@@ -242,8 +242,6 @@ struct GatedSplit {
   uint2* xb;
   float* xs;
   uint32_t* xm;
-  // gdn_step_split_kernel only: z as split-K partials (partials.cuh), parts n in floats apart; 1: z itself.
-  int z_splits = 1;
 };
 
 // rms_norm_gated of one 256-input split group of a row into v (kGroup floats of shared memory): xg, zg its first

@@ -187,13 +187,9 @@ Tensor attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, 
 // Gated DeltaNet conv and recurrence as cpu::conv1d_causal / cpu::gated_delta_net (ssm.cu),
 // including the optional out-of-place state_out. exact = false lets a call of >= 64 tokens without
 // checkpoints take the chunked (WY-form) recurrence: prefill only (its rounding differs from the
-// token-by-token kernel's, within the CPU tolerance). conv1d_causal's in_partials: x is split-K partials [S, T, C]
-// (cpu::check_partials) of the input, which the conv kernel sums as it reads them (partials.cuh: bit for bit the
-// conv of their sum); x_out (F32 [T, C], contiguous, overlapping no other argument) receives the values of x (the
-// sums), e.g. for a verify's pending conv inputs.
+// token-by-token kernel's, within the CPU tolerance).
 Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu,
-                     const std::optional<Tensor>& state_out = std::nullopt, bool in_partials = false,
-                     const std::optional<Tensor>& x_out = std::nullopt);
+                     const std::optional<Tensor>& state_out = std::nullopt);
 Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
                        const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
                        const std::optional<Tensor>& state_out = std::nullopt, bool exact = true);
@@ -212,15 +208,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
 // gdn_step followed by rms_norm_gated_matmul(o, norm_weight, eps, z, ws, exact, partials) (o [T, Hv, dv] not
 // returned): (ys, q, k, v, g, beta), bit-identical to that composition. Where the tensor-core GEMV reads the
 // output (T <= 16, tensor-core weight formats, CUDA sm_90: matmul.cu) the gdn_step launch itself norms and splits o
-// (gdn_step_split_kernel), one launch fewer; otherwise the composition. in_partials: a, b and z are split-K
-// partials ([S, T, Hv], [S, T, Hv, dv]: cpu::check_partials, each its own S) of the values, which that launch sums
-// as it reads them (the composition: sum_partials first); bit for bit the op on their sums. Checks every argument
-// first (the state is untouched on a bad one); throws std::invalid_argument.
+// (gdn_step_split_kernel), one launch fewer; otherwise the composition. Checks every argument first (the state
+// is untouched on a bad one); throws std::invalid_argument.
 std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step_gated_matmul(
     const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,
     int64_t n_k_heads, int64_t head_k_dim, int64_t n_v_heads, int64_t head_v_dim, float eps, float scale,
     const std::optional<Tensor>& state_out, const std::optional<Tensor>& norm_weight, const Tensor& z,
-    const std::vector<Tensor>& ws, bool exact, bool partials, bool in_partials = false);
+    const std::vector<Tensor>& ws, bool exact, bool partials);
 
 // DFlash 2's grouped dynamic causal convolution as cpu::grouped_dynamic_conv (dynamic_conv.cu): one thread
 // per output element, the CPU op's F32 operations in its order with explicit round-to-nearest (no FMA), so

@@ -52,7 +52,6 @@ namespace {
 
 using detail::conv::conv1d_kernel;
 using detail::conv::conv1d_taps_kernel;
-using detail::conv::ConvInput;
 using detail::conv::kConvThreads;
 using detail::conv::kConvTokens;
 
@@ -180,24 +179,15 @@ void launch_gdn_step(const GdnStepParams& P) {
 
 }  // namespace
 
-Tensor conv1d_causal(const Tensor& xin, const Tensor& weight, const Tensor& state, bool apply_silu,
-                     const std::optional<Tensor>& state_out, bool in_partials, const std::optional<Tensor>& x_out) {
+Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state, bool apply_silu,
+                     const std::optional<Tensor>& state_out) {
   const char* op = "conv1d_causal";
-  if (in_partials) cpu::check_partials(xin, Device::GPU, op, "x");
-  const Tensor x = in_partials ? cpu::first_part(xin) : xin;  // the shape x stands for
   detail::check_gpu_tensor(x, DType::F32, 2, op, "x");
   detail::check_gpu_tensor(weight, DType::F32, 2, op, "weight");
   int64_t T = x.dim(0), C = x.dim(1), K = weight.dim(0);
   SPECD_CHECK(K >= 1 && weight.dim(1) == C, op, ": weight must be [K >= 1, C=", C, "], got [", K, ", ",
               weight.dim(1), "]");
-  const Tensor& out_state = cpu::written_state(state, state_out, {K - 1, C}, {&xin, &weight}, Device::GPU, op);
-  const ConvInput xi{xin.ptr<float>(), in_partials ? int(xin.dim(0)) : 1, T * C};
-  if (x_out) {
-    cpu::check_state(*x_out, {T, C}, Device::GPU, op, "x_out");
-    for (const Tensor* t : {&xin, &weight, &state, &out_state})
-      SPECD_CHECK(!cpu::overlap(*x_out, *t), op, ": x_out must overlap none of x, weight, state and state_out");
-  }
-  float* const xo = x_out ? x_out->ptr<float>() : nullptr;
+  const Tensor& out_state = cpu::written_state(state, state_out, {K - 1, C}, {&x, &weight}, Device::GPU, op);
   Tensor y = Tensor::empty({T, C}, DType::F32, Device::GPU);
   if (C == 0) return y;
   int64_t blocks = (C + kConvThreads - 1) / kConvThreads;
@@ -208,13 +198,13 @@ Tensor conv1d_causal(const Tensor& xin, const Tensor& weight, const Tensor& stat
   const int64_t chunks = std::max<int64_t>(1, (T + chunk - 1) / chunk);
   if (K == 4)  // the models' conv: the register-window kernel (bit-identical)
     detail::launch_kernel<conv1d_taps_kernel<4>>("conv1d_taps_kernel", dim3(unsigned(blocks), unsigned(chunks)),
-                                                 kConvThreads, 0, detail::stream(), xi, weight.ptr<float>(),
-                                                 state.ptr<float>(), out_state.ptr<float>(), y.ptr<float>(), xo, T, C,
-                                                 chunk, apply_silu);
+                                                 kConvThreads, 0, detail::stream(), x.ptr<float>(), weight.ptr<float>(),
+                                                 state.ptr<float>(), out_state.ptr<float>(), y.ptr<float>(), T, C, chunk,
+                                                 apply_silu);
   else
     detail::launch_kernel<conv1d_kernel>("conv1d_kernel", dim3(unsigned(blocks), unsigned(chunks)), kConvThreads, 0,
-                                         detail::stream(), xi, weight.ptr<float>(), state.ptr<float>(),
-                                         out_state.ptr<float>(), y.ptr<float>(), xo, T, C, K, chunk, apply_silu);
+                                         detail::stream(), x.ptr<float>(), weight.ptr<float>(), state.ptr<float>(),
+                                         out_state.ptr<float>(), y.ptr<float>(), T, C, K, chunk, apply_silu);
   return y;
 }
 

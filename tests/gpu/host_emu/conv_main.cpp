@@ -23,16 +23,14 @@ static void write_file(const char* path, const std::vector<float>& v) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 13 && argc != 14) {
-    std::fprintf(stderr, "usage: %s T C K chunk silu x w state y_generic state_generic y_taps state_taps [splits]\n",
-                 argv[0]);
+  if (argc != 13) {
+    std::fprintf(stderr, "usage: %s T C K chunk silu x w state y_generic state_generic y_taps state_taps\n", argv[0]);
     return 2;
   }
-  const int splits = argc == 14 ? std::atoi(argv[13]) : 1;  // x holds that many split-K partials [splits][T][C]
   const int64_t T = std::atoll(argv[1]), C = std::atoll(argv[2]), K = std::atoll(argv[3]), chunk = std::atoll(argv[4]);
   const bool silu = std::atoi(argv[5]) != 0;
-  if (T < 0 || C < 1 || K < 1 || chunk < K - 1 || chunk < 1 || splits < 1) return 2;
-  std::vector<float> x(size_t(splits * T * C)), w(size_t(K * C)), state(size_t((K - 1) * C));
+  if (T < 0 || C < 1 || K < 1 || chunk < K - 1 || chunk < 1) return 2;
+  std::vector<float> x(size_t(T * C)), w(size_t(K * C)), state(size_t((K - 1) * C));
   if (!read_file(argv[6], x) || !read_file(argv[7], w) || !read_file(argv[8], state)) {
     std::fprintf(stderr, "short input file\n");
     return 2;
@@ -47,13 +45,12 @@ int main(int argc, char** argv) {
       kernel();
     });
   };
-  const ConvInput xi{x.data(), splits, T * C};
-  std::vector<float> y1(size_t(T * C), nan), s1 = state;
-  grid([&] { conv1d_kernel(xi, w.data(), s1.data(), s1.data(), y1.data(), nullptr, T, C, K, chunk, silu); });
+  std::vector<float> y1(x.size(), nan), s1 = state;
+  grid([&] { conv1d_kernel(x.data(), w.data(), s1.data(), s1.data(), y1.data(), T, C, K, chunk, silu); });
   write_file(argv[9], y1), write_file(argv[10], s1);
-  std::vector<float> y2(size_t(T * C), nan), s2 = state;
+  std::vector<float> y2(x.size(), nan), s2 = state;
   if (K == 4)
-    grid([&] { conv1d_taps_kernel<4>(xi, w.data(), s2.data(), s2.data(), y2.data(), nullptr, T, C, chunk, silu); });
+    grid([&] { conv1d_taps_kernel<4>(x.data(), w.data(), s2.data(), s2.data(), y2.data(), T, C, chunk, silu); });
   write_file(argv[11], y2), write_file(argv[12], s2);
   std::printf("blocks=%lld chunks=%lld\n", (long long)blocks, (long long)chunks);
   return 0;
