@@ -17,7 +17,7 @@
 // kWarps warps takes one m-tile, one KV head and kWarps / ds * cpw chunks; it stages the m-tile's q once in
 // shared memory as MMA fragments, then each warp walks its own chunks (no block-wide barrier): K and V are
 // read from global memory straight into fragment registers (16-byte loads, no shared-memory staging;
-// the chunk's K and V rows requested from L2 first). With few chunks in flight (a short context: a
+// with ds = 1 the chunk's K and V rows requested from L2 first). With few chunks in flight (a short context: a
 // decode at 200 keys has 4 chunks per KV head) ds = D / 64 warps share a chunk (the kernel's DS): each
 // computes 8 / ds of S's key n-tiles, the warps exchange them in shared memory (a named barrier of the ds
 // warps), then each computes P (the same values) and one 64-dim round of P V. A warp issues all of its K and
@@ -25,7 +25,7 @@
 // then 16 V k-steps); every value is computed by the same MMAs in the same order as with ds = 1, so ds never
 // changes a bit. A chunk is read once per m-tile
 // with the positions of the tile's row with the most keys when the tile's rows can share it: a decode
-// reads each K row once (and ds - 1 times more from L2) and each V row once, an 8-row chain verify three
+// reads each K row and each V row once, an 8-row chain verify three
 // times from L2 (its m-tiles' blocks are adjacent in the grid). Else (a mask
 // whose compacted positions differ between the rows, e.g. a tree's rows past the committed prefix; or a
 // non-finite V at a key some row of the tile does not see) it is read once per row of the tile, each
@@ -106,8 +106,7 @@ inline Plan plan(int64_t rows, int64_t r, int64_t hkv, int64_t nch, bool packed,
   cpw = cpw > nch ? nch : cpw;
   p.cpw = int(cpw);
   // A warp per 64-dim round of P V where that keeps the tasks' warps under 1.5 waves too (then cpw = 1).
-  // (Only ds = 1 or d / 64, the kernel instances there are: at head_dim 256, DS = 2 spills 68 bytes a thread
-  // where DS = 1 spills none and DS = 4 4 bytes, nvcc 13 for sm_90.)
+  // (Only ds = 1 or d / 64, the kernel instances there are: a warp of a shared chunk takes one 64-dim round.)
   const int rounds = d / 64;
   p.ds = rounds <= kWarps && 2 * tasks * rounds < 3 * warps ? rounds : 1;
   const int64_t per_group = kWarps / p.ds * cpw;  // chunks per (m-tile, KV head, group)
@@ -203,7 +202,7 @@ template <int D, bool Idx, int DS>
 __global__ void __launch_bounds__(kWarps * 32, kMinBlocks) attn_chunk_mma_kernel(const Params P) {
   pdl_enter();
   static_assert(D % 64 == 0 && D <= 256, "head_dim 64, 128 or 256");
-  static_assert(DS >= 1 && kWarps % DS == 0 && (D / 64) % DS == 0, "DS warps per chunk share its D / 64 rounds");
+  static_assert((DS == 1 || DS == D / 64) && kWarps % DS == 0, "DS: 1, or D / 64 warps per chunk, one round each");
   constexpr int NS = D / 32;  // 32-dim slabs of q / K: two k-steps each
   // q fragments: [slab][register quad][lane], 16 bytes each; quads: hi of k-step 2 slab (A regs 0-3),
   // lo of it, hi of k-step 2 slab + 1, lo of it.

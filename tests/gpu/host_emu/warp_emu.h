@@ -330,11 +330,11 @@ inline void __syncwarp() {
 inline void __syncthreads() { tl_block->arrive_and_wait(); }
 
 // A block's named barriers (PTX bar.sync id, count: the first `count` threads to arrive at barrier `id` go on
-// together; id 0 is __syncthreads'), a generation per id.
+// together; id 0 is __syncthreads'), a generation per id; arrivals with another count than the first's abort.
 struct NamedBarriers {
   std::mutex mu;
   std::condition_variable cv;
-  int arrived[16] = {};
+  int arrived[16] = {}, count[16] = {};
   unsigned gen[16] = {};
 };
 thread_local NamedBarriers* tl_named = nullptr;
@@ -343,6 +343,8 @@ inline void specd_emu_bar_sync(int id, int count) {
   NamedBarriers& nb = *tl_named;
   std::unique_lock<std::mutex> lock(nb.mu);
   const unsigned gen = nb.gen[id];
+  if (nb.arrived[id] == 0) nb.count[id] = count;
+  if (nb.count[id] != count) std::abort();
   if (++nb.arrived[id] == count) {
     nb.arrived[id] = 0, ++nb.gen[id];
     nb.cv.notify_all();
@@ -395,10 +397,12 @@ void emulate_clusters(int64_t clusters, int blocks, int threads, size_t smem_byt
     cluster.bar = std::make_unique<std::barrier<>>(blocks * threads);
     std::vector<std::vector<WarpShared>> warps(static_cast<size_t>(blocks));
     std::vector<std::unique_ptr<std::barrier<>>> block_bars;
+    std::vector<std::unique_ptr<NamedBarriers>> named;
     for (auto& wb : warps) {
       wb = std::vector<WarpShared>(size_t(threads / 32));
       for (auto& s : wb) s.bar = std::make_unique<std::barrier<>>(32);
       block_bars.push_back(std::make_unique<std::barrier<>>(threads));
+      named.push_back(std::make_unique<NamedBarriers>());
     }
     std::vector<std::thread> th;
     for (int b = 0; b < blocks; ++b)
@@ -408,6 +412,7 @@ void emulate_clusters(int64_t clusters, int blocks, int threads, size_t smem_byt
           tl_warp = &warps[size_t(b)][size_t(i / 32)];
           tl_phase = 0;
           tl_block = block_bars[size_t(b)].get();
+          tl_named = named[size_t(b)].get();
           tl_cluster = &cluster, tl_cluster_rank = unsigned(b), tl_dyn_smem = mem[size_t(b)].data();
           tl_cluster_waited = tl_remote_unfenced = false;
           fn();
