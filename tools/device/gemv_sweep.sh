@@ -4,7 +4,7 @@
 # top of native/src/gpu/matmul_mma.cuh), in parallel, runs each (per format: the 27B's 17408 x 5120
 # FFN gate alone, gate + up as one grouped launch, 5120 x 17408 down; widths 1, 2, 4, 8, 10, 12, 16) and, for the
 # variants in NCU, Nsight Compute on one launch of the gate at width NCU_WIDTH (default 1; format NCU_FORMAT, default IQ4_XS_T: the tiled
-# IQ4_XS; sections below, SM clock not locked).
+# IQ4_XS; shape NCU_SHAPE, default the gate's 17408x5120, as SWEEP_SHAPES spells one; sections below, SM clock not locked).
 #
 # Usage (repository root on the GPU machine):
 #     OUT=/some/dir bash tools/device/gemv_sweep.sh
@@ -89,7 +89,7 @@ for name in ${NCU-}; do
   src=()
   rm -f "$B/ncu_$name.ncu-rep"  # never import a report of an earlier call
   [ "${NCU_SOURCE:-0}" = 1 ] && src=(--section SourceCounters --import-source no -o "$B/ncu_$name" -f)
-  SWEEP_FORMAT=${NCU_FORMAT:-IQ4_XS_T} SWEEP_WIDTHS=${NCU_WIDTH:-1} SWEEP_SHAPES=17408x5120 timeout "${NCU_TIMEOUT:-150}" "$NCU_BIN" --clock-control none -k regex:mma_gemv_kernel \
+  SWEEP_FORMAT=${NCU_FORMAT:-IQ4_XS_T} SWEEP_WIDTHS=${NCU_WIDTH:-1} SWEEP_SHAPES=${NCU_SHAPE:-17408x5120} timeout "${NCU_TIMEOUT:-150}" "$NCU_BIN" --clock-control none -k regex:mma_gemv_kernel \
     --launch-skip 5 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis \
     --section MemoryWorkloadAnalysis_Tables ${src[@]+"${src[@]}"} "$B/$name" "$name" 1 >>"$OUT/ncu.txt" 2>&1
