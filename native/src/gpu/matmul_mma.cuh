@@ -1390,6 +1390,21 @@ struct XSizes {
   }
 };
 
+// pending += add, so that one sum launch serves both; flush(pending) first (then pending is emptied) when they
+// would not fit one SplitSums (kMaxGroup weights). Host code: the launches' and the host emulation's.
+template <class Flush>
+inline void queue_sums(SplitSums& pending, const SplitSums& add, const Flush& flush) {
+  if (pending.count + add.count > kMaxGroup) {
+    flush(static_cast<const SplitSums&>(pending));
+    pending = SplitSums{};
+  }
+  for (int i = 0; i < add.count; ++i) {
+    const int k = pending.count++;
+    pending.part[k] = add.part[i], pending.y[k] = add.y[i], pending.splits[k] = add.splits[i];
+    pending.elem0[k + 1] = pending.elem0[k] + (add.elem0[i + 1] - add.elem0[i]);
+  }
+}
+
 #ifndef SPECD_HOST_EMU
 __global__ void sum_splits_kernel(const SplitSums s_) {
   detail::pdl_enter();
@@ -1434,19 +1449,10 @@ inline void launch_sums(const SplitSums& sums, cudaStream_t s) {
   detail::launch_kernel<sum_splits_kernel>("sum_splits_kernel", unsigned((total + 255) / 256), 256, 0, s, sums);
 }
 
-// pending += add (pending.count + add.count <= kMaxGroup): one sum launch for both.
-inline void merge_sums(SplitSums& pending, const SplitSums& add) {
-  for (int i = 0; i < add.count; ++i) {
-    const int k = pending.count++;
-    pending.part[k] = add.part[i], pending.y[k] = add.y[i], pending.splits[k] = add.splits[i];
-    pending.elem0[k + 1] = pending.elem0[k] + (add.elem0[i + 1] - add.elem0[i]);
-  }
-}
-
 // One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x on
 // `sms` multiprocessors; the split partials of those with several splits are left to sum, added to `pending`
-// (launch_sums; when they would not fit, pending's sums are launched first). scratch(bytes) -> float* buffers for
-// the partials, alive until the sums ran.
+// (queue_sums; when they would not fit, pending's sums are launched first: launch_sums). scratch(bytes) -> float*
+// buffers for the partials, alive until the sums ran.
 template <class F, int NT, class Scratch>
 void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n, int64_t sms, const Scratch& scratch,
             SplitSums& pending, cudaStream_t s) {
@@ -1460,11 +1466,7 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
               " inputs for one tensor-core GEMV");
   detail::launch_kernel<mma_gemv_kernel<F, NT>>("mma_gemv_kernel", unsigned(grp.block0[count]), kWarps * 32, 0, s, grp,
                                                 nunits, xv, n);
-  if (pending.count + sums.count > kMaxGroup) {
-    launch_sums(pending, s);
-    pending = SplitSums{};
-  }
-  merge_sums(pending, sums);
+  queue_sums(pending, sums, [&](const SplitSums& full) { launch_sums(full, s); });
 }
 
 // dst (IQ4_XS_TILED / Q4_K_TILED) = src (IQ4_XS / Q4_K [out, nunits * 256], row-major, 4-byte aligned, out %
