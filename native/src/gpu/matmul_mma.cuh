@@ -93,6 +93,9 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #define SPECD_MMA_WEIGHT_NOALLOC 0  // 1: weight loads skip L1 (ld.global.nc.L1::no_allocate; the ldw loads of IQ4_XS,
                                     // Q4_K, Q5_K and the tiled layouts)
 #endif
+#ifndef SPECD_MMA_Q6_X4
+#define SPECD_MMA_Q6_X4 0  // 1: Q6_K's quants built as 4 (q - 32) (Q6U::unit), the same results; a sweep knob until measured
+#endif
 #ifndef SPECD_MMA_X_AHEAD
 #define SPECD_MMA_X_AHEAD 1  // 1: the tiled formats' 1-tile instances load the next unit's x ahead (x_ahead, XUnit)
 #endif
@@ -668,10 +671,20 @@ struct Q6U {
         for (int h = 0; h < 2; ++h) {
           const int c = g4 & 1;
           const uint2 lw = pair(r[h].ql[4 * n + 2 * c], r[h].ql[4 * n + 2 * c + 1]);
-          const uint2 lo = and2(shr2(lw, 4 * (g4 >> 1)), 0x0f0f0f0fu), hi = and2(shr2(hw[h], 2 * g4), 0x03030303u);
-          // q - 32 per byte (q < 64): (q + 128 - 32) ^ 128 never borrows across bytes.
-          v[h] = make_uint2((((lo.x | (hi.x << 4)) | 0x80808080u) - 0x20202020u) ^ 0x80808080u,
-                            (((lo.y | (hi.y << 4)) | 0x80808080u) - 0x20202020u) ^ 0x80808080u);
+          if constexpr (SPECD_MMA_Q6_X4) {
+            // 4 (q - 32) per byte: the nibble shifted into bits 2..5, qh's two bits into bits 6..7, bit 7 flipped
+            // (4 q ^ 128 = 4 q - 128 as an int8); each word one shift of each source, a mask and a merge.
+            const auto bits = [&](uint32_t l, uint32_t hq) {
+              const uint32_t l2 = (g4 >> 1) ? l >> 2 : l << 2, h6 = hq << (6 - 2 * g4);
+              return (l2 & 0x3c3c3c3cu) | ((h6 ^ 0x80808080u) & 0xc0c0c0c0u);
+            };
+            v[h] = make_uint2(bits(lw.x, hw[h].x), bits(lw.y, hw[h].y));
+          } else {
+            const uint2 lo = and2(shr2(lw, 4 * (g4 >> 1)), 0x0f0f0f0fu), hi = and2(shr2(hw[h], 2 * g4), 0x03030303u);
+            // q - 32 per byte (q < 64): (q + 128 - 32) ^ 128 never borrows across bytes.
+            v[h] = make_uint2((((lo.x | (hi.x << 4)) | 0x80808080u) - 0x20202020u) ^ 0x80808080u,
+                              (((lo.y | (hi.y << 4)) | 0x80808080u) - 0x20202020u) ^ 0x80808080u);
+          }
         }
         make_a(a[0], and2(v[0], 0x00ff00ffu), and2(v[1], 0x00ff00ffu));  // inputs 0..15 of the sub-block
         make_a(a[1], and2(v[0], 0xff00ff00u), and2(v[1], 0xff00ff00u));  // inputs 16..31
@@ -681,6 +694,12 @@ struct Q6U {
         for (int h = 0; h < 2; ++h) sc[0][h] = sbyte(r[h].sc[i >> 2], i & 3), sc[1][h] = sbyte(r[h].sc[i >> 2], (i & 3) + 1);
         step<NT, 2>(a, sc, 8 * u + 4 * n + g4, xv, acc);
       }
+    }
+    if constexpr (SPECD_MMA_Q6_X4) {  // every product was 4x: the sums are exact multiples of 4 (|acc| < 2^30)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] >>= 2;
     }
     finish(acc, u, d, xv, accf);
   }
