@@ -239,6 +239,15 @@ def test_gpu_mma_gemv_emulated_tiled(mma_emu, rng, fmt, k, outs):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"n={n}, weight {i}"
 
 
+def test_gpu_mma_queue_sums_on_host(mma_emu):
+    """`mma_emu queue`: mma::queue_sums merges the split-sum sets of a grouped call's launches into one sum launch's
+    set (element ranges rebased one after the other) and flushes the pending set first when the next would not fit
+    kMaxGroup weights (the GEMV's other tests never queue more than 8)."""
+    d, exe = mma_emu
+    r = subprocess.run([str(exe), "queue"], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
 def test_gpu_mma_iq4_lookups_on_host(mma_emu):
     """`mma_emu lookup`: the __byte_perm stand-in and mma::prmt against hand-computed PTX prmt.b32
     results (the sign-replicating selectors included), mma::sbyte for every byte value at every

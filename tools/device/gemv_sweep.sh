@@ -29,7 +29,8 @@
 # python tools/device/ncu_src_summary.py ncu_src_*.csv). Checksums agree bit for bit between
 # variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS, SPECD_MMA_SPLIT_UNITS, SPECD_MMA_SPLIT_WAVES,
 # SPECD_MMA_SPLIT_MAX_INPUTS and the occupancy flags above change the split-K arithmetic). The L2 prefetch of the
-# ring-less (2- to 6-tile) instances, SPECD_MMA_L2_AHEAD (units ahead, 0: off), never changes a result.
+# ring-less (2- to 6-tile) instances, SPECD_MMA_L2_AHEAD (units ahead, 0: off), never changes a result; nor does
+# SPECD_MMA_Q6_X4=1 (Q6_K's quants built as 4 (q - 32): fewer instructions a unit), e.g. VARIANTS="base: q6x4:-DSPECD_MMA_Q6_X4=1".
 # SWEEP_WIDTHS=1,8 times those widths only (default 1, 2, 4, 8, 10, 12, 16).
 # SWEEP_FORMAT=NAME[,NAME...] times those formats only (IQ4_XS, IQ4_XS_T, Q4_K, Q4_K_T, Q5_K, Q6_K, Q6_K_T, Q8_0;
 # read by gemv_sweep.cu).

@@ -160,6 +160,45 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
   sum_all(pending);
 }
 
+// `mma_emu queue`: mma::queue_sums on synthetic sets: sets that fit are merged with their element ranges rebased
+// one after the other; a set that would not fit first flushes the pending one (exactly once, whole) and then starts
+// a new one at element 0. Prints what fails, returns 1 if anything does.
+int check_queue_sums() {
+  using namespace specd::gpu::detail::mma;
+  static float parts[kMaxGroup * 2][1], ys[kMaxGroup * 2][1];
+  const auto set = [&](int first, int count) {  // weights first .. first + count - 1, weight i of 10 (i + 1) elements
+    SplitSums s;
+    for (int i = 0; i < count; ++i) {
+      s.part[i] = parts[first + i], s.y[i] = ys[first + i], s.splits[i] = first + i + 2;
+      s.elem0[i + 1] = s.elem0[i] + 10 * (first + i + 1);
+    }
+    s.count = count;
+    return s;
+  };
+  int bad = 0, flushes = 0;
+  SplitSums flushed, pending;
+  const auto flush = [&](const SplitSums& full) { ++flushes, flushed = full; };
+  const auto expect = [&](bool ok, const char* what) {
+    if (!ok) std::printf("queue_sums: %s\n", what), bad = 1;
+  };
+  queue_sums(pending, set(0, 3), flush);
+  queue_sums(pending, set(3, 2), flush);
+  expect(flushes == 0 && pending.count == 5, "two sets of 3 and 2 weights merged without a flush");
+  bool ok = true;
+  for (int i = 0; i < 5; ++i)  // weight i: its own pointers and splits, elements [5 i (i + 1), 5 (i + 1) (i + 2))
+    ok = ok && pending.part[i] == parts[i] && pending.y[i] == ys[i] && pending.splits[i] == i + 2 &&
+         pending.elem0[i] == 5 * i * (i + 1) && pending.elem0[i + 1] == 5 * (i + 1) * (i + 2);
+  expect(ok, "merged weights keep their pointers, splits and consecutive element ranges");
+  queue_sums(pending, set(5, 4), flush);  // 5 + 4 > kMaxGroup: the 5 are flushed, the 4 start anew
+  expect(flushes == 1 && flushed.count == 5 && flushed.elem0[5] == 150, "a set that does not fit flushes the pending one");
+  ok = pending.count == 4 && pending.elem0[0] == 0;
+  for (int i = 0; i < 4; ++i)
+    ok = ok && pending.part[i] == parts[5 + i] && pending.elem0[i + 1] - pending.elem0[i] == 10 * (6 + i);
+  expect(ok, "after a flush the set starts at element 0");
+  if (!bad) std::printf("ok\n");
+  return bad;
+}
+
 // `mma_emu lookup`: checks of the byte permute the IQ4_XS lookups are made of, then of the lookups
 // themselves; prints what fails, returns 1 if anything does.
 int check_lookups() {
@@ -246,6 +285,7 @@ int print_splits(int64_t out, int64_t in, int64_t sms) {
 
 int main(int argc, char** argv) {
   if (argc == 2 && std::string(argv[1]) == "lookup") return check_lookups();
+  if (argc == 2 && std::string(argv[1]) == "queue") return check_queue_sums();
   if (argc == 6 && std::string(argv[1]) == "splits") {
     const std::string f = argv[2];
     const int64_t out = std::atoll(argv[3]), in = std::atoll(argv[4]), sms = std::atoll(argv[5]);
