@@ -284,10 +284,11 @@ def test_chunk_mma_emulated_row_slices(chunk_emu, rng):
 @pytest.mark.parametrize("case", ["decode", "chain", "tree", "window", "inf_v", "decode_128", "tree_128", "window_128"])
 def test_chunk_mma_emulated_warps_per_chunk_change_no_bit(chunk_emu, rng, case):
     """ds = head_dim / 64 warps sharing a chunk (each computes 8 / ds of S's key tiles, exchanged through shared
-    memory between named barriers, then P and one 64-dim round of P V: the plan of a short context) give the same bits as one warp per chunk (ds = 1, as the plan picks when fewer
-    warps are resident; cpw = 1 in both). The 27B's head_dim 256 and GQA group (6:1): a decode, a chain
-    verify, a tree mask (chunks read once per row), a window (one row per m-tile) and an inf in V that only
-    later rows see (per-row passes); and a head_dim 128 decode, tree and window (ds = 2)."""
+    memory between named barriers, then P and one 64-dim round of P V: the plan of a short context) give the same
+    bits as one warp per chunk (ds = 1, as the plan picks when fewer warps are resident; cpw = 1 in both). The
+    27B's head_dim 256 and GQA group (6:1): a decode, a chain verify, a tree mask (chunks read once per row), a
+    window (one row per m-tile) and an inf in V that only later rows see (per-row passes); and a head_dim 128
+    decode, tree and window (ds = 2)."""
     d, hq, hkv = (128, 2, 2) if case.endswith("_128") else (256, 6, 1)
     n, kv_len, window = {"decode": (1, 200, 0), "chain": (8, 150, 0), "tree": (7, 107, 0), "window": (3, 230, 70),
                          "inf_v": (4, 100, 0), "decode_128": (1, 300, 0), "tree_128": (7, 107, 0),

@@ -1414,7 +1414,7 @@ struct XSizes {
 template <class Flush>
 inline void queue_sums(SplitSums& pending, const SplitSums& add, const Flush& flush) {
   if (pending.count + add.count > kMaxGroup) {
-    flush(static_cast<const SplitSums&>(pending));
+    flush(pending);
     pending = SplitSums{};
   }
   for (int i = 0; i < add.count; ++i) {

@@ -83,8 +83,7 @@ void pack_q6_k_tiles(const uint8_t* src, int64_t out, int64_t nunits, uint8_t* d
 
 // The weights (each out[i] rows, stored one after the other in w) against x as one grouped launch
 // planned by mma::plan_group (flat grid, each weight's own split; the launch's own planner), then
-// the split sums of mma::sum_splits_at (the sum kernel's element function), queued one weight at a time with
-// mma::queue_sums, which merges them into one sum launch's set (as gemv_split does across formats).
+// the split sums of mma::sum_splits_at (the sum kernel's element function).
 template <class F>
 void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std::vector<float>& x, int n,
          const std::vector<int64_t>& outs, std::vector<float>& y) {
@@ -147,17 +146,7 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
     std::abort();  // (no partials buffers here: every output is summed)
   const auto kernel = with_tiles(n, [](auto nt) { return mma_gemv_kernel<F, decltype(nt)::value>; });
   emulate(grp.block0[grp.count], kWarps * 32, [&] { kernel(grp, nunits, xv, n); });
-  const auto sum_all = [](const SplitSums& s) {
-    for (int64_t e = 0; e < s.elem0[s.count]; ++e) sum_splits_at(s, e);
-  };
-  SplitSums pending;
-  for (int i = 0; i < sums.count; ++i) {
-    SplitSums one;
-    one.count = 1, one.part[0] = sums.part[i], one.y[0] = sums.y[i], one.splits[0] = sums.splits[i];
-    one.elem0[1] = sums.elem0[i + 1] - sums.elem0[i];
-    queue_sums(pending, one, sum_all);
-  }
-  sum_all(pending);
+  for (int64_t e = 0; e < sums.elem0[sums.count]; ++e) sum_splits_at(sums, e);
 }
 
 // `mma_emu queue`: mma::queue_sums on synthetic sets: sets that fit are merged with their element ranges rebased
