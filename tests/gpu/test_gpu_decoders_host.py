@@ -286,27 +286,31 @@ def mma_emu_no_x_ahead(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mma_emu_q6_x4(tmp_path_factory):
-    """The emulation with Q6_K's quants built as 4 (q - 32) (SPECD_MMA_Q6_X4=1, a sweep knob of matmul_mma.cuh)."""
-    return build_mma_emu(tmp_path_factory, "-DSPECD_MMA_Q6_X4=1")
+    """The emulation with Q6_K's quants built as 4 (q - 32) at no tile count and at every one
+    (SPECD_MMA_Q6_X4_TILES=0 / 6; the default build: at up to 3 n8 tiles)."""
+    return (build_mma_emu(tmp_path_factory, "-DSPECD_MMA_Q6_X4_TILES=0"),
+            build_mma_emu(tmp_path_factory, "-DSPECD_MMA_Q6_X4_TILES=6"))
 
 
 @pytest.mark.parametrize("name", ["Q6_K", "Q6_K_T"])
 @pytest.mark.parametrize("extreme", [False, True])
 def test_gpu_mma_q6_x4_keeps_results(mma_emu, mma_emu_q6_x4, rng, name, extreme):
-    """SPECD_MMA_Q6_X4: the quants as 4 (q - 32), every sum 4x and shifted back exactly before the float step, give
-    bit for bit the default build's rows at one to six tiles, with split-K, for random and extreme blocks and x
-    (tiny and huge groups)."""
+    """SPECD_MMA_Q6_X4_TILES: the quants as 4 (q - 32), every sum 4x and shifted back exactly before the float step,
+    give bit for bit the rows of the plain quants, at one to six tiles (the default build mixes the two), with
+    split-K, for random and extreme blocks and x (tiny and huge groups)."""
+    builds = (mma_emu, *mma_emu_q6_x4)
     for k, out in ((2304, 40), (256, 24)):
         raw, _ = weight(rng, name.removesuffix("_T"), out, k, extreme)
         x = rng.standard_normal((16, k)).astype(np.float32)
         x[1] *= 2.0 ** -90
         x[2] *= 2.0 ** 60
-        for d, _exe in (mma_emu, mma_emu_q6_x4):
+        for d, _exe in builds:
             np.ascontiguousarray(raw).tofile(d / "w.bin")
-        for n in (1, 3, 8, 16):
-            base = run_mma_emu(*mma_emu, name, x[:n], out, sms=1)
-            other = run_mma_emu(*mma_emu_q6_x4, name, x[:n], out, sms=1)
-            assert np.array_equal(base.view(np.uint32), other.view(np.uint32)), f"{name} k={k} n={n}"
+        for n in (1, 3, 8, 16):  # 1, 2, 3 and 6 tiles
+            base = run_mma_emu(*mma_emu_q6_x4[0], name, x[:n], out, sms=1)
+            for build in (mma_emu, mma_emu_q6_x4[1]):
+                other = run_mma_emu(*build, name, x[:n], out, sms=1)
+                assert np.array_equal(base.view(np.uint32), other.view(np.uint32)), f"{name} k={k} n={n} {build[0]}"
 
 
 @pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T", "Q4_K_T", "Q6_K_T"])

@@ -30,7 +30,8 @@
 # variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS, SPECD_MMA_SPLIT_UNITS, SPECD_MMA_SPLIT_WAVES,
 # SPECD_MMA_SPLIT_MAX_INPUTS and the occupancy flags above change the split-K arithmetic). The L2 prefetch of the
 # ring-less (2- to 6-tile) instances, SPECD_MMA_L2_AHEAD (units ahead, 0: off), never changes a result; nor does
-# SPECD_MMA_Q6_X4=1 (Q6_K's quants built as 4 (q - 32): fewer instructions a unit), e.g. VARIANTS="base: q6x4:-DSPECD_MMA_Q6_X4=1".
+# SPECD_MMA_Q6_X4_TILES (the most n8 tiles at which Q6_K's quants are built as 4 (q - 32), default 3), e.g.
+# VARIANTS="base: off:-DSPECD_MMA_Q6_X4_TILES=0 all:-DSPECD_MMA_Q6_X4_TILES=6".
 # SWEEP_WIDTHS=1,8 times those widths only (default 1, 2, 4, 8, 10, 12, 16).
 # SWEEP_FORMAT=NAME[,NAME...] times those formats only (IQ4_XS, IQ4_XS_T, Q4_K, Q4_K_T, Q5_K, Q6_K, Q6_K_T, Q8_0;
 # read by gemv_sweep.cu).

@@ -93,8 +93,10 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #define SPECD_MMA_WEIGHT_NOALLOC 0  // 1: weight loads skip L1 (ld.global.nc.L1::no_allocate; the ldw loads of IQ4_XS,
                                     // Q4_K, Q5_K and the tiled layouts)
 #endif
-#ifndef SPECD_MMA_Q6_X4
-#define SPECD_MMA_Q6_X4 0  // 1: Q6_K's quants built as 4 (q - 32) (Q6U::unit), the same results; a sweep knob until measured
+#ifndef SPECD_MMA_Q6_X4_TILES
+#define SPECD_MMA_Q6_X4_TILES 3  // Q6_K's quants built as 4 (q - 32) at up to this many n8 tiles (Q6U::unit): the same
+                                 // results; 0 never, 6 always. H200 (BENCHMARKS.md, 2026-12-04 15:58 UTC): -5 % at one
+                                 // tile (decode), up to -9 % at three, slower at six (its spills)
 #endif
 #ifndef SPECD_MMA_X_AHEAD
 #define SPECD_MMA_X_AHEAD 1  // 1: the tiled formats' 1-tile instances load the next unit's x ahead (x_ahead, XUnit)
@@ -653,6 +655,7 @@ struct Q6U {
   }
   template <int NT, class X = XView>
   __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const X& xv, float (&accf)[NT][4]) {
+    constexpr bool kX4 = NT <= SPECD_MMA_Q6_X4_TILES;
     float d[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) d[h] = specd_fp16_bits_to_float(uint16_t(r[h].d));
@@ -671,7 +674,7 @@ struct Q6U {
         for (int h = 0; h < 2; ++h) {
           const int c = g4 & 1;
           const uint2 lw = pair(r[h].ql[4 * n + 2 * c], r[h].ql[4 * n + 2 * c + 1]);
-          if constexpr (SPECD_MMA_Q6_X4) {
+          if constexpr (kX4) {
             // 4 (q - 32) per byte: the nibble shifted into bits 2..5, qh's two bits into bits 6..7, bit 7 flipped
             // (4 q ^ 128 = 4 q - 128 as an int8); each word one shift of each source, a mask and a merge.
             const auto bits = [&](uint32_t l, uint32_t hq) {
@@ -695,7 +698,7 @@ struct Q6U {
         step<NT, 2>(a, sc, 8 * u + 4 * n + g4, xv, acc);
       }
     }
-    if constexpr (SPECD_MMA_Q6_X4) {  // every product was 4x: the sums are exact multiples of 4 (|acc| < 2^30)
+    if constexpr (kX4) {  // every product was 4x: the sums are exact multiples of 4 (|acc| < 2^30)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
