@@ -279,7 +279,7 @@ class _TensorOps:
 _PLACED_BY_MODEL = ("ssm_conv1d", "ssm_a", "ssm_dt", "attn_conv_base", "ffn_conv_base")
 
 
-_TILED_SOURCES = (sn.DType.IQ4_XS, sn.DType.Q4_K, sn.DType.Q6_K)  # the formats sn.tile_for_gemv regroups
+_TILED_SOURCES = (sn.DType.IQ4_XS, sn.DType.Q4_K, sn.DType.Q5_K, sn.DType.Q6_K)  # what sn.tile_for_gemv regroups
 
 
 class _Uploader:
@@ -287,9 +287,10 @@ class _Uploader:
     embedding decode every type the loaders accept; the CPU with tensor_ops: as they are).
 
     gemv_tiles: on a GPU whose GEMV reads it (``sn.gemv_tiles_supported()``: CUDA builds), the
-    layers' IQ4_XS, Q4_K and Q6_K matrices with a multiple of 16 rows are placed in the tensor-core GEMV's
+    layers' IQ4_XS, Q4_K, Q5_K and Q6_K matrices with a multiple of 16 rows are placed in the tensor-core GEMV's
     tiled layouts (``sn.tile_for_gemv``: the same blocks regrouped, bit-identical matmul results, faster GEMV on the
-    H200: BENCHMARKS.md); embeddings and the output head stay row-major (row gathers, IPC export).
+    H200: BENCHMARKS.md), and so is an output head that is not tied to the embedding (:meth:`head`); the
+    embedding stays row-major (row gathers).
     Default False (the drafter's uploads); the target model passes its ``gemv_tiles`` option. A
     source already on the device is tiled into a copy (the row-major original stays with its owner).
     """
@@ -313,10 +314,20 @@ class _Uploader:
     matmul = plain      # a matmul weight (any storage type)
     embedding = plain   # a row-gather table (any storage type)
 
+    def tiles(self, t) -> bool:
+        """Whether matmul weight t [out, in] is placed in the GEMV's tiled layout (gemv_tiles, a format
+        sn.tile_for_gemv regroups, whole 16-row tiles)."""
+        return self.gemv_tiles and t.dtype in _TILED_SOURCES and len(t.shape) == 2 and t.shape[0] % 16 == 0
+
+    def head(self, output, token_embd):
+        """The output head: tiled where :meth:`tiles` says so and it is not the embedding itself (a tied
+        head is one row-major copy for both), else as :meth:`plain`."""
+        return self.layer_matmul(output) if output is not token_embd else self.plain(output)
+
     def layer_matmul(self, t):
-        """A layer's matmul weight: tiled for the GEMV where gemv_tiles applies (from the row-major
-        bytes in a reused staging buffer, :meth:`_staged`), else as :meth:`plain`."""
-        if not (self.gemv_tiles and t.dtype in _TILED_SOURCES and len(t.shape) == 2 and t.shape[0] % 16 == 0):
+        """A layer's matmul weight: tiled for the GEMV where gemv_tiles applies (:meth:`tiles`; from the
+        row-major bytes in a reused staging buffer, :meth:`_staged`), else as :meth:`plain`."""
+        if not self.tiles(t):
             return self.plain(t)
         key = ("tiled", id(t))  # its own entry: plain() / embedding() of the same source stay row-major
         if key not in self._placed:

@@ -157,14 +157,25 @@ class NativeIpcBackend:
             return local
         return self.sn.gpu_ipc_open(handle, [capacity, width], self.sn.DType.F32, nbytes)
 
-    def export_tensor(self, t):
+    def export_tensor(self, t, tiled: bool = False):
         """(GPU tensor, 64-byte handle): an exported copy of ``t`` (an sn.Tensor of any stored type and
         shape, on the host, e.g. a GGUF view) in plain cudaMalloc memory (the shared target weights,
-        :mod:`.shared_weights`). The copy is complete when this returns."""
+        :mod:`.shared_weights`); with ``tiled`` in the GPU GEMV's tiled layout of its type
+        (``sn.tile_for_gemv``: the row-major bytes pass through a temporary device copy). The copy is
+        complete when this returns. Raises ValueError where ``sn.tile_for_gemv`` refuses ``t``."""
         src = t.contiguous()
-        d, h = self.sn.gpu_ipc_export([int(s) for s in src.shape], src.dtype)
-        self.sn.gpu_write_async(d, np.ascontiguousarray(src.numpy()))
-        self.sn.gpu_synchronize()
+        shape = [int(s) for s in src.shape]
+        d, h = self.sn.gpu_ipc_export(shape, self.sn.tiled_of(src.dtype) if tiled else src.dtype)
+        if tiled:
+            staged = self.sn.Tensor.empty(shape, src.dtype, self.sn.Device.GPU)
+            self.sn.gpu_write_async(staged, np.ascontiguousarray(src.numpy()))
+            self.sn.tile_for_gemv(staged, out=d)
+            self.sn.gpu_synchronize()
+            del staged
+            self.sn.gpu_trim_pool()  # the staging copy (the size of the head) is not kept in the pool
+        else:
+            self.sn.gpu_write_async(d, np.ascontiguousarray(src.numpy()))
+            self.sn.gpu_synchronize()
         with _LOCAL_LOCK:
             _LOCAL[bytes(h)] = d
         return d, bytes(h)

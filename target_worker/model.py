@@ -266,10 +266,12 @@ class Qwen35Model:
         else:
             self._ops = _TensorOps(self.device)
             up = _Uploader(self.device, gemv_tiles)
-            head = self._export_head(head_exporter, weights.token_embd, output) if head_exporter is not None else None
+            tile_head = output is not weights.token_embd and up.tiles(output)
+            head = (self._export_head(head_exporter, weights.token_embd, output, tile_head)
+                    if head_exporter is not None else None)
             self.token_embd = up.embedding(weights.token_embd) if head is None else head[0]
             self.output_norm = up.plain(weights.output_norm)
-            self.output = up.matmul(output) if head is None else head[1]
+            self.output = up.head(output, weights.token_embd) if head is None else head[1]
             self.layers = [up.layer(l) for l in weights.layers]
             self.conv_w = {i: up.plain(sn.Tensor(c)) for i, c in conv_w.items()}
             # [1, Hv] tables (sn.gdn_gates takes [Hv] or [1, Hv] and broadcasts them over the rows)
@@ -294,13 +296,15 @@ class Qwen35Model:
                           else None)
 
     @staticmethod
-    def _export_head(exporter, token_embd, output):
-        """(token_embd, output) placed by ``exporter`` (a tied output once), or None when the export
-        fails (logged; the caller places them as usual and nothing is published)."""
+    def _export_head(exporter, token_embd, output, tile_output=False):
+        """(token_embd, output) placed by ``exporter`` (a tied output once; ``tile_output``: the output in
+        the GEMV's tiled layout), or None when the export fails (logged; the caller places them as usual
+        and nothing is published)."""
         import logging
 
         try:
-            return exporter.place("token_embd.weight", token_embd), exporter.place("output.weight", output)
+            return (exporter.place("token_embd.weight", token_embd),
+                    exporter.place("output.weight", output, tiled=tile_output))
         except Exception as exc:  # noqa: BLE001 - e.g. a runtime without IPC: the target still runs
             exporter.close()
             logging.getLogger(__name__).warning("target-worker: cannot export token_embd / output for the drafter "

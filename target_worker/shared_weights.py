@@ -10,7 +10,10 @@ Target side (no flag: exporting is free). A target worker whose model runs on th
 ``token_embd`` and ``output`` (once when the GGUF ties them) with :class:`HeadExporter`: each is a
 ``sn.gpu_ipc_export`` buffer (plain cudaMalloc, not the stream-ordered pool: IPC handles need it) of
 the tensor's stored type and shape, filled from the GGUF, exported with ``cudaIpcGetMemHandle`` and
-used by the target's own forward (no second copy in the target either). ``TargetInfo.shared_tensors``
+used by the target's own forward (no second copy in the target either). An untied output of a type the CUDA
+GEMV tiles (IQ4_XS, Q4_K, Q5_K, Q6_K: ``sn.tile_for_gemv``) is exported in that tiled layout when the model
+tiles its weights (``gemv_tiles``): the target's GEMV reads it faster than the row-major bytes
+(BENCHMARKS.md), and the drafter's matmul reads it too. ``TargetInfo.shared_tensors``
 publishes per tensor (worker.proto SharedTensor, :class:`SharedTensorInfo`): the GGUF name, the
 ggml type id, the shape ``[n_vocab, n_embd]``, the byte size, the 64-byte handle, the exporting
 GPU's PCI bus id (``device_id``) and a content fingerprint of the GGUF bytes it was filled from
@@ -29,7 +32,8 @@ mode is off; the drafter is not on the GPU; no target worker address is known or
 target published nothing; the exporter runs on another machine (:func:`host_id` in ``owner_id``); the
 target ties output to token_embd but the drafter's GGUF does not; the target's GPU is another one (``device_id``: the runtime would map it
 over the peer link, every embedding gather and lm_head matmul a remote read); a tensor's type, shape
-or size differs from the target GGUF the drafter was given (another file); a tensor's content
+or size differs from the target GGUF the drafter was given (another file; a tiled layout counts as its
+row-major type); a tensor comes in a tiled layout this build's matmul cannot read (a HIP build); a tensor's content
 fingerprint (:func:`tensor_fingerprint`: blake2b over type, shape, length and 64 evenly spaced 4 KiB
 windows of the stored bytes, computed by the exporter from the GGUF it loaded and by the drafter from
 its own view of the target GGUF) differs (another file with the same shapes), is missing (a target
@@ -104,7 +108,8 @@ class SharedTensorInfo:
     """One exported weight (worker.proto SharedTensor).
 
     name: "token_embd.weight" or "output.weight"; ggml_type: the stored type's ggml id
-    (``int(sn.DType)``); shape: (n_vocab, n_embd) as the sn.Tensor shape; nbytes: the buffer's bytes;
+    (``int(sn.DType)``), or the id of its GPU GEMV tiled layout (``sn.tile_for_gemv``: the same bytes
+    regrouped, which a CUDA target worker exports for an untied output); shape: (n_vocab, n_embd) as the sn.Tensor shape; nbytes: the buffer's bytes;
     handle: the 64-byte IPC memory handle; device_id: the exporting GPU's PCI bus id; owner_id:
     "<hostname>:<boot id>:<pid>" of the exporting process (:func:`host_id`); fingerprint: the
     :func:`tensor_fingerprint` of the source the exporter filled the buffer from ("" from a target
@@ -140,8 +145,9 @@ class SharedTensorInfo:
             raise ValueError(f"{what}: the IPC handle is {len(self.handle)} bytes, expected {fci.HANDLE_BYTES}")
         if not 0 <= self.ggml_type < 2**31:
             raise ValueError(f"{what}: ggml type id {self.ggml_type} out of range")
+        dtype = _TILED_IDS.get(int(self.ggml_type))
         try:
-            dtype = sn.dtype_from_id(int(self.ggml_type))
+            dtype = dtype if dtype is not None else sn.dtype_from_id(int(self.ggml_type))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{what}: unknown ggml type id {self.ggml_type}: {exc}") from None
         if len(self.shape) != 2 or not all(0 < d < 2**40 for d in self.shape):
@@ -153,6 +159,10 @@ class SharedTensorInfo:
         if self.nbytes > fci.MAX_DEVICE_BYTES:
             raise ValueError(f"{what}: {self.nbytes} bytes exceed the {fci.MAX_DEVICE_BYTES}-byte limit of a mapping")
         return dtype
+
+
+# The GPU GEMV's tiled layouts by id (not ggml types: sn.dtype_from_id refuses them).
+_TILED_IDS = {int(d): d for d in sn.DType.__members__.values() if sn.untiled(d) != d}
 
 
 def tensor_nbytes(shape, dtype: "sn.DType"):
@@ -206,22 +216,25 @@ class HeadExporter:
         self._done: dict = {}   # id(source) -> (source, exported tensor, handle, fingerprint): a tied output once
         self.owner_id = f"{host_id()}:{os.getpid()}"
 
-    def place(self, name: str, t):
+    def place(self, name: str, t, tiled: bool = False):
         """The exported device copy of ``t`` (an sn.Tensor [rows, cols] of any stored type, usually a
-        GGUF view) for GGUF tensor ``name``; the same tensor again for the same source (tied output:
-        its info carries token_embd's handle). The published fingerprint (:func:`tensor_fingerprint`)
-        is computed once per source, from ``t`` itself (the host copy / file mapping the buffer is
-        filled from). Raises what the backend raises (RuntimeError on a device failure)."""
-        key = id(t)
+        GGUF view) for GGUF tensor ``name``, with ``tiled`` in the GPU GEMV's tiled layout of its type
+        (``sn.tile_for_gemv``; the info then carries the tiled type's id); the same tensor again for the
+        same source and layout (tied output: its info carries token_embd's handle). The published
+        fingerprint (:func:`tensor_fingerprint`) is computed once per source, from ``t`` itself (the host
+        copy / file mapping the buffer is filled from). Raises what the backend raises (RuntimeError on a
+        device failure, ValueError where the tiling refuses ``t``)."""
+        key = (id(t), bool(tiled))
         if key in self._done:
             _, placed, handle, fingerprint = self._done[key]
         else:
             fingerprint = tensor_fingerprint(t)
-            placed, handle = self.backend.export_tensor(t)
+            placed, handle = self.backend.export_tensor(t, tiled=True) if tiled else self.backend.export_tensor(t)
             self._done[key] = (t, placed, handle, fingerprint)  # the source kept alive: its id stays unique
             self.tensors.append(placed)
-        self.infos.append(SharedTensorInfo(name=name, ggml_type=int(t.dtype), shape=tuple(int(s) for s in t.shape),
-                                           nbytes=int(t.nbytes), handle=bytes(handle),
+        self.infos.append(SharedTensorInfo(name=name, ggml_type=int(placed.dtype),
+                                           shape=tuple(int(s) for s in t.shape), nbytes=int(t.nbytes),
+                                           handle=bytes(handle),
                                            device_id=self.backend.device_id(), owner_id=self.owner_id,
                                            fingerprint=fingerprint))
         return placed
@@ -319,8 +332,11 @@ def open_shared_head(infos, target_weights, target_path: str, backend=None):
             return None, (f"the target worker's {name} is on GPU {info.device_id or '?'}, this drafter on {mine}: "
                           "mapping it would read it over the peer link")
         t = want[name]
+        if dtype != sn.untiled(dtype) and not sn.gemv_tiles_supported():
+            return None, (f"the target worker exports {name} as {dtype.name} (the CUDA GEMV's tiled layout), which "
+                          f"this build's matmul cannot read (a {sn.gpu_backend()} build)")
         own = (t.dtype, tuple(int(s) for s in t.shape), int(t.nbytes))
-        if (dtype, info.shape, info.nbytes) != own:
+        if (sn.untiled(dtype), info.shape, info.nbytes) != own:
             return None, (f"{name} differs from {target_path}: the target worker exports {dtype.name} "
                           f"{list(info.shape)} ({info.nbytes} bytes), the file holds {own[0].name} {list(own[1])} "
                           f"({own[2]} bytes)")

@@ -9,7 +9,8 @@ const DTypeInfo& dtype_info(DType t) {
   static const DTypeInfo f32{"F32", 1, 4}, f16{"F16", 1, 2}, bf16{"BF16", 1, 2}, i32{"I32", 1, 4},
       q8_0{"Q8_0", 32, 34}, q4_k{"Q4_K", 256, 144}, q5_k{"Q5_K", 256, 176}, q6_k{"Q6_K", 256, 210},
       iq4_xs{"IQ4_XS", 256, 136}, iq4_xs_tiled{"IQ4_XS_TILED", 256, 136},
-      q6_k_tiled{"Q6_K_TILED", 256, 210}, q4_k_tiled{"Q4_K_TILED", 256, 144};
+      q6_k_tiled{"Q6_K_TILED", 256, 210}, q4_k_tiled{"Q4_K_TILED", 256, 144},
+      q5_k_tiled{"Q5_K_TILED", 256, 176};
   switch (t) {
     case DType::F32: return f32;
     case DType::F16: return f16;
@@ -23,6 +24,7 @@ const DTypeInfo& dtype_info(DType t) {
     case DType::IQ4_XS_TILED: return iq4_xs_tiled;
     case DType::Q6_K_TILED: return q6_k_tiled;
     case DType::Q4_K_TILED: return q4_k_tiled;
+    case DType::Q5_K_TILED: return q5_k_tiled;
   }
   fail("unsupported dtype id ", static_cast<int>(t),
        " (specd reads F32, F16, BF16, I32, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS)");

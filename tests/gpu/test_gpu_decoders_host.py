@@ -75,9 +75,9 @@ def test_gpu_weight_decoders_bit_exact_on_host(decoder, rng, name, extreme):
     assert np.array_equal(got16, bf16_bits(ref)), f"{name}: BF16 stores differ from round-to-nearest-even"
 
 
-@pytest.mark.parametrize("fmt", ["IQ4_XS", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["IQ4_XS", "Q4_K", "Q5_K", "Q6_K"])
 def test_gpu_tiled_weight_decoders_bit_exact_on_host(decoder, rng, fmt):
-    """The tiled layouts' chunk gathers (IQ4XSTiledW / Q4KTiledW / Q6KTiledW::load_tiled, the prefill's
+    """The tiled layouts' chunk gathers (IQ4XSTiledW / Q4KTiledW / Q5KTiledW / Q6KTiledW::load_tiled, the prefill's
     dequantize-to-BF16 of tiled weights) on bytes packed by test_gpu_gemv_tiles.py's reference packers
     (IQ4_XS_TILED: recoded indices) decode to the row-major weight's values, bit for bit; and so do
     the BF16 rows of the tile-unit kernel (dequant_units_bf16_kernel's two phases: a warp's lanes decode
@@ -221,10 +221,10 @@ def test_gpu_mma_gemv_emulated_every_width(mma_emu, rng, name):
     check_mma_emulated(d, exe, name, t, x, out, sms=1, widths=tuple(range(1, 17)))
 
 
-@pytest.mark.parametrize("fmt", ["IQ4_XS", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["IQ4_XS", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("k,outs", [(2048, [20]), (512, [7, 130, 40])])
 def test_gpu_mma_gemv_emulated_tiled(mma_emu, rng, fmt, k, outs):
-    """IQ4_XS / Q4_K / Q6_K in the GEMV's tiled layouts (IQ4T / Q4T / Q6T: 16-row tiles, lane-ordered quants,
+    """IQ4_XS / Q4_K / Q5_K / Q6_K in the GEMV's tiled layouts (IQ4T / Q4T / Q5T / Q6T: 16-row tiles, lane-ordered quants,
     512-byte warp loads; ragged last tiles; IQ4T: recoded indices and their own table lookup, packed by
     mma_main.cpp's packer) give bit for bit the row-major kernel's results, at every width, with split-K
     and in grouped launches."""
@@ -313,7 +313,7 @@ def test_gpu_mma_q6_x4_keeps_results(mma_emu, mma_emu_q6_x4, rng, name, extreme)
                 assert np.array_equal(base.view(np.uint32), other.view(np.uint32)), f"{name} k={k} n={n} {build[0]}"
 
 
-@pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T", "Q4_K_T", "Q6_K_T"])
+@pytest.mark.parametrize("name", FORMATS_MMA + ["IQ4_XS_T", "Q4_K_T", "Q5_K_T", "Q6_K_T"])
 def test_gpu_mma_gemv_ring_depth_keeps_results(mma_emu, mma_emu_deep_ring, mma_emu_no_x_ahead, rng, name):
     """The ring depth, occupancy and x-ahead constants change when units and x are loaded, never the
     arithmetic (the split plans included: the wave rule's blocks per multiprocessor are constants, kWaveBlocks):
@@ -351,11 +351,13 @@ def split_plan(d, exe, name, out, k, sms=132):
 # blocks per SM at one tile, tiled Q6_K 3. The FFN gate / up and GDN qkv take 3 splits of 7 units (1.55 / 0.91
 # waves), the down projection 10 of 7 (1.52), attention q 4 of 5 (1.45), the Q6_K out projection 4 of 6 (0.81);
 # the rest keep the fewest-units rule's 4-unit splits (GDN z: 0.91 wave; attention k, v: no split fills 0.8 of a
-# wave); the formats without a tiled layout keep the fewest-units rule (the Q5_K output head's single split, Q8_0).
+# wave), and the Q5_K output head its single split (15520 tiles fill the GPU); the formats without a tiled layout keep
+# the fewest-units rule (Q8_0).
 SPLIT_PLANS_27B = [("IQ4_XS_T", 17408, 5120, 3, 7), ("IQ4_XS_T", 5120, 17408, 10, 7), ("IQ4_XS_T", 10240, 5120, 3, 7),
                    ("IQ4_XS_T", 6144, 5120, 5, 4), ("IQ4_XS_T", 12288, 5120, 4, 5), ("IQ4_XS_T", 1024, 5120, 5, 4),
                    ("IQ4_XS_T", 5120, 6144, 6, 4), ("Q6_K_T", 5120, 6144, 4, 6), ("Q6_K_T", 1024, 5120, 5, 4),
-                   ("Q5_K", 248320, 5120, 1, 20), ("Q8_0", 5120, 5120, 23, 7), ("Q5_K", 10240, 5120, 5, 4),
+                   ("Q5_K", 248320, 5120, 1, 20), ("Q5_K_T", 248320, 5120, 1, 20), ("Q8_0", 5120, 5120, 23, 7),
+                   ("Q5_K", 10240, 5120, 3, 7),
                    ("IQ4_XS", 17408, 5120, 3, 7), ("Q6_K", 5120, 6144, 4, 6)]
 
 
@@ -376,9 +378,9 @@ def test_gpu_mma_split_plans_rules(mma_emu, mma_emu_fewest_units):
     rule's or at most 2048 inputs a split, never more splits than the fewest-units rule's; a row-major format with a
     tiled layout plans as that layout (the same bits either way: test_gpu_gemv_tiles.py); the formats without one
     keep the fewest-units rule's."""
-    twins = {"IQ4_XS": "IQ4_XS_T", "Q6_K": "Q6_K_T", "Q4_K": "Q4_K_T"}
+    twins = {"IQ4_XS": "IQ4_XS_T", "Q6_K": "Q6_K_T", "Q4_K": "Q4_K_T", "Q5_K": "Q5_K_T"}
     for name, unit in (("IQ4_XS_T", 256), ("IQ4_XS", 256), ("Q6_K_T", 256), ("Q6_K", 256), ("Q4_K_T", 256),
-                       ("Q4_K", 256), ("Q5_K", 256), ("Q8_0", 32), ("BF16", 64)):
+                       ("Q4_K", 256), ("Q5_K_T", 256), ("Q5_K", 256), ("Q8_0", 32), ("BF16", 64)):
         for out in (16, 48, 1024, 5120, 6144, 17408, 65536):
             for k in (256, 2048, 5120, 6144, 17408):
                 if k % unit:

@@ -1,16 +1,18 @@
-"""IQ4_XS_TILED / Q4_K_TILED / Q6_K_TILED: IQ4_XS, Q4_K and Q6_K weights regrouped for the CUDA
-tensor-core GEMV (sn.tile_for_gemv).
+"""IQ4_XS_TILED / Q4_K_TILED / Q5_K_TILED / Q6_K_TILED: IQ4_XS, Q4_K, Q5_K and Q6_K weights regrouped for
+the CUDA tensor-core GEMV (sn.tile_for_gemv).
 
-The layouts (native/src/gpu/matmul_mma.cuh, IQ4T, Q4T and Q6T): rows in tiles of 16. IQ4_XS, per tile and
+The layouts (native/src/gpu/matmul_mma.cuh, IQ4T, Q4T, Q5T and Q6T): rows in tiles of 16. IQ4_XS, per tile and
 256-input unit 2176 bytes: 4 runs of 512 bytes of quants in the MMA's lane order (run i holds at 16 l
 the words 4 i .. 4 i + 3 of lane l = 4 g + t, word k = 8 h + j being qs[16 j + 4 t ..] of row g + 8 h),
 then the 16 rows' 8-byte headers; the stored 4-bit indices are recoded (bits 2 and 3 swapped: 4-7 <->
 8-11), which shortens the GEMV's table lookup and leaves every value as it was. Q4_K the same
 arrangement, bytes unchanged, with its qs (after a 16-byte header) and 16-byte headers (2304 bytes).
+Q5_K (2816 bytes) Q4_K's quants, then one 512-byte run of the fifth bits (at 16 l: qh[4 t ..],
+qh[16 + 4 t ..] of row g, then of row g + 8), then the 16-byte headers.
 Q6_K, per tile and unit 3360 bytes: 6 runs of 512 bytes (run 3 h + c
 holds at 16 l the words 4 c .. 4 c + 3 of lane l of row g + 8 h, whose words k = 0..11 are
 ql[16 k + 4 t ..] for k < 8 and qh[16 (k - 8) + 4 t ..]), then the 16 rows' 16 scale bytes, then their
-fp16 d. `pack_reference` / `arrange_q4` / `pack_reference_q6` below write them from those descriptions
+fp16 d. `pack_reference` / `arrange_q4` / `pack_reference_q5` / `pack_reference_q6` below write them from those descriptions
 (numpy), independently of the GPU kernels.
 
 What must hold: the GPU kernel writes exactly those bytes; matmul / matmul_group on the tiled weight
@@ -35,6 +37,7 @@ HAVE_TILES = sn.gpu_available() and sn.gemv_tiles_supported()
 TILED_ID = 0x10000 + 23
 Q6_TILED_ID = 0x10000 + 14
 Q4K_TILED_ID = 0x10000 + 12
+Q5K_TILED_ID = 0x10000 + 13
 
 
 def tiles_only(f):
@@ -73,6 +76,19 @@ def pack_reference(raw: np.ndarray) -> np.ndarray:
     return packed
 
 
+def pack_reference_q5(raw: np.ndarray) -> np.ndarray:
+    """Row-major Q5_K bytes [out, units * 176] (out % 16 == 0: header [0, 16), qh [16, 48), qs [48, 176)) -> the
+    tiled layout's bytes: Q4_K's arrangement of the header and qs, with the qh run between quants and headers."""
+    out, row_bytes = raw.shape
+    units, nt = row_bytes // 176, out // 16
+    blk = raw.reshape(nt, 16, units, 176)                                       # tile, row in tile, unit, byte
+    q4 = np.concatenate([blk[..., :16], blk[..., 48:]], axis=3).reshape(out, units * 144)
+    q4 = arrange_q4(q4, 144, 16).reshape(nt, units, 2304)
+    qh = blk[..., 16:48].reshape(nt, 2, 8, units, 2, 4, 4)                      # tile, h, g, unit, s, t, byte
+    qh = qh.transpose(0, 3, 2, 5, 1, 4, 6).reshape(nt, units, 512)              # tile, unit, g, t, h, s, byte
+    return np.concatenate([q4[..., :2048], qh, q4[..., 2048:]], axis=2).reshape(out, row_bytes)
+
+
 def pack_reference_q6(raw: np.ndarray) -> np.ndarray:
     """Row-major Q6_K bytes [out, units * 210] (out % 16 == 0) -> the tiled layout's bytes."""
     out, row_bytes = raw.shape
@@ -91,9 +107,11 @@ def pack_reference_q6(raw: np.ndarray) -> np.ndarray:
 # source format -> (its tiled dtype, the reference packing)
 FORMATS = {"IQ4_XS": (sn.DType.IQ4_XS_TILED, pack_reference),
            "Q4_K": (sn.DType.Q4_K_TILED, lambda raw: arrange_q4(raw, 144, 16)),
+           "Q5_K": (sn.DType.Q5_K_TILED, pack_reference_q5),
            "Q6_K": (sn.DType.Q6_K_TILED, pack_reference_q6)}
 # source format -> the byte arrangement alone (IQ4_XS without the recoding)
-ARRANGE = {"IQ4_XS": arrange_q4, "Q4_K": lambda raw: arrange_q4(raw, 144, 16), "Q6_K": pack_reference_q6}
+ARRANGE = {"IQ4_XS": arrange_q4, "Q4_K": lambda raw: arrange_q4(raw, 144, 16), "Q5_K": pack_reference_q5,
+           "Q6_K": pack_reference_q6}
 
 
 def blocks(rng, fmt, out, k):
@@ -148,10 +166,23 @@ def test_pack_reference_q4_k_spot_checks(rng):
 @pytest.mark.parametrize("fmt", ARRANGE)
 def test_pack_reference_is_a_permutation(fmt):
     """Every byte position lands exactly once (the arrangements work on any element type: distinct ints)."""
-    block = {"IQ4_XS": 136, "Q4_K": 144, "Q6_K": 210}[fmt]
+    block = {"IQ4_XS": 136, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[fmt]
     raw = np.arange(32 * 3 * block, dtype=np.int32).reshape(32, 3 * block)
     packed = ARRANGE[fmt](raw)
     assert packed.shape == raw.shape and np.array_equal(np.sort(packed.ravel()), raw.ravel())
+
+
+def test_pack_reference_q5_k_spot_checks(rng):
+    raw = rng.integers(0, 256, (32, 2 * 176), dtype=np.uint8)
+    packed = pack_reference_q5(raw)
+    unit = packed.reshape(2, 2, 2816)[1, 1]  # tile 1, unit 1: rows 16..31, block bytes at 176 ..
+    # row 16 + 10 (g 2, h 1), qs word k 6, t 3 -> run 2 + 1, lane 11, word 2
+    assert bytes(unit[512 * 3 + 16 * 11 + 8 : 512 * 3 + 16 * 11 + 12]) == bytes(raw[26, 176 + 48 + 16 * 6 + 12 : 176 + 48 + 16 * 6 + 16])
+    # row 16 + 10 (g 2, h 1), qh[16 + 4 t ..] with t 1 -> lane 9, word 2 h + 1 = 3
+    assert bytes(unit[2048 + 16 * 9 + 12 : 2048 + 16 * 10]) == bytes(raw[26, 176 + 16 + 16 + 4 : 176 + 16 + 16 + 8])
+    # row 16 + 3 (g 3, h 0), qh[4 t ..] with t 0 -> lane 12, word 0
+    assert bytes(unit[2048 + 16 * 12 : 2048 + 16 * 12 + 4]) == bytes(raw[19, 176 + 16 : 176 + 20])
+    assert bytes(unit[2560 + 16 * 10 : 2560 + 16 * 11]) == bytes(raw[26, 176 : 176 + 16])
 
 
 def test_pack_reference_q6_moves_every_byte_once(rng):
@@ -169,11 +200,12 @@ def test_pack_reference_q6_moves_every_byte_once(rng):
 
 
 def test_tiled_dtype_is_not_a_ggml_type():
-    for tid, name in ((TILED_ID, "IQ4_XS"), (Q6_TILED_ID, "Q6_K"), (Q4K_TILED_ID, "Q4_K")):
+    for tid, name in ((TILED_ID, "IQ4_XS"), (Q6_TILED_ID, "Q6_K"), (Q4K_TILED_ID, "Q4_K"), (Q5K_TILED_ID, "Q5_K")):
         with pytest.raises(ValueError, match=f"GEMV layout of {name}"):
             sn.dtype_from_id(tid)
     assert int(sn.DType.IQ4_XS_TILED) == TILED_ID and int(sn.DType.Q6_K_TILED) == Q6_TILED_ID
     assert int(sn.DType.Q4_K_TILED) == Q4K_TILED_ID and sn.type_size(sn.DType.Q4_K_TILED) == 144
+    assert int(sn.DType.Q5_K_TILED) == Q5K_TILED_ID and sn.type_size(sn.DType.Q5_K_TILED) == 176
     assert sn.block_size(sn.DType.Q6_K_TILED) == 256 and sn.type_size(sn.DType.Q6_K_TILED) == 210
 
 
@@ -229,6 +261,33 @@ def test_tiled_matmul_bit_identical(rng, fmt, out, k):
         ref = sn.matmul(x, w).to(CPU).numpy()
         got = sn.matmul(x, wt).to(CPU).numpy()
         assert np.array_equal(ref.view(np.uint32), got.view(np.uint32)), (out, k, n)
+
+
+@tiles_only
+def test_tile_for_gemv_into_an_ipc_export(rng):
+    """tile_for_gemv(w, out=...) writes the tiles into a given buffer: the shared head's gpu_ipc_export memory
+    (NativeIpcBackend.export_tensor(tiled=True), from the host bytes through a device staging copy), whose bytes are
+    the reference packer's and whose matmul equals the row-major weight's; an out of another type or shape, or w
+    itself, is refused."""
+    from specd.target_worker.feature_cuda_ipc import NativeIpcBackend
+
+    w = blocks(rng, "Q5_K", 64, 512)
+    backend = NativeIpcBackend()
+    d, h = backend.export_tensor(w, tiled=True)
+    try:
+        assert d.dtype == sn.DType.Q5_K_TILED and list(d.shape) == [64, 512] and len(h) == 64
+        assert np.array_equal(d.to(CPU).numpy().reshape(64, -1), pack_reference_q5(w.numpy()))
+        x = sn.Tensor((rng.standard_normal((3, 512)) * 0.5).astype(np.float32)).to(GPU)
+        ref = sn.matmul(x, w.to(GPU)).to(CPU).numpy()
+        assert np.array_equal(ref.view(np.uint32), sn.matmul(x, d).to(CPU).numpy().view(np.uint32))
+    finally:
+        backend.forget(h)
+    wg = w.to(GPU)
+    for bad in (sn.Tensor.empty([64, 512], sn.DType.Q4_K_TILED, GPU), sn.Tensor.empty([48, 512], sn.DType.Q5_K_TILED, GPU)):
+        with pytest.raises(ValueError, match="out must be Q5_K_TILED of w's shape"):
+            sn.tile_for_gemv(wg, out=bad)
+    with pytest.raises(ValueError, match="tile_for_gemv: out"):
+        sn.tile_for_gemv(wg, out=w)  # a CPU tensor
 
 
 @tiles_only
@@ -300,15 +359,16 @@ def test_tiled_bad_input(rng):
         sn.tile_for_gemv(iq4(rng, 24, 256).to(GPU))
     with pytest.raises(ValueError, match="multiple of 16"):
         sn.tile_for_gemv(blocks(rng, "Q6_K", 24, 256).to(GPU))
-    with pytest.raises(ValueError, match="IQ4_XS, Q4_K or Q6_K, got Q5_K"):
-        sn.tile_for_gemv(blocks(rng, "Q5_K", 16, 256).to(GPU))
+    with pytest.raises(ValueError, match="IQ4_XS, Q4_K, Q5_K or Q6_K, got Q8_0"):
+        sn.tile_for_gemv(blocks(rng, "Q8_0", 16, 256).to(GPU))
     wt = sn.tile_for_gemv(iq4(rng, 32, 256).to(GPU))
     with pytest.raises(ValueError, match="tiled layout"):
         sn.slice(wt, 0, 0, 16)
     for fmt, (tiled, _) in FORMATS.items():
         with pytest.raises(ValueError, match=f"{fmt}_TILED"):
             sn.embedding(sn.tile_for_gemv(blocks(rng, fmt, 32, 256).to(GPU)), sn.Tensor(np.array([0, 1], np.int32)))
-    for dt, nbytes in ((sn.DType.IQ4_XS_TILED, 136), (sn.DType.Q4_K_TILED, 144), (sn.DType.Q6_K_TILED, 210)):
+    for dt, nbytes in ((sn.DType.IQ4_XS_TILED, 136), (sn.DType.Q4_K_TILED, 144), (sn.DType.Q5_K_TILED, 176),
+                       (sn.DType.Q6_K_TILED, 210)):
         ragged = sn.Tensor(np.zeros((24, nbytes), np.uint8), dt).to(GPU)  # not made by tile_for_gemv
         with pytest.raises(ValueError, match="multiple of 16"):
             sn.matmul(sn.Tensor(np.zeros((1, 256), np.float32)).to(GPU), ragged)
@@ -319,6 +379,7 @@ def test_tiled_bad_input(rng):
 def test_model_with_tiled_layers_equals_row_major(tmp_path, mix, body):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools", "bench"))
     import random_qwen35 as rq
+    from specd.target_worker import shared_weights as sw
     from specd.target_worker.gguf_loader import load_qwen35
     from specd.target_worker.model import Qwen35Model
 
@@ -338,12 +399,25 @@ def test_model_with_tiled_layers_equals_row_major(tmp_path, mix, body):
     assert sn.DType.Q6_K_TILED in {m.dtype for m in mats}  # the mix's attn_v (and ssm_out / every other ffn_down)
     # every layer matrix of a tiled format is tiled, except those whose rows are not whole tiles (the tiny
     # config's 4-row ssm_alpha / ssm_beta)
-    assert all(m.shape[0] % 16 for m in mats if m.dtype in (sn.DType.Q6_K, sn.DType.IQ4_XS, sn.DType.Q4_K))
-    assert tiled.output.dtype == plain.output.dtype and tiled.token_embd.dtype == plain.token_embd.dtype  # row-major
+    assert all(m.shape[0] % 16 for m in mats if m.dtype in (sn.DType.Q6_K, sn.DType.IQ4_XS, sn.DType.Q4_K, sn.DType.Q5_K))
+    # the untied head tiled too (iq4xs: Q5_K, q4km: Q6_K), the embedding row-major (row gathers)
+    assert tiled.output.dtype == sn.tiled_of(plain.output.dtype) != plain.output.dtype
+    assert tiled.token_embd.dtype == plain.token_embd.dtype
+    # exported for the drafter (the shared head's IPC buffer), the head is tiled into that buffer
+    exporter = sw.HeadExporter()
+    shared = Qwen35Model(load_qwen35(str(path)), device=GPU, gemv_tiles=True, head_exporter=exporter)
+    assert shared.output.dtype == tiled.output.dtype and shared.output is exporter.tensors[-1]
+    assert [i.ggml_type for i in exporter.infos] == [int(plain.token_embd.dtype), int(tiled.output.dtype)]
+    assert np.array_equal(shared.output.to(CPU).numpy(), tiled.output.to(CPU).numpy())
     prompt = list(range(3, 40))
     sa, sb = tiled.new_sequence(128), plain.new_sequence(128)
     la, lb = tiled.prefill(sa, prompt), plain.prefill(sb, prompt)
     assert np.array_equal(la.view(np.uint32), lb.view(np.uint32))
+    sc = shared.new_sequence(128)
+    assert np.array_equal(shared.prefill(sc, prompt).view(np.uint32), lb.view(np.uint32))
+    shared.release(sc)
+    del shared
+    exporter.close()
     tok = int(np.argmax(la))
     for w in (1, 3, 8, 16):
         toks = [tok] + [(tok + j) % 1000 for j in range(1, w)]

@@ -343,7 +343,8 @@ def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
     last 256-group (Q8_0, 288 inputs) and a float weight in the list (composition)."""
     # d 4096 / 8192 / 12288: 1024-thread norm blocks (8192: the largest row the fused norm stages in shared
     # memory), and more 256-input groups than warps
-    cases = [(512, ["IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS_TILED", "Q4_K_TILED", "Q6_K_TILED"]), (288, ["Q8_0", "Q8_0"]),
+    cases = [(512, ["IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS_TILED", "Q4_K_TILED", "Q5_K_TILED", "Q6_K_TILED"]),
+             (288, ["Q8_0", "Q8_0"]),
              (256, ["Q8_0", "F32"]), (4096, ["Q4_K"]), (8192, ["Q8_0"]), (12288, ["Q8_0"])]
     for d, names in cases:
         ws = []

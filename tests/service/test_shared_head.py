@@ -609,3 +609,40 @@ def test_open_shared_head_refuses_other_content_with_the_same_shapes():
     assert exp.infos[1].fingerprint in reason and sw.tensor_fingerprint(other.output) in reason
     assert not [k for k, _ in FakeIpcBackend.log if k == "open_tensor"]  # refused before mapping anything
     exp.close()
+
+
+def test_tiled_output_is_published_and_mapped_in_its_tiled_layout(monkeypatch):
+    """A CUDA target exports an untied output in the GEMV's tiled layout (HeadExporter.place(tiled=True)): the
+    info carries the tiled type's id with the row-major source's shape, size and fingerprint, the buffer holds
+    the numpy reference packer's bytes; the drafter checks it against its own row-major tensor (sn.untiled) and
+    maps the tiled tensor; a build whose matmul cannot read the layout refuses it with the reason."""
+    import sys
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "native"))
+    from quant_blocks import random_blocks
+
+    rng = np.random.default_rng(7)
+    embd = rng.standard_normal((32, 256)).astype(np.float32)
+    raw = np.ascontiguousarray(random_blocks(rng, "Q5_K", 32, 256))
+    backend = FakeIpcBackend()
+    exp = sw.HeadExporter(backend)
+    exp.place(sw.EMBD, sn.Tensor(embd))
+    source = sn.Tensor(raw, sn.DType.Q5_K)
+    placed = exp.place(sw.OUTPUT, source, tiled=True)
+    info = exp.infos[1]
+    assert placed.dtype == sn.DType.Q5_K_TILED and info.ggml_type == int(sn.DType.Q5_K_TILED) == 0x1000D
+    assert (info.shape, info.nbytes, info.fingerprint) == ((32, 256), source.nbytes, sw.tensor_fingerprint(source))
+    assert sw.SharedTensorInfo.from_proto(info.to_proto(wpb)).check() == sn.DType.Q5_K_TILED
+    assert not np.array_equal(placed.numpy().reshape(-1), raw.reshape(-1))  # regrouped, the same bytes
+    assert sorted(placed.numpy().reshape(-1).tolist()) == sorted(raw.reshape(-1).tolist())
+    mine = types.SimpleNamespace(token_embd=sn.Tensor(embd.copy()), output=sn.Tensor(raw.copy(), sn.DType.Q5_K))
+    monkeypatch.setattr(sn, "gemv_tiles_supported", lambda: True)
+    head, reason = sw.open_shared_head(exp.infos, mine, "t.gguf", backend)
+    assert reason == "" and head.output is placed
+    monkeypatch.setattr(sn, "gemv_tiles_supported", lambda: False)
+    head, reason = sw.open_shared_head(exp.infos, mine, "t.gguf", backend)
+    assert head is None and "output.weight as Q5_K_TILED" in reason and "cannot read" in reason
+    other = types.SimpleNamespace(token_embd=mine.token_embd, output=sn.Tensor(raw[:16].copy(), sn.DType.Q5_K))
+    monkeypatch.setattr(sn, "gemv_tiles_supported", lambda: True)
+    head, reason = sw.open_shared_head(exp.infos, other, "t.gguf", backend)
+    assert head is None and "exports Q5_K_TILED [32, 256]" in reason and "holds Q5_K [16, 256]" in reason
+    exp.close()

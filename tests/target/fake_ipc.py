@@ -5,6 +5,7 @@ cuda-ipc transport's bookkeeping, handle checks, cleanup and the whole service p
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 
@@ -44,10 +45,18 @@ class FakeIpcBackend:
         assert tuple(t.shape) == (capacity, width) and t.nbytes == nbytes
         return t
 
-    def export_tensor(self, t):
-        """A CPU copy of ``t`` (any stored type) under a new handle (shared target weights)."""
+    def export_tensor(self, t, tiled=False):
+        """A CPU copy of ``t`` (any stored type) under a new handle (shared target weights); ``tiled``: in
+        the GPU GEMV's tiled layout of its type, packed by test_gpu_gemv_tiles.py's numpy reference."""
         src = t.contiguous()
-        d = sn.Tensor(np.array(src.numpy(), copy=True), src.dtype)
+        if tiled:
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu"))
+            from test_gpu_gemv_tiles import FORMATS
+
+            dtype, pack = FORMATS[src.dtype.name]
+            d = sn.Tensor(np.ascontiguousarray(pack(src.numpy().reshape(src.shape[0], -1))), dtype)
+        else:
+            d = sn.Tensor(np.array(src.numpy(), copy=True), src.dtype)
         h = os.urandom(64)
         self.registry[h] = d
         self.log.append(("export_tensor", h))

@@ -45,20 +45,21 @@ struct Format {
   const char* name;
   int block_bytes, block_elems;
   std::vector<int> d_offsets;  // fp16 scale fields of a block, set to a small value (no inf / NaN)
-  bool tiled;                  // uploaded in the GEMV's tiled layout (IQ4_XS_T, Q4_K_T, Q6_K_T: mma::IQ4T / Q4T / Q6T)
+  bool tiled;  // uploaded in the GEMV's tiled layout (IQ4_XS_T, Q4_K_T, Q5_K_T, Q6_K_T: mma::IQ4T / Q4T / Q5T / Q6T)
 };
 
-// IQ4_XS_T / Q4_K_T / Q6_K_T get the bytes IQ4_XS / Q4_K / Q6_K get (the weights of a shape depend on the block size
+// IQ4_XS_T / Q4_K_T / Q5_K_T / Q6_K_T get the bytes IQ4_XS / Q4_K / Q5_K / Q6_K get (the weights of a shape depend on the block size
 // only), so their checksums must agree bit for bit; their buffers hold the tiled layout
 // (kTileUnitBytes per 16 rows x 256 inputs, the bytes its GB/s count: the header under test decides them).
 const Format kFormats[] = {
     {"IQ4_XS", 136, 256, {0}, false}, {"IQ4_XS_T", 136, 256, {0}, true}, {"Q4_K", 144, 256, {0, 2}, false},
-    {"Q4_K_T", 144, 256, {0, 2}, true}, {"Q5_K", 176, 256, {0, 2}, false}, {"Q6_K", 210, 256, {208}, false},
+    {"Q4_K_T", 144, 256, {0, 2}, true}, {"Q5_K", 176, 256, {0, 2}, false}, {"Q5_K_T", 176, 256, {0, 2}, true},
+    {"Q6_K", 210, 256, {208}, false},
     {"Q6_K_T", 210, 256, {208}, true},
     {"Q8_0", 34, 32, {0}, false},
 };
 
-// Each buffer (IQ4_XS or Q6_K [out, in] in its first wbytes, out % 16 == 0, room for the tiled bytes)
+// Each buffer (a row-major format [out, in] in its first wbytes, out % 16 == 0, room for the tiled bytes)
 // regrouped in place into the library's tiled layout by its own kernel (tile_for_gemv's).
 void tile(const Format& f, const std::vector<uint8_t*>& bufs, int64_t out, int64_t in, int64_t wbytes) {
   uint8_t* tmp;
@@ -70,6 +71,8 @@ void tile(const Format& f, const std::vector<uint8_t*>& bufs, int64_t out, int64
       mma::launch_tile_q6_k(tmp, out, in, p, nullptr);
     else if (nm == "Q4_K_T")
       mma::launch_tile_q4_k(tmp, out, in, p, nullptr);
+    else if (nm == "Q5_K_T")
+      mma::launch_tile_q5_k(tmp, out, in, p, nullptr);
     else
       mma::launch_tile_iq4_xs(tmp, out, in, p, nullptr);
   }
@@ -118,6 +121,7 @@ void run(const Format& f, const std::vector<mma::GroupWeight>& ws, int64_t in, c
   if (nm == "Q6_K") return dispatch<mma::Q6U>(ws, in, x, n, xbuf, scratch);
   if (nm == "Q6_K_T") return dispatch<mma::Q6T>(ws, in, x, n, xbuf, scratch);
   if (nm == "Q4_K_T") return dispatch<mma::Q4T>(ws, in, x, n, xbuf, scratch);
+  if (nm == "Q5_K_T") return dispatch<mma::Q5T>(ws, in, x, n, xbuf, scratch);
   return dispatch<mma::Q8U>(ws, in, x, n, xbuf, scratch);
 }
 

@@ -33,7 +33,7 @@
 # SPECD_MMA_Q6_X4_TILES (the most n8 tiles at which Q6_K's quants are built as 4 (q - 32), default 3), e.g.
 # VARIANTS="base: off:-DSPECD_MMA_Q6_X4_TILES=0 all:-DSPECD_MMA_Q6_X4_TILES=6".
 # SWEEP_WIDTHS=1,8 times those widths only (default 1, 2, 4, 8, 10, 12, 16).
-# SWEEP_FORMAT=NAME[,NAME...] times those formats only (IQ4_XS, IQ4_XS_T, Q4_K, Q4_K_T, Q5_K, Q6_K, Q6_K_T, Q8_0;
+# SWEEP_FORMAT=NAME[,NAME...] times those formats only (IQ4_XS, IQ4_XS_T, Q4_K, Q4_K_T, Q5_K, Q5_K_T, Q6_K, Q6_K_T, Q8_0;
 # read by gemv_sweep.cu).
 # SWEEP_SHAPES=OUTxIN[xGROUP],... times those weight shapes instead of the 27B FFN's three; SWEEP_HOT=1 times every
 # call on one copy of its weights, which then stays in L2 when it fits (50 MB): the GEMV without HBM (both read

@@ -27,8 +27,10 @@ enum class DType : int32_t {
   // Not a ggml type either: Q6_K rows in the same 16-row tiles (matmul_mma.cuh, Q6T; 16-byte loads
   // where Q6_K's 210-byte blocks allow 2-byte ones). Made by gpu::tile_for_gemv, read by the GPU matmul.
   Q6_K_TILED = 0x10000 + 14,
-  // And Q4_K rows in IQ4_XS_TILED's arrangement (matmul_mma.cuh, Q4T).
+  // And Q4_K rows in IQ4_XS_TILED's arrangement (matmul_mma.cuh, Q4T), Q5_K rows in it with their fifth
+  // bits in a run of their own (Q5T).
   Q4_K_TILED = 0x10000 + 12,
+  Q5_K_TILED = 0x10000 + 13,
 };
 
 struct DTypeInfo {
@@ -42,14 +44,25 @@ const DTypeInfo& dtype_info(DType t);
 DType dtype_from_id(int32_t id);
 
 inline bool is_block_type(DType t) { return dtype_info(t).block_size > 1; }
-// Whether t is one of the GPU GEMV's tiled layouts (IQ4_XS_TILED, Q4_K_TILED, Q6_K_TILED).
+// Whether t is one of the GPU GEMV's tiled layouts (IQ4_XS_TILED, Q4_K_TILED, Q5_K_TILED, Q6_K_TILED).
 inline bool is_gemv_tiled(DType t) {
-  return t == DType::IQ4_XS_TILED || t == DType::Q4_K_TILED || t == DType::Q6_K_TILED;
+  return t == DType::IQ4_XS_TILED || t == DType::Q4_K_TILED || t == DType::Q5_K_TILED || t == DType::Q6_K_TILED;
 }
 // The row-major ggml type a tiled layout regroups (t itself for every other type).
 inline DType untiled(DType t) {
-  return t == DType::IQ4_XS_TILED ? DType::IQ4_XS : t == DType::Q4_K_TILED ? DType::Q4_K
-                                                    : t == DType::Q6_K_TILED ? DType::Q6_K : t;
+  return t == DType::IQ4_XS_TILED ? DType::IQ4_XS
+         : t == DType::Q4_K_TILED ? DType::Q4_K
+         : t == DType::Q5_K_TILED ? DType::Q5_K
+         : t == DType::Q6_K_TILED ? DType::Q6_K
+                                  : t;
+}
+// The tiled layout of row-major type t (IQ4_XS, Q4_K, Q5_K, Q6_K; t itself for every other type).
+inline DType tiled_of(DType t) {
+  return t == DType::IQ4_XS ? DType::IQ4_XS_TILED
+         : t == DType::Q4_K ? DType::Q4_K_TILED
+         : t == DType::Q5_K ? DType::Q5_K_TILED
+         : t == DType::Q6_K ? DType::Q6_K_TILED
+                            : t;
 }
 // Whether rows of t are stored one after another (every type but the tiled layouts): what slicing,
 // concatenation, row views and the CPU ops assume.

@@ -183,8 +183,8 @@ Tensor contiguous_copy(const Tensor& t) {
 
 void register_core(py::module_& m) {
   py::enum_<DType>(m, "DType", "Tensor element/block formats; values are ggml type ids (GGMLQuantizationType), except "
-                       "IQ4_XS_TILED (0x10017), Q4_K_TILED (0x1000c) and Q6_K_TILED (0x1000e): specd's GPU GEMV "
-                       "layouts of IQ4_XS, Q4_K and Q6_K (see tile_for_gemv).")
+                       "IQ4_XS_TILED (0x10017), Q4_K_TILED (0x1000c), Q5_K_TILED (0x1000d) and Q6_K_TILED (0x1000e): "
+                       "specd's GPU GEMV layouts of IQ4_XS, Q4_K, Q5_K and Q6_K (see tile_for_gemv).")
       .value("F32", DType::F32)
       .value("F16", DType::F16)
       .value("Q8_0", DType::Q8_0)
@@ -194,11 +194,18 @@ void register_core(py::module_& m) {
       .value("IQ4_XS", DType::IQ4_XS)
       .value("IQ4_XS_TILED", DType::IQ4_XS_TILED)
       .value("Q4_K_TILED", DType::Q4_K_TILED)
+      .value("Q5_K_TILED", DType::Q5_K_TILED)
       .value("Q6_K_TILED", DType::Q6_K_TILED)
       .value("I32", DType::I32)
       .value("BF16", DType::BF16);
   m.def("dtype_from_id", &dtype_from_id, py::arg("ggml_type"),
         "DType for a ggml type id; raises ValueError for formats specd does not read.");
+  m.def("untiled", &untiled, py::arg("dtype"),
+        "The row-major ggml type a GPU GEMV tiled layout regroups (IQ4_XS_TILED -> IQ4_XS, ...); dtype itself "
+        "for every other type.");
+  m.def("tiled_of", &tiled_of, py::arg("dtype"),
+        "The GPU GEMV tiled layout of a row-major type (IQ4_XS, Q4_K, Q5_K, Q6_K -> *_TILED, see "
+        "tile_for_gemv); dtype itself for every other type.");
   m.def("block_size", [](DType t) { return dtype_info(t).block_size; }, "Elements per block (1 for plain types).");
   m.def("type_size", [](DType t) { return dtype_info(t).type_size; }, "Bytes per block (or element).");
 

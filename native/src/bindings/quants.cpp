@@ -397,23 +397,25 @@ is checked before anything runs (a bad one leaves the state untouched): raises V
 
   m.def(
       "tile_for_gemv",
-      [](const py::object& w) {
+      [](const py::object& w, std::optional<Tensor> out) {
         Tensor wt = as_tensor(w, "tile_for_gemv", "w");
 #if SPECD_WITH_GPU
-        if (wt.device == Device::GPU) return without_gil([&] { return gpu::tile_for_gemv(wt); });
+        if (wt.device == Device::GPU) return without_gil([&] { return gpu::tile_for_gemv(wt, out); });
 #endif
+        (void)out;
         throw std::invalid_argument("tile_for_gemv: w must be a GPU tensor (the tiled layout is for the GPU GEMV)");
       },
-      py::arg("w"),
-      R"doc(w regrouped for the CUDA tensor-core GEMV: IQ4_XS, Q4_K or Q6_K [out, in] on the GPU
-(contiguous, out a multiple of 16) -> a new GPU tensor of dtype IQ4_XS_TILED, Q4_K_TILED or Q6_K_TILED,
+      py::arg("w"), py::arg("out") = py::none(),
+      R"doc(w regrouped for the CUDA tensor-core GEMV: IQ4_XS, Q4_K, Q5_K or Q6_K [out, in] on the GPU
+(contiguous, out a multiple of 16) -> a new GPU tensor of dtype IQ4_XS_TILED, Q4_K_TILED, Q5_K_TILED or Q6_K_TILED,
 same shape and size, rows in tiles of 16 whose quants sit in the MMA's lane order (every warp load of
 quants covers 512 contiguous bytes: the row-major loads are 8 rows x 16 bytes, Q6_K's 2-byte words);
 IQ4_XS_TILED also stores each 4-bit index with bits 2 and 3 swapped (a shorter table lookup in the
 GEMV; the values are unchanged). matmul / matmul_group
 give bit-identical results on either layout; every other op refuses the tiled dtypes (they are not
-row-major). Raises ValueError for another dtype, device or shape, or when the build has no
-tensor-core GEMV (see gemv_tiles_supported).)doc");
+row-major). out: a contiguous GPU tensor of w's shape and the tiled dtype (e.g. a gpu_ipc_export
+buffer) to write the tiles into instead (returned). Raises ValueError for another dtype, device or
+shape (of w or out), or when the build has no tensor-core GEMV (see gemv_tiles_supported).)doc");
 
   m.def(
       "gemv_tiles_supported",
@@ -424,7 +426,8 @@ tensor-core GEMV (see gemv_tiles_supported).)doc");
         return false;
 #endif
       },
-      "True when this build's GPU matmul reads the tiled layouts (IQ4_XS_TILED, Q4_K_TILED, Q6_K_TILED; CUDA builds, "
+      "True when this build's GPU matmul reads the tiled layouts (IQ4_XS_TILED, Q4_K_TILED, Q5_K_TILED, "
+      "Q6_K_TILED; CUDA builds, "
       "not HIP, not CPU-only).");
 
   m.def(

@@ -247,6 +247,7 @@ void dequantize_row(DType t, const void* src, float* dst, int64_t n) {
     case DType::IQ4_XS: dequantize_iq4_xs(s, dst, nb); return;
     case DType::IQ4_XS_TILED:
     case DType::Q4_K_TILED:
+    case DType::Q5_K_TILED:
     case DType::Q6_K_TILED: fail("dequantize: ", info.name, " is the GPU GEMV's tiled layout; only the GPU matmul reads it");
     default: fail("dequantize: ", info.name, " is not a weight format");
   }

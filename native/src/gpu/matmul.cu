@@ -4,7 +4,7 @@
 // dequantize + vendor GEMM path (matmul_blas.cu).
 //
 // Two GEMVs. On CUDA the quantized formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS and the tiled IQ4_XS_TILED,
-// Q4_K_TILED, Q6_K_TILED) run the tensor-core
+// Q4_K_TILED, Q5_K_TILED, Q6_K_TILED) run the tensor-core
 // GEMV of matmul_mma.cuh, and so do BF16 weights with in % 64 == 0 and 16-byte aligned rows (BF16U:
 // x as three BF16 terms, bf16 MMAs with F32 accumulation); F32 / F16, other BF16 weights, and every
 // format on HIP, run the FP32-FMA GEMV below.
@@ -308,7 +308,7 @@ void check_weight(const Tensor& w, int64_t in, const char* op) {
   SPECD_CHECK(t == DType::Q8_0 || t == DType::F32 || t == DType::F16 || t == DType::BF16 || t == DType::Q4_K ||
                   t == DType::Q5_K || t == DType::Q6_K || t == DType::IQ4_XS || (is_gemv_tiled(t) && SPECD_MMA_GEMV),
               op, ": w must be F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS or (CUDA) a tiled layout (IQ4_XS_TILED, "
-              "Q4_K_TILED, Q6_K_TILED) on the GPU, got ", dtype_info(t).name);
+              "Q4_K_TILED, Q5_K_TILED, Q6_K_TILED) on the GPU, got ", dtype_info(t).name);
   if (is_gemv_tiled(t))
     SPECD_CHECK(w.dim(0) % kGemvTileRows == 0, op, ": a ", dtype_info(t).name, " weight has a multiple of ",
                 kGemvTileRows, " rows, got ", w.dim(0));
@@ -832,11 +832,11 @@ std::tuple<std::vector<Tensor>, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step
 
 bool gemv_tiles_supported() { return SPECD_MMA_GEMV != 0; }
 
-Tensor tile_for_gemv(const Tensor& w) {
+Tensor tile_for_gemv(const Tensor& w, const std::optional<Tensor>& out_t) {
   const char* op = "tile_for_gemv";
   detail::check_gpu(w, op, "w");
-  SPECD_CHECK(w.dtype == DType::IQ4_XS || w.dtype == DType::Q4_K || w.dtype == DType::Q6_K, op,
-              ": w must be IQ4_XS, Q4_K or Q6_K, got ", dtype_info(w.dtype).name);
+  SPECD_CHECK(w.dtype == DType::IQ4_XS || w.dtype == DType::Q4_K || w.dtype == DType::Q5_K || w.dtype == DType::Q6_K,
+              op, ": w must be IQ4_XS, Q4_K, Q5_K or Q6_K, got ", dtype_info(w.dtype).name);
   check_ndim(w, 2, op, "w");
   check_contiguous(w, op, "w");
   SPECD_CHECK(gemv_tiles_supported(), op, ": the tiled layout is read by the CUDA tensor-core GEMV only (this is a ",
@@ -846,15 +846,23 @@ Tensor tile_for_gemv(const Tensor& w) {
   const bool q6 = w.dtype == DType::Q6_K;
   SPECD_CHECK(reinterpret_cast<uintptr_t>(w.data) % (q6 ? 2 : 4) == 0, op, ": w data must be ", q6 ? 2 : 4,
               "-byte aligned (the kernel's loads)");
-  const DType tiled = q6 ? DType::Q6_K_TILED : w.dtype == DType::Q4_K ? DType::Q4_K_TILED : DType::IQ4_XS_TILED;
-  Tensor y = Tensor::empty(w.shape, tiled, Device::GPU);
+  if (out_t) {
+    detail::check_gpu(*out_t, op, "out");
+    check_contiguous(*out_t, op, "out");
+    SPECD_CHECK(out_t->dtype == tiled_of(w.dtype) && out_t->shape == w.shape, op, ": out must be ",
+                dtype_info(tiled_of(w.dtype)).name, " of w's shape, got ", dtype_info(out_t->dtype).name);
+    SPECD_CHECK(out_t->data != w.data, op, ": out must not be w (the tiles are a permutation of its bytes)");
+  }
+  Tensor y = out_t ? *out_t : Tensor::empty(w.shape, tiled_of(w.dtype), Device::GPU);
 #if SPECD_MMA_GEMV
   const auto* src = static_cast<const uint8_t*>(w.data);
   auto* dst = static_cast<uint8_t*>(y.data);
   if (q6)
     detail::mma::launch_tile_q6_k(src, out, in, dst, detail::stream());
-  else if (tiled == DType::Q4_K_TILED)
+  else if (w.dtype == DType::Q4_K)
     detail::mma::launch_tile_q4_k(src, out, in, dst, detail::stream());
+  else if (w.dtype == DType::Q5_K)
+    detail::mma::launch_tile_q5_k(src, out, in, dst, detail::stream());
   else
     detail::mma::launch_tile_iq4_xs(src, out, in, dst, detail::stream());
 #else

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kThreads) dequant_bf16_kernel(const uint8_t* _
 
 #if !SPECD_HIP  // the tiled layouts are the CUDA tensor-core GEMV's (matmul.cu refuses them on HIP)
 // The same for tiles [tile0, tile0 + tiles) of a tiled weight w (IQ4_XS_TILED: T = IQ4XSTiledW,
-// Q4_K_TILED: Q4KTiledW, Q6_K_TILED: Q6KTiledW; nunits 256-input units per row), one tile unit per
+// Q4_K_TILED: Q4KTiledW, Q5_K_TILED: Q5KTiledW, Q6_K_TILED: Q6KTiledW; nunits 256-input units per row), one tile unit per
 // warp and iteration (weight_formats.cuh: unit_decode_lane, unit_store_lane); dst holds the tiles' rows.
 // Consecutive warps take consecutive units of a tile: contiguous weight bytes, adjacent output columns.
 constexpr int kUnitWarps = 4;  // 4 x 8 KiB of shared memory per block
@@ -189,6 +189,7 @@ void dequant_panel(const Tensor& w, int64_t r0, int64_t rows, uint16_t* dst) {
     case DType::IQ4_XS_TILED: return dequant_tiled_launch<IQ4XSTiledW>(w, r0, rows, dst);
     case DType::Q6_K_TILED: return dequant_tiled_launch<Q6KTiledW>(w, r0, rows, dst);
     case DType::Q4_K_TILED: return dequant_tiled_launch<Q4KTiledW>(w, r0, rows, dst);
+    case DType::Q5_K_TILED: return dequant_tiled_launch<Q5KTiledW>(w, r0, rows, dst);
 #endif
     case DType::F32:
       if (in % 4 == 0 && w16) return dequant_launch<F32W<4>>(src, rb, in / 4, rows, in, dst);

@@ -729,6 +729,30 @@ struct Q4T {
   }
 };
 
+// Q5_K in the GEMV's tiled layout (DType::Q5_K_TILED, made by tile_q4_kernel; weight_formats.cuh
+// kQ5TileUnitBytes): Q4T's arrangement with Q5_K's fifth bits between the quants and the headers: per tile and
+// unit 2816 bytes (Q5_K's 16 x 176), the 16 rows' quants in lane order (as Q4T's), then one 512-byte run holding
+// at 16 l lane l = 4 g + t's qh[4 t ..], qh[16 + 4 t ..] of row g, then of row g + 8, then the 16 rows' 16-byte
+// headers in row order. A lane's unit is seven 16-byte loads where the row-major blocks take 22 4-byte and two
+// 16-byte ones. Same values and arithmetic as QK45U<true>: bit-identical.
+struct Q5T {
+  static constexpr int kUnitElems = 256, kTileUnitBytes = int(kQ5TileUnitBytes);
+  static constexpr bool kTiled = true;
+  using Raw = QK45U<true>::Raw;
+  __device__ __forceinline__ static void load_tile(const uint8_t* __restrict__ p, int lane, Raw (&r)[2]) {
+    load_quant_runs(p, lane, r);
+    const uint4 h = ldw<uint4>(p + 2048 + 16 * lane);
+    r[0].h[0] = h.x, r[0].h[1] = h.y, r[1].h[0] = h.z, r[1].h[1] = h.w;
+    const int g = lane >> 2;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) r[k].hdr = ldw<uint4>(p + 2560 + 16 * (g + 8 * k));
+  }
+  template <int NT, class X = XView>
+  __device__ __forceinline__ static void unit(const Raw (&r)[2], int64_t u, const X& xv, float (&accf)[NT][4]) {
+    QK45U<true>::unit<NT>(r, u, xv, accf);
+  }
+};
+
 // Q6_K in the GEMV's tiled layout (DType::Q6_K_TILED, made by tile_q6_k_kernel; weight_formats.cuh
 // kQ6TileUnitBytes): rows in tiles of 16; per tile and unit (256 inputs) 3360 bytes: first the 16 rows'
 // quants in lane order, 6 runs of 512 bytes, run i = 3 h + c holding at 16 l the words 4 c .. 4 c + 3
@@ -1332,6 +1356,10 @@ template <>
 struct SplitTwin<Q6U> {
   using type = Q6T;
 };
+template <>
+struct SplitTwin<QK45U<true>> {
+  using type = Q5T;
+};
 // The resident blocks per multiprocessor units_per_split sizes a tiled format's splits by: its one-tile (decode)
 // instance's at the default tuning constants (min_blocks<T, 1>(): tiled Q6_K runs one block fewer,
 // x_ahead_fewer_blocks; test_gpu_mma_split_plans checks the two agree), written out so that a sweep variant's
@@ -1427,6 +1455,89 @@ inline void queue_sums(SplitSums& pending, const SplitSums& add, const Flush& fl
   }
 }
 
+// dst (IQ4_XS_TILED / Q4_K_TILED / Q5_K_TILED) = src (IQ4_XS / Q4_K / Q5_K [out, nunits * 256], row-major, 4-byte
+// aligned, out % 16 == 0; kBlock-byte blocks: a kHdr-byte header, Q5_K's qh[32] at kHdr, qs[128] at kQs) regrouped
+// into IQ4T's / Q4T's / Q5T's tiles: one thread per 16 bytes of dst; a tile unit's kBlock pieces are its 128
+// quant pieces (run i = q / 32, lane q % 32: words 4 i .. 4 i + 3, i.e. qs[16 k + 4 t ..] for k = 4 (i & 1) .. + 3,
+// of row g + 8 (i / 2)), Q5_K's 32 qh pieces (lane q - 128: qh[4 t ..], qh[16 + 4 t ..] of row g, then of row g + 8)
+// and its header pieces (the 16 rows' headers one after the other, 16 bytes a piece).
+// kRecode (IQ4_XS): the quant words pass through iq4_tile_recode (IQ4T's indices); the K-quants' are copied.
+template <int kBlock, int kHdr, bool kRecode>
+__global__ void tile_q4_kernel(const uint8_t* __restrict__ src, int64_t nunits, int64_t pieces,
+                               uint4* __restrict__ dst) {
+  detail::pdl_wait();  // and never lets the next kernel launch early: a GEMV reads weights before waiting (pdl.cuh)
+  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (id >= pieces) return;
+  constexpr int kQh = kBlock - 128 - kHdr, kQs = kHdr + kQh;  // Q5_K: 32 bytes of fifth bits, else none
+  static_assert(kQh == 0 || kQh == 32, "tile_q4_kernel: IQ4_XS, Q4_K or Q5_K blocks");
+  constexpr int kPieces = kBlock;  // 16-byte pieces per tile unit (16 rows x kBlock bytes): quants, qh, headers
+  const int q = int(id % kPieces);
+  const int64_t tu = id / kPieces, u = tu % nunits, tile = tu / nunits, row_bytes = nunits * kBlock;
+  const uint8_t* base = src + tile * 16 * row_bytes + u * kBlock;  // row 0 of the tile, unit u
+  const auto word = [](const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); };
+  uint32_t v[4];
+  if (q < 128) {
+    const int i = q >> 5, lane = q & 31, g = lane >> 2, t = lane & 3;
+    const uint8_t* blk = base + (g + 8 * (i >> 1)) * row_bytes + kQs + 4 * t;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      v[m] = word(blk + 16 * (4 * (i & 1) + m));
+      if constexpr (kRecode) v[m] = iq4_tile_recode(v[m]);
+    }
+  } else if (q < 128 + kQh) {
+    const int lane = q - 128, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) v[m] = word(base + (g + 8 * (m >> 1)) * row_bytes + kHdr + 16 * (m & 1) + 4 * t);
+  } else {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {  // header-area byte b = 16 (q - 128 - kQh) + 4 m: row b / kHdr, offset b % kHdr
+      const int b = 16 * (q - 128 - kQh) + 4 * m;
+      v[m] = word(base + (b / kHdr) * row_bytes + b % kHdr);
+    }
+  }
+  dst[id] = make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+// dst (Q6_K_TILED) = src (Q6_K [out, nunits * 256], row-major, 2-byte aligned, out % 16 == 0) regrouped
+// into Q6T's tiles: one thread per 16 bytes of dst; a tile unit's 210 pieces are its 192 quant pieces
+// (run i = q / 32 = 3 h + c, lane q % 32: Q6U::Raw words 4 c .. 4 c + 3 of row g + 8 h: ql bytes 16 k + 4 t
+// for k = 4 c + m when c < 2, qh bytes 16 m + 4 t when c = 2), its 16 scale pieces (row q - 192) and
+// its 2 d pieces (rows 0-7, 8-15). The source is only 2-byte aligned: read as 16-bit words.
+__global__ void tile_q6_k_kernel(const uint8_t* __restrict__ src, int64_t nunits, int64_t pieces,
+                                 uint4* __restrict__ dst) {
+  detail::pdl_wait();  // and never lets the next kernel launch early (as tile_q4_kernel)
+  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (id >= pieces) return;
+  const int q = int(id % 210);
+  const int64_t tu = id / 210, u = tu % nunits, tile = tu / nunits, row_bytes = nunits * 210;
+  const uint8_t* base = src + tile * 16 * row_bytes + u * 210;  // row 0 of the tile, unit u
+  const auto half = [](const uint8_t* p) { return uint32_t(*reinterpret_cast<const uint16_t*>(p)); };
+  const auto word = [&](const uint8_t* p) { return half(p) | (half(p + 2) << 16); };
+  uint32_t v[4];
+  if (q < 192) {
+    const int i = q >> 5, lane = q & 31, g = lane >> 2, t = lane & 3, h = i / 3, c = i % 3;
+    const uint8_t* blk = base + (g + 8 * h) * row_bytes;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) v[m] = word(blk + (c < 2 ? 16 * (4 * c + m) : 128 + 16 * m) + 4 * t);
+  } else if (q < 208) {
+    const uint8_t* sc = base + (q - 192) * row_bytes + 192;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) v[m] = word(sc + 4 * m);
+  } else {
+    const uint8_t* d0 = base + 8 * (q - 208) * row_bytes + 208;  // d of rows 8 (q - 208) + 0 .. 7
+#pragma unroll
+    for (int m = 0; m < 4; ++m) v[m] = half(d0 + 2 * m * row_bytes) | (half(d0 + (2 * m + 1) * row_bytes) << 16);
+  }
+  dst[id] = make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+// The 16-byte pieces (threads) of tile_q4_kernel over `out` rows (out % 16 == 0) of nunits units: 16 x kBlock bytes a
+// tile unit. The host emulation runs the kernel over these pieces too (tests/gpu/host_emu/mma_main.cpp).
+template <int kBlock>
+__host__ __device__ constexpr int64_t tile_q4_pieces(int64_t out, int64_t nunits) {
+  return out / 16 * nunits * kBlock;
+}
+
 #ifndef SPECD_HOST_EMU
 __global__ void sum_splits_kernel(const SplitSums s_) {
   detail::pdl_enter();
@@ -1491,75 +1602,6 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   queue_sums(pending, sums, [&](const SplitSums& full) { launch_sums(full, s); });
 }
 
-// dst (IQ4_XS_TILED / Q4_K_TILED) = src (IQ4_XS / Q4_K [out, nunits * 256], row-major, 4-byte aligned, out %
-// 16 == 0; kBlock-byte blocks: a kHdr-byte header, then qs[128] at kHdr) regrouped into IQ4T's / Q4T's
-// tiles: one thread per 16 bytes of dst; a tile unit's 128 + kHdr pieces are its 128 quant pieces
-// (run i = q / 32, lane q % 32: words 4 i .. 4 i + 3, i.e. qs[16 k + 4 t ..] for k = 4 (i & 1) .. + 3, of
-// row g + 8 (i / 2)) and its header pieces (the 16 rows' headers one after the other, 16 bytes a piece).
-// kRecode (IQ4_XS): the quant words pass through iq4_tile_recode (IQ4T's indices); Q4_K's are copied.
-template <int kBlock, int kHdr, bool kRecode>
-__global__ void tile_q4_kernel(const uint8_t* __restrict__ src, int64_t nunits, int64_t pieces,
-                               uint4* __restrict__ dst) {
-  detail::pdl_wait();  // and never lets the next kernel launch early: a GEMV reads weights before waiting (pdl.cuh)
-  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (id >= pieces) return;
-  constexpr int kPieces = 128 + kHdr;  // 16-byte pieces per tile unit: 2048 quant bytes + 16 headers
-  const int q = int(id % kPieces);
-  const int64_t tu = id / kPieces, u = tu % nunits, tile = tu / nunits, row_bytes = nunits * kBlock;
-  const uint8_t* base = src + tile * 16 * row_bytes + u * kBlock;  // row 0 of the tile, unit u
-  const auto word = [](const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); };
-  uint32_t v[4];
-  if (q < 128) {
-    const int i = q >> 5, lane = q & 31, g = lane >> 2, t = lane & 3;
-    const uint8_t* blk = base + (g + 8 * (i >> 1)) * row_bytes + kHdr + 4 * t;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      v[m] = word(blk + 16 * (4 * (i & 1) + m));
-      if constexpr (kRecode) v[m] = iq4_tile_recode(v[m]);
-    }
-  } else {
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {  // header-area byte b = 16 (q - 128) + 4 m: row b / kHdr, offset b % kHdr
-      const int b = 16 * (q - 128) + 4 * m;
-      v[m] = word(base + (b / kHdr) * row_bytes + b % kHdr);
-    }
-  }
-  dst[id] = make_uint4(v[0], v[1], v[2], v[3]);
-}
-
-// dst (Q6_K_TILED) = src (Q6_K [out, nunits * 256], row-major, 2-byte aligned, out % 16 == 0) regrouped
-// into Q6T's tiles: one thread per 16 bytes of dst; a tile unit's 210 pieces are its 192 quant pieces
-// (run i = q / 32 = 3 h + c, lane q % 32: Q6U::Raw words 4 c .. 4 c + 3 of row g + 8 h: ql bytes 16 k + 4 t
-// for k = 4 c + m when c < 2, qh bytes 16 m + 4 t when c = 2), its 16 scale pieces (row q - 192) and
-// its 2 d pieces (rows 0-7, 8-15). The source is only 2-byte aligned: read as 16-bit words.
-__global__ void tile_q6_k_kernel(const uint8_t* __restrict__ src, int64_t nunits, int64_t pieces,
-                                 uint4* __restrict__ dst) {
-  detail::pdl_wait();  // and never lets the next kernel launch early (as tile_q4_kernel)
-  const int64_t id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (id >= pieces) return;
-  const int q = int(id % 210);
-  const int64_t tu = id / 210, u = tu % nunits, tile = tu / nunits, row_bytes = nunits * 210;
-  const uint8_t* base = src + tile * 16 * row_bytes + u * 210;  // row 0 of the tile, unit u
-  const auto half = [](const uint8_t* p) { return uint32_t(*reinterpret_cast<const uint16_t*>(p)); };
-  const auto word = [&](const uint8_t* p) { return half(p) | (half(p + 2) << 16); };
-  uint32_t v[4];
-  if (q < 192) {
-    const int i = q >> 5, lane = q & 31, g = lane >> 2, t = lane & 3, h = i / 3, c = i % 3;
-    const uint8_t* blk = base + (g + 8 * h) * row_bytes;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) v[m] = word(blk + (c < 2 ? 16 * (4 * c + m) : 128 + 16 * m) + 4 * t);
-  } else if (q < 208) {
-    const uint8_t* sc = base + (q - 192) * row_bytes + 192;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) v[m] = word(sc + 4 * m);
-  } else {
-    const uint8_t* d0 = base + 8 * (q - 208) * row_bytes + 208;  // d of rows 8 (q - 208) + 0 .. 7
-#pragma unroll
-    for (int m = 0; m < 4; ++m) v[m] = half(d0 + 2 * m * row_bytes) | (half(d0 + (2 * m + 1) * row_bytes) << 16);
-  }
-  dst[id] = make_uint4(v[0], v[1], v[2], v[3]);
-}
-
 // dst = src (Q6_K [out, in] on the device, out % 16 == 0, in % 256 == 0) in Q6T's tiled layout.
 inline void launch_tile_q6_k(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
   const int64_t nunits = in / 256, pieces = out / 16 * nunits * 210;  // 16-byte pieces of dst
@@ -1569,11 +1611,11 @@ inline void launch_tile_q6_k(const uint8_t* src, int64_t out, int64_t in, uint8_
                                           pieces, reinterpret_cast<uint4*>(dst));
 }
 
-// dst = src (IQ4_XS or Q4_K [out, in] on the device, out % 16 == 0, in % 256 == 0) in IQ4T's / Q4T's
-// tiled layout.
+// dst = src (IQ4_XS, Q4_K or Q5_K [out, in] on the device, out % 16 == 0, in % 256 == 0) in IQ4T's / Q4T's /
+// Q5T's tiled layout.
 template <int kBlock, int kHdr, bool kRecode>
 inline void launch_tile_q4(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
-  const int64_t nunits = in / 256, pieces = out / 16 * nunits * (128 + kHdr);  // 16-byte pieces of dst
+  const int64_t nunits = in / 256, pieces = tile_q4_pieces<kBlock>(out, nunits);
   if (pieces == 0) return;
   SPECD_CHECK((pieces + 255) / 256 <= 0x7fffffff, "tile_for_gemv: too many blocks for one launch");
   detail::launch_kernel<tile_q4_kernel<kBlock, kHdr, kRecode>>("tile_q4_kernel", unsigned((pieces + 255) / 256),
@@ -1585,6 +1627,9 @@ inline void launch_tile_iq4_xs(const uint8_t* src, int64_t out, int64_t in, uint
 }
 inline void launch_tile_q4_k(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
   launch_tile_q4<144, 16, false>(src, out, in, dst, s);
+}
+inline void launch_tile_q5_k(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
+  launch_tile_q4<176, 16, false>(src, out, in, dst, s);
 }
 
 // Whether the tensor-core GEMV handles weight format t.
@@ -1617,6 +1662,7 @@ void with_format(DType t, const Fn& f) {
     case DType::IQ4_XS_TILED: return f(FormatTag<IQ4T>{});
     case DType::Q6_K_TILED: return f(FormatTag<Q6T>{});
     case DType::Q4_K_TILED: return f(FormatTag<Q4T>{});
+    case DType::Q5_K_TILED: return f(FormatTag<Q5T>{});
     case DType::BF16: return f(FormatTag<BF16U>{});
     default: fail("matmul: no tensor-core GEMV for ", dtype_info(t).name);
   }

@@ -117,14 +117,15 @@ Tensor sum_partials(const Tensor& p);
 // Whether this build's GEMV reads the tiled layouts (CUDA: yes; HIP: no, its FMA GEMV reads row-major).
 bool gemv_tiles_supported();
 
-// w (IQ4_XS, Q4_K or Q6_K [out, in] on the GPU, contiguous, out a multiple of 16) regrouped into
-// IQ4_XS_TILED / Q4_K_TILED / Q6_K_TILED, the tensor-core GEMV's layouts (matmul_mma.cuh, IQ4T / Q4T /
-// Q6T: every warp load covers 512 contiguous bytes, not 8 rows x 16 bytes or 2-byte words): a new GPU tensor of the
+// w (IQ4_XS, Q4_K, Q5_K or Q6_K [out, in] on the GPU, contiguous, out a multiple of 16) regrouped into
+// IQ4_XS_TILED / Q4_K_TILED / Q5_K_TILED / Q6_K_TILED, the tensor-core GEMV's layouts (matmul_mma.cuh, IQ4T / Q4T /
+// Q5T / Q6T: every warp load covers 512 contiguous bytes, not 8 rows x 16 bytes or 2-byte words): a new GPU tensor of the
 // same shape and size (the same bytes regrouped; IQ4_XS's 4-bit indices also recoded, bits 2 and 3 swapped, for a
 // shorter table lookup); matmul / matmul_group read it with bit-identical results (the prefill path dequantizes it
-// to the same BF16 values). Raises
-// std::invalid_argument for another dtype, device or shape, or on a build without the tensor-core GEMV.
-Tensor tile_for_gemv(const Tensor& w);
+// to the same BF16 values). With `out` (a contiguous GPU tensor of w's shape and tiled dtype, e.g. an IPC export's
+// buffer) the tiles are written there and `out` is returned. Raises std::invalid_argument for another dtype, device
+// or shape (of w or out), or on a build without the tensor-core GEMV.
+Tensor tile_for_gemv(const Tensor& w, const std::optional<Tensor>& out = std::nullopt);
 
 // Index of the first maximum of each row (argmax.cu); x F32 [..., V] contiguous, V >= 1 ->
 // I32 [...] (x's shape without the last dimension). NaN counts as larger than every number

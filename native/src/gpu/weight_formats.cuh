@@ -421,6 +421,26 @@ struct Q4KTiledW : Q4KW {
   }
 };
 
+// Q5_K_TILED (the tensor-core GEMV's layout, matmul_mma.cuh Q5T): Q4_K_TILED's quants, then a 512-byte run of the fifth
+// bits (lane 4 g + t at 16 (4 g + t): qh[4 t ..], qh[16 + 4 t ..] of row g, then of row g + 8), then the 16 rows'
+// 16-byte headers. load_tiled gathers Q5KW's chunk (row r, chunk c: qs[16 sel ..] and qh[16 (sel & 1) ..]).
+constexpr int64_t kQ5TileUnitBytes = 16 * 176;
+struct Q5KTiledW : Q5KW {
+  __device__ __forceinline__ static Raw load_tiled(const uint8_t* __restrict__ w, int64_t nunits, int64_t r, int64_t c) {
+    const int rt = int(r & 15), k = int(c & 7);
+    const uint8_t* unit = w + ((r >> 4) * nunits + (c >> 3)) * kQ5TileUnitBytes;
+    const uint8_t* q = unit + 512 * (2 * (rt >> 3) + (k >> 2)) + 64 * (rt & 7) + 4 * (k & 3);  // lane 4 g + t at q + 16 t
+    const uint8_t* h = unit + 2048 + 64 * (rt & 7) + 4 * (2 * (rt >> 3) + (k & 1));          // the same lanes' qh word
+    const auto word = [](const uint8_t* p, int t) { return *reinterpret_cast<const uint32_t*>(p + 16 * t); };
+    Raw raw;
+    raw.sel = k;
+    raw.hdr = *reinterpret_cast<const uint4*>(unit + 2560 + 16 * rt);
+    raw.q = uint4{word(q, 0), word(q, 1), word(q, 2), word(q, 3)};
+    raw.qh = uint4{word(h, 0), word(h, 1), word(h, 2), word(h, 3)};
+    return raw;
+  }
+};
+
 // Q6_K_TILED (the tensor-core GEMV's layout, matmul_mma.cuh Q6T): rows in tiles of 16; per tile and
 // 256-input unit kQ6TileUnitBytes bytes: 6 runs of 512 bytes of quants (run 3 h + c holds at 16 l the
 // words 4 c .. 4 c + 3 of lane l = 4 g + t of row g + 8 h, whose words k = 0..11 are ql[16 k + 4 t ..]
@@ -484,7 +504,7 @@ __device__ __forceinline__ void decode_chunk(const uint8_t* row, int64_t c, cons
 
 // --- whole tile units to BF16 (the prefill's dequantization of the tiled layouts) ----------------
 //
-// A warp dequantizes one tile unit (16 rows x 256 inputs of IQ4_XS_TILED / Q4_K_TILED / Q6_K_TILED)
+// A warp dequantizes one tile unit (16 rows x 256 inputs of IQ4_XS_TILED / Q4_K_TILED / Q5_K_TILED / Q6_K_TILED)
 // in two phases, so that its global stores are whole 512-byte row segments:
 //   1. unit_decode_lane: lane l decodes chunks 8 u + (l & 7) of rows 4 s + (l >> 3), s = 0..3, into the
 //      warp's shared-memory tile (16 rows x 32 pieces of 8 BF16 = 8 KiB) at unit_piece_slot;

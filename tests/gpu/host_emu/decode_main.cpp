@@ -1,7 +1,7 @@
 // Host harness for test_gpu_decoders_host.py: decodes whole rows through the GPU weight-format
 // policies with decode_chunk (chunk by chunk, part by part, at the policies' offsets, as the
 // embedding gather and the dequantize-to-BF16 kernel walk them) and writes float32, or with "bf16"
-// the BF16 bits that kernel stores. FORMAT IQ4_XS_T / Q4_K_T / Q6_K_T: IN.bin holds the GEMV's tiled
+// the BF16 bits that kernel stores. FORMAT IQ4_XS_T / Q4_K_T / Q5_K_T / Q6_K_T: IN.bin holds the GEMV's tiled
 // layout (ROWS a multiple of 16), each chunk gathered through load_tiled on its own (the gathers alone).
 // With "units" (tiled formats only) the BF16 bits of the tile-unit kernel (tiled_units below).
 // Usage: decode FORMAT ROWS IN IN.bin OUT.bin [bf16 | units]
@@ -30,7 +30,7 @@ void rows(const uint8_t* w, int64_t n, int64_t rb, int64_t in, int64_t nchunks, 
   else rows<W, StoreF32>(w, n, rb, in, nchunks, f32);
 }
 
-// The same for a weight in a tiled layout (T: IQ4XSTiledW, Q4KTiledW or Q6KTiledW; 8 chunks per unit).
+// The same for a weight in a tiled layout (T: IQ4XSTiledW, Q4KTiledW, Q5KTiledW or Q6KTiledW; 8 chunks per unit).
 template <class T, class Store, class Out>
 void tiled_rows(const uint8_t* w, int64_t n, int64_t in, Out* out) {
   for (int64_t r = 0; r < n; ++r)
@@ -81,10 +81,12 @@ int main(int argc, char** argv) {
   else if (fmt == "IQ4_XS") rows<IQ4XSW>(w, n, rb, in, in / 32, out.data(), b);
   else if (units && fmt == "IQ4_XS_T") tiled_units<IQ4XSTiledW>(w, n, in, b);
   else if (units && fmt == "Q4_K_T") tiled_units<Q4KTiledW>(w, n, in, b);
+  else if (units && fmt == "Q5_K_T") tiled_units<Q5KTiledW>(w, n, in, b);
   else if (units && fmt == "Q6_K_T") tiled_units<Q6KTiledW>(w, n, in, b);
   else if (units) return 4;
   else if (fmt == "IQ4_XS_T") tiled_rows<IQ4XSTiledW>(w, n, in, out.data(), b);
   else if (fmt == "Q4_K_T") tiled_rows<Q4KTiledW>(w, n, in, out.data(), b);
+  else if (fmt == "Q5_K_T") tiled_rows<Q5KTiledW>(w, n, in, out.data(), b);
   else if (fmt == "Q6_K_T") tiled_rows<Q6KTiledW>(w, n, in, out.data(), b);
   else if (fmt == "F16") rows<Half16W<8, false>>(w, n, rb, in, in / 8, out.data(), b);
   else if (fmt == "F16_1") rows<Half16W<1, false>>(w, n, rb, in, in, out.data(), b);

@@ -8,8 +8,8 @@
 // covered by test_gpu_matmul.py.
 //
 // usage: mma_emu FORMAT n in out[,out...] w.bin x.bin y.bin   (x: F32 [n, in]; y: F32 [n, out]; w: the
-// weights row-major as in GGUF; FORMAT IQ4_XS_T / Q4_K_T / Q6_K_T packs them into the tiled layout,
-// then runs IQ4T / Q4T / Q6T; BF16 (in % 64 == 0) runs BF16U on its own x split, split_x_bf16_kernel)
+// weights row-major as in GGUF; FORMAT IQ4_XS_T / Q4_K_T / Q5_K_T / Q6_K_T packs them into the tiled layout,
+// then runs IQ4T / Q4T / Q5T / Q6T; BF16 (in % 64 == 0) runs BF16U on its own x split, split_x_bf16_kernel)
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -27,31 +27,35 @@ using namespace specd::gpu::detail;
 // IQ4T's stored index of IQ4_XS index c (4 bits): bits 2 and 3 swapped.
 inline int iq4_tiled_index(int c) { return (c & 3) | ((c & 4) << 1) | ((c & 8) >> 1); }
 
-// The test's own packer of IQ4T's / Q4T's tiled layout (the library tiles on the GPU: mma::tile_q4_kernel,
-// checked against a numpy packer on the device by test_gpu_gemv_tiles.py): a row-major IQ4_XS / Q4_K
-// weight src [out][nunits * block bytes] (a hdr-byte header, then qs[128]) -> dst ((out + 15) / 16 *
-// nunits * 16 * block bytes); a ragged last tile repeats the last row (the kernel's clamp makes any row
-// count work; the library tiles multiples of 16). recode (IQ4_XS): both indices of every quant byte
-// go through iq4_tiled_index.
+// The test's own packer of IQ4T's / Q4T's / Q5T's tiled layout (the library tiles on the GPU: mma::tile_q4_kernel,
+// checked against a numpy packer on the device by test_gpu_gemv_tiles.py): a row-major IQ4_XS / Q4_K / Q5_K
+// weight src [out][nunits * block bytes] (a hdr-byte header, Q5_K's qh[32], then qs[128]) -> dst ((out + 15) / 16 *
+// nunits * 16 * block bytes: the quant runs, Q5_K's qh run, the headers); a ragged last tile repeats the last row (the
+// kernel's clamp makes any row count work; the library tiles multiples of 16). recode (IQ4_XS): both indices of every
+// quant byte go through iq4_tiled_index.
 void pack_q4_tiles(const uint8_t* src, int64_t out, int64_t nunits, int block, int hdr, bool recode, uint8_t* dst) {
   const int64_t row_bytes = nunits * block;
+  const int qh = block - 128 - hdr, qs = hdr + qh;  // Q5_K: 32 bytes of fifth bits before the quants
   for (int64_t tile = 0; tile < (out + 15) / 16; ++tile)
     for (int64_t u = 0; u < nunits; ++u) {
       uint8_t* o = dst + (tile * nunits + u) * 16 * block;
       for (int r = 0; r < 16; ++r) {
         const int64_t row = std::min<int64_t>(tile * 16 + r, out - 1);
         const uint8_t* blk = src + row * row_bytes + u * block;
-        for (int b = 0; b < hdr; ++b) o[2048 + hdr * r + b] = blk[b];
+        for (int b = 0; b < hdr; ++b) o[2048 + 16 * qh + hdr * r + b] = blk[b];
         const int g = r & 7, h = r >> 3;
         for (int j = 0; j < 8; ++j)
           for (int t = 0; t < 4; ++t) {
             const int k = 8 * h + j, lane = 4 * g + t;  // word k of the lane: run k / 4, word k % 4
             for (int b = 0; b < 4; ++b) {
-              const int q = blk[hdr + 16 * j + 4 * t + b];
+              const int q = blk[qs + 16 * j + 4 * t + b];
               o[512 * (k >> 2) + 16 * lane + 4 * (k & 3) + b] =
                   uint8_t(recode ? iq4_tiled_index(q & 15) | (iq4_tiled_index(q >> 4) << 4) : q);
             }
           }
+        for (int s = 0; s < (qh ? 2 : 0); ++s)  // the qh run: lane 4 g + t's words qh[16 s + 4 t ..] of rows g, g + 8
+          for (int t = 0; t < 4; ++t)
+            for (int b = 0; b < 4; ++b) o[2048 + 16 * (4 * g + t) + 4 * (2 * h + s) + b] = blk[hdr + 16 * s + 4 * t + b];
       }
     }
 }
@@ -78,6 +82,37 @@ void pack_q6_k_tiles(const uint8_t* src, int64_t out, int64_t nunits, uint8_t* d
             for (int b = 0; b < 4; ++b) o[512 * run + 16 * lane + 4 * (k % 4) + b] = blk[from + b];
           }
       }
+    }
+}
+
+// The library's tiling kernel (mma::tile_q4_kernel over tile_q4_pieces' threads, as launch_tile_q4 runs it; Q6T:
+// tile_q6_k_kernel) on the whole tiles of src [out][nunits * block bytes] gives this harness's packer's bytes
+// (`packed`); exits 3 naming the first differing byte otherwise. The device test compares the kernel with a numpy
+// packer too (test_gpu_gemv_tiles.py); this catches a wrong piece count or offset without a GPU.
+template <class F>
+void check_tiling_kernel(const uint8_t* src, int64_t out, int64_t nunits, const std::vector<uint8_t>& packed) {
+  using namespace specd::gpu::detail::mma;
+  const int64_t rows = out / 16 * 16;
+  if (rows == 0) return;
+  std::vector<uint8_t> dst(size_t(rows / 16 * nunits * F::kTileUnitBytes), 0xEE);  // poisoned: every byte written
+  auto* d = reinterpret_cast<uint4*>(dst.data());
+  int64_t pieces = 0;
+  if constexpr (std::is_same_v<F, Q6T>) pieces = rows / 16 * nunits * 210;
+  else if constexpr (std::is_same_v<F, Q4T>) pieces = tile_q4_pieces<144>(rows, nunits);
+  else if constexpr (std::is_same_v<F, Q5T>) pieces = tile_q4_pieces<176>(rows, nunits);
+  else pieces = tile_q4_pieces<136>(rows, nunits);
+  blockDim.x = 256;
+  for (int64_t id = 0; id < (pieces + 255) / 256 * 256; ++id) {  // the launch's threads, one after the other
+    blockIdx.x = unsigned(id / 256), threadIdx.x = unsigned(id % 256);
+    if constexpr (std::is_same_v<F, Q6T>) tile_q6_k_kernel(src, nunits, pieces, d);
+    else if constexpr (std::is_same_v<F, Q4T>) tile_q4_kernel<144, 16, false>(src, nunits, pieces, d);
+    else if constexpr (std::is_same_v<F, Q5T>) tile_q4_kernel<176, 16, false>(src, nunits, pieces, d);
+    else tile_q4_kernel<136, 8, true>(src, nunits, pieces, d);
+  }
+  for (size_t i = 0; i < dst.size(); ++i)
+    if (dst[i] != packed[i]) {
+      std::fprintf(stderr, "tiling kernel: byte %zu is %d, the packer's %d\n", i, dst[i], packed[i]);
+      std::exit(3);
     }
 }
 
@@ -130,8 +165,11 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
         pack_q6_k_tiles(wt.w, wt.out, in / 256, packed.back().data());
       else if constexpr (std::is_same_v<F, Q4T>)
         pack_q4_tiles(wt.w, wt.out, in / 256, 144, 16, false, packed.back().data());
+      else if constexpr (std::is_same_v<F, Q5T>)
+        pack_q4_tiles(wt.w, wt.out, in / 256, 176, 16, false, packed.back().data());
       else
         pack_q4_tiles(wt.w, wt.out, in / 256, 136, 8, true, packed.back().data());
+      check_tiling_kernel<F>(wt.w, wt.out, in / 256, packed.back());
       wt.w = packed.back().data();
     }
   }
@@ -284,6 +322,7 @@ int main(int argc, char** argv) {
     if (f == "Q6_K") return print_splits<mma::Q6U>(out, in, sms);
     if (f == "Q4_K_T") return print_splits<mma::Q4T>(out, in, sms);
     if (f == "Q4_K") return print_splits<mma::QK45U<false>>(out, in, sms);
+    if (f == "Q5_K_T") return print_splits<mma::Q5T>(out, in, sms);
     if (f == "Q5_K") return print_splits<mma::QK45U<true>>(out, in, sms);
     if (f == "Q8_0") return print_splits<mma::Q8U>(out, in, sms);
     if (f == "BF16") return print_splits<mma::BF16U>(out, in, sms);
@@ -309,7 +348,7 @@ int main(int argc, char** argv) {
   int64_t row_bytes = 0;
   if (fmt == "Q8_0") row_bytes = in / 32 * 34;
   else if (fmt == "Q4_K" || fmt == "Q4_K_T") row_bytes = in / 256 * 144;
-  else if (fmt == "Q5_K") row_bytes = in / 256 * 176;
+  else if (fmt == "Q5_K" || fmt == "Q5_K_T") row_bytes = in / 256 * 176;
   else if (fmt == "Q6_K" || fmt == "Q6_K_T") row_bytes = in / 256 * 210;
   else if (fmt == "IQ4_XS" || fmt == "IQ4_XS_T") row_bytes = in / 256 * 136;  // _T: run in the tiled layout
   else if (fmt == "BF16" && in % 64 == 0) row_bytes = in * 2;
@@ -323,6 +362,7 @@ int main(int argc, char** argv) {
   else if (fmt == "Q4_K") run<mma::QK45U<false>>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q4_K_T") run<mma::Q4T>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q5_K") run<mma::QK45U<true>>(w, row_bytes, in, x, n, outs, y);
+  else if (fmt == "Q5_K_T") run<mma::Q5T>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q6_K") run<mma::Q6U>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q6_K_T") run<mma::Q6T>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "IQ4_XS") run<mma::IQ4U>(w, row_bytes, in, x, n, outs, y);
