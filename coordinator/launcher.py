@@ -71,8 +71,8 @@ class ServeConfig:
         ``--drafter-max-graphs``, the draft worker's ``--max-graphs``), >= 1. Default 4.
     slot_cache: released sequences' device states the target worker keeps with their CUDA graphs for
         the next requests of the same capacity class (``--slot-cache``), >= 0. Default 2.
-    gemv_tiles: the target worker places its layers' IQ4_XS, Q4_K and Q6_K matrices in the tensor-core
-        GEMV's tiled layouts on a CUDA GPU (default True; bit-identical results; ``--no-gemv-tiles`` keeps GGUF order).
+    gemv_tiles: the target worker places its layers' IQ4_XS, Q4_K, Q5_K and Q6_K matrices (and an untied output
+        head of those types) in the tensor-core GEMV's tiled layouts on a CUDA GPU (default True; bit-identical results; ``--no-gemv-tiles`` keeps GGUF order).
     share_target_weights: "auto" (default): the drafter worker maps the target worker's token_embd /
         output (CUDA IPC) when both run on the same GPU and the tensors' content fingerprints match
         the target GGUF's, else loads its own copy (logged); "off":
@@ -224,8 +224,8 @@ def add_arguments(p) -> None:
                    help="released sequences' device states the target worker keeps, with their CUDA graphs, for "
                         f"the next requests of the same capacity class, >= 0 (default {d.slot_cache})")
     p.add_argument("--gemv-tiles", action=argparse.BooleanOptionalAction, default=d.gemv_tiles,
-                   help="the target's IQ4_XS / Q4_K / Q6_K layer matrices in the GEMV's tiled layouts on a CUDA "
-                        "GPU (default on)")
+                   help="the target's IQ4_XS / Q4_K / Q5_K / Q6_K layer matrices and untied output head in the "
+                        "GEMV's tiled layouts on a CUDA GPU (default on)")
     from specd.draft_worker.server import add_share_argument
 
     add_share_argument(p, d.share_target_weights)

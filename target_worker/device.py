@@ -319,10 +319,22 @@ class _Uploader:
         sn.tile_for_gemv regroups, whole 16-row tiles)."""
         return self.gemv_tiles and t.dtype in _TILED_SOURCES and len(t.shape) == 2 and t.shape[0] % 16 == 0
 
+    def tiles_head(self, output, token_embd) -> bool:
+        """Whether the output head is placed tiled: :meth:`tiles`, and not the embedding itself (a tied head
+        is one row-major copy for both: the embedding gathers rows)."""
+        return output is not token_embd and self.tiles(output)
+
     def head(self, output, token_embd):
-        """The output head: tiled where :meth:`tiles` says so and it is not the embedding itself (a tied
-        head is one row-major copy for both), else as :meth:`plain`."""
-        return self.layer_matmul(output) if output is not token_embd else self.plain(output)
+        """The output head: tiled where :meth:`tiles_head` says so, else as :meth:`plain`. Its row-major bytes
+        pass through a temporary device copy, freed right after (not a staging buffer kept for the layers:
+        the caller places the head after them, so the pool's trim returns that block)."""
+        if not self.tiles_head(output, token_embd):
+            return self.plain(output)
+        key = ("tiled", id(output))
+        if key not in self._placed:
+            src = output.contiguous()
+            self._placed[key] = (output, sn.tile_for_gemv(src if src.device == self.device else src.to(self.device)))
+        return self._placed[key][1]
 
     def layer_matmul(self, t):
         """A layer's matmul weight: tiled for the GEMV where gemv_tiles applies (:meth:`tiles`; from the

@@ -165,14 +165,20 @@ class NativeIpcBackend:
         complete when this returns. Raises ValueError where ``sn.tile_for_gemv`` refuses ``t``."""
         src = t.contiguous()
         shape = [int(s) for s in src.shape]
+        if tiled and (self.sn.tiled_of(src.dtype) == src.dtype or len(shape) != 2 or shape[0] % 16):
+            raise ValueError(f"export_tensor: no GEMV tiled layout for {src.dtype.name} {shape} (IQ4_XS, Q4_K, Q5_K or "
+                             "Q6_K [rows, cols] with rows a multiple of 16)")
         d, h = self.sn.gpu_ipc_export(shape, self.sn.tiled_of(src.dtype) if tiled else src.dtype)
         if tiled:
-            staged = self.sn.Tensor.empty(shape, src.dtype, self.sn.Device.GPU)
-            self.sn.gpu_write_async(staged, np.ascontiguousarray(src.numpy()))
-            self.sn.tile_for_gemv(staged, out=d)
-            self.sn.gpu_synchronize()
-            del staged
-            self.sn.gpu_trim_pool()  # the staging copy (the size of the head) is not kept in the pool
+            staged = None
+            try:
+                staged = self.sn.Tensor.empty(shape, src.dtype, self.sn.Device.GPU)
+                self.sn.gpu_write_async(staged, np.ascontiguousarray(src.numpy()))
+                self.sn.tile_for_gemv(staged, out=d)
+                self.sn.gpu_synchronize()
+            finally:
+                del staged
+                self.sn.gpu_trim_pool()  # the staging copy (the size of the head) is not kept in the pool
         else:
             self.sn.gpu_write_async(d, np.ascontiguousarray(src.numpy()))
             self.sn.gpu_synchronize()

@@ -220,7 +220,8 @@ class Qwen35Model:
             GPU maps) instead of the usual upload; the target worker passes one on the GPU.
         cuda_graphs: on the GPU, replay exact chain verifies of width <= 16 as captured CUDA graphs
             (module docstring; bitwise the eager results). Ignored on the CPU.
-        gemv_tiles: on a CUDA GPU, the layers' IQ4_XS, Q4_K and Q6_K matrices are placed in the tensor-core
+        gemv_tiles: on a CUDA GPU, the layers' IQ4_XS, Q4_K, Q5_K and Q6_K matrices, and an output head of those
+            types not tied to the embedding (in the head exporter's buffer too), are placed in the tensor-core
             GEMV's tiled layouts (``sn.tile_for_gemv``: bit-identical results, faster GEMV); default True.
         max_graphs: most captured chain-verify graphs kept (least recently used evicted), >= 1;
             default 16 (``specd target-worker --max-graphs``). Each keeps its own arena (activations,
@@ -266,18 +267,17 @@ class Qwen35Model:
         else:
             self._ops = _TensorOps(self.device)
             up = _Uploader(self.device, gemv_tiles)
-            tile_head = output is not weights.token_embd and up.tiles(output)
-            head = (self._export_head(head_exporter, weights.token_embd, output, tile_head)
+            head = (self._export_head(head_exporter, weights.token_embd, output, up.tiles_head(output, weights.token_embd))
                     if head_exporter is not None else None)
             self.token_embd = up.embedding(weights.token_embd) if head is None else head[0]
             self.output_norm = up.plain(weights.output_norm)
-            self.output = up.head(output, weights.token_embd) if head is None else head[1]
             self.layers = [up.layer(l) for l in weights.layers]
             self.conv_w = {i: up.plain(sn.Tensor(c)) for i, c in conv_w.items()}
             # [1, Hv] tables (sn.gdn_gates takes [Hv] or [1, Hv] and broadcasts them over the rows)
             self.gdn_vecs = {i: (up.plain(l.ssm_dt).reshape([1, hp.n_v_heads]),
                                  up.plain(l.ssm_a).reshape([1, hp.n_v_heads]))
                              for i, l in enumerate(weights.layers) if hp.recurrent[i]}
+            self.output = up.head(output, weights.token_embd) if head is None else head[1]  # last: its temporary
             if up.gemv_tiles:  # the staging buffers of the tiled upload stay cached in the pool otherwise
                 up.release_staging()
                 sn.gpu_trim_pool()  # (H200, 27B IQ4_XS: 1.85 GB of the process's device memory)

@@ -82,8 +82,8 @@ class TargetWorkerConfig:
         up to 1024 positions) kept with their captured graphs for the next sequences of the same
         capacity class, so a new request replays graphs instead of capturing them, >= 0, default 2
         (0: freed at release). Ignored without cuda_graphs.
-    gemv_tiles: on a CUDA GPU, place the layers' IQ4_XS, Q4_K and Q6_K matrices in the tensor-core
-        GEMV's tiled layouts (default True; same bytes, bit-identical results, faster decode). Ignored elsewhere.
+    gemv_tiles: on a CUDA GPU, place the layers' IQ4_XS, Q4_K, Q5_K and Q6_K matrices (and an untied output head
+        of those types) in the tensor-core GEMV's tiled layouts (default True; same bytes, bit-identical results, faster decode). Ignored elsewhere.
     export_head: on the GPU, place token_embd / output in IPC-exported buffers and publish their
         handles in Info, so a drafter worker on the same GPU maps them instead of a second copy
         (default True; :mod:`.shared_weights`). The mapping is writable (CUDA's legacy IPC): False
@@ -870,8 +870,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"of the same capacity class (1024-position steps), >= 0 (default {d.slot_cache}; 0: freed "
                         "at release)")
     p.add_argument("--gemv-tiles", action=argparse.BooleanOptionalAction, default=d.gemv_tiles,
-                   help="on a CUDA GPU, place the layers' IQ4_XS / Q4_K / Q6_K matrices in the GEMV's tiled layouts (default on; "
-                        "bit-identical results)")
+                   help="on a CUDA GPU, place the layers' IQ4_XS / Q4_K / Q5_K / Q6_K matrices and an untied output "
+                        "head in the GEMV's tiled layouts (default on; bit-identical results)")
     p.add_argument("--export-head", action=argparse.BooleanOptionalAction, default=d.export_head,
                    help="on the GPU, export token_embd / output over CUDA IPC for a drafter worker on the same "
                         "GPU (default on; the mapping is writable: --no-export-head keeps them private)")

@@ -12,8 +12,9 @@ Target side (no flag: exporting is free). A target worker whose model runs on th
 the tensor's stored type and shape, filled from the GGUF, exported with ``cudaIpcGetMemHandle`` and
 used by the target's own forward (no second copy in the target either). An untied output of a type the CUDA
 GEMV tiles (IQ4_XS, Q4_K, Q5_K, Q6_K: ``sn.tile_for_gemv``) is exported in that tiled layout when the model
-tiles its weights (``gemv_tiles``): the target's GEMV reads it faster than the row-major bytes
-(BENCHMARKS.md), and the drafter's matmul reads it too. ``TargetInfo.shared_tensors``
+tiles its weights (``gemv_tiles``), published as :data:`OUTPUT_TILED`: the target's GEMV reads it faster than
+the row-major bytes (the 27B's Q5_K head: 319 -> 217 us a decode step on the H200, BENCHMARKS.md), and the drafter's matmul
+reads it too; a drafter of an older version skips that name and loads its own copy. ``TargetInfo.shared_tensors``
 publishes per tensor (worker.proto SharedTensor, :class:`SharedTensorInfo`): the GGUF name, the
 ggml type id, the shape ``[n_vocab, n_embd]``, the byte size, the 64-byte handle, the exporting
 GPU's PCI bus id (``device_id``) and a content fingerprint of the GGUF bytes it was filled from
@@ -34,8 +35,7 @@ target ties output to token_embd but the drafter's GGUF does not; the target's G
 over the peer link, every embedding gather and lm_head matmul a remote read); a tensor's type, shape
 or size differs from the target GGUF the drafter was given (another file; a tiled layout counts as its
 row-major type); a tensor comes in a tiled layout this build's matmul cannot read (a HIP build); a tensor's content
-fingerprint (:func:`tensor_fingerprint`: blake2b over type, shape, length and 64 evenly spaced 4 KiB
-windows of the stored bytes, computed by the exporter from the GGUF it loaded and by the drafter from
+fingerprint (:func:`tensor_fingerprint`: sha256 over type, shape, length and every stored byte, computed by the exporter from the GGUF it loaded and by the drafter from
 its own view of the target GGUF) differs (another file with the same shapes), is missing (a target
 worker older than the fingerprint: refused, since the content cannot be vouched for) or is of another
 scheme; or the runtime refuses a handle. Malformed handle data (a handle not 64 bytes, an unknown
@@ -75,7 +75,10 @@ SHARE_MODES = ("auto", "off")
 DEFAULT_SHARE = "auto"
 EMBD, OUTPUT = "token_embd.weight", "output.weight"
 NAMES = (EMBD, OUTPUT)
-# tensor_fingerprint's scheme: blake2b, 64 windows of 4 KiB (the tag starts every fingerprint)
+# The name output.weight is published under when it is in the GPU GEMV's tiled layout (its ggml_type then the tiled
+# layout's id, not a ggml type): a drafter that does not know the layout skips the name and loads its own copy.
+OUTPUT_TILED = OUTPUT + ":gemv_tiles"
+# tensor_fingerprint's scheme: sha256 over every stored byte (the tag starts every fingerprint)
 FINGERPRINT_SCHEME = "sha256"
 
 
@@ -107,9 +110,10 @@ def make_backend():
 class SharedTensorInfo:
     """One exported weight (worker.proto SharedTensor).
 
-    name: "token_embd.weight" or "output.weight"; ggml_type: the stored type's ggml id
-    (``int(sn.DType)``), or the id of its GPU GEMV tiled layout (``sn.tile_for_gemv``: the same bytes
-    regrouped, which a CUDA target worker exports for an untied output); shape: (n_vocab, n_embd) as the sn.Tensor shape; nbytes: the buffer's bytes;
+    name: "token_embd.weight", "output.weight", or :data:`OUTPUT_TILED` ("output.weight:gemv_tiles": the
+    output in its GPU GEMV tiled layout, ``sn.tile_for_gemv``'s regrouping of the same bytes, which a CUDA
+    target worker exports for an untied output); ggml_type: the stored type's ggml id (``int(sn.DType)``),
+    for OUTPUT_TILED the tiled layout's id; shape: (n_vocab, n_embd) as the sn.Tensor shape; nbytes: the buffer's bytes;
     handle: the 64-byte IPC memory handle; device_id: the exporting GPU's PCI bus id; owner_id:
     "<hostname>:<boot id>:<pid>" of the exporting process (:func:`host_id`); fingerprint: the
     :func:`tensor_fingerprint` of the source the exporter filled the buffer from ("" from a target
@@ -138,8 +142,10 @@ class SharedTensorInfo:
 
     def check(self) -> "sn.DType":
         """The tensor's DType after checking the handle data's own consistency; ValueError naming the
-        tensor on a handle that is not 64 bytes, an unknown type id, a shape that is not [rows, cols]
-        with both > 0, or a byte size that does not match shape and type."""
+        tensor on a handle that is not 64 bytes, an unknown type id, a tiled layout's id under another
+        name than :data:`OUTPUT_TILED` (or that name with a row-major type), a tiled shape whose rows are
+        not whole 16-row tiles, a shape that is not [rows, cols] with both > 0, or a byte size that does
+        not match shape and type."""
         what = f"shared target tensor {self.name!r}"
         if len(self.handle) != fci.HANDLE_BYTES:
             raise ValueError(f"{what}: the IPC handle is {len(self.handle)} bytes, expected {fci.HANDLE_BYTES}")
@@ -150,8 +156,13 @@ class SharedTensorInfo:
             dtype = dtype if dtype is not None else sn.dtype_from_id(int(self.ggml_type))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{what}: unknown ggml type id {self.ggml_type}: {exc}") from None
+        if (dtype != sn.untiled(dtype)) != (self.name == OUTPUT_TILED):
+            raise ValueError(f"{what}: type {dtype.name}, but only {OUTPUT_TILED!r} carries (and always carries) "
+                             "a GPU GEMV tiled layout")
         if len(self.shape) != 2 or not all(0 < d < 2**40 for d in self.shape):
             raise ValueError(f"{what}: shape must be [rows, cols], each in 1 .. 2^40, got {list(self.shape)}")
+        if dtype != sn.untiled(dtype) and self.shape[0] % 16:
+            raise ValueError(f"{what}: a {dtype.name} tensor has whole 16-row tiles, got {self.shape[0]} rows")
         want = tensor_nbytes(self.shape, dtype)
         if want is None or want != self.nbytes:
             raise ValueError(f"{what}: {self.nbytes} bytes declared, but {list(self.shape)} of "
@@ -213,17 +224,21 @@ class HeadExporter:
         self.backend = backend if backend is not None else make_backend()
         self.infos: list[SharedTensorInfo] = []
         self.tensors: list = []  # the exported tensors: alive as long as the exporter (the worker)
-        self._done: dict = {}   # id(source) -> (source, exported tensor, handle, fingerprint): a tied output once
+        # (id(source), tiled) -> (source, exported tensor, handle, fingerprint): a tied output once
+        self._done: dict = {}
         self.owner_id = f"{host_id()}:{os.getpid()}"
 
     def place(self, name: str, t, tiled: bool = False):
         """The exported device copy of ``t`` (an sn.Tensor [rows, cols] of any stored type, usually a
         GGUF view) for GGUF tensor ``name``, with ``tiled`` in the GPU GEMV's tiled layout of its type
-        (``sn.tile_for_gemv``; the info then carries the tiled type's id); the same tensor again for the
+        (``sn.tile_for_gemv``; only for OUTPUT, published as :data:`OUTPUT_TILED` with the tiled type's id;
+        ValueError for another name); the same tensor again for the
         same source and layout (tied output: its info carries token_embd's handle). The published
         fingerprint (:func:`tensor_fingerprint`) is computed once per source, from ``t`` itself (the host
         copy / file mapping the buffer is filled from). Raises what the backend raises (RuntimeError on a
         device failure, ValueError where the tiling refuses ``t``)."""
+        if tiled and name != OUTPUT:
+            raise ValueError(f"HeadExporter.place: only {OUTPUT} is exported in the GEMV's tiled layout, got {name!r}")
         key = (id(t), bool(tiled))
         if key in self._done:
             _, placed, handle, fingerprint = self._done[key]
@@ -232,7 +247,7 @@ class HeadExporter:
             placed, handle = self.backend.export_tensor(t, tiled=True) if tiled else self.backend.export_tensor(t)
             self._done[key] = (t, placed, handle, fingerprint)  # the source kept alive: its id stays unique
             self.tensors.append(placed)
-        self.infos.append(SharedTensorInfo(name=name, ggml_type=int(placed.dtype),
+        self.infos.append(SharedTensorInfo(name=OUTPUT_TILED if tiled else name, ggml_type=int(placed.dtype),
                                            shape=tuple(int(s) for s in t.shape), nbytes=int(t.nbytes),
                                            handle=bytes(handle),
                                            device_id=self.backend.device_id(), owner_id=self.owner_id,
@@ -302,11 +317,12 @@ def open_shared_head(infos, target_weights, target_path: str, backend=None):
     by_name = {}
     for i in infos:
         i = i if isinstance(i, SharedTensorInfo) else SharedTensorInfo.from_proto(i)
-        if i.name not in NAMES:
+        name = OUTPUT if i.name == OUTPUT_TILED else i.name  # the output in the GEMV's tiled layout
+        if name not in NAMES:
             continue  # a tensor a newer target publishes: not ours to check
-        if i.name in by_name:
-            raise ValueError(f"shared target tensor {i.name!r}: published twice")
-        by_name[i.name] = (i, i.check())
+        if name in by_name:
+            raise ValueError(f"shared target tensor {name!r}: published twice")
+        by_name[name] = (i, i.check())
     if not by_name:
         return None, "the target worker published no shared tensors (target on the CPU, or its export failed)"
     own_out = target_weights.output if target_weights.output is not None else target_weights.token_embd

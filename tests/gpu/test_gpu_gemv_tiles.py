@@ -267,8 +267,8 @@ def test_tiled_matmul_bit_identical(rng, fmt, out, k):
 def test_tile_for_gemv_into_an_ipc_export(rng):
     """tile_for_gemv(w, out=...) writes the tiles into a given buffer: the shared head's gpu_ipc_export memory
     (NativeIpcBackend.export_tensor(tiled=True), from the host bytes through a device staging copy), whose bytes are
-    the reference packer's and whose matmul equals the row-major weight's; an out of another type or shape, or w
-    itself, is refused."""
+    the reference packer's and whose matmul equals the row-major weight's; an out of another type or shape, or on
+    the CPU, is refused."""
     from specd.target_worker.feature_cuda_ipc import NativeIpcBackend
 
     w = blocks(rng, "Q5_K", 64, 512)
@@ -283,11 +283,12 @@ def test_tile_for_gemv_into_an_ipc_export(rng):
     finally:
         backend.forget(h)
     wg = w.to(GPU)
-    for bad in (sn.Tensor.empty([64, 512], sn.DType.Q4_K_TILED, GPU), sn.Tensor.empty([48, 512], sn.DType.Q5_K_TILED, GPU)):
-        with pytest.raises(ValueError, match="out must be Q5_K_TILED of w's shape"):
-            sn.tile_for_gemv(wg, out=bad)
+    for dt, rows in ((sn.DType.Q4_K_TILED, 64), (sn.DType.Q5_K_TILED, 48)):
+        with pytest.raises(ValueError, match=rf"out must be Q5_K_TILED \[64, 512\] \(w's shape\), got {dt.name} "
+                                             rf"\[{rows}, 512\]"):
+            sn.tile_for_gemv(wg, out=sn.Tensor.empty([rows, 512], dt, GPU))
     with pytest.raises(ValueError, match="tile_for_gemv: out"):
-        sn.tile_for_gemv(wg, out=w)  # a CPU tensor
+        sn.tile_for_gemv(wg, out=sn.Tensor(np.zeros((64, 352), np.uint8), sn.DType.Q5_K_TILED))  # on the CPU
 
 
 @tiles_only
@@ -344,9 +345,10 @@ def test_tiled_prefill_path_bit_identical(rng, fmt):
 def test_tiled_group_with_other_formats(rng):
     k = 512
     ws = [iq4(rng, 64, k).to(GPU), blocks(rng, "Q6_K", 32, k).to(GPU), iq4(rng, 48, k).to(GPU),
-          blocks(rng, "Q6_K", 80, k).to(GPU), blocks(rng, "Q4_K", 32, k).to(GPU), blocks(rng, "Q4_K", 16, k).to(GPU)]
+          blocks(rng, "Q6_K", 80, k).to(GPU), blocks(rng, "Q4_K", 32, k).to(GPU), blocks(rng, "Q4_K", 16, k).to(GPU),
+          blocks(rng, "Q5_K", 48, k).to(GPU), blocks(rng, "Q5_K", 16, k).to(GPU)]
     tiled = [sn.tile_for_gemv(ws[0]), ws[1], sn.tile_for_gemv(ws[2]), sn.tile_for_gemv(ws[3]), sn.tile_for_gemv(ws[4]),
-             ws[5]]
+             ws[5], sn.tile_for_gemv(ws[6]), ws[7]]
     for n in (1, 5, 16, 20):
         x = sn.Tensor((rng.standard_normal((n, k)) * 0.5).astype(np.float32)).to(GPU)
         for a, b in zip(sn.matmul_group(x, ws), sn.matmul_group(x, tiled)):
@@ -407,7 +409,8 @@ def test_model_with_tiled_layers_equals_row_major(tmp_path, mix, body):
     exporter = sw.HeadExporter()
     shared = Qwen35Model(load_qwen35(str(path)), device=GPU, gemv_tiles=True, head_exporter=exporter)
     assert shared.output.dtype == tiled.output.dtype and shared.output is exporter.tensors[-1]
-    assert [i.ggml_type for i in exporter.infos] == [int(plain.token_embd.dtype), int(tiled.output.dtype)]
+    assert [(i.name, i.ggml_type) for i in exporter.infos] == [
+        (sw.EMBD, int(plain.token_embd.dtype)), (sw.OUTPUT_TILED, int(tiled.output.dtype))]
     assert np.array_equal(shared.output.to(CPU).numpy(), tiled.output.to(CPU).numpy())
     prompt = list(range(3, 40))
     sa, sb = tiled.new_sequence(128), plain.new_sequence(128)

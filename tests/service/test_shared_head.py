@@ -613,9 +613,11 @@ def test_open_shared_head_refuses_other_content_with_the_same_shapes():
 
 def test_tiled_output_is_published_and_mapped_in_its_tiled_layout(monkeypatch):
     """A CUDA target exports an untied output in the GEMV's tiled layout (HeadExporter.place(tiled=True)): the
-    info carries the tiled type's id with the row-major source's shape, size and fingerprint, the buffer holds
-    the numpy reference packer's bytes; the drafter checks it against its own row-major tensor (sn.untiled) and
-    maps the tiled tensor; a build whose matmul cannot read the layout refuses it with the reason."""
+    info, named output.weight:gemv_tiles (a drafter that does not know the layout skips it), carries the tiled
+    type's id with the row-major source's shape, size and fingerprint, the buffer holds the numpy reference
+    packer's bytes; the drafter checks it against its own row-major tensor (sn.untiled) and maps the tiled
+    tensor; a build whose matmul cannot read the layout refuses it with the reason; a tiled type under another
+    name, a row-major one under the tiled name or rows that are not whole tiles are malformed handle data."""
     import sys
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "native"))
     from quant_blocks import random_blocks
@@ -630,6 +632,7 @@ def test_tiled_output_is_published_and_mapped_in_its_tiled_layout(monkeypatch):
     placed = exp.place(sw.OUTPUT, source, tiled=True)
     info = exp.infos[1]
     assert placed.dtype == sn.DType.Q5_K_TILED and info.ggml_type == int(sn.DType.Q5_K_TILED) == 0x1000D
+    assert [i.name for i in exp.infos] == [sw.EMBD, "output.weight:gemv_tiles"]
     assert (info.shape, info.nbytes, info.fingerprint) == ((32, 256), source.nbytes, sw.tensor_fingerprint(source))
     assert sw.SharedTensorInfo.from_proto(info.to_proto(wpb)).check() == sn.DType.Q5_K_TILED
     assert not np.array_equal(placed.numpy().reshape(-1), raw.reshape(-1))  # regrouped, the same bytes
@@ -645,4 +648,11 @@ def test_tiled_output_is_published_and_mapped_in_its_tiled_layout(monkeypatch):
     monkeypatch.setattr(sn, "gemv_tiles_supported", lambda: True)
     head, reason = sw.open_shared_head(exp.infos, other, "t.gguf", backend)
     assert head is None and "exports Q5_K_TILED [32, 256]" in reason and "holds Q5_K [16, 256]" in reason
+    for bad, match in ((dataclasses.replace(info, name=sw.OUTPUT), "only 'output.weight:gemv_tiles' carries"),
+                       (dataclasses.replace(exp.infos[0], name=sw.OUTPUT_TILED), "only 'output.weight:gemv_tiles'"),
+                       (dataclasses.replace(info, shape=(24, 256), nbytes=24 * 176), "whole 16-row tiles, got 24")):
+        with pytest.raises(ValueError, match=match):
+            bad.check()
+    with pytest.raises(ValueError, match="only output.weight is exported in the GEMV's tiled layout"):
+        exp.place(sw.EMBD, source, tiled=True)
     exp.close()

@@ -11,6 +11,8 @@ import numpy as np
 
 import specd.native as sn
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu"))  # the tiled packers
+
 
 class FakeEvent:
     def __init__(self, log: list, handle: bytes):
@@ -50,7 +52,6 @@ class FakeIpcBackend:
         the GPU GEMV's tiled layout of its type, packed by test_gpu_gemv_tiles.py's numpy reference."""
         src = t.contiguous()
         if tiled:
-            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu"))
             from test_gpu_gemv_tiles import FORMATS
 
             dtype, pack = FORMATS[src.dtype.name]

@@ -77,6 +77,7 @@
 // (tiled IQ4_XS 0.50, gate + up grouped 0.56, tiled Q6_K 0.57) and 0.26-0.33 at 16
 // (tools/device/gemv_sweep.sh).
 #include <algorithm>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -846,12 +847,18 @@ Tensor tile_for_gemv(const Tensor& w, const std::optional<Tensor>& out_t) {
   const bool q6 = w.dtype == DType::Q6_K;
   SPECD_CHECK(reinterpret_cast<uintptr_t>(w.data) % (q6 ? 2 : 4) == 0, op, ": w data must be ", q6 ? 2 : 4,
               "-byte aligned (the kernel's loads)");
-  if (out_t) {
+  if (out_t) {  // a tiled dtype: never w's (row-major) buffer or a view of it
     detail::check_gpu(*out_t, op, "out");
     check_contiguous(*out_t, op, "out");
+    check_writable(*out_t, op, "out");
+    const auto dims = [](const std::vector<int64_t>& s) {
+      std::string r = "[";
+      for (size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+      return r + "]";
+    };
     SPECD_CHECK(out_t->dtype == tiled_of(w.dtype) && out_t->shape == w.shape, op, ": out must be ",
-                dtype_info(tiled_of(w.dtype)).name, " of w's shape, got ", dtype_info(out_t->dtype).name);
-    SPECD_CHECK(out_t->data != w.data, op, ": out must not be w (the tiles are a permutation of its bytes)");
+                dtype_info(tiled_of(w.dtype)).name, " ", dims(w.shape), " (w's shape), got ",
+                dtype_info(out_t->dtype).name, " ", dims(out_t->shape));
   }
   Tensor y = out_t ? *out_t : Tensor::empty(w.shape, tiled_of(w.dtype), Device::GPU);
 #if SPECD_MMA_GEMV

@@ -1,6 +1,6 @@
 // Integer tensor-core GEMV of the quantized weight formats (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS, and
-// IQ4_XS_TILED / Q4_K_TILED / Q6_K_TILED: those formats in this GEMV's 16-row tiles, IQ4T / Q4T / Q6T
-// below), and of BF16 weights on bf16 tensor cores (BF16U), for n <= 16 rows of x:
+// IQ4_XS_TILED / Q4_K_TILED / Q5_K_TILED / Q6_K_TILED: those formats in this GEMV's 16-row tiles, IQ4T / Q4T /
+// Q5T / Q6T below), and of BF16 weights on bf16 tensor cores (BF16U), for n <= 16 rows of x:
 // y[n, out] = x[n, in] @ w[out, in]^T; each call is split_x, the grouped GEMV (a programmatic
 // dependent of split_x, as every kernel: pdl.cuh; it loads its first weight units before pdl_wait) and
 // the split-K sums. Included by matmul.cu (see its header for
@@ -733,7 +733,7 @@ struct Q4T {
 // kQ5TileUnitBytes): Q4T's arrangement with Q5_K's fifth bits between the quants and the headers: per tile and
 // unit 2816 bytes (Q5_K's 16 x 176), the 16 rows' quants in lane order (as Q4T's), then one 512-byte run holding
 // at 16 l lane l = 4 g + t's qh[4 t ..], qh[16 + 4 t ..] of row g, then of row g + 8, then the 16 rows' 16-byte
-// headers in row order. A lane's unit is seven 16-byte loads where the row-major blocks take 22 4-byte and two
+// headers in row order. A lane's unit is seven 16-byte loads where the row-major blocks take 20 4-byte and two
 // 16-byte ones. Same values and arithmetic as QK45U<true>: bit-identical.
 struct Q5T {
   static constexpr int kUnitElems = 256, kTileUnitBytes = int(kQ5TileUnitBytes);
@@ -1531,12 +1531,13 @@ __global__ void tile_q6_k_kernel(const uint8_t* __restrict__ src, int64_t nunits
   dst[id] = make_uint4(v[0], v[1], v[2], v[3]);
 }
 
-// The 16-byte pieces (threads) of tile_q4_kernel over `out` rows (out % 16 == 0) of nunits units: 16 x kBlock bytes a
-// tile unit. The host emulation runs the kernel over these pieces too (tests/gpu/host_emu/mma_main.cpp).
+// The 16-byte pieces (threads) of tile_q4_kernel / tile_q6_k_kernel over `out` rows (out % 16 == 0) of nunits units:
+// 16 x kBlock bytes a tile unit. The host emulation runs the kernels over these pieces too (host_emu/mma_main.cpp).
 template <int kBlock>
 __host__ __device__ constexpr int64_t tile_q4_pieces(int64_t out, int64_t nunits) {
   return out / 16 * nunits * kBlock;
 }
+__host__ __device__ constexpr int64_t tile_q6_k_pieces(int64_t out, int64_t nunits) { return out / 16 * nunits * 210; }
 
 #ifndef SPECD_HOST_EMU
 __global__ void sum_splits_kernel(const SplitSums s_) {
@@ -1604,7 +1605,7 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
 
 // dst = src (Q6_K [out, in] on the device, out % 16 == 0, in % 256 == 0) in Q6T's tiled layout.
 inline void launch_tile_q6_k(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
-  const int64_t nunits = in / 256, pieces = out / 16 * nunits * 210;  // 16-byte pieces of dst
+  const int64_t nunits = in / 256, pieces = tile_q6_k_pieces(out, nunits);
   if (pieces == 0) return;
   SPECD_CHECK((pieces + 255) / 256 <= 0x7fffffff, "tile_for_gemv: too many blocks for one launch");
   detail::launch_kernel<tile_q6_k_kernel>("tile_q6_k_kernel", unsigned((pieces + 255) / 256), 256, 0, s, src, nunits,

@@ -86,7 +86,7 @@ void pack_q6_k_tiles(const uint8_t* src, int64_t out, int64_t nunits, uint8_t* d
 }
 
 // The library's tiling kernel (mma::tile_q4_kernel over tile_q4_pieces' threads, as launch_tile_q4 runs it; Q6T:
-// tile_q6_k_kernel) on the whole tiles of src [out][nunits * block bytes] gives this harness's packer's bytes
+// tile_q6_k_kernel over tile_q6_k_pieces') on the whole tiles of src [out][nunits * block bytes] gives this harness's packer's bytes
 // (`packed`); exits 3 naming the first differing byte otherwise. The device test compares the kernel with a numpy
 // packer too (test_gpu_gemv_tiles.py); this catches a wrong piece count or offset without a GPU.
 template <class F>
@@ -97,7 +97,7 @@ void check_tiling_kernel(const uint8_t* src, int64_t out, int64_t nunits, const 
   std::vector<uint8_t> dst(size_t(rows / 16 * nunits * F::kTileUnitBytes), 0xEE);  // poisoned: every byte written
   auto* d = reinterpret_cast<uint4*>(dst.data());
   int64_t pieces = 0;
-  if constexpr (std::is_same_v<F, Q6T>) pieces = rows / 16 * nunits * 210;
+  if constexpr (std::is_same_v<F, Q6T>) pieces = tile_q6_k_pieces(rows, nunits);
   else if constexpr (std::is_same_v<F, Q4T>) pieces = tile_q4_pieces<144>(rows, nunits);
   else if constexpr (std::is_same_v<F, Q5T>) pieces = tile_q4_pieces<176>(rows, nunits);
   else pieces = tile_q4_pieces<136>(rows, nunits);
