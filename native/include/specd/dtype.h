@@ -44,26 +44,25 @@ const DTypeInfo& dtype_info(DType t);
 DType dtype_from_id(int32_t id);
 
 inline bool is_block_type(DType t) { return dtype_info(t).block_size > 1; }
-// Whether t is one of the GPU GEMV's tiled layouts (IQ4_XS_TILED, Q4_K_TILED, Q5_K_TILED, Q6_K_TILED).
-inline bool is_gemv_tiled(DType t) {
-  return t == DType::IQ4_XS_TILED || t == DType::Q4_K_TILED || t == DType::Q5_K_TILED || t == DType::Q6_K_TILED;
-}
+// The GPU GEMV's tiled layouts and the row-major ggml types they regroup.
+inline constexpr DType kGemvTiledPairs[][2] = {{DType::IQ4_XS, DType::IQ4_XS_TILED},
+                                               {DType::Q4_K, DType::Q4_K_TILED},
+                                               {DType::Q5_K, DType::Q5_K_TILED},
+                                               {DType::Q6_K, DType::Q6_K_TILED}};
 // The row-major ggml type a tiled layout regroups (t itself for every other type).
 inline DType untiled(DType t) {
-  return t == DType::IQ4_XS_TILED ? DType::IQ4_XS
-         : t == DType::Q4_K_TILED ? DType::Q4_K
-         : t == DType::Q5_K_TILED ? DType::Q5_K
-         : t == DType::Q6_K_TILED ? DType::Q6_K
-                                  : t;
+  for (const auto& p : kGemvTiledPairs)
+    if (p[1] == t) return p[0];
+  return t;
 }
 // The tiled layout of row-major type t (IQ4_XS, Q4_K, Q5_K, Q6_K; t itself for every other type).
 inline DType tiled_of(DType t) {
-  return t == DType::IQ4_XS ? DType::IQ4_XS_TILED
-         : t == DType::Q4_K ? DType::Q4_K_TILED
-         : t == DType::Q5_K ? DType::Q5_K_TILED
-         : t == DType::Q6_K ? DType::Q6_K_TILED
-                            : t;
+  for (const auto& p : kGemvTiledPairs)
+    if (p[0] == t) return p[1];
+  return t;
 }
+// Whether t is one of the GPU GEMV's tiled layouts (IQ4_XS_TILED, Q4_K_TILED, Q5_K_TILED, Q6_K_TILED).
+inline bool is_gemv_tiled(DType t) { return untiled(t) != t; }
 // Whether rows of t are stored one after another (every type but the tiled layouts): what slicing,
 // concatenation, row views and the CPU ops assume.
 inline bool is_row_major(DType t) { return !is_gemv_tiled(t); }

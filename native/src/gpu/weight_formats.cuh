@@ -402,44 +402,33 @@ struct IQ4XSTiledW : IQ4XSW {
   }
 };
 
-// Q4_K_TILED (the tensor-core GEMV's layout, matmul_mma.cuh Q4T): IQ4_XS_TILED's arrangement of the
-// quants (qs[16 k + 4 t ..] as word k of lane 4 g + t of row g + 8 h, run 2 h + k / 4), then the 16
-// rows' 16-byte headers. load_tiled gathers Q4KW's chunk (row r, chunk c = 16 bytes qs[16 sel ..]).
-constexpr int64_t kQ4TileUnitBytes = 16 * 144;
-struct Q4KTiledW : Q4KW {
+// Q4_K_TILED / Q5_K_TILED (the tensor-core GEMV's layouts, matmul_mma.cuh Q4T / Q5T): IQ4_XS_TILED's arrangement of
+// the quants (qs[16 k + 4 t ..] as word k of lane 4 g + t of row g + 8 h, run 2 h + k / 4); Q5_K's then a 512-byte run
+// of the fifth bits (lane 4 g + t at 16 (4 g + t): qh[4 t ..], qh[16 + 4 t ..] of row g, then of row g + 8); then the
+// 16 rows' 16-byte headers. load_tiled gathers QK45's chunk (row r, chunk c: qs[16 sel ..], Q5_K's qh[16 (sel & 1) ..]).
+constexpr int64_t kQ4TileUnitBytes = 16 * 144, kQ5TileUnitBytes = 16 * 176;
+template <bool kQ5>
+struct QK45TiledW : QK45<kQ5> {
+  using Raw = typename QK45<kQ5>::Raw;
   __device__ __forceinline__ static Raw load_tiled(const uint8_t* __restrict__ w, int64_t nunits, int64_t r, int64_t c) {
+    constexpr int64_t kUnit = kQ5 ? kQ5TileUnitBytes : kQ4TileUnitBytes, kHdr = kQ5 ? 2560 : 2048;
     const int rt = int(r & 15), k = int(c & 7);
-    const uint8_t* unit = w + ((r >> 4) * nunits + (c >> 3)) * kQ4TileUnitBytes;
+    const uint8_t* unit = w + ((r >> 4) * nunits + (c >> 3)) * kUnit;
     const uint8_t* q = unit + 512 * (2 * (rt >> 3) + (k >> 2)) + 64 * (rt & 7) + 4 * (k & 3);  // lane 4 g + t at q + 16 t
-    const auto word = [&](int t) { return *reinterpret_cast<const uint32_t*>(q + 16 * t); };
+    const auto words = [](const uint8_t* p) {
+      const auto word = [p](int t) { return *reinterpret_cast<const uint32_t*>(p + 16 * t); };
+      return uint4{word(0), word(1), word(2), word(3)};
+    };
     Raw raw;
     raw.sel = k;
-    raw.hdr = *reinterpret_cast<const uint4*>(unit + 2048 + 16 * rt);
-    raw.q = uint4{word(0), word(1), word(2), word(3)};
-    raw.qh = uint4{0u, 0u, 0u, 0u};
+    raw.hdr = *reinterpret_cast<const uint4*>(unit + kHdr + 16 * rt);
+    raw.q = words(q);
+    raw.qh = kQ5 ? words(unit + 2048 + 64 * (rt & 7) + 4 * (2 * (rt >> 3) + (k & 1))) : uint4{0u, 0u, 0u, 0u};
     return raw;
   }
 };
-
-// Q5_K_TILED (the tensor-core GEMV's layout, matmul_mma.cuh Q5T): Q4_K_TILED's quants, then a 512-byte run of the fifth
-// bits (lane 4 g + t at 16 (4 g + t): qh[4 t ..], qh[16 + 4 t ..] of row g, then of row g + 8), then the 16 rows'
-// 16-byte headers. load_tiled gathers Q5KW's chunk (row r, chunk c: qs[16 sel ..] and qh[16 (sel & 1) ..]).
-constexpr int64_t kQ5TileUnitBytes = 16 * 176;
-struct Q5KTiledW : Q5KW {
-  __device__ __forceinline__ static Raw load_tiled(const uint8_t* __restrict__ w, int64_t nunits, int64_t r, int64_t c) {
-    const int rt = int(r & 15), k = int(c & 7);
-    const uint8_t* unit = w + ((r >> 4) * nunits + (c >> 3)) * kQ5TileUnitBytes;
-    const uint8_t* q = unit + 512 * (2 * (rt >> 3) + (k >> 2)) + 64 * (rt & 7) + 4 * (k & 3);  // lane 4 g + t at q + 16 t
-    const uint8_t* h = unit + 2048 + 64 * (rt & 7) + 4 * (2 * (rt >> 3) + (k & 1));          // the same lanes' qh word
-    const auto word = [](const uint8_t* p, int t) { return *reinterpret_cast<const uint32_t*>(p + 16 * t); };
-    Raw raw;
-    raw.sel = k;
-    raw.hdr = *reinterpret_cast<const uint4*>(unit + 2560 + 16 * rt);
-    raw.q = uint4{word(q, 0), word(q, 1), word(q, 2), word(q, 3)};
-    raw.qh = uint4{word(h, 0), word(h, 1), word(h, 2), word(h, 3)};
-    return raw;
-  }
-};
+using Q4KTiledW = QK45TiledW<false>;
+using Q5KTiledW = QK45TiledW<true>;
 
 // Q6_K_TILED (the tensor-core GEMV's layout, matmul_mma.cuh Q6T): rows in tiles of 16; per tile and
 // 256-input unit kQ6TileUnitBytes bytes: 6 runs of 512 bytes of quants (run 3 h + c holds at 16 l the
