@@ -277,9 +277,9 @@ class Qwen35Model:
             self.gdn_vecs = {i: (up.plain(l.ssm_dt).reshape([1, hp.n_v_heads]),
                                  up.plain(l.ssm_a).reshape([1, hp.n_v_heads]))
                              for i, l in enumerate(weights.layers) if hp.recurrent[i]}
-            self.output = up.head(output, weights.token_embd) if head is None else head[1]  # last: its temporary
-            if up.gemv_tiles:  # the staging buffers of the tiled upload stay cached in the pool otherwise
-                up.release_staging()
+            up.release_staging()  # before the head's temporary copy (tiled last): one of them at a time
+            self.output = up.head(output, weights.token_embd) if head is None else head[1]
+            if up.gemv_tiles:  # the staging buffers and the head's temporary stay cached in the pool otherwise
                 sn.gpu_trim_pool()  # (H200, 27B IQ4_XS: 1.85 GB of the process's device memory)
             elif self.device == sn.Device.GPU:
                 sn.gpu_synchronize()

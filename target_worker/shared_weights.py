@@ -15,7 +15,8 @@ GEMV tiles (IQ4_XS, Q4_K, Q5_K, Q6_K: ``sn.tile_for_gemv``) is exported in that 
 tiles its weights (``gemv_tiles``), published as :data:`OUTPUT_TILED`: the target's GEMV reads it faster than
 the row-major bytes (the 27B's Q5_K head: 319 -> 217 us a decode step on the H200, BENCHMARKS.md), and the drafter's matmul
 reads it too; a drafter of an older version skips that name and loads its own copy. ``TargetInfo.shared_tensors``
-publishes per tensor (worker.proto SharedTensor, :class:`SharedTensorInfo`): the GGUF name, the
+publishes per tensor (worker.proto SharedTensor, :class:`SharedTensorInfo`): the GGUF name (OUTPUT_TILED for
+the tiled output), the
 ggml type id, the shape ``[n_vocab, n_embd]``, the byte size, the 64-byte handle, the exporting
 GPU's PCI bus id (``device_id``) and a content fingerprint of the GGUF bytes it was filled from
 (:func:`tensor_fingerprint`, computed once at load). The buffers are model weights: alive for the target worker's life,
@@ -39,8 +40,10 @@ fingerprint (:func:`tensor_fingerprint`: sha256 over type, shape, length and eve
 its own view of the target GGUF) differs (another file with the same shapes), is missing (a target
 worker older than the fingerprint: refused, since the content cannot be vouched for) or is of another
 scheme; or the runtime refuses a handle. Malformed handle data (a handle not 64 bytes, an unknown
-type id, a shape that is not ``[rows, cols]`` > 0, a byte size that does not match the shape and
-type) is a ValueError naming the tensor: the target worker never sends it, so something is wrong that
+type id, a tiled layout's id under another name than :data:`OUTPUT_TILED` or a row-major type under it,
+tiled rows that are not whole 16-row tiles, a shape that is not ``[rows, cols]`` > 0, a byte size that does
+not match the shape and type, a tensor published twice, output.weight among them under both its names)
+is a ValueError naming the tensor: the target worker never sends it, so something is wrong that
 a fallback must not hide. A missing or unreadable fingerprint is not malformed handle data but a
 refusal (the own copy is always correct; an older target worker is a version skew to report, not a
 fault to stop on).
@@ -237,8 +240,9 @@ class HeadExporter:
         fingerprint (:func:`tensor_fingerprint`) is computed once per source, from ``t`` itself (the host
         copy / file mapping the buffer is filled from). Raises what the backend raises (RuntimeError on a
         device failure, ValueError where the tiling refuses ``t``)."""
-        if tiled and name != OUTPUT:
-            raise ValueError(f"HeadExporter.place: only {OUTPUT} is exported in the GEMV's tiled layout, got {name!r}")
+        if name not in NAMES or (tiled and name != OUTPUT):
+            raise ValueError(f"HeadExporter.place: {name!r} {'tiled' if tiled else ''}: the exported tensors are "
+                             f"{', '.join(NAMES)}, only {OUTPUT} in the GEMV's tiled layout (published as {OUTPUT_TILED})")
         key = (id(t), bool(tiled))
         if key in self._done:
             _, placed, handle, fingerprint = self._done[key]
@@ -321,7 +325,8 @@ def open_shared_head(infos, target_weights, target_path: str, backend=None):
         if name not in NAMES:
             continue  # a tensor a newer target publishes: not ours to check
         if name in by_name:
-            raise ValueError(f"shared target tensor {name!r}: published twice")
+            raise ValueError(f"shared target tensor {name!r}: published twice (as {by_name[name][0].name!r} and "
+                             f"{i.name!r})")
         by_name[name] = (i, i.check())
     if not by_name:
         return None, "the target worker published no shared tensors (target on the CPU, or its export failed)"
@@ -333,7 +338,7 @@ def open_shared_head(infos, target_weights, target_path: str, backend=None):
     e_info, o_info = by_name[EMBD][0], by_name[OUTPUT][0]
     if e_info.handle == o_info.handle:  # one buffer for both: the target ties them, so must the file
         if (e_info.ggml_type, e_info.shape, e_info.nbytes) != (o_info.ggml_type, o_info.shape, o_info.nbytes):
-            raise ValueError(f"shared target tensor {OUTPUT!r}: same IPC handle as {EMBD!r} but another type / "
+            raise ValueError(f"shared target tensor {o_info.name!r}: same IPC handle as {EMBD!r} but another type / "
                              "shape / size")
         if target_weights.output is not None and target_weights.output is not target_weights.token_embd:
             return None, (f"the target worker ties {OUTPUT} to {EMBD} (one buffer), but {target_path} has its own "

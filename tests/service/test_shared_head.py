@@ -653,6 +653,11 @@ def test_tiled_output_is_published_and_mapped_in_its_tiled_layout(monkeypatch):
                        (dataclasses.replace(info, shape=(24, 256), nbytes=24 * 176), "whole 16-row tiles, got 24")):
         with pytest.raises(ValueError, match=match):
             bad.check()
-    with pytest.raises(ValueError, match="only output.weight is exported in the GEMV's tiled layout"):
-        exp.place(sw.EMBD, source, tiled=True)
+    for name, tiled in ((sw.EMBD, True), (sw.OUTPUT_TILED, False)):
+        with pytest.raises(ValueError, match="only output.weight in the GEMV's tiled layout"):
+            exp.place(name, source, tiled=tiled)
+    plain = dataclasses.replace(info, name=sw.OUTPUT, ggml_type=int(sn.DType.Q5_K))  # the output under both names
+    for infos in ([exp.infos[0], plain, info], [exp.infos[0], info, plain]):
+        with pytest.raises(ValueError, match=r"'output.weight': published twice \(as 'output.weight"):
+            sw.open_shared_head(infos, mine, "t.gguf", backend)
     exp.close()

@@ -54,6 +54,8 @@ class FakeIpcBackend:
         if tiled:
             from test_gpu_gemv_tiles import FORMATS
 
+            if src.dtype.name not in FORMATS:
+                raise ValueError(f"fake IPC: no GEMV tiled layout for {src.dtype.name}")
             dtype, pack = FORMATS[src.dtype.name]
             d = sn.Tensor(np.ascontiguousarray(pack(src.numpy().reshape(src.shape[0], -1))), dtype)
         else:
