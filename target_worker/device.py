@@ -325,25 +325,28 @@ class _Uploader:
         return output is not token_embd and self.tiles(output)
 
     def head(self, output, token_embd):
-        """The output head: tiled where :meth:`tiles_head` says so, else as :meth:`plain`. Its row-major bytes
-        pass through a temporary device copy, freed right after (not a staging buffer kept for the layers:
-        the caller places the head after them, so the pool's trim returns that block)."""
+        """The output head: tiled where :meth:`tiles_head` says so (from a temporary device copy of its row-major
+        bytes, freed right after, not a staging buffer kept for the layers: the caller places the head after
+        them, so the pool's trim returns that block), else as :meth:`plain`."""
         if not self.tiles_head(output, token_embd):
             return self.plain(output)
-        key = ("tiled", id(output))
-        if key not in self._placed:
-            src = output.contiguous()
-            self._placed[key] = (output, sn.tile_for_gemv(src if src.device == self.device else src.to(self.device)))
-        return self._placed[key][1]
+        return self._tiled(output, staged=False)
 
     def layer_matmul(self, t):
         """A layer's matmul weight: tiled for the GEMV where gemv_tiles applies (:meth:`tiles`; from the
         row-major bytes in a reused staging buffer, :meth:`_staged`), else as :meth:`plain`."""
         if not self.tiles(t):
             return self.plain(t)
-        key = ("tiled", id(t))  # its own entry: plain() / embedding() of the same source stay row-major
+        return self._tiled(t, staged=True)
+
+    def _tiled(self, t, staged: bool):
+        """sn.tile_for_gemv of t, once per source (its own entry: plain() / embedding() of the same source stay
+        row-major); a host t reaches the device through :meth:`_staged` (staged) or a temporary copy."""
+        key = ("tiled", id(t))
         if key not in self._placed:
-            src = t.contiguous() if t.device == self.device else self._staged(t.contiguous())
+            src = t.contiguous()
+            if src.device != self.device:
+                src = self._staged(src) if staged else src.to(self.device)
             self._placed[key] = (t, sn.tile_for_gemv(src))
         return self._placed[key][1]
 

@@ -248,7 +248,7 @@ class HeadExporter:
             _, placed, handle, fingerprint = self._done[key]
         else:
             fingerprint = tensor_fingerprint(t)
-            placed, handle = self.backend.export_tensor(t, tiled=True) if tiled else self.backend.export_tensor(t)
+            placed, handle = self.backend.export_tensor(t, tiled=tiled)
             self._done[key] = (t, placed, handle, fingerprint)  # the source kept alive: its id stays unique
             self.tensors.append(placed)
         self.infos.append(SharedTensorInfo(name=OUTPUT_TILED if tiled else name, ggml_type=int(placed.dtype),

@@ -355,7 +355,7 @@ def test_tied_head_is_exported_and_mapped_once():
 
 def test_export_failure_keeps_the_target_working(target_gguf, caplog):
     class NoIpc(FakeIpcBackend):
-        def export_tensor(self, t):
+        def export_tensor(self, t, tiled=False):
             raise RuntimeError("fake IPC: cudaMalloc of 163840 bytes (IPC buffer): out of memory")
 
     from specd.target_worker.model import Qwen35Model

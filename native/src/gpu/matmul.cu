@@ -836,8 +836,8 @@ bool gemv_tiles_supported() { return SPECD_MMA_GEMV != 0; }
 Tensor tile_for_gemv(const Tensor& w, const std::optional<Tensor>& out_t) {
   const char* op = "tile_for_gemv";
   detail::check_gpu(w, op, "w");
-  SPECD_CHECK(w.dtype == DType::IQ4_XS || w.dtype == DType::Q4_K || w.dtype == DType::Q5_K || w.dtype == DType::Q6_K,
-              op, ": w must be IQ4_XS, Q4_K, Q5_K or Q6_K, got ", dtype_info(w.dtype).name);
+  SPECD_CHECK(tiled_of(w.dtype) != w.dtype, op, ": w must be IQ4_XS, Q4_K, Q5_K or Q6_K, got ",
+              dtype_info(w.dtype).name);
   check_ndim(w, 2, op, "w");
   check_contiguous(w, op, "w");
   SPECD_CHECK(gemv_tiles_supported(), op, ": the tiled layout is read by the CUDA tensor-core GEMV only (this is a ",

@@ -96,7 +96,7 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #ifndef SPECD_MMA_Q6_X4_TILES
 #define SPECD_MMA_Q6_X4_TILES 3  // Q6_K's quants built as 4 (q - 32) at up to this many n8 tiles (Q6U::unit): the same
                                  // results; 0 never, 6 always. H200 (BENCHMARKS.md, 2026-12-04 15:58 UTC): -5 % at one
-                                 // tile (decode), up to -9 % at three, slower at six (its spills)
+                                 // tile (decode), up to -9 % at three, slower at six
 #endif
 #ifndef SPECD_MMA_X_AHEAD
 #define SPECD_MMA_X_AHEAD 1  // 1: the tiled formats' 1-tile instances load the next unit's x ahead (x_ahead, XUnit)
