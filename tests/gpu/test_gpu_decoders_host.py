@@ -239,6 +239,35 @@ def test_gpu_mma_gemv_emulated_tiled(mma_emu, rng, fmt, k, outs):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"n={n}, weight {i}"
 
 
+@pytest.mark.parametrize("fmt", ["IQ4_XS", "Q4_K"])
+@pytest.mark.parametrize("k,outs_f,outs_g,sms", [(2048, [20], [33], 1), (512, [7, 130], [40, 16], 1),
+                                                 (5120, [64, 16], [16], 132)])
+def test_gpu_mma_pair_emulated(mma_emu, rng, fmt, k, outs_f, outs_g, sms):
+    """The pair launch (mma_gemv_pair_kernel: fmt's tiled group with a tiled Q6_K group, the latter's blocks first,
+    without a register ring) gives bit for bit each format's own grouped launch, at 1 and 2 rows, with split-K
+    (one SM) and with the H200's split plan."""
+    d, exe = mma_emu
+    raws_f = [weight(rng, fmt, o, k, False)[0] for o in outs_f]
+    raws_g = [weight(rng, "Q6_K", o, k, False)[0] for o in outs_g]
+    np.concatenate(raws_f).tofile(d / "wf.bin")
+    np.concatenate(raws_g).tofile(d / "wg.bin")
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    for n in (1, 2):
+        shutil.copy(d / "wf.bin", d / "w.bin")
+        own = run_mma_emu(d, exe, fmt + "_T", x[:n], outs_f, sms=sms)
+        shutil.copy(d / "wg.bin", d / "w.bin")
+        own += run_mma_emu(d, exe, "Q6_K_T", x[:n], outs_g, sms=sms)
+        np.ascontiguousarray(x[:n]).tofile(d / "x.bin")
+        subprocess.run([str(exe), "pair", fmt + "_T", "Q6_K_T", str(n), str(k), ",".join(map(str, outs_f)),
+                        ",".join(map(str, outs_g)), str(d / "wf.bin"), str(d / "wg.bin"), str(d / "x.bin"),
+                        str(d / "y.bin")], check=True, env=dict(os.environ, SPECD_EMU_SMS=str(sms)))
+        flat, o = np.fromfile(d / "y.bin", np.float32), 0
+        for i, rows in enumerate(outs_f + outs_g):
+            got = flat[o:o + n * rows].reshape(n, rows)
+            o += n * rows
+            assert np.array_equal(got.view(np.uint32), own[i].view(np.uint32)), (n, i)
+
+
 def test_gpu_mma_queue_sums_on_host(mma_emu):
     """`mma_emu queue`: mma::queue_sums merges the split-sum sets of a grouped call's launches into one sum launch's
     set (element ranges rebased one after the other) and flushes the pending set first when the next would not fit

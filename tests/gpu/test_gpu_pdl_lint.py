@@ -8,8 +8,9 @@ only sometimes, so this is checked on the source: each __global__ function's fir
 pdl_enter() (let the next kernel launch, then wait; pdl_enter_prefetch() also asks L2 for an input first,
 which cannot make a value stale), pdl_wait() (a kernel that must not let the next
 one launch early: the tiling kernel, which writes weights), or pdl_launch_dependents() for a kernel
-that waits later, after loads of weights, with no return before its pdl_wait(). Only the kernels pdl.cuh
-names as its exceptions may do that."""
+that waits later, after loads of weights, with no return before its pdl_wait() (or before the call of a
+__device__ helper that does so: the GEMV's gemv_block). Only the kernels pdl.cuh names as its exceptions
+may do that."""
 import os
 import re
 
@@ -17,7 +18,9 @@ import pytest
 
 GPU_SRC = os.path.join(os.path.dirname(__file__), "..", "..", "native", "src", "gpu")
 # pdl.cuh's exceptions: kernels that load weights (uploads, which no kernel writes) before their wait
-EARLY_WEIGHT_LOADS = {"mma_gemv_kernel", "norm_split_kernel", "norm_split_partials_kernel"}
+EARLY_WEIGHT_LOADS = {"mma_gemv_kernel", "mma_gemv_pair_kernel", "norm_split_kernel", "norm_split_partials_kernel"}
+# __device__ functions such a kernel may leave its wait to: each loads weights only, then pdl_wait()s (checked below)
+WAITING_HELPERS = {"gemv_block"}
 # functions a pdl_enter_prefetch() argument may call: each computes an address or a size from kernel
 # parameters and indices only (checked below: its body indexes and dereferences nothing)
 PREFETCH_HELPERS = {"gdn_block_state", "gdn_block_state_bytes"}
@@ -37,13 +40,19 @@ def sources():
 def helper_body(name):
     """The body of the __device__ function `name` (the first definition in the sources)."""
     for _, src in sources():
-        m = re.search(r"__device__[^;{]*\b" + name + r"\s*\([^)]*\)\s*{", src)
-        if m:
-            depth, j = 1, m.end()
+        for m in re.finditer(r"__device__[^;{]*\b" + name + r"\s*\(", src):
+            depth, i = 1, m.end()
+            while depth:  # the parameter list, which may hold parentheses (array references)
+                depth += {"(": 1, ")": -1}.get(src[i], 0)
+                i += 1
+            if not re.match(r"\s*{", src[i:]):
+                continue  # a declaration
+            start = src.index("{", i) + 1
+            depth, j = 1, start
             while depth:
                 depth += {"{": 1, "}": -1}.get(src[j], 0)
                 j += 1
-            return src[m.end():j - 1]
+            return src[start:j - 1]
     raise AssertionError(f"no __device__ function {name} in the sources")
 
 
@@ -90,9 +99,23 @@ def test_kernel_waits_before_memory(fn, name, body):
                 f"{helper} (called before {name}'s wait) must compute an address, not read memory")
     if "pdl_launch_dependents" in first:
         assert name in EARLY_WEIGHT_LOADS, f"{fn}: {name} starts before its wait but is not one of pdl.cuh's exceptions"
-        assert "pdl_wait()" in body, f"{fn}: {name} lets the next kernel launch but never waits"
-        before = body[:body.index("pdl_wait()")]
-        assert not re.search(r"\breturn\b", before), f"{fn}: {name} may return before its pdl_wait()"
+        assert not re.search(r"\breturn\b", waits_at(body)), f"{fn}: {name} may return before its pdl_wait()"
+
+
+def waits_at(body):
+    """The text of a kernel (or helper) body before its pdl_wait(), or before its first call of a
+    WAITING_HELPERS function, whose own body must then hold a pdl_wait() with no return before it.
+    Fails when there is neither."""
+    calls = [(m.start(), m.group(1)) for m in re.finditer(r"\b(\w+)\s*(?:<[^;{}]*?>)?\s*\(", body)
+             if m.group(1) in WAITING_HELPERS]
+    first_wait = body.find("pdl_wait()")
+    if calls and (first_wait < 0 or calls[0][0] < first_wait):
+        helper = helper_body(calls[0][1])
+        assert "pdl_wait()" in helper and not re.search(r"\breturn\b", helper[:helper.index("pdl_wait()")]), (
+            f"{calls[0][1]} must pdl_wait() before any return")
+        return body[:calls[0][0]]
+    assert first_wait >= 0, "a kernel that lets the next one launch must wait (pdl_wait() or a WAITING_HELPERS call)"
+    return body[:first_wait]
 
 
 def test_kernels_launch_through_launch_kernel():

@@ -1116,17 +1116,17 @@ struct Group {
   int64_t block0[kMaxGroup + 1] = {};         // first flat block of each weight; block0[count] = grid
 };
 
-// This block's weight wi (the last whose first block is <= blockIdx.x), row block and split.
+// Block `block` of the group's flat grid: its weight wi (the last whose first block is <= block), row block and split.
 struct GroupBlock {
   int wi;
   int64_t rb, split;
 };
-__device__ __forceinline__ GroupBlock locate(const Group& g_) {
+__device__ __forceinline__ GroupBlock locate(const Group& g_, int64_t block) {
   int wi = 0;
 #pragma unroll
   for (int i = 1; i < kMaxGroup; ++i)
-    if (i < g_.count && int64_t(blockIdx.x) >= g_.block0[i]) wi = i;
-  const int64_t row_blocks = (g_.out[wi] + kRowsPerBlock - 1) / kRowsPerBlock, local = int64_t(blockIdx.x) - g_.block0[wi];
+    if (i < g_.count && block >= g_.block0[i]) wi = i;
+  const int64_t row_blocks = (g_.out[wi] + kRowsPerBlock - 1) / kRowsPerBlock, local = block - g_.block0[wi];
   return GroupBlock{wi, local % row_blocks, local / row_blocks};
 }
 
@@ -1135,7 +1135,7 @@ __device__ __forceinline__ GroupBlock locate(const Group& g_) {
 // summed (hi + mid + lo, in that order) and written to dst[split][r][row] of its weight.
 template <int NT>
 __device__ __forceinline__ void store_partials(const float (&accf)[NT][4], float (&p)[16][kMaxCols + 1], const Group& g_,
-                                               int warp, int lane, int n) {
+                                               int64_t block, int warp, int lane, int n) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
@@ -1143,7 +1143,7 @@ __device__ __forceinline__ void store_partials(const float (&accf)[NT][4], float
     for (int c = 0; c < 4; ++c) p[g + 8 * (c >> 1)][8 * nt + 2 * t + (c & 1)] = accf[nt][c];
   __syncwarp();
   // Where this block's partials go, located again: nothing of it stays live across the loop.
-  const GroupBlock ge = locate(g_);
+  const GroupBlock ge = locate(g_, block);
   const int64_t out_e = g_.out[ge.wi], row0_e = ge.rb * kRowsPerBlock + int64_t(warp) * 16;
   float* o = g_.dst[ge.wi] + ge.split * n * out_e;
   for (int e = lane; e < 16 * n; e += 32) {
@@ -1196,13 +1196,15 @@ struct RowSource<F, true> {
   }
 };
 
-// One block: kWarps warps, warp w owns rows row0 + 16 w .. + 15 of its weight (lane rows g, g + 8) and
-// all rows of x, over units [u_begin, u_end) of its split, in order (units_ahead units loading ahead).
-template <class F, int NT>
-__global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_kernel(const Group g_, int64_t nunits,
-                                                                             const XView xv0, int n) {
-  pdl_launch_dependents();  // the next kernel may launch; this one waits below, after its first weight loads
-  const GroupBlock gb = locate(g_);
+// One block's work: kWarps warps, warp w owns rows row0 + 16 w .. + 15 of its weight (lane rows g, g + 8) and
+// all rows of x, over units [u_begin, u_end) of its split, in order (kAhead units loading ahead; kXAhead: x a unit
+// ahead, x_ahead), as block `block` of group g_'s flat grid. Loads its first weight units, then waits for the
+// kernels before it (pdl_wait: the split x is then readable). The kernels below run it; a block's arithmetic is
+// the same whichever kernel runs it and whatever its ring, so results never depend on the launch.
+template <class F, int NT, int kAhead, bool kXAhead>
+__device__ __forceinline__ void gemv_block(const Group& g_, int64_t block, int64_t nunits, const XView& xv0, int n,
+                                           float (&part)[kWarps][16][kMaxCols + 1]) {
+  const GroupBlock gb = locate(g_, block);
   const uint8_t* __restrict__ w = g_.w[gb.wi];
   const int64_t row_bytes = g_.row_bytes[gb.wi], out = g_.out[gb.wi], per_split = g_.per_split[gb.wi];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1219,10 +1221,7 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int c = 0; c < 4; ++c) accf[nt][c] = 0.0f;
-  __shared__ float part[kWarps][16][kMaxCols + 1];
   const RowSource<F> src(w, row0, out, row_bytes, nunits, lane);
-  constexpr int kAhead = units_ahead<F, NT>();
-  constexpr bool kXAhead = x_ahead<F, NT>();
   static_assert(!kXAhead || (kAhead > 0 && F::kUnitElems == kGroup),
                 "x_ahead instances: a unit of weights loading ahead (units_ahead), units of one x group (XUnit)");
   if constexpr (kAhead == 0) {
@@ -1273,7 +1272,35 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
       }
     }
   }
-  store_partials<NT>(accf, part[warp], g_, warp, lane, n);
+  store_partials<NT>(accf, part[warp], g_, block, warp, lane, n);
+}
+
+// The grouped GEMV of one format: block b of the flat grid is block b of g_ (gemv_block), with F's ring
+// (units_ahead) and x ahead where the instance takes it (x_ahead).
+template <class F, int NT>
+__global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_kernel(const Group g_, int64_t nunits,
+                                                                             const XView xv0, int n) {
+  pdl_launch_dependents();  // the next kernel may launch; this one waits in gemv_block, after its first weight loads
+  __shared__ float part[kWarps][16][kMaxCols + 1];
+  gemv_block<F, NT, units_ahead<F, NT>(), x_ahead<F, NT>()>(g_, blockIdx.x, nunits, xv0, n, part);
+}
+
+// Two formats' groups against the same x in one launch (pair_kernel_for: the 27B's attention q / k, tiled IQ4_XS,
+// with v, tiled Q6_K), so that the small second group costs no launch, ramp and tail of its own: blocks
+// [0, gg's grid) are gg's (G, started first so that its blocks are not the launch's tail), the rest gf's. F's
+// instance as mma_gemv_kernel's (occupancy, ring, x ahead); G's blocks run without a register ring (L2 ahead, as
+// the verify widths' instances), which keeps F's register budget.
+template <class F, class G, int NT>
+__global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_pair_kernel(const Group gf, int64_t nf,
+                                                                                  const Group gg, int64_t ng,
+                                                                                  const XView xv0, int n) {
+  pdl_launch_dependents();  // the next kernel may launch; this one waits in gemv_block, after its first weight loads
+  __shared__ float part[kWarps][16][kMaxCols + 1];
+  const int64_t g_blocks = gg.block0[gg.count];
+  if (int64_t(blockIdx.x) < g_blocks)
+    gemv_block<G, NT, 0, false>(gg, blockIdx.x, ng, xv0, n, part);
+  else
+    gemv_block<F, NT, units_ahead<F, NT>(), x_ahead<F, NT>()>(gf, int64_t(blockIdx.x) - g_blocks, nf, xv0, n, part);
 }
 
 // Splits of the reduction dimension for a weight of `out` rows and `nunits` units of `unit_elems` inputs, on `sms`
@@ -1603,6 +1630,25 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
   queue_sums(pending, sums, [&](const SplitSums& full) { launch_sums(full, s); });
 }
 
+// One launch of two formats' weights against the split x (mma_gemv_pair_kernel): fs [0 .. nf) of format F and gs
+// [0 .. ng) of format G, each planned as launch() plans them (so each weight's arithmetic is that of its own
+// launch), their split partials left to sum as launch() leaves them.
+template <class F, class G, int NT, class Scratch>
+void launch_pair(const GroupWeight* fs, int nf, const GroupWeight* gs, int ng, int64_t in, const XView& xv, int n,
+                 int64_t sms, const Scratch& scratch, SplitSums& pending, cudaStream_t s) {
+  Group gf, gg;
+  SplitSums sf, sg;
+  SPECD_CHECK(plan_group<F>(fs, nf, in, n, sms, scratch, gf, sf) && plan_group<G>(gs, ng, in, n, sms, scratch, gg, sg),
+              "matmul: a split-K partials output does not hold its GEMV's split count");
+  const int64_t blocks = gf.block0[nf] + gg.block0[ng];
+  SPECD_CHECK(blocks <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
+  SPECD_CHECK(in / F::kUnitElems <= kMaxUnits && in / G::kUnitElems <= kMaxUnits, "matmul: more than ", kMaxUnits,
+              " units for one tensor-core GEMV");
+  detail::launch_kernel<mma_gemv_pair_kernel<F, G, NT>>("mma_gemv_pair_kernel", unsigned(blocks), kWarps * 32, 0, s,
+                                                        gf, in / F::kUnitElems, gg, in / G::kUnitElems, xv, n);
+  for (const SplitSums* add : {&sf, &sg}) queue_sums(pending, *add, [&](const SplitSums& full) { launch_sums(full, s); });
+}
+
 // dst = src (Q6_K [out, in] on the device, out % 16 == 0, in % 256 == 0) in Q6T's tiled layout.
 inline void launch_tile_q6_k(const uint8_t* src, int64_t out, int64_t in, uint8_t* dst, cudaStream_t s) {
   const int64_t nunits = in / 256, pieces = tile_q6_k_pieces(out, nunits);
@@ -1681,11 +1727,45 @@ inline int64_t gemv_splits(DType t, int64_t out, int64_t in) {
   return splits;
 }
 
+// The formats with a pair launch (mma_gemv_pair_kernel, at one n8 tile: 1-2 rows of x): f(FormatTag<F>{},
+// FormatTag<G>{}) for a batch of format tf beside one of tg, true; false for any other pair. The pairs are the
+// attention projections of the quant mixes the 27B ships in: q / k in tiled IQ4_XS or Q4_K, v in tiled Q6_K.
+template <class Fn>
+bool with_pair(DType tf, DType tg, const Fn& f) {
+  if (tg != DType::Q6_K_TILED) return false;
+  if (tf == DType::IQ4_XS_TILED) return f(FormatTag<IQ4T>{}, FormatTag<Q6T>{}), true;
+  if (tf == DType::Q4_K_TILED) return f(FormatTag<Q4T>{}, FormatTag<Q6T>{}), true;
+  return false;
+}
+
+// The launch batches of a call: each format's weights in order of first appearance, up to kMaxGroup a batch.
+struct Batch {
+  DType t;
+  GroupWeight w[kMaxGroup];
+  int count = 0;
+};
+inline std::vector<Batch> batches_of(const Weight* ws, int count) {
+  std::vector<Batch> out;
+  std::vector<bool> done(size_t(count), false);
+  for (int i = 0; i < count; ++i) {
+    if (done[size_t(i)]) continue;
+    Batch b{ws[i].t};
+    for (int j = i; j < count && b.count < kMaxGroup; ++j)  // this format's weights not yet batched
+      if (!done[size_t(j)] && ws[j].t == ws[i].t) {
+        b.w[b.count++] = ws[j].g;
+        done[size_t(j)] = true;
+      }
+    out.push_back(b);
+  }
+  return out;
+}
+
 // y_i[n, out_i] = x[n, in] @ w_i^T for every weight (1 <= n <= 16, in % 32 == 0, every format
 // handled) on x already split (xv: x_view of a split queued on the library stream before this
-// call): each format's weights (up to kMaxGroup per launch) run as one grouped launch, and the split partials of
-// all of them are summed by one launch after the last (the 27B's attention q / k (tiled IQ4_XS) and v (tiled
-// Q6_K): one sum launch a layer, not two).
+// call): each format's weights (up to kMaxGroup per launch) run as one grouped launch, two batches of a pair
+// format (with_pair; one n8 tile) as one pair launch, and the split partials of all of them are summed by one
+// launch after the last (the 27B's attention q / k (tiled IQ4_XS) and v (tiled Q6_K): one GEMV launch and one
+// sum launch a layer).
 inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv, int n) {
   cudaStream_t s = stream();
   std::vector<std::shared_ptr<void>> scratch;  // split partials, freed stream-ordered after the kernels
@@ -1695,21 +1775,19 @@ inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv,
   };
   const int64_t sms = sm_count();
   SplitSums pending;
-  std::vector<bool> done(size_t(count), false);
-  for (int i = 0; i < count; ++i) {
-    if (done[size_t(i)]) continue;
-    GroupWeight batch[kMaxGroup];
-    int m = 0;
-    for (int j = i; j < count && m < kMaxGroup; ++j)  // this format's weights not yet launched
-      if (!done[size_t(j)] && ws[j].t == ws[i].t) {
-        batch[m++] = ws[j].g;
-        done[size_t(j)] = true;
-      }
-    with_format(ws[i].t, [&](auto tag) {
-      using F = typename decltype(tag)::type;
-      with_tiles(n, [&](auto nt) { launch<F, decltype(nt)::value>(batch, m, in, xv, n, sms, partials, pending, s); });
-    });
-  }
+  const std::vector<Batch> bs = batches_of(ws, count);
+  const auto pair = [&](const Batch& f, const Batch& g) {
+    return tiles_for(n) == 1 && with_pair(f.t, g.t, [&](auto tf, auto tg) {
+             launch_pair<typename decltype(tf)::type, typename decltype(tg)::type, 1>(f.w, f.count, g.w, g.count, in, xv,
+                                                                                      n, sms, partials, pending, s);
+           });
+  };
+  if (!(bs.size() == 2 && (pair(bs[0], bs[1]) || pair(bs[1], bs[0]))))
+    for (const Batch& b : bs)
+      with_format(b.t, [&](auto tag) {
+        using F = typename decltype(tag)::type;
+        with_tiles(n, [&](auto nt) { launch<F, decltype(nt)::value>(b.w, b.count, in, xv, n, sms, partials, pending, s); });
+      });
   launch_sums(pending, s);
 }
 

@@ -8,7 +8,7 @@
 // or pdl_wait(), or with pdl_launch_dependents() and a pdl_wait() before any return). griddepcontrol.wait returns when
 // the kernels it depends on have completed and their writes are visible; since each of those waited
 // for its own predecessor, the order is transitive. Two exceptions load weights before waiting: the
-// tensor-core GEMV (mma_gemv_kernel, its first weight units) and the RMSNorm fused with its x split
+// tensor-core GEMV (mma_gemv_kernel and mma_gemv_pair_kernel, their first weight units, in gemv_block) and the RMSNorm fused with its x split
 // (norm_split_kernel and norm_split_partials_kernel, their norm weights). Weights are written only by uploads (copies, which order fully)
 // and by the weight-tiling kernels (tile_q4_kernel, tile_q6_k_kernel), which therefore start with
 // pdl_wait() alone: they never let the next kernel launch early, so a GEMV launched after one (two

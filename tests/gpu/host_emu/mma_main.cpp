@@ -9,7 +9,9 @@
 //
 // usage: mma_emu FORMAT n in out[,out...] w.bin x.bin y.bin   (x: F32 [n, in]; y: F32 [n, out]; w: the
 // weights row-major as in GGUF; FORMAT IQ4_XS_T / Q4_K_T / Q5_K_T / Q6_K_T packs them into the tiled layout,
-// then runs IQ4T / Q4T / Q5T / Q6T; BF16 (in % 64 == 0) runs BF16U on its own x split, split_x_bf16_kernel)
+// then runs IQ4T / Q4T / Q5T / Q6T; BF16 (in % 64 == 0) runs BF16U on its own x split, split_x_bf16_kernel);
+// mma_emu pair FMT_F FMT_G n in outs_f outs_g wf.bin wg.bin x.bin y.bin: two formats' groups in one pair launch
+// (mma_gemv_pair_kernel); also `lookup`, `queue` and `splits` checks (below)
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -116,18 +118,16 @@ void check_tiling_kernel(const uint8_t* src, int64_t out, int64_t nunits, const 
     }
 }
 
-// The weights (each out[i] rows, stored one after the other in w) against x as one grouped launch
-// planned by mma::plan_group (flat grid, each weight's own split; the launch's own planner), then
-// the split sums of mma::sum_splits_at (the sum kernel's element function).
+// x [n, in] split as the call splits it (launch_split_x; BF16U: split_x_bf16), into scratch the caller keeps: the
+// XView the GEMV reads. Poisoned (NaN f32 / f16, int8 -1): whatever the kernels read was written, but for the
+// padding columns' B fragments and sub-block sums, which every lane of the x-ahead instances loads and only padding
+// columns may see.
 template <class F>
-void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std::vector<float>& x, int n,
-         const std::vector<int64_t>& outs, std::vector<float>& y) {
+specd::gpu::detail::mma::XView split(const std::vector<float>& x, int n, int64_t in, std::vector<uint8_t>& scratch_x,
+                                     std::vector<uint4>& scratch_h) {
   using namespace specd::gpu::detail::mma;
   const XSizes sz(in);
-  // Poisoned (NaN f32 / f16, int8 -1): whatever the kernels read was written, but for the padding columns' B fragments
-  // and sub-block sums, which every lane of the x-ahead instances loads and only padding columns may see.
-  std::vector<uint8_t> scratch_x(sz.total(), 0xFF);
-  std::vector<uint4> scratch_h;
+  scratch_x.assign(sz.total(), 0xFF);
   uint8_t* base = scratch_x.data();
   XView xv{reinterpret_cast<const uint2*>(base), reinterpret_cast<const float*>(base + sz.xb),
            reinterpret_cast<const uint32_t*>(base + sz.xb + sz.xs), 3 * n, 0};
@@ -145,46 +145,98 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
       split_x_kernel(PlainInput{x.data(), in}, in, n, groups, xp.xb, xp.xs, xp.xm);
     });
   }
-  // Split-K as the host code picks it (units_per_split), with SPECD_EMU_SMS multiprocessors (default
-  // 132, an H200; small values give many splits on the tests' small weights).
+  return xv;
+}
+
+// Multiprocessors the split plans assume: SPECD_EMU_SMS (default 132, an H200; small values give many splits on the
+// tests' small weights).
+int64_t emu_sms() {
   const char* sms_env = std::getenv("SPECD_EMU_SMS");
-  const int64_t sms = sms_env ? std::atoll(sms_env) : 132;
-  const int64_t nunits = in / F::kUnitElems;
-  std::vector<GroupWeight> ws;
-  int64_t row0 = 0, y0 = 0;
-  for (int64_t o : outs) {
-    ws.push_back({w.data() + row0 * row_bytes, row_bytes, o, y.data() + y0});
-    row0 += o, y0 += int64_t(n) * o;
-  }
-  std::vector<std::vector<uint8_t>> packed;  // a tiled format: each weight in its own tiled bytes
-  if constexpr (F::kTiled) {
-    packed.reserve(ws.size());
-    for (GroupWeight& wt : ws) {
-      packed.emplace_back(size_t((wt.out + 15) / 16 * (in / 256) * F::kTileUnitBytes));
-      if constexpr (std::is_same_v<F, Q6T>)
-        pack_q6_k_tiles(wt.w, wt.out, in / 256, packed.back().data());
-      else if constexpr (std::is_same_v<F, Q4T>)
-        pack_q4_tiles(wt.w, wt.out, in / 256, 144, 16, false, packed.back().data());
-      else if constexpr (std::is_same_v<F, Q5T>)
-        pack_q4_tiles(wt.w, wt.out, in / 256, 176, 16, false, packed.back().data());
-      else
-        pack_q4_tiles(wt.w, wt.out, in / 256, 136, 8, true, packed.back().data());
-      check_tiling_kernel<F>(wt.w, wt.out, in / 256, packed.back());
-      wt.w = packed.back().data();
-    }
-  }
+  return sms_env ? std::atoll(sms_env) : 132;
+}
+
+// Weights of format F planned as one grouped launch (mma::plan_group: flat grid, each weight's own split; the
+// launch's own planner): w holds the rows of weights of outs[i] rows one after the other (row-major, as in GGUF; a
+// tiled format packs each into its tiled bytes, and checks the library's tiling kernel against the packer), their
+// outputs [n, outs[i]] one after the other at y.
+template <class F>
+struct Planned {
+  std::vector<std::vector<uint8_t>> packed;
   std::vector<std::vector<float>> scratch;
-  Group grp;
-  SplitSums sums;
-  if (!plan_group<F>(ws.data(), int(outs.size()), in, n, sms,
-                  [&](size_t bytes) {
-                    scratch.emplace_back(bytes / sizeof(float), NAN);
-                    return scratch.back().data();
-                  }, grp, sums))
-    std::abort();  // (no partials buffers here: every output is summed)
+  std::vector<specd::gpu::detail::mma::GroupWeight> ws;
+  specd::gpu::detail::mma::Group grp;
+  specd::gpu::detail::mma::SplitSums sums;
+  Planned(const uint8_t* w, int64_t row_bytes, int64_t in, int n, const std::vector<int64_t>& outs, float* y) {
+    using namespace specd::gpu::detail::mma;
+    int64_t row0 = 0, y0 = 0;
+    for (int64_t o : outs) {
+      ws.push_back({w + row0 * row_bytes, row_bytes, o, y + y0});
+      row0 += o, y0 += int64_t(n) * o;
+    }
+    if constexpr (F::kTiled) {
+      packed.reserve(ws.size());
+      for (GroupWeight& wt : ws) {
+        packed.emplace_back(size_t((wt.out + 15) / 16 * (in / 256) * F::kTileUnitBytes));
+        if constexpr (std::is_same_v<F, Q6T>)
+          pack_q6_k_tiles(wt.w, wt.out, in / 256, packed.back().data());
+        else if constexpr (std::is_same_v<F, Q4T>)
+          pack_q4_tiles(wt.w, wt.out, in / 256, 144, 16, false, packed.back().data());
+        else if constexpr (std::is_same_v<F, Q5T>)
+          pack_q4_tiles(wt.w, wt.out, in / 256, 176, 16, false, packed.back().data());
+        else
+          pack_q4_tiles(wt.w, wt.out, in / 256, 136, 8, true, packed.back().data());
+        check_tiling_kernel<F>(wt.w, wt.out, in / 256, packed.back());
+        wt.w = packed.back().data();
+      }
+    }
+    scratch.reserve(ws.size());  // the partials' buffers stay where plan_group put them
+    if (!plan_group<F>(ws.data(), int(outs.size()), in, n, emu_sms(),
+                       [&](size_t bytes) {
+                         scratch.emplace_back(bytes / sizeof(float), NAN);
+                         return scratch.back().data();
+                       }, grp, sums))
+      std::abort();  // (no partials buffers here: every output is summed)
+  }
+  int64_t blocks() const { return grp.block0[grp.count]; }
+  // The split sums of mma::sum_splits_at (the sum kernel's element function).
+  void sum() const {
+    for (int64_t e = 0; e < sums.elem0[sums.count]; ++e) specd::gpu::detail::mma::sum_splits_at(sums, e);
+  }
+};
+
+// The weights of format F against x as one grouped launch (mma_gemv_kernel), then their split sums.
+template <class F>
+void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std::vector<float>& x, int n,
+         const std::vector<int64_t>& outs, std::vector<float>& y) {
+  using namespace specd::gpu::detail::mma;
+  std::vector<uint8_t> sx;
+  std::vector<uint4> sh;
+  const XView xv = split<F>(x, n, in, sx, sh);
+  const Planned<F> p(w.data(), row_bytes, in, n, outs, y.data());
+  const int64_t nunits = in / F::kUnitElems;
   const auto kernel = with_tiles(n, [](auto nt) { return mma_gemv_kernel<F, decltype(nt)::value>; });
-  emulate(grp.block0[grp.count], kWarps * 32, [&] { kernel(grp, nunits, xv, n); });
-  for (int64_t e = 0; e < sums.elem0[sums.count]; ++e) sum_splits_at(sums, e);
+  emulate(p.blocks(), kWarps * 32, [&] { kernel(p.grp, nunits, xv, n); });
+  p.sum();
+}
+
+// Weights of formats F (rows outs_f, at wf) and G (outs_g, at wg) against x as one pair launch
+// (mma_gemv_pair_kernel, one n8 tile: n <= 2), then their split sums; y: F's outputs, then G's.
+template <class F, class G>
+void run_pair(const std::vector<uint8_t>& wf, int64_t rb_f, const std::vector<uint8_t>& wg, int64_t rb_g, int64_t in,
+              const std::vector<float>& x, int n, const std::vector<int64_t>& outs_f,
+              const std::vector<int64_t>& outs_g, std::vector<float>& y) {
+  using namespace specd::gpu::detail::mma;
+  std::vector<uint8_t> sx;
+  std::vector<uint4> sh;
+  const XView xv = split<F>(x, n, in, sx, sh);
+  int64_t yf = 0;
+  for (int64_t o : outs_f) yf += int64_t(n) * o;
+  const Planned<F> pf(wf.data(), rb_f, in, n, outs_f, y.data());
+  const Planned<G> pg(wg.data(), rb_g, in, n, outs_g, y.data() + yf);
+  emulate(pf.blocks() + pg.blocks(), kWarps * 32, [&] {
+    mma_gemv_pair_kernel<F, G, 1>(pf.grp, in / F::kUnitElems, pg.grp, in / G::kUnitElems, xv, n);
+  });
+  pf.sum(), pg.sum();
 }
 
 // `mma_emu queue`: mma::queue_sums on synthetic sets: sets that fit are merged with their element ranges rebased
@@ -310,9 +362,69 @@ int print_splits(int64_t out, int64_t in, int64_t sms) {
   return 0;
 }
 
+// Row bytes of a weight of `in` inputs in FORMAT (as the usage line names them; _T: the tiled layout of the same
+// row-major bytes), 0 for an unknown format or shape.
+int64_t row_bytes_of(const std::string& fmt, int64_t in) {
+  if (fmt == "Q8_0") return in / 32 * 34;
+  if (fmt == "Q4_K" || fmt == "Q4_K_T") return in / 256 * 144;
+  if (fmt == "Q5_K" || fmt == "Q5_K_T") return in / 256 * 176;
+  if (fmt == "Q6_K" || fmt == "Q6_K_T") return in / 256 * 210;
+  if (fmt == "IQ4_XS" || fmt == "IQ4_XS_T") return in / 256 * 136;
+  if (fmt == "BF16" && in % 64 == 0) return in * 2;
+  return 0;
+}
+
+// Comma-separated row counts, one per weight of a group (empty or more than kMaxGroup: none).
+std::vector<int64_t> parse_outs(const char* p) {
+  std::vector<int64_t> outs;
+  while (*p) {
+    char* end = nullptr;
+    outs.push_back(std::strtoll(p, &end, 10));
+    p = *end == ',' ? end + 1 : end;
+  }
+  if (outs.size() > size_t(specd::gpu::detail::mma::kMaxGroup)) outs.clear();
+  return outs;
+}
+
+// The bytes of file `path`: exactly `bytes` of them (a short file leaves the rest zero).
+template <class T>
+std::vector<T> read_file(const char* path, size_t count) {
+  std::vector<T> v(count);
+  std::ifstream(path, std::ios::binary).read(reinterpret_cast<char*>(v.data()), std::streamsize(count * sizeof(T)));
+  return v;
+}
+
+int64_t total(const std::vector<int64_t>& outs) {
+  int64_t t = 0;
+  for (int64_t o : outs) t += o;
+  return t;
+}
+
+// `mma_emu pair FMT_F FMT_G n in outs_f outs_g wf.bin wg.bin x.bin y.bin`: the pair launch (run_pair) of the pairs
+// gemv_split launches so (mma::with_pair: IQ4_XS_T or Q4_K_T with Q6_K_T), n <= 2.
+int pair_main(char** argv) {
+  using namespace specd::gpu::detail;
+  const std::string ff = argv[2], fg = argv[3];
+  const int n = std::atoi(argv[4]);
+  const int64_t in = std::atoll(argv[5]);
+  const std::vector<int64_t> outs_f = parse_outs(argv[6]), outs_g = parse_outs(argv[7]);
+  const int64_t rb_f = row_bytes_of(ff, in), rb_g = row_bytes_of(fg, in);
+  if (n < 1 || n > 2 || outs_f.empty() || outs_g.empty() || rb_f == 0 || rb_g == 0 || fg != "Q6_K_T") return 2;
+  const auto wf = read_file<uint8_t>(argv[8], size_t(rb_f * total(outs_f)));
+  const auto wg = read_file<uint8_t>(argv[9], size_t(rb_g * total(outs_g)));
+  const auto x = read_file<float>(argv[10], size_t(n * in));
+  std::vector<float> y(size_t(n * (total(outs_f) + total(outs_g))), NAN);  // poisoned: every row must be written
+  if (ff == "IQ4_XS_T") run_pair<mma::IQ4T, mma::Q6T>(wf, rb_f, wg, rb_g, in, x, n, outs_f, outs_g, y);
+  else if (ff == "Q4_K_T") run_pair<mma::Q4T, mma::Q6T>(wf, rb_f, wg, rb_g, in, x, n, outs_f, outs_g, y);
+  else return 2;
+  std::ofstream(argv[11], std::ios::binary).write(reinterpret_cast<const char*>(y.data()), std::streamsize(y.size() * 4));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc == 2 && std::string(argv[1]) == "lookup") return check_lookups();
   if (argc == 2 && std::string(argv[1]) == "queue") return check_queue_sums();
+  if (argc == 12 && std::string(argv[1]) == "pair") return pair_main(argv);
   if (argc == 6 && std::string(argv[1]) == "splits") {
     const std::string f = argv[2];
     const int64_t out = std::atoll(argv[3]), in = std::atoll(argv[4]), sms = std::atoll(argv[5]);
@@ -336,28 +448,13 @@ int main(int argc, char** argv) {
   const int n = std::atoi(argv[2]);
   if (n < 1 || n > 16) return 2;  // the GEMV's widths
   const int64_t in = std::atoll(argv[3]);
-  std::vector<int64_t> outs;
-  for (const char* p = argv[4]; *p;) {  // comma-separated row counts, one per weight of the group
-    char* end = nullptr;
-    outs.push_back(std::strtoll(p, &end, 10));
-    p = *end == ',' ? end + 1 : end;
-  }
-  if (outs.empty() || outs.size() > size_t(specd::gpu::detail::mma::kMaxGroup)) return 2;
-  int64_t out = 0;
-  for (int64_t o : outs) out += o;
-  int64_t row_bytes = 0;
-  if (fmt == "Q8_0") row_bytes = in / 32 * 34;
-  else if (fmt == "Q4_K" || fmt == "Q4_K_T") row_bytes = in / 256 * 144;
-  else if (fmt == "Q5_K" || fmt == "Q5_K_T") row_bytes = in / 256 * 176;
-  else if (fmt == "Q6_K" || fmt == "Q6_K_T") row_bytes = in / 256 * 210;
-  else if (fmt == "IQ4_XS" || fmt == "IQ4_XS_T") row_bytes = in / 256 * 136;  // _T: run in the tiled layout
-  else if (fmt == "BF16" && in % 64 == 0) row_bytes = in * 2;
-  else return 2;
-  // The weights' rows one after the other (y: each weight's [n, out_i] one after the other).
-  std::vector<uint8_t> w(size_t(row_bytes * out));
-  std::vector<float> x(size_t(n * in)), y(size_t(n * out), NAN);  // y poisoned: every row must be written
-  std::ifstream(argv[5], std::ios::binary).read(reinterpret_cast<char*>(w.data()), std::streamsize(w.size()));
-  std::ifstream(argv[6], std::ios::binary).read(reinterpret_cast<char*>(x.data()), std::streamsize(x.size() * 4));
+  const std::vector<int64_t> outs = parse_outs(argv[4]);
+  const int64_t row_bytes = row_bytes_of(fmt, in);
+  if (outs.empty() || row_bytes == 0) return 2;
+  // The weights' rows one after the other (y: each weight's [n, out] one after the other).
+  const auto w = read_file<uint8_t>(argv[5], size_t(row_bytes * total(outs)));
+  const auto x = read_file<float>(argv[6], size_t(n * in));
+  std::vector<float> y(size_t(n * total(outs)), NAN);  // poisoned: every row must be written
   if (fmt == "Q8_0") run<mma::Q8U>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q4_K") run<mma::QK45U<false>>(w, row_bytes, in, x, n, outs, y);
   else if (fmt == "Q4_K_T") run<mma::Q4T>(w, row_bytes, in, x, n, outs, y);
