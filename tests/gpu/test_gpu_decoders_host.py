@@ -244,15 +244,15 @@ def test_gpu_mma_gemv_emulated_tiled(mma_emu, rng, fmt, k, outs):
                                                  (5120, [64, 16], [16], 132)])
 def test_gpu_mma_pair_emulated(mma_emu, rng, fmt, k, outs_f, outs_g, sms):
     """The pair launch (mma_gemv_pair_kernel: fmt's tiled group with a tiled Q6_K group, the latter's blocks first,
-    without a register ring) gives bit for bit each format's own grouped launch, at 1 and 2 rows, with split-K
-    (one SM) and with the H200's split plan."""
+    without a register ring; at the fewer resident blocks of the two past one n8 tile) gives bit for bit each format's
+    own grouped launch at every tile count it runs (1-10 rows), with split-K (one SM) and with the H200's split plan."""
     d, exe = mma_emu
     raws_f = [weight(rng, fmt, o, k, False)[0] for o in outs_f]
     raws_g = [weight(rng, "Q6_K", o, k, False)[0] for o in outs_g]
     np.concatenate(raws_f).tofile(d / "wf.bin")
     np.concatenate(raws_g).tofile(d / "wg.bin")
-    x = rng.standard_normal((2, k)).astype(np.float32)
-    for n in (1, 2):
+    x = rng.standard_normal((10, k)).astype(np.float32)
+    for n in (1, 2, 4, 7, 10):
         shutil.copy(d / "wf.bin", d / "w.bin")
         own = run_mma_emu(d, exe, fmt + "_T", x[:n], outs_f, sms=sms)
         shutil.copy(d / "wg.bin", d / "w.bin")

@@ -360,12 +360,13 @@ def test_tiled_group_with_other_formats(rng):
 @pytest.mark.parametrize("shapes,k", [([(12288, 5120), (1024, 5120), (1024, 5120)], 5120),  # the 27B's q / k / v
                                       ([(64, 512), (48, 512), (32, 512)], 512)])
 def test_tiled_pair_launch_bit_identical(rng, fmt, shapes, k):
-    """q / k tiled in fmt with v in tiled Q6_K (matmul_group at 1-2 rows: one pair launch, mma_gemv_pair_kernel;
-    at 3 rows one launch a format) give bit for bit each weight's own matmul, whichever format comes first."""
+    """q / k tiled in fmt with v in tiled Q6_K (matmul_group at 1-10 rows: one pair launch, mma_gemv_pair_kernel, at
+    each of its tile counts; at 11 and 16 rows one launch a format) give bit for bit each weight's own matmul,
+    whichever format comes first."""
     (oq, _), (ok, _), (ov, _) = shapes
     q, kk = (sn.tile_for_gemv(blocks(rng, fmt, o, k).to(GPU)) for o in (oq, ok))
     v = sn.tile_for_gemv(blocks(rng, "Q6_K", ov, k).to(GPU))
-    for n in (1, 2, 3):
+    for n in (1, 2, 3, 5, 8, 10, 11, 16):
         x = sn.Tensor((rng.standard_normal((n, k)) * 0.5).astype(np.float32)).to(GPU)
         alone = [sn.matmul(x, w).to(CPU).numpy() for w in (q, kk, v)]
         for order in ((0, 1, 2), (2, 0, 1)):

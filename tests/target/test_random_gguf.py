@@ -80,8 +80,11 @@ def test_gpu_decode_kernel_summary():
     assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-12
     md = gpu_decode.markdown({"config": "27b", "mix": "iq4xs", "device": "x", "date": "d", "weight_bytes": 1,
                               "load_s": 1.0, "decode_tok_s": 1.0, "verify_ms": {1: 1.0}, "prefill_tok_s": {},
-                              "loop": {}, "streamed_bytes_per_token": 1, "profile": rows, "profile_steps": 2})
+                              "loop": {}, "streamed_bytes_per_token": 1, "profile": rows, "profile_steps": 2,
+                              "verify_profile": {8: {"calls": 2, "kernels": rows}}})
     assert "| `mma::mma_gemv_kernel<mma::IQ4U, 1>` | 0 | 15 | 81.1 % |" in md
+    verify = md[md.index("GPU time per verify of 8 rows"):]  # --profile-verify 8: calls per verify
+    assert "| `rms_norm_kernel<4>` | 1 | 3 | 16.2 % |" in verify
 
 
 def test_gpu_decode_exclusive_kernel_times():

@@ -11,7 +11,8 @@ Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
   the ceiling copy bandwidth / bytes streamed per token (every weight byte except the embedding table,
   of which one row is read); with CUDA graphs on (the default) also the same decode op by op;
 * chain verify step time at widths 1..17 (``verify`` without committing; the model has no capture
-  layers, so no feature rows are computed or copied);
+  layers, so no feature rows are computed or copied); with ``--profile-verify W ...``: where the time of a
+  verify of W rows goes, per GPU kernel (N verifies, N from ``--profile``, else 4);
 * with ``--profile N``: where the time of N plain decode steps goes, per GPU kernel (torch.profiler's
   CUPTI trace, which sees the library's kernels, graph-launched ones included);
 * with ``--decode-context N ...``: plain decode tok/s after a prompt of N tokens (long-context decode,
@@ -87,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="profile N plain decode steps per GPU kernel (0: off)")
+    ap.add_argument("--profile-verify", type=int, nargs="*", default=[], metavar="W",
+                    help="profile verifies of W rows (1..16) per GPU kernel, as many as --profile's steps (else 4)")
     ap.add_argument("--decode-context", type=int, nargs="*", default=[], metavar="N",
                     help="also plain decode tok/s after a prompt of N tokens (the attention then reads N keys "
                          "per layer; e.g. 8192 32768)")
@@ -100,6 +103,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if any(c <= 0 for c in args.prefill_chunks):
         ap.error("--prefill-chunks: each chunk must be > 0 tokens")
+    if any(not 1 <= w <= 16 for w in args.profile_verify):
+        ap.error("--profile-verify: each width must be in 1..16 (the CUDA-graph verify widths)")
 
     import random_qwen35
     import specd.native as sn
@@ -191,6 +196,15 @@ def main(argv=None) -> int:
         ts = [timed(lambda: model.verify(st, toks), sync) for _ in range(5)]
         rep["verify_ms"][w] = 1e3 * float(np.median(ts))
     print("verify", rep["verify_ms"], flush=True)
+    rep["verify_profile"] = {}
+    for w in args.profile_verify:  # the kernels of one verify of w rows (as the spec loop's steps run them)
+        toks, calls = rng.integers(0, vocab, w).tolist(), args.profile if args.profile > 0 else 4
+
+        def run_verifies():
+            for _ in range(calls):
+                model.verify(st, toks)
+        rep["verify_profile"][w] = {"calls": calls, "kernels": kernel_profile(run_verifies, sync, calls)}
+        print("verify profile", w, json.dumps(rep["verify_profile"][w]["kernels"][:25]), flush=True)
 
     # scripted loop: the target's own continuation (computed here) with AL - 1 right drafts per step
     ref_st = model.new_sequence(4096)
@@ -475,6 +489,11 @@ def markdown(r: dict) -> str:
         steps = max(1, r.get("profile_steps", 1))
         L += [f"| `{k['kernel']}` | {k['calls'] / steps:.0f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
               for k in r["profile"][:15]]
+    for w, vp in (r.get("verify_profile") or {}).items():
+        L += ["", f"GPU time per verify of {w} rows by kernel (top 15; torch.profiler CUPTI trace; a kernel's time counted from the end of the kernels before it):", "",
+              "| kernel | calls / verify | us / verify | share |", "| --- | --- | --- | --- |"]
+        L += [f"| `{k['kernel']}` | {k['calls'] / vp['calls']:.0f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
+              for k in vp["kernels"][:15]]
     if r.get("prefill_profile"):
         n = r["prefill_profile_tokens"]
         L += ["", f"GPU time of one prefill of {n} tokens by kernel (top 15; torch.profiler CUPTI trace; a kernel's time counted from the end of the kernels before it):", "",

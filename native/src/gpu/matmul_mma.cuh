@@ -1285,13 +1285,21 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
   gemv_block<F, NT, units_ahead<F, NT>(), x_ahead<F, NT>()>(g_, blockIdx.x, nunits, xv0, n, part);
 }
 
-// Two formats' groups against the same x in one launch (pair_kernel_for: the 27B's attention q / k, tiled IQ4_XS,
-// with v, tiled Q6_K), so that the small second group costs no launch, ramp and tail of its own: blocks
-// [0, gg's grid) are gg's (G, started first so that its blocks are not the launch's tail), the rest gf's. F's
-// instance as mma_gemv_kernel's (occupancy, ring, x ahead); G's blocks run without a register ring (L2 ahead, as
-// the verify widths' instances), which keeps F's register budget.
+// Two formats' groups against the same x in one launch (with_pair: the 27B's attention q / k, tiled IQ4_XS, with v,
+// tiled Q6_K), so that the small second group costs no launch, ramp and tail of its own: blocks [0, gg's grid) are
+// gg's (G, started first so that its blocks are not the launch's tail), the rest gf's. F's blocks run as
+// mma_gemv_kernel's (ring, x ahead), G's without a register ring (L2 ahead, as the verify widths' instances), at
+// pair_min_blocks.
+// The pair kernel's resident blocks: F's at one tile (G's blocks, without a ring, fit F's registers), the fewer of
+// the two formats' at more. Instances up to kPairMaxTiles n8 tiles (10 rows of x): past it G's blocks spill (ptxas,
+// sm_90: 16-44 bytes at 5 and 6 tiles with tiled IQ4_XS), and those calls launch a kernel per format.
+constexpr int kPairMaxTiles = 4;
 template <class F, class G, int NT>
-__global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_pair_kernel(const Group gf, int64_t nf,
+__host__ __device__ constexpr int pair_min_blocks() {
+  return NT == 1 || min_blocks<F, NT>() < min_blocks<G, NT>() ? min_blocks<F, NT>() : min_blocks<G, NT>();
+}
+template <class F, class G, int NT>
+__global__ void __launch_bounds__(kWarps * 32, pair_min_blocks<F, G, NT>()) mma_gemv_pair_kernel(const Group gf, int64_t nf,
                                                                                   const Group gg, int64_t ng,
                                                                                   const XView xv0, int n) {
   pdl_launch_dependents();  // the next kernel may launch; this one waits in gemv_block, after its first weight loads
@@ -1727,7 +1735,7 @@ inline int64_t gemv_splits(DType t, int64_t out, int64_t in) {
   return splits;
 }
 
-// The formats with a pair launch (mma_gemv_pair_kernel, at one n8 tile: 1-2 rows of x): f(FormatTag<F>{},
+// The formats with a pair launch (mma_gemv_pair_kernel, up to kPairMaxTiles n8 tiles: 1-10 rows of x): f(FormatTag<F>{},
 // FormatTag<G>{}) for a batch of format tf beside one of tg, true; false for any other pair. The pairs are the
 // attention projections of the quant mixes the 27B ships in: q / k in tiled IQ4_XS or Q4_K, v in tiled Q6_K.
 template <class Fn>
@@ -1763,7 +1771,7 @@ inline std::vector<Batch> batches_of(const Weight* ws, int count) {
 // y_i[n, out_i] = x[n, in] @ w_i^T for every weight (1 <= n <= 16, in % 32 == 0, every format
 // handled) on x already split (xv: x_view of a split queued on the library stream before this
 // call): each format's weights (up to kMaxGroup per launch) run as one grouped launch, two batches of a pair
-// format (with_pair; one n8 tile) as one pair launch, and the split partials of all of them are summed by one
+// format (with_pair; up to kPairMaxTiles n8 tiles) as one pair launch, and the split partials of all of them are summed by one
 // launch after the last (the 27B's attention q / k (tiled IQ4_XS) and v (tiled Q6_K): one GEMV launch and one
 // sum launch a layer).
 inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv, int n) {
@@ -1777,9 +1785,12 @@ inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv,
   SplitSums pending;
   const std::vector<Batch> bs = batches_of(ws, count);
   const auto pair = [&](const Batch& f, const Batch& g) {
-    return tiles_for(n) == 1 && with_pair(f.t, g.t, [&](auto tf, auto tg) {
-             launch_pair<typename decltype(tf)::type, typename decltype(tg)::type, 1>(f.w, f.count, g.w, g.count, in, xv,
-                                                                                      n, sms, partials, pending, s);
+    return tiles_for(n) <= kPairMaxTiles && with_pair(f.t, g.t, [&](auto tf, auto tg) {
+             with_tiles(n, [&](auto nt) {
+               constexpr int NT = std::min(int(decltype(nt)::value), kPairMaxTiles);  // (no instance past it)
+               launch_pair<typename decltype(tf)::type, typename decltype(tg)::type, NT>(f.w, f.count, g.w, g.count, in,
+                                                                                         xv, n, sms, partials, pending, s);
+             });
            });
   };
   if (!(bs.size() == 2 && (pair(bs[0], bs[1]) || pair(bs[1], bs[0]))))

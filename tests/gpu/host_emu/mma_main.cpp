@@ -220,7 +220,7 @@ void run(const std::vector<uint8_t>& w, int64_t row_bytes, int64_t in, const std
 }
 
 // Weights of formats F (rows outs_f, at wf) and G (outs_g, at wg) against x as one pair launch
-// (mma_gemv_pair_kernel, one n8 tile: n <= 2), then their split sums; y: F's outputs, then G's.
+// (mma_gemv_pair_kernel, up to kPairMaxTiles n8 tiles: n <= 10), then their split sums; y: F's outputs, then G's.
 template <class F, class G>
 void run_pair(const std::vector<uint8_t>& wf, int64_t rb_f, const std::vector<uint8_t>& wg, int64_t rb_g, int64_t in,
               const std::vector<float>& x, int n, const std::vector<int64_t>& outs_f,
@@ -233,9 +233,11 @@ void run_pair(const std::vector<uint8_t>& wf, int64_t rb_f, const std::vector<ui
   for (int64_t o : outs_f) yf += int64_t(n) * o;
   const Planned<F> pf(wf.data(), rb_f, in, n, outs_f, y.data());
   const Planned<G> pg(wg.data(), rb_g, in, n, outs_g, y.data() + yf);
-  emulate(pf.blocks() + pg.blocks(), kWarps * 32, [&] {
-    mma_gemv_pair_kernel<F, G, 1>(pf.grp, in / F::kUnitElems, pg.grp, in / G::kUnitElems, xv, n);
+  const auto kernel = with_tiles(n, [](auto nt) {
+    return mma_gemv_pair_kernel<F, G, std::min(int(decltype(nt)::value), kPairMaxTiles)>;
   });
+  emulate(pf.blocks() + pg.blocks(), kWarps * 32,
+          [&] { kernel(pf.grp, in / F::kUnitElems, pg.grp, in / G::kUnitElems, xv, n); });
   pf.sum(), pg.sum();
 }
 
@@ -401,7 +403,7 @@ int64_t total(const std::vector<int64_t>& outs) {
 }
 
 // `mma_emu pair FMT_F FMT_G n in outs_f outs_g wf.bin wg.bin x.bin y.bin`: the pair launch (run_pair) of the pairs
-// gemv_split launches so (mma::with_pair: IQ4_XS_T or Q4_K_T with Q6_K_T), n <= 2.
+// gemv_split launches so (mma::with_pair: IQ4_XS_T or Q4_K_T with Q6_K_T), n <= 10 (kPairMaxTiles).
 int pair_main(char** argv) {
   using namespace specd::gpu::detail;
   const std::string ff = argv[2], fg = argv[3];
@@ -409,7 +411,7 @@ int pair_main(char** argv) {
   const int64_t in = std::atoll(argv[5]);
   const std::vector<int64_t> outs_f = parse_outs(argv[6]), outs_g = parse_outs(argv[7]);
   const int64_t rb_f = row_bytes_of(ff, in), rb_g = row_bytes_of(fg, in);
-  if (n < 1 || n > 2 || outs_f.empty() || outs_g.empty() || rb_f == 0 || rb_g == 0 || fg != "Q6_K_T") return 2;
+  if (n < 1 || mma::tiles_for(n) > mma::kPairMaxTiles || outs_f.empty() || outs_g.empty() || rb_f == 0 || rb_g == 0 || fg != "Q6_K_T") return 2;
   const auto wf = read_file<uint8_t>(argv[8], size_t(rb_f * total(outs_f)));
   const auto wg = read_file<uint8_t>(argv[9], size_t(rb_g * total(outs_g)));
   const auto x = read_file<float>(argv[10], size_t(n * in));
