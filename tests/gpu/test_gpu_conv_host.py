@@ -2,7 +2,8 @@
 
 host_emu/conv_main.cpp compiles the kernel header for the CPU (host_emu/warp_emu.h) and runs conv1d_kernel
 (any K) and conv1d_taps_kernel<4> (the models' 4 taps: weights in registers, inputs through a register
-window) with ssm.cu's grid, in place on the state. The window kernel must give the generic kernel's bits
+window) with ssm.cu's grid, in place on the state (or, with chunks shorter than K - 1 tokens, out of place into a
+poisoned state_out). The window kernel must give the generic kernel's bits
 (outputs and state) for every token count, chunk edge and the state-only start (T < K - 1); both are checked
 against float64 numpy (y[t, c] = sum_j w[j, c] X[t + j, c] over X = [state ; x], then silu). The launch
 itself: test_gpu_ops2.py's conv tests on a GPU.
@@ -38,7 +39,10 @@ def run_emu(emu, x, w, state, chunk, silu):
     return out[0].reshape(T, C), out[1].reshape(K - 1, C), out[2].reshape(T, C), out[3].reshape(K - 1, C)
 
 
-@pytest.mark.parametrize("T,C,chunk", [(1, 130, 16), (2, 64, 16), (3, 5, 16), (40, 200, 16), (37, 129, 8), (0, 33, 16)])
+# chunk < K - 1 (1, 2): out of place, as the host launches a verify's T <= 16 tokens (a token a chunk), every chunk
+# reading the state rows it needs
+@pytest.mark.parametrize("T,C,chunk", [(1, 130, 16), (2, 64, 16), (3, 5, 16), (40, 200, 16), (37, 129, 8), (0, 33, 16),
+                                       (8, 130, 1), (2, 64, 1), (1, 33, 1), (16, 40, 1), (5, 129, 2)])
 @pytest.mark.parametrize("silu", [True, False])
 def test_conv_taps_kernel_emulated_bitwise(conv_emu, rng, T, C, chunk, silu):
     K = 4

@@ -1425,9 +1425,11 @@ def test_gdn_gpu_inexact_falls_back_bitwise(rng, case):
     np.testing.assert_array_equal(sb.numpy(), sa.numpy())
 
 
-@pytest.mark.parametrize("T", [0, 1, 5, 40])
+@pytest.mark.parametrize("T", [0, 1, 2, 5, 8, 16, 17, 40])
 @gpu_only
 def test_conv1d_gpu_state_out(rng, T):
+    """Out of place (a token a chunk up to 16 tokens, the verify widths) equals in place (chunks of 16 tokens) bit for
+    bit, outputs and state, and leaves the source state alone."""
     C, K = 300, 4
     x, w, st = f32(rng, (T, C)), f32(rng, (K, C)), f32(rng, (K - 1, C))
     xg, wg = on_gpu(x), on_gpu(w)

@@ -19,9 +19,9 @@ constexpr int kConvThreads = 128;
 constexpr int64_t kConvTokens = 16;
 
 // Block (bx, by): channels bx * kConvThreads + threadIdx.x, tokens [by * chunk, + chunk). Every output
-// is computed alone, so splitting the tokens over blocks changes no bits. Only the first chunk
-// (chunk >= K - 1) reads state rows, and its threads write their channel's new state after their
-// outputs: no other block touches the state, so in place is safe.
+// is computed alone, so splitting the tokens over blocks changes no bits. The first chunk's threads write their
+// channel's new state after their outputs. In place (state_out == state) the host asks chunk >= K - 1, so only the
+// first chunk reads state rows and no other block touches the state; out of place any chunk may read them.
 // state_out may be state (in place): no __restrict__ on either.
 __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __restrict__ x, const float* __restrict__ w,
                                                               const float* state, float* state_out,
