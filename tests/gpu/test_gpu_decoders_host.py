@@ -107,7 +107,7 @@ def bf16_bits(f32):
 # --------------------------------------------------------------------------------------------
 # The tensor-core GEMV (native/src/gpu/matmul_mma.cuh), emulated on the host
 # --------------------------------------------------------------------------------------------
-# host_emu/mma_main.cpp runs the header's split_x_kernel and mma_gemv_kernel on the CPU (one thread
+# host_emu/mma_main.cpp runs the header's split_x_kernel and mma_gemv_kernel (and mma_gemv_pair_kernel) on the CPU (one thread
 # per lane, mma.sync m16n8k32 s8 -> s32 and m16n8k16 f16 -> f32 emulated from the PTX ISA fragment
 # layouts, shuffles and __syncwarp across the lane threads), so the per-format load offsets, the k
 # order, the x split (three int8 terms per power-of-two scaled 256-input group), the integer scales,

@@ -358,11 +358,12 @@ def test_tiled_group_with_other_formats(rng):
 @tiles_only
 @pytest.mark.parametrize("fmt", ["IQ4_XS", "Q4_K"])
 @pytest.mark.parametrize("shapes,k", [([(12288, 5120), (1024, 5120), (1024, 5120)], 5120),  # the 27B's q / k / v
-                                      ([(64, 512), (48, 512), (32, 512)], 512)])
+                                      ([(256, 512), (128, 512), (32, 512)], 512),
+                                      ([(64, 512), (48, 512), (64, 512)], 512)])  # v too large to pair
 def test_tiled_pair_launch_bit_identical(rng, fmt, shapes, k):
     """q / k tiled in fmt with v in tiled Q6_K (matmul_group at 1-10 rows: one pair launch, mma_gemv_pair_kernel, at
-    each of its tile counts; at 11 and 16 rows one launch a format) give bit for bit each weight's own matmul,
-    whichever format comes first."""
+    each of its tile counts, when v is small beside q / k; at 11 and 16 rows, or with v as large as q / k, one launch
+    a format) give bit for bit each weight's own matmul, whichever format comes first."""
     (oq, _), (ok, _), (ov, _) = shapes
     q, kk = (sn.tile_for_gemv(blocks(rng, fmt, o, k).to(GPU)) for o in (oq, ok))
     v = sn.tile_for_gemv(blocks(rng, "Q6_K", ov, k).to(GPU))
@@ -449,3 +450,36 @@ def test_model_with_tiled_layers_equals_row_major(tmp_path, mix, body):
         tiled.commit(sa, ra, 1)
         plain.commit(sb, rb, 1)
         tok = int(ra.argmax[0])
+
+
+def cuda_kernels(fn):
+    """Names of the CUDA kernels fn() runs (torch.profiler's activity trace), after a first call that loads them."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    sn.gpu_synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sn.gpu_synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@tiles_only
+def test_pair_launch_is_taken(rng):
+    """matmul_group of the 27B's attention q / k (tiled IQ4_XS) and v (tiled Q6_K), either order, runs one
+    mma_gemv_pair_kernel at 1-10 rows and a kernel per format at 11 and 16 rows, and a v as large as q / k is never
+    paired (its blocks would lose their register ring): the bitwise tests above pass on either path."""
+    if not sn.gpu_available():
+        pytest.skip("kernel names exist on a GPU only")
+    k = 5120
+    q, kk = (sn.tile_for_gemv(iq4(rng, o, k).to(GPU)) for o in (12288, 1024))
+    v, v_big = (sn.tile_for_gemv(blocks(rng, "Q6_K", o, k).to(GPU)) for o in (1024, 12288))
+    for n, paired in ((1, True), (2, True), (5, True), (8, True), (10, True), (11, False), (16, False)):
+        x = sn.Tensor((rng.standard_normal((n, k)) * 0.5).astype(np.float32)).to(GPU)
+        for ws in ([q, kk, v], [v, q, kk]):
+            names = cuda_kernels(lambda: sn.matmul_group(x, ws))
+            assert sum("mma_gemv_pair_kernel" in s for s in names) == int(paired), (n, names)
+            assert sum("mma_gemv_kernel" in s for s in names) == (0 if paired else 2), (n, names)
+    x = sn.Tensor((rng.standard_normal((1, k)) * 0.5).astype(np.float32)).to(GPU)
+    names = cuda_kernels(lambda: sn.matmul_group(x, [q, v_big]))
+    assert not any("mma_gemv_pair_kernel" in s for s in names) and sum("mma_gemv_kernel" in s for s in names) == 2

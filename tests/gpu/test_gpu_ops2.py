@@ -1426,11 +1426,12 @@ def test_gdn_gpu_inexact_falls_back_bitwise(rng, case):
 
 
 @pytest.mark.parametrize("T", [0, 1, 2, 5, 8, 16, 17, 40])
+@pytest.mark.parametrize("K", [4, 2])
 @gpu_only
-def test_conv1d_gpu_state_out(rng, T):
+def test_conv1d_gpu_state_out(rng, T, K):
     """Out of place (a token a chunk up to 16 tokens, the verify widths) equals in place (chunks of 16 tokens) bit for
-    bit, outputs and state, and leaves the source state alone."""
-    C, K = 300, 4
+    bit, outputs and state, and leaves the source state alone; K 4 (the register-window kernel) and 2 (the generic)."""
+    C = 300
     x, w, st = f32(rng, (T, C)), f32(rng, (K, C)), f32(rng, (K - 1, C))
     xg, wg = on_gpu(x), on_gpu(w)
     s_in = on_gpu(st)

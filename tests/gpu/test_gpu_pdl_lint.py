@@ -19,7 +19,8 @@ import pytest
 GPU_SRC = os.path.join(os.path.dirname(__file__), "..", "..", "native", "src", "gpu")
 # pdl.cuh's exceptions: kernels that load weights (uploads, which no kernel writes) before their wait
 EARLY_WEIGHT_LOADS = {"mma_gemv_kernel", "mma_gemv_pair_kernel", "norm_split_kernel", "norm_split_partials_kernel"}
-# __device__ functions such a kernel may leave its wait to: each loads weights only, then pdl_wait()s (checked below)
+# __device__ functions such a kernel may leave its wait to, on every path (delegates_wait): each pdl_wait()s with no
+# return before it; what they load before it is weights (pdl.cuh's contract: reviewed, not parsed)
 WAITING_HELPERS = {"gemv_block"}
 # functions a pdl_enter_prefetch() argument may call: each computes an address or a size from kernel
 # parameters and indices only (checked below: its body indexes and dereferences nothing)
@@ -99,23 +100,52 @@ def test_kernel_waits_before_memory(fn, name, body):
                 f"{helper} (called before {name}'s wait) must compute an address, not read memory")
     if "pdl_launch_dependents" in first:
         assert name in EARLY_WEIGHT_LOADS, f"{fn}: {name} starts before its wait but is not one of pdl.cuh's exceptions"
-        assert not re.search(r"\breturn\b", waits_at(body)), f"{fn}: {name} may return before its pdl_wait()"
+        if "pdl_wait()" in body:
+            before = body[:body.index("pdl_wait()")]
+            assert not re.search(r"\breturn\b", before), f"{fn}: {name} may return before its pdl_wait()"
+        else:
+            assert delegates_wait(body), (f"{fn}: {name} lets the next kernel launch but neither waits nor leaves the "
+                                          f"wait to a {sorted(WAITING_HELPERS)} call on every path")
 
 
-def waits_at(body):
-    """The text of a kernel (or helper) body before its pdl_wait(), or before its first call of a
-    WAITING_HELPERS function, whose own body must then hold a pdl_wait() with no return before it.
-    Fails when there is neither."""
-    calls = [(m.start(), m.group(1)) for m in re.finditer(r"\b(\w+)\s*(?:<[^;{}]*?>)?\s*\(", body)
-             if m.group(1) in WAITING_HELPERS]
-    first_wait = body.find("pdl_wait()")
-    if calls and (first_wait < 0 or calls[0][0] < first_wait):
-        helper = helper_body(calls[0][1])
-        assert "pdl_wait()" in helper and not re.search(r"\breturn\b", helper[:helper.index("pdl_wait()")]), (
-            f"{calls[0][1]} must pdl_wait() before any return")
-        return body[:calls[0][0]]
-    assert first_wait >= 0, "a kernel that lets the next one launch must wait (pdl_wait() or a WAITING_HELPERS call)"
-    return body[:first_wait]
+# A call of a WAITING_HELPERS function (template arguments and arguments without statements in them).
+_HELPER_CALL = r"(?:" + "|".join(sorted(WAITING_HELPERS)) + r")\s*(?:<[^;{}]*?>)?\s*\([^;{}]*\)\s*;"
+# What a delegating kernel may hold before that call: shared-memory declarations and const locals initialised from its
+# parameters and indices (no call, so no memory is written).
+_DECLARATION = r"\s*(?:__shared__[^;{}]*;|const\s+[\w:]+\s+\w+\s*=\s*[^;{}()]*(?:\w+\([^;{}()]*\)[^;{}()]*)*;)"
+_CASTS = {"int", "int64_t", "unsigned", "size_t"}
+
+
+def delegates_wait(body):
+    """Whether a kernel body that starts with pdl_launch_dependents() leaves its wait to WAITING_HELPERS on every path:
+    after that statement only _DECLARATIONs (calls in their initialisers only casts), then one helper call, or an
+    if / else whose branches are one helper call each; and each helper pdl_wait()s with no return before it."""
+    rest = body.strip().split(";", 1)[1]
+    while m := re.match(_DECLARATION, rest):
+        assert set(re.findall(r"(\w+)\s*\(", m.group(0))) <= _CASTS, f"a call before the wait: {m.group(0)!r}"
+        rest = rest[m.end():]
+    tail = rest.strip()
+    if not (re.fullmatch(_HELPER_CALL, tail) or
+            re.fullmatch(r"if\s*\([^;{}]*?\)\s*" + _HELPER_CALL + r"\s*else\s*" + _HELPER_CALL, tail)):
+        return False
+    for helper in WAITING_HELPERS:
+        h = helper_body(helper)
+        assert "pdl_wait()" in h and not re.search(r"\breturn\b", h[:h.index("pdl_wait()")]), (
+            f"{helper} must pdl_wait() before any return")
+    return True
+
+
+def test_delegated_wait_needs_a_helper_call_on_every_path():
+    """The lint's own check of the delegating kernels: a branch without the helper call, or a store before it, fails."""
+    call = "gemv_block<F, NT, 0, false>(g, blockIdx.x, n, xv, m, part);"
+    assert delegates_wait("pdl_launch_dependents(); __shared__ float part[4][16]; " + call)
+    assert delegates_wait("pdl_launch_dependents(); const int64_t b = g.block0[int(g.count)]; "
+                          f"if (int64_t(blockIdx.x) < b) {call} else {call}")
+    assert not delegates_wait(f"pdl_launch_dependents(); if (blockIdx.x < 4) {call} else y[0] = 1.0f;")
+    assert not delegates_wait(f"pdl_launch_dependents(); y[0] = 1.0f; {call}")
+    assert not delegates_wait("pdl_launch_dependents(); __shared__ float part[4];")
+    with pytest.raises(AssertionError, match="a call before the wait"):
+        delegates_wait(f"pdl_launch_dependents(); const int a = atomicAdd(p, 1); {call}")
 
 
 def test_kernels_launch_through_launch_kernel():

@@ -84,7 +84,11 @@ def test_gpu_decode_kernel_summary():
                               "verify_profile": {8: {"calls": 2, "kernels": rows}}})
     assert "| `mma::mma_gemv_kernel<mma::IQ4U, 1>` | 0 | 15 | 81.1 % |" in md
     verify = md[md.index("GPU time per verify of 8 rows"):]  # --profile-verify 8: calls per verify
+    assert "| kernel | calls / verify | us / verify | share |" in verify
     assert "| `rms_norm_kernel<4>` | 1 | 3 | 16.2 % |" in verify
+    for bad in (["0"], ["17"], ["4", "4"], []):  # widths 1..16, distinct, at least one
+        with pytest.raises(SystemExit):
+            gpu_decode.main(["--gguf", "unused.gguf", "--profile-verify", *bad])
 
 
 def test_gpu_decode_exclusive_kernel_times():

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="profile N plain decode steps per GPU kernel (0: off)")
-    ap.add_argument("--profile-verify", type=int, nargs="*", default=[], metavar="W",
+    ap.add_argument("--profile-verify", type=int, nargs="+", default=[], metavar="W",
                     help="profile verifies of W rows (1..16) per GPU kernel, as many as --profile's steps (else 4)")
     ap.add_argument("--decode-context", type=int, nargs="*", default=[], metavar="N",
                     help="also plain decode tok/s after a prompt of N tokens (the attention then reads N keys "
@@ -103,8 +103,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if any(c <= 0 for c in args.prefill_chunks):
         ap.error("--prefill-chunks: each chunk must be > 0 tokens")
-    if any(not 1 <= w <= 16 for w in args.profile_verify):
-        ap.error("--profile-verify: each width must be in 1..16 (the CUDA-graph verify widths)")
+    if any(not 1 <= w <= 16 for w in args.profile_verify) or len(set(args.profile_verify)) != len(args.profile_verify):
+        ap.error("--profile-verify: distinct widths in 1..16 (the CUDA-graph verify widths)")
 
     import random_qwen35
     import specd.native as sn
@@ -442,6 +442,16 @@ def summarise_kernels(events: list[tuple[str, float]], steps: int) -> list[dict]
     return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
+def kernel_table(what: str, per: str, kernels: list[dict], calls: int) -> list[str]:
+    """Markdown lines of a per-kernel profile (summarise_kernels' rows of `calls` calls of the profiled run): the top
+    15 kernels' launches and microseconds per call (`per` names the call in the header), and their shares."""
+    return ["", f"GPU time {what} by kernel (top 15; torch.profiler CUPTI trace; a kernel's time counted from the end "
+            "of the kernels before it):", "",
+            f"| kernel | calls / {per} | us / {per} | share |", "| --- | --- | --- | --- |"] + [
+        f"| `{k['kernel']}` | {k['calls'] / calls:.0f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
+        for k in kernels[:15]]
+
+
 def markdown(r: dict) -> str:
     gb = lambda b: f"{b / 2**30:.2f} GiB" if b is not None else "n/a"  # noqa: E731
     L = [f"### Random {r['config']}-shaped qwen35, mix `{r['mix']}` on {r['device']} ({r['date']})", "",
@@ -484,22 +494,12 @@ def markdown(r: dict) -> str:
          "| scripted AL | tok/s | speedup vs plain |", "| --- | --- | --- |"]
     L += [f"| {al} | {v['tok_s']:.1f} | {v['speedup']:.2f}x |" for al, v in r["loop"].items()]
     if r.get("profile"):
-        L += ["", "GPU time per plain decode step by kernel (top 15; torch.profiler CUPTI trace; a kernel's time counted from the end of the kernels before it):", "",
-              "| kernel | calls / step | us / step | share |", "| --- | --- | --- | --- |"]
-        steps = max(1, r.get("profile_steps", 1))
-        L += [f"| `{k['kernel']}` | {k['calls'] / steps:.0f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
-              for k in r["profile"][:15]]
+        L += kernel_table("per plain decode step", "step", r["profile"], max(1, r.get("profile_steps", 1)))
     for w, vp in (r.get("verify_profile") or {}).items():
-        L += ["", f"GPU time per verify of {w} rows by kernel (top 15; torch.profiler CUPTI trace; a kernel's time counted from the end of the kernels before it):", "",
-              "| kernel | calls / verify | us / verify | share |", "| --- | --- | --- | --- |"]
-        L += [f"| `{k['kernel']}` | {k['calls'] / vp['calls']:.0f} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
-              for k in vp["kernels"][:15]]
+        L += kernel_table(f"per verify of {w} rows", "verify", vp["kernels"], vp["calls"])
     if r.get("prefill_profile"):
         n = r["prefill_profile_tokens"]
-        L += ["", f"GPU time of one prefill of {n} tokens by kernel (top 15; torch.profiler CUPTI trace; a kernel's time counted from the end of the kernels before it):", "",
-              "| kernel | calls | us | share |", "| --- | --- | --- | --- |"]
-        L += [f"| `{k['kernel']}` | {k['calls']} | {k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
-              for k in r["prefill_profile"][:15]]
+        L += kernel_table(f"of one prefill of {n} tokens", "prefill", r["prefill_profile"], 1)
         busy = sum(k["us_per_step"] for k in r["prefill_profile"]) / 1e3
         hp = r.get("prefill_host_profile")
         if hp:

@@ -17,6 +17,8 @@ namespace {  // internal linkage: conv1d_kernel is not a template, and only ssm.
 constexpr int kConvThreads = 128;
 // tokens per block (grid y); a prefill chunk of 2048 tokens: 128 blocks per channel
 constexpr int64_t kConvTokens = 16;
+// out of place, up to this many tokens (a verify's widths) run a token a chunk (ssm.cu, conv1d_causal)
+constexpr int64_t kConvTokenChunksUpTo = 16;
 
 // Block (bx, by): channels bx * kConvThreads + threadIdx.x, tokens [by * chunk, + chunk). Every output
 // is computed alone, so splitting the tokens over blocks changes no bits. The first chunk's threads write their

@@ -50,8 +50,8 @@
 //   same k steps): checked bitwise on the GPU (test_gpu_matmul.py's batch-invariance tests).
 // * Groups (matmul_group: several weights against one x, e.g. q / k / v): x is split once per
 //   16-row slice and each format's weights run as ONE launch whose flat grid concatenates every
-//   weight's (split, row block) blocks; each weight keeps the split of its own shape, so its
-//   arithmetic, and hence every bit of its result, is that of a call of its own.
+//   weight's (split, row block) blocks (two formats' groups may share one: mma::try_pair); each weight keeps
+//   the split of its own shape, so its arithmetic, and hence every bit of its result, is that of a call of its own.
 // * HIP: SPECD_MMA_GEMV is 0 there (no mma.sync); the FMA GEMV below serves every format.
 //
 // FMA GEMV (F32 / F16, BF16 off the tensor cores; all formats on HIP). A block of kWarps warps owns R consecutive

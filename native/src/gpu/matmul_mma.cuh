@@ -72,7 +72,7 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #define SPECD_MMA_SPLIT_UNITS 4  // fewest units per split (units_per_split)
 #endif
 #ifndef SPECD_MMA_L2_AHEAD
-#define SPECD_MMA_L2_AHEAD 2  // tiled formats without a register ring: units ahead each warp asks L2 for (0: none; mma_gemv_kernel)
+#define SPECD_MMA_L2_AHEAD 2  // tiled formats without a register ring: units ahead each warp asks L2 for (0: none; gemv_block)
 #endif
 #ifndef SPECD_MMA_SPLIT_WAVES
 #define SPECD_MMA_SPLIT_WAVES 1  // 1: splits sized by the waves they fill (units_per_split); 0: the fewest-units rule alone
@@ -1225,11 +1225,12 @@ __device__ __forceinline__ void gemv_block(const Group& g_, int64_t block, int64
   static_assert(!kXAhead || (kAhead > 0 && F::kUnitElems == kGroup),
                 "x_ahead instances: a unit of weights loading ahead (units_ahead), units of one x group (XUnit)");
   if constexpr (kAhead == 0) {
-    // No unit loads ahead into registers here (the tiled formats' 2- to 6-tile instances: the verify widths), so each
-    // unit is asked of L2 kL2 units before its load (SPECD_MMA_L2_AHEAD). H200, same GGUF and call: verify at 8 / 16
-    // rows 10.53 / 14.94 -> 9.63 / 14.00 ms, the scripted loop at AL 3 / 5 / 7 285 / 474 / 653 -> 304 / 501 / 689
-    // tok/s (session of 2026-12-04 03:10 UTC). The one-tile instances, whose register ring holds the next unit,
-    // were 3-9 % slower with it (tiled IQ4_XS: GDN qkv 13.89 -> 14.29 us, FFN gate + up 34.92 -> 38.11): none there.
+    // No unit loads ahead into registers here (the tiled formats' 2- to 6-tile instances: the verify widths; a pair
+    // launch's second format at every width), so each unit is asked of L2 kL2 units before its load
+    // (SPECD_MMA_L2_AHEAD). H200, same GGUF and call: verify at 8 / 16 rows 10.53 / 14.94 -> 9.63 / 14.00 ms, the
+    // scripted loop at AL 3 / 5 / 7 285 / 474 / 653 -> 304 / 501 / 689 tok/s (session of 2026-12-04 03:10 UTC). The
+    // one-tile instances of mma_gemv_kernel, whose register ring holds the next unit, were 3-9 % slower with it (tiled
+    // IQ4_XS: GDN qkv 13.89 -> 14.29 us, FFN gate + up 34.92 -> 38.11): none there.
     constexpr int kL2 = F::kTiled ? SPECD_MMA_L2_AHEAD : 0;
     if constexpr (kL2 > 0)
       for (int u = u_begin; u < u_begin + kL2 && u < u_end; ++u) src.prefetch(u);
@@ -1285,19 +1286,21 @@ __global__ void __launch_bounds__(kWarps * 32, min_blocks<F, NT>()) mma_gemv_ker
   gemv_block<F, NT, units_ahead<F, NT>(), x_ahead<F, NT>()>(g_, blockIdx.x, nunits, xv0, n, part);
 }
 
-// Two formats' groups against the same x in one launch (with_pair: the 27B's attention q / k, tiled IQ4_XS, with v,
-// tiled Q6_K), so that the small second group costs no launch, ramp and tail of its own: blocks [0, gg's grid) are
-// gg's (G, started first so that its blocks are not the launch's tail), the rest gf's. F's blocks run as
-// mma_gemv_kernel's (ring, x ahead), G's without a register ring (L2 ahead, as the verify widths' instances), at
-// pair_min_blocks.
 // The pair kernel's resident blocks: F's at one tile (G's blocks, without a ring, fit F's registers), the fewer of
-// the two formats' at more. Instances up to kPairMaxTiles n8 tiles (10 rows of x): past it G's blocks spill (ptxas,
-// sm_90: 16-44 bytes at 5 and 6 tiles with tiled IQ4_XS), and those calls launch a kernel per format.
+// the two formats' at more. Instances up to kPairMaxTiles n8 tiles (10 rows of x); past it the tiled IQ4_XS pair
+// spills 16-44 bytes (ptxas, sm_90, at 5 and 6 tiles), and those calls launch a kernel per format. (At two tiles it
+// spills 12 bytes, as tiled Q6_K's own two-tile instance does 16; H200: a verify of 4 rows -1.2 % GPU time with the
+// pair, 8 rows -0.5 %, BENCHMARKS.md, session of 2026-12-04 18:22 UTC.)
 constexpr int kPairMaxTiles = 4;
 template <class F, class G, int NT>
 __host__ __device__ constexpr int pair_min_blocks() {
   return NT == 1 || min_blocks<F, NT>() < min_blocks<G, NT>() ? min_blocks<F, NT>() : min_blocks<G, NT>();
 }
+// Two formats' groups against the same x in one launch (with_pair: the 27B's attention q / k, tiled IQ4_XS, with v,
+// tiled Q6_K), so that the small second group costs no launch, ramp and tail of its own: blocks [0, gg's grid) are
+// gg's (G, started first so that its blocks are not the launch's tail), the rest gf's. F's blocks run as
+// mma_gemv_kernel's (ring, x ahead), G's without a register ring (L2 ahead, as the verify widths' instances), at
+// pair_min_blocks. Each block runs one gemv_block, which waits (pdl_wait) after its first weight loads.
 template <class F, class G, int NT>
 __global__ void __launch_bounds__(kWarps * 32, pair_min_blocks<F, G, NT>()) mma_gemv_pair_kernel(const Group gf, int64_t nf,
                                                                                   const Group gg, int64_t ng,
@@ -1618,6 +1621,20 @@ inline void launch_sums(const SplitSums& sums, cudaStream_t s) {
   detail::launch_kernel<sum_splits_kernel>("sum_splits_kernel", unsigned((total + 255) / 256), 256, 0, s, sums);
 }
 
+// A launch's plan of weights ws[0 .. count) of format F (plan_group), checked: each partials output holds its
+// weight's splits, the grid fits a launch with `other_blocks` more, the units fit the kernel's 32-bit indices.
+template <class F, class Scratch>
+Group checked_plan(const GroupWeight* ws, int count, int64_t in, int n, int64_t sms, const Scratch& scratch,
+                   SplitSums& sums, int64_t other_blocks = 0) {
+  Group grp;
+  SPECD_CHECK(plan_group<F>(ws, count, in, n, sms, scratch, grp, sums),
+              "matmul: a split-K partials output does not hold its GEMV's split count");
+  SPECD_CHECK(grp.block0[count] + other_blocks <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
+  SPECD_CHECK(in / F::kUnitElems <= kMaxUnits, "matmul: more than ", kMaxUnits, " units of ", F::kUnitElems,
+              " inputs for one tensor-core GEMV");
+  return grp;
+}
+
 // One launch of weights ws[0 .. count) (all of format F, count <= kMaxGroup) against the split x on
 // `sms` multiprocessors; the split partials of those with several splits are left to sum, added to `pending`
 // (queue_sums; when they would not fit, pending's sums are launched first: launch_sums). scratch(bytes) -> float*
@@ -1625,16 +1642,10 @@ inline void launch_sums(const SplitSums& sums, cudaStream_t s) {
 template <class F, int NT, class Scratch>
 void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n, int64_t sms, const Scratch& scratch,
             SplitSums& pending, cudaStream_t s) {
-  const int64_t nunits = in / F::kUnitElems;
-  Group grp;
   SplitSums sums;
-  SPECD_CHECK(plan_group<F>(ws, count, in, n, sms, scratch, grp, sums),
-              "matmul: a split-K partials output does not hold its GEMV's split count");
-  SPECD_CHECK(grp.block0[count] <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
-  SPECD_CHECK(nunits <= kMaxUnits, "matmul: more than ", kMaxUnits, " units of ", F::kUnitElems,
-              " inputs for one tensor-core GEMV");
+  const Group grp = checked_plan<F>(ws, count, in, n, sms, scratch, sums);
   detail::launch_kernel<mma_gemv_kernel<F, NT>>("mma_gemv_kernel", unsigned(grp.block0[count]), kWarps * 32, 0, s, grp,
-                                                nunits, xv, n);
+                                                in / F::kUnitElems, xv, n);
   queue_sums(pending, sums, [&](const SplitSums& full) { launch_sums(full, s); });
 }
 
@@ -1644,16 +1655,12 @@ void launch(const GroupWeight* ws, int count, int64_t in, const XView& xv, int n
 template <class F, class G, int NT, class Scratch>
 void launch_pair(const GroupWeight* fs, int nf, const GroupWeight* gs, int ng, int64_t in, const XView& xv, int n,
                  int64_t sms, const Scratch& scratch, SplitSums& pending, cudaStream_t s) {
-  Group gf, gg;
   SplitSums sf, sg;
-  SPECD_CHECK(plan_group<F>(fs, nf, in, n, sms, scratch, gf, sf) && plan_group<G>(gs, ng, in, n, sms, scratch, gg, sg),
-              "matmul: a split-K partials output does not hold its GEMV's split count");
-  const int64_t blocks = gf.block0[nf] + gg.block0[ng];
-  SPECD_CHECK(blocks <= 0x7fffffff, "matmul: too many blocks for one GEMV launch");
-  SPECD_CHECK(in / F::kUnitElems <= kMaxUnits && in / G::kUnitElems <= kMaxUnits, "matmul: more than ", kMaxUnits,
-              " units for one tensor-core GEMV");
-  detail::launch_kernel<mma_gemv_pair_kernel<F, G, NT>>("mma_gemv_pair_kernel", unsigned(blocks), kWarps * 32, 0, s,
-                                                        gf, in / F::kUnitElems, gg, in / G::kUnitElems, xv, n);
+  const Group gg = checked_plan<G>(gs, ng, in, n, sms, scratch, sg);
+  const Group gf = checked_plan<F>(fs, nf, in, n, sms, scratch, sf, gg.block0[ng]);
+  detail::launch_kernel<mma_gemv_pair_kernel<F, G, NT>>("mma_gemv_pair_kernel", unsigned(gf.block0[nf] + gg.block0[ng]),
+                                                        kWarps * 32, 0, s, gf, in / F::kUnitElems, gg,
+                                                        in / G::kUnitElems, xv, n);
   for (const SplitSums* add : {&sf, &sg}) queue_sums(pending, *add, [&](const SplitSums& full) { launch_sums(full, s); });
 }
 
@@ -1735,9 +1742,9 @@ inline int64_t gemv_splits(DType t, int64_t out, int64_t in) {
   return splits;
 }
 
-// The formats with a pair launch (mma_gemv_pair_kernel, up to kPairMaxTiles n8 tiles: 1-10 rows of x): f(FormatTag<F>{},
-// FormatTag<G>{}) for a batch of format tf beside one of tg, true; false for any other pair. The pairs are the
-// attention projections of the quant mixes the 27B ships in: q / k in tiled IQ4_XS or Q4_K, v in tiled Q6_K.
+// The formats with a pair launch (mma_gemv_pair_kernel; try_pair): f(FormatTag<F>{}, FormatTag<G>{}) for a batch of
+// format tf beside one of tg, true; false for any other pair. The pairs are the attention projections of the quant
+// mixes the 27B ships in: q / k in tiled IQ4_XS or Q4_K, v in tiled Q6_K.
 template <class Fn>
 bool with_pair(DType tf, DType tg, const Fn& f) {
   if (tg != DType::Q6_K_TILED) return false;
@@ -1768,12 +1775,42 @@ inline std::vector<Batch> batches_of(const Weight* ws, int count) {
   return out;
 }
 
+// Blocks of batch b's grouped launch (format F): each weight's row blocks x splits, as plan_group lays them out.
+template <class F>
+int64_t batch_blocks(const Batch& b, int64_t in, int64_t sms) {
+  int64_t blocks = 0;
+  for (int i = 0; i < b.count; ++i)
+    blocks += (b.w[i].out + kRowsPerBlock - 1) / kRowsPerBlock * splits_for<F>(b.w[i].out, in / F::kUnitElems, sms);
+  return blocks;
+}
+
+// Batches f and g launched as one pair launch (launch_pair, F = f's format) when their formats make a pair
+// (with_pair), n rows fit the pair's instances (kPairMaxTiles) and g is small beside f (at most a quarter of f's
+// blocks: G's blocks run without their register ring, which a large group would pay for); true when launched, false
+// (nothing queued) otherwise.
+template <class Scratch>
+bool try_pair(const Batch& f, const Batch& g, int64_t in, const XView& xv, int n, int64_t sms, const Scratch& scratch,
+              SplitSums& pending, cudaStream_t s) {
+  if (tiles_for(n) > kPairMaxTiles) return false;
+  bool launched = false;
+  with_pair(f.t, g.t, [&](auto tf, auto tg) {
+    using F = typename decltype(tf)::type;
+    using G = typename decltype(tg)::type;
+    if (4 * batch_blocks<G>(g, in, sms) > batch_blocks<F>(f, in, sms)) return;
+    with_tiles(n, [&](auto nt) {  // n's tile count is at most kPairMaxTiles here: the clamp only keeps the tile
+      constexpr int NT = std::min(int(decltype(nt)::value), kPairMaxTiles);  // counts past it from being instantiated
+      launch_pair<F, G, NT>(f.w, f.count, g.w, g.count, in, xv, n, sms, scratch, pending, s);
+    });
+    launched = true;
+  });
+  return launched;
+}
+
 // y_i[n, out_i] = x[n, in] @ w_i^T for every weight (1 <= n <= 16, in % 32 == 0, every format
 // handled) on x already split (xv: x_view of a split queued on the library stream before this
-// call): each format's weights (up to kMaxGroup per launch) run as one grouped launch, two batches of a pair
-// format (with_pair; up to kPairMaxTiles n8 tiles) as one pair launch, and the split partials of all of them are summed by one
-// launch after the last (the 27B's attention q / k (tiled IQ4_XS) and v (tiled Q6_K): one GEMV launch and one
-// sum launch a layer).
+// call): each format's weights (up to kMaxGroup per launch) run as one grouped launch, or two batches as one pair
+// launch (try_pair), and the split partials of all of them are summed by one launch after the last (the 27B's
+// attention q / k (tiled IQ4_XS) and v (tiled Q6_K): one GEMV launch and one sum launch a layer).
 inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv, int n) {
   cudaStream_t s = stream();
   std::vector<std::shared_ptr<void>> scratch;  // split partials, freed stream-ordered after the kernels
@@ -1784,16 +1821,9 @@ inline void gemv_split(const Weight* ws, int count, int64_t in, const XView& xv,
   const int64_t sms = sm_count();
   SplitSums pending;
   const std::vector<Batch> bs = batches_of(ws, count);
-  const auto pair = [&](const Batch& f, const Batch& g) {
-    return tiles_for(n) <= kPairMaxTiles && with_pair(f.t, g.t, [&](auto tf, auto tg) {
-             with_tiles(n, [&](auto nt) {
-               constexpr int NT = std::min(int(decltype(nt)::value), kPairMaxTiles);  // (no instance past it)
-               launch_pair<typename decltype(tf)::type, typename decltype(tg)::type, NT>(f.w, f.count, g.w, g.count, in,
-                                                                                         xv, n, sms, partials, pending, s);
-             });
-           });
-  };
-  if (!(bs.size() == 2 && (pair(bs[0], bs[1]) || pair(bs[1], bs[0]))))
+  const bool paired = bs.size() == 2 && (try_pair(bs[0], bs[1], in, xv, n, sms, partials, pending, s) ||
+                                         try_pair(bs[1], bs[0], in, xv, n, sms, partials, pending, s));
+  if (!paired)
     for (const Batch& b : bs)
       with_format(b.t, [&](auto tag) {
         using F = typename decltype(tag)::type;

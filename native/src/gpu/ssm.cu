@@ -2,7 +2,8 @@
 // (cpu/ssm.h). GPU inputs must be contiguous; states are updated in place, or read from `state` and
 // written to `state_out` (same arithmetic, bitwise equal).
 //
-// conv1d_causal: one thread per channel and chunk of kConvTokens tokens (out of place and T <= kConvTokens: one token), tokens in order; y[t, c] = sum_j w[j, c] * X[t + j, c]
+// conv1d_causal: one thread per channel and chunk of kConvTokens tokens (out of place and T <= kConvTokenChunksUpTo:
+// one token), tokens in order; y[t, c] = sum_j w[j, c] * X[t + j, c]
 // with j ascending and explicit round-to-nearest mul/add (no FMA), as the CPU op, then silu in
 // double. Tolerance vs CPU: bit-identical (silu: <= 1 F32 ulp when device and host double exp
 // straddle an F32 rounding boundary, practically never); state bit-identical.
@@ -53,6 +54,7 @@ namespace {
 using detail::conv::conv1d_kernel;
 using detail::conv::conv1d_taps_kernel;
 using detail::conv::kConvThreads;
+using detail::conv::kConvTokenChunksUpTo;
 using detail::conv::kConvTokens;
 
 // ---------------------------------------------------------------------------- gated_delta_net
@@ -193,11 +195,12 @@ Tensor conv1d_causal(const Tensor& x, const Tensor& weight, const Tensor& state,
   int64_t blocks = (C + kConvThreads - 1) / kConvThreads;
   detail::check_grid(blocks, op);
   // In place: at least K - 1 tokens per chunk, so only the first chunk reads the state, which it overwrites after
-  // (see the kernel). Out of place, a verify's few tokens (T <= kConvTokens) take one token a chunk: a thread computes
-  // its tokens one after the other, each with a double-precision silu, so in one chunk the 27B's verify of 8 rows
-  // took 5.5 us a layer against 2.0 at 1 row (H200). At most 65535 chunks (grid y).
+  // (see the kernel). Out of place, a verify's few tokens (T <= kConvTokenChunksUpTo) take one token a chunk: a
+  // thread computes its tokens one after the other, each with a double-precision silu, so in one chunk the 27B's
+  // verify of 8 rows took 5.5 us a layer against 2.0 at 1 row (H200). At most 65535 chunks (grid y).
   const bool in_place = out_state.data == state.data;  // else no overlap (cpu::written_state)
-  const int64_t chunk = !in_place && T <= kConvTokens ? 1 : std::max({kConvTokens, K - 1, (T + 65534) / 65535});
+  const int64_t chunk =
+      !in_place && T <= kConvTokenChunksUpTo ? 1 : std::max({kConvTokens, K - 1, (T + 65534) / 65535});
   const int64_t chunks = std::max<int64_t>(1, (T + chunk - 1) / chunk);
   if (K == 4)  // the models' conv: the register-window kernel (bit-identical)
     detail::launch_kernel<conv1d_taps_kernel<4>>("conv1d_taps_kernel", dim3(unsigned(blocks), unsigned(chunks)),

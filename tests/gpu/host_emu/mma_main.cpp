@@ -166,6 +166,8 @@ struct Planned {
   std::vector<specd::gpu::detail::mma::GroupWeight> ws;
   specd::gpu::detail::mma::Group grp;
   specd::gpu::detail::mma::SplitSums sums;
+  Planned(const Planned&) = delete;  // grp and ws point into its own vectors
+  Planned& operator=(const Planned&) = delete;
   Planned(const uint8_t* w, int64_t row_bytes, int64_t in, int n, const std::vector<int64_t>& outs, float* y) {
     using namespace specd::gpu::detail::mma;
     int64_t row0 = 0, y0 = 0;
@@ -388,7 +390,7 @@ std::vector<int64_t> parse_outs(const char* p) {
   return outs;
 }
 
-// The bytes of file `path`: exactly `bytes` of them (a short file leaves the rest zero).
+// The first `count` values of type T in file `path` (a short file leaves the rest zero).
 template <class T>
 std::vector<T> read_file(const char* path, size_t count) {
   std::vector<T> v(count);
