@@ -89,6 +89,14 @@ def test_gpu_decode_kernel_summary():
     for bad in (["0"], ["17"], ["4", "4"], []):  # widths 1..16, distinct, at least one
         with pytest.raises(SystemExit):
             gpu_decode.main(["--gguf", "unused.gguf", "--profile-verify", *bad])
+    for bad in (["--profile-commit", "4"], ["--profile-commit"],  # the scripted loop's acceptance lengths 3, 5, 7
+                ["--profile-commit", "5", "--device", "cpu"], ["--profile", "4", "--device", "cpu"]):  # GPU kernels only
+        with pytest.raises(SystemExit):
+            gpu_decode.main(["--gguf", "unused.gguf", *bad])
+    md = gpu_decode.markdown({"config": "27b", "mix": "iq4xs", "device": "x", "date": "d", "weight_bytes": 1,
+                              "load_s": 1.0, "decode_tok_s": 1.0, "verify_ms": {1: 1.0}, "prefill_tok_s": {},
+                              "loop": {}, "streamed_bytes_per_token": 1, "commit_profile": {5: {"calls": 2, "kernels": rows}}})
+    assert "| kernel | calls / commit | us / commit | share |" in md[md.index("per commit of 5 of a verify's 8 rows"):]
 
 
 def test_gpu_decode_exclusive_kernel_times():

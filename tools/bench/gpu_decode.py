@@ -23,7 +23,9 @@ Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
   host (cProfile), and where the GPU idles (gaps between its work, the host CUDA calls during them);
 * an in-process speculative loop with a scripted drafter at acceptance lengths 3, 5 and 7: each step
   verifies the anchor + 7 drafts whose first AL - 1 are the target's own greedy continuation and
-  the rest wrong, then commits AL tokens; tokens/s and the speedup over plain decode. (In-process:
+  the rest wrong, then commits AL tokens; tokens/s and the speedup over plain decode; with
+  ``--profile-commit AL ...``: where the time of a commit of AL of those 8 rows goes, per GPU kernel (N steps before
+  the timed ones, on a continuation N * 7 tokens longer); (In-process:
   no gRPC, so this is the model-side loop; tools/bench/loop_overhead.py measures the service.)
 
 Usage: python tools/bench/gpu_decode.py --gguf /tmp/r27.gguf [--mix iq4xs] [--out DIR]
@@ -90,6 +92,9 @@ def main(argv=None) -> int:
                     help="profile N plain decode steps per GPU kernel (0: off)")
     ap.add_argument("--profile-verify", type=int, nargs="+", default=[], metavar="W",
                     help="profile verifies of W rows (1..16) per GPU kernel, as many as --profile's steps (else 4)")
+    ap.add_argument("--profile-commit", type=int, nargs="+", default=[], metavar="AL", choices=(3, 5, 7),
+                    help="profile the scripted loop's commits at acceptance length AL (3, 5 or 7) per GPU kernel, as "
+                         "many as --profile's steps (else 4)")
     ap.add_argument("--decode-context", type=int, nargs="*", default=[], metavar="N",
                     help="also plain decode tok/s after a prompt of N tokens (the attention then reads N keys "
                          "per layer; e.g. 8192 32768)")
@@ -105,6 +110,8 @@ def main(argv=None) -> int:
         ap.error("--prefill-chunks: each chunk must be > 0 tokens")
     if any(not 1 <= w <= 16 for w in args.profile_verify) or len(set(args.profile_verify)) != len(args.profile_verify):
         ap.error("--profile-verify: distinct widths in 1..16 (the CUDA-graph verify widths)")
+    if args.device != "cuda" and (args.profile or args.profile_verify or args.profile_commit or args.profile_prefill):
+        ap.error("--profile, --profile-verify, --profile-commit and --profile-prefill profile GPU kernels: --device cuda")
 
     import random_qwen35
     import specd.native as sn
@@ -210,25 +217,32 @@ def main(argv=None) -> int:
     ref_st = model.new_sequence(4096)
     lg = model.prefill(ref_st, prompt)
     cont = [int(np.argmax(lg))]
-    for _ in range(160):
+    commit_calls = args.profile if args.profile > 0 else 4  # --profile-commit's steps, before the timed ones
+    for _ in range(160 + (7 * commit_calls if args.profile_commit else 0)):
         cont.append(int(np.argmax(model.decode(ref_st, cont[-1]))))
-    rep["loop"] = {}
+    rep["loop"], rep["commit_profile"] = {}, {}
     for al in (3, 5, 7):
         s = model.new_sequence(4096)
         model.prefill(s, prompt)
         pos, steps, mismatches = 0, 0, 0  # cont[pos] is the anchor (decided, not yet fed)
 
-        def step():
+        def step(commit=lambda res: model.commit(s, res, al)):
             nonlocal pos, steps, mismatches
             drafts = cont[pos + 1:pos + al] + [(cont[pos + j] + 1) % vocab for j in range(al, 8)]
             res = model.verify(s, [cont[pos]] + drafts)
             # rows 0..al-1 must predict the greedy continuation (batch invariance: verify == decode)
             mismatches += int(list(res.argmax[:al]) != cont[pos + 1:pos + al + 1])
-            model.commit(s, res, al)
+            commit(res)
             pos += al
             steps += 1
 
         step()  # untimed: captures this sequence's width-8 verify graph and its commit graph
+        if al in args.profile_commit:  # a few steps whose commits alone are traced (on continuation added for them)
+            events = []
+            for _ in range(commit_calls):
+                step(lambda res: events.extend(exclusive_times(trace(lambda: model.commit(s, res, al), sync)[0])))
+            rep["commit_profile"][al] = {"calls": commit_calls, "kernels": summarise_kernels(events, commit_calls)}
+            print("commit profile", al, json.dumps(rep["commit_profile"][al]["kernels"][:25]), flush=True)
         t0_pos, t0_steps = pos, steps
 
         def loop():
@@ -497,6 +511,9 @@ def markdown(r: dict) -> str:
         L += kernel_table("per plain decode step", "step", r["profile"], max(1, r.get("profile_steps", 1)))
     for w, vp in (r.get("verify_profile") or {}).items():
         L += kernel_table(f"per verify of {w} rows", "verify", vp["kernels"], vp["calls"])
+    for al, cp in (r.get("commit_profile") or {}).items():
+        L += kernel_table(f"per commit of {al} of a verify's 8 rows (the scripted loop)", "commit", cp["kernels"],
+                          cp["calls"])
     if r.get("prefill_profile"):
         n = r["prefill_profile_tokens"]
         L += kernel_table(f"of one prefill of {n} tokens", "prefill", r["prefill_profile"], 1)
