@@ -25,7 +25,7 @@ Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
   verifies the anchor + 7 drafts whose first AL - 1 are the target's own greedy continuation and
   the rest wrong, then commits AL tokens; tokens/s and the speedup over plain decode; with
   ``--profile-commit AL ...``: where the time of a commit of AL of those 8 rows goes, per GPU kernel (N steps before
-  the timed ones, on a continuation N * 7 tokens longer); (In-process:
+  the timed ones, on a continuation N * 7 tokens longer). (In-process:
   no gRPC, so this is the model-side loop; tools/bench/loop_overhead.py measures the service.)
 
 Usage: python tools/bench/gpu_decode.py --gguf /tmp/r27.gguf [--mix iq4xs] [--out DIR]
