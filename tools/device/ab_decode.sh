@@ -12,7 +12,9 @@
 #   3. the sweep's runs (SWEEP_FORMAT as gemv_sweep.sh).
 # The old trees: folders carried with the working tree (untracked), e.g.
 #     mkdir ab_pdl && git archive wip/pdl-all ':!models' ':!tests' | tar -x -C ab_pdl
-# (without models/ and tests/: the device tool carries at most 64 MiB with the working tree).
+# (without models/ and tests/: the device tool carries at most 64 MiB with the working tree). Each tree decodes
+# with its own tools/bench/gpu_decode.py: for AB_DECODE_ARGS an older script lacks (e.g. --profile-verify, before
+# 8ee3e8f), copy the working tree's script into the old tree's folder.
 # Usage (repository root on the GPU machine; carry .whl):
 #     OUT=/some/dir OLD="pdl:ab_pdl" TESTS="tests/gpu/test_gpu_gemv_tiles.py" bash tools/device/ab_decode.sh
 #     OUT=/some/dir DECODE_TREES=new AB_DECODE_ARGS="--decode-context 8192" bash tools/device/ab_decode.sh  (no OLD)
