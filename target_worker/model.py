@@ -521,19 +521,24 @@ class Qwen35Model:
         """The device (or numpy) part of commit: KV compaction and GDN / conv state updates."""
         full_chain = res.parents is None and len(rows) == len(res.tokens)
         ops = self._ops
+        gdn = [i for i, p in enumerate(res.pending) if p is not None]
         for i, p in enumerate(res.pending):
             if p is None:
                 self._compact_kv(st, i, res.start, rows)
-            elif full_chain:  # in place on the device: states keep their addresses (captured graphs)
+        if full_chain:  # in place on the device: states keep their addresses (captured graphs)
+            for i in gdn:
+                p = res.pending[i]
                 st.ssm[i], st.conv[i] = ops.assign(st.ssm[i], p.final_state), ops.assign(st.conv[i], p.final_conv)
-            elif res.parents is None:  # a chain prefix: its leading rows, read where the verify left them
-                n = len(rows)
-                # the conv over the accepted inputs leaves their last K-1 rows as the state (its output is unused)
-                sn.conv1d_causal(ops.lead_rows(p.conv_in, n), self.conv_w[i], st.conv[i], apply_silu=False,
-                                 state_out=st.conv[i])
-                sn.gated_delta_net(*(ops.lead_rows(x, n) for x in (p.q, p.k, p.v, p.g, p.beta)), st.ssm[i],
-                                   self._gdn_scale)
-            else:
+        elif res.parents is None:  # a chain prefix: its leading rows, read where the verify left them
+            # Every GDN layer at once (one launch each on the GPU, not two small ones a layer after another): the
+            # conv states take the accepted inputs' last K-1 rows, the recurrence reruns the accepted rows.
+            n, pend = len(rows), [res.pending[i] for i in gdn]
+            sn.conv1d_causal_states([ops.lead_rows(p.conv_in, n) for p in pend], [st.conv[i] for i in gdn])
+            inputs = ([ops.lead_rows(getattr(p, f), n) for p in pend] for f in ("q", "k", "v", "g", "beta"))
+            sn.gated_delta_net_states(*inputs, [st.ssm[i] for i in gdn], self._gdn_scale)
+        else:
+            for i in gdn:
+                p = res.pending[i]
                 st.conv[i] = ops.assign(st.conv[i], self._conv_state_after(st.conv[i], p.conv_in, rows))
                 sn.gated_delta_net(ops.take(p.q, rows), ops.take(p.k, rows), ops.take(p.v, rows),
                                    ops.take(p.g, rows), ops.take(p.beta, rows), st.ssm[i], self._gdn_scale)

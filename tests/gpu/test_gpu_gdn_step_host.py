@@ -29,7 +29,7 @@ from gdn_ref import gdn_ref, gdn_step_inputs_ref  # noqa: E402
 from host_emu_build import build_emu  # noqa: E402
 
 NAMES_IN = ("cv", "a", "b", "dt", "ssm_a", "state")
-NAMES_OUT = ("o", "q", "k", "v", "g", "beta", "state_out", "o_ref", "state_ref")
+NAMES_OUT = ("o", "q", "k", "v", "g", "beta", "state_out", "o_ref", "state_ref", "layers0", "layers1", "state_ref2")
 
 
 HEADERS = ["gdn_step.cuh", "gdn_step_split.cuh", "gdn_chunked.cuh", "dyn_smem.cuh", "norm.cuh", "norm_split.cuh",
@@ -62,7 +62,8 @@ def run_emu(emu, T, hk, hv, dk, dv, eps, scale, arrays, in_place):
                         str(int(in_place))] +
                        [files[n] for n in NAMES_IN + NAMES_OUT], check=True, capture_output=True, text=True)
     shapes = dict(o=(T, hv, dv), q=(T, hk, dk), k=(T, hk, dk), v=(T, hv, dv), g=(T, hv), beta=(T, hv),
-                  state_out=(hv, dv, dk), o_ref=(T, hv, dv), state_ref=(hv, dv, dk))
+                  state_out=(hv, dv, dk), o_ref=(T, hv, dv), state_ref=(hv, dv, dk), layers0=(hv, dv, dk),
+                  layers1=(hv, dv, dk), state_ref2=(hv, dv, dk))
     return {n: np.fromfile(files[n], np.float32).reshape(shapes[n]) for n in NAMES_OUT}, r.stdout.strip()
 
 
@@ -76,7 +77,8 @@ CASES = [(1, 2, 4, 64, 32), (8, 1, 3, 128, 64), (17, 2, 6, 128, 64), (9, 1, 2, 1
 @pytest.mark.parametrize("T,hk,hv,dk,dv", CASES)
 def test_gdn_step_emulated_matches_float64(step_emu, rng, T, hk, hv, dk, dv, in_place):
     """Against float64 within the recurrence's tolerance; o and the state bit for bit those of gdn_kernel
-    (gated_delta_net's register kernel) run on the step's own q, k, v, g, beta."""
+    (gated_delta_net's register kernel) run on the step's own q, k, v, g, beta; gdn_layers_kernel
+    (gated_delta_net_states') on two layers in one launch: each layer's state bit for bit gdn_kernel's."""
     eps, scale = 1e-6, 1 / np.sqrt(dk)
     arrays = dict(cv=rng.standard_normal((T, 2 * hk * dk + hv * dv)), a=rng.standard_normal((T, hv)),
                   b=rng.standard_normal((T, hv)), dt=rng.standard_normal(hv) * 0.5,
@@ -93,6 +95,9 @@ def test_gdn_step_emulated_matches_float64(step_emu, rng, T, hk, hv, dk, dv, in_
             np.testing.assert_allclose(x, r, rtol=1e-4, atol=1e-4 * np.abs(r).max(), err_msg=n)
     np.testing.assert_array_equal(got["o"].view(np.uint32), got["o_ref"].view(np.uint32))
     np.testing.assert_array_equal(got["state_out"].view(np.uint32), got["state_ref"].view(np.uint32))
+    np.testing.assert_array_equal(got["layers0"].view(np.uint32), got["state_ref"].view(np.uint32))
+    np.testing.assert_array_equal(got["layers1"].view(np.uint32), got["state_ref2"].view(np.uint32))
+    assert T == 0 or not np.array_equal(got["layers1"], got["layers0"])  # two layers, two results
     if T == 0:
         np.testing.assert_array_equal(got["state_out"], arrays["state"])
 

@@ -1171,6 +1171,81 @@ def test_gdn_gpu_state_out(rng, shape, T):
     np.testing.assert_array_equal(src.numpy(), state)
 
 
+# (layers, T, K): the 27B's 48 GDN layers at the commits of AL 1 / 3 / 7 of a verify (fewer rows than K - 1 too);
+# 70 layers: two launches (64 a launch); K = 1: no state; T = 0: nothing moves.
+@pytest.mark.parametrize("layers,T,K", [(48, 1, 4), (48, 3, 4), (48, 7, 4), (70, 2, 4), (3, 5, 2), (2, 3, 1),
+                                        (3, 0, 4)])
+@gpu_only
+def test_conv1d_causal_states_gpu_equals_each_layer(rng, layers, T, K):
+    """One launch for every layer's conv state: bitwise what conv1d_causal leaves in each state, on the GPU and
+    on the CPU (the state is a copy of [state ; x]'s last K - 1 rows)."""
+    C = 10240 if layers == 48 else 130
+    xs = [f32(rng, (8, C))[:T] for _ in range(layers)]  # a verify's leading rows
+    w = f32(rng, (K, C), 0.5)
+    states = [f32(rng, (K - 1, C)) for _ in range(layers)]
+    want_gpu, want_cpu = [], []
+    for x, s in zip(xs, states):
+        one = on_gpu(s)
+        sn.conv1d_causal(on_gpu(x), on_gpu(w), one, False)
+        want_gpu.append(one.numpy())
+        cpu = s.copy()
+        sn.conv1d_causal(x, w, cpu, False)
+        want_cpu.append(cpu)
+    sg = [on_gpu(s) for s in states]
+    sn.conv1d_causal_states([on_gpu(x) for x in xs], sg)
+    for got, a, b in zip(sg, want_gpu, want_cpu):
+        np.testing.assert_array_equal(got.numpy(), a)
+        np.testing.assert_array_equal(got.numpy(), b)
+
+
+# (layers, T, shape): the 27B's 48 layers at AL 1 / 3 / 7 and past a stage of 8 tokens; 70 layers of a small shape
+# (two launches); whole-head register blocks; the fallback recurrence (dk 48: a layer at a time).
+@pytest.mark.parametrize("layers,T,shape", [(48, 1, (16, 48, 128, 128)), (48, 3, (16, 48, 128, 128)),
+                                            (48, 7, (16, 48, 128, 128)), (4, 9, (16, 48, 128, 128)),
+                                            (70, 3, (2, 4, 64, 32)), (3, 5, (1, 2, 64, 40)),
+                                            (3, 4, (2, 2, 48, 64)), (3, 0, (2, 4, 64, 32))])
+@gpu_only
+def test_gated_delta_net_states_gpu_equals_each_layer(rng, layers, T, shape):
+    """One launch for every layer's recurrence: each state bitwise gated_delta_net's on the GPU (what makes a
+    commit's state that of plain decoding) and within gated_delta_net's tolerance of the CPU op."""
+    hk, hv, dk, dv = shape
+    ins = [gdn_inputs(rng, T, hk, hv, dk, dv) for _ in range(layers)]
+    scale = 1 / np.sqrt(dk)
+    sg = [on_gpu(x[5]) for x in ins]
+    args = [[on_gpu(x[f]) for x in ins] for f in range(5)]
+    sn.gated_delta_net_states(*args, sg, scale)
+    for i, x in enumerate(ins):
+        one = on_gpu(x[5])
+        sn.gated_delta_net(*(a[i] for a in args), one, scale)
+        np.testing.assert_array_equal(sg[i].numpy().view(np.uint32), one.numpy().view(np.uint32))
+        cpu = x[5].copy()
+        sn.gated_delta_net(*x[:5], cpu, scale)
+        np.testing.assert_allclose(sg[i].numpy(), cpu, rtol=1e-4, atol=1e-4 * np.abs(cpu).max())
+
+
+@gpu_only
+def test_commit_states_gpu_errors(rng):
+    """Bad arguments raise before anything runs (every state untouched): a layer's wrong shape, a state on the
+    host beside device ones, two layers sharing a state."""
+    q, k, v, g, beta, s = gdn_inputs(rng, 2, 2, 4, 64, 32)
+    args = [[on_gpu(a)] * 2 for a in (q, k, v, g, beta)]
+    s0, s1 = on_gpu(s), on_gpu(s)
+    with pytest.raises(ValueError, match="layer 1: state has the wrong shape"):
+        sn.gated_delta_net_states(*args, [s0, on_gpu(s[:2])], 0.1)
+    if not DRYRUN:
+        with pytest.raises(ValueError, match="layer 1: state must be on the GPU"):
+            sn.gated_delta_net_states(*args, [s0, s.copy()], 0.1)
+    with pytest.raises(ValueError, match="the states of layers 0 and 1 overlap"):
+        sn.gated_delta_net_states(*args, [s0, s0], 0.1)
+    np.testing.assert_array_equal(s0.numpy(), s)
+    np.testing.assert_array_equal(s1.numpy(), s)
+    x, st = f32(rng, (2, 40)), f32(rng, (3, 40))
+    c0 = on_gpu(st)
+    with pytest.raises(ValueError, match=r"layer 1: x must be \[T, C\] = \[2, 40\]"):
+        sn.conv1d_causal_states([on_gpu(x), on_gpu(x[:1])], [c0, on_gpu(st)])
+    np.testing.assert_array_equal(c0.numpy(), st)
+
+
 def gdn_step_inputs(rng, T, hk, hv, dk, dv):
     """gdn_step's inputs: cv (conv output, silu'd scale), a, b, dt, ssm_a, state."""
     cv = f32(rng, (T, 2 * hk * dk + hv * dv))

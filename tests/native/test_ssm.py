@@ -406,3 +406,81 @@ def test_gdn_step_bad_input(rng):
     cv3 = f(T, 2 * 2 * dk + 3 * dv)
     with pytest.raises(ValueError, match="multiple of key heads"):
         sn.gdn_step(cv3, f(T, 3), f(T, 3), f(3), f(3), f(3, dv, dk), 2, dk, 3, dv, 1e-6, 0.1)
+
+
+# ---- a commit's state updates on several layers (conv1d_causal_states, gated_delta_net_states) -----------------
+
+
+@pytest.mark.parametrize("T,K", [(0, 4), (1, 4), (2, 4), (3, 4), (7, 4), (2, 1), (1, 2), (5, 3)])
+def test_conv1d_causal_states_equals_each_layer(rng, T, K):
+    C, layers = 37, 3
+    xs = [rng.standard_normal((T, C)).astype(np.float32) for _ in range(layers)]
+    w = rng.standard_normal((K, C)).astype(np.float32)
+    states = [rng.standard_normal((K - 1, C)).astype(np.float32) for _ in range(layers)]
+    want = []
+    for x, s in zip(xs, states):
+        one = s.copy()
+        sn.conv1d_causal(x, w, one, apply_silu=False)  # the single-layer op's state update
+        np.testing.assert_array_equal(one, np.concatenate([s, x])[T:])  # [state ; x]'s last K - 1 rows
+        want.append(one)
+    sn.conv1d_causal_states(xs, states)
+    for s, ref in zip(states, want):
+        np.testing.assert_array_equal(s, ref)
+
+
+@pytest.mark.parametrize("T,hk,hv,dk,dv", [(1, 2, 4, 16, 8), (3, 1, 3, 32, 32), (9, 2, 4, 128, 128), (5, 1, 3, 7, 5)])
+def test_gated_delta_net_states_equals_each_layer(rng, T, hk, hv, dk, dv):
+    layers, scale = 3, 1 / np.sqrt(dk)
+    ins = [gdn_inputs(rng, T, hk, hv, dk, dv) for _ in range(layers)]
+    want = []
+    for q, k, v, g, beta, s0 in ins:
+        one = s0.copy()
+        sn.gated_delta_net(q, k, v, g, beta, one, scale)
+        close(one, gdn_ref(q, k, v, g, beta, s0, scale)[1][-1], GDN_TOL)
+        want.append(one)
+    states = [x[5] for x in ins]
+    sn.gated_delta_net_states(*([x[f] for x in ins] for f in range(5)), states, scale)
+    for s, ref in zip(states, want):
+        np.testing.assert_array_equal(s, ref)
+
+
+def test_commit_states_bad_input(rng):
+    T, hk, hv, d, C = 2, 1, 2, 8, 6
+    q, k, v, g, beta, s = gdn_inputs(rng, T, hk, hv, d, d)
+    s2 = s.copy()
+    kept = (s.copy(), s2.copy())
+
+    def gdn(**kw):
+        a = dict(q=[q, q], k=[k, k], v=[v, v], g=[g, g], beta=[beta, beta], states=[s, s2], scale=0.5)
+        a.update(kw)
+        sn.gated_delta_net_states(**a)
+
+    with pytest.raises(ValueError, match="1 tensors in k for 2 states"):
+        gdn(k=[k])
+    with pytest.raises(ValueError, match=r"layer 1: \[T, Hk, dk, Hv, dv\] = \[1, .*differ from layer 0's"):
+        gdn(q=[q, q[:1]], k=[k, k[:1]], v=[v, v[:1]], g=[g, g[:1]], beta=[beta, beta[:1]])
+    with pytest.raises(ValueError, match="the states of layers 0 and 1 overlap"):
+        gdn(states=[s, s])
+    with pytest.raises(ValueError, match="layer 1's state overlaps an input of layer 0"):
+        gdn(v=[s2.reshape(-1)[: v.size].reshape(v.shape), v])  # layer 0's v inside layer 1's state
+    with pytest.raises(ValueError, match="layer 1: state has the wrong shape"):
+        gdn(states=[s, s2[:1]])
+    with pytest.raises(ValueError, match="layer 0: q must be F32"):
+        gdn(q=[q.astype(np.float16), q])
+    with pytest.raises(ValueError, match="layer 1: v must be contiguous"):
+        gdn(v=[v, np.ascontiguousarray(np.repeat(v, 2, axis=2))[:, :, ::2]])
+    with pytest.raises(ValueError, match="layer 0: scale must be finite"):
+        gdn(scale=float("nan"))
+    np.testing.assert_array_equal(s, kept[0])  # nothing ran
+    np.testing.assert_array_equal(s2, kept[1])
+    x, st = rng.standard_normal((T, C)).astype(np.float32), np.zeros((3, C), np.float32)
+    with pytest.raises(ValueError, match="1 inputs \\(xs\\) for 2 states"):
+        sn.conv1d_causal_states([x], [st, st.copy()])
+    with pytest.raises(ValueError, match=r"layer 1: x must be \[T, C\] = \[2, 6\] as layer 0's, got \[3, 6\]"):
+        sn.conv1d_causal_states([x, np.zeros((3, C), np.float32)], [st, st.copy()])
+    with pytest.raises(ValueError, match="layer 1: state has the wrong shape"):
+        sn.conv1d_causal_states([x, x.copy()], [st, np.zeros((2, C), np.float32)])
+    with pytest.raises(ValueError, match="the states of layers 0 and 1 overlap"):
+        sn.conv1d_causal_states([x, x.copy()], [st, st])
+    sn.gated_delta_net_states([], [], [], [], [], [], 1.0)  # no layers: nothing to do
+    sn.conv1d_causal_states([], [])

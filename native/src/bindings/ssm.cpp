@@ -100,6 +100,50 @@ Networks", ICLR 2025): the same recurrence in real arithmetic, other F32 roundin
 max|o| of the CPU op), and its results then depend on how the tokens are split over calls; the CPU
 is always exact. Returns o: F32 [T, Hv, dv]. Raises ValueError on dtype/shape
 mismatch or an overlapping state_out.)doc");
+  using Tensors = std::vector<Tensor>;
+  m.def(
+      "conv1d_causal_states",
+      [](const Tensors& xs, const Tensors& states) {
+        without_gil([&] {
+#if SPECD_WITH_GPU
+          if (!states.empty() && states[0].device == Device::GPU) return gpu::conv1d_causal_states(xs, states);
+#endif
+          cpu::conv1d_causal_states(xs, states);
+        });
+      },
+      py::arg("xs"), py::arg("states"),
+      R"doc(conv1d_causal's state update on several layers at once, without its outputs: a spec step's commit of
+the accepted rows of a chain verify (spec-loop.md §5.3).
+
+xs[i]: F32 [T, C] contiguous (layer i's conv inputs, e.g. a verify's leading T rows); states[i]: F32 [K-1, C]
+contiguous and writable (a numpy array is updated in place), replaced by the last K-1 rows of [states[i] ; xs[i]],
+bitwise what conv1d_causal(xs[i], w, states[i]) leaves there. Every layer has layer 0's T, C and K-1; all on one
+device. On the GPU one launch (up to 64 layers a launch). Raises ValueError naming the layer and argument on a
+wrong dtype, shape, layout or device, lists of different lengths, or a state overlapping another layer's state or
+any x.)doc");
+  m.def(
+      "gated_delta_net_states",
+      [](const Tensors& q, const Tensors& k, const Tensors& v, const Tensors& g, const Tensors& beta,
+         const Tensors& states, float scale) {
+        without_gil([&] {
+#if SPECD_WITH_GPU
+          if (!states.empty() && states[0].device == Device::GPU)
+            return gpu::gated_delta_net_states(q, k, v, g, beta, states, scale);
+#endif
+          cpu::gated_delta_net_states(q, k, v, g, beta, states, scale);
+        });
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("states"), py::arg("scale"),
+      R"doc(gated_delta_net on several layers at once, states only: a spec step's commit of the accepted rows of a
+chain verify (spec-loop.md §5.3), the recurrence over those rows from each layer's state.
+
+For every layer i: gated_delta_net(q[i], k[i], v[i], g[i], beta[i], states[i], scale) in place on states[i]
+(bitwise the same state; its output o is not computed). Shapes as gated_delta_net's (q, k F32 [T, Hk, dk], v
+[T, Hv, dv], g, beta [T, Hv], states F32 [Hv, dv, dk]), the same for every layer, every tensor contiguous and on
+one device (a numpy state is updated in place). On the GPU one launch runs all layers side by side (up to 64 a
+launch; shapes without gated_delta_net's register kernel run a layer at a time). Raises ValueError naming the
+layer and argument on a wrong dtype, shape, layout or device, lists of different lengths, layers of different
+shapes, or a state overlapping another layer's state or any input.)doc");
   m.def(
       "gdn_step",
       [](const Tensor& cv, const Tensor& a, const Tensor& b, const Tensor& dt, const Tensor& ssm_a, const Tensor& state,

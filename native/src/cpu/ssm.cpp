@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -106,6 +108,28 @@ const Tensor& check_gdn(const Tensor& q, const Tensor& k, const Tensor& v, const
   }
   return written_state(state, state_out, {d.hv, d.dv, d.dk},
                        {&q, &k, &v, &g, &beta, checkpoints ? &*checkpoints : nullptr}, Device::CPU, op);
+}
+
+// "op: layer i", the op name in the errors of layer i of a several-layer op.
+std::string layer_op(const char* op, size_t i) { return std::string(op) + ": layer " + std::to_string(i); }
+
+void check_f32(const Tensor& t, int64_t ndim, Device dev, const std::string& op, const char* arg) {
+  check_device(t, dev, op.c_str(), arg);
+  check_dtype(t, DType::F32, op.c_str(), arg);
+  check_ndim(t, ndim, op.c_str(), arg);
+  check_contiguous(t, op.c_str(), arg);
+}
+
+// No layer's state overlaps another's or any layer's input (the layers run side by side on the GPU).
+void check_layer_states(const std::vector<Tensor>& states, std::initializer_list<const std::vector<Tensor>*> inputs,
+                        const char* op) {
+  for (size_t i = 0; i < states.size(); ++i) {
+    for (size_t j = i + 1; j < states.size(); ++j)
+      SPECD_CHECK(!overlap(states[i], states[j]), op, ": the states of layers ", i, " and ", j, " overlap");
+    for (const std::vector<Tensor>* in : inputs)
+      for (size_t j = 0; j < in->size(); ++j)
+        SPECD_CHECK(!overlap(states[i], (*in)[j]), op, ": layer ", i, "'s state overlaps an input of layer ", j);
+  }
 }
 
 }  // namespace
@@ -250,6 +274,69 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(
   auto [g, beta] = gdn_gates(a, b, dt, ssm_a);
   Tensor o = gated_delta_net(q, k, v, g, beta, state, scale, std::nullopt, state_out);
   return {o, q, k, v, g, beta};
+}
+
+ConvDims check_conv1d_causal_states(const std::vector<Tensor>& xs, const std::vector<Tensor>& states, Device dev) {
+  const char* op = "conv1d_causal_states";
+  SPECD_CHECK(xs.size() == states.size(), op, ": ", xs.size(), " inputs (xs) for ", states.size(), " states");
+  ConvDims d{0, 0, 0};
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const std::string lop = layer_op(op, i);
+    check_f32(xs[i], 2, dev, lop, "x");
+    if (i == 0) d = {xs[0].dim(0), xs[0].dim(1), states[0].ndim() == 2 ? states[0].dim(0) : -1};
+    SPECD_CHECK(xs[i].dim(0) == d.T && xs[i].dim(1) == d.C, lop, ": x must be [T, C] = [", d.T, ", ", d.C,
+                "] as layer 0's, got [", xs[i].dim(0), ", ", xs[i].dim(1), "]");
+    check_state(states[i], {d.km1, d.C}, dev, lop.c_str(), "state");  // [K - 1, C], K - 1 from layer 0
+  }
+  check_layer_states(states, {&xs}, op);
+  return d;
+}
+
+GdnDims check_gated_delta_net_states(const std::vector<Tensor>& q, const std::vector<Tensor>& k,
+                                     const std::vector<Tensor>& v, const std::vector<Tensor>& g,
+                                     const std::vector<Tensor>& beta, const std::vector<Tensor>& states, float scale,
+                                     Device dev) {
+  const char* op = "gated_delta_net_states";
+  for (const auto& [list, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}})
+    SPECD_CHECK(list->size() == states.size(), op, ": ", list->size(), " tensors in ", name, " for ", states.size(),
+                " states");
+  GdnDims d{0, 0, 0, 0, 0};
+  for (size_t i = 0; i < states.size(); ++i) {
+    const std::string lop = layer_op(op, i);
+    for (const auto& [t, name, ndim] : {std::tuple{&q[i], "q", 3}, {&k[i], "k", 3}, {&v[i], "v", 3}, {&g[i], "g", 2},
+                                        {&beta[i], "beta", 2}})
+      check_f32(*t, ndim, dev, lop, name);
+    const GdnDims di = check_gated_delta_net_shapes(q[i], k[i], v[i], g[i], beta[i], scale, lop.c_str());
+    if (i == 0) d = di;
+    SPECD_CHECK(di.T == d.T && di.hk == d.hk && di.dk == d.dk && di.hv == d.hv && di.dv == d.dv, lop,
+                ": [T, Hk, dk, Hv, dv] = [", di.T, ", ", di.hk, ", ", di.dk, ", ", di.hv, ", ", di.dv,
+                "] differ from layer 0's [", d.T, ", ", d.hk, ", ", d.dk, ", ", d.hv, ", ", d.dv, "]");
+    check_state(states[i], {d.hv, d.dv, d.dk}, dev, lop.c_str(), "state");
+  }
+  check_layer_states(states, {&q, &k, &v, &g, &beta}, op);
+  return d;
+}
+
+void conv1d_causal_states(const std::vector<Tensor>& xs, const std::vector<Tensor>& states) {
+  const ConvDims d = check_conv1d_causal_states(xs, states, Device::CPU);
+  if (d.T == 0) return;  // the state is unchanged (and row T + r would be row r itself)
+  const size_t row = size_t(d.C) * sizeof(float);
+  for (size_t i = 0; i < states.size(); ++i) {
+    float* s = states[i].ptr<float>();
+    const float* x = xs[i].ptr<float>();
+    for (int64_t r = 0; r < d.km1; ++r) {  // ascending: row T + r > r is read before it is overwritten
+      const int64_t src = d.T + r;
+      std::memcpy(s + r * d.C, src < d.km1 ? s + src * d.C : x + (src - d.km1) * d.C, row);
+    }
+  }
+}
+
+void gated_delta_net_states(const std::vector<Tensor>& q, const std::vector<Tensor>& k, const std::vector<Tensor>& v,
+                            const std::vector<Tensor>& g, const std::vector<Tensor>& beta,
+                            const std::vector<Tensor>& states, float scale) {
+  check_gated_delta_net_states(q, k, v, g, beta, states, scale, Device::CPU);
+  for (size_t i = 0; i < states.size(); ++i)
+    gated_delta_net(q[i], k[i], v[i], g[i], beta[i], states[i], scale, std::nullopt);
 }
 
 }  // namespace specd::cpu

@@ -41,6 +41,20 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
                        const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
                        const std::optional<Tensor>& state_out = std::nullopt);
 
+// A spec step's commit of a chain prefix on several Gated DeltaNet layers at once (spec-loop.md §5.3: the states
+// after the accepted tokens, recomputed from the verify's inputs). The layers share T, C and K - 1; each state is
+// updated in place, and the result equals the single-layer op's bitwise (the GPU runs all layers in one launch).
+// conv1d_causal_states: states[i] (F32 [K-1, C], contiguous, writable) <- the last K-1 rows of [states[i] ; xs[i]]
+// (xs[i]: F32 [T, C], contiguous): conv1d_causal's state update without its outputs.
+// gated_delta_net_states: gated_delta_net(q[i], k[i], v[i], g[i], beta[i], states[i], scale) for every layer i, in
+// place, without its outputs (o); inputs contiguous, the shapes of gated_delta_net, the same for every layer.
+// Throws std::invalid_argument naming the layer and argument on a bad dtype, shape, layout or device, lists of
+// different lengths, layers of different shapes, or a state overlapping another state or any layer's input.
+void conv1d_causal_states(const std::vector<Tensor>& xs, const std::vector<Tensor>& states);
+void gated_delta_net_states(const std::vector<Tensor>& q, const std::vector<Tensor>& k, const std::vector<Tensor>& v,
+                            const std::vector<Tensor>& g, const std::vector<Tensor>& beta,
+                            const std::vector<Tensor>& states, float scale);
+
 // The Gated DeltaNet core of a step after its conv, as one op (the GPU fuses it: gpu::gdn_step): with
 // (q, k, v) = gdn_qkv(cv, n_k_heads, head_k_dim, n_v_heads, head_v_dim, eps) and (g, beta) =
 // gdn_gates(a, b, dt, ssm_a), o = gated_delta_net(q, k, v, g, beta, state, scale, none, state_out).
@@ -95,5 +109,16 @@ const Tensor& written_state(const Tensor& state, const std::optional<Tensor>& st
 // finite.
 GdnDims check_gated_delta_net_shapes(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
                                      const Tensor& beta, float scale, const char* op);
+
+// The checks of conv1d_causal_states and gated_delta_net_states (both backends, before anything runs). Return
+// {T, C, K - 1} and the layers' shared dimensions.
+struct ConvDims {
+  int64_t T, C, km1;
+};
+ConvDims check_conv1d_causal_states(const std::vector<Tensor>& xs, const std::vector<Tensor>& states, Device dev);
+GdnDims check_gated_delta_net_states(const std::vector<Tensor>& q, const std::vector<Tensor>& k,
+                                     const std::vector<Tensor>& v, const std::vector<Tensor>& g,
+                                     const std::vector<Tensor>& beta, const std::vector<Tensor>& states, float scale,
+                                     Device dev);
 
 }  // namespace specd::cpu

@@ -85,5 +85,30 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_taps_kernel(const float* 
   for (int64_t r = 0; r < km1; ++r) state_out[r * C + c] = X(T + r);  // as conv1d_kernel (ascending: in place safe)
 }
 
+// conv1d_causal_states' launch (ssm.cu): the new conv states of up to kMaxConvLayers layers of the same shape, each
+// the last K - 1 rows of [state ; x] (conv1d_causal's state update, a copy, without its outputs): a spec step's
+// commit of a chain prefix, one launch for all GDN layers. Block b: layer b / blocks_per_layer, channels
+// (b % blocks_per_layer) * kConvThreads + threadIdx.x. In place, ascending rows read state row T + r before it is
+// overwritten, as the kernels above.
+constexpr int kMaxConvLayers = 64;
+struct ConvStates {
+  const float* x[kMaxConvLayers];  // [T, C]
+  float* state[kMaxConvLayers];    // [K - 1, C]
+  int64_t T, C, km1, blocks_per_layer;
+};
+
+__global__ void __launch_bounds__(kConvThreads) conv_states_kernel(const ConvStates S) {
+  pdl_enter();
+  const int64_t layer = int64_t(blockIdx.x) / S.blocks_per_layer;
+  const int64_t c = (int64_t(blockIdx.x) % S.blocks_per_layer) * kConvThreads + threadIdx.x;
+  if (c >= S.C) return;
+  const float* x = S.x[layer];
+  float* state = S.state[layer];
+  for (int64_t r = 0; r < S.km1; ++r) {
+    const int64_t src = S.T + r;
+    state[r * S.C + c] = src < S.km1 ? state[src * S.C + c] : x[(src - S.km1) * S.C + c];
+  }
+}
+
 }  // namespace
 }  // namespace specd::gpu::detail::conv

@@ -73,18 +73,18 @@ __device__ __forceinline__ float gdn_row_token(float (&s)[E], const float* ks, c
   return o;
 }
 
-// Block b: value head j = b / nb, state rows [(b % nb) * rows, + rows) with rows = blockDim.x / L.
-// The tokens' k, q (pre-scaled), v, g and beta are staged in shared memory kGdnStage tokens at a time,
-// so a prefill's token chain waits on global loads and barriers once per stage, not per token; the
-// arithmetic of a token is unchanged (same bits for any T and stage split).
-template <int E, int L>  // state elements per thread, threads per state row; dk = E * L
-__global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const gdn::Params P) {
-  pdl_enter();
+// Block `block` of a gated_delta_net launch: value head j = block / nb, state rows [(block % nb) * rows, + rows) with
+// rows = blockDim.x / L. The tokens' k, q (pre-scaled), v, g and beta are staged in shared memory kGdnStage tokens
+// at a time, so a prefill's token chain waits on global loads and barriers once per stage, not per token; the
+// arithmetic of a token is unchanged (same bits for any T and stage split). kOut: o is written (P.out); without
+// it only the state (and checkpoints) are, which is all a commit's recompute needs (gdn_layers_kernel).
+template <int E, int L, bool kOut>  // state elements per thread, threads per state row; dk = E * L
+__device__ __forceinline__ void gdn_rows(const gdn::Params& P, int64_t block) {
   constexpr int DK = E * L;
   __shared__ float ks[kGdnStage][DK], qs[kGdnStage][DK], vs[kGdnStage][kMaxGdnThreads / L];
   __shared__ float gs[kGdnStage], bs[kGdnStage];
   const int rows = blockDim.x / L, nb = P.dv / rows;
-  const int j = blockIdx.x / nb, kh = j % P.hk, r0 = (blockIdx.x % nb) * rows;
+  const int j = int(block / nb), kh = j % P.hk, r0 = int(block % nb) * rows;
   const int jv = r0 + threadIdx.x / L, p = threadIdx.x % L;
   const int64_t head = int64_t(P.dv) * DK;
   const float* S = P.state + j * head + int64_t(jv) * DK;
@@ -108,7 +108,8 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const gdn::Params P
     for (int u = 0; u < n; ++u) {
       const int64_t t = t0 + u;
       const float o = gdn_row_token<E, L>(s, ks[u], qs[u], vs[u][jv - r0], gs[u], bs[u], p);
-      if (p == 0) P.out[(t * P.hv + j) * P.dv + jv] = o;
+      if constexpr (kOut)
+        if (p == 0) P.out[(t * P.hv + j) * P.dv + jv] = o;
       if (P.ckpt) {
         float* C = P.ckpt + (t * P.hv + j) * head + int64_t(jv) * DK;
 #pragma unroll
@@ -120,6 +121,37 @@ __global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const gdn::Params P
   float* SO = P.state_out + j * head + int64_t(jv) * DK;
 #pragma unroll
   for (int e = 0; e < E; ++e) SO[e * L + p] = s[e];
+}
+
+template <int E, int L>
+__global__ void __launch_bounds__(kMaxGdnThreads) gdn_kernel(const gdn::Params P) {
+  pdl_enter();
+  gdn_rows<E, L, true>(P, blockIdx.x);
+}
+
+// gated_delta_net_states' launch (ssm.cu): the recurrence of up to kMaxGdnLayers layers of the same shape over their
+// own tokens, in place on each layer's state, without outputs: a spec step's commit of a chain prefix (the target's
+// GDN layers do not depend on each other there, so one launch runs them side by side instead of one small launch a
+// layer after another). Kernel parameters, not a device table: a captured graph keeps them, and nothing is uploaded.
+constexpr int kMaxGdnLayers = 64;  // 6 pointers a layer: 3 KiB of parameters (HIP's limit: 4 KiB)
+struct GdnLayers {
+  const float *q[kMaxGdnLayers], *k[kMaxGdnLayers], *v[kMaxGdnLayers], *g[kMaxGdnLayers], *beta[kMaxGdnLayers];
+  float* state[kMaxGdnLayers];
+  float scale;
+  int64_t T;
+  int hk, hv, dk, dv;
+  int64_t blocks_per_layer;  // gdn_kernel's grid for one layer
+};
+
+// Block b: block b % blocks_per_layer of layer b / blocks_per_layer's gdn_kernel grid (a 1-D grid, so the host
+// emulation's launches run it), with gdn_kernel's code and thus its bits.
+template <int E, int L>
+__global__ void __launch_bounds__(kMaxGdnThreads) gdn_layers_kernel(const GdnLayers Ls) {
+  pdl_enter();
+  const int64_t layer = int64_t(blockIdx.x) / Ls.blocks_per_layer;
+  const gdn::Params P{Ls.q[layer], Ls.k[layer], Ls.v[layer], Ls.g[layer], Ls.beta[layer], Ls.state[layer],
+                      Ls.state[layer], nullptr, Ls.scale, Ls.T, Ls.hk, Ls.hv, Ls.dk, Ls.dv, nullptr};
+  gdn_rows<E, L, false>(P, int64_t(blockIdx.x) % Ls.blocks_per_layer);
 }
 
 // gdn_step in one launch: gdn_step_kernel runs gdn_qkv (L2-normed q / k heads, v), gdn_gates and the

@@ -195,6 +195,14 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
                        const Tensor& state, float scale, const std::optional<Tensor>& checkpoints,
                        const std::optional<Tensor>& state_out = std::nullopt, bool exact = true);
 
+// cpu::conv1d_causal_states / cpu::gated_delta_net_states (a commit's state updates on several layers, bitwise
+// those of conv1d_causal / gated_delta_net): one launch for all layers (up to 64 a launch; a recurrence whose shape
+// gated_delta_net runs without its register kernel runs layer by layer).
+void conv1d_causal_states(const std::vector<Tensor>& xs, const std::vector<Tensor>& states);
+void gated_delta_net_states(const std::vector<Tensor>& q, const std::vector<Tensor>& k, const std::vector<Tensor>& v,
+                            const std::vector<Tensor>& g, const std::vector<Tensor>& beta,
+                            const std::vector<Tensor>& states, float scale);
+
 // The Gated DeltaNet core of a decode / verify step after its conv (ssm.cu): gdn_qkv(cv), gdn_gates(a, b,
 // dt, ssm_a) and gated_delta_net (exact, token by token) from state (to state_out when given) in one launch
 // (gdn_step_kernel), bit-identical to that composition, which it runs instead where the recurrence is not the

@@ -28,6 +28,13 @@
 // instead: not token by token, so its results depend on how the tokens are split over calls, within the
 // same tolerance of the CPU op (tests up to 300 tokens).
 //
+// conv1d_causal_states / gated_delta_net_states: a spec step's commit of a chain prefix on every GDN layer at once,
+// states only: one launch runs all layers' blocks (conv_states_kernel: the conv state is a copy of [state ; x]'s
+// last K - 1 rows; gdn_layers_kernel: gdn_kernel's blocks of each layer, its code, so the states are gated_delta_net's
+// bit for bit). Before, a commit ran each layer's conv and recurrence as launches of their own, one layer after
+// another: 96 launches for the 27B's 48 layers (H200, a commit of 3 / 5 / 7 rows: 447-472 / 536-548 / 697-738 us ->
+// 125 / 146-147 / 164-165 us of GPU time, BENCHMARKS.md, session of 2026-12-04 20:43 UTC).
+//
 // gdn_step: gdn_qkv, gdn_gates and the exact recurrence of a decode / verify step in one launch
 // (gdn_step_kernel in gdn_kernel's blocks), bit-identical to those three ops (gdn_step_gated_matmul, matmul.cu,
 // also norms and splits its output for the out projection in that launch).
@@ -53,6 +60,9 @@ namespace {
 
 using detail::conv::conv1d_kernel;
 using detail::conv::conv1d_taps_kernel;
+using detail::conv::conv_states_kernel;
+using detail::conv::ConvStates;
+using detail::conv::kMaxConvLayers;
 using detail::conv::kConvThreads;
 using detail::conv::kConvTokenChunksUpTo;
 using detail::conv::kConvTokens;
@@ -63,6 +73,9 @@ using GdnParams = detail::gdn::Params;
 
 using detail::gdn_step::gdn_block_rows;
 using detail::gdn_step::gdn_kernel;
+using detail::gdn_step::gdn_layers_kernel;
+using detail::gdn_step::GdnLayers;
+using detail::gdn_step::kMaxGdnLayers;
 using detail::gdn_step::gdn_lanes;
 using detail::gdn_step::gdn_register_kernel;
 using detail::gdn_step::with_gdn_instance;
@@ -263,6 +276,55 @@ Tensor gated_delta_net(const Tensor& q, const Tensor& k, const Tensor& v, const 
     detail::launch_kernel<gdn_fallback_kernel>("gdn_fallback_kernel", unsigned(blocks), kFallbackThreads, shmem, s, P);
   }
   return out;
+}
+
+void conv1d_causal_states(const std::vector<Tensor>& xs, const std::vector<Tensor>& states) {
+  const char* op = "conv1d_causal_states";
+  const cpu::ConvDims d = cpu::check_conv1d_causal_states(xs, states, Device::GPU);
+  if (d.T == 0 || d.C == 0 || d.km1 == 0) return;
+  const int64_t per_layer = (d.C + kConvThreads - 1) / kConvThreads;
+  detail::check_grid(per_layer * std::min<int64_t>(int64_t(states.size()), kMaxConvLayers), op);  // before any launch
+  for (size_t l0 = 0; l0 < states.size(); l0 += kMaxConvLayers) {
+    const size_t n = std::min(states.size() - l0, size_t(kMaxConvLayers));
+    ConvStates S{};
+    for (size_t i = 0; i < n; ++i) S.x[i] = xs[l0 + i].ptr<float>(), S.state[i] = states[l0 + i].ptr<float>();
+    S.T = d.T, S.C = d.C, S.km1 = d.km1, S.blocks_per_layer = per_layer;
+    detail::launch_kernel<conv_states_kernel>("conv_states_kernel", unsigned(per_layer * int64_t(n)), kConvThreads, 0,
+                                              detail::stream(), S);
+  }
+}
+
+void gated_delta_net_states(const std::vector<Tensor>& q, const std::vector<Tensor>& k, const std::vector<Tensor>& v,
+                            const std::vector<Tensor>& g, const std::vector<Tensor>& beta,
+                            const std::vector<Tensor>& states, float scale) {
+  const char* op = "gated_delta_net_states";
+  const cpu::GdnDims d = cpu::check_gated_delta_net_states(q, k, v, g, beta, states, scale, Device::GPU);
+  if (d.T == 0 || d.hv == 0 || d.dv == 0) return;
+  if (!gdn_register_kernel(d.dk, d.dv)) {  // gated_delta_net's fallback kernel, a layer at a time
+    for (size_t i = 0; i < states.size(); ++i)
+      gated_delta_net(q[i], k[i], v[i], g[i], beta[i], states[i], scale, std::nullopt, std::nullopt, true);
+    return;
+  }
+  SPECD_CHECK(d.hv <= 0x7fffffff && d.dv <= 0x7fffffff, op, ": dimensions too large");
+  const int64_t rows = gdn_block_rows(d.dv), per_layer = d.hv * (d.dv / rows);
+  const int threads = int(rows) * gdn_lanes(d.dk);
+  detail::check_grid(per_layer * std::min<int64_t>(int64_t(states.size()), kMaxGdnLayers), op);  // before any launch
+  with_gdn_instance(d.dk, [&](auto e, auto l) {
+    constexpr int E = decltype(e)::value, L = decltype(l)::value;
+    for (size_t l0 = 0; l0 < states.size(); l0 += kMaxGdnLayers) {
+      const size_t n = std::min(states.size() - l0, size_t(kMaxGdnLayers));
+      GdnLayers Ls{};
+      for (size_t i = 0; i < n; ++i) {
+        const size_t j = l0 + i;
+        Ls.q[i] = q[j].ptr<float>(), Ls.k[i] = k[j].ptr<float>(), Ls.v[i] = v[j].ptr<float>();
+        Ls.g[i] = g[j].ptr<float>(), Ls.beta[i] = beta[j].ptr<float>(), Ls.state[i] = states[j].ptr<float>();
+      }
+      Ls.scale = scale, Ls.T = d.T, Ls.hk = int(d.hk), Ls.hv = int(d.hv), Ls.dk = int(d.dk), Ls.dv = int(d.dv);
+      Ls.blocks_per_layer = per_layer;
+      detail::launch_kernel<gdn_layers_kernel<E, L>>("gdn_layers_kernel", unsigned(per_layer * int64_t(n)), threads,
+                                                    0, detail::stream(), Ls);
+    }
+  });
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> gdn_step(

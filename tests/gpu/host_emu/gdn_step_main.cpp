@@ -4,14 +4,17 @@
 // rows = 32 when dv % 32 == 0, else dv; L = max(4, DK / 16) lanes per row), in place on the state when
 // INPLACE is 1. Outputs are poisoned (NaN) first, so a value the kernel should have written and did not
 // shows. Then gdn_kernel (gated_delta_net's) runs on the step's q, k, v, g, beta from the same state:
-// its o and state (o_ref, state_ref) must be the step's bit for bit. Driven by
+// its o and state (o_ref, state_ref) must be the step's bit for bit. Then gdn_layers_kernel (gated_delta_net_states')
+// runs two layers in one launch (layers0: the step's inputs from state; layers1: g halved, from state_ref), each of
+// which must end where gdn_kernel does (state_ref; state_ref2, gdn_kernel's run of layer 1). Driven by
 // tests/gpu/test_gpu_gdn_step_host.py.
 //
 // usage: gdn_step_emu DK T hk hv dv eps scale INPLACE cv.bin a.bin b.bin dt.bin ssm_a.bin state.bin
 //                     o.bin q.bin k.bin v.bin g.bin beta.bin state_out.bin o_ref.bin state_ref.bin
+//                     layers0.bin layers1.bin state_ref2.bin
 //   cv: F32 [T, 2 hk DK + hv dv]; a, b: F32 [T, hv]; dt, ssm_a: F32 [hv]; state: F32 [hv, dv, DK];
 //   o, v: F32 [T, hv, dv], q, k: F32 [T, hk, DK], g, beta: F32 [T, hv], state_out: F32 [hv, dv, DK] (written;
-//   o_ref and state_ref likewise).
+//   o_ref, state_ref, layers0, layers1 and state_ref2 likewise).
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -65,18 +68,32 @@ int run(char** argv) {
   const specd::gpu::detail::gdn::Params R{q.data(), k.data(), v.data(), g.data(), beta.data(), state.data(),
                                           state_ref.data(), nullptr, scale, T, hk, hv, DK, dv, o_ref.data()};
   emulate(blocks, rows * L, [&] { gdn_kernel<E, L>(R); });
+  // gated_delta_net_states' kernel on two layers, in place: layer 0 the step's inputs from `state`, layer 1 the same
+  // with g halved from state_ref; each must end where gdn_kernel does (layer 1's reference: state_ref2).
+  std::vector<float> g1(g.size()), state_ref2(state.size(), nan), o_ref2(o.size()), layer0 = state, layer1 = state_ref;
+  for (size_t i = 0; i < g.size(); ++i) g1[i] = g[i] * 0.5f;
+  const specd::gpu::detail::gdn::Params R2{q.data(), k.data(), v.data(), g1.data(), beta.data(), state_ref.data(),
+                                           state_ref2.data(), nullptr, scale, T, hk, hv, DK, dv, o_ref2.data()};
+  emulate(blocks, rows * L, [&] { gdn_kernel<E, L>(R2); });
+  GdnLayers Ls{};
+  Ls.q[0] = Ls.q[1] = q.data(), Ls.k[0] = Ls.k[1] = k.data(), Ls.v[0] = Ls.v[1] = v.data();
+  Ls.g[0] = g.data(), Ls.g[1] = g1.data(), Ls.beta[0] = Ls.beta[1] = beta.data();
+  Ls.state[0] = layer0.data(), Ls.state[1] = layer1.data();
+  Ls.scale = scale, Ls.T = T, Ls.hk = hk, Ls.hv = hv, Ls.dk = DK, Ls.dv = dv, Ls.blocks_per_layer = blocks;
+  emulate(2 * blocks, rows * L, [&] { gdn_layers_kernel<E, L>(Ls); });
   const char* const* out = argv + 15;
   write_file(out[0], o), write_file(out[1], q), write_file(out[2], k), write_file(out[3], v);
   write_file(out[4], g), write_file(out[5], beta), write_file(out[6], state_out);
   write_file(out[7], o_ref), write_file(out[8], state_ref);
+  write_file(out[9], layer0), write_file(out[10], layer1), write_file(out[11], state_ref2);
   std::printf("blocks=%lld threads=%d\n", (long long)blocks, rows * L);
   return 0;
 }
 
 int main(int argc, char** argv) {
-  if (argc != 24) {
+  if (argc != 27) {
     std::fprintf(stderr, "usage: %s DK T hk hv dv eps scale INPLACE cv a b dt ssm_a state o q k v g beta state_out "
-                 "o_ref state_ref\n", argv[0]);
+                 "o_ref state_ref layers0 layers1 state_ref2\n", argv[0]);
     return 2;
   }
   switch (std::atoi(argv[1])) {
