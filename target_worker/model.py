@@ -16,13 +16,16 @@ committed changes. Committing n of them is the deferred-commit strategy ("C" in 
   is compacted by copying its K/V rows to consecutive positions;
 * conv state: the K-1 conv inputs ending at the last committed token (gathered along the path);
 * S: the recurrence re-run over the n committed tokens' saved inputs from the committed S, with the
-  same kernel, so the result is bitwise what a plain run computes (every op is batch invariant).
+  same token arithmetic, so the result is bitwise what a plain run computes (every op is batch invariant).
+  A chain prefix updates every GDN layer at once (sn.conv1d_causal_states, sn.gated_delta_net_states:
+  one launch each on the GPU, not two a layer).
 
 Cost model per committed step, per GDN layer: one state copy for the verify (Hv*dv*dk*4 bytes, 3 MiB
 for the 27B), n recurrence steps without any weight traffic (~n*4*Hv*dv*dk flops), and w*(2*Hk*dk +
 Hv*dv + 2*Hv) saved floats; no second forward (strategy A would re-stream every weight) and no
 per-token state checkpoints (strategy B writes w states). When all w tokens are accepted the
-verify's final copies are copied into the sequence's state (which keeps its device addresses).
+verify's final copies are copied into the sequence's state (which keeps its device addresses; every
+layer's in one sn.copy_tensors).
 
 CUDA graphs (GPU, ``cuda_graphs``, default on). An exact chain verify of width w <= 16 is recorded
 once per (state slot, w, key bound) as a GPU graph (sn.gpu_graph_begin / end) and replayed afterwards:
@@ -522,17 +525,18 @@ class Qwen35Model:
         full_chain = res.parents is None and len(rows) == len(res.tokens)
         ops = self._ops
         gdn = [i for i, p in enumerate(res.pending) if p is not None]
+        pend = [res.pending[i] for i in gdn]
         for i, p in enumerate(res.pending):
             if p is None:
                 self._compact_kv(st, i, res.start, rows)
-        if full_chain:  # in place on the device: states keep their addresses (captured graphs)
-            for i in gdn:
-                p = res.pending[i]
-                st.ssm[i], st.conv[i] = ops.assign(st.ssm[i], p.final_state), ops.assign(st.conv[i], p.final_conv)
+        # Every GDN layer at once (one launch each on the GPU, not small ones a layer after another), in place:
+        # states keep their addresses (captured graphs read them there).
+        if full_chain:  # the verify's final states
+            sn.copy_tensors([st.ssm[i] for i in gdn] + [st.conv[i] for i in gdn],
+                            [p.final_state for p in pend] + [p.final_conv for p in pend])
         elif res.parents is None:  # a chain prefix: its leading rows, read where the verify left them
-            # Every GDN layer at once (one launch each on the GPU, not two small ones a layer after another): the
-            # conv states take the accepted inputs' last K-1 rows, the recurrence reruns the accepted rows.
-            n, pend = len(rows), [res.pending[i] for i in gdn]
+            # the conv states take the accepted inputs' last K-1 rows, the recurrence reruns the accepted rows
+            n = len(rows)
             sn.conv1d_causal_states([ops.lead_rows(p.conv_in, n) for p in pend], [st.conv[i] for i in gdn])
             inputs = ([ops.lead_rows(getattr(p, f), n) for p in pend] for f in ("q", "k", "v", "g", "beta"))
             sn.gated_delta_net_states(*inputs, [st.ssm[i] for i in gdn], self._gdn_scale)

@@ -1,4 +1,4 @@
-"""Tensor glue ops (sn.slice / concat / copy / copy_rows) on the GPU and the CPU against numpy:
+"""Tensor glue ops (sn.slice / concat / copy / copy_rows / copy_tensors) on the GPU and the CPU against numpy:
 exact byte copies. The CPU cases always run; the GPU cases are skipped without a GPU
 (SPECD_TEST_GPU_DRYRUN=1 runs them on CPU tensors)."""
 import os
@@ -44,6 +44,46 @@ def test_copy_rows_q8_0_cache(rng, dev):
     want = raw.copy()
     want[1:3] = raw[4:6]
     np.testing.assert_array_equal(cache.numpy().reshape(6, 68), want)
+
+
+# (pairs, shapes): a commit of the 27B's 48 GDN layers (each state, then each conv state: two sizes in one launch);
+# 70 pairs (two launches); byte shapes whose sizes are not whole 16-byte words (a copy each); none.
+@pytest.mark.parametrize("pairs,shapes,dtype", [(96, [(48, 16, 16), (3, 320)], np.float32),
+                                                (70, [(5, 8)], np.float32), (3, [(7,), (13, 3)], np.float16),
+                                                (0, [], np.float32)])
+@pytest.mark.parametrize("dev", DEVICES)
+def test_copy_tensors(rng, dev, pairs, shapes, dtype):
+    srcs = [(rng.standard_normal(shapes[i % len(shapes)]) * 100).astype(dtype) for i in range(pairs)]
+    before = [np.full_like(x, 7) for x in srcs]
+    dst_t, src_t = [put(x, dev) for x in before], [put(x, dev) for x in srcs]
+    sn.copy_tensors(dst_t, src_t)
+    for d, s, x in zip(dst_t, src_t, srcs):
+        np.testing.assert_array_equal(d.numpy(), x)
+        np.testing.assert_array_equal(s.numpy(), x)  # sources untouched
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_copy_tensors_bad_input(dev):
+    """Every pair is checked before anything is written: a bad last pair leaves the first one's dst as it was."""
+    a, b = put(np.zeros((3, 4), np.float32), dev), put(np.ones((3, 4), np.float32), dev)
+    c = put(np.full((3, 4), 2, np.float32), dev)
+    with pytest.raises(ValueError, match="2 destinations for 1 sources"):
+        sn.copy_tensors([a, b], [c])
+    with pytest.raises(ValueError, match="pair 1: dst and src must have the same dtype and shape"):
+        sn.copy_tensors([a, b], [c, put(np.zeros((4, 3), np.float32), dev)])
+    with pytest.raises(ValueError, match="pair 1: dst and src must have the same dtype and shape"):
+        sn.copy_tensors([a, b], [c, put(np.zeros((3, 4), np.int32), dev)])
+    with pytest.raises(ValueError, match="pair 0: dst overlaps its src"):
+        sn.copy_tensors([a], [a])
+    with pytest.raises(ValueError, match=r"pair 1: dst overlaps another pair's tensor \(pair 0\)"):
+        sn.copy_tensors([c, b], [b, a])  # pair 1's dst is pair 0's src
+    with pytest.raises(ValueError, match=r"pair 0: dst overlaps another pair's tensor \(pair 1\)"):
+        sn.copy_tensors([a, a], [b, c])  # two pairs write one tensor
+    if dev == "gpu" and not DRYRUN:
+        with pytest.raises(ValueError, match="pair 1: every tensor must be on pair 0's device"):
+            sn.copy_tensors([a, b], [c, np.zeros((3, 4), np.float32)])
+    np.testing.assert_array_equal(a.numpy(), 0)
+    np.testing.assert_array_equal(b.numpy(), 1)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -8,7 +8,8 @@ device; the host contracts are in tests/native/test_index_guards.py). Properties
   causal q_pos attends to nothing (zeros); untrusted GPU indices are still checked (ValueError);
 * a captured graph replays with new inputs written by sn.gpu_write_async; tensors freed during the
   capture stay valid for replays; a host synchronisation during a capture raises RuntimeError and
-  the library works normally after sn.gpu_graph_abort(); another thread's op waits for the capture;
+  the library works normally after sn.gpu_graph_abort(); another thread's op waits for the capture (the commit's
+  in-place ops, which allocate nothing, too);
   only the capturing thread may end or abort it; a buffer another thread frees during a capture is
   freed when the capture ends (not when its graph goes); gated calls of another thread (allocation,
   upload, copy_rows, read-back, replay) never leak into a capture running beside them;
@@ -190,21 +191,19 @@ def test_host_sync_during_capture_raises():
         sn.gpu_graph_end()
 
 
-def test_other_thread_waits_for_the_capture():
-    """Another thread's op is held back at its output allocation until the capture ends (it is not
-    recorded into the graph) and then runs normally."""
-    x = on_gpu(np.ones((2, 8), np.float32))
-    done, out = threading.Event(), {}
+def beside_capture(capture, other):
+    """Runs other() on another thread while this one captures capture(): other must wait until the capture ends,
+    then finish. Returns (the graph, capture's result)."""
+    done = threading.Event()
 
-    def other():
-        out["y"] = sn.add(x, x).numpy()
-        out["z"] = sn.slice(sn.Tensor.zeros([4, 2], sn.DType.F32, GPU), 0, 1, 3).numpy()
+    def run():
+        other()
         done.set()
 
     sn.gpu_graph_begin()
     try:
-        z = sn.mul(x, x)
-        worker = threading.Thread(target=other)
+        out = capture()
+        worker = threading.Thread(target=run)
         worker.start()
         assert not done.wait(0.5)  # waiting while this thread captures
         g = sn.gpu_graph_end()
@@ -213,10 +212,53 @@ def test_other_thread_waits_for_the_capture():
         raise
     worker.join(30)
     assert done.is_set()
+    return g, out
+
+
+def test_other_thread_waits_for_the_capture():
+    """Another thread's op is held back at its output allocation until the capture ends (it is not
+    recorded into the graph) and then runs normally."""
+    x = on_gpu(np.ones((2, 8), np.float32))
+    out = {}
+
+    def other():
+        out["y"] = sn.add(x, x).numpy()
+        out["z"] = sn.slice(sn.Tensor.zeros([4, 2], sn.DType.F32, GPU), 0, 1, 3).numpy()
+
+    g, z = beside_capture(lambda: sn.mul(x, x), other)
     np.testing.assert_array_equal(out["y"], 2.0)
     np.testing.assert_array_equal(out["z"], np.zeros((2, 2), np.float32))
     g.replay()
     np.testing.assert_array_equal(z.numpy(), 1.0)
+
+
+def test_in_place_commit_ops_wait_for_the_capture(rng):
+    """The commit's in-place ops allocate nothing (conv1d_causal_states, gated_delta_net_states, copy_tensors): each
+    holds the capture lock while it enqueues, so another thread's call waits for a capture to end (it is not
+    recorded into the graph) and then runs."""
+    T, C, hk, hv, d = 2, 40, 1, 2, 32
+    x, conv = on_gpu(rng.standard_normal((T, C)).astype(np.float32)), rng.standard_normal((3, C)).astype(np.float32)
+    q = rng.standard_normal((T, hk, d)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=-1, keepdims=True)
+    g, beta = -np.abs(rng.standard_normal((T, hv))).astype(np.float32), np.full((T, hv), 0.5, np.float32)
+    v, s0 = rng.standard_normal((T, hv, d)).astype(np.float32), rng.standard_normal((hv, d, d)).astype(np.float32)
+    gdn_in = [on_gpu(a) for a in (q, q, v, g, beta)]
+    conv_g, state_g = on_gpu(conv), on_gpu(s0)
+    dst, src = on_gpu(np.zeros(5, np.float32)), on_gpu(np.ones(5, np.float32))
+
+    def other():
+        sn.conv1d_causal_states([x], [conv_g])
+        sn.gated_delta_net_states(*([a] for a in gdn_in), [state_g], 0.2)
+        sn.copy_tensors([dst], [src])
+
+    graph, y = beside_capture(lambda: sn.add(x, x), other)
+    graph.replay()  # the capture's own add; the other thread's work ran once, outside the graph
+    np.testing.assert_array_equal(y.numpy(), 2 * x.numpy())
+    np.testing.assert_array_equal(conv_g.numpy(), np.concatenate([conv, x.numpy()])[T:])
+    one = on_gpu(s0)
+    sn.gated_delta_net(*gdn_in, one, 0.2)
+    np.testing.assert_array_equal(state_g.numpy(), one.numpy())
+    np.testing.assert_array_equal(dst.numpy(), 1.0)
 
 
 def test_only_the_capturing_thread_ends_the_capture():

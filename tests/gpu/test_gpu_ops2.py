@@ -1232,6 +1232,8 @@ def test_commit_states_gpu_errors(rng):
     s0, s1 = on_gpu(s), on_gpu(s)
     with pytest.raises(ValueError, match="layer 1: state has the wrong shape"):
         sn.gated_delta_net_states(*args, [s0, on_gpu(s[:2])], 0.1)
+    with pytest.raises(ValueError, match=r"layer 1: v has 1 tokens, q has 2"):
+        sn.gated_delta_net_states(*args[:2], [args[2][0], on_gpu(v[:1])], *args[3:], [s0, s1], 0.1)
     if not DRYRUN:
         with pytest.raises(ValueError, match="layer 1: state must be on the GPU"):
             sn.gated_delta_net_states(*args, [s0, s.copy()], 0.1)

@@ -461,8 +461,15 @@ def test_commit_states_bad_input(rng):
         gdn(q=[q, q[:1]], k=[k, k[:1]], v=[v, v[:1]], g=[g, g[:1]], beta=[beta, beta[:1]])
     with pytest.raises(ValueError, match="the states of layers 0 and 1 overlap"):
         gdn(states=[s, s])
-    with pytest.raises(ValueError, match="layer 1's state overlaps an input of layer 0"):
+    with pytest.raises(ValueError, match="layer 1's state overlaps layer 0's v"):
         gdn(v=[s2.reshape(-1)[: v.size].reshape(v.shape), v])  # layer 0's v inside layer 1's state
+    with pytest.raises(ValueError, match=r"layer 1: \[T, Hk, dk, Hv, dv\] = \[2, 2, 8, 2, 8\] differ"):
+        q2, k2 = gdn_inputs(rng, T, 2, hv, d, d)[:2]  # Hk 2 against layer 0's 1
+        gdn(q=[q, q2], k=[k, k2])
+    with pytest.raises(ValueError, match="layer 1: state is read-only"):
+        ro = s2.copy()
+        ro.setflags(write=False)
+        gdn(states=[s, ro])
     with pytest.raises(ValueError, match="layer 1: state has the wrong shape"):
         gdn(states=[s, s2[:1]])
     with pytest.raises(ValueError, match="layer 0: q must be F32"):
@@ -478,9 +485,15 @@ def test_commit_states_bad_input(rng):
         sn.conv1d_causal_states([x], [st, st.copy()])
     with pytest.raises(ValueError, match=r"layer 1: x must be \[T, C\] = \[2, 6\] as layer 0's, got \[3, 6\]"):
         sn.conv1d_causal_states([x, np.zeros((3, C), np.float32)], [st, st.copy()])
-    with pytest.raises(ValueError, match="layer 1: state has the wrong shape"):
+    with pytest.raises(ValueError, match=r"layer 1: state must be \[K - 1, C\] = \[3, 6\] \(layer 0's K - 1\), got 2 "
+                                         r"dimension\(s\) of 12 elements"):
         sn.conv1d_causal_states([x, x.copy()], [st, np.zeros((2, C), np.float32)])
+    with pytest.raises(ValueError, match="layer 0's state overlaps layer 1's x"):
+        sn.conv1d_causal_states([x, st[:2]], [st, np.zeros((3, C), np.float32)])
     with pytest.raises(ValueError, match="the states of layers 0 and 1 overlap"):
         sn.conv1d_causal_states([x, x.copy()], [st, st])
     sn.gated_delta_net_states([], [], [], [], [], [], 1.0)  # no layers: nothing to do
     sn.conv1d_causal_states([], [])
+    q0, k0, v0, g0, beta0, s0 = gdn_inputs(rng, 0, hk, hv, d, d)  # no tokens: the states stay
+    sn.gated_delta_net_states([q0], [k0], [v0], [g0], [beta0], [s], 0.5)
+    np.testing.assert_array_equal(s, kept[0])

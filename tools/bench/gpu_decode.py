@@ -25,7 +25,8 @@ Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
   verifies the anchor + 7 drafts whose first AL - 1 are the target's own greedy continuation and
   the rest wrong, then commits AL tokens; tokens/s and the speedup over plain decode; with
   ``--profile-commit AL ...``: where the time of a commit of AL of those 8 rows goes, per GPU kernel (N steps before
-  the timed ones, on a continuation N * 7 tokens longer). (In-process:
+  the timed ones, on a continuation N * 8 tokens longer); AL 8 (every draft right: the commit of a whole chain,
+  a copy of the verify's states) also runs the loop at AL 8. (In-process:
   no gRPC, so this is the model-side loop; tools/bench/loop_overhead.py measures the service.)
 
 Usage: python tools/bench/gpu_decode.py --gguf /tmp/r27.gguf [--mix iq4xs] [--out DIR]
@@ -92,9 +93,9 @@ def main(argv=None) -> int:
                     help="profile N plain decode steps per GPU kernel (0: off)")
     ap.add_argument("--profile-verify", type=int, nargs="+", default=[], metavar="W",
                     help="profile verifies of W rows (1..16) per GPU kernel, as many as --profile's steps (else 4)")
-    ap.add_argument("--profile-commit", type=int, nargs="+", default=[], metavar="AL", choices=(3, 5, 7),
-                    help="profile the scripted loop's commits at acceptance length AL (3, 5 or 7) per GPU kernel, as "
-                         "many as --profile's steps (else 4)")
+    ap.add_argument("--profile-commit", type=int, nargs="+", default=[], metavar="AL", choices=(3, 5, 7, 8),
+                    help="profile the scripted loop's commits at acceptance length AL (3, 5, 7; 8: a whole chain, "
+                         "also looped) per GPU kernel, as many as --profile's steps (else 4)")
     ap.add_argument("--decode-context", type=int, nargs="*", default=[], metavar="N",
                     help="also plain decode tok/s after a prompt of N tokens (the attention then reads N keys "
                          "per layer; e.g. 8192 32768)")
@@ -218,10 +219,10 @@ def main(argv=None) -> int:
     lg = model.prefill(ref_st, prompt)
     cont = [int(np.argmax(lg))]
     commit_calls = args.profile if args.profile > 0 else 4  # --profile-commit's steps, before the timed ones
-    for _ in range(160 + (7 * commit_calls if args.profile_commit else 0)):
+    for _ in range(160 + (8 * commit_calls if args.profile_commit else 0)):
         cont.append(int(np.argmax(model.decode(ref_st, cont[-1]))))
     rep["loop"], rep["commit_profile"] = {}, {}
-    for al in (3, 5, 7):
+    for al in sorted({3, 5, 7} | set(args.profile_commit)):
         s = model.new_sequence(4096)
         model.prefill(s, prompt)
         pos, steps, mismatches = 0, 0, 0  # cont[pos] is the anchor (decided, not yet fed)

@@ -1,9 +1,12 @@
-// Tensor glue ops: slice, concat, copy and copy_rows, on the CPU and (same code, device copies) the
+// Tensor glue ops: slice, concat, copy, copy_rows and copy_tensors, on the CPU and (same code, device copies) the
 // GPU. They let a forward keep its activations on the device (target_worker/model.py on the GPU):
 // numpy's basic slicing, np.concatenate, ndarray.copy() and in-place row assignment, for contiguous
 // tensors. Pure byte moves, exact on both devices.
 #include <cstring>
+#include <string>
+#include <vector>
 
+#include "../cpu/ssm.h"  // overlap
 #include "bindings.h"
 
 namespace specd::py_bind {
@@ -124,6 +127,33 @@ void copy_rows(const Tensor& dst, int64_t dst_start, const Tensor& src, int64_t 
   copy_2d(dst.device, d, n * rb, s, n * rb, n * rb, 1);
 }
 
+// dsts[i] = srcs[i] for every i: checked whole before anything is written, then one launch on the GPU.
+void copy_tensors(const std::vector<Tensor>& dsts, const std::vector<Tensor>& srcs) {
+  const char* op = "copy_tensors";
+  SPECD_CHECK(dsts.size() == srcs.size(), op, ": ", dsts.size(), " destinations for ", srcs.size(), " sources");
+  std::vector<void*> d;
+  std::vector<const void*> s;
+  std::vector<size_t> bytes;
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    const Tensor &dst = dsts[i], &src = srcs[i];
+    const std::string at = std::string(op) + ": pair " + std::to_string(i);
+    check_contiguous(dst, at.c_str(), "dst");
+    check_contiguous(src, at.c_str(), "src");
+    check_writable(dst, at.c_str(), "dst");
+    SPECD_CHECK(dst.device == dsts[0].device && src.device == dsts[0].device, at,
+                ": every tensor must be on pair 0's device");
+    SPECD_CHECK(dst.dtype == src.dtype && dst.shape == src.shape, at,
+                ": dst and src must have the same dtype and shape");
+    for (size_t j = 0; j < dsts.size(); ++j)
+      SPECD_CHECK(!cpu::overlap(dst, srcs[j]) && (j == i || !cpu::overlap(dst, dsts[j])), at,
+                  ": dst overlaps ", j == i ? "its src" : "another pair's tensor (pair " + std::to_string(j) + ")");
+    d.push_back(dst.data), s.push_back(src.data), bytes.push_back(size_t(dst.nbytes()));
+  }
+  if (d.empty()) return;
+  if (dsts[0].device == Device::GPU) return gpu::copy_many(d.data(), s.data(), bytes.data(), d.size());
+  for (size_t i = 0; i < d.size(); ++i) std::memcpy(d[i], s[i], bytes[i]);
+}
+
 }  // namespace
 
 void register_copy(py::module_& m) {
@@ -144,6 +174,15 @@ Shapes must agree except along `axis`. Returns a new tensor on that device; exac
 Raises ValueError on an empty list or mismatched dtype, device, rank or shape.)doc");
   m.def("copy", [](const Tensor& x) { return without_gil([&] { return copy(x); }); }, py::arg("x"),
         "A new contiguous copy of a contiguous tensor on its device (ndarray.copy()); exact.");
+  m.def("copy_tensors", [](const std::vector<Tensor>& dsts, const std::vector<Tensor>& srcs) {
+          without_gil([&] { copy_tensors(dsts, srcs); });
+        }, py::arg("dsts"), py::arg("srcs"),
+        R"doc(dsts[i][...] = srcs[i] in place for every i: on the GPU one launch for all of them (a spec step's
+commit of a whole chain: every layer's state from the verify's).
+
+Each pair: contiguous tensors of one dtype and shape (any dtype), dst writable; every tensor on one device; no
+dst may overlap any src or another dst. Exact (bytes are moved). Checks every pair before anything is written.
+Returns None. Raises ValueError naming the pair on a mismatch, a wrong device or an overlap.)doc");
   m.def("copy_rows", [](const Tensor& dst, int64_t dst_start, const Tensor& src, int64_t src_start, int64_t n) {
           without_gil([&] { copy_rows(dst, dst_start, src, src_start, n); });
         }, py::arg("dst"), py::arg("dst_start"), py::arg("src"), py::arg("src_start"),

@@ -1,5 +1,6 @@
-// The Gated DeltaNet's depthwise causal conv on the GPU (conv1d_causal's kernels): included by ssm.cu and
-// compiled for the host by the emulation harness tests/gpu/host_emu/conv_main.cpp.
+// The Gated DeltaNet's depthwise causal conv on the GPU (conv1d_causal's kernels, and conv1d_causal_states': the
+// state update alone, every layer of a commit at once): included by ssm.cu and compiled for the host by the
+// emulation harness tests/gpu/host_emu/conv_main.cpp.
 #pragma once
 
 #ifndef SPECD_HOST_EMU
@@ -19,6 +20,16 @@ constexpr int kConvThreads = 128;
 constexpr int64_t kConvTokens = 16;
 // out of place, up to this many tokens (a verify's widths) run a token a chunk (ssm.cu, conv1d_causal)
 constexpr int64_t kConvTokenChunksUpTo = 16;
+
+// Channel c's new state, rows 0 .. K - 2 of state_out: rows T .. T + K - 2 of X = [state ; x] (a copy). Ascending
+// rows read state row T + r before it is overwritten, so state_out may be state (in place).
+__device__ __forceinline__ void shift_state(const float* x, const float* state, float* state_out, int64_t T,
+                                            int64_t C, int64_t km1, int64_t c) {
+  for (int64_t r = 0; r < km1; ++r) {
+    const int64_t src = T + r;
+    state_out[r * C + c] = src < km1 ? state[src * C + c] : x[(src - km1) * C + c];
+  }
+}
 
 // Block (bx, by): channels bx * kConvThreads + threadIdx.x, tokens [by * chunk, + chunk). Every output
 // is computed alone, so splitting the tokens over blocks changes no bits. The first chunk's threads write their
@@ -42,13 +53,7 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_kernel(const float* __res
     }
     y[t * C + c] = silu_out ? apply<Op::Silu>(acc, 0.0f) : acc;  // the silu op's code
   }
-  if (blockIdx.y != 0) return;
-  // New state = X rows T .. T+K-2; ascending r reads state row T + r before it is overwritten
-  // (in place).
-  for (int64_t r = 0; r < km1; ++r) {
-    int64_t src = T + r;
-    state_out[r * C + c] = src < km1 ? state[src * C + c] : x[(src - km1) * C + c];
-  }
+  if (blockIdx.y == 0) shift_state(x, state, state_out, T, C, km1, c);
 }
 
 // The same for a compile-time K (the models' 4 taps): the channel's K weights stay in registers and the
@@ -81,33 +86,27 @@ __global__ void __launch_bounds__(kConvThreads) conv1d_taps_kernel(const float* 
 #pragma unroll
     for (int j = 0; j + 1 < K; ++j) win[j] = win[j + 1];
   }
-  if (blockIdx.y != 0) return;
-  for (int64_t r = 0; r < km1; ++r) state_out[r * C + c] = X(T + r);  // as conv1d_kernel (ascending: in place safe)
+  if (blockIdx.y == 0) shift_state(x, state, state_out, T, C, km1, c);
 }
 
 // conv1d_causal_states' launch (ssm.cu): the new conv states of up to kMaxConvLayers layers of the same shape, each
-// the last K - 1 rows of [state ; x] (conv1d_causal's state update, a copy, without its outputs): a spec step's
+// the last K - 1 rows of [state ; x] (conv1d_causal's state update, shift_state, without its outputs): a spec step's
 // commit of a chain prefix, one launch for all GDN layers. Block b: layer b / blocks_per_layer, channels
-// (b % blocks_per_layer) * kConvThreads + threadIdx.x. In place, ascending rows read state row T + r before it is
-// overwritten, as the kernels above.
+// (b % blocks_per_layer) * kConvThreads + threadIdx.x, in place. The pointers in the kernel parameters.
 constexpr int kMaxConvLayers = 64;
 struct ConvStates {
   const float* x[kMaxConvLayers];  // [T, C]
   float* state[kMaxConvLayers];    // [K - 1, C]
   int64_t T, C, km1, blocks_per_layer;
 };
+static_assert(sizeof(ConvStates) <= 4096, "ConvStates: kernel parameters within 4 KiB (HIP's limit)");
 
 __global__ void __launch_bounds__(kConvThreads) conv_states_kernel(const ConvStates S) {
   pdl_enter();
   const int64_t layer = int64_t(blockIdx.x) / S.blocks_per_layer;
   const int64_t c = (int64_t(blockIdx.x) % S.blocks_per_layer) * kConvThreads + threadIdx.x;
   if (c >= S.C) return;
-  const float* x = S.x[layer];
-  float* state = S.state[layer];
-  for (int64_t r = 0; r < S.km1; ++r) {
-    const int64_t src = S.T + r;
-    state[r * S.C + c] = src < S.km1 ? state[src * S.C + c] : x[(src - S.km1) * S.C + c];
-  }
+  shift_state(S.x[layer], S.state[layer], S.state[layer], S.T, S.C, S.km1, c);
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 // The token-by-token Gated DeltaNet kernels: one token of one state row (gdn_row_token, the arithmetic of
-// both), gdn_kernel (gated_delta_net's register kernel) and gdn_step_kernel (gdn_step's), and their launch shape.
+// all), gdn_kernel (gated_delta_net's register kernel, its blocks gdn_rows), gdn_layers_kernel
+// (gated_delta_net_states': gdn_rows of several layers in one launch) and gdn_step_kernel (gdn_step's), and their
+// launch shape.
 // Included by ssm.cu and gdn_step_split.cuh (matmul.cu), and compiled for the host by the emulation harnesses
 // tests/gpu/host_emu/gdn_step_main.cpp and gdn_split_main.cpp.
 #pragma once
@@ -142,6 +144,7 @@ struct GdnLayers {
   int hk, hv, dk, dv;
   int64_t blocks_per_layer;  // gdn_kernel's grid for one layer
 };
+static_assert(sizeof(GdnLayers) <= 4096, "GdnLayers: kernel parameters within 4 KiB (HIP's limit)");
 
 // Block b: block b % blocks_per_layer of layer b / blocks_per_layer's gdn_kernel grid (a 1-D grid, so the host
 // emulation's launches run it), with gdn_kernel's code and thus its bits.

@@ -23,6 +23,7 @@ void memset_zero(void*, size_t) { unavailable(); }
 void copy_to_device(void*, const void*, size_t) { unavailable(); }
 void copy_to_host(void*, const void*, size_t) { unavailable(); }
 void copy_2d(void*, size_t, const void*, size_t, size_t, size_t) { unavailable(); }
+void copy_many(void* const*, const void* const*, const size_t*, size_t) { unavailable(); }
 void synchronize() {}
 void copy_to_device_async(void*, const void*, size_t) { unavailable(); }
 void graph_begin(size_t) { unavailable(); }

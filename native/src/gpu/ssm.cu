@@ -284,6 +284,7 @@ void conv1d_causal_states(const std::vector<Tensor>& xs, const std::vector<Tenso
   if (d.T == 0 || d.C == 0 || d.km1 == 0) return;
   const int64_t per_layer = (d.C + kConvThreads - 1) / kConvThreads;
   detail::check_grid(per_layer * std::min<int64_t>(int64_t(states.size()), kMaxConvLayers), op);  // before any launch
+  detail::EnqueueGuard guard;  // in place (nothing allocated): waits while another thread captures a graph
   for (size_t l0 = 0; l0 < states.size(); l0 += kMaxConvLayers) {
     const size_t n = std::min(states.size() - l0, size_t(kMaxConvLayers));
     ConvStates S{};
@@ -309,6 +310,7 @@ void gated_delta_net_states(const std::vector<Tensor>& q, const std::vector<Tens
   const int64_t rows = gdn_block_rows(d.dv), per_layer = d.hv * (d.dv / rows);
   const int threads = int(rows) * gdn_lanes(d.dk);
   detail::check_grid(per_layer * std::min<int64_t>(int64_t(states.size()), kMaxGdnLayers), op);  // before any launch
+  detail::EnqueueGuard guard;  // in place (nothing allocated): waits while another thread captures a graph
   with_gdn_instance(d.dk, [&](auto e, auto l) {
     constexpr int E = decltype(e)::value, L = decltype(l)::value;
     for (size_t l0 = 0; l0 < states.size(); l0 += kMaxGdnLayers) {

@@ -5,7 +5,7 @@
 // INPLACE is 1. Outputs are poisoned (NaN) first, so a value the kernel should have written and did not
 // shows. Then gdn_kernel (gated_delta_net's) runs on the step's q, k, v, g, beta from the same state:
 // its o and state (o_ref, state_ref) must be the step's bit for bit. Then gdn_layers_kernel (gated_delta_net_states')
-// runs two layers in one launch (layers0: the step's inputs from state; layers1: g halved, from state_ref), each of
+// runs two layers in one launch (layers0: the step's inputs from state; layers1: other inputs, from state_ref), each of
 // which must end where gdn_kernel does (state_ref; state_ref2, gdn_kernel's run of layer 1). Driven by
 // tests/gpu/test_gpu_gdn_step_host.py.
 //
@@ -68,16 +68,23 @@ int run(char** argv) {
   const specd::gpu::detail::gdn::Params R{q.data(), k.data(), v.data(), g.data(), beta.data(), state.data(),
                                           state_ref.data(), nullptr, scale, T, hk, hv, DK, dv, o_ref.data()};
   emulate(blocks, rows * L, [&] { gdn_kernel<E, L>(R); });
-  // gated_delta_net_states' kernel on two layers, in place: layer 0 the step's inputs from `state`, layer 1 the same
-  // with g halved from state_ref; each must end where gdn_kernel does (layer 1's reference: state_ref2).
-  std::vector<float> g1(g.size()), state_ref2(state.size(), nan), o_ref2(o.size()), layer0 = state, layer1 = state_ref;
-  for (size_t i = 0; i < g.size(); ++i) g1[i] = g[i] * 0.5f;
-  const specd::gpu::detail::gdn::Params R2{q.data(), k.data(), v.data(), g1.data(), beta.data(), state_ref.data(),
+  // gated_delta_net_states' kernel on two layers, in place: layer 0 the step's inputs from `state`, layer 1 other
+  // inputs (each of q, k, v, g, beta changed) from state_ref; each must end where gdn_kernel does (layer 1's
+  // reference: state_ref2).
+  const auto scaled = [](const std::vector<float>& a, float f) {
+    std::vector<float> b(a.size());
+    for (size_t i = 0; i < a.size(); ++i) b[i] = a[i] * f;
+    return b;
+  };
+  const std::vector<float> q1 = scaled(q, -1.0f), k1 = scaled(k, -1.0f), v1 = scaled(v, 0.5f), g1 = scaled(g, 0.5f),
+                           beta1 = scaled(beta, 0.75f);
+  std::vector<float> state_ref2(state.size(), nan), o_ref2(o.size()), layer0 = state, layer1 = state_ref;
+  const specd::gpu::detail::gdn::Params R2{q1.data(), k1.data(), v1.data(), g1.data(), beta1.data(), state_ref.data(),
                                            state_ref2.data(), nullptr, scale, T, hk, hv, DK, dv, o_ref2.data()};
   emulate(blocks, rows * L, [&] { gdn_kernel<E, L>(R2); });
   GdnLayers Ls{};
-  Ls.q[0] = Ls.q[1] = q.data(), Ls.k[0] = Ls.k[1] = k.data(), Ls.v[0] = Ls.v[1] = v.data();
-  Ls.g[0] = g.data(), Ls.g[1] = g1.data(), Ls.beta[0] = Ls.beta[1] = beta.data();
+  Ls.q[0] = q.data(), Ls.k[0] = k.data(), Ls.v[0] = v.data(), Ls.g[0] = g.data(), Ls.beta[0] = beta.data();
+  Ls.q[1] = q1.data(), Ls.k[1] = k1.data(), Ls.v[1] = v1.data(), Ls.g[1] = g1.data(), Ls.beta[1] = beta1.data();
   Ls.state[0] = layer0.data(), Ls.state[1] = layer1.data();
   Ls.scale = scale, Ls.T = T, Ls.hk = hk, Ls.hv = hv, Ls.dk = DK, Ls.dv = dv, Ls.blocks_per_layer = blocks;
   emulate(2 * blocks, rows * L, [&] { gdn_layers_kernel<E, L>(Ls); });
