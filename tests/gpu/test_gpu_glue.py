@@ -1,12 +1,18 @@
 """Tensor glue ops (sn.slice / concat / copy / copy_rows / copy_tensors) on the GPU and the CPU against numpy:
 exact byte copies. The CPU cases always run; the GPU cases are skipped without a GPU
-(SPECD_TEST_GPU_DRYRUN=1 runs them on CPU tensors)."""
+(SPECD_TEST_GPU_DRYRUN=1 runs them on CPU tensors). copy_tensors' GPU kernel also runs in host emulation
+(host_emu/copy_main.cpp) with copy.cu's launch plan, on every machine."""
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import specd.native as sn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_emu_build import build_emu  # noqa: E402
 
 DRYRUN = os.environ.get("SPECD_TEST_GPU_DRYRUN") == "1"
 HAVE_GPU = sn.gpu_available() or DRYRUN
@@ -60,6 +66,23 @@ def test_copy_tensors(rng, dev, pairs, shapes, dtype):
     for d, s, x in zip(dst_t, src_t, srcs):
         np.testing.assert_array_equal(d.numpy(), x)
         np.testing.assert_array_equal(s.numpy(), x)  # sources untouched
+
+
+@pytest.fixture(scope="module")
+def copy_emu(tmp_path_factory):
+    return build_emu(tmp_path_factory, "copy_emu", ["copy_many.cuh", "pdl.cuh"], "copy_main.cpp")
+
+
+# word counts (16 bytes each): ragged sizes around a block's 1024 words; 70 copies (two launches of 64 + 6);
+# empty copies; one word
+@pytest.mark.parametrize("words", [[5000, 1, 0, 1024, 1025, 3000], list(range(1, 71)), [0, 0], [1]])
+def test_copy_many_kernel_emulated(copy_emu, words):
+    """copy_many_kernel with copy.cu's plan: every destination word equals its source's, none written past it."""
+    d, exe = copy_emu
+    r = subprocess.run([str(exe), *map(str, words)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    per = max(1, -(-max(words) // 1024))
+    assert r.stdout.strip() == f"blocks_per_copy={per} launches={-(-len(words) // 64)}"
 
 
 @pytest.mark.parametrize("dev", DEVICES)

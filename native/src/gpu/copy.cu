@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "common.cuh"
+#include "copy_many.cuh"
 #include "specd/error.h"
 #include "specd/gpu.h"
 
@@ -24,25 +25,10 @@ void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t wi
 
 namespace {
 
-// copy_many's kernel: up to kMaxCopies copies of whole 16-byte words, blocks_per_copy blocks each (block b: copy
-// b / blocks_per_copy), their words strided over those blocks' threads. Pointers in the kernel parameters
-// (1.5 KiB): a captured graph keeps them, nothing is uploaded.
-constexpr int kMaxCopies = 64, kCopyThreads = 256;
-struct Copies {
-  uint4* dst[kMaxCopies];
-  const uint4* src[kMaxCopies];
-  int64_t words[kMaxCopies];
-  int64_t blocks_per_copy;
-};
-
-__global__ void __launch_bounds__(kCopyThreads) copy_many_kernel(const Copies C) {
-  detail::pdl_enter();
-  const int64_t i = int64_t(blockIdx.x) / C.blocks_per_copy, b = int64_t(blockIdx.x) % C.blocks_per_copy;
-  const uint4* __restrict__ src = C.src[i];
-  uint4* __restrict__ dst = C.dst[i];
-  for (int64_t e = b * kCopyThreads + threadIdx.x; e < C.words[i]; e += C.blocks_per_copy * kCopyThreads)
-    dst[e] = src[e];
-}
+using detail::copy::blocks_per_copy;
+using detail::copy::copy_many_kernel;
+using detail::copy::Copies;
+using detail::copy::kMaxCopies;
 
 bool whole_words(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % 16 == 0 && bytes % 16 == 0; }
 
@@ -61,8 +47,7 @@ void copy_many(void* const* dst, const void* const* src, const size_t* bytes, si
     return;
   }
   if (most == 0) return;
-  // Each copy's words over enough blocks that a thread moves ~4 of them (the 27B's 3 MiB GDN states: 192 blocks).
-  const int64_t per_copy = std::max<int64_t>(1, int64_t(most / 16 + 4 * kCopyThreads - 1) / (4 * kCopyThreads));
+  const int64_t per_copy = blocks_per_copy(most);
   SPECD_CHECK(per_copy * std::min<int64_t>(int64_t(count), kMaxCopies) <= 0x7fffffff,
               "copy_many: too many blocks for one launch");
   for (size_t c0 = 0; c0 < count; c0 += kMaxCopies) {
@@ -73,8 +58,8 @@ void copy_many(void* const* dst, const void* const* src, const size_t* bytes, si
       C.words[i] = int64_t(bytes[c0 + i] / 16);
     }
     C.blocks_per_copy = per_copy;
-    detail::launch_kernel<copy_many_kernel>("copy_many_kernel", unsigned(per_copy * int64_t(n)), kCopyThreads, 0,
-                                            detail::stream(), C);
+    detail::launch_kernel<copy_many_kernel>("copy_many_kernel", unsigned(per_copy * int64_t(n)),
+                                            detail::copy::kCopyThreads, 0, detail::stream(), C);
   }
 }
 
