@@ -529,7 +529,7 @@ class Qwen35Model:
         for i, p in enumerate(res.pending):
             if p is None:
                 self._compact_kv(st, i, res.start, rows)
-        # Every GDN layer at once (one launch each on the GPU, not small ones a layer after another), in place:
+        # Every GDN layer at once (on the GPU a launch or two, not small ones a layer after another), in place:
         # states keep their addresses (captured graphs read them there).
         if full_chain:  # the verify's final states
             sn.copy_tensors([st.ssm[i] for i in gdn] + [st.conv[i] for i in gdn],

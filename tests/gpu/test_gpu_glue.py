@@ -68,21 +68,39 @@ def test_copy_tensors(rng, dev, pairs, shapes, dtype):
         np.testing.assert_array_equal(s.numpy(), x)  # sources untouched
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_copy_tensors_unaligned_views(rng, dev):
+    """Views whose addresses are not multiples of 16 bytes (sizes that are) take a copy of their own beside the
+    kernel's aligned pairs, in one call."""
+    x = (rng.standard_normal((12, 1)) * 100).astype(np.float32)
+    src, dst, dst2 = put(x, dev), put(np.zeros((12, 1), np.float32), dev), put(np.zeros((8, 4), np.float32), dev)
+    big = (rng.standard_normal((8, 4)) * 100).astype(np.float32)
+    sn.copy_tensors([dst.view_rows(1, 5), dst2], [src.view_rows(5, 9), put(big, dev)])  # 16 bytes at +4, aligned
+    want = np.zeros((12, 1), np.float32)
+    want[1:5] = x[5:9]
+    np.testing.assert_array_equal(dst.numpy(), want)
+    np.testing.assert_array_equal(dst2.numpy(), big)
+
+
 @pytest.fixture(scope="module")
 def copy_emu(tmp_path_factory):
     return build_emu(tmp_path_factory, "copy_emu", ["copy_many.cuh", "pdl.cuh"], "copy_main.cpp")
 
 
-# word counts (16 bytes each): ragged sizes around a block's 1024 words; 70 copies (two launches of 64 + 6);
-# empty copies; one word
-@pytest.mark.parametrize("words", [[5000, 1, 0, 1024, 1025, 3000], list(range(1, 71)), [0, 0], [1]])
+# word counts (16 bytes each): ragged sizes around a block's 1024 words with empty copies between; a commit's 96
+# copies of two sizes in one launch (the 27B's: 48 states of 196608 words, 48 conv states of 7680; smaller here);
+# 130 copies (two launches of 128 + 2); empty copies only (no launch); one word
+@pytest.mark.parametrize("words", [[5000, 1, 0, 1024, 0, 1025, 3000, 0], [2000] * 48 + [77] * 48,
+                                   list(range(1, 131)), [0, 0], [1]])
 def test_copy_many_kernel_emulated(copy_emu, words):
-    """copy_many_kernel with copy.cu's plan: every destination word equals its source's, none written past it."""
+    """copy_many_kernel with copy.cu's plan: every destination word equals its source's, none written past it; each
+    copy over its own blocks (about 1024 words a block), 128 copies a launch."""
     d, exe = copy_emu
     r = subprocess.run([str(exe), *map(str, words)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    per = max(1, -(-max(words) // 1024))
-    assert r.stdout.strip() == f"blocks_per_copy={per} launches={-(-len(words) // 64)}"
+    blocks = sum(-(-w // 1024) for w in words)
+    launches = sum(1 for c0 in range(0, len(words), 128) if any(words[c0:c0 + 128]))
+    assert r.stdout.strip() == f"launches={launches} blocks={blocks}"
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -98,6 +116,10 @@ def test_copy_tensors_bad_input(dev):
         sn.copy_tensors([a, b], [c, put(np.zeros((3, 4), np.int32), dev)])
     with pytest.raises(ValueError, match="pair 0: dst overlaps its src"):
         sn.copy_tensors([a], [a])
+    with pytest.raises(ValueError, match="pair 0: dst is read-only"):
+        ro = np.zeros((3, 4), np.float32)
+        ro.setflags(write=False)
+        sn.copy_tensors([ro], [np.ones((3, 4), np.float32)])
     with pytest.raises(ValueError, match=r"pair 1: dst overlaps another pair's tensor \(pair 0\)"):
         sn.copy_tensors([c, b], [b, a])  # pair 1's dst is pair 0's src
     with pytest.raises(ValueError, match=r"pair 0: dst overlaps another pair's tensor \(pair 1\)"):

@@ -193,11 +193,14 @@ def test_host_sync_during_capture_raises():
 
 def beside_capture(capture, other):
     """Runs other() on another thread while this one captures capture(): other must wait until the capture ends,
-    then finish. Returns (the graph, capture's result)."""
-    done = threading.Event()
+    then finish (an exception it raised is raised here). Returns (the graph, capture's result)."""
+    done, failed = threading.Event(), []
 
     def run():
-        other()
+        try:
+            other()
+        except BaseException as exc:  # noqa: BLE001 (raised again on the test's thread)
+            failed.append(exc)
         done.set()
 
     sn.gpu_graph_begin()
@@ -212,6 +215,8 @@ def beside_capture(capture, other):
         raise
     worker.join(30)
     assert done.is_set()
+    if failed:
+        raise failed[0]
     return g, out
 
 
@@ -232,33 +237,40 @@ def test_other_thread_waits_for_the_capture():
     np.testing.assert_array_equal(z.numpy(), 1.0)
 
 
-def test_in_place_commit_ops_wait_for_the_capture(rng):
-    """The commit's in-place ops allocate nothing (conv1d_causal_states, gated_delta_net_states, copy_tensors): each
-    holds the capture lock while it enqueues, so another thread's call waits for a capture to end (it is not
-    recorded into the graph) and then runs."""
+@pytest.mark.parametrize("op", ["conv1d_causal_states", "gated_delta_net_states", "copy_tensors"])
+def test_in_place_commit_ops_wait_for_the_capture(rng, op):
+    """The commit's in-place ops allocate nothing: each holds the capture lock while it enqueues, so another
+    thread's call waits for a capture to end and runs then, once: its result is there before any replay, and a
+    replay of the graph does not apply it again."""
     T, C, hk, hv, d = 2, 40, 1, 2, 32
-    x, conv = on_gpu(rng.standard_normal((T, C)).astype(np.float32)), rng.standard_normal((3, C)).astype(np.float32)
+    x = on_gpu(rng.standard_normal((T, C)).astype(np.float32))
     q = rng.standard_normal((T, hk, d)).astype(np.float32)
     q /= np.linalg.norm(q, axis=-1, keepdims=True)
     g, beta = -np.abs(rng.standard_normal((T, hv))).astype(np.float32), np.full((T, hv), 0.5, np.float32)
-    v, s0 = rng.standard_normal((T, hv, d)).astype(np.float32), rng.standard_normal((hv, d, d)).astype(np.float32)
+    v = rng.standard_normal((T, hv, d)).astype(np.float32)
     gdn_in = [on_gpu(a) for a in (q, q, v, g, beta)]
-    conv_g, state_g = on_gpu(conv), on_gpu(s0)
-    dst, src = on_gpu(np.zeros(5, np.float32)), on_gpu(np.ones(5, np.float32))
-
-    def other():
-        sn.conv1d_causal_states([x], [conv_g])
-        sn.gated_delta_net_states(*([a] for a in gdn_in), [state_g], 0.2)
-        sn.copy_tensors([dst], [src])
-
-    graph, y = beside_capture(lambda: sn.add(x, x), other)
-    graph.replay()  # the capture's own add; the other thread's work ran once, outside the graph
+    if op == "conv1d_causal_states":
+        start = rng.standard_normal((3, C)).astype(np.float32)
+        target = on_gpu(start)
+        want = np.concatenate([start, x.numpy()])[T:]
+        call = lambda: sn.conv1d_causal_states([x], [target])  # noqa: E731
+    elif op == "gated_delta_net_states":
+        start = rng.standard_normal((hv, d, d)).astype(np.float32)
+        target, one = on_gpu(start), on_gpu(start)
+        sn.gated_delta_net(*gdn_in, one, 0.2)
+        want = one.numpy()
+        call = lambda: sn.gated_delta_net_states(*([a] for a in gdn_in), [target], 0.2)  # noqa: E731
+    else:
+        target, src = on_gpu(np.zeros(5, np.float32)), on_gpu(np.ones(5, np.float32))
+        want = np.ones(5, np.float32)
+        call = lambda: sn.copy_tensors([target], [src])  # noqa: E731
+    graph, y = beside_capture(lambda: sn.add(x, x), call)
+    np.testing.assert_array_equal(target.numpy(), want)  # ran once the capture ended, not recorded into it
+    if op == "copy_tensors":
+        sn.copy_rows(src, 0, on_gpu(np.full(5, 3.0, np.float32)), 0, 5)  # a replayed copy would bring 3.0
+    graph.replay()
     np.testing.assert_array_equal(y.numpy(), 2 * x.numpy())
-    np.testing.assert_array_equal(conv_g.numpy(), np.concatenate([conv, x.numpy()])[T:])
-    one = on_gpu(s0)
-    sn.gated_delta_net(*gdn_in, one, 0.2)
-    np.testing.assert_array_equal(state_g.numpy(), one.numpy())
-    np.testing.assert_array_equal(dst.numpy(), 1.0)
+    np.testing.assert_array_equal(target.numpy(), want)
 
 
 def test_only_the_capturing_thread_ends_the_capture():

@@ -1230,7 +1230,7 @@ def test_commit_states_gpu_errors(rng):
     q, k, v, g, beta, s = gdn_inputs(rng, 2, 2, 4, 64, 32)
     args = [[on_gpu(a)] * 2 for a in (q, k, v, g, beta)]
     s0, s1 = on_gpu(s), on_gpu(s)
-    with pytest.raises(ValueError, match="layer 1: state has the wrong shape"):
+    with pytest.raises(ValueError, match=r"layer 1: state must be \[Hv, dv, dk\] = \[4, 32, 64\], got \[2, 32, 64\]"):
         sn.gated_delta_net_states(*args, [s0, on_gpu(s[:2])], 0.1)
     with pytest.raises(ValueError, match=r"layer 1: v has 1 tokens, q has 2"):
         sn.gated_delta_net_states(*args[:2], [args[2][0], on_gpu(v[:1])], *args[3:], [s0, s1], 0.1)

@@ -466,11 +466,20 @@ def test_commit_states_bad_input(rng):
     with pytest.raises(ValueError, match=r"layer 1: \[T, Hk, dk, Hv, dv\] = \[2, 2, 8, 2, 8\] differ"):
         q2, k2 = gdn_inputs(rng, T, 2, hv, d, d)[:2]  # Hk 2 against layer 0's 1
         gdn(q=[q, q2], k=[k, k2])
+    with pytest.raises(ValueError, match="layer 0's state overlaps layer 0's q"):  # its own layer's input
+        gdn(q=[s.reshape(-1)[: q.size].reshape(q.shape), q])
+    pair = np.zeros((2,) + s.shape, np.float32)  # two states side by side, an input spanning both
+    with pytest.raises(ValueError, match="layer 0's state overlaps layer 1's v"):
+        gdn(states=[pair[0], pair[1]], v=[v, pair.reshape(-1)[s.size - 4: s.size - 4 + v.size].reshape(v.shape)])
+    s3 = s.copy()
+    with pytest.raises(ValueError, match="the states of layers 0 and 2 overlap"):  # not next to each other
+        gdn(**{f: [a, a, a] for f, a in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta))},
+            states=[s3, s2, s3])
     with pytest.raises(ValueError, match="layer 1: state is read-only"):
         ro = s2.copy()
         ro.setflags(write=False)
         gdn(states=[s, ro])
-    with pytest.raises(ValueError, match="layer 1: state has the wrong shape"):
+    with pytest.raises(ValueError, match=r"layer 1: state must be \[Hv, dv, dk\] = \[2, 8, 8\], got \[1, 8, 8\]"):
         gdn(states=[s, s2[:1]])
     with pytest.raises(ValueError, match="layer 0: q must be F32"):
         gdn(q=[q.astype(np.float16), q])
@@ -485,9 +494,11 @@ def test_commit_states_bad_input(rng):
         sn.conv1d_causal_states([x], [st, st.copy()])
     with pytest.raises(ValueError, match=r"layer 1: x must be \[T, C\] = \[2, 6\] as layer 0's, got \[3, 6\]"):
         sn.conv1d_causal_states([x, np.zeros((3, C), np.float32)], [st, st.copy()])
-    with pytest.raises(ValueError, match=r"layer 1: state must be \[K - 1, C\] = \[3, 6\] \(layer 0's K - 1\), got 2 "
-                                         r"dimension\(s\) of 12 elements"):
+    with pytest.raises(ValueError, match=r"layer 1: state must be \[K - 1, C\] = \[3, 6\] \(layer 0's K - 1\), "
+                                         r"got \[2, 6\]"):
         sn.conv1d_causal_states([x, x.copy()], [st, np.zeros((2, C), np.float32)])
+    with pytest.raises(ValueError, match=r"layer 0: state must be \[K - 1, C = 6\], got \[18\]"):
+        sn.conv1d_causal_states([x], [st.reshape(-1)])
     with pytest.raises(ValueError, match="layer 0's state overlaps layer 1's x"):
         sn.conv1d_causal_states([x, st[:2]], [st, np.zeros((3, C), np.float32)])
     with pytest.raises(ValueError, match="the states of layers 0 and 1 overlap"):

@@ -26,9 +26,10 @@ void copy_to_host(void* dst, const void* src, size_t bytes);
 // destination rows `dpitch` apart), enqueued on the library stream (asynchronous; ordered with the
 // ops). Source and destination must not overlap. Used by specd.native slice / concat / copy.
 void copy_2d(void* dst, size_t dpitch, const void* src, size_t spitch, size_t width, size_t height);
-// dst[i] <- bytes[i] bytes of src[i] for i < count, device to device on the library stream: one kernel for all of
-// them where every pointer and size is a multiple of 16 bytes (else one copy_2d each). No dst may overlap any
-// src or another dst. Used by specd.native copy_tensors (a commit's states, every layer at once).
+// dst[i] <- bytes[i] bytes of src[i] for i < count, device to device on the library stream: the copies whose
+// pointers and size are multiples of 16 bytes in one kernel launch per 128 (copy_many.cuh), any other in a copy_2d
+// of its own. No dst may overlap any src or another dst. Used by specd.native copy_tensors (a commit's states,
+// every layer at once).
 void copy_many(void* const* dst, const void* const* src, const size_t* bytes, size_t count);
 void synchronize();  // waits for the library's stream
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "../cpu/ssm.h"  // overlap
+#include "../cpu/ssm.h"  // WrittenSpans
 #include "bindings.h"
 
 namespace specd::py_bind {
@@ -127,7 +127,8 @@ void copy_rows(const Tensor& dst, int64_t dst_start, const Tensor& src, int64_t 
   copy_2d(dst.device, d, n * rb, s, n * rb, n * rb, 1);
 }
 
-// dsts[i] = srcs[i] for every i: checked whole before anything is written, then one launch on the GPU.
+// dsts[i] = srcs[i] for every i: checked whole before anything is written, then on the GPU one launch for up to
+// 128 pairs of whole 16-byte words (gpu::copy_many).
 void copy_tensors(const std::vector<Tensor>& dsts, const std::vector<Tensor>& srcs) {
   const char* op = "copy_tensors";
   SPECD_CHECK(dsts.size() == srcs.size(), op, ": ", dsts.size(), " destinations for ", srcs.size(), " sources");
@@ -144,11 +145,17 @@ void copy_tensors(const std::vector<Tensor>& dsts, const std::vector<Tensor>& sr
                 ": every tensor must be on pair 0's device");
     SPECD_CHECK(dst.dtype == src.dtype && dst.shape == src.shape, at,
                 ": dst and src must have the same dtype and shape");
-    for (size_t j = 0; j < dsts.size(); ++j)
-      SPECD_CHECK(!cpu::overlap(dst, srcs[j]) && (j == i || !cpu::overlap(dst, dsts[j])), at,
-                  ": dst overlaps ", j == i ? "its src" : "another pair's tensor (pair " + std::to_string(j) + ")");
     d.push_back(dst.data), s.push_back(src.data), bytes.push_back(size_t(dst.nbytes()));
   }
+  std::vector<const Tensor*> written;
+  for (const Tensor& t : dsts) written.push_back(&t);
+  const cpu::WrittenSpans spans(written);  // O(N log N): a commit copies 96 pairs
+  if (const auto c = spans.clash())
+    fail(op, ": pair ", c->first, ": dst overlaps another pair's tensor (pair ", c->second, ")");
+  for (size_t j = 0; j < srcs.size(); ++j)
+    if (const auto i = spans.hit(srcs[j]))
+      fail(op, ": pair ", *i, ": dst overlaps ",
+           *i == j ? "its src" : "another pair's tensor (pair " + std::to_string(j) + ")");
   if (d.empty()) return;
   if (dsts[0].device == Device::GPU) return gpu::copy_many(d.data(), s.data(), bytes.data(), d.size());
   for (size_t i = 0; i < d.size(); ++i) std::memcpy(d[i], s[i], bytes[i]);
@@ -177,8 +184,9 @@ Raises ValueError on an empty list or mismatched dtype, device, rank or shape.)d
   m.def("copy_tensors", [](const std::vector<Tensor>& dsts, const std::vector<Tensor>& srcs) {
           without_gil([&] { copy_tensors(dsts, srcs); });
         }, py::arg("dsts"), py::arg("srcs"),
-        R"doc(dsts[i][...] = srcs[i] in place for every i: on the GPU one launch for all of them (a spec step's
-commit of a whole chain: every layer's state from the verify's).
+        R"doc(dsts[i][...] = srcs[i] in place for every i: on the GPU one launch for up to 128 of them (a spec
+step's commit of a whole chain: every layer's states from the verify's; a pair whose address or size is not a
+multiple of 16 bytes takes a copy of its own).
 
 Each pair: contiguous tensors of one dtype and shape (any dtype), dst writable; every tensor on one device; no
 dst may overlap any src or another dst. Exact (bytes are moved). Checks every pair before anything is written.

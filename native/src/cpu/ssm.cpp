@@ -120,35 +120,24 @@ void check_f32(const Tensor& t, int64_t ndim, Device dev, const std::string& op,
   check_contiguous(t, op.c_str(), arg);
 }
 
-// No layer's state overlaps another's or any layer's input (the layers run side by side on the GPU). The states'
-// byte spans sorted (disjoint when each starts past the one before), then each input's span looked up among them:
-// O(N log N) for N layers (pairwise: 12k overlap tests a commit of the 27B's 48 layers).
+// "[d0, d1, ...]", a tensor's shape in an error.
+std::string dims(const Tensor& t) {
+  std::string s = "[";
+  for (size_t i = 0; i < t.shape.size(); ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  return s + "]";
+}
+
+// No layer's state overlaps another's or any layer's input (the layers run side by side on the GPU).
 void check_layer_states(const std::vector<Tensor>& states,
                         std::initializer_list<std::pair<const std::vector<Tensor>*, const char*>> inputs,
                         const char* op) {
-  struct Span {
-    uintptr_t lo, hi;
-    size_t layer;
-  };
-  std::vector<Span> spans;
-  for (size_t i = 0; i < states.size(); ++i) {
-    const auto [lo, hi] = byte_span(states[i]);
-    if (lo < hi) spans.push_back({lo, hi, i});
-  }
-  std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
-  for (size_t k = 1; k < spans.size(); ++k)
-    SPECD_CHECK(spans[k].lo >= spans[k - 1].hi, op, ": the states of layers ",
-                std::min(spans[k - 1].layer, spans[k].layer), " and ", std::max(spans[k - 1].layer, spans[k].layer),
-                " overlap");
+  std::vector<const Tensor*> written;
+  for (const Tensor& t : states) written.push_back(&t);
+  const WrittenSpans spans(written);
+  if (const auto c = spans.clash()) fail(op, ": the states of layers ", c->first, " and ", c->second, " overlap");
   for (const auto& [list, name] : inputs)
-    for (size_t j = 0; j < list->size(); ++j) {
-      const auto [lo, hi] = byte_span((*list)[j]);
-      // the first state ending past lo (the spans' ends ascend too): the only one that may hold [lo, hi)'s start
-      const auto it =
-          std::upper_bound(spans.begin(), spans.end(), lo, [](uintptr_t v, const Span& sp) { return v < sp.hi; });
-      SPECD_CHECK(lo >= hi || it == spans.end() || it->lo >= hi, op, ": layer ", it->layer, "'s state overlaps layer ",
-                  j, "'s ", name);
-    }
+    for (size_t j = 0; j < list->size(); ++j)
+      if (const auto i = spans.hit((*list)[j])) fail(op, ": layer ", *i, "'s state overlaps layer ", j, "'s ", name);
 }
 
 }  // namespace
@@ -157,6 +146,33 @@ bool overlap(const Tensor& a, const Tensor& b) {
   const auto [lo, hi] = byte_span(a);
   const auto [c, d] = byte_span(b);
   return lo < hi && c < d && c < hi && lo < d;
+}
+
+WrittenSpans::WrittenSpans(const std::vector<const Tensor*>& written) {
+  for (size_t i = 0; i < written.size(); ++i) {
+    const auto [lo, hi] = byte_span(*written[i]);
+    if (lo < hi) spans_.push_back({lo, hi, i});
+  }
+  std::sort(spans_.begin(), spans_.end(), [](const Span& a, const Span& b) { return a.lo < b.lo; });
+}
+
+std::optional<std::pair<size_t, size_t>> WrittenSpans::clash() const {
+  // sorted by start, the spans are disjoint when each starts at or past the end of the one before
+  for (size_t k = 1; k < spans_.size(); ++k)
+    if (spans_[k].lo < spans_[k - 1].hi)
+      return std::pair{std::min(spans_[k - 1].index, spans_[k].index), std::max(spans_[k - 1].index, spans_[k].index)};
+  return std::nullopt;
+}
+
+std::optional<size_t> WrittenSpans::hit(const Tensor& t) const {
+  const auto [lo, hi] = byte_span(t);
+  if (lo >= hi) return std::nullopt;
+  // disjoint spans end in ascending order too: the first ending past lo is the only one that may hold t's start,
+  // and if it starts at or past hi, every later one does
+  const auto it =
+      std::upper_bound(spans_.begin(), spans_.end(), lo, [](uintptr_t v, const Span& s) { return v < s.hi; });
+  if (it == spans_.end() || it->lo >= hi) return std::nullopt;
+  return it->index;
 }
 
 void check_gdn_output_norm_args(const Tensor& z, const std::optional<Tensor>& norm_weight, const Tensor& written,
@@ -306,8 +322,9 @@ ConvDims check_conv1d_causal_states(const std::vector<Tensor>& xs, const std::ve
     SPECD_CHECK(xs[i].dim(0) == d.T && xs[i].dim(1) == d.C, lop, ": x must be [T, C] = [", d.T, ", ", d.C,
                 "] as layer 0's, got [", xs[i].dim(0), ", ", xs[i].dim(1), "]");
     const Tensor& st = states[i];
+    if (i == 0) SPECD_CHECK(d.km1 >= 0, lop, ": state must be [K - 1, C = ", d.C, "], got ", dims(st));
     SPECD_CHECK(st.ndim() == 2 && st.dim(0) == d.km1 && st.dim(1) == d.C, lop, ": state must be [K - 1, C] = [", d.km1,
-                ", ", d.C, "] (layer 0's K - 1), got ", st.ndim(), " dimension(s) of ", st.numel(), " elements");
+                ", ", d.C, "] (layer 0's K - 1), got ", dims(st));
     check_state(st, {d.km1, d.C}, dev, lop.c_str(), "state");
   }
   check_layer_states(states, {{&xs, "x"}}, op);
@@ -333,7 +350,10 @@ GdnDims check_gated_delta_net_states(const std::vector<Tensor>& q, const std::ve
     SPECD_CHECK(di.T == d.T && di.hk == d.hk && di.dk == d.dk && di.hv == d.hv && di.dv == d.dv, lop,
                 ": [T, Hk, dk, Hv, dv] = [", di.T, ", ", di.hk, ", ", di.dk, ", ", di.hv, ", ", di.dv,
                 "] differ from layer 0's [", d.T, ", ", d.hk, ", ", d.dk, ", ", d.hv, ", ", d.dv, "]");
-    check_state(states[i], {d.hv, d.dv, d.dk}, dev, lop.c_str(), "state");
+    const std::vector<int64_t> shape{d.hv, d.dv, d.dk};
+    SPECD_CHECK(states[i].shape == shape, lop, ": state must be [Hv, dv, dk] = [", d.hv, ", ", d.dv, ", ", d.dk,
+                "], got ", dims(states[i]));
+    check_state(states[i], shape, dev, lop.c_str(), "state");
   }
   check_layer_states(states, {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&g, "g"}, {&beta, "beta"}}, op);
   return d;

@@ -1,7 +1,9 @@
 #pragma once
+#include <cstdint>
 #include <initializer_list>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "specd/tensor.h"
@@ -91,6 +93,24 @@ struct GdnDims {
 // Whether the bytes two tensors can touch overlap (same device assumed; empty tensors never do; block
 // formats: whole rows).
 bool overlap(const Tensor& a, const Tensor& b);
+
+// The byte spans of the tensors an op writes (several layers' states, copy_tensors' destinations), sorted, to test
+// them against each other and against what the op reads in O(N log N) instead of pairwise.
+class WrittenSpans {
+ public:
+  explicit WrittenSpans(const std::vector<const Tensor*>& written);
+  // Two written tensors that overlap (their indices, the smaller first), if any.
+  std::optional<std::pair<size_t, size_t>> clash() const;
+  // A written tensor that t overlaps (its index), if any. Meaningful once clash() found none.
+  std::optional<size_t> hit(const Tensor& t) const;
+
+ private:
+  struct Span {
+    uintptr_t lo, hi;
+    size_t index;
+  };
+  std::vector<Span> spans_;  // non-empty ones, by start
+};
 
 // A state argument (state, state_out, checkpoints): F32 of `shape` on `dev`, contiguous, and
 // writable when `written`.

@@ -302,11 +302,11 @@ void gated_delta_net_states(const std::vector<Tensor>& q, const std::vector<Tens
   const cpu::GdnDims d = cpu::check_gated_delta_net_states(q, k, v, g, beta, states, scale, Device::GPU);
   if (d.T == 0 || d.hv == 0 || d.dv == 0) return;
   if (!gdn_register_kernel(d.dk, d.dv)) {  // gated_delta_net's fallback kernel, a layer at a time
+    detail::EnqueueGuard guard;  // all layers' work enqueued before another thread's capture may begin
     for (size_t i = 0; i < states.size(); ++i)
       gated_delta_net(q[i], k[i], v[i], g[i], beta[i], states[i], scale, std::nullopt, std::nullopt, true);
     return;
   }
-  SPECD_CHECK(d.hv <= 0x7fffffff && d.dv <= 0x7fffffff, op, ": dimensions too large");
   const int64_t rows = gdn_block_rows(d.dv), per_layer = d.hv * (d.dv / rows);
   const int threads = int(rows) * gdn_lanes(d.dk);
   detail::check_grid(per_layer * std::min<int64_t>(int64_t(states.size()), kMaxGdnLayers), op);  // before any launch
