@@ -6,8 +6,9 @@ window) with ssm.cu's grid, in place on the state, or out of place into a poison
 checked unchanged), as the host launches a verify's few tokens: a token a chunk. The window kernel must give the
 generic kernel's bits
 (outputs and state) for every token count, chunk edge and the state-only start (T < K - 1); both are checked
-against float64 numpy (y[t, c] = sum_j w[j, c] X[t + j, c] over X = [state ; x], then silu). The launch
-itself: test_gpu_ops2.py's conv tests on a GPU.
+against float64 numpy (y[t, c] = sum_j w[j, c] X[t + j, c] over X = [state ; x], then silu). Every run also
+updates two layers' states in one conv_states_kernel launch (conv1d_causal_states), checked against X's last
+K - 1 rows. The launch itself: test_gpu_ops2.py's conv tests on a GPU.
 """
 import os
 import subprocess
@@ -30,13 +31,16 @@ def run_emu(emu, x, w, state, chunk, silu, in_place=True):
     d, exe = emu
     T, C = x.shape
     K = w.shape[0]
-    names = ("x", "w", "state", "y1", "s1", "y2", "s2")
+    names = ("x", "w", "state", "y1", "s1", "y2", "s2", "l0", "l1")
     files = {n: str(d / f"{n}.bin") for n in names}
     for n, a in zip(names, (x, w, state)):
         np.ascontiguousarray(a, np.float32).tofile(files[n])
     subprocess.run([str(exe), str(T), str(C), str(K), str(chunk), str(int(silu)), str(int(in_place))]
                    + [files[n] for n in names], check=True, capture_output=True, text=True)
-    out = [np.fromfile(files[n], np.float32) for n in ("y1", "s1", "y2", "s2")]
+    out = [np.fromfile(files[n], np.float32) for n in ("y1", "s1", "y2", "s2", "l0", "l1")]
+    layers = out[4].reshape(K - 1, C), out[5].reshape(K - 1, C)
+    np.testing.assert_array_equal(layers[0], conv_reference(x, w, state, False)[1])  # conv_states_kernel, layer 0
+    np.testing.assert_array_equal(layers[1], -layers[0])  # layer 1: (-x, -state)
     return out[0].reshape(T, C), out[1].reshape(K - 1, C), out[2].reshape(T, C), out[3].reshape(K - 1, C)
 
 

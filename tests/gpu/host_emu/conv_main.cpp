@@ -4,9 +4,13 @@
 // asks it), or out of place into a state_out poisoned with NaN, the copy read then checked unchanged (exit 3).
 // Outputs are poisoned (NaN) first. Driven by tests/gpu/test_gpu_conv_host.py.
 //
+// Then conv_states_kernel (conv1d_causal_states) updates two layers' states in one launch.
+//
 // usage: conv_emu T C K chunk silu inplace x.bin w.bin state.bin y_generic.bin state_generic.bin y_taps.bin state_taps.bin
+//                 states0.bin states1.bin
 //   x: F32 [T, C]; w: F32 [K, C]; state: F32 [K-1, C]; y_*: F32 [T, C], state_*: F32 [K-1, C] (written; the
-//   taps kernel only runs for K = 4).
+//   taps kernel only runs for K = 4); states0 / states1: F32 [K-1, C], conv_states_kernel's layer 0 (x, state) and
+//   layer 1 (-x, -state).
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -24,9 +28,9 @@ static void write_file(const char* path, const std::vector<float>& v) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 14) {
-    std::fprintf(stderr, "usage: %s T C K chunk silu inplace x w state y_generic state_generic y_taps state_taps\n",
-                 argv[0]);
+  if (argc != 16) {
+    std::fprintf(stderr, "usage: %s T C K chunk silu inplace x w state y_generic state_generic y_taps state_taps "
+                 "states0 states1\n", argv[0]);
     return 2;
   }
   const int64_t T = std::atoll(argv[1]), C = std::atoll(argv[2]), K = std::atoll(argv[3]), chunk = std::atoll(argv[4]);
@@ -64,6 +68,16 @@ int main(int argc, char** argv) {
     }, argv[12], argv[13]);
   else
     write_file(argv[12], std::vector<float>(x.size(), nan)), write_file(argv[13], std::vector<float>(state.size(), nan));
+  // conv_states_kernel (conv1d_causal_states) on two layers in one launch, in place: layer 0 (x, state), layer 1
+  // (-x, -state), so its new state is layer 0's negated.
+  std::vector<float> nx(x.size()), s0 = state, s1(state.size());
+  for (size_t i = 0; i < x.size(); ++i) nx[i] = -x[i];
+  for (size_t i = 0; i < state.size(); ++i) s1[i] = -state[i];
+  ConvStates S{};
+  S.x[0] = x.data(), S.x[1] = nx.data(), S.state[0] = s0.data(), S.state[1] = s1.data();
+  S.T = T, S.C = C, S.km1 = K - 1, S.blocks_per_layer = blocks;
+  emulate(2 * blocks, kConvThreads, [&] { conv_states_kernel(S); });
+  write_file(argv[14], s0), write_file(argv[15], s1);
   std::printf("blocks=%lld chunks=%lld\n", (long long)blocks, (long long)chunks);
   return 0;
 }
