@@ -28,16 +28,18 @@ void copy_many(void* const* dst, const void* const* src, const size_t* bytes, si
   std::vector<uint4*> d;
   std::vector<const uint4*> s;
   std::vector<int64_t> words;
-  for (size_t i = 0; i < count; ++i)
-    if (detail::aligned16(dst[i]) && detail::aligned16(src[i]) && bytes[i] % 16 == 0) {
-      d.push_back(static_cast<uint4*>(dst[i])), s.push_back(static_cast<const uint4*>(src[i]));
-      words.push_back(int64_t(bytes[i] / 16));
+  std::vector<size_t> others;
+  for (size_t i = 0; i < count; ++i) {
+    if (!detail::aligned16(dst[i]) || !detail::aligned16(src[i]) || bytes[i] % 16 != 0) {
+      others.push_back(i);
+      continue;
     }
+    d.push_back(static_cast<uint4*>(dst[i])), s.push_back(static_cast<const uint4*>(src[i]));
+    words.push_back(int64_t(bytes[i] / 16));
+  }
   SPECD_CHECK(detail::copy::copies_fit(words.data(), words.size()), "copy_many: too many words for one launch");
   detail::EnqueueGuard guard;  // as copy_2d (in place, nothing allocated): waits while another thread captures a graph
-  for (size_t i = 0; i < count; ++i)
-    if (!(detail::aligned16(dst[i]) && detail::aligned16(src[i]) && bytes[i] % 16 == 0))
-      copy_2d(dst[i], bytes[i], src[i], bytes[i], bytes[i], 1);
+  for (size_t i : others) copy_2d(dst[i], bytes[i], src[i], bytes[i], bytes[i], 1);
   using detail::copy::Copies;
   detail::copy::plan_copies(d.data(), s.data(), words.data(), d.size(), [](const Copies& C, int32_t blocks) {
     detail::launch_kernel<detail::copy::copy_many_kernel>("copy_many_kernel", unsigned(blocks),
