@@ -49,6 +49,9 @@
 #define cudaDevAttrMemoryPoolsSupported hipDeviceAttributeMemoryPoolsSupported
 #define cudaDeviceSynchronize hipDeviceSynchronize
 #define cudaDriverGetVersion hipDriverGetVersion
+// HIP takes the kernel as a const void* where CUDA's runtime API has a template over the kernel's type.
+#define cudaFuncSetAttribute(kernel, attr, value) hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), (attr), (value))
+#define cudaFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
 #define cudaRuntimeGetVersion hipRuntimeGetVersion
 
 // Memory.

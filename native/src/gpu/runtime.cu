@@ -84,7 +84,7 @@ const Probe& probe() {
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess) {
-      cudaGetLastError();  // clear the sticky error so later calls are not poisoned
+      (void)cudaGetLastError();  // clear the sticky error so later calls are not poisoned
       r.reason = std::string("no usable ") + SPECD_BACKEND_NAME + " device: cudaGetDeviceCount: " +
                  cudaGetErrorString(err);
       if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice)
@@ -97,13 +97,13 @@ const Probe& probe() {
       return r;
     }
     if ((err = cudaGetDevice(&r.device)) != cudaSuccess) {
-      cudaGetLastError();
+      (void)cudaGetLastError();
       r.reason = std::string("cudaGetDevice failed: ") + cudaGetErrorString(err);
       return r;
     }
     cudaDeviceProp prop;
     if ((err = cudaGetDeviceProperties(&prop, r.device)) != cudaSuccess) {
-      cudaGetLastError();
+      (void)cudaGetLastError();
       r.reason = std::string("cudaGetDeviceProperties failed: ") + cudaGetErrorString(err);
       return r;
     }
@@ -117,7 +117,7 @@ const Probe& probe() {
 #endif
     int pools = 0;
     if (cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, r.device) != cudaSuccess) {
-      cudaGetLastError();
+      (void)cudaGetLastError();
       pools = 0;
     }
     r.pools = pools != 0;
@@ -262,7 +262,7 @@ Arena::~Arena() {
     void* p = c.base;
     run_or_defer([p] {
       (void)cudaFree(p);  // synchronises the device: the chunk is idle afterwards
-      cudaGetLastError();
+      (void)cudaGetLastError();
     });
   }
 }
@@ -293,7 +293,7 @@ std::shared_ptr<void> arena_alloc(const std::shared_ptr<Arena>& arena, size_t by
       void* base = nullptr;
       cudaError_t err = cudaMalloc(&base, chunk);
       if (err != cudaSuccess) {
-        cudaGetLastError();
+        (void)cudaGetLastError();
         std::string what = "cudaMalloc of a " + std::to_string(chunk) + "-byte graph arena chunk";
         throw_runtime_error(err, what.c_str(), __FILE__, __LINE__);
       }
@@ -322,7 +322,7 @@ void* allocate(size_t bytes) {
   cudaError_t err = p.pools ? cudaMallocAsync(&ptr, bytes, s) : cudaMalloc(&ptr, bytes);
   if (err == cudaErrorMemoryAllocation && p.pools) {
     // Hand the pool's cached blocks back to the device, then retry once.
-    cudaGetLastError();
+    (void)cudaGetLastError();
     SPECD_GPU_CHECK(cudaStreamSynchronize(s));
     cudaMemPool_t pool;
     SPECD_GPU_CHECK(cudaDeviceGetDefaultMemPool(&pool, p.device));
@@ -330,7 +330,7 @@ void* allocate(size_t bytes) {
     err = cudaMallocAsync(&ptr, bytes, s);
   }
   if (err != cudaSuccess) {
-    cudaGetLastError();
+    (void)cudaGetLastError();
     std::string what = std::string(p.pools ? "cudaMallocAsync" : "cudaMalloc") + " of " + std::to_string(bytes) + " bytes";
     throw_runtime_error(err, what.c_str(), __FILE__, __LINE__);
   }
@@ -349,7 +349,7 @@ void release(void* ptr) noexcept {
       (void)cudaFreeAsync(ptr, stream());
     else
       (void)cudaFree(ptr);
-    cudaGetLastError();
+    (void)cudaGetLastError();
   });
 }
 
@@ -410,7 +410,7 @@ std::string pci_bus_id() {
   char id[64] = {0};
   cudaError_t err = cudaDeviceGetPCIBusId(id, int(sizeof(id)), p.device);
   if (err != cudaSuccess) {
-    cudaGetLastError();
+    (void)cudaGetLastError();
     detail::throw_runtime_error(err, "cudaDeviceGetPCIBusId", __FILE__, __LINE__);
   }
   return std::string(id);
@@ -508,7 +508,7 @@ class CapturedGraph final : public Graph {
       (void)cudaStreamSynchronize(stream());
       (void)cudaGraphExecDestroy(exec);
       (void)cudaGraphDestroy(g);
-      cudaGetLastError();
+      (void)cudaGetLastError();
       detail::run_all(*deferred);
     });
     // arena_ goes with this object; its chunks are freed (or deferred) once no tensor holds them
@@ -549,7 +549,7 @@ void graph_begin(size_t arena_bytes) {
     if (err == cudaErrorMemoryAllocation && p.pools) {
       // Hand the pool's cached blocks back to the device, then retry once. Legal here: no capture
       // runs (another thread's is waited for, and none can begin while the lock is held).
-      cudaGetLastError();
+      (void)cudaGetLastError();
       {
         detail::CaptureLock lock(detail::capture_mu());
         if (detail::own_capture(lock))
@@ -562,7 +562,7 @@ void graph_begin(size_t arena_bytes) {
       err = cudaMalloc(&base, arena_bytes);
     }
     if (err != cudaSuccess) {
-      cudaGetLastError();
+      (void)cudaGetLastError();
       std::string what = "cudaMalloc of a " + std::to_string(arena_bytes) + "-byte graph arena";
       detail::throw_runtime_error(err, what.c_str(), __FILE__, __LINE__);
     }
@@ -613,7 +613,7 @@ std::shared_ptr<Graph> graph_end() {
   auto cap = end_capture("gpu_graph_end", g, err);
   if (!cap) throw std::runtime_error("gpu_graph_end: no GPU graph capture is running");
   if (err != cudaSuccess) {
-    cudaGetLastError();
+    (void)cudaGetLastError();
     if (g) (void)cudaGraphDestroy(g);
     detail::run_all_or_defer(cap->deferred);  // nothing was recorded that could run
     detail::throw_runtime_error(err, "cudaStreamEndCapture", __FILE__, __LINE__);
@@ -621,7 +621,7 @@ std::shared_ptr<Graph> graph_end() {
   cudaGraphExec_t exec = nullptr;
   err = cudaGraphInstantiateWithFlags(&exec, g, 0);
   if (err != cudaSuccess) {
-    cudaGetLastError();
+    (void)cudaGetLastError();
     (void)cudaGraphDestroy(g);
     detail::run_all_or_defer(cap->deferred);
     detail::throw_runtime_error(err, "cudaGraphInstantiateWithFlags", __FILE__, __LINE__);
@@ -635,7 +635,7 @@ void graph_abort() {
   auto cap = end_capture("gpu_graph_abort", g, err);
   if (!cap) return;
   if (g) (void)cudaGraphDestroy(g);
-  cudaGetLastError();                       // an invalidated capture reports its error here: dropped on purpose
+  (void)cudaGetLastError();                       // an invalidated capture reports its error here: dropped on purpose
   detail::run_all_or_defer(cap->deferred);  // the discarded graph never runs: deferred frees are safe now
 }
 
@@ -688,7 +688,7 @@ namespace {
   do {                                                                                    \
     cudaError_t specd_err_ = (call);                                                      \
     if (specd_err_ != cudaSuccess) {                                                      \
-      cudaGetLastError();                                                                 \
+      (void)cudaGetLastError();                                                                 \
       ::specd::gpu::detail::throw_runtime_error(specd_err_, #call, __FILE__, __LINE__);   \
     }                                                                                     \
   } while (0)
@@ -699,7 +699,7 @@ size_t mapped_allocation_bytes(void* p) {
   hipDeviceptr_t base = nullptr;
   size_t size = 0;
   if (hipMemGetAddressRange(&base, &size, p) != hipSuccess) {
-    hipGetLastError();
+    (void)hipGetLastError();
     return 0;
   }
   return size;
@@ -710,7 +710,7 @@ size_t mapped_allocation_bytes(void* p) {
     cudaDriverEntryPointQueryResult q;
     if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
         q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
+      (void)cudaGetLastError();
       f = nullptr;
     }
     return reinterpret_cast<GetRange>(f);
@@ -740,7 +740,7 @@ class IpcEventImpl final : public IpcEvent {
     cudaEvent_t e = e_;
     detail::run_or_defer([e] {
       (void)cudaEventDestroy(e);
-      cudaGetLastError();
+      (void)cudaGetLastError();
     });
   }
   std::string handle() const override { return h_; }
@@ -776,7 +776,7 @@ IpcBuffer ipc_export(size_t bytes) {
   void* ptr = nullptr;
   cudaError_t err = cudaMalloc(&ptr, bytes);
   if (err != cudaSuccess) {
-    cudaGetLastError();
+    (void)cudaGetLastError();
     std::string what = "cudaMalloc of " + std::to_string(bytes) + " bytes (IPC buffer)";
     detail::throw_runtime_error(err, what.c_str(), __FILE__, __LINE__);
   }
@@ -784,7 +784,7 @@ IpcBuffer ipc_export(size_t bytes) {
     detail::run_or_defer([p] {
       (void)cudaStreamSynchronize(stream());
       (void)cudaFree(p);
-      cudaGetLastError();
+      (void)cudaGetLastError();
     });
   });
   SPECD_IPC_CHECK(cudaMemsetAsync(ptr, 0, bytes, stream()));
@@ -814,7 +814,7 @@ std::shared_ptr<void> ipc_open(const std::string& handle, size_t bytes) {
     detail::run_or_defer([p] {
       (void)cudaStreamSynchronize(stream());
       (void)cudaIpcCloseMemHandle(p);
-      cudaGetLastError();
+      (void)cudaGetLastError();
     });
   });
   size_t have = mapped_allocation_bytes(ptr);
@@ -840,7 +840,7 @@ std::shared_ptr<IpcEvent> ipc_event_create() {
   cudaIpcEventHandle_t h;
   cudaError_t err = cudaIpcGetEventHandle(&h, e);
   if (err != cudaSuccess) {
-    cudaGetLastError();
+    (void)cudaGetLastError();
     (void)cudaEventDestroy(e);
     detail::throw_runtime_error(err, "cudaIpcGetEventHandle", __FILE__, __LINE__);
   }
