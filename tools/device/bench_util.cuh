@@ -1,4 +1,4 @@
-// Helpers of the standalone device benchmarks (gemv_sweep.cu, mem_pattern.cu, sync_cost.cu): a checked
+// Helpers of the standalone device benchmarks (gemv_sweep.cu, sync_cost.cu): a checked
 // CUDA call, the median time per call of a launch sequence, and the device-to-device copy bandwidth they
 // report their ratios to.
 #pragma once

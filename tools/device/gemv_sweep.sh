@@ -10,16 +10,14 @@
 #     OUT=/some/dir bash tools/device/gemv_sweep.sh
 #     OUT=/some/dir VARIANTS="s4:-DSPECD_MMA_SPLIT_BLOCKS=4 s16:-DSPECD_MMA_SPLIT_BLOCKS=16" NCU="s16" bash tools/device/gemv_sweep.sh
 # Ring depth and occupancy (SPECD_MMA_RING_REGS, SPECD_MMA_MAX_AHEAD, SPECD_MMA_MIN_BLOCKS; results are
-# bit-identical whatever they are for the same split plan, test_gpu_mma_gemv_ring_depth_keeps_results in
-# tests/gpu/test_gpu_decoders_host.py; but the wave rule sizes the tiled formats' splits by their one-tile instances'
-# resident blocks, which SPECD_MMA_MIN_BLOCKS, SPECD_MMA_X_AHEAD and SPECD_MMA_X_RING_REGS can change), e.g.
+# bit-identical whatever they are: the split plans read the constant kWaveBlocks, not these flags,
+# test_gpu_mma_gemv_ring_depth_keeps_results in tests/gpu/test_gpu_decoders_host.py), e.g.
 #     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 ring96:-DSPECD_MMA_RING_REGS=96,-DSPECD_MMA_MIN_BLOCKS=3
 #       ring128:-DSPECD_MMA_RING_REGS=128,-DSPECD_MMA_MIN_BLOCKS=3 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5,-DSPECD_MMA_X_AHEAD=0"
 # (the flags set the one-tile instances; two tiles take one block more and 5/8 of the ring (tiled IQ4_XS: its own at
 # two to four tiles, SPECD_MMA_IQ4T_BLOCKS_2 / _RING_2 / _BLOCKS_34 / _RING_34), three and four tiles one block fewer and 3/4 of it, five and
 # six one block fewer and no ring (BF16: 3/4 of it): matmul_mma.cuh, min_blocks / units_ahead; check build.log for spills: a 160-register ring at
-# 3 blocks per SM spills); weight loads without L1 allocation:
-#     VARIANTS="base:-DSPECD_MMA_SPLIT_BLOCKS=16 nal:-DSPECD_MMA_WEIGHT_NOALLOC=1 mb5:-DSPECD_MMA_RING_REGS=40,-DSPECD_MMA_MIN_BLOCKS=5,-DSPECD_MMA_X_AHEAD=0"
+# 3 blocks per SM spills);
 # x read a unit ahead (the tiled formats' one-tile instances, SPECD_MMA_X_AHEAD; SPECD_MMA_X_RING_REGS their ring,
 # which the ring and block flags above leave alone: add -DSPECD_MMA_X_AHEAD=0 to time those on the tiled formats'
 # one-tile instances), bit-identical too; the fewest units per split (changes the split-K arithmetic, so the checksums):
@@ -27,8 +25,8 @@
 # With NCU_SOURCE=1 Nsight Compute also collects the SourceCounters section and writes each NCU variant's
 # per-SASS-instruction table (stall samples by reason) to ncu_src_NAME.csv (per-opcode summary, anywhere:
 # python tools/device/ncu_src_summary.py ncu_src_*.csv). Checksums agree bit for bit between
-# variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS, SPECD_MMA_SPLIT_UNITS, SPECD_MMA_SPLIT_WAVES,
-# SPECD_MMA_SPLIT_MAX_INPUTS and the occupancy flags above change the split-K arithmetic). The L2 prefetch of the
+# variants with the same split sizing (SPECD_MMA_SPLIT_BLOCKS, SPECD_MMA_SPLIT_UNITS, SPECD_MMA_SPLIT_WAVES and
+# SPECD_MMA_SPLIT_MAX_INPUTS change the split-K arithmetic). The L2 prefetch of the
 # ring-less (2- to 6-tile) instances, SPECD_MMA_L2_AHEAD (units ahead, 0: off), never changes a result; nor does
 # SPECD_MMA_Q6_X4_TILES (the most n8 tiles at which Q6_K's quants are built as 4 (q - 32), default 3), e.g.
 # VARIANTS="base: off:-DSPECD_MMA_Q6_X4_TILES=0 all:-DSPECD_MMA_Q6_X4_TILES=6".
@@ -49,11 +47,13 @@ OUT=$(cd "$OUT" && pwd)
 B=/tmp/gemv_sweep
 mkdir -p "$B"
 NVCC=${NVCC:-nvcc}
-DEFAULT_VARIANTS="split4:-DSPECD_MMA_SPLIT_BLOCKS=4
-split8:-DSPECD_MMA_SPLIT_BLOCKS=8
-split12:-DSPECD_MMA_SPLIT_BLOCKS=12
-split16:-DSPECD_MMA_SPLIT_BLOCKS=16
-split8-loads:-DSPECD_MMA_SPLIT_BLOCKS=8,-DSPECD_MMA_LOADS_ONLY=1"
+# The defaults as built (base), their loads alone (the weight stream's ceiling, wrong results), and the two split
+# rules they replace: the fewest-units rule alone (nowave), at 4 blocks per SM (split4). (Since the wave rule,
+# SPECD_MMA_SPLIT_BLOCKS 8 to 16 give tiled IQ4_XS the same splits on the 27B's shapes.)
+DEFAULT_VARIANTS="base:
+loads:-DSPECD_MMA_LOADS_ONLY=1
+nowave:-DSPECD_MMA_SPLIT_WAVES=0
+split4:-DSPECD_MMA_SPLIT_WAVES=0,-DSPECD_MMA_SPLIT_BLOCKS=4"
 VARIANTS=${VARIANTS:-$DEFAULT_VARIANTS}
 if [ "${SWEEP_SKIP_BUILD:-0}" != 1 ]; then  # SWEEP_SKIP_BUILD=1: the binaries of an earlier SWEEP_BUILD_ONLY=1 call
   { date -u; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv; "$NVCC" --version | tail -1; } >"$OUT/build.log" 2>&1

@@ -85,34 +85,28 @@ def errors(rng):
             worst_ref = max(worst_ref, float(np.max(np.abs(yg - ref)) / np.max(np.abs(ref))))
     res["rms_norm"] = {"max_rel_vs_cpu": worst_rel_cpu, "max_err_vs_f64_over_rowmax": worst_ref,
                        "residual_sum_bit_exact": h_exact, "tolerance": "1e-6 rel vs CPU"}
-    if hasattr(sn, "matmul"):
-        worst = {}
-        for n, k, out in [(1, 4096, 14336), (1, 14336, 4096), (4, 5120, 6144), (16, 4096, 2048), (17, 2048, 1000)]:
-            raw, wf = random_q8_0(rng, out, k)
-            x = rng.standard_normal((n, k)).astype(np.float32)
-            y = sn.matmul(on_gpu(x), on_gpu(raw, sn.DType.Q8_0), exact=n <= 16).numpy().astype(np.float64)
-            x64 = x.astype(np.float64)
-            ratio = np.abs(y - x64 @ wf.T) / (np.abs(x64) @ np.abs(wf).T + 1e-300)
-            worst[f"q8_0 n={n} in={k} out={out}" + (" (cuBLAS)" if n > 16 else "")] = float(ratio.max())
-        for n, k, out in [(4, 4096, 1024), (3, 33, 17)]:
-            w = rng.standard_normal((out, k)).astype(np.float32)
-            x = rng.standard_normal((n, k)).astype(np.float32)
-            y = sn.matmul(on_gpu(x), on_gpu(w)).numpy().astype(np.float64)
-            x64, w64 = x.astype(np.float64), w.astype(np.float64)
-            ratio = np.abs(y - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T + 1e-300)
-            worst[f"f32 n={n} in={k} out={out}"] = float(ratio.max())
-        res["matmul"] = {"max_err_over_sum_abs_xw": worst, "tolerance": "1e-5 (GEMV, n <= 16), 2^-8 + 1e-5 (cuBLAS, n > 16)"}
-    else:
-        res["matmul"] = "sn.matmul not in this build"
+    worst = {}
+    for n, k, out in [(1, 4096, 14336), (1, 14336, 4096), (4, 5120, 6144), (16, 4096, 2048), (17, 2048, 1000)]:
+        raw, wf = random_q8_0(rng, out, k)
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        y = sn.matmul(on_gpu(x), on_gpu(raw, sn.DType.Q8_0), exact=n <= 16).numpy().astype(np.float64)
+        x64 = x.astype(np.float64)
+        ratio = np.abs(y - x64 @ wf.T) / (np.abs(x64) @ np.abs(wf).T + 1e-300)
+        worst[f"q8_0 n={n} in={k} out={out}" + (" (cuBLAS)" if n > 16 else "")] = float(ratio.max())
+    for n, k, out in [(4, 4096, 1024), (3, 33, 17)]:
+        w = rng.standard_normal((out, k)).astype(np.float32)
+        x = rng.standard_normal((n, k)).astype(np.float32)
+        y = sn.matmul(on_gpu(x), on_gpu(w)).numpy().astype(np.float64)
+        x64, w64 = x.astype(np.float64), w.astype(np.float64)
+        ratio = np.abs(y - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T + 1e-300)
+        worst[f"f32 n={n} in={k} out={out}"] = float(ratio.max())
+    res["matmul"] = {"max_err_over_sum_abs_xw": worst, "tolerance": "1e-5 (GEMV, n <= 16), 2^-8 + 1e-5 (cuBLAS, n > 16)"}
     res["matmul_formats"] = format_errors(rng)
-    if hasattr(sn, "argmax"):
-        x = (rng.standard_normal((16, 248320)) * 4).astype(np.float32)
-        x[3, [7, 90000, 248000]] = x[3].max() + 1  # ties: first wins
-        got = sn.argmax(on_gpu(x)).numpy()
-        res["argmax"] = {"rows": 16, "vocab": 248320,
-                         "mismatches_vs_numpy": int(np.sum(got != np.argmax(x, -1))), "tolerance": "exact"}
-    else:
-        res["argmax"] = "sn.argmax not in this build"
+    x = (rng.standard_normal((16, 248320)) * 4).astype(np.float32)
+    x[3, [7, 90000, 248000]] = x[3].max() + 1  # ties: first wins
+    got = sn.argmax(on_gpu(x)).numpy()
+    res["argmax"] = {"rows": 16, "vocab": 248320,
+                     "mismatches_vs_numpy": int(np.sum(got != np.argmax(x, -1))), "tolerance": "exact"}
     return res
 
 
@@ -191,8 +185,6 @@ def time_calls(fn, args_list, calls):
 
 
 def gemv_bandwidth(rng, copy_gbps):
-    if not hasattr(sn, "matmul"):
-        return None
     rows = []
     # Host floor: the smallest call, which the GPU finishes at once.
     tiny_w = on_gpu(random_q8_0(rng, 1, 32, values=False)[0], sn.DType.Q8_0)
@@ -225,8 +217,6 @@ def attention_gdn_timing(rng):
     head_dim 256) and GDN decode (T = 1, 48 v heads, 16 k heads, dk = dv = 128) per call, from a
     Python loop synchronised at both ends (includes the host floor of each call: q_pos is
     value-checked on the host, which reads it back)."""
-    if not hasattr(sn, "attention"):
-        return None
     rows = []
     hq, hkv, d = 24, 4, 256
     for kv_len in (4096, 32768):

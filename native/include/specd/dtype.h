@@ -68,7 +68,6 @@ inline bool is_gemv_tiled(DType t) { return untiled(t) != t; }
 inline bool is_row_major(DType t) { return !is_gemv_tiled(t); }
 // Rows per tile of the tiled layouts (a tiled weight has a multiple of this many rows).
 constexpr int64_t kGemvTileRows = 16;
-inline bool is_float_type(DType t) { return t == DType::F32 || t == DType::F16 || t == DType::BF16; }
 
 // Bytes taken by `n` consecutive elements of type t; n must be a multiple of the block size.
 int64_t row_size(DType t, int64_t n);

@@ -34,9 +34,9 @@
 //   come out of a word, so its quants need no reordering; the byte formats reorder with one permute.
 // * Work: a block of 4 warps owns 64 output rows (each warp 16: lanes hold rows g, g + 8) and one split
 //   of the reduction dimension (units of 256 inputs, Q8_0 32); each weight byte is read once per call;
-//   the loads of the next units are in flight while a unit is computed (a ring of registers, as deep as a
-//   register budget allows, mma::units_ahead: none for Q6_K, none for Q4_K / Q5_K from two tiles on, none
-//   at 5-6 tiles but for BF16). Splits depend only on (out, in, format, the device's multiprocessor
+//   the loads of the next units are in flight while a unit is computed (a ring of registers, as deep as each
+//   instance's register budget allows, mma::units_ahead; the tiled instances without one ask L2 for their next
+//   units instead, SPECD_MMA_L2_AHEAD). Splits depend only on (out, in, format, the device's multiprocessor
 //   count), never on n or grouping (mma::units_per_split): for the tiled formats (and the row-major ones with a
 //   tiled layout, which plan as it: mma::SplitTwin) the fewest splits of at most 2048 inputs whose blocks fill
 //   the decode instance's resident slots to 0.8-1 wave or leave a last wave at least 0.4 full; else about 16
@@ -73,9 +73,10 @@
 //
 // Performance (H200, BENCHMARKS.md): the FMA GEMV streams F32 / F16 / BF16 weights at 0.9-1.0 of
 // copy bandwidth at n = 1 but is bound by FP32 FMA issue and L1 traffic of x at n = 8-16 (time
-// linear in n); the tensor-core GEMV streams the 27B's FFN weights at 0.48-0.57 of copy at n = 1..2
-// (tiled IQ4_XS 0.50, gate + up grouped 0.56, tiled Q6_K 0.57) and 0.26-0.33 at 16
-// (tools/device/gemv_sweep.sh).
+// linear in n); the tensor-core GEMV streams the 27B's weights at n = 1 at 0.33-0.72 of copy by shape and
+// format (a decode step's tiled IQ4_XS GEMVs together 0.71; the 248k-row output head 0.89-0.99), and costs more
+// per byte as n grows (8 rows are 3 n8 tiles of x terms: 1.36x the one-tile time for tiled IQ4_XS)
+// (tools/device/gemv_sweep.sh; BENCHMARKS.md's summary).
 #include <algorithm>
 #include <string>
 #include <utility>

@@ -89,10 +89,6 @@ constexpr int kRowsPerBlock = kWarps * 16;
 #ifndef SPECD_MMA_MAX_AHEAD
 #define SPECD_MMA_MAX_AHEAD 4  // most units loading ahead (units_ahead)
 #endif
-#ifndef SPECD_MMA_WEIGHT_NOALLOC
-#define SPECD_MMA_WEIGHT_NOALLOC 0  // 1: weight loads skip L1 (ld.global.nc.L1::no_allocate; the ldw loads of IQ4_XS,
-                                    // Q4_K, Q5_K and the tiled layouts)
-#endif
 #ifndef SPECD_MMA_Q6_X4_TILES
 #define SPECD_MMA_Q6_X4_TILES 3  // Q6_K's quants built as 4 (q - 32) at up to this many n8 tiles (Q6U::unit): the same
                                  // results; 0 never, 6 always. H200 (BENCHMARKS.md, 2026-12-04 15:58 UTC): -5 % at one
@@ -221,32 +217,12 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
 #endif
 }
 
-// A weight load (each weight byte is read once per call): with SPECD_MMA_WEIGHT_NOALLOC through the
-// non-coherent path without allocating in L1, which then holds only what the warps re-read (x). H200,
-// session of 19:07 (tiled IQ4_XS): 1-3 % slower at width 1, 2-12 % faster at widths 4-16; a sweep knob
-// until every format is measured.
+// A weight load (each weight byte is read once per call). Loads that skip L1 (ld.global.nc.L1::no_allocate) were
+// measured three times on the H200 and not kept (BENCHMARKS.md, 2026-11-30 19:07, 2026-12-01 23:37, 2026-12-02 22:45).
 template <class T>
 __device__ __forceinline__ T ldw(const uint8_t* p) {
-#if SPECD_MMA_WEIGHT_NOALLOC && !defined(SPECD_HOST_EMU) && defined(__CUDA_ARCH__)
-  if constexpr (sizeof(T) == 16) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-  } else if constexpr (sizeof(T) == 8) {
-    uint2 v;
-    asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-  } else {
-    static_assert(sizeof(T) == 4, "ldw: 4, 8 or 16 bytes");
-    uint32_t v;
-    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-  }
-#else
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8 || sizeof(T) == 16, "ldw: 4, 8 or 16 bytes");
   return *reinterpret_cast<const T*>(p);
-#endif
 }
 
 // Byte i (0..3) of v, unsigned.
@@ -905,8 +881,9 @@ __host__ __device__ constexpr bool x_ahead_fewer_blocks() {
 // one fewer too (x_ahead_fewer_blocks). Two tiles at 5 blocks
 // rather than 4 (tiled Q6_K, the Q5_K head): verify at 4 rows 9.52-9.60 -> 9.32-9.34 ms (H200, session of
 // 2026-12-02 22:45 UTC); one tile at 5 blocks made the decode step's GEMV 4 % slower, at 6 blocks 15 %. ptxas spills
-// a few bytes in some instances at these caps (sm_90, CUDA 13.0: row-major IQ4_XS 2 / 4 tiles 8 / 12, Q6_K 2 / 6 tiles
-// 12 / 24, Q4_K 6 tiles 28; tiled Q4_K 5 / 6 tiles 12 / 20, tiled IQ4_XS 5 tiles and tiled Q6_K 6 tiles 4).
+// a few bytes in some instances at these caps (sm_90, CUDA 13.0, bytes of spill stores: row-major IQ4_XS 2 / 4 tiles
+// 8 / 12, Q6_K 6 tiles 24, Q4_K 6 tiles 28; tiled Q4_K 5 / 6 tiles 12 / 20, tiled Q5_K 6 tiles 20, tiled Q6_K 2 / 6 tiles
+// 16 / 4 (its 2-tile instance from the 4 (q - 32) quants), tiled IQ4_XS 5 tiles 4; the pair kernel's at 2 tiles 12).
 template <class F, int NT>
 __host__ __device__ constexpr int min_blocks() {
   if constexpr (kIq4tTuning<F, NT>) return NT == 2 ? SPECD_MMA_IQ4T_BLOCKS_2 : SPECD_MMA_IQ4T_BLOCKS_34;

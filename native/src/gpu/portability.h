@@ -32,11 +32,9 @@
 #define cudaSuccess hipSuccess
 #define cudaErrorNoDevice hipErrorNoDevice
 #define cudaErrorInsufficientDriver hipErrorInsufficientDriver
-#define cudaErrorInitializationError hipErrorNotInitialized
 #define cudaGetErrorString hipGetErrorString
 #define cudaGetErrorName hipGetErrorName
 #define cudaGetLastError hipGetLastError
-#define cudaPeekAtLastError hipPeekAtLastError
 
 // Devices.
 #define cudaDeviceProp hipDeviceProp_t
@@ -48,11 +46,9 @@
 #define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
 #define cudaDevAttrMemoryPoolsSupported hipDeviceAttributeMemoryPoolsSupported
 #define cudaDeviceSynchronize hipDeviceSynchronize
-#define cudaDriverGetVersion hipDriverGetVersion
 // HIP takes the kernel as a const void* where CUDA's runtime API has a template over the kernel's type.
 #define cudaFuncSetAttribute(kernel, attr, value) hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), (attr), (value))
 #define cudaFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
-#define cudaRuntimeGetVersion hipRuntimeGetVersion
 
 // Memory.
 #define cudaMalloc hipMalloc
