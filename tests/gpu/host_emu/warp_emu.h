@@ -1,5 +1,5 @@
 // Host emulation of the CUDA execution model for the kernel harnesses in this folder (*_main.cpp: the
-// tensor-core GEMV, the attention kernels, the mask compaction, the chunked and step Gated DeltaNet, the
+// tensor-core GEMV, the FP32-FMA GEMV, the attention kernels, the mask compaction, the chunked and step Gated DeltaNet, the
 // causal conv, the top-k; each names the header it runs):
 // a block runs as one std::thread per lane; the warp-wide instructions are emulated from the PTX ISA
 // fragment layouts with one barrier per instruction: every lane publishes its operands in the warp's
