@@ -2,13 +2,14 @@
 CUDA and built for HIP through native/src/gpu/portability.h).
 
 Each native/src/gpu/*.cu is compiled as HIP (hipcc with HIP_PLATFORM=amd, i.e. clang's HIP front end and
-AMDGPU back end) into an object with device code for one CDNA target, with the flags of native/CMakeLists.txt's
+AMDGPU back end) into an object with device code for one CDNA 3 target, with the flags of native/CMakeLists.txt's
 HIP build (-O3, C++17, SPECD_WITH_GPU=1). An error fails, and so does a warning located in native/: a
 portability slip (a CUDA runtime name without a HIP mapping, a CUDA-only pragma form, an ignored nodiscard
 status) shows up here first, since no AMD machine builds specd in CI.
 
-Target: gfx940 (CDNA 3, MI300 family), the newest that Debian 12's ROCm 5.2 toolchain (clang 15) and its
-device libraries know; gfx942 (MI300X) needs clang 16. .ci/run installs that toolchain (hipcc,
+Target: the first of OFFLOAD_ARCHS that the toolchain builds a kernel for: gfx942 (MI300X; clang >= 16), else
+gfx940 (the MI300 family's first target, which clang 15 of Debian 12's ROCm 5.2 knows and newer LLVM dropped), else
+gfx90a (CDNA 2, MI200). .ci/run installs Debian's toolchain (hipcc,
 libamdhip64-dev, rocm-device-libs) where apt can; elsewhere these tests skip without hipcc or the HIP headers.
 matmul_blas.cu (the prefill's GEMMs) uses hipBLAS's v2 API (HIPBLAS_V2: hipDataType in hipblasGemmEx,
 ROCm >= 6), which Debian does not ship (trixie has hipBLAS 5.5): it is compiled only where such headers exist.
@@ -23,7 +24,7 @@ import pytest
 
 GPU_SRC = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "native", "src", "gpu"))
 NATIVE = os.path.dirname(os.path.dirname(GPU_SRC))
-OFFLOAD_ARCH = "gfx940"
+OFFLOAD_ARCHS = ("gfx942", "gfx940", "gfx90a")
 SOURCES = sorted(f for f in os.listdir(GPU_SRC) if f.endswith(".cu")) if os.path.isdir(GPU_SRC) else []
 BLAS_SOURCES = {"matmul_blas.cu"}  # include hipblas/hipblas.h (SPECD_GPU_BLAS)
 # A hipBLAS with the v2 GemmEx API that portability.h maps cuBLAS's onto.
@@ -37,9 +38,9 @@ __global__ void specd_probe(float* p) { p[threadIdx.x] = 1.0f; }
 """
 
 
-def hipcc_command(src, out, syntax_only=False):
-    """hipcc's arguments compiling ``src`` as HIP for OFFLOAD_ARCH (CMakeLists.txt's HIP flags)."""
-    return [shutil.which("hipcc"), "-x", "hip", f"--offload-arch={OFFLOAD_ARCH}", "-std=c++17", "-O3",
+def hipcc_command(src, out, arch, syntax_only=False):
+    """hipcc's arguments compiling ``src`` as HIP for ``arch`` (CMakeLists.txt's HIP flags)."""
+    return [shutil.which("hipcc"), "-x", "hip", f"--offload-arch={arch}", "-std=c++17", "-O3",
             "-DSPECD_WITH_GPU=1", "-I", os.path.join(NATIVE, "include"), "-I", os.path.join(NATIVE, "src"),
             "-I", GPU_SRC, *(["-fsyntax-only"] if syntax_only else ["-c", "-o", str(out)]), str(src)]
 
@@ -74,16 +75,22 @@ def hip_results(tmp_path_factory):
     d = tmp_path_factory.mktemp("hip")
     probe = d / "probe.hip"
     probe.write_text(HIP_PROBE)
-    rc, err = run_hipcc(hipcc_command(probe, d / "probe.o"))
-    if rc != 0:
-        pytest.skip(f"hipcc cannot build a kernel for {OFFLOAD_ARCH} here (HIP headers or device libraries "
-                    f"missing): {err.strip()[-300:]}")
+    errors = {}
+    for arch in OFFLOAD_ARCHS:
+        rc, errors[arch] = run_hipcc(hipcc_command(probe, d / "probe.o", arch))
+        if rc == 0:
+            break
+    else:
+        pytest.skip(f"hipcc builds a kernel for none of {OFFLOAD_ARCHS} here (HIP headers or device libraries "
+                    f"missing): {errors[OFFLOAD_ARCHS[-1]].strip()[-300:]}")
     blas = d / "blas.hip"
     blas.write_text(HIPBLAS_V2_PROBE)
-    have_blas = run_hipcc(hipcc_command(blas, None, syntax_only=True))[0] == 0
+    have_blas = run_hipcc(hipcc_command(blas, None, arch, syntax_only=True))[0] == 0
     todo = [s for s in SOURCES if have_blas or s not in BLAS_SOURCES]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        futures = {s: pool.submit(run_hipcc, hipcc_command(os.path.join(GPU_SRC, s), d / (s + ".o"))) for s in todo}
+    workers = min(4, len(os.sched_getaffinity(0)))  # the CPUs this process may use, not the host's
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {s: pool.submit(run_hipcc, hipcc_command(os.path.join(GPU_SRC, s), d / (s + ".o"), arch))
+                   for s in todo}
         return {s: f.result() for s, f in futures.items()}
 
 

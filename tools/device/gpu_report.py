@@ -368,17 +368,11 @@ def markdown(rep):
     L.append(f"| rms_norm | max rel err vs CPU | {r['max_rel_vs_cpu']:.3g} | 1e-6 |")
     L.append(f"| rms_norm | max err vs f64 / row max | {r['max_err_vs_f64_over_rowmax']:.3g} | 2e-6 |")
     L.append(f"| rms_norm | residual sum h bit-exact | {r['residual_sum_bit_exact']} | exact |")
-    if isinstance(e["matmul"], dict):
-        for k, v in e["matmul"]["max_err_over_sum_abs_xw"].items():
-            L.append(f"| matmul {k} | max err / sum abs(x)abs(w) | {v:.3g} | {'2^-8' if 'cuBLAS' in k else '1e-5'} |")
-    else:
-        L.append(f"| matmul | - | {e['matmul']} | |")
+    for k, v in e["matmul"]["max_err_over_sum_abs_xw"].items():
+        L.append(f"| matmul {k} | max err / sum abs(x)abs(w) | {v:.3g} | {'2^-8' if 'cuBLAS' in k else '1e-5'} |")
     for k, v in e.get("matmul_formats", {}).get("max_err_vs_cpu_over_sum_abs_xw", {}).items():
         L.append(f"| matmul {k} 512 x 5120 | max err vs CPU / sum abs(x)abs(w) | {v:.3g} | {'2^-8' if 'cuBLAS' in k else '1e-5'} |")
-    if isinstance(e["argmax"], dict):
-        L.append(f"| argmax 16 x 248320 | mismatches vs numpy | {e['argmax']['mismatches_vs_numpy']} | 0 |")
-    else:
-        L.append(f"| argmax | - | {e['argmax']} | |")
+    L.append(f"| argmax 16 x 248320 | mismatches vs numpy | {e['argmax']['mismatches_vs_numpy']} | 0 |")
     return "\n".join(L + markdown_bandwidth(rep) + markdown_formats(rep)) + "\n"
 
 

@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   using PHalf = typename StateStaging<DK, BS>::PHalf;
   const int qk_stride = st.qk_stride;
   // acc[a][b] += (slab rows ib + 32 b) . (state rows r + 8 a) over the slab's half of e, in order of e.
-  constexpr int kDotsUnroll = DK == 128 ? 4 : 2;  // (4 at dk 64 spills; a name: clang refuses a parenthesised count)
+  constexpr int kDotsUnroll = DK == 128 ? 4 : 2;  // (4 at dk 64 spills; a name: clang warns of a parenthesised count)
   auto dots = [&](const float* buf, int half, float (&acc)[2][2]) {
 #pragma unroll kDotsUnroll
     for (int e4 = 0; e4 < E4; ++e4) {

@@ -58,8 +58,8 @@
 //
 // Performance (H200, BENCHMARKS.md): the FMA GEMV streams F32 / F16 / BF16 weights at 0.9-1.0 of
 // copy bandwidth at n = 1 but is bound by FP32 FMA issue and L1 traffic of x at n = 8-16 (time
-// linear in n); the tensor-core GEMV streams the 27B's weights at n = 1 at 0.33-0.72 of copy by shape and
-// format (a decode step's tiled IQ4_XS GEMVs together 0.71; the 248k-row output head 0.89-0.99), and costs more
+// linear in n); the tensor-core GEMV streams the 27B's tiled IQ4_XS weights at n = 1 at 0.33-0.64 of copy by shape
+// (a decode step's tiled IQ4_XS GEMVs together 0.71; the 248k-row output head 0.89-0.99), and costs more
 // per byte as n grows (8 rows are 3 n8 tiles of x terms: 1.36x the one-tile time for tiled IQ4_XS)
 // (tools/device/gemv_sweep.sh; BENCHMARKS.md's summary).
 #include <algorithm>

@@ -46,8 +46,12 @@
 #define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
 #define cudaDevAttrMemoryPoolsSupported hipDeviceAttributeMemoryPoolsSupported
 #define cudaDeviceSynchronize hipDeviceSynchronize
-// HIP takes the kernel as a const void* where CUDA's runtime API has a template over the kernel's type.
-#define cudaFuncSetAttribute(kernel, attr, value) hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), (attr), (value))
+// HIP takes the kernel as a const void* where CUDA's runtime API has a template over the kernel's type (a function,
+// not a macro: a kernel template's argument list holds commas).
+template <class Kernel>
+inline hipError_t cudaFuncSetAttribute(Kernel kernel, hipFuncAttribute attr, int value) {
+  return hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), attr, value);
+}
 #define cudaFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
 
 // Memory.
