@@ -135,8 +135,14 @@ using detail::row_range;
 // Elements 8g .. 8g+7 of a cache head row (zeros past d).
 template <DType T>
 __device__ __forceinline__ void load8(const uint8_t* row, int g, int d, int vec, float (&v)[8]) {
-  if constexpr (T == DType::F16) {
-    if (vec) {
+  if constexpr (T == DType::Q8_0) {  // d % 32 == 0, so the 8 elements sit in one block
+    const uint8_t* blk = row + (g / 4) * 34;
+    const float sc = specd_fp16_bits_to_float(uint16_t(blk[0]) | uint16_t(uint16_t(blk[1]) << 8));
+    const int8_t* qv = reinterpret_cast<const int8_t*>(blk + 2) + (g % 4) * 8;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = float(qv[e]) * sc;
+  } else if (vec) {
+    if constexpr (T == DType::F16) {
       const uint4 raw = reinterpret_cast<const uint4*>(row)[g];
       const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
@@ -144,26 +150,17 @@ __device__ __forceinline__ void load8(const uint8_t* row, int g, int d, int vec,
         v[2 * e] = specd_fp16_bits_to_float(uint16_t(w[e] & 0xffffu));
         v[2 * e + 1] = specd_fp16_bits_to_float(uint16_t(w[e] >> 16));
       }
-      return;
-    }
-  } else if constexpr (T == DType::F32) {
-    if (vec) {
+    } else {
+      static_assert(T == DType::F32, "load8: F32, F16 or Q8_0 cache rows");
       const float4 a = reinterpret_cast<const float4*>(row)[2 * g];
       const float4 b = reinterpret_cast<const float4*>(row)[2 * g + 1];
       v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
       v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-      return;
     }
-  } else {  // Q8_0: d % 32 == 0, so the 8 elements sit in one block
-    const uint8_t* blk = row + (g / 4) * 34;
-    const float sc = specd_fp16_bits_to_float(uint16_t(blk[0]) | uint16_t(uint16_t(blk[1]) << 8));
-    const int8_t* qv = reinterpret_cast<const int8_t*>(blk + 2) + (g % 4) * 8;
+  } else {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = float(qv[e]) * sc;
-    return;
+    for (int e = 0; e < 8; ++e) v[e] = 8 * g + e < d ? load<T>(row, 8 * g + e) : 0.0f;
   }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) v[e] = 8 * g + e < d ? load<T>(row, 8 * g + e) : 0.0f;
 }
 
 // Sum over each group of w lanes (w a power of two <= the warp, uniform over the warp): xor butterfly

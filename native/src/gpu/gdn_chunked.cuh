@@ -579,7 +579,7 @@ __global__ void __launch_bounds__(kGdnChunkThreads, 3) gdn_chunk_state_kernel(co
   float* const Es = Gs + C;       // [C] exp(G_n - G_i), K~'s row scales
   const int nb = P.dv / R, j = blockIdx.x / nb, r0 = (blockIdx.x % nb) * R, kh = j % P.hk, tid = threadIdx.x;
   static_assert(kGdnChunkThreads == 256 && R == 16 && C == 64, "the tiles below cover 16 x 64 with 8 warps");
-  constexpr int E4 = SE / 4, K4 = DK / 4;
+  constexpr int K4 = DK / 4;
   for (int x = tid; x < R * K4; x += kGdnChunkThreads)
     st4(Ss + (x / K4) * BS + 4 * (x % K4), ld4(P.state + (int64_t(j) * P.dv + r0 + x / K4) * DK + 4 * (x % K4)));
   // Warp w, lane 4 g + t. D and O: chunk rows mi + g (+ 8), state rows ni + 2 t (+ 1). S: n8 tiles w + 8 q

@@ -4,7 +4,7 @@
 // so that the host emulation (tests/gpu/host_emu/gemv_fma_main.cpp) runs the kernel on the CPU for every policy;
 // launched by matmul.cu (launch_r).
 //
-// FMA GEMV (F32 / F16, BF16 off the tensor cores; all formats on HIP). A block of kWarps warps owns R consecutive
+// Work. A block of kWarps warps owns R consecutive
 // output rows and ALL (up to kNMax = 16) rows of x, so each weight byte is read from memory once
 // per launch; the warps split the reduction dimension. A weight row is cut into chunks and thread
 // t of the block handles chunks c = t + k*kThreads, so each warp-wide load covers contiguous bytes;
