@@ -5,9 +5,11 @@ tensor cores. On CUDA the quantized formats take the tensor-core GEMV, so no GPU
 Q4_K, Q5_K, Q6_K or IQ4_XS weights; here it runs on each, against gguf's dequantization in float64 (the
 oracle of oracles.md §4: random valid blocks, tests/native/quant_blocks.py), with the bound the GPU tests hold the
 GEMV to, |y - x @ w^T| <= 1e-5 (|x| @ |w|^T). Batch invariance, which lossless speculative decoding rests on, is
-checked bit for bit: a row of x gives the same output alone (the 1-row instance) as among 3 or 16 rows (the 4- and
-16-row instances), and with 1, 2 or 4 output rows a block. The sizes make every thread take several chunk steps,
-a ragged last step and a ragged last row block.
+checked bit for bit: the first n rows of x give the same outputs through every instance (1, 2, 4, 8 and 16 rows
+of x; 1, 2 and 4 output rows a block) as through the 16-row one. x rows with one nonzero input must give that
+input times w's column with one rounding (any precision lost inside the kernel shows). The sizes make every thread
+take several chunk steps, a ragged last step and a ragged last row block; the harness runs under AddressSanitizer,
+so a read past x's rows or the last weight row fails.
 """
 import os
 import subprocess
@@ -24,21 +26,23 @@ sys.path.insert(0, HERE)
 from host_emu_build import build_emu  # noqa: E402
 from quant_blocks import random_blocks  # noqa: E402
 
-# FORMAT -> (the weight type, input width: 1064 chunks of 32 weights (8 for Q8_0, 4 / 8 for the float types'
-# vector chunks, 1 for the scalar ones), more than the 128 threads' 4 steps in flight, not a multiple of them)
+# FORMAT -> (the weight type, input width: 552 chunks of 32 weights (8 for Q8_0, 4 / 8 for the float types'
+# vector chunks, 1 for the scalar ones): more than the 128 threads' chunk steps in flight (4 at one output row a
+# block: 512 chunks), not a multiple of them)
 FORMATS = {
-    "Q4_K": ("Q4_K", 256 * 133), "Q5_K": ("Q5_K", 256 * 133), "Q6_K": ("Q6_K", 256 * 133),
-    "IQ4_XS": ("IQ4_XS", 256 * 133), "Q8_0": ("Q8_0", 32 * 301),
-    "F32": ("F32", 4 * 1064), "F32x1": ("F32", 4257), "F16": ("F16", 8 * 1064), "F16x1": ("F16", 1063),
-    "BF16": ("BF16", 8 * 1064), "BF16x1": ("BF16", 1063),
+    "Q4_K": ("Q4_K", 256 * 69), "Q5_K": ("Q5_K", 256 * 69), "Q6_K": ("Q6_K", 256 * 69),
+    "IQ4_XS": ("IQ4_XS", 256 * 69), "Q8_0": ("Q8_0", 32 * 138),
+    "F32": ("F32", 4 * 552), "F32x1": ("F32", 553), "F16": ("F16", 8 * 552), "F16x1": ("F16", 553),
+    "BF16": ("BF16", 8 * 552), "BF16x1": ("BF16", 553),
 }
 OUT = 7  # a ragged last block at 2 and 4 rows a block
 
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory):
+    """The harness under AddressSanitizer: a read past x's rows or the weights' last row fails the run."""
     return build_emu(tmp_path_factory, "gemv_fma_emu", ["gemv_fma.cuh", "pdl.cuh", "weight_formats.cuh"],
-                     "gemv_fma_main.cpp")
+                     "gemv_fma_main.cpp", ("-fsanitize=address",))
 
 
 def weight(rng, wtype, rows, cols):
@@ -78,12 +82,35 @@ def test_gemv_fma_emulated_against_gguf_and_batch_invariant(emu, fmt):
     x64 = x.astype(np.float64)
     err, bound = np.abs(y16 - x64 @ w.T), 1e-5 * (np.abs(x64) @ np.abs(w).T)
     assert np.all(err <= bound), f"{fmt}: worst error / bound {float(np.max(err / bound))}"
-    # The same rows through the 1- and 4-row instances, and with 1 or 2 output rows a block: bit for bit.
-    for i in (0, 9, 15):
-        assert np.array_equal(run(emu, fmt, raw, x[i : i + 1], 4)[0].view(np.uint32), y16[i].view(np.uint32)), (fmt, i)
-    for r in (1, 2):
-        y3 = run(emu, fmt, raw, x[4:7], r)
-        assert np.array_equal(y3.view(np.uint32), y16[4:7].view(np.uint32)), (fmt, r)
+    # Every (rows of x, output rows a block) instance: the first n rows of x through the 1-, 2-, 4-, 8- and 16-row
+    # instances at 1, 2 and 4 output rows a block give those rows' bits of the 16-row, 4-row-block run.
+    for n in (1, 2, 3, 5, 9):
+        for r in (1, 2, 4):
+            y = run(emu, fmt, raw, x[:n], r)
+            assert np.array_equal(y.view(np.uint32), y16[:n].view(np.uint32)), (fmt, n, r)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_gemv_fma_emulated_one_hot_rows_are_exact(emu, fmt):
+    """x rows with one nonzero input j (full 24-bit mantissas, at the first, a middle, a chunk's last and the last
+    input): y[:, i] = w[:, j] * x[i, j], one rounding, which gguf's F32 values give bit for bit (Q8_0, whose
+    scale multiplies the part's sum: within an ulp). Any loss of x's or w's precision inside the kernel shows."""
+    rng = np.random.default_rng(7 + sum(map(ord, fmt)))
+    wtype, cols = FORMATS[fmt]
+    raw, w = weight(rng, wtype, OUT, cols)
+    w32 = w.astype(np.float32)
+    js = [0, 1, cols // 2, 31, 32, cols - 1]
+    x = np.zeros((len(js), cols), np.float32)
+    vals = (1.0 + rng.random(len(js)) * (1 - 2.0 ** -23)).astype(np.float32) * np.float32(1.7)
+    for i, j in enumerate(js):
+        x[i, j] = vals[i]
+    y = run(emu, fmt, raw, x, 4)
+    ref = np.stack([w32[:, j] * vals[i] for i, j in enumerate(js)])
+    if wtype == "Q8_0":
+        ulps = np.abs(y.view(np.int32).astype(np.int64) - ref.view(np.int32).astype(np.int64))
+        assert np.all((ulps <= 1) | (y == ref)), (fmt, int(ulps.max()))
+    else:
+        assert np.array_equal(y, ref), (fmt, float(np.max(np.abs(y - ref))))
 
 
 def test_gemv_fma_emulated_refuses_what_matmul_does_not_launch(emu):

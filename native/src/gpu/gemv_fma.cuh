@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #ifndef SPECD_HOST_EMU
@@ -31,11 +32,22 @@
 #include "pdl.cuh"
 #include "weight_formats.cuh"
 
-namespace specd::gpu::detail::fma {
+namespace specd::gpu::detail::fma_gemv {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * SPECD_WARP;
 constexpr int kNMax = 16;
+
+// Calls f(std::integral_constant<int, NMAX>{}) with the kernel instance for n (1 <= n <= kNMax) rows of x: the
+// fewest of 1, 2, 4, 8 or 16 rows that hold them (matmul.cu's launches and the host emulation both choose here).
+template <class F>
+void with_rows_instance(int n, F&& f) {
+  if (n <= 1) f(std::integral_constant<int, 1>{});
+  else if (n <= 2) f(std::integral_constant<int, 2>{});
+  else if (n <= 4) f(std::integral_constant<int, 4>{});
+  else if (n <= 8) f(std::integral_constant<int, 8>{});
+  else f(std::integral_constant<int, 16>{});
+}
 
 // Chunk steps whose loads a thread issues before the first use, for R rows per block and up to
 // NMAX rows of x. Chosen from H200 measurements (BENCHMARKS.md): 4 chunk-rows in flight, except 8
@@ -167,4 +179,4 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const uint8_t* __restric
   }
 }
 
-}  // namespace specd::gpu::detail::fma
+}  // namespace specd::gpu::detail::fma_gemv

@@ -7,7 +7,7 @@
 // Q4_K_TILED, Q5_K_TILED, Q6_K_TILED) run the tensor-core
 // GEMV of matmul_mma.cuh, and so do BF16 weights with in % 64 == 0 and 16-byte aligned rows (BF16U:
 // x as three BF16 terms, bf16 MMAs with F32 accumulation); F32 / F16, other BF16 weights, and every
-// format on HIP, run the FP32-FMA GEMV below.
+// format on HIP, run the FP32-FMA GEMV (gemv_fma.cuh).
 // A weight always takes the same kernel at every width 1..16 (batch invariance, below).
 //
 // Tensor-core GEMV (matmul_mma.cuh; mma.sync m16n8k32 s8 x s8 -> s32, sm_80+):
@@ -52,7 +52,7 @@
 //   16-row slice and each format's weights run as ONE launch whose flat grid concatenates every
 //   weight's (split, row block) blocks (two formats' groups may share one: mma::try_pair); each weight keeps
 //   the split of its own shape, so its arithmetic, and hence every bit of its result, is that of a call of its own.
-// * HIP: SPECD_MMA_GEMV is 0 there (no mma.sync); the FMA GEMV below serves every format.
+// * HIP: SPECD_MMA_GEMV is 0 there (no mma.sync); the FMA GEMV (gemv_fma.cuh) serves every format.
 //
 // FMA GEMV (F32 / F16, BF16 off the tensor cores; all formats on HIP): gemv_fma.cuh.
 //
@@ -88,7 +88,7 @@ namespace specd::gpu {
 
 namespace {
 
-using detail::fma::kNMax;
+using detail::fma_gemv::kNMax;
 
 // Geometry of one launch: weights, activations in the policy's layout, output.
 struct Problem {
@@ -104,7 +104,7 @@ struct Problem {
 template <class W, int NMAX, int R>
 void launch_r(const Problem& p, cudaStream_t s) {
   int64_t blocks = (p.out + R - 1) / R;
-  detail::launch_kernel<detail::fma::gemv_kernel<W, NMAX, R>>("gemv_kernel", unsigned(blocks), detail::fma::kThreads, 0,
+  detail::launch_kernel<detail::fma_gemv::gemv_kernel<W, NMAX, R>>("gemv_kernel", unsigned(blocks), detail::fma_gemv::kThreads, 0,
                                                               s, p.w, p.row_bytes, p.nchunks, p.x, p.ldx, p.y, p.n, p.out);
 }
 
@@ -124,16 +124,7 @@ void launch_n(const Problem& p, cudaStream_t s) {
 template <class W>
 void launch(const Problem& p) {
   cudaStream_t s = detail::stream();
-  if (p.n <= 1)
-    launch_n<W, 1>(p, s);
-  else if (p.n <= 2)
-    launch_n<W, 2>(p, s);
-  else if (p.n <= 4)
-    launch_n<W, 4>(p, s);
-  else if (p.n <= 8)
-    launch_n<W, 8>(p, s);
-  else
-    launch_n<W, 16>(p, s);
+  detail::fma_gemv::with_rows_instance(p.n, [&](auto rows) { launch_n<W, decltype(rows)::value>(p, s); });
 }
 
 // The GEMV for one weight format: chunk policy and chunks per row from the dtype, the row

@@ -5,7 +5,7 @@
 // dependent of split_x, as every kernel: pdl.cuh; it loads its first weight units before pdl_wait) and
 // the split-K sums. Included by matmul.cu (see its header for
 // the exactness and batch-invariance arguments). NVIDIA only (mma.sync inline PTX, sm_80+):
-// SPECD_MMA_GEMV is 0 on HIP, where matmul.cu keeps the FP32-FMA GEMV for every format.
+// SPECD_MMA_GEMV is 0 on HIP, where the FP32-FMA GEMV (gemv_fma.cuh) serves every format.
 //
 // Why integers: a decode step streams every weight byte once, so the kernel must spend few
 // instructions per byte (the H200 issues ~1000 warp instructions per SM in the time its memory
@@ -791,8 +791,8 @@ struct Q8U {
   }
 };
 
-// BF16 (row-major, rows 16-byte aligned, in % 64 == 0; not a quantized format: the FP32-FMA GEMV of
-// matmul.cu is bound by its FMAs at 8-16 rows, e.g. a DFlash drafter's block): unit = 64 inputs, two
+// BF16 (row-major, rows 16-byte aligned, in % 64 == 0; not a quantized format: the FP32-FMA GEMV
+// (gemv_fma.cuh) is bound by its FMAs at 8-16 rows, e.g. a DFlash drafter's block): unit = 64 inputs, two
 // 32-input chunks, of which lane t holds inputs 8t .. 8t + 7 (one 16-byte load per row and chunk). x
 // comes as three BF16 terms per value (split_x_bf16_kernel: hi + mid + lo == x), each a B column like
 // the int8 terms; m16n8k16 bf16 -> f32 MMAs multiply exactly and accumulate in F32 straight into accf

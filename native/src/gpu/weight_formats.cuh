@@ -1,5 +1,6 @@
 // Weight-format "policies" of the GPU matmul: how a chunk of a ggml weight row is loaded and decoded
-// in registers. Shared by the GEMV (matmul.cu) and the dequantize-to-BF16 kernels (matmul_blas.cu),
+// in registers. Shared by the FP32-FMA GEMV (gemv_fma.cuh), the tensor-core GEMV (matmul_mma.cuh) and the
+// dequantize-to-BF16 kernels (matmul_blas.cu),
 // so both paths see the same weight values.
 //
 // A row is cut into chunks of kElems weights (c = 0 .. nchunks-1); a chunk is loaded in one go

@@ -1,8 +1,8 @@
 // Host emulation of the FP32-FMA GEMV (native/src/gpu/gemv_fma.cuh: gemv_kernel, the only GEMV of the HIP build
 // and CUDA's for F32 / F16 and BF16 off the tensor cores), for test_gpu_gemv_fma_host.py: y[n, out] = x[n, in] @
 // w[out, in]^T with matmul.cu's grid (one block of kThreads threads per R output rows) and chunk counts (gemv()),
-// the instance for n rows of x as matmul.cu's launch() picks it (NMAX 1, 2, 4, 8 or 16). y is poisoned with NaN
-// first.
+// the instance for n rows of x chosen as matmul.cu's launch() does (with_rows_instance), and R given (matmul.cu's
+// launch_n picks it from the device's size). y is poisoned with NaN first.
 //
 // usage: gemv_fma FORMAT OUT IN N R w.bin x.bin y.bin
 //   FORMAT: F32 (4-float chunks), F32x1, F16 (8-value chunks), F16x1, BF16, BF16x1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS
@@ -30,18 +30,14 @@ struct Case {
 template <class W, int NMAX, int R>
 static void run(const Case& c) {
   const int64_t nchunks = c.in / W::kElems;
-  emulate((c.out + R - 1) / R, fma::kThreads,
-          [&] { fma::gemv_kernel<W, NMAX, R>(c.w, c.row_bytes, nchunks, c.x, c.in, c.y, c.n, c.out); });
+  emulate((c.out + R - 1) / R, fma_gemv::kThreads,
+          [&] { fma_gemv::gemv_kernel<W, NMAX, R>(c.w, c.row_bytes, nchunks, c.x, c.in, c.y, c.n, c.out); });
 }
 
-// matmul.cu's launch(): the instance for n rows of x.
+// The instance for n rows of x, as matmul.cu's launch() chooses it.
 template <class W, int R>
 static void run_n(const Case& c) {
-  if (c.n <= 1) run<W, 1, R>(c);
-  else if (c.n <= 2) run<W, 2, R>(c);
-  else if (c.n <= 4) run<W, 4, R>(c);
-  else if (c.n <= 8) run<W, 8, R>(c);
-  else run<W, 16, R>(c);
+  fma_gemv::with_rows_instance(c.n, [&](auto rows) { run<W, decltype(rows)::value, R>(c); });
 }
 
 template <class W>
@@ -93,7 +89,7 @@ int main(int argc, char** argv) {
   const std::string f = argv[1];
   const int64_t out = std::atoll(argv[2]), in = std::atoll(argv[3]);
   const int n = std::atoi(argv[4]), r = std::atoi(argv[5]);
-  if (!known(f) || out < 1 || in < 1 || n < 1 || n > fma::kNMax) {
+  if (!known(f) || out < 1 || in < 1 || n < 1 || n > fma_gemv::kNMax) {
     std::fprintf(stderr, "unknown format %s, or a size out of range\n", f.c_str());
     return 2;
   }
