@@ -63,7 +63,7 @@ def run(emu, fmt, raw, x, r):
     tag = f"{fmt}-{x.shape[0]}-{r}"
     (d / f"w{tag}.bin").write_bytes(np.ascontiguousarray(raw).tobytes())
     (d / f"x{tag}.bin").write_bytes(np.ascontiguousarray(x, dtype=np.float32).tobytes())
-    p = subprocess.run([str(exe), fmt, str(raw.shape[0]), str(x.shape[1]), str(x.shape[0]), str(r),
+    p = subprocess.run([str(exe), fmt, str(raw.shape[0]), str(x.shape[1]), str(raw.shape[1]), str(x.shape[0]), str(r),
                         str(d / f"w{tag}.bin"), str(d / f"x{tag}.bin"), str(d / f"y{tag}.bin")],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -117,8 +117,10 @@ def test_gemv_fma_emulated_refuses_what_matmul_does_not_launch(emu):
     d, exe = emu
     (d / "w1.bin").write_bytes(bytes(144))
     (d / "x1.bin").write_bytes(bytes(4 * 256))
-    for args, says in [(["Q2_K", "1", "256", "1", "1"], "unknown format"), (["Q4_K", "1", "256", "17", "1"], "out of range"),
-                       (["Q4_K", "1", "256", "1", "3"], "not served")]:
+    for args, says in [(["Q2_K", "1", "256", "144", "1", "1"], "unknown format"),
+                       (["Q4_K", "1", "256", "144", "17", "1"], "out of range"),
+                       (["Q4_K", "1", "256", "144", "1", "3"], "not launched"),
+                       (["F32", "1", "37", "144", "1", "1"], "not launched")]:  # 4-float chunks of 37 inputs
         p = subprocess.run([str(exe), *args, str(d / "w1.bin"), str(d / "x1.bin"), str(d / "y1.bin")],
                            capture_output=True, text=True)
         assert p.returncode == 2 and says in p.stderr, (args, p.stderr)

@@ -49,6 +49,13 @@ void with_rows_instance(int n, F&& f) {
   else f(std::integral_constant<int, 16>{});
 }
 
+// Chunks of a weight row of `in` inputs under policy W (in a multiple of W::kElems: matmul.cu's check_weight and its
+// choice of policy).
+template <class W>
+constexpr int64_t chunks_per_row(int64_t in) {
+  return in / W::kElems;
+}
+
 // Chunk steps whose loads a thread issues before the first use, for R rows per block and up to
 // NMAX rows of x. Chosen from H200 measurements (BENCHMARKS.md): 4 chunk-rows in flight, except 8
 // for R = 4 at n <= 2; more (8 at R = 1, 2 at R = 4 with n >= 4) cost occupancy and ran slower.

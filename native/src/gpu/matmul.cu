@@ -93,9 +93,9 @@ using detail::fma_gemv::kNMax;
 // Geometry of one launch: weights, activations in the policy's layout, output.
 struct Problem {
   const uint8_t* w;
-  int64_t row_bytes, nchunks;
+  int64_t row_bytes;
   const float* x;
-  int64_t ldx;
+  int64_t in;  // x's row length and stride, w's inputs
   float* y;
   int n;
   int64_t out;
@@ -104,8 +104,9 @@ struct Problem {
 template <class W, int NMAX, int R>
 void launch_r(const Problem& p, cudaStream_t s) {
   int64_t blocks = (p.out + R - 1) / R;
-  detail::launch_kernel<detail::fma_gemv::gemv_kernel<W, NMAX, R>>("gemv_kernel", unsigned(blocks), detail::fma_gemv::kThreads, 0,
-                                                              s, p.w, p.row_bytes, p.nchunks, p.x, p.ldx, p.y, p.n, p.out);
+  namespace fg = detail::fma_gemv;
+  detail::launch_kernel<fg::gemv_kernel<W, NMAX, R>>("gemv_kernel", unsigned(blocks), fg::kThreads, 0, s, p.w, p.row_bytes,
+                                                     fg::chunks_per_row<W>(p.in), p.x, p.in, p.y, p.n, p.out);
 }
 
 // Rows per block: more rows reuse each activation load for more weights (L1 traffic), fewer keep
@@ -127,24 +128,21 @@ void launch(const Problem& p) {
   detail::fma_gemv::with_rows_instance(p.n, [&](auto rows) { launch_n<W, decltype(rows)::value>(p, s); });
 }
 
-// The GEMV for one weight format: chunk policy and chunks per row from the dtype, the row
-// length and the alignment (16-byte loads need 16-byte aligned rows).
-void gemv(Problem p, DType t, int64_t in, bool w16) {
+// The GEMV for one weight format: the chunk policy from the dtype, the row length and the alignment (16-byte loads
+// need 16-byte aligned rows).
+void gemv(const Problem& p, DType t, bool w16) {
+  const int64_t in = p.in;
   switch (t) {
-    case DType::Q8_0: p.nchunks = in / 8; return launch<detail::Q8_0Quarter>(p);
-    case DType::Q4_K: p.nchunks = in / 32; return launch<detail::Q4KW>(p);
-    case DType::Q5_K: p.nchunks = in / 32; return launch<detail::Q5KW>(p);
-    case DType::Q6_K: p.nchunks = in / 32; return launch<detail::Q6KW>(p);
-    case DType::IQ4_XS: p.nchunks = in / 32; return launch<detail::IQ4XSW>(p);
-    case DType::F32:
-      if (in % 4 == 0 && w16) { p.nchunks = in / 4; return launch<detail::F32W<4>>(p); }
-      p.nchunks = in; return launch<detail::F32W<1>>(p);
+    case DType::Q8_0: return launch<detail::Q8_0Quarter>(p);
+    case DType::Q4_K: return launch<detail::Q4KW>(p);
+    case DType::Q5_K: return launch<detail::Q5KW>(p);
+    case DType::Q6_K: return launch<detail::Q6KW>(p);
+    case DType::IQ4_XS: return launch<detail::IQ4XSW>(p);
+    case DType::F32: return in % 4 == 0 && w16 ? launch<detail::F32W<4>>(p) : launch<detail::F32W<1>>(p);
     case DType::F16:
-      if (in % 8 == 0 && w16) { p.nchunks = in / 8; return launch<detail::Half16W<8, false>>(p); }
-      p.nchunks = in; return launch<detail::Half16W<1, false>>(p);
+      return in % 8 == 0 && w16 ? launch<detail::Half16W<8, false>>(p) : launch<detail::Half16W<1, false>>(p);
     case DType::BF16:
-      if (in % 8 == 0 && w16) { p.nchunks = in / 8; return launch<detail::Half16W<8, true>>(p); }
-      p.nchunks = in; return launch<detail::Half16W<1, true>>(p);
+      return in % 8 == 0 && w16 ? launch<detail::Half16W<8, true>>(p) : launch<detail::Half16W<1, true>>(p);
     default: fail("matmul: no GPU kernel for ", dtype_info(t).name);
   }
 }
@@ -284,8 +282,8 @@ std::vector<Tensor> linear(const Tensor& x, const std::vector<Tensor>& ws, bool 
         continue;
       }
 #endif
-      Problem p{static_cast<const uint8_t*>(w.data), w.row_bytes(), 0, xs, in, y, rows, out};
-      gemv(p, w.dtype, in, detail::aligned16(w.data));
+      gemv(Problem{static_cast<const uint8_t*>(w.data), w.row_bytes(), xs, in, y, rows, out}, w.dtype,
+           detail::aligned16(w.data));
     }
 #if SPECD_MMA_GEMV
     if (!mma.empty()) detail::mma::gemv(mma.data(), int(mma.size()), in, xs, rows);
