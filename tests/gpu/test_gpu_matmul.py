@@ -338,21 +338,24 @@ def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
     """The GEMV's x split fused into the op producing x (norm_split_kernel, elementwise_split_kernel)
     gives bit for bit what the composition gives on the GPU (rms_norm or swiglu, then matmul_group):
     every tensor-core format incl. the tiled layouts, with and without a residual and a norm weight, n = 1..16
-    (fused) and 17, 40 (the composition: GEMV slices, and the BF16 GEMM with exact=False, where swiglu_matmul
-    fuses swiglu into x's BF16 rounding), a ragged
-    last 256-group (Q8_0, 288 inputs) and a float weight in the list (composition)."""
+    (fused) and 17, 40 (the composition: GEMV slices, and the BF16 GEMM with exact=False), a ragged
+    last 256-group (Q8_0, 288 inputs) and a float weight in the list (composition). With the BF16 GEMM,
+    swiglu_matmul computes swiglu in F32 inside x's BF16 rounding, so there it is within a BF16 ulp of x
+    (2^-8 * |x| @ |w|^T) of the composition instead (test_swiglu_matmul_bf16_gemm_vs_cpu)."""
     # d 4096 / 8192 / 12288: 1024-thread norm blocks (8192: the largest row the fused norm stages in shared
     # memory), and more 256-input groups than warps
     cases = [(512, ["IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS_TILED", "Q4_K_TILED", "Q5_K_TILED", "Q6_K_TILED"]),
              (288, ["Q8_0", "Q8_0"]),
              (256, ["Q8_0", "F32"]), (4096, ["Q4_K"]), (8192, ["Q8_0"]), (12288, ["Q8_0"])]
     for d, names in cases:
-        ws = []
+        ws, wcpu = [], []
         for name in names:
             if name.endswith("_TILED"):
-                ws.append(sn.tile_for_gemv(weight(rng, name[: -len("_TILED")], 48, d).to(GPU)))
+                wcpu.append(weight(rng, name[: -len("_TILED")], 48, d))
+                ws.append(sn.tile_for_gemv(wcpu[-1].to(GPU)))
             else:
-                ws.append(weight(rng, name, int(rng.integers(1, 200)), d).to(GPU))
+                wcpu.append(weight(rng, name, int(rng.integers(1, 200)), d))
+                ws.append(wcpu[-1].to(GPU))
         nw = sn.Tensor((1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)).to(GPU)
         widths = ((0, True), (1, True), (2, True), (7, True), (16, True), (17, True), (40, False)) if d <= 512 else \
             ((1, True), (16, True))
@@ -367,9 +370,44 @@ def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
                 assert np.array_equal(_bits(h), _bits(href))
                 for name, y, want in zip(names, ys, sn.matmul_group(uref, ws, exact=exact)):
                     assert np.array_equal(_bits(y), _bits(want)), (d, name, n, residual is None, weight_ is None)
-            for name, y, want in zip(names, sn.swiglu_matmul(g, u, ws, exact=exact),
-                                     sn.matmul_group(sn.swiglu(g, u), ws, exact=exact)):
-                assert np.array_equal(_bits(y), _bits(want)), (d, name, n, "swiglu")
+            sw = sn.swiglu(g, u)
+            for name, y, want, w in zip(names, sn.swiglu_matmul(g, u, ws, exact=exact),
+                                        sn.matmul_group(sw, ws, exact=exact), wcpu):
+                if exact or n <= 16:
+                    assert np.array_equal(_bits(y), _bits(want)), (d, name, n, "swiglu")
+                else:
+                    check_close(y.numpy(), want.numpy(), abs_bound(sw.numpy(), w), 2.0**-8, f"{d} {name} swiglu")
+
+
+@gpu_only
+@pytest.mark.parametrize("name, n, k", [("Q4_K", 40, 1024), ("F32", 41, 333)])
+def test_swiglu_matmul_bf16_gemm_vs_cpu(rng, name, n, k):
+    """swiglu_matmul on the BF16 GEMM path (n > 16, exact=False): swiglu in F32 (gates below -80 in double)
+    rounded to BF16, then the GEMM, against the CPU's swiglu (double, rounded once) and matmul, within the
+    GEMM's bound: gates over the range where silu bends (|g| < 20), far out on both sides (+-120: e^-g
+    overflows F32, or the double path takes over) and up values up to 1e30 (silu(-100) * 1e30 is a normal
+    number), and exact zeros; 41 x 333 values end with 5 the conversion's scalar loop takes (8 a thread
+    before them). Non-finite gates give non-finite rows where the CPU's are."""
+    w = weight(rng, name, 96, k)
+    wg = w.to(GPU)
+    g = (rng.standard_normal((n, k)) * 6).astype(np.float32)
+    g[:8] = rng.uniform(-120, 120, (8, k)).astype(np.float32)
+    g[-1, -5:] = [-100.0, -81.0, -79.0, 90.0, 0.0]
+    g[8, :64] = 0.0
+    u = rng.standard_normal((n, k)).astype(np.float32)
+    u[9] *= np.float32(1e30)
+    u[-1, -5:] = 1e30
+    ref_x = sn.swiglu(sn.Tensor(g), sn.Tensor(u)).numpy()
+    ref = sn.matmul(ref_x, w).numpy()
+    y = sn.swiglu_matmul(sn.Tensor(g).to(GPU), sn.Tensor(u).to(GPU), [wg], exact=False)[0].numpy()
+    check_close(y, ref, abs_bound(ref_x, w), BLAS_TOL, f"{name} swiglu_matmul, BF16 GEMM")
+    for bad in (np.inf, -np.inf, np.nan):
+        gb = g.copy()
+        gb[3, 5] = bad
+        want = sn.matmul(sn.swiglu(sn.Tensor(gb), sn.Tensor(u)).numpy(), w).numpy()
+        got = sn.swiglu_matmul(sn.Tensor(gb).to(GPU), sn.Tensor(u).to(GPU), [wg], exact=False)[0].numpy()
+        np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want), err_msg=str(bad))
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=str(bad))
 
 
 @gpu_only

@@ -261,13 +261,15 @@ otherwise sum_partials first. Raises ValueError as those ops do, and for partial
       py::arg("gate"), py::arg("up"), py::arg("ws"), py::arg("exact") = true, py::arg("partials") = false,
       py::arg("in_partials") = false,
       with_partials_doc(R"doc(matmul_group(swiglu(gate, up), ws, exact): the SwiGLU MLP's down projection (and any other
-weight reading the same activations), bit-identical to that composition on each backend.
+weight reading the same activations), bit-identical to that composition on each backend, except on the
+GPU's BF16 GEMM path (below), which is within that path's error bound of it.
 
 gate, up: F32 [n, in] of one shape; ws: [out_i, in] as for matmul_group; all on one device. Returns a
 list of F32 [n, out_i]. On the GPU, when the tensor-core GEMV reads the activations (as for
 rms_norm_matmul), its x split computes silu(gate) * up itself with the swiglu op's device code and
 the activations are never stored (one kernel launch fewer); with exact=False and more than 16 rows
-(prefill) the BF16 GEMM's input conversion computes them instead (matmul_blas_swiglu); otherwise
+(prefill) the BF16 GEMM's input conversion computes them instead, in F32 (gates below -80 in double),
+rounded to BF16 (each value within a BF16 ulp of the swiglu op's: matmul_blas_swiglu); otherwise
 swiglu, then matmul_group. in_partials=True: gate and up are given as split-K partials [S, n, in] (below),
 which that split sums as it reads them (no sum launch; otherwise sum_partials first).
 Raises ValueError as swiglu and matmul_group do, and for partials sum_partials refuses.)doc").c_str());

@@ -552,7 +552,7 @@ std::vector<Tensor> swiglu_matmul(const Tensor& gate_in, const Tensor& up_in, co
     return swiglu_matmul(sum_partials(gate_in), sum_partials(up_in), ws, exact, partials, false);
   if (n > kNMax && !exact && in > 0) {  // prefill: as linear's BLAS path
     std::vector<Tensor> ys = linear_outputs(gate, ws, op, partials);
-    detail::matmul_blas_swiglu(gate, up, ws, ys);  // swiglu fused into x's BF16 rounding (bitwise the composition)
+    detail::matmul_blas_swiglu(gate, up, ws, ys);  // swiglu (F32) fused into x's BF16 rounding
     return ys;
   }
   if (!split_fusable(n, in, ws))  // (gate / up are read a float at a time: any alignment)

@@ -13,8 +13,9 @@ namespace specd::gpu::detail {
 // validated by gpu::matmul / matmul_group; ys are F32 on the GPU. Not batch invariant across n (the
 // library picks its algorithm per shape); the error is that of BF16 inputs (see ops.h).
 void matmul_blas(const Tensor& x, const std::vector<Tensor>& ws, std::vector<Tensor>& ys);
-// The same with x = swiglu(gate, up) (F32 [n, in] each, contiguous): each value computed by the swiglu
-// op's code and rounded to BF16 in one pass, bit-identical to matmul_blas(swiglu(gate, up), ...).
+// The same with x = swiglu(gate, up) (F32 [n, in] each, contiguous), each value computed in F32 and rounded
+// to BF16 in one pass: within one BF16 ulp of matmul_blas(swiglu(gate, up), ...)'s x (the swiglu op evaluates
+// in double), so inside the same error bound.
 void matmul_blas_swiglu(const Tensor& gate, const Tensor& up, const std::vector<Tensor>& ws, std::vector<Tensor>& ys);
 
 }  // namespace specd::gpu::detail

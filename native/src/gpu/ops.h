@@ -79,9 +79,10 @@ std::pair<std::vector<Tensor>, Tensor> rms_norm_matmul(const Tensor& x, const st
                                                        const std::optional<Tensor>& residual, bool exact = true,
                                                        bool partials = false, bool in_partials = false);
 
-// matmul_group(swiglu(gate, up), ws, exact), bit for bit, with the SwiGLU computed by the GEMV's x
-// split (elementwise_split_kernel reading gate and up) when the GEMV reads x split, or (exact = false, more than 16
-// rows: prefill) by the BF16 GEMM's x conversion (matmul_blas_swiglu); otherwise the composition.
+// matmul_group(swiglu(gate, up), ws, exact): bit for bit, with the SwiGLU computed by the GEMV's x split
+// (elementwise_split_kernel reading gate and up) when the GEMV reads x split, or by the composition; with
+// exact = false and more than 16 rows (prefill), by the BF16 GEMM's x conversion in F32 (matmul_blas_swiglu:
+// within a BF16 ulp of each x value, inside the GEMM's own error bound).
 // `partials` / `in_partials` (gate and up): as rms_norm_matmul's; the split sums partials as it reads them.
 std::vector<Tensor> swiglu_matmul(const Tensor& gate, const Tensor& up, const std::vector<Tensor>& ws,
                                   bool exact = true, bool partials = false, bool in_partials = false);
