@@ -340,8 +340,10 @@ def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
     every tensor-core format incl. the tiled layouts, with and without a residual and a norm weight, n = 1..16
     (fused) and 17, 40 (the composition: GEMV slices, and the BF16 GEMM with exact=False), a ragged
     last 256-group (Q8_0, 288 inputs) and a float weight in the list (composition). With the BF16 GEMM,
-    swiglu_matmul computes swiglu in F32 inside x's BF16 rounding, so there it is within a BF16 ulp of x
-    (2^-8 * |x| @ |w|^T) of the composition instead (test_swiglu_matmul_bf16_gemm_vs_cpu)."""
+    swiglu_matmul computes swiglu in F32 inside x's BF16 rounding: an x value whose F32 and double
+    evaluations round to neighbouring BF16 values (rare: near a rounding midpoint) differs by one BF16 ulp
+    there, so the outputs are held to 2^-8 * |x| @ |w|^T of the composition's instead
+    (test_swiglu_matmul_bf16_gemm_input_values checks the values themselves)."""
     # d 4096 / 8192 / 12288: 1024-thread norm blocks (8192: the largest row the fused norm stages in shared
     # memory), and more 256-input groups than warps
     cases = [(512, ["IQ4_XS", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS_TILED", "Q4_K_TILED", "Q5_K_TILED", "Q6_K_TILED"]),
@@ -379,24 +381,60 @@ def test_rms_norm_matmul_and_swiglu_matmul_equal_their_compositions_on_gpu(rng):
                     check_close(y.numpy(), want.numpy(), abs_bound(sw.numpy(), w), 2.0**-8, f"{d} {name} swiglu")
 
 
+def _bf16(x):
+    """float32 -> the nearest BF16 value (ties to even), as float32 (finite inputs)."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _swiglu_inputs(rng, n, k):
+    """gate, up [n, k] over silu's range: normal gates (|g| < ~25), rows of +-120 (e^-g overflows F32 below
+    -88.7: the double path), a row of gates in [-95, -80) with up = 1 / |silu(gate)| (x = O(1): a value lost
+    by the F32 path there shows), a row of subnormal gates (odd multiples of 2^-149 among them: g / 2 would lose a bit in F32) with
+    up = 2^120, exact zeros, up values of 1e30."""
+    g = (rng.standard_normal((n, k)) * 6).astype(np.float32)
+    u = rng.standard_normal((n, k)).astype(np.float32)
+    g[:4] = rng.uniform(-120, 120, (4, k)).astype(np.float32)
+    g[4] = rng.uniform(-95, -80, k).astype(np.float32)
+    silu = np.abs(g[4].astype(np.float64) / (1 + np.exp(-g[4].astype(np.float64))))
+    u[4] = np.minimum(3e38, 1 / silu).astype(np.float32)
+    g[5] = (rng.choice([-1, 1], k) * rng.integers(1, 32, k) * 2.0**-149).astype(np.float32)  # subnormal, exact
+    u[5] = np.float32(2.0**120)
+    g[6, :64] = 0.0
+    u[7] *= np.float32(1e30)
+    return g, u
+
+
+@gpu_only
+@pytest.mark.parametrize("n, k", [(40, 1024), (41, 333)])
+def test_swiglu_matmul_bf16_gemm_input_values(rng, n, k):
+    """The F32 swiglu of the BF16 GEMM's input, value by value: with an identity weight the GEMM returns its
+    input x exactly (one nonzero product per output), so each output is the kernel's BF16 x. It must be within
+    a BF16 rounding (2^-8) plus the F32 evaluation's 6e-7 of the CPU's swiglu (double, rounded once), and
+    equal its BF16 rounding where the double path runs (gates below -80 or under 2^-100 in
+    magnitude; normal values). 41 x 333 values end with 5 that the conversion's scalar loop takes (8 a thread before them)."""
+    g, u = _swiglu_inputs(rng, n, k)
+    eye = sn.Tensor(np.eye(k, dtype=np.float32)).to(GPU)
+    ref = sn.swiglu(sn.Tensor(g), sn.Tensor(u)).numpy()
+    y = sn.swiglu_matmul(sn.Tensor(g).to(GPU), sn.Tensor(u).to(GPU), [eye], exact=False)[0].numpy()
+    assert np.all(np.isfinite(ref)) and np.all(np.isfinite(y))
+    err = np.abs(y.astype(np.float64) - ref)
+    # (+ 2^-126: gates near -120 give subnormal values, which the tensor cores may flush)
+    assert np.all(err <= (2.0**-8 + 1e-6) * np.abs(ref) + 2.0**-126), float((err / (np.abs(ref) + 1e-45)).max())
+    double = ((g < -80) | (np.abs(g) < 2.0**-100)) & (np.abs(ref) >= 2.0**-126)
+    assert double[4].all() and double[5].all()  # (the inputs reach the path)
+    np.testing.assert_array_equal(y[double], _bf16(ref[double]))  # (values: the GEMM's sum turns -0 into +0)
+
+
 @gpu_only
 @pytest.mark.parametrize("name, n, k", [("Q4_K", 40, 1024), ("F32", 41, 333)])
 def test_swiglu_matmul_bf16_gemm_vs_cpu(rng, name, n, k):
-    """swiglu_matmul on the BF16 GEMM path (n > 16, exact=False): swiglu in F32 (gates below -80 in double)
-    rounded to BF16, then the GEMM, against the CPU's swiglu (double, rounded once) and matmul, within the
-    GEMM's bound: gates over the range where silu bends (|g| < 20), far out on both sides (+-120: e^-g
-    overflows F32, or the double path takes over) and up values up to 1e30 (silu(-100) * 1e30 is a normal
-    number), and exact zeros; 41 x 333 values end with 5 the conversion's scalar loop takes (8 a thread
-    before them). Non-finite gates give non-finite rows where the CPU's are."""
+    """swiglu_matmul on the BF16 GEMM path (n > 16, exact=False) against the CPU's swiglu and matmul, within
+    the GEMM's bound, on _swiglu_inputs; non-finite gates give non-finite outputs where the CPU's are."""
     w = weight(rng, name, 96, k)
     wg = w.to(GPU)
-    g = (rng.standard_normal((n, k)) * 6).astype(np.float32)
-    g[:8] = rng.uniform(-120, 120, (8, k)).astype(np.float32)
-    g[-1, -5:] = [-100.0, -81.0, -79.0, 90.0, 0.0]
-    g[8, :64] = 0.0
-    u = rng.standard_normal((n, k)).astype(np.float32)
-    u[9] *= np.float32(1e30)
-    u[-1, -5:] = 1e30
+    g, u = _swiglu_inputs(rng, n, k)
     ref_x = sn.swiglu(sn.Tensor(g), sn.Tensor(u)).numpy()
     ref = sn.matmul(ref_x, w).numpy()
     y = sn.swiglu_matmul(sn.Tensor(g).to(GPU), sn.Tensor(u).to(GPU), [wg], exact=False)[0].numpy()

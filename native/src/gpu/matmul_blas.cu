@@ -112,18 +112,20 @@ struct PlainX {
   bool aligned() const { return aligned16(x); }
 };
 
-// Below this gate, F32's exp(gate) is subnormal (e^-87.3 is FLT_MIN), so silu(gate) would lose bits.
-constexpr float kSiluF32Floor = -80.0f;
+// The F32 evaluation's domain: expf(-gate) overflows below -88.72 (silu would become -0), so gates below
+// kSiluF32Floor keep a margin; gates under kSiluF32Tiny in magnitude (0 included) would leave a subnormal
+// gate / 2.
+constexpr float kSiluF32Floor = -80.0f, kSiluF32Tiny = 0x1p-100f;
 
 // The swiglu op's double evaluation (apply), kept out of line: the F32 path's registers stay few.
 __device__ __noinline__ float swiglu_f64(float g, float u) { return apply<Op::Swiglu>(g, u); }
 
 // swiglu for the GEMM's BF16 input, in F32: gate / (1 + e^-gate) * up with expf (<= 2 ulp) and IEEE division
-// and products, within ~5 F32 ulp (6e-7) of the exact value, against the 2^-9 of the BF16 rounding after it.
-// The swiglu op evaluates in double (bit-exact with the CPU), which made this conversion compute-bound at 40 %
-// of copy bandwidth. Gates below kSiluF32Floor (and NaN, whose result is NaN either way) take the double path.
+// and products, within 6e-7 relative of the exact value, against the 2^-9 of the BF16 rounding after it. The
+// swiglu op evaluates in double (bit-exact with the CPU), which made this conversion compute-bound. Outside
+// the F32 domain above (and for NaN, whose result is NaN either way) the double path.
 __device__ __forceinline__ float swiglu_for_bf16(float g, float u) {
-  if (!(g >= kSiluF32Floor)) return swiglu_f64(g, u);
+  if (!(g >= kSiluF32Floor) || fabsf(g) < kSiluF32Tiny) return swiglu_f64(g, u);
   return g / (1.0f + expf(-g)) * u;
 }
 
