@@ -97,11 +97,11 @@ env | grep -iE '^(LDFLAGS|CXXFLAGS|CFLAGS|CMAKE_[A-Z_]*)=' >>"$OUT/build.log" ||
 # With pytest-xdist, tests run in worker processes, so a crashing test (segfault) is reported as a
 # failure and the rest still run.
 # Four workers share the machine's cores: each gets a quarter for its OpenMP / torch threads (the CPU
-# references; every worker with all the cores' threads oversubscribes them 4x).
-PYTEST_OPTS=()
+# references; every worker with all the cores' threads oversubscribes them 4x). The pytest stage only.
+PYTEST_OPTS=() PYTEST_THREADS=${OMP_NUM_THREADS:-}
 if $PY -c 'import xdist' 2>/dev/null; then
   PYTEST_OPTS=(-n 4 --max-worker-restart 100)
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 4 > 0 ? $(nproc) / 4 : 1 ))}
+  PYTEST_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 4 > 0 ? $(nproc) / 4 : 1 ))}
 fi
 # TEST_TIMEOUT: seconds a test may take (pytest-timeout, where installed; default 150), so that a test that
 # hangs is reported with its stack and the others go on before the stage's limit stops them all. (pytest-timeout
@@ -113,8 +113,8 @@ if $PY -c 'import pytest_timeout' 2>/dev/null; then PYTEST_OPTS+=(--timeout "${T
 #   TESTS=tests/gpu/test_gpu_feature_ipc.py REPORT=0 PYTEST_TIMEOUT=500 bash tools/device/gpu_tests.sh
 # PYTEST_TIMEOUT: seconds for the whole pytest stage (default 300); TEST_TIMEOUT: for each test (below).
 read -r -a TEST_PATHS <<<"${TESTS:-tests/native tests/gpu}"
-stage pytest "$OUT/pytest.log" timeout "${PYTEST_TIMEOUT:-300}" $PY -m pytest -v -rs -p no:cacheprovider "${PYTEST_OPTS[@]}" \
-  "${TEST_PATHS[@]}"
+stage pytest "$OUT/pytest.log" timeout "${PYTEST_TIMEOUT:-300}" env ${PYTEST_THREADS:+OMP_NUM_THREADS=$PYTEST_THREADS} \
+  $PY -m pytest -v -rs -p no:cacheprovider "${PYTEST_OPTS[@]}" "${TEST_PATHS[@]}"
 
 # --- report ----------------------------------------------------------------------------------------
 # REPORT=0 skips it (e.g. to keep one device call under its time limit; run gpu_report.py next).
