@@ -103,15 +103,20 @@ if $PY -c 'import xdist' 2>/dev/null; then
   PYTEST_OPTS=(-n 4 --max-worker-restart 100)
   PYTEST_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 4 > 0 ? $(nproc) / 4 : 1 ))}
 fi
-# TEST_TIMEOUT: seconds a test may take (pytest-timeout, where installed; default 150), so that a test that
-# hangs is reported with its stack and the others go on before the stage's limit stops them all. (pytest-timeout
-# also reads PYTEST_TIMEOUT, this script's stage limit, as its default: the option overrides it.)
-if $PY -c 'import pytest_timeout' 2>/dev/null; then PYTEST_OPTS+=(--timeout "${TEST_TIMEOUT:-150}"); fi
+# TEST_TIMEOUT: seconds a test may take (pytest-timeout, where installed; default 150, at most the stage's
+# PYTEST_TIMEOUT less 20), so that a test that hangs is reported with its stack and the others go on before the
+# stage's limit stops them all. (pytest-timeout also reads PYTEST_TIMEOUT, this script's stage limit, as its
+# default: the option overrides it.)
+if $PY -c 'import pytest_timeout' 2>/dev/null; then
+  stage_s=${PYTEST_TIMEOUT:-300}
+  test_s=${TEST_TIMEOUT:-$(( stage_s - 20 < 150 ? stage_s - 20 : 150 ))}
+  PYTEST_OPTS+=(--timeout "$(( test_s > 10 ? test_s : 10 ))")
+fi
 # TESTS picks a subset (default: tests/native tests/gpu), e.g. TESTS="tests/gpu/test_gpu_target.py".
 # The cuda-ipc feature transport (two processes on one GPU, then `specd serve --feature-transport
 # cuda-ipc` on the demo models) on its own, in one device call:
-#   TESTS=tests/gpu/test_gpu_feature_ipc.py REPORT=0 PYTEST_TIMEOUT=500 bash tools/device/gpu_tests.sh
-# PYTEST_TIMEOUT: seconds for the whole pytest stage (default 300); TEST_TIMEOUT: for each test (below).
+#   TESTS=tests/gpu/test_gpu_feature_ipc.py REPORT=0 PYTEST_TIMEOUT=500 TEST_TIMEOUT=300 bash tools/device/gpu_tests.sh
+# PYTEST_TIMEOUT: seconds for the whole pytest stage (default 300); TEST_TIMEOUT: for each test (above).
 read -r -a TEST_PATHS <<<"${TESTS:-tests/native tests/gpu}"
 stage pytest "$OUT/pytest.log" timeout "${PYTEST_TIMEOUT:-300}" env ${PYTEST_THREADS:+OMP_NUM_THREADS=$PYTEST_THREADS} \
   $PY -m pytest -v -rs -p no:cacheprovider "${PYTEST_OPTS[@]}" "${TEST_PATHS[@]}"
