@@ -390,19 +390,22 @@ def _bf16(x):
 
 def _swiglu_inputs(rng, n, k):
     """gate, up [n, k] over silu's range: normal gates (|g| < ~25), rows of +-120 (e^-g overflows F32 below
-    -88.7: the double path), a row of gates in [-95, -80) with up = 1 / |silu(gate)| (x = O(1): a value lost
+    -88.7: the double path), a row of gates in [-95, -81) with up = 1 / |silu(gate)| (x = O(1): a value lost
     by the F32 path there shows), a row of subnormal gates (odd multiples of 2^-149 among them: g / 2 would lose a bit in F32) with
-    up = 2^120, exact zeros, up values of 1e30."""
+    up = 2^120, exact zeros, up values of 1e30, and such values again as the last 5 (the scalar loop's)."""
     g = (rng.standard_normal((n, k)) * 6).astype(np.float32)
     u = rng.standard_normal((n, k)).astype(np.float32)
     g[:4] = rng.uniform(-120, 120, (4, k)).astype(np.float32)
-    g[4] = rng.uniform(-95, -80, k).astype(np.float32)
+    g[4] = rng.uniform(-95, -81, k).astype(np.float32)
     silu = np.abs(g[4].astype(np.float64) / (1 + np.exp(-g[4].astype(np.float64))))
     u[4] = np.minimum(3e38, 1 / silu).astype(np.float32)
     g[5] = (rng.choice([-1, 1], k) * rng.integers(1, 32, k) * 2.0**-149).astype(np.float32)  # subnormal, exact
     u[5] = np.float32(2.0**120)
     g[6, :64] = 0.0
     u[7] *= np.float32(1e30)
+    # the last 5 values (the conversion's scalar loop when n * k % 8 == 5): both double paths and the F32 one
+    g[-1, -5:] = [-90.0, -85.0, 3 * 2.0**-149, 0.0, 90.0]
+    u[-1, -5:] = [1 / (90 * np.exp(-90.0)), 1 / (85 * np.exp(-85.0)), 2.0**120, 1.0, 1e30]
     return g, u
 
 
@@ -423,7 +426,7 @@ def test_swiglu_matmul_bf16_gemm_input_values(rng, n, k):
     # (+ 2^-126: gates near -120 give subnormal values, which the tensor cores may flush)
     assert np.all(err <= (2.0**-8 + 1e-6) * np.abs(ref) + 2.0**-126), float((err / (np.abs(ref) + 1e-45)).max())
     double = ((g < -80) | (np.abs(g) < 2.0**-100)) & (np.abs(ref) >= 2.0**-126)
-    assert double[4].all() and double[5].all()  # (the inputs reach the path)
+    assert double[4].all() and double[5].all() and double[-1, -5:-2].all()  # (the inputs reach the path)
     np.testing.assert_array_equal(y[double], _bf16(ref[double]))  # (values: the GEMM's sum turns -0 into +0)
 
 

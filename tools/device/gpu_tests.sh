@@ -103,15 +103,16 @@ if $PY -c 'import xdist' 2>/dev/null; then
   PYTEST_OPTS=(-n 4 --max-worker-restart 100)
   PYTEST_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 4 > 0 ? $(nproc) / 4 : 1 ))}
 fi
-# TEST_TIMEOUT: seconds a test may take (pytest-timeout, where installed; default 150, at most the stage's
-# PYTEST_TIMEOUT less 20), so that a test that hangs is reported with its stack and the others go on before the
-# stage's limit stops them all. (pytest-timeout also reads PYTEST_TIMEOUT, this script's stage limit, as its
-# default: the option overrides it.)
-if $PY -c 'import pytest_timeout' 2>/dev/null; then
-  stage_s=${PYTEST_TIMEOUT:-300}
-  test_s=${TEST_TIMEOUT:-$(( stage_s - 20 < 150 ? stage_s - 20 : 150 ))}
-  PYTEST_OPTS+=(--timeout "$(( test_s > 10 ? test_s : 10 ))")
-fi
+# TEST_TIMEOUT: seconds a test may take (default 150, at most the stage's PYTEST_TIMEOUT less 20). Ten seconds
+# before it, pytest's faulthandler writes every thread's stack to the log at once (also from inside a native
+# call, where a hang would otherwise show nothing); at it, pytest-timeout (where installed) fails the test and
+# the worker goes on. (pytest-timeout also reads PYTEST_TIMEOUT, this script's stage limit, as its default:
+# the option overrides it.)
+stage_s=${PYTEST_TIMEOUT:-300}
+test_s=${TEST_TIMEOUT:-$(( stage_s - 20 < 150 ? stage_s - 20 : 150 ))}
+test_s=$(( test_s > 20 ? test_s : 20 ))
+PYTEST_OPTS+=(-o "faulthandler_timeout=$(( test_s - 10 ))")
+if $PY -c 'import pytest_timeout' 2>/dev/null; then PYTEST_OPTS+=(--timeout "$test_s"); fi
 # TESTS picks a subset (default: tests/native tests/gpu), e.g. TESTS="tests/gpu/test_gpu_target.py".
 # The cuda-ipc feature transport (two processes on one GPU, then `specd serve --feature-transport
 # cuda-ipc` on the demo models) on its own, in one device call:
