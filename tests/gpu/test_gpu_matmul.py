@@ -391,8 +391,9 @@ def _bf16(x):
 def _swiglu_inputs(rng, n, k):
     """gate, up [n, k] over silu's range: normal gates (|g| < ~25), rows of +-120 (e^-g overflows F32 below
     -88.7: the double path), a row of gates in [-95, -81) with up = 1 / |silu(gate)| (x = O(1): a value lost
-    by the F32 path there shows), a row of subnormal gates (odd multiples of 2^-149 among them: g / 2 would lose a bit in F32) with
-    up = 2^120, exact zeros, up values of 1e30, and such values again as the last 5 (the scalar loop's)."""
+    by the F32 path there shows), a row of subnormal gates (odd multiples of 2^-149 among them: g / 2 would
+    lose a bit in F32) with up = 2^120, exact zeros, up values of 1e30, and such values again as the last 5
+    (the scalar loop's)."""
     g = (rng.standard_normal((n, k)) * 6).astype(np.float32)
     u = rng.standard_normal((n, k)).astype(np.float32)
     g[:4] = rng.uniform(-120, 120, (4, k)).astype(np.float32)
@@ -415,8 +416,8 @@ def test_swiglu_matmul_bf16_gemm_input_values(rng, n, k):
     """The F32 swiglu of the BF16 GEMM's input, value by value: with an identity weight the GEMM returns its
     input x exactly (one nonzero product per output), so each output is the kernel's BF16 x. It must be within
     a BF16 rounding (2^-8) plus the F32 evaluation's 6e-7 of the CPU's swiglu (double, rounded once), and
-    equal its BF16 rounding where the double path runs (gates below -80 or under 2^-100 in
-    magnitude; normal values). 41 x 333 values end with 5 that the conversion's scalar loop takes (8 a thread before them)."""
+    equal its BF16 rounding where the double path runs (gates below -80 or under 2^-100 in magnitude; normal
+    values). 41 x 333 values end with 5 that the conversion's scalar loop takes (8 a thread before them)."""
     g, u = _swiglu_inputs(rng, n, k)
     eye = sn.Tensor(np.eye(k, dtype=np.float32)).to(GPU)
     ref = sn.swiglu(sn.Tensor(g), sn.Tensor(u)).numpy()
