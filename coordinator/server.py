@@ -1612,6 +1612,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
             yield first
         t_first = time.perf_counter()
         timing.ttft_s = t_first - t_start
+        t_answer = t_first  # the last verify's answer: from it to the next step's start is bookkeeping
         synced = 0  # positions the drafter has ingested
         # a plain run stops early at these (an optimisation only: the Finisher decides what is sent)
         run_stops = list(fin.stop_ids) if len(fin.stop_ids) < MAX_RUN_STOP_IDS else []
@@ -1630,6 +1631,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
             force = mode == gpb.SPECULATION_MODE_FORCE
             catch_up = committed - synced
             t0 = time.perf_counter()
+            timing.bookkeeping_s += t0 - t_answer
             sent, early = early, None
             if sent is not None:  # this step's Propose went out at the last verify's answer (_propose_early)
                 if isinstance(sent, BaseException):
@@ -1686,10 +1688,13 @@ class Coordinator(gpbg.SpecDecodeServicer):
                 call_soon(mx.record_step, *live.held)
                 live.held = None
             vr = await self._call(streams["verify"] if streams else self.target.Verify, vreq, deadline, "verify")
-            t2 = time.perf_counter()
+            t2 = t_answer = time.perf_counter()
             dt = t2 - t0
             compute = vr.compute_s + (prop.compute_s if speculate else 0.0)
             timing.worker_compute_s += compute
+            timing.target_compute_s += vr.compute_s
+            timing.draft_wait_s += t1 - t0
+            timing.verify_wall_s += t2 - t1
             timing.loop_overhead_s += max(0.0, dt - compute)
             m = vr.accepted
             emitted = list(vr.emitted)
@@ -1796,7 +1801,9 @@ class Coordinator(gpbg.SpecDecodeServicer):
             mx.decisions.labels(*mx.l(("to_spec_" if to_spec else "to_plain_") + reason)).inc()
         if stats.num_draft_tokens:
             mx.acceptance_ratio.labels(*lv).observe(stats.num_accepted_tokens / stats.num_draft_tokens)
-        timing.decode_s = time.perf_counter() - t_first
+        t_end = time.perf_counter()
+        timing.decode_s = t_end - t_first
+        timing.bookkeeping_s += t_end - t_answer
         timing.e2e_s = time.perf_counter() - t_start
         done = gpb.GenerateComplete(
             timing=timing, output_ids=fin.ids, text=fin.final_text, finish_reason=fin.reason,

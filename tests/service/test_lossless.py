@@ -77,6 +77,29 @@ def test_mode_off_is_plain(stack, reference):
     assert [len(c.token_ids) for c in chunks] == [1, 1, 8] and [c.step_index for c in chunks] == [0, 1, 9]
 
 
+@pytest.mark.parametrize("mode", ["force", "off"])
+def test_timing_splits_decode_time(stack, reference, mode):
+    """Timing's draft_wait_s + verify_wall_s + bookkeeping_s is decode_s (the coordinator's clock reads
+    telescope), each verify's wall time holds the target's compute, and the drafter's compute is the
+    rest of worker_compute_s (none without speculation)."""
+    prompt = [2, 7, 1, 8, 2, 8]
+    ref, _ = reference(prompt, 30 + BLOCK + 2)
+    stack.drafter.continuations[tuple(prompt)] = ref
+    stack.drafter.plan = 2  # two drafts right a step: several steps, each with a rejection
+    spec = gpb.SpeculationParams(mode=gpb.SPECULATION_MODE_FORCE if mode == "force" else gpb.SPECULATION_MODE_OFF)
+    chunks, done = generate(stack.stub, token_request(prompt, 30, ignore_eos=True, speculation=spec))
+    assert streamed_ids(chunks) == ref[:30]
+    t = done.timing
+    assert min(t.draft_wait_s, t.verify_wall_s, t.bookkeeping_s) > 0
+    assert t.draft_wait_s + t.verify_wall_s + t.bookkeeping_s == pytest.approx(t.decode_s, rel=1e-9, abs=1e-9)
+    assert 0 < t.target_compute_s <= t.verify_wall_s
+    drafter = t.worker_compute_s - t.target_compute_s
+    if mode == "force":
+        assert done.speculation.num_drafts >= 5 and drafter > 0
+    else:
+        assert done.speculation.num_drafts == 0 and drafter == pytest.approx(0.0, abs=1e-12)
+
+
 def test_c06_spec_never_empty_where_plain_has_text(stack, reference):
     """C06 shape: a tool-calling chat turn; spec and plain (mode OFF) give the same non-empty output."""
     chat = gpb.ChatInput(messages=[
