@@ -90,6 +90,9 @@ def test_matmul_bad_input(rng):
         sn.matmul(x.astype(np.float16), w)
     with pytest.raises(ValueError, match="matmul: x has numpy dtype float64"):
         sn.matmul(x.astype(np.float64), w)
+    with pytest.raises(ValueError, match="matmul: x has numpy dtype >f4"):  # by kind and size, not byte order
+        sn.matmul(x.astype(">f4"), w)
+    np.testing.assert_array_equal(sn.matmul(x.astype("<f4"), w).numpy(), sn.matmul(x, w).numpy())
     with pytest.raises(ValueError, match="matmul: w must be a weight format .* got I32"):
         sn.matmul(x, np.zeros((3, 256), np.int32))
     with pytest.raises(ValueError, match="matmul: w must have 2 dimensions, got 3"):

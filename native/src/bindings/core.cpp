@@ -7,8 +7,6 @@
 
 namespace specd::py_bind {
 
-namespace {
-
 // Matches by kind and size, not object identity: GGUFReader's arrays carry an explicit
 // little-endian byte order ('<'), which is the same layout as native on the hosts specd supports.
 std::optional<DType> numpy_dtype(const py::dtype& dt) {
@@ -18,6 +16,8 @@ std::optional<DType> numpy_dtype(const py::dtype& dt) {
   if (dt.kind() == 'i' && dt.itemsize() == 4) return DType::I32;
   return std::nullopt;
 }
+
+namespace {
 
 // The metadata of a contiguous GPU tensor of `shape` / `dtype` (no data yet): the gpu_ipc_export /
 // gpu_ipc_open views. ValueError ("<what>: every dimension must be > 0") on a non-positive dimension.
