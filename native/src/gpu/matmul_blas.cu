@@ -181,8 +181,10 @@ void dequant_tiled_launch(const Tensor& w, int64_t r0, int64_t rows, uint16_t* d
 }
 #endif
 
+// (in: a multiple of W::kElems, as check_weight and the F32 / F16 cases' choice of W ensure)
 template <class W>
-void dequant_launch(const uint8_t* w, int64_t row_bytes, int64_t nchunks, int64_t rows, int64_t in, uint16_t* dst) {
+void dequant_launch(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t in, uint16_t* dst) {
+  const int64_t nchunks = in / W::kElems;
   const unsigned grid = grid_for(rows * nchunks);
   // A panel holds at most kPanelBytes of BF16 (<= 2^27 chunks) or 16 rows: checked, not assumed.
   SPECD_CHECK(rows * nchunks + int64_t(grid) * kThreads <= int64_t(UINT32_MAX), "matmul: dequantize panel too large");
@@ -196,11 +198,11 @@ void dequant_panel(const Tensor& w, int64_t r0, int64_t rows, uint16_t* dst) {
   const uint8_t* src = static_cast<const uint8_t*>(w.data) + r0 * rb;
   const bool w16 = aligned16(w.data);
   switch (w.dtype) {
-    case DType::Q8_0: return dequant_launch<Q8_0Quarter>(src, rb, in / 8, rows, in, dst);
-    case DType::Q4_K: return dequant_launch<Q4KW>(src, rb, in / 32, rows, in, dst);
-    case DType::Q5_K: return dequant_launch<Q5KW>(src, rb, in / 32, rows, in, dst);
-    case DType::Q6_K: return dequant_launch<Q6KW>(src, rb, in / 32, rows, in, dst);
-    case DType::IQ4_XS: return dequant_launch<IQ4XSW>(src, rb, in / 32, rows, in, dst);
+    case DType::Q8_0: return dequant_launch<Q8_0Quarter>(src, rb, rows, in, dst);
+    case DType::Q4_K: return dequant_launch<Q4KW>(src, rb, rows, in, dst);
+    case DType::Q5_K: return dequant_launch<Q5KW>(src, rb, rows, in, dst);
+    case DType::Q6_K: return dequant_launch<Q6KW>(src, rb, rows, in, dst);
+    case DType::IQ4_XS: return dequant_launch<IQ4XSW>(src, rb, rows, in, dst);
 #if !SPECD_HIP
     case DType::IQ4_XS_TILED: return dequant_tiled_launch<IQ4XSTiledW>(w, r0, rows, dst);
     case DType::Q6_K_TILED: return dequant_tiled_launch<Q6KTiledW>(w, r0, rows, dst);
@@ -208,14 +210,14 @@ void dequant_panel(const Tensor& w, int64_t r0, int64_t rows, uint16_t* dst) {
     case DType::Q5_K_TILED: return dequant_tiled_launch<Q5KTiledW>(w, r0, rows, dst);
 #endif
     case DType::F32:
-      if (in % 4 == 0 && w16) return dequant_launch<F32W<4>>(src, rb, in / 4, rows, in, dst);
-      return dequant_launch<F32W<1>>(src, rb, in, rows, in, dst);
+      if (in % 4 == 0 && w16) return dequant_launch<F32W<4>>(src, rb, rows, in, dst);
+      return dequant_launch<F32W<1>>(src, rb, rows, in, dst);
     case DType::F16:
-      if (in % 8 == 0 && w16) return dequant_launch<Half16W<8, false>>(src, rb, in / 8, rows, in, dst);
-      return dequant_launch<Half16W<1, false>>(src, rb, in, rows, in, dst);
+      if (in % 8 == 0 && w16) return dequant_launch<Half16W<8, false>>(src, rb, rows, in, dst);
+      return dequant_launch<Half16W<1, false>>(src, rb, rows, in, dst);
     case DType::BF16:
-      if (in % 8 == 0 && w16) return dequant_launch<Half16W<8, true>>(src, rb, in / 8, rows, in, dst);
-      return dequant_launch<Half16W<1, true>>(src, rb, in, rows, in, dst);
+      if (in % 8 == 0 && w16) return dequant_launch<Half16W<8, true>>(src, rb, rows, in, dst);
+      return dequant_launch<Half16W<1, true>>(src, rb, rows, in, dst);
     default: fail("matmul: no GPU dequantizer for ", dtype_info(w.dtype).name);
   }
 }
