@@ -31,15 +31,25 @@ def test_loop_overhead_bench_smoke(tmp_path, hot_path):
            "--al", "3", "5", "--block", "6", "--write", str(md)] + HOT_PATHS[hot_path][0]
     run_script(cmd, timeout=180)
     text = md.read_text(encoding="utf-8")
-    rows = [line for line in text.splitlines() if line.startswith("| plain") or line.startswith("| oracle")]
-    assert [r.split("|")[1].strip() for r in rows] == [
-        "plain (speculation off), 1 step per call", "plain (speculation off), 8 steps per call",
-        "oracle drafter, AL 3, exact (width 3)", "oracle drafter, AL 3, block 6 (width 7)",
-        "oracle drafter, AL 5, exact (width 5)", "oracle drafter, AL 5, block 6 (width 7)"]
-    calls = [float(r.split("|")[5]) for r in rows]
+    main, split = text.split("Where a step's wall time")
+
+    def rows(part):
+        return [line for line in part.splitlines() if line.startswith("| plain") or line.startswith("| oracle")]
+
+    labels = ["plain (speculation off), 1 step per call", "plain (speculation off), 8 steps per call",
+              "oracle drafter, AL 3, exact (width 3)", "oracle drafter, AL 3, block 6 (width 7)",
+              "oracle drafter, AL 5, exact (width 5)", "oracle drafter, AL 5, block 6 (width 7)"]
+    assert [r.split("|")[1].strip() for r in rows(main)] == labels
+    calls = [float(r.split("|")[5]) for r in rows(main)]
     # 8 tokens = the prefill's + 7 plain steps: one call each, or one plain run of 7 in one call
     assert calls[0] == 1.0 and calls[1] == round(1 / 7, 2) and all(1.0 < c <= 2.0 for c in calls[2:])
     assert HOT_PATHS[hot_path][1] in text
+    # the split of each step's time: bookkeeping, draft wait, verify beyond compute, drafter compute, unsplit
+    assert [r.split("|")[1].strip() for r in rows(split)] == labels
+    cells = [[float(c) for c in r.split("|")[2:7]] for r in rows(split)]
+    assert all(min(c[:4]) >= 0 and abs(c[4]) < 1e-3 for c in cells)
+    assert all(c[1] == 0 and c[3] == 0 for c in cells[:2])  # plain steps: no draft wait, no drafter
+    assert all(c[1] > 0 and c[3] > 0 for c in cells[2:])
 
 
 def test_grpc_floor_bench_smoke(tmp_path):

@@ -77,27 +77,36 @@ def test_mode_off_is_plain(stack, reference):
     assert [len(c.token_ids) for c in chunks] == [1, 1, 8] and [c.step_index for c in chunks] == [0, 1, 9]
 
 
-@pytest.mark.parametrize("mode", ["force", "off"])
-def test_timing_splits_decode_time(stack, reference, mode):
+@pytest.mark.parametrize("mode,max_tokens,draft_mode", [("force", 30, gpb.DRAFT_MODE_CHAIN),
+                                                       ("force", 30, gpb.DRAFT_MODE_TREE),
+                                                       ("off", 30, gpb.DRAFT_MODE_CHAIN),
+                                                       ("force", 1, gpb.DRAFT_MODE_CHAIN)])
+def test_timing_splits_decode_time(stack, reference, mode, max_tokens, draft_mode):
     """Timing's draft_wait_s + verify_wall_s + bookkeeping_s is decode_s (the coordinator's clock reads
-    telescope), each verify's wall time holds the target's compute, and the drafter's compute is the
-    rest of worker_compute_s (none without speculation)."""
+    telescope), each verify's wall time holds the target's compute, the drafter's compute is the rest of
+    worker_compute_s, and plain steps wait for no drafter. max_tokens 1: no step, all bookkeeping."""
     prompt = [2, 7, 1, 8, 2, 8]
     ref, _ = reference(prompt, 30 + BLOCK + 2)
     stack.drafter.continuations[tuple(prompt)] = ref
     stack.drafter.plan = 2  # two drafts right a step: several steps, each with a rejection
-    spec = gpb.SpeculationParams(mode=gpb.SPECULATION_MODE_FORCE if mode == "force" else gpb.SPECULATION_MODE_OFF)
-    chunks, done = generate(stack.stub, token_request(prompt, 30, ignore_eos=True, speculation=spec))
-    assert streamed_ids(chunks) == ref[:30]
+    spec = gpb.SpeculationParams(mode=gpb.SPECULATION_MODE_FORCE if mode == "force" else gpb.SPECULATION_MODE_OFF,
+                                 draft_mode=draft_mode)
+    chunks, done = generate(stack.stub, token_request(prompt, max_tokens, ignore_eos=True, speculation=spec))
+    stack.drafter.plan = None
+    assert streamed_ids(chunks) == ref[:max_tokens]
     t = done.timing
-    assert min(t.draft_wait_s, t.verify_wall_s, t.bookkeeping_s) > 0
     assert t.draft_wait_s + t.verify_wall_s + t.bookkeeping_s == pytest.approx(t.decode_s, rel=1e-9, abs=1e-9)
-    assert 0 < t.target_compute_s <= t.verify_wall_s
     drafter = t.worker_compute_s - t.target_compute_s
+    if max_tokens == 1:
+        assert t.steps == 0 and t.draft_wait_s == t.verify_wall_s == t.worker_compute_s == 0
+        assert t.bookkeeping_s == t.decode_s > 0
+        return
+    assert t.bookkeeping_s > 0 and 0 < t.target_compute_s <= t.verify_wall_s
     if mode == "force":
-        assert done.speculation.num_drafts >= 5 and drafter > 0
+        assert done.speculation.num_drafts >= 5 and drafter > 0 and t.draft_wait_s > 0
+        assert (done.speculation.num_tree_steps > 0) == (draft_mode == gpb.DRAFT_MODE_TREE)
     else:
-        assert done.speculation.num_drafts == 0 and drafter == pytest.approx(0.0, abs=1e-12)
+        assert done.speculation.num_drafts == 0 and drafter == pytest.approx(0.0, abs=1e-12) and t.draft_wait_s == 0
 
 
 def test_c06_spec_never_empty_where_plain_has_text(stack, reference):
@@ -181,8 +190,11 @@ def test_other_tiny_targets_lossless(tmp_path_factory, rng, name):
 @pytest.mark.parametrize("plan", [None, 2, 0, -1])
 def test_at_most_two_worker_calls_per_step(stack, reference, monkeypatch, plan):
     """architecture.md: per step the coordinator makes at most two worker calls on the hot path
-    (Propose, then Verify with the commit folded in); counted at the coordinator's single RPC gate."""
+    (Propose, then Verify with the commit folded in); counted at the coordinator's single RPC gate and
+    at its IPC streams' early sends (a Propose sent at the last verify's answer, a Verify sent before
+    the last step's deferred bookkeeping)."""
     from specd.coordinator import server as cserver
+    from specd.protos.v1 import worker_pb2 as wpb
 
     prompt = [3, 1, 4, 1, 5]
     ref, _ = reference(prompt, 40)
@@ -195,7 +207,14 @@ def test_at_most_two_worker_calls_per_step(stack, reference, monkeypatch, plan):
         calls.append(what)
         return await real(self, fn, msg, deadline, what)
 
+    send_early = cserver.IpcStream.send_early
+
+    def counting_early(self, msg, deadline):
+        calls.append("verify" if isinstance(msg, wpb.VerifyRequest) else "propose")
+        return send_early(self, msg, deadline)
+
     monkeypatch.setattr(cserver.Coordinator, "_call", counting)
+    monkeypatch.setattr(cserver.IpcStream, "send_early", counting_early)
     chunks, done = generate(stack.stub, token_request(prompt, 24, ignore_eos=True))
     assert streamed_ids(chunks) == ref[:24]
     steps = done.timing.steps
