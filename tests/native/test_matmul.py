@@ -90,9 +90,14 @@ def test_matmul_bad_input(rng):
         sn.matmul(x.astype(np.float16), w)
     with pytest.raises(ValueError, match="matmul: x has numpy dtype float64"):
         sn.matmul(x.astype(np.float64), w)
-    with pytest.raises(ValueError, match="matmul: x has numpy dtype >f4"):  # by kind and size, not byte order
-        sn.matmul(x.astype(">f4"), w)
-    np.testing.assert_array_equal(sn.matmul(x.astype("<f4"), w).numpy(), sn.matmul(x, w).numpy())
+    # numpy arrays by dtype kind and size, in native byte order only
+    for dt in (">f4", ">f2", ">i4"):
+        with pytest.raises(ValueError, match=f"matmul: x has numpy dtype {dt}"):
+            sn.matmul(x.astype(dt), w)
+    with pytest.raises(ValueError, match="embedding: ids has numpy dtype >i4"):
+        sn.embedding(w, np.zeros(2, ">i4"))
+    np.testing.assert_array_equal(sn.embedding(w, np.arange(2, dtype=np.intc)).numpy(),
+                                  sn.embedding(w, np.arange(2, dtype=np.int32)).numpy())
     with pytest.raises(ValueError, match="matmul: w must be a weight format .* got I32"):
         sn.matmul(x, np.zeros((3, 256), np.int32))
     with pytest.raises(ValueError, match="matmul: w must have 2 dimensions, got 3"):

@@ -17,8 +17,8 @@ namespace py = pybind11;
 // array whose last dimension holds whole ggml blocks becomes a block-format tensor, and a uint16
 // array becomes BF16. Without an override float32/float16/int32 map to F32/F16/I32.
 Tensor from_numpy(const py::array& a, std::optional<DType> dtype);
-// The DType of a numpy dtype that maps to one (float32 -> F32, float16 -> F16, int32 -> I32, not
-// big-endian), else nullopt.
+// The DType of a numpy dtype that maps to one (float32 -> F32, float16 -> F16, int32 -> I32, in
+// native byte order), else nullopt.
 std::optional<DType> numpy_dtype(const py::dtype& dt);
 // A numpy array over the tensor's memory (CPU: zero-copy, GPU: a host copy). Block formats and
 // BF16 come back as their raw bytes / uint16 bits.

@@ -7,10 +7,10 @@
 
 namespace specd::py_bind {
 
-// Matches by kind and size, not object identity: GGUFReader's arrays carry an explicit
-// little-endian byte order ('<'), which is the same layout as native on the hosts specd supports.
+// Matches by kind and size, not object identity, in native byte order only (numpy reports an
+// explicit order that is the host's, e.g. GGUFReader's '<' on little-endian hosts, as '=').
 std::optional<DType> numpy_dtype(const py::dtype& dt) {
-  if (dt.byteorder() == '>') return std::nullopt;
+  if (dt.byteorder() != '=') return std::nullopt;
   if (dt.kind() == 'f' && dt.itemsize() == 4) return DType::F32;
   if (dt.kind() == 'f' && dt.itemsize() == 2) return DType::F16;
   if (dt.kind() == 'i' && dt.itemsize() == 4) return DType::I32;

@@ -181,9 +181,10 @@ void dequant_tiled_launch(const Tensor& w, int64_t r0, int64_t rows, uint16_t* d
 }
 #endif
 
-// (in: a multiple of W::kElems, as check_weight and the F32 / F16 cases' choice of W ensure)
+// (in: a multiple of W::kElems, as check_weight and the F32 / F16 / BF16 cases' choice of W ensure)
 template <class W>
 void dequant_launch(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t in, uint16_t* dst) {
+  SPECD_CHECK(in % W::kElems == 0, "matmul: a row of ", in, " weights is not whole chunks of ", W::kElems);
   const int64_t nchunks = in / W::kElems;
   const unsigned grid = grid_for(rows * nchunks);
   // A panel holds at most kPanelBytes of BF16 (<= 2^27 chunks) or 16 rows: checked, not assumed.
