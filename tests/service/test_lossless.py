@@ -191,8 +191,7 @@ def test_other_tiny_targets_lossless(tmp_path_factory, rng, name):
 def test_at_most_two_worker_calls_per_step(stack, reference, monkeypatch, plan):
     """architecture.md: per step the coordinator makes at most two worker calls on the hot path
     (Propose, then Verify with the commit folded in); counted at the coordinator's single RPC gate and
-    at its IPC streams' early sends (a Propose sent at the last verify's answer, a Verify sent before
-    the last step's deferred bookkeeping)."""
+    at its IPC streams' early sends (a Propose sent at the last verify's answer)."""
     from specd.coordinator import server as cserver
     from specd.protos.v1 import worker_pb2 as wpb
 

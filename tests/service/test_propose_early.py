@@ -27,25 +27,14 @@ from .test_streams import _spec, greedy_runs, via
 PROMPT = [7, 1, 8, 2, 8]
 
 
-class Sends(list):
-    """The Proposes sent early (their max_tokens); ``verifies``: the Verifies sent early (their rows)."""
-
-    def __init__(self):
-        super().__init__()
-        self.verifies: list[int] = []
-
-
 @pytest.fixture
 def sends(monkeypatch):
-    """Counts IpcStream.send_early calls (:class:`Sends`)."""
-    seen = Sends()
+    """Counts IpcStream.send_early calls (list of the requests' max_tokens)."""
+    seen = []
     send_early = IpcStream.send_early
 
     def spy(self, msg, deadline):
-        if isinstance(msg, wpb.VerifyRequest):
-            seen.verifies.append(len(msg.tokens))
-        else:
-            seen.append(msg.max_tokens)
+        seen.append(msg.max_tokens)
         return send_early(self, msg, deadline)
 
     monkeypatch.setattr(IpcStream, "send_early", spy)
