@@ -17,8 +17,8 @@ namespace specd::py_bind {
 namespace {
 
 // A Tensor argument given as a Tensor or a numpy array. Numpy arrays are taken by their own dtype
-// (float32 -> F32, float16 -> F16, int32 -> I32, native byte order); anything else is refused naming op and argument
-// (block formats and BF16 come as Tensor(raw, DType.X)).
+// (float32 -> F32, float16 -> F16, int32 -> I32, native byte order); anything else is refused naming
+// op and argument (block formats and BF16 come as Tensor(raw, DType.X)).
 Tensor as_tensor(const py::handle& obj, const char* op, const char* arg) {
   if (py::isinstance<Tensor>(obj)) return obj.cast<Tensor>();
   SPECD_CHECK(py::isinstance<py::array>(obj), op, ": ", arg, " must be a specd Tensor or a numpy array, got ",
