@@ -151,5 +151,5 @@ def run(args) -> int:
           f"worker_compute={t.worker_compute_s * 1e3:.1f}ms loop_overhead={t.loop_overhead_s * 1e3:.1f}ms "
           f"({t.loop_overhead_s * 1e3 / max(1, t.steps):.2f} ms/step) target_compute={t.target_compute_s * 1e3:.1f}ms "
           f"draft_wait={t.draft_wait_s * 1e3:.1f}ms verify_wall={t.verify_wall_s * 1e3:.1f}ms "
-          f"bookkeeping={t.bookkeeping_s * 1e3:.1f}ms", file=sys.stderr)
+          f"bookkeeping={t.bookkeeping_s * 1e3:.1f}ms target_handler={t.target_handler_s * 1e3:.1f}ms", file=sys.stderr)
     return 0

@@ -1613,7 +1613,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         t_first = time.perf_counter()
         timing.ttft_s = t_first - t_start
         t_answer = t_first  # the last verify's answer: from it to the next step's start is bookkeeping
-        wait_s = verify_s = book_s = target_s = 0.0  # Timing's split of decode_s, summed here (a proto += costs more)
+        wait_s = verify_s = book_s = target_s = handler_s = 0.0  # Timing's split, summed here (a proto += costs more)
         synced = 0  # positions the drafter has ingested
         # a plain run stops early at these (an optimisation only: the Finisher decides what is sent)
         run_stops = list(fin.stop_ids) if len(fin.stop_ids) < MAX_RUN_STOP_IDS else []
@@ -1694,6 +1694,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
             compute = vr.compute_s + (prop.compute_s if speculate else 0.0)
             timing.worker_compute_s += compute
             target_s += vr.compute_s
+            handler_s += vr.handler_s
             if speculate:
                 wait_s += t1 - t0
                 verify_s += t2 - t1
@@ -1790,6 +1791,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         t_end = time.perf_counter()
         timing.decode_s = t_end - t_first
         timing.draft_wait_s, timing.verify_wall_s, timing.target_compute_s = wait_s, verify_s, target_s
+        timing.target_handler_s = handler_s
         timing.bookkeeping_s = book_s + (t_end - t_answer)
         if fin.take_text():  # nothing may remain unsent
             raise RequestError(grpc.StatusCode.INTERNAL, "text left unsent at finish")

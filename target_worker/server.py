@@ -553,6 +553,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
         """Chain verify (module docstring), or with ``parents`` a tree verify (spec-loop.md §7.3,
         §7.5): every node's argmax, the walk from the root along the argmax (at most max_accept
         moves, :func:`specd.coordinator.ddtree.walk_tree`) and the commit of that path's rows."""
+        t_in = time.perf_counter()  # the handler's own time: VerifyResponse.handler_s
         s = self._get(request.seq_id, context)
         tokens = list(request.tokens)
         parents = list(request.parents)
@@ -569,7 +570,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
                        f"tree verify: parents must have one entry per token ({len(tokens)}), parents[0] = -1 and "
                        f"0 <= parents[i] < i, got {parents[:16]}")
         if request.plain_steps > 1:
-            return self._plain_run(s, request, context)
+            return self._plain_run(s, request, context, t_in)
         k = len(tokens) - 1
         limit = min(k, int(request.max_accept)) if request.HasField("max_accept") else k
         with s.lock:
@@ -604,7 +605,7 @@ class TargetServicer(pbg.TargetWorkerServicer):
                 emitted = [int(x) for x in tokens[1 : m + 1]] + [int(t[m])]
             return pb.VerifyResponse(accepted=m, emitted=emitted, committed=s.st.committed, compute_s=dt,
                                      argmax=[int(x) for x in t] if (request.return_argmax or parents) else [],
-                                     path=path, rows=self._rows(request.seq_id))
+                                     path=path, rows=self._rows(request.seq_id), handler_s=time.perf_counter() - t_in)
 
     @staticmethod
     def _check_idle(s: _Seq, seq_id: str, context) -> None:
@@ -615,10 +616,11 @@ class TargetServicer(pbg.TargetWorkerServicer):
         if s.pending is not None:
             _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "a deferred verify is pending; Commit first")
 
-    def _plain_run(self, s: _Seq, request, context):
+    def _plain_run(self, s: _Seq, request, context, t_in: float):
         """A plain run (worker.proto ``plain_steps``): up to n one-row verify + commit steps, the
         argmax of each the anchor of the next. Stops after a token of ``stop_token_ids`` or when the
-        call is no longer active. Aborts INVALID_ARGUMENT on a request that is not a plain run."""
+        call is no longer active. Aborts INVALID_ARGUMENT on a request that is not a plain run.
+        ``t_in``: the handler's start (time.perf_counter(), for ``handler_s``)."""
         n, stop = int(request.plain_steps), set(request.stop_token_ids)
         if len(request.tokens) != 1 or request.parents or request.defer_commit or request.HasField("max_accept"):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
@@ -644,7 +646,8 @@ class TargetServicer(pbg.TargetWorkerServicer):
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"plain run step {len(emitted) + 1}: {exc}")
             return pb.VerifyResponse(accepted=len(emitted) - 1, emitted=emitted, committed=s.st.committed,
                                      compute_s=time.perf_counter() - t0, rows=self._rows(request.seq_id),
-                                     argmax=emitted if request.return_argmax else [])  # each step's argmax
+                                     argmax=emitted if request.return_argmax else [],  # each step's argmax
+                                     handler_s=time.perf_counter() - t_in)
 
     def Commit(self, request, context):
         return self.slots.run(context, self._commit, request, context)

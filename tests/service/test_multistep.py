@@ -245,9 +245,9 @@ def test_reasoning_budget_with_plain_runs(mstack, plain_model, monkeypatch):
     seen_stops = []
     real = mstack.tservicer._plain_run
 
-    def spy(s, request, context):
+    def spy(s, request, context, t_in):
         seen_stops.append(set(request.stop_token_ids))
-        return real(s, request, context)
+        return real(s, request, context, t_in)
 
     monkeypatch.setattr(mstack.tservicer, "_plain_run", spy)
     n = 30

@@ -13,7 +13,8 @@ in-step overhead the coordinator accumulates (``Timing.loop_overhead_s``: step w
 worker calls minus their compute) and the total (decode wall time minus worker compute: also the
 coordinator's bookkeeping between steps and the client stream) — and the overhead share of the
 step; then where the step's wall time outside the target's compute goes, from Timing's split of
-decode_s (``bookkeeping_s``, ``draft_wait_s``, ``verify_wall_s`` less ``target_compute_s``) and the
+decode_s (``bookkeeping_s``, ``draft_wait_s``, ``verify_wall_s`` less ``target_handler_s``: the
+transport, ``target_handler_s`` less ``target_compute_s``: the target's own Python) and the
 drafter's compute. Every run's tokens are checked equal to the plain greedy ones.
 
 Cost: the target is loaded once by the service (its worker starts while the reference runs) and
@@ -137,7 +138,7 @@ def run_mode(stub, prompts, n, mode, max_draft=0):
 
 def summarise(label, results, reference):
     tok = steps = calls = 0
-    decode = compute = overhead = target = wait = verify = book = 0.0
+    decode = compute = overhead = target = handler = wait = verify = book = 0.0
     for (r, verifies), ref in zip(results, reference):
         ids = [int(t) for t in r.output_ids]
         assert ids == ref, f"{label}: output differs from plain greedy decoding"
@@ -149,6 +150,7 @@ def summarise(label, results, reference):
         compute += float(t.worker_compute_s)
         overhead += float(t.loop_overhead_s)
         target += float(t.target_compute_s)
+        handler += float(t.target_handler_s)
         wait += float(t.draft_wait_s)
         verify += float(t.verify_wall_s)
         book += float(t.bookkeeping_s)
@@ -157,7 +159,8 @@ def summarise(label, results, reference):
                 al=tok / n, calls=calls / n, overhead_ms=1e3 * overhead / n,
                 total_ms=1e3 * (decode - compute) / n, overhead_share=(decode - compute) / decode if decode else 0.0,
                 compute_ms=1e3 * compute / n, target_ms=1e3 * target / n, drafter_ms=1e3 * (compute - target) / n,
-                wait_ms=1e3 * wait / n, verify_extra_ms=1e3 * (verify - target) / n, book_ms=1e3 * book / n,
+                wait_ms=1e3 * wait / n, transport_ms=1e3 * (verify - handler) / n,
+                handler_ms=1e3 * (handler - target) / n, book_ms=1e3 * book / n,
                 unsplit_ms=1e3 * (decode - wait - verify - book) / n)
 
 
@@ -358,15 +361,18 @@ def main():
                          f"{r['total_ms']:.2f} ms | {100 * r['overhead_share']:.1f} % |")
         lines += ["", "Where a step's wall time outside the target's compute goes (ms per step; Timing's split of "
                   "decode_s: bookkeeping = a verify's answer -> the next step's start, the next Propose sent early "
-                  "among it; draft wait = step start -> the drafter's answer; verify beyond compute = the Verify "
-                  "call's wall time less the target's compute). The drafter's own compute is part of the "
-                  "first three (it runs during the bookkeeping when the Propose went out early), so they sum to "
-                  "total overhead + drafter compute; \"unsplit\" is decode_s less the three walls (~0).", "",
-                  "| mode | bookkeeping | draft wait | verify beyond compute | drafter compute | unsplit |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "among it; draft wait = step start -> the drafter's answer; the Verify call's wall time less the "
+                  "target's compute, as its transport (the call's wall time less the target's handler time: "
+                  "sockets, wake-ups, serialising) and the target's handler beyond its compute). The drafter's "
+                  "own compute is part of the first two (it runs during the bookkeeping when the Propose went out "
+                  "early), so the first four sum to total overhead + drafter compute; \"unsplit\" is decode_s "
+                  "less the three walls (~0).", "",
+                  "| mode | bookkeeping | draft wait | verify transport | target handler beyond compute "
+                  "| drafter compute | unsplit |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for r in rows:
-            lines.append(f"| {r['label']} | {r['book_ms']:.3f} | {r['wait_ms']:.3f} | {r['verify_extra_ms']:.3f} | "
-                         f"{r['drafter_ms']:.3f} | {r['unsplit_ms']:.3f} |")
+            lines.append(f"| {r['label']} | {r['book_ms']:.3f} | {r['wait_ms']:.3f} | {r['transport_ms']:.3f} | "
+                         f"{r['handler_ms']:.3f} | {r['drafter_ms']:.3f} | {r['unsplit_ms']:.3f} |")
         lines.append("")
     if len(runs) > 1:  # the in-step overhead per step side by side (ms; total overhead in parentheses)
         lines += ["**In-step overhead per step by --ipc-spin-us** (ms; total overhead per step in parentheses)", "",
