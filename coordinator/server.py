@@ -1614,6 +1614,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         timing.ttft_s = t_first - t_start
         t_answer = t_first  # the last verify's answer: from it to the next step's start is bookkeeping
         wait_s = verify_s = book_s = target_s = handler_s = 0.0  # Timing's split, summed here (a proto += costs more)
+        handler_known = True  # every verify reported its handler time (a worker before VerifyResponse.handler_s: 0)
         synced = 0  # positions the drafter has ingested
         # a plain run stops early at these (an optimisation only: the Finisher decides what is sent)
         run_stops = list(fin.stop_ids) if len(fin.stop_ids) < MAX_RUN_STOP_IDS else []
@@ -1695,6 +1696,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
             timing.worker_compute_s += compute
             target_s += vr.compute_s
             handler_s += vr.handler_s
+            handler_known = handler_known and vr.handler_s > 0
             if speculate:
                 wait_s += t1 - t0
                 verify_s += t2 - t1
@@ -1791,7 +1793,7 @@ class Coordinator(gpbg.SpecDecodeServicer):
         t_end = time.perf_counter()
         timing.decode_s = t_end - t_first
         timing.draft_wait_s, timing.verify_wall_s, timing.target_compute_s = wait_s, verify_s, target_s
-        timing.target_handler_s = handler_s
+        timing.target_handler_s = handler_s if handler_known else 0.0
         timing.bookkeeping_s = book_s + (t_end - t_answer)
         if fin.take_text():  # nothing may remain unsent
             raise RequestError(grpc.StatusCode.INTERNAL, "text left unsent at finish")

@@ -603,9 +603,11 @@ class TargetServicer(pbg.TargetWorkerServicer):
                 emitted = [int(tokens[r]) for r in path[1:]] + [int(t[path[-1]])]
             else:
                 emitted = [int(x) for x in tokens[1 : m + 1]] + [int(t[m])]
-            return pb.VerifyResponse(accepted=m, emitted=emitted, committed=s.st.committed, compute_s=dt,
+            resp = pb.VerifyResponse(accepted=m, emitted=emitted, committed=s.st.committed, compute_s=dt,
                                      argmax=[int(x) for x in t] if (request.return_argmax or parents) else [],
-                                     path=path, rows=self._rows(request.seq_id), handler_s=time.perf_counter() - t_in)
+                                     path=path, rows=self._rows(request.seq_id))
+            resp.handler_s = time.perf_counter() - t_in
+            return resp
 
     @staticmethod
     def _check_idle(s: _Seq, seq_id: str, context) -> None:
@@ -644,10 +646,11 @@ class TargetServicer(pbg.TargetWorkerServicer):
                     emitted.append(anchor)
             except ValueError as exc:
                 _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"plain run step {len(emitted) + 1}: {exc}")
-            return pb.VerifyResponse(accepted=len(emitted) - 1, emitted=emitted, committed=s.st.committed,
+            resp = pb.VerifyResponse(accepted=len(emitted) - 1, emitted=emitted, committed=s.st.committed,
                                      compute_s=time.perf_counter() - t0, rows=self._rows(request.seq_id),
-                                     argmax=emitted if request.return_argmax else [],  # each step's argmax
-                                     handler_s=time.perf_counter() - t_in)
+                                     argmax=emitted if request.return_argmax else [])  # each step's argmax
+            resp.handler_s = time.perf_counter() - t_in
+            return resp
 
     def Commit(self, request, context):
         return self.slots.run(context, self._commit, request, context)

@@ -44,8 +44,8 @@ def test_loop_overhead_bench_smoke(tmp_path, hot_path):
     # 8 tokens = the prefill's + 7 plain steps: one call each, or one plain run of 7 in one call
     assert calls[0] == 1.0 and calls[1] == round(1 / 7, 2) and all(1.0 < c <= 2.0 for c in calls[2:])
     assert HOT_PATHS[hot_path][1] in text
-    # the split of each step's time: bookkeeping, draft wait, verify transport, the target's handler beyond
-    # its compute, drafter compute, unsplit
+    # the split of each step's time: bookkeeping, draft wait, the verify outside the target's handler, the
+    # handler beyond its compute, drafter compute, unsplit
     assert [r.split("|")[1].strip() for r in rows(split)] == labels
     cells = [[float(c) for c in r.split("|")[2:8]] for r in rows(split)]
     assert all(min(c[:5]) >= 0 and abs(c[5]) < 1e-3 for c in cells)

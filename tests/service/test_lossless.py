@@ -110,6 +110,27 @@ def test_timing_splits_decode_time(stack, reference, mode, max_tokens, draft_mod
         assert done.speculation.num_drafts == 0 and drafter == pytest.approx(0.0, abs=1e-12) and t.draft_wait_s == 0
 
 
+def test_timing_without_the_targets_handler_time(stack, reference, monkeypatch):
+    """A target that does not report VerifyResponse.handler_s (a worker before the field: 0) leaves
+    Timing.target_handler_s at 0, never a partial sum."""
+    prompt = [2, 7, 1, 8, 2, 8]
+    ref, _ = reference(prompt, 12)
+    real, calls = stack.tservicer._verify, []
+
+    def unreported(request, context):
+        resp = real(request, context)
+        calls.append(resp.handler_s)
+        if len(calls) > 1:  # the first verify reports, the later ones do not
+            resp.handler_s = 0.0
+        return resp
+
+    monkeypatch.setattr(stack.tservicer, "_verify", unreported)
+    spec = gpb.SpeculationParams(mode=gpb.SPECULATION_MODE_OFF)
+    chunks, done = generate(stack.stub, token_request(prompt, 12, ignore_eos=True, speculation=spec))
+    assert streamed_ids(chunks) == ref[:12] and len(calls) >= 2 and calls[0] > 0
+    assert done.timing.target_handler_s == 0 and done.timing.target_compute_s > 0
+
+
 def test_c06_spec_never_empty_where_plain_has_text(stack, reference):
     """C06 shape: a tool-calling chat turn; spec and plain (mode OFF) give the same non-empty output."""
     chat = gpb.ChatInput(messages=[

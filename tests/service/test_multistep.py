@@ -289,6 +289,25 @@ def target(mstack):
     channel.close()
 
 
+def test_verify_reports_its_handler_time(mstack, target, reference):
+    """VerifyResponse.handler_s, the handler's own wall time with its compute in it, on every path: a
+    chain, a tree, a deferred commit and a plain run."""
+    prompt = PROMPTS[3]
+    ref, _ = reference(prompt, 12)
+    seq = "handler-time-1"
+    target.Prefill(wpb.PrefillRequest(seq_id=seq, tokens=prompt, capacity=len(prompt) + 20))
+    chain = target.Verify(wpb.VerifyRequest(seq_id=seq, tokens=[ref[0], ref[1], 7], max_accept=2))
+    tree = target.Verify(wpb.VerifyRequest(seq_id=seq, tokens=[chain.emitted[-1], 5, 6], parents=[-1, 0, 0],
+                                           max_accept=1))
+    deferred = target.Verify(wpb.VerifyRequest(seq_id=seq, tokens=[tree.emitted[-1]], defer_commit=True))
+    target.Commit(wpb.CommitRequest(seq_id=seq, n=1))
+    run = target.Verify(wpb.VerifyRequest(seq_id=seq, tokens=[deferred.argmax[0] if deferred.argmax else 1],
+                                          plain_steps=3))
+    for r in (chain, tree, deferred, run):
+        assert r.handler_s >= r.compute_s > 0, r
+    target.Release(wpb.ReleaseRequest(seq_id=seq))
+
+
 def test_worker_plain_run_and_its_errors(mstack, target, reference):
     prompt = PROMPTS[4]
     ref, _ = reference(prompt, 20)
