@@ -215,7 +215,6 @@ def test_at_most_two_worker_calls_per_step(stack, reference, monkeypatch, plan):
     (Propose, then Verify with the commit folded in); counted at the coordinator's single RPC gate and
     at its IPC streams' early sends (a Propose sent at the last verify's answer)."""
     from specd.coordinator import server as cserver
-    from specd.protos.v1 import worker_pb2 as wpb
 
     prompt = [3, 1, 4, 1, 5]
     ref, _ = reference(prompt, 40)
@@ -231,7 +230,7 @@ def test_at_most_two_worker_calls_per_step(stack, reference, monkeypatch, plan):
     send_early = cserver.IpcStream.send_early
 
     def counting_early(self, msg, deadline):
-        calls.append("verify" if isinstance(msg, wpb.VerifyRequest) else "propose")
+        calls.append("propose")  # only Proposes are sent early
         return send_early(self, msg, deadline)
 
     monkeypatch.setattr(cserver.Coordinator, "_call", counting)

@@ -15,7 +15,8 @@ coordinator's bookkeeping between steps and the client stream) — and the overh
 step; then where the step's wall time outside the target's compute goes, from Timing's split of
 decode_s: ``bookkeeping_s``, ``draft_wait_s``, the Verify calls outside the target's handler
 (``verify_wall_s`` less ``target_handler_s``), the target's handler beyond its compute
-(``target_handler_s`` less ``target_compute_s``), and the drafter's compute. Every run's tokens are checked equal to the plain greedy ones.
+(``target_handler_s`` less ``target_compute_s``), and the drafter's compute. Every run's tokens are
+checked equal to the plain greedy ones.
 
 Cost: the target is loaded once by the service (its worker starts while the reference runs) and
 once here for the reference; every mode is a request option on the running service ("exact":
@@ -158,10 +159,9 @@ def summarise(label, results, reference):
     return dict(label=label, tokens=tok, steps=steps, tok_s=tok / decode if decode else 0.0,
                 al=tok / n, calls=calls / n, overhead_ms=1e3 * overhead / n,
                 total_ms=1e3 * (decode - compute) / n, overhead_share=(decode - compute) / decode if decode else 0.0,
-                compute_ms=1e3 * compute / n, target_ms=1e3 * target / n, drafter_ms=1e3 * (compute - target) / n,
-                wait_ms=1e3 * wait / n, outside_ms=1e3 * (verify - handler) / n if handler else None,
-                handler_extra_ms=1e3 * (handler - target) / n if handler else None, book_ms=1e3 * book / n,
-                unsplit_ms=1e3 * (decode - wait - verify - book) / n)
+                compute_ms=1e3 * compute / n, drafter_ms=1e3 * (compute - target) / n, wait_ms=1e3 * wait / n,
+                outside_ms=1e3 * (verify - handler) / n if handler else None,
+                handler_extra_ms=1e3 * (handler - target) / n if handler else None, book_ms=1e3 * book / n)
 
 
 def spin_value(text: str) -> tuple[int, int, bool]:
@@ -367,15 +367,15 @@ def main():
                   "runs meanwhile, a plain step's set-up) and the target's handler beyond its compute; n/a: the "
                   "target does not report its handler time). The drafter's own compute is part of the first two "
                   "(it runs during the bookkeeping when the Propose went out early), so the first four sum to total "
-                  "overhead + drafter compute; \"unsplit\" is decode_s less the three walls (~0).", "",
+                  "overhead + drafter compute.", "",
                   "| mode | bookkeeping | draft wait | verify outside the handler | target handler beyond compute "
-                  "| drafter compute | unsplit |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| drafter compute |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for r in rows:
             outside, extra = (("n/a", "n/a") if r["outside_ms"] is None else
                               (f"{r['outside_ms']:.3f}", f"{r['handler_extra_ms']:.3f}"))
             lines.append(f"| {r['label']} | {r['book_ms']:.3f} | {r['wait_ms']:.3f} | {outside} | {extra} | "
-                         f"{r['drafter_ms']:.3f} | {r['unsplit_ms']:.3f} |")
+                         f"{r['drafter_ms']:.3f} |")
         lines.append("")
     if len(runs) > 1:  # the in-step overhead per step side by side (ms; total overhead in parentheses)
         lines += ["**In-step overhead per step by --ipc-spin-us** (ms; total overhead per step in parentheses)", "",

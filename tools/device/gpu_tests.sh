@@ -119,7 +119,7 @@ if $PY -c 'import pytest_timeout' 2>/dev/null; then PYTEST_OPTS+=(--timeout "$te
 #   TESTS=tests/gpu/test_gpu_feature_ipc.py REPORT=0 PYTEST_TIMEOUT=500 TEST_TIMEOUT=300 bash tools/device/gpu_tests.sh
 # PYTEST_TIMEOUT: seconds for the whole pytest stage (default 300); TEST_TIMEOUT: for each test (above).
 read -r -a TEST_PATHS <<<"${TESTS:-tests/native tests/gpu}"
-stage pytest "$OUT/pytest.log" timeout "${PYTEST_TIMEOUT:-300}" env ${PYTEST_THREADS:+OMP_NUM_THREADS=$PYTEST_THREADS} \
+stage pytest "$OUT/pytest.log" timeout "$stage_s" env ${PYTEST_THREADS:+OMP_NUM_THREADS=$PYTEST_THREADS} \
   $PY -m pytest -v -rs -p no:cacheprovider "${PYTEST_OPTS[@]}" "${TEST_PATHS[@]}"
 
 # --- report ----------------------------------------------------------------------------------------
