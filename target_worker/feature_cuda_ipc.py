@@ -70,7 +70,7 @@ import numpy as np
 
 from .feature_shm import (HEADER_BYTES, FeatureHandleInfo, ShmExhausted, _close_unlink,  # noqa: F401
                           attach_segment, create_segment)
-from .features import held_slots, write_slots
+from .features import checked_src_rows, held_slots, row_runs, write_slots
 
 log = logging.getLogger(__name__)
 
@@ -104,17 +104,6 @@ def check_device_transport(transport: str, device: str, who: str) -> None:
     if transport == TRANSPORT and device != "cuda":
         raise ValueError(f"{who}: --feature-transport cuda-ipc shares the feature ring in GPU memory and needs "
                          f"--device cuda (got device {device!r}); use --feature-transport shm for the CPU backend")
-
-
-def _runs(slots: np.ndarray, src_rows: np.ndarray) -> list[tuple[int, int, int]]:
-    """(dst_start, src_start, length) runs in which both ``slots`` and ``src_rows`` advance by 1."""
-    out: list[tuple[int, int, int]] = []
-    for d, s in zip(slots.tolist(), src_rows.tolist()):
-        if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == s:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((d, s, 1))
-    return out
 
 
 # Rings exported by this process, by handle: CUDA refuses to open an IPC handle in the process that
@@ -233,7 +222,7 @@ class NativeIpcBackend:
 def _gather(backend, rows, slots: np.ndarray, width: int):
     """rows[slots] as a new tensor [len(slots), width] on the backend's device."""
     out = backend.empty(len(slots), width)
-    for d, s, n in _runs(np.arange(len(slots)), slots):
+    for d, s, n in row_runs(np.arange(len(slots)), slots):
         backend.copy_rows(out, d, rows, s, n)
     return out
 
@@ -272,16 +261,12 @@ class CudaIpcFeatureRing:
         """Positions start .. start+n-1 get rows ``src_rows`` (n indices) of ``src`` (a tensor float32
         [w, width] on the ring's device), device to device; then the event is recorded and the rows
         are published. ValueError on a wrong width or when n > capacity."""
-        src_rows = np.asarray(src_rows, np.int64).reshape(-1)
-        if len(src.shape) != 2 or int(src.shape[1]) != self.width:
-            raise ValueError(f"FeatureRing.write: rows must be [n, {self.width}], got {tuple(src.shape)}")
-        if src_rows.size and (src_rows.min() < 0 or src_rows.max() >= int(src.shape[0])):
-            raise ValueError(f"FeatureRing.write: row indices outside 0..{int(src.shape[0]) - 1}")
+        src_rows = checked_src_rows(src, src_rows, self.width)
         slots, pos = write_slots(self.capacity, start, int(src_rows.size))
         if not src_rows.size:
             return
         self.all_zero = False  # before the copies: one failing part-way has written rows
-        for d, s, n in _runs(slots, src_rows):
+        for d, s, n in row_runs(slots, src_rows):
             self.backend.copy_rows(self.rows, d, src, s, n)
         self._publish(start, slots, pos)
 

@@ -31,7 +31,7 @@ import threading
 import numpy as np
 
 from .feature_shm import FeatureHandleInfo
-from .features import FeatureRing, write_slots
+from .features import FeatureRing, checked_src_rows, copy_rows_into, write_slots
 
 TRANSPORTS = ("shm", "inline", "cuda-ipc")  # cuda-ipc: .feature_cuda_ipc
 INLINE_KIND = "inline"
@@ -81,6 +81,15 @@ class InlineFeatureRing(FeatureRing):
             self.outbox[-1] = (s0, np.concatenate([r0, rows]))
         else:
             self.outbox.append((start, rows.copy()))
+
+    def write_rows(self, start: int, src, src_rows) -> None:
+        """Rows ``src_rows`` of ``src`` (a float32 ``sn.Tensor`` [w, width], any device) at positions
+        start ..: gathered to the host (only these rows), then as :meth:`write`."""
+        src_rows = checked_src_rows(src, src_rows, self.width)
+        write_slots(self.capacity, start, src_rows.size)  # the same bounds as every ring's
+        host = np.empty((src_rows.size, self.width), np.float32)
+        copy_rows_into(host, np.arange(src_rows.size), src, src_rows)
+        self.write(start, host)
 
     def write_zeros(self, start: int, n: int) -> None:
         """n zero rows at positions start .. start+n-1 (they travel in the responses like any rows);

@@ -115,8 +115,9 @@ def _views(buf, capacity: int, width: int):
 class ShmFeatureRing(FeatureRing):
     """A :class:`FeatureRing` whose rows and slot table live in a shared-memory segment (writer side).
 
-    ``write`` stores rows (the target model calls it from ``commit``), ``write_zeros`` zero rows;
-    ``publish(c)`` then marks rows < c final for readers. ``shm`` must be a segment just created
+    ``write`` stores host rows, ``write_rows`` a device tensor's rows straight into the segment (the
+    target model's ``commit`` on the GPU), ``write_zeros`` zero rows; each then publishes them
+    (``publish(c)`` marks rows < c final for readers). ``shm`` must be a segment just created
     (:func:`create_segment`: the kernel zero-fills new pages), so the ring starts ``all_zero``.
     """
 
@@ -133,6 +134,10 @@ class ShmFeatureRing(FeatureRing):
     def write(self, start: int, rows: np.ndarray) -> None:
         super().write(start, rows)
         self.publish(start + np.asarray(rows).shape[0])
+
+    def write_rows(self, start: int, src, src_rows) -> None:
+        super().write_rows(start, src, src_rows)
+        self.publish(start + len(src_rows))
 
     def write_zeros(self, start: int, n: int) -> None:
         super().write_zeros(start, n)
@@ -247,6 +252,7 @@ class FeatureReader:
                              f"{segment_bytes(handle.capacity, handle.width)}")
         self.shm, self.handle = shm, handle
         self.header, self.slot_pos, self.rows = _views(shm.buf, handle.capacity, handle.width)
+        self.rows.flags.writeable = False  # the writer's rows: views handed out by read stay read-only
         if int(self.header[0]) != MAGIC or int(self.header[1]) != handle.capacity or int(self.header[2]) != handle.width:
             self.close()
             raise ValueError(f"feature segment {handle.name}: header does not match the handle")
@@ -262,15 +268,21 @@ class FeatureReader:
                              "(feature_transport mismatch)")
 
     def read(self, start: int, n: int) -> np.ndarray:
-        """float32 [n, width] rows of positions start .. start+n-1 (a copy). ValueError when a row is
-        not committed yet or no longer held by the ring."""
+        """float32 [n, width] rows of positions start .. start+n-1: a read-only view of the segment when
+        they are one run of slots, a copy when the range wraps. ValueError when a row is not committed
+        yet or no longer held by the ring.
+
+        A view costs no copy (a 27B target's rows are 100 KB each, a long prompt's hundreds of MB) and is
+        safe to use until the writer reuses those slots, ``capacity`` positions later: the target's
+        ring holds its whole sequence (capacity = the sequence's), so rows below ``committed`` never
+        change while the segment lives, and the drafter consumes them inside the Propose call."""
         if n == 0:
             return np.zeros((0, self.handle.width), np.float32)
         if start < 0 or start + n > self.committed:
             raise ValueError(f"feature rows {start}..{start + n - 1} are not committed (committed {self.committed})")
         span = held_span(self.slot_pos, start, n)
         if span is not None:
-            return self.rows[span].copy()
+            return self.rows[span]
         pos = start + np.arange(n)
         slots = pos % self.handle.capacity
         bad = pos[self.slot_pos[slots] != pos]

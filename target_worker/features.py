@@ -57,6 +57,44 @@ def held_slots(slot_pos: np.ndarray, start: int, n: int) -> np.ndarray:
     return slots
 
 
+def row_runs(dst_rows: np.ndarray, src_rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """(dst_start, src_start, length) runs in which both ``dst_rows`` and ``src_rows`` advance by 1:
+    the copies that move rows src_rows[i] to dst_rows[i] (a chain's rows: one run per ring wrap)."""
+    out: list[tuple[int, int, int]] = []
+    for d, s in zip(dst_rows.tolist(), src_rows.tolist()):
+        if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == s:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((d, s, 1))
+    return out
+
+
+def checked_src_rows(src, src_rows, width: int) -> np.ndarray:
+    """``src_rows`` as int64 [n] after checking them against ``src``, a float32 ``sn.Tensor`` [w, width]
+    (any device): ValueError on another shape or dtype, or an index outside 0..w-1."""
+    import specd.native as sn
+
+    src_rows = np.asarray(src_rows, np.int64).reshape(-1)
+    if len(src.shape) != 2 or int(src.shape[1]) != width or src.dtype != sn.DType.F32:
+        raise ValueError(f"FeatureRing.write_rows: src must be float32 [w, {width}], got {src.dtype} {tuple(src.shape)}")
+    if src_rows.size and (src_rows.min() < 0 or src_rows.max() >= int(src.shape[0])):
+        raise ValueError(f"FeatureRing.write_rows: row indices outside 0..{int(src.shape[0]) - 1}")
+    return src_rows
+
+
+def copy_rows_into(dst: np.ndarray, dst_rows: np.ndarray, src, src_rows: np.ndarray) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]]: ``dst`` a float32 host array, ``src`` an ``sn.Tensor`` on any
+    device (checked by :func:`checked_src_rows`); one ``sn.copy_rows`` per run, so from a GPU tensor
+    only these rows cross to the host, straight into ``dst``."""
+    import specd.native as sn
+
+    if not len(dst_rows):
+        return
+    view = sn.Tensor(dst)
+    for d, s, n in row_runs(dst_rows, src_rows):
+        sn.copy_rows(view, d, src, s, n)
+
+
 class FeatureRing:
     """Ring of ``capacity`` feature rows of ``width`` float32 values.
 
@@ -95,6 +133,20 @@ class FeatureRing:
             return
         slots, pos = write_slots(self.capacity, start, n)
         self.rows[slots] = rows
+        self.slot_pos[slots] = pos
+
+    def write_rows(self, start: int, src, src_rows) -> None:
+        """Positions start .. start+n-1 get rows ``src_rows`` (n indices into the first axis) of ``src``,
+        a float32 ``sn.Tensor`` [w, width] on any device, copied straight into this ring's rows
+        (:func:`copy_rows_into`): for a verify's GPU features only the committed rows cross to the host,
+        and no host copy of the whole output is made. ValueError as :func:`checked_src_rows` and
+        :meth:`write`; a failing copy leaves the slot table as it was."""
+        src_rows = checked_src_rows(src, src_rows, self.width)
+        slots, pos = write_slots(self.capacity, start, int(src_rows.size))
+        if not src_rows.size:
+            return
+        self.all_zero = False  # before the copies: one failing part-way has written rows
+        copy_rows_into(self.rows, slots, src, src_rows)
         self.slot_pos[slots] = pos
 
     def write_zeros(self, start: int, n: int) -> None:

@@ -488,12 +488,18 @@ class Qwen35Model:
         n = len(rows)
         if n == 0:
             return
-        # The features are read (or checked) before any state moves: a stale graph or a failed
-        # device-to-host copy raises here and leaves the sequence exactly as it was.
+        # A stale graph raises before anything moves. Device rows go to a device ring (cuda-ipc) after
+        # the states, device to device; to a host ring before them, only the committed rows, straight
+        # into it: that copy waits for the verify alone, and the state updates queued after it run
+        # while this call answers. (Rows a failed state update leaves published above ``committed``
+        # are never read: the drafter is sent only what a commit that returned committed.)
         feats = res.raw_features  # None: zero rows (no capture layers)
-        device_ring = feats is not None and getattr(st.features, "device", False) and not isinstance(feats, np.ndarray)
-        if device_ring:  # the ring copies the rows device to device itself
+        on_device = feats is not None and not isinstance(feats, np.ndarray)
+        device_ring = on_device and getattr(st.features, "device", False)
+        if on_device:
             res._check_graph("features")
+            if not device_ring:
+                st.features.write_rows(res.start, feats, rows)
         elif feats is not None:  # host rows; a chain's leading ones as a view (a prefill chunk's are tens of MB)
             feats = res.features[: len(rows)] if res.parents is None else res.features[rows]
         if res.graph is not None:  # the state updates read fixed addresses: one graph per n
@@ -503,22 +509,23 @@ class Qwen35Model:
             g.replay()
         else:
             self._commit_states(st, res, rows)
-        self._ring_write(st, res.start, n, feats, rows if device_ring else None)
+        if not on_device or device_ring:
+            self._ring_write(st, res.start, n, feats, rows if device_ring else None)
         st.committed += n
 
     @staticmethod
     def _ring_write(st, start, n, feats, rows=None) -> None:
         """Stores n feature rows at positions start, start + 1, ...: ``feats[rows]`` (all of feats when
         rows is None). None is n zero rows (a model without capture layers): the ring marks them
-        without copying (its rows are zero unless written). A device tensor goes device to device into
-        a device ring (cuda-ipc), anything else through the host."""
+        without copying (its rows are zero unless written). A device tensor goes into the ring
+        through its ``write_rows``: device to device into a device ring (cuda-ipc), only these rows
+        to the host into a host ring (shm, inline)."""
         if feats is None:
             st.features.write_zeros(start, n)
-        elif getattr(st.features, "device", False) and not isinstance(feats, np.ndarray):
-            st.features.write_rows(start, feats, list(range(feats.shape[0])) if rows is None else rows)
+        elif isinstance(feats, np.ndarray):
+            st.features.write(start, feats if rows is None else feats[rows])
         else:
-            host = feats if isinstance(feats, np.ndarray) else feats.numpy()
-            st.features.write(start, host if rows is None else host[rows])
+            st.features.write_rows(start, feats, range(int(feats.shape[0])) if rows is None else rows)
 
     def _commit_states(self, st, res, rows) -> None:
         """The device (or numpy) part of commit: KV compaction and GDN / conv state updates."""

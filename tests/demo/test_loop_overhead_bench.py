@@ -1,5 +1,5 @@
 """Smoke test of the spec-loop benchmark (tools/bench/loop_overhead.py) on the demo target: 8 tokens,
-AL 3 and 5, over the IPC stream sockets (default), gRPC streams (--no-ipc-streams) and unary calls
+AL 3 and 5, over the IPC stream sockets (default; with capture layers, so feature rows travel), gRPC streams (--no-ipc-streams) and unary calls
 (--no-worker-streams). One target worker serves every mode; the script
 checks every run's tokens against plain greedy decoding itself (it fails otherwise), so a zero exit
 and the table's rows are the check."""
@@ -17,7 +17,8 @@ SCRIPT = ROOT / "tools" / "bench" / "loop_overhead.py"
 TARGET = ROOT / "models" / "demo-target.gguf"
 
 
-HOT_PATHS = {"ipc": ([], "one IPC stream per sequence and worker"),
+# the IPC run also gives the target capture layers: real feature rows then travel through the shm ring
+HOT_PATHS = {"ipc": (["--capture-layers", "0,1"], "one IPC stream per sequence and worker"),
              "grpc": (["--no-ipc-streams"], "one gRPC stream per sequence and worker"),
              "unary": (["--no-worker-streams"], "one unary call per worker call")}
 
@@ -44,6 +45,7 @@ def test_loop_overhead_bench_smoke(tmp_path, hot_path):
     # 8 tokens = the prefill's + 7 plain steps: one call each, or one plain run of 7 in one call
     assert calls[0] == 1.0 and calls[1] == round(1 / 7, 2) and all(1.0 < c <= 2.0 for c in calls[2:])
     assert HOT_PATHS[hot_path][1] in text
+    assert ("--capture-layers 0,1" in text) == (hot_path == "ipc")
     # the split of each step's time: bookkeeping, draft wait, the verify outside the target's handler, the
     # handler beyond its compute, drafter compute
     assert [r.split("|")[1].strip() for r in rows(split)] == labels

@@ -149,3 +149,27 @@ def test_glue_bad_input(dev):
     q = put(np.zeros((2, 34), np.uint8), dev, sn.DType.Q8_0)
     with pytest.raises(ValueError, match="blocks"):
         sn.slice(q, -1, 0, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not sn.gpu_available(), reason="no GPU")
+def test_copy_rows_across_devices(rng):
+    """copy_rows between the CPU and the GPU moves just the n rows (each way), into a host array's own
+    memory (the feature ring's case: a verify's committed rows into shared memory); the other rows of
+    the destination stay as they were."""
+    x = (rng.standard_normal((6, 5)) * 100).astype(np.float32)
+    gpu = sn.Tensor(x).to(sn.Device.GPU)
+    host = np.full((8, 5), 7.0, np.float32)
+    sn.copy_rows(sn.Tensor(host), 3, gpu, 1, 4)  # device to host, straight into `host`
+    want = np.full((8, 5), 7.0, np.float32)
+    want[3:7] = x[1:5]
+    np.testing.assert_array_equal(host, want)
+    sn.copy_rows(gpu, 0, sn.Tensor(host), 6, 2)  # host to device
+    np.testing.assert_array_equal(gpu.numpy(), np.concatenate([want[6:8], x[2:]]))
+    sn.copy_rows(sn.Tensor(host), 0, gpu, 0, 0)  # nothing
+    with pytest.raises(ValueError, match="out of range"):
+        sn.copy_rows(sn.Tensor(host), 6, gpu, 0, 3)
+    ro = host.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="copy_rows"):
+        sn.copy_rows(sn.Tensor(ro), 0, gpu, 0, 1)

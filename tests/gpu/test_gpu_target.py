@@ -355,3 +355,26 @@ def test_device_parsing():
         for cfg in (TargetWorkerConfig(target="x.gguf", device="cuda"), ServeConfig(target="x.gguf", device="cuda")):
             with pytest.raises(ValueError, match="--device cuda"):
                 cfg.validate()
+
+
+@gpu_only
+def test_gpu_commit_copies_the_committed_feature_rows_straight_into_the_host_ring(tiny):
+    """On the GPU, commit copies the verify's committed feature rows from the device straight into the
+    host ring (sn.copy_rows across devices, one copy per run; the shm transport's path): the ring
+    holds exactly those rows of the verify's feature tensor (a prefill chunk, a chain's accepted
+    rows, a tree path), and the tensor is never downloaded whole."""
+    weights, ck = tiny("main")
+    model = gpu_model(weights, capture_layers=[0, 1], prefill_chunk=CHUNK)
+    st = model.new_sequence(96)
+    prompt = list(ck.prompt)
+    c = 0
+    for tokens, parents, accept in ((prompt, None, len(prompt)), ([5, 6, 7, 8, 9], None, 3),
+                                    ([9, 10, 11, 12], [-1, 0, 0, 2], [0, 2, 3]), ([4], None, 1)):
+        res = model.verify(st, tokens, parents)
+        whole = np.asarray(res.raw_features.numpy())  # read beside the commit, not through res
+        model.commit(st, res, accept)
+        rows = list(range(accept)) if parents is None else accept
+        assert not isinstance(res.raw_features, np.ndarray)
+        np.testing.assert_array_equal(st.features.read(c, len(rows)), whole[rows])
+        c += len(rows)
+    assert st.committed == c

@@ -18,7 +18,7 @@ from specd.draft_worker.server import DraftWorkerConfig
 from specd.target_worker import feature_cuda_ipc as fci
 from specd.target_worker.feature_inline import check_transport
 from specd.target_worker.feature_shm import FeatureHandleInfo, attach_reader
-from specd.target_worker.features import FeatureRing, held_slots, write_slots
+from specd.target_worker.features import FeatureRing, held_slots, row_runs, write_slots
 from specd.target_worker.server import TargetWorkerConfig
 
 from .fake_ipc import FakeIpcBackend
@@ -39,9 +39,9 @@ def rows(start, n, width=W):
 
 
 def test_runs():
-    assert fci._runs(np.array([3, 4, 5, 0, 1]), np.array([0, 1, 2, 3, 4])) == [(3, 0, 3), (0, 3, 2)]
-    assert fci._runs(np.array([7, 8, 9]), np.array([0, 2, 3])) == [(7, 0, 1), (8, 2, 2)]
-    assert fci._runs(np.array([], np.int64), np.array([], np.int64)) == []
+    assert row_runs(np.array([3, 4, 5, 0, 1]), np.array([0, 1, 2, 3, 4])) == [(3, 0, 3), (0, 3, 2)]
+    assert row_runs(np.array([7, 8, 9]), np.array([0, 2, 3])) == [(7, 0, 1), (8, 2, 2)]
+    assert row_runs(np.array([], np.int64), np.array([], np.int64)) == []
 
 
 def test_shared_slot_logic():
@@ -296,7 +296,7 @@ def _assert_unchanged(st, before):
     np.testing.assert_array_equal(after[4], before[4])
 
 
-def test_failed_feature_read_leaves_the_sequence_unchanged(tiny_iq4xs, writer):
+def test_failed_feature_read_leaves_the_sequence_unchanged(tiny_iq4xs, writer, monkeypatch):
     from specd.target_worker.gguf_loader import load_qwen35
     from specd.target_worker.model import Qwen35Model
 
@@ -304,17 +304,16 @@ def test_failed_feature_read_leaves_the_sequence_unchanged(tiny_iq4xs, writer):
     st = m.new_sequence(32)
     m.prefill(st, [1, 2, 3, 4])
 
-    class BrokenD2H:  # a device feature tensor whose copy to the host fails
-        shape = (3, 2 * m.hp.n_embd)
-
-        def numpy(self):
-            raise RuntimeError("cuda call `cudaMemcpy` failed: an illegal memory access was encountered")
+    def broken_d2h(*args):  # a device feature tensor whose copy to the host fails
+        raise RuntimeError("cuda call `cudaMemcpy` failed: an illegal memory access was encountered")
 
     res = m.verify(st, [5, 6, 7])
-    res.raw_features = BrokenD2H()
+    res.raw_features = sn.Tensor(np.asarray(res.raw_features))  # stands in for the GPU's tensor
     before = _snapshot(st)
-    with pytest.raises(RuntimeError, match="cudaMemcpy"):
-        m.commit(st, res, 2)  # host ring: the features are read before any state moves
+    with monkeypatch.context() as mp:
+        mp.setattr(sn, "copy_rows", broken_d2h)
+        with pytest.raises(RuntimeError, match="cudaMemcpy"):
+            m.commit(st, res, 2)  # host ring: the rows are copied into it before any state moves
     _assert_unchanged(st, before)
 
     # device ring: a verify graph replayed since (its arena rewritten) is refused before the state updates

@@ -12,6 +12,8 @@ from specd.target_worker.feature_inline import InlineFeatureWriter
 from specd.target_worker.feature_shm import FeatureHandleInfo, FeatureWriter, attach_reader
 from specd.target_worker.features import FeatureRing, held_slots, held_span
 
+from .test_memory import tiny_iq4xs  # noqa: F401 - fixture
+
 W = 5
 
 
@@ -101,3 +103,76 @@ def test_write_zeros_holds_zero_rows_and_clears_written_ones(ring_kind):
             reader.close()
     finally:
         writer.close_all()
+
+
+@pytest.mark.parametrize("ring_kind", ["private", "shm", "inline"])
+def test_write_rows_copies_a_tensors_rows_straight_into_the_ring(ring_kind):
+    """write_rows (a verify's feature tensor at commit): rows src_rows of an sn.Tensor land at
+    consecutive positions, one sn.copy_rows per run of slots and source rows (a chain's leading rows,
+    a tree path's scattered ones, a range across the wrap); the shm ring publishes them. A bad width,
+    dtype or row index is a ValueError that leaves the slot table and published count as they were."""
+    import specd.native as sn
+
+    writer = FeatureWriter() if ring_kind == "shm" else InlineFeatureWriter()
+    try:
+        if ring_kind == "private":
+            ring = reader = FeatureRing(8, W)
+        else:
+            ring, handle = writer.create("rows-test", 8, W)
+            reader = attach_reader(FeatureHandleInfo.from_proto(handle.to_proto(pb))) if ring_kind == "shm" else None
+        src = rows(100, 6)  # a verify's 6 rows
+        ring.write_rows(0, sn.Tensor(src), range(4))  # a chain's 4 accepted rows
+        ring.write_rows(4, sn.Tensor(src), [0, 2, 3, 5])  # a tree path
+        ring.write_rows(8, sn.Tensor(src), np.array([1, 2, 3], np.int64))  # positions 8..10: slots 0..2 (wrap)
+        ring.write_rows(11, sn.Tensor(src), [])
+        want = np.concatenate([src[:4], src[[0, 2, 3, 5]], src[1:4]])
+        for bad, match in ((sn.Tensor(rows(0, 3)[:, :3].copy()), "float32"),
+                           (sn.Tensor(src.astype(np.float16)), "float32"), (sn.Tensor(src), "outside")):
+            with pytest.raises(ValueError, match=match):
+                ring.write_rows(11, bad, [0, 6] if match == "outside" else [0])
+        with pytest.raises(ValueError, match="do not fit"):
+            ring.write_rows(11, sn.Tensor(np.zeros((9, W), np.float32)), range(9))
+        if ring_kind == "inline":
+            outbox = ring.take()
+            assert [s for s, _ in outbox] == [0]
+            np.testing.assert_array_equal(outbox[0][1], want)
+            return
+        assert ring.slot_pos.tolist() == [8, 9, 10, 3, 4, 5, 6, 7] and not ring.all_zero
+        np.testing.assert_array_equal(reader.read(3, 8), want[3:])
+        if ring_kind == "shm":
+            assert reader.committed == 11
+            got = reader.read(3, 5)  # one run of slots: a read-only view of the segment, no copy
+            assert not got.flags.writeable and np.shares_memory(got, reader.rows)
+            np.testing.assert_array_equal(got, want[3:8])
+            wrapped = reader.read(6, 4)  # across the wrap: a gathered copy
+            assert not np.shares_memory(wrapped, reader.rows)
+            np.testing.assert_array_equal(wrapped, want[6:10])
+            del got
+            reader.close()
+    finally:
+        writer.close_all()
+
+
+def test_commit_copies_a_device_feature_tensor_straight_into_the_host_ring(tiny_iq4xs):
+    """Qwen35Model.commit with the verify's features as a tensor (the GPU's; a CPU sn.Tensor stands in)
+    and a host ring: the ring gets exactly the rows the host-array path gives (a prefill chunk, a
+    chain's accepted rows, a tree path), and the tensor is never downloaded whole (``raw_features``
+    stays a tensor)."""
+    import specd.native as sn
+    from specd.target_worker.gguf_loader import load_qwen35
+    from specd.target_worker.model import Qwen35Model
+
+    m = Qwen35Model(load_qwen35(tiny_iq4xs), capture_layers=(1, 3))
+    seqs = {}
+    for as_tensor in (False, True):
+        st = seqs[as_tensor] = m.new_sequence(48)
+        for tokens, parents, accept in (([1, 2, 3, 4, 5, 6, 7], None, 7), ([5, 6, 7, 8], None, 2),
+                                        ([9, 10, 11, 12], [-1, 0, 0, 2], [0, 2, 3])):
+            res = m.verify(st, tokens, parents)
+            if as_tensor:
+                res.raw_features = sn.Tensor(np.asarray(res.raw_features))
+            m.commit(st, res, accept)
+            assert isinstance(res.raw_features, sn.Tensor) == as_tensor
+    assert seqs[True].committed == seqs[False].committed == 12
+    np.testing.assert_array_equal(seqs[True].features.read(0, 12), seqs[False].features.read(0, 12))
+    assert (np.abs(seqs[True].features.read(0, 12)).max(1) > 0).all()  # real rows, not zeros

@@ -50,16 +50,17 @@ def test_tiled_tensors_keep_finite_scales(tmp_path, monkeypatch, mix):
 
 
 def test_gpu_decode_benchmark_smoke_on_cpu(tmp_path):
-    """tools/bench/gpu_decode.py end to end on the CPU (tiny config): every section is reported and
-    the scripted loop's verify rows predict the greedy continuation (verify == decode)."""
+    """tools/bench/gpu_decode.py end to end on the CPU (tiny config, with capture layers): every section
+    is reported and the scripted loop's verify rows predict the greedy continuation (verify == decode)."""
     import json
 
     import gpu_decode
     gguf_path = tmp_path / "tiny.gguf"
     assert gpu_decode.main(["--gguf", str(gguf_path), "--config", "tiny", "--mix", "q8_0", "--device", "cpu",
                             "--decode-tokens", "4", "--prefill", "16", "--decode-context", "40",
-                            "--out", str(tmp_path)]) == 0
+                            "--capture-layers", "0", "1", "--out", str(tmp_path)]) == 0
     rep = json.loads((tmp_path / "gpu_decode_q8_0.json").read_text())
+    assert rep["capture_layers"] == [0, 1] and "capture layers 0, 1" in gpu_decode.markdown(rep)
     assert rep["decode_tok_s"] > 0 and len(rep["verify_ms"]) == 17 and rep["prefill_tok_s"]
     assert rep["prefill_cold_tok_s"].keys() == rep["prefill_tok_s"].keys()
     assert rep["decode_at_context_tok_s"]["40"] > 0

@@ -10,8 +10,9 @@ Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
   slot, which replays them), against
   the ceiling copy bandwidth / bytes streamed per token (every weight byte except the embedding table,
   of which one row is read); with CUDA graphs on (the default) also the same decode op by op;
-* chain verify step time at widths 1..17 (``verify`` without committing; the model has no capture
-  layers, so no feature rows are computed or copied); with ``--profile-verify W ...``: where the time of a
+* chain verify step time at widths 1..17 (``verify`` without committing; without ``--capture-layers``
+  the model has no capture layers, so no feature rows are computed or copied; with them every commit,
+  prefill chunks included, copies its rows into the sequence's host feature ring, as in the service); with ``--profile-verify W ...``: where the time of a
   verify of W rows goes, per GPU kernel (N verifies, N from ``--profile``, else 4);
 * with ``--profile N``: where the time of N plain decode steps goes, per GPU kernel (torch.profiler's
   CUPTI trace, which sees the library's kernels, graph-launched ones included);
@@ -104,6 +105,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-chunks", type=int, nargs="*", default=[], metavar="C",
                     help="also time the --prefill lengths with prefill chunks of C tokens (Qwen35Model.prefill_chunk; the "
                          "main table uses the model's default, 2048; e.g. 512 for the A/B)")
+    ap.add_argument("--capture-layers", type=int, nargs="*", default=[], metavar="L",
+                    help="the target's capture layers (default none: no feature rows are computed or copied); e.g. "
+                         "1 16 31 46 61, the 27B DFlash drafter's taps: every commit (prefill chunks, the loop's "
+                         "steps) then copies its rows into the sequence's host feature ring, as the service does")
     ap.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="replay chain verifies of <= 16 rows as CUDA graphs (default on)")
     args = ap.parse_args(argv)
@@ -120,6 +125,7 @@ def main(argv=None) -> int:
     from specd.target_worker.model import Qwen35Model
 
     rep: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "gguf": args.gguf, "mix": args.mix, "config": args.config,
+                 "capture_layers": list(args.capture_layers),
                  "device": sn.gpu_device_name() if args.device == "cuda" else "cpu"}
     if args.mix not in random_qwen35.MIXES or args.config not in random_qwen35.CONFIGS:
         ap.error(f"--mix must be one of {random_qwen35.MIXES}, --config one of {sorted(random_qwen35.CONFIGS)}")
@@ -132,7 +138,8 @@ def main(argv=None) -> int:
     rep["weight_bytes"], rep["streamed_bytes_per_token"] = total, per_token
     used0 = device_used_bytes()
     t0 = time.perf_counter()
-    model = Qwen35Model(load_qwen35(args.gguf), device=args.device, cuda_graphs=args.cuda_graphs)
+    model = Qwen35Model(load_qwen35(args.gguf), device=args.device, cuda_graphs=args.cuda_graphs,
+                        capture_layers=tuple(args.capture_layers))
     sync()
     rep["load_s"] = time.perf_counter() - t0
     used1 = device_used_bytes()
@@ -469,7 +476,10 @@ def kernel_table(what: str, per: str, kernels: list[dict], calls: int) -> list[s
 
 def markdown(r: dict) -> str:
     gb = lambda b: f"{b / 2**30:.2f} GiB" if b is not None else "n/a"  # noqa: E731
+    taps = r.get("capture_layers")
     L = [f"### Random {r['config']}-shaped qwen35, mix `{r['mix']}` on {r['device']} ({r['date']})", "",
+         *([f"- capture layers {', '.join(map(str, taps))}: every commit copies its feature rows into the "
+            "sequence's host ring"] if taps else []),
          f"- weights {gb(r['weight_bytes'])} in the file; on the device {gb(r.get('device_bytes_weights'))}; "
          f"one sequence of 4096 positions {gb(r.get('device_bytes_sequence_4096'))}; load {r['load_s']:.1f} s",
          f"- copy bandwidth {r['copy_GBps']:.0f} GB/s; bytes streamed per decode token "

@@ -27,7 +27,8 @@ Each coordinator and mode gets one short warm-up request first (CUDA graph captu
 
 Usage: python tools/bench/loop_overhead.py [--target models/demo-target.gguf] [--device cpu|cuda]
        [--tokens 128] [--al 3 5 7] [--block 8] [--plain-steps-per-call 8] [--no-worker-streams]
-       [--no-ipc-streams] [--ipc-spin-us 0 [1000 1000:0 0:1000 ...]] [--write BENCHMARKS.md]
+       [--no-ipc-streams] [--ipc-spin-us 0 [1000 1000:0 0:1000 ...]] [--capture-layers 1,16,31,46,61]
+       [--write BENCHMARKS.md]
 ``--device cuda`` runs both the reference and the workers on the GPU (e.g. a random 27B-shaped GGUF of
 tools/bench/random_qwen35.py, whose placeholder tokenizer encodes the prompts byte by byte).
 ``--no-worker-streams`` gives the coordinators ``--no-worker-streams`` (one unary Verify / Propose call
@@ -189,7 +190,8 @@ def wake_flag(spin: tuple[int, int, bool]) -> str:
 
 def target_argv(args, run_dir: str, spin: tuple[int, int, bool]) -> list[str]:
     return ["target-worker", "--target", args.target, "--listen", f"unix://{run_dir}/target.sock",
-            "--device", args.device, "--ipc-spin-us", str(spin[0]), wake_flag(spin)]
+            "--device", args.device, "--ipc-spin-us", str(spin[0]), wake_flag(spin)] + (
+                ["--capture-layers", args.capture_layers] if args.capture_layers else [])
 
 
 def reference_run(args):
@@ -287,6 +289,10 @@ def main():
                          "(default auto:1000, the service's defaults; 0 = off); /fixed: --no-ipc-wake-ahead "
                          "(spin right "
                          "after each request or answer only); several values: one service run each")
+    ap.add_argument("--capture-layers", default="", metavar="L1,L2,...",
+                    help="the target worker's --capture-layers (default none: its feature rows are zeros and none "
+                         "are copied); e.g. 1,16,31,46,61, the 27B DFlash drafter's taps, so that a real drafter's "
+                         "rows travel through the feature ring (the target's copy out of the verify, the drafter's read)")
     ap.add_argument("--write", default="", help="append the markdown section to this file")
     args = ap.parse_args()
     if min(args.al) < 2 or args.block < max(args.al) - 1:
@@ -335,6 +341,7 @@ def main():
              f"**Hardware.** {hw}. **Target.** `{args.target}`. **Command.** `python tools/bench/loop_overhead.py "
              f"--target {args.target} --device {args.device} --tokens {args.tokens} --al {' '.join(map(str, args.al))}"
              f" --plain-steps-per-call {args.plain_steps_per_call}"
+             f"{f' --capture-layers {args.capture_layers}' if args.capture_layers else ''}"
              f"{' --no-worker-streams' if args.no_worker_streams else ''}"
              f"{' --no-ipc-streams' if args.no_ipc_streams else ''}"
              f" --ipc-spin-us {' '.join(map(spin_label, args.ipc_spin_us))}` ({wall:.0f} s wall). "

@@ -108,7 +108,6 @@ void copy_rows(const Tensor& dst, int64_t dst_start, const Tensor& src, int64_t 
   check_contiguous(dst, "copy_rows", "dst");
   check_contiguous(src, "copy_rows", "src");
   check_writable(dst, "copy_rows", "dst");
-  SPECD_CHECK(dst.device == src.device, "copy_rows: dst and src are on different devices");
   SPECD_CHECK(dst.dtype == src.dtype, "copy_rows: dst is ", dtype_info(dst.dtype).name, ", src is ",
               dtype_info(src.dtype).name);
   SPECD_CHECK(dst.ndim() >= 1 && dst.ndim() == src.ndim() &&
@@ -121,6 +120,16 @@ void copy_rows(const Tensor& dst, int64_t dst_start, const Tensor& src, int64_t 
   int64_t rb = dst.ndim() == 1 ? dtype_info(dst.dtype).type_size : dst.strides[0];
   auto* d = static_cast<uint8_t*>(dst.data) + dst_start * rb;
   auto* s = static_cast<const uint8_t*>(src.data) + src_start * rb;
+  if (n == 0) return;
+  // Across devices: one synchronous copy of just these rows, e.g. a verify's accepted feature rows
+  // from the GPU straight into the host feature ring (no download of the whole output first).
+  if (dst.device != src.device) {
+    if (dst.device == Device::CPU)
+      gpu::copy_to_host(d, s, size_t(n * rb));
+    else
+      gpu::copy_to_device(d, s, size_t(n * rb));
+    return;
+  }
   if (dst.device == Device::GPU) {
     SPECD_CHECK(d + n * rb <= s || s + n * rb <= d, "copy_rows: source and destination rows overlap");
   }
@@ -197,9 +206,11 @@ Returns None. Raises ValueError naming the pair on a mismatch, a wrong device or
         py::arg("n") = 1,
         R"doc(dst[dst_start:dst_start+n] = src[src_start:src_start+n] in place (rows along the first axis).
 
-dst (writable) and src: contiguous, same device and dtype (any, block formats included), same shape
-after the first dimension. GPU ranges must not overlap (CPU: memmove). Returns None. Raises
-ValueError on a mismatch or a range outside either tensor.)doc");
+dst (writable) and src: contiguous, same dtype (any, block formats included), same shape after the
+first dimension. GPU ranges must not overlap (CPU: memmove). dst and src may be on different devices
+(CPU and GPU): then the n rows alone cross, one copy that returns when they have arrived (it waits for
+the work queued before it; refused during a graph capture). Returns None. Raises ValueError on a
+mismatch or a range outside either tensor.)doc");
 }
 
 }  // namespace specd::py_bind
