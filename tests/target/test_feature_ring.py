@@ -4,6 +4,8 @@ arrays; both give the same rows, and a position overwritten, never written or no
 error either way."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,27 @@ W = 5
 
 def rows(start: int, n: int) -> np.ndarray:
     return (np.arange(start, start + n, dtype=np.float32)[:, None] * 10 + np.arange(W, dtype=np.float32))
+
+
+@contextlib.contextmanager
+def ring_of(kind: str, name: str):
+    """(ring, reader) of 8 slots of width W: "private" (one FeatureRing, its own reader), "shm" (a
+    segment and a reader attached to it) or "inline" (reader None: its rows travel in an outbox).
+    Segments are unlinked afterwards."""
+    writer = FeatureWriter() if kind == "shm" else InlineFeatureWriter()
+    reader = None
+    try:
+        if kind == "private":
+            ring = reader = FeatureRing(8, W)
+        else:
+            ring, handle = writer.create(name, 8, W)
+            if kind == "shm":
+                reader = attach_reader(FeatureHandleInfo.from_proto(handle.to_proto(pb)))
+        yield ring, reader
+    finally:
+        if reader is not None and reader is not ring:
+            reader.close()
+        writer.close_all()
 
 
 def test_held_span_is_a_slice_only_for_one_run_of_held_slots():
@@ -39,13 +62,7 @@ def test_held_span_is_a_slice_only_for_one_run_of_held_slots():
 
 @pytest.mark.parametrize("ring_kind", ["private", "shm"])
 def test_rings_read_the_same_rows_through_slices_and_index_arrays(ring_kind):
-    writer = FeatureWriter()
-    try:
-        if ring_kind == "shm":
-            ring, handle = writer.create("ring-test", 8, W)
-            reader = attach_reader(FeatureHandleInfo.from_proto(handle.to_proto(pb)))
-        else:
-            ring = reader = FeatureRing(8, W)
+    with ring_of(ring_kind, "ring-test") as (ring, reader):
         ring.write(0, rows(0, 6))  # slots 0..5 (one run)
         ring.write(6, rows(6, 4))  # positions 6..9 -> slots 6, 7, 0, 1 (across the wrap: 0, 1 overwritten)
         np.testing.assert_array_equal(reader.read(2, 4), rows(2, 4))  # one run
@@ -59,9 +76,6 @@ def test_rings_read_the_same_rows_through_slices_and_index_arrays(ring_kind):
         if ring_kind == "shm":
             with pytest.raises(ValueError, match="not committed"):
                 reader.read(9, 2)
-            reader.close()
-    finally:
-        writer.close_all()
 
 
 @pytest.mark.parametrize("ring_kind", ["private", "shm", "inline"])
@@ -69,13 +83,7 @@ def test_write_zeros_holds_zero_rows_and_clears_written_ones(ring_kind):
     """write_zeros (the features of a target without capture layers) holds its positions with zero rows;
     while the ring has only ever held zeros it copies nothing, and after a write of real rows it clears
     the slots it takes (the inline ring sends the zero rows in its outbox)."""
-    writer = FeatureWriter() if ring_kind == "shm" else InlineFeatureWriter()
-    try:
-        if ring_kind == "private":
-            ring = reader = FeatureRing(8, W)
-        else:
-            ring, handle = writer.create("zeros-test", 8, W)
-            reader = attach_reader(FeatureHandleInfo.from_proto(handle.to_proto(pb))) if ring_kind == "shm" else None
+    with ring_of(ring_kind, "zeros-test") as (ring, reader):
         ring.write_zeros(0, 0)  # nothing held, nothing published
         assert ring_kind == "inline" and not ring.take() or ring_kind != "inline" and (ring.slot_pos == -1).all()
         ring.write_zeros(0, 6)
@@ -99,10 +107,6 @@ def test_write_zeros_holds_zero_rows_and_clears_written_ones(ring_kind):
             ring.write_zeros(15, 9)
         ring.write_zeros(15, 0)
         np.testing.assert_array_equal(ring.slot_pos, [8, 9, 10, 11, 12, 13, 14, 7])
-        if reader is not ring:
-            reader.close()
-    finally:
-        writer.close_all()
 
 
 @pytest.mark.parametrize("ring_kind", ["private", "shm", "inline"])
@@ -113,13 +117,7 @@ def test_write_rows_copies_a_tensors_rows_straight_into_the_ring(ring_kind):
     dtype or row index is a ValueError that leaves the slot table and published count as they were."""
     import specd.native as sn
 
-    writer = FeatureWriter() if ring_kind == "shm" else InlineFeatureWriter()
-    try:
-        if ring_kind == "private":
-            ring = reader = FeatureRing(8, W)
-        else:
-            ring, handle = writer.create("rows-test", 8, W)
-            reader = attach_reader(FeatureHandleInfo.from_proto(handle.to_proto(pb))) if ring_kind == "shm" else None
+    with ring_of(ring_kind, "rows-test") as (ring, reader):
         src = rows(100, 6)  # a verify's 6 rows
         ring.write_rows(0, sn.Tensor(src), range(4))  # a chain's 4 accepted rows
         ring.write_rows(4, sn.Tensor(src), [0, 2, 3, 5])  # a tree path
@@ -148,9 +146,6 @@ def test_write_rows_copies_a_tensors_rows_straight_into_the_ring(ring_kind):
             assert not np.shares_memory(wrapped, reader.rows)
             np.testing.assert_array_equal(wrapped, want[6:10])
             del got
-            reader.close()
-    finally:
-        writer.close_all()
 
 
 def test_commit_copies_a_device_feature_tensor_straight_into_the_host_ring(tiny_iq4xs):

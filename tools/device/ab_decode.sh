@@ -38,7 +38,8 @@
 # named new-NAME (DECODE_TREES takes that name), each with those environment variables set: an experiment's runtime
 # knob read by an uncommitted working tree, one build for several variants (never a product switch; a PYTHONPATH
 # there is overridden by the script's); LOOP_AL (e.g. "3 5 7") then runs tools/bench/loop_overhead.py on the
-# working tree (the service loop over its IPC streams, as gpu_bench.sh). DECODE_TIMEOUT: seconds per decode run
+# working tree (the service loop over its IPC streams, as gpu_bench.sh; LOOP_ARGS: more of its options, e.g.
+# "--capture-layers 1,16,31,46,61"). DECODE_TIMEOUT: seconds per decode run
 # (default 150). Exit status 1 when a tree was not measured.
 set -u -o pipefail
 OUT=${OUT:-$PWD/device-out}
@@ -162,7 +163,7 @@ EOF
 done
 if [ -n "${LOOP_AL:-}" ] && [ -f "$GGUF" ]; then  # the service loop on the working tree (tools/bench/loop_overhead.py, as gpu_bench.sh)
   (cd /tmp && timeout 200 python3 "$R/tools/bench/loop_overhead.py" --target "$GGUF" --device cuda --tokens 64 \
-    --al $LOOP_AL) >>"$OUT/ab.log" 2>&1
+    --al $LOOP_AL ${LOOP_ARGS:-}) >>"$OUT/ab.log" 2>&1
   echo "loop new rc=$? at ${SECONDS}s" >>"$OUT/status.txt"
 fi
 if [ -n "${SWEEP_VARIANTS:-}" ]; then
