@@ -89,9 +89,9 @@ class ModelDrafter:
                 self.seqs[seq_id] = self.model.new_sequence(int(capacity) + self.hp.block_size)
 
     def ingest(self, seq_id: str, start: int, tokens: Sequence[int], features: np.ndarray) -> None:
-        """Committed positions start .. start+n-1 (float32 features [n, n_taps * n_embd]: a host array
-        or, with the cuda-ipc transport, a GPU ``sn.Tensor`` taken as it is); ValueError on a gap or a
-        wrong width."""
+        """Committed positions start .. start+n-1 (float32 features [n, n_taps * n_embd]: a host array,
+        e.g. a read-only view of the shm ring, or with the cuda-ipc transport a GPU ``sn.Tensor`` taken
+        as it is; read during the call, never kept); ValueError on a gap or a wrong width."""
         with self.lock:
             seq = self.seqs.get(seq_id)
             if seq is None:

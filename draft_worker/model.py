@@ -557,11 +557,13 @@ class DraftSequence:
         """Appends context rows for positions start_pos .. start_pos+n−1.
 
         features: float32 [n, N·H] (target taps in ``target_layer_ids`` order, one row per committed
-        position; a FeatureRing row): a host array, or an F32 ``sn.Tensor`` (the cuda-ipc transport's
-        device rows, used on the device as they are; copied to the host for a CPU drafter). start_pos must be <= n_ctx (append-only; a start below n_ctx
-        drops the later rows first, e.g. to re-ingest after a rollback) and start_pos + n must leave
-        room for a block (<= capacity − B). Afterwards n_ctx = start_pos + n. Bounded layers
-        compute and store K/V only for the rows they can still see.
+        position; a FeatureRing row): a host array (read only, never kept: it may be a view of the
+        target's shared ring), or an F32 ``sn.Tensor`` (the cuda-ipc transport's device rows, used on
+        the device as they are; copied to the host for a CPU drafter). start_pos must be <= n_ctx
+        (append-only; a start below n_ctx drops the later rows first, e.g. to re-ingest after a
+        rollback) and start_pos + n must leave room for a block (<= capacity − B). Afterwards
+        n_ctx = start_pos + n. Bounded layers compute and store K/V only for the rows they can
+        still see.
         Raises ValueError on a gap, a bad width, overflow, or a rollback behind a bounded layer's
         retained rows.
         """

@@ -117,7 +117,9 @@ class Drafter(Protocol):
     def ingest(self, seq_id: str, start: int, tokens: Sequence[int], features: np.ndarray) -> None:
         """Committed positions ``start .. start+n-1``: their token ids and feature rows, float32
         ``[n, n_taps * n_embd]`` (the target's residual stream after each tap, tap order). Positions arrive
-        in order without gaps, each exactly once, the prompt first. ValueError on a gap."""
+        in order without gaps, each exactly once, the prompt first. ValueError on a gap. ``features``
+        may be a read-only view of the target's shared ring (shm transport) or a device tensor
+        (cuda-ipc), valid for this call: a drafter copies what it keeps."""
 
     def propose(self, seq_id: str, anchor: int, max_tokens: int,
                 options: "ProposeOptions | None" = None) -> "Draft | list[int] | tuple[list[int], list[float]]":

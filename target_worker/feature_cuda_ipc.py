@@ -69,7 +69,7 @@ import threading
 import numpy as np
 
 from .feature_shm import (HEADER_BYTES, FeatureHandleInfo, ShmExhausted, _close_unlink,  # noqa: F401
-                          attach_segment, create_segment)
+                          attach_segment, close_segment, create_segment, shm_array)
 from .features import checked_src_rows, held_slots, row_runs, write_slots
 
 log = logging.getLogger(__name__)
@@ -243,8 +243,8 @@ class CudaIpcFeatureRing:
         if capacity <= 0 or width <= 0:
             raise ValueError(f"feature ring needs capacity and width > 0, got {capacity}, {width}")
         self.capacity, self.width, self.backend, self.shm = capacity, width, backend, shm
-        self.header = np.ndarray((8,), np.int64, buffer=shm.buf, offset=0)
-        self.slot_pos = np.ndarray((capacity,), np.int64, buffer=shm.buf, offset=HEADER_BYTES)
+        self.header = shm_array(shm, np.int64, (8,), 0)
+        self.slot_pos = shm_array(shm, np.int64, (capacity,), HEADER_BYTES)
         self.slot_pos[:] = -1
         self.header[:] = 0
         self.header[0], self.header[1], self.header[2] = MAGIC, capacity, width
@@ -347,7 +347,7 @@ class CudaIpcFeatureWriter:
             try:
                 ring = CudaIpcFeatureRing(shm, capacity, width, self.backend)
             except BaseException as exc:
-                shm.close()
+                close_segment(shm)  # the half-made ring's views may still be alive (the traceback's frames)
                 shm.unlink()
                 if isinstance(exc, RuntimeError) and "cudaMalloc" in str(exc):
                     raise DeviceRingExhausted(errno.ENOMEM, f"no device memory for a {device_bytes(capacity, width)}"
@@ -432,8 +432,8 @@ class CudaIpcFeatureReader:
         try:
             if self.shm.size < handle.nbytes:
                 raise ValueError(f"feature slot table {handle.name} is {self.shm.size} bytes, expected {handle.nbytes}")
-            self.header = np.ndarray((8,), np.int64, buffer=self.shm.buf, offset=0)
-            self.slot_pos = np.ndarray((handle.capacity,), np.int64, buffer=self.shm.buf, offset=HEADER_BYTES)
+            self.header = shm_array(self.shm, np.int64, (8,), 0)
+            self.slot_pos = shm_array(self.shm, np.int64, (handle.capacity,), HEADER_BYTES)
             if (int(self.header[0]) != MAGIC or int(self.header[1]) != handle.capacity
                     or int(self.header[2]) != handle.width):
                 raise ValueError(f"feature slot table {handle.name}: header does not match the handle")
@@ -484,7 +484,4 @@ class CudaIpcFeatureReader:
         self.header = self.slot_pos = None
         shm, self.shm = getattr(self, "shm", None), None
         if shm is not None:
-            try:
-                shm.close()
-            except BufferError:
-                pass
+            close_segment(shm)

@@ -76,20 +76,35 @@ class InlineFeatureRing(FeatureRing):
         rows = np.asarray(rows, np.float32)
         if rows.ndim != 2 or rows.shape[1] != self.width:
             raise ValueError(f"FeatureRing.write: rows must be [n, {self.width}], got {rows.shape}")
-        if self.outbox and self.outbox[-1][0] + self.outbox[-1][1].shape[0] == start:
-            s0, r0 = self.outbox[-1]
-            self.outbox[-1] = (s0, np.concatenate([r0, rows]))
-        else:
-            self.outbox.append((start, rows.copy()))
+        self._send(start, rows, owned=False)
 
     def write_rows(self, start: int, src, src_rows) -> None:
         """Rows ``src_rows`` of ``src`` (a float32 ``sn.Tensor`` [w, width], any device) at positions
-        start ..: gathered to the host (only these rows), then as :meth:`write`."""
+        start ..: :meth:`stage_rows` then :meth:`publish_rows`."""
+        self.publish_rows(self.stage_rows(start, src, src_rows))
+
+    def stage_rows(self, start: int, src, src_rows):
+        """The rows gathered to the host (only these rows), not yet in the outbox."""
         src_rows = checked_src_rows(src, src_rows, self.width)
         write_slots(self.capacity, start, src_rows.size)  # the same bounds as every ring's
         host = np.empty((src_rows.size, self.width), np.float32)
         copy_rows_into(host, np.arange(src_rows.size), src, src_rows)
-        self.write(start, host)
+        return start, host
+
+    def publish_rows(self, staged) -> None:
+        """The staged rows join the outbox."""
+        self._send(*staged)
+
+    def _send(self, start: int, rows: np.ndarray, owned: bool = True) -> None:
+        """Adds rows to the outbox, merged with the last write when contiguous (a copy is kept unless
+        the caller hands them over: ``owned``)."""
+        if not rows.shape[0]:
+            return
+        if self.outbox and self.outbox[-1][0] + self.outbox[-1][1].shape[0] == start:
+            s0, r0 = self.outbox[-1]
+            self.outbox[-1] = (s0, np.concatenate([r0, rows]))
+        else:
+            self.outbox.append((start, rows if owned else rows.copy()))
 
     def write_zeros(self, start: int, n: int) -> None:
         """n zero rows at positions start .. start+n-1 (they travel in the responses like any rows);

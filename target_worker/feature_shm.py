@@ -105,24 +105,54 @@ def segment_bytes(capacity: int, width: int) -> int:
     return HEADER_BYTES + 8 * capacity + 4 * capacity * width
 
 
-def _views(buf, capacity: int, width: int):
-    header = np.ndarray((8,), np.int64, buffer=buf, offset=0)
-    slot_pos = np.ndarray((capacity,), np.int64, buffer=buf, offset=HEADER_BYTES)
-    rows = np.ndarray((capacity, width), np.float32, buffer=buf, offset=HEADER_BYTES + 8 * capacity)
+def shm_array(shm: shared_memory.SharedMemory, dtype, shape: tuple[int, ...], offset: int) -> np.ndarray:
+    """A numpy view of ``shape`` at byte ``offset`` of the segment that pins its mapping: it (and every
+    view of it) holds an export of ``shm.buf``, so ``shm.close()`` raises BufferError instead of
+    unmapping memory a live view still points at (``np.ndarray(buffer=shm.buf)`` holds none)."""
+    return np.frombuffer(shm.buf, dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
+
+
+def _views(shm: shared_memory.SharedMemory, capacity: int, width: int):
+    header = shm_array(shm, np.int64, (8,), 0)
+    slot_pos = shm_array(shm, np.int64, (capacity,), HEADER_BYTES)
+    rows = shm_array(shm, np.float32, (capacity, width), HEADER_BYTES + 8 * capacity)
     return header, slot_pos, rows
+
+
+# Segments whose close found a view still alive (a read's rows in use elsewhere): their mapping stays
+# until the views go; each later close_segment retries them, so none is kept longer than needed.
+_LINGERING: list[shared_memory.SharedMemory] = []
+_LINGERING_LOCK = threading.Lock()
+
+
+def close_segment(shm: shared_memory.SharedMemory | None = None) -> None:
+    """Closes this process's mapping of a segment, or, while a view of it is still alive, keeps it
+    to close later; retries those kept before (None: only them; also at exit). Never unmaps memory
+    in use and never raises BufferError."""
+    with _LINGERING_LOCK:
+        pending, _LINGERING[:] = [*_LINGERING, *([shm] if shm is not None else [])], []
+        for seg in pending:
+            try:
+                seg.close()
+            except BufferError:
+                _LINGERING.append(seg)
+
+
+atexit.register(close_segment)
 
 
 class ShmFeatureRing(FeatureRing):
     """A :class:`FeatureRing` whose rows and slot table live in a shared-memory segment (writer side).
 
-    ``write`` stores host rows, ``write_rows`` a device tensor's rows straight into the segment (the
-    target model's ``commit`` on the GPU), ``write_zeros`` zero rows; each then publishes them
-    (``publish(c)`` marks rows < c final for readers). ``shm`` must be a segment just created
-    (:func:`create_segment`: the kernel zero-fills new pages), so the ring starts ``all_zero``.
+    ``write`` stores host rows, ``write_rows`` (or ``stage_rows`` then ``publish_rows``) a device
+    tensor's rows straight into the segment (the target model's ``commit`` on the GPU),
+    ``write_zeros`` zero rows; each then publishes them (``publish(c)`` marks rows < c final for
+    readers). ``shm`` must be a segment just created (:func:`create_segment`: the kernel zero-fills
+    new pages), so the ring starts ``all_zero``.
     """
 
     def __init__(self, shm: shared_memory.SharedMemory, capacity: int, width: int):
-        header, slot_pos, rows = _views(shm.buf, capacity, width)
+        header, slot_pos, rows = _views(shm, capacity, width)
         super().__init__(capacity, width, buffer=rows)
         slot_pos[:] = -1
         self.slot_pos = slot_pos  # the base class's table, moved into shared memory
@@ -135,9 +165,9 @@ class ShmFeatureRing(FeatureRing):
         super().write(start, rows)
         self.publish(start + np.asarray(rows).shape[0])
 
-    def write_rows(self, start: int, src, src_rows) -> None:
-        super().write_rows(start, src, src_rows)
-        self.publish(start + len(src_rows))
+    def publish_rows(self, staged) -> None:
+        super().publish_rows(staged)
+        self.publish(staged[0] + len(staged[1]))
 
     def write_zeros(self, start: int, n: int) -> None:
         super().write_zeros(start, n)
@@ -227,12 +257,10 @@ class FeatureWriter:
 
 
 def _close_unlink(shm: shared_memory.SharedMemory, ring: ShmFeatureRing) -> None:
-    # drop our numpy views first, otherwise close() raises BufferError (exported pointers)
+    # drop our numpy views first: a view still alive keeps the mapping (close_segment); unlinking
+    # frees the name either way
     ring.rows = ring.slot_pos = ring.header = None
-    try:
-        shm.close()
-    except BufferError:
-        pass  # a view is still referenced elsewhere; unlinking still frees the name
+    close_segment(shm)
     try:
         shm.unlink()
     except FileNotFoundError:
@@ -251,7 +279,7 @@ class FeatureReader:
             raise ValueError(f"feature segment {handle.name} is {shm.size} bytes, expected "
                              f"{segment_bytes(handle.capacity, handle.width)}")
         self.shm, self.handle = shm, handle
-        self.header, self.slot_pos, self.rows = _views(shm.buf, handle.capacity, handle.width)
+        self.header, self.slot_pos, self.rows = _views(shm, handle.capacity, handle.width)
         self.rows.flags.writeable = False  # the writer's rows: views handed out by read stay read-only
         if int(self.header[0]) != MAGIC or int(self.header[1]) != handle.capacity or int(self.header[2]) != handle.width:
             self.close()
@@ -272,10 +300,12 @@ class FeatureReader:
         they are one run of slots, a copy when the range wraps. ValueError when a row is not committed
         yet or no longer held by the ring.
 
-        A view costs no copy (a 27B target's rows are 100 KB each, a long prompt's hundreds of MB) and is
-        safe to use until the writer reuses those slots, ``capacity`` positions later: the target's
-        ring holds its whole sequence (capacity = the sequence's), so rows below ``committed`` never
-        change while the segment lives, and the drafter consumes them inside the Propose call."""
+        A view costs no copy (a 27B target's rows are 100 KB each, a long prompt's hundreds of MB).
+        Its rows stay as they are until the writer reuses those slots, ``capacity`` positions later:
+        the target's ring holds its whole sequence (capacity = the sequence's), so rows below
+        ``committed`` never change while the segment lives, and the drafter reads them within the
+        Propose call. The view pins the mapping: :meth:`close` under a live view keeps it mapped
+        until the view goes (:func:`close_segment`)."""
         if n == 0:
             return np.zeros((0, self.handle.width), np.float32)
         if start < 0 or start + n > self.committed:
@@ -288,14 +318,13 @@ class FeatureReader:
         bad = pos[self.slot_pos[slots] != pos]
         if bad.size:
             raise ValueError(f"feature rows {bad[:8].tolist()} were overwritten or never written")
-        return self.rows[slots].copy()
+        return self.rows[slots]  # fancy indexing: a gathered copy
 
     def close(self) -> None:
+        """Drops this reader's mapping (kept, by :func:`close_segment`, while a row view from
+        :meth:`read` is still alive)."""
         self.header = self.slot_pos = self.rows = None
-        try:
-            self.shm.close()
-        except BufferError:
-            pass
+        close_segment(self.shm)
 
 
 def attach_reader(handle: FeatureHandleInfo):

@@ -76,7 +76,8 @@ def checked_src_rows(src, src_rows, width: int) -> np.ndarray:
 
     src_rows = np.asarray(src_rows, np.int64).reshape(-1)
     if len(src.shape) != 2 or int(src.shape[1]) != width or src.dtype != sn.DType.F32:
-        raise ValueError(f"FeatureRing.write_rows: src must be float32 [w, {width}], got {src.dtype} {tuple(src.shape)}")
+        raise ValueError(f"FeatureRing.write_rows: src must be float32 [w, {width}], "
+                         f"got {src.dtype} {tuple(src.shape)}")
     if src_rows.size and (src_rows.min() < 0 or src_rows.max() >= int(src.shape[0])):
         raise ValueError(f"FeatureRing.write_rows: row indices outside 0..{int(src.shape[0]) - 1}")
     return src_rows
@@ -85,14 +86,15 @@ def checked_src_rows(src, src_rows, width: int) -> np.ndarray:
 def copy_rows_into(dst: np.ndarray, dst_rows: np.ndarray, src, src_rows: np.ndarray) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]]: ``dst`` a float32 host array, ``src`` an ``sn.Tensor`` on any
     device (checked by :func:`checked_src_rows`); one ``sn.copy_rows`` per run, so from a GPU tensor
-    only these rows cross to the host, straight into ``dst``."""
+    only these rows cross to the host, straight into ``dst`` (each run one synchronous copy: a chain's
+    rows are one run, a tree path's a few)."""
     import specd.native as sn
 
     if not len(dst_rows):
         return
     view = sn.Tensor(dst)
     for d, s, n in row_runs(dst_rows, src_rows):
-        sn.copy_rows(view, d, src, s, n)
+        sn.copy_rows(view, d, src, s, n, across_devices=True)
 
 
 class FeatureRing:
@@ -139,14 +141,27 @@ class FeatureRing:
         """Positions start .. start+n-1 get rows ``src_rows`` (n indices into the first axis) of ``src``,
         a float32 ``sn.Tensor`` [w, width] on any device, copied straight into this ring's rows
         (:func:`copy_rows_into`): for a verify's GPU features only the committed rows cross to the host,
-        and no host copy of the whole output is made. ValueError as :func:`checked_src_rows` and
-        :meth:`write`; a failing copy leaves the slot table as it was."""
+        and no host copy of the whole output is made. :meth:`stage_rows` then :meth:`publish_rows`.
+        ValueError as :func:`checked_src_rows` and :meth:`write`."""
+        self.publish_rows(self.stage_rows(start, src, src_rows))
+
+    def stage_rows(self, start: int, src, src_rows):
+        """The first half of :meth:`write_rows`: the rows are copied into their slots, which read as
+        empty until :meth:`publish_rows` (a read of a position they held is an error, never a new row).
+        A commit stages before its state updates and publishes after them, so a failure between
+        publishes nothing. Returns the staged write for :meth:`publish_rows`. ValueError (before
+        anything moves) as :meth:`write_rows`."""
         src_rows = checked_src_rows(src, src_rows, self.width)
         slots, pos = write_slots(self.capacity, start, int(src_rows.size))
-        if not src_rows.size:
-            return
-        self.all_zero = False  # before the copies: one failing part-way has written rows
-        copy_rows_into(self.rows, slots, src, src_rows)
+        if src_rows.size:
+            self.all_zero = False
+            self.slot_pos[slots] = -1
+            copy_rows_into(self.rows, slots, src, src_rows)
+        return start, slots, pos
+
+    def publish_rows(self, staged) -> None:
+        """The second half of :meth:`write_rows`: the staged positions become readable."""
+        _, slots, pos = staged
         self.slot_pos[slots] = pos
 
     def write_zeros(self, start: int, n: int) -> None:

@@ -117,8 +117,8 @@ class VerifyResult:
 
     @property
     def features(self) -> np.ndarray:
-        """float32 [w, n_taps * n_embd] on the host, copied from the device on first use only (the
-        cuda-ipc feature ring commits from the device tensor, ``raw_features``, and never asks).
+        """float32 [w, n_taps * n_embd] on the host, copied from the device on first use only (commit
+        never asks: it copies the committed rows of the device tensor, ``raw_features``, into the ring).
         RuntimeError when the verify's CUDA graph has been replayed since (as for ``logits``). A model
         without capture layers (``raw_features`` None) gets a new zeros array [w, n_embd] (the ring's
         width) on every call, whatever graph replays followed."""
@@ -489,19 +489,20 @@ class Qwen35Model:
         if n == 0:
             return
         # A stale graph raises before anything moves. Device rows go to a device ring (cuda-ipc) after
-        # the states, device to device; to a host ring before them, only the committed rows, straight
-        # into it: that copy waits for the verify alone, and the state updates queued after it run
-        # while this call answers. (Rows a failed state update leaves published above ``committed``
-        # are never read: the drafter is sent only what a commit that returned committed.)
+        # the states, device to device. For a host ring only the committed rows cross to the host,
+        # staged straight into the ring before the states (that copy waits for the verify alone; the
+        # state updates queued after it run while this call answers) and published after them, so
+        # a failure between publishes nothing.
         feats = res.raw_features  # None: zero rows (no capture layers)
         on_device = feats is not None and not isinstance(feats, np.ndarray)
         device_ring = on_device and getattr(st.features, "device", False)
+        staged = None
         if on_device:
             res._check_graph("features")
             if not device_ring:
-                st.features.write_rows(res.start, feats, rows)
+                staged = st.features.stage_rows(res.start, feats, rows)
         elif feats is not None:  # host rows; a chain's leading ones as a view (a prefill chunk's are tens of MB)
-            feats = res.features[: len(rows)] if res.parents is None else res.features[rows]
+            feats = feats[: len(rows)] if res.parents is None else feats[rows]
         if res.graph is not None:  # the state updates read fixed addresses: one graph per n
             g = res.graph.commits.get(n)
             if g is None:
@@ -509,7 +510,9 @@ class Qwen35Model:
             g.replay()
         else:
             self._commit_states(st, res, rows)
-        if not on_device or device_ring:
+        if staged is not None:
+            st.features.publish_rows(staged)
+        else:
             self._ring_write(st, res.start, n, feats, rows if device_ring else None)
         st.committed += n
 

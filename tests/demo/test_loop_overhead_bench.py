@@ -1,8 +1,8 @@
 """Smoke test of the spec-loop benchmark (tools/bench/loop_overhead.py) on the demo target: 8 tokens,
-AL 3 and 5, over the IPC stream sockets (default; with capture layers, so feature rows travel), gRPC streams (--no-ipc-streams) and unary calls
-(--no-worker-streams). One target worker serves every mode; the script
-checks every run's tokens against plain greedy decoding itself (it fails otherwise), so a zero exit
-and the table's rows are the check."""
+AL 3 and 5, over the IPC stream sockets (default; with capture layers, so feature rows travel), gRPC
+streams (--no-ipc-streams) and unary calls (--no-worker-streams). One target worker serves every
+mode; the script checks every run's tokens against plain greedy decoding itself (it fails
+otherwise), so a zero exit and the table's rows are the check."""
 from __future__ import annotations
 
 import sys

@@ -154,22 +154,28 @@ def test_glue_bad_input(dev):
 @pytest.mark.gpu
 @pytest.mark.skipif(not sn.gpu_available(), reason="no GPU")
 def test_copy_rows_across_devices(rng):
-    """copy_rows between the CPU and the GPU moves just the n rows (each way), into a host array's own
-    memory (the feature ring's case: a verify's committed rows into shared memory); the other rows of
-    the destination stay as they were."""
+    """copy_rows between the CPU and the GPU (across_devices=True; refused without it) moves just the n
+    rows (each way), into a host array's own memory (the feature ring's case: a verify's committed rows
+    into shared memory); the other rows of the destination stay as they were, and a mismatched dtype,
+    shape or range is refused before anything moves."""
     x = (rng.standard_normal((6, 5)) * 100).astype(np.float32)
     gpu = sn.Tensor(x).to(sn.Device.GPU)
     host = np.full((8, 5), 7.0, np.float32)
-    sn.copy_rows(sn.Tensor(host), 3, gpu, 1, 4)  # device to host, straight into `host`
+    with pytest.raises(ValueError, match="different devices"):  # only when asked for
+        sn.copy_rows(sn.Tensor(host), 3, gpu, 1, 4)
+    sn.copy_rows(sn.Tensor(host), 3, gpu, 1, 4, across_devices=True)  # device to host, straight into `host`
     want = np.full((8, 5), 7.0, np.float32)
     want[3:7] = x[1:5]
     np.testing.assert_array_equal(host, want)
-    sn.copy_rows(gpu, 0, sn.Tensor(host), 6, 2)  # host to device
+    sn.copy_rows(gpu, 0, sn.Tensor(host), 6, 2, across_devices=True)  # host to device
     np.testing.assert_array_equal(gpu.numpy(), np.concatenate([want[6:8], x[2:]]))
-    sn.copy_rows(sn.Tensor(host), 0, gpu, 0, 0)  # nothing
-    with pytest.raises(ValueError, match="out of range"):
-        sn.copy_rows(sn.Tensor(host), 6, gpu, 0, 3)
+    sn.copy_rows(sn.Tensor(host), 0, gpu, 0, 0, across_devices=True)  # nothing
+    for dst, match in ((sn.Tensor(host), "out of range"), (sn.Tensor(host.astype(np.float16)), "dst is F16"),
+                       (sn.Tensor(np.zeros((8, 4), np.float32)), "same shape")):
+        with pytest.raises(ValueError, match=match):
+            sn.copy_rows(dst, 6, gpu, 0, 3 if match == "out of range" else 1, across_devices=True)
     ro = host.copy()
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="copy_rows"):
-        sn.copy_rows(sn.Tensor(ro), 0, gpu, 0, 1)
+        sn.copy_rows(sn.Tensor(ro), 0, gpu, 0, 1, across_devices=True)
+    np.testing.assert_array_equal(host, want)  # no refused copy wrote anything

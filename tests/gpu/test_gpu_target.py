@@ -361,8 +361,9 @@ def test_device_parsing():
 def test_gpu_commit_copies_the_committed_feature_rows_straight_into_the_host_ring(tiny):
     """On the GPU, commit copies the verify's committed feature rows from the device straight into the
     host ring (sn.copy_rows across devices, one copy per run; the shm transport's path): the ring
-    holds exactly those rows of the verify's feature tensor (a prefill chunk, a chain's accepted
-    rows, a tree path), and the tensor is never downloaded whole."""
+    holds exactly those rows of the verify's feature tensor, for a prefill chunk (prefill's
+    ``last_only`` / inexact verify), a chain's accepted rows and one row (CUDA-graph verifies: the
+    rows come out of their arena), a tree path; the tensor is never downloaded whole."""
     weights, ck = tiny("main")
     model = gpu_model(weights, capture_layers=[0, 1], prefill_chunk=CHUNK)
     st = model.new_sequence(96)
@@ -370,7 +371,9 @@ def test_gpu_commit_copies_the_committed_feature_rows_straight_into_the_host_rin
     c = 0
     for tokens, parents, accept in ((prompt, None, len(prompt)), ([5, 6, 7, 8, 9], None, 3),
                                     ([9, 10, 11, 12], [-1, 0, 0, 2], [0, 2, 3]), ([4], None, 1)):
-        res = model.verify(st, tokens, parents)
+        prefill = c == 0
+        res = model.verify(st, tokens, parents, last_only=prefill, exact=not prefill)
+        assert (res.graph is not None) == (parents is None and not prefill and not DRYRUN)  # rows in a graph's arena
         whole = np.asarray(res.raw_features.numpy())  # read beside the commit, not through res
         model.commit(st, res, accept)
         rows = list(range(accept)) if parents is None else accept

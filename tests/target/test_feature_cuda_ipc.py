@@ -304,7 +304,7 @@ def test_failed_feature_read_leaves_the_sequence_unchanged(tiny_iq4xs, writer, m
     st = m.new_sequence(32)
     m.prefill(st, [1, 2, 3, 4])
 
-    def broken_d2h(*args):  # a device feature tensor whose copy to the host fails
+    def broken_d2h(*args, **kwargs):  # a device feature tensor whose copy to the host fails
         raise RuntimeError("cuda call `cudaMemcpy` failed: an illegal memory access was encountered")
 
     res = m.verify(st, [5, 6, 7])

@@ -24,24 +24,25 @@ def rows(start: int, n: int) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def ring_of(kind: str, name: str):
-    """(ring, reader) of 8 slots of width W: "private" (one FeatureRing, its own reader), "shm" (a
-    segment and a reader attached to it) or "inline" (reader None: its rows travel in an outbox).
-    Segments are unlinked afterwards."""
-    writer = FeatureWriter() if kind == "shm" else InlineFeatureWriter()
+def ring_of(kind: str, name: str, capacity: int = 8, width: int = W):
+    """(ring, reader) of ``capacity`` slots of ``width``: "private" (one FeatureRing, its own reader),
+    "shm" (a segment and a reader attached to it) or "inline" (reader None: its rows travel in an
+    outbox). Segments are unlinked afterwards."""
+    writer = FeatureWriter() if kind == "shm" else InlineFeatureWriter() if kind == "inline" else None
     reader = None
     try:
         if kind == "private":
-            ring = reader = FeatureRing(8, W)
+            ring = reader = FeatureRing(capacity, width)
         else:
-            ring, handle = writer.create(name, 8, W)
+            ring, handle = writer.create(name, capacity, width)
             if kind == "shm":
                 reader = attach_reader(FeatureHandleInfo.from_proto(handle.to_proto(pb)))
         yield ring, reader
     finally:
         if reader is not None and reader is not ring:
             reader.close()
-        writer.close_all()
+        if writer is not None:
+            writer.close_all()
 
 
 def test_held_span_is_a_slice_only_for_one_run_of_held_slots():
@@ -148,26 +149,75 @@ def test_write_rows_copies_a_tensors_rows_straight_into_the_ring(ring_kind):
             del got
 
 
-def test_commit_copies_a_device_feature_tensor_straight_into_the_host_ring(tiny_iq4xs):
+@pytest.mark.parametrize("ring_kind", ["private", "shm", "inline"])
+def test_commit_copies_a_device_feature_tensor_straight_into_the_host_ring(tiny_iq4xs, ring_kind, monkeypatch):
     """Qwen35Model.commit with the verify's features as a tensor (the GPU's; a CPU sn.Tensor stands in)
-    and a host ring: the ring gets exactly the rows the host-array path gives (a prefill chunk, a
-    chain's accepted rows, a tree path), and the tensor is never downloaded whole (``raw_features``
-    stays a tensor)."""
+    and a host ring of each kind: the ring gets exactly the rows the host-array path gives (a prompt's
+    rows, a chain's accepted rows, a tree path), the tensor is never downloaded whole
+    (``raw_features`` stays a tensor), and a state update failing between the rows' copy and their
+    publication publishes nothing: the retried commit publishes them once."""
     import specd.native as sn
     from specd.target_worker.gguf_loader import load_qwen35
     from specd.target_worker.model import Qwen35Model
 
+    def published(ring):
+        if ring_kind == "inline":
+            return [(s, r.copy()) for s, r in ring.outbox]
+        return ring.slot_pos.copy(), (int(ring.header[3]) if ring_kind == "shm" else None)
+
+    def boom(*args):
+        raise RuntimeError("boom: a state update failed")
+
     m = Qwen35Model(load_qwen35(tiny_iq4xs), capture_layers=(1, 3))
-    seqs = {}
-    for as_tensor in (False, True):
-        st = seqs[as_tensor] = m.new_sequence(48)
-        for tokens, parents, accept in (([1, 2, 3, 4, 5, 6, 7], None, 7), ([5, 6, 7, 8], None, 2),
-                                        ([9, 10, 11, 12], [-1, 0, 0, 2], [0, 2, 3])):
+    ref, st = m.new_sequence(48), m.new_sequence(48)
+    with ring_of(ring_kind, "commit-test", 48, 2 * m.hp.n_embd) as (ring, reader):
+        st.features = ring
+        steps = (([1, 2, 3, 4, 5, 6, 7], None, 7), ([5, 6, 7, 8], None, 2), ([9, 10, 11, 12], [-1, 0, 0, 2], [0, 2, 3]))
+        for i, (tokens, parents, accept) in enumerate(steps):
+            m.commit(ref, m.verify(ref, tokens, parents), accept)  # the host-array path
             res = m.verify(st, tokens, parents)
-            if as_tensor:
-                res.raw_features = sn.Tensor(np.asarray(res.raw_features))
+            res.raw_features = sn.Tensor(np.asarray(res.raw_features))
+            if i == 1:
+                before = published(ring)
+                with monkeypatch.context() as mp:
+                    mp.setattr(m, "_commit_states", boom)
+                    with pytest.raises(RuntimeError, match="boom"):
+                        m.commit(st, res, accept)
+                after = published(ring)
+                if ring_kind == "inline":
+                    assert [s for s, _ in after] == [s for s, _ in before]
+                else:
+                    np.testing.assert_array_equal(after[0], before[0])
+                    assert after[1] == before[1] and st.committed == 7
             m.commit(st, res, accept)
-            assert isinstance(res.raw_features, sn.Tensor) == as_tensor
-    assert seqs[True].committed == seqs[False].committed == 12
-    np.testing.assert_array_equal(seqs[True].features.read(0, 12), seqs[False].features.read(0, 12))
-    assert (np.abs(seqs[True].features.read(0, 12)).max(1) > 0).all()  # real rows, not zeros
+            assert isinstance(res.raw_features, sn.Tensor)
+        want = ref.features.read(0, 12)
+        assert st.committed == ref.committed == 12 and (np.abs(want).max(1) > 0).all()  # real rows, not zeros
+        if ring_kind == "inline":
+            outbox = ring.take()
+            assert [s for s, _ in outbox] == [0]
+            np.testing.assert_array_equal(outbox[0][1], want)
+        else:
+            np.testing.assert_array_equal(reader.read(0, 12), want)
+            assert ring_kind == "private" or reader.committed == 12
+
+
+def test_a_reader_closed_under_a_live_view_keeps_the_mapping_until_the_view_goes():
+    """A row view from FeatureReader.read pins the segment's mapping: closing the reader (or the writer
+    unlinking the segment) while it is alive keeps the memory mapped and readable (before, close()
+    unmapped it and touching the view crashed the process); the mapping closes once the view is gone."""
+    from specd.target_worker import feature_shm
+
+    with ring_of("shm", "pin-test") as (ring, reader):
+        ring.write(0, rows(0, 4))
+        view = reader.read(1, 2)
+        mapping = reader.shm
+        reader.close()
+        ring_view = ring.rows[0:2]
+        written = ring.shm
+    assert mapping in feature_shm._LINGERING and written in feature_shm._LINGERING  # kept, not unmapped
+    np.testing.assert_array_equal(view, rows(1, 2))  # still mapped: no crash
+    np.testing.assert_array_equal(ring_view, rows(0, 2))
+    del view, ring_view
+    feature_shm.close_segment()  # retries the kept ones: now closed
+    assert mapping not in feature_shm._LINGERING and written not in feature_shm._LINGERING

@@ -12,8 +12,9 @@ Measures, in one process, with ``Qwen35Model(weights, device="cuda")``:
   of which one row is read); with CUDA graphs on (the default) also the same decode op by op;
 * chain verify step time at widths 1..17 (``verify`` without committing; without ``--capture-layers``
   the model has no capture layers, so no feature rows are computed or copied; with them every commit,
-  prefill chunks included, copies its rows into the sequence's host feature ring, as in the service); with ``--profile-verify W ...``: where the time of a
-  verify of W rows goes, per GPU kernel (N verifies, N from ``--profile``, else 4);
+  prefill chunks included, copies its rows into the sequence's host feature ring, as in the
+  service); with ``--profile-verify W ...``: where the time of a verify of W rows goes, per GPU
+  kernel (N verifies, N from ``--profile``, else 4);
 * with ``--profile N``: where the time of N plain decode steps goes, per GPU kernel (torch.profiler's
   CUPTI trace, which sees the library's kernels, graph-launched ones included);
 * with ``--decode-context N ...``: plain decode tok/s after a prompt of N tokens (long-context decode,

@@ -102,12 +102,16 @@ Tensor copy(const Tensor& x) {
   return y;
 }
 
-void copy_rows(const Tensor& dst, int64_t dst_start, const Tensor& src, int64_t src_start, int64_t n) {
+void copy_rows(const Tensor& dst, int64_t dst_start, const Tensor& src, int64_t src_start, int64_t n,
+               bool across_devices) {
   check_row_major(dst, "copy_rows");
   check_row_major(src, "copy_rows");
   check_contiguous(dst, "copy_rows", "dst");
   check_contiguous(src, "copy_rows", "src");
   check_writable(dst, "copy_rows", "dst");
+  // Opt-in: in device code a host tensor is a bug to report, not a synchronous copy to make.
+  SPECD_CHECK(dst.device == src.device || across_devices,
+              "copy_rows: dst and src are on different devices (across_devices=True copies between them)");
   SPECD_CHECK(dst.dtype == src.dtype, "copy_rows: dst is ", dtype_info(dst.dtype).name, ", src is ",
               dtype_info(src.dtype).name);
   SPECD_CHECK(dst.ndim() >= 1 && dst.ndim() == src.ndim() &&
@@ -200,17 +204,19 @@ multiple of 16 bytes takes a copy of its own).
 Each pair: contiguous tensors of one dtype and shape (any dtype), dst writable; every tensor on one device; no
 dst may overlap any src or another dst. Exact (bytes are moved). Checks every pair before anything is written.
 Returns None. Raises ValueError naming the pair on a mismatch, a wrong device or an overlap.)doc");
-  m.def("copy_rows", [](const Tensor& dst, int64_t dst_start, const Tensor& src, int64_t src_start, int64_t n) {
-          without_gil([&] { copy_rows(dst, dst_start, src, src_start, n); });
+  m.def("copy_rows", [](const Tensor& dst, int64_t dst_start, const Tensor& src, int64_t src_start, int64_t n,
+                        bool across_devices) {
+          without_gil([&] { copy_rows(dst, dst_start, src, src_start, n, across_devices); });
         }, py::arg("dst"), py::arg("dst_start"), py::arg("src"), py::arg("src_start"),
-        py::arg("n") = 1,
+        py::arg("n") = 1, py::arg("across_devices") = false,
         R"doc(dst[dst_start:dst_start+n] = src[src_start:src_start+n] in place (rows along the first axis).
 
 dst (writable) and src: contiguous, same dtype (any, block formats included), same shape after the
-first dimension. GPU ranges must not overlap (CPU: memmove). dst and src may be on different devices
-(CPU and GPU): then the n rows alone cross, one copy that returns when they have arrived (it waits for
-the work queued before it; refused during a graph capture). Returns None. Raises ValueError on a
-mismatch or a range outside either tensor.)doc");
+first dimension, same device unless across_devices (then one may be on the CPU and the other on the
+GPU: the n rows alone cross, one copy that returns when they have arrived; it waits for the work queued
+before it and is refused during a graph capture). GPU ranges must not overlap (CPU: memmove). Returns
+None. Raises ValueError on a mismatch, tensors on different devices without across_devices, or a range
+outside either tensor.)doc");
 }
 
 }  // namespace specd::py_bind
