@@ -336,6 +336,71 @@ def target_tables(cfg: dict, rng: np.random.Generator, mask_scale: float = 0.05)
     return emb, rng.normal(0, 0.3, (V, H)).astype(np.float32)
 
 
+def assert_greedy_tokens(tokens: np.ndarray, ours: np.ndarray, ref: np.ndarray) -> None:
+    """Greedy proposals against reference logits, exact except at genuine near-ties.
+
+    ``tokens`` must be the argmax of ``ours`` (specd's own logits, first maximum: no tolerance, the same
+    values). With e = max|ours − ref| (the logit error, which the caller bounds by its own TOL), the
+    argmax of ``ours`` can only be a token whose reference logit is within 2e of the row's maximum, so
+    that is required of every row; on a row whose reference top-2 gap exceeds 2e it is exactly
+    tokens == argmax(ref). A plain ``tokens == ref.argmax(1)`` fails by chance on a random fixture
+    whenever a row's top-2 gap falls below the F32-vs-F64 error: the smallest row gap measured was
+    3.2e-6 of max|ref| over ~340 proposals of test_compaction_many_small_ingests_f16_kv_context_cap
+    (6 seeds), against logit errors of 4e-7 to 4e-6 of max|ref| (~6e-3 chance of a failure per run
+    there, ~1e-4 to 5e-4 per proposal check elsewhere)."""
+    tokens = np.asarray(tokens)
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert tokens.shape == ref.shape[:-1] == ours.shape[:-1], (tokens.shape, ours.shape, ref.shape)
+    np.testing.assert_array_equal(tokens, ours.argmax(-1))
+    e = float(np.abs(ours - ref).max())
+    short = ref.max(-1) - np.take_along_axis(ref, tokens[..., None].astype(np.int64), -1)[..., 0]
+    bad = np.nonzero(short > 2 * e)
+    assert not bad[0].size, (f"rows {bad[0].tolist()}: tokens {tokens[bad].tolist()} are {short[bad].tolist()} "
+                             f"below the reference maximum (argmax {ref.argmax(-1)[bad].tolist()}), more than "
+                             f"2 x the logit error {e:.3g}")
+
+
+def f64_sampling_probs(scores: np.ndarray, temperature: float, top_p: float = 1.0, top_k: int = 0) -> np.ndarray:
+    """dflash 0.1.0 ``_sampling_probs`` (dflash/model.py) in float64 numpy: z = scores / T; if 0 < top_k < V
+    keep the top_k (ties: lower index first); softmax; if top_p < 1 keep, in descending order, the tokens
+    whose preceding mass is < top_p, and renormalise. [n, V] float64. (dflash's own runs in float32,
+    ``logits.float()``: its rounding of z alone moves q by up to ~1e-6 at |z| ~ 80, so it cannot check a
+    float32 q tightly, and its float32 cumsum can place the top-p cut differently from a float64 one.)"""
+    z = np.asarray(scores, np.float64) / float(temperature)
+    if 0 < top_k < z.shape[-1]:
+        drop = np.argsort(-z, axis=-1, kind="stable")[..., top_k:]
+        z = z.copy()
+        np.put_along_axis(z, drop, -np.inf, axis=-1)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if top_p < 1.0:
+        order = np.argsort(-p, axis=-1, kind="stable")
+        sp = np.take_along_axis(p, order, axis=-1)
+        p = np.zeros_like(p)
+        np.put_along_axis(p, order, sp * ((np.cumsum(sp, axis=-1) - sp) < top_p), axis=-1)
+        p /= p.sum(-1, keepdims=True)
+    return p
+
+
+def assert_ranked_ids(ids: np.ndarray, ours: np.ndarray, ref: np.ndarray) -> None:
+    """Top-K ids [n, K] ranked by ``ours`` [n, V] (specd's scores: exactly the stable descending order,
+    no tolerance), against reference scores, exact except at genuine near-ties: with e = max|ours − ref|,
+    each id's reference score is at least the next one's − 2e and at least that of every id left out
+    − 2e (the order and the set are then exactly the reference's wherever its gaps exceed 2e; see
+    :func:`assert_greedy_tokens`)."""
+    ids = np.asarray(ids).astype(np.int64)
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    k = ids.shape[-1]
+    np.testing.assert_array_equal(ids, np.argsort(-ours, axis=-1, kind="stable")[..., :k])
+    e = float(np.abs(ours - ref).max())
+    r = np.take_along_axis(ref, ids, -1)
+    out = ref.copy()
+    np.put_along_axis(out, ids, -np.inf, -1)
+    worst = np.maximum(np.max(r[..., 1:] - r[..., :-1], initial=-np.inf, axis=-1), out.max(-1) - r[..., -1])
+    assert (worst <= 2 * e).all(), (f"reference order broken by {worst.max():.3g} > 2 x the score error {e:.3g} "
+                                    f"in rows {np.nonzero(worst > 2 * e)[0].tolist()}")
+
+
 def convert_tiny(folder: Path, outtype: str = "f32") -> Path:
     """Convert a tiny checkpoint folder with specd's converter; returns the GGUF path."""
     from specd.draft_worker.convert import convert_hf
@@ -346,10 +411,14 @@ def convert_tiny(folder: Path, outtype: str = "f32") -> Path:
 
 
 def f64_markov_reference(U: np.ndarray, hidden: np.ndarray, seed: int, W1: np.ndarray, W2: np.ndarray,
-                         conf_w: np.ndarray | None = None, conf_b: float = 0.0, with_markov: bool = True):
+                         conf_w: np.ndarray | None = None, conf_b: float = 0.0, with_markov: bool = True,
+                         chain: np.ndarray | None = None):
     """DSpark Markov chain + confidence in float64, written straight from drafters.md §5.2–5.3 /
     DSpark paper eq. 5 and 7 (no specd code): x_0 = seed; ℓ_k = U_k + W2 W1[x_{k−1}];
     x_k = argmax ℓ_k; c_k = σ(w·[h_k ; W1[x_{k−1}]] + b). U [n, V], hidden [n, H], W1/W2 [V, r].
+    ``chain`` (the drafts under test): x_{k−1} = chain[k−1] instead of the reference's own argmax, so
+    row k is the reference's ℓ_k given the same predecessor even where a near-tie let the chain take
+    the other token (check the choices with :func:`assert_greedy_tokens`; tokens are still argmax ℓ_k).
     Returns (tokens [n], ℓ [n, V], c [n] or None)."""
     U, W1, W2 = (np.asarray(a, np.float64) for a in (U, W1, W2))
     prev, toks, ells, confs = int(seed), [], [], []
@@ -358,23 +427,28 @@ def f64_markov_reference(U: np.ndarray, hidden: np.ndarray, seed: int, W1: np.nd
         if conf_w is not None:
             x = np.concatenate([hidden[k], W1[prev]]) if with_markov else np.asarray(hidden[k], np.float64)
             confs.append(1.0 / (1.0 + np.exp(-(np.dot(np.asarray(conf_w, np.float64).reshape(-1), x) + conf_b))))
-        prev = int(np.argmax(ell))
-        toks.append(prev)
+        toks.append(int(np.argmax(ell)))
+        prev = toks[-1] if chain is None else int(chain[k])
         ells.append(ell)
     return np.array(toks), np.stack(ells), (np.array(confs) if conf_w is not None else None)
 
 
 def f64_selector_reference(unary: np.ndarray, hidden: np.ndarray, seed: int, hproj: np.ndarray,
-                           pred: np.ndarray, succ: np.ndarray, top_k: int):
+                           pred: np.ndarray, succ: np.ndarray, top_k: int, chain: np.ndarray | None = None,
+                           candidates: np.ndarray | None = None):
     """DFlash 2 candidate-selector greedy chain in float64 from drafters.md §6.3. Returns
-    (tokens [n], candidate ids [n, K] sorted by unary, scores [n, K])."""
+    (tokens [n], candidate ids [n, K] sorted by unary, scores [n, K]). ``chain`` / ``candidates`` (the
+    drafts under test): the predecessor of row s + 1 is chain[s] and row s scores candidates[s] instead
+    of the reference's own choices, so each row is the reference given the same inputs even where a
+    near-tie went the other way (check the choices with :func:`assert_ranked_ids` /
+    :func:`assert_greedy_tokens`)."""
     unary, hidden, hproj, pred, succ = (np.asarray(a, np.float64) for a in (unary, hidden, hproj, pred, succ))
     prev, toks, cands, scores = int(seed), [], [], []
     for s in range(unary.shape[0]):
-        c = np.argsort(-unary[s], kind="stable")[:top_k]
+        c = np.argsort(-unary[s], kind="stable")[:top_k] if candidates is None else np.asarray(candidates[s])
         sc = unary[s, c] + succ[c] @ (pred[prev] * (hproj @ hidden[s]))
-        prev = int(c[int(np.argmax(sc))])
-        toks.append(prev)
+        toks.append(int(c[int(np.argmax(sc))]))
+        prev = toks[-1] if chain is None else int(chain[s])
         cands.append(c)
         scores.append(sc)
     return np.array(toks), np.stack(cands), np.stack(scores)
