@@ -432,6 +432,7 @@ class DraftServicer(pbg.DraftWorkerServicer):
                 feats = s.reader.read(request.start, len(new))
                 if new:
                     self.drafter.ingest(seq_id, request.start, new, feats)
+                del feats  # a view of the ring: gone before a Release can close the reader (s.lock)
                 s.synced += len(new)
             except ValueError as exc:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"propose: {exc}")

@@ -78,11 +78,6 @@ class InlineFeatureRing(FeatureRing):
             raise ValueError(f"FeatureRing.write: rows must be [n, {self.width}], got {rows.shape}")
         self._send(start, rows, owned=False)
 
-    def write_rows(self, start: int, src, src_rows) -> None:
-        """Rows ``src_rows`` of ``src`` (a float32 ``sn.Tensor`` [w, width], any device) at positions
-        start ..: :meth:`stage_rows` then :meth:`publish_rows`."""
-        self.publish_rows(self.stage_rows(start, src, src_rows))
-
     def stage_rows(self, start: int, src, src_rows):
         """The rows gathered to the host (only these rows), not yet in the outbox."""
         src_rows = checked_src_rows(src, src_rows, self.width)
@@ -110,8 +105,7 @@ class InlineFeatureRing(FeatureRing):
         """n zero rows at positions start .. start+n-1 (they travel in the responses like any rows);
         ValueError as :meth:`.features.FeatureRing.write_zeros`."""
         write_slots(self.capacity, start, n)  # the same bounds as every ring's
-        if n:
-            self.write(start, np.zeros((n, self.width), np.float32))
+        self._send(start, np.zeros((n, self.width), np.float32))
 
     def read(self, start: int, n: int) -> np.ndarray:
         raise ValueError("the inline feature ring keeps no rows (they travel in the responses)")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import errno
+import logging
 import os
 import socket
 import threading
@@ -45,6 +46,7 @@ import numpy as np
 from .features import FeatureRing, held_span
 
 MAGIC = 0x53504543445F4654  # "SPECD_FT"
+log = logging.getLogger(__name__)
 
 # the segment's pages are allocated at create (a sparse tmpfs file would SIGBUS the writer on first touch
 # when /dev/shm is full); module-level so tests can simulate a full /dev/shm
@@ -107,8 +109,12 @@ def segment_bytes(capacity: int, width: int) -> int:
 
 def shm_array(shm: shared_memory.SharedMemory, dtype, shape: tuple[int, ...], offset: int) -> np.ndarray:
     """A numpy view of ``shape`` at byte ``offset`` of the segment that pins its mapping: it (and every
-    view of it) holds an export of ``shm.buf``, so ``shm.close()`` raises BufferError instead of
-    unmapping memory a live view still points at (``np.ndarray(buffer=shm.buf)`` holds none)."""
+    view of it) holds a buffer export of the mapping (through the memoryview numpy takes of
+    ``shm.buf``), so ``shm.close()`` cannot unmap memory a live view still points at: it raises
+    BufferError at the mmap and leaves it mapped (``shm.buf`` is then None; nothing may use it).
+    ``np.ndarray(buffer=shm.buf)`` holds no export: close() unmapped under it (a SIGSEGV on the next
+    read). Relies on numpy's frombuffer keeping the buffer exported: tests/target/test_feature_ring.py
+    checks it."""
     return np.frombuffer(shm.buf, dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
 
 
@@ -119,23 +125,28 @@ def _views(shm: shared_memory.SharedMemory, capacity: int, width: int):
     return header, slot_pos, rows
 
 
-# Segments whose close found a view still alive (a read's rows in use elsewhere): their mapping stays
-# until the views go; each later close_segment retries them, so none is kept longer than needed.
+# Segments whose close found a view still alive (a read's rows in use elsewhere): their mapping (and
+# its tmpfs pages, once unlinked) stays until the views go and a later close_segment retries them: at
+# this process's next close or attach of any segment, and at exit. The servers drop their views before
+# a sequence's reader can be closed, so this holds only what a caller kept beyond a call.
 _LINGERING: list[shared_memory.SharedMemory] = []
 _LINGERING_LOCK = threading.Lock()
 
 
 def close_segment(shm: shared_memory.SharedMemory | None = None) -> None:
     """Closes this process's mapping of a segment, or, while a view of it is still alive, keeps it
-    to close later; retries those kept before (None: only them; also at exit). Never unmaps memory
-    in use and never raises BufferError."""
+    to close later; retries those kept before (None: only them). Never unmaps memory in use and never
+    raises: a close failing otherwise is logged and dropped."""
     with _LINGERING_LOCK:
-        pending, _LINGERING[:] = [*_LINGERING, *([shm] if shm is not None else [])], []
+        pending = [*_LINGERING, *([shm] if shm is not None and all(shm is not s for s in _LINGERING) else [])]
+        _LINGERING.clear()
         for seg in pending:
             try:
                 seg.close()
             except BufferError:
                 _LINGERING.append(seg)
+            except Exception as exc:  # noqa: BLE001 - one segment's failure must not strand the others
+                log.warning("feature segment %s: close failed: %s", seg.name, exc)
 
 
 atexit.register(close_segment)
@@ -174,7 +185,9 @@ class ShmFeatureRing(FeatureRing):
         self.publish(start + n)
 
     def publish(self, committed: int) -> None:
-        self.header[3] = committed
+        """Rows < committed are final for readers (never lowered: a write of no rows at an earlier
+        start publishes nothing new)."""
+        self.header[3] = max(int(self.header[3]), committed)
         self.header[4] += 1
 
 
@@ -232,7 +245,12 @@ class FeatureWriter:
             name = f"specd-ft-{os.getpid()}-{self._counter}"
             nbytes = segment_bytes(capacity, width)
             shm = create_segment(name, nbytes, f"{capacity} rows x {width} floats")
-            ring = ShmFeatureRing(shm, capacity, width)
+            try:
+                ring = ShmFeatureRing(shm, capacity, width)
+            except BaseException:
+                close_segment(shm)
+                shm.unlink()
+                raise
             self._segments[seq_id] = (shm, ring)
         return ring, FeatureHandleInfo("posix_shm", name, capacity, width, nbytes, self.owner_id)
 
@@ -273,6 +291,7 @@ class FeatureReader:
     def __init__(self, handle: FeatureHandleInfo):
         if handle.kind != "posix_shm":
             raise ValueError(f"feature handle kind {handle.kind!r} is not supported (posix_shm only)")
+        close_segment()  # segments kept past their close by a live view: retried at each attach
         shm = attach_segment(handle.name, handle.owner_id)
         if shm.size < segment_bytes(handle.capacity, handle.width):
             shm.close()
@@ -322,9 +341,11 @@ class FeatureReader:
 
     def close(self) -> None:
         """Drops this reader's mapping (kept, by :func:`close_segment`, while a row view from
-        :meth:`read` is still alive)."""
+        :meth:`read` is still alive). Idempotent."""
         self.header = self.slot_pos = self.rows = None
-        close_segment(self.shm)
+        shm, self.shm = self.shm, None
+        if shm is not None:
+            close_segment(shm)
 
 
 def attach_reader(handle: FeatureHandleInfo):

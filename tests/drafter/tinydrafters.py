@@ -336,23 +336,32 @@ def target_tables(cfg: dict, rng: np.random.Generator, mask_scale: float = 0.05)
     return emb, rng.normal(0, 0.3, (V, H)).astype(np.float32)
 
 
-def assert_greedy_tokens(tokens: np.ndarray, ours: np.ndarray, ref: np.ndarray) -> None:
+def _checked_error(ours: np.ndarray, ref: np.ndarray, tol: float, what: str) -> float:
+    """max|ours − ref| after asserting it is within ``tol`` of max|ref| (the caller's bound)."""
+    e = float(np.abs(ours - ref).max())
+    scale = float(np.abs(ref).max())
+    assert e <= tol * scale, f"{what}: error {e:.3g} exceeds {tol:g} of max|ref| {scale:.3g}"
+    return e
+
+
+def assert_greedy_tokens(tokens: np.ndarray, ours: np.ndarray, ref: np.ndarray, tol: float) -> None:
     """Greedy proposals against reference logits, exact except at genuine near-ties.
 
-    ``tokens`` must be the argmax of ``ours`` (specd's own logits, first maximum: no tolerance, the same
-    values). With e = max|ours − ref| (the logit error, which the caller bounds by its own TOL), the
-    argmax of ``ours`` can only be a token whose reference logit is within 2e of the row's maximum, so
-    that is required of every row; on a row whose reference top-2 gap exceeds 2e it is exactly
-    tokens == argmax(ref). A plain ``tokens == ref.argmax(1)`` fails by chance on a random fixture
-    whenever a row's top-2 gap falls below the F32-vs-F64 error: the smallest row gap measured was
-    3.2e-6 of max|ref| over ~340 proposals of test_compaction_many_small_ingests_f16_kv_context_cap
-    (6 seeds), against logit errors of 4e-7 to 4e-6 of max|ref| (~6e-3 chance of a failure per run
-    there, ~1e-4 to 5e-4 per proposal check elsewhere)."""
+    ``ours`` (specd's own logits) must be within ``tol`` of max|ref| of the reference, and ``tokens``
+    exactly their argmax (first maximum: no tolerance, the same values). With e = max|ours − ref|
+    (the measured error, at most that bound), the argmax of ``ours`` can only be a token whose
+    reference logit is within 2e of the row's maximum, so that is required of every row; on a row
+    whose reference top-2 gap exceeds 2e it is exactly tokens == argmax(ref). A plain
+    ``tokens == ref.argmax(1)`` fails by chance on a random fixture whenever a row's top-2 gap falls
+    below the F32-vs-F64 error: the smallest row gap measured was 3.2e-6 of max|ref| over ~340
+    proposals of test_compaction_many_small_ingests_f16_kv_context_cap (6 seeds), against logit
+    errors of 4e-7 to 4e-6 of max|ref| (~6e-3 chance of a failure per run there, ~1e-4 to 5e-4 per
+    proposal check elsewhere)."""
     tokens = np.asarray(tokens)
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
     assert tokens.shape == ref.shape[:-1] == ours.shape[:-1], (tokens.shape, ours.shape, ref.shape)
+    e = _checked_error(ours, ref, tol, "greedy logits")
     np.testing.assert_array_equal(tokens, ours.argmax(-1))
-    e = float(np.abs(ours - ref).max())
     short = ref.max(-1) - np.take_along_axis(ref, tokens[..., None].astype(np.int64), -1)[..., 0]
     bad = np.nonzero(short > 2 * e)
     assert not bad[0].size, (f"rows {bad[0].tolist()}: tokens {tokens[bad].tolist()} are {short[bad].tolist()} "
@@ -382,17 +391,18 @@ def f64_sampling_probs(scores: np.ndarray, temperature: float, top_p: float = 1.
     return p
 
 
-def assert_ranked_ids(ids: np.ndarray, ours: np.ndarray, ref: np.ndarray) -> None:
-    """Top-K ids [n, K] ranked by ``ours`` [n, V] (specd's scores: exactly the stable descending order,
-    no tolerance), against reference scores, exact except at genuine near-ties: with e = max|ours − ref|,
-    each id's reference score is at least the next one's − 2e and at least that of every id left out
-    − 2e (the order and the set are then exactly the reference's wherever its gaps exceed 2e; see
+def assert_ranked_ids(ids: np.ndarray, ours: np.ndarray, ref: np.ndarray, tol: float) -> None:
+    """Top-K ids [n, K] ranked by ``ours`` [n, V] (specd's scores, within ``tol`` of max|ref| of the
+    reference scores: asserted; the ids exactly their stable descending order, no tolerance), against
+    the reference, exact except at genuine near-ties: with e = max|ours − ref|, each id's reference
+    score is at least the next one's − 2e and at least that of every id left out − 2e (the order and
+    the set are then exactly the reference's wherever its gaps exceed 2e; see
     :func:`assert_greedy_tokens`)."""
     ids = np.asarray(ids).astype(np.int64)
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
     k = ids.shape[-1]
+    e = _checked_error(ours, ref, tol, "ranked scores")
     np.testing.assert_array_equal(ids, np.argsort(-ours, axis=-1, kind="stable")[..., :k])
-    e = float(np.abs(ours - ref).max())
     r = np.take_along_axis(ref, ids, -1)
     out = ref.copy()
     np.put_along_axis(out, ids, -np.inf, -1)

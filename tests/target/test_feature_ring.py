@@ -154,8 +154,9 @@ def test_commit_copies_a_device_feature_tensor_straight_into_the_host_ring(tiny_
     """Qwen35Model.commit with the verify's features as a tensor (the GPU's; a CPU sn.Tensor stands in)
     and a host ring of each kind: the ring gets exactly the rows the host-array path gives (a prompt's
     rows, a chain's accepted rows, a tree path), the tensor is never downloaded whole
-    (``raw_features`` stays a tensor), and a state update failing between the rows' copy and their
-    publication publishes nothing: the retried commit publishes them once."""
+    (``raw_features`` stays a tensor; only the committed rows cross: a spy counts sn.copy_rows' rows),
+    and a state update failing between the rows' copy and their publication publishes nothing: the
+    retried commit publishes them once."""
     import specd.native as sn
     from specd.target_worker.gguf_loader import load_qwen35
     from specd.target_worker.model import Qwen35Model
@@ -168,6 +169,13 @@ def test_commit_copies_a_device_feature_tensor_straight_into_the_host_ring(tiny_
     def boom(*args):
         raise RuntimeError("boom: a state update failed")
 
+    copied = []
+    real_copy_rows = sn.copy_rows
+
+    def counting_copy_rows(dst, dst_start, src, src_start, n=1, **kw):
+        copied.append(n)
+        return real_copy_rows(dst, dst_start, src, src_start, n, **kw)
+
     m = Qwen35Model(load_qwen35(tiny_iq4xs), capture_layers=(1, 3))
     ref, st = m.new_sequence(48), m.new_sequence(48)
     with ring_of(ring_kind, "commit-test", 48, 2 * m.hp.n_embd) as (ring, reader):
@@ -177,6 +185,7 @@ def test_commit_copies_a_device_feature_tensor_straight_into_the_host_ring(tiny_
             m.commit(ref, m.verify(ref, tokens, parents), accept)  # the host-array path
             res = m.verify(st, tokens, parents)
             res.raw_features = sn.Tensor(np.asarray(res.raw_features))
+            monkeypatch.setattr(sn, "copy_rows", counting_copy_rows)
             if i == 1:
                 before = published(ring)
                 with monkeypatch.context() as mp:
@@ -184,13 +193,17 @@ def test_commit_copies_a_device_feature_tensor_straight_into_the_host_ring(tiny_
                     with pytest.raises(RuntimeError, match="boom"):
                         m.commit(st, res, accept)
                 after = published(ring)
+                copied.clear()
                 if ring_kind == "inline":
-                    assert [s for s, _ in after] == [s for s, _ in before]
+                    assert [(s, r.shape) for s, r in after] == [(s, r.shape) for s, r in before]
                 else:
                     np.testing.assert_array_equal(after[0], before[0])
                     assert after[1] == before[1] and st.committed == 7
             m.commit(st, res, accept)
+            monkeypatch.setattr(sn, "copy_rows", real_copy_rows)
             assert isinstance(res.raw_features, sn.Tensor)
+            assert sum(copied) == (accept if parents is None else len(accept))  # these rows alone crossed
+            copied.clear()
         want = ref.features.read(0, 12)
         assert st.committed == ref.committed == 12 and (np.abs(want).max(1) > 0).all()  # real rows, not zeros
         if ring_kind == "inline":
@@ -215,7 +228,8 @@ def test_a_reader_closed_under_a_live_view_keeps_the_mapping_until_the_view_goes
         reader.close()
         ring_view = ring.rows[0:2]
         written = ring.shm
-    assert mapping in feature_shm._LINGERING and written in feature_shm._LINGERING  # kept, not unmapped
+    # kept, not unmapped, once each (ring_of closed the reader a second time)
+    assert [seg is mapping for seg in feature_shm._LINGERING].count(True) == 1 and written in feature_shm._LINGERING
     np.testing.assert_array_equal(view, rows(1, 2))  # still mapped: no crash
     np.testing.assert_array_equal(ring_view, rows(0, 2))
     del view, ring_view
