@@ -259,16 +259,29 @@ class CudaIpcFeatureRing:
 
     def write_rows(self, start: int, src, src_rows) -> None:
         """Positions start .. start+n-1 get rows ``src_rows`` (n indices) of ``src`` (a tensor float32
-        [w, width] on the ring's device), device to device; then the event is recorded and the rows
-        are published. ValueError on a wrong width or when n > capacity."""
+        [w, width] on the ring's device), device to device: :meth:`stage_rows` then
+        :meth:`publish_rows`. ValueError on a wrong width or when n > capacity."""
+        self.publish_rows(self.stage_rows(start, src, src_rows))
+
+    def stage_rows(self, start: int, src, src_rows):
+        """The copies of :meth:`write_rows`, queued on the stream, then the event recorded after them;
+        the slots read as empty until :meth:`publish_rows` (as :meth:`.features.FeatureRing.stage_rows`:
+        a commit stages before its state updates and publishes after them). Returns the staged write."""
         src_rows = checked_src_rows(src, src_rows, self.width)
         slots, pos = write_slots(self.capacity, start, int(src_rows.size))
-        if not src_rows.size:
-            return
-        self.all_zero = False  # before the copies: one failing part-way has written rows
-        for d, s, n in row_runs(slots, src_rows):
-            self.backend.copy_rows(self.rows, d, src, s, n)
-        self._publish(start, slots, pos)
+        if src_rows.size:
+            self.all_zero = False  # before the copies: one failing part-way has written rows
+            self.slot_pos[slots] = -1
+            for d, s, n in row_runs(slots, src_rows):
+                self.backend.copy_rows(self.rows, d, src, s, n)
+            self.event.record()  # after the copies; before the host publish a reader checks
+        return start, slots, pos
+
+    def publish_rows(self, staged) -> None:
+        """The staged positions become readable (the event was recorded when they were staged)."""
+        start, slots, pos = staged
+        if len(slots):
+            self._publish(start, slots, pos)
 
     def write_zeros(self, start: int, n: int) -> None:
         """Positions start .. start+n-1 get zero rows (a target without capture layers): only the slot
@@ -278,10 +291,10 @@ class CudaIpcFeatureRing:
             return
         slots, pos = write_slots(self.capacity, start, n)
         if n:
+            self.event.record()  # orders the reader after the commit, as for written rows
             self._publish(start, slots, pos)
 
     def _publish(self, start: int, slots: np.ndarray, pos: np.ndarray) -> None:
-        self.event.record()  # after the copies; before the host publish a reader checks
         self.slot_pos[slots] = pos
         self.header[3] = max(int(self.header[3]), start + len(slots))
         self.header[4] += 1

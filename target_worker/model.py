@@ -488,19 +488,15 @@ class Qwen35Model:
         n = len(rows)
         if n == 0:
             return
-        # A stale graph raises before anything moves. Device rows go to a device ring (cuda-ipc) after
-        # the states, device to device. For a host ring only the committed rows cross to the host,
-        # staged straight into the ring before the states (that copy waits for the verify alone; the
-        # state updates queued after it run while this call answers) and published after them, so
-        # a failure between publishes nothing.
+        # A stale graph raises before anything moves. Device rows are staged into the ring before the
+        # states (device to device into a device ring; into a host ring only the committed rows cross,
+        # a copy that waits for the verify alone while the state updates queued after it run as this
+        # call answers) and published after them, so a failure between publishes nothing.
         feats = res.raw_features  # None: zero rows (no capture layers)
-        on_device = feats is not None and not isinstance(feats, np.ndarray)
-        device_ring = on_device and getattr(st.features, "device", False)
         staged = None
-        if on_device:
+        if feats is not None and not isinstance(feats, np.ndarray):
             res._check_graph("features")
-            if not device_ring:
-                staged = st.features.stage_rows(res.start, feats, rows)
+            staged = st.features.stage_rows(res.start, feats, rows)
         elif feats is not None:  # host rows; a chain's leading ones as a view (a prefill chunk's are tens of MB)
             feats = feats[: len(rows)] if res.parents is None else feats[rows]
         if res.graph is not None:  # the state updates read fixed addresses: one graph per n
@@ -513,22 +509,21 @@ class Qwen35Model:
         if staged is not None:
             st.features.publish_rows(staged)
         else:
-            self._ring_write(st, res.start, n, feats, rows if device_ring else None)
+            self._ring_write(st, res.start, n, feats)
         st.committed += n
 
     @staticmethod
-    def _ring_write(st, start, n, feats, rows=None) -> None:
-        """Stores n feature rows at positions start, start + 1, ...: ``feats[rows]`` (all of feats when
-        rows is None). None is n zero rows (a model without capture layers): the ring marks them
-        without copying (its rows are zero unless written). A device tensor goes into the ring
-        through its ``write_rows``: device to device into a device ring (cuda-ipc), only these rows
-        to the host into a host ring (shm, inline)."""
+    def _ring_write(st, start, n, feats) -> None:
+        """Stores the n feature rows ``feats`` at positions start, start + 1, .... None is n zero rows (a
+        model without capture layers): the ring marks them without copying (its rows are zero unless
+        written). A device tensor goes into the ring through its ``write_rows``: device to device into
+        a device ring (cuda-ipc), to the host into a host ring (shm, inline)."""
         if feats is None:
             st.features.write_zeros(start, n)
         elif isinstance(feats, np.ndarray):
-            st.features.write(start, feats if rows is None else feats[rows])
+            st.features.write(start, feats)
         else:
-            st.features.write_rows(start, feats, range(int(feats.shape[0])) if rows is None else rows)
+            st.features.write_rows(start, feats, range(int(feats.shape[0])))
 
     def _commit_states(self, st, res, rows) -> None:
         """The device (or numpy) part of commit: KV compaction and GDN / conv state updates."""

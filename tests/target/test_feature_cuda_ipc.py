@@ -327,9 +327,15 @@ def test_failed_feature_read_leaves_the_sequence_unchanged(tiny_iq4xs, writer, m
     with pytest.raises(RuntimeError, match="replayed the CUDA graph holding these features"):
         m.commit(st, res, 2)
     _assert_unchanged(st, before)
-    res.graph = None  # the same result, fresh: commits and moves everything
-    m.commit(st, res, 2)
+    res.graph = None  # the same result, fresh
+    with monkeypatch.context() as mp:  # the state updates fail after the rows were staged: nothing published
+        mp.setattr(m, "_commit_states", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            m.commit(st, res, 2)
+    assert st.committed == 4 and ring.header[3] == 4 and (ring.slot_pos[4:] == -1).all()
+    m.commit(st, res, 2)  # commits and moves everything
     assert st.committed == 6 and ring.header[3] == 6
+    np.testing.assert_array_equal(ring.read(4, 2), np.asarray(res.raw_features.numpy())[:2])
 
 
 def test_reader_close_drains_the_stream_before_unmapping(writer):
