@@ -70,7 +70,7 @@ import numpy as np
 
 from .feature_shm import (HEADER_BYTES, FeatureHandleInfo, ShmExhausted, _close_unlink,  # noqa: F401
                           attach_segment, close_segment, create_segment, shm_array)
-from .features import checked_src_rows, held_slots, row_runs, write_slots
+from .features import held_slots, row_runs, stage_into, write_slots
 
 log = logging.getLogger(__name__)
 
@@ -267,15 +267,12 @@ class CudaIpcFeatureRing:
         """The copies of :meth:`write_rows`, queued on the stream, then the event recorded after them;
         the slots read as empty until :meth:`publish_rows` (as :meth:`.features.FeatureRing.stage_rows`:
         a commit stages before its state updates and publishes after them). Returns the staged write."""
-        src_rows = checked_src_rows(src, src_rows, self.width)
-        slots, pos = write_slots(self.capacity, start, int(src_rows.size))
-        if src_rows.size:
-            self.all_zero = False  # before the copies: one failing part-way has written rows
-            self.slot_pos[slots] = -1
-            for d, s, n in row_runs(slots, src_rows):
+        def copy(slots, rows):
+            for d, s, n in row_runs(slots, rows):
                 self.backend.copy_rows(self.rows, d, src, s, n)
             self.event.record()  # after the copies; before the host publish a reader checks
-        return start, slots, pos
+
+        return stage_into(self, start, src, src_rows, copy)
 
     def publish_rows(self, staged) -> None:
         """The staged positions become readable (the event was recorded when they were staged)."""

@@ -97,6 +97,21 @@ def copy_rows_into(dst: np.ndarray, dst_rows: np.ndarray, src, src_rows: np.ndar
         sn.copy_rows(view, d, src, s, n, across_devices=True)
 
 
+def stage_into(ring, start: int, src, src_rows, copy) -> tuple[int, np.ndarray, np.ndarray]:
+    """The staging every ring shares (``FeatureRing.stage_rows``, the cuda-ipc ring's): checks, then
+    the slots of positions start .. start+n-1 marked empty (-1: a read of a position they held is an
+    error, never a new row) before ``copy(slots, src_rows)`` moves the rows into them. Returns
+    (start, slots, positions) for the ring's ``publish_rows``; ValueError (before anything moves) as
+    :func:`checked_src_rows` and :func:`write_slots`."""
+    src_rows = checked_src_rows(src, src_rows, ring.width)
+    slots, pos = write_slots(ring.capacity, start, int(src_rows.size))
+    if src_rows.size:
+        ring.all_zero = False  # before the copies: one failing part-way has written rows
+        ring.slot_pos[slots] = -1
+        copy(slots, src_rows)
+    return start, slots, pos
+
+
 class FeatureRing:
     """Ring of ``capacity`` feature rows of ``width`` float32 values.
 
@@ -151,13 +166,8 @@ class FeatureRing:
         A commit stages before its state updates and publishes after them, so a failure between
         publishes nothing. Returns the staged write for :meth:`publish_rows`. ValueError (before
         anything moves) as :meth:`write_rows`."""
-        src_rows = checked_src_rows(src, src_rows, self.width)
-        slots, pos = write_slots(self.capacity, start, int(src_rows.size))
-        if src_rows.size:
-            self.all_zero = False
-            self.slot_pos[slots] = -1
-            copy_rows_into(self.rows, slots, src, src_rows)
-        return start, slots, pos
+        return stage_into(self, start, src, src_rows,
+                          lambda slots, rows: copy_rows_into(self.rows, slots, src, rows))
 
     def publish_rows(self, staged) -> None:
         """The second half of :meth:`write_rows`: the staged positions become readable."""
